@@ -1,0 +1,146 @@
+"""A decoder-only language model (GPT-style, pre-LN), top to bottom: config, model, sampling.
+
+Generation keeps one preallocated KV cache per layer: the prompt is fed once (prefill), then one
+token per step, and the attention over the cache is the fused kernel with causal aligned
+bottom-right (the new query rows are the last rows of the cache).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn.blocks import BlockConfig, EncoderBlock, make_norm
+from ..nn.layers import AttentionConfig, KVCache
+from ..nn.positional import LearnedPositionalEmbedding
+
+
+@dataclass
+class LMConfig:
+    vocab_size: int = 256
+    block_size: int = 256                 # training context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_heads: Optional[int] = None      # GQA / MQA
+    d_model: int = 128
+    d_ff: Optional[int] = None            # None: 4 * d_model (relu/gelu), 8/3 * d_model (swiglu)
+    dropout: float = 0.0
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    positional: str = "rope"              # "rope" | "alibi" | "learned" | "none"
+    window: Tuple[int, int] = (-1, -1)    # (left, -1): a causal sliding window over `left` past tokens
+    sinks: bool = False
+    attention_type: str = "softmax"
+    bias: bool = True
+    tie_weights: bool = True              # the output projection is the token embedding (Press & Wolf)
+
+    def block(self) -> BlockConfig:
+        d_ff = self.d_ff or (int(8 * self.d_model / 3) if self.activation == "swiglu" else 4 * self.d_model)
+        attn = AttentionConfig(d_model=self.d_model, n_heads=self.n_head, n_kv_heads=self.n_kv_heads,
+                               attention_type=self.attention_type, causal=True, window=self.window,
+                               positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
+        return BlockConfig(attn=attn, d_ff=d_ff, activation=self.activation, norm=self.norm, norm_first=True,
+                           dropout=self.dropout, norm_eps=self.norm_eps)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.config = c = config
+        self.wte = nn.Embedding(c.vocab_size, c.d_model)
+        self.wpe = LearnedPositionalEmbedding(c.d_model, c.block_size) if c.positional == "learned" else None
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(EncoderBlock(c.block()) for _ in range(c.n_layer))
+        self.ln_f = make_norm(c.norm, c.d_model, c.norm_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self._init_weights()
+        if c.tie_weights:
+            self.lm_head.weight = self.wte.weight
+
+    def _init_weights(self) -> None:
+        # GPT-2: N(0, 0.02) everywhere, zero biases, and the projections that write into the residual
+        # stream scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+        for block in self.blocks:
+            for proj in (block.self_attn.out_proj, block.ffn.w2):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, caches: Optional[List[KVCache]] = None,
+                offset: int = 0):
+        """idx (B, T) tokens -> logits (B, T, V); (logits, loss) when targets (B, T) is given.
+        With `caches`, idx are the tokens at positions offset .. offset + T - 1."""
+        x = self.wte(idx)  # (B, T, d_model)
+        if self.wpe is not None:
+            x = self.wpe(x, offset)
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=caches[i] if caches is not None else None)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def allocate_caches(self, batch: int, max_len: int, *, device=None, dtype=torch.float32) -> List[KVCache]:
+        a = self.config.block().attn
+        return [KVCache(batch, max_len, a.n_kv_heads, a.head_dim, device=device, dtype=dtype) for _ in self.blocks]
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, greedy: bool = False, use_cache: bool = True,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """Extends idx (B, T0) by max_new_tokens tokens -> (B, T0 + max_new_tokens)."""
+        b, t0 = idx.shape
+        total = t0 + max_new_tokens
+        learned = self.wpe is not None
+        if use_cache and learned and total > self.config.block_size:
+            raise ValueError(f"learned positions stop at block_size={self.config.block_size}; "
+                             f"{total} tokens requested")
+        if use_cache:
+            caches = self.allocate_caches(b, total, device=idx.device, dtype=self.wte.weight.dtype)
+            logits = self(idx, caches=caches)  # prefill
+        for t in range(max_new_tokens):
+            if not use_cache:
+                ctx = idx[:, -self.config.block_size:] if learned else idx
+                logits = self(ctx)
+            nxt = sample_next(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                              generator=generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
+            if use_cache and t + 1 < max_new_tokens:
+                logits = self(nxt, caches=caches, offset=t0 + t)
+        return idx
+
+
+def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, greedy: bool = False,
+                generator: Optional[torch.Generator] = None) -> Tensor:
+    """logits (B, V) -> next tokens (B, 1). Greedy (or temperature 0) takes the argmax; otherwise
+    sample softmax(logits / temperature) restricted to the top_k tokens and to the smallest set
+    whose probability reaches top_p (nucleus sampling, Holtzman et al.)."""
+    if greedy or temperature == 0.0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)

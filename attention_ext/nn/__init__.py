@@ -1,0 +1,16 @@
+"""nn modules built on the fused attention kernels (tier 3 of the Python layer)."""
+from .blocks import BlockConfig, DecoderBlock, EncoderBlock, FeedForward, RMSNorm, make_norm
+from .classic import AdditiveAttention, LuongAttention
+from .layers import ATTENTION_TYPES, Attention, AttentionConfig, KVCache, register_attention_type
+from .multihead import MultiheadAttention
+from .positional import (Embeddings, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
+                         alibi_slopes, sinusoidal_table)
+
+__all__ = [
+    "MultiheadAttention",
+    "Attention", "AttentionConfig", "KVCache", "ATTENTION_TYPES", "register_attention_type",
+    "AdditiveAttention", "LuongAttention",
+    "Embeddings", "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding",
+    "alibi_slopes", "sinusoidal_table",
+    "FeedForward", "RMSNorm", "make_norm", "BlockConfig", "EncoderBlock", "DecoderBlock",
+]

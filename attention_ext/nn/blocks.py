@@ -1,0 +1,141 @@
+"""Feed-forward networks, norms and the Transformer blocks, post-LN and pre-LN.
+
+post-LN (Vaswani et al., torch.nn.Transformer's default):  x = Norm(x + Dropout(Sublayer(x)))
+pre-LN  (Xiong et al. 2020, GPT-2 and later):             x = x + Dropout(Sublayer(Norm(x)))
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .layers import Attention, AttentionConfig, KVCache
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight  (Zhang & Sennrich 2019): LayerNorm without centering."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {kind!r}")
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN. relu/gelu: w2(dropout(act(w1 x))). swiglu (Shazeer 2020):
+    w2(dropout(silu(w1 x) * w3 x)), usually with d_ff about 2/3 of the relu width."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        if activation not in ("relu", "gelu", "swiglu"):
+            raise ValueError(f"activation must be 'relu', 'gelu' or 'swiglu', got {activation!r}")
+        self.activation = activation
+        self.w1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.w3 = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
+        self.w2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.activation == "swiglu":
+            h = F.silu(self.w1(x)) * self.w3(x)
+        elif self.activation == "gelu":
+            h = F.gelu(self.w1(x))
+        else:
+            h = F.relu(self.w1(x))
+        return self.w2(self.dropout(h))
+
+
+@dataclass
+class BlockConfig:
+    attn: AttentionConfig
+    d_ff: int = 2048
+    activation: str = "relu"
+    norm: str = "layernorm"
+    norm_first: bool = False      # False: post-LN (the original paper); True: pre-LN
+    dropout: float = 0.1          # on each sublayer's output and inside the FFN
+    norm_eps: float = 1e-5
+
+
+def cross_config(attn: AttentionConfig) -> AttentionConfig:
+    """Cross-attention sees the whole memory: no causal mask, window or in-sequence positions."""
+    return dataclasses.replace(attn, causal=False, window=(-1, -1), positional="none")
+
+
+class EncoderBlock(nn.Module):
+    """Self-attention + FFN. With a causal attention config it is also the decoder-only LM block."""
+
+    def __init__(self, config: BlockConfig):
+        super().__init__()
+        c = config
+        self.norm_first = c.norm_first
+        self.self_attn = Attention(c.attn)
+        self.ffn = FeedForward(c.attn.d_model, c.d_ff, c.activation, c.dropout, c.attn.bias)
+        self.norm1 = make_norm(c.norm, c.attn.d_model, c.norm_eps)
+        self.norm2 = make_norm(c.norm, c.attn.d_model, c.norm_eps)
+        self.dropout1 = nn.Dropout(c.dropout)
+        self.dropout2 = nn.Dropout(c.dropout)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, seqlens_k: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+        def sa(h):
+            return self.dropout1(self.self_attn(h, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
+                                                attn_mask=attn_mask, cache=cache))
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            x = x + self.dropout2(self.ffn(self.norm2(x)))
+        else:
+            x = self.norm1(x + sa(x))
+            x = self.norm2(x + self.dropout2(self.ffn(x)))
+        return x
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention + cross-attention over the encoder memory + FFN."""
+
+    def __init__(self, config: BlockConfig):
+        super().__init__()
+        c = config
+        d = c.attn.d_model
+        self.norm_first = c.norm_first
+        self.self_attn = Attention(c.attn)
+        self.cross_attn = Attention(cross_config(c.attn), cross=True)
+        self.ffn = FeedForward(d, c.d_ff, c.activation, c.dropout, c.attn.bias)
+        self.norm1, self.norm2, self.norm3 = (make_norm(c.norm, d, c.norm_eps) for _ in range(3))
+        self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(c.dropout) for _ in range(3))
+
+    def forward(self, x: Tensor, memory: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
+                memory_seqlens: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
+                cache: Optional[KVCache] = None, cross_cache: Optional[KVCache] = None) -> Tensor:
+        def sa(h):
+            return self.dropout1(self.self_attn(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                                                cache=cache))
+
+        def ca(h):
+            return self.dropout2(self.cross_attn(h, memory, key_padding_mask=memory_key_padding_mask,
+                                                 seqlens_k=memory_seqlens, attn_mask=memory_mask,
+                                                 cache=cross_cache))
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            x = x + ca(self.norm2(x))
+            x = x + self.dropout3(self.ffn(self.norm3(x)))
+        else:
+            x = self.norm1(x + sa(x))
+            x = self.norm2(x + ca(x))
+            x = self.norm3(x + self.dropout3(self.ffn(x)))
+        return x

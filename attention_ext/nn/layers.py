@@ -1,0 +1,205 @@
+"""Config-driven attention layers: self and cross attention, MHA/MQA/GQA, causal, sliding window,
+ALiBi, RoPE and attention sinks, with an optional preallocated KV cache.
+
+The blocks and models only ever build `Attention(config)`. Which kernel computes the attention is
+`config.attention_type`, a key into `ATTENTION_TYPES`: "softmax" (our fused kernel) and "sdpa"
+(torch's scaled_dot_product_attention, the peer the demo and benchmarks compare against). The
+linearized and block-sparse kernels register one more entry each with `register_attention_type`
+and need no change to the blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import reference
+from ..functional import attention, attention_weights
+from .positional import RotaryEmbedding, alibi_slopes
+
+
+@dataclass
+class AttentionConfig:
+    d_model: int
+    n_heads: int
+    n_kv_heads: Optional[int] = None   # None: = n_heads (MHA); 1: MQA; a divisor of n_heads: GQA
+    attention_type: str = "softmax"    # key into ATTENTION_TYPES
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)  # sliding window (left, right) around the diagonal; -1 unbounded
+    positional: str = "none"           # "rope" or "alibi" act inside the layer; anything else is ignored here
+    rope_base: float = 10000.0
+    sinks: bool = False                # one learnable sink logit per head (an extra "attend to nothing" column)
+    softcap: float = 0.0
+    dropout: float = 0.0               # on the attention probabilities
+    bias: bool = True
+    kv_dim: Optional[int] = None       # width of the cross-attention memory; None = d_model
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not a multiple of n_heads={self.n_heads}")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        self.window = tuple(self.window)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels. Each takes (B, S, H, D) q and (B, S_k, H_k, D) k, v plus functional.attention's keyword
+# options, and returns out (B, S, H, D), or (out, lse) when return_lse.
+
+ATTENTION_TYPES: Dict[str, Callable] = {}
+
+
+def register_attention_type(name: str):
+    def deco(fn):
+        ATTENTION_TYPES[name] = fn
+        return fn
+    return deco
+
+
+@register_attention_type("softmax")
+def _softmax_attention(q, k, v, **kw):
+    return attention(q, k, v, layout="bshd", **kw)
+
+
+@register_attention_type("sdpa")
+def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1), attn_mask=None,
+                    key_padding_mask=None, seqlens_k=None, alibi_slopes=None, softcap=0.0, sinks=None,
+                    dropout_p=0.0, return_lse=False, scale=None, generator=None):
+    """torch's SDPA on the same inputs: the peer for timings. Everything but plain causal becomes an
+    explicit mask, which is how a torch user would have to write it."""
+    if softcap or sinks is not None or return_lse:
+        raise NotImplementedError("attention_type='sdpa' has no softcap, sinks or LSE")
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    plain = (attn_mask is None and key_padding_mask is None and seqlens_k is None and alibi_slopes is None
+             and tuple(window) == (-1, -1))
+    mask = None
+    is_causal = causal and plain and sq == sk
+    if not plain or (causal and not is_causal):
+        wl, wr = window
+        ok = reference.mask_structure(sq, sk, window=(wl, 0 if causal else wr), bottom_right=bottom_right,
+                                      len_k=seqlens_k, batch=b, device=q.device)  # (B, 1, S_q, S_k)
+        if key_padding_mask is not None:
+            ok = ok & key_padding_mask.view(b, 1, 1, sk)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            ok = ok & attn_mask
+        mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill(~ok, float("-inf"))
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            mask = mask + attn_mask.to(q.dtype)
+        if alibi_slopes is not None:
+            mask = mask + reference.alibi_bias(alibi_slopes.to(q.dtype), sq, sk, bottom_right=bottom_right)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                         scale=scale, enable_gqa=k.shape[1] != h)
+    return out.transpose(1, 2)  # (B, S, H, D)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+class KVCache:
+    """Preallocated keys and values of one attention layer: (B, max_len, H_k, D) each.
+
+    `pos` rows are filled. A self-attention cache grows by the new rows each step; a `static` one
+    (cross-attention over a fixed memory) is filled once and then only read.
+    """
+
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, *, device=None,
+                 dtype=torch.float32, static: bool = False):
+        self.k = torch.empty(batch, max_len, n_kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.empty_like(self.k)
+        self.pos = 0
+        self.static = static
+
+    def append(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        t = k.shape[1]
+        if self.pos + t > self.k.shape[1]:
+            raise ValueError(f"KV cache overflow: {self.pos} + {t} rows > max_len={self.k.shape[1]}")
+        self.k[:, self.pos: self.pos + t] = k
+        self.v[:, self.pos: self.pos + t] = v
+        self.pos += t
+        return self.k[:, : self.pos], self.v[:, : self.pos]  # (B, pos, H_k, D) views
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Multi-head attention from an AttentionConfig. Self-attention when `cross=False`, else
+    queries from x and keys/values from `context`.
+
+    Masks use the functional API's convention: `key_padding_mask` (B, S_k) True = valid key,
+    `seqlens_k` (B,) valid key lengths, bool `attn_mask` True = attend, float = additive.
+
+    Set `keep_weights = True` to store the (B, H, S_q, S_k) probabilities of each call in
+    `last_weights` (recomputed from the LSE); the demo's heatmaps use this.
+    """
+
+    def __init__(self, config: AttentionConfig, cross: bool = False):
+        super().__init__()
+        if config.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"unknown attention_type {config.attention_type!r}; "
+                             f"registered: {sorted(ATTENTION_TYPES)}")
+        self.config = config
+        self.cross = cross
+        c = config
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        kv_in = (c.kv_dim or c.d_model) if cross else c.d_model
+        self.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.bias)
+        self.k_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
+        self.v_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
+        self.out_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
+        # RoPE/ALiBi encode positions within one sequence: self-attention only
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_base) if (c.positional == "rope" and not cross) else None
+        if c.positional == "alibi" and not cross:
+            self.register_buffer("alibi_slopes", alibi_slopes(c.n_heads), persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.sinks = nn.Parameter(torch.zeros(c.n_heads)) if c.sinks else None
+        self.keep_weights = False
+        self.last_weights: Optional[Tensor] = None
+
+    def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
+                seqlens_k: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                cache: Optional[KVCache] = None) -> Tensor:
+        c = self.config
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # (B, S, H, D)
+        src = context if self.cross else x
+        if cache is not None and cache.static and cache.pos > 0:
+            k, v = cache.k[:, : cache.pos], cache.v[:, : cache.pos]  # (B, S_k, H_k, D)
+        else:
+            sk = src.shape[1]
+            k = self.k_proj(src).view(b, sk, self.n_kv_heads, self.head_dim)  # (B, S_k, H_k, D)
+            v = self.v_proj(src).view(b, sk, self.n_kv_heads, self.head_dim)
+            offset = cache.pos if (cache is not None and not self.cross) else 0
+            if self.rope is not None:
+                q, k = self.rope(q, offset), self.rope(k, offset)
+            if cache is not None:
+                k, v = cache.append(k, v)
+        # causal/window/ALiBi are aligned bottom-right: with a cache the new queries are the last rows
+        opts = dict(causal=c.causal and not self.cross, bottom_right=True, window=c.window,
+                    attn_mask=attn_mask, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
+                    alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
+        kernel = ATTENTION_TYPES[c.attention_type]
+        p = c.dropout if self.training else 0.0
+        if self.keep_weights:
+            out, lse = kernel(q, k, v, dropout_p=p, return_lse=True, **opts)
+            weights_opts = {n: o for n, o in opts.items() if n != "sinks"}
+            self.last_weights = attention_weights(q, k, lse, layout="bshd", **weights_opts).detach()
+        else:
+            out = kernel(q, k, v, dropout_p=p, **opts)
+        return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)

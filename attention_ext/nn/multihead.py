@@ -1,0 +1,172 @@
+"""`MultiheadAttention`: a drop-in for `torch.nn.MultiheadAttention` that runs our fused kernel.
+
+Same constructor, forward, conventions and state_dict keys as torch's, so a torch module's
+state_dict loads into it unchanged:
+  - `key_padding_mask` (N, S): bool True = ignore that key, or float added to the scores;
+  - `attn_mask` (L, S) or (N * num_heads, L, S): bool True = NOT allowed, or float added;
+  - `is_causal`: a hint that attn_mask is the causal mask (top-left aligned), which lets the
+    kernel skip the masked blocks instead of reading a mask. Unlike torch, attn_mask may be None.
+`need_weights=True` returns the real probabilities, recomputed from the kernel's log-sum-exp
+(one extra q @ k^T), averaged over heads unless `average_attn_weights=False`. With dropout in
+training they are the probabilities before dropout (torch returns them after).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..functional import attention, attention_weights
+
+
+def _append_column(mask: Optional[Tensor]) -> Optional[Tensor]:
+    """Adds one allowed key column (0 for float, False = not masked for bool), like torch's pad."""
+    if mask is None:
+        return None
+    return torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (1,))], dim=-1)
+
+
+class MultiheadAttention(nn.Module):
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None):
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be > 0, got {embed_dim} and {num_heads}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))  # [W_q; W_k; W_v]
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # torch's init, so that a seeded model starts from the same weights
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        e = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.split(e)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.split(e)
+        if self._qkv_same_embed_dim and query is key and key is value:
+            return F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # self-attention: one GEMM
+        return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
+                need_weights: bool = True, attn_mask: Optional[Tensor] = None,
+                average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        unbatched = query.dim() == 2
+        if unbatched:  # (L, E) -> (1, L, E)
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:  # (L, N, E) -> (N, L, E)
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        n, l, _ = query.shape
+        h, d = self.num_heads, self.head_dim
+        q, k, v = self._project(query, key, value)  # (N, L, E), (N, S, E), (N, S, E)
+
+        extra_key = self.bias_k is not None or self.add_zero_attn
+        causal = bool(is_causal) and not extra_key  # the hint holds only without appended key columns
+        if is_causal and extra_key and attn_mask is None:
+            attn_mask = torch.triu(torch.ones(l, k.shape[1], dtype=torch.bool, device=q.device), diagonal=1)
+        if causal:
+            attn_mask = None  # the caller promises attn_mask is the causal mask
+        if attn_mask is not None and attn_mask.dim() == 3:  # (N * H, L, S) -> (N, H, L, S)
+            attn_mask = attn_mask.view(n, h, l, attn_mask.shape[-1])
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(n, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(n, 1, -1)], dim=1)
+            attn_mask, key_padding_mask = _append_column(attn_mask), _append_column(key_padding_mask)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(n, 1, self.embed_dim)], dim=1)
+            v = torch.cat([v, v.new_zeros(n, 1, self.embed_dim)], dim=1)
+            attn_mask, key_padding_mask = _append_column(attn_mask), _append_column(key_padding_mask)
+        s = k.shape[1]
+
+        # torch's convention (True = masked out) -> ours (True = attend)
+        kpm = None
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = ~attn_mask
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype == torch.bool:
+                kpm = ~key_padding_mask  # (N, S) True = valid
+            else:  # a float key_padding_mask is additive: fold it into attn_mask
+                add = key_padding_mask.to(q.dtype).view(n, 1, 1, s)
+                if attn_mask is None:
+                    attn_mask = add
+                elif attn_mask.dtype == torch.bool:
+                    attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                        ~attn_mask, float("-inf")) + add
+                else:
+                    attn_mask = attn_mask.to(q.dtype) + add
+
+        q = q.view(n, l, h, d)  # (N, L, H, D)
+        k = k.view(n, s, h, d)  # (N, S, H, D)
+        v = v.view(n, s, h, d)
+        opts = dict(layout="bshd", causal=causal, attn_mask=attn_mask, key_padding_mask=kpm)
+        p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            out, lse = attention(q, k, v, dropout_p=p, return_lse=True, **opts)
+            weights = attention_weights(q, k, lse, **opts)  # (N, H, L, S)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)  # (N, L, S)
+            if unbatched:
+                weights = weights.squeeze(0)
+        else:
+            out = attention(q, k, v, dropout_p=p, **opts)
+        out = self.out_proj(out.reshape(n, l, self.embed_dim))  # (N, L, E)
+        if unbatched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)  # (L, N, E)
+        return out, weights
