@@ -1,0 +1,52 @@
+"""python -m attention_ext info | bench | demo"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+
+def info() -> int:
+    import torch
+
+    import attention_ext
+    from attention_ext import ops
+
+    print(f"attention_ext {attention_ext.__version__}")
+    print(f"python        {platform.python_version()}  ({platform.machine()})")
+    print(f"torch         {torch.__version__}  (CUDA {torch.version.cuda or 'none'})")
+    if ops.HAS_EXT:
+        c = ops._C
+        print(f"CPU kernels   yes: ISA {c.cpu_isa}, {c.simd_width} float32 lanes, OpenMP {'on' if c.openmp else 'off'}, "
+              f"{torch.get_num_threads()} threads")
+        print(f"CUDA kernels  {'yes: archs ' + c.cuda_archs if c.with_cuda else 'not compiled'}")
+    else:
+        print(f"CPU kernels   NOT BUILT ({ops._IMPORT_ERROR}); using the PyTorch reference")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"GPU {i}         {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                  f"{p.total_memory / 2**30:.0f} GiB")
+    else:
+        print("GPUs          none visible")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m attention_ext", description=__doc__)
+    parser.add_argument("command", choices=["info", "bench", "demo"])
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "info":
+        return info()
+    if args.command == "bench":
+        from attention_ext import bench
+
+        return bench.main(rest)
+    from attention_ext import demo
+
+    return demo.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

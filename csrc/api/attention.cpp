@@ -1,0 +1,363 @@
+// Tensors -> params for the fused softmax attention, the op schema, and the CPU registration.
+#include <Python.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+
+#include "../cpu/kernels.h"
+#include "attention_api.h"
+
+namespace attn {
+namespace api {
+
+DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    default: TORCH_CHECK_TYPE(false, "attention_ext: q, k, v must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+static void check_index_tensor(const OptTensor& t, const char* name, int64_t numel, const Tensor& q) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "attention_ext: ", name, " must be int32, got ", t->scalar_type());
+  TORCH_CHECK(t->dim() == 1 && t->numel() == numel, "attention_ext: ", name, " must have shape (", numel, "), got ",
+              t->sizes());
+  TORCH_CHECK(t->device() == q.device(), "attention_ext: ", name, " must be on ", q.device(), ", got ", t->device());
+  TORCH_CHECK(t->is_contiguous(), "attention_ext: ", name, " must be contiguous");
+}
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attention_ext: q, k, v must be 4-D (B, H, S, D), got q ", q.sizes(), ", k ", k.sizes(), ", v ",
+                    v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "attention_ext: q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  dtype_of(q);
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "attention_ext: q, k, v must be on one device, got ",
+              q.device(), ", ", k.device(), ", ", v.device());
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(3), hk = k.size(1);
+  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "attention_ext: batch mismatch: q ", q.sizes(), ", k ",
+                    k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "attention_ext: k and v must have the same shape, got ", k.sizes(), " and ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(k.size(3) == d, "attention_ext: head dim mismatch: q has ", d, ", k and v have ", k.size(3));
+  TORCH_CHECK_VALUE(d >= 1 && d <= 256, "attention_ext: head dim must be in [1, 256], got ", d);
+  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext: query heads (", h, ") must be a multiple of kv heads (", hk,
+                    ")");
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+                      "attention_ext: the head dim of q, k, v must be contiguous (stride 1), got strides ",
+                      t->strides());
+  TORCH_CHECK_VALUE(o.window_left >= -1 && o.window_right >= -1, "attention_ext: window sizes must be >= -1, got (",
+                    o.window_left, ", ", o.window_right, ")");
+  TORCH_CHECK_VALUE(o.dropout_p >= 0.0 && o.dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
+                    o.dropout_p);
+  TORCH_CHECK_VALUE(o.softcap >= 0.0, "attention_ext: softcap must be >= 0, got ", o.softcap);
+  TORCH_CHECK_VALUE(std::isfinite(o.scale), "attention_ext: scale must be finite, got ", o.scale);
+  const bool varlen = o.cu_seqlens_q.has_value();
+  TORCH_CHECK_VALUE(varlen == o.cu_seqlens_k.has_value(), "attention_ext: cu_seqlens_q and cu_seqlens_k go together");
+  int64_t nb = b;
+  if (varlen) {
+    TORCH_CHECK_VALUE(b == 1, "attention_ext: varlen inputs are one (1, H, total, D) pack, got batch ", b);
+    nb = o.cu_seqlens_q->numel() - 1;
+    TORCH_CHECK_VALUE(nb >= 1, "attention_ext: cu_seqlens_q needs at least 2 entries");
+    check_index_tensor(o.cu_seqlens_q, "cu_seqlens_q", nb + 1, q);
+    check_index_tensor(o.cu_seqlens_k, "cu_seqlens_k", nb + 1, q);
+    TORCH_CHECK_VALUE(!o.seqlens_k.has_value(), "attention_ext: seqlens_k is for padded batches, not varlen");
+    TORCH_CHECK_VALUE(o.max_seqlen_q >= 0 && o.max_seqlen_k >= 0, "attention_ext: max_seqlen_q/k must be >= 0");
+    if (q.device().is_cpu()) {
+      // validated here on the CPU; CUDA callers validate in Python (no sync in the op)
+      auto cq = o.cu_seqlens_q->accessor<int32_t, 1>(), ck = o.cu_seqlens_k->accessor<int32_t, 1>();
+      TORCH_CHECK_VALUE(cq[0] == 0 && ck[0] == 0, "attention_ext: cu_seqlens must start at 0");
+      for (int64_t i = 0; i < nb; ++i) {
+        TORCH_CHECK_VALUE(cq[i + 1] >= cq[i] && ck[i + 1] >= ck[i], "attention_ext: cu_seqlens must be non-decreasing");
+        TORCH_CHECK_VALUE(cq[i + 1] - cq[i] <= o.max_seqlen_q && ck[i + 1] - ck[i] <= o.max_seqlen_k,
+                          "attention_ext: a sequence is longer than max_seqlen_q/k");
+      }
+      TORCH_CHECK_VALUE(cq[nb] <= q.size(2) && ck[nb] <= k.size(2),
+                        "attention_ext: cu_seqlens end past the packed tensors (", cq[nb], " > ", q.size(2), " or ",
+                        ck[nb], " > ", k.size(2), ")");
+    }
+  }
+  check_index_tensor(o.seqlens_k, "seqlens_k", nb, q);
+  const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
+  if (o.bias.has_value()) {
+    const Tensor& bias = *o.bias;
+    TORCH_CHECK_TYPE(bias.scalar_type() == at::kFloat || bias.scalar_type() == at::kBool,
+                     "attention_ext: bias must be float32 (additive) or bool (True = attend), got ", bias.scalar_type());
+    TORCH_CHECK(bias.device() == q.device(), "attention_ext: bias must be on ", q.device(), ", got ", bias.device());
+    TORCH_CHECK_VALUE(bias.dim() == 4, "attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = (", nb, ", ",
+                      h, ", ", sq, ", ", sk, "), got ", bias.sizes());
+    const int64_t want[4] = {nb, h, sq, sk};
+    for (int i = 0; i < 4; ++i)
+      TORCH_CHECK_VALUE(bias.size(i) == 1 || bias.size(i) == want[i],
+                        "attention_ext: bias of shape ", bias.sizes(), " does not broadcast to (B, H, Sq, Sk) = (", nb,
+                        ", ", h, ", ", sq, ", ", sk, ")");
+  }
+  if (o.alibi_slopes.has_value()) {
+    const Tensor& a = *o.alibi_slopes;
+    TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat, "attention_ext: alibi_slopes must be float32, got ", a.scalar_type());
+    TORCH_CHECK(a.device() == q.device(), "attention_ext: alibi_slopes must be on ", q.device());
+    TORCH_CHECK_VALUE((a.dim() == 1 && a.size(0) == h) || (a.dim() == 2 && a.size(0) == nb && a.size(1) == h),
+                      "attention_ext: alibi_slopes must be (H) or (B, H) = (", nb, ", ", h, "), got ", a.sizes());
+    TORCH_CHECK_VALUE(a.stride(-1) == 1, "attention_ext: alibi_slopes must be contiguous over heads");
+  }
+  if (o.sinks.has_value()) {
+    const Tensor& s = *o.sinks;
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "attention_ext: sinks must be float32, got ", s.scalar_type());
+    TORCH_CHECK(s.device() == q.device(), "attention_ext: sinks must be on ", q.device());
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
+                      "attention_ext: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
+  }
+}
+
+Tensor empty_like_layout(const Tensor& like) {
+  const auto opts = like.options();
+  if (like.stride(1) < like.stride(2)) {  // heads inside rows: keep (B, S, H, D) storage
+    return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, opts).transpose(1, 2);
+  }
+  return at::empty(like.sizes(), opts);
+}
+
+Tensor empty_lse(const Tensor& q) { return at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat)); }
+
+static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
+  *bs = t.stride(0);
+  *hs = t.stride(1);
+  *rs = t.stride(2);
+}
+
+FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                          const Options& o) {
+  FwdParams p{};
+  const bool varlen = o.cu_seqlens_q.has_value();
+  p.b = int32_t(varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0));
+  p.h = int32_t(q.size(1));
+  p.h_k = int32_t(k.size(1));
+  p.sq = int32_t(varlen ? o.max_seqlen_q : q.size(2));
+  p.sk = int32_t(varlen ? o.max_seqlen_k : k.size(2));
+  p.d = int32_t(q.size(3));
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+  set_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  set_strides(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  set_strides(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  set_strides(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  p.cu_seqlens_q = varlen ? o.cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  p.cu_seqlens_k = varlen ? o.cu_seqlens_k->data_ptr<int32_t>() : nullptr;
+  p.seqlens_k = o.seqlens_k.has_value() ? o.seqlens_k->data_ptr<int32_t>() : nullptr;
+  p.scale = float(o.scale);
+  p.softcap = float(o.softcap);
+  p.window_left = int32_t(o.window_left);
+  p.window_right = int32_t(o.window_right);
+  p.bottom_right = o.bottom_right;
+  if (o.alibi_slopes.has_value()) {
+    p.alibi_slopes = o.alibi_slopes->data_ptr<float>();
+    p.alibi_batch_stride = o.alibi_slopes->dim() == 2 ? o.alibi_slopes->stride(0) : 0;
+  }
+  p.bias_kind = BiasKind::kNone;
+  if (o.bias.has_value()) {
+    const Tensor& bias = *o.bias;
+    p.bias = bias.data_ptr();
+    p.bias_kind = bias.scalar_type() == at::kBool ? BiasKind::kBool : BiasKind::kAdditive;
+    // broadcast dims read with stride 0
+    auto st = [&](int i) { return bias.size(i) == 1 ? int64_t(0) : bias.stride(i); };
+    p.bias_batch_stride = st(0);
+    p.bias_head_stride = st(1);
+    p.bias_row_stride = st(2);
+    p.bias_col_stride = st(3);
+  }
+  p.sinks = o.sinks.has_value() ? o.sinks->data_ptr<float>() : nullptr;
+  p.dropout_p = float(o.dropout_p);
+  p.seed = uint64_t(o.seed);
+  p.offset = uint64_t(o.offset);
+  p.num_threads = 0;
+  return p;
+}
+
+Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o, bool bias_grad) {
+  Grads g;
+  g.dq = empty_like_layout(q);
+  g.dk = empty_like_layout(k);
+  g.dv = empty_like_layout(v);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const bool varlen = o.cu_seqlens_q.has_value();
+  const int64_t nb = varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0);
+  if (bias_grad && o.bias.has_value() && o.bias->scalar_type() == at::kFloat) {
+    const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
+    g.dbias = at::zeros({nb, q.size(1), o.bias->size(2) == 1 ? 1 : sq, sk}, f32);
+  } else {
+    g.dbias = at::empty({0}, f32);
+  }
+  g.dsinks = o.sinks.has_value() ? at::zeros({nb, q.size(1)}, f32) : at::empty({0}, f32);
+  return g;
+}
+
+BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& lse, const Options& o, Grads& g, bool deterministic) {
+  BwdParams p{};
+  static_cast<FwdParams&>(p) = make_fwd_params(q, k, v, out, lse, o);
+  p.dout = dout.data_ptr();
+  set_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
+  p.dq = g.dq.data_ptr();
+  p.dk = g.dk.data_ptr();
+  p.dv = g.dv.data_ptr();
+  set_strides(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
+  set_strides(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
+  set_strides(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
+  if (g.dbias.numel() > 0) {
+    p.dbias = g.dbias.data_ptr<float>();
+    p.dbias_batch_stride = g.dbias.stride(0);
+    p.dbias_head_stride = g.dbias.stride(1);
+    p.dbias_row_stride = g.dbias.size(2) == 1 ? 0 : g.dbias.stride(2);
+  }
+  p.dsinks = g.dsinks.numel() > 0 ? g.dsinks.data_ptr<float>() : nullptr;
+  p.deterministic = deterministic;
+  return p;
+}
+
+}  // namespace api
+}  // namespace attn
+
+namespace {
+
+using attn::api::OptTensor;
+using attn::api::Options;
+using at::Tensor;
+
+Options make_options(const OptTensor& bias, const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
+                     const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k, double scale,
+                     double softcap, int64_t wl, int64_t wr, bool bottom_right, double dropout_p, int64_t seed,
+                     int64_t offset) {
+  return Options{bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr, bottom_right,
+                 dropout_p, seed, offset};
+}
+
+std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& bias,
+                                   const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
+                                   const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k,
+                                   double scale, double softcap, int64_t wl, int64_t wr, bool bottom_right,
+                                   double dropout_p, int64_t seed, int64_t offset) {
+  const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr,
+                                 bottom_right, dropout_p, seed, offset);
+  attn::api::check_inputs(q, k, v, o);
+  Tensor out = attn::api::empty_like_layout(q);
+  Tensor lse = attn::api::empty_lse(q);
+  if (q.numel() == 0) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+    return {out, lse};
+  }
+  // rows the kernel does not own (past a varlen pack's end) are defined as 0 / -inf
+  if (cu_q.has_value()) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+  }
+  const attn::FwdParams p = attn::api::make_fwd_params(q, k, v, out, lse, o);
+  attn::cpu::fwd(p, attn::api::dtype_of(q));
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const OptTensor& bias, const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
+    const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k, double scale, double softcap,
+    int64_t wl, int64_t wr, bool bottom_right, double dropout_p, int64_t seed, int64_t offset, bool bias_grad,
+    bool deterministic) {
+  const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr,
+                                 bottom_right, dropout_p, seed, offset);
+  attn::api::check_inputs(q, k, v, o);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+                    "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
+  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1, "attention_ext.bwd: dout and out need a contiguous head dim");
+  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
+                        lse.scalar_type() == at::kFloat && lse.is_contiguous(),
+                    "attention_ext.bwd: lse must be a contiguous float32 (B, H, Sq) tensor");
+  attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
+  // rows no sequence owns (past a varlen pack's end) get zero gradients
+  if (cu_q.has_value() || q.numel() == 0 || k.size(2) == 0) {
+    g.dq.zero_();
+    g.dk.zero_();
+    g.dv.zero_();
+  }
+  if (q.numel() > 0 && k.numel() > 0) {
+    Tensor dout_c = dout.to(q.scalar_type());
+    attn::BwdParams p = attn::api::make_bwd_params(dout_c, q, k, v, out, lse, o, g, deterministic);
+    attn::cpu::bwd(p, attn::api::dtype_of(q));
+  }
+  return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
+}
+
+Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, int64_t seed, int64_t offset) {
+  TORCH_CHECK_VALUE(b >= 0 && h >= 0 && sq >= 0 && sk >= 0, "attention_ext.dropout_mask: sizes must be >= 0");
+  Tensor keep = at::empty({b, h, sq, sk}, at::TensorOptions().dtype(at::kBool));
+  attn::cpu::dropout_mask(reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()), int(b), int(h), int(sq), int(sk), float(p),
+                          uint64_t(seed), uint64_t(offset));
+  return keep;
+}
+
+}  // namespace
+
+#define ATTN_OPTIONS_SCHEMA                                                                                       \
+  "Tensor? bias, Tensor? alibi_slopes, Tensor? sinks, Tensor? seqlens_k, Tensor? cu_seqlens_q, "                  \
+  "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, float softcap, int window_left, "      \
+  "int window_right, bool bottom_right, float dropout_p, int seed, int offset"
+
+TORCH_LIBRARY(attention_ext, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_OPTIONS_SCHEMA
+        ", bool bias_grad, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
+  m.impl("fwd", &fwd_cpu);
+  m.impl("bwd", &bwd_cpu);
+}
+
+TORCH_LIBRARY_IMPL(attention_ext, CompositeExplicitAutograd, m) { m.impl("dropout_mask", &dropout_mask_cpu); }
+
+// What was compiled, for `python -m attention_ext info`.
+static const char* cpu_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__AVX__)
+  return "avx";
+#else
+  return "generic";
+#endif
+}
+
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "attention_ext compiled kernels (ops live in torch.ops.attention_ext)", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&module_def);
+  if (mod == nullptr) return nullptr;
+  PyModule_AddStringConstant(mod, "cpu_isa", cpu_isa());
+  PyModule_AddIntConstant(mod, "simd_width", attn::cpu::simd_width());
+#if defined(ATTN_WITH_CUDA)
+  PyModule_AddIntConstant(mod, "with_cuda", 1);
+  PyModule_AddStringConstant(mod, "cuda_archs", ATTN_CUDA_ARCHS);
+#else
+  PyModule_AddIntConstant(mod, "with_cuda", 0);
+  PyModule_AddStringConstant(mod, "cuda_archs", "");
+#endif
+  #if defined(_OPENMP)
+  PyModule_AddIntConstant(mod, "openmp", 1);
+#else
+  PyModule_AddIntConstant(mod, "openmp", 0);
+#endif
+  return mod;
+}

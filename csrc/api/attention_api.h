@@ -1,0 +1,66 @@
+// The torch side of the fused softmax attention op, shared by the CPU and CUDA registrations:
+// input checks with clear messages, output allocation, and tensors -> attn::FwdParams /
+// attn::BwdParams. Kernels never see a tensor.
+//
+// Op schema (registered in attention.cpp):
+//   fwd(q, k, v, bias?, alibi_slopes?, sinks?, seqlens_k?, cu_seqlens_q?, cu_seqlens_k?,
+//       max_seqlen_q, max_seqlen_k, scale, softcap, window_left, window_right, bottom_right,
+//       dropout_p, seed, offset) -> (out, lse)
+//   bwd(dout, q, k, v, out, lse, <the same options>, bias_grad, deterministic)
+//       -> (dq, dk, dv, dbias, dsinks)
+// q (B, H, Sq, D), k / v (B, H_k, Sk, D) through strides (head-dim stride 1); varlen packs are
+// (1, H, total, D) with cu_seqlens. out / dq / dk / dv keep their input's memory layout.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../common/params.h"
+
+namespace attn {
+namespace api {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// The options every entry point takes, after the tensors.
+struct Options {
+  OptTensor bias, alibi_slopes, sinks, seqlens_k, cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+  double scale, softcap;
+  int64_t window_left, window_right;
+  bool bottom_right;
+  double dropout_p;
+  int64_t seed, offset;
+};
+
+DType dtype_of(const Tensor& t);
+
+// Checks q / k / v and the options; throws c10::Error (RuntimeError / ValueError in Python)
+// naming the bad argument.
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o);
+
+// An uninitialized (B, H, S, D) tensor with the same memory layout as `like`: (B, S, H, D)
+// storage when `like` has heads inside rows, else contiguous (B, H, S, D).
+Tensor empty_like_layout(const Tensor& like);
+
+// (B, H, Sq) float32 lse (varlen: (1, H, total_q)).
+Tensor empty_lse(const Tensor& q);
+
+FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                          const Options& o);
+
+// Outputs of the backward, allocated: dq, dk, dv like q, k, v; dbias (B, H, Sq_b, Sk) float32
+// zeros when bias_grad; dsinks (B, H) float32 when sinks are given; else empty tensors.
+struct Grads {
+  Tensor dq, dk, dv, dbias, dsinks;
+};
+Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o, bool bias_grad);
+
+BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& lse, const Options& o, Grads& g, bool deterministic);
+
+}  // namespace api
+}  // namespace attn

@@ -1,0 +1,104 @@
+// Parameters of the fused softmax attention kernels, shared by the CPU and CUDA backends.
+//
+// Plain old data: raw pointers, strides in elements, sizes. No ATen or CUDA types, so both
+// backends and plain C++ tests can fill and read it (the role of FA2's flash.h).
+//
+// Tensors are addressed in the logical layout (B, H, S, D) through strides, so (B, S, H, D)
+// inputs, slices of a packed QKV projection and varlen packs all reach the kernels without a
+// copy. The head-dim stride is always 1.
+#pragma once
+
+#include <cstdint>
+
+namespace attn {
+
+// Element type of q, k, v, out (and of dout, dq, dk, dv). Accumulation is always float32.
+enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// How the optional `bias` tensor is read.
+enum class BiasKind : int32_t {
+  kNone = 0,
+  kAdditive = 1,  // float32, added to the score
+  kBool = 2,      // uint8 (torch.bool): nonzero = attend, zero = masked
+};
+
+struct FwdParams {
+  // ---------------------------------------------------------------- sizes
+  int32_t b;      // batch (varlen: number of sequences)
+  int32_t h;      // query heads
+  int32_t h_k;    // key/value heads; h % h_k == 0 (MQA: h_k = 1, GQA: 1 < h_k < h)
+  int32_t sq;     // query length (varlen: the longest sequence)
+  int32_t sk;     // key length (varlen: the longest sequence)
+  int32_t d;      // head dim
+
+  // ---------------------------------------------------------------- tensors (B, H, S, D)
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  // (B, H, Sq) float32, contiguous; varlen: (1, H, total_q). Element (b, h, i) of sequence b
+  // is lse[b * lse_batch_stride + h * lse_head_stride + row_q + i] (SeqInfo::row_q).
+  // softmax_d in the backward shares this layout.
+  float* lse;
+  int64_t lse_batch_stride, lse_head_stride;
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+
+  // ---------------------------------------------------------------- lengths
+  // varlen: (B + 1) prefix sums; sequence b holds rows [cu[b], cu[b+1]) of a (1, H, total, D)
+  // pack, and the batch strides are unused.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  // padded layout: (B) number of valid keys per batch (key padding); nullptr = all sk
+  const int32_t* seqlens_k;
+
+  // ---------------------------------------------------------------- score policy
+  float scale;          // multiplies q.k
+  float softcap;        // 0 = off, else s = softcap * tanh(s / softcap)
+  int32_t window_left;  // -1 = unbounded; causal is window_right = 0
+  int32_t window_right;
+  bool bottom_right;    // diagonal aligned at the end (flash-attn) rather than the start (SDPA)
+  // ALiBi: (B, H) or (H) float32 slopes (batch stride 0); score -= slope * |i + diag - j|
+  const float* alibi_slopes;
+  int64_t alibi_batch_stride;
+  // bias / mask, broadcastable to (B, H, Sq, Sk): broadcast dims have stride 0
+  const void* bias;
+  BiasKind bias_kind;
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
+  // (H) float32 sink logits: join the softmax denominator, carry no value
+  const float* sinks;
+
+  // ---------------------------------------------------------------- dropout on the probabilities
+  float dropout_p;  // probability of dropping; 0 = off
+  uint64_t seed;
+  uint64_t offset;
+
+  // threads for the CPU backend (0 = at::get_num_threads())
+  int32_t num_threads;
+};
+
+struct BwdParams : FwdParams {
+  const void* dout;
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+  // (B, H, Sq) float32 scratch: rowwise dot(dO, O)
+  float* softmax_d;
+  // (B, H, Sq) or (B, H, Sq, D) float32 scratch as each backend needs (may be nullptr)
+  float* dq_accum;
+  // (B, H, Sq_b, Sk) float32, Sq_b in {1, Sq}: the gradient of an additive bias before the
+  // reduction over broadcast batch/head dims (done by the caller). nullptr = not wanted.
+  float* dbias;
+  int64_t dbias_batch_stride, dbias_head_stride, dbias_row_stride;  // row stride 0 if Sq_b == 1
+  // (B, H) float32: d loss / d sink, before the sum over the batch (done by the caller)
+  float* dsinks;
+  bool deterministic;
+};
+
+}  // namespace attn

@@ -1,0 +1,146 @@
+// The attention variants as one small host/device policy.
+//
+// Every backend asks the same two questions per (query i, key j) of one (batch, head):
+//   allowed(i, j)  -- may i attend j? (lengths, causal, sliding window, bool mask)
+//   score(x, i, j) -- the logit given x = q.k (scale, softcap, ALiBi, additive bias)
+// and one per block of rows, key_range(), so that masked key blocks are skipped entirely and a
+// sliding window costs O(S * window). The CPU loops and the CUDA kernels call this same code,
+// so the semantics are tested on the CPU every day and a GPU kernel only has to tile.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "params.h"
+
+#if defined(__CUDACC__)
+#define ATTN_HD __host__ __device__ __forceinline__
+#else
+#define ATTN_HD inline
+#endif
+
+namespace attn {
+
+ATTN_HD int imin(int a, int b) { return a < b ? a : b; }
+ATTN_HD int imax(int a, int b) { return a > b ? a : b; }
+
+// Where sequence b lives and how long it is, for either the padded or the varlen layout.
+struct SeqInfo {
+  int len_q, len_k;
+  int64_t row_q, row_k;  // first row of the sequence inside its (batch, head) slice
+
+  ATTN_HD SeqInfo(const FwdParams& p, int b) {
+    if (p.cu_seqlens_q != nullptr) {
+      row_q = p.cu_seqlens_q[b];
+      len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+      row_k = p.cu_seqlens_k[b];
+      len_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    } else {
+      row_q = 0;
+      row_k = 0;
+      len_q = p.sq;
+      len_k = p.seqlens_k != nullptr ? imin(imax(p.seqlens_k[b], 0), p.sk) : p.sk;
+    }
+  }
+  // batch offset in elements for a tensor with the given batch stride (varlen: one pack)
+  ATTN_HD int64_t batch_off(const FwdParams& p, int b, int64_t batch_stride) const {
+    return p.cu_seqlens_q != nullptr ? 0 : int64_t(b) * batch_stride;
+  }
+};
+
+struct Policy {
+  int len_q, len_k;
+  int diag;        // key aligned with query i is i + diag
+  int wl, wr;      // window, -1 = unbounded
+  float scale, softcap, inv_softcap;
+  float slope;     // ALiBi slope, 0 = off
+  BiasKind bias_kind;
+  const void* bias;  // already offset to (b, h)
+  int64_t bias_row_stride, bias_col_stride;
+
+  ATTN_HD Policy(const FwdParams& p, const SeqInfo& s, int b, int h) {
+    len_q = s.len_q;
+    len_k = s.len_k;
+    diag = p.bottom_right ? len_k - len_q : 0;
+    wl = p.window_left;
+    wr = p.window_right;
+    scale = p.scale;
+    softcap = p.softcap;
+    inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+    slope = p.alibi_slopes != nullptr ? p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h] : 0.f;
+    bias_kind = p.bias_kind;
+    bias_row_stride = p.bias_row_stride;
+    bias_col_stride = p.bias_col_stride;
+    if (p.bias_kind == BiasKind::kAdditive) {
+      bias = static_cast<const float*>(p.bias) + int64_t(b) * p.bias_batch_stride +
+             int64_t(h) * p.bias_head_stride;
+    } else if (p.bias_kind == BiasKind::kBool) {
+      bias = static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride +
+             int64_t(h) * p.bias_head_stride;
+    } else {
+      bias = nullptr;
+    }
+  }
+
+  // Structural mask: length, causal and window. Cheap, no memory reads.
+  ATTN_HD bool in_window(int i, int j) const {
+    if (j >= len_k || i >= len_q) return false;
+    if (wl >= 0 && j < i + diag - wl) return false;
+    if (wr >= 0 && j > i + diag + wr) return false;
+    return true;
+  }
+  ATTN_HD bool allowed(int i, int j) const {
+    if (!in_window(i, j)) return false;
+    if (bias_kind == BiasKind::kBool) {
+      return static_cast<const uint8_t*>(bias)[i * bias_row_stride + j * bias_col_stride] != 0;
+    }
+    return true;
+  }
+  // True when every (i, j) of the tile [i0, i1) x [j0, j1) is inside the window, so the
+  // per-element structural checks can be skipped (they still apply a bool mask).
+  ATTN_HD bool tile_full(int i0, int i1, int j0, int j1) const {
+    if (i1 > len_q || j1 > len_k) return false;
+    if (wl >= 0 && j0 < (i1 - 1) + diag - wl) return false;
+    if (wr >= 0 && j1 - 1 > i0 + diag + wr) return false;
+    return true;
+  }
+  // Keys any row of [i0, i1) may see: [*j0, *j1). Empty when *j0 >= *j1.
+  ATTN_HD void key_range(int i0, int i1, int* j0, int* j1) const {
+    int lo = 0, hi = len_k;
+    if (wl >= 0) lo = imax(lo, i0 + diag - wl);
+    if (wr >= 0) hi = imin(hi, (i1 - 1) + diag + wr + 1);
+    *j0 = lo;
+    *j1 = hi;
+  }
+  // Query rows any key of [j0, j1) is seen by: [*i0, *i1).
+  ATTN_HD void query_range(int j0, int j1, int* i0, int* i1) const {
+    int lo = 0, hi = len_q;
+    if (wr >= 0) lo = imax(lo, j0 - diag - wr);
+    if (wl >= 0) hi = imin(hi, (j1 - 1) - diag + wl + 1);
+    *i0 = lo;
+    *i1 = hi;
+  }
+
+  // The logit for raw x = q.k. Softcap applies to the scaled product; ALiBi and the additive
+  // bias come after it (the flash-attn and SDPA conventions).
+  ATTN_HD float score(float x, int i, int j) const {
+    float s = x * scale;
+    if (softcap > 0.f) s = softcap * tanhf(s * inv_softcap);
+    if (slope != 0.f) s -= slope * fabsf(float(i + diag - j));
+    if (bias_kind == BiasKind::kAdditive) {
+      s += static_cast<const float*>(bias)[i * bias_row_stride + j * bias_col_stride];
+    }
+    return s;
+  }
+  // d score / d x, given x. Only softcap makes it non-constant: d/dx c*tanh(x*scale/c) =
+  // scale * (1 - tanh^2).
+  ATTN_HD float dscore_dx(float x) const {
+    if (softcap > 0.f) {
+      float t = tanhf(x * scale * inv_softcap);
+      return scale * (1.f - t * t);
+    }
+    return scale;
+  }
+};
+
+}  // namespace attn

@@ -1,0 +1,95 @@
+// Float32 copies of K / V (and Q / dO in the backward) laid out for the GEMM micro-kernel.
+//
+// Packing once per (batch, kv head) costs O(S * D) and turns every later tile product into a
+// unit-stride float32 GEMM, whatever the input dtype and strides: (B, S, H, D) views, QKV
+// slices and varlen packs all look the same after it. Extra memory stays O(B * H_k * S * D),
+// never O(S^2).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../common/policy.h"
+#include "parallel.h"
+#include "simd.h"
+
+namespace attn {
+namespace cpu {
+
+constexpr int kBlockM = 64;  // query rows per task
+constexpr int kBlockN = 64;  // keys per tile; a multiple of 2 * W so tile rows are whole panels
+
+// Where the packed rows of each (batch, kv head) start. Sequences are padded to whole key
+// blocks, so every tile reads kBlockN rows (the pad is zero, and masked by the policy).
+struct PackIndex {
+  int h_k = 0, d = 0, dp = 0;  // dp: head dim padded to a multiple of W
+  std::vector<int64_t> row0;   // (B + 1) padded key rows of the sequences before b
+  std::vector<int> len;        // (B) key length of sequence b
+
+  PackIndex(const FwdParams& p, bool keys) : h_k(p.h_k), d(p.d), dp(round_up(p.d, W)) {
+    row0.assign(p.b + 1, 0);
+    len.assign(p.b, 0);
+    for (int b = 0; b < p.b; ++b) {
+      SeqInfo s(p, b);
+      len[b] = keys ? s.len_k : s.len_q;
+      row0[b + 1] = row0[b] + round_up(len[b] > 0 ? len[b] : 0, kBlockN);
+    }
+  }
+  int64_t padded_len(int b) const { return row0[b + 1] - row0[b]; }
+  // first float of (b, head) in a packed array (heads: h_k for K/V, query heads for Q/dO)
+  int64_t offset(int b, int head, int heads) const {
+    return (row0[b] * heads + int64_t(head) * padded_len(b)) * dp;
+  }
+  int64_t total(int heads) const { return row0.back() * heads * dp; }
+};
+
+enum class PackLayout {
+  kRows,     // (S_pad, dp) row-major: the B operand of P @ V, dS @ K, or the A operand of Q @ .
+  kTBlocks,  // per kBlockN rows, the block transposed to (d, kBlockN): the B operand of Q @ K^T
+};
+
+// Packs rows [row0, row0 + len) of one (batch, head) slice `src` (row stride rstride, dtype
+// dt) into `dst`, zero-padding to `pad` rows of dp floats.
+inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_t pad, int d, int dp,
+                     PackLayout layout, float* dst, float* row) {
+  const size_t es = dtype_size(dt);
+  const char* base = static_cast<const char*>(src);
+  for (int64_t j = 0; j < pad; ++j) {
+    if (j < len) {
+      load_row(dt, base + es * j * rstride, row, d, dp);
+    } else {
+      std::fill(row, row + dp, 0.f);
+    }
+    if (layout == PackLayout::kRows) {
+      std::copy(row, row + dp, dst + j * dp);
+    } else {
+      // block jb = j / kBlockN holds (d, kBlockN) at dst + jb * dp * kBlockN
+      float* blk = dst + (j / kBlockN) * int64_t(dp) * kBlockN;
+      const int jj = int(j % kBlockN);
+      for (int c = 0; c < d; ++c) blk[c * kBlockN + jj] = row[c];
+    }
+  }
+}
+
+// Address of row `row` of (batch b, head hh) in a (B, heads, S, D) tensor with these strides.
+inline const void* slice_at(const FwdParams& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
+                            int64_t rstride, int b, int hh, int64_t row) {
+  return static_cast<const char*>(base) +
+         dtype_size(dt) * (SeqInfo(p, b).batch_off(p, b, bstride) + hh * hstride + row * rstride);
+}
+
+// Packs every (batch, head) of a (B, heads, S, D) tensor; sequence b starts at row row_of(b).
+template <typename RowOf>
+void pack(const FwdParams& p, DType dt, const void* base, int64_t bstride, int64_t hstride, int64_t rstride,
+          int heads, const PackIndex& idx, PackLayout layout, const RowOf& row_of, float* out) {
+  parallel_tasks(int64_t(p.b) * heads, p.num_threads, [&] {
+    return [&, row = std::vector<float>(idx.dp)](int64_t t) mutable {
+      const int b = int(t / heads), hh = int(t % heads);
+      pack_one(dt, slice_at(p, dt, base, bstride, hstride, rstride, b, hh, row_of(b)), rstride, idx.len[b],
+               idx.padded_len(b), idx.d, idx.dp, layout, out + idx.offset(b, hh, heads), row.data());
+    };
+  });
+}
+
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,182 @@
+// Fused softmax attention backward on the CPU, recomputing the probabilities from the LSE.
+//
+// One task = (batch, kv head): it owns dK and dV of that head, every query head of its GQA
+// group, and their dQ, so no two threads ever write the same gradient element (no atomics,
+// deterministic). Per (key block, query block) tile, with D_i = dO_i . O_i:
+//   P  = exp(policy(Q K^T) - lse)           (rows, kBlockN)
+//   dP = dO V^T                             gradient of the (dropped) probabilities
+//   dS = P * (dP * keep / (1 - p) - D_i)    gradient of the logits
+//   dX = dS * dscore/dx                     (scale, and the softcap's 1 - tanh^2)
+//   dV += (P * keep / (1 - p))^T dO;  dK += dX^T Q;  dQ += dX K
+// Key blocks are the outer loop so the dK / dV block accumulators stay in cache.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../common/policy.h"
+#include "kernels.h"
+#include "pack.h"
+#include "softmax_tile.h"
+
+namespace attn {
+namespace cpu {
+
+namespace {
+
+using Buf = std::vector<float>;
+
+struct BwdWorker {
+  const BwdParams& p;
+  DType dt;
+  int dp;
+  // per kv head: K^T blocks, V^T blocks, K rows; dK and dV accumulators
+  Buf kt, vt, kr, dk, dv;
+  // per query head: Q rows, dO rows, dQ accumulator, D_i and lse
+  Buf q, dout, dq, dvec, lse;
+  // per tile
+  Buf s, x, dpt, pt, dxt, row;
+
+  BwdWorker(const BwdParams& p_, DType dt_) : p(p_), dt(dt_), dp(round_up(p_.d, W)) {
+    const int64_t kpad = round_up(p.sk, kBlockN) * int64_t(dp), qpad = round_up(p.sq, kBlockM) * int64_t(dp);
+    for (Buf* b : {&kt, &vt, &kr, &dk, &dv}) b->resize(kpad);
+    for (Buf* b : {&q, &dout, &dq}) b->resize(qpad);
+    dvec.resize(round_up(p.sq, kBlockM));
+    lse.resize(round_up(p.sq, kBlockM));
+    for (Buf* b : {&s, &x, &dpt, &pt, &dxt}) b->resize(size_t(kBlockM) * kBlockN);
+    row.resize(dp);
+  }
+
+  // float32 rows -> a (len, d) slice of a gradient tensor
+  void store_rows(const float* src, int len, void* dst, int64_t rstride) {
+    const size_t es = dtype_size(dt);
+    for (int r = 0; r < len; ++r) store_row(dt, src + int64_t(r) * dp, static_cast<char*>(dst) + es * r * rstride, p.d);
+  }
+
+  void operator()(int64_t task) {
+    const int hk = int(task % p.h_k), b = int(task / p.h_k);
+    const SeqInfo si(p, b);
+    const int d = p.d, group = p.h / p.h_k;
+    const int len_k = si.len_k, len_q = si.len_q;
+    const int kpad = round_up(std::max(len_k, 0), kBlockN), qpad = round_up(std::max(len_q, 0), kBlockM);
+    const size_t es = dtype_size(dt);
+
+    // dK, dV of a query-less or key-less sequence are zero: still write them
+    std::fill(dk.begin(), dk.begin() + int64_t(kpad) * dp, 0.f);
+    std::fill(dv.begin(), dv.begin() + int64_t(kpad) * dp, 0.f);
+    auto kslice = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
+      return slice_at(p, dt, base, bs, hs, rs, b, hk, si.row_k);
+    };
+    const void* ksrc = kslice(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+    const void* vsrc = kslice(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, kt.data(), row.data());
+    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kRows, kr.data(), row.data());
+    pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, vt.data(), row.data());
+
+    for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
+
+    const int64_t kr0 = si.row_k;
+    auto dslice = [&](void* base, int64_t bs, int64_t hs, int64_t rs) {
+      return static_cast<char*>(base) + es * (si.batch_off(p, b, bs) + hk * hs + kr0 * rs);
+    };
+    store_rows(dk.data(), len_k, dslice(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride), p.dk_row_stride);
+    store_rows(dv.data(), len_k, dslice(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride), p.dv_row_stride);
+  }
+
+  void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
+    const int d = p.d;
+    const size_t es = dtype_size(dt);
+    const Policy pol(p, si, b, h);
+    const TileSoftmax ts(p, pol, b * p.h + h);
+    const float keep_scale = p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
+
+    auto qslice = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
+      return slice_at(p, dt, base, bs, hs, rs, b, h, si.row_q);
+    };
+    pack_one(dt, qslice(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride), p.q_row_stride, len_q, qpad, d, dp,
+             PackLayout::kRows, q.data(), row.data());
+    pack_one(dt, qslice(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride), p.do_row_stride, len_q, qpad,
+             d, dp, PackLayout::kRows, dout.data(), row.data());
+    std::fill(dq.begin(), dq.begin() + int64_t(qpad) * dp, 0.f);
+    // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
+    const char* obase = static_cast<const char*>(qslice(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
+    const float* lse_bh = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
+    float dsink = 0.f;
+    const float sink = p.sinks != nullptr ? p.sinks[h] : 0.f;
+    for (int i = 0; i < len_q; ++i) {
+      load_row(dt, obase + es * i * p.o_row_stride, row.data(), d, dp);
+      vf acc = vf{};
+      for (int c = 0; c < dp; c += W) acc += vload(row.data() + c) * vload(dout.data() + int64_t(i) * dp + c);
+      dvec[i] = hsum(acc);
+      lse[i] = lse_bh[i];
+      // d loss / d sink = -sum_i P_sink,i D_i, P_sink,i = exp(sink - lse_i)
+      if (p.sinks != nullptr && !std::isinf(lse[i])) dsink -= std::exp(sink - lse[i]) * dvec[i];
+    }
+    if (p.dsinks != nullptr) p.dsinks[b * p.h + h] = dsink;
+    float* dbias_bh = p.dbias != nullptr ? p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride : nullptr;
+
+    for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
+      int q_lo, q_hi;
+      pol.query_range(j0, j0 + kBlockN, &q_lo, &q_hi);
+      const float* kt_blk = kt.data() + int64_t(j0) * dp;  // (dp, kBlockN) block at j0 / kBlockN
+      const float* vt_blk = vt.data() + int64_t(j0) * dp;
+      for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
+        const int rows = std::min(kBlockM, len_q - i0);
+        if (rows <= 0) break;
+        const float* q_blk = q.data() + int64_t(i0) * dp;
+        const float* do_blk = dout.data() + int64_t(i0) * dp;
+        // (rows, kBlockN) raw scores and dP of the dropped probabilities
+        gemm<false>(rows, kBlockN, d, q_blk, dp, kt_blk, kBlockN, s.data(), kBlockN);
+        gemm<false>(rows, kBlockN, d, do_blk, dp, vt_blk, kBlockN, dpt.data(), kBlockN);
+        if (pol.softcap > 0.f) std::copy(s.begin(), s.begin() + rows * kBlockN, x.begin());
+        const bool full = ts.tile_full(i0, i0 + rows, j0);
+        for (int r = 0; r < rows; ++r) {
+          const int i = i0 + r;
+          float* srow = s.data() + r * kBlockN;
+          float* dprow = dpt.data() + r * kBlockN;
+          ts.scores(srow, i, j0, full);
+          ts.probs(srow, lse[i]);
+          // keep mask as 0/1 through a copy of ones run through the same dropout
+          float* keep = pt.data();  // scratch row, reused below as P^T
+          if (p.dropout_p > 0.f) {
+            std::fill(keep, keep + kBlockN, keep_scale);
+            ts.dropout(keep, i, j0);
+          }
+          const float di = dvec[i];
+          for (int jj = 0; jj < kBlockN; ++jj) {
+            const float kp = p.dropout_p > 0.f ? keep[jj] : 1.f;
+            const float pr = srow[jj];
+            float ds = pr * (dprow[jj] * kp - di);
+            if (dbias_bh != nullptr && j0 + jj < len_k) dbias_bh[int64_t(i) * p.dbias_row_stride + j0 + jj] += ds;
+            if (pol.softcap > 0.f) {
+              ds *= pol.dscore_dx(x[r * kBlockN + jj]);
+            } else {
+              ds *= pol.scale;
+            }
+            dprow[jj] = ds;         // dX (rows, kBlockN)
+            srow[jj] = pr * kp;     // dropped, rescaled P
+          }
+        }
+        // P^T and dX^T (kBlockN, rows) as the A operands of dV and dK
+        transpose(s.data(), kBlockN, rows, kBlockN, pt.data(), rows);
+        transpose(dpt.data(), kBlockN, rows, kBlockN, dxt.data(), rows);
+        float* dv_blk = dv.data() + int64_t(j0) * dp;
+        float* dk_blk = dk.data() + int64_t(j0) * dp;
+        gemm<true>(kBlockN, dp, rows, pt.data(), rows, do_blk, dp, dv_blk, dp);
+        gemm<true>(kBlockN, dp, rows, dxt.data(), rows, q_blk, dp, dk_blk, dp);
+        gemm<true>(rows, dp, kBlockN, dpt.data(), kBlockN, kr.data() + int64_t(j0) * dp, dp, dq.data() + int64_t(i0) * dp, dp);
+      }
+    }
+    char* dqbase = static_cast<char*>(p.dq) +
+                   es * (si.batch_off(p, b, p.dq_batch_stride) + h * p.dq_head_stride + si.row_q * p.dq_row_stride);
+    store_rows(dq.data(), len_q, dqbase, p.dq_row_stride);
+  }
+};
+
+}  // namespace
+
+void bwd(const BwdParams& p, DType dt) {
+  parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] { return BwdWorker(p, dt); });
+}
+
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,138 @@
+// Fused softmax attention forward on the CPU: tiled online softmax (flash-style).
+//
+// One task = (batch, query head, block of kBlockM query rows). It walks the key blocks the
+// policy allows (causal and sliding windows skip whole blocks), keeping the running max m,
+// the running sum l and the unnormalized output O of its rows in float32:
+//   S = Q K^T (kBlockM, kBlockN); s = policy(S); m' = max(m, rowmax s); p = exp(s - m')
+//   l = l e^{m - m'} + rowsum p;  O = O e^{m - m'} + p V
+// and writes out = O / l and lse = m + log l. Extra memory: the packed K/V plus O(kBlockM *
+// (kBlockN + D)) per thread.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../common/philox.h"
+#include "../common/policy.h"
+#include "kernels.h"
+#include "pack.h"
+#include "softmax_tile.h"
+
+namespace attn {
+namespace cpu {
+
+namespace {
+
+struct FwdWorker {
+  const FwdParams& p;
+  DType dt;
+  const PackIndex& kidx;
+  const float* kt;  // packed K, transposed blocks
+  const float* vr;  // packed V, rows
+  int n_mblocks;
+  std::vector<float> q, s, o, m, l, row;
+
+  FwdWorker(const FwdParams& p_, DType dt_, const PackIndex& ki, const float* kt_, const float* vr_, int nmb)
+      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb),
+        q(size_t(kBlockM) * ki.dp), s(size_t(kBlockM) * kBlockN), o(size_t(kBlockM) * ki.dp),
+        m(kBlockM), l(kBlockM), row(ki.dp) {}
+
+  void operator()(int64_t task) {
+    // most expensive first: with a causal mask the last query blocks see the most keys
+    const int mblk = n_mblocks - 1 - int(task % n_mblocks);
+    const int h = int((task / n_mblocks) % p.h);
+    const int b = int(task / (int64_t(n_mblocks) * p.h));
+    const SeqInfo si(p, b);
+    const int i0 = mblk * kBlockM;
+    if (i0 >= si.len_q) return;
+    const int i1 = std::min(i0 + kBlockM, si.len_q), rows = i1 - i0;
+    const Policy pol(p, si, b, h);
+    const int hk = h / (p.h / p.h_k);
+    const int d = kidx.d, dp = kidx.dp;
+    const size_t es = dtype_size(dt);
+
+    // (rows, d) tile of Q in float32
+    const char* qbase = static_cast<const char*>(p.q) +
+                        es * (si.batch_off(p, b, p.q_batch_stride) + h * p.q_head_stride + (si.row_q + i0) * p.q_row_stride);
+    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q.data() + r * dp, d, dp);
+
+    std::fill(o.begin(), o.begin() + size_t(rows) * dp, 0.f);
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.f);
+
+    int j_lo, j_hi;
+    pol.key_range(i0, i1, &j_lo, &j_hi);
+    const float* kt_bh = kt + kidx.offset(b, hk, p.h_k);
+    const float* v_bh = vr + kidx.offset(b, hk, p.h_k);
+    const TileSoftmax ts(p, pol, b * p.h + h);
+    for (int jb = std::max(j_lo, 0) / kBlockN; jb * kBlockN < j_hi; ++jb) {
+      const int j0 = jb * kBlockN;
+      // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
+      gemm<false>(rows, kBlockN, d, q.data(), dp, kt_bh + int64_t(jb) * dp * kBlockN, kBlockN, s.data(), kBlockN);
+      const bool full = ts.tile_full(i0, i1, j0);
+      for (int r = 0; r < rows; ++r) {
+        float* srow = s.data() + r * kBlockN;
+        ts.scores(srow, i0 + r, j0, full);
+        const float m_new = ts.online_update(srow, m[r], &l[r]);
+        if (m_new != m[r]) {
+          // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
+          const float alpha = std::isinf(m[r]) ? 0.f : std::exp(m[r] - m_new);
+          float* orow = o.data() + r * dp;
+          for (int c = 0; c < dp; c += W) vstore(orow + c, vload(orow + c) * alpha);
+          m[r] = m_new;
+        }
+        ts.dropout(srow, i0 + r, j0);
+      }
+      // O (rows, dp) += P (rows, kBlockN) @ V block (kBlockN, dp)
+      gemm<true>(rows, dp, kBlockN, s.data(), kBlockN, v_bh + int64_t(j0) * dp, dp, o.data(), dp);
+    }
+
+    char* obase = static_cast<char*>(p.o) +
+                  es * (si.batch_off(p, b, p.o_batch_stride) + h * p.o_head_stride + (si.row_q + i0) * p.o_row_stride);
+    float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
+    const float sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<float>::infinity();
+    const float keep_scale = p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
+    for (int r = 0; r < rows; ++r) {
+      float mr = m[r], lr = l[r], alpha = 1.f;
+      if (sink > mr) {  // the sink joins the denominator only; rescale to its max
+        alpha = std::isinf(mr) ? 0.f : std::exp(mr - sink);
+        lr = lr * alpha + 1.f;
+        mr = sink;
+      } else if (p.sinks != nullptr) {
+        lr += std::exp(sink - mr);
+      }
+      const bool empty = !(lr > 0.f) && !std::isnan(lr);
+      const float inv = empty ? 0.f : alpha * keep_scale / lr;
+      const float* orow = o.data() + r * dp;
+      for (int c = 0; c < dp; c += W) vstore(row.data() + c, vload(orow + c) * inv);
+      store_row(dt, row.data(), obase + es * r * p.o_row_stride, d);
+      lse[r] = empty ? -std::numeric_limits<float>::infinity() : mr + std::log(lr);
+    }
+  }
+};
+
+}  // namespace
+
+void fwd(const FwdParams& p, DType dt) {
+  const PackIndex kidx(p, /*keys=*/true);
+  std::vector<float> kt(kidx.total(p.h_k)), vr(kidx.total(p.h_k));
+  auto row_k = [&](int b) { return SeqInfo(p, b).row_k; };
+  pack(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.h_k, kidx, PackLayout::kTBlocks, row_k, kt.data());
+  pack(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.h_k, kidx, PackLayout::kRows, row_k, vr.data());
+  const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
+  parallel_tasks(int64_t(p.b) * p.h * n_mblocks, p.num_threads,
+                 [&] { return FwdWorker(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
+}
+
+int simd_width() { return W; }
+
+void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float prob, uint64_t seed, uint64_t offset) {
+  at::parallel_for(0, int64_t(b) * h * sq, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int bh = int(r / sq), i = int(r % sq);
+      for (int j = 0; j < sk; ++j) keep[r * sk + j] = dropout_keep(seed, offset, bh, i, j, prob) ? 1 : 0;
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace attn

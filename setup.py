@@ -1,0 +1,108 @@
+"""Build attention_ext._C: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc
+is found. Environment switches:
+
+  ATTENTION_EXT_CUDA=0/1     force the CUDA kernels off / on (default: auto)
+  ATTENTION_EXT_NATIVE=0     portable CPU build (no -march=native)
+  TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible
+  MAX_JOBS                   parallel compile jobs (ninja)
+"""
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_cuda_home():
+    # torch's own guess from `which nvcc` is /usr/local here, which has no lib64: look first
+    # where toolkits live.
+    for cand in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if cand and os.path.exists(os.path.join(cand, "bin", "nvcc")):
+            return cand
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        if os.path.isdir(os.path.join(root, "lib64")) or os.path.isdir(os.path.join(root, "targets")):
+            return root
+    return None
+
+
+_cuda_home = _find_cuda_home()
+if _cuda_home:
+    os.environ["CUDA_HOME"] = _cuda_home  # before cpp_extension reads it at import
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def _want_cuda():
+    flag = os.environ.get("ATTENTION_EXT_CUDA", "auto").lower()
+    have = torch.version.cuda is not None and _cuda_home is not None
+    if flag in ("0", "false", "off", "no"):
+        return False
+    if flag in ("1", "true", "on", "yes"):
+        if not have:
+            sys.exit("ATTENTION_EXT_CUDA=1 but torch has no CUDA or nvcc was not found (set CUDA_HOME)")
+        return True
+    return have
+
+
+def _arch_list():
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not archs:
+        # torch's auto-detection needs a visible GPU and crashes on an empty list
+        archs = "8.0;9.0+PTX"
+        if torch.cuda.is_available():
+            caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+            archs = ";".join(f"{a}.{b}" for a, b in caps)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    return archs
+
+
+def _cpu_flags():
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas"]
+    if os.environ.get("ATTENTION_EXT_NATIVE", "1") != "0":
+        flags.append("-march=native")
+    return flags
+
+
+def extensions():
+    cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp")) + ["csrc/api/attention.cpp"]
+    cxx = _cpu_flags()
+    define_macros = []
+    if _want_cuda():
+        archs = _arch_list()
+        cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/api/*_cuda.cpp"))
+        define_macros += [("ATTN_WITH_CUDA", None), ("ATTN_CUDA_ARCHS", '"' + archs + '"')]
+        nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
+        if os.environ.get("NVCC_THREADS"):
+            nvcc.append(f"--threads={os.environ['NVCC_THREADS']}")
+        return [
+            CUDAExtension(
+                "attention_ext._C",
+                cpu_sources + cuda_sources,
+                include_dirs=[os.path.join(HERE, "csrc")],
+                define_macros=define_macros,
+                extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                extra_link_args=["-fopenmp"],
+            )
+        ]
+    return [
+        CppExtension(
+            "attention_ext._C",
+            cpu_sources,
+            include_dirs=[os.path.join(HERE, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
