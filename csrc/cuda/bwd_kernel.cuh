@@ -1,0 +1,474 @@
+// Tensor-core backward (sm_80+, fp16/bf16), FlashAttention-2 style.
+//
+// dkdv_kernel: one CTA per (key block, kv head, batch[, head-dim slice]). Each warp owns 16
+// keys and computes the transposed scores S^T = K Q^T and dP^T = V dO^T, so that P^T and
+// dS^T come out of the accumulators already in the A-operand layout of
+//   dV += P^T dO      dK += dS^T Q
+// (no shared-memory round trip). The CTA loops over the query blocks of every query head of
+// its kv group (MQA/GQA reduce inside the CTA: deterministic, no dK/dV scratch). dQ = dS K
+// needs dS with queries as rows: dS^T goes to shared memory once and is read back with
+// ldmatrix.trans; the partial dQ is added to a float32 scratch with atomics (non-
+// deterministic mode) or left to dq_kernel (deterministic mode).
+//
+// dq_kernel: one CTA per query block, warps own 16 query rows and loop over key blocks:
+//   S = Q K^T, dP = dO V^T, dS, dQ += dS K, written straight to dq. No atomics.
+#pragma once
+
+#include "kernel_common.cuh"
+#include "mma.cuh"
+#include "traits.h"
+
+namespace attn {
+namespace tc {
+
+// kDropout is a template flag: the Philox rounds would otherwise push the 128 accumulator
+// registers into spills on the common no-dropout path.
+template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout>
+__global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdParams p) {
+  using Ops = TypeOps<T>;
+  constexpr int kThreads = kNWarps * 32;
+  constexpr int kSlices = kD / kDAcc;
+  constexpr int kQT = kBlockM / 8;     // 8-column n-tiles of S^T (queries)
+  constexpr int kAT = kDAcc / 8;       // 8-column n-tiles of dK / dV
+  static_assert(kBlockN == 16 * kNWarps, "warps own 16 keys each");
+  using TileKV = SmemTile<kBlockN, kD>;
+  using TileQ = SmemTile<kBlockM, kD>;
+  using TileS = SmemTile<kBlockN, kBlockM>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sK = smem_u32(smem);
+  const uint32_t sV = sK + TileKV::kBytes;
+  const uint32_t sQ = sV + TileKV::kBytes;
+  const uint32_t sdO = sQ + TileQ::kBytes;
+  const uint32_t sdS = sdO + TileQ::kBytes;  // (kBlockN, kBlockM): dS^T
+  float* sLse = reinterpret_cast<float*>(smem + 2 * TileKV::kBytes + 2 * TileQ::kBytes + TileS::kBytes);
+  float* sDot = sLse + kBlockM;
+  const uint32_t sLse_u = smem_u32(sLse), sDot_u = smem_u32(sDot);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n_block = blockIdx.x / kSlices, slice = blockIdx.x % kSlices;
+  const int d_off = slice * kDAcc;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.h / p.h_k;
+
+  const SeqInfo si(p, b);
+  const int n0 = n_block * kBlockN;
+  // rows of dK/dV this CTA owns: the padded layout also zeroes keys past seqlens_k
+  const int rows_store = min(kBlockN, (p.cu_seqlens_k != nullptr ? si.len_k : p.sk) - n0);
+  if (rows_store <= 0) return;
+  const int rows_k = min(kBlockN, si.len_k - n0);  // may be <= 0: then only zeros are stored
+  const bool dq_atomic = !p.deterministic && p.dq_accum != nullptr;
+  const bool write_dbias = p.dbias != nullptr && !p.deterministic;
+  constexpr bool dropout = kDropout;
+  const float rdrop = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const int wn = warp * 16;
+  // per-thread ldmatrix bases: A of K/V (own 16 keys), B of Q/dO non-transposed and
+  // transposed (this head-dim slice)
+  const uint32_t kv_a = TileKV::offset(wn + (lane & 15), (lane >> 4) * 8);
+  const uint32_t q_b = TileQ::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+  const uint32_t q_bt = TileQ::offset((lane & 7) + ((lane >> 3) & 1) * 8, d_off + (lane >> 4) * 8);
+
+  const T* kp = static_cast<const T*>(p.k) + si.batch_off(p, b, p.k_batch_stride) +
+                int64_t(hk) * p.k_head_stride + (si.row_k + n0) * p.k_row_stride;
+  const T* vp = static_cast<const T*>(p.v) + si.batch_off(p, b, p.v_batch_stride) +
+                int64_t(hk) * p.v_head_stride + (si.row_k + n0) * p.v_row_stride;
+
+  float acc_dk[kAT][4], acc_dv[kAT][4];
+#pragma unroll
+  for (int t = 0; t < kAT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[t][e] = acc_dv[t][e] = 0.f;
+
+  if (rows_k > 0) {
+    load_tile_async<kBlockN, kD, kThreads>(sK, kp, p.k_row_stride, rows_k, p.d, tid);
+    load_tile_async<kBlockN, kD, kThreads>(sV, vp, p.v_row_stride, rows_k, p.d, tid);
+    cp_async_commit();
+  }
+
+  for (int gi = 0; rows_k > 0 && gi < group; ++gi) {
+    const int h = hk * group + gi;
+    const Policy pol(p, si, b, h);
+    const bool plain = policy_is_plain(pol);
+    const int bh = b * p.h + h;
+    int i0, i1;
+    pol.query_range(n0, n0 + rows_k, &i0, &i1);
+    i0 = max(i0, 0);
+    i1 = min(i1, si.len_q);
+    if (i0 >= i1) continue;
+    const int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
+
+    const T* qp = static_cast<const T*>(p.q) + si.batch_off(p, b, p.q_batch_stride) +
+                  int64_t(h) * p.q_head_stride + si.row_q * p.q_row_stride;
+    const T* dop = static_cast<const T*>(p.dout) + si.batch_off(p, b, p.do_batch_stride) +
+                   int64_t(h) * p.do_head_stride + si.row_q * p.do_row_stride;
+    const float* lse_p = p.lse + lse_index(p, si, b, h, 0);
+    const float* dot_p = p.softmax_d + scratch_row(p, b, h, 0);
+
+    auto load_q_block = [&](int m) {
+      const int m0 = m * kBlockM, rows = min(kBlockM, si.len_q - m0);
+      load_tile_async<kBlockM, kD, kThreads>(sQ, qp + int64_t(m0) * p.q_row_stride, p.q_row_stride,
+                                             rows, p.d, tid);
+      load_tile_async<kBlockM, kD, kThreads>(sdO, dop + int64_t(m0) * p.do_row_stride,
+                                             p.do_row_stride, rows, p.d, tid);
+      for (int r = tid; r < kBlockM; r += kThreads) {
+        cp_async4(sLse_u + r * 4, lse_p + m0 + (r < rows ? r : 0), r < rows);
+        cp_async4(sDot_u + r * 4, dot_p + m0 + (r < rows ? r : 0), r < rows);
+      }
+      cp_async_commit();
+    };
+    load_q_block(m_lo);
+
+    for (int m = m_lo; m < m_hi; ++m) {
+      const int m0 = m * kBlockM;
+      cp_async_wait<0>();
+      __syncthreads();  // Q[m], dO[m], lse, dot landed (and K, V on the first pass)
+
+      // ---- S^T = K Q^T and dP^T = V dO^T: (16 keys, kBlockM queries) per warp
+      float acc_s[kQT][4], acc_dp[kQT][4];
+#pragma unroll
+      for (int t = 0; t < kQT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
+      // kk only moves addresses: a rolled loop keeps the prefetched fragments from
+      // crowding out the dK/dV accumulators
+#pragma unroll 1
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        if (kk * 16 < p.d) {
+          uint32_t ak[4], av[4];
+          ldmatrix_x4(ak, sK + TileKV::advance(kv_a, 0, kk * 16));
+          ldmatrix_x4(av, sV + TileKV::advance(kv_a, 0, kk * 16));
+#pragma unroll
+          for (int np = 0; np < kBlockM / 16; ++np) {
+            uint32_t bq[4], bo[4];
+            const uint32_t off = TileQ::advance(q_b, np * 16, kk * 16);
+            ldmatrix_x4(bq, sQ + off);
+            ldmatrix_x4(bo, sdO + off);
+            Ops::mma(acc_s[2 * np], ak, bq);
+            Ops::mma(acc_s[2 * np + 1], ak, bq + 2);
+            Ops::mma(acc_dp[2 * np], av, bo);
+            Ops::mma(acc_dp[2 * np + 1], av, bo + 2);
+          }
+        }
+      }
+
+      // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
+      const bool check = !(plain && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
+#pragma unroll
+      for (int t = 0; t < kQT; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int jl = wn + g + (e >> 1) * 8;
+          const int il = t * 8 + 2 * c + (e & 1);
+          const int i = m0 + il, j = n0 + jl;
+          float z = 1.f;
+          if (dropout) {
+            const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+            z = dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
+          }
+          const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
+                                        lse_to_log2(sLse[il]), sDot[il], z, i, j);
+          acc_s[t][e] = bp.pd;
+          acc_dp[t][e] = bp.dx;
+          if (write_dbias && slice == 0 && i < si.len_q && j < si.len_k) {
+            float* db = p.dbias + int64_t(b) * p.dbias_batch_stride + int64_t(h) * p.dbias_head_stride +
+                        int64_t(i) * p.dbias_row_stride + j;
+            if (p.dbias_row_stride == 0) {
+              if (bp.ds != 0.f) atomicAdd(db, bp.ds);
+            } else {
+              *db = bp.ds;
+            }
+          }
+        }
+      }
+
+      // ---- dS^T to shared memory for dQ
+      if (dq_atomic) {
+#pragma unroll
+        for (int t = 0; t < kQT; ++t)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const uint32_t val = Ops::pack(acc_dp[t][2 * hf], acc_dp[t][2 * hf + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + TileS::offset(wn + g + hf * 8, t * 8 + 2 * c)),
+                         "r"(val));
+          }
+      }
+
+      // ---- dV += P^T dO and dK += dS^T Q over this slice of the head dim
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        uint32_t ap[4], as[4];
+        ap[0] = Ops::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+        ap[1] = Ops::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+        ap[2] = Ops::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+        ap[3] = Ops::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        as[0] = Ops::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
+        as[1] = Ops::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
+        as[2] = Ops::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
+        as[3] = Ops::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+#pragma unroll
+        for (int dt = 0; dt < kDAcc / 16; ++dt) {
+          if (d_off + dt * 16 < p.d) {
+            const uint32_t off = TileQ::advance(q_bt, kk * 16, dt * 16);
+            uint32_t bo[4], bq[4];
+            ldmatrix_x4_trans(bo, sdO + off);
+            ldmatrix_x4_trans(bq, sQ + off);
+            Ops::mma(acc_dv[2 * dt], ap, bo);
+            Ops::mma(acc_dv[2 * dt + 1], ap, bo + 2);
+            Ops::mma(acc_dk[2 * dt], as, bq);
+            Ops::mma(acc_dk[2 * dt + 1], as, bq + 2);
+          }
+        }
+      }
+      __syncthreads();  // dS^T complete; every warp finished reading Q[m] and dO[m]
+      if (m + 1 < m_hi) load_q_block(m + 1);
+
+      // ---- dQ[m] += dS K: warps tile (kBlockM, kDAcc) as kBlockM / 16 row tiles x column splits
+      if (dq_atomic) {
+        constexpr int kRowTiles = kBlockM / 16;
+        static_assert(kNWarps % kRowTiles == 0, "warps tile dQ evenly");
+        constexpr int kSplit = kNWarps / kRowTiles;
+        constexpr int kCols = kDAcc / kSplit;
+        static_assert(kCols % 16 == 0, "dQ column split must be whole k-steps");
+        const int wq = (warp % kRowTiles) * 16;
+        const int wd = d_off + (warp / kRowTiles) * kCols;
+        const uint32_t s_at = TileS::offset((lane & 7) + (lane >> 4) * 8, wq + ((lane >> 3) & 1) * 8);
+        const uint32_t k_bt = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, wd + (lane >> 4) * 8);
+        float acc_dq[kCols / 8][4];
+#pragma unroll
+        for (int t = 0; t < kCols / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dq[t][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, sdS + TileS::advance(s_at, kk * 16, 0));
+#pragma unroll
+          for (int dt = 0; dt < kCols / 16; ++dt) {
+            if (wd + dt * 16 < p.d) {
+              uint32_t bk[4];
+              ldmatrix_x4_trans(bk, sK + TileKV::advance(k_bt, kk * 16, dt * 16));
+              Ops::mma(acc_dq[2 * dt], a, bk);
+              Ops::mma(acc_dq[2 * dt + 1], a, bk + 2);
+            }
+          }
+        }
+        const int dp_cols = kD;  // dq_accum row length: the bucket
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = m0 + wq + g + hf * 8;
+          if (i < si.len_q) {
+            float* dst = p.dq_accum + scratch_row(p, b, h, i) * dp_cols;
+#pragma unroll
+            for (int t = 0; t < kCols / 8; ++t) {
+              const int col = wd + t * 8 + 2 * c;
+              if (col < p.d) {
+                atomicAdd(dst + col, acc_dq[t][2 * hf]);
+                atomicAdd(dst + col + 1, acc_dq[t][2 * hf + 1]);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: dK, dV (zeros for keys no query sees) straight from registers
+  T* dk = static_cast<T*>(p.dk) + si.batch_off(p, b, p.dk_batch_stride) +
+          int64_t(hk) * p.dk_head_stride + (si.row_k + n0) * p.dk_row_stride;
+  T* dv = static_cast<T*>(p.dv) + si.batch_off(p, b, p.dv_batch_stride) +
+          int64_t(hk) * p.dv_head_stride + (si.row_k + n0) * p.dv_row_stride;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = wn + g + hf * 8;
+    if (r < rows_store) {
+#pragma unroll
+      for (int t = 0; t < kAT; ++t) {
+        const int col = d_off + t * 8 + 2 * c;
+        if (col < p.d) {
+          *reinterpret_cast<uint32_t*>(dk + int64_t(r) * p.dk_row_stride + col) =
+              Ops::pack(acc_dk[t][2 * hf], acc_dk[t][2 * hf + 1]);
+          *reinterpret_cast<uint32_t*>(dv + int64_t(r) * p.dv_row_stride + col) =
+              Ops::pack(acc_dv[t][2 * hf], acc_dv[t][2 * hf + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout>
+__global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams p) {
+  using Ops = TypeOps<T>;
+  constexpr int kThreads = kNWarps * 32;
+  constexpr int kSlices = kD / kDAcc;
+  constexpr int kNT = kBlockN / 8;
+  constexpr int kAT = kDAcc / 8;
+  static_assert(kBlockM == 16 * kNWarps, "warps own 16 query rows each");
+  using TileQ = SmemTile<kBlockM, kD>;
+  using TileKV = SmemTile<kBlockN, kD>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sdO = sQ + TileQ::kBytes;
+  const uint32_t sK = sdO + TileQ::kBytes;
+  const uint32_t sV = sK + TileKV::kBytes;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int m_block = blockIdx.x / kSlices, slice = blockIdx.x % kSlices;
+  const int d_off = slice * kDAcc;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= si.len_q) return;
+  const int rows_q = min(kBlockM, si.len_q - m0);
+  const Policy pol(p, si, b, h);
+  const bool plain = policy_is_plain(pol);
+  const int hk = h / (p.h / p.h_k);
+  const int bh = b * p.h + h;
+  constexpr bool dropout = kDropout;
+  const float rdrop = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const bool write_dbias = p.dbias != nullptr && slice == 0;
+  const int wm = warp * 16;
+  const uint32_t q_a = TileQ::offset(wm + (lane & 15), (lane >> 4) * 8);
+  const uint32_t kv_b = TileKV::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+  const uint32_t k_bt = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, d_off + (lane >> 4) * 8);
+
+  const T* qp = static_cast<const T*>(p.q) + si.batch_off(p, b, p.q_batch_stride) +
+                int64_t(h) * p.q_head_stride + (si.row_q + m0) * p.q_row_stride;
+  const T* dop = static_cast<const T*>(p.dout) + si.batch_off(p, b, p.do_batch_stride) +
+                 int64_t(h) * p.do_head_stride + (si.row_q + m0) * p.do_row_stride;
+  const T* kp = static_cast<const T*>(p.k) + si.batch_off(p, b, p.k_batch_stride) +
+                int64_t(hk) * p.k_head_stride + si.row_k * p.k_row_stride;
+  const T* vp = static_cast<const T*>(p.v) + si.batch_off(p, b, p.v_batch_stride) +
+                int64_t(hk) * p.v_head_stride + si.row_k * p.v_row_stride;
+
+  int j0, j1;
+  pol.key_range(m0, m0 + rows_q, &j0, &j1);
+  j0 = max(j0, 0);
+  j1 = min(j1, si.len_k);
+  const int n_lo = j0 / kBlockN;
+  const int n_hi = j0 < j1 ? (j1 + kBlockN - 1) / kBlockN : n_lo;
+
+  float lse2[2], dsum[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int il = wm + g + hf * 8;
+    const bool ok = il < rows_q;
+    lse2[hf] = ok ? lse_to_log2(p.lse[lse_index(p, si, b, h, m0 + il)]) : INFINITY;
+    dsum[hf] = ok ? p.softmax_d[scratch_row(p, b, h, m0 + il)] : 0.f;
+  }
+
+  float acc_dq[kAT][4];
+#pragma unroll
+  for (int t = 0; t < kAT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[t][e] = 0.f;
+
+  if (n_lo < n_hi) {
+    load_tile_async<kBlockM, kD, kThreads>(sQ, qp, p.q_row_stride, rows_q, p.d, tid);
+    load_tile_async<kBlockM, kD, kThreads>(sdO, dop, p.do_row_stride, rows_q, p.d, tid);
+  }
+  for (int n = n_lo; n < n_hi; ++n) {
+    const int n0 = n * kBlockN;
+    load_tile_async<kBlockN, kD, kThreads>(sK, kp + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+                                           si.len_k - n0, p.d, tid);
+    load_tile_async<kBlockN, kD, kThreads>(sV, vp + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+                                           si.len_k - n0, p.d, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- S = Q K^T, dP = dO V^T: (16, kBlockN) per warp
+    float acc_s[kNT][4], acc_dp[kNT][4];
+#pragma unroll
+    for (int t = 0; t < kNT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
+#pragma unroll 1
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      if (kk * 16 < p.d) {
+        uint32_t aq[4], ao[4];
+        ldmatrix_x4(aq, sQ + TileQ::advance(q_a, 0, kk * 16));
+        ldmatrix_x4(ao, sdO + TileQ::advance(q_a, 0, kk * 16));
+#pragma unroll
+        for (int np = 0; np < kBlockN / 16; ++np) {
+          const uint32_t off = TileKV::advance(kv_b, np * 16, kk * 16);
+          uint32_t bk[4], bv[4];
+          ldmatrix_x4(bk, sK + off);
+          ldmatrix_x4(bv, sV + off);
+          Ops::mma(acc_s[2 * np], aq, bk);
+          Ops::mma(acc_s[2 * np + 1], aq, bk + 2);
+          Ops::mma(acc_dp[2 * np], ao, bv);
+          Ops::mma(acc_dp[2 * np + 1], ao, bv + 2);
+        }
+      }
+    }
+
+    const bool check = !(plain && pol.tile_full(m0 + wm, m0 + wm + 16, n0, n0 + kBlockN));
+#pragma unroll
+    for (int t = 0; t < kNT; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1;
+        const int i = m0 + wm + g + hf * 8, j = n0 + t * 8 + 2 * c + (e & 1);
+        float z = 1.f;
+        if (dropout) {
+          const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+          z = dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
+        }
+        const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
+                                      lse2[hf], dsum[hf], z, i, j);
+        acc_dp[t][e] = bp.dx;
+        if (write_dbias && i < si.len_q && j < si.len_k) {
+          float* db = p.dbias + int64_t(b) * p.dbias_batch_stride + int64_t(h) * p.dbias_head_stride +
+                      int64_t(i) * p.dbias_row_stride + j;
+          if (p.dbias_row_stride == 0) {
+            if (bp.ds != 0.f) atomicAdd(db, bp.ds);
+          } else {
+            *db = bp.ds;
+          }
+        }
+      }
+    }
+
+    // ---- dQ += dS K over this slice
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[4];
+      a[0] = Ops::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
+      a[1] = Ops::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
+      a[2] = Ops::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
+      a[3] = Ops::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+#pragma unroll
+      for (int dt = 0; dt < kDAcc / 16; ++dt) {
+        if (d_off + dt * 16 < p.d) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, sK + TileKV::advance(k_bt, kk * 16, dt * 16));
+          Ops::mma(acc_dq[2 * dt], a, bk);
+          Ops::mma(acc_dq[2 * dt + 1], a, bk + 2);
+        }
+      }
+    }
+    __syncthreads();  // every warp finished reading K[n], V[n]
+  }
+
+  T* dq = static_cast<T*>(p.dq) + si.batch_off(p, b, p.dq_batch_stride) +
+          int64_t(h) * p.dq_head_stride + (si.row_q + m0) * p.dq_row_stride;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = wm + g + hf * 8;
+    if (r < rows_q) {
+#pragma unroll
+      for (int t = 0; t < kAT; ++t) {
+        const int col = d_off + t * 8 + 2 * c;
+        if (col < p.d)
+          *reinterpret_cast<uint32_t*>(dq + int64_t(r) * p.dq_row_stride + col) =
+              Ops::pack(acc_dq[t][2 * hf], acc_dq[t][2 * hf + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace attn

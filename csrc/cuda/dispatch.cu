@@ -1,0 +1,219 @@
+// cuda_fwd / cuda_bwd: choose the kernel family for a config and launch it.
+//
+// Tensor cores (mma.sync) take fp16/bf16 on sm_80+ when the head dim is a multiple of 8 (so
+// rows are whole 16-byte chunks) and the tensors are 16-byte aligned; everything else, and
+// any head-dim bucket compiled out for a faster developer build (ATTN_CUDA_SKIP_HDIM64/128/
+// 256), takes the SIMT kernels. ATTN_CUDA_SKIP_BWD compiles out the whole backward.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <nvtx3/nvToolsExt.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "launch.h"
+#include "launch_impl.h"
+#include "simt_kernel.cuh"
+#include "traits.h"
+
+namespace attn {
+
+void check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
+  }
+}
+
+namespace {
+
+struct NvtxRange {
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+};
+
+int device_sm() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    throw std::runtime_error("attention: cannot query the current CUDA device");
+  }
+  return major * 10 + minor;
+}
+
+bool bucket_compiled(int bucket) {
+  switch (bucket) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: return true;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: return true;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM256)
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+bool strides8(int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0 && c % 8 == 0; }
+
+bool force_simt() {
+  const char* env = std::getenv("ATTN_CUDA_FORCE_SIMT");
+  return env != nullptr && env[0] != '\0' && env[0] != '0';
+}
+
+bool use_tensor_cores(const FwdParams& p, DType dt) {
+  if (dt == DType::kF32 || force_simt()) return false;
+  if (p.d > 256 || p.d % 8 != 0 || !bucket_compiled(bucket_for_head_dim(p.d))) return false;
+  if (device_sm() < 80) return false;
+  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.o) &&
+         strides8(p.q_batch_stride, p.q_head_stride, p.q_row_stride) &&
+         strides8(p.k_batch_stride, p.k_head_stride, p.k_row_stride) &&
+         strides8(p.v_batch_stride, p.v_head_stride, p.v_row_stride) &&
+         strides8(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+}
+
+bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
+  // dQ/dK/dV/dO are stored 4 bytes at a time and dO is read with cp.async
+  return use_tensor_cores(p, dt) && aligned16(p.dout) &&
+         strides8(p.do_batch_stride, p.do_head_stride, p.do_row_stride) &&
+         strides8(p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride) &&
+         strides8(p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride) &&
+         strides8(p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride) && aligned16(p.dq) &&
+         aligned16(p.dk) && aligned16(p.dv);
+}
+
+void validate(const FwdParams& p, const char* what) {
+  if (p.d < 1 || p.d > simt::kSimtMaxD) {
+    throw std::runtime_error(std::string(what) + ": head dim " + std::to_string(p.d) +
+                             " is outside the CUDA kernels' range [1, 256]");
+  }
+  if (p.h_k < 1 || p.h % p.h_k != 0) {
+    throw std::runtime_error(std::string(what) + ": query heads must be a multiple of kv heads");
+  }
+  if (p.dropout_p < 0.f || p.dropout_p >= 1.f) {
+    throw std::runtime_error(std::string(what) + ": dropout_p must be in [0, 1)");
+  }
+}
+
+
+// One case per compiled head-dim bucket; use_tensor_cores() never picks a missing one.
+template <typename T>
+void fwd_tc(const FwdParams& p, cudaStream_t stream) {
+  switch (bucket_for_head_dim(p.d)) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: run_fwd_tc<T, 64>(p, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: run_fwd_tc<T, 128>(p, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM256)
+    case 256: run_fwd_tc<T, 256>(p, stream); return;
+#endif
+    default: throw std::runtime_error("attention fwd: head-dim bucket not compiled");
+  }
+}
+
+#if !defined(ATTN_CUDA_SKIP_BWD)
+template <typename T>
+void bwd_tc(const BwdParams& p, cudaStream_t stream) {
+  switch (bucket_for_head_dim(p.d)) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: run_bwd_tc<T, 64>(p, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: run_bwd_tc<T, 128>(p, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM256)
+    case 256: run_bwd_tc<T, 256>(p, stream); return;
+#endif
+    default: throw std::runtime_error("attention bwd: head-dim bucket not compiled");
+  }
+}
+#endif
+
+}  // namespace
+
+const char* cuda_path_name(const FwdParams& p, DType dt) {
+  return use_tensor_cores(p, dt) ? "tensor-core" : "simt";
+}
+
+size_t cuda_bwd_softmax_d_floats(const BwdParams& p) { return size_t(p.b) * p.h * p.sq; }
+
+size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt) {
+  if (p.deterministic || !use_tensor_cores_bwd(p, dt)) return 0;
+  return size_t(p.b) * p.h * p.sq * bucket_for_head_dim(p.d);
+}
+
+void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream) {
+  NvtxRange range("attention_ext::cuda_fwd");
+  validate(p, "attention fwd");
+  if (p.b == 0 || p.h == 0 || p.sq == 0) return;
+  if (use_tensor_cores(p, dt)) {
+    if (dt == DType::kF16) fwd_tc<__half>(p, stream);
+    else fwd_tc<__nv_bfloat16>(p, stream);
+    return;
+  }
+  switch (dt) {
+    case DType::kF32: run_fwd_simt<float>(p, stream); break;
+    case DType::kF16: run_fwd_simt<__half>(p, stream); break;
+    case DType::kBF16: run_fwd_simt<__nv_bfloat16>(p, stream); break;
+  }
+}
+
+void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream) {
+  NvtxRange range("attention_ext::cuda_bwd");
+#if defined(ATTN_CUDA_SKIP_BWD)
+  (void)p; (void)dt; (void)stream;
+  throw std::runtime_error("attention bwd: this build compiled out the CUDA backward (ATTN_CUDA_SKIP_BWD)");
+#else
+  validate(p, "attention bwd");
+  if (p.softmax_d == nullptr) throw std::runtime_error("attention bwd: softmax_d scratch is missing");
+  const bool tc = use_tensor_cores_bwd(p, dt);
+  const bool atomic_dq = tc && !p.deterministic;
+  if (atomic_dq && p.dq_accum == nullptr) {
+    throw std::runtime_error("attention bwd: dq_accum scratch is missing");
+  }
+  if (p.dbias != nullptr) {
+    // dense (B, H, Sq_b, Sk): blocks the kernels skip (masked) must read 0
+    const int64_t rows = p.dbias_row_stride == 0 ? 1 : p.sq;
+    const int64_t extent = int64_t(p.b - 1) * p.dbias_batch_stride +
+                           int64_t(p.h - 1) * p.dbias_head_stride +
+                           (rows - 1) * p.dbias_row_stride + p.sk;
+    if (cudaMemsetAsync(p.dbias, 0, size_t(extent) * sizeof(float), stream) != cudaSuccess) {
+      throw std::runtime_error("attention bwd: cannot zero dbias");
+    }
+  }
+  if (p.dsinks != nullptr &&
+      cudaMemsetAsync(p.dsinks, 0, size_t(p.b) * p.h * sizeof(float), stream) != cudaSuccess) {
+    throw std::runtime_error("attention bwd: cannot zero dsinks");
+  }
+  // empty problems: the caller zeroes the gradients (as attention_cuda.cpp does)
+  if (p.b == 0 || p.h == 0 || p.sq == 0 || p.sk == 0) return;
+  const int dq_ld = atomic_dq ? bucket_for_head_dim(p.d) : 0;
+  BwdParams q = p;
+  if (!atomic_dq) q.dq_accum = nullptr;
+  switch (dt) {
+    case DType::kF32: run_bwd_preprocess<float>(q, dq_ld, stream); break;
+    case DType::kF16: run_bwd_preprocess<__half>(q, dq_ld, stream); break;
+    case DType::kBF16: run_bwd_preprocess<__nv_bfloat16>(q, dq_ld, stream); break;
+  }
+  if (tc) {
+    if (dt == DType::kF16) bwd_tc<__half>(q, stream);
+    else bwd_tc<__nv_bfloat16>(q, stream);
+    return;
+  }
+  switch (dt) {
+    case DType::kF32: run_bwd_simt<float>(q, stream); break;
+    case DType::kF16: run_bwd_simt<__half>(q, stream); break;
+    case DType::kBF16: run_bwd_simt<__nv_bfloat16>(q, stream); break;
+  }
+#endif
+}
+
+}  // namespace attn

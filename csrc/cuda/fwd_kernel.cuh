@@ -1,0 +1,274 @@
+// Tensor-core forward (sm_80+, fp16/bf16): one CTA per (query block, head, batch).
+//
+// Each warp owns 16 * kMT consecutive query rows. Per key block: S = Q K^T on mma.sync with
+// both operands read by ldmatrix from swizzled shared memory, the online softmax in registers,
+// then O += P V with P re-packed from the S accumulators (no shared-memory round trip).
+// K and V are single-buffered but their cp.async loads overlap the other half of the work:
+// V[n] streams in during S = Q K^T and the softmax, K[n-1] during P V.
+#pragma once
+
+#include "kernel_common.cuh"
+#include "mma.cuh"
+#include "traits.h"
+
+namespace attn {
+namespace tc {
+
+template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps>
+__global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p) {
+  using Ops = TypeOps<T>;
+  constexpr int kThreads = kNWarps * 32;
+  constexpr int kMT = kBlockM / (16 * kNWarps);  // 16-row m-tiles per warp
+  constexpr int kNT = kBlockN / 8;                // 8-column n-tiles of S
+  constexpr int kDT = kD / 8;                     // 8-column n-tiles of O
+  static_assert(kMT * 16 * kNWarps == kBlockM, "the query block splits into 16-row warp tiles");
+  static_assert(kBlockN % 16 == 0 && kD % 16 == 0, "mma k-steps are 16 wide");
+  using TileQ = SmemTile<kBlockM, kD>;
+  using TileKV = SmemTile<kBlockN, kD>;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem);                      // (kBlockM, kD)
+  const uint32_t sK = sQ + TileQ::kBytes;                  // (kBlockN, kD)
+  const uint32_t sV = sK + TileKV::kBytes;                 // (kBlockN, kD)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+
+  const SeqInfo si(p, b);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= si.len_q) return;
+  const Policy pol(p, si, b, h);
+  const int hk = h / (p.h / p.h_k);
+  const int rows_q = min(kBlockM, si.len_q - m0);
+
+  const T* q = static_cast<const T*>(p.q) + si.batch_off(p, b, p.q_batch_stride) +
+               int64_t(h) * p.q_head_stride + (si.row_q + m0) * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + si.batch_off(p, b, p.k_batch_stride) +
+               int64_t(hk) * p.k_head_stride + si.row_k * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + si.batch_off(p, b, p.v_batch_stride) +
+               int64_t(hk) * p.v_head_stride + si.row_k * p.v_row_stride;
+
+  int j0, j1;
+  pol.key_range(m0, m0 + rows_q, &j0, &j1);
+  j0 = max(j0, 0);
+  j1 = min(j1, si.len_k);
+  const int n_lo = j0 / kBlockN;
+  const int n_hi = j0 < j1 ? (j1 + kBlockN - 1) / kBlockN : n_lo;
+
+  const bool plain = policy_is_plain(pol);
+  const float scale_log2 = p.scale * kLog2e;
+  const bool dropout = p.dropout_p > 0.f;
+  const int bh = b * p.h + h;
+  const int wm = warp * 16 * kMT;  // first row of this warp inside the block
+  // per-thread ldmatrix bases: A of Q, B of K (non-transposed), B of V (transposed)
+  const uint32_t q_a = TileQ::offset(wm + (lane & 15), (lane >> 4) * 8);
+  const uint32_t k_b = TileKV::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+  const uint32_t v_b = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+
+  float acc_o[kMT][kDT][4];
+  float row_m[kMT][2], row_l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    row_m[mt][0] = row_m[mt][1] = -INFINITY;
+    row_l[mt][0] = row_l[mt][1] = 0.f;
+  }
+
+  if (n_lo < n_hi) {
+    load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, rows_q, p.d, tid);
+    {
+      const int n0 = (n_hi - 1) * kBlockN;
+      load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
+                                             si.len_k - n0, p.d, tid);
+    }
+    cp_async_commit();
+  }
+
+  // iterate key blocks in reverse so the partially masked diagonal block comes first
+  for (int n = n_hi - 1; n >= n_lo; --n) {
+    const int n0 = n * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K[n] landed; every warp finished reading V[n+1]
+    load_tile_async<kBlockN, kD, kThreads>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
+                                           si.len_k - n0, p.d, tid);
+    cp_async_commit();
+
+    // ---- S = Q K^T: (16 * kMT, kBlockN) per warp, fp32
+    float acc_s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      if (kk * 16 < p.d) {  // skip the zero padding of a head-dim bucket
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+          ldmatrix_x4(a[mt], sQ + TileQ::advance(q_a, mt * 16, kk * 16));
+#pragma unroll
+        for (int np = 0; np < kBlockN / 16; ++np) {
+          uint32_t bf[4];
+          ldmatrix_x4(bf, sK + TileKV::advance(k_b, np * 16, kk * 16));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Ops::mma(acc_s[mt][2 * np], a[mt], bf);
+            Ops::mma(acc_s[mt][2 * np + 1], a[mt], bf + 2);
+          }
+        }
+      }
+    }
+
+    // ---- logits (log2 domain) and the online softmax
+    const bool check = !(plain && pol.tile_full(m0 + wm, m0 + wm + 16 * kMT, n0, n0 + kBlockN));
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = m0 + wm + mt * 16 + g + hf * 8;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = n0 + nt * 8 + 2 * c + e;
+            float s = logit2(pol, plain, check, scale_log2, acc_s[mt][nt][2 * hf + e], i, j);
+            acc_s[mt][nt][2 * hf + e] = s;
+            mx = fmaxf(mx, s);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_m[mt][hf], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = fast_exp2(row_m[mt][hf] - m_use);
+        row_m[mt][hf] = m_new;
+        float lsum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          float p0 = fast_exp2(acc_s[mt][nt][2 * hf] - m_use);
+          float p1 = fast_exp2(acc_s[mt][nt][2 * hf + 1] - m_use);
+          lsum += p0 + p1;
+          if (dropout) {
+            const int j = n0 + nt * 8 + 2 * c;
+            const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+            if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) p0 = 0.f;
+            if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) p1 = 0.f;
+          }
+          acc_s[mt][nt][2 * hf] = p0;
+          acc_s[mt][nt][2 * hf + 1] = p1;
+        }
+        row_l[mt][hf] = row_l[mt][hf] * alpha + lsum;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          acc_o[mt][dt][2 * hf] *= alpha;
+          acc_o[mt][dt][2 * hf + 1] *= alpha;
+        }
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n] landed; every warp finished reading K[n]
+    if (n > n_lo) {
+      const int nn0 = (n - 1) * kBlockN;
+      load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(nn0) * p.k_row_stride, p.k_row_stride,
+                                             si.len_k - nn0, p.d, tid);
+      cp_async_commit();
+    }
+
+    // ---- O += P V
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = Ops::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+        a[mt][1] = Ops::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+        a[mt][2] = Ops::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+        a[mt][3] = Ops::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        if (dp * 16 < p.d) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, sV + TileKV::advance(v_b, kk * 16, dp * 16));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Ops::mma(acc_o[mt][2 * dp], a[mt], bf);
+            Ops::mma(acc_o[mt][2 * dp + 1], a[mt], bf + 2);
+          }
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalize, LSE, stage O through shared memory for 16-byte stores
+  const float rdrop = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float l = row_l[mt][hf];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      float lse, factor;
+      if (l > 0.f) {
+        lse = row_m[mt][hf] * kLn2 + logf(l);
+        if (p.sinks != nullptr) {
+          const float hi = fmaxf(lse, sink), lo = fminf(lse, sink);
+          lse = hi + log1pf(expf(lo - hi));
+        }
+        factor = exp2f(row_m[mt][hf] - lse * kLog2e) * rdrop;
+      } else {
+        lse = sink;
+        factor = 0.f;
+      }
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        acc_o[mt][dt][2 * hf] *= factor;
+        acc_o[mt][dt][2 * hf + 1] *= factor;
+      }
+      const int i = wm + mt * 16 + g + hf * 8;
+      if (c == 0 && i < rows_q && p.lse != nullptr) p.lse[lse_index(p, si, b, h, m0 + i)] = lse;
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp finished reading sQ
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = wm + mt * 16 + g + hf * 8;
+        const uint32_t val = Ops::pack(acc_o[mt][dt][2 * hf], acc_o[mt][dt][2 * hf + 1]);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + TileQ::offset(r, dt * 8 + 2 * c)),
+                     "r"(val));
+      }
+  __syncthreads();
+  T* o = static_cast<T*>(p.o) + si.batch_off(p, b, p.o_batch_stride) +
+         int64_t(h) * p.o_head_stride + (si.row_q + m0) * p.o_row_stride;
+  constexpr int kTotal = kBlockM * TileQ::kChunks;
+#pragma unroll
+  for (int it = 0; it < kTotal / kThreads; ++it) {
+    const int idx = it * kThreads + tid;
+    const int r = idx / TileQ::kChunks, ch = idx % TileQ::kChunks;
+    if (r < rows_q && ch * 8 < p.d) {
+      uint4 val;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(sQ + TileQ::offset(r, ch * 8)));
+      *reinterpret_cast<uint4*>(o + int64_t(r) * p.o_row_stride + ch * 8) = val;
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace attn

@@ -1,0 +1,95 @@
+// Device helpers shared by the tensor-core and SIMT kernels: where rows live in the output and
+// scratch tensors, and the per-element backward math. The semantics themselves (masking, the
+// logit) come from csrc/common/policy.h, the same code the CPU kernel runs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "common/philox.h"
+#include "common/policy.h"
+
+namespace attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// lse element (b, h, i): (B, H, Sq) float32 through its batch/head strides; varlen: one
+// (1, H, total_q) pack indexed by the sequence's first row (batch stride unused).
+__device__ __forceinline__ int64_t lse_index(const FwdParams& p, const SeqInfo& si, int b, int h,
+                                             int i) {
+  return si.batch_off(p, b, p.lse_batch_stride) + int64_t(h) * p.lse_head_stride + si.row_q + i;
+}
+
+// Row of the CUDA backward's float32 scratch (softmax_d, dq_accum): always the padded
+// (B, H, Sq) index, so varlen needs B * H * max_seqlen_q rows, independent of the pack.
+__device__ __forceinline__ int64_t scratch_row(const FwdParams& p, int b, int h, int i) {
+  return (int64_t(b) * p.h + h) * p.sq + i;
+}
+
+// No per-element work beyond the window: no softcap, ALiBi, bias or bool mask.
+__device__ __forceinline__ bool policy_is_plain(const Policy& pol) {
+  return pol.softcap <= 0.f && pol.slope == 0.f && pol.bias_kind == BiasKind::kNone;
+}
+
+// The forward logit in the log2 domain, -inf where (i, j) is not allowed.
+//   check = false: the caller proved the tile is inside the window and the policy is plain.
+__device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool check, float scale_log2,
+                                        float x, int i, int j) {
+  if (plain) {
+    if (check && !pol.in_window(i, j)) return -INFINITY;
+    return x * scale_log2;
+  }
+  if (!pol.allowed(i, j)) return -INFINITY;
+  return pol.score(x, i, j) * kLog2e;
+}
+
+// The backward of one (i, j), given x = q.k, dp = dO.v, lse2 = lse * log2(e) (+inf for a row
+// with nothing allowed, so that P = 0), dsum = dot(dO, O) and the dropout factor z (0 for a
+// dropped element, 1 / (1 - p) for a kept one, 1 without dropout):
+//   P  = exp(s - lse);   pd = P * z              (the probabilities that multiplied V)
+//   ds = P * (dp * z - dsum)                      (d loss / d logit, = d loss / d bias)
+//   dx = ds * d s / d x                           (feeds dQ = dx K and dK = dx^T Q)
+struct BwdPoint {
+  float pd, ds, dx;
+};
+__device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, bool check,
+                                              float scale, float x, float dp, float lse2,
+                                              float dsum, float z, int i, int j) {
+  BwdPoint r;
+  float s2;
+  if (plain) {
+    if (check && !pol.in_window(i, j)) {
+      r.pd = r.ds = r.dx = 0.f;
+      return r;
+    }
+    s2 = x * (scale * kLog2e);
+  } else {
+    if (!pol.allowed(i, j)) {
+      r.pd = r.ds = r.dx = 0.f;
+      return r;
+    }
+    s2 = pol.score(x, i, j) * kLog2e;
+  }
+  float pr = exp2f(s2 - lse2);
+  r.pd = pr * z;
+  r.ds = pr * (dp * z - dsum);
+  r.dx = r.ds * (plain ? scale : pol.dscore_dx(x));
+  return r;
+}
+
+// Word k of a Philox result without a run-time array index (which would put it in local memory).
+__device__ __forceinline__ uint32_t philox_word(const Philox4& r, int k) {
+  const uint32_t lo = (k & 1) ? r.x[1] : r.x[0];
+  const uint32_t hi = (k & 1) ? r.x[3] : r.x[2];
+  return (k & 2) ? hi : lo;
+}
+
+// lse in the log2 domain with a fully masked row mapped to +inf (P = 2^(s - inf) = 0).
+__device__ __forceinline__ float lse_to_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * kLog2e;
+}
+
+}  // namespace attn

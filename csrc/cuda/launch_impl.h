@@ -1,0 +1,30 @@
+// Declarations of the per-instantiation launchers. The definitions live in
+// launch_template.cuh and are instantiated by the generated csrc/cuda/inst_*.cu files
+// (tools/gen_cuda_instantiations.py), one translation unit per (dtype, head-dim bucket,
+// direction), so the build parallelizes and dispatch.cu compiles no kernel code.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/params.h"
+
+namespace attn {
+
+template <typename T, int kD>
+void run_fwd_tc(const FwdParams& p, cudaStream_t stream);
+template <typename T, int kD>
+void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preprocess
+
+template <typename T>
+void run_fwd_simt(const FwdParams& p, cudaStream_t stream);
+template <typename T>
+void run_bwd_simt(const BwdParams& p, cudaStream_t stream);  // after the preprocess
+template <typename T>
+void run_bwd_preprocess(const BwdParams& p, int dq_ld, cudaStream_t stream);
+template <typename T>
+void run_bwd_convert_dq(const BwdParams& p, int dq_ld, cudaStream_t stream);
+
+// Throws std::runtime_error naming `what` if the last launch failed.
+void check_launch(const char* what);
+
+}  // namespace attn

@@ -1,0 +1,140 @@
+// PTX building blocks for the sm_80+ tensor-core kernels: cp.async, ldmatrix, mma.sync
+// m16n8k16, a swizzled shared-memory tile, and fp32 <-> 16-bit packing.
+//
+// Fragment layouts of mma.m16n8k16 (lane = 4 * g + c, g = lane / 4, c = lane % 4):
+//   A (16 x 16, row-major): a0 = (g, 2c..2c+1)   a1 = (g+8, 2c..)   a2 = (g, 2c+8..)   a3 = (g+8, 2c+8..)
+//   B (16 x 8,  "col"):     b0 = (k 2c..2c+1, n g)                  b1 = (k 2c+8.., n g)
+//   C (16 x 8,  fp32):      c0,c1 = (g, 2c..2c+1)                   c2,c3 = (g+8, 2c..2c+1)
+// so the C fragments of two adjacent n-tiles of one product are exactly the A fragment of the
+// next product (the P of softmax(QK^T) feeding PV without a trip through shared memory).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace attn {
+namespace tc {
+
+// ---------------------------------------------------------------- element type traits
+template <typename T>
+struct TypeOps;
+
+template <>
+struct TypeOps<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+template <>
+struct TypeOps<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// ---------------------------------------------------------------- shared memory
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows past the sequence end, head
+// dims past d), so padded lanes never hold garbage that could turn into NaN.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// A (kRows x kCols) tile of 16-bit elements in shared memory, rows of kCols / 8 chunks of 16
+// bytes, with an XOR swizzle of the chunk index so that the 8 rows one ldmatrix 8x8 reads hit
+// 8 different 16-byte bank groups (conflict-free):
+//   rows of >= 128 bytes: chunk c of row r is stored at chunk c ^ (r % 8)
+//   rows of 64 bytes (two rows per 128 bytes): chunk c ^ ((r / 2) % 4)
+template <int kRows, int kCols>
+struct SmemTile {
+  static_assert(kCols % 64 == 0 || kCols == 32, "rows must be 64 bytes or a multiple of 128");
+  static constexpr int kChunks = kCols / 8;
+  static constexpr int kBytes = kRows * kCols * 2;
+  __device__ __forceinline__ static int swz(int r) { return kChunks >= 8 ? (r & 7) : ((r >> 1) & 3); }
+  __device__ __forceinline__ static uint32_t offset(int r, int col) {  // col in elements
+    int c = col >> 3;
+    return uint32_t((r * kChunks + (c ^ swz(r))) * 16 + (col & 7) * 2);
+  }
+  // offset(r + dr, col + dc) from off = offset(r, col), for dr % 8 == 0 and chunk deltas
+  // dc / 8 whose low bits (3, or 2 for 64-byte rows) are disjoint from those of col / 8: one
+  // XOR and an immediate, so an unrolled loop keeps one base register per operand instead of
+  // one address per step.
+  __device__ __forceinline__ static uint32_t advance(uint32_t off, int dr, int dc) {
+    constexpr int kMask = kChunks >= 8 ? 7 : 3;
+    const int cd = dc >> 3;
+    return (off ^ uint32_t((cd & kMask) << 4)) + uint32_t(dr * kChunks * 16 + (cd & ~kMask) * 16);
+  }
+};
+
+// Copy rows [0, kRows) x cols [0, kCols) of a global tile (row stride in elements) into a
+// swizzled shared tile; rows >= valid_rows and cols >= valid_cols are zero-filled.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, int64_t row_stride,
+                                                int valid_rows, int valid_cols, int tid) {
+  using Tile = SmemTile<kRows, kCols>;
+  constexpr int kTotal = kRows * Tile::kChunks;
+#pragma unroll
+  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+    int idx = it * kThreads + tid;
+    if (kTotal % kThreads == 0 || idx < kTotal) {
+      int r = idx / Tile::kChunks;
+      int c = idx % Tile::kChunks;
+      bool ok = r < valid_rows && c * 8 < valid_cols;
+      const T* src = ok ? gmem + int64_t(r) * row_stride + c * 8 : gmem;
+      cp_async16(smem + Tile::offset(r, c * 8), src, ok);
+    }
+  }
+}
+
+// ex2.approx: 2^x with -inf -> +0, the one transcendental of the softmax inner loop.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace tc
+}  // namespace attn

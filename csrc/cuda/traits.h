@@ -1,0 +1,90 @@
+// Tile sizes of the tensor-core kernels per head-dim bucket (64, 128, 256).
+//
+// Head dims that are not a bucket (32, 40, 80, 96, ...) run in the next bucket up: the loads
+// zero-fill columns >= d, the k-steps past d are skipped at run time and stores are
+// predicated, so the padding costs shared memory but few tensor-core cycles.
+//
+// One set of tiles serves sm_80 and sm_90: both run the same mma.sync code, and the shared
+// memory asked for (<= 136 KB) fits either (sm_80: 163 KB, sm_90: 227 KB per block).
+#pragma once
+
+namespace attn {
+
+constexpr int kSmemLimitSm80 = 163 * 1024;
+
+constexpr int bucket_for_head_dim(int d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+
+template <int kD>
+struct FwdTraits;
+// kBlockM query rows per CTA, kBlockN keys per step, kNWarps warps of 16 * kMT rows each.
+template <>
+struct FwdTraits<64> {
+  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4;  // kMT = 2: each ldmatrix'd
+};                                                                // K/V fragment feeds 2 mma
+template <>
+struct FwdTraits<128> {
+  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8;  // kMT = 1: O is 64 regs
+};
+template <>
+struct FwdTraits<256> {
+  static constexpr int kBlockM = 64, kBlockN = 32, kNWarps = 4;   // O alone is 128 regs
+};
+
+// Backward. dK/dV kernel: one CTA per (kBlockN keys, kv head, batch), warps own 16 keys each
+// (kBlockN = 16 * kNWarps) and loop over kBlockM-row query blocks of every head of the group.
+// kDAcc columns of dK/dV (and of dQ) per CTA: D = 256 splits into two CTAs that each
+// recompute S and dP but keep half of the accumulators, so dK + dV stay at 128 registers.
+template <int kD>
+struct BwdTraits;
+template <>
+struct BwdTraits<64> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 8, kDAcc = 64;
+};
+template <>
+struct BwdTraits<128> {
+  static constexpr int kBlockM = 32, kBlockN = 128, kNWarps = 8, kDAcc = 128;  // S^T, dP^T: 16 regs
+};
+template <>
+struct BwdTraits<256> {
+  static constexpr int kBlockM = 32, kBlockN = 64, kNWarps = 4, kDAcc = 128;
+};
+
+// Deterministic dQ kernel: one CTA per query block, warps own 16 query rows.
+template <int kD>
+struct BwdDqTraits {
+  static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4;
+  static constexpr int kDAcc = kD < 128 ? kD : 128;
+};
+
+template <int kD, int kBlockM, int kBlockN>
+constexpr int fwd_smem_bytes() {
+  return (kBlockM + 2 * kBlockN) * kD * 2;
+}
+template <int kD, int kBlockM, int kBlockN>
+constexpr int bwd_smem_bytes() {
+  // K, V (kBlockN, D); Q, dO (kBlockM, D); dS^T (kBlockN, kBlockM); lse, dot(dO, O) (kBlockM)
+  return (2 * kBlockN + 2 * kBlockM) * kD * 2 + kBlockN * kBlockM * 2 + 2 * kBlockM * 4;
+}
+template <int kD, int kBlockM, int kBlockN>
+constexpr int bwd_dq_smem_bytes() {
+  return (2 * kBlockM + 2 * kBlockN) * kD * 2;  // Q, dO, K, V
+}
+
+#define ATTN_CHECK_TRAITS(D)                                                                      \
+  static_assert(fwd_smem_bytes<D, FwdTraits<D>::kBlockM, FwdTraits<D>::kBlockN>() <=             \
+                    kSmemLimitSm80,                                                               \
+                "forward tiles must fit sm_80 shared memory");                                    \
+  static_assert(bwd_smem_bytes<D, BwdTraits<D>::kBlockM, BwdTraits<D>::kBlockN>() <=             \
+                    kSmemLimitSm80,                                                               \
+                "backward tiles must fit sm_80 shared memory");                                   \
+  static_assert(BwdTraits<D>::kBlockN == 16 * BwdTraits<D>::kNWarps,                              \
+                "backward warps own 16 keys each");                                               \
+  static_assert(D % BwdTraits<D>::kDAcc == 0, "dK/dV column slices tile the head dim");          \
+  static_assert(BwdTraits<D>::kBlockM % 64 == 0 || BwdTraits<D>::kBlockM == 32,                   \
+                "dS^T rows are swizzled as 64 bytes or multiples of 128")
+
+ATTN_CHECK_TRAITS(64);
+ATTN_CHECK_TRAITS(128);
+ATTN_CHECK_TRAITS(256);
+
+}  // namespace attn

@@ -1,0 +1,279 @@
+"""CUDA kernels against reference.py in float64: forward, LSE and every gradient.
+
+The rule (FA2's): the kernel's error against the float64 reference must be <= 2x the error
+of PyTorch's own same-dtype computation of the same math (reference.py run in the low dtype),
+plus a small absolute floor. Inputs are fresh random draws; the allocator's free blocks are
+filled with NaN before each kernel call so an unwritten output element cannot pass.
+
+Skips cleanly without a GPU or without the compiled CUDA kernels.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from attention_ext import reference
+
+ops = pytest.importorskip("attention_ext.ops")
+
+CUDA = torch.cuda.is_available() and ops.HAS_EXT and ops.has_kernel(torch.device("cuda"))
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled CUDA kernels")
+
+DEV = "cuda"
+# absolute floor, relative to the reference's max magnitude
+FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+HEAD_DIMS = [32, 40, 64, 80, 96, 128, 256]
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill the caching allocator's free memory with NaN: outputs allocated next reuse it."""
+    blocks = []
+    for n in (nbytes, nbytes // 2, nbytes // 4, nbytes // 8, 1 << 20, 1 << 16):
+        t = torch.empty(max(n // 4, 1), device=DEV, dtype=torch.float32)
+        t.fill_(float("nan"))
+        blocks.append(t)
+    del blocks
+
+
+def call_fwd(q, k, v, **o):
+    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(q.shape[-1]),
+                softcap=0.0, window_left=-1, window_right=-1, bottom_right=False, dropout_p=0.0, seed=0,
+                offset=0)
+    opts.update(o)
+    return [opts[n] for n in ops.OPTION_NAMES]
+
+
+def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
+    args = call_fwd(q, k, v, **o)
+    nbytes = 4 * (q.numel() + k.numel() + v.numel()) * 2 + (1 << 22)
+    poison_allocator(nbytes)
+    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+    poison_allocator(nbytes)
+    grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic)
+    torch.cuda.synchronize()
+    return out, lse, grads
+
+
+def ref_run(q, k, v, dout, dtype, *, bias=None, sinks=None, need_bias_grad=False, **kw):
+    """reference.attention in `dtype` with autograd: (out, lse, dq, dk, dv, dbias, dsinks)."""
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    bb = None
+    if bias is not None:
+        bb = bias.detach().to(dtype) if bias.dtype != torch.bool else bias
+        if need_bias_grad:
+            bb.requires_grad_()
+    ss = sinks.detach().to(dtype).requires_grad_() if sinks is not None else None
+    out, lse = reference.attention(qq, kk, vv, bias=bb, sinks=ss, **kw)
+    out.backward(dout.to(dtype))
+    return (out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad,
+            bb.grad if need_bias_grad else None, ss.grad if ss is not None else None)
+
+
+def max_err(x, ref):
+    x, ref = x.double(), ref.double()
+    both_inf = torch.isinf(x) & torch.isinf(ref) & (torch.sign(x) == torch.sign(ref))
+    d = torch.where(both_inf, torch.zeros_like(x), (x - ref).abs())
+    return float(d.nan_to_num(float("inf")).max()) if d.numel() else 0.0
+
+
+def check(name, x, ref64, ref_low, dtype):
+    assert x.shape == ref64.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref64.shape)}"
+    assert not torch.isnan(x).any(), f"{name}: NaN in the kernel output (unwritten or bad math)"
+    err = max_err(x, ref64)
+    err_torch = max_err(ref_low, ref64)
+    finite = ref64[torch.isfinite(ref64)]
+    mag = float(finite.abs().max()) if finite.numel() else 1.0
+    tol = 2.0 * err_torch + FLOOR[dtype] * max(mag, 1.0)
+    assert err <= tol, f"{name}: max error {err:.3e} > {tol:.3e} (torch {dtype}: {err_torch:.3e})"
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, device=DEV, dtype=torch.float32).to(dtype)
+
+
+def run_and_compare(b, h, hk, sq, sk, d, dtype, *, bias=None, bias_grad=False, sinks=None, seqlens_k=None,
+                    layout="bhsd", deterministic=False, **o):
+    if layout == "bshd":  # (B, S, H, D) storage viewed as (B, H, S, D)
+        q = randn(b, sq, h, d, dtype=dtype).transpose(1, 2)
+        k = randn(b, sk, hk, d, dtype=dtype).transpose(1, 2)
+        v = randn(b, sk, hk, d, dtype=dtype).transpose(1, 2)
+    else:
+        q, k, v = randn(b, h, sq, d, dtype=dtype), randn(b, hk, sk, d, dtype=dtype), randn(b, hk, sk, d, dtype=dtype)
+    dout = randn(b, h, sq, d, dtype=dtype)
+    scale = o.pop("scale", 1.0 / math.sqrt(d))
+    wl, wr = o.pop("window", (-1, -1))
+    out, lse, (dq, dk, dv, dbias, dsinks) = run_kernel(
+        q, k, v, dout, bias=bias, sinks=sinks, seqlens_k=seqlens_k, scale=scale, window_left=wl, window_right=wr,
+        bias_grad=bias_grad, deterministic=deterministic, **o)
+    kw = dict(scale=scale, window=(wl, wr), bottom_right=o.get("bottom_right", False), softcap=o.get("softcap", 0.0),
+              alibi_slopes=o.get("alibi_slopes"), seqlens_k=seqlens_k)
+    if o.get("dropout_p", 0.0) > 0:
+        kw["dropout_p"] = o["dropout_p"]
+        kw["dropout_mask"] = ops.dropout_mask(b, h, sq, sk, o["dropout_p"], o["seed"], o.get("offset", 0)).to(DEV)
+    r64 = ref_run(q, k, v, dout, torch.float64, bias=bias, sinks=sinks, need_bias_grad=bias_grad, **kw)
+    low = dtype if dtype != torch.float32 else torch.float32
+    rlo = ref_run(q, k, v, dout, low, bias=bias, sinks=sinks, need_bias_grad=bias_grad, **kw)
+    check("out", out, r64[0], rlo[0], dtype)
+    check("lse", lse, r64[1], rlo[1].float(), dtype)
+    check("dq", dq, r64[2], rlo[2], dtype)
+    check("dk", dk, r64[3], rlo[3], dtype)
+    check("dv", dv, r64[4], rlo[4], dtype)
+    if bias_grad:
+        check("dbias", dbias.sum_to_size(bias.shape), r64[5], rlo[5], dtype)
+    if sinks is not None:
+        check("dsinks", dsinks.sum(0), r64[6], rlo[6], dtype)
+    return out, lse, dq, dk, dv
+
+
+# ---------------------------------------------------------------- shapes and dtypes
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (1000, 1000)])
+def test_shapes(dtype, d, sq, sk):
+    torch.manual_seed(sq * 1000 + sk + d)
+    run_and_compare(2, 2, 2, sq, sk, d, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [36, 72])  # not multiples of 8 (36) / odd buckets: SIMT or padded
+def test_odd_head_dims(dtype, d):
+    torch.manual_seed(d)
+    run_and_compare(1, 2, 1, 129, 77, d, dtype, window=(-1, 0))
+
+
+# ---------------------------------------------------------------- the option matrix
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+def option_cases():
+    b = 2
+    sq, sk = 129, 200
+
+    def bool_mask():
+        m = torch.rand(b, 1, sq, sk, device=DEV) > 0.3
+        m[:, :, 5] = False  # a fully masked row
+        return m
+
+    return {
+        "causal_tl": lambda h: dict(window=(-1, 0)),
+        "causal_br": lambda h: dict(window=(-1, 0), bottom_right=True),
+        "window": lambda h: dict(window=(17, 5)),
+        "window_br": lambda h: dict(window=(40, 0), bottom_right=True),
+        "key_padding": lambda h: dict(seqlens_k=torch.tensor([200, 61], device=DEV, dtype=torch.int32)),
+        "bool_mask": lambda h: dict(bias=bool_mask()),
+        "bias_grad": lambda h: dict(bias=torch.randn(1, h, sq, sk, device=DEV), bias_grad=True),
+        "bias_row_bcast_grad": lambda h: dict(bias=torch.randn(b, 1, 1, sk, device=DEV), bias_grad=True),
+        "alibi": lambda h: dict(alibi_slopes=torch.rand(h, device=DEV), window=(-1, 0), bottom_right=True),
+        "softcap": lambda h: dict(softcap=5.0, scale=0.5),
+        "sinks": lambda h: dict(sinks=torch.randn(h, device=DEV), window=(-1, 0)),
+        "dropout": lambda h: dict(dropout_p=0.2, seed=1234, offset=7),
+        "everything": lambda h: dict(window=(30, 0), bottom_right=True, softcap=20.0, sinks=torch.randn(h, device=DEV),
+                                     alibi_slopes=torch.rand(h, device=DEV) * 0.1,
+                                     bias=torch.randn(b, h, sq, sk, device=DEV), bias_grad=True,
+                                     seqlens_k=torch.tensor([150, 200], device=DEV, dtype=torch.int32)),
+    }
+
+
+OPTION_NAMES = ["causal_tl", "causal_br", "window", "window_br", "key_padding", "bool_mask", "bias_grad",
+                "bias_row_bcast_grad", "alibi", "softcap", "sinks", "dropout", "everything"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("opt", OPTION_NAMES)
+@pytest.mark.parametrize("d", [64, 96])
+def test_options(dtype, heads, opt, d):
+    torch.manual_seed(hash((opt, heads, d)) % 10000)
+    h, hk = HEADS[heads]
+    o = option_cases()[opt](h)
+    run_and_compare(2, h, hk, 129, 200, d, dtype, **o)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_deterministic(dtype, d):
+    torch.manual_seed(d)
+    a = run_and_compare(2, 4, 2, 300, 257, d, dtype, window=(-1, 0), deterministic=True, seed=0)
+    torch.manual_seed(d)
+    b = run_and_compare(2, 4, 2, 300, 257, d, dtype, window=(-1, 0), deterministic=True, seed=0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), "deterministic mode must be bitwise reproducible"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layout_bshd(dtype):
+    torch.manual_seed(3)
+    run_and_compare(2, 4, 2, 130, 131, 128, dtype, layout="bshd", window=(-1, 0), bottom_right=True)
+
+
+# ---------------------------------------------------------------- varlen
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen(dtype, d, causal):
+    torch.manual_seed(d + causal)
+    lens_q, lens_k = [1, 129, 64, 300], [7, 129, 200, 1]
+    h, hk = 4, 2
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), device=DEV, dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), device=DEV, dtype=torch.int32)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = randn(tq, h, d, dtype=dtype)
+    k, v = randn(tk, hk, d, dtype=dtype), randn(tk, hk, d, dtype=dtype)
+    dout = randn(tq, h, d, dtype=dtype)
+    pack = lambda t: t.transpose(0, 1).unsqueeze(0)  # (total, H, D) -> (1, H, total, D)
+    sinks = torch.randn(h, device=DEV)
+    wl, wr = (-1, 0) if causal else (-1, -1)
+    out, lse, (dq, dk, dv, _, dsinks) = run_kernel(
+        pack(q), pack(k), pack(v), pack(dout), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+        max_seqlen_k=max(lens_k), window_left=wl, window_right=wr, bottom_right=True, sinks=sinks)
+
+    def ref(dt):
+        qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        ss = sinks.to(dt).requires_grad_()
+        o, l = reference.attention_varlen(qq, kk, vv, cu_q.cpu(), cu_k.cpu(), window=(wl, wr), bottom_right=True,
+                                          sinks=ss)
+        o.backward(dout.to(dt))
+        return o.detach(), l.detach(), qq.grad, kk.grad, vv.grad, ss.grad
+
+    r64, rlo = ref(torch.float64), ref(dtype)
+    unpack = lambda t: t.squeeze(0).transpose(0, 1)
+    check("out", unpack(out), r64[0], rlo[0], dtype)
+    check("lse", lse.squeeze(0), r64[1], rlo[1].float(), dtype)
+    check("dq", unpack(dq), r64[2], rlo[2], dtype)
+    check("dk", unpack(dk), r64[3], rlo[3], dtype)
+    check("dv", unpack(dv), r64[4], rlo[4], dtype)
+    check("dsinks", dsinks.sum(0), r64[5], rlo[5], dtype)
+
+
+# ---------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dropout_reproducible_and_matches_cpu(dtype):
+    torch.manual_seed(0)
+    b, h, sq, sk, d = 2, 2, 70, 90, 64
+    q, k, v = randn(b, h, sq, d, dtype=dtype), randn(b, h, sk, d, dtype=dtype), randn(b, h, sk, d, dtype=dtype)
+    dout = randn(b, h, sq, d, dtype=dtype)
+    o1, l1, g1 = run_kernel(q, k, v, dout, dropout_p=0.3, seed=99, offset=5)
+    o2, l2, g2 = run_kernel(q, k, v, dout, dropout_p=0.3, seed=99, offset=5)
+    o3, _, _ = run_kernel(q, k, v, dout, dropout_p=0.3, seed=100, offset=5)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2), "same seed must reproduce the forward"
+    assert torch.equal(g1[1], g2[1]) and torch.equal(g1[2], g2[2]), "same seed must reproduce dK and dV"
+    assert not torch.equal(o1, o3), "another seed must draw another mask"
+    # the CPU kernel draws the same mask: compare the two backends in float32
+    qc, kc, vc = (t.float().cpu() for t in (q, k, v))
+    args = call_fwd(qc, kc, vc, dropout_p=0.3, seed=99, offset=5)
+    oc, lc = torch.ops.attention_ext.fwd(qc, kc, vc, *args)
+    err = (o1.float().cpu() - oc).abs().max().item()
+    assert err <= (1e-4 if dtype == torch.float32 else 3e-2), f"CUDA vs CPU dropout forward differ by {err}"
+
+
+def test_force_simt_path_matches(monkeypatch):
+    """The SIMT fallback on fp16/bf16 (as used on sm < 80 or misaligned tensors)."""
+    monkeypatch.setenv("ATTN_CUDA_FORCE_SIMT", "1")
+    torch.manual_seed(5)
+    for dtype in (torch.float16, torch.bfloat16):
+        run_and_compare(2, 4, 2, 65, 130, 64, dtype, window=(-1, 0), bottom_right=True,
+                        sinks=torch.randn(4, device=DEV), dropout_p=0.1, seed=3)
