@@ -193,6 +193,21 @@ def test_cross_attention_and_padding():
     torch.testing.assert_close(c, ref, atol=ATOL, rtol=1e-4)
 
 
+def test_padding_by_lengths_and_by_mask_give_the_same_gradients():
+    """Keys past seqlens_k are masked: they get exactly zero gradient, as with key_padding_mask."""
+    torch.manual_seed(0)
+    layer = Attention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2), cross=True)
+    x = torch.randn(2, 5, 32)
+    grads = []
+    for kw in (dict(seqlens_k=torch.tensor([9, 4])),
+               dict(key_padding_mask=torch.arange(9).unsqueeze(0) < torch.tensor([[9], [4]]))):
+        mem = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        layer(x, mem, **kw).square().sum().backward()
+        assert torch.all(mem.grad[1, 4:] == 0)
+        grads.append(mem.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", [dict(causal=True), dict(causal=True, positional="rope", n_kv_heads=2),
                                   dict(causal=True, positional="alibi", window=(4, -1)),
                                   dict(causal=True, sinks=True, n_kv_heads=1)])

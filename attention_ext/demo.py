@@ -1,0 +1,490 @@
+"""`python -m attention_ext demo`: the package end to end, on a laptop CPU, with no downloads.
+
+1. seq2seq: a small encoder-decoder Transformer learns to reverse random letter strings; reports
+   held-out exact-sequence accuracy (greedy decoding with the KV cache), shows a few decodes and
+   saves cross-attention heatmaps.
+2. char LM: a small decoder-only Transformer trains on the Python standard library's own source
+   files; reports validation bits per character against a unigram baseline and samples a few
+   lines with KV-cache generation.
+3. timings: forward+backward step time of the same model with our kernel and with torch SDPA.
+
+Default <= 3 minutes on a 2-core CPU, `--quick` <= 1 minute. Everything lands in --out
+(default ./attention_ext_demo/): results.json, samples.txt and the PNG heatmaps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .models import LanguageModel, LMConfig, Transformer, TransformerConfig
+
+VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks")
+
+
+@dataclass
+class Size:
+    d_model: int
+    n_heads: int
+    n_layers: int        # per stack for the seq2seq model, total for the LM
+    block_size: int      # LM context
+    batch: int
+
+
+SIZES = {
+    "tiny": Size(d_model=64, n_heads=4, n_layers=2, block_size=64, batch=32),
+    "small": Size(d_model=128, n_heads=4, n_layers=3, block_size=128, batch=32),
+    "base": Size(d_model=256, n_heads=8, n_layers=6, block_size=256, batch=32),
+}
+
+
+def variant_options(variant: str, n_heads: int, context: int) -> Dict:
+    """The attention options a --variant stands for (model-config keyword arguments)."""
+    return {
+        "full": {},
+        "gqa": {"n_kv_heads": max(1, n_heads // 2)},
+        "mqa": {"n_kv_heads": 1},
+        "window": {"window": (max(4, context // 4), -1)},
+        "alibi": {"positional": "alibi"},
+        "rope": {"positional": "rope"},
+        "sinks": {"sinks": True},
+    }[variant]
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True, disable=quiet,
+                file=sys.stderr, mininterval=0.5)
+
+
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. sequence to sequence: string reversal
+
+PAD, BOS, EOS = 0, 1, 2
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+class ReverseTask:
+    """Source: a random lowercase string of min_len..max_len letters; target: the string reversed.
+    The held-out strings are drawn first and never appear in training."""
+
+    def __init__(self, min_len: int, max_len: int, n_test: int, seed: int):
+        self.min_len, self.max_len = min_len, max_len
+        self.vocab = ["<pad>", "<s>", "</s>"] + list(LETTERS)
+        self.rng = random.Random(seed)
+        self.test = [self._draw() for _ in range(n_test)]
+        self.held_out = set(self.test)
+
+    def _draw(self) -> str:
+        n = self.rng.randint(self.min_len, self.max_len)
+        return "".join(self.rng.choice(LETTERS) for _ in range(n))
+
+    def train_batch(self, n: int) -> List[str]:
+        out = []
+        while len(out) < n:
+            s = self._draw()
+            if s not in self.held_out:
+                out.append(s)
+        return out
+
+    @staticmethod
+    def target(s: str) -> str:
+        return s[::-1]
+
+    def encode(self, strings: List[str], device) -> tuple:
+        """-> src (B, S) with EOS, src lengths (B,), decoder input (B, T) = BOS + target, decoder
+        target (B, T) = target + EOS, PAD-filled."""
+        ids = [[3 + LETTERS.index(c) for c in s] for s in strings]
+        tgt = [[3 + LETTERS.index(c) for c in self.target(s)] for s in strings]
+        s_len = max(len(x) for x in ids) + 1
+        t_len = max(len(x) for x in tgt) + 1
+        src = torch.full((len(ids), s_len), PAD, dtype=torch.long)
+        dec_in = torch.full((len(ids), t_len), PAD, dtype=torch.long)
+        dec_out = torch.full((len(ids), t_len), PAD, dtype=torch.long)
+        for i, (a, b) in enumerate(zip(ids, tgt)):
+            src[i, : len(a) + 1] = torch.tensor(a + [EOS])
+            dec_in[i, : len(b) + 1] = torch.tensor([BOS] + b)
+            dec_out[i, : len(b) + 1] = torch.tensor(b + [EOS])
+        lengths = torch.tensor([len(a) + 1 for a in ids])
+        return src.to(device), lengths.to(device), dec_in.to(device), dec_out.to(device)
+
+    def decode(self, ids: List[int]) -> str:
+        out = []
+        for i in ids:
+            if i == EOS:
+                break
+            out.append(self.vocab[i] if i >= 3 else "?")
+        return "".join(out)
+
+
+def run_seq2seq(args, size: Size, device, log) -> Dict:
+    task = ReverseTask(min_len=4, max_len=args.s2s_max_len, n_test=args.s2s_test, seed=args.seed + 1)
+    opts = variant_options(args.variant, size.n_heads, args.s2s_max_len + 2)
+    cfg = TransformerConfig(src_vocab_size=len(task.vocab), d_model=size.d_model, n_heads=size.n_heads,
+                            n_encoder_layers=2, n_decoder_layers=2, d_ff=4 * size.d_model, dropout=0.0,
+                            norm_first=True, max_len=64, tie_embeddings=True, **opts)
+    torch.manual_seed(args.seed)
+    model = Transformer(cfg).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.s2s_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    log(f"\n[1/3] seq2seq: reverse strings of {task.min_len}-{task.max_len} letters  "
+        f"({sum(p.numel() for p in model.parameters()) / 1e3:.0f}k params, 2+2 layers, variant={args.variant})")
+
+    val = task.encode(task.train_batch(256), device)
+    steps, batch = args.s2s_steps, args.s2s_batch
+    bar = _progress(steps, "seq2seq", args.quiet)
+    t0, tokens, step, val_acc = time.perf_counter(), 0, 0, 0.0
+    model.train()
+    for step in range(steps):
+        for g in optim.param_groups:
+            g["lr"] = _lr(step, steps, args.s2s_lr, warmup=min(100, steps // 10))
+        src, lengths, dec_in, dec_out = task.encode(task.train_batch(batch), device)
+        _, loss = model(src, dec_in, lengths, targets=dec_out)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        tokens += int((src != PAD).sum() + (dec_out != PAD).sum())
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
+        if (step + 1) % 50 == 0:  # teacher-forced sequence accuracy on a validation batch: stop once learned
+            model.eval()
+            with torch.no_grad():
+                logits = model(val[0], val[2], val[1])
+            ok = ((logits.argmax(-1) == val[3]) | (val[3] == PAD)).all(-1)
+            val_acc = ok.float().mean().item()
+            model.train()
+            if val_acc >= 0.998:
+                break
+    bar.close()
+    train_s = time.perf_counter() - t0
+
+    # held-out exact-sequence accuracy with greedy decoding and the KV cache
+    model.eval()
+    correct, shown = 0, []
+    for i in range(0, len(task.test), 250):
+        chunk = task.test[i: i + 250]
+        src, lengths, _, _ = task.encode(chunk, device)
+        out = model.greedy_decode(src, lengths, BOS, EOS, max_new_tokens=task.max_len + 1)
+        for s, row in zip(chunk, out.tolist()):
+            pred = task.decode(row)
+            correct += pred == task.target(s)
+            if len(shown) < 4:
+                shown.append((s, pred))
+    acc = correct / len(task.test)
+    log(f"  trained {step + 1} steps in {train_s:.1f}s; held-out exact-sequence accuracy "
+        f"{acc:.1%} on {len(task.test)} unseen strings (greedy, KV cache)")
+    for s, pred in shown:
+        log(f"    {s:>{task.max_len}} -> {pred:<{task.max_len}} {'ok' if pred == task.target(s) else 'WRONG'}")
+
+    plots = []
+    if not args.no_plots:
+        plots = _plot_cross_attention(model, task, task.test[0], args.out, log)
+    return {"task": "reverse", "steps": step + 1, "train_s": round(train_s, 1), "accuracy": acc,
+            "n_test": len(task.test), "examples": shown, "plots": plots}
+
+
+def _plot_cross_attention(model, task, s: str, out_dir: str, log) -> List[str]:
+    try:
+        from . import viz
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("  (matplotlib missing: no heatmaps; pip install matplotlib)")
+        return []
+    device = next(model.parameters()).device
+    src, lengths, _, _ = task.encode([s], device)
+    pred = model.greedy_decode(src, lengths, BOS, EOS, max_new_tokens=task.max_len + 1)
+    dec_in = torch.cat([torch.tensor([[BOS]], device=device), pred[:, :-1]], 1)  # teacher-force the decode
+    layers = [blk.cross_attn for blk in model.decoder.layers]
+    for a in layers:
+        a.keep_weights = True
+    with torch.no_grad():
+        model(src, dec_in, lengths)
+    src_tok = list(s) + ["</s>"]
+    out_tok = list(task.decode(pred[0].tolist())) + ["</s>"]
+    paths = []
+    for i, a in enumerate(layers):
+        a.keep_weights = False
+        w = a.last_weights[0, :, : len(out_tok), : len(src_tok)]  # (H, T, S)
+        path = os.path.join(out_dir, f"seq2seq_cross_attention_layer{i}.png")
+        viz.plot_attention_heads(w, path, x_tokens=src_tok, y_tokens=out_tok,
+                                 title=f"decoder layer {i} cross-attention: reverse('{s}')")
+        paths.append(path)
+    log(f"  cross-attention heatmaps: {', '.join(paths)}")
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. character LM on the Python standard library
+
+
+def stdlib_text(max_chars: int) -> tuple:
+    """ASCII text of the stdlib's top-level .py files, sorted by name so every machine reads the
+    same files; every 10th file goes to validation. -> (train, val, list of files)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(f for f in os.listdir(root) if f.endswith(".py"))
+    train, val, used, n = [], [], [], 0
+    for i, name in enumerate(files):
+        try:
+            with open(os.path.join(root, name), encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        text = text.encode("ascii", "replace").decode("ascii").replace("\t", "    ")
+        (val if i % 10 == 5 else train).append(text)
+        used.append(name)
+        n += len(text)
+        if n >= max_chars:
+            break
+    return "\n".join(train), "\n".join(val), used
+
+
+def run_char_lm(args, size: Size, device, log) -> Dict:
+    train_text, val_text, files = stdlib_text(args.lm_chars)
+    chars = sorted(set(train_text) | set(val_text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    train = torch.tensor([stoi[c] for c in train_text], dtype=torch.long)
+    val = torch.tensor([stoi[c] for c in val_text], dtype=torch.long)
+
+    # unigram baseline: cross-entropy of val under train character frequencies (add-one smoothed)
+    counts = torch.bincount(train, minlength=len(chars)).double() + 1.0
+    logp = (counts / counts.sum()).log2()
+    unigram_bpc = -logp[val].mean().item()
+
+    opts = variant_options(args.variant, size.n_heads, size.block_size)
+    opts.setdefault("positional", "learned")
+    cfg = LMConfig(vocab_size=len(chars), block_size=size.block_size, n_layer=size.n_layers, n_head=size.n_heads,
+                   d_model=size.d_model, dropout=0.0, **opts)
+    torch.manual_seed(args.seed)
+    model = LanguageModel(cfg).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lm_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    log(f"\n[2/3] char LM on the Python stdlib: {len(files)} files, {len(train):,} train / {len(val):,} val chars, "
+        f"vocab {len(chars)}  ({model.num_params() / 1e6:.2f}M params, {size.n_layers} layers, "
+        f"context {size.block_size}, variant={args.variant})")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    t_blk = size.block_size
+
+    def batch(data, n, g=gen):
+        ix = torch.randint(len(data) - t_blk - 1, (n,), generator=g)
+        x = torch.stack([data[i: i + t_blk] for i in ix.tolist()])
+        y = torch.stack([data[i + 1: i + 1 + t_blk] for i in ix.tolist()])
+        return x.to(device), y.to(device)
+
+    steps, deadline = args.lm_steps, args.lm_seconds
+    bar = _progress(steps, "char LM", args.quiet)
+    t0, tokens, step = time.perf_counter(), 0, 0
+    model.train()
+    for step in range(steps):
+        for g in optim.param_groups:
+            g["lr"] = _lr(step, steps, args.lm_lr, warmup=min(50, steps // 10))
+        x, y = batch(train, size.batch)
+        _, loss = model(x, y)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        tokens += x.numel()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
+        if time.perf_counter() - t0 > deadline:  # the time budget rules on slow machines
+            break
+    bar.close()
+    train_s = time.perf_counter() - t0
+
+    model.eval()
+    val_gen = torch.Generator().manual_seed(args.seed + 7)
+    with torch.no_grad():
+        losses = [model(*batch(val, size.batch, val_gen))[1].item() for _ in range(args.lm_eval_batches)]
+    val_bpc = sum(losses) / len(losses) / math.log(2)
+    log(f"  trained {step + 1} steps in {train_s:.1f}s ({tokens / train_s:,.0f} tokens/s)")
+    log(f"  validation: {val_bpc:.2f} bits/char   vs unigram baseline {unigram_bpc:.2f} bits/char "
+        f"({unigram_bpc / val_bpc:.2f}x better)")
+
+    samples = []
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = ["def ", "class ", "import "]
+    idx = [torch.tensor([[stoi[c] for c in p]], device=device) for p in prompts]
+    t1 = time.perf_counter()
+    for p, x in zip(prompts, idx):
+        n_new = min(args.lm_sample_chars, cfg.block_size - x.shape[1]) if cfg.positional == "learned" \
+            else args.lm_sample_chars
+        out = model.generate(x, n_new, temperature=0.8, top_k=20, generator=g)  # KV cache
+        samples.append("".join(chars[i] for i in out[0].tolist()))
+    gen_s = time.perf_counter() - t1
+    log(f"  samples (KV-cache generation, temperature 0.8, top-k 20, {gen_s:.1f}s):")
+    for s in samples:
+        for line in s.splitlines()[:4]:
+            log(f"    | {line}")
+        log("    ---")
+    return {"files": len(files), "train_chars": len(train), "val_chars": len(val), "steps": step + 1,
+            "train_s": round(train_s, 1), "tokens_per_s": round(tokens / train_s), "val_bpc": round(val_bpc, 3),
+            "unigram_bpc": round(unigram_bpc, 3), "samples": samples}
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. forward + backward step time: our kernel against torch SDPA in the same model
+
+
+def _step_ms(model, x, y, reps: int) -> float:
+    def step():
+        _, loss = model(x, y)
+        loss.backward()
+
+    step()  # warmup
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def run_timings(args, size: Size, device, log) -> List[Dict]:
+    shapes = [(8, 128), (4, 512)] if args.quick else [(8, 128), (4, 512), (2, 1024)]
+    variants = ["full", args.variant] if args.variant != "full" else ["full", "window"]
+    rows = []
+    log(f"\n[3/3] forward+backward step time of the LM ({size.n_layers} layers, d_model {size.d_model}): "
+        f"our kernel vs torch SDPA (median of {args.bench_reps})")
+    from . import ops
+
+    if not ops.has_kernel(torch.device(device)):
+        log(f"  note: no compiled kernel for {device}; 'ours' is running the pure-PyTorch reference")
+    log(f"  {'variant':<8} {'batch x seq':>11} {'ours ms':>9} {'sdpa ms':>9} {'sdpa/ours':>9}")
+    for variant in variants:
+        for b, s in shapes:
+            opts = variant_options(variant, size.n_heads, s)
+            if opts.get("sinks"):
+                continue  # SDPA has no sinks
+            times = {}
+            for kind in ("softmax", "sdpa"):
+                torch.manual_seed(0)
+                cfg = LMConfig(vocab_size=96, block_size=s, n_layer=size.n_layers, n_head=size.n_heads,
+                               d_model=size.d_model, attention_type=kind, **{"positional": "rope", **opts})
+                model = LanguageModel(cfg).to(device)
+                x = torch.randint(0, 96, (b, s), device=device)
+                times[kind] = _step_ms(model, x, x, args.bench_reps)
+            row = {"variant": variant, "batch": b, "seq": s, "ours_ms": round(times["softmax"], 2),
+                   "sdpa_ms": round(times["sdpa"], 2), "ratio": round(times["sdpa"] / times["softmax"], 2)}
+            rows.append(row)
+            log(f"  {variant:<8} {f'{b} x {s}':>11} {row['ours_ms']:>9.1f} {row['sdpa_ms']:>9.1f} {row['ratio']:>8.2f}x")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m attention_ext demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the CI version: about 1 minute")
+    p.add_argument("--out", default="./attention_ext_demo", help="output directory (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--variant", default="full", choices=VARIANTS,
+                   help="attention variant: full softmax, GQA, MQA, causal sliding window, ALiBi, RoPE, sinks")
+    p.add_argument("--size", default=None, choices=sorted(SIZES), help="model size (default: small, tiny with --quick)")
+    p.add_argument("--parts", default="seq2seq,lm,timings", help="comma-separated subset of seq2seq,lm,timings")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-plots", action="store_true", help="skip the heatmaps")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--min-accuracy", type=float, default=0.95,
+                   help="exit status 1 when the seq2seq held-out accuracy is below this (default: %(default)s)")
+    g = p.add_argument_group("tuning (defaults depend on --quick)")
+    g.add_argument("--s2s-steps", type=int)
+    g.add_argument("--s2s-batch", type=int, default=64)
+    g.add_argument("--s2s-lr", type=float, default=2e-3)
+    g.add_argument("--s2s-max-len", type=int)
+    g.add_argument("--s2s-test", type=int, default=1000)
+    g.add_argument("--lm-steps", type=int)
+    g.add_argument("--lm-seconds", type=float)
+    g.add_argument("--lm-lr", type=float, default=3e-3)
+    g.add_argument("--lm-chars", type=int)
+    g.add_argument("--lm-eval-batches", type=int)
+    g.add_argument("--lm-sample-chars", type=int, default=160)
+    g.add_argument("--bench-reps", type=int)
+    return p
+
+
+def _defaults(args) -> None:
+    q = args.quick
+    for name, quick, full in [("s2s_steps", 800, 2000), ("s2s_max_len", 8, 12), ("lm_steps", 200, 600),
+                              ("lm_seconds", 20.0, 75.0), ("lm_chars", 400_000, 1_500_000),
+                              ("lm_eval_batches", 8, 20), ("bench_reps", 3, 5)]:
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    if args.size is None:
+        args.size = "tiny" if q else "small"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    _defaults(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    parts = set(args.parts.split(","))
+    unknown = parts - {"seq2seq", "lm", "timings"}
+    if unknown:
+        print(f"unknown --parts {sorted(unknown)}", file=sys.stderr)
+        return 2
+    size = SIZES[args.size]
+    lines: List[str] = []
+
+    def log(msg: str = "") -> None:
+        lines.append(msg)
+        print(msg, flush=True)
+
+    t0 = time.perf_counter()
+    log(f"attention_ext demo: device={device}, size={args.size}, variant={args.variant}, "
+        f"{'quick' if args.quick else 'default'} run, {torch.get_num_threads()} threads, output in {args.out}")
+    results: Dict = {"device": device, "size": args.size, "variant": args.variant, "quick": args.quick}
+    if "seq2seq" in parts:
+        results["seq2seq"] = run_seq2seq(args, size, device, log)
+    if "lm" in parts:
+        results["char_lm"] = run_char_lm(args, size, device, log)
+    if "timings" in parts:
+        results["timings"] = run_timings(args, size, device, log)
+    results["wall_s"] = round(time.perf_counter() - t0, 1)
+    log(f"\ndone in {results['wall_s']:.0f}s; results in {os.path.join(args.out, 'results.json')}")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(args.out, "log.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if "char_lm" in results:
+        with open(os.path.join(args.out, "samples.txt"), "w") as f:
+            f.write("\n\n----\n\n".join(results["char_lm"]["samples"]) + "\n")
+    if "seq2seq" in parts and results["seq2seq"]["accuracy"] < args.min_accuracy:
+        print(f"seq2seq accuracy {results['seq2seq']['accuracy']:.1%} is below {args.min_accuracy:.0%}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
