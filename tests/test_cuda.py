@@ -60,6 +60,13 @@ def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
 
 def ref_run(q, k, v, dout, dtype, *, bias=None, sinks=None, need_bias_grad=False, **kw):
     """reference.attention in `dtype` with autograd: (out, lse, dq, dk, dv, dbias, dsinks)."""
+    if q.is_cuda and kw.get("alibi_slopes") is not None and kw.get("seqlens_k") is not None:
+        # reference.alibi_bias builds its bottom-right lengths on the CPU: run it there
+        cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t
+        kw = {n: cpu(t) for n, t in kw.items()}
+        outs = ref_run(q.cpu(), k.cpu(), v.cpu(), dout.cpu(), dtype, bias=cpu(bias), sinks=cpu(sinks),
+                       need_bias_grad=need_bias_grad, **kw)
+        return tuple(t.to(DEV) if t is not None else None for t in outs)
     qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     bb = None
     if bias is not None:

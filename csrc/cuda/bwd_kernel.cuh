@@ -132,9 +132,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
       // kk only moves addresses: a rolled loop keeps the prefetched fragments from
       // crowding out the dK/dV accumulators
+      const int kk_end = (p.d + 15) / 16;  // skip the head-dim padding of the bucket
 #pragma unroll 1
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        if (kk * 16 < p.d) {
+      for (int kk = 0; kk < kk_end; ++kk) {
+        {
           uint32_t ak[4], av[4];
           ldmatrix_x4(ak, sK + TileKV::advance(kv_a, 0, kk * 16));
           ldmatrix_x4(av, sV + TileKV::advance(kv_a, 0, kk * 16));
@@ -154,6 +155,25 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
 
       // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
       const bool check = !(plain && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
+      if (!check && !dropout) {
+        // full tile of a plain policy: branch-free (write_dbias implies a bias, so never here)
+        const float scale_log2 = p.scale * kLog2e;
+#pragma unroll
+        for (int t = 0; t < kQT; ++t) {
+#pragma unroll
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int il = t * 8 + 2 * c + e2;
+            const float l2 = lse_to_log2(sLse[il]), dsum = sDot[il];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+              const int e = 2 * hf + e2;
+              const float pr = fast_exp2(acc_s[t][e] * scale_log2 - l2);
+              acc_dp[t][e] = pr * (acc_dp[t][e] - dsum) * p.scale;
+              acc_s[t][e] = pr;
+            }
+          }
+        }
+      } else {
 #pragma unroll
       for (int t = 0; t < kQT; ++t) {
 #pragma unroll
@@ -180,6 +200,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             }
           }
         }
+      }
       }
 
       // ---- dS^T to shared memory for dQ
@@ -208,7 +229,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         as[3] = Ops::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
 #pragma unroll
         for (int dt = 0; dt < kDAcc / 16; ++dt) {
-          if (d_off + dt * 16 < p.d) {
+          {  // padding columns accumulate zeros; no guard keeps the loop schedulable
             const uint32_t off = TileQ::advance(q_bt, kk * 16, dt * 16);
             uint32_t bo[4], bq[4];
             ldmatrix_x4_trans(bo, sdO + off);
@@ -245,7 +266,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
           ldmatrix_x4_trans(a, sdS + TileS::advance(s_at, kk * 16, 0));
 #pragma unroll
           for (int dt = 0; dt < kCols / 16; ++dt) {
-            if (wd + dt * 16 < p.d) {
+            {
               uint32_t bk[4];
               ldmatrix_x4_trans(bk, sK + TileKV::advance(k_bt, kk * 16, dt * 16));
               Ops::mma(acc_dq[2 * dt], a, bk);
@@ -385,9 +406,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
     for (int t = 0; t < kNT; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
+    const int kk_end = (p.d + 15) / 16;
 #pragma unroll 1
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      if (kk * 16 < p.d) {
+    for (int kk = 0; kk < kk_end; ++kk) {
+      {
         uint32_t aq[4], ao[4];
         ldmatrix_x4(aq, sQ + TileQ::advance(q_a, 0, kk * 16));
         ldmatrix_x4(ao, sdO + TileQ::advance(q_a, 0, kk * 16));
@@ -406,6 +428,17 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
     }
 
     const bool check = !(plain && pol.tile_full(m0 + wm, m0 + wm + 16, n0, n0 + kBlockN));
+    if (!check && !dropout) {
+      const float scale_log2 = p.scale * kLog2e;
+#pragma unroll
+      for (int t = 0; t < kNT; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hf = e >> 1;
+          const float pr = fast_exp2(acc_s[t][e] * scale_log2 - lse2[hf]);
+          acc_dp[t][e] = pr * (acc_dp[t][e] - dsum[hf]) * p.scale;
+        }
+    } else {
 #pragma unroll
     for (int t = 0; t < kNT; ++t) {
 #pragma unroll
@@ -431,6 +464,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
         }
       }
     }
+    }
 
     // ---- dQ += dS K over this slice
 #pragma unroll
@@ -442,7 +476,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
       a[3] = Ops::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
 #pragma unroll
       for (int dt = 0; dt < kDAcc / 16; ++dt) {
-        if (d_off + dt * 16 < p.d) {
+        {
           uint32_t bk[4];
           ldmatrix_x4_trans(bk, sK + TileKV::advance(k_bt, kk * 16, dt * 16));
           Ops::mma(acc_dq[2 * dt], a, bk);

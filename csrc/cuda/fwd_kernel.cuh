@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
         for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
-      if (kk * 16 < p.d) {  // skip the zero padding of a head-dim bucket
+      {  // zero-filled head-dim padding contributes zeros: no guard, so loads can be hoisted
         uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
@@ -125,24 +125,38 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
       }
     }
 
-    // ---- logits (log2 domain) and the online softmax
+    // ---- logits (log2 domain): a branch-free pass for full tiles of a plain policy, the
+    // per-element policy otherwise (the branch is warp-uniform, taken once per tile)
     const bool check = !(plain && pol.tile_full(m0 + wm, m0 + wm + 16 * kMT, n0, n0 + kBlockN));
+    if (!check) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= scale_log2;
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = m0 + wm + mt * 16 + g + (e >> 1) * 8;
+            const int j = n0 + nt * 8 + 2 * c + (e & 1);
+            acc_s[mt][nt][e] = logit2(pol, plain, true, scale_log2, acc_s[mt][nt][e], i, j);
+          }
+    }
+
+    // ---- online softmax: rows g and g + 8 of each m-tile, reduced over the quad
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = m0 + wm + mt * 16 + g + hf * 8;
         float mx = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = n0 + nt * 8 + 2 * c + e;
-            float s = logit2(pol, plain, check, scale_log2, acc_s[mt][nt][2 * hf + e], i, j);
-            acc_s[mt][nt][2 * hf + e] = s;
-            mx = fmaxf(mx, s);
-          }
-        }
+        for (int nt = 0; nt < kNT; ++nt)
+          mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hf], acc_s[mt][nt][2 * hf + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_m[mt][hf], mx);
@@ -152,15 +166,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
         float lsum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          float p0 = fast_exp2(acc_s[mt][nt][2 * hf] - m_use);
-          float p1 = fast_exp2(acc_s[mt][nt][2 * hf + 1] - m_use);
+          const float p0 = fast_exp2(acc_s[mt][nt][2 * hf] - m_use);
+          const float p1 = fast_exp2(acc_s[mt][nt][2 * hf + 1] - m_use);
           lsum += p0 + p1;
-          if (dropout) {
-            const int j = n0 + nt * 8 + 2 * c;
-            const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
-            if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) p0 = 0.f;
-            if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) p1 = 0.f;
-          }
           acc_s[mt][nt][2 * hf] = p0;
           acc_s[mt][nt][2 * hf + 1] = p1;
         }
@@ -171,6 +179,21 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
           acc_o[mt][dt][2 * hf + 1] *= alpha;
         }
       }
+    }
+    // dropout acts on P after the row sums (the LSE is of the undropped probabilities)
+    if (dropout) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+            const int i = m0 + wm + mt * 16 + g + hf * 8;
+            const int j = n0 + nt * 8 + 2 * c;
+            const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+            if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) acc_s[mt][nt][2 * hf] = 0.f;
+            if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) acc_s[mt][nt][2 * hf + 1] = 0.f;
+          }
     }
 
     cp_async_wait<0>();
@@ -195,7 +218,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
       }
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
-        if (dp * 16 < p.d) {
+        {
           uint32_t bf[4];
           ldmatrix_x4_trans(bf, sV + TileKV::advance(v_b, kk * 16, dp * 16));
 #pragma unroll

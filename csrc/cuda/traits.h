@@ -19,8 +19,8 @@ struct FwdTraits;
 // kBlockM query rows per CTA, kBlockN keys per step, kNWarps warps of 16 * kMT rows each.
 template <>
 struct FwdTraits<64> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4;  // kMT = 2: each ldmatrix'd
-};                                                                // K/V fragment feeds 2 mma
+  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8;  // kMT = 2 (4 warps) spilled
+};
 template <>
 struct FwdTraits<128> {
   static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8;  // kMT = 1: O is 64 regs

@@ -1,0 +1,155 @@
+"""CUDA fused attention vs torch SDPA (flash and cuDNN backends), bf16, in one run.
+
+    python benchmarks/bench_cuda.py [--quick] [--md results.md]
+
+(B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
+(B * H * S = 16k * 32), D in {64, 128}, S in {1k .. 16k}, causal (top-left) and not.
+TFLOP/s from benchmarks/common.flops() (forward 4 * B * H * D * allowed pairs, backward 2.5x);
+the backward is timed alone (dQ, dK, dV from saved out / LSE). Times are medians of CUDA-event
+timings after warm-up. The ceiling is a measured 8192^3 bf16 matmul.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import flops  # noqa: E402
+
+from attention_ext import ops  # noqa: E402
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover
+    SDPBackend = sdpa_kernel = None
+
+
+def cuda_time(fn, warmup=3, reps=10):
+    for _ in range(warmup):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    return ts[len(ts) // 2] * 1e-3
+
+
+def matmul_ceiling():
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2.0 * n ** 3 / cuda_time(lambda: a @ b, warmup=3, reps=10)
+
+
+def options(d, causal):
+    o = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(d), softcap=0.0, window_left=-1,
+             window_right=0 if causal else -1, bottom_right=False, dropout_p=0.0, seed=0, offset=0)
+    return [o[n] for n in ops.OPTION_NAMES]
+
+
+def sdpa_backend_fns(backend, q, k, v, dout, causal):
+    """(fwd, bwd) closures for one SDPA backend, or None when it refuses the inputs."""
+    if sdpa_kernel is None:
+        return None
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    try:
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
+    except RuntimeError:
+        return None
+
+    def fwd():
+        with sdpa_kernel([backend]), torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def bwd():
+        torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
+
+    return fwd, bwd
+
+
+def run(quick=False, deterministic=False):
+    torch.manual_seed(0)
+    ceiling = matmul_ceiling()
+    rows = []
+    seqs = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
+    for d in (64, 128):
+        for causal in (False, True):
+            for s in seqs:
+                h = 16
+                b = max(1, 32768 // s)
+                mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                q, k, v, dout = mk(), mk(), mk(), mk()
+                args = options(d, causal)
+                out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+                ours_fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
+                ours_bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, deterministic)
+                f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
+                f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
+                row = dict(d=d, s=s, b=b, h=h, causal=causal)
+                row["ours_fwd"] = f_fwd / cuda_time(ours_fwd) / 1e12
+                row["ours_bwd"] = f_bwd / cuda_time(ours_bwd) / 1e12
+                for name, backend in (("flash", getattr(SDPBackend, "FLASH_ATTENTION", None)),
+                                      ("cudnn", getattr(SDPBackend, "CUDNN_ATTENTION", None))):
+                    fns = sdpa_backend_fns(backend, q, k, v, dout, causal) if backend is not None else None
+                    if fns is None:
+                        row[name + "_fwd"] = row[name + "_bwd"] = float("nan")
+                        continue
+                    row[name + "_fwd"] = f_fwd / cuda_time(fns[0]) / 1e12
+                    row[name + "_bwd"] = f_bwd / cuda_time(fns[1]) / 1e12
+                rows.append(row)
+                print(f"d={d} s={s} causal={causal}: fwd {row['ours_fwd']:.0f} vs flash {row['flash_fwd']:.0f} "
+                      f"cudnn {row['cudnn_fwd']:.0f} | bwd {row['ours_bwd']:.0f} vs flash {row['flash_bwd']:.0f} "
+                      f"cudnn {row['cudnn_bwd']:.0f} TFLOP/s", flush=True)
+                del q, k, v, dout, out, lse
+                torch.cuda.empty_cache()
+    return ceiling, rows
+
+
+def table(ceiling, rows, gpu):
+    head = (f"GPU: {gpu}; bf16 matmul ceiling (8192^3): {ceiling / 1e12:.0f} TFLOP/s\n\n"
+            "| D | S | causal | fwd ours | fwd flash | x flash | fwd cudnn | x cudnn | fwd % ceil "
+            "| bwd ours | bwd flash | x flash | bwd cudnn | x cudnn | bwd % ceil |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        def ratio(a, b):
+            return f"{a / b:.2f}" if b == b and b > 0 else "n/a"
+        lines.append(
+            f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {r['ours_fwd']:.0f} | {r['flash_fwd']:.0f} | "
+            f"{ratio(r['ours_fwd'], r['flash_fwd'])} | {r['cudnn_fwd']:.0f} | {ratio(r['ours_fwd'], r['cudnn_fwd'])} | "
+            f"{100 * r['ours_fwd'] * 1e12 / ceiling:.0f}% | {r['ours_bwd']:.0f} | {r['flash_bwd']:.0f} | "
+            f"{ratio(r['ours_bwd'], r['flash_bwd'])} | {r['cudnn_bwd']:.0f} | {ratio(r['ours_bwd'], r['cudnn_bwd'])} | "
+            f"{100 * r['ours_bwd'] * 1e12 / ceiling:.0f}% |")
+    return head + "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")):
+        print("bench_cuda: needs a GPU and the compiled CUDA kernels; skipped")
+        return
+    ceiling, rows = run(args.quick)
+    md = table(ceiling, rows, torch.cuda.get_device_name())
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One command for the GPU verification of the CUDA kernels:
+#   build -> CUDA tests -> compute-sanitizer (memcheck, racecheck) -> ncu -> benchmark -> table.
+#
+#   bash benchmarks/gpu_check.sh                  # everything
+#   STAGES="build test bench" bash benchmarks/gpu_check.sh
+#
+# Logs go to $OUT (default /tmp/gpu_check). The short summary is printed last.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test sanitize ncu bench"}
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
+export PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+nvidia-smi -L | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+if has build; then
+  t0=$(date +%s)
+  if timeout 420 python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+    note "build: ok in $(( $(date +%s) - t0 )) s (MAX_JOBS=$MAX_JOBS, arch $TORCH_CUDA_ARCH_LIST)"
+  else
+    note "build: FAILED (see build.log)"; tail -40 "$OUT/build.log"; cat "$SUMMARY"; exit 1
+  fi
+  grep -E "spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20 > "$OUT/spills.txt" || true
+  so=$(python3 -c "import attention_ext._C as c; print(c.__file__)")
+  cuobjdump -res-usage "$so" > "$OUT/res_usage.txt" 2>&1 || true
+  # kernels with a local-memory (spill) footprint: LOCAL:<n> with n > 0
+  nloc=$(grep -c "STACK:[1-9]" "$OUT/res_usage.txt" || true)
+  note "resource usage: $(grep -c 'Function' "$OUT/res_usage.txt" || true) kernels, $nloc with a stack frame (spills; res_usage.txt)"
+  grep -B1 "STACK:[1-9]" "$OUT/res_usage.txt" | grep Function | sed 's/^/  stack: /' | head -10 | tee -a "$SUMMARY" || true
+fi
+
+if has test; then
+  timeout 300 python3 -m pytest tests/test_cuda.py -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
+  note "tests: $(tail -1 "$OUT/test.log")"
+  grep -E "^FAILED" "$OUT/test.log" | head -15 | tee -a "$SUMMARY" || true
+fi
+
+if has sanitize; then
+  cat > "$OUT/san_cases.py" <<'PY'
+import math, torch
+from attention_ext import ops
+def run(b, h, hk, sq, sk, d, dtype, deterministic=False, **o):
+    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1, window_right=-1,
+                bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+    opts.update(o)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
+    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+    bias_grad = opts["bias"] is not None and opts["bias"].dtype == torch.float32
+    g = torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, bias_grad, deterministic)
+    torch.cuda.synchronize()
+bf, f16 = torch.bfloat16, torch.float16
+run(1, 2, 1, 70, 130, 64, bf, window_right=0, bottom_right=True)
+run(1, 2, 2, 33, 65, 128, f16, bias=torch.randn(1, 2, 33, 65, device="cuda"), dropout_p=0.2)
+run(1, 2, 2, 40, 40, 256, bf, sinks=torch.randn(2, device="cuda"), deterministic=True)
+run(1, 2, 1, 20, 30, 80, bf, window_left=5, window_right=3, seqlens_k=torch.tensor([17], device="cuda", dtype=torch.int32))
+run(1, 2, 2, 20, 30, 36, torch.float32, softcap=3.0)
+print("sanitizer cases done")
+PY
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 \
+      python3 "$OUT/san_cases.py" >"$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+  done
+fi
+
+if has ncu; then
+  cat > "$OUT/ncu_case.py" <<'PY'
+import math, torch
+from attention_ext import ops
+b, h, s, d = 4, 16, 4096, 128
+opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1, window_right=-1,
+            bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+args = [opts[n] for n in ops.OPTION_NAMES]
+q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
+out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
+torch.cuda.synchronize()
+PY
+  M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
+  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel" --metrics "$M" \
+    python3 "$OUT/ncu_case.py" >"$OUT/ncu.log" 2>&1
+  note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none):"
+  grep -E "fwd_kernel|bwd_dkdv_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
+    | sed 's/^ */  /' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+if has bench; then
+  timeout 420 python3 benchmarks/bench_cuda.py ${BENCH_ARGS:-} --md "$OUT/bench.md" >"$OUT/bench.log" 2>&1
+  note "bench: rc=$? (bench.log, bench.md)"
+fi
+
+echo
+echo "================ summary ================"
+cat "$SUMMARY"
+[ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
+exit 0
