@@ -117,6 +117,34 @@ def run(quick=False, deterministic=False):
     return ceiling, rows
 
 
+def tune():
+    """Time the tile variants compiled with -DATTN_TUNING (ATTN_TUNE_FWD / ATTN_TUNE_BWD = 0, 1, 2)."""
+    torch.manual_seed(0)
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in (1024, 4096):
+                h, b = 16, max(1, 32768 // s)
+                mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                q, k, v, dout = mk(), mk(), mk(), mk()
+                args = options(d, causal)
+                out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+                f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
+                res = []
+                for var in ("0", "1", "2"):
+                    os.environ["ATTN_TUNE_FWD"] = var
+                    os.environ["ATTN_TUNE_BWD"] = var
+                    tf = f_fwd / cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args)) / 1e12
+                    tb = 2.5 * f_fwd / cuda_time(
+                        lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)) / 1e12
+                    res.append(f"v{var} fwd {tf:4.0f} bwd {tb:4.0f}")
+                os.environ["ATTN_TUNE_FWD"] = os.environ["ATTN_TUNE_BWD"] = "0"
+                fns = sdpa_backend_fns(SDPBackend.FLASH_ATTENTION, q, k, v, dout, causal) if d <= 256 else None
+                fl = (f"flash fwd {f_fwd / cuda_time(fns[0]) / 1e12:4.0f} bwd {2.5 * f_fwd / cuda_time(fns[1]) / 1e12:4.0f}"
+                      if fns else "flash n/a")
+                print(f"tune d={d} s={s} causal={int(causal)}: " + " | ".join(res) + " | " + fl, flush=True)
+                del q, k, v, dout, out, lse
+
+
 def table(ceiling, rows, gpu):
     head = (f"GPU: {gpu}; bf16 matmul ceiling (8192^3): {ceiling / 1e12:.0f} TFLOP/s\n\n"
             "| D | S | causal | fwd ours | fwd flash | x flash | fwd cudnn | x cudnn | fwd % ceil "
@@ -139,9 +167,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
+    ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING tile variants")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")):
         print("bench_cuda: needs a GPU and the compiled CUDA kernels; skipped")
+        return
+    if args.tune:
+        tune()
         return
     ceiling, rows = run(args.quick)
     md = table(ceiling, rows, torch.cuda.get_device_name())

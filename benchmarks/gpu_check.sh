@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # One command for the GPU verification of the CUDA kernels:
-#   build -> CUDA tests -> compute-sanitizer (memcheck, racecheck) -> ncu -> benchmark -> table.
+#   build -> CUDA tests -> benchmark -> ncu -> compute-sanitizer (memcheck, racecheck) -> table.
 #
 #   bash benchmarks/gpu_check.sh                  # everything
 #   STAGES="build test bench" bash benchmarks/gpu_check.sh
 #
-# Logs go to $OUT (default /tmp/gpu_check). The short summary is printed last.
+# Logs go to $OUT (default /tmp/gpu_check; at most 8 files: summary, build, res_usage, test,
+# bench log + table, ncu, sanitizer). The short summary is printed last.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build test sanitize ncu bench"}
+STAGES=${STAGES:-"build test bench ncu sanitize"}
+TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
@@ -18,8 +20,8 @@ SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
-nvidia-smi -L | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+nvidia-smi -L | tee -a "$SUMMARY"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$SUMMARY"
 
 if has build; then
   t0=$(date +%s)
@@ -28,13 +30,13 @@ if has build; then
   else
     note "build: FAILED (see build.log)"; tail -40 "$OUT/build.log"; cat "$SUMMARY"; exit 1
   fi
-  grep -E "spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -20 > "$OUT/spills.txt" || true
+  
   so=$(python3 -c "import attention_ext._C as c; print(c.__file__)")
   cuobjdump -res-usage "$so" > "$OUT/res_usage.txt" 2>&1 || true
   # kernels with a local-memory (spill) footprint: LOCAL:<n> with n > 0
   nloc=$(grep -c "STACK:[1-9]" "$OUT/res_usage.txt" || true)
   note "resource usage: $(grep -c 'Function' "$OUT/res_usage.txt" || true) kernels, $nloc with a stack frame (spills; res_usage.txt)"
-  grep -B1 "STACK:[1-9]" "$OUT/res_usage.txt" | grep Function | sed 's/^/  stack: /' | head -10 | tee -a "$SUMMARY" || true
+  grep -B1 "STACK:[1-9]" "$OUT/res_usage.txt" | grep Function | sed 's/^/  stack: /' | head -6 | tee -a "$SUMMARY" || true
 fi
 
 if has test; then
@@ -43,8 +45,35 @@ if has test; then
   grep -E "^FAILED" "$OUT/test.log" | head -15 | tee -a "$SUMMARY" || true
 fi
 
+if has ncu; then
+  cat > "$TMPD/ncu_case.py" <<'PY'
+import math, torch
+from attention_ext import ops
+b, h, s, d = 4, 16, 4096, 128
+opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1, window_right=-1,
+            bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+args = [opts[n] for n in ops.OPTION_NAMES]
+q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
+out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
+torch.cuda.synchronize()
+PY
+  M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
+  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel" --metrics "$M" \
+    python3 "$TMPD/ncu_case.py" >"$OUT/ncu.log" 2>&1
+  note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none):"
+  grep -E "fwd_kernel|bwd_dkdv_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
+    | sed 's/^ */  /' | cut -c1-150 | tee -a "$SUMMARY"
+fi
+
+if has bench; then
+  timeout 420 python3 benchmarks/bench_cuda.py ${BENCH_ARGS:-} --md "$OUT/bench.md" >"$OUT/bench.log" 2>&1
+  note "bench: rc=$? (bench.log, bench.md)"
+fi
+
 if has sanitize; then
-  cat > "$OUT/san_cases.py" <<'PY'
+  cat > "$TMPD/san_cases.py" <<'PY'
 import math, torch
 from attention_ext import ops
 def run(b, h, hk, sq, sk, d, dtype, deterministic=False, **o):
@@ -69,38 +98,12 @@ run(1, 2, 2, 20, 30, 36, torch.float32, softcap=3.0)
 print("sanitizer cases done")
 PY
   for tool in memcheck racecheck; do
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 \
-      python3 "$OUT/san_cases.py" >"$OUT/sanitizer_$tool.log" 2>&1
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 \
+      python3 "$TMPD/san_cases.py" >"$TMPD/san_$tool.log" 2>&1
     rc=$?
-    note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+    { echo "==== $tool (rc=$rc)"; cat "$TMPD/san_$tool.log"; } >> "$OUT/sanitizer.log"
+    note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|cases done' "$TMPD/san_$tool.log" | tr '\n' ' ')"
   done
-fi
-
-if has ncu; then
-  cat > "$OUT/ncu_case.py" <<'PY'
-import math, torch
-from attention_ext import ops
-b, h, s, d = 4, 16, 4096, 128
-opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1, window_right=-1,
-            bottom_right=False, dropout_p=0.0, seed=1, offset=0)
-args = [opts[n] for n in ops.OPTION_NAMES]
-q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
-out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
-torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
-torch.cuda.synchronize()
-PY
-  M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
-  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel" --metrics "$M" \
-    python3 "$OUT/ncu_case.py" >"$OUT/ncu.log" 2>&1
-  note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none):"
-  grep -E "fwd_kernel|bwd_dkdv_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
-    | sed 's/^ */  /' | cut -c1-150 | tee -a "$SUMMARY"
-fi
-
-if has bench; then
-  timeout 420 python3 benchmarks/bench_cuda.py ${BENCH_ARGS:-} --md "$OUT/bench.md" >"$OUT/bench.log" 2>&1
-  note "bench: rc=$? (bench.log, bench.md)"
 fi
 
 echo

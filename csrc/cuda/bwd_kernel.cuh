@@ -35,15 +35,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   using TileQ = SmemTile<kBlockM, kD>;
   using TileS = SmemTile<kBlockN, kBlockM>;
 
+  // Q, dO, lse and dot(dO, O) are double-buffered: block m + 1 streams in during block m.
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t sK = smem_u32(smem);
-  const uint32_t sV = sK + TileKV::kBytes;
-  const uint32_t sQ = sV + TileKV::kBytes;
-  const uint32_t sdO = sQ + TileQ::kBytes;
-  const uint32_t sdS = sdO + TileQ::kBytes;  // (kBlockN, kBlockM): dS^T
-  float* sLse = reinterpret_cast<float*>(smem + 2 * TileKV::kBytes + 2 * TileQ::kBytes + TileS::kBytes);
-  float* sDot = sLse + kBlockM;
-  const uint32_t sLse_u = smem_u32(sLse), sDot_u = smem_u32(sDot);
+  const uint32_t sK = smem_u32(smem);                   // (kBlockN, kD)
+  const uint32_t sV = sK + TileKV::kBytes;              // (kBlockN, kD)
+  const uint32_t sQ0 = sV + TileKV::kBytes;             // 2 x (kBlockM, kD)
+  const uint32_t sdO0 = sQ0 + 2 * TileQ::kBytes;        // 2 x (kBlockM, kD)
+  const uint32_t sdS = sdO0 + 2 * TileQ::kBytes;        // (kBlockN, kBlockM): dS^T
+  float* sLse0 = reinterpret_cast<float*>(smem + 2 * TileKV::kBytes + 4 * TileQ::kBytes + TileS::kBytes);
+  float* sDot0 = sLse0 + 2 * kBlockM;                   // 2 x (kBlockM)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
@@ -107,13 +107,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
 
     auto load_q_block = [&](int m) {
       const int m0 = m * kBlockM, rows = min(kBlockM, si.len_q - m0);
-      load_tile_async<kBlockM, kD, kThreads>(sQ, qp + int64_t(m0) * p.q_row_stride, p.q_row_stride,
-                                             rows, p.d, tid);
-      load_tile_async<kBlockM, kD, kThreads>(sdO, dop + int64_t(m0) * p.do_row_stride,
+      const int bi = m & 1;
+      load_tile_async<kBlockM, kD, kThreads>(sQ0 + bi * TileQ::kBytes, qp + int64_t(m0) * p.q_row_stride,
+                                             p.q_row_stride, rows, p.d, tid);
+      load_tile_async<kBlockM, kD, kThreads>(sdO0 + bi * TileQ::kBytes, dop + int64_t(m0) * p.do_row_stride,
                                              p.do_row_stride, rows, p.d, tid);
+      const uint32_t lse_u = smem_u32(sLse0 + bi * kBlockM), dot_u = smem_u32(sDot0 + bi * kBlockM);
       for (int r = tid; r < kBlockM; r += kThreads) {
-        cp_async4(sLse_u + r * 4, lse_p + m0 + (r < rows ? r : 0), r < rows);
-        cp_async4(sDot_u + r * 4, dot_p + m0 + (r < rows ? r : 0), r < rows);
+        cp_async4(lse_u + r * 4, lse_p + m0 + (r < rows ? r : 0), r < rows);
+        cp_async4(dot_u + r * 4, dot_p + m0 + (r < rows ? r : 0), r < rows);
       }
       cp_async_commit();
     };
@@ -122,7 +124,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     for (int m = m_lo; m < m_hi; ++m) {
       const int m0 = m * kBlockM;
       cp_async_wait<0>();
-      __syncthreads();  // Q[m], dO[m], lse, dot landed (and K, V on the first pass)
+      __syncthreads();  // block m landed (K, V too on the first pass); every warp left block m - 1
+      if (m + 1 < m_hi) load_q_block(m + 1);  // into the other buffer, behind this whole block
+      const uint32_t sQ = sQ0 + (m & 1) * TileQ::kBytes, sdO = sdO0 + (m & 1) * TileQ::kBytes;
+      const float* sLse = sLse0 + (m & 1) * kBlockM;
+      const float* sDot = sDot0 + (m & 1) * kBlockM;
 
       // ---- S^T = K Q^T and dP^T = V dO^T: (16 keys, kBlockM queries) per warp
       float acc_s[kQT][4], acc_dp[kQT][4];
@@ -241,8 +247,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
           }
         }
       }
-      __syncthreads();  // dS^T complete; every warp finished reading Q[m] and dO[m]
-      if (m + 1 < m_hi) load_q_block(m + 1);
+      __syncthreads();  // dS^T complete
 
       // ---- dQ[m] += dS K: warps tile (kBlockM, kDAcc) as kBlockM / 16 row tiles x column splits
       if (dq_atomic) {

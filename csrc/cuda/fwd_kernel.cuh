@@ -14,7 +14,10 @@
 namespace attn {
 namespace tc {
 
-template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps>
+// kGeneral = false: the policy is plain (no softcap, ALiBi, bias or mask) and there is no
+// dropout, so only the window/length check remains; a separate instantiation keeps the
+// general path's registers out of the fast kernel.
+template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral>
 __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p) {
   using Ops = TypeOps<T>;
   constexpr int kThreads = kNWarps * 32;
@@ -56,9 +59,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const int n_lo = j0 / kBlockN;
   const int n_hi = j0 < j1 ? (j1 + kBlockN - 1) / kBlockN : n_lo;
 
-  const bool plain = policy_is_plain(pol);
+  const bool plain = !kGeneral || policy_is_plain(pol);
   const float scale_log2 = p.scale * kLog2e;
-  const bool dropout = p.dropout_p > 0.f;
+  const bool dropout = kGeneral && p.dropout_p > 0.f;
   const int bh = b * p.h + h;
   const int wm = warp * 16 * kMT;  // first row of this warp inside the block
   // per-thread ldmatrix bases: A of Q, B of K (non-transposed), B of V (transposed)
@@ -205,27 +208,27 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
       cp_async_commit();
     }
 
-    // ---- O += P V
+    // ---- O += P V. P is packed to 16 bits first, so its fp32 copy dies before the MMAs.
+    uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t a[kMT][4];
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = Ops::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-        a[mt][1] = Ops::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-        a[mt][2] = Ops::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-        a[mt][3] = Ops::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[mt][kk][0] = Ops::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+        pa[mt][kk][1] = Ops::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+        pa[mt][kk][2] = Ops::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+        pa[mt][kk][3] = Ops::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
       }
 #pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, sV + TileKV::advance(v_b, kk * 16, dp * 16));
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            Ops::mma(acc_o[mt][2 * dp], a[mt], bf);
-            Ops::mma(acc_o[mt][2 * dp + 1], a[mt], bf + 2);
-          }
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, sV + TileKV::advance(v_b, kk * 16, dp * 16));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Ops::mma(acc_o[mt][2 * dp], pa[mt][kk], bf);
+          Ops::mma(acc_o[mt][2 * dp + 1], pa[mt][kk], bf + 2);
         }
       }
     }

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -21,6 +22,14 @@ inline void check_grid(int y, int z, const char* what) {
   }
 }
 
+inline int current_sm() {
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major * 10 + minor;
+}
+
 template <typename Kernel>
 inline void set_smem(Kernel kernel, int bytes, const char* what) {
   if (bytes > 48 * 1024) {
@@ -32,29 +41,101 @@ inline void set_smem(Kernel kernel, int bytes, const char* what) {
   }
 }
 
+template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral>
+void run_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
+  constexpr int kSmem = fwd_smem_bytes<kD, kBlockM, kBlockN>();
+  auto kernel = tc::fwd_kernel<T, kD, kBlockM, kBlockN, kNWarps, kGeneral>;
+  set_smem(kernel, kSmem, "attention fwd");
+  dim3 grid((p.sq + kBlockM - 1) / kBlockM, p.h, p.b);
+  kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
+  check_launch("attention fwd (tensor cores)");
+}
+
+#if defined(ATTN_TUNING)
+// Tile experiments, compiled only with -DATTN_TUNING (e.g. NVCC_APPEND_FLAGS) and picked at
+// run time with ATTN_TUNE_FWD / ATTN_TUNE_BWD = 1, 2 by benchmarks/bench_cuda.py --tune.
+inline int tune_env(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr ? std::atoi(e) : 0;
+}
+template <int kD, int kV>
+struct FwdAlt;
+template <> struct FwdAlt<64, 1> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <> struct FwdAlt<64, 2> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8; };
+template <> struct FwdAlt<128, 1> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <> struct FwdAlt<128, 2> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
+template <> struct FwdAlt<256, 1> { static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 8; };
+template <> struct FwdAlt<256, 2> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <int kD, int kV>
+struct BwdAlt;
+template <> struct BwdAlt<64, 1> { static constexpr int kBlockM = 32, kBlockN = 128, kNWarps = 8; };
+template <> struct BwdAlt<64, 2> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <> struct BwdAlt<128, 1> { static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 8; };
+template <> struct BwdAlt<128, 2> { static constexpr int kBlockM = 32, kBlockN = 64, kNWarps = 4; };
+template <> struct BwdAlt<256, 1> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <> struct BwdAlt<256, 2> { static constexpr int kBlockM = 32, kBlockN = 128, kNWarps = 8; };
+#endif
+
+template <typename T, int kD, bool kGeneral>
+void run_fwd_tc_impl(const FwdParams& p, cudaStream_t stream) {
+#if defined(ATTN_TUNING)
+  const int v = tune_env("ATTN_TUNE_FWD");
+  if (v == 1) {
+    using A = FwdAlt<kD, 1>;
+    return run_fwd_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kGeneral>(p, stream);
+  }
+  if (v == 2) {
+    using A = FwdAlt<kD, 2>;
+    return run_fwd_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kGeneral>(p, stream);
+  }
+#endif
+  using Tr = FwdTraits<kD>;
+  run_fwd_cfg<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kGeneral>(p, stream);
+}
+
 template <typename T, int kD>
 void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
-  using Tr = FwdTraits<kD>;
-  constexpr int kSmem = fwd_smem_bytes<kD, Tr::kBlockM, Tr::kBlockN>();
-  auto kernel = tc::fwd_kernel<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps>;
-  set_smem(kernel, kSmem, "attention fwd");
   check_grid(p.h, p.b, "attention fwd");
-  dim3 grid((p.sq + Tr::kBlockM - 1) / Tr::kBlockM, p.h, p.b);
-  kernel<<<grid, Tr::kNWarps * 32, kSmem, stream>>>(p);
-  check_launch("attention fwd (tensor cores)");
+  const bool general = p.softcap > 0.f || p.alibi_slopes != nullptr ||
+                       p.bias_kind != BiasKind::kNone || p.dropout_p > 0.f;
+  if (general) {
+    run_fwd_tc_impl<T, kD, true>(p, stream);
+  } else {
+    run_fwd_tc_impl<T, kD, false>(p, stream);
+  }
+}
+
+template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kDropout>
+void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
+  constexpr int kDAcc = BwdTraits<kD>::kDAcc;
+  constexpr int kSmem = bwd_smem_bytes<kD, kBlockM, kBlockN>();
+  auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout>;
+  set_smem(kernel, kSmem, "attention bwd dk/dv");
+  dim3 grid(((p.sk + kBlockN - 1) / kBlockN) * (kD / kDAcc), p.h_k, p.b);
+  kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
+  check_launch("attention bwd dk/dv (tensor cores)");
 }
 
 template <typename T, int kD, bool kDropout>
 void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
   {
-    using Tr = BwdTraits<kD>;
-    constexpr int kSmem = bwd_smem_bytes<kD, Tr::kBlockM, Tr::kBlockN>();
-    auto kernel =
-        tc::bwd_dkdv_kernel<T, kD, Tr::kDAcc, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>;
-    set_smem(kernel, kSmem, "attention bwd dk/dv");
-    dim3 grid(((p.sk + Tr::kBlockN - 1) / Tr::kBlockN) * (kD / Tr::kDAcc), p.h_k, p.b);
-    kernel<<<grid, Tr::kNWarps * 32, kSmem, stream>>>(p);
-    check_launch("attention bwd dk/dv (tensor cores)");
+#if defined(ATTN_TUNING)
+    const int v = tune_env("ATTN_TUNE_BWD");
+    if (v == 1) {
+      using A = BwdAlt<kD, 1>;
+      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout>(p, stream);
+    } else if (v == 2) {
+      using A = BwdAlt<kD, 2>;
+      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout>(p, stream);
+    } else
+#endif
+    if (current_sm() >= 90) {
+      using Tr = BwdTraitsSm90<kD>;
+      run_bwd_dkdv_cfg<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>(p, stream);
+    } else {
+      using Tr = BwdTraits<kD>;
+      run_bwd_dkdv_cfg<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>(p, stream);
+    }
   }
   if (p.deterministic) {
     using Tr = BwdDqTraits<kD>;
