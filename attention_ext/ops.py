@@ -31,12 +31,17 @@ except ImportError as e:  # pragma: no cover - exercised only on broken installs
     )
 
 
+# device type -> a compiled kernel is registered; read once at import so the lookup stays
+# traceable by torch.compile
+_KERNELS = {
+    dev: HAS_EXT and torch._C._dispatch_has_kernel_for_dispatch_key("attention_ext::fwd", key)
+    for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+}
+
+
 def has_kernel(device: torch.device) -> bool:
     """True when a compiled kernel serves tensors on `device`."""
-    if not HAS_EXT:
-        return False
-    key = "CUDA" if device.type == "cuda" else "CPU" if device.type == "cpu" else None
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("attention_ext::fwd", key)
+    return _KERNELS.get(device.type, False)
 
 
 # Positional options after the tensors, as in the C++ schema (ATTN_OPTIONS_SCHEMA).
@@ -90,6 +95,8 @@ if HAS_EXT:
     def _backward(ctx, dout, dlse):
         q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k = ctx.saved_tensors
         o = ctx.opts
+        if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
+            dout = dout.contiguous()
         bias_grad = bias is not None and bias.dtype == torch.float32 and ctx.needs_input_grad[3]
         dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(
             dout, q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, o["max_seqlen_q"],

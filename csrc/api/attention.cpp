@@ -147,7 +147,7 @@ FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, con
   p.v = v.data_ptr();
   p.o = out.data_ptr();
   p.lse = lse.data_ptr<float>();
-  p.lse_batch_stride = lse.stride(0);
+  p.lse_batch_stride = varlen ? 0 : lse.stride(0);  // varlen: one (1, H, total_q) pack
   p.lse_head_stride = lse.stride(1);
   set_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
   set_strides(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
@@ -190,6 +190,13 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   g.dq = empty_like_layout(q);
   g.dk = empty_like_layout(k);
   g.dv = empty_like_layout(v);
+  // rows no sequence owns (key padding past seqlens_k, the tail of a varlen pack) get zeros;
+  // the kernels write only the rows inside each sequence
+  if (o.seqlens_k.has_value() || o.cu_seqlens_q.has_value()) {
+    g.dq.zero_();
+    g.dk.zero_();
+    g.dv.zero_();
+  }
   const auto f32 = q.options().dtype(at::kFloat);
   const bool varlen = o.cu_seqlens_q.has_value();
   const int64_t nb = varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0);
@@ -284,8 +291,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(
                         lse.scalar_type() == at::kFloat && lse.is_contiguous(),
                     "attention_ext.bwd: lse must be a contiguous float32 (B, H, Sq) tensor");
   attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
-  // rows no sequence owns (past a varlen pack's end) get zero gradients
-  if (cu_q.has_value() || q.numel() == 0 || k.size(2) == 0) {
+  if (q.numel() == 0 || k.numel() == 0) {
     g.dq.zero_();
     g.dk.zero_();
     g.dv.zero_();

@@ -36,7 +36,7 @@ struct FwdParams {
   const void* k;
   const void* v;
   void* o;
-  // (B, H, Sq) float32, contiguous; varlen: (1, H, total_q). Element (b, h, i) of sequence b
+  // (B, H, Sq) float32, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
   // is lse[b * lse_batch_stride + h * lse_head_stride + row_q + i] (SeqInfo::row_q).
   // softmax_d in the backward shares this layout.
   float* lse;

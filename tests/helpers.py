@@ -1,0 +1,56 @@
+"""Shared test helpers: random problems and the FA2 error rule (kernel error <= 2x the error of
+PyTorch's own same-dtype math, both against float64)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention_ext import reference
+
+
+def rand_qkv(b, h, hk, sq, sk, d, dtype, device="cpu", layout="bhsd", requires_grad=True):
+    def mk(heads, s):
+        shape = (b, heads, s, d) if layout == "bhsd" else (b, s, heads, d)
+        return torch.randn(shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+    return mk(h, sq), mk(hk, sk), mk(hk, sk)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max(max |ref|, 0.1) over finite entries (the 0.1 keeps all-zero references,
+    e.g. dq with one key, from dividing rounding noise by zero); a NaN where ref is finite fails."""
+    x = x.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    fin = torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(x), fin):
+        return math.inf
+    if fin.sum() == 0:
+        return 0.0
+    scale = ref[fin].abs().max().item()
+    return (x[fin] - ref[fin]).abs().max().item() / max(scale, 0.1)
+
+
+FLOOR = {torch.float32: 5e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def assert_close_fa2(ours: torch.Tensor, torch_same_dtype: torch.Tensor, ref64: torch.Tensor, dtype, what=""):
+    """ours vs the float64 reference must be within 2x PyTorch's same-dtype error (+ a floor)."""
+    e_ours = rel_err(ours, ref64)
+    e_torch = rel_err(torch_same_dtype, ref64)
+    assert e_ours <= 2.0 * e_torch + FLOOR[dtype], f"{what}: error {e_ours:.3g} > 2 x torch {e_torch:.3g} + floor"
+
+
+def reference_in(dtype, q, k, v, **kw):
+    """reference.attention run in `dtype` (PyTorch's own math at that precision); out and grads
+    come back for comparison."""
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    kw = dict(kw)
+    if kw.get("bias") is not None and kw["bias"].dtype != torch.bool:
+        kw["bias"] = kw["bias"].detach().to(dtype).requires_grad_(kw["bias"].requires_grad)
+    if kw.get("sinks") is not None:
+        kw["sinks"] = kw["sinks"].detach().to(dtype).requires_grad_(kw["sinks"].requires_grad)
+    if kw.get("alibi_slopes") is not None:
+        kw["alibi_slopes"] = kw["alibi_slopes"].to(dtype)
+    out, lse = reference.attention(qq, kk, vv, **kw)
+    return out, lse, (qq, kk, vv, kw.get("bias"), kw.get("sinks"))

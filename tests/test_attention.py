@@ -1,0 +1,407 @@
+"""The fused softmax attention op on the CPU: forward and gradients against the float64
+reference, every option alone and combined, the drop-ins, opcheck, gradcheck, dropout and bad
+input."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attention_ext as ae
+from attention_ext import ops, reference
+
+from helpers import FLOOR, assert_close_fa2, rand_qkv, reference_in, rel_err
+
+pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def run_case(b, h, hk, sq, sk, d, dtype, *, layout="bhsd", causal=False, bottom_right=False, window=(-1, -1),
+             mask=None, kpm=None, seqlens_k=None, alibi=False, softcap=0.0, sinks=False, grads=True):
+    q, k, v = rand_qkv(b, h, hk, sq, sk, d, dtype, layout=layout)
+    kw = dict(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, layout=layout)
+    bias = None
+    if mask == "bool":
+        bias = torch.rand(b, 1, sq, sk) > 0.3
+    elif mask == "float":
+        bias = torch.randn(1, h, sq, sk).requires_grad_()
+    elif mask == "float_row":  # broadcast over query rows
+        bias = torch.randn(b, 1, 1, sk).requires_grad_()
+    if bias is not None:
+        kw["attn_mask"] = bias
+    if kpm is not None:
+        kw["key_padding_mask"] = kpm
+    if seqlens_k is not None:
+        kw["seqlens_k"] = seqlens_k
+    slopes = torch.rand(h) * 0.5 if alibi else None
+    if slopes is not None:
+        kw["alibi_slopes"] = slopes
+    sink_t = torch.randn(h).requires_grad_() if sinks else None
+    if sink_t is not None:
+        kw["sinks"] = sink_t
+    out, lse = ae.attention(q, k, v, return_lse=True, **kw)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert not torch.isnan(out).any()
+
+    # the reference in (B, H, S, D), float64 and q's dtype
+    to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
+    wl, wr = window
+    if causal:
+        wr = 0
+    rbias = bias
+    if kpm is not None:
+        kb = kpm.view(b, 1, 1, sk)
+        rbias = kb if rbias is None else (rbias & kb if rbias.dtype == torch.bool else rbias.masked_fill(~kb, -math.inf))
+    rkw = dict(window=(wl, wr), bottom_right=bottom_right, softcap=softcap, bias=rbias, alibi_slopes=slopes,
+               sinks=sink_t, seqlens_k=seqlens_k)
+    qb, kb_, vb = (to_bhsd(t) for t in (q, k, v))
+    ref, ref_lse, ref_leaves = reference_in(torch.float64, qb, kb_, vb, **rkw)
+    low, _, low_leaves = reference_in(dtype, qb, kb_, vb, **rkw)
+    assert_close_fa2(to_bhsd(out), low, ref, dtype, "out")
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse[fin].double() - ref_lse[fin]).abs().max().item() <= 1e-3 if fin.any() else True
+    if not grads:
+        return
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(to_bhsd(dout).double())
+    low.backward(to_bhsd(dout).to(dtype))
+    names = ["dq", "dk", "dv"]
+    ours = [to_bhsd(t.grad) for t in (q, k, v)]
+    refs = [t.grad for t in ref_leaves[:3]]
+    lows = [t.grad for t in low_leaves[:3]]
+    if bias is not None and bias.requires_grad:
+        names.append("dbias")
+        ours.append(bias.grad)
+        refs.append(ref_leaves[3].grad)
+        lows.append(low_leaves[3].grad)
+    if sink_t is not None:
+        names.append("dsinks")
+        ours.append(sink_t.grad)
+        refs.append(ref_leaves[4].grad)
+        lows.append(low_leaves[4].grad)
+    for n, o, r, lo in zip(names, ours, refs, lows):
+        assert_close_fa2(o, lo, r, dtype, n)
+
+
+# ------------------------------------------------------------------ sizes, dtypes, heads
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 7), (128, 128), (1000, 1000), (7, 129), (129, 7)])
+@pytest.mark.parametrize("d", [16, 40, 64, 80, 128, 256])
+def test_sizes(dtype, sq, sk, d):
+    big = sq * sk * d > 1000 * 1000 * 64
+    run_case(1, 2, 2, sq, sk, d, dtype, grads=not big)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,hk", [(4, 4), (4, 1), (6, 2)])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_heads_layouts(dtype, h, hk, layout):
+    run_case(2, h, hk, 67, 93, 64, dtype, layout=layout, causal=True)
+
+
+# ------------------------------------------------------------------ masks and options
+OPTIONS = {
+    "causal": dict(causal=True),
+    "causal_br": dict(causal=True, bottom_right=True),
+    "window": dict(window=(17, 3)),
+    "window_br": dict(window=(40, 0), bottom_right=True),
+    "bool": dict(mask="bool"),
+    "float": dict(mask="float"),
+    "float_row": dict(mask="float_row"),
+    "alibi": dict(alibi=True),
+    "softcap": dict(softcap=3.0),
+    "sinks": dict(sinks=True),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIONS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", [(70, 70), (50, 130), (130, 50)])
+def test_options(opt, dtype, sq, sk):
+    run_case(2, 4, 2, sq, sk, 48, dtype, **OPTIONS[opt])
+
+
+@pytest.mark.parametrize("combo", list(itertools.combinations(sorted(OPTIONS), 3))[::7])
+def test_option_combos(combo):
+    kw = {}
+    for c in combo:
+        kw.update(OPTIONS[c])
+    if "mask" in kw and sum(1 for c in combo if c in ("bool", "float", "float_row")) > 1:
+        kw["mask"] = "float"
+    run_case(2, 4, 1, 77, 101, 32, torch.float32, **kw)
+
+
+def test_key_padding_and_seqlens():
+    b, sk = 3, 90
+    kpm = torch.ones(b, sk, dtype=torch.bool)
+    kpm[0, 50:] = False
+    kpm[2, ::3] = False
+    run_case(b, 2, 2, 40, sk, 32, torch.float32, kpm=kpm)
+    run_case(b, 2, 2, 40, sk, 32, torch.bfloat16, seqlens_k=torch.tensor([90, 17, 0]), causal=True, bottom_right=True)
+
+
+def test_fully_masked_rows_zero_and_nan_propagates():
+    q, k, v = rand_qkv(1, 2, 2, 8, 8, 16, torch.float32)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    mask[..., 3, :] = False
+    out, lse = ae.attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert torch.all(out[:, :, 3] == 0) and torch.all(torch.isneginf(lse[:, :, 3]))
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    with torch.no_grad():
+        q2 = q.detach().clone()
+        q2[0, 0, 2, 5] = float("nan")
+        out2 = ae.attention(q2, k.detach(), v.detach())
+    assert torch.isnan(out2[0, 0, 2]).all()
+    assert not torch.isnan(out2[0, 1]).any()
+
+
+def test_packed_qkv_views_no_copy():
+    b, s, h, d = 2, 33, 4, 40
+    qkv = torch.randn(b, s, 3, h, d)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, S, H, D), non-contiguous
+    out = ae.flash_attn_qkvpacked_func(qkv, causal=True)
+    ref, _ = reference.attention(*(t.transpose(1, 2).double() for t in (q, k, v)), window=(-1, 0), bottom_right=True)
+    assert rel_err(out.transpose(1, 2), ref) < 1e-5
+    assert out.shape == (b, s, h, d)
+
+
+# ------------------------------------------------------------------ drop-ins
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "causal", "bool", "float", "gqa", "scale", "causal_rect"])
+def test_sdpa_dropin(dtype, case):
+    b, h, sq, sk, d = 2, 4, 37, 37, 64
+    hk = 2 if case == "gqa" else h
+    if case == "causal_rect":
+        sq, sk = 20, 45
+    q, k, v = rand_qkv(b, h, hk, sq, sk, d, dtype, requires_grad=False)
+    kw = {}
+    if case in ("causal", "causal_rect"):
+        kw["is_causal"] = True
+    if case == "bool":
+        m = torch.rand(sq, sk) > 0.2
+        m[:, 0] = True
+        kw["attn_mask"] = m
+    if case == "float":
+        kw["attn_mask"] = torch.randn(b, 1, sq, sk, dtype=dtype)
+    if case == "gqa":
+        kw["enable_gqa"] = True
+    if case == "scale":
+        kw["scale"] = 0.3
+    ours = ae.scaled_dot_product_attention(q, k, v, **kw)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kw)
+    kw64 = {k_: (v_.double() if isinstance(v_, torch.Tensor) and v_.is_floating_point() else v_) for k_, v_ in kw.items()}
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw64)
+    assert_close_fa2(ours, theirs, ref, dtype, case)
+
+
+def test_sdpa_errors_match_torch():
+    q = torch.randn(1, 4, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError):
+        ae.scaled_dot_product_attention(q, k, k)  # GQA without enable_gqa
+    with pytest.raises(RuntimeError):
+        ae.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True)
+    with pytest.raises(RuntimeError):
+        ae.scaled_dot_product_attention(q, q.half(), q)
+
+
+@pytest.mark.parametrize("sq,sk", [(33, 33), (20, 50), (50, 20)])
+def test_flash_dropin_bottom_right(sq, sk):
+    q, k, v = rand_qkv(2, 4, 2, sq, sk, 64, torch.float32, layout="bshd", requires_grad=False)
+    out, lse, probs = ae.flash_attn_func(q, k, v, causal=True, window_size=(10, -1), return_attn_probs=True)
+    ref, ref_lse = reference.attention(*(t.transpose(1, 2).double() for t in (q, k, v)), window=(10, 0), bottom_right=True)
+    assert rel_err(out.transpose(1, 2), ref) < 1e-5
+    p_ref = reference.attention_probs(q.transpose(1, 2).double(), k.transpose(1, 2).double(), ref_lse, window=(10, 0),
+                                      bottom_right=True)
+    assert rel_err(probs, p_ref) < 1e-5
+    assert torch.allclose(probs.sum(-1)[torch.isfinite(ref_lse)].double(), torch.ones(1, dtype=torch.float64), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen(dtype):
+    lens_q = [5, 0, 64, 129]
+    lens_k = [7, 3, 64, 100]
+    h, hk, d = 4, 2, 40
+    cq = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    ck = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32)
+    q = torch.randn(int(cq[-1]), h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(int(ck[-1]), hk, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(int(ck[-1]), hk, d, dtype=dtype, requires_grad=True)
+    out = ae.flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=True, softcap=5.0)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference.attention_varlen(qd, kd, vd, cq, ck, window=(-1, 0), bottom_right=True, softcap=5.0)
+    ref.backward(dout.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(out, ref) < tol
+    for a, r in ((q, qd), (k, kd), (v, vd)):
+        assert rel_err(a.grad, r.grad) < tol * 2
+
+
+# ------------------------------------------------------------------ dropout
+def test_dropout_matches_reference_mask_and_reproduces():
+    b, h, sq, sk, d, p = 2, 3, 45, 70, 32, 0.3
+    q, k, v = rand_qkv(b, h, h, sq, sk, d, torch.float32)
+    out1 = ae.attention(q, k, v, dropout_p=p, seed=1234)
+    out2 = ae.attention(q, k, v, dropout_p=p, seed=1234)
+    out3 = ae.attention(q, k, v, dropout_p=p, seed=999)
+    assert torch.equal(out1, out2) and not torch.equal(out1, out3)
+    keep = ae.dropout_mask(b, h, sq, sk, p, 1234)
+    ref, _ = reference.attention(q.double(), k.double(), v.double(), dropout_p=p, dropout_mask=keep)
+    assert rel_err(out1, ref) < 1e-5
+    dout = torch.randn_like(out1)
+    out1.backward(dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference.attention(qd, kd, vd, dropout_p=p, dropout_mask=keep)
+    ref.backward(dout.double())
+    for a, r in ((q, qd), (k, kd), (v, vd)):
+        assert rel_err(a.grad, r.grad) < 1e-5
+
+
+def test_dropout_statistics():
+    p = 0.25
+    keep = ae.dropout_mask(4, 8, 128, 256, p, seed=7)
+    frac = keep.float().mean().item()
+    n = keep.numel()
+    assert abs(frac - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    # no structure across rows / columns: per-column keep rates stay within binomial noise
+    col = keep.float().mean(dim=(0, 1, 2))
+    assert (col - (1 - p)).abs().max().item() < 6 * math.sqrt(p * (1 - p) / (4 * 8 * 128))
+    # the expectation of the output equals the no-dropout output
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 8, torch.float32, requires_grad=False)
+    ref = ae.attention(q, k, v)
+    mean = torch.stack([ae.attention(q, k, v, dropout_p=p, seed=s) for s in range(400)]).mean(0)
+    assert (mean - ref).abs().max().item() < 0.15
+
+
+# ------------------------------------------------------------------ gradcheck / opcheck / compile
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(softcap=2.0, window=(3, 1)), dict(sinks=True),
+                                dict(alibi=True, bias=True)])
+def test_gradcheck_fp32(kw):
+    """torch.autograd.gradcheck on the op. The kernels compute in float32 (there is no float64
+    kernel), so finite differences use float32 tolerances; the float64 comparisons above are the
+    tight check."""
+    kw = dict(kw)
+    q, k, v = rand_qkv(1, 2, 1, 5, 6, 8, torch.float32)
+    extra = {}
+    if kw.pop("sinks", False):
+        extra["sinks"] = torch.randn(2, requires_grad=True)
+    if kw.pop("alibi", False):
+        extra["alibi_slopes"] = torch.rand(2)
+    if kw.pop("bias", False):
+        extra["attn_mask"] = torch.randn(1, 2, 5, 6, requires_grad=True)
+    names = list(extra)
+    tensors = [extra[n] for n in names]
+
+    def f(q, k, v, *ts):
+        kws = dict(kw)
+        kws.update(dict(zip(names, ts)))
+        return ae.attention(q, k, v, **kws)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, *tensors), eps=1e-2, atol=5e-3, rtol=5e-3, nondet_tol=1e-6,
+                                    fast_mode=True)
+
+
+def _op_args(with_bias=True, sinks=True, dropout=0.0):
+    q, k, v = rand_qkv(2, 4, 2, 9, 11, 16, torch.float32)
+    bias = torch.randn(1, 4, 9, 11, requires_grad=True) if with_bias else None
+    s = torch.randn(4, requires_grad=True) if sinks else None
+    return (q, k, v, bias, torch.rand(4), s, None, None, None, 9, 11, 0.25, 0.0, -1, 0, False, dropout, 3, 0)
+
+
+@pytest.mark.parametrize("variant", ["full", "plain", "dropout"])
+def test_opcheck_fwd(variant):
+    args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if variant == "dropout" else 0.0)
+    torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
+
+
+def test_opcheck_bwd_and_mask():
+    args = _op_args()
+    q, k, v = args[:3]
+    out, lse = torch.ops.attention_ext.fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    dargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+             *[a.detach() if isinstance(a, torch.Tensor) else a for a in args[3:]], True, False)
+    torch.library.opcheck(torch.ops.attention_ext.bwd.default, dargs)
+    torch.library.opcheck(torch.ops.attention_ext.dropout_mask.default, (2, 3, 5, 7, 0.5, 11, 0))
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = rand_qkv(1, 2, 2, 17, 17, 32, torch.float32)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k, v):
+        return ae.attention(q, k, v, causal=True) * 2
+
+    out = f(q, k, v)
+    out.sum().backward()
+    ref = ae.attention(q.detach(), k.detach(), v.detach(), causal=True) * 2
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# ------------------------------------------------------------------ bad input
+BAD = [
+    ("3-D q", lambda q, k, v: ae.attention(q[0], k, v), ValueError, "4-D"),
+    ("batch", lambda q, k, v: ae.attention(q, k[:1], v[:1]), ValueError, "batch"),
+    ("head dim", lambda q, k, v: ae.attention(q, k[..., :8], v[..., :8]), ValueError, "head dim"),
+    ("heads", lambda q, k, v: ae.attention(q, *(torch.randn(2, 3, 9, 16) for _ in range(2))), ValueError, "multiple"),
+    ("k/v shape", lambda q, k, v: ae.attention(q, k, v[:, :, :5]), ValueError, "same shape"),
+    ("dtype", lambda q, k, v: ae.attention(q, k.half(), v), TypeError, "dtype"),
+    ("int dtype", lambda q, k, v: ae.attention(q.long(), k.long(), v.long()), TypeError, "float32"),
+    ("big head dim", lambda q, k, v: ae.attention(*(torch.randn(1, 1, 4, 300) for _ in range(3))), ValueError, "256"),
+    ("mask shape", lambda q, k, v: ae.attention(q, k, v, attn_mask=torch.ones(3, 9, dtype=torch.bool)), ValueError,
+     "broadcast"),
+    ("mask dtype", lambda q, k, v: ae.attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.long)), TypeError,
+     "bool or floating"),
+    ("kpm shape", lambda q, k, v: ae.attention(q, k, v, key_padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+     ValueError, "key_padding_mask"),
+    ("dropout", lambda q, k, v: ae.attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
+    ("window", lambda q, k, v: ae.attention(q, k, v, window=(-3, 1)), ValueError, "window"),
+    ("softcap", lambda q, k, v: ae.attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
+    ("alibi", lambda q, k, v: ae.attention(q, k, v, alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+    ("sinks", lambda q, k, v: ae.attention(q, k, v, sinks=torch.ones(5)), ValueError, "sinks"),
+    ("layout", lambda q, k, v: ae.attention(q, k, v, layout="bsdh"), ValueError, "layout"),
+    ("not tensor", lambda q, k, v: ae.attention(q.tolist(), k, v), TypeError, "Tensor"),
+]
+
+
+@pytest.mark.parametrize("name,fn,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(name, fn, exc, msg):
+    q = torch.randn(2, 4, 8, 16)
+    k = torch.randn(2, 2, 9, 16)
+    v = torch.randn(2, 2, 9, 16)
+    with pytest.raises(exc, match=msg):
+        fn(q, k, v)
+
+
+def test_bad_input_raw_op_never_crashes():
+    q = torch.randn(2, 4, 8, 16)
+    k = torch.randn(2, 3, 9, 16)
+    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0]
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.ops.attention_ext.fwd(q, k, k, *base)
+    bad_cu = list(base)
+    bad_cu[4] = torch.tensor([0, 5, 100], dtype=torch.int32)
+    bad_cu[5] = torch.tensor([0, 5, 9], dtype=torch.int32)
+    q1, k1 = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.ops.attention_ext.fwd(q1, k1, k1, *bad_cu)
+
+
+def test_fp32_error_floor_is_meaningful():
+    """The tolerance rule must be able to fail: a 1% perturbation is caught."""
+    q, k, v = rand_qkv(1, 2, 2, 32, 32, 32, torch.float32, requires_grad=False)
+    ref, _ = reference.attention(q.double(), k.double(), v.double())
+    low, _ = reference.attention(q, k, v)
+    with pytest.raises(AssertionError):
+        assert_close_fa2(ref.float() * 1.01, low, ref, torch.float32)
+    assert FLOOR[torch.float32] < 1e-4
