@@ -1,0 +1,108 @@
+"""`python -m attention_ext bench`: a quick table of the fused kernel against torch SDPA on this
+machine, and the timing helpers every benchmark shares (benchmarks/common.py re-exports them):
+one FLOP formula, interleaved timing, the measured matmul ceiling."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+
+def allowed_pairs(sq: int, sk: int, causal: bool = False, bottom_right: bool = False, window=(-1, -1)) -> int:
+    """Number of (query, key) pairs a query may attend: the work a block-skipping kernel must do."""
+    wl, wr = window
+    if causal:
+        wr = 0 if wr < 0 else min(wr, 0)
+    diag = sk - sq if bottom_right else 0
+    total = 0
+    for i in range(sq):
+        lo = 0 if wl < 0 else max(0, i + diag - wl)
+        hi = sk - 1 if wr < 0 else min(sk - 1, i + diag + wr)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def flops(b: int, h: int, sq: int, sk: int, d: int, *, causal: bool = False, bottom_right: bool = False,
+          window=(-1, -1), mode: str = "fwd") -> float:
+    """The one FLOP formula every benchmark reports: 2 matmuls (Q K^T, P V) of 2 * D FLOPs per
+    allowed pair forward; the backward does 5 such matmuls (2.5x); fwd_bwd = 3.5x."""
+    fwd = 4.0 * b * h * d * allowed_pairs(sq, sk, causal, bottom_right, window)
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
+
+
+def bench(fn: Callable[[], object], *, warmup: int = 1, reps: int = 5, min_time: float = 0.0,
+          sync: Optional[Callable[[], None]] = None) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    t_end = time.perf_counter() + min_time
+    while len(times) < reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved(fns: dict, *, warmup: int = 1, reps: int = 5, sync=None) -> dict:
+    """Median seconds per call of each fn, timed round-robin so noise on a shared machine hits
+    every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def matmul_ceiling(dtype=torch.float32, n: int = 2048, device="cpu", reps: int = 5) -> float:
+    """Measured matmul FLOP/s: the ceiling the attention FLOP/s are read against."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device != "cpu" else None
+    t = bench(lambda: a @ b, warmup=2, reps=reps, sync=sync)
+    return 2.0 * n ** 3 / t
+
+
+def main(argv=None) -> int:
+    import torch.nn.functional as F
+
+    import attention_ext as ae
+
+    ap = argparse.ArgumentParser(prog="python -m attention_ext bench")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else None
+    dtypes = (torch.bfloat16, torch.float16) if cuda else (torch.float32, torch.bfloat16)
+    shapes = [(4, 16, 2048, 64), (2, 16, 4096, 128)] if cuda else [(1, 8, 1024, 64), (1, 8, 2048, 64)]
+    ceil = matmul_ceiling(dtypes[0] if cuda else torch.float32, n=4096 if cuda else 1024, device=dev)
+    print(f"device {dev}; {dtypes[0]} matmul ceiling {ceil / 1e12:.2f} TFLOP/s")
+    print("| (B, H, S, D) | causal | dtype | ours TFLOP/s | SDPA TFLOP/s | ours / SDPA |")
+    print("|---|---|---|---|---|---|")
+    for b, h, s, d in shapes:
+        for causal in (False, True):
+            for dtype in dtypes:
+                q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=dev) for _ in range(3))
+                with torch.no_grad():
+                    t = interleaved({
+                        "ours": lambda: ae.attention(q, k, v, causal=causal),
+                        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                    }, reps=args.reps, sync=sync)
+                fl = flops(b, h, s, s, d, causal=causal)
+                print(f"| {(b, h, s, d)} | {causal} | {str(dtype)[6:]} | {fl / t['ours'] / 1e12:.3f} | "
+                      f"{fl / t['sdpa'] / 1e12:.3f} | {t['sdpa'] / t['ours']:.2f}x |")
+    return 0
