@@ -23,7 +23,8 @@ namespace tc {
 
 // kDropout is a template flag: the Philox rounds would otherwise push the 128 accumulator
 // registers into spills on the common no-dropout path.
-template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout>
+template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout,
+          int kSUnroll = 1>
 __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdParams p) {
   using Ops = TypeOps<T>;
   constexpr int kThreads = kNWarps * 32;
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
       // kk only moves addresses: a rolled loop keeps the prefetched fragments from
       // crowding out the dK/dV accumulators
       const int kk_end = (p.d + 15) / 16;  // skip the head-dim padding of the bucket
-#pragma unroll 1
+#pragma unroll kSUnroll
       for (int kk = 0; kk < kk_end; ++kk) {
         {
           uint32_t ak[4], av[4];
@@ -289,8 +290,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             for (int t = 0; t < kCols / 8; ++t) {
               const int col = wd + t * 8 + 2 * c;
               if (col < p.d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                // one 8-byte reduction instead of two (sm_90 vector atomics)
+                atomicAdd(reinterpret_cast<float2*>(dst + col),
+                          make_float2(acc_dq[t][2 * hf], acc_dq[t][2 * hf + 1]));
+#else
                 atomicAdd(dst + col, acc_dq[t][2 * hf]);
                 atomicAdd(dst + col + 1, acc_dq[t][2 * hf + 1]);
+#endif
               }
             }
           }

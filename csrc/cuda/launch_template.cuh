@@ -60,20 +60,17 @@ inline int tune_env(const char* name) {
 }
 template <int kD, int kV>
 struct FwdAlt;
-template <> struct FwdAlt<64, 1> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
-template <> struct FwdAlt<64, 2> { static constexpr int kBlockM = 128, kBlockN = 128, kNWarps = 8; };
-template <> struct FwdAlt<128, 1> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
-template <> struct FwdAlt<128, 2> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4; };
-template <> struct FwdAlt<256, 1> { static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 8; };
-template <> struct FwdAlt<256, 2> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
+template <> struct FwdAlt<64, 1> { static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 4; };
+template <> struct FwdAlt<64, 2> { static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 8; };
+template <> struct FwdAlt<128, 1> { static constexpr int kBlockM = 128, kBlockN = 48, kNWarps = 4; };
+template <> struct FwdAlt<128, 2> { static constexpr int kBlockM = 128, kBlockN = 32, kNWarps = 4; };
+template <> struct FwdAlt<256, 1> { static constexpr int kBlockM = 64, kBlockN = 48, kNWarps = 4; };
+template <> struct FwdAlt<256, 2> { static constexpr int kBlockM = 64, kBlockN = 16, kNWarps = 4; };
+// backward: the default tiles with the S^T / dP^T k-loop unrolled 2x (v1) or fully (v2)
 template <int kD, int kV>
-struct BwdAlt;
-template <> struct BwdAlt<64, 1> { static constexpr int kBlockM = 32, kBlockN = 128, kNWarps = 8; };
-template <> struct BwdAlt<64, 2> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
-template <> struct BwdAlt<128, 1> { static constexpr int kBlockM = 64, kBlockN = 128, kNWarps = 8; };
-template <> struct BwdAlt<128, 2> { static constexpr int kBlockM = 32, kBlockN = 64, kNWarps = 4; };
-template <> struct BwdAlt<256, 1> { static constexpr int kBlockM = 64, kBlockN = 64, kNWarps = 4; };
-template <> struct BwdAlt<256, 2> { static constexpr int kBlockM = 32, kBlockN = 128, kNWarps = 8; };
+struct BwdAlt : BwdTraitsSm90<kD> {
+  static constexpr int kSUnroll = kV == 1 ? 2 : kD / 16;
+};
 #endif
 
 template <typename T, int kD, bool kGeneral>
@@ -105,11 +102,11 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kDropout>
+template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kDropout, int kSUnroll = 1>
 void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
   constexpr int kDAcc = BwdTraits<kD>::kDAcc;
   constexpr int kSmem = bwd_smem_bytes<kD, kBlockM, kBlockN>();
-  auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout>;
+  auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout, kSUnroll>;
   set_smem(kernel, kSmem, "attention bwd dk/dv");
   dim3 grid(((p.sk + kBlockN - 1) / kBlockN) * (kD / kDAcc), p.h_k, p.b);
   kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
@@ -123,10 +120,10 @@ void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
     const int v = tune_env("ATTN_TUNE_BWD");
     if (v == 1) {
       using A = BwdAlt<kD, 1>;
-      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout>(p, stream);
+      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout, A::kSUnroll>(p, stream);
     } else if (v == 2) {
       using A = BwdAlt<kD, 2>;
-      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout>(p, stream);
+      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout, A::kSUnroll>(p, stream);
     } else
 #endif
     if (current_sm() >= 90) {

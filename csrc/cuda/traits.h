@@ -23,7 +23,7 @@ struct FwdTraits<64> {
 };
 template <>
 struct FwdTraits<128> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kNWarps = 4;  // kMT = 2: O is 128 regs
+  static constexpr int kBlockM = 128, kBlockN = 48, kNWarps = 4;  // kMT = 2; BN 48 > 64 > 32
 };
 template <>
 struct FwdTraits<256> {
