@@ -281,6 +281,27 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
           }
         }
         const int dp_cols = kD;  // dq_accum row length: the bucket
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        // sm_90 vector atomics: lanes c and c ^ 1 swap halves so that each lane owns 4
+        // consecutive columns of one row (even c: row g, odd c: row g + 8), one 16-byte
+        // reduction per n-tile instead of four 4-byte ones.
+        const bool even = (c & 1) == 0;
+        const int i = m0 + wq + g + (even ? 0 : 8);
+        float* dst = p.dq_accum + scratch_row(p, b, h, i) * dp_cols;
+#pragma unroll
+        for (int t = 0; t < kCols / 8; ++t) {
+          const float s0 = even ? acc_dq[t][2] : acc_dq[t][0];
+          const float s1 = even ? acc_dq[t][3] : acc_dq[t][1];
+          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+          const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+          const int col = wd + t * 8 + 2 * (c & ~1);
+          if (i < si.len_q && col < p.d) {
+            const float4 val = even ? make_float4(acc_dq[t][0], acc_dq[t][1], r0, r1)
+                                    : make_float4(r0, r1, acc_dq[t][2], acc_dq[t][3]);
+            atomicAdd(reinterpret_cast<float4*>(dst + col), val);
+          }
+        }
+#else
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = m0 + wq + g + hf * 8;
@@ -290,18 +311,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             for (int t = 0; t < kCols / 8; ++t) {
               const int col = wd + t * 8 + 2 * c;
               if (col < p.d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                // one 8-byte reduction instead of two (sm_90 vector atomics)
-                atomicAdd(reinterpret_cast<float2*>(dst + col),
-                          make_float2(acc_dq[t][2 * hf], acc_dq[t][2 * hf + 1]));
-#else
                 atomicAdd(dst + col, acc_dq[t][2 * hf]);
                 atomicAdd(dst + col + 1, acc_dq[t][2 * hf + 1]);
-#endif
               }
             }
           }
         }
+#endif
       }
     }
   }
