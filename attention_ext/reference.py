@@ -59,8 +59,8 @@ def alibi_bias(slopes: Tensor, sq: int, sk: int, *, bottom_right: bool, len_q=No
         slopes = slopes.unsqueeze(0)
     b = slopes.shape[0]
     if bottom_right and (len_q is not None or len_k is not None):
-        lq = len_q if len_q is not None else torch.full((b,), sq)
-        lk = len_k if len_k is not None else torch.full((b,), sk)
+        lq = len_q if len_q is not None else torch.full((b,), sq, device=slopes.device)
+        lk = len_k if len_k is not None else torch.full((b,), sk, device=slopes.device)
         diag = (lk.long() - lq.long()).to(slopes.device).view(-1, 1, 1, 1)
     else:
         diag = torch.tensor(sk - sq if bottom_right else 0, device=slopes.device).view(1, 1, 1, 1)
