@@ -140,7 +140,7 @@ def run_seq2seq(args, size: Size, device, log) -> Dict:
     task = ReverseTask(min_len=4, max_len=args.s2s_max_len, n_test=args.s2s_test, seed=args.seed + 1)
     opts = variant_options(args.variant, size.n_heads, args.s2s_max_len + 2)
     cfg = TransformerConfig(src_vocab_size=len(task.vocab), d_model=size.d_model, n_heads=size.n_heads,
-                            n_encoder_layers=2, n_decoder_layers=2, d_ff=4 * size.d_model, dropout=0.0,
+                            n_encoder_layers=2, n_decoder_layers=2, d_ff=args.s2s_ff_mult * size.d_model, dropout=0.0,
                             norm_first=True, max_len=64, tie_embeddings=True, **opts)
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
@@ -164,16 +164,19 @@ def run_seq2seq(args, size: Size, device, log) -> Dict:
         optim.step()
         tokens += int((src != PAD).sum() + (dec_out != PAD).sum())
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
-        if (step + 1) % 50 == 0:  # teacher-forced sequence accuracy on a validation batch: stop once learned
+        if (step + 1) % 50 == 0:  # teacher-forced sequence accuracy on a validation batch
             model.eval()
             with torch.no_grad():
                 logits = model(val[0], val[2], val[1])
-            ok = ((logits.argmax(-1) == val[3]) | (val[3] == PAD)).all(-1)
-            val_acc = ok.float().mean().item()
+            val_acc = ((logits.argmax(-1) == val[3]) | (val[3] == PAD)).all(-1).float().mean().item()
             model.train()
-            if val_acc >= 0.998:
-                break
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}",
+                        val_acc=f"{val_acc:.1%}")
+        if val_acc >= args.s2s_stop_at:  # learned: stop early
+            break
+        if time.perf_counter() - t0 > args.s2s_seconds:
+            log(f"  (stopped at the {args.s2s_seconds:.0f}s budget, --s2s-seconds, before converging)")
+            break
     bar.close()
     train_s = time.perf_counter() - t0
 
@@ -236,23 +239,25 @@ def _plot_cross_attention(model, task, s: str, out_dir: str, log) -> List[str]:
 # 2. character LM on the Python standard library
 
 
-def stdlib_text(max_chars: int) -> tuple:
-    """ASCII text of the stdlib's top-level .py files, sorted by name so every machine reads the
-    same files; every 10th file goes to validation. -> (train, val, list of files)."""
+def stdlib_text(max_chars: int, seed: int = 0) -> tuple:
+    """ASCII text of the stdlib's top-level .py files, taken in a seeded shuffle of the sorted names
+    (the same files on every machine with the same Python) until max_chars; every 10th file goes
+    to validation, so validation is unseen files. -> (train, val, list of files)."""
     root = sysconfig.get_paths()["stdlib"]
     files = sorted(f for f in os.listdir(root) if f.endswith(".py"))
+    random.Random(seed).shuffle(files)
     train, val, used, n = [], [], [], 0
-    for i, name in enumerate(files):
+    for name in files:
         try:
             with open(os.path.join(root, name), encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError):
             continue
         text = text.encode("ascii", "replace").decode("ascii").replace("\t", "    ")
-        (val if i % 10 == 5 else train).append(text)
+        (val if len(used) % 10 == 9 else train).append(text)
         used.append(name)
         n += len(text)
-        if n >= max_chars:
+        if n >= max_chars and len(val) >= 2:
             break
     return "\n".join(train), "\n".join(val), used
 
@@ -294,8 +299,11 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
     t0, tokens, step = time.perf_counter(), 0, 0
     model.train()
     for step in range(steps):
+        # the schedule follows steps or the time budget, whichever runs out first, so that the
+        # learning rate is annealed on slow machines too
+        done = max(step / steps, (time.perf_counter() - t0) / deadline)
         for g in optim.param_groups:
-            g["lr"] = _lr(step, steps, args.lm_lr, warmup=min(50, steps // 10))
+            g["lr"] = _lr(int(done * steps), steps, args.lm_lr, warmup=min(30, steps // 10))
         x, y = batch(train, size.batch)
         _, loss = model(x, y)
         optim.zero_grad(set_to_none=True)
@@ -415,9 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tuning (defaults depend on --quick)")
     g.add_argument("--s2s-steps", type=int)
     g.add_argument("--s2s-batch", type=int, default=64)
-    g.add_argument("--s2s-lr", type=float, default=2e-3)
+    g.add_argument("--s2s-lr", type=float, default=3e-3)
     g.add_argument("--s2s-max-len", type=int)
+    g.add_argument("--s2s-seconds", type=float, help="training time budget")
     g.add_argument("--s2s-test", type=int, default=1000)
+    g.add_argument("--s2s-ff-mult", type=int, default=2)
+    g.add_argument("--s2s-stop-at", type=float, default=0.99,
+                   help="stop training once teacher-forced validation sequence accuracy reaches this")
     g.add_argument("--lm-steps", type=int)
     g.add_argument("--lm-seconds", type=float)
     g.add_argument("--lm-lr", type=float, default=3e-3)
@@ -430,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults(args) -> None:
     q = args.quick
-    for name, quick, full in [("s2s_steps", 800, 2000), ("s2s_max_len", 8, 12), ("lm_steps", 200, 600),
+    for name, quick, full in [("s2s_steps", 1000, 2000), ("s2s_max_len", 8, 10), ("s2s_seconds", 45.0, 110.0),
+                              ("lm_steps", 1000, 3000),
                               ("lm_seconds", 20.0, 75.0), ("lm_chars", 400_000, 1_500_000),
                               ("lm_eval_batches", 8, 20), ("bench_reps", 3, 5)]:
         if getattr(args, name) is None:
