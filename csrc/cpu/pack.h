@@ -16,8 +16,8 @@
 namespace attn {
 namespace cpu {
 
-constexpr int kBlockM = 64;  // query rows per task
-constexpr int kBlockN = 64;  // keys per tile; a multiple of 2 * W so tile rows are whole panels
+constexpr int kBlockM = 48;  // query rows per task: 16 whole 6-row micro-kernel blocks
+constexpr int kBlockN = 128;  // keys per tile; a multiple of 2 * W so tile rows are whole panels
 
 // Where the packed rows of each (batch, kv head) start. Sequences are padded to whole key
 // blocks, so every tile reads kBlockN rows (the pad is zero, and masked by the policy).

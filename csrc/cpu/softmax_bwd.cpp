@@ -34,7 +34,7 @@ struct BwdWorker {
   // per query head: Q rows, dO rows, dQ accumulator, D_i and lse
   Buf q, dout, dq, dvec, lse;
   // per tile
-  Buf s, x, dpt, pt, dxt, row;
+  Buf s, x, dpt, keep_row, row;
 
   BwdWorker(const BwdParams& p_, DType dt_) : p(p_), dt(dt_), dp(round_up(p_.d, W)) {
     const int64_t kpad = round_up(p.sk, kBlockN) * int64_t(dp), qpad = round_up(p.sq, kBlockM) * int64_t(dp);
@@ -42,7 +42,8 @@ struct BwdWorker {
     for (Buf* b : {&q, &dout, &dq}) b->resize(qpad);
     dvec.resize(round_up(p.sq, kBlockM));
     lse.resize(round_up(p.sq, kBlockM));
-    for (Buf* b : {&s, &x, &dpt, &pt, &dxt}) b->resize(size_t(kBlockM) * kBlockN);
+    for (Buf* b : {&s, &x, &dpt}) b->resize(size_t(kBlockM) * kBlockN);
+    keep_row.resize(kBlockN);
     row.resize(dp);
   }
 
@@ -135,8 +136,8 @@ struct BwdWorker {
           float* dprow = dpt.data() + r * kBlockN;
           ts.scores(srow, i, j0, full);
           ts.probs(srow, lse[i]);
-          // keep mask as 0/1 through a copy of ones run through the same dropout
-          float* keep = pt.data();  // scratch row, reused below as P^T
+          // keep / (1 - p) per key: a row of that constant run through the same dropout
+          float* keep = keep_row.data();
           if (p.dropout_p > 0.f) {
             std::fill(keep, keep + kBlockN, keep_scale);
             ts.dropout(keep, i, j0);
@@ -156,13 +157,11 @@ struct BwdWorker {
             srow[jj] = pr * kp;     // dropped, rescaled P
           }
         }
-        // P^T and dX^T (kBlockN, rows) as the A operands of dV and dK
-        transpose(s.data(), kBlockN, rows, kBlockN, pt.data(), rows);
-        transpose(dpt.data(), kBlockN, rows, kBlockN, dxt.data(), rows);
+        // dV (kBlockN, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
         float* dv_blk = dv.data() + int64_t(j0) * dp;
         float* dk_blk = dk.data() + int64_t(j0) * dp;
-        gemm<true>(kBlockN, dp, rows, pt.data(), rows, do_blk, dp, dv_blk, dp);
-        gemm<true>(kBlockN, dp, rows, dxt.data(), rows, q_blk, dp, dk_blk, dp);
+        gemm<true, true>(kBlockN, dp, rows, s.data(), kBlockN, do_blk, dp, dv_blk, dp);
+        gemm<true, true>(kBlockN, dp, rows, dpt.data(), kBlockN, q_blk, dp, dk_blk, dp);
         gemm<true>(rows, dp, kBlockN, dpt.data(), kBlockN, kr.data() + int64_t(j0) * dp, dp, dq.data() + int64_t(i0) * dp, dp);
       }
     }

@@ -14,32 +14,46 @@
 namespace attn {
 namespace cpu {
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 struct TileSoftmax {
   const FwdParams& p;
   const Policy& pol;
   int bh;       // b * H + h: the dropout stream of this (batch, head)
-  bool plain;   // score = scale * x exactly
+  bool plain;   // score = scale * x exactly, scale > 0: the scale is folded into the exp pass
+  float post;   // the factor online_update() / probs() apply to the stored row: scale or 1
 
   TileSoftmax(const FwdParams& p_, const Policy& pol_, int bh_)
       : p(p_), pol(pol_), bh(bh_),
-        plain(pol_.softcap == 0.f && pol_.slope == 0.f && pol_.bias_kind != BiasKind::kAdditive) {}
+        plain(pol_.softcap == 0.f && pol_.slope == 0.f && pol_.bias_kind != BiasKind::kAdditive && pol_.scale > 0.f),
+        post(plain ? pol_.scale : 1.f) {}
 
   // every (i, j) of the tile rows [i0, i1) x keys [j0, j0 + kBlockN) allowed without a lookup
   bool tile_full(int i0, int i1, int j0) const {
     return pol.bias_kind != BiasKind::kBool && pol.tile_full(i0, i1, j0, j0 + kBlockN);
   }
 
-  // srow: raw q.k of row i -> logits, -inf where not allowed
+  // srow: raw q.k of row i -> logits / post, -inf where not allowed. The plain path leaves
+  // q.k unscaled: the exp pass multiplies by `post`, saving a pass over the row.
   void scores(float* srow, int i, int j0, bool full) const {
-    if (plain) {
-      for (int c = 0; c < kBlockN; c += W) vstore(srow + c, vload(srow + c) * pol.scale);
-    } else {
+    if (!plain) {
       for (int jj = 0; jj < kBlockN; ++jj) srow[jj] = pol.score(srow[jj], i, j0 + jj);
     }
-    if (!full) {
+    if (full) return;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    if (pol.bias_kind == BiasKind::kBool) {
       for (int jj = 0; jj < kBlockN; ++jj)
-        if (!pol.allowed(i, j0 + jj)) srow[jj] = -std::numeric_limits<float>::infinity();
+        if (!pol.allowed(i, j0 + jj)) srow[jj] = ninf;
+      return;
     }
+    // lengths, causal and windows allow one interval of keys per row: mask the rest in two runs
+    int lo, hi;
+    pol.key_range(i, i + 1, &lo, &hi);
+    if (i >= pol.len_q) lo = hi = j0;
+    lo = std::min(std::max(lo - j0, 0), kBlockN);
+    hi = std::min(std::max(hi - j0, lo), kBlockN);
+    std::fill(srow, srow + lo, ninf);
+    std::fill(srow + hi, srow + kBlockN, ninf);
   }
 
   // srow: logits -> exp(s - m') in place, with m' = max(m_old, rowmax). Updates the running
@@ -47,7 +61,7 @@ struct TileSoftmax {
   float online_update(float* srow, float m_old, float* l) const {
     vf mx = vload(srow);
     for (int c = W; c < kBlockN; c += W) mx = vmax(mx, vload(srow + c));
-    float m_new = std::max(m_old, hmax(mx));
+    float m_new = std::max(m_old, hmax(mx) * post);  // post > 0 keeps the arg max
     if (std::isinf(m_new) && m_new < 0.f) {
       // nothing allowed so far; a NaN logit must still poison the row
       bool nan = false;
@@ -59,8 +73,10 @@ struct TileSoftmax {
       m_new = 0.f;
     }
     vf sum = vf{};
+    // exp(s * post - m') = 2^(s * post * log2 e - m' log2 e): one FMA, then the exp2
+    const float post2 = post * kLog2e, m2 = m_new * kLog2e;
     for (int c = 0; c < kBlockN; c += W) {
-      vf e = vexp(vload(srow + c) - m_new);
+      vf e = vexp2_nonpos(vload(srow + c) * post2 - m2);
       vstore(srow + c, e);
       sum += e;
     }
@@ -75,7 +91,8 @@ struct TileSoftmax {
       for (int c = 0; c < kBlockN; c += W) vstore(srow + c, vf{});
       return;
     }
-    for (int c = 0; c < kBlockN; c += W) vstore(srow + c, vexp(vload(srow + c) - lse));
+    const float post2 = post * kLog2e, lse2 = lse * kLog2e;
+    for (int c = 0; c < kBlockN; c += W) vstore(srow + c, vexp2_nonpos(vload(srow + c) * post2 - lse2));
   }
 
   // zero the dropped entries of row i (keys j0 ..); the 1 / (1 - p) is applied by the caller
