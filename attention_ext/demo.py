@@ -34,17 +34,18 @@ VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks")
 
 @dataclass
 class Size:
-    d_model: int
+    s2s_d_model: int     # the seq2seq model (2 + 2 layers)
+    d_model: int         # the LM
     n_heads: int
-    n_layers: int        # per stack for the seq2seq model, total for the LM
+    n_layers: int
     block_size: int      # LM context
-    batch: int
+    batch: int           # LM batch
 
 
 SIZES = {
-    "tiny": Size(d_model=64, n_heads=4, n_layers=2, block_size=64, batch=32),
-    "small": Size(d_model=128, n_heads=4, n_layers=3, block_size=128, batch=32),
-    "base": Size(d_model=256, n_heads=8, n_layers=6, block_size=256, batch=32),
+    "tiny": Size(s2s_d_model=64, d_model=64, n_heads=4, n_layers=2, block_size=64, batch=32),
+    "small": Size(s2s_d_model=64, d_model=96, n_heads=4, n_layers=3, block_size=128, batch=16),
+    "base": Size(s2s_d_model=128, d_model=256, n_heads=8, n_layers=6, block_size=256, batch=32),
 }
 
 
@@ -139,9 +140,9 @@ class ReverseTask:
 def run_seq2seq(args, size: Size, device, log) -> Dict:
     task = ReverseTask(min_len=4, max_len=args.s2s_max_len, n_test=args.s2s_test, seed=args.seed + 1)
     opts = variant_options(args.variant, size.n_heads, args.s2s_max_len + 2)
-    cfg = TransformerConfig(src_vocab_size=len(task.vocab), d_model=size.d_model, n_heads=size.n_heads,
-                            n_encoder_layers=2, n_decoder_layers=2, d_ff=args.s2s_ff_mult * size.d_model, dropout=0.0,
-                            norm_first=True, max_len=64, tie_embeddings=True, **opts)
+    cfg = TransformerConfig(src_vocab_size=len(task.vocab), d_model=size.s2s_d_model, n_heads=size.n_heads,
+                            n_encoder_layers=2, n_decoder_layers=2, d_ff=args.s2s_ff_mult * size.s2s_d_model,
+                            dropout=0.0, norm_first=True, max_len=64, tie_embeddings=True, **opts)
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.s2s_lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -276,7 +277,7 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
 
     opts = variant_options(args.variant, size.n_heads, size.block_size)
     opts.setdefault("positional", "learned")
-    cfg = LMConfig(vocab_size=len(chars), block_size=size.block_size, n_layer=size.n_layers, n_head=size.n_heads,
+    cfg = LMConfig(vocab_size=len(chars), block_size=size.block_size, n_layers=size.n_layers, n_heads=size.n_heads,
                    d_model=size.d_model, dropout=0.0, **opts)
     torch.manual_seed(args.seed)
     model = LanguageModel(cfg).to(device)
@@ -389,7 +390,7 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
             times = {}
             for kind in ("softmax", "sdpa"):
                 torch.manual_seed(0)
-                cfg = LMConfig(vocab_size=96, block_size=s, n_layer=size.n_layers, n_head=size.n_heads,
+                cfg = LMConfig(vocab_size=96, block_size=s, n_layers=size.n_layers, n_heads=size.n_heads,
                                d_model=size.d_model, attention_type=kind, **{"positional": "rope", **opts})
                 model = LanguageModel(cfg).to(device)
                 x = torch.randint(0, 96, (b, s), device=device)
@@ -428,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--s2s-seconds", type=float, help="training time budget")
     g.add_argument("--s2s-test", type=int, default=1000)
     g.add_argument("--s2s-ff-mult", type=int, default=2)
-    g.add_argument("--s2s-stop-at", type=float, default=0.99,
+    g.add_argument("--s2s-stop-at", type=float, default=0.98,
                    help="stop training once teacher-forced validation sequence accuracy reaches this")
     g.add_argument("--lm-steps", type=int)
     g.add_argument("--lm-seconds", type=float)
@@ -442,10 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults(args) -> None:
     q = args.quick
-    for name, quick, full in [("s2s_steps", 1000, 2000), ("s2s_max_len", 8, 10), ("s2s_seconds", 45.0, 110.0),
+    for name, quick, full in [("s2s_steps", 1000, 2000), ("s2s_max_len", 8, 9), ("s2s_seconds", 45.0, 100.0),
                               ("lm_steps", 1000, 3000),
-                              ("lm_seconds", 20.0, 75.0), ("lm_chars", 400_000, 1_500_000),
-                              ("lm_eval_batches", 8, 20), ("bench_reps", 3, 5)]:
+                              ("lm_seconds", 20.0, 55.0), ("lm_chars", 400_000, 1_500_000),
+                              ("lm_eval_batches", 8, 20), ("bench_reps", 3, 3)]:
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     if args.size is None:

@@ -75,7 +75,7 @@ def test_seq2seq_forward_and_cached_greedy(kw):
 
 def _small_lm(**kw):
     torch.manual_seed(0)
-    cfg = dict(vocab_size=40, block_size=48, n_layer=2, n_head=4, d_model=32)
+    cfg = dict(vocab_size=40, block_size=48, n_layers=2, n_heads=4, d_model=32)
     cfg.update(kw)
     return LanguageModel(LMConfig(**cfg)).eval()
 

@@ -23,8 +23,8 @@ from ..nn.positional import LearnedPositionalEmbedding
 class LMConfig:
     vocab_size: int = 256
     block_size: int = 256                 # training context length
-    n_layer: int = 4
-    n_head: int = 4
+    n_layers: int = 4
+    n_heads: int = 4
     n_kv_heads: Optional[int] = None      # GQA / MQA
     d_model: int = 128
     d_ff: Optional[int] = None            # None: 4 * d_model (relu/gelu), 8/3 * d_model (swiglu)
@@ -41,7 +41,7 @@ class LMConfig:
 
     def block(self) -> BlockConfig:
         d_ff = self.d_ff or (int(8 * self.d_model / 3) if self.activation == "swiglu" else 4 * self.d_model)
-        attn = AttentionConfig(d_model=self.d_model, n_heads=self.n_head, n_kv_heads=self.n_kv_heads,
+        attn = AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                                attention_type=self.attention_type, causal=True, window=self.window,
                                positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
         return BlockConfig(attn=attn, d_ff=d_ff, activation=self.activation, norm=self.norm, norm_first=True,
@@ -55,7 +55,7 @@ class LanguageModel(nn.Module):
         self.wte = nn.Embedding(c.vocab_size, c.d_model)
         self.wpe = LearnedPositionalEmbedding(c.d_model, c.block_size) if c.positional == "learned" else None
         self.drop = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList(EncoderBlock(c.block()) for _ in range(c.n_layer))
+        self.blocks = nn.ModuleList(EncoderBlock(c.block()) for _ in range(c.n_layers))
         self.ln_f = make_norm(c.norm, c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self._init_weights()
@@ -64,7 +64,7 @@ class LanguageModel(nn.Module):
 
     def _init_weights(self) -> None:
         # GPT-2: N(0, 0.02) everywhere, zero biases, and the projections that write into the residual
-        # stream scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth
+        # stream scaled by 1/sqrt(2 * n_layers) so the stream's variance does not grow with depth
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
@@ -74,7 +74,7 @@ class LanguageModel(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         for block in self.blocks:
             for proj in (block.self_attn.out_proj, block.ffn.w2):
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.config.n_layer))
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.config.n_layers))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -125,7 +125,7 @@ class Transformer(nn.Module):
     def _init_weights(self) -> None:
         # nn.Transformer's init: Xavier-uniform for every matrix; embeddings N(0, d^-1/2) so that
         # after the sqrt(d) scale they have unit variance
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
         for emb in (self.src_embed, self.tgt_embed):
