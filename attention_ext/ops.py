@@ -83,6 +83,10 @@ if HAS_EXT:
         dsinks = q.new_empty((nb, q.shape[1]), **f32) if o["sinks"] is not None else q.new_empty((0,), **f32)
         return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v), dbias, dsinks
 
+    @torch.library.register_fake("attention_ext::dropout_mask")
+    def _dropout_mask_fake(b, h, sq, sk, p, seed, offset, device=None):
+        return torch.empty((b, h, sq, sk), dtype=torch.bool, device=device or "cpu")
+
     def _setup_context(ctx, inputs, output):
         q, k, v, *opts = inputs
         out, lse = output
@@ -122,7 +126,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, **options):
     return torch.ops.attention_ext.fwd(q, k, v, *[options[n] for n in OPTION_NAMES])
 
 
-def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0) -> Tensor:
+def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0, device=None) -> Tensor:
     """The (B, H, Sq, Sk) bool keep-mask the kernels draw for (seed, offset): Philox4x32-10,
     identical on the CPU and the GPU."""
-    return torch.ops.attention_ext.dropout_mask(b, h, sq, sk, p, seed, offset)
+    return torch.ops.attention_ext.dropout_mask(b, h, sq, sk, p, seed, offset, device)

@@ -332,6 +332,7 @@ def test_opcheck_bwd_and_mask():
              *[a.detach() if isinstance(a, torch.Tensor) else a for a in args[3:]], True, False)
     torch.library.opcheck(torch.ops.attention_ext.bwd.default, dargs)
     torch.library.opcheck(torch.ops.attention_ext.dropout_mask.default, (2, 3, 5, 7, 0.5, 11, 0))
+    torch.library.opcheck(torch.ops.attention_ext.dropout_mask.default, (2, 3, 5, 7, 0.5, 11, 0, torch.device("cpu")))
 
 
 def test_torch_compile_fullgraph():

@@ -304,12 +304,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(
   return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
 }
 
-Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, int64_t seed, int64_t offset) {
+// Drawn on the CPU from the same Philox function the kernels use, then moved to `device`.
+Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, int64_t seed, int64_t offset,
+                        std::optional<at::Device> device) {
   TORCH_CHECK_VALUE(b >= 0 && h >= 0 && sq >= 0 && sk >= 0, "attention_ext.dropout_mask: sizes must be >= 0");
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "attention_ext.dropout_mask: p must be in [0, 1), got ", p);
   Tensor keep = at::empty({b, h, sq, sk}, at::TensorOptions().dtype(at::kBool));
   attn::cpu::dropout_mask(reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()), int(b), int(h), int(sq), int(sk), float(p),
                           uint64_t(seed), uint64_t(offset));
-  return keep;
+  return device.has_value() ? keep.to(*device) : keep;
 }
 
 }  // namespace
@@ -323,7 +326,8 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset) -> Tensor");
+  m.def(
+      "dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
