@@ -443,9 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _defaults(args) -> None:
     q = args.quick
-    for name, quick, full in [("s2s_steps", 1000, 2000), ("s2s_max_len", 8, 9), ("s2s_seconds", 45.0, 100.0),
+    for name, quick, full in [("s2s_steps", 1000, 2000), ("s2s_max_len", 7, 9), ("s2s_seconds", 35.0, 100.0),
                               ("lm_steps", 1000, 3000),
-                              ("lm_seconds", 20.0, 55.0), ("lm_chars", 400_000, 1_500_000),
+                              ("lm_seconds", 15.0, 55.0), ("lm_chars", 400_000, 1_500_000),
                               ("lm_eval_batches", 8, 20), ("bench_reps", 3, 3)]:
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
