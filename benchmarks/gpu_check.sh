@@ -11,7 +11,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build test bench ncu sanitize"}
+STAGES=${STAGES:-"build test models bench ncu sanitize"}
 TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
@@ -43,6 +43,14 @@ if has test; then
   timeout 300 python3 -m pytest tests/test_cuda.py -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
   note "tests: $(tail -1 "$OUT/test.log")"
   grep -E "^FAILED" "$OUT/test.log" | head -15 | tee -a "$SUMMARY" || true
+fi
+
+if has models; then
+  # its log joins test.log: $OUT brings back at most 8 files
+  timeout 120 python3 benchmarks/gpu_models_check.py >"$TMPD/models.log" 2>&1
+  note "models on CUDA: rc=$? ($(grep -c '^ok' "$TMPD/models.log") ok, $(grep -c '^FAIL' "$TMPD/models.log") failed)"
+  grep -E "^(ok|FAIL)" "$TMPD/models.log" | sed 's/^/  /' | tee -a "$SUMMARY"
+  cat "$TMPD/models.log" >>"$OUT/test.log"
 fi
 
 if has ncu; then
