@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attention", choices=["bahdanau", "luong"], default="bahdanau")
     p.add_argument("--score", choices=["dot", "general", "concat"], default="general", help="Luong's score")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--max-len", type=int, default=8)

@@ -45,3 +45,15 @@ def test_demo_quick(tmp_path):
     for p in r["seq2seq"]["plots"]:
         assert os.path.getsize(p) > 1000
     assert (out / "samples.txt").exists() and (out / "log.txt").exists()
+
+
+@pytest.mark.parametrize("argv", [["--attention", "bahdanau"], ["--attention", "luong", "--score", "concat"]])
+def test_rnn_example_runs(tmp_path, argv, capsys):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "seq2seq_rnn.py")
+    spec = importlib.util.spec_from_file_location("seq2seq_rnn", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(argv + ["--steps", "20", "--hidden", "16", "--out", str(tmp_path)]) == 0
+    assert "held-out exact-match accuracy" in capsys.readouterr().out
