@@ -55,7 +55,7 @@ def variant_options(variant: str, n_heads: int, context: int) -> Dict:
         "full": {},
         "gqa": {"n_kv_heads": max(1, n_heads // 2)},
         "mqa": {"n_kv_heads": 1},
-        "window": {"window": (max(4, context // 4), -1)},
+        "window": {"window": (max(4, context // 4),) * 2},  # causal layers drop the right side
         "alibi": {"positional": "alibi"},
         "rope": {"positional": "rope"},
         "sinks": {"sinks": True},
