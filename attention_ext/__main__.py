@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m attention_ext", description=__doc__)
     parser.add_argument("command", choices=["info", "bench", "demo"])
-    args, rest = parser.parse_known_args(argv)
+    # only the command word is ours: everything after it (-h included) belongs to the command
+    args = parser.parse_args(argv[:1])
+    rest = argv[1:]
     if args.command == "info":
         return info()
     if args.command == "bench":

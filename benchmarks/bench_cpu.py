@@ -156,6 +156,11 @@ def main(argv=None):
         except Exception as e:  # FlexAttention needs inductor's CPU codegen
             print(f"FlexAttention row skipped: {type(e).__name__}: {e}")
     mb = rss_row()
+    # the ceiling is the best of two measurements, before and after: a shared machine's load
+    # only ever lowers a reading
+    ceil32 = max(ceil32, matmul_ceiling(torch.float32))
+    CEILING[0] = ceil32
+    header = header.replace(header.split("matmul ceiling fp32 ")[1].split(" GFLOP/s")[0], f"{ceil32 / 1e9:.1f}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# CPU benchmark, {datetime.date.today()}\n\n{header}\n\n")
