@@ -143,6 +143,13 @@ struct BwdWorker {
             ts.dropout(keep, i, j0);
           }
           const float di = dvec[i];
+          if (p.dropout_p == 0.f && dbias_bh == nullptr && pol.softcap == 0.f) {
+            // the common case in vectors: dX = P * (dP - D_i) * scale; P stays as it is
+            const vf dv_i = vbcast(di);
+            for (int c = 0; c < kBlockN; c += W)
+              vstore(dprow + c, vload(srow + c) * (vload(dprow + c) - dv_i) * pol.scale);
+            continue;
+          }
           for (int jj = 0; jj < kBlockN; ++jj) {
             const float kp = p.dropout_p > 0.f ? keep[jj] : 1.f;
             const float pr = srow[jj];
