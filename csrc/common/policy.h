@@ -46,6 +46,16 @@ struct SeqInfo {
   ATTN_HD int64_t batch_off(const FwdParams& p, int b, int64_t batch_stride) const {
     return p.cu_seqlens_q != nullptr ? 0 : int64_t(b) * batch_stride;
   }
+  // Element offset of (head, sequence-local row) in a tensor with strides (bs, hs, rs):
+  // query-side tensors (q, o, dout, dq) start at row_q, key-side ones (k, v, dk, dv) at row_k.
+  ATTN_HD int64_t q_offset(const FwdParams& p, int b, int head, int row, int64_t bs, int64_t hs,
+                           int64_t rs) const {
+    return batch_off(p, b, bs) + int64_t(head) * hs + (row_q + row) * rs;
+  }
+  ATTN_HD int64_t k_offset(const FwdParams& p, int b, int head, int row, int64_t bs, int64_t hs,
+                           int64_t rs) const {
+    return batch_off(p, b, bs) + int64_t(head) * hs + (row_k + row) * rs;
+  }
 };
 
 struct Policy {
@@ -111,6 +121,15 @@ struct Policy {
     if (wr >= 0) hi = imin(hi, (i1 - 1) + diag + wr + 1);
     *j0 = lo;
     *j1 = hi;
+  }
+  // The blocks of block_n keys that rows [i0, i1) may see: [*n_lo, *n_hi), empty when equal.
+  ATTN_HD void key_blocks(int i0, int i1, int block_n, int* n_lo, int* n_hi) const {
+    int j0, j1;
+    key_range(i0, i1, &j0, &j1);
+    j0 = imax(j0, 0);
+    j1 = imin(j1, len_k);
+    *n_lo = j0 / block_n;
+    *n_hi = j0 < j1 ? (j1 + block_n - 1) / block_n : *n_lo;
   }
   // Query rows any key of [j0, j1) is seen by: [*i0, *i1).
   ATTN_HD void query_range(int j0, int j1, int* i0, int* i1) const {

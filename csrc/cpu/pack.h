@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../common/policy.h"
@@ -71,22 +72,22 @@ inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_
   }
 }
 
-// Address of row `row` of (batch b, head hh) in a (B, heads, S, D) tensor with these strides.
-inline const void* slice_at(const FwdParams& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
-                            int64_t rstride, int b, int hh, int64_t row) {
-  return static_cast<const char*>(base) +
-         dtype_size(dt) * (SeqInfo(p, b).batch_off(p, b, bstride) + hh * hstride + row * rstride);
+// The element at offset `off` (in elements of dt) of a tensor: offsets come from SeqInfo.
+template <typename Void>
+inline auto elem(Void* base, DType dt, int64_t off) {
+  using Char = typename std::conditional<std::is_const<Void>::value, const char, char>::type;
+  return static_cast<Char*>(base) + dtype_size(dt) * off;
 }
 
-// Packs every (batch, head) of a (B, heads, S, D) tensor; sequence b starts at row row_of(b).
-template <typename RowOf>
-void pack(const FwdParams& p, DType dt, const void* base, int64_t bstride, int64_t hstride, int64_t rstride,
-          int heads, const PackIndex& idx, PackLayout layout, const RowOf& row_of, float* out) {
-  parallel_tasks(int64_t(p.b) * heads, p.num_threads, [&] {
+// Packs the key-side rows of every (batch, kv head) of a (B, H_k, S, D) tensor (K or V).
+inline void pack_keys(const FwdParams& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
+                      int64_t rstride, const PackIndex& idx, PackLayout layout, float* out) {
+  parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
     return [&, row = std::vector<float>(idx.dp)](int64_t t) mutable {
-      const int b = int(t / heads), hh = int(t % heads);
-      pack_one(dt, slice_at(p, dt, base, bstride, hstride, rstride, b, hh, row_of(b)), rstride, idx.len[b],
-               idx.padded_len(b), idx.d, idx.dp, layout, out + idx.offset(b, hh, heads), row.data());
+      const int b = int(t / p.h_k), hh = int(t % p.h_k);
+      const int64_t off = SeqInfo(p, b).k_offset(p, b, hh, 0, bstride, hstride, rstride);
+      pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout,
+               out + idx.offset(b, hh, p.h_k), row.data());
     };
   });
 }

@@ -59,28 +59,24 @@ struct BwdWorker {
     const int d = p.d, group = p.h / p.h_k;
     const int len_k = si.len_k, len_q = si.len_q;
     const int kpad = round_up(std::max(len_k, 0), kBlockN), qpad = round_up(std::max(len_q, 0), kBlockM);
-    const size_t es = dtype_size(dt);
 
     // dK, dV of a query-less or key-less sequence are zero: still write them
     std::fill(dk.begin(), dk.begin() + int64_t(kpad) * dp, 0.f);
     std::fill(dv.begin(), dv.begin() + int64_t(kpad) * dp, 0.f);
-    auto kslice = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
-      return slice_at(p, dt, base, bs, hs, rs, b, hk, si.row_k);
-    };
-    const void* ksrc = kslice(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-    const void* vsrc = kslice(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+    const void* ksrc = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
+    const void* vsrc = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, kt.data(), row.data());
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kRows, kr.data(), row.data());
     pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, vt.data(), row.data());
 
     for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
 
-    const int64_t kr0 = si.row_k;
-    auto dslice = [&](void* base, int64_t bs, int64_t hs, int64_t rs) {
-      return static_cast<char*>(base) + es * (si.batch_off(p, b, bs) + hk * hs + kr0 * rs);
-    };
-    store_rows(dk.data(), len_k, dslice(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride), p.dk_row_stride);
-    store_rows(dv.data(), len_k, dslice(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride), p.dv_row_stride);
+    store_rows(dk.data(), len_k,
+               elem(p.dk, dt, si.k_offset(p, b, hk, 0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride)),
+               p.dk_row_stride);
+    store_rows(dv.data(), len_k,
+               elem(p.dv, dt, si.k_offset(p, b, hk, 0, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride)),
+               p.dv_row_stride);
   }
 
   void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
@@ -90,16 +86,16 @@ struct BwdWorker {
     const TileSoftmax ts(p, pol, b * p.h + h);
     const float keep_scale = p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
 
-    auto qslice = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
-      return slice_at(p, dt, base, bs, hs, rs, b, h, si.row_q);
+    auto qside = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
+      return elem(base, dt, si.q_offset(p, b, h, 0, bs, hs, rs));
     };
-    pack_one(dt, qslice(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride), p.q_row_stride, len_q, qpad, d, dp,
+    pack_one(dt, qside(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride), p.q_row_stride, len_q, qpad, d, dp,
              PackLayout::kRows, q.data(), row.data());
-    pack_one(dt, qslice(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride), p.do_row_stride, len_q, qpad,
+    pack_one(dt, qside(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride), p.do_row_stride, len_q, qpad,
              d, dp, PackLayout::kRows, dout.data(), row.data());
     std::fill(dq.begin(), dq.begin() + int64_t(qpad) * dp, 0.f);
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
-    const char* obase = static_cast<const char*>(qslice(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
+    const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
     const float* lse_bh = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
     float dsink = 0.f;
     const float sink = p.sinks != nullptr ? p.sinks[h] : 0.f;
@@ -172,8 +168,7 @@ struct BwdWorker {
         gemm<true>(rows, dp, kBlockN, dpt.data(), kBlockN, kr.data() + int64_t(j0) * dp, dp, dq.data() + int64_t(i0) * dp, dp);
       }
     }
-    char* dqbase = static_cast<char*>(p.dq) +
-                   es * (si.batch_off(p, b, p.dq_batch_stride) + h * p.dq_head_stride + si.row_q * p.dq_row_stride);
+    char* dqbase = elem(p.dq, dt, si.q_offset(p, b, h, 0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride));
     store_rows(dq.data(), len_q, dqbase, p.dq_row_stride);
   }
 };

@@ -51,20 +51,19 @@ struct FwdWorker {
     const size_t es = dtype_size(dt);
 
     // (rows, d) tile of Q in float32
-    const char* qbase = static_cast<const char*>(p.q) +
-                        es * (si.batch_off(p, b, p.q_batch_stride) + h * p.q_head_stride + (si.row_q + i0) * p.q_row_stride);
+    const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
     for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q.data() + r * dp, d, dp);
 
     std::fill(o.begin(), o.begin() + size_t(rows) * dp, 0.f);
     std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
     std::fill(l.begin(), l.end(), 0.f);
 
-    int j_lo, j_hi;
-    pol.key_range(i0, i1, &j_lo, &j_hi);
+    int n_lo, n_hi;
+    pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
     const float* kt_bh = kt + kidx.offset(b, hk, p.h_k);
     const float* v_bh = vr + kidx.offset(b, hk, p.h_k);
     const TileSoftmax ts(p, pol, b * p.h + h);
-    for (int jb = std::max(j_lo, 0) / kBlockN; jb * kBlockN < j_hi; ++jb) {
+    for (int jb = n_lo; jb < n_hi; ++jb) {
       const int j0 = jb * kBlockN;
       // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
       gemm<false>(rows, kBlockN, d, q.data(), dp, kt_bh + int64_t(jb) * dp * kBlockN, kBlockN, s.data(), kBlockN);
@@ -86,8 +85,7 @@ struct FwdWorker {
       gemm<true>(rows, dp, kBlockN, s.data(), kBlockN, v_bh + int64_t(j0) * dp, dp, o.data(), dp);
     }
 
-    char* obase = static_cast<char*>(p.o) +
-                  es * (si.batch_off(p, b, p.o_batch_stride) + h * p.o_head_stride + (si.row_q + i0) * p.o_row_stride);
+    char* obase = elem(p.o, dt, si.q_offset(p, b, h, i0, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
     float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
     const float sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<float>::infinity();
     const float keep_scale = p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
@@ -115,9 +113,8 @@ struct FwdWorker {
 void fwd(const FwdParams& p, DType dt) {
   const PackIndex kidx(p, /*keys=*/true);
   std::vector<float> kt(kidx.total(p.h_k)), vr(kidx.total(p.h_k));
-  auto row_k = [&](int b) { return SeqInfo(p, b).row_k; };
-  pack(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.h_k, kidx, PackLayout::kTBlocks, row_k, kt.data());
-  pack(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.h_k, kidx, PackLayout::kRows, row_k, vr.data());
+  pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTBlocks, kt.data());
+  pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kRows, vr.data());
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   parallel_tasks(int64_t(p.b) * p.h * n_mblocks, p.num_threads,
                  [&] { return FwdWorker(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });

@@ -70,10 +70,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   const uint32_t q_b = TileQ::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
   const uint32_t q_bt = TileQ::offset((lane & 7) + ((lane >> 3) & 1) * 8, d_off + (lane >> 4) * 8);
 
-  const T* kp = static_cast<const T*>(p.k) + si.batch_off(p, b, p.k_batch_stride) +
-                int64_t(hk) * p.k_head_stride + (si.row_k + n0) * p.k_row_stride;
-  const T* vp = static_cast<const T*>(p.v) + si.batch_off(p, b, p.v_batch_stride) +
-                int64_t(hk) * p.v_head_stride + (si.row_k + n0) * p.v_row_stride;
+  const T* kp = static_cast<const T*>(p.k) +
+      si.k_offset(p, b, hk, n0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const T* vp = static_cast<const T*>(p.v) +
+      si.k_offset(p, b, hk, n0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
 
   float acc_dk[kAT][4], acc_dv[kAT][4];
 #pragma unroll
@@ -99,10 +99,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     if (i0 >= i1) continue;
     const int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
 
-    const T* qp = static_cast<const T*>(p.q) + si.batch_off(p, b, p.q_batch_stride) +
-                  int64_t(h) * p.q_head_stride + si.row_q * p.q_row_stride;
-    const T* dop = static_cast<const T*>(p.dout) + si.batch_off(p, b, p.do_batch_stride) +
-                   int64_t(h) * p.do_head_stride + si.row_q * p.do_row_stride;
+    const T* qp = static_cast<const T*>(p.q) +
+        si.q_offset(p, b, h, 0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+    const T* dop = static_cast<const T*>(p.dout) +
+        si.q_offset(p, b, h, 0, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
     const float* lse_p = p.lse + lse_index(p, si, b, h, 0);
     const float* dot_p = p.softmax_d + scratch_row(p, b, h, 0);
 
@@ -323,10 +323,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   }
 
   // ---- epilogue: dK, dV (zeros for keys no query sees) straight from registers
-  T* dk = static_cast<T*>(p.dk) + si.batch_off(p, b, p.dk_batch_stride) +
-          int64_t(hk) * p.dk_head_stride + (si.row_k + n0) * p.dk_row_stride;
-  T* dv = static_cast<T*>(p.dv) + si.batch_off(p, b, p.dv_batch_stride) +
-          int64_t(hk) * p.dv_head_stride + (si.row_k + n0) * p.dv_row_stride;
+  T* dk = static_cast<T*>(p.dk) + si.k_offset(p, b, hk, n0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
+  T* dv = static_cast<T*>(p.dv) + si.k_offset(p, b, hk, n0, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = wn + g + hf * 8;
@@ -383,21 +381,17 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
   const uint32_t kv_b = TileKV::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
   const uint32_t k_bt = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, d_off + (lane >> 4) * 8);
 
-  const T* qp = static_cast<const T*>(p.q) + si.batch_off(p, b, p.q_batch_stride) +
-                int64_t(h) * p.q_head_stride + (si.row_q + m0) * p.q_row_stride;
-  const T* dop = static_cast<const T*>(p.dout) + si.batch_off(p, b, p.do_batch_stride) +
-                 int64_t(h) * p.do_head_stride + (si.row_q + m0) * p.do_row_stride;
-  const T* kp = static_cast<const T*>(p.k) + si.batch_off(p, b, p.k_batch_stride) +
-                int64_t(hk) * p.k_head_stride + si.row_k * p.k_row_stride;
-  const T* vp = static_cast<const T*>(p.v) + si.batch_off(p, b, p.v_batch_stride) +
-                int64_t(hk) * p.v_head_stride + si.row_k * p.v_row_stride;
+  const T* qp = static_cast<const T*>(p.q) +
+      si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  const T* dop = static_cast<const T*>(p.dout) +
+      si.q_offset(p, b, h, m0, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+  const T* kp = static_cast<const T*>(p.k) +
+      si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const T* vp = static_cast<const T*>(p.v) +
+      si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
 
-  int j0, j1;
-  pol.key_range(m0, m0 + rows_q, &j0, &j1);
-  j0 = max(j0, 0);
-  j1 = min(j1, si.len_k);
-  const int n_lo = j0 / kBlockN;
-  const int n_hi = j0 < j1 ? (j1 + kBlockN - 1) / kBlockN : n_lo;
+  int n_lo, n_hi;
+  pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
 
   float lse2[2], dsum[2];
 #pragma unroll
@@ -515,8 +509,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
     __syncthreads();  // every warp finished reading K[n], V[n]
   }
 
-  T* dq = static_cast<T*>(p.dq) + si.batch_off(p, b, p.dq_batch_stride) +
-          int64_t(h) * p.dq_head_stride + (si.row_q + m0) * p.dq_row_stride;
+  T* dq = static_cast<T*>(p.dq) + si.q_offset(p, b, h, m0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = wm + g + hf * 8;

@@ -45,19 +45,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const int hk = h / (p.h / p.h_k);
   const int rows_q = min(kBlockM, si.len_q - m0);
 
-  const T* q = static_cast<const T*>(p.q) + si.batch_off(p, b, p.q_batch_stride) +
-               int64_t(h) * p.q_head_stride + (si.row_q + m0) * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + si.batch_off(p, b, p.k_batch_stride) +
-               int64_t(hk) * p.k_head_stride + si.row_k * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + si.batch_off(p, b, p.v_batch_stride) +
-               int64_t(hk) * p.v_head_stride + si.row_k * p.v_row_stride;
+  const T* q = static_cast<const T*>(p.q) + si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const T* v = static_cast<const T*>(p.v) + si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
 
-  int j0, j1;
-  pol.key_range(m0, m0 + rows_q, &j0, &j1);
-  j0 = max(j0, 0);
-  j1 = min(j1, si.len_k);
-  const int n_lo = j0 / kBlockN;
-  const int n_hi = j0 < j1 ? (j1 + kBlockN - 1) / kBlockN : n_lo;
+  int n_lo, n_hi;
+  pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
 
   const bool plain = !kGeneral || policy_is_plain(pol);
   const float scale_log2 = p.scale * kLog2e;
@@ -279,8 +272,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
                      "r"(val));
       }
   __syncthreads();
-  T* o = static_cast<T*>(p.o) + si.batch_off(p, b, p.o_batch_stride) +
-         int64_t(h) * p.o_head_stride + (si.row_q + m0) * p.o_row_stride;
+  T* o = static_cast<T*>(p.o) + si.q_offset(p, b, h, m0, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
   constexpr int kTotal = kBlockM * TileQ::kChunks;
 #pragma unroll
   for (int it = 0; it < kTotal / kThreads; ++it) {
