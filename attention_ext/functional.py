@@ -352,5 +352,23 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
             alibi_slopes=alibi_slopes)
         out = out.to(q.dtype)
     if return_attn_probs:
-        return out, lse, None
+        return out, lse, _varlen_probs(q, k, lse, cq, ck, int(max_seqlen_q), int(max_seqlen_k), softmax_scale,
+                                       softcap, (wl, wr), alibi_slopes)
     return out
+
+
+def _varlen_probs(q, k, lse, cq, ck, max_q, max_k, scale, softcap, window, alibi_slopes):
+    """(B, H, max_seqlen_q, max_seqlen_k) float32 probabilities of every sequence, recomputed
+    from the (H, total_q) LSE, zero outside each sequence."""
+    nb, h = cq.numel() - 1, q.shape[1]
+    probs = q.new_zeros((nb, h, max_q, max_k), dtype=torch.float32)
+    for b in range(nb):
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        slopes = None if alibi_slopes is None else (alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes)
+        probs[b, :, : q1 - q0, : k1 - k0] = reference.attention_probs(
+            q[q0:q1].transpose(0, 1).unsqueeze(0).float(), k[k0:k1].transpose(0, 1).unsqueeze(0).float(),
+            lse[:, q0:q1].unsqueeze(0).float(), scale=scale, softcap=softcap, window=window, bottom_right=True,
+            alibi_slopes=slopes)[0]
+    return probs

@@ -243,6 +243,12 @@ def test_varlen(dtype):
     ref.backward(dout.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_err(out, ref) < tol
+    _, lse, probs = ae.flash_attn_varlen_func(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=True, softcap=5.0,
+                                              return_attn_probs=True)
+    assert probs.shape == (4, h, max(lens_q), max(lens_k))
+    rows = probs.sum(-1)  # 1 where a row sees a key, 0 on padding and empty rows
+    assert torch.allclose(rows[3, :, 29:], torch.ones_like(rows[3, :, 29:]), atol=1e-4)
+    assert torch.all(rows[3, :, :29] == 0) and torch.all(probs[1] == 0)
     for a, r in ((q, qd), (k, kd), (v, vd)):
         assert rel_err(a.grad, r.grad) < tol * 2
 
