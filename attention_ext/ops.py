@@ -68,7 +68,7 @@ if HAS_EXT:
         return _empty_like_layout(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
     @torch.library.register_fake("attention_ext::bwd")
-    def _bwd_fake(dout, q, k, v, out, lse, *rest):
+    def _bwd_fake(dout, q, k, v, out, lse, *rest, dlse=None):
         o = dict(zip(OPTION_NAMES, rest[: len(OPTION_NAMES)]))
         bias_grad = rest[len(OPTION_NAMES)]
         bias, cu_q = o["bias"], o["cu_seqlens_q"]
@@ -102,10 +102,13 @@ if HAS_EXT:
         if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
             dout = dout.contiguous()
         bias_grad = bias is not None and bias.dtype == torch.float32 and ctx.needs_input_grad[3]
+        if dlse is not None:
+            # rows that saw nothing have lse = -inf and no gradient to pass on
+            dlse = dlse.float().masked_fill(torch.isinf(lse), 0.0).contiguous()
         dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(
             dout, q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, o["max_seqlen_q"],
             o["max_seqlen_k"], o["scale"], o["softcap"], o["window_left"], o["window_right"],
-            o["bottom_right"], o["dropout_p"], o["seed"], o["offset"], bias_grad, ctx.deterministic,
+            o["bottom_right"], o["dropout_p"], o["seed"], o["offset"], bias_grad, ctx.deterministic, dlse,
         )
         grad_bias = dbias.sum_to_size(bias.shape) if bias_grad else None
         grad_sinks = dsinks.sum(0) if (sinks is not None and ctx.needs_input_grad[5]) else None

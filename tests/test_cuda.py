@@ -284,3 +284,10 @@ def test_force_simt_path_matches(monkeypatch):
     for dtype in (torch.float16, torch.bfloat16):
         run_and_compare(2, 4, 2, 65, 130, 64, dtype, window=(-1, 0), bottom_right=True,
                         sinks=torch.randn(4, device=DEV), dropout_p=0.1, seed=3)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_lse_gradient(dtype, tol):
+    from test_attention import lse_gradient_case
+
+    lse_gradient_case(DEV, dtype, tol)

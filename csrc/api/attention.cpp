@@ -210,10 +210,26 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   return g;
 }
 
+void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
+                      const OptTensor& dlse) {
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+                    "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
+  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1,
+                    "attention_ext.bwd: dout and out need a contiguous head dim");
+  for (const Tensor* t : {&lse, dlse.has_value() ? &*dlse : &lse}) {
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2) &&
+                          t->scalar_type() == at::kFloat && t->is_contiguous(),
+                      "attention_ext.bwd: lse and dlse must be contiguous float32 (B, H, Sq) tensors");
+  }
+  for (const Tensor* t : {&dout, &out, &lse, dlse.has_value() ? &*dlse : &lse})
+    TORCH_CHECK(t->device() == q.device(), "attention_ext.bwd: dout, out, lse and dlse must be on ", q.device());
+}
+
 BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& lse, const Options& o, Grads& g, bool deterministic) {
+                          const Tensor& lse, const OptTensor& dlse, const Options& o, Grads& g, bool deterministic) {
   BwdParams p{};
   static_cast<FwdParams&>(p) = make_fwd_params(q, k, v, out, lse, o);
+  p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
   p.dout = dout.data_ptr();
   set_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
   p.dq = g.dq.data_ptr();
@@ -280,16 +296,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(
     const OptTensor& bias, const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
     const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k, double scale, double softcap,
     int64_t wl, int64_t wr, bool bottom_right, double dropout_p, int64_t seed, int64_t offset, bool bias_grad,
-    bool deterministic) {
+    bool deterministic, const OptTensor& dlse) {
   const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr,
                                  bottom_right, dropout_p, seed, offset);
   attn::api::check_inputs(q, k, v, o);
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-                    "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
-  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1, "attention_ext.bwd: dout and out need a contiguous head dim");
-  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2) &&
-                        lse.scalar_type() == at::kFloat && lse.is_contiguous(),
-                    "attention_ext.bwd: lse must be a contiguous float32 (B, H, Sq) tensor");
+  attn::api::check_bwd_inputs(dout, q, out, lse, dlse);
   attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
   if (q.numel() == 0 || k.numel() == 0) {
     g.dq.zero_();
@@ -298,7 +309,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(
   }
   if (q.numel() > 0 && k.numel() > 0) {
     Tensor dout_c = dout.to(q.scalar_type());
-    attn::BwdParams p = attn::api::make_bwd_params(dout_c, q, k, v, out, lse, o, g, deterministic);
+    attn::BwdParams p = attn::api::make_bwd_params(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
     attn::cpu::bwd(p, attn::api::dtype_of(q));
   }
   return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
@@ -325,7 +336,7 @@ Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, 
 TORCH_LIBRARY(attention_ext, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_OPTIONS_SCHEMA
-        ", bool bias_grad, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
 }

@@ -6,7 +6,7 @@
 //   fwd(q, k, v, bias?, alibi_slopes?, sinks?, seqlens_k?, cu_seqlens_q?, cu_seqlens_k?,
 //       max_seqlen_q, max_seqlen_k, scale, softcap, window_left, window_right, bottom_right,
 //       dropout_p, seed, offset) -> (out, lse)
-//   bwd(dout, q, k, v, out, lse, <the same options>, bias_grad, deterministic)
+//   bwd(dout, q, k, v, out, lse, <the same options>, bias_grad, deterministic, dlse?)
 //       -> (dq, dk, dv, dbias, dsinks)
 // q (B, H, Sq, D), k / v (B, H_k, Sk, D) through strides (head-dim stride 1); varlen packs are
 // (1, H, total, D) with cu_seqlens. out / dq / dk / dv keep their input's memory layout.
@@ -59,8 +59,12 @@ struct Grads {
 };
 Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o, bool bias_grad);
 
+// Checks the backward's extra inputs (dout, out, lse and the optional dlse) against q.
+void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
+                      const OptTensor& dlse);
+
 BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& lse, const Options& o, Grads& g, bool deterministic);
+                          const Tensor& lse, const OptTensor& dlse, const Options& o, Grads& g, bool deterministic);
 
 }  // namespace api
 }  // namespace attn

@@ -74,21 +74,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
     const Tensor& lse, const OptTensor& bias, const OptTensor& alibi, const OptTensor& sinks,
     const OptTensor& seqlens_k, const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q,
     int64_t max_k, double scale, double softcap, int64_t wl, int64_t wr, bool bottom_right,
-    double dropout_p, int64_t seed, int64_t offset, bool bias_grad, bool deterministic) {
+    double dropout_p, int64_t seed, int64_t offset, bool bias_grad, bool deterministic,
+    const OptTensor& dlse) {
   NvtxRange range("attention_ext::bwd (CUDA)");
   const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale,
                                  softcap, wl, wr, bottom_right, dropout_p, seed, offset);
   attn::api::check_inputs(q, k, v, o);
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-                    "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
-  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1,
-                    "attention_ext.bwd: dout and out need a contiguous head dim");
-  TORCH_CHECK_VALUE(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
-                        lse.size(2) == q.size(2) && lse.scalar_type() == at::kFloat &&
-                        lse.is_contiguous(),
-                    "attention_ext.bwd: lse must be a contiguous float32 (B, H, Sq) tensor");
-  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
-              "attention_ext.bwd: dout, out and lse must be on ", q.device());
+  attn::api::check_bwd_inputs(dout, q, out, lse, dlse);
   const c10::cuda::CUDAGuard guard(q.device());
   attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
   // rows no sequence owns (past a varlen pack's end) and empty inputs get zero gradients
@@ -100,7 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   if (q.numel() == 0 || k.numel() == 0) return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
   Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
   attn::BwdParams p =
-      attn::api::make_bwd_params(dout_c, q, k, v, out, lse, o, g, deterministic);
+      attn::api::make_bwd_params(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const attn::DType dt = attn::api::dtype_of(q);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor softmax_d = at::empty({int64_t(attn::cuda_bwd_softmax_d_floats(p))}, f32);

@@ -88,7 +88,10 @@ struct BwdParams : FwdParams {
   int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
-  // (B, H, Sq) float32 scratch: rowwise dot(dO, O)
+  // (B, H, Sq) float32, lse's layout, or nullptr: the gradient flowing into the returned LSE.
+  // d lse_i / d s_ij = P_ij, so it enters every backward as D_i = dot(dO_i, O_i) - dlse_i.
+  const float* dlse;
+  // (B, H, Sq) float32 scratch: rowwise dot(dO, O) - dlse
   float* softmax_d;
   // (B, H, Sq) or (B, H, Sq, D) float32 scratch as each backend needs (may be nullptr)
   float* dq_accum;

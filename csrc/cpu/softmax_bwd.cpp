@@ -2,7 +2,7 @@
 //
 // One task = (batch, kv head): it owns dK and dV of that head, every query head of its GQA
 // group, and their dQ, so no two threads ever write the same gradient element (no atomics,
-// deterministic). Per (key block, query block) tile, with D_i = dO_i . O_i:
+// deterministic). Per (key block, query block) tile, with D_i = dO_i . O_i - dlse_i:
 //   P  = exp(policy(Q K^T) - lse)           (rows, kBlockN)
 //   dP = dO V^T                             gradient of the (dropped) probabilities
 //   dS = P * (dP * keep / (1 - p) - D_i)    gradient of the logits
@@ -96,14 +96,16 @@ struct BwdWorker {
     std::fill(dq.begin(), dq.begin() + int64_t(qpad) * dp, 0.f);
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
     const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
-    const float* lse_bh = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
+    const int64_t lse_off = b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
+    const float* lse_bh = p.lse + lse_off;
+    const float* dlse_bh = p.dlse != nullptr ? p.dlse + lse_off : nullptr;
     float dsink = 0.f;
     const float sink = p.sinks != nullptr ? p.sinks[h] : 0.f;
     for (int i = 0; i < len_q; ++i) {
       load_row(dt, obase + es * i * p.o_row_stride, row.data(), d, dp);
       vf acc = vf{};
       for (int c = 0; c < dp; c += W) acc += vload(row.data() + c) * vload(dout.data() + int64_t(i) * dp + c);
-      dvec[i] = hsum(acc);
+      dvec[i] = hsum(acc) - (p.dlse != nullptr ? dlse_bh[i] : 0.f);
       lse[i] = lse_bh[i];
       // d loss / d sink = -sum_i P_sink,i D_i, P_sink,i = exp(sink - lse_i)
       if (p.sinks != nullptr && !std::isinf(lse[i])) dsink -= std::exp(sink - lse[i]) * dvec[i];

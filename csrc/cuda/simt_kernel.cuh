@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
   if (lane == 0 && p.lse != nullptr) p.lse[lse_index(p, si, b, h, i)] = lse;
 }
 
-// Backward preprocess, for every path: softmax_d = dot(dO, O) per row, zero the dQ scratch
+// Backward preprocess, for every path: softmax_d = dot(dO, O) - dlse per row, zero the dQ scratch
 // row (dq_ld floats, when there is one), and d sink_h = -sum_i exp(sink_h - lse_i) dot_i.
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(const BwdParams p,
@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(cons
     float acc = 0.f;
     for (int col = lane; col < p.d; col += 32) acc += to_float(dout[col]) * to_float(o[col]);
     acc = warp_sum(acc);
+    if (p.dlse != nullptr) acc -= p.dlse[lse_index(p, si, b, h, i)];
     const int64_t row = scratch_row(p, b, h, i);
     if (lane == 0) p.softmax_d[row] = acc;
     if (p.dq_accum != nullptr) {
