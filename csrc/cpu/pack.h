@@ -17,7 +17,7 @@
 namespace attn {
 namespace cpu {
 
-constexpr int kBlockM = 48;  // query rows per task: 16 whole 6-row micro-kernel blocks
+constexpr int kBlockM = 48;  // query rows per task: 8 whole 6-row micro-kernel blocks, no remainder
 constexpr int kBlockN = 128;  // keys per tile; a multiple of 2 * W so tile rows are whole panels
 
 // Where the packed rows of each (batch, kv head) start. Sequences are padded to whole key
