@@ -49,6 +49,14 @@ def _deterministic(flag: bool):
         ops._deterministic.value = old
 
 
+def _window(window, causal: bool) -> Tuple[int, int]:
+    """(left, right) sizes with -1 = unbounded; causal caps the right side at 0 (no future keys)."""
+    _check(len(window) == 2, f"window must be (left, right), got {window}")
+    wl, wr = int(window[0]), int(window[1])
+    _check(wl >= -1 and wr >= -1, f"window sizes must be >= -1, got {tuple(window)}")
+    return (wl, 0) if causal else (wl, wr)
+
+
 def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b: int, h: int, sq: int, sk: int,
              device) -> Optional[Tensor]:
     """Combine a bool/float mask and a (B, Sk) key padding mask into the op's 4-D bias
@@ -146,11 +154,7 @@ def attention(
     _check(hk >= 1 and h % hk == 0, f"query heads ({h}) must be a multiple of key/value heads ({hk})")
     _check(0.0 <= dropout_p < 1.0, f"dropout_p must be in [0, 1), got {dropout_p}")
     _check(softcap >= 0.0, f"softcap must be >= 0, got {softcap}")
-    _check(len(window) == 2, f"window must be (left, right), got {window}")
-    wl, wr = int(window[0]), int(window[1])
-    _check(wl >= -1 and wr >= -1, f"window sizes must be >= -1, got {window}")
-    if causal:
-        wr = 0 if wr < 0 else min(wr, 0)
+    wl, wr = _window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device)
@@ -212,9 +216,7 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd"
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     b, h, sq, d = q.shape
     sk = k.shape[2]
-    wl, wr = window
-    if causal:
-        wr = 0 if wr < 0 else min(wr, 0)
+    wl, wr = _window(window, causal)
     bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device)
     return reference.attention_probs(
         q.float(), k.float(), lse.float(), scale=scale if scale is not None else 1.0 / math.sqrt(d), softcap=softcap,
@@ -329,9 +331,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                "a sequence is longer than max_seqlen_q / max_seqlen_k")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    wl, wr = int(window_size[0]), int(window_size[1])
-    if causal:
-        wr = 0 if wr < 0 else min(wr, 0)
+    wl, wr = _window(window_size, causal)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
     seed = _draw_seed(None) if dropout_p > 0 else 0
