@@ -27,21 +27,19 @@ struct PackIndex {
   std::vector<int64_t> row0;   // (B + 1) padded key rows of the sequences before b
   std::vector<int> len;        // (B) key length of sequence b
 
-  PackIndex(const FwdParams& p, bool keys) : h_k(p.h_k), d(p.d), dp(round_up(p.d, W)) {
+  explicit PackIndex(const FwdParams& p) : h_k(p.h_k), d(p.d), dp(round_up(p.d, W)) {
     row0.assign(p.b + 1, 0);
     len.assign(p.b, 0);
     for (int b = 0; b < p.b; ++b) {
       SeqInfo s(p, b);
-      len[b] = keys ? s.len_k : s.len_q;
+      len[b] = s.len_k;
       row0[b + 1] = row0[b] + round_up(len[b] > 0 ? len[b] : 0, kBlockN);
     }
   }
   int64_t padded_len(int b) const { return row0[b + 1] - row0[b]; }
-  // first float of (b, head) in a packed array (heads: h_k for K/V, query heads for Q/dO)
-  int64_t offset(int b, int head, int heads) const {
-    return (row0[b] * heads + int64_t(head) * padded_len(b)) * dp;
-  }
-  int64_t total(int heads) const { return row0.back() * heads * dp; }
+  // first float of (b, kv head) in a packed array
+  int64_t offset(int b, int head) const { return (row0[b] * h_k + int64_t(head) * padded_len(b)) * dp; }
+  int64_t total() const { return row0.back() * h_k * dp; }
 };
 
 enum class PackLayout {
@@ -87,7 +85,7 @@ inline void pack_keys(const FwdParams& p, DType dt, const void* base, int64_t bs
       const int b = int(t / p.h_k), hh = int(t % p.h_k);
       const int64_t off = SeqInfo(p, b).k_offset(p, b, hh, 0, bstride, hstride, rstride);
       pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout,
-               out + idx.offset(b, hh, p.h_k), row.data());
+               out + idx.offset(b, hh), row.data());
     };
   });
 }

@@ -60,8 +60,8 @@ struct FwdWorker {
 
     int n_lo, n_hi;
     pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
-    const float* kt_bh = kt + kidx.offset(b, hk, p.h_k);
-    const float* v_bh = vr + kidx.offset(b, hk, p.h_k);
+    const float* kt_bh = kt + kidx.offset(b, hk);
+    const float* v_bh = vr + kidx.offset(b, hk);
     const TileSoftmax ts(p, pol, b * p.h + h);
     for (int jb = n_lo; jb < n_hi; ++jb) {
       const int j0 = jb * kBlockN;
@@ -111,8 +111,8 @@ struct FwdWorker {
 }  // namespace
 
 void fwd(const FwdParams& p, DType dt) {
-  const PackIndex kidx(p, /*keys=*/true);
-  std::vector<float> kt(kidx.total(p.h_k)), vr(kidx.total(p.h_k));
+  const PackIndex kidx(p);
+  std::vector<float> kt(kidx.total()), vr(kidx.total());
   pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTBlocks, kt.data());
   pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kRows, vr.data());
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
