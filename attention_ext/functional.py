@@ -28,6 +28,7 @@ __all__ = [
 ]
 
 _warned_fallback = set()
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _check(cond: bool, msg: str, exc=ValueError):
@@ -58,9 +59,10 @@ def _window(window, causal: bool) -> Tuple[int, int]:
 
 
 def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b: int, h: int, sq: int, sk: int,
-             device) -> Optional[Tensor]:
+             device, acc: torch.dtype) -> Optional[Tensor]:
     """Combine a bool/float mask and a (B, Sk) key padding mask into the op's 4-D bias
-    (bool True = attend, or float32 additive), broadcast dims kept at size 1."""
+    (bool True = attend, or additive in `acc`, the op's float side dtype), broadcast dims kept
+    at size 1."""
     bias = None
     if attn_mask is not None:
         _check(isinstance(attn_mask, Tensor), "attn_mask must be a Tensor", TypeError)
@@ -74,7 +76,7 @@ def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b:
             bias = m
         else:
             _check(m.is_floating_point(), f"attn_mask must be bool or floating point, got {m.dtype}", TypeError)
-            bias = m.float()
+            bias = m.to(acc)
     if key_padding_mask is not None:
         _check(key_padding_mask.dim() == 2 and tuple(key_padding_mask.shape) == (b, sk),
                f"key_padding_mask must be (B, Sk) = {(b, sk)}, got {tuple(key_padding_mask.shape)}")
@@ -129,7 +131,8 @@ def attention(
         softcap: > 0 squashes the scaled scores: softcap * tanh(s / softcap).
         sinks: (H,) learnable logits that join each softmax denominator (attention sinks).
         dropout_p: dropout on the probabilities, drawn in-kernel from (seed or generator).
-        return_lse: also return the (B, H, Sq) float32 log-sum-exp.
+        return_lse: also return the (B, H, Sq) log-sum-exp (float32; float64 for float64
+            inputs).
         deterministic: the backward uses no atomics (CUDA).
 
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
@@ -142,8 +145,7 @@ def attention(
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
     _check(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
-    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16),
-           f"q, k, v must be float32, float16 or bfloat16, got {q.dtype}", TypeError)
+    _check(q.dtype in _DTYPES, f"q, k, v must be float32, float16, bfloat16 or float64, got {q.dtype}", TypeError)
     _check(q.device == k.device == v.device, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, sq, d = q.shape
     _check(k.shape[0] == b and v.shape[0] == b, f"batch mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -157,18 +159,19 @@ def attention(
     wl, wr = _window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device)
+    acc = ops.acc_dtype(q.dtype)
+    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
     if seqlens_k is not None:
         _check(tuple(seqlens_k.shape) == (b,), f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
         seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     if alibi_slopes is not None:
         _check(alibi_slopes.shape in ((h,), (b, h)), f"alibi_slopes must be (H,) or (B, H), got {tuple(alibi_slopes.shape)}")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None:
         _check(tuple(sinks.shape) == (h,), f"sinks must be (H,) = ({h},), got {tuple(sinks.shape)}")
         _check(sinks.device == q.device, f"sinks must be on {q.device}, got {sinks.device}")
-        if sinks.dtype != torch.float32:
-            sinks = sinks.float()
+        if sinks.dtype != acc:
+            sinks = sinks.to(acc)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if dropout_p > 0.0 and seed is None:
@@ -178,7 +181,7 @@ def attention(
                 cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap),
                 window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
                 seed=int(seed or 0), offset=0)
-    if ops.has_kernel(q.device):
+    if _has_kernel(q):
         with _deterministic(deterministic):
             out, lse = ops.fwd(q, k, v, **opts)
     else:
@@ -188,21 +191,28 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _has_kernel(q: Tensor) -> bool:
+    """A compiled kernel serves q's device and dtype (float64 has a CPU kernel only)."""
+    return ops.has_kernel(q.device) and (q.dtype != torch.float64 or q.device.type == "cpu")
+
+
 def _fallback(q, k, v, o):
-    key = q.device.type
+    key = (q.device.type, q.dtype)
     if key not in _warned_fallback:
         _warned_fallback.add(key)
-        warnings.warn(f"attention_ext: no compiled kernel for {q.device}; running the PyTorch reference", RuntimeWarning)
+        warnings.warn(f"attention_ext: no compiled kernel for {q.dtype} on {q.device}; running the PyTorch reference",
+                      RuntimeWarning)
     dmask = None
     if o["dropout_p"] > 0:
         g = torch.Generator(device="cpu").manual_seed(o["seed"])
         dmask = (torch.rand(q.shape[0], q.shape[1], q.shape[2], k.shape[2], generator=g) >= o["dropout_p"]).to(q.device)
+    acc = ops.acc_dtype(q.dtype)
     out, lse = reference.attention(
-        q.float(), k.float(), v.float(), scale=o["scale"], softcap=o["softcap"],
+        q.to(acc), k.to(acc), v.to(acc), scale=o["scale"], softcap=o["softcap"],
         window=(o["window_left"], o["window_right"]), bottom_right=o["bottom_right"], bias=o["bias"],
         alibi_slopes=o["alibi_slopes"], sinks=o["sinks"], seqlens_k=o["seqlens_k"], dropout_p=o["dropout_p"],
         dropout_mask=dmask)
-    return out.to(q.dtype), lse.float()
+    return out.to(q.dtype), lse.to(acc)
 
 
 def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd", scale: Optional[float] = None,
@@ -211,15 +221,17 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd"
                       seqlens_k: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
                       softcap: float = 0.0) -> Tensor:
     """The attention probabilities (B, H, Sq, Sk) recomputed from attention()'s LSE: one
-    Q K^T and an exp, no second softmax pass. Dropout is not applied. Returns float32."""
+    Q K^T and an exp, no second softmax pass. Dropout is not applied. Returns float32 (float64
+    for float64 inputs)."""
     if layout == "bshd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     b, h, sq, d = q.shape
     sk = k.shape[2]
     wl, wr = _window(window, causal)
-    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device)
+    acc = ops.acc_dtype(q.dtype)
+    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
     return reference.attention_probs(
-        q.float(), k.float(), lse.float(), scale=scale if scale is not None else 1.0 / math.sqrt(d), softcap=softcap,
+        q.to(acc), k.to(acc), lse.to(acc), scale=scale if scale is not None else 1.0 / math.sqrt(d), softcap=softcap,
         window=(wl, wr), bottom_right=bottom_right, bias=bias, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k)
 
 
@@ -255,8 +267,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             raise RuntimeError(f"scaled_dot_product_attention: number of heads in key/value ({hk}) must divide the "
                                f"number of heads in query ({hq})")
     fused = (query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and value.size(-1) == query.size(-1)
-             and query.size(-1) <= 256 and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
-             and ops.has_kernel(query.device))
+             and query.size(-1) <= 256 and query.dtype in _DTYPES and _has_kernel(query))
     if not fused:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -332,8 +343,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     wl, wr = _window(window_size, causal)
+    acc = ops.acc_dtype(q.dtype)
     if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     seed = _draw_seed(None) if dropout_p > 0 else 0
     # (total, H, D) -> (1, H, total, D) views
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
@@ -341,7 +353,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), scale=float(softmax_scale),
                 softcap=float(softcap), window_left=wl, window_right=wr, bottom_right=True,
                 dropout_p=float(dropout_p), seed=seed, offset=0)
-    if ops.has_kernel(q.device):
+    if _has_kernel(q):
         with _deterministic(deterministic):
             out4, lse = ops.fwd(q4, k4, v4, **opts)
         out = out4.transpose(1, 2).squeeze(0)
@@ -358,17 +370,18 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
 
 
 def _varlen_probs(q, k, lse, cq, ck, max_q, max_k, scale, softcap, window, alibi_slopes):
-    """(B, H, max_seqlen_q, max_seqlen_k) float32 probabilities of every sequence, recomputed
-    from the (H, total_q) LSE, zero outside each sequence."""
+    """(B, H, max_seqlen_q, max_seqlen_k) probabilities of every sequence (in the LSE's dtype),
+    recomputed from the (H, total_q) LSE, zero outside each sequence."""
     nb, h = cq.numel() - 1, q.shape[1]
-    probs = q.new_zeros((nb, h, max_q, max_k), dtype=torch.float32)
+    acc = lse.dtype
+    probs = q.new_zeros((nb, h, max_q, max_k), dtype=acc)
     for b in range(nb):
         q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
         if q1 == q0 or k1 == k0:
             continue
         slopes = None if alibi_slopes is None else (alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes)
         probs[b, :, : q1 - q0, : k1 - k0] = reference.attention_probs(
-            q[q0:q1].transpose(0, 1).unsqueeze(0).float(), k[k0:k1].transpose(0, 1).unsqueeze(0).float(),
-            lse[:, q0:q1].unsqueeze(0).float(), scale=scale, softcap=softcap, window=window, bottom_right=True,
+            q[q0:q1].transpose(0, 1).unsqueeze(0).to(acc), k[k0:k1].transpose(0, 1).unsqueeze(0).to(acc),
+            lse[:, q0:q1].unsqueeze(0), scale=scale, softcap=softcap, window=window, bottom_right=True,
             alibi_slopes=slopes)[0]
     return probs

@@ -60,12 +60,18 @@ def _empty_like_layout(t: Tensor) -> Tensor:
     return t.new_empty(t.shape)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the float side tensors (lse, additive bias, ALiBi slopes, sinks and their
+    gradients) for inputs of `dtype`: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 if HAS_EXT:
 
     @torch.library.register_fake("attention_ext::fwd")
     def _fwd_fake(q, k, v, *opts):
         b, h, sq, _ = q.shape
-        return _empty_like_layout(q), q.new_empty((b, h, sq), dtype=torch.float32)
+        return _empty_like_layout(q), q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype))
 
     @torch.library.register_fake("attention_ext::bwd")
     def _bwd_fake(dout, q, k, v, out, lse, *rest, dlse=None):
@@ -75,12 +81,12 @@ if HAS_EXT:
         nb = cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
         sq = o["max_seqlen_q"] if cu_q is not None else q.shape[2]
         sk = o["max_seqlen_k"] if cu_q is not None else k.shape[2]
-        f32 = dict(dtype=torch.float32)
-        if bias_grad and bias is not None and bias.dtype == torch.float32:
-            dbias = q.new_empty((nb, q.shape[1], 1 if bias.shape[2] == 1 else sq, sk), **f32)
+        acc = dict(dtype=acc_dtype(q.dtype))
+        if bias_grad and bias is not None and bias.dtype.is_floating_point:
+            dbias = q.new_empty((nb, q.shape[1], 1 if bias.shape[2] == 1 else sq, sk), **acc)
         else:
-            dbias = q.new_empty((0,), **f32)
-        dsinks = q.new_empty((nb, q.shape[1]), **f32) if o["sinks"] is not None else q.new_empty((0,), **f32)
+            dbias = q.new_empty((0,), **acc)
+        dsinks = q.new_empty((nb, q.shape[1]), **acc) if o["sinks"] is not None else q.new_empty((0,), **acc)
         return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v), dbias, dsinks
 
     @torch.library.register_fake("attention_ext::dropout_mask")
@@ -101,10 +107,10 @@ if HAS_EXT:
         o = ctx.opts
         if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
             dout = dout.contiguous()
-        bias_grad = bias is not None and bias.dtype == torch.float32 and ctx.needs_input_grad[3]
+        bias_grad = bias is not None and bias.dtype.is_floating_point and ctx.needs_input_grad[3]
         if dlse is not None:
             # rows that saw nothing have lse = -inf and no gradient to pass on
-            dlse = dlse.float().masked_fill(torch.isinf(lse), 0.0).contiguous()
+            dlse = dlse.to(lse.dtype).masked_fill(torch.isinf(lse), 0.0).contiguous()
         dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(
             dout, q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, o["max_seqlen_q"],
             o["max_seqlen_k"], o["scale"], o["softcap"], o["window_left"], o["window_right"],

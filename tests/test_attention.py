@@ -19,30 +19,31 @@ from helpers import FLOOR, assert_close_fa2, rand_qkv, reference_in, rel_err
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def run_case(b, h, hk, sq, sk, d, dtype, *, layout="bhsd", causal=False, bottom_right=False, window=(-1, -1),
              mask=None, kpm=None, seqlens_k=None, alibi=False, softcap=0.0, sinks=False, grads=True):
     q, k, v = rand_qkv(b, h, hk, sq, sk, d, dtype, layout=layout)
     kw = dict(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, layout=layout)
+    acc = ops.acc_dtype(dtype)  # float side inputs: float64 with float64, else float32
     bias = None
     if mask == "bool":
         bias = torch.rand(b, 1, sq, sk) > 0.3
     elif mask == "float":
-        bias = torch.randn(1, h, sq, sk).requires_grad_()
+        bias = torch.randn(1, h, sq, sk, dtype=acc).requires_grad_()
     elif mask == "float_row":  # broadcast over query rows
-        bias = torch.randn(b, 1, 1, sk).requires_grad_()
+        bias = torch.randn(b, 1, 1, sk, dtype=acc).requires_grad_()
     if bias is not None:
         kw["attn_mask"] = bias
     if kpm is not None:
         kw["key_padding_mask"] = kpm
     if seqlens_k is not None:
         kw["seqlens_k"] = seqlens_k
-    slopes = torch.rand(h) * 0.5 if alibi else None
+    slopes = torch.rand(h, dtype=acc) * 0.5 if alibi else None
     if slopes is not None:
         kw["alibi_slopes"] = slopes
-    sink_t = torch.randn(h).requires_grad_() if sinks else None
+    sink_t = torch.randn(h, dtype=acc).requires_grad_() if sinks else None
     if sink_t is not None:
         kw["sinks"] = sink_t
     out, lse = ae.attention(q, k, v, return_lse=True, **kw)
@@ -166,7 +167,7 @@ def test_random_problems(b, hk, group, sq, sk, d, dtype, layout, causal, bottom_
     one) and a sink taking part of the mass, the cancellation in dP - D amplifies that rounding
     past 2x PyTorch's error (a known limit, listed in the README). test_options covers sinks in
     bf16 / fp16 on rows that see many keys."""
-    if sk < 16 or sinks:
+    if dtype in (torch.bfloat16, torch.float16) and (sk < 16 or sinks):
         dtype = torch.float32
     run_case(b, hk * group, hk, sq, sk, d, dtype, layout=layout, causal=causal, bottom_right=bottom_right,
              window=window, mask=mask, alibi=alibi, softcap=softcap, sinks=sinks)
@@ -209,7 +210,7 @@ def test_packed_qkv_views_no_copy():
 
 
 # ------------------------------------------------------------------ drop-ins
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("case", ["plain", "causal", "bool", "float", "gqa", "scale", "causal_rect"])
 def test_sdpa_dropin(dtype, case):
     b, h, sq, sk, d = 2, 4, 37, 37, 64
@@ -325,48 +326,86 @@ def test_dropout_statistics():
 
 
 # ------------------------------------------------------------------ gradcheck / opcheck / compile
-@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(softcap=2.0, window=(3, 1)), dict(sinks=True),
-                                dict(alibi=True, bias=True)])
-def test_gradcheck_fp32(kw):
-    """torch.autograd.gradcheck on the op. The kernels compute in float32 (there is no float64
-    kernel), so finite differences use float32 tolerances; the float64 comparisons above are the
-    tight check."""
-    kw = dict(kw)
-    q, k, v = rand_qkv(1, 2, 1, 5, 6, 8, torch.float32)
+GRADCHECK = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal_br_gqa": dict(causal=True, bottom_right=True, hk=1),
+    "window_softcap": dict(softcap=2.0, window=(3, 1)),
+    "sinks": dict(sinks=True),
+    "alibi_bias": dict(alibi=True, bias=True),
+    "bool_mask": dict(bool_mask=True),
+    "seqlens_k": dict(seqlens_k=True),
+    "dropout": dict(dropout_p=0.3, seed=7),
+    "bshd_lse": dict(layout="bshd", lse=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRADCHECK))
+def test_gradcheck(case):
+    """torch.autograd.gradcheck at its default float64 tolerances, through the float64 kernels:
+    every differentiable input (q, k, v, an additive bias, sinks) and, with lse=True, the
+    gradient flowing back through the returned LSE too. Dropout is a fixed function of the
+    seed, so it is checked the same way."""
+    kw = dict(GRADCHECK[case])
+    hk = kw.pop("hk", 2)
+    layout = kw.get("layout", "bhsd")
+    with_lse = kw.pop("lse", False)
+    q, k, v = rand_qkv(2, 2, hk, 5, 7, 6, torch.float64, layout=layout)
     extra = {}
     if kw.pop("sinks", False):
-        extra["sinks"] = torch.randn(2, requires_grad=True)
+        extra["sinks"] = torch.randn(2, dtype=torch.float64, requires_grad=True)
     if kw.pop("alibi", False):
-        extra["alibi_slopes"] = torch.rand(2)
+        kw["alibi_slopes"] = torch.rand(2, dtype=torch.float64)
     if kw.pop("bias", False):
-        extra["attn_mask"] = torch.randn(1, 2, 5, 6, requires_grad=True)
+        extra["attn_mask"] = torch.randn(1, 2, 5, 7, dtype=torch.float64, requires_grad=True)
+    if kw.pop("bool_mask", False):
+        mask = torch.rand(2, 1, 5, 7) > 0.4
+        mask[..., 0] = True  # every row sees a key: no row is exactly empty
+        kw["attn_mask"] = mask
+    if kw.pop("seqlens_k", False):
+        kw["seqlens_k"] = torch.tensor([7, 3])
     names = list(extra)
-    tensors = [extra[n] for n in names]
 
     def f(q, k, v, *ts):
-        kws = dict(kw)
+        kws = dict(kw, return_lse=with_lse)
         kws.update(dict(zip(names, ts)))
         return ae.attention(q, k, v, **kws)
 
-    assert torch.autograd.gradcheck(f, (q, k, v, *tensors), eps=1e-2, atol=5e-3, rtol=5e-3, nondet_tol=1e-6,
-                                    fast_mode=True)
+    assert torch.autograd.gradcheck(f, (q, k, v, *[extra[n] for n in names]))
 
 
-def _op_args(with_bias=True, sinks=True, dropout=0.0):
-    q, k, v = rand_qkv(2, 4, 2, 9, 11, 16, torch.float32)
-    bias = torch.randn(1, 4, 9, 11, requires_grad=True) if with_bias else None
-    s = torch.randn(4, requires_grad=True) if sinks else None
-    return (q, k, v, bias, torch.rand(4), s, None, None, None, 9, 11, 0.25, 0.0, -1, 0, False, dropout, 3, 0)
+def test_gradcheck_varlen():
+    """flash_attn_varlen_func's gradients in float64, uneven sequences with a causal window."""
+    cu_q, cu_k = torch.tensor([0, 3, 4, 9], dtype=torch.int32), torch.tensor([0, 5, 5, 11], dtype=torch.int32)
+    q = torch.randn(9, 2, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(11, 1, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def f(q, k, v):
+        return ae.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6, causal=True, window_size=(4, 0))
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
 
 
+def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32):
+    q, k, v = rand_qkv(2, 4, 2, 9, 11, 16, dtype)
+    acc = ops.acc_dtype(dtype)
+    bias = torch.randn(1, 4, 9, 11, dtype=acc, requires_grad=True) if with_bias else None
+    s = torch.randn(4, dtype=acc, requires_grad=True) if sinks else None
+    return (q, k, v, bias, torch.rand(4, dtype=acc), s, None, None, None, 9, 11, 0.25, 0.0, -1, 0, False, dropout, 3,
+            0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("variant", ["full", "plain", "dropout"])
-def test_opcheck_fwd(variant):
-    args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if variant == "dropout" else 0.0)
+def test_opcheck_fwd(variant, dtype):
+    args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if variant == "dropout" else 0.0,
+                    dtype=dtype)
     torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
 
 
-def test_opcheck_bwd_and_mask():
-    args = _op_args()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck_bwd_and_mask(dtype):
+    args = _op_args(dtype=dtype)
     q, k, v = args[:3]
     out, lse = torch.ops.attention_ext.fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     dargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,

@@ -291,3 +291,20 @@ def test_lse_gradient(dtype, tol):
     from test_attention import lse_gradient_case
 
     lse_gradient_case(DEV, dtype, tol)
+
+
+def test_float64_is_cpu_only():
+    """float64 has no CUDA kernel: the op says so with a TypeError, and attention() runs the
+    float64 reference with a warning instead of failing (or silently running float32)."""
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEV, dtype=torch.float64) for _ in range(3))
+    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=9, max_seqlen_k=9, scale=0.25, softcap=0.0, window_left=-1, window_right=0,
+                bottom_right=False, dropout_p=0.0, seed=0, offset=0)
+    with pytest.raises(TypeError, match="float64"):
+        ops.fwd(q, k, v, **opts)
+    import attention_ext as ae
+
+    with pytest.warns(RuntimeWarning, match="float64"):
+        out = ae.attention(q, k, v, causal=True)
+    ref, _ = reference.attention(q, k, v, window=(-1, 0))
+    assert out.dtype == torch.float64 and (out - ref).abs().max().item() < 1e-12

@@ -17,9 +17,14 @@ DType dtype_of(const Tensor& t) {
     case at::kFloat: return DType::kF32;
     case at::kHalf: return DType::kF16;
     case at::kBFloat16: return DType::kBF16;
-    default: TORCH_CHECK_TYPE(false, "attention_ext: q, k, v must be float32, float16 or bfloat16, got ", t.scalar_type());
+    case at::kDouble: return DType::kF64;
+    default:
+      TORCH_CHECK_TYPE(false, "attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got ",
+                       t.scalar_type());
   }
 }
+
+at::ScalarType acc_dtype(const Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 static void check_index_tensor(const OptTensor& t, const char* name, int64_t numel, const Tensor& q) {
   if (!t.has_value()) return;
@@ -86,10 +91,12 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   }
   check_index_tensor(o.seqlens_k, "seqlens_k", nb, q);
   const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
+  const at::ScalarType acc = acc_dtype(q);
   if (o.bias.has_value()) {
     const Tensor& bias = *o.bias;
-    TORCH_CHECK_TYPE(bias.scalar_type() == at::kFloat || bias.scalar_type() == at::kBool,
-                     "attention_ext: bias must be float32 (additive) or bool (True = attend), got ", bias.scalar_type());
+    TORCH_CHECK_TYPE(bias.scalar_type() == acc || bias.scalar_type() == at::kBool, "attention_ext: bias must be ",
+                     acc, " (additive; float64 goes with float64 inputs, float32 with the others) or bool (True = "
+                     "attend), got ", bias.scalar_type());
     TORCH_CHECK(bias.device() == q.device(), "attention_ext: bias must be on ", q.device(), ", got ", bias.device());
     TORCH_CHECK_VALUE(bias.dim() == 4, "attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = (", nb, ", ",
                       h, ", ", sq, ", ", sk, "), got ", bias.sizes());
@@ -101,7 +108,7 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   }
   if (o.alibi_slopes.has_value()) {
     const Tensor& a = *o.alibi_slopes;
-    TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat, "attention_ext: alibi_slopes must be float32, got ", a.scalar_type());
+    TORCH_CHECK_TYPE(a.scalar_type() == acc, "attention_ext: alibi_slopes must be ", acc, ", got ", a.scalar_type());
     TORCH_CHECK(a.device() == q.device(), "attention_ext: alibi_slopes must be on ", q.device());
     TORCH_CHECK_VALUE((a.dim() == 1 && a.size(0) == h) || (a.dim() == 2 && a.size(0) == nb && a.size(1) == h),
                       "attention_ext: alibi_slopes must be (H) or (B, H) = (", nb, ", ", h, "), got ", a.sizes());
@@ -109,7 +116,7 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   }
   if (o.sinks.has_value()) {
     const Tensor& s = *o.sinks;
-    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "attention_ext: sinks must be float32, got ", s.scalar_type());
+    TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext: sinks must be ", acc, ", got ", s.scalar_type());
     TORCH_CHECK(s.device() == q.device(), "attention_ext: sinks must be on ", q.device());
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
                       "attention_ext: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
@@ -124,7 +131,7 @@ Tensor empty_like_layout(const Tensor& like) {
   return at::empty(like.sizes(), opts);
 }
 
-Tensor empty_lse(const Tensor& q) { return at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat)); }
+Tensor empty_lse(const Tensor& q) { return at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc_dtype(q))); }
 
 static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
   *bs = t.stride(0);
@@ -132,9 +139,10 @@ static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) 
   *rs = t.stride(2);
 }
 
-FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                          const Options& o) {
-  FwdParams p{};
+template <typename Acc>
+FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                const Tensor& lse, const Options& o) {
+  FwdParamsT<Acc> p{};
   const bool varlen = o.cu_seqlens_q.has_value();
   p.b = int32_t(varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0));
   p.h = int32_t(q.size(1));
@@ -146,7 +154,7 @@ FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, con
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
+  p.lse = lse.data_ptr<Acc>();
   p.lse_batch_stride = varlen ? 0 : lse.stride(0);  // varlen: one (1, H, total_q) pack
   p.lse_head_stride = lse.stride(1);
   set_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
@@ -156,13 +164,13 @@ FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, con
   p.cu_seqlens_q = varlen ? o.cu_seqlens_q->data_ptr<int32_t>() : nullptr;
   p.cu_seqlens_k = varlen ? o.cu_seqlens_k->data_ptr<int32_t>() : nullptr;
   p.seqlens_k = o.seqlens_k.has_value() ? o.seqlens_k->data_ptr<int32_t>() : nullptr;
-  p.scale = float(o.scale);
-  p.softcap = float(o.softcap);
+  p.scale = Acc(o.scale);
+  p.softcap = Acc(o.softcap);
   p.window_left = int32_t(o.window_left);
   p.window_right = int32_t(o.window_right);
   p.bottom_right = o.bottom_right;
   if (o.alibi_slopes.has_value()) {
-    p.alibi_slopes = o.alibi_slopes->data_ptr<float>();
+    p.alibi_slopes = o.alibi_slopes->data_ptr<Acc>();
     p.alibi_batch_stride = o.alibi_slopes->dim() == 2 ? o.alibi_slopes->stride(0) : 0;
   }
   p.bias_kind = BiasKind::kNone;
@@ -177,13 +185,17 @@ FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, con
     p.bias_row_stride = st(2);
     p.bias_col_stride = st(3);
   }
-  p.sinks = o.sinks.has_value() ? o.sinks->data_ptr<float>() : nullptr;
+  p.sinks = o.sinks.has_value() ? o.sinks->data_ptr<Acc>() : nullptr;
   p.dropout_p = float(o.dropout_p);
   p.seed = uint64_t(o.seed);
   p.offset = uint64_t(o.offset);
   p.num_threads = 0;
   return p;
 }
+template FwdParamsT<float> make_fwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const Options&);
+template FwdParamsT<double> make_fwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, const Options&);
 
 Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o, bool bias_grad) {
   Grads g;
@@ -197,16 +209,16 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     g.dk.zero_();
     g.dv.zero_();
   }
-  const auto f32 = q.options().dtype(at::kFloat);
+  const auto acc = q.options().dtype(acc_dtype(q));
   const bool varlen = o.cu_seqlens_q.has_value();
   const int64_t nb = varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0);
-  if (bias_grad && o.bias.has_value() && o.bias->scalar_type() == at::kFloat) {
+  if (bias_grad && o.bias.has_value() && o.bias->is_floating_point()) {
     const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
-    g.dbias = at::zeros({nb, q.size(1), o.bias->size(2) == 1 ? 1 : sq, sk}, f32);
+    g.dbias = at::zeros({nb, q.size(1), o.bias->size(2) == 1 ? 1 : sq, sk}, acc);
   } else {
-    g.dbias = at::empty({0}, f32);
+    g.dbias = at::empty({0}, acc);
   }
-  g.dsinks = o.sinks.has_value() ? at::zeros({nb, q.size(1)}, f32) : at::empty({0}, f32);
+  g.dsinks = o.sinks.has_value() ? at::zeros({nb, q.size(1)}, acc) : at::empty({0}, acc);
   return g;
 }
 
@@ -218,18 +230,20 @@ void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, co
                     "attention_ext.bwd: dout and out need a contiguous head dim");
   for (const Tensor* t : {&lse, dlse.has_value() ? &*dlse : &lse}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2) &&
-                          t->scalar_type() == at::kFloat && t->is_contiguous(),
-                      "attention_ext.bwd: lse and dlse must be contiguous float32 (B, H, Sq) tensors");
+                          t->scalar_type() == acc_dtype(q) && t->is_contiguous(),
+                      "attention_ext.bwd: lse and dlse must be contiguous ", acc_dtype(q), " (B, H, Sq) tensors");
   }
   for (const Tensor* t : {&dout, &out, &lse, dlse.has_value() ? &*dlse : &lse})
     TORCH_CHECK(t->device() == q.device(), "attention_ext.bwd: dout, out, lse and dlse must be on ", q.device());
 }
 
-BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& lse, const OptTensor& dlse, const Options& o, Grads& g, bool deterministic) {
-  BwdParams p{};
-  static_cast<FwdParams&>(p) = make_fwd_params(q, k, v, out, lse, o);
-  p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
+template <typename Acc>
+BwdParamsT<Acc> make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& lse, const OptTensor& dlse, const Options& o,
+                                Grads& g, bool deterministic) {
+  BwdParamsT<Acc> p{};
+  static_cast<FwdParamsT<Acc>&>(p) = make_fwd_params<Acc>(q, k, v, out, lse, o);
+  p.dlse = dlse.has_value() ? dlse->data_ptr<Acc>() : nullptr;
   p.dout = dout.data_ptr();
   set_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
   p.dq = g.dq.data_ptr();
@@ -239,15 +253,21 @@ BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, 
   set_strides(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
   set_strides(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
   if (g.dbias.numel() > 0) {
-    p.dbias = g.dbias.data_ptr<float>();
+    p.dbias = g.dbias.data_ptr<Acc>();
     p.dbias_batch_stride = g.dbias.stride(0);
     p.dbias_head_stride = g.dbias.stride(1);
     p.dbias_row_stride = g.dbias.size(2) == 1 ? 0 : g.dbias.stride(2);
   }
-  p.dsinks = g.dsinks.numel() > 0 ? g.dsinks.data_ptr<float>() : nullptr;
+  p.dsinks = g.dsinks.numel() > 0 ? g.dsinks.data_ptr<Acc>() : nullptr;
   p.deterministic = deterministic;
   return p;
 }
+template BwdParamsT<float> make_bwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const Tensor&, const OptTensor&, const Options&,
+                                                  Grads&, bool);
+template BwdParamsT<double> make_bwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, const Tensor&, const OptTensor&, const Options&,
+                                                    Grads&, bool);
 
 }  // namespace api
 }  // namespace attn
@@ -286,8 +306,12 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
     out.zero_();
     lse.fill_(-INFINITY);
   }
-  const attn::FwdParams p = attn::api::make_fwd_params(q, k, v, out, lse, o);
-  attn::cpu::fwd(p, attn::api::dtype_of(q));
+  const attn::DType dt = attn::api::dtype_of(q);
+  if (dt == attn::DType::kF64) {
+    attn::cpu::fwd(attn::api::make_fwd_params<double>(q, k, v, out, lse, o), dt);
+  } else {
+    attn::cpu::fwd(attn::api::make_fwd_params<float>(q, k, v, out, lse, o), dt);
+  }
   return {out, lse};
 }
 
@@ -309,8 +333,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(
   }
   if (q.numel() > 0 && k.numel() > 0) {
     Tensor dout_c = dout.to(q.scalar_type());
-    attn::BwdParams p = attn::api::make_bwd_params(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
-    attn::cpu::bwd(p, attn::api::dtype_of(q));
+    const attn::DType dt = attn::api::dtype_of(q);
+    if (dt == attn::DType::kF64) {
+      attn::cpu::bwd(attn::api::make_bwd_params<double>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic), dt);
+    } else {
+      attn::cpu::bwd(attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic), dt);
+    }
   }
   return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
 }

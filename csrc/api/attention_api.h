@@ -38,6 +38,10 @@ struct Options {
 
 DType dtype_of(const Tensor& t);
 
+// The dtype of the float side tensors (lse, an additive bias, ALiBi slopes, sinks and their
+// gradients): float64 for float64 inputs, else float32 (attn::FwdParamsT's Acc).
+at::ScalarType acc_dtype(const Tensor& q);
+
 // Checks q / k / v and the options; throws c10::Error (RuntimeError / ValueError in Python)
 // naming the bad argument.
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o);
@@ -46,14 +50,16 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
 // storage when `like` has heads inside rows, else contiguous (B, H, S, D).
 Tensor empty_like_layout(const Tensor& like);
 
-// (B, H, Sq) float32 lse (varlen: (1, H, total_q)).
+// (B, H, Sq) lse of acc_dtype(q) (varlen: (1, H, total_q)).
 Tensor empty_lse(const Tensor& q);
 
-FwdParams make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                          const Options& o);
+// Acc = float, or double for float64 inputs (instantiated for both).
+template <typename Acc>
+FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                const Tensor& lse, const Options& o);
 
-// Outputs of the backward, allocated: dq, dk, dv like q, k, v; dbias (B, H, Sq_b, Sk) float32
-// zeros when bias_grad; dsinks (B, H) float32 when sinks are given; else empty tensors.
+// Outputs of the backward, allocated: dq, dk, dv like q, k, v; dbias (B, H, Sq_b, Sk) zeros
+// when bias_grad; dsinks (B, H) when sinks are given (both acc_dtype(q)); else empty tensors.
 struct Grads {
   Tensor dq, dk, dv, dbias, dsinks;
 };
@@ -63,8 +69,10 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
 void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
                       const OptTensor& dlse);
 
-BwdParams make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                          const Tensor& lse, const OptTensor& dlse, const Options& o, Grads& g, bool deterministic);
+template <typename Acc>
+BwdParamsT<Acc> make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& lse, const OptTensor& dlse, const Options& o,
+                                Grads& g, bool deterministic);
 
 }  // namespace api
 }  // namespace attn

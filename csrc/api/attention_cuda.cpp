@@ -33,6 +33,13 @@ Options make_options(const OptTensor& bias, const OptTensor& alibi, const OptTen
                  bottom_right, dropout_p, seed, offset};
 }
 
+// The CUDA kernels compute in float32; float64 has a kernel on the CPU only.
+void check_cuda_dtype(const Tensor& q) {
+  TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble,
+                   "attention_ext: float64 inputs are supported by the CPU kernels only; on CUDA use float32, "
+                   "float16 or bfloat16");
+}
+
 // The tensor-core path reads rows as 16-byte chunks; give it a copy when dout is strided oddly.
 Tensor chunk_friendly(Tensor t) {
   const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
@@ -51,6 +58,7 @@ std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tens
   const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale,
                                  softcap, wl, wr, bottom_right, dropout_p, seed, offset);
   attn::api::check_inputs(q, k, v, o);
+  check_cuda_dtype(q);
   const c10::cuda::CUDAGuard guard(q.device());
   Tensor out = attn::api::empty_like_layout(q);
   Tensor lse = attn::api::empty_lse(q);
@@ -60,7 +68,7 @@ std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tens
     lse.fill_(-INFINITY);
   }
   if (q.numel() == 0) return {out, lse};
-  const attn::FwdParams p = attn::api::make_fwd_params(q, k, v, out, lse, o);
+  const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
   try {
     attn::cuda_fwd(p, attn::api::dtype_of(q), c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::runtime_error& e) {
@@ -80,6 +88,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale,
                                  softcap, wl, wr, bottom_right, dropout_p, seed, offset);
   attn::api::check_inputs(q, k, v, o);
+  check_cuda_dtype(q);
   attn::api::check_bwd_inputs(dout, q, out, lse, dlse);
   const c10::cuda::CUDAGuard guard(q.device());
   attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
@@ -92,7 +101,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   if (q.numel() == 0 || k.numel() == 0) return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
   Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
   attn::BwdParams p =
-      attn::api::make_bwd_params(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
+      attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const attn::DType dt = attn::api::dtype_of(q);
   const auto f32 = q.options().dtype(at::kFloat);
   Tensor softmax_d = at::empty({int64_t(attn::cuda_bwd_softmax_d_floats(p))}, f32);

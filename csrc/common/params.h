@@ -12,17 +12,22 @@
 
 namespace attn {
 
-// Element type of q, k, v, out (and of dout, dq, dk, dv). Accumulation is always float32.
-enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
+// Element type of q, k, v, out (and of dout, dq, dk, dv). float64 runs on the CPU only.
+enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
 
 // How the optional `bias` tensor is read.
 enum class BiasKind : int32_t {
   kNone = 0,
-  kAdditive = 1,  // float32, added to the score
+  kAdditive = 1,  // Acc (see FwdParamsT), added to the score
   kBool = 2,      // uint8 (torch.bool): nonzero = attend, zero = masked
 };
 
-struct FwdParams {
+// Acc is the type the softmax runs in and the type of every float side tensor and constant:
+// the LSE, ALiBi slopes, an additive bias, sinks, their gradients, scale and softcap. It is
+// float for fp32 / fp16 / bf16 inputs (both backends) and double for float64 inputs (CPU
+// only), so a float64 call is float64 end to end and gradcheck can test it.
+template <typename Acc>
+struct FwdParamsT {
   // ---------------------------------------------------------------- sizes
   int32_t b;      // batch (varlen: number of sequences)
   int32_t h;      // query heads
@@ -36,10 +41,10 @@ struct FwdParams {
   const void* k;
   const void* v;
   void* o;
-  // (B, H, Sq) float32, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
+  // (B, H, Sq) Acc, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
   // is lse[b * lse_batch_stride + h * lse_head_stride + row_q + i] (SeqInfo::row_q).
   // softmax_d in the backward shares this layout.
-  float* lse;
+  Acc* lse;
   int64_t lse_batch_stride, lse_head_stride;
   int64_t q_batch_stride, q_head_stride, q_row_stride;
   int64_t k_batch_stride, k_head_stride, k_row_stride;
@@ -55,20 +60,20 @@ struct FwdParams {
   const int32_t* seqlens_k;
 
   // ---------------------------------------------------------------- score policy
-  float scale;          // multiplies q.k
-  float softcap;        // 0 = off, else s = softcap * tanh(s / softcap)
+  Acc scale;            // multiplies q.k
+  Acc softcap;          // 0 = off, else s = softcap * tanh(s / softcap)
   int32_t window_left;  // -1 = unbounded; causal is window_right = 0
   int32_t window_right;
   bool bottom_right;    // diagonal aligned at the end (flash-attn) rather than the start (SDPA)
-  // ALiBi: (B, H) or (H) float32 slopes (batch stride 0); score -= slope * |i + diag - j|
-  const float* alibi_slopes;
+  // ALiBi: (B, H) or (H) Acc slopes (batch stride 0); score -= slope * |i + diag - j|
+  const Acc* alibi_slopes;
   int64_t alibi_batch_stride;
   // bias / mask, broadcastable to (B, H, Sq, Sk): broadcast dims have stride 0
   const void* bias;
   BiasKind bias_kind;
   int64_t bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
-  // (H) float32 sink logits: join the softmax denominator, carry no value
-  const float* sinks;
+  // (H) Acc sink logits: join the softmax denominator, carry no value
+  const Acc* sinks;
 
   // ---------------------------------------------------------------- dropout on the probabilities
   float dropout_p;  // probability of dropping; 0 = off
@@ -79,7 +84,8 @@ struct FwdParams {
   int32_t num_threads;
 };
 
-struct BwdParams : FwdParams {
+template <typename Acc>
+struct BwdParamsT : FwdParamsT<Acc> {
   const void* dout;
   int64_t do_batch_stride, do_head_stride, do_row_stride;
   void* dq;
@@ -88,20 +94,23 @@ struct BwdParams : FwdParams {
   int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
   int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
   int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
-  // (B, H, Sq) float32, lse's layout, or nullptr: the gradient flowing into the returned LSE.
+  // (B, H, Sq) Acc, lse's layout, or nullptr: the gradient flowing into the returned LSE.
   // d lse_i / d s_ij = P_ij, so it enters every backward as D_i = dot(dO_i, O_i) - dlse_i.
-  const float* dlse;
-  // (B, H, Sq) float32 scratch: rowwise dot(dO, O) - dlse
+  const Acc* dlse;
+  // (B, H, Sq) float32 scratch of the CUDA backward: rowwise dot(dO, O) - dlse
   float* softmax_d;
   // (B, H, Sq) or (B, H, Sq, D) float32 scratch as each backend needs (may be nullptr)
   float* dq_accum;
-  // (B, H, Sq_b, Sk) float32, Sq_b in {1, Sq}: the gradient of an additive bias before the
+  // (B, H, Sq_b, Sk) Acc, Sq_b in {1, Sq}: the gradient of an additive bias before the
   // reduction over broadcast batch/head dims (done by the caller). nullptr = not wanted.
-  float* dbias;
+  Acc* dbias;
   int64_t dbias_batch_stride, dbias_head_stride, dbias_row_stride;  // row stride 0 if Sq_b == 1
-  // (B, H) float32: d loss / d sink, before the sum over the batch (done by the caller)
-  float* dsinks;
+  // (B, H) Acc: d loss / d sink, before the sum over the batch (done by the caller)
+  Acc* dsinks;
   bool deterministic;
 };
+
+using FwdParams = FwdParamsT<float>;
+using BwdParams = BwdParamsT<float>;
 
 }  // namespace attn

@@ -23,13 +23,17 @@ namespace attn {
 
 ATTN_HD int imin(int a, int b) { return a < b ? a : b; }
 ATTN_HD int imax(int a, int b) { return a > b ? a : b; }
+// tanh in the softmax's type (tanhf keeps the float path in float on the device)
+ATTN_HD float tanh_acc(float x) { return tanhf(x); }
+ATTN_HD double tanh_acc(double x) { return tanh(x); }
 
 // Where sequence b lives and how long it is, for either the padded or the varlen layout.
 struct SeqInfo {
   int len_q, len_k;
   int64_t row_q, row_k;  // first row of the sequence inside its (batch, head) slice
 
-  ATTN_HD SeqInfo(const FwdParams& p, int b) {
+  template <typename Acc>
+  ATTN_HD SeqInfo(const FwdParamsT<Acc>& p, int b) {
     if (p.cu_seqlens_q != nullptr) {
       row_q = p.cu_seqlens_q[b];
       len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
@@ -43,32 +47,37 @@ struct SeqInfo {
     }
   }
   // batch offset in elements for a tensor with the given batch stride (varlen: one pack)
-  ATTN_HD int64_t batch_off(const FwdParams& p, int b, int64_t batch_stride) const {
+  template <typename Acc>
+  ATTN_HD int64_t batch_off(const FwdParamsT<Acc>& p, int b, int64_t batch_stride) const {
     return p.cu_seqlens_q != nullptr ? 0 : int64_t(b) * batch_stride;
   }
   // Element offset of (head, sequence-local row) in a tensor with strides (bs, hs, rs):
   // query-side tensors (q, o, dout, dq) start at row_q, key-side ones (k, v, dk, dv) at row_k.
-  ATTN_HD int64_t q_offset(const FwdParams& p, int b, int head, int row, int64_t bs, int64_t hs,
+  template <typename Acc>
+  ATTN_HD int64_t q_offset(const FwdParamsT<Acc>& p, int b, int head, int row, int64_t bs, int64_t hs,
                            int64_t rs) const {
     return batch_off(p, b, bs) + int64_t(head) * hs + (row_q + row) * rs;
   }
-  ATTN_HD int64_t k_offset(const FwdParams& p, int b, int head, int row, int64_t bs, int64_t hs,
+  template <typename Acc>
+  ATTN_HD int64_t k_offset(const FwdParamsT<Acc>& p, int b, int head, int row, int64_t bs, int64_t hs,
                            int64_t rs) const {
     return batch_off(p, b, bs) + int64_t(head) * hs + (row_k + row) * rs;
   }
 };
 
-struct Policy {
+// Acc: the type scores are computed in (FwdParamsT); float on the GPU.
+template <typename Acc>
+struct PolicyT {
   int len_q, len_k;
   int diag;        // key aligned with query i is i + diag
   int wl, wr;      // window, -1 = unbounded
-  float scale, softcap, inv_softcap;
-  float slope;     // ALiBi slope, 0 = off
+  Acc scale, softcap, inv_softcap;
+  Acc slope;       // ALiBi slope, 0 = off
   BiasKind bias_kind;
   const void* bias;  // already offset to (b, h)
   int64_t bias_row_stride, bias_col_stride;
 
-  ATTN_HD Policy(const FwdParams& p, const SeqInfo& s, int b, int h) {
+  ATTN_HD PolicyT(const FwdParamsT<Acc>& p, const SeqInfo& s, int b, int h) {
     len_q = s.len_q;
     len_k = s.len_k;
     diag = p.bottom_right ? len_k - len_q : 0;
@@ -76,13 +85,13 @@ struct Policy {
     wr = p.window_right;
     scale = p.scale;
     softcap = p.softcap;
-    inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
-    slope = p.alibi_slopes != nullptr ? p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h] : 0.f;
+    inv_softcap = p.softcap > Acc(0) ? Acc(1) / p.softcap : Acc(0);
+    slope = p.alibi_slopes != nullptr ? p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h] : Acc(0);
     bias_kind = p.bias_kind;
     bias_row_stride = p.bias_row_stride;
     bias_col_stride = p.bias_col_stride;
     if (p.bias_kind == BiasKind::kAdditive) {
-      bias = static_cast<const float*>(p.bias) + int64_t(b) * p.bias_batch_stride +
+      bias = static_cast<const Acc*>(p.bias) + int64_t(b) * p.bias_batch_stride +
              int64_t(h) * p.bias_head_stride;
     } else if (p.bias_kind == BiasKind::kBool) {
       bias = static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride +
@@ -142,24 +151,29 @@ struct Policy {
 
   // The logit for raw x = q.k. Softcap applies to the scaled product; ALiBi and the additive
   // bias come after it (the flash-attn and SDPA conventions).
-  ATTN_HD float score(float x, int i, int j) const {
-    float s = x * scale;
-    if (softcap > 0.f) s = softcap * tanhf(s * inv_softcap);
-    if (slope != 0.f) s -= slope * fabsf(float(i + diag - j));
+  ATTN_HD Acc score(Acc x, int i, int j) const {
+    Acc s = x * scale;
+    if (softcap > Acc(0)) s = softcap * tanh_acc(s * inv_softcap);
+    if (slope != Acc(0)) {
+      const int dist = i + diag - j;
+      s -= slope * Acc(dist < 0 ? -dist : dist);
+    }
     if (bias_kind == BiasKind::kAdditive) {
-      s += static_cast<const float*>(bias)[i * bias_row_stride + j * bias_col_stride];
+      s += static_cast<const Acc*>(bias)[i * bias_row_stride + j * bias_col_stride];
     }
     return s;
   }
   // d score / d x, given x. Only softcap makes it non-constant: d/dx c*tanh(x*scale/c) =
   // scale * (1 - tanh^2).
-  ATTN_HD float dscore_dx(float x) const {
-    if (softcap > 0.f) {
-      float t = tanhf(x * scale * inv_softcap);
-      return scale * (1.f - t * t);
+  ATTN_HD Acc dscore_dx(Acc x) const {
+    if (softcap > Acc(0)) {
+      Acc t = tanh_acc(x * scale * inv_softcap);
+      return scale * (Acc(1) - t * t);
     }
     return scale;
   }
 };
+
+using Policy = PolicyT<float>;
 
 }  // namespace attn

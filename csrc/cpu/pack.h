@@ -1,7 +1,8 @@
-// Float32 copies of K / V (and Q / dO in the backward) laid out for the GEMM micro-kernel.
+// Float32 (float64 on the float64 path) copies of K / V (and Q / dO in the backward) laid out
+// for the GEMM micro-kernel.
 //
 // Packing once per (batch, kv head) costs O(S * D) and turns every later tile product into a
-// unit-stride float32 GEMM, whatever the input dtype and strides: (B, S, H, D) views, QKV
+// unit-stride GEMM, whatever the input dtype and strides: (B, S, H, D) views, QKV
 // slices and varlen packs all look the same after it. Extra memory stays O(B * H_k * S * D),
 // never O(S^2).
 #pragma once
@@ -27,7 +28,8 @@ struct PackIndex {
   std::vector<int64_t> row0;   // (B + 1) padded key rows of the sequences before b
   std::vector<int> len;        // (B) key length of sequence b
 
-  explicit PackIndex(const FwdParams& p) : h_k(p.h_k), d(p.d), dp(round_up(p.d, W)) {
+  template <typename Acc>
+  explicit PackIndex(const FwdParamsT<Acc>& p) : h_k(p.h_k), d(p.d), dp(round_up(p.d, W)) {
     row0.assign(p.b + 1, 0);
     len.assign(p.b, 0);
     for (int b = 0; b < p.b; ++b) {
@@ -37,7 +39,7 @@ struct PackIndex {
     }
   }
   int64_t padded_len(int b) const { return row0[b + 1] - row0[b]; }
-  // first float of (b, kv head) in a packed array
+  // first element of (b, kv head) in a packed array
   int64_t offset(int b, int head) const { return (row0[b] * h_k + int64_t(head) * padded_len(b)) * dp; }
   int64_t total() const { return row0.back() * h_k * dp; }
 };
@@ -48,22 +50,23 @@ enum class PackLayout {
 };
 
 // Packs rows [row0, row0 + len) of one (batch, head) slice `src` (row stride rstride, dtype
-// dt) into `dst`, zero-padding to `pad` rows of dp floats.
+// dt) into `dst`, zero-padding to `pad` rows of dp elements.
+template <typename T>
 inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_t pad, int d, int dp,
-                     PackLayout layout, float* dst, float* row) {
+                     PackLayout layout, T* dst, T* row) {
   const size_t es = dtype_size(dt);
   const char* base = static_cast<const char*>(src);
   for (int64_t j = 0; j < pad; ++j) {
     if (j < len) {
       load_row(dt, base + es * j * rstride, row, d, dp);
     } else {
-      std::fill(row, row + dp, 0.f);
+      std::fill(row, row + dp, T(0));
     }
     if (layout == PackLayout::kRows) {
       std::copy(row, row + dp, dst + j * dp);
     } else {
       // block jb = j / kBlockN holds (d, kBlockN) at dst + jb * dp * kBlockN
-      float* blk = dst + (j / kBlockN) * int64_t(dp) * kBlockN;
+      T* blk = dst + (j / kBlockN) * int64_t(dp) * kBlockN;
       const int jj = int(j % kBlockN);
       for (int c = 0; c < d; ++c) blk[c * kBlockN + jj] = row[c];
     }
@@ -78,10 +81,11 @@ inline auto elem(Void* base, DType dt, int64_t off) {
 }
 
 // Packs the key-side rows of every (batch, kv head) of a (B, H_k, S, D) tensor (K or V).
-inline void pack_keys(const FwdParams& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
-                      int64_t rstride, const PackIndex& idx, PackLayout layout, float* out) {
+template <typename T>
+inline void pack_keys(const FwdParamsT<T>& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
+                      int64_t rstride, const PackIndex& idx, PackLayout layout, T* out) {
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
-    return [&, row = std::vector<float>(idx.dp)](int64_t t) mutable {
+    return [&, row = std::vector<T>(idx.dp)](int64_t t) mutable {
       const int b = int(t / p.h_k), hh = int(t % p.h_k);
       const int64_t off = SeqInfo(p, b).k_offset(p, b, hh, 0, bstride, hstride, rstride);
       pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout,

@@ -24,17 +24,32 @@ constexpr int W = 16;
 #else
 constexpr int W = 8;
 #endif
+constexpr int kVecBytes = W * 4;
 
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
+// One vector register of T: W floats, or W / 2 doubles for the float64 path. Rows are padded
+// to W floats, which is a whole number of vectors of either type.
+template <typename T>
+struct VecOf {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+};
+template <typename T>
+using vec = typename VecOf<T>::type;
+template <typename T>
+constexpr int kLanes = kVecBytes / int(sizeof(T));
 
-inline vf vload(const float* p) {
-  vf v;
+typedef vec<float> vf;
+typedef int32_t vi __attribute__((vector_size(kVecBytes)));
+
+template <typename T>
+inline vec<T> vload(const T* p) {
+  vec<T> v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline vf vbcast(float x) { return vf{} + x; }
+template <typename T>
+inline void vstore(T* p, vec<T> v) { std::memcpy(p, &v, sizeof(v)); }
+template <typename T>
+inline vec<T> vbcast(T x) { return vec<T>{} + x; }
 // Broadcast straight from memory: one load-port uop. A register broadcast would take a shuffle
 // port that, on Zen, is shared with an FMA pipe and caps the micro-kernel near 2/3 of peak.
 inline vf vbcast_mem(const float* p) {
@@ -46,15 +61,28 @@ inline vf vbcast_mem(const float* p) {
   return vbcast(*p);
 #endif
 }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+inline vec<double> vbcast_mem(const double* p) {
+#if defined(__AVX512F__)
+  return (vec<double>)_mm512_set1_pd(*p);
+#elif defined(__AVX__)
+  return (vec<double>)_mm256_broadcast_sd(p);
+#else
+  return vbcast(*p);
+#endif
+}
+template <typename V>
+inline V vmax(V a, V b) { return a > b ? a : b; }
+// horizontal max / sum of any vec<T>; returns T
+template <typename V>
+inline auto hmax(V v) {
+  auto m = v[0];
+  for (int i = 1; i < int(sizeof(V) / sizeof(m)); ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
-inline float hsum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
+template <typename V>
+inline auto hsum(V v) {
+  decltype(v[0] + 0) s = 0;
+  for (int i = 0; i < int(sizeof(V) / sizeof(s)); ++i) s += v[i];
   return s;
 }
 
@@ -79,6 +107,11 @@ inline vf vexp2_nonpos(vf x) {
   vf scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
+}
+// The float64 path is for accuracy (gradcheck, numerics work), not speed: libm's exp2 per lane.
+inline vec<double> vexp2_nonpos(vec<double> x) {
+  for (int i = 0; i < kLanes<double>; ++i) x[i] = std::exp2(x[i]);
+  return x;
 }
 
 // ---------------------------------------------------------------------------------- dtypes
@@ -147,10 +180,12 @@ inline uint16_t f32_to_f16(float f) {
 #endif
 }
 
-// Row of n elements of dtype dt -> float32, zero-filled up to n_pad.
-inline void load_row(DType dt, const void* src, float* dst, int n, int n_pad) {
-  if (dt == DType::kF32) {
-    std::memcpy(dst, src, sizeof(float) * n);
+// Row of n elements of dtype dt -> T (float, or double for DType::kF64), zero-filled up to
+// n_pad. bf16 / fp16 only ever load into float.
+template <typename T>
+inline void load_row(DType dt, const void* src, T* dst, int n, int n_pad) {
+  if (dt == DType::kF32 || dt == DType::kF64) {
+    std::memcpy(dst, src, sizeof(T) * n);
   } else if (dt == DType::kBF16) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
     for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
@@ -158,29 +193,31 @@ inline void load_row(DType dt, const void* src, float* dst, int n, int n_pad) {
     const uint16_t* s = static_cast<const uint16_t*>(src);
     for (int i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
   }
-  for (int i = n; i < n_pad; ++i) dst[i] = 0.f;
+  for (int i = n; i < n_pad; ++i) dst[i] = T(0);
 }
 
-inline void store_row(DType dt, const float* src, void* dst, int n) {
-  if (dt == DType::kF32) {
-    std::memcpy(dst, src, sizeof(float) * n);
+template <typename T>
+inline void store_row(DType dt, const T* src, void* dst, int n) {
+  if (dt == DType::kF32 || dt == DType::kF64) {
+    std::memcpy(dst, src, sizeof(T) * n);
   } else if (dt == DType::kBF16) {
     uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    for (int i = 0; i < n; ++i) d[i] = f32_to_bf16(float(src[i]));
   } else {
     uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+    for (int i = 0; i < n; ++i) d[i] = f32_to_f16(float(src[i]));
   }
 }
 
-inline size_t dtype_size(DType dt) { return dt == DType::kF32 ? 4 : 2; }
+inline size_t dtype_size(DType dt) { return dt == DType::kF64 ? 8 : (dt == DType::kF32 ? 4 : 2); }
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // ---------------------------------------------------------------------------------- GEMM
-// C (M, N) (+)= A (M, K) @ B (K, N); all row-major float32, N a multiple of W. With kTransA the
-// A operand is stored transposed, (K, M) with leading dimension lda: the backward's P^T dO and
-// dS^T Q then read P and dS in place instead of transposing them first.
+// C (M, N) (+)= A (M, K) @ B (K, N); all row-major T (float, or double on the float64 path), N a
+// multiple of kLanes<T>. With kTransA the A operand is stored transposed, (K, M) with leading
+// dimension lda: the backward's P^T dO and dS^T Q then read P and dS in place instead of
+// transposing them first.
 //
 // Register blocking: kMR rows x 2 vectors of C live in registers while k runs, so each step
 // loads 2 vectors of B and broadcasts kMR scalars of A for 2 * kMR FMAs. kMR = 6 fills 12 of
@@ -188,22 +225,23 @@ inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 // at twice the width.
 constexpr int kMR = 6;
 
-template <int MR, int NV, bool kAccumulate, bool kTransA>
-inline void micro_kernel(int K, const float* __restrict__ A, int64_t lda, const float* __restrict__ B,
-                         int64_t ldb, float* __restrict__ C, int64_t ldc) {
-  vf acc[MR][NV];
+template <int MR, int NV, bool kAccumulate, bool kTransA, typename T>
+inline void micro_kernel(int K, const T* __restrict__ A, int64_t lda, const T* __restrict__ B, int64_t ldb,
+                         T* __restrict__ C, int64_t ldc) {
+  constexpr int L = kLanes<T>;
+  vec<T> acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? vload(C + r * ldc + v * W) : vf{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? vload(C + r * ldc + v * L) : vec<T>{};
   }
   for (int k = 0; k < K; ++k) {
-    vf b[NV];
+    vec<T> b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * W);
+    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      vf a = vbcast_mem(kTransA ? A + k * lda + r : A + r * lda + k);
+      vec<T> a = vbcast_mem(kTransA ? A + k * lda + r : A + r * lda + k);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
@@ -211,13 +249,12 @@ inline void micro_kernel(int K, const float* __restrict__ A, int64_t lda, const 
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * W, acc[r][v]);
+    for (int v = 0; v < NV; ++v) vstore(C + r * ldc + v * L, acc[r][v]);
   }
 }
 
-template <int NV, bool kAccumulate, bool kTransA>
-inline void micro_rows(int mr, int K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                       int64_t ldc) {
+template <int NV, bool kAccumulate, bool kTransA, typename T>
+inline void micro_rows(int mr, int K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
   switch (mr) {
     case 6: micro_kernel<6, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
     case 5: micro_kernel<5, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
@@ -228,15 +265,15 @@ inline void micro_rows(int mr, int K, const float* A, int64_t lda, const float* 
   }
 }
 
-template <bool kAccumulate, bool kTransA = false>
-inline void gemm(int M, int N, int K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-                 int64_t ldc) {
-  // n outer, m inner: the (K, 2W) panel of B stays in L1 while A's rows stream past it
-  for (int n0 = 0; n0 < N; n0 += 2 * W) {
-    const bool two = N - n0 >= 2 * W;
+template <bool kAccumulate, bool kTransA = false, typename T>
+inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
+  constexpr int L = kLanes<T>;
+  // n outer, m inner: the (K, 2L) panel of B stays in L1 while A's rows stream past it
+  for (int n0 = 0; n0 < N; n0 += 2 * L) {
+    const bool two = N - n0 >= 2 * L;
     for (int m0 = 0; m0 < M; m0 += kMR) {
       const int mr = M - m0 < kMR ? M - m0 : kMR;
-      const float* a = kTransA ? A + m0 : A + m0 * lda;
+      const T* a = kTransA ? A + m0 : A + m0 * lda;
       if (two) {
         micro_rows<2, kAccumulate, kTransA>(mr, K, a, lda, B + n0, ldb, C + m0 * ldc + n0, ldc);
       } else {

@@ -23,10 +23,12 @@ namespace cpu {
 
 namespace {
 
-using Buf = std::vector<float>;
-
+template <typename T>
 struct BwdWorker {
-  const BwdParams& p;
+  using Buf = std::vector<T>;
+  using V = vec<T>;
+  static constexpr int L = kLanes<T>;
+  const BwdParamsT<T>& p;
   DType dt;
   int dp;
   // per kv head: K^T blocks, V^T blocks, K rows; dK and dV accumulators
@@ -36,7 +38,7 @@ struct BwdWorker {
   // per tile
   Buf s, x, dpt, keep_row, row;
 
-  BwdWorker(const BwdParams& p_, DType dt_) : p(p_), dt(dt_), dp(round_up(p_.d, W)) {
+  BwdWorker(const BwdParamsT<T>& p_, DType dt_) : p(p_), dt(dt_), dp(round_up(p_.d, W)) {
     const int64_t kpad = round_up(p.sk, kBlockN) * int64_t(dp), qpad = round_up(p.sq, kBlockM) * int64_t(dp);
     for (Buf* b : {&kt, &vt, &kr, &dk, &dv}) b->resize(kpad);
     for (Buf* b : {&q, &dout, &dq}) b->resize(qpad);
@@ -47,8 +49,8 @@ struct BwdWorker {
     row.resize(dp);
   }
 
-  // float32 rows -> a (len, d) slice of a gradient tensor
-  void store_rows(const float* src, int len, void* dst, int64_t rstride) {
+  // T rows -> a (len, d) slice of a gradient tensor
+  void store_rows(const T* src, int len, void* dst, int64_t rstride) {
     const size_t es = dtype_size(dt);
     for (int r = 0; r < len; ++r) store_row(dt, src + int64_t(r) * dp, static_cast<char*>(dst) + es * r * rstride, p.d);
   }
@@ -61,8 +63,8 @@ struct BwdWorker {
     const int kpad = round_up(std::max(len_k, 0), kBlockN), qpad = round_up(std::max(len_q, 0), kBlockM);
 
     // dK, dV of a query-less or key-less sequence are zero: still write them
-    std::fill(dk.begin(), dk.begin() + int64_t(kpad) * dp, 0.f);
-    std::fill(dv.begin(), dv.begin() + int64_t(kpad) * dp, 0.f);
+    std::fill(dk.begin(), dk.begin() + int64_t(kpad) * dp, T(0));
+    std::fill(dv.begin(), dv.begin() + int64_t(kpad) * dp, T(0));
     const void* ksrc = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
     const void* vsrc = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, kt.data(), row.data());
@@ -82,9 +84,9 @@ struct BwdWorker {
   void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
     const int d = p.d;
     const size_t es = dtype_size(dt);
-    const Policy pol(p, si, b, h);
-    const TileSoftmax ts(p, pol, b * p.h + h);
-    const float keep_scale = p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
+    const PolicyT<T> pol(p, si, b, h);
+    const TileSoftmax<T> ts(p, pol, b * p.h + h);
+    const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
 
     auto qside = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
       return elem(base, dt, si.q_offset(p, b, h, 0, bs, hs, rs));
@@ -93,67 +95,67 @@ struct BwdWorker {
              PackLayout::kRows, q.data(), row.data());
     pack_one(dt, qside(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride), p.do_row_stride, len_q, qpad,
              d, dp, PackLayout::kRows, dout.data(), row.data());
-    std::fill(dq.begin(), dq.begin() + int64_t(qpad) * dp, 0.f);
+    std::fill(dq.begin(), dq.begin() + int64_t(qpad) * dp, T(0));
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
     const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
     const int64_t lse_off = b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
-    const float* lse_bh = p.lse + lse_off;
-    const float* dlse_bh = p.dlse != nullptr ? p.dlse + lse_off : nullptr;
-    float dsink = 0.f;
-    const float sink = p.sinks != nullptr ? p.sinks[h] : 0.f;
+    const T* lse_bh = p.lse + lse_off;
+    const T* dlse_bh = p.dlse != nullptr ? p.dlse + lse_off : nullptr;
+    T dsink = T(0);
+    const T sink = p.sinks != nullptr ? p.sinks[h] : T(0);
     for (int i = 0; i < len_q; ++i) {
       load_row(dt, obase + es * i * p.o_row_stride, row.data(), d, dp);
-      vf acc = vf{};
-      for (int c = 0; c < dp; c += W) acc += vload(row.data() + c) * vload(dout.data() + int64_t(i) * dp + c);
-      dvec[i] = hsum(acc) - (p.dlse != nullptr ? dlse_bh[i] : 0.f);
+      V acc = V{};
+      for (int c = 0; c < dp; c += L) acc += vload(row.data() + c) * vload(dout.data() + int64_t(i) * dp + c);
+      dvec[i] = hsum(acc) - (p.dlse != nullptr ? dlse_bh[i] : T(0));
       lse[i] = lse_bh[i];
       // d loss / d sink = -sum_i P_sink,i D_i, P_sink,i = exp(sink - lse_i)
       if (p.sinks != nullptr && !std::isinf(lse[i])) dsink -= std::exp(sink - lse[i]) * dvec[i];
     }
     if (p.dsinks != nullptr) p.dsinks[b * p.h + h] = dsink;
-    float* dbias_bh = p.dbias != nullptr ? p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride : nullptr;
+    T* dbias_bh = p.dbias != nullptr ? p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride : nullptr;
 
     for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
       int q_lo, q_hi;
       pol.query_range(j0, j0 + kBlockN, &q_lo, &q_hi);
-      const float* kt_blk = kt.data() + int64_t(j0) * dp;  // (dp, kBlockN) block at j0 / kBlockN
-      const float* vt_blk = vt.data() + int64_t(j0) * dp;
+      const T* kt_blk = kt.data() + int64_t(j0) * dp;  // (dp, kBlockN) block at j0 / kBlockN
+      const T* vt_blk = vt.data() + int64_t(j0) * dp;
       for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
         const int rows = std::min(kBlockM, len_q - i0);
         if (rows <= 0) break;
-        const float* q_blk = q.data() + int64_t(i0) * dp;
-        const float* do_blk = dout.data() + int64_t(i0) * dp;
+        const T* q_blk = q.data() + int64_t(i0) * dp;
+        const T* do_blk = dout.data() + int64_t(i0) * dp;
         // (rows, kBlockN) raw scores and dP of the dropped probabilities
         gemm<false>(rows, kBlockN, d, q_blk, dp, kt_blk, kBlockN, s.data(), kBlockN);
         gemm<false>(rows, kBlockN, d, do_blk, dp, vt_blk, kBlockN, dpt.data(), kBlockN);
-        if (pol.softcap > 0.f) std::copy(s.begin(), s.begin() + rows * kBlockN, x.begin());
+        if (pol.softcap > T(0)) std::copy(s.begin(), s.begin() + rows * kBlockN, x.begin());
         const bool full = ts.tile_full(i0, i0 + rows, j0);
         for (int r = 0; r < rows; ++r) {
           const int i = i0 + r;
-          float* srow = s.data() + r * kBlockN;
-          float* dprow = dpt.data() + r * kBlockN;
+          T* srow = s.data() + r * kBlockN;
+          T* dprow = dpt.data() + r * kBlockN;
           ts.scores(srow, i, j0, full);
           ts.probs(srow, lse[i]);
           // keep / (1 - p) per key: a row of that constant run through the same dropout
-          float* keep = keep_row.data();
+          T* keep = keep_row.data();
           if (p.dropout_p > 0.f) {
             std::fill(keep, keep + kBlockN, keep_scale);
             ts.dropout(keep, i, j0);
           }
-          const float di = dvec[i];
+          const T di = dvec[i];
           if (p.dropout_p == 0.f && dbias_bh == nullptr && pol.softcap == 0.f) {
             // the common case in vectors: dX = P * (dP - D_i) * scale; P stays as it is
-            const vf dv_i = vbcast(di);
-            for (int c = 0; c < kBlockN; c += W)
+            const V dv_i = vbcast(di);
+            for (int c = 0; c < kBlockN; c += L)
               vstore(dprow + c, vload(srow + c) * (vload(dprow + c) - dv_i) * pol.scale);
             continue;
           }
           for (int jj = 0; jj < kBlockN; ++jj) {
-            const float kp = p.dropout_p > 0.f ? keep[jj] : 1.f;
-            const float pr = srow[jj];
-            float ds = pr * (dprow[jj] * kp - di);
+            const T kp = p.dropout_p > 0.f ? keep[jj] : T(1);
+            const T pr = srow[jj];
+            T ds = pr * (dprow[jj] * kp - di);
             if (dbias_bh != nullptr && j0 + jj < len_k) dbias_bh[int64_t(i) * p.dbias_row_stride + j0 + jj] += ds;
-            if (pol.softcap > 0.f) {
+            if (pol.softcap > T(0)) {
               ds *= pol.dscore_dx(x[r * kBlockN + jj]);
             } else {
               ds *= pol.scale;
@@ -163,8 +165,8 @@ struct BwdWorker {
           }
         }
         // dV (kBlockN, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
-        float* dv_blk = dv.data() + int64_t(j0) * dp;
-        float* dk_blk = dk.data() + int64_t(j0) * dp;
+        T* dv_blk = dv.data() + int64_t(j0) * dp;
+        T* dk_blk = dk.data() + int64_t(j0) * dp;
         gemm<true, true>(kBlockN, dp, rows, s.data(), kBlockN, do_blk, dp, dv_blk, dp);
         gemm<true, true>(kBlockN, dp, rows, dpt.data(), kBlockN, q_blk, dp, dk_blk, dp);
         gemm<true>(rows, dp, kBlockN, dpt.data(), kBlockN, kr.data() + int64_t(j0) * dp, dp, dq.data() + int64_t(i0) * dp, dp);
@@ -177,9 +179,12 @@ struct BwdWorker {
 
 }  // namespace
 
-void bwd(const BwdParams& p, DType dt) {
-  parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] { return BwdWorker(p, dt); });
+template <typename T>
+void bwd(const BwdParamsT<T>& p, DType dt) {
+  parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] { return BwdWorker<T>(p, dt); });
 }
+template void bwd<float>(const BwdParamsT<float>&, DType);
+template void bwd<double>(const BwdParamsT<double>&, DType);
 
 }  // namespace cpu
 }  // namespace attn

@@ -2,7 +2,8 @@
 //
 // One task = (batch, query head, block of kBlockM query rows). It walks the key blocks the
 // policy allows (causal and sliding windows skip whole blocks), keeping the running max m,
-// the running sum l and the unnormalized output O of its rows in float32:
+// the running sum l and the unnormalized output O of its rows in T (float32; float64 for
+// float64 inputs):
 //   S = Q K^T (kBlockM, kBlockN); s = policy(S); m' = max(m, rowmax s); p = exp(s - m')
 //   l = l e^{m - m'} + rowsum p;  O = O e^{m - m'} + p V
 // and writes out = O / l and lse = m + log l. Extra memory: the packed K/V plus O(kBlockM *
@@ -22,16 +23,18 @@ namespace cpu {
 
 namespace {
 
+template <typename T>
 struct FwdWorker {
-  const FwdParams& p;
+  static constexpr int L = kLanes<T>;
+  const FwdParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
-  const float* kt;  // packed K, transposed blocks
-  const float* vr;  // packed V, rows
+  const T* kt;  // packed K, transposed blocks
+  const T* vr;  // packed V, rows
   int n_mblocks;
-  std::vector<float> q, s, o, m, l, row;
+  std::vector<T> q, s, o, m, l, row;
 
-  FwdWorker(const FwdParams& p_, DType dt_, const PackIndex& ki, const float* kt_, const float* vr_, int nmb)
+  FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb),
         q(size_t(kBlockM) * ki.dp), s(size_t(kBlockM) * kBlockN), o(size_t(kBlockM) * ki.dp),
         m(kBlockM), l(kBlockM), row(ki.dp) {}
@@ -45,38 +48,38 @@ struct FwdWorker {
     const int i0 = mblk * kBlockM;
     if (i0 >= si.len_q) return;
     const int i1 = std::min(i0 + kBlockM, si.len_q), rows = i1 - i0;
-    const Policy pol(p, si, b, h);
+    const PolicyT<T> pol(p, si, b, h);
     const int hk = h / (p.h / p.h_k);
     const int d = kidx.d, dp = kidx.dp;
     const size_t es = dtype_size(dt);
 
-    // (rows, d) tile of Q in float32
+    // (rows, d) tile of Q in T
     const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
     for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q.data() + r * dp, d, dp);
 
-    std::fill(o.begin(), o.begin() + size_t(rows) * dp, 0.f);
-    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(o.begin(), o.begin() + size_t(rows) * dp, T(0));
+    std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
+    std::fill(l.begin(), l.end(), T(0));
 
     int n_lo, n_hi;
     pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
-    const float* kt_bh = kt + kidx.offset(b, hk);
-    const float* v_bh = vr + kidx.offset(b, hk);
-    const TileSoftmax ts(p, pol, b * p.h + h);
+    const T* kt_bh = kt + kidx.offset(b, hk);
+    const T* v_bh = vr + kidx.offset(b, hk);
+    const TileSoftmax<T> ts(p, pol, b * p.h + h);
     for (int jb = n_lo; jb < n_hi; ++jb) {
       const int j0 = jb * kBlockN;
       // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
       gemm<false>(rows, kBlockN, d, q.data(), dp, kt_bh + int64_t(jb) * dp * kBlockN, kBlockN, s.data(), kBlockN);
       const bool full = ts.tile_full(i0, i1, j0);
       for (int r = 0; r < rows; ++r) {
-        float* srow = s.data() + r * kBlockN;
+        T* srow = s.data() + r * kBlockN;
         ts.scores(srow, i0 + r, j0, full);
-        const float m_new = ts.online_update(srow, m[r], &l[r]);
+        const T m_new = ts.online_update(srow, m[r], &l[r]);
         if (m_new != m[r]) {
           // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
-          const float alpha = std::isinf(m[r]) ? 0.f : std::exp(m[r] - m_new);
-          float* orow = o.data() + r * dp;
-          for (int c = 0; c < dp; c += W) vstore(orow + c, vload(orow + c) * alpha);
+          const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
+          T* orow = o.data() + r * dp;
+          for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
           m[r] = m_new;
         }
         ts.dropout(srow, i0 + r, j0);
@@ -86,39 +89,42 @@ struct FwdWorker {
     }
 
     char* obase = elem(p.o, dt, si.q_offset(p, b, h, i0, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
-    float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
-    const float sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<float>::infinity();
-    const float keep_scale = p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
+    T* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
+    const T sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<T>::infinity();
+    const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
     for (int r = 0; r < rows; ++r) {
-      float mr = m[r], lr = l[r], alpha = 1.f;
+      T mr = m[r], lr = l[r], alpha = T(1);
       if (sink > mr) {  // the sink joins the denominator only; rescale to its max
-        alpha = std::isinf(mr) ? 0.f : std::exp(mr - sink);
-        lr = lr * alpha + 1.f;
+        alpha = std::isinf(mr) ? T(0) : std::exp(mr - sink);
+        lr = lr * alpha + T(1);
         mr = sink;
       } else if (p.sinks != nullptr) {
         lr += std::exp(sink - mr);
       }
-      const bool empty = !(lr > 0.f) && !std::isnan(lr);
-      const float inv = empty ? 0.f : alpha * keep_scale / lr;
-      const float* orow = o.data() + r * dp;
-      for (int c = 0; c < dp; c += W) vstore(row.data() + c, vload(orow + c) * inv);
+      const bool empty = !(lr > T(0)) && !std::isnan(lr);
+      const T inv = empty ? T(0) : alpha * keep_scale / lr;
+      const T* orow = o.data() + r * dp;
+      for (int c = 0; c < dp; c += L) vstore(row.data() + c, vload(orow + c) * inv);
       store_row(dt, row.data(), obase + es * r * p.o_row_stride, d);
-      lse[r] = empty ? -std::numeric_limits<float>::infinity() : mr + std::log(lr);
+      lse[r] = empty ? -std::numeric_limits<T>::infinity() : mr + std::log(lr);
     }
   }
 };
 
 }  // namespace
 
-void fwd(const FwdParams& p, DType dt) {
+template <typename T>
+void fwd(const FwdParamsT<T>& p, DType dt) {
   const PackIndex kidx(p);
-  std::vector<float> kt(kidx.total()), vr(kidx.total());
+  std::vector<T> kt(kidx.total()), vr(kidx.total());
   pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTBlocks, kt.data());
   pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kRows, vr.data());
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   parallel_tasks(int64_t(p.b) * p.h * n_mblocks, p.num_threads,
-                 [&] { return FwdWorker(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
+                 [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
 }
+template void fwd<float>(const FwdParamsT<float>&, DType);
+template void fwd<double>(const FwdParamsT<double>&, DType);
 
 int simd_width() { return W; }
 
