@@ -15,6 +15,11 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kD>
 void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preprocess
 
+// sm_90a wgmma forward (fwd_hopper_kernel.cuh), kD = 64 or 128; only for configs that
+// use_hopper_fwd() accepts, on an sm_90 device, in builds with sm_90a code (inst_fwd_hopper_*.cu).
+template <typename T, int kD>
+void run_fwd_hopper(const FwdParams& p, cudaStream_t stream);
+
 template <typename T>
 void run_fwd_simt(const FwdParams& p, cudaStream_t stream);
 template <typename T>
