@@ -295,16 +295,21 @@ def test_lse_gradient(dtype, tol):
 
 # ---------------------------------------------------------------- sm_90a wgmma forward (opt-in)
 # ATTN_CUDA_HOPPER=1 sends what use_hopper_fwd() accepts (fp16/bf16, d <= 128, plain policy,
-# sinks) to the wgmma kernel; the dispatcher reads the variable on every call. The backward
-# (mma.sync) consumes the wgmma forward's out and LSE, so run_and_compare checks those twice.
+# sinks) to the wgmma kernel, =2 to its variant with the softmax overlapped with P V; the
+# dispatcher reads the variable on every call. Every test runs both. The backward (mma.sync)
+# consumes the wgmma forward's out and LSE, so run_and_compare checks those twice.
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200)")
 HOPPER_HEAD_DIMS = [40, 64, 72, 96, 120, 128]  # 64, 128 and zero-padded odd ones of both buckets
 
 
-@pytest.fixture
-def hopper_env(monkeypatch):
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "1")
+HOPPER_MODES = ["1", "2"]  # plain, overlapped
+
+
+@pytest.fixture(params=HOPPER_MODES, ids=["wgmma", "wgmma_overlap"])
+def hopper_env(request, monkeypatch):
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", request.param)
+    return request.param
 
 
 def hopper_ran(fn):
@@ -367,9 +372,10 @@ def test_hopper_layout_bshd(hopper_env):
 
 
 @hopper
+@pytest.mark.parametrize("mode", HOPPER_MODES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_long_and_repeatable(monkeypatch, d, causal):
+def test_hopper_long_and_repeatable(monkeypatch, mode, d, causal):
     """Many key blocks (the K/V rings wrap dozens of times), against mma.sync on the same inputs,
     and twice bitwise: a race in the pipeline shows as a moving result."""
     torch.manual_seed(d + causal)
@@ -387,7 +393,7 @@ def test_hopper_long_and_repeatable(monkeypatch, d, causal):
 
     monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
     o_ref, l_ref = fwd()
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "1")
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", mode)
     res = []
     assert hopper_ran(lambda: res.append(fwd()))
     res.append(fwd())

@@ -6,8 +6,8 @@
 // 256), takes the SIMT kernels. ATTN_CUDA_SKIP_BWD compiles out the whole backward.
 //
 // The sm_90a wgmma forward (fwd_hopper_kernel.cuh) is opt-in until it has been verified on a
-// GPU: ATTN_CUDA_HOPPER=1, read on every call, sends what use_hopper_fwd() accepts there; the
-// rest keeps the mma.sync kernels. It exists when the build compiled sm_90a code (setup.py
+// GPU: ATTN_CUDA_HOPPER=1 (or 2: the variant with the softmax overlapped with P V), read on every
+// call, sends what use_hopper_fwd() accepts there; the rest keeps the mma.sync kernels. It exists when the build compiled sm_90a code (setup.py
 // defines ATTN_CUDA_HAVE_SM90A when the arch list has 9.0) and did not compile it out
 // (ATTN_CUDA_SKIP_HOPPER).
 #include <cuda_bf16.h>
@@ -110,13 +110,19 @@ bool hopper_bucket_compiled(int bucket) {
 #endif
 }
 
-// The sm_90a wgmma forward takes a config when it is requested (ATTN_CUDA_HOPPER=1) and
+// ATTN_CUDA_HOPPER: 0 / unset = off, 1 = the wgmma forward, 2 = its overlapped variant.
+int hopper_mode() {
+  const char* env = std::getenv("ATTN_CUDA_HOPPER");
+  return env != nullptr ? std::atoi(env) : 0;
+}
+
+// The sm_90a wgmma forward takes a config when it is requested (ATTN_CUDA_HOPPER=1 or 2) and
 // compiled for the bucket, the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte
 // aligned rows), d <= 128, the device is sm_90, and the score needs no more than the plain
 // policy (lengths, causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or
 // bool mask, and dropout keep the mma.sync kernel.
 bool use_hopper_fwd(const FwdParams& p, DType dt) {
-  if (!env_flag("ATTN_CUDA_HOPPER")) return false;
+  if (hopper_mode() < 1) return false;
   if (p.d > 128 || !hopper_bucket_compiled(bucket_for_head_dim(p.d))) return false;
   if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.bias_kind != BiasKind::kNone ||
       p.dropout_p > 0.f) {
@@ -172,10 +178,10 @@ template <typename T>
 void fwd_hopper(const FwdParams& p, cudaStream_t stream) {
   switch (bucket_for_head_dim(p.d)) {
 #if !defined(ATTN_CUDA_SKIP_HDIM64)
-    case 64: run_fwd_hopper<T, 64>(p, stream); return;
+    case 64: run_fwd_hopper<T, 64>(p, hopper_mode() == 2, stream); return;
 #endif
 #if !defined(ATTN_CUDA_SKIP_HDIM128)
-    case 128: run_fwd_hopper<T, 128>(p, stream); return;
+    case 128: run_fwd_hopper<T, 128>(p, hopper_mode() == 2, stream); return;
 #endif
     default: throw std::runtime_error("attention fwd: no wgmma kernel for this head-dim bucket");
   }

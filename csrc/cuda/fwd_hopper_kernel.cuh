@@ -205,17 +205,77 @@ __device__ __forceinline__ void produce(const FwdParams& p, const SeqInfo& si, i
   wg::mbar_arrive(pending);
 }
 
+// ---- consumer steps. A consumer warpgroup's registers: acc_s (64, kBlockN) and acc_o (64, kD)
+// fp32 as C fragments (per warp 16 rows: [4 kNT] and [4 kDT] floats), pa = P as 16-bit A
+// fragments ([kBlockN / 16][4]).
+
+// Issue S = Q K^T against ring slot `stage` (asynchronous, one commit group; the first k-step
+// overwrites acc_s). K-major k-step kk: 32 bytes on inside a 128-byte row, a column block on
+// every 4 steps.
+template <typename T, int kD>
+__device__ __forceinline__ void issue_s(float (&acc_s)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
+                                        uint64_t desc_k, int stage) {
+  using P = FwdPlan<kD>;
+  const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
+  wg::fence();  // earlier register reads of acc_s (softmax, packing) before the async writes
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    wg::Wgmma<P::kBlockN, T>::ss(acc_s, desc_q + kmajor_step<typename P::TileQ>(kk),
+                                 desc_k + slot + kmajor_step<typename P::TileKV>(kk), kk > 0 ? 1 : 0);
+  }
+  wg::commit();
+}
+
+// Issue O += P V against ring slot `stage` (asynchronous, one commit group). N-major k-step kk:
+// keys 16 kk .. 16 kk + 15, two 8-key atoms = 2048 bytes on.
+template <typename T, int kD>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2],
+                                         uint32_t (&pa)[FwdPlan<kD>::kBlockN / 16][4],
+                                         uint64_t desc_v, int stage) {
+  using P = FwdPlan<kD>;
+  const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
+  wg::fence_operands(acc_o);
+  wg::fence();  // the rescale of acc_o and the packing of pa before the async reads
+#pragma unroll
+  for (int kk = 0; kk < P::kBlockN / 16; ++kk) {
+    wg::Wgmma<kD, T>::rs(acc_o, pa[kk], desc_v + slot + uint64_t((kk * 16 * 128) >> 4), 1);
+  }
+  wg::commit();
+}
+
+// Logits and the softmax of this warp's (16, kBlockN) tile of block n0, in place; alpha gets
+// the rescale factors of O. The policy is plain (use_hopper_fwd): only the window and the
+// sequence ends, checked per element only on tiles that cross them.
+template <int kD>
+__device__ __forceinline__ void scores_to_probs(float (&acc_s)[FwdPlan<kD>::kBlockN / 2],
+                                                const Policy& pol, float scale_log2, int i0, int n0,
+                                                int lane, float* row_m, float* row_l, float* alpha) {
+  constexpr int kBlockN = FwdPlan<kD>::kBlockN;
+  const bool check = !pol.tile_full(i0, i0 + 16, n0, n0 + kBlockN);
+  tc::tile_logits<kBlockN / 8>(acc_s, pol, true, check, scale_log2, i0, n0, lane);
+  tc::softmax_rows<kBlockN / 8>(acc_s, row_m, row_l, alpha);
+}
+
+// A consumer warp is done with a ring slot: one arrival per warp on its "empty" barrier.
+__device__ __forceinline__ void release_slot(uint32_t bar, int lane) {
+  __syncwarp();
+  if (lane == 0) wg::mbar_arrive(bar);
+}
+
 // Consumer warpgroup cw (0-based) of 128 threads (ctid = 0..127): query rows
 // [m0 + 64 cw, m0 + 64 cw + 64) of the block.
-template <typename T, int kD>
+//   kOverlap = false: per key block S -> softmax -> P V, each product waited for at once; only
+//     the two consumer warpgroups overlap each other.
+//   kOverlap = true: S of block n is issued together with P V of block n + 1, and the softmax of
+//     block n runs while that P V is still on the tensor cores; O is rescaled once it retired
+//     (FA3's intra-warpgroup overlap). S, P and O are live at once: 160 registers at D = 128.
+template <typename T, int kD, bool kOverlap>
 __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, const Policy& pol,
                                         int b, int h, int m0, int rows_q, int n_lo, int n_hi,
                                         uint32_t base, int cw, int ctid) {
   using P = FwdPlan<kD>;
   using TileQ = typename P::TileQ;
   using TileKV = typename P::TileKV;
-  using MmaS = wg::Wgmma<P::kBlockN, T>;  // S: (64, kBlockN)
-  using MmaO = wg::Wgmma<kD, T>;          // O: (64, kD)
   constexpr int kNT = P::kBlockN / 8;     // 8-column n-tiles of S per warp
   constexpr int kDT = kD / 8;             // 8-column n-tiles of O per warp
   const Bars<P::kStages> bars{base + P::kBar};
@@ -235,50 +295,71 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
     const uint64_t desc_k = wg::make_desc_sw128(base + P::kK, 16, 1024);
     const uint64_t desc_v = wg::make_desc_sw128(base + P::kV, TileKV::kBlockBytes, 1024);
     const float scale_log2 = p.scale * kLog2e;
+    const int i0 = m0 + wm;
+    float acc_s[4 * kNT];
+    uint32_t pa[kNT / 2][4];
+    float alpha[2];
     wg::mbar_wait(bars.full_q(), 0);
 
     RingPos<P::kStages> pos;
-    for (int n = n_hi - 1; n >= n_lo; --n) {
-      const int n0 = n * P::kBlockN;
-      const uint64_t slot = uint64_t(pos.stage * TileKV::kBytes) >> 4;
+    if constexpr (!kOverlap) {
+      for (int n = n_hi - 1; n >= n_lo; --n) {
+        wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
+        issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);
+        wg::wait<0>();
+        wg::fence_operands(acc_s);
+        release_slot(bars.empty_k(pos.stage), lane);
 
-      // ---- S = Q K^T (the first k-step overwrites the accumulators)
-      float acc_s[4 * kNT];
-      wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
-      wg::fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        MmaS::ss(acc_s, desc_q + kmajor_step<TileQ>(kk), desc_k + slot + kmajor_step<TileKV>(kk),
-                 kk > 0 ? 1 : 0);
+        scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+        tc::rescale_rows<kDT>(acc_o, alpha);
+        tc::pack_a_frags<T, kNT>(acc_s, pa);
+
+        wg::mbar_wait(bars.full_v(pos.stage), pos.phase);
+        issue_pv<T, kD>(acc_o, pa, desc_v, pos.stage);
+        wg::wait<0>();
+        wg::fence_operands(acc_o);
+        wg::fence_operands(pa);
+        release_slot(bars.empty_v(pos.stage), lane);
+        pos.advance();
       }
-      wg::commit();
+    } else {
+      // the first block alone: O is still zero, so its rescale is skipped
+      wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
+      issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);
       wg::wait<0>();
       wg::fence_operands(acc_s);
-      __syncwarp();
-      if (lane == 0) wg::mbar_arrive(bars.empty_k(pos.stage));
-
-      // ---- softmax on this warp's (16, kBlockN) tile; the policy is plain (use_hopper_fwd)
-      const bool check = !pol.tile_full(m0 + wm, m0 + wm + 16, n0, n0 + P::kBlockN);
-      tc::tile_logits<kNT>(acc_s, pol, true, check, scale_log2, m0 + wm, n0, lane);
-      tc::online_softmax<kNT, kDT>(acc_s, acc_o, row_m, row_l);
-      uint32_t pa[kNT / 2][4];
+      release_slot(bars.empty_k(pos.stage), lane);
+      scores_to_probs<kD>(acc_s, pol, scale_log2, i0, (n_hi - 1) * P::kBlockN, lane, row_m, row_l,
+                          alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
+      RingPos<P::kStages> prev = pos;  // the slot whose V the pending P multiplies
+      pos.advance();
 
-      // ---- O += P V: k-step kk is keys 16 kk .. 16 kk + 15, two 8-key atoms = 2048 bytes on
-      wg::mbar_wait(bars.full_v(pos.stage), pos.phase);
-      wg::fence_operands(acc_o);
-      wg::fence();
-#pragma unroll
-      for (int kk = 0; kk < P::kBlockN / 16; ++kk) {
-        MmaO::rs(acc_o, pa[kk], desc_v + slot + uint64_t((kk * 16 * 128) >> 4), 1);
+      for (int n = n_hi - 2; n >= n_lo; --n) {
+        wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
+        issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);     // group 1: S of block n
+        wg::mbar_wait(bars.full_v(prev.stage), prev.phase);
+        issue_pv<T, kD>(acc_o, pa, desc_v, prev.stage);       // group 2: P V of block n + 1
+        wg::wait<1>();                                         // group 1 retired
+        wg::fence_operands(acc_s);
+        release_slot(bars.empty_k(pos.stage), lane);
+        scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+        wg::wait<0>();                                         // group 2 retired: O and P free
+        wg::fence_operands(acc_o);
+        wg::fence_operands(pa);
+        release_slot(bars.empty_v(prev.stage), lane);
+        tc::rescale_rows<kDT>(acc_o, alpha);
+        tc::pack_a_frags<T, kNT>(acc_s, pa);
+        prev = pos;
+        pos.advance();
       }
-      wg::commit();
+
+      wg::mbar_wait(bars.full_v(prev.stage), prev.phase);
+      issue_pv<T, kD>(acc_o, pa, desc_v, prev.stage);
       wg::wait<0>();
       wg::fence_operands(acc_o);
       wg::fence_operands(pa);
-      __syncwarp();
-      if (lane == 0) wg::mbar_arrive(bars.empty_v(pos.stage));
-      pos.advance();
+      release_slot(bars.empty_v(prev.stage), lane);
     }
   }
 
@@ -332,7 +413,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
   }
 }
 
-template <typename T, int kD>
+template <typename T, int kD, bool kOverlap>
 __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -360,7 +441,8 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     if (n_lo < n_hi) produce<T, kD>(p, si, b, h, m0, rows_q, n_lo, n_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume<T, kD>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1, threadIdx.x % 128);
+    consume<T, kD, kOverlap>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
+                             threadIdx.x % 128);
   }
 #else
   // only sm_90a has wgmma; the dispatcher launches this kernel only where that code was built

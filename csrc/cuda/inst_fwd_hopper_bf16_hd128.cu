@@ -3,6 +3,6 @@
 #include "launch_hopper.cuh"
 
 namespace attn {
-template void run_fwd_hopper<__nv_bfloat16, 128>(const FwdParams&, cudaStream_t);
+template void run_fwd_hopper<__nv_bfloat16, 128>(const FwdParams&, bool, cudaStream_t);
 }  // namespace attn
 #endif

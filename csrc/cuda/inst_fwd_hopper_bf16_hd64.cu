@@ -3,6 +3,6 @@
 #include "launch_hopper.cuh"
 
 namespace attn {
-template void run_fwd_hopper<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);
+template void run_fwd_hopper<__nv_bfloat16, 64>(const FwdParams&, bool, cudaStream_t);
 }  // namespace attn
 #endif

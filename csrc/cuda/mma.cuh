@@ -169,12 +169,14 @@ __device__ __forceinline__ void tile_logits(float* s, const Policy& pol, bool pl
     }
 }
 
-// One online-softmax step: fold the tile's row maxima into row_m[2], turn s into 2^(s - m)
-// (unnormalized probabilities), add their sums to row_l[2] (per lane; the quad is reduced at the
-// end) and rescale o by 2^(m_old - m_new). A row with nothing allowed so far keeps m = -inf and
-// uses 0 as its reference, so exp2(-inf) gives P = 0 rather than NaN.
-template <int kNT, int kDT>
-__device__ __forceinline__ void online_softmax(float* s, float* o, float* row_m, float* row_l) {
+// One online-softmax step, in two halves so that a pipelined caller can rescale O later (after
+// the product that still accumulates into it has retired): softmax_rows() folds the tile's row
+// maxima into row_m[2], turns s into 2^(s - m) (unnormalized probabilities), adds their sums to
+// row_l[2] (per lane; the quad is reduced at the end) and returns the rescale factors
+// alpha[hf] = 2^(m_old - m_new); rescale_rows() multiplies o by them. A row with nothing allowed
+// so far keeps m = -inf and uses 0 as its reference, so exp2(-inf) gives P = 0 rather than NaN.
+template <int kNT>
+__device__ __forceinline__ void softmax_rows(float* s, float* row_m, float* row_l, float* alpha) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float mx = -INFINITY;
@@ -184,7 +186,7 @@ __device__ __forceinline__ void online_softmax(float* s, float* o, float* row_m,
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(row_m[hf], mx);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = fast_exp2(row_m[hf] - m_use);
+    alpha[hf] = fast_exp2(row_m[hf] - m_use);
     row_m[hf] = m_new;
     float lsum = 0.f;
 #pragma unroll
@@ -195,13 +197,26 @@ __device__ __forceinline__ void online_softmax(float* s, float* o, float* row_m,
       s[4 * nt + 2 * hf] = p0;
       s[4 * nt + 2 * hf + 1] = p1;
     }
-    row_l[hf] = row_l[hf] * alpha + lsum;
+    row_l[hf] = row_l[hf] * alpha[hf] + lsum;
+  }
+}
+
+template <int kDT>
+__device__ __forceinline__ void rescale_rows(float* o, const float* alpha) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-      o[4 * dt + 2 * hf] *= alpha;
-      o[4 * dt + 2 * hf + 1] *= alpha;
+      o[4 * dt + 2 * hf] *= alpha[hf];
+      o[4 * dt + 2 * hf + 1] *= alpha[hf];
     }
-  }
+}
+
+template <int kNT, int kDT>
+__device__ __forceinline__ void online_softmax(float* s, float* o, float* row_m, float* row_l) {
+  float alpha[2];
+  softmax_rows<kNT>(s, row_m, row_l, alpha);
+  rescale_rows<kDT>(o, alpha);
 }
 
 // P as the A operand of the next product, packed to 16 bits: the C fragments of n-tiles 2 kk and
