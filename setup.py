@@ -3,7 +3,9 @@ is found. Environment switches:
 
   ATTENTION_EXT_CUDA=0/1     force the CUDA kernels off / on (default: auto)
   ATTENTION_EXT_NATIVE=0     portable CPU build (no -march=native)
-  TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible
+  TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible. A 9.0 cubin
+                             is built as sm_90a (the wgmma forward needs it; same GPUs, same cost)
+  ATTN_CUDA_SKIP_HOPPER=1    no sm_90a: plain sm_90 cubins, no wgmma forward
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
@@ -62,6 +64,25 @@ def _arch_list():
     return archs
 
 
+def _skip_hopper():
+    return os.environ.get("ATTN_CUDA_SKIP_HOPPER", "0").lower() not in ("", "0", "false", "off", "no")
+
+
+def _gencode_flags():
+    """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST as torch makes them, except that the 9.0 cubin
+    is built for sm_90a: wgmma and setmaxnreg (csrc/cuda/fwd_hopper_kernel.cuh) exist only there,
+    an sm_90a cubin runs on the same GPUs as an sm_90 one, and building it instead of sm_90 (not
+    beside it) costs no extra compile pass and leaves the loader one cubin to pick on an H100.
+    "+PTX" keeps the portable compute_XX PTX for newer GPUs. Returns (flags, has_sm90a)."""
+    from torch.utils.cpp_extension import _get_cuda_arch_flags  # private, same since torch 1.x
+
+    flags = _get_cuda_arch_flags()
+    if not _skip_hopper():
+        flags = [f.replace("arch=compute_90,code=sm_90", "arch=compute_90a,code=sm_90a") for f in flags]
+    flags = sorted(set(flags))
+    return flags, any("code=sm_90a" in f for f in flags)
+
+
 def _cpu_flags():
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas"]
     if os.environ.get("ATTENTION_EXT_NATIVE", "1") != "0":
@@ -78,6 +99,13 @@ def extensions():
         cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/api/*_cuda.cpp"))
         define_macros += [("ATTN_WITH_CUDA", None), ("ATTN_CUDA_ARCHS", '"' + archs + '"')]
         nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
+        # explicit -gencode flags: torch then adds none of its own
+        gencode, has_sm90a = _gencode_flags()
+        nvcc += gencode
+        if has_sm90a:
+            define_macros.append(("ATTN_CUDA_HAVE_SM90A", None))
+        if _skip_hopper():
+            define_macros.append(("ATTN_CUDA_SKIP_HOPPER", None))
         if os.environ.get("NVCC_THREADS"):
             nvcc.append(f"--threads={os.environ['NVCC_THREADS']}")
         return [

@@ -1,16 +1,24 @@
 """CUDA fused attention vs torch SDPA (flash and cuDNN backends), bf16, in one run.
 
     python benchmarks/bench_cuda.py [--quick] [--md results.md]
+    python benchmarks/bench_cuda.py --ref     # the reference shape of benchmarks/results/hopper-fwd-notes.md
 
 (B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
 (B * H * S = 16k * 32), D in {64, 128}, S in {1k .. 16k}, causal (top-left) and not.
 TFLOP/s from benchmarks/common.flops() (forward 4 * B * H * D * allowed pairs, backward 2.5x);
 the backward is timed alone (dQ, dK, dV from saved out / LSE). Times are medians of CUDA-event
 timings after warm-up. The ceiling is a measured 8192^3 bf16 matmul.
+
+"ours-hopper" is the sm_90a wgmma forward (ATTN_CUDA_HOPPER=1) and "hopper-ovl" its variant with
+the softmax overlapped with P V (ATTN_CUDA_HOPPER=2), timed on the same inputs as "ours" (the
+mma.sync forward) when the GPU is sm_90 and the build has them; their own table gives them
+against SDPA flash and cuDNN, with the largest |difference| from the mma.sync output as a
+sanity check (a broken kernel must not post a time).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -50,6 +58,32 @@ def matmul_ceiling():
     return 2.0 * n ** 3 / cuda_time(lambda: a @ b, warmup=3, reps=10)
 
 
+@contextlib.contextmanager
+def hopper_env(mode):
+    """ATTN_CUDA_HOPPER = mode (0 off, 1 wgmma, 2 wgmma overlapped) for the calls inside (the
+    dispatcher reads it on every call)."""
+    old = os.environ.get("ATTN_CUDA_HOPPER")
+    os.environ["ATTN_CUDA_HOPPER"] = str(mode)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ATTN_CUDA_HOPPER"]
+        else:
+            os.environ["ATTN_CUDA_HOPPER"] = old
+
+
+def hopper_available():
+    """Does ATTN_CUDA_HOPPER=1 reach the sm_90a kernel here (sm_90 GPU, build with sm_90a)?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    with hopper_env(1), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.attention_ext.fwd(q, q, q, *options(128, False))
+        torch.cuda.synchronize()
+    return any("hopper" in e.name for e in prof.events())
+
+
 def options(d, causal):
     o = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(d), softcap=0.0, window_left=-1,
@@ -82,6 +116,9 @@ def sdpa_backend_fns(backend, q, k, v, dout, causal):
 def run(quick=False, deterministic=False):
     torch.manual_seed(0)
     ceiling = matmul_ceiling()
+    has_hopper = hopper_available()
+    if not has_hopper:
+        print("ours-hopper: not available here (needs an sm_90 GPU and a build with sm_90a)", flush=True)
     rows = []
     seqs = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
     for d in (64, 128):
@@ -98,8 +135,17 @@ def run(quick=False, deterministic=False):
                 f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
                 f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
                 row = dict(d=d, s=s, b=b, h=h, causal=causal)
-                row["ours_fwd"] = f_fwd / cuda_time(ours_fwd) / 1e12
-                row["ours_bwd"] = f_bwd / cuda_time(ours_bwd) / 1e12
+                with hopper_env(0):
+                    row["ours_fwd"] = f_fwd / cuda_time(ours_fwd) / 1e12
+                    row["ours_bwd"] = f_bwd / cuda_time(ours_bwd) / 1e12
+                for key, mode in (("hopper", 1), ("hopper2", 2)):
+                    row[key + "_fwd"] = row[key + "_diff"] = float("nan")
+                    if has_hopper:
+                        with hopper_env(mode):
+                            out_h, _ = ours_fwd()
+                            row[key + "_diff"] = (out_h.float() - out.float()).abs().max().item()
+                            row[key + "_fwd"] = f_fwd / cuda_time(ours_fwd) / 1e12
+                        del out_h
                 for name, backend in (("flash", getattr(SDPBackend, "FLASH_ATTENTION", None)),
                                       ("cudnn", getattr(SDPBackend, "CUDNN_ATTENTION", None))):
                     fns = sdpa_backend_fns(backend, q, k, v, dout, causal) if backend is not None else None
@@ -109,9 +155,10 @@ def run(quick=False, deterministic=False):
                     row[name + "_fwd"] = f_fwd / cuda_time(fns[0]) / 1e12
                     row[name + "_bwd"] = f_bwd / cuda_time(fns[1]) / 1e12
                 rows.append(row)
-                print(f"d={d} s={s} causal={causal}: fwd {row['ours_fwd']:.0f} vs flash {row['flash_fwd']:.0f} "
-                      f"cudnn {row['cudnn_fwd']:.0f} | bwd {row['ours_bwd']:.0f} vs flash {row['flash_bwd']:.0f} "
-                      f"cudnn {row['cudnn_bwd']:.0f} TFLOP/s", flush=True)
+                print(f"d={d} s={s} causal={causal}: fwd {row['ours_fwd']:.0f} (hopper {row['hopper_fwd']:.0f}, "
+                      f"overlapped {row['hopper2_fwd']:.0f}) "
+                      f"vs flash {row['flash_fwd']:.0f} cudnn {row['cudnn_fwd']:.0f} | bwd {row['ours_bwd']:.0f} "
+                      f"vs flash {row['flash_bwd']:.0f} cudnn {row['cudnn_bwd']:.0f} TFLOP/s", flush=True)
                 del q, k, v, dout, out, lse
                 torch.cuda.empty_cache()
     return ceiling, rows
@@ -160,7 +207,71 @@ def table(ceiling, rows, gpu):
             f"{100 * r['ours_fwd'] * 1e12 / ceiling:.0f}% | {r['ours_bwd']:.0f} | {r['flash_bwd']:.0f} | "
             f"{ratio(r['ours_bwd'], r['flash_bwd'])} | {r['cudnn_bwd']:.0f} | {ratio(r['ours_bwd'], r['cudnn_bwd'])} | "
             f"{100 * r['ours_bwd'] * 1e12 / ceiling:.0f}% |")
+    return head + "\n".join(lines) + "\n" + hopper_table(ceiling, rows)
+
+
+def hopper_table(ceiling, rows):
+    """Forward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a == a and b == b and b > 0 else "n/a"
+
+    head = ("\nForward, sm_90a wgmma kernel (ours-hopper: ATTN_CUDA_HOPPER=1; hopper-ovl: =2, softmax "
+            "overlapped with P V) vs the mma.sync kernel and SDPA, TFLOP/s; x = ratio of the better "
+            "wgmma variant; |diff| = max |out - out_mma.sync| of each variant\n\n"
+            "| D | S | causal | ours (mma.sync) | ours-hopper | hopper-ovl | SDPA flash | cuDNN | x mma.sync "
+            "| x flash | x cudnn | % ceil | \\|diff\\| |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        best = max((v for v in (r["hopper_fwd"], r["hopper2_fwd"]) if v == v), default=float("nan"))
+        lines.append(
+            f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {r['ours_fwd']:.0f} | "
+            f"{r['hopper_fwd']:.0f} | {r['hopper2_fwd']:.0f} | {r['flash_fwd']:.0f} | {r['cudnn_fwd']:.0f} | "
+            f"{ratio(best, r['ours_fwd'])} | {ratio(best, r['flash_fwd'])} | {ratio(best, r['cudnn_fwd'])} | "
+            f"{100 * best * 1e12 / ceiling:.0f}% | {r['hopper_diff']:.1e} / {r['hopper2_diff']:.1e} |")
     return head + "\n".join(lines) + "\n"
+
+
+def reference_shape():
+    """The reference shape of benchmarks/results/hopper-fwd-notes.md: B * H = 132 (one (b, h) per
+    SM of an H100 SXM, 64 query blocks each), S = 8192, D = 128, bf16, (B, S, H, D) storage. Prints
+    the two floors (FLOPs / measured matmul rate, bytes / measured copy bandwidth) and the measured
+    forward times of every contender."""
+    torch.manual_seed(0)
+    b, h, s, d = 4, 33, 8192, 128
+    n = 1 << 28  # 512 MiB copy: read + write bytes over the time
+    src = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    bw = 2 * 2 * n / cuda_time(lambda: dst.copy_(src))
+    del src, dst
+    ceiling = matmul_ceiling()
+    has_hopper = hopper_available()
+    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    q, k, v = mk(), mk(), mk()
+    nbytes = 4 * b * h * s * d * 2 + b * h * s * 4  # Q, K, V read once, O and the LSE written once
+    print(f"reference shape B={b} H={h} S={s} D={d} bf16; copy {bw / 1e12:.2f} TB/s, matmul {ceiling / 1e12:.0f} TFLOP/s")
+    for causal in (False, True):
+        f = flops(b, h, s, s, d, causal=causal, mode="fwd")
+        args = options(d, causal)
+        fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
+        res = {}
+        with hopper_env(0):
+            res["ours (mma.sync)"] = cuda_time(fwd)
+        if has_hopper:
+            for name, mode in (("ours-hopper", 1), ("hopper-ovl", 2)):
+                with hopper_env(mode):
+                    res[name] = cuda_time(fwd)
+        for name, backend in (("SDPA flash", getattr(SDPBackend, "FLASH_ATTENTION", None)),
+                              ("cuDNN", getattr(SDPBackend, "CUDNN_ATTENTION", None))):
+            fns = sdpa_backend_fns(backend, q, k, v, torch.randn_like(q), causal) if backend is not None else None
+            if fns is not None:
+                res[name] = cuda_time(fns[0])
+        floor_c, floor_m = f / ceiling, nbytes / bw
+        print(f"causal={causal}: {f / 1e12:.2f} TFLOP -> {1e3 * floor_c:.2f} ms at the matmul rate; "
+              f"{nbytes / 1e9:.2f} GB -> {1e3 * floor_m:.2f} ms at the copy rate; floor {1e3 * max(floor_c, floor_m):.2f} ms")
+        for name, sec in res.items():
+            print(f"  {name:16s} {1e3 * sec:7.2f} ms  {f / sec / 1e12:5.0f} TFLOP/s  "
+                  f"{max(floor_c, floor_m) / sec:5.1%} of the floor's speed")
 
 
 def main():
@@ -168,9 +279,13 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
     ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING tile variants")
+    ap.add_argument("--ref", action="store_true", help="the reference shape: floors and forward times")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")):
         print("bench_cuda: needs a GPU and the compiled CUDA kernels; skipped")
+        return
+    if args.ref:
+        reference_shape()
         return
     if args.tune:
         tune()

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One command for the GPU verification of the CUDA kernels:
 #   build -> CUDA tests -> benchmark -> ncu -> compute-sanitizer (memcheck, racecheck) -> table.
+# The sm_90a wgmma forward (opt-in, ATTN_CUDA_HOPPER=1) has its own stage, "hopper": its SASS in
+# the built .so, its tests (tests/test_cuda.py -k hopper), and the reference-shape timing
+# (bench_cuda.py --ref); the ncu and sanitize stages also run it.
 #
 #   bash benchmarks/gpu_check.sh                  # everything
-#   STAGES="build test bench" bash benchmarks/gpu_check.sh
+#   STAGES="build hopper" bash benchmarks/gpu_check.sh
 #
 # Logs go to $OUT (default /tmp/gpu_check; at most 8 files: summary, build, res_usage, test,
 # bench log + table, ncu, sanitizer). The short summary is printed last.
@@ -11,7 +14,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build test models bench ncu sanitize"}
+STAGES=${STAGES:-"build test hopper models bench ncu sanitize"}
 TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
@@ -40,9 +43,29 @@ if has build; then
 fi
 
 if has test; then
-  timeout 300 python3 -m pytest tests/test_cuda.py -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
+  # the wgmma forward's tests run in the hopper stage
+  timeout 300 python3 -m pytest tests/test_cuda.py -k "not hopper" -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
   note "tests: $(tail -1 "$OUT/test.log")"
   grep -E "^FAILED" "$OUT/test.log" | head -15 | tee -a "$SUMMARY" || true
+fi
+
+if has hopper; then
+  # the sm_90a cubin and its wgmma kernels (appended to res_usage.txt: $OUT holds at most 8 files)
+  so=$(python3 -c "import attention_ext._C as c; print(c.__file__)")
+  cuobjdump -lelf "$so" > "$TMPD/lelf.txt" 2>&1
+  { echo "==== hopper: cuobjdump -lelf"; cat "$TMPD/lelf.txt"; } >> "$OUT/res_usage.txt"
+  cuobjdump -sass -arch sm_90a "$so" > "$TMPD/sm90a.sass" 2>&1
+  nh=$(awk '/Function : .*hopper/{f=1; next} /Function :/{f=0} f && /HGMMA/' "$TMPD/sm90a.sass" | wc -l)
+  nl=$(awk '/Function : .*hopper/{f=1; next} /Function :/{f=0} f && /LDL|STL/' "$TMPD/sm90a.sass" | wc -l)
+  note "hopper SASS: $(grep -c 'sm_90a' "$TMPD/lelf.txt") sm_90a cubins, $nh HGMMA and $nl LDL/STL in attn::hopper kernels (expect 168 and 0)"
+  { echo "==== hopper tests"; } >> "$OUT/test.log"
+  timeout 420 python3 -m pytest tests/test_cuda.py -k hopper -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/hopper_test.log" 2>&1
+  note "hopper tests: $(tail -1 "$TMPD/hopper_test.log")"
+  grep -E "^FAILED" "$TMPD/hopper_test.log" | head -10 | tee -a "$SUMMARY" || true
+  cat "$TMPD/hopper_test.log" >> "$OUT/test.log"
+  timeout 240 python3 benchmarks/bench_cuda.py --ref >"$TMPD/ref.log" 2>&1
+  note "hopper reference shape (bench_cuda.py --ref, rc=$?):"
+  sed 's/^/  /' "$TMPD/ref.log" | tail -14 | tee -a "$SUMMARY"
 fi
 
 if has models; then
@@ -65,12 +88,16 @@ args = [opts[n] for n in ops.OPTION_NAMES]
 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
 out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
 torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
+import os
+for mode in ("1", "2"):  # the sm_90a wgmma forward and its overlapped variant, same inputs
+    os.environ["ATTN_CUDA_HOPPER"] = mode
+    torch.ops.attention_ext.fwd(q, k, v, *args)
 torch.cuda.synchronize()
 PY
   M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
   timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel" --metrics "$M" \
     python3 "$TMPD/ncu_case.py" >"$OUT/ncu.log" 2>&1
-  note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none):"
+  note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none; tc:: = mma.sync, hopper:: = wgmma):"
   grep -E "fwd_kernel|bwd_dkdv_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
     | sed 's/^ */  /' | cut -c1-150 | tee -a "$SUMMARY"
 fi
@@ -111,6 +138,39 @@ PY
     rc=$?
     { echo "==== $tool (rc=$rc)"; cat "$TMPD/san_$tool.log"; } >> "$OUT/sanitizer.log"
     note "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|cases done' "$TMPD/san_$tool.log" | tr '\n' ' ')"
+  done
+  # the sm_90a wgmma forward: its cases (causal, GQA, window + key padding, odd head dim, varlen,
+  # several ring wraps); the sanitizer cases above run with it too
+  cat > "$TMPD/san_hopper.py" <<'PY'
+import math, torch
+from attention_ext import ops
+def fwd(q, k, v, **o):
+    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(q.shape[-1]), softcap=0.0, window_left=-1,
+                window_right=-1, bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+    opts.update(o)
+    return torch.ops.attention_ext.fwd(q, k, v, *[opts[n] for n in ops.OPTION_NAMES])
+r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
+# (no profiler under the sanitizer: tests/test_cuda.py -k hopper checks that these take the wgmma path)
+fwd(r(1, 2, 70, 64), r(1, 1, 130, 64), r(1, 1, 130, 64), window_right=0, bottom_right=True)
+fwd(r(2, 4, 300, 128, dt=torch.float16), r(2, 2, 300, 128, dt=torch.float16), r(2, 2, 300, 128, dt=torch.float16))
+fwd(r(1, 2, 200, 40), r(1, 2, 333, 40), r(1, 2, 333, 40), window_left=50, window_right=7,
+    seqlens_k=torch.tensor([250], device="cuda", dtype=torch.int32), sinks=torch.randn(2, device="cuda"))
+cu_q = torch.tensor([0, 1, 130, 430], device="cuda", dtype=torch.int32)
+cu_k = torch.tensor([0, 7, 300, 301], device="cuda", dtype=torch.int32)
+fwd(r(1, 4, 430, 128), r(1, 2, 301, 128), r(1, 2, 301, 128), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+    max_seqlen_q=300, max_seqlen_k=293, window_right=0, bottom_right=True)
+torch.cuda.synchronize()
+print("hopper sanitizer cases done")
+PY
+  for mode in 1 2; do  # ATTN_CUDA_HOPPER: the wgmma forward, its overlapped variant
+    for tool in memcheck racecheck synccheck; do
+      ATTN_CUDA_HOPPER=$mode PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
+        --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper.py" >"$TMPD/san_h.log" 2>&1
+      rc=$?
+      { echo "==== ATTN_CUDA_HOPPER=$mode $tool (rc=$rc)"; cat "$TMPD/san_h.log"; } >> "$OUT/sanitizer.log"
+      note "compute-sanitizer $tool, ATTN_CUDA_HOPPER=$mode: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_h.log" | tr '\n' ' ')"
+    done
   done
 fi
 

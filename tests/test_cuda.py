@@ -308,3 +308,114 @@ def test_float64_is_cpu_only():
         out = ae.attention(q, k, v, causal=True)
     ref, _ = reference.attention(q, k, v, window=(-1, 0))
     assert out.dtype == torch.float64 and (out - ref).abs().max().item() < 1e-12
+
+
+# ---------------------------------------------------------------- sm_90a wgmma forward (opt-in)
+# ATTN_CUDA_HOPPER=1 sends what use_hopper_fwd() accepts (fp16/bf16, d <= 128, plain policy,
+# sinks) to the wgmma kernel, =2 to its variant with the softmax overlapped with P V; the
+# dispatcher reads the variable on every call. Every test runs both. The backward (mma.sync)
+# consumes the wgmma forward's out and LSE, so run_and_compare checks those twice.
+SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
+hopper = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200)")
+HOPPER_HEAD_DIMS = [40, 64, 72, 96, 120, 128]  # 64, 128 and zero-padded odd ones of both buckets
+
+
+HOPPER_MODES = ["1", "2"]  # plain, overlapped
+
+
+@pytest.fixture(params=HOPPER_MODES, ids=["wgmma", "wgmma_overlap"])
+def hopper_env(request, monkeypatch):
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", request.param)
+    return request.param
+
+
+def hopper_ran(fn):
+    """Run fn under the profiler: did attn::hopper::fwd_kernel run?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("hopper" in e.name for e in prof.events())
+
+
+def hopper_compare(*args, expect_hopper=True, **kw):
+    ran = hopper_ran(lambda: run_and_compare(*args, **kw))
+    assert ran == expect_hopper, f"wgmma kernel {'did not run' if expect_hopper else 'ran'}"
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (300, 257), (1000, 1000)])
+def test_hopper_shapes(hopper_env, dtype, d, sq, sk):
+    torch.manual_seed(sq * 1000 + sk + d)
+    hopper_compare(2, 2, 2, sq, sk, d, dtype)
+
+
+HOPPER_OPTIONS = ["causal_tl", "causal_br", "window", "window_br", "key_padding", "sinks"]
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("opt", HOPPER_OPTIONS)
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_hopper_options(hopper_env, dtype, heads, opt, d):
+    torch.manual_seed(hash((opt, heads, d)) % 10000)
+    h, hk = HEADS[heads]
+    hopper_compare(2, h, hk, 129, 200, d, dtype, **option_cases()[opt](h))
+
+
+@hopper
+@pytest.mark.parametrize("opt", ["bool_mask", "bias_grad", "alibi", "softcap", "dropout"])
+def test_hopper_falls_back(hopper_env, opt):
+    """Options the wgmma kernel does not evaluate keep the mma.sync kernel, with the same results."""
+    torch.manual_seed(11)
+    hopper_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, expect_hopper=False, **option_cases()[opt](4))
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_varlen(hopper_env, dtype, d, causal):
+    assert hopper_ran(lambda: test_varlen(dtype, d, causal))
+
+
+@hopper
+def test_hopper_layout_bshd(hopper_env):
+    assert hopper_ran(lambda: test_layout_bshd(torch.bfloat16))
+
+
+@hopper
+@pytest.mark.parametrize("mode", HOPPER_MODES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_long_and_repeatable(monkeypatch, mode, d, causal):
+    """Many key blocks (the K/V rings wrap dozens of times), against mma.sync on the same inputs,
+    and twice bitwise: a race in the pipeline shows as a moving result."""
+    torch.manual_seed(d + causal)
+    b, h, hk, s = 2, 4, 2, 4099  # ragged: 4099 = 32 * 128 + 3
+    q = randn(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    k = randn(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
+    v = randn(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
+    args = call_fwd(q, k, v, window_left=-1, window_right=0 if causal else -1, bottom_right=True)
+
+    def fwd():
+        poison_allocator(1 << 26)
+        out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+        torch.cuda.synchronize()
+        return out, lse
+
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    o_ref, l_ref = fwd()
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", mode)
+    res = []
+    assert hopper_ran(lambda: res.append(fwd()))
+    res.append(fwd())
+    (o1, l1), (o2, l2) = res
+    assert torch.equal(o1, o2) and torch.equal(l1, l2), "the wgmma forward is not repeatable (race?)"
+    assert not torch.isnan(o1).any()
+    assert (o1.float() - o_ref.float()).abs().max().item() <= 2e-2
+    assert (l1 - l_ref).abs().max().item() <= 1e-3

@@ -4,6 +4,12 @@
 // rows are whole 16-byte chunks) and the tensors are 16-byte aligned; everything else, and
 // any head-dim bucket compiled out for a faster developer build (ATTN_CUDA_SKIP_HDIM64/128/
 // 256), takes the SIMT kernels. ATTN_CUDA_SKIP_BWD compiles out the whole backward.
+//
+// The sm_90a wgmma forward (fwd_hopper_kernel.cuh) is opt-in until it has been verified on a
+// GPU: ATTN_CUDA_HOPPER=1 (or 2: the variant with the softmax overlapped with P V), read on every
+// call, sends what use_hopper_fwd() accepts there; the rest keeps the mma.sync kernels. It exists when the build compiled sm_90a code (setup.py
+// defines ATTN_CUDA_HAVE_SM90A when the arch list has 9.0) and did not compile it out
+// (ATTN_CUDA_SKIP_HOPPER).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvtx3/nvToolsExt.h>
@@ -17,6 +23,12 @@
 #include "launch_impl.h"
 #include "simt_kernel.cuh"
 #include "traits.h"
+
+#if defined(ATTN_CUDA_HAVE_SM90A) && !defined(ATTN_CUDA_SKIP_HOPPER)
+#define ATTN_HOPPER_FWD 1
+#else
+#define ATTN_HOPPER_FWD 0
+#endif
 
 namespace attn {
 
@@ -62,10 +74,13 @@ bool bucket_compiled(int bucket) {
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 bool strides8(int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0 && c % 8 == 0; }
 
-bool force_simt() {
-  const char* env = std::getenv("ATTN_CUDA_FORCE_SIMT");
+// An environment switch, read on every call: set and not "0".
+bool env_flag(const char* name) {
+  const char* env = std::getenv(name);
   return env != nullptr && env[0] != '\0' && env[0] != '0';
 }
+
+bool force_simt() { return env_flag("ATTN_CUDA_FORCE_SIMT"); }
 
 bool use_tensor_cores(const FwdParams& p, DType dt) {
   if (dt == DType::kF32 || force_simt()) return false;
@@ -76,6 +91,44 @@ bool use_tensor_cores(const FwdParams& p, DType dt) {
          strides8(p.k_batch_stride, p.k_head_stride, p.k_row_stride) &&
          strides8(p.v_batch_stride, p.v_head_stride, p.v_row_stride) &&
          strides8(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+}
+
+bool hopper_bucket_compiled(int bucket) {
+#if ATTN_HOPPER_FWD
+  switch (bucket) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: return true;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: return true;
+#endif
+    default: return false;
+  }
+#else
+  (void)bucket;
+  return false;
+#endif
+}
+
+// ATTN_CUDA_HOPPER: 0 / unset = off, 1 = the wgmma forward, 2 = its overlapped variant.
+int hopper_mode() {
+  const char* env = std::getenv("ATTN_CUDA_HOPPER");
+  return env != nullptr ? std::atoi(env) : 0;
+}
+
+// The sm_90a wgmma forward takes a config when it is requested (ATTN_CUDA_HOPPER=1 or 2) and
+// compiled for the bucket, the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte
+// aligned rows), d <= 128, the device is sm_90, and the score needs no more than the plain
+// policy (lengths, causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or
+// bool mask, and dropout keep the mma.sync kernel.
+bool use_hopper_fwd(const FwdParams& p, DType dt) {
+  if (hopper_mode() < 1) return false;
+  if (p.d > 128 || !hopper_bucket_compiled(bucket_for_head_dim(p.d))) return false;
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.bias_kind != BiasKind::kNone ||
+      p.dropout_p > 0.f) {
+    return false;
+  }
+  return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
 bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
@@ -119,6 +172,22 @@ void fwd_tc(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
+#if ATTN_HOPPER_FWD
+// One case per compiled bucket; use_hopper_fwd() never picks a missing one.
+template <typename T>
+void fwd_hopper(const FwdParams& p, cudaStream_t stream) {
+  switch (bucket_for_head_dim(p.d)) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: run_fwd_hopper<T, 64>(p, hopper_mode() == 2, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: run_fwd_hopper<T, 128>(p, hopper_mode() == 2, stream); return;
+#endif
+    default: throw std::runtime_error("attention fwd: no wgmma kernel for this head-dim bucket");
+  }
+}
+#endif
+
 #if !defined(ATTN_CUDA_SKIP_BWD)
 template <typename T>
 void bwd_tc(const BwdParams& p, cudaStream_t stream) {
@@ -140,6 +209,7 @@ void bwd_tc(const BwdParams& p, cudaStream_t stream) {
 }  // namespace
 
 const char* cuda_path_name(const FwdParams& p, DType dt) {
+  if (use_hopper_fwd(p, dt)) return "hopper-wgmma";
   return use_tensor_cores(p, dt) ? "tensor-core" : "simt";
 }
 
@@ -154,6 +224,13 @@ void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream) {
   NvtxRange range("attention_ext::cuda_fwd");
   validate(p, "attention fwd");
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
+#if ATTN_HOPPER_FWD
+  if (use_hopper_fwd(p, dt)) {
+    if (dt == DType::kF16) fwd_hopper<__half>(p, stream);
+    else fwd_hopper<__nv_bfloat16>(p, stream);
+    return;
+  }
+#endif
   if (use_tensor_cores(p, dt)) {
     if (dt == DType::kF16) fwd_tc<__half>(p, stream);
     else fwd_tc<__nv_bfloat16>(p, stream);

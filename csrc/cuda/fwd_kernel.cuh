@@ -127,55 +127,18 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
     if (!check) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= scale_log2;
+        tile_logits<kNT>(&acc_s[mt][0][0], pol, plain, false, scale_log2, m0 + wm + mt * 16, n0, lane);
     } else {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = m0 + wm + mt * 16 + g + (e >> 1) * 8;
-            const int j = n0 + nt * 8 + 2 * c + (e & 1);
-            acc_s[mt][nt][e] = logit2(pol, plain, true, scale_log2, acc_s[mt][nt][e], i, j);
-          }
+        tile_logits<kNT>(&acc_s[mt][0][0], pol, plain, true, scale_log2, m0 + wm + mt * 16, n0, lane);
     }
 
     // ---- online softmax: rows g and g + 8 of each m-tile, reduced over the quad
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-          mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * hf], acc_s[mt][nt][2 * hf + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_m[mt][hf], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = fast_exp2(row_m[mt][hf] - m_use);
-        row_m[mt][hf] = m_new;
-        float lsum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = fast_exp2(acc_s[mt][nt][2 * hf] - m_use);
-          const float p1 = fast_exp2(acc_s[mt][nt][2 * hf + 1] - m_use);
-          lsum += p0 + p1;
-          acc_s[mt][nt][2 * hf] = p0;
-          acc_s[mt][nt][2 * hf + 1] = p1;
-        }
-        row_l[mt][hf] = row_l[mt][hf] * alpha + lsum;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          acc_o[mt][dt][2 * hf] *= alpha;
-          acc_o[mt][dt][2 * hf + 1] *= alpha;
-        }
-      }
-    }
+    for (int mt = 0; mt < kMT; ++mt)
+      online_softmax<kNT, kDT>(&acc_s[mt][0][0], &acc_o[mt][0][0], row_m[mt], row_l[mt]);
+
     // dropout acts on P after the row sums (the LSE is of the undropped probabilities)
     if (dropout) {
 #pragma unroll
@@ -204,14 +167,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
     // ---- O += P V. P is packed to 16 bits first, so its fp32 copy dies before the MMAs.
     uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[mt][kk][0] = Ops::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
-        pa[mt][kk][1] = Ops::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
-        pa[mt][kk][2] = Ops::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
-        pa[mt][kk][3] = Ops::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-      }
+    for (int mt = 0; mt < kMT; ++mt) pack_a_frags<T, kNT>(&acc_s[mt][0][0], pa[mt]);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #pragma unroll
@@ -238,17 +194,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       float lse, factor;
-      if (l > 0.f) {
-        lse = row_m[mt][hf] * kLn2 + logf(l);
-        if (p.sinks != nullptr) {
-          const float hi = fmaxf(lse, sink), lo = fminf(lse, sink);
-          lse = hi + log1pf(expf(lo - hi));
-        }
-        factor = exp2f(row_m[mt][hf] - lse * kLog2e) * rdrop;
-      } else {
-        lse = sink;
-        factor = 0.f;
-      }
+      finish_row(row_m[mt][hf], l, p.sinks != nullptr, sink, rdrop, &lse, &factor);
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         acc_o[mt][dt][2 * hf] *= factor;

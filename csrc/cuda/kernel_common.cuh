@@ -87,6 +87,27 @@ __device__ __forceinline__ uint32_t philox_word(const Philox4& r, int k) {
   return (k & 2) ? hi : lo;
 }
 
+// The end of the forward's online softmax for one row, given its running max m2 (log2 domain)
+// and the quad-reduced sum l of 2^(s - m2): the row's lse (natural log, with the sink logit
+// merged in when has_sink) and the factor that turns the unnormalized O row into the output
+// (times the dropout rescale rdrop). A row with nothing allowed (l = 0) gets lse = sink (-inf
+// without sinks) and O = 0.
+__device__ __forceinline__ void finish_row(float m2, float l, bool has_sink, float sink,
+                                           float rdrop, float* lse, float* factor) {
+  if (l > 0.f) {
+    float r = m2 * kLn2 + logf(l);
+    if (has_sink) {
+      const float hi = fmaxf(r, sink), lo = fminf(r, sink);
+      r = hi + log1pf(expf(lo - hi));
+    }
+    *lse = r;
+    *factor = exp2f(m2 - r * kLog2e) * rdrop;
+  } else {
+    *lse = sink;
+    *factor = 0.f;
+  }
+}
+
 // lse in the log2 domain with a fully masked row mapped to +inf (P = 2^(s - inf) = 0).
 __device__ __forceinline__ float lse_to_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * kLog2e;

@@ -24,7 +24,8 @@ void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream);
 size_t cuda_bwd_softmax_d_floats(const BwdParams& p);        // B * H * Sq (Sq = max for varlen)
 size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt);  // 0 unless atomic dQ path
 
-// Which kernel family a config takes: "tensor-core" or "simt" (for tests and benchmarks).
+// Which kernel family a config's forward takes: "hopper-wgmma" (sm_90a, opt-in with
+// ATTN_CUDA_HOPPER=1), "tensor-core" (mma.sync) or "simt" (for tests and benchmarks).
 const char* cuda_path_name(const FwdParams& p, DType dt);
 
 }  // namespace attn

@@ -15,6 +15,12 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream);
 template <typename T, int kD>
 void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preprocess
 
+// sm_90a wgmma forward (fwd_hopper_kernel.cuh), kD = 64 or 128; only for configs that
+// use_hopper_fwd() accepts, on an sm_90 device, in builds with sm_90a code (inst_fwd_hopper_*.cu).
+// overlap: the variant that runs the softmax of one key block under the P V of the previous one.
+template <typename T, int kD>
+void run_fwd_hopper(const FwdParams& p, bool overlap, cudaStream_t stream);
+
 template <typename T>
 void run_fwd_simt(const FwdParams& p, cudaStream_t stream);
 template <typename T>

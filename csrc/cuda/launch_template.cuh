@@ -11,16 +11,11 @@
 #include "bwd_kernel.cuh"
 #include "fwd_kernel.cuh"
 #include "launch_impl.h"
+#include "launch_util.h"
 #include "simt_kernel.cuh"
 #include "traits.h"
 
 namespace attn {
-
-inline void check_grid(int y, int z, const char* what) {
-  if (y > 65535 || z > 65535) {
-    throw std::runtime_error(std::string(what) + ": heads and batch must each be <= 65535");
-  }
-}
 
 inline int current_sm() {
   int dev = 0, major = 0, minor = 0;
@@ -28,17 +23,6 @@ inline int current_sm() {
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
   return major * 10 + minor;
-}
-
-template <typename Kernel>
-inline void set_smem(Kernel kernel, int bytes, const char* what) {
-  if (bytes > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e != cudaSuccess) {
-      throw std::runtime_error(std::string(what) + ": cannot reserve " + std::to_string(bytes) +
-                               " bytes of shared memory: " + cudaGetErrorString(e));
-    }
-  }
 }
 
 template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral>

@@ -30,6 +30,28 @@ struct FwdTraits<256> {
   static constexpr int kBlockM = 64, kBlockN = 32, kNWarps = 4;   // O alone is 128 regs
 };
 
+// sm_90a wgmma forward (fwd_hopper_kernel.cuh), buckets 64 and 128 only (256 stays on mma.sync):
+// one producer warpgroup + kConsumerWGs consumer warpgroups of 64 query rows each (kBlockM =
+// 64 * kConsumerWGs), kBlockN keys per step, K and V tiles each kStages deep. setmaxnreg moves
+// registers from the producer (kProducerRegs: cp.async addressing only) to the consumers
+// (kConsumerRegs: O + S accumulators, 64 + 64 fp32 at D = 128, and the 16-bit P).
+//   D = 128: 128 x 128 tiles, 2 stages: Q 32 KB + K, V 2 x 2 x 32 KB = 160 KB of 227 KB.
+//   D =  64: 128 x 128 tiles, 3 stages (the tiles are half as large, and at D = 64 there is
+//            half the math per loaded byte, so the extra stage hides more latency): 112 KB.
+// First guesses, untimed: tune on an H100 (3 consumer warpgroups at D = 64, 2 stages at 128 ...).
+template <int kD>
+struct FwdHopperTraits;
+template <>
+struct FwdHopperTraits<64> {
+  static constexpr int kBlockN = 128, kConsumerWGs = 2, kStages = 3;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+};
+template <>
+struct FwdHopperTraits<128> {
+  static constexpr int kBlockN = 128, kConsumerWGs = 2, kStages = 2;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+};
+
 // Backward. dK/dV kernel: one CTA per (kBlockN keys, kv head, batch), warps own 16 keys each
 // (kBlockN = 16 * kNWarps) and loop over kBlockM-row query blocks of every head of the group.
 // kDAcc columns of dK/dV (and of dQ) per CTA: D = 256 splits into two CTAs that each
