@@ -508,3 +508,14 @@ def lse_gradient_case(device, dtype, tol):
 
 def test_lse_gradient():
     lse_gradient_case("cpu", torch.float32, 1e-4)
+
+
+def test_reused_scratch_never_leaks():
+    """The kernels keep packed K / V and tile scratch across calls (csrc/cpu/memory.h). Fill it
+    with NaN through a NaN call of a larger size, forward and backward, then check that smaller,
+    odd-sized calls (whose padding rows and columns land on the stale NaN) are exact."""
+    big = [torch.full((2, 4, 300, 72), float("nan"), requires_grad=True) for _ in range(3)]
+    ae.attention(*big, causal=True).sum().backward()
+    for d in (72, 40):
+        run_case(1, 4, 2, 77, 131, d, torch.float32, causal=True)
+        run_case(1, 2, 2, 50, 45, d, torch.float64, window=(9, 2))

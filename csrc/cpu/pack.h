@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../common/policy.h"
+#include "memory.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -19,17 +20,22 @@ namespace attn {
 namespace cpu {
 
 constexpr int kBlockM = 48;  // query rows per task: 8 whole 6-row micro-kernel blocks, no remainder
-constexpr int kBlockN = 128;  // keys per tile; a multiple of 2 * W so tile rows are whole panels
+constexpr int kBlockN = 128;  // keys per tile; a multiple of kPanel so tile rows are whole panels
+
+// Head dim padded to whole GEMM panels (kPanel<float> = 2W floats, a multiple of kPanel<double>),
+// so every product over the head dim runs the full-width micro-kernel. Zero columns cost only in
+// P @ V-like products, and only for head dims that are not a multiple of 2W.
+inline int padded_head_dim(int d) { return round_up(d, 2 * W); }
 
 // Where the packed rows of each (batch, kv head) start. Sequences are padded to whole key
 // blocks, so every tile reads kBlockN rows (the pad is zero, and masked by the policy).
 struct PackIndex {
-  int h_k = 0, d = 0, dp = 0;  // dp: head dim padded to a multiple of W
+  int h_k = 0, d = 0, dp = 0;  // dp: padded_head_dim(d)
   std::vector<int64_t> row0;   // (B + 1) padded key rows of the sequences before b
   std::vector<int> len;        // (B) key length of sequence b
 
   template <typename Acc>
-  explicit PackIndex(const FwdParamsT<Acc>& p) : h_k(p.h_k), d(p.d), dp(round_up(p.d, W)) {
+  explicit PackIndex(const FwdParamsT<Acc>& p) : h_k(p.h_k), d(p.d), dp(padded_head_dim(p.d)) {
     row0.assign(p.b + 1, 0);
     len.assign(p.b, 0);
     for (int b = 0; b < p.b; ++b) {
@@ -44,16 +50,23 @@ struct PackIndex {
   int64_t total() const { return row0.back() * h_k * dp; }
 };
 
+// P = kPanel<T>, the micro-kernel's width. Every layout stores `pad` rows in pad * dp elements,
+// block r / R starting at element (r / R) * R * dp, so one offset rule serves all three.
 enum class PackLayout {
-  kRows,     // (S_pad, dp) row-major: the B operand of P @ V, dS @ K, or the A operand of Q @ .
-  kTBlocks,  // per kBlockN rows, the block transposed to (d, kBlockN): the B operand of Q @ K^T
+  kRows,     // (pad, dp) row-major: the A operand of Q @ K^T and dO @ V^T
+  kPanels,   // per block of R rows, dp / P column panels of (R, P) each: the B operand of P @ V,
+             // dS @ K, P^T @ dO and dS^T @ Q (gemm ldb = P, bpanel = R * P)
+  kTPanels,  // per block of R rows, the block transposed and cut into R / P key panels of (dp, P)
+             // each: the B operand of Q @ K^T and dO @ V^T (gemm ldb = P, bpanel = dp * P)
 };
 
-// Packs rows [row0, row0 + len) of one (batch, head) slice `src` (row stride rstride, dtype
-// dt) into `dst`, zero-padding to `pad` rows of dp elements.
+// Packs rows [0, len) of one (batch, head) slice `src` (row stride rstride, dtype dt) into
+// `dst` in `layout` with blocks of R rows, zero-padding to `pad` rows (a multiple of R) of dp
+// elements. `row` is dp elements of scratch.
 template <typename T>
 inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_t pad, int d, int dp,
-                     PackLayout layout, T* dst, T* row) {
+                     PackLayout layout, int R, T* dst, T* row) {
+  constexpr int P = kPanel<T>;
   const size_t es = dtype_size(dt);
   const char* base = static_cast<const char*>(src);
   for (int64_t j = 0; j < pad; ++j) {
@@ -62,13 +75,18 @@ inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_
     } else {
       std::fill(row, row + dp, T(0));
     }
-    if (layout == PackLayout::kRows) {
-      std::copy(row, row + dp, dst + j * dp);
-    } else {
-      // block jb = j / kBlockN holds (d, kBlockN) at dst + jb * dp * kBlockN
-      T* blk = dst + (j / kBlockN) * int64_t(dp) * kBlockN;
-      const int jj = int(j % kBlockN);
-      for (int c = 0; c < d; ++c) blk[c * kBlockN + jj] = row[c];
+    T* blk = dst + (j / R) * R * dp;
+    const int jj = int(j % R);
+    switch (layout) {
+      case PackLayout::kRows: std::copy(row, row + dp, dst + j * dp); break;
+      case PackLayout::kPanels:
+        for (int c0 = 0; c0 < dp; c0 += P) std::copy(row + c0, row + c0 + P, blk + int64_t(c0) * R + jj * P);
+        break;
+      case PackLayout::kTPanels: {
+        T* pan = blk + int64_t(jj / P) * dp * P + jj % P;
+        for (int c = 0; c < dp; ++c) pan[c * P] = row[c];
+        break;
+      }
     }
   }
 }
@@ -80,15 +98,16 @@ inline auto elem(Void* base, DType dt, int64_t off) {
   return static_cast<Char*>(base) + dtype_size(dt) * off;
 }
 
-// Packs the key-side rows of every (batch, kv head) of a (B, H_k, S, D) tensor (K or V).
+// Packs the key-side rows of every (batch, kv head) of a (B, H_k, S, D) tensor (K or V) in
+// blocks of kBlockN rows.
 template <typename T>
 inline void pack_keys(const FwdParamsT<T>& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
                       int64_t rstride, const PackIndex& idx, PackLayout layout, T* out) {
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
-    return [&, row = std::vector<T>(idx.dp)](int64_t t) mutable {
+    return [&, row = Buffer<T>(idx.dp)](int64_t t) mutable {
       const int b = int(t / p.h_k), hh = int(t % p.h_k);
       const int64_t off = SeqInfo(p, b).k_offset(p, b, hh, 0, bstride, hstride, rstride);
-      pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout,
+      pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
                out + idx.offset(b, hh), row.data());
     };
   });

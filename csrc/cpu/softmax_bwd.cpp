@@ -25,28 +25,30 @@ namespace {
 
 template <typename T>
 struct BwdWorker {
-  using Buf = std::vector<T>;
   using V = vec<T>;
   static constexpr int L = kLanes<T>;
   const BwdParamsT<T>& p;
   DType dt;
   int dp;
-  // per kv head: K^T blocks, V^T blocks, K rows; dK and dV accumulators
-  Buf kt, vt, kr, dk, dv;
-  // per query head: Q rows, dO rows, dQ accumulator, D_i and lse
-  Buf q, dout, dq, dvec, lse;
+  Scratch<T, 3> mem;  // this thread's buffers, carved below
+  // per kv head: K and V as kTPanels, K as kPanels (pack.h); dK and dV accumulators (rows)
+  T *kt, *vt, *kr, *dk, *dv;
+  // per query head: Q and dO as rows (A operands) and as kPanels (B operands), the dQ
+  // accumulator, D_i and lse
+  T *q, *dout, *qpn, *dopn, *dq, *dvec, *lse;
   // per tile
-  Buf s, x, dpt, keep_row, row;
+  T *s, *x, *dpt, *keep_row, *row;
 
-  BwdWorker(const BwdParamsT<T>& p_, DType dt_) : p(p_), dt(dt_), dp(round_up(p_.d, W)) {
-    const int64_t kpad = round_up(p.sk, kBlockN) * int64_t(dp), qpad = round_up(p.sq, kBlockM) * int64_t(dp);
-    for (Buf* b : {&kt, &vt, &kr, &dk, &dv}) b->resize(kpad);
-    for (Buf* b : {&q, &dout, &dq}) b->resize(qpad);
-    dvec.resize(round_up(p.sq, kBlockM));
-    lse.resize(round_up(p.sq, kBlockM));
-    for (Buf* b : {&s, &x, &dpt}) b->resize(size_t(kBlockM) * kBlockN);
-    keep_row.resize(kBlockN);
-    row.resize(dp);
+  BwdWorker(const BwdParamsT<T>& p_, DType dt_)
+      : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp))) {
+    carve(mem.data(), sizes(p, dp),
+          {&kt, &vt, &kr, &dk, &dv, &q, &dout, &qpn, &dopn, &dq, &dvec, &lse, &s, &x, &dpt, &keep_row, &row});
+  }
+  static std::array<size_t, 17> sizes(const BwdParamsT<T>& p, int dp) {
+    const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
+    const size_t rows = round_up(p.sq, kBlockM), tile = size_t(kBlockM) * kBlockN;
+    return {kpad, kpad, kpad, kpad, kpad, qpad, qpad, qpad, qpad, qpad, rows, rows, tile, tile, tile, kBlockN,
+            size_t(dp)};
   }
 
   // T rows -> a (len, d) slice of a gradient tensor
@@ -63,20 +65,20 @@ struct BwdWorker {
     const int kpad = round_up(std::max(len_k, 0), kBlockN), qpad = round_up(std::max(len_q, 0), kBlockM);
 
     // dK, dV of a query-less or key-less sequence are zero: still write them
-    std::fill(dk.begin(), dk.begin() + int64_t(kpad) * dp, T(0));
-    std::fill(dv.begin(), dv.begin() + int64_t(kpad) * dp, T(0));
+    std::fill(dk, dk + int64_t(kpad) * dp, T(0));
+    std::fill(dv, dv + int64_t(kpad) * dp, T(0));
     const void* ksrc = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
     const void* vsrc = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
-    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, kt.data(), row.data());
-    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kRows, kr.data(), row.data());
-    pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTBlocks, vt.data(), row.data());
+    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
+    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPanels, kBlockN, kr, row);
+    pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
 
     for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
 
-    store_rows(dk.data(), len_k,
+    store_rows(dk, len_k,
                elem(p.dk, dt, si.k_offset(p, b, hk, 0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride)),
                p.dk_row_stride);
-    store_rows(dv.data(), len_k,
+    store_rows(dv, len_k,
                elem(p.dv, dt, si.k_offset(p, b, hk, 0, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride)),
                p.dv_row_stride);
   }
@@ -91,11 +93,13 @@ struct BwdWorker {
     auto qside = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
       return elem(base, dt, si.q_offset(p, b, h, 0, bs, hs, rs));
     };
-    pack_one(dt, qside(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride), p.q_row_stride, len_q, qpad, d, dp,
-             PackLayout::kRows, q.data(), row.data());
-    pack_one(dt, qside(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride), p.do_row_stride, len_q, qpad,
-             d, dp, PackLayout::kRows, dout.data(), row.data());
-    std::fill(dq.begin(), dq.begin() + int64_t(qpad) * dp, T(0));
+    const void* qsrc = qside(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+    const void* dosrc = qside(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+    pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, q, row);
+    pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, qpn, row);
+    pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dout, row);
+    pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, dopn, row);
+    std::fill(dq, dq + int64_t(qpad) * dp, T(0));
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
     const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
     const int64_t lse_off = b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
@@ -104,9 +108,9 @@ struct BwdWorker {
     T dsink = T(0);
     const T sink = p.sinks != nullptr ? p.sinks[h] : T(0);
     for (int i = 0; i < len_q; ++i) {
-      load_row(dt, obase + es * i * p.o_row_stride, row.data(), d, dp);
+      load_row(dt, obase + es * i * p.o_row_stride, row, d, dp);
       V acc = V{};
-      for (int c = 0; c < dp; c += L) acc += vload(row.data() + c) * vload(dout.data() + int64_t(i) * dp + c);
+      for (int c = 0; c < dp; c += L) acc += vload(row + c) * vload(dout + int64_t(i) * dp + c);
       dvec[i] = hsum(acc) - (p.dlse != nullptr ? dlse_bh[i] : T(0));
       lse[i] = lse_bh[i];
       // d loss / d sink = -sum_i P_sink,i D_i, P_sink,i = exp(sink - lse_i)
@@ -118,26 +122,29 @@ struct BwdWorker {
     for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
       int q_lo, q_hi;
       pol.query_range(j0, j0 + kBlockN, &q_lo, &q_hi);
-      const T* kt_blk = kt.data() + int64_t(j0) * dp;  // (dp, kBlockN) block at j0 / kBlockN
-      const T* vt_blk = vt.data() + int64_t(j0) * dp;
+      // block j0 / kBlockN of each packed operand starts at j0 * dp (pack.h)
+      const T* kt_blk = kt + int64_t(j0) * dp;
+      const T* vt_blk = vt + int64_t(j0) * dp;
+      const T* kr_blk = kr + int64_t(j0) * dp;
+      constexpr int P = kPanel<T>;
       for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
         const int rows = std::min(kBlockM, len_q - i0);
         if (rows <= 0) break;
-        const T* q_blk = q.data() + int64_t(i0) * dp;
-        const T* do_blk = dout.data() + int64_t(i0) * dp;
+        const T* q_blk = q + int64_t(i0) * dp;
+        const T* do_blk = dout + int64_t(i0) * dp;
         // (rows, kBlockN) raw scores and dP of the dropped probabilities
-        gemm<false>(rows, kBlockN, d, q_blk, dp, kt_blk, kBlockN, s.data(), kBlockN);
-        gemm<false>(rows, kBlockN, d, do_blk, dp, vt_blk, kBlockN, dpt.data(), kBlockN);
-        if (pol.softcap > T(0)) std::copy(s.begin(), s.begin() + rows * kBlockN, x.begin());
+        gemm<false>(rows, kBlockN, d, q_blk, dp, kt_blk, P, int64_t(dp) * P, s, kBlockN);
+        gemm<false>(rows, kBlockN, d, do_blk, dp, vt_blk, P, int64_t(dp) * P, dpt, kBlockN);
+        if (pol.softcap > T(0)) std::copy(s, s + rows * kBlockN, x);
         const bool full = ts.tile_full(i0, i0 + rows, j0);
         for (int r = 0; r < rows; ++r) {
           const int i = i0 + r;
-          T* srow = s.data() + r * kBlockN;
-          T* dprow = dpt.data() + r * kBlockN;
+          T* srow = s + r * kBlockN;
+          T* dprow = dpt + r * kBlockN;
           ts.scores(srow, i, j0, full);
           ts.probs(srow, lse[i]);
           // keep / (1 - p) per key: a row of that constant run through the same dropout
-          T* keep = keep_row.data();
+          T* keep = keep_row;
           if (p.dropout_p > 0.f) {
             std::fill(keep, keep + kBlockN, keep_scale);
             ts.dropout(keep, i, j0);
@@ -165,15 +172,19 @@ struct BwdWorker {
           }
         }
         // dV (kBlockN, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
-        T* dv_blk = dv.data() + int64_t(j0) * dp;
-        T* dk_blk = dk.data() + int64_t(j0) * dp;
-        gemm<true, true>(kBlockN, dp, rows, s.data(), kBlockN, do_blk, dp, dv_blk, dp);
-        gemm<true, true>(kBlockN, dp, rows, dpt.data(), kBlockN, q_blk, dp, dk_blk, dp);
-        gemm<true>(rows, dp, kBlockN, dpt.data(), kBlockN, kr.data() + int64_t(j0) * dp, dp, dq.data() + int64_t(i0) * dp, dp);
+        T* dv_blk = dv + int64_t(j0) * dp;
+        T* dk_blk = dk + int64_t(j0) * dp;
+        const T* dopn_blk = dopn + int64_t(i0) * dp;
+        const T* qpn_blk = qpn + int64_t(i0) * dp;
+        gemm<true, true>(kBlockN, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
+        gemm<true, true>(kBlockN, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
+        // dQ (rows, dp) += dX (rows, kBlockN) @ K block (kBlockN, dp)
+        gemm<true>(rows, dp, kBlockN, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dq + int64_t(i0) * dp,
+                   dp);
       }
     }
     char* dqbase = elem(p.dq, dt, si.q_offset(p, b, h, 0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride));
-    store_rows(dq.data(), len_q, dqbase, p.dq_row_stride);
+    store_rows(dq, len_q, dqbase, p.dq_row_stride);
   }
 };
 

@@ -29,15 +29,20 @@ struct FwdWorker {
   const FwdParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
-  const T* kt;  // packed K, transposed blocks
-  const T* vr;  // packed V, rows
+  const T* kt;  // packed K, kTPanels
+  const T* vr;  // packed V, kPanels
   int n_mblocks;
-  std::vector<T> q, s, o, m, l, row;
+  Scratch<T, 2> mem;  // this thread's q, s, o tiles, m, l and one output row
+  T *q, *s, *o, *m, *l, *row;
 
   FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
-      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb),
-        q(size_t(kBlockM) * ki.dp), s(size_t(kBlockM) * kBlockN), o(size_t(kBlockM) * ki.dp),
-        m(kBlockM), l(kBlockM), row(ki.dp) {}
+      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
+    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row});
+  }
+  static std::array<size_t, 6> sizes(int dp) {
+    return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
+            size_t(dp)};
+  }
 
   void operator()(int64_t task) {
     // most expensive first: with a causal mask the last query blocks see the most keys
@@ -55,11 +60,11 @@ struct FwdWorker {
 
     // (rows, d) tile of Q in T
     const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
-    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q.data() + r * dp, d, dp);
+    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
 
-    std::fill(o.begin(), o.begin() + size_t(rows) * dp, T(0));
-    std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
-    std::fill(l.begin(), l.end(), T(0));
+    std::fill(o, o + size_t(rows) * dp, T(0));
+    std::fill(m, m + kBlockM, -std::numeric_limits<T>::infinity());
+    std::fill(l, l + kBlockM, T(0));
 
     int n_lo, n_hi;
     pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
@@ -69,23 +74,25 @@ struct FwdWorker {
     for (int jb = n_lo; jb < n_hi; ++jb) {
       const int j0 = jb * kBlockN;
       // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
-      gemm<false>(rows, kBlockN, d, q.data(), dp, kt_bh + int64_t(jb) * dp * kBlockN, kBlockN, s.data(), kBlockN);
+      gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s,
+                  kBlockN);
       const bool full = ts.tile_full(i0, i1, j0);
       for (int r = 0; r < rows; ++r) {
-        T* srow = s.data() + r * kBlockN;
+        T* srow = s + r * kBlockN;
         ts.scores(srow, i0 + r, j0, full);
         const T m_new = ts.online_update(srow, m[r], &l[r]);
         if (m_new != m[r]) {
           // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
-          T* orow = o.data() + r * dp;
+          T* orow = o + r * dp;
           for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
           m[r] = m_new;
         }
         ts.dropout(srow, i0 + r, j0);
       }
       // O (rows, dp) += P (rows, kBlockN) @ V block (kBlockN, dp)
-      gemm<true>(rows, dp, kBlockN, s.data(), kBlockN, v_bh + int64_t(j0) * dp, dp, o.data(), dp);
+      gemm<true>(rows, dp, kBlockN, s, kBlockN, v_bh + int64_t(j0) * dp, kPanel<T>, int64_t(kBlockN) * kPanel<T>,
+                 o, dp);
     }
 
     char* obase = elem(p.o, dt, si.q_offset(p, b, h, i0, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
@@ -103,9 +110,9 @@ struct FwdWorker {
       }
       const bool empty = !(lr > T(0)) && !std::isnan(lr);
       const T inv = empty ? T(0) : alpha * keep_scale / lr;
-      const T* orow = o.data() + r * dp;
-      for (int c = 0; c < dp; c += L) vstore(row.data() + c, vload(orow + c) * inv);
-      store_row(dt, row.data(), obase + es * r * p.o_row_stride, d);
+      const T* orow = o + r * dp;
+      for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
+      store_row(dt, row, obase + es * r * p.o_row_stride, d);
       lse[r] = empty ? -std::numeric_limits<T>::infinity() : mr + std::log(lr);
     }
   }
@@ -116,9 +123,10 @@ struct FwdWorker {
 template <typename T>
 void fwd(const FwdParamsT<T>& p, DType dt) {
   const PackIndex kidx(p);
-  std::vector<T> kt(kidx.total()), vr(kidx.total());
-  pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTBlocks, kt.data());
-  pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kRows, vr.data());
+  const Scratch<T, 0> kt(kidx.total());
+  const Scratch<T, 1> vr(kidx.total());
+  pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPanels, kt.data());
+  pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPanels, vr.data());
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   parallel_tasks(int64_t(p.b) * p.h * n_mblocks, p.num_threads,
                  [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });

@@ -1,0 +1,115 @@
+// Memory for the CPU kernels: cache-line-aligned buffers on huge pages when large, per-worker
+// scratch arenas, and per-thread scratch kept across calls.
+#pragma once
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <array>
+#include <new>
+#include <utility>
+#include <vector>
+
+namespace attn {
+namespace cpu {
+
+// Buffers the kernels stream through: 64-byte (cache-line) aligned, so with row strides and
+// panels that are whole lines no vector load straddles two lines. malloc's 16-byte alignment
+// would split every other 32-byte load, at a cost that changed from run to run with the heap.
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes >= kHuge) {
+      void* p = ::operator new(bytes, std::align_val_t(kHuge));
+      madvise(p, bytes, MADV_HUGEPAGE);
+      return static_cast<T*>(p);
+    }
+    return static_cast<T*>(::operator new(bytes, std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t n) {
+    ::operator delete(p, std::align_val_t(n * sizeof(T) >= kHuge ? kHuge : 64));
+  }
+  // vector(n) default-initializes: every buffer is written before it is read, and skipping the
+  // zero fill saves a pass over the (up to tens of MB) packed K / V of each call
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+  // 2 MB and up: 2 MB aligned and madvise(MADV_HUGEPAGE). The packed K / V stream through L2
+  // for every query block; on 4 KB pages their physical placement (hence L2 set conflicts and
+  // TLB misses) changed per process, and the D=128 forward ran at 0.92x or 1.00x torch's
+  // speed from one run to the next (single thread). On huge pages it is 1.00x every run.
+  static constexpr size_t kHuge = size_t(2) << 20;
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAllocator<T>>;
+
+// Splits `base` into consecutive buffers of the given element counts (*ptrs[i] gets the i-th),
+// each starting on a cache line. carved_size() is the storage that needs.
+template <typename T, size_t N>
+size_t carved_size(const std::array<size_t, N>& sizes) {
+  constexpr size_t kLine = 64 / sizeof(T);
+  size_t total = 0;
+  for (size_t n : sizes) total += (n + kLine - 1) / kLine * kLine;
+  return total;
+}
+template <typename T, size_t N>
+void carve(T* base, const std::array<size_t, N>& sizes, const std::array<T**, N>& ptrs) {
+  constexpr size_t kLine = 64 / sizeof(T);
+  for (size_t i = 0; i < N; ++i) {
+    *ptrs[i] = base;
+    base += (sizes[i] + kLine - 1) / kLine * kLine;
+  }
+}
+
+// Scratch that outlives the call, one per (thread, T, kSlot): the packed K / V on the calling
+// thread, each worker's tiles on the pool threads. Each call used to fault in fresh pages (the
+// kernel zeroes them: 16 MB of packed K / V for a (2, 8, 1024, 128) forward, about 3 of its
+// 55 ms on the 2-core EPYC); calls of the same or a smaller size now reuse them. At least 2 MB,
+// so small scratch sits on a huge page too (see LineAllocator). Above kMaxCachedBytes a call
+// gets its own buffer, so one huge call does not pin its memory.
+template <typename T, int kSlot>
+class Scratch {
+ public:
+  static constexpr size_t kMaxCachedBytes = size_t(32) << 20;
+  explicit Scratch(size_t n) {
+    n = std::max(n, LineAllocator<T>::kHuge / sizeof(T));
+    if (n * sizeof(T) <= kMaxCachedBytes) {
+      Buffer<T>& kept = cache();
+      if (kept.size() < n) {
+        Buffer<T>().swap(kept);  // free first: the old and new buffer never coexist
+        kept.resize(n);
+      }
+      ptr_ = kept.data();
+    } else {
+      own_.resize(n);
+      ptr_ = own_.data();
+    }
+  }
+  T* data() const { return ptr_; }
+
+ private:
+  static Buffer<T>& cache() {
+    thread_local Buffer<T> kept;
+    return kept;
+  }
+  Buffer<T> own_;
+  T* ptr_;
+};
+
+}  // namespace cpu
+}  // namespace attn
