@@ -93,17 +93,10 @@ bool use_tensor_cores(const FwdParams& p, DType dt) {
          strides8(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
 }
 
+// The wgmma forward covers the 64 and 128 buckets (when they and sm_90a code are compiled).
 bool hopper_bucket_compiled(int bucket) {
 #if ATTN_HOPPER_FWD
-  switch (bucket) {
-#if !defined(ATTN_CUDA_SKIP_HDIM64)
-    case 64: return true;
-#endif
-#if !defined(ATTN_CUDA_SKIP_HDIM128)
-    case 128: return true;
-#endif
-    default: return false;
-  }
+  return bucket != 256 && bucket_compiled(bucket);
 #else
   (void)bucket;
   return false;
