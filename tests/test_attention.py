@@ -163,7 +163,8 @@ def test_random_problems(b, hk, group, sq, sk, d, dtype, layout, causal, bottom_
                          sinks, seed):
     """Random sizes and any mix of options, forward and every gradient, against float64.
 
-    Low precisions only where every row that sees a key sees >= 16 of them, and without sinks:
+    Low precisions only where at most a quarter of the rows that see a key see fewer than 16, and
+    without sinks:
     the backward takes D_i = dO_i . O_i from the rounded output (as FA2 does), and on a row with
     a few visible keys (or a sink taking part of the mass) the cancellation in dP - D amplifies
     that rounding past 2x PyTorch's error (a known limit, listed in the README; seen with sq = 1
@@ -171,7 +172,7 @@ def test_random_problems(b, hk, group, sq, sk, d, dtype, layout, causal, bottom_
     sinks in bf16 / fp16 on problems where most rows see many keys."""
     wl, wr = (window[0], 0) if causal else window
     seen = reference.mask_structure(sq, sk, window=(wl, wr), bottom_right=bottom_right).sum(-1)
-    few_keys = bool(((seen > 0) & (seen < 16)).any())
+    few_keys = ((seen > 0) & (seen < 16)).sum().item() > 0.25 * (seen > 0).sum().item()
     if dtype in (torch.bfloat16, torch.float16) and (few_keys or sinks):
         dtype = torch.float32
     torch.manual_seed(seed)  # the tensors are part of the example: a failure replays exactly
