@@ -66,14 +66,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   const int wn = warp * 16;
   // per-thread ldmatrix bases: A of K/V (own 16 keys), B of Q/dO non-transposed and
   // transposed (this head-dim slice)
-  const uint32_t kv_a = TileKV::offset(wn + (lane & 15), (lane >> 4) * 8);
-  const uint32_t q_b = TileQ::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
-  const uint32_t q_bt = TileQ::offset((lane & 7) + ((lane >> 3) & 1) * 8, d_off + (lane >> 4) * 8);
+  const uint32_t kv_a = TileKV::lane_a(wn, lane);
+  const uint32_t q_b = TileQ::lane_b(0, lane);
+  const uint32_t q_bt = TileQ::lane_bt(d_off, lane);
 
-  const T* kp = static_cast<const T*>(p.k) +
-      si.k_offset(p, b, hk, n0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const T* vp = static_cast<const T*>(p.v) +
-      si.k_offset(p, b, hk, n0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  const T* kp = k_ptr<T>(p, si, b, hk, n0);
+  const T* vp = v_ptr<T>(p, si, b, hk, n0);
 
   float acc_dk[kAT][4], acc_dv[kAT][4];
 #pragma unroll
@@ -99,10 +97,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     if (i0 >= i1) continue;
     const int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
 
-    const T* qp = static_cast<const T*>(p.q) +
-        si.q_offset(p, b, h, 0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-    const T* dop = static_cast<const T*>(p.dout) +
-        si.q_offset(p, b, h, 0, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+    const T* qp = q_ptr<T>(p, si, b, h, 0);
+    const T* dop = dout_ptr<T>(p, si, b, h, 0);
     const float* lse_p = p.lse + lse_index(p, si, b, h, 0);
     const float* dot_p = p.softmax_d + scratch_row(p, b, h, 0);
 
@@ -152,10 +148,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             const uint32_t off = TileQ::advance(q_b, np * 16, kk * 16);
             ldmatrix_x4(bq, sQ + off);
             ldmatrix_x4(bo, sdO + off);
-            Ops::mma(acc_s[2 * np], ak, bq);
-            Ops::mma(acc_s[2 * np + 1], ak, bq + 2);
-            Ops::mma(acc_dp[2 * np], av, bo);
-            Ops::mma(acc_dp[2 * np + 1], av, bo + 2);
+            mma_n16<T>(acc_s[2 * np], ak, bq);
+            mma_n16<T>(acc_dp[2 * np], av, bo);
           }
         }
       }
@@ -188,24 +182,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
           const int jl = wn + g + (e >> 1) * 8;
           const int il = t * 8 + 2 * c + (e & 1);
           const int i = m0 + il, j = n0 + jl;
-          float z = 1.f;
-          if (dropout) {
-            const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
-            z = dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
-          }
+          const float z = dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
           const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
                                         lse_to_log2(sLse[il]), sDot[il], z, i, j);
           acc_s[t][e] = bp.pd;
           acc_dp[t][e] = bp.dx;
-          if (write_dbias && slice == 0 && i < si.len_q && j < si.len_k) {
-            float* db = p.dbias + int64_t(b) * p.dbias_batch_stride + int64_t(h) * p.dbias_head_stride +
-                        int64_t(i) * p.dbias_row_stride + j;
-            if (p.dbias_row_stride == 0) {
-              if (bp.ds != 0.f) atomicAdd(db, bp.ds);
-            } else {
-              *db = bp.ds;
-            }
-          }
+          if (write_dbias && slice == 0 && i < si.len_q && j < si.len_k) store_dbias(p, b, h, i, j, bp.ds);
         }
       }
       }
@@ -241,10 +223,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             uint32_t bo[4], bq[4];
             ldmatrix_x4_trans(bo, sdO + off);
             ldmatrix_x4_trans(bq, sQ + off);
-            Ops::mma(acc_dv[2 * dt], ap, bo);
-            Ops::mma(acc_dv[2 * dt + 1], ap, bo + 2);
-            Ops::mma(acc_dk[2 * dt], as, bq);
-            Ops::mma(acc_dk[2 * dt + 1], as, bq + 2);
+            mma_n16<T>(acc_dv[2 * dt], ap, bo);
+            mma_n16<T>(acc_dk[2 * dt], as, bq);
           }
         }
       }
@@ -259,6 +239,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         static_assert(kCols % 16 == 0, "dQ column split must be whole k-steps");
         const int wq = (warp % kRowTiles) * 16;
         const int wd = d_off + (warp / kRowTiles) * kCols;
+        // spelled out rather than lane_b() / lane_bt(): through the helpers nvcc orders this
+        // block's address arithmetic differently (the SASS is kept as it was)
         const uint32_t s_at = TileS::offset((lane & 7) + (lane >> 4) * 8, wq + ((lane >> 3) & 1) * 8);
         const uint32_t k_bt = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, wd + (lane >> 4) * 8);
         float acc_dq[kCols / 8][4];
@@ -275,8 +257,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             {
               uint32_t bk[4];
               ldmatrix_x4_trans(bk, sK + TileKV::advance(k_bt, kk * 16, dt * 16));
-              Ops::mma(acc_dq[2 * dt], a, bk);
-              Ops::mma(acc_dq[2 * dt + 1], a, bk + 2);
+              mma_n16<T>(acc_dq[2 * dt], a, bk);
             }
           }
         }
@@ -323,8 +304,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   }
 
   // ---- epilogue: dK, dV (zeros for keys no query sees) straight from registers
-  T* dk = static_cast<T*>(p.dk) + si.k_offset(p, b, hk, n0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
-  T* dv = static_cast<T*>(p.dv) + si.k_offset(p, b, hk, n0, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+  T* dk = dk_ptr<T>(p, si, b, hk, n0);
+  T* dv = dv_ptr<T>(p, si, b, hk, n0);
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = wn + g + hf * 8;
@@ -377,18 +358,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
   const float rdrop = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const bool write_dbias = p.dbias != nullptr && slice == 0;
   const int wm = warp * 16;
-  const uint32_t q_a = TileQ::offset(wm + (lane & 15), (lane >> 4) * 8);
-  const uint32_t kv_b = TileKV::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
-  const uint32_t k_bt = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, d_off + (lane >> 4) * 8);
+  const uint32_t q_a = TileQ::lane_a(wm, lane);
+  const uint32_t kv_b = TileKV::lane_b(0, lane);
+  const uint32_t k_bt = TileKV::lane_bt(d_off, lane);
 
-  const T* qp = static_cast<const T*>(p.q) +
-      si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  const T* dop = static_cast<const T*>(p.dout) +
-      si.q_offset(p, b, h, m0, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
-  const T* kp = static_cast<const T*>(p.k) +
-      si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const T* vp = static_cast<const T*>(p.v) +
-      si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  const T* qp = q_ptr<T>(p, si, b, h, m0);
+  const T* dop = dout_ptr<T>(p, si, b, h, m0);
+  const T* kp = k_ptr<T>(p, si, b, hk, 0);
+  const T* vp = v_ptr<T>(p, si, b, hk, 0);
 
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
@@ -441,10 +418,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
           uint32_t bk[4], bv[4];
           ldmatrix_x4(bk, sK + off);
           ldmatrix_x4(bv, sV + off);
-          Ops::mma(acc_s[2 * np], aq, bk);
-          Ops::mma(acc_s[2 * np + 1], aq, bk + 2);
-          Ops::mma(acc_dp[2 * np], ao, bv);
-          Ops::mma(acc_dp[2 * np + 1], ao, bv + 2);
+          mma_n16<T>(acc_s[2 * np], aq, bk);
+          mma_n16<T>(acc_dp[2 * np], ao, bv);
         }
       }
     }
@@ -467,23 +442,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
       for (int e = 0; e < 4; ++e) {
         const int hf = e >> 1;
         const int i = m0 + wm + g + hf * 8, j = n0 + t * 8 + 2 * c + (e & 1);
-        float z = 1.f;
-        if (dropout) {
-          const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
-          z = dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
-        }
+        const float z = dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
         const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
                                       lse2[hf], dsum[hf], z, i, j);
         acc_dp[t][e] = bp.dx;
-        if (write_dbias && i < si.len_q && j < si.len_k) {
-          float* db = p.dbias + int64_t(b) * p.dbias_batch_stride + int64_t(h) * p.dbias_head_stride +
-                      int64_t(i) * p.dbias_row_stride + j;
-          if (p.dbias_row_stride == 0) {
-            if (bp.ds != 0.f) atomicAdd(db, bp.ds);
-          } else {
-            *db = bp.ds;
-          }
-        }
+        if (write_dbias && i < si.len_q && j < si.len_k) store_dbias(p, b, h, i, j, bp.ds);
       }
     }
     }
@@ -501,15 +464,14 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
         {
           uint32_t bk[4];
           ldmatrix_x4_trans(bk, sK + TileKV::advance(k_bt, kk * 16, dt * 16));
-          Ops::mma(acc_dq[2 * dt], a, bk);
-          Ops::mma(acc_dq[2 * dt + 1], a, bk + 2);
+          mma_n16<T>(acc_dq[2 * dt], a, bk);
         }
       }
     }
     __syncthreads();  // every warp finished reading K[n], V[n]
   }
 
-  T* dq = static_cast<T*>(p.dq) + si.q_offset(p, b, h, m0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+  T* dq = dq_ptr<T>(p, si, b, h, m0);
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = wm + g + hf * 8;

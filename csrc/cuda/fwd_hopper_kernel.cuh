@@ -165,12 +165,9 @@ __device__ __forceinline__ void produce(const FwdParams& p, const SeqInfo& si, i
   using TileKV = typename P::TileKV;
   const Bars<P::kStages> bars{base + P::kBar};
   const int hk = h / (p.h / p.h_k);
-  const T* q = static_cast<const T*>(p.q) +
-               si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  const T* k = static_cast<const T*>(p.k) +
-               si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const T* v = static_cast<const T*>(p.v) +
-               si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  const T* q = q_ptr<T>(p, si, b, h, m0);
+  const T* k = k_ptr<T>(p, si, b, hk, 0);
+  const T* v = v_ptr<T>(p, si, b, hk, 0);
 
   produce_tile<P::kBlockM, kD>(base + P::kQ, q, p.q_row_stride, rows_q, p.d, ptid);
   tc::cp_async_commit();
@@ -262,6 +259,32 @@ __device__ __forceinline__ void release_slot(uint32_t bar, int lane) {
   if (lane == 0) wg::mbar_arrive(bar);
 }
 
+// S = Q K^T against ring slot pos, waited for at once; then the slot's K is released.
+template <typename T, int kD>
+__device__ __forceinline__ void qk_now(float (&acc_s)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
+                                       uint64_t desc_k, const Bars<FwdPlan<kD>::kStages>& bars,
+                                       const RingPos<FwdPlan<kD>::kStages>& pos, int lane) {
+  wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
+  issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);
+  wg::wait<0>();
+  wg::fence_operands(acc_s);
+  release_slot(bars.empty_k(pos.stage), lane);
+}
+
+// O += P V against ring slot pos, waited for at once; then the slot's V is released.
+template <typename T, int kD>
+__device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
+                                       uint32_t (&pa)[FwdPlan<kD>::kBlockN / 16][4], uint64_t desc_v,
+                                       const Bars<FwdPlan<kD>::kStages>& bars,
+                                       const RingPos<FwdPlan<kD>::kStages>& pos, int lane) {
+  wg::mbar_wait(bars.full_v(pos.stage), pos.phase);
+  issue_pv<T, kD>(acc_o, pa, desc_v, pos.stage);
+  wg::wait<0>();
+  wg::fence_operands(acc_o);
+  wg::fence_operands(pa);
+  release_slot(bars.empty_v(pos.stage), lane);
+}
+
 // Consumer warpgroup cw (0-based) of 128 threads (ctid = 0..127): query rows
 // [m0 + 64 cw, m0 + 64 cw + 64) of the block.
 //   kOverlap = false: per key block S -> softmax -> P V, each product waited for at once; only
@@ -304,31 +327,16 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
     RingPos<P::kStages> pos;
     if constexpr (!kOverlap) {
       for (int n = n_hi - 1; n >= n_lo; --n) {
-        wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
-        issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);
-        wg::wait<0>();
-        wg::fence_operands(acc_s);
-        release_slot(bars.empty_k(pos.stage), lane);
-
+        qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
         scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
         tc::rescale_rows<kDT>(acc_o, alpha);
         tc::pack_a_frags<T, kNT>(acc_s, pa);
-
-        wg::mbar_wait(bars.full_v(pos.stage), pos.phase);
-        issue_pv<T, kD>(acc_o, pa, desc_v, pos.stage);
-        wg::wait<0>();
-        wg::fence_operands(acc_o);
-        wg::fence_operands(pa);
-        release_slot(bars.empty_v(pos.stage), lane);
+        pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
         pos.advance();
       }
     } else {
       // the first block alone: O is still zero, so its rescale is skipped
-      wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
-      issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);
-      wg::wait<0>();
-      wg::fence_operands(acc_s);
-      release_slot(bars.empty_k(pos.stage), lane);
+      qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
       scores_to_probs<kD>(acc_s, pol, scale_log2, i0, (n_hi - 1) * P::kBlockN, lane, row_m, row_l,
                           alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
@@ -354,12 +362,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
         pos.advance();
       }
 
-      wg::mbar_wait(bars.full_v(prev.stage), prev.phase);
-      issue_pv<T, kD>(acc_o, pa, desc_v, prev.stage);
-      wg::wait<0>();
-      wg::fence_operands(acc_o);
-      wg::fence_operands(pa);
-      release_slot(bars.empty_v(prev.stage), lane);
+      pv_now<T, kD>(acc_o, pa, desc_v, bars, prev, lane);
     }
   }
 
@@ -394,8 +397,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
                    : "memory");
     }
   wg::named_barrier_sync<128>(1 + cw);  // this warpgroup's rows are complete
-  T* o = static_cast<T*>(p.o) +
-         si.q_offset(p, b, h, m0, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+  T* o = o_ptr<T>(p, si, b, h, m0);
   constexpr int kChunks = TileQ::kChunks;
   static_assert((64 * kChunks) % 128 == 0, "the copy-out splits evenly over the warpgroup");
 #pragma unroll

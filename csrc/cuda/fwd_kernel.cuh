@@ -45,9 +45,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const int hk = h / (p.h / p.h_k);
   const int rows_q = min(kBlockM, si.len_q - m0);
 
-  const T* q = static_cast<const T*>(p.q) + si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const T* v = static_cast<const T*>(p.v) + si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  const T* q = q_ptr<T>(p, si, b, h, m0);
+  const T* k = k_ptr<T>(p, si, b, hk, 0);
+  const T* v = v_ptr<T>(p, si, b, hk, 0);
 
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
@@ -58,9 +58,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const int bh = b * p.h + h;
   const int wm = warp * 16 * kMT;  // first row of this warp inside the block
   // per-thread ldmatrix bases: A of Q, B of K (non-transposed), B of V (transposed)
-  const uint32_t q_a = TileQ::offset(wm + (lane & 15), (lane >> 4) * 8);
-  const uint32_t k_b = TileKV::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
-  const uint32_t v_b = TileKV::offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+  const uint32_t q_a = TileQ::lane_a(wm, lane);
+  const uint32_t k_b = TileKV::lane_b(0, lane);
+  const uint32_t v_b = TileKV::lane_bt(0, lane);
 
   float acc_o[kMT][kDT][4];
   float row_m[kMT][2], row_l[kMT][2];
@@ -113,10 +113,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
           uint32_t bf[4];
           ldmatrix_x4(bf, sK + TileKV::advance(k_b, np * 16, kk * 16));
 #pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            Ops::mma(acc_s[mt][2 * np], a[mt], bf);
-            Ops::mma(acc_s[mt][2 * np + 1], a[mt], bf + 2);
-          }
+          for (int mt = 0; mt < kMT; ++mt) mma_n16<T>(acc_s[mt][2 * np], a[mt], bf);
         }
       }
     }
@@ -175,10 +172,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
         uint32_t bf[4];
         ldmatrix_x4_trans(bf, sV + TileKV::advance(v_b, kk * 16, dp * 16));
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Ops::mma(acc_o[mt][2 * dp], pa[mt][kk], bf);
-          Ops::mma(acc_o[mt][2 * dp + 1], pa[mt][kk], bf + 2);
-        }
+        for (int mt = 0; mt < kMT; ++mt) mma_n16<T>(acc_o[mt][2 * dp], pa[mt][kk], bf);
       }
     }
   }
@@ -218,7 +212,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
                      "r"(val));
       }
   __syncthreads();
-  T* o = static_cast<T*>(p.o) + si.q_offset(p, b, h, m0, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+  T* o = o_ptr<T>(p, si, b, h, m0);
   constexpr int kTotal = kBlockM * TileQ::kChunks;
 #pragma unroll
   for (int it = 0; it < kTotal / kThreads; ++it) {

@@ -29,6 +29,43 @@ __device__ __forceinline__ int64_t scratch_row(const FwdParams& p, int b, int h,
   return (int64_t(b) * p.h + h) * p.sq + i;
 }
 
+// Element pointers into the tensors of sequence b, by (head, sequence-local row): query-side
+// tensors (q, o, dout, dq) take a query head h and start at SeqInfo::row_q, key-side ones (k, v,
+// dk, dv) a kv head hk and start at row_k.
+template <typename T>
+__device__ __forceinline__ const T* q_ptr(const FwdParams& p, const SeqInfo& si, int b, int h, int row) {
+  return static_cast<const T*>(p.q) + si.q_offset(p, b, h, row, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ T* o_ptr(const FwdParams& p, const SeqInfo& si, int b, int h, int row) {
+  return static_cast<T*>(p.o) + si.q_offset(p, b, h, row, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ const T* dout_ptr(const BwdParams& p, const SeqInfo& si, int b, int h, int row) {
+  return static_cast<const T*>(p.dout) +
+         si.q_offset(p, b, h, row, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ T* dq_ptr(const BwdParams& p, const SeqInfo& si, int b, int h, int row) {
+  return static_cast<T*>(p.dq) + si.q_offset(p, b, h, row, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ const T* k_ptr(const FwdParams& p, const SeqInfo& si, int b, int hk, int row) {
+  return static_cast<const T*>(p.k) + si.k_offset(p, b, hk, row, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ const T* v_ptr(const FwdParams& p, const SeqInfo& si, int b, int hk, int row) {
+  return static_cast<const T*>(p.v) + si.k_offset(p, b, hk, row, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ T* dk_ptr(const BwdParams& p, const SeqInfo& si, int b, int hk, int row) {
+  return static_cast<T*>(p.dk) + si.k_offset(p, b, hk, row, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
+}
+template <typename T>
+__device__ __forceinline__ T* dv_ptr(const BwdParams& p, const SeqInfo& si, int b, int hk, int row) {
+  return static_cast<T*>(p.dv) + si.k_offset(p, b, hk, row, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+}
+
 // No per-element work beyond the window: no softcap, ALiBi, bias or bool mask.
 __device__ __forceinline__ bool policy_is_plain(const Policy& pol) {
   return pol.softcap <= 0.f && pol.slope == 0.f && pol.bias_kind == BiasKind::kNone;
@@ -85,6 +122,25 @@ __device__ __forceinline__ uint32_t philox_word(const Philox4& r, int k) {
   const uint32_t lo = (k & 1) ? r.x[1] : r.x[0];
   const uint32_t hi = (k & 1) ? r.x[3] : r.x[2];
   return (k & 2) ? hi : lo;
+}
+
+// The dropout factor z of element (i, j) of (batch, head) bh from the Philox stream of the
+// tensor-core kernels (4 keys per draw): 0 for a dropped element, rdrop = 1 / (1 - p) for a kept one.
+__device__ __forceinline__ float dropout_scale(const FwdParams& p, int bh, int i, int j, float rdrop) {
+  const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+  return dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
+}
+
+// d bias (i, j) of (b, h) = ds. A bias broadcast over the query rows (row stride 0) sums the
+// rows' contributions with atomics (skipping zeros: masked elements are the common case).
+__device__ __forceinline__ void store_dbias(const BwdParams& p, int b, int h, int i, int j, float ds) {
+  float* db = p.dbias + int64_t(b) * p.dbias_batch_stride + int64_t(h) * p.dbias_head_stride +
+              int64_t(i) * p.dbias_row_stride + j;
+  if (p.dbias_row_stride == 0) {
+    if (ds != 0.f) atomicAdd(db, ds);
+  } else {
+    *db = ds;
+  }
 }
 
 // The end of the forward's online softmax for one row, given its running max m2 (log2 domain)

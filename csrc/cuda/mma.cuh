@@ -54,6 +54,14 @@ struct TypeOps<__nv_bfloat16> {
   }
 };
 
+// C of two adjacent n-tiles (c[0..3], c[4..7]) += A times the two 8-column halves (b[0..1],
+// b[2..3]) of one ldmatrix.x4 B fragment.
+template <typename T>
+__device__ __forceinline__ void mma_n16(float* c, const uint32_t* a, const uint32_t* b) {
+  TypeOps<T>::mma(c, a, b);
+  TypeOps<T>::mma(c + 4, a, b + 2);
+}
+
 // ---------------------------------------------------------------- shared memory
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -109,6 +117,21 @@ struct SmemTile {
     constexpr int kMask = kChunks >= 8 ? 7 : 3;
     const int cd = dc >> 3;
     return (off ^ uint32_t((cd & kMask) << 4)) + uint32_t(dr * kChunks * 16 + (cd & ~kMask) * 16);
+  }
+  // This lane's ldmatrix.x4 row address (then moved with advance()) for
+  //   lane_a:  an A fragment, rows [r0, r0 + 16) x columns [0, 16)
+  //   lane_b:  B fragments of two n-tiles, the tile's rows [0, 16) as n, columns [c0, c0 + 16)
+  //            as k (b[0..1]: rows 0-7, b[2..3]: rows 8-15)
+  //   lane_bt: the same read with .trans from a (k, n) tile, rows [0, 16) as k, columns
+  //            [c0, c0 + 16) as n
+  __device__ __forceinline__ static uint32_t lane_a(int r0, int lane) {
+    return offset(r0 + (lane & 15), (lane >> 4) * 8);
+  }
+  __device__ __forceinline__ static uint32_t lane_b(int c0, int lane) {
+    return offset((lane & 7) + (lane >> 4) * 8, c0 + ((lane >> 3) & 1) * 8);
+  }
+  __device__ __forceinline__ static uint32_t lane_bt(int c0, int lane) {
+    return offset((lane & 7) + ((lane >> 3) & 1) * 8, c0 + (lane >> 4) * 8);
   }
 };
 

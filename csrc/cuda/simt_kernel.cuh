@@ -85,9 +85,9 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
   const int bh = b * p.h + h;
   const float scale_log2 = p.scale * kLog2e;
 
-  const T* q = static_cast<const T*>(p.q) + si.q_offset(p, b, h, i, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const T* v = static_cast<const T*>(p.v) + si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  const T* q = q_ptr<T>(p, si, b, h, i);
+  const T* k = k_ptr<T>(p, si, b, hk, 0);
+  const T* v = v_ptr<T>(p, si, b, hk, 0);
 
   float qr[kChunks], o[kChunks];
   load_row(qr, q, p.d, lane);
@@ -130,8 +130,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
   }
 #pragma unroll
   for (int t = 0; t < kChunks; ++t) o[t] *= factor;
-  T* out = static_cast<T*>(p.o) + si.q_offset(p, b, h, i, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
-  store_row(out, o, p.d, lane);
+  store_row(o_ptr<T>(p, si, b, h, i), o, p.d, lane);
   if (lane == 0 && p.lse != nullptr) p.lse[lse_index(p, si, b, h, i)] = lse;
 }
 
@@ -147,10 +146,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(cons
   const SeqInfo si(p, b);
   float dsink = 0.f;
   if (i < si.len_q) {
-    const T* dout = static_cast<const T*>(p.dout) +
-        si.q_offset(p, b, h, i, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
-    const T* o = static_cast<const T*>(p.o) +
-        si.q_offset(p, b, h, i, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+    const T* dout = dout_ptr<T>(p, si, b, h, i);
+    const T* o = o_ptr<T>(p, si, b, h, i);
     float acc = 0.f;
     for (int col = lane; col < p.d; col += 32) acc += to_float(dout[col]) * to_float(o[col]);
     acc = warp_sum(acc);
@@ -187,7 +184,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_convert_dq_kernel(cons
   const SeqInfo si(p, b);
   if (i >= si.len_q) return;
   const float* src = p.dq_accum + scratch_row(p, b, h, i) * dq_ld;
-  T* dq = static_cast<T*>(p.dq) + si.q_offset(p, b, h, i, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
+  T* dq = dq_ptr<T>(p, si, b, h, i);
   for (int col = lane; col < p.d; col += 32) dq[col] = from_float<T>(src[col]);
 }
 
@@ -206,10 +203,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
 #pragma unroll
   for (int t = 0; t < kChunks; ++t) dk[t] = dv[t] = 0.f;
   if (j < si.len_k) {
-    const T* k = static_cast<const T*>(p.k) +
-        si.k_offset(p, b, hk, j, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-    const T* v = static_cast<const T*>(p.v) +
-        si.k_offset(p, b, hk, j, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+    const T* k = k_ptr<T>(p, si, b, hk, j);
+    const T* v = v_ptr<T>(p, si, b, hk, j);
     load_row(kr, k, p.d, lane);
     load_row(vr, v, p.d, lane);
     for (int gi = 0; gi < group; ++gi) {
@@ -217,6 +212,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
       const Policy pol(p, si, b, h);
       const bool plain = policy_is_plain(pol);
       const int bh = b * p.h + h;
+      // spelled out rather than q_ptr() / dout_ptr(): through the helpers nvcc schedules this
+      // loop differently (the SASS of this kernel is kept as it was)
       const T* q = static_cast<const T*>(p.q) +
           si.q_offset(p, b, h, 0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
       const T* dout = static_cast<const T*>(p.dout) +
@@ -247,8 +244,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
       }
     }
   }
-  T* dkp = static_cast<T*>(p.dk) + si.k_offset(p, b, hk, j, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
-  T* dvp = static_cast<T*>(p.dv) + si.k_offset(p, b, hk, j, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
+  T* dkp = dk_ptr<T>(p, si, b, hk, j);
+  T* dvp = dv_ptr<T>(p, si, b, hk, j);
   store_row(dkp, dk, p.d, lane);
   store_row(dvp, dv, p.d, lane);
 }
@@ -265,9 +262,10 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
   const bool plain = policy_is_plain(pol);
   const int hk = h / (p.h / p.h_k);
   const int bh = b * p.h + h;
-  const T* q = static_cast<const T*>(p.q) + si.q_offset(p, b, h, i, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  const T* dout = static_cast<const T*>(p.dout) +
-      si.q_offset(p, b, h, i, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+  const T* q = q_ptr<T>(p, si, b, h, i);
+  const T* dout = dout_ptr<T>(p, si, b, h, i);
+  // spelled out rather than k_ptr() / v_ptr(): through the helpers nvcc schedules the key loop
+  // differently (the SASS of this kernel is kept as it was)
   const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
   const T* v = static_cast<const T*>(p.v) + si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
   float qr[kChunks], dor[kChunks], dq[kChunks];
@@ -305,8 +303,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
       }
     }
   }
-  T* dqp = static_cast<T*>(p.dq) + si.q_offset(p, b, h, i, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
-  store_row(dqp, dq, p.d, lane);
+  store_row(dq_ptr<T>(p, si, b, h, i), dq, p.d, lane);
 }
 
 }  // namespace simt
