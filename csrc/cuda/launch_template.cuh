@@ -25,8 +25,10 @@ inline int current_sm() {
   return major * 10 + minor;
 }
 
-template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral>
+// Tr: the tile config (kBlockM, kBlockN, kNWarps): FwdTraits<kD> or a tuning alternative.
+template <typename T, int kD, typename Tr, bool kGeneral>
 void run_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
   constexpr int kSmem = fwd_smem_bytes<kD, kBlockM, kBlockN>();
   auto kernel = tc::fwd_kernel<T, kD, kBlockM, kBlockN, kNWarps, kGeneral>;
   set_smem(kernel, kSmem, "attention fwd");
@@ -61,17 +63,10 @@ template <typename T, int kD, bool kGeneral>
 void run_fwd_tc_impl(const FwdParams& p, cudaStream_t stream) {
 #if defined(ATTN_TUNING)
   const int v = tune_env("ATTN_TUNE_FWD");
-  if (v == 1) {
-    using A = FwdAlt<kD, 1>;
-    return run_fwd_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kGeneral>(p, stream);
-  }
-  if (v == 2) {
-    using A = FwdAlt<kD, 2>;
-    return run_fwd_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kGeneral>(p, stream);
-  }
+  if (v == 1) return run_fwd_cfg<T, kD, FwdAlt<kD, 1>, kGeneral>(p, stream);
+  if (v == 2) return run_fwd_cfg<T, kD, FwdAlt<kD, 2>, kGeneral>(p, stream);
 #endif
-  using Tr = FwdTraits<kD>;
-  run_fwd_cfg<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kGeneral>(p, stream);
+  run_fwd_cfg<T, kD, FwdTraits<kD>, kGeneral>(p, stream);
 }
 
 template <typename T, int kD>
@@ -86,8 +81,11 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kDropout, int kSUnroll = 1>
+// Tr: the tile config (kBlockM, kBlockN, kNWarps): BwdTraits<kD>, BwdTraitsSm90<kD> or a tuning
+// alternative.
+template <typename T, int kD, typename Tr, bool kDropout, int kSUnroll = 1>
 void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
   constexpr int kDAcc = BwdTraits<kD>::kDAcc;
   constexpr int kSmem = bwd_smem_bytes<kD, kBlockM, kBlockN>();
   auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout, kSUnroll>;
@@ -103,19 +101,15 @@ void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
 #if defined(ATTN_TUNING)
     const int v = tune_env("ATTN_TUNE_BWD");
     if (v == 1) {
-      using A = BwdAlt<kD, 1>;
-      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout, A::kSUnroll>(p, stream);
+      run_bwd_dkdv_cfg<T, kD, BwdAlt<kD, 1>, kDropout, BwdAlt<kD, 1>::kSUnroll>(p, stream);
     } else if (v == 2) {
-      using A = BwdAlt<kD, 2>;
-      run_bwd_dkdv_cfg<T, kD, A::kBlockM, A::kBlockN, A::kNWarps, kDropout, A::kSUnroll>(p, stream);
+      run_bwd_dkdv_cfg<T, kD, BwdAlt<kD, 2>, kDropout, BwdAlt<kD, 2>::kSUnroll>(p, stream);
     } else
 #endif
     if (current_sm() >= 90) {
-      using Tr = BwdTraitsSm90<kD>;
-      run_bwd_dkdv_cfg<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>(p, stream);
+      run_bwd_dkdv_cfg<T, kD, BwdTraitsSm90<kD>, kDropout>(p, stream);
     } else {
-      using Tr = BwdTraits<kD>;
-      run_bwd_dkdv_cfg<T, kD, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>(p, stream);
+      run_bwd_dkdv_cfg<T, kD, BwdTraits<kD>, kDropout>(p, stream);
     }
   }
   if (p.deterministic) {
