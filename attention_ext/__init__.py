@@ -19,15 +19,6 @@ from .functional import (  # noqa: E402
 )
 from .ops import dropout_mask  # noqa: E402
 
-__all__ = [
-    "attention",
-    "attention_weights",
-    "scaled_dot_product_attention",
-    "flash_attn_func",
-    "flash_attn_varlen_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "dropout_mask",
-    "reference",
-    "ops",
-]
+from . import functional  # noqa: E402
+
+__all__ = [*functional.__all__, "dropout_mask", "reference", "ops"]
