@@ -526,3 +526,26 @@ def test_reused_scratch_never_leaks():
     for d in (72, 40):
         run_case(1, 4, 2, 77, 131, d, torch.float32, causal=True)
         run_case(1, 2, 2, 50, 45, d, torch.float64, window=(9, 2))
+
+
+def test_uncached_large_buffers_and_concurrent_callers():
+    """Packed K / V above the kept-scratch cap (32 MB) get a buffer of their own; and callers on
+    several Python threads at once (each with its own kept scratch) all get exact results."""
+    import concurrent.futures
+
+    q, k, v = rand_qkv(1, 1, 1, 3, 140_001, 64, torch.float32, requires_grad=False)  # 36 MB of packed K
+    out = ae.attention(q, k, v)
+    ref, _ = reference.attention(q.double(), k.double(), v.double())
+    assert rel_err(out, ref) < 1e-5
+
+    def one(i):
+        g = torch.Generator().manual_seed(i)
+        sq, sk, d = 20 + 13 * i, 50 + 29 * i, (16, 40, 64, 72)[i % 4]
+        q, k, v = (torch.randn(2, 2, s, d, generator=g) for s in (sq, sk, sk))
+        out = ae.attention(q, k, v, causal=True, bottom_right=True)
+        ref, _ = reference.attention(q.double(), k.double(), v.double(), window=(-1, 0), bottom_right=True)
+        return rel_err(out, ref)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        errs = list(ex.map(one, range(16)))
+    assert max(errs) < 1e-5, errs
