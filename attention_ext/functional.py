@@ -31,9 +31,11 @@ _warned_fallback = set()
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _check(cond: bool, msg: str, exc=ValueError):
+def _check(cond: bool, msg, exc=ValueError):
+    """Raise exc(msg) unless cond; msg may be a callable, so that an f-string message (formatting
+    shapes costs microseconds) is only built when the check fails."""
     if not cond:
-        raise exc(msg)
+        raise exc(msg() if callable(msg) else msg)
 
 
 def _draw_seed(generator: Optional[torch.Generator]) -> int:
@@ -52,9 +54,9 @@ def _deterministic(flag: bool):
 
 def _window(window, causal: bool) -> Tuple[int, int]:
     """(left, right) sizes with -1 = unbounded; causal caps the right side at 0 (no future keys)."""
-    _check(len(window) == 2, f"window must be (left, right), got {window}")
+    _check(len(window) == 2, lambda: f"window must be (left, right), got {window}")
     wl, wr = int(window[0]), int(window[1])
-    _check(wl >= -1 and wr >= -1, f"window sizes must be >= -1, got {tuple(window)}")
+    _check(wl >= -1 and wr >= -1, lambda: f"window sizes must be >= -1, got {tuple(window)}")
     return (wl, 0) if causal else (wl, wr)
 
 
@@ -66,21 +68,23 @@ def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b:
     bias = None
     if attn_mask is not None:
         _check(isinstance(attn_mask, Tensor), "attn_mask must be a Tensor", TypeError)
-        _check(attn_mask.device == device, f"attn_mask must be on {device}, got {attn_mask.device}")
-        _check(attn_mask.dim() <= 4, f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
+        _check(attn_mask.device == device, lambda: f"attn_mask must be on {device}, got {attn_mask.device}")
+        _check(attn_mask.dim() <= 4, lambda: f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
         m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         for got, want in zip(m.shape, (b, h, sq, sk)):
             _check(got in (1, want),
-                   f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, Sq, Sk) = {(b, h, sq, sk)}")
+                   lambda: f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                           f"(B, H, Sq, Sk) = {(b, h, sq, sk)}")
         if m.dtype == torch.bool:
             bias = m
         else:
-            _check(m.is_floating_point(), f"attn_mask must be bool or floating point, got {m.dtype}", TypeError)
+            _check(m.is_floating_point(), lambda: f"attn_mask must be bool or floating point, got {m.dtype}", TypeError)
             bias = m.to(acc)
     if key_padding_mask is not None:
         _check(key_padding_mask.dim() == 2 and tuple(key_padding_mask.shape) == (b, sk),
-               f"key_padding_mask must be (B, Sk) = {(b, sk)}, got {tuple(key_padding_mask.shape)}")
-        _check(key_padding_mask.dtype == torch.bool, f"key_padding_mask must be bool, got {key_padding_mask.dtype}",
+               lambda: f"key_padding_mask must be (B, Sk) = {(b, sk)}, got {tuple(key_padding_mask.shape)}")
+        _check(key_padding_mask.dtype == torch.bool,
+               lambda: f"key_padding_mask must be bool, got {key_padding_mask.dtype}",
                TypeError)
         kpm = key_padding_mask.view(b, 1, 1, sk)
         if bias is None:
@@ -138,38 +142,43 @@ def attention(
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(isinstance(t, Tensor), f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
-        _check(t.dim() == 4, f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
+        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
                f"got shape {tuple(t.shape)}")
-    _check(layout in ("bhsd", "bshd"), f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
-    _check(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
-    _check(q.dtype in _DTYPES, f"q, k, v must be float32, float16, bfloat16 or float64, got {q.dtype}", TypeError)
-    _check(q.device == k.device == v.device, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check(q.dtype == k.dtype == v.dtype,
+           lambda: f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
+    _check(q.dtype in _DTYPES,
+           lambda: f"q, k, v must be float32, float16, bfloat16 or float64, got {q.dtype}", TypeError)
+    _check(q.device == k.device == v.device,
+           lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, sq, d = q.shape
-    _check(k.shape[0] == b and v.shape[0] == b, f"batch mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    _check(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check(k.shape[0] == b and v.shape[0] == b,
+           lambda: f"batch mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _check(k.shape == v.shape, lambda: f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     hk, sk = k.shape[1], k.shape[2]
-    _check(k.shape[3] == d, f"head dim mismatch: q has {d}, k and v have {k.shape[3]}")
-    _check(1 <= d <= 256, f"head dim must be in [1, 256], got {d}")
-    _check(hk >= 1 and h % hk == 0, f"query heads ({h}) must be a multiple of key/value heads ({hk})")
-    _check(0.0 <= dropout_p < 1.0, f"dropout_p must be in [0, 1), got {dropout_p}")
-    _check(softcap >= 0.0, f"softcap must be >= 0, got {softcap}")
+    _check(k.shape[3] == d, lambda: f"head dim mismatch: q has {d}, k and v have {k.shape[3]}")
+    _check(1 <= d <= 256, lambda: f"head dim must be in [1, 256], got {d}")
+    _check(hk >= 1 and h % hk == 0, lambda: f"query heads ({h}) must be a multiple of key/value heads ({hk})")
+    _check(0.0 <= dropout_p < 1.0, lambda: f"dropout_p must be in [0, 1), got {dropout_p}")
+    _check(softcap >= 0.0, lambda: f"softcap must be >= 0, got {softcap}")
     wl, wr = _window(window, causal)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     acc = ops.acc_dtype(q.dtype)
     bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
     if seqlens_k is not None:
-        _check(tuple(seqlens_k.shape) == (b,), f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
+        _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
         seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     if alibi_slopes is not None:
-        _check(alibi_slopes.shape in ((h,), (b, h)), f"alibi_slopes must be (H,) or (B, H), got {tuple(alibi_slopes.shape)}")
+        _check(alibi_slopes.shape in ((h,), (b, h)),
+               lambda: f"alibi_slopes must be (H,) or (B, H), got {tuple(alibi_slopes.shape)}")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None:
-        _check(tuple(sinks.shape) == (h,), f"sinks must be (H,) = ({h},), got {tuple(sinks.shape)}")
-        _check(sinks.device == q.device, f"sinks must be on {q.device}, got {sinks.device}")
+        _check(tuple(sinks.shape) == (h,), lambda: f"sinks must be (H,) = ({h},), got {tuple(sinks.shape)}")
+        _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
         if sinks.dtype != acc:
             sinks = sinks.to(acc)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -297,7 +306,7 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
                               alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                               return_attn_probs: bool = False):
     """qkv (B, S, 3, H, D): q, k, v are strided views of the pack, never copied."""
-    _check(qkv.dim() == 5 and qkv.shape[2] == 3, f"qkv must be (B, S, 3, H, D), got {tuple(qkv.shape)}")
+    _check(qkv.dim() == 5 and qkv.shape[2] == 3, lambda: f"qkv must be (B, S, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -307,7 +316,7 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                              return_attn_probs: bool = False):
     """kv (B, Sk, 2, H_k, D)."""
-    _check(kv.dim() == 5 and kv.shape[2] == 2, f"kv must be (B, S, 2, H_k, D), got {tuple(kv.shape)}")
+    _check(kv.dim() == 5 and kv.shape[2] == 2, lambda: f"kv must be (B, S, 2, H_k, D), got {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
 
@@ -322,15 +331,16 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     sequence b in rows [cu_seqlens[b], cu_seqlens[b+1]). Returns out (total_q, H, D) (and lse
     (H, total_q) with return_attn_probs)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(t.dim() == 3, f"{name} must be (total, H, D), got {tuple(t.shape)}")
+        _check(t.dim() == 3, lambda: f"{name} must be (total, H, D), got {tuple(t.shape)}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check(t.dim() == 1 and t.numel() >= 2, f"{name} must be (B + 1,), got {tuple(t.shape)}")
+        _check(t.dim() == 1 and t.numel() >= 2, lambda: f"{name} must be (B + 1,), got {tuple(t.shape)}")
     _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length")
-    _check(q.dtype == k.dtype == v.dtype, f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
-    _check(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check(q.shape[-1] == k.shape[-1], f"head dim mismatch: q {q.shape[-1]}, k {k.shape[-1]}")
+    _check(q.dtype == k.dtype == v.dtype,
+           lambda: f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}", TypeError)
+    _check(k.shape == v.shape, lambda: f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check(q.shape[-1] == k.shape[-1], lambda: f"head dim mismatch: q {q.shape[-1]}, k {k.shape[-1]}")
     h, d = q.shape[1], q.shape[2]
-    _check(h % k.shape[1] == 0, f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    _check(h % k.shape[1] == 0, lambda: f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
     cq = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
     ck = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])

@@ -23,25 +23,77 @@ namespace cpu {
 
 namespace {
 
+// At most this many query rows per sequence (decode steps, short prompts): K / V are read in
+// place, row by row, instead of packed. Packing costs a read and a write of all of K / V plus
+// the pad to whole key blocks, and pays off only when many query rows reuse each packed block;
+// with one query row it was most of the call ((1, 8, 1, 64) against 512 keys: 167 us packed).
+constexpr int kDirectMaxRows = 8;
+
 template <typename T>
 struct FwdWorker {
   static constexpr int L = kLanes<T>;
   const FwdParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
-  const T* kt;  // packed K, kTPanels
-  const T* vr;  // packed V, kPanels
+  const T* kt;  // packed K, kTPanels (nullptr in direct mode)
+  const T* vr;  // packed V, kPanels (nullptr in direct mode)
   int n_mblocks;
-  Scratch<T, 2> mem;  // this thread's q, s, o tiles, m, l and one output row
-  T *q, *s, *o, *m, *l, *row;
+  Scratch<T, 2> mem;  // this thread's q, s, o tiles, m, l, one output row and one K / V row
+  T *q, *s, *o, *m, *l, *row, *kvrow;
 
   FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
-    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row});
+    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow});
   }
-  static std::array<size_t, 6> sizes(int dp) {
+  static std::array<size_t, 7> sizes(int dp) {
     return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
-            size_t(dp)};
+            size_t(dp), size_t(dp)};
+  }
+
+  // Direct mode reads a K / V row in place when it already is T (fp32, fp64), else converts it
+  // into kvrow. Either way only d elements are valid: the loops below stop at d.
+  const T* kv_row(const char* base, int64_t j, int64_t rstride, int d, int dp) {
+    const char* src = base + dtype_size(dt) * j * rstride;
+    if (dtype_size(dt) == sizeof(T)) return reinterpret_cast<const T*>(src);
+    load_row(dt, src, kvrow, d, dp);
+    return kvrow;
+  }
+  // Direct mode: (rows, kBlockN) raw scores q_r . k_j of key block j0; keys past the sequence
+  // get 0 (the policy masks them).
+  void direct_scores(int rows, int j0, int len_k, const char* kbase, int d, int dp) {
+    const int dv = d / L * L;
+    for (int jj = 0; jj < kBlockN; ++jj) {
+      const int j = j0 + jj;
+      if (j >= len_k) {
+        for (int r = 0; r < rows; ++r) s[r * kBlockN + jj] = T(0);
+        continue;
+      }
+      const T* k = kv_row(kbase, j, p.k_row_stride, d, dp);
+      for (int r = 0; r < rows; ++r) {
+        const T* qr = q + r * dp;
+        vec<T> acc{};
+        for (int c = 0; c < dv; c += L) acc += vload(qr + c) * vload(k + c);
+        T dot = hsum(acc);
+        for (int c = dv; c < d; ++c) dot += qr[c] * k[c];
+        s[r * kBlockN + jj] = dot;
+      }
+    }
+  }
+  // Direct mode: O (rows, dp) += P (rows, kBlockN) @ V rows of block j0. Every key inside the
+  // sequence is read, as the packed path does (a NaN value at a masked key gives NaN on both
+  // paths: 0 * NaN).
+  void direct_pv(int rows, int j0, int len_k, const char* vbase, int d, int dp) {
+    const int dv = d / L * L;
+    for (int jj = 0; jj < kBlockN && j0 + jj < len_k; ++jj) {
+      const T* v = kv_row(vbase, j0 + jj, p.v_row_stride, d, dp);
+      for (int r = 0; r < rows; ++r) {
+        const T pr = s[r * kBlockN + jj];
+        T* orow = o + r * dp;
+        const vec<T> prv = vbcast(pr);
+        for (int c = 0; c < dv; c += L) vstore(orow + c, vload(orow + c) + prv * vload(v + c));
+        for (int c = dv; c < d; ++c) orow[c] += pr * v[c];
+      }
+    }
   }
 
   void operator()(int64_t task) {
@@ -68,14 +120,21 @@ struct FwdWorker {
 
     int n_lo, n_hi;
     pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
-    const T* kt_bh = kt + kidx.offset(b, hk);
-    const T* v_bh = vr + kidx.offset(b, hk);
+    const bool direct = kt == nullptr;
+    const T* kt_bh = direct ? nullptr : kt + kidx.offset(b, hk);
+    const T* v_bh = direct ? nullptr : vr + kidx.offset(b, hk);
+    const char* kbase = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
+    const char* vbase = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
     const TileSoftmax<T> ts(p, pol, b * p.h + h);
     for (int jb = n_lo; jb < n_hi; ++jb) {
       const int j0 = jb * kBlockN;
       // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
-      gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s,
-                  kBlockN);
+      if (direct) {
+        direct_scores(rows, j0, si.len_k, kbase, d, dp);
+      } else {
+        gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s,
+                    kBlockN);
+      }
       const bool full = ts.tile_full(i0, i1, j0);
       for (int r = 0; r < rows; ++r) {
         T* srow = s + r * kBlockN;
@@ -91,8 +150,12 @@ struct FwdWorker {
         ts.dropout(srow, i0 + r, j0);
       }
       // O (rows, dp) += P (rows, kBlockN) @ V block (kBlockN, dp)
-      gemm<true>(rows, dp, kBlockN, s, kBlockN, v_bh + int64_t(j0) * dp, kPanel<T>, int64_t(kBlockN) * kPanel<T>,
-                 o, dp);
+      if (direct) {
+        direct_pv(rows, j0, si.len_k, vbase, d, dp);
+      } else {
+        gemm<true>(rows, dp, kBlockN, s, kBlockN, v_bh + int64_t(j0) * dp, kPanel<T>, int64_t(kBlockN) * kPanel<T>,
+                   o, dp);
+      }
     }
 
     char* obase = elem(p.o, dt, si.q_offset(p, b, h, i0, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
@@ -123,13 +186,17 @@ struct FwdWorker {
 template <typename T>
 void fwd(const FwdParamsT<T>& p, DType dt) {
   const PackIndex kidx(p);
+  const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
+  const int64_t n_tasks = int64_t(p.b) * p.h * n_mblocks;
+  if (p.sq <= kDirectMaxRows) {
+    parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks); });
+    return;
+  }
   const Scratch<T, 0> kt(kidx.total());
   const Scratch<T, 1> vr(kidx.total());
   pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPanels, kt.data());
   pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPanels, vr.data());
-  const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
-  parallel_tasks(int64_t(p.b) * p.h * n_mblocks, p.num_threads,
-                 [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
+  parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
 }
 template void fwd<float>(const FwdParamsT<float>&, DType);
 template void fwd<double>(const FwdParamsT<double>&, DType);
