@@ -549,3 +549,13 @@ def test_uncached_large_buffers_and_concurrent_callers():
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         errs = list(ex.map(one, range(16)))
     assert max(errs) < 1e-5, errs
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIONS))
+@pytest.mark.parametrize("sq", [1, 8, 9])
+def test_few_query_rows(opt, sq):
+    """Calls with <= 8 query rows (decode steps) read K / V in place instead of packing them
+    (csrc/cpu/softmax_fwd.cpp, kDirectMaxRows); 9 rows takes the packed path. Every option, keys
+    across two blocks, odd head dim, GQA, (B, S, H, D) views."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        run_case(2, 4, 2, sq, 131, 40, dtype, layout="bshd", **OPTIONS[opt])
