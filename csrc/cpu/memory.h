@@ -1,12 +1,12 @@
-// Memory for the CPU kernels: cache-line-aligned buffers on huge pages when large, per-worker
-// scratch arenas, and per-thread scratch kept across calls.
+// Memory for the CPU kernels: cache-line-aligned buffers (on huge pages when large), carving
+// one allocation into a worker's buffers, and per-thread scratch kept across calls.
 #pragma once
 
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstddef>
 #include <array>
+#include <cstddef>
 #include <new>
 #include <utility>
 #include <vector>
