@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cuda.py [--quick] [--md results.md]
     python benchmarks/bench_cuda.py --ref     # the reference shape of benchmarks/results/hopper-fwd-notes.md
+    python benchmarks/bench_cuda.py --options [--md results.md]   # fp16, deterministic, masks ... (appends)
 
 (B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
 (B * H * S = 16k * 32), D in {64, 128}, S in {1k .. 16k}, causal (top-left) and not.
@@ -91,21 +92,23 @@ def options(d, causal):
     return [o[n] for n in ops.OPTION_NAMES]
 
 
-def sdpa_backend_fns(backend, q, k, v, dout, causal):
-    """(fwd, bwd) closures for one SDPA backend, or None when it refuses the inputs."""
-    if sdpa_kernel is None:
+def sdpa_backend_fns(backend, q, k, v, dout, causal=False, **kw):
+    """(fwd, bwd) closures for one SDPA backend, or None when it refuses the inputs. kw: further
+    SDPA arguments (attn_mask, dropout_p, enable_gqa, ...)."""
+    if sdpa_kernel is None or backend is None:
         return None
+    kw.setdefault("is_causal", causal)
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     try:
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            out = F.scaled_dot_product_attention(qg, kg, vg, **kw)
             torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
-    except RuntimeError:
+    except (RuntimeError, TypeError):
         return None
 
     def fwd():
         with sdpa_kernel([backend]), torch.no_grad():
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            F.scaled_dot_product_attention(q, k, v, **kw)
 
     def bwd():
         torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
@@ -274,12 +277,81 @@ def reference_shape():
                   f"{max(floor_c, floor_m) / sec:5.1%} of the floor's speed")
 
 
+def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
+    """Features beyond the bf16 main table, each against the closest peer measured in the same run:
+    fp16, the deterministic backward, GQA, a sliding window, ALiBi, softcap, an additive bias,
+    dropout and sinks. D = 128, S = 4096, H = 16, B = 8, (B, S, H, D) storage. TFLOP/s count the
+    allowed (query, key) pairs (common.flops), so a window is credited only with what it computes.
+    The peer is SDPA's flash backend where it computes the same thing, else the backend SDPA
+    picks for the same math (an additive bias: memory-efficient), else flash on the unmasked
+    problem (marked "*": a masking option's overhead or block-skipping gain, not a like-for-like
+    race). Returns markdown."""
+    torch.manual_seed(0)
+    lines = ["| case | fwd ours | fwd peer | x peer | bwd ours | bwd peer | x peer | peer |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def mk(heads, dtype=torch.bfloat16):
+        return torch.randn(b, s, heads, d, device=device, dtype=dtype).transpose(1, 2)  # (B, H, S, D)
+
+    def row(name, hk=h, dtype=torch.bfloat16, causal=False, window=(-1, -1), peer="flash", peer_kw=None,
+            deterministic=False, like=True, **opt):
+        # like: the peer computes the same function (else it runs the unmasked problem)
+        q, k, v, dout = mk(h, dtype), mk(hk, dtype), mk(hk, dtype), mk(h, dtype)
+        o = dict(zip(ops.OPTION_NAMES, options(d, causal)))
+        if window != (-1, -1):
+            o["window_left"], o["window_right"] = window
+        o.update(opt)
+        args = [o[n] for n in ops.OPTION_NAMES]
+        out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+        want_dbias = o["bias"] is not None and o["bias"].requires_grad
+        f_fwd = flops(b, h, s, s, d, causal=causal, window=window, mode="fwd")
+        f_bwd = flops(b, h, s, s, d, causal=causal, window=window, mode="bwd")
+        with hopper_env(0):
+            t_fwd = cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args))
+            t_bwd = cuda_time(lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, want_dbias,
+                                                                  deterministic))
+        backend = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}[peer]
+        kw = dict(peer_kw or {})
+        kw.setdefault("is_causal", causal)
+        fns = sdpa_backend_fns(getattr(SDPBackend, backend, None), q, k, v, dout, **kw)
+        p_fwd, p_bwd = (cuda_time(fns[0]), cuda_time(fns[1])) if fns else (float("nan"), float("nan"))
+        # the peer's FLOPs: the same formula on what it computes (the full or causal square)
+        pf_fwd = flops(b, h, s, s, d, causal=kw["is_causal"], mode="fwd")
+        pf_bwd = flops(b, h, s, s, d, causal=kw["is_causal"], mode="bwd")
+        tf = lambda f, t: f / t / 1e12
+        ratio = lambda a, c: f"{a / c:.2f}" if c == c else "n/a"
+        lines.append(f"| {name} | {tf(f_fwd, t_fwd):.0f} | {tf(pf_fwd, p_fwd):.0f} | {ratio(p_fwd, t_fwd)} | "
+                     f"{tf(f_bwd, t_bwd):.0f} | {tf(pf_bwd, p_bwd):.0f} | {ratio(p_bwd, t_bwd)} | "
+                     f"{peer}{'' if like else '*'} |")
+        print(lines[-1], flush=True)
+
+    cuda = dict(device=device)
+    row("bf16, non-causal")
+    row("fp16, non-causal", dtype=torch.float16)
+    row("fp16, causal", dtype=torch.float16, causal=True)
+    row("deterministic bwd, non-causal", deterministic=True)
+    row(f"GQA {h}:{h // 4}, causal", hk=h // 4, causal=True, peer_kw=dict(enable_gqa=True))
+    row("window (256, 0)", window=(256, 0), like=False, peer_kw=dict(is_causal=True))
+    row("ALiBi, causal", causal=True, like=False, alibi_slopes=torch.rand(h, **cuda))
+    row("softcap 30, causal", causal=True, like=False, softcap=30.0)
+    row("sinks, causal", causal=True, like=False, sinks=torch.randn(h, **cuda))
+    # ours takes a float32 bias with 16-bit inputs; SDPA wants the inputs' dtype
+    bias = torch.randn(1, h, s, s, **cuda)
+    row("additive bias (1, H, S, S)", peer="efficient", peer_kw=dict(attn_mask=bias.bfloat16()), bias=bias)
+    row("dropout 0.1", peer_kw=dict(dropout_p=0.1), dropout_p=0.1, seed=1)
+    # x peer = peer time / our time (> 1: ours is faster), on the FLOPs of each column
+    return (f"Options, bf16 unless named, B={b} H={h} S={s} D={d}, TFLOP/s; x peer = peer time / our time; "
+            "* = peer computes the unmasked problem\n\n" + "\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
     ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING tile variants")
     ap.add_argument("--ref", action="store_true", help="the reference shape: floors and forward times")
+    ap.add_argument("--options", action="store_true",
+                    help="fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout vs SDPA")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")):
         print("bench_cuda: needs a GPU and the compiled CUDA kernels; skipped")
@@ -289,6 +361,13 @@ def main():
         return
     if args.tune:
         tune()
+        return
+    if args.options:
+        md = option_rows()
+        if args.md:
+            with open(args.md, "a") as f:
+                f.write("\n" + md)
+        print(md)
         return
     ceiling, rows = run(args.quick)
     md = table(ceiling, rows, torch.cuda.get_device_name())
