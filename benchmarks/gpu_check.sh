@@ -60,6 +60,12 @@ if has hopper; then
   nl=$(awk '/Function : .*hopper/{f=1; next} /Function :/{f=0} f && /LDL|STL/' "$TMPD/sm90a.sass" | wc -l)
   note "hopper SASS: $(grep -c 'sm_90a' "$TMPD/lelf.txt") sm_90a cubins, $nh HGMMA and $nl LDL/STL in attn::hopper kernels (expect 168 and 0)"
   { echo "==== hopper tests"; } >> "$OUT/test.log"
+  # the isolating checks first, under a short timeout: a hang here is the mbarrier protocol
+  timeout 90 python3 -m pytest tests/test_cuda.py -k hopper_triage -q -rf -p no:cacheprovider >"$TMPD/triage.log" 2>&1
+  rc=$?
+  note "hopper triage: $([ $rc = 124 ] && echo 'HANG (timeout 90 s)' || tail -1 "$TMPD/triage.log")"
+  grep -oE "wgmma forward triage: .*" "$TMPD/triage.log" | cut -c1-400 | sort -u | head -4 | tee -a "$SUMMARY" || true
+  cat "$TMPD/triage.log" >> "$OUT/test.log"
   timeout 420 python3 -m pytest tests/test_cuda.py -k hopper -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/hopper_test.log" 2>&1
   note "hopper tests: $(tail -1 "$TMPD/hopper_test.log")"
   grep -E "^FAILED" "$TMPD/hopper_test.log" | head -10 | tee -a "$SUMMARY" || true

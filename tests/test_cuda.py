@@ -345,6 +345,50 @@ def hopper_compare(*args, expect_hopper=True, **kw):
 
 
 @hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_triage(hopper_env, d):
+    """Each product of the wgmma forward on inputs that isolate it; gpu_check.sh runs this first, under
+    a short timeout (a broken mbarrier protocol hangs rather than fails). The message names every
+    check that failed, in the triage order of benchmarks/results/hopper-fwd-notes.md:
+      pv_one_key  one key: O = V[0] for any scores (the V descriptor, the P fragments, O's layout)
+      pv_dense    Q = 0: every score 0, O = mean of V (P V with a dense P, every ring slot)
+      qk          random Q, K with V = I (d = Sk): O = softmax(Q K^T scale), the S product alone
+      lse         the LSE of the qk case
+    """
+    torch.manual_seed(d)
+    bf = torch.bfloat16
+    fails = []
+
+    def fwd(q, k, v):
+        poison_allocator(1 << 24)
+        out, lse = torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v))
+        torch.cuda.synchronize()
+        return out.float(), lse
+
+    def expect(name, got, want, tol):
+        err = (got - want).abs().max().item() if not torch.isnan(got).any() else float("nan")
+        if not err <= tol:
+            fails.append(f"{name}: max |err| {err:.3e} > {tol:.1e}")
+
+    q = randn(1, 2, 200, d, dtype=bf)
+    k, v = randn(1, 2, 1, d, dtype=bf), randn(1, 2, 1, d, dtype=bf)
+    assert hopper_ran(lambda: fwd(q, k, v)), "the wgmma kernel did not run"
+    expect("pv_one_key", fwd(q, k, v)[0], v.float().expand(1, 2, 200, d), 1e-6)
+    # 300 keys: 3 key blocks of 128, the last ragged; with Q = 0 every kept key weighs 1 / 300
+    q0 = torch.zeros(1, 2, 130, d, device=DEV, dtype=bf)
+    k, v = randn(1, 2, 300, d, dtype=bf), randn(1, 2, 300, d, dtype=bf)
+    expect("pv_dense", fwd(q0, k, v)[0], v.float().mean(2, keepdim=True).expand(1, 2, 130, d), 2e-2)
+    # V = I over the first d keys (Sk = d): row i of O is softmax(s_i) itself
+    k = randn(1, 2, d, d, dtype=bf)
+    eye = torch.eye(d, device=DEV, dtype=bf).expand(1, 2, d, d).contiguous()
+    out, lse = fwd(q, k, eye)
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(d)
+    expect("qk", out, torch.softmax(s, -1).float(), 1e-2)
+    expect("lse", lse.float(), torch.logsumexp(s, -1).float(), 2e-2)
+    assert not fails, "wgmma forward triage: " + "; ".join(fails)
+
+
+@hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (300, 257), (1000, 1000)])
