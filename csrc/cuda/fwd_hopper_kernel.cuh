@@ -214,6 +214,7 @@ __device__ __forceinline__ void issue_s(float (&acc_s)[FwdPlan<kD>::kBlockN / 2]
                                         uint64_t desc_k, int stage) {
   using P = FwdPlan<kD>;
   const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
+  wg::fence_operands(acc_s);  // pins the last reads of acc_s (packing) above wgmma.fence
   wg::fence();  // earlier register reads of acc_s (softmax, packing) before the async writes
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
@@ -232,6 +233,7 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2],
   using P = FwdPlan<kD>;
   const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
   wg::fence_operands(acc_o);
+  wg::fence_operands(pa);  // pins the packing of pa above wgmma.fence as well
   wg::fence();  // the rescale of acc_o and the packing of pa before the async reads
 #pragma unroll
   for (int kk = 0; kk < P::kBlockN / 16; ++kk) {
