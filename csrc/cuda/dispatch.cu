@@ -143,16 +143,9 @@ bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
          aligned16(p.dk) && aligned16(p.dv);
 }
 
-// The wgmma backward covers the 64 and 128 buckets (when they, sm_90a code and the backward are
-// compiled).
-bool hopper_bwd_bucket_compiled(int bucket) {
 #if ATTN_HOPPER_BWD
-  return bucket != 256 && bucket_compiled(bucket);
-#else
-  (void)bucket;
-  return false;
-#endif
-}
+// The wgmma backward covers the 64 and 128 buckets (when they are compiled).
+bool hopper_bwd_bucket_compiled(int bucket) { return bucket != 256 && bucket_compiled(bucket); }
 
 // The sm_90a wgmma backward takes a config when it is requested (ATTN_CUDA_HOPPER_BWD=1, read on
 // every call) and compiled for the bucket, the mma.sync backward would take it with atomic dQ
@@ -169,6 +162,7 @@ bool use_hopper_bwd(const BwdParams& p, DType dt) {
   }
   return use_tensor_cores_bwd(p, dt) && device_sm() == 90;
 }
+#endif
 
 void validate(const FwdParams& p, const char* what) {
   if (p.d < 1 || p.d > simt::kSimtMaxD) {
