@@ -111,7 +111,7 @@ torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
 torch.cuda.synchronize()
 PY
   M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
-  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel|hopper::bwd_kernel" --metrics "$M" \
+  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel|bwd_kernel" --metrics "$M" \
     python3 "$TMPD/ncu_case.py" >"$OUT/ncu.log" 2>&1
   note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none; tc:: = mma.sync, hopper:: = wgmma):"
   grep -E "fwd_kernel|bwd_dkdv_kernel|bwd_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
