@@ -15,6 +15,11 @@ the softmax overlapped with P V (ATTN_CUDA_HOPPER=2), timed on the same inputs a
 mma.sync forward) when the GPU is sm_90 and the build has them; their own table gives them
 against SDPA flash and cuDNN, with the largest |difference| from the mma.sync output as a
 sanity check (a broken kernel must not post a time).
+
+"hopper-bwd" is the sm_90a wgmma backward (ATTN_CUDA_HOPPER_BWD=1, forward on mma.sync), timed on
+the same saved out / LSE as the mma.sync backward; its own table gives it against the mma.sync
+backward, SDPA flash and cuDNN, with the largest |difference| of dQ, dK, dV from the mma.sync
+backward's.
 """
 from __future__ import annotations
 
@@ -60,18 +65,28 @@ def matmul_ceiling():
 
 
 @contextlib.contextmanager
-def hopper_env(mode):
-    """ATTN_CUDA_HOPPER = mode (0 off, 1 wgmma, 2 wgmma overlapped) for the calls inside (the
-    dispatcher reads it on every call)."""
-    old = os.environ.get("ATTN_CUDA_HOPPER")
-    os.environ["ATTN_CUDA_HOPPER"] = str(mode)
+def env_set(name, value):
+    """Environment variable `name` = value for the calls inside (the dispatcher reads
+    ATTN_CUDA_HOPPER and ATTN_CUDA_HOPPER_BWD on every call)."""
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
     try:
         yield
     finally:
         if old is None:
-            del os.environ["ATTN_CUDA_HOPPER"]
+            del os.environ[name]
         else:
-            os.environ["ATTN_CUDA_HOPPER"] = old
+            os.environ[name] = old
+
+
+def hopper_env(mode):
+    """ATTN_CUDA_HOPPER = mode (0 off, 1 wgmma, 2 wgmma overlapped)."""
+    return env_set("ATTN_CUDA_HOPPER", mode)
+
+
+def hopper_bwd_env(mode):
+    """ATTN_CUDA_HOPPER_BWD = mode (0 off, 1 the wgmma backward)."""
+    return env_set("ATTN_CUDA_HOPPER_BWD", mode)
 
 
 def hopper_available():
@@ -83,6 +98,25 @@ def hopper_available():
         torch.ops.attention_ext.fwd(q, q, q, *options(128, False))
         torch.cuda.synchronize()
     return any("hopper" in e.name for e in prof.events())
+
+
+def hopper_bwd_available():
+    """Does ATTN_CUDA_HOPPER_BWD=1 reach the sm_90a backward kernel here?"""
+    from torch.profiler import ProfilerActivity, profile
+
+    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    args = options(128, False)
+    with hopper_env(0):
+        out, lse = torch.ops.attention_ext.fwd(q, q, q, *args)
+    with hopper_env(0), hopper_bwd_env(1), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.attention_ext.bwd(q, q, q, q, out, lse, *args, False, False)
+        torch.cuda.synchronize()
+    return any("hopper" in e.name and "bwd_kernel" in e.name for e in prof.events())
+
+
+def max_grad_diff(a, b):
+    """Largest |difference| over dQ, dK, dV of two backward results."""
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a[:3], b[:3]))
 
 
 def options(d, causal):
@@ -122,6 +156,9 @@ def run(quick=False, deterministic=False):
     has_hopper = hopper_available()
     if not has_hopper:
         print("ours-hopper: not available here (needs an sm_90 GPU and a build with sm_90a)", flush=True)
+    has_hopper_bwd = hopper_bwd_available()
+    if not has_hopper_bwd:
+        print("hopper-bwd: not available here (needs an sm_90 GPU and a build with sm_90a)", flush=True)
     rows = []
     seqs = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384]
     for d in (64, 128):
@@ -138,9 +175,16 @@ def run(quick=False, deterministic=False):
                 f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
                 f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
                 row = dict(d=d, s=s, b=b, h=h, causal=causal)
-                with hopper_env(0):
+                with hopper_env(0), hopper_bwd_env(0):
                     row["ours_fwd"] = f_fwd / cuda_time(ours_fwd) / 1e12
                     row["ours_bwd"] = f_bwd / cuda_time(ours_bwd) / 1e12
+                    grads_ref = ours_bwd() if has_hopper_bwd else None
+                row["hopper_bwd"] = row["hopper_bwd_diff"] = float("nan")
+                if has_hopper_bwd:
+                    with hopper_env(0), hopper_bwd_env(1):
+                        row["hopper_bwd_diff"] = max_grad_diff(ours_bwd(), grads_ref)
+                        row["hopper_bwd"] = f_bwd / cuda_time(ours_bwd) / 1e12
+                del grads_ref
                 for key, mode in (("hopper", 1), ("hopper2", 2)):
                     row[key + "_fwd"] = row[key + "_diff"] = float("nan")
                     if has_hopper:
@@ -161,6 +205,7 @@ def run(quick=False, deterministic=False):
                 print(f"d={d} s={s} causal={causal}: fwd {row['ours_fwd']:.0f} (hopper {row['hopper_fwd']:.0f}, "
                       f"overlapped {row['hopper2_fwd']:.0f}) "
                       f"vs flash {row['flash_fwd']:.0f} cudnn {row['cudnn_fwd']:.0f} | bwd {row['ours_bwd']:.0f} "
+                      f"(hopper {row['hopper_bwd']:.0f}) "
                       f"vs flash {row['flash_bwd']:.0f} cudnn {row['cudnn_bwd']:.0f} TFLOP/s", flush=True)
                 del q, k, v, dout, out, lse
                 torch.cuda.empty_cache()
@@ -210,7 +255,7 @@ def table(ceiling, rows, gpu):
             f"{100 * r['ours_fwd'] * 1e12 / ceiling:.0f}% | {r['ours_bwd']:.0f} | {r['flash_bwd']:.0f} | "
             f"{ratio(r['ours_bwd'], r['flash_bwd'])} | {r['cudnn_bwd']:.0f} | {ratio(r['ours_bwd'], r['cudnn_bwd'])} | "
             f"{100 * r['ours_bwd'] * 1e12 / ceiling:.0f}% |")
-    return head + "\n".join(lines) + "\n" + hopper_table(ceiling, rows)
+    return head + "\n".join(lines) + "\n" + hopper_table(ceiling, rows) + hopper_bwd_table(ceiling, rows)
 
 
 def hopper_table(ceiling, rows):
@@ -235,6 +280,27 @@ def hopper_table(ceiling, rows):
     return head + "\n".join(lines) + "\n"
 
 
+def hopper_bwd_table(ceiling, rows):
+    """Backward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
+    def ratio(a, b):
+        return f"{a / b:.2f}" if a == a and b == b and b > 0 else "n/a"
+
+    head = ("\nBackward, sm_90a wgmma kernel (hopper-bwd: ATTN_CUDA_HOPPER_BWD=1) vs the mma.sync kernel "
+            "and SDPA, TFLOP/s (2.5x the forward's FLOPs); |diff| = max |dX - dX_mma.sync| over dQ, dK, dV\n\n"
+            "| D | S | causal | ours (mma.sync) | hopper-bwd | SDPA flash | cuDNN | x mma.sync | x flash "
+            "| x cudnn | % ceil | \\|diff\\| |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        hb = r["hopper_bwd"]
+        lines.append(
+            f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {r['ours_bwd']:.0f} | {hb:.0f} | "
+            f"{r['flash_bwd']:.0f} | {r['cudnn_bwd']:.0f} | {ratio(hb, r['ours_bwd'])} | "
+            f"{ratio(hb, r['flash_bwd'])} | {ratio(hb, r['cudnn_bwd'])} | "
+            f"{100 * hb * 1e12 / ceiling:.0f}% | {r['hopper_bwd_diff']:.1e} |")
+    return head + "\n".join(lines) + "\n"
+
+
 def reference_shape():
     """The reference shape of benchmarks/results/hopper-fwd-notes.md: B * H = 132 (one (b, h) per
     SM of an H100 SXM, 64 query blocks each), S = 8192, D = 128, bf16, (B, S, H, D) storage. Prints
@@ -249,6 +315,7 @@ def reference_shape():
     del src, dst
     ceiling = matmul_ceiling()
     has_hopper = hopper_available()
+    has_hopper_bwd = hopper_bwd_available()
     mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     q, k, v = mk(), mk(), mk()
     nbytes = 4 * b * h * s * d * 2 + b * h * s * 4  # Q, K, V read once, O and the LSE written once
@@ -275,6 +342,28 @@ def reference_shape():
         for name, sec in res.items():
             print(f"  {name:16s} {1e3 * sec:7.2f} ms  {f / sec / 1e12:5.0f} TFLOP/s  "
                   f"{max(floor_c, floor_m) / sec:5.1%} of the floor's speed")
+        # the backward alone, from the same saved out / LSE (2.5x the forward's FLOPs)
+        fb = flops(b, h, s, s, d, causal=causal, mode="bwd")
+        dout = torch.randn_like(q)
+        with hopper_env(0):
+            out, lse = fwd()
+        bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
+        resb = {}
+        with hopper_bwd_env(0):
+            resb["ours (mma.sync)"] = cuda_time(bwd)
+        if has_hopper_bwd:
+            with hopper_bwd_env(1):
+                resb["hopper-bwd"] = cuda_time(bwd)
+        for name, backend in (("SDPA flash", getattr(SDPBackend, "FLASH_ATTENTION", None)),
+                              ("cuDNN", getattr(SDPBackend, "CUDNN_ATTENTION", None))):
+            fns = sdpa_backend_fns(backend, q, k, v, dout, causal) if backend is not None else None
+            if fns is not None:
+                resb[name] = cuda_time(fns[1])
+        print(f"  backward: {fb / 1e12:.2f} TFLOP -> {1e3 * fb / ceiling:.2f} ms at the matmul rate")
+        for name, sec in resb.items():
+            print(f"  {name:16s} {1e3 * sec:7.2f} ms  {fb / sec / 1e12:5.0f} TFLOP/s  "
+                  f"{fb / ceiling / sec:5.1%} of the floor's speed")
+        del out, lse, dout
 
 
 def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
@@ -349,7 +438,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
     ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING tile variants")
-    ap.add_argument("--ref", action="store_true", help="the reference shape: floors and forward times")
+    ap.add_argument("--ref", action="store_true", help="the reference shape: floors, forward and backward times")
     ap.add_argument("--options", action="store_true",
                     help="fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout vs SDPA")
     args = ap.parse_args()

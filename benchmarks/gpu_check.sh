@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command for the GPU verification of the CUDA kernels:
 #   build -> CUDA tests -> benchmark -> ncu -> compute-sanitizer (memcheck, racecheck) -> table.
-# The sm_90a wgmma forward (opt-in, ATTN_CUDA_HOPPER=1) has its own stage, "hopper": its SASS in
-# the built .so, its tests (tests/test_cuda.py -k hopper), and the reference-shape timing
-# (bench_cuda.py --ref); the ncu and sanitize stages also run it.
+# The sm_90a wgmma forward (opt-in, ATTN_CUDA_HOPPER=1) and backward (ATTN_CUDA_HOPPER_BWD=1) have
+# their own stage, "hopper": their SASS in the built .so, their tests (tests/test_cuda.py -k
+# hopper), and the reference-shape timing (bench_cuda.py --ref); the ncu and sanitize stages also
+# run them.
 #
 #   bash benchmarks/gpu_check.sh                  # everything
 #   STAGES="build hopper" bash benchmarks/gpu_check.sh
@@ -56,9 +57,15 @@ if has hopper; then
   cuobjdump -lelf "$so" > "$TMPD/lelf.txt" 2>&1
   { echo "==== hopper: cuobjdump -lelf"; cat "$TMPD/lelf.txt"; } >> "$OUT/res_usage.txt"
   cuobjdump -sass -arch sm_90a "$so" > "$TMPD/sm90a.sass" 2>&1
-  nh=$(awk '/Function : .*hopper/{f=1; next} /Function :/{f=0} f && /HGMMA/' "$TMPD/sm90a.sass" | wc -l)
-  nl=$(awk '/Function : .*hopper/{f=1; next} /Function :/{f=0} f && /LDL|STL/' "$TMPD/sm90a.sass" | wc -l)
-  note "hopper SASS: $(grep -c 'sm_90a' "$TMPD/lelf.txt") sm_90a cubins, $nh HGMMA and $nl LDL/STL in attn::hopper kernels (expect 168 and 0)"
+  # mangled names: attn::hopper::fwd_kernel = ...6hopper10fwd_kernel..., likewise bwd_kernel
+  for k in fwd bwd; do
+    nh=$(awk -v k="hopper10${k}_kernel" '/Function :/{f = index($0, k) > 0; next} f && /HGMMA/' "$TMPD/sm90a.sass" | wc -l)
+    nl=$(awk -v k="hopper10${k}_kernel" '/Function :/{f = index($0, k) > 0; next} f && /LDL|STL/' "$TMPD/sm90a.sass" | wc -l)
+    nf=$(grep -c "Function : .*hopper10${k}_kernel" "$TMPD/sm90a.sass")
+    want=$([ $k = fwd ] && echo 168 || echo 112)
+    note "hopper $k SASS: $nf kernels, $nh HGMMA and $nl LDL/STL (expect $want and 0)"
+  done
+  note "hopper SASS: $(grep -c 'sm_90a' "$TMPD/lelf.txt") sm_90a cubins"
   { echo "==== hopper tests"; } >> "$OUT/test.log"
   # the isolating checks first, under a short timeout: a hang here is the mbarrier protocol
   timeout 90 python3 -m pytest tests/test_cuda.py -k hopper_triage -q -rf -p no:cacheprovider >"$TMPD/triage.log" 2>&1
@@ -66,11 +73,19 @@ if has hopper; then
   note "hopper triage: $([ $rc = 124 ] && echo 'HANG (timeout 90 s)' || tail -1 "$TMPD/triage.log")"
   grep -oE "wgmma forward triage: .*" "$TMPD/triage.log" | cut -c1-400 | sort -u | head -4 | tee -a "$SUMMARY" || true
   cat "$TMPD/triage.log" >> "$OUT/test.log"
-  timeout 420 python3 -m pytest tests/test_cuda.py -k hopper -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/hopper_test.log" 2>&1
-  note "hopper tests: $(tail -1 "$TMPD/hopper_test.log")"
+  # timeouts sized for passing runs (the CUDA suite takes ~15 s): a device call ends at 10 min
+  timeout 240 python3 -m pytest tests/test_cuda.py -k "hopper and not hopper_bwd and not triage" -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/hopper_test.log" 2>&1
+  note "hopper (forward) tests: $(tail -1 "$TMPD/hopper_test.log")"
   grep -E "^FAILED" "$TMPD/hopper_test.log" | head -10 | tee -a "$SUMMARY" || true
   cat "$TMPD/hopper_test.log" >> "$OUT/test.log"
-  timeout 240 python3 benchmarks/bench_cuda.py --ref >"$TMPD/ref.log" 2>&1
+  # the wgmma backward: the smallest cases first (a hang or a wrong descriptor shows there), then all
+  timeout 60 python3 -m pytest tests/test_cuda.py -k "hopper_bwd_shapes and 1-1" -x -q -rf -p no:cacheprovider >"$TMPD/hopper_bwd_test.log" 2>&1
+  note "hopper backward smoke (1 x 1): $(tail -1 "$TMPD/hopper_bwd_test.log")"
+  timeout 240 python3 -m pytest tests/test_cuda.py -k "hopper_bwd" -q -rf -p no:cacheprovider --maxfail=20 >>"$TMPD/hopper_bwd_test.log" 2>&1
+  note "hopper backward tests: $(tail -1 "$TMPD/hopper_bwd_test.log")"
+  grep -E "^FAILED" "$TMPD/hopper_bwd_test.log" | head -10 | tee -a "$SUMMARY" || true
+  cat "$TMPD/hopper_bwd_test.log" >> "$OUT/test.log"
+  timeout 150 python3 benchmarks/bench_cuda.py --ref >"$TMPD/ref.log" 2>&1
   note "hopper reference shape (bench_cuda.py --ref, rc=$?):"
   sed 's/^/  /' "$TMPD/ref.log" | tail -14 | tee -a "$SUMMARY"
 fi
@@ -124,13 +139,15 @@ import os
 for mode in ("1", "2"):  # the sm_90a wgmma forward and its overlapped variant, same inputs
     os.environ["ATTN_CUDA_HOPPER"] = mode
     torch.ops.attention_ext.fwd(q, k, v, *args)
+os.environ["ATTN_CUDA_HOPPER_BWD"] = "1"  # the sm_90a wgmma backward, same inputs
+torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
 torch.cuda.synchronize()
 PY
   M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
-  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel" --metrics "$M" \
+  timeout 180 ncu --clock-control none -k "regex:fwd_kernel|bwd_dkdv_kernel|bwd_kernel" --metrics "$M" \
     python3 "$TMPD/ncu_case.py" >"$OUT/ncu.log" 2>&1
   note "ncu (bf16, B=4 H=16 S=4096 D=128, non-causal; --clock-control none; tc:: = mma.sync, hopper:: = wgmma):"
-  grep -E "fwd_kernel|bwd_dkdv_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
+  grep -E "fwd_kernel|bwd_dkdv_kernel|bwd_kernel|gpu__time|warps_active|hmma|registers_per|occupancy_limit|local_op" "$OUT/ncu.log" \
     | sed 's/^ */  /' | cut -c1-150 | tee -a "$SUMMARY"
 fi
 
@@ -206,6 +223,42 @@ PY
       { echo "==== ATTN_CUDA_HOPPER=$mode $tool (rc=$rc)"; cat "$TMPD/san_h.log"; } >> "$OUT/sanitizer.log"
       note "compute-sanitizer $tool, ATTN_CUDA_HOPPER=$mode: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_h.log" | tr '\n' ' ')"
     done
+  done
+  # the sm_90a wgmma backward (ATTN_CUDA_HOPPER_BWD=1; forward on mma.sync): GQA with causal
+  # bottom-right and ragged lengths, MQA with a window and key padding, odd head dims in both
+  # buckets, sinks, varlen, and enough query blocks that the Q / dO ring and the dS^T buffers wrap
+  cat > "$TMPD/san_hopper_bwd.py" <<'PY'
+import math, torch
+from attention_ext import ops
+def fwd_bwd(q, k, v, **o):
+    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(q.shape[-1]), softcap=0.0, window_left=-1,
+                window_right=-1, bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+    opts.update(o)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+    torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, False, False)
+r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
+# (no profiler under the sanitizer: tests/test_cuda.py -k hopper_bwd checks that these take the wgmma path)
+fwd_bwd(r(1, 4, 70, 64), r(1, 2, 130, 64), r(1, 2, 130, 64), window_right=0, bottom_right=True)
+fwd_bwd(r(2, 4, 300, 128, dt=torch.float16), r(2, 2, 257, 128, dt=torch.float16), r(2, 2, 257, 128, dt=torch.float16))
+fwd_bwd(r(1, 2, 200, 40), r(1, 1, 333, 40), r(1, 1, 333, 40), window_left=50, window_right=7,
+        seqlens_k=torch.tensor([250], device="cuda", dtype=torch.int32), sinks=torch.randn(2, device="cuda"))
+fwd_bwd(r(1, 2, 150, 120), r(1, 2, 150, 120), r(1, 2, 150, 120), window_right=0)
+cu_q = torch.tensor([0, 1, 130, 430], device="cuda", dtype=torch.int32)
+cu_k = torch.tensor([0, 7, 300, 301], device="cuda", dtype=torch.int32)
+fwd_bwd(r(1, 4, 430, 128), r(1, 2, 301, 128), r(1, 2, 301, 128), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=300, max_seqlen_k=293, window_right=0, bottom_right=True)
+fwd_bwd(r(1, 2, 700, 64), r(1, 1, 200, 64), r(1, 1, 200, 64))
+torch.cuda.synchronize()
+print("hopper bwd sanitizer cases done")
+PY
+  for tool in memcheck racecheck synccheck; do
+    ATTN_CUDA_HOPPER_BWD=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
+      --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper_bwd.py" >"$TMPD/san_hb.log" 2>&1
+    rc=$?
+    { echo "==== ATTN_CUDA_HOPPER_BWD=1 $tool (rc=$rc)"; cat "$TMPD/san_hb.log"; } >> "$OUT/sanitizer.log"
+    note "compute-sanitizer $tool, ATTN_CUDA_HOPPER_BWD=1: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_hb.log" | tr '\n' ' ')"
   done
 fi
 

@@ -463,3 +463,137 @@ def test_hopper_long_and_repeatable(monkeypatch, mode, d, causal):
     assert not torch.isnan(o1).any()
     assert (o1.float() - o_ref.float()).abs().max().item() <= 2e-2
     assert (l1 - l_ref).abs().max().item() <= 1e-3
+
+
+# ---------------------------------------------------------------- sm_90a wgmma backward (opt-in)
+# ATTN_CUDA_HOPPER_BWD=1 sends what use_hopper_bwd() accepts (fp16/bf16, d <= 128, plain policy,
+# sinks, not deterministic) to attn::hopper::bwd_kernel; the forward stays on mma.sync
+# (ATTN_CUDA_HOPPER=0), so a failure here is the backward's own. run_and_compare checks dQ, dK, dV
+# (and dsinks) against the float64 reference at <= 2x torch's error.
+@pytest.fixture
+def hopper_bwd_env(monkeypatch):
+    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "1")
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+
+
+def kernel_names(fn):
+    """Run fn under the profiler: the names of the CUDA kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+def hopper_bwd_ran(fn):
+    """Run fn under the profiler: did attn::hopper::bwd_kernel run?"""
+    return any("hopper" in n and "bwd_kernel" in n for n in kernel_names(fn))
+
+
+def hopper_bwd_compare(*args, expect_hopper=True, **kw):
+    ran = hopper_bwd_ran(lambda: run_and_compare(*args, **kw))
+    assert ran == expect_hopper, f"wgmma backward {'did not run' if expect_hopper else 'ran'}"
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (63, 65), (300, 257), (1000, 1000)])
+def test_hopper_bwd_shapes(hopper_bwd_env, dtype, d, sq, sk):
+    torch.manual_seed(sq * 1000 + sk + d)
+    hopper_bwd_compare(2, 2, 2, sq, sk, d, dtype)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("opt", HOPPER_OPTIONS)
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_hopper_bwd_options(hopper_bwd_env, dtype, heads, opt, d):
+    torch.manual_seed(hash((opt, heads, d)) % 10000)
+    h, hk = HEADS[heads]
+    hopper_bwd_compare(2, h, hk, 129, 200, d, dtype, **option_cases()[opt](h))
+
+
+@hopper
+@pytest.mark.parametrize("opt", ["bool_mask", "bias_grad", "alibi", "softcap", "dropout", "deterministic", "d256"])
+def test_hopper_bwd_falls_back(hopper_bwd_env, opt):
+    """What the wgmma backward does not take keeps the mma.sync kernels, with the same results."""
+    torch.manual_seed(12)
+    if opt == "deterministic":
+        hopper_bwd_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, expect_hopper=False, window=(-1, 0),
+                           deterministic=True)
+    elif opt == "d256":
+        hopper_bwd_compare(2, 4, 2, 129, 200, 256, torch.bfloat16, expect_hopper=False)
+    else:
+        hopper_bwd_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, expect_hopper=False, **option_cases()[opt](4))
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_bwd_varlen(hopper_bwd_env, dtype, d, causal):
+    """Sequences of 1..300 rows (several query blocks, a sequence shorter than one) with sinks."""
+    assert hopper_bwd_ran(lambda: test_varlen(dtype, d, causal))
+
+
+@hopper
+def test_hopper_bwd_layout_bshd(hopper_bwd_env):
+    assert hopper_bwd_ran(lambda: test_layout_bshd(torch.bfloat16))
+
+
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_bwd_with_hopper_fwd(monkeypatch, d):
+    """Both wgmma kernels in one call: the backward consumes the wgmma forward's out and LSE."""
+    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "1")
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", "1")
+    torch.manual_seed(d)
+    names = kernel_names(lambda: run_and_compare(2, 4, 2, 300, 257, d, torch.bfloat16, window=(-1, 0),
+                                                 bottom_right=True))
+    assert any("hopper" in n and "fwd_kernel" in n for n in names), "the wgmma forward did not run"
+    assert any("hopper" in n and "bwd_kernel" in n for n in names), "the wgmma backward did not run"
+
+
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+def test_hopper_bwd_long_and_repeatable(monkeypatch, d, causal, heads):
+    """Many query blocks (the Q / dO ring wraps dozens of times, over every head of a kv group),
+    against the mma.sync backward on the same inputs; dK and dV twice bitwise (each is one CTA's
+    fixed-order sum: a race in the ring or the dS^T buffers shows as a moving result). dQ is summed
+    with atomics, so it is compared within a tolerance only."""
+    torch.manual_seed(d + causal)
+    h, hk = HEADS[heads]
+    b, s = 2, 2051  # ragged: 2051 = 16 * 128 + 3
+    q = randn(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    k = randn(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
+    v = randn(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
+    dout = randn(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    args = call_fwd(q, k, v, window_left=-1, window_right=0 if causal else -1, bottom_right=True)
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+
+    def bwd():
+        poison_allocator(1 << 26)
+        grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
+        torch.cuda.synchronize()
+        return grads[:3]
+
+    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "0")
+    ref = bwd()
+    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "1")
+    res = []
+    assert hopper_bwd_ran(lambda: res.append(bwd()))
+    res.append(bwd())
+    (dq1, dk1, dv1), (dq2, dk2, dv2) = res
+    assert torch.equal(dk1, dk2) and torch.equal(dv1, dv2), "the wgmma backward is not repeatable (race?)"
+    for name, x, y in (("dq", dq1, ref[0]), ("dk", dk1, ref[1]), ("dv", dv1, ref[2])):
+        assert not torch.isnan(x).any(), f"{name}: NaN"
+        mag = y.float().abs().max().item()
+        err = (x.float() - y.float()).abs().max().item()
+        assert err <= 2e-2 * max(mag, 1.0), f"{name}: wgmma vs mma.sync differ by {err:.3e} (max |ref| {mag:.3e})"
+    assert (dq1.float() - dq2.float()).abs().max().item() <= 1e-2 * max(ref[0].float().abs().max().item(), 1.0)

@@ -11,9 +11,10 @@ Developer builds can compile parts out with -DATTN_CUDA_SKIP_HDIM64 / 128 / 256 
 then runs on the SIMT kernels), -DATTN_CUDA_SKIP_BWD and -DATTN_CUDA_SKIP_HOPPER (the sm_90a
 wgmma forward; setup.py also reads ATTN_CUDA_SKIP_HOPPER=1 from the environment).
 
-The sm_90a forward files (inst_fwd_hopper_*.cu, buckets 64 and 128) compile only when the build
-has sm_90a code (setup.py defines ATTN_CUDA_HAVE_SM90A); their kernel bodies exist only in the
-sm_90a pass (__CUDA_ARCH_FEAT_SM90_ALL), the host launchers in every CUDA build that has them.
+The sm_90a wgmma files (inst_fwd_hopper_*.cu and inst_bwd_hopper_*.cu, buckets 64 and 128)
+compile only when the build has sm_90a code (setup.py defines ATTN_CUDA_HAVE_SM90A); their kernel
+bodies exist only in the sm_90a pass (__CUDA_ARCH_FEAT_SM90_ALL), the host launchers in every CUDA
+build that has them. The backward ones also honour ATTN_CUDA_SKIP_BWD.
 """
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def hopper_file(ctype: str, d: int) -> str:
     )
 
 
+def hopper_bwd_file(ctype: str, d: int) -> str:
+    guard = (f"defined(ATTN_CUDA_HAVE_SM90A) && !defined(ATTN_CUDA_SKIP_HOPPER) && !defined(ATTN_CUDA_SKIP_HDIM{d})"
+             " && !defined(ATTN_CUDA_SKIP_BWD)")
+    return (
+        f"{HEADER}#if {guard}\n"
+        '#include "launch_hopper_bwd.cuh"\n\n'
+        "namespace attn {\n"
+        f"template void run_bwd_hopper<{ctype}, {d}>(const BwdParams&, cudaStream_t);\n"
+        "}  // namespace attn\n"
+        "#endif\n"
+    )
+
+
 def simt_file(ctype: str) -> str:
     return (
         f'{HEADER}#include "launch_template.cuh"\n\n'
@@ -77,6 +91,7 @@ def main() -> None:
     for name, ctype in DTYPES.items():
         for d in HOPPER_BUCKETS:
             wanted[f"inst_fwd_hopper_{name}_hd{d}.cu"] = hopper_file(ctype, d)
+            wanted[f"inst_bwd_hopper_{name}_hd{d}.cu"] = hopper_bwd_file(ctype, d)
     for name, ctype in SIMT_DTYPES.items():
         wanted[f"inst_simt_{name}.cu"] = simt_file(ctype)
     for old in OUT.glob("inst_*.cu"):

@@ -10,6 +10,10 @@
 // call, sends what use_hopper_fwd() accepts there; the rest keeps the mma.sync kernels. It exists when the build compiled sm_90a code (setup.py
 // defines ATTN_CUDA_HAVE_SM90A when the arch list has 9.0) and did not compile it out
 // (ATTN_CUDA_SKIP_HOPPER).
+//
+// The sm_90a wgmma backward (bwd_hopper_kernel.cuh) is opt-in the same way, on its own switch:
+// ATTN_CUDA_HOPPER_BWD=1 sends what use_hopper_bwd() accepts there (after the same preprocess,
+// and followed by the same dq_accum conversion, as the mma.sync backward's atomic-dQ mode).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvtx3/nvToolsExt.h>
@@ -28,6 +32,11 @@
 #define ATTN_HOPPER_FWD 1
 #else
 #define ATTN_HOPPER_FWD 0
+#endif
+#if ATTN_HOPPER_FWD && !defined(ATTN_CUDA_SKIP_BWD)
+#define ATTN_HOPPER_BWD 1
+#else
+#define ATTN_HOPPER_BWD 0
 #endif
 
 namespace attn {
@@ -134,6 +143,27 @@ bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
          aligned16(p.dk) && aligned16(p.dv);
 }
 
+#if ATTN_HOPPER_BWD
+// The wgmma backward covers the 64 and 128 buckets (when they are compiled).
+bool hopper_bwd_bucket_compiled(int bucket) { return bucket != 256 && bucket_compiled(bucket); }
+
+// The sm_90a wgmma backward takes a config when it is requested (ATTN_CUDA_HOPPER_BWD=1, read on
+// every call) and compiled for the bucket, the mma.sync backward would take it with atomic dQ
+// (use_tensor_cores_bwd, not deterministic), d <= 128, the device is sm_90, and the score needs
+// no more than the plain policy, as for use_hopper_fwd (sinks only touch the LSE it reads and
+// dsinks, which the preprocess computes): softcap, ALiBi, bias or bool mask (so no dbias) and
+// dropout keep the mma.sync kernels, and so does deterministic mode (its dQ kernel has no atomics).
+bool use_hopper_bwd(const BwdParams& p, DType dt) {
+  if (!env_flag("ATTN_CUDA_HOPPER_BWD")) return false;
+  if (p.d > 128 || !hopper_bwd_bucket_compiled(bucket_for_head_dim(p.d))) return false;
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.bias_kind != BiasKind::kNone ||
+      p.dropout_p > 0.f || p.dbias != nullptr || p.deterministic) {
+    return false;
+  }
+  return use_tensor_cores_bwd(p, dt) && device_sm() == 90;
+}
+#endif
+
 void validate(const FwdParams& p, const char* what) {
   if (p.d < 1 || p.d > simt::kSimtMaxD) {
     throw std::runtime_error(std::string(what) + ": head dim " + std::to_string(p.d) +
@@ -177,6 +207,22 @@ void fwd_hopper(const FwdParams& p, cudaStream_t stream) {
     case 128: run_fwd_hopper<T, 128>(p, hopper_mode() == 2, stream); return;
 #endif
     default: throw std::runtime_error("attention fwd: no wgmma kernel for this head-dim bucket");
+  }
+}
+#endif
+
+#if ATTN_HOPPER_BWD
+// One case per compiled bucket; use_hopper_bwd() never picks a missing one.
+template <typename T>
+void bwd_hopper(const BwdParams& p, cudaStream_t stream) {
+  switch (bucket_for_head_dim(p.d)) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: run_bwd_hopper<T, 64>(p, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: run_bwd_hopper<T, 128>(p, stream); return;
+#endif
+    default: throw std::runtime_error("attention bwd: no wgmma kernel for this head-dim bucket");
   }
 }
 #endif
@@ -273,6 +319,14 @@ void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream) {
     case DType::kF16: run_bwd_preprocess<__half>(q, dq_ld, stream); break;
     case DType::kBF16: run_bwd_preprocess<__nv_bfloat16>(q, dq_ld, stream); break;
   }
+#if ATTN_HOPPER_BWD
+  // implies tc and atomic_dq: q.dq_accum is the zeroed (B, H, Sq, bucket) scratch
+  if (use_hopper_bwd(p, dt)) {
+    if (dt == DType::kF16) bwd_hopper<__half>(q, stream);
+    else bwd_hopper<__nv_bfloat16>(q, stream);
+    return;
+  }
+#endif
   if (tc) {
     if (dt == DType::kF16) bwd_tc<__half>(q, stream);
     else bwd_tc<__nv_bfloat16>(q, stream);

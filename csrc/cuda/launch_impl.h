@@ -21,6 +21,12 @@ void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preproce
 template <typename T, int kD>
 void run_fwd_hopper(const FwdParams& p, bool overlap, cudaStream_t stream);
 
+// sm_90a wgmma backward (bwd_hopper_kernel.cuh), kD = 64 or 128, after the preprocess (dq_accum
+// zeroed with kD floats per row); converts dq_accum into dq itself. Only for configs that
+// use_hopper_bwd() accepts, on an sm_90 device, in builds with sm_90a code (inst_bwd_hopper_*.cu).
+template <typename T, int kD>
+void run_bwd_hopper(const BwdParams& p, cudaStream_t stream);
+
 template <typename T>
 void run_fwd_simt(const FwdParams& p, cudaStream_t stream);
 template <typename T>

@@ -52,6 +52,30 @@ struct FwdHopperTraits<128> {
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 
+// sm_90a wgmma backward (bwd_hopper_kernel.cuh), buckets 64 and 128: one CTA per (128 keys, kv
+// head, batch), one producer warpgroup + 2 consumer warpgroups of 64 keys each (fixed: the dQ
+// split assumes two), query blocks of kBlockM rows streamed through a kStages-deep ring of Q, dO,
+// LSE and dot(dO, O). kBlockM is chosen so that dQ = dS K of a block, (kBlockM, kD), is two
+// 64 x 64 tiles, one per consumer warpgroup: D = 128 splits the head dim, D = 64 the queries.
+// Consumer registers at the peak (S^T and dP^T accumulated, dK and dV live): D = 128: 64 + 64 +
+// 2 x 32 fp32, D = 64: 32 + 32 + 2 x 64; both 192 + addresses, hence 240 (FA3's split too) and
+// the producer at the minimum, 24.
+//   D = 128: K, V 2 x 32 KB + 2 stages x (Q, dO) 2 x 16 KB + dS^T 2 x 16 KB = 161 KB.
+//   D =  64: K, V 2 x 16 KB + 2 stages x (Q, dO) 2 x 16 KB + dS^T 2 x 32 KB = 162 KB.
+// First guesses, untimed: tune on an H100.
+template <int kD>
+struct BwdHopperTraits;
+template <>
+struct BwdHopperTraits<64> {
+  static constexpr int kBlockM = 128, kStages = 2;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+};
+template <>
+struct BwdHopperTraits<128> {
+  static constexpr int kBlockM = 64, kStages = 2;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+};
+
 // Backward. dK/dV kernel: one CTA per (kBlockN keys, kv head, batch), warps own 16 keys each
 // (kBlockN = 16 * kNWarps) and loop over kBlockM-row query blocks of every head of the group.
 // kDAcc columns of dK/dV (and of dQ) per CTA: D = 256 splits into two CTAs that each

@@ -32,6 +32,8 @@ namespace wg {
 //   N-major (V as B of O = P V; rows = keys = K, columns = head dim = N): 64 N-columns are 128
 //     contiguous bytes, 8 key rows form an atom, the next 8 keys are 1024 bytes on (SBO), the
 //     next 64 N-columns one column block on (LBO = kRows * 128).
+//   M-major (an A operand stored transposed, e.g. dS^T as A of the backward's dQ = dS K: rows =
+//     keys = K, columns = queries = M): the N-major layout with M in the role of N.
 template <int kRows, int kCols>
 struct Sw128Tile {
   static_assert(kCols % 64 == 0, "whole 128-byte rows per column block");
@@ -114,11 +116,13 @@ __device__ __forceinline__ void fence_operands(uint32_t (&r)[N][4]) {
 // wgmma.mma_async m64nNk16 with fp32 accumulators d (64 x N over the warpgroup: warp w holds rows
 // 16 w .. 16 w + 15 as mma.m16n8 C fragments, d[4 nt + e] for n-tile nt). accumulate = 0
 // overwrites d (the first k-step), 1 adds. Scale factors are +1; the transpose flags select the
-// majors: ss() takes A and B K-major, rs() takes A from registers and B N-major.
-#define ATTN_WGMMA_SS(N, TY, ACC, REGS, IA, IB, IP)                                              \
+// majors: ss() takes A and B K-major, ss_t() A M-major and B N-major (both transposed: legal for
+// 16-bit types only; the backward's dQ = dS K reads dS^T and K as they lie in shared memory),
+// rs() takes A from registers and B N-major. TA / TB: the transpose immediates as text.
+#define ATTN_WGMMA_SS(N, TY, ACC, REGS, IA, IB, IP, TA, TB)                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
                "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS ", %" IA      \
-               ", %" IB ", p, 1, 1, 0, 0;\n}\n"                                                  \
+               ", %" IB ", p, 1, 1, " TA ", " TB ";\n}\n"                                       \
                : ACC                                                                             \
                : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 #define ATTN_WGMMA_RS(N, TY, ACC, REGS, IA0, IA1, IA2, IA3, IB, IP)                               \
@@ -136,7 +140,13 @@ struct Wgmma;
   struct Wgmma<64, CT> {                                                                         \
     static __device__ __forceinline__ void ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,  \
                                               int accumulate) {                                  \
-      ATTN_WGMMA_SS("64", TY, ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34");         \
+      ATTN_WGMMA_SS("64", TY, ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34", "0",    \
+                    "0");                                                                        \
+    }                                                                                            \
+    static __device__ __forceinline__ void ss_t(float (&d)[32], uint64_t desc_a, uint64_t desc_b, \
+                                                int accumulate) {                                \
+      ATTN_WGMMA_SS("64", TY, ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34", "1",    \
+                    "1");                                                                        \
     }                                                                                            \
     static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4],            \
                                               uint64_t desc_b, int accumulate) {                 \
@@ -148,7 +158,13 @@ struct Wgmma;
   struct Wgmma<128, CT> {                                                                        \
     static __device__ __forceinline__ void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,  \
                                               int accumulate) {                                  \
-      ATTN_WGMMA_SS("128", TY, ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66");        \
+      ATTN_WGMMA_SS("128", TY, ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66", "0",   \
+                    "0");                                                                        \
+    }                                                                                            \
+    static __device__ __forceinline__ void ss_t(float (&d)[64], uint64_t desc_a, uint64_t desc_b, \
+                                                int accumulate) {                                \
+      ATTN_WGMMA_SS("128", TY, ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66", "1",   \
+                    "1");                                                                        \
     }                                                                                            \
     static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t (&a)[4],            \
                                               uint64_t desc_b, int accumulate) {                 \
