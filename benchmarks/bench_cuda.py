@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cuda.py [--quick] [--md results.md]
     python benchmarks/bench_cuda.py --ref     # the reference shape of benchmarks/results/hopper-fwd-notes.md
+    python benchmarks/bench_cuda.py --tune    # a -DATTN_TUNING build: every candidate vs SDPA flash
 
 (B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
 (B * H * S = 16k * 32), D in {64, 128}, S in {1k .. 16k}, causal (top-left) and not.

@@ -322,7 +322,7 @@ def tune_candidates():
         kind, _, nums = tok.partition("=")
         for part in nums.split(","):
             lo, _, hi = part.partition("-")
-            out += [f"{kind}{v}" for v in range(int(lo), int(hi or lo) + 1)]
+            out += [f"{kind}{v}" for v in range(int(lo), int(hi or lo) + 1) if v != 0]  # 0: the default
     return out
 
 
