@@ -200,7 +200,7 @@ def tune(fwd_variants, bwd_variants):
                 row_f, row_b = dict(row), dict(row)
                 row_f["flash"] = f_fwd / cuda_time(fns[0]) / 1e12 if fns else float("nan")
                 row_b["flash"] = f_bwd / cuda_time(fns[1]) / 1e12 if fns else float("nan")
-                ref_f, ref_b = out, None
+                ref_f, ref_b, g, o = out, None, None, None
                 for var in fwd_variants:
                     os.environ["ATTN_TUNE_FWD"] = str(var)
                     o, _ = torch.ops.attention_ext.fwd(q, k, v, *args)
@@ -218,8 +218,9 @@ def tune(fwd_variants, bwd_variants):
                 os.environ["ATTN_TUNE_BWD"] = "0"
                 res["fwd"].append(row_f)
                 res["bwd"].append(row_b)
-                print(f"tune d={d} s={s} causal={int(causal)}: fwd flash {row_f['flash']:.0f} v0 {row_f[0][0]:.0f}, "
-                      f"bwd flash {row_b['flash']:.0f} v0 {row_b[0][0]:.0f} TFLOP/s", flush=True)
+                first = lambda r, vs: f"v{vs[0]} {r[vs[0]][0]:.0f}" if vs else ""
+                print(f"tune d={d} s={s} causal={int(causal)}: fwd flash {row_f['flash']:.0f} {first(row_f, fwd_variants)}, "
+                      f"bwd flash {row_b['flash']:.0f} {first(row_b, bwd_variants)} TFLOP/s", flush=True)
                 del q, k, v, dout, out, lse, ref_f, ref_b, g, o
                 torch.cuda.empty_cache()
     for kind, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
