@@ -3,6 +3,7 @@
     python benchmarks/bench_cuda.py [--quick] [--md results.md]
     python benchmarks/bench_cuda.py --ref     # the reference shape of benchmarks/results/hopper-fwd-notes.md
     python benchmarks/bench_cuda.py --options [--md results.md]   # fp16, deterministic, masks ... (appends)
+    python benchmarks/bench_cuda.py --tune    # a -DATTN_TUNING build: every candidate vs SDPA flash
 
 (B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
 (B * H * S = 16k * 32), D in {64, 128}, S in {1k .. 16k}, causal (top-left) and not.
@@ -212,32 +213,83 @@ def run(quick=False, deterministic=False):
     return ceiling, rows
 
 
-def tune():
-    """Time the tile variants compiled with -DATTN_TUNING (ATTN_TUNE_FWD / ATTN_TUNE_BWD = 0, 1, 2)."""
+def parse_variants(spec):
+    """'0-6' or '0,3,5' -> [0, ..., 6] / [0, 3, 5]."""
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def tune(fwd_variants, bwd_variants):
+    """Time the candidates compiled with -DATTN_TUNING (ATTN_TUNE_FWD / ATTN_TUNE_BWD = v, read per
+    call; 0 = the default) against SDPA flash in the same run: bf16, H = 16, B * S = 32k, D 64 / 128,
+    S 1k / 4k / 8k, causal and not. Prints one table per direction: flash TFLOP/s, then each
+    variant's ratio to flash ("!" after it: its output moved by more than 2% of the output's
+    largest magnitude from variant 0's, so its time does not count), and last the geometric mean
+    ratio of every variant over all rows."""
     torch.manual_seed(0)
-    for d in (64, 128, 256):
+    os.environ["ATTN_CUDA_HOPPER"] = "0"
+    res = {"fwd": [], "bwd": []}
+    for d in (64, 128):
         for causal in (False, True):
-            for s in (1024, 4096):
+            for s in (1024, 4096, 8192):
                 h, b = 16, max(1, 32768 // s)
                 mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                 q, k, v, dout = mk(), mk(), mk(), mk()
                 args = options(d, causal)
+                os.environ["ATTN_TUNE_FWD"] = os.environ["ATTN_TUNE_BWD"] = "0"
                 out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
                 f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
-                res = []
-                for var in ("0", "1", "2"):
-                    os.environ["ATTN_TUNE_FWD"] = var
-                    os.environ["ATTN_TUNE_BWD"] = var
-                    tf = f_fwd / cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args)) / 1e12
-                    tb = 2.5 * f_fwd / cuda_time(
-                        lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)) / 1e12
-                    res.append(f"v{var} fwd {tf:4.0f} bwd {tb:4.0f}")
-                os.environ["ATTN_TUNE_FWD"] = os.environ["ATTN_TUNE_BWD"] = "0"
-                fns = sdpa_backend_fns(SDPBackend.FLASH_ATTENTION, q, k, v, dout, causal) if d <= 256 else None
-                fl = (f"flash fwd {f_fwd / cuda_time(fns[0]) / 1e12:4.0f} bwd {2.5 * f_fwd / cuda_time(fns[1]) / 1e12:4.0f}"
-                      if fns else "flash n/a")
-                print(f"tune d={d} s={s} causal={int(causal)}: " + " | ".join(res) + " | " + fl, flush=True)
-                del q, k, v, dout, out, lse
+                f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
+                fns = sdpa_backend_fns(SDPBackend.FLASH_ATTENTION, q, k, v, dout, causal) if sdpa_kernel else None
+                row = {"key": (d, s, causal)}
+                row_f, row_b = dict(row), dict(row)
+                row_f["flash"] = f_fwd / cuda_time(fns[0]) / 1e12 if fns else float("nan")
+                row_b["flash"] = f_bwd / cuda_time(fns[1]) / 1e12 if fns else float("nan")
+                ref_f, ref_b, g, o = out, None, None, None
+                for var in fwd_variants:
+                    os.environ["ATTN_TUNE_FWD"] = str(var)
+                    o, _ = torch.ops.attention_ext.fwd(q, k, v, *args)
+                    bad = (o.float() - ref_f.float()).abs().max().item() > 0.02 * ref_f.float().abs().max().item()
+                    row_f[var] = (f_fwd / cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args)) / 1e12, bad)
+                os.environ["ATTN_TUNE_FWD"] = "0"
+                bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
+                for var in bwd_variants:
+                    os.environ["ATTN_TUNE_BWD"] = str(var)
+                    g = [t.float() for t in bwd()[:3]]  # dq, dk, dv
+                    if ref_b is None:
+                        ref_b = g
+                    bad = any((x - r).abs().max().item() > 0.02 * r.abs().max().item() for x, r in zip(g, ref_b))
+                    row_b[var] = (f_bwd / cuda_time(bwd) / 1e12, bad)
+                os.environ["ATTN_TUNE_BWD"] = "0"
+                res["fwd"].append(row_f)
+                res["bwd"].append(row_b)
+                first = lambda r, vs: f"v{vs[0]} {r[vs[0]][0]:.0f}" if vs else ""
+                print(f"tune d={d} s={s} causal={int(causal)}: fwd flash {row_f['flash']:.0f} {first(row_f, fwd_variants)}, "
+                      f"bwd flash {row_b['flash']:.0f} {first(row_b, bwd_variants)} TFLOP/s", flush=True)
+                del q, k, v, dout, out, lse, ref_f, ref_b, g, o
+                torch.cuda.empty_cache()
+    for kind, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
+        print(f"\n{kind}: SDPA flash TFLOP/s, then ours / flash per ATTN_TUNE_{kind.upper()} variant (v0 = default)")
+        print("| D | S | c | flash | " + " | ".join(f"v{v}" for v in variants) + " | best |")
+        print("|---|---|---|---|" + "---|" * (len(variants) + 1))
+        logs = {v: [] for v in variants}
+        for r in res[kind]:
+            d, s, causal = r["key"]
+            cells, best = [], (0.0, None)
+            for v in variants:
+                tf, bad = r[v]
+                ratio = tf / r["flash"]
+                cells.append(f"{ratio:.2f}{'!' if bad else ''}")
+                if not bad:
+                    logs[v].append(math.log(ratio))
+                    best = max(best, (ratio, v))
+            print(f"| {d} | {s} | {int(causal)} | {r['flash']:.0f} | " + " | ".join(cells) + f" | v{best[1]} |")
+        gm = " | ".join(f"{math.exp(sum(x) / len(x)):.3f}" if len(x) == len(res[kind]) else "bad"
+                        for x in logs.values())
+        print(f"| geomean | | | | {gm} | |")
 
 
 def table(ceiling, rows, gpu):
@@ -437,7 +489,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
-    ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING tile variants")
+    ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING candidates")
+    ap.add_argument("--fwd-variants", default="0-6", help="ATTN_TUNE_FWD values for --tune (e.g. 0-6 or 0,1,5)")
+    ap.add_argument("--bwd-variants", default="0-12", help="ATTN_TUNE_BWD values for --tune")
     ap.add_argument("--ref", action="store_true", help="the reference shape: floors, forward and backward times")
     ap.add_argument("--options", action="store_true",
                     help="fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout vs SDPA")
@@ -449,7 +503,7 @@ def main():
         reference_shape()
         return
     if args.tune:
-        tune()
+        tune(parse_variants(args.fwd_variants), parse_variants(args.bwd_variants))
         return
     if args.options:
         md = option_rows()

@@ -6,9 +6,15 @@
 # hopper), and the reference-shape timing (bench_cuda.py --ref); the ncu and sanitize stages also
 # run them.
 #
+# The "tune" stage (not in the default list) builds a second copy of the tree with
+# -DATTN_TUNING under a temp dir (the default build stays as it is), checks every candidate of
+# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt) with tests/test_cuda.py -k tune_candidate, then
+# times them all against SDPA flash (bench_cuda.py --tune); about 5 minutes on 16 cores.
+#
 #   bash benchmarks/gpu_check.sh                  # everything
 #   STAGES="build hopper" bash benchmarks/gpu_check.sh
 #   STAGES="sm80" bash benchmarks/gpu_check.sh    # the compute_80 PTX, JIT-compiled on the GPU (~5 min)
+#   STAGES=tune bash benchmarks/gpu_check.sh      # TUNE_FWD=0-6 TUNE_BWD=0-12 by default
 #
 # Logs go to $OUT (default /tmp/gpu_check; at most 8 files: summary, build, res_usage, test,
 # bench log + table, ncu, sanitizer). The short summary is printed last.
@@ -157,6 +163,38 @@ if has bench; then
   # fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout: appended to bench.md
   timeout 240 python3 benchmarks/bench_cuda.py --options --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
   note "bench --options: rc=$?"
+fi
+
+if has tune; then
+  # its logs join build.log, test.log and bench.log, its table the summary ($OUT: at most 8 files)
+  TUNE_FWD=${TUNE_FWD:-0-6} TUNE_BWD=${TUNE_BWD:-0-12}
+  TT="$TMPD/tune"
+  mkdir -p "$TT"
+  tar --exclude=./build --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$TT"
+  t0=$(date +%s)
+  if (cd "$TT" && NVCC_APPEND_FLAGS="-DATTN_TUNING" timeout 420 python3 setup.py build_ext --inplace) \
+      >"$TMPD/tune_build.log" 2>&1; then
+    note "tune build (-DATTN_TUNING, copy in $TT): ok in $(( $(date +%s) - t0 )) s"
+  else
+    note "tune build: FAILED (see build.log)"; tail -30 "$TMPD/tune_build.log"
+  fi
+  { echo "==== tune build (-DATTN_TUNING)"; cat "$TMPD/tune_build.log"; } >> "$OUT/build.log"
+  mod=$(cd "$TT" && PYTHONPATH="$TT" python3 -c "import attention_ext._C as c; print(c.__file__)" 2>&1)
+  if [[ "$mod" != "$TT"* ]]; then
+    note "tune: attention_ext._C did not load from the tuning copy ($mod); stage skipped"
+  else
+    (cd "$TT" && PYTHONPATH="$TT" ATTN_TEST_TUNE="fwd=$TUNE_FWD bwd=$TUNE_BWD" timeout 360 \
+      python3 -m pytest tests/test_cuda.py -k tune_candidate -q -rf -p no:cacheprovider --maxfail=60) \
+      >"$TMPD/tune_test.log" 2>&1
+    note "tune tests (fwd $TUNE_FWD, bwd $TUNE_BWD): $(tail -1 "$TMPD/tune_test.log")"
+    grep -E "^FAILED" "$TMPD/tune_test.log" | sed 's/ - .*//' | head -20 | tee -a "$SUMMARY" || true
+    { echo "==== tune tests"; cat "$TMPD/tune_test.log"; } >> "$OUT/test.log"
+    (cd "$TT" && PYTHONPATH="$TT" timeout 420 python3 benchmarks/bench_cuda.py --tune \
+      --fwd-variants "$TUNE_FWD" --bwd-variants "$TUNE_BWD") >"$TMPD/tune_bench.log" 2>&1
+    note "tune bench: rc=$? (bf16, H=16, B*S=32k; ratio to SDPA flash, ! = output moved, not counted)"
+    { echo "==== bench_cuda.py --tune"; cat "$TMPD/tune_bench.log"; } >> "$OUT/bench.log"
+    grep -E "^\||^fwd:|^bwd:|Error|error" "$TMPD/tune_bench.log" | cut -c1-200 | tee -a "$SUMMARY"
+  fi
 fi
 
 if has sanitize; then

@@ -310,6 +310,78 @@ def test_float64_is_cpu_only():
     assert out.dtype == torch.float64 and (out - ref).abs().max().item() < 1e-12
 
 
+# ---------------------------------------------------------------- tuning candidates (-DATTN_TUNING)
+# A build with NVCC_APPEND_FLAGS=-DATTN_TUNING compiles the candidate kernels of
+# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt), picked per call by ATTN_TUNE_FWD / ATTN_TUNE_BWD.
+# ATTN_TEST_TUNE names the ones to check, e.g. "fwd=1-6 bwd=1-12" (benchmarks/gpu_check.sh, stage
+# tune); unset, these tests are not generated. Any other test also runs under a candidate with
+# the variable set for the whole run (ATTN_TUNE_BWD=4 pytest tests/test_cuda.py -k options).
+def tune_candidates():
+    out = []
+    for tok in os.environ.get("ATTN_TEST_TUNE", "").split():
+        kind, _, nums = tok.partition("=")
+        for part in nums.split(","):
+            lo, _, hi = part.partition("-")
+            out += [f"{kind}{v}" for v in range(int(lo), int(hi or lo) + 1) if v != 0]  # 0: the default
+    return out
+
+
+TUNE_ENV = {"fwd": "ATTN_TUNE_FWD", "bwd": "ATTN_TUNE_BWD"}
+# (head dim, dtype): every bucket, an odd head dim, both 16-bit dtypes at the benchmarked 128
+TUNE_DIMS = [(64, torch.bfloat16), (96, torch.float16), (128, torch.bfloat16), (128, torch.float16),
+             (256, torch.bfloat16)]
+
+
+def _tune_cases():
+    pad = lambda: torch.tensor([200, 61], device=DEV, dtype=torch.int32)
+    return {
+        # full tiles: the branch-free paths the benchmark times
+        "full": lambda d, dt: run_and_compare(2, 2, 2, 1000, 1000, d, dt),
+        "causal_gqa": lambda d, dt: run_and_compare(2, 4, 2, 300, 257, d, dt, window=(-1, 0)),
+        "window_br_pad_mqa": lambda d, dt: run_and_compare(2, 4, 1, 129, 200, d, dt, window=(40, 0),
+                                                           bottom_right=True, seqlens_k=pad()),
+        "deterministic": lambda d, dt: run_and_compare(2, 4, 2, 300, 257, d, dt, window=(-1, 0),
+                                                       deterministic=True),
+        "varlen": lambda d, dt: test_varlen(dt, d, True),
+        # general policies: plain-only candidates must hand these to the default kernel
+        "bias_softcap": lambda d, dt: run_and_compare(2, 4, 2, 129, 200, d, dt, softcap=5.0, scale=0.5,
+                                                      bias=torch.randn(1, 4, 129, 200, device=DEV),
+                                                      bias_grad=True),
+    }
+
+
+def _tune_kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if "fwd_kernel" in e.name or "dkdv_kernel" in e.name}
+
+
+@pytest.mark.parametrize("cand", tune_candidates())
+def test_tune_candidate_runs(monkeypatch, cand):
+    """The candidate reaches a kernel other than the default (else the build lacks -DATTN_TUNING)."""
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    kind, v = cand[:3], cand[3:]
+    q, k, v_, dout = (randn(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(4))
+    monkeypatch.setenv(TUNE_ENV[kind], "0")
+    base = _tune_kernel_names(lambda: run_kernel(q, k, v_, dout))
+    monkeypatch.setenv(TUNE_ENV[kind], v)
+    names = _tune_kernel_names(lambda: run_kernel(q, k, v_, dout))
+    assert names != base, f"{cand} ran the default kernels {sorted(base)}: not a -DATTN_TUNING build?"
+
+
+@pytest.mark.parametrize("case", list(_tune_cases()) if tune_candidates() else [])
+@pytest.mark.parametrize("d,dtype", TUNE_DIMS)
+@pytest.mark.parametrize("cand", tune_candidates())
+def test_tune_candidate(monkeypatch, cand, d, dtype, case):
+    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    monkeypatch.setenv(TUNE_ENV[cand[:3]], cand[3:])
+    torch.manual_seed(d)
+    _tune_cases()[case](d, dtype)
+
+
 # ---------------------------------------------------------------- sm_90a wgmma forward (opt-in)
 # ATTN_CUDA_HOPPER=1 sends what use_hopper_fwd() accepts (fp16/bf16, d <= 128, plain policy,
 # sinks) to the wgmma kernel, =2 to its variant with the softmax overlapped with P V; the

@@ -21,11 +21,32 @@
 namespace attn {
 namespace tc {
 
+// Compile-time schedule choices of the dK/dV kernel. The default build instantiates only
+// BwdVariant<> (the kernel verified on an H100); the others are candidates that the tuning build
+// (-DATTN_TUNING, launch_template.cuh BwdAlt) times against it.
+//   kSUnroll:  unroll of the S^T / dP^T head-dim loop (1: rolled, the loop only moves addresses)
+//   kPlain:    compile only the plain-policy path (no bias, ALiBi, softcap, dbias): the launcher
+//              sends every other config to the default kernel
+//   kSeq:      S^T first, P^T packed to 16 bits at once and dV += P^T dO, then dP^T and dS^T, so
+//              that the S^T and dP^T fp32 accumulators (2 x kBlockM / 2 registers) are never live
+//              together; needs kPlain and no dropout
+//   kDqAtomic: bytes per dQ atomic on sm_90 (0: the default, 16; 8: one float2 per row pair and
+//              n-tile, no shuffles; 4: scalar); sm_80 always uses 4 (vector atomics are sm_90+)
+template <int kSUnroll_ = 1, bool kPlain_ = false, bool kSeq_ = false, int kDqAtomic_ = 0>
+struct BwdVariant {
+  static constexpr int kSUnroll = kSUnroll_, kDqAtomic = kDqAtomic_;
+  static constexpr bool kPlain = kPlain_, kSeq = kSeq_;
+  static_assert(!kSeq || kPlain, "the sequential schedule drops the score x that softcap needs");
+  static_assert(kDqAtomic == 0 || kDqAtomic == 4 || kDqAtomic == 8 || kDqAtomic == 16, "dQ atomic width");
+};
+
 // kDropout is a template flag: the Philox rounds would otherwise push the 128 accumulator
 // registers into spills on the common no-dropout path.
 template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout,
-          int kSUnroll = 1>
+          typename Var = BwdVariant<>>
 __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdParams p) {
+  static_assert(!(Var::kSeq && kDropout), "the sequential schedule has no dropout path");
+  constexpr int kSUnroll = Var::kSUnroll;
   using Ops = TypeOps<T>;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kSlices = kD / kDAcc;
@@ -60,7 +81,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   if (rows_store <= 0) return;
   const int rows_k = min(kBlockN, si.len_k - n0);  // may be <= 0: then only zeros are stored
   const bool dq_atomic = !p.deterministic && p.dq_accum != nullptr;
-  const bool write_dbias = p.dbias != nullptr && !p.deterministic;
+  const bool write_dbias = !Var::kPlain && p.dbias != nullptr && !p.deterministic;
   constexpr bool dropout = kDropout;
   const float rdrop = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
   const int wn = warp * 16;
@@ -88,7 +109,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   for (int gi = 0; rows_k > 0 && gi < group; ++gi) {
     const int h = hk * group + gi;
     const Policy pol(p, si, b, h);
-    const bool plain = policy_is_plain(pol);
+    const bool plain = Var::kPlain || policy_is_plain(pol);
     const int bh = b * p.h + h;
     int i0, i1;
     pol.query_range(n0, n0 + rows_k, &i0, &i1);
@@ -133,63 +154,139 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
       for (int t = 0; t < kQT; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[t][e] = acc_dp[t][e] = 0.f;
-      // kk only moves addresses: a rolled loop keeps the prefetched fragments from
-      // crowding out the dK/dV accumulators
       const int kk_end = (p.d + 15) / 16;  // skip the head-dim padding of the bucket
+      uint32_t pa[kBlockM / 16][4];           // kSeq: P^T as the A fragments of dV += P^T dO
+      if constexpr (Var::kSeq) {
+        // ---- S^T = K Q^T: (16 keys, kBlockM queries) per warp
 #pragma unroll kSUnroll
-      for (int kk = 0; kk < kk_end; ++kk) {
-        {
-          uint32_t ak[4], av[4];
+        for (int kk = 0; kk < kk_end; ++kk) {
+          uint32_t ak[4];
           ldmatrix_x4(ak, sK + TileKV::advance(kv_a, 0, kk * 16));
+#pragma unroll
+          for (int np = 0; np < kBlockM / 16; ++np) {
+            uint32_t bq[4];
+            ldmatrix_x4(bq, sQ + TileQ::advance(q_b, np * 16, kk * 16));
+            mma_n16<T>(acc_s[2 * np], ak, bq);
+          }
+        }
+        // ---- P^T, packed to 16 bits at once: the fp32 S^T dies before dP^T is accumulated.
+        // dS^T below multiplies by this 16-bit P. Error: P = P_exact (1 + d), |d| <= u (bf16
+        // 2^-8, fp16 2^-11; fp16 P < 2^-14 is subnormal, off by <= 2^-25 absolute), so dS =
+        // P (dP - D) carries u from P on top of the u of its own rounding to 16 bits (it feeds
+        // dK and dQ as 16-bit A fragments either way): <= 2u per element instead of u, errors
+        // that add in quadrature over the kBlockM-query sums of dK and dQ. reference.py in the
+        // same dtype rounds P, dP, dP - D and the product each to 16 bits, so the tests' bound
+        // (2x its error) keeps a margin; dV already used this 16-bit P in the default schedule.
+        const bool check = !pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16);
+        const float scale_log2 = p.scale * kLog2e;
+        if (!check) {
+#pragma unroll
+          for (int t = 0; t < kQT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc_s[t][e] = fast_exp2(acc_s[t][e] * scale_log2 - lse_to_log2(sLse[t * 8 + 2 * c + (e & 1)]));
+        } else {
+#pragma unroll
+          for (int t = 0; t < kQT; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int il = t * 8 + 2 * c + (e & 1), jl = wn + g + (e >> 1) * 8;
+              const float pr = fast_exp2(acc_s[t][e] * scale_log2 - lse_to_log2(sLse[il]));
+              acc_s[t][e] = pol.in_window(m0 + il, n0 + jl) ? pr : 0.f;
+            }
+        }
+        pack_a_frags<T, kQT>(&acc_s[0][0], pa);
+
+        // ---- dV += P^T dO over this slice of the head dim
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+          for (int dt = 0; dt < kDAcc / 16; ++dt) {
+            uint32_t bo[4];
+            ldmatrix_x4_trans(bo, sdO + TileQ::advance(q_bt, kk * 16, dt * 16));
+            mma_n16<T>(acc_dv[2 * dt], pa[kk], bo);
+          }
+
+        // ---- dP^T = V dO^T, then dX^T = P^T (dP^T - D) * scale into acc_dp
+#pragma unroll kSUnroll
+        for (int kk = 0; kk < kk_end; ++kk) {
+          uint32_t av[4];
           ldmatrix_x4(av, sV + TileKV::advance(kv_a, 0, kk * 16));
 #pragma unroll
           for (int np = 0; np < kBlockM / 16; ++np) {
-            uint32_t bq[4], bo[4];
-            const uint32_t off = TileQ::advance(q_b, np * 16, kk * 16);
-            ldmatrix_x4(bq, sQ + off);
-            ldmatrix_x4(bo, sdO + off);
-            mma_n16<T>(acc_s[2 * np], ak, bq);
+            uint32_t bo[4];
+            ldmatrix_x4(bo, sdO + TileQ::advance(q_b, np * 16, kk * 16));
             mma_n16<T>(acc_dp[2 * np], av, bo);
           }
         }
-      }
-
-      // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
-      const bool check = !(plain && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
-      if (!check && !dropout) {
-        // full tile of a plain policy: branch-free (write_dbias implies a bias, so never here)
-        const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
-        for (int t = 0; t < kQT; ++t) {
+        for (int t = 0; t < kQT; ++t)
 #pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const int il = t * 8 + 2 * c + e2;
-            const float l2 = lse_to_log2(sLse[il]), dsum = sDot[il];
+          for (int hf = 0; hf < 2; ++hf) {
+            // acc_s[t][2 hf .. 2 hf + 1] went to pa[t / 2][2 (t % 2) + hf] (pack_a_frags)
+            const float2 pr = Ops::unpack(pa[t / 2][2 * (t & 1) + hf]);
+            const int il = t * 8 + 2 * c;
+            acc_dp[t][2 * hf] = pr.x * (acc_dp[t][2 * hf] - sDot[il]) * p.scale;
+            acc_dp[t][2 * hf + 1] = pr.y * (acc_dp[t][2 * hf + 1] - sDot[il + 1]) * p.scale;
+          }
+      } else {
+        // kk only moves addresses: a rolled loop keeps the prefetched fragments from
+        // crowding out the dK/dV accumulators
+#pragma unroll kSUnroll
+        for (int kk = 0; kk < kk_end; ++kk) {
+          {
+            uint32_t ak[4], av[4];
+            ldmatrix_x4(ak, sK + TileKV::advance(kv_a, 0, kk * 16));
+            ldmatrix_x4(av, sV + TileKV::advance(kv_a, 0, kk * 16));
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-              const int e = 2 * hf + e2;
-              const float pr = fast_exp2(acc_s[t][e] * scale_log2 - l2);
-              acc_dp[t][e] = pr * (acc_dp[t][e] - dsum) * p.scale;
-              acc_s[t][e] = pr;
+            for (int np = 0; np < kBlockM / 16; ++np) {
+              uint32_t bq[4], bo[4];
+              const uint32_t off = TileQ::advance(q_b, np * 16, kk * 16);
+              ldmatrix_x4(bq, sQ + off);
+              ldmatrix_x4(bo, sdO + off);
+              mma_n16<T>(acc_s[2 * np], ak, bq);
+              mma_n16<T>(acc_dp[2 * np], av, bo);
             }
           }
         }
-      } else {
+
+        // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
+        const bool check = !(plain && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
+        if (!check && !dropout) {
+          // full tile of a plain policy: branch-free (write_dbias implies a bias, so never here)
+          const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
-      for (int t = 0; t < kQT; ++t) {
+          for (int t = 0; t < kQT; ++t) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int jl = wn + g + (e >> 1) * 8;
-          const int il = t * 8 + 2 * c + (e & 1);
-          const int i = m0 + il, j = n0 + jl;
-          const float z = dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
-          const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
-                                        lse_to_log2(sLse[il]), sDot[il], z, i, j);
-          acc_s[t][e] = bp.pd;
-          acc_dp[t][e] = bp.dx;
-          if (write_dbias && slice == 0 && i < si.len_q && j < si.len_k) store_dbias(p, b, h, i, j, bp.ds);
+            for (int e2 = 0; e2 < 2; ++e2) {
+              const int il = t * 8 + 2 * c + e2;
+              const float l2 = lse_to_log2(sLse[il]), dsum = sDot[il];
+#pragma unroll
+              for (int hf = 0; hf < 2; ++hf) {
+                const int e = 2 * hf + e2;
+                const float pr = fast_exp2(acc_s[t][e] * scale_log2 - l2);
+                acc_dp[t][e] = pr * (acc_dp[t][e] - dsum) * p.scale;
+                acc_s[t][e] = pr;
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int t = 0; t < kQT; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jl = wn + g + (e >> 1) * 8;
+              const int il = t * 8 + 2 * c + (e & 1);
+              const int i = m0 + il, j = n0 + jl;
+              const float z = dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
+              const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
+                                            lse_to_log2(sLse[il]), sDot[il], z, i, j);
+              acc_s[t][e] = bp.pd;
+              acc_dp[t][e] = bp.dx;
+              if (write_dbias && slice == 0 && i < si.len_q && j < si.len_k) store_dbias(p, b, h, i, j, bp.ds);
+            }
+          }
         }
-      }
       }
 
       // ---- dS^T to shared memory for dQ
@@ -204,14 +301,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
           }
       }
 
-      // ---- dV += P^T dO and dK += dS^T Q over this slice of the head dim
+      // ---- dV += P^T dO (kSeq: done above) and dK += dS^T Q over this slice of the head dim
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
         uint32_t ap[4], as[4];
-        ap[0] = Ops::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-        ap[1] = Ops::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-        ap[2] = Ops::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-        ap[3] = Ops::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        if constexpr (!Var::kSeq) {
+          ap[0] = Ops::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+          ap[1] = Ops::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+          ap[2] = Ops::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+          ap[3] = Ops::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+        }
         as[0] = Ops::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
         as[1] = Ops::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
         as[2] = Ops::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
@@ -221,9 +320,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
           {  // padding columns accumulate zeros; no guard keeps the loop schedulable
             const uint32_t off = TileQ::advance(q_bt, kk * 16, dt * 16);
             uint32_t bo[4], bq[4];
-            ldmatrix_x4_trans(bo, sdO + off);
+            if constexpr (!Var::kSeq) ldmatrix_x4_trans(bo, sdO + off);
             ldmatrix_x4_trans(bq, sQ + off);
-            mma_n16<T>(acc_dv[2 * dt], ap, bo);
+            if constexpr (!Var::kSeq) mma_n16<T>(acc_dv[2 * dt], ap, bo);
             mma_n16<T>(acc_dk[2 * dt], as, bq);
           }
         }
@@ -263,42 +362,53 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         }
         const int dp_cols = kD;  // dq_accum row length: the bucket
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        // sm_90 vector atomics: lanes c and c ^ 1 swap halves so that each lane owns 4
-        // consecutive columns of one row (even c: row g, odd c: row g + 8), one 16-byte
-        // reduction per n-tile instead of four 4-byte ones.
-        const bool even = (c & 1) == 0;
-        const int i = m0 + wq + g + (even ? 0 : 8);
-        float* dst = p.dq_accum + scratch_row(p, b, h, i) * dp_cols;
+        if constexpr (Var::kDqAtomic == 0 || Var::kDqAtomic == 16) {
+          // sm_90 vector atomics: lanes c and c ^ 1 swap halves so that each lane owns 4
+          // consecutive columns of one row (even c: row g, odd c: row g + 8), one 16-byte
+          // reduction per n-tile instead of four 4-byte ones.
+          const bool even = (c & 1) == 0;
+          const int i = m0 + wq + g + (even ? 0 : 8);
+          float* dst = p.dq_accum + scratch_row(p, b, h, i) * dp_cols;
 #pragma unroll
-        for (int t = 0; t < kCols / 8; ++t) {
-          const float s0 = even ? acc_dq[t][2] : acc_dq[t][0];
-          const float s1 = even ? acc_dq[t][3] : acc_dq[t][1];
-          const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
-          const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
-          const int col = wd + t * 8 + 2 * (c & ~1);
-          if (i < si.len_q && col < p.d) {
-            const float4 val = even ? make_float4(acc_dq[t][0], acc_dq[t][1], r0, r1)
-                                    : make_float4(r0, r1, acc_dq[t][2], acc_dq[t][3]);
-            atomicAdd(reinterpret_cast<float4*>(dst + col), val);
+          for (int t = 0; t < kCols / 8; ++t) {
+            const float s0 = even ? acc_dq[t][2] : acc_dq[t][0];
+            const float s1 = even ? acc_dq[t][3] : acc_dq[t][1];
+            const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+            const int col = wd + t * 8 + 2 * (c & ~1);
+            if (i < si.len_q && col < p.d) {
+              const float4 val = even ? make_float4(acc_dq[t][0], acc_dq[t][1], r0, r1)
+                                      : make_float4(r0, r1, acc_dq[t][2], acc_dq[t][3]);
+              atomicAdd(reinterpret_cast<float4*>(dst + col), val);
+            }
           }
-        }
-#else
+        } else
+#endif
+        {  // sm_80, or kDqAtomic 4 / 8 on sm_90
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int i = m0 + wq + g + hf * 8;
-          if (i < si.len_q) {
-            float* dst = p.dq_accum + scratch_row(p, b, h, i) * dp_cols;
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + wq + g + hf * 8;
+            if (i < si.len_q) {
+              float* dst = p.dq_accum + scratch_row(p, b, h, i) * dp_cols;
 #pragma unroll
-            for (int t = 0; t < kCols / 8; ++t) {
-              const int col = wd + t * 8 + 2 * c;
-              if (col < p.d) {
-                atomicAdd(dst + col, acc_dq[t][2 * hf]);
-                atomicAdd(dst + col + 1, acc_dq[t][2 * hf + 1]);
+              for (int t = 0; t < kCols / 8; ++t) {
+                const int col = wd + t * 8 + 2 * c;
+                if (col < p.d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                  if constexpr (Var::kDqAtomic == 8) {
+                    atomicAdd(reinterpret_cast<float2*>(dst + col),
+                              make_float2(acc_dq[t][2 * hf], acc_dq[t][2 * hf + 1]));
+                  } else
+#endif
+                  {
+                    atomicAdd(dst + col, acc_dq[t][2 * hf]);
+                    atomicAdd(dst + col + 1, acc_dq[t][2 * hf + 1]);
+                  }
+                }
               }
             }
           }
         }
-#endif
       }
     }
   }

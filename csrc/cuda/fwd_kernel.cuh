@@ -14,11 +14,23 @@
 namespace attn {
 namespace tc {
 
+// Compile-time schedule choices. The default build instantiates only FwdVariant<> (the kernel
+// verified on an H100); the tuning build (-DATTN_TUNING, launch_template.cuh FwdAlt) times others.
+//   kSUnroll: unroll of the S = Q K^T head-dim loop; 0 = fully (the default). A rolled loop
+//             cannot prefetch the next k-step's Q / K fragments, which keeps them from
+//             competing with O and S for registers (the loop only moves ldmatrix addresses).
+template <int kSUnroll_ = 0>
+struct FwdVariant {
+  static constexpr int kSUnroll = kSUnroll_;
+};
+
 // kGeneral = false: the policy is plain (no softcap, ALiBi, bias or mask) and there is no
 // dropout, so only the window/length check remains; a separate instantiation keeps the
 // general path's registers out of the fast kernel.
-template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral>
+template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral,
+          typename Var = FwdVariant<>>
 __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p) {
+  constexpr int kSUnroll = Var::kSUnroll == 0 ? kD / 16 : Var::kSUnroll;
   using Ops = TypeOps<T>;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kMT = kBlockM / (16 * kNWarps);  // 16-row m-tiles per warp
@@ -101,7 +113,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
-#pragma unroll
+#pragma unroll kSUnroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       {  // zero-filled head-dim padding contributes zeros: no guard, so loads can be hoisted
         uint32_t a[kMT][4];
