@@ -12,7 +12,12 @@ cd "$(dirname "$0")/.."
 RUN=/tmp/gpu_check_bg
 WAIT=${WAIT:-540}
 mkdir -p "$RUN"
+# a finished run of other stages is replaced by a new one; a live run is never restarted
+if [ -f "$RUN/pid" ] && ! kill -0 "$(cat "$RUN/pid")" 2>/dev/null && [ "$(cat "$RUN/stages")" != "${STAGES:-all}" ]; then
+  rm -rf "$RUN"; mkdir -p "$RUN"
+fi
 if [ ! -f "$RUN/pid" ]; then
+  echo "${STAGES:-all}" > "$RUN/stages"
   OUT="$RUN/out" setsid bash benchmarks/gpu_check.sh >"$RUN/console.log" 2>&1 < /dev/null &
   echo $! > "$RUN/pid"
   echo "gpu_check_bg: started (pid $(cat "$RUN/pid"), stages: ${STAGES:-all})"
