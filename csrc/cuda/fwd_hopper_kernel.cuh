@@ -75,14 +75,7 @@ struct FwdPlan {
                 "tiles keep the 1024-byte alignment of the swizzle atoms");
   static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory of an sm_90 block");
   static_assert(kThreads <= 1024 && kConsumerWGs >= 1, "one producer and 1..7 consumer warpgroups");
-  // setmaxnreg only redistributes what the launch allocated: kThreads x the per-thread cap of
-  // __launch_bounds__(kThreads, 1), a multiple of 8 (168 for 384 threads: 40 + 2 x 232 = 504)
-  static_assert(Tr::kProducerRegs + kConsumerWGs * Tr::kConsumerRegs <=
-                    (65536 / kThreads) / 8 * 8 * (1 + kConsumerWGs),
-                "setmaxnreg asks for more registers than the launch allocates");
-  static_assert(Tr::kProducerRegs % 8 == 0 && Tr::kConsumerRegs % 8 == 0 &&
-                    Tr::kProducerRegs >= 24 && Tr::kConsumerRegs <= 256,
-                "setmaxnreg takes multiples of 8 in [24, 256]");
+  static_assert(wg::RegisterSplit<kThreads, kConsumerWGs, Tr::kProducerRegs, Tr::kConsumerRegs>::kOk);
 };
 
 // The mbarriers of the plan, as shared-memory addresses.

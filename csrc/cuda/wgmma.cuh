@@ -227,6 +227,21 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// Compile-time check of a split of kThreads = 128 x (1 + kConsumerWGs) threads into one producer
+// warpgroup (kProducerRegs each) and kConsumerWGs consumer warpgroups (kConsumerRegs each):
+// setmaxnreg only redistributes what the launch allocated, kThreads x the per-thread cap of
+// __launch_bounds__(kThreads, 1), a multiple of 8 (168 for 384 threads: e.g. 40 + 2 x 232 = 504).
+// A plan instantiates it (kOk) so that its asserts fire there.
+template <int kThreads, int kConsumerWGs, int kProducerRegs, int kConsumerRegs>
+struct RegisterSplit {
+  static_assert(kThreads == 128 * (1 + kConsumerWGs), "one producer and kConsumerWGs consumer warpgroups");
+  static_assert(kProducerRegs + kConsumerWGs * kConsumerRegs <= (65536 / kThreads) / 8 * 8 * (1 + kConsumerWGs),
+                "setmaxnreg asks for more registers than the launch allocates");
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+                "setmaxnreg takes multiples of 8 in [24, 256]");
+  static constexpr bool kOk = true;
+};
+
 // Barrier among kThreads threads (whole warps) of the CTA; id 0 is __syncthreads'.
 template <int kThreads>
 __device__ __forceinline__ void named_barrier_sync(int id) {
