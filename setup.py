@@ -5,7 +5,11 @@ is found. Environment switches:
   ATTENTION_EXT_NATIVE=0     portable CPU build (no -march=native)
   TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible. A 9.0 cubin
                              is built as sm_90a (the wgmma forward needs it; same GPUs, same cost)
-  ATTN_CUDA_SKIP_HOPPER=1    no sm_90a: plain sm_90 cubins, no wgmma forward
+  ATTN_CUDA_SKIP_HOPPER=1    no sm_90a: plain sm_90 cubins, no wgmma kernels
+  ATTN_CUDA_SKIP=bwd,hdim256 faster developer builds: compile out the CUDA backward (bwd), a
+                             head-dim bucket (hdim64 / hdim128 / hdim256: it then runs on the SIMT
+                             kernels) or the wgmma kernels (hopper); a call that needs what was left
+                             out raises
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
@@ -64,8 +68,22 @@ def _arch_list():
     return archs
 
 
+_SKIPPABLE = ("bwd", "hdim64", "hdim128", "hdim256", "hopper")
+
+
+def _skips():
+    """The parts ATTN_CUDA_SKIP (comma-separated) compiles out; ATTN_CUDA_SKIP_HOPPER=1 adds hopper."""
+    parts = {x.strip().lower() for x in os.environ.get("ATTN_CUDA_SKIP", "").split(",") if x.strip()}
+    bad = parts - set(_SKIPPABLE)
+    if bad:
+        sys.exit(f"ATTN_CUDA_SKIP: unknown part(s) {sorted(bad)}; choose from {', '.join(_SKIPPABLE)}")
+    if os.environ.get("ATTN_CUDA_SKIP_HOPPER", "0").lower() not in ("", "0", "false", "off", "no"):
+        parts.add("hopper")
+    return parts
+
+
 def _skip_hopper():
-    return os.environ.get("ATTN_CUDA_SKIP_HOPPER", "0").lower() not in ("", "0", "false", "off", "no")
+    return "hopper" in _skips()
 
 
 def _gencode_flags():
@@ -104,8 +122,8 @@ def extensions():
         nvcc += gencode
         if has_sm90a:
             define_macros.append(("ATTN_CUDA_HAVE_SM90A", None))
-        if _skip_hopper():
-            define_macros.append(("ATTN_CUDA_SKIP_HOPPER", None))
+        # the generated instantiation files and dispatch.cu test these macros
+        define_macros += [("ATTN_CUDA_SKIP_" + part.upper(), None) for part in sorted(_skips())]
         if os.environ.get("NVCC_THREADS"):
             nvcc.append(f"--threads={os.environ['NVCC_THREADS']}")
         return [
