@@ -490,7 +490,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
     ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING candidates")
-    ap.add_argument("--fwd-variants", default="0-6", help="ATTN_TUNE_FWD values for --tune (e.g. 0-6 or 0,1,5)")
+    ap.add_argument("--fwd-variants", default="0-7", help="ATTN_TUNE_FWD values for --tune (e.g. 0-7 or 0,1,5)")
     ap.add_argument("--bwd-variants", default="0-12", help="ATTN_TUNE_BWD values for --tune")
     ap.add_argument("--ref", action="store_true", help="the reference shape: floors, forward and backward times")
     ap.add_argument("--options", action="store_true",

@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_check.sh                  # everything
 #   STAGES="build hopper" bash benchmarks/gpu_check.sh
 #   STAGES="sm80" bash benchmarks/gpu_check.sh    # the compute_80 PTX, JIT-compiled on the GPU (~5 min)
-#   STAGES=tune bash benchmarks/gpu_check.sh      # TUNE_FWD=0-6 TUNE_BWD=0-12 by default
+#   STAGES=tune bash benchmarks/gpu_check.sh      # TUNE_FWD=0-7 TUNE_BWD=0-12 by default
 #
 # Logs go to $OUT (default /tmp/gpu_check; at most 8 files: summary, build, res_usage, test,
 # bench log + table, ncu, sanitizer). The short summary is printed last.
@@ -167,7 +167,7 @@ fi
 
 if has tune; then
   # its logs join build.log, test.log and bench.log, its table the summary ($OUT: at most 8 files)
-  TUNE_FWD=${TUNE_FWD:-0-6} TUNE_BWD=${TUNE_BWD:-0-12}
+  TUNE_FWD=${TUNE_FWD:-0-7} TUNE_BWD=${TUNE_BWD:-0-12}
   TT="$TMPD/tune"
   mkdir -p "$TT"
   tar --exclude=./build --exclude=./.git --exclude='*.so' -cf - . | tar -xf - -C "$TT"

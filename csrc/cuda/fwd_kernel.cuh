@@ -19,9 +19,13 @@ namespace tc {
 //   kSUnroll: unroll of the S = Q K^T head-dim loop; 0 = fully (the default). A rolled loop
 //             cannot prefetch the next k-step's Q / K fragments, which keeps them from
 //             competing with O and S for registers (the loop only moves ldmatrix addresses).
-template <int kSUnroll_ = 0>
+//   kReverseM: query blocks in reverse launch order. Under a causal mask block m costs m + 1 key
+//             blocks; the launch order runs blockIdx.x fastest, so reversing it starts each
+//             head's heaviest blocks first and leaves light ones for the last wave (a shorter tail).
+template <int kSUnroll_ = 0, bool kReverseM_ = false>
 struct FwdVariant {
   static constexpr int kSUnroll = kSUnroll_;
+  static constexpr bool kReverseM = kReverseM_;
 };
 
 // kGeneral = false: the policy is plain (no softcap, ALiBi, bias or mask) and there is no
@@ -48,7 +52,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int m_block = Var::kReverseM ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z;
 
   const SeqInfo si(p, b);
   const int m0 = m_block * kBlockM;

@@ -79,7 +79,9 @@ template <int kD> struct FwdAlt<kD, 4> : FwdCfg<FwdTraits<kD>, FwdVariant<2>> {}
 // v5, v6: 32 keys with the Q K^T loop rolled / unrolled 2x (D = 128)
 template <> struct FwdAlt<128, 5> : FwdCfg<FwdTraits<128>, FwdVariant<1>, 128, 32, 4> {};
 template <> struct FwdAlt<128, 6> : FwdCfg<FwdTraits<128>, FwdVariant<2>, 128, 32, 4> {};
-constexpr int kNumFwdAlts = 6;
+// v7: the default tiles and loops, query blocks launched heaviest-first (causal tail)
+template <int kD> struct FwdAlt<kD, 7> : FwdCfg<FwdTraits<kD>, FwdVariant<0, true>> {};
+constexpr int kNumFwdAlts = 7;
 
 template <typename T, int kD, bool kGeneral, int kV>
 bool run_fwd_alt1(const FwdParams& p, cudaStream_t stream) {
