@@ -181,7 +181,7 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
 // merges them into p.o and p.lse. The tuning candidates (-DATTN_TUNING) are unsplit only.
 template <typename T, int kD>
 void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t stream) {
-  check_grid(p.h * s.num_splits, p.b, "attention fwd (split-KV)");
+  check_grid(p.h, p.b, "attention fwd (split-KV)");
   using Tr = FwdTraits<kD>;
   FwdParams ps = p;
   ps.o = s.o_accum;
