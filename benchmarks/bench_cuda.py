@@ -3,6 +3,7 @@
     python benchmarks/bench_cuda.py [--quick] [--md results.md]
     python benchmarks/bench_cuda.py --ref     # the reference shape of benchmarks/results/hopper-fwd-notes.md
     python benchmarks/bench_cuda.py --options [--md results.md]   # fp16, deterministic, masks ... (appends)
+    python benchmarks/bench_cuda.py --decode [--md results.md]    # decode steps, split-KV (appends)
     python benchmarks/bench_cuda.py --tune    # a -DATTN_TUNING build: every candidate vs SDPA flash
 
 (B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
@@ -485,6 +486,65 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
             "* = peer computes the unmasked problem\n\n" + "\n".join(lines) + "\n")
 
 
+def kernel_names(fn):
+    """The CUDA kernels fn launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
+def decode_rows(d=128, device="cuda"):
+    """Decode steps: one query row per sequence (Sq = 1) against a KV cache of Sk keys, bf16,
+    D = 128, (B, H, Hk) in {(1, 32, 8), (8, 32, 8), (32, 32, 8)}, Sk in {1k, 8k, 32k}, (B, S, H, D)
+    storage. Ours with the split-KV heuristic ("split": whether it split, from the profiler) and
+    with ATTN_CUDA_SPLITS=1 (the unsplit grid of B * H CTAs), against SDPA's flash backend in the
+    same run: with enable_gqa when it accepts that, else on K / V repeated to H heads (marked "rep";
+    the copy is made once, outside the timing). One query sees the whole cache, so no mask.
+    GB/s = the K + V bytes of the cache (B * Hk * Sk * D * 2 tensors * 2 bytes) / time for every
+    column, the repeated peer included (what a decode step has to read). x = time / our split
+    time (> 1: the split path is faster). Returns markdown."""
+    torch.manual_seed(0)
+    lines = ["| B | H | Hk | Sk | split | ours ms | GB/s | unsplit ms | GB/s | x unsplit | "
+             "SDPA flash ms | GB/s | x SDPA | peer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    args = options(d, False)
+    backend = getattr(SDPBackend, "FLASH_ATTENTION", None) if SDPBackend is not None else None
+    for sk in (1024, 8192, 32768):
+        for b, h, hk in ((1, 32, 8), (8, 32, 8), (32, 32, 8)):
+            q = torch.randn(b, 1, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+            k, v = (torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+                    for _ in range(2))
+            kv_bytes = 2 * k.numel() * k.element_size()
+            fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
+            with hopper_env(0):
+                split = any("fwd_combine_kernel" in n for n in kernel_names(fwd))
+                t_ours = cuda_time(fwd)
+                with env_set("ATTN_CUDA_SPLITS", 1):
+                    ref, _ = fwd()
+                    t_one = cuda_time(fwd)
+                out, _ = fwd()
+            diff = (out.float() - ref.float()).abs().max().item()
+            assert diff <= 2e-2, f"split and unsplit outputs differ by {diff} (B={b} Sk={sk})"
+            dout = torch.zeros_like(q)
+            fns, peer = sdpa_backend_fns(backend, q, k, v, dout, enable_gqa=True), "gqa"
+            if fns is None:
+                kr, vr = (t.repeat_interleave(h // hk, dim=1) for t in (k, v))
+                fns, peer = sdpa_backend_fns(backend, q, kr, vr, dout), "rep"
+            t_peer = cuda_time(fns[0]) if fns else float("nan")
+            gbs = lambda t: f"{kv_bytes / t / 1e9:.0f}" if t == t else "n/a"
+            lines.append(f"| {b} | {h} | {hk} | {sk} | {'yes' if split else 'no'} | {1e3 * t_ours:.3f} | "
+                         f"{gbs(t_ours)} | {1e3 * t_one:.3f} | {gbs(t_one)} | {t_one / t_ours:.2f} | "
+                         f"{1e3 * t_peer:.3f} | {gbs(t_peer)} | {t_peer / t_ours:.2f} | "
+                         f"{peer if fns else 'refused'} |")
+            print(lines[-1], flush=True)
+            del q, k, v, fns
+    return (f"Decode (Sq = 1), bf16, D={d}; ours = split-KV heuristic, unsplit = ATTN_CUDA_SPLITS=1; "
+            "GB/s = K + V cache bytes / time; x = that time / ours\n\n" + "\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -495,6 +555,8 @@ def main():
     ap.add_argument("--ref", action="store_true", help="the reference shape: floors, forward and backward times")
     ap.add_argument("--options", action="store_true",
                     help="fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout vs SDPA")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode steps (Sq = 1, KV cache 1k-32k, GQA): split-KV vs unsplit vs SDPA flash")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")):
         print("bench_cuda: needs a GPU and the compiled CUDA kernels; skipped")
@@ -505,8 +567,8 @@ def main():
     if args.tune:
         tune(parse_variants(args.fwd_variants), parse_variants(args.bwd_variants))
         return
-    if args.options:
-        md = option_rows()
+    if args.options or args.decode:
+        md = "\n".join(f() for f, on in ((option_rows, args.options), (decode_rows, args.decode)) if on)
         if args.md:
             with open(args.md, "a") as f:
                 f.write("\n" + md)

@@ -163,6 +163,9 @@ if has bench; then
   # fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout: appended to bench.md
   timeout 240 python3 benchmarks/bench_cuda.py --options --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
   note "bench --options: rc=$?"
+  # decode steps (Sq = 1, KV cache): split-KV heuristic vs ATTN_CUDA_SPLITS=1 vs SDPA flash, appended
+  timeout 240 python3 benchmarks/bench_cuda.py --decode --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
+  note "bench --decode: rc=$?"
 fi
 
 if has tune; then
@@ -220,6 +223,14 @@ run(1, 2, 2, 33, 65, 128, f16, bias=torch.randn(1, 2, 33, 65, device="cuda"), dr
 run(1, 2, 2, 40, 40, 256, bf, sinks=torch.randn(2, device="cuda"), deterministic=True)
 run(1, 2, 1, 20, 30, 80, bf, window_left=5, window_right=3, seqlens_k=torch.tensor([17], device="cuda", dtype=torch.int32))
 run(1, 2, 2, 20, 30, 36, torch.float32, softcap=3.0)
+# split-KV forward (forced splits, more than key blocks in the second): the scratch and the combine
+import os
+os.environ["ATTN_CUDA_SPLITS"] = "3"
+run(2, 4, 2, 1, 700, 128, bf, window_right=0, bottom_right=True, sinks=torch.randn(4, device="cuda"),
+    seqlens_k=torch.tensor([700, 100], device="cuda", dtype=torch.int32))
+os.environ["ATTN_CUDA_SPLITS"] = "64"
+run(1, 2, 1, 7, 300, 64, f16, bias=torch.randn(1, 2, 7, 300, device="cuda"), dropout_p=0.2)
+del os.environ["ATTN_CUDA_SPLITS"]
 print("sanitizer cases done")
 PY
   for tool in memcheck racecheck; do

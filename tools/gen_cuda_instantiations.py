@@ -32,12 +32,16 @@ def tc_file(direction: str, name: str, ctype: str, d: int) -> str:
     guard = f"!defined(ATTN_CUDA_SKIP_HDIM{d})"
     if direction == "bwd":
         guard += " && !defined(ATTN_CUDA_SKIP_BWD)"
+    # the forward file also holds the split-KV (flash-decoding) launcher of the same bucket
+    split = (f"template void run_fwd_tc_split<{ctype}, {d}>(const FwdParams&, const FwdSplitScratch&, "
+             "cudaStream_t);\n") if direction == "fwd" else ""
     return (
         f"{HEADER}#if {guard}\n"
         '#include "launch_template.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_{direction}_tc<{ctype}, {d}>(const "
         f"{'FwdParams' if direction == 'fwd' else 'BwdParams'}&, cudaStream_t);\n"
+        f"{split}"
         "}  // namespace attn\n"
         "#endif\n"
     )

@@ -69,8 +69,21 @@ std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tens
   }
   if (q.numel() == 0) return {out, lse};
   const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
+  const attn::DType dt = attn::api::dtype_of(q);
   try {
-    attn::cuda_fwd(p, attn::api::dtype_of(q), c10::cuda::getCurrentCUDAStream().stream());
+    // split-KV scratch (float32, on the current stream's allocator): partial O and LSE per split
+    attn::FwdSplitScratch split;
+    Tensor o_accum, lse_accum;
+    split.num_splits = attn::cuda_fwd_num_splits(p, dt);
+    if (split.num_splits > 1) {
+      const auto f32 = q.options().dtype(at::kFloat);
+      split.rows = q.size(2);  // (B, H, Sq, D) or the varlen pack (1, H, total_q, D)
+      o_accum = at::empty({int64_t(attn::cuda_fwd_split_floats(p, split.num_splits, q.size(0), split.rows, true))}, f32);
+      lse_accum = at::empty({int64_t(attn::cuda_fwd_split_floats(p, split.num_splits, q.size(0), split.rows, false))}, f32);
+      split.o_accum = o_accum.data_ptr<float>();
+      split.lse_accum = lse_accum.data_ptr<float>();
+    }
+    attn::cuda_fwd(p, dt, c10::cuda::getCurrentCUDAStream().stream(), split);
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, "attention_ext: ", e.what());
   }

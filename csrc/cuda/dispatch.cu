@@ -14,10 +14,17 @@
 // The sm_90a wgmma backward (bwd_hopper_kernel.cuh) is opt-in the same way, on its own switch:
 // ATTN_CUDA_HOPPER_BWD=1 sends what use_hopper_bwd() accepts there (after the same preprocess,
 // and followed by the same dq_accum conversion, as the mma.sync backward's atomic-dQ mode).
+//
+// Split-KV (flash-decoding): a forward on the mma.sync kernels whose grid would leave most SMs
+// idle (few query blocks x heads x batch, e.g. a decode step) splits each query block's visible
+// key blocks over num_splits CTAs and merges their partials in a combine kernel
+// (cuda_fwd_num_splits; the caller allocates the scratch). Dropout is supported in splits: the
+// mask is drawn at the same (row, key) coordinates.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvtx3/nvToolsExt.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -63,6 +70,24 @@ int device_sm() {
     throw std::runtime_error("attention: cannot query the current CUDA device");
   }
   return major * 10 + minor;
+}
+
+// Streaming multiprocessors of the current device, queried once per device.
+int device_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("attention: cannot query the current CUDA device");
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int n = cache[dev].load(std::memory_order_relaxed);
+    if (n > 0) return n;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+    throw std::runtime_error("attention: cannot query the SM count of the current CUDA device");
+  }
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
 }
 
 bool bucket_compiled(int bucket) {
@@ -195,6 +220,22 @@ void fwd_tc(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
+template <typename T>
+void fwd_tc_split(const FwdParams& p, const FwdSplitScratch& split, cudaStream_t stream) {
+  switch (bucket_for_head_dim(p.d)) {
+#if !defined(ATTN_CUDA_SKIP_HDIM64)
+    case 64: run_fwd_tc_split<T, 64>(p, split, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM128)
+    case 128: run_fwd_tc_split<T, 128>(p, split, stream); return;
+#endif
+#if !defined(ATTN_CUDA_SKIP_HDIM256)
+    case 256: run_fwd_tc_split<T, 256>(p, split, stream); return;
+#endif
+    default: throw std::runtime_error("attention fwd: head-dim bucket not compiled");
+  }
+}
+
 #if ATTN_HOPPER_FWD
 // One case per compiled bucket; use_hopper_fwd() never picks a missing one.
 template <typename T>
@@ -247,6 +288,43 @@ void bwd_tc(const BwdParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+constexpr int kMaxSplits = 128;
+
+int cuda_fwd_num_splits(const FwdParams& p, DType dt) {
+  if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
+  if (use_hopper_fwd(p, dt) || !use_tensor_cores(p, dt)) return 1;
+  if (const char* env = std::getenv("ATTN_CUDA_SPLITS"); env != nullptr && env[0] != '\0') {
+    const int n = std::atoi(env);
+    if (n >= 1) return n < kMaxSplits ? n : kMaxSplits;  // else (0, garbage): the heuristic
+  }
+#if defined(ATTN_TUNING)
+  if (std::getenv("ATTN_TUNE_FWD") != nullptr && std::atoi(std::getenv("ATTN_TUNE_FWD")) != 0) {
+    return 1;  // the tuning candidates are timed unsplit
+  }
+#endif
+  int block_m = 0, block_n = 0;
+  switch (bucket_for_head_dim(p.d)) {
+    case 64: block_m = FwdTraits<64>::kBlockM; block_n = FwdTraits<64>::kBlockN; break;
+    case 128: block_m = FwdTraits<128>::kBlockM; block_n = FwdTraits<128>::kBlockN; break;
+    default: block_m = FwdTraits<256>::kBlockM; block_n = FwdTraits<256>::kBlockN; break;
+  }
+  // FA2-like: split only when the unsplit grid fills well under one wave (< 0.8 x SMs), into
+  // enough CTAs for about two per SM (the mma.sync forward fits two per SM by registers), keeping
+  // >= 4 key blocks per split so each amortizes its Q load and the combine pass.
+  const int64_t ctas = int64_t((p.sq + block_m - 1) / block_m) * p.h * p.b;
+  const int sms = device_sm_count();
+  if (ctas * 5 >= int64_t(sms) * 4) return 1;
+  const int64_t key_blocks = (int64_t(p.sk) + block_n - 1) / block_n;
+  int64_t n = (2 * int64_t(sms) + ctas - 1) / ctas;
+  n = n < key_blocks / 4 ? n : key_blocks / 4;
+  n = n < kMaxSplits ? n : kMaxSplits;
+  return n >= 2 ? int(n) : 1;
+}
+
+size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o) {
+  return size_t(batch_t) * p.h * num_splits * rows * (o ? p.d : 1);
+}
+
 const char* cuda_path_name(const FwdParams& p, DType dt) {
   if (use_hopper_fwd(p, dt)) return "hopper-wgmma";
   return use_tensor_cores(p, dt) ? "tensor-core" : "simt";
@@ -259,7 +337,7 @@ size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt) {
   return size_t(p.b) * p.h * p.sq * bucket_for_head_dim(p.d);
 }
 
-void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream) {
+void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split) {
   NvtxRange range("attention_ext::cuda_fwd");
   validate(p, "attention fwd");
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
@@ -271,6 +349,14 @@ void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream) {
   }
 #endif
   if (use_tensor_cores(p, dt)) {
+    if (split.num_splits > 1) {
+      if (split.o_accum == nullptr || split.lse_accum == nullptr) {
+        throw std::runtime_error("attention fwd: split-KV scratch is missing");
+      }
+      if (dt == DType::kF16) fwd_tc_split<__half>(p, split, stream);
+      else fwd_tc_split<__nv_bfloat16>(p, split, stream);
+      return;
+    }
     if (dt == DType::kF16) fwd_tc<__half>(p, stream);
     else fwd_tc<__nv_bfloat16>(p, stream);
     return;

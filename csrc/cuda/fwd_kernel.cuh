@@ -1,4 +1,6 @@
-// Tensor-core forward (sm_80+, fp16/bf16): one CTA per (query block, head, batch).
+// Tensor-core forward (sm_80+, fp16/bf16): one CTA per (query block, head, batch), or with
+// split-KV (flash-decoding, FwdSplit) per (query block x key split, head, batch) followed by
+// fwd_combine_kernel.
 //
 // Each warp owns 16 * kMT consecutive query rows. Per key block: S = Q K^T on mma.sync with
 // both operands read by ldmatrix from swizzled shared memory, the online softmax in registers,
@@ -7,6 +9,7 @@
 // V[n] streams in during S = Q K^T and the softmax, K[n-1] during P V.
 #pragma once
 
+#include "common/split_merge.h"
 #include "kernel_common.cuh"
 #include "mma.cuh"
 #include "traits.h"
@@ -19,14 +22,69 @@ namespace tc {
 //   kSUnroll: unroll of the S = Q K^T head-dim loop; 0 = fully (the default). A rolled loop
 //             cannot prefetch the next k-step's Q / K fragments, which keeps them from
 //             competing with O and S for registers (the loop only moves ldmatrix addresses).
-//   kReverseM: query blocks in reverse launch order. Under a causal mask block m costs m + 1 key
-//             blocks; the launch order runs blockIdx.x fastest, so reversing it starts each
-//             head's heaviest blocks first and leaves light ones for the last wave (a shorter tail).
-template <int kSUnroll_ = 0, bool kReverseM_ = false>
+template <int kSUnroll_ = 0>
 struct FwdVariant {
   static constexpr int kSUnroll = kSUnroll_;
-  static constexpr bool kReverseM = kReverseM_;
+  static constexpr bool kReverseM = false;
+  static constexpr bool kSplit = false;
 };
+
+// Query blocks in reverse launch order. Under a causal mask block m costs m + 1 key blocks; the
+// launch order runs blockIdx.x fastest, so reversing it starts each head's heaviest blocks first
+// and leaves light ones for the last wave (a shorter tail). A member, as kSplit below, so that
+// FwdVariant<...> and the unchanged kernels keep their names.
+template <typename Base>
+struct FwdReverseM : Base {
+  static constexpr bool kReverseM = true;
+};
+
+// The split-KV (flash-decoding) instance of a schedule: grid.x = query blocks x num_splits
+// (splits fastest); CTA `split` runs its share of the visible key blocks and writes its partial
+// (lse_s, O_s) without the sink, in fp32, through p.o / p.lse, which the launcher points at the
+// scratch with query head h * num_splits + split (run_fwd_tc_split). A member rather than a
+// template parameter of the kernel: FwdVariant<...> and so the unsplit kernels' names and code
+// stay as they were.
+template <typename Base>
+struct FwdSplit : Base {
+  static constexpr bool kSplit = true;
+};
+
+// Split-KV epilogue of one warp (rows [i0, i0 + 16 * kMT) of the sequence, of which the first
+// `rows` exist): the partial lse_s without the sink and O_s = O / l_s (times the dropout rescale)
+// in fp32, through p.o / p.lse at query head hs. Empty or fully masked rows (l = 0) write
+// lse_s = -inf and O_s = 0. O goes out as float2 per lane, unstaged: split calls are few-row.
+template <int kMT, int kDT>
+__device__ __forceinline__ void store_split_partial(const FwdParams& p, const SeqInfo& si, int b,
+                                                    int hs, int i0, int rows,
+                                                    float (&acc_o)[kMT][kDT][4],
+                                                    const float (&row_m)[kMT][2],
+                                                    const float (&row_l)[kMT][2], float rdrop,
+                                                    int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float l = row_l[mt][hf];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      float lse, factor;
+      finish_row(row_m[mt][hf], l, false, -INFINITY, rdrop, &lse, &factor);
+      const int r = mt * 16 + g + hf * 8;
+      if (r >= rows) continue;
+      if (c == 0) p.lse[lse_index(p, si, b, hs, i0 + r)] = lse;
+      float* o = static_cast<float*>(p.o) +
+                 si.q_offset(p, b, hs, i0 + r, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        if (dt * 8 < p.d) {
+          *reinterpret_cast<float2*>(o + dt * 8 + 2 * c) =
+              make_float2(acc_o[mt][dt][2 * hf] * factor, acc_o[mt][dt][2 * hf + 1] * factor);
+        }
+      }
+    }
+  }
+}
 
 // kGeneral = false: the policy is plain (no softcap, ALiBi, bias or mask) and there is no
 // dropout, so only the window/length check remains; a separate instantiation keeps the
@@ -52,8 +110,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int m_block = Var::kReverseM ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z;
+  int m_block = blockIdx.x, split = 0, num_splits = 1;
+  if constexpr (Var::kSplit) {
+    num_splits = gridDim.x / ((p.sq + kBlockM - 1) / kBlockM);
+    m_block = blockIdx.x / num_splits;
+    split = blockIdx.x % num_splits;
+  } else if constexpr (Var::kReverseM) {
+    m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  }
 
   const SeqInfo si(p, b);
   const int m0 = m_block * kBlockM;
@@ -68,6 +133,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
+  if constexpr (Var::kSplit) {
+    // ceil(n / num_splits) of the n visible blocks per split; the last splits may be empty
+    const int per = (n_hi - n_lo + num_splits - 1) / num_splits;
+    n_lo = imin(n_hi, n_lo + split * per);
+    n_hi = imin(n_hi, n_lo + per);
+  }
 
   const bool plain = !kGeneral || policy_is_plain(pol);
   const float scale_log2 = p.scale * kLog2e;
@@ -196,6 +267,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 
   // ---- epilogue: normalize, LSE, stage O through shared memory for 16-byte stores
   const float rdrop = dropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+  if constexpr (Var::kSplit) {
+    store_split_partial<kMT, kDT>(p, si, b, h * num_splits + split, m0 + wm, rows_q - wm, acc_o,
+                                  row_m, row_l, rdrop, lane);
+    return;
+  }
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -242,6 +318,45 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
                    : "r"(sQ + TileQ::offset(r, ch * 8)));
       *reinterpret_cast<uint4*>(o + int64_t(r) * p.o_row_stride + ch * 8) = val;
     }
+  }
+}
+
+// Split-KV combine: one warp per query row (kCombineRows rows per CTA, grid (row blocks, H, B)),
+// merging the num_splits partials that the FwdSplit kernel wrote through ps (p's sizes, the fp32
+// scratch with query head h * num_splits + s) into O (T) and the LSE through p, with the sink
+// entering here, once. Each lane owns 4 consecutive columns per 128.
+constexpr int kCombineRows = 4;
+template <typename T, int kD>
+__global__ void __launch_bounds__(kCombineRows * 32)
+    fwd_combine_kernel(const FwdParams p, const FwdParams ps, int num_splits) {
+  using Ops = TypeOps<T>;
+  const int lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kCombineRows + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  if (i >= si.len_q) return;
+  const int hs = h * num_splits;  // split s is query head hs + s of the scratch
+  const float* lse_s = ps.lse + lse_index(ps, si, b, hs, i);
+  const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+  const float lse = merge_split_lse<float>(lse_s, num_splits, ps.lse_head_stride, p.sinks != nullptr, sink);
+  if (lane == 0 && p.lse != nullptr) p.lse[lse_index(p, si, b, h, i)] = lse;
+  const float* o_s =
+      static_cast<const float*>(ps.o) + si.q_offset(ps, b, hs, i, ps.o_batch_stride, ps.o_head_stride, ps.o_row_stride);
+  T* o = o_ptr<T>(p, si, b, h, i);
+#pragma unroll
+  for (int c0 = 0; c0 < kD; c0 += 128) {
+    const int c = c0 + lane * 4;
+    if (c >= p.d) break;  // d % 8 == 0 on this path: a chunk is whole
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < num_splits; ++s) {
+      const float w = split_weight(lse_s[s * ps.lse_head_stride], lse);
+      if (w == 0.f) continue;  // an empty split (O_s = 0) or a negligible one
+      const float4 x = *reinterpret_cast<const float4*>(o_s + s * ps.o_head_stride + c);
+      acc.x += w * x.x;
+      acc.y += w * x.y;
+      acc.z += w * x.z;
+      acc.w += w * x.w;
+    }
+    *reinterpret_cast<uint2*>(o + c) = make_uint2(Ops::pack(acc.x, acc.y), Ops::pack(acc.z, acc.w));
   }
 }
 

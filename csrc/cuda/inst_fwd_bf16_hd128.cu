@@ -4,5 +4,6 @@
 
 namespace attn {
 template void run_fwd_tc<__nv_bfloat16, 128>(const FwdParams&, cudaStream_t);
+template void run_fwd_tc_split<__nv_bfloat16, 128>(const FwdParams&, const FwdSplitScratch&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -12,8 +12,26 @@
 
 namespace attn {
 
-// Forward: writes p.o and p.lse.
-void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream);
+// Split-KV (flash-decoding) scratch of the forward, float32: partial O (B_t, H, num_splits,
+// rows, d) and partial LSE (B_t, H, num_splits, rows), (B_t, rows) = q's batch and row dims:
+// (B, Sq) padded, (1, total_q) varlen. Sizes: cuda_fwd_split_floats().
+struct FwdSplitScratch {
+  int num_splits = 1;  // <= 1: no split
+  int64_t rows = 0;
+  float* o_accum = nullptr;
+  float* lse_accum = nullptr;
+};
+
+// How many key splits the forward of this config runs: 1 unless it takes the mma.sync kernels;
+// then ATTN_CUDA_SPLITS=N (read on every call; 1 = never split, clamped to 128), else the
+// heuristic (dispatch.cu). The caller allocates the scratch for that many (if > 1).
+int cuda_fwd_num_splits(const FwdParams& p, DType dt);
+// Floats of the O (o = true) or LSE scratch for num_splits splits and q's dims (B_t, rows).
+size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o);
+
+// Forward: writes p.o and p.lse. split: scratch for split.num_splits > 1 splits, as
+// cuda_fwd_num_splits() returned for p (else the forward is unsplit).
+void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split = {});
 
 // Backward: writes p.dq, p.dk, p.dv and, when not null, p.dbias (zeroed first, then filled:
 // dense (B, H, Sq_b, Sk) float32) and p.dsinks ((B, H) float32, zeroed first).

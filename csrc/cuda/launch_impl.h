@@ -7,11 +7,15 @@
 #include <cuda_runtime.h>
 
 #include "common/params.h"
+#include "launch.h"  // FwdSplitScratch
 
 namespace attn {
 
 template <typename T, int kD>
 void run_fwd_tc(const FwdParams& p, cudaStream_t stream);
+// The split-KV forward (launch_template.cuh): FwdSplit kernel, then the combine.
+template <typename T, int kD>
+void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t stream);
 template <typename T, int kD>
 void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preprocess
 

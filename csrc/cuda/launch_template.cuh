@@ -27,14 +27,15 @@ inline int current_sm() {
 }
 
 // Tr: the tile config (kBlockM, kBlockN, kNWarps): FwdTraits<kD> or a tuning alternative.
-// Var: the kernel's schedule (tc::FwdVariant).
+// Var: the kernel's schedule (tc::FwdVariant, or tc::FwdSplit of one with num_splits CTAs per
+// query block).
 template <typename T, int kD, typename Tr, bool kGeneral, typename Var = tc::FwdVariant<>>
-void run_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
+void run_fwd_cfg(const FwdParams& p, cudaStream_t stream, int num_splits = 1) {
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
   constexpr int kSmem = fwd_smem_bytes<kD, kBlockM, kBlockN>();
   auto kernel = tc::fwd_kernel<T, kD, kBlockM, kBlockN, kNWarps, kGeneral, Var>;
   set_smem(kernel, kSmem, "attention fwd");
-  dim3 grid((p.sq + kBlockM - 1) / kBlockM, p.h, p.b);
+  dim3 grid((p.sq + kBlockM - 1) / kBlockM * num_splits, p.h, p.b);
   kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
   check_launch("attention fwd (tensor cores)");
 }
@@ -80,7 +81,7 @@ template <int kD> struct FwdAlt<kD, 4> : FwdCfg<FwdTraits<kD>, FwdVariant<2>> {}
 template <> struct FwdAlt<128, 5> : FwdCfg<FwdTraits<128>, FwdVariant<1>, 128, 32, 4> {};
 template <> struct FwdAlt<128, 6> : FwdCfg<FwdTraits<128>, FwdVariant<2>, 128, 32, 4> {};
 // v7: the default tiles and loops, query blocks launched heaviest-first (causal tail)
-template <int kD> struct FwdAlt<kD, 7> : FwdCfg<FwdTraits<kD>, FwdVariant<0, true>> {};
+template <int kD> struct FwdAlt<kD, 7> : FwdCfg<FwdTraits<kD>, tc::FwdReverseM<FwdVariant<>>> {};
 constexpr int kNumFwdAlts = 7;
 
 template <typename T, int kD, bool kGeneral, int kV>
@@ -172,6 +173,36 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
   } else {
     run_fwd_tc_impl<T, kD, false>(p, stream);
   }
+}
+
+// Split-KV forward (flash-decoding): the FwdSplit kernel (default tiles, plain or general as
+// run_fwd_tc picks) writes num_splits partials per query row into the fp32 scratch, laid out as
+// p's tensors with query head h * num_splits + s: O (B_t, H * num_splits, rows, d), LSE
+// (B_t, H * num_splits, rows), where (B_t, rows) are q's batch and row dims ((1, total_q) for
+// varlen, whose rows are then addressed from SeqInfo::row_q as in p); then fwd_combine_kernel
+// merges them into p.o and p.lse. The tuning candidates (-DATTN_TUNING) are unsplit only.
+template <typename T, int kD>
+void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t stream) {
+  check_grid(p.h, p.b, "attention fwd (split-KV)");
+  using Tr = FwdTraits<kD>;
+  FwdParams ps = p;
+  ps.o = s.o_accum;
+  ps.lse = s.lse_accum;
+  ps.o_row_stride = p.d;
+  ps.o_head_stride = s.rows * p.d;
+  ps.o_batch_stride = int64_t(p.h) * s.num_splits * ps.o_head_stride;
+  ps.lse_head_stride = s.rows;
+  ps.lse_batch_stride = int64_t(p.h) * s.num_splits * s.rows;
+  const bool general = p.softcap > 0.f || p.alibi_slopes != nullptr ||
+                       p.bias_kind != BiasKind::kNone || p.dropout_p > 0.f;
+  if (general) {
+    run_fwd_cfg<T, kD, Tr, true, tc::FwdSplit<tc::FwdVariant<>>>(ps, stream, s.num_splits);
+  } else {
+    run_fwd_cfg<T, kD, Tr, false, tc::FwdSplit<tc::FwdVariant<>>>(ps, stream, s.num_splits);
+  }
+  dim3 grid((p.sq + tc::kCombineRows - 1) / tc::kCombineRows, p.h, p.b);
+  tc::fwd_combine_kernel<T, kD><<<grid, tc::kCombineRows * 32, 0, stream>>>(p, ps, s.num_splits);
+  check_launch("attention fwd split-KV combine");
 }
 
 // Tr: the tile config (kBlockM, kBlockN, kNWarps): BwdTraits<kD>, BwdTraitsSm90<kD> or a tuning
