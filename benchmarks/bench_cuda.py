@@ -519,7 +519,7 @@ def decode_rows(d=128, device="cuda"):
                     for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
             fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
-            with hopper_env(0):
+            with hopper_env(0), env_set("ATTN_CUDA_SPLITS", "auto"):
                 split = any("fwd_combine_kernel" in n for n in kernel_names(fwd))
                 t_ours = cuda_time(fwd)
                 with env_set("ATTN_CUDA_SPLITS", 1):

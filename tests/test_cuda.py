@@ -388,13 +388,17 @@ def test_split_path_runs_and_matches_unsplit(monkeypatch):
 
 
 def test_split_heuristic(monkeypatch):
-    """Unset ATTN_CUDA_SPLITS: a decode step with a long cache (8 CTAs unsplit) splits; a grid that
-    fills the GPU (thousands of CTAs) does not."""
+    """ATTN_CUDA_SPLITS=auto: a decode step with a long cache (8 CTAs unsplit) splits; a grid that
+    fills the GPU (thousands of CTAs) does not. Unset (split-KV is opt-in until verified on a
+    GPU): nothing splits."""
     monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
     monkeypatch.delenv("ATTN_CUDA_SPLITS", raising=False)
     monkeypatch.delenv("ATTN_TUNE_FWD", raising=False)
     q, k, v = randn(1, 8, 1, 128, dtype=torch.bfloat16), randn(1, 2, 8192, 128, dtype=torch.bfloat16), \
         randn(1, 2, 8192, 128, dtype=torch.bfloat16)
+    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v)))
+    assert not any("fwd_combine_kernel" in x for x in names), f"split without opting in: {sorted(names)}"
+    monkeypatch.setenv("ATTN_CUDA_SPLITS", "auto")
     names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v)))
     assert any("fwd_combine_kernel" in x for x in names), f"decode did not split: {sorted(names)}"
     q, k, v = (randn(8, 32, 1024, 128, dtype=torch.bfloat16) for _ in range(3))

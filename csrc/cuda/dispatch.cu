@@ -19,8 +19,10 @@
 // idle (few query blocks x heads x batch, e.g. a decode step) splits each query block's visible
 // key blocks over num_splits CTAs and merges their partials in a combine kernel
 // (cuda_fwd_num_splits; the caller allocates the scratch). Dropout is supported in splits: the
-// mask is drawn at the same (row, key) coordinates.
+// mask is drawn at the same (row, key) coordinates. Opt-in until verified on a GPU:
+// ATTN_CUDA_SPLITS=auto (the heuristic) or =N.
 #include <cuda_bf16.h>
+#include <cstring>
 #include <cuda_fp16.h>
 #include <nvtx3/nvToolsExt.h>
 
@@ -293,9 +295,12 @@ constexpr int kMaxSplits = 128;
 int cuda_fwd_num_splits(const FwdParams& p, DType dt) {
   if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
   if (use_hopper_fwd(p, dt) || !use_tensor_cores(p, dt)) return 1;
-  if (const char* env = std::getenv("ATTN_CUDA_SPLITS"); env != nullptr && env[0] != '\0') {
-    const int n = std::atoi(env);
-    if (n >= 1) return n < kMaxSplits ? n : kMaxSplits;  // else (0, garbage): the heuristic
+  // Opt-in until a GPU has run it (as the wgmma kernels): unset = never split, "auto" = the
+  // heuristic below, N >= 1 = N splits (at most kMaxSplits).
+  const char* env = std::getenv("ATTN_CUDA_SPLITS");
+  if (env == nullptr || std::strcmp(env, "auto") != 0) {
+    const int n = env != nullptr ? std::atoi(env) : 1;
+    return n < 1 ? 1 : (n < kMaxSplits ? n : kMaxSplits);
   }
 #if defined(ATTN_TUNING)
   if (std::getenv("ATTN_TUNE_FWD") != nullptr && std::atoi(std::getenv("ATTN_TUNE_FWD")) != 0) {
