@@ -367,11 +367,8 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    float l = row_l[hf];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
     float lse, factor;
-    finish_row(row_m[hf], l, p.sinks != nullptr, sink, 1.f, &lse, &factor);
+    finish_row(row_m[hf], row_l[hf], p.sinks != nullptr, sink, 1.f, &lse, &factor);
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       acc_o[4 * dt + 2 * hf] *= factor;

@@ -65,11 +65,8 @@ __device__ __forceinline__ void store_split_partial(const FwdParams& p, const Se
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float l = row_l[mt][hf];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
       float lse, factor;
-      finish_row(row_m[mt][hf], l, false, -INFINITY, rdrop, &lse, &factor);
+      finish_row(row_m[mt][hf], row_l[mt][hf], false, -INFINITY, rdrop, &lse, &factor);
       const int r = mt * 16 + g + hf * 8;
       if (r >= rows) continue;
       if (c == 0) p.lse[lse_index(p, si, b, hs, i0 + r)] = lse;
@@ -277,11 +274,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float l = row_l[mt][hf];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
       float lse, factor;
-      finish_row(row_m[mt][hf], l, p.sinks != nullptr, sink, rdrop, &lse, &factor);
+      finish_row(row_m[mt][hf], row_l[mt][hf], p.sinks != nullptr, sink, rdrop, &lse, &factor);
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         acc_o[mt][dt][2 * hf] *= factor;
