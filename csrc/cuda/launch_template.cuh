@@ -35,7 +35,7 @@ void run_fwd_cfg(const FwdParams& p, cudaStream_t stream) {
   auto kernel = tc::fwd_kernel<T, kD, kBlockM, kBlockN, kNWarps, kGeneral, Var>;
   set_smem(kernel, kSmem, "attention fwd");
   dim3 grid((p.sq + kBlockM - 1) / kBlockM, p.h, p.b);
-  kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
+  ATTN_LAUNCH(kernel, grid, kNWarps * 32, kSmem, stream)(p);
   check_launch("attention fwd (tensor cores)");
 }
 
@@ -184,7 +184,7 @@ void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
   auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout, Var>;
   set_smem(kernel, kSmem, "attention bwd dk/dv");
   dim3 grid(((p.sk + kBlockN - 1) / kBlockN) * (kD / kDAcc), p.h_k, p.b);
-  kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
+  ATTN_LAUNCH(kernel, grid, kNWarps * 32, kSmem, stream)(p);
   check_launch("attention bwd dk/dv (tensor cores)");
 }
 
@@ -209,7 +209,7 @@ void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
         tc::bwd_dq_kernel<T, kD, Tr::kDAcc, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>;
     set_smem(kernel, kSmem, "attention bwd dq");
     dim3 grid(((p.sq + Tr::kBlockM - 1) / Tr::kBlockM) * (kD / Tr::kDAcc), p.h, p.b);
-    kernel<<<grid, Tr::kNWarps * 32, kSmem, stream>>>(p);
+    ATTN_LAUNCH(kernel, grid, Tr::kNWarps * 32, kSmem, stream)(p);
     check_launch("attention bwd dq (tensor cores)");
   } else {
     run_bwd_convert_dq<T>(p, kD, stream);
@@ -230,7 +230,7 @@ template <typename T>
 void run_fwd_simt(const FwdParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention fwd");
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::fwd_kernel<T><<<grid, 32 * simt::kRowsPerBlock, 0, stream>>>(p);
+  ATTN_LAUNCH(simt::fwd_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p);
   check_launch("attention fwd (simt)");
 }
 
@@ -238,14 +238,14 @@ template <typename T>
 void run_bwd_preprocess(const BwdParams& p, int dq_ld, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::bwd_preprocess_kernel<T><<<grid, 32 * simt::kRowsPerBlock, 0, stream>>>(p, dq_ld);
+  ATTN_LAUNCH(simt::bwd_preprocess_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p, dq_ld);
   check_launch("attention bwd preprocess");
 }
 
 template <typename T>
 void run_bwd_convert_dq(const BwdParams& p, int dq_ld, cudaStream_t stream) {
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::bwd_convert_dq_kernel<T><<<grid, 32 * simt::kRowsPerBlock, 0, stream>>>(p, dq_ld);
+  ATTN_LAUNCH(simt::bwd_convert_dq_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p, dq_ld);
   check_launch("attention bwd dq convert");
 }
 
@@ -253,10 +253,10 @@ template <typename T>
 void run_bwd_simt(const BwdParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   dim3 grid_k((p.sk + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h_k, p.b);
-  simt::bwd_dkdv_kernel<T><<<grid_k, 32 * simt::kRowsPerBlock, 0, stream>>>(p);
+  ATTN_LAUNCH(simt::bwd_dkdv_kernel<T>, grid_k, 32 * simt::kRowsPerBlock, 0, stream)(p);
   check_launch("attention bwd dk/dv (simt)");
   dim3 grid_q((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::bwd_dq_kernel<T><<<grid_q, 32 * simt::kRowsPerBlock, 0, stream>>>(p);
+  ATTN_LAUNCH(simt::bwd_dq_kernel<T>, grid_q, 32 * simt::kRowsPerBlock, 0, stream)(p);
   check_launch("attention bwd dq (simt)");
 }
 

@@ -1,0 +1,166 @@
+"""The CUDA kernels (mma.sync forward and backward, SIMT) run on the CPU by the host emulator
+(csrc/cuda/emu), against reference.py in float64 with test_cuda.py's rule: error <= 2x PyTorch's
+own same-dtype error, plus a small floor.
+
+The emulator compiles the kernels and their launch sequence (dispatch.cu, launch_template.cuh)
+with g++, emulating ldmatrix / mma.sync / cp.async / shuffles with the PTX fragment layouts and
+running the threads of a block as fibers (see csrc/cuda/emu/cuda_emu.h). The default kernels
+passed test_cuda.py on an H100, so a failure here on a default kernel points at the emulator
+first. What this catches on every CI run: index math, masking, tiling, launch grids and shared
+memory sizes, missing barriers between cp.async and readers. What it cannot: timing, real
+concurrency between blocks, register spills, the approximation error of ex2.approx.
+
+test_cuda.py's checks are reused as they are: its run_kernel (the op call) and device are
+swapped for the emulator and the CPU. Outputs and scratch start as NaN (emu_binding.cpp).
+Skips when there is no C++ compiler or no CUDA headers (cuda_fp16.h); needs no GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cuda_emu
+import test_cuda as tc
+
+ops = pytest.importorskip("attention_ext.ops")
+
+# arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
+ARCHS = (90, 80)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = cuda_emu.load()
+    if e is None:
+        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
+    return e
+
+
+def emulate(monkeypatch, emu, arch=90):
+    """Route test_cuda's helpers to the emulator on CPU tensors."""
+
+    def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
+        args = tc.call_fwd(q, k, v, **o)
+        out, lse = emu.fwd(q, k, v, *args, arch)
+        grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, arch)
+        return out, lse, grads
+
+    monkeypatch.setattr(tc, "DEV", "cpu")
+    monkeypatch.setattr(tc, "run_kernel", run_kernel)
+    return run_kernel
+
+
+def needs_dropout_mask(o):
+    if o.get("dropout_p", 0.0) > 0 and not ops.HAS_EXT:
+        pytest.skip("the dropout reference needs attention_ext's compiled dropout_mask")
+
+
+# ---------------------------------------------------------------- shapes and dtypes
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (200, 160)])
+def test_shapes(monkeypatch, emu, dtype, d, sq, sk):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(sq * 1000 + sk + d)
+    tc.run_and_compare(2 if sq < 100 else 1, 2, 2, sq, sk, d, dtype)
+
+
+@pytest.mark.parametrize("d", [40, 128])
+def test_shapes_fp32_simt(monkeypatch, emu, d):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(d)
+    q = torch.randn(1, 1, 8, d)
+    assert emu.path(q, q, q, 90) == "simt"
+    tc.run_and_compare(1, 2, 1, 33, 70, d, torch.float32, window=(-1, 0), bottom_right=True)
+
+
+def test_paths(emu):
+    """The dispatch the emulated device makes: tensor cores for fp16/bf16 with d % 8 == 0."""
+    mk = lambda d, dt: torch.randn(1, 1, 8, d).to(dt)
+    assert emu.path(mk(64, torch.bfloat16), mk(64, torch.bfloat16), mk(64, torch.bfloat16), 90) == "tensor-core"
+    assert emu.path(mk(36, torch.float16), mk(36, torch.float16), mk(36, torch.float16), 80) == "simt"
+
+
+# ---------------------------------------------------------------- the option matrix
+OPTION_NAMES = tc.OPTION_NAMES
+HEADS = list(tc.HEADS)
+
+
+@pytest.mark.parametrize("opt", OPTION_NAMES)
+def test_options(monkeypatch, emu, opt):
+    """Every option once per 16-bit dtype, heads and head dim rotating over the cases."""
+    emulate(monkeypatch, emu)
+    i = OPTION_NAMES.index(opt)
+    for j, dtype in enumerate((torch.bfloat16, torch.float16)):
+        heads = HEADS[(i + j) % len(HEADS)]
+        d = (64, 96)[(i + j) % 2]
+        torch.manual_seed(1000 * i + j)
+        h, hk = tc.HEADS[heads]
+        o = tc.option_cases()[opt](h)
+        needs_dropout_mask(o)
+        tc.run_and_compare(2, h, hk, 129, 200, d, dtype, **o)
+
+
+@pytest.mark.parametrize("opt", ["causal_br", "window", "bias_row_bcast_grad", "sinks", "dropout", "everything"])
+def test_options_sm80(monkeypatch, emu, opt):
+    """The sm_80 build: scalar dQ atomics instead of sm_90's 16-byte quad swap."""
+    emulate(monkeypatch, emu, arch=80)
+    torch.manual_seed(OPTION_NAMES.index(opt))
+    o = tc.option_cases()[opt](4)
+    needs_dropout_mask(o)
+    tc.run_and_compare(2, 4, 2, 129, 200, 128, torch.bfloat16, **o)
+
+
+@pytest.mark.parametrize("opt", ["causal_tl", "bool_mask", "dropout"])
+def test_options_fp32_simt(monkeypatch, emu, opt):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(OPTION_NAMES.index(opt))
+    o = tc.option_cases()[opt](2)
+    needs_dropout_mask(o)
+    tc.run_and_compare(2, 2, 1, 129, 200, 40, torch.float32, **o)
+
+
+def test_force_simt_path(monkeypatch, emu):
+    """The SIMT fallback on 16-bit inputs (sm < 80, misaligned tensors)."""
+    emulate(monkeypatch, emu)
+    monkeypatch.setenv("ATTN_CUDA_FORCE_SIMT", "1")
+    torch.manual_seed(5)
+    o = dict(window=(-1, 0), bottom_right=True, sinks=torch.randn(4), dropout_p=0.1, seed=3)
+    needs_dropout_mask(o)
+    tc.run_and_compare(1, 4, 2, 65, 70, 64, torch.bfloat16, **o)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_deterministic(monkeypatch, emu, arch, dtype, d):
+    emulate(monkeypatch, emu, arch)
+    torch.manual_seed(d)
+    a = tc.run_and_compare(1, 4, 2, 150, 131, d, dtype, window=(-1, 0), deterministic=True, seed=0)
+    torch.manual_seed(d)
+    b = tc.run_and_compare(1, 4, 2, 150, 131, d, dtype, window=(-1, 0), deterministic=True, seed=0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), "deterministic mode must be bitwise reproducible"
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 96)])
+def test_layout_bshd(monkeypatch, emu, dtype, d):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(3)
+    tc.run_and_compare(2, 4, 2, 130, 131, d, dtype, layout="bshd", window=(-1, 0), bottom_right=True)
+
+
+@pytest.mark.parametrize("dtype,d,causal", [(torch.bfloat16, 64, True), (torch.float16, 128, False)])
+def test_varlen(monkeypatch, emu, dtype, d, causal):
+    emulate(monkeypatch, emu)
+    tc.test_varlen(dtype, d, causal)
+
+
+def test_reversed_warp_order(monkeypatch, emu):
+    """Warps scheduled last-first: another interleaving for the cp.async / barrier checks."""
+    emulate(monkeypatch, emu)
+    monkeypatch.setenv("ATTN_EMU_REVERSE", "1")
+    torch.manual_seed(11)
+    tc.run_and_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, window=(-1, 0), bottom_right=True)
+    tc.run_and_compare(1, 4, 1, 100, 300, 128, torch.float16, window=(17, 5), deterministic=True)
