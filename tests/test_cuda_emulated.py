@@ -16,7 +16,8 @@ Skips when there is no C++ compiler or no CUDA headers (cuda_fp16.h); needs no G
 """
 from __future__ import annotations
 
-import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -55,6 +56,21 @@ def emulate(monkeypatch, emu, arch=90):
 def needs_dropout_mask(o):
     if o.get("dropout_p", 0.0) > 0 and not ops.HAS_EXT:
         pytest.skip("the dropout reference needs attention_ext's compiled dropout_mask")
+
+
+def test_emulator_unit(tmp_path):
+    """tests/cpp/test_cuda_emu.cpp: ldmatrix + mma products through SmemTile (exact), and the
+    deadlock, divergence, bounds and missing-barrier checks."""
+    inc = cuda_emu.cuda_include()
+    if inc is None or cuda_emu.shutil.which("g++") is None:
+        pytest.skip("needs g++ and the CUDA headers")
+    exe = tmp_path / "test_cuda_emu"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
+                    "-I", os.path.join(cuda_emu.ROOT, "csrc"), "-I", inc,
+                    os.path.join(cuda_emu.ROOT, "tests", "cpp", "test_cuda_emu.cpp"),
+                    os.path.join(cuda_emu.EMU, "emu_runtime.cpp"), "-o", str(exe)], check=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 # ---------------------------------------------------------------- shapes and dtypes
@@ -155,12 +171,57 @@ def test_layout_bshd(monkeypatch, emu, dtype, d):
 def test_varlen(monkeypatch, emu, dtype, d, causal):
     emulate(monkeypatch, emu)
     tc.test_varlen(dtype, d, causal)
-
-
-def test_reversed_warp_order(monkeypatch, emu):
-    """Warps scheduled last-first: another interleaving for the cp.async / barrier checks."""
+@pytest.mark.parametrize("schedule,reverse", [("lockstep", "1"), ("warp-serial", "0"), ("warp-serial", "1")])
+def test_schedules(monkeypatch, emu, schedule, reverse):
+    """Other interleavings of the warps (the default is lockstep, warps in order): warp-serial runs
+    one warp to its next barrier before the next starts, so a reader that lacks a barrier after
+    another warp's shared-memory writes (or cp.async wait) reads the NaN fill; reverse runs the
+    warps last-first, for writers in either position."""
     emulate(monkeypatch, emu)
-    monkeypatch.setenv("ATTN_EMU_REVERSE", "1")
+    monkeypatch.setenv("ATTN_EMU_SCHEDULE", schedule)
+    monkeypatch.setenv("ATTN_EMU_REVERSE", reverse)
     torch.manual_seed(11)
     tc.run_and_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, window=(-1, 0), bottom_right=True)
     tc.run_and_compare(1, 4, 1, 100, 300, 128, torch.float16, window=(17, 5), deterministic=True)
+    tc.run_and_compare(1, 2, 1, 40, 50, 40, torch.float32, sinks=torch.randn(2))
+
+
+# ---------------------------------------------------------------- tuning candidates (sm_90 build)
+# emu_kernels_sm90.cpp compiles launch_template.cuh's -DATTN_TUNING candidates (FwdAlt, BwdAlt),
+# picked per call by ATTN_TUNE_FWD / ATTN_TUNE_BWD. Each runs one of test_cuda's tuning cases
+# (smaller), rotating cases, head dims and dtypes, after a check that it reaches a kernel other
+# than the default.
+TUNE_CANDIDATES = [f"fwd{v}" for v in range(1, 8)] + [f"bwd{v}" for v in range(1, 13)]
+
+
+def _tune_cases():
+    return [
+        lambda d, dt: tc.run_and_compare(1, 4, 2, 200, 177, d, dt, window=(-1, 0)),
+        lambda d, dt: tc.run_and_compare(2, 4, 1, 129, 200, d, dt, window=(40, 0), bottom_right=True,
+                                         seqlens_k=torch.tensor([200, 61], dtype=torch.int32)),
+        lambda d, dt: tc.run_and_compare(1, 4, 2, 150, 131, d, dt, window=(-1, 0), deterministic=True),
+        lambda d, dt: tc.run_and_compare(1, 4, 2, 129, 200, d, dt, softcap=5.0, scale=0.5,
+                                         bias=torch.randn(1, 4, 129, 200), bias_grad=True),
+        lambda d, dt: tc.run_and_compare(1, 2, 2, 256, 256, d, dt),
+    ]
+
+
+@pytest.mark.parametrize("cand", TUNE_CANDIDATES)
+def test_tune_candidate(monkeypatch, emu, cand):
+    run_kernel = emulate(monkeypatch, emu, arch=90)
+    env = {"fwd": "ATTN_TUNE_FWD", "bwd": "ATTN_TUNE_BWD"}[cand[:3]]
+    v = int(cand[3:])
+    q, k, vv, dout = (torch.randn(1, 2, 130, 128).to(torch.bfloat16) for _ in range(4))
+    emu.launches()
+    monkeypatch.setenv(env, "0")
+    run_kernel(q, k, vv, dout)
+    base = emu.launches()
+    monkeypatch.setenv(env, str(v))
+    run_kernel(q, k, vv, dout)
+    names = emu.launches()
+    assert names != base, f"{cand} ran the default kernels {base}"
+    torch.manual_seed(v)
+    case = _tune_cases()[v % 5]
+    d, dtype = [(64, torch.bfloat16), (128, torch.float16), (96, torch.bfloat16), (128, torch.bfloat16)][v % 4]
+    case(d, dtype)
+

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "../../api/attention_api.h"
 #include "../../api/attention_api_impl.h"  // the definitions (this is the module's one torch TU)
@@ -137,10 +138,13 @@ std::string emu_path(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   return backend(arch).path_name(&p, sizeof(p), int(attn::api::dtype_of(q)));
 }
 
+std::vector<std::string> emu_launches() { return attn_emu::take_launches(); }
+
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("fwd", &emu_fwd);
   m.def("bwd", &emu_bwd);
   m.def("path", &emu_path);
+  m.def("launches", &emu_launches);
 }

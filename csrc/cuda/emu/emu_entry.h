@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
+#include <vector>
 
 namespace attn_emu {
 
@@ -12,6 +14,8 @@ namespace attn_emu {
 // are an error (emu_runtime.cpp).
 void add_global_range(const void* ptr, size_t bytes);
 void clear_global_ranges();
+// The kernels launched since the last call, demangled, in launch order.
+std::vector<std::string> take_launches();
 
 struct Backend {
   // dispatch.cu's cuda_fwd / cuda_bwd / scratch sizes / path name; dtype is attn::DType as int

@@ -2,6 +2,9 @@
 // collectives with the PTX fragment layouts, and shared memory / cp.async. See cuda_emu.h.
 #include "cuda_emu.h"
 
+#include <cxxabi.h>
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -85,6 +88,7 @@ struct Copy {  // one pending cp.async
 struct Fiber {
   ThreadCtx ctx;
   int linear, lane, warp;
+  int pos;  // position in the scheduling order
   State state;
 #if defined(__x86_64__)
   void* sp;
@@ -106,6 +110,7 @@ struct Warp {
 struct Cta {
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
+  std::vector<int> order;  // fibers by scheduling position
   int nthreads, nwarps, live, at_barrier;
   size_t smem_bytes;
   Fiber* cur;
@@ -126,21 +131,58 @@ struct Runtime {
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_buf.get()) + 127) & ~uintptr_t(127));
   std::vector<std::pair<const unsigned char*, const unsigned char*>> ranges;
   std::unordered_map<const void*, int> max_dyn_smem;
+  std::vector<std::string> launches;  // kernel names, for take_launches()
   Cta cta;
-  bool reverse = false;  // schedule warps last-first (ATTN_EMU_REVERSE=1, read per launch)
+  // the interleaving, read per launch: ATTN_EMU_SCHEDULE=warp-serial (else lockstep) and
+  // ATTN_EMU_REVERSE=1 (warps last-first)
+  bool reverse = false, warp_serial = false;
 };
 thread_local Runtime rt;
 
 Fiber& self() { return *rt.cta.cur; }
 
+// The next ready fiber after scheduling position `pos`, or null. Lockstep: round robin over all
+// threads, so every warp advances one collective per round. Warp-serial: the lanes of the current
+// warp first, so one warp runs ahead to its next barrier before the next warp starts.
+Fiber* next_ready(int pos) {
+  Cta& c = rt.cta;
+  if (rt.warp_serial) {
+    const int w0 = pos - pos % 32;
+    for (int i = w0; i < w0 + 32 && i < c.nthreads; ++i) {
+      Fiber& f = c.fibers[c.order[i]];
+      if (f.state == State::kReady) return &f;
+    }
+  }
+  for (int k = 1; k <= c.nthreads; ++k) {
+    int i = pos + k;
+    if (i >= c.nthreads) i -= c.nthreads;
+    Fiber& f = c.fibers[c.order[i]];
+    if (f.state == State::kReady) return &f;
+  }
+  return nullptr;
+}
+
+// The current fiber blocks (or has finished): hand the thread straight to the next ready fiber,
+// or back to the scheduler when there is none (all done, or a deadlock) or a fault is pending.
 void yield_to_scheduler() {
   Cta& c = rt.cta;
   Fiber* f = c.cur;
+  Fiber* next = c.error ? nullptr : next_ready(f->pos);
+  if (next != nullptr) {
+    c.cur = next;
+    g_thread = &next->ctx;
 #if defined(__x86_64__)
-  attn_emu_switch(&f->sp, c.sched_sp);
+    attn_emu_switch(&f->sp, next->sp);
 #else
-  swapcontext(&f->uc, &c.sched_uc);
+    swapcontext(&f->uc, &next->uc);
 #endif
+  } else {
+#if defined(__x86_64__)
+    attn_emu_switch(&f->sp, c.sched_sp);
+#else
+    swapcontext(&f->uc, &c.sched_uc);
+#endif
+  }
   g_thread = &f->ctx;  // resumed
   c.cur = f;
 }
@@ -157,8 +199,8 @@ void fiber_main() {
   --c.live;
   // a thread that exits no longer counts for the barrier
   if (c.live > 0 && c.at_barrier == c.live) {
-    for (Fiber& o : c.fibers)
-      if (o.state == State::kBarrier) o.state = State::kReady;
+    for (int t = 0; t < c.nthreads; ++t)
+      if (c.fibers[t].state == State::kBarrier) c.fibers[t].state = State::kReady;
     c.at_barrier = 0;
   }
   yield_to_scheduler();
@@ -234,26 +276,31 @@ void run_cta(uint3 bidx, dim3 grid, dim3 block) {
     f.commits = 0;
     start_fiber(f);
   }
+  // ATTN_EMU_REVERSE: warps last-first (lanes keep their order), another interleaving
+  c.order.clear();
+  for (int w = 0; w < c.nwarps; ++w) {
+    const int ww = rt.reverse ? c.nwarps - 1 - w : w;
+    for (int l = 0; l < 32 && 32 * ww + l < c.nthreads; ++l) {
+      c.fibers[32 * ww + l].pos = int(c.order.size());
+      c.order.push_back(32 * ww + l);
+    }
+  }
   for (Warp& w : c.warps) {
     w.op = Op::kNone;
     w.arrived = 0;
   }
   while (c.live > 0) {
-    bool ran = false;
-    for (int i = 0; i < c.nthreads && !c.error; ++i) {
-      // ATTN_EMU_REVERSE: warps last-first (lanes keep their order), another interleaving
-      const int t = rt.reverse ? ((c.nwarps - 1 - (i >> 5)) << 5) + (i & 31) : i;
-      if (t >= c.nthreads) continue;
-      if (c.fibers[t].state == State::kReady) {
-        resume(c.fibers[t]);
-        ran = true;
-      }
-    }
+    // runs fibers (each hands over to the next ready one) until none is ready
+    Fiber* f = nullptr;
+    for (int i = 0; i < c.nthreads && f == nullptr; ++i)
+      if (c.fibers[c.order[i]].state == State::kReady) f = &c.fibers[c.order[i]];
+    if (f != nullptr) resume(*f);
     if (c.error) std::rethrow_exception(c.error);
-    if (!ran) {
+    if (c.live > 0 && next_ready(0) == nullptr) {
       int bar = 0, coll = 0;
       std::string detail;
-      for (const Fiber& f : c.fibers) {
+      for (int t = 0; t < c.nthreads; ++t) {
+        const Fiber& f = c.fibers[t];
         if (f.state == State::kBarrier) ++bar;
         if (f.state == State::kWarp) {
           ++coll;
@@ -315,9 +362,25 @@ float half_bits_to_float(uint16_t h, Elem e) {
   return __half2float(x);
 }
 
+// The demangled symbol of a kernel (template instances are exported from the module).
+std::string kernel_name(const void* kernel_id) {
+  Dl_info info;
+  if (dladdr(kernel_id, &info) == 0 || info.dli_sname == nullptr) return "?";
+  int status = 0;
+  char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+  std::string name = status == 0 && dem != nullptr ? dem : info.dli_sname;
+  std::free(dem);
+  return name;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- public API
+std::vector<std::string> take_launches() {
+  std::vector<std::string> out;
+  out.swap(rt.launches);
+  return out;
+}
 void set_arch(int sm) { rt.arch = sm; }
 int arch() { return rt.arch; }
 void add_global_range(const void* ptr, size_t bytes) {
@@ -343,8 +406,11 @@ void run_grid(const void* kernel_id, dim3 grid, dim3 block, size_t smem_bytes, v
       fault("launch asks for " + std::to_string(smem_bytes) +
             " bytes of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize");
   }
+  rt.launches.push_back(kernel_name(kernel_id));
   const char* rev = std::getenv("ATTN_EMU_REVERSE");
   rt.reverse = rev != nullptr && rev[0] == '1';
+  const char* sched = std::getenv("ATTN_EMU_SCHEDULE");
+  rt.warp_serial = sched != nullptr && std::strcmp(sched, "warp-serial") == 0;
   Cta& c = rt.cta;
   c.nthreads = nthreads;
   c.nwarps = (nthreads + 31) / 32;
@@ -385,8 +451,8 @@ void syncthreads() {
   Fiber& f = self();
   if (++c.at_barrier == c.live) {
     c.at_barrier = 0;
-    for (Fiber& o : c.fibers)
-      if (o.state == State::kBarrier) o.state = State::kReady;
+    for (int t = 0; t < c.nthreads; ++t)
+      if (c.fibers[t].state == State::kBarrier) c.fibers[t].state = State::kReady;
     return;
   }
   f.state = State::kBarrier;
