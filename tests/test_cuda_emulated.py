@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import cuda_emu
+from attention_ext import reference
 import test_cuda as tc
 
 ops = pytest.importorskip("attention_ext.ops")
@@ -45,7 +46,7 @@ def emulate(monkeypatch, emu, arch=90):
     def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
         args = tc.call_fwd(q, k, v, **o)
         out, lse = emu.fwd(q, k, v, *args, arch)
-        grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, arch)
+        grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, None, arch)
         return out, lse, grads
 
     monkeypatch.setattr(tc, "DEV", "cpu")
@@ -81,6 +82,17 @@ def test_shapes(monkeypatch, emu, dtype, d, sq, sk):
     emulate(monkeypatch, emu)
     torch.manual_seed(sq * 1000 + sk + d)
     tc.run_and_compare(2 if sq < 100 else 1, 2, 2, sq, sk, d, dtype)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,o", [(torch.float16, dict(window=(-1, 0), bottom_right=True)),
+                                     (torch.bfloat16, dict(window=(50, 20), deterministic=True))])
+def test_hdim256(monkeypatch, emu, arch, dtype, o):
+    """Bucket 256: 64 x 32 forward tiles; dK/dV in two head-dim slices, 64 keys per block on sm_80
+    and 128 on sm_90."""
+    emulate(monkeypatch, emu, arch)
+    torch.manual_seed(arch)
+    tc.run_and_compare(1, 2, 1, 100, 150, 256, dtype, **o)
 
 
 @pytest.mark.parametrize("d", [40, 128])
@@ -136,6 +148,28 @@ def test_options_fp32_simt(monkeypatch, emu, opt):
     o = tc.option_cases()[opt](2)
     needs_dropout_mask(o)
     tc.run_and_compare(2, 2, 1, 129, 200, 40, torch.float32, **o)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lse_gradient(emu, dtype):
+    """A gradient flowing into the returned LSE enters the preprocess as D_i -= dlse_i."""
+    torch.manual_seed(7)
+    b, h, sq, sk, d = 1, 2, 70, 90, 64
+    q, k, v = (torch.randn(b, h, s, d).to(dtype) for s in (sq, sk, sk))
+    dout, dlse = torch.randn(b, h, sq, d).to(dtype), torch.randn(b, h, sq)
+    args = tc.call_fwd(q, k, v, window_left=-1, window_right=0)
+    out, lse = emu.fwd(q, k, v, *args, 90)
+    dq, dk, dv, _, _ = emu.bwd(dout, q, k, v, out, lse, *args, False, False, dlse, 90)
+
+    def ref(dt):
+        qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        o, l = reference.attention(qq, kk, vv, scale=d ** -0.5, window=(-1, 0))
+        ((o * dout.to(dt)).sum() + (l * dlse.to(l.dtype)).sum()).backward()
+        return qq.grad, kk.grad, vv.grad
+
+    r64, rlo = ref(torch.float64), ref(dtype)
+    for name, x, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), r64, rlo):
+        tc.check(name, x, a, r, dtype)
 
 
 def test_force_simt_path(monkeypatch, emu):

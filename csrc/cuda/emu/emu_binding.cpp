@@ -2,7 +2,7 @@
 // kernels run by the host emulator on CPU tensors. Built at test time by tests/cuda_emu.py.
 //
 // The arguments are those of torch.ops.attention_ext.fwd / bwd (attention_ext/ops.py
-// OPTION_NAMES) plus `arch` (80 or 90: the emulated device). The bodies mirror fwd_cuda /
+// OPTION_NAMES; bwd's dlse comes before) plus `arch` (80 or 90: the emulated device). The bodies mirror fwd_cuda /
 // bwd_cuda of csrc/api/attention_cuda.cpp (which needs a CUDA torch) step for step, except that
 // every output and scratch buffer the kernels are meant to fill starts as NaN, so an element
 // they fail to write fails the tests.
@@ -82,12 +82,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_bwd(
     const OptTensor& bias, const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
     const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k, double scale, double softcap,
     int64_t wl, int64_t wr, bool bottom_right, double dropout_p, int64_t seed, int64_t offset, bool bias_grad,
-    bool deterministic, int64_t arch) {
+    bool deterministic, const OptTensor& dlse, int64_t arch) {
   const Options o{bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr,
                   bottom_right, dropout_p, seed, offset};
   attn::api::check_inputs(q, k, v, o);
   check_cpu(q);
-  attn::api::check_bwd_inputs(dout, q, out, lse, std::nullopt);
+  attn::api::check_bwd_inputs(dout, q, out, lse, dlse);
   attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
   // alloc_grads zeroes dq / dk / dv when rows may belong to no sequence; otherwise the kernels
   // own every element. dbias and dsinks are zeroed by cuda_bwd itself.
@@ -109,7 +109,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_bwd(
   const bool chunky = reinterpret_cast<uintptr_t>(dout_c.data_ptr()) % 16 == 0 && dout_c.stride(0) % 8 == 0 &&
                       dout_c.stride(1) % 8 == 0 && dout_c.stride(2) % 8 == 0;
   if (!chunky) dout_c = dout_c.contiguous();
-  attn::BwdParams p = attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, std::nullopt, o, g, deterministic);
+  attn::BwdParams p = attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const int dt = int(attn::api::dtype_of(q));
   const attn_emu::Backend be = backend(arch);
   const auto f32 = q.options().dtype(at::kFloat);

@@ -1,5 +1,5 @@
 // One emulated architecture's host build of the CUDA backend: dispatch.cu (kernel choice and
-// launch sequence) and the instantiation files of the head-dim buckets the tests use, compiled
+// launch sequence) and the instantiation files of the mma.sync and SIMT kernels, compiled
 // by g++ with the PTX wrappers of mma.cuh emulated (cuda_emu.h). Included once by
 // emu_kernels_sm80.cpp / emu_kernels_sm90.cpp with ATTN_EMU_ARCH = 800 / 900 and ATTN_EMU_NS.
 //
@@ -27,18 +27,21 @@
 
 // only now: the CUDA headers above take device code paths when __CUDA_ARCH__ is defined
 #define __CUDA_ARCH__ ATTN_EMU_ARCH
-// bucket 256 (and the sm_90a wgmma kernels) stay out: compile time in CI
-#define ATTN_CUDA_SKIP_HDIM256
+// (the sm_90a wgmma kernels stay out: ATTN_CUDA_HAVE_SM90A is not defined)
 #define attn ATTN_EMU_NS
 
 #include "../dispatch.cu"
 #include "../inst_bwd_bf16_hd128.cu"
+#include "../inst_bwd_bf16_hd256.cu"
 #include "../inst_bwd_bf16_hd64.cu"
 #include "../inst_bwd_f16_hd128.cu"
+#include "../inst_bwd_f16_hd256.cu"
 #include "../inst_bwd_f16_hd64.cu"
 #include "../inst_fwd_bf16_hd128.cu"
+#include "../inst_fwd_bf16_hd256.cu"
 #include "../inst_fwd_bf16_hd64.cu"
 #include "../inst_fwd_f16_hd128.cu"
+#include "../inst_fwd_f16_hd256.cu"
 #include "../inst_fwd_f16_hd64.cu"
 #include "../inst_simt_bf16.cu"
 #include "../inst_simt_f16.cu"
