@@ -47,6 +47,9 @@ def load():
         return None
     from torch.utils import cpp_extension
 
+    if not cpp_extension.is_ninja_available():
+        why = "no ninja (torch's JIT extension build needs it)"
+        return None
     os.makedirs(BUILD, exist_ok=True)
     t0 = time.time()
     cpp_extension.load(
