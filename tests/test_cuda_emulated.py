@@ -111,6 +111,26 @@ def test_paths(emu):
     assert emu.path(mk(36, torch.float16), mk(36, torch.float16), mk(36, torch.float16), 80) == "simt"
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launch_sequence(emu, arch):
+    """dispatch.cu's sequence and launch_template.cuh's tiles per arch, as kernel names: forward;
+    preprocess, dK/dV (sm_90: 128 keys x 8 warps at D = 256, sm_80: 64 x 4), dQ conversion."""
+    q = torch.randn(1, 2, 100, 256).to(torch.bfloat16)
+    args = tc.call_fwd(q, q, q)
+    emu.launches()
+    out, lse = emu.fwd(q, q, q, *args, arch)
+    emu.bwd(q, q, q, q, out, lse, *args, False, False, None, arch)
+    names = [n.split("(")[0] for n in emu.launches()]
+    ns = f"attn_emu_sm{arch}"
+    tiles = "256, 128, 32, 128, 8" if arch == 90 else "256, 128, 32, 64, 4"
+    assert names == [
+        f"void {ns}::tc::fwd_kernel<__nv_bfloat16, 256, 64, 32, 4, false, {ns}::tc::FwdVariant<0, false> >",
+        f"void {ns}::simt::bwd_preprocess_kernel<__nv_bfloat16>",
+        f"void {ns}::tc::bwd_dkdv_kernel<__nv_bfloat16, {tiles}, false, {ns}::tc::BwdVariant<1, false, false, 0> >",
+        f"void {ns}::simt::bwd_convert_dq_kernel<__nv_bfloat16>",
+    ], names
+
+
 # ---------------------------------------------------------------- the option matrix
 OPTION_NAMES = tc.OPTION_NAMES
 HEADS = list(tc.HEADS)
@@ -205,12 +225,12 @@ def test_layout_bshd(monkeypatch, emu, dtype, d):
 def test_varlen(monkeypatch, emu, dtype, d, causal):
     emulate(monkeypatch, emu)
     tc.test_varlen(dtype, d, causal)
-@pytest.mark.parametrize("schedule,reverse", [("lockstep", "1"), ("warp-serial", "0"), ("warp-serial", "1")])
+@pytest.mark.parametrize("schedule,reverse", [("warp-serial", "1"), ("lockstep", "0"), ("lockstep", "1")])
 def test_schedules(monkeypatch, emu, schedule, reverse):
-    """Other interleavings of the warps (the default is lockstep, warps in order): warp-serial runs
-    one warp to its next barrier before the next starts, so a reader that lacks a barrier after
-    another warp's shared-memory writes (or cp.async wait) reads the NaN fill; reverse runs the
-    warps last-first, for writers in either position."""
+    """Other interleavings of the warps. The default, warp-serial in warp order, runs one warp to
+    its next barrier before the next starts, so a reader that lacks a barrier after a later warp's
+    shared-memory writes (or cp.async wait) reads the NaN fill; reversed, for earlier warps.
+    Lockstep: every warp advances one collective per round."""
     emulate(monkeypatch, emu)
     monkeypatch.setenv("ATTN_EMU_SCHEDULE", schedule)
     monkeypatch.setenv("ATTN_EMU_REVERSE", reverse)

@@ -163,7 +163,7 @@ void test_race() {
 
 int main() {
   // the default interleaving (test_race expects warp 0 to read before warp 1 copies)
-  setenv("ATTN_EMU_SCHEDULE", "lockstep", 1);
+  setenv("ATTN_EMU_SCHEDULE", "warp-serial", 1);
   setenv("ATTN_EMU_REVERSE", "0", 1);
   attn_emu::set_arch(90);
   test_matmul();

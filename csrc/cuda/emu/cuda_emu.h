@@ -7,7 +7,9 @@
 // Thread model: every thread of one CTA is a fiber on one OS thread (emu_runtime.cpp). A fiber
 // runs until it reaches a scheduling point: __syncthreads, or a warp collective (ldmatrix,
 // mma.sync, __shfl_xor_sync), where the 32 lanes deposit their operands and the last lane to
-// arrive computes every lane's result. Blocks run one after another. A barrier or collective
+// arrive computes every lane's result. By default one warp runs to its next barrier before the
+// next warp starts (ATTN_EMU_SCHEDULE=lockstep: round robin; ATTN_EMU_REVERSE=1: warps
+// last-first). Blocks run one after another. A barrier or collective
 // that can never complete (some threads exited or wait elsewhere) raises an error, as does any
 // out-of-bounds or misaligned shared-memory access, cp.async source outside the kernel's
 // tensors, or a warp whose lanes reach different collectives.

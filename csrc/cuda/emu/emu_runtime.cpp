@@ -133,17 +133,19 @@ struct Runtime {
   std::unordered_map<const void*, int> max_dyn_smem;
   std::vector<std::string> launches;  // kernel names, for take_launches()
   Cta cta;
-  // the interleaving, read per launch: ATTN_EMU_SCHEDULE=warp-serial (else lockstep) and
+  // the interleaving, read per launch: ATTN_EMU_SCHEDULE=lockstep (else warp-serial) and
   // ATTN_EMU_REVERSE=1 (warps last-first)
-  bool reverse = false, warp_serial = false;
+  bool reverse = false, warp_serial = true;
 };
 thread_local Runtime rt;
 
 Fiber& self() { return *rt.cta.cur; }
 
-// The next ready fiber after scheduling position `pos`, or null. Lockstep: round robin over all
-// threads, so every warp advances one collective per round. Warp-serial: the lanes of the current
-// warp first, so one warp runs ahead to its next barrier before the next warp starts.
+// The next ready fiber after scheduling position `pos`, or null. Warp-serial (the default): the
+// lanes of the current warp first, so one warp runs ahead to its next barrier before the next
+// starts, and a read of another warp's shared-memory data that lacks a barrier sees the NaN fill
+// (lockstep misses a store + read pair that every warp executes at the same point). Lockstep:
+// round robin over all threads, every warp advancing one collective per round.
 Fiber* next_ready(int pos) {
   Cta& c = rt.cta;
   if (rt.warp_serial) {
@@ -410,7 +412,7 @@ void run_grid(const void* kernel_id, dim3 grid, dim3 block, size_t smem_bytes, v
   const char* rev = std::getenv("ATTN_EMU_REVERSE");
   rt.reverse = rev != nullptr && rev[0] == '1';
   const char* sched = std::getenv("ATTN_EMU_SCHEDULE");
-  rt.warp_serial = sched != nullptr && std::strcmp(sched, "warp-serial") == 0;
+  rt.warp_serial = sched == nullptr || std::strcmp(sched, "lockstep") != 0;
   Cta& c = rt.cta;
   c.nthreads = nthreads;
   c.nwarps = (nthreads + 31) / 32;
