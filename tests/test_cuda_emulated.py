@@ -112,9 +112,11 @@ def test_paths(emu):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_launch_sequence(emu, arch):
+def test_launch_sequence(monkeypatch, emu, arch):
     """dispatch.cu's sequence and launch_template.cuh's tiles per arch, as kernel names: forward;
     preprocess, dK/dV (sm_90: 128 keys x 8 warps at D = 256, sm_80: 64 x 4), dQ conversion."""
+    monkeypatch.setenv("ATTN_TUNE_FWD", "0")
+    monkeypatch.setenv("ATTN_TUNE_BWD", "0")
     q = torch.randn(1, 2, 100, 256).to(torch.bfloat16)
     args = tc.call_fwd(q, q, q)
     emu.launches()

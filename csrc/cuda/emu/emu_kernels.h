@@ -30,6 +30,7 @@
 // (the sm_90a wgmma kernels stay out: ATTN_CUDA_HAVE_SM90A is not defined)
 #define attn ATTN_EMU_NS
 
+// a new instantiation file (a new kernel family or variant) joins this list
 #include "../dispatch.cu"
 #include "../inst_bwd_bf16_hd128.cu"
 #include "../inst_bwd_bf16_hd256.cu"
