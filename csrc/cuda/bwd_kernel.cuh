@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
   using TileS = SmemTile<kBlockN, kBlockM>;
 
   // Q, dO, lse and dot(dO, O) are double-buffered: block m + 1 streams in during block m.
-  extern __shared__ __align__(128) unsigned char smem[];
+  ATTN_EXTERN_SMEM(smem);
   const uint32_t sK = smem_u32(smem);                   // (kBlockN, kD)
   const uint32_t sV = sK + TileKV::kBytes;              // (kBlockN, kD)
   const uint32_t sQ0 = sV + TileKV::kBytes;             // 2 x (kBlockM, kD)
@@ -296,8 +296,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const uint32_t val = Ops::pack(acc_dp[t][2 * hf], acc_dp[t][2 * hf + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + TileS::offset(wn + g + hf * 8, t * 8 + 2 * c)),
-                         "r"(val));
+            st_shared_b32(sdS + TileS::offset(wn + g + hf * 8, t * 8 + 2 * c), val);
           }
       }
 
@@ -445,7 +444,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
   using TileQ = SmemTile<kBlockM, kD>;
   using TileKV = SmemTile<kBlockN, kD>;
 
-  extern __shared__ __align__(128) unsigned char smem[];
+  ATTN_EXTERN_SMEM(smem);
   const uint32_t sQ = smem_u32(smem);
   const uint32_t sdO = sQ + TileQ::kBytes;
   const uint32_t sK = sdO + TileQ::kBytes;

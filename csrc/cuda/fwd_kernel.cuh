@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   using TileQ = SmemTile<kBlockM, kD>;
   using TileKV = SmemTile<kBlockN, kD>;
 
-  extern __shared__ __align__(128) unsigned char smem[];
+  ATTN_EXTERN_SMEM(smem);
   const uint32_t sQ = smem_u32(smem);                      // (kBlockM, kD)
   const uint32_t sK = sQ + TileQ::kBytes;                  // (kBlockN, kD)
   const uint32_t sV = sK + TileKV::kBytes;                 // (kBlockN, kD)
@@ -295,8 +295,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
       for (int hf = 0; hf < 2; ++hf) {
         const int r = wm + mt * 16 + g + hf * 8;
         const uint32_t val = Ops::pack(acc_o[mt][dt][2 * hf], acc_o[mt][dt][2 * hf + 1]);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + TileQ::offset(r, dt * 8 + 2 * c)),
-                     "r"(val));
+        st_shared_b32(sQ + TileQ::offset(r, dt * 8 + 2 * c), val);
       }
   __syncthreads();
   T* o = o_ptr<T>(p, si, b, h, m0);
@@ -306,10 +305,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
     const int idx = it * kThreads + tid;
     const int r = idx / TileQ::kChunks, ch = idx % TileQ::kChunks;
     if (r < rows_q && ch * 8 < p.d) {
-      uint4 val;
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                   : "r"(sQ + TileQ::offset(r, ch * 8)));
+      const uint4 val = ld_shared_v4(sQ + TileQ::offset(r, ch * 8));
       *reinterpret_cast<uint4*>(o + int64_t(r) * p.o_row_stride + ch * 8) = val;
     }
   }

@@ -36,7 +36,7 @@ void run_fwd_cfg(const FwdParams& p, cudaStream_t stream, int num_splits = 1) {
   auto kernel = tc::fwd_kernel<T, kD, kBlockM, kBlockN, kNWarps, kGeneral, Var>;
   set_smem(kernel, kSmem, "attention fwd");
   dim3 grid((p.sq + kBlockM - 1) / kBlockM * num_splits, p.h, p.b);
-  kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
+  ATTN_LAUNCH(kernel, grid, kNWarps * 32, kSmem, stream)(p);
   check_launch("attention fwd (tensor cores)");
 }
 
@@ -201,7 +201,8 @@ void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t
     run_fwd_cfg<T, kD, Tr, false, tc::FwdSplit<tc::FwdVariant<>>>(ps, stream, s.num_splits);
   }
   dim3 grid((p.sq + tc::kCombineRows - 1) / tc::kCombineRows, p.h, p.b);
-  tc::fwd_combine_kernel<T, kD><<<grid, tc::kCombineRows * 32, 0, stream>>>(p, ps, s.num_splits);
+  auto combine = tc::fwd_combine_kernel<T, kD>;
+  ATTN_LAUNCH(combine, grid, tc::kCombineRows * 32, 0, stream)(p, ps, s.num_splits);
   check_launch("attention fwd split-KV combine");
 }
 
@@ -215,7 +216,7 @@ void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
   auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout, Var>;
   set_smem(kernel, kSmem, "attention bwd dk/dv");
   dim3 grid(((p.sk + kBlockN - 1) / kBlockN) * (kD / kDAcc), p.h_k, p.b);
-  kernel<<<grid, kNWarps * 32, kSmem, stream>>>(p);
+  ATTN_LAUNCH(kernel, grid, kNWarps * 32, kSmem, stream)(p);
   check_launch("attention bwd dk/dv (tensor cores)");
 }
 
@@ -240,7 +241,7 @@ void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
         tc::bwd_dq_kernel<T, kD, Tr::kDAcc, Tr::kBlockM, Tr::kBlockN, Tr::kNWarps, kDropout>;
     set_smem(kernel, kSmem, "attention bwd dq");
     dim3 grid(((p.sq + Tr::kBlockM - 1) / Tr::kBlockM) * (kD / Tr::kDAcc), p.h, p.b);
-    kernel<<<grid, Tr::kNWarps * 32, kSmem, stream>>>(p);
+    ATTN_LAUNCH(kernel, grid, Tr::kNWarps * 32, kSmem, stream)(p);
     check_launch("attention bwd dq (tensor cores)");
   } else {
     run_bwd_convert_dq<T>(p, kD, stream);
@@ -261,7 +262,7 @@ template <typename T>
 void run_fwd_simt(const FwdParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention fwd");
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::fwd_kernel<T><<<grid, 32 * simt::kRowsPerBlock, 0, stream>>>(p);
+  ATTN_LAUNCH(simt::fwd_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p);
   check_launch("attention fwd (simt)");
 }
 
@@ -269,14 +270,14 @@ template <typename T>
 void run_bwd_preprocess(const BwdParams& p, int dq_ld, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::bwd_preprocess_kernel<T><<<grid, 32 * simt::kRowsPerBlock, 0, stream>>>(p, dq_ld);
+  ATTN_LAUNCH(simt::bwd_preprocess_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p, dq_ld);
   check_launch("attention bwd preprocess");
 }
 
 template <typename T>
 void run_bwd_convert_dq(const BwdParams& p, int dq_ld, cudaStream_t stream) {
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::bwd_convert_dq_kernel<T><<<grid, 32 * simt::kRowsPerBlock, 0, stream>>>(p, dq_ld);
+  ATTN_LAUNCH(simt::bwd_convert_dq_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p, dq_ld);
   check_launch("attention bwd dq convert");
 }
 
@@ -284,10 +285,10 @@ template <typename T>
 void run_bwd_simt(const BwdParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   dim3 grid_k((p.sk + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h_k, p.b);
-  simt::bwd_dkdv_kernel<T><<<grid_k, 32 * simt::kRowsPerBlock, 0, stream>>>(p);
+  ATTN_LAUNCH(simt::bwd_dkdv_kernel<T>, grid_k, 32 * simt::kRowsPerBlock, 0, stream)(p);
   check_launch("attention bwd dk/dv (simt)");
   dim3 grid_q((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
-  simt::bwd_dq_kernel<T><<<grid_q, 32 * simt::kRowsPerBlock, 0, stream>>>(p);
+  ATTN_LAUNCH(simt::bwd_dq_kernel<T>, grid_q, 32 * simt::kRowsPerBlock, 0, stream)(p);
   check_launch("attention bwd dq (simt)");
 }
 

@@ -6,6 +6,13 @@
 #include <stdexcept>
 #include <string>
 
+// kernel<<<grid, block, smem, stream>>>, or the host emulator's launch (csrc/cuda/emu/cuda_emu.h)
+#if defined(ATTN_CUDA_EMULATE)
+#define ATTN_LAUNCH(kernel, grid, block, smem, stream) ::attn_emu::launch(kernel, grid, block, smem, stream)
+#else
+#define ATTN_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
+
 namespace attn {
 
 inline void check_grid(int y, int z, const char* what) {

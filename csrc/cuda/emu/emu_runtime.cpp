@@ -1,0 +1,599 @@
+// The emulator's runtime: fibers for the threads of one CTA, the block scheduler, warp
+// collectives with the PTX fragment layouts, and shared memory / cp.async. See cuda_emu.h.
+#include "cuda_emu.h"
+
+#include <cxxabi.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace attn_emu {
+
+thread_local ThreadCtx* g_thread = nullptr;
+
+namespace {
+
+[[noreturn]] void fault(const std::string& what) { throw std::runtime_error("emulated kernel: " + what); }
+
+// ---------------------------------------------------------------- context switch
+// x86-64: a hand-rolled switch of the callee-saved registers, MXCSR and the x87 control word
+// (a few ns; glibc's swapcontext makes a sigprocmask system call per switch, and an mma.sync
+// costs 64 switches). Other targets use ucontext.
+#if defined(__x86_64__)
+extern "C" void attn_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+.text
+.p2align 4
+.hidden attn_emu_switch
+.globl attn_emu_switch
+.type attn_emu_switch, @function
+attn_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size attn_emu_switch, .-attn_emu_switch
+)");
+#endif
+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr int kMaxThreads = 1024;
+
+enum class State { kReady, kBarrier, kWarp, kDone };
+enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16 };
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kShfl: return "__shfl_xor_sync";
+    case Op::kLdmatrix: return "ldmatrix.x4";
+    case Op::kLdmatrixTrans: return "ldmatrix.x4.trans";
+    case Op::kMmaF16: return "mma.m16n8k16.f16";
+    case Op::kMmaBF16: return "mma.m16n8k16.bf16";
+    default: return "none";
+  }
+}
+
+struct Copy {  // one pending cp.async
+  uint32_t dst;
+  const unsigned char* src;
+  int bytes, src_bytes;
+  int group;
+};
+
+struct Fiber {
+  ThreadCtx ctx;
+  int linear, lane, warp;
+  int pos;  // position in the scheduling order
+  State state;
+#if defined(__x86_64__)
+  void* sp;
+#else
+  ucontext_t uc;
+#endif
+  std::unique_ptr<unsigned char[]> stack;
+  std::vector<Copy> copies;
+  int commits;  // cp.async groups committed so far; copies of group == commits are uncommitted
+};
+
+struct Warp {
+  Op op;
+  int arrived;
+  uint32_t in[32][10];
+  uint32_t out[32][4];
+};
+
+struct Cta {
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  std::vector<int> order;  // fibers by scheduling position
+  int nthreads, nwarps, live, at_barrier;
+  size_t smem_bytes;
+  Fiber* cur;
+#if defined(__x86_64__)
+  void* sched_sp;
+#else
+  ucontext_t sched_uc;
+#endif
+  void (*fn)(void*);
+  void* ctx;
+  std::exception_ptr error;
+};
+
+struct Runtime {
+  int arch = 90;
+  std::unique_ptr<unsigned char[]> smem_buf{new unsigned char[kMaxSmem + 128]};
+  // 128-byte aligned, as the kernels declare it
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_buf.get()) + 127) & ~uintptr_t(127));
+  std::vector<std::pair<const unsigned char*, const unsigned char*>> ranges;
+  std::unordered_map<const void*, int> max_dyn_smem;
+  std::vector<std::string> launches;  // kernel names, for take_launches()
+  Cta cta;
+  // the interleaving, read per launch: ATTN_EMU_SCHEDULE=lockstep (else warp-serial) and
+  // ATTN_EMU_REVERSE=1 (warps last-first)
+  bool reverse = false, warp_serial = true;
+};
+thread_local Runtime rt;
+
+Fiber& self() { return *rt.cta.cur; }
+
+// The next ready fiber after scheduling position `pos`, or null. Warp-serial (the default): the
+// lanes of the current warp first, so one warp runs ahead to its next barrier before the next
+// starts, and a read of another warp's shared-memory data that lacks a barrier sees the NaN fill
+// (lockstep misses a store + read pair that every warp executes at the same point). Lockstep:
+// round robin over all threads, every warp advancing one collective per round.
+Fiber* next_ready(int pos) {
+  Cta& c = rt.cta;
+  if (rt.warp_serial) {
+    const int w0 = pos - pos % 32;
+    for (int i = w0; i < w0 + 32 && i < c.nthreads; ++i) {
+      Fiber& f = c.fibers[c.order[i]];
+      if (f.state == State::kReady) return &f;
+    }
+  }
+  for (int k = 1; k <= c.nthreads; ++k) {
+    int i = pos + k;
+    if (i >= c.nthreads) i -= c.nthreads;
+    Fiber& f = c.fibers[c.order[i]];
+    if (f.state == State::kReady) return &f;
+  }
+  return nullptr;
+}
+
+// The current fiber blocks (or has finished): hand the thread straight to the next ready fiber,
+// or back to the scheduler when there is none (all done, or a deadlock) or a fault is pending.
+void yield_to_scheduler() {
+  Cta& c = rt.cta;
+  Fiber* f = c.cur;
+  Fiber* next = c.error ? nullptr : next_ready(f->pos);
+  if (next != nullptr) {
+    c.cur = next;
+    g_thread = &next->ctx;
+#if defined(__x86_64__)
+    attn_emu_switch(&f->sp, next->sp);
+#else
+    swapcontext(&f->uc, &next->uc);
+#endif
+  } else {
+#if defined(__x86_64__)
+    attn_emu_switch(&f->sp, c.sched_sp);
+#else
+    swapcontext(&f->uc, &c.sched_uc);
+#endif
+  }
+  g_thread = &f->ctx;  // resumed
+  c.cur = f;
+}
+
+void fiber_main() {
+  Cta& c = rt.cta;
+  Fiber* f = c.cur;
+  try {
+    c.fn(c.ctx);
+  } catch (...) {
+    if (!c.error) c.error = std::current_exception();
+  }
+  f->state = State::kDone;
+  --c.live;
+  // a thread that exits no longer counts for the barrier
+  if (c.live > 0 && c.at_barrier == c.live) {
+    for (int t = 0; t < c.nthreads; ++t)
+      if (c.fibers[t].state == State::kBarrier) c.fibers[t].state = State::kReady;
+    c.at_barrier = 0;
+  }
+  yield_to_scheduler();
+  std::abort();  // a finished fiber is never resumed
+}
+
+#if defined(__x86_64__)
+extern "C" void attn_emu_fiber_entry() { fiber_main(); }
+#else
+void fiber_entry_uc() { fiber_main(); }
+#endif
+
+void start_fiber(Fiber& f) {
+  if (!f.stack) f.stack.reset(new unsigned char[kStackBytes]);
+#if defined(__x86_64__)
+  // initial frame popped by attn_emu_switch: MXCSR / x87 control word, 6 registers, then the
+  // "return address" attn_emu_fiber_entry at a 16-byte aligned slot (so the entry sees the
+  // stack alignment of a call)
+  uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack.get()) + kStackBytes) & ~uintptr_t(15);
+  uint64_t* s = reinterpret_cast<uint64_t*>(top);
+  *--s = 0;
+  *--s = reinterpret_cast<uint64_t>(&attn_emu_fiber_entry);
+  for (int i = 0; i < 6; ++i) *--s = 0;
+  uint32_t csr[2];
+  asm volatile("stmxcsr %0" : "=m"(csr[0]));
+  asm volatile("fnstcw %0" : "=m"(csr[1]));
+  --s;
+  std::memcpy(s, csr, 8);
+  f.sp = s;
+#else
+  getcontext(&f.uc);
+  f.uc.uc_stack.ss_sp = f.stack.get();
+  f.uc.uc_stack.ss_size = kStackBytes;
+  f.uc.uc_link = nullptr;
+  makecontext(&f.uc, fiber_entry_uc, 0);
+#endif
+}
+
+void resume(Fiber& f) {
+  Cta& c = rt.cta;
+  c.cur = &f;
+  g_thread = &f.ctx;
+#if defined(__x86_64__)
+  attn_emu_switch(&c.sched_sp, f.sp);
+#else
+  swapcontext(&c.sched_uc, &f.uc);
+#endif
+  g_thread = nullptr;
+}
+
+std::string where(const Fiber& f) {
+  const ThreadCtx& t = f.ctx;
+  return "block (" + std::to_string(t.block_idx.x) + "," + std::to_string(t.block_idx.y) + "," +
+         std::to_string(t.block_idx.z) + ") thread " + std::to_string(f.linear);
+}
+
+void run_cta(uint3 bidx, dim3 grid, dim3 block) {
+  Cta& c = rt.cta;
+  std::memset(rt.smem, 0xff, c.smem_bytes);
+  c.live = c.nthreads;
+  c.at_barrier = 0;
+  for (int t = 0; t < c.nthreads; ++t) {
+    Fiber& f = c.fibers[t];
+    f.linear = t;
+    f.lane = t & 31;
+    f.warp = t >> 5;
+    f.ctx.thread_idx = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+    f.ctx.block_idx = bidx;
+    f.ctx.block_dim = block;
+    f.ctx.grid_dim = grid;
+    f.state = State::kReady;
+    f.copies.clear();
+    f.commits = 0;
+    start_fiber(f);
+  }
+  // ATTN_EMU_REVERSE: warps last-first (lanes keep their order), another interleaving
+  c.order.clear();
+  for (int w = 0; w < c.nwarps; ++w) {
+    const int ww = rt.reverse ? c.nwarps - 1 - w : w;
+    for (int l = 0; l < 32 && 32 * ww + l < c.nthreads; ++l) {
+      c.fibers[32 * ww + l].pos = int(c.order.size());
+      c.order.push_back(32 * ww + l);
+    }
+  }
+  for (Warp& w : c.warps) {
+    w.op = Op::kNone;
+    w.arrived = 0;
+  }
+  while (c.live > 0) {
+    // runs fibers (each hands over to the next ready one) until none is ready
+    Fiber* f = nullptr;
+    for (int i = 0; i < c.nthreads && f == nullptr; ++i)
+      if (c.fibers[c.order[i]].state == State::kReady) f = &c.fibers[c.order[i]];
+    if (f != nullptr) resume(*f);
+    if (c.error) std::rethrow_exception(c.error);
+    if (c.live > 0 && next_ready(0) == nullptr) {
+      int bar = 0, coll = 0;
+      std::string detail;
+      for (int t = 0; t < c.nthreads; ++t) {
+        const Fiber& f = c.fibers[t];
+        if (f.state == State::kBarrier) ++bar;
+        if (f.state == State::kWarp) {
+          ++coll;
+          if (detail.empty())
+            detail = "; " + where(f) + " waits in " + op_name(c.warps[f.warp].op) + " for lanes of warp " +
+                     std::to_string(f.warp) + " that exited or wait elsewhere";
+        }
+      }
+      fault("deadlock: " + std::to_string(bar) + " threads at __syncthreads, " + std::to_string(coll) +
+            " at a warp collective, " + std::to_string(c.nthreads - c.live) + " exited" + detail);
+    }
+  }
+}
+
+// A lane arrives at a collective: deposit in[0..n_in), wait for the warp, take out[0..n_out).
+// The last lane computes the results of all 32 (compute(w)).
+template <typename Compute>
+void collective(Op op, const uint32_t* in, int n_in, uint32_t* out, int n_out, Compute compute) {
+  Cta& c = rt.cta;
+  Fiber& f = self();
+  Warp& w = c.warps[f.warp];
+  const int warp_threads = std::min(32, c.nthreads - 32 * f.warp);
+  if (warp_threads != 32) fault(std::string(op_name(op)) + " in a partial warp");
+  if (w.arrived == 0) {
+    w.op = op;
+  } else if (w.op != op) {
+    fault("warp " + std::to_string(f.warp) + " diverged: lanes at " + op_name(w.op) + " and " + op_name(op) +
+          " (" + where(f) + ")");
+  }
+  std::memcpy(w.in[f.lane], in, sizeof(uint32_t) * n_in);
+  if (++w.arrived == 32) {
+    compute(w);
+    w.arrived = 0;
+    for (int l = 0; l < 32; ++l) {
+      Fiber& o = c.fibers[32 * f.warp + l];
+      if (o.state == State::kWarp) o.state = State::kReady;
+    }
+  } else {
+    f.state = State::kWarp;
+    yield_to_scheduler();
+  }
+  std::memcpy(out, w.out[f.lane], sizeof(uint32_t) * n_out);
+}
+
+void check_smem(uint32_t addr, int bytes, const char* what) {
+  if (addr % uint32_t(bytes) != 0)
+    fault(std::string(what) + ": shared address " + std::to_string(addr) + " is not " + std::to_string(bytes) +
+          "-byte aligned (" + where(self()) + ")");
+  if (size_t(addr) + bytes > rt.cta.smem_bytes)
+    fault(std::string(what) + ": shared address " + std::to_string(addr) + " + " + std::to_string(bytes) +
+          " is past the " + std::to_string(rt.cta.smem_bytes) + " bytes of dynamic shared memory (" +
+          where(self()) + ")");
+}
+
+float half_bits_to_float(uint16_t h, Elem e) {
+  if (e == Elem::kBF16) return __uint_as_float(uint32_t(h) << 16);
+  __half x;
+  std::memcpy(&x, &h, 2);
+  return __half2float(x);
+}
+
+// The demangled symbol of a kernel (template instances are exported from the module).
+std::string kernel_name(const void* kernel_id) {
+  Dl_info info;
+  if (dladdr(kernel_id, &info) == 0 || info.dli_sname == nullptr) return "?";
+  int status = 0;
+  char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+  std::string name = status == 0 && dem != nullptr ? dem : info.dli_sname;
+  std::free(dem);
+  return name;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- public API
+std::vector<std::string> take_launches() {
+  std::vector<std::string> out;
+  out.swap(rt.launches);
+  return out;
+}
+void set_arch(int sm) { rt.arch = sm; }
+int arch() { return rt.arch; }
+void add_global_range(const void* ptr, size_t bytes) {
+  const unsigned char* p = static_cast<const unsigned char*>(ptr);
+  rt.ranges.emplace_back(p, p + bytes);
+}
+void clear_global_ranges() { rt.ranges.clear(); }
+unsigned char* dynamic_smem() { return rt.smem; }
+void set_max_dynamic_smem(const void* kernel_id, int bytes) { rt.max_dyn_smem[kernel_id] = bytes; }
+
+void run_grid(const void* kernel_id, dim3 grid, dim3 block, size_t smem_bytes, void (*fn)(void*), void* ctx) {
+  const int nthreads = int(block.x * block.y * block.z);
+  if (nthreads < 1 || nthreads > kMaxThreads) fault("launch with " + std::to_string(nthreads) + " threads per block");
+  if (grid.y > 65535 || grid.z > 65535 || grid.x < 1 || grid.y < 1 || grid.z < 1)
+    fault("invalid grid (" + std::to_string(grid.x) + "," + std::to_string(grid.y) + "," + std::to_string(grid.z) + ")");
+  const size_t limit = rt.arch >= 90 ? 227 * 1024 : 163 * 1024;
+  if (smem_bytes > limit)
+    fault("launch asks for " + std::to_string(smem_bytes) + " bytes of shared memory, sm_" +
+          std::to_string(rt.arch) + " has " + std::to_string(limit));
+  if (smem_bytes > 48 * 1024) {
+    auto it = rt.max_dyn_smem.find(kernel_id);
+    if (it == rt.max_dyn_smem.end() || size_t(it->second) < smem_bytes)
+      fault("launch asks for " + std::to_string(smem_bytes) +
+            " bytes of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize");
+  }
+  rt.launches.push_back(kernel_name(kernel_id));
+  const char* rev = std::getenv("ATTN_EMU_REVERSE");
+  rt.reverse = rev != nullptr && rev[0] == '1';
+  const char* sched = std::getenv("ATTN_EMU_SCHEDULE");
+  rt.warp_serial = sched == nullptr || std::strcmp(sched, "lockstep") != 0;
+  Cta& c = rt.cta;
+  c.nthreads = nthreads;
+  c.nwarps = (nthreads + 31) / 32;
+  if (int(c.fibers.size()) < nthreads) c.fibers.resize(nthreads);
+  c.warps.resize(c.nwarps);
+  c.smem_bytes = smem_bytes;
+  c.fn = fn;
+  c.ctx = ctx;
+  c.error = nullptr;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) run_cta(make_uint3(x, y, z), grid, block);
+}
+
+cudaError_t get_device(int* dev) {
+  *dev = 0;
+  return cudaSuccess;
+}
+cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int) {
+  if (attr == cudaDevAttrComputeCapabilityMajor) {
+    *value = rt.arch / 10;
+  } else if (attr == cudaDevAttrComputeCapabilityMinor) {
+    *value = rt.arch % 10;
+  } else {
+    fault("device attribute " + std::to_string(int(attr)) + " is not emulated");
+  }
+  return cudaSuccess;
+}
+cudaError_t get_last_error() { return cudaSuccess; }  // emulated faults throw at once
+const char* get_error_string(cudaError_t) { return "emulated error"; }
+cudaError_t memset_async(void* ptr, int value, size_t bytes, cudaStream_t) {
+  std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}
+
+void syncthreads() {
+  Cta& c = rt.cta;
+  Fiber& f = self();
+  if (++c.at_barrier == c.live) {
+    c.at_barrier = 0;
+    for (int t = 0; t < c.nthreads; ++t)
+      if (c.fibers[t].state == State::kBarrier) c.fibers[t].state = State::kReady;
+    return;
+  }
+  f.state = State::kBarrier;
+  yield_to_scheduler();
+}
+
+// mma.m16n8k16 fragments (g = lane / 4, t = lane % 4; each 32-bit register holds two 16-bit
+// elements, the lower column / k index in the low half):
+//   A (16 x 16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16 x 8, k x n):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C, D (16 x 8, fp32):    c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
+// Products of 16-bit values are exact in double; the k sum and C are added in double and
+// rounded once (the hardware's fp32 accumulation rounds differently, within fp32 noise).
+void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b) {
+  uint32_t in[10], out[4];
+  std::memcpy(in, a, 16);
+  std::memcpy(in + 4, b, 8);
+  std::memcpy(in + 6, c, 16);
+  collective(e == Elem::kF16 ? Op::kMmaF16 : Op::kMmaBF16, in, 10, out, 4, [e](Warp& w) {
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      const uint32_t* r = w.in[l];
+      for (int h = 0; h < 2; ++h) {
+        A[g][2 * t + h] = half_bits_to_float(uint16_t(r[0] >> (16 * h)), e);
+        A[g + 8][2 * t + h] = half_bits_to_float(uint16_t(r[1] >> (16 * h)), e);
+        A[g][2 * t + 8 + h] = half_bits_to_float(uint16_t(r[2] >> (16 * h)), e);
+        A[g + 8][2 * t + 8 + h] = half_bits_to_float(uint16_t(r[3] >> (16 * h)), e);
+        B[2 * t + h][g] = half_bits_to_float(uint16_t(r[4] >> (16 * h)), e);
+        B[2 * t + 8 + h][g] = half_bits_to_float(uint16_t(r[5] >> (16 * h)), e);
+      }
+      C[g][2 * t] = __uint_as_float(r[6]);
+      C[g][2 * t + 1] = __uint_as_float(r[7]);
+      C[g + 8][2 * t] = __uint_as_float(r[8]);
+      C[g + 8][2 * t + 1] = __uint_as_float(r[9]);
+    }
+    float D[16][8];
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 8; ++j) {
+        double s = C[i][j];
+        for (int k = 0; k < 16; ++k) s += double(A[i][k]) * double(B[k][j]);
+        D[i][j] = float(s);
+      }
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      w.out[l][0] = __float_as_uint(D[g][2 * t]);
+      w.out[l][1] = __float_as_uint(D[g][2 * t + 1]);
+      w.out[l][2] = __float_as_uint(D[g + 8][2 * t]);
+      w.out[l][3] = __float_as_uint(D[g + 8][2 * t + 1]);
+    }
+  });
+  std::memcpy(c, out, 16);
+}
+
+// ldmatrix.x4: lane 8 m + r gives the address of row r (16 bytes) of matrix m; lane 4 r + t
+// receives in register m the 32-bit word t (elements 2t, 2t+1) of row r of matrix m, or with
+// .trans of row r of the transposed matrix (elements (2t, r) and (2t+1, r)).
+void ldmatrix_x4(uint32_t* r, uint32_t addr, bool trans) {
+  uint32_t out[4];
+  collective(trans ? Op::kLdmatrixTrans : Op::kLdmatrix, &addr, 1, out, 4, [trans](Warp& w) {
+    uint16_t M[4][8][8];
+    for (int m = 0; m < 4; ++m)
+      for (int row = 0; row < 8; ++row) {
+        const uint32_t a = w.in[8 * m + row][0];
+        check_smem(a, 16, trans ? "ldmatrix.trans" : "ldmatrix");
+        std::memcpy(M[m][row], rt.smem + a, 16);
+      }
+    for (int l = 0; l < 32; ++l) {
+      const int row = l >> 2, t = l & 3;
+      for (int m = 0; m < 4; ++m) {
+        const uint16_t lo = trans ? M[m][2 * t][row] : M[m][row][2 * t];
+        const uint16_t hi = trans ? M[m][2 * t + 1][row] : M[m][row][2 * t + 1];
+        w.out[l][m] = uint32_t(lo) | (uint32_t(hi) << 16);
+      }
+    }
+  });
+  std::memcpy(r, out, 16);
+}
+
+uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width) {
+  if (mask != 0xffffffffu || width != 32) fault("__shfl_xor_sync is emulated for full warps only");
+  uint32_t in[2] = {bits, uint32_t(lane_mask)}, out;
+  collective(Op::kShfl, in, 2, &out, 1, [](Warp& w) {
+    for (int l = 0; l < 32; ++l) {
+      const uint32_t src = l ^ (w.in[l][1] & 31);
+      w.out[l][0] = w.in[src][0];
+    }
+  });
+  return out;
+}
+
+uint32_t smem_u32(const void* ptr) {
+  const unsigned char* p = static_cast<const unsigned char*>(ptr);
+  if (p < rt.smem || p > rt.smem + kMaxSmem) fault("smem_u32 of a pointer outside shared memory");
+  return uint32_t(p - rt.smem);
+}
+
+void cp_async(uint32_t dst, const void* src, int bytes, int src_bytes) {
+  check_smem(dst, bytes, "cp.async");
+  const unsigned char* s = static_cast<const unsigned char*>(src);
+  if (src_bytes > 0) {
+    if (reinterpret_cast<uintptr_t>(s) % bytes != 0) fault("cp.async: misaligned global source (" + where(self()) + ")");
+    bool inside = false;
+    for (const auto& r : rt.ranges) inside = inside || (s >= r.first && s + src_bytes <= r.second);
+    if (!inside) fault("cp.async: global source outside the kernel's tensors (" + where(self()) + ")");
+  }
+  std::memset(rt.smem + dst, 0xff, bytes);  // undefined until the group is waited for
+  Fiber& f = self();
+  f.copies.push_back(Copy{dst, s, bytes, src_bytes, f.commits});
+}
+
+void cp_async_commit() { ++self().commits; }
+
+void cp_async_wait(int n) {
+  Fiber& f = self();
+  const int done = f.commits - n;  // groups [0, done) complete
+  size_t keep = 0;
+  for (size_t i = 0; i < f.copies.size(); ++i) {
+    const Copy& cp = f.copies[i];
+    if (cp.group < done) {
+      std::memcpy(rt.smem + cp.dst, cp.src, cp.src_bytes);
+      std::memset(rt.smem + cp.dst + cp.src_bytes, 0, cp.bytes - cp.src_bytes);
+    } else {
+      f.copies[keep++] = cp;
+    }
+  }
+  f.copies.resize(keep);
+}
+
+void st_shared_b32(uint32_t addr, uint32_t v) {
+  check_smem(addr, 4, "st.shared.b32");
+  std::memcpy(rt.smem + addr, &v, 4);
+}
+
+uint4 ld_shared_v4(uint32_t addr) {
+  check_smem(addr, 16, "ld.shared.v4.u32");
+  uint4 v;
+  std::memcpy(&v, rt.smem + addr, 16);
+  return v;
+}
+
+}  // namespace attn_emu
