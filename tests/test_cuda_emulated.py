@@ -126,7 +126,7 @@ def test_launch_sequence(monkeypatch, emu, arch):
     ns = f"attn_emu_sm{arch}"
     tiles = "256, 128, 32, 128, 8" if arch == 90 else "256, 128, 32, 64, 4"
     assert names == [
-        f"void {ns}::tc::fwd_kernel<__nv_bfloat16, 256, 64, 32, 4, false, {ns}::tc::FwdVariant<0, false> >",
+        f"void {ns}::tc::fwd_kernel<__nv_bfloat16, 256, 64, 32, 4, false, {ns}::tc::FwdVariant<0> >",
         f"void {ns}::simt::bwd_preprocess_kernel<__nv_bfloat16>",
         f"void {ns}::tc::bwd_dkdv_kernel<__nv_bfloat16, {tiles}, false, {ns}::tc::BwdVariant<1, false, false, 0> >",
         f"void {ns}::simt::bwd_convert_dq_kernel<__nv_bfloat16>",
@@ -161,6 +161,40 @@ def test_options_sm80(monkeypatch, emu, opt):
     o = tc.option_cases()[opt](4)
     needs_dropout_mask(o)
     tc.run_and_compare(2, 4, 2, 129, 200, 128, torch.bfloat16, **o)
+
+
+@pytest.mark.parametrize("splits", ["3", "64"])
+@pytest.mark.parametrize("opt", ["none"] + tc.SPLIT_OPTIONS)
+def test_split_kv(monkeypatch, emu, opt, splits):
+    """Split-KV forward (ATTN_CUDA_SPLITS=N: FwdSplit kernels + the combine) with test_cuda.py's
+    split options, at a decode step (Sq = 1, D = 128) and a ragged few-row call (Sq = 7, D = 64);
+    64 splits over 3 key blocks leave most splits empty."""
+    emulate(monkeypatch, emu)
+    monkeypatch.setenv("ATTN_CUDA_SPLITS", splits)
+    torch.manual_seed(len(opt) * 100 + int(splits))
+    b, h, hk = 2, 4, 2
+    for sq, d, dtype in ((1, 128, torch.bfloat16), (7, 64, torch.float16)):
+        o = tc.split_options(b, h, sq, 300)[opt] if opt != "none" else {}
+        needs_dropout_mask(o)
+        tc.run_and_compare(b, h, hk, sq, 300, d, dtype, **o)
+    # split against unsplit on the same inputs, tightly, with V = 1: every output is then the
+    # total weight of its row (1, less a sink's share, scaled by dropout), ~1, so a wrong split
+    # weight shows as a shift while the rounding stays at the final bf16 ulp (2^-8 at 1)
+    o = dict(tc.split_options(b, h, 1, 300)[opt]) if opt != "none" else {}
+    o.pop("bias_grad", None)
+    wl, wr = o.pop("window", (-1, -1))
+    q = torch.randn(b, h, 1, 128).to(torch.bfloat16)
+    k, v = torch.randn(b, hk, 300, 128).to(torch.bfloat16), torch.ones(b, hk, 300, 128, dtype=torch.bfloat16)
+    args = tc.call_fwd(q, k, v, window_left=wl, window_right=wr, **o)
+    emu.launches()
+    o_s, l_s = emu.fwd(q, k, v, *args, 90)
+    assert any("fwd_combine_kernel" in n for n in emu.launches()), "the split path did not run"
+    monkeypatch.setenv("ATTN_CUDA_SPLITS", "1")
+    o_1, l_1 = emu.fwd(q, k, v, *args, 90)
+    assert not any("fwd_combine_kernel" in n for n in emu.launches())
+    diff = (o_s.float() - o_1.float()).abs().max().item()
+    assert diff <= 4e-3, f"split O off by {diff:.3e} (> one bf16 ulp at 1)"
+    assert torch.allclose(l_s, l_1, rtol=0, atol=1e-4, equal_nan=True), (l_s - l_1).abs().max()
 
 
 @pytest.mark.parametrize("opt", ["causal_tl", "bool_mask", "dropout"])

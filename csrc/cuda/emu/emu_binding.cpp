@@ -73,7 +73,7 @@ std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tenso
   const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
   allow_reads({&q, &k, &v});
   const attn_emu::Backend be = backend(arch);
-  run("fwd", [&] { be.fwd(&p, sizeof(p), int(attn::api::dtype_of(q))); });
+  run("fwd", [&] { be.fwd(&p, sizeof(p), int(attn::api::dtype_of(q)), q.size(0), q.size(2)); });
   return {out, lse};
 }
 

@@ -19,7 +19,8 @@ std::vector<std::string> take_launches();
 
 struct Backend {
   // dispatch.cu's cuda_fwd / cuda_bwd / scratch sizes / path name; dtype is attn::DType as int
-  void (*fwd)(const void* params, size_t bytes, int dtype);
+  // batch_t, rows: q's dim 0 and its rows per head (the varlen pack's total), for split-KV scratch
+  void (*fwd)(const void* params, size_t bytes, int dtype, int64_t batch_t, int64_t rows);
   void (*bwd)(const void* params, size_t bytes, int dtype);
   size_t (*softmax_d_floats)(const void* params, size_t bytes);
   size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);

@@ -21,7 +21,9 @@
 
 #include <nvtx3/nvToolsExt.h>
 
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "emu_entry.h"
 
@@ -69,9 +71,21 @@ void prepare() {
 #define ATTN_EMU_CAT(a, b) ATTN_EMU_CAT2(a, b)
 attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   Backend be;
-  be.fwd = [](const void* p, size_t n, int dt) {
+  be.fwd = [](const void* p, size_t n, int dt, int64_t batch_t, int64_t rows) {
     attn::prepare();
-    attn::cuda_fwd(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt), nullptr);
+    const attn::FwdParams fp = attn::params_from<attn::FwdParams>(p, n);
+    // split-KV scratch as attention_cuda.cpp sizes it, NaN-filled so an unwritten partial shows
+    attn::FwdSplitScratch split;
+    split.num_splits = attn::cuda_fwd_num_splits(fp, attn::DType(dt));
+    std::vector<float> o_accum, lse_accum;
+    if (split.num_splits > 1) {
+      split.rows = rows;
+      o_accum.assign(attn::cuda_fwd_split_floats(fp, split.num_splits, batch_t, rows, true), NAN);
+      lse_accum.assign(attn::cuda_fwd_split_floats(fp, split.num_splits, batch_t, rows, false), NAN);
+      split.o_accum = o_accum.data();
+      split.lse_accum = lse_accum.data();
+    }
+    attn::cuda_fwd(fp, attn::DType(dt), nullptr, split);
   };
   be.bwd = [](const void* p, size_t n, int dt) {
     attn::prepare();
