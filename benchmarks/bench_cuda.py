@@ -293,6 +293,11 @@ def tune(fwd_variants, bwd_variants):
         print(f"| geomean | | | | {gm} | |")
 
 
+def ratio(a, b):
+    """a / b to two decimals, or n/a where either is missing (NaN) or b is not positive."""
+    return f"{a / b:.2f}" if a == a and b == b and b > 0 else "n/a"
+
+
 def table(ceiling, rows, gpu):
     head = (f"GPU: {gpu}; bf16 matmul ceiling (8192^3): {ceiling / 1e12:.0f} TFLOP/s\n\n"
             "| D | S | causal | fwd ours | fwd flash | x flash | fwd cudnn | x cudnn | fwd % ceil "
@@ -300,8 +305,6 @@ def table(ceiling, rows, gpu):
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
-        def ratio(a, b):
-            return f"{a / b:.2f}" if b == b and b > 0 else "n/a"
         lines.append(
             f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {r['ours_fwd']:.0f} | {r['flash_fwd']:.0f} | "
             f"{ratio(r['ours_fwd'], r['flash_fwd'])} | {r['cudnn_fwd']:.0f} | {ratio(r['ours_fwd'], r['cudnn_fwd'])} | "
@@ -313,9 +316,6 @@ def table(ceiling, rows, gpu):
 
 def hopper_table(ceiling, rows):
     """Forward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
-    def ratio(a, b):
-        return f"{a / b:.2f}" if a == a and b == b and b > 0 else "n/a"
-
     head = ("\nForward, sm_90a wgmma kernel (ours-hopper: ATTN_CUDA_HOPPER=1; hopper-ovl: =2, softmax "
             "overlapped with P V) vs the mma.sync kernel and SDPA, TFLOP/s; x = ratio of the better "
             "wgmma variant; |diff| = max |out - out_mma.sync| of each variant\n\n"
@@ -335,9 +335,6 @@ def hopper_table(ceiling, rows):
 
 def hopper_bwd_table(ceiling, rows):
     """Backward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
-    def ratio(a, b):
-        return f"{a / b:.2f}" if a == a and b == b and b > 0 else "n/a"
-
     head = ("\nBackward, sm_90a wgmma kernel (hopper-bwd: ATTN_CUDA_HOPPER_BWD=1) vs the mma.sync kernel "
             "and SDPA, TFLOP/s (2.5x the forward's FLOPs); |diff| = max |dX - dX_mma.sync| over dQ, dK, dV\n\n"
             "| D | S | causal | ours (mma.sync) | hopper-bwd | SDPA flash | cuDNN | x mma.sync | x flash "
@@ -461,7 +458,6 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
         pf_fwd = flops(b, h, s, s, d, causal=kw["is_causal"], mode="fwd")
         pf_bwd = flops(b, h, s, s, d, causal=kw["is_causal"], mode="bwd")
         tf = lambda f, t: f / t / 1e12
-        ratio = lambda a, c: f"{a / c:.2f}" if c == c else "n/a"
         lines.append(f"| {name} | {tf(f_fwd, t_fwd):.0f} | {tf(pf_fwd, p_fwd):.0f} | {ratio(p_fwd, t_fwd)} | "
                      f"{tf(f_bwd, t_bwd):.0f} | {tf(pf_bwd, p_bwd):.0f} | {ratio(p_bwd, t_bwd)} | "
                      f"{peer}{'' if like else '*'} |")
