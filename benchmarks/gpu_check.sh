@@ -26,6 +26,18 @@ STAGES=${STAGES:-"build test hopper models bench ncu sanitize"}  # + sm80: see i
 TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
+# op_args(d, **options): the op's positional options with every default filled in, shared by
+# the inline scripts below (they run from $TMPD, so `from gc_common import op_args` finds it)
+cat > "$TMPD/gc_common.py" <<'PY'
+import math
+from attention_ext import ops
+def op_args(d, **o):
+    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1,
+                window_right=-1, bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+    opts.update(o)
+    return [opts[n] for n in ops.OPTION_NAMES]
+PY
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -133,11 +145,9 @@ if has ncu; then
   cat > "$TMPD/ncu_case.py" <<'PY'
 import math, torch
 from attention_ext import ops
+from gc_common import op_args
 b, h, s, d = 4, 16, 4096, 128
-opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1, window_right=-1,
-            bottom_right=False, dropout_p=0.0, seed=1, offset=0)
-args = [opts[n] for n in ops.OPTION_NAMES]
+args = op_args(d)
 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
 out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
 torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
@@ -204,17 +214,14 @@ if has sanitize; then
   cat > "$TMPD/san_cases.py" <<'PY'
 import math, torch
 from attention_ext import ops
+from gc_common import op_args
 def run(b, h, hk, sq, sk, d, dtype, deterministic=False, **o):
-    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1, window_right=-1,
-                bottom_right=False, dropout_p=0.0, seed=1, offset=0)
-    opts.update(o)
-    args = [opts[n] for n in ops.OPTION_NAMES]
+    args = op_args(d, **o)
     q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
     v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
     out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
-    bias_grad = opts["bias"] is not None and opts["bias"].dtype == torch.float32
+    bias_grad = o.get("bias") is not None and o["bias"].dtype == torch.float32
     g = torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, bias_grad, deterministic)
     torch.cuda.synchronize()
 bf, f16 = torch.bfloat16, torch.float16
@@ -245,12 +252,9 @@ PY
   cat > "$TMPD/san_hopper.py" <<'PY'
 import math, torch
 from attention_ext import ops
+from gc_common import op_args
 def fwd(q, k, v, **o):
-    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(q.shape[-1]), softcap=0.0, window_left=-1,
-                window_right=-1, bottom_right=False, dropout_p=0.0, seed=1, offset=0)
-    opts.update(o)
-    return torch.ops.attention_ext.fwd(q, k, v, *[opts[n] for n in ops.OPTION_NAMES])
+    return torch.ops.attention_ext.fwd(q, k, v, *op_args(q.shape[-1], **o))
 r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
 # (no profiler under the sanitizer: tests/test_cuda.py -k hopper checks that these take the wgmma path)
 fwd(r(1, 2, 70, 64), r(1, 1, 130, 64), r(1, 1, 130, 64), window_right=0, bottom_right=True)
@@ -279,12 +283,9 @@ PY
   cat > "$TMPD/san_hopper_bwd.py" <<'PY'
 import math, torch
 from attention_ext import ops
+from gc_common import op_args
 def fwd_bwd(q, k, v, **o):
-    opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(q.shape[-1]), softcap=0.0, window_left=-1,
-                window_right=-1, bottom_right=False, dropout_p=0.0, seed=1, offset=0)
-    opts.update(o)
-    args = [opts[n] for n in ops.OPTION_NAMES]
+    args = op_args(q.shape[-1], **o)
     out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
     torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, False, False)
 r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
