@@ -118,7 +118,8 @@ if HAS_EXT:
         )
         grad_bias = dbias.sum_to_size(bias.shape) if bias_grad else None
         grad_sinks = dsinks.sum(0) if (sinks is not None and ctx.needs_input_grad[5]) else None
-        return (dq, dk, dv, grad_bias, None, grad_sinks) + (None,) * (len(OPTION_NAMES) - 3)
+        # None for the remaining options, num_splits and deterministic
+        return (dq, dk, dv, grad_bias, None, grad_sinks) + (None,) * (len(OPTION_NAMES) - 3 + 2)
 
     torch.library.register_autograd("attention_ext::fwd", _backward, setup_context=_setup_context)
 
