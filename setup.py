@@ -5,11 +5,11 @@ is found. Environment switches:
   ATTENTION_EXT_NATIVE=0     portable CPU build (no -march=native)
   TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible. A 9.0 cubin
                              is built as sm_90a (the wgmma forward needs it; same GPUs, same cost)
-  ATTN_CUDA_SKIP_HOPPER=1    no sm_90a: plain sm_90 cubins, no wgmma kernels
-  ATTN_CUDA_SKIP=bwd,hdim256 faster developer builds: compile out the CUDA backward (bwd), a
+  ATTENTION_EXT_CUDA_SKIP=bwd,hdim256,hopper
+                             faster developer builds: compile out the CUDA backward (bwd), a
                              head-dim bucket (hdim64 / hdim128 / hdim256: it then runs on the SIMT
-                             kernels) or the wgmma kernels (hopper); a call that needs what was left
-                             out raises
+                             kernels) or the sm_90a wgmma kernels (hopper: plain sm_90 cubins); a
+                             call that needs what was left out raises
   MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
@@ -72,13 +72,11 @@ _SKIPPABLE = ("bwd", "hdim64", "hdim128", "hdim256", "hopper")
 
 
 def _skips():
-    """The parts ATTN_CUDA_SKIP (comma-separated) compiles out; ATTN_CUDA_SKIP_HOPPER=1 adds hopper."""
-    parts = {x.strip().lower() for x in os.environ.get("ATTN_CUDA_SKIP", "").split(",") if x.strip()}
+    """The parts ATTENTION_EXT_CUDA_SKIP (comma-separated) compiles out."""
+    parts = {x.strip().lower() for x in os.environ.get("ATTENTION_EXT_CUDA_SKIP", "").split(",") if x.strip()}
     bad = parts - set(_SKIPPABLE)
     if bad:
-        sys.exit(f"ATTN_CUDA_SKIP: unknown part(s) {sorted(bad)}; choose from {', '.join(_SKIPPABLE)}")
-    if os.environ.get("ATTN_CUDA_SKIP_HOPPER", "0").lower() not in ("", "0", "false", "off", "no"):
-        parts.add("hopper")
+        sys.exit(f"ATTENTION_EXT_CUDA_SKIP: unknown part(s) {sorted(bad)}; choose from {', '.join(_SKIPPABLE)}")
     return parts
 
 
@@ -88,7 +86,7 @@ def _skip_hopper():
 
 def _gencode_flags():
     """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST as torch makes them, except that the 9.0 cubin
-    is built for sm_90a: wgmma and setmaxnreg (csrc/cuda/fwd_hopper_kernel.cuh) exist only there,
+    is built for sm_90a: wgmma and setmaxnreg (csrc/softmax/cuda/sm90/) exist only there,
     an sm_90a cubin runs on the same GPUs as an sm_90 one, and building it instead of sm_90 (not
     beside it) costs no extra compile pass and leaves the loader one cubin to pick on an H100.
     "+PTX" keeps the portable compute_XX PTX for newer GPUs. Returns (flags, has_sm90a)."""
@@ -108,13 +106,22 @@ def _cpu_flags():
     return flags
 
 
+def _sources():
+    """(CPU sources, CUDA sources). Family first: csrc/<family>/cpu/*.cpp and
+    csrc/<family>/cuda/**/*.cu (instantiations/ included); the torch bindings in csrc/torch,
+    *_cuda.cpp with the CUDA ones."""
+    torch_cpp = sorted(glob.glob("csrc/torch/*.cpp"))
+    cpu = sorted(glob.glob("csrc/*/cpu/*.cpp")) + [f for f in torch_cpp if not f.endswith("_cuda.cpp")]
+    cuda = sorted(glob.glob("csrc/*/cuda/**/*.cu", recursive=True)) + [f for f in torch_cpp if f.endswith("_cuda.cpp")]
+    return cpu, cuda
+
+
 def extensions():
-    cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp")) + ["csrc/api/attention.cpp"]
+    cpu_sources, cuda_sources = _sources()
     cxx = _cpu_flags()
     define_macros = []
     if _want_cuda():
         archs = _arch_list()
-        cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/api/*_cuda.cpp"))
         define_macros += [("ATTN_WITH_CUDA", None), ("ATTN_CUDA_ARCHS", '"' + archs + '"')]
         nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
         # explicit -gencode flags: torch then adds none of its own
@@ -122,7 +129,7 @@ def extensions():
         nvcc += gencode
         if has_sm90a:
             define_macros.append(("ATTN_CUDA_HAVE_SM90A", None))
-        # the generated instantiation files and dispatch.cu test these macros
+        # the generated instantiation files and the dispatch test these macros
         define_macros += [("ATTN_CUDA_SKIP_" + part.upper(), None) for part in sorted(_skips())]
         if os.environ.get("NVCC_THREADS"):
             nvcc.append(f"--threads={os.environ['NVCC_THREADS']}")

@@ -1,5 +1,5 @@
-"""Builds and runs the plain C++ unit tests (tests/cpp): the shared policy, RNG and split-KV merge,
-without torch."""
+"""Builds and runs the plain C++ unit tests (tests/cpp), without torch: the shared policy, RNG and
+split-KV merge, and the split-KV heuristic."""
 import os
 import shutil
 import subprocess
@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-@pytest.mark.parametrize("name", ["test_policy", "test_split_merge"])
+@pytest.mark.parametrize("name", ["test_policy", "test_lse_merge", "test_heuristics"])
 def test_cpp(tmp_path, name):
     exe = tmp_path / name
     subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(ROOT, "csrc"),

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Write csrc/cuda/inst_*.cu: one translation unit per (dtype, head-dim bucket, direction) of
-the tensor-core kernels, plus one per dtype for the SIMT fallback and backward helpers.
+"""Write csrc/softmax/cuda/instantiations/*.cu: one translation unit per (dtype, head-dim bucket,
+direction) of the tensor-core kernels, plus one per dtype for the SIMT fallback and backward
+helpers; and tests/cuda_emu/softmax_instantiations.h, the list of those the CPU emulator compiles
+(every file but the sm_90a wgmma ones).
 
 Each file only includes launch_template.cuh and instantiates one launcher, so setup.py and
-CMake (which glob csrc/cuda/*.cu) compile them in parallel. Re-run after changing the lists:
+CMake (which glob csrc/<family>/cuda/**/*.cu) compile them in parallel. Re-run after changing the lists:
 
     python tools/gen_cuda_instantiations.py
 
@@ -11,7 +13,7 @@ Developer builds can compile parts out with -DATTN_CUDA_SKIP_HDIM64 / 128 / 256 
 then runs on the SIMT kernels), -DATTN_CUDA_SKIP_BWD and -DATTN_CUDA_SKIP_HOPPER (the sm_90a
 wgmma forward; setup.py also reads ATTN_CUDA_SKIP_HOPPER=1 from the environment).
 
-The sm_90a wgmma files (inst_fwd_hopper_*.cu and inst_bwd_hopper_*.cu, buckets 64 and 128)
+The sm_90a wgmma files (fwd_hopper_*.cu and bwd_hopper_*.cu, buckets 64 and 128)
 compile only when the build has sm_90a code (setup.py defines ATTN_CUDA_HAVE_SM90A); their kernel
 bodies exist only in the sm_90a pass (__CUDA_ARCH_FEAT_SM90_ALL), the host launchers in every CUDA
 build that has them. The backward ones also honour ATTN_CUDA_SKIP_BWD.
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import pathlib
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cuda"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "csrc" / "softmax" / "cuda" / "instantiations"
+EMU_LIST = ROOT / "tests" / "cuda_emu" / "softmax_instantiations.h"
 DTYPES = {"f16": "__half", "bf16": "__nv_bfloat16"}
 SIMT_DTYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
 BUCKETS = (64, 128, 256)
@@ -37,7 +41,7 @@ def tc_file(direction: str, name: str, ctype: str, d: int) -> str:
              "cudaStream_t);\n") if direction == "fwd" else ""
     return (
         f"{HEADER}#if {guard}\n"
-        '#include "launch_template.cuh"\n\n'
+        '#include "softmax/cuda/launch_template.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_{direction}_tc<{ctype}, {d}>(const "
         f"{'FwdParams' if direction == 'fwd' else 'BwdParams'}&, cudaStream_t);\n"
@@ -51,7 +55,7 @@ def hopper_file(ctype: str, d: int) -> str:
     guard = f"defined(ATTN_CUDA_HAVE_SM90A) && !defined(ATTN_CUDA_SKIP_HOPPER) && !defined(ATTN_CUDA_SKIP_HDIM{d})"
     return (
         f"{HEADER}#if {guard}\n"
-        '#include "launch_hopper.cuh"\n\n'
+        '#include "softmax/cuda/sm90/launch_fwd.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_fwd_hopper<{ctype}, {d}>(const FwdParams&, bool, cudaStream_t);\n"
         "}  // namespace attn\n"
@@ -64,7 +68,7 @@ def hopper_bwd_file(ctype: str, d: int) -> str:
              " && !defined(ATTN_CUDA_SKIP_BWD)")
     return (
         f"{HEADER}#if {guard}\n"
-        '#include "launch_hopper_bwd.cuh"\n\n'
+        '#include "softmax/cuda/sm90/launch_bwd.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_bwd_hopper<{ctype}, {d}>(const BwdParams&, cudaStream_t);\n"
         "}  // namespace attn\n"
@@ -74,7 +78,7 @@ def hopper_bwd_file(ctype: str, d: int) -> str:
 
 def simt_file(ctype: str) -> str:
     return (
-        f'{HEADER}#include "launch_template.cuh"\n\n'
+        f'{HEADER}#include "softmax/cuda/launch_template.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_fwd_simt<{ctype}>(const FwdParams&, cudaStream_t);\n"
         "#if !defined(ATTN_CUDA_SKIP_BWD)\n"
@@ -91,21 +95,27 @@ def main() -> None:
     for direction in ("fwd", "bwd"):
         for name, ctype in DTYPES.items():
             for d in BUCKETS:
-                wanted[f"inst_{direction}_{name}_hd{d}.cu"] = tc_file(direction, name, ctype, d)
+                wanted[f"{direction}_{name}_hd{d}.cu"] = tc_file(direction, name, ctype, d)
     for name, ctype in DTYPES.items():
         for d in HOPPER_BUCKETS:
-            wanted[f"inst_fwd_hopper_{name}_hd{d}.cu"] = hopper_file(ctype, d)
-            wanted[f"inst_bwd_hopper_{name}_hd{d}.cu"] = hopper_bwd_file(ctype, d)
+            wanted[f"fwd_hopper_{name}_hd{d}.cu"] = hopper_file(ctype, d)
+            wanted[f"bwd_hopper_{name}_hd{d}.cu"] = hopper_bwd_file(ctype, d)
     for name, ctype in SIMT_DTYPES.items():
-        wanted[f"inst_simt_{name}.cu"] = simt_file(ctype)
-    for old in OUT.glob("inst_*.cu"):
+        wanted[f"simt_{name}.cu"] = simt_file(ctype)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.cu"):
         if old.name not in wanted:
             old.unlink()
     for fname, text in wanted.items():
         path = OUT / fname
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
-    print(f"{len(wanted)} files in {OUT}")
+    emulated = sorted(f for f in wanted if "hopper" not in f)
+    emu_text = (HEADER + "// The instantiation files the CPU emulator compiles (emu_kernels.h): all but the sm_90a ones.\n"
+                + "".join(f'#include "softmax/cuda/instantiations/{f}"\n' for f in emulated))
+    if not EMU_LIST.exists() or EMU_LIST.read_text() != emu_text:
+        EMU_LIST.write_text(emu_text)
+    print(f"{len(wanted)} files in {OUT}, {len(emulated)} listed in {EMU_LIST}")
 
 
 if __name__ == "__main__":

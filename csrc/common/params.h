@@ -1,4 +1,5 @@
-// Parameters of the fused softmax attention kernels, shared by the CPU and CUDA backends.
+// Kernel parameters: the family-neutral QkvParams and the fused softmax attention's params,
+// shared by the CPU and CUDA backends.
 //
 // Plain old data: raw pointers, strides in elements, sizes. No ATen or CUDA types, so both
 // backends and plain C++ tests can fill and read it (the role of FA2's flash.h).
@@ -22,12 +23,9 @@ enum class BiasKind : int32_t {
   kBool = 2,      // uint8 (torch.bool): nonzero = attend, zero = masked
 };
 
-// Acc is the type the softmax runs in and the type of every float side tensor and constant:
-// the LSE, ALiBi slopes, an additive bias, sinks, their gradients, scale and softcap. It is
-// float for fp32 / fp16 / bf16 inputs (both backends) and double for float64 inputs (CPU
-// only), so a float64 call is float64 end to end and gradcheck can test it.
-template <typename Acc>
-struct FwdParamsT {
+// The part of every family's params that names the problem: sizes and the q, k, v, out tensors,
+// (B, H, S, D) through each family's strides. Linear, sparse and decode params start with it too.
+struct QkvParams {
   // ---------------------------------------------------------------- sizes
   int32_t b;      // batch (varlen: number of sequences)
   int32_t h;      // query heads
@@ -41,6 +39,16 @@ struct FwdParamsT {
   const void* k;
   const void* v;
   void* o;
+};
+
+// The fused softmax attention's params. Its members follow QkvParams' in the same order as one
+// flat struct, so kernels see the layout they were tuned with.
+// Acc is the type the softmax runs in and the type of every float side tensor and constant:
+// the LSE, ALiBi slopes, an additive bias, sinks, their gradients, scale and softcap. It is
+// float for fp32 / fp16 / bf16 inputs (both backends) and double for float64 inputs (CPU
+// only), so a float64 call is float64 end to end and gradcheck can test it.
+template <typename Acc>
+struct FwdParamsT : QkvParams {
   // (B, H, Sq) Acc, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
   // is lse[b * lse_batch_stride + h * lse_head_stride + row_q + i] (SeqInfo::row_q).
   // softmax_d in the backward shares this layout.
@@ -80,7 +88,7 @@ struct FwdParamsT {
   uint64_t seed;
   uint64_t offset;
 
-  // threads for the CPU backend (0 = at::get_num_threads())
+  // threads for the CPU backend (0 = the intra-op pool's, cpu/parallel.h)
   int32_t num_threads;
 };
 

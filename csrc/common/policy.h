@@ -176,4 +176,17 @@ struct PolicyT {
 
 using Policy = PolicyT<float>;
 
+// What a call's options ask of a kernel, on the host before a launch (the device side reads the
+// same through PolicyT). Plain: the score is the scaled product, masked by lengths, causal and
+// the window alone (no softcap, ALiBi or bias). General: a plain-only kernel cannot serve the call
+// (a score that is not plain, or dropout).
+template <typename Acc>
+ATTN_HD bool score_is_plain(const FwdParamsT<Acc>& p) {
+  return p.softcap <= Acc(0) && p.alibi_slopes == nullptr && p.bias_kind == BiasKind::kNone;
+}
+template <typename Acc>
+ATTN_HD bool needs_general_kernel(const FwdParamsT<Acc>& p) {
+  return !score_is_plain(p) || p.dropout_p > 0.f;
+}
+
 }  // namespace attn

@@ -11,10 +11,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "../common/policy.h"
-#include "memory.h"
-#include "parallel.h"
-#include "simd.h"
+#include "common/policy.h"
+#include "cpu/memory.h"
+#include "cpu/parallel.h"
+#include "cpu/simd.h"
 
 namespace attn {
 namespace cpu {

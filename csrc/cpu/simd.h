@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../common/params.h"
+#include "common/params.h"
 
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>

@@ -1,62 +1,85 @@
-// Host entry points of the CUDA backend. No torch here: csrc/api/attention_cuda.cpp converts
-// tensors to FwdParams / BwdParams, allocates the scratch sized by the functions below, and
-// calls these on the current stream. Errors (unsupported configs, launch failures) are thrown
-// as std::runtime_error with a message that names the cause.
+// Host utilities of every CUDA launcher, torch-free: the launch macro (real or emulated), grid
+// and shared-memory checks, launch errors, device queries and NVTX ranges. Errors are thrown as
+// std::runtime_error naming `what`; the torch layer turns them into Python exceptions.
 #pragma once
 
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
 
-#include <cstddef>
+#include <atomic>
+#include <stdexcept>
+#include <string>
 
-#include "common/params.h"  // FwdParams, BwdParams, DType
+// kernel<<<grid, block, smem, stream>>>, or the host emulator's launch (tests/cuda_emu/cuda_emu.h)
+#if defined(ATTN_CUDA_EMULATE)
+#define ATTN_LAUNCH(kernel, grid, block, smem, stream) ::attn_emu::launch(kernel, grid, block, smem, stream)
+#else
+#define ATTN_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#endif
 
 namespace attn {
 
-// Split-KV (flash-decoding) scratch of the forward, float32: partial O (B_t, H, num_splits,
-// rows, d) and partial LSE (B_t, H, num_splits, rows), (B_t, rows) = q's batch and row dims:
-// (B, Sq) padded, (1, total_q) varlen. Sizes: cuda_fwd_split_floats().
-struct FwdSplitScratch {
-  int num_splits = 1;  // <= 1: no split
-  int64_t rows = 0;
-  float* o_accum = nullptr;
-  float* lse_accum = nullptr;
+// gridDim.y and gridDim.z hold heads and batch
+inline void check_grid(int y, int z, const char* what) {
+  if (y > 65535 || z > 65535) {
+    throw std::runtime_error(std::string(what) + ": heads and batch must each be <= 65535");
+  }
+}
+
+template <typename Kernel>
+inline void set_smem(Kernel kernel, int bytes, const char* what) {
+  if (bytes > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) {
+      throw std::runtime_error(std::string(what) + ": cannot reserve " + std::to_string(bytes) +
+                               " bytes of shared memory: " + cudaGetErrorString(e));
+    }
+  }
+}
+
+// Throws naming `what` if the last launch failed.
+inline void check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
+  }
+}
+
+// Compute capability of the current device as 10 * major + minor (80, 90, ...).
+inline int device_sm() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+    throw std::runtime_error("attention: cannot query the current CUDA device");
+  }
+  return major * 10 + minor;
+}
+
+// Streaming multiprocessors of the current device, queried once per device.
+inline int device_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) throw std::runtime_error("attention: cannot query the current CUDA device");
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int n = cache[dev].load(std::memory_order_relaxed);
+    if (n > 0) return n;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+    throw std::runtime_error("attention: cannot query the SM count of the current CUDA device");
+  }
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// An NVTX range for the lifetime of the object (Nsight Systems / Compute group by these names).
+struct NvtxRange {
+  explicit NvtxRange(const char* name) { nvtxRangePushA(name); }
+  ~NvtxRange() { nvtxRangePop(); }
+  NvtxRange(const NvtxRange&) = delete;
+  NvtxRange& operator=(const NvtxRange&) = delete;
 };
-
-// The developer-only selection of experimental kernels, process-wide (set by the
-// attention_ext::set_cuda_kernels op; all 0 = the default kernels):
-//   hopper_fwd: 1 = the sm_90a wgmma forward where use_hopper_fwd() accepts the call, 2 = its
-//               variant with the softmax overlapped with P V; hopper_bwd: 1 = the wgmma backward;
-//   tune_fwd / tune_bwd: the -DATTN_TUNING candidate (launch_template.cuh), 0 = the default;
-//   force_simt: every call on the SIMT kernels.
-struct CudaKernels {
-  int hopper_fwd = 0, hopper_bwd = 0, tune_fwd = 0, tune_bwd = 0;
-  bool force_simt = false;
-};
-void cuda_set_kernels(const CudaKernels& k);
-CudaKernels cuda_kernels();
-
-// How many key splits the forward of this config runs: 1 unless it takes the mma.sync kernels;
-// then `requested` (>= 1: that many, clamped to 128; 0: the heuristic in dispatch.cu). The
-// caller allocates the scratch for that many (if > 1).
-int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested);
-// Floats of the O (o = true) or LSE scratch for num_splits splits and q's dims (B_t, rows).
-size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o);
-
-// Forward: writes p.o and p.lse. split: scratch for split.num_splits > 1 splits, as
-// cuda_fwd_num_splits() returned for p (else the forward is unsplit).
-void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split = {});
-
-// Backward: writes p.dq, p.dk, p.dv and, when not null, p.dbias (zeroed first, then filled:
-// dense (B, H, Sq_b, Sk) float32) and p.dsinks ((B, H) float32, zeroed first).
-// Needs p.softmax_d with cuda_bwd_softmax_d_floats(p) floats, and p.dq_accum with
-// cuda_bwd_dq_accum_floats(p, dt) floats when that is nonzero (else it may be null).
-void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream);
-
-size_t cuda_bwd_softmax_d_floats(const BwdParams& p);        // B * H * Sq (Sq = max for varlen)
-size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt);  // 0 unless atomic dQ path
-
-// Which kernel family a config's forward takes: "hopper-wgmma" (sm_90a, opt-in with
-// ATTN_CUDA_HOPPER=1), "tensor-core" (mma.sync) or "simt" (for tests and benchmarks).
-const char* cuda_path_name(const FwdParams& p, DType dt);
 
 }  // namespace attn

@@ -1,0 +1,201 @@
+// Fused softmax attention backward on the CPU, recomputing the probabilities from the LSE.
+//
+// One task = (batch, kv head): it owns dK and dV of that head, every query head of its GQA
+// group, and their dQ, so no two threads ever write the same gradient element (no atomics,
+// deterministic). Per (key block, query block) tile, with D_i = dO_i . O_i - dlse_i:
+//   P  = exp(policy(Q K^T) - lse)           (rows, kBlockN)
+//   dP = dO V^T                             gradient of the (dropped) probabilities
+//   dS = P * (dP * keep / (1 - p) - D_i)    gradient of the logits
+//   dX = dS * dscore/dx                     (scale, and the softcap's 1 - tanh^2)
+//   dV += (P * keep / (1 - p))^T dO;  dK += dX^T Q;  dQ += dX K
+// Key blocks are the outer loop so the dK / dV block accumulators stay in cache.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/policy.h"
+#include "softmax/cpu/entry.h"
+#include "cpu/pack.h"
+#include "softmax/cpu/tile.h"
+
+namespace attn {
+namespace cpu {
+
+namespace {
+
+template <typename T>
+struct BwdWorker {
+  using V = vec<T>;
+  static constexpr int L = kLanes<T>;
+  const BwdParamsT<T>& p;
+  DType dt;
+  int dp;
+  Scratch<T, 3> mem;  // this thread's buffers, carved below
+  // per kv head: K and V as kTPanels, K as kPanels (pack.h); dK and dV accumulators (rows)
+  T *kt, *vt, *kr, *dk, *dv;
+  // per query head: Q and dO as rows (A operands) and as kPanels (B operands), the dQ
+  // accumulator, D_i and lse
+  T *q, *dout, *qpn, *dopn, *dq, *dvec, *lse;
+  // per tile
+  T *s, *x, *dpt, *keep_row, *row;
+
+  BwdWorker(const BwdParamsT<T>& p_, DType dt_)
+      : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp))) {
+    carve(mem.data(), sizes(p, dp),
+          {&kt, &vt, &kr, &dk, &dv, &q, &dout, &qpn, &dopn, &dq, &dvec, &lse, &s, &x, &dpt, &keep_row, &row});
+  }
+  static std::array<size_t, 17> sizes(const BwdParamsT<T>& p, int dp) {
+    const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
+    const size_t rows = round_up(p.sq, kBlockM), tile = size_t(kBlockM) * kBlockN;
+    return {kpad, kpad, kpad, kpad, kpad, qpad, qpad, qpad, qpad, qpad, rows, rows, tile, tile, tile, kBlockN,
+            size_t(dp)};
+  }
+
+  // T rows -> a (len, d) slice of a gradient tensor
+  void store_rows(const T* src, int len, void* dst, int64_t rstride) {
+    const size_t es = dtype_size(dt);
+    for (int r = 0; r < len; ++r) store_row(dt, src + int64_t(r) * dp, static_cast<char*>(dst) + es * r * rstride, p.d);
+  }
+
+  void operator()(int64_t task) {
+    const int hk = int(task % p.h_k), b = int(task / p.h_k);
+    const SeqInfo si(p, b);
+    const int d = p.d, group = p.h / p.h_k;
+    const int len_k = si.len_k, len_q = si.len_q;
+    const int kpad = round_up(std::max(len_k, 0), kBlockN), qpad = round_up(std::max(len_q, 0), kBlockM);
+
+    // dK, dV of a query-less or key-less sequence are zero: still write them
+    std::fill(dk, dk + int64_t(kpad) * dp, T(0));
+    std::fill(dv, dv + int64_t(kpad) * dp, T(0));
+    const void* ksrc = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
+    const void* vsrc = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
+    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
+    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPanels, kBlockN, kr, row);
+    pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
+
+    for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
+
+    store_rows(dk, len_k,
+               elem(p.dk, dt, si.k_offset(p, b, hk, 0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride)),
+               p.dk_row_stride);
+    store_rows(dv, len_k,
+               elem(p.dv, dt, si.k_offset(p, b, hk, 0, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride)),
+               p.dv_row_stride);
+  }
+
+  void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
+    const int d = p.d;
+    const size_t es = dtype_size(dt);
+    const PolicyT<T> pol(p, si, b, h);
+    const TileSoftmax<T> ts(p, pol, b * p.h + h);
+    const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
+
+    auto qside = [&](const void* base, int64_t bs, int64_t hs, int64_t rs) {
+      return elem(base, dt, si.q_offset(p, b, h, 0, bs, hs, rs));
+    };
+    const void* qsrc = qside(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+    const void* dosrc = qside(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+    pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, q, row);
+    pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, qpn, row);
+    pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dout, row);
+    pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, dopn, row);
+    std::fill(dq, dq + int64_t(qpad) * dp, T(0));
+    // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
+    const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+    const int64_t lse_off = b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
+    const T* lse_bh = p.lse + lse_off;
+    const T* dlse_bh = p.dlse != nullptr ? p.dlse + lse_off : nullptr;
+    T dsink = T(0);
+    const T sink = p.sinks != nullptr ? p.sinks[h] : T(0);
+    for (int i = 0; i < len_q; ++i) {
+      load_row(dt, obase + es * i * p.o_row_stride, row, d, dp);
+      V acc = V{};
+      for (int c = 0; c < dp; c += L) acc += vload(row + c) * vload(dout + int64_t(i) * dp + c);
+      dvec[i] = hsum(acc) - (p.dlse != nullptr ? dlse_bh[i] : T(0));
+      lse[i] = lse_bh[i];
+      // d loss / d sink = -sum_i P_sink,i D_i, P_sink,i = exp(sink - lse_i)
+      if (p.sinks != nullptr && !std::isinf(lse[i])) dsink -= std::exp(sink - lse[i]) * dvec[i];
+    }
+    if (p.dsinks != nullptr) p.dsinks[b * p.h + h] = dsink;
+    T* dbias_bh = p.dbias != nullptr ? p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride : nullptr;
+
+    for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
+      int q_lo, q_hi;
+      pol.query_range(j0, j0 + kBlockN, &q_lo, &q_hi);
+      // block j0 / kBlockN of each packed operand starts at j0 * dp (pack.h)
+      const T* kt_blk = kt + int64_t(j0) * dp;
+      const T* vt_blk = vt + int64_t(j0) * dp;
+      const T* kr_blk = kr + int64_t(j0) * dp;
+      constexpr int P = kPanel<T>;
+      for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
+        const int rows = std::min(kBlockM, len_q - i0);
+        if (rows <= 0) break;
+        const T* q_blk = q + int64_t(i0) * dp;
+        const T* do_blk = dout + int64_t(i0) * dp;
+        // (rows, kBlockN) raw scores and dP of the dropped probabilities
+        gemm<false>(rows, kBlockN, d, q_blk, dp, kt_blk, P, int64_t(dp) * P, s, kBlockN);
+        gemm<false>(rows, kBlockN, d, do_blk, dp, vt_blk, P, int64_t(dp) * P, dpt, kBlockN);
+        if (pol.softcap > T(0)) std::copy(s, s + rows * kBlockN, x);
+        const bool full = ts.tile_full(i0, i0 + rows, j0);
+        for (int r = 0; r < rows; ++r) {
+          const int i = i0 + r;
+          T* srow = s + r * kBlockN;
+          T* dprow = dpt + r * kBlockN;
+          ts.scores(srow, i, j0, full);
+          ts.probs(srow, lse[i]);
+          // keep / (1 - p) per key: a row of that constant run through the same dropout
+          T* keep = keep_row;
+          if (p.dropout_p > 0.f) {
+            std::fill(keep, keep + kBlockN, keep_scale);
+            ts.dropout(keep, i, j0);
+          }
+          const T di = dvec[i];
+          if (p.dropout_p == 0.f && dbias_bh == nullptr && pol.softcap == 0.f) {
+            // the common case in vectors: dX = P * (dP - D_i) * scale; P stays as it is
+            const V dv_i = vbcast(di);
+            for (int c = 0; c < kBlockN; c += L)
+              vstore(dprow + c, vload(srow + c) * (vload(dprow + c) - dv_i) * pol.scale);
+            continue;
+          }
+          for (int jj = 0; jj < kBlockN; ++jj) {
+            const T kp = p.dropout_p > 0.f ? keep[jj] : T(1);
+            const T pr = srow[jj];
+            T ds = pr * (dprow[jj] * kp - di);
+            if (dbias_bh != nullptr && j0 + jj < len_k) dbias_bh[int64_t(i) * p.dbias_row_stride + j0 + jj] += ds;
+            if (pol.softcap > T(0)) {
+              ds *= pol.dscore_dx(x[r * kBlockN + jj]);
+            } else {
+              ds *= pol.scale;
+            }
+            dprow[jj] = ds;         // dX (rows, kBlockN)
+            srow[jj] = pr * kp;     // dropped, rescaled P
+          }
+        }
+        // dV (kBlockN, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
+        T* dv_blk = dv + int64_t(j0) * dp;
+        T* dk_blk = dk + int64_t(j0) * dp;
+        const T* dopn_blk = dopn + int64_t(i0) * dp;
+        const T* qpn_blk = qpn + int64_t(i0) * dp;
+        gemm<true, true>(kBlockN, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
+        gemm<true, true>(kBlockN, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
+        // dQ (rows, dp) += dX (rows, kBlockN) @ K block (kBlockN, dp)
+        gemm<true>(rows, dp, kBlockN, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dq + int64_t(i0) * dp,
+                   dp);
+      }
+    }
+    char* dqbase = elem(p.dq, dt, si.q_offset(p, b, h, 0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride));
+    store_rows(dq, len_q, dqbase, p.dq_row_stride);
+  }
+};
+
+}  // namespace
+
+template <typename T>
+void bwd(const BwdParamsT<T>& p, DType dt) {
+  parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] { return BwdWorker<T>(p, dt); });
+}
+template void bwd<float>(const BwdParamsT<float>&, DType);
+template void bwd<double>(const BwdParamsT<double>&, DType);
+
+}  // namespace cpu
+}  // namespace attn

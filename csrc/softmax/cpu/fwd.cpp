@@ -1,0 +1,216 @@
+// Fused softmax attention forward on the CPU: tiled online softmax (flash-style).
+//
+// One task = (batch, query head, block of kBlockM query rows). It walks the key blocks the
+// policy allows (causal and sliding windows skip whole blocks), keeping the running max m,
+// the running sum l and the unnormalized output O of its rows in T (float32; float64 for
+// float64 inputs):
+//   S = Q K^T (kBlockM, kBlockN); s = policy(S); m' = max(m, rowmax s); p = exp(s - m')
+//   l = l e^{m - m'} + rowsum p;  O = O e^{m - m'} + p V
+// and writes out = O / l and lse = m + log l. Extra memory: the packed K/V plus O(kBlockM *
+// (kBlockN + D)) per thread.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/philox.h"
+#include "common/policy.h"
+#include "softmax/cpu/entry.h"
+#include "cpu/pack.h"
+#include "softmax/cpu/tile.h"
+
+namespace attn {
+namespace cpu {
+
+namespace {
+
+// At most this many query rows per sequence (decode steps, short prompts): K / V are read in
+// place, row by row, instead of packed. Packing costs a read and a write of all of K / V plus
+// the pad to whole key blocks, and pays off only when many query rows reuse each packed block;
+// with one query row it was most of the call ((1, 8, 1, 64) against 512 keys: 167 us packed).
+constexpr int kDirectMaxRows = 8;
+
+template <typename T>
+struct FwdWorker {
+  static constexpr int L = kLanes<T>;
+  const FwdParamsT<T>& p;
+  DType dt;
+  const PackIndex& kidx;
+  const T* kt;  // packed K, kTPanels (nullptr in direct mode)
+  const T* vr;  // packed V, kPanels (nullptr in direct mode)
+  int n_mblocks;
+  Scratch<T, 2> mem;  // this thread's q, s, o tiles, m, l, one output row and one K / V row
+  T *q, *s, *o, *m, *l, *row, *kvrow;
+
+  FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
+      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
+    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow});
+  }
+  static std::array<size_t, 7> sizes(int dp) {
+    return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
+            size_t(dp), size_t(dp)};
+  }
+
+  // Direct mode reads a K / V row in place when it already is T (fp32, fp64), else converts it
+  // into kvrow. Either way only d elements are valid: the loops below stop at d.
+  const T* kv_row(const char* base, int64_t j, int64_t rstride, int d, int dp) {
+    const char* src = base + dtype_size(dt) * j * rstride;
+    if (dtype_size(dt) == sizeof(T)) return reinterpret_cast<const T*>(src);
+    load_row(dt, src, kvrow, d, dp);
+    return kvrow;
+  }
+  // Direct mode: (rows, kBlockN) raw scores q_r . k_j of key block j0; keys past the sequence
+  // get 0 (the policy masks them).
+  void direct_scores(int rows, int j0, int len_k, const char* kbase, int d, int dp) {
+    const int dv = d / L * L;
+    for (int jj = 0; jj < kBlockN; ++jj) {
+      const int j = j0 + jj;
+      if (j >= len_k) {
+        for (int r = 0; r < rows; ++r) s[r * kBlockN + jj] = T(0);
+        continue;
+      }
+      const T* k = kv_row(kbase, j, p.k_row_stride, d, dp);
+      for (int r = 0; r < rows; ++r) {
+        const T* qr = q + r * dp;
+        vec<T> acc{};
+        for (int c = 0; c < dv; c += L) acc += vload(qr + c) * vload(k + c);
+        T dot = hsum(acc);
+        for (int c = dv; c < d; ++c) dot += qr[c] * k[c];
+        s[r * kBlockN + jj] = dot;
+      }
+    }
+  }
+  // Direct mode: O (rows, dp) += P (rows, kBlockN) @ V rows of block j0. Every key inside the
+  // sequence is read, as the packed path does (a NaN value at a masked key gives NaN on both
+  // paths: 0 * NaN).
+  void direct_pv(int rows, int j0, int len_k, const char* vbase, int d, int dp) {
+    const int dv = d / L * L;
+    for (int jj = 0; jj < kBlockN && j0 + jj < len_k; ++jj) {
+      const T* v = kv_row(vbase, j0 + jj, p.v_row_stride, d, dp);
+      for (int r = 0; r < rows; ++r) {
+        const T pr = s[r * kBlockN + jj];
+        T* orow = o + r * dp;
+        const vec<T> prv = vbcast(pr);
+        for (int c = 0; c < dv; c += L) vstore(orow + c, vload(orow + c) + prv * vload(v + c));
+        for (int c = dv; c < d; ++c) orow[c] += pr * v[c];
+      }
+    }
+  }
+
+  void operator()(int64_t task) {
+    // most expensive first: with a causal mask the last query blocks see the most keys
+    const int mblk = n_mblocks - 1 - int(task % n_mblocks);
+    const int h = int((task / n_mblocks) % p.h);
+    const int b = int(task / (int64_t(n_mblocks) * p.h));
+    const SeqInfo si(p, b);
+    const int i0 = mblk * kBlockM;
+    if (i0 >= si.len_q) return;
+    const int i1 = std::min(i0 + kBlockM, si.len_q), rows = i1 - i0;
+    const PolicyT<T> pol(p, si, b, h);
+    const int hk = h / (p.h / p.h_k);
+    const int d = kidx.d, dp = kidx.dp;
+    const size_t es = dtype_size(dt);
+
+    // (rows, d) tile of Q in T
+    const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
+    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
+
+    std::fill(o, o + size_t(rows) * dp, T(0));
+    std::fill(m, m + kBlockM, -std::numeric_limits<T>::infinity());
+    std::fill(l, l + kBlockM, T(0));
+
+    int n_lo, n_hi;
+    pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
+    const bool direct = kt == nullptr;
+    const T* kt_bh = direct ? nullptr : kt + kidx.offset(b, hk);
+    const T* v_bh = direct ? nullptr : vr + kidx.offset(b, hk);
+    const char* kbase = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
+    const char* vbase = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
+    const TileSoftmax<T> ts(p, pol, b * p.h + h);
+    for (int jb = n_lo; jb < n_hi; ++jb) {
+      const int j0 = jb * kBlockN;
+      // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
+      if (direct) {
+        direct_scores(rows, j0, si.len_k, kbase, d, dp);
+      } else {
+        gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s,
+                    kBlockN);
+      }
+      const bool full = ts.tile_full(i0, i1, j0);
+      for (int r = 0; r < rows; ++r) {
+        T* srow = s + r * kBlockN;
+        ts.scores(srow, i0 + r, j0, full);
+        const T m_new = ts.online_update(srow, m[r], &l[r]);
+        if (m_new != m[r]) {
+          // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
+          const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
+          T* orow = o + r * dp;
+          for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
+          m[r] = m_new;
+        }
+        ts.dropout(srow, i0 + r, j0);
+      }
+      // O (rows, dp) += P (rows, kBlockN) @ V block (kBlockN, dp)
+      if (direct) {
+        direct_pv(rows, j0, si.len_k, vbase, d, dp);
+      } else {
+        gemm<true>(rows, dp, kBlockN, s, kBlockN, v_bh + int64_t(j0) * dp, kPanel<T>, int64_t(kBlockN) * kPanel<T>,
+                   o, dp);
+      }
+    }
+
+    char* obase = elem(p.o, dt, si.q_offset(p, b, h, i0, p.o_batch_stride, p.o_head_stride, p.o_row_stride));
+    T* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
+    const T sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<T>::infinity();
+    const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
+    for (int r = 0; r < rows; ++r) {
+      T mr = m[r], lr = l[r], alpha = T(1);
+      if (sink > mr) {  // the sink joins the denominator only; rescale to its max
+        alpha = std::isinf(mr) ? T(0) : std::exp(mr - sink);
+        lr = lr * alpha + T(1);
+        mr = sink;
+      } else if (p.sinks != nullptr) {
+        lr += std::exp(sink - mr);
+      }
+      const bool empty = !(lr > T(0)) && !std::isnan(lr);
+      const T inv = empty ? T(0) : alpha * keep_scale / lr;
+      const T* orow = o + r * dp;
+      for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
+      store_row(dt, row, obase + es * r * p.o_row_stride, d);
+      lse[r] = empty ? -std::numeric_limits<T>::infinity() : mr + std::log(lr);
+    }
+  }
+};
+
+}  // namespace
+
+template <typename T>
+void fwd(const FwdParamsT<T>& p, DType dt) {
+  const PackIndex kidx(p);
+  const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
+  const int64_t n_tasks = int64_t(p.b) * p.h * n_mblocks;
+  if (p.sq <= kDirectMaxRows) {
+    parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks); });
+    return;
+  }
+  const Scratch<T, 0> kt(kidx.total());
+  const Scratch<T, 1> vr(kidx.total());
+  pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPanels, kt.data());
+  pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPanels, vr.data());
+  parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
+}
+template void fwd<float>(const FwdParamsT<float>&, DType);
+template void fwd<double>(const FwdParamsT<double>&, DType);
+
+int simd_width() { return W; }
+
+void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float prob, uint64_t seed, uint64_t offset) {
+  pool_for(int64_t(b) * h * sq, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int bh = int(r / sq), i = int(r % sq);
+      for (int j = 0; j < sk; ++j) keep[r * sk + j] = dropout_keep(seed, offset, bh, i, j, prob) ? 1 : 0;
+    }
+  });
+}
+
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,62 @@
+// Host entry points of the CUDA softmax backend. No torch here: csrc/torch/softmax_cuda.cpp converts
+// tensors to FwdParams / BwdParams, allocates the scratch sized by the functions below, and
+// calls these on the current stream. Errors (unsupported configs, launch failures) are thrown
+// as std::runtime_error with a message that names the cause.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "common/params.h"  // FwdParams, BwdParams, DType
+
+namespace attn {
+
+// Split-KV (flash-decoding) scratch of the forward, float32: partial O (B_t, H, num_splits,
+// rows, d) and partial LSE (B_t, H, num_splits, rows), (B_t, rows) = q's batch and row dims:
+// (B, Sq) padded, (1, total_q) varlen. Sizes: cuda_fwd_split_floats().
+struct FwdSplitScratch {
+  int num_splits = 1;  // <= 1: no split
+  int64_t rows = 0;
+  float* o_accum = nullptr;
+  float* lse_accum = nullptr;
+};
+
+// The developer-only selection of experimental kernels, process-wide (set by the
+// attention_ext::set_cuda_kernels op; all 0 = the default kernels):
+//   hopper_fwd: 1 = the sm_90a wgmma forward where use_hopper_fwd() accepts the call, 2 = its
+//               variant with the softmax overlapped with P V; hopper_bwd: 1 = the wgmma backward;
+//   tune_fwd / tune_bwd: the -DATTN_TUNING candidate (launch_template.cuh), 0 = the default;
+//   force_simt: every call on the SIMT kernels.
+struct CudaKernels {
+  int hopper_fwd = 0, hopper_bwd = 0, tune_fwd = 0, tune_bwd = 0;
+  bool force_simt = false;
+};
+void cuda_set_kernels(const CudaKernels& k);
+CudaKernels cuda_kernels();
+
+// How many key splits the forward of this config runs: 1 unless it takes the mma.sync kernels;
+// then `requested` (>= 1: that many, clamped to 128; 0: the heuristic in dispatch.cu). The
+// caller allocates the scratch for that many (if > 1).
+int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested);
+// Floats of the O (o = true) or LSE scratch for num_splits splits and q's dims (B_t, rows).
+size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o);
+
+// Forward: writes p.o and p.lse. split: scratch for split.num_splits > 1 splits, as
+// cuda_fwd_num_splits() returned for p (else the forward is unsplit).
+void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split = {});
+
+// Backward: writes p.dq, p.dk, p.dv and, when not null, p.dbias (zeroed first, then filled:
+// dense (B, H, Sq_b, Sk) float32) and p.dsinks ((B, H) float32, zeroed first).
+// Needs p.softmax_d with cuda_bwd_softmax_d_floats(p) floats, and p.dq_accum with
+// cuda_bwd_dq_accum_floats(p, dt) floats when that is nonzero (else it may be null).
+void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream);
+
+size_t cuda_bwd_softmax_d_floats(const BwdParams& p);        // B * H * Sq (Sq = max for varlen)
+size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt);  // 0 unless atomic dQ path
+
+// Which kernel family a config's forward takes: "hopper-wgmma" (sm_90a, when the developer
+// selection asks for it), "tensor-core" (mma.sync) or "simt" (for tests and benchmarks).
+const char* cuda_path_name(const FwdParams& p, DType dt);
+
+}  // namespace attn

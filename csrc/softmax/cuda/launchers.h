@@ -1,0 +1,43 @@
+// Declarations of the per-instantiation launchers. The definitions live in launch_template.cuh
+// and sm90/launch_*.cuh and are instantiated by the generated instantiations/*.cu files
+// (tools/gen_cuda_instantiations.py), one translation unit per (dtype, head-dim bucket,
+// direction), so the build parallelizes and dispatch.cu compiles no kernel code.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/params.h"
+#include "softmax/cuda/entry.h"  // FwdSplitScratch
+
+namespace attn {
+
+template <typename T, int kD>
+void run_fwd_tc(const FwdParams& p, cudaStream_t stream);
+// The split-KV forward (launch_template.cuh): FwdSplit kernel, then the combine.
+template <typename T, int kD>
+void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t stream);
+template <typename T, int kD>
+void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preprocess
+
+// sm_90a wgmma forward (sm90/fwd_kernel.cuh), kD = 64 or 128; only for configs that
+// use_hopper_fwd() accepts, on an sm_90 device, in builds with sm_90a code (fwd_hopper_*.cu).
+// overlap: the variant that runs the softmax of one key block under the P V of the previous one.
+template <typename T, int kD>
+void run_fwd_hopper(const FwdParams& p, bool overlap, cudaStream_t stream);
+
+// sm_90a wgmma backward (sm90/bwd_kernel.cuh), kD = 64 or 128, after the preprocess (dq_accum
+// zeroed with kD floats per row); converts dq_accum into dq itself. Only for configs that
+// use_hopper_bwd() accepts, on an sm_90 device, in builds with sm_90a code (bwd_hopper_*.cu).
+template <typename T, int kD>
+void run_bwd_hopper(const BwdParams& p, cudaStream_t stream);
+
+template <typename T>
+void run_fwd_simt(const FwdParams& p, cudaStream_t stream);
+template <typename T>
+void run_bwd_simt(const BwdParams& p, cudaStream_t stream);  // after the preprocess
+template <typename T>
+void run_bwd_preprocess(const BwdParams& p, int dq_ld, cudaStream_t stream);
+template <typename T>
+void run_bwd_convert_dq(const BwdParams& p, int dq_ld, cudaStream_t stream);
+
+}  // namespace attn

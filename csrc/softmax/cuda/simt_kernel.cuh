@@ -1,0 +1,310 @@
+// SIMT kernels: the fallback for what the tensor-core path does not take (fp32 inputs, sm < 80,
+// head dims that are not a multiple of 8 or misaligned tensors), and the small backward
+// helpers every path uses (dot(dO, O), dQ conversion).
+//
+// The fallback is one warp per row: lane l holds head-dim elements l, l + 32, ... (up to
+// kSimtMaxD), q.k is a warp reduction, and the online softmax runs on warp-uniform scalars.
+// Slow but simple, exact in fp32, and it takes every option of the policy.
+#pragma once
+
+#include "softmax/cuda/kernel_common.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace attn {
+namespace simt {
+
+constexpr int kSimtMaxD = 256;
+constexpr int kChunks = kSimtMaxD / 32;
+constexpr int kRowsPerBlock = 4;  // warps per block, one row each
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ void load_row(float* r, const T* src, int d, int lane) {
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) {
+    const int col = lane + 32 * t;
+    r[t] = col < d ? to_float(src[col]) : 0.f;
+  }
+}
+template <typename T>
+__device__ __forceinline__ void store_row(T* dst, const float* r, int d, int lane) {
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) {
+    const int col = lane + 32 * t;
+    if (col < d) dst[col] = from_float<T>(r[t]);
+  }
+}
+template <typename T>
+__device__ __forceinline__ float dot_row(const float* r, const T* src, int d, int lane) {
+  float acc = 0.f;
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) {
+    const int col = lane + 32 * t;
+    if (col < d) acc += r[t] * to_float(src[col]);
+  }
+  return warp_sum(acc);
+}
+
+__device__ __forceinline__ float dropout_factor(const FwdParams& p, int bh, int i, int j) {
+  if (!(p.dropout_p > 0.f)) return 1.f;
+  return dropout_keep(p.seed, p.offset, bh, i, j, p.dropout_p) ? 1.f / (1.f - p.dropout_p) : 0.f;
+}
+
+// grid (ceil(Sq / 4), H, B), 128 threads: warp w of block x computes query row 4x + w.
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams p) {
+  const int lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  if (i >= si.len_q) return;
+  const Policy pol(p, si, b, h);
+  const bool plain = policy_is_plain(pol);
+  const int hk = h / (p.h / p.h_k);
+  const int bh = b * p.h + h;
+  const float scale_log2 = p.scale * kLog2e;
+
+  const T* q = q_ptr<T>(p, si, b, h, i);
+  const T* k = k_ptr<T>(p, si, b, hk, 0);
+  const T* v = v_ptr<T>(p, si, b, hk, 0);
+
+  float qr[kChunks], o[kChunks];
+  load_row(qr, q, p.d, lane);
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) o[t] = 0.f;
+  float m = -INFINITY, l = 0.f;
+  int j0, j1;
+  pol.key_range(i, i + 1, &j0, &j1);
+  j0 = max(j0, 0);
+  j1 = min(j1, si.len_k);
+  for (int j = j0; j < j1; ++j) {
+    const float x = dot_row(qr, k + int64_t(j) * p.k_row_stride, p.d, lane);
+    const float s = logit2(pol, plain, true, scale_log2, x, i, j);
+    if (s == -INFINITY) continue;
+    const float m_new = fmaxf(m, s);
+    const float alpha = exp2f(m - m_new);
+    const float pr = exp2f(s - m_new);
+    l = l * alpha + pr;
+    const float pd = pr * dropout_factor(p, bh, i, j);
+    const T* vr = v + int64_t(j) * p.v_row_stride;
+#pragma unroll
+    for (int t = 0; t < kChunks; ++t) {
+      const int col = lane + 32 * t;
+      o[t] = o[t] * alpha + (col < p.d ? pd * to_float(vr[col]) : 0.f);
+    }
+    m = m_new;
+  }
+  const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+  float lse, factor;
+  if (l > 0.f) {
+    lse = m * kLn2 + logf(l);
+    if (p.sinks != nullptr) {
+      const float hi = fmaxf(lse, sink), lo = fminf(lse, sink);
+      lse = hi + log1pf(expf(lo - hi));
+    }
+    factor = exp2f(m - lse * kLog2e);
+  } else {
+    lse = sink;
+    factor = 0.f;
+  }
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) o[t] *= factor;
+  store_row(o_ptr<T>(p, si, b, h, i), o, p.d, lane);
+  if (lane == 0 && p.lse != nullptr) p.lse[lse_index(p, si, b, h, i)] = lse;
+}
+
+// Backward preprocess, for every path: softmax_d = dot(dO, O) - dlse per row, zero the dQ scratch
+// row (dq_ld floats, when there is one), and d sink_h = -sum_i exp(sink_h - lse_i) dot_i.
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(const BwdParams p,
+                                                                            int dq_ld) {
+  __shared__ float sink_part[kRowsPerBlock];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int i = blockIdx.x * kRowsPerBlock + warp;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  float dsink = 0.f;
+  if (i < si.len_q) {
+    const T* dout = dout_ptr<T>(p, si, b, h, i);
+    const T* o = o_ptr<T>(p, si, b, h, i);
+    float acc = 0.f;
+    for (int col = lane; col < p.d; col += 32) acc += to_float(dout[col]) * to_float(o[col]);
+    acc = warp_sum(acc);
+    if (p.dlse != nullptr) acc -= p.dlse[lse_index(p, si, b, h, i)];
+    const int64_t row = scratch_row(p, b, h, i);
+    if (lane == 0) p.softmax_d[row] = acc;
+    if (p.dq_accum != nullptr) {
+      for (int col = lane; col < dq_ld; col += 32) p.dq_accum[row * dq_ld + col] = 0.f;
+    }
+    if (p.sinks != nullptr) {
+      const float lse = p.lse[lse_index(p, si, b, h, i)];
+      dsink = -expf(p.sinks[h] - lse) * acc;
+    }
+  }
+  if (p.dsinks != nullptr) {
+    if (lane == 0) sink_part[warp] = dsink;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kRowsPerBlock; ++w) s += sink_part[w];
+      if (s != 0.f) atomicAdd(p.dsinks + int64_t(b) * p.h + h, s);
+    }
+  }
+}
+
+// dq (dtype, strided) = dq_accum (float32 scratch rows of dq_ld).
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_convert_dq_kernel(const BwdParams p,
+                                                                            int dq_ld) {
+  const int lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  if (i >= si.len_q) return;
+  const float* src = p.dq_accum + scratch_row(p, b, h, i) * dq_ld;
+  T* dq = dq_ptr<T>(p, si, b, h, i);
+  for (int col = lane; col < p.d; col += 32) dq[col] = from_float<T>(src[col]);
+}
+
+// dK, dV: warp per key row j of kv head hk, summing over the query heads of its group.
+// grid (ceil(Sk / 4), H_k, B).
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdParams p) {
+  const int lane = threadIdx.x & 31;
+  const int j = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  const int rows_store = p.cu_seqlens_k != nullptr ? si.len_k : p.sk;
+  if (j >= rows_store) return;
+  const int group = p.h / p.h_k;
+  float kr[kChunks], vr[kChunks], dk[kChunks], dv[kChunks];
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) dk[t] = dv[t] = 0.f;
+  if (j < si.len_k) {
+    const T* k = k_ptr<T>(p, si, b, hk, j);
+    const T* v = v_ptr<T>(p, si, b, hk, j);
+    load_row(kr, k, p.d, lane);
+    load_row(vr, v, p.d, lane);
+    for (int gi = 0; gi < group; ++gi) {
+      const int h = hk * group + gi;
+      const Policy pol(p, si, b, h);
+      const bool plain = policy_is_plain(pol);
+      const int bh = b * p.h + h;
+      // spelled out rather than q_ptr() / dout_ptr(): through the helpers nvcc schedules this
+      // loop differently
+      const T* q = static_cast<const T*>(p.q) +
+          si.q_offset(p, b, h, 0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+      const T* dout = static_cast<const T*>(p.dout) +
+          si.q_offset(p, b, h, 0, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
+      int i0, i1;
+      pol.query_range(j, j + 1, &i0, &i1);
+      i0 = max(i0, 0);
+      i1 = min(i1, si.len_q);
+      for (int i = i0; i < i1; ++i) {
+        const bool ok = plain ? pol.in_window(i, j) : pol.allowed(i, j);
+        if (!ok) continue;
+        const T* qi = q + int64_t(i) * p.q_row_stride;
+        const T* doi = dout + int64_t(i) * p.do_row_stride;
+        const float x = dot_row(kr, qi, p.d, lane);
+        const float dp = dot_row(vr, doi, p.d, lane);
+        const BwdPoint bp = bwd_point(pol, plain, false, p.scale, x, dp,
+                                      lse_to_log2(p.lse[lse_index(p, si, b, h, i)]),
+                                      p.softmax_d[scratch_row(p, b, h, i)],
+                                      dropout_factor(p, bh, i, j), i, j);
+#pragma unroll
+        for (int t = 0; t < kChunks; ++t) {
+          const int col = lane + 32 * t;
+          if (col < p.d) {
+            dv[t] += bp.pd * to_float(doi[col]);
+            dk[t] += bp.dx * to_float(qi[col]);
+          }
+        }
+      }
+    }
+  }
+  T* dkp = dk_ptr<T>(p, si, b, hk, j);
+  T* dvp = dv_ptr<T>(p, si, b, hk, j);
+  store_row(dkp, dk, p.d, lane);
+  store_row(dvp, dv, p.d, lane);
+}
+
+// dQ (and the bias gradient): warp per query row. grid (ceil(Sq / 4), H, B).
+template <typename T>
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdParams p) {
+  const int lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  if (i >= si.len_q) return;
+  const Policy pol(p, si, b, h);
+  const bool plain = policy_is_plain(pol);
+  const int hk = h / (p.h / p.h_k);
+  const int bh = b * p.h + h;
+  const T* q = q_ptr<T>(p, si, b, h, i);
+  const T* dout = dout_ptr<T>(p, si, b, h, i);
+  // spelled out rather than k_ptr() / v_ptr(): through the helpers nvcc schedules the key loop
+  // differently
+  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const T* v = static_cast<const T*>(p.v) + si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  float qr[kChunks], dor[kChunks], dq[kChunks];
+  load_row(qr, q, p.d, lane);
+  load_row(dor, dout, p.d, lane);
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) dq[t] = 0.f;
+  const float lse2 = lse_to_log2(p.lse[lse_index(p, si, b, h, i)]);
+  const float dsum = p.softmax_d[scratch_row(p, b, h, i)];
+  float* dbias = p.dbias != nullptr ? p.dbias + int64_t(b) * p.dbias_batch_stride +
+                                          int64_t(h) * p.dbias_head_stride + int64_t(i) * p.dbias_row_stride
+                                    : nullptr;
+  int j0, j1;
+  pol.key_range(i, i + 1, &j0, &j1);
+  j0 = max(j0, 0);
+  j1 = min(j1, si.len_k);
+  for (int j = j0; j < j1; ++j) {
+    const bool ok = plain ? pol.in_window(i, j) : pol.allowed(i, j);
+    if (!ok) continue;
+    const T* kj = k + int64_t(j) * p.k_row_stride;
+    const float x = dot_row(qr, kj, p.d, lane);
+    const float dp = dot_row(dor, v + int64_t(j) * p.v_row_stride, p.d, lane);
+    const BwdPoint bp =
+        bwd_point(pol, plain, false, p.scale, x, dp, lse2, dsum, dropout_factor(p, bh, i, j), i, j);
+#pragma unroll
+    for (int t = 0; t < kChunks; ++t) {
+      const int col = lane + 32 * t;
+      if (col < p.d) dq[t] += bp.dx * to_float(kj[col]);
+    }
+    if (dbias != nullptr && lane == 0) {
+      if (p.dbias_row_stride == 0) {
+        if (bp.ds != 0.f) atomicAdd(dbias + j, bp.ds);
+      } else {
+        dbias[j] = bp.ds;
+      }
+    }
+  }
+  store_row(dq_ptr<T>(p, si, b, h, i), dq, p.d, lane);
+}
+
+}  // namespace simt
+}  // namespace attn

@@ -1,0 +1,449 @@
+// Hopper (sm_90a) forward on wgmma, warp-specialized. Runs when the developer selection asks for
+// it (CudaKernels::hopper_fwd, use_hopper_fwd in dispatch.cu); for what it takes it computes what fwd_kernel.cuh computes:
+// fp16/bf16, head dims <= 128 that are multiples of 8 (buckets 64 and 128, columns past d
+// zero-filled), MHA/GQA/MQA, any strides that are multiples of 8 elements ((B, H, S, D) and
+// (B, S, H, D) views), per-batch seqlens_k and varlen packs, ragged tails, causal (top-left or
+// bottom-right) and sliding windows through the shared Policy, and sinks. Softcap, ALiBi,
+// bias/mask and dropout stay on the mma.sync kernel.
+//
+// One CTA per (kBlockM = 64 * kConsumerWGs query rows, head, batch), 128 * (1 + kConsumerWGs)
+// threads in warpgroups with one role each:
+//   warpgroup 0, producer (setmaxnreg down): cp.async of the Q block once, then of the K and V
+//     tiles of every visible key block into kStages-deep rings; a slot is announced on its "full"
+//     mbarrier and refilled after every consumer warp arrived on its "empty" mbarrier.
+//   warpgroups 1.., consumers (setmaxnreg up), 64 query rows each. Per key block, last to first
+//   (the partially masked diagonal block first, as in fwd_kernel.cuh):
+//     S = Q K^T   (64, kBlockN) fp32 in registers: kD / 16 wgmma m64n{kBlockN}k16, A = Q and
+//                 B = K read from shared memory (both K-major)
+//     softmax     logits in the log2 domain with the scale folded in, the window checked only on
+//                 tiles that cross it or the sequence end, online max / sum in registers
+//     O += P V    (64, kD) fp32 in registers: kBlockN / 16 wgmma m64n{kD}k16, A = P packed to 16
+//                 bits in registers (the S accumulators already are A fragments), B = V (N-major)
+//   then normalize, write the LSE (lse_index, as fwd_kernel.cuh) and stage O through the Q tile
+//   for 16-byte stores.
+// The two consumer warpgroups work independently, so one's softmax overlaps the other's wgmma.
+//
+// Why cp.async and not TMA (cp.async.bulk.tensor): a tensor map zero-fills only outside its
+// global bounds, but here a tile must be zero past its own sequence's end (varlen packs hold the
+// next sequence there, padded KV caches whatever was left, possibly NaN, which 0 * NaN would carry
+// into O) and past the head dim d inside a wider row. cp.async with src-size 0 gives exactly the
+// zero fill of the mma.sync kernel for every such case, needs no per-call tensor maps on the host,
+// and keeps one loader (load_tile_async) for both kernels. The cost is a producer warpgroup that
+// issues 16-byte copies instead of one thread issuing bulk ones; a TMA producer can replace
+// produce() later without touching the consumers.
+//
+// Memory ordering. cp.async writes shared memory through the generic proxy and wgmma reads it
+// through the async proxy, so each producer thread waits for its own copies
+// (cp.async.wait_group), executes fence.proxy.async, and only then arrives (release) on the
+// "full" barrier that consumers wait on (acquire). It keeps the newest copy group in flight while
+// it publishes the one before (wait_group 1). A consumer warp arrives on "empty" only after
+// wgmma.wait_group 0 retired the products that read the slot; once a wgmma has completed, the
+// generic-proxy cp.async may overwrite its operands without a proxy fence.
+#pragma once
+
+#include "softmax/cuda/kernel_common.cuh"
+#include "cuda/mma.cuh"
+#include "softmax/cuda/fragment_softmax.cuh"
+#include "softmax/cuda/traits.h"
+#include "cuda/wgmma.cuh"
+
+namespace attn {
+namespace hopper {
+
+// Shared-memory plan, byte offsets from a 1024-aligned base: Q, the K ring, the V ring, then the
+// mbarriers. Every tile and column block starts on a 1024-byte boundary (the swizzle atoms).
+template <int kD>
+struct FwdPlan {
+  using Tr = FwdHopperTraits<kD>;
+  static constexpr int kConsumerWGs = Tr::kConsumerWGs, kStages = Tr::kStages;
+  static constexpr int kBlockM = 64 * kConsumerWGs, kBlockN = Tr::kBlockN;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  using TileQ = wg::Sw128Tile<kBlockM, kD>;   // (kBlockM, kD); O is staged here at the end
+  using TileKV = wg::Sw128Tile<kBlockN, kD>;  // (kBlockN, kD), one ring slot of K or V
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + TileQ::kBytes;
+  static constexpr int kV = kK + kStages * TileKV::kBytes;
+  static constexpr int kBar = kV + kStages * TileKV::kBytes;
+  // 8-byte mbarriers: full_q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages]
+  static constexpr int kBytes = kBar + 8 * (1 + 4 * kStages);
+  // requested: the kernel rounds the dynamic shared-memory base up to 1024 bytes itself rather
+  // than rely on the alignment of the window
+  static constexpr int kSmemBytes = kBytes + 1024;
+
+  static_assert(kD == 64 || kD == 128, "wgmma N of P V is the head-dim bucket: 64 or 128");
+  static_assert(kBlockN == 64 || kBlockN == 128, "wgmma N of Q K^T is kBlockN: 64 or 128");
+  static_assert(TileQ::kBytes % 1024 == 0 && TileKV::kBytes % 1024 == 0,
+                "tiles keep the 1024-byte alignment of the swizzle atoms");
+  static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory of an sm_90 block");
+  static_assert(kThreads <= 1024 && kConsumerWGs >= 1, "one producer and 1..7 consumer warpgroups");
+  static_assert(wg::RegisterSplit<kThreads, kConsumerWGs, Tr::kProducerRegs, Tr::kConsumerRegs>::kOk);
+};
+
+// The mbarriers of the plan, as shared-memory addresses.
+template <int kStages>
+struct Bars {
+  uint32_t base;
+  __device__ __forceinline__ uint32_t full_q() const { return base; }
+  __device__ __forceinline__ uint32_t full_k(int s) const { return base + 8 * (1 + s); }
+  __device__ __forceinline__ uint32_t full_v(int s) const { return base + 8 * (1 + kStages + s); }
+  __device__ __forceinline__ uint32_t empty_k(int s) const { return base + 8 * (1 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t empty_v(int s) const { return base + 8 * (1 + 3 * kStages + s); }
+  // "full": one arrival per producer thread (each publishes its own copies);
+  // "empty": one per consumer warp
+  __device__ __forceinline__ void init(int consumer_warps) const {
+    wg::mbar_init(full_q(), 128);
+    for (int s = 0; s < kStages; ++s) {
+      wg::mbar_init(full_k(s), 128);
+      wg::mbar_init(full_v(s), 128);
+      wg::mbar_init(empty_k(s), consumer_warps);
+      wg::mbar_init(empty_v(s), consumer_warps);
+    }
+  }
+};
+
+// Position in a kStages-deep ring: the slot, and the parity of the slot's current phase (it flips
+// each time the ring wraps).
+template <int kStages>
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Descriptor offset (already >> 4) of k-step kk (16 columns) of a K-major Sw128Tile: 32 bytes per
+// step inside a 128-byte row, the next column block after 4 steps.
+template <typename Tile>
+__device__ __forceinline__ constexpr uint64_t kmajor_step(int kk) {
+  return uint64_t(((kk >> 2) * Tile::kBlockBytes + (kk & 3) * 32) >> 4);
+}
+
+// Producer copy of rows [0, kRows) x cols [0, kD) of a global tile (row stride in elements) into
+// an Sw128Tile by 128 threads; rows >= valid_rows and cols >= valid_cols are zero-filled. Thread t
+// always copies 16-byte chunk t % kChunks, of rows t / kChunks + kRowStep * i, so one source
+// pointer and one shared address advance by constants through a rolled loop. (load_tile_async's
+// unrolled loop hoists an address per chunk out of the producer's key loop: 1.4 KB of spills
+// within the producer's 40 registers.)
+template <int kRows, int kD, typename T>
+__device__ __forceinline__ void produce_tile(uint32_t smem, const T* gmem, int64_t row_stride,
+                                             int valid_rows, int valid_cols, int ptid) {
+  using Tile = wg::Sw128Tile<kRows, kD>;
+  constexpr int kChunks = Tile::kChunks;    // 8 (D = 64) or 16 (D = 128)
+  constexpr int kRowStep = 128 / kChunks;   // 16 or 8 rows per pass of the warpgroup
+  static_assert(128 % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0,
+                "a row step of whole swizzle atoms keeps each thread's chunk column");
+  const int c = ptid % kChunks;
+  const bool col_ok = c * 8 < valid_cols;
+  int r = ptid / kChunks;
+  const T* src = gmem + int64_t(r) * row_stride + c * 8;
+  uint32_t dst = smem + Tile::offset(r, c * 8);
+#pragma unroll 1
+  for (; r < kRows; r += kRowStep) {
+    const bool ok = col_ok && r < valid_rows;
+    tc::cp_async16(dst, ok ? src : gmem, ok);
+    src += int64_t(kRowStep) * row_stride;
+    dst += kRowStep * 128;  // offset(r + kRowStep, col) = offset(r, col) + kRowStep * 128
+  }
+}
+
+// Producer warpgroup: all 128 threads issue cp.async (ptid = 0..127).
+template <typename T, int kD>
+__device__ __forceinline__ void produce(const FwdParams& p, const SeqInfo& si, int b, int h,
+                                        int m0, int rows_q, int n_lo, int n_hi, uint32_t base,
+                                        int ptid) {
+  using P = FwdPlan<kD>;
+  using TileKV = typename P::TileKV;
+  const Bars<P::kStages> bars{base + P::kBar};
+  const int hk = h / (p.h / p.h_k);
+  const T* q = q_ptr<T>(p, si, b, h, m0);
+  const T* k = k_ptr<T>(p, si, b, hk, 0);
+  const T* v = v_ptr<T>(p, si, b, hk, 0);
+
+  produce_tile<P::kBlockM, kD>(base + P::kQ, q, p.q_row_stride, rows_q, p.d, ptid);
+  tc::cp_async_commit();
+  // the barrier of the newest committed copy group, published once a newer group is in flight
+  uint32_t pending = bars.full_q();
+  RingPos<P::kStages> pos;
+  for (int n = n_hi - 1; n >= n_lo; --n) {
+    const int n0 = n * P::kBlockN;
+    const uint32_t slot = uint32_t(pos.stage * TileKV::kBytes);
+
+    wg::mbar_wait(bars.empty_k(pos.stage), pos.phase ^ 1u);
+    produce_tile<P::kBlockN, kD>(base + P::kK + slot, k + int64_t(n0) * p.k_row_stride,
+                                 p.k_row_stride, si.len_k - n0, p.d, ptid);
+    tc::cp_async_commit();
+    tc::cp_async_wait<1>();  // everything but the K tile just issued has landed
+    wg::fence_proxy_async();
+    wg::mbar_arrive(pending);
+    pending = bars.full_k(pos.stage);
+
+    wg::mbar_wait(bars.empty_v(pos.stage), pos.phase ^ 1u);
+    produce_tile<P::kBlockN, kD>(base + P::kV + slot, v + int64_t(n0) * p.v_row_stride,
+                                 p.v_row_stride, si.len_k - n0, p.d, ptid);
+    tc::cp_async_commit();
+    tc::cp_async_wait<1>();
+    wg::fence_proxy_async();
+    wg::mbar_arrive(pending);
+    pending = bars.full_v(pos.stage);
+    pos.advance();
+  }
+  tc::cp_async_wait<0>();
+  wg::fence_proxy_async();
+  wg::mbar_arrive(pending);
+}
+
+// ---- consumer steps. A consumer warpgroup's registers: acc_s (64, kBlockN) and acc_o (64, kD)
+// fp32 as C fragments (per warp 16 rows: [4 kNT] and [4 kDT] floats), pa = P as 16-bit A
+// fragments ([kBlockN / 16][4]).
+
+// Issue S = Q K^T against ring slot `stage` (asynchronous, one commit group; the first k-step
+// overwrites acc_s). K-major k-step kk: 32 bytes on inside a 128-byte row, a column block on
+// every 4 steps.
+template <typename T, int kD>
+__device__ __forceinline__ void issue_s(float (&acc_s)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
+                                        uint64_t desc_k, int stage) {
+  using P = FwdPlan<kD>;
+  const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
+  wg::fence_operands(acc_s);  // pins the last reads of acc_s (packing) above wgmma.fence
+  wg::fence();  // earlier register reads of acc_s (softmax, packing) before the async writes
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    wg::Wgmma<P::kBlockN, T>::ss(acc_s, desc_q + kmajor_step<typename P::TileQ>(kk),
+                                 desc_k + slot + kmajor_step<typename P::TileKV>(kk), kk > 0 ? 1 : 0);
+  }
+  wg::commit();
+}
+
+// Issue O += P V against ring slot `stage` (asynchronous, one commit group). N-major k-step kk:
+// keys 16 kk .. 16 kk + 15, two 8-key atoms = 2048 bytes on.
+template <typename T, int kD>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2],
+                                         uint32_t (&pa)[FwdPlan<kD>::kBlockN / 16][4],
+                                         uint64_t desc_v, int stage) {
+  using P = FwdPlan<kD>;
+  const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
+  wg::fence_operands(acc_o);
+  wg::fence_operands(pa);  // pins the packing of pa above wgmma.fence as well
+  wg::fence();  // the rescale of acc_o and the packing of pa before the async reads
+#pragma unroll
+  for (int kk = 0; kk < P::kBlockN / 16; ++kk) {
+    wg::Wgmma<kD, T>::rs(acc_o, pa[kk], desc_v + slot + uint64_t((kk * 16 * 128) >> 4), 1);
+  }
+  wg::commit();
+}
+
+// Logits and the softmax of this warp's (16, kBlockN) tile of block n0, in place; alpha gets
+// the rescale factors of O. The policy is plain (use_hopper_fwd): only the window and the
+// sequence ends, checked per element only on tiles that cross them.
+template <int kD>
+__device__ __forceinline__ void scores_to_probs(float (&acc_s)[FwdPlan<kD>::kBlockN / 2],
+                                                const Policy& pol, float scale_log2, int i0, int n0,
+                                                int lane, float* row_m, float* row_l, float* alpha) {
+  constexpr int kBlockN = FwdPlan<kD>::kBlockN;
+  const bool check = !pol.tile_full(i0, i0 + 16, n0, n0 + kBlockN);
+  tc::tile_logits<kBlockN / 8>(acc_s, pol, true, check, scale_log2, i0, n0, lane);
+  tc::softmax_rows<kBlockN / 8>(acc_s, row_m, row_l, alpha);
+}
+
+// A consumer warp is done with a ring slot: one arrival per warp on its "empty" barrier.
+__device__ __forceinline__ void release_slot(uint32_t bar, int lane) {
+  __syncwarp();
+  if (lane == 0) wg::mbar_arrive(bar);
+}
+
+// S = Q K^T against ring slot pos, waited for at once; then the slot's K is released.
+template <typename T, int kD>
+__device__ __forceinline__ void qk_now(float (&acc_s)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
+                                       uint64_t desc_k, const Bars<FwdPlan<kD>::kStages>& bars,
+                                       const RingPos<FwdPlan<kD>::kStages>& pos, int lane) {
+  wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
+  issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);
+  wg::wait<0>();
+  wg::fence_operands(acc_s);
+  release_slot(bars.empty_k(pos.stage), lane);
+}
+
+// O += P V against ring slot pos, waited for at once; then the slot's V is released.
+template <typename T, int kD>
+__device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
+                                       uint32_t (&pa)[FwdPlan<kD>::kBlockN / 16][4], uint64_t desc_v,
+                                       const Bars<FwdPlan<kD>::kStages>& bars,
+                                       const RingPos<FwdPlan<kD>::kStages>& pos, int lane) {
+  wg::mbar_wait(bars.full_v(pos.stage), pos.phase);
+  issue_pv<T, kD>(acc_o, pa, desc_v, pos.stage);
+  wg::wait<0>();
+  wg::fence_operands(acc_o);
+  wg::fence_operands(pa);
+  release_slot(bars.empty_v(pos.stage), lane);
+}
+
+// Consumer warpgroup cw (0-based) of 128 threads (ctid = 0..127): query rows
+// [m0 + 64 cw, m0 + 64 cw + 64) of the block.
+//   kOverlap = false: per key block S -> softmax -> P V, each product waited for at once; only
+//     the two consumer warpgroups overlap each other.
+//   kOverlap = true: S of block n is issued together with P V of block n + 1, and the softmax of
+//     block n runs while that P V is still on the tensor cores; O is rescaled once it retired
+//     (FA3's intra-warpgroup overlap). S, P and O are live at once: 160 registers at D = 128.
+template <typename T, int kD, bool kOverlap>
+__device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, const Policy& pol,
+                                        int b, int h, int m0, int rows_q, int n_lo, int n_hi,
+                                        uint32_t base, int cw, int ctid) {
+  using P = FwdPlan<kD>;
+  using TileQ = typename P::TileQ;
+  using TileKV = typename P::TileKV;
+  constexpr int kNT = P::kBlockN / 8;     // 8-column n-tiles of S per warp
+  constexpr int kDT = kD / 8;             // 8-column n-tiles of O per warp
+  const Bars<P::kStages> bars{base + P::kBar};
+  const int lane = ctid & 31;
+  const int wm = cw * 64 + (ctid >> 5) * 16;  // this warp's first row inside the block
+
+  // (16, kD) of O per warp as C fragments; row max (log2 domain) and partial sum of rows g, g + 8
+  float acc_o[4 * kDT];
+#pragma unroll
+  for (int x = 0; x < 4 * kDT; ++x) acc_o[x] = 0.f;
+  float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+
+  if (n_lo < n_hi) {
+    // descriptors of this warpgroup's 64 rows of Q and of ring slot 0 of K (both K-major: SBO =
+    // one 8-row atom) and of V (N-major: SBO = 8 keys, LBO = one 64-column block of the head dim)
+    const uint64_t desc_q = wg::make_desc_sw128(base + P::kQ + cw * 64 * 128, 16, 1024);
+    const uint64_t desc_k = wg::make_desc_sw128(base + P::kK, 16, 1024);
+    const uint64_t desc_v = wg::make_desc_sw128(base + P::kV, TileKV::kBlockBytes, 1024);
+    const float scale_log2 = p.scale * kLog2e;
+    const int i0 = m0 + wm;
+    float acc_s[4 * kNT];
+    uint32_t pa[kNT / 2][4];
+    float alpha[2];
+    wg::mbar_wait(bars.full_q(), 0);
+
+    RingPos<P::kStages> pos;
+    if constexpr (!kOverlap) {
+      for (int n = n_hi - 1; n >= n_lo; --n) {
+        qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
+        scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+        tc::rescale_rows<kDT>(acc_o, alpha);
+        tc::pack_a_frags<T, kNT>(acc_s, pa);
+        pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
+        pos.advance();
+      }
+    } else {
+      // the first block alone: O is still zero, so its rescale is skipped
+      qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
+      scores_to_probs<kD>(acc_s, pol, scale_log2, i0, (n_hi - 1) * P::kBlockN, lane, row_m, row_l,
+                          alpha);
+      tc::pack_a_frags<T, kNT>(acc_s, pa);
+      RingPos<P::kStages> prev = pos;  // the slot whose V the pending P multiplies
+      pos.advance();
+
+      for (int n = n_hi - 2; n >= n_lo; --n) {
+        wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
+        issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);     // group 1: S of block n
+        wg::mbar_wait(bars.full_v(prev.stage), prev.phase);
+        issue_pv<T, kD>(acc_o, pa, desc_v, prev.stage);       // group 2: P V of block n + 1
+        wg::wait<1>();                                         // group 1 retired
+        wg::fence_operands(acc_s);
+        release_slot(bars.empty_k(pos.stage), lane);
+        scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+        wg::wait<0>();                                         // group 2 retired: O and P free
+        wg::fence_operands(acc_o);
+        wg::fence_operands(pa);
+        release_slot(bars.empty_v(prev.stage), lane);
+        tc::rescale_rows<kDT>(acc_o, alpha);
+        tc::pack_a_frags<T, kNT>(acc_s, pa);
+        prev = pos;
+        pos.advance();
+      }
+
+      pv_now<T, kD>(acc_o, pa, desc_v, bars, prev, lane);
+    }
+  }
+
+  // ---- epilogue: normalize, LSE, stage O in this warpgroup's 64 rows of the Q tile (read only
+  // by this warpgroup's wgmmas, all retired) for 16-byte stores
+  const int g = lane >> 2, c = lane & 3;
+  const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float lse, factor;
+    finish_row(row_m[hf], row_l[hf], p.sinks != nullptr, sink, 1.f, &lse, &factor);
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      acc_o[4 * dt + 2 * hf] *= factor;
+      acc_o[4 * dt + 2 * hf + 1] *= factor;
+    }
+    const int i = wm + g + hf * 8;
+    if (c == 0 && i < rows_q && p.lse != nullptr) p.lse[lse_index(p, si, b, h, m0 + i)] = lse;
+  }
+  const uint32_t sO = base + P::kQ;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      // rows g of 8 lanes land on 8 different chunks (dt ^ g): no bank conflicts
+      const uint32_t val = tc::TypeOps<T>::pack(acc_o[4 * dt + 2 * hf], acc_o[4 * dt + 2 * hf + 1]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sO + TileQ::offset(wm + g + hf * 8, dt * 8 + 2 * c)),
+                   "r"(val)
+                   : "memory");
+    }
+  wg::named_barrier_sync<128>(1 + cw);  // this warpgroup's rows are complete
+  T* o = o_ptr<T>(p, si, b, h, m0);
+  constexpr int kChunks = TileQ::kChunks;
+  static_assert((64 * kChunks) % 128 == 0, "the copy-out splits evenly over the warpgroup");
+#pragma unroll
+  for (int it = 0; it < 64 * kChunks / 128; ++it) {
+    const int idx = it * 128 + ctid;
+    const int r = cw * 64 + idx / kChunks, ch = idx % kChunks;
+    if (r < rows_q && ch * 8 < p.d) {
+      uint4 val;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                   : "r"(sO + TileQ::offset(r, ch * 8))
+                   : "memory");
+      *reinterpret_cast<uint4*>(o + int64_t(r) * p.o_row_stride + ch * 8) = val;
+    }
+  }
+}
+
+template <typename T, int kD, bool kOverlap>
+__global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using P = FwdPlan<kD>;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (tc::smem_u32(smem) + 1023u) & ~1023u;
+
+  // heaviest query blocks (causal: the last ones) first, so the grid's tail is short
+  const int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo si(p, b);
+  const int m0 = m_block * P::kBlockM;
+  if (m0 >= si.len_q) return;  // the whole CTA, before any barrier
+  const Policy pol(p, si, b, h);
+  const int rows_q = min(P::kBlockM, si.len_q - m0);
+  int n_lo, n_hi;
+  pol.key_blocks(m0, m0 + rows_q, P::kBlockN, &n_lo, &n_hi);
+
+  if (threadIdx.x == 0) Bars<P::kStages>{base + P::kBar}.init(4 * P::kConsumerWGs);
+  __syncthreads();  // the barriers are initialized before any thread uses them
+
+  // one role per warpgroup, each one branch of this if/else (what setmaxnreg needs)
+  const int wg_idx = threadIdx.x / 128;
+  if (wg_idx == 0) {
+    wg::setmaxnreg_dec<P::Tr::kProducerRegs>();
+    if (n_lo < n_hi) produce<T, kD>(p, si, b, h, m0, rows_q, n_lo, n_hi, base, threadIdx.x);
+  } else {
+    wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
+    consume<T, kD, kOverlap>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
+                             threadIdx.x % 128);
+  }
+#else
+  // only sm_90a has wgmma; the dispatcher launches this kernel only where that code was built
+  __trap();
+#endif
+}
+
+}  // namespace hopper
+}  // namespace attn

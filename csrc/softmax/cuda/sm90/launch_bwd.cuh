@@ -1,0 +1,33 @@
+// Launcher of the sm_90a wgmma backward, included only by the generated instantiations/bwd_hopper_*.cu
+// files (and not launch_template.cuh, so those TUs compile no mma.sync kernel).
+#pragma once
+
+#include <stdexcept>
+
+#include "softmax/cuda/sm90/bwd_kernel.cuh"
+#include "softmax/cuda/launchers.h"
+#include "cuda/launch.h"
+
+namespace attn {
+
+// After run_bwd_preprocess (softmax_d, dq_accum zeroed with kD floats per row): the dK/dV/dQ
+// kernel, then the conversion of dq_accum into dq.
+template <typename T, int kD>
+void run_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
+  using P = hopper::BwdPlan<kD>;
+  check_grid(p.h_k, p.b, "attention bwd (wgmma)");
+  // the kernel evaluates the plain policy and adds dQ atomically; use_hopper_bwd() never sends
+  // anything else here
+  if (needs_general_kernel(p) || p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
+    throw std::runtime_error(
+        "attention bwd (wgmma): softcap, ALiBi, bias, dropout and deterministic mode are not supported");
+  }
+  auto kernel = hopper::bwd_kernel<T, kD>;
+  set_smem(kernel, P::kSmemBytes, "attention bwd (wgmma)");
+  dim3 grid((p.sk + P::kBlockN - 1) / P::kBlockN, p.h_k, p.b);
+  kernel<<<grid, P::kThreads, P::kSmemBytes, stream>>>(p);
+  check_launch("attention bwd (wgmma, sm_90a)");
+  run_bwd_convert_dq<T>(p, kD, stream);
+}
+
+}  // namespace attn

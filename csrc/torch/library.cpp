@@ -1,0 +1,76 @@
+// The attention_ext op library: every op's schema, the developer kernel selection, and the
+// Python module attention_ext._C (what was compiled, for `python -m attention_ext info`). Each
+// family x device registers its kernels in its own binding file (softmax_cpu.cpp, softmax_cuda.cpp).
+#include <Python.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "softmax/cpu/entry.h"  // simd_width
+#if defined(ATTN_WITH_CUDA)
+#include "softmax/cuda/entry.h"  // cuda_set_kernels
+#endif
+#include "torch/softmax_params.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
+
+namespace {
+
+// The developer-only selection of experimental CUDA kernels (attn::CudaKernels); without the
+// CUDA kernels it only checks its arguments.
+void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, int64_t tune_bwd, bool force_simt) {
+  TORCH_CHECK_VALUE(hopper_fwd >= 0 && hopper_fwd <= 2, "attention_ext.set_cuda_kernels: hopper_fwd must be 0, 1 or 2");
+  TORCH_CHECK_VALUE(hopper_bwd >= 0 && hopper_bwd <= 1, "attention_ext.set_cuda_kernels: hopper_bwd must be 0 or 1");
+  TORCH_CHECK_VALUE(tune_fwd >= 0 && tune_bwd >= 0, "attention_ext.set_cuda_kernels: tuning candidates are >= 0");
+#if defined(ATTN_WITH_CUDA)
+  attn::cuda_set_kernels(attn::CudaKernels{int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt});
+#endif
+}
+
+// The ISA this build's CPU kernels were compiled for.
+const char* cpu_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__AVX__)
+  return "avx";
+#else
+  return "generic";
+#endif
+}
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
+                          "attention_ext compiled kernels (ops live in torch.ops.attention_ext)", -1, nullptr};
+
+}  // namespace
+
+TORCH_LIBRARY(attention_ext, m) {
+  // softmax family
+  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+        ", int num_splits=1, bool deterministic=False) -> (Tensor, Tensor)");
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+        ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
+  // developer-only
+  m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
+        &set_cuda_kernels);
+}
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&module_def);
+  if (mod == nullptr) return nullptr;
+  PyModule_AddStringConstant(mod, "cpu_isa", cpu_isa());
+  PyModule_AddIntConstant(mod, "simd_width", attn::cpu::simd_width());
+#if defined(ATTN_WITH_CUDA)
+  PyModule_AddIntConstant(mod, "with_cuda", 1);
+  PyModule_AddStringConstant(mod, "cuda_archs", ATTN_CUDA_ARCHS);
+#else
+  PyModule_AddIntConstant(mod, "with_cuda", 0);
+  PyModule_AddStringConstant(mod, "cuda_archs", "");
+#endif
+#if defined(_OPENMP)
+  PyModule_AddIntConstant(mod, "openmp", 1);
+#else
+  PyModule_AddIntConstant(mod, "openmp", 0);
+#endif
+  return mod;
+}

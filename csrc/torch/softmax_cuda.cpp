@@ -1,0 +1,70 @@
+// CUDA registration of the softmax family: attention_ext::fwd / bwd on the CUDA backend
+// (csrc/softmax/cuda), through the host steps it shares with the CPU emulator
+// (softmax_cuda_steps.h), on the current stream under a device guard.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <tuple>
+
+#include "cuda/launch.h"  // NvtxRange
+#include "softmax/cuda/entry.h"
+#include "torch/softmax_cuda_steps.h"
+
+namespace {
+
+using at::Tensor;
+using attn::api::OptTensor;
+
+struct CudaDevice {
+  static constexpr bool kPoison = false;
+  static constexpr const char* kWhat = "attention_ext";
+  // The CUDA kernels compute in float32; float64 has a kernel on the CPU only.
+  void check_device(const Tensor& q) const {
+    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble,
+                     "attention_ext: float64 inputs are supported by the CPU kernels only; on CUDA use float32, "
+                     "float16 or bfloat16");
+  }
+  c10::cuda::CUDAGuard guard(const Tensor& q) const { return c10::cuda::CUDAGuard(q.device()); }
+  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+  int fwd_num_splits(const attn::FwdParams& p, attn::DType dt, int requested) const {
+    return attn::cuda_fwd_num_splits(p, dt, requested);
+  }
+  size_t fwd_split_floats(const attn::FwdParams& p, int n, int64_t batch_t, int64_t rows, bool o) const {
+    return attn::cuda_fwd_split_floats(p, n, batch_t, rows, o);
+  }
+  void fwd(const attn::FwdParams& p, attn::DType dt, const attn::FwdSplitScratch& split) const {
+    attn::cuda_fwd(p, dt, stream(), split);
+  }
+  size_t bwd_softmax_d_floats(const attn::BwdParams& p) const { return attn::cuda_bwd_softmax_d_floats(p); }
+  size_t bwd_dq_accum_floats(const attn::BwdParams& p, attn::DType dt) const {
+    return attn::cuda_bwd_dq_accum_floats(p, dt);
+  }
+  void bwd(const attn::BwdParams& p, attn::DType dt) const { attn::cuda_bwd(p, dt, stream()); }
+  void reads(std::initializer_list<const Tensor*>) const {}
+};
+
+std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                    int64_t num_splits, bool /*deterministic: read by the autograd backward*/) {
+  attn::NvtxRange range("attention_ext::softmax::fwd (CUDA)");
+  return attn::api::cuda_fwd_steps(CudaDevice{}, q, k, v, attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS),
+                                   num_splits);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                            const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                            ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
+                                                            bool deterministic, const OptTensor& dlse) {
+  attn::NvtxRange range("attention_ext::softmax::bwd (CUDA)");
+  return attn::api::cuda_bwd_steps(CudaDevice{}, dout, q, k, v, out, lse,
+                                   attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), bias_grad, deterministic,
+                                   dlse);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
+  m.impl("fwd", &fwd_cuda);
+  m.impl("bwd", &bwd_cuda);
+}

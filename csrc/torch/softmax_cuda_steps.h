@@ -1,0 +1,116 @@
+// The host steps of the CUDA softmax forward and backward between the op's tensors and the
+// torch-free backend (csrc/softmax/cuda/entry.h): checks, outputs, params, the scratch the
+// backend sizes, the launch, errors. One copy for the real CUDA binding (softmax_cuda.cpp) and
+// the CPU emulator's (tests/cuda_emu), which differ only in their `Device`:
+//
+//   struct Device {
+//     static constexpr bool kPoison;   // outputs and scratch start as NaN (the emulator)
+//     static constexpr const char* kWhat;  // error-message prefix
+//     void check_device(const Tensor& q) const;   // dtype / device the backend takes
+//     <RAII> guard(const Tensor& q) const;         // device guard for the call
+//     int fwd_num_splits(const FwdParams&, DType, int requested) const;
+//     size_t fwd_split_floats(const FwdParams&, int num_splits, int64_t batch_t, int64_t rows, bool o) const;
+//     void fwd(const FwdParams&, DType, const FwdSplitScratch&) const;
+//     size_t bwd_softmax_d_floats(const BwdParams&) const;
+//     size_t bwd_dq_accum_floats(const BwdParams&, DType) const;
+//     void bwd(const BwdParams&, DType) const;
+//     void reads(std::initializer_list<const Tensor*>) const;  // the tensors kernels may read
+//   };
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <tuple>
+
+#include "softmax/cuda/entry.h"  // FwdSplitScratch
+#include "torch/softmax_params.h"
+
+namespace attn {
+namespace api {
+
+// float32 scratch of n elements on q's device: uninitialized, or NaN when poisoned
+inline Tensor cuda_scratch(const Tensor& q, size_t n, bool poison) {
+  Tensor t = at::empty({int64_t(n)}, q.options().dtype(at::kFloat));
+  if (poison) t.fill_(NAN);
+  return t;
+}
+
+// The tensor-core path reads rows as 16-byte chunks; give it a copy when dout is strided oddly.
+inline Tensor chunk_friendly(Tensor t) {
+  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 &&
+                  t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
+  return ok ? t : t.contiguous();
+}
+
+template <typename Device, typename Fn>
+void run_backend(const Fn& fn) {
+  try {
+    fn();
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, Device::kWhat, ": ", e.what());
+  }
+}
+
+template <typename Device>
+std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Options& o, int64_t num_splits) {
+  check_inputs(q, k, v, o);
+  check_num_splits(num_splits);
+  dev.check_device(q);
+  const auto guard = dev.guard(q);
+  auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
+  if (q.numel() == 0) return {out, lse};
+  const FwdParams p = make_fwd_params<float>(q, k, v, out, lse, o);
+  const DType dt = dtype_of(q);
+  // split-KV: partial O and LSE per split, float32, on the call's device and stream
+  FwdSplitScratch split;
+  Tensor o_accum, lse_accum;
+  split.num_splits = dev.fwd_num_splits(p, dt, int(std::min<int64_t>(num_splits, 1 << 20)));
+  if (split.num_splits > 1) {
+    split.rows = q.size(2);  // (B, H, Sq, D) or the varlen pack (1, H, total_q, D)
+    o_accum = cuda_scratch(q, dev.fwd_split_floats(p, split.num_splits, q.size(0), split.rows, true), Device::kPoison);
+    lse_accum = cuda_scratch(q, dev.fwd_split_floats(p, split.num_splits, q.size(0), split.rows, false), Device::kPoison);
+    split.o_accum = o_accum.data_ptr<float>();
+    split.lse_accum = lse_accum.data_ptr<float>();
+  }
+  dev.reads({&q, &k, &v});
+  run_backend<Device>([&] { dev.fwd(p, dt, split); });
+  return {out, lse};
+}
+
+template <typename Device>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& dev, const Tensor& dout,
+                                                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                  const Tensor& out, const Tensor& lse,
+                                                                  const Options& o, bool bias_grad,
+                                                                  bool deterministic, const OptTensor& dlse) {
+  check_inputs(q, k, v, o);
+  dev.check_device(q);
+  check_bwd_inputs(dout, q, out, lse, dlse);
+  const auto guard = dev.guard(q);
+  Grads g = alloc_grads(q, k, v, o, bias_grad, Device::kPoison);
+  if (is_empty_call(q, k)) return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
+  Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
+  BwdParams p = make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
+  const DType dt = dtype_of(q);
+  Tensor softmax_d = cuda_scratch(q, dev.bwd_softmax_d_floats(p), Device::kPoison);
+  p.softmax_d = softmax_d.data_ptr<float>();
+  Tensor dq_accum;
+  const size_t n_accum = dev.bwd_dq_accum_floats(p, dt);
+  if (n_accum > 0) {
+    dq_accum = cuda_scratch(q, n_accum, Device::kPoison);
+    p.dq_accum = dq_accum.data_ptr<float>();
+  } else {
+    p.dq_accum = nullptr;
+  }
+  dev.reads({&q, &k, &v, &dout_c, &out, &lse, &softmax_d});
+  run_backend<Device>([&] { dev.bwd(p, dt); });
+  return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
+}
+
+}  // namespace api
+}  // namespace attn

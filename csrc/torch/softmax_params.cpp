@@ -1,0 +1,292 @@
+// Definitions of softmax_params.h: input checks, output allocation, tensors -> params. Compiled
+// into attention_ext._C and into the CPU emulator's module (tests/cuda_emu).
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <string>
+
+#include "torch/softmax_params.h"
+
+namespace attn {
+namespace api {
+
+DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kDouble: return DType::kF64;
+    default:
+      TORCH_CHECK_TYPE(false, "attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got ",
+                       t.scalar_type());
+  }
+}
+
+at::ScalarType acc_dtype(const Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+static void check_index_tensor(const OptTensor& t, const char* name, int64_t numel, const Tensor& q) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "attention_ext: ", name, " must be int32, got ", t->scalar_type());
+  TORCH_CHECK(t->dim() == 1 && t->numel() == numel, "attention_ext: ", name, " must have shape (", numel, "), got ",
+              t->sizes());
+  TORCH_CHECK(t->device() == q.device(), "attention_ext: ", name, " must be on ", q.device(), ", got ", t->device());
+  TORCH_CHECK(t->is_contiguous(), "attention_ext: ", name, " must be contiguous");
+}
+
+void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attention_ext: q, k, v must be 4-D (B, H, S, D), got q ", q.sizes(), ", k ", k.sizes(), ", v ",
+                    v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "attention_ext: q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                   v.scalar_type());
+  dtype_of(q);
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "attention_ext: q, k, v must be on one device, got ",
+              q.device(), ", ", k.device(), ", ", v.device());
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(3), hk = k.size(1);
+  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "attention_ext: batch mismatch: q ", q.sizes(), ", k ",
+                    k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "attention_ext: k and v must have the same shape, got ", k.sizes(), " and ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(k.size(3) == d, "attention_ext: head dim mismatch: q has ", d, ", k and v have ", k.size(3));
+  TORCH_CHECK_VALUE(d >= 1 && d <= 256, "attention_ext: head dim must be in [1, 256], got ", d);
+  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext: query heads (", h, ") must be a multiple of kv heads (", hk,
+                    ")");
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+                      "attention_ext: the head dim of q, k, v must be contiguous (stride 1), got strides ",
+                      t->strides());
+  TORCH_CHECK_VALUE(o.window_left >= -1 && o.window_right >= -1, "attention_ext: window sizes must be >= -1, got (",
+                    o.window_left, ", ", o.window_right, ")");
+  TORCH_CHECK_VALUE(o.dropout_p >= 0.0 && o.dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
+                    o.dropout_p);
+  TORCH_CHECK_VALUE(o.softcap >= 0.0, "attention_ext: softcap must be >= 0, got ", o.softcap);
+  TORCH_CHECK_VALUE(std::isfinite(o.scale), "attention_ext: scale must be finite, got ", o.scale);
+  const bool varlen = o.cu_seqlens_q.has_value();
+  TORCH_CHECK_VALUE(varlen == o.cu_seqlens_k.has_value(), "attention_ext: cu_seqlens_q and cu_seqlens_k go together");
+  int64_t nb = b;
+  if (varlen) {
+    TORCH_CHECK_VALUE(b == 1, "attention_ext: varlen inputs are one (1, H, total, D) pack, got batch ", b);
+    nb = o.cu_seqlens_q->numel() - 1;
+    TORCH_CHECK_VALUE(nb >= 1, "attention_ext: cu_seqlens_q needs at least 2 entries");
+    check_index_tensor(o.cu_seqlens_q, "cu_seqlens_q", nb + 1, q);
+    check_index_tensor(o.cu_seqlens_k, "cu_seqlens_k", nb + 1, q);
+    TORCH_CHECK_VALUE(!o.seqlens_k.has_value(), "attention_ext: seqlens_k is for padded batches, not varlen");
+    TORCH_CHECK_VALUE(o.max_seqlen_q >= 0 && o.max_seqlen_k >= 0, "attention_ext: max_seqlen_q/k must be >= 0");
+    if (q.device().is_cpu()) {
+      // validated here on the CPU; CUDA callers validate in Python (no sync in the op)
+      auto cq = o.cu_seqlens_q->accessor<int32_t, 1>(), ck = o.cu_seqlens_k->accessor<int32_t, 1>();
+      TORCH_CHECK_VALUE(cq[0] == 0 && ck[0] == 0, "attention_ext: cu_seqlens must start at 0");
+      for (int64_t i = 0; i < nb; ++i) {
+        TORCH_CHECK_VALUE(cq[i + 1] >= cq[i] && ck[i + 1] >= ck[i], "attention_ext: cu_seqlens must be non-decreasing");
+        TORCH_CHECK_VALUE(cq[i + 1] - cq[i] <= o.max_seqlen_q && ck[i + 1] - ck[i] <= o.max_seqlen_k,
+                          "attention_ext: a sequence is longer than max_seqlen_q/k");
+      }
+      TORCH_CHECK_VALUE(cq[nb] <= q.size(2) && ck[nb] <= k.size(2),
+                        "attention_ext: cu_seqlens end past the packed tensors (", cq[nb], " > ", q.size(2), " or ",
+                        ck[nb], " > ", k.size(2), ")");
+    }
+  }
+  check_index_tensor(o.seqlens_k, "seqlens_k", nb, q);
+  const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
+  const at::ScalarType acc = acc_dtype(q);
+  if (o.bias.has_value()) {
+    const Tensor& bias = *o.bias;
+    TORCH_CHECK_TYPE(bias.scalar_type() == acc || bias.scalar_type() == at::kBool, "attention_ext: bias must be ",
+                     acc, " (additive; float64 goes with float64 inputs, float32 with the others) or bool (True = "
+                     "attend), got ", bias.scalar_type());
+    TORCH_CHECK(bias.device() == q.device(), "attention_ext: bias must be on ", q.device(), ", got ", bias.device());
+    TORCH_CHECK_VALUE(bias.dim() == 4, "attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = (", nb, ", ",
+                      h, ", ", sq, ", ", sk, "), got ", bias.sizes());
+    const int64_t want[4] = {nb, h, sq, sk};
+    for (int i = 0; i < 4; ++i)
+      TORCH_CHECK_VALUE(bias.size(i) == 1 || bias.size(i) == want[i],
+                        "attention_ext: bias of shape ", bias.sizes(), " does not broadcast to (B, H, Sq, Sk) = (", nb,
+                        ", ", h, ", ", sq, ", ", sk, ")");
+  }
+  if (o.alibi_slopes.has_value()) {
+    const Tensor& a = *o.alibi_slopes;
+    TORCH_CHECK_TYPE(a.scalar_type() == acc, "attention_ext: alibi_slopes must be ", acc, ", got ", a.scalar_type());
+    TORCH_CHECK(a.device() == q.device(), "attention_ext: alibi_slopes must be on ", q.device());
+    TORCH_CHECK_VALUE((a.dim() == 1 && a.size(0) == h) || (a.dim() == 2 && a.size(0) == nb && a.size(1) == h),
+                      "attention_ext: alibi_slopes must be (H) or (B, H) = (", nb, ", ", h, "), got ", a.sizes());
+    TORCH_CHECK_VALUE(a.stride(-1) == 1, "attention_ext: alibi_slopes must be contiguous over heads");
+  }
+  if (o.sinks.has_value()) {
+    const Tensor& s = *o.sinks;
+    TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext: sinks must be ", acc, ", got ", s.scalar_type());
+    TORCH_CHECK(s.device() == q.device(), "attention_ext: sinks must be on ", q.device());
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
+                      "attention_ext: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
+  }
+}
+
+void check_num_splits(int64_t num_splits) {
+  TORCH_CHECK_VALUE(num_splits >= 0, "attention_ext: num_splits must be >= 0 (0 = heuristic), got ", num_splits);
+}
+
+Tensor empty_like_layout(const Tensor& like) {
+  const auto opts = like.options();
+  if (like.stride(1) < like.stride(2)) {  // heads inside rows: keep (B, S, H, D) storage
+    return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, opts).transpose(1, 2);
+  }
+  return at::empty(like.sizes(), opts);
+}
+
+std::tuple<Tensor, Tensor> alloc_fwd_outputs(const Tensor& q, const Options& o, bool poison) {
+  Tensor out = empty_like_layout(q);
+  Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc_dtype(q)));
+  if (q.numel() == 0 || o.cu_seqlens_q.has_value()) {
+    out.zero_();
+    lse.fill_(-INFINITY);
+  } else if (poison) {
+    out.fill_(NAN);
+    lse.fill_(NAN);
+  }
+  return {out, lse};
+}
+
+static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
+  *bs = t.stride(0);
+  *hs = t.stride(1);
+  *rs = t.stride(2);
+}
+
+template <typename Acc>
+FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                const Tensor& lse, const Options& o) {
+  FwdParamsT<Acc> p{};
+  const bool varlen = o.cu_seqlens_q.has_value();
+  p.b = int32_t(varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0));
+  p.h = int32_t(q.size(1));
+  p.h_k = int32_t(k.size(1));
+  p.sq = int32_t(varlen ? o.max_seqlen_q : q.size(2));
+  p.sk = int32_t(varlen ? o.max_seqlen_k : k.size(2));
+  p.d = int32_t(q.size(3));
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<Acc>();
+  p.lse_batch_stride = varlen ? 0 : lse.stride(0);  // varlen: one (1, H, total_q) pack
+  p.lse_head_stride = lse.stride(1);
+  set_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  set_strides(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  set_strides(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  set_strides(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  p.cu_seqlens_q = varlen ? o.cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  p.cu_seqlens_k = varlen ? o.cu_seqlens_k->data_ptr<int32_t>() : nullptr;
+  p.seqlens_k = o.seqlens_k.has_value() ? o.seqlens_k->data_ptr<int32_t>() : nullptr;
+  p.scale = Acc(o.scale);
+  p.softcap = Acc(o.softcap);
+  p.window_left = int32_t(o.window_left);
+  p.window_right = int32_t(o.window_right);
+  p.bottom_right = o.bottom_right;
+  if (o.alibi_slopes.has_value()) {
+    p.alibi_slopes = o.alibi_slopes->data_ptr<Acc>();
+    p.alibi_batch_stride = o.alibi_slopes->dim() == 2 ? o.alibi_slopes->stride(0) : 0;
+  }
+  p.bias_kind = BiasKind::kNone;
+  if (o.bias.has_value()) {
+    const Tensor& bias = *o.bias;
+    p.bias = bias.data_ptr();
+    p.bias_kind = bias.scalar_type() == at::kBool ? BiasKind::kBool : BiasKind::kAdditive;
+    // broadcast dims read with stride 0
+    auto st = [&](int i) { return bias.size(i) == 1 ? int64_t(0) : bias.stride(i); };
+    p.bias_batch_stride = st(0);
+    p.bias_head_stride = st(1);
+    p.bias_row_stride = st(2);
+    p.bias_col_stride = st(3);
+  }
+  p.sinks = o.sinks.has_value() ? o.sinks->data_ptr<Acc>() : nullptr;
+  p.dropout_p = float(o.dropout_p);
+  p.seed = uint64_t(o.seed);
+  p.offset = uint64_t(o.offset);
+  p.num_threads = 0;
+  return p;
+}
+template FwdParamsT<float> make_fwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const Options&);
+template FwdParamsT<double> make_fwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, const Options&);
+
+Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o, bool bias_grad,
+                  bool poison) {
+  Grads g;
+  g.dq = empty_like_layout(q);
+  g.dk = empty_like_layout(k);
+  g.dv = empty_like_layout(v);
+  const bool some_rows_unowned = o.seqlens_k.has_value() || o.cu_seqlens_q.has_value() || is_empty_call(q, k);
+  for (Tensor* t : {&g.dq, &g.dk, &g.dv}) {
+    if (some_rows_unowned) {
+      t->zero_();
+    } else if (poison) {
+      t->fill_(NAN);
+    }
+  }
+  const auto acc = q.options().dtype(acc_dtype(q));
+  const bool varlen = o.cu_seqlens_q.has_value();
+  const int64_t nb = varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0);
+  if (bias_grad && o.bias.has_value() && o.bias->is_floating_point()) {
+    const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
+    g.dbias = at::zeros({nb, q.size(1), o.bias->size(2) == 1 ? 1 : sq, sk}, acc);
+  } else {
+    g.dbias = at::empty({0}, acc);
+  }
+  g.dsinks = o.sinks.has_value() ? at::zeros({nb, q.size(1)}, acc) : at::empty({0}, acc);
+  if (poison) {
+    g.dbias.fill_(NAN);
+    g.dsinks.fill_(NAN);
+  }
+  return g;
+}
+
+void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
+                      const OptTensor& dlse) {
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
+                    "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
+  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1,
+                    "attention_ext.bwd: dout and out need a contiguous head dim");
+  for (const Tensor* t : {&lse, dlse.has_value() ? &*dlse : &lse}) {
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2) &&
+                          t->scalar_type() == acc_dtype(q) && t->is_contiguous(),
+                      "attention_ext.bwd: lse and dlse must be contiguous ", acc_dtype(q), " (B, H, Sq) tensors");
+  }
+  for (const Tensor* t : {&dout, &out, &lse, dlse.has_value() ? &*dlse : &lse})
+    TORCH_CHECK(t->device() == q.device(), "attention_ext.bwd: dout, out, lse and dlse must be on ", q.device());
+}
+
+template <typename Acc>
+BwdParamsT<Acc> make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& lse, const OptTensor& dlse, const Options& o,
+                                Grads& g, bool deterministic) {
+  BwdParamsT<Acc> p{};
+  static_cast<FwdParamsT<Acc>&>(p) = make_fwd_params<Acc>(q, k, v, out, lse, o);
+  p.dlse = dlse.has_value() ? dlse->data_ptr<Acc>() : nullptr;
+  p.dout = dout.data_ptr();
+  set_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
+  p.dq = g.dq.data_ptr();
+  p.dk = g.dk.data_ptr();
+  p.dv = g.dv.data_ptr();
+  set_strides(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
+  set_strides(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
+  set_strides(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
+  if (g.dbias.numel() > 0) {
+    p.dbias = g.dbias.data_ptr<Acc>();
+    p.dbias_batch_stride = g.dbias.stride(0);
+    p.dbias_head_stride = g.dbias.stride(1);
+    p.dbias_row_stride = g.dbias.size(2) == 1 ? 0 : g.dbias.stride(2);
+  }
+  p.dsinks = g.dsinks.numel() > 0 ? g.dsinks.data_ptr<Acc>() : nullptr;
+  p.deterministic = deterministic;
+  return p;
+}
+template BwdParamsT<float> make_bwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                  const Tensor&, const Tensor&, const OptTensor&, const Options&,
+                                                  Grads&, bool);
+template BwdParamsT<double> make_bwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, const Tensor&, const OptTensor&, const Options&,
+                                                    Grads&, bool);
+
+}  // namespace api
+}  // namespace attn

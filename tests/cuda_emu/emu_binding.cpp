@@ -1,0 +1,115 @@
+// torch.ops.attention_ext_emu: the CUDA backend's host steps (csrc/torch/softmax_cuda_steps.h,
+// the same code as the real CUDA binding), launch sequence (dispatch.cu) and kernels run by the
+// host emulator on CPU tensors. Built at test time by build.py.
+//
+// fwd / bwd take the arguments of torch.ops.attention_ext.fwd / bwd plus `arch` (80 or 90: the
+// emulated device). Unlike the real binding, every output and scratch buffer the kernels are
+// meant to fill starts as NaN (Device::kPoison), so an element they fail to write fails the tests.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "emu_entry.h"
+#include "torch/softmax_cuda_steps.h"
+#include "torch/softmax_params.h"
+
+namespace {
+
+using at::Tensor;
+using attn::api::OptTensor;
+
+attn_emu::Backend backend(int64_t arch) {
+  TORCH_CHECK(arch == 80 || arch == 90, "attention_ext_emu: arch must be 80 or 90, got ", arch);
+  return arch == 80 ? attn_emu::backend_sm80() : attn_emu::backend_sm90();
+}
+
+// Params cross to the emulated build as bytes (emu_entry.h).
+struct EmuDevice {
+  static constexpr bool kPoison = true;
+  static constexpr const char* kWhat = "attention_ext_emu";
+  attn_emu::Backend be;
+
+  void check_device(const Tensor& q) const {
+    TORCH_CHECK(q.device().is_cpu(), "attention_ext_emu: the emulator takes CPU tensors");
+    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
+  }
+  int guard(const Tensor&) const { return 0; }
+  int fwd_num_splits(const attn::FwdParams& p, attn::DType dt, int requested) const {
+    return be.fwd_num_splits(&p, sizeof(p), int(dt), requested);
+  }
+  size_t fwd_split_floats(const attn::FwdParams& p, int n, int64_t batch_t, int64_t rows, bool o) const {
+    return be.fwd_split_floats(&p, sizeof(p), n, batch_t, rows, o);
+  }
+  void fwd(const attn::FwdParams& p, attn::DType dt, const attn::FwdSplitScratch& s) const {
+    be.fwd(&p, sizeof(p), int(dt), s.num_splits, s.rows, s.o_accum, s.lse_accum);
+  }
+  size_t bwd_softmax_d_floats(const attn::BwdParams& p) const { return be.softmax_d_floats(&p, sizeof(p)); }
+  size_t bwd_dq_accum_floats(const attn::BwdParams& p, attn::DType dt) const {
+    return be.dq_accum_floats(&p, sizeof(p), int(dt));
+  }
+  void bwd(const attn::BwdParams& p, attn::DType dt) const { be.bwd(&p, sizeof(p), int(dt)); }
+  // cp.async may read only from the call's tensors
+  void reads(std::initializer_list<const Tensor*> ts) const {
+    attn_emu::clear_global_ranges();
+    for (const Tensor* t : ts) {
+      if (t->defined() && t->numel() > 0) {
+        const auto& st = t->storage();
+        attn_emu::add_global_range(st.data(), st.nbytes());
+      }
+    }
+  }
+};
+
+std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tensor& v, ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                   int64_t num_splits, bool /*deterministic*/, int64_t arch) {
+  return attn::api::cuda_fwd_steps(EmuDevice{backend(arch)}, q, k, v,
+                                   attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), num_splits);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                           const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                           ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
+                                                           bool deterministic, const OptTensor& dlse, int64_t arch) {
+  return attn::api::cuda_bwd_steps(EmuDevice{backend(arch)}, dout, q, k, v, out, lse,
+                                   attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), bias_grad, deterministic,
+                                   dlse);
+}
+
+// Which kernel family the forward of a default-options call takes: "tensor-core" or "simt".
+std::string emu_path(const Tensor& q, const Tensor& k, const Tensor& v, int64_t arch) {
+  const attn::api::Options o{std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                             0, 0, 1.0, 0.0, -1, -1, false, 0.0, 0, 0};
+  auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
+  const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
+  return backend(arch).path_name(&p, sizeof(p), int(attn::api::dtype_of(q)));
+}
+
+std::vector<std::string> emu_launches() { return attn_emu::take_launches(); }
+
+// set_cuda_kernels for both emulated archs
+void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, int64_t tune_bwd, bool force_simt) {
+  for (int64_t arch : {80, 90})
+    backend(arch).set_kernels(int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt);
+}
+
+void emu_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
+
+}  // namespace
+
+TORCH_LIBRARY(attention_ext_emu, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+        ", int num_splits, bool deterministic, int arch) -> (Tensor, Tensor)",
+        &emu_fwd);
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+        ", bool bias_grad, bool deterministic, Tensor? dlse, int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &emu_bwd);
+  m.def("path(Tensor q, Tensor k, Tensor v, int arch) -> str", &emu_path);
+  m.def("launches() -> str[]", &emu_launches);
+  m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
+        &emu_set_kernels);
+  m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
+}

@@ -1,0 +1,42 @@
+// The entry points of one emulated architecture's build of the CUDA backend (emu_kernels.h),
+// called by the torch binding (emu_binding.cpp) through the host steps of the real binding. Params travel as bytes: each kernel TU compiles
+// params.h into its own namespace (see emu_kernels.h), with the same layout; `bytes` is
+// sizeof(attn::FwdParams) / sizeof(attn::BwdParams) on the caller's side, checked against it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace attn_emu {
+
+// Global memory the kernels may read with cp.async (the tensors of one call); other sources
+// are an error (emu_runtime.cpp).
+void add_global_range(const void* ptr, size_t bytes);
+void clear_global_ranges();
+// The interleaving of a block's warps (cuda_emu.h): warp-serial (the default) runs one warp to its
+// next scheduling point before the next starts, lockstep (false) advances every warp one point
+// per round; reverse takes the warps last-first.
+void set_schedule(bool warp_serial, bool reverse);
+// The kernels launched since the last call, demangled, in launch order.
+std::vector<std::string> take_launches();
+
+struct Backend {
+  // the backend's entry points (csrc/softmax/cuda/entry.h); dtype is attn::DType as int
+  int (*fwd_num_splits)(const void* params, size_t bytes, int dtype, int requested);
+  size_t (*fwd_split_floats)(const void* params, size_t bytes, int num_splits, int64_t batch_t, int64_t rows, bool o);
+  // split: FwdSplitScratch's fields
+  void (*fwd)(const void* params, size_t bytes, int dtype, int num_splits, int64_t rows, float* o_accum,
+              float* lse_accum);
+  void (*bwd)(const void* params, size_t bytes, int dtype);
+  size_t (*softmax_d_floats)(const void* params, size_t bytes);
+  size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);
+  const char* (*path_name)(const void* params, size_t bytes, int dtype);
+  void (*set_kernels)(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt);
+};
+
+Backend backend_sm80();
+Backend backend_sm90();
+
+}  // namespace attn_emu

@@ -1,0 +1,69 @@
+"""Builds (JIT, cached in build/emu) and loads the host emulator of the CUDA kernels:
+torch.ops.attention_ext_emu.fwd / bwd / path (this folder).
+
+The emulator compiles csrc/softmax/cuda's mma.sync and SIMT kernels with g++ (ATTN_CUDA_EMULATE), with
+the real CUDA headers for the half / bfloat16 types (so it needs a CUDA toolkit's include
+directory, not a GPU). load() returns None, with the reason in `why`, when that cannot work.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+EMU = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(EMU))
+BUILD = os.path.join(ROOT, "build", "emu")
+
+why = ""
+build_seconds = None
+
+
+def cuda_include() -> str | None:
+    from torch.utils import cpp_extension
+
+    for home in (os.environ.get("CUDA_HOME"), cpp_extension.CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "include", "cuda_fp16.h")):
+            return os.path.join(home, "include")
+    return None
+
+
+_ops = None
+
+
+def load():
+    """torch.ops.attention_ext_emu, built on first use; None (see `why`) without a toolchain."""
+    global _ops, why, build_seconds
+    if _ops is not None:
+        return _ops
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        why = "no C++ compiler"
+        return None
+    inc = cuda_include()
+    if inc is None:
+        why = "no CUDA headers (cuda_fp16.h) for the emulator's half / bfloat16 types"
+        return None
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        why = "no ninja (torch's JIT extension build needs it)"
+        return None
+    os.makedirs(BUILD, exist_ok=True)
+    t0 = time.time()
+    cpp_extension.load(
+        name="attention_ext_emu",
+        sources=[os.path.join(EMU, f) for f in
+                 ("emu_binding.cpp", "emu_runtime.cpp", "emu_kernels_sm80.cpp", "emu_kernels_sm90.cpp")]
+        + [os.path.join(ROOT, "csrc", "torch", "softmax_params.cpp")],  # tensors -> params, as in _C
+        # -O1: the kernels' unrolled loops stay cheap to compile and the emulation is still fast
+        extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
+                      "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],
+        build_directory=BUILD,
+        is_python_module=False,
+        verbose=os.environ.get("ATTN_EMU_VERBOSE") == "1",
+    )
+    build_seconds = time.time() - t0
+    _ops = torch.ops.attention_ext_emu
+    return _ops

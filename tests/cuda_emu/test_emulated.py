@@ -1,0 +1,321 @@
+"""The CUDA kernels (mma.sync forward and backward, SIMT) run on the CPU by the host emulator
+(tests/cuda_emu), against reference.py in float64 with test_cuda.py's rule: error <= 2x PyTorch's
+own same-dtype error, plus a small floor.
+
+The emulator compiles the kernels and their launch sequence (dispatch.cu, launch_template.cuh)
+with g++, emulating ldmatrix / mma.sync / cp.async / shuffles with the PTX fragment layouts and
+running the threads of a block as fibers (see tests/cuda_emu/cuda_emu.h). The default kernels
+passed test_cuda.py on an H100, so a failure here on a default kernel points at the emulator
+first. What this catches on every CI run: index math, masking, tiling, launch grids and shared
+memory sizes, missing barriers between cp.async and readers. What it cannot: timing, real
+concurrency between blocks, register spills, the approximation error of ex2.approx.
+
+test_cuda.py's checks are reused as they are: its run_kernel (the op call) and device are
+swapped for the emulator and the CPU. Outputs and scratch start as NaN (emu_binding.cpp).
+Skips when there is no C++ compiler or no CUDA headers (cuda_fp16.h); needs no GPU.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+import emulator as cuda_emu
+from attention_ext import reference
+import test_cuda as tc
+
+ops = pytest.importorskip("attention_ext.ops")
+
+# arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
+ARCHS = (90, 80)
+
+
+@pytest.fixture(scope="module")
+def emu_ops():
+    e = cuda_emu.load()
+    if e is None:
+        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
+    return e
+
+
+@pytest.fixture
+def emu(emu_ops):
+    """The emulator with the default kernels and schedule, restored after each test."""
+    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
+    emu_ops.set_schedule(True, False)
+    yield emu_ops
+    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
+    emu_ops.set_schedule(True, False)
+
+
+def emulate(monkeypatch, emu, arch=90, num_splits=1):
+    """Route test_cuda's helpers to the emulator on CPU tensors (the forward split num_splits
+    ways: the op's argument)."""
+
+    def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
+        args = tc.call_fwd(q, k, v, **o)
+        out, lse = emu.fwd(q, k, v, *args, num_splits, deterministic, arch)
+        grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, None, arch)
+        return out, lse, grads
+
+    monkeypatch.setattr(tc, "DEV", "cpu")
+    monkeypatch.setattr(tc, "run_kernel", run_kernel)
+    return run_kernel
+
+
+def needs_dropout_mask(o):
+    if o.get("dropout_p", 0.0) > 0 and not ops.HAS_EXT:
+        pytest.skip("the dropout reference needs attention_ext's compiled dropout_mask")
+
+
+def test_emulator_unit(tmp_path):
+    """tests/cuda_emu/test_runtime.cpp: ldmatrix + mma products through SmemTile (exact), and the
+    deadlock, divergence, bounds and missing-barrier checks."""
+    inc = cuda_emu.cuda_include()
+    if inc is None or cuda_emu.shutil.which("g++") is None:
+        pytest.skip("needs g++ and the CUDA headers")
+    exe = tmp_path / "test_cuda_emu"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
+                    "-I", os.path.join(cuda_emu.ROOT, "csrc"), "-I", cuda_emu.EMU, "-I", inc,
+                    os.path.join(cuda_emu.EMU, "test_runtime.cpp"),
+                    os.path.join(cuda_emu.EMU, "emu_runtime.cpp"), "-o", str(exe)], check=True)
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- shapes and dtypes
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (200, 160)])
+def test_shapes(monkeypatch, emu, dtype, d, sq, sk):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(sq * 1000 + sk + d)
+    tc.run_and_compare(2 if sq < 100 else 1, 2, 2, sq, sk, d, dtype)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,o", [(torch.float16, dict(window=(-1, 0), bottom_right=True)),
+                                     (torch.bfloat16, dict(window=(50, 20), deterministic=True))])
+def test_hdim256(monkeypatch, emu, arch, dtype, o):
+    """Bucket 256: 64 x 32 forward tiles; dK/dV in two head-dim slices, 64 keys per block on sm_80
+    and 128 on sm_90."""
+    emulate(monkeypatch, emu, arch)
+    torch.manual_seed(arch)
+    tc.run_and_compare(1, 2, 1, 100, 150, 256, dtype, **o)
+
+
+@pytest.mark.parametrize("d", [40, 128])
+def test_shapes_fp32_simt(monkeypatch, emu, d):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(d)
+    q = torch.randn(1, 1, 8, d)
+    assert emu.path(q, q, q, 90) == "simt"
+    tc.run_and_compare(1, 2, 1, 33, 70, d, torch.float32, window=(-1, 0), bottom_right=True)
+
+
+def test_paths(emu):
+    """The dispatch the emulated device makes: tensor cores for fp16/bf16 with d % 8 == 0."""
+    mk = lambda d, dt: torch.randn(1, 1, 8, d).to(dt)
+    assert emu.path(mk(64, torch.bfloat16), mk(64, torch.bfloat16), mk(64, torch.bfloat16), 90) == "tensor-core"
+    assert emu.path(mk(36, torch.float16), mk(36, torch.float16), mk(36, torch.float16), 80) == "simt"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_launch_sequence(monkeypatch, emu, arch):
+    """dispatch.cu's sequence and launch_template.cuh's tiles per arch, as kernel names: forward;
+    preprocess, dK/dV (sm_90: 128 keys x 8 warps at D = 256, sm_80: 64 x 4), dQ conversion."""
+    q = torch.randn(1, 2, 100, 256).to(torch.bfloat16)
+    args = tc.call_fwd(q, q, q)
+    emu.launches()
+    out, lse = emu.fwd(q, q, q, *args, 1, False, arch)
+    emu.bwd(q, q, q, q, out, lse, *args, False, False, None, arch)
+    names = [n.split("(")[0] for n in emu.launches()]
+    ns = f"attn_emu_sm{arch}"
+    tiles = "256, 128, 32, 128, 8" if arch == 90 else "256, 128, 32, 64, 4"
+    assert names == [
+        f"void {ns}::tc::fwd_kernel<__nv_bfloat16, 256, 64, 32, 4, false, {ns}::tc::FwdVariant<0> >",
+        f"void {ns}::simt::bwd_preprocess_kernel<__nv_bfloat16>",
+        f"void {ns}::tc::bwd_dkdv_kernel<__nv_bfloat16, {tiles}, false, {ns}::tc::BwdVariant<1, false, false, 0> >",
+        f"void {ns}::simt::bwd_convert_dq_kernel<__nv_bfloat16>",
+    ], names
+
+
+# ---------------------------------------------------------------- the option matrix
+OPTION_NAMES = tc.OPTION_NAMES
+HEADS = list(tc.HEADS)
+
+
+@pytest.mark.parametrize("opt", OPTION_NAMES)
+def test_options(monkeypatch, emu, opt):
+    """Every option once per 16-bit dtype, heads and head dim rotating over the cases."""
+    emulate(monkeypatch, emu)
+    i = OPTION_NAMES.index(opt)
+    for j, dtype in enumerate((torch.bfloat16, torch.float16)):
+        heads = HEADS[(i + j) % len(HEADS)]
+        d = (64, 96)[(i + j) % 2]
+        torch.manual_seed(1000 * i + j)
+        h, hk = tc.HEADS[heads]
+        o = tc.option_cases()[opt](h)
+        needs_dropout_mask(o)
+        tc.run_and_compare(2, h, hk, 129, 200, d, dtype, **o)
+
+
+@pytest.mark.parametrize("opt", ["causal_br", "window", "bias_row_bcast_grad", "sinks", "dropout", "everything"])
+def test_options_sm80(monkeypatch, emu, opt):
+    """The sm_80 build: scalar dQ atomics instead of sm_90's 16-byte quad swap."""
+    emulate(monkeypatch, emu, arch=80)
+    torch.manual_seed(OPTION_NAMES.index(opt))
+    o = tc.option_cases()[opt](4)
+    needs_dropout_mask(o)
+    tc.run_and_compare(2, 4, 2, 129, 200, 128, torch.bfloat16, **o)
+
+
+@pytest.mark.parametrize("splits", ["3", "64"])
+@pytest.mark.parametrize("opt", ["none"] + tc.SPLIT_OPTIONS)
+def test_split_kv(monkeypatch, emu, opt, splits):
+    """Split-KV forward (num_splits=N: FwdSplit kernels + the combine) with test_cuda.py's
+    split options, at a decode step (Sq = 1, D = 128) and a ragged few-row call (Sq = 7, D = 64);
+    64 splits over 3 key blocks leave most splits empty."""
+    emulate(monkeypatch, emu, num_splits=int(splits))
+    torch.manual_seed(len(opt) * 100 + int(splits))
+    b, h, hk = 2, 4, 2
+    for sq, d, dtype in ((1, 128, torch.bfloat16), (7, 64, torch.float16)):
+        o = tc.split_options(b, h, sq, 300)[opt] if opt != "none" else {}
+        needs_dropout_mask(o)
+        tc.run_and_compare(b, h, hk, sq, 300, d, dtype, **o)
+    # split against unsplit on the same inputs, tightly, with V = 1: every output is then the
+    # total weight of its row (1, less a sink's share, scaled by dropout), ~1, so a wrong split
+    # weight shows as a shift while the rounding stays at the final bf16 ulp (2^-8 at 1)
+    o = dict(tc.split_options(b, h, 1, 300)[opt]) if opt != "none" else {}
+    o.pop("bias_grad", None)
+    wl, wr = o.pop("window", (-1, -1))
+    q = torch.randn(b, h, 1, 128).to(torch.bfloat16)
+    k, v = torch.randn(b, hk, 300, 128).to(torch.bfloat16), torch.ones(b, hk, 300, 128, dtype=torch.bfloat16)
+    args = tc.call_fwd(q, k, v, window_left=wl, window_right=wr, **o)
+    emu.launches()
+    o_s, l_s = emu.fwd(q, k, v, *args, int(splits), False, 90)
+    assert any("fwd_combine_kernel" in n for n in emu.launches()), "the split path did not run"
+    o_1, l_1 = emu.fwd(q, k, v, *args, 1, False, 90)
+    assert not any("fwd_combine_kernel" in n for n in emu.launches())
+    diff = (o_s.float() - o_1.float()).abs().max().item()
+    assert diff <= 4e-3, f"split O off by {diff:.3e} (> one bf16 ulp at 1)"
+    assert torch.allclose(l_s, l_1, rtol=0, atol=1e-4, equal_nan=True), (l_s - l_1).abs().max()
+
+
+@pytest.mark.parametrize("opt", ["causal_tl", "bool_mask", "dropout"])
+def test_options_fp32_simt(monkeypatch, emu, opt):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(OPTION_NAMES.index(opt))
+    o = tc.option_cases()[opt](2)
+    needs_dropout_mask(o)
+    tc.run_and_compare(2, 2, 1, 129, 200, 40, torch.float32, **o)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lse_gradient(emu, dtype):
+    """A gradient flowing into the returned LSE enters the preprocess as D_i -= dlse_i."""
+    torch.manual_seed(7)
+    b, h, sq, sk, d = 1, 2, 70, 90, 64
+    q, k, v = (torch.randn(b, h, s, d).to(dtype) for s in (sq, sk, sk))
+    dout, dlse = torch.randn(b, h, sq, d).to(dtype), torch.randn(b, h, sq)
+    args = tc.call_fwd(q, k, v, window_left=-1, window_right=0)
+    out, lse = emu.fwd(q, k, v, *args, 1, False, 90)
+    dq, dk, dv, _, _ = emu.bwd(dout, q, k, v, out, lse, *args, False, False, dlse, 90)
+
+    def ref(dt):
+        qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        o, l = reference.attention(qq, kk, vv, scale=d ** -0.5, window=(-1, 0))
+        ((o * dout.to(dt)).sum() + (l * dlse.to(l.dtype)).sum()).backward()
+        return qq.grad, kk.grad, vv.grad
+
+    r64, rlo = ref(torch.float64), ref(dtype)
+    for name, x, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), r64, rlo):
+        tc.check(name, x, a, r, dtype)
+
+
+def test_force_simt_path(monkeypatch, emu):
+    """The SIMT fallback on 16-bit inputs (sm < 80, misaligned tensors)."""
+    emulate(monkeypatch, emu)
+    emu.set_cuda_kernels(0, 0, 0, 0, True)
+    torch.manual_seed(5)
+    o = dict(window=(-1, 0), bottom_right=True, sinks=torch.randn(4), dropout_p=0.1, seed=3)
+    needs_dropout_mask(o)
+    tc.run_and_compare(1, 4, 2, 65, 70, 64, torch.bfloat16, **o)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_deterministic(monkeypatch, emu, arch, dtype, d):
+    emulate(monkeypatch, emu, arch)
+    torch.manual_seed(d)
+    a = tc.run_and_compare(1, 4, 2, 150, 131, d, dtype, window=(-1, 0), deterministic=True, seed=0)
+    torch.manual_seed(d)
+    b = tc.run_and_compare(1, 4, 2, 150, 131, d, dtype, window=(-1, 0), deterministic=True, seed=0)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), "deterministic mode must be bitwise reproducible"
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 96)])
+def test_layout_bshd(monkeypatch, emu, dtype, d):
+    emulate(monkeypatch, emu)
+    torch.manual_seed(3)
+    tc.run_and_compare(2, 4, 2, 130, 131, d, dtype, layout="bshd", window=(-1, 0), bottom_right=True)
+
+
+@pytest.mark.parametrize("dtype,d,causal", [(torch.bfloat16, 64, True), (torch.float16, 128, False)])
+def test_varlen(monkeypatch, emu, dtype, d, causal):
+    emulate(monkeypatch, emu)
+    tc.test_varlen(dtype, d, causal)
+@pytest.mark.parametrize("schedule,reverse", [("warp-serial", "1"), ("lockstep", "0"), ("lockstep", "1")])
+def test_schedules(monkeypatch, emu, schedule, reverse):
+    """Other interleavings of the warps. The default, warp-serial in warp order, runs one warp to
+    its next barrier before the next starts, so a reader that lacks a barrier after a later warp's
+    shared-memory writes (or cp.async wait) reads the NaN fill; reversed, for earlier warps.
+    Lockstep: every warp advances one collective per round."""
+    emulate(monkeypatch, emu)
+    emu.set_schedule(schedule == "warp-serial", reverse == "1")
+    torch.manual_seed(11)
+    tc.run_and_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, window=(-1, 0), bottom_right=True)
+    tc.run_and_compare(1, 4, 1, 100, 300, 128, torch.float16, window=(17, 5), deterministic=True)
+    tc.run_and_compare(1, 2, 1, 40, 50, 40, torch.float32, sinks=torch.randn(2))
+
+
+# ---------------------------------------------------------------- tuning candidates (sm_90 build)
+# emu_kernels_sm90.cpp compiles launch_template.cuh's -DATTN_TUNING candidates (FwdAlt, BwdAlt),
+# picked by set_cuda_kernels' tune_fwd / tune_bwd. Each runs one of test_cuda's tuning cases
+# (smaller), rotating cases, head dims and dtypes, after a check that it reaches a kernel other
+# than the default.
+TUNE_CANDIDATES = [f"fwd{v}" for v in range(1, 8)] + [f"bwd{v}" for v in range(1, 13)]
+
+
+def _tune_cases():
+    return [
+        lambda d, dt: tc.run_and_compare(1, 4, 2, 200, 177, d, dt, window=(-1, 0)),
+        lambda d, dt: tc.run_and_compare(2, 4, 1, 129, 200, d, dt, window=(40, 0), bottom_right=True,
+                                         seqlens_k=torch.tensor([200, 61], dtype=torch.int32)),
+        lambda d, dt: tc.run_and_compare(1, 4, 2, 150, 131, d, dt, window=(-1, 0), deterministic=True),
+        lambda d, dt: tc.run_and_compare(1, 4, 2, 129, 200, d, dt, softcap=5.0, scale=0.5,
+                                         bias=torch.randn(1, 4, 129, 200), bias_grad=True),
+        lambda d, dt: tc.run_and_compare(1, 2, 2, 256, 256, d, dt),
+    ]
+
+
+@pytest.mark.parametrize("cand", TUNE_CANDIDATES)
+def test_tune_candidate(monkeypatch, emu, cand):
+    run_kernel = emulate(monkeypatch, emu, arch=90)
+    v = int(cand[3:])
+    q, k, vv, dout = (torch.randn(1, 2, 130, 128).to(torch.bfloat16) for _ in range(4))
+    emu.launches()
+    run_kernel(q, k, vv, dout)
+    base = emu.launches()
+    emu.set_cuda_kernels(0, 0, v if cand.startswith("fwd") else 0, v if cand.startswith("bwd") else 0, False)
+    run_kernel(q, k, vv, dout)
+    names = emu.launches()
+    assert names != base, f"{cand} ran the default kernels {base}"
+    torch.manual_seed(v)
+    case = _tune_cases()[v % 5]
+    d, dtype = [(64, torch.bfloat16), (128, torch.float16), (96, torch.bfloat16), (128, torch.bfloat16)][v % 4]
+    case(d, dtype)
+
