@@ -33,19 +33,30 @@ ARCHS = (90, 80)
 
 
 @pytest.fixture(scope="module")
-def emu():
+def emu_ops():
     e = cuda_emu.load()
     if e is None:
         pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
     return e
 
 
-def emulate(monkeypatch, emu, arch=90):
-    """Route test_cuda's helpers to the emulator on CPU tensors."""
+@pytest.fixture
+def emu(emu_ops):
+    """The emulator with the default kernels and schedule, restored after each test."""
+    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
+    emu_ops.set_schedule(True, False)
+    yield emu_ops
+    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
+    emu_ops.set_schedule(True, False)
+
+
+def emulate(monkeypatch, emu, arch=90, num_splits=1):
+    """Route test_cuda's helpers to the emulator on CPU tensors (the forward split num_splits
+    ways: the op's argument)."""
 
     def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
         args = tc.call_fwd(q, k, v, **o)
-        out, lse = emu.fwd(q, k, v, *args, arch)
+        out, lse = emu.fwd(q, k, v, *args, num_splits, deterministic, arch)
         grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, None, arch)
         return out, lse, grads
 
@@ -115,12 +126,10 @@ def test_paths(emu):
 def test_launch_sequence(monkeypatch, emu, arch):
     """dispatch.cu's sequence and launch_template.cuh's tiles per arch, as kernel names: forward;
     preprocess, dK/dV (sm_90: 128 keys x 8 warps at D = 256, sm_80: 64 x 4), dQ conversion."""
-    monkeypatch.setenv("ATTN_TUNE_FWD", "0")
-    monkeypatch.setenv("ATTN_TUNE_BWD", "0")
     q = torch.randn(1, 2, 100, 256).to(torch.bfloat16)
     args = tc.call_fwd(q, q, q)
     emu.launches()
-    out, lse = emu.fwd(q, q, q, *args, arch)
+    out, lse = emu.fwd(q, q, q, *args, 1, False, arch)
     emu.bwd(q, q, q, q, out, lse, *args, False, False, None, arch)
     names = [n.split("(")[0] for n in emu.launches()]
     ns = f"attn_emu_sm{arch}"
@@ -166,11 +175,10 @@ def test_options_sm80(monkeypatch, emu, opt):
 @pytest.mark.parametrize("splits", ["3", "64"])
 @pytest.mark.parametrize("opt", ["none"] + tc.SPLIT_OPTIONS)
 def test_split_kv(monkeypatch, emu, opt, splits):
-    """Split-KV forward (ATTN_CUDA_SPLITS=N: FwdSplit kernels + the combine) with test_cuda.py's
+    """Split-KV forward (num_splits=N: FwdSplit kernels + the combine) with test_cuda.py's
     split options, at a decode step (Sq = 1, D = 128) and a ragged few-row call (Sq = 7, D = 64);
     64 splits over 3 key blocks leave most splits empty."""
-    emulate(monkeypatch, emu)
-    monkeypatch.setenv("ATTN_CUDA_SPLITS", splits)
+    emulate(monkeypatch, emu, num_splits=int(splits))
     torch.manual_seed(len(opt) * 100 + int(splits))
     b, h, hk = 2, 4, 2
     for sq, d, dtype in ((1, 128, torch.bfloat16), (7, 64, torch.float16)):
@@ -187,10 +195,9 @@ def test_split_kv(monkeypatch, emu, opt, splits):
     k, v = torch.randn(b, hk, 300, 128).to(torch.bfloat16), torch.ones(b, hk, 300, 128, dtype=torch.bfloat16)
     args = tc.call_fwd(q, k, v, window_left=wl, window_right=wr, **o)
     emu.launches()
-    o_s, l_s = emu.fwd(q, k, v, *args, 90)
+    o_s, l_s = emu.fwd(q, k, v, *args, int(splits), False, 90)
     assert any("fwd_combine_kernel" in n for n in emu.launches()), "the split path did not run"
-    monkeypatch.setenv("ATTN_CUDA_SPLITS", "1")
-    o_1, l_1 = emu.fwd(q, k, v, *args, 90)
+    o_1, l_1 = emu.fwd(q, k, v, *args, 1, False, 90)
     assert not any("fwd_combine_kernel" in n for n in emu.launches())
     diff = (o_s.float() - o_1.float()).abs().max().item()
     assert diff <= 4e-3, f"split O off by {diff:.3e} (> one bf16 ulp at 1)"
@@ -214,7 +221,7 @@ def test_lse_gradient(emu, dtype):
     q, k, v = (torch.randn(b, h, s, d).to(dtype) for s in (sq, sk, sk))
     dout, dlse = torch.randn(b, h, sq, d).to(dtype), torch.randn(b, h, sq)
     args = tc.call_fwd(q, k, v, window_left=-1, window_right=0)
-    out, lse = emu.fwd(q, k, v, *args, 90)
+    out, lse = emu.fwd(q, k, v, *args, 1, False, 90)
     dq, dk, dv, _, _ = emu.bwd(dout, q, k, v, out, lse, *args, False, False, dlse, 90)
 
     def ref(dt):
@@ -231,7 +238,7 @@ def test_lse_gradient(emu, dtype):
 def test_force_simt_path(monkeypatch, emu):
     """The SIMT fallback on 16-bit inputs (sm < 80, misaligned tensors)."""
     emulate(monkeypatch, emu)
-    monkeypatch.setenv("ATTN_CUDA_FORCE_SIMT", "1")
+    emu.set_cuda_kernels(0, 0, 0, 0, True)
     torch.manual_seed(5)
     o = dict(window=(-1, 0), bottom_right=True, sinks=torch.randn(4), dropout_p=0.1, seed=3)
     needs_dropout_mask(o)
@@ -268,8 +275,7 @@ def test_schedules(monkeypatch, emu, schedule, reverse):
     shared-memory writes (or cp.async wait) reads the NaN fill; reversed, for earlier warps.
     Lockstep: every warp advances one collective per round."""
     emulate(monkeypatch, emu)
-    monkeypatch.setenv("ATTN_EMU_SCHEDULE", schedule)
-    monkeypatch.setenv("ATTN_EMU_REVERSE", reverse)
+    emu.set_schedule(schedule == "warp-serial", reverse == "1")
     torch.manual_seed(11)
     tc.run_and_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, window=(-1, 0), bottom_right=True)
     tc.run_and_compare(1, 4, 1, 100, 300, 128, torch.float16, window=(17, 5), deterministic=True)
@@ -278,7 +284,7 @@ def test_schedules(monkeypatch, emu, schedule, reverse):
 
 # ---------------------------------------------------------------- tuning candidates (sm_90 build)
 # emu_kernels_sm90.cpp compiles launch_template.cuh's -DATTN_TUNING candidates (FwdAlt, BwdAlt),
-# picked per call by ATTN_TUNE_FWD / ATTN_TUNE_BWD. Each runs one of test_cuda's tuning cases
+# picked by set_cuda_kernels' tune_fwd / tune_bwd. Each runs one of test_cuda's tuning cases
 # (smaller), rotating cases, head dims and dtypes, after a check that it reaches a kernel other
 # than the default.
 TUNE_CANDIDATES = [f"fwd{v}" for v in range(1, 8)] + [f"bwd{v}" for v in range(1, 13)]
@@ -299,14 +305,12 @@ def _tune_cases():
 @pytest.mark.parametrize("cand", TUNE_CANDIDATES)
 def test_tune_candidate(monkeypatch, emu, cand):
     run_kernel = emulate(monkeypatch, emu, arch=90)
-    env = {"fwd": "ATTN_TUNE_FWD", "bwd": "ATTN_TUNE_BWD"}[cand[:3]]
     v = int(cand[3:])
     q, k, vv, dout = (torch.randn(1, 2, 130, 128).to(torch.bfloat16) for _ in range(4))
     emu.launches()
-    monkeypatch.setenv(env, "0")
     run_kernel(q, k, vv, dout)
     base = emu.launches()
-    monkeypatch.setenv(env, str(v))
+    emu.set_cuda_kernels(0, 0, v if cand.startswith("fwd") else 0, v if cand.startswith("bwd") else 0, False)
     run_kernel(q, k, vv, dout)
     names = emu.launches()
     assert names != base, f"{cand} ran the default kernels {base}"

@@ -160,12 +160,11 @@ else:
     FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
     BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
 _OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
-_MAX_SPLITS = 128
 
 
 def _check_num_splits(num_splits: int) -> None:
-    torch._check_value(0 <= num_splits <= _MAX_SPLITS,
-                       lambda: f"attention_ext: num_splits must be in [0, {_MAX_SPLITS}], got {num_splits}")
+    torch._check_value(num_splits >= 0,
+                       lambda: f"attention_ext: num_splits must be >= 0 (0 = heuristic), got {num_splits}")
 
 
 def _empty_like_layout(t: Tensor) -> Tensor:

@@ -7,6 +7,9 @@
 #include <string>
 
 #include "../cpu/kernels.h"
+#if defined(ATTN_WITH_CUDA)
+#include "../cuda/launch.h"
+#endif
 #include "attention_api.h"
 #include "attention_api_impl.h"  // the definitions, compiled in this TU
 
@@ -28,10 +31,12 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
                                    const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
                                    const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k,
                                    double scale, double softcap, int64_t wl, int64_t wr, bool bottom_right,
-                                   double dropout_p, int64_t seed, int64_t offset) {
+                                   double dropout_p, int64_t seed, int64_t offset, int64_t num_splits,
+                                   bool /*deterministic: read by the autograd backward*/) {
   const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr,
                                  bottom_right, dropout_p, seed, offset);
   attn::api::check_inputs(q, k, v, o);
+  attn::api::check_num_splits(num_splits);
   Tensor out = attn::api::empty_like_layout(q);
   Tensor lse = attn::api::empty_lse(q);
   if (q.numel() == 0) {
@@ -92,6 +97,17 @@ Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, 
   return device.has_value() ? keep.to(*device) : keep;
 }
 
+// The developer-only selection of experimental CUDA kernels (attn::CudaKernels); without the
+// CUDA kernels it only checks its arguments.
+void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, int64_t tune_bwd, bool force_simt) {
+  TORCH_CHECK_VALUE(hopper_fwd >= 0 && hopper_fwd <= 2, "attention_ext.set_cuda_kernels: hopper_fwd must be 0, 1 or 2");
+  TORCH_CHECK_VALUE(hopper_bwd >= 0 && hopper_bwd <= 1, "attention_ext.set_cuda_kernels: hopper_bwd must be 0 or 1");
+  TORCH_CHECK_VALUE(tune_fwd >= 0 && tune_bwd >= 0, "attention_ext.set_cuda_kernels: tuning candidates are >= 0");
+#if defined(ATTN_WITH_CUDA)
+  attn::cuda_set_kernels(attn::CudaKernels{int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt});
+#endif
+}
+
 }  // namespace
 
 #define ATTN_OPTIONS_SCHEMA                                                                                       \
@@ -100,11 +116,14 @@ Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, 
   "int window_right, bool bottom_right, float dropout_p, int seed, int offset"
 
 TORCH_LIBRARY(attention_ext, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
+  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_OPTIONS_SCHEMA
+        ", int num_splits=1, bool deterministic=False) -> (Tensor, Tensor)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
+  m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
+        &set_cuda_kernels);
 }
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {

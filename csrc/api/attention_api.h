@@ -46,6 +46,10 @@ at::ScalarType acc_dtype(const Tensor& q);
 // naming the bad argument.
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o);
 
+// num_splits of the forward: 0 = the split-KV heuristic, N >= 1 = N splits (1 = none; CUDA
+// clamps to its maximum, the CPU ignores it).
+void check_num_splits(int64_t num_splits);
+
 // An uninitialized (B, H, S, D) tensor with the same memory layout as `like`: (B, S, H, D)
 // storage when `like` has heads inside rows, else contiguous (B, H, S, D).
 Tensor empty_like_layout(const Tensor& like);

@@ -127,6 +127,10 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   }
 }
 
+void check_num_splits(int64_t num_splits) {
+  TORCH_CHECK_VALUE(num_splits >= 0, "attention_ext: num_splits must be >= 0 (0 = heuristic), got ", num_splits);
+}
+
 Tensor empty_like_layout(const Tensor& like) {
   const auto opts = like.options();
   if (like.stride(1) < like.stride(2)) {  // heads inside rows: keep (B, S, H, D) storage

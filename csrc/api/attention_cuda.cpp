@@ -7,6 +7,7 @@
 #include <nvtx3/nvToolsExt.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <tuple>
@@ -53,11 +54,13 @@ std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tens
                                     const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q,
                                     int64_t max_k, double scale, double softcap, int64_t wl,
                                     int64_t wr, bool bottom_right, double dropout_p, int64_t seed,
-                                    int64_t offset) {
+                                    int64_t offset, int64_t num_splits,
+                                    bool /*deterministic: read by the autograd backward*/) {
   NvtxRange range("attention_ext::fwd (CUDA)");
   const Options o = make_options(bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale,
                                  softcap, wl, wr, bottom_right, dropout_p, seed, offset);
   attn::api::check_inputs(q, k, v, o);
+  attn::api::check_num_splits(num_splits);
   check_cuda_dtype(q);
   const c10::cuda::CUDAGuard guard(q.device());
   Tensor out = attn::api::empty_like_layout(q);
@@ -74,7 +77,7 @@ std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tens
     // split-KV scratch (float32, on the current stream's allocator): partial O and LSE per split
     attn::FwdSplitScratch split;
     Tensor o_accum, lse_accum;
-    split.num_splits = attn::cuda_fwd_num_splits(p, dt);
+    split.num_splits = attn::cuda_fwd_num_splits(p, dt, int(std::min<int64_t>(num_splits, 1 << 20)));
     if (split.num_splits > 1) {
       const auto f32 = q.options().dtype(at::kFloat);
       split.rows = q.size(2);  // (B, H, Sq, D) or the varlen pack (1, H, total_q, D)

@@ -22,7 +22,6 @@
 // mask is drawn at the same (row, key) coordinates. Opt-in until verified on a GPU:
 // ATTN_CUDA_SPLITS=auto (the heuristic) or =N.
 #include <cuda_bf16.h>
-#include <cstring>
 #include <cuda_fp16.h>
 #include <nvtx3/nvToolsExt.h>
 
@@ -110,13 +109,11 @@ bool bucket_compiled(int bucket) {
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 bool strides8(int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0 && c % 8 == 0; }
 
-// An environment switch, read on every call: set and not "0".
-bool env_flag(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr && env[0] != '\0' && env[0] != '0';
-}
+// The developer selection (launch.h), one copy per process; each field is read once per call.
+std::atomic<int> g_hopper_fwd{0}, g_hopper_bwd{0}, g_tune_fwd{0}, g_tune_bwd{0};
+std::atomic<bool> g_force_simt{false};
 
-bool force_simt() { return env_flag("ATTN_CUDA_FORCE_SIMT"); }
+bool force_simt() { return g_force_simt.load(std::memory_order_relaxed); }
 
 bool use_tensor_cores(const FwdParams& p, DType dt) {
   if (dt == DType::kF32 || force_simt()) return false;
@@ -139,11 +136,8 @@ bool hopper_bucket_compiled(int bucket) {
 #endif
 }
 
-// ATTN_CUDA_HOPPER: 0 / unset = off, 1 = the wgmma forward, 2 = its overlapped variant.
-int hopper_mode() {
-  const char* env = std::getenv("ATTN_CUDA_HOPPER");
-  return env != nullptr ? std::atoi(env) : 0;
-}
+// 0 = off, 1 = the wgmma forward, 2 = its overlapped variant.
+int hopper_mode() { return g_hopper_fwd.load(std::memory_order_relaxed); }
 
 // The sm_90a wgmma forward takes a config when it is requested (ATTN_CUDA_HOPPER=1 or 2) and
 // compiled for the bucket, the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte
@@ -181,7 +175,7 @@ bool hopper_bwd_bucket_compiled(int bucket) { return bucket != 256 && bucket_com
 // dsinks, which the preprocess computes): softcap, ALiBi, bias or bool mask (so no dbias) and
 // dropout keep the mma.sync kernels, and so does deterministic mode (its dQ kernel has no atomics).
 bool use_hopper_bwd(const BwdParams& p, DType dt) {
-  if (!env_flag("ATTN_CUDA_HOPPER_BWD")) return false;
+  if (g_hopper_bwd.load(std::memory_order_relaxed) < 1) return false;
   if (p.d > 128 || !hopper_bwd_bucket_compiled(bucket_for_head_dim(p.d))) return false;
   if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.bias_kind != BiasKind::kNone ||
       p.dropout_p > 0.f || p.dbias != nullptr || p.deterministic) {
@@ -292,20 +286,27 @@ void bwd_tc(const BwdParams& p, cudaStream_t stream) {
 
 constexpr int kMaxSplits = 128;
 
-int cuda_fwd_num_splits(const FwdParams& p, DType dt) {
+void cuda_set_kernels(const CudaKernels& k) {
+  g_hopper_fwd.store(k.hopper_fwd);
+  g_hopper_bwd.store(k.hopper_bwd);
+  g_tune_fwd.store(k.tune_fwd);
+  g_tune_bwd.store(k.tune_bwd);
+  g_force_simt.store(k.force_simt);
+}
+
+CudaKernels cuda_kernels() {
+  return CudaKernels{g_hopper_fwd.load(), g_hopper_bwd.load(), g_tune_fwd.load(), g_tune_bwd.load(),
+                     g_force_simt.load()};
+}
+
+int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested) {
   if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
   if (use_hopper_fwd(p, dt) || !use_tensor_cores(p, dt)) return 1;
-  // Opt-in until a GPU has run it (as the wgmma kernels): unset = never split, "auto" = the
-  // heuristic below, N >= 1 = N splits (at most kMaxSplits).
-  const char* env = std::getenv("ATTN_CUDA_SPLITS");
-  if (env == nullptr || std::strcmp(env, "auto") != 0) {
-    const int n = env != nullptr ? std::atoi(env) : 1;
-    return n < 1 ? 1 : (n < kMaxSplits ? n : kMaxSplits);
-  }
+  // requested >= 1: that many splits (1 = none, the API's default until a GPU has run the split
+  // kernels); 0: the heuristic below
+  if (requested >= 1) return requested < kMaxSplits ? requested : kMaxSplits;
 #if defined(ATTN_TUNING)
-  if (std::getenv("ATTN_TUNE_FWD") != nullptr && std::atoi(std::getenv("ATTN_TUNE_FWD")) != 0) {
-    return 1;  // the tuning candidates are timed unsplit
-  }
+  if (g_tune_fwd.load(std::memory_order_relaxed) != 0) return 1;  // the tuning candidates are timed unsplit
 #endif
   int block_m = 0, block_n = 0;
   switch (bucket_for_head_dim(p.d)) {

@@ -42,14 +42,10 @@ void run_fwd_cfg(const FwdParams& p, cudaStream_t stream, int num_splits = 1) {
 
 #if defined(ATTN_TUNING)
 // Tile and schedule experiments, compiled only with -DATTN_TUNING (e.g. NVCC_APPEND_FLAGS) and
-// picked at run time (read on every call) with ATTN_TUNE_FWD / ATTN_TUNE_BWD = 1 .. kNumFwdAlts /
-// kNumBwdAlts; 0 or unset: the default. benchmarks/bench_cuda.py --tune times them all and
-// tests/test_cuda.py (ATTN_TEST_TUNE) checks them. Compile-time numbers and the reasons for each:
+// picked at run time with the developer selection's tune_fwd / tune_bwd = 1 .. kNumFwdAlts /
+// kNumBwdAlts (CudaKernels, launch.h); 0: the default. The CUDA benchmark's --tune times them all
+// and the CUDA tests check them. Compile-time numbers and the reasons for each:
 // benchmarks/results/2026-11-22-tuning-candidates.md.
-inline int tune_env(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr ? std::atoi(e) : 0;
-}
 // Forward candidates: FwdTraits tiles unless named; the head-dim buckets where a candidate
 // changes nothing (FwdSame) fall back to the default kernel.
 template <typename Tiles, typename V, int kBM = Tiles::kBlockM, int kBN = Tiles::kBlockN,
@@ -156,7 +152,7 @@ bool run_bwd_alt(int v, const BwdParams& p, cudaStream_t stream, std::integer_se
 template <typename T, int kD, bool kGeneral>
 void run_fwd_tc_impl(const FwdParams& p, cudaStream_t stream) {
 #if defined(ATTN_TUNING)
-  if (run_fwd_alt<T, kD, kGeneral>(tune_env("ATTN_TUNE_FWD"), p, stream,
+  if (run_fwd_alt<T, kD, kGeneral>(cuda_kernels().tune_fwd, p, stream,
                                    std::make_integer_sequence<int, kNumFwdAlts + 1>{}))
     return;
 #endif
@@ -224,7 +220,7 @@ template <typename T, int kD, bool kDropout>
 void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
   {
 #if defined(ATTN_TUNING)
-    if (run_bwd_alt<T, kD, kDropout>(tune_env("ATTN_TUNE_BWD"), p, stream,
+    if (run_bwd_alt<T, kD, kDropout>(cuda_kernels().tune_bwd, p, stream,
                                       std::make_integer_sequence<int, kNumBwdAlts + 1>{})) {
     } else
 #endif

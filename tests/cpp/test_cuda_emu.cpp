@@ -163,8 +163,7 @@ void test_race() {
 
 int main() {
   // the default interleaving (test_race expects warp 0 to read before warp 1 copies)
-  setenv("ATTN_EMU_SCHEDULE", "warp-serial", 1);
-  setenv("ATTN_EMU_REVERSE", "0", 1);
+  attn_emu::set_schedule(/*warp_serial=*/true, /*reverse=*/false);
   attn_emu::set_arch(90);
   test_matmul();
   test_refusals();

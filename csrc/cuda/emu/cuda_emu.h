@@ -8,7 +8,7 @@
 // runs until it reaches a scheduling point: __syncthreads, or a warp collective (ldmatrix,
 // mma.sync, __shfl_xor_sync), where the 32 lanes deposit their operands and the last lane to
 // arrive computes every lane's result. By default one warp runs to its next barrier before the
-// next warp starts (ATTN_EMU_SCHEDULE=lockstep: round robin; ATTN_EMU_REVERSE=1: warps
+// next warp starts (set_schedule: lockstep = round robin; reverse = warps
 // last-first). Blocks run one after another. A barrier or collective
 // that can never complete (some threads exited or wait elsewhere) raises an error, as does any
 // out-of-bounds or misaligned shared-memory access, cp.async source outside the kernel's
@@ -52,6 +52,7 @@ namespace attn_emu {
 // device queries answer; the kernels' own `#if __CUDA_ARCH__` code is fixed per translation unit
 // (emu_kernels_sm80.cpp / emu_kernels_sm90.cpp), and each entry point sets the matching arch.
 void set_arch(int sm);
+void set_schedule(bool warp_serial, bool reverse);  // emu_entry.h
 int arch();
 
 // The current CTA's dynamic shared memory (mma.cuh ATTN_EXTERN_SMEM), kMaxSmem bytes.

@@ -58,10 +58,12 @@ std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tenso
                                    const OptTensor& alibi, const OptTensor& sinks, const OptTensor& seqlens_k,
                                    const OptTensor& cu_q, const OptTensor& cu_k, int64_t max_q, int64_t max_k,
                                    double scale, double softcap, int64_t wl, int64_t wr, bool bottom_right,
-                                   double dropout_p, int64_t seed, int64_t offset, int64_t arch) {
+                                   double dropout_p, int64_t seed, int64_t offset, int64_t num_splits,
+                                   bool /*deterministic*/, int64_t arch) {
   const Options o{bias, alibi, sinks, seqlens_k, cu_q, cu_k, max_q, max_k, scale, softcap, wl, wr,
                   bottom_right, dropout_p, seed, offset};
   attn::api::check_inputs(q, k, v, o);
+  attn::api::check_num_splits(num_splits);
   check_cpu(q);
   Tensor out = attn::api::empty_like_layout(q).fill_(NAN);
   Tensor lse = attn::api::empty_lse(q).fill_(NAN);
@@ -73,7 +75,7 @@ std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tenso
   const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
   allow_reads({&q, &k, &v});
   const attn_emu::Backend be = backend(arch);
-  run("fwd", [&] { be.fwd(&p, sizeof(p), int(attn::api::dtype_of(q)), q.size(0), q.size(2)); });
+  run("fwd", [&] { be.fwd(&p, sizeof(p), int(attn::api::dtype_of(q)), q.size(0), q.size(2), int(num_splits)); });
   return {out, lse};
 }
 
@@ -140,6 +142,11 @@ std::string emu_path(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
 
 std::vector<std::string> emu_launches() { return attn_emu::take_launches(); }
 
+// set_cuda_kernels for both emulated archs
+void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, int64_t tune_bwd, bool force_simt) {
+  for (int64_t arch : {80, 90}) backend(arch).set_kernels(int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu, m) {
@@ -147,4 +154,6 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("bwd", &emu_bwd);
   m.def("path", &emu_path);
   m.def("launches", &emu_launches);
+  m.def("set_cuda_kernels", &emu_set_kernels);
+  m.def("set_schedule", [](bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); });
 }

@@ -71,12 +71,12 @@ void prepare() {
 #define ATTN_EMU_CAT(a, b) ATTN_EMU_CAT2(a, b)
 attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   Backend be;
-  be.fwd = [](const void* p, size_t n, int dt, int64_t batch_t, int64_t rows) {
+  be.fwd = [](const void* p, size_t n, int dt, int64_t batch_t, int64_t rows, int requested_splits) {
     attn::prepare();
     const attn::FwdParams fp = attn::params_from<attn::FwdParams>(p, n);
     // split-KV scratch as attention_cuda.cpp sizes it, NaN-filled so an unwritten partial shows
     attn::FwdSplitScratch split;
-    split.num_splits = attn::cuda_fwd_num_splits(fp, attn::DType(dt));
+    split.num_splits = attn::cuda_fwd_num_splits(fp, attn::DType(dt), requested_splits);
     std::vector<float> o_accum, lse_accum;
     if (split.num_splits > 1) {
       split.rows = rows;
@@ -102,6 +102,9 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   be.path_name = [](const void* p, size_t n, int dt) {
     attn::prepare();
     return attn::cuda_path_name(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt));
+  };
+  be.set_kernels = [](int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) {
+    attn::cuda_set_kernels(attn::CudaKernels{hopper_fwd, hopper_bwd, tune_fwd, tune_bwd, force_simt});
   };
   return be;
 }

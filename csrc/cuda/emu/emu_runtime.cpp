@@ -133,8 +133,7 @@ struct Runtime {
   std::unordered_map<const void*, int> max_dyn_smem;
   std::vector<std::string> launches;  // kernel names, for take_launches()
   Cta cta;
-  // the interleaving, read per launch: ATTN_EMU_SCHEDULE=lockstep (else warp-serial) and
-  // ATTN_EMU_REVERSE=1 (warps last-first)
+  // the interleaving (set_schedule): warp-serial (else lockstep), warps last-first (reverse)
   bool reverse = false, warp_serial = true;
 };
 thread_local Runtime rt;
@@ -278,7 +277,7 @@ void run_cta(uint3 bidx, dim3 grid, dim3 block) {
     f.commits = 0;
     start_fiber(f);
   }
-  // ATTN_EMU_REVERSE: warps last-first (lanes keep their order), another interleaving
+  // reverse (set_schedule): warps last-first (lanes keep their order), another interleaving
   c.order.clear();
   for (int w = 0; w < c.nwarps; ++w) {
     const int ww = rt.reverse ? c.nwarps - 1 - w : w;
@@ -384,6 +383,10 @@ std::vector<std::string> take_launches() {
   return out;
 }
 void set_arch(int sm) { rt.arch = sm; }
+void set_schedule(bool warp_serial, bool reverse) {
+  rt.warp_serial = warp_serial;
+  rt.reverse = reverse;
+}
 int arch() { return rt.arch; }
 void add_global_range(const void* ptr, size_t bytes) {
   const unsigned char* p = static_cast<const unsigned char*>(ptr);
@@ -409,10 +412,6 @@ void run_grid(const void* kernel_id, dim3 grid, dim3 block, size_t smem_bytes, v
             " bytes of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize");
   }
   rt.launches.push_back(kernel_name(kernel_id));
-  const char* rev = std::getenv("ATTN_EMU_REVERSE");
-  rt.reverse = rev != nullptr && rev[0] == '1';
-  const char* sched = std::getenv("ATTN_EMU_SCHEDULE");
-  rt.warp_serial = sched == nullptr || std::strcmp(sched, "lockstep") != 0;
   Cta& c = rt.cta;
   c.nthreads = nthreads;
   c.nwarps = (nthreads + 31) / 32;
