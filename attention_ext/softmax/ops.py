@@ -43,10 +43,18 @@ def _shape(t: Tensor) -> list:
     return list(t.shape)
 
 
+def _name(dtype: torch.dtype) -> str:
+    """c10's name of `dtype` (Float, Half, BFloat16, Long, ...), as the C++ messages print it."""
+    try:
+        return torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    except (RuntimeError, TypeError):
+        return str(dtype)
+
+
 def _check_index(t: Optional[Tensor], name: str, numel, q: Tensor) -> None:
     if t is None:
         return
-    torch._check_type(t.dtype == torch.int32, lambda: f"attention_ext: {name} must be int32, got {t.dtype}")
+    torch._check_type(t.dtype == torch.int32, lambda: f"attention_ext: {name} must be int32, got {_name(t.dtype)}")
     torch._check(t.dim() == 1 and t.numel() == numel,
                  lambda: f"attention_ext: {name} must have shape ({numel}), got {_shape(t)}")
     torch._check(t.device == q.device, lambda: f"attention_ext: {name} must be on {q.device}, got {t.device}")
@@ -68,9 +76,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                        lambda: f"attention_ext: q, k, v must be 4-D (B, H, S, D), got q {_shape(q)}, k {_shape(k)}, "
                                f"v {_shape(v)}")
     torch._check_type(q.dtype == k.dtype == v.dtype,
-                      lambda: f"attention_ext: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+                      lambda: f"attention_ext: q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, {_name(v.dtype)}")
     torch._check_type(q.dtype in DTYPES,
-                      lambda: f"attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got {q.dtype}")
+                      lambda: f"attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
     torch._check(q.device == k.device == v.device,
                  lambda: f"attention_ext: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, _, d = q.shape
@@ -89,9 +97,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                                    f"strides {list(t.stride())}")
     torch._check_value(window_left >= -1 and window_right >= -1,
                        lambda: f"attention_ext: window sizes must be >= -1, got ({window_left}, {window_right})")
-    torch._check_value(0.0 <= dropout_p < 1.0, lambda: f"attention_ext: dropout_p must be in [0, 1), got {dropout_p}")
-    torch._check_value(softcap >= 0.0, lambda: f"attention_ext: softcap must be >= 0, got {softcap}")
-    torch._check_value(math.isfinite(scale), lambda: f"attention_ext: scale must be finite, got {scale}")
+    torch._check_value(0.0 <= dropout_p < 1.0, lambda: f"attention_ext: dropout_p must be in [0, 1), got {dropout_p:g}")
+    torch._check_value(softcap >= 0.0, lambda: f"attention_ext: softcap must be >= 0, got {softcap:g}")
+    torch._check_value(math.isfinite(scale), lambda: f"attention_ext: scale must be finite, got {scale:g}")
     varlen = cu_seqlens_q is not None
     torch._check_value(varlen == (cu_seqlens_k is not None),
                        lambda: "attention_ext: cu_seqlens_q and cu_seqlens_k go together")
@@ -110,8 +118,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
     acc = acc_dtype(q.dtype)
     if bias is not None:
         torch._check_type(bias.dtype in (acc, torch.bool),
-                          lambda: f"attention_ext: bias must be {acc} (additive; float64 goes with float64 inputs, "
-                                  f"float32 with the others) or bool (True = attend), got {bias.dtype}")
+                          lambda: f"attention_ext: bias must be {_name(acc)} (additive; float64 goes with float64 inputs, "
+                                  f"float32 with the others) or bool (True = attend), got {_name(bias.dtype)}")
         torch._check(bias.device == q.device, lambda: f"attention_ext: bias must be on {q.device}, got {bias.device}")
         torch._check_value(bias.dim() == 4,
                            lambda: f"attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = "
@@ -122,14 +130,14 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                                        f"(B, H, Sq, Sk) = ({nb}, {h}, {sq}, {sk})")
     if alibi_slopes is not None:
         a = alibi_slopes
-        torch._check_type(a.dtype == acc, lambda: f"attention_ext: alibi_slopes must be {acc}, got {a.dtype}")
+        torch._check_type(a.dtype == acc, lambda: f"attention_ext: alibi_slopes must be {_name(acc)}, got {_name(a.dtype)}")
         torch._check(a.device == q.device, lambda: f"attention_ext: alibi_slopes must be on {q.device}")
         torch._check_value((a.dim() == 1 and a.shape[0] == h) or (a.dim() == 2 and a.shape[0] == nb and a.shape[1] == h),
                            lambda: f"attention_ext: alibi_slopes must be (H) or (B, H) = ({nb}, {h}), got {_shape(a)}")
         torch._check_value(a.stride(-1) == 1, lambda: "attention_ext: alibi_slopes must be contiguous over heads")
     if sinks is not None:
         s = sinks
-        torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {acc}, got {s.dtype}")
+        torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {_name(acc)}, got {_name(s.dtype)}")
         torch._check(s.device == q.device, lambda: f"attention_ext: sinks must be on {q.device}")
         torch._check_value(s.dim() == 1 and s.shape[0] == h and s.is_contiguous(),
                            lambda: f"attention_ext: sinks must be a contiguous (H) = ({h}) tensor, got {_shape(s)}")
