@@ -161,7 +161,8 @@ def attention(
         deterministic: the backward uses no atomics (CUDA).
         num_splits: split-KV forward on CUDA (flash-decoding), flash-attn's convention: N splits
             of the keys (at most 128), 0 = a heuristic picks. The default 1 never splits: the
-            split path is checked on the CPU emulator only, not yet on a GPU. The CPU ignores it.
+            split path is opt-in until a GPU run has checked it (docs/design/splitkv-notes.md).
+            The CPU ignores it.
 
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
     """
