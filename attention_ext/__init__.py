@@ -37,7 +37,8 @@ __all__ = [
     "dropout_mask",
     "reference",
     "softmax",
-    *_LAZY,
+    "nn",
+    "models",
 ]
 
 
