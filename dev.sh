@@ -2,7 +2,7 @@
 # One entry point from a fresh clone: installs what is missing, builds when sources changed, runs.
 #   ./dev.sh demo [args]   the main job: python -m attention_ext demo
 #   ./dev.sh test [args]   the test suite (pytest)
-#   ./dev.sh bench [args]  the CPU benchmark table (benchmarks/bench_cpu.py)
+#   ./dev.sh bench [args]  the CPU benchmark table (benchmarks/softmax/bench_cpu.py)
 #   ./dev.sh build         (re)build the extension
 # Environment: PYTHON (default python3), MAX_JOBS, ATTENTION_EXT_CUDA=0/1, TORCH_CUDA_ARCH_LIST.
 set -euo pipefail
@@ -41,6 +41,6 @@ case "$cmd" in
   build) deps; build ;;
   demo) deps; ensure_built; exec "$PY" -m attention_ext demo "$@" ;;
   test) deps; ensure_built; exec "$PY" -m pytest tests -q -p no:cacheprovider "$@" ;;
-  bench) deps; ensure_built; exec "$PY" benchmarks/bench_cpu.py "$@" ;;
+  bench) deps; ensure_built; exec "$PY" benchmarks/softmax/bench_cpu.py "$@" ;;
   *) echo "usage: ./dev.sh demo|test|bench|build" >&2; exit 2 ;;
 esac

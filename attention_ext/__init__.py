@@ -4,21 +4,49 @@
     out = ae.attention(q, k, v, causal=True)                     # every option
     out = ae.scaled_dot_product_attention(q, k, v, is_causal=True)  # SDPA drop-in
     out = ae.flash_attn_func(q, k, v, causal=True)               # flash-attn drop-in
+    ae.nn.MultiheadAttention(...), ae.models.LanguageModel(...)   # modules and models
+
+One subpackage per kernel family (softmax today; each with ops.py, functional.py, reference.py),
+compat/ for the drop-ins, nn/ and models/ on top (imported on first use).
 """
+import importlib
+
 __version__ = "0.1.0"
 
-from . import ops, reference  # noqa: E402  (ops registers the custom ops)
-from .functional import (  # noqa: E402
-    attention,
-    attention_weights,
+from . import reference, softmax  # noqa: E402  (softmax.ops registers the custom ops)
+from .compat import (  # noqa: E402
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
-from .ops import dropout_mask  # noqa: E402
+from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
 
-from . import functional  # noqa: E402
+# subpackages imported on first attribute access: `import attention_ext` stays light
+_LAZY = ("nn", "models", "viz", "demo", "bench")
 
-__all__ = [*functional.__all__, "dropout_mask", "reference", "ops"]
+__all__ = [
+    "attention",
+    "attention_weights",
+    "scaled_dot_product_attention",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "dropout_mask",
+    "reference",
+    "softmax",
+    "nn",
+    "models",
+]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

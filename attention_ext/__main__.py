@@ -10,18 +10,18 @@ def info() -> int:
     import torch
 
     import attention_ext
-    from attention_ext import ops
+    from attention_ext import _ext
 
     print(f"attention_ext {attention_ext.__version__}")
     print(f"python        {platform.python_version()}  ({platform.machine()})")
     print(f"torch         {torch.__version__}  (CUDA {torch.version.cuda or 'none'})")
-    if ops.HAS_EXT:
-        c = ops._C
+    if _ext.HAS_EXT:
+        c = _ext._C
         print(f"CPU kernels   yes: ISA {c.cpu_isa}, {c.simd_width} float32 lanes, OpenMP {'on' if c.openmp else 'off'}, "
               f"{torch.get_num_threads()} threads")
         print(f"CUDA kernels  {'yes: archs ' + c.cuda_archs if c.with_cuda else 'not compiled'}")
     else:
-        print(f"CPU kernels   NOT BUILT ({ops._IMPORT_ERROR}); using the PyTorch reference")
+        print(f"CPU kernels   NOT BUILT ({_ext.IMPORT_ERROR}); using the PyTorch reference")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

@@ -377,7 +377,7 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
     rows = []
     log(f"\n[3/3] forward+backward step time of the LM ({size.n_layers} layers, d_model {size.d_model}): "
         f"our kernel vs torch SDPA (median of {args.bench_reps})")
-    from . import ops
+    from .softmax import ops
 
     if not ops.has_kernel(torch.device(device)):
         log(f"  note: no compiled kernel for {device}; 'ours' is running the pure-PyTorch reference")

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One command for the GPU verification of the CUDA kernels:
 #   build -> CUDA tests -> benchmark -> ncu -> compute-sanitizer (memcheck, racecheck) -> table.
-# The sm_90a wgmma forward (opt-in, ATTN_CUDA_HOPPER=1) and backward (ATTN_CUDA_HOPPER_BWD=1) have
-# their own stage, "hopper": their SASS in the built .so, their tests (tests/test_cuda.py -k
-# hopper), and the reference-shape timing (bench_cuda.py --ref); the ncu and sanitize stages also
-# run them.
+# The sm_90a wgmma forward and backward (opt-in: attention_ext.softmax.set_cuda_kernels(hopper_fwd=1,
+# hopper_bwd=1), or ATTENTION_EXT_CUDA_KERNELS="hopper_fwd=1,hopper_bwd=1" for a whole process) have
+# their own stage, "hopper": their SASS in the built .so, their tests (tests/softmax/test_cuda.py -k
+# hopper), and the reference-shape timing (benchmarks/softmax/bench_cuda.py --ref); the ncu and
+# sanitize stages also run them.
 #
 # The "tune" stage (not in the default list) builds a second copy of the tree with
 # -DATTN_TUNING under a temp dir (the default build stays as it is), checks every candidate of
-# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt) with tests/test_cuda.py -k tune_candidate, then
-# times them all against SDPA flash (bench_cuda.py --tune); about 5 minutes on 16 cores.
+# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt) with tests/softmax/test_cuda.py -k tune_candidate,
+# then times them all against SDPA flash (benchmarks/softmax/bench_cuda.py --tune); about 5 minutes on 16 cores.
 #
 #   bash benchmarks/gpu_check.sh                  # everything
 #   STAGES="build hopper" bash benchmarks/gpu_check.sh
@@ -30,7 +31,7 @@ export PYTHONUNBUFFERED=1
 # the inline scripts below (they run from $TMPD, so `from gc_common import op_args` finds it)
 cat > "$TMPD/gc_common.py" <<'PY'
 import math
-from attention_ext import ops
+from attention_ext.softmax import ops
 def op_args(d, **o):
     opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1,
@@ -64,7 +65,7 @@ fi
 
 if has test; then
   # the wgmma forward's tests run in the hopper stage
-  timeout 300 python3 -m pytest tests/test_cuda.py -k "not hopper" -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
+  timeout 300 python3 -m pytest tests/softmax/test_cuda.py -k "not hopper" -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
   note "tests: $(tail -1 "$OUT/test.log")"
   grep -E "^FAILED" "$OUT/test.log" | head -15 | tee -a "$SUMMARY" || true
 fi
@@ -86,25 +87,25 @@ if has hopper; then
   note "hopper SASS: $(grep -c 'sm_90a' "$TMPD/lelf.txt") sm_90a cubins"
   { echo "==== hopper tests"; } >> "$OUT/test.log"
   # the isolating checks first, under a short timeout: a hang here is the mbarrier protocol
-  timeout 90 python3 -m pytest tests/test_cuda.py -k hopper_triage -q -rf -p no:cacheprovider >"$TMPD/triage.log" 2>&1
+  timeout 90 python3 -m pytest tests/softmax/test_cuda.py -k hopper_triage -q -rf -p no:cacheprovider >"$TMPD/triage.log" 2>&1
   rc=$?
   note "hopper triage: $([ $rc = 124 ] && echo 'HANG (timeout 90 s)' || tail -1 "$TMPD/triage.log")"
   grep -oE "wgmma forward triage: .*" "$TMPD/triage.log" | cut -c1-400 | sort -u | head -4 | tee -a "$SUMMARY" || true
   cat "$TMPD/triage.log" >> "$OUT/test.log"
   # timeouts sized for passing runs (the CUDA suite takes ~15 s): a device call ends at 10 min
-  timeout 240 python3 -m pytest tests/test_cuda.py -k "hopper and not hopper_bwd and not triage" -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/hopper_test.log" 2>&1
+  timeout 240 python3 -m pytest tests/softmax/test_cuda.py -k "hopper and not hopper_bwd and not triage" -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/hopper_test.log" 2>&1
   note "hopper (forward) tests: $(tail -1 "$TMPD/hopper_test.log")"
   grep -E "^FAILED" "$TMPD/hopper_test.log" | head -10 | tee -a "$SUMMARY" || true
   cat "$TMPD/hopper_test.log" >> "$OUT/test.log"
   # the wgmma backward: the smallest cases first (a hang or a wrong descriptor shows there), then all
-  timeout 60 python3 -m pytest tests/test_cuda.py -k "hopper_bwd_shapes and 1-1" -x -q -rf -p no:cacheprovider >"$TMPD/hopper_bwd_test.log" 2>&1
+  timeout 60 python3 -m pytest tests/softmax/test_cuda.py -k "hopper_bwd_shapes and 1-1" -x -q -rf -p no:cacheprovider >"$TMPD/hopper_bwd_test.log" 2>&1
   note "hopper backward smoke (1 x 1): $(tail -1 "$TMPD/hopper_bwd_test.log")"
-  timeout 240 python3 -m pytest tests/test_cuda.py -k "hopper_bwd" -q -rf -p no:cacheprovider --maxfail=20 >>"$TMPD/hopper_bwd_test.log" 2>&1
+  timeout 240 python3 -m pytest tests/softmax/test_cuda.py -k "hopper_bwd" -q -rf -p no:cacheprovider --maxfail=20 >>"$TMPD/hopper_bwd_test.log" 2>&1
   note "hopper backward tests: $(tail -1 "$TMPD/hopper_bwd_test.log")"
   grep -E "^FAILED" "$TMPD/hopper_bwd_test.log" | head -10 | tee -a "$SUMMARY" || true
   cat "$TMPD/hopper_bwd_test.log" >> "$OUT/test.log"
-  timeout 150 python3 benchmarks/bench_cuda.py --ref >"$TMPD/ref.log" 2>&1
-  note "hopper reference shape (bench_cuda.py --ref, rc=$?):"
+  timeout 150 python3 benchmarks/softmax/bench_cuda.py --ref >"$TMPD/ref.log" 2>&1
+  note "hopper reference shape (benchmarks/softmax/bench_cuda.py --ref, rc=$?):"
   sed 's/^/  /' "$TMPD/ref.log" | tail -14 | tee -a "$SUMMARY"
 fi
 
@@ -124,7 +125,7 @@ if has sm80; then
     note "sm80 tests import $(cd "$TMPD/sm80" && PYTHONPATH="$TMPD/sm80" python3 -c 'import attention_ext._C as c; print(c.__file__)')"
     # the first call of each kernel JIT-compiles its PTX: a cache keeps the second test run cheap
     (cd "$TMPD/sm80" && CUDA_CACHE_MAXSIZE=4294967296 PYTHONPATH="$TMPD/sm80" timeout 480 python3 -m pytest \
-        tests/test_cuda.py -k "not hopper" -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/sm80_test.log" 2>&1)
+        tests/softmax/test_cuda.py -k "not hopper" -q -rf -p no:cacheprovider --maxfail=20 >"$TMPD/sm80_test.log" 2>&1)
     note "sm80 (compute_80 PTX, JIT on this GPU) tests: $(tail -1 "$TMPD/sm80_test.log")"
     grep -E "^FAILED" "$TMPD/sm80_test.log" | head -10 | tee -a "$SUMMARY" || true
     { echo "==== sm80 PTX tests"; cat "$TMPD/sm80_test.log"; } >> "$OUT/test.log"
@@ -144,18 +145,17 @@ fi
 if has ncu; then
   cat > "$TMPD/ncu_case.py" <<'PY'
 import math, torch
-from attention_ext import ops
+from attention_ext.softmax import ops
 from gc_common import op_args
 b, h, s, d = 4, 16, 4096, 128
 args = op_args(d)
 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
 out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
 torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
-import os
-for mode in ("1", "2"):  # the sm_90a wgmma forward and its overlapped variant, same inputs
-    os.environ["ATTN_CUDA_HOPPER"] = mode
+for mode in (1, 2):  # the sm_90a wgmma forward and its overlapped variant, same inputs
+    ops.set_cuda_kernels(hopper_fwd=mode)
     torch.ops.attention_ext.fwd(q, k, v, *args)
-os.environ["ATTN_CUDA_HOPPER_BWD"] = "1"  # the sm_90a wgmma backward, same inputs
+ops.set_cuda_kernels(hopper_bwd=1)  # the sm_90a wgmma backward, same inputs
 torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
 torch.cuda.synchronize()
 PY
@@ -168,13 +168,13 @@ PY
 fi
 
 if has bench; then
-  timeout 420 python3 benchmarks/bench_cuda.py ${BENCH_ARGS:-} --md "$OUT/bench.md" >"$OUT/bench.log" 2>&1
+  timeout 420 python3 benchmarks/softmax/bench_cuda.py ${BENCH_ARGS:-} --md "$OUT/bench.md" >"$OUT/bench.log" 2>&1
   note "bench: rc=$? (bench.log, bench.md)"
   # fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout: appended to bench.md
-  timeout 240 python3 benchmarks/bench_cuda.py --options --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
+  timeout 240 python3 benchmarks/softmax/bench_cuda.py --options --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
   note "bench --options: rc=$?"
-  # decode steps (Sq = 1, KV cache): split-KV heuristic vs ATTN_CUDA_SPLITS=1 vs SDPA flash, appended
-  timeout 240 python3 benchmarks/bench_cuda.py --decode --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
+  # decode steps (Sq = 1, KV cache): split-KV heuristic vs num_splits=1 vs SDPA flash, appended
+  timeout 240 python3 benchmarks/softmax/bench_cuda.py --decode --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
   note "bench --decode: rc=$?"
 fi
 
@@ -196,13 +196,13 @@ if has tune; then
   if [[ "$mod" != "$TT"* ]]; then
     note "tune: attention_ext._C did not load from the tuning copy ($mod); stage skipped"
   else
-    (cd "$TT" && PYTHONPATH="$TT" ATTN_TEST_TUNE="fwd=$TUNE_FWD bwd=$TUNE_BWD" timeout 360 \
-      python3 -m pytest tests/test_cuda.py -k tune_candidate -q -rf -p no:cacheprovider --maxfail=60) \
+    (cd "$TT" && PYTHONPATH="$TT" ATTENTION_EXT_TEST_TUNE="fwd=$TUNE_FWD bwd=$TUNE_BWD" timeout 360 \
+      python3 -m pytest tests/softmax/test_cuda.py -k tune_candidate -q -rf -p no:cacheprovider --maxfail=60) \
       >"$TMPD/tune_test.log" 2>&1
     note "tune tests (fwd $TUNE_FWD, bwd $TUNE_BWD): $(tail -1 "$TMPD/tune_test.log")"
     grep -E "^FAILED" "$TMPD/tune_test.log" | sed 's/ - .*//' | head -20 | tee -a "$SUMMARY" || true
     { echo "==== tune tests"; cat "$TMPD/tune_test.log"; } >> "$OUT/test.log"
-    (cd "$TT" && PYTHONPATH="$TT" timeout 420 python3 benchmarks/bench_cuda.py --tune \
+    (cd "$TT" && PYTHONPATH="$TT" timeout 420 python3 benchmarks/softmax/bench_cuda.py --tune \
       --fwd-variants "$TUNE_FWD" --bwd-variants "$TUNE_BWD") >"$TMPD/tune_bench.log" 2>&1
     note "tune bench: rc=$? (bf16, H=16, B*S=32k; ratio to SDPA flash, ! = output moved, not counted)"
     { echo "==== bench_cuda.py --tune"; cat "$TMPD/tune_bench.log"; } >> "$OUT/bench.log"
@@ -213,14 +213,14 @@ fi
 if has sanitize; then
   cat > "$TMPD/san_cases.py" <<'PY'
 import math, torch
-from attention_ext import ops
+from attention_ext.softmax import ops
 from gc_common import op_args
-def run(b, h, hk, sq, sk, d, dtype, deterministic=False, **o):
+def run(b, h, hk, sq, sk, d, dtype, deterministic=False, num_splits=1, **o):
     args = op_args(d, **o)
     q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
     v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
-    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args, num_splits)
     bias_grad = o.get("bias") is not None and o["bias"].dtype == torch.float32
     g = torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, bias_grad, deterministic)
     torch.cuda.synchronize()
@@ -231,13 +231,9 @@ run(1, 2, 2, 40, 40, 256, bf, sinks=torch.randn(2, device="cuda"), deterministic
 run(1, 2, 1, 20, 30, 80, bf, window_left=5, window_right=3, seqlens_k=torch.tensor([17], device="cuda", dtype=torch.int32))
 run(1, 2, 2, 20, 30, 36, torch.float32, softcap=3.0)
 # split-KV forward (forced splits, more than key blocks in the second): the scratch and the combine
-import os
-os.environ["ATTN_CUDA_SPLITS"] = "3"
-run(2, 4, 2, 1, 700, 128, bf, window_right=0, bottom_right=True, sinks=torch.randn(4, device="cuda"),
+run(2, 4, 2, 1, 700, 128, bf, num_splits=3, window_right=0, bottom_right=True, sinks=torch.randn(4, device="cuda"),
     seqlens_k=torch.tensor([700, 100], device="cuda", dtype=torch.int32))
-os.environ["ATTN_CUDA_SPLITS"] = "64"
-run(1, 2, 1, 7, 300, 64, f16, bias=torch.randn(1, 2, 7, 300, device="cuda"), dropout_p=0.2)
-del os.environ["ATTN_CUDA_SPLITS"]
+run(1, 2, 1, 7, 300, 64, f16, num_splits=64, bias=torch.randn(1, 2, 7, 300, device="cuda"), dropout_p=0.2)
 print("sanitizer cases done")
 PY
   for tool in memcheck racecheck; do
@@ -251,12 +247,12 @@ PY
   # several ring wraps); the sanitizer cases above run with it too
   cat > "$TMPD/san_hopper.py" <<'PY'
 import math, torch
-from attention_ext import ops
+from attention_ext.softmax import ops
 from gc_common import op_args
 def fwd(q, k, v, **o):
     return torch.ops.attention_ext.fwd(q, k, v, *op_args(q.shape[-1], **o))
 r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
-# (no profiler under the sanitizer: tests/test_cuda.py -k hopper checks that these take the wgmma path)
+# (no profiler under the sanitizer: tests/softmax/test_cuda.py -k hopper checks that these take the wgmma path)
 fwd(r(1, 2, 70, 64), r(1, 1, 130, 64), r(1, 1, 130, 64), window_right=0, bottom_right=True)
 fwd(r(2, 4, 300, 128, dt=torch.float16), r(2, 2, 300, 128, dt=torch.float16), r(2, 2, 300, 128, dt=torch.float16))
 fwd(r(1, 2, 200, 40), r(1, 2, 333, 40), r(1, 2, 333, 40), window_left=50, window_right=7,
@@ -268,28 +264,28 @@ fwd(r(1, 4, 430, 128), r(1, 2, 301, 128), r(1, 2, 301, 128), cu_seqlens_q=cu_q, 
 torch.cuda.synchronize()
 print("hopper sanitizer cases done")
 PY
-  for mode in 1 2; do  # ATTN_CUDA_HOPPER: the wgmma forward, its overlapped variant
+  for mode in 1 2; do  # hopper_fwd: the wgmma forward, its overlapped variant
     for tool in memcheck racecheck synccheck; do
-      ATTN_CUDA_HOPPER=$mode PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
+      ATTENTION_EXT_CUDA_KERNELS=hopper_fwd=$mode PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
         --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper.py" >"$TMPD/san_h.log" 2>&1
       rc=$?
-      { echo "==== ATTN_CUDA_HOPPER=$mode $tool (rc=$rc)"; cat "$TMPD/san_h.log"; } >> "$OUT/sanitizer.log"
-      note "compute-sanitizer $tool, ATTN_CUDA_HOPPER=$mode: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_h.log" | tr '\n' ' ')"
+      { echo "==== hopper_fwd=$mode $tool (rc=$rc)"; cat "$TMPD/san_h.log"; } >> "$OUT/sanitizer.log"
+      note "compute-sanitizer $tool, hopper_fwd=$mode: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_h.log" | tr '\n' ' ')"
     done
   done
-  # the sm_90a wgmma backward (ATTN_CUDA_HOPPER_BWD=1; forward on mma.sync): GQA with causal
+  # the sm_90a wgmma backward (hopper_bwd=1; forward on mma.sync): GQA with causal
   # bottom-right and ragged lengths, MQA with a window and key padding, odd head dims in both
   # buckets, sinks, varlen, and enough query blocks that the Q / dO ring and the dS^T buffers wrap
   cat > "$TMPD/san_hopper_bwd.py" <<'PY'
 import math, torch
-from attention_ext import ops
+from attention_ext.softmax import ops
 from gc_common import op_args
 def fwd_bwd(q, k, v, **o):
     args = op_args(q.shape[-1], **o)
     out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
     torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, False, False)
 r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
-# (no profiler under the sanitizer: tests/test_cuda.py -k hopper_bwd checks that these take the wgmma path)
+# (no profiler under the sanitizer: tests/softmax/test_cuda.py -k hopper_bwd checks that these take the wgmma path)
 fwd_bwd(r(1, 4, 70, 64), r(1, 2, 130, 64), r(1, 2, 130, 64), window_right=0, bottom_right=True)
 fwd_bwd(r(2, 4, 300, 128, dt=torch.float16), r(2, 2, 257, 128, dt=torch.float16), r(2, 2, 257, 128, dt=torch.float16))
 fwd_bwd(r(1, 2, 200, 40), r(1, 1, 333, 40), r(1, 1, 333, 40), window_left=50, window_right=7,
@@ -304,11 +300,11 @@ torch.cuda.synchronize()
 print("hopper bwd sanitizer cases done")
 PY
   for tool in memcheck racecheck synccheck; do
-    ATTN_CUDA_HOPPER_BWD=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
+    ATTENTION_EXT_CUDA_KERNELS=hopper_bwd=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
       --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper_bwd.py" >"$TMPD/san_hb.log" 2>&1
     rc=$?
-    { echo "==== ATTN_CUDA_HOPPER_BWD=1 $tool (rc=$rc)"; cat "$TMPD/san_hb.log"; } >> "$OUT/sanitizer.log"
-    note "compute-sanitizer $tool, ATTN_CUDA_HOPPER_BWD=1: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_hb.log" | tr '\n' ' ')"
+    { echo "==== hopper_bwd=1 $tool (rc=$rc)"; cat "$TMPD/san_hb.log"; } >> "$OUT/sanitizer.log"
+    note "compute-sanitizer $tool, hopper_bwd=1: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_hb.log" | tr '\n' ' ')"
   done
 fi
 

@@ -20,7 +20,7 @@ def report(name, ok, detail=""):
     print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}")
 
 
-assert ae.ops.has_kernel(torch.device(dev)), "no CUDA kernel registered"
+assert ae.softmax.ops.has_kernel(torch.device(dev)), "no CUDA kernel registered"
 torch.manual_seed(0)
 for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2)):
     ref = torch.nn.MultiheadAttention(256, 8, batch_first=True).to(dev, dtype)

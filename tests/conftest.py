@@ -4,11 +4,11 @@ import pytest
 import torch
 
 # fresh random inputs each session, but reproducible when a failure is reported
-SEED = int(os.environ.get("ATTN_TEST_SEED", torch.randint(0, 2**31 - 1, (1,)).item()))
+SEED = int(os.environ.get("ATTENTION_EXT_TEST_SEED", torch.randint(0, 2**31 - 1, (1,)).item()))
 
 
 def pytest_report_header(config):
-    return f"attention_ext test seed: ATTN_TEST_SEED={SEED}"
+    return f"attention_ext test seed: ATTENTION_EXT_TEST_SEED={SEED}"
 
 
 @pytest.fixture(autouse=True)

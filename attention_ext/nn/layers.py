@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import reference
-from ..functional import attention, attention_weights
+from ..softmax import attention, attention_weights
 from .positional import RotaryEmbedding, alibi_slopes
 
 
@@ -52,7 +52,7 @@ class AttentionConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels. Each takes (B, S, H, D) q and (B, S_k, H_k, D) k, v plus functional.attention's keyword
+# Kernels. Each takes (B, S, H, D) q and (B, S_k, H_k, D) k, v plus softmax.attention's keyword
 # options, and returns out (B, S, H, D), or (out, lse) when return_lse.
 
 ATTENTION_TYPES: Dict[str, Callable] = {}

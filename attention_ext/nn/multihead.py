@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..functional import attention, attention_weights
+from ..softmax import attention, attention_weights
 
 
 def _append_column(mask: Optional[Tensor]) -> Optional[Tensor]:

@@ -1,10 +1,10 @@
 """CUDA fused attention vs torch SDPA (flash and cuDNN backends), bf16, in one run.
 
-    python benchmarks/bench_cuda.py [--quick] [--md results.md]
-    python benchmarks/bench_cuda.py --ref     # the reference shape of benchmarks/results/hopper-fwd-notes.md
-    python benchmarks/bench_cuda.py --options [--md results.md]   # fp16, deterministic, masks ... (appends)
-    python benchmarks/bench_cuda.py --decode [--md results.md]    # decode steps, split-KV (appends)
-    python benchmarks/bench_cuda.py --tune    # a -DATTN_TUNING build: every candidate vs SDPA flash
+    python benchmarks/softmax/bench_cuda.py [--quick] [--md results.md]
+    python benchmarks/softmax/bench_cuda.py --ref     # the reference shape of docs/design/hopper-fwd-notes.md
+    python benchmarks/softmax/bench_cuda.py --options [--md results.md]   # fp16, deterministic, masks ... (appends)
+    python benchmarks/softmax/bench_cuda.py --decode [--md results.md]    # decode steps, split-KV (appends)
+    python benchmarks/softmax/bench_cuda.py --tune    # a -DATTN_TUNING build: every candidate vs SDPA flash
 
 (B, S, H, D) storage viewed as (B, H, S, D) for every contender; H = 16, B * S = 32k tokens
 (B * H * S = 16k * 32), D in {64, 128}, S in {1k .. 16k}, causal (top-left) and not.
@@ -12,13 +12,13 @@ TFLOP/s from benchmarks/common.flops() (forward 4 * B * H * D * allowed pairs, b
 the backward is timed alone (dQ, dK, dV from saved out / LSE). Times are medians of CUDA-event
 timings after warm-up. The ceiling is a measured 8192^3 bf16 matmul.
 
-"ours-hopper" is the sm_90a wgmma forward (ATTN_CUDA_HOPPER=1) and "hopper-ovl" its variant with
-the softmax overlapped with P V (ATTN_CUDA_HOPPER=2), timed on the same inputs as "ours" (the
+"ours-hopper" is the sm_90a wgmma forward (set_cuda_kernels(hopper_fwd=1)) and "hopper-ovl" its
+variant with the softmax overlapped with P V (hopper_fwd=2), timed on the same inputs as "ours" (the
 mma.sync forward) when the GPU is sm_90 and the build has them; their own table gives them
 against SDPA flash and cuDNN, with the largest |difference| from the mma.sync output as a
 sanity check (a broken kernel must not post a time).
 
-"hopper-bwd" is the sm_90a wgmma backward (ATTN_CUDA_HOPPER_BWD=1, forward on mma.sync), timed on
+"hopper-bwd" is the sm_90a wgmma backward (hopper_bwd=1, forward on mma.sync), timed on
 the same saved out / LSE as the mma.sync backward; its own table gives it against the mma.sync
 backward, SDPA flash and cuDNN, with the largest |difference| of dQ, dK, dV from the mma.sync
 backward's.
@@ -34,10 +34,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import flops  # noqa: E402
 
-from attention_ext import ops  # noqa: E402
+from attention_ext.softmax import ops  # noqa: E402
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -67,32 +67,27 @@ def matmul_ceiling():
 
 
 @contextlib.contextmanager
-def env_set(name, value):
-    """Environment variable `name` = value for the calls inside (the dispatcher reads
-    ATTN_CUDA_HOPPER and ATTN_CUDA_HOPPER_BWD on every call)."""
-    old = os.environ.get(name)
-    os.environ[name] = str(value)
+def kernels(**fields):
+    """The CUDA kernel selection (ops.set_cuda_kernels) with `fields` changed, for the calls inside."""
+    old = ops.set_cuda_kernels(**{**ops.cuda_kernels(), **fields})
     try:
         yield
     finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
+        ops.set_cuda_kernels(**old)
 
 
 def hopper_env(mode):
-    """ATTN_CUDA_HOPPER = mode (0 off, 1 wgmma, 2 wgmma overlapped)."""
-    return env_set("ATTN_CUDA_HOPPER", mode)
+    """The sm_90a wgmma forward: mode 0 off, 1 wgmma, 2 wgmma overlapped."""
+    return kernels(hopper_fwd=mode)
 
 
 def hopper_bwd_env(mode):
-    """ATTN_CUDA_HOPPER_BWD = mode (0 off, 1 the wgmma backward)."""
-    return env_set("ATTN_CUDA_HOPPER_BWD", mode)
+    """The sm_90a wgmma backward: mode 0 off, 1 on."""
+    return kernels(hopper_bwd=mode)
 
 
 def hopper_available():
-    """Does ATTN_CUDA_HOPPER=1 reach the sm_90a kernel here (sm_90 GPU, build with sm_90a)?"""
+    """Does hopper_fwd=1 reach the sm_90a kernel here (sm_90 GPU, build with sm_90a)?"""
     from torch.profiler import ProfilerActivity, profile
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
@@ -103,7 +98,7 @@ def hopper_available():
 
 
 def hopper_bwd_available():
-    """Does ATTN_CUDA_HOPPER_BWD=1 reach the sm_90a backward kernel here?"""
+    """Does hopper_bwd=1 reach the sm_90a backward kernel here?"""
     from torch.profiler import ProfilerActivity, profile
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
@@ -224,14 +219,14 @@ def parse_variants(spec):
 
 
 def tune(fwd_variants, bwd_variants):
-    """Time the candidates compiled with -DATTN_TUNING (ATTN_TUNE_FWD / ATTN_TUNE_BWD = v, read per
-    call; 0 = the default) against SDPA flash in the same run: bf16, H = 16, B * S = 32k, D 64 / 128,
+    """Time the candidates compiled with -DATTN_TUNING (set_cuda_kernels' tune_fwd / tune_bwd = v;
+    0 = the default) against SDPA flash in the same run: bf16, H = 16, B * S = 32k, D 64 / 128,
     S 1k / 4k / 8k, causal and not. Prints one table per direction: flash TFLOP/s, then each
     variant's ratio to flash ("!" after it: its output moved by more than 2% of the output's
     largest magnitude from variant 0's, so its time does not count), and last the geometric mean
     ratio of every variant over all rows."""
     torch.manual_seed(0)
-    os.environ["ATTN_CUDA_HOPPER"] = "0"
+    ops.set_cuda_kernels(hopper_fwd=0)
     res = {"fwd": [], "bwd": []}
     for d in (64, 128):
         for causal in (False, True):
@@ -240,7 +235,7 @@ def tune(fwd_variants, bwd_variants):
                 mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                 q, k, v, dout = mk(), mk(), mk(), mk()
                 args = options(d, causal)
-                os.environ["ATTN_TUNE_FWD"] = os.environ["ATTN_TUNE_BWD"] = "0"
+                ops.set_cuda_kernels()
                 out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
                 f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
                 f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
@@ -251,20 +246,20 @@ def tune(fwd_variants, bwd_variants):
                 row_b["flash"] = f_bwd / cuda_time(fns[1]) / 1e12 if fns else float("nan")
                 ref_f, ref_b, g, o = out, None, None, None
                 for var in fwd_variants:
-                    os.environ["ATTN_TUNE_FWD"] = str(var)
+                    ops.set_cuda_kernels(tune_fwd=var)
                     o, _ = torch.ops.attention_ext.fwd(q, k, v, *args)
                     bad = (o.float() - ref_f.float()).abs().max().item() > 0.02 * ref_f.float().abs().max().item()
                     row_f[var] = (f_fwd / cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args)) / 1e12, bad)
-                os.environ["ATTN_TUNE_FWD"] = "0"
+                ops.set_cuda_kernels()
                 bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
                 for var in bwd_variants:
-                    os.environ["ATTN_TUNE_BWD"] = str(var)
+                    ops.set_cuda_kernels(tune_bwd=var)
                     g = [t.float() for t in bwd()[:3]]  # dq, dk, dv
                     if ref_b is None:
                         ref_b = g
                     bad = any((x - r).abs().max().item() > 0.02 * r.abs().max().item() for x, r in zip(g, ref_b))
                     row_b[var] = (f_bwd / cuda_time(bwd) / 1e12, bad)
-                os.environ["ATTN_TUNE_BWD"] = "0"
+                ops.set_cuda_kernels()
                 res["fwd"].append(row_f)
                 res["bwd"].append(row_b)
                 first = lambda r, vs: f"v{vs[0]} {r[vs[0]][0]:.0f}" if vs else ""
@@ -273,7 +268,7 @@ def tune(fwd_variants, bwd_variants):
                 del q, k, v, dout, out, lse, ref_f, ref_b, g, o
                 torch.cuda.empty_cache()
     for kind, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
-        print(f"\n{kind}: SDPA flash TFLOP/s, then ours / flash per ATTN_TUNE_{kind.upper()} variant (v0 = default)")
+        print(f"\n{kind}: SDPA flash TFLOP/s, then ours / flash per tune_{kind} variant (v0 = default)")
         print("| D | S | c | flash | " + " | ".join(f"v{v}" for v in variants) + " | best |")
         print("|---|---|---|---|" + "---|" * (len(variants) + 1))
         logs = {v: [] for v in variants}
@@ -316,7 +311,7 @@ def table(ceiling, rows, gpu):
 
 def hopper_table(ceiling, rows):
     """Forward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
-    head = ("\nForward, sm_90a wgmma kernel (ours-hopper: ATTN_CUDA_HOPPER=1; hopper-ovl: =2, softmax "
+    head = ("\nForward, sm_90a wgmma kernel (ours-hopper: hopper_fwd=1; hopper-ovl: =2, softmax "
             "overlapped with P V) vs the mma.sync kernel and SDPA, TFLOP/s; x = ratio of the better "
             "wgmma variant; |diff| = max |out - out_mma.sync| of each variant\n\n"
             "| D | S | causal | ours (mma.sync) | ours-hopper | hopper-ovl | SDPA flash | cuDNN | x mma.sync "
@@ -335,7 +330,7 @@ def hopper_table(ceiling, rows):
 
 def hopper_bwd_table(ceiling, rows):
     """Backward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
-    head = ("\nBackward, sm_90a wgmma kernel (hopper-bwd: ATTN_CUDA_HOPPER_BWD=1) vs the mma.sync kernel "
+    head = ("\nBackward, sm_90a wgmma kernel (hopper-bwd: hopper_bwd=1) vs the mma.sync kernel "
             "and SDPA, TFLOP/s (2.5x the forward's FLOPs); |diff| = max |dX - dX_mma.sync| over dQ, dK, dV\n\n"
             "| D | S | causal | ours (mma.sync) | hopper-bwd | SDPA flash | cuDNN | x mma.sync | x flash "
             "| x cudnn | % ceil | \\|diff\\| |\n"
@@ -352,7 +347,7 @@ def hopper_bwd_table(ceiling, rows):
 
 
 def reference_shape():
-    """The reference shape of benchmarks/results/hopper-fwd-notes.md: B * H = 132 (one (b, h) per
+    """The reference shape of docs/design/hopper-fwd-notes.md: B * H = 132 (one (b, h) per
     SM of an H100 SXM, 64 query blocks each), S = 8192, D = 128, bf16, (B, S, H, D) storage. Prints
     the two floors (FLOPs / measured matmul rate, bytes / measured copy bandwidth) and the measured
     forward times of every contender."""
@@ -495,8 +490,8 @@ def kernel_names(fn):
 def decode_rows(d=128, device="cuda"):
     """Decode steps: one query row per sequence (Sq = 1) against a KV cache of Sk keys, bf16,
     D = 128, (B, H, Hk) in {(1, 32, 8), (8, 32, 8), (32, 32, 8)}, Sk in {1k, 8k, 32k}, (B, S, H, D)
-    storage. Ours with the split-KV heuristic ("split": whether it split, from the profiler) and
-    with ATTN_CUDA_SPLITS=1 (the unsplit grid of B * H CTAs), against SDPA's flash backend in the
+    storage. Ours with the split-KV heuristic (num_splits=0; "split": whether it split, from the profiler) and
+    with num_splits=1 (the unsplit grid of B * H CTAs), against SDPA's flash backend in the
     same run: with enable_gqa when it accepts that, else on K / V repeated to H heads (marked "rep";
     the copy is made once, outside the timing). One query sees the whole cache, so no mask.
     GB/s = the K + V bytes of the cache (B * Hk * Sk * D * 2 tensors * 2 bytes) / time for every
@@ -514,13 +509,13 @@ def decode_rows(d=128, device="cuda"):
             k, v = (torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
                     for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
-            fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
-            with hopper_env(0), env_set("ATTN_CUDA_SPLITS", "auto"):
+            fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args, 0)  # num_splits=0: the heuristic
+            unsplit = lambda: torch.ops.attention_ext.fwd(q, k, v, *args, 1)
+            with hopper_env(0):
                 split = any("fwd_combine_kernel" in n for n in kernel_names(fwd))
                 t_ours = cuda_time(fwd)
-                with env_set("ATTN_CUDA_SPLITS", 1):
-                    ref, _ = fwd()
-                    t_one = cuda_time(fwd)
+                ref, _ = unsplit()
+                t_one = cuda_time(unsplit)
                 out, _ = fwd()
             diff = (out.float() - ref.float()).abs().max().item()
             assert diff <= 2e-2, f"split and unsplit outputs differ by {diff} (B={b} Sk={sk})"
@@ -537,7 +532,7 @@ def decode_rows(d=128, device="cuda"):
                          f"{peer if fns else 'refused'} |")
             print(lines[-1], flush=True)
             del q, k, v, fns
-    return (f"Decode (Sq = 1), bf16, D={d}; ours = split-KV heuristic, unsplit = ATTN_CUDA_SPLITS=1; "
+    return (f"Decode (Sq = 1), bf16, D={d}; ours = split-KV heuristic, unsplit = num_splits=1; "
             "GB/s = K + V cache bytes / time; x = that time / ours\n\n" + "\n".join(lines) + "\n")
 
 
@@ -546,8 +541,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", default=None)
     ap.add_argument("--tune", action="store_true", help="time the -DATTN_TUNING candidates")
-    ap.add_argument("--fwd-variants", default="0-7", help="ATTN_TUNE_FWD values for --tune (e.g. 0-7 or 0,1,5)")
-    ap.add_argument("--bwd-variants", default="0-12", help="ATTN_TUNE_BWD values for --tune")
+    ap.add_argument("--fwd-variants", default="0-7", help="tune_fwd values for --tune (e.g. 0-7 or 0,1,5)")
+    ap.add_argument("--bwd-variants", default="0-12", help="tune_bwd values for --tune")
     ap.add_argument("--ref", action="store_true", help="the reference shape: floors, forward and backward times")
     ap.add_argument("--options", action="store_true",
                     help="fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout vs SDPA")

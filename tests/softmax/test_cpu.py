@@ -3,6 +3,7 @@ reference, every option alone and combined, the drop-ins, opcheck, gradcheck, dr
 input."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 
@@ -13,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attention_ext as ae
-from attention_ext import ops, reference
-
-from helpers import FLOOR, assert_close_fa2, rand_qkv, reference_in, rel_err
+from attention_ext.softmax import ops, reference
+from tests.helpers import FLOOR, assert_close_fa2, rand_qkv, reference_in, rel_err
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
@@ -403,10 +403,12 @@ def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("variant", ["full", "plain", "dropout"])
+@pytest.mark.parametrize("variant", ["full", "plain", "dropout", "splits_deterministic"])
 def test_opcheck_fwd(variant, dtype):
     args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if variant == "dropout" else 0.0,
                     dtype=dtype)
+    if variant == "splits_deterministic":  # the two trailing arguments, past their defaults
+        args = (*args, 0, True)
     torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
 
 
@@ -483,6 +485,127 @@ def test_bad_input_raw_op_never_crashes():
     q1, k1 = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16)
     with pytest.raises((RuntimeError, ValueError)):
         torch.ops.attention_ext.fwd(q1, k1, k1, *bad_cu)
+
+
+@pytest.mark.filterwarnings("ignore:attention_ext. no compiled kernel:RuntimeWarning")
+@pytest.mark.parametrize("name,fn,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_fallback(monkeypatch, name, fn, exc, msg):
+    """The reference fallback (no compiled kernel for the device) raises what the kernels raise:
+    ops.check_inputs states the C++ rules."""
+    monkeypatch.setitem(ops._KERNELS, "cpu", False)
+    q = torch.randn(2, 4, 8, 16)
+    k = torch.randn(2, 2, 9, 16)
+    v = torch.randn(2, 2, 9, 16)
+    with pytest.raises(exc, match=msg):
+        fn(q, k, v)
+
+
+def _raw_fwd_args(device, **changes):
+    """The op's positional arguments (q (2, 4, 8, 16), k / v (2, 2, 9, 16)), each of `changes` a
+    value or a function of the device."""
+    a = dict(q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16), bias=None,
+             alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=8,
+             max_seqlen_k=9, scale=0.25, softcap=0.0, window_left=-1, window_right=-1, bottom_right=False,
+             dropout_p=0.0, seed=0, offset=0, num_splits=1, deterministic=False)
+    a.update(changes)
+    a = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
+    return [a[n] for n in ops.FWD_ARGS]
+
+
+_i32 = dict(dtype=torch.int32)
+RAW_BAD = {
+    "3-D q": dict(q=torch.randn(2, 4, 8)),
+    "dtype": dict(k=torch.randn(2, 2, 9, 16).half()),
+    "int dtype": dict(q=torch.ones(2, 4, 8, 16).long(), k=torch.ones(2, 2, 9, 16).long(),
+                      v=torch.ones(2, 2, 9, 16).long()),
+    "batch": dict(k=torch.randn(1, 2, 9, 16), v=torch.randn(1, 2, 9, 16)),
+    "k/v shape": dict(v=torch.randn(2, 2, 5, 16)),
+    "head dim": dict(k=torch.randn(2, 2, 9, 8), v=torch.randn(2, 2, 9, 8)),
+    "big head dim": dict(q=torch.randn(2, 4, 8, 300), k=torch.randn(2, 2, 9, 300), v=torch.randn(2, 2, 9, 300)),
+    "heads": dict(k=torch.randn(2, 3, 9, 16), v=torch.randn(2, 3, 9, 16)),
+    "head dim stride": dict(q=torch.randn(2, 4, 16, 8).transpose(2, 3)),
+    "window": dict(window_left=-3),
+    "dropout": dict(dropout_p=1.0),
+    "softcap": dict(softcap=-1.0),
+    "scale": dict(scale=math.inf),
+    "num_splits": dict(num_splits=-1),
+    "bias dtype": dict(bias=torch.randn(1, 1, 8, 9).half()),
+    "bias dims": dict(bias=torch.randn(8, 9)),
+    "bias shape": dict(bias=torch.randn(1, 1, 3, 9)),
+    "alibi shape": dict(alibi_slopes=torch.ones(3)),
+    "alibi dtype": dict(alibi_slopes=torch.ones(4, dtype=torch.float64)),
+    "sinks shape": dict(sinks=torch.ones(5)),
+    "sinks dtype": dict(sinks=torch.ones(4).half()),
+    "seqlens_k dtype": dict(seqlens_k=torch.ones(2, dtype=torch.int64)),
+    "seqlens_k shape": dict(seqlens_k=torch.ones(3, **_i32)),
+    "cu_seqlens alone": dict(cu_seqlens_q=torch.tensor([0, 8], **_i32)),
+    "varlen batch": dict(cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 9], **_i32)),
+    "varlen cu shape": dict(q=torch.randn(1, 4, 8, 16), k=torch.randn(1, 2, 9, 16), v=torch.randn(1, 2, 9, 16),
+                            cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 4, 9], **_i32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RAW_BAD))
+def test_fake_checks_match_cpp(case):
+    """The fake kernel (meta tensors, torch.compile) rejects what the C++ op rejects, with the same
+    error type and message: ops.check_inputs is the Python statement of the C++ check_inputs."""
+    errors = {}
+    for device in ("cpu", "meta"):
+        with pytest.raises((RuntimeError, ValueError, TypeError)) as e:
+            torch.ops.attention_ext.fwd(*_raw_fwd_args(device, **RAW_BAD[case]))
+        errors[device] = (type(e.value), str(e.value).splitlines()[0])
+    assert errors["meta"] == errors["cpu"]
+
+
+def test_option_names_from_schema():
+    """OPTION_NAMES is read from the registered schemas: the options fwd and bwd share, in order;
+    check_inputs names the same options (it stands in for the schema without the extension)."""
+    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "offset" and len(ops.OPTION_NAMES) == 16
+    assert ops.FWD_ARGS == ("q", "k", "v", *ops.OPTION_NAMES, "num_splits", "deterministic")
+    params = inspect.signature(ops.check_inputs).parameters
+    assert tuple(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY) == ops.OPTION_NAMES
+
+
+def test_autograd_saves_only_what_backward_needs():
+    """Sinks are saved only for their own gradient (the backward reads the LSE, which already holds
+    them); nothing is saved when no differentiable input needs a gradient."""
+    def saved(fn):
+        packed = []
+
+        def pack(t):
+            packed.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return out, packed
+
+    q, k, v = rand_qkv(1, 2, 2, 9, 11, 16, torch.float32)
+    sinks = torch.randn(2)
+    out, packed = saved(lambda: ae.attention(q, k, v, sinks=sinks, causal=True))
+    assert not any(t is sinks for t in packed) and len(packed) == 5  # q, k, v, out, lse
+    out.sum().backward()
+    ref, _ = reference.attention(*(t.detach().double() for t in (q, k, v)), sinks=sinks.double(), window=(-1, 0))
+    assert rel_err(out, ref) < 1e-5 and q.grad is not None and torch.isfinite(q.grad).all()
+    sinks.requires_grad_()
+    _, packed = saved(lambda: ae.attention(q, k, v, sinks=sinks))
+    assert any(t is sinks for t in packed)
+    slopes = torch.rand(2, requires_grad=True)  # takes part in autograd, has no gradient of its own
+    _, packed = saved(lambda: ae.attention(q.detach(), k.detach(), v.detach(), alibi_slopes=slopes))
+    assert packed == []
+
+
+def test_num_splits_and_deterministic_reach_the_op():
+    """num_splits is the CUDA forward's (the CPU ignores it); deterministic rides on the forward to
+    the autograd backward. Neither changes a CPU result."""
+    q, k, v = rand_qkv(2, 4, 2, 20, 33, 32, torch.float32)
+    out = ae.attention(q, k, v, causal=True)
+    for kw in (dict(num_splits=0), dict(num_splits=7, deterministic=True)):
+        assert torch.equal(ae.attention(q, k, v, causal=True, **kw), out)
+        assert torch.equal(ae.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), **kw),
+                           ae.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v))))
+    with pytest.raises(ValueError, match="num_splits"):
+        ae.attention(q, k, v, num_splits=-1)
 
 
 def test_fp32_error_floor_is_meaningful():

@@ -1,7 +1,7 @@
 """CPU benchmark of the fused softmax attention against torch's own CPU SDPA (flash backend) and
 FlexAttention, measured in the same run and reported as ratios.
 
-    python benchmarks/bench_cpu.py [--quick] [--out benchmarks/results/cpu.md]
+    python benchmarks/softmax/bench_cpu.py [--quick] [--out benchmarks/results/cpu.md]
 
 Rows: forward and forward+backward, fp32 and bf16, on the issue's shapes; a sliding window of
 256 at S=8192 against torch.compile(flex_attention) with the equivalent block mask; the peak-RSS
@@ -20,10 +20,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import flops, interleaved, matmul_ceiling  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
+from attention_ext import _ext  # noqa: E402
 
 SHAPES = [  # (B, H, S, D, causal)
     (1, 8, 2048, 64, False),
@@ -140,7 +141,7 @@ def main(argv=None):
     CEILING[0] = ceil32
     ceil16 = matmul_ceiling(torch.bfloat16, n=1024, reps=2)
     header = (f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-              f"{torch.__version__}, ISA {ae.ops._C.cpu_isa if ae.ops.HAS_EXT else 'none'}; matmul ceiling fp32 "
+              f"{torch.__version__}, ISA {_ext._C.cpu_isa if _ext.HAS_EXT else 'none'}; matmul ceiling fp32 "
               f"{ceil32 / 1e9:.1f} GFLOP/s, bf16 {ceil16 / 1e9:.1f} GFLOP/s")
     print(header)
     print("| case | (B, H, S, D) | causal | dtype | ours GFLOP/s (of fp32 matmul) | peer GFLOP/s | ours / peer |")

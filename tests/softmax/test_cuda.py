@@ -15,9 +15,7 @@ import os
 import pytest
 import torch
 
-from attention_ext import reference
-
-ops = pytest.importorskip("attention_ext.ops")
+from attention_ext.softmax import ops, reference
 
 CUDA = torch.cuda.is_available() and ops.HAS_EXT and ops.has_kernel(torch.device("cuda"))
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled CUDA kernels")
@@ -47,15 +45,24 @@ def call_fwd(q, k, v, **o):
     return [opts[n] for n in ops.OPTION_NAMES]
 
 
-def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
+def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_splits=1, **o):
     args = call_fwd(q, k, v, **o)
     nbytes = 4 * (q.numel() + k.numel() + v.numel()) * 2 + (1 << 22)
     poison_allocator(nbytes)
-    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args, num_splits, deterministic)
     poison_allocator(nbytes)
     grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic)
     torch.cuda.synchronize()
     return out, lse, grads
+
+
+@pytest.fixture
+def kernels():
+    """kernels(**fields): set some fields of the CUDA kernel selection (ops.set_cuda_kernels) for
+    this test, the others kept; the whole selection is restored after the test."""
+    old = ops.cuda_kernels()
+    yield lambda **fields: ops.set_cuda_kernels(**{**ops.cuda_kernels(), **fields})
+    ops.set_cuda_kernels(**old)
 
 
 def ref_run(q, k, v, dout, dtype, *, bias=None, sinks=None, need_bias_grad=False, **kw):
@@ -257,18 +264,17 @@ def test_varlen(dtype, d, causal):
 
 
 # ---------------------------------------------------------------- split-KV forward (flash-decoding)
-# ATTN_CUDA_SPLITS=N (read on every call) forces N key splits of the mma.sync forward (1 = never
-# split; unset = the heuristic); the combine kernel merges the partials and adds the sinks. The
-# backward is unchanged and consumes the merged O and LSE, so run_and_compare checks both.
+# The op's num_splits=N forces N key splits of the mma.sync forward (1 = never split, 0 = the
+# heuristic); the combine kernel merges the partials and adds the sinks. The backward is unchanged
+# and consumes the merged O and LSE, so run_and_compare checks both.
 SPLITS = ["2", "3", "7", "64"]  # 64: more splits than key blocks for most shapes (empty splits)
 DECODE_SQ = [1, 2, 7, 65]
 DECODE_SK = [1, 129, 1000, 4099]
 
 
 @pytest.fixture(params=SPLITS, ids=[f"splits{s}" for s in SPLITS])
-def splits_env(request, monkeypatch):
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
-    monkeypatch.setenv("ATTN_CUDA_SPLITS", request.param)
+def num_splits(request, kernels):
+    kernels(hopper_fwd=0)
     return int(request.param)
 
 
@@ -298,11 +304,11 @@ SPLIT_OPTIONS = ["causal_br", "window_br", "seqlens_k", "sinks", "bias", "bool_m
 
 @pytest.mark.parametrize("sk", DECODE_SK)
 @pytest.mark.parametrize("sq", DECODE_SQ)
-def test_split_shapes(splits_env, sq, sk):
-    torch.manual_seed(sq * 10000 + sk + splits_env)
+def test_split_shapes(num_splits, sq, sk):
+    torch.manual_seed(sq * 10000 + sk + num_splits)
     dtype = torch.bfloat16 if (sq + sk) % 2 else torch.float16
-    run_and_compare(2, 8, 2, sq, sk, 128, dtype, window=(-1, 0), bottom_right=True)
-    run_and_compare(1, 4, 1, sq, sk, 64, dtype)  # MQA, no mask
+    run_and_compare(2, 8, 2, sq, sk, 128, dtype, window=(-1, 0), bottom_right=True, num_splits=num_splits)
+    run_and_compare(1, 4, 1, sq, sk, 64, dtype, num_splits=num_splits)  # MQA, no mask
 
 
 # (opt, sq, sk, d); not dropout with one key: dK is exactly 0 there and the bf16 cancellation in
@@ -313,13 +319,13 @@ SPLIT_OPTION_CASES = [(opt, sq, sk, d) for opt in SPLIT_OPTIONS
 
 
 @pytest.mark.parametrize("opt,sq,sk,d", SPLIT_OPTION_CASES)
-def test_split_options(splits_env, opt, sq, sk, d):
-    torch.manual_seed(hash((opt, sq, sk, splits_env)) % 10000)
+def test_split_options(num_splits, opt, sq, sk, d):
+    torch.manual_seed(hash((opt, sq, sk, num_splits)) % 10000)
     b, h, hk = 2, 4, 2
-    run_and_compare(b, h, hk, sq, sk, d, torch.bfloat16, **split_options(b, h, sq, sk)[opt])
+    run_and_compare(b, h, hk, sq, sk, d, torch.bfloat16, num_splits=num_splits, **split_options(b, h, sq, sk)[opt])
 
 
-def varlen_case(dtype, d, lens_q, lens_k, window, sinks=True):
+def varlen_case(dtype, d, lens_q, lens_k, window, sinks=True, num_splits=1):
     """Varlen pack (bottom-right causal or not, with sinks) against reference.attention_varlen."""
     h, hk = 4, 2
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), device=DEV, dtype=torch.int32)
@@ -332,7 +338,8 @@ def varlen_case(dtype, d, lens_q, lens_k, window, sinks=True):
     sk_ = torch.randn(h, device=DEV) if sinks else None
     out, lse, (dq, dk, dv, _, dsinks) = run_kernel(
         pack(q), pack(k), pack(v), pack(dout), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
-        max_seqlen_k=max(lens_k), window_left=window[0], window_right=window[1], bottom_right=True, sinks=sk_)
+        max_seqlen_k=max(lens_k), window_left=window[0], window_right=window[1], bottom_right=True, sinks=sk_,
+        num_splits=num_splits)
 
     def ref(dt):
         qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
@@ -354,10 +361,11 @@ def varlen_case(dtype, d, lens_q, lens_k, window, sinks=True):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_split_varlen(splits_env, causal):
-    torch.manual_seed(splits_env + causal)
+def test_split_varlen(num_splits, causal):
+    torch.manual_seed(num_splits + causal)
     # decode-like sequences beside a longer prefill, an empty key range and a one-key cache
-    varlen_case(torch.bfloat16, 128, [1, 2, 7, 65, 1], [4099, 1000, 129, 1, 0], (-1, 0) if causal else (-1, -1))
+    varlen_case(torch.bfloat16, 128, [1, 2, 7, 65, 1], [4099, 1000, 129, 1, 0], (-1, 0) if causal else (-1, -1),
+                num_splits=num_splits)
 
 
 def fwd_kernels(fn):
@@ -365,44 +373,40 @@ def fwd_kernels(fn):
     return {n for n in kernel_names(fn) if "fwd_kernel" in n or "fwd_combine_kernel" in n}
 
 
-def test_split_path_runs_and_matches_unsplit(monkeypatch):
-    """ATTN_CUDA_SPLITS=7 runs the FwdSplit kernel and the combine, =1 neither; same result within
+def test_split_path_runs_and_matches_unsplit(kernels):
+    """num_splits=7 runs the FwdSplit kernel and the combine, =1 neither; same result within
     rounding (the merge reorders the sums)."""
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    kernels(hopper_fwd=0)
     torch.manual_seed(0)
     b, h, hk, sq, sk, d = 2, 8, 2, 1, 4099, 128
     q, k, v = randn(b, h, sq, d, dtype=torch.bfloat16), randn(b, hk, sk, d, dtype=torch.bfloat16), \
         randn(b, hk, sk, d, dtype=torch.bfloat16)
     args = call_fwd(q, k, v, sinks=torch.randn(h, device=DEV), window_left=-1, window_right=0, bottom_right=True)
     res = {}
-    for n in ("1", "7"):
-        monkeypatch.setenv("ATTN_CUDA_SPLITS", n)
-        names = fwd_kernels(lambda: res.__setitem__(n, torch.ops.attention_ext.fwd(q, k, v, *args)))
+    for n in (1, 7):
+        names = fwd_kernels(lambda: res.__setitem__(n, torch.ops.attention_ext.fwd(q, k, v, *args, n)))
         combined = any("fwd_combine_kernel" in x for x in names)
         split = any("FwdSplit" in x for x in names)
-        assert combined == split == (n != "1"), f"ATTN_CUDA_SPLITS={n} ran {sorted(names)}"
-    (o1, l1), (o7, l7) = res["1"], res["7"]
+        assert combined == split == (n != 1), f"num_splits={n} ran {sorted(names)}"
+    (o1, l1), (o7, l7) = res[1], res[7]
     assert not torch.isnan(o7).any() and not torch.isnan(l7).any()
     assert (o1.float() - o7.float()).abs().max().item() <= 1e-2
     assert (l1 - l7).abs().max().item() <= 1e-4
 
 
-def test_split_heuristic(monkeypatch):
-    """ATTN_CUDA_SPLITS=auto: a decode step with a long cache (8 CTAs unsplit) splits; a grid that
-    fills the GPU (thousands of CTAs) does not. Unset (split-KV is opt-in until verified on a
-    GPU): nothing splits."""
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
-    monkeypatch.delenv("ATTN_CUDA_SPLITS", raising=False)
-    monkeypatch.delenv("ATTN_TUNE_FWD", raising=False)
+def test_split_heuristic(kernels):
+    """num_splits=0 (the heuristic): a decode step with a long cache (8 CTAs unsplit) splits; a
+    grid that fills the GPU (thousands of CTAs) does not. The default (1: split-KV is opt-in) never
+    splits."""
+    kernels(hopper_fwd=0, tune_fwd=0)
     q, k, v = randn(1, 8, 1, 128, dtype=torch.bfloat16), randn(1, 2, 8192, 128, dtype=torch.bfloat16), \
         randn(1, 2, 8192, 128, dtype=torch.bfloat16)
     names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v)))
     assert not any("fwd_combine_kernel" in x for x in names), f"split without opting in: {sorted(names)}"
-    monkeypatch.setenv("ATTN_CUDA_SPLITS", "auto")
-    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v)))
+    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v), 0))
     assert any("fwd_combine_kernel" in x for x in names), f"decode did not split: {sorted(names)}"
     q, k, v = (randn(8, 32, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
-    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v)))
+    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v), 0))
     assert not any("fwd_combine_kernel" in x for x in names), f"a full grid split: {sorted(names)}"
 
 
@@ -427,9 +431,9 @@ def test_dropout_reproducible_and_matches_cpu(dtype):
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), f"CUDA vs CPU dropout forward differ by {err}"
 
 
-def test_force_simt_path_matches(monkeypatch):
+def test_force_simt_path_matches(kernels):
     """The SIMT fallback on fp16/bf16 (as used on sm < 80 or misaligned tensors)."""
-    monkeypatch.setenv("ATTN_CUDA_FORCE_SIMT", "1")
+    kernels(force_simt=True)
     torch.manual_seed(5)
     for dtype in (torch.float16, torch.bfloat16):
         run_and_compare(2, 4, 2, 65, 130, 64, dtype, window=(-1, 0), bottom_right=True,
@@ -438,7 +442,7 @@ def test_force_simt_path_matches(monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_lse_gradient(dtype, tol):
-    from test_attention import lse_gradient_case
+    from tests.softmax.test_cpu import lse_gradient_case
 
     lse_gradient_case(DEV, dtype, tol)
 
@@ -462,13 +466,14 @@ def test_float64_is_cpu_only():
 
 # ---------------------------------------------------------------- tuning candidates (-DATTN_TUNING)
 # A build with NVCC_APPEND_FLAGS=-DATTN_TUNING compiles the candidate kernels of
-# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt), picked per call by ATTN_TUNE_FWD / ATTN_TUNE_BWD.
-# ATTN_TEST_TUNE names the ones to check, e.g. "fwd=1-6 bwd=1-12" (benchmarks/gpu_check.sh, stage
-# tune); unset, these tests are not generated. Any other test also runs under a candidate with
-# the variable set for the whole run (ATTN_TUNE_BWD=4 pytest tests/test_cuda.py -k options).
+# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt), picked by set_cuda_kernels' tune_fwd / tune_bwd.
+# ATTENTION_EXT_TEST_TUNE names the ones to check, e.g. "fwd=1-6 bwd=1-12" (benchmarks/gpu_check.sh,
+# stage tune); unset, these tests are not generated. Any other test also runs under a candidate
+# selected for the whole run
+# (ATTENTION_EXT_CUDA_KERNELS=tune_bwd=4 pytest tests/softmax/test_cuda.py -k options).
 def tune_candidates():
     out = []
-    for tok in os.environ.get("ATTN_TEST_TUNE", "").split():
+    for tok in os.environ.get("ATTENTION_EXT_TEST_TUNE", "").split():
         kind, _, nums = tok.partition("=")
         for part in nums.split(","):
             lo, _, hi = part.partition("-")
@@ -476,7 +481,7 @@ def tune_candidates():
     return out
 
 
-TUNE_ENV = {"fwd": "ATTN_TUNE_FWD", "bwd": "ATTN_TUNE_BWD"}
+TUNE_FIELD = {"fwd": "tune_fwd", "bwd": "tune_bwd"}  # set_cuda_kernels' keyword per candidate kind
 # (head dim, dtype): every bucket, an odd head dim, both 16-bit dtypes at the benchmarked 128
 TUNE_DIMS = [(64, torch.bfloat16), (96, torch.float16), (128, torch.bfloat16), (128, torch.float16),
              (256, torch.bfloat16)]
@@ -510,14 +515,14 @@ def _tune_kernel_names(fn):
 
 
 @pytest.mark.parametrize("cand", tune_candidates())
-def test_tune_candidate_runs(monkeypatch, cand):
+def test_tune_candidate_runs(kernels, cand):
     """The candidate reaches a kernel other than the default (else the build lacks -DATTN_TUNING)."""
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
-    kind, v = cand[:3], cand[3:]
+    kernels(hopper_fwd=0)
+    kind, v = cand[:3], int(cand[3:])
     q, k, v_, dout = (randn(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(4))
-    monkeypatch.setenv(TUNE_ENV[kind], "0")
+    kernels(**{TUNE_FIELD[kind]: 0})
     base = _tune_kernel_names(lambda: run_kernel(q, k, v_, dout))
-    monkeypatch.setenv(TUNE_ENV[kind], v)
+    kernels(**{TUNE_FIELD[kind]: v})
     names = _tune_kernel_names(lambda: run_kernel(q, k, v_, dout))
     assert names != base, f"{cand} ran the default kernels {sorted(base)}: not a -DATTN_TUNING build?"
 
@@ -525,17 +530,16 @@ def test_tune_candidate_runs(monkeypatch, cand):
 @pytest.mark.parametrize("case", list(_tune_cases()) if tune_candidates() else [])
 @pytest.mark.parametrize("d,dtype", TUNE_DIMS)
 @pytest.mark.parametrize("cand", tune_candidates())
-def test_tune_candidate(monkeypatch, cand, d, dtype, case):
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
-    monkeypatch.setenv(TUNE_ENV[cand[:3]], cand[3:])
+def test_tune_candidate(kernels, cand, d, dtype, case):
+    kernels(hopper_fwd=0, **{TUNE_FIELD[cand[:3]]: int(cand[3:])})
     torch.manual_seed(d)
     _tune_cases()[case](d, dtype)
 
 
 # ---------------------------------------------------------------- sm_90a wgmma forward (opt-in)
-# ATTN_CUDA_HOPPER=1 sends what use_hopper_fwd() accepts (fp16/bf16, d <= 128, plain policy,
-# sinks) to the wgmma kernel, =2 to its variant with the softmax overlapped with P V; the
-# dispatcher reads the variable on every call. Every test runs both. The backward (mma.sync)
+# set_cuda_kernels(hopper_fwd=1) sends what use_hopper_fwd() accepts (fp16/bf16, d <= 128, plain
+# policy, sinks) to the wgmma kernel, =2 to its variant with the softmax overlapped with P V.
+# Every test runs both. The backward (mma.sync)
 # consumes the wgmma forward's out and LSE, so run_and_compare checks those twice.
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200)")
@@ -546,8 +550,8 @@ HOPPER_MODES = ["1", "2"]  # plain, overlapped
 
 
 @pytest.fixture(params=HOPPER_MODES, ids=["wgmma", "wgmma_overlap"])
-def hopper_env(request, monkeypatch):
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", request.param)
+def hopper_fwd(request, kernels):
+    kernels(hopper_fwd=int(request.param))
     return request.param
 
 
@@ -568,7 +572,7 @@ def hopper_compare(*args, expect_hopper=True, **kw):
 
 @hopper
 @pytest.mark.parametrize("d", [64, 128])
-def test_hopper_triage(hopper_env, d):
+def test_hopper_triage(hopper_fwd, d):
     """Each product of the wgmma forward on inputs that isolate it; gpu_check.sh runs this first, under
     a short timeout (a broken mbarrier protocol hangs rather than fails). The message names every
     check that failed, in the triage order of benchmarks/results/hopper-fwd-notes.md:
@@ -614,7 +618,7 @@ def test_hopper_triage(hopper_env, d):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (300, 257), (1000, 1000)])
-def test_hopper_shapes(hopper_env, dtype, d, sq, sk):
+def test_hopper_shapes(hopper_fwd, dtype, d, sq, sk):
     torch.manual_seed(sq * 1000 + sk + d)
     hopper_compare(2, 2, 2, sq, sk, d, dtype)
 
@@ -627,7 +631,7 @@ HOPPER_OPTIONS = ["causal_tl", "causal_br", "window", "window_br", "key_padding"
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("opt", HOPPER_OPTIONS)
 @pytest.mark.parametrize("d", [64, 96, 128])
-def test_hopper_options(hopper_env, dtype, heads, opt, d):
+def test_hopper_options(hopper_fwd, dtype, heads, opt, d):
     torch.manual_seed(hash((opt, heads, d)) % 10000)
     h, hk = HEADS[heads]
     hopper_compare(2, h, hk, 129, 200, d, dtype, **option_cases()[opt](h))
@@ -635,7 +639,7 @@ def test_hopper_options(hopper_env, dtype, heads, opt, d):
 
 @hopper
 @pytest.mark.parametrize("opt", ["bool_mask", "bias_grad", "alibi", "softcap", "dropout"])
-def test_hopper_falls_back(hopper_env, opt):
+def test_hopper_falls_back(hopper_fwd, opt):
     """Options the wgmma kernel does not evaluate keep the mma.sync kernel, with the same results."""
     torch.manual_seed(11)
     hopper_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, expect_hopper=False, **option_cases()[opt](4))
@@ -645,12 +649,12 @@ def test_hopper_falls_back(hopper_env, opt):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_varlen(hopper_env, dtype, d, causal):
+def test_hopper_varlen(hopper_fwd, dtype, d, causal):
     assert hopper_ran(lambda: test_varlen(dtype, d, causal))
 
 
 @hopper
-def test_hopper_layout_bshd(hopper_env):
+def test_hopper_layout_bshd(hopper_fwd):
     assert hopper_ran(lambda: test_layout_bshd(torch.bfloat16))
 
 
@@ -658,7 +662,7 @@ def test_hopper_layout_bshd(hopper_env):
 @pytest.mark.parametrize("mode", HOPPER_MODES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_long_and_repeatable(monkeypatch, mode, d, causal):
+def test_hopper_long_and_repeatable(kernels, mode, d, causal):
     """Many key blocks (the K/V rings wrap dozens of times), against mma.sync on the same inputs,
     and twice bitwise: a race in the pipeline shows as a moving result."""
     torch.manual_seed(d + causal)
@@ -674,9 +678,9 @@ def test_hopper_long_and_repeatable(monkeypatch, mode, d, causal):
         torch.cuda.synchronize()
         return out, lse
 
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    kernels(hopper_fwd=0)
     o_ref, l_ref = fwd()
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", mode)
+    kernels(hopper_fwd=int(mode))
     res = []
     assert hopper_ran(lambda: res.append(fwd()))
     res.append(fwd())
@@ -688,14 +692,13 @@ def test_hopper_long_and_repeatable(monkeypatch, mode, d, causal):
 
 
 # ---------------------------------------------------------------- sm_90a wgmma backward (opt-in)
-# ATTN_CUDA_HOPPER_BWD=1 sends what use_hopper_bwd() accepts (fp16/bf16, d <= 128, plain policy,
-# sinks, not deterministic) to attn::hopper::bwd_kernel; the forward stays on mma.sync
-# (ATTN_CUDA_HOPPER=0), so a failure here is the backward's own. run_and_compare checks dQ, dK, dV
+# set_cuda_kernels(hopper_bwd=1) sends what use_hopper_bwd() accepts (fp16/bf16, d <= 128, plain
+# policy, sinks, not deterministic) to attn::hopper::bwd_kernel; the forward stays on mma.sync
+# (hopper_fwd=0), so a failure here is the backward's own. run_and_compare checks dQ, dK, dV
 # (and dsinks) against the float64 reference at <= 2x torch's error.
 @pytest.fixture
-def hopper_bwd_env(monkeypatch):
-    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "1")
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+def hopper_bwd(kernels):
+    kernels(hopper_bwd=1, hopper_fwd=0)
 
 
 def kernel_names(fn):
@@ -722,7 +725,7 @@ def hopper_bwd_compare(*args, expect_hopper=True, **kw):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", HOPPER_HEAD_DIMS)
 @pytest.mark.parametrize("sq,sk", [(1, 1), (7, 129), (129, 7), (63, 65), (300, 257), (1000, 1000)])
-def test_hopper_bwd_shapes(hopper_bwd_env, dtype, d, sq, sk):
+def test_hopper_bwd_shapes(hopper_bwd, dtype, d, sq, sk):
     torch.manual_seed(sq * 1000 + sk + d)
     hopper_bwd_compare(2, 2, 2, sq, sk, d, dtype)
 
@@ -732,7 +735,7 @@ def test_hopper_bwd_shapes(hopper_bwd_env, dtype, d, sq, sk):
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("opt", HOPPER_OPTIONS)
 @pytest.mark.parametrize("d", [64, 96, 128])
-def test_hopper_bwd_options(hopper_bwd_env, dtype, heads, opt, d):
+def test_hopper_bwd_options(hopper_bwd, dtype, heads, opt, d):
     torch.manual_seed(hash((opt, heads, d)) % 10000)
     h, hk = HEADS[heads]
     hopper_bwd_compare(2, h, hk, 129, 200, d, dtype, **option_cases()[opt](h))
@@ -740,7 +743,7 @@ def test_hopper_bwd_options(hopper_bwd_env, dtype, heads, opt, d):
 
 @hopper
 @pytest.mark.parametrize("opt", ["bool_mask", "bias_grad", "alibi", "softcap", "dropout", "deterministic", "d256"])
-def test_hopper_bwd_falls_back(hopper_bwd_env, opt):
+def test_hopper_bwd_falls_back(hopper_bwd, opt):
     """What the wgmma backward does not take keeps the mma.sync kernels, with the same results."""
     torch.manual_seed(12)
     if opt == "deterministic":
@@ -756,22 +759,21 @@ def test_hopper_bwd_falls_back(hopper_bwd_env, opt):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_bwd_varlen(hopper_bwd_env, dtype, d, causal):
+def test_hopper_bwd_varlen(hopper_bwd, dtype, d, causal):
     """Sequences of 1..300 rows (several query blocks, a sequence shorter than one) with sinks."""
     assert hopper_bwd_ran(lambda: test_varlen(dtype, d, causal))
 
 
 @hopper
-def test_hopper_bwd_layout_bshd(hopper_bwd_env):
+def test_hopper_bwd_layout_bshd(hopper_bwd):
     assert hopper_bwd_ran(lambda: test_layout_bshd(torch.bfloat16))
 
 
 @hopper
 @pytest.mark.parametrize("d", [64, 128])
-def test_hopper_bwd_with_hopper_fwd(monkeypatch, d):
+def test_hopper_bwd_with_hopper_fwd(kernels, d):
     """Both wgmma kernels in one call: the backward consumes the wgmma forward's out and LSE."""
-    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "1")
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "1")
+    kernels(hopper_bwd=1, hopper_fwd=1)
     torch.manual_seed(d)
     names = kernel_names(lambda: run_and_compare(2, 4, 2, 300, 257, d, torch.bfloat16, window=(-1, 0),
                                                  bottom_right=True))
@@ -783,7 +785,7 @@ def test_hopper_bwd_with_hopper_fwd(monkeypatch, d):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-def test_hopper_bwd_long_and_repeatable(monkeypatch, d, causal, heads):
+def test_hopper_bwd_long_and_repeatable(kernels, d, causal, heads):
     """Many query blocks (the Q / dO ring wraps dozens of times, over every head of a kv group),
     against the mma.sync backward on the same inputs; dK and dV twice bitwise (each is one CTA's
     fixed-order sum: a race in the ring or the dS^T buffers shows as a moving result). dQ is summed
@@ -796,7 +798,7 @@ def test_hopper_bwd_long_and_repeatable(monkeypatch, d, causal, heads):
     v = randn(b, s, hk, d, dtype=torch.bfloat16).transpose(1, 2)
     dout = randn(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
     args = call_fwd(q, k, v, window_left=-1, window_right=0 if causal else -1, bottom_right=True)
-    monkeypatch.setenv("ATTN_CUDA_HOPPER", "0")
+    kernels(hopper_fwd=0)
     out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
 
     def bwd():
@@ -805,9 +807,9 @@ def test_hopper_bwd_long_and_repeatable(monkeypatch, d, causal, heads):
         torch.cuda.synchronize()
         return grads[:3]
 
-    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "0")
+    kernels(hopper_bwd=0)
     ref = bwd()
-    monkeypatch.setenv("ATTN_CUDA_HOPPER_BWD", "1")
+    kernels(hopper_bwd=1)
     res = []
     assert hopper_bwd_ran(lambda: res.append(bwd()))
     res.append(bwd())

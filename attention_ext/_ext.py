@@ -1,0 +1,33 @@
+"""The compiled extension, attention_ext._C, loaded once for every family.
+
+Importing it registers the custom ops (torch.ops.attention_ext.*, schemas in csrc/). When it is
+missing, `HAS_EXT` is False, `IMPORT_ERROR` says why, and the functional layers run the
+pure-PyTorch references instead, with a warning.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.attention_ext)
+
+    HAS_EXT = True
+    IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as e:  # pragma: no cover - exercised only on broken installs
+    _C = None
+    HAS_EXT = False
+    IMPORT_ERROR = e
+    warnings.warn(
+        f"attention_ext: compiled kernels not available ({e}); falling back to the pure-PyTorch reference",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def registered(op: str, dispatch_key: str) -> bool:
+    """True when the extension registers a kernel of `op` ("attention_ext::fwd") for
+    `dispatch_key` ("CPU", "CUDA")."""
+    return HAS_EXT and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)

@@ -1,0 +1,92 @@
+"""Drop-ins for flash-attn 2.x's functions on the fused softmax kernel: (B, S, H, D) layout,
+causal aligned bottom-right, flash-attn's argument order. `num_splits` (keyword only) follows
+flash-attn's convention: N splits of the keys on CUDA, 0 = a heuristic; our default 1 never
+splits (attention()'s docstring says why)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch import Tensor
+
+from ..softmax import reference
+from ..softmax.functional import attention, attention_varlen, attention_weights
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func"]
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, *, num_splits: int = 1):
+    """Drop-in for flash_attn.flash_attn_func: q (B, Sq, H, D), k / v (B, Sk, H_k, D); causal is
+    aligned bottom-right. return_attn_probs=True returns (out, lse (B, H, Sq), probs
+    (B, H, Sq, Sk)) with the real probabilities recomputed from the LSE."""
+    out, lse = attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
+                         window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         return_lse=True, deterministic=deterministic, num_splits=num_splits)
+    if return_attn_probs:
+        probs = attention_weights(q, k, lse, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
+                                  window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
+        return out, lse, probs
+    return out
+
+
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                              return_attn_probs: bool = False, *, num_splits: int = 1):
+    """qkv (B, S, 3, H, D): q, k, v are strided views of the pack, never copied."""
+    if not (qkv.dim() == 5 and qkv.shape[2] == 3):
+        raise ValueError(f"qkv must be (B, S, 3, H, D), got {tuple(qkv.shape)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs, num_splits=num_splits)
+
+
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                             causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                             return_attn_probs: bool = False, *, num_splits: int = 1):
+    """kv (B, Sk, 2, H_k, D)."""
+    if not (kv.dim() == 5 and kv.shape[2] == 2):
+        raise ValueError(f"kv must be (B, S, 2, H_k, D), got {tuple(kv.shape)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, num_splits=num_splits)
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, *, num_splits: int = 1):
+    """Drop-in for flash_attn.flash_attn_varlen_func: q (total_q, H, D), k / v (total_k, H_k, D),
+    sequence b in rows [cu_seqlens[b], cu_seqlens[b+1]). Returns out (total_q, H, D) (and lse
+    (H, total_q) and the (B, H, max_seqlen_q, max_seqlen_k) probabilities with
+    return_attn_probs)."""
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                scale=softmax_scale, causal=causal, bottom_right=True, window=tuple(window_size),
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True,
+                                deterministic=deterministic, num_splits=num_splits)
+    if return_attn_probs:
+        return out, lse, _varlen_probs(q, k, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                       softmax_scale, softcap, causal, tuple(window_size), alibi_slopes)
+    return out
+
+
+def _varlen_probs(q, k, lse, cq, ck, max_q, max_k, scale, softcap, causal, window, alibi_slopes):
+    """(B, H, max_seqlen_q, max_seqlen_k) probabilities of every sequence (in the LSE's dtype),
+    recomputed from the (H, total_q) LSE, zero outside each sequence."""
+    nb, h = cq.numel() - 1, q.shape[1]
+    acc = lse.dtype
+    probs = q.new_zeros((nb, h, max_q, max_k), dtype=acc)
+    window = (window[0], 0) if causal else window
+    for b in range(nb):
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        slopes = None if alibi_slopes is None else (alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes)
+        probs[b, :, : q1 - q0, : k1 - k0] = reference.attention_probs(
+            q[q0:q1].transpose(0, 1).unsqueeze(0).to(acc), k[k0:k1].transpose(0, 1).unsqueeze(0).to(acc),
+            lse[:, q0:q1].unsqueeze(0), scale=scale, softcap=softcap, window=window, bottom_right=True,
+            alibi_slopes=None if slopes is None else slopes.to(acc))[0]
+    return probs

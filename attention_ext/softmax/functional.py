@@ -1,0 +1,297 @@
+"""Tier 2 of the softmax family: the functional API. Turns the caller's conventions (layouts,
+masks, causal, seeds) into the op's options, then calls the fused op.
+
+- attention():          every option of the fused kernel, (B, H, S, D) or (B, S, H, D)
+- attention_varlen():   variable-length packs (total, H, D) with cu_seqlens
+- attention_weights():  the probabilities, recomputed cheaply from the LSE
+
+Input rules the op states itself (shapes, dtypes, head dim, GQA, option ranges) are checked by the
+op: the C++ check on a compiled kernel, ops.check_inputs under torch.compile and before the
+reference fallback. This layer checks only what the op cannot see: layouts, masks before they
+become the op's bias, and the values inside cu_seqlens.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import ops, reference
+
+__all__ = ["attention", "attention_varlen", "attention_weights"]
+
+_warned_fallback = set()
+
+
+def _check(cond: bool, msg, exc=ValueError):
+    """Raise exc(msg) unless cond; msg may be a callable, so that an f-string message (formatting
+    shapes costs microseconds) is only built when the check fails."""
+    if not cond:
+        raise exc(msg() if callable(msg) else msg)
+
+
+def _draw_seed(generator: Optional[torch.Generator]) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64).item())
+
+
+def _window(window, causal: bool) -> Tuple[int, int]:
+    """(left, right) sizes with -1 = unbounded; causal caps the right side at 0 (no future keys)."""
+    _check(len(window) == 2, lambda: f"window must be (left, right), got {window}")
+    wl, wr = int(window[0]), int(window[1])
+    return (wl, 0) if causal else (wl, wr)
+
+
+def _default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(max(d, 1))  # d = 0 is the op's error to report
+
+
+def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b: int, h: int, sq: int, sk: int,
+             device, acc: torch.dtype) -> Optional[Tensor]:
+    """Combine a bool/float mask and a (B, Sk) key padding mask into the op's 4-D bias
+    (bool True = attend, or additive in `acc`, the op's float side dtype), broadcast dims kept
+    at size 1."""
+    bias = None
+    if attn_mask is not None:
+        _check(isinstance(attn_mask, Tensor), "attn_mask must be a Tensor", TypeError)
+        _check(attn_mask.device == device, lambda: f"attn_mask must be on {device}, got {attn_mask.device}")
+        _check(attn_mask.dim() <= 4, lambda: f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
+        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        for got, want in zip(m.shape, (b, h, sq, sk)):
+            _check(got in (1, want),
+                   lambda: f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                           f"(B, H, Sq, Sk) = {(b, h, sq, sk)}")
+        if m.dtype == torch.bool:
+            bias = m
+        else:
+            _check(m.is_floating_point(), lambda: f"attn_mask must be bool or floating point, got {m.dtype}", TypeError)
+            bias = m.to(acc)
+    if key_padding_mask is not None:
+        _check(key_padding_mask.dim() == 2 and tuple(key_padding_mask.shape) == (b, sk),
+               lambda: f"key_padding_mask must be (B, Sk) = {(b, sk)}, got {tuple(key_padding_mask.shape)}")
+        _check(key_padding_mask.dtype == torch.bool,
+               lambda: f"key_padding_mask must be bool, got {key_padding_mask.dtype}",
+               TypeError)
+        kpm = key_padding_mask.view(b, 1, 1, sk)
+        if bias is None:
+            bias = kpm
+        elif bias.dtype == torch.bool:
+            bias = bias & kpm
+        else:
+            bias = bias.masked_fill(~kpm, float("-inf"))
+    return bias
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """The fused op on (B, H, S, D) views where a compiled kernel serves q's device and dtype;
+    else reference.py under the op's own input rules (ops.check_inputs), with a warning."""
+    if ops.has_kernel(q.device, q.dtype):
+        return ops.fwd(q, k, v, num_splits=num_splits, deterministic=deterministic, **opts)
+    ops.check_inputs(q, k, v, **opts)
+    key = (q.device.type, q.dtype)
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        warnings.warn(f"attention_ext: no compiled kernel for {q.dtype} on {q.device}; running the PyTorch reference",
+                      RuntimeWarning)
+    acc = ops.acc_dtype(q.dtype)
+    o = opts
+    cu_q, cu_k = o["cu_seqlens_q"], o["cu_seqlens_k"]
+    nb = q.shape[0] if cu_q is None else cu_q.numel() - 1
+    sq, sk = (q.shape[2], k.shape[2]) if cu_q is None else (o["max_seqlen_q"], o["max_seqlen_k"])
+    dmask = None
+    if o["dropout_p"] > 0:
+        g = torch.Generator(device="cpu").manual_seed(o["seed"])
+        dmask = (torch.rand(nb, q.shape[1], sq, sk, generator=g) >= o["dropout_p"]).to(q.device)
+    kw = dict(scale=o["scale"], softcap=o["softcap"], window=(o["window_left"], o["window_right"]),
+              bottom_right=o["bottom_right"], bias=o["bias"], alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
+              dropout_p=o["dropout_p"], dropout_mask=dmask)
+    if cu_q is None:
+        out, lse = reference.attention(q.to(acc), k.to(acc), v.to(acc), seqlens_k=o["seqlens_k"], **kw)
+    else:  # (1, H, total, D) packs -> (total, H, D) and back
+        unpack = lambda t: t[0].transpose(0, 1).to(acc)  # noqa: E731
+        out, lse = reference.attention_varlen(unpack(q), unpack(k), unpack(v), cu_q, cu_k, **kw)
+        out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+    return out.to(q.dtype), lse.to(acc)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: str = "bhsd",
+    scale: Optional[float] = None,
+    causal: bool = False,
+    bottom_right: bool = False,
+    window: Tuple[int, int] = (-1, -1),
+    attn_mask: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    seqlens_k: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    seed: Optional[int] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    num_splits: int = 1,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Fused softmax attention with every variant.
+
+    Args:
+        q: (B, H, Sq, D), or (B, Sq, H, D) with layout="bshd".
+        k, v: (B, H_k, Sk, D) (or (B, Sk, H_k, D)); H % H_k == 0 gives MQA / GQA with no copy.
+        scale: defaults to 1 / sqrt(D).
+        causal: query i sees keys j <= i + diag, diag = 0 (top-left, as SDPA) or Sk - Sq with
+            bottom_right=True (as flash-attn). Same as window=(-1, 0).
+        window: sliding window (left, right) around the diagonal; -1 = unbounded.
+        attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
+            (B, H, Sq, Sk). A float mask gets a gradient.
+        key_padding_mask: (B, Sk) bool, True = a real key.
+        seqlens_k: (B,) int: keys >= seqlens_k[b] are padding.
+        alibi_slopes: (H,) or (B, H): adds -slope * |i + diag - j|.
+        softcap: > 0 squashes the scaled scores: softcap * tanh(s / softcap).
+        sinks: (H,) learnable logits that join each softmax denominator (attention sinks).
+        dropout_p: dropout on the probabilities, drawn in-kernel from (seed or generator).
+        return_lse: also return the (B, H, Sq) log-sum-exp (float32; float64 for float64
+            inputs).
+        deterministic: the backward uses no atomics (CUDA).
+        num_splits: split-KV forward on CUDA (flash-decoding), flash-attn's convention: N splits
+            of the keys (at most 128), 0 = a heuristic picks. The default 1 never splits: the
+            split path is opt-in until a GPU run has checked it (docs/design/splitkv-notes.md).
+            The CPU ignores it.
+
+    Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
+               f"got shape {tuple(t.shape)}")
+    _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views, no copy
+    _check(q.device == k.device == v.device,
+           lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    wl, wr = _window(window, causal)
+    if scale is None:
+        scale = _default_scale(d)
+    acc = ops.acc_dtype(q.dtype)
+    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
+    if seqlens_k is not None:
+        _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
+        seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+    if sinks is not None:
+        _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
+        if sinks.dtype != acc:
+            sinks = sinks.to(acc)
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if dropout_p > 0.0 and seed is None:
+        seed = _draw_seed(generator)
+
+    opts = dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=seqlens_k, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap),
+                window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
+                seed=int(seed or 0), offset=0)
+    out, lse = _fused(q, k, v, opts, num_splits, deterministic)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    bottom_right: bool = False,
+    window: Tuple[int, int] = (-1, -1),
+    alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    seed: Optional[int] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    num_splits: int = 1,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """attention() over variable-length packs: q (total_q, H, D), k / v (total_k, H_k, D);
+    sequence b holds rows [cu_seqlens[b], cu_seqlens[b+1]) and is at most max_seqlen_q /
+    max_seqlen_k long. The options are attention()'s. Returns out (total_q, H, D) (and the LSE,
+    (H, total_q))."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(t.dim() == 3, lambda: f"{name} must be (total, H, D), got {tuple(t.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check(t.dim() == 1 and t.numel() >= 2, lambda: f"{name} must be (B + 1,), got {tuple(t.shape)}")
+    _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length")
+    cq = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+    ck = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
+    # the op checks these on the CPU only: on a GPU, reading them would synchronize
+    if q.device.type == "cpu" or not torch.compiler.is_compiling():
+        _check(int(cq[0]) == 0 and int(ck[0]) == 0, "cu_seqlens must start at 0")
+        _check(bool((lens_q >= 0).all()) and bool((lens_k >= 0).all()), "cu_seqlens must be non-decreasing")
+        _check(int(cq[-1]) <= q.shape[0] and int(ck[-1]) <= k.shape[0], "cu_seqlens end past the packed tensors")
+        _check(int(lens_q.max()) <= max_seqlen_q and int(lens_k.max()) <= max_seqlen_k,
+               "a sequence is longer than max_seqlen_q / max_seqlen_k")
+    if scale is None:
+        scale = _default_scale(q.shape[2])
+    wl, wr = _window(window, causal)
+    acc = ops.acc_dtype(q.dtype)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+    if sinks is not None and sinks.dtype != acc:
+        sinks = sinks.to(acc)
+    if dropout_p > 0.0 and seed is None:
+        seed = _draw_seed(generator)
+    # (total, H, D) -> (1, H, total, D) views
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    opts = dict(bias=None, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=None, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), scale=float(scale),
+                softcap=float(softcap), window_left=wl, window_right=wr, bottom_right=bool(bottom_right),
+                dropout_p=float(dropout_p), seed=int(seed or 0), offset=0)
+    out4, lse = _fused(q4, k4, v4, opts, num_splits, deterministic)
+    out = out4.transpose(1, 2).squeeze(0)
+    return (out, lse.squeeze(0)) if return_lse else out
+
+
+def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd", scale: Optional[float] = None,
+                      causal: bool = False, bottom_right: bool = False, window: Tuple[int, int] = (-1, -1),
+                      attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
+                      seqlens_k: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                      softcap: float = 0.0) -> Tensor:
+    """The attention probabilities (B, H, Sq, Sk) recomputed from attention()'s LSE: one
+    Q K^T and an exp, no second softmax pass. Dropout is not applied. Returns float32 (float64
+    for float64 inputs)."""
+    if layout == "bshd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    wl, wr = _window(window, causal)
+    scale = scale if scale is not None else _default_scale(d)
+    acc = ops.acc_dtype(q.dtype)
+    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
+    if seqlens_k is not None:
+        seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+    ops.check_inputs(q, k, k, bias=bias, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, max_seqlen_q=sq,
+                     max_seqlen_k=sk, scale=float(scale), softcap=float(softcap), window_left=wl, window_right=wr,
+                     bottom_right=bool(bottom_right))
+    return reference.attention_probs(
+        q.to(acc), k.to(acc), lse.to(acc), scale=scale, softcap=softcap, window=(wl, wr), bottom_right=bottom_right,
+        bias=bias, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k)

@@ -1,0 +1,330 @@
+"""Tier 1 of the softmax family: the registered custom ops torch.ops.attention_ext.{fwd, bwd,
+dropout_mask, set_cuda_kernels}, with fake kernels and autograd.
+
+The schemas are defined once, in C++ (csrc/). This module adds what the dispatcher needs from
+Python: `register_fake` (shapes for torch.compile and meta tensors, after `check_inputs`) and
+`register_autograd` (the backward op), so autograd, torch.compile and opcheck all work. The
+option names come from the registered schemas (`OPTION_NAMES`).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._ext import HAS_EXT, registered
+
+# device type -> a compiled kernel is registered; read once at import so the lookup stays
+# traceable by torch.compile
+_KERNELS = {dev: registered("attention_ext::fwd", key) for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
+# the input dtypes the kernels take; float64 has a CPU kernel only
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
+    """True when a compiled kernel serves tensors on `device` (and of `dtype`, when given)."""
+    if not _KERNELS.get(device.type, False):
+        return False
+    return dtype is None or (dtype in DTYPES and (dtype != torch.float64 or device.type == "cpu"))
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the float side tensors (lse, additive bias, ALiBi slopes, sinks and their
+    gradients) for inputs of `dtype`: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------- input checks
+def _shape(t: Tensor) -> list:
+    return list(t.shape)
+
+
+def _name(dtype: torch.dtype) -> str:
+    """c10's name of `dtype` (Float, Half, BFloat16, Long, ...), as the C++ messages print it."""
+    try:
+        return torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    except (RuntimeError, TypeError):
+        return str(dtype)
+
+
+def _check_index(t: Optional[Tensor], name: str, numel, q: Tensor) -> None:
+    if t is None:
+        return
+    torch._check_type(t.dtype == torch.int32, lambda: f"attention_ext: {name} must be int32, got {_name(t.dtype)}")
+    torch._check(t.dim() == 1 and t.numel() == numel,
+                 lambda: f"attention_ext: {name} must have shape ({numel}), got {_shape(t)}")
+    torch._check(t.device == q.device, lambda: f"attention_ext: {name} must be on {q.device}, got {t.device}")
+    torch._check(t.is_contiguous(), lambda: f"attention_ext: {name} must be contiguous")
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = None,
+                 alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                 seqlens_k: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                 cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                 scale: float = 1.0, softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
+                 bottom_right: bool = False, dropout_p: float = 0.0, seed: int = 0, offset: int = 0) -> None:
+    """The op's input rules, as the C++ check_inputs (csrc/api/attention_api_impl.h) states them,
+    with the same error types (ValueError, TypeError, RuntimeError) and messages. Run by the fake
+    kernels (torch.compile, meta tensors) and before the reference fallback; the compiled kernels
+    run the C++ copy. The values inside cu_seqlens are the caller's to check (reading them would
+    synchronize a GPU)."""
+    torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                       lambda: f"attention_ext: q, k, v must be 4-D (B, H, S, D), got q {_shape(q)}, k {_shape(k)}, "
+                               f"v {_shape(v)}")
+    torch._check_type(q.dtype == k.dtype == v.dtype,
+                      lambda: f"attention_ext: q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, {_name(v.dtype)}")
+    torch._check_type(q.dtype in DTYPES,
+                      lambda: f"attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
+    torch._check(q.device == k.device == v.device,
+                 lambda: f"attention_ext: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, h, _, d = q.shape
+    hk = k.shape[1]
+    torch._check_value(k.shape[0] == b and v.shape[0] == b,
+                       lambda: f"attention_ext: batch mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    torch._check_value(k.shape == v.shape,
+                       lambda: f"attention_ext: k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+    torch._check_value(k.shape[3] == d, lambda: f"attention_ext: head dim mismatch: q has {d}, k and v have {k.shape[3]}")
+    torch._check_value(1 <= d <= 256, lambda: f"attention_ext: head dim must be in [1, 256], got {d}")
+    torch._check_value(hk >= 1 and h % hk == 0,
+                       lambda: f"attention_ext: query heads ({h}) must be a multiple of kv heads ({hk})")
+    for t in (q, k, v):
+        torch._check_value(t.stride(3) == 1 or t.shape[3] == 1,
+                           lambda: f"attention_ext: the head dim of q, k, v must be contiguous (stride 1), got "
+                                   f"strides {list(t.stride())}")
+    torch._check_value(window_left >= -1 and window_right >= -1,
+                       lambda: f"attention_ext: window sizes must be >= -1, got ({window_left}, {window_right})")
+    torch._check_value(0.0 <= dropout_p < 1.0, lambda: f"attention_ext: dropout_p must be in [0, 1), got {dropout_p:g}")
+    torch._check_value(softcap >= 0.0, lambda: f"attention_ext: softcap must be >= 0, got {softcap:g}")
+    torch._check_value(math.isfinite(scale), lambda: f"attention_ext: scale must be finite, got {scale:g}")
+    varlen = cu_seqlens_q is not None
+    torch._check_value(varlen == (cu_seqlens_k is not None),
+                       lambda: "attention_ext: cu_seqlens_q and cu_seqlens_k go together")
+    nb = b
+    if varlen:
+        torch._check_value(b == 1, lambda: f"attention_ext: varlen inputs are one (1, H, total, D) pack, got batch {b}")
+        nb = cu_seqlens_q.numel() - 1
+        torch._check_value(nb >= 1, lambda: "attention_ext: cu_seqlens_q needs at least 2 entries")
+        _check_index(cu_seqlens_q, "cu_seqlens_q", nb + 1, q)
+        _check_index(cu_seqlens_k, "cu_seqlens_k", nb + 1, q)
+        torch._check_value(seqlens_k is None, lambda: "attention_ext: seqlens_k is for padded batches, not varlen")
+        torch._check_value(max_seqlen_q >= 0 and max_seqlen_k >= 0,
+                           lambda: "attention_ext: max_seqlen_q/k must be >= 0")
+    _check_index(seqlens_k, "seqlens_k", nb, q)
+    sq, sk = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[2], k.shape[2])
+    acc = acc_dtype(q.dtype)
+    if bias is not None:
+        torch._check_type(bias.dtype in (acc, torch.bool),
+                          lambda: f"attention_ext: bias must be {_name(acc)} (additive; float64 goes with float64 inputs, "
+                                  f"float32 with the others) or bool (True = attend), got {_name(bias.dtype)}")
+        torch._check(bias.device == q.device, lambda: f"attention_ext: bias must be on {q.device}, got {bias.device}")
+        torch._check_value(bias.dim() == 4,
+                           lambda: f"attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = "
+                                   f"({nb}, {h}, {sq}, {sk}), got {_shape(bias)}")
+        for got, want in zip(bias.shape, (nb, h, sq, sk)):
+            torch._check_value(got == 1 or got == want,
+                               lambda: f"attention_ext: bias of shape {_shape(bias)} does not broadcast to "
+                                       f"(B, H, Sq, Sk) = ({nb}, {h}, {sq}, {sk})")
+    if alibi_slopes is not None:
+        a = alibi_slopes
+        torch._check_type(a.dtype == acc, lambda: f"attention_ext: alibi_slopes must be {_name(acc)}, got {_name(a.dtype)}")
+        torch._check(a.device == q.device, lambda: f"attention_ext: alibi_slopes must be on {q.device}")
+        torch._check_value((a.dim() == 1 and a.shape[0] == h) or (a.dim() == 2 and a.shape[0] == nb and a.shape[1] == h),
+                           lambda: f"attention_ext: alibi_slopes must be (H) or (B, H) = ({nb}, {h}), got {_shape(a)}")
+        torch._check_value(a.stride(-1) == 1, lambda: "attention_ext: alibi_slopes must be contiguous over heads")
+    if sinks is not None:
+        s = sinks
+        torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {_name(acc)}, got {_name(s.dtype)}")
+        torch._check(s.device == q.device, lambda: f"attention_ext: sinks must be on {q.device}")
+        torch._check_value(s.dim() == 1 and s.shape[0] == h and s.is_contiguous(),
+                           lambda: f"attention_ext: sinks must be a contiguous (H) = ({h}) tensor, got {_shape(s)}")
+
+
+# ---------------------------------------------------------------------------------- schema
+def _arg_names(op: str) -> Tuple[str, ...]:
+    return tuple(a.name for a in getattr(torch.ops.attention_ext, op).default._schema.arguments)
+
+
+def _common_prefix(a, b) -> Tuple[str, ...]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return tuple(a[:n])
+
+
+if HAS_EXT:
+    FWD_ARGS = _arg_names("fwd")  # q, k, v, the options, num_splits, deterministic
+    BWD_ARGS = _arg_names("bwd")  # dout, q, k, v, out, lse, the options, bias_grad, deterministic, dlse
+    # The options fwd and bwd share, in schema order (bias ... offset).
+    OPTION_NAMES = _common_prefix(FWD_ARGS[3:], BWD_ARGS[6:])
+else:
+    # Without the extension no op is called; check_inputs' keywords name the same options (a test
+    # holds the two equal when the extension is built).
+    OPTION_NAMES = tuple(n for n, p in inspect.signature(check_inputs).parameters.items()
+                         if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
+    BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
+_OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _check_num_splits(num_splits: int) -> None:
+    torch._check_value(num_splits >= 0,
+                       lambda: f"attention_ext: num_splits must be >= 0 (0 = heuristic), got {num_splits}")
+
+
+def _empty_like_layout(t: Tensor) -> Tensor:
+    # mirrors attn::api::empty_like_layout: keep (B, S, H, D) storage when heads are inner
+    if t.stride(1) < t.stride(2):
+        b, h, s, d = t.shape
+        return t.new_empty((b, s, h, d)).transpose(1, 2)
+    return t.new_empty(t.shape)
+
+
+# ---------------------------------------------------------------------------------- fakes, autograd
+if HAS_EXT:
+
+    @torch.library.register_fake("attention_ext::fwd")
+    def _fwd_fake(*args):
+        a = dict(zip(FWD_ARGS, args))
+        q = a["q"]
+        check_inputs(q, a["k"], a["v"], **{n: a[n] for n in OPTION_NAMES})
+        _check_num_splits(a.get("num_splits", 1))  # the dispatcher may drop defaulted arguments
+        b, h, sq, _ = q.shape
+        return _empty_like_layout(q), q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype))
+
+    @torch.library.register_fake("attention_ext::bwd")
+    def _bwd_fake(*args, **kwargs):
+        a = dict(zip(BWD_ARGS, args), **kwargs)
+        q, k, v, bias, cu_q = a["q"], a["k"], a["v"], a["bias"], a["cu_seqlens_q"]
+        check_inputs(q, k, v, **{n: a[n] for n in OPTION_NAMES})
+        torch._check_value(a["dout"].shape == q.shape and a["out"].shape == q.shape,
+                           lambda: f"attention_ext.bwd: dout and out must have q's shape {_shape(q)}")
+        nb = cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
+        sq = a["max_seqlen_q"] if cu_q is not None else q.shape[2]
+        sk = a["max_seqlen_k"] if cu_q is not None else k.shape[2]
+        acc = dict(dtype=acc_dtype(q.dtype))
+        if a["bias_grad"] and bias is not None and bias.dtype.is_floating_point:
+            dbias = q.new_empty((nb, q.shape[1], 1 if bias.shape[2] == 1 else sq, sk), **acc)
+        else:
+            dbias = q.new_empty((0,), **acc)
+        dsinks = q.new_empty((nb, q.shape[1]), **acc) if a["sinks"] is not None else q.new_empty((0,), **acc)
+        return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v), dbias, dsinks
+
+    @torch.library.register_fake("attention_ext::dropout_mask")
+    def _dropout_mask_fake(b, h, sq, sk, p, seed, offset, device=None):
+        return torch.empty((b, h, sq, sk), dtype=torch.bool, device=device or "cpu")
+
+    _GRAD_INPUTS = ("q", "k", "v", "bias", "sinks")  # the inputs the backward differentiates
+
+    def _setup_context(ctx, inputs, output):
+        a = dict(zip(FWD_ARGS, inputs))
+        need = {n: ctx.needs_input_grad[FWD_ARGS.index(n)] for n in _GRAD_INPUTS}
+        bias = a["bias"]
+        ctx.bias_grad = need["bias"] and bias is not None and bias.dtype.is_floating_point
+        ctx.sinks_grad = need["sinks"] and a["sinks"] is not None
+        ctx.any_grad = any(need.values())
+        if not ctx.any_grad:  # e.g. only alibi_slopes requires grad: nothing to save or compute
+            return
+        ctx.scalars = {n: a[n] for n in OPTION_NAMES if n not in _OPTION_TENSORS}
+        ctx.deterministic = a.get("deterministic", False)
+        out, lse = output
+        # the backward recomputes the scores from q, k and every option tensor; sinks only enter
+        # the (saved) LSE and their own gradient, so they are kept only for that gradient
+        sinks = a["sinks"] if ctx.sinks_grad else None
+        ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, bias, a["alibi_slopes"], sinks, a["seqlens_k"],
+                              a["cu_seqlens_q"], a["cu_seqlens_k"])
+
+    def _backward(ctx, dout, dlse):
+        if not ctx.any_grad:
+            return (None,) * len(FWD_ARGS)
+        q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k = ctx.saved_tensors
+        if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
+            dout = dout.contiguous()
+        if dlse is not None:
+            # rows that saw nothing have lse = -inf and no gradient to pass on
+            dlse = dlse.to(lse.dtype).masked_fill(torch.isinf(lse), 0.0).contiguous()
+        a = dict(ctx.scalars, dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi, sinks=sinks,
+                 seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, bias_grad=ctx.bias_grad,
+                 deterministic=ctx.deterministic, dlse=dlse)
+        dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(*[a[n] for n in BWD_ARGS])
+        grads = dict(q=dq, k=dk, v=dv, bias=dbias.sum_to_size(bias.shape) if ctx.bias_grad else None,
+                     sinks=dsinks.sum(0) if ctx.sinks_grad else None)
+        return tuple(grads.get(n) for n in FWD_ARGS)
+
+    torch.library.register_autograd("attention_ext::fwd", _backward, setup_context=_setup_context)
+
+
+def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, **options):
+    """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES). Returns
+    (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 = the heuristic);
+    deterministic: the backward adds no atomics (CUDA)."""
+    a = dict(options, q=q, k=k, v=v, num_splits=num_splits, deterministic=deterministic)
+    return torch.ops.attention_ext.fwd(*[a[n] for n in FWD_ARGS])
+
+
+def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0, device=None) -> Tensor:
+    """The (B, H, Sq, Sk) bool keep-mask the kernels draw for (seed, offset): Philox4x32-10,
+    identical on the CPU and the GPU."""
+    return torch.ops.attention_ext.dropout_mask(b, h, sq, sk, p, seed, offset, device)
+
+
+# ---------------------------------------------------------------------------------- kernel selection
+KERNELS_ENV = "ATTENTION_EXT_CUDA_KERNELS"
+_DEFAULT_KERNELS: Dict[str, int] = dict(hopper_fwd=0, hopper_bwd=0, tune_fwd=0, tune_bwd=0, force_simt=False)
+_kernels = dict(_DEFAULT_KERNELS)
+
+
+def set_cuda_kernels(hopper_fwd: int = 0, hopper_bwd: int = 0, tune_fwd: int = 0, tune_bwd: int = 0,
+                     force_simt: bool = False) -> Dict[str, int]:
+    """Developer-only, process-wide: which experimental CUDA kernels the dispatcher may pick.
+    The defaults (all off) are the product's kernels; every call sets all five fields.
+
+        hopper_fwd  0 off, 1 the sm_90a wgmma forward, 2 its variant with the softmax overlapped
+                    with P V (calls it does not take keep the mma.sync kernel)
+        hopper_bwd  0 off, 1 the sm_90a wgmma backward
+        tune_fwd,   the -DATTN_TUNING candidate of the mma.sync forward / backward (0 = the
+        tune_bwd    default kernel; a build without -DATTN_TUNING has only 0)
+        force_simt  route every call to the SIMT kernels (the sm < 80 path)
+
+    The environment variable ATTENTION_EXT_CUDA_KERNELS="hopper_fwd=1,tune_bwd=3", read once at
+    import, sets the same fields for a whole process (a pytest session, a benchmark). Returns
+    the previous selection, so that `set_cuda_kernels(**old)` restores it."""
+    new = dict(hopper_fwd=int(hopper_fwd), hopper_bwd=int(hopper_bwd), tune_fwd=int(tune_fwd),
+               tune_bwd=int(tune_bwd), force_simt=bool(force_simt))
+    torch._check_value(new["hopper_fwd"] in (0, 1, 2), lambda: f"hopper_fwd must be 0, 1 or 2, got {hopper_fwd}")
+    torch._check_value(new["hopper_bwd"] in (0, 1), lambda: f"hopper_bwd must be 0 or 1, got {hopper_bwd}")
+    torch._check_value(new["tune_fwd"] >= 0 and new["tune_bwd"] >= 0,
+                       lambda: f"tune_fwd and tune_bwd must be >= 0, got {tune_fwd}, {tune_bwd}")
+    if HAS_EXT:
+        torch.ops.attention_ext.set_cuda_kernels(*new.values())
+    old = dict(_kernels)
+    _kernels.update(new)
+    return old
+
+
+def cuda_kernels() -> Dict[str, int]:
+    """The current selection of set_cuda_kernels (its five keywords)."""
+    return dict(_kernels)
+
+
+def _parse_kernels(text: str) -> Dict[str, int]:
+    fields = {}
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        if name not in _DEFAULT_KERNELS or not eq:
+            raise ValueError(f"{KERNELS_ENV}: cannot read {item!r}; expected name=value with names "
+                             f"{', '.join(_DEFAULT_KERNELS)} (e.g. hopper_fwd=1,tune_bwd=3)")
+        if name == "force_simt":
+            fields[name] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            fields[name] = int(value)
+    return fields
+
+
+if os.environ.get(KERNELS_ENV):
+    set_cuda_kernels(**_parse_kernels(os.environ[KERNELS_ENV]))

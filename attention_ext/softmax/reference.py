@@ -1,0 +1,200 @@
+"""Pure-PyTorch definitions of every op: the test oracle and the CPU fallback.
+
+Readable and slow on purpose. Each function states the math and the shapes; the compiled
+kernels must compute exactly this (tests run it in float64).
+
+Notation: B batch, H query heads, H_k key/value heads (H % H_k == 0), S_q / S_k lengths,
+D head dim. Tensors are (B, H, S, D) unless stated otherwise.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def mask_structure(
+    sq: int,
+    sk: int,
+    *,
+    window: Tuple[int, int] = (-1, -1),
+    bottom_right: bool = False,
+    len_q: Optional[Tensor] = None,
+    len_k: Optional[Tensor] = None,
+    batch: int = 1,
+    device=None,
+) -> Tensor:
+    """Which (i, j) may attend, from lengths, causal and the sliding window alone.
+
+    The diagonal: key i + diag is aligned with query i, diag = len_k - len_q when
+    bottom_right (flash-attn's causal), else 0 (SDPA's is_causal). Query i sees key j iff
+    j < len_k, i < len_q, and  i + diag - window[0] <= j <= i + diag + window[1],
+    a negative window side being unbounded. Causal is window = (-1, 0).
+
+    Returns a (B, 1, S_q, S_k) bool tensor, True = attend.
+    """
+    if len_q is None:
+        len_q = torch.full((batch,), sq, dtype=torch.long, device=device)
+    if len_k is None:
+        len_k = torch.full((batch,), sk, dtype=torch.long, device=device)
+    len_q = len_q.to(device=device, dtype=torch.long).clamp(0, sq)
+    len_k = len_k.to(device=device, dtype=torch.long).clamp(0, sk)
+    i = torch.arange(sq, device=device).view(1, sq, 1)
+    j = torch.arange(sk, device=device).view(1, 1, sk)
+    diag = (len_k - len_q).view(-1, 1, 1) if bottom_right else torch.zeros_like(len_k).view(-1, 1, 1)
+    ok = (j < len_k.view(-1, 1, 1)) & (i < len_q.view(-1, 1, 1))
+    wl, wr = window
+    if wl >= 0:
+        ok = ok & (j >= i + diag - wl)
+    if wr >= 0:
+        ok = ok & (j <= i + diag + wr)
+    return ok.unsqueeze(1)
+
+
+def alibi_bias(slopes: Tensor, sq: int, sk: int, *, bottom_right: bool, len_q=None, len_k=None) -> Tensor:
+    """ALiBi: -slope * |i + diag - j|.  slopes (H) or (B, H) -> (B or 1, H, S_q, S_k)."""
+    if slopes.dim() == 1:
+        slopes = slopes.unsqueeze(0)
+    b = slopes.shape[0]
+    if bottom_right and (len_q is not None or len_k is not None):
+        lq = len_q if len_q is not None else torch.full((b,), sq, device=slopes.device)
+        lk = len_k if len_k is not None else torch.full((b,), sk, device=slopes.device)
+        diag = (lk.long() - lq.long()).to(slopes.device).view(-1, 1, 1, 1)
+    else:
+        diag = torch.tensor(sk - sq if bottom_right else 0, device=slopes.device).view(1, 1, 1, 1)
+    i = torch.arange(sq, device=slopes.device).view(1, 1, sq, 1)
+    j = torch.arange(sk, device=slopes.device).view(1, 1, 1, sk)
+    dist = (i + diag - j).abs().to(slopes.dtype)
+    return -slopes.view(slopes.shape[0], -1, 1, 1) * dist
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: Optional[float] = None,
+    softcap: float = 0.0,
+    window: Tuple[int, int] = (-1, -1),
+    bottom_right: bool = False,
+    bias: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    seqlens_k: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Softmax attention with every variant of the fused op. Returns (out, lse).
+
+    q (B, H, S_q, D); k, v (B, H_k, S_k, D) with H % H_k == 0 (query head h reads kv head
+    h // (H / H_k)).
+
+        x     = q @ k^T                                    (B, H, S_q, S_k)
+        s     = scale * x;   s = softcap * tanh(s / softcap)     if softcap > 0
+        s    += -slope_h * |i + diag - j|                  (ALiBi)
+        s    += bias                      if bias is float (broadcast to (B, H, S_q, S_k))
+        s     = -inf where not allowed    (lengths, window/causal, bool bias False)
+        lse   = log(sum_j exp(s_j) + exp(sink_h))          (B, H, S_q); sink term only with sinks
+        P     = exp(s - lse) * keep / (1 - p)              keep: dropout_mask (B, H, S_q, S_k)
+        out   = P @ v                                      (B, H, S_q, D)
+
+    A row with nothing allowed gives out = 0 and lse = -inf (or the sink logit).
+    """
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    group = h // hk
+    k = k.repeat_interleave(group, dim=1)  # (B, H, S_k, D)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, S_q, S_k)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes.to(s.dtype), sq, sk, bottom_right=bottom_right, len_k=seqlens_k)
+    ok = mask_structure(sq, sk, window=window, bottom_right=bottom_right, len_k=seqlens_k, batch=b,
+                        device=q.device)
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            ok = ok & bias
+        else:
+            s = s + bias.to(s.dtype)
+    s = s.masked_fill(~ok, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+        lse = torch.logsumexp(torch.cat([s, sink_col], dim=-1), dim=-1)  # (B, H, S_q)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe.unsqueeze(-1))  # masked entries give exp(-inf) = 0
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            raise ValueError("reference.attention: dropout_p > 0 needs the dropout_mask to reproduce")
+        p = p * dropout_mask.to(p.dtype) / (1.0 - dropout_p)
+    out = torch.matmul(p, v)
+    return out, lse
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    **kwargs,
+) -> Tuple[Tensor, Tensor]:
+    """Variable-length packs: q (total_q, H, D), k, v (total_k, H_k, D); sequence b holds rows
+    [cu[b], cu[b+1]). Each sequence is attention() on its own. Returns out (total_q, H, D) and
+    lse (H, total_q). A (B, H, S_q, S_k)-shaped `bias` or `dropout_mask` is indexed per sequence."""
+    outs, lses = [], []
+    bias = kwargs.pop("bias", None)
+    dmask = kwargs.pop("dropout_mask", None)
+    slopes = kwargs.pop("alibi_slopes", None)
+    for b in range(cu_seqlens_q.numel() - 1):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        qb = q[q0:q1].transpose(0, 1).unsqueeze(0)  # (1, H, s_q, D)
+        kb = k[k0:k1].transpose(0, 1).unsqueeze(0)
+        vb = v[k0:k1].transpose(0, 1).unsqueeze(0)
+        extra = dict(kwargs)
+        if bias is not None:
+            bb = bias[b if bias.shape[0] > 1 else 0]
+            extra["bias"] = bb[..., : q1 - q0, : k1 - k0].unsqueeze(0)
+        if dmask is not None:
+            extra["dropout_mask"] = dmask[b, :, : q1 - q0, : k1 - k0].unsqueeze(0)
+        if slopes is not None:
+            extra["alibi_slopes"] = slopes[b] if slopes.dim() == 2 else slopes
+        o, l = attention(qb, kb, vb, **extra)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    return torch.cat(outs, 0), torch.cat(lses, -1)
+
+
+def attention_probs(q: Tensor, k: Tensor, lse: Tensor, **kwargs) -> Tensor:
+    """The softmax probabilities P = exp(s - lse) (B, H, S_q, S_k), recomputed from the LSE,
+    zero where masked. Takes attention()'s score options (no dropout)."""
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    scale = kwargs.get("scale") or 1.0 / math.sqrt(d)
+    softcap = kwargs.get("softcap", 0.0)
+    bottom_right = kwargs.get("bottom_right", False)
+    k = k.repeat_interleave(h // hk, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if kwargs.get("alibi_slopes") is not None:
+        s = s + alibi_bias(kwargs["alibi_slopes"].to(s.dtype), sq, sk, bottom_right=bottom_right,
+                           len_k=kwargs.get("seqlens_k"))
+    ok = mask_structure(sq, sk, window=kwargs.get("window", (-1, -1)), bottom_right=bottom_right,
+                        len_k=kwargs.get("seqlens_k"), batch=b, device=q.device)
+    bias = kwargs.get("bias")
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            ok = ok & bias
+        else:
+            s = s + bias.to(s.dtype)
+    lse = lse.to(s.dtype).unsqueeze(-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    return p.masked_fill(~ok | torch.isinf(lse), 0.0)

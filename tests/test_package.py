@@ -1,0 +1,64 @@
+"""The package surface: what `import attention_ext` makes reachable, and the developer-only CUDA
+kernel selection (attention_ext.softmax.set_cuda_kernels, ATTENTION_EXT_CUDA_KERNELS)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import attention_ext as ae
+from attention_ext.softmax import ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code, **env):
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **env})
+    return res.returncode, res.stdout.strip(), res.stderr
+
+
+def test_subpackages_reachable_after_bare_import():
+    """nn and models are imported on first use, in a fresh interpreter (here they are imported
+    already by other tests)."""
+    rc, out, err = run_python("import sys, attention_ext as ae; before = 'attention_ext.nn' in sys.modules; "
+                              "print(before, ae.nn.MultiheadAttention.__name__, ae.models.LanguageModel.__name__)")
+    assert rc == 0, err
+    assert out == "False MultiheadAttention LanguageModel"
+    with pytest.raises(AttributeError):
+        ae.no_such_module
+
+
+def test_top_level_api():
+    for name in ("attention", "attention_weights", "scaled_dot_product_attention", "flash_attn_func",
+                 "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "dropout_mask",
+                 "reference", "softmax", "nn", "models"):
+        assert name in ae.__all__ and getattr(ae, name) is not None
+    assert ae.attention is ae.softmax.attention and ae.reference.attention is ae.softmax.reference.attention
+
+
+@pytest.fixture
+def restore_kernels():
+    old = ops.cuda_kernels()
+    yield
+    ops.set_cuda_kernels(**old)
+
+
+def test_set_cuda_kernels(restore_kernels):
+    old = ae.softmax.set_cuda_kernels(hopper_fwd=2, tune_bwd=3)
+    assert ae.softmax.set_cuda_kernels(**old) == dict(hopper_fwd=2, hopper_bwd=0, tune_fwd=0, tune_bwd=3,
+                                                      force_simt=False)
+    assert ops.cuda_kernels() == old
+    for bad in (dict(hopper_fwd=3), dict(hopper_bwd=2), dict(tune_fwd=-1)):
+        with pytest.raises(ValueError):
+            ae.softmax.set_cuda_kernels(**bad)
+    assert ops.cuda_kernels() == old
+
+
+def test_kernels_env_read_at_import():
+    rc, out, err = run_python("import attention_ext as ae; print(sorted(ae.softmax.cuda_kernels().items()))",
+                              ATTENTION_EXT_CUDA_KERNELS="hopper_fwd=1, tune_bwd=3,force_simt=1")
+    assert rc == 0, err
+    assert out == str(sorted(dict(hopper_fwd=1, hopper_bwd=0, tune_fwd=0, tune_bwd=3, force_simt=True).items()))
+    rc, _, err = run_python("import attention_ext", ATTENTION_EXT_CUDA_KERNELS="hopper=1")
+    assert rc != 0 and "ATTENTION_EXT_CUDA_KERNELS" in err
