@@ -22,11 +22,10 @@ import subprocess
 import pytest
 import torch
 
-import emulator as cuda_emu
 from attention_ext import reference
-import test_cuda as tc
-
-ops = pytest.importorskip("attention_ext.ops")
+from attention_ext.softmax import ops
+from tests.cuda_emu import emulator as cuda_emu
+from tests.softmax import test_cuda as tc
 
 # arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
 ARCHS = (90, 80)
@@ -52,9 +51,9 @@ def emu(emu_ops):
 
 def emulate(monkeypatch, emu, arch=90, num_splits=1):
     """Route test_cuda's helpers to the emulator on CPU tensors (the forward split num_splits
-    ways: the op's argument)."""
+    ways, unless a call names its own)."""
 
-    def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, **o):
+    def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_splits=num_splits, **o):
         args = tc.call_fwd(q, k, v, **o)
         out, lse = emu.fwd(q, k, v, *args, num_splits, deterministic, arch)
         grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, None, arch)
