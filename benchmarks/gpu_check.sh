@@ -9,7 +9,7 @@
 #
 # The "tune" stage (not in the default list) builds a second copy of the tree with
 # -DATTN_TUNING under a temp dir (the default build stays as it is), checks every candidate of
-# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt) with tests/softmax/test_cuda.py -k tune_candidate,
+# csrc/softmax/cuda/tuning.cuh (FwdAlt, BwdAlt) with tests/softmax/test_cuda.py -k tune_candidate,
 # then times them all against SDPA flash (benchmarks/softmax/bench_cuda.py --tune); about 5 minutes on 16 cores.
 #
 #   bash benchmarks/gpu_check.sh                  # everything

@@ -5,7 +5,7 @@
 
 Each tree must hold an in-place build (attention_ext/_C*.so, e.g. `python setup.py build_ext
 --inplace`). A round runs one fresh process per tree, alternating which goes first; each process
-times the fused op (forward, and forward + backward) on benchmarks/bench_cpu.py's shapes in fp32
+times the fused op (forward, and forward + backward) on benchmarks/softmax/bench_cpu.py's shapes in fp32
 and bf16, best of a few repetitions. The report is the median over rounds of NEW / OLD per row
 and over all rows: pairing within a round keeps the ratio meaningful while the shared machine's
 speed drifts.

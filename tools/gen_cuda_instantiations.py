@@ -11,7 +11,7 @@ CMake (which glob csrc/<family>/cuda/**/*.cu) compile them in parallel. Re-run a
 
 Developer builds can compile parts out with -DATTN_CUDA_SKIP_HDIM64 / 128 / 256 (that bucket
 then runs on the SIMT kernels), -DATTN_CUDA_SKIP_BWD and -DATTN_CUDA_SKIP_HOPPER (the sm_90a
-wgmma forward; setup.py also reads ATTN_CUDA_SKIP_HOPPER=1 from the environment).
+wgmma kernels); setup.py defines them from ATTENTION_EXT_CUDA_SKIP=bwd,hdim64,hopper ...).
 
 The sm_90a wgmma files (fwd_hopper_*.cu and bwd_hopper_*.cu, buckets 64 and 128)
 compile only when the build has sm_90a code (setup.py defines ATTN_CUDA_HAVE_SM90A); their kernel

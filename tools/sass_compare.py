@@ -7,7 +7,7 @@ For each pair, every function `cuobjdump -sass -arch A` lists (A in sm_80, sm_90
 `-fun` and compared without the file-identifier line (the source path differs between trees).
 Exit status 1 if any function present in both differs. CUOBJDUMP names the binary (default
 `cuobjdump`; triton ships one when the toolkit lacks it). Used to show that a refactor leaves
-the verified kernels byte-identical (benchmarks/results/splitkv-notes.md).
+the kernels byte-identical (docs/design/splitkv-notes.md).
 """
 import os
 import re

@@ -67,7 +67,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                  scale: float = 1.0, softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
                  bottom_right: bool = False, dropout_p: float = 0.0, seed: int = 0, offset: int = 0) -> None:
-    """The op's input rules, as the C++ check_inputs (csrc/api/attention_api_impl.h) states them,
+    """The op's input rules, as the C++ check_inputs (csrc/torch/softmax_params.cpp) states them,
     with the same error types (ValueError, TypeError, RuntimeError) and messages. Run by the fake
     kernels (torch.compile, meta tensors) and before the reference fallback; the compiled kernels
     run the C++ copy. The values inside cu_seqlens are the caller's to check (reading them would

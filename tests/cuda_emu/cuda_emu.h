@@ -1,7 +1,7 @@
 // Host shim that compiles the mma.sync / SIMT CUDA kernels (fwd_kernel.cuh, bwd_kernel.cuh,
 // simt_kernel.cuh, launched by launch_template.cuh and dispatch.cu) as plain C++ when
 // ATTN_CUDA_EMULATE is defined, so that CI runs their index math, masking and tiling on the CPU
-// (tests/test_cuda_emulated.py). The kernels themselves are not edited: the PTX wrappers of
+// (test_emulated.py). The kernels themselves are not edited: the PTX wrappers of
 // mma.cuh and the launch macro of launch_util.h switch to the functions declared here.
 //
 // Thread model: every thread of one CTA is a fiber on one OS thread (emu_runtime.cpp). A fiber

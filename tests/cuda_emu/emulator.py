@@ -62,7 +62,7 @@ def load():
                       "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],
         build_directory=BUILD,
         is_python_module=False,
-        verbose=os.environ.get("ATTN_EMU_VERBOSE") == "1",
+        verbose=os.environ.get("ATTENTION_EXT_EMU_VERBOSE") == "1",
     )
     build_seconds = time.time() - t0
     _ops = torch.ops.attention_ext_emu

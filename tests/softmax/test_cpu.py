@@ -678,7 +678,7 @@ def test_uncached_large_buffers_and_concurrent_callers():
 @pytest.mark.parametrize("sq", [1, 8, 9])
 def test_few_query_rows(opt, sq):
     """Calls with <= 8 query rows (decode steps) read K / V in place instead of packing them
-    (csrc/cpu/softmax_fwd.cpp, kDirectMaxRows); 9 rows takes the packed path. Every option, keys
+    (csrc/softmax/cpu/fwd.cpp, kDirectMaxRows); 9 rows takes the packed path. Every option, keys
     across two blocks, odd head dim, GQA, (B, S, H, D) views."""
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         run_case(2, 4, 2, sq, 131, 40, dtype, layout="bshd", **OPTIONS[opt])

@@ -466,7 +466,7 @@ def test_float64_is_cpu_only():
 
 # ---------------------------------------------------------------- tuning candidates (-DATTN_TUNING)
 # A build with NVCC_APPEND_FLAGS=-DATTN_TUNING compiles the candidate kernels of
-# csrc/cuda/launch_template.cuh (FwdAlt, BwdAlt), picked by set_cuda_kernels' tune_fwd / tune_bwd.
+# csrc/softmax/cuda/tuning.cuh (FwdAlt, BwdAlt), picked by set_cuda_kernels' tune_fwd / tune_bwd.
 # ATTENTION_EXT_TEST_TUNE names the ones to check, e.g. "fwd=1-6 bwd=1-12" (benchmarks/gpu_check.sh,
 # stage tune); unset, these tests are not generated. Any other test also runs under a candidate
 # selected for the whole run
@@ -575,7 +575,7 @@ def hopper_compare(*args, expect_hopper=True, **kw):
 def test_hopper_triage(hopper_fwd, d):
     """Each product of the wgmma forward on inputs that isolate it; gpu_check.sh runs this first, under
     a short timeout (a broken mbarrier protocol hangs rather than fails). The message names every
-    check that failed, in the triage order of benchmarks/results/hopper-fwd-notes.md:
+    check that failed, in the triage order of docs/design/hopper-fwd-notes.md:
       pv_one_key  one key: O = V[0] for any scores (the V descriptor, the P fragments, O's layout)
       pv_dense    Q = 0: every score 0, O = mean of V (P V with a dense P, every ring slot)
       qk          random Q, K with V = I (d = Sk): O = softmax(Q K^T scale), the S product alone

@@ -39,7 +39,7 @@ struct FwdTraits<256> {
 //   D =  64: 128 x 128 tiles, 3 stages (the tiles are half as large, and at D = 64 there is
 //            half the math per loaded byte, so the extra stage hides more latency): 112 KB.
 // Starting points for tuning: 3 consumer warpgroups at D = 64, 2 stages at 128 ...
-// (docs/design/hopper-fwd.md).
+// (docs/design/hopper-fwd-notes.md).
 template <int kD>
 struct FwdHopperTraits;
 template <>
@@ -63,7 +63,7 @@ struct FwdHopperTraits<128> {
 // the producer at the minimum, 24.
 //   D = 128: K, V 2 x 32 KB + 2 stages x (Q, dO) 2 x 16 KB + dS^T 2 x 16 KB = 161 KB.
 //   D =  64: K, V 2 x 16 KB + 2 stages x (Q, dO) 2 x 16 KB + dS^T 2 x 32 KB = 162 KB.
-// Starting points for tuning (docs/design/hopper-bwd.md).
+// Starting points for tuning (docs/design/hopper-bwd-notes.md).
 template <int kD>
 struct BwdHopperTraits;
 template <>
