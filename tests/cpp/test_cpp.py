@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("name", ["test_policy", "test_lse_merge", "test_heuristics"])
 def test_cpp(tmp_path, name):
     exe = tmp_path / name
-    subprocess.run(["g++", "-std=c++17", "-O1", "-I", os.path.join(ROOT, "csrc"),
+    subprocess.run(["g++", "-std=c++20", "-O1", "-I", os.path.join(ROOT, "csrc"),
                     os.path.join(ROOT, "tests", "cpp", name + ".cpp"), "-o", str(exe)], check=True)
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -5,14 +5,7 @@
 
 #include "softmax/cuda/heuristics.h"
 
-static int failures = 0;
-#define CHECK(cond)                                                 \
-  do {                                                              \
-    if (!(cond)) {                                                  \
-      std::printf("FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                   \
-    }                                                               \
-  } while (0)
+#include "check.h"
 
 int main() {
   using attn::num_splits_heuristic;

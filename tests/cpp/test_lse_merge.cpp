@@ -9,16 +9,7 @@
 
 #include "common/lse_merge.h"
 
-static int failures = 0;
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);   \
-      std::printf(__VA_ARGS__);                                       \
-      std::printf("\n");                                              \
-      ++failures;                                                     \
-    }                                                                 \
-  } while (0)
+#include "check.h"
 
 constexpr double kNegInf = -INFINITY;
 

@@ -7,14 +7,7 @@
 #include "common/philox.h"
 #include "common/policy.h"
 
-static int failures = 0;
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::printf("FAILED %s:%d: %s\n", __FILE__, __LINE__, #cond);   \
-      ++failures;                                                     \
-    }                                                                 \
-  } while (0)
+#include "check.h"
 
 int main() {
   const int shapes[][4] = {{7, 7, -1, 0}, {5, 13, -1, 0}, {13, 5, 3, 0}, {9, 9, 2, 2}, {16, 40, 0, -1}};
