@@ -1,6 +1,7 @@
 // The attention_ext op library: every op's schema, the developer kernel selection, and the
 // Python module attention_ext._C (what was compiled, for `python -m attention_ext info`). Each
-// family x device registers its kernels in its own binding file (softmax_cpu.cpp, softmax_cuda.cpp).
+// family x device registers its kernels in its own binding file (softmax_cpu.cpp,
+// softmax_cuda.cpp, linear_cpu.cpp).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -10,6 +11,7 @@
 #if defined(ATTN_WITH_CUDA)
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
 #endif
+#include "torch/linear_params.h"   // ATTN_LINEAR_OPTIONS_SCHEMA
 #include "torch/softmax_params.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
 
 namespace {
@@ -50,6 +52,10 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
+  // linear family
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+  m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+        ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // developer-only
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);

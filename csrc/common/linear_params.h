@@ -1,0 +1,67 @@
+// Parameters of the linear attention kernels (the `linear` family), shared by the CPU and CUDA
+// backends: plain data, strides in elements, as params.h.
+//
+// Per batch b, query head h and kv head h / (h / h_k), with phi the feature map applied in the
+// kernel (feature_map.h) and Q~ = scale * phi(q), K~ = phi(k) (0 for a padded key):
+//   v'_j  = [v_j, 1] when normalize (width Dv + 1 = dim_v_aug: the last column carries the
+//           normalizer), else v_j
+//   S_t   = exp(decay_t) S_{t-1} + K~_t v'_t^T      (M x dim_v_aug), S_{-1} = init_state or 0
+//   O'_i  = Q~_i^T S_i (causal), or Q~_i^T S_last (non-causal, no decay)
+//   out_i = O'_i[:Dv] / den_i, den_i = O'_i[Dv] + eps   (normalize), else out_i = O'_i
+// so the causal form is also the quadratic sum_{j <= i} exp(G_i - G_j) (Q~_i . K~_j) v'_j with
+// G the running sum of decay.
+#pragma once
+
+#include <cstdint>
+
+#include "common/params.h"  // QkvParams, DType
+
+namespace attn {
+
+enum class FeatureMap : int32_t { kIdentity = 0, kElu = 1, kRelu = 2 };
+
+// QkvParams' sq = sk = the sequence length (varlen: the longest), d = M, the feature width of
+// q and k; o is (B, H, S, Dv) in q's dtype.
+template <typename Acc>
+struct LinearParamsT : QkvParams {
+  int32_t dim_v;      // value width Dv
+  int32_t dim_v_aug;  // Dv + normalize
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  // varlen: (B + 1) offsets into one (1, H, total, .) pack; batch strides unused
+  const int32_t* cu_seqlens;
+  // (B, S) key mask, nonzero = a real key; nullptr = every key. Varlen: (1, total).
+  const uint8_t* key_mask;
+  int64_t key_mask_batch_stride;
+  // (B, H, S) Acc tensors, contiguous (varlen: (1, H, total)), element (b, h, row) at
+  // b * seq_batch_stride + h * seq_head_stride + row:
+  const Acc* decay;  // log-gates; nullptr = none
+  Acc* den;          // den_i (normalize; 1 otherwise), kept for the backward
+  int64_t seq_batch_stride, seq_head_stride;
+  // (B, H, M, dim_v_aug) Acc, contiguous: the state before the first / after the last position
+  const Acc* init_state;  // nullptr = zeros
+  Acc* final_state;
+  FeatureMap feature_map;
+  bool causal, normalize;
+  Acc eps, scale;
+  int32_t num_threads;  // CPU: 0 = the pool's
+};
+
+template <typename Acc>
+struct LinearBwdParamsT : LinearParamsT<Acc> {
+  const void* dout;  // (B, H, S, Dv) like out
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  const Acc* dfinal_state;  // (B, H, M, dim_v_aug) or nullptr
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+  Acc* ddecay;       // (B, H, S) like decay, or nullptr
+  Acc* dinit_state;  // (B, H, M, dim_v_aug) or nullptr
+};
+
+}  // namespace attn

@@ -1,0 +1,18 @@
+// Entry points of the CPU linear attention kernels. No torch types: csrc/torch fills the params.
+#pragma once
+
+#include "common/linear_params.h"
+
+namespace attn {
+namespace cpu {
+
+// T = float for fp32 / fp16 / bf16 inputs (dt), double for float64 ones; instantiated for both.
+// out, den, final_state <- linear attention of q, k, v (common/linear_params.h states the math)
+template <typename T>
+void linear_fwd(const LinearParamsT<T>& p, DType dt);
+// dq, dk, dv (and ddecay, dinit_state when set) <- gradients given dout (and dfinal_state)
+template <typename T>
+void linear_bwd(const LinearBwdParamsT<T>& p, DType dt);
+
+}  // namespace cpu
+}  // namespace attn

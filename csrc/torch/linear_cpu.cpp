@@ -1,0 +1,68 @@
+// CPU registration of the linear family: attention_ext::linear_fwd / linear_bwd on the CPU
+// kernels (csrc/linear/cpu), float64 included.
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "linear/cpu/entry.h"
+#include "torch/linear_params.h"
+
+namespace {
+
+using at::Tensor;
+
+attn::DType linear_dtype(const Tensor& q) {
+  switch (q.scalar_type()) {
+    case at::kHalf: return attn::DType::kF16;
+    case at::kBFloat16: return attn::DType::kBF16;
+    case at::kDouble: return attn::DType::kF64;
+    default: return attn::DType::kF32;
+  }
+}
+
+std::tuple<Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  ATTN_LINEAR_OPTIONS_PARAMS) {
+  const attn::api::LinearOptions o = attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS);
+  attn::api::check_linear_inputs(q, k, v, o);
+  auto [out, den, state] = attn::api::alloc_linear_outputs(q, v, o);
+  if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) return {out, den, state};
+  const attn::DType dt = linear_dtype(q);
+  if (dt == attn::DType::kF64) {
+    attn::cpu::linear_fwd(attn::api::make_linear_params<double>(q, k, v, out, den, state, o), dt);
+  } else {
+    attn::cpu::linear_fwd(attn::api::make_linear_params<float>(q, k, v, out, den, state, o), dt);
+  }
+  return {out, den, state};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& dout,
+                                                                  const std::optional<Tensor>& dfinal_state,
+                                                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                  const Tensor& out, const Tensor& den,
+                                                                  ATTN_LINEAR_OPTIONS_PARAMS) {
+  const attn::api::LinearOptions o = attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS);
+  attn::api::check_linear_inputs(q, k, v, o);
+  attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
+  attn::api::LinearGrads g = attn::api::alloc_linear_grads(q, k, v, o);
+  if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) {
+    if (o.initial_state.has_value() && dfinal_state.has_value()) {
+      g.dinit_state.copy_(*dfinal_state);  // an empty sequence passes the state through
+    }
+    return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
+  }
+  const attn::DType dt = linear_dtype(q);
+  if (dt == attn::DType::kF64) {
+    attn::cpu::linear_bwd(attn::api::make_linear_bwd_params<double>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
+  } else {
+    attn::cpu::linear_bwd(attn::api::make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
+  }
+  return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
+  m.impl("linear_fwd", &linear_fwd_cpu);
+  m.impl("linear_bwd", &linear_bwd_cpu);
+}

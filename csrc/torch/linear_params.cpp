@@ -1,0 +1,246 @@
+// Definitions of linear_params.h: input checks, output allocation, tensors -> params.
+#include "torch/linear_params.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+namespace attn {
+namespace api {
+
+namespace {
+
+at::ScalarType acc_of(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_side(const std::optional<at::Tensor>& t, const char* name, at::IntArrayRef want, at::ScalarType dtype,
+                const at::Tensor& q) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == dtype, "attention_ext.linear: ", name, " must be ", dtype, ", got ",
+                   t->scalar_type());
+  TORCH_CHECK_VALUE(t->sizes() == want, "attention_ext.linear: ", name, " must have shape ", want, ", got ",
+                    t->sizes());
+  TORCH_CHECK(t->device() == q.device(), "attention_ext.linear: ", name, " must be on ", q.device(), ", got ",
+              t->device());
+  TORCH_CHECK_VALUE(t->is_contiguous(), "attention_ext.linear: ", name, " must be contiguous");
+}
+
+int64_t num_seqs(const at::Tensor& q, const LinearOptions& o) {
+  return o.cu_seqlens.has_value() ? o.cu_seqlens->numel() - 1 : q.size(0);
+}
+
+int64_t dv_aug(const at::Tensor& v, const LinearOptions& o) { return v.size(3) + (o.normalize ? 1 : 0); }
+
+void set3(const at::Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
+  *bs = t.stride(0);
+  *hs = t.stride(1);
+  *rs = t.stride(2);
+}
+
+}  // namespace
+
+void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attention_ext.linear: q, k, v must be 4-D (B, H, S, D), got q ", q.sizes(), ", k ", k.sizes(),
+                    ", v ", v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "attention_ext.linear: q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+                   ", ", v.scalar_type());
+  const auto st = q.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || st == at::kDouble,
+                   "attention_ext.linear: q, k, v must be float32, float16, bfloat16 or float64, got ", st);
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
+              "attention_ext.linear: q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
+              v.device());
+  const int64_t b = q.size(0), h = q.size(1), s = q.size(2), m = q.size(3), hk = k.size(1);
+  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "attention_ext.linear: batch mismatch: q ", q.sizes(), ", k ",
+                    k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_VALUE(k.size(2) == s && v.size(2) == s, "attention_ext.linear: q, k, v must have one sequence length, got ",
+                    s, ", ", k.size(2), ", ", v.size(2));
+  TORCH_CHECK_VALUE(k.size(3) == m, "attention_ext.linear: feature width mismatch: q has ", m, ", k has ", k.size(3));
+  TORCH_CHECK_VALUE(v.size(1) == hk, "attention_ext.linear: k and v must have the same heads, got ", hk, " and ",
+                    v.size(1));
+  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && v.size(3) >= 1 && v.size(3) <= 1024,
+                    "attention_ext.linear: feature and value widths must be in [1, 1024], got ", m, " and ",
+                    v.size(3));
+  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear: query heads (", h,
+                    ") must be a multiple of kv heads (", hk, ")");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+                      "attention_ext.linear: the last dim of q, k, v must be contiguous (stride 1), got strides ",
+                      t->strides());
+  TORCH_CHECK_VALUE(o.feature_map >= 0 && o.feature_map <= 2,
+                    "attention_ext.linear: feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ",
+                    o.feature_map);
+  TORCH_CHECK_VALUE(std::isfinite(o.eps) && o.eps >= 0.0, "attention_ext.linear: eps must be finite and >= 0, got ",
+                    o.eps);
+  TORCH_CHECK_VALUE(std::isfinite(o.scale), "attention_ext.linear: scale must be finite, got ", o.scale);
+  TORCH_CHECK_VALUE(o.causal || !o.decay.has_value(),
+                    "attention_ext.linear: decay needs causal=True (a gate orders the positions)");
+  const at::ScalarType acc = acc_of(q);
+  int64_t nb = b;
+  if (o.cu_seqlens.has_value()) {
+    const at::Tensor& cu = *o.cu_seqlens;
+    TORCH_CHECK_VALUE(b == 1, "attention_ext.linear: varlen inputs are one (1, H, total, D) pack, got batch ", b);
+    TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, "attention_ext.linear: cu_seqlens must be int32, got ",
+                     cu.scalar_type());
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2 && cu.is_contiguous(),
+                      "attention_ext.linear: cu_seqlens must be a contiguous (B + 1) tensor, got ", cu.sizes());
+    TORCH_CHECK(cu.device() == q.device(), "attention_ext.linear: cu_seqlens must be on ", q.device());
+    TORCH_CHECK_VALUE(o.max_seqlen >= 0, "attention_ext.linear: max_seqlen must be >= 0");
+    nb = cu.numel() - 1;
+    if (q.device().is_cpu()) {
+      auto c = cu.accessor<int32_t, 1>();
+      TORCH_CHECK_VALUE(c[0] == 0, "attention_ext.linear: cu_seqlens must start at 0");
+      for (int64_t i = 0; i < nb; ++i) {
+        TORCH_CHECK_VALUE(c[i + 1] >= c[i], "attention_ext.linear: cu_seqlens must be non-decreasing");
+        TORCH_CHECK_VALUE(c[i + 1] - c[i] <= o.max_seqlen, "attention_ext.linear: a sequence is longer than max_seqlen");
+      }
+      TORCH_CHECK_VALUE(c[nb] <= s, "attention_ext.linear: cu_seqlens end past the pack (", c[nb], " > ", s, ")");
+    }
+  }
+  check_side(o.decay, "decay", {b, h, s}, acc, q);
+  check_side(o.initial_state, "initial_state", {nb, h, m, dv_aug(v, o)}, acc, q);
+  check_side(o.key_mask, "key_mask", {b, s}, at::kBool, q);
+}
+
+void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
+                             const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
+                             const LinearOptions& o) {
+  const std::vector<int64_t> want_out{q.size(0), q.size(1), q.size(2), v.size(3)};
+  TORCH_CHECK_VALUE(dout.sizes() == at::IntArrayRef(want_out) && out.sizes() == at::IntArrayRef(want_out),
+                    "attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = ", at::IntArrayRef(want_out));
+  TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+                   "attention_ext.linear_bwd: dout and out must have q's dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1,
+                    "attention_ext.linear_bwd: dout and out need a contiguous last dim");
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device(),
+              "attention_ext.linear_bwd: dout and out must be on ", q.device());
+  check_side(den, "den", {q.size(0), q.size(1), q.size(2)}, acc_of(q), q);
+  check_side(dfinal_state, "dfinal_state", {num_seqs(q, o), q.size(1), q.size(3), dv_aug(v, o)}, acc_of(q), q);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q, const at::Tensor& v,
+                                                                   const LinearOptions& o) {
+  const auto acc = q.options().dtype(acc_of(q));
+  // out keeps q's memory layout: (B, S, H, Dv) storage when q has heads inside rows
+  at::Tensor out = q.stride(1) < q.stride(2)
+                       ? at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2)
+                       : at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  at::Tensor den = at::empty({q.size(0), q.size(1), q.size(2)}, acc);
+  at::Tensor state = at::empty({num_seqs(q, o), q.size(1), q.size(3), dv_aug(v, o)}, acc);
+  // rows no sequence owns (a varlen pack's tail) and empty calls
+  if (o.cu_seqlens.has_value() || q.numel() == 0 || v.numel() == 0) {
+    out.zero_();
+    den.fill_(1.0);
+  }
+  if (q.size(2) == 0 || q.numel() == 0) {
+    if (o.initial_state.has_value()) {
+      state.copy_(*o.initial_state);
+    } else {
+      state.zero_();
+    }
+  }
+  return {out, den, state};
+}
+
+template <typename Acc>
+LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& out, const at::Tensor& den, const at::Tensor& final_state,
+                                      const LinearOptions& o) {
+  LinearParamsT<Acc> p{};
+  const bool varlen = o.cu_seqlens.has_value();
+  p.b = int32_t(num_seqs(q, o));
+  p.h = int32_t(q.size(1));
+  p.h_k = int32_t(k.size(1));
+  p.sq = p.sk = int32_t(varlen ? o.max_seqlen : q.size(2));
+  p.d = int32_t(q.size(3));
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.dim_v = int32_t(v.size(3));
+  p.dim_v_aug = int32_t(dv_aug(v, o));
+  set3(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  set3(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  set3(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  set3(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  p.cu_seqlens = varlen ? o.cu_seqlens->data_ptr<int32_t>() : nullptr;
+  p.key_mask = o.key_mask.has_value() ? reinterpret_cast<const uint8_t*>(o.key_mask->data_ptr<bool>()) : nullptr;
+  p.key_mask_batch_stride = o.key_mask.has_value() ? o.key_mask->stride(0) : 0;
+  p.decay = o.decay.has_value() ? o.decay->data_ptr<Acc>() : nullptr;
+  p.den = den.data_ptr<Acc>();
+  p.seq_batch_stride = den.stride(0);
+  p.seq_head_stride = den.stride(1);
+  p.init_state = o.initial_state.has_value() ? o.initial_state->data_ptr<Acc>() : nullptr;
+  p.final_state = final_state.defined() && final_state.numel() > 0 ? final_state.data_ptr<Acc>() : nullptr;
+  p.feature_map = FeatureMap(o.feature_map);
+  p.causal = o.causal;
+  p.normalize = o.normalize;
+  p.eps = Acc(o.eps);
+  p.scale = Acc(o.scale);
+  p.num_threads = 0;
+  return p;
+}
+template LinearParamsT<float> make_linear_params<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const LinearOptions&);
+template LinearParamsT<double> make_linear_params<double>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const LinearOptions&);
+
+LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const LinearOptions& o) {
+  LinearGrads g;
+  auto like = [](const at::Tensor& t) {
+    return t.stride(1) < t.stride(2) ? at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2)
+                                     : at::empty(t.sizes(), t.options());
+  };
+  g.dq = like(q);
+  g.dk = like(k);
+  g.dv = like(v);
+  // the kernels write every row inside a sequence; a varlen pack's tail and empty calls get zeros
+  if (o.cu_seqlens.has_value() || q.numel() == 0 || k.numel() == 0 || v.numel() == 0) {
+    g.dq.zero_();
+    g.dk.zero_();
+    g.dv.zero_();
+  }
+  const auto acc = q.options().dtype(acc_of(q));
+  g.ddecay = o.decay.has_value() ? at::zeros_like(*o.decay) : at::empty({0}, acc);
+  g.dinit_state = o.initial_state.has_value() ? at::zeros_like(*o.initial_state) : at::empty({0}, acc);
+  return g;
+}
+
+template <typename Acc>
+LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
+                                             const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& out, const at::Tensor& den, const LinearOptions& o,
+                                             LinearGrads& g) {
+  LinearBwdParamsT<Acc> p{};
+  static_cast<LinearParamsT<Acc>&>(p) = make_linear_params<Acc>(q, k, v, out, den, at::Tensor(), o);
+  p.final_state = nullptr;
+  p.dout = dout.data_ptr();
+  set3(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
+  p.dfinal_state = dfinal_state.has_value() ? dfinal_state->data_ptr<Acc>() : nullptr;
+  p.dq = g.dq.data_ptr();
+  p.dk = g.dk.data_ptr();
+  p.dv = g.dv.data_ptr();
+  set3(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
+  set3(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
+  set3(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
+  p.ddecay = g.ddecay.numel() > 0 ? g.ddecay.data_ptr<Acc>() : nullptr;
+  p.dinit_state = g.dinit_state.numel() > 0 ? g.dinit_state.data_ptr<Acc>() : nullptr;
+  return p;
+}
+template LinearBwdParamsT<float> make_linear_bwd_params<float>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, const at::Tensor&,
+                                                               const LinearOptions&, LinearGrads&);
+template LinearBwdParamsT<double> make_linear_bwd_params<double>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                                 const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const LinearOptions&,
+                                                                 LinearGrads&);
+
+}  // namespace api
+}  // namespace attn

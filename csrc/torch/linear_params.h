@@ -1,0 +1,78 @@
+// The torch side of the linear attention op (the `linear` family), shared by its bindings:
+// input checks with clear messages, output allocation, tensors -> attn::LinearParams.
+//
+// Op schema (registered in library.cpp):
+//   linear_fwd(q, k, v, <options>) -> (out, den, final_state)
+//   linear_bwd(dout, dfinal_state?, q, k, v, out, den, <options>)
+//       -> (dq, dk, dv, ddecay, dinit_state)
+//   <options> = decay?, initial_state?, key_mask?, cu_seqlens?, max_seqlen, feature_map, causal,
+//       normalize, eps, scale
+// q (B, H, S, M), k (B, H_k, S, M), v (B, H_k, S, Dv) through strides (last dim stride 1); varlen
+// packs are (1, H, total, .) with cu_seqlens. common/linear_params.h states the math.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common/linear_params.h"
+
+#define ATTN_LINEAR_OPTIONS_SCHEMA                                                              \
+  "Tensor? decay, Tensor? initial_state, Tensor? key_mask, Tensor? cu_seqlens, int max_seqlen, " \
+  "int feature_map, bool causal, bool normalize, float eps, float scale"
+#define ATTN_LINEAR_OPTIONS_PARAMS                                                                   \
+  const std::optional<at::Tensor>&decay, const std::optional<at::Tensor>&initial_state,              \
+      const std::optional<at::Tensor>&key_mask, const std::optional<at::Tensor>&cu_seqlens,          \
+      int64_t max_seqlen, int64_t feature_map, bool causal, bool normalize, double eps, double scale
+#define ATTN_LINEAR_OPTIONS_ARGS \
+  decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize, eps, scale
+
+namespace attn {
+namespace api {
+
+struct LinearOptions {
+  std::optional<at::Tensor> decay, initial_state, key_mask, cu_seqlens;
+  int64_t max_seqlen, feature_map;
+  bool causal, normalize;
+  double eps, scale;
+};
+
+inline LinearOptions make_linear_options(ATTN_LINEAR_OPTIONS_PARAMS) {
+  return LinearOptions{ATTN_LINEAR_OPTIONS_ARGS};
+}
+
+// Checks q / k / v and the options; throws c10::Error naming the bad argument.
+void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o);
+
+// Checks the backward's extra inputs against q, v and the options.
+void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
+                             const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
+                             const LinearOptions& o);
+
+// out (q's layout, v's width), den (B, H, S) and final_state (B_seq, H, M, Dv + normalize), the
+// last two in float32 (float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q, const at::Tensor& v,
+                                                                   const LinearOptions& o);
+
+template <typename Acc>
+LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& out, const at::Tensor& den, const at::Tensor& final_state,
+                                      const LinearOptions& o);
+
+struct LinearGrads {
+  at::Tensor dq, dk, dv, ddecay, dinit_state;
+};
+// dq, dk, dv like q, k, v; ddecay like decay and dinit_state like initial_state when given (else
+// empty tensors); zeros where no kernel writes (every row of an empty call).
+LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const LinearOptions& o);
+
+template <typename Acc>
+LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
+                                             const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& out, const at::Tensor& den, const LinearOptions& o,
+                                             LinearGrads& g);
+
+}  // namespace api
+}  // namespace attn
