@@ -1,10 +1,14 @@
 """attention_ext.nn: the MultiheadAttention drop-in against torch's, the config-driven layers
 against reference.py, the classic attentions against hand-computed cases, positions and blocks."""
+import contextlib
+import copy
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention_ext import reference
 from attention_ext.nn import (AdditiveAttention, Attention, AttentionConfig, BlockConfig, DecoderBlock, EncoderBlock,
@@ -415,3 +419,121 @@ def test_blocks_shapes_and_residual_order(norm_first, norm):
     x2 = x.clone()
     x2[:, -1] += 1.0
     torch.testing.assert_close(dec(x2, mem)[:, :-1], dec(x, mem)[:, :-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# MultiheadAttention inside torch's own Transformer layers
+
+
+class _OpSpy(TorchDispatchMode):
+    """Records the name of every op that runs (below autograd): our kernel is attention_ext::fwd;
+    torch's own attention shows as aten::_transformer_encoder_layer_fwd, _native_multi_head_attention
+    or a _scaled_dot_product_* kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+    def torch_attention(self):
+        return sorted(n for n in self.ops if any(
+            w in n for w in ("transformer_encoder_layer", "multi_head_attention", "scaled_dot_product")))
+
+
+def _with_our_attention(module):
+    """A deep copy of `module` with each torch.nn.MultiheadAttention replaced by ours, same weights."""
+    ours = copy.deepcopy(module)
+    for parent in list(ours.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.MultiheadAttention):
+                mha = MultiheadAttention(child.embed_dim, child.num_heads, dropout=child.dropout,
+                                         bias=child.in_proj_bias is not None, batch_first=child.batch_first)
+                mha.load_state_dict(child.state_dict(), strict=True)
+                setattr(parent, name, mha)
+    return ours
+
+
+def _transformer_pair(kind, batch_first):
+    """(torch's, ours): the same torch layer / encoder, ours with attention_ext's MultiheadAttention."""
+    e, h, ff = 32, 4, 48
+    torch.manual_seed(0)
+    if kind == "decoder_layer":
+        ref = torch.nn.TransformerDecoderLayer(e, h, ff, dropout=0.0, batch_first=batch_first)
+        return ref, _with_our_attention(ref)
+    layer = torch.nn.TransformerEncoderLayer(e, h, ff, dropout=0.0, batch_first=batch_first)
+    if kind == "encoder_layer":
+        return layer, _with_our_attention(layer)
+    with warnings.catch_warnings():  # batch_first=False: "enable_nested_tensor is True, but ..."
+        warnings.simplefilter("ignore", UserWarning)
+        ref = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
+        ours = torch.nn.TransformerEncoder(_with_our_attention(layer), num_layers=2, enable_nested_tensor=True)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    assert ours.use_nested_tensor == ref.use_nested_tensor == batch_first  # nested tensors reach our module
+    return ref, ours
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.parametrize("mode", ["train", "eval_no_grad", "eval_inference_mode"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", ["encoder_layer", "decoder_layer", "encoder"])
+def test_mha_inside_torch_transformer_layers(kind, batch_first, mode):
+    """Our MultiheadAttention where torch's layers put theirs: TransformerEncoderLayer (whose eval
+    fast path would run torch's fused kernel on our weights), TransformerDecoderLayer and
+    TransformerEncoder with nested tensors (eval + padding mask nests the batch). Train and eval;
+    the output matches the torch layer with torch's attention, and attention_ext's kernel ran
+    (torch's attention did not)."""
+    ref, ours = _transformer_pair(kind, batch_first)
+    n, l, s, e = 3, 7, 6, 32
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(n, l, e, generator=gen)
+    mem = torch.randn(n, s, e, generator=gen)
+    pad = torch.arange(l).unsqueeze(0) >= torch.tensor([l, 5, 3]).unsqueeze(1)  # (N, L) True = padding
+    mem_pad = torch.arange(s).unsqueeze(0) >= torch.tensor([s, 2, 4]).unsqueeze(1)
+    if not batch_first:
+        x, mem = x.transpose(0, 1), mem.transpose(0, 1)
+    if kind == "decoder_layer":
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(l)
+        kw = dict(tgt_mask=causal, tgt_is_causal=True, tgt_key_padding_mask=pad, memory_key_padding_mask=mem_pad)
+        args = (x, mem)
+    else:
+        kw = dict(src_key_padding_mask=pad)
+        args = (x,)
+    for m in (ref, ours):
+        m.train(mode == "train")
+    grad_ctx = {"train": contextlib.nullcontext, "eval_no_grad": torch.no_grad,
+                "eval_inference_mode": torch.inference_mode}[mode]
+    with grad_ctx():
+        want = ref(*args, **kw)
+        spy = _OpSpy()
+        with spy:
+            got = ours(*args, **kw)
+    assert "attention_ext::fwd" in spy.ops, "our kernel did not run"
+    assert not spy.torch_attention(), f"torch's attention ran instead: {spy.torch_attention()}"
+    assert not got.is_nested and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    if mode == "train":
+        (got * want.detach()).sum().backward()
+        assert all(p.grad is not None for p in ours.parameters() if p.requires_grad)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_mha_nested_input():
+    """Nested (N, *, E) inputs (what TransformerEncoder hands its layers in eval): out is nested,
+    each sequence equal to torch's on the padded batch with its key padding mask."""
+    ref, ours = _pair(32, 4, batch_first=True)
+    lengths = [7, 4, 1]
+    seqs = [torch.randn(n, 32) for n in lengths]
+    nested = torch.nested.nested_tensor(seqs)
+    padded = torch.nested.to_padded_tensor(nested, 0.0)
+    pad = torch.arange(7).unsqueeze(0) >= torch.tensor(lengths).unsqueeze(1)
+    with torch.no_grad():
+        want, _ = ref(padded, padded, padded, key_padding_mask=pad, need_weights=False)
+        got, _ = ours(nested, nested, nested, need_weights=False)
+    assert got.is_nested
+    for i, t in enumerate(got.unbind()):
+        torch.testing.assert_close(t, want[i, :lengths[i]], atol=ATOL, rtol=1e-4)
+    with pytest.raises(ValueError, match="nested"):
+        ours(nested, nested, nested, key_padding_mask=pad)

@@ -9,6 +9,15 @@ state_dict loads into it unchanged:
 `need_weights=True` returns the real probabilities, recomputed from the kernel's log-sum-exp
 (one extra q @ k^T), averaged over heads unless `average_attn_weights=False`. With dropout in
 training they are the probabilities before dropout (torch returns them after).
+
+Inside torch's own layers (`nn.TransformerEncoderLayer`, `TransformerDecoderLayer`,
+`TransformerEncoder`) it keeps running our kernel:
+  - torch's encoder-layer fast path (eval, no grad) would call `torch._transformer_encoder_layer_fwd`
+    with our weights and bypass our forward; torch skips that path when a submodule has forward
+    hooks, so the module carries a no-op forward pre-hook (`_keep_our_forward`);
+  - `TransformerEncoder(enable_nested_tensor=True)` turns a padded batch into a nested tensor
+    before its layers: nested (N, *, E) inputs run here on their padded form with the lengths as
+    the key padding mask, and come back nested.
 """
 from __future__ import annotations
 
@@ -26,6 +35,19 @@ def _append_column(mask: Optional[Tensor]) -> Optional[Tensor]:
     if mask is None:
         return None
     return torch.cat([mask, mask.new_zeros(mask.shape[:-1] + (1,))], dim=-1)
+
+
+def _keep_our_forward(module: nn.Module, args) -> None:
+    """A forward pre-hook that does nothing. torch's TransformerEncoderLayer takes its fused fast
+    path only when no submodule has forward hooks (the fused kernel would skip them), so with it
+    the layer calls our forward, hence our kernel."""
+    return None
+
+
+def _unnest(x: Tensor) -> Tuple[Tensor, Tensor]:
+    """A nested (N, *, E) tensor -> its zero-padded (N, S, E) form and the (N,) lengths."""
+    lengths = torch.tensor([t.shape[0] for t in x.unbind()], dtype=torch.long, device=x.device)
+    return torch.nested.to_padded_tensor(x, 0.0), lengths
 
 
 class MultiheadAttention(nn.Module):
@@ -71,6 +93,7 @@ class MultiheadAttention(nn.Module):
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
         self._reset_parameters()
+        self.register_forward_pre_hook(_keep_our_forward)
 
     def _reset_parameters(self) -> None:
         # torch's init, so that a seeded model starts from the same weights
@@ -100,9 +123,21 @@ class MultiheadAttention(nn.Module):
             return F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)  # self-attention: one GEMM
         return F.linear(query, w_q, b_q), F.linear(key, w_k, b_k), F.linear(value, w_v, b_v)
 
+    def merge_masks(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], query: Tensor):
+        """torch's fast paths call this right before running torch's own fused attention on this
+        module's weights. Our forward pre-hook keeps torch's TransformerEncoderLayer off that path;
+        a torch whose fast path ignores hooks reaches this instead, and is told what to do rather
+        than silently running another kernel."""
+        raise RuntimeError("attention_ext.nn.MultiheadAttention: this torch's TransformerEncoderLayer fast path would "
+                           "run torch's fused attention instead of attention_ext's kernel; call "
+                           "torch.backends.mha.set_fastpath_enabled(False) (or upgrade torch)")
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        if query.is_nested or key.is_nested or value.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                        average_attn_weights, is_causal)
         unbatched = query.dim() == 2
         if unbatched:  # (L, E) -> (1, L, E)
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -110,6 +145,51 @@ class MultiheadAttention(nn.Module):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif not self.batch_first:  # (L, N, E) -> (N, L, E)
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        out, weights = self._attend(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                    average_attn_weights, is_causal)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = weights.squeeze(0) if weights is not None else None
+        elif not self.batch_first:
+            out = out.transpose(0, 1)  # (L, N, E)
+        return out, weights
+
+    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
+                        need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
+                        is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """Nested (N, *, E) inputs, batch first whatever batch_first says (as torch's nested
+        tensors are): attention on the zero-padded batch, the key lengths as the padding mask.
+        Returns out nested like query, and the weights padded (N, L, S) (zero past the lengths)."""
+        if key_padding_mask is not None or attn_mask is not None:
+            raise ValueError("attention_ext.nn.MultiheadAttention: nested inputs carry their own padding; pass no "
+                             "key_padding_mask or attn_mask with them")
+        if key.is_nested != value.is_nested or key.dim() != 3 or query.dim() != 3:
+            raise ValueError("attention_ext.nn.MultiheadAttention: key and value must both be nested (N, *, E) "
+                             "or both be padded (N, S, E) tensors")
+        q_pad, q_len = _unnest(query) if query.is_nested else (query, None)
+        if key is query:
+            k_pad, k_len = q_pad, q_len
+        else:
+            k_pad, k_len = _unnest(key) if key.is_nested else (key, None)
+        v_pad = k_pad if value is key else (_unnest(value)[0] if value.is_nested else value)
+        if not self.batch_first and not key.is_nested:  # a padded key / value is (S, N, E) then
+            k_pad, v_pad = k_pad.transpose(0, 1), v_pad.transpose(0, 1)
+        if not self.batch_first and not query.is_nested:
+            q_pad = q_pad.transpose(0, 1)
+        kpm = None
+        if k_len is not None:  # (N, S) True = padding, torch's convention
+            kpm = torch.arange(k_pad.shape[1], device=k_pad.device).unsqueeze(0) >= k_len.unsqueeze(1)
+        out, weights = self._attend(q_pad, k_pad, v_pad, kpm, need_weights, None, average_attn_weights, is_causal)
+        if q_len is None:
+            return (out if self.batch_first else out.transpose(0, 1)), weights
+        rows = [out[i, :n] for i, n in enumerate(q_len.tolist())]
+        return torch.nested.as_nested_tensor(rows, layout=query.layout), weights
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
+                need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
+                is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """(N, L, E) query, (N, S, E) key / value, torch's mask conventions -> out (N, L, E) and
+        the weights (N, L, S) (or (N, H, L, S)) when asked."""
         n, l, _ = query.shape
         h, d = self.num_heads, self.head_dim
         q, k, v = self._project(query, key, value)  # (N, L, E), (N, S, E), (N, S, E)
@@ -160,13 +240,6 @@ class MultiheadAttention(nn.Module):
             weights = attention_weights(q, k, lse, **opts)  # (N, H, L, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (N, L, S)
-            if unbatched:
-                weights = weights.squeeze(0)
         else:
             out = attention(q, k, v, dropout_p=p, **opts)
-        out = self.out_proj(out.reshape(n, l, self.embed_dim))  # (N, L, E)
-        if unbatched:
-            out = out.squeeze(0)
-        elif not self.batch_first:
-            out = out.transpose(0, 1)  # (L, N, E)
-        return out, weights
+        return self.out_proj(out.reshape(n, l, self.embed_dim)), weights  # (N, L, E)

@@ -33,8 +33,22 @@ def _check(cond: bool, msg, exc=ValueError):
         raise exc(msg() if callable(msg) else msg)
 
 
-def _draw_seed(generator: Optional[torch.Generator]) -> int:
-    return int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64).item())
+def _rng_state(seed: Union[int, Tensor, None], generator: Optional[torch.Generator]) -> Tensor:
+    """The dropout's (seed, offset) as the op's rng_state: a CPU int64 (2) tensor, as torch's SDPA
+    keeps its Philox seed / offset. Without `seed`, both are drawn with torch.randint from
+    `generator` (default: torch's global generator, so torch.manual_seed reproduces a call); a
+    given seed has offset 0. A tensor, never .item(): torch.compile traces the draw into the
+    graph (a fresh mask per step, no graph break) and a seed passed as a value does not
+    specialize the graph. The backward reuses the forward's tensor, hence its mask."""
+    if seed is None:
+        dev = generator.device if generator is not None else torch.device("cpu")
+        return torch.randint(0, 2**62, (2,), generator=generator, dtype=torch.int64, device=dev).cpu()
+    if isinstance(seed, Tensor):
+        _check(seed.numel() == 1 and not seed.is_floating_point() and not seed.is_complex(),
+               lambda: f"seed must be an int or a one-element integer tensor, got {seed.dtype} {tuple(seed.shape)}",
+               TypeError)
+        return torch.cat([seed.reshape(1).to(device="cpu", dtype=torch.int64), torch.zeros(1, dtype=torch.int64)])
+    return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")  # no int(): a SymInt seed stays symbolic
 
 
 def _window(window, causal: bool) -> Tuple[int, int]:
@@ -101,9 +115,9 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     nb = q.shape[0] if cu_q is None else cu_q.numel() - 1
     sq, sk = (q.shape[2], k.shape[2]) if cu_q is None else (o["max_seqlen_q"], o["max_seqlen_k"])
     dmask = None
-    if o["dropout_p"] > 0:
-        g = torch.Generator(device="cpu").manual_seed(o["seed"])
-        dmask = (torch.rand(nb, q.shape[1], sq, sk, generator=g) >= o["dropout_p"]).to(q.device)
+    if o["dropout_p"] > 0:  # the kernels' Philox mask, bit for bit
+        rng = o["rng_state"] if o.get("rng_state") is not None else torch.tensor([o["seed"], o["offset"]])
+        dmask = reference.dropout_mask(nb, q.shape[1], sq, sk, o["dropout_p"], rng, device=q.device)
     kw = dict(scale=o["scale"], softcap=o["softcap"], window=(o["window_left"], o["window_right"]),
               bottom_right=o["bottom_right"], bias=o["bias"], alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
               dropout_p=o["dropout_p"], dropout_mask=dmask)
@@ -134,7 +148,7 @@ def attention(
     sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     generator: Optional[torch.Generator] = None,
-    seed: Optional[int] = None,
+    seed: Union[int, Tensor, None] = None,
     return_lse: bool = False,
     deterministic: bool = False,
     num_splits: int = 1,
@@ -155,7 +169,10 @@ def attention(
         alibi_slopes: (H,) or (B, H): adds -slope * |i + diag - j|.
         softcap: > 0 squashes the scaled scores: softcap * tanh(s / softcap).
         sinks: (H,) learnable logits that join each softmax denominator (attention sinks).
-        dropout_p: dropout on the probabilities, drawn in-kernel from (seed or generator).
+        dropout_p: dropout on the probabilities, drawn in-kernel (Philox) from (seed, offset):
+            `seed` (an int, or a one-element int tensor) with offset 0, else both drawn from
+            `generator` (default: torch's, so torch.manual_seed reproduces it). Compiles with
+            torch.compile(fullgraph=True) with a fresh mask per call and no recompile.
         return_lse: also return the (B, H, Sq) log-sum-exp (float32; float64 for float64
             inputs).
         deterministic: the backward uses no atomics (CUDA).
@@ -193,13 +210,12 @@ def attention(
             sinks = sinks.to(acc)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if dropout_p > 0.0 and seed is None:
-        seed = _draw_seed(generator)
+    rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
 
     opts = dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=seqlens_k, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap),
                 window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
-                seed=int(seed or 0), offset=0)
+                seed=0, offset=0, rng_state=rng_state)
     out, lse = _fused(q, k, v, opts, num_splits, deterministic)
     if layout == "bshd":
         out = out.transpose(1, 2)
@@ -224,7 +240,7 @@ def attention_varlen(
     sinks: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     generator: Optional[torch.Generator] = None,
-    seed: Optional[int] = None,
+    seed: Union[int, Tensor, None] = None,
     return_lse: bool = False,
     deterministic: bool = False,
     num_splits: int = 1,
@@ -256,14 +272,13 @@ def attention_varlen(
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None and sinks.dtype != acc:
         sinks = sinks.to(acc)
-    if dropout_p > 0.0 and seed is None:
-        seed = _draw_seed(generator)
+    rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
     # (total, H, D) -> (1, H, total, D) views
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
     opts = dict(bias=None, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=None, cu_seqlens_q=cq, cu_seqlens_k=ck,
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), scale=float(scale),
                 softcap=float(softcap), window_left=wl, window_right=wr, bottom_right=bool(bottom_right),
-                dropout_p=float(dropout_p), seed=int(seed or 0), offset=0)
+                dropout_p=float(dropout_p), seed=0, offset=0, rng_state=rng_state)
     out4, lse = _fused(q4, k4, v4, opts, num_splits, deterministic)
     out = out4.transpose(1, 2).squeeze(0)
     return (out, lse.squeeze(0)) if return_lse else out

@@ -66,7 +66,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                  seqlens_k: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                  scale: float = 1.0, softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
-                 bottom_right: bool = False, dropout_p: float = 0.0, seed: int = 0, offset: int = 0) -> None:
+                 bottom_right: bool = False, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
+                 rng_state: Optional[Tensor] = None) -> None:
     """The op's input rules, as the C++ check_inputs (csrc/torch/softmax_params.cpp) states them,
     with the same error types (ValueError, TypeError, RuntimeError) and messages. Run by the fake
     kernels (torch.compile, meta tensors) and before the reference fallback; the compiled kernels
@@ -135,6 +136,15 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
         torch._check_value((a.dim() == 1 and a.shape[0] == h) or (a.dim() == 2 and a.shape[0] == nb and a.shape[1] == h),
                            lambda: f"attention_ext: alibi_slopes must be (H) or (B, H) = ({nb}, {h}), got {_shape(a)}")
         torch._check_value(a.stride(-1) == 1, lambda: "attention_ext: alibi_slopes must be contiguous over heads")
+    if rng_state is not None:  # (seed, offset), read on the host: overrides the int seed / offset
+        r = rng_state
+        torch._check_type(r.dtype == torch.int64,
+                          lambda: f"attention_ext: rng_state must be int64, got {_name(r.dtype)}")
+        torch._check_value(r.dim() == 1 and r.shape[0] == 2 and r.is_contiguous(),
+                           lambda: f"attention_ext: rng_state must be a contiguous (2) tensor (seed, offset), got "
+                                   f"{_shape(r)}")
+        torch._check(r.device.type == "cpu",
+                     lambda: f"attention_ext: rng_state must be a CPU tensor (read on the host), got {r.device}")
     if sinks is not None:
         s = sinks
         torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {_name(acc)}, got {_name(s.dtype)}")
@@ -158,7 +168,7 @@ def _common_prefix(a, b) -> Tuple[str, ...]:
 if HAS_EXT:
     FWD_ARGS = _arg_names("fwd")  # q, k, v, the options, num_splits, deterministic
     BWD_ARGS = _arg_names("bwd")  # dout, q, k, v, out, lse, the options, bias_grad, deterministic, dlse
-    # The options fwd and bwd share, in schema order (bias ... offset).
+    # The options fwd and bwd share, in schema order (bias ... offset, rng_state).
     OPTION_NAMES = _common_prefix(FWD_ARGS[3:], BWD_ARGS[6:])
 else:
     # Without the extension no op is called; check_inputs' keywords name the same options (a test
@@ -167,7 +177,7 @@ else:
                          if p.kind is inspect.Parameter.KEYWORD_ONLY)
     FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
     BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
-_OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k")
+_OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "rng_state")
 
 
 def _check_num_splits(num_splits: int) -> None:
@@ -234,21 +244,22 @@ if HAS_EXT:
         # the backward recomputes the scores from q, k and every option tensor; sinks only enter
         # the (saved) LSE and their own gradient, so they are kept only for that gradient
         sinks = a["sinks"] if ctx.sinks_grad else None
+        # rng_state: the backward redraws the forward's dropout mask from the same (seed, offset)
         ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, bias, a["alibi_slopes"], sinks, a["seqlens_k"],
-                              a["cu_seqlens_q"], a["cu_seqlens_k"])
+                              a["cu_seqlens_q"], a["cu_seqlens_k"], a.get("rng_state"))
 
     def _backward(ctx, dout, dlse):
         if not ctx.any_grad:
             return (None,) * len(FWD_ARGS)
-        q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
             dout = dout.contiguous()
         if dlse is not None:
             # rows that saw nothing have lse = -inf and no gradient to pass on
             dlse = dlse.to(lse.dtype).masked_fill(torch.isinf(lse), 0.0).contiguous()
         a = dict(ctx.scalars, dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi, sinks=sinks,
-                 seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, bias_grad=ctx.bias_grad,
-                 deterministic=ctx.deterministic, dlse=dlse)
+                 seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rng_state=rng_state,
+                 bias_grad=ctx.bias_grad, deterministic=ctx.deterministic, dlse=dlse)
         dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(*[a[n] for n in BWD_ARGS])
         grads = dict(q=dq, k=dk, v=dv, bias=dbias.sum_to_size(bias.shape) if ctx.bias_grad else None,
                      sinks=dsinks.sum(0) if ctx.sinks_grad else None)
@@ -258,16 +269,18 @@ if HAS_EXT:
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, **options):
-    """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES). Returns
-    (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 = the heuristic);
-    deterministic: the backward adds no atomics (CUDA)."""
-    a = dict(options, q=q, k=k, v=v, num_splits=num_splits, deterministic=deterministic)
+    """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES; rng_state may
+    be left out). Returns (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 =
+    the heuristic); deterministic: the backward adds no atomics (CUDA)."""
+    a = {"rng_state": None, **options, "q": q, "k": k, "v": v, "num_splits": num_splits,
+         "deterministic": deterministic}
     return torch.ops.attention_ext.fwd(*[a[n] for n in FWD_ARGS])
 
 
 def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0, device=None) -> Tensor:
     """The (B, H, Sq, Sk) bool keep-mask the kernels draw for (seed, offset): Philox4x32-10,
-    identical on the CPU and the GPU."""
+    identical on the CPU and the GPU. A call that drew its own (seed, offset) as a rng_state
+    tensor rebuilds its mask with dropout_mask(..., *rng_state.tolist())."""
     return torch.ops.attention_ext.dropout_mask(b, h, sq, sk, p, seed, offset, device)
 
 

@@ -9,6 +9,7 @@ D head dim. Tensors are (B, H, S, D) unless stated otherwise.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -198,3 +199,50 @@ def attention_probs(q: Tensor, k: Tensor, lse: Tensor, **kwargs) -> Tensor:
     lse = lse.to(s.dtype).unsqueeze(-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     return p.masked_fill(~ok | torch.isinf(lse), 0.0)
+
+
+# ---------------------------------------------------------------------------------- dropout mask
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit halves of a * b for a < 2**32 and b an int64 tensor of values < 2**32.
+    b is split into 16-bit halves so that no int64 product overflows."""
+    x = a * (b & 0xFFFF)  # < 2**48
+    y = a * (b >> 16)  # < 2**48; a * b = y * 2**16 + x
+    lo = (x + ((y & 0xFFFF) << 16)) & _U32
+    hi = (y + (x >> 16)) >> 16
+    return hi, lo
+
+
+def _philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k1: Tensor):
+    """Philox4x32-10 (csrc/common/philox.h) on int64 tensors holding uint32 values."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _U32, (k1 + 0xBB67AE85) & _U32
+    return c0, c1, c2, c3
+
+
+def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, rng_state: Tensor, device=None) -> Tensor:
+    """The (B, H, S_q, S_k) bool keep-mask the kernels draw, from rng_state = (seed, offset), an
+    int64 (2) tensor (read as tensors: no .item(), so torch.compile traces it).
+
+    Element (b, h, i, j) keeps when u >= p, u = (x >> 8) / 2**24 with x the (j mod 4)-th word of
+    Philox4x32-10(counter = (j // 4, i, b * H + h, offset_lo), key = (seed_lo, seed_hi ^ offset_hi)):
+    bit for bit the mask of the compiled kernels and of attention_ext.dropout_mask()."""
+    rng = rng_state.to(device=device, dtype=torch.int64)
+    seed, offset = rng[0], rng[1]
+    i64 = dict(dtype=torch.int64, device=rng.device)
+    j4 = torch.arange((sk + 3) // 4, **i64).view(1, 1, -1)
+    i = torch.arange(sq, **i64).view(1, -1, 1)
+    bh = torch.arange(b * h, **i64).view(-1, 1, 1)
+    zero = torch.zeros((b * h, sq, (sk + 3) // 4), **i64)  # the counters, broadcast to (B * H, S_q, S_k / 4)
+    k0 = seed & _U32
+    k1 = ((seed >> 32) & _U32) ^ ((offset >> 32) & _U32)  # arithmetic shifts: the uint64 bits of a negative value
+    words = _philox4x32_10(zero + j4, zero + i, zero + bh, zero + (offset & _U32), k0 + zero, k1 + zero)
+    bits = torch.stack(words, dim=-1).flatten(-2)[..., :sk]  # (B * H, S_q, 4 * ceil(S_k / 4)) -> S_k
+    # u >= p in float32, as the kernels compare: (x >> 8) >= p32 * 2**24 (a power-of-two scale is exact)
+    threshold = math.ceil(struct.unpack("f", struct.pack("f", p))[0] * 16777216.0)
+    return ((bits >> 8) >= threshold).view(b, h, sq, sk)

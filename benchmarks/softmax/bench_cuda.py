@@ -119,7 +119,8 @@ def max_grad_diff(a, b):
 def options(d, causal):
     o = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(d), softcap=0.0, window_left=-1,
-             window_right=0 if causal else -1, bottom_right=False, dropout_p=0.0, seed=0, offset=0)
+             window_right=0 if causal else -1, bottom_right=False, dropout_p=0.0, seed=0, offset=0,
+             rng_state=None)
     return [o[n] for n in ops.OPTION_NAMES]
 
 

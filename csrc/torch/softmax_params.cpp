@@ -112,6 +112,15 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
                       "attention_ext: alibi_slopes must be (H) or (B, H) = (", nb, ", ", h, "), got ", a.sizes());
     TORCH_CHECK_VALUE(a.stride(-1) == 1, "attention_ext: alibi_slopes must be contiguous over heads");
   }
+  if (o.rng_state.has_value()) {
+    // checked in this order (dtype, shape, device) by ops.check_inputs too
+    const Tensor& r = *o.rng_state;
+    TORCH_CHECK_TYPE(r.scalar_type() == at::kLong, "attention_ext: rng_state must be int64, got ", r.scalar_type());
+    TORCH_CHECK_VALUE(r.dim() == 1 && r.size(0) == 2 && r.is_contiguous(),
+                      "attention_ext: rng_state must be a contiguous (2) tensor (seed, offset), got ", r.sizes());
+    TORCH_CHECK(r.device().is_cpu(), "attention_ext: rng_state must be a CPU tensor (read on the host), got ",
+                r.device());
+  }
   if (o.sinks.has_value()) {
     const Tensor& s = *o.sinks;
     TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext: sinks must be ", acc, ", got ", s.scalar_type());
@@ -200,8 +209,14 @@ FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& 
   }
   p.sinks = o.sinks.has_value() ? o.sinks->data_ptr<Acc>() : nullptr;
   p.dropout_p = float(o.dropout_p);
-  p.seed = uint64_t(o.seed);
-  p.offset = uint64_t(o.offset);
+  if (o.rng_state.has_value()) {  // a CPU tensor: read on the host, no device sync
+    const int64_t* r = o.rng_state->data_ptr<int64_t>();
+    p.seed = uint64_t(r[0]);
+    p.offset = uint64_t(r[1]);
+  } else {
+    p.seed = uint64_t(o.seed);
+    p.offset = uint64_t(o.offset);
+  }
   p.num_threads = 0;
   return p;
 }

@@ -9,7 +9,11 @@
 //       -> (dq, dk, dv, dbias, dsinks)
 //   <options> = bias?, alibi_slopes?, sinks?, seqlens_k?, cu_seqlens_q?, cu_seqlens_k?,
 //       max_seqlen_q, max_seqlen_k, scale, softcap, window_left, window_right, bottom_right,
-//       dropout_p, seed, offset
+//       dropout_p, seed, offset, rng_state?
+// rng_state: an optional CPU int64 (2) tensor (seed, offset) that overrides the int seed / offset.
+// The functional API draws it with torch.randint, so that torch.compile traces the draw (no
+// .item(), no recompile per seed) and the backward reuses the forward's tensor; the bindings
+// read it on the host (no device sync).
 // q (B, H, Sq, D), k / v (B, H_k, Sk, D) through strides (head-dim stride 1); varlen packs are
 // (1, H, total, D) with cu_seqlens. out / dq / dk / dv keep their input's memory layout.
 #pragma once
@@ -25,16 +29,17 @@
 #define ATTN_SOFTMAX_OPTIONS_SCHEMA                                                                    \
   "Tensor? bias, Tensor? alibi_slopes, Tensor? sinks, Tensor? seqlens_k, Tensor? cu_seqlens_q, "        \
   "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, float softcap, int window_left, " \
-  "int window_right, bool bottom_right, float dropout_p, int seed, int offset"
+  "int window_right, bool bottom_right, float dropout_p, int seed, int offset, Tensor? rng_state"
 #define ATTN_SOFTMAX_OPTIONS_PARAMS                                                                        \
   const ::attn::api::OptTensor &bias, const ::attn::api::OptTensor &alibi_slopes,                         \
       const ::attn::api::OptTensor &sinks, const ::attn::api::OptTensor &seqlens_k,                       \
       const ::attn::api::OptTensor &cu_seqlens_q, const ::attn::api::OptTensor &cu_seqlens_k,             \
       int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, double softcap, int64_t window_left,      \
-      int64_t window_right, bool bottom_right, double dropout_p, int64_t seed, int64_t offset
+      int64_t window_right, bool bottom_right, double dropout_p, int64_t seed, int64_t offset,            \
+      const ::attn::api::OptTensor &rng_state
 #define ATTN_SOFTMAX_OPTIONS_ARGS                                                                      \
   bias, alibi_slopes, sinks, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, \
-      softcap, window_left, window_right, bottom_right, dropout_p, seed, offset
+      softcap, window_left, window_right, bottom_right, dropout_p, seed, offset, rng_state
 
 namespace attn {
 namespace api {
@@ -51,6 +56,7 @@ struct Options {
   bool bottom_right;
   double dropout_p;
   int64_t seed, offset;
+  OptTensor rng_state;  // (seed, offset) on the host; overrides seed / offset when given
 };
 
 inline Options make_options(ATTN_SOFTMAX_OPTIONS_PARAMS) { return Options{ATTN_SOFTMAX_OPTIONS_ARGS}; }

@@ -82,7 +82,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_bwd(const Tensor& dout, c
 // Which kernel family the forward of a default-options call takes: "tensor-core" or "simt".
 std::string emu_path(const Tensor& q, const Tensor& k, const Tensor& v, int64_t arch) {
   const attn::api::Options o{std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                             0, 0, 1.0, 0.0, -1, -1, false, 0.0, 0, 0};
+                             0, 0, 1.0, 0.0, -1, -1, false, 0.0, 0, 0, std::nullopt};
   auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
   const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
   return backend(arch).path_name(&p, sizeof(p), int(attn::api::dtype_of(q)));

@@ -332,6 +332,127 @@ def test_dropout_statistics():
     assert (mean - ref).abs().max().item() < 0.15
 
 
+def _rebuilt_mask_grads_match(q, k, v, out, p, rng_state):
+    """out (and the gradients of q, k, v through it) against the float64 reference with the
+    mask rebuilt from rng_state: the backward redrew the forward's mask."""
+    b, h, sq, _ = q.shape
+    keep = ae.dropout_mask(b, h, sq, k.shape[2], p, *rng_state.tolist())
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference.attention(qd, kd, vd, dropout_p=p, dropout_mask=keep)
+    assert rel_err(out, ref) < 1e-5
+    dout = torch.randn_like(out)
+    for t in (q, k, v):
+        t.grad = None
+    out.backward(dout)
+    ref.backward(dout.double())
+    for a, r in ((q, qd), (k, kd), (v, vd)):
+        assert rel_err(a.grad, r.grad) < 1e-5
+
+
+def test_dropout_default_seed_follows_manual_seed():
+    """Without seed=, (seed, offset) come from torch's generator as a tensor: torch.manual_seed
+    reproduces a call, another seed draws another mask, a generator= is honoured, and the
+    backward reuses the forward's mask."""
+    from attention_ext.softmax.functional import _rng_state
+
+    p = 0.3
+    q, k, v = rand_qkv(2, 3, 3, 21, 34, 16, torch.float32)
+    torch.manual_seed(5)
+    out1 = ae.attention(q, k, v, dropout_p=p)
+    torch.manual_seed(5)
+    out2 = ae.attention(q, k, v, dropout_p=p)
+    torch.manual_seed(6)
+    out3 = ae.attention(q, k, v, dropout_p=p)
+    assert torch.equal(out1, out2) and not torch.equal(out1, out3)
+    with_gen = lambda: ae.attention(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(9))  # noqa: E731
+    assert torch.equal(with_gen(), with_gen())
+    torch.manual_seed(5)
+    rng = _rng_state(None, None)  # the draw attention() made after manual_seed(5)
+    assert rng.dtype == torch.int64 and rng.shape == (2,) and rng.device.type == "cpu"
+    _rebuilt_mask_grads_match(q, k, v, out1, p, rng)
+    # seed= as an int or a one-element tensor: the same (seed, offset 0)
+    out_i = ae.attention(q, k, v, dropout_p=p, seed=77)
+    out_t = ae.attention(q, k, v, dropout_p=p, seed=torch.tensor(77))
+    assert torch.equal(out_i, out_t)
+    _rebuilt_mask_grads_match(q, k, v, out_t, p, torch.tensor([77, 0]))
+
+
+@pytest.mark.filterwarnings("ignore:attention_ext. no compiled kernel:RuntimeWarning")
+def test_dropout_fallback_draws_the_kernel_mask(monkeypatch):
+    """The reference fallback (no compiled kernel) draws the kernels' Philox mask from the same
+    (seed, offset) tensor: reference.dropout_mask equals the op's mask bit for bit, so the
+    fallback's output equals the kernel's."""
+    for b, h, sq, sk, p, seed, offset in [(2, 3, 5, 7, 0.5, 11, 0), (1, 2, 33, 130, 0.3, 2**62 - 5, 2**40 + 7),
+                                          (2, 1, 4, 9, 0.1, -3, 5), (1, 1, 3, 3, 0.999, 1, 2**63 - 1)]:
+        want = ae.dropout_mask(b, h, sq, sk, p, seed, offset)
+        assert torch.equal(reference.dropout_mask(b, h, sq, sk, p, torch.tensor([seed, offset])), want)
+    q, k, v = rand_qkv(2, 4, 2, 19, 23, 16, torch.float64, requires_grad=False)
+    torch.manual_seed(3)
+    kernel = ae.attention(q, k, v, dropout_p=0.25, causal=True)
+    monkeypatch.setitem(ops._KERNELS, "cpu", False)
+    torch.manual_seed(3)
+    fallback = ae.attention(q, k, v, dropout_p=0.25, causal=True)
+    assert (kernel - fallback).abs().max().item() < 1e-12
+
+
+def _reset_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps them
+
+
+def _compile_counters():
+    """(graphs dynamo compiled, graph breaks) since _reset_dynamo()."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_dropout_compiles_fullgraph_without_recompiles(backend):
+    """Training with dropout under torch.compile(fullgraph=True): the (seed, offset) draw is a
+    traced torch.randint (no .item(), no graph break), every step runs the one compiled graph
+    (error_on_recompile) with a fresh mask, and the backward reuses each step's mask. Eager and
+    aot_eager draw from torch's generator like eager mode (same outputs under manual_seed);
+    inductor draws with its own RNG."""
+    _reset_dynamo()
+    p = 0.2
+    q, k, v = rand_qkv(2, 4, 2, 17, 19, 16, torch.float32)
+
+    def step(q, k, v):
+        return ae.attention(q, k, v, dropout_p=p, causal=True) * 2
+
+    f = torch.compile(step, fullgraph=True, backend=backend)
+    outs = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(4):
+            torch.manual_seed(100 + i)
+            out = f(q, k, v)
+            out.sum().backward()
+            assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+            outs.append(out.detach())
+            if backend != "inductor":
+                torch.manual_seed(100 + i)
+                assert torch.equal(out, step(q, k, v)), "the compiled draw follows torch.manual_seed as eager does"
+    graphs, breaks = _compile_counters()
+    assert graphs == 1 and breaks == 0
+    for a, b in itertools.combinations(outs, 2):
+        assert not torch.equal(a, b), "each step draws a fresh mask"
+
+
+def test_dropout_compiled_seed_argument_does_not_recompile_per_value():
+    """seed= given to a compiled function: a tensor seed compiles once; an int seed at most twice
+    (the first value is specialized, the second makes it dynamic), never once per value."""
+    q, k, v = rand_qkv(1, 2, 2, 9, 11, 8, torch.float32, requires_grad=False)
+    for make in (torch.tensor, int):
+        _reset_dynamo()
+        f = torch.compile(lambda q, k, v, s: ae.attention(q, k, v, dropout_p=0.3, seed=s), fullgraph=True,
+                          backend="aot_eager")
+        for s in range(10, 16):
+            assert torch.equal(f(q, k, v, make(s)), ae.attention(q, k, v, dropout_p=0.3, seed=s))
+        graphs, breaks = _compile_counters()
+        assert breaks == 0 and graphs <= (1 if make is torch.tensor else 2)
+
+
 # ------------------------------------------------------------------ gradcheck / opcheck / compile
 GRADCHECK = {
     "plain": dict(),
@@ -393,28 +514,30 @@ def test_gradcheck_varlen():
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32):
+def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32, rng_state=None):
     q, k, v = rand_qkv(2, 4, 2, 9, 11, 16, dtype)
     acc = ops.acc_dtype(dtype)
     bias = torch.randn(1, 4, 9, 11, dtype=acc, requires_grad=True) if with_bias else None
     s = torch.randn(4, dtype=acc, requires_grad=True) if sinks else None
     return (q, k, v, bias, torch.rand(4, dtype=acc), s, None, None, None, 9, 11, 0.25, 0.0, -1, 0, False, dropout, 3,
-            0)
+            0, rng_state)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("variant", ["full", "plain", "dropout", "splits_deterministic"])
+@pytest.mark.parametrize("variant", ["full", "plain", "dropout", "dropout_rng_state", "splits_deterministic"])
 def test_opcheck_fwd(variant, dtype):
-    args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if variant == "dropout" else 0.0,
-                    dtype=dtype)
+    args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if "dropout" in variant else 0.0,
+                    dtype=dtype, rng_state=torch.tensor([2**40 + 3, 5]) if variant == "dropout_rng_state" else None)
     if variant == "splits_deterministic":  # the two trailing arguments, past their defaults
         args = (*args, 0, True)
     torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_opcheck_bwd_and_mask(dtype):
-    args = _op_args(dtype=dtype)
+@pytest.mark.parametrize("rng_state", [None, (12, 34)])
+def test_opcheck_bwd_and_mask(dtype, rng_state):
+    args = _op_args(dtype=dtype, dropout=0.0 if rng_state is None else 0.25,
+                    rng_state=None if rng_state is None else torch.tensor(rng_state))
     q, k, v = args[:3]
     out, lse = torch.ops.attention_ext.fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     dargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
@@ -476,7 +599,7 @@ def test_bad_input(name, fn, exc, msg):
 def test_bad_input_raw_op_never_crashes():
     q = torch.randn(2, 4, 8, 16)
     k = torch.randn(2, 3, 9, 16)
-    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0]
+    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0, None]
     with pytest.raises((RuntimeError, ValueError)):
         torch.ops.attention_ext.fwd(q, k, k, *base)
     bad_cu = list(base)
@@ -506,7 +629,7 @@ def _raw_fwd_args(device, **changes):
     a = dict(q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16), bias=None,
              alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=8,
              max_seqlen_k=9, scale=0.25, softcap=0.0, window_left=-1, window_right=-1, bottom_right=False,
-             dropout_p=0.0, seed=0, offset=0, num_splits=1, deterministic=False)
+             dropout_p=0.0, seed=0, offset=0, rng_state=None, num_splits=1, deterministic=False)
     a.update(changes)
     a = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
     return [a[n] for n in ops.FWD_ARGS]
@@ -540,6 +663,8 @@ RAW_BAD = {
     "seqlens_k shape": dict(seqlens_k=torch.ones(3, **_i32)),
     "cu_seqlens alone": dict(cu_seqlens_q=torch.tensor([0, 8], **_i32)),
     "varlen batch": dict(cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 9], **_i32)),
+    "rng_state dtype": dict(rng_state=torch.tensor([1, 2], **_i32)),
+    "rng_state shape": dict(rng_state=torch.tensor([1, 2, 3])),
     "varlen cu shape": dict(q=torch.randn(1, 4, 8, 16), k=torch.randn(1, 2, 9, 16), v=torch.randn(1, 2, 9, 16),
                             cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 4, 9], **_i32)),
 }
@@ -560,7 +685,7 @@ def test_fake_checks_match_cpp(case):
 def test_option_names_from_schema():
     """OPTION_NAMES is read from the registered schemas: the options fwd and bwd share, in order;
     check_inputs names the same options (it stands in for the schema without the extension)."""
-    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "offset" and len(ops.OPTION_NAMES) == 16
+    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "rng_state" and len(ops.OPTION_NAMES) == 17
     assert ops.FWD_ARGS == ("q", "k", "v", *ops.OPTION_NAMES, "num_splits", "deterministic")
     params = inspect.signature(ops.check_inputs).parameters
     assert tuple(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY) == ops.OPTION_NAMES

@@ -40,7 +40,7 @@ def call_fwd(q, k, v, **o):
     opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(q.shape[-1]),
                 softcap=0.0, window_left=-1, window_right=-1, bottom_right=False, dropout_p=0.0, seed=0,
-                offset=0)
+                offset=0, rng_state=None)
     opts.update(o)
     return [opts[n] for n in ops.OPTION_NAMES]
 
@@ -423,12 +423,35 @@ def test_dropout_reproducible_and_matches_cpu(dtype):
     assert torch.equal(o1, o2) and torch.equal(l1, l2), "same seed must reproduce the forward"
     assert torch.equal(g1[1], g2[1]) and torch.equal(g1[2], g2[2]), "same seed must reproduce dK and dV"
     assert not torch.equal(o1, o3), "another seed must draw another mask"
+    # (seed, offset) as the host rng_state tensor the functional API passes: the same mask
+    o4, l4, g4 = run_kernel(q, k, v, dout, dropout_p=0.3, rng_state=torch.tensor([99, 5]))
+    assert torch.equal(o1, o4) and torch.equal(g1[1], g4[1]), "rng_state must override seed / offset"
     # the CPU kernel draws the same mask: compare the two backends in float32
     qc, kc, vc = (t.float().cpu() for t in (q, k, v))
     args = call_fwd(qc, kc, vc, dropout_p=0.3, seed=99, offset=5)
     oc, lc = torch.ops.attention_ext.fwd(qc, kc, vc, *args)
     err = (o1.float().cpu() - oc).abs().max().item()
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), f"CUDA vs CPU dropout forward differ by {err}"
+
+
+def test_dropout_compiles_fullgraph():
+    """attention(dropout_p > 0) under torch.compile(fullgraph=True) on the GPU: the host rng_state
+    draw is traced next to the CUDA op, every step runs the one graph with a fresh mask."""
+    import attention_ext as ae
+    from tests.softmax.test_cpu import _compile_counters, _reset_dynamo
+
+    _reset_dynamo()
+    q, k, v = (randn(2, 4, 65, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    f = torch.compile(lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, causal=True), fullgraph=True,
+                      backend="aot_eager")
+    outs = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            out = f(q, k, v)
+            out.float().sum().backward()
+            outs.append(out.detach())
+    assert _compile_counters() == (1, 0) and not torch.equal(outs[0], outs[1])
+    assert torch.isfinite(q.grad).all()
 
 
 def test_force_simt_path_matches(kernels):
