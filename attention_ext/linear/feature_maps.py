@@ -71,7 +71,8 @@ def gaussian_projection(m: int, d: int, *, orthogonal: bool, generator: torch.Ge
         return torch.randn(m, d, generator=generator)
     blocks = []
     for _ in range(-(-m // d)):
-        qmat, _ = torch.linalg.qr(torch.randn(d, d, generator=generator))
+        qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
+        qmat = qmat * torch.sign(torch.diagonal(r)).unsqueeze(0)  # the sign fix that makes Q Haar-distributed
         blocks.append(qmat.T)  # (d, d), orthonormal rows
     w = torch.cat(blocks, 0)[:m]  # (m, d)
     norms = torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True)  # chi_d distributed
@@ -135,12 +136,14 @@ class Favor(RandomFeatureMap):
     so normalized linear attention estimates softmax attention with scale 1 / sqrt(d)
     (exactly unbiased for the kernel; the ratio's bias falls as O(1/m)).
 
-    Stabilized (default), by constants that cancel exactly: since w . x - |x|^2/2 <= |w|^2/2, keys
-    use exponents w_r . x - |x|^2/2 - c_r with c_r = |w_r|^2 / 2, all <= 0 whatever the data, and
-    queries w_r . x - |x|^2/2 + c_r, so phi(q) . phi(k) is unchanged; a normalized query also
-    subtracts its row maximum (a per-row factor that cancels in out / den). The key side depends
-    on the key alone, so states carried across calls and steps stay consistent.
+    Stabilized (default) by constants that cancel in out_i = O'_i / den_i (so only with
+    normalized=True): a query subtracts its row maximum from its exponents; keys are mapped in the
+    log domain (`log_domain`, `exponents()`) and the functional layer subtracts one constant per
+    (batch, kv head), the running maximum, carried in LinearAttentionState.log_scale so that
+    states stay consistent across calls and steps (the online-softmax rescaling).
     """
+
+    log_domain = True
 
     def out_dim(self, d: int) -> int:
         return self.nb_features
@@ -149,19 +152,22 @@ class Favor(RandomFeatureMap):
         super().__init__(head_dim, nb_features, **kwargs)
         self.stabilize = stabilize
 
-    def forward(self, x: Tensor, *, is_query: bool = False, normalized: bool = True) -> Tensor:
+    def exponents(self, x: Tensor) -> Tensor:
+        """log(phi(x) sqrt(m)) = w_r . x - |x|^2 / 2 (x scaled by d^(-1/4)), (..., m) in float32
+        (float64 for float64 x)."""
         a = x.shape[-1] ** -0.25  # the data normalizer: phi(q) . phi(k) estimates exp(q . k / sqrt(d))
-        xf, proj, w = self._project(x)  # proj (..., m)
-        e = a * proj - (0.5 * a * a) * (xf * xf).sum(-1, keepdim=True)
-        if self.stabilize:
-            c = 0.5 * (w * w).sum(-1)  # (m,)
-            if is_query:
-                e = e + c
-                if normalized:
-                    e = e - e.amax(-1, keepdim=True).detach()
-            else:
-                e = e - c
-        return (e.exp() * self.nb_features ** -0.5).to(x.dtype)
+        xf, proj, _ = self._project(x)  # proj (..., m)
+        return a * proj - (0.5 * a * a) * (xf * xf).sum(-1, keepdim=True)
+
+    def features(self, e: Tensor, dtype: torch.dtype) -> Tensor:
+        """exp(e) / sqrt(m) in `dtype`."""
+        return (e.exp() * self.nb_features ** -0.5).to(dtype)
+
+    def forward(self, x: Tensor, *, is_query: bool = False, normalized: bool = True) -> Tensor:
+        e = self.exponents(x)
+        if self.stabilize and is_query and normalized:
+            e = e - e.amax(-1, keepdim=True).detach()
+        return self.features(e, x.dtype)
 
 
 class RFA(RandomFeatureMap):

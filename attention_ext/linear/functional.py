@@ -39,10 +39,14 @@ class LinearAttentionState:
 
     w_j the decay weights exp(G_last - G_j) (1 without decay), float32 (float64 for float64
     inputs), one state per query head. The op carries both as one augmented (B, H, M, Dv + 1)
-    tensor (z its last column): `augmented()` and `from_augmented()` convert."""
+    tensor (z its last column): `augmented()` and `from_augmented()` convert.
+
+    log_scale (B, H): S and z are stored divided by exp(log_scale), set by log-domain feature
+    maps (FAVOR+) that keep their key features bounded; None = 0."""
 
     S: Tensor
     z: Optional[Tensor] = None
+    log_scale: Optional[Tensor] = None
 
     @classmethod
     def zeros(cls, batch: int, heads: int, m: int, dv: int, *, normalize: bool = True, device=None,
@@ -51,11 +55,11 @@ class LinearAttentionState:
         return cls(s, torch.zeros(batch, heads, m, device=device, dtype=dtype) if normalize else None)
 
     @classmethod
-    def from_augmented(cls, t: Tensor, normalize: bool) -> "LinearAttentionState":
+    def from_augmented(cls, t: Tensor, normalize: bool, log_scale: Optional[Tensor] = None) -> "LinearAttentionState":
         """(B, H, M, Dv') -> state; Dv' = Dv + 1 (z the last column) with normalize."""
         if normalize:
-            return cls(t[..., :-1].contiguous(), t[..., -1].contiguous())
-        return cls(t.contiguous(), None)
+            return cls(t[..., :-1].contiguous(), t[..., -1].contiguous(), log_scale)
+        return cls(t.contiguous(), None, log_scale)
 
     def augmented(self, normalize: bool = True) -> Tensor:
         """The op's (B, H, M, Dv') form: [S, z] with normalize, else S."""
@@ -69,24 +73,52 @@ class LinearAttentionState:
     def normalize(self) -> bool:
         return self.z is not None
 
+    def _map(self, fn) -> "LinearAttentionState":
+        return LinearAttentionState(*(None if t is None else fn(t) for t in (self.S, self.z, self.log_scale)))
+
     def detach(self) -> "LinearAttentionState":
-        return LinearAttentionState(self.S.detach(), None if self.z is None else self.z.detach())
+        return self._map(Tensor.detach)
 
     def clone(self) -> "LinearAttentionState":
-        return LinearAttentionState(self.S.clone(), None if self.z is None else self.z.clone())
+        return self._map(Tensor.clone)
 
     def to(self, *args, **kwargs) -> "LinearAttentionState":
-        return LinearAttentionState(self.S.to(*args, **kwargs), None if self.z is None else self.z.to(*args, **kwargs))
+        return self._map(lambda t: t.to(*args, **kwargs))
 
 
-def _featurize(fm, q: Tensor, k: Tensor, normalize: bool) -> Tuple[Tensor, Tensor, int]:
-    """(q, k, feature_map code) for the op: fused maps pass q and k through with their code; any
-    other map runs here, and the kernel applies its identity (code 0) to the features."""
+def _key_scale(fm, e_k: Tensor, key_mask: Optional[Tensor], prev: Optional[Tensor], h: int) -> Tensor:
+    """The log-domain keys' common exponent offset, (B, H_k): the maximum over this call's (real)
+    keys and the incoming state's log_scale prev ((nb, H) or None), so that every feature
+    exp(e - offset) <= 1 and the state only ever scales down."""
+    b, hk = e_k.shape[:2]
+    if key_mask is not None:
+        e_k = e_k.masked_fill(~key_mask.view(b, 1, -1, 1), float("-inf"))
+    c = e_k.detach().flatten(2).amax(-1) if e_k.shape[2] else e_k.new_full((b, hk), float("-inf"))  # (B, H_k)
+    if prev is not None:
+        p = prev.detach().to(c.dtype).view(prev.shape[0], hk, h // hk).amax(-1)  # (nb, H_k)
+        c = torch.maximum(c, p if p.shape[0] == b else p.amax(0, keepdim=True))
+    return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+
+
+def _featurize(fm, q: Tensor, k: Tensor, normalize: bool, key_mask: Optional[Tensor],
+               state: Optional[LinearAttentionState]) -> Tuple[Tensor, Tensor, int, Optional[Tensor]]:
+    """(q, k, feature_map code, key log-scale) for the op: fused maps pass q and k through with
+    their code; any other map runs here, and the kernel applies its identity (code 0) to the
+    features. A stabilized log-domain map (FAVOR+) under normalization gets its keys' common
+    offset, (B, H) per query head (see _key_scale), else the log-scale is None."""
     code = getattr(fm, "fused_code", None)
     if code is not None:
-        return q, k, code
+        return q, k, code, None
+    h = q.shape[1]
     fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
-    fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
+    log_scale = None
+    if getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize:
+        e_k = fm.exponents(k)  # (B, H_k, S, M)
+        c = _key_scale(fm, e_k, key_mask, state.log_scale if state is not None else None, h)  # (B, H_k)
+        fk = fm.features(e_k - c[:, :, None, None], k.dtype)
+        log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
+    else:
+        fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
     for name, f, x in (("q", fq, q), ("k", fk, k)):
         _check(isinstance(f, Tensor) and f.dim() == 4 and f.shape[:3] == x.shape[:3],
                lambda: f"feature_map must map {name} (B, H, S, D) to (B, H, S, M), got "
@@ -95,7 +127,7 @@ def _featurize(fm, q: Tensor, k: Tensor, normalize: bool) -> Tuple[Tensor, Tenso
            lambda: f"feature_map gave q and k different widths: {fq.shape[-1]} and {fk.shape[-1]}")
     fq, fk = (f.to(q.dtype) if f.dtype != q.dtype else f for f in (fq, fk))
     fq, fk = (f if f.stride(-1) == 1 else f.contiguous() for f in (fq, fk))
-    return fq, fk, 0
+    return fq, fk, 0, log_scale
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor, Tensor]:
@@ -116,15 +148,23 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor,
     return out.to(q.dtype), den, final
 
 
-def _as_state_tensor(state, normalize: bool, acc: torch.dtype, device) -> Optional[Tensor]:
+def _as_state_tensor(state, normalize: bool, acc: torch.dtype, device,
+                     log_scale: Optional[Tensor]) -> Optional[Tensor]:
+    """The op's (nb, H, M, Dv') initial state, rescaled from the state's log_scale to `log_scale`
+    (the keys' offset of this call; None = 0)."""
     if state is None:
         return None
-    if isinstance(state, LinearAttentionState):
-        state = state.augmented(normalize)
-    _check(isinstance(state, Tensor), lambda: f"initial_state must be a LinearAttentionState or a Tensor, got "
-                                              f"{type(state).__name__}", TypeError)
-    _check(state.device == device, lambda: f"initial_state must be on {device}, got {state.device}")
-    return state.to(acc).contiguous()
+    t = state.augmented(normalize) if isinstance(state, LinearAttentionState) else state
+    _check(isinstance(t, Tensor), lambda: f"initial_state must be a LinearAttentionState or a Tensor, got "
+                                          f"{type(state).__name__}", TypeError)
+    _check(t.device == device, lambda: f"initial_state must be on {device}, got {t.device}")
+    t = t.to(acc)
+    prev = state.log_scale if isinstance(state, LinearAttentionState) else None
+    if prev is not None or log_scale is not None:
+        prev = prev.to(acc) if prev is not None else 0.0
+        new = log_scale.to(acc) if log_scale is not None else 0.0
+        t = t * torch.exp(prev - new)[..., None, None]
+    return t.contiguous()
 
 
 def linear_attention(
@@ -185,19 +225,23 @@ def linear_attention(
     _check(q.device == k.device == v.device,
            lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     acc = ops.acc_dtype(q.dtype)
+    if key_padding_mask is not None:
+        _check(tuple(key_padding_mask.shape) == (q.shape[0], q.shape[2]),
+               lambda: f"key_padding_mask must be (B, S) = {(q.shape[0], q.shape[2])}, got "
+                       f"{tuple(key_padding_mask.shape)}")
+        _check(key_padding_mask.dtype == torch.bool,
+               lambda: f"key_padding_mask must be bool (True = a real key), got {key_padding_mask.dtype}", TypeError)
+        key_padding_mask = key_padding_mask.contiguous()
     fm = feature_maps.resolve(feature_map, q.shape[-1])
     if isinstance(fm, feature_maps.FeatureMap):
         fm.prepare()
-    qf, kf, code = _featurize(fm, q, k, normalize)
+    state_in = initial_state if isinstance(initial_state, LinearAttentionState) else None
+    qf, kf, code, log_scale = _featurize(fm, q, k, normalize, key_padding_mask, state_in)
     if qf.stride(-1) != 1 or kf.stride(-1) != 1 or v.stride(-1) != 1:
         qf, kf, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qf, kf, v))
     if decay is not None:
         _check(isinstance(decay, Tensor), "decay must be a Tensor", TypeError)
         decay = decay.to(acc).contiguous()
-    if key_padding_mask is not None:
-        _check(key_padding_mask.dtype == torch.bool,
-               lambda: f"key_padding_mask must be bool (True = a real key), got {key_padding_mask.dtype}", TypeError)
-        key_padding_mask = key_padding_mask.contiguous()
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
         _check(cu.dim() == 1 and cu.numel() >= 2, lambda: f"cu_seqlens must be (nb + 1,), got {tuple(cu.shape)}")
@@ -211,7 +255,7 @@ def linear_attention(
         if max_seqlen is None:
             max_seqlen = int(lens.max())
         cu_seqlens = cu
-    opts = dict(decay=decay, initial_state=_as_state_tensor(initial_state, normalize, acc, q.device),
+    opts = dict(decay=decay, initial_state=_as_state_tensor(initial_state, normalize, acc, q.device, log_scale),
                 key_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                 max_seqlen=int(max_seqlen) if max_seqlen is not None else q.shape[2], feature_map=code,
                 causal=bool(causal), normalize=bool(normalize), eps=float(eps),
@@ -221,7 +265,11 @@ def linear_attention(
         out = out.transpose(1, 2)
     if packed:
         out = out.squeeze(0)  # (total, H, Dv)
-    return (out, LinearAttentionState.from_augmented(final, normalize)) if return_state else out
+    if not return_state:
+        return out
+    if log_scale is not None:  # (B, H) -> (nb, H): a varlen pack shares one offset
+        log_scale = log_scale.expand(final.shape[0], -1).contiguous()
+    return out, LinearAttentionState.from_augmented(final, normalize, log_scale)
 
 
 def linear_attention_step(
@@ -261,18 +309,15 @@ def linear_attention_step(
            and v_t.shape[:3] == (b, hk, t),
            lambda: f"linear_attention_step: q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)} "
                    f"do not match (B, H, T, D), (B, H_k, T, D), (B, H_k, T, Dv)")
+    _check(state is None or isinstance(state, LinearAttentionState), "state must be a LinearAttentionState", TypeError)
     fm = feature_maps.resolve(feature_map, d)
-    code = getattr(fm, "fused_code", None)
-    if code is not None:
-        fq, fk = reference.phi(q_t, code), reference.phi(k_t, code)
-    else:
-        fq = feature_maps.apply(fm, q_t, is_query=True, normalized=normalize)
-        fk = feature_maps.apply(fm, k_t, is_query=False, normalized=normalize)
+    fq, fk, code, log_scale = _featurize(fm, q_t, k_t, normalize, None, state)
+    if code:
+        fq, fk = reference.phi(fq, code), reference.phi(fk, code)
     m = fq.shape[-1]
     acc = ops.acc_dtype(q_t.dtype)
     if state is None:
         state = LinearAttentionState.zeros(b, h, m, dv, normalize=normalize, device=q_t.device, dtype=acc)
-    _check(isinstance(state, LinearAttentionState), "state must be a LinearAttentionState", TypeError)
     _check(tuple(state.S.shape) == (b, h, m, dv),
            lambda: f"state.S must be (B, H, M, Dv) = {(b, h, m, dv)}, got {tuple(state.S.shape)}")
     _check(not normalize or state.z is not None, "normalize=True needs a state with a normalizer z")
@@ -289,6 +334,11 @@ def linear_attention_step(
     s_, z = state.S, state.z
     if not track and not inplace:
         s_, z = s_.clone(), None if z is None else z.clone()
+    if log_scale is not None or state.log_scale is not None:  # re-express the state in this step's key offset
+        prev = state.log_scale if state.log_scale is not None else 0.0
+        g = torch.exp(prev - (log_scale if log_scale is not None else 0.0)).to(sdt)  # (B, H)
+        s_, z = ((s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)) if track
+                 else (s_.mul_(g.view(b, h, 1, 1)), None if z is None else z.mul_(g.view(b, h, 1))))
     outs = []
     for i in range(t):
         if decay_t is not None:
@@ -312,6 +362,6 @@ def linear_attention_step(
     if layout == "bshd":
         out = out.transpose(1, 2)
     if inplace:
-        state.S, state.z = s_, z
+        state.S, state.z, state.log_scale = s_, z, log_scale
         return out, state
-    return out, LinearAttentionState(s_, z)
+    return out, LinearAttentionState(s_, z, log_scale)
