@@ -140,7 +140,8 @@ class Favor(RandomFeatureMap):
     normalized=True): a query subtracts its row maximum from its exponents; keys are mapped in the
     log domain (`log_domain`, `exponents()`) and the functional layer subtracts one constant per
     (batch, kv head), the running maximum, carried in LinearAttentionState.log_scale so that
-    states stay consistent across calls and steps (the online-softmax rescaling).
+    states stay consistent across calls and steps (the online-softmax rescaling). eps then acts
+    on the offset normalizer, so results agree across call splits exactly only at eps = 0.
     """
 
     log_domain = True
