@@ -31,7 +31,9 @@ def _like_layout(x, t):
 
 
 def _fwd(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize, eps, scale):
-    from attention_ext.linear import reference
+    from attention_ext.linear import ops, reference
+    ops.check_inputs(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize,
+                     eps, scale)  # the C++ kernel's own check
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out, den, final = reference.linear_attention(
         q.to(acc), k.to(acc), v.to(acc), feature_map=feature_map, causal=causal, normalize=normalize, eps=eps,
