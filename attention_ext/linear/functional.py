@@ -296,7 +296,8 @@ def linear_attention_step(
     layout="bshd"), decay_t (B, H, T). state None starts from zeros. Random feature maps are not
     redrawn here. Prefill with linear_attention(causal=True, return_state=True), then steps,
     equals the parallel form. inplace=True advances `state` itself (its tensors in place when
-    autograd is not recording: decode loops); otherwise a new state is returned and `state` kept. Returns (out_t with q_t's layout and dtype, state).
+    autograd is not recording: decode loops); otherwise a new state is returned and `state` kept.
+    Returns (out_t with q_t's layout and dtype, state).
     """
     for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
         _check(isinstance(t, Tensor) and t.dim() == 4, lambda: f"{name} must be a 4-D Tensor")

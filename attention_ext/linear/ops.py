@@ -90,8 +90,10 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None
                            lambda: f"attention_ext: the head dim of q, k, v must be contiguous (stride 1), got "
                                    f"strides {list(t.stride())}")
     torch._check_value(feature_map in FEATURE_MAP_CODES,
-                       lambda: f"attention_ext: feature_map must be 0 (identity), 1 (elu) or 2 (relu), got {feature_map}")
-    torch._check_value(math.isfinite(eps) and eps >= 0.0, lambda: f"attention_ext: eps must be finite and >= 0, got {eps:g}")
+                       lambda: f"attention_ext: feature_map must be 0 (identity), 1 (elu) or 2 (relu), got "
+                               f"{feature_map}")
+    torch._check_value(math.isfinite(eps) and eps >= 0.0,
+                       lambda: f"attention_ext: eps must be finite and >= 0, got {eps:g}")
     torch._check_value(math.isfinite(scale), lambda: f"attention_ext: scale must be finite, got {scale:g}")
     torch._check_value(decay is None or causal, lambda: "attention_ext: decay requires causal=True")
     nb = b
