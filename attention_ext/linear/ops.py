@@ -29,6 +29,7 @@ HAS_OP = HAS_EXT and hasattr(torch.ops.attention_ext, "linear_fwd") and hasattr(
 _KERNELS = {dev: HAS_OP and registered("attention_ext::linear_fwd", key) for dev, key in (("cpu", "CPU"),
                                                                                           ("cuda", "CUDA"))}
 FEATURE_MAP_CODES = (0, 1, 2)  # identity, elu + 1, relu (reference.phi)
+MAX_WIDTH = 1024  # the kernels' limit on the feature width M and the value width Dv
 
 
 def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
@@ -44,74 +45,88 @@ def state_width(dv: int, normalize: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------- input checks
-def _check_side(t: Optional[Tensor], name: str, dtype: torch.dtype, shape: tuple, q: Tensor) -> None:
+_P = "attention_ext.linear: "
+
+
+def _check_side(t: Optional[Tensor], name: str, shape: tuple, dtype: torch.dtype, q: Tensor) -> None:
     if t is None:
         return
-    torch._check_type(t.dtype == dtype, lambda: f"attention_ext: {name} must be {_name(dtype)}, got {_name(t.dtype)}")
-    torch._check(t.device == q.device, lambda: f"attention_ext: {name} must be on {q.device}, got {t.device}")
+    torch._check_type(t.dtype == dtype, lambda: f"{_P}{name} must be {_name(dtype)}, got {_name(t.dtype)}")
     torch._check_value(tuple(t.shape) == tuple(shape),
-                       lambda: f"attention_ext: {name} must have shape {list(shape)}, got {_shape(t)}")
-    torch._check_value(t.is_contiguous(), lambda: f"attention_ext: {name} must be contiguous")
+                       lambda: f"{_P}{name} must have shape {list(shape)}, got {_shape(t)}")
+    torch._check(t.device == q.device, lambda: f"{_P}{name} must be on {q.device}, got {t.device}")
+    torch._check_value(t.is_contiguous(), lambda: f"{_P}{name} must be contiguous")
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None,
                  initial_state: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
                  cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0, feature_map: int = 1,
                  causal: bool = False, normalize: bool = True, eps: float = 1e-6, scale: float = 1.0) -> None:
-    """linear_fwd's input rules, as the C++ check states them, with the same error types
-    (ValueError, TypeError, RuntimeError). Run by the fake kernels (torch.compile, meta tensors)
-    and before the reference fallback. The values inside cu_seqlens are the caller's to check."""
+    """linear_fwd's input rules as the C++ check_linear_inputs (csrc/torch/linear_params.cpp) states
+    them, in its order, with the same error types (ValueError, TypeError, RuntimeError) and
+    messages. Run by the fake kernels (torch.compile, meta tensors) and before the reference
+    fallback. The values inside cu_seqlens are the functional layer's to check (a fake has none)."""
     torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                       lambda: f"attention_ext: q, k, v must be 4-D (B, H, S, D), got q {_shape(q)}, k {_shape(k)}, "
-                               f"v {_shape(v)}")
+                       lambda: f"{_P}q, k, v must be 4-D (B, H, S, D), got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     torch._check_type(q.dtype == k.dtype == v.dtype,
-                      lambda: f"attention_ext: q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
+                      lambda: f"{_P}q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
                               f"{_name(v.dtype)}")
     torch._check_type(q.dtype in DTYPES,
-                      lambda: f"attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got "
-                              f"{_name(q.dtype)}")
+                      lambda: f"{_P}q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
     torch._check(q.device == k.device == v.device,
-                 lambda: f"attention_ext: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+                 lambda: f"{_P}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, s, m = q.shape
     hk = k.shape[1]
     torch._check_value(k.shape[0] == b and v.shape[0] == b,
-                       lambda: f"attention_ext: batch mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+                       lambda: f"{_P}batch mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
     torch._check_value(k.shape[2] == s and v.shape[2] == s,
-                       lambda: f"attention_ext: sequence length mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    torch._check_value(v.shape[1] == hk, lambda: f"attention_ext: k and v must have the same heads, got {_shape(k)} "
-                                                 f"and {_shape(v)}")
-    torch._check_value(k.shape[3] == m, lambda: f"attention_ext: feature dim mismatch: q has {m}, k has {k.shape[3]}")
-    torch._check_value(m >= 1 and v.shape[3] >= 1,
-                       lambda: f"attention_ext: q / k and v need a head dim >= 1, got {m} and {v.shape[3]}")
+                       lambda: f"{_P}q, k, v must have one sequence length, got {s}, {k.shape[2]}, {v.shape[2]}")
+    torch._check_value(k.shape[3] == m, lambda: f"{_P}feature width mismatch: q has {m}, k has {k.shape[3]}")
+    torch._check_value(v.shape[1] == hk, lambda: f"{_P}k and v must have the same heads, got {hk} and {v.shape[1]}")
+    torch._check_value(1 <= m <= MAX_WIDTH and 1 <= v.shape[3] <= MAX_WIDTH,
+                       lambda: f"{_P}feature and value widths must be in [1, {MAX_WIDTH}], got {m} and {v.shape[3]}")
     torch._check_value(hk >= 1 and h % hk == 0,
-                       lambda: f"attention_ext: query heads ({h}) must be a multiple of kv heads ({hk})")
+                       lambda: f"{_P}query heads ({h}) must be a multiple of kv heads ({hk})")
     for t in (q, k, v):
         torch._check_value(t.stride(3) == 1 or t.shape[3] == 1,
-                           lambda: f"attention_ext: the head dim of q, k, v must be contiguous (stride 1), got "
-                                   f"strides {list(t.stride())}")
+                           lambda: f"{_P}the last dim of q, k, v must be contiguous (stride 1), got strides "
+                                   f"{list(t.stride())}")
     torch._check_value(feature_map in FEATURE_MAP_CODES,
-                       lambda: f"attention_ext: feature_map must be 0 (identity), 1 (elu) or 2 (relu), got "
-                               f"{feature_map}")
-    torch._check_value(math.isfinite(eps) and eps >= 0.0,
-                       lambda: f"attention_ext: eps must be finite and >= 0, got {eps:g}")
-    torch._check_value(math.isfinite(scale), lambda: f"attention_ext: scale must be finite, got {scale:g}")
-    torch._check_value(decay is None or causal, lambda: "attention_ext: decay requires causal=True")
+                       lambda: f"{_P}feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got {feature_map}")
+    torch._check_value(math.isfinite(eps) and eps >= 0.0, lambda: f"{_P}eps must be finite and >= 0, got {eps:g}")
+    torch._check_value(math.isfinite(scale), lambda: f"{_P}scale must be finite, got {scale:g}")
+    torch._check_value(causal or decay is None, lambda: f"{_P}decay needs causal=True (a gate orders the positions)")
+    acc = acc_dtype(q.dtype)
     nb = b
     if cu_seqlens is not None:
-        torch._check_value(b == 1, lambda: f"attention_ext: varlen inputs are one (1, H, total, D) pack, got batch {b}")
-        nb = cu_seqlens.numel() - 1
-        torch._check_type(cu_seqlens.dtype == torch.int32,
-                          lambda: f"attention_ext: cu_seqlens must be int32, got {_name(cu_seqlens.dtype)}")
-        torch._check_value(cu_seqlens.dim() == 1 and nb >= 1,
-                           lambda: f"attention_ext: cu_seqlens must be (nb + 1) with nb >= 1, got {_shape(cu_seqlens)}")
-        torch._check(cu_seqlens.device == q.device,
-                     lambda: f"attention_ext: cu_seqlens must be on {q.device}, got {cu_seqlens.device}")
-        torch._check_value(cu_seqlens.is_contiguous(), lambda: "attention_ext: cu_seqlens must be contiguous")
-        torch._check_value(max_seqlen >= 0, lambda: f"attention_ext: max_seqlen must be >= 0, got {max_seqlen}")
+        cu = cu_seqlens
+        torch._check_value(b == 1, lambda: f"{_P}varlen inputs are one (1, H, total, D) pack, got batch {b}")
+        torch._check_type(cu.dtype == torch.int32, lambda: f"{_P}cu_seqlens must be int32, got {_name(cu.dtype)}")
+        torch._check_value(cu.dim() == 1 and cu.numel() >= 2 and cu.is_contiguous(),
+                           lambda: f"{_P}cu_seqlens must be a contiguous (B + 1) tensor, got {_shape(cu)}")
+        torch._check(cu.device == q.device, lambda: f"{_P}cu_seqlens must be on {q.device}")
+        torch._check_value(max_seqlen >= 0, lambda: f"{_P}max_seqlen must be >= 0")
+        nb = cu.numel() - 1
+    _check_side(decay, "decay", (b, h, s), acc, q)
+    _check_side(initial_state, "initial_state", (nb, h, m, state_width(v.shape[3], normalize)), acc, q)
+    _check_side(key_mask, "key_mask", (b, s), torch.bool, q)
+
+
+def check_bwd_inputs(dout: Tensor, dfinal_state: Optional[Tensor], q: Tensor, v: Tensor, out: Tensor, den: Tensor,
+                     cu_seqlens: Optional[Tensor], normalize: bool) -> None:
+    """linear_bwd's own rules on top of check_inputs (the C++ check_linear_bwd_inputs)."""
+    want = [q.shape[0], q.shape[1], q.shape[2], v.shape[3]]
+    torch._check_value(_shape(dout) == want and _shape(out) == want,
+                       lambda: f"attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = {want}")
+    torch._check_type(dout.dtype == q.dtype and out.dtype == q.dtype,
+                      lambda: f"attention_ext.linear_bwd: dout and out must have q's dtype {_name(q.dtype)}")
+    torch._check_value(dout.stride(3) == 1 and out.stride(3) == 1,
+                       lambda: "attention_ext.linear_bwd: dout and out need a contiguous last dim")
+    torch._check(dout.device == q.device and out.device == q.device,
+                 lambda: f"attention_ext.linear_bwd: dout and out must be on {q.device}")
     acc = acc_dtype(q.dtype)
-    _check_side(decay, "decay", acc, (b, h, s), q)
-    _check_side(initial_state, "initial_state", acc, (nb, h, m, state_width(v.shape[3], normalize)), q)
-    _check_side(key_mask, "key_mask", torch.bool, (b, s), q)
+    _check_side(den, "den", tuple(q.shape[:3]), acc, q)
+    _check_side(dfinal_state, "dfinal_state", _final_state_shape(q, v, cu_seqlens, normalize), acc, q)
 
 
 # ---------------------------------------------------------------------------------- schema
@@ -174,10 +189,8 @@ if HAS_OP:
         a = dict(zip(BWD_ARGS, args))
         q, k, v = a["q"], a["k"], a["v"]
         check_inputs(q, k, v, **{n: a[n] for n in OPTION_NAMES})
+        check_bwd_inputs(a["dout"], a["dfinal_state"], q, v, a["out"], a["den"], a["cu_seqlens"], a["normalize"])
         b, h, s, _ = q.shape
-        torch._check_value(a["dout"].shape == a["out"].shape and tuple(a["out"].shape) == (b, h, s, v.shape[3]),
-                           lambda: f"attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = "
-                                   f"{[b, h, s, v.shape[3]]}, got {_shape(a['dout'])} and {_shape(a['out'])}")
         acc = dict(dtype=acc_dtype(q.dtype))
         ddecay = q.new_empty((b, h, s), **acc) if a["decay"] is not None else q.new_empty((0,), **acc)
         dinit = (q.new_empty(_final_state_shape(q, v, a["cu_seqlens"], a["normalize"]), **acc)

@@ -228,14 +228,16 @@ BAD = [
 
 @pytest.mark.parametrize("name,mutate,exc", BAD, ids=[c[0] for c in BAD])
 def test_fake_checks_match_cpp(name, mutate, exc):
-    """The op (C++ check) and its fake (ops.check_inputs) reject the same inputs with the same type."""
+    """The op (C++ check) and its fake (ops.check_inputs) reject the same inputs with the same type
+    and message."""
     a = _args(rg=False)
     mutate(a)
     args = tuple(a[n] for n in ops.FWD_ARGS)
-    with pytest.raises(exc):
+    with pytest.raises(exc) as real:
         torch.ops.attention_ext.linear_fwd(*args)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args)
-        with pytest.raises(exc):
+        with pytest.raises(exc) as faked:
             torch.ops.attention_ext.linear_fwd(*fake)
+    assert str(faked.value).splitlines()[0] == str(real.value).splitlines()[0]

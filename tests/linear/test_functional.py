@@ -204,7 +204,7 @@ def test_step_gradients_match_parallel():
 
 @pytest.mark.parametrize("kwargs,exc,msg", [
     (dict(layout="sbhd"), ValueError, "layout"),
-    (dict(decay=torch.zeros(2, 4, 13)), ValueError, "decay requires causal"),
+    (dict(decay=torch.zeros(2, 4, 13)), ValueError, "decay needs causal"),
     (dict(key_padding_mask=torch.ones(2, 13)), TypeError, "key_padding_mask must be bool"),
     (dict(key_padding_mask=torch.ones(2, 12, dtype=torch.bool)), ValueError, "key_padding_mask must be"),
     (dict(feature_map="nope"), ValueError, "unknown feature_map"),
@@ -225,5 +225,5 @@ def test_bad_shapes():
         ae.linear_attention(q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1))
     with pytest.raises(TypeError, match="share a dtype"):
         ae.linear_attention(q, k.double(), v)
-    with pytest.raises(ValueError, match="sequence length"):
+    with pytest.raises(ValueError, match="one sequence length"):
         ae.linear_attention(q, k[:, :, :5], v[:, :, :5])
