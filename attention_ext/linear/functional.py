@@ -327,8 +327,9 @@ def linear_attention_step(
                                                           f"got {tuple(decay_t.shape)}")
     sdt = state.S.dtype
     fq = fq.to(sdt) * (1.0 if scale is None else float(scale))  # (B, H, T, M)
-    fk = fk.to(sdt).repeat_interleave(h // hk, dim=1)  # (B, H, T, M)
-    vv = v_t.to(sdt).repeat_interleave(h // hk, dim=1)  # (B, H, T, Dv)
+    fk, vv = fk.to(sdt), v_t.to(sdt)
+    if hk != h:  # GQA: the kv head of each query head
+        fk, vv = fk.repeat_interleave(h // hk, dim=1), vv.repeat_interleave(h // hk, dim=1)  # (B, H, T, M / Dv)
     # in-place updates where autograd does not record; out of place where it must keep each S_t
     track = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                             for x in (fq, fk, vv, state.S, state.z, decay_t))
@@ -351,8 +352,8 @@ def linear_attention_step(
         if track:  # S += phi(k) v^T, z += phi(k)
             s_ = torch.baddbmm(s_.reshape(b * h, m, dv), fk_i, v_i).view(b, h, m, dv)
             z = None if z is None else z + fk[:, :, i]
-        else:
-            s_.view(b * h, m, dv).baddbmm_(fk_i, v_i)
+        else:  # an elementwise outer-product update: one pass over S (baddbmm_ with K = 1 takes two)
+            s_.view(b * h, m, dv).addcmul_(fk_i, v_i)
             if z is not None:
                 z.add_(fk[:, :, i])
         o = torch.bmm(fq[:, :, i].reshape(b * h, 1, m), s_.reshape(b * h, m, dv)).view(b, h, dv)

@@ -95,7 +95,7 @@ def crossover(reps, quick):
     if not HAS_OP:
         emit(f"Crossover against ae.attention (causal): {NOT_BUILT}")
         return
-    lengths = [256, 512, 1024, 2048, 4096] + ([] if quick else [8192])
+    lengths = [64, 128, 256, 512, 1024, 2048, 4096] + ([] if quick else [8192])
     modes = [False] if quick else [False, True]
     for d in (64, 128):
         for grad in modes:
