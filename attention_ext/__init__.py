@@ -4,16 +4,17 @@
     out = ae.attention(q, k, v, causal=True)                     # every option
     out = ae.scaled_dot_product_attention(q, k, v, is_causal=True)  # SDPA drop-in
     out = ae.flash_attn_func(q, k, v, causal=True)               # flash-attn drop-in
+    out = ae.linear_attention(q, k, v, causal=True)              # linearized attention
     ae.nn.MultiheadAttention(...), ae.models.LanguageModel(...)   # modules and models
 
-One subpackage per kernel family (softmax today; each with ops.py, functional.py, reference.py),
+One subpackage per kernel family (softmax, linear; each with ops.py, functional.py, reference.py),
 compat/ for the drop-ins, nn/ and models/ on top (imported on first use).
 """
 import importlib
 
 __version__ = "0.1.0"
 
-from . import reference, softmax  # noqa: E402  (softmax.ops registers the custom ops)
+from . import linear, reference, softmax  # noqa: E402  (the families' ops.py attach fakes and autograd)
 from .compat import (  # noqa: E402
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -21,6 +22,7 @@ from .compat import (  # noqa: E402
     flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
+from .linear import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
 
 # subpackages imported on first attribute access: `import attention_ext` stays light
@@ -35,8 +37,12 @@ __all__ = [
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
     "dropout_mask",
+    "linear_attention",
+    "linear_attention_step",
+    "LinearAttentionState",
     "reference",
     "softmax",
+    "linear",
     "nn",
     "models",
 ]

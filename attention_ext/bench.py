@@ -33,6 +33,15 @@ def flops(b: int, h: int, sq: int, sk: int, d: int, *, causal: bool = False, bot
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
 
+def linear_flops(b: int, h: int, s: int, m: int, dv: int, *, normalize: bool = True, mode: str = "fwd") -> float:
+    """The one FLOP formula of linear attention, causal or not, whatever the algorithm (chunked,
+    recurrent, two matmuls): each key adds phi(k) v'^T to an M x Dv' state and each query reads
+    phi(q)^T S, 2 * M * Dv' FLOPs each (Dv' = Dv + 1 with the normalizer) forward; the backward
+    does twice that (dq, and dk / dv through the state's gradient); fwd_bwd = 3x."""
+    fwd = 4.0 * b * h * s * m * (dv + 1 if normalize else dv)
+    return {"fwd": fwd, "bwd": 2.0 * fwd, "fwd_bwd": 3.0 * fwd}[mode]
+
+
 def bench(fn: Callable[[], object], *, warmup: int = 1, reps: int = 5, min_time: float = 0.0,
           sync: Optional[Callable[[], None]] = None) -> float:
     """Median seconds per call."""

@@ -2,7 +2,8 @@
 
 Generation keeps one preallocated KV cache per layer: the prompt is fed once (prefill), then one
 token per step, and the attention over the cache is the fused kernel with causal aligned
-bottom-right (the new query rows are the last rows of the cache).
+bottom-right (the new query rows are the last rows of the cache). Linear attention layers keep
+their recurrent state instead (O(1) per token).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.blocks import BlockConfig, EncoderBlock, make_norm
-from ..nn.layers import AttentionConfig, KVCache
+from ..nn.layers import AttentionConfig, KVCache, allocate_cache
 from ..nn.positional import LearnedPositionalEmbedding
 
 
@@ -36,6 +37,8 @@ class LMConfig:
     window: Tuple[int, int] = (-1, -1)    # (left, -1): a causal sliding window over `left` past tokens
     sinks: bool = False
     attention_type: str = "softmax"
+    feature_map: str = "elu"              # attention_type="linear"
+    decay_gate: bool = False              # attention_type="linear": learned per-head log-decays
     bias: bool = True
     tie_weights: bool = True              # the output projection is the token embedding (Press & Wolf)
 
@@ -43,6 +46,7 @@ class LMConfig:
         d_ff = self.d_ff or (int(8 * self.d_model / 3) if self.activation == "swiglu" else 4 * self.d_model)
         attn = AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                                attention_type=self.attention_type, causal=True, window=self.window,
+                               feature_map=self.feature_map, decay_gate=self.decay_gate,
                                positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
         return BlockConfig(attn=attn, d_ff=d_ff, activation=self.activation, norm=self.norm, norm_first=True,
                            dropout=self.dropout, norm_eps=self.norm_eps)
@@ -96,7 +100,7 @@ class LanguageModel(nn.Module):
 
     def allocate_caches(self, batch: int, max_len: int, *, device=None, dtype=torch.float32) -> List[KVCache]:
         a = self.config.block().attn
-        return [KVCache(batch, max_len, a.n_kv_heads, a.head_dim, device=device, dtype=dtype) for _ in self.blocks]
+        return [allocate_cache(a, batch, max_len, device=device, dtype=dtype) for _ in self.blocks]
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.blocks import BlockConfig, DecoderBlock, EncoderBlock, make_norm
-from ..nn.layers import AttentionConfig, KVCache
+from ..nn.blocks import cross_config
+from ..nn.layers import AttentionConfig, KVCache, allocate_cache
 from ..nn.positional import Embeddings, LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 
 
@@ -43,6 +44,7 @@ class TransformerConfig:
     window: Tuple[int, int] = (-1, -1)     # sliding window of the self-attention layers
     sinks: bool = False
     attention_type: str = "softmax"
+    feature_map: str = "elu"               # attention_type="linear"
     bias: bool = True
     tie_embeddings: bool = False           # share the target embedding and the output projection
     pad_id: int = 0
@@ -50,7 +52,8 @@ class TransformerConfig:
     def attn(self, causal: bool) -> AttentionConfig:
         return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                                attention_type=self.attention_type, causal=causal, window=self.window,
-                               positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
+                               feature_map=self.feature_map, positional=self.positional, sinks=self.sinks,
+                               dropout=self.dropout, bias=self.bias)
 
     def block(self, causal: bool) -> BlockConfig:
         return BlockConfig(attn=self.attn(causal), d_ff=self.d_ff, activation=self.activation, norm=self.norm,
@@ -95,8 +98,8 @@ class TransformerDecoder(nn.Module):
                         dtype=torch.float32) -> List[Tuple[KVCache, KVCache]]:
         """One (self-attention, cross-attention) cache pair per layer, preallocated."""
         a = self.config.attn(causal=True)
-        return [(KVCache(batch, max_len, a.n_kv_heads, a.head_dim, device=device, dtype=dtype),
-                 KVCache(batch, memory_len, a.n_kv_heads, a.head_dim, device=device, dtype=dtype, static=True))
+        return [(allocate_cache(a, batch, max_len, device=device, dtype=dtype),
+                 allocate_cache(cross_config(a), batch, memory_len, device=device, dtype=dtype, static=True))
                 for _ in self.layers]
 
 

@@ -1,7 +1,9 @@
 """nn modules built on the fused attention kernels (tier 3 of the Python layer)."""
 from .blocks import BlockConfig, DecoderBlock, EncoderBlock, FeedForward, RMSNorm, make_norm
 from .classic import AdditiveAttention, LuongAttention
-from .layers import ATTENTION_TYPES, Attention, AttentionConfig, KVCache, register_attention_type
+from .layers import (ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionConfig, KVCache, allocate_cache,
+                     make_attention, register_attention_type)
+from .linear import LinearAttention, LinearCache
 from .multihead import MultiheadAttention
 from .positional import (Embeddings, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
                          alibi_slopes, sinusoidal_table)
@@ -9,6 +11,7 @@ from .positional import (Embeddings, LearnedPositionalEmbedding, RotaryEmbedding
 __all__ = [
     "MultiheadAttention",
     "Attention", "AttentionConfig", "KVCache", "ATTENTION_TYPES", "register_attention_type",
+    "ATTENTION_MODULES", "make_attention", "allocate_cache", "LinearAttention", "LinearCache",
     "AdditiveAttention", "LuongAttention",
     "Embeddings", "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding",
     "alibi_slopes", "sinusoidal_table",

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .layers import Attention, AttentionConfig, KVCache
+from .layers import AttentionConfig, KVCache, make_attention
 
 
 class RMSNorm(nn.Module):
@@ -83,7 +83,7 @@ class EncoderBlock(nn.Module):
         super().__init__()
         c = config
         self.norm_first = c.norm_first
-        self.self_attn = Attention(c.attn)
+        self.self_attn = make_attention(c.attn)
         self.ffn = FeedForward(c.attn.d_model, c.d_ff, c.activation, c.dropout, c.attn.bias)
         self.norm1 = make_norm(c.norm, c.attn.d_model, c.norm_eps)
         self.norm2 = make_norm(c.norm, c.attn.d_model, c.norm_eps)
@@ -112,8 +112,8 @@ class DecoderBlock(nn.Module):
         c = config
         d = c.attn.d_model
         self.norm_first = c.norm_first
-        self.self_attn = Attention(c.attn)
-        self.cross_attn = Attention(cross_config(c.attn), cross=True)
+        self.self_attn = make_attention(c.attn)
+        self.cross_attn = make_attention(cross_config(c.attn), cross=True)
         self.ffn = FeedForward(d, c.d_ff, c.activation, c.dropout, c.attn.bias)
         self.norm1, self.norm2, self.norm3 = (make_norm(c.norm, d, c.norm_eps) for _ in range(3))
         self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(c.dropout) for _ in range(3))

@@ -1,11 +1,12 @@
 """Config-driven attention layers: self and cross attention, MHA/MQA/GQA, causal, sliding window,
 ALiBi, RoPE and attention sinks, with an optional preallocated KV cache.
 
-The blocks and models only ever build `Attention(config)`. Which kernel computes the attention is
-`config.attention_type`, a key into `ATTENTION_TYPES`: "softmax" (our fused kernel) and "sdpa"
-(torch's scaled_dot_product_attention, the peer the demo and benchmarks compare against). The
-linearized and block-sparse kernels register one more entry each with `register_attention_type`
-and need no change to the blocks.
+The blocks and models build `make_attention(config)` and `allocate_cache(config, ...)`. Which kernel
+computes the attention is `config.attention_type`, a key into `ATTENTION_TYPES`: "softmax" (our
+fused kernel) and "sdpa" (torch's scaled_dot_product_attention, the peer the demo and benchmarks
+compare against), both run by `Attention`. A type that brings its own module (its own
+parameters, a recurrent state instead of a KV cache) registers the module class in
+`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class AttentionConfig:
     dropout: float = 0.0               # on the attention probabilities
     bias: bool = True
     kv_dim: Optional[int] = None       # width of the cross-attention memory; None = d_model
+    feature_map: str = "elu"           # attention_type="linear": a registered feature map name
+    decay_gate: bool = False           # attention_type="linear", causal: a gate projection gives per-head log-decays
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -203,3 +206,24 @@ class Attention(nn.Module):
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention types with a module of their own: name -> class(config, cross=False), with a
+# classmethod allocate_cache(config, batch, max_len, *, device, dtype, static) for generation.
+ATTENTION_MODULES: Dict[str, type] = {}
+
+
+def make_attention(config: AttentionConfig, cross: bool = False) -> nn.Module:
+    """The attention layer of `config.attention_type`: its registered module, else Attention."""
+    return ATTENTION_MODULES.get(config.attention_type, Attention)(config, cross=cross)
+
+
+def allocate_cache(config: AttentionConfig, batch: int, max_len: int, *, device=None, dtype=torch.float32,
+                   static: bool = False):
+    """The generation cache of one layer: a preallocated KVCache, or what the type's module keeps
+    (a recurrent state for "linear")."""
+    cls = ATTENTION_MODULES.get(config.attention_type)
+    if cls is not None:
+        return cls.allocate_cache(config, batch, max_len, device=device, dtype=dtype, static=static)
+    return KVCache(batch, max_len, config.n_kv_heads, config.head_dim, device=device, dtype=dtype, static=static)

@@ -1,0 +1,14 @@
+"""The linear attention family: kernelized attention phi(Q) (phi(K)^T V), causal (the chunked /
+recurrent form, with optional decay gates) and non-causal, with fused and random feature maps.
+
+    ops           tier 1: the custom ops linear_fwd / linear_bwd, their fake kernels and autograd
+    functional    tier 2: linear_attention(), linear_attention_step(), LinearAttentionState
+    feature_maps  elu / relu / identity (fused), favor, rfa, and the name registry
+    reference     the pure-PyTorch definition: the test oracle, the fallback, the chunked peer
+"""
+from . import feature_maps, ops, reference
+from .feature_maps import FeatureMap, get_feature_map, register_feature_map
+from .functional import LinearAttentionState, linear_attention, linear_attention_step
+
+__all__ = ["linear_attention", "linear_attention_step", "LinearAttentionState", "FeatureMap", "register_feature_map",
+           "get_feature_map", "feature_maps", "ops", "reference"]

@@ -1,0 +1,369 @@
+"""Tier 2 of the linear family: the functional API.
+
+- linear_attention():       the parallel form (causal or not), every option of the op, any feature map
+- linear_attention_step():  the recurrent form: advance a LinearAttentionState by a few tokens
+- LinearAttentionState:     S (B, H, M, Dv) and z (B, H, M), float32 (float64 for float64 inputs)
+
+Input rules the op states itself (shapes, dtypes, GQA, option ranges) are checked by the op: the
+C++ check on a compiled kernel, ops.check_inputs under torch.compile and before the reference
+fallback. This layer checks what the op cannot see: layouts, the feature map, states and the
+values inside cu_seqlens.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import feature_maps, ops, reference
+
+__all__ = ["linear_attention", "linear_attention_step", "LinearAttentionState"]
+
+_warned_fallback = set()
+
+
+def _check(cond: bool, msg, exc=ValueError):
+    if not cond:
+        raise exc(msg() if callable(msg) else msg)
+
+
+@dataclass
+class LinearAttentionState:
+    """The recurrent state of causal linear attention after some positions:
+
+        S = sum_j w_j phi(k_j) v_j^T    (B, H, M, Dv)
+        z = sum_j w_j phi(k_j)          (B, H, M), the normalizer; None without normalize
+
+    w_j the decay weights exp(G_last - G_j) (1 without decay), float32 (float64 for float64
+    inputs), one state per query head. The op carries both as one augmented (B, H, M, Dv + 1)
+    tensor (z its last column): `augmented()` and `from_augmented()` convert.
+
+    log_scale (B, H): S and z are stored divided by exp(log_scale), set by log-domain feature
+    maps (FAVOR+) that keep their key features bounded; None = 0."""
+
+    S: Tensor
+    z: Optional[Tensor] = None
+    log_scale: Optional[Tensor] = None
+
+    @classmethod
+    def zeros(cls, batch: int, heads: int, m: int, dv: int, *, normalize: bool = True, device=None,
+              dtype: torch.dtype = torch.float32) -> "LinearAttentionState":
+        s = torch.zeros(batch, heads, m, dv, device=device, dtype=dtype)
+        return cls(s, torch.zeros(batch, heads, m, device=device, dtype=dtype) if normalize else None)
+
+    @classmethod
+    def from_augmented(cls, t: Tensor, normalize: bool, log_scale: Optional[Tensor] = None) -> "LinearAttentionState":
+        """(B, H, M, Dv') -> state; Dv' = Dv + 1 (z the last column) with normalize."""
+        if normalize:
+            return cls(t[..., :-1].contiguous(), t[..., -1].contiguous(), log_scale)
+        return cls(t.contiguous(), None, log_scale)
+
+    def augmented(self, normalize: bool = True) -> Tensor:
+        """The op's (B, H, M, Dv') form: [S, z] with normalize, else S."""
+        if not normalize:
+            return self.S
+        _check(self.z is not None, "initial_state has no normalizer z (it was made with normalize=False); "
+                                   "normalize=True needs one")
+        return torch.cat([self.S, self.z.unsqueeze(-1)], -1)
+
+    @property
+    def normalize(self) -> bool:
+        return self.z is not None
+
+    def _map(self, fn) -> "LinearAttentionState":
+        return LinearAttentionState(*(None if t is None else fn(t) for t in (self.S, self.z, self.log_scale)))
+
+    def detach(self) -> "LinearAttentionState":
+        return self._map(Tensor.detach)
+
+    def clone(self) -> "LinearAttentionState":
+        return self._map(Tensor.clone)
+
+    def to(self, *args, **kwargs) -> "LinearAttentionState":
+        return self._map(lambda t: t.to(*args, **kwargs))
+
+
+def _key_scale(fm, e_k: Tensor, key_mask: Optional[Tensor], prev: Optional[Tensor], h: int) -> Tensor:
+    """The log-domain keys' common exponent offset, (B, H_k): the maximum over this call's (real)
+    keys and the incoming state's log_scale prev ((nb, H) or None), so that every feature
+    exp(e - offset) <= 1 and the state only ever scales down."""
+    b, hk = e_k.shape[:2]
+    if key_mask is not None:
+        e_k = e_k.masked_fill(~key_mask.view(b, 1, -1, 1), float("-inf"))
+    c = e_k.detach().flatten(2).amax(-1) if e_k.shape[2] else e_k.new_full((b, hk), float("-inf"))  # (B, H_k)
+    if prev is not None:
+        p = prev.detach().to(c.dtype).view(prev.shape[0], hk, h // hk).amax(-1)  # (nb, H_k)
+        c = torch.maximum(c, p if p.shape[0] == b else p.amax(0, keepdim=True))
+    return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+
+
+def _featurize(fm, q: Tensor, k: Tensor, normalize: bool, key_mask: Optional[Tensor],
+               state: Optional[LinearAttentionState]) -> Tuple[Tensor, Tensor, int, Optional[Tensor]]:
+    """(q, k, feature_map code, key log-scale) for the op: fused maps pass q and k through with
+    their code; any other map runs here, and the kernel applies its identity (code 0) to the
+    features. A stabilized log-domain map (FAVOR+) under normalization gets its keys' common
+    offset, (B, H) per query head (see _key_scale), else the log-scale is None."""
+    code = getattr(fm, "fused_code", None)
+    if code is not None:
+        return q, k, code, None
+    h = q.shape[1]
+    fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
+    log_scale = None
+    if getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize:
+        e_k = fm.exponents(k)  # (B, H_k, S, M)
+        c = _key_scale(fm, e_k, key_mask, state.log_scale if state is not None else None, h)  # (B, H_k)
+        fk = fm.features(e_k - c[:, :, None, None], k.dtype)
+        log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
+    else:
+        fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
+    for name, f, x in (("q", fq, q), ("k", fk, k)):
+        _check(isinstance(f, Tensor) and f.dim() == 4 and f.shape[:3] == x.shape[:3],
+               lambda: f"feature_map must map {name} (B, H, S, D) to (B, H, S, M), got "
+                       f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
+    _check(fq.shape[-1] == fk.shape[-1],
+           lambda: f"feature_map gave q and k different widths: {fq.shape[-1]} and {fk.shape[-1]}")
+    fq, fk = (f.to(q.dtype) if f.dtype != q.dtype else f for f in (fq, fk))
+    fq, fk = (f if f.stride(-1) == 1 else f.contiguous() for f in (fq, fk))
+    return fq, fk, 0, log_scale
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor, Tensor]:
+    """The op on (B, H, S, D) views where a compiled kernel serves q's device and dtype; else
+    reference.py under the op's own input rules (ops.check_inputs), with a warning."""
+    if ops.has_kernel(q.device, q.dtype):
+        return ops.fwd(q, k, v, **opts)
+    ops.check_inputs(q, k, v, **opts)
+    key = (q.device.type, q.dtype)
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        warnings.warn(f"attention_ext: no compiled linear attention kernel for {q.dtype} on {q.device}; running the "
+                      f"PyTorch reference", RuntimeWarning)
+    acc = ops.acc_dtype(q.dtype)
+    kw = {n: opts[n] for n in ("decay", "initial_state", "key_mask", "cu_seqlens", "feature_map", "causal",
+                               "normalize", "eps", "scale")}
+    out, den, final = reference.linear_attention(q.to(acc), k.to(acc), v.to(acc), **kw)
+    return out.to(q.dtype), den, final
+
+
+def _as_state_tensor(state, normalize: bool, acc: torch.dtype, device,
+                     log_scale: Optional[Tensor]) -> Optional[Tensor]:
+    """The op's (nb, H, M, Dv') initial state, rescaled from the state's log_scale to `log_scale`
+    (the keys' offset of this call; None = 0)."""
+    if state is None:
+        return None
+    t = state.augmented(normalize) if isinstance(state, LinearAttentionState) else state
+    _check(isinstance(t, Tensor), lambda: f"initial_state must be a LinearAttentionState or a Tensor, got "
+                                          f"{type(state).__name__}", TypeError)
+    _check(t.device == device, lambda: f"initial_state must be on {device}, got {t.device}")
+    t = t.to(acc)
+    prev = state.log_scale if isinstance(state, LinearAttentionState) else None
+    if prev is not None or log_scale is not None:
+        prev = prev.to(acc) if prev is not None else 0.0
+        new = log_scale.to(acc) if log_scale is not None else 0.0
+        t = t * torch.exp(prev - new)[..., None, None]
+    return t.contiguous()
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map="elu",
+    causal: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: Optional[float] = None,
+    decay: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    max_seqlen: Optional[int] = None,
+    layout: str = "bhsd",
+    initial_state: Union[LinearAttentionState, Tensor, None] = None,
+    return_state: bool = False,
+) -> Union[Tensor, Tuple[Tensor, LinearAttentionState]]:
+    """Linear attention: out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps) (reference.linear_attention
+    states the math).
+
+    Args:
+        q: (B, H, S, D), or (B, S, H, D) with layout="bshd".
+        k: (B, H_k, S, D); v: (B, H_k, S, Dv) (same layout); H % H_k == 0 gives MQA / GQA with no
+            copy; Dv may differ from D.
+        feature_map: a registered name ("elu", "relu", "identity" run fused in the kernel;
+            "favor", "rfa"), a FeatureMap, or any nn.Module / callable (..., D) -> (..., M),
+            applied to q and k before the kernel.
+        causal: position i reads keys j <= i (the recurrent form); else every key.
+        normalize: divide by the normalizer phi(q_i)^T z_i + eps; False returns phi(q_i)^T S_i.
+        scale: multiplies phi(q); None = 1.
+        decay: (B, H, S) log-gates (causal only): S_t = exp(decay_t) S_{t-1} + phi(k_t) v_t^T.
+            Always (B, H, S), whatever the layout.
+        key_padding_mask: (B, S) bool, True = a real key; padded keys contribute nothing.
+        cu_seqlens: (nb + 1) offsets of a varlen pack: q, k, v are (total, H, D) or a B = 1
+            tensor in `layout`; each sequence starts from its own initial state and never sees its
+            neighbour's. max_seqlen: the longest sequence (computed when None).
+        initial_state: a LinearAttentionState (or the op's (B, H, M, Dv') tensor) the sequence
+            continues from; (nb, ...) with cu_seqlens.
+        return_state: also return the LinearAttentionState after the last position (with
+            causal=False: initial_state plus every key).
+
+    Returns out with q's layout and dtype (and the state).
+    """
+    packed = cu_seqlens is not None and isinstance(q, Tensor) and q.dim() == 3
+    if packed:  # (total, H, D) -> (1, total, H, D)
+        q, k, v = (t.unsqueeze(0) if isinstance(t, Tensor) else t for t in (q, k, v))
+        layout = "bshd"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
+               f"got shape {tuple(t.shape)}")
+    _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views, no copy
+    _check(q.device == k.device == v.device,
+           lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    acc = ops.acc_dtype(q.dtype)
+    if key_padding_mask is not None:
+        _check(tuple(key_padding_mask.shape) == (q.shape[0], q.shape[2]),
+               lambda: f"key_padding_mask must be (B, S) = {(q.shape[0], q.shape[2])}, got "
+                       f"{tuple(key_padding_mask.shape)}")
+        _check(key_padding_mask.dtype == torch.bool,
+               lambda: f"key_padding_mask must be bool (True = a real key), got {key_padding_mask.dtype}", TypeError)
+        key_padding_mask = key_padding_mask.contiguous()
+    fm = feature_maps.resolve(feature_map, q.shape[-1])
+    if isinstance(fm, feature_maps.FeatureMap):
+        fm.prepare()
+    state_in = initial_state if isinstance(initial_state, LinearAttentionState) else None
+    qf, kf, code, log_scale = _featurize(fm, q, k, normalize, key_padding_mask, state_in)
+    if qf.stride(-1) != 1 or kf.stride(-1) != 1 or v.stride(-1) != 1:
+        qf, kf, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qf, kf, v))
+    if decay is not None:
+        _check(isinstance(decay, Tensor), "decay must be a Tensor", TypeError)
+        decay = decay.to(acc).contiguous()
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+        _check(cu.dim() == 1 and cu.numel() >= 2, lambda: f"cu_seqlens must be (nb + 1,), got {tuple(cu.shape)}")
+        lens = cu[1:] - cu[:-1]
+        if q.device.type == "cpu" or not torch.compiler.is_compiling():
+            _check(int(cu[0]) == 0, "cu_seqlens must start at 0")
+            _check(bool((lens >= 0).all()), "cu_seqlens must be non-decreasing")
+            _check(int(cu[-1]) <= q.shape[2], "cu_seqlens end past the packed tensors")
+            if max_seqlen is not None:
+                _check(int(lens.max()) <= max_seqlen, "a sequence is longer than max_seqlen")
+        if max_seqlen is None:
+            max_seqlen = int(lens.max())
+        cu_seqlens = cu
+    opts = dict(decay=decay, initial_state=_as_state_tensor(initial_state, normalize, acc, q.device, log_scale),
+                key_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+                max_seqlen=int(max_seqlen) if max_seqlen is not None else q.shape[2], feature_map=code,
+                causal=bool(causal), normalize=bool(normalize), eps=float(eps),
+                scale=1.0 if scale is None else float(scale))
+    out, _, final = _fused(qf, kf, v, opts)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    if packed:
+        out = out.squeeze(0)  # (total, H, Dv)
+    if not return_state:
+        return out
+    if log_scale is not None:  # (B, H) -> (nb, H): a varlen pack shares one offset
+        log_scale = log_scale.expand(final.shape[0], -1).contiguous()
+    return out, LinearAttentionState.from_augmented(final, normalize, log_scale)
+
+
+def linear_attention_step(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    state: Optional[LinearAttentionState],
+    *,
+    feature_map="elu",
+    decay_t: Optional[Tensor] = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: Optional[float] = None,
+    layout: str = "bhsd",
+    inplace: bool = False,
+) -> Tuple[Tensor, LinearAttentionState]:
+    """The recurrent form of causal linear attention: advance `state` by T (a few) positions,
+    O(M Dv) per position and head, in the state's dtype (float32; float64 for float64):
+
+        S_t = exp(decay_t) S_{t-1} + phi(k_t) v_t^T,  z_t = exp(decay_t) z_{t-1} + phi(k_t)
+        out_t = scale phi(q_t)^T S_t / (scale phi(q_t)^T z_t + eps)   (normalize)
+
+    q_t (B, H, T, D), k_t (B, H_k, T, D), v_t (B, H_k, T, Dv) (or (B, T, H, D) with
+    layout="bshd"), decay_t (B, H, T). state None starts from zeros. Random feature maps are not
+    redrawn here. Prefill with linear_attention(causal=True, return_state=True), then steps,
+    equals the parallel form. inplace=True advances `state` itself (its tensors in place when
+    autograd is not recording: decode loops); otherwise a new state is returned and `state` kept.
+    Returns (out_t with q_t's layout and dtype, state).
+    """
+    for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        _check(isinstance(t, Tensor) and t.dim() == 4, lambda: f"{name} must be a 4-D Tensor")
+    _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd":
+        q_t, k_t, v_t = q_t.transpose(1, 2), k_t.transpose(1, 2), v_t.transpose(1, 2)
+    b, h, t, d = q_t.shape
+    hk, dv = k_t.shape[1], v_t.shape[-1]
+    _check(hk >= 1 and h % hk == 0 and v_t.shape[1] == hk and k_t.shape[-1] == d and k_t.shape[:3] == (b, hk, t)
+           and v_t.shape[:3] == (b, hk, t),
+           lambda: f"linear_attention_step: q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)} "
+                   f"do not match (B, H, T, D), (B, H_k, T, D), (B, H_k, T, Dv)")
+    _check(state is None or isinstance(state, LinearAttentionState), "state must be a LinearAttentionState", TypeError)
+    fm = feature_maps.resolve(feature_map, d)
+    fq, fk, code, log_scale = _featurize(fm, q_t, k_t, normalize, None, state)
+    if code:
+        fq, fk = reference.phi(fq, code), reference.phi(fk, code)
+    m = fq.shape[-1]
+    acc = ops.acc_dtype(q_t.dtype)
+    if state is None:
+        state = LinearAttentionState.zeros(b, h, m, dv, normalize=normalize, device=q_t.device, dtype=acc)
+    _check(tuple(state.S.shape) == (b, h, m, dv),
+           lambda: f"state.S must be (B, H, M, Dv) = {(b, h, m, dv)}, got {tuple(state.S.shape)}")
+    _check(not normalize or state.z is not None, "normalize=True needs a state with a normalizer z")
+    if decay_t is not None:
+        _check(tuple(decay_t.shape) == (b, h, t), lambda: f"decay_t must be (B, H, T) = {(b, h, t)}, "
+                                                          f"got {tuple(decay_t.shape)}")
+    sdt = state.S.dtype
+    fq = fq.to(sdt) * (1.0 if scale is None else float(scale))  # (B, H, T, M)
+    fk, vv = fk.to(sdt), v_t.to(sdt)
+    if hk != h:  # GQA: the kv head of each query head
+        fk, vv = fk.repeat_interleave(h // hk, dim=1), vv.repeat_interleave(h // hk, dim=1)  # (B, H, T, M / Dv)
+    # in-place updates where autograd does not record; out of place where it must keep each S_t
+    track = torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                            for x in (fq, fk, vv, state.S, state.z, decay_t))
+    s_, z = state.S, state.z
+    if not track and not inplace:
+        s_, z = s_.clone(), None if z is None else z.clone()
+    if log_scale is not None or state.log_scale is not None:  # re-express the state in this step's key offset
+        prev = state.log_scale if state.log_scale is not None else 0.0
+        g = torch.exp(prev - (log_scale if log_scale is not None else 0.0)).to(sdt)  # (B, H)
+        s_, z = ((s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)) if track
+                 else (s_.mul_(g.view(b, h, 1, 1)), None if z is None else z.mul_(g.view(b, h, 1))))
+    outs = []
+    for i in range(t):
+        if decay_t is not None:
+            g = decay_t[:, :, i].to(sdt).exp()  # (B, H)
+            s_, z = ((s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)) if track
+                     else (s_.mul_(g.view(b, h, 1, 1)), None if z is None else z.mul_(g.view(b, h, 1))))
+        fk_i = fk[:, :, i].reshape(b * h, m, 1)
+        v_i = vv[:, :, i].reshape(b * h, 1, dv)
+        if track:  # S += phi(k) v^T, z += phi(k)
+            s_ = torch.baddbmm(s_.reshape(b * h, m, dv), fk_i, v_i).view(b, h, m, dv)
+            z = None if z is None else z + fk[:, :, i]
+        else:  # an elementwise outer-product update: one pass over S (baddbmm_ with K = 1 takes two)
+            s_.view(b * h, m, dv).addcmul_(fk_i, v_i)
+            if z is not None:
+                z.add_(fk[:, :, i])
+        o = torch.bmm(fq[:, :, i].reshape(b * h, 1, m), s_.reshape(b * h, m, dv)).view(b, h, dv)
+        if z is not None:
+            o = o / ((fq[:, :, i] * z).sum(-1, keepdim=True) + eps)
+        outs.append(o)
+    out = torch.stack(outs, 2).to(q_t.dtype)  # (B, H, T, Dv)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    if inplace:
+        state.S, state.z, state.log_scale = s_, z, log_scale
+        return out, state
+    return out, LinearAttentionState(s_, z, log_scale)

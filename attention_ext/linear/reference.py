@@ -1,0 +1,180 @@
+"""Pure-PyTorch definitions of the linear attention op: the test oracle, the fallback, and the
+chunked form that the CPU benchmark compares against.
+
+Readable and slow on purpose: `linear_attention` builds phi(Q) phi(K)^T explicitly (quadratic
+in S), which is the definition the kernels' chunked and recurrent forms must equal (tests run it
+in float64).
+
+Notation: B batch, H query heads, H_k key/value heads (H % H_k == 0; query head h reads kv head
+h // (H / H_k)), S length, M feature width (the head dim of q and k), Dv value width,
+Dv' = Dv + 1 with normalize (the state's last column is the normalizer z), else Dv.
+Tensors are (B, H, S, D) unless stated otherwise.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# The feature maps the kernel applies itself, by the op's `feature_map` code.
+FUSED_FEATURE_MAPS = {0: "identity", 1: "elu", 2: "relu"}
+
+
+def phi(x: Tensor, code: int) -> Tensor:
+    """phi(x) elementwise by the op's code: 0 identity, 1 elu(x) + 1, 2 relu(x)."""
+    if code == 0:
+        return x
+    if code == 1:
+        return F.elu(x) + 1.0
+    if code == 2:
+        return F.relu(x)
+    raise ValueError(f"feature_map code must be 0 (identity), 1 (elu) or 2 (relu), got {code}")
+
+
+def _dense(q: Tensor, k: Tensor, v: Tensor, code: int, causal: bool, normalize: bool, eps: float, scale: float,
+           decay: Optional[Tensor], initial_state: Optional[Tensor],
+           key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """linear_attention on one padded batch (no cu_seqlens); see there."""
+    b, h, s, _ = q.shape
+    group = h // k.shape[1]
+    fq = phi(q, code) * scale  # (B, H, S, M)
+    fk = phi(k, code)  # (B, H_k, S, M)
+    if key_mask is not None:
+        fk = fk * key_mask.view(b, 1, s, 1).to(fk.dtype)
+    fk = fk.repeat_interleave(group, dim=1)  # (B, H, S, M)
+    vv = v.repeat_interleave(group, dim=1)  # (B, H, S, Dv)
+    if normalize:
+        vv = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1)  # (B, H, S, Dv')
+    a = fq @ fk.transpose(-1, -2)  # (B, H, S, S): a_ij = scale * phi(q_i) . phi(k_j)
+    if causal:
+        g = decay.to(q.dtype).cumsum(-1) if decay is not None else q.new_zeros(b, h, s)  # (B, H, S) G_i
+        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        # w_ij = exp(G_i - G_j) for j <= i; the -inf keeps exp from overflowing above the diagonal
+        w = torch.where(allowed, g.unsqueeze(-1) - g.unsqueeze(-2), float("-inf")).exp()  # (B, H, S, S)
+        a = a * w
+    o = a @ vv  # (B, H, S, Dv')
+    if initial_state is not None:
+        s0 = initial_state.to(q.dtype)  # (B, H, M, Dv')
+        o = o + (fq @ s0) * (g.exp().unsqueeze(-1) if causal else 1.0)
+    # the state after the last position: sum_j exp(G_last - G_j) phi(k_j) v'_j^T (+ exp(G_last) S_0)
+    if causal and s > 0:
+        fk_w = fk * (g[..., -1:] - g).exp().unsqueeze(-1)
+        final = fk_w.transpose(-1, -2) @ vv  # (B, H, M, Dv')
+        if initial_state is not None:
+            final = final + g[..., -1].exp().view(b, h, 1, 1) * s0
+    else:
+        final = fk.transpose(-1, -2) @ vv
+        if initial_state is not None:
+            final = final + s0
+    if normalize:
+        den = o[..., -1] + eps  # (B, H, S)
+        out = o[..., :-1] / den.unsqueeze(-1)
+    else:
+        den = torch.ones_like(o[..., 0])
+        out = o
+    return out, den, final
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: int = 1,
+    causal: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    decay: Optional[Tensor] = None,
+    initial_state: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Linear (kernelized) attention, the definition of torch.ops.attention_ext.linear_fwd.
+    Returns (out, den, final_state), all in q's dtype.
+
+    q (B, H, S, M); k (B, H_k, S, M); v (B, H_k, S, Dv). phi = the fused map of code `feature_map`, applied to
+    q and k (reference.phi); a padded key (key_mask (B, S) False) has phi(k_j) = 0.
+
+        G_i     = sum_{t <= i} decay_t                    decay (B, H, S) log-gates; None = 0
+        w_ij    = exp(G_i - G_j) if j <= i else 0          (causal; decay needs causal)
+                = 1                                        (non-causal)
+        v'_j    = [v_j, 1] if normalize else v_j           (Dv')
+        O'_i    = scale * phi(q_i)^T (sum_j w_ij phi(k_j) v'_j^T + exp(G_i) S_0)
+                  with exp(G_i) = 1 when non-causal; S_0 = initial_state (B, H, M, Dv') or 0
+        den_i   = O'_i[Dv] + eps,  out_i = O'_i[:Dv] / den_i     (normalize)
+        den_i   = 1,               out_i = O'_i                  (otherwise)
+        final   = sum_j w_Sj phi(k_j) v'_j^T + exp(G_S) S_0      (B, H, M, Dv'), S = last position
+
+    Causal, this is the recurrence S_t = exp(decay_t) S_{t-1} + phi(k_t) v'_t^T, S_{-1} = S_0,
+    O'_t = scale * phi(q_t)^T S_t; non-causal, every query reads S_0 + sum_j phi(k_j) v'_j^T.
+
+    Varlen: with cu_seqlens (nb + 1) offsets, q, k, v, decay and key_mask are one (1, ., total, .)
+    pack, sequence n holds positions [cu[n], cu[n+1]) and starts from initial_state[n]
+    ((nb, H, M, Dv')); final is (nb, H, M, Dv').
+    """
+    if cu_seqlens is None:
+        return _dense(q, k, v, feature_map, causal, normalize, eps, scale, decay, initial_state, key_mask)
+    outs, dens, finals = [], [], []
+    for n in range(cu_seqlens.numel() - 1):
+        a, e = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
+        o, d, f = _dense(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], feature_map, causal, normalize, eps, scale,
+                         decay[:, :, a:e] if decay is not None else None,
+                         initial_state[n: n + 1] if initial_state is not None else None,
+                         key_mask[:, a:e] if key_mask is not None else None)
+        outs.append(o)
+        dens.append(d)
+        finals.append(f)
+    total = q.shape[2]
+    end = int(cu_seqlens[-1])
+    if end < total:  # rows past the last sequence belong to none: zeros, den 1
+        outs.append(q.new_zeros(1, q.shape[1], total - end, v.shape[-1]))
+        dens.append(q.new_ones(1, q.shape[1], total - end))
+    return torch.cat(outs, 2), torch.cat(dens, 2), torch.cat(finals, 0)
+
+
+def chunked(q: Tensor, k: Tensor, v: Tensor, *, feature_map: int = 1, causal: bool = True, normalize: bool = True,
+            eps: float = 1e-6, scale: float = 1.0, chunk: int = 64) -> Tensor:
+    """The natural chunked PyTorch form of linear attention (no decay, no initial state, H == H_k
+    or GQA by repeat): the CPU benchmark's peer, differentiated by autograd. Returns out
+    (B, H, S, Dv) in q's dtype; equals linear_attention(...)[0].
+
+    Causal, with chunks of C positions (N = ceil(S / C), zero-padded keys contribute nothing):
+        KV_n   = phi(K_n)^T V_n                  (B, H, N, M, Dv)   one batched matmul
+        Ks_n   = sum_{j in n} phi(k_j)           (B, H, N, M)
+        P_n    = sum_{m < n} KV_m,  Z_n = sum_{m < n} Ks_m            exclusive cumsums
+        O_n    = phi(Q_n) P_n + tril(phi(Q_n) phi(K_n)^T) V_n
+        den_n  = phi(Q_n) Z_n + rowsum(tril(phi(Q_n) phi(K_n)^T)) + eps
+    Non-causal (the two-matmul form): O = phi(Q) (phi(K)^T V), den = phi(Q) sum_j phi(k_j) + eps.
+    """
+    b, h, s, m = q.shape
+    group = h // k.shape[1]
+    fq = phi(q, feature_map) * scale
+    fk = phi(k, feature_map).repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    if not causal:
+        out = fq @ (fk.transpose(-1, -2) @ v)  # (B, H, S, Dv)
+        if normalize:
+            out = out / (fq @ fk.sum(-2, keepdim=True).transpose(-1, -2) + eps)
+        return out
+    c = chunk
+    n = -(-s // c)
+    pad = n * c - s
+    if pad:
+        fq, fk, v = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v))
+    fq = fq.view(b, h, n, c, m)  # (B, H, N, C, M)
+    fk = fk.view(b, h, n, c, m)
+    v = v.view(b, h, n, c, -1)  # (B, H, N, C, Dv)
+    kv = fk.transpose(-1, -2) @ v  # (B, H, N, M, Dv)
+    past = kv.cumsum(2) - kv  # exclusive: the state entering chunk n
+    a = (fq @ fk.transpose(-1, -2)).tril()  # (B, H, N, C, C)
+    out = fq @ past + a @ v  # (B, H, N, C, Dv)
+    if normalize:
+        ks = fk.sum(-2)  # (B, H, N, M)
+        zpast = ks.cumsum(2) - ks
+        den = (fq @ zpast.unsqueeze(-1)).squeeze(-1) + a.sum(-1) + eps  # (B, H, N, C)
+        out = out / den.unsqueeze(-1)
+    return out.reshape(b, h, n * c, -1)[:, :, :s]
+

@@ -1,0 +1,140 @@
+"""Linear attention layers: `LinearAttention`, the module of attention_type="linear" (Katharopoulos
+et al.; Performer with feature_map="favor"; RFA-Gate / RetNet-style decay with decay_gate=True).
+
+Same projections, RoPE and call signature as `Attention`, so the blocks and models use either;
+generation keeps a `LinearCache` (the recurrent state, O(M Dv) per head) instead of a KV cache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..linear import LinearAttentionState, feature_maps, linear_attention, linear_attention_step
+from .layers import ATTENTION_MODULES, AttentionConfig
+from .positional import RotaryEmbedding
+
+# a continuation of at most this many tokens runs the recurrent step; longer ones the parallel form
+_STEP_TOKENS = 8
+
+
+class LinearCache:
+    """The generation state of one linear attention layer: the LinearAttentionState after `pos`
+    positions (None before the prefill). `static`: cross-attention, the state of the whole memory,
+    filled once and then only read."""
+
+    def __init__(self, static: bool = False):
+        self.state: Optional[LinearAttentionState] = None
+        self.pos = 0
+        self.static = static
+
+    def reset(self) -> None:
+        self.state, self.pos = None, 0
+
+
+class LinearAttention(nn.Module):
+    """Multi-head linear attention from an AttentionConfig (attention_type="linear"):
+    out = phi(q)^T S / phi(q)^T z per head, causal (the recurrent form) or not.
+
+    config.feature_map names the map ("elu", "relu", "identity", "favor", "rfa" or a registered
+    one); random maps are built per layer (their own projection, redrawn by their
+    redraw_interval in training). config.decay_gate adds a projection x -> (H) log-decays,
+    logsigmoid(W x + b) (a recency gate per position and head), causal self-attention only.
+    Softmax-only options (window, ALiBi, sinks, softcap, attn_mask) are rejected; dropout on
+    probabilities has no equivalent and is not applied. key_padding_mask / seqlens_k mark padded
+    keys, which then contribute nothing.
+    """
+
+    def __init__(self, config: AttentionConfig, cross: bool = False):
+        super().__init__()
+        c = config
+        unsupported = [n for n, bad in (("window", tuple(c.window) != (-1, -1)), ("ALiBi", c.positional == "alibi"),
+                                         ("sinks", c.sinks), ("softcap", c.softcap > 0)) if bad]
+        if unsupported:
+            raise ValueError(f"attention_type='linear' has no {', '.join(unsupported)}")
+        self.config = config
+        self.cross = cross
+        self.causal = c.causal and not cross
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        kv_in = (c.kv_dim or c.d_model) if cross else c.d_model
+        self.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.bias)
+        self.k_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
+        self.v_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
+        self.out_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
+        self.rope = RotaryEmbedding(c.head_dim, c.rope_base) if (c.positional == "rope" and not cross) else None
+        self.feature_map = feature_maps.get_feature_map(c.feature_map, c.head_dim)
+        self.gate = None
+        if c.decay_gate and self.causal:
+            self.gate = nn.Linear(c.d_model, c.n_heads)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.constant_(self.gate.bias, 4.0)  # sigmoid(4) = 0.98: start close to no decay
+        self.keep_weights = False
+        self.last_weights: Optional[Tensor] = None
+
+    @classmethod
+    def allocate_cache(cls, config: AttentionConfig, batch: int, max_len: int, *, device=None, dtype=None,
+                       static: bool = False) -> LinearCache:
+        return LinearCache(static=static)
+
+    def _read(self, q: Tensor, state: LinearAttentionState) -> Tensor:
+        """Queries (B, T, H, D) against a fixed non-causal state, nothing added: (B, T, H, D)."""
+        fq = feature_maps.apply(self.feature_map, q.transpose(1, 2), is_query=True, normalized=True)
+        fq = fq.to(state.S.dtype)  # (B, H, T, M)
+        out = (fq @ state.S) / ((fq * state.z.unsqueeze(2)).sum(-1, keepdim=True) + 1e-6)
+        return out.to(q.dtype).transpose(1, 2)
+
+    def _memory_state(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> LinearAttentionState:
+        """The non-causal state sum_j phi(k_j) [v_j, 1]^T over a memory (B, S_k, H_k, D): the op's
+        final state (its queries, here zeros, are not read), for cross-attention where S_q != S_k."""
+        b, sk = k.shape[:2]
+        q0 = k.new_zeros(b, sk, self.n_heads, self.head_dim)
+        _, state = linear_attention(q0, k, v, feature_map=self.feature_map, key_padding_mask=key_padding_mask,
+                                    layout="bshd", return_state=True)
+        return state
+
+    def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
+                seqlens_k: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                cache: Optional[LinearCache] = None) -> Tensor:
+        if attn_mask is not None:
+            raise ValueError("attention_type='linear' takes no attn_mask (key_padding_mask / seqlens_k only)")
+        if cache is not None and not isinstance(cache, LinearCache):
+            raise TypeError(f"a linear attention layer keeps a LinearCache, got {type(cache).__name__} "
+                            f"(allocate it with nn.layers.allocate_cache)")
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # (B, S, H, D)
+        if cache is not None and cache.static and cache.state is not None:
+            return self.out_proj(self._read(q, cache.state).reshape(b, s, -1))
+        src = context if self.cross else x
+        sk = src.shape[1]
+        k = self.k_proj(src).view(b, sk, self.n_kv_heads, self.head_dim)  # (B, S_k, H_k, D)
+        v = self.v_proj(src).view(b, sk, self.n_kv_heads, self.head_dim)
+        offset = cache.pos if (cache is not None and not self.cross) else 0
+        if self.rope is not None:
+            q, k = self.rope(q, offset), self.rope(k, offset)
+        if seqlens_k is not None:
+            key_padding_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
+        decay = F.logsigmoid(self.gate(x)).transpose(1, 2).contiguous() if self.gate is not None else None  # (B, H, S)
+        kw = dict(feature_map=self.feature_map, causal=self.causal, layout="bshd")
+        if self.cross:
+            state = self._memory_state(k, v, key_padding_mask)
+            if cache is not None:
+                cache.state = state
+            return self.out_proj(self._read(q, state).reshape(b, s, -1))
+        if cache is None:
+            out = linear_attention(q, k, v, decay=decay, key_padding_mask=key_padding_mask, **kw)
+        elif cache.state is not None and self.causal and s <= _STEP_TOKENS and key_padding_mask is None:
+            out, cache.state = linear_attention_step(q, k, v, cache.state, feature_map=self.feature_map,
+                                                     decay_t=decay, layout="bshd", inplace=True)
+        else:
+            out, cache.state = linear_attention(q, k, v, decay=decay, key_padding_mask=key_padding_mask,
+                                                initial_state=cache.state, return_state=True, **kw)
+            if not self.causal:  # a non-causal self-attention layer reads the keys of this call only
+                cache.state = None
+        if cache is not None:
+            cache.pos += s
+        return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)
+
+
+ATTENTION_MODULES["linear"] = LinearAttention

@@ -1,0 +1,243 @@
+"""The linear attention op on the CPU: forward and every gradient against the float64 reference
+(FA2's rule: error <= 2x PyTorch's own same-dtype error), gradcheck in float64, opcheck, the fake
+kernels' checks against the op's, and stability. Skips while the op is not registered
+(ATTENTION_EXT_LINEAR_STANDIN=1 runs it on a Python stand-in built from reference.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.linear import feature_maps, ops, reference
+from tests.helpers import assert_close_fa2
+
+pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")),
+                                reason="torch.ops.attention_ext.linear_fwd has no CPU kernel (op not built)")
+STANDIN = os.environ.get("ATTENTION_EXT_LINEAR_STANDIN") == "1"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+f64 = torch.float64
+
+
+def run_case(s, dtype, *, causal, fmap="elu", b=1, h=2, hk=1, m=16, dv=24, layout="bhsd", decay=False,
+             init=False, mask=False, normalize=True):
+    """ae.linear_attention through the op in `dtype` against reference.linear_attention in float64
+    and in `dtype`: out, the final state, and the gradients of q, k, v, decay and initial_state."""
+    shape = (lambda heads, d: (b, heads, s, d)) if layout == "bhsd" else (lambda heads, d: (b, s, heads, d))
+    q = (0.5 * torch.randn(shape(h, m))).to(dtype).requires_grad_()
+    k = (0.5 * torch.randn(shape(hk, m))).to(dtype).requires_grad_()
+    v = torch.randn(shape(hk, dv)).to(dtype).requires_grad_()
+    acc = ops.acc_dtype(dtype)
+    g = (-0.2 * torch.rand(b, h, s, dtype=acc)).requires_grad_() if decay else None
+    s0 = torch.rand(b, h, m, dv + normalize, dtype=acc).requires_grad_() if init else None
+    kpm = (torch.rand(b, s) > 0.25) if mask else None
+    fm = feature_maps.Favor(m, 32, stabilize=False, seed=0) if fmap == "favor" else fmap
+    out, st = ae.linear_attention(q, k, v, feature_map=fm, causal=causal, decay=g, initial_state=s0,
+                                  key_padding_mask=kpm, layout=layout, normalize=normalize, scale=0.5,
+                                  return_state=True)
+    assert out.dtype == dtype and out.shape == (*q.shape[:3], dv) if layout == "bhsd" else True
+    final = st.augmented(normalize)
+
+    def ref_in(rdt):
+        leaves = [t.detach().to(rdt).requires_grad_() for t in (q, k, v)]
+        side = [None if t is None else t.detach().to(rdt).requires_grad_() for t in (g, s0)]
+        bq, bk, bv = (x.transpose(1, 2) if layout == "bshd" else x for x in leaves)
+        if fmap == "favor":
+            bq, bk, code = fm(bq, is_query=True), fm(bk), 0
+        else:
+            code = {"identity": 0, "elu": 1, "relu": 2}[fmap]
+        o, _, f = reference.linear_attention(bq, bk, bv, feature_map=code, causal=causal, normalize=normalize,
+                                             scale=0.5, decay=side[0], initial_state=side[1], key_mask=kpm)
+        return (o.transpose(1, 2) if layout == "bshd" else o), f, leaves + side
+
+    ref, ref_final, ref_leaves = ref_in(f64)
+    low, low_final, low_leaves = ref_in(dtype)
+    assert_close_fa2(out, low, ref, dtype, "out")
+    assert_close_fa2(final, low_final, ref_final, dtype if dtype != torch.float16 else torch.float32, "final_state")
+    dout = torch.randn_like(out)
+    dfin = torch.randn_like(final)
+    torch.autograd.backward([out, final], [dout, dfin])
+    torch.autograd.backward([ref, ref_final], [dout.to(f64), dfin.to(f64)])
+    torch.autograd.backward([low, low_final], [dout.to(dtype), dfin.to(dtype)])
+    for name, t, r, lo in zip(("dq", "dk", "dv", "ddecay", "dinitial_state"), (q, k, v, g, s0), ref_leaves,
+                              low_leaves):
+        if t is not None:
+            assert_close_fa2(t.grad, lo.grad, r.grad, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 7, 63, 64, 65, 1000])
+def test_sizes(s, causal, dtype):
+    run_case(s, dtype, causal=causal, m=8, dv=12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fmap,normalize", [("relu", True), ("identity", False), ("favor", True)])
+def test_feature_maps(fmap, normalize, causal, dtype):
+    run_case(65, dtype, causal=causal, fmap=fmap, normalize=normalize)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,dv", [(16, 40), (40, 16), (64, 64), (128, 96)])
+def test_head_dims(m, dv, dtype):
+    run_case(129, dtype, causal=True, m=m, dv=dv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("opt", ["decay", "init", "mask", "gqa_bshd", "all"])
+def test_options(opt, dtype):
+    kw = dict(decay=dict(decay=True), init=dict(init=True), mask=dict(mask=True),
+              gqa_bshd=dict(b=2, h=6, hk=2, layout="bshd"), all=dict(decay=True, init=True, mask=True, b=2, h=4,
+                                                                       hk=2))[opt]
+    run_case(97, dtype, causal=True, **kw)
+    if "decay" not in kw:
+        run_case(97, dtype, causal=False, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, f64], ids=str)
+def test_varlen(dtype):
+    cu = torch.tensor([0, 7, 7, 70, 71], dtype=torch.int32)
+    h, m, dv = 4, 16, 8
+    q, k = torch.randn(1, h, 71, m).to(dtype), torch.randn(1, 2, 71, m).to(dtype)
+    v = torch.randn(1, 2, 71, dv).to(dtype)
+    acc = ops.acc_dtype(dtype)
+    s0 = torch.rand(4, h, m, dv + 1, dtype=acc)
+    g = -0.1 * torch.rand(1, h, 71, dtype=acc)
+    out, den, final = ops.fwd(q, k, v, decay=g, initial_state=s0, key_mask=None, cu_seqlens=cu, max_seqlen=63,
+                              feature_map=1, causal=True, normalize=True, eps=1e-6, scale=1.0)
+    r = reference.linear_attention(q.to(f64), k.to(f64), v.to(f64), causal=True, decay=g.to(f64),
+                                   initial_state=s0.to(f64), cu_seqlens=cu)
+    lo = reference.linear_attention(q, k, v, causal=True, decay=g.to(dtype), initial_state=s0.to(dtype), cu_seqlens=cu)
+    assert_close_fa2(out, lo[0], r[0], dtype, "out")
+    assert_close_fa2(final, lo[2], r[2], dtype, "final_state")
+    assert den.shape == (1, h, 71) and den.dtype == acc
+
+
+def test_den_and_shapes():
+    q, k, v = torch.randn(2, 4, 33, 8), torch.randn(2, 2, 33, 8), torch.randn(2, 2, 33, 5)
+    for normalize in (True, False):
+        out, den, final = ops.fwd(q, k, v, decay=None, initial_state=None, key_mask=None, cu_seqlens=None,
+                                  max_seqlen=33, feature_map=1, causal=True, normalize=normalize, eps=1e-6, scale=1.0)
+        r = reference.linear_attention(q.double(), k.double(), v.double(), causal=True, normalize=normalize)
+        assert out.shape == (2, 4, 33, 5) and final.shape == (2, 4, 8, 5 + normalize)
+        torch.testing.assert_close(den.double(), r[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(final.double(), r[2], rtol=1e-4, atol=1e-4)
+    qb = torch.randn(2, 33, 4, 8).transpose(1, 2)  # (B, S, H, D) storage: out keeps it
+    out = ops.fwd(qb, k, v, decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=33,
+                  feature_map=1, causal=False, normalize=True, eps=1e-6, scale=1.0)[0]
+    assert out.stride(1) < out.stride(2)
+
+
+def test_no_nan_with_large_activations_and_long_sequences():
+    s = 4096 if STANDIN else 65536  # the stand-in is quadratic
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k = (8 * torch.randn(1, 1, s, 16)).to(dtype), (8 * torch.randn(1, 1, s, 16)).to(dtype)
+        v = (8 * torch.randn(1, 1, s, 16)).to(dtype)
+        for causal in (True, False):
+            out, den, final = ops.fwd(q, k, v, decay=None, initial_state=None, key_mask=None, cu_seqlens=None,
+                                      max_seqlen=s, feature_map=1, causal=causal, normalize=True, eps=1e-6, scale=1.0)
+            assert torch.isfinite(out).all() and torch.isfinite(den).all() and torch.isfinite(final).all()
+
+
+# ---------------------------------------------------------------------------------- gradcheck, opcheck
+def _args(causal=True, decay=True, init=True, mask=True, varlen=False, normalize=True, dtype=f64, s=6, rg=True):
+    b = 1 if varlen else 2
+    q = torch.randn(b, 2, s, 3, dtype=dtype, requires_grad=rg)
+    k = torch.randn(b, 1, s, 3, dtype=dtype, requires_grad=rg)
+    v = torch.randn(b, 1, s, 2, dtype=dtype, requires_grad=rg)
+    acc = ops.acc_dtype(dtype)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32) if varlen else None
+    nb = 2
+    g = (-torch.rand(b, 2, s, dtype=acc)).requires_grad_(rg) if decay else None
+    s0 = torch.rand(nb, 2, 3, 2 + normalize, dtype=acc).requires_grad_(rg) if init else None
+    km = (torch.rand(b, s) > 0.3) if mask else None
+    return dict(q=q, k=k, v=v, decay=g, initial_state=s0, key_mask=km, cu_seqlens=cu, max_seqlen=s,
+                feature_map=1, causal=causal, normalize=normalize, eps=1e-6, scale=0.7)
+
+
+GRAD_CASES = [dict(), dict(causal=False, decay=False), dict(normalize=False), dict(varlen=True),
+              dict(varlen=True, causal=False, decay=False, mask=False), dict(init=False, mask=False)]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "all")
+def test_gradcheck(case):
+    a = _args(**case)
+    names = [n for n in ("q", "k", "v", "decay", "initial_state") if a[n] is not None]
+
+    def fn(*xs):
+        kw = dict(a, **dict(zip(names, xs)))
+        out, _, final = ops.fwd(**kw)
+        return out, final
+
+    assert torch.autograd.gradcheck(fn, tuple(a[n] for n in names))
+
+
+@pytest.mark.parametrize("case", GRAD_CASES[:4], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "all")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck_fwd(case, dtype):
+    a = _args(dtype=dtype, **case)
+    torch.library.opcheck(torch.ops.attention_ext.linear_fwd.default, tuple(a[n] for n in ops.FWD_ARGS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, f64], ids=str)
+def test_opcheck_bwd(dtype):
+    if STANDIN:
+        pytest.skip("the stand-in's backward runs autograd inside the kernel, which opcheck's schema check rejects")
+    a = _args(dtype=dtype, rg=False)
+    out, den, final = ops.fwd(**a)
+    b = dict(a, dout=torch.randn_like(out), dfinal_state=torch.randn_like(final), out=out, den=den)
+    torch.library.opcheck(torch.ops.attention_ext.linear_bwd.default, tuple(b[n] for n in ops.BWD_ARGS))
+
+
+def test_schema_names():
+    assert ops.FWD_ARGS == ops.SPEC_FWD_ARGS and ops.BWD_ARGS == ops.SPEC_BWD_ARGS
+
+
+def test_only_final_state_reaches_the_loss():
+    a = _args()
+    out, _, final = ops.fwd(**a)
+    final.sum().backward()
+    ref = reference.linear_attention(*(a[n].detach().requires_grad_() for n in ("q", "k", "v")), causal=True,
+                                     decay=a["decay"].detach(), initial_state=a["initial_state"].detach(),
+                                     key_mask=a["key_mask"], scale=0.7)[2]
+    torch.testing.assert_close(final, ref)
+    assert a["q"].grad.abs().sum() == 0 and a["k"].grad.abs().sum() > 0
+
+
+BAD = [
+    ("q 3-D", lambda a: a.update(q=a["q"][0]), ValueError),
+    ("dtype mix", lambda a: a.update(k=a["k"].float()), TypeError),
+    ("int dtype", lambda a: a.update(q=a["q"].long(), k=a["k"].long(), v=a["v"].long()), TypeError),
+    ("heads", lambda a: a.update(q=a["q"][:, :1].repeat(1, 3, 1, 1), k=a["k"].repeat(1, 2, 1, 1),
+                                 v=a["v"].repeat(1, 2, 1, 1), decay=None, initial_state=None), ValueError),
+    ("feature dim", lambda a: a.update(k=a["k"][..., :2]), ValueError),
+    ("length", lambda a: a.update(k=a["k"][:, :, :4]), ValueError),
+    ("decay non-causal", lambda a: a.update(causal=False), ValueError),
+    ("decay dtype", lambda a: a.update(decay=a["decay"].float()), TypeError),
+    ("decay shape", lambda a: a.update(decay=a["decay"][..., :3]), ValueError),
+    ("state shape", lambda a: a.update(initial_state=a["initial_state"][..., :2]), ValueError),
+    ("mask dtype", lambda a: a.update(key_mask=a["key_mask"].float()), TypeError),
+    ("feature_map", lambda a: a.update(feature_map=7), ValueError),
+    ("eps", lambda a: a.update(eps=-1.0), ValueError),
+    ("last stride", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc", BAD, ids=[c[0] for c in BAD])
+def test_fake_checks_match_cpp(name, mutate, exc):
+    """The op (C++ check) and its fake (ops.check_inputs) reject the same inputs with the same type
+    and message."""
+    a = _args(rg=False)
+    mutate(a)
+    args = tuple(a[n] for n in ops.FWD_ARGS)
+    with pytest.raises(exc) as real:
+        torch.ops.attention_ext.linear_fwd(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args)
+        with pytest.raises(exc) as faked:
+            torch.ops.attention_ext.linear_fwd(*fake)
+    assert str(faked.value).splitlines()[0] == str(real.value).splitlines()[0]

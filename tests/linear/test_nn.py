@@ -1,0 +1,90 @@
+"""attention_type="linear": the LinearAttention layer, the Transformer stack built on it, and
+generation with the recurrent state (equal to recomputing every prefix)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.models import LanguageModel, LMConfig, Transformer, TransformerConfig
+from attention_ext.nn import AttentionConfig, KVCache, LinearAttention, LinearCache, allocate_cache, make_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:attention_ext. no compiled linear:RuntimeWarning")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_layer_is_linear_attention_of_its_projections(causal):
+    cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, attention_type="linear", causal=causal)
+    layer = make_attention(cfg)
+    assert isinstance(layer, LinearAttention)
+    x = torch.randn(2, 11, 32)
+    q = layer.q_proj(x).view(2, 11, 4, 8)
+    k, v = layer.k_proj(x).view(2, 11, 2, 8), layer.v_proj(x).view(2, 11, 2, 8)
+    ref = ae.linear_attention(q, k, v, causal=causal, layout="bshd")
+    torch.testing.assert_close(layer(x), layer.out_proj(ref.reshape(2, 11, 32)))
+
+
+def test_padding_and_lengths():
+    cfg = AttentionConfig(d_model=16, n_heads=2, attention_type="linear")
+    layer = make_attention(cfg)
+    x = torch.randn(2, 9, 16)
+    lengths = torch.tensor([9, 5])
+    out = layer(x, seqlens_k=lengths)
+    torch.testing.assert_close(out[1, :5], layer(x[1:, :5])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_options_raise():
+    for kw in (dict(window=(4, 0)), dict(positional="alibi"), dict(sinks=True), dict(softcap=5.0)):
+        with pytest.raises(ValueError, match="attention_type='linear' has no"):
+            make_attention(AttentionConfig(d_model=16, n_heads=2, attention_type="linear", **kw))
+    layer = make_attention(AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True))
+    with pytest.raises(TypeError, match="LinearCache"):
+        layer(torch.randn(1, 3, 16), cache=KVCache(1, 8, 2, 8))
+    with pytest.raises(ValueError, match="attn_mask"):
+        layer(torch.randn(1, 3, 16), attn_mask=torch.ones(3, 3, dtype=torch.bool))
+    assert isinstance(allocate_cache(layer.config, 1, 8), LinearCache)
+
+
+@pytest.mark.parametrize("fmap,gate", [("elu", False), ("favor", True), ("relu", True)])
+def test_lm_generate_with_state_equals_recompute(fmap, gate):
+    lm = LanguageModel(LMConfig(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                                attention_type="linear", feature_map=fmap, decay_gate=gate)).eval()
+    prompt = torch.randint(0, 40, (2, 5))
+    a = lm.generate(prompt, 10, greedy=True)
+    b = lm.generate(prompt, 10, greedy=True, use_cache=False)
+    assert torch.equal(a, b)
+    caches = lm.allocate_caches(2, 32)
+    assert all(isinstance(c, LinearCache) for c in caches)
+    full = lm(a)
+    parts = [lm(a[:, :5], caches=caches), lm(a[:, 5:6], caches=caches, offset=5),
+             lm(a[:, 6:15], caches=caches, offset=6)]  # prefill, one step, a long continuation
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_lm_trains_and_gate_gets_gradients():
+    torch.manual_seed(0)
+    lm = LanguageModel(LMConfig(vocab_size=20, d_model=32, n_heads=4, n_layers=2, attention_type="linear",
+                                decay_gate=True, positional="rope"))
+    opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
+    data = torch.arange(20).repeat(4, 3)[:, :48]  # a cyclic sequence: learnable from the previous token
+    losses = []
+    for _ in range(30):
+        _, loss = lm(data[:, :-1], data[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(b.self_attn.gate.weight.grad is not None for b in lm.blocks)
+
+
+def test_encoder_decoder_greedy_decode_with_state():
+    cfg = TransformerConfig(src_vocab_size=30, d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64,
+                            dropout=0.0,
+                            attention_type="linear")
+    model = Transformer(cfg).eval()
+    src = torch.randint(3, 30, (3, 7))
+    lengths = torch.tensor([7, 4, 6])
+    a = model.greedy_decode(src, lengths, bos_id=1, eos_id=2, max_new_tokens=8)
+    b = model.greedy_decode(src, lengths, bos_id=1, eos_id=2, max_new_tokens=8, use_cache=False)
+    assert torch.equal(a, b)
