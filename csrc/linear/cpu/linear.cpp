@@ -247,6 +247,16 @@ void advance_state(Chunk<T>& c, int n, bool decay, T* s) {
   mm<true, true>(c.mp, c.dp, n, c.k.data(), c.mp, c.v.data(), c.dp, s, c.dp);
 }
 
+// The non-causal state: S += sum over the sequence of K~_j v'_j^T.
+template <typename T>
+void sum_state(const LP<T>& p, DType dt, int b, int h, int hk, int len, Chunk<T>& c, T* s) {
+  for (int r0 = 0; r0 < len; r0 += kChunk) {
+    const int n = std::min(kChunk, len - r0);
+    load_chunk(p, dt, b, h, hk, r0, n, c, false, true);
+    mm<true, true>(c.mp, c.dp, n, c.k.data(), c.mp, c.v.data(), c.dp, s, c.dp);
+  }
+}
+
 // rows x cols block of a per-row-scaled add: dst[i] += e^{g_i} src[i]
 template <typename T>
 void add_scaled_rows(T* dst, const T* src, int n, int ld, const T* g, bool decay) {
@@ -270,11 +280,7 @@ struct FwdTask {
     T* s = c.s.data();
     init_state(p, b, h, c, s);
     if (!p.causal) {
-      for (int r0 = 0; r0 < len; r0 += kChunk) {
-        const int n = std::min(kChunk, len - r0);
-        load_chunk(p, dt, b, h, hk, r0, n, c, false, true);
-        mm<true, true>(c.mp, c.dp, n, c.k.data(), c.mp, c.v.data(), c.dp, s, c.dp);
-      }
+      sum_state(p, dt, b, h, hk, len, c, s);
       for (int r0 = 0; r0 < len; r0 += kChunk) {
         const int n = std::min(kChunk, len - r0);
         load_chunk(p, dt, b, h, hk, r0, n, c, true, false);
@@ -349,13 +355,7 @@ struct BwdTask {
     if (want_dg) std::fill(dg.begin(), dg.begin() + len, T(0));
     init_state(p, b, h, c, s);
     // ---------------------------------------------------------------- dQ~ = S_i dO'_i
-    if (!p.causal) {
-      for (int r0 = 0; r0 < len; r0 += kChunk) {
-        const int n = std::min(kChunk, len - r0);
-        load_chunk(p, dt, b, h, hk, r0, n, c, false, true);
-        mm<true, true>(c.mp, c.dp, n, c.k.data(), c.mp, c.v.data(), c.dp, s, c.dp);
-      }
-    }
+    if (!p.causal) sum_state(p, dt, b, h, hk, len, c, s);
     transpose(s, c.mp, c.dp, c.dp, c.st.data(), c.mp);  // S^T (dp, mp), for non-causal
     std::fill(u, u + md, T(0));
     if (p.dfinal_state != nullptr) init_state_from(p.dfinal_state, b, h, u);
