@@ -22,6 +22,7 @@
 // (float; double for float64 inputs); rows are loaded and converted once per chunk and padded
 // to whole vectors (the padding columns stay 0, so they add nothing to any product).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -137,20 +138,45 @@ inline void mm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t
   gemm<kAcc, kTransA>(M, N, K, A, lda, B, ldb, kPanel<T>, C, ldc);
 }
 
-// One task's buffers, sized for one chunk; kept per worker (thread).
+// A view of n elements of a carved buffer.
+template <typename T>
+struct Span {
+  T* ptr = nullptr;
+  int64_t n = 0;
+  T* data() const { return ptr; }
+  T* begin() const { return ptr; }
+  T* end() const { return ptr + n; }
+  T& operator[](int64_t i) const { return ptr[i]; }
+};
+
+// One worker's buffers, sized for one chunk, carved from this thread's scratch that outlives
+// the call (cpu/memory.h Scratch, slot 4): fresh buffers per call cost more in page faults than
+// the backward's scalar work.
 template <typename T>
 struct Chunk {
-  int mp, dp, cp;  // M, dv_aug and kChunk padded to whole vectors
-  Buffer<T> q, qraw, k, kraw, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
-  Chunk(int m, int dv_aug) : mp(round_up(m, kLanes<T>)), dp(round_up(dv_aug, kLanes<T>)), cp(round_up(kChunk, kLanes<T>)) {
-    const int64_t cm = int64_t(cp) * mp, cd = int64_t(cp) * dp, mm_ = int64_t(mp) * dp;
-    const int64_t big = std::max<int64_t>({cm, cd, int64_t(cp) * cp});
-    for (Buffer<T>* b : {&q, &qraw, &k, &kraw}) b->assign(cm, T(0));
-    for (Buffer<T>* b : {&v, &dov, &o}) b->assign(cd, T(0));
-    for (Buffer<T>* b : {&kt, &p, &p2, &t}) b->assign(big, T(0));
-    for (Buffer<T>* b : {&s, &st, &u}) b->assign(mm_, T(0));
-    g.assign(cp, T(0));
-    grow.assign(cp, T(0));
+  int mp, dp, cp;  // M, dim_v_aug and kChunk padded to whole vectors
+  Scratch<T, 4> mem;
+  Span<T> q, qraw, k, kraw, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
+  Chunk(int m, int dv_aug)
+      : mp(round_up(m, kLanes<T>)), dp(round_up(dv_aug, kLanes<T>)), cp(round_up(kChunk, kLanes<T>)),
+        mem(carved_size<T, 16>(sizes(mp, dp, cp))) {
+    const auto n = sizes(mp, dp, cp);
+    std::array<Span<T>*, 16> spans{&q, &qraw, &k, &kraw, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow};
+    std::array<T*, 16> ptrs{};
+    std::array<T**, 16> out{};
+    for (int i = 0; i < 16; ++i) out[i] = &ptrs[i];
+    carve<T, 16>(mem.data(), n, out);
+    for (int i = 0; i < 16; ++i) {
+      spans[i]->ptr = ptrs[i];
+      spans[i]->n = int64_t(n[i]);
+      std::fill(spans[i]->begin(), spans[i]->end(), T(0));
+    }
+  }
+  static std::array<size_t, 16> sizes(int mp, int dp, int cp) {
+    const size_t cm = size_t(cp) * mp, cd = size_t(cp) * dp, md = size_t(mp) * dp;
+    const size_t big = std::max({cm, cd, size_t(cp) * cp});
+    // q, qraw, k, kraw | v, dov, o | kt, p, p2, t | s, st, u | g, grow
+    return {cm, cm, cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp)};
   }
 };
 
@@ -318,8 +344,15 @@ struct BwdTask {
   const LinearBwdParamsT<T>& p;
   DType dt;
   Chunk<T> c;
-  Buffer<T> dk_acc, dv_acc, dg;  // the group's dK~ / dv accumulators, per-row dG
-  BwdTask(const LinearBwdParamsT<T>& p_, DType dt_) : p(p_), dt(dt_), c(p_.d, p_.dim_v_aug) {}
+  // the group's dK~ / dv' accumulators (GQA) and the per-row dG, for the longest sequence
+  Scratch<T, 5> rows_mem;
+  Span<T> dk_acc, dv_acc, dg;
+  BwdTask(const LinearBwdParamsT<T>& p_, DType dt_)
+      : p(p_), dt(dt_), c(p_.d, p_.dim_v_aug), rows_mem(size_t(p_.sq) * (c.mp + c.dp + 1)) {
+    dk_acc = {rows_mem.data(), int64_t(p.sq) * c.mp};
+    dv_acc = {dk_acc.end(), int64_t(p.sq) * c.dp};
+    dg = {dv_acc.end(), int64_t(p.sq)};
+  }
 
   // dO' of the chunk's rows into c.dov (rows >= n zero)
   void load_dout(int b, int h, int r0, int n) {
@@ -479,11 +512,10 @@ struct BwdTask {
   void operator()(int64_t task) {
     const int b = int(task / p.h_k), hk = int(task % p.h_k), group = p.h / p.h_k;
     const int len = seq_len(p, b);
-    if (p.decay != nullptr && p.ddecay != nullptr && int64_t(dg.size()) < len) dg.assign(len, T(0));
     const bool direct = group == 1;
     if (!direct) {
-      dk_acc.assign(int64_t(len) * c.mp, T(0));
-      dv_acc.assign(int64_t(len) * c.dp, T(0));
+      std::fill(dk_acc.begin(), dk_acc.begin() + int64_t(len) * c.mp, T(0));
+      std::fill(dv_acc.begin(), dv_acc.begin() + int64_t(len) * c.dp, T(0));
     }
     for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, hk, len, direct);
     if (!direct) {
