@@ -159,14 +159,7 @@ class Attention(nn.Module):
         self.config = config
         self.cross = cross
         c = config
-        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        kv_in = (c.kv_dim or c.d_model) if cross else c.d_model
-        self.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.bias)
-        self.k_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
-        self.v_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
-        self.out_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
-        # RoPE/ALiBi encode positions within one sequence: self-attention only
-        self.rope = RotaryEmbedding(c.head_dim, c.rope_base) if (c.positional == "rope" and not cross) else None
+        init_projections(self, c, cross)
         if c.positional == "alibi" and not cross:
             self.register_buffer("alibi_slopes", alibi_slopes(c.n_heads), persistent=False)
         else:
@@ -211,6 +204,20 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Attention types with a module of their own: name -> class(config, cross=False), with a
 # classmethod allocate_cache(config, batch, max_len, *, device, dtype, static) for generation.
+def init_projections(m: nn.Module, c: "AttentionConfig", cross: bool) -> None:
+    """The q / k / v / out projections and RoPE every attention layer type shares: q from d_model
+    to (n_heads * head_dim), k and v from the memory's width (kv_dim, cross-attention) or d_model
+    to (n_kv_heads * head_dim), out back to d_model. RoPE and ALiBi encode positions within one
+    sequence, so cross-attention gets neither."""
+    m.n_heads, m.n_kv_heads, m.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+    kv_in = (c.kv_dim or c.d_model) if cross else c.d_model
+    m.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.bias)
+    m.k_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
+    m.v_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
+    m.out_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
+    m.rope = RotaryEmbedding(c.head_dim, c.rope_base) if (c.positional == "rope" and not cross) else None
+
+
 ATTENTION_MODULES: Dict[str, type] = {}
 
 

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..linear import LinearAttentionState, feature_maps, linear_attention, linear_attention_step
-from .layers import ATTENTION_MODULES, AttentionConfig
-from .positional import RotaryEmbedding
+from .layers import ATTENTION_MODULES, AttentionConfig, init_projections
 
 # a continuation of at most this many tokens runs the recurrent step; longer ones the parallel form
 _STEP_TOKENS = 8
@@ -57,13 +56,7 @@ class LinearAttention(nn.Module):
         self.config = config
         self.cross = cross
         self.causal = c.causal and not cross
-        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        kv_in = (c.kv_dim or c.d_model) if cross else c.d_model
-        self.q_proj = nn.Linear(c.d_model, c.n_heads * c.head_dim, bias=c.bias)
-        self.k_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
-        self.v_proj = nn.Linear(kv_in, c.n_kv_heads * c.head_dim, bias=c.bias)
-        self.out_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=c.bias)
-        self.rope = RotaryEmbedding(c.head_dim, c.rope_base) if (c.positional == "rope" and not cross) else None
+        init_projections(self, c, cross)
         self.feature_map = feature_maps.get_feature_map(c.feature_map, c.head_dim)
         self.gate = None
         if c.decay_gate and self.causal:
