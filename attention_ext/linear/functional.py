@@ -297,6 +297,13 @@ def linear_attention_step(
     redrawn here. Prefill with linear_attention(causal=True, return_state=True), then steps,
     equals the parallel form. inplace=True advances `state` itself (its tensors in place when
     autograd is not recording: decode loops); otherwise a new state is returned and `state` kept.
+    normalize=False returns a state without z, as linear_attention does.
+
+    Where autograd does not record and a compiled kernel serves the device and dtype (the CPU),
+    this runs torch.ops.attention_ext.linear_step: one pass over the state, updated in place
+    (after a copy when inplace=False). Otherwise (autograd recording: the step is differentiable
+    in every input; CUDA; a state dtype other than the op's) it runs reference.linear_step, the
+    PyTorch form.
     Returns (out_t with q_t's layout and dtype, state).
     """
     for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
@@ -313,8 +320,6 @@ def linear_attention_step(
     _check(state is None or isinstance(state, LinearAttentionState), "state must be a LinearAttentionState", TypeError)
     fm = feature_maps.resolve(feature_map, d)
     fq, fk, code, log_scale = _featurize(fm, q_t, k_t, normalize, None, state)
-    if code:
-        fq, fk = reference.phi(fq, code), reference.phi(fk, code)
     m = fq.shape[-1]
     acc = ops.acc_dtype(q_t.dtype)
     if state is None:
@@ -326,41 +331,28 @@ def linear_attention_step(
         _check(tuple(decay_t.shape) == (b, h, t), lambda: f"decay_t must be (B, H, T) = {(b, h, t)}, "
                                                           f"got {tuple(decay_t.shape)}")
     sdt = state.S.dtype
-    fq = fq.to(sdt) * (1.0 if scale is None else float(scale))  # (B, H, T, M)
-    fk, vv = fk.to(sdt), v_t.to(sdt)
-    if hk != h:  # GQA: the kv head of each query head
-        fk, vv = fk.repeat_interleave(h // hk, dim=1), vv.repeat_interleave(h // hk, dim=1)  # (B, H, T, M / Dv)
-    # in-place updates where autograd does not record; out of place where it must keep each S_t
-    track = torch.is_grad_enabled() and any(x is not None and x.requires_grad
-                                            for x in (fq, fk, vv, state.S, state.z, decay_t))
-    s_, z = state.S, state.z
+    decay = decay_t.to(sdt) if decay_t is not None else None
+    if (log_scale is not None or state.log_scale is not None) and t > 0:
+        # re-express the state in this step's key offset: one more log-gate on the first position
+        prev = state.log_scale if state.log_scale is not None else 0.0
+        shift = (prev - (log_scale if log_scale is not None else 0.0)).to(sdt)  # (B, H)
+        decay = decay.clone() if decay is not None else torch.zeros(b, h, t, dtype=sdt, device=q_t.device)
+        decay[:, :, 0] += shift
+    elif t == 0:
+        log_scale = state.log_scale
+    s_, z = state.S, state.z if normalize else None
+    track = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (fq, fk, v_t, s_, z, decay))
     if not track and not inplace:
         s_, z = s_.clone(), None if z is None else z.clone()
-    if log_scale is not None or state.log_scale is not None:  # re-express the state in this step's key offset
-        prev = state.log_scale if state.log_scale is not None else 0.0
-        g = torch.exp(prev - (log_scale if log_scale is not None else 0.0)).to(sdt)  # (B, H)
-        s_, z = ((s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)) if track
-                 else (s_.mul_(g.view(b, h, 1, 1)), None if z is None else z.mul_(g.view(b, h, 1))))
-    outs = []
-    for i in range(t):
-        if decay_t is not None:
-            g = decay_t[:, :, i].to(sdt).exp()  # (B, H)
-            s_, z = ((s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)) if track
-                     else (s_.mul_(g.view(b, h, 1, 1)), None if z is None else z.mul_(g.view(b, h, 1))))
-        fk_i = fk[:, :, i].reshape(b * h, m, 1)
-        v_i = vv[:, :, i].reshape(b * h, 1, dv)
-        if track:  # S += phi(k) v^T, z += phi(k)
-            s_ = torch.baddbmm(s_.reshape(b * h, m, dv), fk_i, v_i).view(b, h, m, dv)
-            z = None if z is None else z + fk[:, :, i]
-        else:  # an elementwise outer-product update: one pass over S (baddbmm_ with K = 1 takes two)
-            s_.view(b * h, m, dv).addcmul_(fk_i, v_i)
-            if z is not None:
-                z.add_(fk[:, :, i])
-        o = torch.bmm(fq[:, :, i].reshape(b * h, 1, m), s_.reshape(b * h, m, dv)).view(b, h, dv)
-        if z is not None:
-            o = o / ((fq[:, :, i] * z).sum(-1, keepdim=True) + eps)
-        outs.append(o)
-    out = torch.stack(outs, 2).to(q_t.dtype)  # (B, H, T, Dv)
+    opts = dict(feature_map=code, eps=float(eps), scale=1.0 if scale is None else float(scale))
+    if not track and sdt == acc and ops.has_step_kernel(q_t.device, q_t.dtype):
+        fq, fk, vv = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk, v_t))
+        s_, z = (x if x is None or x.stride(-1) == 1 else x.contiguous() for x in (s_, z))
+        out = ops.step(fq, fk, vv, s_, z, None if decay is None else decay.contiguous(), **opts)
+    else:
+        if not track:  # the in-place update views S as (B H, M, Dv)
+            s_, z = (x if x is None or x.is_contiguous() else x.contiguous() for x in (s_, z))
+        out, s_, z = reference.linear_step(fq, fk, v_t, s_, z, decay, inplace=not track, **opts)
     if layout == "bshd":
         out = out.transpose(1, 2)
     if inplace:

@@ -1,13 +1,17 @@
 """Tier 1 of the linear family: the registered custom ops torch.ops.attention_ext.{linear_fwd,
-linear_bwd}, with fake kernels and autograd.
+linear_bwd, linear_step}, with fake kernels and autograd.
 
     linear_fwd(q, k, v, decay?, initial_state?, key_mask?, cu_seqlens?, max_seqlen, feature_map,
                causal, normalize, eps, scale) -> (out, den, final_state)
     linear_bwd(dout, dfinal_state?, q, k, v, out, den, decay?, initial_state?, key_mask?,
                cu_seqlens?, max_seqlen, feature_map, causal, normalize, eps, scale)
         -> (dq, dk, dv, ddecay, dinitial_state)
+    linear_step(q, k, v, state!, normalizer!?, decay?, feature_map, eps, scale) -> out
+        the recurrent form over T positions (reference.linear_step), state (B, H, M, Dv) and
+        normalizer (B, H, M) advanced in place; no autograd (the functional layer runs the
+        differentiable PyTorch form when autograd records)
 
-The math is reference.linear_attention's. The schemas are defined in C++ (csrc/torch/); this
+The math is reference.linear_attention's (reference.linear_step's for the step). The schemas are defined in C++ (csrc/torch/); this
 module adds `register_fake` (after `check_inputs`, the C++ input rules restated) and
 `register_autograd`, when the extension defines the ops. Without them, `HAS_OP` is False and the
 functional layer runs the reference.
@@ -28,6 +32,9 @@ from ..softmax.ops import DTYPES, _name, _shape, acc_dtype
 HAS_OP = HAS_EXT and hasattr(torch.ops.attention_ext, "linear_fwd") and hasattr(torch.ops.attention_ext, "linear_bwd")
 _KERNELS = {dev: HAS_OP and registered("attention_ext::linear_fwd", key) for dev, key in (("cpu", "CPU"),
                                                                                           ("cuda", "CUDA"))}
+HAS_STEP_OP = HAS_EXT and hasattr(torch.ops.attention_ext, "linear_step")
+_STEP_KERNELS = {dev: HAS_STEP_OP and registered("attention_ext::linear_step", key) for dev, key in (("cpu", "CPU"),
+                                                                                                   ("cuda", "CUDA"))}
 FEATURE_MAP_CODES = (0, 1, 2)  # identity, elu + 1, relu (reference.phi)
 MAX_WIDTH = 1024  # the kernels' limit on the feature width M and the value width Dv
 
@@ -35,6 +42,13 @@ MAX_WIDTH = 1024  # the kernels' limit on the feature width M and the value widt
 def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
     """True when a compiled linear kernel serves tensors on `device` (and of `dtype`, when given)."""
     if not _KERNELS.get(device.type, False):
+        return False
+    return dtype is None or (dtype in DTYPES and (dtype != torch.float64 or device.type == "cpu"))
+
+
+def has_step_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
+    """True when a compiled linear_step kernel serves tensors on `device` (and of `dtype`)."""
+    if not _STEP_KERNELS.get(device.type, False):
         return False
     return dtype is None or (dtype in DTYPES and (dtype != torch.float64 or device.type == "cpu"))
 
@@ -129,6 +143,55 @@ def check_bwd_inputs(dout: Tensor, dfinal_state: Optional[Tensor], q: Tensor, v:
     _check_side(dfinal_state, "dfinal_state", _final_state_shape(q, v, cu_seqlens, normalize), acc, q)
 
 
+_PS = "attention_ext.linear_step: "
+
+
+def check_step_inputs(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Optional[Tensor] = None,
+                      decay: Optional[Tensor] = None, feature_map: int = 1, eps: float = 1e-6,
+                      scale: float = 1.0) -> None:
+    """linear_step's input rules as the C++ check_linear_step_inputs (csrc/torch/linear_params.cpp)
+    states them, in its order, with the same error types and messages (run by the fake)."""
+    torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                       lambda: f"{_PS}q, k, v must be 4-D (B, H, T, D), got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+    torch._check_type(q.dtype == k.dtype == v.dtype,
+                      lambda: f"{_PS}q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
+                              f"{_name(v.dtype)}")
+    torch._check_type(q.dtype in DTYPES,
+                      lambda: f"{_PS}q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
+    torch._check(q.device == k.device == v.device,
+                 lambda: f"{_PS}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, h, t, m = q.shape
+    hk, dv = k.shape[1], v.shape[3]
+    torch._check_value(k.shape[0] == b and v.shape[0] == b and k.shape[2] == t and v.shape[2] == t
+                       and k.shape[3] == m and v.shape[1] == hk,
+                       lambda: f"{_PS}q {_shape(q)}, k {_shape(k)}, v {_shape(v)} do not match (B, H, T, M), "
+                               f"(B, H_k, T, M), (B, H_k, T, Dv)")
+    torch._check_value(1 <= m <= MAX_WIDTH and 1 <= dv <= MAX_WIDTH,
+                       lambda: f"{_PS}feature and value widths must be in [1, {MAX_WIDTH}], got {m} and {dv}")
+    torch._check_value(hk >= 1 and h % hk == 0, lambda: f"{_PS}query heads ({h}) must be a multiple of kv heads ({hk})")
+    for x in (q, k, v):
+        torch._check_value(x.stride(3) == 1 or x.shape[3] == 1,
+                           lambda: f"{_PS}the last dim of q, k, v must be contiguous (stride 1), got strides "
+                                   f"{list(x.stride())}")
+    torch._check_value(feature_map in FEATURE_MAP_CODES,
+                       lambda: f"{_PS}feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got {feature_map}")
+    torch._check_value(math.isfinite(eps) and eps >= 0.0, lambda: f"{_PS}eps must be finite and >= 0, got {eps:g}")
+    torch._check_value(math.isfinite(scale), lambda: f"{_PS}scale must be finite, got {scale:g}")
+    acc = acc_dtype(q.dtype)
+    for name, x, shape in (("state", state, (b, h, m, dv)), ("normalizer", normalizer, (b, h, m)),
+                           ("decay", decay, (b, h, t))):
+        if x is None:
+            continue
+        torch._check_type(x.dtype == acc, lambda: f"{_PS}{name} must be {_name(acc)}, got {_name(x.dtype)}")
+        torch._check_value(tuple(x.shape) == shape, lambda: f"{_PS}{name} must have shape {list(shape)}, got {_shape(x)}")
+        torch._check(x.device == q.device, lambda: f"{_PS}{name} must be on {q.device}, got {x.device}")
+        if name == "decay":
+            torch._check_value(x.is_contiguous(), lambda: f"{_PS}decay must be contiguous")
+        else:
+            torch._check_value(x.stride(-1) == 1 or x.shape[-1] == 1,
+                               lambda: f"{_PS}the last dim of {name} must be contiguous")
+
+
 # ---------------------------------------------------------------------------------- schema
 def _arg_names(op: str) -> Tuple[str, ...]:
     return tuple(a.name for a in getattr(torch.ops.attention_ext, op).default._schema.arguments)
@@ -140,6 +203,8 @@ SPEC_OPTION_NAMES = ("decay", "initial_state", "key_mask", "cu_seqlens", "max_se
                      "normalize", "eps", "scale")
 SPEC_FWD_ARGS = ("q", "k", "v", *SPEC_OPTION_NAMES)
 SPEC_BWD_ARGS = ("dout", "dfinal_state", "q", "k", "v", "out", "den", *SPEC_OPTION_NAMES)
+SPEC_STEP_ARGS = ("q", "k", "v", "state", "normalizer", "decay", "feature_map", "eps", "scale")
+STEP_ARGS = _arg_names("linear_step") if HAS_STEP_OP else SPEC_STEP_ARGS
 if HAS_OP:
     FWD_ARGS = _arg_names("linear_fwd")
     BWD_ARGS = _arg_names("linear_bwd")
@@ -171,7 +236,25 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, **options) -> Tuple[Tensor, Tensor, Ten
     return torch.ops.attention_ext.linear_fwd(*[a[n] for n in FWD_ARGS])
 
 
+def step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Optional[Tensor] = None,
+         decay: Optional[Tensor] = None, *, feature_map: int = 1, eps: float = 1e-6, scale: float = 1.0) -> Tensor:
+    """torch.ops.attention_ext.linear_step: out (B, H, T, Dv); state and normalizer advanced in
+    place."""
+    a = dict(q=q, k=k, v=v, state=state, normalizer=normalizer, decay=decay, feature_map=feature_map, eps=eps,
+             scale=scale)
+    return torch.ops.attention_ext.linear_step(*[a[n] for n in STEP_ARGS])
+
+
 # ---------------------------------------------------------------------------------- fakes, autograd
+if HAS_STEP_OP:
+
+    @torch.library.register_fake("attention_ext::linear_step")
+    def _step_fake(*args):
+        a = dict(zip(STEP_ARGS, args))
+        check_step_inputs(**a)
+        q, v = a["q"], a["v"]
+        return q.new_empty((*q.shape[:3], v.shape[3]))
+
 if HAS_OP:
 
     @torch.library.register_fake("attention_ext::linear_fwd")

@@ -178,3 +178,55 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, *, feature_map: int = 1, causal: bo
         out = out / den.unsqueeze(-1)
     return out.reshape(b, h, n * c, -1)[:, :, :s]
 
+
+
+def linear_step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Optional[Tensor] = None,
+                decay: Optional[Tensor] = None, *, feature_map: int = 1, eps: float = 1e-6, scale: float = 1.0,
+                inplace: bool = True) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The recurrent form of causal linear attention over T (a few) positions, the definition of
+    torch.ops.attention_ext.linear_step. Returns (out (B, H, T, Dv) in q's dtype, state,
+    normalizer).
+
+    q (B, H, T, M), k (B, H_k, T, M), v (B, H_k, T, Dv); state S (B, H, M, Dv) and normalizer z
+    (B, H, M) (None: no normalization) in the compute dtype (the op's: float32, float64 for
+    float64 inputs); decay (B, H, T) log-gates. Per position t, in the state's dtype:
+
+        S <- exp(decay_t) S + phi(k_t) v_t^T,   z <- exp(decay_t) z + phi(k_t)
+        out_t = scale phi(q_t)^T S / (scale phi(q_t) . z + eps)     (with z; else scale phi(q_t)^T S)
+
+    inplace=True updates state and normalizer in place (the op's semantics; an elementwise
+    outer-product update, one pass over S per position). inplace=False leaves them unchanged and
+    returns new tensors, built out of place so that autograd can differentiate every input."""
+    b, h, t, m = q.shape
+    dv = v.shape[-1]
+    sdt = state.dtype
+    group = h // k.shape[1]
+    fq = phi(q.to(sdt), feature_map) * scale  # (B, H, T, M)
+    fk = phi(k.to(sdt), feature_map).repeat_interleave(group, dim=1)  # (B, H, T, M)
+    vv = v.to(sdt).repeat_interleave(group, dim=1)  # (B, H, T, Dv)
+    s_, z = state, normalizer
+    outs = []
+    for i in range(t):
+        fk_i = fk[:, :, i].reshape(b * h, m, 1)
+        v_i = vv[:, :, i].reshape(b * h, 1, dv)
+        if decay is not None:
+            g = decay[:, :, i].to(sdt).exp()  # (B, H)
+            if inplace:
+                s_.mul_(g.view(b, h, 1, 1))
+                if z is not None:
+                    z.mul_(g.view(b, h, 1))
+            else:
+                s_, z = s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)
+        if inplace:  # addcmul_ is one pass over S (baddbmm_ with K = 1 takes two)
+            s_.view(b * h, m, dv).addcmul_(fk_i, v_i)
+            if z is not None:
+                z.add_(fk[:, :, i])
+        else:
+            s_ = torch.baddbmm(s_.reshape(b * h, m, dv), fk_i, v_i).view(b, h, m, dv)
+            z = None if z is None else z + fk[:, :, i]
+        o = torch.bmm(fq[:, :, i].reshape(b * h, 1, m), s_.reshape(b * h, m, dv)).view(b, h, dv)
+        if z is not None:
+            o = o / ((fq[:, :, i] * z).sum(-1, keepdim=True) + eps)
+        outs.append(o)
+    out = torch.stack(outs, 2) if outs else q.new_empty(b, h, 0, dv, dtype=sdt)  # (B, H, T, Dv)
+    return out.to(q.dtype), s_, z

@@ -64,4 +64,29 @@ struct LinearBwdParamsT : LinearParamsT<Acc> {
   Acc* dinit_state;  // (B, H, M, dim_v_aug) or nullptr
 };
 
+// The recurrent step (linear_step): T positions (1 or a few) of causal linear attention on a
+// state that is read and written in place, one pass over it. Per batch b, query head h (kv head
+// h / (h / h_k)) and position t, with Q~ = scale * phi(q), K~ = phi(k):
+//   S <- exp(decay_t) S + K~_t v_t^T     (M x Dv)
+//   z <- exp(decay_t) z + K~_t           (M), the normalizer; absent without normalize
+//   out_t = Q~_t^T S / (Q~_t . z + eps)  (normalize), else Q~_t^T S
+// The state keeps S and z apart (the Python LinearAttentionState's S and z), not the augmented
+// (M, Dv + 1) tensor of LinearParamsT: a step then needs no concatenation.
+// QkvParams' sq = sk = T, d = M; o is (B, H, T, Dv) in q's dtype.
+template <typename Acc>
+struct LinearStepParamsT : QkvParams {
+  int32_t dim_v;  // Dv
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  Acc* state;  // (B, H, M, Dv), last dim contiguous
+  int64_t state_batch_stride, state_head_stride, state_row_stride;
+  Acc* normalizer;  // (B, H, M), last dim contiguous; nullptr = no normalization
+  int64_t z_batch_stride, z_head_stride;
+  const Acc* decay;  // (B, H, T) log-gates, contiguous; nullptr = none
+  FeatureMap feature_map;
+  Acc eps, scale;
+};
+
 }  // namespace attn

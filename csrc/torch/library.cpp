@@ -56,6 +56,10 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
   m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
         ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // the recurrent step: mutates state (and normalizer) in place, so a decode step reads and
+  // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations
+  m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
+        "int feature_map, float eps, float scale) -> Tensor");
   // developer-only
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);

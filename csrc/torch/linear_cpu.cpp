@@ -1,5 +1,5 @@
-// CPU registration of the linear family: attention_ext::linear_fwd / linear_bwd on the CPU
-// kernels (csrc/linear/cpu), float64 included.
+// CPU registration of the linear family: attention_ext::linear_fwd / linear_bwd / linear_step on
+// the CPU kernels (csrc/linear/cpu), float64 included.
 #include <torch/library.h>
 
 #include <optional>
@@ -60,9 +60,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& 
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }
 
+// out (B, H, T, Dv) in q's dtype; state and normalizer advanced in place
+Tensor linear_step_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& state,
+                       const std::optional<Tensor>& normalizer, const std::optional<Tensor>& decay,
+                       int64_t feature_map, double eps, double scale) {
+  attn::api::check_linear_step_inputs(q, k, v, state, normalizer, decay, feature_map, eps, scale);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  if (out.numel() == 0) return out;
+  const attn::DType dt = linear_dtype(q);
+  if (dt == attn::DType::kF64) {
+    attn::cpu::linear_step(
+        attn::api::make_linear_step_params<double>(q, k, v, out, state, normalizer, decay, feature_map, eps, scale), dt);
+  } else {
+    attn::cpu::linear_step(
+        attn::api::make_linear_step_params<float>(q, k, v, out, state, normalizer, decay, feature_map, eps, scale), dt);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("linear_fwd", &linear_fwd_cpu);
   m.impl("linear_bwd", &linear_bwd_cpu);
+  m.impl("linear_step", &linear_step_cpu);
 }

@@ -242,5 +242,111 @@ template LinearBwdParamsT<double> make_linear_bwd_params<double>(const at::Tenso
                                                                  const at::Tensor&, const LinearOptions&,
                                                                  LinearGrads&);
 
+void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& state,
+                              const std::optional<at::Tensor>& normalizer, const std::optional<at::Tensor>& decay,
+                              int64_t feature_map, double eps, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attention_ext.linear_step: q, k, v must be 4-D (B, H, T, D), got q ", q.sizes(), ", k ",
+                    k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "attention_ext.linear_step: q, k, v must share a dtype, got ", q.scalar_type(), ", ",
+                   k.scalar_type(), ", ", v.scalar_type());
+  const auto st = q.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || st == at::kDouble,
+                   "attention_ext.linear_step: q, k, v must be float32, float16, bfloat16 or float64, got ", st);
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
+              "attention_ext.linear_step: q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
+              v.device());
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), m = q.size(3), hk = k.size(1), dv = v.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b && k.size(2) == t && v.size(2) == t && k.size(3) == m &&
+                        v.size(1) == hk,
+                    "attention_ext.linear_step: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(),
+                    " do not match (B, H, T, M), (B, H_k, T, M), (B, H_k, T, Dv)");
+  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && dv >= 1 && dv <= 1024,
+                    "attention_ext.linear_step: feature and value widths must be in [1, 1024], got ", m, " and ", dv);
+  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear_step: query heads (", h,
+                    ") must be a multiple of kv heads (", hk, ")");
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK_VALUE(x->stride(3) == 1 || x->size(3) == 1,
+                      "attention_ext.linear_step: the last dim of q, k, v must be contiguous (stride 1), got strides ",
+                      x->strides());
+  TORCH_CHECK_VALUE(feature_map >= 0 && feature_map <= 2,
+                    "attention_ext.linear_step: feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ",
+                    feature_map);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "attention_ext.linear_step: eps must be finite and >= 0, got ",
+                    eps);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "attention_ext.linear_step: scale must be finite, got ", scale);
+  const at::ScalarType acc = acc_of(q);
+  TORCH_CHECK_TYPE(state.scalar_type() == acc, "attention_ext.linear_step: state must be ", acc, ", got ",
+                   state.scalar_type());
+  TORCH_CHECK_VALUE(state.sizes() == at::IntArrayRef({b, h, m, dv}), "attention_ext.linear_step: state must have shape ",
+                    at::IntArrayRef({b, h, m, dv}), ", got ", state.sizes());
+  TORCH_CHECK(state.device() == q.device(), "attention_ext.linear_step: state must be on ", q.device(), ", got ",
+              state.device());
+  TORCH_CHECK_VALUE(state.stride(3) == 1 || dv == 1, "attention_ext.linear_step: the last dim of state must be contiguous");
+  if (normalizer.has_value()) {
+    const at::Tensor& z = *normalizer;
+    TORCH_CHECK_TYPE(z.scalar_type() == acc, "attention_ext.linear_step: normalizer must be ", acc, ", got ",
+                     z.scalar_type());
+    TORCH_CHECK_VALUE(z.sizes() == at::IntArrayRef({b, h, m}), "attention_ext.linear_step: normalizer must have shape ",
+                      at::IntArrayRef({b, h, m}), ", got ", z.sizes());
+    TORCH_CHECK(z.device() == q.device(), "attention_ext.linear_step: normalizer must be on ", q.device(), ", got ",
+                z.device());
+    TORCH_CHECK_VALUE(z.stride(2) == 1 || m == 1, "attention_ext.linear_step: the last dim of normalizer must be contiguous");
+  }
+  if (decay.has_value()) {
+    TORCH_CHECK_TYPE(decay->scalar_type() == acc, "attention_ext.linear_step: decay must be ", acc, ", got ",
+                     decay->scalar_type());
+    TORCH_CHECK_VALUE(decay->sizes() == at::IntArrayRef({b, h, t}), "attention_ext.linear_step: decay must have shape ",
+                      at::IntArrayRef({b, h, t}), ", got ", decay->sizes());
+    TORCH_CHECK(decay->device() == q.device(), "attention_ext.linear_step: decay must be on ", q.device(), ", got ",
+                decay->device());
+    TORCH_CHECK_VALUE(decay->is_contiguous(), "attention_ext.linear_step: decay must be contiguous");
+  }
+}
+
+template <typename Acc>
+LinearStepParamsT<Acc> make_linear_step_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& out, at::Tensor& state,
+                                               const std::optional<at::Tensor>& normalizer,
+                                               const std::optional<at::Tensor>& decay, int64_t feature_map,
+                                               double eps, double scale) {
+  LinearStepParamsT<Acc> p{};
+  p.b = int32_t(q.size(0));
+  p.h = int32_t(q.size(1));
+  p.h_k = int32_t(k.size(1));
+  p.sq = p.sk = int32_t(q.size(2));
+  p.d = int32_t(q.size(3));
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.dim_v = int32_t(v.size(3));
+  set3(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  set3(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  set3(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  set3(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  p.state = state.data_ptr<Acc>();
+  set3(state, &p.state_batch_stride, &p.state_head_stride, &p.state_row_stride);
+  p.normalizer = normalizer.has_value() ? normalizer->data_ptr<Acc>() : nullptr;
+  p.z_batch_stride = normalizer.has_value() ? normalizer->stride(0) : 0;
+  p.z_head_stride = normalizer.has_value() ? normalizer->stride(1) : 0;
+  p.decay = decay.has_value() ? decay->data_ptr<Acc>() : nullptr;
+  p.feature_map = FeatureMap(feature_map);
+  p.eps = Acc(eps);
+  p.scale = Acc(scale);
+  return p;
+}
+template LinearStepParamsT<float> make_linear_step_params<float>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                                                 const std::optional<at::Tensor>&,
+                                                                 const std::optional<at::Tensor>&, int64_t, double,
+                                                                 double);
+template LinearStepParamsT<double> make_linear_step_params<double>(const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                                                   const std::optional<at::Tensor>&,
+                                                                   const std::optional<at::Tensor>&, int64_t, double,
+                                                                   double);
+
 }  // namespace api
 }  // namespace attn

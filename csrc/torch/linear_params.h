@@ -5,6 +5,7 @@
 //   linear_fwd(q, k, v, <options>) -> (out, den, final_state)
 //   linear_bwd(dout, dfinal_state?, q, k, v, out, den, <options>)
 //       -> (dq, dk, dv, ddecay, dinit_state)
+//   linear_step(q, k, v, state!, normalizer!?, decay?, feature_map, eps, scale) -> out
 //   <options> = decay?, initial_state?, key_mask?, cu_seqlens?, max_seqlen, feature_map, causal,
 //       normalize, eps, scale
 // q (B, H, S, M), k (B, H_k, S, M), v (B, H_k, S, Dv) through strides (last dim stride 1); varlen
@@ -73,6 +74,20 @@ LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::
                                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                              const at::Tensor& out, const at::Tensor& den, const LinearOptions& o,
                                              LinearGrads& g);
+
+// linear_step: q (B, H, T, M), k (B, H_k, T, M), v (B, H_k, T, Dv) (last dims contiguous), state
+// (B, H, M, Dv) and normalizer (B, H, M) in float32 (float64 for float64 inputs), updated in
+// place, decay (B, H, T). Checks throw c10::Error naming the bad argument.
+void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& state,
+                              const std::optional<at::Tensor>& normalizer, const std::optional<at::Tensor>& decay,
+                              int64_t feature_map, double eps, double scale);
+
+template <typename Acc>
+LinearStepParamsT<Acc> make_linear_step_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& out, at::Tensor& state,
+                                               const std::optional<at::Tensor>& normalizer,
+                                               const std::optional<at::Tensor>& decay, int64_t feature_map,
+                                               double eps, double scale);
 
 }  // namespace api
 }  // namespace attn

@@ -13,6 +13,9 @@ void linear_fwd(const LinearParamsT<T>& p, DType dt);
 // dq, dk, dv (and ddecay, dinit_state when set) <- gradients given dout (and dfinal_state)
 template <typename T>
 void linear_bwd(const LinearBwdParamsT<T>& p, DType dt);
+// out <- the recurrent step of T positions; state (and normalizer) advanced in place
+template <typename T>
+void linear_step(const LinearStepParamsT<T>& p, DType dt);
 
 }  // namespace cpu
 }  // namespace attn

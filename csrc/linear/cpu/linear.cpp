@@ -31,6 +31,7 @@
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "linear/cpu/entry.h"
+#include "linear/cpu/feature_map.h"
 
 namespace attn {
 namespace cpu {
@@ -61,25 +62,6 @@ int64_t seq_index(const LP<T>& p, int b, int h, int i) {  // (B, H, S) side tens
 template <typename T>
 int64_t state_index(const LP<T>& p, int b, int h) {
   return (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
-}
-
-// x <- feature(x) * mul over n values, vectorized; [n, n_pad) is reset to 0 (a feature of the
-// zero padding would not be 0).
-template <typename T>
-void apply_feature(FeatureMap fm, T* x, int n, int n_pad, T mul) {
-  constexpr int L = kLanes<T>;
-  const T log2e = T(1.4426950408889634);
-  for (int i = 0; i < n_pad; i += L) {
-    vec<T> v = vload(x + i), r = v;
-    if (fm == FeatureMap::kElu) {
-      const vec<T> neg = v < T(0) ? v : vbcast(T(0));
-      r = v > T(0) ? v + T(1) : vexp2_nonpos(neg * log2e);
-    } else if (fm == FeatureMap::kRelu) {
-      r = v > T(0) ? v : vbcast(T(0));
-    }
-    vstore(x + i, r * mul);
-  }
-  for (int i = n; i < n_pad; ++i) x[i] = T(0);
 }
 
 // dx <- dx * d(feature(x) * mul)/dx over n_pad values, from the raw x and y = feature(x) * mul:

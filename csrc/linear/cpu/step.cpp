@@ -1,0 +1,174 @@
+// The recurrent step of linear attention on the CPU: T positions (1 or a few) of the causal
+// recurrence on a state updated in place (common/linear_params.h LinearStepParamsT states the
+// math). Decoding is bound by the state's bytes (B H M Dv of them against O(T (M + Dv)) of
+// inputs), so the kernel is built around one pass over the state:
+//
+// - one task per (batch, query head); a thread takes a contiguous range of tasks, so it streams
+//   through consecutive (b, h) states;
+// - the T positions' features phi(q_t) * scale, phi(k_t) and rows v_t are loaded and converted
+//   once per task into a few rows of L1 scratch;
+// - rows m of S outer, positions inner: row m is loaded once, advanced through every position
+//   (S_m <- w_t S_m + K~_t[m] v_t; O'_t += Q~_t[m] S_m) and stored once, so T positions cost
+//   one read and one write of S, not T of each. The output rows O'_t (T x Dv) stay in L1.
+// - the normalizer z (M) gets the same treatment, vectorized over m.
+// In place (not a new state): a new state per step would add a third stream of state bytes
+// (the destination's read for ownership) and, for states over malloc's mmap threshold, fresh
+// pages every step.
+#include <algorithm>
+#include <cmath>
+
+#include "common/linear_params.h"
+#include "cpu/memory.h"
+#include "cpu/parallel.h"
+#include "cpu/simd.h"
+#include "linear/cpu/entry.h"
+#include "linear/cpu/feature_map.h"
+
+namespace attn {
+namespace cpu {
+
+namespace {
+
+template <typename T>
+using SP = LinearStepParamsT<T>;
+
+// One thread's rows for a task: T rows each of Q~ and K~ (mp wide), v and O' (dp wide), the T
+// decay factors w_t = exp(decay_t) and T vectors of normalizer partial sums.
+template <typename T>
+struct StepRows {
+  int mp, dp, t;
+  Buffer<T> mem;
+  T *q, *k, *v, *o, *w, *acc;
+  StepRows(int m, int dv, int t_)
+      : mp(round_up(m, kLanes<T>)), dp(round_up(dv, kLanes<T>)), t(t_),
+        mem(size_t(t_) * (2 * size_t(mp) + 2 * size_t(dp) + kLanes<T>) + size_t(t_)) {
+    q = mem.data();
+    k = q + int64_t(t) * mp;
+    v = k + int64_t(t) * mp;
+    o = v + int64_t(t) * dp;
+    acc = o + int64_t(t) * dp;
+    w = acc + int64_t(t) * kLanes<T>;
+  }
+};
+
+template <typename T>
+void load_rows(const SP<T>& p, DType dt, int b, int h, StepRows<T>& r) {
+  const int hk = h / (p.h / p.h_k);
+  const size_t es = dtype_size(dt);
+  const char* q = static_cast<const char*>(p.q) + (int64_t(b) * p.q_batch_stride + int64_t(h) * p.q_head_stride) * es;
+  const char* k = static_cast<const char*>(p.k) + (int64_t(b) * p.k_batch_stride + int64_t(hk) * p.k_head_stride) * es;
+  const char* v = static_cast<const char*>(p.v) + (int64_t(b) * p.v_batch_stride + int64_t(hk) * p.v_head_stride) * es;
+  for (int t = 0; t < p.sq; ++t) {
+    T* fq = r.q + int64_t(t) * r.mp;
+    T* fk = r.k + int64_t(t) * r.mp;
+    load_row(dt, q + int64_t(t) * p.q_row_stride * es, fq, p.d, r.mp);
+    apply_feature(p.feature_map, fq, p.d, r.mp, p.scale);
+    load_row(dt, k + int64_t(t) * p.k_row_stride * es, fk, p.d, r.mp);
+    apply_feature(p.feature_map, fk, p.d, r.mp, T(1));
+    load_row(dt, v + int64_t(t) * p.v_row_stride * es, r.v + int64_t(t) * r.dp, p.dim_v, r.dp);
+    std::fill(r.o + int64_t(t) * r.dp, r.o + int64_t(t + 1) * r.dp, T(0));
+    r.w[t] = p.decay != nullptr ? T(std::exp(p.decay[(int64_t(b) * p.h + h) * p.sq + t])) : T(1);
+  }
+}
+
+// The pass over one (M, Dv) state s (row stride ld): S_m <- w_t S_m + K~_t[m] v_t and
+// O'_t += Q~_t[m] S_m for every row m, positions inner.
+template <bool kDecay, typename T>
+void advance_rows(const SP<T>& p, StepRows<T>& r, T* s, int64_t ld) {
+  constexpr int L = kLanes<T>;
+  const int dv = p.dim_v, dv_vec = dv / L * L, nt = p.sq;
+  for (int m = 0; m < p.d; ++m) {
+    T* row = s + int64_t(m) * ld;
+    for (int j = 0; j < dv_vec; j += L) {
+      vec<T> x = vload(row + j);
+      for (int t = 0; t < nt; ++t) {
+        const vec<T> fk = vbcast(r.k[int64_t(t) * r.mp + m]), fq = vbcast(r.q[int64_t(t) * r.mp + m]);
+        if (kDecay) x *= r.w[t];
+        x += fk * vload(r.v + int64_t(t) * r.dp + j);
+        T* o = r.o + int64_t(t) * r.dp + j;
+        vstore(o, vload(o) + fq * x);
+      }
+      vstore(row + j, x);
+    }
+    for (int j = dv_vec; j < dv; ++j) {  // the odd Dv tail
+      T x = row[j];
+      for (int t = 0; t < nt; ++t) {
+        if (kDecay) x *= r.w[t];
+        x += r.k[int64_t(t) * r.mp + m] * r.v[int64_t(t) * r.dp + j];
+        r.o[int64_t(t) * r.dp + j] += r.q[int64_t(t) * r.mp + m] * x;
+      }
+      row[j] = x;
+    }
+  }
+}
+
+// z <- w_t z + K~_t through the positions, vectorized over m; den[t] <- Q~_t . z_t + eps.
+template <typename T>
+void advance_normalizer(const SP<T>& p, StepRows<T>& r, T* z, T* den) {
+  constexpr int L = kLanes<T>;
+  const int m_vec = p.d / L * L, nt = p.sq;
+  for (int t = 0; t < nt; ++t) den[t] = p.eps;
+  std::fill(r.acc, r.acc + int64_t(nt) * L, T(0));
+  for (int m = 0; m < m_vec; m += L) {
+    vec<T> x = vload(z + m);
+    for (int t = 0; t < nt; ++t) {
+      x = x * r.w[t] + vload(r.k + int64_t(t) * r.mp + m);
+      vstore(r.acc + int64_t(t) * L, vload(r.acc + int64_t(t) * L) + vload(r.q + int64_t(t) * r.mp + m) * x);
+    }
+    vstore(z + m, x);
+  }
+  for (int m = m_vec; m < p.d; ++m) {  // the odd M tail
+    T x = z[m];
+    for (int t = 0; t < nt; ++t) {
+      x = x * r.w[t] + r.k[int64_t(t) * r.mp + m];
+      den[t] += r.q[int64_t(t) * r.mp + m] * x;
+    }
+    z[m] = x;
+  }
+  for (int t = 0; t < nt; ++t) den[t] += hsum(vload(r.acc + int64_t(t) * L));
+}
+
+template <typename T>
+void step_task(const SP<T>& p, DType dt, int64_t task, StepRows<T>& r, T* den) {
+  const int b = int(task / p.h), h = int(task % p.h);
+  load_rows(p, dt, b, h, r);
+  T* s = p.state + int64_t(b) * p.state_batch_stride + int64_t(h) * p.state_head_stride;
+  if (p.decay != nullptr) {
+    advance_rows<true>(p, r, s, p.state_row_stride);
+  } else {
+    advance_rows<false>(p, r, s, p.state_row_stride);
+  }
+  if (p.normalizer != nullptr) {
+    advance_normalizer(p, r, p.normalizer + int64_t(b) * p.z_batch_stride + int64_t(h) * p.z_head_stride, den);
+  }
+  const size_t es = dtype_size(dt);
+  char* o = static_cast<char*>(p.o) + (int64_t(b) * p.o_batch_stride + int64_t(h) * p.o_head_stride) * es;
+  for (int t = 0; t < p.sq; ++t) {
+    T* ot = r.o + int64_t(t) * r.dp;
+    if (p.normalizer != nullptr) {
+      const T inv = T(1) / den[t];
+      for (int j = 0; j < p.dim_v; ++j) ot[j] *= inv;
+    }
+    store_row(dt, ot, o + int64_t(t) * p.o_row_stride * es, p.dim_v);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void linear_step(const LinearStepParamsT<T>& p, DType dt) {
+  const int64_t tasks = int64_t(p.b) * p.h;
+  if (tasks == 0 || p.sq == 0) return;
+  // at least ~32K state elements per chunk: smaller states are not worth waking the pool for
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, int64_t(p.d) * p.dim_v));
+  pool_for(tasks, grain, [&](int64_t t0, int64_t t1) {
+    StepRows<T> r(p.d, p.dim_v, p.sq);
+    Buffer<T> den(size_t(p.sq));
+    for (int64_t task = t0; task < t1; ++task) step_task(p, dt, task, r, den.data());
+  });
+}
+template void linear_step<float>(const LinearStepParamsT<float>&, DType);
+template void linear_step<double>(const LinearStepParamsT<double>&, DType);
+
+}  // namespace cpu
+}  // namespace attn
