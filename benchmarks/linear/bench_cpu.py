@@ -10,8 +10,9 @@ Sections:
 2. Linear scaling: time(S=65536) / time(S=8192), causal fwd+bwd, ours.
 3. Crossover: the first S where causal linear attention beats our fused causal softmax
    (ae.attention) at D=64 and D=128.
-4. Recurrent step (B16, H16, M=Dv=64, fp32): linear_attention_step against a copy of the
-   state's bytes (state bandwidth = the state read once and written once).
+4. Recurrent step (B16, H16, M=Dv=64, fp32, one token, in place): linear_attention_step, the
+   linear_step op alone and the PyTorch form, each against a copy of the state's bytes (state
+   bandwidth = S read once and written once).
 Without the compiled linear op, our rows print "op not built" and the peer still runs.
 """
 from __future__ import annotations
@@ -119,19 +120,32 @@ def crossover(reps, quick):
 
 
 def step_bandwidth(reps):
+    """One decode step (T = 1) in place, three ways, timed against a copy of the state's bytes:
+    linear_attention_step (the functional API, on the linear_step op when built), the op alone
+    (the functional layer's Python cost is the difference) and the PyTorch form
+    (reference.linear_step, in place: what the functional layer ran before the op). The state
+    bytes are S's read once and written once (z, 1/64 of S here, is left out)."""
     b, h, m, dv = 16, 16, 64, 64
     state = LinearAttentionState(torch.randn(b, h, m, dv), torch.rand(b, h, m))
     q, k, v = (torch.randn(b, h, 1, m) for _ in range(3))
     src, dst = torch.randn(b, h, m, dv), torch.empty(b, h, m, dv)
+    fns = {"step": lambda: linear_attention_step(q, k, v, state, inplace=True),
+           "pytorch": lambda: reference.linear_step(q, k, v, state.S, state.z, feature_map=1),
+           "copy": lambda: dst.copy_(src)}
+    if ops.has_step_kernel(torch.device("cpu"), torch.float32):
+        fns["op"] = lambda: ops.step(q, k, v, state.S, state.z, feature_map=1)
     with torch.no_grad():
-        t = interleaved({
-            "step": lambda: linear_attention_step(q, k, v, state, inplace=True),
-            "copy": lambda: dst.copy_(src),
-        }, reps=max(reps, 20))
+        t = interleaved(fns, reps=max(reps, 20) * 5)
     nbytes = 2 * state.S.numel() * 4  # read once, written once
-    emit(f"Recurrent step (B16 H16 M=Dv=64 fp32, state {state.S.numel() * 4 / 2**20:.0f} MiB): "
-         f"{nbytes / t['step'] / 1e9:.1f} GB/s over the state's bytes vs copy {nbytes / t['copy'] / 1e9:.1f} GB/s: "
-         f"{t['copy'] / t['step']:.0%} of copy bandwidth (target >= 50%); step {t['step'] * 1e6:.0f} us")
+    emit(f"Recurrent step (B16 H16 M=Dv=64 fp32, T=1, in place, state {state.S.numel() * 4 / 2**20:.0f} MiB; "
+         f"copy {nbytes / t['copy'] / 1e9:.1f} GB/s, {t['copy'] * 1e6:.0f} us):")
+    for name, what in (("step", "linear_attention_step"), ("op", "torch.ops.attention_ext.linear_step"),
+                       ("pytorch", "PyTorch form (reference.linear_step)")):
+        if name not in t:
+            emit(f"  {what}: {NOT_BUILT}")
+            continue
+        emit(f"  {what}: {nbytes / t[name] / 1e9:.1f} GB/s over the state's bytes, {t['copy'] / t[name]:.0%} of copy "
+             f"bandwidth (target >= 50%); {t[name] * 1e6:.0f} us")
 
 
 def main(argv=None):
@@ -139,9 +153,16 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer reps and sizes: under a minute")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the markdown report here")
+    ap.add_argument("--step-only", action="store_true", help="only section 4, the recurrent step")
     args = ap.parse_args(argv)
     reps = 1 if args.quick else args.reps
     warnings.simplefilter("ignore", RuntimeWarning)
+    if args.step_only:
+        emit(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+             f"{torch.__version__}")
+        step_bandwidth(reps)
+        _write(args)
+        return 0
     ceil = matmul_ceiling(torch.float32, n=1024 if args.quick else 2048)
     emit(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
          f"{torch.__version__}; fp32 matmul ceiling {ceil / 1e9:.1f} GFLOP/s; linear op "
@@ -163,12 +184,17 @@ def main(argv=None):
     scaling(reps, args.quick)
     crossover(reps, args.quick)
     step_bandwidth(reps)
+    _write(args)
+    return 0
+
+
+def _write(args):
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# Linear attention CPU benchmark, {datetime.date.today()}\n\n")
-            f.write(f"Command: `python benchmarks/linear/bench_cpu.py --out {args.out}`\n\n")
+            cmd = " ".join(["python benchmarks/linear/bench_cpu.py"] + sys.argv[1:])
+            f.write(f"Command: `{cmd}`\n\n")
             f.write("\n".join(LINES) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@
 //   through consecutive (b, h) states;
 // - the T positions' features phi(q_t) * scale, phi(k_t) and rows v_t are loaded and converted
 //   once per task into a few rows of L1 scratch;
-// - rows m of S outer, positions inner: row m is loaded once, advanced through every position
-//   (S_m <- w_t S_m + K~_t[m] v_t; O'_t += Q~_t[m] S_m) and stored once, so T positions cost
-//   one read and one write of S, not T of each. The output rows O'_t (T x Dv) stay in L1.
-// - the normalizer z (M) gets the same treatment, vectorized over m.
+// - the state in column blocks (advance_columns): a block's v_t and O'_t columns live in
+//   registers while the rows stream past, and the block stays in L1 across the positions, so
+//   T positions cost one read and one write of S from memory, not T of each;
+// - the normalizer z (M), vectorized over m, positions inner.
 // In place (not a new state): a new state per step would add a third stream of state bytes
 // (the destination's read for ownership) and, for states over malloc's mmap threshold, fresh
 // pages every step.
@@ -66,38 +66,68 @@ void load_rows(const SP<T>& p, DType dt, int b, int h, StepRows<T>& r) {
     load_row(dt, k + int64_t(t) * p.k_row_stride * es, fk, p.d, r.mp);
     apply_feature(p.feature_map, fk, p.d, r.mp, T(1));
     load_row(dt, v + int64_t(t) * p.v_row_stride * es, r.v + int64_t(t) * r.dp, p.dim_v, r.dp);
-    std::fill(r.o + int64_t(t) * r.dp, r.o + int64_t(t + 1) * r.dp, T(0));
     r.w[t] = p.decay != nullptr ? T(std::exp(p.decay[(int64_t(b) * p.h + h) * p.sq + t])) : T(1);
   }
 }
 
-// The pass over one (M, Dv) state s (row stride ld): S_m <- w_t S_m + K~_t[m] v_t and
-// O'_t += Q~_t[m] S_m for every row m, positions inner.
-template <bool kDecay, typename T>
-void advance_rows(const SP<T>& p, StepRows<T>& r, T* s, int64_t ld) {
+// Columns [j0, j0 + NV vectors) of one (M, Dv) state s (row stride ld), every position in
+// turn: S[:, j] <- w_t S[:, j] + K~_t v_t[j], O'_t[j] = Q~_t . S[:, j]. The NV vectors of v_t and
+// of O'_t stay in registers while m runs down the rows (per vector: one load and one store of
+// S, two FMAs); the (M, NV) column block, 8 KiB at M = 64, NV = 4, stays in L1 for the later
+// positions, so only the first one reads it from memory.
+template <int NV, bool kDecay, typename T>
+inline void advance_columns(const SP<T>& p, const StepRows<T>& r, T* __restrict__ s, int64_t ld, int j0) {
   constexpr int L = kLanes<T>;
-  const int dv = p.dim_v, dv_vec = dv / L * L, nt = p.sq;
-  for (int m = 0; m < p.d; ++m) {
-    T* row = s + int64_t(m) * ld;
-    for (int j = 0; j < dv_vec; j += L) {
-      vec<T> x = vload(row + j);
-      for (int t = 0; t < nt; ++t) {
-        const vec<T> fk = vbcast(r.k[int64_t(t) * r.mp + m]), fq = vbcast(r.q[int64_t(t) * r.mp + m]);
-        if (kDecay) x *= r.w[t];
-        x += fk * vload(r.v + int64_t(t) * r.dp + j);
-        T* o = r.o + int64_t(t) * r.dp + j;
-        vstore(o, vload(o) + fq * x);
-      }
-      vstore(row + j, x);
+  for (int t = 0; t < p.sq; ++t) {
+    const T* __restrict__ fk = r.k + int64_t(t) * r.mp;
+    const T* __restrict__ fq = r.q + int64_t(t) * r.mp;
+    const T w = r.w[t];
+    vec<T> v[NV], o[NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) {
+      v[i] = vload(r.v + int64_t(t) * r.dp + j0 + i * L);
+      o[i] = vec<T>{};
     }
-    for (int j = dv_vec; j < dv; ++j) {  // the odd Dv tail
-      T x = row[j];
-      for (int t = 0; t < nt; ++t) {
-        if (kDecay) x *= r.w[t];
-        x += r.k[int64_t(t) * r.mp + m] * r.v[int64_t(t) * r.dp + j];
-        r.o[int64_t(t) * r.dp + j] += r.q[int64_t(t) * r.mp + m] * x;
+    T* row = s + j0;
+    for (int m = 0; m < p.d; ++m, row += ld) {
+      const vec<T> a = vbcast_mem(fk + m), c = vbcast_mem(fq + m);
+#pragma GCC unroll 4
+      for (int i = 0; i < NV; ++i) {
+        vec<T> x = vload(row + i * L);
+        if (kDecay) x *= w;
+        x += a * v[i];
+        vstore(row + i * L, x);
+        o[i] += c * x;
       }
-      row[j] = x;
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NV; ++i) vstore(r.o + int64_t(t) * r.dp + j0 + i * L, o[i]);
+  }
+}
+
+// The pass over one (M, Dv) state: blocks of 4 vectors of columns, then 2, 1, then the odd Dv
+// tail column by column.
+template <bool kDecay, typename T>
+void advance_state(const SP<T>& p, const StepRows<T>& r, T* s, int64_t ld) {
+  constexpr int L = kLanes<T>;
+  const int dv = p.dim_v, dv_vec = dv / L * L;
+  int j = 0;
+  for (; j + 4 * L <= dv_vec; j += 4 * L) advance_columns<4, kDecay>(p, r, s, ld, j);
+  for (; j + 2 * L <= dv_vec; j += 2 * L) advance_columns<2, kDecay>(p, r, s, ld, j);
+  for (; j + L <= dv_vec; j += L) advance_columns<1, kDecay>(p, r, s, ld, j);
+  for (; j < dv; ++j) {
+    for (int t = 0; t < p.sq; ++t) {
+      const T* fk = r.k + int64_t(t) * r.mp;
+      const T* fq = r.q + int64_t(t) * r.mp;
+      const T vj = r.v[int64_t(t) * r.dp + j];
+      T o = T(0);
+      for (int m = 0; m < p.d; ++m) {
+        T& x = s[int64_t(m) * ld + j];
+        if (kDecay) x *= r.w[t];
+        x += fk[m] * vj;
+        o += fq[m] * x;
+      }
+      r.o[int64_t(t) * r.dp + j] = o;
     }
   }
 }
@@ -134,9 +164,9 @@ void step_task(const SP<T>& p, DType dt, int64_t task, StepRows<T>& r, T* den) {
   load_rows(p, dt, b, h, r);
   T* s = p.state + int64_t(b) * p.state_batch_stride + int64_t(h) * p.state_head_stride;
   if (p.decay != nullptr) {
-    advance_rows<true>(p, r, s, p.state_row_stride);
+    advance_state<true>(p, r, s, p.state_row_stride);
   } else {
-    advance_rows<false>(p, r, s, p.state_row_stride);
+    advance_state<false>(p, r, s, p.state_row_stride);
   }
   if (p.normalizer != nullptr) {
     advance_normalizer(p, r, p.normalizer + int64_t(b) * p.z_batch_stride + int64_t(h) * p.z_head_stride, den);
