@@ -6,7 +6,13 @@
 2. char LM: a small decoder-only Transformer trains on the Python standard library's own source
    files; reports validation bits per character against a unigram baseline and samples a few
    lines with KV-cache generation.
-3. timings: forward+backward step time of the same model with our kernel and with torch SDPA.
+3. timings: forward+backward step time of the same model with our kernel and with torch SDPA
+   (--variant linear / performer: our linear attention against SDPA's softmax attention, since
+   SDPA has no linear form).
+
+--variant linear / performer replace every softmax attention with linear attention (elu + 1 or
+FAVOR+ features); generation then carries the recurrent state (nn.LinearCache) instead of a KV
+cache.
 
 Default <= 3 minutes on a 2-core CPU, `--quick` <= 1 minute. Everything lands in --out
 (default ./attention_ext_demo/): results.json, samples.txt and the PNG heatmaps.
@@ -29,7 +35,8 @@ from torch import Tensor
 
 from .models import LanguageModel, LMConfig, Transformer, TransformerConfig
 
-VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks")
+VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer")
+LINEAR_VARIANTS = ("linear", "performer")  # attention_type="linear": no softmax, a recurrent state in generation
 
 
 @dataclass
@@ -59,7 +66,14 @@ def variant_options(variant: str, n_heads: int, context: int) -> Dict:
         "alibi": {"positional": "alibi"},
         "rope": {"positional": "rope"},
         "sinks": {"sinks": True},
+        "linear": {"attention_type": "linear", "feature_map": "elu"},  # Katharopoulos et al.: phi = elu + 1
+        "performer": {"attention_type": "linear", "feature_map": "favor"},  # FAVOR+ random features
     }[variant]
+
+
+def _cache_name(variant: str) -> str:
+    """What generation carries between steps: a KV cache, or linear attention's recurrent state."""
+    return "recurrent state" if variant in LINEAR_VARIANTS else "KV cache"
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -195,7 +209,7 @@ def run_seq2seq(args, size: Size, device, log) -> Dict:
                 shown.append((s, pred))
     acc = correct / len(task.test)
     log(f"  trained {step + 1} steps in {train_s:.1f}s; held-out exact-sequence accuracy "
-        f"{acc:.1%} on {len(task.test)} unseen strings (greedy, KV cache)")
+        f"{acc:.1%} on {len(task.test)} unseen strings (greedy, {_cache_name(args.variant)})")
     for s, pred in shown:
         log(f"    {s:>{task.max_len}} -> {pred:<{task.max_len}} {'ok' if pred == task.target(s) else 'WRONG'}")
 
@@ -339,7 +353,7 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
         out = model.generate(x, n_new, temperature=0.8, top_k=20, generator=g)  # KV cache
         samples.append("".join(chars[i] for i in out[0].tolist()))
     gen_s = time.perf_counter() - t1
-    log(f"  samples (KV-cache generation, temperature 0.8, top-k 20, {gen_s:.1f}s):")
+    log(f"  samples ({_cache_name(args.variant)} generation, temperature 0.8, top-k 20, {gen_s:.1f}s):")
     for s in samples:
         for line in s.splitlines()[:4]:
             log(f"    | {line}")
@@ -377,28 +391,35 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
     rows = []
     log(f"\n[3/3] forward+backward step time of the LM ({size.n_layers} layers, d_model {size.d_model}): "
         f"our kernel vs torch SDPA (median of {args.bench_reps})")
+    from .linear import ops as linear_ops
     from .softmax import ops
 
-    if not ops.has_kernel(torch.device(device)):
+    if not (linear_ops if args.variant in LINEAR_VARIANTS else ops).has_kernel(torch.device(device)):
         log(f"  note: no compiled kernel for {device}; 'ours' is running the pure-PyTorch reference")
-    log(f"  {'variant':<8} {'batch x seq':>11} {'ours ms':>9} {'sdpa ms':>9} {'sdpa/ours':>9}")
+    log(f"  {'variant':<9} {'batch x seq':>11} {'ours ms':>9} {'sdpa ms':>9} {'sdpa/ours':>9}")
+    if args.variant in LINEAR_VARIANTS:
+        log(f"  {args.variant}: 'ours' is our linear attention, 'sdpa' torch SDPA's softmax attention (SDPA has no "
+            f"linear form), in the same LM")
     for variant in variants:
         for b, s in shapes:
             opts = variant_options(variant, size.n_heads, s)
             if opts.get("sinks"):
                 continue  # SDPA has no sinks
+            ours_type = opts.pop("attention_type", "softmax")
             times = {}
-            for kind in ("softmax", "sdpa"):
+            for kind in ("ours", "sdpa"):
                 torch.manual_seed(0)
+                kw = {"positional": "rope", **opts} if kind == "ours" or ours_type == "softmax" else \
+                    {"positional": "rope"}
                 cfg = LMConfig(vocab_size=96, block_size=s, n_layers=size.n_layers, n_heads=size.n_heads,
-                               d_model=size.d_model, attention_type=kind, **{"positional": "rope", **opts})
+                               d_model=size.d_model, attention_type=ours_type if kind == "ours" else "sdpa", **kw)
                 model = LanguageModel(cfg).to(device)
                 x = torch.randint(0, 96, (b, s), device=device)
                 times[kind] = _step_ms(model, x, x, args.bench_reps)
-            row = {"variant": variant, "batch": b, "seq": s, "ours_ms": round(times["softmax"], 2),
-                   "sdpa_ms": round(times["sdpa"], 2), "ratio": round(times["sdpa"] / times["softmax"], 2)}
+            row = {"variant": variant, "batch": b, "seq": s, "ours_ms": round(times["ours"], 2),
+                   "sdpa_ms": round(times["sdpa"], 2), "ratio": round(times["sdpa"] / times["ours"], 2)}
             rows.append(row)
-            log(f"  {variant:<8} {f'{b} x {s}':>11} {row['ours_ms']:>9.1f} {row['sdpa_ms']:>9.1f} {row['ratio']:>8.2f}x")
+            log(f"  {variant:<9} {f'{b} x {s}':>11} {row['ours_ms']:>9.1f} {row['sdpa_ms']:>9.1f} {row['ratio']:>8.2f}x")
     return rows
 
 
@@ -412,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="./attention_ext_demo", help="output directory (default: %(default)s)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--variant", default="full", choices=VARIANTS,
-                   help="attention variant: full softmax, GQA, MQA, causal sliding window, ALiBi, RoPE, sinks")
+                   help="attention variant: full softmax, GQA, MQA, causal sliding window, ALiBi, RoPE, sinks; "
+                        "linear (elu + 1 linear attention) or performer (FAVOR+) replace softmax attention")
     p.add_argument("--size", default=None, choices=sorted(SIZES), help="model size (default: small, tiny with --quick)")
     p.add_argument("--parts", default="seq2seq,lm,timings", help="comma-separated subset of seq2seq,lm,timings")
     p.add_argument("--seed", type=int, default=0)

@@ -44,6 +44,10 @@ class LinearAttention(nn.Module):
     Softmax-only options (window, ALiBi, sinks, softcap, attn_mask) are rejected; dropout on
     probabilities has no equivalent and is not applied. key_padding_mask / seqlens_k mark padded
     keys, which then contribute nothing.
+
+    Set `keep_weights = True` to store in `last_weights` the (B, H, S_q, S_k) weights each call's
+    output is the average of (see `_weights`; the demo's heatmaps use this). A generation step
+    that reads a cached state has no keys to weigh and stores nothing.
     """
 
     def __init__(self, config: AttentionConfig, cross: bool = False):
@@ -78,6 +82,24 @@ class LinearAttention(nn.Module):
         out = (fq @ state.S) / ((fq * state.z.unsqueeze(2)).sum(-1, keepdim=True) + 1e-6)
         return out.to(q.dtype).transpose(1, 2)
 
+    def _weights(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], decay: Optional[Tensor]) -> Tensor:
+        """The weights linear attention averages v with, (B, H, S_q, S_k) float32, from q
+        (B, S_q, H, D) and k (B, S_k, H_k, D): a_ij = phi(q_i) . phi(k_j) (times exp(G_i - G_j),
+        G the running sum of decay, and j <= i when causal; 0 for a padded key), normalized by
+        sum_j a_ij + eps as the layer's output is. Quadratic: for inspection only."""
+        fq = feature_maps.apply(self.feature_map, q.transpose(1, 2).float(), is_query=True, normalized=True)
+        fk = feature_maps.apply(self.feature_map, k.transpose(1, 2).float(), is_query=False, normalized=True)
+        fk = fk.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, S_k, M)
+        a = fq.float() @ fk.float().transpose(-1, -2)  # (B, H, S_q, S_k)
+        if key_padding_mask is not None:
+            a = a * key_padding_mask[:, None, None, :].to(a.dtype)
+        if self.causal:
+            sq, sk = a.shape[-2:]
+            g = decay.float().cumsum(-1) if decay is not None else a.new_zeros(a.shape[0], a.shape[1], sq)  # (B, H, S)
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=a.device).tril()
+            a = a * torch.where(allowed, g.unsqueeze(-1) - g.unsqueeze(-2), float("-inf")).exp()
+        return a / (a.sum(-1, keepdim=True) + 1e-6)
+
     def _memory_state(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> LinearAttentionState:
         """The non-causal state sum_j phi(k_j) [v_j, 1]^T over a memory (B, S_k, H_k, D): the op's
         final state (its queries, here zeros, are not read), for cross-attention where S_q != S_k."""
@@ -109,6 +131,8 @@ class LinearAttention(nn.Module):
         if seqlens_k is not None:
             key_padding_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
         decay = F.logsigmoid(self.gate(x)).transpose(1, 2).contiguous() if self.gate is not None else None  # (B, H, S)
+        if self.keep_weights and (cache is None or cache.state is None or self.cross):
+            self.last_weights = self._weights(q, k, key_padding_mask, decay).detach()
         kw = dict(feature_map=self.feature_map, causal=self.causal, layout="bshd")
         if self.cross:
             state = self._memory_state(k, v, key_padding_mask)

@@ -88,3 +88,24 @@ def test_encoder_decoder_greedy_decode_with_state():
     a = model.greedy_decode(src, lengths, bos_id=1, eos_id=2, max_new_tokens=8)
     b = model.greedy_decode(src, lengths, bos_id=1, eos_id=2, max_new_tokens=8, use_cache=False)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal,cross,gate", [(False, False, False), (True, False, True), (False, True, False)])
+def test_keep_weights_average_the_values(causal, cross, gate):
+    """last_weights (keep_weights=True) are the weights the layer's output averages v with."""
+    cfg = AttentionConfig(d_model=16, n_heads=4, n_kv_heads=2, attention_type="linear", causal=causal, decay_gate=gate)
+    layer = LinearAttention(cfg, cross=cross)
+    if gate:
+        torch.nn.init.normal_(layer.gate.weight)
+    x, ctx = torch.randn(2, 6, 16), torch.randn(2, 9, 16)
+    mask = torch.ones(2, 9 if cross else 6, dtype=torch.bool)
+    mask[1, -2:] = False
+    layer.keep_weights = True
+    y = layer(x, ctx if cross else None, key_padding_mask=mask)
+    w = layer.last_weights  # (B, H, S_q, S_k)
+    assert w.shape == (2, 4, 6, 9 if cross else 6)
+    src = ctx if cross else x
+    v = layer.v_proj(src).view(2, src.shape[1], 2, 4).transpose(1, 2).repeat_interleave(2, 1)  # (B, H, S_k, D)
+    ref = layer.out_proj((w @ v).transpose(1, 2).reshape(2, 6, 16))
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    assert (w[1, ..., -2:] == 0).all()
