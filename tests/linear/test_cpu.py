@@ -32,7 +32,8 @@ def run_case(s, dtype, *, causal, fmap="elu", b=1, h=2, hk=1, m=16, dv=24, layou
     g = (-0.2 * torch.rand(b, h, s, dtype=acc)).requires_grad_() if decay else None
     s0 = torch.rand(b, h, m, dv + normalize, dtype=acc).requires_grad_() if init else None
     kpm = (torch.rand(b, s) > 0.25) if mask else None
-    fm = feature_maps.Favor(m, 32, stabilize=False, seed=0) if fmap == "favor" else fmap
+    fm = {"favor": feature_maps.Favor(m, 32, stabilize=False, seed=0),
+          "rfa": feature_maps.RFA(m, 16, seed=0)}.get(fmap, fmap)
     out, st = ae.linear_attention(q, k, v, feature_map=fm, causal=causal, decay=g, initial_state=s0,
                                   key_padding_mask=kpm, layout=layout, normalize=normalize, scale=0.5,
                                   return_state=True)
@@ -43,7 +44,7 @@ def run_case(s, dtype, *, causal, fmap="elu", b=1, h=2, hk=1, m=16, dv=24, layou
         leaves = [t.detach().to(rdt).requires_grad_() for t in (q, k, v)]
         side = [None if t is None else t.detach().to(rdt).requires_grad_() for t in (g, s0)]
         bq, bk, bv = (x.transpose(1, 2) if layout == "bshd" else x for x in leaves)
-        if fmap == "favor":
+        if fmap in ("favor", "rfa"):
             bq, bk, code = fm(bq, is_query=True), fm(bk), 0
         else:
             code = {"identity": 0, "elu": 1, "relu": 2}[fmap]
@@ -75,7 +76,7 @@ def test_sizes(s, causal, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("fmap,normalize", [("relu", True), ("identity", False), ("favor", True)])
+@pytest.mark.parametrize("fmap,normalize", [("relu", True), ("identity", False), ("favor", True), ("rfa", False)])
 def test_feature_maps(fmap, normalize, causal, dtype):
     run_case(65, dtype, causal=causal, fmap=fmap, normalize=normalize)
 
@@ -140,6 +141,55 @@ def test_no_nan_with_large_activations_and_long_sequences():
             out, den, final = ops.fwd(q, k, v, decay=None, initial_state=None, key_mask=None, cu_seqlens=None,
                                       max_seqlen=s, feature_map=1, causal=causal, normalize=True, eps=1e-6, scale=1.0)
             assert torch.isfinite(out).all() and torch.isfinite(den).all() and torch.isfinite(final).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("stabilize", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_favor_projection_gradient(causal, stabilize, dtype):
+    """A learnable FAVOR+ projection (a Parameter) gets the float64 reference's gradient within
+    FA2's rule, through the op, stabilized (the offsets are constants that cancel at eps = 0) or
+    not."""
+    import copy
+
+    m, s = 16, 40
+    fm = feature_maps.Favor(m, 24, stabilize=stabilize, seed=0, learnable=True)
+    g = torch.Generator().manual_seed(0)
+    q, k = (0.5 * torch.randn(1, 2, s, m, generator=g)).to(dtype), (0.5 * torch.randn(1, 1, s, m, generator=g)).to(dtype)
+    v = torch.randn(1, 1, s, 8, generator=g).to(dtype)
+    out = ae.linear_attention(q, k, v, feature_map=fm, causal=causal, eps=0.0)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+
+    def ref(rdt):
+        f = copy.deepcopy(fm)
+        f.projection.grad = None
+        f.stabilize = False
+        x = [t.to(rdt) for t in (q, k, v)]
+        o = reference.linear_attention(f(x[0], is_query=True), f(x[1]), x[2], feature_map=0, causal=causal, eps=0.0)[0]
+        o.backward(dout.to(rdt))
+        return o, f.projection.grad
+
+    r_out, r_grad = ref(f64)
+    lo_out, lo_grad = ref(dtype)
+    assert_close_fa2(out, lo_out, r_out, dtype, "out")
+    assert fm.projection.grad.abs().sum() > 0
+    assert_close_fa2(fm.projection.grad, lo_grad, r_grad, dtype, "dprojection")
+
+
+def test_no_nan_random_features_long_and_large():
+    """FAVOR+ (stabilized: key features <= 1) and RFA at S = 65536 with large activations in bf16
+    and fp16: a finite, positive (FAVOR+) normalizer and a finite output."""
+    s = 4096 if STANDIN else 65536
+    x = 8 * torch.randn(1, 1, s, 16)
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = x.to(dtype), x.flip(2).to(dtype), x.to(dtype)
+        for fmap in (feature_maps.Favor(16, 16, seed=0), feature_maps.RFA(16, 8, seed=0)):
+            for causal in (True, False):
+                out, st = ae.linear_attention(q, k, v, feature_map=fmap, causal=causal, return_state=True)
+                assert torch.isfinite(out).all() and torch.isfinite(st.z).all() and torch.isfinite(st.S).all()
+                if isinstance(fmap, feature_maps.Favor):
+                    assert (st.z > 0).any()
 
 
 # ---------------------------------------------------------------------------------- gradcheck, opcheck
