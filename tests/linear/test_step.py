@@ -243,3 +243,21 @@ def test_functional_bad_inputs(kwargs, exc, msg):
         ae.linear_attention_step(q, k, v, kw.pop("state"), **kw)
     with pytest.raises(ValueError, match="do not match"):
         ae.linear_attention_step(q, k[..., :3], v, None)
+
+
+@needs_op
+def test_compiled_step_mutates_the_state():
+    """Under torch.compile the mutating op is functionalized and the state still advances in place."""
+    q, k, v, s0, z0, gate = step_problem(t=1)
+    s1, z1, s2, z2 = s0.clone(), z0.clone(), s0.clone(), z0.clone()
+
+    def f(q, k, v, s, z, g):
+        return ops.step(q, k, v, s, z, g, feature_map=1, eps=1e-6, scale=1.0)
+
+    with torch.no_grad():
+        a = torch.compile(f, fullgraph=True)(q, k, v, s1, z1, gate)
+        b = f(q, k, v, s2, z2, gate)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(s1, s2)
+    torch.testing.assert_close(z1, z2)
+    assert not torch.equal(s1, s0)
