@@ -155,6 +155,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the markdown report here")
     ap.add_argument("--step-only", action="store_true", help="only section 4, the recurrent step")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     reps = 1 if args.quick else args.reps
     warnings.simplefilter("ignore", RuntimeWarning)
     if args.step_only:
@@ -192,7 +193,7 @@ def _write(args):
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# Linear attention CPU benchmark, {datetime.date.today()}\n\n")
-            cmd = " ".join(["python benchmarks/linear/bench_cpu.py"] + sys.argv[1:])
+            cmd = " ".join(["python benchmarks/linear/bench_cpu.py"] + args.argv)
             f.write(f"Command: `{cmd}`\n\n")
             f.write("\n".join(LINES) + "\n")
 
