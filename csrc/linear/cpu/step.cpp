@@ -1,7 +1,7 @@
 // The recurrent step of linear attention on the CPU: T positions (1 or a few) of the causal
 // recurrence on a state updated in place (common/linear_params.h LinearStepParamsT states the
-// math). Decoding is bound by the state's bytes (B H M Dv of them against O(T (M + Dv)) of
-// inputs), so the kernel is built around one pass over the state:
+// math). A decode step's work and traffic are the state's (B H M Dv elements against
+// O(T (M + Dv)) of inputs per head), so the kernel is built around one pass over the state:
 //
 // - one task per (batch, query head); a thread takes a contiguous range of tasks, so it streams
 //   through consecutive (b, h) states;
