@@ -117,6 +117,42 @@ def test_varlen(dtype):
     assert den.shape == (1, h, 71) and den.dtype == acc
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_gradients(causal, dtype):
+    """A varlen pack's gradients (q, k, v, decay, initial state) through the op against the
+    float64 reference, per FA2's rule (gradcheck covers float64)."""
+    cu = torch.tensor([0, 7, 7, 70, 71], dtype=torch.int32)
+    h, m, dv, total = 4, 16, 8, 71
+    acc = ops.acc_dtype(dtype)
+    leaves = [(0.5 * torch.randn(1, h, total, m)).to(dtype), (0.5 * torch.randn(1, 2, total, m)).to(dtype),
+              torch.randn(1, 2, total, dv).to(dtype), torch.rand(4, h, m, dv + 1, dtype=acc)]
+    leaves.append(-0.1 * torch.rand(1, h, total, dtype=acc) if causal else None)
+
+    def run(rdt, fwd):
+        xs = [None if x is None else x.detach().to(rdt if i < 3 else (acc if fwd else rdt)).requires_grad_()
+              for i, x in enumerate(leaves)]
+        if fwd:
+            out, _, final = ops.fwd(*xs[:3], decay=xs[4], initial_state=xs[3], key_mask=None, cu_seqlens=cu,
+                                    max_seqlen=63, feature_map=1, causal=causal, normalize=True, eps=1e-6, scale=1.0)
+        else:
+            out, _, final = reference.linear_attention(*xs[:3], causal=causal, decay=xs[4], initial_state=xs[3],
+                                                       cu_seqlens=cu)
+        return out, final, xs
+
+    out, final, ours = run(dtype, True)
+    dout, dfin = torch.randn_like(out), torch.randn_like(final)
+    torch.autograd.backward([out, final], [dout, dfin])
+    ref, low = [], []
+    for rdt, into in ((f64, ref), (dtype, low)):
+        o, f, xs = run(rdt, False)
+        torch.autograd.backward([o, f], [dout.to(rdt), dfin.to(rdt)])
+        into.extend(xs)
+    for name, a, r, lo in zip(("dq", "dk", "dv", "dinitial_state", "ddecay"), ours, ref, low):
+        if a is not None:
+            assert_close_fa2(a.grad, lo.grad, r.grad, dtype, name)
+
+
 def test_den_and_shapes():
     q, k, v = torch.randn(2, 4, 33, 8), torch.randn(2, 2, 33, 8), torch.randn(2, 2, 33, 5)
     for normalize in (True, False):
