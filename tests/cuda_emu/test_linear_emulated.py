@@ -96,9 +96,10 @@ def test_dtypes(emu, dtype, causal):
     run_case(emu, 65, dtype, causal=causal, arch=90)
 
 
-@pytest.mark.parametrize("m,dv", [(16, 40), (40, 16), (64, 72), (300, 20)])
+@pytest.mark.parametrize("m,dv", [(16, 40), (40, 16), (64, 72), (72, 130), (136, 8), (300, 20)])
 def test_widths(emu, m, dv):
-    # Dv > 32 and M > 256: several value tiles per head, the normalizer column in tile 0 only
+    # several value tiles per head (the normalizer column in tile 0 only); M <= 128 takes the
+    # tensor-core forward, M > 128 the SIMT one, M > 256 the SIMT kernels' narrower tiles
     run_case(emu, 70, torch.bfloat16, causal=True, m=m, dv=dv, decay=True, init=True)
 
 
@@ -124,6 +125,37 @@ def test_options(emu, opt, dtype):
 def test_varlen(emu, dtype, causal):
     cu = torch.tensor([0, 7, 7, 72, 73], dtype=torch.int32)
     run_case(emu, 65, dtype, causal=causal, h=4, hk=2, cu=cu, decay=causal, init=True, mask=True)
+
+
+@pytest.mark.parametrize("dtype,m,tc", [(torch.bfloat16, 40, True), (torch.float16, 128, True),
+                                        (torch.float16, 130, False), (torch.float32, 16, False)])
+def test_forward_path(emu, dtype, m, tc):
+    """fp16 / bf16 with M <= 128 run the tensor-core forward; the rest the SIMT one."""
+    emu.launches()
+    q = torch.randn(1, 1, 5, m).to(dtype)
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=5, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    emu.linear_fwd(q, q, q, *[opts[n] for n in ops.OPTION_NAMES], 80)
+    names = emu.launches()
+    assert any("linear_tc::fwd_kernel" in n for n in names) == tc, names
+    assert any("linear_simt::fwd_kernel" in n for n in names) == (not tc), names
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp16_state_past_fp16_range(emu, causal):
+    """A state entry past fp16's range (65504): the tensor-core forward's fp16 copy of S is
+    scaled (sigma), so the output stays finite and close to the float64 reference."""
+    s = 1200
+    q, k = (0.5 * torch.randn(1, 1, s, 16)).half(), (0.5 * torch.randn(1, 1, s, 16)).half()
+    v = (60 + torch.randn(1, 1, s, 8)).half()
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=s, feature_map=1,
+                causal=causal, normalize=True, eps=1e-6, scale=1.0)
+    out, den, final = emu.linear_fwd(q, k, v, *[opts[n] for n in ops.OPTION_NAMES], 80)
+    assert final.abs().max() > 65504
+    ref = reference.linear_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref[0], rtol=2e-3, atol=0.0)
+    torch.testing.assert_close(final.double(), ref[2], rtol=1e-4, atol=1e-2)
 
 
 def test_float64_is_refused(emu):

@@ -1,5 +1,8 @@
-// cuda_linear_fwd / cuda_linear_bwd (entry.h): launch the SIMT kernels of simt_kernel.cuh for
-// float32, float16 and bfloat16 inputs. The backward is three steps on one stream: the chunked
+// cuda_linear_fwd / cuda_linear_bwd (entry.h): choose and launch the kernels.
+//
+// The forward of fp16 / bf16 inputs with M <= 128 on sm_80+ runs on tensor cores
+// (mma_fwd_kernel.cuh, feature-width bucket 64 or 128); the rest, and the whole backward, on the
+// SIMT kernels of simt_kernel.cuh (fp32 FMA, every dtype and width). The backward is three steps on one stream: the chunked
 // kernel (atomics into the zeroed scratch), the conversion of dq / dk / dv, and ddecay's
 // reverse running sum.
 #include <cuda_bf16.h>
@@ -12,6 +15,7 @@
 
 #include "cuda/launch.h"
 #include "linear/cuda/entry.h"
+#include "linear/cuda/mma_fwd_kernel.cuh"
 #include "linear/cuda/simt_kernel.cuh"
 
 namespace attn {
@@ -41,6 +45,32 @@ void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
   const dim3 grid(num_tiles(p), p.h, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(kThreads), smem, stream)(p);
   check_launch(what);
+}
+
+// fp16 / bf16 only (TypeOps); M <= kM
+template <typename T, int kM>
+void run_fwd_tc(const LinearParamsT<float>& p, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA tensor-core forward)";
+  check_grid(p.h, p.b, what);
+  constexpr int smem = linear_tc::Smem<kM>::kBytes;
+  auto kernel = &linear_tc::fwd_kernel<T, kM>;
+  set_smem(kernel, smem, what);
+  const dim3 grid((p.dim_v + linear_tc::kN - 1) / linear_tc::kN, p.h, p.b);
+  ATTN_LAUNCH(kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p);
+  check_launch(what);
+}
+
+template <typename T>
+void run_fwd_tc(const LinearParamsT<float>& p, cudaStream_t stream) {
+  if (p.d <= 64) {
+    run_fwd_tc<T, 64>(p, stream);
+  } else {
+    run_fwd_tc<T, 128>(p, stream);
+  }
+}
+
+bool use_tensor_cores(const LinearParamsT<float>& p, DType dt) {
+  return (dt == DType::kF16 || dt == DType::kBF16) && p.d <= 128 && device_sm() >= 80;
 }
 
 template <typename T>
@@ -77,6 +107,14 @@ void run_bwd(const LinearBwdParamsT<float>& p, float* scratch, cudaStream_t stre
 }  // namespace linear_cuda
 
 void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, cudaStream_t stream) {
+  if (linear_cuda::use_tensor_cores(p, dt)) {
+    if (dt == DType::kF16) {
+      linear_cuda::run_fwd_tc<__half>(p, stream);
+    } else {
+      linear_cuda::run_fwd_tc<__nv_bfloat16>(p, stream);
+    }
+    return;
+  }
   switch (dt) {
     case DType::kF32: linear_cuda::run_fwd<float>(p, stream); break;
     case DType::kF16: linear_cuda::run_fwd<__half>(p, stream); break;
