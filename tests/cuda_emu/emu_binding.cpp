@@ -3,7 +3,8 @@
 // host emulator on CPU tensors. Built at test time by build.py.
 //
 // fwd / bwd take the arguments of torch.ops.attention_ext.fwd / bwd plus `arch` (80 or 90: the
-// emulated device). Unlike the real binding, every output and scratch buffer the kernels are
+// emulated device); linear_fwd / linear_bwd those of torch.ops.attention_ext.linear_fwd /
+// linear_bwd plus `arch` (csrc/torch/linear_cuda_steps.h). Unlike the real binding, every output and scratch buffer the kernels are
 // meant to fill starts as NaN (Device::kPoison), so an element they fail to write fails the tests.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "emu_entry.h"
+#include "torch/linear_cuda_steps.h"
 #include "torch/softmax_cuda_steps.h"
 #include "torch/softmax_params.h"
 
@@ -64,6 +66,40 @@ struct EmuDevice {
   }
 };
 
+// The linear family's Device (linear_cuda_steps.h) on the emulated backend.
+struct EmuLinearDevice {
+  static constexpr bool kPoison = true;
+  static constexpr const char* kWhat = "attention_ext_emu";
+  attn_emu::Backend be;
+
+  void check_device(const Tensor& q) const {
+    TORCH_CHECK(q.device().is_cpu(), "attention_ext_emu: the emulator takes CPU tensors");
+    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
+  }
+  int guard(const Tensor&) const { return 0; }
+  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt) const { be.linear_fwd(&p, sizeof(p), int(dt)); }
+  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
+    return be.linear_bwd_scratch_floats(&p, sizeof(p));
+  }
+  void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
+    be.linear_bwd(&p, sizeof(p), int(dt), scratch);
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> emu_linear_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
+  return attn::api::linear_cuda_fwd_steps(EmuLinearDevice{backend(arch)}, q, k, v,
+                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_linear_bwd(const Tensor& dout, const OptTensor& dfinal_state,
+                                                                  const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                  const Tensor& out, const Tensor& den,
+                                                                  ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
+  return attn::api::linear_cuda_bwd_steps(EmuLinearDevice{backend(arch)}, dout, dfinal_state, q, k, v, out, den,
+                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+}
+
 std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tensor& v, ATTN_SOFTMAX_OPTIONS_PARAMS,
                                    int64_t num_splits, bool /*deterministic*/, int64_t arch) {
   return attn::api::cuda_fwd_steps(EmuDevice{backend(arch)}, q, k, v,
@@ -112,4 +148,9 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
+        &emu_linear_fwd);
+  m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+        ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &emu_linear_bwd);
 }

@@ -34,6 +34,11 @@ struct Backend {
   size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);
   const char* (*path_name)(const void* params, size_t bytes, int dtype);
   void (*set_kernels)(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt);
+  // the linear family's entry points (csrc/linear/cuda/entry.h), params as
+  // attn::LinearParamsT<float> / attn::LinearBwdParamsT<float>
+  void (*linear_fwd)(const void* params, size_t bytes, int dtype);
+  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes);
+  void (*linear_bwd)(const void* params, size_t bytes, int dtype, float* scratch);
 };
 
 Backend backend_sm80();

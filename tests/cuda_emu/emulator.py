@@ -1,5 +1,5 @@
 """Builds (JIT, cached in build/emu) and loads the host emulator of the CUDA kernels:
-torch.ops.attention_ext_emu.fwd / bwd / path (this folder).
+torch.ops.attention_ext_emu.fwd / bwd / path and linear_fwd / linear_bwd (this folder).
 
 The emulator compiles csrc/softmax/cuda's mma.sync and SIMT kernels with g++ (ATTN_CUDA_EMULATE), with
 the real CUDA headers for the half / bfloat16 types (so it needs a CUDA toolkit's include
@@ -56,7 +56,8 @@ def load():
         name="attention_ext_emu",
         sources=[os.path.join(EMU, f) for f in
                  ("emu_binding.cpp", "emu_runtime.cpp", "emu_kernels_sm80.cpp", "emu_kernels_sm90.cpp")]
-        + [os.path.join(ROOT, "csrc", "torch", "softmax_params.cpp")],  # tensors -> params, as in _C
+        # tensors -> params, as in _C
+        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("softmax_params.cpp", "linear_params.cpp")],
         # -O1: the kernels' unrolled loops stay cheap to compile and the emulation is still fast
         extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
                       "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],

@@ -1,0 +1,139 @@
+// cuda_linear_fwd / cuda_linear_bwd (entry.h): choose and launch the kernels.
+//
+// The forward of fp16 / bf16 inputs with M <= 128 on sm_80+ runs on tensor cores
+// (mma_fwd_kernel.cuh, feature-width bucket 64 or 128); the rest, and the whole backward, on the
+// SIMT kernels of simt_kernel.cuh (fp32 FMA, every dtype and width). The backward is three steps on one stream: the chunked
+// kernel (atomics into the zeroed scratch), the conversion of dq / dk / dv, and ddecay's
+// reverse running sum.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/launch.h"
+#include "linear/cuda/entry.h"
+#include "linear/cuda/mma_fwd_kernel.cuh"
+#include "linear/cuda/simt_kernel.cuh"
+
+namespace attn {
+
+namespace linear_cuda {
+
+using linear_simt::kThreads;
+
+int num_tiles(const LinearParamsT<float>& p) {
+  const int w = linear_simt::tile_cols(p.d);
+  return (p.dim_v + w - 1) / w;
+}
+
+// B_t * heads * rows of a scratch part (entry.h)
+int64_t scratch_rows(const LinearParamsT<float>& p, int heads) {
+  const int64_t bt = p.cu_seqlens != nullptr ? 1 : p.b;
+  return bt * heads * p.seq_head_stride;
+}
+
+template <typename T>
+void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA forward)";
+  check_grid(p.h, p.b, what);
+  const int smem = linear_simt::fwd_smem_floats(p.d) * int(sizeof(float));
+  auto kernel = &linear_simt::fwd_kernel<T>;
+  set_smem(kernel, smem, what);
+  const dim3 grid(num_tiles(p), p.h, p.b);
+  ATTN_LAUNCH(kernel, grid, dim3(kThreads), smem, stream)(p);
+  check_launch(what);
+}
+
+// fp16 / bf16 only (TypeOps); M <= kM
+template <typename T, int kM>
+void run_fwd_tc(const LinearParamsT<float>& p, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA tensor-core forward)";
+  check_grid(p.h, p.b, what);
+  constexpr int smem = linear_tc::Smem<kM>::kBytes;
+  auto kernel = &linear_tc::fwd_kernel<T, kM>;
+  set_smem(kernel, smem, what);
+  const dim3 grid((p.dim_v + linear_tc::kN - 1) / linear_tc::kN, p.h, p.b);
+  ATTN_LAUNCH(kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p);
+  check_launch(what);
+}
+
+template <typename T>
+void run_fwd_tc(const LinearParamsT<float>& p, cudaStream_t stream) {
+  if (p.d <= 64) {
+    run_fwd_tc<T, 64>(p, stream);
+  } else {
+    run_fwd_tc<T, 128>(p, stream);
+  }
+}
+
+bool use_tensor_cores(const LinearParamsT<float>& p, DType dt) {
+  return (dt == DType::kF16 || dt == DType::kBF16) && p.d <= 128 && device_sm() >= 80;
+}
+
+template <typename T>
+void run_bwd(const LinearBwdParamsT<float>& p, float* scratch, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA backward)";
+  check_grid(p.h, p.b, what);
+  linear_simt::BwdScratch sc;
+  sc.dq = scratch;
+  sc.dk = sc.dq + scratch_rows(p, p.h) * p.d;
+  sc.dv = sc.dk + scratch_rows(p, p.h_k) * p.d;
+  sc.dg = sc.dv + scratch_rows(p, p.h_k) * p.dim_v;
+  const int smem = linear_simt::bwd_smem_floats(p.d) * int(sizeof(float));
+  auto kernel = &linear_simt::bwd_kernel<T>;
+  set_smem(kernel, smem, what);
+  const dim3 grid(num_tiles(p), p.h, p.b);
+  ATTN_LAUNCH(kernel, grid, dim3(kThreads), smem, stream)(p, sc);
+  check_launch(what);
+  // grid-stride loops: enough blocks to fill the device, no more
+  const int64_t max_blocks = 4096;
+  for (int which = 0; which < 3; ++which) {
+    const int heads = which == 0 ? p.h : p.h_k;
+    const int64_t n = scratch_rows(p, heads) * (which == 2 ? p.dim_v : p.d);
+    const int blocks = int(std::max<int64_t>(1, std::min<int64_t>(max_blocks, (n + kThreads - 1) / kThreads)));
+    ATTN_LAUNCH(linear_simt::finalize_kernel<T>, dim3(blocks), dim3(kThreads), 0, stream)(p, sc, which);
+    check_launch(what);
+  }
+  if (p.ddecay != nullptr) {
+    const int blocks = int((int64_t(p.b) * p.h + kThreads - 1) / kThreads);
+    ATTN_LAUNCH(linear_simt::ddecay_kernel, dim3(blocks), dim3(kThreads), 0, stream)(p, sc);
+    check_launch(what);
+  }
+}
+
+}  // namespace linear_cuda
+
+void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, cudaStream_t stream) {
+  if (linear_cuda::use_tensor_cores(p, dt)) {
+    if (dt == DType::kF16) {
+      linear_cuda::run_fwd_tc<__half>(p, stream);
+    } else {
+      linear_cuda::run_fwd_tc<__nv_bfloat16>(p, stream);
+    }
+    return;
+  }
+  switch (dt) {
+    case DType::kF32: linear_cuda::run_fwd<float>(p, stream); break;
+    case DType::kF16: linear_cuda::run_fwd<__half>(p, stream); break;
+    case DType::kBF16: linear_cuda::run_fwd<__nv_bfloat16>(p, stream); break;
+    default: throw std::runtime_error("attention_ext.linear: the CUDA kernels take float32, float16 or bfloat16");
+  }
+}
+
+size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p) {
+  return size_t(linear_cuda::scratch_rows(p, p.h) * (p.d + 1) + linear_cuda::scratch_rows(p, p.h_k) * (p.d + p.dim_v));
+}
+
+void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream) {
+  switch (dt) {
+    case DType::kF32: linear_cuda::run_bwd<float>(p, scratch, stream); break;
+    case DType::kF16: linear_cuda::run_bwd<__half>(p, scratch, stream); break;
+    case DType::kBF16: linear_cuda::run_bwd<__nv_bfloat16>(p, scratch, stream); break;
+    default: throw std::runtime_error("attention_ext.linear: the CUDA kernels take float32, float16 or bfloat16");
+  }
+}
+
+}  // namespace attn

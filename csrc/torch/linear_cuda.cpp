@@ -1,0 +1,61 @@
+// CUDA registration of the linear family: attention_ext::linear_fwd / linear_bwd on the CUDA
+// backend (csrc/linear/cuda), through the host steps it shares with the CPU emulator
+// (linear_cuda_steps.h), on the current stream under a device guard.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cuda/launch.h"  // NvtxRange
+#include "linear/cuda/entry.h"
+#include "torch/linear_cuda_steps.h"
+
+namespace {
+
+using at::Tensor;
+
+struct CudaDevice {
+  static constexpr bool kPoison = false;
+  static constexpr const char* kWhat = "attention_ext.linear";
+  // The CUDA kernels compute in float32; float64 has a kernel on the CPU only.
+  void check_device(const Tensor& q) const {
+    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble,
+                     "attention_ext.linear: float64 inputs are supported by the CPU kernels only; on CUDA use "
+                     "float32, float16 or bfloat16");
+  }
+  c10::cuda::CUDAGuard guard(const Tensor& q) const { return c10::cuda::CUDAGuard(q.device()); }
+  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt) const { attn::cuda_linear_fwd(p, dt, stream()); }
+  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
+    return attn::cuda_linear_bwd_scratch_floats(p);
+  }
+  void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
+    attn::cuda_linear_bwd(p, dt, scratch, stream());
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> linear_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   ATTN_LINEAR_OPTIONS_PARAMS) {
+  attn::NvtxRange range("attention_ext::linear::fwd (CUDA)");
+  return attn::api::linear_cuda_fwd_steps(CudaDevice{}, q, k, v,
+                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cuda(const Tensor& dout,
+                                                                   const std::optional<Tensor>& dfinal_state,
+                                                                   const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                   const Tensor& out, const Tensor& den,
+                                                                   ATTN_LINEAR_OPTIONS_PARAMS) {
+  attn::NvtxRange range("attention_ext::linear::bwd (CUDA)");
+  return attn::api::linear_cuda_bwd_steps(CudaDevice{}, dout, dfinal_state, q, k, v, out, den,
+                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
+  m.impl("linear_fwd", &linear_fwd_cuda);
+  m.impl("linear_bwd", &linear_bwd_cuda);
+}

@@ -1,0 +1,95 @@
+// The host steps of the CUDA linear attention forward and backward between the op's tensors and
+// the torch-free backend (csrc/linear/cuda/entry.h): checks (linear_params.h), outputs, params,
+// the backward's scratch, the launch, errors. One copy for the real CUDA binding
+// (linear_cuda.cpp) and the CPU emulator's (tests/cuda_emu), which differ only in their `Device`:
+//
+//   struct Device {
+//     static constexpr bool kPoison;       // outputs start as NaN where the kernels write (the emulator)
+//     static constexpr const char* kWhat;  // error-message prefix
+//     void check_device(const Tensor& q) const;  // dtype / device the backend takes
+//     <RAII> guard(const Tensor& q) const;       // device guard for the call
+//     void linear_fwd(const LinearParamsT<float>&, DType) const;
+//     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&) const;
+//     void linear_bwd(const LinearBwdParamsT<float>&, DType, float* scratch) const;
+//   };
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "torch/linear_params.h"
+#include "torch/softmax_cuda_steps.h"  // run_backend
+#include "torch/softmax_params.h"      // dtype_of
+
+namespace attn {
+namespace api {
+
+// Rows the kernels write: the whole sequence dim, or a varlen pack's [0, cu_seqlens[-1]) (the
+// tail stays the zeros alloc_* gave it). Poisoning reads cu_seqlens on the host: emulator only.
+inline void poison_rows(at::Tensor t, const LinearOptions& o) {
+  if (!t.defined() || t.numel() == 0) return;
+  if (o.cu_seqlens.has_value()) {
+    const int64_t used = o.cu_seqlens->cpu()[-1].item<int64_t>();
+    t.narrow(2, 0, used).fill_(NAN);
+  } else {
+    t.fill_(NAN);
+  }
+}
+
+inline bool linear_empty_call(const at::Tensor& q, const at::Tensor& v) {
+  return q.numel() == 0 || v.numel() == 0 || q.size(2) == 0;
+}
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Device& dev, const at::Tensor& q,
+                                                                     const at::Tensor& k, const at::Tensor& v,
+                                                                     const LinearOptions& o) {
+  check_linear_inputs(q, k, v, o);
+  dev.check_device(q);
+  const auto guard = dev.guard(q);
+  auto [out, den, state] = alloc_linear_outputs(q, v, o);
+  if (linear_empty_call(q, v)) return {out, den, state};
+  if constexpr (Device::kPoison) {
+    poison_rows(out, o);
+    poison_rows(den.unsqueeze(-1), o);
+    state.fill_(NAN);
+  }
+  const LinearParamsT<float> p = make_linear_params<float>(q, k, v, out, den, state, o);
+  const DType dt = dtype_of(q);
+  run_backend<Device>([&] { dev.linear_fwd(p, dt); });
+  return {out, den, state};
+}
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cuda_bwd_steps(
+    const Device& dev, const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den, const LinearOptions& o) {
+  check_linear_inputs(q, k, v, o);
+  dev.check_device(q);
+  check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
+  const auto guard = dev.guard(q);
+  LinearGrads g = alloc_linear_grads(q, k, v, o);
+  if (linear_empty_call(q, v)) {
+    if (o.initial_state.has_value() && dfinal_state.has_value()) {
+      g.dinit_state.copy_(*dfinal_state);  // an empty sequence passes the state through
+    }
+    return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
+  }
+  if constexpr (Device::kPoison) {
+    for (at::Tensor* t : {&g.dq, &g.dk, &g.dv}) poison_rows(*t, o);
+    if (g.ddecay.numel() > 0) poison_rows(g.ddecay.unsqueeze(-1), o);
+    if (g.dinit_state.numel() > 0) g.dinit_state.fill_(NAN);
+  }
+  const LinearBwdParamsT<float> p = make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g);
+  const DType dt = dtype_of(q);
+  // fp32 accumulators the kernels add into (entry.h): zeroed, never poisoned
+  at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p))}, q.options().dtype(at::kFloat));
+  run_backend<Device>([&] { dev.linear_bwd(p, dt, scratch.data_ptr<float>()); });
+  return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
+}
+
+}  // namespace api
+}  // namespace attn

@@ -1,0 +1,206 @@
+"""The CUDA kernels of the linear attention family (csrc/linear/cuda) run on the CPU by the host
+emulator (tests/cuda_emu): forward and every gradient against reference.linear_attention in
+float64, with the project rule (tests/helpers.assert_close_fa2): error <= 2x PyTorch's own
+same-dtype error, plus a small floor.
+
+torch.ops.attention_ext_emu.linear_fwd / linear_bwd run the real binding's host steps
+(csrc/torch/linear_cuda_steps.h) with every output the kernels write starting as NaN, so a row,
+column or tile they miss fails here. What this cannot check: timing, real concurrency between
+CTAs (the dQ~ / dK~ / dV atomics run one CTA at a time), register spills.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_ext.linear import ops, reference
+from tests.cuda_emu import emulator as cuda_emu
+from tests.helpers import assert_close_fa2
+
+f64 = torch.float64
+LOW = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = cuda_emu.load()
+    if e is None:
+        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
+    return e
+
+
+def run_case(emu, s, dtype, *, causal, fmap=1, b=1, h=2, hk=1, m=16, dv=24, layout="bhsd", decay=False, init=False,
+             mask=False, normalize=True, cu=None, arch=80):
+    """The emulated op in `dtype` against the reference in float64 and in `dtype`: out, den,
+    final_state, then dq, dk, dv, ddecay and dinitial_state for random dout and dfinal_state."""
+    total = s if cu is None else int(cu[-1]) + 3  # a varlen pack with a tail no sequence owns
+    nb = b if cu is None else cu.numel() - 1
+
+    def mk(heads, d, mul):
+        if layout == "bhsd":
+            return (mul * torch.randn(b, heads, total, d)).to(dtype)
+        return (mul * torch.randn(b, total, heads, d)).to(dtype).transpose(1, 2)  # (B, S, H, D) storage
+
+    q, k, v = mk(h, m, 0.5), mk(hk, m, 0.5), mk(hk, dv, 1.0)
+    acc = ops.acc_dtype(dtype)
+    g = -0.2 * torch.rand(b, h, total, dtype=acc) if decay else None
+    s0 = torch.rand(nb, h, m, dv + normalize, dtype=acc) if init else None
+    kpm = (torch.rand(b, total) > 0.25) if mask else None
+    opts = dict(decay=g, initial_state=s0, key_mask=kpm, cu_seqlens=cu, max_seqlen=s, feature_map=fmap,
+                causal=causal, normalize=normalize, eps=1e-6, scale=0.5)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    out, den, final = emu.linear_fwd(q, k, v, *args, arch)
+    assert out.dtype == dtype and out.shape == (*q.shape[:3], dv)
+
+    def ref_in(rdt):
+        leaves = [t.detach().to(rdt).requires_grad_() for t in (q, k, v)]
+        side = [None if t is None else t.detach().to(rdt).requires_grad_() for t in (g, s0)]
+        o, d, f = reference.linear_attention(*leaves, feature_map=fmap, causal=causal, normalize=normalize,
+                                             eps=1e-6, scale=0.5, decay=side[0], initial_state=side[1], key_mask=kpm,
+                                             cu_seqlens=cu)
+        return o, d, f, leaves + side
+
+    ref, ref_den, ref_final, ref_leaves = ref_in(f64)
+    low, low_den, low_final, low_leaves = ref_in(dtype)
+    assert_close_fa2(out, low, ref, dtype, "out")
+    state_dt = dtype if dtype != torch.float16 else torch.float32  # test_cpu.py's rule for the fp32 state
+    assert_close_fa2(den, low_den, ref_den, state_dt, "den")
+    assert_close_fa2(final, low_final, ref_final, state_dt, "final_state")
+
+    dout = torch.randn_like(out)
+    dfin = torch.randn_like(final)
+    grads = emu.linear_bwd(dout, dfin, q, k, v, out, den, *args, arch)
+    gr = torch.autograd.grad([ref, ref_final], [t for t in ref_leaves if t is not None], [dout.to(f64), dfin.to(f64)])
+    gl = torch.autograd.grad([low, low_final], [t for t in low_leaves if t is not None],
+                             [dout.to(dtype), dfin.to(dtype)])
+    names = [n for n, t in zip(("dq", "dk", "dv", "ddecay", "dinitial_state"), ref_leaves) if t is not None]
+    ours = dict(zip(("dq", "dk", "dv", "ddecay", "dinitial_state"), grads))
+    for name, r, lo in zip(names, gr, gl):
+        assert ours[name].shape == r.shape, name
+        assert_close_fa2(ours[name], lo, r, dtype, name)
+    if g is None:
+        assert grads[3].numel() == 0
+    if s0 is None:
+        assert grads[4].numel() == 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 7, 63, 65, 130])
+def test_sizes(emu, s, causal):
+    run_case(emu, s, torch.float32, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_dtypes(emu, dtype, causal):
+    run_case(emu, 65, dtype, causal=causal, arch=90)
+
+
+@pytest.mark.parametrize("m,dv", [(16, 40), (40, 16), (64, 72), (72, 130), (136, 8), (300, 20)])
+def test_widths(emu, m, dv):
+    # several value tiles per head (the normalizer column in tile 0 only); M <= 128 takes the
+    # tensor-core forward, M > 128 the SIMT one, M > 256 the SIMT kernels' narrower tiles
+    run_case(emu, 70, torch.bfloat16, causal=True, m=m, dv=dv, decay=True, init=True)
+
+
+@pytest.mark.parametrize("fmap,normalize", [(2, True), (0, False), (1, False)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_feature_maps(emu, fmap, normalize, causal):
+    run_case(emu, 33, torch.float32, causal=causal, fmap=fmap, normalize=normalize, init=True)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("opt", ["decay", "init", "mask", "gqa_bshd", "all"])
+def test_options(emu, opt, dtype):
+    kw = dict(decay=dict(decay=True), init=dict(init=True), mask=dict(mask=True),
+              gqa_bshd=dict(b=2, h=4, hk=2, layout="bshd"),
+              all=dict(decay=True, init=True, mask=True, b=2, h=4, hk=2, m=40, dv=20))[opt]
+    run_case(emu, 67, dtype, causal=True, **kw)
+    if "decay" not in kw:
+        run_case(emu, 67, dtype, causal=False, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen(emu, dtype, causal):
+    cu = torch.tensor([0, 7, 7, 72, 73], dtype=torch.int32)
+    run_case(emu, 65, dtype, causal=causal, h=4, hk=2, cu=cu, decay=causal, init=True, mask=True)
+
+
+@pytest.mark.parametrize("dtype,m,tc", [(torch.bfloat16, 40, True), (torch.float16, 128, True),
+                                        (torch.float16, 130, False), (torch.float32, 16, False)])
+def test_forward_path(emu, dtype, m, tc):
+    """fp16 / bf16 with M <= 128 run the tensor-core forward; the rest the SIMT one."""
+    emu.launches()
+    q = torch.randn(1, 1, 5, m).to(dtype)
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=5, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    emu.linear_fwd(q, q, q, *[opts[n] for n in ops.OPTION_NAMES], 80)
+    names = emu.launches()
+    assert any("linear_tc::fwd_kernel" in n for n in names) == tc, names
+    assert any("linear_simt::fwd_kernel" in n for n in names) == (not tc), names
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp16_state_past_fp16_range(emu, causal):
+    """A state entry past fp16's range (65504): the tensor-core forward's fp16 copy of S is
+    scaled (sigma), so the output stays finite and close to the float64 reference."""
+    s = 1200
+    q, k = (0.5 * torch.randn(1, 1, s, 16)).half(), (0.5 * torch.randn(1, 1, s, 16)).half()
+    v = (60 + torch.randn(1, 1, s, 8)).half()
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=s, feature_map=1,
+                causal=causal, normalize=True, eps=1e-6, scale=1.0)
+    out, den, final = emu.linear_fwd(q, k, v, *[opts[n] for n in ops.OPTION_NAMES], 80)
+    assert final.abs().max() > 65504
+    ref = reference.linear_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref[0], rtol=2e-3, atol=0.0)
+    torch.testing.assert_close(final.double(), ref[2], rtol=1e-4, atol=1e-2)
+
+
+def test_float64_is_refused(emu):
+    q = torch.randn(1, 1, 4, 8, dtype=f64)
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=4, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    with pytest.raises(TypeError, match="float64"):
+        emu.linear_fwd(q, q, q, *[opts[n] for n in ops.OPTION_NAMES], 80)
+
+
+def test_empty_sequence(emu):
+    q = torch.randn(1, 2, 0, 8)
+    s0 = torch.rand(1, 2, 8, 9)
+    opts = dict(decay=None, initial_state=s0, key_mask=None, cu_seqlens=None, max_seqlen=0, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    out, den, final = emu.linear_fwd(q, q, q, *[opts[n] for n in ops.OPTION_NAMES], 80)
+    assert out.shape == (1, 2, 0, 8) and torch.equal(final, s0)
+
+
+@pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)])
+def test_schedules(emu, warp_serial, reverse):
+    """Lockstep and last-warp-first interleavings: a missing barrier between a shared tile's
+    writers and readers shows up as a NaN (poisoned shared memory) or a stale value. Two chunks
+    each, so the carried state is read after its update; lockstep is slow, so small heads."""
+    emu.set_schedule(warp_serial, reverse)
+    try:
+        run_case(emu, 66, torch.float32, causal=True, m=40, dv=36, decay=True, init=True, mask=True)
+        run_case(emu, 66, torch.bfloat16, causal=True, m=40, dv=20, decay=True, init=True, mask=True)
+        if warp_serial:
+            run_case(emu, 66, torch.float32, causal=False, m=40, dv=36, init=True)
+            run_case(emu, 66, torch.float16, causal=False, m=72, dv=70, init=True)
+    finally:
+        emu.set_schedule(True, False)
+
+
+def test_harness_can_fail(emu):
+    """A 1% error in one gradient fails the comparison (the checks above are not vacuous)."""
+
+    class Perturbed:
+        linear_fwd = emu.linear_fwd
+
+        @staticmethod
+        def linear_bwd(*args):
+            dq, dk, dv, dg, ds = emu.linear_bwd(*args)
+            return dq, dk * 1.01, dv, dg, ds
+
+    with pytest.raises(AssertionError, match="dk"):
+        run_case(Perturbed, 33, torch.float32, causal=True)

@@ -1,0 +1,65 @@
+"""The linear attention op on a GPU (csrc/linear/cuda): forward and every gradient against the
+float64 reference with the project rule, through test_cpu.run_case with CUDA as the default
+device. Skips without a GPU or without the compiled CUDA kernels; tests/cuda_emu runs the same
+kernels on the CPU on every CI run."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.linear import functional, ops
+from tests.linear.test_cpu import run_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")),
+                                reason="no GPU, or no CUDA linear kernel in this build")
+LOW = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def on_cuda():
+    with torch.device("cuda"):
+        yield
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 7, 63, 65, 1000])
+def test_sizes(s, causal, dtype):
+    run_case(s, dtype, causal=causal, m=8, dv=12)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("m,dv", [(16, 40), (40, 16), (64, 64), (128, 96), (136, 8), (300, 20)])
+def test_head_dims(m, dv, dtype):
+    run_case(129, dtype, causal=True, m=m, dv=dv, decay=True, init=True)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("opt", ["decay", "init", "mask", "gqa_bshd", "all"])
+def test_options(opt, dtype):
+    kw = dict(decay=dict(decay=True), init=dict(init=True), mask=dict(mask=True),
+              gqa_bshd=dict(b=2, h=6, hk=2, layout="bshd"), all=dict(decay=True, init=True, mask=True, b=2, h=4,
+                                                                       hk=2))[opt]
+    run_case(97, dtype, causal=True, **kw)
+    if "decay" not in kw:
+        run_case(97, dtype, causal=False, **kw)
+
+
+@pytest.mark.parametrize("fmap,normalize", [("relu", True), ("identity", False), ("favor", True)])
+def test_feature_maps(fmap, normalize):
+    run_case(65, torch.bfloat16, causal=True, fmap=fmap, normalize=normalize)
+
+
+def test_float64_runs_the_reference_with_a_warning():
+    q = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ae.linear_attention(q, q, q, causal=True)
+    assert out.device.type == "cuda" and out.dtype == torch.float64
+    assert ("cuda", torch.float64) in functional._warned_fallback  # warned once per (device, dtype)
+    with pytest.raises(TypeError, match="float64"):
+        ops.fwd(q, q, q, decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=9, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
