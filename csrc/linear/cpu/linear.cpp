@@ -82,18 +82,21 @@ void apply_feature(FeatureMap fm, T* x, int n, int n_pad, T mul) {
   for (int i = n; i < n_pad; ++i) x[i] = T(0);
 }
 
-// dx <- dx * d(feature(x) * mul)/dx over n_pad values, from the raw x and y = feature(x) * mul:
-// for elu + 1 that is mul where x > 0, else y itself (d e^x = e^x), so no exp is evaluated.
+// dx <- dx * d(feature(x) * mul)/dx over n_pad values, from y = feature(x) * mul alone (so the
+// raw rows need no copy): for elu + 1 the derivative is mul where x > 0, else y itself
+// (d e^x = e^x), and x > 0 exactly when y / mul = x + 1 > 1, i.e. y * mul > mul^2; for relu
+// x > 0 when y * mul > 0. mul = 0 (a padded key) gives y = 0 and a zero derivative either way.
 template <typename T>
-void feature_backward(FeatureMap fm, T* dx, const T* x, const T* y, int n_pad, T mul) {
+void feature_backward(FeatureMap fm, T* dx, const T* y, int n_pad, T mul) {
   constexpr int L = kLanes<T>;
+  const vec<T> m = vbcast(mul), zero{};
   for (int i = 0; i < n_pad; i += L) {
-    const vec<T> v = vload(x + i), m = vbcast(mul);
+    const vec<T> v = vload(y + i);
     vec<T> f = m;
     if (fm == FeatureMap::kElu) {
-      f = v > T(0) ? m : vload(y + i);
+      f = v * m > m * m ? m : v;
     } else if (fm == FeatureMap::kRelu) {
-      f = v > T(0) ? m : vbcast(T(0));
+      f = v * m > zero ? m : zero;
     }
     vstore(dx + i, vload(dx + i) * f);
   }
@@ -169,27 +172,27 @@ template <typename T>
 struct Chunk {
   int mp, dp, cp;  // M, dim_v_aug and kChunk padded to whole vectors
   Scratch<T, 4> mem;
-  Span<T> q, qraw, k, kraw, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
+  Span<T> q, k, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
   Chunk(int m, int dv_aug)
       : mp(round_up(m, kLanes<T>)), dp(round_up(dv_aug, kLanes<T>)), cp(round_up(kChunk, kLanes<T>)),
-        mem(carved_size<T, 16>(sizes(mp, dp, cp))) {
+        mem(carved_size<T, 14>(sizes(mp, dp, cp))) {
     const auto n = sizes(mp, dp, cp);
-    std::array<Span<T>*, 16> spans{&q, &qraw, &k, &kraw, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow};
-    std::array<T*, 16> ptrs{};
-    std::array<T**, 16> out{};
-    for (int i = 0; i < 16; ++i) out[i] = &ptrs[i];
-    carve<T, 16>(mem.data(), n, out);
-    for (int i = 0; i < 16; ++i) {
+    std::array<Span<T>*, 14> spans{&q, &k, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow};
+    std::array<T*, 14> ptrs{};
+    std::array<T**, 14> out{};
+    for (int i = 0; i < 14; ++i) out[i] = &ptrs[i];
+    carve<T, 14>(mem.data(), n, out);
+    for (int i = 0; i < 14; ++i) {
       spans[i]->ptr = ptrs[i];
       spans[i]->n = int64_t(n[i]);
       std::fill(spans[i]->begin(), spans[i]->end(), T(0));
     }
   }
-  static std::array<size_t, 16> sizes(int mp, int dp, int cp) {
+  static std::array<size_t, 14> sizes(int mp, int dp, int cp) {
     const size_t cm = size_t(cp) * mp, cd = size_t(cp) * dp, md = size_t(mp) * dp;
     const size_t big = std::max({cm, cd, size_t(cp) * cp});
-    // q, qraw, k, kraw | v, dov, o | kt, p, p2, t | s, st, u | g, grow
-    return {cm, cm, cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp)};
+    // q, k | v, dov, o | kt, p, p2, t | s, st, u | g, grow
+    return {cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp)};
   }
 };
 
@@ -203,8 +206,8 @@ void running_decay(const LP<T>& p, int b, int h, int r0, int n, T* g) {
   }
 }
 
-// Loads rows [r0, r0 + n) of sequence b, head h (kv head hk) into the chunk: Q~ (and raw q),
-// K~ (raw k), v' and the running decay sum g. Rows n .. cp of every buffer are zero.
+// Loads rows [r0, r0 + n) of sequence b, head h (kv head hk) into the chunk: Q~, K~, v' and the
+// running decay sum g. Rows n .. cp of every buffer are zero.
 template <typename T>
 void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, Chunk<T>& c, bool want_q, bool want_kv) {
   const int m = p.d;
@@ -216,7 +219,6 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
       T* q = c.q.data() + int64_t(i) * c.mp;
       if (live) {
         load_row(dt, static_cast<const char*>(p.q) + offset(p.cu_seqlens, b, p.q_batch_stride, h, p.q_head_stride, row, p.q_row_stride) * es, q, m, c.mp);
-        std::memcpy(c.qraw.data() + int64_t(i) * c.mp, q, sizeof(T) * c.mp);
         apply_feature(p.feature_map, q, m, c.mp, p.scale);
       } else {
         std::fill(q, q + c.mp, T(0));
@@ -232,7 +234,6 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
       }
       if (live) {
         load_row(dt, static_cast<const char*>(p.k) + offset(p.cu_seqlens, b, p.k_batch_stride, hk, p.k_head_stride, row, p.k_row_stride) * es, k, m, c.mp);
-        std::memcpy(c.kraw.data() + int64_t(i) * c.mp, k, sizeof(T) * c.mp);
         apply_feature(p.feature_map, k, m, c.mp, real ? T(1) : T(0));
         load_row(dt, static_cast<const char*>(p.v) + offset(p.cu_seqlens, b, p.v_batch_stride, hk, p.v_head_stride, row, p.v_row_stride) * es, v, p.dim_v, c.dp);
         if (p.normalize) v[p.dim_v] = T(1);
@@ -368,6 +369,7 @@ struct FwdTask {
 // P^T and A^T are read in place by the transposed-A gemm; the states are kept transposed,
 // (dp, mp), because every product reads S^T and U^T as its B operand. Only U (for dV') and the
 // chunk's K~^T and V'^T are transposed, in registers (cpu/simd.h transpose).
+// dV' is computed over dv only (its normalizer column has no gradient to give): N = vp, not dp.
 // Non-causal: S^T (shared by the group but for init_state), dQ~ = dO' S^T and U_h^T += dO'^T Q~
 // per head in one sweep, then dK~ = v' U^T and dV' = K~ U with U the group's sum.
 template <typename T>
@@ -408,7 +410,7 @@ struct BwdTask {
   // dO' of the chunk's rows into c.dov (rows >= n zero)
   void load_dout(int b, int h, int r0, int n) {
     const size_t es = dtype_size(dt);
-    std::fill(c.dov.begin(), c.dov.end(), T(0));
+    std::fill(c.dov.begin() + int64_t(n) * c.dp, c.dov.end(), T(0));
     for (int i = 0; i < n; ++i) {
       T* d = c.dov.data() + int64_t(i) * c.dp;
       const int64_t row = r0 + i;
@@ -449,7 +451,7 @@ struct BwdTask {
   void finish_dq(int b, int h, int r0, int n) {
     for (int i = 0; i < n; ++i) {
       T* dqi = dq.data() + int64_t(i) * c.mp;
-      feature_backward(p.feature_map, dqi, c.qraw.data() + int64_t(i) * c.mp, c.q.data() + int64_t(i) * c.mp, c.mp, p.scale);
+      feature_backward(p.feature_map, dqi, c.q.data() + int64_t(i) * c.mp, c.mp, p.scale);
       store_grad(p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, b, h, r0 + i, dqi, p.d);
     }
   }
@@ -457,7 +459,7 @@ struct BwdTask {
   void finish_dkv(int b, int hk, int r0, int n, T* dk, const T* dv) {
     for (int j = 0; j < n; ++j) {
       T* dkj = dk + int64_t(j) * c.mp;
-      feature_backward(p.feature_map, dkj, c.kraw.data() + int64_t(j) * c.mp, c.k.data() + int64_t(j) * c.mp, c.mp,
+      feature_backward(p.feature_map, dkj, c.k.data() + int64_t(j) * c.mp, c.mp,
                        kj_live(b, r0 + j) ? T(1) : T(0));
       store_grad(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b, hk, r0 + j, dkj, p.d);
       store_grad(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b, hk, r0 + j, dv + int64_t(j) * c.dp, p.dim_v);
@@ -477,7 +479,7 @@ struct BwdTask {
   void causal(int b, int hk, int len) {
     const int h0 = hk * group, nch = (len + kChunk - 1) / kChunk;
     const bool decay = p.decay != nullptr, want_dg = decay && p.ddecay != nullptr;
-    const int mp = c.mp, dp = c.dp, cp = c.cp;
+    const int mp = c.mp, dp = c.dp, cp = c.cp, vp = round_up(p.dim_v, kLanes<T>);
     // ---------------------------------------------------------------- ascending: S^T per chunk
     for (int hh = 0; hh < group; ++hh) load_state_t(p.init_state, b, h0 + hh, st_at(hh, 0));
     for (int ci = 0; ci < nch; ++ci) {
@@ -528,7 +530,7 @@ struct BwdTask {
         mask_chunk(A, n, cp, g, decay);
         mm<false, false, Tri::kLowerA>(n, mp, n, P, cp, c.k.data(), mp, dq.data(), mp);          // dQ~ = P K~
         mm<false, true, Tri::kUpperAT>(n, mp, n, P, cp, c.q.data(), mp, dkh.data(), mp);  // dK~ = P^T Q~
-        mm<false, true, Tri::kUpperAT>(n, dp, n, A, cp, c.dov.data(), dp, dvh.data(), dp);  // dV' = A^T dO'
+        mm<false, true, Tri::kUpperAT>(n, vp, n, A, cp, c.dov.data(), dp, dvh.data(), dp);  // dV' = A^T dO'
         // across chunks: S before the chunk, U after it
         const T* dow_ = c.dov.data();
         const T* vw_ = c.v.data();
@@ -553,7 +555,7 @@ struct BwdTask {
           }
           transpose(u_t, dp, mp, mp, c.u.data(), dp);                          // U (mp, dp)
           mm<true>(n, mp, dp, vw_, dp, u_t, mp, dkh.data(), mp);               // += e^{gC - g_j} v' U^T
-          mm<true>(n, dp, mp, kw_, mp, c.u.data(), dp, dvh.data(), dp);        // += e^{gC - g_j} K~ U
+          mm<true>(n, vp, mp, kw_, mp, c.u.data(), dp, dvh.data(), dp);        // += e^{gC - g_j} K~ U
         }
         if (decay) scale(u_t, md, T(std::exp(gc)));
         mm<true, true>(dp, mp, n, dow_, dp, c.q.data(), mp, u_t, mp);         // U^T += (e^{g_i} dO')^T Q~
@@ -582,7 +584,7 @@ struct BwdTask {
 
   void non_causal(int b, int hk, int len) {
     const int h0 = hk * group;
-    const int mp = c.mp, dp = c.dp;
+    const int mp = c.mp, dp = c.dp, vp = round_up(p.dim_v, kLanes<T>);
     // S^T = sum_j v'_j K~_j^T (+ the head's initial state)
     T* s0 = st_at(0, 0);
     std::fill(s0, s0 + md, T(0));
@@ -619,7 +621,7 @@ struct BwdTask {
       const int n = std::min(kChunk, len - r0);
       load_chunk(p, dt, b, h0, hk, r0, n, c, false, true);
       mm<false>(n, mp, dp, c.v.data(), dp, usum.data(), mp, dkh.data(), mp);
-      mm<false>(n, dp, mp, c.k.data(), mp, c.u.data(), dp, dvh.data(), dp);
+      mm<false>(n, vp, mp, c.k.data(), mp, c.u.data(), dp, dvh.data(), dp);
       finish_dkv(b, hk, r0, n, dkh.data(), dvh.data());
     }
     for (int hh = 0; hh < group; ++hh) save_dinit(b, h0 + hh, ut_at(hh));
