@@ -418,10 +418,11 @@ struct BwdTask {
       if (p.normalize) {
         T* o = c.o.data();  // scratch row: out_i
         load_row(dt, static_cast<const char*>(p.o) + offset(p.cu_seqlens, b, p.o_batch_stride, h, p.o_head_stride, row, p.o_row_stride) * es, o, p.dim_v, c.dp);
+        // vector dot and scale over the zero-padded rows (a scalar float sum runs at one add
+        // per FMA latency)
         const T inv = T(1) / p.den[seq_index(p, b, h, int(row))];
-        T dn = T(0);
-        for (int j = 0; j < p.dim_v; ++j) dn += d[j] * o[j];
-        for (int j = 0; j < p.dim_v; ++j) d[j] *= inv;
+        const T dn = dot(d, o, c.dp);
+        scale(d, c.dp, inv);
         d[p.dim_v] = -dn * inv;
       }
     }
