@@ -68,7 +68,7 @@ def run_case(s, dtype, *, causal, fmap="elu", b=1, h=2, hk=1, m=16, dv=24, layou
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("s", [1, 7, 63, 64, 65, 1000])
+@pytest.mark.parametrize("s", [1, 7, 47, 48, 49, 63, 64, 65, 1000])  # kChunk = 48
 def test_sizes(s, causal, dtype):
     run_case(s, dtype, causal=causal, m=8, dv=12)
 
@@ -187,7 +187,7 @@ def _gradcheck(a):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_gradcheck_across_chunks(causal):
-    """Three chunks of 64 with a short last one: the stored chunk states, the descending sweep's
+    """Three chunks (kChunk = 48) with a short last one: the stored chunk states, the descending sweep's
     reverse state and the running ddecay sum cross chunk boundaries (s = 6 above stays in one)."""
     _gradcheck(_args(s=130, causal=causal, decay=causal))
 
