@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common/params.h"
 
@@ -112,6 +113,56 @@ inline vf vexp2_nonpos(vf x) {
 inline vec<double> vexp2_nonpos(vec<double> x) {
   for (int i = 0; i < kLanes<double>; ++i) x[i] = std::exp2(x[i]);
   return x;
+}
+
+// (0, 1, ..., lanes - 1) as a vec<T>: column indices for masks built with vector compares.
+template <typename T>
+inline vec<T> lane_index() {
+  vec<T> v;
+  for (int i = 0; i < kLanes<T>; ++i) v[i] = T(i);
+  return v;
+}
+
+// dst (cols, ld_dst) <- src (rows, cols)^T, src row stride ld_src; dst columns [rows, ld_dst)
+// are set to 0. Float blocks of 8 x 8 go through registers (AVX: 24 shuffles per 64 elements);
+// a scalar transpose of a strided operand costs about a third of the small products it feeds.
+// Sizes that are not whole blocks, and doubles, take the scalar loop.
+template <typename T>
+inline void transpose(const T* src, int rows, int cols, int64_t ld_src, T* dst, int64_t ld_dst) {
+  int r0 = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same<T, float>::value) {
+    if (cols % 8 == 0) {
+      for (; r0 + 8 <= rows; r0 += 8) {
+        for (int c0 = 0; c0 < cols; c0 += 8) {
+          const float* s = src + int64_t(r0) * ld_src + c0;
+          __m256 r[8], t[8];
+          for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(s + i * ld_src);
+          for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+          }
+          for (int i = 0; i < 8; i += 4) {
+            r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+            r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+            r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+            r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+          }
+          float* d = dst + int64_t(c0) * ld_dst + r0;
+          for (int i = 0; i < 4; ++i) {
+            _mm256_storeu_ps(d + i * ld_dst, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+            _mm256_storeu_ps(d + (i + 4) * ld_dst, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+          }
+        }
+      }
+    }
+  }
+#endif
+  for (int c = 0; c < cols; ++c) {
+    T* d = dst + int64_t(c) * ld_dst;
+    for (int r = r0; r < rows; ++r) d[r] = src[int64_t(r) * ld_src + c];
+    for (int r = rows; r < ld_dst; ++r) d[r] = T(0);
+  }
 }
 
 // ---------------------------------------------------------------------------------- dtypes
@@ -273,20 +324,35 @@ inline void micro_rows(int mr, int K, const T* A, int64_t lda, const T* B, int64
   }
 }
 
-template <bool kAccumulate, bool kTransA = false, typename T>
+// The part of a square causal block a product touches (indices from 0 on the diagonal), so that
+// a masked (n, n) tile costs about half a full one (gemm's kTri):
+enum class Tri {
+  kFull,
+  kLowerC,   // only C[i][j], j <= i is wanted: column panels wholly above the diagonal are skipped
+             // (left unwritten; the caller's mask zeroes them)
+  kLowerA,   // A[i][k] = 0 for k > i: row i's sum stops at k = i
+  kUpperAT,  // kTransA with A^T[i][k] = 0 for k < i (A lower): row i's sum starts at k = i
+};
+
+template <bool kAccumulate, bool kTransA = false, Tri kTri = Tri::kFull, typename T>
 inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb, int64_t bpanel, T* C,
                  int64_t ldc) {
   constexpr int P = kPanel<T>;
   // n outer, m inner: the (K, P) panel of B stays in L1 while A's rows stream past it
   for (int n0 = 0; n0 < N; n0 += P) {
     const T* b = B + int64_t(n0 / P) * bpanel;
-    for (int m0 = 0; m0 < M; m0 += kMR) {
+    // kLowerC: the first row block that reaches column n0
+    for (int m0 = kTri == Tri::kLowerC ? n0 / kMR * kMR : 0; m0 < M; m0 += kMR) {
       const int mr = M - m0 < kMR ? M - m0 : kMR;
-      const T* a = kTransA ? A + m0 : A + m0 * lda;
+      int k0 = 0, k1 = K;
+      if (kTri == Tri::kLowerA) k1 = m0 + mr < K ? m0 + mr : K;
+      if (kTri == Tri::kUpperAT) k0 = m0 < K ? m0 : K;
+      const T* a = kTransA ? A + m0 + int64_t(k0) * lda : A + m0 * lda + k0;
+      const T* bk = b + int64_t(k0) * ldb;
       if (N - n0 >= P) {
-        micro_rows<2, kAccumulate, kTransA>(mr, K, a, lda, b, ldb, C + m0 * ldc + n0, ldc);
+        micro_rows<2, kAccumulate, kTransA>(mr, k1 - k0, a, lda, bk, ldb, C + m0 * ldc + n0, ldc);
       } else {
-        micro_rows<1, kAccumulate, kTransA>(mr, K, a, lda, b, ldb, C + m0 * ldc + n0, ldc);
+        micro_rows<1, kAccumulate, kTransA>(mr, k1 - k0, a, lda, bk, ldb, C + m0 * ldc + n0, ldc);
       }
     }
   }

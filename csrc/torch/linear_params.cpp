@@ -1,6 +1,8 @@
 // Definitions of linear_params.h: input checks, output allocation, tensors -> params.
 #include "torch/linear_params.h"
 
+#include "torch/alloc.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -125,9 +127,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Te
   const auto acc = q.options().dtype(acc_of(q));
   // out keeps q's memory layout: (B, S, H, Dv) storage when q has heads inside rows
   at::Tensor out = q.stride(1) < q.stride(2)
-                       ? at::empty({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2)
-                       : at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  at::Tensor den = at::empty({q.size(0), q.size(1), q.size(2)}, acc);
+                       ? empty_output({q.size(0), q.size(2), q.size(1), v.size(3)}, q.options()).transpose(1, 2)
+                       : empty_output({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  at::Tensor den = empty_output({q.size(0), q.size(1), q.size(2)}, acc);
   at::Tensor state = at::empty({num_seqs(q, o), q.size(1), q.size(3), dv_aug(v, o)}, acc);
   // rows no sequence owns (a varlen pack's tail) and empty calls
   if (o.cu_seqlens.has_value() || q.numel() == 0 || v.numel() == 0) {
@@ -193,8 +195,8 @@ LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const a
                                const LinearOptions& o) {
   LinearGrads g;
   auto like = [](const at::Tensor& t) {
-    return t.stride(1) < t.stride(2) ? at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2)
-                                     : at::empty(t.sizes(), t.options());
+    return t.stride(1) < t.stride(2) ? empty_output({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2)
+                                     : empty_output(t.sizes(), t.options());
   };
   g.dq = like(q);
   g.dk = like(k);

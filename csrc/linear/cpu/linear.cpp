@@ -11,12 +11,12 @@
 // / den_i] (the last column only when normalize), so that everything after is the unnormalized
 // form over v'. Then, with S_i the forward state at row i and U_j = sum_{i >= j} e^{G_i - G_j}
 // Q~_i dO'_i^T (+ e^{G_T - G_j} dS_T) the reverse state:
-//   dQ~_i = S_i dO'_i        an ascending sweep that recomputes the forward states by chunk
-//   dK~_j = U_j v'_j, dV'_j = U_j^T K~_j      one descending sweep
+//   dQ~_i = S_i dO'_i,  dK~_j = U_j v'_j,  dV'_j = U_j^T K~_j
 //   dS_init = U_{-1};  dG_i = Q~_i . dQ~_i - K~_i . dK~_i (+ <dS_T, S_T> at the last row), and
 //   ddecay is the reverse running sum of dG.
-// So the extra memory is O(chunk * (M + dv)) per thread plus, with GQA, the group's dK / dV
-// accumulators: never a state per position.
+// An ascending sweep stores the forward state at every chunk boundary; one descending sweep then
+// carries U and yields every gradient of a chunk at once (BwdTask states the products). Extra
+// memory: O(chunk * (M + dv)) per thread plus S / kChunk + 1 states per head of a task.
 //
 // All products run on the softmax kernels' register-blocked micro-kernel (cpu/simd.h gemm) in T
 // (float; double for float64 inputs); rows are loaded and converted once per chunk and padded
@@ -38,9 +38,12 @@ namespace cpu {
 
 namespace {
 
-// Rows per chunk: the (C, C) masked product costs C / (M + dv) of the state products per row,
-// and C = 64 keeps the chunk's operands (a few 64 x 64 tiles) in L1 / L2.
-constexpr int kChunk = 64;
+// Rows per chunk. Per row, the masked (C, C) products cost O(C (M + dv)) and the state products
+// O(M dv) whatever C, so a smaller C saves flops until the per-chunk work (state copies and
+// transposes, short gemm k-loops, the 6-row micro-kernel's tail) takes over. C = 48 is whole
+// 6-row blocks and 16-column panels; at (M, dv) = (64, 64), fp32, 1 thread it measured (forward,
+// backward) 14.1, 34.0 ms against 15.2, 36.7 at C = 64 and 14.1, 34.9 at C = 32.
+constexpr int kChunk = 48;
 
 template <typename T>
 using LP = LinearParamsT<T>;
@@ -64,30 +67,23 @@ int64_t state_index(const LP<T>& p, int b, int h) {
   return (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
 }
 
-// dx <- dx * d(feature(x) * mul)/dx over n_pad values, from the raw x and y = feature(x) * mul:
-// for elu + 1 that is mul where x > 0, else y itself (d e^x = e^x), so no exp is evaluated.
+// dx <- dx * d(feature(x) * mul)/dx over n_pad values, from y = feature(x) * mul alone (so the
+// raw rows need no copy): for elu + 1 the derivative is mul where x > 0, else y itself
+// (d e^x = e^x), and x > 0 exactly when y / mul = x + 1 > 1, i.e. y * mul > mul^2; for relu
+// x > 0 when y * mul > 0. mul = 0 (a padded key) gives y = 0 and a zero derivative either way.
 template <typename T>
-void feature_backward(FeatureMap fm, T* dx, const T* x, const T* y, int n_pad, T mul) {
+void feature_backward(FeatureMap fm, T* dx, const T* y, int n_pad, T mul) {
   constexpr int L = kLanes<T>;
+  const vec<T> m = vbcast(mul), zero{};
   for (int i = 0; i < n_pad; i += L) {
-    const vec<T> v = vload(x + i), m = vbcast(mul);
+    const vec<T> v = vload(y + i);
     vec<T> f = m;
     if (fm == FeatureMap::kElu) {
-      f = v > T(0) ? m : vload(y + i);
+      f = v * m > m * m ? m : v;
     } else if (fm == FeatureMap::kRelu) {
-      f = v > T(0) ? m : vbcast(T(0));
+      f = v * m > zero ? m : zero;
     }
     vstore(dx + i, vload(dx + i) * f);
-  }
-}
-
-// dst (cols x ld_dst) <- src (rows x cols)^T, zero-filled to ld_dst columns
-template <typename T>
-void transpose(const T* src, int rows, int cols, int64_t ld_src, T* dst, int ld_dst) {
-  for (int c = 0; c < cols; ++c) {
-    T* d = dst + int64_t(c) * ld_dst;
-    for (int r = 0; r < rows; ++r) d[r] = src[int64_t(r) * ld_src + c];
-    for (int r = rows; r < ld_dst; ++r) d[r] = T(0);
   }
 }
 
@@ -99,25 +95,48 @@ T dot(const T* a, const T* b, int n) {
   return hsum(acc);
 }
 
-// The intra-chunk mask on a (n, ldp) product P. kForward: row i keeps columns j <= i with weight
-// e^{g_i - g_j} (A, dO' V'^T); else row j keeps columns i >= j with e^{g_i - g_j} (the reverse
-// products V' dO'^T, K~ Q~^T). Columns past n are zeroed.
-template <bool kForward, typename T>
+// The intra-chunk mask on a (n, ldp) product P (rows i, columns j): keeps j <= i with weight
+// e^{g_i - g_j} (the forward's A = Q~ K~^T and the backward's dO' V'^T; the products that need
+// the reverse mask read these transposed), zeroes the rest, columns past n included. g holds
+// ldp readable entries (those past n are masked off whatever they hold). Vector compares and
+// the vector exp: a scalar std::exp per kept entry cost as much as the product it masks.
+template <typename T>
 void mask_chunk(T* P, int n, int ldp, const T* g, bool decay) {
+  constexpr int L = kLanes<T>;
+  const T log2e = T(1.4426950408889634);
+  const vec<T> iota = lane_index<T>(), zero{};
   for (int r = 0; r < n; ++r) {
     T* row = P + int64_t(r) * ldp;
-    const int c0 = kForward ? 0 : r, c1 = kForward ? r + 1 : n;
-    for (int c = 0; c < c0; ++c) row[c] = T(0);
-    if (decay) {
-      for (int c = c0; c < c1; ++c) row[c] *= T(std::exp(kForward ? g[r] - g[c] : g[c] - g[r]));
+    const vec<T> gr = vbcast(g[r]);
+    for (int c0 = 0; c0 < ldp; c0 += L) {
+      vec<T> x = vload(row + c0);
+      if (decay) x *= vexp2_nonpos((gr - vload(g + c0)) * log2e);
+      vstore(row + c0, iota + T(c0) <= T(r) ? x : zero);
     }
-    for (int c = c1; c < ldp; ++c) row[c] = T(0);
   }
 }
 
-template <bool kAcc, bool kTransA = false, typename T>
+// dst[i] <- w_i src[i] over n rows of ld (whole vectors) elements
+template <typename T>
+void scale_rows(T* dst, const T* src, int n, int ld, const T* w) {
+  for (int i = 0; i < n; ++i) {
+    const vec<T> wi = vbcast(w[i]);
+    for (int x = 0; x < ld; x += kLanes<T>) vstore(dst + int64_t(i) * ld + x, vload(src + int64_t(i) * ld + x) * wi);
+  }
+}
+// x <- f x, dst += src over n (whole vectors) elements
+template <typename T>
+void scale(T* x, int64_t n, T f) {
+  for (int64_t i = 0; i < n; i += kLanes<T>) vstore(x + i, vload(x + i) * f);
+}
+template <typename T>
+void add_to(T* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes<T>) vstore(dst + i, vload(dst + i) + vload(src + i));
+}
+
+template <bool kAcc, bool kTransA = false, Tri kTri = Tri::kFull, typename T>
 inline void mm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
-  gemm<kAcc, kTransA>(M, N, K, A, lda, B, ldb, kPanel<T>, C, ldc);
+  gemm<kAcc, kTransA, kTri>(M, N, K, A, lda, B, ldb, kPanel<T>, C, ldc);
 }
 
 // A view of n elements of a carved buffer.
@@ -138,32 +157,42 @@ template <typename T>
 struct Chunk {
   int mp, dp, cp;  // M, dim_v_aug and kChunk padded to whole vectors
   Scratch<T, 4> mem;
-  Span<T> q, qraw, k, kraw, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
+  Span<T> q, k, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
   Chunk(int m, int dv_aug)
       : mp(round_up(m, kLanes<T>)), dp(round_up(dv_aug, kLanes<T>)), cp(round_up(kChunk, kLanes<T>)),
-        mem(carved_size<T, 16>(sizes(mp, dp, cp))) {
+        mem(carved_size<T, 14>(sizes(mp, dp, cp))) {
     const auto n = sizes(mp, dp, cp);
-    std::array<Span<T>*, 16> spans{&q, &qraw, &k, &kraw, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow};
-    std::array<T*, 16> ptrs{};
-    std::array<T**, 16> out{};
-    for (int i = 0; i < 16; ++i) out[i] = &ptrs[i];
-    carve<T, 16>(mem.data(), n, out);
-    for (int i = 0; i < 16; ++i) {
+    std::array<Span<T>*, 14> spans{&q, &k, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow};
+    std::array<T*, 14> ptrs{};
+    std::array<T**, 14> out{};
+    for (int i = 0; i < 14; ++i) out[i] = &ptrs[i];
+    carve<T, 14>(mem.data(), n, out);
+    for (int i = 0; i < 14; ++i) {
       spans[i]->ptr = ptrs[i];
       spans[i]->n = int64_t(n[i]);
       std::fill(spans[i]->begin(), spans[i]->end(), T(0));
     }
   }
-  static std::array<size_t, 16> sizes(int mp, int dp, int cp) {
+  static std::array<size_t, 14> sizes(int mp, int dp, int cp) {
     const size_t cm = size_t(cp) * mp, cd = size_t(cp) * dp, md = size_t(mp) * dp;
     const size_t big = std::max({cm, cd, size_t(cp) * cp});
-    // q, qraw, k, kraw | v, dov, o | kt, p, p2, t | s, st, u | g, grow
-    return {cm, cm, cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp)};
+    // q, k | v, dov, o | kt, p, p2, t | s, st, u | g, grow
+    return {cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp)};
   }
 };
 
-// Loads rows [r0, r0 + n) of sequence b, head h (kv head hk) into the chunk: Q~ (and raw q),
-// K~ (raw k), v' and the running decay sum g. Rows n .. cp of every buffer are zero.
+// g_i <- sum of decay over rows r0 .. r0 + i of (b, h), i < n (0 without decay)
+template <typename T>
+void running_decay(const LP<T>& p, int b, int h, int r0, int n, T* g) {
+  T acc = T(0);
+  for (int i = 0; i < n; ++i) {
+    if (p.decay != nullptr) acc += p.decay[seq_index(p, b, h, r0 + i)];
+    g[i] = acc;
+  }
+}
+
+// Loads rows [r0, r0 + n) of sequence b, head h (kv head hk) into the chunk: Q~, K~, v' and the
+// running decay sum g. Rows n .. cp of every buffer are zero.
 template <typename T>
 void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, Chunk<T>& c, bool want_q, bool want_kv) {
   const int m = p.d;
@@ -175,7 +204,6 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
       T* q = c.q.data() + int64_t(i) * c.mp;
       if (live) {
         load_row(dt, static_cast<const char*>(p.q) + offset(p.cu_seqlens, b, p.q_batch_stride, h, p.q_head_stride, row, p.q_row_stride) * es, q, m, c.mp);
-        std::memcpy(c.qraw.data() + int64_t(i) * c.mp, q, sizeof(T) * c.mp);
         apply_feature(p.feature_map, q, m, c.mp, p.scale);
       } else {
         std::fill(q, q + c.mp, T(0));
@@ -191,7 +219,6 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
       }
       if (live) {
         load_row(dt, static_cast<const char*>(p.k) + offset(p.cu_seqlens, b, p.k_batch_stride, hk, p.k_head_stride, row, p.k_row_stride) * es, k, m, c.mp);
-        std::memcpy(c.kraw.data() + int64_t(i) * c.mp, k, sizeof(T) * c.mp);
         apply_feature(p.feature_map, k, m, c.mp, real ? T(1) : T(0));
         load_row(dt, static_cast<const char*>(p.v) + offset(p.cu_seqlens, b, p.v_batch_stride, hk, p.v_head_stride, row, p.v_row_stride) * es, v, p.dim_v, c.dp);
         if (p.normalize) v[p.dim_v] = T(1);
@@ -201,11 +228,7 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
       }
     }
   }
-  T acc = T(0);
-  for (int i = 0; i < n; ++i) {
-    if (p.decay != nullptr) acc += p.decay[seq_index(p, b, h, r0 + i)];
-    c.g[i] = acc;
-  }
+  running_decay(p, b, h, r0, n, c.g.data());
 }
 
 // out_i, den_i from O'_i (n rows in c.o)
@@ -265,15 +288,6 @@ void sum_state(const LP<T>& p, DType dt, int b, int h, int hk, int len, Chunk<T>
   }
 }
 
-// rows x cols block of a per-row-scaled add: dst[i] += e^{g_i} src[i]
-template <typename T>
-void add_scaled_rows(T* dst, const T* src, int n, int ld, const T* g, bool decay) {
-  for (int i = 0; i < n; ++i) {
-    const T w = decay ? T(std::exp(g[i])) : T(1);
-    for (int x = 0; x < ld; ++x) dst[int64_t(i) * ld + x] += w * src[int64_t(i) * ld + x];
-  }
-}
-
 template <typename T>
 struct FwdTask {
   const LP<T>& p;
@@ -301,16 +315,17 @@ struct FwdTask {
         const int n = std::min(kChunk, len - r0);
         load_chunk(p, dt, b, h, hk, r0, n, c, true, true);
         transpose(c.k.data(), c.cp, c.mp, c.mp, c.kt.data(), c.cp);  // K~^T (mp, cp)
-        mm<false>(n, c.cp, c.mp, c.q.data(), c.mp, c.kt.data(), c.cp, c.p.data(), c.cp);
-        mask_chunk<true>(c.p.data(), n, c.cp, c.g.data(), decay);
-        mm<false>(n, c.dp, c.cp, c.p.data(), c.cp, c.v.data(), c.dp, c.o.data(), c.dp);
+        mm<false, false, Tri::kLowerC>(n, c.cp, c.mp, c.q.data(), c.mp, c.kt.data(), c.cp, c.p.data(), c.cp);
+        mask_chunk(c.p.data(), n, c.cp, c.g.data(), decay);
+        mm<false, false, Tri::kLowerA>(n, c.dp, n, c.p.data(), c.cp, c.v.data(), c.dp, c.o.data(), c.dp);
         if (!state_zero) {
-          if (decay) {
-            mm<false>(n, c.dp, c.mp, c.q.data(), c.mp, s, c.dp, c.t.data(), c.dp);
-            add_scaled_rows(c.o.data(), c.t.data(), n, c.dp, c.g.data(), true);
-          } else {
-            mm<true>(n, c.dp, c.mp, c.q.data(), c.mp, s, c.dp, c.o.data(), c.dp);
+          const T* qw = c.q.data();
+          if (decay) {  // O' += e^{g_i} Q~_i S
+            for (int i = 0; i < n; ++i) c.grow[i] = T(std::exp(c.g[i]));
+            scale_rows(c.t.data(), c.q.data(), n, c.mp, c.grow.data());
+            qw = c.t.data();
           }
+          mm<true>(n, c.dp, c.mp, qw, c.mp, s, c.dp, c.o.data(), c.dp);
         }
         store_out(p, dt, b, h, r0, n, c);
         advance_state(c, n, decay, s);
@@ -321,25 +336,66 @@ struct FwdTask {
   }
 };
 
+// The backward of one (batch, kv head): the group's query heads share each chunk's K~ and V'
+// (loaded, transposed once) and sum their dK~ / dV' contributions in chunk buffers, so dK / dV
+// rows are stored once, finished.
+//
+// Causal, two sweeps over the chunks:
+//   ascending:  S^T before every chunk, per head, stored (nch + 1 states of (dp, mp): the only
+//               O(S / kChunk) memory; recomputing them in the descending sweep would cost as
+//               much as the forward's state products again, and storing avoids a second pass
+//               over Q / dO)
+//   descending: per chunk and head, with P = dO' V'^T and A = Q~ K~^T masked j <= i with
+//               e^{g_i - g_j} (the only (n, n) products):
+//                 dQ~ = P K~ + e^{g_i} dO' S^T      dK~ = P^T Q~ + e^{gC - g_j} v' U^T
+//                 dV' = A^T dO' + e^{gC - g_j} K~ U
+//               then U^T <- e^{gC} U^T + (e^{g_i} dO')^T Q~; dG and its reverse running sum
+//               (ddecay) come out row by row in the same sweep.
+// P^T and A^T are read in place by the transposed-A gemm; the states are kept transposed,
+// (dp, mp), because every product reads S^T and U^T as its B operand. Only U (for dV') and the
+// chunk's K~^T and V'^T are transposed, in registers (cpu/simd.h transpose).
+// dV' is computed over dv only (its normalizer column has no gradient to give): N = vp, not dp.
+// Non-causal: S^T (shared by the group but for init_state), dQ~ = dO' S^T and U_h^T += dO'^T Q~
+// per head in one sweep, then dK~ = v' U^T and dV' = K~ U with U the group's sum.
 template <typename T>
 struct BwdTask {
   const LinearBwdParamsT<T>& p;
   DType dt;
   Chunk<T> c;
-  // the group's dK~ / dv' accumulators (GQA) and the per-row dG, for the longest sequence
-  Scratch<T, 5> rows_mem;
-  Span<T> dk_acc, dv_acc, dg;
+  int group, nstates;
+  int64_t md;  // elements of one state, (dp, mp)
+  Scratch<T, 5> mem;
+  Span<T> st;    // (group, nstates, dp, mp): S^T before chunk 0 .. nch (causal), S^T (non-causal)
+  Span<T> ut;    // (group, dp, mp): U^T after the current chunk
+  Span<T> usum;  // (dp, mp): non-causal, the group's sum of U^T
+  Span<T> kt, vt;                 // (mp, cp), (dp, cp): K~^T, V'^T
+  Span<T> dq, dkh, dka, kw;       // (cp, mp)
+  Span<T> dvh, dva, vw, dow;      // (cp, dp)
+  Span<T> ew, ec, dgr, ddacc;     // (cp) and (group)
+
   BwdTask(const LinearBwdParamsT<T>& p_, DType dt_)
-      : p(p_), dt(dt_), c(p_.d, p_.dim_v_aug), rows_mem(size_t(p_.sq) * (c.mp + c.dp + 1)) {
-    dk_acc = {rows_mem.data(), int64_t(p.sq) * c.mp};
-    dv_acc = {dk_acc.end(), int64_t(p.sq) * c.dp};
-    dg = {dv_acc.end(), int64_t(p.sq)};
+      : p(p_), dt(dt_), c(p_.d, p_.dim_v_aug), group(p_.h / p_.h_k),
+        nstates(p_.causal ? (p_.sq + kChunk - 1) / kChunk + 1 : 1), md(int64_t(c.mp) * c.dp),
+        mem(carved_size<T, 17>(sizes())) {
+    std::array<Span<T>*, 17> spans{&st, &ut, &usum, &kt, &vt, &dq, &dkh, &dka, &kw, &dvh, &dva, &vw, &dow, &ew, &ec, &dgr, &ddacc};
+    const auto n = sizes();
+    std::array<T*, 17> ptrs{};
+    std::array<T**, 17> out{};
+    for (int i = 0; i < 17; ++i) out[i] = &ptrs[i];
+    carve<T, 17>(mem.data(), n, out);
+    for (int i = 0; i < 17; ++i) *spans[i] = {ptrs[i], int64_t(n[i])};
   }
+  std::array<size_t, 17> sizes() const {
+    const size_t cm = size_t(c.cp) * c.mp, cd = size_t(c.cp) * c.dp, m = size_t(md), cp = size_t(c.cp);
+    return {size_t(group) * nstates * m, size_t(group) * m, m, cm, cd, cm, cm, cm, cm, cd, cd, cd, cd, cp, cp, cp, size_t(group)};
+  }
+  T* st_at(int hh, int chunk) const { return st.data() + (int64_t(hh) * nstates + chunk) * md; }
+  T* ut_at(int hh) const { return ut.data() + hh * md; }
 
   // dO' of the chunk's rows into c.dov (rows >= n zero)
   void load_dout(int b, int h, int r0, int n) {
     const size_t es = dtype_size(dt);
-    std::fill(c.dov.begin(), c.dov.end(), T(0));
+    std::fill(c.dov.begin() + int64_t(n) * c.dp, c.dov.end(), T(0));
     for (int i = 0; i < n; ++i) {
       T* d = c.dov.data() + int64_t(i) * c.dp;
       const int64_t row = r0 + i;
@@ -347,10 +403,11 @@ struct BwdTask {
       if (p.normalize) {
         T* o = c.o.data();  // scratch row: out_i
         load_row(dt, static_cast<const char*>(p.o) + offset(p.cu_seqlens, b, p.o_batch_stride, h, p.o_head_stride, row, p.o_row_stride) * es, o, p.dim_v, c.dp);
+        // vector dot and scale over the zero-padded rows (a scalar float sum runs at one add
+        // per FMA latency)
         const T inv = T(1) / p.den[seq_index(p, b, h, int(row))];
-        T dn = T(0);
-        for (int j = 0; j < p.dim_v; ++j) dn += d[j] * o[j];
-        for (int j = 0; j < p.dim_v; ++j) d[j] *= inv;
+        const T dn = dot(d, o, c.dp);
+        scale(d, c.dp, inv);
         d[p.dim_v] = -dn * inv;
       }
     }
@@ -360,124 +417,200 @@ struct BwdTask {
     store_row(dt, src, static_cast<char*>(base) + offset(p.cu_seqlens, b, bs, head, hs, row, rs) * dtype_size(dt), n);
   }
 
-  // dq of head h (ascending sweep), dK~ / dv' contributions (descending sweep) into the group's
-  // accumulators, ddecay and dinit_state of h.
-  void head(int b, int h, int hk, int len, bool store_kv_direct) {
+  // dst (dp, mp) <- the (M, dim_v_aug) state of (b, h) in base, transposed (0 without one)
+  void load_state_t(const T* base, int b, int h, T* dst) const {
+    std::fill(dst, dst + md, T(0));
+    if (base == nullptr) return;
+    const T* src = base + state_index(p, b, h);
+    for (int m = 0; m < p.d; ++m) {
+      for (int x = 0; x < p.dim_v_aug; ++x) dst[int64_t(x) * c.mp + m] = src[int64_t(m) * p.dim_v_aug + x];
+    }
+  }
+  // dinit_state of (b, h) <- U from U^T (dp, mp)
+  void save_dinit(int b, int h, const T* u_t) {
+    if (p.dinit_state == nullptr) return;
+    transpose(u_t, c.dp, c.mp, c.mp, c.u.data(), c.dp);
+    save_state(p, b, h, c, c.u.data(), p.dinit_state);
+  }
+
+  // dQ~ rows of head h: feature backward and store
+  void finish_dq(int b, int h, int r0, int n) {
+    for (int i = 0; i < n; ++i) {
+      T* dqi = dq.data() + int64_t(i) * c.mp;
+      feature_backward(p.feature_map, dqi, c.q.data() + int64_t(i) * c.mp, c.mp, p.scale);
+      store_grad(p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, b, h, r0 + i, dqi, p.d);
+    }
+  }
+  // the group's dK~ (dk, feature backward here) and dV' rows of the chunk: store
+  void finish_dkv(int b, int hk, int r0, int n, T* dk, const T* dv) {
+    for (int j = 0; j < n; ++j) {
+      T* dkj = dk + int64_t(j) * c.mp;
+      feature_backward(p.feature_map, dkj, c.k.data() + int64_t(j) * c.mp, c.mp,
+                       kj_live(b, r0 + j) ? T(1) : T(0));
+      store_grad(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b, hk, r0 + j, dkj, p.d);
+      store_grad(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b, hk, r0 + j, dv + int64_t(j) * c.dp, p.dim_v);
+    }
+  }
+  // head hh's (n, mp) dK~ and (n, dp) dV' into the group's sums (group > 1)
+  void accumulate(int hh, int n) {
+    if (hh == 0) {
+      std::copy(dkh.begin(), dkh.begin() + int64_t(n) * c.mp, dka.begin());
+      std::copy(dvh.begin(), dvh.begin() + int64_t(n) * c.dp, dva.begin());
+    } else {
+      add_to(dka.data(), dkh.data(), int64_t(n) * c.mp);
+      add_to(dva.data(), dvh.data(), int64_t(n) * c.dp);
+    }
+  }
+
+  void causal(int b, int hk, int len) {
+    const int h0 = hk * group, nch = (len + kChunk - 1) / kChunk;
     const bool decay = p.decay != nullptr, want_dg = decay && p.ddecay != nullptr;
-    T* s = c.s.data();
-    T* u = c.u.data();
-    const int64_t md = int64_t(c.mp) * c.dp;
-    if (want_dg) std::fill(dg.begin(), dg.begin() + len, T(0));
-    init_state(p, b, h, c, s);
-    // ---------------------------------------------------------------- dQ~ = S_i dO'_i
-    if (!p.causal) sum_state(p, dt, b, h, hk, len, c, s);
-    transpose(s, c.mp, c.dp, c.dp, c.st.data(), c.mp);  // S^T (dp, mp), for non-causal
-    std::fill(u, u + md, T(0));
-    if (p.dfinal_state != nullptr) init_state_from(p.dfinal_state, b, h, u);
-    T final_dot = T(0);
-    for (int r0 = 0; r0 < len; r0 += kChunk) {
-      const int n = std::min(kChunk, len - r0);
-      load_chunk(p, dt, b, h, hk, r0, n, c, true, p.causal);
-      load_dout(b, h, r0, n);
-      T* dq = c.t.data();  // (n, mp)
-      if (p.causal) {
-        transpose(c.v.data(), c.cp, c.dp, c.dp, c.kt.data(), c.cp);  // V'^T (dp, cp)
-        mm<false>(n, c.cp, c.dp, c.dov.data(), c.dp, c.kt.data(), c.cp, c.p.data(), c.cp);
-        mask_chunk<true>(c.p.data(), n, c.cp, c.g.data(), decay);
-        mm<false>(n, c.mp, c.cp, c.p.data(), c.cp, c.k.data(), c.mp, dq, c.mp);
-        transpose(s, c.mp, c.dp, c.dp, c.st.data(), c.mp);
-        mm<false>(n, c.mp, c.dp, c.dov.data(), c.dp, c.st.data(), c.mp, c.p2.data(), c.mp);
-        add_scaled_rows(dq, c.p2.data(), n, c.mp, c.g.data(), decay);
-      } else {
-        mm<false>(n, c.mp, c.dp, c.dov.data(), c.dp, c.st.data(), c.mp, dq, c.mp);
-        mm<true, true>(c.mp, c.dp, n, c.q.data(), c.mp, c.dov.data(), c.dp, u, c.dp);  // dS += Q~^T dO'
-      }
-      for (int i = 0; i < n; ++i) {
-        T* dqi = dq + int64_t(i) * c.mp;
-        const T* qi = c.q.data() + int64_t(i) * c.mp;
-        const T* xi = c.qraw.data() + int64_t(i) * c.mp;
-        if (want_dg) dg[r0 + i] += dot(qi, dqi, c.mp);
-        feature_backward(p.feature_map, dqi, xi, qi, c.mp, p.scale);
-        store_grad(p.dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, b, h, r0 + i, dqi, p.d);
-      }
-      if (p.causal) advance_state(c, n, decay, s);
-    }
-    if (want_dg && p.dfinal_state != nullptr && len > 0) {
-      // the direct dependence of S_T on G_T: <dS_T, S_T>
-      for (int64_t x = 0; x < md; ++x) final_dot += u[x] * s[x];
-      dg[len - 1] += final_dot;
-    }
-    // ---------------------------------------------------------------- dK~_j = U_j v'_j, dV'_j = U_j^T K~_j
-    // non-causal: U = dS for every row (u already holds dS_T + sum_i Q~_i dO'_i^T)
-    const int last = len == 0 ? 0 : (len - 1) / kChunk * kChunk;
-    for (int r0 = last; r0 >= 0 && len > 0; r0 -= kChunk) {
-      const int n = std::min(kChunk, len - r0);
-      load_chunk(p, dt, b, h, hk, r0, n, c, true, true);
-      load_dout(b, h, r0, n);
-      T* dkc = c.t.data();   // (n, mp)
-      T* dvc = c.o.data();   // (n, dp)
-      transpose(u, c.mp, c.dp, c.dp, c.st.data(), c.mp);  // U^T (dp, mp)
-      if (p.causal) {
-        transpose(c.dov.data(), c.cp, c.dp, c.dp, c.kt.data(), c.cp);  // dO'^T (dp, cp)
-        mm<false>(n, c.cp, c.dp, c.v.data(), c.dp, c.kt.data(), c.cp, c.p.data(), c.cp);
-        mask_chunk<false>(c.p.data(), n, c.cp, c.g.data(), decay);
-        mm<false>(n, c.mp, c.cp, c.p.data(), c.cp, c.q.data(), c.mp, dkc, c.mp);
-        transpose(c.q.data(), c.cp, c.mp, c.mp, c.kt.data(), c.cp);  // Q~^T (mp, cp)
-        mm<false>(n, c.cp, c.mp, c.k.data(), c.mp, c.kt.data(), c.cp, c.p2.data(), c.cp);
-        mask_chunk<false>(c.p2.data(), n, c.cp, c.g.data(), decay);
-        mm<false>(n, c.dp, c.cp, c.p2.data(), c.cp, c.dov.data(), c.dp, dvc, c.dp);
-        // the later chunks, through U at this chunk's end, weighted e^{gC - g_j}
-        T* tk = c.p.data();   // (n, mp)
-        T* tv = c.p2.data();  // (n, dp)
-        mm<false>(n, c.mp, c.dp, c.v.data(), c.dp, c.st.data(), c.mp, tk, c.mp);
-        mm<false>(n, c.dp, c.mp, c.k.data(), c.mp, u, c.dp, tv, c.dp);
-        const T gc = c.g[n - 1];
-        for (int j = 0; j < n; ++j) c.grow[j] = decay ? gc - c.g[j] : T(0);
-        add_scaled_rows(dkc, tk, n, c.mp, c.grow.data(), decay);
-        add_scaled_rows(dvc, tv, n, c.dp, c.grow.data(), decay);
-      } else {
-        mm<false>(n, c.mp, c.dp, c.v.data(), c.dp, c.st.data(), c.mp, dkc, c.mp);
-        mm<false>(n, c.dp, c.mp, c.k.data(), c.mp, u, c.dp, dvc, c.dp);
-      }
-      for (int j = 0; j < n; ++j) {
-        T* dkj = dkc + int64_t(j) * c.mp;
-        const T* kj = c.k.data() + int64_t(j) * c.mp;
-        const T* xj = c.kraw.data() + int64_t(j) * c.mp;
-        if (want_dg) dg[r0 + j] -= dot(kj, dkj, c.mp);
-        feature_backward(p.feature_map, dkj, xj, kj, c.mp, kj_live(b, r0 + j) ? T(1) : T(0));
-        const T* dvj = dvc + int64_t(j) * c.dp;
-        if (store_kv_direct) {
-          store_grad(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b, hk, r0 + j, dkj, p.d);
-          store_grad(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b, hk, r0 + j, dvj, p.dim_v);
-        } else {
-          T* ak = dk_acc.data() + int64_t(r0 + j) * c.mp;
-          T* av = dv_acc.data() + int64_t(r0 + j) * c.dp;
-          for (int x = 0; x < c.mp; ++x) ak[x] += dkj[x];
-          for (int x = 0; x < c.dp; ++x) av[x] += dvj[x];
+    const int mp = c.mp, dp = c.dp, cp = c.cp, vp = round_up(p.dim_v, kLanes<T>);
+    // ---------------------------------------------------------------- ascending: S^T per chunk
+    for (int hh = 0; hh < group; ++hh) load_state_t(p.init_state, b, h0 + hh, st_at(hh, 0));
+    for (int ci = 0; ci < nch; ++ci) {
+      const int r0 = ci * kChunk, n = std::min(kChunk, len - r0);
+      load_chunk(p, dt, b, h0, hk, r0, n, c, false, true);
+      for (int hh = 0; hh < group; ++hh) {
+        T* next = st_at(hh, ci + 1);
+        std::copy(st_at(hh, ci), st_at(hh, ci) + md, next);
+        const T* a = c.v.data();
+        if (decay) {  // S <- e^{gC} S + sum_j e^{gC - g_j} K~_j v'_j^T
+          running_decay(p, b, h0 + hh, r0, n, c.g.data());
+          const T gc = c.g[n - 1];
+          scale(next, md, T(std::exp(gc)));
+          for (int j = 0; j < n; ++j) ec[j] = T(std::exp(gc - c.g[j]));
+          scale_rows(vw.data(), c.v.data(), n, dp, ec.data());
+          a = vw.data();
         }
+        mm<true, true>(dp, mp, n, a, dp, c.k.data(), mp, next, mp);  // S^T += v'^T K~
       }
-      if (p.causal) {
-        // U <- e^{gC} U + sum_i e^{g_i} Q~_i dO'_i^T
+    }
+    // ---------------------------------------------------------------- descending: dQ~, dK~, dV'
+    for (int hh = 0; hh < group; ++hh) {
+      load_state_t(p.dfinal_state, b, h0 + hh, ut_at(hh));
+      ddacc[hh] = T(0);
+      if (want_dg && p.dfinal_state != nullptr && len > 0) {
+        // the direct dependence of S_T on G_T: <dS_T, S_T>, at the last row
+        ddacc[hh] = dot(ut_at(hh), st_at(hh, nch), int(md));
+      }
+    }
+    T* P = c.p.data();
+    T* A = c.p2.data();
+    for (int ci = nch - 1; ci >= 0; --ci) {
+      const int r0 = ci * kChunk, n = std::min(kChunk, len - r0);
+      load_chunk(p, dt, b, h0, hk, r0, n, c, false, true);
+      transpose(c.k.data(), cp, mp, mp, kt.data(), cp);
+      transpose(c.v.data(), cp, dp, dp, vt.data(), cp);
+      const bool s_live = ci > 0 || p.init_state != nullptr;
+      const bool u_live = ci < nch - 1 || p.dfinal_state != nullptr;
+      for (int hh = 0; hh < group; ++hh) {
+        const int h = h0 + hh;
+        load_chunk(p, dt, b, h, hk, r0, n, c, true, false);
+        load_dout(b, h, r0, n);
+        const T* g = c.g.data();
+        // intra-chunk
+        mm<false, false, Tri::kLowerC>(n, cp, dp, c.dov.data(), dp, vt.data(), cp, P, cp);
+        mask_chunk(P, n, cp, g, decay);
+        mm<false, false, Tri::kLowerC>(n, cp, mp, c.q.data(), mp, kt.data(), cp, A, cp);
+        mask_chunk(A, n, cp, g, decay);
+        mm<false, false, Tri::kLowerA>(n, mp, n, P, cp, c.k.data(), mp, dq.data(), mp);          // dQ~ = P K~
+        mm<false, true, Tri::kUpperAT>(n, mp, n, P, cp, c.q.data(), mp, dkh.data(), mp);  // dK~ = P^T Q~
+        mm<false, true, Tri::kUpperAT>(n, vp, n, A, cp, c.dov.data(), dp, dvh.data(), dp);  // dV' = A^T dO'
+        // across chunks: S before the chunk, U after it
+        const T* dow_ = c.dov.data();
+        const T* vw_ = c.v.data();
+        const T* kw_ = c.k.data();
+        const T gc = g[n - 1];
         if (decay) {
-          const T f = T(std::exp(c.g[n - 1]));
-          for (int64_t x = 0; x < md; ++x) u[x] *= f;
           for (int i = 0; i < n; ++i) {
-            const T w = T(std::exp(c.g[i]));
-            T* q = c.q.data() + int64_t(i) * c.mp;
-            for (int x = 0; x < c.mp; ++x) q[x] *= w;
+            ew[i] = T(std::exp(g[i]));
+            ec[i] = T(std::exp(gc - g[i]));
+          }
+          scale_rows(dow.data(), c.dov.data(), n, dp, ew.data());
+          dow_ = dow.data();
+        }
+        if (s_live) mm<true>(n, mp, dp, dow_, dp, st_at(hh, ci), mp, dq.data(), mp);  // += e^{g_i} dO' S^T
+        T* u_t = ut_at(hh);
+        if (u_live) {
+          if (decay) {
+            scale_rows(vw.data(), c.v.data(), n, dp, ec.data());
+            scale_rows(kw.data(), c.k.data(), n, mp, ec.data());
+            vw_ = vw.data();
+            kw_ = kw.data();
+          }
+          transpose(u_t, dp, mp, mp, c.u.data(), dp);                          // U (mp, dp)
+          mm<true>(n, mp, dp, vw_, dp, u_t, mp, dkh.data(), mp);               // += e^{gC - g_j} v' U^T
+          mm<true>(n, vp, mp, kw_, mp, c.u.data(), dp, dvh.data(), dp);        // += e^{gC - g_j} K~ U
+        }
+        if (decay) scale(u_t, md, T(std::exp(gc)));
+        mm<true, true>(dp, mp, n, dow_, dp, c.q.data(), mp, u_t, mp);         // U^T += (e^{g_i} dO')^T Q~
+        if (want_dg) {
+          // dG_i = Q~_i . dQ~_i - K~_i . dK~_i (this head's share); ddecay_i = sum_{t >= i} dG_t
+          for (int i = 0; i < n; ++i) {
+            dgr[i] = dot(c.q.data() + int64_t(i) * mp, dq.data() + int64_t(i) * mp, mp) -
+                     dot(c.k.data() + int64_t(i) * mp, dkh.data() + int64_t(i) * mp, mp);
+          }
+          for (int i = n - 1; i >= 0; --i) {
+            ddacc[hh] += dgr[i];
+            p.ddecay[seq_index(p, b, h, r0 + i)] = ddacc[hh];
           }
         }
-        mm<true, true>(c.mp, c.dp, n, c.q.data(), c.mp, c.dov.data(), c.dp, u, c.dp);
+        finish_dq(b, h, r0, n);
+        if (group > 1) accumulate(hh, n);
+      }
+      if (group > 1) {
+        finish_dkv(b, hk, r0, n, dka.data(), dva.data());
+      } else {
+        finish_dkv(b, hk, r0, n, dkh.data(), dvh.data());
       }
     }
-    if (p.dinit_state != nullptr) save_state(p, b, h, c, u, p.dinit_state);
-    if (want_dg) {
-      T acc = T(0);
-      for (int i = len - 1; i >= 0; --i) {
-        acc += dg[i];
-        p.ddecay[seq_index(p, b, h, i)] = acc;
+    for (int hh = 0; hh < group; ++hh) save_dinit(b, h0 + hh, ut_at(hh));
+  }
+
+  void non_causal(int b, int hk, int len) {
+    const int h0 = hk * group;
+    const int mp = c.mp, dp = c.dp, vp = round_up(p.dim_v, kLanes<T>);
+    // S^T = sum_j v'_j K~_j^T (+ the head's initial state)
+    T* s0 = st_at(0, 0);
+    std::fill(s0, s0 + md, T(0));
+    for (int r0 = 0; r0 < len; r0 += kChunk) {
+      const int n = std::min(kChunk, len - r0);
+      load_chunk(p, dt, b, h0, hk, r0, n, c, false, true);
+      mm<true, true>(dp, mp, n, c.v.data(), dp, c.k.data(), mp, s0, mp);
+    }
+    for (int hh = group - 1; hh >= 0; --hh) {
+      T* s = st_at(hh, 0);
+      if (hh > 0) std::copy(s0, s0 + md, s);
+      if (p.init_state != nullptr) {
+        load_state_t(p.init_state, b, h0 + hh, c.st.data());
+        add_to(s, c.st.data(), md);
+      }
+      load_state_t(p.dfinal_state, b, h0 + hh, ut_at(hh));
+    }
+    // dQ~ = dO' S^T, U^T = dS_T^T + sum_i dO'_i Q~_i^T
+    for (int r0 = 0; r0 < len; r0 += kChunk) {
+      const int n = std::min(kChunk, len - r0);
+      for (int hh = 0; hh < group; ++hh) {
+        load_chunk(p, dt, b, h0 + hh, hk, r0, n, c, true, false);
+        load_dout(b, h0 + hh, r0, n);
+        mm<false>(n, mp, dp, c.dov.data(), dp, st_at(hh, 0), mp, dq.data(), mp);
+        mm<true, true>(dp, mp, n, c.dov.data(), dp, c.q.data(), mp, ut_at(hh), mp);
+        finish_dq(b, h0 + hh, r0, n);
       }
     }
+    // dK~ = v' U^T, dV' = K~ U with U the group's sum
+    std::copy(ut_at(0), ut_at(0) + md, usum.data());
+    for (int hh = 1; hh < group; ++hh) add_to(usum.data(), ut_at(hh), md);
+    transpose(usum.data(), dp, mp, mp, c.u.data(), dp);
+    for (int r0 = 0; r0 < len; r0 += kChunk) {
+      const int n = std::min(kChunk, len - r0);
+      load_chunk(p, dt, b, h0, hk, r0, n, c, false, true);
+      mm<false>(n, mp, dp, c.v.data(), dp, usum.data(), mp, dkh.data(), mp);
+      mm<false>(n, vp, mp, c.k.data(), mp, c.u.data(), dp, dvh.data(), dp);
+      finish_dkv(b, hk, r0, n, dkh.data(), dvh.data());
+    }
+    for (int hh = 0; hh < group; ++hh) save_dinit(b, h0 + hh, ut_at(hh));
   }
 
   bool kj_live(int b, int64_t row) const {
@@ -486,25 +619,13 @@ struct BwdTask {
     return p.key_mask[mrow] != 0;
   }
 
-  void init_state_from(const T* base, int b, int h, T* dst) {
-    const T* src = base + state_index(p, b, h);
-    for (int m = 0; m < p.d; ++m) std::memcpy(dst + int64_t(m) * c.dp, src + int64_t(m) * p.dim_v_aug, sizeof(T) * p.dim_v_aug);
-  }
-
   void operator()(int64_t task) {
-    const int b = int(task / p.h_k), hk = int(task % p.h_k), group = p.h / p.h_k;
+    const int b = int(task / p.h_k), hk = int(task % p.h_k);
     const int len = seq_len(p, b);
-    const bool direct = group == 1;
-    if (!direct) {
-      std::fill(dk_acc.begin(), dk_acc.begin() + int64_t(len) * c.mp, T(0));
-      std::fill(dv_acc.begin(), dv_acc.begin() + int64_t(len) * c.dp, T(0));
-    }
-    for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, hk, len, direct);
-    if (!direct) {
-      for (int j = 0; j < len; ++j) {
-        store_grad(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, b, hk, j, dk_acc.data() + int64_t(j) * c.mp, p.d);
-        store_grad(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, b, hk, j, dv_acc.data() + int64_t(j) * c.dp, p.dim_v);
-      }
+    if (p.causal) {
+      causal(b, hk, len);
+    } else {
+      non_causal(b, hk, len);
     }
   }
 };

@@ -1,0 +1,66 @@
+// cpu/simd.h's transpose and the triangular gemm variants against plain loops; built with and
+// without -march=native (test_cpp.py) so both the register transpose and the portable loop run.
+#include <cmath>
+#include <vector>
+
+#include "check.h"
+#include "cpu/simd.h"
+
+using namespace attn::cpu;
+
+template <typename T>
+void check_transpose(int rows, int cols, int ld_src, int ld_dst) {
+  std::vector<T> src(size_t(rows) * ld_src), dst(size_t(cols) * ld_dst, T(-1));
+  for (size_t i = 0; i < src.size(); ++i) src[i] = T(i % 97) - T(40);
+  transpose(src.data(), rows, cols, ld_src, dst.data(), ld_dst);
+  for (int c = 0; c < cols; ++c) {
+    for (int r = 0; r < ld_dst; ++r) {
+      const T want = r < rows ? src[size_t(r) * ld_src + c] : T(0);
+      CHECK(dst[size_t(c) * ld_dst + r] == want, "rows %d cols %d at (%d, %d)", rows, cols, c, r);
+    }
+  }
+}
+
+// C = A B over an n x n causal block with A lower triangular (kLowerA), A^T upper (kUpperAT, A
+// stored lower), or only the lower part of C wanted (kLowerC), against the full product.
+template <typename T>
+void check_tri(int n, int nc) {
+  const int ld = round_up(n > nc ? n : nc, kLanes<T>);
+  std::vector<T> a(size_t(n) * ld, T(0)), b(size_t(n) * ld), full(size_t(n) * ld), tri(size_t(n) * ld);
+  for (int i = 0; i < n; ++i) {
+    for (int k = 0; k <= i; ++k) a[size_t(i) * ld + k] = T((i * 7 + k * 3) % 11) - T(5);  // lower
+  }
+  for (size_t i = 0; i < b.size(); ++i) b[i] = T(i % 13) - T(6);
+  const int N = round_up(nc, kLanes<T>);
+  gemm<false, false, Tri::kFull>(n, N, n, a.data(), ld, b.data(), ld, kPanel<T>, full.data(), ld);
+  gemm<false, false, Tri::kLowerA>(n, N, n, a.data(), ld, b.data(), ld, kPanel<T>, tri.data(), ld);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < N; ++j) CHECK(tri[size_t(i) * ld + j] == full[size_t(i) * ld + j], "kLowerA n %d (%d, %d)", n, i, j);
+  }
+  gemm<false, true, Tri::kFull>(n, N, n, a.data(), ld, b.data(), ld, kPanel<T>, full.data(), ld);
+  gemm<false, true, Tri::kUpperAT>(n, N, n, a.data(), ld, b.data(), ld, kPanel<T>, tri.data(), ld);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < N; ++j) CHECK(tri[size_t(i) * ld + j] == full[size_t(i) * ld + j], "kUpperAT n %d (%d, %d)", n, i, j);
+  }
+  const int Nn = round_up(n, kLanes<T>);
+  gemm<false, false, Tri::kFull>(n, Nn, n, b.data(), ld, b.data(), ld, kPanel<T>, full.data(), ld);
+  gemm<false, false, Tri::kLowerC>(n, Nn, n, b.data(), ld, b.data(), ld, kPanel<T>, tri.data(), ld);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j <= i; ++j) CHECK(tri[size_t(i) * ld + j] == full[size_t(i) * ld + j], "kLowerC n %d (%d, %d)", n, i, j);
+  }
+}
+
+int main() {
+  check_transpose<float>(48, 64, 64, 48);
+  check_transpose<float>(48, 72, 72, 48);
+  check_transpose<float>(72, 64, 64, 72);
+  check_transpose<float>(13, 24, 24, 16);  // rows not whole blocks: a scalar tail, zero fill
+  check_transpose<float>(16, 12, 12, 16);  // cols not whole blocks: the scalar loop
+  check_transpose<double>(48, 64, 64, 48);
+  for (int n : {1, 5, 6, 7, 34, 48, 64}) {
+    check_tri<float>(n, 64);
+    check_tri<double>(n, 40);
+  }
+  std::printf("%s\n", failures == 0 ? "ok" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}
