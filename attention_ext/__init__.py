@@ -22,6 +22,7 @@ from .compat import (  # noqa: E402
     flash_attn_varlen_func,
     scaled_dot_product_attention,
 )
+from ._ext import empty_cpu_cache  # noqa: E402
 from .linear import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
 
@@ -37,6 +38,7 @@ __all__ = [
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
     "dropout_mask",
+    "empty_cpu_cache",
     "linear_attention",
     "linear_attention_step",
     "LinearAttentionState",

@@ -31,3 +31,12 @@ def registered(op: str, dispatch_key: str) -> bool:
     """True when the extension registers a kernel of `op` ("attention_ext::fwd") for
     `dispatch_key` ("CPU", "CUDA")."""
     return HAS_EXT and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
+
+
+def empty_cpu_cache() -> int:
+    """Frees the CPU output blocks the kernels keep for reuse and returns their bytes.
+
+    Outputs of 2 MB and up (the linear family's) come from huge-page blocks that are kept after
+    the tensor dies, up to 1 GiB, so the next call of the same size skips the page faults
+    (csrc/torch/alloc.h). Like torch.cuda.empty_cache(), this hands them back to the OS."""
+    return int(torch.ops.attention_ext.empty_cpu_cache()) if HAS_EXT else 0

@@ -137,6 +137,16 @@ class BlockCache {
     }
     return LineAllocator<char>().allocate(bytes);
   }
+  // Frees every kept block; returns their bytes (attention_ext.empty_cpu_cache()).
+  static size_t release() {
+    std::lock_guard<std::mutex> lock(mutex());
+    Kept& k = kept();
+    const size_t freed = k.bytes;
+    for (auto [q, n] : k.blocks) LineAllocator<char>().deallocate(static_cast<char*>(q), n);
+    k.blocks.clear();
+    k.bytes = 0;
+    return freed;
+  }
   static void give(void* p, size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex());
     Kept& k = kept();

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "cpu/memory.h"          // BlockCache
 #include "softmax/cpu/entry.h"  // simd_width
 #if defined(ATTN_WITH_CUDA)
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
@@ -26,6 +27,9 @@ void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, 
   attn::cuda_set_kernels(attn::CudaKernels{int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt});
 #endif
 }
+
+// Frees the CPU output blocks kept for reuse (csrc/torch/alloc.h); returns their bytes.
+int64_t empty_cpu_cache() { return int64_t(attn::cpu::BlockCache::release()); }
 
 // The ISA this build's CPU kernels were compiled for.
 const char* cpu_isa() {
@@ -60,6 +64,8 @@ TORCH_LIBRARY(attention_ext, m) {
   // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale) -> Tensor");
+  // the CPU output blocks kept for reuse (csrc/torch/alloc.h), like torch.cuda.empty_cache()
+  m.def("empty_cpu_cache() -> int", &empty_cpu_cache);
   // developer-only
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);

@@ -302,6 +302,25 @@ def test_recycled_outputs_do_not_alias():
     assert again.data_ptr() != first.data_ptr()
 
 
+def test_empty_cpu_cache():
+    """attention_ext.empty_cpu_cache() hands the kept output blocks back and reports their bytes;
+    outputs alive at the time are untouched."""
+    if STANDIN:
+        pytest.skip("the stand-in allocates with torch, no block cache")
+    import attention_ext
+
+    q, k, v = (torch.randn(1, 8, 1024, 64) for _ in range(3))  # out: 2 MB, den 32 KB
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=1024, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    live = ops.fwd(q, k, v, **opts)[0]
+    keep = live.clone()
+    attention_ext.empty_cpu_cache()
+    ops.fwd(q, k, v, **opts)  # its 2 MB output is kept when it dies
+    assert attention_ext.empty_cpu_cache() >= q.numel() * 4
+    assert attention_ext.empty_cpu_cache() == 0
+    assert torch.equal(live, keep)
+
+
 @pytest.mark.parametrize("case", GRAD_CASES[:4], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "all")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_fwd(case, dtype):
