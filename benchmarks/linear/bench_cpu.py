@@ -42,11 +42,20 @@ def emit(line=""):
     LINES.append(line)
 
 
+def backward(out, dout, *leaves):
+    """A training step's backward: the grads start as None, as after optimizer.zero_grad() (whose
+    default is set_to_none=True), so autograd hands over the op's gradients instead of adding
+    them into the previous rep's (a 3 x (B, H, S, D) read-modify-write that is not the op's)."""
+    for t in leaves:
+        t.grad = None
+    out.backward(dout)
+
+
 def ours_fn(q, k, v, causal, grad, dout=None):
     def run():
         out = ae.linear_attention(q, k, v, causal=causal, feature_map="elu")
         if grad:
-            out.backward(dout)
+            backward(out, dout, q, k, v)
     return run
 
 
@@ -54,7 +63,7 @@ def peer_fn(q, k, v, causal, grad, dout=None):
     def run():
         out = reference.chunked(q, k, v, causal=causal, feature_map=1, chunk=64)
         if grad:
-            out.backward(dout)
+            backward(out, dout, q, k, v)
     return run
 
 
@@ -108,7 +117,7 @@ def crossover(reps, quick):
                 def softmax():
                     out = ae.attention(q, k, v, causal=True)
                     if grad:
-                        out.backward(dout)
+                        backward(out, dout, q, k, v)
                 with torch.set_grad_enabled(grad):
                     t = interleaved({"linear": ours_fn(q, k, v, True, grad, dout), "softmax": softmax}, reps=reps)
                 cells.append(f"{s}: {t['softmax'] / t['linear']:.2f}x")
