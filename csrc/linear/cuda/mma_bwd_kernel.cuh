@@ -60,7 +60,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // grid (ceil(Dv / kN), H, B), kThreads threads, BwdSmem<kM>::kBytes bytes; scratch zeroed.
 template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const linear_simt::BwdScratch sc) {
+__global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, const linear_simt::BwdScratch sc) {
   using L = BwdSmem<kM>;
   using QT = typename L::QTile;
   using VT = typename L::VTile;

@@ -29,6 +29,9 @@ using linear_simt::Params;
 using linear_simt::BwdParams;
 constexpr int kWarps = kChunk / 16;  // warp w owns chunk rows [16w, 16w + 16)
 constexpr int kThreads = 32 * kWarps;
+// The kernels declare __launch_bounds__(kThreads, 1): without the explicit minimum, ptxas for
+// sm_90a capped the fp16 forward near 128 registers and spilled; one CTA per SM is the
+// budget the shared memory (~100 KB at kM = 128) sets anyway.
 constexpr int kN = 64;  // value columns per CTA
 static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scalars");
 

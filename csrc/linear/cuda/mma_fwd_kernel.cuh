@@ -48,10 +48,11 @@ struct Smem {
 
 // grid (ceil(Dv / kN), H, B), kThreads threads, Smem<kM>::kBytes bytes.
 template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
   using L = Smem<kM>;
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, warp = tid / 32;
+  int lane = tid % 32;  // opaque() per chunk (mma_common.cuh)
   const int m = p.d, c0 = tile * kN, nv = min(kN, p.dim_v - c0);
   const linear_simt::Seq s(p, b);
   const bool decay = p.decay != nullptr;
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     const bool want_out = pass == 1, want_update = pass == 0 || p.causal;
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
+      lane = opaque(lane);
       linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
       __syncthreads();
       const float egc = expf(g[n - 1]);
