@@ -90,17 +90,29 @@ def test_sizes(emu, s, causal):
     run_case(emu, s, torch.float32, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 7, 63, 65, 130])
+def test_sizes_tensor_cores(emu, s, causal):
+    # partial first / last chunks of the tensor-core kernels, both sweeps; decay and the
+    # initial state where the call allows them (decay is causal-only)
+    dtype = torch.float16 if s % 2 else torch.bfloat16
+    run_case(emu, s, dtype, causal=causal, decay=causal, init=True, mask=s > 1)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("causal", [True, False])
 def test_dtypes(emu, dtype, causal):
     run_case(emu, 65, dtype, causal=causal, arch=90)
 
 
-@pytest.mark.parametrize("m,dv", [(16, 40), (40, 16), (64, 72), (72, 130), (136, 8), (300, 20)])
-def test_widths(emu, m, dv):
+@pytest.mark.parametrize("m,dv,dtype", [(16, 40, torch.bfloat16), (40, 16, torch.float16), (64, 72, torch.bfloat16),
+                                        (72, 130, torch.bfloat16), (128, 96, torch.float16), (136, 8, torch.bfloat16),
+                                        (300, 20, torch.bfloat16)], ids=str)
+def test_widths(emu, m, dv, dtype):
     # several value tiles per head (the normalizer column in tile 0 only); M <= 128 takes the
-    # tensor-core forward, M > 128 the SIMT one, M > 256 the SIMT kernels' narrower tiles
-    run_case(emu, 70, torch.bfloat16, causal=True, m=m, dv=dv, decay=True, init=True)
+    # tensor-core kernels (buckets 64 and 128), M > 128 the SIMT ones, M > 256 the SIMT
+    # kernels' narrower tiles
+    run_case(emu, 70, dtype, causal=True, m=m, dv=dv, decay=True, init=True)
 
 
 @pytest.mark.parametrize("fmap,normalize", [(2, True), (0, False), (1, False)])
@@ -129,16 +141,24 @@ def test_varlen(emu, dtype, causal):
 
 @pytest.mark.parametrize("dtype,m,tc", [(torch.bfloat16, 40, True), (torch.float16, 128, True),
                                         (torch.float16, 130, False), (torch.float32, 16, False)])
-def test_forward_path(emu, dtype, m, tc):
-    """fp16 / bf16 with M <= 128 run the tensor-core forward; the rest the SIMT one."""
-    emu.launches()
+def test_path(emu, dtype, m, tc):
+    """fp16 / bf16 with M <= 128 run the tensor-core forward and backward; the rest the SIMT
+    ones. Both backward kernels hand over to the same finalize / ddecay kernels."""
     q = torch.randn(1, 1, 5, m).to(dtype)
-    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=5, feature_map=1,
+    g = -0.1 * torch.rand(1, 1, 5, dtype=ops.acc_dtype(dtype))
+    opts = dict(decay=g, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=5, feature_map=1,
                 causal=True, normalize=True, eps=1e-6, scale=1.0)
-    emu.linear_fwd(q, q, q, *[opts[n] for n in ops.OPTION_NAMES], 80)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    emu.launches()
+    out, den, final = emu.linear_fwd(q, q, q, *args, 80)
     names = emu.launches()
     assert any("linear_tc::fwd_kernel" in n for n in names) == tc, names
     assert any("linear_simt::fwd_kernel" in n for n in names) == (not tc), names
+    emu.linear_bwd(torch.randn_like(out), None, q, q, q, out, den, *args, 80)
+    names = emu.launches()
+    assert any("linear_tc::bwd_kernel" in n for n in names) == tc, names
+    assert any("linear_simt::bwd_kernel" in n for n in names) == (not tc), names
+    assert any("finalize_kernel" in n for n in names) and any("ddecay_kernel" in n for n in names), names
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -156,6 +176,22 @@ def test_fp16_state_past_fp16_range(emu, causal):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), ref[0], rtol=2e-3, atol=0.0)
     torch.testing.assert_close(final.double(), ref[2], rtol=1e-4, atol=1e-2)
+    # the backward recomputes S with the same scaled fp16 copy (dq = S dO'). Unnormalized, with
+    # a small scale so that out and the gradients fit fp16: normalized, dq is the difference
+    # of S dout and z (dout . out), which cancel here (v ~ 60 everywhere) to far below the
+    # 16-bit copy's rounding of S.
+    opts.update(normalize=False, scale=1e-3)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    out, den, final = emu.linear_fwd(q, k, v, *args, 80)
+    dout = torch.randn_like(out)
+    grads = emu.linear_bwd(dout, None, q, k, v, out, den, *args, 80)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o = reference.linear_attention(*leaves, causal=causal, normalize=False, scale=1e-3)[0]
+    want = torch.autograd.grad(o, leaves, dout.double())
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+        assert torch.isfinite(got).all(), name
+        err = (got.double() - w).abs().max() / w.abs().max()  # relative to the largest entry
+        assert err < 1e-2, (name, float(err))
 
 
 def test_float64_is_refused(emu):
@@ -179,11 +215,14 @@ def test_empty_sequence(emu):
 def test_schedules(emu, warp_serial, reverse):
     """Lockstep and last-warp-first interleavings: a missing barrier between a shared tile's
     writers and readers shows up as a NaN (poisoned shared memory) or a stale value. Two chunks
-    each, so the carried state is read after its update; lockstep is slow, so small heads."""
+    each, so the carried state is read after its update (forward S, backward S and U); the
+    fp32 cases run the SIMT kernels, fp16 / bf16 the tensor-core ones (two value tiles in the
+    fp16 case; h = 2 query heads on one kv head throughout); lockstep is slow, so small heads."""
     emu.set_schedule(warp_serial, reverse)
     try:
         run_case(emu, 66, torch.float32, causal=True, m=40, dv=36, decay=True, init=True, mask=True)
         run_case(emu, 66, torch.bfloat16, causal=True, m=40, dv=20, decay=True, init=True, mask=True)
+        run_case(emu, 66, torch.float16, causal=True, m=72, dv=70, decay=True, init=True)
         if warp_serial:
             run_case(emu, 66, torch.float32, causal=False, m=40, dv=36, init=True)
             run_case(emu, 66, torch.float16, causal=False, m=72, dv=70, init=True)

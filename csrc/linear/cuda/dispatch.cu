@@ -1,10 +1,10 @@
 // cuda_linear_fwd / cuda_linear_bwd (entry.h): choose and launch the kernels.
 //
-// The forward of fp16 / bf16 inputs with M <= 128 on sm_80+ runs on tensor cores
-// (mma_fwd_kernel.cuh, feature-width bucket 64 or 128); the rest, and the whole backward, on the
-// SIMT kernels of simt_kernel.cuh (fp32 FMA, every dtype and width). The backward is three steps on one stream: the chunked
-// kernel (atomics into the zeroed scratch), the conversion of dq / dk / dv, and ddecay's
-// reverse running sum.
+// fp16 / bf16 inputs with M <= 128 on sm_80+ run on tensor cores (mma_fwd_kernel.cuh,
+// mma_bwd_kernel.cuh; feature-width bucket 64 or 128); the rest on the SIMT kernels of
+// simt_kernel.cuh (fp32 FMA, every dtype and width). The backward is three steps on one stream:
+// the chunked kernel (tensor-core or SIMT: both add into the same zeroed scratch with atomics),
+// the conversion of dq / dk / dv, and ddecay's reverse running sum (simt_kernel.cuh's, shared).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cuda/launch.h"
 #include "linear/cuda/entry.h"
+#include "linear/cuda/mma_bwd_kernel.cuh"
 #include "linear/cuda/mma_fwd_kernel.cuh"
 #include "linear/cuda/simt_kernel.cuh"
 
@@ -73,21 +75,55 @@ bool use_tensor_cores(const LinearParamsT<float>& p, DType dt) {
   return (dt == DType::kF16 || dt == DType::kBF16) && p.d <= 128 && device_sm() >= 80;
 }
 
-template <typename T>
-void run_bwd(const LinearBwdParamsT<float>& p, float* scratch, cudaStream_t stream) {
-  const char* what = "attention_ext.linear (CUDA backward)";
-  check_grid(p.h, p.b, what);
+linear_simt::BwdScratch carve_scratch(const LinearBwdParamsT<float>& p, float* scratch) {
   linear_simt::BwdScratch sc;
   sc.dq = scratch;
   sc.dk = sc.dq + scratch_rows(p, p.h) * p.d;
   sc.dv = sc.dk + scratch_rows(p, p.h_k) * p.d;
   sc.dg = sc.dv + scratch_rows(p, p.h_k) * p.dim_v;
+  return sc;
+}
+
+template <typename T>
+void run_bwd_simt(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch& sc, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA backward)";
   const int smem = linear_simt::bwd_smem_floats(p.d) * int(sizeof(float));
   auto kernel = &linear_simt::bwd_kernel<T>;
   set_smem(kernel, smem, what);
   const dim3 grid(num_tiles(p), p.h, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(kThreads), smem, stream)(p, sc);
   check_launch(what);
+}
+
+// fp16 / bf16 only (TypeOps); M <= kM
+template <typename T, int kM>
+void run_bwd_tc(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch& sc, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA tensor-core backward)";
+  constexpr int smem = linear_tc::BwdSmem<kM>::kBytes;
+  auto kernel = &linear_tc::bwd_kernel<T, kM>;
+  set_smem(kernel, smem, what);
+  const dim3 grid((p.dim_v + linear_tc::kN - 1) / linear_tc::kN, p.h, p.b);
+  ATTN_LAUNCH(kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p, sc);
+  check_launch(what);
+}
+
+// The chunked kernel (tensor cores when use_tensor_cores), then finalize_kernel and
+// ddecay_kernel on the scratch.
+template <typename T>
+void run_bwd(const LinearBwdParamsT<float>& p, bool tensor_cores, float* scratch, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA backward)";
+  check_grid(p.h, p.b, what);
+  const linear_simt::BwdScratch sc = carve_scratch(p, scratch);
+  if constexpr (!std::is_same_v<T, float>) {
+    if (tensor_cores) {
+      if (p.d <= 64) {
+        run_bwd_tc<T, 64>(p, sc, stream);
+      } else {
+        run_bwd_tc<T, 128>(p, sc, stream);
+      }
+    }
+  }
+  if (std::is_same_v<T, float> || !tensor_cores) run_bwd_simt<T>(p, sc, stream);
   // grid-stride loops: enough blocks to fill the device, no more
   const int64_t max_blocks = 4096;
   for (int which = 0; which < 3; ++which) {
@@ -128,10 +164,11 @@ size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p) {
 }
 
 void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream) {
+  const bool tc = linear_cuda::use_tensor_cores(p, dt);
   switch (dt) {
-    case DType::kF32: linear_cuda::run_bwd<float>(p, scratch, stream); break;
-    case DType::kF16: linear_cuda::run_bwd<__half>(p, scratch, stream); break;
-    case DType::kBF16: linear_cuda::run_bwd<__nv_bfloat16>(p, scratch, stream); break;
+    case DType::kF32: linear_cuda::run_bwd<float>(p, false, scratch, stream); break;
+    case DType::kF16: linear_cuda::run_bwd<__half>(p, tc, scratch, stream); break;
+    case DType::kBF16: linear_cuda::run_bwd<__nv_bfloat16>(p, tc, scratch, stream); break;
     default: throw std::runtime_error("attention_ext.linear: the CUDA kernels take float32, float16 or bfloat16");
   }
 }

@@ -8,13 +8,10 @@
 //   A <- mask j <= i, e^{g_i - g_j}   in the accumulators, then repacked as the A operand
 //   O' = e^{g_i} Q~ S + A V'      (C, kN): B from S (kM, kN) and V (C, kN) with ldmatrix.trans
 //   S <- e^{gC} S + (wk K~)^T V   (kM, kN): A from the (kM, C) transposed copy of wk * K~
-// The state lives in shared memory twice: fp32 (the running sum, never rounded) and a 16-bit
-// copy that feeds Q~ S. The normalizer column is not a tile column: its state is the fp32 vector
+// The state lives in shared memory twice: fp32 and a scaled 16-bit copy that feeds Q~ S
+// (mma_common.cuh). The normalizer column is not a tile column: its state is the fp32 vector
 // z (kM) = the running sum of the weighted K~ rows, and den_i = rowsum(A_i) + e^{g_i} Q~_i . z
 // + eps, so every value tile has den without spending an 8-column mma tile on one column.
-// fp16 has a narrow range and S grows with the sequence, so its 16-bit copy holds S / sigma, sigma
-// a power of 2 (exact) that keeps |S / sigma| <= 2^14, and Q~ S is multiplied back by sigma in
-// fp32; bf16 has fp32's range (sigma = 1).
 // Non-causal calls take two passes: S over the whole sequence, then O' = Q~ S per chunk.
 // Operands are staged by plain 16-bit shared stores (the feature map and the key mask are
 // applied while loading), so any row stride and alignment works.
@@ -28,17 +25,10 @@
 
 #include "common/linear_params.h"
 #include "cuda/mma.cuh"
-#include "linear/cuda/simt_kernel.cuh"  // Seq, feature, row scalars
+#include "linear/cuda/mma_common.cuh"
 
 namespace attn {
 namespace linear_tc {
-
-using linear_simt::kChunk;
-using linear_simt::Params;
-constexpr int kWarps = kChunk / 16;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kN = 64;  // value columns per CTA
-static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scalars");
 
 template <int kM>
 struct Smem {
@@ -56,48 +46,13 @@ struct Smem {
   static constexpr int kBytes = kRed + kWarps * 4;
 };
 
-template <typename T>
-__device__ __forceinline__ void st16(unsigned char* base, uint32_t off, float x) {
-  *reinterpret_cast<T*>(base + off) = linear_simt::from_float<T>(x);
-}
-template <typename T>
-__device__ __forceinline__ float ld16(const unsigned char* base, uint32_t off) {
-  return linear_simt::to_float(*reinterpret_cast<const T*>(base + off));
-}
-
-// The 16-bit copy of the fp32 state Sf; returns its scale sigma (S16 = S / sigma). Every thread
-// calls it (block-wide max for fp16).
-template <typename T, int kM>
-__device__ __forceinline__ float refresh_s16(unsigned char* smem, const float* Sf, float* red) {
-  using L = Smem<kM>;
-  float sigma = 1.f;
-  if constexpr (std::is_same_v<T, __half>) {
-    float mx = 0.f;
-    for (int e = threadIdx.x; e < kM * kN; e += kThreads) mx = fmaxf(mx, fabsf(Sf[e]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
-    __syncthreads();
-    mx = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
-    if (mx > 16384.f) sigma = exp2f(ceilf(log2f(mx / 16384.f)));
-  }
-  const float inv = 1.f / sigma;
-  for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
-    st16<T>(smem, L::kS + L::STile::offset(e / kN, e % kN), Sf[e] * inv);
-  }
-  __syncthreads();
-  return sigma;
-}
-
 // grid (ceil(Dv / kN), H, B), kThreads threads, Smem<kM>::kBytes bytes.
 template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
   using L = Smem<kM>;
-  using Ops = tc::TypeOps<T>;
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, warp = tid / 32;
+  int lane = tid % 32;  // opaque() per chunk (mma_common.cuh)
   const int m = p.d, c0 = tile * kN, nv = min(kN, p.dim_v - c0);
   const linear_simt::Seq s(p, b);
   const bool decay = p.decay != nullptr;
@@ -115,25 +70,17 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
   const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride);
   T* oh = static_cast<T*>(p.o) + s.off(p.o_batch_stride, h, p.o_head_stride, 0, p.o_row_stride);
-  const int64_t state = (int64_t(b) * p.h + h) * int64_t(m) * p.dim_v_aug;
 
-  // S, z <- the initial state (0 past M / nv)
-  for (int e = tid; e < kM * kN; e += kThreads) {
-    const int r = e / kN, c = e % kN;
-    const float x = p.init_state != nullptr && r < m && c < nv ? p.init_state[state + int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
-    Sf[e] = x;
-  }
-  for (int r = tid; r < kM; r += kThreads) {
-    z[r] = p.init_state != nullptr && p.normalize && r < m ? p.init_state[state + int64_t(r) * p.dim_v_aug + p.dim_v] : 0.f;
-  }
+  load_state<kM>(Sf, z, p.init_state, p, b, h, c0, nv, p.normalize);
   __syncthreads();
-  float sigma = refresh_s16<T, kM>(smem, Sf, red);
+  float sigma = refresh_s16<T, L, kM>(smem, Sf, red);
 
   // pass 0 (non-causal only): S, z over the whole sequence; pass 1: outputs (and, causal, S)
   for (int pass = p.causal ? 1 : 0; pass < 2; ++pass) {
     const bool want_out = pass == 1, want_update = pass == 0 || p.causal;
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
+      lane = opaque(lane);
       linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
       __syncthreads();
       const float egc = expf(g[n - 1]);
@@ -163,21 +110,9 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       if (want_out) {
         const int row_a = 16 * warp;
         float acc_o[kN / 8][4];
-#pragma unroll
-        for (int t = 0; t < kN / 8; ++t) acc_o[t][0] = acc_o[t][1] = acc_o[t][2] = acc_o[t][3] = 0.f;
+        zero(acc_o);
         // O' = Q~ S, rows scaled by e^{g_i} below
-#pragma unroll
-        for (int kk = 0; kk < kM / 16; ++kk) {
-          uint32_t a[4];
-          tc::ldmatrix_x4(a, sbase + L::kQ + L::QTile::offset(row_a + (lane & 15), kk * 16 + (lane >> 4) * 8));
-#pragma unroll
-          for (int np = 0; np < kN / 16; ++np) {
-            uint32_t bf[4];
-            tc::ldmatrix_x4_trans(bf, sbase + L::kS + L::STile::offset(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                        np * 16 + (lane >> 4) * 8));
-            tc::mma_n16<T>(acc_o[2 * np], a, bf);
-          }
-        }
+        mma_smem<T, typename L::QTile, typename L::STile, kM, kN, true>(acc_o, sbase + L::kQ, row_a, sbase + L::kS, lane);
         const int ra = row_a + lane / 4, rb = ra + 8;  // this thread's two rows of the warp's 16
         const float ea = p.causal ? wq[ra] : 1.f, eb = p.causal ? wq[rb] : 1.f;
 #pragma unroll
@@ -191,20 +126,9 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         if (p.causal) {
           // A = Q~ K~^T for the warp's 16 rows x the chunk's kChunk keys
           float acc_s[kChunk / 8][4];
-#pragma unroll
-          for (int t = 0; t < kChunk / 8; ++t) acc_s[t][0] = acc_s[t][1] = acc_s[t][2] = acc_s[t][3] = 0.f;
-#pragma unroll
-          for (int kk = 0; kk < kM / 16; ++kk) {
-            uint32_t a[4];
-            tc::ldmatrix_x4(a, sbase + L::kQ + L::QTile::offset(row_a + (lane & 15), kk * 16 + (lane >> 4) * 8));
-#pragma unroll
-            for (int np = 0; np < kChunk / 16; ++np) {
-              uint32_t bf[4];
-              tc::ldmatrix_x4(bf, sbase + L::kK + L::QTile::offset(np * 16 + (lane & 7) + (lane >> 4) * 8,
-                                                                   kk * 16 + ((lane >> 3) & 1) * 8));
-              tc::mma_n16<T>(acc_s[2 * np], a, bf);
-            }
-          }
+          zero(acc_s);
+          mma_smem<T, typename L::QTile, typename L::QTile, kM, kChunk, false>(acc_s, sbase + L::kQ, row_a, sbase + L::kK,
+                                                                              lane);
           // mask j <= i with weights e^{g_i - g_j}; row sums feed den
 #pragma unroll
           for (int t = 0; t < kChunk / 8; ++t) {
@@ -219,21 +143,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
             sum_b += acc_s[t][2] + acc_s[t][3];
           }
           // O' += A V: the accumulators of two adjacent key tiles are one A fragment
-#pragma unroll
-          for (int kb = 0; kb < kChunk / 16; ++kb) {
-            uint32_t a[4];
-            a[0] = Ops::pack(acc_s[2 * kb][0], acc_s[2 * kb][1]);
-            a[1] = Ops::pack(acc_s[2 * kb][2], acc_s[2 * kb][3]);
-            a[2] = Ops::pack(acc_s[2 * kb + 1][0], acc_s[2 * kb + 1][1]);
-            a[3] = Ops::pack(acc_s[2 * kb + 1][2], acc_s[2 * kb + 1][3]);
-#pragma unroll
-            for (int np = 0; np < kN / 16; ++np) {
-              uint32_t bf[4];
-              tc::ldmatrix_x4_trans(bf, sbase + L::kV + L::VTile::offset(kb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                          np * 16 + (lane >> 4) * 8));
-              tc::mma_n16<T>(acc_o[2 * np], a, bf);
-            }
-          }
+          mma_reg<T, typename L::VTile, kChunk, kN>(acc_o, acc_s, sbase + L::kV, lane);
 #pragma unroll
           for (int o = 1; o <= 2; o <<= 1) {
             sum_a += __shfl_xor_sync(0xffffffffu, sum_a, o);
@@ -260,51 +170,19 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
       if (want_update) {
         // S <- e^{gC} S + (wk K~)^T V, 16-row tiles of the state over the warps
         const float f = p.causal ? egc : 1.f;
-        for (int rt = warp; rt < kM / 16; rt += kWarps) {
-          float acc[kN / 8][4];
-#pragma unroll
-          for (int t = 0; t < kN / 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-#pragma unroll
-          for (int kb = 0; kb < kChunk / 16; ++kb) {
-            uint32_t a[4];
-            tc::ldmatrix_x4(a, sbase + L::kKt + L::KtTile::offset(rt * 16 + (lane & 15), kb * 16 + (lane >> 4) * 8));
-#pragma unroll
-            for (int np = 0; np < kN / 16; ++np) {
-              uint32_t bf[4];
-              tc::ldmatrix_x4_trans(bf, sbase + L::kV + L::VTile::offset(kb * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                          np * 16 + (lane >> 4) * 8));
-              tc::mma_n16<T>(acc[2 * np], a, bf);
-            }
-          }
-#pragma unroll
-          for (int t = 0; t < kN / 8; ++t) {
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-              const int r = rt * 16 + lane / 4 + (x < 2 ? 0 : 8), c = t * 8 + 2 * (lane % 4) + (x & 1);
-              Sf[r * kN + c] = f * Sf[r * kN + c] + acc[t][x];
-            }
-          }
-        }
+        add_outer<T, L, kM>(Sf, sbase + L::kKt, sbase + L::kV, f, warp, lane);
         for (int c = tid; c < kM; c += kThreads) {  // z <- e^{gC} z + sum_j wk_j K~_j
           float acc = 0.f;
           for (int j = 0; j < n; ++j) acc += ld16<T>(smem, L::kKt + L::KtTile::offset(c, j));
           z[c] = f * z[c] + acc;
         }
         __syncthreads();
-        sigma = refresh_s16<T, kM>(smem, Sf, red);
+        sigma = refresh_s16<T, L, kM>(smem, Sf, red);
       }
       __syncthreads();
     }
   }
-  if (p.final_state != nullptr) {
-    for (int e = tid; e < m * nv; e += kThreads) {
-      const int r = e / nv, c = e % nv;
-      p.final_state[state + int64_t(r) * p.dim_v_aug + c0 + c] = Sf[r * kN + c];
-    }
-    if (tile == 0 && p.normalize) {
-      for (int r = tid; r < m; r += kThreads) p.final_state[state + int64_t(r) * p.dim_v_aug + p.dim_v] = z[r];
-    }
-  }
+  if (p.final_state != nullptr) store_state(p.final_state, Sf, z, p, b, h, c0, nv, tile == 0 && p.normalize);
 }
 
 }  // namespace linear_tc

@@ -1,7 +1,8 @@
 // SIMT (fp32 FMA) kernels of the linear attention family: the chunked parallel form of
 // csrc/linear/cpu/linear.cpp, forward and backward, for float32, float16 and bfloat16 inputs.
-// They take every call's backward, and the forward of what the tensor-core kernel
-// (mma_fwd_kernel.cuh) does not: float32 inputs, M > 128, devices below sm_80.
+// They take what the tensor-core kernels (mma_fwd_kernel.cuh, mma_bwd_kernel.cuh) do not:
+// float32 inputs, M > 128, devices below sm_80. The backward's finalize_kernel and ddecay_kernel
+// serve both backward kernels.
 //
 // One CTA per (value tile, head, sequence): it owns the columns [c0, c0 + nv) of v (plus the
 // normalizer column) and walks its sequence in chunks of kChunk rows, carrying its (M, cols)

@@ -1,0 +1,191 @@
+// Building blocks shared by the tensor-core forward (mma_fwd_kernel.cuh) and backward
+// (mma_bwd_kernel.cuh) of the linear attention family: the CTA shape, 16-bit staging, the
+// fp32 state slab with its scaled 16-bit operand copy, and the two product shapes every chunk
+// product is made of (operands in swizzled shared tiles, or the A operand in registers).
+//
+// The state slab of a CTA is (kM, kN): kM feature rows x the CTA's kN value columns, fp32 in
+// shared memory (a running sum, never rounded), plus a 16-bit copy S16 = S / sigma that feeds
+// the tensor cores. fp16 has a narrow range and the state grows with the sequence, so sigma is
+// a power of 2 (exact) that keeps |S / sigma| <= 2^14 and products with S16 are multiplied back
+// by sigma in fp32; bf16 has fp32's range (sigma = 1). A layout L names its tiles' offsets:
+// kS (the 16-bit copy, L::STile) and whatever the products read.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/linear_params.h"
+#include "cuda/mma.cuh"
+#include "linear/cuda/simt_kernel.cuh"  // Seq, feature, row scalars, dtype conversion
+
+namespace attn {
+namespace linear_tc {
+
+using linear_simt::kChunk;
+using linear_simt::Params;
+using linear_simt::BwdParams;
+constexpr int kWarps = kChunk / 16;  // warp w owns chunk rows [16w, 16w + 16)
+constexpr int kThreads = 32 * kWarps;
+// The kernels declare __launch_bounds__(kThreads, 1): without the explicit minimum, ptxas for
+// sm_90a capped the fp16 forward near 128 registers and spilled; one CTA per SM is the
+// budget the shared memory (~100 KB at kM = 128) sets anyway.
+constexpr int kN = 64;  // value columns per CTA
+static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scalars");
+
+template <typename T>
+__device__ __forceinline__ void st16(unsigned char* base, uint32_t off, float x) {
+  *reinterpret_cast<T*>(base + off) = linear_simt::from_float<T>(x);
+}
+template <typename T>
+__device__ __forceinline__ float ld16(const unsigned char* base, uint32_t off) {
+  return linear_simt::to_float(*reinterpret_cast<const T*>(base + off));
+}
+
+// x, as a value the compiler cannot see through. A sweep's chunk loop starts with lane =
+// opaque(lane): the lane's shared-memory addresses of every product are then recomputed per
+// chunk (a few integer ops) instead of hoisted out of the loops and all kept live in registers.
+__device__ __forceinline__ int opaque(int x) {
+#if !defined(ATTN_CUDA_EMULATE)
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
+}
+
+template <int kTiles>
+__device__ __forceinline__ void zero(float (&acc)[kTiles][4]) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+}
+// The (row, column) of accumulator element x of n-tile t, for a warp's 16 rows starting at row0.
+__device__ __forceinline__ int acc_row(int row0, int lane, int x) { return row0 + lane / 4 + (x < 2 ? 0 : 8); }
+__device__ __forceinline__ int acc_col(int t, int lane, int x) { return t * 8 + 2 * (lane % 4) + (x & 1); }
+
+// acc (16 x kCols, kCols / 8 n-tiles) += A B, A = rows [row0, row0 + 16) x columns [0, kK) of
+// the ATile at shared address a; B (kK x kCols) from the BTile at b, stored either
+//   kBRowsK = false: rows n, columns k (B^T in memory: the Q K^T shape), ldmatrix
+//   kBRowsK = true:  rows k, columns n (the A V shape), ldmatrix.trans
+// Addresses: one lane offset per operand, moved by SmemTile::advance, so that the unrolled steps
+// (and the loop-invariant addresses the compiler would hoist out of a sweep) cost no register
+// each.
+template <typename T, typename ATile, typename BTile, int kK, int kCols, bool kBRowsK>
+__device__ __forceinline__ void mma_smem(float (&acc)[kCols / 8][4], uint32_t a, int row0, uint32_t b, int lane) {
+  const uint32_t ao = ATile::advance(ATile::lane_a(0, lane), row0, 0);
+  const uint32_t bo = kBRowsK ? BTile::lane_bt(0, lane) : BTile::lane_b(0, lane);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t af[4];
+    tc::ldmatrix_x4(af, a + ATile::advance(ao, 0, kk * 16));
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t bf[4];
+      if constexpr (kBRowsK) {
+        tc::ldmatrix_x4_trans(bf, b + BTile::advance(bo, kk * 16, np * 16));
+      } else {
+        tc::ldmatrix_x4(bf, b + BTile::advance(bo, np * 16, kk * 16));
+      }
+      tc::mma_n16<T>(acc[2 * np], af, bf);
+    }
+  }
+}
+
+// acc (16 x kCols) += P B with P (16 x kK) the fp32 accumulators of an earlier product (the C
+// fragments of two adjacent n-tiles are one A fragment, mma.cuh), rounded to T; B rows k,
+// columns n in the BTile at b.
+template <typename T, typename BTile, int kK, int kCols>
+__device__ __forceinline__ void mma_reg(float (&acc)[kCols / 8][4], const float (&pm)[kK / 8][4], uint32_t b, int lane) {
+  using Ops = tc::TypeOps<T>;
+  const uint32_t bo = BTile::lane_bt(0, lane);
+#pragma unroll
+  for (int kb = 0; kb < kK / 16; ++kb) {
+    uint32_t a[4];
+    a[0] = Ops::pack(pm[2 * kb][0], pm[2 * kb][1]);
+    a[1] = Ops::pack(pm[2 * kb][2], pm[2 * kb][3]);
+    a[2] = Ops::pack(pm[2 * kb + 1][0], pm[2 * kb + 1][1]);
+    a[3] = Ops::pack(pm[2 * kb + 1][2], pm[2 * kb + 1][3]);
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t bf[4];
+      tc::ldmatrix_x4_trans(bf, b + BTile::advance(bo, kb * 16, np * 16));
+      tc::mma_n16<T>(acc[2 * np], a, bf);
+    }
+  }
+}
+
+// The 16-bit copy of the fp32 state Sf (kM, kN) at L::kS; returns its scale sigma (S16 = S /
+// sigma). Every thread calls it, after a barrier that follows the last write of Sf and the
+// last read of the old copy (block-wide max for fp16).
+template <typename T, typename L, int kM>
+__device__ __forceinline__ float refresh_s16(unsigned char* smem, const float* Sf, float* red) {
+  float sigma = 1.f;
+  if constexpr (std::is_same_v<T, __half>) {
+    float mx = 0.f;
+    for (int e = threadIdx.x; e < kM * kN; e += kThreads) mx = fmaxf(mx, fabsf(Sf[e]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+    __syncthreads();
+    mx = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+    if (mx > 16384.f) sigma = exp2f(ceilf(log2f(mx / 16384.f)));
+  }
+  const float inv = 1.f / sigma;
+  for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
+    st16<T>(smem, L::kS + L::STile::offset(e / kN, e % kN), Sf[e] * inv);
+  }
+  __syncthreads();
+  return sigma;
+}
+
+// Sf <- f Sf + Xt Y: Xt (kM, kChunk) a transposed weighted copy (L::KtTile at xt), Y (kChunk, kN)
+// (L::VTile at y); 16-row tiles of the state over the warps. The forward's S update with
+// (wk K~)^T and V, the backward's reverse state U with (wq Q~)^T and dO'.
+template <typename T, typename L, int kM>
+__device__ __forceinline__ void add_outer(float* Sf, uint32_t xt, uint32_t y, float f, int warp, int lane) {
+  for (int rt = warp; rt < kM / 16; rt += kWarps) {
+    float acc[kN / 8][4];
+    zero(acc);
+    mma_smem<T, typename L::KtTile, typename L::VTile, kChunk, kN, true>(acc, xt, rt * 16, y, lane);
+#pragma unroll
+    for (int t = 0; t < kN / 8; ++t) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int r = acc_row(rt * 16, lane, x), c = acc_col(t, lane, x);
+        Sf[r * kN + c] = f * Sf[r * kN + c] + acc[t][x];
+      }
+    }
+  }
+}
+
+// Sf (kM, kN) and z (kM) <- columns [c0, c0 + nv) and (with_z) the normalizer column of src
+// (B, H, M, dim_v_aug) at (b, h), or 0 (src null, rows past M, columns past nv).
+template <int kM>
+__device__ __forceinline__ void load_state(float* Sf, float* z, const float* src, const Params& p, int b, int h, int c0,
+                                           int nv, bool with_z) {
+  const int64_t base = (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
+  for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
+    const int r = e / kN, c = e % kN;
+    Sf[e] = src != nullptr && r < p.d && c < nv ? src[base + int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
+  }
+  for (int r = threadIdx.x; r < kM; r += kThreads) {
+    z[r] = src != nullptr && with_z && r < p.d ? src[base + int64_t(r) * p.dim_v_aug + p.dim_v] : 0.f;
+  }
+}
+// The inverse of load_state: dst's columns [c0, c0 + nv) and (with_z) its normalizer column.
+__device__ __forceinline__ void store_state(float* dst, const float* Sf, const float* z, const Params& p, int b, int h,
+                                            int c0, int nv, bool with_z) {
+  const int64_t base = (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
+  for (int e = threadIdx.x; e < p.d * nv; e += kThreads) {
+    const int r = e / nv, c = e % nv;
+    dst[base + int64_t(r) * p.dim_v_aug + c0 + c] = Sf[r * kN + c];
+  }
+  if (with_z) {
+    for (int r = threadIdx.x; r < p.d; r += kThreads) dst[base + int64_t(r) * p.dim_v_aug + p.dim_v] = z[r];
+  }
+}
+
+}  // namespace linear_tc
+}  // namespace attn
