@@ -101,12 +101,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       const int i = e / kM, c = e % kM;
       const bool ok = i < n && c < m;
       if (q) {
-        const float x = ok ? linear_simt::feature(p.feature_map, linear_simt::to_float(qh[int64_t(r0 + i) * p.q_row_stride + c])) * p.scale : 0.f;
+        const float x = ok ? linear_simt::feature(p.feature_map, to_float(qh[int64_t(r0 + i) * p.q_row_stride + c])) * p.scale : 0.f;
         st16<T>(smem, L::kQ + QT::offset(i, c), x);
         if (qt) st16<T>(smem, L::kKt + L::KtTile::offset(c, i), x * wq[i]);
       }
       if (k) {
-        const float y = ok ? linear_simt::feature(p.feature_map, linear_simt::to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i] : 0.f;
+        const float y = ok ? linear_simt::feature(p.feature_map, to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i] : 0.f;
         st16<T>(smem, L::kK + QT::offset(i, c), y);
         if (kt) st16<T>(smem, L::kKt + L::KtTile::offset(c, i), y * wk[i]);
       }
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     if (v) {
       for (int e = tid; e < kChunk * kN; e += kThreads) {
         const int i = e / kN, c = e % kN;
-        const float x = i < n && c < nv ? linear_simt::to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
+        const float x = i < n && c < nv ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
         st16<T>(smem, L::kV + VT::offset(i, c), x);
       }
     }
@@ -123,15 +123,15 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
         float dot = 0.f, inv = 1.f;
         if (i < n && p.normalize) {
           for (int c = lane; c < p.dim_v; c += 32) {
-            dot += linear_simt::to_float(douth[int64_t(r0 + i) * p.do_row_stride + c]) *
-                   linear_simt::to_float(outh[int64_t(r0 + i) * p.o_row_stride + c]);
+            dot += to_float(douth[int64_t(r0 + i) * p.do_row_stride + c]) *
+                   to_float(outh[int64_t(r0 + i) * p.o_row_stride + c]);
           }
 #pragma unroll
           for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
           inv = 1.f / p.den[s.row(p, p.h, h, r0 + i)];
         }
         for (int c = lane; c < kN; c += 32) {
-          const float x = i < n && c < nv ? linear_simt::to_float(douth[int64_t(r0 + i) * p.do_row_stride + c0 + c]) * inv : 0.f;
+          const float x = i < n && c < nv ? to_float(douth[int64_t(r0 + i) * p.do_row_stride + c0 + c]) * inv : 0.f;
           st16<T>(smem, L::kD + VT::offset(i, c), x);
         }
         if (lane == 0) dn[i] = i < n && has_norm ? -dot * inv : 0.f;

@@ -37,11 +37,11 @@ static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scal
 
 template <typename T>
 __device__ __forceinline__ void st16(unsigned char* base, uint32_t off, float x) {
-  *reinterpret_cast<T*>(base + off) = linear_simt::from_float<T>(x);
+  *reinterpret_cast<T*>(base + off) = from_float<T>(x);
 }
 template <typename T>
 __device__ __forceinline__ float ld16(const unsigned char* base, uint32_t off) {
-  return linear_simt::to_float(*reinterpret_cast<const T*>(base + off));
+  return to_float(*reinterpret_cast<const T*>(base + off));
 }
 
 // x, as a value the compiler cannot see through. A sweep's chunk loop starts with lane =

@@ -89,16 +89,16 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
         const int i = e / kM, c = e % kM;
         const bool ok = i < n && c < m;
         if (want_out) {
-          const float x = ok ? linear_simt::feature(p.feature_map, linear_simt::to_float(qh[int64_t(r0 + i) * p.q_row_stride + c])) * p.scale : 0.f;
+          const float x = ok ? linear_simt::feature(p.feature_map, to_float(qh[int64_t(r0 + i) * p.q_row_stride + c])) * p.scale : 0.f;
           st16<T>(smem, L::kQ + L::QTile::offset(i, c), x);
         }
-        const float y = ok ? linear_simt::feature(p.feature_map, linear_simt::to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i] : 0.f;
+        const float y = ok ? linear_simt::feature(p.feature_map, to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i] : 0.f;
         st16<T>(smem, L::kK + L::QTile::offset(i, c), y);
         st16<T>(smem, L::kKt + L::KtTile::offset(c, i), y * wk[i]);
       }
       for (int e = tid; e < kChunk * kN; e += kThreads) {
         const int i = e / kN, c = e % kN;
-        const float x = i < n && c < nv ? linear_simt::to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
+        const float x = i < n && c < nv ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
         st16<T>(smem, L::kV + L::VTile::offset(i, c), x);
       }
       __syncthreads();
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
 #pragma unroll
           for (int x = 0; x < 4; ++x) {
             const int i = x < 2 ? ra : rb, c = t * 8 + 2 * (lane % 4) + (x & 1);
-            if (i < n && c < nv) oh[int64_t(r0 + i) * p.o_row_stride + c0 + c] = linear_simt::from_float<T>(acc_o[t][x] / (x < 2 ? den_a : den_b));
+            if (i < n && c < nv) oh[int64_t(r0 + i) * p.o_row_stride + c0 + c] = from_float<T>(acc_o[t][x] / (x < 2 ? den_a : den_b));
           }
         }
         if (tile == 0 && lane % 4 == 0) {

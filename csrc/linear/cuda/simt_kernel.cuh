@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "common/linear_params.h"
+#include "cuda/convert.cuh"  // to_float, from_float
 #include "cuda/mma.cuh"  // ATTN_EXTERN_SMEM (and the emulator's device names)
 
 namespace attn {
@@ -62,18 +63,6 @@ __host__ __device__ constexpr int bwd_smem_floats(int m) {
   return m * (tile_cols(m) + 1) + 2 * kChunk * kLdSlice + 2 * kChunk * (tile_cols(m) + 1) + 2 * kChunk * kLdP +
          5 * kChunk + 1;
 }
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // phi(x) (linear_params.h's feature map)
 __device__ __forceinline__ float feature(FeatureMap fm, float x) {

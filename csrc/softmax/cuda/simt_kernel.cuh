@@ -8,6 +8,7 @@
 #pragma once
 
 #include "softmax/cuda/kernel_common.cuh"
+#include "cuda/convert.cuh"  // to_float, from_float
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,20 +19,6 @@ namespace simt {
 constexpr int kSimtMaxD = 256;
 constexpr int kChunks = kSimtMaxD / 32;
 constexpr int kRowsPerBlock = 4;  // warps per block, one row each
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
