@@ -72,6 +72,21 @@ def _check_side(t: Optional[Tensor], name: str, shape: tuple, dtype: torch.dtype
     torch._check_value(t.is_contiguous(), lambda: f"{_P}{name} must be contiguous")
 
 
+def _check_qkv_common(q: Tensor, k: Tensor, v: Tensor, what: str, seq: str) -> None:
+    """The rules q, k, v share in every linear op, as C++ check_qkv_common states them: 4-D, one dtype
+    of the four, one device (`what` prefixes the messages, `seq` names the sequence dim)."""
+    torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                       lambda: f"{what}q, k, v must be 4-D (B, H, {seq}, D), got q {_shape(q)}, k {_shape(k)}, "
+                               f"v {_shape(v)}")
+    torch._check_type(q.dtype == k.dtype == v.dtype,
+                      lambda: f"{what}q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
+                              f"{_name(v.dtype)}")
+    torch._check_type(q.dtype in DTYPES,
+                      lambda: f"{what}q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
+    torch._check(q.device == k.device == v.device,
+                 lambda: f"{what}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None,
                  initial_state: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
                  cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0, feature_map: int = 1,
@@ -80,15 +95,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None
     them, in its order, with the same error types (ValueError, TypeError, RuntimeError) and
     messages. Run by the fake kernels (torch.compile, meta tensors) and before the reference
     fallback. The values inside cu_seqlens are the functional layer's to check (a fake has none)."""
-    torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                       lambda: f"{_P}q, k, v must be 4-D (B, H, S, D), got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    torch._check_type(q.dtype == k.dtype == v.dtype,
-                      lambda: f"{_P}q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
-                              f"{_name(v.dtype)}")
-    torch._check_type(q.dtype in DTYPES,
-                      lambda: f"{_P}q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
-    torch._check(q.device == k.device == v.device,
-                 lambda: f"{_P}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_qkv_common(q, k, v, _P, "S")
     b, h, s, m = q.shape
     hk = k.shape[1]
     torch._check_value(k.shape[0] == b and v.shape[0] == b,
@@ -151,15 +158,7 @@ def check_step_inputs(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer
                       scale: float = 1.0) -> None:
     """linear_step's input rules as the C++ check_linear_step_inputs (csrc/torch/linear_params.cpp)
     states them, in its order, with the same error types and messages (run by the fake)."""
-    torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                       lambda: f"{_PS}q, k, v must be 4-D (B, H, T, D), got q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
-    torch._check_type(q.dtype == k.dtype == v.dtype,
-                      lambda: f"{_PS}q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
-                              f"{_name(v.dtype)}")
-    torch._check_type(q.dtype in DTYPES,
-                      lambda: f"{_PS}q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
-    torch._check(q.device == k.device == v.device,
-                 lambda: f"{_PS}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _check_qkv_common(q, k, v, _PS, "T")
     b, h, t, m = q.shape
     hk, dv = k.shape[1], v.shape[3]
     torch._check_value(k.shape[0] == b and v.shape[0] == b and k.shape[2] == t and v.shape[2] == t

@@ -39,21 +39,24 @@ void set3(const at::Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
   *rs = t.stride(2);
 }
 
+// The rules q, k, v share in every linear op (`what` prefixes the messages, `seq` names the
+// sequence dim: S for a whole sequence, T for a step's tokens): 4-D, one dtype of the four, one device.
+void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* what, const char* seq) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, what, "q, k, v must be 4-D (B, H, ", seq,
+                    ", D), got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), what,
+                   "q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const auto st = q.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || st == at::kDouble, what,
+                   "q, k, v must be float32, float16, bfloat16 or float64, got ", st);
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), what, "q, k, v must be on one device, got ",
+              q.device(), ", ", k.device(), ", ", v.device());
+}
+
 }  // namespace
 
 void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-                    "attention_ext.linear: q, k, v must be 4-D (B, H, S, D), got q ", q.sizes(), ", k ", k.sizes(),
-                    ", v ", v.sizes());
-  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                   "attention_ext.linear: q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
-                   ", ", v.scalar_type());
-  const auto st = q.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || st == at::kDouble,
-                   "attention_ext.linear: q, k, v must be float32, float16, bfloat16 or float64, got ", st);
-  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
-              "attention_ext.linear: q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
-              v.device());
+  check_qkv_common(q, k, v, "attention_ext.linear: ", "S");
   const int64_t b = q.size(0), h = q.size(1), s = q.size(2), m = q.size(3), hk = k.size(1);
   TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "attention_ext.linear: batch mismatch: q ", q.sizes(), ", k ",
                     k.sizes(), ", v ", v.sizes());
@@ -247,18 +250,7 @@ template LinearBwdParamsT<double> make_linear_bwd_params<double>(const at::Tenso
 void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& state,
                               const std::optional<at::Tensor>& normalizer, const std::optional<at::Tensor>& decay,
                               int64_t feature_map, double eps, double scale) {
-  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-                    "attention_ext.linear_step: q, k, v must be 4-D (B, H, T, D), got q ", q.sizes(), ", k ",
-                    k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                   "attention_ext.linear_step: q, k, v must share a dtype, got ", q.scalar_type(), ", ",
-                   k.scalar_type(), ", ", v.scalar_type());
-  const auto st = q.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || st == at::kDouble,
-                   "attention_ext.linear_step: q, k, v must be float32, float16, bfloat16 or float64, got ", st);
-  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
-              "attention_ext.linear_step: q, k, v must be on one device, got ", q.device(), ", ", k.device(), ", ",
-              v.device());
+  check_qkv_common(q, k, v, "attention_ext.linear_step: ", "T");
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), m = q.size(3), hk = k.size(1), dv = v.size(3);
   TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b && k.size(2) == t && v.size(2) == t && k.size(3) == m &&
                         v.size(1) == hk,
