@@ -5,6 +5,7 @@
     out = ae.scaled_dot_product_attention(q, k, v, is_causal=True)  # SDPA drop-in
     out = ae.flash_attn_func(q, k, v, causal=True)               # flash-attn drop-in
     out = ae.linear_attention(q, k, v, causal=True)              # linearized attention
+    out = ae.block_sparse_attention(q, k, v, layout)             # block-sparse (attention_ext.sparse)
     ae.nn.MultiheadAttention(...), ae.models.LanguageModel(...)   # modules and models
 
 One subpackage per kernel family (softmax, linear; each with ops.py, functional.py, reference.py),
@@ -14,7 +15,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-from . import linear, reference, softmax  # noqa: E402  (the families' ops.py attach fakes and autograd)
+from . import linear, reference, softmax, sparse  # noqa: E402  (the families' ops.py attach fakes and autograd)
 from .compat import (  # noqa: E402
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -25,6 +26,7 @@ from .compat import (  # noqa: E402
 from ._ext import empty_cpu_cache  # noqa: E402
 from .linear import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
+from .sparse import block_sparse_attention, topk_attention  # noqa: E402
 
 # subpackages imported on first attribute access: `import attention_ext` stays light
 _LAZY = ("nn", "models", "viz", "demo", "bench")
@@ -42,9 +44,12 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "LinearAttentionState",
+    "block_sparse_attention",
+    "topk_attention",
     "reference",
     "softmax",
     "linear",
+    "sparse",
     "nn",
     "models",
 ]
