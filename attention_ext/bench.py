@@ -25,11 +25,35 @@ def allowed_pairs(sq: int, sk: int, causal: bool = False, bottom_right: bool = F
     return total
 
 
+def layout_pairs(layout, block_size: int, sq: int, sk: int, causal: bool = False) -> float:
+    """Allowed (query, key) pairs of a block layout (H or 1, n_qb, n_kb), averaged over its heads:
+    the useful work of block-sparse attention (the on blocks, clipped to the lengths and, with
+    causal, to the lower triangle)."""
+    lay = torch.as_tensor(layout).bool()
+    if lay.dim() == 2:
+        lay = lay[None]
+    rows = torch.arange(sq)
+    qb = rows // block_size
+    if causal:  # keys j <= i in block c: clamp(i + 1 - c * bs, 0, block width)
+        cols0 = torch.arange(lay.shape[2]) * block_size
+        width = (torch.clamp(cols0 + block_size, max=sk) - cols0).clamp(min=0)
+        per = torch.minimum((rows[:, None] + 1 - cols0[None, :]).clamp(min=0), width[None, :])  # (sq, n_kb)
+    else:
+        cols0 = torch.arange(lay.shape[2]) * block_size
+        per = (torch.clamp(cols0 + block_size, max=sk) - cols0).clamp(min=0)[None, :].expand(sq, -1)
+    total = (lay[:, qb, :].double() * per[None].double()).sum()
+    return float(total) / lay.shape[0]
+
+
 def flops(b: int, h: int, sq: int, sk: int, d: int, *, causal: bool = False, bottom_right: bool = False,
-          window=(-1, -1), mode: str = "fwd") -> float:
+          window=(-1, -1), mode: str = "fwd", pairs: Optional[float] = None) -> float:
     """The one FLOP formula every benchmark reports: 2 matmuls (Q K^T, P V) of 2 * D FLOPs per
-    allowed pair forward; the backward does 5 such matmuls (2.5x); fwd_bwd = 3.5x."""
-    fwd = 4.0 * b * h * d * allowed_pairs(sq, sk, causal, bottom_right, window)
+    allowed pair forward; the backward does 5 such matmuls (2.5x); fwd_bwd = 3.5x. pairs: the
+    allowed pairs per (batch, head) when a mask decides them (layout_pairs for a block layout,
+    S * k for top-k); else they follow from causal / window."""
+    if pairs is None:
+        pairs = allowed_pairs(sq, sk, causal, bottom_right, window)
+    fwd = 4.0 * b * h * d * pairs
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
 

@@ -67,11 +67,20 @@ struct TileSoftmax {
 
   // top-k's rule on row i (block_sparse.h): the logit is score(x) as the threshold pass
   // computed it, i.e. x * scale on the plain path, where the row still holds x
+  // (policy.h's topk_keep in vectors: drop when logit < thr, or logit == thr past jcut; a NaN
+  // stays). Key indices as T are exact: sequences are far below 2^24.
   void topk(T* srow, int i, int j0, int n) const {
-    const T ninf = -std::numeric_limits<T>::infinity();
-    for (int jj = 0; jj < n; ++jj) {
-      const T logit = plain ? srow[jj] * pol.scale : srow[jj];
-      if (!pol.topk_keep(logit, i, j0 + jj)) srow[jj] = ninf;
+    const V thr = vbcast(pol.topk_thr[i]);
+    const V jcut = vbcast(T(std::min(pol.topk_jcut[i], 1 << 30)));
+    const V mul = vbcast(plain ? pol.scale : T(1));  // x * 1 is x: the logit either way
+    const V ninf = vbcast(-std::numeric_limits<T>::infinity());
+    V jv = lane_index<T>() + T(j0);
+    for (int c = 0; c < n; c += L) {
+      const V x = vload(srow + c);
+      const V logit = x * mul;
+      const auto drop = (logit < thr) | ((logit == thr) & (jv > jcut));
+      vstore(srow + c, drop ? ninf : x);
+      jv += T(L);
     }
   }
 
