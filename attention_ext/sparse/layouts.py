@@ -250,36 +250,75 @@ def fixed(stride: Optional[int] = None, c: int = 1, *, seq_len: int, seq_len_k: 
     return _heads(on, heads)
 
 
+def _hash_uniform(seed: int, heads: int, nq: int, nk: int) -> Tensor:
+    """(heads, n_q, n_k) float64 in [0, 1): a fixed function of (seed, head, row, column) alone, so a
+    block's draw does not change with the grid's size (a causal layout grown by one block keeps its
+    rows). Integer mixing in int64 with every product kept below 2**63."""
+    m32 = 0xFFFFFFFF
+    h = torch.arange(heads, dtype=torch.int64).view(heads, 1, 1)
+    r = torch.arange(nq, dtype=torch.int64).view(1, nq, 1)
+    c = torch.arange(nk, dtype=torch.int64).view(1, 1, nk)
+    x = ((seed & m32) * 0x5BD1E995) & m32
+    x = (x + h * 0x27D4EB2F) & m32
+    x = (x ^ ((r * 0x165667B1) & m32)) & m32
+    x = (x + c * 0x1B873593) & m32
+    for _ in range(3):
+        x = (((x >> 16) ^ x) * 0x045D9F3B) & m32
+    x = (x >> 16) ^ x
+    return x.double() / 2.0 ** 32
+
+
 def bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0, *, seq_len: int,
-            seq_len_k: Optional[int] = None, block_size: int = 64, heads: int = 1, device=None) -> Tensor:
+            seq_len_k: Optional[int] = None, block_size: int = 64, heads: int = 1, causal: bool = False,
+            device=None) -> Tensor:
     """BigBird (Zaheer et al. 2020): a sliding window of `window` blocks on each side of the
-    diagonal (|r - c| <= window, the paper's 3-block window is window=1), the first `n_global`
+    diagonal (|r - c| <= window; the paper's 3-block window is window=1), the first `n_global`
     blocks global (their rows and columns, as `global_tokens`), and `n_random` more key blocks per
     query block row chosen at random among the blocks not already computed (all of them when fewer
-    remain), each head drawing its own from a torch.Generator seeded with `seed`.
+    remain). Each head draws its own; the draw is a hash of (seed, head, row, column), the same on
+    every device.
+
+    With `causal` every part keeps c <= r only and the random blocks come from c < r, so row r
+    does not depend on the sequence length (a KV-cache step computes the same row as the whole
+    sequence would).
 
     >>> print(draw(bigbird(1, 1, 1, seed=0, seq_len=112, block_size=16)))
     #######
-    ###..#.
+    ###.#..
     #####..
     #.###.#
+    #.####.
     #..####
-    ##..###
-    ##...##
+    #.#..##
+    >>> print(draw(bigbird(1, 1, 1, seed=0, seq_len=112, block_size=16, causal=True)))
+    #......
+    ##.....
+    ###....
+    ####...
+    #.###..
+    #..###.
+    #.#..##
     """
     _int("n_global", n_global, 0)
     _int("n_random", n_random, 0)
-    g = _generator(seed)
+    _int("seed", seed, 0)
     nq, nk = num_blocks(seq_len, seq_len_k, block_size)
     if n_global > max(nq, nk):
         raise ValueError(f"n_global={n_global} exceeds the {max(nq, nk)} blocks")
     on = sliding_window(window, seq_len=seq_len, seq_len_k=seq_len_k, block_size=block_size, heads=heads)
     if n_global:
         on = on | global_tokens(range(n_global), seq_len=seq_len, seq_len_k=seq_len_k, block_size=block_size)
-    # blocks already on sort after every free block, so the first n_random are free where possible
-    key = torch.rand(heads, nq, nk, generator=g) + 2.0 * on
+    taken = on
+    if causal:
+        above = torch.ones(nq, nk, dtype=torch.bool).triu(1)
+        taken = on | above
+    # blocks already taken sort after every free block, so the first n_random are free where possible
+    key = _hash_uniform(seed, heads, nq, nk) + 2.0 * taken
     extra = torch.zeros_like(on).scatter_(-1, key.argsort(dim=-1)[..., :min(n_random, nk)], True)
-    return (on | extra).to(device)
+    on = on | extra
+    if causal:
+        on = on & ~above
+    return on.to(device)
 
 
 def longformer(window: int, global_indices: Iterable[int] = (), *, seq_len: int, seq_len_k: Optional[int] = None,
