@@ -252,3 +252,18 @@ def test_bad_inputs(call, exc, match):
 def test_device_argument():
     assert L.bigbird(seq_len=128, block_size=32, device="cpu").device.type == "cpu"
     assert math.isclose(L.from_mask(torch.ones(64, 64, dtype=torch.bool), 16).density(), 1.0)
+
+
+def test_bigbird_causal_rows_do_not_depend_on_length():
+    """A causal BigBird row is the same in every grid that contains it (a KV-cache step reads the
+    same row as the whole sequence), and its random blocks lie below the window."""
+    big = L.bigbird(1, 1, 2, 4, seq_len=20 * 16, block_size=16, heads=3, causal=True)
+    for n in (3, 7, 12):
+        small = L.bigbird(1, 1, 2, 4, seq_len=n * 16, block_size=16, heads=3, causal=True)
+        assert torch.equal(big[:, :n, :n], small)
+    assert not big.triu(1).any()
+    base = L.sliding_window(1, seq_len=20 * 16, block_size=16, causal=True) | L.global_tokens([0], seq_len=20 * 16,
+                                                                                                block_size=16)
+    extra = (big & ~base).sum(-1)  # (heads, rows): min(2, free blocks left of the window)
+    free = (~base & torch.ones(20, 20, dtype=torch.bool).tril()).sum(-1)
+    assert torch.equal(extra, torch.minimum(free, torch.tensor(2)).expand_as(extra))
