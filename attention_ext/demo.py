@@ -410,8 +410,9 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
         log(f"  {args.variant}: 'ours' is our linear attention, 'sdpa' torch SDPA's softmax attention (SDPA has no "
             f"linear form), in the same LM")
     if args.variant in SPARSE_VARIANTS:
-        log(f"  {args.variant}: 'ours' is our sparse attention ({'block-sparse' if args.variant == 'bigbird' else 'top-k'}), "
-            f"'sdpa' torch SDPA's dense softmax attention, in the same LM")
+        kind = "block-sparse" if args.variant == "bigbird" else "top-k"
+        log(f"  {args.variant}: 'ours' is our sparse attention ({kind}), 'sdpa' torch SDPA's dense softmax attention, "
+            f"in the same LM")
     for variant in variants:
         for b, s in shapes:
             opts = variant_options(variant, size.n_heads, s)

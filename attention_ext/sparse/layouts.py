@@ -461,7 +461,8 @@ def from_mask(mask: Union[Callable, Tensor], block_size: int = 64, *, seq_len: O
             raise TypeError(f"from_mask: a dense mask is a bool (S_q, S_k) or (H, S_q, S_k) tensor, got "
                             f"{mask.dtype} of shape {tuple(mask.shape)}")
         dense = mask.to(device) if device is not None else mask
-        if (seq_len is not None and seq_len != dense.shape[-2]) or (seq_len_k is not None and seq_len_k != dense.shape[-1]):
+        if (seq_len is not None and seq_len != dense.shape[-2]) or \
+                (seq_len_k is not None and seq_len_k != dense.shape[-1]):
             raise ValueError(f"from_mask: mask shape {tuple(dense.shape)} disagrees with seq_len={seq_len}, "
                              f"seq_len_k={seq_len_k}")
     else:
