@@ -98,12 +98,18 @@ def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b:
     return bias
 
 
-def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool) -> Tuple[Tensor, Tensor]:
+def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool,
+           topk: int = 0) -> Tuple[Tensor, Tensor]:
     """The fused op on (B, H, S, D) views where a compiled kernel serves q's device and dtype;
-    else reference.py under the op's own input rules (ops.check_inputs), with a warning."""
+    else reference.py under the op's own input rules (ops.check_inputs), with a warning.
+    topk > 0: top-k attention, the threshold pass first (its rows join the options)."""
     if ops.has_kernel(q.device, q.dtype):
+        if topk > 0:
+            thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **opts)
+            opts = dict(opts, topk_thr=thr, topk_jcut=jcut)
         return ops.fwd(q, k, v, num_splits=num_splits, deterministic=deterministic, **opts)
     ops.check_inputs(q, k, v, **opts)
+    _check(topk == 0, "top-k attention needs a compiled kernel (no reference fallback runs it)", NotImplementedError)
     key = (q.device.type, q.dtype)
     if key not in _warned_fallback:
         _warned_fallback.add(key)
@@ -118,8 +124,13 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     if o["dropout_p"] > 0:  # the kernels' Philox mask, bit for bit
         rng = o["rng_state"] if o.get("rng_state") is not None else torch.tensor([o["seed"], o["offset"]])
         dmask = reference.dropout_mask(nb, q.shape[1], sq, sk, o["dropout_p"], rng, device=q.device)
+    bias = o["bias"]
+    if o.get("block_layout") is not None:  # the layout as an element mask, merged into the bias
+        bs, lay = o["block_size"], o["block_layout"]
+        m = lay.repeat_interleave(bs, 1).repeat_interleave(bs, 2)[:, :sq, :sk].unsqueeze(0)
+        bias = m if bias is None else (bias & m if bias.dtype == torch.bool else bias.masked_fill(~m, float("-inf")))
     kw = dict(scale=o["scale"], softcap=o["softcap"], window=(o["window_left"], o["window_right"]),
-              bottom_right=o["bottom_right"], bias=o["bias"], alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
+              bottom_right=o["bottom_right"], bias=bias, alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
               dropout_p=o["dropout_p"], dropout_mask=dmask)
     if cu_q is None:
         out, lse = reference.attention(q.to(acc), k.to(acc), v.to(acc), seqlens_k=o["seqlens_k"], **kw)
@@ -152,6 +163,9 @@ def attention(
     return_lse: bool = False,
     deterministic: bool = False,
     num_splits: int = 1,
+    block_layout: Optional[Tensor] = None,
+    block_size: int = 64,
+    topk: int = 0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Fused softmax attention with every variant.
 
@@ -180,6 +194,12 @@ def attention(
             of the keys (at most 128), 0 = a heuristic picks. The default 1 never splits: the
             split path is opt-in until a GPU run has checked it (docs/design/splitkv-notes.md).
             The CPU ignores it.
+        block_layout: block-sparse attention (attention_ext.block_sparse_attention): a bool
+            (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)) grid; only the on blocks
+            are computed, every other rule applies inside them element-wise.
+        block_size: the layout's block, a multiple of 16.
+        topk: > 0 keeps, per query, only the topk highest logits among the keys the other
+            rules allow (ties to the lower key; attention_ext.topk_attention).
 
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
     """
@@ -211,12 +231,22 @@ def attention(
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
+    if block_layout is not None:
+        _check(isinstance(block_layout, Tensor) and block_layout.dtype == torch.bool,
+               lambda: f"block_layout must be a bool tensor, got {getattr(block_layout, 'dtype', type(block_layout))}",
+               TypeError)
+        if block_layout.dim() == 2:
+            block_layout = block_layout.unsqueeze(0)
+        block_layout = block_layout.to(q.device).contiguous()
+    _check(isinstance(topk, int) and topk >= 0, lambda: f"topk must be an int >= 0, got {topk!r}")
+    _check(topk == 0 or block_layout is None, "topk and block_layout do not combine")
 
     opts = dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=seqlens_k, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap),
                 window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
-                seed=0, offset=0, rng_state=rng_state)
-    out, lse = _fused(q, k, v, opts, num_splits, deterministic)
+                seed=0, offset=0, rng_state=rng_state, block_layout=block_layout,
+                block_size=int(block_size) if block_layout is not None else 0)
+    out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

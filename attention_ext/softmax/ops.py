@@ -67,7 +67,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                  scale: float = 1.0, softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
                  bottom_right: bool = False, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                 rng_state: Optional[Tensor] = None) -> None:
+                 rng_state: Optional[Tensor] = None, block_layout: Optional[Tensor] = None, block_size: int = 0,
+                 topk_thr: Optional[Tensor] = None, topk_jcut: Optional[Tensor] = None) -> None:
     """The op's input rules, as the C++ check_inputs (csrc/torch/softmax_params.cpp) states them,
     with the same error types (ValueError, TypeError, RuntimeError) and messages. Run by the fake
     kernels (torch.compile, meta tensors) and before the reference fallback; the compiled kernels
@@ -151,6 +152,28 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
         torch._check(s.device == q.device, lambda: f"attention_ext: sinks must be on {q.device}")
         torch._check_value(s.dim() == 1 and s.shape[0] == h and s.is_contiguous(),
                            lambda: f"attention_ext: sinks must be a contiguous (H) = ({h}) tensor, got {_shape(s)}")
+    if block_layout is not None:
+        lay, bs = block_layout, block_size
+        torch._check_value(bs >= 16 and bs % 16 == 0,
+                           lambda: f"attention_ext: block_size must be a positive multiple of 16, got {bs}")
+        torch._check_type(lay.dtype == torch.bool, lambda: f"attention_ext: block_layout must be bool, got {_name(lay.dtype)}")
+        torch._check(lay.device == q.device, lambda: f"attention_ext: block_layout must be on {q.device}, got {lay.device}")
+        torch._check_value(lay.is_contiguous(), lambda: "attention_ext: block_layout must be contiguous")
+        nqb, nkb = -(-sq // bs), -(-sk // bs)
+        torch._check_value(lay.dim() == 3 and lay.shape[0] in (1, h) and lay.shape[1] == nqb and lay.shape[2] == nkb,
+                           lambda: f"attention_ext: block_layout must be (H or 1, ceil(Sq / block_size), ceil(Sk / "
+                                   f"block_size)) = ({h} or 1, {nqb}, {nkb}), got {_shape(lay)}")
+    torch._check_value((topk_thr is None) == (topk_jcut is None),
+                       lambda: "attention_ext: topk_thr and topk_jcut go together")
+    if topk_thr is not None:
+        torch._check_type(topk_thr.dtype == acc and topk_jcut.dtype == torch.int32,
+                          lambda: f"attention_ext: topk_thr must be {_name(acc)} and topk_jcut int32, got "
+                                  f"{_name(topk_thr.dtype)} and {_name(topk_jcut.dtype)}")
+        for t in (topk_thr, topk_jcut):
+            torch._check(t.device == q.device, lambda: f"attention_ext: topk_thr / topk_jcut must be on {q.device}")
+            torch._check_value(t.dim() == 3 and tuple(t.shape) == (b, h, q.shape[2]) and t.is_contiguous(),
+                               lambda: f"attention_ext: topk_thr / topk_jcut must be contiguous (B, H, Sq) = "
+                                       f"({b}, {h}, {q.shape[2]}), got {_shape(t)}")
 
 
 # ---------------------------------------------------------------------------------- schema
@@ -177,7 +200,10 @@ else:
                          if p.kind is inspect.Parameter.KEYWORD_ONLY)
     FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
     BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
-_OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "rng_state")
+_OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "rng_state",
+                   "block_layout", "topk_thr", "topk_jcut")
+# options a caller may leave out of ops.fwd: dense, no top-k
+_OPTION_DEFAULTS = dict(rng_state=None, block_layout=None, block_size=0, topk_thr=None, topk_jcut=None)
 
 
 def _check_num_splits(num_splits: int) -> None:
@@ -223,6 +249,15 @@ if HAS_EXT:
         dsinks = q.new_empty((nb, q.shape[1]), **acc) if a["sinks"] is not None else q.new_empty((0,), **acc)
         return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v), dbias, dsinks
 
+    @torch.library.register_fake("attention_ext::topk_threshold")
+    def _topk_threshold_fake(q, k, *args):
+        a = dict(zip(OPTION_NAMES, args[:len(OPTION_NAMES)]))
+        check_inputs(q, k, k, **a)
+        k_top = args[len(OPTION_NAMES)]
+        torch._check_value(k_top >= 1, lambda: f"attention_ext: k_top must be >= 1, got {k_top}")
+        b, h, sq, _ = q.shape
+        return q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype)), q.new_empty((b, h, sq), dtype=torch.int32)
+
     @torch.library.register_fake("attention_ext::dropout_mask")
     def _dropout_mask_fake(b, h, sq, sk, p, seed, offset, device=None):
         return torch.empty((b, h, sq, sk), dtype=torch.bool, device=device or "cpu")
@@ -246,12 +281,14 @@ if HAS_EXT:
         sinks = a["sinks"] if ctx.sinks_grad else None
         # rng_state: the backward redraws the forward's dropout mask from the same (seed, offset)
         ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, bias, a["alibi_slopes"], sinks, a["seqlens_k"],
-                              a["cu_seqlens_q"], a["cu_seqlens_k"], a.get("rng_state"))
+                              a["cu_seqlens_q"], a["cu_seqlens_k"], a.get("rng_state"), a.get("block_layout"),
+                              a.get("topk_thr"), a.get("topk_jcut"))
 
     def _backward(ctx, dout, dlse):
         if not ctx.any_grad:
             return (None,) * len(FWD_ARGS)
-        q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, rng_state = ctx.saved_tensors
+        (q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, rng_state, block_layout, topk_thr,
+         topk_jcut) = ctx.saved_tensors
         if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
             dout = dout.contiguous()
         if dlse is not None:
@@ -259,6 +296,7 @@ if HAS_EXT:
             dlse = dlse.to(lse.dtype).masked_fill(torch.isinf(lse), 0.0).contiguous()
         a = dict(ctx.scalars, dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi, sinks=sinks,
                  seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rng_state=rng_state,
+                 block_layout=block_layout, topk_thr=topk_thr, topk_jcut=topk_jcut,
                  bias_grad=ctx.bias_grad, deterministic=ctx.deterministic, dlse=dlse)
         dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(*[a[n] for n in BWD_ARGS])
         grads = dict(q=dq, k=dk, v=dv, bias=dbias.sum_to_size(bias.shape) if ctx.bias_grad else None,
@@ -269,12 +307,21 @@ if HAS_EXT:
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, **options):
-    """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES; rng_state may
-    be left out). Returns (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 =
+    """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES; those of
+    _OPTION_DEFAULTS may be left out). Returns (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 =
     the heuristic); deterministic: the backward adds no atomics (CUDA)."""
-    a = {"rng_state": None, **options, "q": q, "k": k, "v": v, "num_splits": num_splits,
+    a = {**_OPTION_DEFAULTS, **options, "q": q, "k": k, "v": v, "num_splits": num_splits,
          "deterministic": deterministic}
     return torch.ops.attention_ext.fwd(*[a[n] for n in FWD_ARGS])
+
+
+def topk_threshold(q: Tensor, k: Tensor, k_top: int, **options) -> Tuple[Tensor, Tensor]:
+    """torch.ops.attention_ext.topk_threshold with fwd's keyword options: top-k's (B, H, Sq)
+    thresholds and cut keys (csrc/common/block_sparse.h), which fwd / bwd take as topk_thr /
+    topk_jcut. Not differentiable (the selection is piecewise constant): call it on detached
+    tensors."""
+    a = {**_OPTION_DEFAULTS, **options}
+    return torch.ops.attention_ext.topk_threshold(q, k, *[a[n] for n in OPTION_NAMES], int(k_top))
 
 
 def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0, device=None) -> Tensor:

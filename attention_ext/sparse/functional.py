@@ -1,7 +1,8 @@
 """Tier 2 of the sparse family: block_sparse_attention and topk_attention.
 
-This first version runs both through the fused softmax op with a dense element mask; the
-kernels' block iterator (csrc/common/block_sparse.h) replaces the mask with the same signatures.
+Both are the fused softmax op with one more option (csrc/common/block_sparse.h): a block layout,
+whose tile index the kernels walk so that cost follows the on blocks, or top-k's per-row
+thresholds from a streaming threshold pass. Every other option of attention() composes with them.
 """
 from __future__ import annotations
 
@@ -21,43 +22,64 @@ def layout_to_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
     return m[:, :sq, :sk]
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, *, block_size: int = 64,
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout, *, block_size: int = 64,
                            causal: bool = False, scale: Optional[float] = None,
                            key_padding_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                            layout_qkv: str = "bhsd", return_lse: bool = False,
                            **options) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Attention over the (query block, key block) pairs `layout` names. Placeholder: dense
-    element mask through the fused op."""
-    sq = q.shape[2] if layout_qkv == "bhsd" else q.shape[1]
-    sk = k.shape[2] if layout_qkv == "bhsd" else k.shape[1]
-    mask = layout_to_mask(layout.to(device=q.device, dtype=torch.bool), block_size, sq, sk).unsqueeze(0)
-    return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, attn_mask=mask,
-                     key_padding_mask=key_padding_mask, dropout_p=dropout_p, return_lse=return_lse, **options)
+    """Softmax attention over the (query block, key block) pairs a layout names.
+
+    Args:
+        q: (B, H, Sq, D) (or (B, Sq, H, D) with layout_qkv="bshd"); k, v: (B, H_k, Sk, D),
+            H % H_k == 0 (MQA / GQA without a copy).
+        layout: bool (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)), True = the block
+            is computed (the builders of attention_ext.sparse make them), or a SparseMask from
+            attention_ext.sparse.from_mask, whose element mask then applies inside its
+            partially allowed blocks.
+        block_size: the layout's block, a positive multiple of 16 (ignored for a SparseMask,
+            which carries its own).
+        causal, key_padding_mask, dropout_p, scale: as attention(); they apply element-wise
+            inside the computed blocks, so lengths need not divide the block.
+        **options: any other option of attention_ext.attention (alibi_slopes, softcap, sinks,
+            window, attn_mask, generator, seed, ...).
+
+    Returns out (and the LSE). A query whose row has no computed key gives 0 (LSE -inf).
+    Cost follows the number of computed blocks, on the CPU kernels and the CUDA ones alike.
+    """
+    if hasattr(layout, "layout") and hasattr(layout, "block_size"):  # a SparseMask
+        block_size, mask, layout = layout.block_size, getattr(layout, "mask", None), layout.layout
+        if mask is not None:
+            user = options.pop("attn_mask", None)
+            mask = mask.unsqueeze(0) if mask.dim() == 3 else mask
+            mask = mask.to(q.device)
+            if user is not None:
+                mask = mask & user if user.dtype == torch.bool else user.masked_fill(~mask, float("-inf"))
+            options["attn_mask"] = mask
+    if not isinstance(layout, Tensor):
+        raise TypeError(f"layout must be a bool tensor or a SparseMask, got {type(layout).__name__}")
+    return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
+                     dropout_p=dropout_p, return_lse=return_lse, block_layout=layout, block_size=block_size,
+                     **options)
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: bool = False,
                    scale: Optional[float] = None, key_padding_mask: Optional[Tensor] = None,
-                   layout_qkv: str = "bhsd", return_lse: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Hard attention: each query keeps its k_top highest-scoring keys (ties: the lower key index
-    wins) and softmax runs over them. Placeholder: dense scores."""
-    if layout_qkv == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    b, h, sq, d = q.shape
-    sk = k.shape[2]
-    sc = scale if scale is not None else d ** -0.5
-    kk = k.repeat_interleave(h // k.shape[1], dim=1)
-    s = (q.float() @ kk.float().transpose(-1, -2)) * sc
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = allowed.tril()
-    allowed = allowed.expand(b, h, sq, sk)
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :]
-    s = s.masked_fill(~allowed, float("-inf"))
-    # ties: a stable descending sort keeps the lower index first
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k_top]
-    keep = torch.zeros_like(allowed).scatter_(-1, order, True) & allowed
-    out = attention(q, k, v, scale=sc, attn_mask=keep, return_lse=return_lse)
-    if layout_qkv == "bshd":
-        out = (out[0].transpose(1, 2), out[1]) if return_lse else out.transpose(1, 2)
-    return out
+                   layout_qkv: str = "bhsd", return_lse: bool = False,
+                   **options) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Hard attention: each query keeps only its k_top highest-scoring keys among those the
+    other rules allow (causal, padding, window, masks), and softmax runs over them. Ties in the
+    score go to the lower key index, so the selection is deterministic; k_top=1 is argmax
+    attention and k_top >= Sk is dense attention.
+
+    Runs in two passes, neither of which builds an (Sq, Sk) tensor: a streaming per-row top-k
+    gives each row a threshold (the k-th logit and the last key kept at it), then the fused
+    kernel runs with the threshold as one more mask. The gradient flows through the kept
+    scores (the selection itself is piecewise constant).
+
+    Args are attention()'s (**options: alibi_slopes, softcap, window, attn_mask, dropout_p, ...;
+    the logits ranked are the final ones, after scale, softcap, ALiBi and an additive mask).
+    """
+    if not isinstance(k_top, int) or isinstance(k_top, bool) or k_top < 1:
+        raise ValueError(f"k_top must be an int >= 1, got {k_top!r}")
+    return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
+                     return_lse=return_lse, topk=k_top, **options)

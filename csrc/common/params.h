@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "block_sparse.h"
+
 namespace attn {
 
 // Element type of q, k, v, out (and of dout, dq, dk, dv). float64 runs on the CPU only.
@@ -82,6 +84,12 @@ struct FwdParamsT : QkvParams {
   int64_t bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
   // (H) Acc sink logits: join the softmax denominator, carry no value
   const Acc* sinks;
+
+  // ---------------------------------------------------------------- sparsity (block_sparse.h)
+  BlockSparseParams sparse;  // sparse.layout == nullptr: dense
+  // top-k: (B, H, Sq) in lse's layout (thr Acc, jcut int32), or nullptr: keep every key
+  const Acc* topk_thr;
+  const int32_t* topk_jcut;
 
   // ---------------------------------------------------------------- dropout on the probabilities
   float dropout_p;  // probability of dropping; 0 = off

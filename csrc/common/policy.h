@@ -13,10 +13,12 @@
 
 #include "params.h"
 
+#ifndef ATTN_HD
 #if defined(__CUDACC__)
 #define ATTN_HD __host__ __device__ __forceinline__
 #else
 #define ATTN_HD inline
+#endif
 #endif
 
 namespace attn {
@@ -76,6 +78,10 @@ struct PolicyT {
   BiasKind bias_kind;
   const void* bias;  // already offset to (b, h)
   int64_t bias_row_stride, bias_col_stride;
+  const uint8_t* layout;  // (n_qb, n_kb) block grid of this head, nullptr = dense
+  int n_kb, block;
+  const Acc* topk_thr;        // (len_q) of this (b, h), nullptr = no top-k
+  const int32_t* topk_jcut;
 
   ATTN_HD PolicyT(const FwdParamsT<Acc>& p, const SeqInfo& s, int b, int h) {
     len_q = s.len_q;
@@ -99,6 +105,17 @@ struct PolicyT {
     } else {
       bias = nullptr;
     }
+    layout = p.sparse.on() ? p.sparse.head_layout(h) : nullptr;
+    n_kb = p.sparse.n_kb;
+    block = p.sparse.block;
+    if (p.topk_thr != nullptr) {
+      const int64_t off = int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + s.row_q;
+      topk_thr = p.topk_thr + off;
+      topk_jcut = p.topk_jcut + off;
+    } else {
+      topk_thr = nullptr;
+      topk_jcut = nullptr;
+    }
   }
 
   // Structural mask: length, causal and window. Cheap, no memory reads.
@@ -108,15 +125,31 @@ struct PolicyT {
     if (wr >= 0 && j > i + diag + wr) return false;
     return true;
   }
+  // The block layout's rule (block_sparse.h). Kernels that walk the layout's tile index only
+  // need it inside tiles the index does not mark full.
+  ATTN_HD bool in_layout(int i, int j) const {
+    return layout == nullptr || layout[int64_t(i / block) * n_kb + j / block] != 0;
+  }
+  // Top-k's rule on the logit s of (i, j), s = score(x, i, j) computed as the threshold pass
+  // computed it: keep the k best, ties to the lower key. A NaN logit is kept (it must poison).
+  ATTN_HD bool topk_keep(Acc s, int i, int j) const {
+    if (topk_thr == nullptr) return true;
+    const Acc t = topk_thr[i];
+    return !(s < t) && (s != t || j <= topk_jcut[i]);
+  }
+  // Every element rule but top-k's (which needs the logit): the structural mask, the bool mask
+  // and the layout.
   ATTN_HD bool allowed(int i, int j) const {
     if (!in_window(i, j)) return false;
+    if (!in_layout(i, j)) return false;
     if (bias_kind == BiasKind::kBool) {
       return static_cast<const uint8_t*>(bias)[i * bias_row_stride + j * bias_col_stride] != 0;
     }
     return true;
   }
   // True when every (i, j) of the tile [i0, i1) x [j0, j1) is inside the window, so the
-  // per-element structural checks can be skipped (they still apply a bool mask).
+  // per-element structural checks can be skipped (they still apply a bool mask; the layout and
+  // top-k are the block iterator's and the kernel's to check).
   ATTN_HD bool tile_full(int i0, int i1, int j0, int j1) const {
     if (i1 > len_q || j1 > len_k) return false;
     if (wl >= 0 && j0 < (i1 - 1) + diag - wl) return false;

@@ -56,6 +56,10 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
+  // sparse family: block-sparse attention is fwd / bwd with block_layout; top-k's threshold pass
+  // (common/block_sparse.h) takes the same options (top-k's own left unset) and returns the
+  // (B, H, Sq) thresholds and cut keys that fwd / bwd then take as topk_thr / topk_jcut
+  m.def("topk_threshold(Tensor q, Tensor k, " ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top) -> (Tensor, Tensor)");
   // linear family
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
   m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "

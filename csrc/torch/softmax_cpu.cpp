@@ -8,12 +8,25 @@
 
 #include "softmax/cpu/entry.h"
 #include "torch/softmax_params.h"
+#include "torch/sparse_index.h"
 
 namespace {
 
 using at::Tensor;
 using attn::api::OptTensor;
 using attn::api::Options;
+using attn::api::TileIndexTensors;
+
+// The CPU kernels walk a block layout at its own granularity (tiles = blocks; softmax/cpu/tile.h
+// cuts them further): CSR for the forward, CSC for the backward. The returned tensors keep the
+// index alive for the call.
+template <typename Params>
+TileIndexTensors attach_index(Params& p, const Options& o, bool csc) {
+  if (!o.block_layout.has_value()) return {};
+  TileIndexTensors t = attn::api::tile_index(*o.block_layout, o.block_size, p.sq, p.sk, o.block_size, o.block_size, csc);
+  (csc ? p.sparse.bwd : p.sparse.fwd) = t.view();
+  return t;
+}
 
 std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v, ATTN_SOFTMAX_OPTIONS_PARAMS,
                                    int64_t num_splits, bool /*deterministic: read by the autograd backward*/) {
@@ -24,9 +37,13 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
   if (q.numel() == 0) return {out, lse};
   const attn::DType dt = attn::api::dtype_of(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::fwd(attn::api::make_fwd_params<double>(q, k, v, out, lse, o), dt);
+    auto p = attn::api::make_fwd_params<double>(q, k, v, out, lse, o);
+    const TileIndexTensors index = attach_index(p, o, false);
+    attn::cpu::fwd(p, dt);
   } else {
-    attn::cpu::fwd(attn::api::make_fwd_params<float>(q, k, v, out, lse, o), dt);
+    auto p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
+    const TileIndexTensors index = attach_index(p, o, false);
+    attn::cpu::fwd(p, dt);
   }
   return {out, lse};
 }
@@ -43,9 +60,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(const Tensor& dout, c
   Tensor dout_c = dout.to(q.scalar_type());
   const attn::DType dt = attn::api::dtype_of(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::bwd(attn::api::make_bwd_params<double>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic), dt);
+    auto p = attn::api::make_bwd_params<double>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
+    const TileIndexTensors index = attach_index(p, o, true);
+    attn::cpu::bwd(p, dt);
   } else {
-    attn::cpu::bwd(attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic), dt);
+    auto p = attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
+    const TileIndexTensors index = attach_index(p, o, true);
+    attn::cpu::bwd(p, dt);
   }
   return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
 }

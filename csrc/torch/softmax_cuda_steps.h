@@ -60,6 +60,8 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
                                           const Options& o, int64_t num_splits) {
   check_inputs(q, k, v, o);
   check_num_splits(num_splits);
+  TORCH_CHECK_NOT_IMPLEMENTED(!o.block_layout.has_value() && !o.topk_thr.has_value(),
+                              "attention_ext: block-sparse and top-k attention have no CUDA kernel in this build");
   dev.check_device(q);
   const auto guard = dev.guard(q);
   auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
@@ -89,6 +91,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& 
                                                                   const Options& o, bool bias_grad,
                                                                   bool deterministic, const OptTensor& dlse) {
   check_inputs(q, k, v, o);
+  TORCH_CHECK_NOT_IMPLEMENTED(!o.block_layout.has_value() && !o.topk_thr.has_value(),
+                              "attention_ext: block-sparse and top-k attention have no CUDA kernel in this build");
   dev.check_device(q);
   check_bwd_inputs(dout, q, out, lse, dlse);
   const auto guard = dev.guard(q);

@@ -128,6 +128,32 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
                       "attention_ext: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
   }
+  if (o.block_layout.has_value()) {
+    const Tensor& l = *o.block_layout;
+    const int64_t bs = o.block_size;
+    TORCH_CHECK_VALUE(bs >= 16 && bs % 16 == 0, "attention_ext: block_size must be a positive multiple of 16, got ", bs);
+    TORCH_CHECK_TYPE(l.scalar_type() == at::kBool, "attention_ext: block_layout must be bool, got ", l.scalar_type());
+    TORCH_CHECK(l.device() == q.device(), "attention_ext: block_layout must be on ", q.device(), ", got ", l.device());
+    TORCH_CHECK_VALUE(l.is_contiguous(), "attention_ext: block_layout must be contiguous");
+    const int64_t nqb = (sq + bs - 1) / bs, nkb = (sk + bs - 1) / bs;
+    TORCH_CHECK_VALUE(l.dim() == 3 && (l.size(0) == 1 || l.size(0) == h) && l.size(1) == nqb && l.size(2) == nkb,
+                      "attention_ext: block_layout must be (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)) = (",
+                      h, " or 1, ", nqb, ", ", nkb, "), got ", l.sizes());
+  }
+  TORCH_CHECK_VALUE(o.topk_thr.has_value() == o.topk_jcut.has_value(),
+                    "attention_ext: topk_thr and topk_jcut go together");
+  if (o.topk_thr.has_value()) {
+    const Tensor &t = *o.topk_thr, &c = *o.topk_jcut;
+    TORCH_CHECK_TYPE(t.scalar_type() == acc && c.scalar_type() == at::kInt, "attention_ext: topk_thr must be ", acc,
+                     " and topk_jcut int32, got ", t.scalar_type(), " and ", c.scalar_type());
+    for (const Tensor* x : {&t, &c}) {
+      TORCH_CHECK(x->device() == q.device(), "attention_ext: topk_thr / topk_jcut must be on ", q.device());
+      TORCH_CHECK_VALUE(x->dim() == 3 && x->size(0) == q.size(0) && x->size(1) == h && x->size(2) == q.size(2) &&
+                            x->is_contiguous(),
+                        "attention_ext: topk_thr / topk_jcut must be contiguous (B, H, Sq) = (", q.size(0), ", ", h,
+                        ", ", q.size(2), "), got ", x->sizes());
+    }
+  }
 }
 
 void check_num_splits(int64_t num_splits) {
@@ -216,6 +242,18 @@ FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& 
   } else {
     p.seed = uint64_t(o.seed);
     p.offset = uint64_t(o.offset);
+  }
+  if (o.block_layout.has_value()) {  // the tile indices are the binding's (sparse_index.h)
+    const Tensor& l = *o.block_layout;
+    p.sparse.layout = reinterpret_cast<const uint8_t*>(l.data_ptr<bool>());
+    p.sparse.heads = int32_t(l.size(0));
+    p.sparse.n_qb = int32_t(l.size(1));
+    p.sparse.n_kb = int32_t(l.size(2));
+    p.sparse.block = int32_t(o.block_size);
+  }
+  if (o.topk_thr.has_value()) {
+    p.topk_thr = o.topk_thr->data_ptr<Acc>();
+    p.topk_jcut = o.topk_jcut->data_ptr<int32_t>();
   }
   p.num_threads = 0;
   return p;

@@ -520,7 +520,7 @@ def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32, rng_s
     bias = torch.randn(1, 4, 9, 11, dtype=acc, requires_grad=True) if with_bias else None
     s = torch.randn(4, dtype=acc, requires_grad=True) if sinks else None
     return (q, k, v, bias, torch.rand(4, dtype=acc), s, None, None, None, 9, 11, 0.25, 0.0, -1, 0, False, dropout, 3,
-            0, rng_state)
+            0, rng_state, None, 0, None, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -599,7 +599,7 @@ def test_bad_input(name, fn, exc, msg):
 def test_bad_input_raw_op_never_crashes():
     q = torch.randn(2, 4, 8, 16)
     k = torch.randn(2, 3, 9, 16)
-    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0, None]
+    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0, None, None, 0, None, None]
     with pytest.raises((RuntimeError, ValueError)):
         torch.ops.attention_ext.fwd(q, k, k, *base)
     bad_cu = list(base)
@@ -629,7 +629,8 @@ def _raw_fwd_args(device, **changes):
     a = dict(q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16), bias=None,
              alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=8,
              max_seqlen_k=9, scale=0.25, softcap=0.0, window_left=-1, window_right=-1, bottom_right=False,
-             dropout_p=0.0, seed=0, offset=0, rng_state=None, num_splits=1, deterministic=False)
+             dropout_p=0.0, seed=0, offset=0, rng_state=None, block_layout=None, block_size=0, topk_thr=None,
+             topk_jcut=None, num_splits=1, deterministic=False)
     a.update(changes)
     a = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
     return [a[n] for n in ops.FWD_ARGS]
@@ -685,7 +686,7 @@ def test_fake_checks_match_cpp(case):
 def test_option_names_from_schema():
     """OPTION_NAMES is read from the registered schemas: the options fwd and bwd share, in order;
     check_inputs names the same options (it stands in for the schema without the extension)."""
-    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "rng_state" and len(ops.OPTION_NAMES) == 17
+    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "topk_jcut" and len(ops.OPTION_NAMES) == 21
     assert ops.FWD_ARGS == ("q", "k", "v", *ops.OPTION_NAMES, "num_splits", "deterministic")
     params = inspect.signature(ops.check_inputs).parameters
     assert tuple(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY) == ops.OPTION_NAMES

@@ -40,7 +40,7 @@ def call_fwd(q, k, v, **o):
     opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(q.shape[-1]),
                 softcap=0.0, window_left=-1, window_right=-1, bottom_right=False, dropout_p=0.0, seed=0,
-                offset=0, rng_state=None)
+                offset=0, rng_state=None, block_layout=None, block_size=0, topk_thr=None, topk_jcut=None)
     opts.update(o)
     return [opts[n] for n in ops.OPTION_NAMES]
 

@@ -83,6 +83,81 @@ struct BwdWorker {
                p.dv_row_stride);
   }
 
+  // What one query head's tiles share.
+  struct Head {
+    const PolicyT<T>& pol;
+    const TileSoftmax<T>& ts;
+    T keep_scale;
+    T* dbias_bh;
+    int len_q;
+  };
+  // Query rows [i0, i0 + rows) against keys [j0, j0 + n), of which [lo, hi) may be seen: n <=
+  // kBlockN, j0 a multiple of kPanel, neither range crossing a packed block (kBlockM query rows,
+  // kBlockN keys). The dense walk passes whole blocks with lo = j0, hi = j0 + n.
+  void tile(const Head& hd, int i0, int rows, int j0, int n, int lo, int hi) {
+    const PolicyT<T>& pol = hd.pol;
+    const TileSoftmax<T>& ts = hd.ts;
+    const int d = p.d;
+    constexpr int P = kPanel<T>;
+    // K^T and V^T (kTPanels) start at j0 * dp for any j0 on a panel boundary; K, Q and dO as
+    // kPanels at their row's panel (tile.h)
+    const T* kt_blk = kt + int64_t(j0) * dp;
+    const T* vt_blk = vt + int64_t(j0) * dp;
+    const T* kr_blk = panel_row(kr, j0, kBlockN, dp);
+    const T* q_blk = q + int64_t(i0) * dp;
+    const T* do_blk = dout + int64_t(i0) * dp;
+    // (rows, n) raw scores and dP of the dropped probabilities
+    gemm<false>(rows, n, d, q_blk, dp, kt_blk, P, int64_t(dp) * P, s, kBlockN);
+    gemm<false>(rows, n, d, do_blk, dp, vt_blk, P, int64_t(dp) * P, dpt, kBlockN);
+    if (pol.softcap > T(0)) std::copy(s, s + rows * kBlockN, x);
+    const bool full = ts.tile_full(i0, i0 + rows, j0, n);
+    const bool partial = lo > j0 || hi < j0 + n;
+    for (int r = 0; r < rows; ++r) {
+      const int i = i0 + r;
+      T* srow = s + r * kBlockN;
+      T* dprow = dpt + r * kBlockN;
+      if (partial) mask_outside(srow, j0, n, lo, hi);
+      ts.scores(srow, i, j0, full, n);
+      ts.probs(srow, lse[i], n);
+      // keep / (1 - p) per key: a row of that constant run through the same dropout
+      T* keep = keep_row;
+      if (p.dropout_p > 0.f) {
+        std::fill(keep, keep + n, hd.keep_scale);
+        ts.dropout(keep, i, j0, n);
+      }
+      const T di = dvec[i];
+      if (p.dropout_p == 0.f && hd.dbias_bh == nullptr && pol.softcap == 0.f) {
+        // the common case in vectors: dX = P * (dP - D_i) * scale; P stays as it is
+        const V dv_i = vbcast(di);
+        for (int c = 0; c < n; c += L) vstore(dprow + c, vload(srow + c) * (vload(dprow + c) - dv_i) * pol.scale);
+        continue;
+      }
+      for (int jj = 0; jj < n; ++jj) {
+        const T kp = p.dropout_p > 0.f ? keep[jj] : T(1);
+        const T pr = srow[jj];
+        T ds = pr * (dprow[jj] * kp - di);
+        if (hd.dbias_bh != nullptr && j0 + jj < pol.len_k)
+          hd.dbias_bh[int64_t(i) * p.dbias_row_stride + j0 + jj] += ds;
+        if (pol.softcap > T(0)) {
+          ds *= pol.dscore_dx(x[r * kBlockN + jj]);
+        } else {
+          ds *= pol.scale;
+        }
+        dprow[jj] = ds;      // dX (rows, n)
+        srow[jj] = pr * kp;  // dropped, rescaled P
+      }
+    }
+    // dV (n, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
+    T* dv_blk = dv + int64_t(j0) * dp;
+    T* dk_blk = dk + int64_t(j0) * dp;
+    const T* dopn_blk = panel_row(dopn, i0, kBlockM, dp);
+    const T* qpn_blk = panel_row(qpn, i0, kBlockM, dp);
+    gemm<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
+    gemm<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
+    // dQ (rows, dp) += dX (rows, n) @ K rows (n, dp)
+    gemm<true>(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dq + int64_t(i0) * dp, dp);
+  }
+
   void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
     const int d = p.d;
     const size_t es = dtype_size(dt);
@@ -119,68 +194,37 @@ struct BwdWorker {
     if (p.dsinks != nullptr) p.dsinks[b * p.h + h] = dsink;
     T* dbias_bh = p.dbias != nullptr ? p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride : nullptr;
 
-    for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
-      int q_lo, q_hi;
-      pol.query_range(j0, j0 + kBlockN, &q_lo, &q_hi);
-      // block j0 / kBlockN of each packed operand starts at j0 * dp (pack.h)
-      const T* kt_blk = kt + int64_t(j0) * dp;
-      const T* vt_blk = vt + int64_t(j0) * dp;
-      const T* kr_blk = kr + int64_t(j0) * dp;
-      constexpr int P = kPanel<T>;
-      for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
-        const int rows = std::min(kBlockM, len_q - i0);
-        if (rows <= 0) break;
-        const T* q_blk = q + int64_t(i0) * dp;
-        const T* do_blk = dout + int64_t(i0) * dp;
-        // (rows, kBlockN) raw scores and dP of the dropped probabilities
-        gemm<false>(rows, kBlockN, d, q_blk, dp, kt_blk, P, int64_t(dp) * P, s, kBlockN);
-        gemm<false>(rows, kBlockN, d, do_blk, dp, vt_blk, P, int64_t(dp) * P, dpt, kBlockN);
-        if (pol.softcap > T(0)) std::copy(s, s + rows * kBlockN, x);
-        const bool full = ts.tile_full(i0, i0 + rows, j0);
-        for (int r = 0; r < rows; ++r) {
-          const int i = i0 + r;
-          T* srow = s + r * kBlockN;
-          T* dprow = dpt + r * kBlockN;
-          ts.scores(srow, i, j0, full);
-          ts.probs(srow, lse[i]);
-          // keep / (1 - p) per key: a row of that constant run through the same dropout
-          T* keep = keep_row;
-          if (p.dropout_p > 0.f) {
-            std::fill(keep, keep + kBlockN, keep_scale);
-            ts.dropout(keep, i, j0);
-          }
-          const T di = dvec[i];
-          if (p.dropout_p == 0.f && dbias_bh == nullptr && pol.softcap == 0.f) {
-            // the common case in vectors: dX = P * (dP - D_i) * scale; P stays as it is
-            const V dv_i = vbcast(di);
-            for (int c = 0; c < kBlockN; c += L)
-              vstore(dprow + c, vload(srow + c) * (vload(dprow + c) - dv_i) * pol.scale);
-            continue;
-          }
-          for (int jj = 0; jj < kBlockN; ++jj) {
-            const T kp = p.dropout_p > 0.f ? keep[jj] : T(1);
-            const T pr = srow[jj];
-            T ds = pr * (dprow[jj] * kp - di);
-            if (dbias_bh != nullptr && j0 + jj < len_k) dbias_bh[int64_t(i) * p.dbias_row_stride + j0 + jj] += ds;
-            if (pol.softcap > T(0)) {
-              ds *= pol.dscore_dx(x[r * kBlockN + jj]);
-            } else {
-              ds *= pol.scale;
-            }
-            dprow[jj] = ds;         // dX (rows, kBlockN)
-            srow[jj] = pr * kp;     // dropped, rescaled P
-          }
+    const Head hd{pol, ts, keep_scale, dbias_bh, len_q};
+    if (!p.sparse.on()) {
+      for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
+        int q_lo, q_hi;
+        pol.query_range(j0, j0 + kBlockN, &q_lo, &q_hi);
+        for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
+          const int rows = std::min(kBlockM, len_q - i0);
+          if (rows <= 0) break;
+          tile(hd, i0, rows, j0, kBlockN, j0, j0 + kBlockN);
         }
-        // dV (kBlockN, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
-        T* dv_blk = dv + int64_t(j0) * dp;
-        T* dk_blk = dk + int64_t(j0) * dp;
-        const T* dopn_blk = dopn + int64_t(i0) * dp;
-        const T* qpn_blk = qpn + int64_t(i0) * dp;
-        gemm<true, true>(kBlockN, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
-        gemm<true, true>(kBlockN, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
-        // dQ (rows, dp) += dX (rows, kBlockN) @ K block (kBlockN, dp)
-        gemm<true>(rows, dp, kBlockN, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dq + int64_t(i0) * dp,
-                   dp);
+      }
+    } else {
+      // block-sparse: per layout column, its on blocks (CSC at the layout's own granularity);
+      // key and query tiles cut where the packed operands need (tile.h)
+      const int bs = p.sparse.block;
+      const int n_cols = (len_k + bs - 1) / bs;
+      for (int c = 0; c < n_cols; ++c) {
+        int beg, end;
+        p.sparse.tiles(p.sparse.bwd, h, c, &beg, &end);
+        if (beg == end) continue;
+        for_key_tiles<T>(c * bs, std::min((c + 1) * bs, len_k), [&](int j0, int n, int lo, int hi) {
+          int q_lo, q_hi;
+          pol.query_range(lo, hi, &q_lo, &q_hi);
+          q_lo = std::max(q_lo, 0);
+          q_hi = std::min(q_hi, len_q);
+          for (int e = beg; e < end; ++e) {
+            const int r = p.sparse.bwd.idx[e];
+            const int r0 = std::max(r * bs, q_lo), r1 = std::min((r + 1) * bs, q_hi);
+            if (r0 < r1) for_query_tiles(r0, r1, [&](int i0, int rows) { tile(hd, i0, rows, j0, n, lo, hi); });
+          }
+        });
       }
     }
     char* dqbase = elem(p.dq, dt, si.q_offset(p, b, h, 0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride));

@@ -58,11 +58,11 @@ struct FwdWorker {
     load_row(dt, src, kvrow, d, dp);
     return kvrow;
   }
-  // Direct mode: (rows, kBlockN) raw scores q_r . k_j of key block j0; keys past the sequence
-  // get 0 (the policy masks them).
-  void direct_scores(int rows, int j0, int len_k, const char* kbase, int d, int dp) {
+  // Direct mode: (rows, n) raw scores q_r . k_j of keys [j0, j0 + n) into s (row stride
+  // kBlockN); keys past the sequence get 0 (the policy masks them).
+  void direct_scores(const T* q, T* s, int rows, int j0, int n, int len_k, const char* kbase, int d, int dp) {
     const int dv = d / L * L;
-    for (int jj = 0; jj < kBlockN; ++jj) {
+    for (int jj = 0; jj < n; ++jj) {
       const int j = j0 + jj;
       if (j >= len_k) {
         for (int r = 0; r < rows; ++r) s[r * kBlockN + jj] = T(0);
@@ -79,12 +79,12 @@ struct FwdWorker {
       }
     }
   }
-  // Direct mode: O (rows, dp) += P (rows, kBlockN) @ V rows of block j0. Every key inside the
+  // Direct mode: O (rows, dp) += P (rows, n) @ V rows j0 ... Every key inside the
   // sequence is read, as the packed path does (a NaN value at a masked key gives NaN on both
   // paths: 0 * NaN).
-  void direct_pv(int rows, int j0, int len_k, const char* vbase, int d, int dp) {
+  void direct_pv(const T* s, T* o, int rows, int j0, int n, int len_k, const char* vbase, int d, int dp) {
     const int dv = d / L * L;
-    for (int jj = 0; jj < kBlockN && j0 + jj < len_k; ++jj) {
+    for (int jj = 0; jj < n && j0 + jj < len_k; ++jj) {
       const T* v = kv_row(vbase, j0 + jj, p.v_row_stride, d, dp);
       for (int r = 0; r < rows; ++r) {
         const T pr = s[r * kBlockN + jj];
@@ -93,6 +93,54 @@ struct FwdWorker {
         for (int c = 0; c < dv; c += L) vstore(orow + c, vload(orow + c) + prv * vload(v + c));
         for (int c = dv; c < d; ++c) orow[c] += pr * v[c];
       }
+    }
+  }
+
+  // What one task's tiles share.
+  struct Tile {
+    const PolicyT<T>& pol;
+    TileSoftmax<T> ts;
+    int i0, len_k;          // the task's first row; the sequence's keys
+    const T *kt_bh, *v_bh;  // packed K / V of the (batch, kv head); nullptr in direct mode
+    const char *kbase, *vbase;
+  };
+  // Rows [ra, rb) of the task (offsets from its first row) against keys [j0, j0 + n), of which
+  // [lo, hi) may be seen: n <= kBlockN, j0 a multiple of kPanel, [j0, j0 + n) inside one packed
+  // block (the dense walk: whole kBlockN blocks, lo = j0, hi = j0 + n).
+  void tile(const Tile& t, int ra, int rb, int j0, int n, int lo, int hi) {
+    const int d = kidx.d, dp = kidx.dp, rows = rb - ra;
+    T* qa = q + ra * dp;
+    T* sa = s + ra * kBlockN;
+    T* oa = o + ra * dp;
+    // (rows, n) scores = Q (rows, d) @ K^T block (d, n)
+    if (t.kt_bh == nullptr) {
+      direct_scores(qa, sa, rows, j0, n, t.len_k, t.kbase, d, dp);
+    } else {
+      gemm<false>(rows, n, d, qa, dp, t.kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, sa, kBlockN);
+    }
+    const int i_lo = t.i0 + ra;
+    const bool full = t.ts.tile_full(i_lo, i_lo + rows, j0, n);
+    for (int r = 0; r < rows; ++r) {
+      T* srow = sa + r * kBlockN;
+      if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
+      t.ts.scores(srow, i_lo + r, j0, full, n);
+      T& mr = m[ra + r];
+      const T m_new = t.ts.online_update(srow, mr, &l[ra + r], n);
+      if (m_new != mr) {
+        // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
+        const T alpha = std::isinf(mr) ? T(0) : std::exp(mr - m_new);
+        T* orow = oa + r * dp;
+        for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
+        mr = m_new;
+      }
+      t.ts.dropout(srow, i_lo + r, j0, n);
+    }
+    // O (rows, dp) += P (rows, n) @ V block (n, dp)
+    if (t.kt_bh == nullptr) {
+      direct_pv(sa, oa, rows, j0, n, t.len_k, t.vbase, d, dp);
+    } else {
+      gemm<true>(rows, dp, n, sa, kBlockN, panel_row(t.v_bh, j0, kBlockN, dp), kPanel<T>,
+                 int64_t(kBlockN) * kPanel<T>, oa, dp);
     }
   }
 
@@ -118,43 +166,33 @@ struct FwdWorker {
     std::fill(m, m + kBlockM, -std::numeric_limits<T>::infinity());
     std::fill(l, l + kBlockM, T(0));
 
-    int n_lo, n_hi;
-    pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
     const bool direct = kt == nullptr;
-    const T* kt_bh = direct ? nullptr : kt + kidx.offset(b, hk);
-    const T* v_bh = direct ? nullptr : vr + kidx.offset(b, hk);
-    const char* kbase = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
-    const char* vbase = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
-    const TileSoftmax<T> ts(p, pol, b * p.h + h);
-    for (int jb = n_lo; jb < n_hi; ++jb) {
-      const int j0 = jb * kBlockN;
-      // (rows, kBlockN) scores = Q (rows, d) @ K^T block (d, kBlockN)
-      if (direct) {
-        direct_scores(rows, j0, si.len_k, kbase, d, dp);
-      } else {
-        gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s,
-                    kBlockN);
-      }
-      const bool full = ts.tile_full(i0, i1, j0);
-      for (int r = 0; r < rows; ++r) {
-        T* srow = s + r * kBlockN;
-        ts.scores(srow, i0 + r, j0, full);
-        const T m_new = ts.online_update(srow, m[r], &l[r]);
-        if (m_new != m[r]) {
-          // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
-          const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
-          T* orow = o + r * dp;
-          for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
-          m[r] = m_new;
+    Tile t{pol, TileSoftmax<T>(p, pol, b * p.h + h), i0, si.len_k,
+           direct ? nullptr : kt + kidx.offset(b, hk), direct ? nullptr : vr + kidx.offset(b, hk),
+           elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride)),
+           elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride))};
+    if (!p.sparse.on()) {
+      int n_lo, n_hi;
+      pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
+      for (int jb = n_lo; jb < n_hi; ++jb) tile(t, 0, rows, jb * kBlockN, kBlockN, jb * kBlockN, (jb + 1) * kBlockN);
+    } else {
+      // block-sparse: per layout row under the task's rows, its on blocks (CSR at the layout's
+      // own granularity), each cut into tiles the packed operands allow (tile.h)
+      const int bs = p.sparse.block;
+      for (int a = i0; a < i1;) {
+        const int lr = a / bs, a1 = std::min(i1, (lr + 1) * bs);
+        int beg, end, klo, khi;
+        p.sparse.tiles(p.sparse.fwd, h, lr, &beg, &end);
+        pol.key_range(a, a1, &klo, &khi);
+        klo = std::max(klo, 0);
+        khi = std::min(khi, si.len_k);
+        for (int e = beg; e < end; ++e) {
+          const int c = p.sparse.fwd.idx[e];
+          const int c0 = std::max(c * bs, klo), c1 = std::min((c + 1) * bs, khi);
+          if (c0 >= c1) continue;
+          for_key_tiles<T>(c0, c1, [&](int j0, int n, int lo, int hi) { tile(t, a - i0, a1 - i0, j0, n, lo, hi); });
         }
-        ts.dropout(srow, i0 + r, j0);
-      }
-      // O (rows, dp) += P (rows, kBlockN) @ V block (kBlockN, dp)
-      if (direct) {
-        direct_pv(rows, j0, si.len_k, vbase, d, dp);
-      } else {
-        gemm<true>(rows, dp, kBlockN, s, kBlockN, v_bh + int64_t(j0) * dp, kPanel<T>, int64_t(kBlockN) * kPanel<T>,
-                   o, dp);
+        a = a1;
       }
     }
 
@@ -188,7 +226,8 @@ void fwd(const FwdParamsT<T>& p, DType dt) {
   const PackIndex kidx(p);
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   const int64_t n_tasks = int64_t(p.b) * p.h * n_mblocks;
-  if (p.sq <= kDirectMaxRows) {
+  // top-k needs the logits bit for bit as its threshold pass computed them, with the packed GEMM
+  if (p.sq <= kDirectMaxRows && p.topk_thr == nullptr) {
     parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks); });
     return;
   }

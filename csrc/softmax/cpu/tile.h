@@ -1,6 +1,8 @@
-// Row operations on one (rows, kBlockN) score tile, shared by the CPU forward and backward.
-// They apply the common Policy; the fast path (no softcap, ALiBi or additive bias, tile wholly
-// inside the window) is a vector multiply, everything else goes through Policy element-wise.
+// Row operations on one (rows, n) score tile, n <= kBlockN a multiple of the vector width (the
+// row stride stays kBlockN), shared by the CPU forward and backward. Dense calls use n = kBlockN;
+// the block-sparse walk uses tiles the size of the layout's blocks. They apply the common
+// Policy; the fast path (no softcap, ALiBi or additive bias, tile wholly inside the window) is a
+// vector multiply, everything else goes through Policy element-wise.
 #pragma once
 
 #include <cmath>
@@ -33,21 +35,23 @@ struct TileSoftmax {
               pol_.scale > T(0)),
         post(plain ? pol_.scale : T(1)) {}
 
-  // every (i, j) of the tile rows [i0, i1) x keys [j0, j0 + kBlockN) allowed without a lookup
-  bool tile_full(int i0, int i1, int j0) const {
-    return pol.bias_kind != BiasKind::kBool && pol.tile_full(i0, i1, j0, j0 + kBlockN);
+  // every (i, j) of the tile rows [i0, i1) x keys [j0, j0 + n) allowed without a lookup (the
+  // block-sparse walk only hands over tiles inside on blocks, so the layout needs no check)
+  bool tile_full(int i0, int i1, int j0, int n = kBlockN) const {
+    return pol.bias_kind != BiasKind::kBool && pol.tile_full(i0, i1, j0, j0 + n);
   }
 
   // srow: raw q.k of row i -> logits / post, -inf where not allowed. The plain path leaves
   // q.k unscaled: the exp pass multiplies by `post`, saving a pass over the row.
-  void scores(T* srow, int i, int j0, bool full) const {
+  void scores(T* srow, int i, int j0, bool full, int n = kBlockN) const {
     if (!plain) {
-      for (int jj = 0; jj < kBlockN; ++jj) srow[jj] = pol.score(srow[jj], i, j0 + jj);
+      for (int jj = 0; jj < n; ++jj) srow[jj] = pol.score(srow[jj], i, j0 + jj);
     }
+    if (pol.topk_thr != nullptr) topk(srow, i, j0, n);
     if (full) return;
     const T ninf = -std::numeric_limits<T>::infinity();
     if (pol.bias_kind == BiasKind::kBool) {
-      for (int jj = 0; jj < kBlockN; ++jj)
+      for (int jj = 0; jj < n; ++jj)
         if (!pol.allowed(i, j0 + jj)) srow[jj] = ninf;
       return;
     }
@@ -55,24 +59,34 @@ struct TileSoftmax {
     int lo, hi;
     pol.key_range(i, i + 1, &lo, &hi);
     if (i >= pol.len_q) lo = hi = j0;
-    lo = std::min(std::max(lo - j0, 0), kBlockN);
-    hi = std::min(std::max(hi - j0, lo), kBlockN);
+    lo = std::min(std::max(lo - j0, 0), n);
+    hi = std::min(std::max(hi - j0, lo), n);
     std::fill(srow, srow + lo, ninf);
-    std::fill(srow + hi, srow + kBlockN, ninf);
+    std::fill(srow + hi, srow + n, ninf);
+  }
+
+  // top-k's rule on row i (block_sparse.h): the logit is score(x) as the threshold pass
+  // computed it, i.e. x * scale on the plain path, where the row still holds x
+  void topk(T* srow, int i, int j0, int n) const {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int jj = 0; jj < n; ++jj) {
+      const T logit = plain ? srow[jj] * pol.scale : srow[jj];
+      if (!pol.topk_keep(logit, i, j0 + jj)) srow[jj] = ninf;
+    }
   }
 
   // srow: logits -> exp(s - m') in place, with m' = max(m_old, rowmax). Updates the running
   // sum *l and returns m' (m_old unchanged when the whole row is masked). NaN propagates.
-  T online_update(T* srow, T m_old, T* l) const {
+  T online_update(T* srow, T m_old, T* l, int n = kBlockN) const {
     V mx = vload(srow);
-    for (int c = L; c < kBlockN; c += L) mx = vmax(mx, vload(srow + c));
+    for (int c = L; c < n; c += L) mx = vmax(mx, vload(srow + c));
     T m_new = std::max(m_old, hmax(mx) * post);  // post > 0 keeps the arg max
     if (std::isinf(m_new) && m_new < T(0)) {
       // nothing allowed so far; a NaN logit must still poison the row
       bool nan = false;
-      for (int jj = 0; jj < kBlockN; ++jj) nan |= std::isnan(srow[jj]);
+      for (int jj = 0; jj < n; ++jj) nan |= std::isnan(srow[jj]);
       if (!nan) {
-        for (int c = 0; c < kBlockN; c += L) vstore(srow + c, V{});
+        for (int c = 0; c < n; c += L) vstore(srow + c, V{});
         return m_old;
       }
       m_new = T(0);
@@ -80,7 +94,7 @@ struct TileSoftmax {
     V sum = V{};
     // exp(s * post - m') = 2^(s * post * log2 e - m' log2 e): one FMA, then the exp2
     const T post2 = post * T(kLog2e), m2 = m_new * T(kLog2e);
-    for (int c = 0; c < kBlockN; c += L) {
+    for (int c = 0; c < n; c += L) {
       V e = vexp2_nonpos(vload(srow + c) * post2 - m2);
       vstore(srow + c, e);
       sum += e;
@@ -91,25 +105,69 @@ struct TileSoftmax {
   }
 
   // srow: logits -> probabilities exp(s - lse) (0 where masked or the row is empty)
-  void probs(T* srow, T lse) const {
+  void probs(T* srow, T lse, int n = kBlockN) const {
     if (std::isinf(lse) && lse < T(0)) {
-      for (int c = 0; c < kBlockN; c += L) vstore(srow + c, V{});
+      for (int c = 0; c < n; c += L) vstore(srow + c, V{});
       return;
     }
     const T post2 = post * T(kLog2e), lse2 = lse * T(kLog2e);
-    for (int c = 0; c < kBlockN; c += L) vstore(srow + c, vexp2_nonpos(vload(srow + c) * post2 - lse2));
+    for (int c = 0; c < n; c += L) vstore(srow + c, vexp2_nonpos(vload(srow + c) * post2 - lse2));
   }
 
   // zero the dropped entries of row i (keys j0 ..); the 1 / (1 - p) is applied by the caller
-  void dropout(T* srow, int i, int j0) const {
+  void dropout(T* srow, int i, int j0, int n = kBlockN) const {
     if (p.dropout_p <= 0.f) return;
-    for (int jj = 0; jj < kBlockN; jj += 4) {
+    for (int jj = 0; jj < n; jj += 4) {
       const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, (j0 + jj) >> 2);
       for (int u = 0; u < 4; ++u)
         if (!dropout_keep_bits(r.x[u], p.dropout_p)) srow[jj + u] = T(0);
     }
   }
 };
+
+// ---------------------------------------------------------------- the block-sparse walk's tiles
+// The packed operands (pack.h) are blocked by R rows, so a sub-tile of the walk must not cross
+// an R boundary, and key tiles start on a kPanel boundary (the K^T panels). Layout blocks are
+// multiples of 16 rows; where kPanel is wider (AVX-512 float) the first tile of a block starts
+// a little early and the keys before the block are masked (`lo` below).
+
+// The key tiles covering the valid keys [c0, c1) (c0 < c1): f(j0, n, lo, hi) for keys
+// [j0, j0 + n), n a multiple of kPanel, of which [lo, hi) are valid.
+template <typename T, typename F>
+inline void for_key_tiles(int c0, int c1, F&& f) {
+  constexpr int P = kPanel<T>;
+  const int end = round_up(c1, P);
+  for (int j = c0 / P * P; j < end;) {
+    const int jn = std::min(end, (j / kBlockN + 1) * kBlockN);
+    f(j, jn - j, std::max(c0, j), std::min(c1, jn));
+    j = jn;
+  }
+}
+
+// The query tiles of rows [r0, r1), cut at kBlockM boundaries: f(i0, rows).
+template <typename F>
+inline void for_query_tiles(int r0, int r1, F&& f) {
+  for (int i = r0; i < r1;) {
+    const int in = std::min(r1, (i / kBlockM + 1) * kBlockM);
+    f(i, in - i);
+    i = in;
+  }
+}
+
+// Row j of a kPanels operand blocked by R rows (pack.h), as the B operand of a product over
+// rows: the panels of its block are R * kPanel apart.
+template <typename T>
+inline const T* panel_row(const T* base, int j, int R, int dp) {
+  return base + int64_t(j / R) * R * dp + int64_t(j % R) * kPanel<T>;
+}
+
+// Masks the keys of [j0, j0 + n) outside [lo, hi) on one score row (logits or raw products).
+template <typename T>
+inline void mask_outside(T* srow, int j0, int n, int lo, int hi) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  std::fill(srow, srow + (lo - j0), ninf);
+  std::fill(srow + (hi - j0), srow + n, ninf);
+}
 
 }  // namespace cpu
 }  // namespace attn
