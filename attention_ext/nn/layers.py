@@ -114,44 +114,24 @@ def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1
 
 
 @register_attention_type("sparse")
-def _sparse_attention(q, k, v, *, layout=None, block_size=64, k_top=0, causal=False, bottom_right=False,
-                      attn_mask=None, key_padding_mask=None, seqlens_k=None, dropout_p=0.0, return_lse=False, **kw):
+def _sparse_attention(q, k, v, *, layout=None, block_size=64, k_top=0, attn_mask=None, **kw):
     """Block-sparse attention over `layout` (H or 1, n_blocks, n_blocks), or top-k attention when
-    k_top > 0. The layout is square over the keys: with fewer queries than keys (a KV-cache step,
-    bottom_right) the queries are its last rows, and the layout's rows for them become the
-    equivalent element mask through the fused op, as does a layout with an extra attn_mask."""
+    k_top > 0; every other option is softmax.attention's. The layout is square over the keys: with
+    fewer queries than keys (a KV-cache step, bottom_right) the queries are its last rows, and the
+    layout's rows for them become the equivalent element mask through the fused op."""
     sq, sk = q.shape[1], k.shape[1]
     if k_top > 0:
-        extra = [n for n in ("alibi_slopes", "sinks") if kw.get(n) is not None]
-        extra += ["attn_mask"] if attn_mask is not None else []
-        extra += ["dropout"] if dropout_p > 0.0 else []
-        extra += ["softcap"] if kw.get("softcap") else []
-        extra += ["window"] if tuple(kw.get("window", (-1, -1))) != (-1, -1) else []
-        if extra:
-            raise ValueError(f"top-k attention has no {', '.join(extra)}")
-        if seqlens_k is not None:
-            valid = torch.arange(sk, device=q.device).unsqueeze(0) < seqlens_k.to(q.device).view(-1, 1)  # (B, S_k)
-            key_padding_mask = valid if key_padding_mask is None else key_padding_mask & valid
-        topts = dict(key_padding_mask=key_padding_mask, layout_qkv="bshd", return_lse=return_lse, scale=kw.get("scale"))
-        if not causal or sq == sk or sq == 1:  # a single last query sees every key: causal adds nothing
-            return topk_attention(q, k, v, k_top, causal=causal and sq == sk, **topts)
-        # bottom-right causal with several new queries: run them as the last rows of a square problem
-        pad = q.new_zeros(q.shape[0], sk - sq, *q.shape[2:])
-        res = topk_attention(torch.cat([pad, q], dim=1), k, v, k_top, causal=True, **topts)
-        return (res[0][:, sk - sq:], res[1][..., sk - sq:]) if return_lse else res[:, sk - sq:]
+        return topk_attention(q, k, v, k_top, layout_qkv="bshd", attn_mask=attn_mask, **kw)
     if layout is None:
         raise ValueError("attention_type='sparse' needs a layout: build the layer with make_attention "
                          "(nn.SparseAttention), or call attention_ext.block_sparse_attention")
-    opts = dict(causal=causal, bottom_right=bottom_right, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
-                dropout_p=dropout_p, return_lse=return_lse, **kw)
-    if attn_mask is None and sq == sk:
-        return block_sparse_attention(q, k, v, layout, block_size=block_size, layout_qkv="bshd", **opts)
-    mask = sparse_rows_mask(layout, block_size, sq, sk)  # (H or 1, S_q, S_k)
+    if sq == sk:
+        return block_sparse_attention(q, k, v, layout, block_size=block_size, layout_qkv="bshd", attn_mask=attn_mask,
+                                      **kw)
+    mask = sparse_rows_mask(layout, block_size, sq, sk).unsqueeze(0)  # (1, H or 1, S_q, S_k)
     if attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            raise ValueError("attention_type='sparse' takes a bool attn_mask (True = attend)")
-        mask = mask & attn_mask
-    return attention(q, k, v, layout="bshd", attn_mask=mask, **opts)
+        mask = mask & attn_mask if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~mask, float("-inf"))
+    return attention(q, k, v, layout="bshd", attn_mask=mask, **kw)
 
 
 def sparse_rows_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
@@ -252,8 +232,7 @@ class Attention(nn.Module):
         p = c.dropout if self.training else 0.0
         if self.keep_weights:
             out, lse = kernel(q, k, v, dropout_p=p, return_lse=True, **opts)
-            self.last_weights = attention_weights(q, k, lse, layout="bshd", **self._weights_options(q, k, opts))
-            self.last_weights = self.last_weights.detach()
+            self.last_weights = self._weights(q, k, lse, opts).detach()
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)
@@ -263,9 +242,10 @@ class Attention(nn.Module):
         adds its own (nn/sparse.py: the layout)."""
         return ATTENTION_TYPES[self.config.attention_type], opts
 
-    def _weights_options(self, q: Tensor, k: Tensor, opts: dict) -> dict:
-        """attention_weights' options equivalent to the kernel's (the LSE already holds the sinks)."""
-        return {n: o for n, o in opts.items() if n != "sinks"}
+    def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
+        """The (B, H, S_q, S_k) probabilities of the kernel's call, from its LSE (which already
+        holds the sinks)."""
+        return attention_weights(q, k, lse, layout="bshd", **{n: o for n, o in opts.items() if n != "sinks"})
 
 
 # ----------------------------------------------------------------------------------------------

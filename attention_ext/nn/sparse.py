@@ -17,6 +17,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..softmax import attention_weights
 from ..sparse import layouts as L
 from ..sparse.reference import topk_select
 from .layers import ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionConfig, KVCache, sparse_rows_mask
@@ -87,8 +88,8 @@ class SparseAttention(Attention):
     grows with the length) and "random" is refused (its rows change with the length).
 
     Cross-attention (cross=True) is dense softmax attention: a pattern over positions has no
-    meaning between two sequences. Top-k has no window, ALiBi, sinks, softcap, dropout or
-    attn_mask.
+    meaning between two sequences. Window, ALiBi, sinks, softcap, dropout and masks compose with
+    every pattern, top-k included (it ranks the final logits).
     """
 
     def __init__(self, config: AttentionConfig, cross: bool = False):
@@ -103,10 +104,6 @@ class SparseAttention(Attention):
         if self.pattern == "topk":
             if c.topk < 1:
                 raise ValueError("sparse_pattern='topk' needs topk >= 1 (keys kept per query)")
-            bad = [n for n, on in (("window", tuple(c.window) != (-1, -1)), ("ALiBi", c.positional == "alibi"),
-                                   ("sinks", c.sinks), ("softcap", c.softcap > 0), ("dropout", c.dropout > 0)) if on]
-            if bad and not cross:
-                raise ValueError(f"sparse_pattern='topk' has no {', '.join(bad)}")
         elif self.pattern not in PATTERNS:
             raise ValueError(f"unknown sparse_pattern {self.pattern!r}; known: {sorted(PATTERNS) + ['topk']}")
         elif self.causal and self.pattern in ("strided", "fixed") and self.pattern_kwargs.get("stride") is None:
@@ -148,29 +145,22 @@ class SparseAttention(Attention):
         lay = self.layout(k.shape[1], q.device)
         return ATTENTION_TYPES["sparse"], dict(opts, layout=lay, block_size=self.block_size)
 
-    def _weights_options(self, q: Tensor, k: Tensor, opts: dict) -> dict:
+    def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
         w = {n: o for n, o in opts.items() if n not in ("sinks", "layout", "block_size", "k_top")}
         if self.cross:
-            return w
-        sq, sk = q.shape[1], k.shape[1]
+            return attention_weights(q, k, lse, layout="bshd", **w)
         if self.pattern == "topk":
-            # the kept keys, recomputed from the scores as topk_attention selects them
-            b = q.shape[0]
-            qq = q.transpose(1, 2).float()
-            kk = k.transpose(1, 2).float().repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-            s = qq @ kk.transpose(-1, -2)  # (B, H, S_q, S_k)
-            allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq) if self.causal else \
-                torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-            allowed = allowed.expand(b, self.n_heads, sq, sk)
-            if w.get("key_padding_mask") is not None:
-                allowed = allowed & w["key_padding_mask"].view(b, 1, 1, sk)
-            if w.get("seqlens_k") is not None:
-                allowed = allowed & (torch.arange(sk, device=q.device) < w["seqlens_k"].view(b, 1, 1, 1))
-            w["attn_mask"] = topk_select(s, allowed, self.config.topk)
-            return w
-        mask = sparse_rows_mask(opts["layout"], self.block_size, sq, sk).unsqueeze(0)  # (1, H, S_q, S_k)
-        w["attn_mask"] = mask if w.get("attn_mask") is None else mask & w["attn_mask"]
-        return w
+            # exp(s - lse) over every allowed key ranks the keys as the final logits do (and stays
+            # <= 1: no dropped key outscores a kept one); keep the k_top the kernel kept
+            p = attention_weights(q, k, lse, layout="bshd", **w)
+            return p * topk_select(p, p > 0, self.config.topk)
+        mask = sparse_rows_mask(opts["layout"], self.block_size, q.shape[1], k.shape[1]).unsqueeze(0)
+        user = w.get("attn_mask")
+        if user is None or user.dtype == torch.bool:
+            w["attn_mask"] = mask if user is None else mask & user
+        else:
+            w["attn_mask"] = user.masked_fill(~mask, float("-inf"))
+        return attention_weights(q, k, lse, layout="bshd", **w)
 
     @classmethod
     def build(cls, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None, pattern: str = "local_global",

@@ -89,3 +89,22 @@ def test_topk_ties_and_padding():
     got = ae.topk_attention(q, k, v, 2, key_padding_mask=kpm, return_lse=True)
     check(got, topk_attention_ref(q, k, v, 2, key_padding_mask=kpm))
     torch.testing.assert_close(got[0][0, 0, 0], (v[0, 0, 4] + v[0, 0, 5]) / 2)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_sparse_mask_from_mask(aligned):
+    """from_mask -> block_sparse_attention takes the SparseMask itself; sparse_mask_args gives the
+    same keywords to the reference."""
+    n, bs = 100, 32
+    if aligned:
+        fn = lambda i, j: (j // bs <= i // bs) & (i // bs - j // bs <= 1)  # noqa: E731
+    else:
+        fn = lambda i, j: (j <= i) & ((i - j < 40) | (j < 5))  # noqa: E731  a causal window with 5 sink keys
+    sm = L.from_mask(fn, bs, seq_len=n)
+    assert (sm.mask is None) == aligned
+    q, k, v = qkv(2, 2, 1, n, n)
+    got = ae.block_sparse_attention(q, k, v, sm, return_lse=True)
+    check(got, block_sparse_attention_ref(q, k, v, **L.sparse_mask_args(sm)))
+    if not aligned:
+        allowed = fn(torch.arange(n).view(n, 1), torch.arange(n).view(1, n))
+        check(got, block_sparse_attention_ref(q, k, v, torch.ones(1, 4, 4, dtype=torch.bool), bs, attn_mask=allowed))

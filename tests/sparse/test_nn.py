@@ -7,7 +7,7 @@ import torch
 
 import attention_ext as ae
 from attention_ext.models import LanguageModel, LMConfig, Transformer, TransformerConfig
-from attention_ext.nn import ATTENTION_TYPES, Attention, AttentionConfig, KVCache, SparseAttention, allocate_cache, \
+from attention_ext.nn import Attention, AttentionConfig, KVCache, SparseAttention, allocate_cache, \
     make_attention
 from attention_ext.sparse import layouts as L
 
@@ -86,8 +86,6 @@ def test_bad_configs():
         mk(sparse_pattern="nope")
     with pytest.raises(ValueError, match="topk >= 1"):
         mk(sparse_pattern="topk")
-    with pytest.raises(ValueError, match="has no window"):
-        mk(sparse_pattern="topk", topk=2, window=(4, 0))
     with pytest.raises(ValueError, match="explicit stride"):
         mk(sparse_pattern="strided", causal=True)
     with pytest.raises(ValueError, match="random"):
@@ -98,9 +96,6 @@ def test_bad_configs():
         mk(sparse_kwargs=dict(window=-1))
     with pytest.raises(ValueError, match="needs a layout"):
         Attention(AttentionConfig(d_model=16, n_heads=2, attention_type="sparse"))(torch.randn(1, 4, 16))
-    with pytest.raises(ValueError, match="top-k attention has no attn_mask"):
-        q = torch.randn(1, 4, 2, 8)
-        ATTENTION_TYPES["sparse"](q, q, q, k_top=2, attn_mask=torch.ones(4, 4, dtype=torch.bool))
 
 
 def test_attn_mask_and_rows_of_a_step_go_through_the_element_mask():
@@ -146,3 +141,28 @@ def test_transformer_with_sparse_self_attention(pattern):
     assert torch.equal(out, model.greedy_decode(src, lengths, 1, 2, 20, use_cache=False))
     logits = model(src, torch.randint(3, 20, (2, 9)), lengths)
     assert logits.shape == (2, 9, 20) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("pattern", ["topk", "bigbird"])
+def test_options_compose_and_weights_match(pattern):
+    """Window, ALiBi and softcap pass through to the sparse kernels; the stored weights are the
+    probabilities the output averages v with."""
+    cfg = AttentionConfig(d_model=32, n_heads=4, attention_type="sparse", causal=True, window=(20, 0),
+                          positional="alibi", softcap=5.0, sparse_pattern=pattern, sparse_block_size=16, topk=6,
+                          bias=False)
+    layer = make_attention(cfg)
+    x = torch.randn(2, 45, 32)
+    q, k, v = projections(layer, x)
+    opts = dict(causal=True, window=(20, 0), alibi_slopes=layer.alibi_slopes, softcap=5.0, layout_qkv="bshd")
+    if pattern == "topk":
+        ref = ae.topk_attention(q, k, v, 6, **opts)
+    else:
+        ref = ae.block_sparse_attention(q, k, v, layer.layout(45), block_size=16, **opts)
+    layer.keep_weights = True
+    torch.testing.assert_close(layer(x), layer.out_proj(ref.reshape(2, 45, 32)))
+    w = layer.last_weights  # (B, H, S, S)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 45))
+    if pattern == "topk":
+        assert ((w > 0).sum(-1) <= 6).all()
+    torch.testing.assert_close(layer.out_proj((w @ v.transpose(1, 2).float()).transpose(1, 2).reshape(2, 45, 32)),
+                               layer(x), rtol=1e-4, atol=1e-5)
