@@ -77,8 +77,9 @@ def _generator(seed) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def _default_stride(seq_len_k: int, block_size: int) -> int:
-    return max(1, round(math.sqrt(-(-seq_len_k // block_size))))
+def _default_stride(n_blocks: int) -> int:
+    """round(sqrt(n_blocks)), at least 1: the stride that balances the local and strided parts."""
+    return max(1, round(math.sqrt(n_blocks)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def strided(stride: Optional[int] = None, *, seq_len: int, seq_len_k: Optional[i
     """
     r, c, heads = _grid(seq_len, seq_len_k, block_size, heads, device)
     nk = c.shape[1]
-    stride = _default_stride(nk * block_size, block_size) if stride is None else _int("stride", stride, 1)
+    stride = _default_stride(nk) if stride is None else _int("stride", stride, 1)
     d = r - c
     on = (d.abs() < stride) | (d % stride == 0)
     if causal:
@@ -240,7 +241,7 @@ def fixed(stride: Optional[int] = None, c: int = 1, *, seq_len: int, seq_len_k: 
     """
     r, k, heads = _grid(seq_len, seq_len_k, block_size, heads, device)
     nk = k.shape[1]
-    stride = _default_stride(nk * block_size, block_size) if stride is None else _int("stride", stride, 1)
+    stride = _default_stride(nk) if stride is None else _int("stride", stride, 1)
     _int("c", c, 1)
     if c > stride:
         raise ValueError(f"c (summary blocks per window) must be <= stride, got c={c}, stride={stride}")
@@ -398,13 +399,6 @@ class SparseMask:
     layout: Tensor
     block_size: int
     mask: Optional[Tensor] = None
-
-    @property
-    def shape(self) -> Tuple[int, int]:
-        """(S_q, S_k) when the element mask is kept, else the block grid times block_size."""
-        if self.mask is not None:
-            return tuple(self.mask.shape[-2:])
-        return self.layout.shape[-2] * self.block_size, self.layout.shape[-1] * self.block_size
 
     def density(self) -> float:
         """The fraction of blocks computed."""

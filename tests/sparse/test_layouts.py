@@ -119,7 +119,7 @@ def test_sqrt_n_density(builder):
         assert lay.diagonal().all()
         ratios.append(lay.sum().item() / n ** 1.5)
     assert max(ratios) <= 3.0 and max(ratios) / min(ratios) < 1.6
-    default = L._default_stride(256 * 16, 16)
+    default = L._default_stride(256)
     assert default == 16 and torch.equal(builder(seq_len=4096, block_size=16), builder(16, seq_len=4096, block_size=16))
 
 
