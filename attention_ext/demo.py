@@ -8,11 +8,15 @@
    lines with KV-cache generation.
 3. timings: forward+backward step time of the same model with our kernel and with torch SDPA
    (--variant linear / performer: our linear attention against SDPA's softmax attention, since
-   SDPA has no linear form).
+   SDPA has no linear form; --variant bigbird / topk: our sparse attention against SDPA's dense
+   attention).
 
 --variant linear / performer replace every softmax attention with linear attention (elu + 1 or
 FAVOR+ features); generation then carries the recurrent state (nn.LinearCache) instead of a KV
-cache.
+cache. --variant bigbird makes every self-attention block-sparse (BigBird: a sliding window, a
+global block and a random block per row, 16-position blocks; causal in the decoders) and
+--variant topk keeps each query's best keys only (hard top-k attention); cross-attention stays
+dense, and generation keeps the KV cache (a step reads its layout row as an element mask).
 
 Default <= 3 minutes on a 2-core CPU, `--quick` <= 1 minute. Everything lands in --out
 (default ./attention_ext_demo/): results.json, samples.txt and the PNG heatmaps.
@@ -35,8 +39,9 @@ from torch import Tensor
 
 from .models import LanguageModel, LMConfig, Transformer, TransformerConfig
 
-VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer")
+VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer", "bigbird", "topk")
 LINEAR_VARIANTS = ("linear", "performer")  # attention_type="linear": no softmax, a recurrent state in generation
+SPARSE_VARIANTS = ("bigbird", "topk")  # attention_type="sparse": a block layout or top-k keys per query
 
 
 @dataclass
@@ -68,6 +73,10 @@ def variant_options(variant: str, n_heads: int, context: int) -> Dict:
         "sinks": {"sinks": True},
         "linear": {"attention_type": "linear", "feature_map": "elu"},  # Katharopoulos et al.: phi = elu + 1
         "performer": {"attention_type": "linear", "feature_map": "favor"},  # FAVOR+ random features
+        # BigBird with the paper's 3-block window, one global and one random block per row
+        "bigbird": {"attention_type": "sparse", "sparse_pattern": "bigbird", "sparse_block_size": 16,
+                    "sparse_kwargs": {"window": 1, "n_global": 1, "n_random": 1, "seed": 0}},
+        "topk": {"attention_type": "sparse", "sparse_pattern": "topk", "topk": max(8, context // 8)},
     }[variant]
 
 
@@ -400,6 +409,10 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
     if args.variant in LINEAR_VARIANTS:
         log(f"  {args.variant}: 'ours' is our linear attention, 'sdpa' torch SDPA's softmax attention (SDPA has no "
             f"linear form), in the same LM")
+    if args.variant in SPARSE_VARIANTS:
+        kind = "block-sparse" if args.variant == "bigbird" else "top-k"
+        log(f"  {args.variant}: 'ours' is our sparse attention ({kind}), 'sdpa' torch SDPA's dense softmax attention, "
+            f"in the same LM")
     for variant in variants:
         for b, s in shapes:
             opts = variant_options(variant, size.n_heads, s)
@@ -434,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--variant", default="full", choices=VARIANTS,
                    help="attention variant: full softmax, GQA, MQA, causal sliding window, ALiBi, RoPE, sinks; "
-                        "linear (elu + 1 linear attention) or performer (FAVOR+) replace softmax attention")
+                        "linear (elu + 1 linear attention) or performer (FAVOR+) replace softmax attention; "
+                        "bigbird (block-sparse) or topk (top-k keys per query) make self-attention sparse")
     p.add_argument("--size", default=None, choices=sorted(SIZES), help="model size (default: small, tiny with --quick)")
     p.add_argument("--parts", default="seq2seq,lm,timings", help="comma-separated subset of seq2seq,lm,timings")
     p.add_argument("--seed", type=int, default=0)

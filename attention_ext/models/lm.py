@@ -3,13 +3,14 @@
 Generation keeps one preallocated KV cache per layer: the prompt is fed once (prefill), then one
 token per step, and the attention over the cache is the fused kernel with causal aligned
 bottom-right (the new query rows are the last rows of the cache). Linear attention layers keep
-their recurrent state instead (O(1) per token).
+their recurrent state instead (O(1) per token). Sparse attention layers keep the KV cache and
+read their layout's rows for the new token.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,10 @@ class LMConfig:
     attention_type: str = "softmax"
     feature_map: str = "elu"              # attention_type="linear"
     decay_gate: bool = False              # attention_type="linear": learned per-head log-decays
+    sparse_pattern: str = "local_global"  # attention_type="sparse": see nn.SparseAttention
+    sparse_block_size: int = 64           # attention_type="sparse"
+    sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options
+    topk: int = 0                         # attention_type="sparse", sparse_pattern="topk"
     bias: bool = True
     tie_weights: bool = True              # the output projection is the token embedding (Press & Wolf)
 
@@ -47,6 +52,8 @@ class LMConfig:
         attn = AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                                attention_type=self.attention_type, causal=True, window=self.window,
                                feature_map=self.feature_map, decay_gate=self.decay_gate,
+                               sparse_pattern=self.sparse_pattern, sparse_block_size=self.sparse_block_size,
+                               sparse_kwargs=self.sparse_kwargs, topk=self.topk,
                                positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
         return BlockConfig(attn=attn, d_ff=d_ff, activation=self.activation, norm=self.norm, norm_first=True,
                            dropout=self.dropout, norm_eps=self.norm_eps)

@@ -12,7 +12,7 @@ Source padding comes in as lengths and reaches the kernel as `seqlens_k`, not as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,10 @@ class TransformerConfig:
     sinks: bool = False
     attention_type: str = "softmax"
     feature_map: str = "elu"               # attention_type="linear"
+    sparse_pattern: str = "local_global"   # attention_type="sparse" (self-attention; cross-attention stays dense)
+    sparse_block_size: int = 64            # attention_type="sparse"
+    sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options
+    topk: int = 0                          # attention_type="sparse", sparse_pattern="topk"
     bias: bool = True
     tie_embeddings: bool = False           # share the target embedding and the output projection
     pad_id: int = 0
@@ -53,6 +57,8 @@ class TransformerConfig:
         return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                                attention_type=self.attention_type, causal=causal, window=self.window,
                                feature_map=self.feature_map, positional=self.positional, sinks=self.sinks,
+                               sparse_pattern=self.sparse_pattern, sparse_block_size=self.sparse_block_size,
+                               sparse_kwargs=self.sparse_kwargs, topk=self.topk,
                                dropout=self.dropout, bias=self.bias)
 
     def block(self, causal: bool) -> BlockConfig:

@@ -5,6 +5,7 @@ from .layers import (ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionCon
                      make_attention, register_attention_type)
 from .linear import LinearAttention, LinearCache
 from .multihead import MultiheadAttention
+from .sparse import SparseAttention
 from .positional import (Embeddings, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
                          alibi_slopes, sinusoidal_table)
 
@@ -12,6 +13,7 @@ __all__ = [
     "MultiheadAttention",
     "Attention", "AttentionConfig", "KVCache", "ATTENTION_TYPES", "register_attention_type",
     "ATTENTION_MODULES", "make_attention", "allocate_cache", "LinearAttention", "LinearCache",
+    "SparseAttention",
     "AdditiveAttention", "LuongAttention",
     "Embeddings", "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding",
     "alibi_slopes", "sinusoidal_table",

@@ -6,12 +6,14 @@ computes the attention is `config.attention_type`, a key into `ATTENTION_TYPES`:
 fused kernel) and "sdpa" (torch's scaled_dot_product_attention, the peer the demo and benchmarks
 compare against), both run by `Attention`. A type that brings its own module (its own
 parameters, a recurrent state instead of a KV cache) registers the module class in
-`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention).
+`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention). "sparse" does both: its
+kernel here runs block-sparse or top-k attention on a layout it is given, and its module
+(nn/sparse.py, SparseAttention) builds the layout from the config's pattern.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 
 from .. import reference
 from ..softmax import attention, attention_weights
+from ..sparse import block_sparse_attention, layout_to_mask, topk_attention
 from .positional import RotaryEmbedding, alibi_slopes
 
 
@@ -39,6 +42,10 @@ class AttentionConfig:
     kv_dim: Optional[int] = None       # width of the cross-attention memory; None = d_model
     feature_map: str = "elu"           # attention_type="linear": a registered feature map name
     decay_gate: bool = False           # attention_type="linear", causal: a gate projection gives per-head log-decays
+    sparse_pattern: str = "local_global"  # attention_type="sparse": a SparseAttention pattern name
+    sparse_block_size: int = 64        # attention_type="sparse": the layout's block size
+    sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options (window, ...)
+    topk: int = 0                      # attention_type="sparse", sparse_pattern="topk": keys kept per query
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -104,6 +111,37 @@ def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                          scale=scale, enable_gqa=k.shape[1] != h)
     return out.transpose(1, 2)  # (B, S, H, D)
+
+
+@register_attention_type("sparse")
+def _sparse_attention(q, k, v, *, layout=None, block_size=64, k_top=0, attn_mask=None, **kw):
+    """Block-sparse attention over `layout` (H or 1, n_blocks, n_blocks), or top-k attention when
+    k_top > 0; every other option is softmax.attention's. The layout is square over the keys: with
+    fewer queries than keys (a KV-cache step, bottom_right) the queries are its last rows, and the
+    layout's rows for them become the equivalent element mask through the fused op."""
+    sq, sk = q.shape[1], k.shape[1]
+    if k_top > 0:
+        return topk_attention(q, k, v, k_top, layout_qkv="bshd", attn_mask=attn_mask, **kw)
+    if layout is None:
+        raise ValueError("attention_type='sparse' needs a layout: build the layer with make_attention "
+                         "(nn.SparseAttention), or call attention_ext.block_sparse_attention")
+    if sq == sk:
+        return block_sparse_attention(q, k, v, layout, block_size=block_size, layout_qkv="bshd", attn_mask=attn_mask,
+                                      **kw)
+    mask = sparse_rows_mask(layout, block_size, sq, sk).unsqueeze(0)  # (1, H or 1, S_q, S_k)
+    if attn_mask is not None:
+        mask = mask & attn_mask if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~mask, float("-inf"))
+    return attention(q, k, v, layout="bshd", attn_mask=mask, **kw)
+
+
+def sparse_rows_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
+    """The element mask of the last sq rows of a square (S_k, S_k) layout: (H or 1, S_q, S_k) bool.
+    Expands only the block rows those queries fall in."""
+    r0 = (sk - sq) // block_size
+    rows = layout_to_mask(layout[:, r0:].to(torch.bool), block_size, layout.shape[1] * block_size - r0 * block_size,
+                          sk)  # rows r0 * bs ...
+    first = sk - sq - r0 * block_size
+    return rows[:, first: first + sq]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,15 +228,24 @@ class Attention(nn.Module):
         opts = dict(causal=c.causal and not self.cross, bottom_right=True, window=c.window,
                     attn_mask=attn_mask, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
                     alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
-        kernel = ATTENTION_TYPES[c.attention_type]
+        kernel, opts = self._kernel(q, k, opts)
         p = c.dropout if self.training else 0.0
         if self.keep_weights:
             out, lse = kernel(q, k, v, dropout_p=p, return_lse=True, **opts)
-            weights_opts = {n: o for n, o in opts.items() if n != "sinks"}
-            self.last_weights = attention_weights(q, k, lse, layout="bshd", **weights_opts).detach()
+            self.last_weights = self._weights(q, k, lse, opts).detach()
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)
+
+    def _kernel(self, q: Tensor, k: Tensor, opts: dict) -> Tuple[Callable, dict]:
+        """The kernel for q (B, S_q, H, D), k (B, S_k, H_k, D) and its keyword options; a subclass
+        adds its own (nn/sparse.py: the layout)."""
+        return ATTENTION_TYPES[self.config.attention_type], opts
+
+    def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
+        """The (B, H, S_q, S_k) probabilities of the kernel's call, from its LSE (which already
+        holds the sinks)."""
+        return attention_weights(q, k, lse, layout="bshd", **{n: o for n, o in opts.items() if n != "sinks"})
 
 
 # ----------------------------------------------------------------------------------------------
