@@ -123,6 +123,19 @@ inline vec<T> lane_index() {
   return v;
 }
 
+// Bit u set: lane u of a vector compare's mask is true (AVX: one movemask), for scans that
+// visit the few lanes a compare selects.
+template <typename M>
+inline uint32_t lane_bits(M m) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  if constexpr (sizeof(M) == 32 && sizeof(m[0]) == 4) return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(__m256i(m))));
+  if constexpr (sizeof(M) == 32 && sizeof(m[0]) == 8) return uint32_t(_mm256_movemask_pd(_mm256_castsi256_pd(__m256i(m))));
+#endif
+  uint32_t bits = 0;
+  for (int u = 0; u < int(sizeof(M) / sizeof(m[0])); ++u) bits |= (m[u] != 0 ? 1u : 0u) << u;
+  return bits;
+}
+
 // dst (cols, ld_dst) <- src (rows, cols)^T, src row stride ld_src; dst columns [rows, ld_dst)
 // are set to 0. Float blocks of 8 x 8 go through registers (AVX: 24 shuffles per 64 elements);
 // a scalar transpose of a strided operand costs about a third of the small products it feeds.

@@ -120,6 +120,10 @@ struct FwdWorker {
     }
     const int i_lo = t.i0 + ra;
     const bool full = t.ts.tile_full(i_lo, i_lo + rows, j0, n);
+    if (t.pol.topk_thr != nullptr && p.dropout_p == 0.f && t.kt_bh != nullptr) {
+      topk_rows(t, sa, oa, ra, rows, i_lo, j0, n, lo, hi, full);
+      return;
+    }
     for (int r = 0; r < rows; ++r) {
       T* srow = sa + r * kBlockN;
       if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
@@ -141,6 +145,46 @@ struct FwdWorker {
     } else {
       gemm<true>(rows, dp, n, sa, kBlockN, panel_row(t.v_bh, j0, kBlockN, dp), kPanel<T>,
                  int64_t(kBlockN) * kPanel<T>, oa, dp);
+    }
+  }
+
+  // Top-k rows: at most k keys of a row survive its threshold, so instead of exp over the tile
+  // and a P V product, each survivor is folded into the row's online softmax on its own:
+  // O(survivors * D) instead of O(n * D). Survivors are found by a vector compare.
+  void topk_rows(const Tile& t, T* sa, T* oa, int ra, int rows, int i_lo, int j0, int n, int lo, int hi, bool full) {
+    const int dp = kidx.dp;
+    constexpr int P = kPanel<T>;
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const vec<T> vninf = vbcast(ninf);
+    const T post = t.ts.post;
+    for (int r = 0; r < rows; ++r) {
+      T* srow = sa + r * kBlockN;
+      if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
+      t.ts.scores(srow, i_lo + r, j0, full, n);
+      T& mr = m[ra + r];
+      T& lr = l[ra + r];
+      T* orow = oa + r * dp;
+      for (int c = 0; c < n; c += L) {
+        for (uint32_t bits = lane_bits(vload(srow + c) != vninf); bits != 0; bits &= bits - 1) {
+          const int jj = c + __builtin_ctz(bits);
+          const T s = srow[jj] * post;
+          if (s > mr || std::isnan(s)) {  // a new running max: rescale what the row holds
+            const T alpha = std::isinf(mr) ? T(0) : std::exp(mr - s);
+            lr *= alpha;
+            for (int cc = 0; cc < dp; cc += L) vstore(orow + cc, vload(orow + cc) * alpha);
+            mr = s;
+          }
+          const T pr = std::exp(s - mr);
+          lr += pr;
+          // V row j0 + jj of the kPanels pack: dp / P panels of P contiguous values
+          const T* vrow = panel_row(t.v_bh, j0 + jj, kBlockN, dp);
+          const vec<T> pv = vbcast(pr);
+          for (int c0 = 0; c0 < dp; c0 += P) {
+            const T* src = vrow + int64_t(c0) * kBlockN;
+            for (int u = 0; u < P; u += L) vstore(orow + c0 + u, vload(orow + c0 + u) + pv * vload(src + u));
+          }
+        }
+      }
     }
   }
 

@@ -4,19 +4,19 @@
 // One task = (batch, query head, block of kBlockM query rows), as the softmax forward's. It
 // computes each (rows, kBlockN) score tile with the forward's own packed GEMM and row code
 // (softmax/cpu/tile.h), so the logits are bit for bit the ones the fused kernels later compare
-// against the threshold. Per row it keeps a buffer of at most 2k candidates (logit, key) and a
-// bound, the k-th best after the last prune: a key enters only if it beats the bound, and a
-// full buffer is pruned back to its k best (nth_element). A vector compare against the bound
-// skips most of a tile once the bound has settled: a random row sees about k (1 + ln(Sk / k))
-// insertions in all. Work O(Sq Sk D) for the products plus O(Sq Sk) compares; memory the
-// packed K plus O(kBlockM * k) per thread.
+// against the threshold. A task first computes every logit of its rows (kBlockM x Sk, one
+// block of rows at a time: never an Sq x Sk tensor), then selects per row in two vector passes
+// and one small nth_element (select() below). A min-heap streamed over the tiles cost about
+// three times as much at k = 64: its branchy replacements, a few hundred per row, dominated.
+// Work O(Sq Sk D) for the products plus O(Sq Sk) compares; memory the packed K plus
+// O(kBlockM * Sk) per thread.
 #include <algorithm>
-#include <cstring>
-#include <functional>
-#include <type_traits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/pack.h"
@@ -56,77 +56,10 @@ inline T key_logit(decltype(rank_key(T(0), 0)) key) {
   return x;
 }
 
-#ifndef TOPK_BUF
-#define TOPK_BUF 4
-#endif
-constexpr int kBuf = TOPK_BUF;
-
-template <typename T>
-struct RowTopK {
-  using Key = decltype(rank_key(T(0), 0));
-  Key* buf = nullptr;  // 2k keys of the worker's storage
-  int n = 0, k = 0;
-  bool pruned = false;  // bound is valid
-  Key bound = 0;        // the k-th best key at the last prune
-  T bound_logit = T(0);
-
-  void reset(Key* storage, int k_) {
-    buf = storage;
-    k = k_;
-    n = 0;
-    pruned = false;
-  }
-  // keep the k best of buf; the bound becomes the k-th
-  void prune() {
-    std::nth_element(buf, buf + (k - 1), buf + n, std::greater<Key>());
-    n = k;
-    bound = buf[k - 1];  // nth_element puts the k-th best there, the better ones before it
-    bound_logit = key_logit<T>(bound);
-    pruned = true;
-  }
-  void push(T logit, int32_t j) {
-    const Key c = rank_key(logit, j);
-    if (pruned && c <= bound) return;
-    buf[n++] = c;
-    if (n == kBuf * k) prune();
-  }
-  // (thr, jcut) of the row
-  void finish(T* thr, int32_t* jcut) {
-    if (n <= k && !pruned) {
-      *thr = -std::numeric_limits<T>::infinity();
-      *jcut = std::numeric_limits<int32_t>::max();
-      return;
-    }
-    if (n > k || !pruned) prune();
-    *thr = bound_logit;
-    *jcut = int32_t(~uint32_t(bound & 0xffffffffu));
-  }
-};
-
-// Bit u set: lane u of a vector mask is true (AVX: one movemask).
-template <typename M>
-inline uint32_t lane_bits(M m) {
-#if defined(__AVX__) && !defined(__AVX512F__)
-  if constexpr (sizeof(M) == 32 && sizeof(m[0]) == 4) return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(__m256i(m))));
-  if constexpr (sizeof(M) == 32 && sizeof(m[0]) == 8) return uint32_t(_mm256_movemask_pd(_mm256_castsi256_pd(__m256i(m))));
-#endif
-  uint32_t bits = 0;
-  for (int u = 0; u < int(sizeof(M) / sizeof(m[0])); ++u) bits |= (m[u] != 0 ? 1u : 0u) << u;
-  return bits;
-}
-
-// every x[0 .. n) < lim (n a multiple of the lanes; false when any is NaN)
-template <typename T>
-inline bool all_below(const T* x, int n, vec<T> lim) {
-  constexpr int L = kLanes<T>;
-  auto acc = vload(x) < lim;
-  for (int c = L; c < n; c += L) acc &= vload(x + c) < lim;
-  return lane_bits(acc) == (1u << L) - 1;
-}
-
 template <typename T>
 struct TopkWorker {
   static constexpr int L = kLanes<T>;
+  using Key = decltype(rank_key(T(0), 0));
   const FwdParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
@@ -135,17 +68,59 @@ struct TopkWorker {
   T* thr;
   int32_t* jcut;
   Scratch<T, 2> mem;
-  T *q, *s;
-  std::vector<RowTopK<T>> rows_topk;
-  std::vector<typename RowTopK<T>::Key> keys;  // (kBlockM, 2k): the rows' candidate buffers
+  T *q, *lg;               // the Q tile; the task's logits (kBlockM, ldl)
+  int64_t ldl;             // keys of the longest sequence, padded to whole tiles
+  std::vector<T> gmax;     // group maxima of one row
+  std::vector<Key> cand;   // candidates of one row
 
   TopkWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, int nmb, int k, T* thr_,
              int32_t* jcut_)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), n_mblocks(nmb), k_top(k), thr(thr_), jcut(jcut_),
-        mem(carved_size<T>(sizes(ki.dp))), rows_topk(kBlockM), keys(size_t(kBlockM) * kBuf * k) {
-    carve(mem.data(), sizes(ki.dp), {&q, &s});
+        mem(carved_size<T>(sizes(ki.dp, p_.sk))), ldl(round_up(std::max(p_.sk, 1), kBlockN)),
+        gmax(size_t(ldl)), cand(size_t(ldl)) {
+    carve(mem.data(), sizes(ki.dp, p.sk), {&q, &lg});
   }
-  static std::array<size_t, 2> sizes(int dp) { return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN}; }
+  static std::array<size_t, 2> sizes(int dp, int sk) {
+    return {size_t(kBlockM) * dp, size_t(kBlockM) * round_up(std::max(sk, 1), kBlockN)};
+  }
+
+  // Row selection on n logits (a multiple of L; -inf = not allowed): (thr, jcut) of the k best.
+  // A lower bound first, the k-th largest of >= k group maxima (k distinct elements are at or
+  // above it): groups of gv vectors' lanes, about 4k of them, so that only a few more than k
+  // elements pass it. Then the exact k-th among those (rank keys, nth_element).
+  void select(const T* row, int n, int k, T* thr_out, int32_t* jcut_out, int j0) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const int nv = n / L;
+    const int gv = std::max(1, nv / std::max(1, 4 * k / L));
+    const int ng = nv / gv;  // whole groups; a tail of vectors joins no group (still scanned)
+    T bound = ninf;
+    if (int64_t(ng) * L >= k) {
+      for (int g = 0; g < ng; ++g) {
+        vec<T> m = vload(row + int64_t(g) * gv * L);
+        for (int u = 1; u < gv; ++u) m = vmax(m, vload(row + (int64_t(g) * gv + u) * L));
+        for (int u = 0; u < L; ++u) gmax[size_t(g) * L + u] = std::isnan(m[u]) ? ninf : m[u];
+      }
+      std::nth_element(gmax.begin(), gmax.begin() + (k - 1), gmax.begin() + size_t(ng) * L, std::greater<T>());
+      bound = gmax[k - 1];
+    }
+    const vec<T> lim = vbcast(bound);
+    int nc = 0;
+    for (int c = 0; c < n; c += L) {
+      for (uint32_t bits = ~lane_bits(vload(row + c) < lim) & ((1u << L) - 1); bits != 0; bits &= bits - 1) {
+        const int u = __builtin_ctz(bits);
+        const T v = row[c + u];
+        if (v != ninf) cand[nc++] = rank_key(v, j0 + c + u);
+      }
+    }
+    if (nc <= k && bound == ninf) {  // every allowed key is a candidate, and they are at most k
+      *thr_out = ninf;
+      *jcut_out = std::numeric_limits<int32_t>::max();
+      return;
+    }
+    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.begin() + nc, std::greater<Key>());
+    *thr_out = key_logit<T>(cand[k - 1]);
+    *jcut_out = int32_t(~uint32_t(cand[k - 1] & 0xffffffffu));
+  }
 
   void operator()(int64_t task) {
     const int mblk = int(task % n_mblocks);
@@ -160,52 +135,38 @@ struct TopkWorker {
     const int hk = h / (p.h / p.h_k);
     const int d = kidx.d, dp = kidx.dp;
     const size_t es = dtype_size(dt);
-    const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
-    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
     T* thr_row = thr + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
     int32_t* jcut_row = jcut + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
-    if (k_top >= si.len_k) {  // every allowed key is kept
+    int n_lo, n_hi;
+    pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
+    if (k_top >= si.len_k || n_lo >= n_hi) {  // every allowed key is kept
       std::fill(thr_row, thr_row + rows, -std::numeric_limits<T>::infinity());
       std::fill(jcut_row, jcut_row + rows, std::numeric_limits<int32_t>::max());
       return;
     }
-    const int k = k_top;
-    for (int r = 0; r < rows; ++r) rows_topk[r].reset(keys.data() + size_t(r) * kBuf * k, k);
+    const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
+    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
 
+    // every logit of the task's rows: (rows, n) with n = the keys of the blocks they may see
     const T* kt_bh = kt + kidx.offset(b, hk);
-    const T ninf = -std::numeric_limits<T>::infinity();
-    int n_lo, n_hi;
-    pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
+    const int n = (n_hi - n_lo) * kBlockN;
     for (int jb = n_lo; jb < n_hi; ++jb) {
       const int j0 = jb * kBlockN;
-      // the forward's product, call for call (fwd.cpp: FwdWorker::tile)
-      gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s, kBlockN);
+      T* s = lg + (jb - n_lo) * kBlockN;
+      // the forward's product, call for call (fwd.cpp: FwdWorker::tile); only ldc differs
+      gemm<false>(rows, kBlockN, d, q, dp, kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, s, ldl);
       const bool full = ts.tile_full(i0, i1, j0);
       for (int r = 0; r < rows; ++r) {
-        T* srow = s + r * kBlockN;
+        T* srow = s + r * ldl;
         ts.scores(srow, i0 + r, j0, full);
-        // logits: the plain path left x in the row (tile.h); -inf = not allowed, never a candidate
+        // logits: the plain path left x in the row (tile.h), as tile.h's topk() multiplies it
         if (ts.plain) {
           const vec<T> sc = vbcast(pol.scale);
           for (int c = 0; c < kBlockN; c += L) vstore(srow + c, vload(srow + c) * sc);
         }
-        RowTopK<T>& tk = rows_topk[r];
-        // most of a row sits below the bound once it has settled: one vector AND over the row
-        // decides that, and only the vectors with a lane at or above it (or NaN) are read lane
-        // by lane; -inf (not allowed) is never a candidate
-        const vec<T> lim = vbcast(tk.pruned ? tk.bound_logit : ninf);
-        if (tk.pruned && all_below(srow, kBlockN, lim)) continue;
-        for (int c = 0; c < kBlockN; c += L) {
-          // lanes not below the limit (NaN included)
-          for (uint32_t bits = ~lane_bits(vload(srow + c) < lim) & ((1u << L) - 1); bits != 0; bits &= bits - 1) {
-            const int u = __builtin_ctz(bits);
-            const T v = srow[c + u];
-            if (v != ninf) tk.push(v, j0 + c + u);
-          }
-        }
       }
     }
-    for (int r = 0; r < rows; ++r) rows_topk[r].finish(thr_row + r, jcut_row + r);
+    for (int r = 0; r < rows; ++r) select(lg + r * ldl, n, k_top, thr_row + r, jcut_row + r, n_lo * kBlockN);
   }
 };
 
