@@ -219,9 +219,13 @@ struct BwdWorker {
           pol.query_range(lo, hi, &q_lo, &q_hi);
           q_lo = std::max(q_lo, 0);
           q_hi = std::min(q_hi, len_q);
-          for (int e = beg; e < end; ++e) {
-            const int r = p.sparse.bwd.idx[e];
-            const int r0 = std::max(r * bs, q_lo), r1 = std::min((r + 1) * bs, q_hi);
+          const int* idx = p.sparse.bwd.idx;
+          for (int e = beg; e < end;) {
+            // a run of adjacent on blocks is one query range: whole kBlockM tiles where it is long
+            int e1 = e + 1;
+            while (e1 < end && idx[e1] == idx[e1 - 1] + 1) ++e1;
+            const int r0 = std::max(idx[e] * bs, q_lo), r1 = std::min((idx[e1 - 1] + 1) * bs, q_hi);
+            e = e1;
             if (r0 < r1) for_query_tiles(r0, r1, [&](int i0, int rows) { tile(hd, i0, rows, j0, n, lo, hi); });
           }
         });

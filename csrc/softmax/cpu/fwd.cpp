@@ -230,9 +230,13 @@ struct FwdWorker {
         pol.key_range(a, a1, &klo, &khi);
         klo = std::max(klo, 0);
         khi = std::min(khi, si.len_k);
-        for (int e = beg; e < end; ++e) {
-          const int c = p.sparse.fwd.idx[e];
-          const int c0 = std::max(c * bs, klo), c1 = std::min((c + 1) * bs, khi);
+        for (int e = beg; e < end;) {
+          // a run of adjacent on blocks is one key range: whole kBlockN tiles where it is long
+          const int* idx = p.sparse.fwd.idx;
+          int e1 = e + 1;
+          while (e1 < end && idx[e1] == idx[e1 - 1] + 1) ++e1;
+          const int c0 = std::max(idx[e] * bs, klo), c1 = std::min((idx[e1 - 1] + 1) * bs, khi);
+          e = e1;
           if (c0 >= c1) continue;
           for_key_tiles<T>(c0, c1, [&](int j0, int n, int lo, int hi) { tile(t, a - i0, a1 - i0, j0, n, lo, hi); });
         }
