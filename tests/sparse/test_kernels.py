@@ -261,3 +261,16 @@ def test_bad_topk_input():
         ae.attention(q, k, v, topk=3, block_layout=torch.ones(1, 1, 1, dtype=torch.bool), block_size=64)
     with pytest.raises(ValueError, match="dropout"):
         ops.topk_threshold(q, k, 3, **_opts(64, dropout_p=0.1))
+
+
+def test_block_sparse_few_query_rows():
+    """A decode-sized call (the forward reads K / V in place for <= 8 query rows) walks the
+    layout too, with its gradients."""
+    q, k, v = rand_qkv(2, 2, 2, 5, 200, 24, torch.float64)
+    lay = torch.rand(2, 1, 7, generator=torch.Generator().manual_seed(9)) < 0.5
+    out = ae.block_sparse_attention(q, k, v, lay, block_size=32)
+    ref = ae.attention(q, k, v, attn_mask=element_mask(lay, 32, 5, 200))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    dout = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
