@@ -59,11 +59,8 @@ def test_rnn_example_runs(tmp_path, argv, capsys):
     assert "held-out exact-match accuracy" in capsys.readouterr().out
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("variant", ["linear", "performer"])
-def test_demo_linear_variants(tmp_path, variant):
-    """--variant linear / performer: every part runs (training, decoding and sampling with the
-    recurrent state, heatmaps, the timing table against SDPA's softmax); a few steps only."""
+def _quick_variant(tmp_path, variant):
+    """One quick demo run of a --variant with a few steps of each part; its results and log."""
     out = tmp_path / variant
     rc = demo.main(["--quick", "--variant", variant, "--out", str(out), "--threads", "1", "--quiet",
                     "--s2s-steps", "30", "--s2s-test", "40", "--lm-steps", "15", "--lm-chars", "60000",
@@ -73,9 +70,17 @@ def test_demo_linear_variants(tmp_path, variant):
     assert r["variant"] == variant and r["seq2seq"]["steps"] == 30 and 0.0 <= r["seq2seq"]["accuracy"] <= 1.0
     assert len(r["char_lm"]["samples"]) == 3 and all(len(s) > 20 for s in r["char_lm"]["samples"])
     assert {row["variant"] for row in r["timings"]} == {"full", variant}
+    return r, (out / "log.txt").read_text()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("variant", ["linear", "performer"])
+def test_demo_linear_variants(tmp_path, variant):
+    """--variant linear / performer: every part runs (training, decoding and sampling with the
+    recurrent state, heatmaps, the timing table against SDPA's softmax); a few steps only."""
+    r, log = _quick_variant(tmp_path, variant)
     for p in r["seq2seq"]["plots"]:
         assert os.path.getsize(p) > 1000
-    log = (out / "log.txt").read_text()
     assert "recurrent state" in log and "SDPA has no linear form" in log
 
 
@@ -84,14 +89,5 @@ def test_demo_linear_variants(tmp_path, variant):
 def test_demo_sparse_variants(tmp_path, variant):
     """--variant bigbird / topk: every part runs with sparse self-attention (training, KV-cache
     decoding and sampling, heatmaps, the timing table against SDPA's dense attention); a few steps."""
-    out = tmp_path / variant
-    rc = demo.main(["--quick", "--variant", variant, "--out", str(out), "--threads", "1", "--quiet",
-                    "--s2s-steps", "30", "--s2s-test", "40", "--lm-steps", "15", "--lm-chars", "60000",
-                    "--lm-eval-batches", "1", "--lm-sample-chars", "20", "--bench-reps", "1", "--min-accuracy", "0"])
-    assert rc == 0
-    r = json.loads((out / "results.json").read_text())
-    assert r["variant"] == variant and r["seq2seq"]["steps"] == 30 and 0.0 <= r["seq2seq"]["accuracy"] <= 1.0
-    assert len(r["char_lm"]["samples"]) == 3 and all(len(s) > 20 for s in r["char_lm"]["samples"])
-    assert {row["variant"] for row in r["timings"]} == {"full", variant}
-    log = (out / "log.txt").read_text()
+    _, log = _quick_variant(tmp_path, variant)
     assert "KV cache" in log and "our sparse attention" in log

@@ -24,13 +24,8 @@
 
 #include <cstdint>
 
-#ifndef ATTN_HD
-#if defined(__CUDACC__)
-#define ATTN_HD __host__ __device__ __forceinline__
-#else
-#define ATTN_HD inline
-#endif
-#endif
+#include "hd.h"
+
 
 namespace attn {
 

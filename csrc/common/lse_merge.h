@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "policy.h"  // ATTN_HD
+#include "hd.h"
 
 namespace attn {
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "policy.h"  // ATTN_HD
+#include "hd.h"
 
 namespace attn {
 

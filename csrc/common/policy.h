@@ -11,15 +11,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "hd.h"
 #include "params.h"
 
-#ifndef ATTN_HD
-#if defined(__CUDACC__)
-#define ATTN_HD __host__ __device__ __forceinline__
-#else
-#define ATTN_HD inline
-#endif
-#endif
 
 namespace attn {
 

@@ -189,12 +189,9 @@ struct FwdWorker {
   }
 
   void operator()(int64_t task) {
-    // most expensive first: with a causal mask the last query blocks see the most keys
-    const int mblk = n_mblocks - 1 - int(task % n_mblocks);
-    const int h = int((task / n_mblocks) % p.h);
-    const int b = int(task / (int64_t(n_mblocks) * p.h));
+    const QueryTask qt(task, n_mblocks, p.h, true);
+    const int b = qt.b, h = qt.h, i0 = qt.i0;
     const SeqInfo si(p, b);
-    const int i0 = mblk * kBlockM;
     if (i0 >= si.len_q) return;
     const int i1 = std::min(i0 + kBlockM, si.len_q), rows = i1 - i0;
     const PolicyT<T> pol(p, si, b, h);

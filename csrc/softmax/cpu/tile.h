@@ -134,6 +134,20 @@ struct TileSoftmax {
   }
 };
 
+// ---------------------------------------------------------------- tasks over query rows
+// One task of the kernels that split the queries (the forward, top-k's threshold pass): a
+// (batch, query head, block of kBlockM rows). last_first: the last row blocks first (with a
+// causal mask they see the most keys).
+struct QueryTask {
+  int b, h, i0;
+  QueryTask(int64_t task, int n_mblocks, int heads, bool last_first) {
+    const int m = int(task % n_mblocks);
+    h = int((task / n_mblocks) % heads);
+    b = int(task / (int64_t(n_mblocks) * heads));
+    i0 = (last_first ? n_mblocks - 1 - m : m) * kBlockM;
+  }
+};
+
 // ---------------------------------------------------------------- the block-sparse walk's tiles
 // The packed operands (pack.h) are blocked by R rows, so a sub-tile of the walk must not cross
 // an R boundary, and key tiles start on a kPanel boundary (the K^T panels). Layout blocks are

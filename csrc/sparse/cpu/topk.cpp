@@ -123,11 +123,9 @@ struct TopkWorker {
   }
 
   void operator()(int64_t task) {
-    const int mblk = int(task % n_mblocks);
-    const int h = int((task / n_mblocks) % p.h);
-    const int b = int(task / (int64_t(n_mblocks) * p.h));
+    const QueryTask qt(task, n_mblocks, p.h, false);
+    const int b = qt.b, h = qt.h, i0 = qt.i0;
     const SeqInfo si(p, b);
-    const int i0 = mblk * kBlockM;
     if (i0 >= si.len_q) return;
     const int i1 = std::min(i0 + kBlockM, si.len_q), rows = i1 - i0;
     const PolicyT<T> pol(p, si, b, h);
