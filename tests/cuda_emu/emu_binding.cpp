@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "emu_entry.h"
@@ -54,6 +55,16 @@ struct EmuDevice {
     return be.dq_accum_floats(&p, sizeof(p), int(dt));
   }
   void bwd(const attn::BwdParams& p, attn::DType dt) const { be.bwd(&p, sizeof(p), int(dt)); }
+  std::pair<int, int> fwd_sparse_tiles(const attn::FwdParams& p, attn::DType dt) const {
+    int m = 0, n = 0;
+    be.sparse_tiles(&p, sizeof(p), int(dt), false, &m, &n);
+    return {m, n};
+  }
+  std::pair<int, int> bwd_sparse_tiles(const attn::BwdParams& p, attn::DType dt) const {
+    int m = 0, n = 0;
+    be.sparse_tiles(&p, sizeof(p), int(dt), true, &m, &n);
+    return {m, n};
+  }
   // cp.async may read only from the call's tensors
   void reads(std::initializer_list<const Tensor*> ts) const {
     attn_emu::clear_global_ranges();

@@ -33,6 +33,8 @@ struct Backend {
   size_t (*softmax_d_floats)(const void* params, size_t bytes);
   size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);
   const char* (*path_name)(const void* params, size_t bytes, int dtype);
+  // cuda_fwd_sparse_tiles (bwd = false, params as FwdParams) / cuda_bwd_sparse_tiles (BwdParams)
+  void (*sparse_tiles)(const void* params, size_t bytes, int dtype, bool bwd, int* tile_m, int* tile_n);
   void (*set_kernels)(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt);
   // the linear family's entry points (csrc/linear/cuda/entry.h), params as
   // attn::LinearParamsT<float> / attn::LinearBwdParamsT<float>

@@ -90,6 +90,14 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
     attn::prepare();
     return attn::cuda_path_name(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt));
   };
+  be.sparse_tiles = [](const void* p, size_t n, int dt, bool bwd, int* tile_m, int* tile_n) {
+    attn::prepare();
+    if (bwd) {
+      attn::cuda_bwd_sparse_tiles(attn::params_from<attn::BwdParams>(p, n), attn::DType(dt), tile_m, tile_n);
+    } else {
+      attn::cuda_fwd_sparse_tiles(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt), tile_m, tile_n);
+    }
+  };
   be.set_kernels = [](int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) {
     attn::cuda_set_kernels(attn::CudaKernels{hopper_fwd, hopper_bwd, tune_fwd, tune_bwd, force_simt});
   };
