@@ -192,3 +192,103 @@ def test_simt_fp32(emu):
     torch.manual_seed(19)
     layout = random_layout(1, 100, 100, 48, density=0.5)
     run_sparse(emu, layout, 48, 1, 2, 2, 100, 100, 40, torch.float32, arch=80)
+
+
+# ---------------------------------------------------------------- top-k
+INT32_MAX = 2**31 - 1
+
+
+def topk_reference(q, k, k_top, scale, *, causal=False, softcap=0.0):
+    """float64: the logits (B, H, Sq, Sk), -inf where not allowed, and per row the k_top-th best
+    logit thr, the key jcut it belongs to (ties to the lower key: a stable descending sort) and the
+    kept keys; rows with <= k_top allowed keys keep all (thr = -inf, jcut = INT32_MAX)."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    kk = k.double().repeat_interleave(h // k.shape[1], dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    allowed = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        allowed = torch.ones(sq, sk, dtype=torch.bool).tril()
+    s = s.masked_fill(~allowed, float("-inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    n_allowed = allowed.sum(-1).expand(b, h, sq)
+    kth = order[..., min(k_top, sk) - 1]
+    thr = s.gather(-1, kth.unsqueeze(-1)).squeeze(-1)
+    few = n_allowed <= k_top
+    thr = torch.where(few, torch.full_like(thr, float("-inf")), thr)
+    jcut = torch.where(few, torch.full_like(kth, INT32_MAX), kth)
+    j = torch.arange(sk)
+    keep = allowed & ((s > thr.unsqueeze(-1)) | ((s == thr.unsqueeze(-1)) & (j <= jcut.unsqueeze(-1))))
+    keep = torch.where(few.unsqueeze(-1), allowed.expand_as(keep), keep)
+    return thr, jcut.to(torch.int32), keep
+
+
+def topk_inputs(b, h, hk, sq, sk, d, dtype, dup=False):
+    q, k = randn(b, h, sq, d, dtype=dtype), randn(b, hk, sk, d, dtype=dtype)
+    if dup:  # exact ties: repeated key rows give bit-identical logits in every pass
+        k[:, :, 10:20] = k[:, :, 0:10]
+        k[:, :, 50:sk:7] = k[:, :, 3:4]
+    return q, k
+
+
+def run_topk(emu, q, k, k_top, *, arch=90, causal=False, softcap=0.0):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    args = tc.call_fwd(q, k, k, scale=scale, window_left=-1, window_right=0 if causal else -1, softcap=softcap)
+    thr, jcut = emu.topk_threshold(q, k, *args, k_top, arch)
+    rthr, rjcut, keep = topk_reference(q, k, k_top, scale, causal=causal, softcap=softcap)
+    assert thr.dtype == torch.float32 and jcut.dtype == torch.int32
+    assert torch.equal(jcut, rjcut), f"jcut differs at {int((jcut != rjcut).sum())} rows"
+    fin = torch.isfinite(rthr)
+    assert torch.equal(torch.isfinite(thr), fin)
+    assert torch.allclose(thr[fin].double(), rthr[fin], rtol=1e-5, atol=1e-5)
+    return thr, jcut, keep
+
+
+@pytest.mark.parametrize("dtype,k_top,causal,dup", [(torch.float16, 1, False, False), (torch.bfloat16, 5, True, True),
+                                                    (torch.float16, 40, False, True),
+                                                    (torch.float32, 17, True, False)])
+def test_topk_threshold(emu, dtype, k_top, causal, dup):
+    """The streaming per-row top-k against a float64 sort: k = 1 (argmax), ties from duplicate key
+    rows (to the lower key), k = 40 of 100 (the candidate buffer pruned), causal rows with fewer
+    allowed keys than k (keep all), GQA."""
+    torch.manual_seed(k_top)
+    q, k = topk_inputs(2, 4, 2, 50, 100, 64, dtype, dup=dup)
+    run_topk(emu, q, k, k_top, causal=causal)
+
+
+def test_topk_threshold_k_ge_sk(emu):
+    """k >= Sk: every row keeps every key, no launch."""
+    q, k = topk_inputs(1, 2, 2, 20, 30, 64, torch.float16)
+    emu.launches()
+    thr, jcut, _ = run_topk(emu, q, k, 30)
+    assert torch.all(thr == float("-inf")) and torch.all(jcut == INT32_MAX)
+    assert emu.launches() == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,k_top,causal,softcap", [(torch.float16, 8, False, 0.0),
+                                                        (torch.bfloat16, 20, True, 5.0)])
+def test_topk_attention(emu, arch, dtype, k_top, causal, softcap):
+    """The fused forward + backward with the threshold pass's rows: SIMT kernels only (they compute
+    each logit as the pass did), against the float64 reference with the selected keys as its mask."""
+    torch.manual_seed(arch + k_top)
+    b, h, hk, sq, sk, d = 1, 4, 2, 40, 90, 64
+    q, k = topk_inputs(b, h, hk, sq, sk, d, dtype, dup=True)
+    v, dout = randn(b, hk, sk, d, dtype=dtype), randn(b, h, sq, d, dtype=dtype)
+    thr, jcut, keep = run_topk(emu, q, k, k_top, arch=arch, causal=causal, softcap=softcap)
+    scale = 1.0 / math.sqrt(d)
+    window = (-1, 0) if causal else (-1, -1)
+    args = tc.call_fwd(q, k, v, scale=scale, window_left=window[0], window_right=window[1], softcap=softcap,
+                       topk_thr=thr, topk_jcut=jcut)
+    emu.launches()
+    out, lse = emu.fwd(q, k, v, *args, 0, False, arch)
+    dq, dk, dv, _, _ = emu.bwd(dout, q, k, v, out, lse, *args, False, False, None, arch)
+    names = fwd_kernel_names(emu)
+    assert not any("tc::" in n for n in names), names
+    kw = dict(scale=scale, window=window, softcap=softcap)
+    r64 = tc.ref_run(q, k, v, dout, torch.float64, bias=keep, **kw)
+    rlo = tc.ref_run(q, k, v, dout, dtype, bias=keep, **kw)
+    for name, x, i in (("out", out, 0), ("lse", lse, 1), ("dq", dq, 2), ("dk", dk, 3), ("dv", dv, 4)):
+        tc.check(name, x, r64[i], rlo[i].float() if name == "lse" else rlo[i], dtype)
