@@ -19,6 +19,8 @@ import torch
 from attention_ext.sparse.functional import layout_to_mask
 from tests.cuda_emu import emulator as cuda_emu
 from tests.softmax import test_cuda as tc
+from tests.sparse.test_cuda import (INT32_MAX, check_thresholds, random_layout, topk_reference,
+                                    with_duplicate_keys)
 
 ARCHS = (90, 80)
 
@@ -42,12 +44,6 @@ def emu(emu_ops):
 
 def randn(*shape, dtype):
     return torch.randn(*shape, dtype=torch.float32).to(dtype)
-
-
-def random_layout(heads, sq, sk, block, density=0.5):
-    """(heads, ceil(sq / block), ceil(sk / block)) bool, each block on with probability density."""
-    nqb, nkb = (sq + block - 1) // block, (sk + block - 1) // block
-    return torch.rand(heads, nqb, nkb) < density
 
 
 def run_sparse(emu, layout, block, b, h, hk, sq, sk, d, dtype, *, arch=90, causal=False, bottom_right=False,
@@ -195,42 +191,9 @@ def test_simt_fp32(emu):
 
 
 # ---------------------------------------------------------------- top-k
-INT32_MAX = 2**31 - 1
-
-
-def topk_reference(q, k, k_top, scale, *, causal=False, softcap=0.0):
-    """float64: the logits (B, H, Sq, Sk), -inf where not allowed, and per row the k_top-th best
-    logit thr, the key jcut it belongs to (ties to the lower key: a stable descending sort) and the
-    kept keys; rows with <= k_top allowed keys keep all (thr = -inf, jcut = INT32_MAX)."""
-    b, h, sq, _ = q.shape
-    sk = k.shape[2]
-    kk = k.double().repeat_interleave(h // k.shape[1], dim=1)
-    s = (q.double() @ kk.transpose(-1, -2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    allowed = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        allowed = torch.ones(sq, sk, dtype=torch.bool).tril()
-    s = s.masked_fill(~allowed, float("-inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
-    n_allowed = allowed.sum(-1).expand(b, h, sq)
-    kth = order[..., min(k_top, sk) - 1]
-    thr = s.gather(-1, kth.unsqueeze(-1)).squeeze(-1)
-    few = n_allowed <= k_top
-    thr = torch.where(few, torch.full_like(thr, float("-inf")), thr)
-    jcut = torch.where(few, torch.full_like(kth, INT32_MAX), kth)
-    j = torch.arange(sk)
-    keep = allowed & ((s > thr.unsqueeze(-1)) | ((s == thr.unsqueeze(-1)) & (j <= jcut.unsqueeze(-1))))
-    keep = torch.where(few.unsqueeze(-1), allowed.expand_as(keep), keep)
-    return thr, jcut.to(torch.int32), keep
-
-
 def topk_inputs(b, h, hk, sq, sk, d, dtype, dup=False):
     q, k = randn(b, h, sq, d, dtype=dtype), randn(b, hk, sk, d, dtype=dtype)
-    if dup:  # exact ties: repeated key rows give bit-identical logits in every pass
-        k[:, :, 10:20] = k[:, :, 0:10]
-        k[:, :, 50:sk:7] = k[:, :, 3:4]
-    return q, k
+    return q, with_duplicate_keys(k) if dup else k
 
 
 def run_topk(emu, q, k, k_top, *, arch=90, causal=False, softcap=0.0):
@@ -238,11 +201,7 @@ def run_topk(emu, q, k, k_top, *, arch=90, causal=False, softcap=0.0):
     args = tc.call_fwd(q, k, k, scale=scale, window_left=-1, window_right=0 if causal else -1, softcap=softcap)
     thr, jcut = emu.topk_threshold(q, k, *args, k_top, arch)
     rthr, rjcut, keep = topk_reference(q, k, k_top, scale, causal=causal, softcap=softcap)
-    assert thr.dtype == torch.float32 and jcut.dtype == torch.int32
-    assert torch.equal(jcut, rjcut), f"jcut differs at {int((jcut != rjcut).sum())} rows"
-    fin = torch.isfinite(rthr)
-    assert torch.equal(torch.isfinite(thr), fin)
-    assert torch.allclose(thr[fin].double(), rthr[fin], rtol=1e-5, atol=1e-5)
+    check_thresholds(thr, jcut, rthr, rjcut)
     return thr, jcut, keep
 
 
