@@ -29,7 +29,13 @@ def flops(b: int, h: int, sq: int, sk: int, d: int, *, causal: bool = False, bot
           window=(-1, -1), mode: str = "fwd") -> float:
     """The one FLOP formula every benchmark reports: 2 matmuls (Q K^T, P V) of 2 * D FLOPs per
     allowed pair forward; the backward does 5 such matmuls (2.5x); fwd_bwd = 3.5x."""
-    fwd = 4.0 * b * h * d * allowed_pairs(sq, sk, causal, bottom_right, window)
+    return flops_from_pairs(b * h * allowed_pairs(sq, sk, causal, bottom_right, window), d, mode=mode)
+
+
+def flops_from_pairs(pairs: int, d: int, *, mode: str = "fwd") -> float:
+    """flops() for any mask (block-sparse layouts, top-k): `pairs` allowed (query, key) pairs in
+    all, summed over batch and heads."""
+    fwd = 4.0 * d * pairs
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
 

@@ -5,4 +5,5 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention_ext.bench import allowed_pairs, bench, flops, interleaved, linear_flops, matmul_ceiling  # noqa: E402,F401
+from attention_ext.bench import (allowed_pairs, bench, flops, flops_from_pairs, interleaved,  # noqa: E402,F401
+                                  linear_flops, matmul_ceiling)
