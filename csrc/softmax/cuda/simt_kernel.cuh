@@ -4,7 +4,10 @@
 //
 // The fallback is one warp per row: lane l holds head-dim elements l, l + 32, ... (up to
 // kSimtMaxD), q.k is a warp reduction, and the online softmax runs on warp-uniform scalars.
-// Slow but simple, exact in fp32, and it takes every option of the policy.
+// Slow but simple, exact in fp32, and it takes every option of the policy. Block-sparse: a row's
+// keys (a key's queries) run in runs of one layout block, off blocks skipped whole, so the work
+// follows the on blocks. Top-k calls run here only: q.k is dot_row and the logit pol.score, as
+// in the threshold pass (csrc/sparse/cuda/topk_kernel.cuh), so top-k's equality test holds.
 #pragma once
 
 #include "softmax/cuda/kernel_common.cuh"
