@@ -217,6 +217,14 @@ def test_topk_threshold(emu, dtype, k_top, causal, dup):
     run_topk(emu, q, k, k_top, causal=causal)
 
 
+def test_topk_threshold_persistent(emu):
+    """More rows than the persistent grid's warps (132 SMs x 64 on the emulated sm_90): each warp
+    takes several rows in turn through the same scratch."""
+    torch.manual_seed(23)
+    q, k = topk_inputs(2, 8, 8, 600, 24, 32, torch.bfloat16)
+    run_topk(emu, q, k, 3)
+
+
 def test_topk_threshold_k_ge_sk(emu):
     """k >= Sk: every row keeps every key, no launch."""
     q, k = topk_inputs(1, 2, 2, 20, 30, 64, torch.float16)

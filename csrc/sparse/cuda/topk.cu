@@ -16,16 +16,18 @@ namespace {
 // k's buffer size: no row keeps more than Sk keys
 int topk_kcap(const FwdParams& p, int k_top) { return k_top < p.sk ? k_top : (p.sk > 0 ? p.sk : 1); }
 
-// Blocks of the persistent grid: one warp per row up to a scratch of about 2^24 pairs (128 MB),
-// at least 64 warps (k ~ Sk only comes with short rows).
+// Blocks of the persistent grid: one warp per row, at most one wave of 16 blocks (2048 threads)
+// per SM and a scratch of about 2^24 pairs (128 MB), at least 64 warps (k ~ Sk only comes with
+// short rows).
 int64_t topk_blocks(const FwdParams& p, int k_top) {
   const int64_t rows = int64_t(p.b) * p.h * p.sq;
   const int64_t per_warp = 3 * int64_t(topk_kcap(p, k_top));
   int64_t warps = (int64_t(1) << 24) / per_warp;
   warps = warps < 64 ? 64 : warps;
+  const int64_t wave = int64_t(device_sm_count()) * 16 * topk::kWarps;
+  warps = warps < wave ? warps : wave;
   warps = warps < rows ? warps : rows;
-  const int64_t blocks = (warps + topk::kWarps - 1) / topk::kWarps;
-  return blocks < 65535 ? blocks : 65535;
+  return (warps + topk::kWarps - 1) / topk::kWarps;
 }
 
 bool nothing_to_do(const FwdParams& p, int k_top) {
