@@ -78,7 +78,7 @@ __device__ __forceinline__ bool plain_allowed(const Policy& pol, int i, int j) {
   return pol.in_window(i, j) && pol.in_layout(i, j);
 }
 
-// The forward logit in the log2 domain, -inf where (i, j) is not allowed (top-k's rule included).
+// The forward logit in the log2 domain, -inf where (i, j) is not allowed.
 //   check = false: the caller proved the tile is inside the window and the layout, and the
 //   policy is plain.
 __device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool check, float scale_log2,
@@ -88,9 +88,18 @@ __device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool chec
     return x * scale_log2;
   }
   if (!pol.allowed(i, j)) return -INFINITY;
+  return pol.score(x, i, j) * kLog2e;
+}
+
+// logit2 with top-k's rule too, for the SIMT kernels (the only ones top-k calls reach; the
+// mma.sync kernels keep its registers out): the logit s = pol.score(x, i, j) is the one the
+// threshold pass ranked, and kept iff pol.topk_keep(s, i, j).
+__device__ __forceinline__ float logit2_topk(const Policy& pol, bool plain, float scale_log2, float x, int i,
+                                             int j) {
+  if (pol.topk_thr == nullptr) return logit2(pol, plain, true, scale_log2, x, i, j);
+  if (!pol.allowed(i, j)) return -INFINITY;
   const float s = pol.score(x, i, j);
-  if (!pol.topk_keep(s, i, j)) return -INFINITY;
-  return s * kLog2e;
+  return pol.topk_keep(s, i, j) ? s * kLog2e : -INFINITY;
 }
 
 // Block-sparse helpers for kernels that do not walk a tile index (the SIMT kernels, the
@@ -131,9 +140,11 @@ __device__ __forceinline__ void sparse_entries(const BlockSparseParams& sp, cons
 //   P  = exp(s - lse);   pd = P * z              (the probabilities that multiplied V)
 //   ds = P * (dp * z - dsum)                      (d loss / d logit, = d loss / d bias)
 //   dx = ds * d s / d x                           (feeds dQ = dx K and dK = dx^T Q)
+// kTopk: apply top-k's rule too (the SIMT kernels; see logit2_topk).
 struct BwdPoint {
   float pd, ds, dx;
 };
+template <bool kTopk = false>
 __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, bool check,
                                               float scale, float x, float dp, float lse2,
                                               float dsum, float z, int i, int j) {
@@ -151,7 +162,7 @@ __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, boo
       return r;
     }
     const float s = pol.score(x, i, j);
-    if (!pol.topk_keep(s, i, j)) {
+    if (kTopk && !pol.topk_keep(s, i, j)) {
       r.pd = r.ds = r.dx = 0.f;
       return r;
     }

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
     }
     for (; j < j_end; ++j) {
       const float x = dot_row(qr, k + int64_t(j) * p.k_row_stride, p.d, lane);
-      const float s = logit2(pol, plain, true, scale_log2, x, i, j);
+      const float s = logit2_topk(pol, plain, scale_log2, x, i, j);
       if (s == -INFINITY) continue;
       const float m_new = fmaxf(m, s);
       const float alpha = exp2f(m - m_new);
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
           // products commute: k q here, q k there)
           const float x = dot_row(kr, qi, p.d, lane);
           const float dp = dot_row(vr, doi, p.d, lane);
-          const BwdPoint bp = bwd_point(pol, plain, false, p.scale, x, dp,
+          const BwdPoint bp = bwd_point<true>(pol, plain, false, p.scale, x, dp,
                                         lse_to_log2(p.lse[lse_index(p, si, b, h, i)]),
                                         p.softmax_d[scratch_row(p, b, h, i)],
                                         dropout_factor(p, bh, i, j), i, j);
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
       const float x = dot_row(qr, kj, p.d, lane);
       const float dp = dot_row(dor, v + int64_t(j) * p.v_row_stride, p.d, lane);
       const BwdPoint bp =
-          bwd_point(pol, plain, false, p.scale, x, dp, lse2, dsum, dropout_factor(p, bh, i, j), i, j);
+          bwd_point<true>(pol, plain, false, p.scale, x, dp, lse2, dsum, dropout_factor(p, bh, i, j), i, j);
 #pragma unroll
       for (int t = 0; t < kChunks; ++t) {
         const int col = lane + 32 * t;
