@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     if (i0 >= i1) continue;
     // The query blocks to visit are steps [m_lo, m_hi): dense, step m is query block m;
     // block-sparse, step e is entry e of this key tile's column of the tile index (its query
-    // block sp_idx[e], ascending), clipped to the visible blocks.
+    // block bwd.idx[e], ascending), clipped to the visible blocks.
     int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
     // (read through p, a kernel parameter, rather than copied to locals: no registers held for
     // the dense path)

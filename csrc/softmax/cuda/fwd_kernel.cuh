@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const T* v = v_ptr<T>(p, si, b, hk, 0);
 
   // The key blocks to visit are steps [n_lo, n_hi): dense, step n is key block n; block-sparse,
-  // step e is entry e of this query tile's row of the tile index (its key block sp_idx[e],
+  // step e is entry e of this query tile's row of the tile index (its key block fwd.idx[e],
   // ascending in e), the entries clipped to the visible blocks. Either way steps run high to low.
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
