@@ -119,15 +119,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     if (i0 >= i1) continue;
     // The query blocks to visit are steps [m_lo, m_hi): dense, step m is query block m;
     // block-sparse, step e is entry e of this key tile's column of the tile index (its query
-    // block bwd.idx[e], ascending), clipped to the visible blocks.
+    // block sp_idx[e], ascending), clipped to the visible blocks.
     int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
-    // (read through p, a kernel parameter, rather than copied to locals: no registers held for
-    // the dense path)
-    if (p.sparse.on()) {
+    const bool sparse = p.sparse.on();
+    const int32_t* sp_idx = p.sparse.bwd.idx;
+    const uint8_t* sp_full = p.sparse.bwd.full;
+    if (sparse) {
       sparse_entries(p.sparse, p.sparse.bwd, h, n_block, m_lo, m_hi, &m_lo, &m_hi);
       if (m_lo >= m_hi) continue;
     }
-    auto query_block = [&](int step) { return p.sparse.on() ? int(p.sparse.bwd.idx[step]) : step; };
+    auto query_block = [&](int step) { return sparse ? int(sp_idx[step]) : step; };
 
     const T* qp = q_ptr<T>(p, si, b, h, 0);
     const T* dop = dout_ptr<T>(p, si, b, h, 0);
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     for (int m = m_lo; m < m_hi; ++m) {
       const int m0 = query_block(m) * kBlockM;
       // a tile the index does not mark full checks the layout per element
-      const bool tile_on = !p.sparse.on() || p.sparse.bwd.full[m] != 0;
+      const bool tile_on = !sparse || sp_full[m] != 0;
       cp_async_wait<0>();
       __syncthreads();  // block m landed (K, V too on the first pass); every warp left block m - 1
       if (m + 1 < m_hi) load_q_block(m + 1);  // into the other buffer, behind this whole block

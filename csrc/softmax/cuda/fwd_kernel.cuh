@@ -130,14 +130,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const T* v = v_ptr<T>(p, si, b, hk, 0);
 
   // The key blocks to visit are steps [n_lo, n_hi): dense, step n is key block n; block-sparse,
-  // step e is entry e of this query tile's row of the tile index (its key block fwd.idx[e],
+  // step e is entry e of this query tile's row of the tile index (its key block sp_idx[e],
   // ascending in e), the entries clipped to the visible blocks. Either way steps run high to low.
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
-  // (read through p, a kernel parameter, rather than copied to locals: no registers held for
-  // the dense path)
-  if (p.sparse.on()) sparse_entries(p.sparse, p.sparse.fwd, h, m_block, n_lo, n_hi, &n_lo, &n_hi);
-  auto key_block = [&](int step) { return p.sparse.on() ? int(p.sparse.fwd.idx[step]) : step; };
+  const bool sparse = p.sparse.on();
+  const int32_t* sp_idx = p.sparse.fwd.idx;
+  const uint8_t* sp_full = p.sparse.fwd.full;
+  if (sparse) sparse_entries(p.sparse, p.sparse.fwd, h, m_block, n_lo, n_hi, &n_lo, &n_hi);
+  auto key_block = [&](int step) { return sparse ? int(sp_idx[step]) : step; };
   if constexpr (Var::kSplit) {
     // ceil(n / num_splits) of the n visible blocks per split; the last splits may be empty
     const int per = (n_hi - n_lo + num_splits - 1) / num_splits;
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
     // ---- logits (log2 domain): a branch-free pass for full tiles of a plain policy, the
     // per-element policy otherwise (the branch is warp-uniform, taken once per tile)
     // (a tile the index does not mark full checks the layout per element too)
-    const bool check = !(plain && (!p.sparse.on() || p.sparse.fwd.full[n] != 0) &&
+    const bool check = !(plain && (!sparse || sp_full[n] != 0) &&
                          pol.tile_full(m0 + wm, m0 + wm + 16 * kMT, n0, n0 + kBlockN));
     if (!check) {
 #pragma unroll
