@@ -53,7 +53,13 @@ def flops(b: int, h: int, sq: int, sk: int, d: int, *, causal: bool = False, bot
     S * k for top-k); else they follow from causal / window."""
     if pairs is None:
         pairs = allowed_pairs(sq, sk, causal, bottom_right, window)
-    fwd = 4.0 * b * h * d * pairs
+    return flops_from_pairs(b * h * pairs, d, mode=mode)
+
+
+def flops_from_pairs(pairs: float, d: int, *, mode: str = "fwd") -> float:
+    """flops() for any mask (block-sparse layouts, top-k): `pairs` allowed (query, key) pairs in
+    all, summed over batch and heads."""
+    fwd = 4.0 * d * pairs
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
 
 

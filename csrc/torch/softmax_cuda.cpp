@@ -7,6 +7,7 @@
 
 #include <initializer_list>
 #include <tuple>
+#include <utility>
 
 #include "cuda/launch.h"  // NvtxRange
 #include "softmax/cuda/entry.h"
@@ -42,6 +43,16 @@ struct CudaDevice {
     return attn::cuda_bwd_dq_accum_floats(p, dt);
   }
   void bwd(const attn::BwdParams& p, attn::DType dt) const { attn::cuda_bwd(p, dt, stream()); }
+  std::pair<int, int> fwd_sparse_tiles(const attn::FwdParams& p, attn::DType dt) const {
+    int m = 0, n = 0;
+    attn::cuda_fwd_sparse_tiles(p, dt, &m, &n);
+    return {m, n};
+  }
+  std::pair<int, int> bwd_sparse_tiles(const attn::BwdParams& p, attn::DType dt) const {
+    int m = 0, n = 0;
+    attn::cuda_bwd_sparse_tiles(p, dt, &m, &n);
+    return {m, n};
+  }
   void reads(std::initializer_list<const Tensor*>) const {}
 };
 

@@ -14,6 +14,8 @@
 //     size_t bwd_softmax_d_floats(const BwdParams&) const;
 //     size_t bwd_dq_accum_floats(const BwdParams&, DType) const;
 //     void bwd(const BwdParams&, DType) const;
+//     std::pair<int, int> fwd_sparse_tiles(const FwdParams&, DType) const;  // entry.h: the tiles
+//     std::pair<int, int> bwd_sparse_tiles(const BwdParams&, DType) const;  //   to index a layout at
 //     void reads(std::initializer_list<const Tensor*>) const;  // the tensors kernels may read
 //   };
 #pragma once
@@ -25,8 +27,10 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <tuple>
+#include <utility>
 
 #include "softmax/cuda/entry.h"  // FwdSplitScratch
+#include "torch/sparse_index.h"
 #include "torch/softmax_params.h"
 
 namespace attn {
@@ -46,6 +50,17 @@ inline Tensor chunk_friendly(Tensor t) {
   return ok ? t : t.contiguous();
 }
 
+// Block-sparse calls: the layout's tile index at the tiles of the kernel that will run (csc = false:
+// the forward's CSR, true: the backward's CSC), attached to p. The returned tensors must outlive
+// the launch. (0, 0) tiles: that kernel reads the layout itself.
+template <typename P>
+TileIndexTensors attach_tile_index(P& p, const Options& o, std::pair<int, int> tiles, bool csc) {
+  if (!o.block_layout.has_value() || tiles.first <= 0) return {};
+  TileIndexTensors t = tile_index(*o.block_layout, o.block_size, p.sq, p.sk, tiles.first, tiles.second, csc);
+  (csc ? p.sparse.bwd : p.sparse.fwd) = t.view();
+  return t;
+}
+
 template <typename Device, typename Fn>
 void run_backend(const Fn& fn) {
   try {
@@ -60,14 +75,13 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
                                           const Options& o, int64_t num_splits) {
   check_inputs(q, k, v, o);
   check_num_splits(num_splits);
-  TORCH_CHECK_NOT_IMPLEMENTED(!o.block_layout.has_value() && !o.topk_thr.has_value(),
-                              "attention_ext: block-sparse and top-k attention have no CUDA kernel in this build");
   dev.check_device(q);
   const auto guard = dev.guard(q);
   auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
   if (q.numel() == 0) return {out, lse};
-  const FwdParams p = make_fwd_params<float>(q, k, v, out, lse, o);
+  FwdParams p = make_fwd_params<float>(q, k, v, out, lse, o);
   const DType dt = dtype_of(q);
+  const TileIndexTensors index = attach_tile_index(p, o, dev.fwd_sparse_tiles(p, dt), false);
   // split-KV: partial O and LSE per split, float32, on the call's device and stream
   FwdSplitScratch split;
   Tensor o_accum, lse_accum;
@@ -91,8 +105,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& 
                                                                   const Options& o, bool bias_grad,
                                                                   bool deterministic, const OptTensor& dlse) {
   check_inputs(q, k, v, o);
-  TORCH_CHECK_NOT_IMPLEMENTED(!o.block_layout.has_value() && !o.topk_thr.has_value(),
-                              "attention_ext: block-sparse and top-k attention have no CUDA kernel in this build");
   dev.check_device(q);
   check_bwd_inputs(dout, q, out, lse, dlse);
   const auto guard = dev.guard(q);
@@ -101,6 +113,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& 
   Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
   BwdParams p = make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const DType dt = dtype_of(q);
+  const TileIndexTensors index = attach_tile_index(p, o, dev.bwd_sparse_tiles(p, dt), true);
   Tensor softmax_d = cuda_scratch(q, dev.bwd_softmax_d_floats(p), Device::kPoison);
   p.softmax_d = softmax_d.data_ptr<float>();
   Tensor dq_accum;

@@ -164,6 +164,8 @@ inline float ex2_approx_ftz(float x) {
 #define cudaMemsetAsync ::attn_emu::memset_async
 
 inline void __syncthreads() { ::attn_emu::syncthreads(); }
+// a warp-wide meeting point: every lane's earlier memory writes are visible to the others after it
+inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)::attn_emu::shfl_xor_bits(mask, 0u, 0, 32); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {

@@ -2,6 +2,7 @@
 // the same code as the real CUDA binding), launch sequence (dispatch.cu) and kernels run by the
 // host emulator on CPU tensors. Built at test time by build.py.
 //
+// topk_threshold those of torch.ops.attention_ext.topk_threshold plus `arch` (sparse_cuda_steps.h);
 // fwd / bwd take the arguments of torch.ops.attention_ext.fwd / bwd plus `arch` (80 or 90: the
 // emulated device); linear_fwd / linear_bwd those of torch.ops.attention_ext.linear_fwd /
 // linear_bwd plus `arch` (csrc/torch/linear_cuda_steps.h). Unlike the real binding, every output and scratch buffer the kernels are
@@ -12,11 +13,13 @@
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "emu_entry.h"
 #include "torch/linear_cuda_steps.h"
 #include "torch/softmax_cuda_steps.h"
+#include "torch/sparse_cuda_steps.h"
 #include "torch/softmax_params.h"
 
 namespace {
@@ -54,6 +57,16 @@ struct EmuDevice {
     return be.dq_accum_floats(&p, sizeof(p), int(dt));
   }
   void bwd(const attn::BwdParams& p, attn::DType dt) const { be.bwd(&p, sizeof(p), int(dt)); }
+  std::pair<int, int> fwd_sparse_tiles(const attn::FwdParams& p, attn::DType dt) const {
+    int m = 0, n = 0;
+    be.sparse_tiles(&p, sizeof(p), int(dt), false, &m, &n);
+    return {m, n};
+  }
+  std::pair<int, int> bwd_sparse_tiles(const attn::BwdParams& p, attn::DType dt) const {
+    int m = 0, n = 0;
+    be.sparse_tiles(&p, sizeof(p), int(dt), true, &m, &n);
+    return {m, n};
+  }
   // cp.async may read only from the call's tensors
   void reads(std::initializer_list<const Tensor*> ts) const {
     attn_emu::clear_global_ranges();
@@ -65,6 +78,33 @@ struct EmuDevice {
     }
   }
 };
+
+// The sparse family's Device (sparse_cuda_steps.h) on the emulated backend.
+struct EmuSparseDevice {
+  static constexpr bool kPoison = true;
+  static constexpr const char* kWhat = "attention_ext_emu";
+  attn_emu::Backend be;
+
+  void check_device(const Tensor& q) const {
+    TORCH_CHECK(q.device().is_cpu(), "attention_ext_emu: the emulator takes CPU tensors");
+    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
+  }
+  int guard(const Tensor&) const { return 0; }
+  size_t topk_scratch_entries(const attn::FwdParams& p, int k_top) const {
+    return be.topk_scratch_entries(&p, sizeof(p), k_top);
+  }
+  void topk_threshold(const attn::FwdParams& p, attn::DType dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
+                      int32_t* s_key) const {
+    be.topk_threshold(&p, sizeof(p), int(dt), k_top, thr, jcut, s_logit, s_key);
+  }
+  void reads(std::initializer_list<const Tensor*>) const {}
+};
+
+std::tuple<Tensor, Tensor> emu_topk_threshold(const Tensor& q, const Tensor& k, ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                              int64_t k_top, int64_t arch) {
+  return attn::api::cuda_topk_steps(EmuSparseDevice{backend(arch)}, q, k,
+                                    attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), k_top);
+}
 
 // The linear family's Device (linear_cuda_steps.h) on the emulated backend.
 struct EmuLinearDevice {
@@ -144,6 +184,8 @@ TORCH_LIBRARY(attention_ext_emu, m) {
         ", bool bias_grad, bool deterministic, Tensor? dlse, int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &emu_bwd);
   m.def("path(Tensor q, Tensor k, Tensor v, int arch) -> str", &emu_path);
+  m.def("topk_threshold(Tensor q, Tensor k, " ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top, int arch) -> (Tensor, Tensor)",
+        &emu_topk_threshold);
   m.def("launches() -> str[]", &emu_launches);
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);

@@ -33,6 +33,12 @@ struct Backend {
   size_t (*softmax_d_floats)(const void* params, size_t bytes);
   size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);
   const char* (*path_name)(const void* params, size_t bytes, int dtype);
+  // cuda_fwd_sparse_tiles (bwd = false, params as FwdParams) / cuda_bwd_sparse_tiles (BwdParams)
+  void (*sparse_tiles)(const void* params, size_t bytes, int dtype, bool bwd, int* tile_m, int* tile_n);
+  // the sparse family's entry points (csrc/sparse/cuda/entry.h), params as FwdParams
+  size_t (*topk_scratch_entries)(const void* params, size_t bytes, int k_top);
+  void (*topk_threshold)(const void* params, size_t bytes, int dtype, int k_top, float* thr, int32_t* jcut,
+                         float* s_logit, int32_t* s_key);
   void (*set_kernels)(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt);
   // the linear family's entry points (csrc/linear/cuda/entry.h), params as
   // attn::LinearParamsT<float> / attn::LinearBwdParamsT<float>

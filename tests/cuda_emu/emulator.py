@@ -57,7 +57,8 @@ def load():
         sources=[os.path.join(EMU, f) for f in
                  ("emu_binding.cpp", "emu_runtime.cpp", "emu_kernels_sm80.cpp", "emu_kernels_sm90.cpp")]
         # tensors -> params, as in _C
-        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("softmax_params.cpp", "linear_params.cpp")],
+        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("softmax_params.cpp", "linear_params.cpp",
+                                                             "sparse_index.cpp")],
         # -O1: the kernels' unrolled loops stay cheap to compile and the emulation is still fast
         extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
                       "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],

@@ -117,16 +117,28 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     i0 = max(i0, 0);
     i1 = min(i1, si.len_q);
     if (i0 >= i1) continue;
-    const int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
+    // The query blocks to visit are steps [m_lo, m_hi): dense, step m is query block m;
+    // block-sparse, step e is entry e of this key tile's column of the tile index (its query
+    // block sp_idx[e], ascending), clipped to the visible blocks.
+    int m_lo = i0 / kBlockM, m_hi = (i1 + kBlockM - 1) / kBlockM;
+    const bool sparse = p.sparse.on();
+    const int32_t* sp_idx = p.sparse.bwd.idx;
+    const uint8_t* sp_full = p.sparse.bwd.full;
+    if (sparse) {
+      sparse_entries(p.sparse, p.sparse.bwd, h, n_block, m_lo, m_hi, &m_lo, &m_hi);
+      if (m_lo >= m_hi) continue;
+    }
+    auto query_block = [&](int step) { return sparse ? int(sp_idx[step]) : step; };
 
     const T* qp = q_ptr<T>(p, si, b, h, 0);
     const T* dop = dout_ptr<T>(p, si, b, h, 0);
     const float* lse_p = p.lse + lse_index(p, si, b, h, 0);
     const float* dot_p = p.softmax_d + scratch_row(p, b, h, 0);
 
-    auto load_q_block = [&](int m) {
-      const int m0 = m * kBlockM, rows = min(kBlockM, si.len_q - m0);
-      const int bi = m & 1;
+    // step's query block into buffer step & 1
+    auto load_q_block = [&](int step) {
+      const int m0 = query_block(step) * kBlockM, rows = min(kBlockM, si.len_q - m0);
+      const int bi = step & 1;
       load_tile_async<kBlockM, kD, kThreads>(sQ0 + bi * TileQ::kBytes, qp + int64_t(m0) * p.q_row_stride,
                                              p.q_row_stride, rows, p.d, tid);
       load_tile_async<kBlockM, kD, kThreads>(sdO0 + bi * TileQ::kBytes, dop + int64_t(m0) * p.do_row_stride,
@@ -141,7 +153,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     load_q_block(m_lo);
 
     for (int m = m_lo; m < m_hi; ++m) {
-      const int m0 = m * kBlockM;
+      const int m0 = query_block(m) * kBlockM;
+      // a tile the index does not mark full checks the layout per element
+      const bool tile_on = !sparse || sp_full[m] != 0;
       cp_async_wait<0>();
       __syncthreads();  // block m landed (K, V too on the first pass); every warp left block m - 1
       if (m + 1 < m_hi) load_q_block(m + 1);  // into the other buffer, behind this whole block
@@ -178,7 +192,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         // that add in quadrature over the kBlockM-query sums of dK and dQ. reference.py in the
         // same dtype rounds P, dP, dP - D and the product each to 16 bits, so the tests' bound
         // (2x its error) keeps a margin; dV already used this 16-bit P in the default schedule.
-        const bool check = !pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16);
+        const bool check = !(tile_on && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
         const float scale_log2 = p.scale * kLog2e;
         if (!check) {
 #pragma unroll
@@ -193,7 +207,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             for (int e = 0; e < 4; ++e) {
               const int il = t * 8 + 2 * c + (e & 1), jl = wn + g + (e >> 1) * 8;
               const float pr = fast_exp2(acc_s[t][e] * scale_log2 - lse_to_log2(sLse[il]));
-              acc_s[t][e] = pol.in_window(m0 + il, n0 + jl) ? pr : 0.f;
+              acc_s[t][e] = plain_allowed(pol, m0 + il, n0 + jl) ? pr : 0.f;
             }
         }
         pack_a_frags<T, kQT>(&acc_s[0][0], pa);
@@ -252,7 +266,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         }
 
         // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
-        const bool check = !(plain && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
+        const bool check = !(plain && tile_on && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
         if (!check && !dropout) {
           // full tile of a plain policy: branch-free (write_dbias implies a bias, so never here)
           const float scale_log2 = p.scale * kLog2e;
@@ -501,6 +515,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
   }
   for (int n = n_lo; n < n_hi; ++n) {
     const int n0 = n * kBlockN;
+    // block-sparse: this kernel reads the layout under its tile (no index at its tiles); the
+    // test is CTA-uniform, so skipping is safe here
+    const int layout_state = layout_tile_state(pol, m0, m0 + rows_q, n0, min(n0 + kBlockN, si.len_k));
+    if (layout_state == 0) continue;
     load_tile_async<kBlockN, kD, kThreads>(sK, kp + int64_t(n0) * p.k_row_stride, p.k_row_stride,
                                            si.len_k - n0, p.d, tid);
     load_tile_async<kBlockN, kD, kThreads>(sV, vp + int64_t(n0) * p.v_row_stride, p.v_row_stride,
@@ -534,7 +552,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
       }
     }
 
-    const bool check = !(plain && pol.tile_full(m0 + wm, m0 + wm + 16, n0, n0 + kBlockN));
+    const bool check = !(plain && layout_state == 2 && pol.tile_full(m0 + wm, m0 + wm + 16, n0, n0 + kBlockN));
     if (!check && !dropout) {
       const float scale_log2 = p.scale * kLog2e;
 #pragma unroll
@@ -580,6 +598,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
     }
     __syncthreads();  // every warp finished reading K[n], V[n]
   }
+  // a block-sparse row of tiles may skip every K / V load: Q and dO were still issued
+  cp_async_commit();
+  cp_async_wait<0>();
 
   T* dq = dq_ptr<T>(p, si, b, h, m0);
 #pragma unroll

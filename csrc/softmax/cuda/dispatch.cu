@@ -12,6 +12,13 @@
 // them out (ATTN_CUDA_SKIP_HOPPER). The wgmma backward runs after the same preprocess, and is
 // followed by the same dq_accum conversion, as the mma.sync backward's atomic-dQ mode.
 //
+// Block-sparse calls (p.sparse.on()) take the mma.sync kernels, which walk the layout's tile index
+// built at their own tiles (cuda_fwd_sparse_tiles / cuda_bwd_sparse_tiles), unsplit and never the
+// wgmma ones; where the mma.sync path cannot serve, the SIMT kernels read the layout per block.
+// Top-k calls (p.topk_thr set) take the SIMT kernels only: top-k keeps a logit by comparing it
+// for equality with its row's threshold, so every kernel applying it must compute q.k bit for bit
+// as the threshold pass (csrc/sparse/cuda) does, with the same warp dot product.
+//
 // Split-KV (flash-decoding): a forward on the mma.sync kernels can split each query block's
 // visible key blocks over num_splits CTAs and merge their partials in a combine kernel (the op's
 // num_splits argument; 0 = heuristics.h decides; the caller allocates the scratch). Dropout is
@@ -56,6 +63,7 @@ bool strides8(int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0
 
 bool use_tensor_cores(const FwdParams& p, DType dt) {
   if (dt == DType::kF32 || g_force_simt.load(std::memory_order_relaxed)) return false;
+  if (p.topk_thr != nullptr) return false;
   if (p.d > 256 || p.d % 8 != 0 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
   if (device_sm() < 80) return false;
   return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.o) &&
@@ -83,6 +91,7 @@ bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
 bool use_hopper_fwd(const FwdParams& p, DType dt) {
   if (!ATTN_HOPPER_FWD || g_hopper_fwd.load(std::memory_order_relaxed) < 1) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || needs_general_kernel(p)) return false;
+  if (p.sparse.on()) return false;
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
@@ -94,7 +103,7 @@ bool use_hopper_fwd(const FwdParams& p, DType dt) {
 [[maybe_unused]] bool use_hopper_bwd(const BwdParams& p, DType dt) {
   if (!ATTN_HOPPER_BWD || g_hopper_bwd.load(std::memory_order_relaxed) < 1) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || needs_general_kernel(p)) return false;
-  if (p.dbias != nullptr || p.deterministic) return false;
+  if (p.dbias != nullptr || p.deterministic || p.sparse.on()) return false;
   return use_tensor_cores_bwd(p, dt) && device_sm() == 90;
 }
 
@@ -162,7 +171,7 @@ CudaKernels cuda_kernels() {
 
 int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested) {
   if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
-  if (use_hopper_fwd(p, dt) || !use_tensor_cores(p, dt)) return 1;
+  if (use_hopper_fwd(p, dt) || !use_tensor_cores(p, dt) || p.sparse.on()) return 1;
   if (requested >= 1) return requested < kMaxSplits ? requested : kMaxSplits;
 #if defined(ATTN_TUNING)
   if (g_tune_fwd.load(std::memory_order_relaxed) != 0) return 1;  // the tuning candidates are timed unsplit
@@ -177,6 +186,26 @@ int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested) {
 }
 size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o) {
   return size_t(batch_t) * p.h * num_splits * rows * (o ? p.d : 1);
+}
+
+void cuda_fwd_sparse_tiles(const FwdParams& p, DType dt, int* tile_m, int* tile_n) {
+  *tile_m = *tile_n = 0;
+  if (!use_tensor_cores(p, dt)) return;
+  hdim_switch<64, 128, 256>(p.d, "attention fwd", [&](auto kD) {
+    *tile_m = FwdTraits<decltype(kD)::value>::kBlockM;
+    *tile_n = FwdTraits<decltype(kD)::value>::kBlockN;
+  });
+}
+
+void cuda_bwd_sparse_tiles(const BwdParams& p, DType dt, int* tile_m, int* tile_n) {
+  *tile_m = *tile_n = 0;
+  if (!use_tensor_cores_bwd(p, dt)) return;
+  hdim_switch<64, 128, 256>(p.d, "attention bwd", [&](auto kD) {
+    constexpr int D = decltype(kD)::value;
+    // the dK / dV kernel's tiles (run_bwd_tc_impl); the deterministic dQ kernel reads the layout
+    *tile_m = device_sm() >= 90 ? BwdTraitsSm90<D>::kBlockM : BwdTraits<D>::kBlockM;
+    *tile_n = device_sm() >= 90 ? BwdTraitsSm90<D>::kBlockN : BwdTraits<D>::kBlockN;
+  });
 }
 
 const char* cuda_path_name(const FwdParams& p, DType dt) {

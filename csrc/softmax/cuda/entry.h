@@ -55,6 +55,13 @@ void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream);
 size_t cuda_bwd_softmax_d_floats(const BwdParams& p);        // B * H * Sq (Sq = max for varlen)
 size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt);  // 0 unless atomic dQ path
 
+// Block-sparse calls (p.sparse.layout set): the tiles, query rows x keys, of the kernel that will
+// run the forward / the backward's dK / dV, so that the caller builds the layout's tile index at
+// them (p.sparse.fwd: CSR, p.sparse.bwd: CSC; block_sparse.h). (0, 0): that kernel reads the
+// layout itself (the SIMT kernels) and needs no index.
+void cuda_fwd_sparse_tiles(const FwdParams& p, DType dt, int* tile_m, int* tile_n);
+void cuda_bwd_sparse_tiles(const BwdParams& p, DType dt, int* tile_m, int* tile_n);
+
 // Which kernel family a config's forward takes: "hopper-wgmma" (sm_90a, when the developer
 // selection asks for it), "tensor-core" (mma.sync) or "simt" (for tests and benchmarks).
 const char* cuda_path_name(const FwdParams& p, DType dt);

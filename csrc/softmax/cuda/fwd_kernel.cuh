@@ -129,8 +129,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   const T* k = k_ptr<T>(p, si, b, hk, 0);
   const T* v = v_ptr<T>(p, si, b, hk, 0);
 
+  // The key blocks to visit are steps [n_lo, n_hi): dense, step n is key block n; block-sparse,
+  // step e is entry e of this query tile's row of the tile index (its key block sp_idx[e],
+  // ascending in e), the entries clipped to the visible blocks. Either way steps run high to low.
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, kBlockN, &n_lo, &n_hi);
+  const bool sparse = p.sparse.on();
+  const int32_t* sp_idx = p.sparse.fwd.idx;
+  const uint8_t* sp_full = p.sparse.fwd.full;
+  if (sparse) sparse_entries(p.sparse, p.sparse.fwd, h, m_block, n_lo, n_hi, &n_lo, &n_hi);
+  auto key_block = [&](int step) { return sparse ? int(sp_idx[step]) : step; };
   if constexpr (Var::kSplit) {
     // ceil(n / num_splits) of the n visible blocks per split; the last splits may be empty
     const int per = (n_hi - n_lo + num_splits - 1) / num_splits;
@@ -163,7 +171,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
   if (n_lo < n_hi) {
     load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, rows_q, p.d, tid);
     {
-      const int n0 = (n_hi - 1) * kBlockN;
+      const int n0 = key_block(n_hi - 1) * kBlockN;
       load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
                                              si.len_k - n0, p.d, tid);
     }
@@ -172,7 +180,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 
   // iterate key blocks in reverse so the partially masked diagonal block comes first
   for (int n = n_hi - 1; n >= n_lo; --n) {
-    const int n0 = n * kBlockN;
+    const int n0 = key_block(n) * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K[n] landed; every warp finished reading V[n+1]
     load_tile_async<kBlockN, kD, kThreads>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride,
@@ -206,7 +214,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 
     // ---- logits (log2 domain): a branch-free pass for full tiles of a plain policy, the
     // per-element policy otherwise (the branch is warp-uniform, taken once per tile)
-    const bool check = !(plain && pol.tile_full(m0 + wm, m0 + wm + 16 * kMT, n0, n0 + kBlockN));
+    // (a tile the index does not mark full checks the layout per element too)
+    const bool check = !(plain && (!sparse || sp_full[n] != 0) &&
+                         pol.tile_full(m0 + wm, m0 + wm + 16 * kMT, n0, n0 + kBlockN));
     if (!check) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -241,7 +251,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
     cp_async_wait<0>();
     __syncthreads();  // V[n] landed; every warp finished reading K[n]
     if (n > n_lo) {
-      const int nn0 = (n - 1) * kBlockN;
+      const int nn0 = key_block(n - 1) * kBlockN;
       load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(nn0) * p.k_row_stride, p.k_row_stride,
                                              si.len_k - nn0, p.d, tid);
       cp_async_commit();

@@ -66,21 +66,72 @@ __device__ __forceinline__ T* dv_ptr(const BwdParams& p, const SeqInfo& si, int 
   return static_cast<T*>(p.dv) + si.k_offset(p, b, hk, row, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
 }
 
-// No per-element work beyond the window: no softcap, ALiBi, bias or bool mask.
+// No per-element work beyond the window and the block layout: no softcap, ALiBi, bias or bool
+// mask, and no top-k (whose rule needs the logit exactly as pol.score computes it).
 __device__ __forceinline__ bool policy_is_plain(const Policy& pol) {
-  return pol.softcap <= 0.f && pol.slope == 0.f && pol.bias_kind == BiasKind::kNone;
+  return pol.softcap <= 0.f && pol.slope == 0.f && pol.bias_kind == BiasKind::kNone && pol.topk_thr == nullptr;
+}
+
+// The structural rules of a plain policy: the window and the block layout (one null test when
+// the call is dense).
+__device__ __forceinline__ bool plain_allowed(const Policy& pol, int i, int j) {
+  return pol.in_window(i, j) && pol.in_layout(i, j);
 }
 
 // The forward logit in the log2 domain, -inf where (i, j) is not allowed.
-//   check = false: the caller proved the tile is inside the window and the policy is plain.
+//   check = false: the caller proved the tile is inside the window and the layout, and the
+//   policy is plain.
 __device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool check, float scale_log2,
                                         float x, int i, int j) {
   if (plain) {
-    if (check && !pol.in_window(i, j)) return -INFINITY;
+    if (check && !plain_allowed(pol, i, j)) return -INFINITY;
     return x * scale_log2;
   }
   if (!pol.allowed(i, j)) return -INFINITY;
   return pol.score(x, i, j) * kLog2e;
+}
+
+// logit2 with top-k's rule too, for the SIMT kernels (the only ones top-k calls reach; the
+// mma.sync kernels keep its registers out): the logit s = pol.score(x, i, j) is the one the
+// threshold pass ranked, and kept iff pol.topk_keep(s, i, j).
+__device__ __forceinline__ float logit2_topk(const Policy& pol, bool plain, float scale_log2, float x, int i,
+                                             int j) {
+  if (pol.topk_thr == nullptr) return logit2(pol, plain, true, scale_log2, x, i, j);
+  if (!pol.allowed(i, j)) return -INFINITY;
+  const float s = pol.score(x, i, j);
+  return pol.topk_keep(s, i, j) ? s * kLog2e : -INFINITY;
+}
+
+// Block-sparse helpers for kernels that do not walk a tile index (the SIMT kernels, the
+// deterministic dQ kernel).
+// The end of the run of positions [a, end) that share a's layout block, capped at hi; hi when
+// the call is dense. Rows and keys use the same block size.
+__device__ __forceinline__ int layout_run_end(const Policy& pol, int a, int hi) {
+  return pol.layout == nullptr ? hi : min(hi, (a / pol.block + 1) * pol.block);
+}
+// The layout under the tile [i0, i1) x [j0, j1) (non-empty, inside the sequence): 0 = no block
+// on, 1 = some, 2 = every block on (or dense). Reads (tile / block)^2 bytes of the layout.
+__device__ __forceinline__ int layout_tile_state(const Policy& pol, int i0, int i1, int j0, int j1) {
+  if (pol.layout == nullptr) return 2;
+  int on = 0, n = 0;
+  for (int r = i0 / pol.block; r <= (i1 - 1) / pol.block; ++r)
+    for (int c = j0 / pol.block; c <= (j1 - 1) / pol.block; ++c) {
+      on += pol.layout[int64_t(r) * pol.n_kb + c] != 0;
+      ++n;
+    }
+  return on == 0 ? 0 : (on == n ? 2 : 1);
+}
+
+// The tile index entries [*e_lo, *e_hi) of outer tile t of query head h (block_sparse.h) whose
+// inner tiles lie in [lo, hi): the index lists inner tiles in ascending order.
+__device__ __forceinline__ void sparse_entries(const BlockSparseParams& sp, const TileIndex& ix, int h, int t,
+                                               int lo, int hi, int* e_lo, int* e_hi) {
+  int a, z;
+  sp.tiles(ix, h, t, &a, &z);
+  while (a < z && ix.idx[a] < lo) ++a;
+  while (z > a && ix.idx[z - 1] >= hi) --z;
+  *e_lo = a;
+  *e_hi = z;
 }
 
 // The backward of one (i, j), given x = q.k, dp = dO.v, lse2 = lse * log2(e) (+inf for a row
@@ -89,16 +140,18 @@ __device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool chec
 //   P  = exp(s - lse);   pd = P * z              (the probabilities that multiplied V)
 //   ds = P * (dp * z - dsum)                      (d loss / d logit, = d loss / d bias)
 //   dx = ds * d s / d x                           (feeds dQ = dx K and dK = dx^T Q)
+// kTopk: apply top-k's rule too (the SIMT kernels; see logit2_topk).
 struct BwdPoint {
   float pd, ds, dx;
 };
+template <bool kTopk = false>
 __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, bool check,
                                               float scale, float x, float dp, float lse2,
                                               float dsum, float z, int i, int j) {
   BwdPoint r;
   float s2;
   if (plain) {
-    if (check && !pol.in_window(i, j)) {
+    if (check && !plain_allowed(pol, i, j)) {
       r.pd = r.ds = r.dx = 0.f;
       return r;
     }
@@ -108,7 +161,12 @@ __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, boo
       r.pd = r.ds = r.dx = 0.f;
       return r;
     }
-    s2 = pol.score(x, i, j) * kLog2e;
+    const float s = pol.score(x, i, j);
+    if (kTopk && !pol.topk_keep(s, i, j)) {
+      r.pd = r.ds = r.dx = 0.f;
+      return r;
+    }
+    s2 = s * kLog2e;
   }
   float pr = exp2f(s2 - lse2);
   r.pd = pr * z;

@@ -41,7 +41,8 @@ namespace attn {
 template <typename T, int kD, bool kGeneral>
 void run_fwd_tc_impl(const FwdParams& p, cudaStream_t stream) {
 #if defined(ATTN_TUNING)
-  if (run_fwd_alt<T, kD, kGeneral>(cuda_kernels().tune_fwd, p, stream,
+  // a block-sparse call's tile index is built at FwdTraits' tiles: no candidate takes it
+  if (!p.sparse.on() && run_fwd_alt<T, kD, kGeneral>(cuda_kernels().tune_fwd, p, stream,
                                    std::make_integer_sequence<int, kNumFwdAlts + 1>{}))
     return;
 #endif
@@ -105,7 +106,7 @@ template <typename T, int kD, bool kDropout>
 void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
   {
 #if defined(ATTN_TUNING)
-    if (run_bwd_alt<T, kD, kDropout>(cuda_kernels().tune_bwd, p, stream,
+    if (!p.sparse.on() && run_bwd_alt<T, kD, kDropout>(cuda_kernels().tune_bwd, p, stream,
                                       std::make_integer_sequence<int, kNumBwdAlts + 1>{})) {
     } else
 #endif

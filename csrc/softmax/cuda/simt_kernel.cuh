@@ -4,7 +4,10 @@
 //
 // The fallback is one warp per row: lane l holds head-dim elements l, l + 32, ... (up to
 // kSimtMaxD), q.k is a warp reduction, and the online softmax runs on warp-uniform scalars.
-// Slow but simple, exact in fp32, and it takes every option of the policy.
+// Slow but simple, exact in fp32, and it takes every option of the policy. Block-sparse: a row's
+// keys (a key's queries) run in runs of one layout block, off blocks skipped whole, so the work
+// follows the on blocks. Top-k calls run here only: q.k is dot_row and the logit pol.score, as
+// in the threshold pass (csrc/sparse/cuda/topk_kernel.cuh), so top-k's equality test holds.
 #pragma once
 
 #include "softmax/cuda/kernel_common.cuh"
@@ -85,22 +88,30 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
   pol.key_range(i, i + 1, &j0, &j1);
   j0 = max(j0, 0);
   j1 = min(j1, si.len_k);
-  for (int j = j0; j < j1; ++j) {
-    const float x = dot_row(qr, k + int64_t(j) * p.k_row_stride, p.d, lane);
-    const float s = logit2(pol, plain, true, scale_log2, x, i, j);
-    if (s == -INFINITY) continue;
-    const float m_new = fmaxf(m, s);
-    const float alpha = exp2f(m - m_new);
-    const float pr = exp2f(s - m_new);
-    l = l * alpha + pr;
-    const float pd = pr * dropout_factor(p, bh, i, j);
-    const T* vr = v + int64_t(j) * p.v_row_stride;
-#pragma unroll
-    for (int t = 0; t < kChunks; ++t) {
-      const int col = lane + 32 * t;
-      o[t] = o[t] * alpha + (col < p.d ? pd * to_float(vr[col]) : 0.f);
+  // block-sparse: the keys come in runs of one layout block each, off blocks skipped whole
+  for (int j = j0; j < j1;) {
+    const int j_end = layout_run_end(pol, j, j1);
+    if (!pol.in_layout(i, j)) {
+      j = j_end;
+      continue;
     }
-    m = m_new;
+    for (; j < j_end; ++j) {
+      const float x = dot_row(qr, k + int64_t(j) * p.k_row_stride, p.d, lane);
+      const float s = logit2_topk(pol, plain, scale_log2, x, i, j);
+      if (s == -INFINITY) continue;
+      const float m_new = fmaxf(m, s);
+      const float alpha = exp2f(m - m_new);
+      const float pr = exp2f(s - m_new);
+      l = l * alpha + pr;
+      const float pd = pr * dropout_factor(p, bh, i, j);
+      const T* vr = v + int64_t(j) * p.v_row_stride;
+#pragma unroll
+      for (int t = 0; t < kChunks; ++t) {
+        const int col = lane + 32 * t;
+        o[t] = o[t] * alpha + (col < p.d ? pd * to_float(vr[col]) : 0.f);
+      }
+      m = m_new;
+    }
   }
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
   float lse, factor;
@@ -209,23 +220,33 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
       pol.query_range(j, j + 1, &i0, &i1);
       i0 = max(i0, 0);
       i1 = min(i1, si.len_q);
-      for (int i = i0; i < i1; ++i) {
-        const bool ok = plain ? pol.in_window(i, j) : pol.allowed(i, j);
-        if (!ok) continue;
-        const T* qi = q + int64_t(i) * p.q_row_stride;
-        const T* doi = dout + int64_t(i) * p.do_row_stride;
-        const float x = dot_row(kr, qi, p.d, lane);
-        const float dp = dot_row(vr, doi, p.d, lane);
-        const BwdPoint bp = bwd_point(pol, plain, false, p.scale, x, dp,
-                                      lse_to_log2(p.lse[lse_index(p, si, b, h, i)]),
-                                      p.softmax_d[scratch_row(p, b, h, i)],
-                                      dropout_factor(p, bh, i, j), i, j);
+      // block-sparse: the queries come in runs of one layout block each, off blocks skipped whole
+      for (int i = i0; i < i1;) {
+        const int i_end = layout_run_end(pol, i, i1);
+        if (!pol.in_layout(i, j)) {
+          i = i_end;
+          continue;
+        }
+        for (; i < i_end; ++i) {
+          const bool ok = plain ? pol.in_window(i, j) : pol.allowed(i, j);
+          if (!ok) continue;
+          const T* qi = q + int64_t(i) * p.q_row_stride;
+          const T* doi = dout + int64_t(i) * p.do_row_stride;
+          // the logit's q.k as the forward and the top-k threshold pass compute it (dot_row's
+          // products commute: k q here, q k there)
+          const float x = dot_row(kr, qi, p.d, lane);
+          const float dp = dot_row(vr, doi, p.d, lane);
+          const BwdPoint bp = bwd_point<true>(pol, plain, false, p.scale, x, dp,
+                                        lse_to_log2(p.lse[lse_index(p, si, b, h, i)]),
+                                        p.softmax_d[scratch_row(p, b, h, i)],
+                                        dropout_factor(p, bh, i, j), i, j);
 #pragma unroll
-        for (int t = 0; t < kChunks; ++t) {
-          const int col = lane + 32 * t;
-          if (col < p.d) {
-            dv[t] += bp.pd * to_float(doi[col]);
-            dk[t] += bp.dx * to_float(qi[col]);
+          for (int t = 0; t < kChunks; ++t) {
+            const int col = lane + 32 * t;
+            if (col < p.d) {
+              dv[t] += bp.pd * to_float(doi[col]);
+              dk[t] += bp.dx * to_float(qi[col]);
+            }
           }
         }
       }
@@ -269,24 +290,32 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
   pol.key_range(i, i + 1, &j0, &j1);
   j0 = max(j0, 0);
   j1 = min(j1, si.len_k);
-  for (int j = j0; j < j1; ++j) {
-    const bool ok = plain ? pol.in_window(i, j) : pol.allowed(i, j);
-    if (!ok) continue;
-    const T* kj = k + int64_t(j) * p.k_row_stride;
-    const float x = dot_row(qr, kj, p.d, lane);
-    const float dp = dot_row(dor, v + int64_t(j) * p.v_row_stride, p.d, lane);
-    const BwdPoint bp =
-        bwd_point(pol, plain, false, p.scale, x, dp, lse2, dsum, dropout_factor(p, bh, i, j), i, j);
-#pragma unroll
-    for (int t = 0; t < kChunks; ++t) {
-      const int col = lane + 32 * t;
-      if (col < p.d) dq[t] += bp.dx * to_float(kj[col]);
+  // block-sparse: the keys come in runs of one layout block each, off blocks skipped whole
+  for (int j = j0; j < j1;) {
+    const int j_end = layout_run_end(pol, j, j1);
+    if (!pol.in_layout(i, j)) {
+      j = j_end;
+      continue;
     }
-    if (dbias != nullptr && lane == 0) {
-      if (p.dbias_row_stride == 0) {
-        if (bp.ds != 0.f) atomicAdd(dbias + j, bp.ds);
-      } else {
-        dbias[j] = bp.ds;
+    for (; j < j_end; ++j) {
+      const bool ok = plain ? pol.in_window(i, j) : pol.allowed(i, j);
+      if (!ok) continue;
+      const T* kj = k + int64_t(j) * p.k_row_stride;
+      const float x = dot_row(qr, kj, p.d, lane);
+      const float dp = dot_row(dor, v + int64_t(j) * p.v_row_stride, p.d, lane);
+      const BwdPoint bp =
+          bwd_point<true>(pol, plain, false, p.scale, x, dp, lse2, dsum, dropout_factor(p, bh, i, j), i, j);
+#pragma unroll
+      for (int t = 0; t < kChunks; ++t) {
+        const int col = lane + 32 * t;
+        if (col < p.d) dq[t] += bp.dx * to_float(kj[col]);
+      }
+      if (dbias != nullptr && lane == 0) {
+        if (p.dbias_row_stride == 0) {
+          if (bp.ds != 0.f) atomicAdd(dbias + j, bp.ds);
+        } else {
+          dbias[j] = bp.ds;
+        }
       }
     }
   }
