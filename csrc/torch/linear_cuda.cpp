@@ -10,23 +10,15 @@
 
 #include "cuda/launch.h"  // NvtxRange
 #include "linear/cuda/entry.h"
+#include "torch/cuda_device.h"
 #include "torch/linear_cuda_steps.h"
 
 namespace {
 
 using at::Tensor;
 
-struct CudaDevice {
-  static constexpr bool kPoison = false;
+struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   static constexpr const char* kWhat = "attention_ext.linear";
-  // The CUDA kernels compute in float32; float64 has a kernel on the CPU only.
-  void check_device(const Tensor& q) const {
-    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble,
-                     "attention_ext.linear: float64 inputs are supported by the CPU kernels only; on CUDA use "
-                     "float32, float16 or bfloat16");
-  }
-  c10::cuda::CUDAGuard guard(const Tensor& q) const { return c10::cuda::CUDAGuard(q.device()); }
-  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
   void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt) const { attn::cuda_linear_fwd(p, dt, stream()); }
   size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
     return attn::cuda_linear_bwd_scratch_floats(p);

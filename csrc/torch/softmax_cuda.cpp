@@ -11,6 +11,7 @@
 
 #include "cuda/launch.h"  // NvtxRange
 #include "softmax/cuda/entry.h"
+#include "torch/cuda_device.h"
 #include "torch/softmax_cuda_steps.h"
 
 namespace {
@@ -18,17 +19,8 @@ namespace {
 using at::Tensor;
 using attn::api::OptTensor;
 
-struct CudaDevice {
-  static constexpr bool kPoison = false;
+struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   static constexpr const char* kWhat = "attention_ext";
-  // The CUDA kernels compute in float32; float64 has a kernel on the CPU only.
-  void check_device(const Tensor& q) const {
-    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble,
-                     "attention_ext: float64 inputs are supported by the CPU kernels only; on CUDA use float32, "
-                     "float16 or bfloat16");
-  }
-  c10::cuda::CUDAGuard guard(const Tensor& q) const { return c10::cuda::CUDAGuard(q.device()); }
-  static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
   int fwd_num_splits(const attn::FwdParams& p, attn::DType dt, int requested) const {
     return attn::cuda_fwd_num_splits(p, dt, requested);
   }

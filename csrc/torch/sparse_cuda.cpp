@@ -12,27 +12,21 @@
 
 #include "cuda/launch.h"  // NvtxRange
 #include "sparse/cuda/entry.h"
+#include "torch/cuda_device.h"
 #include "torch/sparse_cuda_steps.h"
 
 namespace {
 
 using at::Tensor;
 
-struct CudaSparseDevice {
-  static constexpr bool kPoison = false;
+struct CudaSparseDevice : attn::api::CudaDeviceBase<CudaSparseDevice> {
   static constexpr const char* kWhat = "attention_ext";
-  void check_device(const Tensor& q) const {
-    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble,
-                     "attention_ext: float64 inputs are supported by the CPU kernels only; on CUDA use float32, "
-                     "float16 or bfloat16");
-  }
-  c10::cuda::CUDAGuard guard(const Tensor& q) const { return c10::cuda::CUDAGuard(q.device()); }
   size_t topk_scratch_entries(const attn::FwdParams& p, int k_top) const {
     return attn::cuda_topk_scratch_entries(p, k_top);
   }
   void topk_threshold(const attn::FwdParams& p, attn::DType dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
                       int32_t* s_key) const {
-    attn::cuda_topk_threshold(p, dt, k_top, thr, jcut, s_logit, s_key, c10::cuda::getCurrentCUDAStream().stream());
+    attn::cuda_topk_threshold(p, dt, k_top, thr, jcut, s_logit, s_key, stream());
   }
   void reads(std::initializer_list<const Tensor*>) const {}
 };

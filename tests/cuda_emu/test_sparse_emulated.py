@@ -17,29 +17,10 @@ import pytest
 import torch
 
 from attention_ext.sparse.functional import layout_to_mask
-from tests.cuda_emu import emulator as cuda_emu
+from tests.cuda_emu.test_emulated import ARCHS, emu, emu_ops  # noqa: F401  (the emulator fixtures)
 from tests.softmax import test_cuda as tc
 from tests.sparse.test_cuda import (INT32_MAX, check_thresholds, random_layout, topk_reference,
                                     with_duplicate_keys)
-
-ARCHS = (90, 80)
-
-
-@pytest.fixture(scope="module")
-def emu_ops():
-    e = cuda_emu.load()
-    if e is None:
-        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
-    return e
-
-
-@pytest.fixture
-def emu(emu_ops):
-    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
-    emu_ops.set_schedule(True, False)
-    yield emu_ops
-    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
-    emu_ops.set_schedule(True, False)
 
 
 def randn(*shape, dtype):
