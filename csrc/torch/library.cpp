@@ -12,6 +12,7 @@
 #if defined(ATTN_WITH_CUDA)
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
 #endif
+#include "torch/decode_params.h"   // ATTN_DECODE_SCHEMA
 #include "torch/linear_params.h"   // ATTN_LINEAR_OPTIONS_SCHEMA
 #include "torch/softmax_params.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
 
@@ -68,6 +69,8 @@ TORCH_LIBRARY(attention_ext, m) {
   // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale) -> Tensor");
+  // decode family: attention of a few query rows over a (paged) KV cache, forward only
+  m.def(ATTN_DECODE_SCHEMA);
   // the CPU output blocks kept for reuse (csrc/torch/alloc.h), like torch.cuda.empty_cache()
   m.def("empty_cpu_cache() -> int", &empty_cpu_cache);
   // developer-only

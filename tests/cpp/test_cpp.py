@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-@pytest.mark.parametrize("name,flags", [("test_policy", []), ("test_lse_merge", []), ("test_heuristics", []),
+@pytest.mark.parametrize("name,flags", [("test_policy", []), ("test_split_merge", []), ("test_heuristics", []),
                                         ("test_simd", []), ("test_simd", ["-march=native"])])
 def test_cpp(tmp_path, name, flags):
     exe = tmp_path / name

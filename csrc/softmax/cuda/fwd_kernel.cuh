@@ -9,7 +9,7 @@
 // V[n] streams in during S = Q K^T and the softmax, K[n-1] during P V.
 #pragma once
 
-#include "common/lse_merge.h"
+#include "common/split_merge.h"
 #include "softmax/cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 #include "softmax/cuda/fragment_softmax.cuh"

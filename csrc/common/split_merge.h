@@ -1,5 +1,5 @@
 // Merging split-KV partial softmax results (flash-decoding), shared by the CUDA combine kernel
-// and the CPU unit test (tests/cpp/test_lse_merge.cpp).
+// and the CPU unit test (tests/cpp/test_split_merge.cpp).
 //
 // A split s of a query row's visible keys K_s yields
 //   lse_s = log sum_{j in K_s} exp(s_j)              (-inf when K_s is empty or fully masked)

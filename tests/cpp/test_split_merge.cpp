@@ -1,4 +1,4 @@
-// Plain C++ checks of the split-KV merge (common/lse_merge.h) that the CUDA combine kernel
+// Plain C++ checks of the split-KV merge (common/split_merge.h) that the CUDA combine kernel
 // runs: rows of random logits, cut into splits (empty ones, fully masked ones, more splits than
 // keys), each split reduced to (lse_s, O_s) as the split kernel does in float, then merged and
 // compared against a direct float64 softmax over all keys, with and without a sink logit.
@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "common/lse_merge.h"
+#include "common/split_merge.h"
 
 #include "check.h"
 

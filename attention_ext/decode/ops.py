@@ -1,0 +1,63 @@
+"""Tier 1 of the decode family: the registered op torch.ops.attention_ext.decode_fwd (schema in
+csrc/torch/decode_params.h) with its fake kernel, and a keyword wrapper that falls back to the
+reference where no compiled kernel serves the device. Forward only: a KV cache is inference
+state (flash-attn's flash_attn_with_kvcache has no backward either)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._ext import HAS_EXT, registered
+from ..softmax.ops import DTYPES, acc_dtype
+from . import reference
+
+_KERNELS = {dev: registered("attention_ext::decode_fwd", key) for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
+
+
+def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
+    """True when a compiled decode kernel serves `device` (and `dtype`)."""
+    if not _KERNELS.get(device.type, False):
+        return False
+    return dtype is None or (dtype in DTYPES and (dtype != torch.float64 or device.type == "cpu"))
+
+
+if HAS_EXT:
+
+    @torch.library.register_fake("attention_ext::decode_fwd")
+    def _decode_fwd_fake(q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k, alibi_slopes,
+                         sinks, scale, softcap, window_left, window_right, num_splits=0):
+        torch._check_value(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
+                           lambda: "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D")
+        torch._check_type(q.dtype == k_cache.dtype == v_cache.dtype,
+                          lambda: "attention_ext.decode: q and the caches must share a dtype")
+        torch._check_value(q.shape[1] % k_cache.shape[1] == 0,
+                           lambda: "attention_ext.decode: query heads must be a multiple of kv heads")
+        b, h, sq, _ = q.shape
+        out = q.new_empty((b, sq, h, q.shape[3])).transpose(1, 2) if q.stride(1) < q.stride(2) else q.new_empty(q.shape)
+        return out, q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype))
+
+
+def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Optional[Tensor] = None,
+               block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,
+               cache_leftpad: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+               sinks: Optional[Tensor] = None, scale: float, softcap: float = 0.0, window_left: int = -1,
+               window_right: int = -1, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
+    """Decode attention in flash-attn's layout: q (B, Sq, H, D); k_cache / v_cache (B_cache,
+    S_cache, H_k, D), or paged (num_pages, page_size, H_k, D) with block_table (B, max_pages)
+    int32. Index tensors are int32 on q's device. Returns out (B, Sq, H, D) and lse (B, H, Sq)
+    float32 (float64 for float64 inputs). num_splits: key splits per (batch, kv head), 0 = the
+    kernel's heuristic."""
+    if has_kernel(q.device, q.dtype):
+        out, lse = torch.ops.attention_ext.decode_fwd(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
+            cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
+            int(window_right), int(num_splits))
+        return out.transpose(1, 2), lse
+    acc = acc_dtype(q.dtype)
+    out, lse = reference.decode_attention(
+        q.to(acc), k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, softmax_scale=scale,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    return out.to(q.dtype), lse

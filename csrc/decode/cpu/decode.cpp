@@ -1,0 +1,344 @@
+// Decode attention on the CPU: a few query rows against a long KV cache, bound by the bandwidth
+// of reading K and V once.
+//
+// One task = (batch b, kv head hk, key split). Its rows are the G = H / H_k query heads of the
+// GQA group times the Sq query rows, packed as R = G * Sq rows (row r = head hk * G + r / Sq,
+// query r % Sq), so each K / V element is loaded once per group and feeds R FMAs. Keys go by in
+// chunks of kChunk:
+//   scores  S (R, kChunk) = Q (R, D) K_chunk^T, each K row converted to T in registers;
+//   policy  the softmax family's TileSoftmax (softmax/cpu/tile.h) per row, one per head;
+//   PV      O (R, D) += P V_chunk, each V row converted in registers, O in registers per
+//           (4 rows x 2 vectors) block.
+// Splits give 2 or 64 cores work at batch 1; their (O_s, lse_s) merge exactly through
+// common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
+// so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/split_merge.h"
+#include "cpu/pack.h"
+#include "cpu/parallel.h"
+#include "cpu/simd.h"
+#include "decode/cpu/entry.h"
+#include "softmax/cpu/tile.h"
+
+namespace attn {
+namespace cpu {
+
+namespace {
+
+// Keys per chunk: a multiple of every vector width; the chunk's K / V rows (32 x 128 x 4 B =
+// 16 KB in fp32) are still in L1 when the PV pass reads V after the scores.
+constexpr int kChunk = 32;
+// Query rows per register block of the two products.
+constexpr int kRowBlock = 4;
+
+// Cache element types: E is the storage, loaded as one vec<T> converted in registers.
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+template <typename T, typename E>
+inline vec<T> load_cvt(const E* p) {
+  if constexpr (std::is_same_v<E, T>) {
+    return vload(p);
+  } else if constexpr (std::is_same_v<E, Bf16>) {
+    // bf16 is the top half of a float32: widen the 16-bit lanes and shift
+    typedef uint16_t h16 __attribute__((vector_size(W * 2)));
+    h16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const vi x = __builtin_convertvector(h, vi) << 16;
+    vf f;
+    std::memcpy(&f, &x, sizeof(f));
+    return f;
+  } else {
+    static_assert(std::is_same_v<E, F16>);
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    vf f;
+    for (int u = 0; u < W; ++u) f[u] = f16_to_f32(p[u].bits);
+    return f;
+#endif
+  }
+}
+template <typename T, typename E>
+inline T to_t(E e) {
+  if constexpr (std::is_same_v<E, T>) return e;
+  else if constexpr (std::is_same_v<E, Bf16>) return bf16_to_f32(e.bits);
+  else return f16_to_f32(e.bits);
+}
+
+template <typename T, typename E>
+struct DecodeWorker {
+  using V = vec<T>;
+  static constexpr int L = kLanes<T>;
+  const DecodeParamsT<T>& p;
+  DType dt;
+  int group, rows, splits, d, dp;
+  T *part_o, *part_lse;  // split partials (B, H, Sq, splits[, dp]); nullptr when unsplit
+  std::vector<T> mem;
+  T *q, *o, *s, *m, *l, *row;
+  const E* kp[kChunk];
+  const E* vp[kChunk];
+  std::vector<PolicyT<T>> pols;      // one per head of the group
+  std::vector<TileSoftmax<T>> tss;
+
+  DecodeWorker(const DecodeParamsT<T>& p_, DType dt_, int splits_, T* po, T* pl)
+      : p(p_), dt(dt_), group(p_.h / p_.h_k), rows(group * p_.sq), splits(splits_), d(p_.d),
+        dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
+    const size_t rp = size_t(round_up(rows, kRowBlock));
+    mem.assign(rp * dp * 2 + rp * kChunk + rp * 2 + dp, T(0));
+    q = mem.data();
+    o = q + rp * dp;
+    s = o + rp * dp;
+    m = s + rp * kChunk;
+    l = m + rp;
+    row = l + rp;
+    pols.reserve(group);  // TileSoftmax keeps a reference: no reallocation
+    tss.reserve(group);
+  }
+
+  // S rows [r0, r0 + RR) x key jj = q_r . k_jj (raw), for the chunk's n keys
+  template <int RR>
+  void dots(int r0, int n) {
+    const int dv = d / L * L;
+    for (int jj = 0; jj < n; ++jj) {
+      const E* k = kp[jj];
+      V acc[RR] = {};
+      for (int c = 0; c < dv; c += L) {
+        const V kv = load_cvt<T>(k + c);
+        for (int x = 0; x < RR; ++x) acc[x] += vload(q + (r0 + x) * dp + c) * kv;
+      }
+      for (int x = 0; x < RR; ++x) {
+        T dot = hsum(acc[x]);
+        for (int c = dv; c < d; ++c) dot += q[(r0 + x) * dp + c] * to_t<T>(k[c]);
+        s[(r0 + x) * kChunk + jj] = dot;
+      }
+    }
+  }
+  // O rows [r0, r0 + RR) += P rows @ V chunk: two vectors of columns per pass, O in registers
+  template <int RR>
+  void pv(int r0, int n) {
+    const int dv = d / L * L;
+    int c = 0;
+    for (; c + 2 * L <= dv; c += 2 * L) {
+      V a[RR][2];
+      for (int x = 0; x < RR; ++x) {
+        a[x][0] = vload(o + (r0 + x) * dp + c);
+        a[x][1] = vload(o + (r0 + x) * dp + c + L);
+      }
+      for (int jj = 0; jj < n; ++jj) {
+        const V v0 = load_cvt<T>(vp[jj] + c), v1 = load_cvt<T>(vp[jj] + c + L);
+        for (int x = 0; x < RR; ++x) {
+          const V pr = vbcast_mem(s + (r0 + x) * kChunk + jj);
+          a[x][0] += pr * v0;
+          a[x][1] += pr * v1;
+        }
+      }
+      for (int x = 0; x < RR; ++x) {
+        vstore(o + (r0 + x) * dp + c, a[x][0]);
+        vstore(o + (r0 + x) * dp + c + L, a[x][1]);
+      }
+    }
+    for (; c < dv; c += L) {
+      V a[RR];
+      for (int x = 0; x < RR; ++x) a[x] = vload(o + (r0 + x) * dp + c);
+      for (int jj = 0; jj < n; ++jj) {
+        const V v0 = load_cvt<T>(vp[jj] + c);
+        for (int x = 0; x < RR; ++x) a[x] += vbcast_mem(s + (r0 + x) * kChunk + jj) * v0;
+      }
+      for (int x = 0; x < RR; ++x) vstore(o + (r0 + x) * dp + c, a[x]);
+    }
+    for (; c < d; ++c) {
+      for (int jj = 0; jj < n; ++jj) {
+        const T v = to_t<T>(vp[jj][c]);
+        for (int x = 0; x < RR; ++x) o[(r0 + x) * dp + c] += s[(r0 + x) * kChunk + jj] * v;
+      }
+    }
+  }
+  template <typename F>
+  void row_blocks(F&& f) {
+    for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+      switch (std::min(kRowBlock, rows - r0)) {
+        case 1: f(r0, std::integral_constant<int, 1>{}); break;
+        case 2: f(r0, std::integral_constant<int, 2>{}); break;
+        case 3: f(r0, std::integral_constant<int, 3>{}); break;
+        default: f(r0, std::integral_constant<int, 4>{}); break;
+      }
+    }
+  }
+
+  void operator()(int64_t task) {
+    const int split = int(task % splits), hk = int((task / splits) % p.h_k), b = int(task / (int64_t(splits) * p.h_k));
+    const SeqInfo si = decode_seq_info(p, b);
+    const KvRows kv(p, b, hk);
+    pols.clear();
+    tss.clear();
+    for (int g = 0; g < group; ++g) {
+      const int h = hk * group + g;
+      pols.emplace_back(p, si, b, h);
+      tss.emplace_back(p, pols.back(), b * p.h + h);
+    }
+    // the keys any row sees (windows do not depend on the head), and this split's share of them
+    int klo, khi;
+    pols[0].key_range(0, p.sq, &klo, &khi);
+    klo = std::max(klo, 0);
+    khi = std::min(khi, si.len_k);
+    const int per = (std::max(khi - klo, 0) + splits - 1) / splits;
+    const int per_c = round_up(std::max(per, 1), kChunk);
+    const int a = std::min(khi, klo + split * per_c), e = std::min(khi, a + per_c);
+
+    for (int r = 0; r < rows; ++r) {
+      const int h = hk * group + r / p.sq, i = r % p.sq;
+      const char* src = elem(p.q, dt, int64_t(b) * p.q_batch_stride + int64_t(h) * p.q_head_stride +
+                                          int64_t(i) * p.q_row_stride);
+      load_row(dt, src, q + size_t(r) * dp, d, dp);
+    }
+    std::fill(o, o + size_t(rows) * dp, T(0));
+    std::fill(m, m + rows, -std::numeric_limits<T>::infinity());
+    std::fill(l, l + rows, T(0));
+
+    const E* kbase = static_cast<const E*>(p.k);
+    const E* vbase = static_cast<const E*>(p.v);
+    for (int j0 = a; j0 < e; j0 += kChunk) {
+      const int n = std::min(kChunk, e - j0), nn = round_up(n, L);
+      kv.walk(j0, n, [&](int jj, int64_t ko, int64_t vo) {
+        kp[jj] = kbase + ko;
+        vp[jj] = vbase + vo;
+      });
+      row_blocks([&](int r0, auto rr) { dots<decltype(rr)::value>(r0, n); });
+      for (int r = 0; r < rows; ++r) {
+        const int g = r / p.sq, i = r % p.sq;
+        const TileSoftmax<T>& ts = tss[g];
+        T* srow = s + r * kChunk;
+        std::fill(srow + n, srow + nn, T(0));
+        ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
+        if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
+        const T m_new = ts.online_update(srow, m[r], &l[r], nn);
+        if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
+          const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
+          T* orow = o + size_t(r) * dp;
+          for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
+          m[r] = m_new;
+        }
+      }
+      row_blocks([&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n); });
+    }
+
+    const T ninf = -std::numeric_limits<T>::infinity();
+    for (int r = 0; r < rows; ++r) {
+      const int h = hk * group + r / p.sq, i = r % p.sq;
+      const int64_t row_id = (int64_t(b) * p.h + h) * p.sq + i;
+      T mr = m[r], lr = l[r], alpha = T(1);
+      if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the merge adds it)
+        const bool empty = !(lr > T(0)) && !std::isnan(lr);
+        const T inv = empty ? T(0) : T(1) / lr;
+        T* dst = part_o + (row_id * splits + split) * dp;
+        const T* orow = o + size_t(r) * dp;
+        for (int c = 0; c < dp; c += L) vstore(dst + c, vload(orow + c) * inv);
+        part_lse[row_id * splits + split] = empty ? ninf : mr + std::log(lr);
+        continue;
+      }
+      const T sink = p.sinks != nullptr ? p.sinks[h] : ninf;
+      if (sink > mr) {  // the sink joins the denominator only; rescale to its max
+        alpha = std::isinf(mr) ? T(0) : std::exp(mr - sink);
+        lr = lr * alpha + T(1);
+        mr = sink;
+      } else if (p.sinks != nullptr) {
+        lr += std::exp(sink - mr);
+      }
+      const bool empty = !(lr > T(0)) && !std::isnan(lr);
+      const T inv = empty ? T(0) : alpha / lr;
+      const T* orow = o + size_t(r) * dp;
+      for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
+      store_row(dt, row, elem(p.o, dt, int64_t(b) * p.o_batch_stride + int64_t(h) * p.o_head_stride +
+                                           int64_t(i) * p.o_row_stride), d);
+      p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i] = empty ? ninf : mr + std::log(lr);
+    }
+  }
+};
+
+// out, lse of every (b, h, i) row from its splits' partials (split_merge.h), sinks included
+template <typename T>
+void merge_splits(const DecodeParamsT<T>& p, DType dt, int splits, const T* part_o, const T* part_lse) {
+  const int dp = round_up(p.d, kLanes<T>);
+  const int64_t n_rows = int64_t(p.b) * p.h * p.sq;
+  pool_for(n_rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<T> row(dp);
+    for (int64_t rid = r0; rid < r1; ++rid) {
+      const int i = int(rid % p.sq), h = int((rid / p.sq) % p.h), b = int(rid / (int64_t(p.sq) * p.h));
+      const T* ls = part_lse + rid * splits;
+      const bool has_sink = p.sinks != nullptr;
+      const T lse = merge_split_lse<T>(ls, splits, 1, has_sink, has_sink ? p.sinks[h] : T(0));
+      std::fill(row.begin(), row.end(), T(0));
+      for (int sp = 0; sp < splits; ++sp) {
+        const T w = split_weight(ls[sp], lse);
+        if (w == T(0)) continue;
+        const T* src = part_o + (rid * splits + sp) * dp;
+        for (int c = 0; c < dp; ++c) row[c] += w * src[c];
+      }
+      store_row(dt, row.data(), elem(p.o, dt, int64_t(b) * p.o_batch_stride + int64_t(h) * p.o_head_stride +
+                                                  int64_t(i) * p.o_row_stride), p.d);
+      p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i] = lse;
+    }
+  });
+}
+
+template <typename T, typename E>
+void run(const DecodeParamsT<T>& p, DType dt) {
+  int max_keys = 0;
+  for (int b = 0; b < p.b; ++b) max_keys = std::max(max_keys, decode_seq_info(p, b).len_k);
+  const int splits = decode_num_splits(p, max_keys, p.num_threads > 0 ? p.num_threads : pool_threads());
+  const int64_t n_tasks = int64_t(p.b) * p.h_k * splits;
+  std::vector<T> part_o, part_lse;
+  if (splits > 1) {
+    const int64_t n_rows = int64_t(p.b) * p.h * p.sq;
+    part_o.resize(size_t(n_rows) * splits * round_up(p.d, kLanes<T>));
+    part_lse.resize(size_t(n_rows) * splits);
+  }
+  T* po = splits > 1 ? part_o.data() : nullptr;
+  T* pl = splits > 1 ? part_lse.data() : nullptr;
+  parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E>(p, dt, splits, po, pl); });
+  if (splits > 1) merge_splits(p, dt, splits, po, pl);
+}
+
+}  // namespace
+
+template <typename T>
+int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads) {
+  const int chunks = std::max(1, (max_keys + kChunk - 1) / kChunk);
+  if (p.num_splits > 0) return std::min(p.num_splits, chunks);
+  // enough tasks to keep every thread busy (two per thread evens out ragged lengths), each
+  // split long enough (>= 512 keys) that its partial and the merge stay a small cost
+  const int64_t base = int64_t(p.b) * p.h_k;
+  const int64_t want = (2 * int64_t(threads) + base - 1) / base;
+  return int(std::max<int64_t>(1, std::min<int64_t>(want, max_keys / 512)));
+}
+template int decode_num_splits<float>(const DecodeParamsT<float>&, int, int);
+template int decode_num_splits<double>(const DecodeParamsT<double>&, int, int);
+
+template <typename T>
+void decode_fwd(const DecodeParamsT<T>& p, DType dt) {
+  if constexpr (std::is_same_v<T, double>) {
+    run<double, double>(p, dt);
+  } else {
+    switch (dt) {
+      case DType::kBF16: run<float, Bf16>(p, dt); break;
+      case DType::kF16: run<float, F16>(p, dt); break;
+      default: run<float, float>(p, dt); break;
+    }
+  }
+}
+template void decode_fwd<float>(const DecodeParamsT<float>&, DType);
+template void decode_fwd<double>(const DecodeParamsT<double>&, DType);
+
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,21 @@
+// Entry points of the CPU decode kernels (attention over a KV cache). No torch types: the
+// binding (csrc/torch/decode_cpu.cpp) fills the params.
+#pragma once
+
+#include "common/decode_params.h"
+
+namespace attn {
+namespace cpu {
+
+// out, lse <- softmax attention of q over the cache (common/decode_params.h). T = float for
+// fp32 / fp16 / bf16 (dt), double for float64; instantiated for both.
+template <typename T>
+void decode_fwd(const DecodeParamsT<T>& p, DType dt);
+
+// The key splits decode_fwd runs per (batch, kv head) for a cache of max_keys visible keys on
+// `threads` threads (p.num_splits > 0 asks for that many, bounded by the key chunks).
+template <typename T>
+int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads);
+
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,169 @@
+// The decode op's checks and params (decode_params.h).
+#include "torch/decode_params.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "torch/softmax_params.h"  // dtype_of, acc_dtype, empty_like_layout, make_fwd_params
+
+namespace attn {
+namespace api {
+
+namespace {
+
+void check_index(const OptTensor& t, const char* name, int64_t n, const Tensor& q) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "attention_ext.decode: ", name, " must be int32, got ",
+                   t->scalar_type());
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == n, "attention_ext.decode: ", name, " must have shape (", n,
+                    "), got ", t->sizes());
+  TORCH_CHECK(t->device() == q.device(), "attention_ext.decode: ", name, " must be on ", q.device(), ", got ",
+              t->device());
+}
+
+// Values of the index tensors, read on the host (CPU tensors: in place; CUDA: copied once).
+void check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cache, int64_t num_pages, int64_t page) {
+  auto host = [](const OptTensor& t) -> Tensor { return t.has_value() ? t->to(at::kCPU).contiguous() : Tensor(); };
+  const Tensor sl = host(a.seqlens_k), lp = host(a.leftpad_k), bi = host(a.cache_batch_idx), bt = host(a.block_table);
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = sl.defined() ? sl.data_ptr<int32_t>()[i] : cap;
+    TORCH_CHECK_VALUE(len >= 0 && len <= cap, "attention_ext.decode: seqlens_k[", i, "] = ", len,
+                      " is outside [0, ", cap, "] (the cache holds ", cap, " rows per sequence)");
+    if (lp.defined()) {
+      const int64_t pad = lp.data_ptr<int32_t>()[i];
+      TORCH_CHECK_VALUE(pad >= 0 && pad <= len, "attention_ext.decode: cache_leftpad[", i, "] = ", pad,
+                        " is outside [0, seqlens_k[", i, "] = ", len, "]");
+    }
+    if (bi.defined()) {
+      const int64_t c = bi.data_ptr<int32_t>()[i];
+      TORCH_CHECK_VALUE(c >= 0 && c < n_cache, "attention_ext.decode: cache_batch_idx[", i, "] = ", c,
+                        " is outside [0, ", n_cache, ")");
+    }
+    if (bt.defined()) {  // the pages holding rows [0, len) of sequence i
+      const int32_t* row = bt.data_ptr<int32_t>() + i * bt.stride(0);
+      for (int64_t pg = 0; pg < (len + page - 1) / page; ++pg) {
+        TORCH_CHECK_VALUE(row[pg] >= 0 && row[pg] < num_pages, "attention_ext.decode: block_table[", i, ", ", pg,
+                          "] = ", row[pg], " is not a page of the pool [0, ", num_pages, ") (sequence ", i,
+                          " uses ", len, " rows, so pages 0..", (len + page - 1) / page - 1, " must be valid)");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void check_decode_inputs(const DecodeArgs& a) {
+  const Tensor &q = a.q, &k = a.k, &v = a.v;
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D, got q ", q.sizes(), ", k_cache ",
+                    k.sizes(), ", v_cache ", v.sizes());
+  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                   "attention_ext.decode: q and the caches must share a dtype, got ", q.scalar_type(), ", ",
+                   k.scalar_type(), ", ", v.scalar_type());
+  dtype_of(q);  // float32 / float16 / bfloat16 / float64
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
+              "attention_ext.decode: q and the caches must be on one device, got ", q.device(), ", ", k.device(), ", ",
+              v.device());
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "attention_ext.decode: k_cache and v_cache must have the same shape, got ",
+                    k.sizes(), " and ", v.sizes());
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(3), hk = k.size(1);
+  TORCH_CHECK_VALUE(k.size(3) == d, "attention_ext.decode: head dim mismatch: q has ", d, ", the caches ", k.size(3));
+  TORCH_CHECK_VALUE(d >= 1 && d <= 256, "attention_ext.decode: head dim must be in [1, 256], got ", d);
+  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.decode: query heads (", h, ") must be a multiple of kv heads (",
+                    hk, ")");
+  for (const Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+                      "attention_ext.decode: the head dim of q and the caches must be contiguous, got strides ",
+                      t->strides());
+  }
+  TORCH_CHECK_VALUE(a.window_left >= -1 && a.window_right >= -1, "attention_ext.decode: window sizes must be >= -1, got (",
+                    a.window_left, ", ", a.window_right, ")");
+  TORCH_CHECK_VALUE(a.softcap >= 0.0, "attention_ext.decode: softcap must be >= 0, got ", a.softcap);
+  TORCH_CHECK_VALUE(std::isfinite(a.scale), "attention_ext.decode: scale must be finite, got ", a.scale);
+  TORCH_CHECK_VALUE(a.num_splits >= 0, "attention_ext.decode: num_splits must be >= 0 (0 = heuristic), got ",
+                    a.num_splits);
+  const bool paged = a.block_table.has_value();
+  int64_t cap = k.size(2), num_pages = 0, page = 0;
+  if (paged) {
+    const Tensor& bt = *a.block_table;
+    TORCH_CHECK_TYPE(bt.scalar_type() == at::kInt, "attention_ext.decode: block_table must be int32, got ",
+                     bt.scalar_type());
+    TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == b && bt.size(1) >= 1,
+                      "attention_ext.decode: block_table must be (B, max_pages) = (", b, ", >= 1), got ", bt.sizes());
+    TORCH_CHECK_VALUE(bt.stride(1) == 1, "attention_ext.decode: block_table rows must be contiguous");
+    TORCH_CHECK(bt.device() == q.device(), "attention_ext.decode: block_table must be on ", q.device());
+    TORCH_CHECK_VALUE(!a.cache_batch_idx.has_value(),
+                      "attention_ext.decode: cache_batch_idx is for a contiguous cache; a paged one names its pages "
+                      "in block_table");
+    num_pages = k.size(0);
+    page = k.size(2);
+    TORCH_CHECK_VALUE(page >= 1 && num_pages >= 1, "attention_ext.decode: the page pool is empty: ", k.sizes());
+    cap = bt.size(1) * page;
+    TORCH_CHECK_VALUE(cap < (int64_t(1) << 30), "attention_ext.decode: block_table covers too many rows");
+  } else {
+    if (a.cache_batch_idx.has_value()) {
+      check_index(a.cache_batch_idx, "cache_batch_idx", b, q);
+    } else {
+      TORCH_CHECK_VALUE(k.size(0) == b, "attention_ext.decode: the cache has ", k.size(0), " sequences and q ", b,
+                        " (pass cache_batch_idx to pick cache rows)");
+    }
+  }
+  check_index(a.seqlens_k, "cache_seqlens", b, q);
+  check_index(a.leftpad_k, "cache_leftpad", b, q);
+  const at::ScalarType acc = acc_dtype(q);
+  if (a.alibi_slopes.has_value()) {
+    const Tensor& s = *a.alibi_slopes;
+    TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext.decode: alibi_slopes must be ", acc, ", got ",
+                     s.scalar_type());
+    TORCH_CHECK(s.device() == q.device(), "attention_ext.decode: alibi_slopes must be on ", q.device());
+    TORCH_CHECK_VALUE((s.dim() == 1 && s.size(0) == h) || (s.dim() == 2 && s.size(0) == b && s.size(1) == h),
+                      "attention_ext.decode: alibi_slopes must be (H) or (B, H) = (", b, ", ", h, "), got ", s.sizes());
+    TORCH_CHECK_VALUE(s.stride(-1) == 1, "attention_ext.decode: alibi_slopes must be contiguous over heads");
+  }
+  if (a.sinks.has_value()) {
+    const Tensor& s = *a.sinks;
+    TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext.decode: sinks must be ", acc, ", got ", s.scalar_type());
+    TORCH_CHECK(s.device() == q.device(), "attention_ext.decode: sinks must be on ", q.device());
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
+                      "attention_ext.decode: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
+  }
+  check_values(a, b, cap, k.size(0), num_pages, page);
+}
+
+std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q) {
+  return {empty_like_layout(q), at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc_dtype(q)))};
+}
+
+template <typename Acc>
+DecodeParamsT<Acc> make_decode_params(const DecodeArgs& a, const Tensor& out, const Tensor& lse) {
+  Options o{};
+  o.seqlens_k = a.seqlens_k;
+  o.alibi_slopes = a.alibi_slopes;
+  o.sinks = a.sinks;
+  o.scale = a.scale;
+  o.softcap = a.softcap;
+  o.window_left = a.window_left;
+  o.window_right = a.window_right;
+  o.bottom_right = true;
+  DecodeParamsT<Acc> p{};
+  static_cast<FwdParamsT<Acc>&>(p) = make_fwd_params<Acc>(a.q, a.k, a.v, out, lse, o);
+  p.num_splits = int32_t(a.num_splits);
+  if (a.block_table.has_value()) {
+    const Tensor& bt = *a.block_table;
+    p.block_table = bt.data_ptr<int32_t>();
+    p.block_table_stride = bt.stride(0);
+    p.page_size = int32_t(a.k.size(2));
+    p.num_pages = int32_t(a.k.size(0));
+    p.sk = int32_t(bt.size(1) * a.k.size(2));  // a sequence's capacity
+  }
+  p.cache_batch_idx = a.cache_batch_idx.has_value() ? a.cache_batch_idx->data_ptr<int32_t>() : nullptr;
+  p.leftpad_k = a.leftpad_k.has_value() ? a.leftpad_k->data_ptr<int32_t>() : nullptr;
+  return p;
+}
+template DecodeParamsT<float> make_decode_params<float>(const DecodeArgs&, const Tensor&, const Tensor&);
+template DecodeParamsT<double> make_decode_params<double>(const DecodeArgs&, const Tensor&, const Tensor&);
+
+}  // namespace api
+}  // namespace attn

@@ -1,0 +1,56 @@
+// The torch side of the decode op (attention over a KV cache), shared by its CPU and CUDA
+// bindings (and the CPU emulator's): the schema, input checks with clear messages, output
+// allocation and tensors -> attn::DecodeParamsT (common/decode_params.h).
+//
+// Op schema (registered in library.cpp):
+//   decode_fwd(q, k_cache, v_cache, seqlens_k?, block_table?, cache_batch_idx?, leftpad_k?,
+//              alibi_slopes?, sinks?, scale, softcap, window_left, window_right, num_splits=0)
+//       -> (out, lse)
+// q (B, H, Sq, D) through strides (flash-attn's (B, Sq, H, D) transposed); k_cache / v_cache
+// (B_cache, H_k, S_cache, D), or paged (num_pages, H_k, page_size, D) with block_table
+// (B, max_pages) int32. seqlens_k (B) int32: cache rows in use per sequence (absent = all);
+// leftpad_k (B) int32: the first valid row. Causal is window_right = 0, always bottom-right.
+// out keeps q's memory layout; lse is (B, H, Sq) float32 (float64 for float64 inputs).
+// Forward only: the cache is not differentiated (flash-attn's function has no backward either).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "common/decode_params.h"
+
+#define ATTN_DECODE_SCHEMA                                                                              \
+  "decode_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? seqlens_k, Tensor? block_table, "        \
+  "Tensor? cache_batch_idx, Tensor? leftpad_k, Tensor? alibi_slopes, Tensor? sinks, float scale, "        \
+  "float softcap, int window_left, int window_right, int num_splits=0) -> (Tensor, Tensor)"
+
+namespace attn {
+namespace api {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+struct DecodeArgs {
+  Tensor q, k, v;
+  OptTensor seqlens_k, block_table, cache_batch_idx, leftpad_k, alibi_slopes, sinks;
+  double scale, softcap;
+  int64_t window_left, window_right, num_splits;
+};
+
+// Shapes, dtypes and devices, then the values of the index tensors: seqlens_k in
+// [0, capacity], leftpad_k in [0, seqlens_k], cache_batch_idx in [0, B_cache), and every
+// block_table entry a sequence uses in [0, num_pages). CPU tensors are read in place; CUDA ones
+// with one reduction and one host sync. Throws c10::Error (ValueError / RuntimeError / TypeError
+// in Python) naming the bad argument.
+void check_decode_inputs(const DecodeArgs& a);
+
+// out (q's shape and layout) and lse (B, H, Sq) of q's acc dtype.
+std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q);
+
+template <typename Acc>
+DecodeParamsT<Acc> make_decode_params(const DecodeArgs& a, const Tensor& out, const Tensor& lse);
+
+}  // namespace api
+}  // namespace attn
