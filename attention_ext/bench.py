@@ -114,6 +114,22 @@ def matmul_ceiling(dtype=torch.float32, n: int = 2048, device="cpu", reps: int =
     return 2.0 * n ** 3 / t
 
 
+def copy_bandwidth(nbytes: int = 1 << 28, device="cpu", reps: int = 5) -> float:
+    """Measured copy bandwidth in bytes/s (bytes read + written) of one large tensor copy: the
+    memory ceiling that the decode kernels' K / V read rate is read against."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
+    t = bench(lambda: dst.copy_(src), warmup=2, reps=reps, sync=sync)
+    return 2.0 * nbytes / t
+
+
+def decode_bytes(b: int, h_k: int, cache_len: int, d: int, dtype: torch.dtype) -> float:
+    """Bytes of K and V one decode step reads: every cached key and value of every kv head once
+    (q and out are negligible). cache_len: the keys each sequence attends."""
+    return 2.0 * b * h_k * cache_len * d * torch.finfo(dtype).bits / 8
+
+
 def main(argv=None) -> int:
     import torch.nn.functional as F
 

@@ -1,14 +1,16 @@
 // Decode attention on the CPU: a few query rows against a long KV cache, bound by the bandwidth
 // of reading K and V once.
 //
-// One task = (batch b, kv head hk, key split). Its rows are the G = H / H_k query heads of the
-// GQA group times the Sq query rows, packed as R = G * Sq rows (row r = head hk * G + r / Sq,
-// query r % Sq), so each K / V element is loaded once per group and feeds R FMAs. Keys go by in
-// chunks of kChunk:
-//   scores  S (R, kChunk) = Q (R, D) K_chunk^T, each K row converted to T in registers;
+// One task = (batch b, key split), every head. The rows of kv head hk are the G = H / H_k query
+// heads of its GQA group times the Sq query rows, packed as G * Sq rows, so each K / V element
+// is loaded once per group and feeds G * Sq FMAs. Keys go by in chunks of kChunk, and inside a
+// chunk key by key, each key's kv heads in order (one sequential stream through a (B, S, H_k, D)
+// cache or a page of one; walking one kv head's rows, H_k * D apart, maps them onto a few L1
+// sets and misses the TLB every few rows):
+//   scores  S (H * Sq, kChunk) = Q K_chunk^T, each K row converted to T in registers;
 //   policy  the softmax family's TileSoftmax (softmax/cpu/tile.h) per row, one per head;
-//   PV      O (R, D) += P V_chunk, each V row converted in registers, O in registers per
-//           (4 rows x 2 vectors) block.
+//   PV      O (H * Sq, D) += P V_chunk kv head by kv head, each V row converted in registers,
+//           O in registers per (4 rows x 2 vectors) block; the scores pass prefetched V.
 // Splits give 2 or 64 cores work at batch 1; their (O_s, lse_s) merge exactly through
 // common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
 // so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
@@ -49,6 +51,11 @@ inline vec<T> load_cvt(const E* p) {
     return vload(p);
   } else if constexpr (std::is_same_v<E, Bf16>) {
     // bf16 is the top half of a float32: widen the 16-bit lanes and shift
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
     typedef uint16_t h16 __attribute__((vector_size(W * 2)));
     h16 h;
     std::memcpy(&h, p, sizeof(h));
@@ -56,6 +63,7 @@ inline vec<T> load_cvt(const E* p) {
     vf f;
     std::memcpy(&f, &x, sizeof(f));
     return f;
+#endif
   } else {
     static_assert(std::is_same_v<E, F16>);
 #if defined(__AVX512F__)
@@ -69,6 +77,24 @@ inline vec<T> load_cvt(const E* p) {
 #endif
   }
 }
+// Horizontal sum of one vector in log2(lanes) shuffle + add steps (simd.h's hsum adds lane by
+// lane: a chain of W adds, per key and row here).
+template <typename V>
+inline auto hsum_tree(V v) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<V, vf>) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<V, vf>) return _mm512_reduce_add_ps((__m512)v);
+#endif
+  return hsum(v);
+}
+
 template <typename T, typename E>
 inline T to_t(E e) {
   if constexpr (std::is_same_v<E, T>) return e;
@@ -82,19 +108,19 @@ struct DecodeWorker {
   static constexpr int L = kLanes<T>;
   const DecodeParamsT<T>& p;
   DType dt;
-  int group, rows, splits, d, dp;
+  int group, rows_g, rows, splits, d, dp;
   T *part_o, *part_lse;  // split partials (B, H, Sq, splits[, dp]); nullptr when unsplit
   std::vector<T> mem;
   T *q, *o, *s, *m, *l, *row;
-  const E* kp[kChunk];
+  const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
-  std::vector<PolicyT<T>> pols;      // one per head of the group
+  std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
 
   DecodeWorker(const DecodeParamsT<T>& p_, DType dt_, int splits_, T* po, T* pl)
-      : p(p_), dt(dt_), group(p_.h / p_.h_k), rows(group * p_.sq), splits(splits_), d(p_.d),
-        dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
-    const size_t rp = size_t(round_up(rows, kRowBlock));
+      : p(p_), dt(dt_), group(p_.h / p_.h_k), rows_g(group * p_.sq), rows(p_.h * p_.sq), splits(splits_),
+        d(p_.d), dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
+    const size_t rp = size_t(rows) + kRowBlock;
     mem.assign(rp * dp * 2 + rp * kChunk + rp * 2 + dp, T(0));
     q = mem.data();
     o = q + rp * dp;
@@ -102,31 +128,38 @@ struct DecodeWorker {
     m = s + rp * kChunk;
     l = m + rp;
     row = l + rp;
-    pols.reserve(group);  // TileSoftmax keeps a reference: no reallocation
-    tss.reserve(group);
+    pols.reserve(p.h);  // TileSoftmax keeps a reference: no reallocation
+    tss.reserve(p.h);
   }
 
-  // S rows [r0, r0 + RR) x key jj = q_r . k_jj (raw), for the chunk's n keys
+  // S rows [r0, r0 + RR) x key jj = q_r . k (raw) for one K row k; two accumulators per row
+  // break the add chain
   template <int RR>
-  void dots(int r0, int n) {
-    const int dv = d / L * L;
-    for (int jj = 0; jj < n; ++jj) {
-      const E* k = kp[jj];
-      V acc[RR] = {};
-      for (int c = 0; c < dv; c += L) {
-        const V kv = load_cvt<T>(k + c);
-        for (int x = 0; x < RR; ++x) acc[x] += vload(q + (r0 + x) * dp + c) * kv;
-      }
+  void dot(int r0, int jj, const E* k) {
+    const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
+    V acc[RR][2] = {};
+    int c = 0;
+    for (; c < d2; c += 2 * L) {
+      const V k0 = load_cvt<T>(k + c), k1 = load_cvt<T>(k + c + L);
       for (int x = 0; x < RR; ++x) {
-        T dot = hsum(acc[x]);
-        for (int c = dv; c < d; ++c) dot += q[(r0 + x) * dp + c] * to_t<T>(k[c]);
-        s[(r0 + x) * kChunk + jj] = dot;
+        acc[x][0] += vload(q + (r0 + x) * dp + c) * k0;
+        acc[x][1] += vload(q + (r0 + x) * dp + c + L) * k1;
       }
     }
+    for (; c < dv; c += L) {
+      const V k0 = load_cvt<T>(k + c);
+      for (int x = 0; x < RR; ++x) acc[x][0] += vload(q + (r0 + x) * dp + c) * k0;
+    }
+    for (int x = 0; x < RR; ++x) {
+      T sum = hsum_tree(acc[x][0] + acc[x][1]);
+      for (int cc = dv; cc < d; ++cc) sum += q[(r0 + x) * dp + cc] * to_t<T>(k[cc]);
+      s[(r0 + x) * kChunk + jj] = sum;
+    }
   }
-  // O rows [r0, r0 + RR) += P rows @ V chunk: two vectors of columns per pass, O in registers
+  // O rows [r0, r0 + RR) += P (RR, n) @ V rows of the chunk (kv head at offset voff): two
+  // vectors of columns per pass with O in registers, the chunk's keys inner
   template <int RR>
-  void pv(int r0, int n) {
+  void pv(int r0, int n, int64_t voff) {
     const int dv = d / L * L;
     int c = 0;
     for (; c + 2 * L <= dv; c += 2 * L) {
@@ -136,7 +169,8 @@ struct DecodeWorker {
         a[x][1] = vload(o + (r0 + x) * dp + c + L);
       }
       for (int jj = 0; jj < n; ++jj) {
-        const V v0 = load_cvt<T>(vp[jj] + c), v1 = load_cvt<T>(vp[jj] + c + L);
+        const E* v = vp[jj] + voff + c;
+        const V v0 = load_cvt<T>(v), v1 = load_cvt<T>(v + L);
         for (int x = 0; x < RR; ++x) {
           const V pr = vbcast_mem(s + (r0 + x) * kChunk + jj);
           a[x][0] += pr * v0;
@@ -152,22 +186,23 @@ struct DecodeWorker {
       V a[RR];
       for (int x = 0; x < RR; ++x) a[x] = vload(o + (r0 + x) * dp + c);
       for (int jj = 0; jj < n; ++jj) {
-        const V v0 = load_cvt<T>(vp[jj] + c);
+        const V v0 = load_cvt<T>(vp[jj] + voff + c);
         for (int x = 0; x < RR; ++x) a[x] += vbcast_mem(s + (r0 + x) * kChunk + jj) * v0;
       }
       for (int x = 0; x < RR; ++x) vstore(o + (r0 + x) * dp + c, a[x]);
     }
     for (; c < d; ++c) {
       for (int jj = 0; jj < n; ++jj) {
-        const T v = to_t<T>(vp[jj][c]);
-        for (int x = 0; x < RR; ++x) o[(r0 + x) * dp + c] += s[(r0 + x) * kChunk + jj] * v;
+        const T vc = to_t<T>(vp[jj][voff + c]);
+        for (int x = 0; x < RR; ++x) o[(r0 + x) * dp + c] += s[(r0 + x) * kChunk + jj] * vc;
       }
     }
   }
+  // f(r0, RR) over the rows [r_begin, r_end) in register blocks of up to kRowBlock
   template <typename F>
-  void row_blocks(F&& f) {
-    for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-      switch (std::min(kRowBlock, rows - r0)) {
+  static void row_blocks(int r_begin, int r_end, F&& f) {
+    for (int r0 = r_begin; r0 < r_end; r0 += kRowBlock) {
+      switch (std::min(kRowBlock, r_end - r0)) {
         case 1: f(r0, std::integral_constant<int, 1>{}); break;
         case 2: f(r0, std::integral_constant<int, 2>{}); break;
         case 3: f(r0, std::integral_constant<int, 3>{}); break;
@@ -176,14 +211,15 @@ struct DecodeWorker {
     }
   }
 
+  // One task: batch b, keys of split `split`, every head. Rows r = h * Sq + i; the rows of kv
+  // head hk's group are [hk * G * Sq, (hk + 1) * G * Sq).
   void operator()(int64_t task) {
-    const int split = int(task % splits), hk = int((task / splits) % p.h_k), b = int(task / (int64_t(splits) * p.h_k));
+    const int split = int(task % splits), b = int(task / splits);
     const SeqInfo si = decode_seq_info(p, b);
-    const KvRows kv(p, b, hk);
+    const KvRows kv(p, b, 0);
     pols.clear();
     tss.clear();
-    for (int g = 0; g < group; ++g) {
-      const int h = hk * group + g;
+    for (int h = 0; h < p.h; ++h) {
       pols.emplace_back(p, si, b, h);
       tss.emplace_back(p, pols.back(), b * p.h + h);
     }
@@ -192,12 +228,11 @@ struct DecodeWorker {
     pols[0].key_range(0, p.sq, &klo, &khi);
     klo = std::max(klo, 0);
     khi = std::min(khi, si.len_k);
-    const int per = (std::max(khi - klo, 0) + splits - 1) / splits;
-    const int per_c = round_up(std::max(per, 1), kChunk);
-    const int a = std::min(khi, klo + split * per_c), e = std::min(khi, a + per_c);
+    const int per = round_up(std::max((std::max(khi - klo, 0) + splits - 1) / splits, 1), kChunk);
+    const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
     for (int r = 0; r < rows; ++r) {
-      const int h = hk * group + r / p.sq, i = r % p.sq;
+      const int h = r / p.sq, i = r % p.sq;
       const char* src = elem(p.q, dt, int64_t(b) * p.q_batch_stride + int64_t(h) * p.q_head_stride +
                                           int64_t(i) * p.q_row_stride);
       load_row(dt, src, q + size_t(r) * dp, d, dp);
@@ -208,16 +243,26 @@ struct DecodeWorker {
 
     const E* kbase = static_cast<const E*>(p.k);
     const E* vbase = static_cast<const E*>(p.v);
+    const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
     for (int j0 = a; j0 < e; j0 += kChunk) {
       const int n = std::min(kChunk, e - j0), nn = round_up(n, L);
       kv.walk(j0, n, [&](int jj, int64_t ko, int64_t vo) {
         kp[jj] = kbase + ko;
         vp[jj] = vbase + vo;
       });
-      row_blocks([&](int r0, auto rr) { dots<decltype(rr)::value>(r0, n); });
+      // scores: key by key, every kv head of the key (one sequential stream through the cache);
+      // the key's V rows are prefetched on the way, for the PV pass
+      for (int jj = 0; jj < n; ++jj) {
+        for (int hk = 0; hk < p.h_k; ++hk) {
+          const E* k = kp[jj] + hk * p.k_head_stride;
+          row_blocks(hk * rows_g, (hk + 1) * rows_g, [&](int r0, auto rr) { dot<decltype(rr)::value>(r0, jj, k); });
+          const E* v = vp[jj] + hk * p.v_head_stride;
+          for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c);
+        }
+      }
       for (int r = 0; r < rows; ++r) {
-        const int g = r / p.sq, i = r % p.sq;
-        const TileSoftmax<T>& ts = tss[g];
+        const int i = r % p.sq;
+        const TileSoftmax<T>& ts = tss[r / p.sq];
         T* srow = s + r * kChunk;
         std::fill(srow + n, srow + nn, T(0));
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
@@ -230,12 +275,17 @@ struct DecodeWorker {
           m[r] = m_new;
         }
       }
-      row_blocks([&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n); });
+      // PV kv head by kv head: the chunk's V rows are in cache by now, and O stays in registers
+      // across the chunk's keys
+      for (int hk = 0; hk < p.h_k; ++hk) {
+        row_blocks(hk * rows_g, (hk + 1) * rows_g,
+                   [&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n, hk * p.v_head_stride); });
+      }
     }
 
     const T ninf = -std::numeric_limits<T>::infinity();
     for (int r = 0; r < rows; ++r) {
-      const int h = hk * group + r / p.sq, i = r % p.sq;
+      const int h = r / p.sq, i = r % p.sq;
       const int64_t row_id = (int64_t(b) * p.h + h) * p.sq + i;
       T mr = m[r], lr = l[r], alpha = T(1);
       if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the merge adds it)
@@ -297,7 +347,7 @@ void run(const DecodeParamsT<T>& p, DType dt) {
   int max_keys = 0;
   for (int b = 0; b < p.b; ++b) max_keys = std::max(max_keys, decode_seq_info(p, b).len_k);
   const int splits = decode_num_splits(p, max_keys, p.num_threads > 0 ? p.num_threads : pool_threads());
-  const int64_t n_tasks = int64_t(p.b) * p.h_k * splits;
+  const int64_t n_tasks = int64_t(p.b) * splits;
   std::vector<T> part_o, part_lse;
   if (splits > 1) {
     const int64_t n_rows = int64_t(p.b) * p.h * p.sq;
@@ -317,10 +367,10 @@ int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads) {
   const int chunks = std::max(1, (max_keys + kChunk - 1) / kChunk);
   if (p.num_splits > 0) return std::min(p.num_splits, chunks);
   // enough tasks to keep every thread busy (two per thread evens out ragged lengths), each
-  // split long enough (>= 512 keys) that its partial and the merge stay a small cost
-  const int64_t base = int64_t(p.b) * p.h_k;
+  // split long enough (>= 256 keys of every head) that its partial and the merge stay small
+  const int64_t base = p.b;
   const int64_t want = (2 * int64_t(threads) + base - 1) / base;
-  return int(std::max<int64_t>(1, std::min<int64_t>(want, max_keys / 512)));
+  return int(std::max<int64_t>(1, std::min<int64_t>(want, max_keys / 256)));
 }
 template int decode_num_splits<float>(const DecodeParamsT<float>&, int, int);
 template int decode_num_splits<double>(const DecodeParamsT<double>&, int, int);
