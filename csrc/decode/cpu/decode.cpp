@@ -114,6 +114,8 @@ struct DecodeWorker {
   T *q, *o, *s, *m, *l, *row;
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
+  const E* kp_next[kChunk];  // the next chunk's
+  const E* vp_next[kChunk];
   std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
 
@@ -137,22 +139,45 @@ struct DecodeWorker {
   template <int RR>
   void dot(int r0, int jj, const E* k) {
     const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
-    V acc[RR][2] = {};
+    // row pointers and separate accumulator arrays, fully unrolled: with a V[RR][2] array and
+    // q + (r0 + x) * dp addressing, GCC kept the accumulators and offsets on the stack
+    const T* qx[RR];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) qx[x] = q + (r0 + x) * dp;
+    V a0[RR], a1[RR];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) a0[x] = a1[x] = V{};
     int c = 0;
     for (; c < d2; c += 2 * L) {
       const V k0 = load_cvt<T>(k + c), k1 = load_cvt<T>(k + c + L);
+#pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
-        acc[x][0] += vload(q + (r0 + x) * dp + c) * k0;
-        acc[x][1] += vload(q + (r0 + x) * dp + c + L) * k1;
+        a0[x] += vload(qx[x] + c) * k0;
+        a1[x] += vload(qx[x] + c + L) * k1;
       }
     }
     for (; c < dv; c += L) {
       const V k0 = load_cvt<T>(k + c);
-      for (int x = 0; x < RR; ++x) acc[x][0] += vload(q + (r0 + x) * dp + c) * k0;
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) a0[x] += vload(qx[x] + c) * k0;
     }
+#if defined(__AVX__) && !defined(__AVX512F__)
+    if constexpr (RR == 4 && std::is_same_v<V, vf>) {
+      if (d == dv) {  // four sums at once: three hadds and one 128-bit add
+        const __m256 t0 = _mm256_hadd_ps((__m256)(a0[0] + a1[0]), (__m256)(a0[1] + a1[1]));
+        const __m256 t1 = _mm256_hadd_ps((__m256)(a0[2] + a1[2]), (__m256)(a0[3] + a1[3]));
+        const __m256 t = _mm256_hadd_ps(t0, t1);  // lanes (0 1 2 3) low half, (0 1 2 3) high half
+        float sums[4];
+        _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+        for (int x = 0; x < 4; ++x) s[(r0 + x) * kChunk + jj] = sums[x];
+        return;
+      }
+    }
+#endif
+#pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) {
-      T sum = hsum_tree(acc[x][0] + acc[x][1]);
-      for (int cc = dv; cc < d; ++cc) sum += q[(r0 + x) * dp + cc] * to_t<T>(k[cc]);
+      T sum = hsum_tree(a0[x] + a1[x]);
+      for (int cc = dv; cc < d; ++cc) sum += qx[x][cc] * to_t<T>(k[cc]);
       s[(r0 + x) * kChunk + jj] = sum;
     }
   }
@@ -244,20 +269,34 @@ struct DecodeWorker {
     const E* kbase = static_cast<const E*>(p.k);
     const E* vbase = static_cast<const E*>(p.v);
     const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
+    auto rows_of = [&](int j0, const E** kq, const E** vq) {
+      kv.walk(j0, std::min(kChunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
+        kq[jj] = kbase + ko;
+        vq[jj] = vbase + vo;
+      });
+    };
+    if (a < e) rows_of(a, kp, vp);
     for (int j0 = a; j0 < e; j0 += kChunk) {
       const int n = std::min(kChunk, e - j0), nn = round_up(n, L);
-      kv.walk(j0, n, [&](int jj, int64_t ko, int64_t vo) {
-        kp[jj] = kbase + ko;
-        vp[jj] = vbase + vo;
-      });
+      if (j0 > a) {
+        std::copy(kp_next, kp_next + n, kp);
+        std::copy(vp_next, vp_next + n, vp);
+      }
+      const int n_next = j0 + kChunk < e ? std::min(kChunk, e - j0 - kChunk) : 0;
+      if (n_next > 0) rows_of(j0 + kChunk, kp_next, vp_next);
       // scores: key by key, every kv head of the key (one sequential stream through the cache);
-      // the key's V rows are prefetched on the way, for the PV pass
+      // on the way, the key's V rows are prefetched for the PV pass and the next chunk's K rows
+      // for the next scores pass (the hardware prefetchers alone left the FMAs waiting on K)
       for (int jj = 0; jj < n; ++jj) {
         for (int hk = 0; hk < p.h_k; ++hk) {
           const E* k = kp[jj] + hk * p.k_head_stride;
           row_blocks(hk * rows_g, (hk + 1) * rows_g, [&](int r0, auto rr) { dot<decltype(rr)::value>(r0, jj, k); });
           const E* v = vp[jj] + hk * p.v_head_stride;
           for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c);
+          if (jj < n_next) {
+            const E* kn = kp_next[jj] + hk * p.k_head_stride;
+            for (int c = 0; c < d; c += line_elems) __builtin_prefetch(kn + c);
+          }
         }
       }
       for (int r = 0; r < rows; ++r) {
