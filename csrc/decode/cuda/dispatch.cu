@@ -1,8 +1,8 @@
 // cuda_decode_* (entry.h): the split count, the scratch sizes, and the launches of the decode
 // kernel (kernel.cuh) and, for splits > 1, its combine.
 //
-// Instantiations: 3 storage types x 3 head-dim buckets (64, 128, 256; runtime d <= bucket) of
-// decode_kernel plus 3 combine kernels, all in this one TU (each is a small SIMT kernel; CI
+// Instantiations: 3 storage types x 3 head-dim buckets (64, 128, 256; runtime d <= bucket) x 2
+// row blocks (4: R = G x Sq <= 4, else 8) of decode_kernel plus 3 combine kernels, all in this one TU (each is a small SIMT kernel; CI
 // builds them for sm_80 and sm_90a).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,7 +34,8 @@ bool vec_loads_ok(const DecodeParams& p, int elem_bytes) {
 template <typename E, int kD>
 void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
   const dim3 grid(splits, p.h_k, p.b);
-  auto kernel = &decode_cuda::decode_kernel<E, kD>;
+  const int rows = p.h / p.h_k * p.sq;
+  auto kernel = rows <= 4 ? &decode_cuda::decode_kernel<E, kD, 4> : &decode_cuda::decode_kernel<E, kD, 8>;
   ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kThreads), 0, stream)
   (p, splits, splits > 1 ? part_o : nullptr, splits > 1 ? part_lse : nullptr, vec_loads_ok(p, int(sizeof(E))));
   check_launch(kWhat);

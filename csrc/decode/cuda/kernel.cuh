@@ -6,7 +6,8 @@
 // packed rows of one (batch b, kv head hk) (row r = query head hk * G + r / Sq, query row r % Sq;
 // G = H / H_k, the same packing as the CPU kernel, csrc/decode/cpu/decode.cpp) over its split of
 // the keys. Rows go in blocks of kRows = 8 (GQA 8 x Sq 1 in one pass: each K / V row is read from
-// memory once per GQA group; more rows loop over blocks, re-reading the split's K / V from L2).
+// memory once per GQA group; more rows loop over blocks, re-reading the split's K / V from L2), or
+// kRows = 4 for calls with R <= 4 (fewer registers).
 //
 //   thread layout  a key row of kD elements is kVecs 16-byte vectors; kTPR = min(32, kVecs) lanes
 //                  share one key (each holds kEPT = kD / kTPR elements: its vectors
@@ -51,7 +52,9 @@ namespace attn {
 namespace decode_cuda {
 
 constexpr int kThreads = 128;
-constexpr int kRows = 8;     // packed query rows per pass over the keys
+// packed query rows per pass over the keys: 8 (GQA 8 x Sq 1), or 4 when the call has <= 4 rows
+// (MHA, GQA <= 4): half the row registers (~250 -> ~150), so more CTAs fit per SM
+constexpr int kMaxRows = 8;
 constexpr int kUnroll = 2;   // keys in flight per group
 
 template <typename E, int kD>
@@ -64,7 +67,7 @@ struct Traits {
   static constexpr int kGroups = kThreads / kTPR;              // keys read side by side
   static_assert(kD % kVec == 0 && kVecs % kTPR == 0, "a key row splits evenly over its lanes");
   static_assert(32 % kTPR == 0, "a key's lanes stay inside one warp (xor-shuffle reduction)");
-  static_assert(kGroups * kRows * kD * 4 <= 32 * 1024, "the CTA merge buffer fits 32 KB of static smem");
+  static_assert(kGroups * kMaxRows * kD * 4 <= 32 * 1024, "the CTA merge buffer fits 32 KB of static smem");
 };
 
 // Elements [c0, c0 + kVec) of a row as raw bits (zeros past d).
@@ -164,10 +167,11 @@ __device__ __forceinline__ void split_range(const DecodeParams& p, const SeqInfo
   if (*e < *a) *e = *a;
 }
 
-template <typename E, int kD>
+template <typename E, int kD, int kRows>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, int splits, float* part_o,
                                                           float* part_lse, bool vec_ok) {
   using Tr = Traits<E, kD>;
+  static_assert(kRows >= 1 && kRows <= kMaxRows, "rows per pass");
   constexpr int kVec = Tr::kVec, kTPR = Tr::kTPR, kVPT = Tr::kVPT, kEPT = Tr::kEPT, kGroups = Tr::kGroups;
   // (kRows) policies of the rows' heads; the CTA merge of the groups' (m, l, O)
   __shared__ float4 pol_raw[(kRows * sizeof(PolicyT<float>) + 15) / 16];
