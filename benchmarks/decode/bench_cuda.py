@@ -62,15 +62,21 @@ def copy_bandwidth(nbytes=2 << 30) -> float:
     return 2 * nbytes / t
 
 
-def make_cache(L, page):
-    """q (B, 1, H_q, D); K / V in flash-attn layout, contiguous (B, L, H_kv, D) or paged
-    (num_pages, page, H_kv, D) with a shuffled block table; the same keys either way."""
+def make_inputs(L):
+    """q (B, 1, H_q, D) and a contiguous cache (B, L, H_kv, D) in flash-attn layout."""
     q = torch.randn(B, 1, HQ, D, dtype=DT, device="cuda")
     k = torch.randn(B, L, HKV, D, dtype=DT, device="cuda")
     v = torch.randn(B, L, HKV, D, dtype=DT, device="cuda")
+    return q, k, v
+
+
+def as_layout(k, v, page):
+    """The same keys contiguous (page None) or paged: (num_pages, page, H_kv, D) pools with the
+    pages shuffled and a block table; with the op's index kwargs (every sequence full)."""
+    L = k.shape[1]
     seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
     if page is None:
-        return q, k, v, dict(cache_seqlens=seqlens)
+        return k, v, dict(cache_seqlens=seqlens)
     per = L // page
     perm = torch.randperm(B * per, device="cuda")
     kp = torch.empty(B * per, page, HKV, D, dtype=DT, device="cuda")
@@ -78,7 +84,7 @@ def make_cache(L, page):
     kp[perm] = k.reshape(B * per, page, HKV, D)
     vp[perm] = v.reshape(B * per, page, HKV, D)
     table = perm.reshape(B, per).to(torch.int32)
-    return q, kp, vp, dict(cache_seqlens=seqlens, block_table=table)
+    return kp, vp, dict(cache_seqlens=seqlens, block_table=table)
 
 
 def sdpa_best(q, k, v):
@@ -129,25 +135,23 @@ def main(argv=None) -> int:
     caches = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536]
     for L in caches:
         kv_bytes = 2 * B * HKV * L * D * 2
-        sd = None
+        q, k, v = make_inputs(L)
+        sd = sdpa_best(q, k, v)  # SDPA on the contiguous cache
+        sd_t = sd[0] if sd is not None else float("nan")
         for page in (None, 16, 256):
-            q, k, v, idx = make_cache(L, page)
+            kc, vc, idx = as_layout(k, v, page)
             scale = D ** -0.5
-            fn = lambda: ops.decode_fwd(q, k, v, **idx, scale=scale)  # noqa: E731
+            fn = lambda: ops.decode_fwd(q, kc, vc, **idx, scale=scale)  # noqa: E731
             out, _ = fn()
             t = cuda_time(fn)
-            if sd is None:  # SDPA on the contiguous cache (the first layout)
-                sd = sdpa_best(q, k, v)
             diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
-            sd_t = sd[0] if sd is not None else float("nan")
             row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {t * 1e6:.1f} | "
                    f"{kv_bytes / t / 1e9:.0f} | {100 * kv_bytes / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
                    f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
             lines.append(row)
             print(row, flush=True)
-            del q, k, v, idx, out
-            torch.cuda.empty_cache()
-        del sd
+            del kc, vc, idx, out
+        del q, k, v, sd
         torch.cuda.empty_cache()
     if args.md:
         with open(args.md, "a") as f:
