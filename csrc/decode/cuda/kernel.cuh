@@ -19,7 +19,7 @@
 //                  PolicyT::allowed / score (causal bottom-right, window, ALiBi, softcap: the
 //                  shared policy, one per row's head, kept in shared memory).
 //   softmax        each group runs its own online softmax (m, l, O in registers: kRows x kEPT),
-//                  so the key loop has no barrier; at the end the kGroups partials merge through
+//                  one update per kUnroll keys, so the key loop has no barrier; at the end the kGroups partials merge through
 //                  shared memory (red_o: kGroups x kRows x kD floats, <= 32 KB).
 //   output         splits == 1: out / lse directly, the sink joining the denominator as on the
 //                  CPU. splits > 1: the split's O_s (normalized by its own sum) and lse_s to fp32
@@ -219,6 +219,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       }
     }
     __syncthreads();  // pols written
+    // every (row, key) of the split inside the window: skip the per-element allowed() (decode
+    // calls carry no bool mask, block layout or top-k; the check keeps that explicit)
+    const bool full = pols[0].tile_full(0, p.sq, a, e) && pols[0].bias_kind == BiasKind::kNone &&
+                      pols[0].layout == nullptr && pols[0].topk_thr == nullptr;
 
     // built at the group's first key (a key past the end has no page to look up)
     KvCursor cur;
@@ -249,41 +253,64 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
           for (int w = 0; w < kVPT; ++w) kr[u][w] = vr[u][w] = make_uint4(0u, 0u, 0u, 0u);
         }
       }
+      // (kUnroll, kEPT) the keys' V as floats; (kRows, kUnroll) their logits (-inf: not seen)
+      float vf[kUnroll][kEPT];
+      float sc[kRows][kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + grp + u * kGroups;
-        float kf[kEPT], vf[kEPT];
+        float kf[kEPT];
 #pragma unroll
         for (int w = 0; w < kVPT; ++w) {
           cvt_vec<E>(kr[u][w], &kf[w * kVec]);
-          cvt_vec<E>(vr[u][w], &vf[w * kVec]);
+          cvt_vec<E>(vr[u][w], &vf[u][w * kVec]);
         }
-        // every lane of the warp shuffles (groups of one warp may differ in `valid`)
-        float x[kRows];
 #pragma unroll
         for (int rr = 0; rr < kRows; ++rr) {
-          float s = 0.f;
+          float x = 0.f;
 #pragma unroll
-          for (int t = 0; t < kEPT; ++t) s = fmaf(q[rr][t], kf[t], s);
+          for (int t = 0; t < kEPT; ++t) x = fmaf(q[rr][t], kf[t], x);
+          // every lane of the warp shuffles (groups of one warp may differ in `valid`)
 #pragma unroll
-          for (int off = kTPR / 2; off >= 1; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off, 32);
-          x[rr] = s;
+          for (int off = kTPR / 2; off >= 1; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off, 32);
+          float s = kNegInf;
+          if (valid[u] && rr < nr) {
+            const PolicyT<float>& pol = pols[rr];
+            const int i = (r0 + rr) % p.sq;
+            if (full || pol.allowed(i, j)) s = pol.score(x, i, j);
+          }
+          sc[rr][u] = s;
         }
-        if (!valid[u]) continue;
+      }
+      // one online-softmax step per row for the kUnroll keys: one rescale of O, none at all
+      // when the row's max stays (the common case once a few keys have gone by)
 #pragma unroll
-        for (int rr = 0; rr < kRows; ++rr) {
-          if (rr >= nr) break;
-          const PolicyT<float>& pol = pols[rr];
-          const int i = (r0 + rr) % p.sq;
-          const float s = pol.allowed(i, j) ? pol.score(x[rr], i, j) : kNegInf;
-          if (s == kNegInf) continue;  // (a NaN logit goes on and poisons the row, as on the CPU)
-          const float m_new = fmaxf(m[rr], s);
-          const float corr = m[rr] == kNegInf ? 0.f : expf(m[rr] - m_new);
-          const float pr = expf(s - m_new);
-          l[rr] = l[rr] * corr + pr;
-          m[rr] = m_new;
+      for (int rr = 0; rr < kRows; ++rr) {
+        if (rr >= nr) break;
+        float mx = m[rr];
+        bool nan = false;
 #pragma unroll
-          for (int t = 0; t < kEPT; ++t) acc[rr][t] = fmaf(pr, vf[t], acc[rr][t] * corr);
+        for (int u = 0; u < kUnroll; ++u) {
+          mx = fmaxf(mx, sc[rr][u]);
+          nan |= sc[rr][u] != sc[rr][u];
+        }
+        if (mx == kNegInf && !nan) continue;  // nothing seen yet (a NaN logit poisons the row, as on the CPU)
+        const float corr = m[rr] == mx ? 1.f : (m[rr] == kNegInf ? 0.f : expf(m[rr] - mx));
+        float pr[kUnroll];
+        float psum = 0.f;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          pr[u] = sc[rr][u] == kNegInf ? 0.f : expf(sc[rr][u] - mx);
+          psum += pr[u];
+        }
+        l[rr] = l[rr] * corr + psum;
+        m[rr] = mx;
+#pragma unroll
+        for (int t = 0; t < kEPT; ++t) {
+          float o = acc[rr][t] * corr;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) o = fmaf(pr[u], vf[u][t], o);
+          acc[rr][t] = o;
         }
       }
     }
