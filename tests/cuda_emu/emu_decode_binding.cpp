@@ -2,6 +2,7 @@
 // (csrc/torch/decode_cuda_steps.h, the same code as the real binding) and kernels
 // (csrc/decode/cuda, emu_decode_kernels.cpp) run by the host emulator on CPU tensors. Arguments:
 // those of torch.ops.attention_ext.decode_fwd plus `sms`, the SM count the split heuristic sees.
+// set_schedule: the warps' interleaving (cuda_emu.h), to shake out missing barriers.
 // Unlike the real binding, out, lse and the split scratch start as NaN (Device::kPoison), so an
 // element the kernels fail to write fails the tests.
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 #include <tuple>
 
 #include "decode/cuda/entry.h"
+#include "emu_entry.h"  // set_schedule
 #include "torch/decode_cuda_steps.h"
 
 namespace {
@@ -50,6 +52,8 @@ int64_t emu_decode_num_splits(int64_t ctas, int64_t sms, int64_t max_keys, int64
   return attn::decode_num_splits_heuristic(ctas, int(sms), max_keys, requested);
 }
 
+void emu_decode_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
+
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu_decode, m) {
@@ -58,4 +62,5 @@ TORCH_LIBRARY(attention_ext_emu_decode, m) {
         "float softcap, int window_left, int window_right, int num_splits, int sms) -> (Tensor, Tensor)",
         &emu_decode_fwd);
   m.def("num_splits(int ctas, int sms, int max_keys, int requested) -> int", &emu_decode_num_splits);
+  m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_decode_set_schedule);
 }

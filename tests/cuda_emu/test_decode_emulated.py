@@ -85,3 +85,15 @@ def test_heuristic(emu):
     assert emu.num_splits(64, 8, 1 << 16, 0) == 1
     assert emu.num_splits(2, 8, 40, 5) == 3  # requested, at most one split per 16 keys
     run(emu, Case(b=2, h=4, hk=2, seqlens=(600, 1000), num_splits=0, sinks=True), sms=8)
+
+
+@pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)], ids=["lockstep", "reverse"])
+def test_schedules(emu, warp_serial, reverse):
+    # the CTA merge through shared memory and the row-block loop under other warp interleavings:
+    # a missing barrier reads another warp's stale or unwritten partials
+    emu.set_schedule(warp_serial, reverse)
+    try:
+        run(emu, Case(h=8, hk=1, sq=3, num_splits=2, sinks=True, b=2, seqlens=(5, 90), page=5))
+        run(emu, Case(h=4, hk=2, sq=1, num_splits=1, window=(-1, 0), b=2, seqlens=(0, 77)))
+    finally:
+        emu.set_schedule(True, False)
