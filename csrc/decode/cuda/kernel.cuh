@@ -19,8 +19,9 @@
 //                  PolicyT::allowed / score (causal bottom-right, window, ALiBi, softcap: the
 //                  shared policy, one per row's head, kept in shared memory).
 //   softmax        each group runs its own online softmax (m, l, O in registers: kRows x kEPT),
-//                  one update per kUnroll keys, so the key loop has no barrier; at the end the kGroups partials merge through
-//                  shared memory (red_o: kGroups x kRows x kD floats, <= 32 KB).
+//                  one update per kUnroll keys, so the key loop has no barrier; at the end the
+//                  kGroups partials merge through shared memory (red_o: kGroups x kRows x kD
+//                  floats, <= 32 KB).
 //   output         splits == 1: out / lse directly, the sink joining the denominator as on the
 //                  CPU. splits > 1: the split's O_s (normalized by its own sum) and lse_s to fp32
 //                  scratch; combine_kernel merges them with common/split_merge.h, sinks there.
