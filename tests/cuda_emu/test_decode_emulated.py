@@ -9,7 +9,9 @@ the kernels miss fails here. Covered: contiguous vs paged caches (page 16 and 5,
 one split vs several (the combine kernel), ragged cache_seqlens with 0 and 1, q_len 1 / 2 / 7,
 GQA (8 / 2), MQA, MHA, the row-block loop (R = G x Sq > 8), window, causal, sinks, ALiBi,
 softcap, cache_batch_idx, leftpad, fp16 / bf16 / fp32, head dims 64 / 128 / 80 / 256 / 33 (the
-element-by-element load path), the split heuristic. Not covered: timing, real concurrency,
+element-by-element load path), the split heuristic, two other warp interleavings (lockstep,
+reverse: a missing barrier shows). The module builds once into build/emu_decode (~50 s on two
+cores); the tests then take ~10 s. Not covered: timing, real concurrency,
 register spills, 16-byte alignment faults (the emulator does not fault on them).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ the project rule (tests/helpers.assert_close_fa2: <= 2x PyTorch's same-dtype err
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -34,7 +34,6 @@ class Case:
     alibi: bool = False
     sinks: bool = False
     num_splits: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 def make_inputs(c: Case, device="cpu"):
