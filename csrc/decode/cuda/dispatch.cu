@@ -1,5 +1,5 @@
-// cuda_decode_* (entry.h): the split count, the scratch sizes, and the launches of the decode
-// kernel (kernel.cuh) and, for splits > 1, its combine.
+// cuda_decode_fwd (entry.h): the launches of the decode kernel (kernel.cuh) and, for splits > 1,
+// its combine.
 //
 // Instantiations: 3 storage types x 3 head-dim buckets (64, 128, 256; runtime d <= bucket) x 2
 // row blocks (4: R = G x Sq <= 4, else 8) of decode_kernel plus 3 combine kernels, all in this one TU (each is a small SIMT kernel; CI
@@ -65,17 +65,6 @@ void run(const DecodeParams& p, int splits, float* part_o, float* part_lse, cuda
 }
 
 }  // namespace
-
-int cuda_decode_num_splits(const DecodeParams& p, int64_t max_keys, int sms) {
-  return decode_num_splits_heuristic(int64_t(p.b) * p.h_k, sms, max_keys, p.num_splits);
-}
-
-size_t cuda_decode_part_o_floats(const DecodeParams& p, int splits) {
-  return splits > 1 ? size_t(p.b) * p.h * p.sq * splits * p.d : 0;
-}
-size_t cuda_decode_part_lse_floats(const DecodeParams& p, int splits) {
-  return splits > 1 ? size_t(p.b) * p.h * p.sq * splits : 0;
-}
 
 void cuda_decode_fwd(const DecodeParams& p, DType dt, int splits, float* part_o, float* part_lse,
                      cudaStream_t stream) {
