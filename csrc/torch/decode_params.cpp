@@ -24,11 +24,13 @@ void check_index(const OptTensor& t, const char* name, int64_t n, const Tensor& 
 }
 
 // Values of the index tensors, read on the host (CPU tensors: in place; CUDA: copied once).
-void check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cache, int64_t num_pages, int64_t page) {
+int64_t check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cache, int64_t num_pages, int64_t page) {
   auto host = [](const OptTensor& t) -> Tensor { return t.has_value() ? t->to(at::kCPU).contiguous() : Tensor(); };
   const Tensor sl = host(a.seqlens_k), lp = host(a.leftpad_k), bi = host(a.cache_batch_idx), bt = host(a.block_table);
+  int64_t max_keys = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t len = sl.defined() ? sl.data_ptr<int32_t>()[i] : cap;
+    max_keys = std::max(max_keys, len - (lp.defined() ? std::clamp<int64_t>(lp.data_ptr<int32_t>()[i], 0, len) : 0));
     TORCH_CHECK_VALUE(len >= 0 && len <= cap, "attention_ext.decode: seqlens_k[", i, "] = ", len,
                       " is outside [0, ", cap, "] (the cache holds ", cap, " rows per sequence)");
     if (lp.defined()) {
@@ -50,11 +52,12 @@ void check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cache, 
       }
     }
   }
+  return max_keys;
 }
 
 }  // namespace
 
-void check_decode_inputs(const DecodeArgs& a) {
+int64_t check_decode_inputs(const DecodeArgs& a) {
   const Tensor &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D, got q ", q.sizes(), ", k_cache ",
@@ -129,7 +132,7 @@ void check_decode_inputs(const DecodeArgs& a) {
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
                       "attention_ext.decode: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
   }
-  check_values(a, b, cap, k.size(0), num_pages, page);
+  return check_values(a, b, cap, k.size(0), num_pages, page);
 }
 
 std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q) {

@@ -43,8 +43,9 @@ struct DecodeArgs {
 // [0, capacity], leftpad_k in [0, seqlens_k], cache_batch_idx in [0, B_cache), and every
 // block_table entry a sequence uses in [0, num_pages). CPU tensors are read in place; CUDA ones
 // with one reduction and one host sync. Throws c10::Error (ValueError / RuntimeError / TypeError
-// in Python) naming the bad argument.
-void check_decode_inputs(const DecodeArgs& a);
+// in Python) naming the bad argument. Returns the most keys any sequence sees (seqlens_k - leftpad,
+// read with those values), for the CUDA backend's split heuristic.
+int64_t check_decode_inputs(const DecodeArgs& a);
 
 // out (q's shape and layout) and lse (B, H, Sq) of q's acc dtype.
 std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q);

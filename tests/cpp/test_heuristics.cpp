@@ -1,8 +1,11 @@
-// Plain C++ checks of the split-KV heuristic (csrc/softmax/cuda/heuristics.h) on the grids the
-// CUDA forward meets: a decode step against a long cache splits to about two CTAs per SM, a grid
-// that already fills the GPU never splits, and no split gets fewer than 4 key blocks.
+// Plain C++ checks of the split-KV heuristics on the grids the CUDA kernels meet. Softmax forward
+// (csrc/softmax/cuda/heuristics.h): a decode step against a long cache splits to about two CTAs
+// per SM, a grid that already fills the GPU never splits, and no split gets fewer than 4 key
+// blocks. Decode kernel (csrc/decode/cuda/heuristics.h): about two CTAs per SM, >= 256 keys per
+// split, a requested count bounded by one split per 16 keys.
 #include <cstdio>
 
+#include "decode/cuda/heuristics.h"
 #include "softmax/cuda/heuristics.h"
 
 #include "check.h"
@@ -26,6 +29,30 @@ int main() {
     for (int kb = 1; kb < 2000; kb += 37) {
       const int s = num_splits_heuristic(ctas, sms, kb);
       CHECK(s >= 1 && s <= attn::kMaxSplits && (s == 1 || kb / s >= 4));
+    }
+
+  // decode: B 8 x H_k 8 = 64 CTAs on 132 SMs -> 5 splits (320 CTAs, >= 2 per SM) at 4k..64k keys
+  using attn::decode_num_splits_heuristic;
+  CHECK(decode_num_splits_heuristic(64, sms, 4096, 0) == 5);
+  CHECK(decode_num_splits_heuristic(64, sms, 65536, 0) == 5);
+  // batch 1, one kv head: as many splits as two CTAs per SM allow, bounded by 256 keys per split
+  CHECK(decode_num_splits_heuristic(1, sms, 1 << 20, 0) == attn::kDecodeMaxSplits);
+  CHECK(decode_num_splits_heuristic(1, sms, 2048, 0) == 8);
+  CHECK(decode_num_splits_heuristic(1, sms, 511, 0) == 1);
+  // a grid that fills 0.8 x two CTAs per SM is not split; nothing to read is not split
+  CHECK(decode_num_splits_heuristic(212, sms, 1 << 16, 0) == 1);
+  CHECK(decode_num_splits_heuristic(211, sms, 1 << 16, 0) == 2);
+  CHECK(decode_num_splits_heuristic(4, sms, 0, 0) == 1);
+  CHECK(decode_num_splits_heuristic(4, sms, 0, 7) == 1);
+  // requested: honoured up to one split per 16 keys and kDecodeMaxSplits
+  CHECK(decode_num_splits_heuristic(4, sms, 1000, 7) == 7);
+  CHECK(decode_num_splits_heuristic(4, sms, 40, 7) == 3);
+  CHECK(decode_num_splits_heuristic(4, sms, 1 << 20, 1000) == attn::kDecodeMaxSplits);
+  for (int ctas = 1; ctas < 400; ctas += 3)
+    for (int keys = 0; keys < 100000; keys += 997) {
+      const int s = decode_num_splits_heuristic(ctas, sms, keys, 0);
+      CHECK(s >= 1 && s <= attn::kDecodeMaxSplits && (s == 1 || keys / s >= attn::kDecodeMinKeysPerSplit));
+      CHECK(s == 1 || int64_t(ctas) * (s - 1) < 2 * sms);  // no more splits than two CTAs per SM need
     }
   if (failures == 0) std::printf("ok\n");
   return failures == 0 ? 0 : 1;

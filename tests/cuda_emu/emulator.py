@@ -1,5 +1,6 @@
 """Builds (JIT, cached in build/emu) and loads the host emulator of the CUDA kernels:
-torch.ops.attention_ext_emu.fwd / bwd / path and linear_fwd / linear_bwd (this folder).
+torch.ops.attention_ext_emu.fwd / bwd / path and linear_fwd / linear_bwd (this folder), and, as a
+separate small module (load_decode), torch.ops.attention_ext_emu_decode.decode_fwd.
 
 The emulator compiles csrc/softmax/cuda's mma.sync and SIMT kernels with g++ (ATTN_CUDA_EMULATE), with
 the real CUDA headers for the half / bfloat16 types (so it needs a CUDA toolkit's include
@@ -69,3 +70,46 @@ def load():
     build_seconds = time.time() - t0
     _ops = torch.ops.attention_ext_emu
     return _ops
+
+
+_decode_ops = None
+decode_build_seconds = None
+
+
+def load_decode():
+    """torch.ops.attention_ext_emu_decode (the CUDA decode kernels, csrc/decode/cuda), built on
+    first use into build/emu_decode; None (see `why`) without a toolchain. A module of its own:
+    the decode kernels have no arch-specific code, so it needs neither the softmax instantiations
+    nor a second arch, and builds in a fraction of the main emulator's time. Its runtime copy is
+    renamed (attn_emu -> attn_emu_decode) so both modules load into one process."""
+    global _decode_ops, why, decode_build_seconds
+    if _decode_ops is not None:
+        return _decode_ops
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        why = "no C++ compiler"
+        return None
+    inc = cuda_include()
+    if inc is None:
+        why = "no CUDA headers (cuda_fp16.h) for the emulator's half / bfloat16 types"
+        return None
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        why = "no ninja (torch's JIT extension build needs it)"
+        return None
+    build = BUILD + "_decode"
+    os.makedirs(build, exist_ok=True)
+    t0 = time.time()
+    cpp_extension.load(
+        name="attention_ext_emu_decode",
+        sources=[os.path.join(EMU, f) for f in ("emu_decode_binding.cpp", "emu_runtime.cpp", "emu_decode_kernels.cpp")]
+        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("decode_params.cpp", "softmax_params.cpp")],
+        extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Dattn_emu=attn_emu_decode",
+                      "-Wno-unknown-pragmas", "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],
+        build_directory=build,
+        is_python_module=False,
+        verbose=os.environ.get("ATTENTION_EXT_EMU_VERBOSE") == "1",
+    )
+    decode_build_seconds = time.time() - t0
+    _decode_ops = torch.ops.attention_ext_emu_decode
+    return _decode_ops

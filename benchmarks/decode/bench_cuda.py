@@ -1,0 +1,163 @@
+"""CUDA decode (attention_ext.decode.ops.decode_fwd) vs the device's copy bandwidth and torch SDPA
+on one decode step, bf16, in one run.
+
+    python benchmarks/decode/bench_cuda.py [--quick] [--md results.md]
+
+Shape: B = 8, H_q = 32, H_kv = 8 (GQA 4), D = 128, one query row, caches of 4k .. 64k keys per
+sequence (every sequence full), contiguous and paged (page 16 and 256, pages shuffled over the
+pool). The decode step must read K and V once: GB/s = 2 * B * H_kv * L * D * 2 bytes / time (the
+q / out / lse / split-scratch traffic is < 0.1% of it). The ceiling is a measured device-to-device
+copy of a 2 GiB tensor, counted as bytes read + written. SDPA is the best of what a user would
+write on the same contiguous cache in (B, H, L, D) layout (it has no paged cache): the flash
+backend with enable_gqa, and flash / cuDNN / memory-efficient on K / V already repeated to 32
+heads (the repeat is not timed, so that baseline reads 4x the bytes but gets them for free); the
+table names the fastest. Times are medians of CUDA-event timings after warm-up, and include our
+op's host work (input checks: the index tensors' values are copied to the host once per call).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402,F401  (puts the repository on sys.path)
+
+from attention_ext.decode import ops  # noqa: E402
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover
+    SDPBackend = sdpa_kernel = None
+
+B, HQ, HKV, D = 8, 32, 8, 128
+DT = torch.bfloat16
+
+
+def cuda_time(fn, warmup=3, reps=20):
+    for _ in range(warmup):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    return ts[len(ts) // 2] * 1e-3
+
+
+def copy_bandwidth(nbytes=2 << 30) -> float:
+    """Bytes read + written per second of a large device-to-device tensor copy."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), warmup=3, reps=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / t
+
+
+def make_inputs(L):
+    """q (B, 1, H_q, D) and a contiguous cache (B, L, H_kv, D) in flash-attn layout."""
+    q = torch.randn(B, 1, HQ, D, dtype=DT, device="cuda")
+    k = torch.randn(B, L, HKV, D, dtype=DT, device="cuda")
+    v = torch.randn(B, L, HKV, D, dtype=DT, device="cuda")
+    return q, k, v
+
+
+def as_layout(k, v, page):
+    """The same keys contiguous (page None) or paged: (num_pages, page, H_kv, D) pools with the
+    pages shuffled and a block table; with the op's index kwargs (every sequence full)."""
+    L = k.shape[1]
+    seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    if page is None:
+        return k, v, dict(cache_seqlens=seqlens)
+    per = L // page
+    perm = torch.randperm(B * per, device="cuda")
+    kp = torch.empty(B * per, page, HKV, D, dtype=DT, device="cuda")
+    vp = torch.empty_like(kp)
+    kp[perm] = k.reshape(B * per, page, HKV, D)
+    vp[perm] = v.reshape(B * per, page, HKV, D)
+    table = perm.reshape(B, per).to(torch.int32)
+    return kp, vp, dict(cache_seqlens=seqlens, block_table=table)
+
+
+def sdpa_best(q, k, v):
+    """The fastest SDPA variant on the contiguous cache: (seconds, name, out (B, 1, H, D))."""
+    qh = q.transpose(1, 2)                      # (B, H_q, 1, D)
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # (B, H_kv, L, D) views
+    kh_c, vh_c = kh.contiguous(), vh.contiguous()
+    rep = HQ // HKV
+    kr, vr = kh_c.repeat_interleave(rep, 1), vh_c.repeat_interleave(rep, 1)
+    cands = []
+    if sdpa_kernel is not None:
+        cands += [("flash gqa", SDPBackend.FLASH_ATTENTION, kh_c, vh_c, True),
+                  ("flash rep", SDPBackend.FLASH_ATTENTION, kr, vr, False),
+                  ("cudnn rep", SDPBackend.CUDNN_ATTENTION, kr, vr, False),
+                  ("efficient rep", SDPBackend.EFFICIENT_ATTENTION, kr, vr, False)]
+    best = None
+    for name, backend, kk, vv, gqa in cands:
+        ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+        try:
+            with ctx:
+                fn = lambda: F.scaled_dot_product_attention(qh, kk, vv, enable_gqa=gqa)  # noqa: E731
+                out = fn()
+                t = cuda_time(fn)
+        except RuntimeError:
+            continue
+        if best is None or t < best[0]:
+            best = (t, name, out.transpose(1, 2))
+    del kr, vr
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="caches 4k and 32k only")
+    ap.add_argument("--md", help="append the table to this markdown file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda"), DT):
+        print("needs a GPU and the compiled CUDA decode kernel")
+        return 1
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    name = torch.cuda.get_device_name()
+    lines = [f"decode step, {name}, B={B} H_q={HQ} H_kv={HKV} D={D} bf16, q_len 1; "
+             f"device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", "",
+             "| cache | layout | ours us | ours GB/s | % of copy | SDPA us | SDPA GB/s | SDPA variant | ours / SDPA | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    caches = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536]
+    for L in caches:
+        kv_bytes = 2 * B * HKV * L * D * 2
+        q, k, v = make_inputs(L)
+        sd = sdpa_best(q, k, v)  # SDPA on the contiguous cache
+        sd_t = sd[0] if sd is not None else float("nan")
+        for page in (None, 16, 256):
+            kc, vc, idx = as_layout(k, v, page)
+            scale = D ** -0.5
+            fn = lambda: ops.decode_fwd(q, kc, vc, **idx, scale=scale)  # noqa: E731
+            out, _ = fn()
+            t = cuda_time(fn)
+            diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
+            row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {t * 1e6:.1f} | "
+                   f"{kv_bytes / t / 1e9:.0f} | {100 * kv_bytes / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
+                   f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
+            lines.append(row)
+            print(row, flush=True)
+            del kc, vc, idx, out
+        del q, k, v, sd
+        torch.cuda.empty_cache()
+    if args.md:
+        with open(args.md, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+// cuda_decode_fwd (entry.h): the launches of the decode kernel (kernel.cuh) and, for splits > 1,
+// its combine.
+//
+// Instantiations: 3 storage types x 3 head-dim buckets (64, 128, 256; runtime d <= bucket) x 2
+// row blocks (4: R = G x Sq <= 4, else 8) of decode_kernel plus 3 combine kernels, all in this one TU (each is a small SIMT kernel; CI
+// builds them for sm_80 and sm_90a).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/launch.h"
+#include "decode/cuda/entry.h"
+#include "decode/cuda/heuristics.h"
+#include "decode/cuda/kernel.cuh"
+
+namespace attn {
+
+namespace {
+
+constexpr const char* kWhat = "attention_ext.decode (CUDA)";
+
+// Every K / V row starts 16-byte aligned and d fills whole vectors: the kernel may use 16-byte loads.
+bool vec_loads_ok(const DecodeParams& p, int elem_bytes) {
+  const int64_t vec = 16 / elem_bytes;
+  auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return al(p.k) && al(p.v) && p.d % vec == 0 && p.k_row_stride % vec == 0 && p.k_head_stride % vec == 0 &&
+         p.k_batch_stride % vec == 0 && p.v_row_stride % vec == 0 && p.v_head_stride % vec == 0 &&
+         p.v_batch_stride % vec == 0;
+}
+
+template <typename E, int kD>
+void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
+  const dim3 grid(splits, p.h_k, p.b);
+  const int rows = p.h / p.h_k * p.sq;
+  auto kernel = rows <= 4 ? &decode_cuda::decode_kernel<E, kD, 4> : &decode_cuda::decode_kernel<E, kD, 8>;
+  ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kThreads), 0, stream)
+  (p, splits, splits > 1 ? part_o : nullptr, splits > 1 ? part_lse : nullptr, vec_loads_ok(p, int(sizeof(E))));
+  check_launch(kWhat);
+  if (splits > 1) {
+    const int64_t n_rows = int64_t(p.b) * p.h * p.sq;
+    constexpr int kRowsPerCta = decode_cuda::kThreads / 32;
+    const int64_t blocks = (n_rows + kRowsPerCta - 1) / kRowsPerCta;
+    if (blocks > 0x7fffffff) throw std::runtime_error(std::string(kWhat) + ": too many query rows");
+    auto combine = &decode_cuda::combine_kernel<E>;
+    ATTN_LAUNCH(combine, dim3(unsigned(blocks)), dim3(decode_cuda::kThreads), 0, stream)
+    (p, splits, part_o, part_lse);
+    check_launch(kWhat);
+  }
+}
+
+template <typename E>
+void run(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
+  if (p.d <= 64) {
+    launch<E, 64>(p, splits, part_o, part_lse, stream);
+  } else if (p.d <= 128) {
+    launch<E, 128>(p, splits, part_o, part_lse, stream);
+  } else if (p.d <= 256) {
+    launch<E, 256>(p, splits, part_o, part_lse, stream);
+  } else {
+    throw std::runtime_error(std::string(kWhat) + ": head dim must be <= 256, got " + std::to_string(p.d));
+  }
+}
+
+}  // namespace
+
+void cuda_decode_fwd(const DecodeParams& p, DType dt, int splits, float* part_o, float* part_lse,
+                     cudaStream_t stream) {
+  check_grid(p.h_k, p.b, kWhat);
+  if (splits < 1 || splits > kDecodeMaxSplits) {
+    throw std::runtime_error(std::string(kWhat) + ": splits must be in [1, " + std::to_string(kDecodeMaxSplits) +
+                             "], got " + std::to_string(splits));
+  }
+  if (splits > 1 && (part_o == nullptr || part_lse == nullptr)) {
+    throw std::runtime_error(std::string(kWhat) + ": split scratch missing");
+  }
+  switch (dt) {
+    case DType::kF16: run<__half>(p, splits, part_o, part_lse, stream); break;
+    case DType::kBF16: run<__nv_bfloat16>(p, splits, part_o, part_lse, stream); break;
+    case DType::kF32: run<float>(p, splits, part_o, part_lse, stream); break;
+    default: throw std::runtime_error(std::string(kWhat) + ": float64 runs on the CPU only");
+  }
+}
+
+}  // namespace attn

@@ -1,0 +1,24 @@
+// Host entry points of the CUDA decode kernel (attention of a few query rows over a KV cache,
+// common/decode_params.h). No torch here: csrc/torch/decode_cuda.cpp (and the CPU emulator,
+// tests/cuda_emu/emu_decode_*.cpp) fill the params through csrc/torch/decode_params, pick the
+// split count (decode/cuda/heuristics.h) and allocate its scratch (csrc/torch/decode_cuda_steps.h),
+// and call this on the current stream. Errors are thrown as
+// std::runtime_error naming the cause. The kernel computes in float32 for fp32 / fp16 / bf16.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/decode_params.h"
+
+namespace attn {
+
+// out, lse <- decode attention. splits > 1: part_o (B, H, Sq, splits, D) and part_lse
+// (B, H, Sq, splits) float32 scratch (every element is written before the combine reads it; no
+// zeroing needed).
+void cuda_decode_fwd(const DecodeParams& p, DType dt, int splits, float* part_o, float* part_lse,
+                     cudaStream_t stream);
+
+}  // namespace attn

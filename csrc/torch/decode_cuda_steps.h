@@ -1,0 +1,63 @@
+// The host steps of the CUDA decode op between the op's tensors and the torch-free backend
+// (csrc/decode/cuda/entry.h): checks (decode_params.h), outputs, params, the split count and its
+// fp32 scratch, the launch, errors. One copy for the real CUDA binding (decode_cuda.cpp) and the
+// CPU emulator's (tests/cuda_emu/emu_decode_binding.cpp), which differ only in their `Device`:
+//
+//   struct Device {
+//     static constexpr bool kPoison;       // outputs and scratch start as NaN (the emulator)
+//     static constexpr const char* kWhat;  // error-message prefix
+//     void check_device(const Tensor& q) const;  // dtype / device the backend takes
+//     <RAII> guard(const Tensor& q) const;       // device guard for the call
+//     int sm_count() const;                      // SMs of the device (the split heuristic)
+//     void decode_fwd(const DecodeParams&, DType, int splits, float* part_o, float* part_lse) const;
+//   };
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "common/decode_params.h"
+#include "decode/cuda/heuristics.h"
+#include "torch/decode_params.h"
+#include "torch/softmax_cuda_steps.h"  // run_backend
+#include "torch/softmax_params.h"      // dtype_of
+
+namespace attn {
+namespace api {
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> decode_cuda_steps(const Device& dev, const DecodeArgs& a) {
+  const int64_t max_keys = check_decode_inputs(a);
+  dev.check_device(a.q);
+  const auto guard = dev.guard(a.q);
+  auto [out, lse] = alloc_decode_outputs(a.q);
+  if (a.q.numel() == 0) return {out, lse};
+  if constexpr (Device::kPoison) {
+    out.fill_(NAN);
+    lse.fill_(NAN);
+  }
+  const DecodeParams p = make_decode_params<float>(a, out, lse);
+  const int splits = decode_num_splits_heuristic(int64_t(p.b) * p.h_k, dev.sm_count(), max_keys, p.num_splits);
+  at::Tensor part_o, part_lse;
+  if (splits > 1) {
+    // (B, H, Sq, splits, D) and (B, H, Sq, splits) fp32 partials, from the caching allocator
+    const auto f32 = a.q.options().dtype(at::kFloat);
+    part_o = at::empty({int64_t(p.b) * p.h * p.sq * splits * p.d}, f32);
+    part_lse = at::empty({int64_t(p.b) * p.h * p.sq * splits}, f32);
+    if constexpr (Device::kPoison) {
+      part_o.fill_(NAN);
+      part_lse.fill_(NAN);
+    }
+  }
+  const DType dt = dtype_of(a.q);
+  run_backend<Device>([&] {
+    dev.decode_fwd(p, dt, splits, splits > 1 ? part_o.data_ptr<float>() : nullptr,
+                   splits > 1 ? part_lse.data_ptr<float>() : nullptr);
+  });
+  return {out, lse};
+}
+
+}  // namespace api
+}  // namespace attn
