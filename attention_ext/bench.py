@@ -138,10 +138,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m attention_ext bench")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode", action="store_true",
+                    help="decode steps over a KV cache: GB/s of K / V read against the copy bandwidth and SDPA")
     args = ap.parse_args(argv)
     dev = args.device
     cuda = dev.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else None
+    if args.decode:
+        return decode_main(dev, args.reps)
     dtypes = (torch.bfloat16, torch.float16) if cuda else (torch.float32, torch.bfloat16)
     shapes = [(4, 16, 2048, 64), (2, 16, 4096, 128)] if cuda else [(1, 8, 1024, 64), (1, 8, 2048, 64)]
     ceil = matmul_ceiling(dtypes[0] if cuda else torch.float32, n=4096 if cuda else 1024, device=dev)
@@ -160,4 +164,45 @@ def main(argv=None) -> int:
                 fl = flops(b, h, s, s, d, causal=causal)
                 print(f"| {(b, h, s, d)} | {causal} | {str(dtype)[6:]} | {fl / t['ours'] / 1e12:.3f} | "
                       f"{fl / t['sdpa'] / 1e12:.3f} | {t['sdpa'] / t['ours']:.2f}x |")
+    return 0
+
+
+def decode_main(dev: str, reps: int) -> int:
+    """One decode step (q_len 1) over contiguous and paged caches, B4, Hq32, Hkv8, D128: K / V
+    read rate as a share of the measured copy bandwidth, and the speedup over torch SDPA with
+    enable_gqa on a contiguous (B, H_k, S, D) cache (its best layout), timed interleaved."""
+    import torch.nn.functional as F
+
+    from attention_ext.decode import decode_fwd
+
+    cuda = dev.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else None
+    copy_bw = copy_bandwidth(1 << 28, device=dev)
+    b, h, hk, d = (8, 32, 8, 128) if cuda else (4, 32, 8, 128)
+    lengths = (4096, 16384, 65536) if cuda else (4096, 16384)
+    dtypes = (torch.bfloat16,) if cuda else (torch.float32, torch.bfloat16)
+    print(f"device {dev}; copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write); B{b} Hq{h} Hkv{hk} D{d}, q_len 1")
+    print("| cache | dtype | ours GB/s | share of copy | paged-16 / contiguous | SDPA GB/s | ours / SDPA |")
+    print("|---|---|---|---|---|---|---|")
+    for s in lengths:
+        for dtype in dtypes:
+            q = torch.randn(b, 1, h, d, dtype=dtype, device=dev)
+            kc, vc = (torch.randn(b, s, hk, d, dtype=dtype, device=dev) for _ in range(2))
+            lens = torch.full((b,), s, dtype=torch.int32, device=dev)
+            page, n = 16, s // 16
+            bt = torch.randperm(b * n, device=dev).view(b, n).int()
+            kp, vp = (torch.empty(b * n, page, hk, d, dtype=dtype, device=dev) for _ in range(2))
+            kp[bt.flatten().long()] = kc.reshape(b * n, page, hk, d)
+            vp[bt.flatten().long()] = vc.reshape(b * n, page, hk, d)
+            qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
+            with torch.no_grad():
+                t = interleaved({
+                    "ours": lambda: decode_fwd(q, kc, vc, cache_seqlens=lens, scale=d ** -0.5),
+                    "paged": lambda: decode_fwd(q, kp, vp, cache_seqlens=lens, block_table=bt, scale=d ** -0.5),
+                    "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+                }, reps=reps, sync=sync)
+            nb = decode_bytes(b, hk, s, d, dtype)
+            print(f"| {s} | {str(dtype)[6:]} | {nb / t['ours'] / 1e9:.1f} | {nb / t['ours'] / copy_bw:.0%} | "
+                  f"{t['ours'] / t['paged']:.2f} | {nb / t['sdpa'] / 1e9:.1f} | {t['sdpa'] / t['ours']:.2f}x |")
+            del q, kc, vc, kp, vp, qs, ks, vs
     return 0
