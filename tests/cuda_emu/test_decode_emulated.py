@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.cuda_emu import emulator as cuda_emu
-from tests.decode.cases import Case, check, make_inputs, op_args
+from tests.decode.cases import Case, check, make_inputs, op_args, option_sets
 
 SMS = 132
 
@@ -46,18 +46,7 @@ def test_layouts(emu, page, splits, sq):
     run(emu, Case(sq=sq, page=page, num_splits=splits, dtype=torch.bfloat16 if sq != 2 else torch.float16))
 
 
-OPTIONS = {
-    "window": dict(window=(13, -1)),
-    "window_lr": dict(window=(20, 3)),
-    "causal": dict(window=(-1, 0)),
-    "sinks": dict(sinks=True),
-    "alibi": dict(alibi=True),
-    "softcap": dict(softcap=5.0),
-    "batch_idx": dict(batch_idx=True),
-    "leftpad": dict(leftpad=True),
-    "leftpad_paged": dict(leftpad=True, page=5),
-    "all": dict(window=(30, 0), sinks=True, alibi=True, softcap=8.0, leftpad=True, batch_idx=True),
-}
+OPTIONS = option_sets(1)
 
 
 @pytest.mark.parametrize("splits", [1, 4])

@@ -36,6 +36,23 @@ class Case:
     num_splits: int = 1
 
 
+def option_sets(w: int) -> dict:
+    """The option combinations every decode test runs (Case keywords), windows of 13 w to 30 w
+    keys: w = 10 for the CPU and GPU tests, 1 for the emulator's small caches."""
+    return {
+        "window": dict(window=(13 * w, -1)),
+        "window_lr": dict(window=(20 * w, 3)),
+        "causal": dict(window=(-1, 0)),
+        "sinks": dict(sinks=True),
+        "alibi": dict(alibi=True),
+        "softcap": dict(softcap=5.0),
+        "batch_idx": dict(batch_idx=True),
+        "leftpad": dict(leftpad=True),
+        "leftpad_paged": dict(leftpad=True, page=5),
+        "all": dict(window=(30 * w, 0), sinks=True, alibi=True, softcap=8.0, leftpad=True, batch_idx=True),
+    }
+
+
 def make_inputs(c: Case, device="cpu"):
     """q (B, Sq, H, D); caches (B_cache, S_cache, H_k, D) or (num_pages, page, H_k, D); kwargs of
     reference.decode_attention / ops.decode_fwd (index tensors int32 on `device`)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attention_ext.decode import ops, reference
-from tests.decode.cases import Case, check, make_inputs, op_args
+from tests.decode.cases import Case, check, make_inputs, op_args, option_sets
 
 pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")), reason="needs the compiled CPU kernels")
 
@@ -35,18 +35,7 @@ def test_layouts(page, splits, sq):
              seqlens=(0, 1, 377, 1000)))
 
 
-OPTIONS = {
-    "window": dict(window=(130, -1)),
-    "window_lr": dict(window=(200, 3)),
-    "causal": dict(window=(-1, 0)),
-    "sinks": dict(sinks=True),
-    "alibi": dict(alibi=True),
-    "softcap": dict(softcap=5.0),
-    "batch_idx": dict(batch_idx=True),
-    "leftpad": dict(leftpad=True),
-    "leftpad_paged": dict(leftpad=True, page=5),
-    "all": dict(window=(300, 0), sinks=True, alibi=True, softcap=8.0, leftpad=True, batch_idx=True),
-}
+OPTIONS = option_sets(10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attention_ext.decode import ops
-from tests.decode.cases import Case, check, make_inputs, op_args
+from tests.decode.cases import Case, check, make_inputs, op_args, option_sets
 
 CUDA = torch.cuda.is_available() and ops.HAS_EXT and ops.has_kernel(torch.device("cuda"))
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled CUDA decode kernel")
@@ -47,18 +47,7 @@ def test_layouts(page, splits, sq):
              seqlens=(0, 1, 377, 1000)))
 
 
-OPTIONS = {
-    "window": dict(window=(130, -1)),
-    "window_lr": dict(window=(200, 3)),
-    "causal": dict(window=(-1, 0)),
-    "sinks": dict(sinks=True),
-    "alibi": dict(alibi=True),
-    "softcap": dict(softcap=5.0),
-    "batch_idx": dict(batch_idx=True),
-    "leftpad": dict(leftpad=True),
-    "leftpad_paged": dict(leftpad=True, page=5),
-    "all": dict(window=(300, 0), sinks=True, alibi=True, softcap=8.0, leftpad=True, batch_idx=True),
-}
+OPTIONS = option_sets(10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

@@ -322,35 +322,22 @@ struct DecodeWorker {
       }
     }
 
-    const T ninf = -std::numeric_limits<T>::infinity();
     for (int r = 0; r < rows; ++r) {
       const int h = r / p.sq, i = r % p.sq;
       const int64_t row_id = (int64_t(b) * p.h + h) * p.sq + i;
-      T mr = m[r], lr = l[r], alpha = T(1);
+      const T* orow = o + size_t(r) * dp;
       if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the merge adds it)
-        const bool empty = !(lr > T(0)) && !std::isnan(lr);
-        const T inv = empty ? T(0) : T(1) / lr;
+        const T inv = finish_row(m[r], l[r], false, T(0), T(1), &part_lse[row_id * splits + split]);
         T* dst = part_o + (row_id * splits + split) * dp;
-        const T* orow = o + size_t(r) * dp;
         for (int c = 0; c < dp; c += L) vstore(dst + c, vload(orow + c) * inv);
-        part_lse[row_id * splits + split] = empty ? ninf : mr + std::log(lr);
         continue;
       }
-      const T sink = p.sinks != nullptr ? p.sinks[h] : ninf;
-      if (sink > mr) {  // the sink joins the denominator only; rescale to its max
-        alpha = std::isinf(mr) ? T(0) : std::exp(mr - sink);
-        lr = lr * alpha + T(1);
-        mr = sink;
-      } else if (p.sinks != nullptr) {
-        lr += std::exp(sink - mr);
-      }
-      const bool empty = !(lr > T(0)) && !std::isnan(lr);
-      const T inv = empty ? T(0) : alpha / lr;
-      const T* orow = o + size_t(r) * dp;
+      const bool has_sink = p.sinks != nullptr;
+      const T inv = finish_row(m[r], l[r], has_sink, has_sink ? p.sinks[h] : T(0), T(1),
+                               &p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i]);
       for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
       store_row(dt, row, elem(p.o, dt, int64_t(b) * p.o_batch_stride + int64_t(h) * p.o_head_stride +
                                            int64_t(i) * p.o_row_stride), d);
-      p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i] = empty ? ninf : mr + std::log(lr);
     }
   }
 };

@@ -246,20 +246,10 @@ struct FwdWorker {
     const T sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<T>::infinity();
     const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
     for (int r = 0; r < rows; ++r) {
-      T mr = m[r], lr = l[r], alpha = T(1);
-      if (sink > mr) {  // the sink joins the denominator only; rescale to its max
-        alpha = std::isinf(mr) ? T(0) : std::exp(mr - sink);
-        lr = lr * alpha + T(1);
-        mr = sink;
-      } else if (p.sinks != nullptr) {
-        lr += std::exp(sink - mr);
-      }
-      const bool empty = !(lr > T(0)) && !std::isnan(lr);
-      const T inv = empty ? T(0) : alpha * keep_scale / lr;
+      const T inv = finish_row(m[r], l[r], p.sinks != nullptr, sink, keep_scale, &lse[r]);
       const T* orow = o + r * dp;
       for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
       store_row(dt, row, obase + es * r * p.o_row_stride, d);
-      lse[r] = empty ? -std::numeric_limits<T>::infinity() : mr + std::log(lr);
     }
   }
 };

@@ -134,6 +134,26 @@ struct TileSoftmax {
   }
 };
 
+// ---------------------------------------------------------------- the end of a row
+// A row's online softmax ends with running max m and sum l; the sink logit (has_sink) joins
+// the denominator only. Sets *lse (-inf for a row that saw nothing and has no sink) and returns
+// the factor turning the row's running output into its output, times `scale` (0 for such a
+// row). Shared by the forward and the decode kernels.
+template <typename T>
+inline T finish_row(T m, T l, bool has_sink, T sink, T scale, T* lse) {
+  T alpha = T(1);
+  if (has_sink && sink > m) {  // rescale to the sink's max
+    alpha = std::isinf(m) ? T(0) : std::exp(m - sink);
+    l = l * alpha + T(1);
+    m = sink;
+  } else if (has_sink) {
+    l += std::exp(sink - m);
+  }
+  const bool empty = !(l > T(0)) && !std::isnan(l);
+  *lse = empty ? -std::numeric_limits<T>::infinity() : m + std::log(l);
+  return empty ? T(0) : alpha * scale / l;
+}
+
 // ---------------------------------------------------------------- tasks over query rows
 // One task of the kernels that split the queries (the forward, top-k's threshold pass): a
 // (batch, query head, block of kBlockM rows). last_first: the last row blocks first (with a
