@@ -149,12 +149,14 @@ def test_kvcache_variants(variant, paged, sq):
 
 
 @pytest.mark.parametrize("rot", ["interleaved", "neox"])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged"])
 @pytest.mark.parametrize("sq", [1, 2, 7])
-def test_kvcache_rotary(rot, causal, paged, sq):
+def test_kvcache_rotary(rot, mask, paged, sq):
+    # q rotates at cache_seqlens + t when causal or local, at cache_seqlens otherwise
+    variant = dict(causal=True) if mask == "causal" else dict(window=(5, 2)) if mask == "window" else dict()
     for dtype in LOW:
-        run_case(dtype, paged, sq, rot=rot, append=True, variant=dict(causal=causal))
+        run_case(dtype, paged, sq, rot=rot, append=True, variant=variant)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged"])
