@@ -114,7 +114,8 @@ def run_case(dtype, paged, sq, rot, append, variant, seqlens=(0, 1, 13), d=40, h
             kexp[r0, r1] = k64[i, t]
             vexp[r0, r1] = vn[i, t].double()
             written[r0, r1] = True
-    assert torch.equal(kc[~written], kc0[~written]) and torch.equal(vc[~written], vc0[~written]), "outside slots changed"
+    assert torch.equal(kc[~written], kc0[~written]), "k_cache changed outside the written slots"
+    assert torch.equal(vc[~written], vc0[~written]), "v_cache changed outside the written slots"
     assert torch.equal(vc[written].double(), vexp[written])
     if rot is None:
         assert torch.equal(kc[written].double(), kexp[written])
