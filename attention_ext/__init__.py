@@ -15,12 +15,15 @@ import importlib
 
 __version__ = "0.1.0"
 
-from . import linear, reference, softmax, sparse  # noqa: E402  (the families' ops.py attach fakes and autograd)
+from . import decode, linear, reference, softmax, sparse  # noqa: E402  (the families' ops.py attach fakes and autograd)
 from .compat import (  # noqa: E402
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
     scaled_dot_product_attention,
 )
 from ._ext import empty_cpu_cache  # noqa: E402
@@ -39,6 +42,9 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
     "dropout_mask",
     "empty_cpu_cache",
     "linear_attention",
@@ -50,6 +56,7 @@ __all__ = [
     "softmax",
     "linear",
     "sparse",
+    "decode",
     "nn",
     "models",
 ]

@@ -2,8 +2,10 @@
 
     decode_fwd(q, k_cache, v_cache, cache_seqlens=..., block_table=...)   the op (ops.py)
     reference.decode_attention                                             the float64 oracle
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...)                flash-attn's drop-in (kvcache.py)
 """
-from . import ops, reference
+from . import kvcache, ops, reference
+from .kvcache import flash_attn_with_kvcache
 from .ops import decode_fwd, has_kernel
 
-__all__ = ["decode_fwd", "has_kernel", "ops", "reference"]
+__all__ = ["decode_fwd", "flash_attn_with_kvcache", "has_kernel", "kvcache", "ops", "reference"]

@@ -188,6 +188,18 @@ inline uint32_t __float_as_uint(float f) {
   return u;
 }
 
+// a multiply rounded on its own, never contracted into an FMA with what uses it (as on the GPU):
+// the empty asm makes the compiler materialize the rounded product
+inline float __fmul_rn(float a, float b) {
+  float r = a * b;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+x"(r));
+#elif defined(__GNUC__) && defined(__aarch64__)
+  asm("" : "+w"(r));
+#endif
+  return r;
+}
+
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 

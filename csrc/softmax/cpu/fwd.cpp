@@ -61,7 +61,6 @@ struct FwdWorker {
   // Direct mode: (rows, n) raw scores q_r . k_j of keys [j0, j0 + n) into s (row stride
   // kBlockN); keys past the sequence get 0 (the policy masks them).
   void direct_scores(const T* q, T* s, int rows, int j0, int n, int len_k, const char* kbase, int d, int dp) {
-    const int dv = d / L * L;
     for (int jj = 0; jj < n; ++jj) {
       const int j = j0 + jj;
       if (j >= len_k) {
@@ -69,14 +68,16 @@ struct FwdWorker {
         continue;
       }
       const T* k = kv_row(kbase, j, p.k_row_stride, d, dp);
-      for (int r = 0; r < rows; ++r) {
-        const T* qr = q + r * dp;
-        vec<T> acc{};
-        for (int c = 0; c < dv; c += L) acc += vload(qr + c) * vload(k + c);
-        T dot = hsum(acc);
-        for (int c = dv; c < d; ++c) dot += qr[c] * k[c];
-        s[r * kBlockN + jj] = dot;
+      // each dot runs over c = 0 .. d-1 in order, one multiply-add at a time, as gemm's micro
+      // kernel does for the backward's recomputed scores: the same q.k bit for bit, so a row's
+      // logits and its LSE agree exactly (one visible key: P = 1 in the backward too). The
+      // rows are independent chains, which keeps the FMA units busy.
+      T dot[kDirectMaxRows] = {};
+      for (int c = 0; c < d; ++c) {
+        const T kc = k[c];
+        for (int r = 0; r < rows; ++r) dot[r] += q[r * dp + c] * kc;
       }
+      for (int r = 0; r < rows; ++r) s[r * kBlockN + jj] = dot[r];
     }
   }
   // Direct mode: O (rows, dp) += P (rows, n) @ V rows j0 ... Every key inside the

@@ -84,6 +84,26 @@ struct TileSoftmax {
     }
   }
 
+  // The exponent of exp(s * post - m) in base 2, the one formula of the forward (m = the running
+  // max) and the backward (m = lse): (s * post - m) log2 e, the difference taken first, so a
+  // logit equal to m gives exactly 2^0 = 1 (simd.h's vexp2_nonpos(0) is 1): with one visible key
+  // P = 1 and out = v, dV = dO bit for bit. The fused form s * post log2 e - m log2 e (one FMA)
+  // leaves the FMA's rounding residual of the product instead of 0; the forward hides it (it
+  // divides by l = that same 2^r) but the backward's P = 2^r does not. The plain path's product
+  // s * post must be rounded before the subtraction, as the max m = round(max s * post) was: an
+  // empty asm makes the compiler materialize it, so it cannot contract the two into an FMA.
+  V exp2_arg(V s, T m) const {
+    if (plain) {
+      s = s * vbcast(post);
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+      asm("" : "+v"(s));
+#elif defined(__GNUC__) && defined(__aarch64__)
+      asm("" : "+w"(s));
+#endif
+    }
+    return (s - vbcast(m)) * vbcast(T(kLog2e));
+  }
+
   // srow: logits -> exp(s - m') in place, with m' = max(m_old, rowmax). Updates the running
   // sum *l and returns m' (m_old unchanged when the whole row is masked). NaN propagates.
   T online_update(T* srow, T m_old, T* l, int n = kBlockN) const {
@@ -101,10 +121,8 @@ struct TileSoftmax {
       m_new = T(0);
     }
     V sum = V{};
-    // exp(s * post - m') = 2^(s * post * log2 e - m' log2 e): one FMA, then the exp2
-    const T post2 = post * T(kLog2e), m2 = m_new * T(kLog2e);
     for (int c = 0; c < n; c += L) {
-      V e = vexp2_nonpos(vload(srow + c) * post2 - m2);
+      V e = vexp2_nonpos(exp2_arg(vload(srow + c), m_new));
       vstore(srow + c, e);
       sum += e;
     }
@@ -119,8 +137,7 @@ struct TileSoftmax {
       for (int c = 0; c < n; c += L) vstore(srow + c, V{});
       return;
     }
-    const T post2 = post * T(kLog2e), lse2 = lse * T(kLog2e);
-    for (int c = 0; c < n; c += L) vstore(srow + c, vexp2_nonpos(vload(srow + c) * post2 - lse2));
+    for (int c = 0; c < n; c += L) vstore(srow + c, vexp2_nonpos(exp2_arg(vload(srow + c), lse)));
   }
 
   // zero the dropped entries of row i (keys j0 ..); the 1 / (1 - p) is applied by the caller

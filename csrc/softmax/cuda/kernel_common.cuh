@@ -78,17 +78,20 @@ __device__ __forceinline__ bool plain_allowed(const Policy& pol, int i, int j) {
   return pol.in_window(i, j) && pol.in_layout(i, j);
 }
 
-// The forward logit in the log2 domain, -inf where (i, j) is not allowed.
+// The forward logit in the log2 domain, -inf where (i, j) is not allowed. The log2 e product is
+// __fmul_rn (never contracted): the backward's exp2f(s2 - lse2) must see the same rounded s2 as
+// the forward's max, not an FMA that keeps the product's rounding residual (a row with one
+// visible key must get P = 1 exactly; the CPU's tile.h exp2_arg has the same rule).
 //   check = false: the caller proved the tile is inside the window and the layout, and the
 //   policy is plain.
 __device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool check, float scale_log2,
                                         float x, int i, int j) {
   if (plain) {
     if (check && !plain_allowed(pol, i, j)) return -INFINITY;
-    return x * scale_log2;
+    return __fmul_rn(x, scale_log2);
   }
   if (!pol.allowed(i, j)) return -INFINITY;
-  return pol.score(x, i, j) * kLog2e;
+  return __fmul_rn(pol.score(x, i, j), kLog2e);
 }
 
 // logit2 with top-k's rule too, for the SIMT kernels (the only ones top-k calls reach; the
@@ -99,7 +102,7 @@ __device__ __forceinline__ float logit2_topk(const Policy& pol, bool plain, floa
   if (pol.topk_thr == nullptr) return logit2(pol, plain, true, scale_log2, x, i, j);
   if (!pol.allowed(i, j)) return -INFINITY;
   const float s = pol.score(x, i, j);
-  return pol.topk_keep(s, i, j) ? s * kLog2e : -INFINITY;
+  return pol.topk_keep(s, i, j) ? __fmul_rn(s, kLog2e) : -INFINITY;
 }
 
 // Block-sparse helpers for kernels that do not walk a tile index (the SIMT kernels, the
@@ -155,7 +158,7 @@ __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, boo
       r.pd = r.ds = r.dx = 0.f;
       return r;
     }
-    s2 = x * (scale * kLog2e);
+    s2 = __fmul_rn(x, scale * kLog2e);
   } else {
     if (!pol.allowed(i, j)) {
       r.pd = r.ds = r.dx = 0.f;
@@ -166,7 +169,7 @@ __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, boo
       r.pd = r.ds = r.dx = 0.f;
       return r;
     }
-    s2 = s * kLog2e;
+    s2 = __fmul_rn(s, kLog2e);
   }
   float pr = exp2f(s2 - lse2);
   r.pd = pr * z;

@@ -1,0 +1,286 @@
+"""Tier 2 of the decode family: flash-attn 2.x's `flash_attn_with_kvcache` on the decode op.
+
+One call does what flash-attn's does, in its order: rotary on the new keys (and on q), the new
+keys / values written IN PLACE into the (paged) cache at rows cache_seqlens[b] + t, then
+attention of q over the cache_seqlens[b] + S_new keys of every sequence (decode_fwd). Every
+argument is validated first, so bad input is a clear ValueError / TypeError and never a crash,
+a write out of bounds or a silent wrong answer.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ..softmax.ops import acc_dtype
+from .ops import decode_fwd
+
+__all__ = ["flash_attn_with_kvcache", "apply_rotary"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x (B, S, H, D) at integer positions pos (B, S), with cos / sin
+    (seqlen_ro, rotary_dim / 2); the first rotary_dim channels rotate, the rest pass through.
+    interleaved (GPT-J): pairs (x[2i], x[2i+1]); else (GPT-NeoX) pairs (x[i], x[i + rotary_dim/2]).
+    The math runs in float32 (float64 for float64 x) and the result is in x's dtype."""
+    rd = 2 * cos.shape[1]
+    acc = acc_dtype(x.dtype)
+    c = cos.to(acc)[pos][:, :, None, :]  # (B, S, 1, rd/2)
+    s = sin.to(acc)[pos][:, :, None, :]
+    xr = x[..., :rd].to(acc)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) -> Optional[Tensor]:
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"flash_attn_with_kvcache: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"flash_attn_with_kvcache: {name} must be int32, got {t.dtype}")
+    if t.shape != (b,):
+        raise ValueError(f"flash_attn_with_kvcache: {name} must be ({b},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"flash_attn_with_kvcache: {name} must be on {device}, got {t.device}")
+    return t
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    cache_seqlens: Optional[Union[int, Tensor]] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Drop-in for flash_attn.flash_attn_with_kvcache (flash-attn 2.x semantics).
+
+    q (B, Sq, H, D). k_cache / v_cache (B_cache, S_cache, H_k, D), or paged
+    (num_pages, page_size, H_k, D) with block_table (B, max_pages) int32: row r of sequence b is
+    row r % page_size of page block_table[b, r // page_size]. H must be a multiple of H_k
+    (MQA / GQA read the shared K/V heads, never repeated).
+
+    cache_seqlens: int (same for every sequence) or (B,) int32: how many cache rows each
+    sequence holds (absolute rows, the left pad included). None: the whole cache (then k / v
+    cannot be appended). cache_batch_idx (B,) int32: the cache row of sequence b (contiguous
+    caches only, as in flash-attn). cache_leftpad (B,) int32: sequence b's keys start at cache
+    row leftpad[b].
+
+    k / v (B, S_new, H_k, D), optional: written IN PLACE into the cache at rows
+    cache_seqlens[b] + t (t < S_new), after rotary on k; nothing else in the cache changes.
+    Attention then covers rows [leftpad[b], cache_seqlens[b] + S_new). The rows must fit the
+    capacity (S_cache, or max_pages * page_size) or a ValueError is raised before any write.
+
+    rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2): rotary_dim = 2 * cos.shape[1] <= D.
+    k_new row t rotates at position cache_seqlens[b] + t; q row t at cache_seqlens[b] + t when
+    causal or local (a window), else every q row at cache_seqlens[b] (flash-attn's rule).
+    rotary_interleaved: GPT-J pairs (True) or GPT-NeoX halves (False).
+
+    causal: window_size = (left, 0), aligned bottom-right (the last query row sees the last
+    key). softcap: cap * tanh(s / cap). alibi_slopes (H,) or (B, H) float32. sinks (H,) float32
+    (extension, keyword only): a learnable logit per head in the denominator.
+    num_splits: key splits, 0 = heuristic.
+
+    Returns out (B, Sq, H, D), and lse (B, H, Sq) float32 with return_softmax_lse.
+
+    Not differentiable (flash-attn's has no backward either): a ValueError is raised when grad
+    mode is on and q, k or v requires grad. Call it under torch.no_grad() / inference_mode().
+    """
+    # ---- shapes and dtypes
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flash_attn_with_kvcache: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"flash_attn_with_kvcache: {name} must be 4-D, got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"flash_attn_with_kvcache: {name} must be fp32 / bf16 / fp16 / fp64, got {t.dtype}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"flash_attn_with_kvcache: q, k_cache, v_cache must share a dtype, got "
+                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    dev = q.device
+    if k_cache.device != dev or v_cache.device != dev:
+        raise ValueError("flash_attn_with_kvcache: q, k_cache and v_cache must be on one device")
+    b, sq, h, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"flash_attn_with_kvcache: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have one shape")
+    n_rows, rows_per, hk, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"flash_attn_with_kvcache: head dim of q ({d}) and the cache ({dk}) differ")
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"flash_attn_with_kvcache: query heads ({h}) must be a multiple of kv heads ({hk})")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        raise ValueError("flash_attn_with_kvcache is not differentiable (as flash-attn's): call it under "
+                         "torch.no_grad() or detach q / k / v")
+
+    # ---- index tensors
+    if block_table is not None:
+        if not isinstance(block_table, Tensor):
+            raise TypeError("flash_attn_with_kvcache: block_table must be a tensor")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"flash_attn_with_kvcache: block_table must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != b or block_table.shape[1] == 0:
+            raise ValueError(f"flash_attn_with_kvcache: block_table must be (B={b}, max_pages >= 1), got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.device != dev:
+            raise ValueError(f"flash_attn_with_kvcache: block_table must be on {dev}")
+        if cache_batch_idx is not None:
+            raise ValueError("flash_attn_with_kvcache: cache_batch_idx is not supported with a paged cache "
+                             "(block_table), as in flash-attn")
+        capacity = block_table.shape[1] * rows_per
+    else:
+        capacity = rows_per
+    cache_batch_idx = _int_vector("cache_batch_idx", cache_batch_idx, b, dev)
+    cache_leftpad = _int_vector("cache_leftpad", cache_leftpad, b, dev)
+    if cache_batch_idx is not None and cache_batch_idx.numel() and (
+            int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= n_rows):
+        raise ValueError(f"flash_attn_with_kvcache: cache_batch_idx entries must lie in [0, {n_rows})")
+    if block_table is None and cache_batch_idx is None and n_rows < b:
+        raise ValueError(f"flash_attn_with_kvcache: the cache holds {n_rows} sequences, q has {b}")
+
+    if cache_seqlens is None:
+        if k is not None or v is not None:
+            raise ValueError("flash_attn_with_kvcache: appending k / v needs cache_seqlens (where to write)")
+        seqlens = None
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, Tensor)):
+        raise TypeError("flash_attn_with_kvcache: cache_seqlens must be an int or a (B,) int32 tensor")
+    elif isinstance(cache_seqlens, int):
+        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+    else:
+        seqlens = _int_vector("cache_seqlens", cache_seqlens, b, dev)
+    if seqlens is not None and b and int(seqlens.min()) < 0:
+        raise ValueError("flash_attn_with_kvcache: cache_seqlens must be >= 0")
+    if cache_leftpad is not None and b:
+        if int(cache_leftpad.min()) < 0:
+            raise ValueError("flash_attn_with_kvcache: cache_leftpad must be >= 0")
+        ends = seqlens if seqlens is not None else torch.full_like(cache_leftpad, capacity)
+        if bool((cache_leftpad > ends).any()):
+            raise ValueError("flash_attn_with_kvcache: cache_leftpad must be <= cache_seqlens")
+
+    # ---- new keys / values
+    s_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("flash_attn_with_kvcache: pass k and v together")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"flash_attn_with_kvcache: {name} must be a tensor")
+            if t.dtype != q.dtype:
+                raise TypeError(f"flash_attn_with_kvcache: {name} must be {q.dtype} like the cache, got {t.dtype}")
+            if t.device != dev:
+                raise ValueError(f"flash_attn_with_kvcache: {name} must be on {dev}")
+            if t.dim() != 4 or t.shape[0] != b or t.shape[2:] != (hk, d):
+                raise ValueError(f"flash_attn_with_kvcache: {name} must be (B={b}, S_new, H_k={hk}, D={d}), got "
+                                 f"{tuple(t.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"flash_attn_with_kvcache: k and v must have one S_new, got {k.shape[1]}, {v.shape[1]}")
+        s_new = k.shape[1]
+    end = seqlens + s_new if seqlens is not None else None
+    if end is not None and b and int(end.max()) > capacity:
+        bad = int(torch.argmax(end))
+        raise ValueError(f"flash_attn_with_kvcache: cache overflow: sequence {bad} would hold {int(end[bad])} rows "
+                         f"(cache_seqlens {int(seqlens[bad])} + {s_new} new) but the cache holds {capacity}")
+    if block_table is not None and b:
+        # every page a sequence reads or writes must exist (entries past its end may be anything)
+        used = (end if end is not None else torch.full((b,), capacity, device=dev, dtype=torch.int32))
+        n_used = (used.long() + rows_per - 1) // rows_per  # (B,)
+        live = torch.arange(block_table.shape[1], device=dev)[None, :] < n_used[:, None]
+        pages = block_table[live]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= n_rows):
+            raise ValueError(f"flash_attn_with_kvcache: block_table holds a page outside [0, {n_rows}) among the "
+                             "pages the sequences use")
+
+    # ---- rotary
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("flash_attn_with_kvcache: pass rotary_cos and rotary_sin together")
+    local = window_size[0] >= 0 or window_size[1] >= 0
+    if rotary_cos is not None:
+        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"flash_attn_with_kvcache: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2), "
+                             f"got {tuple(rotary_cos.shape)}, {tuple(rotary_sin.shape)}")
+        if not (rotary_cos.is_floating_point() and rotary_sin.is_floating_point()):
+            raise TypeError("flash_attn_with_kvcache: rotary_cos / rotary_sin must be floating point")
+        if rotary_cos.device != dev or rotary_sin.device != dev:
+            raise ValueError(f"flash_attn_with_kvcache: rotary_cos / rotary_sin must be on {dev}")
+        rd = 2 * rotary_cos.shape[1]
+        if rd == 0 or rd > d:
+            raise ValueError(f"flash_attn_with_kvcache: rotary_dim = 2 * cos.shape[1] = {rd} must be in [2, D={d}]")
+        base = seqlens if seqlens is not None else torch.zeros((b,), dtype=torch.int32, device=dev)
+        base = base.long()[:, None]  # (B, 1)
+        q_pos = base + torch.arange(sq, device=dev)[None, :] if (causal or local) else base.expand(b, sq)
+        need = [q_pos]
+        if s_new:
+            k_pos = base + torch.arange(s_new, device=dev)[None, :]
+            need.append(k_pos)
+        top = max((int(t.max()) for t in need if t.numel()), default=-1)
+        if top >= rotary_cos.shape[0]:
+            raise ValueError(f"flash_attn_with_kvcache: rotary position past seqlen_ro = {rotary_cos.shape[0]}")
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if s_new:
+            k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+
+    # ---- side tensors
+    acc = acc_dtype(q.dtype)
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype not in (torch.float32, acc):
+            raise TypeError(f"flash_attn_with_kvcache: alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if alibi_slopes.shape not in ((h,), (b, h)):
+            raise ValueError(f"flash_attn_with_kvcache: alibi_slopes must be (H={h},) or (B, H), got "
+                             f"{tuple(alibi_slopes.shape)}")
+        alibi_slopes = alibi_slopes.to(device=dev, dtype=acc)
+    if sinks is not None:
+        if not sinks.is_floating_point() or sinks.shape != (h,):
+            raise ValueError(f"flash_attn_with_kvcache: sinks must be a float (H={h},) tensor")
+        sinks = sinks.to(device=dev, dtype=acc)
+    if len(window_size) != 2:
+        raise ValueError("flash_attn_with_kvcache: window_size must be (left, right)")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if causal:
+        wr = 0
+    if softcap < 0:
+        raise ValueError("flash_attn_with_kvcache: softcap must be >= 0")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    # ---- the in-place append: row seqlens[b] + t of sequence b
+    if s_new and b:
+        with torch.no_grad():
+            rows = seqlens.long()[:, None] + torch.arange(s_new, device=dev)[None, :]  # (B, S_new)
+            if block_table is not None:
+                page = torch.gather(block_table.long(), 1, rows // rows_per)
+                slot = rows % rows_per
+            else:
+                seq = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev)
+                page = seq[:, None].expand(b, s_new)
+                slot = rows
+            k_cache[page, slot] = k
+            v_cache[page, slot] = v
+
+    out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=end, block_table=block_table,
+                          cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+                          sinks=sinks, scale=scale, softcap=float(softcap), window_left=wl, window_right=wr,
+                          num_splits=int(num_splits))
+    return (out, lse) if return_softmax_lse else out
