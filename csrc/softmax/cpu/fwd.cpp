@@ -39,15 +39,15 @@ struct FwdWorker {
   const T* vr;  // packed V, kPanels (nullptr in direct mode)
   int n_mblocks;
   Scratch<T, 2> mem;  // this thread's q, s, o tiles, m, l, one output row and one K / V row
-  T *q, *s, *o, *m, *l, *row, *kvrow;
+  T *q, *s, *o, *m, *l, *row, *kvrow, *kgrp, *ktr;
 
   FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
-    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow});
+    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow, &kgrp, &ktr});
   }
-  static std::array<size_t, 7> sizes(int dp) {
+  static std::array<size_t, 9> sizes(int dp) {
     return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
-            size_t(dp), size_t(dp)};
+            size_t(dp), size_t(dp), size_t(L) * dp, size_t(L) * dp};
   }
 
   // Direct mode reads a K / V row in place when it already is T (fp32, fp64), else converts it
@@ -59,25 +59,32 @@ struct FwdWorker {
     return kvrow;
   }
   // Direct mode: (rows, n) raw scores q_r . k_j of keys [j0, j0 + n) into s (row stride
-  // kBlockN); keys past the sequence get 0 (the policy masks them).
+  // kBlockN); keys past the sequence get 0 (the policy masks them). Keys go in groups of L: the
+  // group's rows are transposed into ktr (d, L), and each query row's L dots accumulate over
+  // c = 0 .. d-1 in order, one multiply-add per step, in a vector of L keys: gemm's micro-kernel
+  // order, so the backward's recomputed scores are the same q.k bit for bit (a row's logits
+  // and its LSE agree exactly: one visible key gets P = 1 in the backward too).
   void direct_scores(const T* q, T* s, int rows, int j0, int n, int len_k, const char* kbase, int d, int dp) {
-    for (int jj = 0; jj < n; ++jj) {
-      const int j = j0 + jj;
-      if (j >= len_k) {
-        for (int r = 0; r < rows; ++r) s[r * kBlockN + jj] = T(0);
-        continue;
+    const size_t es = dtype_size(dt);
+    for (int jg = 0; jg < n; jg += L) {
+      for (int u = 0; u < L; ++u) {
+        const int j = j0 + jg + u;
+        if (jg + u < n && j < len_k) {
+          load_row(dt, kbase + es * j * p.k_row_stride, kgrp + u * dp, d, dp);
+        } else {
+          std::fill(kgrp + u * dp, kgrp + (u + 1) * dp, T(0));
+        }
       }
-      const T* k = kv_row(kbase, j, p.k_row_stride, d, dp);
-      // each dot runs over c = 0 .. d-1 in order, one multiply-add at a time, as gemm's micro
-      // kernel does for the backward's recomputed scores: the same q.k bit for bit, so a row's
-      // logits and its LSE agree exactly (one visible key: P = 1 in the backward too). The
-      // rows are independent chains, which keeps the FMA units busy.
-      T dot[kDirectMaxRows] = {};
-      for (int c = 0; c < d; ++c) {
-        const T kc = k[c];
-        for (int r = 0; r < rows; ++r) dot[r] += q[r * dp + c] * kc;
+      transpose(kgrp, L, d, dp, ktr, L);
+      for (int r = 0; r < rows; ++r) {
+        const T* qr = q + r * dp;
+        vec<T> acc{};
+        for (int c = 0; c < d; ++c) {
+          const vec<T> a = vbcast_mem(qr + c);  // the micro-kernel's own expression: one FMA per step
+          acc += a * vload(ktr + c * L);
+        }
+        vstore(s + r * kBlockN + jg, acc);
       }
-      for (int r = 0; r < rows; ++r) s[r * kBlockN + jj] = dot[r];
     }
   }
   // Direct mode: O (rows, dp) += P (rows, n) @ V rows j0 ... Every key inside the
