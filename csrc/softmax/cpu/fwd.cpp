@@ -28,6 +28,8 @@ namespace {
 // the pad to whole key blocks, and pays off only when many query rows reuse each packed block;
 // with one query row it was most of the call ((1, 8, 1, 64) against 512 keys: 167 us packed).
 constexpr int kDirectMaxRows = 8;
+// Direct mode's q.k: key groups of one vector each, this many at a time (see direct_scores)
+constexpr int kDirectGroups = 4;
 
 template <typename T>
 struct FwdWorker {
@@ -47,7 +49,7 @@ struct FwdWorker {
   }
   static std::array<size_t, 9> sizes(int dp) {
     return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
-            size_t(dp), size_t(dp), size_t(L) * dp, size_t(L) * dp};
+            size_t(dp), size_t(dp), size_t(L) * dp, size_t(kDirectGroups) * L * dp};
   }
 
   // Direct mode reads a K / V row in place when it already is T (fp32, fp64), else converts it
@@ -66,24 +68,30 @@ struct FwdWorker {
   // and its LSE agree exactly: one visible key gets P = 1 in the backward too).
   void direct_scores(const T* q, T* s, int rows, int j0, int n, int len_k, const char* kbase, int d, int dp) {
     const size_t es = dtype_size(dt);
-    for (int jg = 0; jg < n; jg += L) {
-      for (int u = 0; u < L; ++u) {
-        const int j = j0 + jg + u;
-        if (jg + u < n && j < len_k) {
-          load_row(dt, kbase + es * j * p.k_row_stride, kgrp + u * dp, d, dp);
-        } else {
-          std::fill(kgrp + u * dp, kgrp + (u + 1) * dp, T(0));
+    // kDirectGroups groups at a time: independent FMA chains (one chain is latency-bound)
+    for (int jg = 0; jg < n; jg += kDirectGroups * L) {
+      const int ng = std::min(kDirectGroups, (n - jg) / L);
+      for (int g = 0; g < ng; ++g) {
+        for (int u = 0; u < L; ++u) {
+          const int jj = jg + g * L + u, j = j0 + jj;
+          if (j < len_k) {
+            load_row(dt, kbase + es * j * p.k_row_stride, kgrp + u * dp, d, dp);
+          } else {
+            std::fill(kgrp + u * dp, kgrp + (u + 1) * dp, T(0));
+          }
         }
+        transpose(kgrp, L, d, dp, ktr + size_t(g) * dp * L, L);
       }
-      transpose(kgrp, L, d, dp, ktr, L);
       for (int r = 0; r < rows; ++r) {
         const T* qr = q + r * dp;
-        vec<T> acc{};
+        vec<T> acc[kDirectGroups] = {};
         for (int c = 0; c < d; ++c) {
           const vec<T> a = vbcast_mem(qr + c);  // the micro-kernel's own expression: one FMA per step
-          acc += a * vload(ktr + c * L);
+          for (int g = 0; g < kDirectGroups; ++g) {
+            if (g < ng) acc[g] += a * vload(ktr + size_t(g) * dp * L + c * L);
+          }
         }
-        vstore(s + r * kBlockN + jg, acc);
+        for (int g = 0; g < ng; ++g) vstore(s + r * kBlockN + jg + g * L, acc[g]);
       }
     }
   }
