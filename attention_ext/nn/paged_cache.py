@@ -33,14 +33,18 @@ class PagedKVCache:
         self.v_pages = torch.zeros_like(self.k_pages)
         max_pages = -(-(max_len or num_pages * page_size) // page_size)
         self.block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)  # (B, max_pages)
-        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)  # (B,) rows filled per sequence
-        self._len: List[int] = [0] * batch           # host copy of lengths
+        self._len: List[int] = [0] * batch           # rows filled per sequence (host; `lengths` is the tensor)
         self._pages: List[List[int]] = [[] for _ in range(batch)]
         self.free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
         self.rows: List[int] = list(range(batch))
         self._rows_t: Optional[Tensor] = None
 
     # -- bookkeeping -------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) int32 rows filled per sequence."""
+        return torch.tensor(self._len, dtype=torch.int32, device=self.block_table.device)
+
     @property
     def batch(self) -> int:
         return self.block_table.shape[0]
@@ -57,12 +61,12 @@ class PagedKVCache:
 
     def _rows_tensor(self) -> Tensor:
         if self._rows_t is None:
-            self._rows_t = torch.tensor(self.rows, dtype=torch.long, device=self.lengths.device)
+            self._rows_t = torch.tensor(self.rows, dtype=torch.long, device=self.block_table.device)
         return self._rows_t
 
     def positions(self) -> Tensor:
         """(b,) int64: the position of the first new row of each selected sequence."""
-        return self.lengths[self._rows_tensor()].long()
+        return torch.tensor([self._len[r] for r in self.rows], dtype=torch.long, device=self.block_table.device)
 
     def empty(self) -> bool:
         """True when every selected sequence has no rows yet (a prefill from scratch)."""
@@ -88,7 +92,6 @@ class PagedKVCache:
         self.free_pages.extend(reversed(self._pages[seq]))
         self._pages[seq] = []
         self._len[seq] = 0
-        self.lengths[seq] = 0
         self.block_table[seq].zero_()
 
     def reset(self) -> None:
@@ -114,7 +117,6 @@ class PagedKVCache:
         h, d = k.shape[2:]
         self.k_pages.view(-1, h, d).index_copy_(0, idx_t, k.reshape(-1, h, d).to(self.k_pages.dtype))
         self.v_pages.view(-1, h, d).index_copy_(0, idx_t, v.reshape(-1, h, d).to(self.v_pages.dtype))
-        self.lengths[self._rows_tensor()] += t
 
     def view(self, seq: int) -> Tuple[Tensor, Tensor]:
         """Sequence `seq`'s keys and values, gathered contiguous: (len, H_k, D) each (a copy)."""
@@ -131,10 +133,8 @@ class PagedKVCache:
         """q (b, S_q, H, D), the selected sequences' newest query rows (already appended) -> out
         (b, S_q, H, D) over their cached keys; causal is aligned bottom-right. GQA reads the H_k
         kv heads directly (no repeat)."""
-        rows = self._rows_tensor()
-        bt = self.block_table if len(self.rows) == self.batch and self.rows == list(range(self.batch)) \
-            else self.block_table[rows]
-        seqlens = self.lengths if bt is self.block_table else self.lengths[rows]
+        bt = self.block_table if self.rows == list(range(self.batch)) else self.block_table[self._rows_tensor()]
+        seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
         wl, wr = window
         out, _ = decode_fwd(q, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
                             alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
