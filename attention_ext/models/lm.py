@@ -7,7 +7,8 @@ their recurrent state instead (O(1) per token). Sparse attention layers keep the
 read their layout's rows for the new token.
 
 Batched generation of prompts of different lengths (`generate([p0, p1, ...])`) keeps a
-PagedKVCache per layer instead: each prompt is prefilled alone to its own length, then every
+PagedKVCache per layer instead: the prompts are prefilled packed into one row (varlen attention,
+each to its own length), then every
 decode step feeds all active sequences at once (each at its own position, ragged cache lengths,
 attention_ext.decode.decode_fwd over the pages); a sequence that emits eos_token_id or reaches its
 token budget stops and its pages go back to the pool.
@@ -176,13 +177,14 @@ class LanguageModel(nn.Module):
         caches = self.allocate_paged_caches(n, num_pages, page_size, max_len=max_len, device=device,
                                             dtype=self.wte.weight.dtype)
 
-        def run(tokens: Tensor, rows: List[int]) -> Tensor:
+        def run(tokens: Tensor, rows: List[int], packed: Optional[List[int]] = None) -> Tensor:
             for cache in caches:
-                cache.select(rows)
-            return self(tokens, caches=caches, offset=caches[0].positions())[:, -1]  # (b, V)
+                cache.select(rows, packed)
+            return self(tokens, caches=caches, offset=caches[0].positions())  # (b, T, V)
 
-        # prefill: each prompt alone, to its own length
-        last = torch.cat([run(p.view(1, -1), [i]) for i, p in enumerate(prompts)])  # (n, V)
+        # prefill: the prompts packed into one row, each attending to its own rows only (varlen)
+        ends = torch.tensor(lens, device=device).cumsum(0) - 1
+        last = run(torch.cat(prompts).view(1, -1), list(range(n)), lens)[0, ends]  # (n, V)
         out: List[List[Tensor]] = [[p] for p in prompts]
         count = [0] * n
         active = list(range(n))
@@ -201,7 +203,7 @@ class LanguageModel(nn.Module):
                 break
             keep = torch.tensor(still, device=device)
             active = [active[j] for j in still]
-            last = run(nxt[keep], active)
+            last = run(nxt[keep], active)[:, -1]
         return [torch.cat(o) for o in out]
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import reference
-from ..softmax import attention, attention_weights
+from ..softmax import attention, attention_varlen, attention_weights
 from ..sparse import block_sparse_attention, layout_to_mask, topk_attention
 from .positional import RotaryEmbedding, alibi_slopes
 
@@ -258,6 +258,12 @@ class Attention(nn.Module):
             q, k = self.rope(q, pos), self.rope(k, pos)
         fresh = cache.empty()
         cache.append(k, v)
+        if fresh and cache.packed is not None:  # a ragged prefill packed into one row: varlen attention
+            cu = torch.tensor([0] + cache.packed, device=x.device).cumsum(0).to(torch.int32)
+            n = max(cache.packed)
+            return attention_varlen(q[0], k[0], v[0], cu, cu, n, n, causal=c.causal, bottom_right=True,
+                                    window=c.window, alibi_slopes=self.alibi_slopes, softcap=c.softcap,
+                                    sinks=self.sinks)[None]  # (1, total, H, D)
         if fresh:
             opts = dict(causal=c.causal, bottom_right=True, window=c.window, alibi_slopes=self.alibi_slopes,
                         softcap=c.softcap, sinks=self.sinks)

@@ -37,6 +37,7 @@ class PagedKVCache:
         self._pages: List[List[int]] = [[] for _ in range(batch)]
         self.free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
         self.rows: List[int] = list(range(batch))
+        self.packed: Optional[List[int]] = None
         self._rows_t: Optional[Tensor] = None
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -53,9 +54,11 @@ class PagedKVCache:
     def num_free_pages(self) -> int:
         return len(self.free_pages)
 
-    def select(self, rows: Sequence[int]) -> "PagedKVCache":
-        """The sequences the next layer call feeds, in its batch order."""
+    def select(self, rows: Sequence[int], packed: Optional[Sequence[int]] = None) -> "PagedKVCache":
+        """The sequences the next layer call feeds, in its batch order. `packed`: their new-row
+        counts when the call feeds them packed into one (1, sum(packed)) row (a ragged prefill)."""
         self.rows = list(rows)
+        self.packed = list(packed) if packed is not None else None
         self._rows_t = None
         return self
 
@@ -65,7 +68,11 @@ class PagedKVCache:
         return self._rows_t
 
     def positions(self) -> Tensor:
-        """(b,) int64: the position of the first new row of each selected sequence."""
+        """(b,) int64: the position of the first new row of each selected sequence; packed: (1,
+        total) the position of every packed row."""
+        if self.packed is not None:
+            pos = [j for r, t in zip(self.rows, self.packed) for j in range(self._len[r], self._len[r] + t)]
+            return torch.tensor([pos], dtype=torch.long, device=self.block_table.device)
         return torch.tensor([self._len[r] for r in self.rows], dtype=torch.long, device=self.block_table.device)
 
     def empty(self) -> bool:
@@ -101,13 +108,15 @@ class PagedKVCache:
 
     # -- data --------------------------------------------------------------------------------------
     def append(self, k: Tensor, v: Tensor) -> None:
-        """k, v (b, T, H_k, D): T new rows for each selected sequence (b = len(rows))."""
+        """k, v (b, T, H_k, D): T new rows for each selected sequence (b = len(rows)); packed: (1,
+        sum(packed), H_k, D), sequence i's rows next in line."""
         b, t = k.shape[:2]
-        if b != len(self.rows):
-            raise ValueError(f"append got {b} sequences, {len(self.rows)} selected")
+        counts = self.packed if self.packed is not None else [t] * b
+        if len(counts) != len(self.rows) or sum(counts) != b * t:
+            raise ValueError(f"append got {tuple(k.shape[:2])} rows for {len(self.rows)} selected sequences")
         ps = self.page_size
         idx = []
-        for r in self.rows:
+        for r, t in zip(self.rows, counts):
             p0 = self._len[r]
             self._grow(r, p0 + t)
             pages = self._pages[r]

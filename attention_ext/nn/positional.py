@@ -65,10 +65,11 @@ class LearnedPositionalEmbedding(nn.Module):
         nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, x: Tensor, offset=0) -> Tensor:
-        """offset: an int, or a (B,) tensor of per-sequence first positions (batched ragged decode)."""
+        """offset: an int, a (B,) tensor of per-sequence first positions (batched ragged decode), or
+        a (B, S) tensor of every row's position (packed prefill)."""
         s = x.shape[1]
         if isinstance(offset, Tensor):
-            pos = offset.long()[:, None] + torch.arange(s, device=x.device)  # (B, S)
+            pos = offset.long() if offset.dim() == 2 else offset.long()[:, None] + torch.arange(s, device=x.device)  # (B, S)
             if int(pos.max()) >= self.max_len:
                 raise ValueError(f"sequence of {int(pos.max()) + 1} positions exceeds max_len={self.max_len}")
             return self.dropout(x + self.wpe(pos))
@@ -103,10 +104,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", ang.sin().float(), persistent=False)
 
     def forward(self, x: Tensor, offset=0) -> Tensor:
-        """offset: an int, or a (B,) tensor of per-sequence first positions (batched ragged decode)."""
+        """offset: an int, a (B,) tensor of per-sequence first positions (batched ragged decode), or
+        a (B, S) tensor of every row's position (packed prefill)."""
         s = x.shape[1]
         if isinstance(offset, Tensor):
-            pos = offset.long()[:, None] + torch.arange(s, device=x.device)  # (B, S)
+            pos = offset.long() if offset.dim() == 2 else offset.long()[:, None] + torch.arange(s, device=x.device)  # (B, S)
             if int(pos.max()) >= self.cos.shape[0]:
                 self._build(max(2 * self.cos.shape[0], int(pos.max()) + 1))
             cos = self.cos[pos].to(x.dtype)[:, :, None, :]  # (B, S, 1, D/2)
