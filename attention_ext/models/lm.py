@@ -5,12 +5,19 @@ token per step, and the attention over the cache is the fused kernel with causal
 bottom-right (the new query rows are the last rows of the cache). Linear attention layers keep
 their recurrent state instead (O(1) per token). Sparse attention layers keep the KV cache and
 read their layout's rows for the new token.
+
+Batched generation of prompts of different lengths (`generate([p0, p1, ...])`) keeps a
+PagedKVCache per layer instead: the prompts are prefilled packed into one row (varlen attention,
+each to its own length), then every
+decode step feeds all active sequences at once (each at its own position, ragged cache lengths,
+attention_ext.decode.decode_fwd over the pages); a sequence that emits eos_token_id or reaches its
+token budget stops and its pages go back to the pool.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +25,7 @@ from torch import Tensor, nn
 
 from ..nn.blocks import BlockConfig, EncoderBlock, make_norm
 from ..nn.layers import AttentionConfig, KVCache, allocate_cache
+from ..nn.paged_cache import PagedKVCache
 from ..nn.positional import LearnedPositionalEmbedding
 
 
@@ -91,9 +99,10 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, caches: Optional[List[KVCache]] = None,
-                offset: int = 0):
+                offset=0):
         """idx (B, T) tokens -> logits (B, T, V); (logits, loss) when targets (B, T) is given.
-        With `caches`, idx are the tokens at positions offset .. offset + T - 1."""
+        With `caches`, idx are the tokens at positions offset .. offset + T - 1 (offset an int,
+        or a (B,) tensor of per-sequence offsets with paged caches)."""
         x = self.wte(idx)  # (B, T, d_model)
         if self.wpe is not None:
             x = self.wpe(x, offset)
@@ -109,11 +118,29 @@ class LanguageModel(nn.Module):
         a = self.config.block().attn
         return [allocate_cache(a, batch, max_len, device=device, dtype=dtype) for _ in self.blocks]
 
+    def allocate_paged_caches(self, batch: int, num_pages: int, page_size: int = 16, *, max_len: Optional[int] = None,
+                              device=None, dtype=torch.float32) -> List[PagedKVCache]:
+        a = self.config.block().attn
+        return [PagedKVCache(batch, num_pages, page_size, a.n_kv_heads, a.head_dim, max_len=max_len, device=device,
+                             dtype=dtype) for _ in self.blocks]
+
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, greedy: bool = False, use_cache: bool = True,
-                 generator: Optional[torch.Generator] = None) -> Tensor:
-        """Extends idx (B, T0) by max_new_tokens tokens -> (B, T0 + max_new_tokens)."""
+    def generate(self, idx: Union[Tensor, Sequence[Tensor]], max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
+                 use_cache: bool = True, generator: Optional[torch.Generator] = None,
+                 eos_token_id: Optional[int] = None, page_size: int = 16,
+                 num_pages: Optional[int] = None) -> Union[Tensor, List[Tensor]]:
+        """Extends idx (B, T0) by max_new_tokens tokens -> (B, T0 + max_new_tokens).
+
+        idx may instead be a list of 1-D prompts of different lengths: they run batched on a paged
+        KV cache (see the module docstring) and the result is a list of 1-D tensors, prompt i
+        followed by its new tokens: max_new_tokens of them, or fewer when it emitted eos_token_id
+        (kept as its last token). page_size / num_pages size the page pool (default: enough for
+        every sequence at full length); an exhausted pool raises RuntimeError."""
+        if not isinstance(idx, Tensor):
+            return self._generate_ragged(list(idx), max_new_tokens, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, greedy=greedy, generator=generator,
+                                         eos_token_id=eos_token_id, page_size=page_size, num_pages=num_pages)
         b, t0 = idx.shape
         total = t0 + max_new_tokens
         learned = self.wpe is not None
@@ -133,6 +160,51 @@ class LanguageModel(nn.Module):
             if use_cache and t + 1 < max_new_tokens:
                 logits = self(nxt, caches=caches, offset=t0 + t)
         return idx
+
+    def _generate_ragged(self, prompts: List[Tensor], max_new_tokens: int, *, eos_token_id: Optional[int],
+                         page_size: int, num_pages: Optional[int], **sample) -> List[Tensor]:
+        n = len(prompts)
+        if n == 0 or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+            raise ValueError("generate: a list of prompts must hold non-empty 1-D token tensors")
+        device = prompts[0].device
+        lens = [p.numel() for p in prompts]
+        if self.wpe is not None and max(lens) + max_new_tokens > self.config.block_size:
+            raise ValueError(f"learned positions stop at block_size={self.config.block_size}; "
+                             f"{max(lens) + max_new_tokens} tokens requested")
+        max_len = max(lens) + max_new_tokens
+        if num_pages is None:
+            num_pages = sum(-(-(t + max_new_tokens) // page_size) for t in lens)
+        caches = self.allocate_paged_caches(n, num_pages, page_size, max_len=max_len, device=device,
+                                            dtype=self.wte.weight.dtype)
+
+        def run(tokens: Tensor, rows: List[int], packed: Optional[List[int]] = None) -> Tensor:
+            for cache in caches:
+                cache.select(rows, packed)
+            return self(tokens, caches=caches, offset=caches[0].positions())  # (b, T, V)
+
+        # prefill: the prompts packed into one row, each attending to its own rows only (varlen)
+        ends = torch.tensor(lens, device=device).cumsum(0) - 1
+        last = run(torch.cat(prompts).view(1, -1), list(range(n)), lens)[0, ends]  # (n, V)
+        out: List[List[Tensor]] = [[p] for p in prompts]
+        count = [0] * n
+        active = list(range(n))
+        while active:
+            nxt = sample_next(last, **sample)  # (b, 1)
+            still = []
+            for j, i in enumerate(active):
+                out[i].append(nxt[j])
+                count[i] += 1
+                if count[i] >= max_new_tokens or (eos_token_id is not None and int(nxt[j]) == eos_token_id):
+                    for cache in caches:
+                        cache.free(i)
+                else:
+                    still.append(j)
+            if not still:
+                break
+            keep = torch.tensor(still, device=device)
+            active = [active[j] for j in still]
+            last = run(nxt[keep], active)[:, -1]
+        return [torch.cat(o) for o in out]
 
 
 def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,

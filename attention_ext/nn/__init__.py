@@ -3,6 +3,7 @@ from .blocks import BlockConfig, DecoderBlock, EncoderBlock, FeedForward, RMSNor
 from .classic import AdditiveAttention, LuongAttention
 from .layers import (ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionConfig, KVCache, allocate_cache,
                      make_attention, register_attention_type)
+from .paged_cache import PagedKVCache
 from .linear import LinearAttention, LinearCache
 from .multihead import MultiheadAttention
 from .sparse import SparseAttention
@@ -11,7 +12,7 @@ from .positional import (Embeddings, LearnedPositionalEmbedding, RotaryEmbedding
 
 __all__ = [
     "MultiheadAttention",
-    "Attention", "AttentionConfig", "KVCache", "ATTENTION_TYPES", "register_attention_type",
+    "Attention", "AttentionConfig", "KVCache", "PagedKVCache", "ATTENTION_TYPES", "register_attention_type",
     "ATTENTION_MODULES", "make_attention", "allocate_cache", "LinearAttention", "LinearCache",
     "SparseAttention",
     "AdditiveAttention", "LuongAttention",

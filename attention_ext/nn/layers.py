@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import reference
-from ..softmax import attention, attention_weights
+from ..softmax import attention, attention_varlen, attention_weights
 from ..sparse import block_sparse_attention, layout_to_mask, topk_attention
 from .positional import RotaryEmbedding, alibi_slopes
 
@@ -171,6 +171,11 @@ class KVCache:
         self.pos += t
         return self.k[:, : self.pos], self.v[:, : self.pos]  # (B, pos, H_k, D) views
 
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) int32 rows filled per sequence: the interface PagedKVCache shares."""
+        return torch.full((self.k.shape[0],), self.pos, dtype=torch.int32, device=self.k.device)
+
     def reset(self) -> None:
         self.pos = 0
 
@@ -213,6 +218,8 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # (B, S, H, D)
         src = context if self.cross else x
+        if getattr(cache, "paged", False) and not self.cross:
+            return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))
         if cache is not None and cache.static and cache.pos > 0:
             k, v = cache.k[:, : cache.pos], cache.v[:, : cache.pos]  # (B, S_k, H_k, D)
         else:
@@ -236,6 +243,34 @@ class Attention(nn.Module):
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)
+
+    def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
+        """Self-attention through a PagedKVCache (nn/paged_cache.py) over its selected sequences:
+        each at its own position. A prefill from empty attends over its own rows with the fused
+        kernel; a step over cached rows is attention_ext.decode.decode_fwd (GQA unrepeated, causal
+        aligned bottom-right). Returns (b, S, H, D)."""
+        c = self.config
+        b, s = x.shape[:2]
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)  # (B, S, H_k, D)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
+        if self.rope is not None:
+            pos = cache.positions()  # (B,) each sequence's own offset
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        fresh = cache.empty()
+        cache.append(k, v)
+        if fresh and cache.packed is not None:  # a ragged prefill packed into one row: varlen attention
+            cu = torch.tensor([0] + cache.packed, device=x.device).cumsum(0).to(torch.int32)
+            n = max(cache.packed)
+            return attention_varlen(q[0], k[0], v[0], cu, cu, n, n, causal=c.causal, bottom_right=True,
+                                    window=c.window, alibi_slopes=self.alibi_slopes, softcap=c.softcap,
+                                    sinks=self.sinks)[None]  # (1, total, H, D)
+        if fresh:
+            opts = dict(causal=c.causal, bottom_right=True, window=c.window, alibi_slopes=self.alibi_slopes,
+                        softcap=c.softcap, sinks=self.sinks)
+            kernel, opts = self._kernel(q, k, opts)
+            return kernel(q, k, v, **opts)
+        return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal, window=c.window,
+                            alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap)
 
     def _kernel(self, q: Tensor, k: Tensor, opts: dict) -> Tuple[Callable, dict]:
         """The kernel for q (B, S_q, H, D), k (B, S_k, H_k, D) and its keyword options; a subclass

@@ -64,8 +64,15 @@ class LearnedPositionalEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
         nn.init.normal_(self.wpe.weight, std=0.02)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset=0) -> Tensor:
+        """offset: an int, a (B,) tensor of per-sequence first positions (batched ragged decode), or
+        a (B, S) tensor of every row's position (packed prefill)."""
         s = x.shape[1]
+        if isinstance(offset, Tensor):
+            pos = offset.long() if offset.dim() == 2 else offset.long()[:, None] + torch.arange(s, device=x.device)  # (B, S)
+            if int(pos.max()) >= self.max_len:
+                raise ValueError(f"sequence of {int(pos.max()) + 1} positions exceeds max_len={self.max_len}")
+            return self.dropout(x + self.wpe(pos))
         if offset + s > self.max_len:
             raise ValueError(f"sequence of {offset + s} positions exceeds max_len={self.max_len}")
         pos = torch.arange(offset, offset + s, device=x.device)
@@ -96,8 +103,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset=0) -> Tensor:
+        """offset: an int, a (B,) tensor of per-sequence first positions (batched ragged decode), or
+        a (B, S) tensor of every row's position (packed prefill)."""
         s = x.shape[1]
+        if isinstance(offset, Tensor):
+            pos = offset.long() if offset.dim() == 2 else offset.long()[:, None] + torch.arange(s, device=x.device)  # (B, S)
+            if int(pos.max()) >= self.cos.shape[0]:
+                self._build(max(2 * self.cos.shape[0], int(pos.max()) + 1))
+            cos = self.cos[pos].to(x.dtype)[:, :, None, :]  # (B, S, 1, D/2)
+            sin = self.sin[pos].to(x.dtype)[:, :, None, :]
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         if offset + s > self.cos.shape[0]:
             self._build(max(2 * self.cos.shape[0], offset + s))
         cos = self.cos[offset: offset + s].to(x.dtype)[None, :, None, :]  # (1, S, 1, D/2)

@@ -1,0 +1,151 @@
+"""A paged KV cache for batched generation of sequences of different lengths (vLLM's PagedAttention
+layout, read by attention_ext.decode.decode_fwd).
+
+One PagedKVCache per attention layer, like KVCache. Each holds a preallocated page pool
+(num_pages, page_size, H_k, D) for keys and values, a block table (B, max_pages) int32 mapping a
+sequence's logical page i to a pool page, and per-sequence lengths (B,) int32. Pages are taken
+from a free list when a sequence grows past its last page, and `free(seq)` gives them back.
+
+Which sequences the next layer call feeds is `rows` (set with `select`): a prefill feeds one
+sequence (or a few), a decode step feeds every active sequence; finished sequences are simply left
+out of `rows`. The attention layer calls `positions()`, `append(k, v)` and `attend(q, ...)`.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..decode import decode_fwd
+
+
+class PagedKVCache:
+    paged = True
+    static = False
+
+    def __init__(self, batch: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *,
+                 max_len: Optional[int] = None, device=None, dtype=torch.float32):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.page_size = page_size
+        self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, device=device, dtype=dtype)
+        self.v_pages = torch.zeros_like(self.k_pages)
+        max_pages = -(-(max_len or num_pages * page_size) // page_size)
+        self.block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)  # (B, max_pages)
+        self._len: List[int] = [0] * batch           # rows filled per sequence (host; `lengths` is the tensor)
+        self._pages: List[List[int]] = [[] for _ in range(batch)]
+        self.free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
+        self.rows: List[int] = list(range(batch))
+        self.packed: Optional[List[int]] = None
+        self._rows_t: Optional[Tensor] = None
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) int32 rows filled per sequence."""
+        return torch.tensor(self._len, dtype=torch.int32, device=self.block_table.device)
+
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def select(self, rows: Sequence[int], packed: Optional[Sequence[int]] = None) -> "PagedKVCache":
+        """The sequences the next layer call feeds, in its batch order. `packed`: their new-row
+        counts when the call feeds them packed into one (1, sum(packed)) row (a ragged prefill)."""
+        self.rows = list(rows)
+        self.packed = list(packed) if packed is not None else None
+        self._rows_t = None
+        return self
+
+    def _rows_tensor(self) -> Tensor:
+        if self._rows_t is None:
+            self._rows_t = torch.tensor(self.rows, dtype=torch.long, device=self.block_table.device)
+        return self._rows_t
+
+    def positions(self) -> Tensor:
+        """(b,) int64: the position of the first new row of each selected sequence; packed: (1,
+        total) the position of every packed row."""
+        if self.packed is not None:
+            pos = [j for r, t in zip(self.rows, self.packed) for j in range(self._len[r], self._len[r] + t)]
+            return torch.tensor([pos], dtype=torch.long, device=self.block_table.device)
+        return torch.tensor([self._len[r] for r in self.rows], dtype=torch.long, device=self.block_table.device)
+
+    def empty(self) -> bool:
+        """True when every selected sequence has no rows yet (a prefill from scratch)."""
+        return all(self._len[r] == 0 for r in self.rows)
+
+    def _grow(self, seq: int, new_len: int) -> None:
+        need = -(-new_len // self.page_size)
+        if need > self.block_table.shape[1]:
+            raise ValueError(f"paged KV cache: sequence {seq} needs {new_len} rows, more than the block table's "
+                             f"{self.block_table.shape[1]} pages x {self.page_size}")
+        pages = self._pages[seq]
+        while len(pages) < need:
+            if not self.free_pages:
+                raise RuntimeError(f"paged KV cache pool exhausted: sequence {seq} needs page {len(pages) + 1} "
+                                   f"for {new_len} rows, all {self.k_pages.shape[0]} pages of {self.page_size} "
+                                   f"rows are in use (free finished sequences or allocate more pages)")
+            p = self.free_pages.pop()
+            self.block_table[seq, len(pages)] = p
+            pages.append(p)
+
+    def free(self, seq: int) -> None:
+        """Return sequence `seq`'s pages to the free list and empty it."""
+        self.free_pages.extend(reversed(self._pages[seq]))
+        self._pages[seq] = []
+        self._len[seq] = 0
+        self.block_table[seq].zero_()
+
+    def reset(self) -> None:
+        for s in range(self.batch):
+            self.free(s)
+        self.select(range(self.batch))
+
+    # -- data --------------------------------------------------------------------------------------
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """k, v (b, T, H_k, D): T new rows for each selected sequence (b = len(rows)); packed: (1,
+        sum(packed), H_k, D), sequence i's rows next in line."""
+        b, t = k.shape[:2]
+        counts = self.packed if self.packed is not None else [t] * b
+        if len(counts) != len(self.rows) or sum(counts) != b * t:
+            raise ValueError(f"append got {tuple(k.shape[:2])} rows for {len(self.rows)} selected sequences")
+        ps = self.page_size
+        idx = []
+        for r, t in zip(self.rows, counts):
+            p0 = self._len[r]
+            self._grow(r, p0 + t)
+            pages = self._pages[r]
+            idx.extend(pages[j // ps] * ps + j % ps for j in range(p0, p0 + t))
+            self._len[r] = p0 + t
+        idx_t = torch.tensor(idx, dtype=torch.long, device=k.device)  # (b * T,) flat pool rows
+        h, d = k.shape[2:]
+        self.k_pages.view(-1, h, d).index_copy_(0, idx_t, k.reshape(-1, h, d).to(self.k_pages.dtype))
+        self.v_pages.view(-1, h, d).index_copy_(0, idx_t, v.reshape(-1, h, d).to(self.v_pages.dtype))
+
+    def view(self, seq: int) -> Tuple[Tensor, Tensor]:
+        """Sequence `seq`'s keys and values, gathered contiguous: (len, H_k, D) each (a copy)."""
+        n = self._len[seq]
+        pages = torch.tensor(self._pages[seq], dtype=torch.long, device=self.k_pages.device)
+        h, d = self.k_pages.shape[2:]
+        k = self.k_pages[pages].reshape(-1, h, d)[:n]
+        v = self.v_pages[pages].reshape(-1, h, d)[:n]
+        return k, v
+
+    def attend(self, q: Tensor, *, scale: float, causal: bool = True, window: Tuple[int, int] = (-1, -1),
+               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+               softcap: float = 0.0) -> Tensor:
+        """q (b, S_q, H, D), the selected sequences' newest query rows (already appended) -> out
+        (b, S_q, H, D) over their cached keys; causal is aligned bottom-right. GQA reads the H_k
+        kv heads directly (no repeat)."""
+        bt = self.block_table if self.rows == list(range(self.batch)) else self.block_table[self._rows_tensor()]
+        seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
+        wl, wr = window
+        out, _ = decode_fwd(q, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
+                            alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
+                            window_left=wl, window_right=0 if causal else wr)
+        return out

@@ -1,0 +1,110 @@
+"""Batched ragged generation on the paged KV cache: nn.PagedKVCache bookkeeping, and
+LanguageModel.generate([prompts...]) against generating each prompt alone."""
+import pytest
+import torch
+
+from attention_ext.models.lm import LanguageModel, LMConfig
+from attention_ext.nn import KVCache, PagedKVCache
+
+
+def _lm(**kw):
+    torch.manual_seed(0)
+    c = dict(vocab_size=64, n_layers=2, n_heads=4, d_model=64, block_size=128)
+    c.update(kw)
+    return LanguageModel(LMConfig(**c)).eval()
+
+
+def _prompts(lens=(3, 17, 9, 30), vocab=64):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (t,), generator=g) for t in lens]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(positional="learned"), dict(n_kv_heads=2), dict(n_kv_heads=1),
+                                dict(positional="alibi"), dict(window=(8, -1)), dict(sinks=True)])
+def test_ragged_greedy_equals_each_alone(kw):
+    model = _lm(**kw)
+    prompts = _prompts()
+    outs = model.generate(prompts, 20, greedy=True, page_size=4)
+    for p, o in zip(prompts, outs):
+        assert o.shape == (p.numel() + 20,)
+        torch.testing.assert_close(o, model.generate(p[None], 20, greedy=True)[0], rtol=0, atol=0)
+
+
+def test_old_tensor_call_still_works():
+    model = _lm()
+    idx = torch.randint(0, 64, (2, 5))
+    assert model.generate(idx, 7, greedy=True).shape == (2, 12)
+
+
+def test_paged_cache_append_view_free_reuse():
+    c = PagedKVCache(3, num_pages=6, page_size=4, n_kv_heads=2, head_dim=8, max_len=16)
+    k0, v0 = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+    c.select([0]).append(k0, v0)
+    assert c.lengths.tolist() == [6, 0, 0] and c.num_free_pages == 4
+    k2, v2 = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)
+    c.select([2]).append(k2, v2)
+    # a batched step over sequences 2 and 0 (sequence 1 inactive)
+    ks, vs = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    c.select([2, 0]).append(ks, vs)
+    assert c.lengths.tolist() == [7, 0, 4]
+    k, v = c.view(0)
+    torch.testing.assert_close(k, torch.cat([k0[0], ks[1]]))
+    torch.testing.assert_close(v, torch.cat([v0[0], vs[1]]))
+    k, v = c.view(2)
+    torch.testing.assert_close(k, torch.cat([k2[0], ks[0]]))
+    pages0 = set(c._pages[0])
+    c.free(0)
+    assert c.lengths.tolist() == [0, 0, 4] and c.num_free_pages == 5
+    kn = torch.randn(1, 8, 2, 8)
+    c.select([1]).append(kn, kn)
+    assert set(c._pages[1]) == pages0  # freed pages are reused
+    torch.testing.assert_close(c.view(1)[0], kn[0])
+    torch.testing.assert_close(c.view(2)[1], torch.cat([v2[0], vs[0]]))  # untouched by the reuse
+
+
+def test_pool_exhaustion_raises():
+    c = PagedKVCache(2, num_pages=2, page_size=4, n_kv_heads=1, head_dim=4)
+    c.select([0]).append(torch.randn(1, 8, 1, 4), torch.randn(1, 8, 1, 4))
+    with pytest.raises(RuntimeError, match="pool exhausted"):
+        c.select([1]).append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+    model = _lm()
+    with pytest.raises(RuntimeError, match="pool exhausted"):
+        model.generate(_prompts(), 20, greedy=True, page_size=4, num_pages=6)
+
+
+def test_eos_stops_and_frees_pages():
+    model = _lm()
+    prompts = _prompts()
+    full = model.generate(prompts, 12, greedy=True, page_size=4)
+    eos = int(full[1][prompts[1].numel() + 2])  # sequence 1's third new token
+    caches = []
+    orig = model.allocate_paged_caches
+
+    def spy(*a, **k):
+        caches.extend(orig(*a, **k))
+        return caches
+    model.allocate_paged_caches = spy
+    outs = model.generate(prompts, 12, greedy=True, page_size=4, eos_token_id=eos)
+    for p, o, f in zip(prompts, outs, full):
+        new = f[p.numel():].tolist()
+        stop = new.index(eos) + 1 if eos in new else len(new)
+        assert o.tolist() == f[: p.numel() + stop].tolist()
+    assert outs[1].numel() <= prompts[1].numel() + 3
+    for c in caches:  # every sequence finished: all pages back in the pool
+        assert c.num_free_pages == c.k_pages.shape[0] and c.lengths.tolist() == [0] * len(prompts)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2, positional="learned")])
+def test_paged_and_contiguous_cache_give_the_same_logits(kw):
+    model = _lm(**kw)
+    idx = torch.randint(0, 64, (3, 11))
+    a = model.config.block().attn
+    dense = model.allocate_caches(3, 16)
+    paged = model.allocate_paged_caches(3, num_pages=12, page_size=4, max_len=16)
+    torch.testing.assert_close(model(idx, caches=paged), model(idx, caches=dense))
+    for t in range(4):
+        tok = torch.randint(0, 64, (3, 1))
+        ref = model(tok, caches=dense, offset=11 + t)
+        got = model(tok, caches=paged, offset=paged[0].positions())
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert paged[0].lengths.tolist() == dense[0].lengths.tolist() == [15] * 3
