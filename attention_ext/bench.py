@@ -114,13 +114,30 @@ def matmul_ceiling(dtype=torch.float32, n: int = 2048, device="cpu", reps: int =
     return 2.0 * n ** 3 / t
 
 
+def cuda_time(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
+    """Median seconds per call on the current CUDA stream, from one event pair per call."""
+    for _ in range(warmup):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) for s, e in zip(start, end))
+    return ts[len(ts) // 2] * 1e-3
+
+
 def copy_bandwidth(nbytes: int = 1 << 28, device="cpu", reps: int = 5) -> float:
     """Measured copy bandwidth in bytes/s (bytes read + written) of one large tensor copy: the
     memory ceiling that the decode kernels' K / V read rate is read against."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
-    t = bench(lambda: dst.copy_(src), warmup=2, reps=reps, sync=sync)
+    if str(device).startswith("cuda"):
+        t = cuda_time(lambda: dst.copy_(src), warmup=3, reps=max(reps, 10))
+    else:
+        t = bench(lambda: dst.copy_(src), warmup=2, reps=reps)
     return 2.0 * nbytes / t
 
 

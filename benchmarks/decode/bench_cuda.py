@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402,F401  (puts the repository on sys.path)
+from common import copy_bandwidth, cuda_time  # noqa: E402  (common puts the repository on sys.path)
 
 from attention_ext.decode import ops  # noqa: E402
 
@@ -36,30 +36,6 @@ except ImportError:  # pragma: no cover
 
 B, HQ, HKV, D = 8, 32, 8, 128
 DT = torch.bfloat16
-
-
-def cuda_time(fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        start[i].record()
-        fn()
-        end[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(start, end))
-    return ts[len(ts) // 2] * 1e-3
-
-
-def copy_bandwidth(nbytes=2 << 30) -> float:
-    """Bytes read + written per second of a large device-to-device tensor copy."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    t = cuda_time(lambda: dst.copy_(src), warmup=3, reps=10)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / t
 
 
 def make_inputs(L):
@@ -125,7 +101,8 @@ def main(argv=None) -> int:
         print("needs a GPU and the compiled CUDA decode kernel")
         return 1
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(2 << 30, device="cuda")
+    torch.cuda.empty_cache()
     name = torch.cuda.get_device_name()
     lines = [f"decode step, {name}, B={B} H_q={HQ} H_kv={HKV} D={D} bf16, q_len 1; "
              f"device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", "",

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import flops  # noqa: E402
+from common import cuda_time, flops  # noqa: E402
 
 from attention_ext.softmax import ops  # noqa: E402
 
@@ -43,20 +43,6 @@ try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # pragma: no cover
     SDPBackend = sdpa_kernel = None
-
-
-def cuda_time(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        start[i].record()
-        fn()
-        end[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(start, end))
-    return ts[len(ts) // 2] * 1e-3
 
 
 def matmul_ceiling():

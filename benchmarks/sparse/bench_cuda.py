@@ -29,26 +29,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import flops_from_pairs  # noqa: E402
+from common import cuda_time, flops_from_pairs  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.sparse import layout_to_mask  # noqa: E402
 
 BLOCK = 128
-
-
-def cuda_time(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        start[i].record()
-        fn()
-        end[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(start, end))
-    return ts[len(ts) // 2] * 1e-3
 
 
 def bigbird_layout(h, n, density=0.10, window=3, n_global=2, seed=0):

@@ -34,23 +34,31 @@ def cuda_include() -> str | None:
 _ops = None
 
 
+def _toolchain():
+    """(the CUDA include dir, None) when the emulator can be built here, else (None, why not)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return None, "no C++ compiler"
+    inc = cuda_include()
+    if inc is None:
+        return None, "no CUDA headers (cuda_fp16.h) for the emulator's half / bfloat16 types"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return None, "no ninja (torch's JIT extension build needs it)"
+    return inc, None
+
+
 def load():
     """torch.ops.attention_ext_emu, built on first use; None (see `why`) without a toolchain."""
     global _ops, why, build_seconds
     if _ops is not None:
         return _ops
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        why = "no C++ compiler"
-        return None
-    inc = cuda_include()
+    inc, why_not = _toolchain()
     if inc is None:
-        why = "no CUDA headers (cuda_fp16.h) for the emulator's half / bfloat16 types"
+        why = why_not
         return None
     from torch.utils import cpp_extension
 
-    if not cpp_extension.is_ninja_available():
-        why = "no ninja (torch's JIT extension build needs it)"
-        return None
     os.makedirs(BUILD, exist_ok=True)
     t0 = time.time()
     cpp_extension.load(
@@ -85,18 +93,12 @@ def load_decode():
     global _decode_ops, why, decode_build_seconds
     if _decode_ops is not None:
         return _decode_ops
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        why = "no C++ compiler"
-        return None
-    inc = cuda_include()
+    inc, why_not = _toolchain()
     if inc is None:
-        why = "no CUDA headers (cuda_fp16.h) for the emulator's half / bfloat16 types"
+        why = why_not
         return None
     from torch.utils import cpp_extension
 
-    if not cpp_extension.is_ninja_available():
-        why = "no ninja (torch's JIT extension build needs it)"
-        return None
     build = BUILD + "_decode"
     os.makedirs(build, exist_ok=True)
     t0 = time.time()
