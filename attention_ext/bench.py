@@ -105,6 +105,22 @@ def interleaved(fns: dict, *, warmup: int = 1, reps: int = 5, sync=None) -> dict
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def interleaved_warm(fns: dict, *, block: int = 20, rounds: int = 10) -> dict:
+    """Median seconds per call of each fn called back to back (`block` calls in a row, so its
+    data stays in cache from one call to the next), the blocks taken round-robin over `rounds`
+    so noise on a shared machine hits every contender alike. `interleaved` measures the other
+    regime: every call after the other contenders have run, its data evicted."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            fn()  # the first call of a block brings the data in
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def matmul_ceiling(dtype=torch.float32, n: int = 2048, device="cpu", reps: int = 5) -> float:
     """Measured matmul FLOP/s: the ceiling the attention FLOP/s are read against."""
     a = torch.randn(n, n, dtype=dtype, device=device)

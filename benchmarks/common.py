@@ -6,5 +6,5 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_ext.bench import (allowed_pairs, bench, copy_bandwidth, cuda_time, decode_bytes,  # noqa: E402,F401
-                                 flops, flops_from_pairs, interleaved, layout_pairs, linear_flops,
-                                 matmul_ceiling)
+                                 flops, flops_from_pairs, interleaved, interleaved_warm, layout_pairs,
+                                 linear_flops, matmul_ceiling)

@@ -77,6 +77,44 @@ inline vec<T> load_cvt(const E* p) {
 #endif
   }
 }
+// Whether a bf16 cache row loads as even / odd lanes: 2L elements in one vector load are 32-bit
+// lanes (element 2u in the low half, 2u + 1 in the high half), so a mask keeps the odd elements
+// as float32 and a shift makes the even ones: two operations per 2L elements, where widening
+// L elements at a time takes four. The q rows and the O accumulators are kept in the same
+// permuted column order (each 2L block: its even columns, then its odd ones), so the products
+// need no shuffle; O goes back to column order once, at the end of a task.
+template <typename T, typename E>
+constexpr bool kEvenOdd =
+#if defined(__AVX2__) || defined(__AVX512F__)
+    std::is_same_v<E, Bf16> && std::is_same_v<T, float>;
+#else
+    false;
+#endif
+
+// v0, v1 = the 2L elements at p, converted to T: in order, or (kEvenOdd) even and odd lanes
+template <typename T, typename E>
+inline void load_pair(const E* p, vec<T>* v0, vec<T>* v1) {
+  if constexpr (kEvenOdd<T, E>) {
+#if defined(__AVX512F__)
+    const __m512i x = _mm512_loadu_si512(p);
+    *v1 = (vf)_mm512_and_si512(x, _mm512_set1_epi32(int(0xffff0000u)));
+    *v0 = (vf)_mm512_slli_epi32(x, 16);
+#elif defined(__AVX2__)
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    *v1 = (vf)_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u)));
+    *v0 = (vf)_mm256_slli_epi32(x, 16);
+#endif
+  } else {
+    *v0 = load_cvt<T>(p);
+    *v1 = load_cvt<T>(p + kLanes<T>);
+  }
+}
+// Column c of a row in the kEvenOdd order (d a multiple of 2L), and back
+inline int even_odd_col(int c, int L) {
+  const int blk = c / (2 * L) * (2 * L), u = c - blk;
+  return blk + (u % 2) * L + u / 2;
+}
+
 // Horizontal sum of one vector in log2(lanes) shuffle + add steps (simd.h's hsum adds lane by
 // lane: a chain of W adds, per key and row here).
 template <typename V>
@@ -111,7 +149,7 @@ struct DecodeWorker {
   int group, rows_g, rows, splits, d, dp;
   T *part_o, *part_lse;  // split partials (B, H, Sq, splits[, dp]); nullptr when unsplit
   std::vector<T> mem;
-  T *q, *o, *s, *m, *l, *row;
+  T *q, *qp, *o, *s, *m, *l, *row;
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
   const E* kp_next[kChunk];  // the next chunk's
@@ -123,9 +161,10 @@ struct DecodeWorker {
       : p(p_), dt(dt_), group(p_.h / p_.h_k), rows_g(group * p_.sq), rows(p_.h * p_.sq), splits(splits_),
         d(p_.d), dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
     const size_t rp = size_t(rows) + kRowBlock;
-    mem.assign(rp * dp * 2 + rp * kChunk + rp * 2 + dp, T(0));
+    mem.assign(rp * dp * 3 + rp * kChunk + rp * 2 + dp, T(0));
     q = mem.data();
-    o = q + rp * dp;
+    qp = q + rp * dp;
+    o = qp + rp * dp;
     s = o + rp * dp;
     m = s + rp * kChunk;
     l = m + rp;
@@ -134,33 +173,45 @@ struct DecodeWorker {
     tss.reserve(p.h);
   }
 
-  // S rows [r0, r0 + RR) x key jj = q_r . k (raw) for one K row k; two accumulators per row
-  // break the add chain
-  template <int RR>
-  void dot(int r0, int jj, const E* k) {
+  // S rows [r0, r0 + RR) x key jj = q_r . k_r (raw); two accumulators per row break the add
+  // chain. kShared: one K row k for every row (the heads of a GQA group); otherwise row x reads
+  // k + x * kstride (MHA at q_len 1: one row per kv head, so a block spans RR heads, and their
+  // horizontal sums share one reduction, which costs as much as the products at D = 64). The
+  // block's q rows are packed (qp): vector c / L of row x at (c / L * RR + x) * L, so one
+  // pointer walks all RR rows (with RR row pointers GCC ran out of registers and reloaded them
+  // from the stack every step).
+  template <int RR, bool kShared>
+  void dot(int r0, int jj, const E* k, int64_t kstride) {
     const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
-    // row pointers and separate accumulator arrays, fully unrolled: with a V[RR][2] array and
-    // q + (r0 + x) * dp addressing, GCC kept the accumulators and offsets on the stack
-    const T* qx[RR];
-#pragma GCC unroll 4
-    for (int x = 0; x < RR; ++x) qx[x] = q + (r0 + x) * dp;
+    const T* qb = qp + size_t(r0) * dp;
     V a0[RR], a1[RR];
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) a0[x] = a1[x] = V{};
     int c = 0;
-    for (; c < d2; c += 2 * L) {
-      const V k0 = load_cvt<T>(k + c), k1 = load_cvt<T>(k + c + L);
+    for (; c < d2; c += 2 * L, qb += 2 * RR * L) {
+      if constexpr (kShared) {
+        V k0, k1;
+        load_pair<T>(k + c, &k0, &k1);
 #pragma GCC unroll 4
-      for (int x = 0; x < RR; ++x) {
-        a0[x] += vload(qx[x] + c) * k0;
-        a1[x] += vload(qx[x] + c + L) * k1;
+        for (int x = 0; x < RR; ++x) {
+          a0[x] += vload(qb + x * L) * k0;
+          a1[x] += vload(qb + (RR + x) * L) * k1;
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) {
+          V k0, k1;
+          load_pair<T>(k + x * kstride + c, &k0, &k1);
+          a0[x] += vload(qb + x * L) * k0;
+          a1[x] += vload(qb + (RR + x) * L) * k1;
+        }
       }
     }
-    for (; c < dv; c += L) {
-      const V k0 = load_cvt<T>(k + c);
+    for (; c < dv; c += L, qb += RR * L) {
 #pragma GCC unroll 4
-      for (int x = 0; x < RR; ++x) a0[x] += vload(qx[x] + c) * k0;
+      for (int x = 0; x < RR; ++x) a0[x] += vload(qb + x * L) * load_cvt<T>(k + (kShared ? 0 : x * kstride) + c);
     }
+    T* sj = s + size_t(r0) * kChunk + jj;
 #if defined(__AVX__) && !defined(__AVX512F__)
     if constexpr (RR == 4 && std::is_same_v<V, vf>) {
       if (d == dv) {  // four sums at once: three hadds and one 128-bit add
@@ -169,7 +220,7 @@ struct DecodeWorker {
         const __m256 t = _mm256_hadd_ps(t0, t1);  // lanes (0 1 2 3) low half, (0 1 2 3) high half
         float sums[4];
         _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-        for (int x = 0; x < 4; ++x) s[(r0 + x) * kChunk + jj] = sums[x];
+        for (int x = 0; x < 4; ++x) sj[x * kChunk] = sums[x];
         return;
       }
     }
@@ -177,8 +228,41 @@ struct DecodeWorker {
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) {
       T sum = hsum_tree(a0[x] + a1[x]);
-      for (int cc = dv; cc < d; ++cc) sum += qx[x][cc] * to_t<T>(k[cc]);
-      s[(r0 + x) * kChunk + jj] = sum;
+      const E* kx = k + (kShared ? 0 : x * kstride);
+      for (int cc = dv; cc < d; ++cc) sum += qb[x * L + (cc - dv)] * to_t<T>(kx[cc]);
+      sj[x * kChunk] = sum;
+    }
+  }
+  // Column c of a q / O row as stored: kEvenOdd permutes each full 2L block, the rest stays
+  int stored_col(int c) const {
+    return kEvenOdd<T, E> && c < d / (2 * L) * (2 * L) ? even_odd_col(c, L) : c;
+  }
+  // qp <- the q rows (q, column order) packed per register block, in stored column order
+  void pack_q() {
+    for_dot_blocks([&](int r0, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      T* dst = qp + size_t(r0) * dp;
+      for (int x = 0; x < RR; ++x) {
+        for (int c = 0; c < dp; ++c) {
+          const int sc = c < d ? stored_col(c) : c;
+          dst[(sc / L * RR + x) * L + sc % L] = q[size_t(r0 + x) * dp + c];
+        }
+      }
+    });
+  }
+  // One row per kv head (MHA at q_len 1) and a converted cache: the scores' register blocks
+  // span kv heads. Measured at B1 H8 D64 4096, one thread, L3-resident, process time: bf16
+  // 488-551 us against 574-664 us per head; fp32 724-755 against 671-685, so fp32 keeps one
+  // head per block.
+  bool head_blocks() const { return rows_g == 1 && !std::is_same_v<E, T>; }
+  // f(r0, RR) over the register blocks of the scores: a GQA group's rows, or kv heads side by
+  // side (head_blocks)
+  template <typename F>
+  void for_dot_blocks(F&& f) const {
+    if (head_blocks()) {
+      row_blocks(0, p.h_k, f);
+    } else {
+      for (int hk = 0; hk < p.h_k; ++hk) row_blocks(hk * rows_g, (hk + 1) * rows_g, f);
     }
   }
   // O rows [r0, r0 + RR) += P (RR, n) @ V rows of the chunk (kv head at offset voff): two
@@ -193,11 +277,15 @@ struct DecodeWorker {
         a[x][0] = vload(o + (r0 + x) * dp + c);
         a[x][1] = vload(o + (r0 + x) * dp + c + L);
       }
-      for (int jj = 0; jj < n; ++jj) {
-        const E* v = vp[jj] + voff + c;
-        const V v0 = load_cvt<T>(v), v1 = load_cvt<T>(v + L);
+      // one pointer into P, its rows at constant offsets (x * kChunk): with (r0 + x) * kChunk + jj
+      // indexing GCC kept an address register and an lea per row
+      const T* pj = s + size_t(r0) * kChunk;
+      for (int jj = 0; jj < n; ++jj, ++pj) {
+        V v0, v1;
+        load_pair<T>(vp[jj] + voff + c, &v0, &v1);
+#pragma GCC unroll 4
         for (int x = 0; x < RR; ++x) {
-          const V pr = vbcast_mem(s + (r0 + x) * kChunk + jj);
+          const V pr = vbcast_mem(pj + x * kChunk);
           a[x][0] += pr * v0;
           a[x][1] += pr * v1;
         }
@@ -262,6 +350,7 @@ struct DecodeWorker {
                                           int64_t(i) * p.q_row_stride);
       load_row(dt, src, q + size_t(r) * dp, d, dp);
     }
+    pack_q();
     std::fill(o, o + size_t(rows) * dp, T(0));
     std::fill(m, m + rows, -std::numeric_limits<T>::infinity());
     std::fill(l, l + rows, T(0));
@@ -288,9 +377,17 @@ struct DecodeWorker {
       // on the way, the key's V rows are prefetched for the PV pass and the next chunk's K rows
       // for the next scores pass (the hardware prefetchers alone left the FMAs waiting on K)
       for (int jj = 0; jj < n; ++jj) {
+        if (head_blocks()) {  // row r = kv head r
+          row_blocks(0, p.h_k, [&](int r0, auto rr) {
+            dot<decltype(rr)::value, false>(r0, jj, kp[jj] + r0 * p.k_head_stride, p.k_head_stride);
+          });
+        }
         for (int hk = 0; hk < p.h_k; ++hk) {
           const E* k = kp[jj] + hk * p.k_head_stride;
-          row_blocks(hk * rows_g, (hk + 1) * rows_g, [&](int r0, auto rr) { dot<decltype(rr)::value>(r0, jj, k); });
+          if (!head_blocks()) {
+            row_blocks(hk * rows_g, (hk + 1) * rows_g,
+                       [&](int r0, auto rr) { dot<decltype(rr)::value, true>(r0, jj, k, 0); });
+          }
           const E* v = vp[jj] + hk * p.v_head_stride;
           for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c);
           if (jj < n_next) {
@@ -325,7 +422,11 @@ struct DecodeWorker {
     for (int r = 0; r < rows; ++r) {
       const int h = r / p.sq, i = r % p.sq;
       const int64_t row_id = (int64_t(b) * p.h + h) * p.sq + i;
-      const T* orow = o + size_t(r) * dp;
+      T* orow = o + size_t(r) * dp;
+      if constexpr (kEvenOdd<T, E>) {  // back to column order
+        for (int c = 0; c < dp; ++c) row[c] = orow[c < d ? stored_col(c) : c];
+        std::copy(row, row + dp, orow);
+      }
       if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the merge adds it)
         const T inv = finish_row(m[r], l[r], false, T(0), T(1), &part_lse[row_id * splits + split]);
         T* dst = part_o + (row_id * splits + split) * dp;
