@@ -91,14 +91,16 @@ struct TileSoftmax {
   // leaves the FMA's rounding residual of the product instead of 0; the forward hides it (it
   // divides by l = that same 2^r) but the backward's P = 2^r does not. The plain path's product
   // s * post must be rounded before the subtraction, as the max m = round(max s * post) was: an
-  // empty asm makes the compiler materialize it, so it cannot contract the two into an FMA.
+  // empty asm makes the compiler materialize it, so it cannot contract the two into an FMA. x86
+  // without AVX has no FMA to contract into (and a 32-byte vector fits no SSE register, so "+v"
+  // would not compile); on AArch64 the vector spans two NEON registers, so it goes through memory.
   V exp2_arg(V s, T m) const {
     if (plain) {
       s = s * vbcast(post);
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__AVX__)
       asm("" : "+v"(s));
 #elif defined(__GNUC__) && defined(__aarch64__)
-      asm("" : "+w"(s));
+      asm("" : "+m"(s));
 #endif
     }
     return (s - vbcast(m)) * vbcast(T(kLog2e));
