@@ -8,6 +8,8 @@ transformers is a test dependency (dev.sh installs it); the skip only guards a b
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
 import sys
 
 import pytest
@@ -291,7 +293,33 @@ def test_attention_forward_semantics():
     torch.testing.assert_close(out, sdpa(q[:, :, :1], kr, vr).transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+def test_import_does_not_import_transformers():
+    """The module imports transformers only inside register()."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "import sys, attention_ext.integrations.transformers as m; print('transformers' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
 def test_register_without_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install attention_ext\[hf\]"):
         ae_hf.register()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+@pytest.mark.parametrize("name", [p for p in DECODERS if p.values[0] in ("llama", "mistral")])
+def test_generate_static_cache(name, padded, calls):
+    """A StaticCache: unpadded, the prefill gets kv_len (the cache size) > q_len and no mask, which
+    SDPA's top-left is_causal serves (the unwritten slots lie past every query); bottom-right
+    would be wrong there."""
+    ref, ours = _pair(name)
+    ids, mask = _inputs(name, padded)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    with torch.no_grad():
+        want = ref.generate(ids, **kw)
+        got = ours.generate(ids, **kw)
+    assert calls[0] == ours.config.num_hidden_layers * 6
+    assert torch.equal(got, want)
