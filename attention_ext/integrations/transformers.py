@@ -39,6 +39,7 @@ __all__ = ["register", "attention_forward", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "attention_ext"
 
+
 def attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -52,7 +53,7 @@ def attention_forward(
     softcap: Optional[float] = None,
     s_aux: Optional[Tensor] = None,
     **kwargs: Any,
-) -> Tuple[Tensor, None]:
+) -> Tuple[Tensor, Optional[Tensor]]:
     """The attention function registered with transformers.AttentionInterface.
 
     Args:
@@ -68,14 +69,18 @@ def attention_forward(
         s_aux: (H,) attention-sink logits (GPT-OSS), in the model's dtype; attention() casts them
             to the kernel's float side dtype (float32; float64 for float64), keeping the gradient.
 
-    Returns (out (B, Sq, H, D) contiguous, None). Raises NotImplementedError for
-    output_attentions=True, head_mask and position_bias, which the fused kernel does not serve.
+    Returns (out (B, Sq, H, D) contiguous, None), or with output_attentions=True the probabilities
+    (B, H, Sq, Sk) in q's dtype in place of None, recomputed from the kernel's LSE (one more Q K^T):
+    only without dropout and without autograd (the LSE carries no gradient), else
+    NotImplementedError, as for head_mask and position_bias.
     """
-    from .. import attention  # deferred: attention_ext imports nothing from here
+    from .. import attention, attention_weights  # deferred: attention_ext imports nothing from here
 
-    if kwargs.get("output_attentions"):
-        raise NotImplementedError("attention_ext does not return attention weights (output_attentions=True); "
-                                  "use attn_implementation='eager' for them")
+    want_weights = bool(kwargs.get("output_attentions"))
+    if want_weights and (dropout > 0.0 or (torch.is_grad_enabled() and
+                                           any(t.requires_grad for t in (query, key, value)))):
+        raise NotImplementedError("attention_ext returns attention weights (output_attentions=True) only without "
+                                  "dropout and gradients; use attn_implementation='eager' for them")
     for name in ("head_mask", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attention_ext does not support `{name}` in the transformers integration")
@@ -84,9 +89,16 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", True)
     # SDPA's rule (sdpa_attention_forward): causal only with no mask and more than one query
     causal = bool(is_causal) and attention_mask is None and sq > 1
+    softcap = float(softcap or 0.0)
     out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
-                    attn_mask=attention_mask, softcap=float(softcap or 0.0), sinks=s_aux, dropout_p=float(dropout))
-    return out.transpose(1, 2).contiguous(), None  # (B, Sq, H, D)
+                    attn_mask=attention_mask, softcap=softcap, sinks=s_aux, dropout_p=float(dropout),
+                    return_lse=want_weights)
+    weights = None
+    if want_weights:  # the LSE holds the sink term, so exp(s - lse) is GPT-OSS's sink-less probability too
+        out, lse = out
+        weights = attention_weights(query, key, lse, scale=scaling, causal=causal, attn_mask=attention_mask,
+                                    softcap=softcap).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Sq, H, D), (B, H, Sq, Sk) or None
 
 
 def register(name: str = DEFAULT_NAME) -> None:

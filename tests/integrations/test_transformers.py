@@ -265,11 +265,30 @@ def test_custom_name_and_dropout():
     assert torch.isfinite(a).all() and not torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", [p for p in FAMILIES if p.values[0] in ("gemma2", "gpt_oss", "bert")])
+def test_output_attentions(name, calls):
+    """Inference: the probabilities, recomputed from the LSE, match eager's (softcap, sinks, window,
+    padding); under autograd they raise rather than come back without a gradient."""
+    ref, ours = _pair(name)
+    ref.set_attn_implementation("eager")
+    ids, mask = _inputs(name, padded=True)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        got = ours(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert calls[0] == ours.config.num_hidden_layers and len(got) == len(want) > 0
+    qreal = mask.bool()[:, None, :, None]  # fully padded query rows: 0 here, uniform in eager
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert rel_err(g * qreal, w * qreal) < 1e-5
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        ours(input_ids=ids, attention_mask=mask, output_attentions=True)
+
+
 def test_unsupported_requests_raise():
     q = torch.randn(1, 4, 3, 16)
     k = v = torch.randn(1, 2, 3, 16)
     with pytest.raises(NotImplementedError, match="output_attentions"):
-        ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, output_attentions=True)
+        ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, output_attentions=True, dropout=0.1)
     with pytest.raises(NotImplementedError, match="position_bias"):
         ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 4, 3, 3))
 
