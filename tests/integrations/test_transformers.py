@@ -295,7 +295,7 @@ def test_unsupported_requests_raise():
 
 def test_attention_forward_semantics():
     """Direct calls: SDPA's reading of (mask, is_causal) with GQA, against torch's SDPA on repeated
-    k / v. A bool mask wins over is_causal; q_len 1 with no mask sees every key."""
+    k / v. A bool or float mask wins over is_causal; q_len 1 with no mask sees every key."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -308,6 +308,9 @@ def test_attention_forward_semantics():
     m[..., 0] = True
     out, _ = ae_hf.attention_forward(mod, q, k, v, m, is_causal=True, scaling=0.3)
     torch.testing.assert_close(out, sdpa(q, kr, vr, attn_mask=m, scale=0.3).transpose(1, 2), atol=1e-5, rtol=1e-5)
+    fm = torch.randn(2, 1, 5, 7).masked_fill(~m, torch.finfo(torch.float32).min)  # a caller's float 4-D mask
+    out, _ = ae_hf.attention_forward(mod, q, k, v, fm, is_causal=True)
+    torch.testing.assert_close(out, sdpa(q, kr, vr, attn_mask=fm).transpose(1, 2), atol=1e-5, rtol=1e-5)
     out, _ = ae_hf.attention_forward(mod, q[:, :, :1], k, v, None, is_causal=True)
     torch.testing.assert_close(out, sdpa(q[:, :, :1], kr, vr).transpose(1, 2), atol=1e-5, rtol=1e-5)
 
