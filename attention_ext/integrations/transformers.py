@@ -13,15 +13,17 @@ model that runs on "sdpa" gets the same attention pattern here:
 - mask None, q_len > 1 and is_causal: causal, top-left aligned. sdpa_mask only drops the mask when
   q_len == kv_len, or the cache is empty (q_offset 0; the keys past q_len are a static cache's
   unwritten slots, which top-left causality hides), so top-left is exact where a mask is absent.
-- mask None, q_len == 1 (decode with no padding, and no window reaching the first key): every
-  key is visible.
+- mask None, q_len == 1 (decode with no padding; on a sliding layer only while the cache is
+  shorter than the window): every key is visible.
 - a mask: a 4-D bool (B, 1, Sq, Sk) (True = attend; or a caller's float mask, added to the
   scores), passed as attn_mask. It already holds causality, padding, the sliding window and
   packed sequences at HF's absolute positions (q_offset, kv_offset). The attention function does
   not receive those offsets, so `sliding_window` is not turned into the kernel's window: with a
   static cache (queries not ending at the last key slot) its bottom-right diagonal would differ
   from HF's. Recognizing a key-padding + causal mask to pass seqlens_k instead would read the
-  mask's values (a host sync, and a graph break under torch.compile): not done.
+  mask's values (a host sync, and a graph break under torch.compile): not done. Nor is the
+  kernel's causal flag added on top of a mask: or-overlays (bidirectional image-token blocks)
+  let a query see later keys in a model whose attention is otherwise causal.
 - softcap (Gemma 2) and s_aux (GPT-OSS sinks, (H,)) go to the kernel: HF applies the softcap to
   the scaled scores before the mask, and the sink as an extra softmax logit, as the kernel does.
 - GQA runs with no repeat of k / v (H % H_k == 0).
@@ -110,12 +112,10 @@ def register(name: str = DEFAULT_NAME) -> None:
     masking_utils.AttentionMaskInterface; AttentionInterface alone is older).
     """
     try:
-        import transformers
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as e:
         raise ImportError("attention_ext.integrations.transformers needs transformers >= 4.53 (AttentionInterface "
                           "and masking_utils.AttentionMaskInterface): pip install attention_ext[hf]") from e
-    del transformers
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
