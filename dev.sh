@@ -13,7 +13,7 @@ deps() {
   if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.14.1"
   fi
-  "$PY" -m pip install -q ninja pybind11 numpy tqdm matplotlib pytest hypothesis expecttest
+  "$PY" -m pip install -q ninja pybind11 numpy tqdm matplotlib pytest hypothesis expecttest "transformers>=4.53"
   if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
   fi

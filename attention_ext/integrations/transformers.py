@@ -1,0 +1,121 @@
+"""Hugging Face transformers integration: attention_ext as an `attn_implementation`.
+
+    import attention_ext.integrations.transformers as ae_hf
+    ae_hf.register()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="attention_ext")
+    model.set_attn_implementation("attention_ext")        # or switch an existing model
+
+transformers is imported inside register() only, so this module imports without it.
+
+Design: the masks are SDPA's (masking_utils.sdpa_mask, registered under our name), and the
+attention function reads them with SDPA's semantics (integrations/sdpa_attention.py), so every
+model that runs on "sdpa" gets the same attention pattern here:
+- mask None, q_len > 1 and is_causal: causal, top-left aligned. sdpa_mask only drops the mask when
+  q_len == kv_len, or the cache is empty (q_offset 0; the keys past q_len are a static cache's
+  unwritten slots, which top-left causality hides), so top-left is exact where a mask is absent.
+- mask None, q_len == 1 (decode with no padding; on a sliding layer only while the cache is
+  shorter than the window): every key is visible.
+- a mask: a 4-D bool (B, 1, Sq, Sk) (True = attend; or a caller's float mask, added to the
+  scores), passed as attn_mask. It already holds causality, padding, the sliding window and
+  packed sequences at HF's absolute positions (q_offset, kv_offset). The attention function does
+  not receive those offsets, so `sliding_window` is not turned into the kernel's window: with a
+  static cache (queries not ending at the last key slot) its bottom-right diagonal would differ
+  from HF's. Recognizing a key-padding + causal mask to pass seqlens_k instead would read the
+  mask's values (a host sync, and a graph break under torch.compile): not done. Nor is the
+  kernel's causal flag added on top of a mask: or-overlays (bidirectional image-token blocks)
+  let a query see later keys in a model whose attention is otherwise causal.
+- softcap (Gemma 2) and s_aux (GPT-OSS sinks, (H,)) go to the kernel: HF applies the softcap to
+  the scaled scores before the mask, and the sink as an extra softmax logit, as the kernel does.
+- GQA runs with no repeat of k / v (H % H_k == 0).
+A fully masked query row (a left-padded position) gives 0 here; SDPA's value there is
+implementation-defined, and HF ignores those positions.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["register", "attention_forward", "DEFAULT_NAME"]
+
+DEFAULT_NAME = "attention_ext"
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[Tensor] = None,
+    **kwargs: Any,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The attention function registered with transformers.AttentionInterface.
+
+    Args:
+        module: the calling attention module (its `is_causal` is the default for `is_causal`).
+        query: (B, H, Sq, D); key, value: (B, H_k, Sk, D), H % H_k == 0.
+        attention_mask: None, or the (B, 1, Sq, Sk) mask built by sdpa_mask (bool, True =
+            attend), or a caller's 4-D float mask (added to the scores).
+        dropout: the probability's dropout rate (the model passes 0.0 outside training).
+        scaling: the score scale, default 1 / sqrt(D).
+        is_causal: overrides module.is_causal; used only where the mask is None (as SDPA).
+        sliding_window: ignored: the mask holds the window (see the module docstring).
+        softcap: logit soft-capping (Gemma 2), None or 0 = none.
+        s_aux: (H,) attention-sink logits (GPT-OSS), in the model's dtype; attention() casts them
+            to the kernel's float side dtype (float32; float64 for float64), keeping the gradient.
+
+    Returns (out (B, Sq, H, D) contiguous, None), or with output_attentions=True the probabilities
+    (B, H, Sq, Sk) in q's dtype in place of None, recomputed from the kernel's LSE (one more Q K^T):
+    only without dropout and without autograd (the LSE carries no gradient), else
+    NotImplementedError, as for head_mask and position_bias.
+    """
+    from .. import attention, attention_weights  # deferred: attention_ext imports nothing from here
+
+    want_weights = bool(kwargs.get("output_attentions"))
+    if want_weights and (dropout > 0.0 or (torch.is_grad_enabled() and
+                                           any(t.requires_grad for t in (query, key, value)))):
+        raise NotImplementedError("attention_ext returns attention weights (output_attentions=True) only without "
+                                  "dropout and gradients; use attn_implementation='eager' for them")
+    for name in ("head_mask", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attention_ext does not support `{name}` in the transformers integration")
+    sq = query.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # SDPA's rule (sdpa_attention_forward): causal only with no mask and more than one query
+    causal = bool(is_causal) and attention_mask is None and sq > 1
+    softcap = float(softcap or 0.0)
+    out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
+                    attn_mask=attention_mask, softcap=softcap, sinks=s_aux, dropout_p=float(dropout),
+                    return_lse=want_weights)
+    weights = None
+    if want_weights:  # the LSE holds the sink term, so exp(s - lse) is GPT-OSS's sink-less probability too
+        out, lse = out
+        weights = attention_weights(query, key, lse, scale=scaling, causal=causal, attn_mask=attention_mask,
+                                    softcap=softcap).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Sq, H, D), (B, H, Sq, Sk) or None
+
+
+def register(name: str = DEFAULT_NAME) -> None:
+    """Register attention_ext with transformers under `name`: the attention function in
+    AttentionInterface and SDPA's mask builder (masking_utils.sdpa_mask: a 4-D bool mask, or None
+    when causality alone describes it) in AttentionMaskInterface. Then
+    `attn_implementation=name` selects it (from_pretrained / from_config / set_attn_implementation).
+    Idempotent. Raises ImportError when transformers is missing or older than 4.53 (the first with
+    masking_utils.AttentionMaskInterface; AttentionInterface alone is older).
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:
+        raise ImportError("attention_ext.integrations.transformers needs transformers >= 4.53 (AttentionInterface "
+                          "and masking_utils.AttentionMaskInterface): pip install attention_ext[hf]") from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
