@@ -85,3 +85,20 @@ def test_package_discovery_covers_every_subpackage():
     assert on_disk <= found, f"not packaged: {sorted(on_disk - found)}"
     assert all(p == "attention_ext" or p.startswith("attention_ext.") for p in found), found
     assert "py.typed" in setuptools_cfg["package-data"]["attention_ext"]
+
+
+def test_build_without_torch_says_what_to_do():
+    """setup.py compiles against the installed torch: without one it exits with one line, not a
+    traceback (torch's imports blocked by a sys.meta_path finder)."""
+    code = ("import runpy, sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "sys.argv = ['setup.py', '--version']\n"
+            "runpy.run_path('setup.py', run_name='__main__')\n")
+    rc, out, err = run_python(code)
+    assert rc == 1, (out, err)
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert "torch must be installed before building" in err and "--no-build-isolation" in err, err
