@@ -40,8 +40,14 @@ _cuda_home = _find_cuda_home()
 if _cuda_home:
     os.environ["CUDA_HOME"] = _cuda_home  # before cpp_extension reads it at import
 
-import torch  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+try:
+    import torch  # noqa: E402
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+except ImportError as e:
+    # the kernels compile against the torch that will run them, so pip's isolated build env (a
+    # fresh torch) is the wrong one: say so in one line instead of a traceback
+    sys.exit(f"attention_ext: torch must be installed before building (it compiles against your torch; {e}): "
+             "pip install torch, then pip install --no-build-isolation .")
 
 
 def _want_cuda():

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
+import numpy
 import torch
+
+# the plots take tensors (any device or dtype) or numpy arrays
+_Array = Union[torch.Tensor, numpy.ndarray]
 
 
 def _figure(nrows: int, ncols: int, cell: float = 3.0):
@@ -56,7 +60,7 @@ def _save(fig, path: str, title: Optional[str]) -> str:
     return path
 
 
-def plot_attention_heads(weights, path: str, *, x_tokens: Optional[Sequence] = None,
+def plot_attention_heads(weights: _Array, path: str, *, x_tokens: Optional[Sequence] = None,
                          y_tokens: Optional[Sequence] = None, title: Optional[str] = None, ncols: int = 4,
                          cmap: str = "viridis") -> str:
     """A grid of heatmaps, one per head, of weights (H, S_q, S_k) for one sequence (a (S_q, S_k)
@@ -80,7 +84,7 @@ def plot_attention_heads(weights, path: str, *, x_tokens: Optional[Sequence] = N
     return _save(fig, path, title)
 
 
-def plot_alignment(weights, path: str, *, src_tokens: Optional[Sequence] = None,
+def plot_alignment(weights: _Array, path: str, *, src_tokens: Optional[Sequence] = None,
                    tgt_tokens: Optional[Sequence] = None, title: Optional[str] = "alignment") -> str:
     """The alignment matrix (T, S) of a Bahdanau/Luong decoder: row t is the attention of output
     step t over the source positions, as in the papers' figures."""
@@ -95,7 +99,7 @@ def plot_alignment(weights, path: str, *, src_tokens: Optional[Sequence] = None,
     return _save(fig, path, title)
 
 
-def block_layout(mask, block_size: int):
+def block_layout(mask: _Array, block_size: int) -> torch.Tensor:
     """(..., S_q, S_k) bool mask (True = attend) -> (..., ceil(S_q/b), ceil(S_k/b)) bool: which
     (block_q, block_k) tiles hold at least one allowed entry, i.e. which tiles a kernel computes."""
     m = torch.as_tensor(mask).bool()
@@ -107,7 +111,7 @@ def block_layout(mask, block_size: int):
     return m.amax(dim=(-3, -1)) > 0
 
 
-def plot_sparse_layout(layout, path: str, *, title: Optional[str] = "block layout", ncols: int = 4) -> str:
+def plot_sparse_layout(layout: _Array, path: str, *, title: Optional[str] = "block layout", ncols: int = 4) -> str:
     """Plots a block-sparse layout (n_q_blocks, n_k_blocks) or one per head (H, n_q, n_k):
     dark = computed block, light = skipped; the title reports the density."""
     lay = _as_array(torch.as_tensor(_as_array(layout)).bool().float())

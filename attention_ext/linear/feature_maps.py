@@ -12,7 +12,7 @@ applied in PyTorch before the kernel, which then runs its identity map on featur
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -198,10 +198,15 @@ class RFA(RandomFeatureMap):
 
 
 # ---------------------------------------------------------------------------------- registry
-FEATURE_MAPS: Dict[str, Callable[..., Union[FeatureMap, Callable]]] = {}
+# a map as applied: a FeatureMap, or any nn.Module / callable (..., D) -> (..., M)
+FeatureMapLike = Union[FeatureMap, Callable[[Tensor], Tensor]]
+# what linear_attention(feature_map=...) takes: a registered name or a map
+FeatureMapSpec = Union[str, FeatureMapLike]
+
+FEATURE_MAPS: Dict[str, Callable[..., FeatureMapLike]] = {}
 
 
-def register_feature_map(name: str, factory: Optional[Callable] = None):
+def register_feature_map(name: str, factory: Optional[Callable[..., FeatureMapLike]] = None) -> Callable:
     """Register `factory(head_dim, **kwargs) -> feature map` under `name`; usable as a decorator."""
     def deco(f):
         FEATURE_MAPS[name] = f
@@ -216,7 +221,7 @@ register_feature_map("favor", Favor)
 register_feature_map("rfa", RFA)
 
 
-def get_feature_map(name: str, head_dim: Optional[int] = None, **kwargs):
+def get_feature_map(name: str, head_dim: Optional[int] = None, **kwargs: Any) -> FeatureMapLike:
     """A new feature map from the registry: FEATURE_MAPS[name](head_dim, **kwargs)."""
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature_map {name!r}; registered: {sorted(FEATURE_MAPS)}")
@@ -227,7 +232,7 @@ def get_feature_map(name: str, head_dim: Optional[int] = None, **kwargs):
 _BY_NAME: Dict[Tuple[str, Optional[int]], Union[FeatureMap, Callable]] = {}
 
 
-def resolve(spec, head_dim: int):
+def resolve(spec: FeatureMapSpec, head_dim: int) -> FeatureMapLike:
     """What linear_attention(feature_map=spec) applies: a name gives the registered map for this
     head dim (built once per (name, head_dim); random maps get seed 0), anything else is used
     as given (a FeatureMap, an nn.Module or a callable)."""
@@ -247,7 +252,7 @@ def resolve(spec, head_dim: int):
     return spec
 
 
-def apply(fm, x: Tensor, *, is_query: bool, normalized: bool) -> Tensor:
+def apply(fm: FeatureMapLike, x: Tensor, *, is_query: bool, normalized: bool) -> Tensor:
     """phi(x) by a resolved map: FeatureMaps get the query / normalization hints, other
     callables just x."""
     if isinstance(fm, FeatureMap):

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import feature_maps, ops, reference
+from .feature_maps import FeatureMapSpec
 
 __all__ = ["linear_attention", "linear_attention_step", "LinearAttentionState"]
 
@@ -172,7 +173,7 @@ def linear_attention(
     k: Tensor,
     v: Tensor,
     *,
-    feature_map="elu",
+    feature_map: FeatureMapSpec = "elu",
     causal: bool = False,
     normalize: bool = True,
     eps: float = 1e-6,
@@ -278,7 +279,7 @@ def linear_attention_step(
     v_t: Tensor,
     state: Optional[LinearAttentionState],
     *,
-    feature_map="elu",
+    feature_map: FeatureMapSpec = "elu",
     decay_t: Optional[Tensor] = None,
     normalize: bool = True,
     eps: float = 1e-6,

@@ -29,6 +29,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
+    """The normalization layer `kind` names: "layernorm" (nn.LayerNorm) or "rmsnorm" (RMSNorm)."""
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps)
     if kind == "rmsnorm":

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.types import Device
 
 from .. import reference
 from ..softmax import attention, attention_varlen, attention_weights
@@ -68,7 +69,9 @@ class AttentionConfig:
 ATTENTION_TYPES: Dict[str, Callable] = {}
 
 
-def register_attention_type(name: str):
+def register_attention_type(name: str) -> Callable[[Callable], Callable]:
+    """Decorator registering `fn(q, k, v, **options)` as the kernel of AttentionConfig(attention_type=name):
+    (B, S, H, D) q and (B, S_k, H_k, D) k, v in, out (B, S, H, D) (or (out, lse) with return_lse) back."""
     def deco(fn):
         ATTENTION_TYPES[name] = fn
         return fn
@@ -308,8 +311,8 @@ def make_attention(config: AttentionConfig, cross: bool = False) -> nn.Module:
     return ATTENTION_MODULES.get(config.attention_type, Attention)(config, cross=cross)
 
 
-def allocate_cache(config: AttentionConfig, batch: int, max_len: int, *, device=None, dtype=torch.float32,
-                   static: bool = False):
+def allocate_cache(config: AttentionConfig, batch: int, max_len: int, *, device: Device = None,
+                   dtype: torch.dtype = torch.float32, static: bool = False) -> Any:
     """The generation cache of one layer: a preallocated KVCache, or what the type's module keeps
     (a recurrent state for "linear")."""
     cls = ATTENTION_MODULES.get(config.attention_type)

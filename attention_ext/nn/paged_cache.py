@@ -21,6 +21,11 @@ from ..decode import decode_fwd
 
 
 class PagedKVCache:
+    """A paged KV cache of one attention layer: page pools (num_pages, page_size, H_k, D) for keys
+    and values, a block table (B, max_pages) int32 and lengths (B,) int32, with KVCache's interface
+    (`positions()`, `append(k, v)`, `attend(q, ...)`) plus `select(rows)` and `free(seq)`; the
+    module docstring describes the protocol."""
+
     paged = True
     static = False
 

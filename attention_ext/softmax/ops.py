@@ -15,6 +15,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.types import Device
 
 from .._ext import HAS_EXT, registered
 
@@ -324,7 +325,8 @@ def topk_threshold(q: Tensor, k: Tensor, k_top: int, **options) -> Tuple[Tensor,
     return torch.ops.attention_ext.topk_threshold(q, k, *[a[n] for n in OPTION_NAMES], int(k_top))
 
 
-def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0, device=None) -> Tensor:
+def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: int = 0,
+                 device: Device = None) -> Tensor:
     """The (B, H, Sq, Sk) bool keep-mask the kernels draw for (seed, offset): Philox4x32-10,
     identical on the CPU and the GPU. A call that drew its own (seed, offset) as a rng_state
     tensor rebuilds its mask with dropout_mask(..., *rng_state.tolist())."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.types import Device
 
 
 def mask_structure(
@@ -25,7 +26,7 @@ def mask_structure(
     len_q: Optional[Tensor] = None,
     len_k: Optional[Tensor] = None,
     batch: int = 1,
-    device=None,
+    device: Device = None,
 ) -> Tensor:
     """Which (i, j) may attend, from lengths, causal and the sliding window alone.
 
@@ -54,7 +55,8 @@ def mask_structure(
     return ok.unsqueeze(1)
 
 
-def alibi_bias(slopes: Tensor, sq: int, sk: int, *, bottom_right: bool, len_q=None, len_k=None) -> Tensor:
+def alibi_bias(slopes: Tensor, sq: int, sk: int, *, bottom_right: bool, len_q: Optional[Tensor] = None,
+               len_k: Optional[Tensor] = None) -> Tensor:
     """ALiBi: -slope * |i + diag - j|.  slopes (H) or (B, H) -> (B or 1, H, S_q, S_k)."""
     if slopes.dim() == 1:
         slopes = slopes.unsqueeze(0)
@@ -144,7 +146,7 @@ def attention_varlen(
     v: Tensor,
     cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor,
-    **kwargs,
+    **kwargs: Any,
 ) -> Tuple[Tensor, Tensor]:
     """Variable-length packs: q (total_q, H, D), k, v (total_k, H_k, D); sequence b holds rows
     [cu[b], cu[b+1]). Each sequence is attention() on its own. Returns out (total_q, H, D) and
@@ -173,7 +175,7 @@ def attention_varlen(
     return torch.cat(outs, 0), torch.cat(lses, -1)
 
 
-def attention_probs(q: Tensor, k: Tensor, lse: Tensor, **kwargs) -> Tensor:
+def attention_probs(q: Tensor, k: Tensor, lse: Tensor, **kwargs: Any) -> Tensor:
     """The softmax probabilities P = exp(s - lse) (B, H, S_q, S_k), recomputed from the LSE,
     zero where masked. Takes attention()'s score options (no dropout)."""
     b, h, sq, d = q.shape
@@ -225,7 +227,7 @@ def _philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k
     return c0, c1, c2, c3
 
 
-def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, rng_state: Tensor, device=None) -> Tensor:
+def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, rng_state: Tensor, device: Device = None) -> Tensor:
     """The (B, H, S_q, S_k) bool keep-mask the kernels draw, from rng_state = (seed, offset), an
     int64 (2) tensor (read as tensors: no .item(), so torch.compile traces it).
 

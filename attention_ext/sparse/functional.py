@@ -6,12 +6,13 @@ thresholds from a streaming threshold pass. Every other option of attention() co
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..softmax.functional import attention
+from .layouts import SparseMask
 
 __all__ = ["block_sparse_attention", "topk_attention", "layout_to_mask"]
 
@@ -22,11 +23,11 @@ def layout_to_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
     return m[:, :sq, :sk]
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout, *, block_size: int = 64,
-                           causal: bool = False, scale: Optional[float] = None,
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor, SparseMask], *,
+                           block_size: int = 64, causal: bool = False, scale: Optional[float] = None,
                            key_padding_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                            layout_qkv: str = "bhsd", return_lse: bool = False,
-                           **options) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                           **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Softmax attention over the (query block, key block) pairs a layout names.
 
     Args:
@@ -65,7 +66,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout, *, block_siz
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: bool = False,
                    scale: Optional[float] = None, key_padding_mask: Optional[Tensor] = None,
                    layout_qkv: str = "bhsd", return_lse: bool = False,
-                   **options) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                   **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Hard attention: each query keeps only its k_top highest-scoring keys among those the
     other rules allow (causal, padding, window, masks), and softmax runs over them. Ties in the
     score go to the lower key index, so the selection is deterministic; k_top=1 is argmax

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.types import Device
 
 __all__ = [
     "sliding_window", "global_tokens", "random", "strided", "fixed", "bigbird", "longformer",
@@ -87,7 +88,7 @@ def _default_stride(n_blocks: int) -> int:
 
 
 def sliding_window(window: int, dilation: int = 1, *, seq_len: int, seq_len_k: Optional[int] = None,
-                   block_size: int = 64, heads: int = 1, causal: bool = False, device=None) -> Tensor:
+                   block_size: int = 64, heads: int = 1, causal: bool = False, device: Device = None) -> Tensor:
     """Banded layout: block (r, c) is computed iff c = r + t * dilation for some integer t in
     [-window, window] (t in [-window, 0] when `causal`). dilation=1 is the plain band of
     2 * window + 1 blocks; a larger dilation spreads the same number of blocks further
@@ -119,7 +120,7 @@ def sliding_window(window: int, dilation: int = 1, *, seq_len: int, seq_len_k: O
 
 
 def global_tokens(indices: Iterable[int], *, seq_len: int, seq_len_k: Optional[int] = None, block_size: int = 64,
-                  heads: int = 1, device=None) -> Tensor:
+                  heads: int = 1, device: Device = None) -> Tensor:
     """Global blocks: for each block index g, query block row g attends to every key block and key
     block column g is attended to by every query block (row g exists iff g < n_q_blocks, column g
     iff g < n_k_blocks; g must name at least one). Nothing else is computed.
@@ -148,7 +149,7 @@ def global_tokens(indices: Iterable[int], *, seq_len: int, seq_len_k: Optional[i
 
 
 def random(density: float, seed: int = 0, *, seq_len: int, seq_len_k: Optional[int] = None, block_size: int = 64,
-           heads: int = 1, device=None) -> Tensor:
+           heads: int = 1, device: Device = None) -> Tensor:
     """Random blocks: every query block row of every head computes exactly
     round(density * n_k_blocks) key blocks, drawn without replacement from a torch.Generator seeded
     with `seed` (the same seed gives the same layout on every device; each head draws its own).
@@ -173,7 +174,7 @@ def random(density: float, seed: int = 0, *, seq_len: int, seq_len_k: Optional[i
 
 
 def strided(stride: Optional[int] = None, *, seq_len: int, seq_len_k: Optional[int] = None, block_size: int = 64,
-            heads: int = 1, causal: bool = False, device=None) -> Tensor:
+            heads: int = 1, causal: bool = False, device: Device = None) -> Tensor:
     """The Sparse Transformer's strided pattern (Child et al. 2019) at block granularity, stride in
     blocks: block (r, c) is computed iff |r - c| < stride (the local part) or (r - c) % stride == 0
     (the strided part: every stride-th block, in both directions). With `causal` both parts keep
@@ -212,7 +213,7 @@ def strided(stride: Optional[int] = None, *, seq_len: int, seq_len_k: Optional[i
 
 
 def fixed(stride: Optional[int] = None, c: int = 1, *, seq_len: int, seq_len_k: Optional[int] = None,
-          block_size: int = 64, heads: int = 1, causal: bool = False, device=None) -> Tensor:
+          block_size: int = 64, heads: int = 1, causal: bool = False, device: Device = None) -> Tensor:
     """The Sparse Transformer's fixed pattern (Child et al. 2019) at block granularity, stride in
     blocks: the blocks fall into windows of `stride` blocks; block (r, k) is computed iff
     k // stride == r // stride (the same window) or k % stride >= stride - c (k is one of the last
@@ -271,7 +272,7 @@ def _hash_uniform(seed: int, heads: int, nq: int, nk: int) -> Tensor:
 
 def bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0, *, seq_len: int,
             seq_len_k: Optional[int] = None, block_size: int = 64, heads: int = 1, causal: bool = False,
-            device=None) -> Tensor:
+            device: Device = None) -> Tensor:
     """BigBird (Zaheer et al. 2020): a sliding window of `window` blocks on each side of the
     diagonal (|r - c| <= window; the paper's 3-block window is window=1), the first `n_global`
     blocks global (their rows and columns, as `global_tokens`), and `n_random` more key blocks per
@@ -323,7 +324,7 @@ def bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0
 
 
 def longformer(window: int, global_indices: Iterable[int] = (), *, seq_len: int, seq_len_k: Optional[int] = None,
-               block_size: int = 64, heads: int = 1, device=None) -> Tensor:
+               block_size: int = 64, heads: int = 1, device: Device = None) -> Tensor:
     """Longformer (Beltagy et al. 2020): `sliding_window(window)` union
     `global_tokens(global_indices)`.
 
@@ -413,7 +414,7 @@ def _n_params(fn: Callable) -> int:
 
 
 def from_mask(mask: Union[Callable, Tensor], block_size: int = 64, *, seq_len: Optional[int] = None,
-              seq_len_k: Optional[int] = None, heads: int = 1, device=None) -> SparseMask:
+              seq_len_k: Optional[int] = None, heads: int = 1, device: Device = None) -> SparseMask:
     """The block layout of an element mask, and the mask where the layout alone is not exact.
 
     `mask` is either a function of broadcasting index tensors returning bool, True = attend:
