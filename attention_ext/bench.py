@@ -1,12 +1,13 @@
-"""`python -m attention_ext bench`: a quick table of the fused kernel against torch SDPA on this
-machine, and the timing helpers every benchmark shares (benchmarks/common.py re-exports them):
-one FLOP formula, interleaved timing, the measured matmul ceiling."""
+"""`python -m attention_ext bench`: each family's kernels against the peers on this machine, over
+a sweep of sequence lengths (tables, results.csv and plots: see main()); and the timing helpers
+every benchmark shares (benchmarks/common.py re-exports them): one FLOP formula, interleaved
+timing, the measured matmul ceiling and copy bandwidth."""
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -171,7 +172,7 @@ def decode_bytes(b: int, h_k: int, cache_len: int, d: int, dtype: torch.dtype) -
 FAMILIES = ("softmax", "linear", "sparse", "decode")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CSV_FIELDS = ("family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "causal", "seq_len",
-              "ms", "tflops", "gbps", "peak_mem_mb", "ratio", "share")
+              "ms", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling")
 
 # (B, H, H_k, D) per family and device kind
 SHAPES = {
@@ -195,6 +196,7 @@ LENGTHS = {
 SPARSE_BLOCK = 64
 LINEAR_CHUNK = 64  # the torch chunked peer's chunk (benchmarks/linear/bench_cpu.py's peer)
 DECODE_PAGE = 16
+MATH_MAX_BYTES = 4 << 30  # SDPA math materializes the (B, H, S, S) scores: left out beyond 4 GiB of them
 
 
 def sparse_layout(s: int, heads: int, block_size: int = SPARSE_BLOCK, causal: bool = False) -> torch.Tensor:
@@ -208,11 +210,27 @@ def sparse_layout(s: int, heads: int, block_size: int = SPARSE_BLOCK, causal: bo
                           heads=heads, causal=causal)
 
 
+class Contenders(NamedTuple):
+    """One case's contenders: fns (name -> zero-argument call), the Flex ones among them (their
+    first call compiles), the work of one call (FLOPs, or bytes for decode) in `unit` ("tflops" /
+    "gbps"), and how to bring each output to ours' layout for the agreement check (name -> function;
+    None: not expected to agree, e.g. dense attention against a sparse layout; absent: as is)."""
+    fns: dict
+    flex: list
+    work: float
+    unit: str
+    convert: dict
+
+
+def _bshd(o):
+    """A (B, S, H, D) output (flash-attn's layout) as (B, H, S, D), a view."""
+    return o.transpose(1, 2)
+
+
 class Peers:
     """What one device offers besides our kernels, probed once: the SDPA backends, compiled
     FlexAttention (given up for the rest of the run when it fails or its first compile takes
-    longer than `flex_budget` seconds), flash-attn and fla. `notes` collects one line per
-    (family, device, dtype) for every contender left out, and why."""
+    longer than `flex_budget` seconds), flash-attn and fla."""
 
     def __init__(self, device: str, *, flex: bool, flex_reason: str, flex_budget: float):
         import importlib.util
@@ -220,17 +238,19 @@ class Peers:
         self.device = device
         self.cuda = device.startswith("cuda")
         self.flex_on, self.flex_reason, self.flex_budget = flex, flex_reason, flex_budget
-        self._flex = None
+        self._flex = {}
         self.flash_attn = self.cuda and importlib.util.find_spec("flash_attn") is not None
         self.fla = self.cuda and importlib.util.find_spec("fla") is not None
 
-    def flex(self):
-        """torch.compile(flex_attention), built on first use."""
-        if self._flex is None:
+    def flex(self, family: str):
+        """torch.compile(flex_attention), one per family: static shapes (a dynamic-shape recompile
+        fails to build on the CPU for block masks), each length a compile of its own, within
+        torch's recompile limit per function."""
+        if family not in self._flex:
             from torch.nn.attention.flex_attention import flex_attention
 
-            self._flex = torch.compile(flex_attention)
-        return self._flex
+            self._flex[family] = torch.compile(flex_attention, dynamic=False)
+        return self._flex[family]
 
     def sdpa_backends(self) -> dict:
         """SDPA as a user would call it: the default dispatch on the CPU (plus the math backend,
@@ -271,6 +291,8 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
     gqa = hk != h
     fns = {"ours": lambda: ae.attention(q, k, v, causal=causal)}
     for name, backend in p.sdpa_backends().items():
+        if name == "sdpa math" and b * h * s * s * 4 > MATH_MAX_BYTES:
+            continue  # noted by the caller
         fns[name] = _sdpa(q, k, v, backend, is_causal=causal, enable_gqa=gqa)
     flex = []
     if p.flex_on:
@@ -279,14 +301,14 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
             from torch.nn.attention.flex_attention import create_block_mask
 
             bm = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, s, s, device=dev)
-        fns["flex"] = lambda: p.flex()(q, k, v, block_mask=bm, enable_gqa=gqa)
+        fns["flex"] = lambda: p.flex("softmax")(q, k, v, block_mask=bm, enable_gqa=gqa)
         flex.append("flex")
     if p.flash_attn:
         from flash_attn import flash_attn_func
 
         qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         fns["flash-attn"] = lambda: flash_attn_func(qb, kb, vb, causal=causal)
-    return fns, flex, flops(b, h, s, s, d, causal=causal), "tflops"
+    return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops", {"flash-attn": _bshd})
 
 
 def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
@@ -309,7 +331,7 @@ def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
         qf, kf = ((F.elu(t) + 1).transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(h // hk, 1)))
         vf = v.repeat_interleave(h // hk, 1).transpose(1, 2).contiguous()
         fns["fla"] = lambda: chunk_linear_attn(qf, kf, vf, scale=1.0, normalize=True)
-    return fns, [], linear_flops(b, h, s, d, d), "tflops"
+    return Contenders(fns, [], linear_flops(b, h, s, d, d), "tflops", {"fla": _bshd})
 
 
 def _sparse_case(p: Peers, b, h, hk, s, d, dtype, causal):
@@ -325,9 +347,7 @@ def _sparse_case(p: Peers, b, h, hk, s, d, dtype, causal):
     k, v = (torch.randn(b, hk, s, d, dtype=dtype, device=dev) for _ in range(2))
     gqa = hk != h
     fns = {"ours": lambda: ae.block_sparse_attention(q, k, v, lay, block_size=bs, causal=causal)}
-    backends = p.sdpa_backends()
-    name, backend = next(iter(backends.items()))
-    fns["sdpa dense"] = _sdpa(q, k, v, backend, is_causal=causal, enable_gqa=gqa)
+    fns["sdpa dense"] = _sdpa(q, k, v, None, is_causal=causal, enable_gqa=gqa)  # the dispatcher's pick
     flex = []
     if p.flex_on:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -337,10 +357,10 @@ def _sparse_case(p: Peers, b, h, hk, s, d, dtype, causal):
             return (on & (j <= i)) if causal else on
 
         bm = create_block_mask(mask_mod, None, h, s, s, device=dev)
-        fns["flex block mask"] = lambda: p.flex()(q, k, v, block_mask=bm, enable_gqa=gqa)
+        fns["flex block mask"] = lambda: p.flex("sparse")(q, k, v, block_mask=bm, enable_gqa=gqa)
         flex.append("flex block mask")
     pairs = layout_pairs(lay.cpu(), bs, s, s, causal)
-    return fns, flex, flops(b, h, s, s, d, pairs=pairs), "tflops"
+    return Contenders(fns, flex, flops(b, h, s, s, d, pairs=pairs), "tflops", {"sdpa dense": None})
 
 
 def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
@@ -371,10 +391,54 @@ def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
         from flash_attn import flash_attn_with_kvcache
 
         fns["flash-attn"] = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=scale)
-    return fns, [], decode_bytes(b, hk, s, d, dtype), "gbps"
+    # ours and flash-attn give (B, 1, H, D) (decode_fwd with its LSE), SDPA (B, H, 1, D)
+    return Contenders(fns, [], decode_bytes(b, hk, s, d, dtype), "gbps", {"sdpa": _bshd})
 
 
 CASES = {"softmax": _softmax_case, "linear": _linear_case, "sparse": _sparse_case, "decode": _decode_case}
+
+
+def _rss_mb(key: str) -> float:
+    """A line of /proc/self/status (VmRSS:, VmHWM:) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024.0
+    raise KeyError(key)
+
+
+def _libc_trim() -> Optional[Callable[[], object]]:
+    """glibc's malloc_trim(0) where the CPU peak can be measured (Linux, a writable
+    /proc/self/clear_refs), else None."""
+    import ctypes
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return lambda: trim(0)
+
+
+def _cpu_peak_mb(fn: Callable[[], object], trim: Callable[[], object]) -> float:
+    """Peak resident memory one CPU call adds, output included: the peak-RSS mark (VmHWM) reset
+    to the current RSS (/proc/self/clear_refs 5) and read after the call. Freed memory that the
+    process still holds would be reused unseen, so the extension's huge-page cache is emptied and
+    glibc's free pages are handed back (malloc_trim) first: what remains resident is what is live.
+    Repeats within 1 MiB (SDPA math at S=4096, B1 H8: 1168 MiB, its two S x S matrices)."""
+    import gc
+
+    from attention_ext import _ext
+
+    gc.collect()
+    _ext.empty_cpu_cache()
+    trim()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss_mb("VmRSS:")
+    fn()
+    return max(0.0, _rss_mb("VmHWM:") - base)
 
 
 def _peak_mb(fn: Callable[[], object], device: str) -> float:
@@ -387,12 +451,35 @@ def _peak_mb(fn: Callable[[], object], device: str) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
+def _same(o):
+    return o
+
+
 def _is_ours(impl: str) -> bool:
     return impl == "ours" or impl.startswith("ours ")
 
 
+CEILING = "(ceiling)"
+
+
+def _ceiling_fn(unit: str, dtype: torch.dtype, device: str) -> tuple:
+    """The machine's ceiling as one more contender of the interleaved timing, so that noise on a
+    shared machine moves it with the others: an N x N matmul in the case's dtype (N 1024 on the
+    CPU, 4096 on CUDA) for FLOP/s, a 64 MiB (CPU) / 256 MiB (CUDA) copy, bytes read + written, for
+    GB/s (copy_bandwidth's measure). Returns (fn, work of one call)."""
+    cuda = device.startswith("cuda")
+    if unit == "gbps":
+        n = (1 << 28 if cuda else 1 << 26) // 4
+        src = torch.ones(n, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        return (lambda: dst.copy_(src)), 8.0 * n
+    n = 4096 if cuda else 1024
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return (lambda: a @ b), 2.0 * n ** 3
+
+
 def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, causal: bool, reps: int,
-             ceiling: float, notes: dict) -> list:
+             notes: dict) -> list:
     """Times every contender of one case interleaved; returns one CSV row (dict) per contender.
     A contender whose first call fails is dropped with a note; so is Flex for the rest of the run
     when its first compile exceeds the budget."""
@@ -400,11 +487,12 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
     dev = p.device
     sync = (lambda: torch.cuda.synchronize(dev)) if p.cuda else None
     with torch.no_grad():
-        fns, flex_names, work, unit = CASES[family](p, b, h, hk, s, d, dtype, causal)
+        fns, flex_names, work, unit, convert = CASES[family](p, b, h, hk, s, d, dtype, causal)
+        outs = {}
         for name in list(fns):  # the first call: compiles Flex, and screens out what cannot run here
             t0 = time.perf_counter()
             try:
-                fns[name]()
+                out = fns[name]()
                 if sync is not None:
                     sync()
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is skipped, not fatal
@@ -417,8 +505,27 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             if name in flex_names and took > p.flex_budget:
                 p.flex_on = False
                 p.flex_reason = f"flex: compile took {took:.0f} s (> --flex-budget {p.flex_budget:.0f} s); skipped after S={s}"
-        peak = {n: _peak_mb(fn, dev) for n, fn in fns.items()} if p.cuda else {}
-        t = interleaved(fns, warmup=1, reps=reps, sync=sync)
+            if convert.get(name, _same) is not None:
+                out = out[0] if isinstance(out, tuple) else out
+                outs[name] = convert.get(name, _same)(out).float()
+            del out
+        # the contenders compute the same thing: a peer set up wrong would make every ratio a lie
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        ref = outs.get("ours")
+        for name, o in outs.items():
+            err = (o - ref).abs().max().item() if ref is not None and o.shape == ref.shape else float("inf")
+            if ref is not None and not err <= tol:
+                notes[f"{name} differs"] = (f"{name}: output differs from ours (max abs diff {err:.3g} at S={s}, "
+                                            f"tolerance {tol:g}); its row is not a like-for-like comparison")
+        del outs, ref
+        if p.cuda:
+            peak = {n: _peak_mb(fn, dev) for n, fn in fns.items()}
+        else:
+            trim = _libc_trim()
+            peak = {n: _cpu_peak_mb(fn, trim) for n, fn in fns.items()} if trim is not None else {}
+        ceil_fn, ceil_work = _ceiling_fn(unit, dtype, dev)
+        t = interleaved({**fns, CEILING: ceil_fn}, warmup=1, reps=reps, sync=sync)
+        ceiling = ceil_work / t.pop(CEILING)
     peers = [x for n, x in t.items() if not _is_ours(n)]
     best = min(peers) if peers else float("nan")
     rows = []
@@ -430,6 +537,7 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             "seq_len": s, "ms": sec * 1e3,
             "tflops": rate / 1e12 if unit == "tflops" else "", "gbps": rate / 1e9 if unit == "gbps" else "",
             "peak_mem_mb": peak.get(name, ""), "ratio": best / sec, "share": rate / ceiling,
+            "ceiling": ceiling / (1e12 if unit == "tflops" else 1e9),
         })
     return rows
 
@@ -449,7 +557,7 @@ def table(rows: list, header: str, notes: list) -> str:
         cells = [str(r["seq_len"]), r["impl"], _fmt(r["ms"], ".3f"),
                  _fmt(r["gbps"], ".1f") if decode else _fmt(r["tflops"], ".4f"), _fmt(r["share"], ".0%")]
         cells += [_fmt(r["peak_mem_mb"], ".1f")] if mem else []
-        cells.append(_fmt(r["ratio"], ".2f") + "x")
+        cells.append("-" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}x")  # NaN: no peer ran
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
     return "\n".join(lines)
@@ -514,10 +622,10 @@ def main(argv=None) -> int:
         prog="python -m attention_ext bench",
         description="Sequence-length sweeps of each kernel family against the peers on this machine (torch "
                     "SDPA, FlexAttention, flash-attn, fla), timed interleaved in the same run: a table per "
-                    "(family, device, dtype), DIR/results.csv, DIR/results.md and PNG plots. Peak memory is "
-                    "measured on CUDA only (torch.cuda.max_memory_allocated); the CPU has no reliable "
-                    "per-call measure (the extension's own huge-page cache and glibc's reuse of freed "
-                    "memory hide allocations from both the profiler and RSS), so CPU rows leave it empty.")
+                    "(family, device, dtype), DIR/results.csv, DIR/results.md and PNG plots. Peak memory of one "
+                    "call, output included: torch.cuda.max_memory_allocated on CUDA; on the CPU the growth "
+                    "of the peak RSS after freed memory is handed back (Linux with glibc; elsewhere the "
+                    "CPU rows leave it empty).")
     ap.add_argument("--family", default="all", choices=FAMILIES + ("all",))
     ap.add_argument("--device", default="all", choices=("cpu", "cuda", "all"),
                     help="all: the CPU and, when present, CUDA")
@@ -551,7 +659,7 @@ def main(argv=None) -> int:
                 for s in sizes or LENGTHS[fam][kind][1 if args.quick else 0]:
                     cases.append((dev, fam, DTYPES[name], s))
 
-    peers, ceilings, groups, notes = {}, {}, {}, {}
+    peers, groups, notes = {}, {}, {}
     for dev in devices:
         cuda = dev.startswith("cuda")
         flex, why = True, ""
@@ -565,21 +673,19 @@ def main(argv=None) -> int:
     for dev, fam, dtype, s in bar:
         bar.set_postfix_str(f"{fam} {dev} {str(dtype)[6:]} S={s}")
         p = peers[dev]
-        unit_key = (dev, "copy" if fam == "decode" else dtype)
-        if unit_key not in ceilings:
-            quick = args.quick or bool(sizes)
-            ceilings[unit_key] = (copy_bandwidth(1 << (26 if quick else 28), device=dev) if fam == "decode" else
-                                  matmul_ceiling(dtype, n=4096 if p.cuda else 1024, device=dev, reps=5))
         key = (fam, dev, str(dtype).replace("torch.", ""))
         gnotes = notes.setdefault(key, {})
         shape = SHAPES[fam]["cuda" if p.cuda else "cpu"]
         try:
-            rows = run_case(p, fam, shape, s, dtype, args.causal, reps, ceilings[unit_key], gnotes)
+            rows = run_case(p, fam, shape, s, dtype, args.causal, reps, gnotes)
         except Exception as e:  # noqa: BLE001 - one case that cannot be built (e.g. out of memory) is a note
             gnotes[f"case{s}"] = f"S={s}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
             rows = []
-        if not p.flex_on and p.flex_reason and fam != "decode" and fam != "linear":
+        if not p.flex_on and p.flex_reason and fam in ("softmax", "sparse") and p.flex_reason not in gnotes.values():
             gnotes.setdefault("flex", p.flex_reason)
+        if fam == "softmax" and shape[0] * shape[1] * s * s * 4 > MATH_MAX_BYTES:
+            gnotes.setdefault("math", f"sdpa math: left out from S={s} (its (B, H, S, S) scores exceed "
+                                      f"{MATH_MAX_BYTES >> 30} GiB)")
         if p.cuda and not p.flash_attn and fam in ("softmax", "decode"):
             gnotes.setdefault("flash-attn", "flash-attn: not installed")
         if p.cuda and not p.fla and fam == "linear":
@@ -603,11 +709,10 @@ def main(argv=None) -> int:
             print(f"\n{fam} {dev} {dt}: no rows ({'; '.join(notes[key].values())})")
             continue
         r0 = rows[0]
-        ceil_key = (dev, "copy" if fam == "decode" else DTYPES[{"float32": "fp32", "bfloat16": "bf16",
-                                                               "float16": "fp16"}[dt]])
-        ceil = ceilings[ceil_key]
-        extra = (f"copy bandwidth {ceil / 1e9:.1f} GB/s (read + write)" if fam == "decode" else
-                 f"{dt} matmul ceiling {ceil / 1e12:.3f} TFLOP/s")
+        ceil = statistics.median({r["seq_len"]: r["ceiling"] for r in rows}.values())
+        extra = (f"'of copy': of a tensor copy timed beside each case (median {ceil:.1f} GB/s, read + write)"
+                 if fam == "decode" else
+                 f"'of matmul': of a {dt} matmul timed beside each case (median {ceil:.3f} TFLOP/s)")
         causal = "" if fam == "decode" else (" causal" if fam == "linear" or args.causal else " non-causal")
         header = (f"### {fam}, {dev}, {dt}: B{r0['batch']} H{r0['heads']} Hkv{r0['kv_heads']} D{r0['head_dim']}"
                   f"{causal}{', block ' + str(SPARSE_BLOCK) if fam == 'sparse' else ''}; {extra}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shlex
-import shutil
 import statistics
 import sys
 import time
@@ -74,8 +73,8 @@ def build(family: str, b: int, h: int, hk: int, s: int, d: int, dtype: torch.dty
 
 def commands(argv: list, family: str, variants: Tuple[str, ...]) -> list:
     """ncu (one per variant) and nsys command lines around `python -m attention_ext profile ARGV`."""
-    py = "python" if shutil.which("python") and shutil.which("python") == sys.executable else sys.executable
-    inv = f"{shlex.quote(py)} -m attention_ext profile {shlex.join(argv)}"
+    # this interpreter by its path: under ncu / nsys (often run with sudo) `python` may be another one
+    inv = f"{shlex.quote(sys.executable)} -m attention_ext profile {shlex.join(argv)}"
     out = [f'ncu --nvtx --nvtx-include "attention_ext/{family}/{v}/" --set full -o attention_ext_{family}_{v} {inv}'
            for v in variants]
     out.append(f"nsys profile -t cuda,nvtx -o attention_ext_{family} {inv}")

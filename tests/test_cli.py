@@ -40,6 +40,8 @@ def test_bench_csv_columns_and_rows(run_all):
         assert {int(r["seq_len"]) for r in got} == {128, 256}
         unit = "gbps" if fam == "decode" else "tflops"
         assert all(float(r[unit]) > 0 and float(r["ms"]) > 0 for r in got)
+        if bench._libc_trim() is not None:
+            assert all(float(r["peak_mem_mb"]) >= 0 for r in got)
         # the fastest peer reads 1.00x against itself
         assert max(float(r["ratio"]) for r in got if not r["impl"].startswith("ours")) == pytest.approx(1.0)
 
@@ -49,8 +51,11 @@ def test_bench_plots_and_tables(run_all):
     for fam in PEERS:
         png = out / f"{fam}_cpu_float32.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    assert not list(out.glob("*_memory.png"))  # peak memory is measured on CUDA only
+    # peak memory: measured on the CPU where the peak RSS can be reset (Linux, glibc)
+    mem = list(out.glob("*_cpu_float32_memory.png"))
+    assert len(mem) == (4 if bench._libc_trim() is not None else 0)
     assert "| 256 | sdpa |" in text and "| 256 | ours |" in text and "vs fastest peer" in text
+    assert "differs from ours" not in text
     assert "flex: skipped on the CPU with --quick" in text
     assert (out / "results.md").read_text().count("### ") == 4
 
@@ -59,15 +64,17 @@ def test_bench_decode_alias_and_failing_peer(tmp_path, capsys, monkeypatch):
     real = bench.CASES["decode"]
 
     def with_broken_peer(*a):
-        fns, flex, work, unit = real(*a)
-        fns["broken"] = lambda: (_ for _ in ()).throw(RuntimeError("not on this machine"))
-        return fns, flex, work, unit
+        c = real(*a)
+        c.fns["broken"] = lambda: (_ for _ in ()).throw(RuntimeError("not on this machine"))
+        c.fns["wrong"] = lambda: c.fns["ours"]()[0] * 2  # a peer that computes something else
+        return c
 
     monkeypatch.setitem(bench.CASES, "decode", with_broken_peer)
     assert bench.main(["--decode", "--device", "cpu", "--sizes", "64", "--reps", "1", "--no-progress",
                        "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "broken: skipped (RuntimeError: not on this machine)" in text
+    assert "wrong: output differs from ours" in text
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["family"] for r in rows} == {"decode"} and "broken" not in {r["impl"] for r in rows}
