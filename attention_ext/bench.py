@@ -243,9 +243,8 @@ class Peers:
         self.fla = self.cuda and importlib.util.find_spec("fla") is not None
 
     def flex(self, family: str):
-        """torch.compile(flex_attention), one per family: static shapes (a dynamic-shape recompile
-        fails to build on the CPU for block masks), each length a compile of its own, within
-        torch's recompile limit per function."""
+        """torch.compile(flex_attention), one per family, with static shapes: a dynamic-shape
+        recompile fails to build on the CPU for block masks."""
         if family not in self._flex:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -487,6 +486,10 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
     dev = p.device
     sync = (lambda: torch.cuda.synchronize(dev)) if p.cuda else None
     with torch.no_grad():
+        if p.flex_on and family in ("softmax", "sparse"):
+            # every length compiles Flex anew (static shapes); torch caps the compiles per function
+            # (recompile_limit, 8) and runs the eager, unfused Flex beyond it: start each case afresh
+            torch._dynamo.reset()
         fns, flex_names, work, unit, convert = CASES[family](p, b, h, hk, s, d, dtype, causal)
         outs = {}
         for name in list(fns):  # the first call: compiles Flex, and screens out what cannot run here
@@ -570,6 +573,7 @@ def plot(rows: list, path_stem: str) -> list:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     r0 = rows[0]
     decode = r0["family"] == "decode"
@@ -579,7 +583,7 @@ def plot(rows: list, path_stem: str) -> list:
              f"{'' if r0['kv_heads'] == r0['heads'] else ' Hkv' + str(r0['kv_heads'])} D{r0['head_dim']}")
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     out = []
-    panels = [(key, label, "")] + ([("peak_mem_mb", "peak memory (MiB)", "_memory")]
+    panels = [(key, label, "")] + ([("peak_mem_mb", "peak memory of one call, output included (MiB)", "_memory")]
                                    if any(r["peak_mem_mb"] != "" for r in rows) else [])
     for field, ylabel, suffix in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -594,6 +598,9 @@ def plot(rows: list, path_stem: str) -> list:
         ax.minorticks_off()
         if suffix:
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("KV-cache length" if decode else "sequence length S")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
@@ -649,6 +656,9 @@ def main(argv=None) -> int:
     devices = ["cpu", "cuda"] if args.device == "all" and cuda_ok else ["cpu"] if args.device == "all" else [args.device]
     reps = args.reps or (2 if args.quick else 5)
     sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
+    bad = [x for x in (args.dtype or "").split(",") if x and x not in DTYPES]
+    if bad:
+        ap.error(f"--dtype: unknown {', '.join(bad)} (choose from {', '.join(DTYPES)})")
 
     cases = []  # (device, family, dtype, S)
     for dev in devices:
