@@ -632,7 +632,13 @@ def main(argv=None) -> int:
                     "(family, device, dtype), DIR/results.csv, DIR/results.md and PNG plots. Peak memory of one "
                     "call, output included: torch.cuda.max_memory_allocated on CUDA; on the CPU the growth "
                     "of the peak RSS after freed memory is handed back (Linux with glibc; elsewhere the "
-                    "CPU rows leave it empty).")
+                    "CPU rows leave it empty).",
+        epilog="Peers: softmax: SDPA (CPU: default and math; CUDA: flash, efficient, math, cuDNN, each pinned), "
+               "compiled Flex, flash-attn; linear (causal, elu features): the chunked PyTorch form "
+               "(attention_ext.linear.reference.chunked), fla; sparse (BigBird layout, block 64): dense SDPA, "
+               "Flex with the equivalent BlockMask; decode (q_len 1): SDPA with enable_gqa on a contiguous "
+               "(B, H_k, S, D) cache, flash-attn's flash_attn_with_kvcache. A peer that is missing, fails, or "
+               "disagrees with ours is named in a note under its table.")
     ap.add_argument("--family", default="all", choices=FAMILIES + ("all",))
     ap.add_argument("--device", default="all", choices=("cpu", "cuda", "all"),
                     help="all: the CPU and, when present, CUDA")
