@@ -279,6 +279,18 @@ def _sdpa(q, k, v, backend, **kw):
     return run
 
 
+def _try(setup: Callable[[], Callable[[], object]]) -> Callable[[], object]:
+    """An optional peer's call from setup(); when its setup fails (an import, a mask), a call that
+    raises the same error, so that the first-call screening drops it with a note and the case
+    keeps its other contenders."""
+    try:
+        return setup()
+    except Exception as e:  # noqa: BLE001 - reported by the screening
+        def fail(e=e):
+            raise e
+        return fail
+
+
 def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
     """ae.attention against SDPA (each backend), FlexAttention and flash-attn; q, k, v (B, H, S, D)
     contiguous, the layout SDPA and Flex read best (flash-attn gets its own (B, S, H, D) copies)."""
@@ -295,18 +307,22 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
         fns[name] = _sdpa(q, k, v, backend, is_causal=causal, enable_gqa=gqa)
     flex = []
     if p.flex_on:
-        bm = None
-        if causal:
-            from torch.nn.attention.flex_attention import create_block_mask
+        def flex_setup():
+            bm = None
+            if causal:
+                from torch.nn.attention.flex_attention import create_block_mask
 
-            bm = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, s, s, device=dev)
-        fns["flex"] = lambda: p.flex("softmax")(q, k, v, block_mask=bm, enable_gqa=gqa)
+                bm = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, s, s, device=dev)
+            return lambda: p.flex("softmax")(q, k, v, block_mask=bm, enable_gqa=gqa)
+        fns["flex"] = _try(flex_setup)
         flex.append("flex")
     if p.flash_attn:
-        from flash_attn import flash_attn_func
+        def fa_setup():
+            from flash_attn import flash_attn_func
 
-        qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        fns["flash-attn"] = lambda: flash_attn_func(qb, kb, vb, causal=causal)
+            qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            return lambda: flash_attn_func(qb, kb, vb, causal=causal)
+        fns["flash-attn"] = _try(fa_setup)
     return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops", {"flash-attn": _bshd})
 
 
@@ -323,13 +339,15 @@ def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
     fns = {"ours": lambda: ae.linear_attention(q, k, v, causal=True, feature_map="elu"),
            "torch chunked": lambda: reference.chunked(q, k, v, causal=True, feature_map=1, chunk=LINEAR_CHUNK)}
     if p.fla:
-        import torch.nn.functional as F
-        from fla.ops.linear_attn import chunk_linear_attn
+        def fla_setup():
+            import torch.nn.functional as F
+            from fla.ops.linear_attn import chunk_linear_attn
 
-        # fla takes featurized (B, S, H, D) inputs; the feature map is the user's, outside the timing
-        qf, kf = ((F.elu(t) + 1).transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(h // hk, 1)))
-        vf = v.repeat_interleave(h // hk, 1).transpose(1, 2).contiguous()
-        fns["fla"] = lambda: chunk_linear_attn(qf, kf, vf, scale=1.0, normalize=True)
+            # fla takes featurized (B, S, H, D) inputs; the feature map is the user's, outside the timing
+            qf, kf = ((F.elu(t) + 1).transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(h // hk, 1)))
+            vf = v.repeat_interleave(h // hk, 1).transpose(1, 2).contiguous()
+            return lambda: chunk_linear_attn(qf, kf, vf, scale=1.0, normalize=True)
+        fns["fla"] = _try(fla_setup)
     return Contenders(fns, [], linear_flops(b, h, s, d, d), "tflops", {"fla": _bshd})
 
 
@@ -349,14 +367,16 @@ def _sparse_case(p: Peers, b, h, hk, s, d, dtype, causal):
     fns["sdpa dense"] = _sdpa(q, k, v, None, is_causal=causal, enable_gqa=gqa)  # the dispatcher's pick
     flex = []
     if p.flex_on:
-        from torch.nn.attention.flex_attention import create_block_mask
+        def flex_setup():
+            from torch.nn.attention.flex_attention import create_block_mask
 
-        def mask_mod(b_, hh, i, j):
-            on = lay[hh, i // bs, j // bs]
-            return (on & (j <= i)) if causal else on
+            def mask_mod(b_, hh, i, j):
+                on = lay[hh, i // bs, j // bs]
+                return (on & (j <= i)) if causal else on
 
-        bm = create_block_mask(mask_mod, None, h, s, s, device=dev)
-        fns["flex block mask"] = lambda: p.flex("sparse")(q, k, v, block_mask=bm, enable_gqa=gqa)
+            bm = create_block_mask(mask_mod, None, h, s, s, device=dev)
+            return lambda: p.flex("sparse")(q, k, v, block_mask=bm, enable_gqa=gqa)
+        fns["flex block mask"] = _try(flex_setup)
         flex.append("flex block mask")
     pairs = layout_pairs(lay.cpu(), bs, s, s, causal)
     return Contenders(fns, flex, flops(b, h, s, s, d, pairs=pairs), "tflops", {"sdpa dense": None})
@@ -387,9 +407,11 @@ def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
                                                            scale=scale),
            "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=hk != h)}
     if p.flash_attn:
-        from flash_attn import flash_attn_with_kvcache
+        def fa_setup():
+            from flash_attn import flash_attn_with_kvcache
 
-        fns["flash-attn"] = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=scale)
+            return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=scale)
+        fns["flash-attn"] = _try(fa_setup)
     # ours and flash-attn give (B, 1, H, D) (decode_fwd with its LSE), SDPA (B, H, 1, D)
     return Contenders(fns, [], decode_bytes(b, hk, s, d, dtype), "gbps", {"sdpa": _bshd})
 

@@ -108,3 +108,19 @@ def test_profile_other_families(family, capsys):
 def test_profile_rejects_decode_backward():
     with pytest.raises(SystemExit):
         profile.main(["--family", "decode", "--shape", "1,2,128,32", "--device", "cpu", "--backward"])
+
+
+def test_bench_optional_peer_setup_failure_is_a_note(tmp_path, capsys, monkeypatch):
+    """A peer whose import fails (here flash-attn, claimed present) costs its row, not the case."""
+    monkeypatch.setattr(bench.Peers, "__init__", _with_flash_attn(bench.Peers.__init__))
+    assert bench.main(["--family", "softmax", "--device", "cpu", "--sizes", "64", "--reps", "1", "--no-flex",
+                       "--no-progress", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "flash-attn: skipped (ModuleNotFoundError" in text and "| 64 | ours |" in text
+
+
+def _with_flash_attn(init):
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        self.flash_attn = True
+    return patched
