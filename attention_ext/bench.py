@@ -614,6 +614,9 @@ def plot(rows: list, path_stem: str) -> list:
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o", lw=2.5 if _is_ours(impl) else 1.5, label=impl)
+        if not suffix:  # the ceiling timed beside each case, dashed
+            pts = sorted({r["seq_len"]: r["ceiling"] for r in rows}.items())
+            ax.plot(*zip(*pts), ls="--", color="gray", label="copy (ceiling)" if decode else "matmul (ceiling)")
         ax.set_xscale("log", base=2)
         lengths = sorted({r["seq_len"] for r in rows})
         ax.set_xticks(lengths, [str(x) for x in lengths])
