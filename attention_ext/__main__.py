@@ -1,4 +1,4 @@
-"""python -m attention_ext info | bench | demo"""
+"""python -m attention_ext info | bench | profile | demo"""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +35,7 @@ def info() -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m attention_ext", description=__doc__)
-    parser.add_argument("command", choices=["info", "bench", "demo"])
+    parser.add_argument("command", choices=["info", "bench", "profile", "demo"])
     # only the command word is ours: everything after it (-h included) belongs to the command
     args = parser.parse_args(argv[:1])
     rest = argv[1:]
@@ -45,6 +45,10 @@ def main(argv=None) -> int:
         from attention_ext import bench
 
         return bench.main(rest)
+    if args.command == "profile":
+        from attention_ext import profile
+
+        return profile.main(rest)
     from attention_ext import demo
 
     return demo.main(rest)

@@ -1,12 +1,13 @@
-"""`python -m attention_ext bench`: a quick table of the fused kernel against torch SDPA on this
-machine, and the timing helpers every benchmark shares (benchmarks/common.py re-exports them):
-one FLOP formula, interleaved timing, the measured matmul ceiling."""
+"""`python -m attention_ext bench`: each family's kernels against the peers on this machine, over
+a sweep of sequence lengths (tables, results.csv and plots: see main()); and the timing helpers
+every benchmark shares (benchmarks/common.py re-exports them): one FLOP formula, interleaved
+timing, the measured matmul ceiling and copy bandwidth."""
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -163,40 +164,613 @@ def decode_bytes(b: int, h_k: int, cache_len: int, d: int, dtype: torch.dtype) -
     return 2.0 * b * h_k * cache_len * d * torch.finfo(dtype).bits / 8
 
 
-def main(argv=None) -> int:
-    import torch.nn.functional as F
+# ---------------------------------------------------------------------------------------------
+# The `bench` command: a sequence-length sweep per family and device against the peers present on
+# this machine, timed interleaved (every figure is a ratio against a peer of the same run), printed
+# as tables and written to DIR/results.csv, DIR/results.md and one plot per (family, device, dtype).
 
+FAMILIES = ("softmax", "linear", "sparse", "decode")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CSV_FIELDS = ("family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "causal", "seq_len",
+              "ms", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling")
+
+# (B, H, H_k, D) per family and device kind
+SHAPES = {
+    "softmax": {"cpu": (1, 8, 8, 64), "cuda": (2, 16, 16, 128)},
+    "linear": {"cpu": (1, 8, 8, 64), "cuda": (2, 16, 16, 128)},
+    "sparse": {"cpu": (1, 8, 8, 64), "cuda": (2, 16, 16, 128)},
+    "decode": {"cpu": (4, 32, 8, 128), "cuda": (8, 32, 8, 128)},
+}
+# sequence lengths (the KV-cache length for decode): (full, --quick) per family and device kind;
+# --quick keeps the whole CPU run of the four families under a minute on 2 cores
+LENGTHS = {
+    "softmax": {"cpu": ((256, 512, 1024, 2048, 4096), (256, 1024)),
+                "cuda": ((512, 1024, 2048, 4096, 8192, 16384), (1024, 4096))},
+    "linear": {"cpu": ((1024, 2048, 4096, 8192, 16384), (1024, 4096)),
+               "cuda": ((1024, 2048, 4096, 8192, 16384, 32768), (2048, 8192))},
+    "sparse": {"cpu": ((1024, 2048, 4096, 8192), (1024, 2048)),
+               "cuda": ((2048, 4096, 8192, 16384, 32768), (4096, 16384))},
+    "decode": {"cpu": ((1024, 2048, 4096, 8192, 16384), (1024, 4096)),
+               "cuda": ((4096, 8192, 16384, 32768, 65536), (4096, 32768))},
+}
+SPARSE_BLOCK = 64
+LINEAR_CHUNK = 64  # the torch chunked peer's chunk (benchmarks/linear/bench_cpu.py's peer)
+DECODE_PAGE = 16
+MATH_MAX_BYTES = 4 << 30  # SDPA math materializes the (B, H, S, S) scores: left out beyond 4 GiB of them
+
+
+def sparse_layout(s: int, heads: int, block_size: int = SPARSE_BLOCK, causal: bool = False) -> torch.Tensor:
+    """The sparse family's benchmark layout (heads, S / bs, S / bs): BigBird with a 2-block window
+    on each side, 1 global block and 2 random blocks per row, so that each query attends a fixed
+    number of keys (about 8 blocks) whatever S: the work grows linearly, dense attention's
+    quadratically."""
+    from attention_ext import sparse
+
+    return sparse.bigbird(window=2, n_global=1, n_random=2, seed=0, seq_len=s, block_size=block_size,
+                          heads=heads, causal=causal)
+
+
+class Contenders(NamedTuple):
+    """One case's contenders: fns (name -> zero-argument call), the Flex ones among them (their
+    first call compiles), the work of one call (FLOPs, or bytes for decode) in `unit` ("tflops" /
+    "gbps"), and how to bring each output to ours' layout for the agreement check (name -> function;
+    None: not expected to agree, e.g. dense attention against a sparse layout; absent: as is)."""
+    fns: dict
+    flex: list
+    work: float
+    unit: str
+    convert: dict
+
+
+def _bshd(o):
+    """A (B, S, H, D) output (flash-attn's layout) as (B, H, S, D), a view."""
+    return o.transpose(1, 2)
+
+
+class Peers:
+    """What one device offers besides our kernels, probed once: the SDPA backends, compiled
+    FlexAttention (given up for the rest of the run when it fails or its first compile takes
+    longer than `flex_budget` seconds), flash-attn and fla."""
+
+    def __init__(self, device: str, *, flex: bool, flex_reason: str, flex_budget: float):
+        import importlib.util
+
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self.flex_on, self.flex_reason, self.flex_budget = flex, flex_reason, flex_budget
+        self._flex = {}
+        self.flash_attn = self.cuda and importlib.util.find_spec("flash_attn") is not None
+        self.fla = self.cuda and importlib.util.find_spec("fla") is not None
+
+    def flex(self, family: str):
+        """torch.compile(flex_attention), one per family, with static shapes: a dynamic-shape
+        recompile fails to build on the CPU for block masks."""
+        if family not in self._flex:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex[family] = torch.compile(flex_attention, dynamic=False)
+        return self._flex[family]
+
+    def sdpa_backends(self) -> dict:
+        """SDPA as a user would call it: the default dispatch on the CPU (plus the math backend,
+        the unfused reference); on CUDA each backend pinned with sdpa_kernel."""
+        from torch.nn.attention import SDPBackend
+
+        if not self.cuda:
+            return {"sdpa": None, "sdpa math": SDPBackend.MATH}
+        out = {"sdpa flash": SDPBackend.FLASH_ATTENTION, "sdpa efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "sdpa math": SDPBackend.MATH}
+        if hasattr(SDPBackend, "CUDNN_ATTENTION"):
+            out["sdpa cudnn"] = SDPBackend.CUDNN_ATTENTION
+        return out
+
+
+def _sdpa(q, k, v, backend, **kw):
+    """F.scaled_dot_product_attention, pinned to `backend` when one is given."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    if backend is None:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kw)
+
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return run
+
+
+def _try(setup: Callable[[], Callable[[], object]]) -> Callable[[], object]:
+    """An optional peer's call from setup(); when its setup fails (an import, a mask), a call that
+    raises the same error, so that the first-call screening drops it with a note and the case
+    keeps its other contenders."""
+    try:
+        return setup()
+    except Exception as e:  # noqa: BLE001 - reported by the screening
+        def fail(e=e):
+            raise e
+        return fail
+
+
+def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
+    """ae.attention against SDPA (each backend), FlexAttention and flash-attn; q, k, v (B, H, S, D)
+    contiguous, the layout SDPA and Flex read best (flash-attn gets its own (B, S, H, D) copies)."""
     import attention_ext as ae
 
-    ap = argparse.ArgumentParser(prog="python -m attention_ext bench")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--decode", action="store_true",
-                    help="decode steps over a KV cache: GB/s of K / V read against the copy bandwidth and SDPA")
+    dev = p.device
+    q = torch.randn(b, h, s, d, dtype=dtype, device=dev)
+    k, v = (torch.randn(b, hk, s, d, dtype=dtype, device=dev) for _ in range(2))
+    gqa = hk != h
+    fns = {"ours": lambda: ae.attention(q, k, v, causal=causal)}
+    for name, backend in p.sdpa_backends().items():
+        if name == "sdpa math" and b * h * s * s * 4 > MATH_MAX_BYTES:
+            continue  # noted by the caller
+        fns[name] = _sdpa(q, k, v, backend, is_causal=causal, enable_gqa=gqa)
+    flex = []
+    if p.flex_on:
+        def flex_setup():
+            bm = None
+            if causal:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                bm = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, s, s, device=dev)
+            return lambda: p.flex("softmax")(q, k, v, block_mask=bm, enable_gqa=gqa)
+        fns["flex"] = _try(flex_setup)
+        flex.append("flex")
+    if p.flash_attn:
+        def fa_setup():
+            from flash_attn import flash_attn_func
+
+            qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            return lambda: flash_attn_func(qb, kb, vb, causal=causal)
+        fns["flash-attn"] = _try(fa_setup)
+    return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops", {"flash-attn": _bshd})
+
+
+def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
+    """Causal linear attention (elu + 1 features, normalized) against the chunked PyTorch form
+    (attention_ext.linear.reference.chunked, chunk 64: one batched matmul per chunk and an
+    exclusive cumsum of the chunk states) and fla's chunk_linear_attn on CUDA."""
+    import attention_ext as ae
+    from attention_ext.linear import reference
+
+    dev = p.device
+    q = torch.randn(b, h, s, d, dtype=dtype, device=dev)
+    k, v = (torch.randn(b, hk, s, d, dtype=dtype, device=dev) for _ in range(2))
+    fns = {"ours": lambda: ae.linear_attention(q, k, v, causal=True, feature_map="elu"),
+           "torch chunked": lambda: reference.chunked(q, k, v, causal=True, feature_map=1, chunk=LINEAR_CHUNK)}
+    if p.fla:
+        def fla_setup():
+            import torch.nn.functional as F
+            from fla.ops.linear_attn import chunk_linear_attn
+
+            # fla takes featurized (B, S, H, D) inputs; the feature map is the user's, outside the timing
+            qf, kf = ((F.elu(t) + 1).transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(h // hk, 1)))
+            vf = v.repeat_interleave(h // hk, 1).transpose(1, 2).contiguous()
+            return lambda: chunk_linear_attn(qf, kf, vf, scale=1.0, normalize=True)
+        fns["fla"] = _try(fla_setup)
+    return Contenders(fns, [], linear_flops(b, h, s, d, d), "tflops", {"fla": _bshd})
+
+
+def _sparse_case(p: Peers, b, h, hk, s, d, dtype, causal):
+    """Block-sparse attention on sparse_layout() against dense SDPA (all pairs: what the layout
+    saves) and FlexAttention with the equivalent BlockMask (Flex's default 128 blocks). TFLOP/s of
+    every row count the layout's useful pairs (layout_pairs), so they read as time ratios."""
+    import attention_ext as ae
+
+    dev = p.device
+    bs = SPARSE_BLOCK
+    lay = sparse_layout(s, h, bs, causal).to(dev)
+    q = torch.randn(b, h, s, d, dtype=dtype, device=dev)
+    k, v = (torch.randn(b, hk, s, d, dtype=dtype, device=dev) for _ in range(2))
+    gqa = hk != h
+    fns = {"ours": lambda: ae.block_sparse_attention(q, k, v, lay, block_size=bs, causal=causal)}
+    fns["sdpa dense"] = _sdpa(q, k, v, None, is_causal=causal, enable_gqa=gqa)  # the dispatcher's pick
+    flex = []
+    if p.flex_on:
+        def flex_setup():
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def mask_mod(b_, hh, i, j):
+                on = lay[hh, i // bs, j // bs]
+                return (on & (j <= i)) if causal else on
+
+            bm = create_block_mask(mask_mod, None, h, s, s, device=dev)
+            return lambda: p.flex("sparse")(q, k, v, block_mask=bm, enable_gqa=gqa)
+        fns["flex block mask"] = _try(flex_setup)
+        flex.append("flex block mask")
+    pairs = layout_pairs(lay.cpu(), bs, s, s, causal)
+    return Contenders(fns, flex, flops(b, h, s, s, d, pairs=pairs), "tflops", {"sdpa dense": None})
+
+
+def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
+    """One decode step (q_len 1) over a cache of S keys: decode_fwd on a contiguous (B, S, H_k, D)
+    cache and on a paged one (16-token pages in shuffled order), against SDPA with enable_gqa on a
+    contiguous (B, H_k, S, D) cache (its best layout) and flash-attn's flash_attn_with_kvcache on
+    CUDA. GB/s of K / V read (decode_bytes)."""
+    import torch.nn.functional as F
+
+    from attention_ext.decode import decode_fwd
+
+    dev = p.device
+    q = torch.randn(b, 1, h, d, dtype=dtype, device=dev)
+    kc, vc = (torch.randn(b, s, hk, d, dtype=dtype, device=dev) for _ in range(2))
+    lens = torch.full((b,), s, dtype=torch.int32, device=dev)
+    n = s // DECODE_PAGE
+    bt = torch.randperm(b * n, device=dev).view(b, n).int()
+    kp, vp = (torch.empty(b * n, DECODE_PAGE, hk, d, dtype=dtype, device=dev) for _ in range(2))
+    kp[bt.flatten().long()] = kc.reshape(b * n, DECODE_PAGE, hk, d)
+    vp[bt.flatten().long()] = vc.reshape(b * n, DECODE_PAGE, hk, d)
+    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
+    scale = d ** -0.5
+    fns = {"ours": lambda: decode_fwd(q, kc, vc, cache_seqlens=lens, scale=scale),
+           f"ours paged {DECODE_PAGE}": lambda: decode_fwd(q, kp, vp, cache_seqlens=lens, block_table=bt,
+                                                           scale=scale),
+           "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=hk != h)}
+    if p.flash_attn:
+        def fa_setup():
+            from flash_attn import flash_attn_with_kvcache
+
+            return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=scale)
+        fns["flash-attn"] = _try(fa_setup)
+    # ours and flash-attn give (B, 1, H, D) (decode_fwd with its LSE), SDPA (B, H, 1, D)
+    return Contenders(fns, [], decode_bytes(b, hk, s, d, dtype), "gbps", {"sdpa": _bshd})
+
+
+CASES = {"softmax": _softmax_case, "linear": _linear_case, "sparse": _sparse_case, "decode": _decode_case}
+
+
+def _rss_mb(key: str) -> float:
+    """A line of /proc/self/status (VmRSS:, VmHWM:) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024.0
+    raise KeyError(key)
+
+
+def _libc_trim() -> Optional[Callable[[], object]]:
+    """glibc's malloc_trim(0) where the CPU peak can be measured (Linux, a writable
+    /proc/self/clear_refs), else None."""
+    import ctypes
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return lambda: trim(0)
+
+
+def _cpu_peak_mb(fn: Callable[[], object], trim: Callable[[], object]) -> float:
+    """Peak resident memory one CPU call adds, output included: the peak-RSS mark (VmHWM) reset
+    to the current RSS (/proc/self/clear_refs 5) and read after the call. Freed memory that the
+    process still holds would be reused unseen, so the extension's huge-page cache is emptied and
+    glibc's free pages are handed back (malloc_trim) first: what remains resident is what is live.
+    Repeats within 1 MiB (SDPA math at S=4096, B1 H8: 1168 MiB, its two S x S matrices)."""
+    import gc
+
+    from attention_ext import _ext
+
+    gc.collect()
+    _ext.empty_cpu_cache()
+    trim()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss_mb("VmRSS:")
+    fn()
+    return max(0.0, _rss_mb("VmHWM:") - base)
+
+
+def _peak_mb(fn: Callable[[], object], device: str) -> float:
+    """Peak CUDA memory one call allocates beyond what was allocated before it, output included."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _same(o):
+    return o
+
+
+def _is_ours(impl: str) -> bool:
+    return impl == "ours" or impl.startswith("ours ")
+
+
+CEILING = "(ceiling)"
+
+
+def _ceiling_fn(unit: str, dtype: torch.dtype, device: str) -> tuple:
+    """The machine's ceiling as one more contender of the interleaved timing, so that noise on a
+    shared machine moves it with the others: an N x N matmul in the case's dtype (N 1024 on the
+    CPU, 4096 on CUDA) for FLOP/s, a 64 MiB (CPU) / 256 MiB (CUDA) copy, bytes read + written, for
+    GB/s (copy_bandwidth's measure). Returns (fn, work of one call)."""
+    cuda = device.startswith("cuda")
+    if unit == "gbps":
+        n = (1 << 28 if cuda else 1 << 26) // 4
+        src = torch.ones(n, dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        return (lambda: dst.copy_(src)), 8.0 * n
+    n = 4096 if cuda else 1024
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return (lambda: a @ b), 2.0 * n ** 3
+
+
+def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, causal: bool, reps: int,
+             notes: dict) -> list:
+    """Times every contender of one case interleaved; returns one CSV row (dict) per contender.
+    A contender whose first call fails is dropped with a note; so is Flex for the rest of the run
+    when its first compile exceeds the budget."""
+    b, h, hk, d = shape
+    dev = p.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if p.cuda else None
+    with torch.no_grad():
+        if p.flex_on and family in ("softmax", "sparse"):
+            # every length compiles Flex anew (static shapes); torch caps the compiles per function
+            # (recompile_limit, 8) and runs the eager, unfused Flex beyond it: start each case afresh
+            torch._dynamo.reset()
+        fns, flex_names, work, unit, convert = CASES[family](p, b, h, hk, s, d, dtype, causal)
+        outs = {}
+        for name in list(fns):  # the first call: compiles Flex, and screens out what cannot run here
+            t0 = time.perf_counter()
+            try:
+                out = fns[name]()
+                if sync is not None:
+                    sync()
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run is skipped, not fatal
+                notes[name] = f"{name}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+                del fns[name]
+                if name in flex_names:
+                    p.flex_on, p.flex_reason = False, notes[name]
+                continue
+            took = time.perf_counter() - t0
+            if name in flex_names and took > p.flex_budget:
+                p.flex_on = False
+                p.flex_reason = f"flex: compile took {took:.0f} s (> --flex-budget {p.flex_budget:.0f} s); skipped after S={s}"
+            if convert.get(name, _same) is not None:
+                out = out[0] if isinstance(out, tuple) else out
+                outs[name] = convert.get(name, _same)(out).float()
+            del out
+        # the contenders compute the same thing: a peer set up wrong would make every ratio a lie
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        ref = outs.get("ours")
+        for name, o in outs.items():
+            err = (o - ref).abs().max().item() if ref is not None and o.shape == ref.shape else float("inf")
+            if ref is not None and not err <= tol:
+                notes[f"{name} differs"] = (f"{name}: output differs from ours (max abs diff {err:.3g} at S={s}, "
+                                            f"tolerance {tol:g}); its row is not a like-for-like comparison")
+        del outs, ref
+        if p.cuda:
+            peak = {n: _peak_mb(fn, dev) for n, fn in fns.items()}
+        else:
+            trim = _libc_trim()
+            peak = {n: _cpu_peak_mb(fn, trim) for n, fn in fns.items()} if trim is not None else {}
+        ceil_fn, ceil_work = _ceiling_fn(unit, dtype, dev)
+        t = interleaved({**fns, CEILING: ceil_fn}, warmup=1, reps=reps, sync=sync)
+        ceiling = ceil_work / t.pop(CEILING)
+    peers = [x for n, x in t.items() if not _is_ours(n)]
+    best = min(peers) if peers else float("nan")
+    rows = []
+    for name, sec in t.items():
+        rate = work / sec
+        rows.append({
+            "family": family, "device": dev, "dtype": str(dtype).replace("torch.", ""), "impl": name,
+            "batch": b, "heads": h, "kv_heads": hk, "head_dim": d, "causal": causal if family != "decode" else "",
+            "seq_len": s, "ms": sec * 1e3,
+            "tflops": rate / 1e12 if unit == "tflops" else "", "gbps": rate / 1e9 if unit == "gbps" else "",
+            "peak_mem_mb": peak.get(name, ""), "ratio": best / sec, "share": rate / ceiling,
+            "ceiling": ceiling / (1e12 if unit == "tflops" else 1e9),
+        })
+    return rows
+
+
+def _fmt(x, spec):
+    return format(x, spec) if isinstance(x, float) else str(x)
+
+
+def table(rows: list, header: str, notes: list) -> str:
+    """One markdown table of a (family, device, dtype) group, S by S."""
+    decode = rows[0]["family"] == "decode"
+    mem = any(r["peak_mem_mb"] != "" for r in rows)
+    rate, share = ("GB/s", "of copy") if decode else ("TFLOP/s", "of matmul")
+    cols = ["S", "impl", "ms", rate, share] + (["peak MB"] if mem else []) + ["vs fastest peer"]
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [str(r["seq_len"]), r["impl"], _fmt(r["ms"], ".3f"),
+                 _fmt(r["gbps"], ".1f") if decode else _fmt(r["tflops"], ".4f"), _fmt(r["share"], ".0%")]
+        cells += [_fmt(r["peak_mem_mb"], ".1f")] if mem else []
+        cells.append("-" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}x")  # NaN: no peer ran
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
+    return "\n".join(lines)
+
+
+def plot(rows: list, path_stem: str) -> list:
+    """Throughput (TFLOP/s, GB/s for decode) against S, one line per contender; and peak memory
+    against S where it was measured (CUDA). Returns the PNG paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    r0 = rows[0]
+    decode = r0["family"] == "decode"
+    key, label = (("gbps", "GB/s of K / V read") if decode else
+                  ("tflops", "TFLOP/s (useful pairs)" if r0["family"] == "sparse" else "TFLOP/s"))
+    title = (f"{r0['family']} · {r0['device']} · {r0['dtype']} · B{r0['batch']} H{r0['heads']}"
+             f"{'' if r0['kv_heads'] == r0['heads'] else ' Hkv' + str(r0['kv_heads'])} D{r0['head_dim']}")
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    out = []
+    panels = [(key, label, "")] + ([("peak_mem_mb", "peak memory of one call, output included (MiB)", "_memory")]
+                                   if any(r["peak_mem_mb"] != "" for r in rows) else [])
+    for field, ylabel, suffix in panels:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for impl in impls:
+            pts = [(r["seq_len"], r[field]) for r in rows if r["impl"] == impl and r[field] != ""]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", lw=2.5 if _is_ours(impl) else 1.5, label=impl)
+        if not suffix:  # the ceiling timed beside each case, dashed
+            pts = sorted({r["seq_len"]: r["ceiling"] for r in rows}.items())
+            ax.plot(*zip(*pts), ls="--", color="gray", label="copy (ceiling)" if decode else "matmul (ceiling)")
+        ax.set_xscale("log", base=2)
+        lengths = sorted({r["seq_len"] for r in rows})
+        ax.set_xticks(lengths, [str(x) for x in lengths])
+        ax.minorticks_off()
+        if suffix:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("KV-cache length" if decode else "sequence length S")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{path_stem}{suffix}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def main(argv=None) -> int:
+    """`python -m attention_ext bench`: see the parser's help."""
+    import csv
+    import os
+    import platform
+
+    from tqdm import tqdm
+
+    from attention_ext import _ext
+
+    cuda_ok = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(
+        prog="python -m attention_ext bench",
+        description="Sequence-length sweeps of each kernel family against the peers on this machine (torch "
+                    "SDPA, FlexAttention, flash-attn, fla), timed interleaved in the same run: a table per "
+                    "(family, device, dtype), DIR/results.csv, DIR/results.md and PNG plots. Peak memory of one "
+                    "call, output included: torch.cuda.max_memory_allocated on CUDA; on the CPU the growth "
+                    "of the peak RSS after freed memory is handed back (Linux with glibc; elsewhere the "
+                    "CPU rows leave it empty).",
+        epilog="Peers: softmax: SDPA (CPU: default and math; CUDA: flash, efficient, math, cuDNN, each pinned), "
+               "compiled Flex, flash-attn; linear (causal, elu features): the chunked PyTorch form "
+               "(attention_ext.linear.reference.chunked), fla; sparse (BigBird layout, block 64): dense SDPA, "
+               "Flex with the equivalent BlockMask; decode (q_len 1): SDPA with enable_gqa on a contiguous "
+               "(B, H_k, S, D) cache, flash-attn's flash_attn_with_kvcache. A peer that is missing, fails, or "
+               "disagrees with ours is named in a note under its table.")
+    ap.add_argument("--family", default="all", choices=FAMILIES + ("all",))
+    ap.add_argument("--device", default="all", choices=("cpu", "cuda", "all"),
+                    help="all: the CPU and, when present, CUDA")
+    ap.add_argument("--dtype", default=None,
+                    help="comma list of fp32, bf16, fp16 (default: fp32 on the CPU, bf16 on CUDA)")
+    ap.add_argument("--quick", action="store_true", help="two lengths per family, 2 reps, no Flex on the CPU")
+    ap.add_argument("--sizes", default=None, help="comma list of lengths replacing every family's sweep")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per contender (default 5, --quick 2)")
+    ap.add_argument("--causal", action="store_true", help="causal softmax and sparse (linear is always causal)")
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    ap.add_argument("--flex-budget", type=float, default=60.0,
+                    help="seconds a FlexAttention compile may take before Flex is left out of the rest of the run")
+    ap.add_argument("--out", default="bench_out", help="directory of results.csv, results.md and the PNGs")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    ap.add_argument("--decode", action="store_true", help="alias of --family decode")
     args = ap.parse_args(argv)
-    dev = args.device
-    cuda = dev.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else None
-    if args.decode:
-        return decode_main(dev, args.reps)
-    dtypes = (torch.bfloat16, torch.float16) if cuda else (torch.float32, torch.bfloat16)
-    shapes = [(4, 16, 2048, 64), (2, 16, 4096, 128)] if cuda else [(1, 8, 1024, 64), (1, 8, 2048, 64)]
-    ceil = matmul_ceiling(dtypes[0] if cuda else torch.float32, n=4096 if cuda else 1024, device=dev)
-    print(f"device {dev}; {dtypes[0]} matmul ceiling {ceil / 1e12:.2f} TFLOP/s")
-    print("| (B, H, S, D) | causal | dtype | ours TFLOP/s | SDPA TFLOP/s | ours / SDPA |")
-    print("|---|---|---|---|---|---|")
-    for b, h, s, d in shapes:
-        for causal in (False, True):
-            for dtype in dtypes:
-                q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=dev) for _ in range(3))
-                with torch.no_grad():
-                    t = interleaved({
-                        "ours": lambda: ae.attention(q, k, v, causal=causal),
-                        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                    }, reps=args.reps, sync=sync)
-                fl = flops(b, h, s, s, d, causal=causal)
-                print(f"| {(b, h, s, d)} | {causal} | {str(dtype)[6:]} | {fl / t['ours'] / 1e12:.3f} | "
-                      f"{fl / t['sdpa'] / 1e12:.3f} | {t['sdpa'] / t['ours']:.2f}x |")
+
+    families = ("decode",) if args.decode else FAMILIES if args.family == "all" else (args.family,)
+    if args.device == "cuda" and not cuda_ok:
+        ap.error("--device cuda: no CUDA device visible")
+    devices = ["cpu", "cuda"] if args.device == "all" and cuda_ok else ["cpu"] if args.device == "all" else [args.device]
+    reps = args.reps or (2 if args.quick else 5)
+    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
+    bad = [x for x in (args.dtype or "").split(",") if x and x not in DTYPES]
+    if bad:
+        ap.error(f"--dtype: unknown {', '.join(bad)} (choose from {', '.join(DTYPES)})")
+
+    cases = []  # (device, family, dtype, S)
+    for dev in devices:
+        kind = "cuda" if dev.startswith("cuda") else "cpu"
+        names = args.dtype.split(",") if args.dtype else ["bf16" if kind == "cuda" else "fp32"]
+        for fam in families:
+            for name in names:
+                for s in sizes or LENGTHS[fam][kind][1 if args.quick else 0]:
+                    cases.append((dev, fam, DTYPES[name], s))
+
+    peers, groups, notes = {}, {}, {}
+    for dev in devices:
+        cuda = dev.startswith("cuda")
+        flex, why = True, ""
+        if args.no_flex:
+            flex, why = False, "flex: left out (--no-flex)"
+        elif not cuda and args.quick:
+            # a CPU Flex compile takes ~15 s, ~3 s more per new length on 2 cores: more than --quick's minute
+            flex, why = False, "flex: skipped on the CPU with --quick (its compile alone exceeds the minute)"
+        peers[dev] = Peers(dev, flex=flex, flex_reason=why, flex_budget=args.flex_budget)
+    bar = tqdm(cases, desc="bench", unit="case", disable=args.no_progress)
+    for dev, fam, dtype, s in bar:
+        bar.set_postfix_str(f"{fam} {dev} {str(dtype)[6:]} S={s}")
+        p = peers[dev]
+        key = (fam, dev, str(dtype).replace("torch.", ""))
+        gnotes = notes.setdefault(key, {})
+        shape = SHAPES[fam]["cuda" if p.cuda else "cpu"]
+        try:
+            rows = run_case(p, fam, shape, s, dtype, args.causal, reps, gnotes)
+        except Exception as e:  # noqa: BLE001 - one case that cannot be built (e.g. out of memory) is a note
+            gnotes[f"case{s}"] = f"S={s}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            rows = []
+        if not p.flex_on and p.flex_reason and fam in ("softmax", "sparse") and p.flex_reason not in gnotes.values():
+            gnotes.setdefault("flex", p.flex_reason)
+        if fam == "softmax" and shape[0] * shape[1] * s * s * 4 > MATH_MAX_BYTES:
+            gnotes.setdefault("math", f"sdpa math: left out from S={s} (its (B, H, S, S) scores exceed "
+                                      f"{MATH_MAX_BYTES >> 30} GiB)")
+        if p.cuda and not p.flash_attn and fam in ("softmax", "decode"):
+            gnotes.setdefault("flash-attn", "flash-attn: not installed")
+        if p.cuda and not p.fla and fam == "linear":
+            gnotes.setdefault("fla", "fla (flash-linear-attention): not installed")
+        groups.setdefault(key, []).extend(rows)
+        if p.cuda:
+            torch.cuda.empty_cache()
+    bar.close()
+
+    os.makedirs(args.out, exist_ok=True)
+    threads = torch.get_num_threads()
+    head = (f"attention_ext bench: torch {torch.__version__}, CPU {platform.machine()} "
+            f"{_ext._C.cpu_isa if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
+            + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else "")
+            + f"; {reps} reps interleaved; 'vs fastest peer' = the fastest peer's time / this row's time")
+    md = [head, ""]
+    print(head)
+    for key, rows in groups.items():
+        fam, dev, dt = key
+        if not rows:
+            print(f"\n{fam} {dev} {dt}: no rows ({'; '.join(notes[key].values())})")
+            continue
+        r0 = rows[0]
+        ceil = statistics.median({r["seq_len"]: r["ceiling"] for r in rows}.values())
+        extra = (f"'of copy': of a tensor copy timed beside each case (median {ceil:.1f} GB/s, read + write)"
+                 if fam == "decode" else
+                 f"'of matmul': of a {dt} matmul timed beside each case (median {ceil:.3f} TFLOP/s)")
+        causal = "" if fam == "decode" else (" causal" if fam == "linear" or args.causal else " non-causal")
+        header = (f"### {fam}, {dev}, {dt}: B{r0['batch']} H{r0['heads']} Hkv{r0['kv_heads']} D{r0['head_dim']}"
+                  f"{causal}{', block ' + str(SPARSE_BLOCK) if fam == 'sparse' else ''}; {extra}")
+        text = table(rows, header, list(notes[key].values()))
+        print("\n" + text)
+        md += [text, ""]
+        plot(rows, os.path.join(args.out, f"{fam}_{dev.replace(':', '')}_{dt}"))
+    all_rows = [r for rows in groups.values() for r in rows]
+    with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in all_rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write("\n".join(md))
+    print(f"\nwrote {os.path.join(args.out, 'results.csv')}, results.md and {len(groups)} plot group(s) "
+          f"under {args.out}/")
     return 0
 
 

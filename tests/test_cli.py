@@ -1,0 +1,126 @@
+"""`python -m attention_ext bench` and `profile`, run in-process on the CPU on tiny sizes: the CSV,
+the plots, the tables' peer rows, a peer that fails, and the ncu / nsys command lines."""
+import csv
+import shlex
+
+import pytest
+
+from attention_ext import bench, profile
+from attention_ext.__main__ import main as cli
+
+EXPECTED = {"family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms", "tflops",
+            "gbps", "peak_mem_mb", "ratio"}
+PEERS = {"softmax": "sdpa", "linear": "torch chunked", "sparse": "sdpa dense", "decode": "sdpa"}
+
+
+@pytest.fixture(scope="module")
+def run_all(tmp_path_factory):
+    """Every family, one or two tiny lengths, one rep: the whole CLI path in a few seconds."""
+    import io
+    from contextlib import redirect_stdout
+
+    out = tmp_path_factory.mktemp("bench")
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = bench.main(["--quick", "--device", "cpu", "--sizes", "128,256", "--reps", "1", "--no-progress",
+                         "--out", str(out)])
+    assert rc == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    return out, rows, buf.getvalue()
+
+
+def test_bench_csv_columns_and_rows(run_all):
+    out, rows, _ = run_all
+    assert EXPECTED <= set(rows[0])
+    for fam, peer in PEERS.items():
+        got = [r for r in rows if r["family"] == fam]
+        impls = {r["impl"] for r in got}
+        assert {"ours", peer} <= impls, (fam, impls)
+        assert {int(r["seq_len"]) for r in got} == {128, 256}
+        unit = "gbps" if fam == "decode" else "tflops"
+        assert all(float(r[unit]) > 0 and float(r["ms"]) > 0 for r in got)
+        if bench._libc_trim() is not None:
+            assert all(float(r["peak_mem_mb"]) >= 0 for r in got)
+        # the fastest peer reads 1.00x against itself
+        assert max(float(r["ratio"]) for r in got if not r["impl"].startswith("ours")) == pytest.approx(1.0)
+
+
+def test_bench_plots_and_tables(run_all):
+    out, _, text = run_all
+    for fam in PEERS:
+        png = out / f"{fam}_cpu_float32.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    # peak memory: measured on the CPU where the peak RSS can be reset (Linux, glibc)
+    mem = list(out.glob("*_cpu_float32_memory.png"))
+    assert len(mem) == (4 if bench._libc_trim() is not None else 0)
+    assert "| 256 | sdpa |" in text and "| 256 | ours |" in text and "vs fastest peer" in text
+    assert "differs from ours" not in text
+    assert "flex: skipped on the CPU with --quick" in text
+    assert (out / "results.md").read_text().count("### ") == 4
+
+
+def test_bench_decode_alias_and_failing_peer(tmp_path, capsys, monkeypatch):
+    real = bench.CASES["decode"]
+
+    def with_broken_peer(*a):
+        c = real(*a)
+        c.fns["broken"] = lambda: (_ for _ in ()).throw(RuntimeError("not on this machine"))
+        c.fns["wrong"] = lambda: c.fns["ours"]()[0] * 2  # a peer that computes something else
+        return c
+
+    monkeypatch.setitem(bench.CASES, "decode", with_broken_peer)
+    assert bench.main(["--decode", "--device", "cpu", "--sizes", "64", "--reps", "1", "--no-progress",
+                       "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "broken: skipped (RuntimeError: not on this machine)" in text
+    assert "wrong: output differs from ours" in text
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["family"] for r in rows} == {"decode"} and "broken" not in {r["impl"] for r in rows}
+
+
+def test_profile_cpu_prints_ncu_and_nsys(capsys):
+    args = ["--family", "softmax", "--shape", "1,2,64,32", "--dtype", "fp32", "--device", "cpu", "--iters", "2",
+            "--warmup", "1", "--backward", "--causal"]
+    assert cli(["profile", *args]) == 0
+    text = capsys.readouterr().out
+    lines = [ln.strip() for ln in text.splitlines()]
+    ncu = [ln for ln in lines if ln.startswith("ncu ")]
+    nsys = [ln for ln in lines if ln.startswith("nsys ")]
+    assert len(ncu) == 2 and len(nsys) == 1
+    assert '--nvtx --nvtx-include "attention_ext/softmax/fwd/"' in ncu[0]
+    assert '"attention_ext/softmax/bwd/"' in ncu[1]
+    assert nsys[0].startswith("nsys profile -t cuda,nvtx -o ")
+    tail = " -m attention_ext profile " + shlex.join(args)
+    assert all(ln.endswith(tail) for ln in ncu + nsys)
+    # the CPU ranges carry the same names, in torch.profiler's table
+    assert "attention_ext/softmax/fwd" in text and "attention_ext/softmax/bwd" in text
+
+
+@pytest.mark.parametrize("family", ["linear", "sparse", "decode"])
+def test_profile_other_families(family, capsys):
+    assert profile.main(["--family", family, "--shape", "1,2,128,32", "--device", "cpu", "--iters", "1",
+                         "--warmup", "0"]) == 0
+    assert f'"attention_ext/{family}/fwd/"' in capsys.readouterr().out
+
+
+def test_profile_rejects_decode_backward():
+    with pytest.raises(SystemExit):
+        profile.main(["--family", "decode", "--shape", "1,2,128,32", "--device", "cpu", "--backward"])
+
+
+def test_bench_optional_peer_setup_failure_is_a_note(tmp_path, capsys, monkeypatch):
+    """A peer whose import fails (here flash-attn, claimed present) costs its row, not the case."""
+    monkeypatch.setattr(bench.Peers, "__init__", _with_flash_attn(bench.Peers.__init__))
+    assert bench.main(["--family", "softmax", "--device", "cpu", "--sizes", "64", "--reps", "1", "--no-flex",
+                       "--no-progress", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "flash-attn: skipped (ModuleNotFoundError" in text and "| 64 | ours |" in text
+
+
+def _with_flash_attn(init):
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        self.flash_attn = True
+    return patched
