@@ -98,11 +98,52 @@ def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b:
     return bias
 
 
+# Query rows up to which a CPU call with nothing to differentiate runs on the decode kernel
+# (attention_ext.decode: key splits across threads, a GQA group's heads packed as rows) instead of
+# the fused forward's few-query path. Measured (one thread, process time, B1, S_k 2048-4096, fp32
+# and bf16): decode 1.4-5.4x faster at 1-8 rows, slower from 16 (the fused tiles take over).
+_DECODE_MAX_Q = 8
+
+
+def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int) -> bool:
+    """Whether a fused call runs on the decode kernel instead: a CPU call with at most
+    _DECODE_MAX_Q query rows, nothing that needs a gradient, and only what the decode op
+    expresses the same way (no mask or dropout, no block layout or top-k; positions aligned
+    bottom-right as the decode op aligns them, unless nothing depends on positions)."""
+    o = opts
+    if q.device.type != "cpu" or q.shape[2] > _DECODE_MAX_Q or k.shape[2] == 0 or topk > 0:
+        return False
+    if o["bias"] is not None or o["dropout_p"] > 0.0 or o.get("block_layout") is not None:
+        return False
+    positional = o["window_left"] >= 0 or o["window_right"] >= 0 or o["alibi_slopes"] is not None
+    if positional and not o["bottom_right"]:
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, o["alibi_slopes"], o["sinks"])):
+        return False
+    from ..decode import ops as decode_ops  # deferred: the decode family imports softmax.ops
+
+    return decode_ops.has_kernel(q.device, q.dtype)
+
+
+def _decode(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor]:
+    """The decode op on (B, H, S, D) views; seqlens_k clamped to [0, S_k] as the fused op reads it
+    (the decode op rejects values outside)."""
+    o = opts
+    lens = o["seqlens_k"]
+    if lens is not None:
+        lens = lens.clamp(0, k.shape[2])
+    return torch.ops.attention_ext.decode_fwd(q, k, v, lens, None, None, None, o["alibi_slopes"], o["sinks"],
+                                              o["scale"], o["softcap"], o["window_left"], o["window_right"], 0)
+
+
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool,
            topk: int = 0) -> Tuple[Tensor, Tensor]:
     """The fused op on (B, H, S, D) views where a compiled kernel serves q's device and dtype;
     else reference.py under the op's own input rules (ops.check_inputs), with a warning.
     topk > 0: top-k attention, the threshold pass first (its rows join the options)."""
+    if _takes_decode_kernel(q, k, v, opts, topk):
+        return _decode(q, k, v, opts)
     if ops.has_kernel(q.device, q.dtype):
         if topk > 0:
             thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **opts)
