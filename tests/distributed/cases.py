@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import attention_ext as ae
 from attention_ext import distributed as cp
-from tests.helpers import rel_err
+from attention_ext import reference
+from tests.helpers import assert_close_fa2, reference_in, rel_err
 
 B, H, D, S = 2, 4, 16, 48   # S: a multiple of 2P for P = 2, 3, 4
 S_ODD = 45                  # padded to 48 by pad_to_multiple
@@ -39,8 +40,12 @@ VARIANTS = {
     "odd-causal": dict(causal=True, real=S_ODD),
     "odd-window": dict(window=(3, 2), real=S_ODD, hk=2),
     "odd-causal-alibi": dict(causal=True, alibi=True, real=S_ODD),
+    # bf16 under the project's rule: error vs float64 <= 2x PyTorch's own bf16 error + a floor
+    "bf16-causal-gqa": dict(causal=True, hk=2, dtype=torch.bfloat16),
+    "bf16-window-alibi-sinks": dict(window=(6, 2), alibi=True, sinks=True, dtype=torch.bfloat16),
 }
 ATTN_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in VARIANTS]
+GROUP_CASES = ["zigzag-causal-gqa", "stripe-window", "contiguous-causal-sinks-softcap"]  # on subgroups of 4
 
 
 class Counter:
@@ -73,9 +78,12 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) ->
     assert e <= tol, f"{name}: relative error {e:.3g} > {tol:g}"
 
 
-def attention_case(rank: int, world: int, name: str, counter: Counter) -> None:
+def attention_case(rank: int, world: int, name: str, counter: Counter,
+                   group: Optional[dist.ProcessGroup] = None) -> None:
+    """One case on this rank; rank and world are the ranks of `group` (default: the world)."""
     layout, variant = name.split("-", 1)
     o = VARIANTS[variant]
+    dtype = o.get("dtype", torch.float32)
     causal, window = o.get("causal", False), o.get("window", (-1, -1))
     hk, qkv_layout, real = o.get("hk", H), o.get("qkv_layout", "bhsd"), o.get("real", S)
     torch.manual_seed(1000 + ATTN_CASES.index(name))  # the same global tensors on every rank
@@ -85,11 +93,25 @@ def attention_case(rank: int, world: int, name: str, counter: Counter) -> None:
     sinks = torch.randn(H) if o.get("sinks") else None
     opts = dict(causal=causal, alibi_slopes=slopes, softcap=o.get("softcap", 0.0))
 
-    # single process
+    # single process: our kernel in fp32; for bf16 the float64 reference and PyTorch's bf16 math
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     sr = sinks.clone().requires_grad_() if sinks is not None else None
-    out, lse = ae.attention(qr, kr, vr, window=window, sinks=sr, return_lse=True, **opts)
-    (out * g).sum().backward()
+    if dtype != torch.float32:
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (qr, kr, vr))
+        sr = sr.detach().double().requires_grad_() if sr is not None else None
+    win = (window[0], 0) if causal else window
+    kw = dict(window=win, alibi_slopes=slopes, softcap=opts["softcap"])
+    if dtype == torch.float32:
+        out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, window=window, **opts)
+        (out * g).sum().backward()
+    else:
+        out, lse = reference.attention(qr, kr, vr, sinks=sr, **kw)
+        (out * g.double()).sum().backward()
+        t_out, t_lse, (tq, tk, tv, _, ts) = reference_in(
+            dtype, q, k, v, sinks=sinks.clone().requires_grad_() if sinks is not None else None, **kw)
+        (t_out * g.to(dtype)).sum().backward()
+        torch_same = {"out": t_out, "lse": t_lse, "dq": tq.grad, "dk": tk.grad, "dv": tv.grad}
+        q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
 
     # context parallel on this rank's shard of the padded sequence
     mult = cp.sequence_multiple(world, layout)
@@ -97,16 +119,16 @@ def attention_case(rank: int, world: int, name: str, counter: Counter) -> None:
     sp = pad(q).shape[2]
     pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
     keep = pos < real
-    local = [cp.shard_sequence(pad(t), dim=2, layout=layout) for t in (q, k, v)]
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
     if qkv_layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     counter.take()
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, layout=layout, window_size=window, sinks=sl,
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, layout=layout, window_size=window, sinks=sl,
                                              return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts)
     n_fwd = counter.take()
-    gl = cp.shard_sequence(pad(g), dim=2, layout=layout)
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
     if qkv_layout == "bshd":
         gl = gl.transpose(1, 2)
     (ol * gl).sum().backward()
@@ -116,16 +138,22 @@ def attention_case(rank: int, world: int, name: str, counter: Counter) -> None:
 
     as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
     idx = pos[keep]
-    _check("out", as_bhsd(ol)[:, :, keep], out.detach()[:, :, idx])
-    _check("lse", lsel[:, :, keep], lse.detach()[:, :, idx])
-    _check("dq", as_bhsd(ql.grad)[:, :, keep], qr.grad[:, :, idx])
-    _check("dk", as_bhsd(kl.grad)[:, :, keep], kr.grad[:, :, idx])
-    _check("dv", as_bhsd(vl.grad)[:, :, keep], vr.grad[:, :, idx])
+    got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
+    want = {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    for what in got:
+        if dtype == torch.float32:
+            _check(what, got[what][:, :, keep], want[what][:, :, idx])
+        else:
+            assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
+            assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
     if sinks is not None:  # each rank holds its queries' part of dsinks: the sum is the full one
-        ds = sl.grad.clone()
-        dist.all_reduce(ds)
+        ds = sl.grad.float()
+        dist.all_reduce(ds, group=group)
         counter.take()
-        _check("dsinks", ds, sr.grad)
+        if dtype == torch.float32:
+            _check("dsinks", ds, sr.grad)
+        else:
+            assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
 
 
 def roundtrip_case(rank: int, world: int, layout: str) -> None:
@@ -162,6 +190,16 @@ def suite(rank: int, world: int, attn_cases: List[str]) -> Dict[str, Optional[st
             res[name] = None
         except Exception:  # noqa: BLE001
             res[name] = traceback.format_exc()
+    if world == 4:  # two independent groups of 2: `group=` is honoured (ranks, sizes, collectives)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for name in GROUP_CASES:
+            try:
+                attention_case(rank % 2, 2, name, counter, group=pairs[rank // 2])
+                res[f"group-{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"group-{name}"] = traceback.format_exc()
+        for pg in pairs:
+            dist.destroy_process_group(pg)
     return res
 
 

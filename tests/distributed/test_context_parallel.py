@@ -44,6 +44,12 @@ def test_attention(world, name):
     _assert_case(world, name)
 
 
+@pytest.mark.parametrize("name", cases.GROUP_CASES)
+def test_subgroups(name):
+    """4 ranks split into two groups of 2, each running context parallelism on its own."""
+    _assert_case(4, f"group-{name}")
+
+
 # -- no process group needed ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("world", (1, 2, 3, 4))
