@@ -72,13 +72,46 @@ class Counter:
         return n
 
 
+class KernelCalls:
+    """Records the fused-kernel calls context_parallel_attention makes (its module-level
+    `_attention`): [(queries, keys, attn_mask given)]."""
+
+    def __init__(self):
+        from attention_ext.distributed import attention as mod
+        self.calls, self._mod, self._fn = [], mod, mod._attention
+
+        def wrapped(q, k, v, **kw):
+            self.calls.append((q.shape[2], k.shape[2], kw.get("attn_mask") is not None))
+            return self._fn(q, k, v, **kw)
+        mod._attention = wrapped
+
+    def take(self):
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def expected_calls(layout: str, o: dict, rank: int, world: int, n: int, s: int, real: int):
+    """The design's kernel calls (attention.py's three paths) for a case's options; s: the
+    padded length, real: the real one."""
+    causal, window = o.get("causal", False), o.get("window", (-1, -1))
+    if not (causal or window != (-1, -1) or o.get("alibi") or real < s):
+        return [(n, s, False)]                                     # 1: no positions
+    if causal and layout != "stripe":                              # 2: one call per run, keys [k0, a + c)
+        pos = cp.global_positions(s, rank=rank, world_size=world, layout=layout).tolist()
+        one_run = layout == "contiguous" or rank == world - 1  # zigzag's last rank: chunks P-1, P adjacent
+        runs = [(pos[0], n)] if one_run else [(pos[0], n // 2), (pos[n // 2], n // 2)]
+        wl = window[0]
+        return [(c, a + c - (max(0, a - wl) if wl >= 0 else 0), False) for a, c in runs]
+    return [(n, s, True)]                                          # 3: explicit mask
+
+
 def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
     assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     e = rel_err(got, ref)
     assert e <= tol, f"{name}: relative error {e:.3g} > {tol:g}"
 
 
-def attention_case(rank: int, world: int, name: str, counter: Counter,
+def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "KernelCalls",
                    group: Optional[dist.ProcessGroup] = None) -> None:
     """One case on this rank; rank and world are the ranks of `group` (default: the world)."""
     layout, variant = name.split("-", 1)
@@ -125,9 +158,13 @@ def attention_case(rank: int, world: int, name: str, counter: Counter,
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     counter.take()
+    kernel.take()
     ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, layout=layout, window_size=window, sinks=sl,
                                              return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts)
     n_fwd = counter.take()
+    calls = kernel.take()
+    want_calls = expected_calls(layout, o, rank, world, pos.numel(), sp, real)
+    assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
     gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
     if qkv_layout == "bshd":
         gl = gl.transpose(1, 2)
@@ -176,7 +213,7 @@ def roundtrip_case(rank: int, world: int, layout: str) -> None:
 
 def suite(rank: int, world: int, attn_cases: List[str]) -> Dict[str, Optional[str]]:
     """Every case on this rank: {name: None (passed) or the traceback}."""
-    counter = Counter()
+    counter, kernel = Counter(), KernelCalls()
     res: Dict[str, Optional[str]] = {}
     for layout in cp.LAYOUTS:
         try:
@@ -186,7 +223,7 @@ def suite(rank: int, world: int, attn_cases: List[str]) -> Dict[str, Optional[st
             res[f"roundtrip-{layout}"] = traceback.format_exc()
     for name in attn_cases:
         try:
-            attention_case(rank, world, name, counter)
+            attention_case(rank, world, name, counter, kernel)
             res[name] = None
         except Exception:  # noqa: BLE001
             res[name] = traceback.format_exc()
@@ -194,7 +231,7 @@ def suite(rank: int, world: int, attn_cases: List[str]) -> Dict[str, Optional[st
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for name in GROUP_CASES:
             try:
-                attention_case(rank % 2, 2, name, counter, group=pairs[rank // 2])
+                attention_case(rank % 2, 2, name, counter, kernel, group=pairs[rank // 2])
                 res[f"group-{name}"] = None
             except Exception:  # noqa: BLE001
                 res[f"group-{name}"] = traceback.format_exc()
