@@ -163,13 +163,14 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
                                              return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts)
     n_fwd = counter.take()
     calls = kernel.take()
-    want_calls = expected_calls(layout, o, rank, world, pos.numel(), sp, real)
-    assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
     gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
     if qkv_layout == "bshd":
         gl = gl.transpose(1, 2)
     (ol * gl).sum().backward()
     n_bwd = counter.take()
+    # the checks after every collective of the case, so that a failing rank stays in step with the others
+    want_calls = expected_calls(layout, o, rank, world, pos.numel(), sp, real)
+    assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
     assert n_fwd == {"gather": 1, "scatter": 0}, f"forward collectives {n_fwd}: want one all-gather (K, V stacked)"
     assert n_bwd == {"gather": 0, "scatter": 1}, f"backward collectives {n_bwd}: want one reduce-scatter"
 
