@@ -103,7 +103,9 @@ def context_parallel_attention(
         dropout_p: must be 0 (dropout is not built for context parallelism).
 
     Returns this rank's output shard in q's layout (and the LSE shard). The backward is
-    autograd's: dq stays local, dK / dV are reduce-scattered to their owning ranks.
+    autograd's: dq stays local, dK / dV are reduce-scattered to their owning ranks. A
+    parameter every rank holds whole (sinks) gets this rank's queries' part of its gradient:
+    sum it over the group (all_reduce) for the full one.
     """
     if mode in ("ring", "ulysses"):
         raise NotImplementedError(f"context_parallel_attention mode={mode!r} is not built yet; use mode='allgather'")
