@@ -32,7 +32,7 @@ from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
 from .sparse import block_sparse_attention, topk_attention  # noqa: E402
 
 # subpackages imported on first attribute access: `import attention_ext` stays light
-_LAZY = ("nn", "models", "viz", "demo", "bench")
+_LAZY = ("nn", "models", "viz", "demo", "bench", "distributed")
 
 __all__ = [
     "attention",

@@ -15,7 +15,8 @@ MODULES = ("attention_ext.nn", "attention_ext.compat", "attention_ext.compat.fla
            "attention_ext.decode", "attention_ext.linear", "attention_ext.sparse", "attention_ext.softmax", "attention_ext.models",
            "attention_ext.reference", "attention_ext.softmax.reference", "attention_ext.linear.reference",
            "attention_ext.sparse.reference", "attention_ext.decode.reference", "attention_ext.linear.feature_maps",
-           "attention_ext.sparse.layouts", "attention_ext.viz")
+           "attention_ext.sparse.layouts", "attention_ext.viz", "attention_ext.distributed",
+           "attention_ext.distributed.sharding", "attention_ext.distributed.attention")
 
 
 def _ours(obj):

@@ -1,0 +1,32 @@
+"""Context parallelism over torch.distributed: a sequence sharded across ranks, and attention
+whose queries are this rank's shard and whose keys are the whole sequence.
+
+    from attention_ext import distributed as cp
+    q_l = cp.shard_sequence(q, dim=2, layout="zigzag")              # this rank's shard
+    out_l = cp.context_parallel_attention(q_l, k_l, v_l, causal=True, layout="zigzag")
+    out = cp.unshard_sequence(out_l, dim=2, layout="zigzag")        # the full sequence, every rank
+
+Layouts, the padding rule and the collectives: sharding.py. The attention's design: attention.py.
+"""
+from .attention import MODES, context_parallel_attention
+from .sharding import (
+    LAYOUTS,
+    all_gather_sequence,
+    global_positions,
+    pad_to_multiple,
+    sequence_multiple,
+    shard_sequence,
+    unshard_sequence,
+)
+
+__all__ = [
+    "context_parallel_attention",
+    "shard_sequence",
+    "unshard_sequence",
+    "all_gather_sequence",
+    "global_positions",
+    "pad_to_multiple",
+    "sequence_multiple",
+    "LAYOUTS",
+    "MODES",
+]

@@ -1,0 +1,163 @@
+"""Context-parallel attention: each rank holds a shard of the sequence (sharding.py's layouts) and
+computes its queries' output against the whole sequence's keys.
+
+mode="allgather": K and V, stacked, travel in ONE all-gather (only the H_k KV heads with GQA); its
+backward is one reduce-scatter that sums dK / dV back to the owning ranks. The local queries then
+run the fused kernel (attention_ext.attention) against the gathered keys, with every position
+rule (causal, window, ALiBi) on GLOBAL token indices, by one of three paths:
+
+1. no position rule (non-causal, no window, no ALiBi, no padding): one call, all keys, no mask.
+2. causal, and the shard is at most 2 contiguous runs of positions (contiguous: 1, zigzag: 2):
+   one call per run [a, a + c) against keys [k0, a + c) with bottom_right=True, k0 = max(0, a -
+   window_left) (0 for an unbounded window). bottom-right puts the diagonal at Sk - Sq = a - k0,
+   i.e. local query i, local key j' compare as global a + i against k0 + j': the causal window
+   and ALiBi's |i + diag - j| are exactly the global ones, with no mask and no wasted keys.
+3. otherwise (stripe with positions, non-causal window or ALiBi, padding of a non-causal
+   sequence): an explicit mask over (local queries, all keys) built from global positions: bool
+   for causal / window / padding, a float additive bias (-slope * |i - j|, -inf where masked)
+   with ALiBi. It costs an (n, S) mask (times H with ALiBi) per call.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..softmax import ops as _ops
+from ..softmax.functional import attention as _attention
+from .sharding import _check_len, all_gather_sequence, global_positions
+
+__all__ = ["context_parallel_attention", "MODES"]
+
+MODES = ("allgather", "ring", "ulysses")
+
+
+def _runs(pos: List[int]) -> List[Tuple[int, int, int]]:
+    """Maximal runs of consecutive positions: [(local start, global start, length)]."""
+    runs = []
+    i0 = 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((i0, pos[i0], i - i0))
+            i0 = i
+    return runs
+
+
+def _position_mask(pq: Tensor, s: int, seq_len: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
+                   dtype: torch.dtype) -> Tensor:
+    """Path 3's attn_mask for queries at global positions pq (n,) against keys [0, s): bool (n, s)
+    (True = attend), or with ALiBi a float (1 or B, H, n, s) bias with -inf where masked."""
+    pk = torch.arange(s, device=pq.device)
+    rel = pk.view(1, -1) - pq.view(-1, 1)  # (n, s): key - query
+    ok = (pk < seq_len).view(1, -1).expand(pq.numel(), s)
+    if wr >= 0:
+        ok = ok & (rel <= wr)
+    if wl >= 0:
+        ok = ok & (rel >= -wl)
+    if alibi_slopes is None:
+        return ok
+    sl = alibi_slopes.to(dtype)
+    sl = sl.view(1, -1, 1, 1) if sl.dim() == 1 else sl.view(sl.shape[0], sl.shape[1], 1, 1)
+    bias = -sl * rel.abs().to(dtype)  # (1 or B, H, n, s)
+    return bias.masked_fill(~ok, float("-inf"))
+
+
+def context_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    mode: str = "allgather",
+    layout: str = "zigzag",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    return_lse: bool = False,
+    qkv_layout: str = "bhsd",
+    seq_len: Optional[int] = None,
+    dropout_p: float = 0.0,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention over a sequence sharded across the ranks of `group` (context parallelism).
+
+    Args:
+        q: this rank's query shard, (B, H, n, D) for qkv_layout="bhsd" or (B, n, H, D) for
+            "bshd"; n = S / P, as sharded by shard_sequence with the same `layout`.
+        k, v: this rank's key / value shards, (B, H_k, n, D) (or (B, n, H_k, D)), H % H_k == 0.
+        group: the process group (default: the world).
+        mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ring" and
+            "ulysses" raise NotImplementedError.
+        layout: "contiguous", "zigzag" or "stripe" (attention_ext.distributed.sharding).
+        causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
+            positions (window_size is (left, right), -1 = unbounded; causal caps right at 0).
+        scale, softcap, sinks: as attention_ext.attention (sinks (H,) join every softmax).
+        return_lse: also return this rank's (B, H, n) log-sum-exp shard.
+        seq_len: the real length when the sequence was padded to a multiple (pad_to_multiple):
+            keys at positions >= seq_len are masked; outputs at padded query positions are
+            unspecified and must be dropped. Default: no padding (S = n * P).
+        dropout_p: must be 0 (dropout is not built for context parallelism).
+
+    Returns this rank's output shard in q's layout (and the LSE shard). The backward is
+    autograd's: dq stays local, dK / dV are reduce-scattered to their owning ranks. A
+    parameter every rank holds whole (sinks) gets this rank's queries' part of its gradient:
+    sum it over the group (all_reduce) for the full one.
+    """
+    if mode in ("ring", "ulysses"):
+        raise NotImplementedError(f"context_parallel_attention mode={mode!r} is not built yet; use mode='allgather'")
+    if mode != "allgather":
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
+    if qkv_layout not in ("bhsd", "bshd"):
+        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+    if qkv_layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
+    if k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = q.shape[2]
+    s = n * world
+    _check_len(s, world, layout)
+    if seq_len is None:
+        seq_len = s
+    if not 0 < seq_len <= s:
+        raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if causal:
+        wr = 0
+
+    # one collective: K and V stacked, (2, B, H_k, n, D) -> (2, B, H_k, S, D) in global order
+    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, layout=layout)
+    kf, vf = kv[0], kv[1]
+    pos = global_positions(s, rank=rank, world_size=world, layout=layout)
+    common = dict(scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
+
+    runs = _runs(pos.tolist())
+    positional = causal or wl >= 0 or wr >= 0 or alibi_slopes is not None or seq_len < s
+    if not positional:  # path 1
+        out, lse = _attention(q, kf, vf, **common)
+    elif causal and len(runs) <= 2:  # path 2: the bottom-right diagonal trick per run
+        outs, lses = [], []
+        for i0, a, c in runs:
+            k0 = max(0, a - wl) if wl >= 0 else 0
+            o, l = _attention(q[:, :, i0:i0 + c], kf[:, :, k0:a + c], vf[:, :, k0:a + c], causal=True,
+                              bottom_right=True, window=(wl, 0), alibi_slopes=alibi_slopes, **common)
+            outs.append(o)
+            lses.append(l)
+        out, lse = (torch.cat(outs, 2), torch.cat(lses, 2)) if len(runs) > 1 else (outs[0], lses[0])
+    else:  # path 3: explicit mask from global positions
+        acc = _ops.acc_dtype(q.dtype)
+        mask = _position_mask(pos.to(q.device), s, seq_len, wl, wr, alibi_slopes, acc)
+        out, lse = _attention(q, kf, vf, attn_mask=mask, **common)
+    if qkv_layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out

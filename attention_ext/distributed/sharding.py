@@ -1,0 +1,148 @@
+"""Sequence sharding for context parallelism: which global tokens each rank holds, and the
+collectives that move shards (torch.distributed only).
+
+Layouts of a sequence of length S over P ranks (every shard has S / P tokens):
+- "contiguous": rank r holds chunk r of P.
+- "zigzag":     S is cut into 2P chunks; rank r holds chunks r and 2P-1-r, in that order, so that
+                causal work (sum of query positions) is equal across ranks.
+- "stripe":     token t goes to rank t mod P.
+
+Length rule: S must be a multiple of P (of 2P for zigzag), else ValueError. Pad with
+pad_to_multiple (which returns the real length) and pass that length as `seq_len` to
+context_parallel_attention, which then masks the padded keys; the padded queries' outputs are
+to be dropped by the caller.
+
+Collectives: the all-gather is an autograd.Function whose backward reduce-scatters (sums) the
+gradient back to the owning rank: with a loss that is the sum of every rank's local loss, each
+rank's gradient of its shard is the sum of the gradients all ranks computed for it.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["LAYOUTS", "global_positions", "shard_sequence", "unshard_sequence", "pad_to_multiple",
+           "sequence_multiple"]
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def sequence_multiple(world_size: int, layout: str) -> int:
+    """The multiple a sequence length must be of for `layout` over `world_size` ranks
+    (P, or 2P for zigzag)."""
+    _check_layout(layout)
+    return 2 * world_size if layout == "zigzag" else world_size
+
+
+def _check_len(seq_len: int, world_size: int, layout: str) -> None:
+    m = sequence_multiple(world_size, layout)
+    if seq_len % m != 0:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of {m} (layout {layout!r} over "
+                         f"{world_size} ranks): pad it with attention_ext.distributed.pad_to_multiple(x, dim, {m}) "
+                         f"and pass the real length as seq_len to context_parallel_attention")
+
+
+def global_positions(seq_len: int, *, rank: int, world_size: int, layout: str = "zigzag") -> Tensor:
+    """The global token indices (int64, (seq_len / world_size,)) of `rank`'s shard, in the
+    shard's order. seq_len must be a multiple of sequence_multiple(world_size, layout)."""
+    _check_layout(layout)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+    _check_len(seq_len, world_size, layout)
+    if layout == "contiguous":
+        n = seq_len // world_size
+        return torch.arange(rank * n, (rank + 1) * n)
+    if layout == "zigzag":
+        c = seq_len // (2 * world_size)
+        j = 2 * world_size - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(j * c, (j + 1) * c)])
+    return torch.arange(rank, seq_len, world_size)
+
+
+def _rank_size(group) -> Tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def pad_to_multiple(x: Tensor, dim: int, multiple: int) -> Tuple[Tensor, int]:
+    """Zero-pad x along `dim` at the end to a multiple of `multiple`; returns (padded, real_len).
+    Pass real_len as seq_len to context_parallel_attention so the padded keys are masked."""
+    n = x.shape[dim]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x, n
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim), n
+
+
+def shard_sequence(x: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = None,
+                   layout: str = "zigzag") -> Tensor:
+    """This rank's shard of the full tensor x (the same on every rank) along `dim`: an
+    index_select by global_positions, differentiable, no communication."""
+    rank, world = _rank_size(group)
+    pos = global_positions(x.shape[dim], rank=rank, world_size=world, layout=layout)
+    return x.index_select(dim, pos.to(x.device))
+
+
+def _gather_fn():
+    # all_gather_single is the newer name of all_gather_into_tensor (looked up per call so that a
+    # test can wrap it to count collectives)
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _AllGather(torch.autograd.Function):
+    """(n, ...) on each rank -> (P * n, ...), rank r's rows at [r n, (r+1) n). Backward: the
+    gradient reduce-scattered (summed over ranks), this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        x = x.contiguous()
+        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+        _gather_fn()(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        world = dist.get_world_size(ctx.group)
+        g = g.contiguous()
+        out = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
+        _reduce_scatter_fn()(out, g, group=ctx.group)
+        return out, None
+
+
+def all_gather_sequence(x_local: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = None,
+                        layout: str = "zigzag") -> Tensor:
+    """Gather every rank's shard along `dim` and reorder into the full sequence (one
+    all-gather; its backward is one reduce-scatter). Used by unshard_sequence and the
+    attention's K/V gather."""
+    rank, world = _rank_size(group)
+    dim = dim % x_local.dim()
+    seq_len = x_local.shape[dim] * world
+    _check_len(seq_len, world, layout)
+    # gathered row r * n + i holds global token pos_r[i]; full[g] = gathered[inv[g]]
+    src = torch.cat([global_positions(seq_len, rank=r, world_size=world, layout=layout) for r in range(world)])
+    inv = torch.argsort(src).to(x_local.device)
+    g = _AllGather.apply(x_local.movedim(dim, 0), group)  # (P * n, ...)
+    return g.index_select(0, inv).movedim(0, dim)
+
+
+def unshard_sequence(x_local: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = None,
+                     layout: str = "zigzag") -> Tensor:
+    """The full sequence on every rank from the shards along `dim` (the inverse of
+    shard_sequence). Differentiable: the backward sums every rank's gradient of the full tensor
+    and hands each rank its shard's part (a reduce-scatter)."""
+    return all_gather_sequence(x_local, dim=dim, group=group, layout=layout)

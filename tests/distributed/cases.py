@@ -1,0 +1,249 @@
+"""What each rank runs (imported by the spawned processes): every case computes the single-process
+result on the global tensors (the same seed on every rank gives the same tensors) and compares
+this rank's shard of the context-parallel result against it. A case's failure is recorded, not
+raised, so that every rank runs the same collectives in the same order and the suite goes on;
+{case name: None or the traceback} comes back per rank."""
+from __future__ import annotations
+
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import attention_ext as ae
+from attention_ext import distributed as cp
+from attention_ext import reference
+from tests.helpers import assert_close_fa2, reference_in, rel_err
+
+B, H, D, S = 2, 4, 16, 48   # S: a multiple of 2P for P = 2, 3, 4
+S_ODD = 45                  # padded to 48 by pad_to_multiple
+TOL = 1e-5                  # fp32, relative (tests.helpers.rel_err)
+
+# variant name -> options (causal, window, alibi, sinks, softcap, hk, qkv_layout, real length)
+VARIANTS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "gqa": dict(hk=2),
+    "causal-gqa": dict(causal=True, hk=1),
+    "window": dict(window=(5, 3)),
+    "window-left": dict(window=(6, -1)),
+    "causal-window": dict(causal=True, window=(7, -1)),
+    "alibi": dict(alibi=True),
+    "causal-alibi": dict(causal=True, alibi=True, hk=2),
+    "causal-window-alibi": dict(causal=True, window=(9, -1), alibi=True),
+    "sinks-softcap": dict(sinks=True, softcap=2.0),
+    "causal-sinks-softcap": dict(causal=True, sinks=True, softcap=2.0, hk=2),
+    "bshd-causal-gqa": dict(causal=True, hk=2, qkv_layout="bshd"),
+    "bshd-window": dict(window=(4, 4), qkv_layout="bshd"),
+    "odd-plain": dict(real=S_ODD),
+    "odd-causal": dict(causal=True, real=S_ODD),
+    "odd-window": dict(window=(3, 2), real=S_ODD, hk=2),
+    "odd-causal-alibi": dict(causal=True, alibi=True, real=S_ODD),
+    # bf16 under the project's rule: error vs float64 <= 2x PyTorch's own bf16 error + a floor
+    "bf16-causal-gqa": dict(causal=True, hk=2, dtype=torch.bfloat16),
+    "bf16-window-alibi-sinks": dict(window=(6, 2), alibi=True, sinks=True, dtype=torch.bfloat16),
+}
+ATTN_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in VARIANTS]
+GROUP_CASES = ["zigzag-causal-gqa", "stripe-window", "contiguous-causal-sinks-softcap"]  # on subgroups of 4
+
+
+class Counter:
+    """Wraps torch.distributed's all-gather / reduce-scatter entry points to count the calls."""
+    GATHER = ("all_gather_single", "all_gather_into_tensor", "all_gather")
+    SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce")
+
+    def __init__(self):
+        self.n = {"gather": 0, "scatter": 0}
+        for kind, names in (("gather", self.GATHER), ("scatter", self.SCATTER)):
+            for name in names:
+                fn = getattr(dist, name, None)
+                if fn is not None:
+                    setattr(dist, name, self._wrap(fn, kind))
+
+    def _wrap(self, fn, kind):
+        def wrapped(*a, **kw):
+            self.n[kind] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    def take(self) -> Dict[str, int]:
+        n, self.n = dict(self.n), {"gather": 0, "scatter": 0}
+        return n
+
+
+class KernelCalls:
+    """Records the fused-kernel calls context_parallel_attention makes (its module-level
+    `_attention`): [(queries, keys, attn_mask given)]."""
+
+    def __init__(self):
+        from attention_ext.distributed import attention as mod
+        self.calls, self._mod, self._fn = [], mod, mod._attention
+
+        def wrapped(q, k, v, **kw):
+            self.calls.append((q.shape[2], k.shape[2], kw.get("attn_mask") is not None))
+            return self._fn(q, k, v, **kw)
+        mod._attention = wrapped
+
+    def take(self):
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def expected_calls(layout: str, o: dict, rank: int, world: int, n: int, s: int, real: int):
+    """The design's kernel calls (attention.py's three paths) for a case's options; s: the
+    padded length, real: the real one."""
+    causal, window = o.get("causal", False), o.get("window", (-1, -1))
+    if not (causal or window != (-1, -1) or o.get("alibi") or real < s):
+        return [(n, s, False)]                                     # 1: no positions
+    if causal and layout != "stripe":                              # 2: one call per run, keys [k0, a + c)
+        pos = cp.global_positions(s, rank=rank, world_size=world, layout=layout).tolist()
+        one_run = layout == "contiguous" or rank == world - 1  # zigzag's last rank: chunks P-1, P adjacent
+        runs = [(pos[0], n)] if one_run else [(pos[0], n // 2), (pos[n // 2], n // 2)]
+        wl = window[0]
+        return [(c, a + c - (max(0, a - wl) if wl >= 0 else 0), False) for a, c in runs]
+    return [(n, s, True)]                                          # 3: explicit mask
+
+
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    e = rel_err(got, ref)
+    assert e <= tol, f"{name}: relative error {e:.3g} > {tol:g}"
+
+
+def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "KernelCalls",
+                   group: Optional[dist.ProcessGroup] = None) -> None:
+    """One case on this rank; rank and world are the ranks of `group` (default: the world)."""
+    layout, variant = name.split("-", 1)
+    o = VARIANTS[variant]
+    dtype = o.get("dtype", torch.float32)
+    causal, window = o.get("causal", False), o.get("window", (-1, -1))
+    hk, qkv_layout, real = o.get("hk", H), o.get("qkv_layout", "bhsd"), o.get("real", S)
+    torch.manual_seed(1000 + ATTN_CASES.index(name))  # the same global tensors on every rank
+    q, k, v = torch.randn(B, H, real, D), torch.randn(B, hk, real, D), torch.randn(B, hk, real, D)
+    g = torch.randn(B, H, real, D)
+    slopes = torch.rand(H) * 0.5 + 0.1 if o.get("alibi") else None
+    sinks = torch.randn(H) if o.get("sinks") else None
+    opts = dict(causal=causal, alibi_slopes=slopes, softcap=o.get("softcap", 0.0))
+
+    # single process: our kernel in fp32; for bf16 the float64 reference and PyTorch's bf16 math
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    sr = sinks.clone().requires_grad_() if sinks is not None else None
+    if dtype != torch.float32:
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (qr, kr, vr))
+        sr = sr.detach().double().requires_grad_() if sr is not None else None
+    win = (window[0], 0) if causal else window
+    kw = dict(window=win, alibi_slopes=slopes, softcap=opts["softcap"])
+    if dtype == torch.float32:
+        out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, window=window, **opts)
+        (out * g).sum().backward()
+    else:
+        out, lse = reference.attention(qr, kr, vr, sinks=sr, **kw)
+        (out * g.double()).sum().backward()
+        t_out, t_lse, (tq, tk, tv, _, ts) = reference_in(
+            dtype, q, k, v, sinks=sinks.clone().requires_grad_() if sinks is not None else None, **kw)
+        (t_out * g.to(dtype)).sum().backward()
+        torch_same = {"out": t_out, "lse": t_lse, "dq": tq.grad, "dk": tk.grad, "dv": tv.grad}
+        q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
+
+    # context parallel on this rank's shard of the padded sequence
+    mult = cp.sequence_multiple(world, layout)
+    pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
+    sp = pad(q).shape[2]
+    pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
+    keep = pos < real
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
+    if qkv_layout == "bshd":
+        local = [t.transpose(1, 2).contiguous() for t in local]
+    ql, kl, vl = (t.requires_grad_() for t in local)
+    sl = sinks.clone().requires_grad_() if sinks is not None else None
+    counter.take()
+    kernel.take()
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, layout=layout, window_size=window, sinks=sl,
+                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts)
+    n_fwd = counter.take()
+    calls = kernel.take()
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
+    if qkv_layout == "bshd":
+        gl = gl.transpose(1, 2)
+    (ol * gl).sum().backward()
+    n_bwd = counter.take()
+    # the checks after every collective of the case, so that a failing rank stays in step with the others
+    want_calls = expected_calls(layout, o, rank, world, pos.numel(), sp, real)
+    assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
+    assert n_fwd == {"gather": 1, "scatter": 0}, f"forward collectives {n_fwd}: want one all-gather (K, V stacked)"
+    assert n_bwd == {"gather": 0, "scatter": 1}, f"backward collectives {n_bwd}: want one reduce-scatter"
+
+    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    idx = pos[keep]
+    got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
+    want = {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    for what in got:
+        if dtype == torch.float32:
+            _check(what, got[what][:, :, keep], want[what][:, :, idx])
+        else:
+            assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
+            assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
+    if sinks is not None:  # each rank holds its queries' part of dsinks: the sum is the full one
+        ds = sl.grad.float()
+        dist.all_reduce(ds, group=group)
+        counter.take()
+        if dtype == torch.float32:
+            _check("dsinks", ds, sr.grad)
+        else:
+            assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
+
+
+def roundtrip_case(rank: int, world: int, layout: str) -> None:
+    """shard -> unshard is the identity; unshard's backward sums every rank's gradient of the
+    full tensor into the owner's shard."""
+    s = 2 * world * 5
+    torch.manual_seed(7)
+    x = torch.randn(3, s, 5)
+    w = torch.randn(3, s, 5)
+    xl = cp.shard_sequence(x, dim=1, layout=layout)
+    pos = cp.global_positions(s, rank=rank, world_size=world, layout=layout)
+    assert torch.equal(xl, x[:, pos])
+    xl = xl.clone().requires_grad_()
+    full = cp.unshard_sequence(xl, dim=-2, layout=layout)
+    assert torch.equal(full, x), "unshard(shard(x)) != x"
+    (full * w * (rank + 1)).sum().backward()
+    want = w[:, pos] * sum(r + 1 for r in range(world))
+    torch.testing.assert_close(xl.grad, want, rtol=1e-6, atol=1e-6)
+
+
+def suite(rank: int, world: int, attn_cases: List[str]) -> Dict[str, Optional[str]]:
+    """Every case on this rank: {name: None (passed) or the traceback}."""
+    counter, kernel = Counter(), KernelCalls()
+    res: Dict[str, Optional[str]] = {}
+    for layout in cp.LAYOUTS:
+        try:
+            roundtrip_case(rank, world, layout)
+            res[f"roundtrip-{layout}"] = None
+        except Exception:  # noqa: BLE001
+            res[f"roundtrip-{layout}"] = traceback.format_exc()
+    for name in attn_cases:
+        try:
+            attention_case(rank, world, name, counter, kernel)
+            res[name] = None
+        except Exception:  # noqa: BLE001
+            res[name] = traceback.format_exc()
+    if world == 4:  # two independent groups of 2: `group=` is honoured (ranks, sizes, collectives)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for name in GROUP_CASES:
+            try:
+                attention_case(rank % 2, 2, name, counter, kernel, group=pairs[rank // 2])
+                res[f"group-{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"group-{name}"] = traceback.format_exc()
+        for pg in pairs:
+            dist.destroy_process_group(pg)
+    return res
+
+
+def fail_on(rank: int, world: int, bad_rank: int) -> int:
+    """One rank raises while the others wait in a collective: the harness must fail, not hang."""
+    if rank == bad_rank:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    dist.barrier()
+    return rank

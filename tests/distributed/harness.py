@@ -1,0 +1,90 @@
+"""Run a function on P gloo ranks in spawned processes and return what each rank returned.
+
+Each rank: torch.set_num_threads(1), a gloo process group over a file store in a fresh temporary
+directory (60 s collective timeout), fn(rank, world_size, *args), the group destroyed. Results or
+the rank's traceback come back through a multiprocessing Queue. The parent waits at most `timeout`
+seconds in all; on the first failing rank or the deadline it kills every rank still running and
+raises with the traceback, so a failure never hangs the test session.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(AssertionError):
+    """A rank raised, or the ranks did not finish in time."""
+
+
+def _entry(fn: Callable, rank: int, world_size: int, store: str, results, args: tuple) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend="gloo", init_method=f"file://{store}", world_size=world_size, rank=rank,
+                                timeout=timedelta(seconds=60))
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001  (any failure goes back to the parent, before the group closes)
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> List[Any]:
+    """fn(rank, world_size, *args) on world_size ranks; [rank 0's result, rank 1's, ...].
+    fn and args must be picklable (fn a module-level function)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="ae_cp_")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, os.path.join(tmp, "store"), results, args),
+                         daemon=True) for r in range(world_size)]
+    got, error = {}, None
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(got) < world_size and error is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                error = f"ranks {sorted(set(range(world_size)) - set(got))} did not finish in {timeout:.0f} s"
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead:  # killed without reporting (e.g. a crash in C++)
+                    error = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
+                continue
+            if ok:
+                got[rank] = value
+            else:
+                error = f"rank {rank} failed:\n{value}"
+        if error is not None:  # the other ranks' errors too (a peer's failure shows as a closed connection)
+            grace = time.monotonic() + 2.0
+            while time.monotonic() < grace:
+                try:
+                    rank, ok, value = results.get(timeout=max(grace - time.monotonic(), 0.01))
+                except queue.Empty:
+                    break
+                if not ok:
+                    error += f"\nrank {rank} failed:\n{value}"
+    finally:
+        for p in procs:
+            p.join(timeout=5 if error is None else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise RankFailed(error)
+    return [got[r] for r in range(world_size)]

@@ -1,0 +1,95 @@
+"""Context parallelism (attention_ext.distributed) on 2, 3 and 4 gloo ranks on the CPU.
+
+One spawned group per world size runs every case (tests/distributed/cases.py: shard / unshard
+round trips, then context_parallel_attention vs the single-process attention for every layout and
+option, forward, LSE and gradients, with the number of collectives per call); the tests below
+report the cases one by one. The layout arithmetic and the argument errors need no group.
+"""
+import pytest
+import torch
+
+from attention_ext import distributed as cp
+from tests.distributed import cases, harness
+
+WORLD_SIZES = (2, 3, 4)
+_results = {}
+
+
+def _suite(world):
+    """The cases' results on every rank, run once per world size."""
+    if world not in _results:
+        try:
+            _results[world] = harness.run(cases.suite, world, cases.ATTN_CASES, timeout=150)
+        except harness.RankFailed as e:
+            _results[world] = e
+    if isinstance(_results[world], Exception):
+        raise _results[world]
+    return _results[world]
+
+
+def _assert_case(world, name):
+    failed = {r: res[name] for r, res in enumerate(_suite(world)) if res[name] is not None}
+    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_roundtrip(world, layout):
+    _assert_case(world, f"roundtrip-{layout}")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("name", cases.ATTN_CASES)
+def test_attention(world, name):
+    _assert_case(world, name)
+
+
+@pytest.mark.parametrize("name", cases.GROUP_CASES)
+def test_subgroups(name):
+    """4 ranks split into two groups of 2, each running context parallelism on its own."""
+    _assert_case(4, f"group-{name}")
+
+
+# -- no process group needed ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", (1, 2, 3, 4))
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_positions_partition(world, layout):
+    s = 2 * world * 3
+    pos = [cp.global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)]
+    assert all(p.numel() == s // world for p in pos)
+    assert torch.equal(torch.sort(torch.cat(pos)).values, torch.arange(s))
+    if layout == "zigzag":  # equal causal work: the same sum of query positions on every rank
+        assert len({int(p.sum()) for p in pos}) == 1
+
+
+def test_positions_values():
+    assert cp.global_positions(8, rank=1, world_size=2, layout="zigzag").tolist() == [2, 3, 4, 5]
+    assert cp.global_positions(8, rank=0, world_size=2, layout="zigzag").tolist() == [0, 1, 6, 7]
+    assert cp.global_positions(6, rank=1, world_size=3, layout="stripe").tolist() == [1, 4]
+    assert cp.global_positions(6, rank=2, world_size=3, layout="contiguous").tolist() == [4, 5]
+
+
+def test_length_rule():
+    with pytest.raises(ValueError, match="pad_to_multiple"):
+        cp.global_positions(10, rank=0, world_size=3, layout="zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        cp.global_positions(8, rank=0, world_size=2, layout="ring")
+    x = torch.randn(2, 10, 3)
+    xp, n = cp.pad_to_multiple(x, 1, 6)
+    assert n == 10 and xp.shape == (2, 12, 3) and torch.equal(xp[:, :10], x) and not xp[:, 10:].any()
+    assert cp.pad_to_multiple(x, 1, 5)[0] is x
+    assert cp.sequence_multiple(3, "zigzag") == 6 and cp.sequence_multiple(3, "stripe") == 3
+
+
+@pytest.mark.parametrize("kw", [dict(mode="ring"), dict(mode="ulysses"), dict(dropout_p=0.1)])
+def test_not_built(kw):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        cp.context_parallel_attention(q, q, q, **kw)
+
+
+def test_harness_fails_fast():
+    """A rank that raises while the others wait in a barrier fails the run with its traceback."""
+    with pytest.raises(harness.RankFailed, match="deliberate failure on rank 1"):
+        harness.run(cases.fail_on, 2, 1, timeout=60)
