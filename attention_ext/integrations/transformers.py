@@ -76,7 +76,7 @@ def attention_forward(
     only without dropout and without autograd (the LSE carries no gradient), else
     NotImplementedError, as for head_mask and position_bias.
     """
-    from .. import attention, attention_weights, decode  # deferred: attention_ext imports nothing from here
+    from .. import attention, attention_weights  # deferred: attention_ext imports nothing from here
 
     want_weights = bool(kwargs.get("output_attentions"))
     if want_weights and (dropout > 0.0 or (torch.is_grad_enabled() and
@@ -92,19 +92,6 @@ def attention_forward(
     # SDPA's rule (sdpa_attention_forward): causal only with no mask and more than one query
     causal = bool(is_causal) and attention_mask is None and sq > 1
     softcap = float(softcap or 0.0)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, s_aux))
-    if (sq == 1 and attention_mask is None and query.device.type == "cpu" and not want_weights and dropout == 0.0
-            and not needs_grad):
-        # A decode step that sees every key: the decode kernel (key splits across threads, a GQA
-        # group's heads packed as rows) reads HF's (B, H_k, S, D) cache in place as a (B, S, H_k, D)
-        # view; 1.5-5x faster than attention()'s few-query path here (benchmarks/results/
-        # 2026-11-24-decode-cpu.md). CPU only: the CUDA decode kernel has not run on a GPU yet.
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-        sinks = None if s_aux is None else s_aux.to(acc).contiguous()
-        out, _ = decode.decode_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                   scale=query.shape[-1] ** -0.5 if scaling is None else float(scaling),
-                                   softcap=softcap, sinks=sinks)
-        return out.contiguous(), None  # (B, 1, H, D)
     out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
                     attn_mask=attention_mask, softcap=softcap, sinks=s_aux, dropout_p=float(dropout),
                     return_lse=want_weights)

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import attention_ext  # noqa: E402
 import attention_ext.integrations.transformers as ae_hf  # noqa: E402
+from attention_ext.softmax import functional as softmax_functional  # noqa: E402
 from tests.helpers import FLOOR, rel_err  # noqa: E402
 
 AE = ae_hf.DEFAULT_NAME
@@ -105,23 +106,22 @@ def _inputs(name: str, padded: bool):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts calls into attention_ext.attention and attention_ext.decode.decode_fwd (the
-    integration resolves both at call time), so a test cannot pass on a silent fallback to the
-    reference implementation. n[1] counts the decode calls alone."""
+    """Counts calls into attention_ext.attention (the integration resolves it at call time), so
+    a test cannot pass on a silent fallback to the reference implementation; n[1] counts the
+    calls attention() hands to the decode kernel (softmax.functional._decode)."""
     n = [0, 0]
-    real_attention, real_decode = attention_ext.attention, attention_ext.decode.decode_fwd
+    real_attention, real_decode = attention_ext.attention, softmax_functional._decode
 
     def counting(*a, **kw):
         n[0] += 1
         return real_attention(*a, **kw)
 
     def counting_decode(*a, **kw):
-        n[0] += 1
         n[1] += 1
         return real_decode(*a, **kw)
 
     monkeypatch.setattr(attention_ext, "attention", counting)
-    monkeypatch.setattr(attention_ext.decode, "decode_fwd", counting_decode)
+    monkeypatch.setattr(softmax_functional, "_decode", counting_decode)
     return n
 
 
@@ -198,8 +198,8 @@ def test_generate_greedy(name, padded, calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_unmasked_decode_steps_use_the_decode_kernel(dtype, calls):
     """Unpadded greedy decoding on the default cache: every q_len 1 step sees every key (HF drops
-    the mask), so it runs on the decode kernel; the tokens match sdpa's and every step's logits
-    agree."""
+    the mask), so attention() hands it to the decode kernel; the tokens match sdpa's and every
+    step's logits agree."""
     ref, ours = _pair("llama", dtype)
     ids, mask = _inputs("llama", padded=False)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
