@@ -23,7 +23,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build test hopper models bench ncu sanitize"}  # + sm80: see its stage
+STAGES=${STAGES:-"build test hopper families models bench fbench ncu sanitize"}  # + sm80, tune: see their stages
 TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
@@ -140,6 +140,26 @@ if has models; then
   note "models on CUDA: rc=$? ($(grep -c '^ok' "$TMPD/models.log") ok, $(grep -c '^FAIL' "$TMPD/models.log") failed)"
   grep -E "^(ok|FAIL)" "$TMPD/models.log" | sed 's/^/  /' | tee -a "$SUMMARY"
   cat "$TMPD/models.log" >>"$OUT/test.log"
+fi
+
+if has families; then
+  # the decode, linear and sparse families' CUDA tests (appended to test.log; $OUT holds at most 8 files)
+  for fam in decode linear sparse; do
+    timeout 240 python3 -m pytest tests/$fam/test_cuda.py -q -rf -p no:cacheprovider --maxfail=30 >"$TMPD/fam_$fam.log" 2>&1
+    note "$fam CUDA tests (rc=$?): $(tail -1 "$TMPD/fam_$fam.log")"
+    grep -E "^FAILED" "$TMPD/fam_$fam.log" | cut -c1-200 | head -8 | tee -a "$SUMMARY" || true
+    { echo "==== tests/$fam/test_cuda.py"; cat "$TMPD/fam_$fam.log"; } >> "$OUT/test.log"
+  done
+fi
+
+if has fbench; then
+  # the families' benchmarks, tables appended to bench.md (FLA's column needs its wheels: see the device README)
+  timeout 240 python3 benchmarks/decode/bench_cuda.py --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
+  note "decode bench: rc=$?"
+  timeout 240 python3 benchmarks/linear/bench_cuda.py --out "$TMPD/linear.md" >>"$OUT/bench.log" 2>&1
+  note "linear bench: rc=$?"; cat "$TMPD/linear.md" >> "$OUT/bench.md" 2>/dev/null
+  timeout 400 python3 benchmarks/sparse/bench_cuda.py ${SPARSE_ARGS:---quick} --out "$TMPD/sparse.md" >>"$OUT/bench.log" 2>&1
+  note "sparse bench: rc=$?"; cat "$TMPD/sparse.md" >> "$OUT/bench.md" 2>/dev/null
 fi
 
 if has ncu; then
