@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One command for the GPU verification of the CUDA kernels:
 #   build -> CUDA tests -> benchmark -> ncu -> compute-sanitizer (memcheck, racecheck) -> table.
-# The sm_90a wgmma forward and backward (opt-in: attention_ext.softmax.set_cuda_kernels(hopper_fwd=1,
-# hopper_bwd=1), or ATTENTION_EXT_CUDA_KERNELS="hopper_fwd=1,hopper_bwd=1" for a whole process) have
-# their own stage, "hopper": their SASS in the built .so, their tests (tests/softmax/test_cuda.py -k
+# The sm_90a wgmma forward and backward (the default on sm_90; attention_ext.softmax.set_cuda_kernels(
+# hopper_fwd=0, hopper_bwd=0) selects the mma.sync kernels there instead) have their own stage, "hopper": their SASS in the built .so, their tests (tests/softmax/test_cuda.py -k
 # hopper), and the reference-shape timing (benchmarks/softmax/bench_cuda.py --ref); the ncu and
 # sanitize stages also run them.
 #
@@ -36,6 +35,7 @@ def op_args(d, **o):
     opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
                 max_seqlen_q=0, max_seqlen_k=0, scale=1 / math.sqrt(d), softcap=0.0, window_left=-1,
                 window_right=-1, bottom_right=False, dropout_p=0.0, seed=1, offset=0)
+    opts.update({k: v for k, v in ops._OPTION_DEFAULTS.items() if k not in opts})  # dense, no top-k
     opts.update(o)
     return [opts[n] for n in ops.OPTION_NAMES]
 PY
@@ -170,12 +170,12 @@ from gc_common import op_args
 b, h, s, d = 4, 16, 4096, 128
 args = op_args(d)
 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
+ops.set_cuda_kernels(hopper_fwd=0, hopper_bwd=0)  # the mma.sync kernels first
 out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
 torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
-for mode in (1, 2):  # the sm_90a wgmma forward and its overlapped variant, same inputs
-    ops.set_cuda_kernels(hopper_fwd=mode)
-    torch.ops.attention_ext.fwd(q, k, v, *args)
-ops.set_cuda_kernels(hopper_bwd=1)  # the sm_90a wgmma backward, same inputs
+ops.set_cuda_kernels(hopper_fwd=1, hopper_bwd=0)  # the sm_90a wgmma forward, same inputs
+torch.ops.attention_ext.fwd(q, k, v, *args)
+ops.set_cuda_kernels(hopper_fwd=1, hopper_bwd=1)  # the sm_90a wgmma backward, same inputs
 torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
 torch.cuda.synchronize()
 PY
@@ -235,6 +235,7 @@ if has sanitize; then
 import math, torch
 from attention_ext.softmax import ops
 from gc_common import op_args
+ops.set_cuda_kernels(hopper_fwd=0, hopper_bwd=0)  # the mma.sync and SIMT kernels (the wgmma ones: below)
 def run(b, h, hk, sq, sk, d, dtype, deterministic=False, num_splits=1, **o):
     args = op_args(d, **o)
     q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
@@ -284,16 +285,14 @@ fwd(r(1, 4, 430, 128), r(1, 2, 301, 128), r(1, 2, 301, 128), cu_seqlens_q=cu_q, 
 torch.cuda.synchronize()
 print("hopper sanitizer cases done")
 PY
-  for mode in 1 2; do  # hopper_fwd: the wgmma forward, its overlapped variant
-    for tool in memcheck racecheck synccheck; do
-      ATTENTION_EXT_CUDA_KERNELS=hopper_fwd=$mode PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
-        --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper.py" >"$TMPD/san_h.log" 2>&1
-      rc=$?
-      { echo "==== hopper_fwd=$mode $tool (rc=$rc)"; cat "$TMPD/san_h.log"; } >> "$OUT/sanitizer.log"
-      note "compute-sanitizer $tool, hopper_fwd=$mode: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_h.log" | tr '\n' ' ')"
-    done
+  for tool in memcheck racecheck synccheck; do  # the wgmma forward (the default selection)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
+      --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper.py" >"$TMPD/san_h.log" 2>&1
+    rc=$?
+    { echo "==== hopper_fwd=1 $tool (rc=$rc)"; cat "$TMPD/san_h.log"; } >> "$OUT/sanitizer.log"
+    note "compute-sanitizer $tool, hopper_fwd=1: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_h.log" | tr '\n' ' ')"
   done
-  # the sm_90a wgmma backward (hopper_bwd=1; forward on mma.sync): GQA with causal
+  # the sm_90a wgmma backward (hopper_bwd=1; forward on wgmma too, the defaults): GQA with causal
   # bottom-right and ragged lengths, MQA with a window and key padding, odd head dims in both
   # buckets, sinks, varlen, and enough query blocks that the Q / dO ring and the dS^T buffers wrap
   cat > "$TMPD/san_hopper_bwd.py" <<'PY'
@@ -320,7 +319,7 @@ torch.cuda.synchronize()
 print("hopper bwd sanitizer cases done")
 PY
   for tool in memcheck racecheck synccheck; do
-    ATTENTION_EXT_CUDA_KERNELS=hopper_bwd=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer \
       --tool $tool --error-exitcode 3 python3 "$TMPD/san_hopper_bwd.py" >"$TMPD/san_hb.log" 2>&1
     rc=$?
     { echo "==== hopper_bwd=1 $tool (rc=$rc)"; cat "$TMPD/san_hb.log"; } >> "$OUT/sanitizer.log"

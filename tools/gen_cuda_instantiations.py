@@ -57,7 +57,7 @@ def hopper_file(ctype: str, d: int) -> str:
         f"{HEADER}#if {guard}\n"
         '#include "softmax/cuda/sm90/launch_fwd.cuh"\n\n'
         "namespace attn {\n"
-        f"template void run_fwd_hopper<{ctype}, {d}>(const FwdParams&, bool, cudaStream_t);\n"
+        f"template void run_fwd_hopper<{ctype}, {d}>(const FwdParams&, cudaStream_t);\n"
         "}  // namespace attn\n"
         "#endif\n"
     )

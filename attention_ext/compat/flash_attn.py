@@ -1,7 +1,7 @@
 """Drop-ins for flash-attn 2.x's functions on the fused softmax kernel: (B, S, H, D) layout,
 causal aligned bottom-right, flash-attn's argument order. `num_splits` (keyword only) follows
-flash-attn's convention: N splits of the keys on CUDA, 0 = a heuristic; our default 1 never
-splits (attention()'s docstring says why)."""
+flash-attn's convention: N splits of the keys on CUDA, 1 = none, 0 (the default, as
+attention()'s) = a heuristic that splits only grids too small to fill the GPU."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
@@ -23,7 +23,7 @@ _OutOrProbs = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, *, num_splits: int = 1) -> _OutOrProbs:
+                    return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_func: q (B, Sq, H, D), k / v (B, Sk, H_k, D); causal is
     aligned bottom-right. return_attn_probs=True returns (out, lse (B, H, Sq), probs
     (B, H, Sq, Sk)) with the real probabilities recomputed from the LSE."""
@@ -40,7 +40,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                              return_attn_probs: bool = False, *, num_splits: int = 1) -> _OutOrProbs:
+                              return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """qkv (B, S, 3, H, D): q, k, v are strided views of the pack, never copied."""
     if not (qkv.dim() == 5 and qkv.shape[2] == 3):
         raise ValueError(f"qkv must be (B, S, 3, H, D), got {tuple(qkv.shape)}")
@@ -51,7 +51,7 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
 def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                              causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                             return_attn_probs: bool = False, *, num_splits: int = 1) -> _OutOrProbs:
+                             return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """kv (B, Sk, 2, H_k, D)."""
     if not (kv.dim() == 5 and kv.shape[2] == 2):
         raise ValueError(f"kv must be (B, S, 2, H_k, D), got {tuple(kv.shape)}")
@@ -141,7 +141,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
                                      softmax_scale: Optional[float] = None, causal: bool = False,
                                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                                     return_attn_probs: bool = False, *, num_splits: int = 1) -> _OutOrProbs:
+                                     return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, H, D); q, k, v
     are strided views of the pack, never copied."""
     if not (qkv.dim() == 4 and qkv.shape[1] == 3):
@@ -156,7 +156,7 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                     softmax_scale: Optional[float] = None, causal: bool = False,
                                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                                    return_attn_probs: bool = False, *, num_splits: int = 1) -> _OutOrProbs:
+                                    return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_varlen_kvpacked_func: q (total_q, H, D), kv
     (total_k, 2, H_k, D); k and v are strided views of the pack, never copied."""
     if not (kv.dim() == 4 and kv.shape[1] == 2):

@@ -67,15 +67,17 @@ def gaussian_projection(m: int, d: int, *, orthogonal: bool, generator: torch.Ge
     """(m, d) float32 rows w_r ~ N(0, I_d). Orthogonal: blocks of d exactly orthogonal rows (QR of
     a Gaussian matrix), each row rescaled to the norm of an independent Gaussian vector, so every
     row keeps the N(0, I_d) marginal (Performer's orthogonal random features)."""
+    # drawn where the generator lives (the CPU without one), also under a `with torch.device("cuda")`
+    dev = generator.device if generator is not None else torch.device("cpu")
     if not orthogonal:
-        return torch.randn(m, d, generator=generator)
+        return torch.randn(m, d, generator=generator, device=dev)
     blocks = []
     for _ in range(-(-m // d)):
-        qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator))
+        qmat, r = torch.linalg.qr(torch.randn(d, d, generator=generator, device=dev))
         qmat = qmat * torch.sign(torch.diagonal(r)).unsqueeze(0)  # the sign fix that makes Q Haar-distributed
         blocks.append(qmat.T)  # (d, d), orthonormal rows
     w = torch.cat(blocks, 0)[:m]  # (m, d)
-    norms = torch.randn(m, d, generator=generator).norm(dim=1, keepdim=True)  # chi_d distributed
+    norms = torch.randn(m, d, generator=generator, device=dev).norm(dim=1, keepdim=True)  # chi_d distributed
     return w * norms
 
 

@@ -203,7 +203,7 @@ def attention(
     seed: Union[int, Tensor, None] = None,
     return_lse: bool = False,
     deterministic: bool = False,
-    num_splits: int = 1,
+    num_splits: int = 0,
     block_layout: Optional[Tensor] = None,
     block_size: int = 64,
     topk: int = 0,
@@ -232,8 +232,9 @@ def attention(
             inputs).
         deterministic: the backward uses no atomics (CUDA).
         num_splits: split-KV forward on CUDA (flash-decoding), flash-attn's convention: N splits
-            of the keys (at most 128), 0 = a heuristic picks. The default 1 never splits: the
-            split path is opt-in until a GPU run has checked it (docs/design/splitkv-notes.md).
+            of the keys (at most 128), 1 = never split, 0 (the default) = a heuristic picks: it
+            splits only grids too small to fill the GPU (few queries over many keys), which ran
+            1.4-4.6x faster on the H100 than unsplit (benchmarks/results/2026-11-24-h100.md).
             The CPU ignores it.
         block_layout: block-sparse attention (attention_ext.block_sparse_attention): a bool
             (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)) grid; only the on blocks
@@ -314,7 +315,7 @@ def attention_varlen(
     seed: Union[int, Tensor, None] = None,
     return_lse: bool = False,
     deterministic: bool = False,
-    num_splits: int = 1,
+    num_splits: int = 0,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """attention() over variable-length packs: q (total_q, H, D), k / v (total_k, H_k, D);
     sequence b holds rows [cu_seqlens[b], cu_seqlens[b+1]) and is at most max_seqlen_q /

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -334,29 +333,26 @@ def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, seed: int, offset: 
 
 
 # ---------------------------------------------------------------------------------- kernel selection
-KERNELS_ENV = "ATTENTION_EXT_CUDA_KERNELS"
-_DEFAULT_KERNELS: Dict[str, int] = dict(hopper_fwd=0, hopper_bwd=0, tune_fwd=0, tune_bwd=0, force_simt=False)
+_DEFAULT_KERNELS: Dict[str, int] = dict(hopper_fwd=1, hopper_bwd=1, tune_fwd=0, tune_bwd=0, force_simt=False)
 _kernels = dict(_DEFAULT_KERNELS)
 
 
-def set_cuda_kernels(hopper_fwd: int = 0, hopper_bwd: int = 0, tune_fwd: int = 0, tune_bwd: int = 0,
+def set_cuda_kernels(hopper_fwd: int = 1, hopper_bwd: int = 1, tune_fwd: int = 0, tune_bwd: int = 0,
                      force_simt: bool = False) -> Dict[str, int]:
-    """Developer-only, process-wide: which experimental CUDA kernels the dispatcher may pick.
-    The defaults (all off) are the product's kernels; every call sets all five fields.
+    """Process-wide: which CUDA kernels the dispatcher may pick. The defaults are the product's
+    kernels; every call sets all five fields.
 
-        hopper_fwd  0 off, 1 the sm_90a wgmma forward, 2 its variant with the softmax overlapped
-                    with P V (calls it does not take keep the mma.sync kernel)
-        hopper_bwd  0 off, 1 the sm_90a wgmma backward
+        hopper_fwd  1 the sm_90a wgmma forward where it applies (the default: it beat the mma.sync
+                    forward at every shape measured on the H100), 0 the mma.sync forward there
+        hopper_bwd  1 the sm_90a wgmma backward where it applies (the default, likewise), 0 off
         tune_fwd,   the -DATTN_TUNING candidate of the mma.sync forward / backward (0 = the
         tune_bwd    default kernel; a build without -DATTN_TUNING has only 0)
         force_simt  route every call to the SIMT kernels (the sm < 80 path)
 
-    The environment variable ATTENTION_EXT_CUDA_KERNELS="hopper_fwd=1,tune_bwd=3", read once at
-    import, sets the same fields for a whole process (a pytest session, a benchmark). Returns
-    the previous selection, so that `set_cuda_kernels(**old)` restores it."""
+    Returns the previous selection, so that `set_cuda_kernels(**old)` restores it."""
     new = dict(hopper_fwd=int(hopper_fwd), hopper_bwd=int(hopper_bwd), tune_fwd=int(tune_fwd),
                tune_bwd=int(tune_bwd), force_simt=bool(force_simt))
-    torch._check_value(new["hopper_fwd"] in (0, 1, 2), lambda: f"hopper_fwd must be 0, 1 or 2, got {hopper_fwd}")
+    torch._check_value(new["hopper_fwd"] in (0, 1), lambda: f"hopper_fwd must be 0 or 1, got {hopper_fwd}")
     torch._check_value(new["hopper_bwd"] in (0, 1), lambda: f"hopper_bwd must be 0 or 1, got {hopper_bwd}")
     torch._check_value(new["tune_fwd"] >= 0 and new["tune_bwd"] >= 0,
                        lambda: f"tune_fwd and tune_bwd must be >= 0, got {tune_fwd}, {tune_bwd}")
@@ -370,23 +366,3 @@ def set_cuda_kernels(hopper_fwd: int = 0, hopper_bwd: int = 0, tune_fwd: int = 0
 def cuda_kernels() -> Dict[str, int]:
     """The current selection of set_cuda_kernels (its five keywords)."""
     return dict(_kernels)
-
-
-def _parse_kernels(text: str) -> Dict[str, int]:
-    fields = {}
-    for item in text.replace(" ", "").split(","):
-        if not item:
-            continue
-        name, eq, value = item.partition("=")
-        if name not in _DEFAULT_KERNELS or not eq:
-            raise ValueError(f"{KERNELS_ENV}: cannot read {item!r}; expected name=value with names "
-                             f"{', '.join(_DEFAULT_KERNELS)} (e.g. hopper_fwd=1,tune_bwd=3)")
-        if name == "force_simt":
-            fields[name] = value.lower() in ("1", "true", "yes", "on")
-        else:
-            fields[name] = int(value)
-    return fields
-
-
-if os.environ.get(KERNELS_ENV):
-    set_cuda_kernels(**_parse_kernels(os.environ[KERNELS_ENV]))

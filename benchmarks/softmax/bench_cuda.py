@@ -12,13 +12,13 @@ TFLOP/s from benchmarks/common.flops() (forward 4 * B * H * D * allowed pairs, b
 the backward is timed alone (dQ, dK, dV from saved out / LSE). Times are medians of CUDA-event
 timings after warm-up. The ceiling is a measured 8192^3 bf16 matmul.
 
-"ours-hopper" is the sm_90a wgmma forward (set_cuda_kernels(hopper_fwd=1)) and "hopper-ovl" its
-variant with the softmax overlapped with P V (hopper_fwd=2), timed on the same inputs as "ours" (the
-mma.sync forward) when the GPU is sm_90 and the build has them; their own table gives them
-against SDPA flash and cuDNN, with the largest |difference| from the mma.sync output as a
-sanity check (a broken kernel must not post a time).
+"ours" in the first table is the mma.sync kernels (set_cuda_kernels(hopper_fwd=0, hopper_bwd=0):
+the default on sm_80, and on sm_90 for what the wgmma kernels do not take). "ours-hopper" is the
+sm_90a wgmma forward (hopper_fwd=1, the default on sm_90), timed on the same inputs when the GPU is
+sm_90 and the build has it; its own table gives it against SDPA flash and cuDNN, with the largest
+|difference| from the mma.sync output as a sanity check (a broken kernel must not post a time).
 
-"hopper-bwd" is the sm_90a wgmma backward (hopper_bwd=1, forward on mma.sync), timed on
+"hopper-bwd" is the sm_90a wgmma backward (hopper_bwd=1, the default on sm_90; forward on mma.sync), timed on
 the same saved out / LSE as the mma.sync backward; its own table gives it against the mma.sync
 backward, SDPA flash and cuDNN, with the largest |difference| of dQ, dK, dV from the mma.sync
 backward's.
@@ -63,12 +63,12 @@ def kernels(**fields):
 
 
 def hopper_env(mode):
-    """The sm_90a wgmma forward: mode 0 off, 1 wgmma, 2 wgmma overlapped."""
+    """The sm_90a wgmma forward: mode 0 off (mma.sync), 1 on (the default)."""
     return kernels(hopper_fwd=mode)
 
 
 def hopper_bwd_env(mode):
-    """The sm_90a wgmma backward: mode 0 off, 1 on."""
+    """The sm_90a wgmma backward: mode 0 off (mma.sync), 1 on (the default)."""
     return kernels(hopper_bwd=mode)
 
 
@@ -107,6 +107,7 @@ def options(d, causal):
              max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(d), softcap=0.0, window_left=-1,
              window_right=0 if causal else -1, bottom_right=False, dropout_p=0.0, seed=0, offset=0,
              rng_state=None)
+    o.update({k: v for k, v in ops._OPTION_DEFAULTS.items() if k not in o})  # dense, no top-k
     return [o[n] for n in ops.OPTION_NAMES]
 
 
@@ -169,7 +170,7 @@ def run(quick=False, deterministic=False):
                         row["hopper_bwd_diff"] = max_grad_diff(ours_bwd(), grads_ref)
                         row["hopper_bwd"] = f_bwd / cuda_time(ours_bwd) / 1e12
                 del grads_ref
-                for key, mode in (("hopper", 1), ("hopper2", 2)):
+                for key, mode in (("hopper", 1),):
                     row[key + "_fwd"] = row[key + "_diff"] = float("nan")
                     if has_hopper:
                         with hopper_env(mode):
@@ -186,8 +187,7 @@ def run(quick=False, deterministic=False):
                     row[name + "_fwd"] = f_fwd / cuda_time(fns[0]) / 1e12
                     row[name + "_bwd"] = f_bwd / cuda_time(fns[1]) / 1e12
                 rows.append(row)
-                print(f"d={d} s={s} causal={causal}: fwd {row['ours_fwd']:.0f} (hopper {row['hopper_fwd']:.0f}, "
-                      f"overlapped {row['hopper2_fwd']:.0f}) "
+                print(f"d={d} s={s} causal={causal}: fwd {row['ours_fwd']:.0f} (hopper {row['hopper_fwd']:.0f}) "
                       f"vs flash {row['flash_fwd']:.0f} cudnn {row['cudnn_fwd']:.0f} | bwd {row['ours_bwd']:.0f} "
                       f"(hopper {row['hopper_bwd']:.0f}) "
                       f"vs flash {row['flash_bwd']:.0f} cudnn {row['cudnn_bwd']:.0f} TFLOP/s", flush=True)
@@ -298,20 +298,19 @@ def table(ceiling, rows, gpu):
 
 def hopper_table(ceiling, rows):
     """Forward only: the mma.sync kernel, the sm_90a wgmma kernel, SDPA flash and cuDNN."""
-    head = ("\nForward, sm_90a wgmma kernel (ours-hopper: hopper_fwd=1; hopper-ovl: =2, softmax "
-            "overlapped with P V) vs the mma.sync kernel and SDPA, TFLOP/s; x = ratio of the better "
-            "wgmma variant; |diff| = max |out - out_mma.sync| of each variant\n\n"
-            "| D | S | causal | ours (mma.sync) | ours-hopper | hopper-ovl | SDPA flash | cuDNN | x mma.sync "
+    head = ("\nForward, sm_90a wgmma kernel (ours-hopper: hopper_fwd=1, the default on sm_90) vs the "
+            "mma.sync kernel and SDPA, TFLOP/s; |diff| = max |out - out_mma.sync|\n\n"
+            "| D | S | causal | ours (mma.sync) | ours-hopper | SDPA flash | cuDNN | x mma.sync "
             "| x flash | x cudnn | % ceil | \\|diff\\| |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
-        best = max((v for v in (r["hopper_fwd"], r["hopper2_fwd"]) if v == v), default=float("nan"))
+        best = r["hopper_fwd"]
         lines.append(
             f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {r['ours_fwd']:.0f} | "
-            f"{r['hopper_fwd']:.0f} | {r['hopper2_fwd']:.0f} | {r['flash_fwd']:.0f} | {r['cudnn_fwd']:.0f} | "
+            f"{r['hopper_fwd']:.0f} | {r['flash_fwd']:.0f} | {r['cudnn_fwd']:.0f} | "
             f"{ratio(best, r['ours_fwd'])} | {ratio(best, r['flash_fwd'])} | {ratio(best, r['cudnn_fwd'])} | "
-            f"{100 * best * 1e12 / ceiling:.0f}% | {r['hopper_diff']:.1e} / {r['hopper2_diff']:.1e} |")
+            f"{100 * best * 1e12 / ceiling:.0f}% | {r['hopper_diff']:.1e} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -360,7 +359,7 @@ def reference_shape():
         with hopper_env(0):
             res["ours (mma.sync)"] = cuda_time(fwd)
         if has_hopper:
-            for name, mode in (("ours-hopper", 1), ("hopper-ovl", 2)):
+            for name, mode in (("ours-hopper", 1),):
                 with hopper_env(mode):
                     res[name] = cuda_time(fwd)
         for name, backend in (("SDPA flash", getattr(SDPBackend, "FLASH_ATTENTION", None)),

@@ -493,7 +493,7 @@ def test_float64_is_cpu_only():
 # ATTENTION_EXT_TEST_TUNE names the ones to check, e.g. "fwd=1-6 bwd=1-12" (benchmarks/gpu_check.sh,
 # stage tune); unset, these tests are not generated. Any other test also runs under a candidate
 # selected for the whole run
-# (ATTENTION_EXT_CUDA_KERNELS=tune_bwd=4 pytest tests/softmax/test_cuda.py -k options).
+# (set_cuda_kernels(tune_bwd=4) around tests/softmax/test_cuda.py -k options).
 def tune_candidates():
     out = []
     for tok in os.environ.get("ATTENTION_EXT_TEST_TUNE", "").split():
@@ -559,23 +559,19 @@ def test_tune_candidate(kernels, cand, d, dtype, case):
     _tune_cases()[case](d, dtype)
 
 
-# ---------------------------------------------------------------- sm_90a wgmma forward (opt-in)
-# set_cuda_kernels(hopper_fwd=1) sends what use_hopper_fwd() accepts (fp16/bf16, d <= 128, plain
-# policy, sinks) to the wgmma kernel, =2 to its variant with the softmax overlapped with P V.
-# Every test runs both. The backward (mma.sync)
+# ---------------------------------------------------------------- sm_90a wgmma forward (default)
+# set_cuda_kernels(hopper_fwd=1), the default, sends what use_hopper_fwd() accepts (fp16/bf16,
+# d <= 128, plain policy, sinks, unsplit) to the wgmma kernel. The backward (mma.sync)
 # consumes the wgmma forward's out and LSE, so run_and_compare checks those twice.
 SM90 = CUDA and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (H100 / H200)")
 HOPPER_HEAD_DIMS = [40, 64, 72, 96, 120, 128]  # 64, 128 and zero-padded odd ones of both buckets
 
 
-HOPPER_MODES = ["1", "2"]  # plain, overlapped
-
-
-@pytest.fixture(params=HOPPER_MODES, ids=["wgmma", "wgmma_overlap"])
-def hopper_fwd(request, kernels):
-    kernels(hopper_fwd=int(request.param))
-    return request.param
+@pytest.fixture
+def hopper_fwd(kernels):
+    kernels(hopper_fwd=1, hopper_bwd=0)
+    return "1"
 
 
 def hopper_ran(fn):
@@ -682,10 +678,9 @@ def test_hopper_layout_bshd(hopper_fwd):
 
 
 @hopper
-@pytest.mark.parametrize("mode", HOPPER_MODES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_long_and_repeatable(kernels, mode, d, causal):
+def test_hopper_long_and_repeatable(kernels, d, causal):
     """Many key blocks (the K/V rings wrap dozens of times), against mma.sync on the same inputs,
     and twice bitwise: a race in the pipeline shows as a moving result."""
     torch.manual_seed(d + causal)
@@ -703,7 +698,7 @@ def test_hopper_long_and_repeatable(kernels, mode, d, causal):
 
     kernels(hopper_fwd=0)
     o_ref, l_ref = fwd()
-    kernels(hopper_fwd=int(mode))
+    kernels(hopper_fwd=1)
     res = []
     assert hopper_ran(lambda: res.append(fwd()))
     res.append(fwd())

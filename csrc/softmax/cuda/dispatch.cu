@@ -55,7 +55,9 @@ namespace attn {
 namespace {
 
 // The developer selection (entry.h), one copy per process.
-std::atomic<int> g_hopper_fwd{0}, g_hopper_bwd{0}, g_tune_fwd{0}, g_tune_bwd{0};
+// The wgmma kernels are the default on sm_90 (they beat the mma.sync ones at every shape measured
+// on the H100: benchmarks/results/2026-11-24-h100.md); 0 keeps the mma.sync kernels.
+std::atomic<int> g_hopper_fwd{1}, g_hopper_bwd{1}, g_tune_fwd{0}, g_tune_bwd{0};
 std::atomic<bool> g_force_simt{false};
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -83,7 +85,7 @@ bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
          aligned16(p.dk) && aligned16(p.dv);
 }
 
-// The wgmma forward takes a call when the selection asks for it (hopper_fwd 1 or 2), its bucket
+// The wgmma forward takes a call when the selection allows it (hopper_fwd 1, the default), its bucket
 // (64 or 128) is compiled, the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte
 // aligned rows), d <= 128, the device is sm_90, and the kernel's plain policy serves it (lengths,
 // causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
@@ -95,7 +97,7 @@ bool use_hopper_fwd(const FwdParams& p, DType dt) {
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
-// The wgmma backward takes a call when the selection asks for it (hopper_bwd 1), the mma.sync
+// The wgmma backward takes a call when the selection allows it (hopper_bwd 1, the default), the mma.sync
 // backward would take it with atomic dQ (use_tensor_cores_bwd, not deterministic: the wgmma
 // kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and the plain policy
 // serves it, as for use_hopper_fwd (so no dbias; sinks only touch the LSE it reads and dsinks,
@@ -134,9 +136,8 @@ void fwd_tc_split(const FwdParams& p, const FwdSplitScratch& split, cudaStream_t
 #if ATTN_HOPPER_FWD
 template <typename T>
 void fwd_hopper(const FwdParams& p, cudaStream_t stream) {
-  const bool overlap = g_hopper_fwd.load(std::memory_order_relaxed) == 2;
   hdim_switch<64, 128>(p.d, "attention fwd (wgmma)",
-                       [&](auto kD) { run_fwd_hopper<T, decltype(kD)::value>(p, overlap, stream); });
+                       [&](auto kD) { run_fwd_hopper<T, decltype(kD)::value>(p, stream); });
 }
 #endif
 
@@ -171,7 +172,9 @@ CudaKernels cuda_kernels() {
 
 int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested) {
   if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
-  if (use_hopper_fwd(p, dt) || !use_tensor_cores(p, dt) || p.sparse.on()) return 1;
+  // decided before the wgmma forward: a call the heuristic splits (few queries, many keys) runs
+  // the mma.sync split kernels, which the wgmma forward (one CTA per 128 query rows) cannot match
+  if (!use_tensor_cores(p, dt) || p.sparse.on()) return 1;
   if (requested >= 1) return requested < kMaxSplits ? requested : kMaxSplits;
 #if defined(ATTN_TUNING)
   if (g_tune_fwd.load(std::memory_order_relaxed) != 0) return 1;  // the tuning candidates are timed unsplit
@@ -225,7 +228,7 @@ void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitS
   validate(p, "attention fwd");
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
 #if ATTN_HOPPER_FWD
-  if (use_hopper_fwd(p, dt)) {
+  if (split.num_splits <= 1 && use_hopper_fwd(p, dt)) {
     if (dt == DType::kF16) fwd_hopper<__half>(p, stream);
     else fwd_hopper<__nv_bfloat16>(p, stream);
     return;

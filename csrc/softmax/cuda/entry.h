@@ -22,22 +22,23 @@ struct FwdSplitScratch {
   float* lse_accum = nullptr;
 };
 
-// The developer-only selection of experimental kernels, process-wide (set by the
-// attention_ext::set_cuda_kernels op; all 0 = the default kernels):
-//   hopper_fwd: 1 = the sm_90a wgmma forward where use_hopper_fwd() accepts the call, 2 = its
-//               variant with the softmax overlapped with P V; hopper_bwd: 1 = the wgmma backward;
+// The kernel selection, process-wide (set by the attention_ext::set_cuda_kernels op; the values
+// below are the defaults):
+//   hopper_fwd / hopper_bwd: 1 = the sm_90a wgmma forward / backward where use_hopper_fwd() /
+//               use_hopper_bwd() accept the call, 0 = the mma.sync kernels there;
 //   tune_fwd / tune_bwd: the -DATTN_TUNING candidate (launch_template.cuh), 0 = the default;
 //   force_simt: every call on the SIMT kernels.
 struct CudaKernels {
-  int hopper_fwd = 0, hopper_bwd = 0, tune_fwd = 0, tune_bwd = 0;
+  int hopper_fwd = 1, hopper_bwd = 1, tune_fwd = 0, tune_bwd = 0;
   bool force_simt = false;
 };
 void cuda_set_kernels(const CudaKernels& k);
 CudaKernels cuda_kernels();
 
-// How many key splits the forward of this config runs: 1 unless it takes the mma.sync kernels;
-// then `requested` (>= 1: that many, clamped to 128; 0: the heuristic in dispatch.cu). The
-// caller allocates the scratch for that many (if > 1).
+// How many key splits the forward of this config runs: 1 unless the mma.sync kernels can take it;
+// then `requested` (>= 1: that many, clamped to 128; 0: the heuristic in dispatch.cu). A call
+// with more than one split runs the mma.sync split kernels, also where the sm_90a wgmma forward
+// would take it unsplit. The caller allocates the scratch for that many (if > 1).
 int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested);
 // Floats of the O (o = true) or LSE scratch for num_splits splits and q's dims (B_t, rows).
 size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o);

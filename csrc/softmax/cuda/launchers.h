@@ -21,9 +21,8 @@ void run_bwd_tc(const BwdParams& p, cudaStream_t stream);  // after the preproce
 
 // sm_90a wgmma forward (sm90/fwd_kernel.cuh), kD = 64 or 128; only for configs that
 // use_hopper_fwd() accepts, on an sm_90 device, in builds with sm_90a code (fwd_hopper_*.cu).
-// overlap: the variant that runs the softmax of one key block under the P V of the previous one.
 template <typename T, int kD>
-void run_fwd_hopper(const FwdParams& p, bool overlap, cudaStream_t stream);
+void run_fwd_hopper(const FwdParams& p, cudaStream_t stream);
 
 // sm_90a wgmma backward (sm90/bwd_kernel.cuh), kD = 64 or 128, after the preprocess (dq_accum
 // zeroed with kD floats per row); converts dq_accum into dq itself. Only for configs that

@@ -283,12 +283,11 @@ __device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
 
 // Consumer warpgroup cw (0-based) of 128 threads (ctid = 0..127): query rows
 // [m0 + 64 cw, m0 + 64 cw + 64) of the block.
-//   kOverlap = false: per key block S -> softmax -> P V, each product waited for at once; only
-//     the two consumer warpgroups overlap each other.
-//   kOverlap = true: S of block n is issued together with P V of block n + 1, and the softmax of
-//     block n runs while that P V is still on the tensor cores; O is rescaled once it retired
-//     (FA3's intra-warpgroup overlap). S, P and O are live at once: 160 registers at D = 128.
-template <typename T, int kD, bool kOverlap>
+// Per key block S -> softmax -> P V, each product waited for at once; the two consumer
+// warpgroups overlap each other. (An intra-warpgroup variant that issued S of block n with P V of
+// block n + 1 measured slower on the H100 at every shape but one and was deleted: see
+// benchmarks/results/2026-11-24-h100.md.)
+template <typename T, int kD>
 __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, const Policy& pol,
                                         int b, int h, int m0, int rows_q, int n_lo, int n_hi,
                                         uint32_t base, int cw, int ctid) {
@@ -321,44 +320,13 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
     wg::mbar_wait(bars.full_q(), 0);
 
     RingPos<P::kStages> pos;
-    if constexpr (!kOverlap) {
-      for (int n = n_hi - 1; n >= n_lo; --n) {
-        qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
-        scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
-        tc::rescale_rows<kDT>(acc_o, alpha);
-        tc::pack_a_frags<T, kNT>(acc_s, pa);
-        pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
-        pos.advance();
-      }
-    } else {
-      // the first block alone: O is still zero, so its rescale is skipped
+    for (int n = n_hi - 1; n >= n_lo; --n) {
       qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
-      scores_to_probs<kD>(acc_s, pol, scale_log2, i0, (n_hi - 1) * P::kBlockN, lane, row_m, row_l,
-                          alpha);
+      scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+      tc::rescale_rows<kDT>(acc_o, alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
-      RingPos<P::kStages> prev = pos;  // the slot whose V the pending P multiplies
+      pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
       pos.advance();
-
-      for (int n = n_hi - 2; n >= n_lo; --n) {
-        wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
-        issue_s<T, kD>(acc_s, desc_q, desc_k, pos.stage);     // group 1: S of block n
-        wg::mbar_wait(bars.full_v(prev.stage), prev.phase);
-        issue_pv<T, kD>(acc_o, pa, desc_v, prev.stage);       // group 2: P V of block n + 1
-        wg::wait<1>();                                         // group 1 retired
-        wg::fence_operands(acc_s);
-        release_slot(bars.empty_k(pos.stage), lane);
-        scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
-        wg::wait<0>();                                         // group 2 retired: O and P free
-        wg::fence_operands(acc_o);
-        wg::fence_operands(pa);
-        release_slot(bars.empty_v(prev.stage), lane);
-        tc::rescale_rows<kDT>(acc_o, alpha);
-        tc::pack_a_frags<T, kNT>(acc_s, pa);
-        prev = pos;
-        pos.advance();
-      }
-
-      pv_now<T, kD>(acc_o, pa, desc_v, bars, prev, lane);
     }
   }
 
@@ -408,7 +376,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
   }
 }
 
-template <typename T, int kD, bool kOverlap>
+template <typename T, int kD>
 __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -436,7 +404,7 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     if (n_lo < n_hi) produce<T, kD>(p, si, b, h, m0, rows_q, n_lo, n_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume<T, kD, kOverlap>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
+    consume<T, kD>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
                              threadIdx.x % 128);
   }
 #else

@@ -10,28 +10,19 @@
 
 namespace attn {
 
-template <typename T, int kD, bool kOverlap>
-void run_fwd_hopper_cfg(const FwdParams& p, cudaStream_t stream) {
+template <typename T, int kD>
+void run_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
   using P = hopper::FwdPlan<kD>;
   check_grid(p.h, p.b, "attention fwd (wgmma)");
   // the kernel evaluates the plain policy only; use_hopper_fwd() never sends these here
   if (needs_general_kernel(p)) {
     throw std::runtime_error("attention fwd (wgmma): softcap, ALiBi, bias and dropout are not supported");
   }
-  auto kernel = hopper::fwd_kernel<T, kD, kOverlap>;
+  auto kernel = hopper::fwd_kernel<T, kD>;
   set_smem(kernel, P::kSmemBytes, "attention fwd (wgmma)");
   dim3 grid((p.sq + P::kBlockM - 1) / P::kBlockM, p.h, p.b);
   kernel<<<grid, P::kThreads, P::kSmemBytes, stream>>>(p);
   check_launch("attention fwd (wgmma, sm_90a)");
-}
-
-template <typename T, int kD>
-void run_fwd_hopper(const FwdParams& p, bool overlap, cudaStream_t stream) {
-  if (overlap) {
-    run_fwd_hopper_cfg<T, kD, true>(p, stream);
-  } else {
-    run_fwd_hopper_cfg<T, kD, false>(p, stream);
-  }
 }
 
 }  // namespace attn
