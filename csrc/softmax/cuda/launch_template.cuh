@@ -32,6 +32,21 @@ void run_fwd_cfg(const FwdParams& p, cudaStream_t stream, int num_splits = 1) {
   check_launch("attention fwd (tensor cores)");
 }
 
+// Tr: the tile config (kBlockM, kBlockN, kNWarps): BwdTraits<kD>, BwdTraitsSm90<kD> or a tuning
+// alternative; Var: the kernel's schedule (tc::BwdVariant). Defined before tuning.cuh, which
+// names it (nvcc's front end needs the template declared there).
+template <typename T, int kD, typename Tr, bool kDropout, typename Var = tc::BwdVariant<>>
+void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
+  constexpr int kDAcc = BwdTraits<kD>::kDAcc;
+  constexpr int kSmem = bwd_smem_bytes<kD, kBlockM, kBlockN>();
+  auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout, Var>;
+  set_smem(kernel, kSmem, "attention bwd dk/dv");
+  dim3 grid(((p.sk + kBlockN - 1) / kBlockN) * (kD / kDAcc), p.h_k, p.b);
+  ATTN_LAUNCH(kernel, grid, kNWarps * 32, kSmem, stream)(p);
+  check_launch("attention bwd dk/dv (tensor cores)");
+}
+
 }  // namespace attn
 #if defined(ATTN_TUNING)
 #include "softmax/cuda/tuning.cuh"  // FwdAlt / BwdAlt, run_fwd_alt / run_bwd_alt
@@ -86,20 +101,6 @@ void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t
   auto combine = tc::fwd_combine_kernel<T, kD>;
   ATTN_LAUNCH(combine, grid, tc::kCombineRows * 32, 0, stream)(p, ps, s.num_splits);
   check_launch("attention fwd split-KV combine");
-}
-
-// Tr: the tile config (kBlockM, kBlockN, kNWarps): BwdTraits<kD>, BwdTraitsSm90<kD> or a tuning
-// alternative; Var: the kernel's schedule (tc::BwdVariant).
-template <typename T, int kD, typename Tr, bool kDropout, typename Var = tc::BwdVariant<>>
-void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
-  constexpr int kDAcc = BwdTraits<kD>::kDAcc;
-  constexpr int kSmem = bwd_smem_bytes<kD, kBlockM, kBlockN>();
-  auto kernel = tc::bwd_dkdv_kernel<T, kD, kDAcc, kBlockM, kBlockN, kNWarps, kDropout, Var>;
-  set_smem(kernel, kSmem, "attention bwd dk/dv");
-  dim3 grid(((p.sk + kBlockN - 1) / kBlockN) * (kD / kDAcc), p.h_k, p.b);
-  ATTN_LAUNCH(kernel, grid, kNWarps * 32, kSmem, stream)(p);
-  check_launch("attention bwd dk/dv (tensor cores)");
 }
 
 template <typename T, int kD, bool kDropout>
