@@ -7,8 +7,11 @@ whose queries are this rank's shard and whose keys are the whole sequence.
     out = cp.unshard_sequence(out_l, dim=2, layout="zigzag")        # the full sequence, every rank
 
 Layouts, the padding rule and the collectives: sharding.py. The attention's design: attention.py.
+Whole models: pass context_parallel=ContextParallel(group, mode, layout) to nn.Attention or
+models.LanguageModel (context.py), and feed each rank its shard of the tokens.
 """
 from .attention import MODES, context_parallel_attention
+from .context import ContextParallel
 from .sharding import (
     LAYOUTS,
     all_gather_sequence,
@@ -21,6 +24,7 @@ from .sharding import (
 
 __all__ = [
     "context_parallel_attention",
+    "ContextParallel",
     "shard_sequence",
     "unshard_sequence",
     "all_gather_sequence",

@@ -99,16 +99,38 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, caches: Optional[List[KVCache]] = None,
-                offset=0):
+                offset=0, context_parallel=None):
         """idx (B, T) tokens -> logits (B, T, V); (logits, loss) when targets (B, T) is given.
         With `caches`, idx are the tokens at positions offset .. offset + T - 1 (offset an int,
-        or a (B,) tensor of per-sequence offsets with paged caches)."""
+        or a (B,) tensor of per-sequence offsets with paged caches).
+
+        Context parallelism (training over a sequence sharded across ranks): with
+        context_parallel=ContextParallel(group, mode, layout) (attention_ext.distributed), idx and
+        targets are this rank's shards, cp.shard(tokens) of the (B, S) global ones (S a multiple of
+        cp.multiple()), and the logits are this rank's (B, S / P, V). Positions (learned, RoPE,
+        ALiBi, causal) are the global ones. The loss is the mean over THIS rank's tokens; every
+        shard has S / P of them, so
+            global mean loss = all_reduce(loss, SUM) / P
+            (in general: all_reduce(sum of token losses) / all_reduce(token count)),
+        and backward of each rank's loss followed by an all_reduce AVG of the parameter gradients
+        (what DDP and FSDP do over the group) gives the gradient of the global mean loss; with
+        a SUM all_reduce, backward loss / P instead."""
+        cp = context_parallel
+        if cp is not None:
+            if caches is not None or not (isinstance(offset, int) and offset == 0):
+                raise NotImplementedError("context_parallel runs whole sequences (no caches or offsets)")
+            if self.config.attention_type != "softmax":
+                raise NotImplementedError(f"context_parallel needs attention_type='softmax', "
+                                          f"got {self.config.attention_type!r}")
+            # (B, T) global positions of this shard's tokens
+            offset = cp.positions(idx.shape[1], idx.device).expand(idx.shape[0], -1)
         x = self.wte(idx)  # (B, T, d_model)
         if self.wpe is not None:
             x = self.wpe(x, offset)
         x = self.drop(x)
+        kw = {} if cp is None else {"context_parallel": cp}
         for i, block in enumerate(self.blocks):
-            x = block(x, cache=caches[i] if caches is not None else None)
+            x = block(x, cache=caches[i] if caches is not None else None, **kw)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits

@@ -92,10 +92,15 @@ class EncoderBlock(nn.Module):
         self.dropout2 = nn.Dropout(c.dropout)
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, seqlens_k: Optional[Tensor] = None,
-                attn_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+                attn_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                context_parallel=None) -> Tensor:
+        """x (B, S, d_model); with context_parallel (attention_ext.distributed.ContextParallel) x is
+        this rank's sequence shard and the self-attention runs across the group."""
+        cp = {} if context_parallel is None else {"context_parallel": context_parallel}
+
         def sa(h):
             return self.dropout1(self.self_attn(h, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
-                                                attn_mask=attn_mask, cache=cache))
+                                                attn_mask=attn_mask, cache=cache, **cp))
         if self.norm_first:
             x = x + sa(self.norm1(x))
             x = x + self.dropout2(self.ffn(self.norm2(x)))

@@ -13,7 +13,7 @@ kernel here runs block-sparse or top-k attention on a layout it is given, and it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from .. import reference
 from ..softmax import attention, attention_varlen, attention_weights
 from ..sparse import block_sparse_attention, layout_to_mask, topk_attention
 from .positional import RotaryEmbedding, alibi_slopes
+
+if TYPE_CHECKING:  # nn does not import distributed at run time (it is imported on first use)
+    from ..distributed import ContextParallel
 
 
 @dataclass
@@ -216,10 +219,20 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
                 seqlens_k: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                cache: Optional[KVCache] = None) -> Tensor:
+                cache: Optional[KVCache] = None, context_parallel: Optional["ContextParallel"] = None) -> Tensor:
+        """x (B, S, d_model) -> (B, S, d_model). With `context_parallel`
+        (attention_ext.distributed.ContextParallel) x is this rank's shard of the sequence and the
+        attention runs across the group (see _context_parallel)."""
         c = self.config
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # (B, S, H, D)
+        if context_parallel is not None:
+            if self.cross or context is not None or cache is not None or any(
+                    m is not None for m in (key_padding_mask, seqlens_k, attn_mask)):
+                raise NotImplementedError("context_parallel serves self-attention without masks or caches "
+                                          "(training / prefill of whole sequences)")
+            out = self._context_parallel(q, x, context_parallel)  # (B, n, H, D)
+            return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
         src = context if self.cross else x
         if getattr(cache, "paged", False) and not self.cross:
             return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))
@@ -246,6 +259,27 @@ class Attention(nn.Module):
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)
+
+    def _context_parallel(self, q: Tensor, x: Tensor, cp: "ContextParallel") -> Tensor:
+        """Context-parallel self-attention of this rank's shard: q (B, n, H, D), x (B, n, d_model)
+        -> (B, n, H, D). RoPE rotates at the shard's global positions; causal, window and ALiBi
+        are applied on global positions by context_parallel_attention; K/V of the other shards
+        arrive by cp.mode's collectives."""
+        from ..distributed.attention import context_parallel_attention
+
+        c = self.config
+        if c.attention_type != "softmax":
+            raise NotImplementedError(f"context_parallel needs attention_type='softmax', got {c.attention_type!r}")
+        b, n = x.shape[:2]
+        k = self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim)  # (B, n, H_k, D)
+        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim)
+        if self.rope is not None:
+            pos = cp.positions(n, x.device).expand(b, n)  # (B, n) global positions
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        p = c.dropout if self.training else 0.0
+        return context_parallel_attention(q, k, v, group=cp.group, mode=cp.mode, layout=cp.layout,
+                                          causal=c.causal, window_size=c.window, alibi_slopes=self.alibi_slopes,
+                                          softcap=c.softcap, sinks=self.sinks, qkv_layout="bshd", dropout_p=p)
 
     def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
         """Self-attention through a PagedKVCache (nn/paged_cache.py) over its selected sequences:

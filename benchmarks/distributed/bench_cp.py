@@ -1,0 +1,222 @@
+"""Context-parallel attention efficiency on CPU gloo ranks: T(one process, whole sequence) /
+(P * T(rank)), forward + backward, fp32.
+
+    python benchmarks/distributed/bench_cp.py [--seq 8192] [--heads 8] [--dim 64] [--world 2]
+        [--modes allgather,ring] [--warmup 2] [--reps 5] [--out benchmarks/results/cp.md]
+
+Design:
+- every process (the single-process baseline too) runs with torch.set_num_threads(1), so P ranks
+  use P cores and perfect scaling is efficiency 1.0;
+- T(one process): the median fwd+bwd time of attention_ext.attention on the whole (1, H, S, D)
+  sequence in one spawned process (nothing else running);
+- T(rank): P spawned gloo ranks each run context_parallel_attention on its shard, with a barrier
+  before every iteration so the ranks start together; a rank's time is the median of its
+  iterations, T(rank) the max of those over the ranks (the slowest rank sets the pace);
+- cases: non-causal with the contiguous layout, causal with zigzag (balanced causal work);
+- modes: --modes, default every mode in attention_ext.distributed.MODES whose first call does
+  not raise NotImplementedError;
+- exposed communication: when context_parallel_attention takes a `_stats` / `stats` dict (a mode
+  may fill it), the numbers it reports are shown: a key with "exposed" in its name as a share of
+  T(rank), else the dict's keys. Without that argument the column is "-".
+The GFLOP/s column is the shared flops() (attention_ext.bench) of the whole problem over P *
+T(rank): the rate each process sustains, to read against the single-process kernel's.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import os
+import platform
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+CASES = [("non-causal", "contiguous", False), ("causal", "zigzag", True)]  # (name, layout, causal)
+
+
+# -- spawning (self-contained: the shape of tests/distributed/harness.py) --------------------------
+
+def _entry(fn, rank, world, store, results, args):
+    torch.set_num_threads(1)
+    try:
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"file://{store}", world_size=world, rank=rank,
+                                    timeout=timedelta(seconds=300))
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world, *args, timeout=1800.0):
+    """fn(rank, world, *args) in `world` spawned processes (a gloo group when world > 1)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="ae_bench_cp_")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, os.path.join(tmp, "store"), results, args), daemon=True)
+             for r in range(world)]
+    got = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(got) < world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks did not finish in {timeout:.0f} s")
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [got[r] for r in range(world)]
+
+
+# -- what the processes run ----------------------------------------------------------------------
+
+def _inputs(a, s):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, a.heads, s, a.dim, generator=g) for _ in range(4))  # (B, H, S, D)
+    return q, k, v, do
+
+
+def single(rank, world, a):
+    """Median fwd+bwd seconds of the whole sequence in one process, per case."""
+    import attention_ext as ae
+
+    q, k, v, do = _inputs(a, a.seq)
+    out = {}
+    for name, _, causal in CASES:
+        ts = []
+        for it in range(a.warmup + a.reps):
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            t0 = time.perf_counter()
+            ae.attention(qr, kr, vr, causal=causal).backward(do)
+            ts.append(time.perf_counter() - t0)
+        out[name] = statistics.median(ts[a.warmup:])
+    return out
+
+
+def ranks(rank, world, a, modes):
+    """{(mode, case): (median seconds of this rank, stats)} or {(mode, None): "not built"}."""
+    from attention_ext import distributed as cp
+
+    fn = cp.context_parallel_attention
+    params = inspect.signature(fn).parameters
+    stats_arg = "_stats" if "_stats" in params else ("stats" if "stats" in params else None)
+    q, k, v, do = _inputs(a, a.seq)
+    res = {}
+    for mode in modes:
+        for name, layout, causal in CASES:
+            ql, kl, vl, dol = (cp.shard_sequence(t, dim=2, layout=layout) for t in (q, k, v, do))
+            ts, stats = [], []
+            try:
+                for it in range(a.warmup + a.reps):
+                    qr, kr, vr = (t.clone().requires_grad_() for t in (ql, kl, vl))
+                    extra = {}
+                    if stats_arg is not None:
+                        extra[stats_arg] = {}
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn(qr, kr, vr, mode=mode, layout=layout, causal=causal, **extra).backward(dol)
+                    ts.append(time.perf_counter() - t0)
+                    if stats_arg is not None and it >= a.warmup:
+                        stats.append(extra[stats_arg])
+            except NotImplementedError as e:  # raised by every rank alike, before any collective
+                res[(mode, None)] = f"not built: {e}"
+                break
+            res[(mode, name)] = (statistics.median(ts[a.warmup:]), stats)
+    return res
+
+
+# -- report --------------------------------------------------------------------------------------
+
+def _exposed(stats, t):
+    """The stats column: the median of an 'exposed' entry as a share of t, else the keys seen."""
+    if not stats:
+        return "-"
+    keys = sorted({k for s in stats for k in s})
+    exp = [k for k in keys if "exposed" in k and all(isinstance(s.get(k), (int, float)) for s in stats)]
+    if exp:
+        return f"{statistics.median(float(s[exp[0]]) for s in stats) / t:.0%} ({exp[0]})"
+    return "keys: " + ", ".join(keys) if keys else "-"
+
+
+def main(argv=None):
+    from attention_ext.distributed import MODES
+    from attention_ext.bench import flops
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--modes", default=None, help="comma-separated; default: every built mode of MODES")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=None, help="also write the markdown table here")
+    a = p.parse_args(argv)
+    modes = a.modes.split(",") if a.modes else list(MODES)
+    explicit = a.modes is not None
+
+    t1 = spawn(single, 1, a)[0]
+    per_rank = spawn(ranks, a.world, a, modes)
+    lines = [f"Context-parallel attention efficiency T1 / (P T_rank), fwd+bwd fp32, B=1 H={a.heads} S={a.seq} "
+             f"D={a.dim}, P={a.world} gloo ranks, 1 thread per process, median of {a.reps} after {a.warmup} warmup",
+             f"({datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__})", "",
+             "| mode | case | T1 (ms) | T rank (ms) | efficiency | GFLOP/s per process | exposed comm |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    skipped = []
+    for mode in modes:
+        if (mode, None) in per_rank[0]:
+            skipped.append(f"{mode}: {per_rank[0][(mode, None)]}")
+            if not explicit:
+                continue
+        for name, _, causal in CASES:
+            if (mode, name) not in per_rank[0]:
+                lines.append(f"| {mode} | {name} | {t1[name] * 1e3:.1f} | - | - | - | not built |")
+                continue
+            times = [r[(mode, name)][0] for r in per_rank]
+            tr = max(times)
+            slow = times.index(tr)
+            eff = t1[name] / (a.world * tr)
+            gf = flops(1, a.heads, a.seq, a.seq, a.dim, causal=causal, mode="fwd_bwd") / (a.world * tr) / 1e9
+            lines.append(f"| {mode} | {name} | {t1[name] * 1e3:.1f} | {tr * 1e3:.1f} | {eff:.2f} | {gf:.1f} | "
+                         f"{_exposed(per_rank[slow][(mode, name)][1], tr)} |")
+    if skipped:
+        lines += [""] + [f"skipped {s}" for s in skipped]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
