@@ -9,6 +9,7 @@ whose queries are this rank's shard and whose keys are the whole sequence.
 Layouts, the padding rule and the collectives: sharding.py. The attention's design: attention.py.
 """
 from .attention import MODES, context_parallel_attention
+from .linear import context_parallel_linear_attention
 from .sharding import (
     LAYOUTS,
     all_gather_sequence,
@@ -21,6 +22,7 @@ from .sharding import (
 
 __all__ = [
     "context_parallel_attention",
+    "context_parallel_linear_attention",
     "shard_sequence",
     "unshard_sequence",
     "all_gather_sequence",
