@@ -51,7 +51,8 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
     assert e <= TOL, f"{name}: relative error {e:.3g} > {TOL:g}"
 
 
-def linear_case(rank: int, world: int, name: str, counter: Counter) -> None:
+def linear_case(rank: int, world: int, name: str, counter: Counter, group: Optional[dist.ProcessGroup]) -> None:
+    """One case on this rank; rank and world are the ranks of `group` (None: the world)."""
     o = CASES[name]
     causal, use_decay, hk = o.get("causal", True), o.get("decay", False), o.get("hk", H)
     normalize, want_state, qkv_layout = o.get("normalize", True), o.get("return_state", False), \
@@ -89,7 +90,7 @@ def linear_case(rank: int, world: int, name: str, counter: Counter) -> None:
 
     # context parallel: this rank's contiguous shard
     if o.get("lens") == "even":
-        local = [cp.shard_sequence(t, dim=2, layout="contiguous") for t in (q, k, v)]
+        local = [cp.shard_sequence(t, dim=2, group=group, layout="contiguous") for t in (q, k, v)]
     else:
         local = [t[:, :, a:a + n] for t in (q, k, v)]
     if qkv_layout == "bshd":
@@ -99,7 +100,7 @@ def linear_case(rank: int, world: int, name: str, counter: Counter) -> None:
     sl = s0.clone().requires_grad_() if s0 is not None else None
     counter.take()
     res = cp.context_parallel_linear_attention(ql, kl, vl, decay=dl, initial_state=sl, return_state=want_state,
-                                               qkv_layout=qkv_layout, **opts)
+                                               qkv_layout=qkv_layout, group=group, **opts)
     n_fwd = counter.take()
     outl, stl = res if want_state else (res, None)
     outl_h = outl.transpose(1, 2) if qkv_layout == "bshd" else outl
@@ -108,7 +109,7 @@ def linear_case(rank: int, world: int, name: str, counter: Counter) -> None:
     n_bwd = counter.take()
     if sl is not None:  # every rank holds its part of d(initial_state): the sum is the full one
         ds = sl.grad.clone()
-        dist.all_reduce(ds)
+        dist.all_reduce(ds, group=group)
         counter.take()
     # the checks after every collective of the case, so that a failing rank stays in step with the others
     assert n_fwd == {"gather": 1, "scatter": 0}, f"forward collectives {n_fwd}: want one all-gather"
@@ -130,14 +131,20 @@ def linear_case(rank: int, world: int, name: str, counter: Counter) -> None:
             _check("final z", stl.z, st.z)
 
 
-def suite(rank: int, world: int, names: List[str]) -> Dict[str, Optional[str]]:
-    """Every case on this rank: {name: None (passed) or the traceback}."""
+def suite(rank: int, world: int, sizes: List[int], names: List[str]) -> Dict[str, Optional[str]]:
+    """Every case on every group size of `sizes` (ranks 0 .. size - 1: the world itself, or a
+    subgroup, so that one spawn of the largest size serves them all and `group=` is exercised):
+    {"size/name": None (passed) or the traceback} for the sizes this rank belongs to."""
     counter = Counter()
     res: Dict[str, Optional[str]] = {}
-    for name in names:
-        try:
-            linear_case(rank, world, name, counter)
-            res[name] = None
-        except Exception:  # noqa: BLE001
-            res[name] = traceback.format_exc()
+    for size in sizes:
+        group = None if size == world else dist.new_group(list(range(size)))  # every rank calls new_group
+        if rank >= size:
+            continue
+        for name in names:
+            try:
+                linear_case(rank, size, name, counter, group)
+                res[f"{size}/{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"{size}/{name}"] = traceback.format_exc()
     return res
