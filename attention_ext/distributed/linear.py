@@ -148,7 +148,9 @@ def context_parallel_linear_attention(
             the keys', sums over ranks: a loss on it on every rank counts it once per rank.
 
     Returns this rank's output shard in q's layout and dtype (and the state). Communication: one
-    all-gather of the (state, log-decay) pairs forward and one reduce-scatter backward.
+    all-gather of the (state, log-decay) pairs forward and one reduce-scatter backward, run by
+    every rank's backward (rank 0 included, see _Tie), so every rank of the group must call
+    backward, with inputs that require grad on all ranks or on none.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -205,20 +207,19 @@ def context_parallel_linear_attention(
     if causal:
         e = s0  # E_{j-1}: the state entering shard j
         state_in = None
-        for j in range(world):
+        for j in range(world if return_state else rank + 1):  # E_{P-1} only when it is returned
             if j == rank:
                 state_in = e
             if e is None:
                 e = states[j]
             else:
                 e = (e * logd[j].exp()[..., None, None] if decay is not None else e) + states[j]
-        final = e
+        final = e if return_state else None
     else:  # every query reads every key: the others' states, summed exactly (no subtraction of our own)
         others = [states[j] for j in range(world) if j != rank]
         state_in = sum(others[1:], others[0]) if others else None
         if s0 is not None:
             state_in = s0 if state_in is None else state_in + s0
-        final = None  # built below only when asked for
     res = linear_attention(qf, kf, v, feature_map=fm_name, causal=causal, normalize=normalize, eps=eps, scale=scale,
                            decay=decay, initial_state=state_in, return_state=False)
     if gathered.requires_grad:
@@ -227,6 +228,6 @@ def context_parallel_linear_attention(
         res = res.transpose(1, 2)
     if not return_state:
         return res
-    if final is None:
+    if not causal:
         final = states.sum(0) if s0 is None else states.sum(0) + s0
     return res, LinearAttentionState.from_augmented(final, normalize)
