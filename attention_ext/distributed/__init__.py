@@ -12,6 +12,7 @@ models.LanguageModel (context.py), and feed each rank its shard of the tokens.
 """
 from .attention import MODES, context_parallel_attention
 from .context import ContextParallel
+from .linear import context_parallel_linear_attention
 from .sharding import (
     LAYOUTS,
     all_gather_sequence,
@@ -25,6 +26,7 @@ from .sharding import (
 __all__ = [
     "context_parallel_attention",
     "ContextParallel",
+    "context_parallel_linear_attention",
     "shard_sequence",
     "unshard_sequence",
     "all_gather_sequence",

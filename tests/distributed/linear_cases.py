@@ -1,0 +1,150 @@
+"""What each rank runs for context_parallel_linear_attention (imported by the spawned processes):
+every case builds the global tensors from one seed (the same on every rank), runs
+linear_attention on the whole sequence in one process (the same fused kernel, fp32), and compares
+this rank's contiguous shard of the context-parallel output, gradients (q, k, v, decay) and
+final state against it, with the collectives counted. A case's failure is recorded, not raised,
+so that every rank runs the same collectives in the same order; {case name: None or the
+traceback} comes back per rank."""
+from __future__ import annotations
+
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from attention_ext import distributed as cp
+from attention_ext.linear import LinearAttentionState, linear_attention
+from attention_ext.linear.feature_maps import Favor
+from tests.distributed.cases import Counter
+from tests.helpers import rel_err
+
+B, H, D, DV = 2, 4, 8, 6
+TOL = 1e-5  # fp32, tests.helpers.rel_err: max |x - ref| / max(max |ref|, 1)
+
+# case name -> options: causal, decay, feature map ("elu", "relu", "favor": FAVOR+ unstabilized,
+# the non-fused path), hk, lens ("odd": 5, 7, 9, 5, ... tokens per rank; "even": 6 each via
+# shard_sequence), normalize, return_state, initial_state, qkv_layout
+CASES = {
+    "causal": dict(),
+    "causal-decay": dict(decay=True),
+    "causal-decay-gqa-state": dict(decay=True, hk=2, return_state=True),
+    "causal-relu-mqa": dict(fm="relu", hk=1),
+    "causal-decay-init-state": dict(decay=True, init=True, return_state=True),
+    "causal-decay-unnormalized": dict(decay=True, normalize=False, return_state=True),
+    "causal-favor-decay": dict(fm="favor", decay=True),
+    "causal-even-bshd": dict(lens="even", qkv_layout="bshd", decay=True),
+    "noncausal": dict(causal=False),
+    "noncausal-relu-gqa-state": dict(causal=False, fm="relu", hk=2, return_state=True),
+    "noncausal-init-unnormalized": dict(causal=False, init=True, normalize=False),
+    "noncausal-favor": dict(causal=False, fm="favor", return_state=True),
+}
+
+
+def _lens(world: int, kind: str) -> List[int]:
+    return [6] * world if kind == "even" else [5 + 2 * (r % 3) for r in range(world)]
+
+
+def _check(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    e = rel_err(got, ref)
+    assert e <= TOL, f"{name}: relative error {e:.3g} > {TOL:g}"
+
+
+def linear_case(rank: int, world: int, name: str, counter: Counter, group: Optional[dist.ProcessGroup]) -> None:
+    """One case on this rank; rank and world are the ranks of `group` (None: the world)."""
+    o = CASES[name]
+    causal, use_decay, hk = o.get("causal", True), o.get("decay", False), o.get("hk", H)
+    normalize, want_state, qkv_layout = o.get("normalize", True), o.get("return_state", False), \
+        o.get("qkv_layout", "bhsd")
+    lens = _lens(world, o.get("lens", "odd"))
+    s = sum(lens)
+    a = sum(lens[:rank])
+    n = lens[rank]
+    torch.manual_seed(2000 + list(CASES).index(name))  # the same global tensors on every rank
+    q, k, v = torch.randn(B, H, s, D), torch.randn(B, hk, s, D), torch.randn(B, hk, s, DV)
+    decay = -torch.nn.functional.softplus(torch.randn(B, H, s)) * 0.3 if use_decay else None
+    g = torch.randn(B, H, s, DV)
+    m = D
+    fm = o.get("fm", "elu")
+    if fm == "favor":
+        fm = Favor(D, nb_features=12, stabilize=False, seed=3)
+        m = 12
+    s0 = torch.rand(B, H, m, DV + 1 if normalize else DV) if o.get("init") else None
+    gs = torch.randn(B, H, m, DV + 1 if normalize else DV)
+    opts = dict(feature_map=fm, causal=causal, normalize=normalize, scale=0.7)
+
+    def loss(out, g_out, st):  # sum(out * g_out) (+ the final state against gs where it is asked for)
+        r = (out * g_out).sum()
+        if st is not None:
+            r = r + (st.augmented(normalize) * gs).sum()
+        return r
+
+    # single process, the whole sequence
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    dr = decay.clone().requires_grad_() if decay is not None else None
+    sr = s0.clone().requires_grad_() if s0 is not None else None
+    res = linear_attention(qr, kr, vr, decay=dr, initial_state=sr, return_state=want_state, **opts)
+    out, st = res if want_state else (res, None)
+    loss(out, g, st).backward()
+
+    # context parallel: this rank's contiguous shard
+    if o.get("lens") == "even":
+        local = [cp.shard_sequence(t, dim=2, group=group, layout="contiguous") for t in (q, k, v)]
+    else:
+        local = [t[:, :, a:a + n] for t in (q, k, v)]
+    if qkv_layout == "bshd":
+        local = [t.transpose(1, 2).contiguous() for t in local]
+    ql, kl, vl = (t.clone().requires_grad_() for t in local)
+    dl = decay[:, :, a:a + n].clone().requires_grad_() if decay is not None else None
+    sl = s0.clone().requires_grad_() if s0 is not None else None
+    counter.take()
+    res = cp.context_parallel_linear_attention(ql, kl, vl, decay=dl, initial_state=sl, return_state=want_state,
+                                               qkv_layout=qkv_layout, group=group, **opts)
+    n_fwd = counter.take()
+    outl, stl = res if want_state else (res, None)
+    outl_h = outl.transpose(1, 2) if qkv_layout == "bshd" else outl
+    # the final state's loss term on the last rank only: the sum over ranks is the one-process loss
+    loss(outl_h, g[:, :, a:a + n], stl if rank == world - 1 else None).backward()
+    n_bwd = counter.take()
+    if sl is not None:  # every rank holds its part of d(initial_state): the sum is the full one
+        ds = sl.grad.clone()
+        dist.all_reduce(ds, group=group)
+        counter.take()
+    # the checks after every collective of the case, so that a failing rank stays in step with the others
+    assert n_fwd == {"gather": 1, "scatter": 0}, f"forward collectives {n_fwd}: want one all-gather"
+    assert n_bwd == {"gather": 0, "scatter": 1}, f"backward collectives {n_bwd}: want one reduce-scatter"
+    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    sl_ = slice(a, a + n)
+    _check("out", outl_h, out.detach()[:, :, sl_])
+    _check("dq", as_bhsd(ql.grad), qr.grad[:, :, sl_])
+    _check("dk", as_bhsd(kl.grad), kr.grad[:, :, sl_])
+    _check("dv", as_bhsd(vl.grad), vr.grad[:, :, sl_])
+    if dl is not None:
+        _check("ddecay", dl.grad, dr.grad[:, :, sl_])
+    if sl is not None:
+        _check("dinitial_state", ds, sr.grad)
+    if want_state:
+        assert isinstance(stl, LinearAttentionState) and (stl.z is not None) == normalize
+        _check("final S", stl.S, st.S)
+        if normalize:
+            _check("final z", stl.z, st.z)
+
+
+def suite(rank: int, world: int, sizes: List[int], names: List[str]) -> Dict[str, Optional[str]]:
+    """Every case on every group size of `sizes` (ranks 0 .. size - 1: the world itself, or a
+    subgroup, so that one spawn of the largest size serves them all and `group=` is exercised):
+    {"size/name": None (passed) or the traceback} for the sizes this rank belongs to."""
+    counter = Counter()
+    res: Dict[str, Optional[str]] = {}
+    for size in sizes:
+        group = None if size == world else dist.new_group(list(range(size)))  # every rank calls new_group
+        if rank >= size:
+            continue
+        for name in names:
+            try:
+                linear_case(rank, size, name, counter, group)
+                res[f"{size}/{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"{size}/{name}"] = traceback.format_exc()
+    return res

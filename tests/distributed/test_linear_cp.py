@@ -1,0 +1,73 @@
+"""Context-parallel linear attention (attention_ext.distributed.context_parallel_linear_attention)
+on 2, 3 and 4 gloo ranks on the CPU.
+
+One spawn of 4 gloo ranks runs every case of tests/distributed/linear_cases.py on the world (4)
+and on the subgroups of ranks {0, 1, 2} and {0, 1} (3 and 2): spawning is most of the time on a
+busy machine, so the three world sizes share one spawn (and `group=` is exercised). The cases
+cover causal and non-causal, decay, elu / relu / unstabilized FAVOR+, MHA / GQA / MQA, odd and
+unequal shard lengths, initial and final states and bshd, comparing the forward, the gradients
+and the collectives per call against linear_attention on the whole sequence in one process; the
+tests below report them one by one. The argument errors need no group.
+"""
+import pytest
+import torch
+
+from attention_ext import distributed as cp
+from attention_ext.linear.feature_maps import Favor
+from tests.distributed import harness, linear_cases
+
+WORLD_SIZES = (2, 3, 4)
+_results = []
+
+
+def _suite():
+    """The cases' results on every rank, run once (the first test that asks)."""
+    if not _results:
+        try:
+            _results.append(harness.run(linear_cases.suite, max(WORLD_SIZES), list(WORLD_SIZES),
+                                        list(linear_cases.CASES), timeout=150))
+        except harness.RankFailed as e:
+            _results.append(e)
+    if isinstance(_results[0], Exception):
+        raise _results[0]
+    return _results[0]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("name", list(linear_cases.CASES))
+def test_linear_cp(world, name):
+    key = f"{world}/{name}"
+    ran = [r for r, res in enumerate(_suite()) if key in res]
+    assert ran == list(range(world)), f"{key} ran on ranks {ran}, want 0 .. {world - 1}"
+    failed = {r: res[key] for r, res in enumerate(_suite()) if res.get(key) is not None}
+    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+
+
+# -- no process group needed: the argument checks come before any collective ------------------------
+
+def _qkv():
+    return torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+def test_layout_not_contiguous(layout):
+    with pytest.raises(ValueError, match="contiguous"):
+        cp.context_parallel_linear_attention(*_qkv(), layout=layout)
+
+
+def test_bad_layout_name():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.context_parallel_linear_attention(*_qkv(), layout="ring")
+
+
+def test_decay_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="causal"):
+        cp.context_parallel_linear_attention(q, k, v, causal=False, decay=torch.zeros(1, 2, 4))
+    with pytest.raises(ValueError, match=r"\(B, H, n\)"):
+        cp.context_parallel_linear_attention(q, k, v, decay=torch.zeros(2))  # no per-head scalar form
+
+
+def test_stabilized_favor_not_built():
+    with pytest.raises(NotImplementedError, match="stabilize"):
+        cp.context_parallel_linear_attention(*_qkv(), feature_map=Favor(8, seed=0))
