@@ -164,12 +164,12 @@ def ulysses_attention(
 
     # send buffers, (P, B, heads for rank r, n, D): rank r's query heads, and the KV heads they need
     q_send = q.reshape(b, world, h, n, d).movedim(1, 0)
-    kv_idx = [kv_heads_for_rank(hq, hk, r, world)[0] for r in range(world)]
-    c = len(kv_idx[0])
-    idx = torch.tensor([i for ids in kv_idx for i in ids], device=k.device)
-    if c * world == hk and bool((idx == torch.arange(hk, device=k.device)).all()):  # split: no copy
+    kv_idx = [i for r in range(world) for i in kv_heads_for_rank(hq, hk, r, world)[0]]  # (P * c,)
+    c = len(kv_idx) // world
+    if kv_idx == list(range(hk)):  # split: a view, no copy
         k_send, v_send = (t.reshape(b, world, c, n, d).movedim(1, 0) for t in (k, v))
-    else:  # replicated KV heads
+    else:  # replicated KV heads (index_select: the backward sums the copies)
+        idx = torch.tensor(kv_idx, device=k.device)
         k_send, v_send = (t.index_select(1, idx).view(b, world, c, n, d).movedim(1, 0) for t in (k, v))
     q_r, k_r, v_r = _AllToAll.apply(group, q_send, k_send, v_send)  # (P, B, h or c, n, D) by source rank
     # (P, B, x, n, D) -> (B, x, S, D) in global token order
