@@ -28,6 +28,7 @@ from torch import Tensor
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
 from .sharding import _check_len, all_gather_sequence, global_positions
+from .ulysses import ulysses_attention as _ulysses
 
 __all__ = ["context_parallel_attention", "MODES"]
 
@@ -90,8 +91,9 @@ def context_parallel_attention(
             "bshd"; n = S / P, as sharded by shard_sequence with the same `layout`.
         k, v: this rank's key / value shards, (B, H_k, n, D) (or (B, n, H_k, D)), H % H_k == 0.
         group: the process group (default: the world).
-        mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ring" and
-            "ulysses" raise NotImplementedError.
+        mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ulysses"
+            (all-to-all from sequence to head shards and back, H % P == 0: ulysses.py); "ring"
+            raises NotImplementedError.
         layout: "contiguous", "zigzag" or "stripe" (attention_ext.distributed.sharding).
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
             positions (window_size is (left, right), -1 = unbounded; causal caps right at 0).
@@ -107,6 +109,10 @@ def context_parallel_attention(
     parameter every rank holds whole (sinks) gets this rank's queries' part of its gradient:
     sum it over the group (all_reduce) for the full one.
     """
+    if mode == "ulysses":
+        return _ulysses(q, k, v, group=group, layout=layout, causal=causal, scale=scale, window_size=window_size,
+                        alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, return_lse=return_lse,
+                        qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p)
     if mode in ("ring", "ulysses"):
         raise NotImplementedError(f"context_parallel_attention mode={mode!r} is not built yet; use mode='allgather'")
     if mode != "allgather":

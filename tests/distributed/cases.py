@@ -247,3 +247,193 @@ def fail_on(rank: int, world: int, bad_rank: int) -> int:
         raise RuntimeError(f"deliberate failure on rank {rank}")
     dist.barrier()
     return rank
+
+
+# -- mode="ulysses" (tests/distributed/test_ulysses.py) --------------------------------------------
+
+# Heads per world size P: H = 2P query heads (h = 2 per rank); GQA kinds pick H_k (and H) so that
+# every KV rule of ulysses.py runs: "split" H_k % P == 0, "one" H_k = 1 < P (replicated),
+# "straddle" a rank's query heads span two KV groups (gcd rule; for P = 4 also H_k = 3 < P,
+# P % H_k != 0).
+_STRADDLE = {2: (6, 3), 3: (6, 2), 4: (12, 3)}  # P -> (H, H_k)
+
+
+def ulysses_heads(world: int, kind: str):
+    """(H, H_k) of a GQA kind on `world` ranks."""
+    if kind == "straddle":
+        return _STRADDLE[world]
+    hq = 2 * world
+    return hq, {"mha": hq, "split": world, "one": 1}[kind]
+
+
+U_VARIANTS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal-split": dict(causal=True, kv="split"),
+    "causal-one": dict(causal=True, kv="one"),
+    "straddle": dict(kv="straddle"),
+    "causal-window-straddle": dict(causal=True, window=(7, -1), kv="straddle"),
+    "window": dict(window=(5, 3)),
+    "alibi-one": dict(alibi=True, kv="one"),
+    "causal-window-alibi": dict(causal=True, window=(9, -1), alibi=True, kv="split"),
+    "sinks-softcap": dict(sinks=True, softcap=2.0),
+    "causal-sinks-straddle": dict(causal=True, sinks=True, kv="straddle"),
+    "bshd-causal-split": dict(causal=True, kv="split", qkv_layout="bshd"),
+    "odd-causal": dict(causal=True, real=S_ODD),
+    "odd-window-alibi-one": dict(window=(3, 2), alibi=True, real=S_ODD, kv="one"),
+    "nolse-causal": dict(causal=True, lse=False),
+    "bf16-causal-sinks-split": dict(causal=True, sinks=True, kv="split", dtype=torch.bfloat16),
+}
+U_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in U_VARIANTS]
+U_GROUP_CASES = ["zigzag-causal-one", "stripe-causal-sinks-straddle"]  # on subgroups of 4 (P = 2)
+
+
+class AllToAllCounter:
+    """Wraps torch.distributed.all_to_all_single (and the all-gather / reduce-scatter entry
+    points, which ulysses must not use) to count the calls."""
+    NAMES = {"all_to_all_single": "a2a", **{n: "other" for n in Counter.GATHER + Counter.SCATTER}}
+
+    def __init__(self):
+        self.n = {"a2a": 0, "other": 0}
+        for name, kind in self.NAMES.items():
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(fn, kind))
+
+    def _wrap(self, fn, kind):
+        def wrapped(*a, **kw):
+            self.n[kind] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    def take(self) -> Dict[str, int]:
+        n, self.n = dict(self.n), {"a2a": 0, "other": 0}
+        return n
+
+
+def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+    """One mode="ulysses" case on this rank vs the single-process fused kernel on the whole
+    sequence (fp32: within TOL; bf16: the FA2 rule vs float64); rank and world are `group`'s."""
+    layout, variant = name.split("-", 1)
+    o = U_VARIANTS[variant]
+    dtype = o.get("dtype", torch.float32)
+    causal, window = o.get("causal", False), o.get("window", (-1, -1))
+    hq, hk = ulysses_heads(world, o.get("kv", "mha"))
+    qkv_layout, real, with_lse = o.get("qkv_layout", "bhsd"), o.get("real", S), o.get("lse", True)
+    torch.manual_seed(2000 + U_CASES.index(name))  # the same global tensors on every rank
+    q, k, v = torch.randn(B, hq, real, D), torch.randn(B, hk, real, D), torch.randn(B, hk, real, D)
+    g = torch.randn(B, hq, real, D)
+    g_lse = torch.randn(B, hq, real) if with_lse else None  # the LSE joins the loss: its gradient too
+    slopes = torch.rand(hq) * 0.5 + 0.1 if o.get("alibi") else None
+    sinks = torch.randn(hq) if o.get("sinks") else None
+    softcap = o.get("softcap", 0.0)
+
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    sr = sinks.clone().requires_grad_() if sinks is not None else None
+    win = (window[0], 0) if causal else window
+    if dtype == torch.float32:
+        out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, causal=causal, window=window,
+                                alibi_slopes=slopes, softcap=softcap)
+        loss = (out * g).sum() + ((lse * g_lse).sum() if with_lse else 0)
+        loss.backward()
+    else:  # float64 reference and PyTorch's own bf16 math; the loss without the LSE
+        kw = dict(window=win, alibi_slopes=slopes, softcap=softcap)
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (qr, kr, vr))
+        sr = sr.detach().double().requires_grad_() if sr is not None else None
+        out, lse = reference.attention(qr, kr, vr, sinks=sr, **kw)
+        (out * g.double()).sum().backward()
+        t_out, t_lse, (tq, tk, tv, _, ts) = reference_in(
+            dtype, q, k, v, sinks=sinks.clone().requires_grad_() if sinks is not None else None, **kw)
+        (t_out * g.to(dtype)).sum().backward()
+        torch_same = {"out": t_out, "lse": t_lse, "dq": tq.grad, "dk": tk.grad, "dv": tv.grad}
+        q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
+        g_lse = None
+
+    mult = cp.sequence_multiple(world, layout)
+    pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
+    sp = pad(q).shape[2]
+    pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
+    keep = pos < real
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
+    if qkv_layout == "bshd":
+        local = [t.transpose(1, 2).contiguous() for t in local]
+    ql, kl, vl = (t.requires_grad_() for t in local)
+    sl = sinks.clone().requires_grad_() if sinks is not None else None
+    counter.take()
+    res = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ulysses", layout=layout, causal=causal,
+                                        window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
+                                        return_lse=with_lse, qkv_layout=qkv_layout, seq_len=real)
+    ol, lsel = res if with_lse else (res, None)
+    n_fwd = counter.take()
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
+    if qkv_layout == "bshd":
+        gl = gl.transpose(1, 2)
+    loss = (ol * gl).sum()
+    if g_lse is not None:
+        loss = loss + (lsel * cp.shard_sequence(cp.pad_to_multiple(g_lse, 2, mult)[0], dim=2, group=group,
+                                                layout=layout)).sum()
+    loss.backward()
+    n_bwd = counter.take()
+    ds = None
+    if sinks is not None:  # rank r holds its heads' dsinks: the sum over the group is the full one
+        ds = sl.grad.float()
+        dist.all_reduce(ds, group=group)
+        counter.take()
+    # the checks after every collective of the case, so that a failing rank stays in step with the others
+    assert n_fwd == {"a2a": 2, "other": 0}, f"forward collectives {n_fwd}: want 2 all-to-alls (q/k/v, out/lse)"
+    assert n_bwd == {"a2a": 2, "other": 0}, f"backward collectives {n_bwd}: want 2 all-to-alls"
+
+    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    idx = pos[keep]
+    got = {"out": as_bhsd(ol), "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
+    want = {"out": out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    if with_lse:
+        got["lse"], want["lse"] = lsel, lse.detach()
+    for what in got:
+        if dtype == torch.float32:
+            _check(what, got[what][:, :, keep], want[what][:, :, idx])
+        else:
+            assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
+            assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
+    if ds is not None:
+        if dtype == torch.float32:
+            _check("dsinks", ds, sr.grad)
+        else:
+            assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
+
+
+def ulysses_errors_case(rank: int, world: int) -> None:
+    """H % P != 0 is a ValueError naming H and P, raised before any collective."""
+    q = torch.randn(1, 2 * world + 1, 2, 8)
+    try:
+        cp.context_parallel_attention(q, q, q, mode="ulysses", layout="contiguous")
+    except ValueError as e:
+        assert f"H={2 * world + 1}" in str(e) and f"P={world}" in str(e), str(e)
+    else:
+        raise AssertionError("H % P != 0 did not raise")
+
+
+def ulysses_suite(rank: int, world: int, names: List[str]) -> Dict[str, Optional[str]]:
+    """Every ulysses case on this rank: {name: None (passed) or the traceback}."""
+    counter = AllToAllCounter()
+    res: Dict[str, Optional[str]] = {}
+    jobs = [(n, lambda n=n: ulysses_case(rank, world, n, counter)) for n in names]
+    jobs.append(("errors", lambda: ulysses_errors_case(rank, world)))
+    for name, job in jobs:
+        try:
+            job()
+            res[name] = None
+        except Exception:  # noqa: BLE001
+            res[name] = traceback.format_exc()
+    if world == 4:  # two independent groups of 2: `group=` is honoured
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for name in U_GROUP_CASES:
+            try:
+                ulysses_case(rank % 2, 2, name, counter, group=pairs[rank // 2])
+                res[f"group-{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"group-{name}"] = traceback.format_exc()
+        for pg in pairs:
+            dist.destroy_process_group(pg)
+    return res

@@ -1,0 +1,198 @@
+"""Context-parallel attention, mode="ulysses" (DeepSpeed-Ulysses): an all-to-all turns sequence
+shards into head shards, each rank runs the fused kernel on the WHOLE sequence for its heads, and
+an all-to-all turns the output back into sequence shards.
+
+Shapes (P ranks, this rank j, h = H / P query heads per rank, n = S / P tokens per rank):
+
+    q (B, H, n, D) in the layout's token order
+      -> all-to-all -> (B, h, S, D): heads [j h, (j + 1) h), every token; rows arrive grouped by
+         source rank (rank r's tokens in r's layout order) and one index_select puts them in
+         GLOBAL token order, so the local attention is plain: causal, window, ALiBi and the
+         seq_len padding need no mask (padding: queries and keys are cut to [0, seq_len), the cut
+         queries' outputs are 0).
+    out (B, h, S, D) (and LSE (B, h, S)) -> back to the source order -> all-to-all -> (B, H, n, D).
+
+Communication, counted by the tests: forward 2 all-to-alls (q, k and v packed in ONE, then out
+with the LSE packed in ONE); backward 2 (their inverses: the gradient of an all-to-all is the
+all-to-all of the gradient, which for equal chunks is the same exchange). Tensors of different
+dtypes (a bf16 out, an fp32 LSE) share a call as raw bytes.
+
+Heads: H % P == 0 is required (ValueError otherwise). KV heads (GQA, g = H / H_k query heads
+per KV head) follow one rule: with gl = gcd(h, g), the local query heads fall in blocks of gl
+consecutive heads that share a KV head, and rank j receives one KV head per block, c = h / gl:
+- H_k % P == 0: gl = g, c = H_k / P, the KV heads are split, each sent once;
+- P % H_k == 0 (fewer KV heads than ranks): gl = h, c = 1, the rank's one KV head (replicated
+  over the P / H_k ranks that share it);
+- otherwise (a rank's heads straddle groups, e.g. H=6, H_k=2, P=3): gl = gcd(h, g) < h, the
+  KV heads are replicated per block.
+The local attention then sees h query heads over c KV heads, GQA ratio gl. Replication is an
+index_select, so the backward sums the copies' dK / dV (and the all-to-all returns them to the
+token owners).
+
+Per-head parameters: sinks (H,) and alibi_slopes (H,) / (B, H) are sliced to the local heads.
+Rank j's dsinks is the complete gradient of its own heads' sinks and 0 elsewhere, so the sum over
+the group (all_reduce) is the exact full gradient: the same rule as mode="allgather".
+alibi_slopes get no gradient (as attention_ext.attention).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..softmax.functional import attention as _attention
+from .sharding import _check_len, global_positions
+
+__all__ = ["ulysses_attention", "kv_heads_for_rank"]
+
+
+def _all_to_all(out: Tensor, x: Tensor, group) -> None:
+    # looked up per call so that a test can wrap dist.all_to_all_single to count collectives
+    dist.all_to_all_single(out, x, group=group)
+
+
+def _exchange(xs: List[Tensor], group) -> List[Tensor]:
+    """One all-to-all for several tensors of shapes (P, ...): chunk [r] goes to rank r, and
+    result [r] is what rank r sent us. Each tensor is viewed as bytes and the per-rank chunks are
+    concatenated, so dtypes may differ."""
+    world = dist.get_world_size(group)
+    flat = [x.contiguous().view(world, -1).view(torch.uint8) for x in xs]  # (P, bytes_i)
+    send = flat[0] if len(flat) == 1 else torch.cat(flat, 1)  # (P, sum bytes)
+    recv = torch.empty_like(send)
+    _all_to_all(recv, send, group)
+    outs, o = [], 0
+    for x, f in zip(xs, flat):
+        nb = f.shape[1]
+        seg = recv if len(flat) == 1 else recv[:, o:o + nb].contiguous()
+        outs.append(seg.view(x.dtype).view(x.shape))
+        o += nb
+    return outs
+
+
+class _AllToAll(torch.autograd.Function):
+    """_exchange under autograd. Chunks are equal on every rank, so the exchange is its own
+    inverse: the backward is the same all-to-all of the gradients (one call)."""
+
+    @staticmethod
+    def forward(ctx, group, *xs: Tensor):
+        ctx.group = group
+        return tuple(_exchange(list(xs), group))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        return (None,) + tuple(_exchange(list(grads), ctx.group))
+
+
+def kv_heads_for_rank(h_q: int, h_k: int, rank: int, world_size: int) -> Tuple[List[int], int]:
+    """The global KV heads rank `rank` receives (in local order) and the local GQA ratio gl
+    (local query head i uses local KV head i // gl); the rule is in the module docstring."""
+    h = h_q // world_size
+    g = h_q // h_k
+    gl = math.gcd(h, g)
+    return [(rank * h + m * gl) // g for m in range(h // gl)], gl
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    return_lse: bool = False,
+    qkv_layout: str = "bhsd",
+    seq_len: Optional[int] = None,
+    dropout_p: float = 0.0,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """context_parallel_attention(mode="ulysses"): the same arguments and results (see
+    attention.context_parallel_attention); the design is this module's docstring."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
+    if qkv_layout not in ("bhsd", "bshd"):
+        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+    if qkv_layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
+    if k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    b, hq, n, d = q.shape
+    hk = k.shape[1]
+    if hq % world != 0:
+        raise ValueError(f"mode='ulysses' shards the heads: the number of query heads H={hq} must be a multiple "
+                         f"of the group size P={world} (use mode='allgather' otherwise)")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"the query heads H={hq} must be a multiple of the KV heads H_k={hk}")
+    s = n * world
+    _check_len(s, world, layout)
+    if seq_len is None:
+        seq_len = s
+    if not 0 < seq_len <= s:
+        raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if causal:
+        wr = 0
+    h = hq // world
+    heads = slice(rank * h, (rank + 1) * h)
+    if alibi_slopes is not None:
+        if alibi_slopes.dim() not in (1, 2) or alibi_slopes.shape[-1] != hq:
+            raise ValueError(f"alibi_slopes must be (H,) or (B, H) with H={hq}, got {tuple(alibi_slopes.shape)}")
+        alibi_slopes = alibi_slopes[..., heads]
+    if sinks is not None:
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must be (H,) = ({hq},), got {tuple(sinks.shape)}")
+        sinks = sinks[heads]
+
+    # received row r * n + i holds global token src[r * n + i]; full[t] = received[inv[t]]
+    src = torch.cat([global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)])
+    src = src.to(q.device)
+    inv = torch.argsort(src)
+
+    # send buffers, (P, B, heads for rank r, n, D): rank r's query heads, and the KV heads they need
+    q_send = q.reshape(b, world, h, n, d).movedim(1, 0)
+    kv_idx = [i for r in range(world) for i in kv_heads_for_rank(hq, hk, r, world)[0]]  # (P * c,)
+    c = len(kv_idx) // world
+    if kv_idx == list(range(hk)):  # split: a view, no copy
+        k_send, v_send = (t.reshape(b, world, c, n, d).movedim(1, 0) for t in (k, v))
+    else:  # replicated KV heads (index_select: the backward sums the copies)
+        idx = torch.tensor(kv_idx, device=k.device)
+        k_send, v_send = (t.index_select(1, idx).view(b, world, c, n, d).movedim(1, 0) for t in (k, v))
+    q_r, k_r, v_r = _AllToAll.apply(group, q_send, k_send, v_send)  # (P, B, h or c, n, D) by source rank
+    # (P, B, x, n, D) -> (B, x, S, D) in global token order
+    qf, kf, vf = (t.movedim(0, 2).reshape(b, t.shape[2], s, d).index_select(2, inv) for t in (q_r, k_r, v_r))
+    if seq_len < s:  # padding: keys (and queries) >= seq_len cut off
+        qf, kf, vf = (t[:, :, :seq_len] for t in (qf, kf, vf))
+
+    # local heads, the whole sequence: one kernel call, position rules on global indices
+    out, lse = _attention(qf, kf, vf, scale=scale, causal=causal, window=(wl, wr), alibi_slopes=alibi_slopes,
+                          softcap=softcap, sinks=sinks, return_lse=True)
+    if seq_len < s:
+        out = torch.nn.functional.pad(out, (0, 0, 0, s - seq_len))
+        lse = torch.nn.functional.pad(lse, (0, s - seq_len))
+
+    # back to source order, (P, B, h, n, ...) by destination rank
+    out_send = out.index_select(2, src).view(b, h, world, n, d).movedim(2, 0)
+    back = [out_send]
+    if return_lse:
+        back.append(lse.index_select(2, src).view(b, h, world, n).movedim(2, 0))
+    got = _AllToAll.apply(group, *back)  # [r]: rank r's heads for this rank's tokens
+    out_l = got[0].movedim(0, 1).reshape(b, hq, n, d)
+    if qkv_layout == "bshd":
+        out_l = out_l.transpose(1, 2)
+    if not return_lse:
+        return out_l
+    return out_l, got[1].movedim(0, 1).reshape(b, hq, n)
