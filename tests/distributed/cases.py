@@ -270,6 +270,7 @@ RING_VARIANTS = {
     "bf16-causal-gqa-sinks": dict(causal=True, hk=2, sinks=True, dtype=torch.bfloat16),
 }
 RING_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in RING_VARIANTS]
+RING_GROUP_CASES = ["zigzag-causal-sinks-lse", "stripe-window"]  # on subgroups of 4
 RING_RATIO_CASE = "zigzag-bf16-causal-gqa-sinks"  # its errors vs float64 at P = 4 and P = 2 are compared
 
 
@@ -289,11 +290,12 @@ class P2PCount:
         return n
 
 
-def ring_case(rank: int, world: int, name: str, p2p: P2PCount) -> Dict[str, float]:
+def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
+              group: Optional[dist.ProcessGroup] = None) -> Dict[str, tuple]:
     """One mode="ring" case on this rank vs the single-process kernel on the whole sequence (fp32:
     every error <= TOL) or, for bf16, the float64 reference under the 2x-PyTorch rule. Returns
     {what: (max abs error, max abs reference)} of this rank's shard, vs float64 (bf16) or vs the
-    kernel (fp32)."""
+    kernel (fp32). rank and world are the ranks of `group` (default: the world)."""
     layout, variant = name.split("-", 1)
     o = RING_VARIANTS[variant]
     dtype = o.get("dtype", torch.float32)
@@ -334,29 +336,29 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount) -> Dict[str, floa
     sp = pad(q).shape[2]
     pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
     keep = pos < real
-    local = [cp.shard_sequence(pad(t), dim=2, layout=layout) for t in (q, k, v)]
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
     if qkv_layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     stats: Dict[str, float] = {}
     p2p.take()
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, mode="ring", layout=layout, causal=causal, window_size=window,
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal, window_size=window,
                                              alibi_slopes=slopes, softcap=softcap, sinks=sl, return_lse=True,
                                              qkv_layout=qkv_layout, seq_len=real, _stats=stats)
     sends_fwd = p2p.take()
-    gl = cp.shard_sequence(pad(g), dim=2, layout=layout)
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
     if qkv_layout == "bshd":
         gl = gl.transpose(1, 2)
     loss_l = (ol * gl).sum()
     if lse_grad:
-        loss_l = loss_l + (lsel * cp.shard_sequence(pad(g_lse), dim=2, layout=layout)).sum()
+        loss_l = loss_l + (lsel * cp.shard_sequence(pad(g_lse), dim=2, group=group, layout=layout)).sum()
     loss_l.backward()
     sends_bwd = p2p.take()
     ds = None
     if sinks is not None:  # each rank holds its queries' part of dsinks: the sum is the full one
         ds = sl.grad.float()
-        dist.all_reduce(ds)
+        dist.all_reduce(ds, group=group)
     # the checks after every collective of the case, so that a failing rank stays in step with the others
     assert sends_fwd == world - 1, f"forward K/V sends {sends_fwd}, want P - 1 = {world - 1}"
     assert sends_bwd == 2 * world - 1, f"backward sends {sends_bwd}, want P - 1 K/V + P dK/dV = {2 * world - 1}"
@@ -402,4 +404,13 @@ def ring_suite(rank: int, world: int, names: List[str]) -> Dict[str, tuple]:
             res[name] = (None, ring_case(rank, world, name, p2p))
         except Exception:  # noqa: BLE001
             res[name] = (traceback.format_exc(), {})
+    if world == 4:  # two independent rings of 2: `group=` is honoured (P2P peers are the group's ranks)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for name in RING_GROUP_CASES:
+            try:
+                res[f"group-{name}"] = (None, ring_case(rank % 2, 2, name, p2p, group=pairs[rank // 2]))
+            except Exception:  # noqa: BLE001
+                res[f"group-{name}"] = (traceback.format_exc(), {})
+        for pg in pairs:
+            dist.destroy_process_group(pg)
     return res

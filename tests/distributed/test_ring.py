@@ -45,6 +45,12 @@ def test_ring(world, name):
     _case(world, name)
 
 
+@pytest.mark.parametrize("name", cases.RING_GROUP_CASES)
+def test_ring_subgroups(name):
+    """4 ranks split into two rings of 2, each on its own process group."""
+    _case(4, f"group-{name}")
+
+
 def test_error_does_not_grow_with_ranks():
     """bf16 vs float64: the error at P = 4 is at most 1.5x the error at P = 2 (the merges and the
     dK / dV accumulators stay float32), for out, LSE and every gradient."""
