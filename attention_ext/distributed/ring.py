@@ -27,7 +27,9 @@ token indices: the local queries' global_positions against the visiting shard's 
   bounding rectangle: bool (True = attend), or with ALiBi a float bias -slope * |i - j| with
   -inf where masked ((1 or B, H, rows, cols) per call).
 attention.py's bottom-right trick needs keys [k0, a + c) in one call, which a single visiting
-shard does not give; the rectangle plan finds the same savings per shard.
+shard does not give; the rectangle plan finds the same savings per shard (zigzag + causal: no
+mask at all). The plans are made once per call and kept for the backward: with masks, at most
+(1 or B, H, n, n) per shard, the (n, S) of mode="allgather"'s explicit-mask path in all.
 
 Backward (a torch.autograd.Function): K/V rotate again, with float32 dK / dV accumulators that
 travel one step behind them: at step t the rank computes the visiting shard's pieces with the

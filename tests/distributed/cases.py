@@ -343,9 +343,9 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     stats: Dict[str, float] = {}
     p2p.take()
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal, window_size=window,
-                                             alibi_slopes=slopes, softcap=softcap, sinks=sl, return_lse=True,
-                                             qkv_layout=qkv_layout, seq_len=real, _stats=stats)
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal,
+                                             window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
+                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, _stats=stats)
     sends_fwd = p2p.take()
     gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
     if qkv_layout == "bshd":
