@@ -1,6 +1,8 @@
 """Context-parallel attention: each rank holds a shard of the sequence (sharding.py's layouts) and
 computes its queries' output against the whole sequence's keys.
 
+mode="ring" is ring.py (K/V shards circulate, per-shard kernel calls merged in float32).
+
 mode="allgather": K and V, stacked, travel in ONE all-gather (only the H_k KV heads with GQA); its
 backward is one reduce-scatter that sums dK / dV back to the owning ranks. The local queries then
 run the fused kernel (attention_ext.attention) against the gathered keys, with every position
@@ -83,6 +85,7 @@ def context_parallel_attention(
     qkv_layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
+    _stats: Optional[dict] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of `group` (context parallelism).
 
@@ -91,9 +94,9 @@ def context_parallel_attention(
             "bshd"; n = S / P, as sharded by shard_sequence with the same `layout`.
         k, v: this rank's key / value shards, (B, H_k, n, D) (or (B, n, H_k, D)), H % H_k == 0.
         group: the process group (default: the world).
-        mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ulysses"
-            (all-to-all from sequence to head shards and back, H % P == 0: ulysses.py); "ring"
-            raises NotImplementedError.
+        mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ring" (K/V
+            shards circulate rank to rank, P - 1 transfers overlapped with the compute; ring.py);
+            "ulysses" (all-to-all from sequence to head shards and back, H % P == 0: ulysses.py).
         layout: "contiguous", "zigzag" or "stripe" (attention_ext.distributed.sharding).
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
             positions (window_size is (left, right), -1 = unbounded; causal caps right at 0).
@@ -103,18 +106,24 @@ def context_parallel_attention(
             keys at positions >= seq_len are masked; outputs at padded query positions are
             unspecified and must be dropped. Default: no padding (S = n * P).
         dropout_p: must be 0 (dropout is not built for context parallelism).
+        _stats: mode="ring" only, private: a dict that receives the call's P2P op count and its
+            seconds in wait() and in compute (ring.ring_attention's `stats`).
 
     Returns this rank's output shard in q's layout (and the LSE shard). The backward is
     autograd's: dq stays local, dK / dV are reduce-scattered to their owning ranks. A
     parameter every rank holds whole (sinks) gets this rank's queries' part of its gradient:
     sum it over the group (all_reduce) for the full one.
     """
+    if mode == "ring":
+        from .ring import ring_attention
+        return ring_attention(q, k, v, group=group, layout=layout, causal=causal, scale=scale,
+                              window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                              return_lse=return_lse, qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p,
+                              stats=_stats)
     if mode == "ulysses":
         return _ulysses(q, k, v, group=group, layout=layout, causal=causal, scale=scale, window_size=window_size,
                         alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, return_lse=return_lse,
                         qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p)
-    if mode in ("ring", "ulysses"):
-        raise NotImplementedError(f"context_parallel_attention mode={mode!r} is not built yet; use mode='allgather'")
     if mode != "allgather":
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if dropout_p != 0.0:

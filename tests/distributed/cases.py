@@ -350,6 +350,89 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
         q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
         g_lse = None
 
+
+# -- mode="ring" (tests/distributed/test_ring.py) --------------------------------------------------
+# variant name -> options as VARIANTS, plus per_rank: the real length is per_rank * P (odd shards
+# for contiguous / stripe; zigzag pads it to a multiple of 2P), lse_grad: the loss also takes the LSE
+RING_VARIANTS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "gqa": dict(hk=2),
+    "causal-mqa": dict(causal=True, hk=1),
+    "window": dict(window=(5, 3)),
+    "causal-window": dict(causal=True, window=(7, -1), hk=2),
+    "alibi": dict(alibi=True, hk=1),
+    "causal-window-alibi": dict(causal=True, window=(9, -1), alibi=True),
+    "sinks-softcap": dict(sinks=True, softcap=2.0),
+    "causal-sinks-lse": dict(causal=True, sinks=True, hk=2, lse_grad=True),
+    "bshd-causal-gqa": dict(causal=True, hk=2, qkv_layout="bshd"),
+    "odd-causal-alibi": dict(causal=True, alibi=True, real=S_ODD),
+    "n7-causal": dict(causal=True, per_rank=7, hk=2),
+    "n5-window-sinks": dict(window=(3, 2), sinks=True, per_rank=5, hk=1),
+    "bf16-causal-gqa-sinks": dict(causal=True, hk=2, sinks=True, dtype=torch.bfloat16),
+}
+RING_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in RING_VARIANTS]
+RING_GROUP_CASES = ["zigzag-causal-sinks-lse", "stripe-window"]  # on subgroups of 4
+RING_RATIO_CASE = "zigzag-bf16-causal-gqa-sinks"  # its errors vs float64 at P = 4 and P = 2 are compared
+
+
+class P2PCount:
+    """Wraps torch.distributed.batch_isend_irecv to count the sends (isend P2POps) posted."""
+
+    def __init__(self):
+        self.sends, self._fn = 0, dist.batch_isend_irecv
+
+        def wrapped(p2p_ops):
+            self.sends += sum(op.op is dist.isend for op in p2p_ops)
+            return self._fn(p2p_ops)
+        dist.batch_isend_irecv = wrapped
+
+    def take(self) -> int:
+        n, self.sends = self.sends, 0
+        return n
+
+
+def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
+              group: Optional[dist.ProcessGroup] = None) -> Dict[str, tuple]:
+    """One mode="ring" case on this rank vs the single-process kernel on the whole sequence (fp32:
+    every error <= TOL) or, for bf16, the float64 reference under the 2x-PyTorch rule. Returns
+    {what: (max abs error, max abs reference)} of this rank's shard, vs float64 (bf16) or vs the
+    kernel (fp32). rank and world are the ranks of `group` (default: the world)."""
+    layout, variant = name.split("-", 1)
+    o = RING_VARIANTS[variant]
+    dtype = o.get("dtype", torch.float32)
+    causal, window = o.get("causal", False), o.get("window", (-1, -1))
+    hk, qkv_layout = o.get("hk", H), o.get("qkv_layout", "bhsd")
+    real = o["per_rank"] * world if "per_rank" in o else o.get("real", S)
+    torch.manual_seed(3000 + RING_CASES.index(name))  # the same global tensors on every rank (and world size)
+    q, k, v = torch.randn(B, H, real, D), torch.randn(B, hk, real, D), torch.randn(B, hk, real, D)
+    g, g_lse = torch.randn(B, H, real, D), torch.randn(B, H, real)
+    slopes = torch.rand(H) * 0.5 + 0.1 if o.get("alibi") else None
+    sinks = torch.randn(H) if o.get("sinks") else None
+    softcap = o.get("softcap", 0.0)
+    lse_grad = o.get("lse_grad", False)
+    win = (window[0], 0) if causal else window
+
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    sr = sinks.clone().requires_grad_() if sinks is not None else None
+    if dtype == torch.float32:
+        out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, causal=causal, window=window,
+                                alibi_slopes=slopes, softcap=softcap)
+    else:
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (qr, kr, vr))
+        sr = sr.detach().double().requires_grad_() if sr is not None else None
+        kw = dict(window=win, alibi_slopes=slopes, softcap=softcap)
+        out, lse = reference.attention(qr, kr, vr, sinks=sr, **kw)
+        t_out, t_lse, (tq, tk, tv, _, ts) = reference_in(
+            dtype, q, k, v, sinks=sinks.clone().requires_grad_() if sinks is not None else None, **kw)
+        (t_out * g.to(dtype)).sum().backward()
+        torch_same = {"out": t_out, "lse": t_lse, "dq": tq.grad, "dk": tk.grad, "dv": tv.grad,
+                      "dsinks": ts.grad if ts is not None else None}
+    loss = (out * g.to(out.dtype)).sum() + ((lse * g_lse.to(lse.dtype)).sum() if lse_grad else 0)
+    loss.backward()
+    if dtype != torch.float32:
+        q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
+
     mult = cp.sequence_multiple(world, layout)
     pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
     sp = pad(q).shape[2]
@@ -390,12 +473,47 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
     want = {"out": out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
     if with_lse:
         got["lse"], want["lse"] = lsel, lse.detach()
+
+
+    stats: Dict[str, float] = {}
+    p2p.take()
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal,
+                                             window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
+                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, _stats=stats)
+    sends_fwd = p2p.take()
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
+    if qkv_layout == "bshd":
+        gl = gl.transpose(1, 2)
+    loss_l = (ol * gl).sum()
+    if lse_grad:
+        loss_l = loss_l + (lsel * cp.shard_sequence(pad(g_lse), dim=2, group=group, layout=layout)).sum()
+    loss_l.backward()
+    sends_bwd = p2p.take()
+    ds = None
+    if sinks is not None:  # each rank holds its queries' part of dsinks: the sum is the full one
+        ds = sl.grad.float()
+        dist.all_reduce(ds, group=group)
+    # the checks after every collective of the case, so that a failing rank stays in step with the others
+    assert sends_fwd == world - 1, f"forward K/V sends {sends_fwd}, want P - 1 = {world - 1}"
+    assert sends_bwd == 2 * world - 1, f"backward sends {sends_bwd}, want P - 1 K/V + P dK/dV = {2 * world - 1}"
+    assert stats["fwd_kv_sends"] == world - 1 and stats["fwd_p2p_ops"] == 2 * (world - 1), stats
+    assert stats["bwd_kv_sends"] == world - 1 and stats["bwd_p2p_ops"] == 2 * (2 * world - 1), stats
+    assert all(stats[f"{p}_{w}_s"] >= 0 for p in ("fwd", "bwd") for w in ("wait", "compute")), stats
+
+    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    idx = pos[keep]
+    got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
+    want = {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    errs = {}
     for what in got:
         if dtype == torch.float32:
             _check(what, got[what][:, :, keep], want[what][:, :, idx])
         else:
             assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
             assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
+
+
+        errs[what] = _abs_err(got[what][:, :, keep], want[what][:, :, idx])
     if ds is not None:
         if dtype == torch.float32:
             _check("dsinks", ds, sr.grad)
@@ -434,6 +552,37 @@ def ulysses_suite(rank: int, world: int, names: List[str]) -> Dict[str, Optional
                 res[f"group-{name}"] = None
             except Exception:  # noqa: BLE001
                 res[f"group-{name}"] = traceback.format_exc()
+
+
+            assert_close_fa2(ds, torch_same["dsinks"], sr.grad, dtype, "dsinks")
+        errs["dsinks"] = _abs_err(ds, sr.grad)
+    return errs
+
+
+def _abs_err(got: torch.Tensor, ref: torch.Tensor) -> tuple:
+    """(max |got - ref|, max |ref|) over finite entries: the shards' pairs combine into the whole
+    tensor's rel_err (max of the first / max(max of the second, 1))."""
+    got, ref = got.detach().double(), ref.detach().double()
+    fin = torch.isfinite(ref)
+    return (float((got[fin] - ref[fin]).abs().max()), float(ref[fin].abs().max()))
+
+
+def ring_suite(rank: int, world: int, names: List[str]) -> Dict[str, tuple]:
+    """Every ring case on this rank: {name: (None or the traceback, {what: (abs error, abs max)})}."""
+    p2p = P2PCount()
+    res: Dict[str, tuple] = {}
+    for name in names:
+        try:
+            res[name] = (None, ring_case(rank, world, name, p2p))
+        except Exception:  # noqa: BLE001
+            res[name] = (traceback.format_exc(), {})
+    if world == 4:  # two independent rings of 2: `group=` is honoured (P2P peers are the group's ranks)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for name in RING_GROUP_CASES:
+            try:
+                res[f"group-{name}"] = (None, ring_case(rank % 2, 2, name, p2p, group=pairs[rank // 2]))
+            except Exception:  # noqa: BLE001
+                res[f"group-{name}"] = (traceback.format_exc(), {})
         for pg in pairs:
             dist.destroy_process_group(pg)
     return res

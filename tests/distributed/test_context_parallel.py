@@ -82,7 +82,8 @@ def test_length_rule():
     assert cp.sequence_multiple(3, "zigzag") == 6 and cp.sequence_multiple(3, "stripe") == 3
 
 
-@pytest.mark.parametrize("kw", [dict(mode="ring"), dict(dropout_p=0.1)])
+@pytest.mark.parametrize("kw", [dict(dropout_p=0.1), dict(mode="ring", dropout_p=0.1),
+                                dict(mode="ulysses", dropout_p=0.1)])
 def test_not_built(kw):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="not built yet"):

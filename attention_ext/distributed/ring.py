@@ -1,0 +1,328 @@
+"""Ring context-parallel attention (context_parallel_attention(mode="ring")): the K/V shards
+circulate around the ranks of the group and never exist whole on one rank.
+
+Forward, P ranks, rank r: step t = 0 .. P-1 holds the K/V shard of owner (r - t) mod P (only the
+H_k KV heads with GQA, K and V stacked into one (2, B, H_k, n, D) buffer). Before computing on the
+visiting shard, step t posts (torch.distributed.batch_isend_irecv) its send to rank r + 1 and the
+receive of the next shard from rank r - 1, so the transfer overlaps the compute: P - 1 transfers.
+Each step runs the fused kernel (ops.fwd) for (partial out, lse) of the local queries against the
+visiting keys and merges in float32:
+
+    lse = logaddexp(lse, lse_t);  out = exp(lse_old - lse) * out + exp(lse_t - lse) * o_t
+
+Running out (B, H, n, D) and lse (B, H, n) stay float32 until the end; out is cast to q's dtype
+once. Sinks are not given to the per-step kernel calls: they join the softmax once, in the final
+merge (lse = logaddexp(lse, sink_h), out *= exp(lse_old - lse)).
+
+Positions. Every rule (causal, window, ALiBi, the padding rule keys >= seq_len) is on GLOBAL
+token indices: the local queries' global_positions against the visiting shard's owner's. Per
+(local queries, visiting shard) a plan is made on the host from those positions (no device sync):
+- nothing allowed (the causal future, outside the window, all padding): the step is SKIPPED (the
+  ring still forwards the shard);
+- the allowed pairs fill a rectangle [i0, i1) x [j0, j1) of (queries, keys): one call on those
+  slices, no mask (zigzag's causal off-diagonal shards: half the queries, or half the keys);
+- queries and keys are the same positions (the own shard) and the pattern is the causal
+  triangle: causal=True (top-left) on it, no mask;
+- otherwise (the window's edges, stripe, ALiBi, partial padding): an explicit mask over the
+  bounding rectangle: bool (True = attend), or with ALiBi a float bias -slope * |i - j| with
+  -inf where masked ((1 or B, H, rows, cols) per call).
+attention.py's bottom-right trick needs keys [k0, a + c) in one call, which a single visiting
+shard does not give; the rectangle plan finds the same savings per shard (zigzag + causal: no
+mask at all). The plans are made once per call and kept for the backward: with masks, at most
+(1 or B, H, n, n) per shard, the (n, S) of mode="allgather"'s explicit-mask path in all.
+
+Backward (a torch.autograd.Function): K/V rotate again, with float32 dK / dV accumulators that
+travel one step behind them: at step t the rank computes the visiting shard's pieces with the
+kernel's backward (the bwd op) given the GLOBAL out and lse of its queries, so each piece is the
+exact part of the gradient (P = exp(s - lse) restricted to the shard, D = rowsum(dO * O)
+global), adds them to the accumulator that arrived from rank r - 1 and sends it on to rank r + 1.
+After P steps (P - 1 K/V transfers, P accumulator transfers) every accumulator is back at its
+owner. dq accumulates locally in float32.
+Gradients: q, k, v, and sinks (this rank's queries' part, as mode="allgather": sum it over the
+group): dsinks_h = sum_{b, i} p_sink * (dlse - dO_i . O_i), p_sink = exp(sink_h - lse_i).
+A gradient through the returned LSE (dlse) is passed to every step's backward. alibi_slopes get
+no gradient (a clear error if they require one).
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..softmax import ops as _ops
+from ..softmax.functional import _default_scale
+from .sharding import _check_len, global_positions
+
+__all__ = ["ring_attention"]
+
+
+# ----------------------------------------------------------------------------------- the per-step plan
+class _Step:
+    """One kernel call of the plan: queries [i0, i1) x keys [j0, j1) of the visiting shard,
+    causal (top-left, no mask) or an explicit mask (None = every pair allowed)."""
+    __slots__ = ("i0", "i1", "j0", "j1", "causal", "mask")
+
+    def __init__(self, i0, i1, j0, j1, causal=False, mask=None):
+        self.i0, self.i1, self.j0, self.j1, self.causal, self.mask = i0, i1, j0, j1, causal, mask
+
+
+def _plan(pq: Tensor, pk: Tensor, seq_len: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
+          acc: torch.dtype, device) -> Optional[_Step]:
+    """The call for queries at global positions pq (n,) against keys at pk (n,) (CPU int64), or
+    None when no pair is allowed. See the module docstring for the cases."""
+    rel = pk.view(1, -1) - pq.view(-1, 1)  # (n, n): key - query
+    ok = (pk < seq_len).view(1, -1).expand(pq.numel(), pk.numel())
+    if wr >= 0:
+        ok = ok & (rel <= wr)
+    if wl >= 0:
+        ok = ok & (rel >= -wl)
+    rows, cols = ok.any(1).nonzero().flatten(), ok.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    i0, i1, j0, j1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    sub = ok[i0:i1, j0:j1]
+    if alibi_slopes is None:
+        if bool(sub.all()):
+            return _Step(i0, i1, j0, j1)
+        if i1 - i0 == j1 - j0 and torch.equal(pq[i0:i1], pk[j0:j1]) and \
+                torch.equal(sub, torch.ones_like(sub).tril()):
+            return _Step(i0, i1, j0, j1, causal=True)
+        return _Step(i0, i1, j0, j1, mask=sub.contiguous().to(device).view(1, 1, i1 - i0, j1 - j0))
+    sl = alibi_slopes.detach().to(acc)
+    sl = sl.view(1, -1, 1, 1) if sl.dim() == 1 else sl.view(sl.shape[0], sl.shape[1], 1, 1)
+    bias = -sl * rel[i0:i1, j0:j1].abs().to(device=sl.device, dtype=acc)  # (1 or B, H, rows, cols)
+    return _Step(i0, i1, j0, j1, mask=bias.masked_fill(~sub.to(sl.device), float("-inf")).contiguous())
+
+
+def _options(step: _Step, scale: float, softcap: float, sq: int, sk: int) -> dict:
+    """The op's options for one step (no sinks, no ALiBi slopes: both handled around the calls)."""
+    return dict(bias=step.mask, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
+                cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=scale, softcap=softcap,
+                window_left=-1, window_right=0 if step.causal else -1, bottom_right=False, dropout_p=0.0,
+                seed=0, offset=0)
+
+
+# ----------------------------------------------------------------------------------- communication
+class _Timer:
+    """Seconds in wait() and in compute, and the P2P ops posted, for `stats` (None: records
+    nothing). On CUDA each reading synchronizes the device, so that the times are the device's."""
+
+    def __init__(self, on: bool, device: torch.device):
+        self.on, self.cuda = on, device.type == "cuda"
+        self.wait_s = self.compute_s = 0.0
+        self.ops = self.kv_sends = 0
+
+    def now(self) -> float:
+        if self.on and self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def _post(tm: _Timer, send: Tensor, recv: Tensor, nxt: int, prv: int, group, kv: bool):
+    """Send `send` to group rank nxt and receive `recv` from prv: one batch_isend_irecv."""
+    g = lambda r: r if group is None else dist.get_global_rank(group, r)  # noqa: E731  P2POp takes global ranks
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, g(nxt), group),
+                                   dist.P2POp(dist.irecv, recv, g(prv), group)])
+    tm.ops += 2
+    tm.kv_sends += int(kv)
+    return reqs
+
+
+def _wait(tm: _Timer, reqs) -> None:
+    t0 = tm.now()
+    for r in reqs:
+        r.wait()
+    tm.wait_s += tm.now() - t0
+
+
+# ----------------------------------------------------------------------------------- autograd
+class _Ring(torch.autograd.Function):
+    """(q (B, H, n, D), k, v (B, H_k, n, D), sinks (H,) or None) -> (out (B, H, n, D) in q's dtype,
+    lse (B, H, n) float32). cfg: the group and the options (see ring_attention)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cfg: dict):
+        group, world, rank = cfg["group"], cfg["world"], cfg["rank"]
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        tm = _Timer(cfg["stats"] is not None, q.device)
+        acc = _ops.acc_dtype(q.dtype)
+        b, h, n, d = q.shape
+        out = q.new_zeros((b, h, n, d), dtype=acc)                  # running output, float32
+        lse = q.new_full((b, h, n), float("-inf"), dtype=acc)       # running log-sum-exp, float32
+        cur = torch.stack([k, v])                                   # (2, B, H_k, n, D), travels
+        for t in range(world):
+            reqs = None
+            if t < world - 1:  # the next shard is in flight while this one is computed
+                nxt_buf = torch.empty_like(cur)
+                reqs = _post(tm, cur, nxt_buf, nxt, prv, group, kv=True)
+            t0 = tm.now()
+            step = cfg["plan"]((rank - t) % world)
+            if step is not None:
+                qs = q[:, :, step.i0:step.i1]
+                ks, vs = cur[0, :, :, step.j0:step.j1], cur[1, :, :, step.j0:step.j1]
+                o_t, l_t = _ops.fwd(qs, ks, vs, **_options(step, cfg["scale"], cfg["softcap"], qs.shape[2],
+                                                            ks.shape[2]))
+                _merge(out[:, :, step.i0:step.i1], lse[:, :, step.i0:step.i1], o_t, l_t)
+            tm.compute_s += tm.now() - t0
+            if reqs is not None:
+                _wait(tm, reqs)
+                cur = nxt_buf
+        if sinks is not None:  # the sinks join the softmax once: an extra "key" with logit sink_h, value 0
+            _merge(out, lse, None, sinks.detach().to(acc).view(1, h, 1).expand(b, h, n))
+        out = out.to(q.dtype)
+        if cfg["stats"] is not None:
+            cfg["stats"].update(fwd_p2p_ops=tm.ops, fwd_kv_sends=tm.kv_sends, fwd_wait_s=tm.wait_s,
+                                fwd_compute_s=tm.compute_s)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        cfg = ctx.cfg
+        group, world, rank = cfg["group"], cfg["world"], cfg["rank"]
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        tm = _Timer(cfg["stats"] is not None, q.device)
+        acc = _ops.acc_dtype(q.dtype)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dout = dout.contiguous()
+        if dlse is not None:  # rows that saw nothing (lse -inf) pass nothing on
+            dlse = dlse.to(acc).masked_fill(torch.isinf(lse), 0.0)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        cur = torch.stack([k, v])                                   # (2, B, H_k, n, D)
+        dkv_in = None                                               # the accumulator arriving from rank - 1
+        for t in range(world):
+            reqs = None
+            if t < world - 1:
+                nxt_buf = torch.empty_like(cur)
+                reqs = _post(tm, cur, nxt_buf, nxt, prv, group, kv=True)
+            t0 = tm.now()
+            dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)  # this step's pieces, float32
+            step = cfg["plan"]((rank - t) % world)
+            if step is not None:
+                sl = slice(step.i0, step.i1)
+                qs, ks, vs = q[:, :, sl], cur[0, :, :, step.j0:step.j1], cur[1, :, :, step.j0:step.j1]
+                a = dict(_options(step, cfg["scale"], cfg["softcap"], qs.shape[2], ks.shape[2]),
+                         dout=dout[:, :, sl], q=qs, k=ks, v=vs, out=out[:, :, sl], lse=lse[:, :, sl].contiguous(),
+                         rng_state=None, block_layout=None, block_size=0, topk_thr=None, topk_jcut=None,
+                         bias_grad=False, deterministic=False,
+                         dlse=None if dlse is None else dlse[:, :, sl].contiguous())
+                dq_t, dk_t, dv_t, _, _ = torch.ops.attention_ext.bwd(*[a[nm] for nm in _ops.BWD_ARGS])
+                dq[:, :, sl] += dq_t
+                dkv[0, :, :, step.j0:step.j1] += dk_t
+                dkv[1, :, :, step.j0:step.j1] += dv_t
+            tm.compute_s += tm.now() - t0
+            if dkv_in is not None:  # the accumulator of this shard, from rank - 1's step t - 1
+                _wait(tm, dkv_reqs)
+                dkv += dkv_in
+            dkv_in = torch.empty_like(dkv)
+            dkv_reqs = _post(tm, dkv, dkv_in, nxt, prv, group, kv=False)  # on to the shard's next visitor
+            if reqs is not None:
+                _wait(tm, reqs)
+                cur = nxt_buf
+        _wait(tm, dkv_reqs)  # after P steps: this rank's own shard's dK / dV, summed over every rank
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dd = (dout.to(acc) * out.to(acc)).sum(-1)               # (B, H, n): dO_i . O_i
+            g = -dd if dlse is None else dlse - dd
+            p_sink = torch.exp(sinks.detach().to(acc).view(1, -1, 1) - lse)
+            dsinks = (p_sink * g).sum((0, 2)).to(sinks.dtype)
+        if cfg["stats"] is not None:
+            cfg["stats"].update(bwd_p2p_ops=tm.ops, bwd_kv_sends=tm.kv_sends, bwd_wait_s=tm.wait_s,
+                                bwd_compute_s=tm.compute_s)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), dsinks, None
+
+
+def _merge(out: Tensor, lse: Tensor, o_t: Optional[Tensor], l_t: Tensor) -> None:
+    """In place, float32: (out, lse) <- the softmax over both key sets. o_t None: a value-0 term
+    (the sinks). -inf on both sides (nothing seen yet, nothing here) leaves (0, -inf)."""
+    new = torch.logaddexp(lse, l_t)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # new = -inf: both weights 0
+    w_old = torch.exp(lse - safe).unsqueeze(-1)
+    out.mul_(w_old)
+    if o_t is not None:
+        out.add_(torch.exp(l_t - safe).unsqueeze(-1) * o_t.to(out.dtype))
+    lse.copy_(new)
+
+
+# ----------------------------------------------------------------------------------- entry point
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    layout: str = "zigzag",
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    alibi_slopes: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    return_lse: bool = False,
+    qkv_layout: str = "bhsd",
+    seq_len: Optional[int] = None,
+    dropout_p: float = 0.0,
+    stats: Optional[Dict[str, Union[int, float]]] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """context_parallel_attention(mode="ring"): the same arguments and result (see there).
+
+    stats: a dict that, when given, receives per call fwd_p2p_ops (P2P ops posted: a send and a
+    receive per transfer), fwd_kv_sends (K/V shards sent: P - 1), fwd_wait_s (seconds in wait()
+    on transfers), fwd_compute_s (seconds in kernels and merges), and the same bwd_* keys when
+    the backward runs (its P2P ops also carry the dK / dV accumulators: P of them).
+    """
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
+    if qkv_layout not in ("bhsd", "bshd"):
+        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+    if qkv_layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
+    if k.shape != v.shape or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+    if not _ops.has_kernel(q.device, q.dtype):
+        raise NotImplementedError(f"mode='ring' needs a compiled kernel for {q.dtype} on {q.device}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("mode='ring' gives alibi_slopes no gradient: pass them detached "
+                                  "(or use mode='allgather')")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
+        raise ValueError(f"sinks must be (H,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = q.shape[2]
+    s = n * world
+    _check_len(s, world, layout)
+    if seq_len is None:
+        seq_len = s
+    if not 0 < seq_len <= s:
+        raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if causal:
+        wr = 0
+    acc = _ops.acc_dtype(q.dtype)
+    pos = [global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)]
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc)
+    plans: Dict[int, Optional[_Step]] = {}
+
+    def plan(owner: int) -> Optional[_Step]:  # made once per owner, reused by the backward
+        if owner not in plans:
+            plans[owner] = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
+        return plans[owner]
+
+    cfg = dict(group=group, world=world, rank=rank, plan=plan, stats=stats, softcap=float(softcap),
+               scale=float(scale) if scale is not None else _default_scale(q.shape[3]))
+    if sinks is not None and sinks.device != q.device:
+        raise ValueError(f"sinks must be on {q.device}, got {sinks.device}")
+    out, lse = _Ring.apply(q, k, v, sinks, cfg)
+    if qkv_layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
