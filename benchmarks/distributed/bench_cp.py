@@ -15,9 +15,9 @@ Design:
 - cases: non-causal with the contiguous layout, causal with zigzag (balanced causal work);
 - modes: --modes, default every mode in attention_ext.distributed.MODES whose first call does
   not raise NotImplementedError;
-- exposed communication: when context_parallel_attention takes a `_stats` / `stats` dict (a mode
-  may fill it), the numbers it reports are shown: a key with "exposed" in its name as a share of
-  T(rank), else the dict's keys. Without that argument the column is "-".
+- exposed communication: when context_parallel_attention takes a `_stats` / `stats` dict (ring
+  fills it), the share of T(rank) the rank spent blocked in wait() on transfers (forward +
+  backward), else a key with "exposed" in its name as a share of T(rank), else the dict's keys. Without that argument the column is "-".
 The GFLOP/s column is the shared flops() (attention_ext.bench) of the whole problem over P *
 T(rank): the rate each process sustains, to read against the single-process kernel's.
 """
@@ -162,6 +162,9 @@ def _exposed(stats, t):
     if not stats:
         return "-"
     keys = sorted({k for s in stats for k in s})
+    waits = [k for k in ("fwd_wait_s", "bwd_wait_s") if k in keys]
+    if waits:  # ring.ring_attention's stats: seconds blocked in wait() on transfers, forward + backward
+        return f"{statistics.median(sum(float(s.get(k, 0.0)) for k in waits) for s in stats) / t:.0%} (waits)"
     exp = [k for k in keys if "exposed" in k and all(isinstance(s.get(k), (int, float)) for s in stats)]
     if exp:
         return f"{statistics.median(float(s[exp[0]]) for s in stats) / t:.0%} ({exp[0]})"

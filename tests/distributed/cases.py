@@ -350,6 +350,94 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
         q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
         g_lse = None
 
+    mult = cp.sequence_multiple(world, layout)
+    pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
+    sp = pad(q).shape[2]
+    pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
+    keep = pos < real
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
+    if qkv_layout == "bshd":
+        local = [t.transpose(1, 2).contiguous() for t in local]
+    ql, kl, vl = (t.requires_grad_() for t in local)
+    sl = sinks.clone().requires_grad_() if sinks is not None else None
+    counter.take()
+    res = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ulysses", layout=layout, causal=causal,
+                                        window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
+                                        return_lse=with_lse, qkv_layout=qkv_layout, seq_len=real)
+    ol, lsel = res if with_lse else (res, None)
+    n_fwd = counter.take()
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
+    if qkv_layout == "bshd":
+        gl = gl.transpose(1, 2)
+    loss = (ol * gl).sum()
+    if g_lse is not None:
+        loss = loss + (lsel * cp.shard_sequence(cp.pad_to_multiple(g_lse, 2, mult)[0], dim=2, group=group,
+                                                layout=layout)).sum()
+    loss.backward()
+    n_bwd = counter.take()
+    ds = None
+    if sinks is not None:  # rank r holds its heads' dsinks: the sum over the group is the full one
+        ds = sl.grad.float()
+        dist.all_reduce(ds, group=group)
+        counter.take()
+    # the checks after every collective of the case, so that a failing rank stays in step with the others
+    assert n_fwd == {"a2a": 2, "other": 0}, f"forward collectives {n_fwd}: want 2 all-to-alls (q/k/v, out/lse)"
+    assert n_bwd == {"a2a": 2, "other": 0}, f"backward collectives {n_bwd}: want 2 all-to-alls"
+
+    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    idx = pos[keep]
+    got = {"out": as_bhsd(ol), "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
+    want = {"out": out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
+    if with_lse:
+        got["lse"], want["lse"] = lsel, lse.detach()
+    for what in got:
+        if dtype == torch.float32:
+            _check(what, got[what][:, :, keep], want[what][:, :, idx])
+        else:
+            assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
+            assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
+    if ds is not None:
+        if dtype == torch.float32:
+            _check("dsinks", ds, sr.grad)
+        else:
+            assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
+
+
+def ulysses_errors_case(rank: int, world: int) -> None:
+    """H % P != 0 is a ValueError naming H and P, raised before any collective."""
+    q = torch.randn(1, 2 * world + 1, 2, 8)
+    try:
+        cp.context_parallel_attention(q, q, q, mode="ulysses", layout="contiguous")
+    except ValueError as e:
+        assert f"H={2 * world + 1}" in str(e) and f"P={world}" in str(e), str(e)
+    else:
+        raise AssertionError("H % P != 0 did not raise")
+
+
+def ulysses_suite(rank: int, world: int, names: List[str]) -> Dict[str, Optional[str]]:
+    """Every ulysses case on this rank: {name: None (passed) or the traceback}."""
+    counter = AllToAllCounter()
+    res: Dict[str, Optional[str]] = {}
+    jobs = [(n, lambda n=n: ulysses_case(rank, world, n, counter)) for n in names]
+    jobs.append(("errors", lambda: ulysses_errors_case(rank, world)))
+    for name, job in jobs:
+        try:
+            job()
+            res[name] = None
+        except Exception:  # noqa: BLE001
+            res[name] = traceback.format_exc()
+    if world == 4:  # two independent groups of 2: `group=` is honoured
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for name in U_GROUP_CASES:
+            try:
+                ulysses_case(rank % 2, 2, name, counter, group=pairs[rank // 2])
+                res[f"group-{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"group-{name}"] = traceback.format_exc()
+        for pg in pairs:
+            dist.destroy_process_group(pg)
+    return res
+
 
 # -- mode="ring" (tests/distributed/test_ring.py) --------------------------------------------------
 # variant name -> options as VARIANTS, plus per_rank: the real length is per_rank * P (odd shards
@@ -443,38 +531,6 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
-    counter.take()
-    res = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ulysses", layout=layout, causal=causal,
-                                        window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
-                                        return_lse=with_lse, qkv_layout=qkv_layout, seq_len=real)
-    ol, lsel = res if with_lse else (res, None)
-    n_fwd = counter.take()
-    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
-    if qkv_layout == "bshd":
-        gl = gl.transpose(1, 2)
-    loss = (ol * gl).sum()
-    if g_lse is not None:
-        loss = loss + (lsel * cp.shard_sequence(cp.pad_to_multiple(g_lse, 2, mult)[0], dim=2, group=group,
-                                                layout=layout)).sum()
-    loss.backward()
-    n_bwd = counter.take()
-    ds = None
-    if sinks is not None:  # rank r holds its heads' dsinks: the sum over the group is the full one
-        ds = sl.grad.float()
-        dist.all_reduce(ds, group=group)
-        counter.take()
-    # the checks after every collective of the case, so that a failing rank stays in step with the others
-    assert n_fwd == {"a2a": 2, "other": 0}, f"forward collectives {n_fwd}: want 2 all-to-alls (q/k/v, out/lse)"
-    assert n_bwd == {"a2a": 2, "other": 0}, f"backward collectives {n_bwd}: want 2 all-to-alls"
-
-    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
-    idx = pos[keep]
-    got = {"out": as_bhsd(ol), "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
-    want = {"out": out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
-    if with_lse:
-        got["lse"], want["lse"] = lsel, lse.detach()
-
-
     stats: Dict[str, float] = {}
     p2p.take()
     ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal,
@@ -511,49 +567,11 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
         else:
             assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
             assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
-
-
         errs[what] = _abs_err(got[what][:, :, keep], want[what][:, :, idx])
     if ds is not None:
         if dtype == torch.float32:
             _check("dsinks", ds, sr.grad)
         else:
-            assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
-
-
-def ulysses_errors_case(rank: int, world: int) -> None:
-    """H % P != 0 is a ValueError naming H and P, raised before any collective."""
-    q = torch.randn(1, 2 * world + 1, 2, 8)
-    try:
-        cp.context_parallel_attention(q, q, q, mode="ulysses", layout="contiguous")
-    except ValueError as e:
-        assert f"H={2 * world + 1}" in str(e) and f"P={world}" in str(e), str(e)
-    else:
-        raise AssertionError("H % P != 0 did not raise")
-
-
-def ulysses_suite(rank: int, world: int, names: List[str]) -> Dict[str, Optional[str]]:
-    """Every ulysses case on this rank: {name: None (passed) or the traceback}."""
-    counter = AllToAllCounter()
-    res: Dict[str, Optional[str]] = {}
-    jobs = [(n, lambda n=n: ulysses_case(rank, world, n, counter)) for n in names]
-    jobs.append(("errors", lambda: ulysses_errors_case(rank, world)))
-    for name, job in jobs:
-        try:
-            job()
-            res[name] = None
-        except Exception:  # noqa: BLE001
-            res[name] = traceback.format_exc()
-    if world == 4:  # two independent groups of 2: `group=` is honoured
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        for name in U_GROUP_CASES:
-            try:
-                ulysses_case(rank % 2, 2, name, counter, group=pairs[rank // 2])
-                res[f"group-{name}"] = None
-            except Exception:  # noqa: BLE001
-                res[f"group-{name}"] = traceback.format_exc()
-
-
             assert_close_fa2(ds, torch_same["dsinks"], sr.grad, dtype, "dsinks")
         errs["dsinks"] = _abs_err(ds, sr.grad)
     return errs
