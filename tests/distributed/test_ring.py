@@ -101,6 +101,48 @@ def test_plan_skips_empty_shards():
     assert st.mask is not None and st.mask.dtype == torch.bool and (st.i0, st.i1, st.j0, st.j1) == (0, 2, 6, 8)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plan_plain_matches_the_pair_matrix(layout, causal):
+    """_plan's O(n) path (no window, no ALiBi) gives the call the (n, n) pair matrix gives, or
+    defers to it: same box, same causal flag, same mask, for every (rank, owner) and padding."""
+    for world in (2, 3, 4):
+        for s in (4 * world * 2, 4 * world * 5):
+            for seq_len in (s, s - 3):
+                pos = [cp.global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)]
+                for r in range(world):
+                    for w in range(world):
+                        wr = 0 if causal else -1
+                        fast = ring._plan_plain(pos[r], pos[w], seq_len, causal=causal)
+                        if fast is ring._DENSE:
+                            continue
+                        want = _dense_plain(pos[r], pos[w], seq_len, wr)
+                        if fast is None or want is None:
+                            assert fast is None and want is None, (world, s, seq_len, r, w)
+                            continue
+                        assert (fast.i0, fast.i1, fast.j0, fast.j1, fast.causal) == \
+                            (want.i0, want.i1, want.j0, want.j1, want.causal), (world, s, seq_len, r, w)
+                        assert fast.mask is None and want.mask is None
+
+
+def _dense_plain(pq, pk, seq_len, wr):
+    """The pair-matrix plan with no window and no ALiBi (ring._plan's general branch)."""
+    rel = pk.view(1, -1) - pq.view(-1, 1)
+    ok = (pk < seq_len).view(1, -1).expand(pq.numel(), pk.numel())
+    if wr >= 0:
+        ok = ok & (rel <= wr)
+    rows, cols = ok.any(1).nonzero().flatten(), ok.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    i0, i1, j0, j1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    sub = ok[i0:i1, j0:j1]
+    if bool(sub.all()):
+        return ring._Step(i0, i1, j0, j1)
+    if i1 - i0 == j1 - j0 and torch.equal(pq[i0:i1], pk[j0:j1]) and torch.equal(sub, torch.ones_like(sub).tril()):
+        return ring._Step(i0, i1, j0, j1, causal=True)
+    return ring._Step(i0, i1, j0, j1, mask=sub)
+
+
 def test_plan_alibi_bias():
     slopes = torch.tensor([0.5, 0.25])
     st = _plans(2, "stripe", 8, alibi_slopes=slopes)[0, 1]  # queries 0 2 4 6, keys 1 3 5 7
