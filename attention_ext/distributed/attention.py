@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
-from .sharding import _check_len, all_gather_sequence, global_positions
+from .sharding import _check_len, all_gather_sequence, check_shards, global_positions
 from .ulysses import ulysses_attention as _ulysses
 
 __all__ = ["context_parallel_attention", "MODES"]
@@ -126,18 +126,7 @@ def context_parallel_attention(
                         qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p)
     if mode != "allgather":
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
-    if qkv_layout not in ("bhsd", "bshd"):
-        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
-    if qkv_layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
-    if k.shape != v.shape or k.shape[2] != q.shape[2]:
-        raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+    q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = q.shape[2]
     s = n * world

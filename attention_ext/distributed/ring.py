@@ -54,7 +54,7 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import _default_scale
-from .sharding import _check_len, global_positions
+from .sharding import _check_len, check_shards, global_positions
 
 __all__ = ["ring_attention"]
 
@@ -312,18 +312,7 @@ def ring_attention(
     on transfers), fwd_compute_s (seconds in kernels and merges), and the same bwd_* keys when
     the backward runs (its P2P ops also carry the dK / dV accumulators: P of them).
     """
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
-    if qkv_layout not in ("bhsd", "bshd"):
-        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
-    if qkv_layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
-    if k.shape != v.shape or k.shape[2] != q.shape[2]:
-        raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+    q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
     if not _ops.has_kernel(q.device, q.dtype):
         raise NotImplementedError(f"mode='ring' needs a compiled kernel for {q.dtype} on {q.device}")
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
