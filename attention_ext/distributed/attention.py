@@ -37,15 +37,27 @@ __all__ = ["context_parallel_attention", "MODES"]
 MODES = ("allgather", "ring", "ulysses")
 
 
-def _runs(pos: List[int]) -> List[Tuple[int, int, int]]:
-    """Maximal runs of consecutive positions: [(local start, global start, length)]."""
-    runs = []
-    i0 = 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            runs.append((i0, pos[i0], i - i0))
-            i0 = i
-    return runs
+def _runs(s: int, rank: int, world: int, layout: str) -> Optional[List[Tuple[int, int, int]]]:
+    """The shard's maximal runs of consecutive global positions, [(local start, global start,
+    length)], from the layout's arithmetic (plain ints: no tensor, so torch.compile traces no
+    data-dependent branch); None for a stripe shard of more than 2 runs (path 3 serves it)."""
+    n = s // world
+    if layout == "contiguous":
+        runs = [(0, rank * n, n)]
+    elif layout == "zigzag":
+        c = n // 2
+        runs = [(0, rank * c, c), (c, (2 * world - 1 - rank) * c, c)]
+    elif world == 1:
+        runs = [(0, 0, n)]
+    elif n <= 2:
+        runs = [(i, rank + i * world, 1) for i in range(n)]
+    else:
+        return None
+    merged = [runs[0]]
+    for i0, a, c in runs[1:]:  # zigzag on one rank: chunks 0 and 1 are one run
+        j0, b, d = merged[-1]
+        merged[-1:] = [(j0, b, d + c)] if b + d == a else [(j0, b, d), (i0, a, c)]
+    return merged
 
 
 def _position_mask(pq: Tensor, s: int, seq_len: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
@@ -145,11 +157,11 @@ def context_parallel_attention(
     pos = global_positions(s, rank=rank, world_size=world, layout=layout)
     common = dict(scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
 
-    runs = _runs(pos.tolist())
+    runs = _runs(s, rank, world, layout)
     positional = causal or wl >= 0 or wr >= 0 or alibi_slopes is not None or seq_len < s
     if not positional:  # path 1
         out, lse = _attention(q, kf, vf, **common)
-    elif causal and len(runs) <= 2:  # path 2: the bottom-right diagonal trick per run
+    elif causal and runs is not None and len(runs) <= 2:  # path 2: the bottom-right diagonal trick per run
         outs, lses = [], []
         for i0, a, c in runs:
             k0 = max(0, a - wl) if wl >= 0 else 0
