@@ -7,7 +7,7 @@ whose queries are this rank's shard and whose keys are the whole sequence.
     out = cp.unshard_sequence(out_l, dim=2, layout="zigzag")        # the full sequence, every rank
 
 Layouts, the padding rule and the collectives: sharding.py. The attention's design: attention.py
-(mode="allgather"), ulysses.py (mode="ulysses"); linear attention: linear.py.
+(mode="allgather"), ring.py (mode="ring"), ulysses.py (mode="ulysses"); linear attention: linear.py.
 Whole models: pass context_parallel=ContextParallel(group, mode, layout) to nn.Attention or
 models.LanguageModel (context.py), and feed each rank its shard of the tokens.
 """
