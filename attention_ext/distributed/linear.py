@@ -43,7 +43,7 @@ from torch import Tensor
 from ..linear import feature_maps, reference
 from ..linear.functional import LinearAttentionState, linear_attention
 from ..linear.ops import acc_dtype
-from .sharding import LAYOUTS, _AllGather
+from .sharding import LAYOUTS, _AllGather, shards_bhsd
 
 __all__ = ["context_parallel_linear_attention"]
 
@@ -157,13 +157,7 @@ def context_parallel_linear_attention(
     if layout != "contiguous":
         raise ValueError(f"context_parallel_linear_attention needs layout='contiguous' (the states combine in rank "
                          f"order, which must be sequence order), got {layout!r}")
-    if qkv_layout not in ("bhsd", "bshd"):
-        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
-    if qkv_layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
+    q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)  # (B, H, n, D) views
     b, h, n, _ = q.shape
     hk = k.shape[1]
     if k.shape[:3] != (b, hk, n) or v.shape[:3] != (b, hk, n) or k.shape[-1] != q.shape[-1] or h % hk:

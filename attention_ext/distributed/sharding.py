@@ -67,19 +67,25 @@ def global_positions(seq_len: int, *, rank: int, world_size: int, layout: str = 
     return torch.arange(rank, seq_len, world_size)
 
 
-def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p: float
-                 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """The checks every context-parallel mode makes of its (q, k, v) shards, one home: returns
-    them as (B, H, n, D) / (B, H_k, n, D) views (bshd transposed, no copy)."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
+def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Three 4-D shards in qkv_layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy)."""
     if qkv_layout not in ("bhsd", "bshd"):
         raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
     if qkv_layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, n, D) views
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return q, k, v
+
+
+def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p: float
+                 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """The checks every context-parallel mode makes of its (q, k, v) shards, one home: returns
+    them as (B, H, n, D) / (B, H_k, n, D) views (bshd transposed, no copy)."""
+    if dropout_p != 0.0:
+        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
+    q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)
     if k.shape != v.shape or k.shape[2] != q.shape[2]:
         raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")

@@ -48,18 +48,17 @@ ATTN_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in VARIANTS]
 GROUP_CASES = ["zigzag-causal-gqa", "stripe-window", "contiguous-causal-sinks-softcap"]  # on subgroups of 4
 
 
-class Counter:
-    """Wraps torch.distributed's all-gather / reduce-scatter entry points to count the calls."""
-    GATHER = ("all_gather_single", "all_gather_into_tensor", "all_gather")
-    SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce")
+class CallCounter:
+    """Wraps the torch.distributed functions named in NAMES ({function: kind}) to count the
+    calls per kind; take() returns the counts and starts again."""
+    NAMES: Dict[str, str] = {}
 
     def __init__(self):
-        self.n = {"gather": 0, "scatter": 0}
-        for kind, names in (("gather", self.GATHER), ("scatter", self.SCATTER)):
-            for name in names:
-                fn = getattr(dist, name, None)
-                if fn is not None:
-                    setattr(dist, name, self._wrap(fn, kind))
+        self.n = dict.fromkeys(self.NAMES.values(), 0)
+        for name, kind in self.NAMES.items():
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(fn, kind))
 
     def _wrap(self, fn, kind):
         def wrapped(*a, **kw):
@@ -68,8 +67,15 @@ class Counter:
         return wrapped
 
     def take(self) -> Dict[str, int]:
-        n, self.n = dict(self.n), {"gather": 0, "scatter": 0}
+        n, self.n = dict(self.n), dict.fromkeys(self.n, 0)
         return n
+
+
+class Counter(CallCounter):
+    """Counts torch.distributed's all-gather / reduce-scatter calls."""
+    GATHER = ("all_gather_single", "all_gather_into_tensor", "all_gather")
+    SCATTER = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce")
+    NAMES = {**{n: "gather" for n in GATHER}, **{n: "scatter" for n in SCATTER}}
 
 
 class KernelCalls:
@@ -288,27 +294,10 @@ U_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in U_VARIANTS]
 U_GROUP_CASES = ["zigzag-causal-one", "stripe-causal-sinks-straddle"]  # on subgroups of 4 (P = 2)
 
 
-class AllToAllCounter:
-    """Wraps torch.distributed.all_to_all_single (and the all-gather / reduce-scatter entry
-    points, which ulysses must not use) to count the calls."""
+class AllToAllCounter(CallCounter):
+    """Counts torch.distributed.all_to_all_single calls (and the all-gather / reduce-scatter ones,
+    which ulysses must not use)."""
     NAMES = {"all_to_all_single": "a2a", **{n: "other" for n in Counter.GATHER + Counter.SCATTER}}
-
-    def __init__(self):
-        self.n = {"a2a": 0, "other": 0}
-        for name, kind in self.NAMES.items():
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                setattr(dist, name, self._wrap(fn, kind))
-
-    def _wrap(self, fn, kind):
-        def wrapped(*a, **kw):
-            self.n[kind] += 1
-            return fn(*a, **kw)
-        return wrapped
-
-    def take(self) -> Dict[str, int]:
-        n, self.n = dict(self.n), {"a2a": 0, "other": 0}
-        return n
 
 
 def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
