@@ -18,6 +18,8 @@ rule (causal, window, ALiBi) on GLOBAL token indices, by one of three paths:
    sequence): an explicit mask over (local queries, all keys) built from global positions: bool
    for causal / window / padding, a float additive bias (-slope * |i - j|, -inf where masked)
    with ALiBi. It costs an (n, S) mask (times H with ALiBi) per call.
+Dropout (every path): each call's dropout_coords name its queries' and keys' global positions,
+so the mask is the single process's for the shared seed (sharding.dropout_seed).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
-from .sharding import _check_len, all_gather_sequence, check_shards, global_positions
+from .sharding import _check_len, all_gather_sequence, check_shards, dropout_coords, dropout_seed, global_positions
 from .ulysses import ulysses_attention as _ulysses
 
 __all__ = ["context_parallel_attention", "MODES"]
@@ -97,6 +99,7 @@ def context_parallel_attention(
     qkv_layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
+    seed: Union[int, Tensor, None] = None,
     _stats: Optional[dict] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of `group` (context parallelism).
@@ -117,7 +120,11 @@ def context_parallel_attention(
         seq_len: the real length when the sequence was padded to a multiple (pad_to_multiple):
             keys at positions >= seq_len are masked; outputs at padded query positions are
             unspecified and must be dropped. Default: no padding (S = n * P).
-        dropout_p: must be 0 (dropout is not built for context parallelism).
+        dropout_p, seed: dropout on the probabilities, drawn at GLOBAL coordinates (batch,
+            head, query position, key position; sharding.dropout_coords): with the same seed
+            the mask is the one attention_ext.attention(..., seed=seed) draws on the whole
+            sequence in one process, in every mode, layout and world size. seed=None: group
+            rank 0 draws a seed from torch's generator and broadcasts it (one extra collective).
         _stats: mode="ring" only, private: a dict that receives the call's P2P op count and its
             seconds in wait() and in compute (ring.ring_attention's `stats`).
 
@@ -131,11 +138,11 @@ def context_parallel_attention(
         return ring_attention(q, k, v, group=group, layout=layout, causal=causal, scale=scale,
                               window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
                               return_lse=return_lse, qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p,
-                              stats=_stats)
+                              seed=seed, stats=_stats)
     if mode == "ulysses":
         return _ulysses(q, k, v, group=group, layout=layout, causal=causal, scale=scale, window_size=window_size,
                         alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, return_lse=return_lse,
-                        qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p)
+                        qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p, seed=seed)
     if mode != "allgather":
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
@@ -156,24 +163,33 @@ def context_parallel_attention(
     kf, vf = kv[0], kv[1]
     pos = global_positions(s, rank=rank, world_size=world, layout=layout)
     common = dict(scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
+    seed = dropout_seed(dropout_p, seed, group, q.device)
+    b, h = q.shape[:2]
+
+    def drop(rows: Tensor, cols: Tensor) -> dict:  # dropout at global (query, key) positions; keys are in global order
+        if seed is None:
+            return {}
+        return dict(dropout_p=dropout_p, seed=seed,
+                    dropout_coords=dropout_coords(b, h, rows, cols, h_total=h, device=q.device))
 
     runs = _runs(s, rank, world, layout)
     positional = causal or wl >= 0 or wr >= 0 or alibi_slopes is not None or seq_len < s
     if not positional:  # path 1
-        out, lse = _attention(q, kf, vf, **common)
+        out, lse = _attention(q, kf, vf, **common, **drop(pos, torch.arange(s)))
     elif causal and runs is not None and len(runs) <= 2:  # path 2: the bottom-right diagonal trick per run
         outs, lses = [], []
         for i0, a, c in runs:
             k0 = max(0, a - wl) if wl >= 0 else 0
             o, l = _attention(q[:, :, i0:i0 + c], kf[:, :, k0:a + c], vf[:, :, k0:a + c], causal=True,
-                              bottom_right=True, window=(wl, 0), alibi_slopes=alibi_slopes, **common)
+                              bottom_right=True, window=(wl, 0), alibi_slopes=alibi_slopes, **common,
+                              **drop(torch.arange(a, a + c), torch.arange(k0, a + c)))
             outs.append(o)
             lses.append(l)
         out, lse = (torch.cat(outs, 2), torch.cat(lses, 2)) if len(runs) > 1 else (outs[0], lses[0])
     else:  # path 3: explicit mask from global positions
         acc = _ops.acc_dtype(q.dtype)
         mask = _position_mask(pos.to(q.device), s, seq_len, wl, wr, alibi_slopes, acc)
-        out, lse = _attention(q, kf, vf, attn_mask=mask, **common)
+        out, lse = _attention(q, kf, vf, attn_mask=mask, **common, **drop(pos, torch.arange(s)))
     if qkv_layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -31,6 +31,12 @@ shard does not give; the rectangle plan finds the same savings per shard (zigzag
 mask at all). The plans are made once per call and kept for the backward: with masks, at most
 (1 or B, H, n, n) per shard, the (n, S) of mode="allgather"'s explicit-mask path in all.
 
+Dropout: every step's kernel call draws its elements' Philox decisions at their GLOBAL (batch,
+head, query position, key position) (the op's dropout_coords, made with the step's plan), from
+one seed the group shares (sharding.dropout_seed): the mask is the single process's for that
+seed, the merge stays exact (dropout scales the normalized probabilities, which the LSE weights
+combine linearly), and the backward redraws the same decisions per step.
+
 Backward (a torch.autograd.Function): K/V rotate again, with float32 dK / dV accumulators that
 travel one step behind them: at step t the rank computes the visiting shard's pieces with the
 kernel's backward (the bwd op) given the GLOBAL out and lse of its queries, so each piece is the
@@ -53,8 +59,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..softmax import ops as _ops
-from ..softmax.functional import _default_scale
-from .sharding import _check_len, check_shards, global_positions
+from ..softmax.functional import _default_scale, _rng_state
+from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
 
 __all__ = ["ring_attention"]
 
@@ -63,10 +69,11 @@ __all__ = ["ring_attention"]
 class _Step:
     """One kernel call of the plan: queries [i0, i1) x keys [j0, j1) of the visiting shard,
     causal (top-left, no mask) or an explicit mask (None = every pair allowed)."""
-    __slots__ = ("i0", "i1", "j0", "j1", "causal", "mask")
+    __slots__ = ("i0", "i1", "j0", "j1", "causal", "mask", "coords")
 
     def __init__(self, i0, i1, j0, j1, causal=False, mask=None):
         self.i0, self.i1, self.j0, self.j1, self.causal, self.mask = i0, i1, j0, j1, causal, mask
+        self.coords = None  # with dropout: the call's global dropout coordinates (sharding.dropout_coords)
 
 
 _DENSE = object()  # _plan_plain's answer when the (n, n) pair matrix is needed after all
@@ -132,12 +139,13 @@ def _plan(pq: Tensor, pk: Tensor, seq_len: int, wl: int, wr: int, alibi_slopes: 
     return _Step(i0, i1, j0, j1, mask=bias.masked_fill(~sub.to(sl.device), float("-inf")).contiguous())
 
 
-def _options(step: _Step, scale: float, softcap: float, sq: int, sk: int) -> dict:
+def _options(step: _Step, cfg: dict, sq: int, sk: int) -> dict:
     """The op's options for one step (no sinks, no ALiBi slopes: both handled around the calls)."""
     return dict(bias=step.mask, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=scale, softcap=softcap,
-                window_left=-1, window_right=0 if step.causal else -1, bottom_right=False, dropout_p=0.0,
-                seed=0, offset=0)
+                cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=cfg["scale"], softcap=cfg["softcap"],
+                window_left=-1, window_right=0 if step.causal else -1, bottom_right=False,
+                dropout_p=cfg["dropout_p"], seed=0, offset=0, rng_state=cfg["rng_state"],
+                dropout_coords=step.coords)
 
 
 # ----------------------------------------------------------------------------------- communication
@@ -198,8 +206,7 @@ class _Ring(torch.autograd.Function):
             if step is not None:
                 qs = q[:, :, step.i0:step.i1]
                 ks, vs = cur[0, :, :, step.j0:step.j1], cur[1, :, :, step.j0:step.j1]
-                o_t, l_t = _ops.fwd(qs, ks, vs, **_options(step, cfg["scale"], cfg["softcap"], qs.shape[2],
-                                                            ks.shape[2]))
+                o_t, l_t = _ops.fwd(qs, ks, vs, **_options(step, cfg, qs.shape[2], ks.shape[2]))
                 _merge(out[:, :, step.i0:step.i1], lse[:, :, step.i0:step.i1], o_t, l_t)
             tm.compute_s += tm.now() - t0
             if reqs is not None:
@@ -242,9 +249,9 @@ class _Ring(torch.autograd.Function):
             if step is not None:
                 sl = slice(step.i0, step.i1)
                 qs, ks, vs = q[:, :, sl], cur[0, :, :, step.j0:step.j1], cur[1, :, :, step.j0:step.j1]
-                a = dict(_options(step, cfg["scale"], cfg["softcap"], qs.shape[2], ks.shape[2]),
+                a = dict(_options(step, cfg, qs.shape[2], ks.shape[2]),
                          dout=dout[:, :, sl], q=qs, k=ks, v=vs, out=out[:, :, sl], lse=lse[:, :, sl].contiguous(),
-                         rng_state=None, block_layout=None, block_size=0, topk_thr=None, topk_jcut=None,
+                         block_layout=None, block_size=0, topk_thr=None, topk_jcut=None,
                          bias_grad=False, deterministic=False,
                          dlse=None if dlse is None else dlse[:, :, sl].contiguous())
                 dq_t, dk_t, dv_t, _, _ = torch.ops.attention_ext.bwd(*[a[nm] for nm in _ops.BWD_ARGS])
@@ -303,6 +310,7 @@ def ring_attention(
     qkv_layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
+    seed: Union[int, Tensor, None] = None,
     stats: Optional[Dict[str, Union[int, float]]] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """context_parallel_attention(mode="ring"): the same arguments and result (see there).
@@ -336,14 +344,21 @@ def ring_attention(
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc)
     plans: Dict[int, Optional[_Step]] = {}
+    seed = dropout_seed(dropout_p, seed, group, q.device)
+    rng_state = None if seed is None else _rng_state(seed, None)  # (seed, 0): attention()'s for that seed
 
     def plan(owner: int) -> Optional[_Step]:  # made once per owner, reused by the backward
         if owner not in plans:
-            plans[owner] = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
+            step = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
+            if step is not None and rng_state is not None:  # the step's queries and keys where they are global
+                step.coords = dropout_coords(q.shape[0], q.shape[1], pos[rank][step.i0:step.i1],
+                                             pos[owner][step.j0:step.j1], h_total=q.shape[1], device=q.device)
+            plans[owner] = step
         return plans[owner]
 
     cfg = dict(group=group, world=world, rank=rank, plan=plan, stats=stats, softcap=float(softcap),
-               scale=float(scale) if scale is not None else _default_scale(q.shape[3]))
+               scale=float(scale) if scale is not None else _default_scale(q.shape[3]),
+               dropout_p=float(dropout_p), rng_state=rng_state)
     if sinks is not None and sinks.device != q.device:
         raise ValueError(f"sinks must be on {q.device}, got {sinks.device}")
     out, lse = _Ring.apply(q, k, v, sinks, cfg)

@@ -83,13 +83,42 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p:
                  ) -> Tuple[Tensor, Tensor, Tensor]:
     """The checks every context-parallel mode makes of its (q, k, v) shards, one home: returns
     them as (B, H, n, D) / (B, H_k, n, D) views (bshd transposed, no copy)."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout in context_parallel_attention is not built yet (dropout_p must be 0)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)
     if k.shape != v.shape or k.shape[2] != q.shape[2]:
         raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
     return q, k, v
+
+
+# ----------------------------------------------------------------------------------- dropout
+# Dropout under context parallelism draws, for every local element, the Philox decision of its
+# GLOBAL (b * H + h, query position, key position) (the op's dropout_coords), from one
+# (seed, offset) that every rank of the group shares: the mask is the one a single process
+# draws for the whole sequence with the same seed, whatever the mode, layout or world size.
+def dropout_seed(dropout_p: float, seed, group, device: torch.device):
+    """The dropout seed every rank of the group uses (offset 0, as attention_ext.attention's for a
+    given seed), or None without dropout. seed=None: group rank 0 draws one from torch's global
+    generator and broadcasts it (one small collective, returned as a one-element CPU int64
+    tensor), so the ranks agree whatever their generators' states."""
+    if dropout_p == 0.0:
+        return None
+    if seed is not None:
+        return seed
+    drawn = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(drawn, src=src, group=group)
+    return drawn.cpu()
+
+
+def dropout_coords(b: int, h: int, rows: Tensor, cols: Tensor, *, h_total: int, h0: int = 0,
+                   device: torch.device) -> Tensor:
+    """The op's dropout_coords for a call on local heads [0, h) that are global heads
+    [h0, h0 + h) of h_total, local query rows at global positions `rows` and local keys at
+    `cols`: int32 (B * h + len(rows) + len(cols))."""
+    bh = (torch.arange(b).view(-1, 1) * h_total + h0 + torch.arange(h).view(1, -1)).flatten()
+    return torch.cat([bh, rows.cpu().long(), cols.cpu().long()]).to(device=device, dtype=torch.int32)
 
 
 def _rank_size(group) -> Tuple[int, int]:

@@ -29,6 +29,9 @@ The local attention then sees h query heads over c KV heads, GQA ratio gl. Repli
 index_select, so the backward sums the copies' dK / dV (and the all-to-all returns them to the
 token owners).
 
+Dropout: the local call draws at the global heads (b * H + j h + local head) and positions
+(already global once the rows are in token order): the single process's mask for the shared seed.
+
 Per-head parameters: sinks (H,) and alibi_slopes (H,) / (B, H) are sliced to the local heads.
 Rank j's dsinks is the complete gradient of its own heads' sinks and 0 elsewhere, so the sum over
 the group (all_reduce) is the exact full gradient: the same rule as mode="allgather".
@@ -44,7 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..softmax.functional import attention as _attention
-from .sharding import _check_len, check_shards, global_positions
+from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
 
 __all__ = ["ulysses_attention", "kv_heads_for_rank"]
 
@@ -112,6 +115,7 @@ def ulysses_attention(
     qkv_layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
+    seed: Union[int, Tensor, None] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """context_parallel_attention(mode="ulysses"): the same arguments and results (see
     attention.context_parallel_attention); the design is this module's docstring."""
@@ -166,9 +170,17 @@ def ulysses_attention(
     if seq_len < s:  # padding: keys (and queries) >= seq_len cut off
         qf, kf, vf = (t[:, :, :seq_len] for t in (qf, kf, vf))
 
-    # local heads, the whole sequence: one kernel call, position rules on global indices
+    # local heads, the whole sequence: one kernel call, position rules on global indices;
+    # dropout at the global heads (rows and keys are already global: the identity)
+    drop = {}
+    seed = dropout_seed(dropout_p, seed, group, q.device)
+    if seed is not None:
+        sl = qf.shape[2]
+        drop = dict(dropout_p=dropout_p, seed=seed,
+                    dropout_coords=dropout_coords(b, h, torch.arange(sl), torch.arange(sl), h_total=hq,
+                                                  h0=rank * h, device=q.device))
     out, lse = _attention(qf, kf, vf, scale=scale, causal=causal, window=(wl, wr), alibi_slopes=alibi_slopes,
-                          softcap=softcap, sinks=sinks, return_lse=True)
+                          softcap=softcap, sinks=sinks, return_lse=True, **drop)
     if seq_len < s:
         out = torch.nn.functional.pad(out, (0, 0, 0, s - seq_len))
         lse = torch.nn.functional.pad(lse, (0, s - seq_len))

@@ -164,7 +164,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     dmask = None
     if o["dropout_p"] > 0:  # the kernels' Philox mask, bit for bit
         rng = o["rng_state"] if o.get("rng_state") is not None else torch.tensor([o["seed"], o["offset"]])
-        dmask = reference.dropout_mask(nb, q.shape[1], sq, sk, o["dropout_p"], rng, device=q.device)
+        dmask = reference.dropout_mask(nb, q.shape[1], sq, sk, o["dropout_p"], rng, device=q.device,
+                                       coords=o.get("dropout_coords"))
     bias = o["bias"]
     if o.get("block_layout") is not None:  # the layout as an element mask, merged into the bias
         bs, lay = o["block_size"], o["block_layout"]
@@ -201,6 +202,7 @@ def attention(
     dropout_p: float = 0.0,
     generator: Optional[torch.Generator] = None,
     seed: Union[int, Tensor, None] = None,
+    dropout_coords: Optional[Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
     num_splits: int = 0,
@@ -228,6 +230,11 @@ def attention(
             `seed` (an int, or a one-element int tensor) with offset 0, else both drawn from
             `generator` (default: torch's, so torch.manual_seed reproduces it). Compiles with
             torch.compile(fullgraph=True) with a fresh mask per call and no recompile.
+        dropout_coords: for a call that computes one piece of a larger attention (context
+            parallelism: attention_ext.distributed): an int (B * H + Sq + Sk) tensor giving the
+            larger problem's b * H_global + h of each local (b, h), then the global index of each
+            query row, then of each key. The dropout mask is drawn at those coordinates, so the
+            pieces drop exactly what one call on the whole problem drops.
         return_lse: also return the (B, H, Sq) log-sum-exp (float32; float64 for float64
             inputs).
         deterministic: the backward uses no atomics (CUDA).
@@ -273,6 +280,11 @@ def attention(
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
+    if dropout_coords is not None:
+        _check(isinstance(dropout_coords, Tensor) and tuple(dropout_coords.shape) == (b * h + sq + sk,),
+               lambda: f"dropout_coords must be a (B * H + Sq + Sk,) = ({b * h + sq + sk},) int tensor, got "
+                       f"{tuple(dropout_coords.shape) if isinstance(dropout_coords, Tensor) else type(dropout_coords)}")
+        dropout_coords = dropout_coords.to(device=q.device, dtype=torch.int32).contiguous() if dropout_p > 0.0 else None
     if block_layout is not None:
         _check(isinstance(block_layout, Tensor) and block_layout.dtype == torch.bool,
                lambda: f"block_layout must be a bool tensor, got {getattr(block_layout, 'dtype', type(block_layout))}",
@@ -286,7 +298,7 @@ def attention(
     opts = dict(bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=seqlens_k, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap),
                 window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
-                seed=0, offset=0, rng_state=rng_state, block_layout=block_layout,
+                seed=0, offset=0, rng_state=rng_state, dropout_coords=dropout_coords, block_layout=block_layout,
                 block_size=int(block_size) if block_layout is not None else 0)
     out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk)
     if layout == "bshd":

@@ -67,7 +67,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                  cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                  scale: float = 1.0, softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
                  bottom_right: bool = False, dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
-                 rng_state: Optional[Tensor] = None, block_layout: Optional[Tensor] = None, block_size: int = 0,
+                 rng_state: Optional[Tensor] = None, dropout_coords: Optional[Tensor] = None,
+                 block_layout: Optional[Tensor] = None, block_size: int = 0,
                  topk_thr: Optional[Tensor] = None, topk_jcut: Optional[Tensor] = None) -> None:
     """The op's input rules, as the C++ check_inputs (csrc/torch/softmax_params.cpp) states them,
     with the same error types (ValueError, TypeError, RuntimeError) and messages. Run by the fake
@@ -146,6 +147,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                                    f"{_shape(r)}")
         torch._check(r.device.type == "cpu",
                      lambda: f"attention_ext: rng_state must be a CPU tensor (read on the host), got {r.device}")
+    if dropout_coords is not None:  # Philox counters, never addresses: any value is safe
+        torch._check_value(not varlen, lambda: "attention_ext: dropout_coords do not combine with varlen (cu_seqlens)")
+        _check_index(dropout_coords, "dropout_coords", nb * h + sq + sk, q)
     if sinks is not None:
         s = sinks
         torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {_name(acc)}, got {_name(s.dtype)}")
@@ -201,9 +205,10 @@ else:
     FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
     BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
 _OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "rng_state",
-                   "block_layout", "topk_thr", "topk_jcut")
-# options a caller may leave out of ops.fwd: dense, no top-k
-_OPTION_DEFAULTS = dict(rng_state=None, block_layout=None, block_size=0, topk_thr=None, topk_jcut=None)
+                   "dropout_coords", "block_layout", "topk_thr", "topk_jcut")
+# options a caller may leave out of ops.fwd: the dropout mask at its own coordinates, dense, no top-k
+_OPTION_DEFAULTS = dict(rng_state=None, dropout_coords=None, block_layout=None, block_size=0, topk_thr=None,
+                        topk_jcut=None)
 
 
 def _check_num_splits(num_splits: int) -> None:
@@ -281,14 +286,14 @@ if HAS_EXT:
         sinks = a["sinks"] if ctx.sinks_grad else None
         # rng_state: the backward redraws the forward's dropout mask from the same (seed, offset)
         ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, bias, a["alibi_slopes"], sinks, a["seqlens_k"],
-                              a["cu_seqlens_q"], a["cu_seqlens_k"], a.get("rng_state"), a.get("block_layout"),
-                              a.get("topk_thr"), a.get("topk_jcut"))
+                              a["cu_seqlens_q"], a["cu_seqlens_k"], a.get("rng_state"), a.get("dropout_coords"),
+                              a.get("block_layout"), a.get("topk_thr"), a.get("topk_jcut"))
 
     def _backward(ctx, dout, dlse):
         if not ctx.any_grad:
             return (None,) * len(FWD_ARGS)
-        (q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, rng_state, block_layout, topk_thr,
-         topk_jcut) = ctx.saved_tensors
+        (q, k, v, out, lse, bias, alibi, sinks, seqlens_k, cu_q, cu_k, rng_state, dropout_coords, block_layout,
+         topk_thr, topk_jcut) = ctx.saved_tensors
         if dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
             dout = dout.contiguous()
         if dlse is not None:
@@ -296,7 +301,7 @@ if HAS_EXT:
             dlse = dlse.to(lse.dtype).masked_fill(torch.isinf(lse), 0.0).contiguous()
         a = dict(ctx.scalars, dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi, sinks=sinks,
                  seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rng_state=rng_state,
-                 block_layout=block_layout, topk_thr=topk_thr, topk_jcut=topk_jcut,
+                 dropout_coords=dropout_coords, block_layout=block_layout, topk_thr=topk_thr, topk_jcut=topk_jcut,
                  bias_grad=ctx.bias_grad, deterministic=ctx.deterministic, dlse=dlse)
         dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(*[a[n] for n in BWD_ARGS])
         grads = dict(q=dq, k=dk, v=dv, bias=dbias.sum_to_size(bias.shape) if ctx.bias_grad else None,

@@ -227,24 +227,36 @@ def _philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: Tensor, k
     return c0, c1, c2, c3
 
 
-def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, rng_state: Tensor, device: Device = None) -> Tensor:
+def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, rng_state: Tensor, device: Device = None,
+                 coords: Optional[Tensor] = None) -> Tensor:
     """The (B, H, S_q, S_k) bool keep-mask the kernels draw, from rng_state = (seed, offset), an
     int64 (2) tensor (read as tensors: no .item(), so torch.compile traces it).
 
     Element (b, h, i, j) keeps when u >= p, u = (x >> 8) / 2**24 with x the (j mod 4)-th word of
     Philox4x32-10(counter = (j // 4, i, b * H + h, offset_lo), key = (seed_lo, seed_hi ^ offset_hi)):
-    bit for bit the mask of the compiled kernels and of attention_ext.dropout_mask()."""
+    bit for bit the mask of the compiled kernels and of attention_ext.dropout_mask().
+
+    coords: the op's dropout_coords, an int (B * H + S_q + S_k) tensor: the element is drawn at
+    the global (bh, i, j) it names (one piece of a larger problem: context parallelism)."""
     rng = rng_state.to(device=device, dtype=torch.int64)
     seed, offset = rng[0], rng[1]
     i64 = dict(dtype=torch.int64, device=rng.device)
-    j4 = torch.arange((sk + 3) // 4, **i64).view(1, 1, -1)
-    i = torch.arange(sq, **i64).view(1, -1, 1)
-    bh = torch.arange(b * h, **i64).view(-1, 1, 1)
-    zero = torch.zeros((b * h, sq, (sk + 3) // 4), **i64)  # the counters, broadcast to (B * H, S_q, S_k / 4)
     k0 = seed & _U32
     k1 = ((seed >> 32) & _U32) ^ ((offset >> 32) & _U32)  # arithmetic shifts: the uint64 bits of a negative value
-    words = _philox4x32_10(zero + j4, zero + i, zero + bh, zero + (offset & _U32), k0 + zero, k1 + zero)
-    bits = torch.stack(words, dim=-1).flatten(-2)[..., :sk]  # (B * H, S_q, 4 * ceil(S_k / 4)) -> S_k
+    if coords is not None:  # one draw per element, at its global coordinates
+        c = coords.to(**i64)
+        bh, i, j = c[:b * h].view(-1, 1, 1), c[b * h:b * h + sq].view(1, -1, 1), c[b * h + sq:].view(1, 1, -1)
+        zero = torch.zeros((b * h, sq, sk), **i64)
+        words = _philox4x32_10(zero + ((j >> 2) & _U32), zero + (i & _U32), zero + (bh & _U32),
+                               zero + (offset & _U32), k0 + zero, k1 + zero)
+        bits = torch.gather(torch.stack(words, dim=-1), -1, (zero + (j & 3)).unsqueeze(-1)).squeeze(-1)
+    else:
+        j4 = torch.arange((sk + 3) // 4, **i64).view(1, 1, -1)
+        i = torch.arange(sq, **i64).view(1, -1, 1)
+        bh = torch.arange(b * h, **i64).view(-1, 1, 1)
+        zero = torch.zeros((b * h, sq, (sk + 3) // 4), **i64)  # the counters, broadcast to (B * H, S_q, S_k / 4)
+        words = _philox4x32_10(zero + j4, zero + i, zero + bh, zero + (offset & _U32), k0 + zero, k1 + zero)
+        bits = torch.stack(words, dim=-1).flatten(-2)[..., :sk]  # (B * H, S_q, 4 * ceil(S_k / 4)) -> S_k
     # u >= p in float32, as the kernels compare: (x >> 8) >= p32 * 2**24 (a power-of-two scale is exact)
     threshold = math.ceil(struct.unpack("f", struct.pack("f", p))[0] * 16777216.0)
     return ((bits >> 8) >= threshold).view(b, h, sq, sk)

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "block_sparse.h"
+#include "philox.h"
 
 namespace attn {
 
@@ -95,6 +96,7 @@ struct FwdParamsT : QkvParams {
   float dropout_p;  // probability of dropping; 0 = off
   uint64_t seed;
   uint64_t offset;
+  DropoutCoords dropout_coords;  // identity, or this call's place in a larger problem (philox.h)
 
   // threads for the CPU backend (0 = the intra-op pool's, cpu/parallel.h)
   int32_t num_threads;

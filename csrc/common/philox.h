@@ -67,4 +67,28 @@ ATTN_HD bool dropout_keep(uint64_t seed, uint64_t offset, int bh, int i, int j, 
   return dropout_keep_bits(r.x[j & 3], p);
 }
 
+// Dropout at the coordinates of a larger problem. A kernel call that computes one piece of a
+// bigger attention (context parallelism: this rank's queries against one visiting key shard, or
+// this rank's heads of the whole sequence) draws the decision of its local element (bh, i, j) at
+// the big problem's (bh_map[bh], rows[i], cols[j]), so the pieces together drop exactly what one
+// call on the whole problem drops. Null pointers mean identity (an ordinary call). Local indices
+// past n_rows / n_cols (a tile's tail, always masked) are not looked up.
+struct DropoutCoords {
+  const int32_t* bh;    // (B * H) the global b * H_global + h of each local (b, h)
+  const int32_t* rows;  // (n_rows) the global query index of each local row
+  const int32_t* cols;  // (n_cols) the global key index of each local key
+  int32_t n_rows, n_cols;
+
+  ATTN_HD bool identity() const { return bh == nullptr; }  // all three are given together
+  ATTN_HD int global_bh(int x) const { return bh == nullptr ? x : bh[x]; }
+  ATTN_HD int row(int i) const { return rows == nullptr || i >= n_rows ? i : rows[i]; }
+  ATTN_HD int col(int j) const { return cols == nullptr || j >= n_cols ? j : cols[j]; }
+};
+
+// The keep decision of local element (bh, i, j) under `c` (one Philox draw per element).
+ATTN_HD bool dropout_keep_at(uint64_t seed, uint64_t offset, const DropoutCoords& c, int bh, int i, int j,
+                             float p) {
+  return dropout_keep(seed, offset, c.global_bh(bh), c.row(i), c.col(j), p);
+}
+
 }  // namespace attn

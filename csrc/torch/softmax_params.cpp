@@ -121,6 +121,11 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     TORCH_CHECK(r.device().is_cpu(), "attention_ext: rng_state must be a CPU tensor (read on the host), got ",
                 r.device());
   }
+  if (o.dropout_coords.has_value()) {
+    // values are Philox counters, never addresses: any int32 is safe to read
+    TORCH_CHECK_VALUE(!varlen, "attention_ext: dropout_coords do not combine with varlen (cu_seqlens)");
+    check_index_tensor(o.dropout_coords, "dropout_coords", nb * h + sq + sk, q);
+  }
   if (o.sinks.has_value()) {
     const Tensor& s = *o.sinks;
     TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext: sinks must be ", acc, ", got ", s.scalar_type());
@@ -242,6 +247,11 @@ FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& 
   } else {
     p.seed = uint64_t(o.seed);
     p.offset = uint64_t(o.offset);
+  }
+  if (o.dropout_coords.has_value()) {  // (B * H + Sq + Sk): bh, rows, cols
+    const int32_t* c = o.dropout_coords->data_ptr<int32_t>();
+    const int64_t nbh = int64_t(p.b) * p.h;
+    p.dropout_coords = DropoutCoords{c, c + nbh, c + nbh + p.sq, p.sq, p.sk};
   }
   if (o.block_layout.has_value()) {  // the tile indices are the binding's (sparse_index.h)
     const Tensor& l = *o.block_layout;

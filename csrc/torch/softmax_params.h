@@ -9,7 +9,8 @@
 //       -> (dq, dk, dv, dbias, dsinks)
 //   <options> = bias?, alibi_slopes?, sinks?, seqlens_k?, cu_seqlens_q?, cu_seqlens_k?,
 //       max_seqlen_q, max_seqlen_k, scale, softcap, window_left, window_right, bottom_right,
-//       dropout_p, seed, offset, rng_state?, block_layout?, block_size, topk_thr?, topk_jcut?
+//       dropout_p, seed, offset, rng_state?, dropout_coords?, block_layout?, block_size, topk_thr?,
+//       topk_jcut?
 // block_layout / block_size: the block-sparse layout (csrc/common/block_sparse.h); the bindings
 // attach its tile indices (torch/sparse_index.h). topk_thr / topk_jcut: top-k attention's rows
 // from the threshold pass (torch.ops.attention_ext.topk_threshold).
@@ -17,6 +18,10 @@
 // The functional API draws it with torch.randint, so that torch.compile traces the draw (no
 // .item(), no recompile per seed) and the backward reuses the forward's tensor; the bindings
 // read it on the host (no device sync).
+// dropout_coords: an optional int32 (B * H + Sq + Sk) tensor on q's device, the global
+// (b * H_global + h, query row, key column) of every local one, concatenated: the call is one
+// piece of a larger problem and draws that problem's dropout mask (attn::DropoutCoords;
+// context parallelism). Not with varlen.
 // q (B, H, Sq, D), k / v (B, H_k, Sk, D) through strides (head-dim stride 1); varlen packs are
 // (1, H, total, D) with cu_seqlens. out / dq / dk / dv keep their input's memory layout.
 #pragma once
@@ -33,19 +38,20 @@
   "Tensor? bias, Tensor? alibi_slopes, Tensor? sinks, Tensor? seqlens_k, Tensor? cu_seqlens_q, "        \
   "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, float softcap, int window_left, " \
   "int window_right, bool bottom_right, float dropout_p, int seed, int offset, Tensor? rng_state, "      \
-  "Tensor? block_layout, int block_size, Tensor? topk_thr, Tensor? topk_jcut"
+  "Tensor? dropout_coords, Tensor? block_layout, int block_size, Tensor? topk_thr, Tensor? topk_jcut"
 #define ATTN_SOFTMAX_OPTIONS_PARAMS                                                                        \
   const ::attn::api::OptTensor &bias, const ::attn::api::OptTensor &alibi_slopes,                         \
       const ::attn::api::OptTensor &sinks, const ::attn::api::OptTensor &seqlens_k,                       \
       const ::attn::api::OptTensor &cu_seqlens_q, const ::attn::api::OptTensor &cu_seqlens_k,             \
       int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, double softcap, int64_t window_left,      \
       int64_t window_right, bool bottom_right, double dropout_p, int64_t seed, int64_t offset,            \
-      const ::attn::api::OptTensor &rng_state, const ::attn::api::OptTensor &block_layout, int64_t block_size, \
+      const ::attn::api::OptTensor &rng_state, const ::attn::api::OptTensor &dropout_coords,              \
+      const ::attn::api::OptTensor &block_layout, int64_t block_size,                                     \
       const ::attn::api::OptTensor &topk_thr, const ::attn::api::OptTensor &topk_jcut
 #define ATTN_SOFTMAX_OPTIONS_ARGS                                                                      \
   bias, alibi_slopes, sinks, seqlens_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, \
-      softcap, window_left, window_right, bottom_right, dropout_p, seed, offset, rng_state, block_layout, block_size, \
-      topk_thr, topk_jcut
+      softcap, window_left, window_right, bottom_right, dropout_p, seed, offset, rng_state, dropout_coords, \
+      block_layout, block_size, topk_thr, topk_jcut
 
 namespace attn {
 namespace api {
@@ -63,6 +69,7 @@ struct Options {
   double dropout_p;
   int64_t seed, offset;
   OptTensor rng_state;  // (seed, offset) on the host; overrides seed / offset when given
+  OptTensor dropout_coords;  // (B * H + Sq + Sk) int32: global dropout coordinates, or none
   // block-sparse: (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)) bool, or none (dense)
   OptTensor block_layout;
   int64_t block_size;

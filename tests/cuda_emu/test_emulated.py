@@ -161,7 +161,8 @@ def test_options(monkeypatch, emu, opt):
         tc.run_and_compare(2, h, hk, 129, 200, d, dtype, **o)
 
 
-@pytest.mark.parametrize("opt", ["causal_br", "window", "bias_row_bcast_grad", "sinks", "dropout", "everything"])
+@pytest.mark.parametrize("opt", ["causal_br", "window", "bias_row_bcast_grad", "sinks", "dropout", "dropout_coords",
+                                 "everything"])
 def test_options_sm80(monkeypatch, emu, opt):
     """The sm_80 build: scalar dQ atomics instead of sm_90's 16-byte quad swap."""
     emulate(monkeypatch, emu, arch=80)
@@ -203,7 +204,7 @@ def test_split_kv(monkeypatch, emu, opt, splits):
     assert torch.allclose(l_s, l_1, rtol=0, atol=1e-4, equal_nan=True), (l_s - l_1).abs().max()
 
 
-@pytest.mark.parametrize("opt", ["causal_tl", "bool_mask", "dropout"])
+@pytest.mark.parametrize("opt", ["causal_tl", "bool_mask", "dropout", "dropout_coords"])
 def test_options_fp32_simt(monkeypatch, emu, opt):
     emulate(monkeypatch, emu)
     torch.manual_seed(OPTION_NAMES.index(opt))

@@ -43,9 +43,39 @@ VARIANTS = {
     # bf16 under the project's rule: error vs float64 <= 2x PyTorch's own bf16 error + a floor
     "bf16-causal-gqa": dict(causal=True, hk=2, dtype=torch.bfloat16),
     "bf16-window-alibi-sinks": dict(window=(6, 2), alibi=True, sinks=True, dtype=torch.bfloat16),
+    # dropout at global positions: the single process's mask for the same seed (fp32 only)
+    "dropout": dict(dropout=0.25),
+    "causal-gqa-dropout": dict(causal=True, hk=2, dropout=0.25),
+    "window-alibi-dropout": dict(window=(5, 3), alibi=True, dropout=0.25),
+    "odd-causal-dropout": dict(causal=True, real=S_ODD, dropout=0.25),
+    "sinks-dropout-seedless": dict(sinks=True, dropout=0.25, seedless=True),
 }
 ATTN_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in VARIANTS]
 GROUP_CASES = ["zigzag-causal-gqa", "stripe-window", "contiguous-causal-sinks-softcap"]  # on subgroups of 4
+
+
+SEEDLESS = 99  # rank 0's generator seed in the seedless dropout cases (the other ranks' differ)
+
+
+def dropout_kw(o: dict, name: str):
+    """(single-process kwargs, context-parallel kwargs) of a case's dropout: the same seed on
+    both sides; "seedless" gives the CP call no seed, so group rank 0 draws one from torch's
+    generator (seeded with SEEDLESS just before the call, see seed_before_cp) and broadcasts it:
+    the single process gets the value that draw makes."""
+    if "dropout" not in o:
+        return {}, {}
+    p = o["dropout"]
+    if o.get("seedless"):
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=torch.Generator().manual_seed(SEEDLESS)))
+        return dict(dropout_p=p, seed=seed), dict(dropout_p=p)
+    seed = 7000 + sum(map(ord, name))
+    return dict(dropout_p=p, seed=seed), dict(dropout_p=p, seed=seed)
+
+
+def seed_before_cp(o: dict, rank: int) -> None:
+    """Seedless dropout: every rank's generator in a different state, rank 0's at SEEDLESS."""
+    if o.get("seedless"):
+        torch.manual_seed(SEEDLESS if rank == 0 else SEEDLESS + 1 + rank)
 
 
 class CallCounter:
@@ -131,6 +161,7 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
     slopes = torch.rand(H) * 0.5 + 0.1 if o.get("alibi") else None
     sinks = torch.randn(H) if o.get("sinks") else None
     opts = dict(causal=causal, alibi_slopes=slopes, softcap=o.get("softcap", 0.0))
+    drop_one, drop_cp = dropout_kw(o, name)
 
     # single process: our kernel in fp32; for bf16 the float64 reference and PyTorch's bf16 math
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -141,7 +172,7 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
     win = (window[0], 0) if causal else window
     kw = dict(window=win, alibi_slopes=slopes, softcap=opts["softcap"])
     if dtype == torch.float32:
-        out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, window=window, **opts)
+        out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, window=window, **opts, **drop_one)
         (out * g).sum().backward()
     else:
         out, lse = reference.attention(qr, kr, vr, sinks=sr, **kw)
@@ -163,10 +194,11 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
+    seed_before_cp(o, rank)
     counter.take()
     kernel.take()
     ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, layout=layout, window_size=window, sinks=sl,
-                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts)
+                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts, **drop_cp)
     n_fwd = counter.take()
     calls = kernel.take()
     gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
@@ -289,6 +321,10 @@ U_VARIANTS = {
     "odd-window-alibi-one": dict(window=(3, 2), alibi=True, real=S_ODD, kv="one"),
     "nolse-causal": dict(causal=True, lse=False),
     "bf16-causal-sinks-split": dict(causal=True, sinks=True, kv="split", dtype=torch.bfloat16),
+    "causal-dropout": dict(causal=True, dropout=0.25),
+    "straddle-dropout": dict(kv="straddle", dropout=0.25),
+    "odd-window-sinks-dropout-seedless": dict(window=(3, 2), sinks=True, real=S_ODD, kv="one", dropout=0.25,
+                                              seedless=True),
 }
 U_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in U_VARIANTS]
 U_GROUP_CASES = ["zigzag-causal-one", "stripe-causal-sinks-straddle"]  # on subgroups of 4 (P = 2)
@@ -317,13 +353,14 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
     slopes = torch.rand(hq) * 0.5 + 0.1 if o.get("alibi") else None
     sinks = torch.randn(hq) if o.get("sinks") else None
     softcap = o.get("softcap", 0.0)
+    drop_one, drop_cp = dropout_kw(o, name)
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     sr = sinks.clone().requires_grad_() if sinks is not None else None
     win = (window[0], 0) if causal else window
     if dtype == torch.float32:
         out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, causal=causal, window=window,
-                                alibi_slopes=slopes, softcap=softcap)
+                                alibi_slopes=slopes, softcap=softcap, **drop_one)
         loss = (out * g).sum() + ((lse * g_lse).sum() if with_lse else 0)
         loss.backward()
     else:  # float64 reference and PyTorch's own bf16 math; the loss without the LSE
@@ -349,10 +386,11 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
+    seed_before_cp(o, rank)
     counter.take()
     res = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ulysses", layout=layout, causal=causal,
                                         window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
-                                        return_lse=with_lse, qkv_layout=qkv_layout, seq_len=real)
+                                        return_lse=with_lse, qkv_layout=qkv_layout, seq_len=real, **drop_cp)
     ol, lsel = res if with_lse else (res, None)
     n_fwd = counter.take()
     gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
@@ -447,6 +485,10 @@ RING_VARIANTS = {
     "n7-causal": dict(causal=True, per_rank=7, hk=2),
     "n5-window-sinks": dict(window=(3, 2), sinks=True, per_rank=5, hk=1),
     "bf16-causal-gqa-sinks": dict(causal=True, hk=2, sinks=True, dtype=torch.bfloat16),
+    "dropout": dict(dropout=0.25, hk=2),
+    "causal-window-alibi-dropout": dict(causal=True, window=(9, -1), alibi=True, dropout=0.25),
+    "n5-causal-sinks-lse-dropout-seedless": dict(causal=True, sinks=True, per_rank=5, lse_grad=True, dropout=0.25,
+                                                 seedless=True),
 }
 RING_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in RING_VARIANTS]
 RING_GROUP_CASES = ["zigzag-causal-sinks-lse", "stripe-window"]  # on subgroups of 4
@@ -489,12 +531,13 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
     softcap = o.get("softcap", 0.0)
     lse_grad = o.get("lse_grad", False)
     win = (window[0], 0) if causal else window
+    drop_one, drop_cp = dropout_kw(o, name)
 
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     sr = sinks.clone().requires_grad_() if sinks is not None else None
     if dtype == torch.float32:
         out, lse = ae.attention(qr, kr, vr, sinks=sr, return_lse=True, causal=causal, window=window,
-                                alibi_slopes=slopes, softcap=softcap)
+                                alibi_slopes=slopes, softcap=softcap, **drop_one)
     else:
         qr, kr, vr = (t.detach().double().requires_grad_() for t in (qr, kr, vr))
         sr = sr.detach().double().requires_grad_() if sr is not None else None
@@ -521,10 +564,12 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     stats: Dict[str, float] = {}
+    seed_before_cp(o, rank)
     p2p.take()
     ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal,
                                              window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
-                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, _stats=stats)
+                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, _stats=stats,
+                                             **drop_cp)
     sends_fwd = p2p.take()
     gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
     if qkv_layout == "bshd":

@@ -82,12 +82,12 @@ def test_length_rule():
     assert cp.sequence_multiple(3, "zigzag") == 6 and cp.sequence_multiple(3, "stripe") == 3
 
 
-@pytest.mark.parametrize("kw", [dict(dropout_p=0.1), dict(mode="ring", dropout_p=0.1),
-                                dict(mode="ulysses", dropout_p=0.1)])
-def test_not_built(kw):
+@pytest.mark.parametrize("mode", ["allgather", "ring", "ulysses"])
+@pytest.mark.parametrize("p", [1.0, -0.1])
+def test_dropout_p_range(mode, p):
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        cp.context_parallel_attention(q, q, q, **kw)
+    with pytest.raises(ValueError, match="dropout_p"):
+        cp.context_parallel_attention(q, q, q, mode=mode, dropout_p=p)
 
 
 def test_harness_fails_fast():

@@ -153,8 +153,6 @@ def test_plan_alibi_bias():
 
 def test_ring_errors():
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        cp.context_parallel_attention(q, q, q, mode="ring", dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         cp.context_parallel_attention(q, q, q, mode="ring", alibi_slopes=torch.ones(2, requires_grad=True))
     with pytest.raises(ValueError, match="qkv_layout"):

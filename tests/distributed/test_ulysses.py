@@ -52,11 +52,6 @@ def test_ulysses_subgroups(name):
 
 # -- no process group needed ---------------------------------------------------------------------
 
-def test_dropout_not_built():
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        cp.context_parallel_attention(q, q, q, mode="ulysses", dropout_p=0.1)
-
 
 @pytest.mark.parametrize("hq,hk,world", [(8, 4, 2), (8, 2, 4), (8, 1, 4), (6, 2, 3), (12, 3, 4), (6, 3, 2)])
 def test_kv_head_rule(hq, hk, world):

@@ -395,6 +395,48 @@ def test_dropout_fallback_draws_the_kernel_mask(monkeypatch):
     assert (kernel - fallback).abs().max().item() < 1e-12
 
 
+def _piece_coords(b, h_total, h0, h, rows, cols):
+    bh = (torch.arange(b).view(-1, 1) * h_total + h0 + torch.arange(h).view(1, -1)).flatten()
+    return torch.cat([bh, rows, cols]).int()
+
+
+@pytest.mark.filterwarnings("ignore:attention_ext. no compiled kernel:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_dropout_coords_draw_the_whole_problems_mask(dtype, fallback, monkeypatch):
+    """A call on a piece of a larger problem (some heads, strided query rows, a shuffled key
+    subset: what context parallelism hands the kernel) with dropout_coords drops exactly what the
+    whole problem drops: reference.dropout_mask with coords is the whole mask's sub-block bit for
+    bit, and the kernel's output and gradients match the float64 reference under that sub-mask."""
+    b, ht, st, p, seed = 2, 5, 61, 0.3, 4242
+    whole = ae.dropout_mask(b, ht, st, st, p, seed)
+    h0, h = 1, 3
+    rows = torch.arange(3, st, 4)            # stripe-like rows
+    cols = torch.randperm(st, generator=torch.Generator().manual_seed(0))[:29]  # any key order
+    coords = _piece_coords(b, ht, h0, h, rows, cols)
+    sub = whole[:, h0:h0 + h][:, :, rows][:, :, :, cols]
+    assert torch.equal(reference.dropout_mask(b, h, rows.numel(), cols.numel(), p, torch.tensor([seed, 0]),
+                                              coords=coords), sub)
+    if fallback:
+        monkeypatch.setitem(ops._KERNELS, "cpu", False)
+    q, k, v = rand_qkv(b, h, h, rows.numel(), cols.numel(), 24, dtype)
+    out = ae.attention(q, k, v, dropout_p=p, seed=seed, dropout_coords=coords)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference.attention(qd, kd, vd, dropout_p=p, dropout_mask=sub)
+    tol = 1e-5  # a wrong mask misses by ~0.1
+    assert rel_err(out, ref) < tol
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for a, r in ((q, qd), (k, kd), (v, vd)):
+        assert rel_err(a.grad, r.grad) < tol
+    # identity coordinates are an ordinary call, bit for bit
+    q2, k2, v2 = rand_qkv(b, ht, ht, 13, 17, 16, dtype, requires_grad=False)
+    ident = _piece_coords(b, ht, 0, ht, torch.arange(13), torch.arange(17))
+    assert torch.equal(ae.attention(q2, k2, v2, dropout_p=p, seed=seed, dropout_coords=ident),
+                       ae.attention(q2, k2, v2, dropout_p=p, seed=seed))
+
+
 def _reset_dynamo():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # reset() keeps them
@@ -514,30 +556,37 @@ def test_gradcheck_varlen():
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32, rng_state=None):
+def _op_args(with_bias=True, sinks=True, dropout=0.0, dtype=torch.float32, rng_state=None, coords=False):
     q, k, v = rand_qkv(2, 4, 2, 9, 11, 16, dtype)
     acc = ops.acc_dtype(dtype)
     bias = torch.randn(1, 4, 9, 11, dtype=acc, requires_grad=True) if with_bias else None
     s = torch.randn(4, dtype=acc, requires_grad=True) if sinks else None
+    # dropout_coords: (B * H + Sq + Sk) global coordinates, here of a piece of a (2, 12, 40, 50) problem
+    dc = torch.cat([torch.arange(8) + 4, torch.arange(9) * 3 + 1, torch.arange(11) + 30]).int() if coords else None
     return (q, k, v, bias, torch.rand(4, dtype=acc), s, None, None, None, 9, 11, 0.25, 0.0, -1, 0, False, dropout, 3,
-            0, rng_state, None, 0, None, None)
+            0, rng_state, dc, None, 0, None, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("variant", ["full", "plain", "dropout", "dropout_rng_state", "splits_deterministic"])
+@pytest.mark.parametrize("variant", ["full", "plain", "dropout", "dropout_rng_state", "dropout_coords",
+                                     "splits_deterministic"])
 def test_opcheck_fwd(variant, dtype):
     args = _op_args(with_bias=variant == "full", sinks=variant == "full", dropout=0.2 if "dropout" in variant else 0.0,
-                    dtype=dtype, rng_state=torch.tensor([2**40 + 3, 5]) if variant == "dropout_rng_state" else None)
+                    dtype=dtype, rng_state=torch.tensor([2**40 + 3, 5]) if variant == "dropout_rng_state" else None,
+                    coords=variant == "dropout_coords")
     if variant == "splits_deterministic":  # the two trailing arguments, past their defaults
         args = (*args, 0, True)
     torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rng_state", [None, (12, 34)])
+@pytest.mark.parametrize("rng_state", [None, (12, 34), "coords"])
 def test_opcheck_bwd_and_mask(dtype, rng_state):
+    coords = rng_state == "coords"
+    if coords:
+        rng_state = (56, 78)
     args = _op_args(dtype=dtype, dropout=0.0 if rng_state is None else 0.25,
-                    rng_state=None if rng_state is None else torch.tensor(rng_state))
+                    rng_state=None if rng_state is None else torch.tensor(rng_state), coords=coords)
     q, k, v = args[:3]
     out, lse = torch.ops.attention_ext.fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     dargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
@@ -578,6 +627,8 @@ BAD = [
     ("kpm shape", lambda q, k, v: ae.attention(q, k, v, key_padding_mask=torch.ones(2, 5, dtype=torch.bool)),
      ValueError, "key_padding_mask"),
     ("dropout", lambda q, k, v: ae.attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
+    ("dropout_coords", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, dropout_coords=torch.arange(9)), ValueError,
+     "dropout_coords"),
     ("window", lambda q, k, v: ae.attention(q, k, v, window=(-3, 1)), ValueError, "window"),
     ("softcap", lambda q, k, v: ae.attention(q, k, v, softcap=-1.0), ValueError, "softcap"),
     ("alibi", lambda q, k, v: ae.attention(q, k, v, alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
@@ -599,7 +650,8 @@ def test_bad_input(name, fn, exc, msg):
 def test_bad_input_raw_op_never_crashes():
     q = torch.randn(2, 4, 8, 16)
     k = torch.randn(2, 3, 9, 16)
-    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0, None, None, 0, None, None]
+    base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0, None, None, None, 0, None,
+            None]
     with pytest.raises((RuntimeError, ValueError)):
         torch.ops.attention_ext.fwd(q, k, k, *base)
     bad_cu = list(base)
@@ -629,8 +681,8 @@ def _raw_fwd_args(device, **changes):
     a = dict(q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16), bias=None,
              alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=8,
              max_seqlen_k=9, scale=0.25, softcap=0.0, window_left=-1, window_right=-1, bottom_right=False,
-             dropout_p=0.0, seed=0, offset=0, rng_state=None, block_layout=None, block_size=0, topk_thr=None,
-             topk_jcut=None, num_splits=1, deterministic=False)
+             dropout_p=0.0, seed=0, offset=0, rng_state=None, dropout_coords=None, block_layout=None, block_size=0,
+             topk_thr=None, topk_jcut=None, num_splits=1, deterministic=False)
     a.update(changes)
     a = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in a.items()}
     return [a[n] for n in ops.FWD_ARGS]
@@ -666,6 +718,11 @@ RAW_BAD = {
     "varlen batch": dict(cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 9], **_i32)),
     "rng_state dtype": dict(rng_state=torch.tensor([1, 2], **_i32)),
     "rng_state shape": dict(rng_state=torch.tensor([1, 2, 3])),
+    "dropout_coords dtype": dict(dropout_coords=torch.arange(2 * 4 + 8 + 9)),
+    "dropout_coords shape": dict(dropout_coords=torch.arange(8 + 9, **_i32)),
+    "dropout_coords varlen": dict(q=torch.randn(1, 4, 8, 16), k=torch.randn(1, 2, 9, 16), v=torch.randn(1, 2, 9, 16),
+                                  cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 9], **_i32),
+                                  dropout_coords=torch.arange(4 + 8 + 9, **_i32)),
     "varlen cu shape": dict(q=torch.randn(1, 4, 8, 16), k=torch.randn(1, 2, 9, 16), v=torch.randn(1, 2, 9, 16),
                             cu_seqlens_q=torch.tensor([0, 8], **_i32), cu_seqlens_k=torch.tensor([0, 4, 9], **_i32)),
 }
@@ -686,7 +743,7 @@ def test_fake_checks_match_cpp(case):
 def test_option_names_from_schema():
     """OPTION_NAMES is read from the registered schemas: the options fwd and bwd share, in order;
     check_inputs names the same options (it stands in for the schema without the extension)."""
-    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "topk_jcut" and len(ops.OPTION_NAMES) == 21
+    assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "topk_jcut" and len(ops.OPTION_NAMES) == 22
     assert ops.FWD_ARGS == ("q", "k", "v", *ops.OPTION_NAMES, "num_splits", "deterministic")
     params = inspect.signature(ops.check_inputs).parameters
     assert tuple(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY) == ops.OPTION_NAMES

@@ -40,7 +40,8 @@ def call_fwd(q, k, v, **o):
     opts = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
                 cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(q.shape[-1]),
                 softcap=0.0, window_left=-1, window_right=-1, bottom_right=False, dropout_p=0.0, seed=0,
-                offset=0, rng_state=None, block_layout=None, block_size=0, topk_thr=None, topk_jcut=None)
+                offset=0, rng_state=None, dropout_coords=None, block_layout=None, block_size=0, topk_thr=None,
+                topk_jcut=None)
     opts.update(o)
     return [opts[n] for n in ops.OPTION_NAMES]
 
@@ -127,7 +128,9 @@ def run_and_compare(b, h, hk, sq, sk, d, dtype, *, bias=None, bias_grad=False, s
               alibi_slopes=o.get("alibi_slopes"), seqlens_k=seqlens_k)
     if o.get("dropout_p", 0.0) > 0:
         kw["dropout_p"] = o["dropout_p"]
-        kw["dropout_mask"] = ops.dropout_mask(b, h, sq, sk, o["dropout_p"], o["seed"], o.get("offset", 0)).to(DEV)
+        kw["dropout_mask"] = reference.dropout_mask(b, h, sq, sk, o["dropout_p"],
+                                                    torch.tensor([o["seed"], o.get("offset", 0)]),
+                                                    coords=o.get("dropout_coords")).to(DEV)
     r64 = ref_run(q, k, v, dout, torch.float64, bias=bias, sinks=sinks, need_bias_grad=bias_grad, **kw)
     low = dtype if dtype != torch.float32 else torch.float32
     rlo = ref_run(q, k, v, dout, low, bias=bias, sinks=sinks, need_bias_grad=bias_grad, **kw)
@@ -185,6 +188,10 @@ def option_cases():
         "softcap": lambda h: dict(softcap=5.0, scale=0.5),
         "sinks": lambda h: dict(sinks=torch.randn(h, device=DEV), window=(-1, 0)),
         "dropout": lambda h: dict(dropout_p=0.2, seed=1234, offset=7),
+        # a piece of a larger (B, H + 3, 400, 400) problem: heads 1.., strided rows, shuffled keys
+        "dropout_coords": lambda h: dict(dropout_p=0.2, seed=99, offset=3, dropout_coords=torch.cat([
+            (torch.arange(b).view(-1, 1) * (h + 3) + 1 + torch.arange(h).view(1, -1)).flatten(),
+            torch.arange(sq) * 3 + 2, torch.randperm(400)[:sk]]).int().to(DEV)),
         "everything": lambda h: dict(window=(30, 0), bottom_right=True, softcap=20.0, sinks=torch.randn(h, device=DEV),
                                      alibi_slopes=torch.rand(h, device=DEV) * 0.1,
                                      bias=torch.randn(b, h, sq, sk, device=DEV), bias_grad=True,
@@ -193,7 +200,7 @@ def option_cases():
 
 
 OPTION_NAMES = ["causal_tl", "causal_br", "window", "window_br", "key_padding", "bool_mask", "bias_grad",
-                "bias_row_bcast_grad", "alibi", "softcap", "sinks", "dropout", "everything"]
+                "bias_row_bcast_grad", "alibi", "softcap", "sinks", "dropout", "dropout_coords", "everything"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -183,8 +183,8 @@ def test_gradcheck_block_sparse_and_topk():
 def _opts(s, **kw):
     o = dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=s, max_seqlen_k=s, scale=0.25, softcap=0.0, window_left=-1, window_right=-1,
-             bottom_right=False, dropout_p=0.0, seed=0, offset=0, rng_state=None, block_layout=None, block_size=0,
-             topk_thr=None, topk_jcut=None)
+             bottom_right=False, dropout_p=0.0, seed=0, offset=0, rng_state=None, dropout_coords=None, block_layout=None,
+             block_size=0, topk_thr=None, topk_jcut=None)
     o.update(kw)
     return o
 

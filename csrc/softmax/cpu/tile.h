@@ -145,10 +145,29 @@ struct TileSoftmax {
   // zero the dropped entries of row i (keys j0 ..); the 1 / (1 - p) is applied by the caller
   void dropout(T* srow, int i, int j0, int n = kBlockN) const {
     if (p.dropout_p <= 0.f) return;
-    for (int jj = 0; jj < n; jj += 4) {
-      const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, (j0 + jj) >> 2);
-      for (int u = 0; u < 4; ++u)
-        if (!dropout_keep_bits(r.x[u], p.dropout_p)) srow[jj + u] = T(0);
+    const DropoutCoords& c = p.dropout_coords;
+    if (c.identity()) {  // one draw per 4 keys (j0 is a multiple of 4)
+      for (int jj = 0; jj < n; jj += 4) {
+        const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, (j0 + jj) >> 2);
+        for (int u = 0; u < 4; ++u)
+          if (!dropout_keep_bits(r.x[u], p.dropout_p)) srow[jj + u] = T(0);
+      }
+      return;
+    }
+    // a piece of a larger problem: each key at its global column; runs of consecutive global
+    // columns (every layout but stripe) still share one draw per 4
+    const int gbh = c.global_bh(bh), gi = c.row(i);
+    Philox4 r{};
+    bool have = false;
+    int last = 0;
+    for (int jj = 0; jj < n; ++jj) {
+      const int gj = c.col(j0 + jj);
+      if (!have || (gj >> 2) != last) {
+        r = dropout_bits4(p.seed, p.offset, gbh, gi, gj >> 2);
+        last = gj >> 2;
+        have = true;
+      }
+      if (!dropout_keep_bits(r.x[gj & 3], p.dropout_p)) srow[jj] = T(0);
     }
   }
 };

@@ -242,9 +242,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
           for (int nt = 0; nt < kNT; ++nt) {
             const int i = m0 + wm + mt * 16 + g + hf * 8;
             const int j = n0 + nt * 8 + 2 * c;
-            const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
-            if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) acc_s[mt][nt][2 * hf] = 0.f;
-            if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) acc_s[mt][nt][2 * hf + 1] = 0.f;
+            if (p.dropout_coords.identity()) {  // keys j, j + 1 (j even) share one draw
+              const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+              if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) acc_s[mt][nt][2 * hf] = 0.f;
+              if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) acc_s[mt][nt][2 * hf + 1] = 0.f;
+            } else {  // a piece of a larger problem: global coordinates, a draw per element
+              if (!dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p))
+                acc_s[mt][nt][2 * hf] = 0.f;
+              if (!dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j + 1, p.dropout_p))
+                acc_s[mt][nt][2 * hf + 1] = 0.f;
+            }
           }
     }
 

@@ -187,7 +187,10 @@ __device__ __forceinline__ uint32_t philox_word(const Philox4& r, int k) {
 
 // The dropout factor z of element (i, j) of (batch, head) bh from the Philox stream of the
 // tensor-core kernels (4 keys per draw): 0 for a dropped element, rdrop = 1 / (1 - p) for a kept one.
+// Under global dropout coordinates (a piece of a larger problem) the draw is at those.
 __device__ __forceinline__ float dropout_scale(const FwdParams& p, int bh, int i, int j, float rdrop) {
+  if (!p.dropout_coords.identity())
+    return dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p) ? rdrop : 0.f;
   const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
   return dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
 }

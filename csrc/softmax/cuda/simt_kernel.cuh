@@ -58,7 +58,7 @@ __device__ __forceinline__ float dot_row(const float* r, const T* src, int d, in
 
 __device__ __forceinline__ float dropout_factor(const FwdParams& p, int bh, int i, int j) {
   if (!(p.dropout_p > 0.f)) return 1.f;
-  return dropout_keep(p.seed, p.offset, bh, i, j, p.dropout_p) ? 1.f / (1.f - p.dropout_p) : 0.f;
+  return dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p) ? 1.f / (1.f - p.dropout_p) : 0.f;
 }
 
 // grid (ceil(Sq / 4), H, B), 128 threads: warp w of block x computes query row 4x + w.
