@@ -9,8 +9,18 @@ Linear attention's past is a fixed-size state, so no keys travel, only states:
 
 with v' = [v, 1] under normalize (the state's last column is the normalizer z), G the running
 sum of the log-gates inside the shard and G_end its last value (no decay: every weight 1, L = 0).
+A padded key (key_padding_mask False, each rank passing its (B, n) shard of the mask) has
+phi(k_t) = 0: it adds nothing to S_r or z; its gate still decays the state, as in the kernel.
 
 Forward, per rank r:
+0. only for a stabilized log-domain feature map (FAVOR+ with stabilize=True) under normalize:
+   linear_attention offsets every key's exponents by one constant per (batch, kv head), the
+   maximum over the WHOLE sequence's real keys (and the initial state's log_scale), detached;
+   each rank takes the maximum over its own real keys (-inf for none) and ONE all-reduce(MAX) of
+   that detached (B, H_k) tensor gives the global one, bit-identical on every rank and to the
+   single process (a maximum is exact). The states S_j, the initial state and the returned
+   state's log_scale are then all in that one offset, as in the single-process op. Detached, so
+   this collective has no backward;
 1. S_r and L_r from this shard alone (one PyTorch matmul, O(n M Dv')), packed as one
    (B, H, M Dv' + 1) tensor;
 2. ONE all-gather of the packed (S, L) pairs (sharding._AllGather: its backward is one
@@ -20,13 +30,15 @@ Forward, per rank r:
    P - 1 gathered states); non-causal: state_in = S_0 + sum_{j != r} S_j (every rank sees every
    key; the sum is over the gathered states, so it is exact, no subtract-own);
 4. the local fused kernel: linear_attention(q_r, k_r, v_r, initial_state=state_in), which adds
-   the shard's own keys (causal: in order, with decay) and normalizes with the combined z.
+   the shard's own keys (causal: in order, with decay; the local mask) and normalizes with the
+   combined z.
 return_state gives the global final state E_{P-1} (non-causal: S_0 + sum_j S_j), the same on
-every rank.
+every rank (with the stabilizer: its log_scale, the global offset).
 
 Backward is autograd's: the kernel's backward gives dq, dk, dv, ddecay and d(state_in); the
 prefix combination is PyTorch; the gather's reduce-scatter carries d(S_j, L_j) back to rank j,
-whose step-1 matmul turns it into its part of dk, dv and ddecay. One collective per direction.
+whose step-1 matmul turns it into its part of dk, dv and ddecay. One collective per direction,
+plus step 0's all-reduce forward for a stabilized FAVOR+.
 
 Shards may have different lengths per rank (rank order is sequence order), so no padding rule
 applies. Only the contiguous layout exists: zigzag / stripe would interleave rank order with
@@ -48,36 +60,68 @@ from .sharding import LAYOUTS, _AllGather, shards_bhsd
 __all__ = ["context_parallel_linear_attention"]
 
 
-def _features(feature_map, q: Tensor, k: Tensor, normalize: bool) -> Tuple[Tensor, Tensor, str, Tensor]:
+def _features(feature_map, q: Tensor, k: Tensor, normalize: bool, key_mask: Optional[Tensor],
+              prev: Optional[Tensor], group) -> Tuple[Tensor, Tensor, str, Tensor, Optional[Tensor]]:
     """(q for the kernel, k for the kernel, the kernel's feature map name, phi(k) in the compute
-    dtype (B, H_k, n, M) for the shard state). Fused maps (elu, relu, identity) stay in the kernel;
-    any other map runs here once and the kernel gets its features with "identity"."""
+    dtype (B, H_k, n, M) for the shard state, the keys' log-scale (B, H) or None). Fused maps
+    (elu, relu, identity) stay in the kernel; any other map runs here once and the kernel gets its
+    features with "identity". A stabilized log-domain map (FAVOR+) under normalize offsets the
+    keys by the global stabilizer (_global_key_scale: one all-reduce), as linear_attention does."""
     fm = feature_maps.resolve(feature_map, q.shape[-1])
     acc = acc_dtype(q.dtype)
     code = getattr(fm, "fused_code", None)
     if code is not None:
-        return q, k, reference.FUSED_FEATURE_MAPS[code], reference.phi(k.to(acc), code)
-    if getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize:
-        # the single-process op offsets the keys by their maximum over the WHOLE sequence (a
-        # state log_scale); matching it would need that maximum from every rank first
-        raise NotImplementedError("context_parallel_linear_attention: a stabilized log-domain feature map (FAVOR+ "
-                                  "with stabilize=True) under normalize=True is not built; use stabilize=False, "
-                                  "normalize=False or another feature map")
+        return q, k, reference.FUSED_FEATURE_MAPS[code], reference.phi(k.to(acc), code), None
     if isinstance(fm, feature_maps.FeatureMap):
         fm.prepare()  # once per call, as linear_attention does (random maps must be seeded alike on every rank)
+    h = q.shape[1]
     fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
-    fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
+    log_scale = None
+    if getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize:
+        e_k = fm.exponents(k)  # (B, H_k, n, M)
+        c = _global_key_scale(e_k, key_mask, prev, h, group)  # (B, H_k), the same on every rank
+        fk = fm.features(e_k - c[:, :, None, None], k.dtype)
+        log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
+    else:
+        fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
     for name, f, x in (("q", fq, q), ("k", fk, k)):
         if not (isinstance(f, Tensor) and f.dim() == 4 and f.shape[:3] == x.shape[:3]):
             raise ValueError(f"feature_map must map {name} (B, H, S, D) to (B, H, S, M), got "
                              f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
-    return fq, fk, "identity", fk.to(acc)
+    return fq, fk, "identity", fk.to(acc), log_scale
 
 
-def _shard_state(fk: Tensor, v: Tensor, h: int, decay: Optional[Tensor], normalize: bool) -> Tuple[Tensor, Tensor]:
+def _global_key_scale(e_k: Tensor, key_mask: Optional[Tensor], prev: Optional[Tensor], h: int, group) -> Tensor:
+    """linear.functional._key_scale over the WHOLE sequence: the maximum of the real keys'
+    exponents e_k (B, H_k, n, M) over every rank's shard and the incoming state's log_scale prev
+    ((B, H) or None), per (batch, kv head), (B, H_k); 0 where there is none (no real key, no
+    prev). Detached, as in the single-process op (the offset cancels in out_i = O'_i / den_i up to
+    eps, and the op gives it no gradient), so one all-reduce(MAX) of a detached tensor is exact:
+    max is exact in floating point, whatever the order of the ranks."""
+    b, hk = e_k.shape[:2]
+    e = e_k.detach()
+    if key_mask is not None:
+        e = e.masked_fill(~key_mask.view(b, 1, -1, 1), float("-inf"))
+    # -inf, not 0, for a shard without real keys: it must not raise a maximum that is negative elsewhere
+    c = e.flatten(2).amax(-1) if e.shape[2] else e.new_full((b, hk), float("-inf"))  # (B, H_k)
+    c = c.contiguous()
+    dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)  # the extra collective, forward only
+    if prev is not None:
+        c = torch.maximum(c, prev.detach().to(c.dtype).view(b, hk, h // hk).amax(-1))
+    return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
+
+
+def _shard_state(fk: Tensor, v: Tensor, h: int, decay: Optional[Tensor], normalize: bool,
+                 key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """This shard's (S_r (B, H, M, Dv'), L_r (B, H)) in fk's dtype (the compute dtype); fk
-    (B, H_k, n, M), v (B, H_k, n, Dv), decay (B, H, n) log-gates or None."""
+    (B, H_k, n, M), v (B, H_k, n, Dv), decay (B, H, n) log-gates or None, key_mask (B, n) bool
+    (True = a real key) or None. A padded key adds nothing to S_r (nor to z, its last column);
+    its gate still decays the state, as in the kernel."""
     b, hk, n, _ = fk.shape
+    if key_mask is not None:
+        # where, not a product: a padded key's feature may be inf under a stabilizer its exponent
+        # did not enter (0 * inf = nan); its gradient is 0 either way
+        fk = torch.where(key_mask.view(b, 1, n, 1), fk, torch.zeros_like(fk))
     vv = v.to(fk.dtype)
     if normalize:
         vv = torch.cat([vv, torch.ones_like(vv[..., :1])], -1)  # (B, H_k, n, Dv')
@@ -117,6 +161,7 @@ def context_parallel_linear_attention(
     feature_map: feature_maps.FeatureMapSpec = "elu",
     causal: bool = True,
     decay: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     normalize: bool = True,
     eps: float = 1e-6,
@@ -135,14 +180,18 @@ def context_parallel_linear_attention(
         group: the process group (default: the world).
         layout: must be "contiguous" (ValueError otherwise).
         feature_map, scale, normalize, eps: as linear_attention (fused "elu" / "relu" /
-            "identity", or any map; a stabilized FAVOR+ under normalize raises
-            NotImplementedError). A random map must hold the same projection on every rank.
+            "identity", or any map). A stabilized FAVOR+ under normalize takes its key offset
+            from the whole sequence: one extra all-reduce(MAX) forward (module docstring, step
+            0). A random map must hold the same projection on every rank.
         causal: as linear_attention (default True here: the recurrent form across ranks).
         decay: this rank's shard of the (B, H, S) per-token log-gates, (B, H, n) whatever the
             layout; causal only (as linear_attention). Differentiable.
-        initial_state: the state the WHOLE sequence starts from (a LinearAttentionState without
-            log_scale, or the op's (B, H, M, Dv') tensor), the same on every rank; it enters
-            before rank 0's first token.
+        key_padding_mask: this rank's shard of linear_attention's (B, S) key_padding_mask,
+            (B, n) bool (True = a real key) whatever the layout; a padded key contributes to no
+            query, on any rank, nor to the normalizer (nor to a stabilizer's maximum).
+        initial_state: the state the WHOLE sequence starts from (a LinearAttentionState, its
+            log_scale (B, H) if any, or the op's (B, H, M, Dv') tensor), the same on every rank;
+            it enters before rank 0's first token.
         return_state: also return the global final state (after the last rank's last token;
             non-causal: initial state plus every key), the same on every rank. Its gradient, like
             the keys', sums over ranks: a loss on it on every rank counts it once per rank.
@@ -150,7 +199,9 @@ def context_parallel_linear_attention(
     Returns this rank's output shard in q's layout and dtype (and the state). Communication: one
     all-gather of the (state, log-decay) pairs forward and one reduce-scatter backward, run by
     every rank's backward (rank 0 included, see _Tie), so every rank of the group must call
-    backward, with inputs that require grad on all ranks or on none.
+    backward, with inputs that require grad on all ranks or on none. A stabilized FAVOR+ under
+    normalize adds one all-reduce(MAX) of a detached (B, H_k) tensor forward (the keys' global
+    offset), before the all-gather; it has no backward.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -171,12 +222,23 @@ def context_parallel_linear_attention(
             raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, got "
                              f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
         decay = decay.to(acc)
-    s0 = None
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or tuple(key_padding_mask.shape) != (b, n):
+            got = key_padding_mask
+            raise ValueError(f"key_padding_mask must be this rank's (B, n) = {(b, n)} shard of the mask, got "
+                             f"{tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise ValueError(f"key_padding_mask must be bool (True = a real key), got {key_padding_mask.dtype}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}")
+        key_padding_mask = key_padding_mask.contiguous()
+    s0, prev = None, None  # (B, H, M, Dv') the initial state, (B, H) its log_scale
     if initial_state is not None:
         if isinstance(initial_state, LinearAttentionState):
-            if initial_state.log_scale is not None:
-                raise NotImplementedError("context_parallel_linear_attention: an initial_state with a log_scale "
-                                          "(a stabilized FAVOR+ state) is not supported")
+            prev = initial_state.log_scale
+            if prev is not None and (not isinstance(prev, Tensor) or tuple(prev.shape) != (b, h)):
+                raise ValueError(f"initial_state.log_scale must be (B, H) = {(b, h)}, got "
+                                 f"{tuple(prev.shape) if isinstance(prev, Tensor) else type(prev).__name__}")
             s0 = initial_state.augmented(normalize)
         elif isinstance(initial_state, Tensor):
             s0 = initial_state
@@ -185,14 +247,22 @@ def context_parallel_linear_attention(
                             f"{type(initial_state).__name__}")
         s0 = s0.to(acc)
 
-    qf, kf, fm_name, phik = _features(feature_map, q, k, normalize)
-    s_r, l_r = _shard_state(phik, v, h, decay, normalize)  # (B, H, M, Dv'), (B, H)
+    # a stabilized FAVOR+ under normalize: one all-reduce(MAX) here, before the all-gather (every
+    # rank takes the same branch: the feature map and normalize are the same on every rank)
+    qf, kf, fm_name, phik, log_scale = _features(feature_map, q, k, normalize, key_padding_mask, prev, group)
+    s_r, l_r = _shard_state(phik, v, h, decay, normalize, key_padding_mask)  # (B, H, M, Dv'), (B, H)
     m, dvp = s_r.shape[-2:]
     if s0 is not None and tuple(s0.shape) != (b, h, m, dvp):
         raise ValueError(f"initial_state must be (B, H, M, Dv') = {(b, h, m, dvp)}, got {tuple(s0.shape)}")
+    if s0 is not None and (prev is not None or log_scale is not None):
+        # the initial state re-expressed in the keys' offset, as linear.functional._as_state_tensor
+        # does (differentiable in prev; the offset itself is detached)
+        old = prev.to(acc) if prev is not None else 0.0
+        new = log_scale.to(acc) if log_scale is not None else 0.0
+        s0 = s0 * torch.exp(old - new)[..., None, None]
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    # one collective: (1, B, H, M Dv' + 1) -> (P, B, H, M Dv' + 1), rank j's pair in row j
+    # the all-gather: (1, B, H, M Dv' + 1) -> (P, B, H, M Dv' + 1), rank j's pair in row j
     packed = torch.cat([s_r.reshape(b, h, m * dvp), l_r.unsqueeze(-1)], -1)
     gathered = _AllGather.apply(packed.unsqueeze(0), group)
     states = gathered[..., :-1].reshape(world, b, h, m, dvp)  # S_j
@@ -215,7 +285,8 @@ def context_parallel_linear_attention(
         if s0 is not None:
             state_in = s0 if state_in is None else state_in + s0
     res = linear_attention(qf, kf, v, feature_map=fm_name, causal=causal, normalize=normalize, eps=eps, scale=scale,
-                           decay=decay, initial_state=state_in, return_state=False)
+                           decay=decay, key_padding_mask=key_padding_mask, initial_state=state_in,
+                           return_state=False)
     if gathered.requires_grad:
         res = _Tie.apply(res, gathered)
     if qkv_layout == "bshd":
@@ -224,4 +295,4 @@ def context_parallel_linear_attention(
         return res
     if not causal:
         final = states.sum(0) if s0 is None else states.sum(0) + s0
-    return res, LinearAttentionState.from_augmented(final, normalize)
+    return res, LinearAttentionState.from_augmented(final, normalize, log_scale)

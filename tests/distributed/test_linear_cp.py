@@ -4,16 +4,18 @@ on 2, 3 and 4 gloo ranks on the CPU.
 One spawn of 4 gloo ranks runs every case of tests/distributed/linear_cases.py on the world (4)
 and on the subgroups of ranks {0, 1, 2} and {0, 1} (3 and 2): spawning is most of the time on a
 busy machine, so the three world sizes share one spawn (and `group=` is exercised). The cases
-cover causal and non-causal, decay, elu / relu / unstabilized FAVOR+, MHA / GQA / MQA, odd and
-unequal shard lengths, initial and final states and bshd, comparing the forward, the gradients
-and the collectives per call against linear_attention on the whole sequence in one process; the
-tests below report them one by one. The argument errors need no group.
+cover causal and non-causal, decay, elu / relu / unstabilized and stabilized FAVOR+, key padding
+masks (a shard with no real key among them), MHA / GQA / MQA, odd and unequal shard lengths,
+initial states (with and without a log_scale) and final states, and bshd, comparing the forward,
+the gradients and the collectives per call (the stabilizer's all-reduce included) against
+linear_attention on the whole sequence in one process; the tests below report them one by one.
+The argument errors need no group.
 """
 import pytest
 import torch
 
 from attention_ext import distributed as cp
-from attention_ext.linear.feature_maps import Favor
+from attention_ext.linear import LinearAttentionState
 from tests.distributed import harness, linear_cases
 
 WORLD_SIZES = (2, 3, 4)
@@ -68,6 +70,20 @@ def test_decay_errors():
         cp.context_parallel_linear_attention(q, k, v, decay=torch.zeros(2))  # no per-head scalar form
 
 
-def test_stabilized_favor_not_built():
-    with pytest.raises(NotImplementedError, match="stabilize"):
-        cp.context_parallel_linear_attention(*_qkv(), feature_map=Favor(8, seed=0))
+def test_key_padding_mask_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"key_padding_mask must be this rank's \(B, n\)"):
+        cp.context_parallel_linear_attention(q, k, v, key_padding_mask=torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be this rank's \(B, n\)"):
+        cp.context_parallel_linear_attention(q, k, v, key_padding_mask=torch.ones(1, 2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        cp.context_parallel_linear_attention(q, k, v, key_padding_mask=torch.ones(1, 4))
+    with pytest.raises(ValueError, match="key_padding_mask must be this rank's"):  # bshd: still (B, n)
+        cp.context_parallel_linear_attention(*(t.transpose(1, 2) for t in (q, k, v)), qkv_layout="bshd",
+                                             key_padding_mask=torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_initial_state_log_scale_shape():
+    s = LinearAttentionState(torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"initial_state.log_scale must be \(B, H\)"):
+        cp.context_parallel_linear_attention(*_qkv(), initial_state=s)
