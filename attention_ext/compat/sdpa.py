@@ -25,6 +25,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         raise RuntimeError(
             f"Expected query, key, and value to have the same dtype, but got query.dtype: {query.dtype} "
             f"key.dtype: {key.dtype} and value.dtype: {value.dtype} instead.")
+    if not query.is_floating_point():  # torch's own would fail deep inside a matmul, naming no argument
+        raise RuntimeError(f"scaled_dot_product_attention: query, key and value must be floating point, got "
+                           f"{query.dtype}")
     if query.device != key.device or query.device != value.device:
         raise RuntimeError(
             f"Expected query, key, and value to have the same device type, but got query.device: {query.device} "

@@ -28,6 +28,13 @@ if HAS_EXT:
     @torch.library.register_fake("attention_ext::decode_fwd")
     def _decode_fwd_fake(q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k, alibi_slopes,
                          sinks, scale, softcap, window_left, window_right, num_splits=0):
+        # the C++ op is never reached with a meta tensor among CPU ones (the meta key dispatches
+        # here): state its device rule, or a CPU call with a meta cache returns uninitialized memory
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", seqlens_k),
+                        ("block_table", block_table), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", leftpad_k), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+            torch._check_value(t is None or t.device == q.device,
+                               lambda: f"attention_ext.decode: {name} must be on {q.device}, got {t.device}")
         torch._check_value(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
                            lambda: "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D")
         torch._check_type(q.dtype == k_cache.dtype == v_cache.dtype,
@@ -55,6 +62,14 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
             cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
             int(window_right), int(num_splits))
         return out.transpose(1, 2), lse
+    # the reference below states no input rules of its own
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"decode_fwd: {name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"decode_fwd: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"decode_fwd: {name} must be on {q.device}, got {t.device}")
     acc = acc_dtype(q.dtype)
     out, lse = reference.decode_attention(
         q.to(acc), k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,

@@ -49,6 +49,24 @@ class LinearAttentionState:
     z: Optional[Tensor] = None
     log_scale: Optional[Tensor] = None
 
+    def __post_init__(self):
+        # checked where the state is made: the kernels read S and z with the shapes stated here
+        _check(isinstance(self.S, Tensor) and self.S.dim() == 4,
+               lambda: f"LinearAttentionState: S must be a 4-D (B, H, M, Dv) Tensor, got "
+                       f"{tuple(self.S.shape) if isinstance(self.S, Tensor) else type(self.S).__name__}")
+        _check(self.S.is_floating_point(), lambda: f"LinearAttentionState: S must be floating point, got {self.S.dtype}",
+               TypeError)
+        for name, t, shape in (("z", self.z, self.S.shape[:3]), ("log_scale", self.log_scale, self.S.shape[:2])):
+            if t is None:
+                continue
+            _check(isinstance(t, Tensor) and tuple(t.shape) == tuple(shape),
+                   lambda: f"LinearAttentionState: {name} must be {tuple(shape)} (from S {tuple(self.S.shape)}), got "
+                           f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+            _check(t.is_floating_point(), lambda: f"LinearAttentionState: {name} must be floating point, got {t.dtype}",
+                   TypeError)
+            _check(t.device == self.S.device,
+                   lambda: f"LinearAttentionState: {name} must be on S's device {self.S.device}, got {t.device}")
+
     @classmethod
     def zeros(cls, batch: int, heads: int, m: int, dv: int, *, normalize: bool = True, device=None,
               dtype: torch.dtype = torch.float32) -> "LinearAttentionState":
@@ -312,6 +330,14 @@ def linear_attention_step(
     _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if layout == "bshd":
         q_t, k_t, v_t = q_t.transpose(1, 2), k_t.transpose(1, 2), v_t.transpose(1, 2)
+    # the op states these, but the reference path (autograd, CUDA) would run an integer step or
+    # fail inside a matmul
+    _check(q_t.is_floating_point() and k_t.dtype == q_t.dtype and v_t.dtype == q_t.dtype,
+           lambda: f"linear_attention_step: q_t, k_t, v_t must share a floating dtype, got {q_t.dtype}, {k_t.dtype}, "
+                   f"{v_t.dtype}", TypeError)
+    _check(q_t.device == k_t.device == v_t.device,
+           lambda: f"linear_attention_step: q_t, k_t, v_t must be on one device, got {q_t.device}, {k_t.device}, "
+                   f"{v_t.device}")
     b, h, t, d = q_t.shape
     hk, dv = k_t.shape[1], v_t.shape[-1]
     _check(hk >= 1 and h % hk == 0 and v_t.shape[1] == hk and k_t.shape[-1] == d and k_t.shape[:3] == (b, hk, t)

@@ -138,6 +138,7 @@ class MultiheadAttention(nn.Module):
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
                                         average_attn_weights, is_causal)
+        self._check_inputs(query, key, value)
         unbatched = query.dim() == 2
         if unbatched:  # (L, E) -> (1, L, E)
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -153,6 +154,36 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)  # (L, N, E)
         return out, weights
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """The shapes, dtypes and device the projections need, checked up front: past here a bad
+        input fails inside a reshape or a matmul with a message that names no argument."""
+        p = "attention_ext.nn.MultiheadAttention"
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{p}: {name} must be a Tensor, got {type(t).__name__}")
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"{p}: query, key and value must all be 3-D (batched) or all 2-D (unbatched), got "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        for name, t, e in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.shape[-1] != e:
+                raise ValueError(f"{p}: {name} must have {e} features (the module's "
+                                 f"{'embed_dim' if name == 'query' else name[0] + 'dim'}), got {tuple(t.shape)}")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(f"{p}: key and value must have the same batch and length, got {tuple(key.shape)} and "
+                             f"{tuple(value.shape)}")
+        bdim = 0 if self.batch_first else 1
+        if query.dim() == 3 and query.shape[bdim] != key.shape[bdim]:
+            raise ValueError(f"{p}: query and key must have the same batch size (dim {bdim}), got "
+                             f"{tuple(query.shape)} and {tuple(key.shape)}")
+        w = self.out_proj.weight
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.device != w.device:
+                raise ValueError(f"{p}: {name} must be on the module's device {w.device}, got {t.device}")
+            if not t.is_floating_point():  # a dtype other than the weights' stays legal: autocast
+                raise TypeError(f"{p}: {name} must be floating point, got {t.dtype}")
+            if t.dtype != query.dtype:
+                raise TypeError(f"{p}: {name} must have query's dtype {query.dtype}, got {t.dtype}")
 
     def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
                         need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,

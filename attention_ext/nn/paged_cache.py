@@ -115,6 +115,21 @@ class PagedKVCache:
     def append(self, k: Tensor, v: Tensor) -> None:
         """k, v (b, T, H_k, D): T new rows for each selected sequence (b = len(rows)); packed: (1,
         sum(packed), H_k, D), sequence i's rows next in line."""
+        # checked before any page is claimed: a failure past _grow would leave the lengths advanced
+        # over rows that were never written
+        pool = self.k_pages.shape[2:]
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, Tensor) or x.dim() != 4 or tuple(x.shape[2:]) != tuple(pool):
+                raise ValueError(f"PagedKVCache.append: {name} must be (b, T, H_k, D) with (H_k, D) = {tuple(pool)}, "
+                                 f"got {tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+            if x.device != self.k_pages.device:
+                raise ValueError(f"PagedKVCache.append: {name} must be on the cache's device {self.k_pages.device}, "
+                                 f"got {x.device}")
+            if not x.is_floating_point():
+                raise TypeError(f"PagedKVCache.append: {name} must be floating point, got {x.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"PagedKVCache.append: k and v must have one shape, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
         b, t = k.shape[:2]
         counts = self.packed if self.packed is not None else [t] * b
         if len(counts) != len(self.rows) or sum(counts) != b * t:

@@ -115,6 +115,9 @@ def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int)
         return False
     if o["bias"] is not None or o["dropout_p"] > 0.0 or o.get("block_layout") is not None:
         return False
+    # varlen packs: the decode op has no cu_seqlens, it would attend across the packed sequences
+    if o.get("cu_seqlens_q") is not None or o.get("cu_seqlens_k") is not None:
+        return False
     positional = o["window_left"] >= 0 or o["window_right"] >= 0 or o["alibi_slopes"] is not None
     if positional and not o["bottom_right"]:
         return False
@@ -143,7 +146,12 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     else reference.py under the op's own input rules (ops.check_inputs), with a warning.
     topk > 0: top-k attention, the threshold pass first (its rows join the options)."""
     if _takes_decode_kernel(q, k, v, opts, topk):
-        return _decode(q, k, v, opts)
+        try:
+            return _decode(q, k, v, opts)
+        except (ValueError, TypeError):
+            # the decode op words its input errors for a KV cache (k_cache, v_cache); the fused op
+            # below checks the same inputs and raises the error in attention()'s terms
+            pass
     if ops.has_kernel(q.device, q.dtype):
         if topk > 0:
             thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **opts)
@@ -272,6 +280,8 @@ def attention(
         _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
         seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     if alibi_slopes is not None:
+        # a meta tensor has no data to move: name it here, not in a failed copy
+        _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None:
         _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
@@ -334,7 +344,10 @@ def attention_varlen(
     max_seqlen_k long. The options are attention()'s. Returns out (total_q, H, D) (and the LSE,
     (H, total_q))."""
     for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
         _check(t.dim() == 3, lambda: f"{name} must be (total, H, D), got {tuple(t.shape)}")
+    _check(q.device == k.device == v.device,
+           lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check(t.dim() == 1 and t.numel() >= 2, lambda: f"{name} must be (B + 1,), got {tuple(t.shape)}")
     _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length")
@@ -353,6 +366,8 @@ def attention_varlen(
     wl, wr = _window(window, causal)
     acc = ops.acc_dtype(q.dtype)
     if alibi_slopes is not None:
+        # a meta tensor has no data to move: name it here, not in a failed copy
+        _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None and sinks.dtype != acc:
         sinks = sinks.to(acc)
@@ -376,9 +391,18 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd"
     """The attention probabilities (B, H, Sq, Sk) recomputed from attention()'s LSE: one
     Q K^T and an exp, no second softmax pass. Dropout is not applied. Returns float32 (float64
     for float64 inputs)."""
+    for name, t in (("q", q), ("k", k), ("lse", lse)):
+        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+    for name, t in (("q", q), ("k", k)):
+        _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
+               f"got shape {tuple(t.shape)}")
+    _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if layout == "bshd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     b, h, sq, d = q.shape
+    _check(tuple(lse.shape) == (b, h, sq),
+           lambda: f"lse must be (B, H, Sq) = {(b, h, sq)} (attention()'s return_lse), got {tuple(lse.shape)}")
+    _check(lse.device == q.device, lambda: f"lse must be on {q.device}, got {lse.device}")
     sk = k.shape[2]
     wl, wr = _window(window, causal)
     scale = scale if scale is not None else _default_scale(d)
@@ -387,6 +411,8 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd"
     if seqlens_k is not None:
         seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     if alibi_slopes is not None:
+        # a meta tensor has no data to move: name it here, not in a failed copy
+        _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     ops.check_inputs(q, k, k, bias=bias, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, max_seqlen_q=sq,
                      max_seqlen_k=sk, scale=float(scale), softcap=float(softcap), window_left=wl, window_right=wr,
