@@ -23,7 +23,7 @@ steps on a quiet machine and on a loaded one and reports the same accuracy and b
 (bit for bit with the same --threads on the same CPU instruction set); only the time differs,
 which the progress bars show. --max-seconds is a safety net per training part: a part it stops
 is reported as stopped by the time cap (exit status 3), never as a model below its threshold.
-Default about 2 minutes on a quiet 2-core CPU, `--quick` under a minute. Everything lands in
+Default under 3 minutes on a quiet 2-core CPU, `--quick` about a minute. Everything lands in
 --out (default ./attention_ext_demo/): results.json, samples.txt, log.txt and the PNG heatmaps.
 """
 from __future__ import annotations
