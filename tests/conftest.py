@@ -67,6 +67,19 @@ def pytest_configure(config):
     config.stash[_REFERENCE_ONLY] = reference_only
 
 
+# Markers of opt-in tests (minutes, or several GB): collected always, run only when the -m
+# expression names them (`pytest -m bigmem`), so the default suite stays fast on any machine.
+OPT_IN = ("bigmem", "int64_big")
+
+
+def pytest_collection_modifyitems(config, items):
+    chosen = config.getoption("-m") or ""
+    for item in items:
+        for name in OPT_IN:
+            if item.get_closest_marker(name) is not None and name not in chosen:
+                item.add_marker(pytest.mark.skip(reason=f"opt-in: pytest -m {name}"))
+
+
 def _mode_line(config):
     if config.stash.get(_REFERENCE_ONLY, False):
         return "attention_ext: REFERENCE ONLY (--reference-only): compiled extension not loaded, kernel tests skip"

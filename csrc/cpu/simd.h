@@ -372,5 +372,35 @@ inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64
   }
 }
 
+// ---------------------------------------------------------------- compensated running sums
+// The softmax kernels' running sums over a row's keys (the denominator l and the output O)
+// take one term per key block, for as many blocks as the row has keys. Added plainly, a float32
+// sum loses the low bits of every term, and its error grows with the row length: past 2^24
+// keys of weight 1, each + 1 rounds away entirely. So each block's keys are summed on their
+// own (a block-local accumulator: a tile of kBlockN keys, a few decode chunks) and the block's
+// total joins the running sum through Kahan's compensated addition: s holds the sum and c the
+// part of it that rounding lost, negated (the value is s - c), so the error stays that of one
+// block plus a few ulps whatever the row length. Both scale together when the running max
+// moves. NaN propagates; a sum that overflows turns into NaN (c = inf - inf) instead of inf.
+// The kernels are built without -ffast-math, which would fold c to 0.
+template <typename T>
+inline void kahan_add(T& s, T& c, T x) {
+  const T y = x - c;
+  const T t = s + y;
+  c = (t - s) - y;
+  s = t;
+}
+// s (n) += x (n) with compensation c (n), n a multiple of the vector width
+template <typename T>
+inline void kahan_add(T* s, T* c, const T* x, int n) {
+  for (int i = 0; i < n; i += kLanes<T>) {
+    const vec<T> y = vload(x + i) - vload(c + i);
+    const vec<T> s0 = vload(s + i);
+    const vec<T> t = s0 + y;
+    vstore(c + i, (t - s0) - y);
+    vstore(s + i, t);
+  }
+}
+
 }  // namespace cpu
 }  // namespace attn

@@ -11,7 +11,9 @@
 //   policy  the softmax family's TileSoftmax (softmax/cpu/tile.h) per row, one per head;
 //   PV      O (H * Sq, D) += P V_chunk kv head by kv head, each V row converted in registers,
 //           O in registers per (4 rows x 2 vectors) block; the scores pass prefetched V.
-// Splits give 2 or 64 cores work at batch 1; their (O_s, lse_s) merge exactly through
+// O accumulates kFlushChunks chunks at a time and each such block joins the row's running output
+// by compensated addition (simd.h's kahan_add; l per chunk, in TileSoftmax::online_update), so a
+// split of tens of millions of keys keeps float32 accuracy. Splits give 2 or 64 cores work at batch 1; their (O_s, lse_s) merge exactly through
 // common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
 // so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
 #include <algorithm>
@@ -36,6 +38,9 @@ namespace {
 constexpr int kChunk = 32;
 // Query rows per register block of the two products.
 constexpr int kRowBlock = 4;
+// Chunks whose P V accumulate plainly in O before O joins the running output (os, oc): the
+// compensated addition's pass over O every 256 keys, instead of every 32, keeps its cost small.
+constexpr int kFlushChunks = 8;
 
 // Cache element types: E is the storage, loaded as one vec<T> converted in registers.
 struct Bf16 {
@@ -150,6 +155,7 @@ struct DecodeWorker {
   T *part_o, *part_lse;  // split partials (B, H, Sq, splits[, dp]); nullptr when unsplit
   std::vector<T> mem;
   T *q, *qp, *o, *s, *m, *l, *row;
+  T *os, *oc, *lc;  // the running output, its compensation, and l's (o: the block being summed)
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
   const E* kp_next[kChunk];  // the next chunk's
@@ -161,7 +167,7 @@ struct DecodeWorker {
       : p(p_), dt(dt_), group(p_.h / p_.h_k), rows_g(group * p_.sq), rows(p_.h * p_.sq), splits(splits_),
         d(p_.d), dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
     const size_t rp = size_t(rows) + kRowBlock;
-    mem.assign(rp * dp * 3 + rp * kChunk + rp * 2 + dp, T(0));
+    mem.assign(rp * dp * 5 + rp * kChunk + rp * 3 + dp, T(0));
     q = mem.data();
     qp = q + rp * dp;
     o = qp + rp * dp;
@@ -169,6 +175,9 @@ struct DecodeWorker {
     m = s + rp * kChunk;
     l = m + rp;
     row = l + rp;
+    os = row + dp;
+    oc = os + rp * dp;
+    lc = oc + rp * dp;
     pols.reserve(p.h);  // TileSoftmax keeps a reference: no reallocation
     tss.reserve(p.h);
   }
@@ -352,8 +361,16 @@ struct DecodeWorker {
     }
     pack_q();
     std::fill(o, o + size_t(rows) * dp, T(0));
+    std::fill(os, os + size_t(rows) * dp, T(0));
+    std::fill(oc, oc + size_t(rows) * dp, T(0));
     std::fill(m, m + rows, -std::numeric_limits<T>::infinity());
     std::fill(l, l + rows, T(0));
+    std::fill(lc, lc + rows, T(0));
+    // o's block joins the running output os (compensation oc), and o starts the next block
+    auto flush = [&] {
+      kahan_add(os, oc, o, rows * dp);
+      std::fill(o, o + size_t(rows) * dp, T(0));
+    };
 
     const E* kbase = static_cast<const E*>(p.k);
     const E* vbase = static_cast<const E*>(p.v);
@@ -403,11 +420,13 @@ struct DecodeWorker {
         std::fill(srow + n, srow + nn, T(0));
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
-        const T m_new = ts.online_update(srow, m[r], &l[r], nn);
+        const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
-          T* orow = o + size_t(r) * dp;
-          for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
+          for (T* x : {o, os, oc}) {
+            T* xrow = x + size_t(r) * dp;
+            for (int c = 0; c < dp; c += L) vstore(xrow + c, vload(xrow + c) * alpha);
+          }
           m[r] = m_new;
         }
       }
@@ -417,24 +436,29 @@ struct DecodeWorker {
         row_blocks(hk * rows_g, (hk + 1) * rows_g,
                    [&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n, hk * p.v_head_stride); });
       }
+      if ((j0 - a) / kChunk % kFlushChunks == kFlushChunks - 1) flush();
     }
+    flush();
 
     for (int r = 0; r < rows; ++r) {
       const int h = r / p.sq, i = r % p.sq;
       const int64_t row_id = (int64_t(b) * p.h + h) * p.sq + i;
-      T* orow = o + size_t(r) * dp;
+      T* orow = o + size_t(r) * dp;  // o is free after the last flush: the row's output os - oc
+      const T* osrow = os + size_t(r) * dp;
+      const T* ocrow = oc + size_t(r) * dp;
+      for (int c = 0; c < dp; c += L) vstore(orow + c, vload(osrow + c) - vload(ocrow + c));
       if constexpr (kEvenOdd<T, E>) {  // back to column order
         for (int c = 0; c < dp; ++c) row[c] = orow[c < d ? stored_col(c) : c];
         std::copy(row, row + dp, orow);
       }
       if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the merge adds it)
-        const T inv = finish_row(m[r], l[r], false, T(0), T(1), &part_lse[row_id * splits + split]);
+        const T inv = finish_row(m[r], l[r] - lc[r], false, T(0), T(1), &part_lse[row_id * splits + split]);
         T* dst = part_o + (row_id * splits + split) * dp;
         for (int c = 0; c < dp; c += L) vstore(dst + c, vload(orow + c) * inv);
         continue;
       }
       const bool has_sink = p.sinks != nullptr;
-      const T inv = finish_row(m[r], l[r], has_sink, has_sink ? p.sinks[h] : T(0), T(1),
+      const T inv = finish_row(m[r], l[r] - lc[r], has_sink, has_sink ? p.sinks[h] : T(0), T(1),
                                &p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i]);
       for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
       store_row(dt, row, elem(p.o, dt, int64_t(b) * p.o_batch_stride + int64_t(h) * p.o_head_stride +

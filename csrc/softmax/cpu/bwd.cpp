@@ -8,7 +8,9 @@
 //   dS = P * (dP * keep / (1 - p) - D_i)    gradient of the logits
 //   dX = dS * dscore/dx                     (scale, and the softcap's 1 - tanh^2)
 //   dV += (P * keep / (1 - p))^T dO;  dK += dX^T Q;  dQ += dX K
-// Key blocks are the outer loop so the dK / dV block accumulators stay in cache.
+// Key blocks are the outer loop so the dK / dV block accumulators stay in cache. dQ sums a term per
+// key block over the whole row: each tile's dX K is formed on its own and joins dQ by compensated
+// addition (simd.h's kahan_add, compensation dqc), as the forward's O does.
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -38,17 +40,19 @@ struct BwdWorker {
   T *q, *dout, *qpn, *dopn, *dq, *dvec, *lse;
   // per tile
   T *s, *x, *dpt, *keep_row, *row;
+  T *dqc, *dqt;  // dQ's compensation (rows); one tile's dX K (kBlockM, dp)
 
   BwdWorker(const BwdParamsT<T>& p_, DType dt_)
       : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp))) {
     carve(mem.data(), sizes(p, dp),
-          {&kt, &vt, &kr, &dk, &dv, &q, &dout, &qpn, &dopn, &dq, &dvec, &lse, &s, &x, &dpt, &keep_row, &row});
+          {&kt, &vt, &kr, &dk, &dv, &q, &dout, &qpn, &dopn, &dq, &dvec, &lse, &s, &x, &dpt, &keep_row, &row, &dqc,
+           &dqt});
   }
-  static std::array<size_t, 17> sizes(const BwdParamsT<T>& p, int dp) {
+  static std::array<size_t, 19> sizes(const BwdParamsT<T>& p, int dp) {
     const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
     const size_t rows = round_up(p.sq, kBlockM), tile = size_t(kBlockM) * kBlockN;
     return {kpad, kpad, kpad, kpad, kpad, qpad, qpad, qpad, qpad, qpad, rows, rows, tile, tile, tile, kBlockN,
-            size_t(dp)};
+            size_t(dp), qpad, size_t(kBlockM) * dp};
   }
 
   // T rows -> a (len, d) slice of a gradient tensor
@@ -154,8 +158,9 @@ struct BwdWorker {
     const T* qpn_blk = panel_row(qpn, i0, kBlockM, dp);
     gemm<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
     gemm<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
-    // dQ (rows, dp) += dX (rows, n) @ K rows (n, dp)
-    gemm<true>(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dq + int64_t(i0) * dp, dp);
+    // dQ (rows, dp) += dX (rows, n) @ K rows (n, dp), compensated
+    gemm<false>(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp);
+    kahan_add(dq + int64_t(i0) * dp, dqc + int64_t(i0) * dp, dqt, rows * dp);
   }
 
   void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
@@ -175,6 +180,7 @@ struct BwdWorker {
     pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dout, row);
     pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, dopn, row);
     std::fill(dq, dq + int64_t(qpad) * dp, T(0));
+    std::fill(dqc, dqc + int64_t(qpad) * dp, T(0));
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
     const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
     const int64_t lse_off = b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;
@@ -232,6 +238,7 @@ struct BwdWorker {
       }
     }
     char* dqbase = elem(p.dq, dt, si.q_offset(p, b, h, 0, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride));
+    for (int64_t c = 0; c < int64_t(len_q) * dp; c += L) vstore(dq + c, vload(dq + c) - vload(dqc + c));
     store_rows(dq, len_q, dqbase, p.dq_row_stride);
   }
 };

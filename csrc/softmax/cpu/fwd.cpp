@@ -6,7 +6,9 @@
 // float64 inputs):
 //   S = Q K^T (kBlockM, kBlockN); s = policy(S); m' = max(m, rowmax s); p = exp(s - m')
 //   l = l e^{m - m'} + rowsum p;  O = O e^{m - m'} + p V
-// and writes out = O / l and lse = m + log l. Extra memory: the packed K/V plus O(kBlockM *
+// and writes out = O / l and lse = m + log l. Each tile's rowsum p and p V are formed on their
+// own and join l and O by compensated addition (simd.h's kahan_add, compensations lc and oc),
+// so rows of tens of millions of keys keep float32 accuracy. Extra memory: the packed K/V plus O(kBlockM *
 // (kBlockN + D)) per thread.
 #include <cmath>
 #include <limits>
@@ -40,16 +42,19 @@ struct FwdWorker {
   const T* kt;  // packed K, kTPanels (nullptr in direct mode)
   const T* vr;  // packed V, kPanels (nullptr in direct mode)
   int n_mblocks;
-  Scratch<T, 2> mem;  // this thread's q, s, o tiles, m, l, one output row and one K / V row
-  T *q, *s, *o, *m, *l, *row, *kvrow, *kgrp, *ktr;
+  // this thread's q, s, o tiles, m, l, one output row and one K / V row; o's compensation oc,
+  // l's lc, and pb, one tile's p V before it joins o
+  Scratch<T, 2> mem;
+  T *q, *s, *o, *m, *l, *row, *kvrow, *kgrp, *ktr, *oc, *lc, *pb;
 
   FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
-    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow, &kgrp, &ktr});
+    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow, &kgrp, &ktr, &oc, &lc, &pb});
   }
-  static std::array<size_t, 9> sizes(int dp) {
+  static std::array<size_t, 12> sizes(int dp) {
     return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
-            size_t(dp), size_t(dp), size_t(L) * dp, size_t(kDirectGroups) * L * dp};
+            size_t(dp), size_t(dp), size_t(L) * dp, size_t(kDirectGroups) * L * dp,
+            size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM) * dp};
   }
 
   // Direct mode reads a K / V row in place when it already is T (fp32, fp64), else converts it
@@ -128,6 +133,8 @@ struct FwdWorker {
     T* qa = q + ra * dp;
     T* sa = s + ra * kBlockN;
     T* oa = o + ra * dp;
+    T* oca = oc + ra * dp;
+    T* pba = pb + ra * dp;
     // (rows, n) scores = Q (rows, d) @ K^T block (d, n)
     if (t.kt_bh == nullptr) {
       direct_scores(qa, sa, rows, j0, n, t.len_k, t.kbase, d, dp);
@@ -137,7 +144,7 @@ struct FwdWorker {
     const int i_lo = t.i0 + ra;
     const bool full = t.ts.tile_full(i_lo, i_lo + rows, j0, n);
     if (t.pol.topk_thr != nullptr && p.dropout_p == 0.f && t.kt_bh != nullptr) {
-      topk_rows(t, sa, oa, ra, rows, i_lo, j0, n, lo, hi, full);
+      topk_rows(t, sa, oa, oca, pba, ra, rows, i_lo, j0, n, lo, hi, full);
       return;
     }
     for (int r = 0; r < rows; ++r) {
@@ -145,29 +152,38 @@ struct FwdWorker {
       if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       t.ts.scores(srow, i_lo + r, j0, full, n);
       T& mr = m[ra + r];
-      const T m_new = t.ts.online_update(srow, mr, &l[ra + r], n);
+      const T m_new = t.ts.online_update(srow, mr, &l[ra + r], &lc[ra + r], n);
       if (m_new != mr) {
         // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
         const T alpha = std::isinf(mr) ? T(0) : std::exp(mr - m_new);
         T* orow = oa + r * dp;
-        for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
+        T* ocrow = oca + r * dp;
+        for (int c = 0; c < dp; c += L) {
+          vstore(orow + c, vload(orow + c) * alpha);
+          vstore(ocrow + c, vload(ocrow + c) * alpha);
+        }
         mr = m_new;
       }
       t.ts.dropout(srow, i_lo + r, j0, n);
     }
-    // O (rows, dp) += P (rows, n) @ V block (n, dp)
+    // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated
     if (t.kt_bh == nullptr) {
-      direct_pv(sa, oa, rows, j0, n, t.len_k, t.vbase, d, dp);
+      std::fill(pba, pba + size_t(rows) * dp, T(0));
+      direct_pv(sa, pba, rows, j0, n, t.len_k, t.vbase, d, dp);
     } else {
-      gemm<true>(rows, dp, n, sa, kBlockN, panel_row(t.v_bh, j0, kBlockN, dp), kPanel<T>,
-                 int64_t(kBlockN) * kPanel<T>, oa, dp);
+      gemm<false>(rows, dp, n, sa, kBlockN, panel_row(t.v_bh, j0, kBlockN, dp), kPanel<T>,
+                  int64_t(kBlockN) * kPanel<T>, pba, dp);
     }
+    kahan_add(oa, oca, pba, rows * dp);
   }
 
   // Top-k rows: at most k keys of a row survive its threshold, so instead of exp over the tile
   // and a P V product, each survivor is folded into the row's online softmax on its own:
   // O(survivors * D) instead of O(n * D). Survivors are found by a vector compare.
-  void topk_rows(const Tile& t, T* sa, T* oa, int ra, int rows, int i_lo, int j0, int n, int lo, int hi, bool full) {
+  // The survivors' sums go to the row's pb and l_tile first and join O and l compensated at the
+  // end of the tile, as in the dense path.
+  void topk_rows(const Tile& t, T* sa, T* oa, T* oca, T* pba, int ra, int rows, int i_lo, int j0, int n, int lo,
+                 int hi, bool full) {
     const int dp = kidx.dp;
     constexpr int P = kPanel<T>;
     const T ninf = -std::numeric_limits<T>::infinity();
@@ -178,29 +194,40 @@ struct FwdWorker {
       if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       t.ts.scores(srow, i_lo + r, j0, full, n);
       T& mr = m[ra + r];
-      T& lr = l[ra + r];
       T* orow = oa + r * dp;
+      T* ocrow = oca + r * dp;
+      T* prow = pba + r * dp;
+      std::fill(prow, prow + dp, T(0));
+      T l_tile = T(0);
       for (int c = 0; c < n; c += L) {
         for (uint32_t bits = lane_bits(vload(srow + c) != vninf); bits != 0; bits &= bits - 1) {
           const int jj = c + __builtin_ctz(bits);
           const T s = srow[jj] * post;
           if (s > mr || std::isnan(s)) {  // a new running max: rescale what the row holds
             const T alpha = std::isinf(mr) ? T(0) : std::exp(mr - s);
-            lr *= alpha;
-            for (int cc = 0; cc < dp; cc += L) vstore(orow + cc, vload(orow + cc) * alpha);
+            l[ra + r] *= alpha;
+            lc[ra + r] *= alpha;
+            l_tile *= alpha;
+            for (int cc = 0; cc < dp; cc += L) {
+              vstore(orow + cc, vload(orow + cc) * alpha);
+              vstore(ocrow + cc, vload(ocrow + cc) * alpha);
+              vstore(prow + cc, vload(prow + cc) * alpha);
+            }
             mr = s;
           }
           const T pr = std::exp(s - mr);
-          lr += pr;
+          l_tile += pr;
           // V row j0 + jj of the kPanels pack: dp / P panels of P contiguous values
           const T* vrow = panel_row(t.v_bh, j0 + jj, kBlockN, dp);
           const vec<T> pv = vbcast(pr);
           for (int c0 = 0; c0 < dp; c0 += P) {
             const T* src = vrow + int64_t(c0) * kBlockN;
-            for (int u = 0; u < P; u += L) vstore(orow + c0 + u, vload(orow + c0 + u) + pv * vload(src + u));
+            for (int u = 0; u < P; u += L) vstore(prow + c0 + u, vload(prow + c0 + u) + pv * vload(src + u));
           }
         }
       }
+      kahan_add(l[ra + r], lc[ra + r], l_tile);
+      kahan_add(orow, ocrow, prow, dp);
     }
   }
 
@@ -220,8 +247,10 @@ struct FwdWorker {
     for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
 
     std::fill(o, o + size_t(rows) * dp, T(0));
+    std::fill(oc, oc + size_t(rows) * dp, T(0));
     std::fill(m, m + kBlockM, -std::numeric_limits<T>::infinity());
     std::fill(l, l + kBlockM, T(0));
+    std::fill(lc, lc + kBlockM, T(0));
 
     const bool direct = kt == nullptr;
     Tile t{pol, TileSoftmax<T>(p, pol, b * p.h + h), i0, si.len_k,
@@ -262,9 +291,10 @@ struct FwdWorker {
     const T sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<T>::infinity();
     const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
     for (int r = 0; r < rows; ++r) {
-      const T inv = finish_row(m[r], l[r], p.sinks != nullptr, sink, keep_scale, &lse[r]);
+      const T inv = finish_row(m[r], l[r] - lc[r], p.sinks != nullptr, sink, keep_scale, &lse[r]);
       const T* orow = o + r * dp;
-      for (int c = 0; c < dp; c += L) vstore(row + c, vload(orow + c) * inv);
+      const T* ocrow = oc + r * dp;
+      for (int c = 0; c < dp; c += L) vstore(row + c, (vload(orow + c) - vload(ocrow + c)) * inv);
       store_row(dt, row, obase + es * r * p.o_row_stride, d);
     }
   }

@@ -106,9 +106,10 @@ struct TileSoftmax {
     return (s - vbcast(m)) * vbcast(T(kLog2e));
   }
 
-  // srow: logits -> exp(s - m') in place, with m' = max(m_old, rowmax). Updates the running
-  // sum *l and returns m' (m_old unchanged when the whole row is masked). NaN propagates.
-  T online_update(T* srow, T m_old, T* l, int n = kBlockN) const {
+  // srow: logits -> exp(s - m') in place, with m' = max(m_old, rowmax). Adds the tile's sum to
+  // the running sum *l with compensation *lc (simd.h's kahan_add: the row's l is *l - *lc) and
+  // returns m' (m_old unchanged when the whole row is masked). NaN propagates.
+  T online_update(T* srow, T m_old, T* l, T* lc, int n = kBlockN) const {
     V mx = vload(srow);
     for (int c = L; c < n; c += L) mx = vmax(mx, vload(srow + c));
     T m_new = std::max(m_old, hmax(mx) * post);  // post > 0 keeps the arg max
@@ -129,7 +130,9 @@ struct TileSoftmax {
       sum += e;
     }
     const T alpha = std::isinf(m_old) ? T(0) : std::exp(m_old - m_new);
-    *l = *l * alpha + hsum(sum);
+    *l *= alpha;
+    *lc *= alpha;
+    kahan_add(*l, *lc, hsum(sum));
     return m_new;
   }
 
