@@ -18,7 +18,7 @@ rank's gradient of its shard is the sum of the gradients all ranks computed for 
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,8 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p:
 # GLOBAL (b * H + h, query position, key position) (the op's dropout_coords), from one
 # (seed, offset) that every rank of the group shares: the mask is the one a single process
 # draws for the whole sequence with the same seed, whatever the mode, layout or world size.
-def dropout_seed(dropout_p: float, seed, group, device: torch.device):
+def dropout_seed(dropout_p: float, seed: Union[int, Tensor, None], group: Optional[dist.ProcessGroup],
+                 device: torch.device) -> Union[int, Tensor, None]:
     """The dropout seed every rank of the group uses (offset 0, as attention_ext.attention's for a
     given seed), or None without dropout. seed=None: group rank 0 draws one from torch's global
     generator and broadcasts it (one small collective, returned as a one-element CPU int64
