@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "common/params.h"
+#include "cpu/isa.h"
 
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
@@ -19,6 +20,7 @@
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
@@ -372,5 +374,6 @@ inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64
   }
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

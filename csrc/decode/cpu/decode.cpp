@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/split_merge.h"
+#include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
@@ -28,6 +29,7 @@
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -517,5 +519,6 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt) {
 template void decode_fwd<float>(const DecodeParamsT<float>&, DType);
 template void decode_fwd<double>(const DecodeParamsT<double>&, DType);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn
