@@ -4,7 +4,8 @@
 #   ./dev.sh test [args]   the test suite (pytest)
 #   ./dev.sh bench [args]  the CPU benchmark table (benchmarks/softmax/bench_cpu.py)
 #   ./dev.sh build         (re)build the extension
-# Environment: PYTHON (default python3), MAX_JOBS, ATTENTION_EXT_CUDA=0/1, TORCH_CUDA_ARCH_LIST.
+# Environment: PYTHON (default python3), MAX_JOBS, ATTENTION_EXT_CUDA=0/1, TORCH_CUDA_ARCH_LIST,
+# ATTENTION_EXT_NATIVE=1 (adds a -march=native CPU level; see setup.py).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

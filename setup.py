@@ -2,7 +2,9 @@
 is found. Environment switches:
 
   ATTENTION_EXT_CUDA=0/1     force the CUDA kernels off / on (default: auto)
-  ATTENTION_EXT_NATIVE=0     portable CPU build (no -march=native)
+  ATTENTION_EXT_NATIVE=1     also build the CPU kernels with -march=native, a level the run-time
+                             dispatch prefers where it runs (the build machine's CPU); the default
+                             build runs on any x86-64 CPU (see _cpu_levels)
   TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible. A 9.0 cubin
                              is built as sm_90a (the wgmma forward needs it; same GPUs, same cost)
   ATTENTION_EXT_CUDA_SKIP=bwd,hdim256,hopper
@@ -14,7 +16,11 @@ is found. Environment switches:
 """
 import glob
 import os
+import platform
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -105,19 +111,63 @@ def _gencode_flags():
     return flags, any("code=sm_90a" in f for f in flags)
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 def _cpu_flags():
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas"]
-    if os.environ.get("ATTENTION_EXT_NATIVE", "1") != "0":
-        flags.append("-march=native")
-    return flags
+    """Flags of every CPU translation unit: the torch bindings, the dispatcher and each level's
+    kernels (which add the level's own). x86: the baseline every x86-64 CPU has, whatever the
+    compiler's default."""
+    return ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas"] + (
+        ["-march=x86-64", "-mtune=generic"] if _X86 else [])
+
+
+# The CPU kernels' ISA levels, lowest first, with their flags (csrc/cpu/isa.h): each is compiled
+# from the same sources into its own namespace, and csrc/cpu/dispatch.cpp runs the highest one
+# the CPU supports (attention_ext.set_cpu_isa forces a lower one).
+_X86_LEVELS = [
+    ("base", []),  # any x86-64 (_cpu_flags): SSE2, 4 floats per instruction
+    ("avx2", ["-mavx2", "-mfma", "-mf16c"]),  # Haswell, Zen 1 and later: 8 floats
+    ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),  # 16 floats
+]
+_NATIVE = ("native", ["-march=native", "-mtune=native"])  # after _cpu_flags' -march: this one wins
+
+
+def _isa_macros(cxx, flags):
+    """The x86 feature macros (__AVX2__, ...) the compiler defines under `flags`."""
+    out = subprocess.run([cxx, "-x", "c++", "-E", "-dM", *flags, "-"], input="", capture_output=True, text=True,
+                         check=True).stdout
+    return set(re.findall(r"#define (__(?:SSE|AVX|FMA|F16C|BMI|POPCNT|LZCNT|MOVBE)\w*__) 1", out))
+
+
+def _cpu_levels(cxx):
+    """[(level, flags)], lowest first. The link keeps the first copy of an inline function that
+    several levels' objects emit out of line (a std:: one: our own are per-level, csrc/cpu/isa.h),
+    so the levels are linked in this order and each includes the ones before it: a level's code
+    then only ever calls a copy compiled for itself or a level below. That is also why native
+    (ATTENTION_EXT_NATIVE=1) comes last and is built only beside the levels -march=native includes
+    (no avx512 level next to a native AVX2 one)."""
+    levels = list(_X86_LEVELS) if _X86 else [("base", [])]
+    if os.environ.get("ATTENTION_EXT_NATIVE", "0").lower() in ("0", "false", "off", "no", ""):
+        return levels
+    if _X86:
+        native = _isa_macros(cxx, _cpu_flags() + _NATIVE[1])
+        levels = [lv for lv in levels if _isa_macros(cxx, _cpu_flags() + lv[1]) <= native]
+    return levels + [_NATIVE]
+
+
+def _cpu_kernel_sources():
+    """The CPU kernels (no torch headers), compiled once per level: csrc/<family>/cpu/*.cpp and
+    the level's entry-point table."""
+    return sorted(glob.glob("csrc/*/cpu/*.cpp")) + ["csrc/cpu/kernels.cpp"]
 
 
 def _sources():
-    """(CPU sources, CUDA sources). Family first: csrc/<family>/cpu/*.cpp and
-    csrc/<family>/cuda/**/*.cu (instantiations/ included); the torch bindings in csrc/torch,
-    *_cuda.cpp with the CUDA ones."""
+    """(CPU sources, CUDA sources) of the extension itself: the CPU kernels' dispatcher and the
+    torch bindings in csrc/torch (the CPU kernels are built per level, _cpu_kernel_sources);
+    csrc/<family>/cuda/**/*.cu (instantiations/ included), *_cuda.cpp with the CUDA ones."""
     torch_cpp = sorted(glob.glob("csrc/torch/*.cpp"))
-    cpu = sorted(glob.glob("csrc/*/cpu/*.cpp")) + [f for f in torch_cpp if not f.endswith("_cuda.cpp")]
+    cpu = ["csrc/cpu/dispatch.cpp"] + [f for f in torch_cpp if not f.endswith("_cuda.cpp")]
     cuda = sorted(glob.glob("csrc/*/cuda/**/*.cu", recursive=True)) + [f for f in torch_cpp if f.endswith("_cuda.cpp")]
     return cpu, cuda
 
@@ -161,7 +211,59 @@ def extensions():
     ]
 
 
+def _ninja_path(p):
+    return p.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+class BuildExtensionWithLevels(BuildExtension):
+    """torch's BuildExtension, first compiling the CPU kernels once per ISA level with the level's
+    flags (torch's build has one flag set per extension), then linking them into the extension
+    as extra objects, after its own and lowest level first (_cpu_levels). Incremental like
+    torch's: a ninja file in build_temp."""
+
+    def build_extensions(self):
+        cxx = _cxx()
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        # as torch's compile of the other .cpp files: Python's compiler flags (-O3 -DNDEBUG -fPIC ...)
+        common = [*self.compiler.compiler_so[1:], "-std=c++20", *_cpu_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                  "-I" + os.path.join(HERE, "csrc")]
+        root = os.path.abspath(os.path.join(self.build_temp, "cpu_levels"))
+        os.makedirs(root, exist_ok=True)
+        lines = ["ninja_required_version = 1.3", f"builddir = {_ninja_path(root)}", f"cxx = {shlex.quote(cxx)}",
+                 "rule cxx", "  command = $cxx -MMD -MF $out.d $flags -c $in -o $out", "  depfile = $out.d",
+                 "  deps = gcc", ""]
+        objects, commands = [], []
+        for level, flags in _cpu_levels(cxx):
+            args = common + flags + [f"-DATTN_CPU_ISA={level}"]
+            for src in _cpu_kernel_sources():
+                obj = os.path.join(root, level, src.replace("/", "_").replace(".cpp", ".o"))
+                os.makedirs(os.path.dirname(obj), exist_ok=True)
+                src = os.path.join(HERE, src)
+                lines += [f"build {_ninja_path(obj)}: cxx {_ninja_path(src)}",
+                          "  flags = " + " ".join(shlex.quote(a) for a in args)]
+                objects.append(obj)
+                commands.append([cxx, *args, "-c", src, "-o", obj])
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+        ninja = shutil.which("ninja")
+        if ninja:
+            with open(os.path.join(root, "build.ninja"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+            subprocess.run([ninja, "-C", root, "-j", jobs], check=True)
+        else:
+            for cmd in commands:
+                print(" ".join(cmd))
+                subprocess.run(cmd, check=True)
+        for ext in self.extensions:
+            ext.extra_objects = objects + list(ext.extra_objects or [])
+        super().build_extensions()
+
+
+def _cxx():
+    # the compiler torch's ninja build uses for the .cpp files
+    return os.environ.get("CXX", "c++")
+
+
 setup(
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtensionWithLevels.with_options(use_ninja=True)},
 )

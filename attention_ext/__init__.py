@@ -26,7 +26,7 @@ from .compat import (  # noqa: E402
     flash_attn_with_kvcache,
     scaled_dot_product_attention,
 )
-from ._ext import empty_cpu_cache  # noqa: E402
+from ._ext import cpu_isa, cpu_isas, empty_cpu_cache, set_cpu_isa  # noqa: E402
 from .linear import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
 from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
 from .sparse import block_sparse_attention, topk_attention  # noqa: E402
@@ -47,6 +47,9 @@ __all__ = [
     "flash_attn_with_kvcache",
     "dropout_mask",
     "empty_cpu_cache",
+    "cpu_isa",
+    "cpu_isas",
+    "set_cpu_isa",
     "linear_attention",
     "linear_attention_step",
     "LinearAttentionState",

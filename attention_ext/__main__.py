@@ -17,8 +17,9 @@ def info() -> int:
     print(f"torch         {torch.__version__}  (CUDA {torch.version.cuda or 'none'})")
     if _ext.HAS_EXT:
         c = _ext._C
-        print(f"CPU kernels   yes: ISA {c.cpu_isa}, {c.simd_width} float32 lanes, OpenMP {'on' if c.openmp else 'off'}, "
-              f"{torch.get_num_threads()} threads")
+        print(f"CPU kernels   yes: ISA {_ext.cpu_isa()} (levels built: {', '.join(_ext.cpu_isas(all=True))}; "
+              f"this CPU runs: {', '.join(_ext.cpu_isas())}), {c.simd_width()} float32 lanes, "
+              f"OpenMP {'on' if c.openmp else 'off'}, {torch.get_num_threads()} threads")
         print(f"CUDA kernels  {'yes: archs ' + c.cuda_archs if c.with_cuda else 'not compiled'}")
     else:
         print(f"CPU kernels   NOT BUILT ({_ext.IMPORT_ERROR}); using the PyTorch reference")

@@ -40,3 +40,30 @@ def empty_cpu_cache() -> int:
     the tensor dies, up to 1 GiB, so the next call of the same size skips the page faults
     (csrc/torch/alloc.h). Like torch.cuda.empty_cache(), this hands them back to the OS."""
     return int(torch.ops.attention_ext.empty_cpu_cache()) if HAS_EXT else 0
+
+
+def cpu_isa() -> str:
+    """The ISA level the CPU kernels run now: "base" (any x86-64), "avx2" (AVX2 + FMA),
+    "avx512" (AVX-512 F/BW/VL/DQ) or "native" (a build with ATTENTION_EXT_NATIVE=1); "none"
+    without the extension. The default is the highest level this build has and this CPU runs."""
+    return _C.cpu_isa() if HAS_EXT else "none"
+
+
+def cpu_isas(all: bool = False) -> tuple:
+    """The ISA levels this build has that this CPU runs, lowest first (all=True: every level
+    built, runnable here or not)."""
+    return tuple(x for x in _C.cpu_isas(bool(all)).split(",") if x) if HAS_EXT else ()
+
+
+def set_cpu_isa(isa: Optional[str]) -> str:
+    """Process-wide: runs the CPU kernels at ISA level `isa` (one of cpu_isas()), e.g. "base" to
+    check or time the portable path on a machine that has AVX2; None restores the default (the
+    highest level this CPU runs). Raises ValueError for a level this build lacks or this CPU
+    cannot run. Returns the previous level, so that set_cpu_isa(old) restores it."""
+    old = cpu_isa()
+    if not HAS_EXT:
+        raise ValueError("attention_ext.set_cpu_isa: the compiled extension is not available")
+    if isa is not None and not isinstance(isa, str):
+        raise TypeError(f"attention_ext.set_cpu_isa: isa must be a str or None, got {type(isa).__name__}")
+    _C.set_cpu_isa(isa)
+    return old

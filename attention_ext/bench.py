@@ -739,7 +739,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     threads = torch.get_num_threads()
     head = (f"attention_ext bench: torch {torch.__version__}, CPU {platform.machine()} "
-            f"{_ext._C.cpu_isa if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
+            f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
             + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else "")
             + f"; {reps} reps interleaved; 'vs fastest peer' = the fastest peer's time / this row's time")
     md = [head, ""]

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     div = 4 if args.quick else 1
     torch.manual_seed(0)
     copy_bw = copy_bandwidth(1 << 28)
-    lines = [f"CPU: {platform.processor() or platform.machine()}, ISA {ae._C.cpu_isa if HAS_EXT else 'none'}, "
+    lines = [f"CPU: {platform.processor() or platform.machine()}, ISA {ae.cpu_isa()}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}",
              f"copy bandwidth (256 MiB tensor copy, read + write): {copy_bw / 1e9:.1f} GB/s", ""]
     hdr = ("| case | dtype | kernel | ms | K/V GB/s | share of copy bw | vs SDPA (speedup) | vs contiguous |\n"

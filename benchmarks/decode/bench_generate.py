@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     lens = [16, 40, 64, 88, 112, 136, 168, 200]
     prompts = [torch.randint(0, cfg["vocab_size"], (t,), generator=g) for t in lens]
-    print(f"CPU: {platform.processor() or platform.machine()}, ISA {_ext._C.cpu_isa if _ext.HAS_EXT else 'none'}, "
+    print(f"CPU: {platform.processor() or platform.machine()}, ISA {_ext.cpu_isa()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"model: {cfg}; prompts {lens}; {a.new} new tokens each, greedy, fp32")
 

@@ -141,7 +141,7 @@ def main(argv=None):
     CEILING[0] = ceil32
     ceil16 = matmul_ceiling(torch.bfloat16, n=1024, reps=2)
     header = (f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-              f"{torch.__version__}, ISA {_ext._C.cpu_isa if _ext.HAS_EXT else 'none'}; matmul ceiling fp32 "
+              f"{torch.__version__}, ISA {_ext.cpu_isa()}; matmul ceiling fp32 "
               f"{ceil32 / 1e9:.1f} GFLOP/s, bf16 {ceil16 / 1e9:.1f} GFLOP/s")
     print(header)
     print("| case | (B, H, S, D) | causal | dtype | ours GFLOP/s (of fp32 matmul) | peer GFLOP/s | ours / peer |")

@@ -12,8 +12,11 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/isa.h"
+
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 // Buffers the kernels stream through: 64-byte (cache-line) aligned, so with row strides and
 // panels that are whole lines no vector load straddles two lines. malloc's 16-byte alignment
@@ -175,5 +178,6 @@ class BlockCache {
   }
 };
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

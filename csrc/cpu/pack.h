@@ -12,12 +12,14 @@
 #include <vector>
 
 #include "common/policy.h"
+#include "cpu/isa.h"
 #include "cpu/memory.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 constexpr int kBlockM = 48;  // query rows per task: 8 whole 6-row micro-kernel blocks, no remainder
 constexpr int kBlockN = 128;  // keys per tile; a multiple of kPanel so tile rows are whole panels
@@ -113,5 +115,6 @@ inline void pack_keys(const FwdParamsT<T>& p, DType dt, const void* base, int64_
   });
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

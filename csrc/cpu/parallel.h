@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <functional>
 
+#include "cpu/isa.h"
+
 namespace attn {
 namespace cpu {
 
@@ -16,6 +18,8 @@ int pool_threads();
 // Runs body(i0, i1) over chunks of [0, n) on the pool, at least `grain` items per chunk (the
 // last excepted), one chunk per thread at most.
 void pool_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
+
+ATTN_CPU_ISA_BEGIN
 
 // Runs make_worker()(task) for task in [0, n) on the pool, handing tasks out dynamically: tasks
 // of one causal head differ in cost by up to S / kBlockM times, so a static split would leave
@@ -35,5 +39,6 @@ void parallel_tasks(int64_t n, int num_threads, const MakeWorker& make_worker) {
   });
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "common/params.h"
+#include "cpu/isa.h"
 
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
@@ -19,6 +20,7 @@
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
@@ -402,5 +404,6 @@ inline void kahan_add(T* s, T* c, const T* x, int n) {
   }
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

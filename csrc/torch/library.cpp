@@ -7,7 +7,8 @@
 
 #include <cstdint>
 
-#include "cpu/memory.h"          // BlockCache
+#include "cpu/isa.h"            // the ISA level's dispatch
+#include "cpu/memory.h"         // BlockCache
 #include "softmax/cpu/entry.h"  // simd_width
 #if defined(ATTN_WITH_CUDA)
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
@@ -32,21 +33,33 @@ void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, 
 // Frees the CPU output blocks kept for reuse (csrc/torch/alloc.h); returns their bytes.
 int64_t empty_cpu_cache() { return int64_t(attn::cpu::BlockCache::release()); }
 
-// The ISA this build's CPU kernels were compiled for.
-const char* cpu_isa() {
-#if defined(__AVX512F__)
-  return "avx512";
-#elif defined(__AVX2__)
-  return "avx2";
-#elif defined(__AVX__)
-  return "avx";
-#else
-  return "generic";
-#endif
+// The CPU kernels' ISA levels (csrc/cpu/isa.h), for attention_ext._ext: plain Python functions,
+// not ops, as the choice is process-wide like torch.set_num_threads.
+PyObject* py_cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(attn::cpu::isa()); }
+PyObject* py_cpu_isas(PyObject*, PyObject* all) {
+  return PyUnicode_FromString(attn::cpu::isa_levels(PyObject_IsTrue(all) == 1));
 }
+PyObject* py_set_cpu_isa(PyObject*, PyObject* name) {
+  const char* s = name == Py_None ? nullptr : PyUnicode_AsUTF8(name);
+  if (name != Py_None && s == nullptr) return nullptr;  // not a str: TypeError set
+  if (const char* why = attn::cpu::set_isa(s)) {
+    PyErr_Format(PyExc_ValueError, "CPU ISA level '%s': %s (this build: %s; this CPU runs: %s)", s, why,
+                 attn::cpu::isa_levels(true), attn::cpu::isa_levels(false));
+    return nullptr;
+  }
+  return PyUnicode_FromString(attn::cpu::isa());
+}
+PyObject* py_simd_width(PyObject*, PyObject*) { return PyLong_FromLong(attn::cpu::simd_width()); }
+
+PyMethodDef module_methods[] = {
+    {"cpu_isa", py_cpu_isa, METH_NOARGS, "the CPU kernels' active ISA level"},
+    {"cpu_isas", py_cpu_isas, METH_O, "the levels built and runnable here (all=True: built), comma-separated"},
+    {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
+    {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},
+    {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
-                          "attention_ext compiled kernels (ops live in torch.ops.attention_ext)", -1, nullptr};
+                          "attention_ext compiled kernels (ops live in torch.ops.attention_ext)", -1, module_methods};
 
 }  // namespace
 
@@ -81,8 +94,6 @@ TORCH_LIBRARY(attention_ext, m) {
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* mod = PyModule_Create(&module_def);
   if (mod == nullptr) return nullptr;
-  PyModule_AddStringConstant(mod, "cpu_isa", cpu_isa());
-  PyModule_AddIntConstant(mod, "simd_width", attn::cpu::simd_width());
 #if defined(ATTN_WITH_CUDA)
   PyModule_AddIntConstant(mod, "with_cuda", 1);
   PyModule_AddStringConstant(mod, "cuda_archs", ATTN_CUDA_ARCHS);

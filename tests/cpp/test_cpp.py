@@ -27,7 +27,7 @@ def test_cpp(tmp_path, name, flags):
 @pytest.mark.parametrize("src", sorted(glob.glob(os.path.join(ROOT, "csrc", "*", "cpu", "*.cpp"))),
                          ids=lambda p: os.path.relpath(p, os.path.join(ROOT, "csrc")))
 def test_cpu_kernels_compile_portable(src):
-    """The portable build (ATTENTION_EXT_NATIVE=0: baseline x86-64, no AVX / FMA) compiles every
+    """The base ISA level (baseline x86-64, no AVX / FMA; csrc/cpu/isa.h) compiles every
     CPU kernel: code that holds only with -march=native (an asm register constraint that fits an
     AVX register, an intrinsic outside its #if) fails here, not on a user's machine."""
     arch = "-march=x86-64" if platform.machine() in ("x86_64", "AMD64") else "-march=armv8-a"

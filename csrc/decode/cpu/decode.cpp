@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/split_merge.h"
+#include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
@@ -30,6 +31,7 @@
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -541,5 +543,6 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt) {
 template void decode_fwd<float>(const DecodeParamsT<float>&, DType);
 template void decode_fwd<double>(const DecodeParamsT<double>&, DType);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

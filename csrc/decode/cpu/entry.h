@@ -3,9 +3,11 @@
 #pragma once
 
 #include "common/decode_params.h"
+#include "cpu/isa.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 // out, lse <- softmax attention of q over the cache (common/decode_params.h). T = float for
 // fp32 / fp16 / bf16 (dt), double for float64; instantiated for both.
@@ -17,5 +19,6 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt);
 template <typename T>
 int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -2,9 +2,11 @@
 #pragma once
 
 #include "common/linear_params.h"
+#include "cpu/isa.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 // T = float for fp32 / fp16 / bf16 inputs (dt), double for float64 ones; instantiated for both.
 // out, den, final_state <- linear attention of q, k, v (common/linear_params.h states the math)
@@ -17,5 +19,6 @@ void linear_bwd(const LinearBwdParamsT<T>& p, DType dt);
 template <typename T>
 void linear_step(const LinearStepParamsT<T>& p, DType dt);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -4,10 +4,12 @@
 #pragma once
 
 #include "common/linear_params.h"
+#include "cpu/isa.h"
 #include "cpu/simd.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 // x <- feature(x) * mul over n values, vectorized; [n, n_pad) is reset to 0 (a feature of the
 // zero padding would not be 0).
@@ -28,5 +30,6 @@ inline void apply_feature(FeatureMap fm, T* x, int n, int n_pad, T mul) {
   for (int i = n; i < n_pad; ++i) x[i] = T(0);
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

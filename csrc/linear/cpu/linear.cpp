@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "common/linear_params.h"
+#include "cpu/isa.h"
 #include "cpu/memory.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
@@ -35,6 +36,7 @@
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -646,5 +648,6 @@ void linear_bwd(const LinearBwdParamsT<T>& p, DType dt) {
 template void linear_bwd<float>(const LinearBwdParamsT<float>&, DType);
 template void linear_bwd<double>(const LinearBwdParamsT<double>&, DType);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "common/linear_params.h"
+#include "cpu/isa.h"
 #include "cpu/memory.h"
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
@@ -26,6 +27,7 @@
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -200,5 +202,6 @@ void linear_step(const LinearStepParamsT<T>& p, DType dt) {
 template void linear_step<float>(const LinearStepParamsT<float>&, DType);
 template void linear_step<double>(const LinearStepParamsT<double>&, DType);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -16,12 +16,14 @@
 #include <vector>
 
 #include "common/policy.h"
-#include "softmax/cpu/entry.h"
+#include "cpu/isa.h"
 #include "cpu/pack.h"
+#include "softmax/cpu/entry.h"
 #include "softmax/cpu/tile.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -252,5 +254,6 @@ void bwd(const BwdParamsT<T>& p, DType dt) {
 template void bwd<float>(const BwdParamsT<float>&, DType);
 template void bwd<double>(const BwdParamsT<double>&, DType);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

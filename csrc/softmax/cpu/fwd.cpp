@@ -16,12 +16,14 @@
 
 #include "common/philox.h"
 #include "common/policy.h"
-#include "softmax/cpu/entry.h"
+#include "cpu/isa.h"
 #include "cpu/pack.h"
+#include "softmax/cpu/entry.h"
 #include "softmax/cpu/tile.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -332,5 +334,6 @@ void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float prob, uint6
   });
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -10,11 +10,13 @@
 
 #include "common/philox.h"
 #include "common/policy.h"
+#include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "cpu/simd.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 constexpr double kLog2e = 1.4426950408889634;
 
@@ -253,5 +255,6 @@ inline void mask_outside(T* srow, int j0, int n, int lo, int hi) {
   std::fill(srow + (hi - j0), srow + n, ninf);
 }
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

@@ -5,9 +5,11 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "cpu/isa.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 // Top-k's threshold pass (common/block_sparse.h): for every query row of p (q, k, the policy's
 // options; v, out and the top-k fields unused), thr[row] = the k_top-th best logit among the
@@ -17,5 +19,6 @@ namespace cpu {
 template <typename T>
 void topk_threshold(const FwdParamsT<T>& p, DType dt, int k_top, T* thr, int32_t* jcut);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

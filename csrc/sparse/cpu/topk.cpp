@@ -19,12 +19,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "softmax/cpu/tile.h"
 #include "sparse/cpu/entry.h"
 
 namespace attn {
 namespace cpu {
+ATTN_CPU_ISA_BEGIN
 
 namespace {
 
@@ -185,5 +187,6 @@ void topk_threshold(const FwdParamsT<T>& p, DType dt, int k_top, T* thr, int32_t
 template void topk_threshold<float>(const FwdParamsT<float>&, DType, int, float*, int32_t*);
 template void topk_threshold<double>(const FwdParamsT<double>&, DType, int, double*, int32_t*);
 
+ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

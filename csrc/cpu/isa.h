@@ -1,0 +1,36 @@
+// The CPU kernels are compiled once per ISA level, each with its own flags (setup.py's
+// _cpu_levels: base = any x86-64, avx2 = AVX2 + FMA + F16C, avx512 = AVX-512 F/BW/VL/DQ, and
+// native = -march=native when ATTENTION_EXT_NATIVE=1), and the dispatcher (cpu/dispatch.cpp)
+// runs the highest level the running CPU supports. A level's translation units get
+// -DATTN_CPU_ISA=<level>: every kernel and every csrc/cpu helper it uses then lives in the inline
+// namespace attn::cpu::<level>, so the levels' symbols never collide and the linker never merges
+// an AVX-512 copy of one of our inline functions or templates into a lower level's code (W
+// differs between levels, so such a merge would be wrong even where it does not fault).
+// Without ATTN_CPU_ISA (the torch bindings, the dispatcher, a plain compile of one kernel) the
+// same declarations are in attn::cpu: the entry points there are the dispatcher's.
+#pragma once
+
+#if defined(ATTN_CPU_ISA)
+#define ATTN_CPU_ISA_BEGIN inline namespace ATTN_CPU_ISA {
+#define ATTN_CPU_ISA_END }
+#else
+#define ATTN_CPU_ISA_BEGIN
+#define ATTN_CPU_ISA_END
+#endif
+
+namespace attn {
+namespace cpu {
+
+// The level the entry points run now: the highest one built that this CPU supports, unless
+// set_isa chose a lower one.
+const char* isa();
+// Levels built into this library that this CPU runs, lowest first, as "base,avx2"; `all`: every
+// level built, runnable or not.
+const char* isa_levels(bool all = false);
+// Makes `name` the active level (nullptr or "": the default, the highest runnable one). Returns
+// nullptr on success, else why not (a level that was not built or that this CPU lacks); the
+// active level is then unchanged.
+const char* set_isa(const char* name);
+
+}  // namespace cpu
+}  // namespace attn

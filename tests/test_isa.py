@@ -1,0 +1,168 @@
+"""The CPU kernels' ISA levels (csrc/cpu/isa.h): every level this machine runs gives results within
+the error rule (tests/helpers.py) of the float64 reference and of the other levels, for one op of
+each family; `python -m attention_ext info` names the level; set_cpu_isa refuses levels that were
+not built or that this CPU cannot run, and restores."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.decode import ops as decode_ops
+from attention_ext.decode.reference import decode_attention
+from attention_ext.linear import reference as linear_ref
+from attention_ext.sparse import layouts
+from attention_ext.sparse.reference import block_sparse_attention_ref, topk_attention_ref
+from tests.helpers import FLOOR, assert_close_fa2, reference_in, rel_err
+
+pytestmark = pytest.mark.skipif(not ae._ext.HAS_EXT, reason="compiled extension not built")
+
+LEVELS = ae.cpu_isas() if ae._ext.HAS_EXT else ()
+
+
+@pytest.fixture
+def at_level():
+    """at_level(name): run the CPU kernels at ISA level `name`; the default is restored after."""
+    old = ae.cpu_isa()
+    yield ae.set_cpu_isa
+    ae.set_cpu_isa(old)
+
+
+def per_level(at_level, run):
+    """{level: run()} for every level this machine runs."""
+    outs = {}
+    for level in LEVELS:
+        at_level(level)
+        outs[level] = run()
+    return outs
+
+
+def check_levels(outs, low, ref, dtype, what):
+    """Every level's outputs (a tuple of tensors) meet the error rule against the float64
+    reference `ref`, with PyTorch's same-dtype `low` as the yardstick, and differ from the lowest
+    level's by no more than the rule allows either of them to differ from float64."""
+    first = outs[LEVELS[0]]
+    for level, got in outs.items():
+        for i, (g, lo, r) in enumerate(zip(got, low, ref)):
+            assert_close_fa2(g, lo, r, dtype, f"{what}[{i}] at {level}")
+            bound = 2.0 * rel_err(lo, r) + FLOOR[dtype]
+            e = rel_err(g, first[i])
+            assert e <= bound, f"{what}[{i}]: {level} vs {LEVELS[0]} differ by {e:.3g} > {bound:.3g}"
+
+
+def test_levels_listed():
+    """base runs everywhere; the active level is the highest one this CPU runs (what info prints);
+    the levels this CPU runs are among those built, in the build's order."""
+    built = ae.cpu_isas(all=True)
+    assert LEVELS[0] == "base" and set(LEVELS) <= set(built)
+    assert [x for x in built if x in LEVELS] == list(LEVELS)
+    assert ae.cpu_isa() == LEVELS[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_fwd_bwd(at_level, dtype, causal):
+    torch.manual_seed(0)
+    b, h, hk, sq, sk, d = 2, 4, 2, 77, 133, 64  # GQA, lengths that are no whole tile
+    q0, k0, v0 = (torch.randn(b, n, s, d, dtype=dtype) for n, s in ((h, sq), (hk, sk), (hk, sk)))
+    dout = torch.randn(b, h, sq, d, dtype=dtype)
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = ae.attention(q, k, v, causal=causal)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    rkw = dict(window=(-1, 0) if causal else (-1, -1), bottom_right=False)
+    ref, _, ref_leaves = reference_in(torch.float64, q0, k0, v0, **rkw)
+    low, _, low_leaves = reference_in(dtype, q0, k0, v0, **rkw)
+    ref.backward(dout.double())
+    low.backward(dout)
+    check_levels(per_level(at_level, run), (low,) + tuple(t.grad for t in low_leaves[:3]),
+                 (ref,) + tuple(t.grad for t in ref_leaves[:3]), dtype, "attention out, dq, dk, dv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_fwd_bwd(at_level, dtype):
+    torch.manual_seed(1)
+    b, h, s, d = 2, 3, 150, 32
+    q0, k0, v0 = (torch.randn(b, h, s, d, dtype=dtype) for _ in range(3))
+    dout = torch.randn(b, h, s, d, dtype=dtype)
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = ae.linear_attention(q, k, v, feature_map="elu", causal=True, scale=1.0)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def reference(dt):
+        q, k, v = (t.detach().to(dt).requires_grad_() for t in (q0, k0, v0))
+        out = linear_ref.linear_attention(q, k, v, feature_map=1, causal=True)[0]
+        out.backward(dout.to(dt))
+        return out.detach(), q.grad, k.grad, v.grad
+
+    check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
+                 "linear out, dq, dk, dv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_block_and_topk(at_level, dtype):
+    torch.manual_seed(2)
+    b, h, n, d, bs = 2, 4, 200, 64, 32
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype) for _ in range(3))
+    lay = layouts.bigbird(1, 1, 1, 3, seq_len=n, block_size=bs, heads=h)
+
+    def run():
+        return (ae.block_sparse_attention(q, k, v, lay, block_size=bs, causal=True),
+                ae.topk_attention(q, k, v, 24, causal=True))
+
+    def reference(dt):
+        qq, kk, vv = (t.to(dt) for t in (q, k, v))
+        return (block_sparse_attention_ref(qq, kk, vv, lay, bs, causal=True)[0],
+                topk_attention_ref(qq, kk, vv, 24, causal=True)[0])
+
+    check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
+                 "block-sparse, top-k out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode(at_level, dtype):
+    torch.manual_seed(3)
+    b, sq, h, hk, s_cache, d = 3, 2, 8, 2, 300, 64
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    kc, vc = (torch.randn(b, s_cache, hk, d, dtype=dtype) for _ in range(2))
+    lens = torch.tensor([300, 17, 161], dtype=torch.int32)
+    scale = 1 / math.sqrt(d)
+
+    def run():
+        return (decode_ops.decode_fwd(q, kc, vc, cache_seqlens=lens, scale=scale)[0],)
+
+    def reference(dt):
+        return (decode_attention(q.to(dt), kc.to(dt), vc.to(dt), cache_seqlens=lens, softmax_scale=scale)[0],)
+
+    check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype, "decode out")
+
+
+def test_set_cpu_isa_validates_and_restores(at_level):
+    top = ae.cpu_isa()
+    assert at_level("base") == top
+    assert ae.cpu_isa() == "base" and ae._ext._C.simd_width() == 8
+    with pytest.raises(ValueError, match="no such level"):
+        ae.set_cpu_isa("avx9000")
+    assert ae.cpu_isa() == "base"  # unchanged by a refused call
+    for level in set(ae.cpu_isas(all=True)) - set(LEVELS):  # built, but this CPU lacks it
+        with pytest.raises(ValueError, match="this CPU lacks"):
+            ae.set_cpu_isa(level)
+    with pytest.raises(TypeError):
+        ae.set_cpu_isa(2)
+    assert ae.set_cpu_isa(None) == "base" and ae.cpu_isa() == top
+
+
+def test_info_names_the_level():
+    res = subprocess.run([sys.executable, "-m", "attention_ext", "info"], capture_output=True, text=True, check=True)
+    line = next(x for x in res.stdout.splitlines() if x.startswith("CPU kernels"))
+    assert f"ISA {LEVELS[-1]} " in line and ", ".join(LEVELS) in line, line
