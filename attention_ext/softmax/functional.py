@@ -108,12 +108,14 @@ _DECODE_MAX_Q = 8
 def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int) -> bool:
     """Whether a fused call runs on the decode kernel instead: a CPU call with at most
     _DECODE_MAX_Q query rows, nothing that needs a gradient, and only what the decode op
-    expresses the same way (no mask or dropout, no block layout or top-k; positions aligned
+    expresses the same way (no mask or dropout, no block layout or top-k, no varlen pack; positions aligned
     bottom-right as the decode op aligns them, unless nothing depends on positions)."""
     o = opts
     if q.device.type != "cpu" or q.shape[2] > _DECODE_MAX_Q or k.shape[2] == 0 or topk > 0:
         return False
     if o["bias"] is not None or o["dropout_p"] > 0.0 or o.get("block_layout") is not None:
+        return False
+    if o.get("cu_seqlens_q") is not None:  # a varlen pack: the decode op would read it as one sequence
         return False
     positional = o["window_left"] >= 0 or o["window_right"] >= 0 or o["alibi_slopes"] is not None
     if positional and not o["bottom_right"]:
