@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # fresh random inputs each session, but reproducible when a failure is reported
 SEED = int(os.environ.get("ATTENTION_EXT_TEST_SEED", torch.randint(0, 2**31 - 1, (1,)).item()))
@@ -15,6 +16,19 @@ if os.environ.get("ATTENTION_EXT_LINEAR_STANDIN") == "1":
     from tests.linear import standin
 
     standin.define_ops()
+
+# Hypothesis profiles. "ci" is the default of every run (the normal suite): derandomized, so a run
+# is reproducible and a failure replays, with a few hundred fuzz examples across the families;
+# "long" draws fresh examples, 10,000 per fuzz test (one per family):
+#     pytest tests/fuzz --hypothesis-profile=long
+# deadline None: an example's time depends on its drawn sizes and on the load of the machine.
+_HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large,
+           HealthCheck.filter_too_much]
+settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None, suppress_health_check=_HEALTH,
+                          print_blob=True)
+settings.register_profile("long", derandomize=False, max_examples=10_000, deadline=None,
+                          suppress_health_check=_HEALTH, print_blob=True)
+settings.load_profile("ci")  # --hypothesis-profile (read later, in pytest_configure) overrides it
 
 FAMILIES = ("softmax", "linear", "sparse", "decode")
 DEVICES = ("cpu", "cuda", "cuda-emulated")

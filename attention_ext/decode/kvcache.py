@@ -161,6 +161,11 @@ def flash_attn_with_kvcache(
         raise ValueError(f"flash_attn_with_kvcache: cache_batch_idx entries must lie in [0, {n_rows})")
     if block_table is None and cache_batch_idx is None and n_rows < b:
         raise ValueError(f"flash_attn_with_kvcache: the cache holds {n_rows} sequences, q has {b}")
+    if block_table is None and cache_batch_idx is None and n_rows > b:
+        # flash-attn reads sequence b from cache row b of a larger cache; the decode op takes
+        # exactly B rows, so it gets views of the first B (an append still writes the caller's
+        # cache), rather than raising after the append below has written
+        k_cache, v_cache = k_cache[:b], v_cache[:b]
 
     if cache_seqlens is None:
         if k is not None or v is not None:

@@ -108,7 +108,7 @@ _DECODE_MAX_Q = 8
 def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int) -> bool:
     """Whether a fused call runs on the decode kernel instead: a CPU call with at most
     _DECODE_MAX_Q query rows, nothing that needs a gradient, and only what the decode op
-    expresses the same way (no mask or dropout, no block layout or top-k; positions aligned
+    expresses the same way (no mask or dropout, no block layout or top-k, no varlen pack; positions aligned
     bottom-right as the decode op aligns them, unless nothing depends on positions)."""
     o = opts
     if q.device.type != "cpu" or q.shape[2] > _DECODE_MAX_Q or k.shape[2] == 0 or topk > 0:

@@ -123,7 +123,11 @@ def attention(
         if bias.dtype == torch.bool:
             ok = ok & bias
         else:
-            s = s + bias.to(s.dtype)
+            fb = bias.to(s.dtype)
+            s = s + fb
+            # a -inf entry masks its key as a False does: without it a row that only a float mask
+            # empties gets NaN gradients from logsumexp's backward, where the kernels give 0
+            ok = ok & (fb != float("-inf"))
     s = s.masked_fill(~ok, float("-inf"))
     if sinks is not None:
         sink_col = sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)

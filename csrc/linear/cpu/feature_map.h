@@ -20,10 +20,12 @@ inline void apply_feature(FeatureMap fm, T* x, int n, int n_pad, T mul) {
   for (int i = 0; i < n_pad; i += L) {
     vec<T> v = vload(x + i), r = v;
     if (fm == FeatureMap::kElu) {
-      const vec<T> neg = v < T(0) ? v : vbcast(T(0));
+      // the compares are written so that a NaN takes the branch that keeps it (elu(NaN) = NaN,
+      // relu(NaN) = NaN, as torch's): a NaN input must reach the rows that read it
+      const vec<T> neg = v > T(0) ? vbcast(T(0)) : v;
       r = v > T(0) ? v + T(1) : vexp2_nonpos(neg * log2e);
     } else if (fm == FeatureMap::kRelu) {
-      r = v > T(0) ? v : vbcast(T(0));
+      r = v < T(0) ? vbcast(T(0)) : v;
     }
     vstore(x + i, r * mul);
   }

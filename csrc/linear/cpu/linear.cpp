@@ -219,9 +219,11 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
         const int64_t mrow = p.cu_seqlens != nullptr ? int64_t(p.cu_seqlens[b]) + row : int64_t(b) * p.key_mask_batch_stride + row;
         real = p.key_mask[mrow] != 0;
       }
-      if (live) {
+      // a padded key is never read, as rows past the length are not: its zero feature row times a
+      // loaded NaN would otherwise give NaN (0 * NaN), and its value row would enter the products
+      if (real) {
         load_row(dt, static_cast<const char*>(p.k) + offset(p.cu_seqlens, b, p.k_batch_stride, hk, p.k_head_stride, row, p.k_row_stride) * es, k, m, c.mp);
-        apply_feature(p.feature_map, k, m, c.mp, real ? T(1) : T(0));
+        apply_feature(p.feature_map, k, m, c.mp, T(1));
         load_row(dt, static_cast<const char*>(p.v) + offset(p.cu_seqlens, b, p.v_batch_stride, hk, p.v_head_stride, row, p.v_row_stride) * es, v, p.dim_v, c.dp);
         if (p.normalize) v[p.dim_v] = T(1);
       } else {

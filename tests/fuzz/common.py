@@ -1,0 +1,93 @@
+"""Shared pieces of the fuzz tests: the error rule, input builders with unusual strides, and the
+dtype / shape strategies."""
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import strategies as st
+
+from tests.helpers import FLOOR, rel_err
+
+F64 = torch.float64
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+LOW = (torch.bfloat16, torch.float16)
+
+# head dims: the tile widths' edges and odd sizes that are no multiple of 8 (the SIMD tails)
+HEAD_DIMS = [1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 24, 31, 33, 40, 63, 64, 65, 72, 100, 127, 128, 129, 160, 200, 255, 256]
+# lengths: 1, primes, and the CPU tiles' edges (16, 32, 48, 64) +- 1
+LENGTHS = [1, 2, 3, 5, 7, 11, 13, 15, 16, 17, 23, 31, 32, 33, 37, 47, 48, 49, 53, 63, 64, 65, 71]
+
+dtypes = st.sampled_from(DTYPES)
+head_dims = st.sampled_from(HEAD_DIMS)
+lengths = st.one_of(st.sampled_from(LENGTHS), st.integers(1, 72))
+seeds = st.integers(0, 2**31 - 1)
+
+
+def log_example(family, entry):
+    """With ATTENTION_EXT_FUZZ_LOG=path, one line per example run (family, entry point): the count
+    of a long run cut short by a time limit (hypothesis reports its statistics only at the end)."""
+    path = os.environ.get("ATTENTION_EXT_FUZZ_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{family} {entry}\n")
+
+
+def check(ours, low, ref, dtype, what, factor, floor_scale=1.0):
+    """The project's rule: ours vs the float64 reference within `factor` x the error of PyTorch
+    doing the same math in `dtype` (low), plus the floor of tests/helpers.py (times floor_scale,
+    for a gradient that is a difference of much larger terms)."""
+    e_ours, e_low = rel_err(ours, ref), rel_err(low, ref)
+    floor = FLOOR[dtype] * floor_scale
+    assert e_ours <= factor * e_low + floor, \
+        f"{what}: error {e_ours:.3g} > {factor:g} x torch {e_low:.3g} + floor {floor:.3g}"
+
+
+def check_out(ours, low, ref, dtype, what="out"):
+    check(ours, low, ref, dtype, what, 2.0)
+
+
+def check_grad(ours, low, ref, dtype, what, floor_scale=1.0):
+    check(ours, low, ref, dtype, what, 3.0, floor_scale)
+
+
+STORAGES = ["contig", "transposed", "sliced", "strided_seq"]
+
+
+def strided(shape, dtype, storage, seq_dim, swap=(1, 2), heads=1, gen_scale=1.0):
+    """A leaf (requires grad) and a function leaf -> the tensor of `shape` the op is given:
+    contig: the leaf itself; transposed: the leaf holds the dims `swap` (heads and rows) swapped,
+    the op gets the transposed view (bshd storage read as bhsd and back); sliced: the leaf's last dim is 3 wider, the op gets [..., 1:d+1]
+    (row strides no multiple of the head dim); strided_seq: every other row of a leaf twice as
+    long along seq_dim; expanded: a leaf with one head expanded (stride 0) to the heads at dim
+    `heads`, as a GQA caller broadcasting one kv head. The last dim always keeps stride 1, as the ops require (else they copy)."""
+    shape = tuple(shape)
+    if storage == "contig":
+        leaf_shape, fn = shape, (lambda t: t)
+    elif storage == "transposed":
+        ls = list(shape)
+        ls[swap[0]], ls[swap[1]] = ls[swap[1]], ls[swap[0]]
+        leaf_shape, fn = tuple(ls), (lambda t: t.transpose(*swap))
+    elif storage == "sliced":
+        d = shape[-1]
+        leaf_shape, fn = shape[:-1] + (d + 3,), (lambda t: t[..., 1:d + 1])
+    elif storage == "strided_seq":
+        ls = list(shape)
+        ls[seq_dim] *= 2
+        leaf_shape = tuple(ls)
+        fn = lambda t: t[(slice(None),) * seq_dim + (slice(None, None, 2),)]  # noqa: E731
+    elif storage == "expanded":
+        ls = list(shape)
+        ls[heads] = 1
+        leaf_shape, fn = tuple(ls), (lambda t: t.expand(shape))
+    else:
+        raise ValueError(storage)
+    leaf = (gen_scale * torch.randn(leaf_shape, dtype=F64)).to(dtype).requires_grad_()
+    return leaf, fn
+
+
+def copies(leaves, dtype):
+    """Detached copies of the leaves in `dtype` (float side inputs too, as tests/helpers.py's
+    reference_in casts them), each requiring grad as its original does; non-float ones as they are."""
+    return [t.detach().to(dtype).requires_grad_(t.requires_grad) if t is not None and t.is_floating_point() else t
+            for t in leaves]
