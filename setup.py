@@ -3,6 +3,10 @@ is found. Environment switches:
 
   ATTENTION_EXT_CUDA=0/1     force the CUDA kernels off / on (default: auto)
   ATTENTION_EXT_NATIVE=0     portable CPU build (no -march=native)
+  ATTENTION_EXT_SANITIZE=1   CPU-only build under AddressSanitizer + UBSan (-O1 -g); it defines
+                             ATTN_SANITIZE, which compiles in the test-only canaries. Importing it
+                             needs libasan preloaded: `./dev.sh sanitize` builds it in a copy of the
+                             tree (build/sanitize/tree) and runs the tests there
   TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible. A 9.0 cubin
                              is built as sm_90a (the wgmma forward needs it; same GPUs, same cost)
   ATTENTION_EXT_CUDA_SKIP=bwd,hdim256,hopper
@@ -112,6 +116,30 @@ def _cpu_flags():
     return flags
 
 
+def _sanitizing():
+    """ATTENTION_EXT_SANITIZE=1 (CPU-only: nvcc objects would be uninstrumented, and the CUDA
+    driver's address-space reservations clash with ASan's shadow memory)."""
+    on = os.environ.get("ATTENTION_EXT_SANITIZE", "0").lower() in ("1", "true", "on", "yes")
+    if on and os.environ.get("ATTENTION_EXT_CUDA", "auto").lower() in ("1", "true", "on", "yes"):
+        sys.exit("ATTENTION_EXT_SANITIZE=1 builds the CPU kernels only: unset ATTENTION_EXT_CUDA=1")
+    return on
+
+
+def _sanitize(cxx, link, macros):
+    """The CPU compile / link flags and macros recompiled under ASan + UBSan when
+    ATTENTION_EXT_SANITIZE=1, unchanged otherwise. -O1 -g and frame pointers give reports with
+    whole stacks at a tolerable speed; -march=native stays as the default build has it
+    (ATTENTION_EXT_NATIVE), so the same SIMD paths run. UBSan stays recoverable: its suppressions
+    (tests/sanitizers/ubsan.supp) apply only to recoverable checks, and UBSAN_OPTIONS=
+    halt_on_error=1 makes every unsuppressed report fatal. ATTN_SANITIZE compiles in the
+    test-only canaries (csrc/torch/library.cpp)."""
+    if not _sanitizing():
+        return cxx, link, macros
+    san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+    cxx = [f for f in cxx if not f.startswith("-O")] + ["-O1"] + san
+    return cxx, link + san, macros + [("ATTN_SANITIZE", None)]
+
+
 def _sources():
     """(CPU sources, CUDA sources). Family first: csrc/<family>/cpu/*.cpp and
     csrc/<family>/cuda/**/*.cu (instantiations/ included); the torch bindings in csrc/torch,
@@ -124,9 +152,8 @@ def _sources():
 
 def extensions():
     cpu_sources, cuda_sources = _sources()
-    cxx = _cpu_flags()
-    define_macros = []
-    if _want_cuda():
+    cxx, link, define_macros = _sanitize(_cpu_flags(), ["-fopenmp"], [])
+    if _want_cuda() and not _sanitizing():
         archs = _arch_list()
         define_macros += [("ATTN_WITH_CUDA", None), ("ATTN_CUDA_ARCHS", '"' + archs + '"')]
         nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
@@ -156,7 +183,7 @@ def extensions():
             include_dirs=[os.path.join(HERE, "csrc")],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
         )
     ]
 
