@@ -5,7 +5,7 @@
 #   ./dev.sh bench [args]  the CPU benchmark table (benchmarks/softmax/bench_cpu.py)
 #   ./dev.sh build         (re)build the extension
 #   ./dev.sh sanitize [args]  ASan + UBSan: build a sanitized copy in build/sanitize/tree and run
-#                          the CPU kernel tests there (args replace the default test slice)
+#                          the CPU kernel tests there (test paths given replace the default slice)
 # Environment: PYTHON (default python3), MAX_JOBS, ATTENTION_EXT_CUDA=0/1, TORCH_CUDA_ARCH_LIST.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -62,7 +62,10 @@ sanitize_env() {
   local asan
   asan=$(gcc -print-file-name=libasan.so)
   [ -e "$asan" ] || { echo "libasan.so not found (gcc -print-file-name=libasan.so)" >&2; exit 1; }
-  export LD_PRELOAD="$asan"
+  # libstdc++ beside it: Python does not link it, so ASan's __cxa_throw interceptor finds no real
+  # __cxa_throw at start-up and CHECK-fails at the first C++ exception of a later-loaded library
+  # (triton's, imported by torch.compile and opcheck)
+  export LD_PRELOAD="$asan $(gcc -print-file-name=libstdc++.so.6)"
   # Python and torch leak by design at exit; halt at the first report so that it fails the test
   export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:detect_odr_violation=0
   export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:exitcode=87:suppressions=$PWD/tests/sanitizers/ubsan.supp
@@ -77,7 +80,10 @@ case "$cmd" in
   bench) deps; ensure_built; exec "$PY" benchmarks/softmax/bench_cpu.py "$@" ;;
   sanitize)
     deps; sanitize_build; sanitize_env
-    [ $# -gt 0 ] || set -- "${SAN_TESTS[@]}"
+    # test paths given replace the slice; options alone (-k, -rs) apply to it
+    paths=0
+    for a in "$@"; do [[ $a == -* ]] || paths=1; done
+    [ $paths = 1 ] || set -- "$@" "${SAN_TESTS[@]}"
     cd "$SAN_TREE"
     # --capture=sys: a report is written to fd 2 by the dying process, which pytest's default
     # fd capture would swallow with the rest of the test's output
