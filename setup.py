@@ -5,6 +5,11 @@ is found. Environment switches:
   ATTENTION_EXT_NATIVE=1     also build the CPU kernels with -march=native, a level the run-time
                              dispatch prefers where it runs (the build machine's CPU); the default
                              build runs on any x86-64 CPU (see _cpu_levels)
+  ATTENTION_EXT_SANITIZE=1   CPU-only build under AddressSanitizer + UBSan (-O1 -g) of the highest
+                             CPU level the build machine runs; it defines ATTN_SANITIZE, which
+                             compiles in the test-only canaries. Importing it needs libasan
+                             preloaded: `./dev.sh sanitize` builds it in a copy of the tree
+                             (build/sanitize/tree) and runs the tests there
   TORCH_CUDA_ARCH_LIST       CUDA archs; default "8.0;9.0+PTX" when no GPU is visible. A 9.0 cubin
                              is built as sm_90a (the wgmma forward needs it; same GPUs, same cost)
   ATTENTION_EXT_CUDA_SKIP=bwd,hdim256,hopper
@@ -148,6 +153,13 @@ def _cpu_levels(cxx):
     (ATTENTION_EXT_NATIVE=1) comes last and is built only beside the levels -march=native includes
     (no avx512 level next to a native AVX2 one)."""
     levels = list(_X86_LEVELS) if _X86 else [("base", [])]
+    if _sanitizing():
+        # a sanitized build is a test tool for this machine, and ~4x slower to compile per level:
+        # only the highest level the build machine runs (the one its tests dispatch to)
+        if _X86:
+            here = _isa_macros(cxx, _cpu_flags() + _NATIVE[1])
+            levels = [lv for lv in levels if _isa_macros(cxx, _cpu_flags() + lv[1]) <= here]
+        return levels[-1:]
     if os.environ.get("ATTENTION_EXT_NATIVE", "0").lower() in ("0", "false", "off", "no", ""):
         return levels
     if _X86:
@@ -162,6 +174,30 @@ def _cpu_kernel_sources():
     return sorted(glob.glob("csrc/*/cpu/*.cpp")) + ["csrc/cpu/kernels.cpp"]
 
 
+def _sanitizing():
+    """ATTENTION_EXT_SANITIZE=1 (CPU-only: nvcc objects would be uninstrumented, and the CUDA
+    driver's address-space reservations clash with ASan's shadow memory)."""
+    on = os.environ.get("ATTENTION_EXT_SANITIZE", "0").lower() in ("1", "true", "on", "yes")
+    if on and os.environ.get("ATTENTION_EXT_CUDA", "auto").lower() in ("1", "true", "on", "yes"):
+        sys.exit("ATTENTION_EXT_SANITIZE=1 builds the CPU kernels only: unset ATTENTION_EXT_CUDA=1")
+    return on
+
+
+def _sanitize(cxx, link, macros):
+    """The CPU compile / link flags and macros recompiled under ASan + UBSan when
+    ATTENTION_EXT_SANITIZE=1, unchanged otherwise. -O1 -g and frame pointers give reports with
+    whole stacks at a tolerable speed; the kernels are built for the highest level the machine
+    runs (_cpu_levels), the one its tests dispatch to. UBSan stays recoverable: its suppressions
+    (tests/sanitizers/ubsan.supp) apply only to recoverable checks, and UBSAN_OPTIONS=
+    halt_on_error=1 makes every unsuppressed report fatal. ATTN_SANITIZE compiles in the
+    test-only canaries (csrc/torch/library.cpp)."""
+    if not _sanitizing():
+        return cxx, link, macros
+    san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+    cxx = [f for f in cxx if not f.startswith("-O")] + ["-O1"] + san
+    return cxx, link + san, macros + [("ATTN_SANITIZE", None)]
+
+
 def _sources():
     """(CPU sources, CUDA sources) of the extension itself: the CPU kernels' dispatcher and the
     torch bindings in csrc/torch (the CPU kernels are built per level, _cpu_kernel_sources);
@@ -174,9 +210,8 @@ def _sources():
 
 def extensions():
     cpu_sources, cuda_sources = _sources()
-    cxx = _cpu_flags()
-    define_macros = []
-    if _want_cuda():
+    cxx, link, define_macros = _sanitize(_cpu_flags(), ["-fopenmp"], [])
+    if _want_cuda() and not _sanitizing():
         archs = _arch_list()
         define_macros += [("ATTN_WITH_CUDA", None), ("ATTN_CUDA_ARCHS", '"' + archs + '"')]
         nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-warn-spills"]
@@ -206,7 +241,7 @@ def extensions():
             include_dirs=[os.path.join(HERE, "csrc")],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=link,
         )
     ]
 
@@ -225,8 +260,9 @@ class BuildExtensionWithLevels(BuildExtension):
         cxx = _cxx()
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         # as torch's compile of the other .cpp files: Python's compiler flags (-O3 -DNDEBUG -fPIC ...)
-        common = [*self.compiler.compiler_so[1:], "-std=c++20", *_cpu_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-                  "-I" + os.path.join(HERE, "csrc")]
+        cflags, _, macros = _sanitize(_cpu_flags(), [], [])  # the kernels are what a sanitized build is for
+        common = [*self.compiler.compiler_so[1:], "-std=c++20", *cflags, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                  *[f"-D{m}" for m, _ in macros], "-I" + os.path.join(HERE, "csrc")]
         root = os.path.abspath(os.path.join(self.build_temp, "cpu_levels"))
         os.makedirs(root, exist_ok=True)
         lines = ["ninja_required_version = 1.3", f"builddir = {_ninja_path(root)}", f"cxx = {shlex.quote(cxx)}",

@@ -18,6 +18,17 @@ namespace attn {
 namespace cpu {
 ATTN_CPU_ISA_BEGIN
 
+// The sanitized build (ATTN_SANITIZE, setup.py's ATTENTION_EXT_SANITIZE=1): every scratch
+// buffer and output block has exactly the size asked for and is freed when its call (tensor)
+// ends, so ASan's redzones sit right after the last element. Rounded up to 2 MB and reused
+// across calls, as the normal build keeps them, an overrun would land in memory the process owns
+// and go unreported.
+#if defined(ATTN_SANITIZE)
+inline constexpr bool kExactBuffers = true;
+#else
+inline constexpr bool kExactBuffers = false;
+#endif
+
 // Buffers the kernels stream through: 64-byte (cache-line) aligned, so with row strides and
 // panels that are whole lines no vector load straddles two lines. malloc's 16-byte alignment
 // would split every other 32-byte load, at a cost that changed from run to run with the heap.
@@ -91,6 +102,11 @@ class Scratch {
  public:
   static constexpr size_t kMaxCachedBytes = size_t(32) << 20;
   explicit Scratch(size_t n) {
+    if (kExactBuffers) {
+      own_.resize(n);
+      ptr_ = own_.data();
+      return;
+    }
     n = std::max(n, LineAllocator<T>::kHuge / sizeof(T));
     if (n * sizeof(T) <= kMaxCachedBytes) {
       Buffer<T>& kept = cache();
@@ -151,6 +167,10 @@ class BlockCache {
     return freed;
   }
   static void give(void* p, size_t bytes) {
+    if (kExactBuffers) {
+      LineAllocator<char>().deallocate(static_cast<char*>(p), bytes);
+      return;
+    }
     std::lock_guard<std::mutex> lock(mutex());
     Kept& k = kept();
     k.blocks.emplace_back(p, bytes);

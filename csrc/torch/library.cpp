@@ -51,11 +51,43 @@ PyObject* py_set_cpu_isa(PyObject*, PyObject* name) {
 }
 PyObject* py_simd_width(PyObject*, PyObject*) { return PyLong_FromLong(attn::cpu::simd_width()); }
 
+
+#if defined(ATTN_SANITIZE)
+// Test-only canaries of the sanitized build (ATTENTION_EXT_SANITIZE=1, tests/sanitizers): each
+// commits one defect the sanitizers must report, so a clean run proves they were live. Called
+// from a subprocess, which ASan / UBSan (halt_on_error=1) end with the report.
+
+// Reads one float past a 4-float heap buffer: ASan's heap-buffer-overflow. UBSan is off in this
+// function, or its object-size check would report the read first.
+__attribute__((no_sanitize("undefined"))) PyObject* canary_heap_overflow(PyObject*, PyObject*) {
+  float* buf = new float[4]();
+  volatile float* p = buf;  // volatile: the read stays in at -O1
+  const int n = 4;
+  float past = p[n];
+  delete[] buf;
+  return PyFloat_FromDouble(past);
+}
+
+// 1 << s in int: UBSan's shift-exponent check for s >= 32. (Not a signed overflow: Python's
+// CFLAGS, which setuptools adds, carry -fwrapv, which defines it.) The exponent comes from Python
+// so the compiler cannot fold it.
+PyObject* canary_shift_overflow(PyObject*, PyObject* arg) {
+  const int s = int(PyLong_AsLong(arg));
+  const int y = 1 << s;
+  return PyLong_FromLong(y);
+}
+
+#endif
+
 PyMethodDef module_methods[] = {
     {"cpu_isa", py_cpu_isa, METH_NOARGS, "the CPU kernels' active ISA level"},
     {"cpu_isas", py_cpu_isas, METH_O, "the levels built and runnable here (all=True: built), comma-separated"},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
     {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},
+#if defined(ATTN_SANITIZE)
+    {"_canary_heap_overflow", canary_heap_overflow, METH_NOARGS, "sanitized build only: a heap over-read"},
+    {"_canary_shift_overflow", canary_shift_overflow, METH_O, "sanitized build only: 1 << s in int32"},
+#endif
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
@@ -100,6 +132,11 @@ PyMODINIT_FUNC PyInit__C(void) {
 #else
   PyModule_AddIntConstant(mod, "with_cuda", 0);
   PyModule_AddStringConstant(mod, "cuda_archs", "");
+#endif
+#if defined(ATTN_SANITIZE)
+  PyModule_AddIntConstant(mod, "sanitize", 1);  // ASan + UBSan (ATTENTION_EXT_SANITIZE=1)
+#else
+  PyModule_AddIntConstant(mod, "sanitize", 0);
 #endif
 #if defined(_OPENMP)
   PyModule_AddIntConstant(mod, "openmp", 1);

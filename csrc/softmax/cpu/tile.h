@@ -47,7 +47,11 @@ struct TileSoftmax {
   // q.k unscaled: the exp pass multiplies by `post`, saving a pass over the row.
   void scores(T* srow, int i, int j0, bool full, int n = kBlockN) const {
     if (!plain) {
-      for (int jj = 0; jj < n; ++jj) srow[jj] = pol.score(srow[jj], i, j0 + jj);
+      // only (i, j) inside the lengths: an additive bias has no entry past len_q / len_k (the
+      // last, partial tile of a row; varlen), and a tile reaching there is not full, so the
+      // masking below sets those columns to -inf whatever they hold
+      const int n_in = i < pol.len_q ? std::min(n, std::max(pol.len_k - j0, 0)) : 0;
+      for (int jj = 0; jj < n_in; ++jj) srow[jj] = pol.score(srow[jj], i, j0 + jj);
     }
     if (pol.topk_thr != nullptr) topk(srow, i, j0, n);
     if (full) return;
