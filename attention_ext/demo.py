@@ -566,7 +566,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     results: Dict = {"device": device, "size": args.size, "variant": args.variant, "quick": args.quick,
                      "seed": args.seed, "threads": torch.get_num_threads(),
-                     "cpu_isa": _ext._C.cpu_isa if _ext.HAS_EXT else None, "torch": torch.__version__}
+                     "cpu_isa": _ext.cpu_isa() if _ext.HAS_EXT else None, "torch": torch.__version__}
     if "seq2seq" in parts:
         results["seq2seq"] = run_seq2seq(args, size, device, log)
     if "lm" in parts:

@@ -106,8 +106,9 @@ def test_long_row_exact(long_v, path):
     q = torch.zeros(1, 1, 1, D)
     k = torch.zeros(1, 1, 1, D).expand(1, 1, S_LONG, D)
     out, lse = run_path(path, q, k, v)
-    # float32 rounding of the result and of the final division: a few ulps of 1.06
-    torch.testing.assert_close(out, torch.full((D,), EXACT), rtol=4e-7, atol=0)
+    # float32 rounding of the result, the final division and (decode) the merge of the key splits
+    # through their LSEs: a few ulps of 1.06 (the uncompensated sum misses by 3e-2)
+    torch.testing.assert_close(out, torch.full((D,), EXACT), rtol=1e-6, atol=0)
     assert abs(lse.item() - math.log(S_LONG)) <= 4e-6
 
 

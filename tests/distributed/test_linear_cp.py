@@ -84,6 +84,10 @@ def test_key_padding_mask_errors():
 
 
 def test_initial_state_log_scale_shape():
-    s = LinearAttentionState(torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8), torch.zeros(2))
+    # the state checks its own log_scale when made; one changed afterwards meets the CP check
+    with pytest.raises(ValueError, match=r"log_scale must be \(1, 2\)"):
+        LinearAttentionState(torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8), torch.zeros(2))
+    s = LinearAttentionState(torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2))
+    s.log_scale = torch.zeros(2)
     with pytest.raises(ValueError, match=r"initial_state.log_scale must be \(B, H\)"):
         cp.context_parallel_linear_attention(*_qkv(), initial_state=s)
