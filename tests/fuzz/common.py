@@ -91,3 +91,16 @@ def copies(leaves, dtype):
     reference_in casts them), each requiring grad as its original does; non-float ones as they are."""
     return [t.detach().to(dtype).requires_grad_(t.requires_grad) if t is not None and t.is_floating_point() else t
             for t in leaves]
+
+
+def run_with_references(call, ref_call, leaves, grad, dtype):
+    """The kernel's result call(leaves) (under no_grad unless grad) and the reference's
+    ref_call on float64 and on `dtype` copies of the leaves: (out, (r64 leaves, ref), (rlow
+    leaves, low)), the leaf copies kept for their gradients."""
+    if grad:
+        out = call(leaves)
+    else:
+        with torch.no_grad():
+            out = call(leaves)
+    r64, rlow = copies(leaves, F64), copies(leaves, dtype)
+    return out, (r64, ref_call(r64)), (rlow, ref_call(rlow))

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import attention_ext as ae
 from attention_ext.linear import ops, reference
-from tests.fuzz.common import (F64, STORAGES, check_grad, check_out, copies, dtypes, head_dims, lengths, log_example,
-                               seeds, strided)
+from tests.fuzz.common import (F64, run_with_references, STORAGES, check_grad, check_out, dtypes, head_dims, lengths,
+                               log_example, seeds, strided)
 
 pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")), reason="linear op has no CPU kernel")
 CODES = {"identity": 0, "elu": 1, "relu": 2}
@@ -77,14 +77,8 @@ def test_fuzz_linear(data):
         return o, f
 
     leaves = [q, k, v, g, s0]
-    if grad:
-        out, fin = call(leaves)
-    else:
-        with torch.no_grad():
-            out, fin = call(leaves)
-    r64, rlow = copies(leaves, F64), copies(leaves, dtype)
-    ref, ref_fin = ref_call(r64)
-    low, low_fin = ref_call(rlow)
+    (out, fin), (r64, (ref, ref_fin)), (rlow, (low, low_fin)) = run_with_references(call, ref_call, leaves, grad,
+                                                                                    dtype)
     if cu is not None:  # rows past the pack's end belong to no sequence
         end = int(cu[-1])
         out, ref, low = out[:, :, :end], ref[:, :, :end], low[:, :, :end]

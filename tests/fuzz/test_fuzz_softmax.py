@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import attention_ext as ae
 
 from attention_ext.softmax import ops, reference
-from tests.fuzz.common import (F64, LOW, log_example, STORAGES, check_grad, check_out, copies, dtypes, head_dims, lengths,
-                               seeds, strided)
+from tests.fuzz.common import (F64, run_with_references, LOW, log_example, STORAGES, check_grad, check_out, dtypes,
+                               head_dims, lengths, seeds, strided)
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
@@ -32,16 +32,8 @@ def _few_keys(ok):
 def _run(dtype, leaves, call, ref_call, grad, what, few_keys_ok=None, lse_check=True):
     """call(leaves) -> (out, lse or None); ref_call(leaves in a dtype) -> (out, lse) in the same
     frame. Compares out (and lse), then the gradient of every leaf that requires grad."""
-    if grad:
-        out, lse = call(leaves)
-    else:
-        with torch.no_grad():
-            out, lse = call(leaves)
+    (out, lse), (r64, (ref, ref_lse)), (rlow, (low, _)) = run_with_references(call, ref_call, leaves, grad, dtype)
     assert out.dtype == dtype
-    r64 = copies(leaves, F64)
-    rlow = copies(leaves, dtype)
-    ref, ref_lse = ref_call(r64)
-    low, _ = ref_call(rlow)
     assert ref.shape == out.shape, (ref.shape, out.shape)
     check_out(out, low, ref, dtype, what + " out")
     if lse_check and lse is not None:

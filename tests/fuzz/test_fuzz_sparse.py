@@ -15,8 +15,8 @@ import attention_ext as ae
 from attention_ext.softmax import ops
 from attention_ext.softmax import reference
 from attention_ext.sparse import reference as sparse_reference
-from tests.fuzz.common import (F64, LOW, STORAGES, check_grad, check_out, copies, dtypes, head_dims, lengths,
-                               log_example, seeds, strided)
+from tests.fuzz.common import (F64, run_with_references, LOW, STORAGES, check_grad, check_out, dtypes, head_dims,
+                               lengths, log_example, seeds, strided)
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
@@ -112,14 +112,7 @@ def test_fuzz_sparse(data, entry):
                                    alibi_slopes=None if slopes is None else slopes.to(L[0].dtype), sinks=L[3])
 
     leaves = [q, k, v, sink_t]
-    if grad:
-        out, lse = call(leaves)
-    else:
-        with torch.no_grad():
-            out, lse = call(leaves)
-    r64, rlow = copies(leaves, F64), copies(leaves, dtype)
-    ref, ref_lse = ref_call(r64)
-    low, _ = ref_call(rlow)
+    (out, lse), (r64, (ref, ref_lse)), (rlow, (low, _)) = run_with_references(call, ref_call, leaves, grad, dtype)
     check_out(out, low, ref, dtype, entry + " out")
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin), "lse finiteness"
