@@ -236,27 +236,54 @@ def test_nan_softmax_padding(dtype):
     def padded(t):
         t.masked_fill_(~kpm.view(b, 1, sk, 1), NAN)
 
-    # the keys in the forward only: padded values, and keys in the backward, are
-    # test_nan_softmax_padded (xfail)
-    ps = [q] + _poison([k], padded) + [v]
-    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask", None, key_padding_mask=kpm)
+    # padded keys and values, forward and backward
+    ps = [q] + _poison([k, v], padded)
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask", dout, key_padding_mask=kpm)
     # a bool attn_mask that hides keys from every query hides them as padding does
     am = kpm.view(b, 1, 1, sk).expand(b, 1, sq, sk)
-    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "attn_mask", None, attn_mask=am)
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "attn_mask", dout, attn_mask=am)
 
 
-@pytest.mark.xfail(strict=True, reason="the CPU softmax kernels multiply by every key of a tile that a bool mask / "
-                   "key_padding_mask / causal edge / block-sparse partial block leaves partly open: a masked key has "
-                   "P = 0 (dS = 0), and 0 * NaN = NaN, so a NaN in a padded key's value row reaches every query row "
-                   "of its tile in the forward (P @ V), and a NaN in its key row reaches dQ (dS @ K) in the backward; "
-                   "keys past seqlens_k and in off blocks are skipped and stay clean")
+@pytest.mark.parametrize("rows", [3, 61])
+def test_nan_softmax_padding_tiles(rows):
+    """Padded keys poisoned (NaN in k, inf in v) across several key tiles of 128, with the
+    packed kernels (61 query rows) and the few-row direct path (3 rows, no grad)."""
+    torch.manual_seed(3)
+    b, h, sk, d = 2, 3, 300, 24
+    grad = rows > 8
+    q, k, v = bhsd(b, h, rows, d, grad=grad), bhsd(b, h, sk, d, grad=grad), bhsd(b, h, sk, d, grad=grad)
+    kpm = torch.rand(b, sk) > 0.3
+    kpm[1, 128:256] = False  # a whole tile padded
+    ps = [q] + _poison([k], lambda t: t.masked_fill_(~kpm.view(b, 1, sk, 1), NAN)) \
+        + _poison([v], lambda t: t.masked_fill_(~kpm.view(b, 1, sk, 1), float("inf")))
+    dout = torch.randn(b, h, rows, d) if grad else None
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask", dout, key_padding_mask=kpm)
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask + causal", dout, key_padding_mask=kpm,
+                       causal=True, bottom_right=True)
+
+
+def test_nan_softmax_causal_reaches_reading_rows():
+    """Causal (S_q = S_k = 200, two key tiles): a NaN in v[150] reaches rows 150.. of the output
+    and no row before; rows 0..149 are bit-identical to the clean run."""
+    torch.manual_seed(4)
+    q, k, v = (bhsd(1, 2, 200, 16, grad=False) for _ in range(3))
+    clean = ae.attention(q, k, v, causal=True)
+    vp = v.clone()
+    vp[0, 1, 150, 5] = NAN
+    got = ae.attention(q, k, vp, causal=True)
+    same(got[0, 0], clean[0, 0], "head 0")
+    same(got[0, 1, :150], clean[0, 1, :150], "rows before the NaN key")
+    assert got[0, 1, 150:].isnan().any(-1).all()
+
+
 @pytest.mark.parametrize("what", ["value", "key"])
 @pytest.mark.parametrize("how", ["key_padding_mask", "bool_attn_mask", "block_sparse_key_padding_mask", "causal"])
 def test_nan_softmax_padded(how, what):
     """Found by test_nan_softmax_padding: B = H = 1, S_q = 4, S_k = 6, D = 8, key 2 padded, NaN in
-    v[0, 0, 2] (expected: out bit-identical to the clean run; got: NaN in every row), or in
-    k[0, 0, 2] (forward clean; dq NaN in every row). "causal": key 5 is hidden from rows 0-3 by
-    causal=True (top-left), same result."""
+    v[0, 0, 2] (expected: out bit-identical to the clean run; got: NaN in every row: the tile's
+    P V product multiplied the hidden key's P = 0 by its row), or in k[0, 0, 2] (forward clean;
+    dq NaN in every row, dS K likewise). "causal": key 5 is hidden from rows 0-3 by causal=True
+    (top-left), same result. Fixed by redoing such products without the hidden keys (tile.h)."""
     torch.manual_seed(8)
     b, h, sq, sk, d = 1, 1, 4, 6, 8
     q, k, v = bhsd(b, h, sq, d), bhsd(b, h, sk, d), bhsd(b, h, sk, d)

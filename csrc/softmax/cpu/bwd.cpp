@@ -134,8 +134,12 @@ struct BwdWorker {
       const T di = dvec[i];
       if (p.dropout_p == 0.f && hd.dbias_bh == nullptr && pol.softcap == 0.f) {
         // the common case in vectors: dX = P * (dP - D_i) * scale; P stays as it is
-        const V dv_i = vbcast(di);
-        for (int c = 0; c < n; c += L) vstore(dprow + c, vload(srow + c) * (vload(dprow + c) - dv_i) * pol.scale);
+        // a key with P = 0 gets dS = 0 whatever its dP: a hidden key's dP is NaN when its V row is
+        const V dv_i = vbcast(di), zero = V{};
+        for (int c = 0; c < n; c += L) {
+          const V pr = vload(srow + c);
+          vstore(dprow + c, pr == zero ? zero : pr * (vload(dprow + c) - dv_i) * pol.scale);
+        }
         continue;
       }
       for (int jj = 0; jj < n; ++jj) {
@@ -149,7 +153,7 @@ struct BwdWorker {
         } else {
           ds *= pol.scale;
         }
-        dprow[jj] = ds;      // dX (rows, n)
+        dprow[jj] = pr == T(0) ? T(0) : ds;  // dX (rows, n); 0 where P is, as above
         srow[jj] = pr * kp;  // dropped, rescaled P
       }
     }
@@ -162,6 +166,13 @@ struct BwdWorker {
     gemm<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
     // dQ (rows, dp) += dX (rows, n) @ K rows (n, dp), compensated
     gemm<false>(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp);
+    // NaN: read from K, or a hidden key's non-finite K row times its dS = 0 (tile.h's hidden
+    // keys); the redo leaves out the terms with dS = 0, which a key a row reads has only when
+    // its K row is finite (a NaN K row makes the row's logit, P and dS NaN)
+    if ((!full || partial || pol.topk_thr != nullptr) && any_nan(dqt, int64_t(rows) * dp)) {
+      gemm_skipping(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp,
+                    [&](int r, int jj) { return dpt[r * kBlockN + jj] == T(0); });
+    }
     kahan_add(dq + int64_t(i0) * dp, dqc + int64_t(i0) * dp, dqt, rows * dp);
   }
 

@@ -48,6 +48,7 @@ struct FwdWorker {
   // l's lc, and pb, one tile's p V before it joins o
   Scratch<T, 2> mem;
   T *q, *s, *o, *m, *l, *row, *kvrow, *kgrp, *ktr, *oc, *lc, *pb;
+  uint64_t hidden[kBlockM * kMaskWords];  // the keys each tile row hides (tile.h's hidden_keys)
 
   FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
@@ -102,14 +103,16 @@ struct FwdWorker {
       }
     }
   }
-  // Direct mode: O (rows, dp) += P (rows, n) @ V rows j0 ... Every key inside the
-  // sequence is read, as the packed path does (a NaN value at a masked key gives NaN on both
-  // paths: 0 * NaN).
-  void direct_pv(const T* s, T* o, int rows, int j0, int n, int len_k, const char* vbase, int d, int dp) {
+  // Direct mode: O (rows, dp) += P (rows, n) @ V rows j0 ... Keys inside the sequence are
+  // read; with hid (the tile's hidden keys, nullptr when it hides none) a row skips the keys it
+  // hides, whose P is 0 (tile.h: so a NaN in such a V row stays out of it).
+  void direct_pv(const T* s, T* o, int rows, int j0, int n, int len_k, const char* vbase, int d, int dp,
+                 const uint64_t* hid) {
     const int dv = d / L * L;
     for (int jj = 0; jj < n && j0 + jj < len_k; ++jj) {
       const T* v = kv_row(vbase, j0 + jj, p.v_row_stride, d, dp);
       for (int r = 0; r < rows; ++r) {
+        if (hid != nullptr && key_hidden(hid + r * kMaskWords, jj)) continue;
         const T pr = s[r * kBlockN + jj];
         T* orow = o + r * dp;
         const vec<T> prv = vbcast(pr);
@@ -149,10 +152,14 @@ struct FwdWorker {
       topk_rows(t, sa, oa, oca, pba, ra, rows, i_lo, j0, n, lo, hi, full);
       return;
     }
+    // keys this tile may hide from some row (a full, unclipped tile without top-k hides none)
+    const bool may_hide = !full || lo > j0 || hi < j0 + n || t.pol.topk_thr != nullptr;
+    uint64_t* hid = hidden + ra * kMaskWords;
     for (int r = 0; r < rows; ++r) {
       T* srow = sa + r * kBlockN;
       if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       t.ts.scores(srow, i_lo + r, j0, full, n);
+      if (may_hide) hidden_keys(srow, n, hid + r * kMaskWords);
       T& mr = m[ra + r];
       const T m_new = t.ts.online_update(srow, mr, &l[ra + r], &lc[ra + r], n);
       if (m_new != mr) {
@@ -171,10 +178,15 @@ struct FwdWorker {
     // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated
     if (t.kt_bh == nullptr) {
       std::fill(pba, pba + size_t(rows) * dp, T(0));
-      direct_pv(sa, pba, rows, j0, n, t.len_k, t.vbase, d, dp);
+      direct_pv(sa, pba, rows, j0, n, t.len_k, t.vbase, d, dp, may_hide ? hid : nullptr);
     } else {
-      gemm<false>(rows, dp, n, sa, kBlockN, panel_row(t.v_bh, j0, kBlockN, dp), kPanel<T>,
-                  int64_t(kBlockN) * kPanel<T>, pba, dp);
+      const T* vb = panel_row(t.v_bh, j0, kBlockN, dp);
+      gemm<false>(rows, dp, n, sa, kBlockN, vb, kPanel<T>, int64_t(kBlockN) * kPanel<T>, pba, dp);
+      // NaN: a read NaN (kept by the redo) or a hidden key's non-finite V row (left out by it)
+      if (may_hide && any_nan(pba, int64_t(rows) * dp)) {
+        gemm_skipping(rows, dp, n, sa, kBlockN, vb, kPanel<T>, int64_t(kBlockN) * kPanel<T>, pba, dp,
+                      [&](int r, int jj) { return key_hidden(hid + r * kMaskWords, jj); });
+      }
     }
     kahan_add(oa, oca, pba, rows * dp);
   }

@@ -181,6 +181,25 @@ struct TileSoftmax {
   }
 };
 
+// ---------------------------------------------------------------- hidden keys
+// A tile that may hide some of its keys from some rows (a partial mask, causal edge, padding,
+// top-k) records, per row, which ones scores() hid: bit jj of the row's kMaskWords words is set
+// where its logit is -inf. P V and dS K are gemm products, in which a hidden key still costs
+// 0 * its row; if that row holds a NaN or an inf, the product is NaN in every row of the tile.
+// Where a product comes out NaN, the kernels redo it leaving hidden keys out (simd.h's
+// gemm_skipping, the same bits where nothing was hidden), so a value no row reads never reaches
+// an output: only the rows that read a NaN show it.
+constexpr int kMaskWords = kBlockN / 64;
+
+template <typename T>
+inline void hidden_keys(const T* srow, int n, uint64_t* bits) {
+  const vec<T> ninf = vbcast(-std::numeric_limits<T>::infinity());
+  std::fill(bits, bits + kMaskWords, uint64_t(0));
+  for (int c = 0; c < n; c += kLanes<T>) bits[c / 64] |= uint64_t(lane_bits(vload(srow + c) == ninf)) << (c % 64);
+}
+
+inline bool key_hidden(const uint64_t* bits, int jj) { return (bits[jj >> 6] >> (jj & 63)) & 1u; }
+
 // ---------------------------------------------------------------- the end of a row
 // A row's online softmax ends with running max m and sum l; the sink logit (has_sink) joins
 // the denominator only. Sets *lse (-inf for a row that saw nothing and has no sink) and returns
