@@ -2,8 +2,11 @@
 // conversion, and the register-blocked GEMM micro-kernel every attention product runs on.
 //
 // The vector type is a GCC/Clang vector extension, so one source compiles to AVX-512, AVX2 or
-// SSE as -march allows (no intrinsics per ISA to keep in sync). Width W floats: 16 with
-// AVX-512F, else 8 (two SSE registers when AVX is off).
+// SSE as -march allows (no intrinsics per ISA to keep in sync). Width W floats: one register,
+// 16 with AVX-512F, 8 with AVX, 4 on x86 below AVX (SSE2, the portable base level). A vector
+// wider than the registers is lowered poorly (split ops, vectors passed through memory): an
+// 8-float type on SSE2 ran the forward 40x slower than AVX2. Other targets (AArch64: NEON is
+// 4 floats) keep 8, two registers.
 #pragma once
 
 #include <cmath>
@@ -16,6 +19,8 @@
 
 #if defined(__F16C__) || defined(__AVX__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 namespace attn {
@@ -24,8 +29,10 @@ ATTN_CPU_ISA_BEGIN
 
 #if defined(__AVX512F__)
 constexpr int W = 16;
-#else
+#elif defined(__AVX__) || !(defined(__x86_64__) || defined(__i386__))
 constexpr int W = 8;
+#else
+constexpr int W = 4;
 #endif
 constexpr int kVecBytes = W * 4;
 
@@ -133,6 +140,9 @@ inline uint32_t lane_bits(M m) {
 #if defined(__AVX__) && !defined(__AVX512F__)
   if constexpr (sizeof(M) == 32 && sizeof(m[0]) == 4) return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(__m256i(m))));
   if constexpr (sizeof(M) == 32 && sizeof(m[0]) == 8) return uint32_t(_mm256_movemask_pd(_mm256_castsi256_pd(__m256i(m))));
+#elif defined(__SSE2__) && !defined(__AVX__)
+  if constexpr (sizeof(M) == 16 && sizeof(m[0]) == 4) return uint32_t(_mm_movemask_ps(_mm_castsi128_ps(__m128i(m))));
+  if constexpr (sizeof(M) == 16 && sizeof(m[0]) == 8) return uint32_t(_mm_movemask_pd(_mm_castsi128_pd(__m128i(m))));
 #endif
   uint32_t bits = 0;
   for (int u = 0; u < int(sizeof(M) / sizeof(m[0])); ++u) bits |= (m[u] != 0 ? 1u : 0u) << u;
