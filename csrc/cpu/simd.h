@@ -310,17 +310,51 @@ constexpr int kMR = 6;
 template <typename T>
 constexpr int kPanel = 2 * kLanes<T>;
 
-template <int MR, int NV, bool kAccumulate, bool kTransA, typename T>
+// The part of a square causal block a product touches (indices from 0 on the diagonal), so that
+// a masked (n, n) tile costs about half a full one (gemm's kTri):
+enum class Tri {
+  kFull,
+  kLowerC,   // only C[i][j], j <= i is wanted: column panels wholly above the diagonal are skipped
+             // (left unwritten; the caller's mask zeroes them)
+  kLowerA,   // A[i][k] = 0 for k > i: row i's sum stops at k = i (M <= K)
+  kUpperAT,  // kTransA with A^T[i][k] = 0 for k < i (A lower): row i's sum starts at k = i (M <= K)
+};
+// kLowerA and kUpperAT never read A's masked triangle, not even the zeros inside a row block's
+// (kMR, kMR) diagonal corner: 0 times a NaN or inf row of B is NaN, so a value at position t
+// would reach the rows of the block that do not read t (the linear kernels' A V', P K~, P^T Q~
+// and A^T dO'). The corner takes its k steps one by one, each on the rows that own it, which is
+// also fewer FMAs than the full (kMR, kMR) block it replaces.
+
+template <int MR, int NV, bool kAccumulate, bool kTransA, Tri kTri, typename T>
 inline void micro_kernel(int K, const T* __restrict__ A, int64_t lda, const T* __restrict__ B, int64_t ldb,
                          T* __restrict__ C, int64_t ldc) {
   constexpr int L = kLanes<T>;
+  // the (MR, MR) corner: the first MR of the K steps for kUpperAT (row r from step r on), the
+  // last MR for kLowerA (row r up to step r); the steps [k0, k1) are full
+  constexpr bool kHead = kTri == Tri::kUpperAT, kTail = kTri == Tri::kLowerA;
+  static_assert(!kHead || kTransA, "kUpperAT reads A transposed");
+  const int k0 = kHead ? MR : 0, k1 = kTail ? K - MR : K;
   vec<T> acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = kAccumulate ? vload(C + r * ldc + v * L) : vec<T>{};
   }
-  for (int k = 0; k < K; ++k) {
+  if constexpr (kHead) {
+#pragma GCC unroll 8
+    for (int k = 0; k < MR; ++k) {
+      vec<T> b[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
+#pragma GCC unroll 8
+      for (int r = 0; r <= k; ++r) {
+        vec<T> a = vbcast_mem(A + k * lda + r);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+      }
+    }
+  }
+  for (int k = k0; k < k1; ++k) {
     vec<T> b[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
@@ -331,6 +365,21 @@ inline void micro_kernel(int K, const T* __restrict__ A, int64_t lda, const T* _
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
+  if constexpr (kTail) {
+#pragma GCC unroll 8
+    for (int kk = 0; kk < MR; ++kk) {
+      const int k = k1 + kk;
+      vec<T> b[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * L);
+#pragma GCC unroll 8
+      for (int r = kk; r < MR; ++r) {
+        vec<T> a = vbcast_mem(kTransA ? A + k * lda + r : A + r * lda + k);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
+      }
+    }
+  }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
@@ -338,32 +387,24 @@ inline void micro_kernel(int K, const T* __restrict__ A, int64_t lda, const T* _
   }
 }
 
-template <int NV, bool kAccumulate, bool kTransA, typename T>
+template <int NV, bool kAccumulate, bool kTransA, Tri kTri, typename T>
 inline void micro_rows(int mr, int K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
   switch (mr) {
-    case 6: micro_kernel<6, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
-    case 5: micro_kernel<5, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
-    case 4: micro_kernel<4, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
-    case 3: micro_kernel<3, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
-    case 2: micro_kernel<2, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
-    default: micro_kernel<1, NV, kAccumulate, kTransA>(K, A, lda, B, ldb, C, ldc); break;
+    case 6: micro_kernel<6, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
+    case 5: micro_kernel<5, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
+    case 4: micro_kernel<4, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
+    case 3: micro_kernel<3, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
+    case 2: micro_kernel<2, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
+    default: micro_kernel<1, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
   }
 }
-
-// The part of a square causal block a product touches (indices from 0 on the diagonal), so that
-// a masked (n, n) tile costs about half a full one (gemm's kTri):
-enum class Tri {
-  kFull,
-  kLowerC,   // only C[i][j], j <= i is wanted: column panels wholly above the diagonal are skipped
-             // (left unwritten; the caller's mask zeroes them)
-  kLowerA,   // A[i][k] = 0 for k > i: row i's sum stops at k = i
-  kUpperAT,  // kTransA with A^T[i][k] = 0 for k < i (A lower): row i's sum starts at k = i
-};
 
 template <bool kAccumulate, bool kTransA = false, Tri kTri = Tri::kFull, typename T>
 inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb, int64_t bpanel, T* C,
                  int64_t ldc) {
   constexpr int P = kPanel<T>;
+  // the micro-kernel's corner: kLowerA and kUpperAT (kLowerC takes whole blocks)
+  constexpr Tri kCorner = kTri == Tri::kLowerC ? Tri::kFull : kTri;
   // n outer, m inner: the (K, P) panel of B stays in L1 while A's rows stream past it
   for (int n0 = 0; n0 < N; n0 += P) {
     const T* b = B + int64_t(n0 / P) * bpanel;
@@ -371,14 +412,14 @@ inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64
     for (int m0 = kTri == Tri::kLowerC ? n0 / kMR * kMR : 0; m0 < M; m0 += kMR) {
       const int mr = M - m0 < kMR ? M - m0 : kMR;
       int k0 = 0, k1 = K;
-      if (kTri == Tri::kLowerA) k1 = m0 + mr < K ? m0 + mr : K;
-      if (kTri == Tri::kUpperAT) k0 = m0 < K ? m0 : K;
+      if (kTri == Tri::kLowerA) k1 = m0 + mr;  // the block's last row stops at its own k
+      if (kTri == Tri::kUpperAT) k0 = m0;      // its first row starts at its own k
       const T* a = kTransA ? A + m0 + int64_t(k0) * lda : A + m0 * lda + k0;
       const T* bk = b + int64_t(k0) * ldb;
       if (N - n0 >= P) {
-        micro_rows<2, kAccumulate, kTransA>(mr, k1 - k0, a, lda, bk, ldb, C + m0 * ldc + n0, ldc);
+        micro_rows<2, kAccumulate, kTransA, kCorner>(mr, k1 - k0, a, lda, bk, ldb, C + m0 * ldc + n0, ldc);
       } else {
-        micro_rows<1, kAccumulate, kTransA>(mr, k1 - k0, a, lda, bk, ldb, C + m0 * ldc + n0, ldc);
+        micro_rows<1, kAccumulate, kTransA, kCorner>(mr, k1 - k0, a, lda, bk, ldb, C + m0 * ldc + n0, ldc);
       }
     }
   }

@@ -6,21 +6,45 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, note, reproduce_failure
+from hypothesis import given, note
 from hypothesis import strategies as st
 
 import attention_ext as ae
 from attention_ext.linear import ops, reference
-from tests.fuzz.common import (F64, run_with_references, STORAGES, check_grad, check_out, dtypes, head_dims, lengths,
-                               log_example, seeds, strided)
+from tests.fuzz.common import (F64, LOW, copies, run_with_references, STORAGES, check_grad, check_out, dtypes,
+                               head_dims, lengths, log_example, seeds, strided)
+from tests.helpers import rel_err
 
 pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")), reason="linear op has no CPU kernel")
 CODES = {"identity": 0, "elu": 1, "relu": 2}
 
 
+class _NormalizeFromStoredOut(torch.autograd.Function):
+    """out = O'[..., :Dv] / den, den = O'[..., Dv] + eps, differentiated as the kernels do it:
+    d den_i = -(dout_i . out_i) / den_i from out_i rounded to `dtype` (the output they store and
+    the backward reads back, as FA2's D_i = dO_i . O_i), everything else exact in O''s dtype."""
+
+    @staticmethod
+    def forward(ctx, o, eps, dtype):
+        den = o[..., -1] + eps
+        out = o[..., :-1] / den.unsqueeze(-1)
+        ctx.save_for_backward(out.to(dtype).to(out.dtype), den)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        out_r, den = ctx.saved_tensors
+        dden = -(dout * out_r).sum(-1) / den
+        return torch.cat([dout / den.unsqueeze(-1), dden.unsqueeze(-1)], -1), None, None
+
+
 @given(data=st.data())
 def test_fuzz_linear(data):
-    draw = data.draw
+    linear_case(data.draw, note)
+
+
+def linear_case(draw, note):
+    """One example: draw(strategy) gives each choice; note(dict) records them."""
     dtype = draw(dtypes)
     fmap = draw(st.sampled_from(sorted(CODES)))
     # identity has signed features: its normalizer can cross 0 (an ill-posed division), so it
@@ -76,6 +100,15 @@ def test_fuzz_linear(data):
                                              key_mask=kpm_t, cu_seqlens=cu)
         return o, f
 
+    def ref_stored_out(L):
+        # float64 math whose only rounding is the stored output's, in d den (the rule below)
+        va = to_bhsd(fv(L[2]))
+        va = torch.cat([va, torch.ones_like(va[..., :1])], -1)  # v' = [v, 1], normalized by hand
+        oa, _, f = reference.linear_attention(to_bhsd(fq(L[0])), to_bhsd(fk(L[1])), va, feature_map=CODES[fmap],
+                                              causal=causal, normalize=False, scale=1.0 if scale is None else scale,
+                                              decay=L[3], initial_state=L[4], key_mask=kpm_t, cu_seqlens=cu)
+        return _NormalizeFromStoredOut.apply(oa, 1e-6, dtype), f
+
     leaves = [q, k, v, g, s0]
     (out, fin), (r64, (ref, ref_fin)), (rlow, (low, low_fin)) = run_with_references(call, ref_call, leaves, grad,
                                                                                     dtype)
@@ -99,22 +132,40 @@ def test_fuzz_linear(data):
         # that of those terms, so its floor scales with them (found by the long profile: S = 1,
         # M = 65, unnormalized, d decay = 6.3e-5 against a 5e-5 floor)
         terms = (ref.detach().abs() * dout.double().abs()).sum(-1).max().item() if ref.numel() else 0.0
-        for i, o, r, lo in zip(idx, ours, g64, glow):
+        # Normalized, in bf16 / fp16, the kernels take d den_i = -(dout_i . out_i) / den_i from the
+        # stored, rounded output (README, Known gaps: as FA2's D_i). dout_i . (v_j - out_i) / den_i
+        # then cancels on a row that sees one or a few keys (row 0 of every causal sequence), and
+        # small den_i (sparse relu features) amplifies the output's rounding: the float64 math
+        # with only that rounding (ref_stored_out) has this error, while PyTorch's same-dtype
+        # autograd, which forms d den from its own rounded o / den, lands lower or higher by the
+        # luck of its roundings (found by the long profile: fp16 relu, decay, S = 19, den_0 = 2e-3:
+        # grad of k 7.3e-3; float64 with the rounded output 7.25e-3; PyTorch fp16 1.65e-3). So the
+        # peer error is the larger of the two, and 3x it still holds the kernel to the rest.
+        gst = [None] * len(idx)
+        if normalize and dtype in LOW:
+            rst = copies(leaves, F64)
+            o_st, f_st = ref_stored_out(rst)
+            o_st = o_st[:, :, :out.shape[2]]  # a varlen pack's tail rows are cut, as above
+            gst = torch.autograd.grad([o_st, f_st], [rst[i] for i in idx], [dout.to(F64), dfin.to(F64)],
+                                      allow_unused=True)
+        for i, o, r, lo, ls in zip(idx, ours, g64, glow, gst):
             z = torch.zeros_like(leaves[i])
             o, r, lo = (z if t is None else t for t in (o, r, lo))
             assert o.shape == leaves[i].shape
+            if ls is not None and rel_err(ls, r) > rel_err(lo, r):
+                lo = ls
             fs = max(1.0, terms / max(r.detach().abs().max().item(), 1.0)) if i == 3 else 1.0
             check_grad(o, lo, r, dtype, f"grad of {['q', 'k', 'v', 'decay', 'initial_state'][i]}", fs)
     log_example("linear", fmap)
 
 
-@pytest.mark.xfail(strict=True, reason="open: the fp16 gradient of k exceeds the rule on a small relu problem with "
-                   "decay, key padding and a varlen pack (error 7.1e-3 vs 3 x torch's 1.8e-3 + 5e-4); not "
-                   "investigated: relu features are sparse, so the normalizer phi(q_i) . z_i can be small and amplify "
-                   "the fp16 rounding of the stored output the backward reads")
-@reproduce_failure("6.155.2", b"AEECQQIBAQFBAUEBQQRBA0EAQQBBAAEAAUEBAQFBEQBBAkEB")
-@given(data=st.data())
-def test_fp16_relu_decay_grad_k(data):
+def test_fp16_relu_decay_grad_k():
     """Found by test_fuzz_linear (long profile): fp16, relu, normalized, causal, decay, B = H = 1,
-    S = 19 with a pack of one 17-row sequence (2 tail rows), M = 7, Dv = 13, key_padding_mask."""
-    test_fuzz_linear.hypothesis.inner_test(data)
+    S = 19 with a pack of one 17-row sequence (2 tail rows), M = 7, Dv = 13, key_padding_mask.
+    The grad of k failed the rule against PyTorch's fp16 error alone (7.1e-3 vs 3 x 1.8e-3 +
+    5e-4): row 0 sees one key with den_0 = 2e-3, and d den_0 from the stored fp16 output cancels;
+    float64 math with that one rounding has the kernel's error (test_fuzz_linear's rule).
+    Replayed from its draws in order (hypothesis' reproduce_failure fails a test that passes)."""
+    draws = iter([torch.float16, "relu", True, True, True, 1, 1, 7, 13, "bhsd", "contig", "contig", True, False, True,
+                  0.5, True, [17], 2, 1])
+    linear_case(lambda strategy: next(draws), lambda info: None)

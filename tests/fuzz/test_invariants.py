@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import attention_ext as ae
+from attention_ext.linear import reference as linear_reference
 from attention_ext.softmax import ops
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
@@ -578,20 +579,16 @@ def test_python_threads_concurrent():
             same(x, y, f"{name} in thread {w} (pass {rep}) result {i}")
 
 
-V_CHUNK_XFAIL = pytest.mark.xfail(
-    strict=True, reason="csrc/linear/cpu/linear.cpp, causal: the intra-chunk product multiplies the masked "
-    "(zero) upper triangle of phi(Q) phi(K)^T by V, and 0 * NaN = NaN: a NaN in v[7] also reaches row 6, which "
-    "does not read it")
-
-
 @pytest.mark.parametrize("fmap", ["elu", "relu", "identity"])
-@pytest.mark.parametrize("where", ["q", "k", pytest.param("v", marks=V_CHUNK_XFAIL)])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_linear_feature_maps_propagate(fmap, where):
     """Found by test_nan_that_is_read_propagates: the fused elu + 1 and relu maps took a NaN
     input for a positive / negative one (their compares are false on NaN): elu(NaN) + 1 came out
     1 and relu(NaN) 0, so a NaN key vanished from every row that read it (fixed in
     csrc/linear/cpu/feature_map.h). Causal: a NaN at position 7 reaches rows >= 7 only (q: row 7
-    only); "v" found that it also reaches row 6 (xfail)."""
+    only). "v" found that it also reached row 6: the intra-chunk product multiplied the masked
+    (zero) upper triangle of phi(Q) phi(K)^T by V, and 0 * NaN = NaN (cpu/simd.h gemm now never
+    reads a masked triangle, Tri)."""
     torch.manual_seed(10)
     q, k, v = (0.5 * torch.randn(1, 2, 30, 16) for _ in range(3))
     t = {"q": q, "k": k, "v": v}[where]
@@ -605,3 +602,56 @@ def test_nan_linear_feature_maps_propagate(fmap, where):
         want[7:] = True
     assert torch.equal(hit, want), hit.int().tolist()
     assert not out[0, 0].isnan().any()
+
+
+@pytest.mark.parametrize("t", [7, 50])
+@pytest.mark.parametrize("where", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("fmap,decay", [("elu", False), ("elu", True), ("identity", True)])
+def test_nan_linear_backward_reaches_dependents(fmap, decay, where, t):
+    """Causal backward: a NaN at element (t, 3) of q, k, v or dout reaches exactly the gradient
+    rows of q, k and v that depend on that element, those whose float64 reference gradient
+    changes when the element does (the reference's masked weights are exact zeros, so a row that
+    does not depend on it comes out bit-identical). S = 60 over the CPU's 48-row chunks: t = 7
+    spreads inside chunk 0 and into chunk 1, t = 50 only inside chunk 1. The products that
+    multiply a masked (C, C) factor (dQ~ = P K~, dK~ = P^T Q~, dV' = A^T dO') must not read its
+    zero triangle against a NaN row of the other operand.
+    d decay is checked one way (NaN wherever it depends on the element): the kernel forms it as
+    the reverse running sum of Q~_i . dQ~_i - K~_i . dK~_i, whose terms cancel exactly in the
+    math but not when one is NaN, so it can be NaN at rows before t that do not depend on t."""
+    torch.manual_seed(11)
+    b, h, s, d = 1, 2, 60, 16
+    normalize = fmap != "identity"
+    x64 = {n: 0.5 * torch.randn(b, h, s, d, dtype=torch.float64) for n in ("q", "k", "v")}
+    dout64 = torch.randn(b, h, s, d, dtype=torch.float64)
+    g64 = -0.2 * torch.rand(b, h, s, dtype=torch.float64) if decay else None
+    code = {"identity": 0, "elu": 1}[fmap]
+
+    def ref_grads(bump):
+        leaves = {n: x.clone() for n, x in x64.items()}
+        dout = dout64.clone()
+        (dout if where == "dout" else leaves[where])[0, 1, t, 3] += bump
+        leaves = {n: x.requires_grad_() for n, x in leaves.items()}
+        g = g64.clone().requires_grad_() if decay else None
+        out = linear_reference.linear_attention(leaves["q"], leaves["k"], leaves["v"], feature_map=code, causal=True,
+                                         normalize=normalize, decay=g)[0]
+        return torch.autograd.grad(out, [leaves[n] for n in "qkv"] + ([g] if decay else []), dout)
+
+    # (B, H, S): the rows (of d decay: the entries) that change with the element
+    dep = [(a - b_).abs().amax(-1) > 0 if a.dim() == 4 else (a - b_).abs() > 0
+           for a, b_ in zip(ref_grads(1.0), ref_grads(0.0))]
+
+    leaves = {n: x.float() for n, x in x64.items()}
+    dout = dout64.float()
+    (dout if where == "dout" else leaves[where])[0, 1, t, 3] = NAN
+    leaves = {n: x.requires_grad_() for n, x in leaves.items()}
+    g = g64.float().requires_grad_() if decay else None
+    out = ae.linear_attention(leaves["q"], leaves["k"], leaves["v"], causal=True, feature_map=fmap,
+                              normalize=normalize, scale=1.0, decay=g)
+    got = torch.autograd.grad(out, [leaves[n] for n in "qkv"] + ([g] if decay else []), dout)
+    for name, gr, want in zip("qkv", got, dep):
+        hit = gr.isnan().any(-1)
+        assert torch.equal(hit, want), f"d{name}: NaN rows {hit[0].nonzero().tolist()} vs dependent " \
+                                       f"{want[0].nonzero().tolist()}"
+    if decay:
+        hit = got[3].isnan()
+        assert bool(hit[dep[3]].all()), "d decay: not NaN where it depends on the NaN"

@@ -18,6 +18,10 @@
 // carries U and yields every gradient of a chunk at once (BwdTask states the products). Extra
 // memory: O(chunk * (M + dv)) per thread plus S / kChunk + 1 states per head of a task.
 //
+// The products with a masked (C, C) factor (A V', P K~, P^T Q~, A^T dO') read only its kept
+// triangle (cpu/simd.h Tri), never a masked zero against a row of the other operand, so a NaN
+// at position t reaches only the rows, and the gradients, that depend on t.
+//
 // All products run on the softmax kernels' register-blocked micro-kernel (cpu/simd.h gemm) in T
 // (float; double for float64 inputs); rows are loaded and converted once per chunk and padded
 // to whole vectors (the padding columns stay 0, so they add nothing to any product).
