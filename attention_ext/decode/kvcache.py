@@ -103,7 +103,8 @@ def flash_attn_with_kvcache(
     causal: window_size = (left, 0), aligned bottom-right (the last query row sees the last
     key). softcap: cap * tanh(s / cap). alibi_slopes (H,) or (B, H) float32. sinks (H,) float32
     (extension, keyword only): a learnable logit per head in the denominator.
-    num_splits: key splits, 0 = heuristic.
+    num_splits: key splits, 0 = heuristic (on the CPU from the batch and cache length only, so the
+    result does not depend on the thread count).
 
     Returns out (B, Sq, H, D), and lse (B, H, Sq) float32 with return_softmax_lse.
 

@@ -93,7 +93,10 @@ struct FwdParamsT : QkvParams {
   const int32_t* topk_jcut;
 
   // ---------------------------------------------------------------- dropout on the probabilities
-  float dropout_p;  // probability of dropping; 0 = off
+  // probability of dropping; 0 = off. Acc, so the float64 kernels rescale the kept entries by
+  // 1 / (1 - p) with p as given (a float32 p is off by up to 3e-8 relative); the keep decision
+  // is drawn against float(p) in every precision (philox.h), the mask of reference.dropout_mask.
+  Acc dropout_p;
   uint64_t seed;
   uint64_t offset;
   DropoutCoords dropout_coords;  // identity, or this call's place in a larger problem (philox.h)

@@ -153,8 +153,8 @@ void linear_step(const LinearStepParamsT<T>& p, DType dt) { of<T>().linear_step(
 template <typename T>
 void decode_fwd(const DecodeParamsT<T>& p, DType dt) { of<T>().decode_fwd(p, dt); }
 template <typename T>
-int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads) {
-  return of<T>().decode_num_splits(p, max_keys, threads);
+int decode_num_splits(const DecodeParamsT<T>& p, int max_keys) {
+  return of<T>().decode_num_splits(p, max_keys);
 }
 
 #define ATTN_INSTANTIATE(T)                                                                  \
@@ -165,7 +165,7 @@ int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads) {
   template void linear_bwd<T>(const LinearBwdParamsT<T>&, DType);                            \
   template void linear_step<T>(const LinearStepParamsT<T>&, DType);                          \
   template void decode_fwd<T>(const DecodeParamsT<T>&, DType);                               \
-  template int decode_num_splits<T>(const DecodeParamsT<T>&, int, int);
+  template int decode_num_splits<T>(const DecodeParamsT<T>&, int);
 ATTN_INSTANTIATE(float)
 ATTN_INSTANTIATE(double)
 #undef ATTN_INSTANTIATE

@@ -34,7 +34,7 @@ struct KernelsT {
   void (*linear_bwd)(const LinearBwdParamsT<T>&, DType);
   void (*linear_step)(const LinearStepParamsT<T>&, DType);
   void (*decode_fwd)(const DecodeParamsT<T>&, DType);
-  int (*decode_num_splits)(const DecodeParamsT<T>&, int, int);
+  int (*decode_num_splits)(const DecodeParamsT<T>&, int);
 };
 
 struct Kernels {

@@ -239,7 +239,7 @@ FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& 
     p.bias_col_stride = st(3);
   }
   p.sinks = o.sinks.has_value() ? o.sinks->data_ptr<Acc>() : nullptr;
-  p.dropout_p = float(o.dropout_p);
+  p.dropout_p = Acc(o.dropout_p);
   if (o.rng_state.has_value()) {  // a CPU tensor: read on the host, no device sync
     const int64_t* r = o.rng_state->data_ptr<int64_t>();
     p.seed = uint64_t(r[0]);

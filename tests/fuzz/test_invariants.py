@@ -491,9 +491,8 @@ def _problems():
         "linear_noncausal": lambda: run_linear(q, k, v, dout, causal=False),
         "block_sparse": lambda: run_block_sparse(q, k, v, dout, layout=lay, block_size=16),
         "topk": lambda: run_topk(q, k, v, dout, k_top=20),
-        # num_splits given: the heuristic's split count depends on the thread count
-        # (test_decode_split_heuristic_threads)
-        "decode": lambda: run_decode(qd, kc, vc, cache_seqlens=lens, num_splits=5),
+        # the num_splits=0 heuristic (3 splits here) and a given count
+        "decode": lambda: run_decode(qd, kc, vc, cache_seqlens=lens, num_splits=0),
         "decode_paged": lambda: run_decode(qd, pool, pool, cache_seqlens=lens, block_table=bt, num_splits=3),
     }
 
@@ -530,15 +529,14 @@ def test_threads_bit_identical(threads, n):
             same(x, y, f"{name} {'forward' if i < N_FWD[name] else 'backward'} result {i}, 1 vs {n} threads")
 
 
-@pytest.mark.xfail(strict=True, reason="csrc/decode/cpu/decode.cpp decode_num_splits: with num_splits=0 (the default "
-                   "of flash_attn_with_kvcache, and what attention() uses when it routes a no-grad call of <= 8 query "
-                   "rows to the decode kernel) the number of key splits is chosen from the thread count "
-                   "(2 x threads / B), and the split-merge sums in another order: results differ by rounding "
-                   "(~2e-7 in fp32) between 1 and 2 threads")
 @pytest.mark.parametrize("via", ["flash_attn_with_kvcache", "attention"])
 def test_decode_split_heuristic_threads(threads, via):
     """Found by test_threads_bit_identical: B = 2, H = 4, H_k = 2, D = 64, one query row over 4000
-    and 2500 cached keys, fp32: 1 vs 2 threads differ by 2.2e-7 (1 vs 3: 2.6e-7)."""
+    and 2500 cached keys, fp32: 1 vs 2 threads differed by 2.2e-7 (1 vs 3: 2.6e-7) while the
+    decode kernel's num_splits=0 heuristic (flash_attn_with_kvcache's default, and what attention()
+    uses when it routes a no-grad call of <= 8 query rows to the decode kernel) chose the split
+    count from the thread count: the split merge then summed in another order. The count now
+    follows the problem only (csrc/decode/cpu/decode.cpp decode_num_splits)."""
     torch.manual_seed(7)
     qd, kc, vc = torch.randn(2, 1, 4, 64), torch.randn(2, 4096, 2, 64), torch.randn(2, 4096, 2, 64)
     lens = torch.tensor([4000, 2500], dtype=torch.int32)

@@ -14,10 +14,12 @@ ATTN_CPU_ISA_BEGIN
 template <typename T>
 void decode_fwd(const DecodeParamsT<T>& p, DType dt);
 
-// The key splits decode_fwd runs per (batch, kv head) for a cache of max_keys visible keys on
-// `threads` threads (p.num_splits > 0 asks for that many, bounded by the key chunks).
+// The key splits decode_fwd runs per batch (every kv head in each) for a cache of max_keys
+// visible keys (p.num_splits > 0 asks for that many, bounded by the key chunks). With
+// p.num_splits == 0 the count depends on the problem only, so the forward is bit-identical for
+// any thread count.
 template <typename T>
-int decode_num_splits(const DecodeParamsT<T>& p, int max_keys, int threads);
+int decode_num_splits(const DecodeParamsT<T>& p, int max_keys);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

@@ -154,12 +154,13 @@ struct TileSoftmax {
   // zero the dropped entries of row i (keys j0 ..); the 1 / (1 - p) is applied by the caller
   void dropout(T* srow, int i, int j0, int n = kBlockN) const {
     if (p.dropout_p <= 0.f) return;
+    const float drop = float(p.dropout_p);  // the mask is drawn in float32 for every T (philox.h)
     const DropoutCoords& c = p.dropout_coords;
     if (c.identity()) {  // one draw per 4 keys (j0 is a multiple of 4)
       for (int jj = 0; jj < n; jj += 4) {
         const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, (j0 + jj) >> 2);
         for (int u = 0; u < 4; ++u)
-          if (!dropout_keep_bits(r.x[u], p.dropout_p)) srow[jj + u] = T(0);
+          if (!dropout_keep_bits(r.x[u], drop)) srow[jj + u] = T(0);
       }
       return;
     }
@@ -176,7 +177,7 @@ struct TileSoftmax {
         last = gj >> 2;
         have = true;
       }
-      if (!dropout_keep_bits(r.x[gj & 3], p.dropout_p)) srow[jj] = T(0);
+      if (!dropout_keep_bits(r.x[gj & 3], drop)) srow[jj] = T(0);
     }
   }
 };
