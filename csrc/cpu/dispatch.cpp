@@ -19,10 +19,11 @@ namespace attn {
 namespace cpu {
 
 // Every level's table, weak: a level setup.py did not build (avx512 off x86, native unless
-// ATTENTION_EXT_NATIVE=1) is a null address, so this file and the torch bindings compile the same
-// whatever the levels, and switching native on builds only its objects.
+// ATTENTION_EXT_NATIVE=1, every level but the machine's highest in a sanitized build) is a null
+// address, so this file and the torch bindings compile the same whatever the levels, and
+// switching native on builds only its objects.
 namespace base {
-extern const Kernels kernels;  // every build has it
+extern const Kernels kernels __attribute__((weak));
 }
 namespace avx2 {
 extern const Kernels kernels __attribute__((weak));
@@ -40,8 +41,8 @@ namespace {
 // beside it), the levels not built left out
 const std::vector<const Kernels*>& levels() {
   static const std::vector<const Kernels*> v = [] {
-    std::vector<const Kernels*> l = {&base::kernels};
-    for (const Kernels* k : {&avx2::kernels, &avx512::kernels, &native::kernels}) {
+    std::vector<const Kernels*> l;
+    for (const Kernels* k : {&base::kernels, &avx2::kernels, &avx512::kernels, &native::kernels}) {
       if (k != nullptr) l.push_back(k);
     }
     return l;
@@ -80,7 +81,7 @@ bool runs_here(const Kernels* k) {
 }
 
 const Kernels* best() {
-  const Kernels* b = levels()[0];  // base: plain x86-64 (or the target's baseline elsewhere)
+  const Kernels* b = levels()[0];  // the lowest built: base (plain x86-64, or the target's baseline)
   for (const Kernels* k : levels()) {
     if (runs_here(k)) b = k;
   }
