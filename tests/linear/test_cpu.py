@@ -307,6 +307,8 @@ def test_empty_cpu_cache():
     outputs alive at the time are untouched."""
     if STANDIN:
         pytest.skip("the stand-in allocates with torch, no block cache")
+    if getattr(ae._ext._C, "sanitize", 0):
+        pytest.skip("sanitized build: exact-size output blocks freed with their tensor, no cache (csrc/cpu/memory.h)")
     import attention_ext
 
     q, k, v = (torch.randn(1, 8, 1024, 64) for _ in range(3))  # out: 2 MB, den 32 KB
