@@ -167,3 +167,66 @@ def test_info_names_the_level():
     res = subprocess.run([sys.executable, "-m", "attention_ext", "info"], capture_output=True, text=True, check=True)
     line = next(x for x in res.stdout.splitlines() if x.startswith("CPU kernels"))
     assert f"ISA {LEVELS[-1]} " in line and ", ".join(LEVELS) in line, line
+
+
+@pytest.mark.skipif("avx512bf16" not in LEVELS, reason="this CPU has no AVX512-BF16 (the bf16 dot-product level)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_dot_products_only_change_bf16(at_level, causal):
+    """avx512bf16 differs from avx512 only in the softmax's bf16 products (csrc/cpu/bf16dot.h):
+    float32 results are bit-identical at both levels, bf16 ones are not (P is rounded to bf16 for
+    P V, and the sums run in another order), which shows the dot-product path ran; both meet the
+    error rule (test_softmax_fwd_bwd). Few-row calls (the direct mode) keep float32 products."""
+    torch.manual_seed(5)
+    for dtype, rows in ((torch.float32, 70), (torch.bfloat16, 70), (torch.bfloat16, 5)):
+        q = torch.randn(1, 4, rows, 72, dtype=dtype)
+        k, v = (torch.randn(1, 4, 150, 72, dtype=dtype) for _ in range(2))
+        dout = torch.randn(1, 4, rows, 72, dtype=dtype)
+
+        def run():
+            qq, kk, vv = (t.clone().requires_grad_(rows > 8) for t in (q, k, v))
+            out = ae.attention(qq, kk, vv, causal=causal)
+            if rows <= 8:
+                return (out,)
+            out.backward(dout)
+            return out.detach(), qq.grad, kk.grad, vv.grad
+
+        at_level("avx512")
+        wide = run()
+        at_level("avx512bf16")
+        dot = run()
+        same = all(torch.equal(a, b) for a, b in zip(wide, dot))
+        assert same == (dtype == torch.float32 or rows <= 8), (dtype, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_softcap_tile_before_its_block(at_level, dtype):
+    """Found by test_fuzz_sparse on the first AVX-512 machine (block_sparse, 16-key blocks,
+    softcap 4, S = 65, D = 1; error 9.3e-3 in fp32, LSE off by 0.019): where kPanel (2 vectors:
+    32 floats at AVX-512) is wider than a layout block, a key tile starts before its block and the
+    keys before it are masked to -inf, but the mask ran before the softcap, which maps -inf to
+    -softcap, so those keys were read (forward and backward). The mask now follows the score
+    (csrc/softmax/cpu/tile.h's mask_outside). At every level; on AVX2 (kPanel 16) tiles never start
+    early."""
+    torch.manual_seed(6)
+    s, d, bs = 65, 8, 16
+    q, k, v = (torch.randn(1, 2, s, d, dtype=dtype) for _ in range(3))
+    dout = torch.randn(1, 2, s, d, dtype=dtype)
+    lay = torch.rand(2, 5, 5) < 0.3
+    lay[:, :, 1] = True  # every row reads block 1 (keys 16..31): its tile starts at key 0 on AVX-512
+    allowed = lay.repeat_interleave(bs, 1).repeat_interleave(bs, 2)[:, :s, :s].unsqueeze(0)
+
+    def run():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = ae.block_sparse_attention(qq, kk, vv, lay, block_size=bs, softcap=4.0)
+        out.backward(dout)
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    def reference(dt):
+        qq, kk, vv = (t.detach().to(dt).requires_grad_() for t in (q, k, v))
+        from attention_ext.softmax import reference as sm_ref
+        out, _ = sm_ref.attention(qq, kk, vv, softcap=4.0, bias=allowed)
+        out.backward(dout.to(dt))
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
+                 "block-sparse softcap out, dq, dk, dv")

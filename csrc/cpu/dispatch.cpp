@@ -31,6 +31,9 @@ extern const Kernels kernels __attribute__((weak));
 namespace avx512 {
 extern const Kernels kernels __attribute__((weak));
 }
+namespace avx512bf16 {
+extern const Kernels kernels __attribute__((weak));
+}
 namespace native {
 extern const Kernels kernels __attribute__((weak));
 }
@@ -42,7 +45,7 @@ namespace {
 const std::vector<const Kernels*>& levels() {
   static const std::vector<const Kernels*> v = [] {
     std::vector<const Kernels*> l;
-    for (const Kernels* k : {&base::kernels, &avx2::kernels, &avx512::kernels, &native::kernels}) {
+    for (const Kernels* k : {&base::kernels, &avx2::kernels, &avx512::kernels, &avx512bf16::kernels, &native::kernels}) {
       if (k != nullptr) l.push_back(k);
     }
     return l;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/policy.h"
+#include "cpu/bf16dot.h"
 #include "cpu/isa.h"
 #include "cpu/memory.h"
 #include "cpu/parallel.h"
@@ -60,6 +61,11 @@ enum class PackLayout {
              // dS @ K, P^T @ dO and dS^T @ Q (gemm ldb = P, bpanel = R * P)
   kTPanels,  // per block of R rows, the block transposed and cut into R / P key panels of (dp, P)
              // each: the B operand of Q @ K^T and dO @ V^T (gemm ldb = P, bpanel = dp * P)
+  // bf16 elements for the bf16 dot products (cpu/bf16dot.h's pairs layouts, Q = kDotPanel):
+  kTPairs,   // kTPanels with (c, c + 1) pairs side by side: key panels of (dp / 2, Q, 2), the B
+             // operand of Q @ K^T (gemm_dp bpanel = dp * Q)
+  kPairs,    // kPanels with the key pairs (j, j + 1) side by side: per block of R rows, dp / Q
+             // column panels of (R / 2, Q, 2), the B operand of P @ V (gemm_dp bpanel = R * Q)
 };
 
 // Packs rows [0, len) of one (batch, head) slice `src` (row stride rstride, dtype dt) into
@@ -93,6 +99,35 @@ inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_
   }
 }
 
+// pack_one for the pairs layouts (and kRows) in bf16: rows of dt = kBF16 copied as they are, no
+// widening.
+inline void pack_one_pairs(const void* src, int64_t rstride, int len, int64_t pad, int d, int dp, PackLayout layout,
+                           int R, uint16_t* dst) {
+  constexpr int Q = kDotPanel;
+  const uint16_t* base = static_cast<const uint16_t*>(src);
+  for (int64_t j = 0; j < pad; ++j) {
+    // columns [0, n) from the row, [n, dp) zero: no per-element branch, so the copies vectorize
+    const int n = j < len ? d : 0;
+    const uint16_t* row = base + (j < len ? j : 0) * rstride;
+    uint16_t* blk = dst + (j / R) * R * dp;
+    const int jj = int(j % R);
+    if (layout == PackLayout::kRows) {
+      uint16_t* out = dst + j * dp;
+      for (int c = 0; c < n; ++c) out[c] = row[c];
+      for (int c = n; c < dp; ++c) out[c] = 0;
+    } else if (layout == PackLayout::kTPairs) {
+      // element c at word c / 2 of the key's column in its panel, words 2 Q elements apart
+      uint16_t* pan = blk + int64_t(jj / Q) * dp * Q + (jj % Q) * 2;
+      for (int c = 0; c < n; ++c) pan[(c / 2) * 2 * Q + c % 2] = row[c];
+      for (int c = n; c < dp; ++c) pan[(c / 2) * 2 * Q + c % 2] = 0;
+    } else {
+      uint16_t* pr = blk + (jj / 2) * 2 * Q + jj % 2;
+      for (int c = 0; c < n; ++c) pr[int64_t(c / Q) * R * Q + (c % Q) * 2] = row[c];
+      for (int c = n; c < dp; ++c) pr[int64_t(c / Q) * R * Q + (c % Q) * 2] = 0;
+    }
+  }
+}
+
 // The element at offset `off` (in elements of dt) of a tensor: offsets come from SeqInfo.
 template <typename Void>
 inline auto elem(Void* base, DType dt, int64_t off) {
@@ -102,15 +137,21 @@ inline auto elem(Void* base, DType dt, int64_t off) {
 
 // Packs the key-side rows of every (batch, kv head) of a (B, H_k, S, D) tensor (K or V) in
 // blocks of kBlockN rows.
-template <typename T>
+// Out = uint16_t: the pairs layouts (bf16 in).
+template <typename T, typename Out>
 inline void pack_keys(const FwdParamsT<T>& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
-                      int64_t rstride, const PackIndex& idx, PackLayout layout, T* out) {
+                      int64_t rstride, const PackIndex& idx, PackLayout layout, Out* out) {
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
     return [&, row = Buffer<T>(idx.dp)](int64_t t) mutable {
       const int b = int(t / p.h_k), hh = int(t % p.h_k);
       const int64_t off = SeqInfo(p, b).k_offset(p, b, hh, 0, bstride, hstride, rstride);
-      pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
-               out + idx.offset(b, hh), row.data());
+      if constexpr (std::is_same<Out, uint16_t>::value) {
+        pack_one_pairs(elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
+                       out + idx.offset(b, hh));
+      } else {
+        pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
+                 out + idx.offset(b, hh), row.data());
+      }
     };
   });
 }

@@ -43,18 +43,29 @@ struct BwdWorker {
   // per tile
   T *s, *x, *dpt, *keep_row, *row;
   T *dqc, *dqt;  // dQ's compensation (rows); one tile's dX K (kBlockM, dp)
+  // the bf16 dot path (tile.h's bf16_dot): K and V as kTPairs, Q and dO as bf16 rows, for the
+  // logits (the forward's, bit for bit) and dP; empty otherwise
+  bool dot;
+  uint16_t *ktb, *vtb, *qb, *dob;
 
   BwdWorker(const BwdParamsT<T>& p_, DType dt_)
-      : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp))) {
-    carve(mem.data(), sizes(p, dp),
+      : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp, bf16_dot(p_, dt_)))),
+        dot(bf16_dot(p_, dt_)) {
+    T *ktbt, *vtbt, *qbt, *dobt;
+    carve(mem.data(), sizes(p, dp, dot),
           {&kt, &vt, &kr, &dk, &dv, &q, &dout, &qpn, &dopn, &dq, &dvec, &lse, &s, &x, &dpt, &keep_row, &row, &dqc,
-           &dqt});
+           &dqt, &ktbt, &vtbt, &qbt, &dobt});
+    ktb = reinterpret_cast<uint16_t*>(ktbt);
+    vtb = reinterpret_cast<uint16_t*>(vtbt);
+    qb = reinterpret_cast<uint16_t*>(qbt);
+    dob = reinterpret_cast<uint16_t*>(dobt);
   }
-  static std::array<size_t, 19> sizes(const BwdParamsT<T>& p, int dp) {
+  static std::array<size_t, 23> sizes(const BwdParamsT<T>& p, int dp, bool dot) {
     const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
     const size_t rows = round_up(p.sq, kBlockM), tile = size_t(kBlockM) * kBlockN;
+    const size_t kb = dot ? kpad * sizeof(uint16_t) / sizeof(T) : 0, qb = dot ? qpad * sizeof(uint16_t) / sizeof(T) : 0;
     return {kpad, kpad, kpad, kpad, kpad, qpad, qpad, qpad, qpad, qpad, rows, rows, tile, tile, tile, kBlockN,
-            size_t(dp), qpad, size_t(kBlockM) * dp};
+            size_t(dp), qpad, size_t(kBlockM) * dp, kb, kb, qb, qb};
   }
 
   // T rows -> a (len, d) slice of a gradient tensor
@@ -78,6 +89,10 @@ struct BwdWorker {
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPanels, kBlockN, kr, row);
     pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
+    if (dot) {
+      pack_one_pairs(ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPairs, kBlockN, ktb);
+      pack_one_pairs(vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPairs, kBlockN, vtb);
+    }
 
     for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
 
@@ -113,8 +128,17 @@ struct BwdWorker {
     const T* q_blk = q + int64_t(i0) * dp;
     const T* do_blk = dout + int64_t(i0) * dp;
     // (rows, n) raw scores and dP of the dropped probabilities
-    gemm<false>(rows, n, d, q_blk, dp, kt_blk, P, int64_t(dp) * P, s, kBlockN);
-    gemm<false>(rows, n, d, do_blk, dp, vt_blk, P, int64_t(dp) * P, dpt, kBlockN);
+    if (dot) {
+      if constexpr (std::is_same<T, float>::value) {  // tile.h's bf16_dot: float only
+        const int kd = round_up(d, 2);
+        gemm_dp(rows, n, kd, qb + int64_t(i0) * dp, dp, ktb + int64_t(j0) * dp, int64_t(dp) * kDotPanel, s, kBlockN);
+        gemm_dp(rows, n, kd, dob + int64_t(i0) * dp, dp, vtb + int64_t(j0) * dp, int64_t(dp) * kDotPanel, dpt,
+                kBlockN);
+      }
+    } else {
+      gemm<false>(rows, n, d, q_blk, dp, kt_blk, P, int64_t(dp) * P, s, kBlockN);
+      gemm<false>(rows, n, d, do_blk, dp, vt_blk, P, int64_t(dp) * P, dpt, kBlockN);
+    }
     if (pol.softcap > T(0)) std::copy(s, s + rows * kBlockN, x);
     const bool full = ts.tile_full(i0, i0 + rows, j0, n);
     const bool partial = lo > j0 || hi < j0 + n;
@@ -122,8 +146,8 @@ struct BwdWorker {
       const int i = i0 + r;
       T* srow = s + r * kBlockN;
       T* dprow = dpt + r * kBlockN;
-      if (partial) mask_outside(srow, j0, n, lo, hi);
       ts.scores(srow, i, j0, full, n);
+      if (partial) mask_outside(srow, j0, n, lo, hi);
       ts.probs(srow, lse[i], n);
       // keep / (1 - p) per key: a row of that constant run through the same dropout
       T* keep = keep_row;
@@ -192,6 +216,10 @@ struct BwdWorker {
     pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, qpn, row);
     pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dout, row);
     pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, dopn, row);
+    if (dot) {
+      pack_one_pairs(qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, qb);
+      pack_one_pairs(dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dob);
+    }
     std::fill(dq, dq + int64_t(qpad) * dp, T(0));
     std::fill(dqc, dqc + int64_t(qpad) * dp, T(0));
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)

@@ -27,11 +27,6 @@ ATTN_CPU_ISA_BEGIN
 
 namespace {
 
-// At most this many query rows per sequence (decode steps, short prompts): K / V are read in
-// place, row by row, instead of packed. Packing costs a read and a write of all of K / V plus
-// the pad to whole key blocks, and pays off only when many query rows reuse each packed block;
-// with one query row it was most of the call ((1, 8, 1, 64) against 512 keys: 167 us packed).
-constexpr int kDirectMaxRows = 8;
 // Direct mode's q.k: key groups of one vector each, this many at a time (see direct_scores)
 constexpr int kDirectGroups = 4;
 
@@ -41,23 +36,33 @@ struct FwdWorker {
   const FwdParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
-  const T* kt;  // packed K, kTPanels (nullptr in direct mode)
-  const T* vr;  // packed V, kPanels (nullptr in direct mode)
+  const T* kt;  // packed K, kTPanels (nullptr in direct mode and on the bf16 dot path)
+  const T* vr;  // packed V, kPanels (idem)
+  // the bf16 dot path (tile.h's bf16_dot): packed K as kTPairs, V as kPairs; else nullptr
+  const uint16_t *ktb, *vrb;
   int n_mblocks;
   // this thread's q, s, o tiles, m, l, one output row and one K / V row; o's compensation oc,
   // l's lc, and pb, one tile's p V before it joins o
   Scratch<T, 2> mem;
   T *q, *s, *o, *m, *l, *row, *kvrow, *kgrp, *ktr, *oc, *lc, *pb;
+  uint16_t *qb, *sb;  // the bf16 dot path: the q tile and one tile's P, in bf16 (carved as T)
   uint64_t hidden[kBlockM * kMaskWords];  // the keys each tile row hides (tile.h's hidden_keys)
 
-  FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb)
-      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), n_mblocks(nmb), mem(carved_size<T>(sizes(ki.dp))) {
-    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow, &kgrp, &ktr, &oc, &lc, &pb});
+  FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb,
+            const uint16_t* ktb_ = nullptr, const uint16_t* vrb_ = nullptr)
+      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), ktb(ktb_), vrb(vrb_), n_mblocks(nmb),
+        mem(carved_size<T>(sizes(ki.dp))) {
+    T *qbt, *sbt;
+    carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow, &kgrp, &ktr, &oc, &lc, &pb, &qbt, &sbt});
+    qb = reinterpret_cast<uint16_t*>(qbt);
+    sb = reinterpret_cast<uint16_t*>(sbt);
   }
-  static std::array<size_t, 12> sizes(int dp) {
+  static std::array<size_t, 14> sizes(int dp) {
+    const size_t per_t = sizeof(T) / sizeof(uint16_t);  // bf16 per T
     return {size_t(kBlockM) * dp, size_t(kBlockM) * kBlockN, size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM),
             size_t(dp), size_t(dp), size_t(L) * dp, size_t(kDirectGroups) * L * dp,
-            size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM) * dp};
+            size_t(kBlockM) * dp, size_t(kBlockM), size_t(kBlockM) * dp,
+            size_t(kBlockM) * dp / per_t, size_t(kBlockM) * kBlockN / per_t};
   }
 
   // Direct mode reads a K / V row in place when it already is T (fp32, fp64), else converts it
@@ -129,6 +134,7 @@ struct FwdWorker {
     int i0, len_k;          // the task's first row; the sequence's keys
     const T *kt_bh, *v_bh;  // packed K / V of the (batch, kv head); nullptr in direct mode
     const char *kbase, *vbase;
+    const uint16_t *ktb_bh, *vb_bh;  // the bf16 dot path's packed K / V; else nullptr
   };
   // Rows [ra, rb) of the task (offsets from its first row) against keys [j0, j0 + n), of which
   // [lo, hi) may be seen: n <= kBlockN, j0 a multiple of kPanel, [j0, j0 + n) inside one packed
@@ -141,7 +147,12 @@ struct FwdWorker {
     T* oca = oc + ra * dp;
     T* pba = pb + ra * dp;
     // (rows, n) scores = Q (rows, d) @ K^T block (d, n)
-    if (t.kt_bh == nullptr) {
+    if (t.ktb_bh != nullptr) {
+      if constexpr (std::is_same<T, float>::value) {  // tile.h's bf16_dot: float only
+        gemm_dp(rows, n, round_up(d, 2), qb + ra * dp, dp, t.ktb_bh + int64_t(j0) * dp, int64_t(dp) * kDotPanel, sa,
+                kBlockN);
+      }
+    } else if (t.kt_bh == nullptr) {
       direct_scores(qa, sa, rows, j0, n, t.len_k, t.kbase, d, dp);
     } else {
       gemm<false>(rows, n, d, qa, dp, t.kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, sa, kBlockN);
@@ -157,8 +168,8 @@ struct FwdWorker {
     uint64_t* hid = hidden + ra * kMaskWords;
     for (int r = 0; r < rows; ++r) {
       T* srow = sa + r * kBlockN;
-      if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       t.ts.scores(srow, i_lo + r, j0, full, n);
+      if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       if (may_hide) hidden_keys(srow, n, hid + r * kMaskWords);
       T& mr = m[ra + r];
       const T m_new = t.ts.online_update(srow, mr, &l[ra + r], &lc[ra + r], n);
@@ -176,7 +187,19 @@ struct FwdWorker {
       t.ts.dropout(srow, i_lo + r, j0, n);
     }
     // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated
-    if (t.kt_bh == nullptr) {
+    if (t.vb_bh != nullptr) {
+      if constexpr (std::is_same<T, float>::value) {
+        // P rounded to bf16; key j0 of its kPairs block is pair row (j0 % kBlockN) / 2
+        uint16_t* sba = sb + ra * kBlockN;
+        rows_to_bf16(sa, kBlockN, sba, kBlockN, rows, n);
+        const uint16_t* vb = t.vb_bh + int64_t(j0 / kBlockN) * kBlockN * dp + (j0 % kBlockN) * kDotPanel;
+        gemm_dp(rows, dp, n, sba, kBlockN, vb, int64_t(kBlockN) * kDotPanel, pba, dp);
+        if (may_hide && any_nan(pba, int64_t(rows) * dp)) {
+          gemm_dp_skipping(rows, dp, n, sba, kBlockN, vb, int64_t(kBlockN) * kDotPanel, pba, dp,
+                           [&](int r, int jj) { return key_hidden(hid + r * kMaskWords, jj); });
+        }
+      }
+    } else if (t.kt_bh == nullptr) {
       std::fill(pba, pba + size_t(rows) * dp, T(0));
       direct_pv(sa, pba, rows, j0, n, t.len_k, t.vbase, d, dp, may_hide ? hid : nullptr);
     } else {
@@ -205,8 +228,8 @@ struct FwdWorker {
     const T post = t.ts.post;
     for (int r = 0; r < rows; ++r) {
       T* srow = sa + r * kBlockN;
-      if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       t.ts.scores(srow, i_lo + r, j0, full, n);
+      if (lo > j0 || hi < j0 + n) mask_outside(srow, j0, n, lo, hi);
       T& mr = m[ra + r];
       T* orow = oa + r * dp;
       T* ocrow = oca + r * dp;
@@ -258,7 +281,15 @@ struct FwdWorker {
 
     // (rows, d) tile of Q in T
     const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
-    for (int r = 0; r < rows; ++r) load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
+    const bool dot = ktb != nullptr;
+    for (int r = 0; r < rows; ++r) {
+      if (dot) {  // bf16 as it is
+        std::memcpy(qb + r * dp, qbase + es * r * p.q_row_stride, sizeof(uint16_t) * d);
+        std::fill(qb + r * dp + d, qb + (r + 1) * dp, uint16_t(0));
+      } else {
+        load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
+      }
+    }
 
     std::fill(o, o + size_t(rows) * dp, T(0));
     std::fill(oc, oc + size_t(rows) * dp, T(0));
@@ -266,11 +297,11 @@ struct FwdWorker {
     std::fill(l, l + kBlockM, T(0));
     std::fill(lc, lc + kBlockM, T(0));
 
-    const bool direct = kt == nullptr;
     Tile t{pol, TileSoftmax<T>(p, pol, b * p.h + h), i0, si.len_k,
-           direct ? nullptr : kt + kidx.offset(b, hk), direct ? nullptr : vr + kidx.offset(b, hk),
+           kt == nullptr ? nullptr : kt + kidx.offset(b, hk), vr == nullptr ? nullptr : vr + kidx.offset(b, hk),
            elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride)),
-           elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride))};
+           elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride)),
+           dot ? ktb + kidx.offset(b, hk) : nullptr, dot ? vrb + kidx.offset(b, hk) : nullptr};
     if (!p.sparse.on()) {
       int n_lo, n_hi;
       pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
@@ -321,9 +352,18 @@ void fwd(const FwdParamsT<T>& p, DType dt) {
   const PackIndex kidx(p);
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   const int64_t n_tasks = int64_t(p.b) * p.h * n_mblocks;
-  // top-k needs the logits bit for bit as its threshold pass computed them, with the packed GEMM
-  if (p.sq <= kDirectMaxRows && p.topk_thr == nullptr) {
+  if (direct_mode(p)) {
     parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks); });
+    return;
+  }
+  if (bf16_dot(p, dt)) {
+    const Scratch<uint16_t, 0> kt(kidx.total());
+    const Scratch<uint16_t, 1> vr(kidx.total());
+    pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPairs, kt.data());
+    pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPairs, vr.data());
+    parallel_tasks(n_tasks, p.num_threads, [&] {
+      return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks, kt.data(), vr.data());
+    });
     return;
   }
   const Scratch<T, 0> kt(kidx.total());

@@ -201,6 +201,29 @@ inline void hidden_keys(const T* srow, int n, uint64_t* bits) {
 
 inline bool key_hidden(const uint64_t* bits, int jj) { return (bits[jj >> 6] >> (jj & 63)) & 1u; }
 
+// ---------------------------------------------------------------- which products
+// At most this many query rows per sequence (decode steps, short prompts): the forward reads
+// K / V in place, row by row, instead of packed. Packing costs a read and a write of all of K / V
+// plus the pad to whole key blocks, and pays off only when many query rows reuse each packed
+// block; with one query row it was most of the call ((1, 8, 1, 64) against 512 keys: 167 us
+// packed). Top-k needs the logits bit for bit as its threshold pass computed them, with the
+// packed GEMM.
+constexpr int kDirectMaxRows = 8;
+template <typename T>
+inline bool direct_mode(const FwdParamsT<T>& p) { return p.sq <= kDirectMaxRows && p.topk_thr == nullptr; }
+
+// bf16 inputs on a level with AVX512-BF16 take the bf16 dot products (cpu/bf16dot.h) for the
+// forward's Q K^T and P V and the backward's Q K^T and dO V^T. The forward and the backward
+// decide alike, so the backward recomputes the forward's logits bit for bit (a lone visible key
+// keeps P = 1 exactly). Not the direct mode (few rows: bandwidth-bound, float32) nor top-k
+// (float32 logits, as its threshold pass). attention_ext.set_cpu_isa("avx512") forces the
+// widening path on such a CPU.
+template <typename T>
+inline bool bf16_dot(const FwdParamsT<T>& p, DType dt) {
+  return kBf16Dot && std::is_same<T, float>::value && dt == DType::kBF16 && !direct_mode(p) &&
+         p.topk_thr == nullptr;
+}
+
 // ---------------------------------------------------------------- the end of a row
 // A row's online softmax ends with running max m and sum l; the sink logit (has_sink) joins
 // the denominator only. Sets *lse (-inf for a row that saw nothing and has no sink) and returns
@@ -271,7 +294,10 @@ inline const T* panel_row(const T* base, int j, int R, int dp) {
   return base + int64_t(j / R) * R * dp + int64_t(j % R) * kPanel<T>;
 }
 
-// Masks the keys of [j0, j0 + n) outside [lo, hi) on one score row (logits or raw products).
+// Masks the keys of [j0, j0 + n) outside [lo, hi) on one score row, after scores(): before it,
+// a softcap would map the -inf to a finite -softcap (softcap * tanh(-inf)) and let the keys in.
+// (Found on AVX-512, where kPanel = 32 makes a block-sparse tile of 16-key blocks start before
+// its block: with softcap 4 the keys before it were read, an error of 1e-2.)
 template <typename T>
 inline void mask_outside(T* srow, int j0, int n, int lo, int hi) {
   const T ninf = -std::numeric_limits<T>::infinity();
