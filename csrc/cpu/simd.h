@@ -82,18 +82,41 @@ inline vec<double> vbcast_mem(const double* p) {
 }
 template <typename V>
 inline V vmax(V a, V b) { return a > b ? a : b; }
-// horizontal max / sum of any vec<T>; returns T
+// horizontal max / sum of any vec<T>; returns T. hsum adds lane by lane (a chain of as many
+// adds as lanes; the order the float64 / linear paths were validated with); hmax and hsum_tree
+// halve the vector log2(lanes) times (shuffle + op), for reductions once per row and tile,
+// where the chain's latency showed in profiles (16 lanes at AVX-512).
 template <typename V>
 inline auto hmax(V v) {
-  auto m = v[0];
-  for (int i = 1; i < int(sizeof(V) / sizeof(m)); ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  using E = decltype(v[0] + 0);
+  constexpr int n = int(sizeof(V) / sizeof(E));
+  E a[n];
+  std::memcpy(a, &v, sizeof(v));
+  for (int w = n / 2; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) a[i] = a[i + w] > a[i] ? a[i + w] : a[i];
+  }
+  return a[0];
 }
 template <typename V>
 inline auto hsum(V v) {
   decltype(v[0] + 0) s = 0;
   for (int i = 0; i < int(sizeof(V) / sizeof(s)); ++i) s += v[i];
   return s;
+}
+template <typename V>
+inline auto hsum_tree(V v) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<V, vec<float>>) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<V, vec<float>>) return _mm512_reduce_add_ps((__m512)v);
+#endif
+  return hsum(v);
 }
 
 // 2^x for the softmax, where x = (s - max) * log2(e) <= 0: no overflow handling, and the clamp at

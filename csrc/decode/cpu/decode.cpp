@@ -123,24 +123,6 @@ inline int even_odd_col(int c, int L) {
   return blk + (u % 2) * L + u / 2;
 }
 
-// Horizontal sum of one vector in log2(lanes) shuffle + add steps (simd.h's hsum adds lane by
-// lane: a chain of W adds, per key and row here).
-template <typename V>
-inline auto hsum_tree(V v) {
-#if defined(__AVX__) && !defined(__AVX512F__)
-  if constexpr (std::is_same_v<V, vf>) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-  }
-#endif
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<V, vf>) return _mm512_reduce_add_ps((__m512)v);
-#endif
-  return hsum(v);
-}
-
 template <typename T, typename E>
 inline T to_t(E e) {
   if constexpr (std::is_same_v<E, T>) return e;

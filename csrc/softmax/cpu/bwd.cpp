@@ -242,6 +242,7 @@ struct BwdWorker {
     T* dbias_bh = p.dbias != nullptr ? p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride : nullptr;
 
     const Head hd{pol, ts, keep_scale, dbias_bh, len_q};
+    constexpr int P = kPanel<T>;
     if (!p.sparse.on()) {
       for (int j0 = 0; j0 < len_k; j0 += kBlockN) {
         int q_lo, q_hi;
@@ -249,7 +250,15 @@ struct BwdWorker {
         for (int i0 = std::max(q_lo, 0) / kBlockM * kBlockM; i0 < q_hi; i0 += kBlockM) {
           const int rows = std::min(kBlockM, len_q - i0);
           if (rows <= 0) break;
-          tile(hd, i0, rows, j0, kBlockN, j0, j0 + kBlockN);
+          // the block's keys these rows may see, trimmed to whole panels (a causal or window
+          // edge tile skips its wholly masked panels, as the forward's walk does)
+          int klo, khi;
+          pol.key_range(i0, i0 + rows, &klo, &khi);
+          klo = std::max(klo, j0);
+          khi = std::min(khi, std::min(j0 + kBlockN, len_k));
+          if (klo >= khi) continue;
+          const int a = klo / P * P;
+          tile(hd, i0, rows, a, round_up(khi, P) - a, klo, khi);
         }
       }
     } else {

@@ -303,9 +303,13 @@ struct FwdWorker {
            elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride)),
            dot ? ktb + kidx.offset(b, hk) : nullptr, dot ? vrb + kidx.offset(b, hk) : nullptr};
     if (!p.sparse.on()) {
-      int n_lo, n_hi;
-      pol.key_blocks(i0, i1, kBlockN, &n_lo, &n_hi);
-      for (int jb = n_lo; jb < n_hi; ++jb) tile(t, 0, rows, jb * kBlockN, kBlockN, jb * kBlockN, (jb + 1) * kBlockN);
+      // the keys the task's rows may see, in tiles trimmed to the panels some row reaches
+      // (tile.h's for_key_tiles): a causal or window edge tile skips its wholly masked panels
+      int klo, khi;
+      pol.key_range(i0, i1, &klo, &khi);
+      klo = std::max(klo, 0);
+      khi = std::min(khi, si.len_k);
+      if (klo < khi) for_key_tiles<T>(klo, khi, [&](int j0, int n, int lo, int hi) { tile(t, 0, rows, j0, n, lo, hi); });
     } else {
       // block-sparse: per layout row under the task's rows, its on blocks (CSR at the layout's
       // own granularity), each cut into tiles the packed operands allow (tile.h)

@@ -138,7 +138,7 @@ struct TileSoftmax {
     const T alpha = std::isinf(m_old) ? T(0) : std::exp(m_old - m_new);
     *l *= alpha;
     *lc *= alpha;
-    kahan_add(*l, *lc, hsum(sum));
+    kahan_add(*l, *lc, hsum_tree(sum));
     return m_new;
   }
 
