@@ -185,13 +185,16 @@ struct FwdWorker {
         mr = m_new;
       }
       t.ts.dropout(srow, i_lo + r, j0, n);
+      // the bf16 dot path's P row in bf16, while the row is in L1
+      if constexpr (std::is_same<T, float>::value) {
+        if (t.vb_bh != nullptr) rows_to_bf16(srow, kBlockN, sb + (ra + r) * kBlockN, kBlockN, 1, n);
+      }
     }
     // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated
     if (t.vb_bh != nullptr) {
       if constexpr (std::is_same<T, float>::value) {
-        // P rounded to bf16; key j0 of its kPairs block is pair row (j0 % kBlockN) / 2
-        uint16_t* sba = sb + ra * kBlockN;
-        rows_to_bf16(sa, kBlockN, sba, kBlockN, rows, n);
+        // P rounded to bf16 (above); key j0 of its kPairs block is pair row (j0 % kBlockN) / 2
+        const uint16_t* sba = sb + ra * kBlockN;
         const uint16_t* vb = t.vb_bh + int64_t(j0 / kBlockN) * kBlockN * dp + (j0 % kBlockN) * kDotPanel;
         gemm_dp(rows, dp, n, sba, kBlockN, vb, int64_t(kBlockN) * kDotPanel, pba, dp);
         if (may_hide && any_nan(pba, int64_t(rows) * dp)) {
