@@ -56,7 +56,7 @@ struct TileSoftmax {
     if (pol.topk_thr != nullptr) topk(srow, i, j0, n);
     if (full) return;
     const T ninf = -std::numeric_limits<T>::infinity();
-    if (pol.bias_kind == BiasKind::kBool) {
+    if (pol.bias_kind == BiasKind::kBool && pol.layout != nullptr) {  // every rule, element by element
       for (int jj = 0; jj < n; ++jj)
         if (!pol.allowed(i, j0 + jj)) srow[jj] = ninf;
       return;
@@ -69,6 +69,20 @@ struct TileSoftmax {
     hi = std::min(std::max(hi - j0, lo), n);
     std::fill(srow, srow + lo, ninf);
     std::fill(srow + hi, srow + n, ninf);
+    if (pol.bias_kind == BiasKind::kBool) {
+      // then the bool mask inside that interval (a key_padding_mask, or a row of a dense mask):
+      // one byte per key, which vectorizes where the keys are contiguous; Policy::allowed()
+      // element by element (its window checks and strided lookup per key) made a masked forward
+      // half as fast as an unmasked one. Only keys inside the lengths are read.
+      const int64_t cs = pol.bias_col_stride;
+      const uint8_t* m = static_cast<const uint8_t*>(pol.bias) + int64_t(i) * pol.bias_row_stride + int64_t(j0) * cs;
+      if (cs == 1) {
+        for (int jj = lo; jj < hi; ++jj) srow[jj] = m[jj] != 0 ? srow[jj] : ninf;
+      } else {
+        for (int jj = lo; jj < hi; ++jj)
+          if (m[jj * cs] == 0) srow[jj] = ninf;
+      }
+    }
   }
 
   // top-k's rule on row i (block_sparse.h): the logit is score(x) as the threshold pass
