@@ -73,6 +73,18 @@ def linear_flops(b: int, h: int, s: int, m: int, dv: int, *, normalize: bool = T
     return {"fwd": fwd, "bwd": 2.0 * fwd, "fwd_bwd": 3.0 * fwd}[mode]
 
 
+def step(f: Callable[..., torch.Tensor], xs, dout: torch.Tensor, mode: str = "fwd") -> Callable[[], None]:
+    """A call to time: f(*xs) under no_grad ("fwd"), or f on fresh leaves of xs followed by
+    backward(dout) ("fwd_bwd")."""
+    def call() -> None:
+        if mode == "fwd":
+            with torch.no_grad():
+                f(*xs)
+        else:
+            f(*[t.detach().requires_grad_() for t in xs]).backward(dout)
+    return call
+
+
 def bench(fn: Callable[[], object], *, warmup: int = 1, reps: int = 5, min_time: float = 0.0,
           sync: Optional[Callable[[], None]] = None) -> float:
     """Median seconds per call."""

@@ -7,4 +7,4 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_ext.bench import (allowed_pairs, bench, copy_bandwidth, cuda_time, decode_bytes,  # noqa: E402,F401
                                  flops, flops_from_pairs, interleaved, interleaved_warm, layout_pairs,
-                                 linear_flops, matmul_ceiling)
+                                 linear_flops, matmul_ceiling, step)

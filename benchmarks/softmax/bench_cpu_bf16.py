@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import flops, interleaved, matmul_ceiling  # noqa: E402
+from common import flops, interleaved, matmul_ceiling, step  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 
@@ -64,19 +64,16 @@ def main() -> None:
                     g16 = g32.bfloat16()
 
                     def run(f, xs, g, level=None):
+                        inner = step(f, xs, g, mode)
+                        if level is None:
+                            return inner
+
                         def call():
-                            if level is not None:
-                                ae.set_cpu_isa(level)
+                            ae.set_cpu_isa(level)
                             try:
-                                if mode == "fwd":
-                                    with torch.no_grad():
-                                        f(*xs)
-                                else:
-                                    ls = [t.detach().requires_grad_() for t in xs]
-                                    f(*ls).backward(g)
+                                inner()
                             finally:
-                                if level is not None:
-                                    ae.set_cpu_isa(None)
+                                ae.set_cpu_isa(None)
                         return call
 
                     ours = lambda q, k, v: ae.attention(q, k, v, causal=causal)  # noqa: E731

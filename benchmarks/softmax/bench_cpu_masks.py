@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import flops, interleaved  # noqa: E402
+from common import flops, interleaved, step  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 
@@ -43,14 +43,7 @@ def main() -> None:
         dense = torch.rand(b, 1, s, s) > 0.2
         for mode in (["fwd", "fwd_bwd"] if args.bwd else ["fwd"]):
             def run(f):
-                def call():
-                    if mode == "fwd":
-                        with torch.no_grad():
-                            f(*x)
-                    else:
-                        ls = [t.detach().requires_grad_() for t in x]
-                        f(*ls).backward(g)
-                return call
+                return step(f, x, g, mode)
 
             fns = {
                 "plain": run(lambda q, k, v: ae.attention(q, k, v)),
