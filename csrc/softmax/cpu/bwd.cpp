@@ -86,10 +86,11 @@ struct BwdWorker {
     std::fill(dv, dv + int64_t(kpad) * dp, T(0));
     const void* ksrc = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
     const void* vsrc = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
-    pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPanels, kBlockN, kr, row);
-    pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
-    if (dot) {
+    if (!dot) {  // K^T and V^T in float32 feed only the logits and dP, which the dot path forms in bf16
+      pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
+      pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
+    } else {
       pack_one_pairs(ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPairs, kBlockN, ktb);
       pack_one_pairs(vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPairs, kBlockN, vtb);
     }
@@ -212,7 +213,7 @@ struct BwdWorker {
     };
     const void* qsrc = qside(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
     const void* dosrc = qside(p.dout, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
-    pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, q, row);
+    if (!dot) pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, q, row);
     pack_one(dt, qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, qpn, row);
     pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dout, row);
     pack_one(dt, dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kPanels, kBlockM, dopn, row);
