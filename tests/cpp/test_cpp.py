@@ -1,5 +1,6 @@
 """Builds and runs the plain C++ unit tests (tests/cpp), without torch: the shared policy, RNG and
-split-KV merge, the split-KV heuristic, and the CPU SIMD transpose and triangular gemm; and
+split-KV merge, the split-KV heuristic, the CPU SIMD transpose and triangular gemm, and the bf16
+dot product's emulation against the instruction (on CPUs with AVX512-BF16); and
 compiles the CPU kernels for a baseline ISA."""
 import glob
 import os
@@ -12,10 +13,25 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _has_avx512bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read().split()
+    except OSError:
+        return False
+
+
+# setup.py's avx512bf16 level
+BF16_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 @pytest.mark.parametrize("name,flags", [("test_policy", []), ("test_split_merge", []), ("test_heuristics", []),
-                                        ("test_simd", []), ("test_simd", ["-march=native"])])
+                                        ("test_simd", []), ("test_simd", ["-march=native"]),
+                                        ("test_bf16dot", BF16_FLAGS)])
 def test_cpp(tmp_path, name, flags):
+    if name == "test_bf16dot" and (platform.machine() not in ("x86_64", "AMD64") or not _has_avx512bf16()):
+        pytest.skip("this CPU has no AVX512-BF16: the instruction test_bf16dot checks its emulation against")
     exe = tmp_path / name
     subprocess.run(["g++", "-std=c++20", "-O1", *flags, "-I", os.path.join(ROOT, "csrc"),
                     os.path.join(ROOT, "tests", "cpp", name + ".cpp"), "-o", str(exe)], check=True)
