@@ -193,9 +193,9 @@ struct FwdWorker {
     // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated
     if (t.vb_bh != nullptr) {
       if constexpr (std::is_same<T, float>::value) {
-        // P rounded to bf16 (above); key j0 of its kPairs block is pair row (j0 % kBlockN) / 2
+        // P rounded to bf16 (above)
         const uint16_t* sba = sb + ra * kBlockN;
-        const uint16_t* vb = t.vb_bh + int64_t(j0 / kBlockN) * kBlockN * dp + (j0 % kBlockN) * kDotPanel;
+        const uint16_t* vb = panel_row<uint16_t, kDotPanel>(t.vb_bh, j0, kBlockN, dp);
         gemm_dp(rows, dp, n, sba, kBlockN, vb, int64_t(kBlockN) * kDotPanel, pba, dp);
         if (may_hide && any_nan(pba, int64_t(rows) * dp)) {
           gemm_dp_skipping(rows, dp, n, sba, kBlockN, vb, int64_t(kBlockN) * kDotPanel, pba, dp,

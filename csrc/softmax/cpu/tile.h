@@ -302,10 +302,11 @@ inline void for_query_tiles(int r0, int r1, F&& f) {
 }
 
 // Row j of a kPanels operand blocked by R rows (pack.h), as the B operand of a product over
-// rows: the panels of its block are R * kPanel apart.
-template <typename T>
+// rows: the panels of its block are R * kP apart. A kPairs operand (bf16, kP = kDotPanel) too,
+// for even j: its row pair j / 2 is 2 kDotPanel elements.
+template <typename T, int kP = kPanel<T>>
 inline const T* panel_row(const T* base, int j, int R, int dp) {
-  return base + int64_t(j / R) * R * dp + int64_t(j % R) * kPanel<T>;
+  return base + int64_t(j / R) * R * dp + int64_t(j % R) * kP;
 }
 
 // Masks the keys of [j0, j0 + n) outside [lo, hi) on one score row, after scores(): before it,
