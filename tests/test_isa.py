@@ -178,10 +178,13 @@ def test_info_names_the_level():
                     reason="this CPU has no AVX512-BF16 (the bf16 dot-product level), or the build lacks avx512")
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_dot_products_only_change_bf16(at_level, causal):
-    """avx512bf16 differs from avx512 only in the softmax's bf16 products (csrc/cpu/bf16dot.h):
-    float32 results are bit-identical at both levels, bf16 ones are not (P is rounded to bf16 for
-    P V, and the sums run in another order), which shows the dot-product path ran; both meet the
-    error rule (test_softmax_fwd_bwd). Few-row calls (the direct mode) keep float32 products."""
+    """avx512bf16 differs from avx512 only in the bf16 products (csrc/cpu/bf16dot.h): float32
+    results are bit-identical at both levels, bf16 ones are not (P is rounded to bf16 for P V,
+    and the sums run in another order), which shows the dot-product path ran; both meet the
+    error rule (test_softmax_fwd_bwd, test_decode). The softmax's few-row calls (the direct
+    mode, here with gradients, so not sent to the decode kernel) keep float32 products; the
+    decode kernel (a few query rows against a cache; 80 columns: two dot-product blocks and a
+    float32 tail) uses them."""
     torch.manual_seed(5)
     for dtype, rows in ((torch.float32, 70), (torch.bfloat16, 70), (torch.bfloat16, 5)):
         q = torch.randn(1, 4, rows, 72, dtype=dtype)
@@ -189,10 +192,8 @@ def test_bf16_dot_products_only_change_bf16(at_level, causal):
         dout = torch.randn(1, 4, rows, 72, dtype=dtype)
 
         def run():
-            qq, kk, vv = (t.clone().requires_grad_(rows > 8) for t in (q, k, v))
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
             out = ae.attention(qq, kk, vv, causal=causal)
-            if rows <= 8:
-                return (out,)
             out.backward(dout)
             return out.detach(), qq.grad, kk.grad, vv.grad
 
@@ -202,6 +203,21 @@ def test_bf16_dot_products_only_change_bf16(at_level, causal):
         dot = run()
         same = all(torch.equal(a, b) for a, b in zip(wide, dot))
         assert same == (dtype == torch.float32 or rows <= 8), (dtype, rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(2, 3, 8, 80, dtype=dtype)
+        kc, vc = (torch.randn(2, 301, 2, 80, dtype=dtype) for _ in range(2))
+        lens = torch.tensor([301, 77], dtype=torch.int32)
+
+        def run():
+            return decode_ops.decode_fwd(q, kc, vc, cache_seqlens=lens, scale=0.1,
+                                        window_right=0 if causal else -1)
+
+        at_level("avx512")
+        wide = run()
+        at_level("avx512bf16")
+        dot = run()
+        same = all(torch.equal(a, b) for a, b in zip(wide, dot))
+        assert same == (dtype == torch.float32), ("decode", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

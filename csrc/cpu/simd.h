@@ -118,6 +118,35 @@ inline auto hsum_tree(V v) {
 #endif
   return hsum(v);
 }
+// out[x] = the lane sum of r[x], four float vectors at once: the reductions share their
+// shuffles (AVX2: three hadds and one add; AVX-512: five shuffles and six adds), where four
+// hsum_tree calls take four times log2(lanes) shuffle + add pairs. A dot product per
+// (key, row), as in the decode kernel, spends as long on these sums as on its FMAs at D = 128.
+// Returns false, writing nothing, where the ISA has no shared form (the caller sums each).
+inline bool hsum4(const vf* r, float* out) {
+#if defined(__AVX512F__)
+  // quarters (128 bits) of r0 and r1 folded into [r0: 8 lanes | r1: 8 lanes]; then both halves
+  // into one vector whose quarter x holds row x's 4 partial sums; then within each quarter
+  const __m512 r0 = (__m512)r[0], r1 = (__m512)r[1], r2 = (__m512)r[2], r3 = (__m512)r[3];
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x44), _mm512_shuffle_f32x4(r0, r1, 0xEE));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, 0x44), _mm512_shuffle_f32x4(r2, r3, 0xEE));
+  __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+  w = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));  // lanes (2 3 0 1) of each quarter
+  w = _mm512_add_ps(w, _mm512_permute_ps(w, 0xB1));  // lanes (1 0 3 2)
+  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w)));
+  return true;
+#elif defined(__AVX__)
+  const __m256 t0 = _mm256_hadd_ps((__m256)r[0], (__m256)r[1]);
+  const __m256 t1 = _mm256_hadd_ps((__m256)r[2], (__m256)r[3]);
+  const __m256 t = _mm256_hadd_ps(t0, t1);  // lanes (0 1 2 3) low half, (0 1 2 3) high half
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  return true;
+#else
+  (void)r;
+  (void)out;
+  return false;
+#endif
+}
 
 // 2^x for the softmax, where x = (s - max) * log2(e) <= 0: no overflow handling, and the clamp at
 // -127 makes the exponent field 0, so 2^-inf = 0 exactly (masked scores). NaN stays NaN.

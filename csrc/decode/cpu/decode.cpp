@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/split_merge.h"
+#include "cpu/bf16dot.h"
 #include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "cpu/parallel.h"
@@ -85,6 +86,26 @@ inline vec<T> load_cvt(const E* p) {
 #endif
   }
 }
+// bf16 caches on CPUs with AVX512-BF16: both products run on vdpbf16ps (bf16dot.h), 32 bf16
+// per instruction, read as they are stored (no widening) and half the multiply-add
+// instructions, which bound this kernel (not the memory: one Zen 4 core streams 22-25 GB/s,
+// and the widening kernel read its bf16 cache at 10-11). Scores: q and K are bf16 data (the
+// op's inputs share one dtype), so the products are exact and only the float32 summation
+// order differs. P V: P is rounded to bf16 (as the softmax family's bf16 forward does, see
+// bf16dot.h), and V's rows go in pairs of keys: unpacking two rows' 16-bit words interleaves
+// (v_j[c], v_j+1[c]) into one 32-bit lane, so one instruction adds p_j v_j[c] + p_j+1 v_j+1[c]
+// for 16 columns. Within 128-bit lanes, so a full 32-column block of O is kept in that order
+// (dots_col) and put back once per task.
+template <typename T, typename E>
+constexpr bool kDots = kBf16Dot && std::is_same_v<E, Bf16> && std::is_same_v<T, float>;
+// Stored position of column c (< 32) of a full 32-column block in the kDots order: the
+// unpacked low words (columns 8g + 0..3 of each 8) fill the first 16 lanes, the high words
+// (8g + 4..7) the next 16.
+inline int dots_col(int c) {
+  const int g = c / 8, h = c % 8;
+  return h < 4 ? 4 * g + h : 16 + 4 * g + (h - 4);
+}
+
 // Whether a bf16 cache row loads as even / odd lanes: 2L elements in one vector load are 32-bit
 // lanes (element 2u in the low half, 2u + 1 in the high half), so a mask keeps the odd elements
 // as float32 and a shift makes the even ones: two operations per 2L elements, where widening
@@ -94,7 +115,7 @@ inline vec<T> load_cvt(const E* p) {
 template <typename T, typename E>
 constexpr bool kEvenOdd =
 #if defined(__AVX2__) || defined(__AVX512F__)
-    std::is_same_v<E, Bf16> && std::is_same_v<T, float>;
+    std::is_same_v<E, Bf16> && std::is_same_v<T, float> && !kDots<T, E>;
 #else
     false;
 #endif
@@ -140,6 +161,9 @@ struct DecodeWorker {
   T *part_o, *part_lse;  // split partials (B, H, Sq, splits[, dp]); nullptr when unsplit
   std::vector<T> mem;
   T *q, *qp, *o, *s, *m, *l, *row;
+  std::vector<uint16_t> qh;  // kDots: the q rows as bf16, packed per register block as qp
+  int dq;                    // qh's row length: d rounded up to 32 (one vdpbf16ps operand)
+  std::vector<uint16_t> ph;  // kDots: the chunk's P rows rounded to bf16 (rows, kChunk)
   T *os, *oc, *lc;  // the running output, its compensation, and l's (o: the block being summed)
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
@@ -151,6 +175,11 @@ struct DecodeWorker {
   DecodeWorker(const DecodeParamsT<T>& p_, DType dt_, int splits_, T* po, T* pl)
       : p(p_), dt(dt_), group(p_.h / p_.h_k), rows_g(group * p_.sq), rows(p_.h * p_.sq), splits(splits_),
         d(p_.d), dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
+    dq = round_up(d, 32);
+    if constexpr (kDots<T, E>) {
+      qh.assign((size_t(rows) + kRowBlock) * dq, 0);
+      ph.assign((size_t(rows) + kRowBlock) * kChunk, 0);
+    }
     const size_t rp = size_t(rows) + kRowBlock;
     mem.assign(rp * dp * 5 + rp * kChunk + rp * 3 + dp, T(0));
     q = mem.data();
@@ -176,6 +205,10 @@ struct DecodeWorker {
   // from the stack every step).
   template <int RR, bool kShared>
   void dot(int r0, int jj, const E* k, int64_t kstride) {
+    if constexpr (kDots<T, E>) {
+      dot_bf16<RR, kShared>(r0, jj, k, kstride);
+      return;
+    }
     const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
     const T* qb = qp + size_t(r0) * dp;
     V a0[RR], a1[RR];
@@ -206,19 +239,14 @@ struct DecodeWorker {
       for (int x = 0; x < RR; ++x) a0[x] += vload(qb + x * L) * load_cvt<T>(k + (kShared ? 0 : x * kstride) + c);
     }
     T* sj = s + size_t(r0) * kChunk + jj;
-#if defined(__AVX__) && !defined(__AVX512F__)
     if constexpr (RR == 4 && std::is_same_v<V, vf>) {
-      if (d == dv) {  // four sums at once: three hadds and one 128-bit add
-        const __m256 t0 = _mm256_hadd_ps((__m256)(a0[0] + a1[0]), (__m256)(a0[1] + a1[1]));
-        const __m256 t1 = _mm256_hadd_ps((__m256)(a0[2] + a1[2]), (__m256)(a0[3] + a1[3]));
-        const __m256 t = _mm256_hadd_ps(t0, t1);  // lanes (0 1 2 3) low half, (0 1 2 3) high half
-        float sums[4];
-        _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      const V r[4] = {a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3]};
+      float sums[4];
+      if (d == dv && hsum4(r, sums)) {
         for (int x = 0; x < 4; ++x) sj[x * kChunk] = sums[x];
         return;
       }
     }
-#endif
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) {
       T sum = hsum_tree(a0[x] + a1[x]);
@@ -227,14 +255,70 @@ struct DecodeWorker {
       sj[x * kChunk] = sum;
     }
   }
-  // Column c of a q / O row as stored: kEvenOdd permutes each full 2L block, the rest stays
+  // dot() on vdpbf16ps (kDots): the same blocks, 32 elements per step; qh's vector c / 32 of
+  // row x at (c / 32 * RR + x) * 32. A row's last partial step loads K under a mask (zeros past
+  // d, nothing read there), against qh's zero padding.
+  template <int RR, bool kShared>
+  void dot_bf16(int r0, int jj, const E* k, int64_t kstride) {
+#if defined(__AVX512BF16__)
+    const uint16_t* qb = qh.data() + size_t(r0) * dq;
+    auto krow = [&](int x) { return reinterpret_cast<const uint16_t*>(k + (kShared ? 0 : x * kstride)); };
+    __m512 a0[RR], a1[RR];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) a0[x] = a1[x] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 64 <= d; c += 64, qb += 2 * RR * 32) {
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        const uint16_t* kx = krow(x) + c;
+        a0[x] = _mm512_dpbf16_ps(a0[x], (__m512bh)_mm512_loadu_si512(qb + x * 32), (__m512bh)_mm512_loadu_si512(kx));
+        a1[x] = _mm512_dpbf16_ps(a1[x], (__m512bh)_mm512_loadu_si512(qb + (RR + x) * 32),
+                                 (__m512bh)_mm512_loadu_si512(kx + 32));
+      }
+    }
+    for (; c < d; c += 32, qb += RR * 32) {
+      const __mmask32 mask = d - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (d - c)) - 1;
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        a0[x] = _mm512_dpbf16_ps(a0[x], (__m512bh)_mm512_loadu_si512(qb + x * 32),
+                                 (__m512bh)_mm512_maskz_loadu_epi16(mask, krow(x) + c));
+      }
+    }
+    T* sj = s + size_t(r0) * kChunk + jj;
+    V r[RR];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) r[x] = (V)_mm512_add_ps(a0[x], a1[x]);
+    if constexpr (RR == 4) {
+      float sums[4];
+      if (hsum4(r, sums)) {
+        for (int x = 0; x < 4; ++x) sj[x * kChunk] = sums[x];
+        return;
+      }
+    }
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) sj[x * kChunk] = hsum_tree(r[x]);
+#else
+    (void)r0, (void)jj, (void)k, (void)kstride;
+#endif
+  }
+  // Column c of a q / O row as stored: kEvenOdd permutes each full 2L block, kDots each full
+  // 32-column block of O (its q goes to qh in column order); the rest stays
+  static constexpr bool kPermuted = kEvenOdd<T, E> || kDots<T, E>;
   int stored_col(int c) const {
+    if constexpr (kDots<T, E>) return c < d / 32 * 32 ? c / 32 * 32 + dots_col(c % 32) : c;
     return kEvenOdd<T, E> && c < d / (2 * L) * (2 * L) ? even_odd_col(c, L) : c;
   }
   // qp <- the q rows (q, column order) packed per register block, in stored column order
   void pack_q() {
     for_dot_blocks([&](int r0, auto rr) {
       constexpr int RR = decltype(rr)::value;
+      if constexpr (kDots<T, E>) {  // q is bf16 data: the conversion back is exact
+        uint16_t* dst = qh.data() + size_t(r0) * dq;
+        for (int x = 0; x < RR; ++x) {
+          for (int c = 0; c < d; ++c) dst[(c / 32 * RR + x) * 32 + c % 32] = f32_to_bf16(q[size_t(r0 + x) * dp + c]);
+        }
+        return;
+      }
       T* dst = qp + size_t(r0) * dp;
       for (int x = 0; x < RR; ++x) {
         for (int c = 0; c < dp; ++c) {
@@ -265,6 +349,7 @@ struct DecodeWorker {
   void pv(int r0, int n, int64_t voff) {
     const int dv = d / L * L;
     int c = 0;
+    if constexpr (kDots<T, E>) c = pv_bf16<RR>(r0, n, voff);  // the full 32-column blocks
     for (; c + 2 * L <= dv; c += 2 * L) {
       V a[RR][2];
       for (int x = 0; x < RR; ++x) {
@@ -304,6 +389,51 @@ struct DecodeWorker {
         for (int x = 0; x < RR; ++x) o[(r0 + x) * dp + c] += s[(r0 + x) * kChunk + jj] * vc;
       }
     }
+  }
+  // pv() on vdpbf16ps (kDots) over the full 32-column blocks of O (in dots_col order); returns
+  // the columns done. Keys go in pairs: P's pair (p_j, p_j+1) is one 32-bit word of ph, and the
+  // two V rows' words interleave by unpacking; an odd last key pairs with a zero row (its p is
+  // 0: the row's scores past n are masked), never read.
+  template <int RR>
+  int pv_bf16(int r0, int n, int64_t voff) {
+#if defined(__AVX512BF16__)
+    const int d32 = d / 32 * 32;
+    for (int c = 0; c < d32; c += 32) {
+      __m512 lo[RR], hi[RR];
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        lo[x] = _mm512_loadu_ps(o + (r0 + x) * dp + c);
+        hi[x] = _mm512_loadu_ps(o + (r0 + x) * dp + c + 16);
+      }
+      const uint16_t* pj = ph.data() + size_t(r0) * kChunk;
+      auto step = [&](__m512i v0, __m512i v1, const uint16_t* pw) {
+        const __m512bh blo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh bhi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) {
+          int32_t w;
+          std::memcpy(&w, pw + x * kChunk, 4);
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(w);
+          lo[x] = _mm512_dpbf16_ps(lo[x], a, blo);
+          hi[x] = _mm512_dpbf16_ps(hi[x], a, bhi);
+        }
+      };
+      int jj = 0;
+      for (; jj + 1 < n; jj += 2) {
+        step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_loadu_si512(vp[jj + 1] + voff + c), pj + jj);
+      }
+      if (jj < n) step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_setzero_si512(), pj + jj);
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        _mm512_storeu_ps(o + (r0 + x) * dp + c, lo[x]);
+        _mm512_storeu_ps(o + (r0 + x) * dp + c + 16, hi[x]);
+      }
+    }
+    return d32;
+#else
+    (void)r0, (void)n, (void)voff;
+    return 0;
+#endif
   }
   // f(r0, RR) over the rows [r_begin, r_end) in register blocks of up to kRowBlock
   template <typename F>
@@ -406,6 +536,7 @@ struct DecodeWorker {
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
         const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
+        if constexpr (kDots<T, E>) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
           for (T* x : {o, os, oc}) {
@@ -432,7 +563,7 @@ struct DecodeWorker {
       const T* osrow = os + size_t(r) * dp;
       const T* ocrow = oc + size_t(r) * dp;
       for (int c = 0; c < dp; c += L) vstore(orow + c, vload(osrow + c) - vload(ocrow + c));
-      if constexpr (kEvenOdd<T, E>) {  // back to column order
+      if constexpr (kPermuted) {  // back to column order
         for (int c = 0; c < dp; ++c) row[c] = orow[c < d ? stored_col(c) : c];
         std::copy(row, row + dp, orow);
       }
