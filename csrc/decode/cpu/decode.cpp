@@ -521,10 +521,10 @@ struct DecodeWorker {
                        [&](int r0, auto rr) { dot<decltype(rr)::value, true>(r0, jj, k, 0); });
           }
           const E* v = vp[jj] + hk * p.v_head_stride;
-          for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c);
+          for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c, 0, 2);
           if (jj < n_next) {
             const E* kn = kp_next[jj] + hk * p.k_head_stride;
-            for (int c = 0; c < d; c += line_elems) __builtin_prefetch(kn + c);
+            for (int c = 0; c < d; c += line_elems) __builtin_prefetch(kn + c, 0, 2);
           }
         }
       }
