@@ -425,6 +425,83 @@ def test_nan_decode_cache(dtype):
                            f"paged {kw}", cache_seqlens=lens, block_table=bt, **kw)
 
 
+@pytest.mark.parametrize("d", [64, 80, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nan_decode_key_hidden_from_some_rows(dtype, d):
+    """Found while extending the decode kernel (flash_attn_func, S_q = 2, S_k = 10, causal
+    bottom-right, NaN in v[9]: row 0, which does not see key 9, came out NaN): the kernel's P V ran
+    every key of a chunk for every query row, so a key hidden from one row by the causal diagonal
+    or the window still cost 0 x its value there. Edge chunks now run row by row over each row's
+    own keys (csrc/decode/cpu/decode.cpp). For each poisoned key (value, then key), the rows that
+    see it are NaN and the others bit-identical to the clean run; the keys sit at the causal edge
+    (bottom-right) and at the window's left end, in one chunk and across chunks (300 keys), on a
+    contiguous and a paged cache, and through attention()'s few-query routing (flash_attn_func),
+    at every ISA level this machine runs (avx512bf16: P V on bf16 dot products, in key pairs)."""
+    if not ae._ext.HAS_EXT:  # --reference-only: the fallback
+        _decode_hidden_keys(dtype, d)
+        return
+    old = ae.cpu_isa()
+    try:
+        for level in ae.cpu_isas():
+            ae.set_cpu_isa(level)
+            _decode_hidden_keys(dtype, d)
+    finally:
+        ae.set_cpu_isa(old)
+
+
+def _decode_hidden_keys(dtype, d):
+    torch.manual_seed(9)
+    b, sq, h, hk, sk = 2, 5, 4, 2, 300
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    kc, vc = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype)
+    lens = torch.tensor([sk, 41], dtype=torch.int32)
+    page = 16
+    bt = torch.randperm(2 * (sk // page + 1)).view(2, -1).int()[:, : (sk + page - 1) // page]
+
+    def to_pages(t):  # (B, S, H_k, D) -> a page pool in the order of bt
+        pool = torch.zeros(bt.numel() + 1, page, hk, d, dtype=dtype)
+        for i in range(b):
+            for j in range(bt.shape[1]):
+                chunk = t[i, j * page:(j + 1) * page]
+                pool[int(bt[i, j]), : chunk.shape[0]] = chunk
+        return pool
+
+    for window in ((-1, 0), (6, 0), (3, 2)):
+        for i in range(b):
+            n = int(lens[i])
+            # keys by the diagonal (seen by the last rows only) and by the window's left end
+            # (seen by the first rows only; window (3, 2) also reaches right of the diagonal)
+            for key in {n - 1, n - 3, n - sq - window[0] if window[0] >= 0 else 0}:
+                if not 0 <= key < n:
+                    continue
+                for which in ("v", "k"):
+                    kp, vp = kc.clone(), vc.clone()
+                    (vp if which == "v" else kp)[i, key, 1] = NAN
+                    sees = [(window[0] < 0 or key >= r + n - sq - window[0]) and key <= r + n - sq + window[1]
+                            for r in range(sq)]
+                    calls = {
+                        "contiguous": lambda k_, v_: run_decode(q, k_, v_, cache_seqlens=lens, window_size=window),
+                        "paged": lambda k_, v_: run_decode(q, to_pages(k_), to_pages(v_), cache_seqlens=lens,
+                                                           block_table=bt, window_size=window),
+                    }
+                    if window == (-1, 0):  # attention() sends this one to the decode kernel
+                        calls["flash_attn_func"] = lambda k_, v_: [ae.flash_attn_func(
+                            q[i:i + 1], k_[i:i + 1, :n], v_[i:i + 1, :n], causal=True)]
+                    for name, fn in calls.items():
+                        clean, got = fn(kc, vc), fn(kp, vp)
+                        out, ref = got[0], clean[0]
+                        bi = 0 if name == "flash_attn_func" else i
+                        for r in range(sq):
+                            what = f"{name} window {window} batch {i} key {key} ({which}) row {r}"
+                            same(out[bi, r, :2], ref[bi, r, :2], what + ", kv head 0's query heads")
+                            if sees[r]:  # query heads 2, 3 read kv head 1
+                                assert out[bi, r, 2:].isnan().all(), what
+                            else:
+                                same(out[bi, r, 2:], ref[bi, r, 2:], what)
+                        if name != "flash_attn_func":
+                            same(out[1 - bi], ref[1 - bi], f"{name}: the other sequence")
+
+
 def test_nan_that_is_read_propagates():
     """A NaN in a position an op reads reaches every row that reads it, and only those."""
     torch.manual_seed(6)

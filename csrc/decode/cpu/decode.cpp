@@ -170,6 +170,7 @@ struct DecodeWorker {
   const E* vp[kChunk];
   const E* kp_next[kChunk];  // the next chunk's
   const E* vp_next[kChunk];
+  std::vector<int> row_lo, row_hi;  // the keys query row i sees: [row_lo[i], row_hi[i])
   std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
 
@@ -193,6 +194,8 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
+    row_lo.resize(p.sq);
+    row_hi.resize(p.sq);
     pols.reserve(p.h);  // TileSoftmax keeps a reference: no reallocation
     tss.reserve(p.h);
   }
@@ -346,11 +349,14 @@ struct DecodeWorker {
   }
   // O rows [r0, r0 + RR) += P (RR, n) @ V rows of the chunk (kv head at offset voff): two
   // vectors of columns per pass with O in registers, the chunk's keys inner
+  // Keys [j_lo, j_hi) of the chunk only (an edge chunk, one row at a time: the keys outside
+  // the row's window add nothing, not even 0 x a NaN value).
   template <int RR>
-  void pv(int r0, int n, int64_t voff) {
+  void pv(int r0, int n, int64_t voff, int j_lo = 0, int j_hi = -1) {
+    if (j_hi < 0) j_hi = n;
     const int dv = d / L * L;
     int c = 0;
-    if constexpr (kDots<T, E>) c = pv_bf16<RR>(r0, n, voff);  // the full 32-column blocks
+    if constexpr (kDots<T, E>) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
     for (; c + 2 * L <= dv; c += 2 * L) {
       V a[RR][2];
       for (int x = 0; x < RR; ++x) {
@@ -359,8 +365,8 @@ struct DecodeWorker {
       }
       // one pointer into P, its rows at constant offsets (x * kChunk): with (r0 + x) * kChunk + jj
       // indexing GCC kept an address register and an lea per row
-      const T* pj = s + size_t(r0) * kChunk;
-      for (int jj = 0; jj < n; ++jj, ++pj) {
+      const T* pj = s + size_t(r0) * kChunk + j_lo;
+      for (int jj = j_lo; jj < j_hi; ++jj, ++pj) {
         V v0, v1;
         load_pair<T>(vp[jj] + voff + c, &v0, &v1);
 #pragma GCC unroll 4
@@ -378,27 +384,28 @@ struct DecodeWorker {
     for (; c < dv; c += L) {
       V a[RR];
       for (int x = 0; x < RR; ++x) a[x] = vload(o + (r0 + x) * dp + c);
-      for (int jj = 0; jj < n; ++jj) {
+      for (int jj = j_lo; jj < j_hi; ++jj) {
         const V v0 = load_cvt<T>(vp[jj] + voff + c);
         for (int x = 0; x < RR; ++x) a[x] += vbcast_mem(s + (r0 + x) * kChunk + jj) * v0;
       }
       for (int x = 0; x < RR; ++x) vstore(o + (r0 + x) * dp + c, a[x]);
     }
     for (; c < d; ++c) {
-      for (int jj = 0; jj < n; ++jj) {
+      for (int jj = j_lo; jj < j_hi; ++jj) {
         const T vc = to_t<T>(vp[jj][voff + c]);
         for (int x = 0; x < RR; ++x) o[(r0 + x) * dp + c] += s[(r0 + x) * kChunk + jj] * vc;
       }
     }
   }
   // pv() on vdpbf16ps (kDots) over the full 32-column blocks of O (in dots_col order); returns
-  // the columns done. Keys go in pairs: P's pair (p_j, p_j+1) is one 32-bit word of ph, and the
-  // two V rows' words interleave by unpacking; an odd last key pairs with a zero row (its p is
-  // 0: the row's scores past n are masked), never read.
+  // the columns done. Keys go in pairs from an even index: P's pair (p_j, p_j+1) is one 32-bit
+  // word of ph, and the two V rows' words interleave by unpacking; a key outside [j_lo, j_hi)
+  // in a pair (an odd first or last key; its p is 0, masked) pairs with a zero row, never read.
   template <int RR>
-  int pv_bf16(int r0, int n, int64_t voff) {
+  int pv_bf16(int r0, int64_t voff, int j_lo, int j_hi) {
 #if defined(__AVX512BF16__)
     const int d32 = d / 32 * 32;
+    if (j_lo >= j_hi) return d32;  // no key of this chunk for these rows
     for (int c = 0; c < d32; c += 32) {
       __m512 lo[RR], hi[RR];
 #pragma GCC unroll 4
@@ -419,11 +426,15 @@ struct DecodeWorker {
           hi[x] = _mm512_dpbf16_ps(hi[x], a, bhi);
         }
       };
-      int jj = 0;
-      for (; jj + 1 < n; jj += 2) {
+      int jj = j_lo & ~1;
+      if (jj < j_lo && j_lo < j_hi) {
+        step(_mm512_setzero_si512(), _mm512_loadu_si512(vp[j_lo] + voff + c), pj + jj);
+        jj += 2;
+      }
+      for (; jj + 1 < j_hi; jj += 2) {
         step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_loadu_si512(vp[jj + 1] + voff + c), pj + jj);
       }
-      if (jj < n) step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_setzero_si512(), pj + jj);
+      if (jj < j_hi) step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_setzero_si512(), pj + jj);
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
         _mm512_storeu_ps(o + (r0 + x) * dp + c, lo[x]);
@@ -432,7 +443,7 @@ struct DecodeWorker {
     }
     return d32;
 #else
-    (void)r0, (void)n, (void)voff;
+    (void)r0, (void)voff, (void)j_lo, (void)j_hi;
     return 0;
 #endif
   }
@@ -466,6 +477,7 @@ struct DecodeWorker {
     pols[0].key_range(0, p.sq, &klo, &khi);
     klo = std::max(klo, 0);
     khi = std::min(khi, si.len_k);
+    for (int i = 0; i < p.sq; ++i) pols[0].key_range(i, i + 1, &row_lo[i], &row_hi[i]);
     const int per = round_up(std::max((std::max(khi - klo, 0) + splits - 1) / splits, 1), kChunk);
     const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
@@ -553,9 +565,22 @@ struct DecodeWorker {
       }
       // PV kv head by kv head: the chunk's V rows are in cache by now, and O stays in registers
       // across the chunk's keys
+      // An edge chunk, where some query row's window (causal / window with several query rows)
+      // hides keys the others see, runs row by row over each row's own keys: in one product
+      // a hidden key would still cost 0 x its value, so a NaN / inf value there would reach rows
+      // that never read it (the NaN policy, README). At most a few chunks per task.
+      bool edge = false;
+      for (int i = 0; i < p.sq; ++i) edge |= row_lo[i] > j0 || row_hi[i] < j0 + n;
       for (int hk = 0; hk < p.h_k; ++hk) {
-        row_blocks(hk * rows_g, (hk + 1) * rows_g,
-                   [&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n, hk * p.v_head_stride); });
+        if (!edge) {
+          row_blocks(hk * rows_g, (hk + 1) * rows_g,
+                     [&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n, hk * p.v_head_stride); });
+          continue;
+        }
+        for (int r = hk * rows_g; r < (hk + 1) * rows_g; ++r) {
+          const int i = r % p.sq;
+          pv<1>(r, n, hk * p.v_head_stride, std::clamp(row_lo[i] - j0, 0, n), std::clamp(row_hi[i] - j0, 0, n));
+        }
       }
       if ((j0 - a) / kChunk % kFlushChunks == kFlushChunks - 1) flush();
     }
