@@ -88,3 +88,34 @@ def test_schedules(emu, warp_serial, reverse):
         run(emu, Case(h=4, hk=2, sq=1, num_splits=1, window=(-1, 0), b=2, seqlens=(0, 77)))
     finally:
         emu.set_schedule(True, False)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (30, 0), (25, 3)], ids=["causal", "window_left", "window_lr"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_nan_key_hidden_from_some_rows(emu, window, splits):
+    """A NaN in the value of a key that the causal diagonal or the window hides from some query
+    rows (S_q = 5) but not from the others: the rows that see it come out NaN, the others
+    bit-identical to the clean run (the NaN policy; the CPU kernel's test is
+    tests/fuzz/test_invariants.py::test_nan_decode_key_hidden_from_some_rows). Before the kernel
+    skipped unseen keys in P V, 0 x NaN reached every row of the block."""
+    c = Case(b=2, h=4, hk=2, sq=5, d=64, dtype=torch.float16, seqlens=(70, 41), num_splits=splits,
+             window=window, page=16)
+    q, k, v, idx, kw, alibi, sinks = make_inputs(c)
+    clean, _ = emu.decode_fwd(*op_args(c, q, k, v, idx, kw, alibi, sinks), splits, SMS)
+    bt = idx["block_table"]
+    for bi in range(c.b):
+        n = int(c.seqlens[bi])
+        for key in {n - 1, n - 3, n - c.sq - window[0] if window[0] >= 0 else 0}:
+            vp = v.clone()
+            vp[int(bt[bi, key // c.page]), key % c.page, 1] = float("nan")  # kv head 1: query heads 2, 3
+            got, _ = emu.decode_fwd(*op_args(c, q, k, vp, idx, kw, alibi, sinks), splits, SMS)
+            for r in range(c.sq):
+                pos = r + n - c.sq
+                sees = (window[0] < 0 or key >= pos - window[0]) and key <= pos + window[1]
+                what = f"window {window} batch {bi} key {key} row {r}"
+                assert torch.equal(got[bi, :2, r], clean[bi, :2, r]), what + ": kv head 0's query heads changed"
+                if sees:
+                    assert got[bi, 2:, r].isnan().all(), what + ": a row that reads the NaN value is not NaN"
+                else:
+                    assert torch.equal(got[bi, 2:, r], clean[bi, 2:, r]), what + ": NaN from a key the row does not see"
+            assert torch.equal(got[1 - bi], clean[1 - bi]), "the other sequence changed"

@@ -257,6 +257,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
       // (kUnroll, kEPT) the keys' V as floats; (kRows, kUnroll) their logits (-inf: not seen)
       float vf[kUnroll][kEPT];
       float sc[kRows][kUnroll];
+      // bit u of seen[rr]: row rr sees key u. P V skips the keys a row does not see, so a NaN /
+      // inf value there (a key the causal diagonal or the window hides from this row but not
+      // from the block's other rows) adds nothing, not 0 x NaN (the NaN policy, README)
+      uint32_t seen[kRows];
+#pragma unroll
+      for (int rr = 0; rr < kRows; ++rr) seen[rr] = 0u;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + grp + u * kGroups;
@@ -278,7 +284,10 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
           if (valid[u] && rr < nr) {
             const PolicyT<float>& pol = pols[rr];
             const int i = (r0 + rr) % p.sq;
-            if (full || pol.allowed(i, j)) s = pol.score(x, i, j);
+            if (full || pol.allowed(i, j)) {
+              s = pol.score(x, i, j);
+              seen[rr] |= 1u << u;
+            }
           }
           sc[rr][u] = s;
         }
@@ -310,7 +319,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
         for (int t = 0; t < kEPT; ++t) {
           float o = acc[rr][t] * corr;
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) o = fmaf(pr[u], vf[u][t], o);
+          for (int u = 0; u < kUnroll; ++u) o = (seen[rr] >> u & 1u) ? fmaf(pr[u], vf[u][t], o) : o;
           acc[rr][t] = o;
         }
       }
