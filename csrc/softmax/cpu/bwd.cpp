@@ -64,7 +64,9 @@ struct BwdWorker {
     const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
     const size_t rows = round_up(p.sq, kBlockM), tile = size_t(kBlockM) * kBlockN;
     const size_t kb = dot ? kpad * sizeof(uint16_t) / sizeof(T) : 0, qb = dot ? qpad * sizeof(uint16_t) / sizeof(T) : 0;
-    return {kpad, kpad, kpad, kpad, kpad, qpad, qpad, qpad, qpad, qpad, rows, rows, tile, tile, tile, kBlockN,
+    // the dot path forms the logits and dP from the bf16 copies: no float32 K^T, V^T or Q rows
+    const size_t kt = dot ? 0 : kpad, qr = dot ? 0 : qpad;
+    return {kt, kt, kpad, kpad, kpad, qr, qpad, qpad, qpad, qpad, rows, rows, tile, tile, tile, kBlockN,
             size_t(dp), qpad, size_t(kBlockM) * dp, kb, kb, qb, qb};
   }
 
