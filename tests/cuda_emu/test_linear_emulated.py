@@ -243,3 +243,43 @@ def test_harness_can_fail(emu):
 
     with pytest.raises(AssertionError, match="dk"):
         run_case(Perturbed, 33, torch.float32, causal=True)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_nan_padded_keys(emu, dtype, causal, arch):
+    """NaN in the k and v rows of padded keys (key_mask False) changes no bit of out, den, the
+    final state or any gradient, and the padded keys' dk / dv stay 0 (the NaN policy, README).
+    Found in the emulator: the kernels multiplied a padded key's feature-mapped k row by 0 and
+    read its v row, so NaN there reached every output; the loaders now leave those rows 0 unread
+    and the dk epilogue selects 0. float32 runs the SIMT kernels, bf16 / fp16 the tensor-core ones;
+    70 keys make a partial last chunk; decay and an initial state where the call allows them."""
+    torch.manual_seed(11)
+    b, h, s, m, dv = 2, 2, 70, 16, 24
+    q = (0.5 * torch.randn(b, h, s, m)).to(dtype)
+    k = (0.5 * torch.randn(b, h, s, m)).to(dtype)
+    v = torch.randn(b, h, s, dv).to(dtype)
+    kpm = torch.rand(b, s) > 0.3
+    acc = ops.acc_dtype(dtype)
+    g = -0.2 * torch.rand(b, h, s, dtype=acc) if causal else None
+    s0 = torch.rand(b, h, m, dv + 1, dtype=acc)
+    opts = dict(decay=g, initial_state=s0, key_mask=kpm, cu_seqlens=None, max_seqlen=s, feature_map=1,
+                causal=causal, normalize=True, eps=1e-6, scale=0.5)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    kp, vp = k.clone(), v.clone()
+    for t in (kp, vp):
+        t.transpose(1, 2)[~kpm] = float("nan")  # (B, S, H, *) view: every head of a padded key
+    dout = torch.randn(b, h, s, dv).to(dtype)
+    dfin = torch.randn(b, h, m, dv + 1, dtype=acc)
+    results = []
+    for kk, vv in ((k, v), (kp, vp)):
+        out, den, fin = emu.linear_fwd(q, kk, vv, *args, arch)
+        grads = emu.linear_bwd(dout, dfin, q, kk, vv, out, den, *args, arch)
+        results.append([out, den, fin] + [t for t in grads if t.numel()])
+    names = ["out", "den", "final_state", "dq", "dk", "dv"] + (["ddecay"] if causal else []) + ["dinitial_state"]
+    for name, clean, got in zip(names, *results):
+        assert not clean.isnan().any(), name
+        assert torch.equal(got, clean), f"{name}: NaN in padded keys changed it ({got.isnan().sum().item()} NaN)"
+    for name, grad in zip(("dk", "dv"), results[0][4:6]):
+        assert (grad.transpose(1, 2)[~kpm] == 0).all(), f"{name} of a padded key is not 0"

@@ -106,7 +106,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
         if (qt) st16<T>(smem, L::kKt + L::KtTile::offset(c, i), x * wq[i]);
       }
       if (k) {
-        const float y = ok ? linear_simt::feature(p.feature_map, to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i] : 0.f;
+        // a padded key (kmul 0): 0 without a read, not 0 x its row (NaN where the row is)
+        const float y = ok && kmul[i] != 0.f
+                            ? linear_simt::feature(p.feature_map, to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i]
+                            : 0.f;
         st16<T>(smem, L::kK + QT::offset(i, c), y);
         if (kt) st16<T>(smem, L::kKt + L::KtTile::offset(c, i), y * wk[i]);
       }
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     if (v) {
       for (int e = tid; e < kChunk * kN; e += kThreads) {
         const int i = e / kN, c = e % kN;
-        const float x = i < n && c < nv ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
+        const float x = i < n && c < nv && kmul[i] != 0.f ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
         st16<T>(smem, L::kV + VT::offset(i, c), x);
       }
     }

@@ -92,13 +92,16 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
           const float x = ok ? linear_simt::feature(p.feature_map, to_float(qh[int64_t(r0 + i) * p.q_row_stride + c])) * p.scale : 0.f;
           st16<T>(smem, L::kQ + L::QTile::offset(i, c), x);
         }
-        const float y = ok ? linear_simt::feature(p.feature_map, to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i] : 0.f;
+        // a padded key (kmul 0): 0 without a read, not 0 x its row (NaN where the row is)
+        const float y = ok && kmul[i] != 0.f
+                            ? linear_simt::feature(p.feature_map, to_float(kh[int64_t(r0 + i) * p.k_row_stride + c])) * kmul[i]
+                            : 0.f;
         st16<T>(smem, L::kK + L::QTile::offset(i, c), y);
         st16<T>(smem, L::kKt + L::KtTile::offset(c, i), y * wk[i]);
       }
       for (int e = tid; e < kChunk * kN; e += kThreads) {
         const int i = e / kN, c = e % kN;
-        const float x = i < n && c < nv ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
+        const float x = i < n && c < nv && kmul[i] != 0.f ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
         st16<T>(smem, L::kV + L::VTile::offset(i, c), x);
       }
       __syncthreads();

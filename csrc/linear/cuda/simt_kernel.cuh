@@ -116,14 +116,15 @@ struct Cols {
 
 // (kChunk, kSlice) tile dst of feature-mapped rows [0, n) x columns [m0, m0 + kSlice) of x
 // (row stride rs), each row times mul * row_mul[i] (row_mul may be null); 0 past n rows / m
-// columns.
+// columns, and 0 without a read where row_mul[i] is 0 (a padded key: not 0 x its row, which is
+// NaN where the row is; the NaN policy, README).
 template <typename T>
 __device__ __forceinline__ void load_slice(float* dst, const T* x, int64_t rs, int n, int m0, int m, FeatureMap fm,
                                            float mul, const float* row_mul) {
   for (int e = threadIdx.x; e < kChunk * kSlice; e += kThreads) {
     const int i = e / kSlice, c = e % kSlice;
     float val = 0.f;
-    if (i < n && m0 + c < m) {
+    if (i < n && m0 + c < m && (row_mul == nullptr || row_mul[i] != 0.f)) {
       val = feature(fm, to_float(x[int64_t(i) * rs + m0 + c])) * mul;
       if (row_mul != nullptr) val *= row_mul[i];
     }
@@ -131,13 +132,15 @@ __device__ __forceinline__ void load_slice(float* dst, const T* x, int64_t rs, i
   }
 }
 
-// (kChunk, cols.ld) tile of v' rows [0, n): v's columns then the normalizer's 1; 0 elsewhere.
+// (kChunk, cols.ld) tile of v' rows [0, n): v's columns then the normalizer's 1; 0 elsewhere,
+// and a padded key's row (kmul[i] = 0) is 0, not read.
 template <typename T>
-__device__ __forceinline__ void load_values(float* dst, const T* v, int64_t rs, int n, const Cols& cols) {
+__device__ __forceinline__ void load_values(float* dst, const T* v, int64_t rs, int n, const Cols& cols,
+                                            const float* kmul) {
   for (int e = threadIdx.x; e < kChunk * cols.ld; e += kThreads) {
     const int i = e / cols.ld, j = e % cols.ld;
     float val = 0.f;
-    if (i < n && j < cols.nv) val = to_float(v[int64_t(i) * rs + cols.c0 + j]);
+    if (i < n && j < cols.nv && kmul[i] != 0.f) val = to_float(v[int64_t(i) * rs + cols.c0 + j]);
     if (i < n && cols.has_norm && j == cols.nv) val = 1.f;
     dst[e] = val;
   }
@@ -165,6 +168,7 @@ __device__ __forceinline__ void load_row_scalars(const Params& p, const Seq& s, 
     if (live && p.key_mask != nullptr) real = p.key_mask[int64_t(s.bt) * p.key_mask_batch_stride + s.row0 + r0 + i] != 0;
     kmul[i] = real ? 1.f : 0.f;
   }
+  __syncthreads();  // the loaders read every row's kmul
 }
 
 // S[m0 + c][j] <- egc S + sum_t wk[t] K~[t][c] V'[t][j] for this slice's rows of the state
@@ -243,7 +247,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
       load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
-      load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols);
+      load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
       for (int m0 = 0; m0 < m; m0 += kSlice) {
         __syncthreads();
         load_slice(Ks, kh + int64_t(r0) * p.k_row_stride, p.k_row_stride, n, m0, m, p.feature_map, 1.f, kmul);
@@ -256,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   for (int r0 = 0; r0 < s.len; r0 += kChunk) {
     const int n = min(kChunk, s.len - r0);
     load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
-    if (p.causal) load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols);
+    if (p.causal) load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
     const float egc = expf(g[n - 1]);
     float a[kPerCC], oi[kPerCV];
 #pragma unroll
@@ -404,7 +408,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
       load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
-      load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols);
+      load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
       for (int m0 = 0; m0 < m; m0 += kSlice) {
         __syncthreads();
         load_slice(Ks, kh + int64_t(r0) * p.k_row_stride, p.k_row_stride, n, m0, m, p.feature_map, 1.f, kmul);
@@ -417,7 +421,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
   for (int r0 = 0; r0 < s.len; r0 += kChunk) {
     const int n = min(kChunk, s.len - r0);
     load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
-    if (p.causal) load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols);
+    if (p.causal) load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
     load_dout<T>(D, p, s, h, r0, n, cols);
     if (threadIdx.x < kChunk) rowdot[threadIdx.x] = 0.f;
     const float egc = expf(g[n - 1]);
@@ -503,7 +507,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
   for (int r0 = last; r0 >= 0; r0 -= kChunk) {
     const int n = min(kChunk, s.len - r0);
     load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
-    load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols);
+    load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
     load_dout<T>(D, p, s, h, r0, n, cols);
     if (threadIdx.x < kChunk) rowdot[threadIdx.x] = 0.f;
     const float egc = expf(g[n - 1]);
@@ -632,8 +636,9 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const BwdParams p, c
       static_cast<T*>(p.dq)[bt * p.dq_batch_stride + head * p.dq_head_stride + r * p.dq_row_stride + c] = from_float<T>(val);
     } else if (which == 1) {
       const T x = static_cast<const T*>(p.k)[bt * p.k_batch_stride + head * p.k_head_stride + r * p.k_row_stride + c];
-      const float mul = p.key_mask == nullptr || p.key_mask[bt * p.key_mask_batch_stride + r] != 0 ? 1.f : 0.f;
-      val *= feature_grad(p.feature_map, to_float(x), mul);
+      // a padded key's dk is 0, not 0 x feature_grad of its k (NaN where k is)
+      const bool real = p.key_mask == nullptr || p.key_mask[bt * p.key_mask_batch_stride + r] != 0;
+      val = real ? val * feature_grad(p.feature_map, to_float(x), 1.f) : 0.f;
       static_cast<T*>(p.dk)[bt * p.dk_batch_stride + head * p.dk_head_stride + r * p.dk_row_stride + c] = from_float<T>(val);
     } else {
       static_cast<T*>(p.dv)[bt * p.dv_batch_stride + head * p.dv_head_stride + r * p.dv_row_stride + c] = from_float<T>(val);
