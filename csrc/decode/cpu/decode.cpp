@@ -243,13 +243,11 @@ struct DecodeWorker {
       for (int x = 0; x < RR; ++x) a0[x] += vload(qb + x * L) * load_cvt<T>(k + (kShared ? 0 : x * kstride) + c);
     }
     T* sj = s + size_t(r0) * kChunk + jj;
-    if constexpr (RR == 4 && std::is_same_v<V, vf>) {
-      const V r[4] = {a0[0] + a1[0], a0[1] + a1[1], a0[2] + a1[2], a0[3] + a1[3]};
-      float sums[4];
-      if (d == dv && hsum4(r, sums)) {
-        for (int x = 0; x < 4; ++x) sj[x * kChunk] = sums[x];
-        return;
-      }
+    if (d == dv) {
+      V r[RR];
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) r[x] = a0[x] + a1[x];
+      if (store_sums4<RR>(r, sj)) return;
     }
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) {
@@ -258,6 +256,20 @@ struct DecodeWorker {
       for (int cc = dv; cc < d; ++cc) sum += qb[x * L + (cc - dv)] * to_t<T>(kx[cc]);
       sj[x * kChunk] = sum;
     }
+  }
+  // sj[x * kChunk] <- the lane sum of r[x] for a block of four float rows through simd.h's
+  // shared reduction; false (nothing written) for other blocks, which sum row by row
+  template <int RR>
+  static bool store_sums4(const V* r, T* sj) {
+    if constexpr (RR == 4 && std::is_same_v<V, vf>) {
+      float sums[4];
+      if (hsum4(r, sums)) {
+        for (int x = 0; x < 4; ++x) sj[x * kChunk] = sums[x];
+        return true;
+      }
+    }
+    (void)r, (void)sj;
+    return false;
   }
   // dot() on vdpbf16ps (kDots): the same blocks, 32 elements per step; qh's vector c / 32 of
   // row x at (c / 32 * RR + x) * 32. A row's last partial step loads K under a mask (zeros past
@@ -292,13 +304,7 @@ struct DecodeWorker {
     V r[RR];
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) r[x] = (V)_mm512_add_ps(a0[x], a1[x]);
-    if constexpr (RR == 4) {
-      float sums[4];
-      if (hsum4(r, sums)) {
-        for (int x = 0; x < 4; ++x) sj[x * kChunk] = sums[x];
-        return;
-      }
-    }
+    if (store_sums4<RR>(r, sj)) return;
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) sj[x * kChunk] = hsum_tree(r[x]);
 #else
