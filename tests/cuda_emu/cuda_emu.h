@@ -114,6 +114,7 @@ struct ThreadCtx {
 extern thread_local ThreadCtx* g_thread;
 
 void syncthreads();
+int syncthreads_or(int pred);
 
 // ---------------------------------------------------------------- warp collectives
 enum class Elem : int { kF16 = 0, kBF16 = 1 };
@@ -122,6 +123,7 @@ void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b);
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 with this lane's row address
 void ldmatrix_x4(uint32_t* r, uint32_t addr, bool trans);
 uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width);
+uint32_t shfl_idx_bits(uint32_t mask, uint32_t bits, int src_lane, int width);
 
 // ---------------------------------------------------------------- shared memory and cp.async
 uint32_t smem_u32(const void* ptr);
@@ -150,9 +152,12 @@ inline float ex2_approx_ftz(float x) {
 // object shared by the CTA's fibers (dynamic shared memory: ATTN_EXTERN_SMEM, mma.cuh).
 #undef __shared__
 #define __shared__ thread_local
-// plain inline: the host compiler inlines what it likes, and the build stays short
+// plain inline: the host compiler inlines what it likes, and the build stays short (__noinline__
+// too: it steers ptxas's register allocation, which the emulator does not model)
 #undef __forceinline__
 #define __forceinline__ inline
+#undef __noinline__
+#define __noinline__ inline
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 
@@ -164,6 +169,7 @@ inline float ex2_approx_ftz(float x) {
 #define cudaMemsetAsync ::attn_emu::memset_async
 
 inline void __syncthreads() { ::attn_emu::syncthreads(); }
+inline int __syncthreads_or(int pred) { return ::attn_emu::syncthreads_or(pred); }
 // a warp-wide meeting point: every lane's earlier memory writes are visible to the others after it
 inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)::attn_emu::shfl_xor_bits(mask, 0u, 0, 32); }
 
@@ -173,6 +179,16 @@ inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   uint32_t bits;
   std::memcpy(&bits, &var, 4);
   bits = ::attn_emu::shfl_xor_bits(mask, bits, lane_mask, width);
+  std::memcpy(&var, &bits, 4);
+  return var;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles only");
+  uint32_t bits;
+  std::memcpy(&bits, &var, 4);
+  bits = ::attn_emu::shfl_idx_bits(mask, bits, src_lane, width);
   std::memcpy(&var, &bits, 4);
   return var;
 }

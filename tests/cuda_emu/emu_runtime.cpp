@@ -66,10 +66,11 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 
 enum class State { kReady, kBarrier, kWarp, kDone };
-enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16 };
+enum class Op { kNone, kShfl, kShflIdx, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16 };
 const char* op_name(Op op) {
   switch (op) {
     case Op::kShfl: return "__shfl_xor_sync";
+    case Op::kShflIdx: return "__shfl_sync";
     case Op::kLdmatrix: return "ldmatrix.x4";
     case Op::kLdmatrixTrans: return "ldmatrix.x4.trans";
     case Op::kMmaF16: return "mma.m16n8k16.f16";
@@ -112,6 +113,8 @@ struct Cta {
   std::vector<Warp> warps;
   std::vector<int> order;  // fibers by scheduling position
   int nthreads, nwarps, live, at_barrier;
+  // __syncthreads_or: the OR of the predicates given at the barrier so far, and the last result
+  int vote_acc, vote_result;
   size_t smem_bytes;
   Fiber* cur;
 #if defined(__x86_64__)
@@ -200,6 +203,8 @@ void fiber_main() {
   --c.live;
   // a thread that exits no longer counts for the barrier
   if (c.live > 0 && c.at_barrier == c.live) {
+    c.vote_result = c.vote_acc;
+    c.vote_acc = 0;
     for (int t = 0; t < c.nthreads; ++t)
       if (c.fibers[t].state == State::kBarrier) c.fibers[t].state = State::kReady;
     c.at_barrier = 0;
@@ -263,6 +268,7 @@ void run_cta(uint3 bidx, dim3 grid, dim3 block) {
   std::memset(rt.smem, 0xff, c.smem_bytes);
   c.live = c.nthreads;
   c.at_barrier = 0;
+  c.vote_acc = c.vote_result = 0;
   for (int t = 0; t < c.nthreads; ++t) {
     Fiber& f = c.fibers[t];
     f.linear = t;
@@ -449,17 +455,25 @@ cudaError_t memset_async(void* ptr, int value, size_t bytes, cudaStream_t) {
   return cudaSuccess;
 }
 
-void syncthreads() {
+void syncthreads() { (void)syncthreads_or(0); }
+
+// A barrier that also returns whether any thread's predicate was nonzero. Every fiber reads the
+// result when it resumes, before any of them can complete the next barrier.
+int syncthreads_or(int pred) {
   Cta& c = rt.cta;
   Fiber& f = self();
+  c.vote_acc |= pred != 0;
   if (++c.at_barrier == c.live) {
     c.at_barrier = 0;
+    c.vote_result = c.vote_acc;
+    c.vote_acc = 0;
     for (int t = 0; t < c.nthreads; ++t)
       if (c.fibers[t].state == State::kBarrier) c.fibers[t].state = State::kReady;
-    return;
+    return c.vote_result;
   }
   f.state = State::kBarrier;
   yield_to_scheduler();
+  return c.vote_result;
 }
 
 // mma.m16n8k16 fragments (g = lane / 4, t = lane % 4; each 32-bit register holds two 16-bit
@@ -543,6 +557,15 @@ uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width) {
       const uint32_t src = l ^ (w.in[l][1] & 31);
       w.out[l][0] = w.in[src][0];
     }
+  });
+  return out;
+}
+
+uint32_t shfl_idx_bits(uint32_t mask, uint32_t bits, int src_lane, int width) {
+  if (mask != 0xffffffffu || width != 32) fault("__shfl_sync is emulated for full warps only");
+  uint32_t in[2] = {bits, uint32_t(src_lane)}, out;
+  collective(Op::kShflIdx, in, 2, &out, 1, [](Warp& w) {
+    for (int l = 0; l < 32; ++l) w.out[l][0] = w.in[w.in[l][1] & 31][0];
   });
   return out;
 }

@@ -17,6 +17,7 @@
 #include "softmax/cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 #include "softmax/cuda/fragment_softmax.cuh"
+#include "softmax/cuda/nonfinite.cuh"
 #include "softmax/cuda/traits.h"
 
 namespace attn {
@@ -107,6 +108,30 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     cp_async_commit();
   }
 
+  // K with non-finite elements (k_fix, CTA-uniform, read from global memory while the tiles
+  // load; only where dQ is added here): sK is zeroed there once, for dQ += dS K, and S^T = K Q^T
+  // of this thread's keys that hold one (k_nan bit hf: key wn + g + 8 hf) is NaN for every
+  // query (nonfinite.cuh). Nothing in the loop but a predicated select.
+  const bool k_fix =
+      dq_atomic && __syncthreads_or(rows_k > 0 && has_nonfinite<T, kThreads>(kp, p.k_row_stride, rows_k, p.d, tid));
+  uint32_t k_nan = 0;
+  if (k_fix) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int jl = wn + g + hf * 8;
+      if (jl < rows_k && has_nonfinite<T, 1>(kp + int64_t(jl) * p.k_row_stride, p.k_row_stride, 1, p.d, 0))
+        k_nan |= 1u << hf;
+    }
+    wait_and_zero_nonfinite<T, TileKV, kBlockN, kThreads>(sK, tid);
+  }
+  auto nan_scores = [&](float (*acc)[4]) {
+    if (k_nan == 0) return;
+#pragma unroll
+    for (int t = 0; t < kQT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if ((k_nan >> (e >> 1)) & 1) acc[t][e] = __uint_as_float(0x7fffffffu);
+  };
   for (int gi = 0; rows_k > 0 && gi < group; ++gi) {
     const int h = hk * group + gi;
     const Policy pol(p, si, b, h);
@@ -162,7 +187,6 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
       const uint32_t sQ = sQ0 + (m & 1) * TileQ::kBytes, sdO = sdO0 + (m & 1) * TileQ::kBytes;
       const float* sLse = sLse0 + (m & 1) * kBlockM;
       const float* sDot = sDot0 + (m & 1) * kBlockM;
-
       // ---- S^T = K Q^T and dP^T = V dO^T: (16 keys, kBlockM queries) per warp
       float acc_s[kQT][4], acc_dp[kQT][4];
 #pragma unroll
@@ -184,6 +208,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             mma_n16<T>(acc_s[2 * np], ak, bq);
           }
         }
+        nan_scores(acc_s);
         // ---- P^T, packed to 16 bits at once: the fp32 S^T dies before dP^T is accumulated.
         // dS^T below multiplies by this 16-bit P. Error: P = P_exact (1 + d), |d| <= u (bf16
         // 2^-8, fp16 2^-11; fp16 P < 2^-14 is subnormal, off by <= 2^-25 absolute), so dS =
@@ -239,10 +264,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             // acc_s[t][2 hf .. 2 hf + 1] went to pa[t / 2][2 (t % 2) + hf] (pack_a_frags)
+            // dS = 0 where P = 0 (a selection, not a product: dP of a hidden key may be NaN)
             const float2 pr = Ops::unpack(pa[t / 2][2 * (t & 1) + hf]);
             const int il = t * 8 + 2 * c;
-            acc_dp[t][2 * hf] = pr.x * (acc_dp[t][2 * hf] - sDot[il]) * p.scale;
-            acc_dp[t][2 * hf + 1] = pr.y * (acc_dp[t][2 * hf + 1] - sDot[il + 1]) * p.scale;
+            acc_dp[t][2 * hf] = pr.x == 0.f ? 0.f : pr.x * (acc_dp[t][2 * hf] - sDot[il]) * p.scale;
+            acc_dp[t][2 * hf + 1] = pr.y == 0.f ? 0.f : pr.y * (acc_dp[t][2 * hf + 1] - sDot[il + 1]) * p.scale;
           }
       } else {
         // kk only moves addresses: a rolled loop keeps the prefetched fragments from
@@ -264,6 +290,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             }
           }
         }
+        nan_scores(acc_s);
 
         // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
         const bool check = !(plain && tile_on && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
@@ -577,6 +604,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
         if (write_dbias && i < si.len_q && j < si.len_k) store_dbias(p, b, h, i, j, bp.ds);
       }
     }
+    }
+
+    // dQ reads K: in a tile that may hide keys, its non-finite elements are zeroed once S and dP
+    // were computed from it (nonfinite.cuh); the vote is the barrier after every warp's S, and a
+    // reading row's dS is non-finite already
+    const bool block_check = !(plain && layout_state == 2 && pol.tile_full(m0, m0 + kBlockM, n0, n0 + kBlockN));
+    if (block_check && __syncthreads_or(scan_nonfinite<T, TileKV, kBlockN, kThreads, false>(sK, tid))) {
+      scan_nonfinite<T, TileKV, kBlockN, kThreads, true>(sK, tid);
+      __syncthreads();
     }
 
     // ---- dQ += dS K over this slice

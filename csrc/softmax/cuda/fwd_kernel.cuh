@@ -13,6 +13,7 @@
 #include "softmax/cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 #include "softmax/cuda/fragment_softmax.cuh"
+#include "softmax/cuda/nonfinite.cuh"
 #include "softmax/cuda/traits.h"
 
 namespace attn {
@@ -263,11 +264,44 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
                                              si.len_k - nn0, p.d, tid);
       cp_async_commit();
     }
+    // a tile that may hide keys from some of the block's rows: V's non-finite elements become 0
+    // (nonfinite.cuh); the vote is also the barrier before any warp reads the zeroed tile
+    const bool block_check = !(plain && (!sparse || sp_full[n] != 0) &&
+                               pol.tile_full(m0, m0 + kBlockM, n0, n0 + kBlockN));
+    const bool v_fix = block_check && __syncthreads_or(zero_nonfinite<T, TileKV, kBlockN, kThreads>(sV, tid));
 
     // ---- O += P V. P is packed to 16 bits first, so its fp32 copy dies before the MMAs.
     uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) pack_a_frags<T, kNT>(&acc_s[mt][0][0], pa[mt]);
+    if (v_fix) {
+      // the rows that read a zeroed element v(j, c) get it back: acc_o(i, c) += v(j, c), from
+      // global memory (nonfinite.cuh). Not times P(i, j): the element is inf or NaN, so the
+      // row's output there is non-finite either way, and the quad's P fragments stay unshuffled
+      // (a P = 0 the mma would have turned into NaN leaves inf here).
+#pragma unroll 1
+      for (int jl = 0; jl < kBlockN && n0 + jl < si.len_k; ++jl) {
+        const int j = n0 + jl;
+        const T* vrow = v + int64_t(j) * p.v_row_stride;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + wm + mt * 16 + g + hf * 8;
+            if (i >= si.len_q || !(plain ? plain_allowed(pol, i, j) : pol.allowed(i, j))) continue;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+              const int col = dt * 8 + 2 * c;  // d % 8 == 0: the pair is inside the row
+              if (col >= p.d) continue;
+              const T* x = vrow + col;
+              if (!nonfinite_elem(x) && !nonfinite_elem(x + 1)) continue;
+              const float2 vv = Ops::unpack(*reinterpret_cast<const uint32_t*>(x));
+              if (nonfinite_elem(x)) acc_o[mt][dt][2 * hf] += vv.x;
+              if (nonfinite_elem(x + 1)) acc_o[mt][dt][2 * hf + 1] += vv.y;
+            }
+          }
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #pragma unroll

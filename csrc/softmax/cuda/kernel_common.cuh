@@ -208,15 +208,16 @@ __device__ __forceinline__ void store_dbias(const BwdParams& p, int b, int h, in
 }
 
 // The end of the forward's online softmax for one row, given its running max m2 (log2 domain)
-// and this lane's part of the sum l of 2^(s - m2) (the row's four lanes, a quad, are summed
-// here): the row's lse (natural log, with the sink logit merged in when has_sink) and the factor
-// that turns the unnormalized O row into the output (times the dropout rescale rdrop). A row
-// with nothing allowed (l = 0) gets lse = sink (-inf without sinks) and O = 0.
-__device__ __forceinline__ void finish_row(float m2, float l, bool has_sink, float sink,
-                                           float rdrop, float* lse, float* factor) {
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (l > 0.f) {
+// and its sum l of 2^(s - m2): the row's lse (natural log, with the sink logit merged in when
+// has_sink) and the factor that turns the unnormalized O row into the output (times the dropout
+// rescale rdrop). A row with nothing allowed (l = 0) gets lse = sink (-inf without sinks) and
+// O = 0; a row that read a NaN logit (l NaN) gets NaN for both, as on the CPU (tile.h), never the
+// empty row's answer.
+__device__ __forceinline__ void finish_lse(float m2, float l, bool has_sink, float sink, float rdrop,
+                                           float* lse, float* factor) {
+  if (l != l) {
+    *lse = *factor = l;
+  } else if (l > 0.f) {
     float r = m2 * kLn2 + logf(l);
     if (has_sink) {
       const float hi = fmaxf(r, sink), lo = fminf(r, sink);
@@ -228,6 +229,13 @@ __device__ __forceinline__ void finish_row(float m2, float l, bool has_sink, flo
     *lse = sink;
     *factor = 0.f;
   }
+}
+// finish_lse for a row of an mma fragment: this lane's part of l, summed over the row's quad
+__device__ __forceinline__ void finish_row(float m2, float l, bool has_sink, float sink,
+                                           float rdrop, float* lse, float* factor) {
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  finish_lse(m2, l, has_sink, sink, rdrop, lse, factor);
 }
 
 // lse in the log2 domain with a fully masked row mapped to +inf (P = 2^(s - inf) = 0).

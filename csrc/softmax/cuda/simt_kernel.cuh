@@ -115,17 +115,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
   }
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
   float lse, factor;
-  if (l > 0.f) {
-    lse = m * kLn2 + logf(l);
-    if (p.sinks != nullptr) {
-      const float hi = fmaxf(lse, sink), lo = fminf(lse, sink);
-      lse = hi + log1pf(expf(lo - hi));
-    }
-    factor = exp2f(m - lse * kLog2e);
-  } else {
-    lse = sink;
-    factor = 0.f;
-  }
+  finish_lse(m, l, p.sinks != nullptr, sink, 1.f, &lse, &factor);
 #pragma unroll
   for (int t = 0; t < kChunks; ++t) o[t] *= factor;
   store_row(o_ptr<T>(p, si, b, h, i), o, p.d, lane);

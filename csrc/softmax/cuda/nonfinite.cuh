@@ -1,0 +1,121 @@
+// Hidden keys and non-finite values in the tensor-core kernels (README, NaN policy).
+//
+// An mma.sync product has no per-row skip: a key the policy hides from some rows of a tile (a
+// bool mask, key_padding_mask, a causal / window edge, a block-sparse layout) still enters P V
+// with P = 0 and dQ = dS K with dS = 0, and 0 x NaN / inf = NaN reaches rows that never read the
+// key. Where a tile may hide keys, the kernels zero the non-finite elements of that operand in
+// shared memory before the product (scan_nonfinite, one pass over the tile and a block vote),
+// so a hidden key adds exact zeros and the rows that never read it keep every bit:
+//   forward  P V:  V is zeroed in such tiles; a row that reads a zeroed element v(j, c) gets
+//                  acc_o(i, c) += v(j, c) back from global memory (fwd_kernel.cuh);
+//   dQ      dS K:  K is zeroed for this product only. The dQ kernel zeroes its tile after S and
+//                  dP were computed from it. The dK / dV kernel keeps K for all its query blocks:
+//                  it zeroes K once, and a key whose k row holds inf / NaN gets S = NaN from every
+//                  query (the forward's q.k there is NaN or +-inf), so the rows that read it get
+//                  NaN gradients and the others select dS = 0 (bwd_kernel.cuh). A row whose exact
+//                  logit is -inf there (an inf element; P = 0 in the forward) gets NaN too: more
+//                  NaN than the exact math in that corner, never a masked one.
+// The backward's dP = dO V^T needs nothing: bwd_point() selects dS = 0 for hidden keys.
+// The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
+// hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the other
+// work runs only where a non-finite value is present.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/mma.cuh"
+
+namespace attn {
+namespace tc {
+
+// An element of T is inf or NaN when its exponent bits are all ones.
+template <typename T>
+struct ExpBits;
+template <>
+struct ExpBits<__half> {
+  static constexpr uint32_t kMask = 0x7c00u;
+};
+template <>
+struct ExpBits<__nv_bfloat16> {
+  static constexpr uint32_t kMask = 0x7f80u;
+};
+
+template <typename T>
+__device__ __forceinline__ bool nonfinite_elem(const T* x) {
+  const uint32_t bits = *reinterpret_cast<const uint16_t*>(x);
+  return (bits & ExpBits<T>::kMask) == ExpBits<T>::kMask;
+}
+
+// This thread's share of the 16-byte chunks of a (kRows, Tile's columns) tile of T in shared
+// memory: kZero, set its non-finite elements to +0; returns whether it held any. Head-dim
+// padding and rows past the sequence were zero-filled by the loader, so only data is found.
+template <typename T, typename Tile, int kRows, int kThreads, bool kZero>
+__device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
+  constexpr uint32_t kExp = ExpBits<T>::kMask;
+  bool any = false;
+  // rolled: the callers keep their accumulators live across this, in a rare branch
+#pragma unroll 1
+  for (int idx = tid; idx < kRows * Tile::kChunks; idx += kThreads) {
+    const uint32_t addr = tile + Tile::offset(idx / Tile::kChunks, idx % Tile::kChunks * 8);
+    const uint4 v = ld_shared_v4(addr);
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    bool hit = false;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const bool lo = (w[x] & kExp) == kExp, hi = ((w[x] >> 16) & kExp) == kExp;
+      hit |= lo | hi;
+      if (lo) w[x] &= 0xffff0000u;
+      if (hi) w[x] &= 0x0000ffffu;
+    }
+    if (kZero && hit) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) st_shared_b32(addr + 4 * x, w[x]);
+    }
+    any |= hit;
+  }
+  return any;
+}
+
+// After this thread issued its chunks of the tile with load_tile_async (the same chunk per thread
+// as scan_nonfinite: idx = tid + k * kThreads): wait for its own copies and zero the non-finite
+// elements in them. No barrier: every thread touches only what it loaded, and the caller's next
+// barrier orders the zeros before any other thread reads. Out of line, and barrier-free: a wait
+// and barrier inline in a rare branch before the dK / dV kernel's main loop made ptxas spill the
+// loop's accumulators (hd128, sm_80: 400 bytes of spill stores against 28, LDL / STL among the
+// mma.sync).
+template <typename T, typename Tile, int kRows, int kThreads>
+__device__ __noinline__ void wait_and_zero_nonfinite(uint32_t tile, int tid) {
+  cp_async_wait<0>();
+  scan_nonfinite<T, Tile, kRows, kThreads, true>(tile, tid);
+}
+
+// scan_nonfinite<..., true> out of line, for the forward's loop: inline, its chunk addresses
+// joined the loop's own (fp16 hd128 plain on sm_80: 76 bytes of spill stores against 28 out of
+// line; 8 before the scan existed)
+template <typename T, typename Tile, int kRows, int kThreads>
+__device__ __noinline__ bool zero_nonfinite(uint32_t tile, int tid) {
+  return scan_nonfinite<T, Tile, kRows, kThreads, true>(tile, tid);
+}
+
+// Whether this thread's share of rows [0, rows) x columns [0, d) of a 16-bit tensor in global
+// memory (row stride and d multiples of 8) holds a non-finite element, in 16-byte reads.
+template <typename T, int kThreads>
+__device__ __forceinline__ bool has_nonfinite(const T* base, int64_t row_stride, int rows, int d, int tid) {
+  constexpr uint32_t kExp = ExpBits<T>::kMask;
+  const int chunks = d / 8;
+  bool any = false;
+#pragma unroll 1
+  for (int idx = tid; idx < rows * chunks; idx += kThreads) {
+    const uint4 v = *reinterpret_cast<const uint4*>(base + int64_t(idx / chunks) * row_stride + idx % chunks * 8);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int x = 0; x < 4; ++x) any |= (w[x] & kExp) == kExp || ((w[x] >> 16) & kExp) == kExp;
+  }
+  return any;
+}
+
+}  // namespace tc
+}  // namespace attn
