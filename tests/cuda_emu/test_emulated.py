@@ -26,6 +26,7 @@ from attention_ext import reference
 from attention_ext.softmax import ops
 from tests.cuda_emu import emulator as cuda_emu
 from tests.softmax import test_cuda as tc
+from tests.softmax.test_cuda import check_nan_hidden_key
 
 # arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
 ARCHS = (90, 80)
@@ -372,34 +373,8 @@ def test_nan_key_padding_bool_mask(emu, dtype, arch):
 @pytest.mark.parametrize("mask", ["causal", "bool"])
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_nan_hidden_key_reaches_readers_only(emu, dtype, which, mask, deterministic, arch):
-    """One key whose k (or v) row is NaN, hidden from some rows of its tiles and read by others
-    (causal: the rows before it; a bool mask with a pattern per row). The rows that read it, and
-    what they feed, are NaN; every other element of out, lse, dq, dk and dv keeps its clean bits."""
-    torch.manual_seed(3)
-    b, h, s, d, jp = 1, 2, 150, 64, 100
-    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype) for _ in range(4))
-    if mask == "causal":
-        o = dict(window_right=0)
-        allowed = torch.ones(s, s).tril().bool()
-    else:
-        allowed = torch.rand(s, s) > 0.3
-        allowed[:, jp] = torch.arange(s) % 3 != 0  # read by two rows in three
-        o = dict(bias=allowed.view(1, 1, s, s))
-    kp, vp = k.clone(), v.clone()
-    (kp if which == "k" else vp)[:, :, jp] = float("nan")
-    runs = []
-    for kk, vv in ((k, v), (kp, vp)):
-        args = tc.call_fwd(q, kk, vv, **o)
-        out, lse = emu.fwd(q, kk, vv, *args, 1, deterministic, arch)
-        grads = emu.bwd(dout, q, kk, vv, out, lse, *args, False, deterministic, None, arch)
-        runs.append([out, lse] + list(grads[:3]))
-    rows = allowed[:, jp]  # the rows that read the key
-    keys = allowed[rows].any(0)  # the keys those rows read: dS of theirs is NaN, so is dk
-    none = torch.zeros(s, dtype=torch.bool)
-    per_row = {"out": rows, "lse": rows if which == "k" else none, "dq": rows, "dk": keys,
-               "dv": keys if which == "k" else none}  # NaN v: P stays finite, dv = P^T dO too
-    for name, clean, got in zip(("out", "lse", "dq", "dk", "dv"), *runs):
-        want = per_row[name].view(1, 1, s, *([1] if got.dim() == 4 else [])).expand_as(got)
-        assert torch.isnan(got[want]).all(), f"{name}: a row that reads the NaN key is not NaN"
-        assert torch.equal(got[~want], clean[~want]), f"{name}: a value that does not read the key changed"
+def test_nan_hidden_key_reaches_readers_only(monkeypatch, emu, dtype, which, mask, deterministic, arch):
+    """test_cuda.check_nan_hidden_key: a NaN k / v row hidden from some rows of its tiles reaches
+    the rows that read it and changes no other bit. 40 of these 48 failed on the kernels before
+    nonfinite.cuh and finish_lse (every fp16 / bf16 case; fp32 with k: the LSE)."""
+    check_nan_hidden_key(emulate(monkeypatch, emu, arch), dtype, which, mask, deterministic)

@@ -65,6 +65,50 @@ def kernels():
     yield lambda **fields: ops.set_cuda_kernels(**{**ops.cuda_kernels(), **fields})
     ops.set_cuda_kernels(**old)
 
+def check_nan_hidden_key(run, dtype, which, mask, deterministic):
+    """One key whose k (or v) row is NaN, hidden from some rows of its tiles and read by others
+    (causal: the rows before it; a bool mask with a pattern per row). The rows that read it, and
+    what they feed, are NaN; every other element of out, lse, dq, dk and dv keeps its clean bits
+    (README, NaN policy). run: run_kernel or the emulator's. 150 keys make at most two key blocks,
+    so even the atomic dQ sums in a fixed order."""
+    torch.manual_seed(3)
+    b, h, s, d, jp = 1, 2, 150, 64, 100
+    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
+    if mask == "causal":
+        o = dict(window_right=0)
+        allowed = torch.ones(s, s).tril().bool()
+    else:
+        allowed = torch.rand(s, s) > 0.3
+        allowed[:, jp] = torch.arange(s) % 3 != 0  # read by two rows in three
+        o = dict(bias=allowed.view(1, 1, s, s).to(DEV))
+    kp, vp = k.clone(), v.clone()
+    (kp if which == "k" else vp)[:, :, jp] = float("nan")
+    runs = []
+    for kk, vv in ((k, v), (kp, vp)):
+        out, lse, grads = run(q, kk, vv, dout, deterministic=deterministic, **o)
+        runs.append([t.cpu() for t in [out, lse] + list(grads[:3])])
+    rows = allowed[:, jp]  # the rows that read the key
+    keys = allowed[rows].any(0)  # the keys those rows read: dS of theirs is NaN, so is dk
+    none = torch.zeros(s, dtype=torch.bool)
+    per_row = {"out": rows, "lse": rows if which == "k" else none, "dq": rows, "dk": keys,
+               "dv": keys if which == "k" else none}  # NaN v: P stays finite, dv = P^T dO too
+    for name, clean, got in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        want = per_row[name].view(1, 1, s, *([1] if got.dim() == 4 else [])).expand_as(got)
+        assert torch.isnan(got[want]).all(), f"{name}: a row that reads the NaN key is not NaN"
+        assert torch.equal(got[~want], clean[~want]), f"{name}: a value that does not read the key changed"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_nan_hidden_key_reaches_readers_only(kernels, dtype, which, mask, deterministic):
+    """check_nan_hidden_key on the mma.sync / SIMT kernels (the sm_90a wgmma ones, which serve
+    causal calls by default there, do not handle it: README, NaN policy)."""
+    kernels(hopper_fwd=0, hopper_bwd=0)
+    check_nan_hidden_key(run_kernel, dtype, which, mask, deterministic)
+
+
 
 def ref_run(q, k, v, dout, dtype, *, bias=None, sinks=None, need_bias_grad=False, **kw):
     """reference.attention in `dtype` with autograd: (out, lse, dq, dk, dv, dbias, dsinks)."""
