@@ -281,6 +281,11 @@ def test_schedules(monkeypatch, emu, schedule, reverse):
     tc.run_and_compare(2, 4, 2, 129, 200, 64, torch.bfloat16, window=(-1, 0), bottom_right=True)
     tc.run_and_compare(1, 4, 1, 100, 300, 128, torch.float16, window=(17, 5), deterministic=True)
     tc.run_and_compare(1, 2, 1, 40, 50, 40, torch.float32, sinks=torch.randn(2))
+    # the hidden-key votes and zeroing (nonfinite.cuh) under this interleaving
+    run = emulate(monkeypatch, emu)
+    check_nan_hidden_key(run, torch.bfloat16, "v", "bool", False)
+    check_nan_hidden_key(run, torch.float16, "k", "causal", False)
+    check_nan_hidden_key(run, torch.bfloat16, "k", "bool", True)
 
 
 # ---------------------------------------------------------------- tuning candidates (sm_90 build)
@@ -319,6 +324,16 @@ def test_tune_candidate(monkeypatch, emu, cand):
     case = _tune_cases()[v % 5]
     d, dtype = [(64, torch.bfloat16), (128, torch.float16), (96, torch.bfloat16), (128, torch.bfloat16)][v % 4]
     case(d, dtype)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_hidden_key_sequential_bwd(monkeypatch, emu, which):
+    """bwd4, the sequential dK / dV schedule (kSeq: dS from the 16-bit P), selects dS = 0 where
+    P = 0 and takes the NaN scores of a non-finite k like the default kernel."""
+    run = emulate(monkeypatch, emu, arch=90)
+    emu.set_cuda_kernels(0, 0, 0, 4, False)
+    check_nan_hidden_key(run, torch.bfloat16, which, "causal", False)
+
 
 
 
