@@ -30,6 +30,7 @@ ATTN_HD Acc merge_split_lse(const Acc* lse, int n, int64_t stride, bool has_sink
   Acc mx = has_sink ? sink : Acc(-INFINITY);
   for (int s = 0; s < n; ++s) {
     const Acc l = lse[s * stride];
+    if (l != l) return l;  // a split read a NaN logit: the row's LSE is NaN (the max would skip it)
     mx = l > mx ? l : mx;
   }
   if (mx == Acc(-INFINITY)) return mx;

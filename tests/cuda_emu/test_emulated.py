@@ -26,7 +26,7 @@ from attention_ext import reference
 from attention_ext.softmax import ops
 from tests.cuda_emu import emulator as cuda_emu
 from tests.softmax import test_cuda as tc
-from tests.softmax.test_cuda import check_nan_hidden_key
+from tests.softmax.test_cuda import check_inf_key_softcap, check_nan_hidden_key, check_nan_lse_split
 
 # arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
 ARCHS = (90, 80)
@@ -393,3 +393,18 @@ def test_nan_hidden_key_reaches_readers_only(monkeypatch, emu, dtype, which, mas
     the rows that read it and changes no other bit. 40 of these 48 failed on the kernels before
     nonfinite.cuh and finish_lse (every fp16 / bf16 case; fp32 with k: the LSE)."""
     check_nan_hidden_key(emulate(monkeypatch, emu, arch), dtype, which, mask, deterministic)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_inf_key_softcap(monkeypatch, emu, dtype, deterministic, arch):
+    """test_cuda.check_inf_key_softcap: an inf k element is left to the exact math (the review
+    of the NaN handling: forcing its scores NaN made dk / dv NaN where they are finite)."""
+    check_inf_key_softcap(emulate(monkeypatch, emu, arch), dtype, deterministic)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_nan_lse_split(monkeypatch, emu, dtype):
+    """test_cuda.check_nan_lse_split: split-KV's merge keeps a NaN LSE."""
+    check_nan_lse_split(emulate(monkeypatch, emu), dtype)

@@ -425,6 +425,31 @@ def test_nan_decode_cache(dtype):
                            f"paged {kw}", cache_seqlens=lens, block_table=bt, **kw)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_decode_query_row_lse(dtype, num_splits):
+    """A NaN query row reads NaN logits: its out and LSE are NaN with and without key splits, the
+    other rows keep their bits. With splits the merge (common/split_merge.h) took the max of the
+    partial LSEs, which skips NaN, and returned -inf for the row (found in review)."""
+    from attention_ext.decode import decode_fwd
+
+    torch.manual_seed(8)
+    b, h, hk, d, sk = 2, 4, 2, 64, 5000
+    q = torch.randn(b, 1, h, d, dtype=dtype)
+    kc, vc = torch.randn(b, sk, hk, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype)
+    lens = torch.tensor([sk, 3001], dtype=torch.int32)
+    run = lambda qq: decode_fwd(qq, kc, vc, cache_seqlens=lens, scale=d ** -0.5, num_splits=num_splits)
+    out0, lse0 = run(q)
+    qp = q.clone()
+    qp[1, 0, 3] = float("nan")
+    out, lse = run(qp)
+    assert torch.isnan(out[1, 0, 3]).all() and torch.isnan(lse[1, 3]).all()
+    keep = torch.ones(b, h, dtype=torch.bool)
+    keep[1, 3] = False
+    assert torch.equal(lse[keep], lse0[keep])
+    assert torch.equal(out[:, 0][keep], out0[:, 0][keep])
+
+
 @pytest.mark.parametrize("d", [64, 80, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_nan_decode_key_hidden_from_some_rows(dtype, d):

@@ -98,6 +98,52 @@ def check_nan_hidden_key(run, dtype, which, mask, deterministic):
         assert torch.equal(got[~want], clean[~want]), f"{name}: a value that does not read the key changed"
 
 
+def check_inf_key_softcap(run, dtype, deterministic):
+    """An inf (not NaN) element k[40, 3] under softcap: the logits it makes are +-cap, finite, so
+    out, lse, dk and dv stay finite, and dq's column 3 is NaN in every row (the exact math's
+    0 x inf: softcap's derivative at +-inf is 0), its other columns finite."""
+    torch.manual_seed(5)
+    b, h, s, d = 1, 2, 96, 64
+    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
+    k[:, :, 40, 3] = float("inf")
+    out, lse, grads = run(q, k, v, dout, deterministic=deterministic, softcap=30.0)
+    dq, dk, dv = (t.cpu() for t in grads[:3])
+    for name, t in (("out", out.cpu()), ("lse", lse.cpu()), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t).all(), f"{name}: not finite"
+    assert torch.isnan(dq[..., 3]).all(), "dq column 3: 0 x inf should be NaN"
+    rest = torch.cat([dq[..., :3], dq[..., 4:]], -1)
+    assert torch.isfinite(rest).all(), "dq: a column other than 3 is not finite"
+
+
+def check_nan_lse_split(run, dtype):
+    """A NaN query row read through split-KV (4 splits): its out and LSE are NaN, every other row
+    keeps its clean bits (the merge skipped NaN partials in its max and returned -inf)."""
+    torch.manual_seed(6)
+    b, h, sq, sk, d = 1, 2, 3, 700, 64
+    q, k, v, dout = (torch.randn(b, h, n, d).to(dtype).to(DEV) for n in (sq, sk, sk, sq))
+    clean = run(q, k, v, dout, num_splits=4)
+    q[:, 0, 1] = float("nan")
+    got = run(q, k, v, dout, num_splits=4)
+    for name, c, g in (("out", clean[0], got[0]), ("lse", clean[1], got[1])):
+        c, g = c.cpu(), g.cpu()
+        assert torch.isnan(g[:, 0, 1]).all(), f"{name}: the NaN row is not NaN"
+        keep = torch.ones(g.shape[:3], dtype=torch.bool)
+        keep[:, 0, 1] = False
+        assert torch.equal(g[keep], c[keep]), f"{name}: another row changed"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_inf_key_softcap(kernels, dtype, deterministic):
+    kernels(hopper_fwd=0, hopper_bwd=0)
+    check_inf_key_softcap(run_kernel, dtype, deterministic)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_nan_lse_split(dtype):
+    check_nan_lse_split(run_kernel, dtype)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("mask", ["causal", "bool"])
 @pytest.mark.parametrize("which", ["k", "v"])

@@ -108,21 +108,22 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     cp_async_commit();
   }
 
-  // K with non-finite elements (k_fix, CTA-uniform, read from global memory while the tiles
-  // load; only where dQ is added here): sK is zeroed there once, for dQ += dS K, and S^T = K Q^T
-  // of this thread's keys that hold one (k_nan bit hf: key wn + g + 8 hf) is NaN for every
-  // query (nonfinite.cuh). Nothing in the loop but a predicated select.
+  // K with NaN elements (k_fix, CTA-uniform, read from global memory while the tiles load; only
+  // where dQ is added here): sK is zeroed there once, for dQ += dS K, and S^T = K Q^T of this
+  // thread's keys that hold one (k_nan bit hf: key wn + g + 8 hf) is NaN for every query
+  // (nonfinite.cuh). Nothing in the loop but a predicated select.
   const bool k_fix =
-      dq_atomic && __syncthreads_or(rows_k > 0 && has_nonfinite<T, kThreads>(kp, p.k_row_stride, rows_k, p.d, tid));
+      dq_atomic &&
+      __syncthreads_or(rows_k > 0 && has_nonfinite<T, kThreads, true>(kp, p.k_row_stride, rows_k, p.d, tid));
   uint32_t k_nan = 0;
   if (k_fix) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int jl = wn + g + hf * 8;
-      if (jl < rows_k && has_nonfinite<T, 1>(kp + int64_t(jl) * p.k_row_stride, p.k_row_stride, 1, p.d, 0))
+      if (jl < rows_k && has_nonfinite<T, 1, true>(kp + int64_t(jl) * p.k_row_stride, p.k_row_stride, 1, p.d, 0))
         k_nan |= 1u << hf;
     }
-    wait_and_zero_nonfinite<T, TileKV, kBlockN, kThreads>(sK, tid);
+    wait_and_zero_nonfinite<T, TileKV, kBlockN, kThreads, true>(sK, tid);
   }
   auto nan_scores = [&](float (*acc)[4]) {
     if (k_nan == 0) return;
@@ -264,11 +265,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             // acc_s[t][2 hf .. 2 hf + 1] went to pa[t / 2][2 (t % 2) + hf] (pack_a_frags)
-            // dS = 0 where P = 0 (a selection, not a product: dP of a hidden key may be NaN)
+            // dS = 0 for a hidden key (a selection, not a product: its dP may be NaN)
             const float2 pr = Ops::unpack(pa[t / 2][2 * (t & 1) + hf]);
-            const int il = t * 8 + 2 * c;
-            acc_dp[t][2 * hf] = pr.x == 0.f ? 0.f : pr.x * (acc_dp[t][2 * hf] - sDot[il]) * p.scale;
-            acc_dp[t][2 * hf + 1] = pr.y == 0.f ? 0.f : pr.y * (acc_dp[t][2 * hf + 1] - sDot[il + 1]) * p.scale;
+            const int il = t * 8 + 2 * c, j = n0 + wn + g + hf * 8;
+            const bool ok0 = !check || plain_allowed(pol, m0 + il, j);
+            const bool ok1 = !check || plain_allowed(pol, m0 + il + 1, j);
+            acc_dp[t][2 * hf] = ok0 ? pr.x * (acc_dp[t][2 * hf] - sDot[il]) * p.scale : 0.f;
+            acc_dp[t][2 * hf + 1] = ok1 ? pr.y * (acc_dp[t][2 * hf + 1] - sDot[il + 1]) * p.scale : 0.f;
           }
       } else {
         // kk only moves addresses: a rolled loop keeps the prefetched fragments from
@@ -606,12 +609,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
     }
     }
 
-    // dQ reads K: in a tile that may hide keys, its non-finite elements are zeroed once S and dP
-    // were computed from it (nonfinite.cuh); the vote is the barrier after every warp's S, and a
-    // reading row's dS is non-finite already
-    const bool block_check = !(plain && layout_state == 2 && pol.tile_full(m0, m0 + kBlockM, n0, n0 + kBlockN));
-    if (block_check && __syncthreads_or(scan_nonfinite<T, TileKV, kBlockN, kThreads, false>(sK, tid))) {
-      scan_nonfinite<T, TileKV, kBlockN, kThreads, true>(sK, tid);
+    // dQ reads K: in a tile that may hide keys, its NaN elements are zeroed once S and dP were
+    // computed from it (nonfinite.cuh); the vote is the barrier after every warp's S, and a
+    // reading row's dS is NaN already
+    const bool block_check = tile_may_hide(pol, layout_state == 2, m0, m0 + kBlockM, n0, n0 + kBlockN);
+    if (block_check && __syncthreads_or(scan_nonfinite<T, TileKV, kBlockN, kThreads, false, true>(sK, tid))) {
+      scan_nonfinite<T, TileKV, kBlockN, kThreads, true, true>(sK, tid);
       __syncthreads();
     }
 

@@ -266,8 +266,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
     }
     // a tile that may hide keys from some of the block's rows: V's non-finite elements become 0
     // (nonfinite.cuh); the vote is also the barrier before any warp reads the zeroed tile
-    const bool block_check = !(plain && (!sparse || sp_full[n] != 0) &&
-                               pol.tile_full(m0, m0 + kBlockM, n0, n0 + kBlockN));
+    const bool block_check = tile_may_hide(pol, !sparse || sp_full[n] != 0, m0, m0 + kBlockM, n0, n0 + kBlockN);
     const bool v_fix = block_check && __syncthreads_or(zero_nonfinite<T, TileKV, kBlockN, kThreads>(sV, tid));
 
     // ---- O += P V. P is packed to 16 bits first, so its fp32 copy dies before the MMAs.

@@ -3,18 +3,22 @@
 // An mma.sync product has no per-row skip: a key the policy hides from some rows of a tile (a
 // bool mask, key_padding_mask, a causal / window edge, a block-sparse layout) still enters P V
 // with P = 0 and dQ = dS K with dS = 0, and 0 x NaN / inf = NaN reaches rows that never read the
-// key. Where a tile may hide keys, the kernels zero the non-finite elements of that operand in
-// shared memory before the product (scan_nonfinite, one pass over the tile and a block vote),
-// so a hidden key adds exact zeros and the rows that never read it keep every bit:
-//   forward  P V:  V is zeroed in such tiles; a row that reads a zeroed element v(j, c) gets
+// key. Where a tile may hide keys (tile_may_hide), the kernels zero the bad elements of that
+// operand in shared memory before the product (scan_nonfinite, one pass over the tile and a block
+// vote), so a hidden key adds exact zeros and the rows that never read it keep every bit:
+//   forward  P V:  V's NaN / inf elements are zeroed; a row that reads a zeroed element v(j, c) gets
 //                  acc_o(i, c) += v(j, c) back from global memory (fwd_kernel.cuh);
-//   dQ      dS K:  K is zeroed for this product only. The dQ kernel zeroes its tile after S and
-//                  dP were computed from it. The dK / dV kernel keeps K for all its query blocks:
-//                  it zeroes K once, and a key whose k row holds inf / NaN gets S = NaN from every
-//                  query (the forward's q.k there is NaN or +-inf), so the rows that read it get
-//                  NaN gradients and the others select dS = 0 (bwd_kernel.cuh). A row whose exact
-//                  logit is -inf there (an inf element; P = 0 in the forward) gets NaN too: more
-//                  NaN than the exact math in that corner, never a masked one.
+//   dQ      dS K:  K's NaN elements are zeroed for this product only. The dQ kernel zeroes its
+//                  tile after S and dP were computed from it, so a reading row's dS is NaN
+//                  already. The dK / dV kernel keeps K for all its query blocks: it zeroes K's
+//                  NaN elements once, and a key whose k row holds a NaN gets S = NaN from every
+//                  query (the forward's q.k there is NaN whatever the policy: softcap's tanh
+//                  keeps it), so the rows that read it get NaN gradients and the others select
+//                  dS = 0 (bwd_kernel.cuh).
+//                  An inf (not NaN) element of k is left as it is: the exact backward needs
+//                  the real q.k there (softcap maps +-inf to +-cap, a finite P), and a row that
+//                  reads it gets dq NaN from 0 x inf as the exact math does; a row that a mask
+//                  hides it from gets that NaN too (known gap, README).
 // The backward's dP = dO V^T needs nothing: bwd_point() selects dS = 0 for hidden keys.
 // The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
 // hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the other
@@ -26,6 +30,7 @@
 
 #include <cstdint>
 
+#include "common/policy.h"
 #include "cuda/mma.cuh"
 
 namespace attn {
@@ -43,6 +48,13 @@ struct ExpBits<__nv_bfloat16> {
   static constexpr uint32_t kMask = 0x7f80u;
 };
 
+// The 16-bit pattern h (high bits ignored) is inf or NaN; kNanOnly: NaN only (exponent all ones
+// and a nonzero mantissa: above the exponent mask once the sign is dropped).
+template <typename T, bool kNanOnly = false>
+__device__ __forceinline__ bool bad_bits(uint32_t h) {
+  return kNanOnly ? (h & 0x7fffu) > ExpBits<T>::kMask : (h & ExpBits<T>::kMask) == ExpBits<T>::kMask;
+}
+
 template <typename T>
 __device__ __forceinline__ bool nonfinite_elem(const T* x) {
   const uint32_t bits = *reinterpret_cast<const uint16_t*>(x);
@@ -52,9 +64,8 @@ __device__ __forceinline__ bool nonfinite_elem(const T* x) {
 // This thread's share of the 16-byte chunks of a (kRows, Tile's columns) tile of T in shared
 // memory: kZero, set its non-finite elements to +0; returns whether it held any. Head-dim
 // padding and rows past the sequence were zero-filled by the loader, so only data is found.
-template <typename T, typename Tile, int kRows, int kThreads, bool kZero>
+template <typename T, typename Tile, int kRows, int kThreads, bool kZero, bool kNanOnly = false>
 __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
-  constexpr uint32_t kExp = ExpBits<T>::kMask;
   bool any = false;
   // rolled: the callers keep their accumulators live across this, in a rare branch
 #pragma unroll 1
@@ -65,7 +76,7 @@ __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
     bool hit = false;
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
-      const bool lo = (w[x] & kExp) == kExp, hi = ((w[x] >> 16) & kExp) == kExp;
+      const bool lo = bad_bits<T, kNanOnly>(w[x]), hi = bad_bits<T, kNanOnly>(w[x] >> 16);
       hit |= lo | hi;
       if (lo) w[x] &= 0xffff0000u;
       if (hi) w[x] &= 0x0000ffffu;
@@ -79,6 +90,13 @@ __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
   return any;
 }
 
+// Whether the policy may hide some key of the tile [i0, i1) x [j0, j1) from some row (block-
+// uniform): a window / length edge, a bool mask, or a sparse tile not marked full (layout_full).
+// Softcap, ALiBi and an additive bias hide nothing (a float -inf is a logit, and reads its key).
+__device__ __forceinline__ bool tile_may_hide(const Policy& pol, bool layout_full, int i0, int i1, int j0, int j1) {
+  return !(layout_full && pol.bias_kind != BiasKind::kBool && pol.tile_full(i0, i1, j0, j1));
+}
+
 // After this thread issued its chunks of the tile with load_tile_async (the same chunk per thread
 // as scan_nonfinite: idx = tid + k * kThreads): wait for its own copies and zero the non-finite
 // elements in them. No barrier: every thread touches only what it loaded, and the caller's next
@@ -86,10 +104,10 @@ __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
 // and barrier inline in a rare branch before the dK / dV kernel's main loop made ptxas spill the
 // loop's accumulators (hd128, sm_80: 400 bytes of spill stores against 28, LDL / STL among the
 // mma.sync).
-template <typename T, typename Tile, int kRows, int kThreads>
+template <typename T, typename Tile, int kRows, int kThreads, bool kNanOnly>
 __device__ __noinline__ void wait_and_zero_nonfinite(uint32_t tile, int tid) {
   cp_async_wait<0>();
-  scan_nonfinite<T, Tile, kRows, kThreads, true>(tile, tid);
+  scan_nonfinite<T, Tile, kRows, kThreads, true, kNanOnly>(tile, tid);
 }
 
 // scan_nonfinite<..., true> out of line, for the forward's loop: inline, its chunk addresses
@@ -102,9 +120,8 @@ __device__ __noinline__ bool zero_nonfinite(uint32_t tile, int tid) {
 
 // Whether this thread's share of rows [0, rows) x columns [0, d) of a 16-bit tensor in global
 // memory (row stride and d multiples of 8) holds a non-finite element, in 16-byte reads.
-template <typename T, int kThreads>
+template <typename T, int kThreads, bool kNanOnly = false>
 __device__ __forceinline__ bool has_nonfinite(const T* base, int64_t row_stride, int rows, int d, int tid) {
-  constexpr uint32_t kExp = ExpBits<T>::kMask;
   const int chunks = d / 8;
   bool any = false;
 #pragma unroll 1
@@ -112,7 +129,7 @@ __device__ __forceinline__ bool has_nonfinite(const T* base, int64_t row_stride,
     const uint4 v = *reinterpret_cast<const uint4*>(base + int64_t(idx / chunks) * row_stride + idx % chunks * 8);
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int x = 0; x < 4; ++x) any |= (w[x] & kExp) == kExp || ((w[x] >> 16) & kExp) == kExp;
+    for (int x = 0; x < 4; ++x) any |= bad_bits<T, kNanOnly>(w[x]) || bad_bits<T, kNanOnly>(w[x] >> 16);
   }
   return any;
 }
