@@ -123,7 +123,6 @@ void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b);
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 with this lane's row address
 void ldmatrix_x4(uint32_t* r, uint32_t addr, bool trans);
 uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width);
-uint32_t shfl_idx_bits(uint32_t mask, uint32_t bits, int src_lane, int width);
 
 // ---------------------------------------------------------------- shared memory and cp.async
 uint32_t smem_u32(const void* ptr);
@@ -179,16 +178,6 @@ inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   uint32_t bits;
   std::memcpy(&bits, &var, 4);
   bits = ::attn_emu::shfl_xor_bits(mask, bits, lane_mask, width);
-  std::memcpy(&var, &bits, 4);
-  return var;
-}
-
-template <typename T>
-inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32) {
-  static_assert(sizeof(T) == 4, "32-bit shuffles only");
-  uint32_t bits;
-  std::memcpy(&bits, &var, 4);
-  bits = ::attn_emu::shfl_idx_bits(mask, bits, src_lane, width);
   std::memcpy(&var, &bits, 4);
   return var;
 }

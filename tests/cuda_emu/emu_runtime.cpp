@@ -66,11 +66,10 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 
 enum class State { kReady, kBarrier, kWarp, kDone };
-enum class Op { kNone, kShfl, kShflIdx, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16 };
+enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16 };
 const char* op_name(Op op) {
   switch (op) {
     case Op::kShfl: return "__shfl_xor_sync";
-    case Op::kShflIdx: return "__shfl_sync";
     case Op::kLdmatrix: return "ldmatrix.x4";
     case Op::kLdmatrixTrans: return "ldmatrix.x4.trans";
     case Op::kMmaF16: return "mma.m16n8k16.f16";
@@ -557,15 +556,6 @@ uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width) {
       const uint32_t src = l ^ (w.in[l][1] & 31);
       w.out[l][0] = w.in[src][0];
     }
-  });
-  return out;
-}
-
-uint32_t shfl_idx_bits(uint32_t mask, uint32_t bits, int src_lane, int width) {
-  if (mask != 0xffffffffu || width != 32) fault("__shfl_sync is emulated for full warps only");
-  uint32_t in[2] = {bits, uint32_t(src_lane)}, out;
-  collective(Op::kShflIdx, in, 2, &out, 1, [](Warp& w) {
-    for (int l = 0; l < 32; ++l) w.out[l][0] = w.in[w.in[l][1] & 31][0];
   });
   return out;
 }
