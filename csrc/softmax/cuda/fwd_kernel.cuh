@@ -292,11 +292,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
             for (int dt = 0; dt < kDT; ++dt) {
               const int col = dt * 8 + 2 * c;  // d % 8 == 0: the pair is inside the row
               if (col >= p.d) continue;
-              const T* x = vrow + col;
-              if (!nonfinite_elem(x) && !nonfinite_elem(x + 1)) continue;
-              const float2 vv = Ops::unpack(*reinterpret_cast<const uint32_t*>(x));
-              if (nonfinite_elem(x)) acc_o[mt][dt][2 * hf] += vv.x;
-              if (nonfinite_elem(x + 1)) acc_o[mt][dt][2 * hf + 1] += vv.y;
+              const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + col);
+              if (bad_bits<T>(w)) acc_o[mt][dt][2 * hf] += Ops::unpack(w).x;
+              if (bad_bits<T>(w >> 16)) acc_o[mt][dt][2 * hf + 1] += Ops::unpack(w).y;
             }
           }
       }

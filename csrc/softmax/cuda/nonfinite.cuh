@@ -55,19 +55,13 @@ __device__ __forceinline__ bool bad_bits(uint32_t h) {
   return kNanOnly ? (h & 0x7fffu) > ExpBits<T>::kMask : (h & ExpBits<T>::kMask) == ExpBits<T>::kMask;
 }
 
-template <typename T>
-__device__ __forceinline__ bool nonfinite_elem(const T* x) {
-  const uint32_t bits = *reinterpret_cast<const uint16_t*>(x);
-  return (bits & ExpBits<T>::kMask) == ExpBits<T>::kMask;
-}
-
 // This thread's share of the 16-byte chunks of a (kRows, Tile's columns) tile of T in shared
 // memory: kZero, set its non-finite elements to +0; returns whether it held any. Head-dim
 // padding and rows past the sequence were zero-filled by the loader, so only data is found.
 template <typename T, typename Tile, int kRows, int kThreads, bool kZero, bool kNanOnly = false>
 __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
   bool any = false;
-  // rolled: the callers keep their accumulators live across this, in a rare branch
+  // rolled: the callers keep their accumulators live across this
 #pragma unroll 1
   for (int idx = tid; idx < kRows * Tile::kChunks; idx += kThreads) {
     const uint32_t addr = tile + Tile::offset(idx / Tile::kChunks, idx % Tile::kChunks * 8);
