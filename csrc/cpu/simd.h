@@ -482,23 +482,26 @@ inline void gemm(int M, int N, int K, const T* A, int64_t lda, const T* B, int64
   }
 }
 
-// C (M, N) = A (M, K) @ B as gemm<false> computes it (B in gemm's panel layout, N a multiple of
-// kPanel), leaving out the terms k of row m where skip(m, k). Each element is summed from 0 over
-// k in order, one multiply-add per term, as micro_kernel does, so where the skipped terms are
-// zero times a finite number the result is gemm's bit for bit. The softmax kernels call it only
-// where gemm's result came out NaN: a key hidden from a row has P = 0 (dS = 0), and if the key's
-// V (K) row holds a NaN or an inf, gemm's 0 * NaN puts NaN into rows that never read that key.
-template <typename T, typename Skip>
+// C (M, N) = A (M, K) @ B as gemm<kAccumulate, kTransA> computes it (B in gemm's panel layout, N
+// a multiple of kPanel; kAccumulate: C += the product; kTransA: A is read as (K, M) with row
+// stride lda), leaving out the terms k of row m where skip(m, k). Each element is summed over k
+// in order from 0 (or from C), one multiply-add per term, as micro_kernel does, so where the
+// skipped terms are zero times a finite number the result is gemm's bit for bit. The softmax
+// kernels call it only where gemm's product would put 0 x NaN (or 0 x inf) into a row or key the
+// operand never reaches: a key hidden from a row has P = 0 (dS = 0), and if the key's V (K) row,
+// or the row's dO (Q), holds a NaN or an inf, gemm's 0 * NaN would make the product NaN there.
+template <bool kAccumulate = false, bool kTransA = false, typename T, typename Skip>
 inline void gemm_skipping(int M, int N, int K, const T* A, int64_t lda, const T* B, int64_t ldb, int64_t bpanel,
                           T* C, int64_t ldc, Skip&& skip) {
   constexpr int L = kLanes<T>, P = kPanel<T>;
   for (int m = 0; m < M; ++m) {
     for (int n0 = 0; n0 < N; n0 += P) {
       const T* b = B + int64_t(n0 / P) * bpanel;
-      vec<T> acc0{}, acc1{};
+      vec<T> acc0 = kAccumulate ? vload(C + m * ldc + n0) : vec<T>{};
+      vec<T> acc1 = kAccumulate ? vload(C + m * ldc + n0 + L) : vec<T>{};
       for (int k = 0; k < K; ++k) {
         if (skip(m, k)) continue;
-        const vec<T> a = vbcast_mem(A + m * lda + k);
+        const vec<T> a = vbcast_mem(kTransA ? A + int64_t(k) * lda + m : A + m * lda + k);
         acc0 += a * vload(b + k * ldb);
         acc1 += a * vload(b + k * ldb + L);
       }
@@ -513,6 +516,14 @@ template <typename T>
 inline bool any_nan(const T* x, int64_t n) {
   auto bad = vload(x) != vload(x);
   for (int64_t i = kLanes<T>; i < n; i += kLanes<T>) bad |= vload(x + i) != vload(x + i);
+  return lane_bits(bad) != 0;
+}
+// True when any of x (n, a multiple of the vector width) is NaN or +-inf (x - x is NaN there).
+template <typename T>
+inline bool any_nonfinite(const T* x, int64_t n) {
+  auto diff = [&](int64_t i) { return vload(x + i) - vload(x + i); };
+  auto bad = diff(0) != diff(0);
+  for (int64_t i = kLanes<T>; i < n; i += kLanes<T>) bad |= diff(i) != diff(i);
   return lane_bits(bad) != 0;
 }
 

@@ -205,6 +205,11 @@ inline float __fmul_rn(float a, float b) {
   return r;
 }
 
+// a sum or difference rounded on its own (the kernels' compensated sums, csrc/cuda/compensated.cuh);
+// the host build has no -ffast-math, so plain float arithmetic is already never reassociated
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 

@@ -26,7 +26,10 @@ from attention_ext import reference
 from attention_ext.softmax import ops
 from tests.cuda_emu import emulator as cuda_emu
 from tests.softmax import test_cuda as tc
-from tests.softmax.test_cuda import check_inf_key_softcap, check_nan_hidden_key, check_nan_lse_split
+from tests.softmax.test_cuda import (check_inf_key_softcap, check_long_row_exact, check_long_row_random,
+                                     check_low_bits_of_a_column,
+                                     check_low_bits_of_a_row, check_nan_hidden_key, check_nan_lse_split,
+                                     check_nan_query_row)
 
 # arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
 ARCHS = (90, 80)
@@ -397,6 +400,20 @@ def test_nan_hidden_key_reaches_readers_only(monkeypatch, emu, dtype, which, mas
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+@pytest.mark.parametrize("what", ["q", "dout"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_nan_query_row(request, monkeypatch, emu, dtype, what, mask, deterministic, arch):
+    """test_cuda.check_nan_query_row: a NaN q / dout row reaches the dK / dV of the keys it sees
+    only."""
+    if dtype != torch.float32:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the mma.sync dK / dV products add 0 x NaN "
+                                              "from a row's q / dO into the keys hidden from it"))
+    check_nan_query_row(emulate(monkeypatch, emu, arch), dtype, what, mask, deterministic)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_inf_key_softcap(monkeypatch, emu, dtype, deterministic, arch):
     """test_cuda.check_inf_key_softcap: an inf k element is left to the exact math (the review
@@ -408,3 +425,31 @@ def test_inf_key_softcap(monkeypatch, emu, dtype, deterministic, arch):
 def test_nan_lse_split(monkeypatch, emu, dtype):
     """test_cuda.check_nan_lse_split: split-KV's merge keeps a NaN LSE."""
     check_nan_lse_split(emulate(monkeypatch, emu), dtype)
+
+
+# ---------------------------------------------------------------- long rows (float32, SIMT)
+def test_low_bits_of_a_row(monkeypatch, emu):
+    """test_cuda.check_low_bits_of_a_row: the SIMT forward's l and O and its dQ keep terms below
+    half an ulp of their running sums (compensated.cuh). The per-key sums before failed it."""
+    check_low_bits_of_a_row(emulate(monkeypatch, emu))
+
+
+def test_low_bits_of_a_column(monkeypatch, emu):
+    """test_cuda.check_low_bits_of_a_column: the SIMT dK / dV sums over a key's queries."""
+    check_low_bits_of_a_column(emulate(monkeypatch, emu))
+
+
+@pytest.mark.bigmem
+def test_long_row_exact(monkeypatch, emu):
+    """test_cuda.check_long_row_exact at S = 2^24 + 2^19 (D = 8: the emulated warp spends its time
+    per key, not per element; 0.6 GB of V): about 2 min."""
+    monkeypatch.setattr(tc, "DEV", "cpu")
+    check_long_row_exact(lambda q, k, v: emu.fwd(q, k, v, *tc.call_fwd(q, k, v), 1, False, 90), d=8)
+
+
+@pytest.mark.bigmem
+def test_long_row_random(monkeypatch, emu):
+    """test_cuda.check_long_row_random in float32 at D = 8 (K and V 0.6 GB each): the SIMT kernel's
+    error at most 2x torch SDPA's (CPU) on the same inputs. About 3 min."""
+    monkeypatch.setattr(tc, "DEV", "cpu")
+    check_long_row_random(lambda q, k, v: emu.fwd(q, k, v, *tc.call_fwd(q, k, v), 1, False, 90), torch.float32, d=8)

@@ -307,6 +307,52 @@ def test_nan_softmax_padded(how, what):
         _clean_vs_poisoned(run_softmax, (q, k, v), args, how, dout, **kw)
 
 
+@pytest.mark.parametrize("heads", [(2, 2), (2, 1)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+@pytest.mark.parametrize("what", ["q", "dout", "q_inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_nan_query_row_reaches_its_keys_only(dtype, what, mask, heads):
+    """A NaN in query row 100 of head 1 (q, or the gradient dout; or an inf in q) reaches that
+    row's out / dq and the dK / dV of the keys the row sees (with inf in q: of those whose logit
+    is not -inf), and changes no other bit: not the
+    keys hidden from it by a causal edge or a bool mask in the same tiles. Found by this test: with
+    NaN in q, causal, the row's LSE is NaN and exp(-inf - NaN) gave the hidden keys P = NaN (dK and
+    dV NaN at keys 101..127 of its tile); with NaN in dout, P^T dO gave 0 x NaN there."""
+    torch.manual_seed(10)
+    (h, hk), s, d, row = heads, 150, 40, 100
+    q, dout = torch.randn(1, h, s, d, dtype=dtype), torch.randn(1, h, s, d, dtype=dtype)
+    k, v = (torch.randn(1, hk, s, d, dtype=dtype) for _ in range(2))
+    if mask == "causal":
+        kw, seen = dict(causal=True), torch.arange(s) <= row
+    else:
+        allowed = torch.rand(s, s) > 0.3
+        seen = allowed[row]
+        kw = dict(attn_mask=allowed.view(1, 1, s, s))
+    qp, dp = q.clone(), dout.clone()
+    (dp if what == "dout" else qp)[0, 1, row, 7] = float("inf") if what == "q_inf" else NAN
+    ins = [t.requires_grad_() for t in (q, k, v)]
+    clean = run_softmax(*ins, dout, **kw)
+    got = run_softmax(qp.requires_grad_(), *ins[1:], dp, **kw)
+    # NaN expected: out / lse / dq at (head 1, row) (out and lse only from q); dk / dv at the seen keys
+    rows = torch.zeros(1, h, s, dtype=torch.bool)
+    rows[0, 1, row] = True
+    keys = torch.zeros(1, hk, s, dtype=torch.bool)
+    keys[0, hk - 1] = seen
+    from_q = what != "dout"
+    expect = [rows if from_q else None, rows if from_q else None, rows, keys, keys]
+    for name, g, c, e in zip(("out", "lse", "dq", "dk", "dv"), got, clean, expect):
+        bad = g.isnan() | g.isinf()
+        if e is None:
+            same(g, c, name)
+            continue
+        e = e.view(*e.shape, *([1] if g.dim() == 4 else [])).expand_as(g)
+        # an inf in q makes some of the row's logits -inf: those keys get P = 0, as if hidden
+        if not (what == "q_inf" and name in ("dk", "dv")):
+            assert bad[e].view(-1, *g.shape[3:]).any(-1).all() if g.dim() == 4 else bad[e].all(), \
+                f"{name}: a value the bad element reaches is finite"
+        assert torch.equal(g[~e], c[~e]), f"{name}: a value the bad element does not reach changed"
+
+
 def test_nan_float_mask_is_added():
     """A float attn_mask is added to the logits, so its -inf does not hide a NaN key (IEEE:
     NaN + -inf = NaN): the row reads the key and shows it. Hide unread keys with a bool mask,

@@ -98,6 +98,44 @@ def check_nan_hidden_key(run, dtype, which, mask, deterministic):
         assert torch.equal(got[~want], clean[~want]), f"{name}: a value that does not read the key changed"
 
 
+def check_nan_query_row(run, dtype, what, mask, deterministic):
+    """A NaN in row 100 of head 1 of q (or of dout) reaches that row's out / lse / dq (dq only,
+    from dout) and the dk / dv of the keys the row sees; every other element keeps its clean bits:
+    not the dk / dv of keys a causal edge or a bool mask hides from the row in the same tiles
+    (a product over the tile's rows would add 0 x NaN there). tests/fuzz/test_invariants.py's
+    test_nan_query_row_reaches_its_keys_only on the CPU."""
+    torch.manual_seed(11)
+    b, h, s, d, row = 1, 2, 150, 64, 100
+    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
+    if mask == "causal":
+        o = dict(window_right=0)
+        seen = torch.arange(s) <= row
+    else:
+        allowed = torch.rand(s, s) > 0.3
+        seen = allowed[row]
+        o = dict(bias=allowed.view(1, 1, s, s).to(DEV))
+    qp, dp = q.clone(), dout.clone()
+    (qp if what == "q" else dp)[0, 1, row, 7] = float("nan")
+    runs = []
+    for qq, dd in ((q, dout), (qp, dp)):
+        out, lse, grads = run(qq, k, v, dd, deterministic=deterministic, **o)
+        runs.append([t.cpu() for t in [out, lse] + list(grads[:3])])
+    rows = torch.zeros(b, h, s, dtype=torch.bool)
+    rows[0, 1, row] = True
+    keys = torch.zeros(b, h, s, dtype=torch.bool)
+    keys[0, 1] = seen
+    none = torch.zeros_like(rows)
+    per = {"out": rows if what == "q" else none, "lse": rows if what == "q" else none, "dq": rows, "dk": keys,
+           "dv": keys}
+    for name, clean, got in zip(("out", "lse", "dq", "dk", "dv"), *runs):
+        want = per[name].view(*per[name].shape, *([1] if got.dim() == 4 else [])).expand_as(got)
+        if want.any():
+            bad = got[want].isnan() | got[want].isinf()
+            assert (bad.view(-1, d).any(-1).all() if got.dim() == 4 else bad.all()), \
+                f"{name}: a value the NaN reaches is finite"
+        assert torch.equal(got[~want], clean[~want]), f"{name}: a value the NaN does not reach changed"
+
+
 def check_inf_key_softcap(run, dtype, deterministic):
     """An inf (not NaN) element k[40, 3] under softcap: the logits it makes are +-cap, finite, so
     out, lse, dk and dv stay finite, and dq's column 3 is NaN in every row (the exact math's
@@ -130,6 +168,131 @@ def check_nan_lse_split(run, dtype):
         keep = torch.ones(g.shape[:3], dtype=torch.bool)
         keep[:, 0, 1] = False
         assert torch.equal(g[keep], c[keep]), f"{name}: another row changed"
+
+
+# ---------------------------------------------------------------- long rows (float32, SIMT)
+# A weight of 2^-24.5 is below half an ulp of 1: a float32 running sum at 1 that takes it alone
+# drops it. 2^16 of them make T = 2^-8.5 = 0.28% of the total, which a sum over single terms
+# loses; block sums joined by compensated addition (csrc/cuda/compensated.cuh) keep it.
+TAIL = 1 << 16
+TAIL_LOGIT = -24.5 * math.log(2.0)
+
+
+def check_low_bits_of_a_row(run):
+    """One query row over 1 + TAIL keys (float32, D = 2, scale 1): key 0 has logit 0 and v = 0,
+    each tail key logit -24.5 ln 2 (weight 2^-24.5) and v = 1. l = 1 + T with T = 0.28%: summed one
+    key at a time, l stays 1 (out off by 0.27%, lse by T). dq's column 1 starts at -1 (key 0's
+    k[1] = 1 / (2T)), then takes TAIL terms of ~1.4 of its ulps each, which a per-key sum rounds."""
+    n = 1 + TAIL
+    t = TAIL * 2.0 ** -24.5
+    q = torch.tensor([[[[1.0, 0.0]]]])
+    k = torch.zeros(1, 1, n, 2)
+    k[0, 0, 1:, 0] = TAIL_LOGIT
+    k[0, 0, 1:, 1] = 1.0
+    k[0, 0, 0, 1] = 1.0 / (2.0 * t)
+    v = torch.ones(1, 1, n, 2)
+    v[0, 0, 0] = 0.0
+    dout = torch.ones(1, 1, 1, 2)
+    out, lse, grads = run(*(x.to(DEV) for x in (q, k, v, dout)), scale=1.0)
+    ref = ref_run(q.double(), k.double(), v.double(), dout.double(), torch.float64, scale=1.0)
+    out, lse, dq = out.cpu().double(), lse.cpu().double(), grads[0].cpu().double()
+    # one block of 64 keys holds key 0 and 63 tail keys: its own error is ~63 x 2^-25 of l
+    torch.testing.assert_close(out, ref[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(lse, ref[1], rtol=0, atol=2e-5)
+    torch.testing.assert_close(dq, ref[2], rtol=0, atol=2e-5)
+
+
+def check_low_bits_of_a_column(run):
+    """One key read by 1 + TAIL query rows (float32, D = 2, scale 1, two keys): row 0 gives key 0
+    weight 1 (logit 200 against 0), each other row 2^-24.5. dv[0] = 1 + T: summed one query at a
+    time it stays 1 (2.8e-3 off)."""
+    n = 1 + TAIL
+    q = torch.zeros(1, 1, n, 2)
+    q[0, 0, 0, 0] = 200.0
+    q[0, 0, 1:, 0] = TAIL_LOGIT
+    k = torch.tensor([[[[1.0, 0.0], [0.0, 0.0]]]])
+    v = torch.tensor([[[[1.0, 1.0], [0.0, 0.0]]]])
+    dout = torch.ones(1, 1, n, 2)
+    out, lse, grads = run(*(x.to(DEV) for x in (q, k, v, dout)), scale=1.0)
+    ref = ref_run(q.double(), k.double(), v.double(), dout.double(), torch.float64, scale=1.0)
+    for name, got, want in (("dk", grads[1], ref[3]), ("dv", grads[2], ref[4])):
+        # key 1 (weight ~1 in every row) sums to ~65536: a relative tolerance there
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-6, atol=2e-5, msg=name)
+
+
+def test_low_bits_of_a_row():
+    check_low_bits_of_a_row(run_kernel)
+
+
+def test_low_bits_of_a_column():
+    check_low_bits_of_a_column(run_kernel)
+
+
+def check_long_row_exact(fwd, d=64):
+    """The issue's case: q = k = 0 over 2^24 keys of v = 1, then 2^19 of v = 3 (float32). Every
+    weight is 1 and out = (2^24 + 3 x 2^19) / (2^24 + 2^19) = 1.0606 exactly (a sum over single
+    keys gave 1.0909). fwd(q, k, v) -> (out, lse); K is one zero row broadcast (row stride 0)."""
+    s1, s2 = 1 << 24, 1 << 19
+    n = s1 + s2
+    q = torch.zeros(1, 1, 1, d, device=DEV)
+    k = torch.zeros(1, 1, 1, d, device=DEV).expand(1, 1, n, d)
+    v = torch.empty(1, 1, n, d, device=DEV)
+    v[:, :, :s1] = 1.0
+    v[:, :, s1:] = 3.0
+    out, lse = fwd(q, k, v)
+    exact = (s1 + 3 * s2) / n
+    torch.testing.assert_close(out.cpu()[0, 0, 0].double(), torch.full((d,), exact, dtype=torch.float64),
+                               rtol=2e-6, atol=0)
+    assert abs(lse.cpu().item() - math.log(n)) <= 4e-6
+
+
+def check_long_row_random(fwd, dtype, d=64):
+    """randn q (one row), K, V over 2^24 + 2^19 keys in `dtype`: the error of out against the float64
+    reference at most 2x torch SDPA's on the same inputs and device, and lse within 1e-5 relative."""
+    n = (1 << 24) + (1 << 19)
+    g = torch.Generator(device=DEV).manual_seed(4321)
+    q, k, v = (torch.randn(1, 1, s, d, device=DEV, generator=g).to(dtype) for s in (1, n, n))
+    scale = 1.0 / math.sqrt(d)
+    q64, chunk = q[0, 0, 0].double(), 1 << 20
+    sc = torch.cat([(k[0, 0, c:c + chunk].double() @ q64) * scale for c in range(0, n, chunk)])
+    m = sc.max()
+    p = torch.exp(sc - m)
+    del sc
+    ref_out = sum(p[c:c + chunk] @ v[0, 0, c:c + chunk].double() for c in range(0, n, chunk)) / p.sum()
+    ref_lse = (m + torch.log(p.sum())).item()
+    del p
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v)[0, 0, 0]
+    torch_err = (torch_out.double() - ref_out).abs().max().item()
+    out, lse = fwd(q, k, v)
+    err = (out[0, 0, 0].double() - ref_out).abs().max().item()
+    assert err <= 2 * torch_err, f"{dtype}: max error {err:.3g} vs torch SDPA's {torch_err:.3g}"
+    assert abs(lse.flatten()[0].item() - ref_lse) <= 1e-5 * abs(ref_lse)
+
+
+def _fwd_unsplit(q, k, v):
+    return torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v), 1, False)
+
+
+def test_long_row_exact():
+    """4.4 GB of V on the device."""
+    check_long_row_exact(_fwd_unsplit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_long_row_random(dtype):
+    """K and V of 4.4 GB each in float32: the SIMT kernel (compensated sums); float16 / bfloat16
+    run the tensor-core kernels, whose sums take one term per 16-key product (not compensated)."""
+    check_long_row_random(_fwd_unsplit, dtype)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+@pytest.mark.parametrize("what", ["q", "dout"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_nan_query_row(kernels, dtype, what, mask, deterministic):
+    """check_nan_query_row on the mma.sync / SIMT kernels."""
+    kernels(hopper_fwd=0, hopper_bwd=0)
+    check_nan_query_row(run_kernel, dtype, what, mask, deterministic)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])

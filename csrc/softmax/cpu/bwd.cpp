@@ -47,6 +47,8 @@ struct BwdWorker {
   // logits (the forward's, bit for bit) and dP; empty otherwise
   bool dot;
   uint16_t *ktb, *vtb, *qb, *dob;
+  // per query block of the current head: whether its Q (dO) rows hold a NaN or an inf
+  std::vector<uint8_t> q_bad, do_bad;
 
   BwdWorker(const BwdParamsT<T>& p_, DType dt_)
       : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp, bf16_dot(p_, dt_)))),
@@ -184,19 +186,33 @@ struct BwdWorker {
         srow[jj] = pr * kp;  // dropped, rescaled P
       }
     }
-    // dV (n, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place
+    // dV (n, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place. In a tile that
+    // may hide keys from rows, a row whose dO (Q) holds a NaN or an inf would put 0 x NaN into
+    // the keys hidden from it: there the products leave out the terms with P = 0 (dX = 0), as
+    // dQ's redo below does (probs() keeps P = 0 at hidden keys even when the row's lse is NaN)
+    const bool may_hide = !full || partial || pol.topk_thr != nullptr;
     T* dv_blk = dv + int64_t(j0) * dp;
     T* dk_blk = dk + int64_t(j0) * dp;
     const T* dopn_blk = panel_row(dopn, i0, kBlockM, dp);
     const T* qpn_blk = panel_row(qpn, i0, kBlockM, dp);
-    gemm<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
-    gemm<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
+    if (may_hide && do_bad[i0 / kBlockM]) {
+      gemm_skipping<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp,
+                                [&](int jj, int r) { return s[r * kBlockN + jj] == T(0); });
+    } else {
+      gemm<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
+    }
+    if (may_hide && q_bad[i0 / kBlockM]) {
+      gemm_skipping<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp,
+                                [&](int jj, int r) { return dpt[r * kBlockN + jj] == T(0); });
+    } else {
+      gemm<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp);
+    }
     // dQ (rows, dp) += dX (rows, n) @ K rows (n, dp), compensated
     gemm<false>(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp);
     // NaN: read from K, or a hidden key's non-finite K row times its dS = 0 (tile.h's hidden
     // keys); the redo leaves out the terms with dS = 0, which a key a row reads has only when
     // its K row is finite (a NaN K row makes the row's logit, P and dS NaN)
-    if ((!full || partial || pol.topk_thr != nullptr) && any_nan(dqt, int64_t(rows) * dp)) {
+    if (may_hide && any_nan(dqt, int64_t(rows) * dp)) {
       gemm_skipping(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp,
                     [&](int r, int jj) { return dpt[r * kBlockN + jj] == T(0); });
     }
@@ -225,6 +241,12 @@ struct BwdWorker {
     }
     std::fill(dq, dq + int64_t(qpad) * dp, T(0));
     std::fill(dqc, dqc + int64_t(qpad) * dp, T(0));
+    q_bad.assign(qpad / kBlockM, 0);
+    do_bad.assign(qpad / kBlockM, 0);
+    for (int i0 = 0; i0 < qpad; i0 += kBlockM) {
+      q_bad[i0 / kBlockM] = any_nonfinite(panel_row(qpn, i0, kBlockM, dp), int64_t(kBlockM) * dp);
+      do_bad[i0 / kBlockM] = any_nonfinite(dout + int64_t(i0) * dp, int64_t(kBlockM) * dp);
+    }
     // D_i = dO_i . O_i (O read in its own dtype, as the forward wrote it)
     const char* obase = qside(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
     const int64_t lse_off = b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q;

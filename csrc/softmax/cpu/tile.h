@@ -156,10 +156,17 @@ struct TileSoftmax {
     return m_new;
   }
 
-  // srow: logits -> probabilities exp(s - lse) (0 where masked or the row is empty)
+  // srow: logits -> probabilities exp(s - lse) (0 where masked or the row is empty). A row that
+  // read a NaN has a NaN lse: P is NaN at the keys it sees and still 0 at the keys hidden from it
+  // (exp(-inf - NaN) would be NaN), so the NaN reaches the dK / dV of those keys only.
   void probs(T* srow, T lse, int n = kBlockN) const {
     if (std::isinf(lse) && lse < T(0)) {
       for (int c = 0; c < n; c += L) vstore(srow + c, V{});
+      return;
+    }
+    if (lse != lse) {
+      const V hidden = vbcast(-std::numeric_limits<T>::infinity()), nan = vbcast(lse);
+      for (int c = 0; c < n; c += L) vstore(srow + c, vload(srow + c) == hidden ? V{} : nan);
       return;
     }
     for (int c = 0; c < n; c += L) vstore(srow + c, vexp2_nonpos(exp2_arg(vload(srow + c), lse)));

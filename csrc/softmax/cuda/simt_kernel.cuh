@@ -8,9 +8,13 @@
 // keys (a key's queries) run in runs of one layout block, off blocks skipped whole, so the work
 // follows the on blocks. Top-k calls run here only: q.k is dot_row and the logit pol.score, as
 // in the threshold pass (csrc/sparse/cuda/topk_kernel.cuh), so top-k's equality test holds.
+// Each lane's sums over a row's keys (O and l; dQ) or a key's queries (dK, dV) take kFoldTerms
+// terms in a block-local accumulator, then join a compensated running sum
+// (csrc/cuda/compensated.cuh), so their float32 error does not grow with the row length.
 #pragma once
 
 #include "softmax/cuda/kernel_common.cuh"
+#include "cuda/compensated.cuh"
 #include "cuda/convert.cuh"  // to_float, from_float
 
 #include <cuda_bf16.h>
@@ -79,11 +83,29 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
   const T* k = k_ptr<T>(p, si, b, hk, 0);
   const T* v = v_ptr<T>(p, si, b, hk, 0);
 
+  // o, l: this block of keys' sums, relative to the running max m; os, ls: the sums of the
+  // folded blocks, relative to m_fold, the running max at the last fold
   float qr[kChunks], o[kChunks];
   load_row(qr, q, p.d, lane);
 #pragma unroll
   for (int t = 0; t < kChunks; ++t) o[t] = 0.f;
-  float m = -INFINITY, l = 0.f;
+  float m = -INFINITY, l = 0.f, m_fold = -INFINITY;
+  CompensatedSum<kChunks> os;
+  CompensatedSum<1> ls;
+  os.zero();
+  ls.zero();
+  int pending = 0;  // keys in the block (warp-uniform)
+  auto fold = [&]() {
+    if (m != m_fold) {  // m only grows: the folded sums move to the new max (none yet: all 0)
+      const float f = m_fold == -INFINITY ? 0.f : exp2f(m_fold - m);
+      os.scale(f);
+      ls.scale(f);
+      m_fold = m;
+    }
+    os.fold(o);
+    ls.fold(&l);
+    pending = 0;
+  };
   int j0, j1;
   pol.key_range(i, i + 1, &j0, &j1);
   j0 = max(j0, 0);
@@ -111,13 +133,15 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
         o[t] = o[t] * alpha + (col < p.d ? pd * to_float(vr[col]) : 0.f);
       }
       m = m_new;
+      if (++pending == kFoldTerms) fold();
     }
   }
+  fold();
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
   float lse, factor;
-  finish_lse(m, l, p.sinks != nullptr, sink, 1.f, &lse, &factor);
+  finish_lse(m, ls.value(0), p.sinks != nullptr, sink, 1.f, &lse, &factor);
 #pragma unroll
-  for (int t = 0; t < kChunks; ++t) o[t] *= factor;
+  for (int t = 0; t < kChunks; ++t) o[t] = os.value(t) * factor;
   store_row(o_ptr<T>(p, si, b, h, i), o, p.d, lane);
   if (lane == 0 && p.lse != nullptr) p.lse[lse_index(p, si, b, h, i)] = lse;
 }
@@ -187,9 +211,14 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
   const int rows_store = p.cu_seqlens_k != nullptr ? si.len_k : p.sk;
   if (j >= rows_store) return;
   const int group = p.h / p.h_k;
+  // dk, dv: this block of queries' sums; dks, dvs: the folded blocks'
   float kr[kChunks], vr[kChunks], dk[kChunks], dv[kChunks];
 #pragma unroll
   for (int t = 0; t < kChunks; ++t) dk[t] = dv[t] = 0.f;
+  CompensatedSum<kChunks> dks, dvs;
+  dks.zero();
+  dvs.zero();
+  int pending = 0;  // queries in the block (warp-uniform)
   if (j < si.len_k) {
     const T* k = k_ptr<T>(p, si, b, hk, j);
     const T* v = v_ptr<T>(p, si, b, hk, j);
@@ -238,9 +267,21 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
               dk[t] += bp.dx * to_float(qi[col]);
             }
           }
+          if (++pending == kFoldTerms) {
+            dks.fold(dk);
+            dvs.fold(dv);
+            pending = 0;
+          }
         }
       }
     }
+  }
+  dks.fold(dk);
+  dvs.fold(dv);
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) {
+    dk[t] = dks.value(t);
+    dv[t] = dvs.value(t);
   }
   T* dkp = dk_ptr<T>(p, si, b, hk, j);
   T* dvp = dv_ptr<T>(p, si, b, hk, j);
@@ -266,11 +307,15 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
   // differently
   const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
   const T* v = static_cast<const T*>(p.v) + si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
+  // dq: this block of keys' sum; dqs: the folded blocks'
   float qr[kChunks], dor[kChunks], dq[kChunks];
   load_row(qr, q, p.d, lane);
   load_row(dor, dout, p.d, lane);
 #pragma unroll
   for (int t = 0; t < kChunks; ++t) dq[t] = 0.f;
+  CompensatedSum<kChunks> dqs;
+  dqs.zero();
+  int pending = 0;  // keys in the block (warp-uniform)
   const float lse2 = lse_to_log2(p.lse[lse_index(p, si, b, h, i)]);
   const float dsum = p.softmax_d[scratch_row(p, b, h, i)];
   float* dbias = p.dbias != nullptr ? p.dbias + int64_t(b) * p.dbias_batch_stride +
@@ -307,8 +352,15 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
           dbias[j] = bp.ds;
         }
       }
+      if (++pending == kFoldTerms) {
+        dqs.fold(dq);
+        pending = 0;
+      }
     }
   }
+  dqs.fold(dq);
+#pragma unroll
+  for (int t = 0; t < kChunks; ++t) dq[t] = dqs.value(t);
   store_row(dq_ptr<T>(p, si, b, h, i), dq, p.d, lane);
 }
 
