@@ -182,6 +182,13 @@ inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
   return var;
 }
 
+// a warp vote, through the emulated shuffles (full warps only, as shfl_xor_bits checks)
+inline int __any_sync(unsigned mask, int pred) {
+  uint32_t v = pred != 0;
+  for (int o = 16; o > 0; o >>= 1) v |= ::attn_emu::shfl_xor_bits(mask, v, o, 32);
+  return v != 0;
+}
+
 inline float __uint_as_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);

@@ -188,6 +188,13 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
       const uint32_t sQ = sQ0 + (m & 1) * TileQ::kBytes, sdO = sdO0 + (m & 1) * TileQ::kBytes;
       const float* sLse = sLse0 + (m & 1) * kBlockM;
       const float* sDot = sDot0 + (m & 1) * kBlockM;
+      // poisoned query rows (a NaN / inf in q or dO: nonfinite.cuh): their Q and dO rows are
+      // zeroed and their lse set to NaN before anything reads them (CTA-uniform: every warp
+      // votes on the same sDot)
+      if (any_poisoned<kBlockM>(sDot, lane)) {
+        zero_poisoned_rows<TileQ, kBlockM, kThreads>(sQ, sdO, sLse0 + (m & 1) * kBlockM, sDot, tid);
+        __syncthreads();
+      }
       // ---- S^T = K Q^T and dP^T = V dO^T: (16 keys, kBlockM queries) per warp
       float acc_s[kQT][4], acc_dp[kQT][4];
 #pragma unroll

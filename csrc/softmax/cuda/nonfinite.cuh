@@ -20,6 +20,15 @@
 //                  reads it gets dq NaN from 0 x inf as the exact math does; a row that a mask
 //                  hides it from gets that NaN too (known gap, README).
 // The backward's dP = dO V^T needs nothing: bwd_point() selects dS = 0 for hidden keys.
+//   dK / dV  dS^T Q, P^T dO: a query row whose q or dO holds a NaN / inf ("poisoned") would add
+//                  0 x NaN into the keys hidden from it. bwd_preprocess_kernel marks such a row
+//                  with a NaN of its own as its dsum (kernel_common.cuh, kPoisonedDsum). Where a
+//                  query block holds one (a warp vote on dsum), the dK / dV kernel zeroes those
+//                  rows of Q and dO in shared memory and sets their lse to NaN before anything
+//                  reads them (zero_poisoned_rows, then a barrier), so every P of the row is NaN,
+//                  0 where the policy hides the key. The keys the row sees get NaN dK / dV (NaN x
+//                  the zeroed row: the whole row of dK / dV, not only the bad columns), the
+//                  hidden ones exact zeros, and the row's own dq is NaN; nothing else changes.
 // The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
 // hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the other
 // work runs only where a non-finite value is present.
@@ -110,6 +119,37 @@ __device__ __noinline__ void wait_and_zero_nonfinite(uint32_t tile, int tid) {
 template <typename T, typename Tile, int kRows, int kThreads>
 __device__ __noinline__ bool zero_nonfinite(uint32_t tile, int tid) {
   return scan_nonfinite<T, Tile, kRows, kThreads, true>(tile, tid);
+}
+
+// Whether any of dsum (kRows, shared memory) is poisoned: a warp vote, the same in every warp.
+template <int kRows>
+__device__ __forceinline__ bool any_poisoned(const float* dsum, int lane) {
+  bool any = false;
+#pragma unroll
+  for (int r = lane; r < kRows; r += 32) any |= poisoned(dsum[r]);
+  return __any_sync(0xffffffffu, any);
+}
+// The poisoned rows of a query block in shared memory: zero their rows of the (kRows, Tile's
+// columns) tiles a and b (the dK / dV kernel's Q and dO; this thread's share of the 16-byte
+// chunks) and set their lse to NaN, so every P of theirs is NaN (0 where the policy hides the
+// key: a selection). Out of line: it runs only where any_poisoned() found one; the caller's
+// barrier follows. A select on the lse inside the products' elementwise pass instead cost the
+// sm_90a hd128 dK / dV kernel 44 more bytes of spill stores.
+template <typename Tile, int kRows, int kThreads>
+__device__ __noinline__ void zero_poisoned_rows(uint32_t a, uint32_t b, float* lse, const float* dsum, int tid) {
+#pragma unroll 1
+  for (int idx = tid; idx < kRows * Tile::kChunks; idx += kThreads) {
+    const int r = idx / Tile::kChunks;
+    if (!poisoned(dsum[r])) continue;
+    const uint32_t off = Tile::offset(r, idx % Tile::kChunks * 8);
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      st_shared_b32(a + off + 4 * x, 0u);
+      st_shared_b32(b + off + 4 * x, 0u);
+    }
+  }
+  for (int r = tid; r < kRows; r += kThreads)
+    if (poisoned(dsum[r])) lse[r] = __uint_as_float(0x7fffffffu);
 }
 
 // Whether this thread's share of rows [0, rows) x columns [0, d) of a 16-bit tensor in global

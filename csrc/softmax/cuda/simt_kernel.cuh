@@ -147,7 +147,9 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
 }
 
 // Backward preprocess, for every path: softmax_d = dot(dO, O) - dlse per row, zero the dQ scratch
-// row (dq_ld floats, when there is one), and d sink_h = -sum_i exp(sink_h - lse_i) dot_i.
+// row (dq_ld floats, when there is one), and d sink_h = -sum_i exp(sink_h - lse_i) dot_i. A row
+// whose q or dO holds a NaN or an inf gets softmax_d = kPoisonedDsum (a NaN): the tensor-core
+// dK / dV kernel keeps it from the keys hidden from that row (nonfinite.cuh, poisoned rows).
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(const BwdParams p,
                                                                             int dq_ld) {
@@ -160,9 +162,16 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(cons
   if (i < si.len_q) {
     const T* dout = dout_ptr<T>(p, si, b, h, i);
     const T* o = o_ptr<T>(p, si, b, h, i);
+    const T* q = q_ptr<T>(p, si, b, h, i);
     float acc = 0.f;
-    for (int col = lane; col < p.d; col += 32) acc += to_float(dout[col]) * to_float(o[col]);
+    bool bad = false;
+    for (int col = lane; col < p.d; col += 32) {
+      const float x = to_float(dout[col]), y = to_float(q[col]);
+      acc += x * to_float(o[col]);
+      bad |= !(x - x == 0.f) || !(y - y == 0.f);  // x - x is NaN for inf and NaN
+    }
     acc = warp_sum(acc);
+    if (__any_sync(0xffffffffu, bad)) acc = __uint_as_float(kPoisonedDsum);
     if (p.dlse != nullptr) acc -= p.dlse[lse_index(p, si, b, h, i)];
     const int64_t row = scratch_row(p, b, h, i);
     if (lane == 0) p.softmax_d[row] = acc;
