@@ -29,7 +29,7 @@ from tests.softmax import test_cuda as tc
 from tests.softmax.test_cuda import (check_inf_key_softcap, check_long_row_exact, check_long_row_random,
                                      check_low_bits_of_a_column,
                                      check_low_bits_of_a_row, check_nan_hidden_key, check_nan_lse_split,
-                                     check_nan_query_row)
+                                     check_nan_query_row, check_poison_mark_scope)
 
 # arch 90 is the path the H100 verified (16-byte dQ atomics); 80 the sm_80 one (scalar atomics)
 ARCHS = (90, 80)
@@ -57,10 +57,12 @@ def emulate(monkeypatch, emu, arch=90, num_splits=1):
     """Route test_cuda's helpers to the emulator on CPU tensors (the forward split num_splits
     ways, unless a call names its own)."""
 
-    def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_splits=num_splits, **o):
+    def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_splits=num_splits, zero_dlse=False,
+                   **o):
         args = tc.call_fwd(q, k, v, **o)
         out, lse = emu.fwd(q, k, v, *args, num_splits, deterministic, arch)
-        grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, None, arch)
+        dlse = torch.zeros_like(lse) if zero_dlse else None
+        grads = emu.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, dlse, arch)
         return out, lse, grads
 
     monkeypatch.setattr(tc, "DEV", "cpu")
@@ -451,3 +453,11 @@ def test_long_row_random(monkeypatch, emu):
     error at most 2x torch SDPA's (CPU) on the same inputs. About 3 min."""
     monkeypatch.setattr(tc, "DEV", "cpu")
     check_long_row_random(lambda q, k, v: emu.fwd(q, k, v, *tc.call_fwd(q, k, v), 1, False, 90), torch.float32, d=8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_poison_mark_scope(monkeypatch, emu, dtype, arch):
+    """test_cuda.check_poison_mark_scope: an inf q under softcap and a NaN q row that sees no key
+    (with sinks) keep their finite results."""
+    check_poison_mark_scope(emulate(monkeypatch, emu, arch), dtype)

@@ -353,6 +353,32 @@ def test_nan_query_row_reaches_its_keys_only(dtype, what, mask, heads):
         assert torch.equal(g[~e], c[~e]), f"{name}: a value the bad element does not reach changed"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_inf_under_softcap_has_zero_derivative(dtype, where, causal):
+    """An inf in q[100, 7] (k[40, 7]) under softcap: the logits it makes are +-cap, and softcap's
+    derivative there is 0, so its terms of dK (dQ) are 0 x inf. They are left out, in every tile:
+    out, lse and every gradient stay finite. Before, a tile that could hide keys left them out and
+    a full tile gave NaN (dq column 7 of every row reading k[40] without causal, none with it)."""
+    torch.manual_seed(13)
+    s, d = 150, 40
+    q, k, v, dout = (torch.randn(1, 2, s, d, dtype=dtype) for _ in range(4))
+    qp, kp = q.clone(), k.clone()
+    if where == "q":
+        qp[0, 1, 100, 7] = float("inf")
+    else:
+        kp[0, 1, 40, 7] = float("inf")
+    ins = [t.requires_grad_() for t in (qp, kp, v)]
+    got = run_softmax(*ins, dout, softcap=30.0, causal=causal)
+    for name, g in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert torch.isfinite(g).all(), f"{name}: not finite"
+    clean = run_softmax(*[t.detach().clone().requires_grad_() for t in (q, k, v)], dout, softcap=30.0, causal=causal)
+    same(got[0][0, 0], clean[0][0, 0], "head 0's out")
+    if causal and where == "k":
+        same(got[2][0, 1, :40], clean[2][0, 1, :40], "dq of the rows before the key")
+
+
 def test_nan_float_mask_is_added():
     """A float attn_mask is added to the logits, so its -inf does not hide a NaN key (IEEE:
     NaN + -inf = NaN): the row reads the key and shows it. Hide unread keys with a bool mask,

@@ -46,13 +46,15 @@ def call_fwd(q, k, v, **o):
     return [opts[n] for n in ops.OPTION_NAMES]
 
 
-def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_splits=1, **o):
+def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_splits=1, zero_dlse=False, **o):
+    """zero_dlse: pass dlse = 0 as the autograd wrapper does (ops.py), instead of None."""
     args = call_fwd(q, k, v, **o)
     nbytes = 4 * (q.numel() + k.numel() + v.numel()) * 2 + (1 << 22)
     poison_allocator(nbytes)
     out, lse = torch.ops.attention_ext.fwd(q, k, v, *args, num_splits, deterministic)
     poison_allocator(nbytes)
-    grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic)
+    dlse = torch.zeros_like(lse) if zero_dlse else None
+    grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, dlse)
     torch.cuda.synchronize()
     return out, lse, grads
 
@@ -118,7 +120,9 @@ def check_nan_query_row(run, dtype, what, mask, deterministic):
     (qp if what == "q" else dp)[0, 1, row, 7] = float("nan")
     runs = []
     for qq, dd in ((q, dout), (qp, dp)):
-        out, lse, grads = run(qq, k, v, dd, deterministic=deterministic, **o)
+        # dlse = 0, as autograd passes it: the mark must survive the preprocess's - dlse (on a GPU
+        # any arithmetic on it gives the canonical NaN; the emulator's x86 keeps the bits)
+        out, lse, grads = run(qq, k, v, dd, deterministic=deterministic, zero_dlse=True, **o)
         runs.append([t.cpu() for t in [out, lse] + list(grads[:3])])
     rows = torch.zeros(b, h, s, dtype=torch.bool)
     rows[0, 1, row] = True
@@ -136,10 +140,36 @@ def check_nan_query_row(run, dtype, what, mask, deterministic):
         assert torch.equal(got[~want], clean[~want]), f"{name}: a value the NaN does not reach changed"
 
 
+def check_poison_mark_scope(run, dtype):
+    """What the backward's poisoned-row mark (kernel_common.cuh) must leave alone; a review of its
+    first version found both. (a) An inf (not NaN) in q under softcap: its logits are +-cap, so
+    out, lse, dv and the row's dq stay finite (the mark made dv NaN at the row's 101 keys on the
+    tensor-core path). (b) A NaN q row that sees no key, with sinks: its dsink term is the clean
+    one (computed from the mark, dsinks was NaN)."""
+    torch.manual_seed(12)
+    b, h, s, d, row = 1, 2, 150, 64, 100
+    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
+    qi = q.clone()
+    qi[0, 1, row, 7] = float("inf")
+    out, lse, grads = run(qi, k, v, dout, softcap=30.0, window_right=0, zero_dlse=True)
+    for name, t in (("out", out), ("lse", lse), ("dv", grads[2]), ("dq of the row", grads[0][0, 1, row])):
+        assert torch.isfinite(t.cpu()).all(), f"(a) {name}: not finite"
+    allowed = torch.ones(s, s, dtype=torch.bool)
+    allowed[row] = False
+    o = dict(bias=allowed.view(1, 1, s, s).to(DEV), sinks=torch.randn(h).to(DEV), zero_dlse=True)
+    clean = run(q, k, v, dout, **o)[2][4].cpu()
+    qn = q.clone()
+    qn[0, 1, row, 7] = float("nan")
+    got = run(qn, k, v, dout, **o)[2][4].cpu()
+    # float atomics sum the sink's terms: the order may differ between runs on a GPU
+    torch.testing.assert_close(got, clean, rtol=1e-5, atol=1e-6, msg="(b) dsinks")
+
+
 def check_inf_key_softcap(run, dtype, deterministic):
     """An inf (not NaN) element k[40, 3] under softcap: the logits it makes are +-cap, finite, so
-    out, lse, dk and dv stay finite, and dq's column 3 is NaN in every row (the exact math's
-    0 x inf: softcap's derivative at +-inf is 0), its other columns finite."""
+    out, lse, dk and dv stay finite, and dq's column 3 is NaN in every row (IEEE's 0 x inf:
+    softcap's derivative at +-inf is 0), its other columns finite. The CPU leaves those zero-
+    derivative terms out (finite dq); on CUDA this pins the known gap (README, NaN policy)."""
     torch.manual_seed(5)
     b, h, s, d = 1, 2, 96, 64
     q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
@@ -283,6 +313,12 @@ def test_long_row_random(dtype):
     """K and V of 4.4 GB each in float32: the SIMT kernel (compensated sums); float16 / bfloat16
     run the tensor-core kernels, whose sums take one term per 16-key product (not compensated)."""
     check_long_row_random(_fwd_unsplit, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_poison_mark_scope(kernels, dtype):
+    kernels(hopper_fwd=0, hopper_bwd=0)
+    check_poison_mark_scope(run_kernel, dtype)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])

@@ -47,8 +47,9 @@ struct BwdWorker {
   // logits (the forward's, bit for bit) and dP; empty otherwise
   bool dot;
   uint16_t *ktb, *vtb, *qb, *dob;
-  // per query block of the current head: whether its Q (dO) rows hold a NaN or an inf
-  std::vector<uint8_t> q_bad, do_bad;
+  // per query block of the current head: whether its Q (dO) rows hold a NaN or an inf; per key
+  // block of the current kv head: whether its K rows do
+  std::vector<uint8_t> q_bad, do_bad, k_bad;
 
   BwdWorker(const BwdParamsT<T>& p_, DType dt_)
       : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp, bf16_dot(p_, dt_)))),
@@ -91,6 +92,9 @@ struct BwdWorker {
     const void* ksrc = elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
     const void* vsrc = elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride));
     pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPanels, kBlockN, kr, row);
+    k_bad.assign(kpad / kBlockN, 0);
+    for (int j0 = 0; j0 < kpad; j0 += kBlockN)
+      k_bad[j0 / kBlockN] = any_nonfinite(panel_row(kr, j0, kBlockN, dp), int64_t(kBlockN) * dp);
     if (!dot) {  // K^T and V^T in float32 feed only the logits and dP, which the dot path forms in bf16
       pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
       pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
@@ -186,22 +190,23 @@ struct BwdWorker {
         srow[jj] = pr * kp;  // dropped, rescaled P
       }
     }
-    // dV (n, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place. In a tile that
-    // may hide keys from rows, a row whose dO (Q) holds a NaN or an inf would put 0 x NaN into
-    // the keys hidden from it: there the products leave out the terms with P = 0 (dX = 0), as
-    // dQ's redo below does (probs() keeps P = 0 at hidden keys even when the row's lse is NaN)
+    // dV (n, dp) += P^T dO and dK += dX^T Q, reading P and dX transposed in place. A row whose dO
+    // (Q) holds a NaN or an inf would put 0 x NaN into a key hidden from it (P = 0, dX = 0), and
+    // 0 x inf into a key whose dX is 0 (softcap saturated by an inf): where the query block holds
+    // one, the products leave out the terms with P = 0 (dX = 0), in every tile, as dQ's redo below
+    // does (probs() keeps P = 0 at hidden keys even when the row's lse is NaN)
     const bool may_hide = !full || partial || pol.topk_thr != nullptr;
     T* dv_blk = dv + int64_t(j0) * dp;
     T* dk_blk = dk + int64_t(j0) * dp;
     const T* dopn_blk = panel_row(dopn, i0, kBlockM, dp);
     const T* qpn_blk = panel_row(qpn, i0, kBlockM, dp);
-    if (may_hide && do_bad[i0 / kBlockM]) {
+    if (do_bad[i0 / kBlockM]) {
       gemm_skipping<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp,
                                 [&](int jj, int r) { return s[r * kBlockN + jj] == T(0); });
     } else {
       gemm<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp);
     }
-    if (may_hide && q_bad[i0 / kBlockM]) {
+    if (q_bad[i0 / kBlockM]) {
       gemm_skipping<true, true>(n, dp, rows, dpt, kBlockN, qpn_blk, P, int64_t(kBlockM) * P, dk_blk, dp,
                                 [&](int jj, int r) { return dpt[r * kBlockN + jj] == T(0); });
     } else {
@@ -210,9 +215,9 @@ struct BwdWorker {
     // dQ (rows, dp) += dX (rows, n) @ K rows (n, dp), compensated
     gemm<false>(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp);
     // NaN: read from K, or a hidden key's non-finite K row times its dS = 0 (tile.h's hidden
-    // keys); the redo leaves out the terms with dS = 0, which a key a row reads has only when
-    // its K row is finite (a NaN K row makes the row's logit, P and dS NaN)
-    if (may_hide && any_nan(dqt, int64_t(rows) * dp)) {
+    // keys), or an inf in K times a dX of 0 (softcap saturated); the redo leaves out the terms
+    // with dX = 0 (a NaN K row makes a reading row's logit, P and dS NaN, so those stay)
+    if ((may_hide || k_bad[j0 / kBlockN]) && any_nan(dqt, int64_t(rows) * dp)) {
       gemm_skipping(rows, dp, n, dpt, kBlockN, kr_blk, P, int64_t(kBlockN) * P, dqt, dp,
                     [&](int r, int jj) { return dpt[r * kBlockN + jj] == T(0); });
     }

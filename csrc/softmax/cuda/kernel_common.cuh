@@ -238,10 +238,11 @@ __device__ __forceinline__ void finish_row(float m2, float l, bool has_sink, flo
   finish_lse(m2, l, has_sink, sink, rdrop, lse, factor);
 }
 
-// A poisoned query row (its q or dO holds a NaN or an inf): bwd_preprocess_kernel stores this
-// NaN as its dsum = dot(dO, O) - dlse, whose bits no arithmetic produces (a NaN result is the
-// canonical 0x7fffffff), so a row whose O is NaN because it read a NaN value is not poisoned.
-// The tensor-core dK / dV kernel reads it (nonfinite.cuh).
+// A poisoned query row (its dO holds a NaN or an inf, or its q a NaN): bwd_preprocess_kernel
+// stores this NaN as its dsum in place of dot(dO, O) - dlse. No GPU arithmetic produces these
+// bits (a NaN result is the canonical 0x7fffffff), so a row whose O is NaN because it read a NaN
+// value is not poisoned, and none may touch them after they are stored. The tensor-core dK / dV
+// kernel reads it (nonfinite.cuh).
 constexpr uint32_t kPoisonedDsum = 0x7fc0dea1u;
 __device__ __forceinline__ bool poisoned(float dsum) { return __float_as_uint(dsum) == kPoisonedDsum; }
 

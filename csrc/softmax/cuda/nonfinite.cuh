@@ -20,8 +20,8 @@
 //                  reads it gets dq NaN from 0 x inf as the exact math does; a row that a mask
 //                  hides it from gets that NaN too (known gap, README).
 // The backward's dP = dO V^T needs nothing: bwd_point() selects dS = 0 for hidden keys.
-//   dK / dV  dS^T Q, P^T dO: a query row whose q or dO holds a NaN / inf ("poisoned") would add
-//                  0 x NaN into the keys hidden from it. bwd_preprocess_kernel marks such a row
+//   dK / dV  dS^T Q, P^T dO: a query row whose dO holds a NaN / inf or whose q holds a NaN
+//                  ("poisoned") would add 0 x NaN into the keys hidden from it. bwd_preprocess_kernel marks such a row
 //                  with a NaN of its own as its dsum (kernel_common.cuh, kPoisonedDsum). Where a
 //                  query block holds one (a warp vote on dsum), the dK / dV kernel zeroes those
 //                  rows of Q and dO in shared memory and sets their lse to NaN before anything
@@ -29,6 +29,9 @@
 //                  0 where the policy hides the key. The keys the row sees get NaN dK / dV (NaN x
 //                  the zeroed row: the whole row of dK / dV, not only the bad columns), the
 //                  hidden ones exact zeros, and the row's own dq is NaN; nothing else changes.
+//                  An inf (not NaN) in q is not marked: under softcap its logits are +-cap and
+//                  its P and dV finite, which the mark would turn NaN; so, as with an inf in k,
+//                  a key hidden from that row still gets 0 x inf in its dK (known gap, README).
 // The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
 // hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the other
 // work runs only where a non-finite value is present.

@@ -148,8 +148,9 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
 
 // Backward preprocess, for every path: softmax_d = dot(dO, O) - dlse per row, zero the dQ scratch
 // row (dq_ld floats, when there is one), and d sink_h = -sum_i exp(sink_h - lse_i) dot_i. A row
-// whose q or dO holds a NaN or an inf gets softmax_d = kPoisonedDsum (a NaN): the tensor-core
-// dK / dV kernel keeps it from the keys hidden from that row (nonfinite.cuh, poisoned rows).
+// whose dO holds a NaN or an inf, or whose q holds a NaN, gets softmax_d = kPoisonedDsum (a NaN):
+// the tensor-core dK / dV kernel keeps it from the keys hidden from that row (nonfinite.cuh,
+// poisoned rows).
 template <typename T>
 __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(const BwdParams p,
                                                                             int dq_ld) {
@@ -168,17 +169,20 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(cons
     for (int col = lane; col < p.d; col += 32) {
       const float x = to_float(dout[col]), y = to_float(q[col]);
       acc += x * to_float(o[col]);
-      bad |= !(x - x == 0.f) || !(y - y == 0.f);  // x - x is NaN for inf and NaN
+      // dO non-finite (x - x is NaN for inf and NaN), or q NaN. An inf in q alone is not marked:
+      // under softcap its logits (+-cap), P and dV stay finite (a known gap: its dK)
+      bad |= !(x - x == 0.f) || y != y;
     }
     acc = warp_sum(acc);
-    if (__any_sync(0xffffffffu, bad)) acc = __uint_as_float(kPoisonedDsum);
     if (p.dlse != nullptr) acc -= p.dlse[lse_index(p, si, b, h, i)];
     const int64_t row = scratch_row(p, b, h, i);
-    if (lane == 0) p.softmax_d[row] = acc;
+    // the mark goes on last: any arithmetic on it would give the canonical NaN instead
+    const bool marked = __any_sync(0xffffffffu, bad);
+    if (lane == 0) p.softmax_d[row] = marked ? __uint_as_float(kPoisonedDsum) : acc;
     if (p.dq_accum != nullptr) {
       for (int col = lane; col < dq_ld; col += 32) p.dq_accum[row * dq_ld + col] = 0.f;
     }
-    if (p.sinks != nullptr) {
+    if (p.sinks != nullptr) {  // from the row's own dot(dO, O) - dlse, not the mark
       const float lse = p.lse[lse_index(p, si, b, h, i)];
       dsink = -expf(p.sinks[h] - lse) * acc;
     }
