@@ -240,3 +240,31 @@ def test_topk_attention(emu, arch, dtype, k_top, causal, softcap):
     rlo = tc.ref_run(q, k, v, dout, dtype, bias=keep, **kw)
     for name, x, i in (("out", out, 0), ("lse", lse, 1), ("dq", dq, 2), ("dk", dk, 3), ("dv", dv, 4)):
         tc.check(name, x, r64[i], rlo[i].float() if name == "lse" else rlo[i], dtype)
+
+
+@pytest.mark.parametrize("what", ["dout"])
+def test_topk_nan_row_reaches_kept_keys_only(emu, what):
+    """A NaN in row 7 of head 1's dout under top-k: the dK / dV of the keys that row keeps are
+    NaN, those it drops keep their clean bits (the SIMT backward added 0 x NaN for a dropped pair
+    before it skipped zero terms), and so does every other row's dq. (A NaN in q makes every
+    logit of the row NaN, and top-k drops no NaN logit: that row reads every key.)"""
+    torch.manual_seed(31)
+    b, h, hk, sq, sk, d, row, k_top = 1, 2, 1, 16, 40, 32, 7, 6
+    q, k = topk_inputs(b, h, hk, sq, sk, d, torch.float32)
+    v, dout = randn(b, hk, sk, d, dtype=torch.float32), randn(b, h, sq, d, dtype=torch.float32)
+    thr, jcut, keep = run_topk(emu, q, k, k_top)
+    args = tc.call_fwd(q, k, v, topk_thr=thr, topk_jcut=jcut)
+    runs = []
+    for bad in (False, True):
+        qq, dd = q.clone(), dout.clone()
+        if bad:
+            (qq if what == "q" else dd)[0, 1, row, 3] = float("nan")
+        out, lse = emu.fwd(qq, k, v, *args, 0, False, 90)
+        runs.append(emu.bwd(dd, qq, k, v, out, lse, *args, False, False, None, 90)[:3])
+    kept = keep[0, 1, row].view(1, 1, sk, 1).expand(b, hk, sk, d)
+    for name, c, g in zip(("dk", "dv"), runs[0][1:], runs[1][1:]):
+        assert (g[kept].isnan() | g[kept].isinf()).view(-1, d).any(-1).all(), f"{name}: a kept key is clean"
+        assert torch.equal(g[~kept], c[~kept]), f"{name}: a dropped key changed"
+    rows = torch.ones(b, h, sq, dtype=torch.bool)
+    rows[0, 1, row] = False
+    assert torch.equal(runs[1][0][rows], runs[0][0][rows]), "dq of another row changed"

@@ -379,6 +379,40 @@ def test_inf_under_softcap_has_zero_derivative(dtype, where, causal):
         same(got[2][0, 1, :40], clean[2][0, 1, :40], "dq of the rows before the key")
 
 
+@pytest.mark.parametrize("what", ["v", "dout"])
+def test_nan_mask_grad_stays_off_hidden_pairs(what):
+    """The gradient of a float attn_mask under causal, with NaN in v[40] (dout row 10): it is NaN
+    where a row reads the NaN (rows >= 40 at the keys they see; row 10 at its keys) and keeps its
+    clean bits elsewhere, 0 at the pairs causal hides. Found by a review: the CPU added the bias
+    gradient before selecting dS = 0 where P = 0, so a hidden pair got 0 x NaN (rows < 40 at key
+    40; row 10 at keys 11..63)."""
+    torch.manual_seed(14)
+    s, d = 64, 16
+    q, k, v, dout = (torch.randn(1, 1, s, d) for _ in range(4))
+    seen = torch.ones(s, s, dtype=torch.bool).tril()
+    grads_of = []
+    for bad in (False, True):
+        vv, dd = v.clone(), dout.clone()
+        if bad:
+            if what == "v":
+                vv[0, 0, 40, 3] = NAN
+            else:
+                dd[0, 0, 10] = NAN
+        mask = torch.zeros(1, 1, s, s, requires_grad=True)
+        out = ae.attention(q, k, vv, attn_mask=mask, causal=True)
+        out.backward(dd)
+        grads_of.append(mask.grad[0, 0])
+    clean, got = grads_of
+    reach = torch.zeros(s, s, dtype=torch.bool)
+    if what == "v":
+        reach[40:] = seen[40:]  # those rows' O is NaN, so is their D_i, so is dS at every key they see
+    else:
+        reach[10] = seen[10]
+    assert got[reach].isnan().all(), "a pair that reads the NaN is not NaN"
+    same(got[~reach], clean[~reach], "the pairs that do not read it")
+    assert (clean[~seen] == 0).all()
+
+
 def test_nan_float_mask_is_added():
     """A float attn_mask is added to the logits, so its -inf does not hide a NaN key (IEEE:
     NaN + -inf = NaN): the row reads the key and shows it. Hide unread keys with a bool mask,

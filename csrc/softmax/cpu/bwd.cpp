@@ -178,7 +178,8 @@ struct BwdWorker {
       for (int jj = 0; jj < n; ++jj) {
         const T kp = p.dropout_p > 0.f ? keep[jj] : T(1);
         const T pr = srow[jj];
-        T ds = pr * (dprow[jj] * kp - di);
+        // dS = 0 where P is (a selection: a hidden key's dP, or the row's D_i, may be NaN)
+        T ds = pr == T(0) ? T(0) : pr * (dprow[jj] * kp - di);
         if (hd.dbias_bh != nullptr && j0 + jj < pol.len_k)
           hd.dbias_bh[int64_t(i) * p.dbias_row_stride + j0 + jj] += ds;
         if (pol.softcap > T(0)) {

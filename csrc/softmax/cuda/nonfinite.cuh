@@ -29,12 +29,14 @@
 //                  0 where the policy hides the key. The keys the row sees get NaN dK / dV (NaN x
 //                  the zeroed row: the whole row of dK / dV, not only the bad columns), the
 //                  hidden ones exact zeros, and the row's own dq is NaN; nothing else changes.
-//                  An inf (not NaN) in q is not marked: under softcap its logits are +-cap and
-//                  its P and dV finite, which the mark would turn NaN; so, as with an inf in k,
-//                  a key hidden from that row still gets 0 x inf in its dK (known gap, README).
+//                  An inf (not NaN) in q is marked only without softcap: under softcap its
+//                  logits are +-cap and its P and dV finite, which the mark would turn NaN; so
+//                  there, as with an inf in k, a key hidden from that row still gets 0 x inf in
+//                  its dK (known gap, README).
 // The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
-// hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the other
-// work runs only where a non-finite value is present.
+// hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the dK / dV
+// kernel's poisoned-row vote costs kBlockM / 32 shared loads and a warp vote per query block; the
+// other work runs only where a non-finite value is present.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -148,7 +148,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
 
 // Backward preprocess, for every path: softmax_d = dot(dO, O) - dlse per row, zero the dQ scratch
 // row (dq_ld floats, when there is one), and d sink_h = -sum_i exp(sink_h - lse_i) dot_i. A row
-// whose dO holds a NaN or an inf, or whose q holds a NaN, gets softmax_d = kPoisonedDsum (a NaN):
+// whose dO holds a NaN or an inf, or whose q holds a NaN (or an inf, without softcap), gets
+// softmax_d = kPoisonedDsum (a NaN):
 // the tensor-core dK / dV kernel keeps it from the keys hidden from that row (nonfinite.cuh,
 // poisoned rows).
 template <typename T>
@@ -169,9 +170,10 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(cons
     for (int col = lane; col < p.d; col += 32) {
       const float x = to_float(dout[col]), y = to_float(q[col]);
       acc += x * to_float(o[col]);
-      // dO non-finite (x - x is NaN for inf and NaN), or q NaN. An inf in q alone is not marked:
-      // under softcap its logits (+-cap), P and dV stay finite (a known gap: its dK)
-      bad |= !(x - x == 0.f) || y != y;
+      // dO non-finite (x - x is NaN for inf and NaN), or q NaN; an inf in q too without softcap.
+      // Under softcap an inf in q is not marked: its logits (+-cap), P and dV stay finite (a
+      // known gap: the dK of keys hidden from it)
+      bad |= !(x - x == 0.f) || (p.softcap > 0.f ? y != y : !(y - y == 0.f));
     }
     acc = warp_sum(acc);
     if (p.dlse != nullptr) acc -= p.dlse[lse_index(p, si, b, h, i)];
@@ -272,12 +274,16 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
                                         lse_to_log2(p.lse[lse_index(p, si, b, h, i)]),
                                         p.softmax_d[scratch_row(p, b, h, i)],
                                         dropout_factor(p, bh, i, j), i, j);
+          // a pair top-k drops (or whose P is 0) adds nothing, not 0 x a NaN / inf of its q or dO
+          // row (warp-uniform: bp comes from warp sums)
+          if (bp.pd != 0.f || bp.dx != 0.f) {
 #pragma unroll
-          for (int t = 0; t < kChunks; ++t) {
-            const int col = lane + 32 * t;
-            if (col < p.d) {
-              dv[t] += bp.pd * to_float(doi[col]);
-              dk[t] += bp.dx * to_float(qi[col]);
+            for (int t = 0; t < kChunks; ++t) {
+              const int col = lane + 32 * t;
+              if (col < p.d) {
+                dv[t] += bp.pd * to_float(doi[col]);
+                dk[t] += bp.dx * to_float(qi[col]);
+              }
             }
           }
           if (++pending == kFoldTerms) {
@@ -353,10 +359,12 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdPar
       const float dp = dot_row(dor, v + int64_t(j) * p.v_row_stride, p.d, lane);
       const BwdPoint bp =
           bwd_point<true>(pol, plain, false, p.scale, x, dp, lse2, dsum, dropout_factor(p, bh, i, j), i, j);
+      if (bp.dx != 0.f) {  // as in bwd_dkdv_kernel: a zero term adds nothing, not 0 x NaN / inf
 #pragma unroll
-      for (int t = 0; t < kChunks; ++t) {
-        const int col = lane + 32 * t;
-        if (col < p.d) dq[t] += bp.dx * to_float(kj[col]);
+        for (int t = 0; t < kChunks; ++t) {
+          const int col = lane + 32 * t;
+          if (col < p.d) dq[t] += bp.dx * to_float(kj[col]);
+        }
       }
       if (dbias != nullptr && lane == 0) {
         if (p.dbias_row_stride == 0) {
