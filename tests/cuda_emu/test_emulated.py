@@ -26,7 +26,7 @@ from attention_ext import reference
 from attention_ext.softmax import ops
 from tests.cuda_emu import emulator as cuda_emu
 from tests.softmax import test_cuda as tc
-from tests.softmax.test_cuda import (check_inf_key_softcap, check_long_row_exact, check_long_row_random,
+from tests.softmax.test_cuda import (check_inf_key_hidden, check_inf_under_softcap, check_long_row_exact, check_long_row_random,
                                      check_low_bits_of_a_column,
                                      check_low_bits_of_a_row, check_nan_hidden_key, check_nan_lse_split,
                                      check_nan_query_row, check_poison_mark_scope)
@@ -413,12 +413,24 @@ def test_nan_hidden_key_reaches_readers_only(monkeypatch, emu, dtype, which, mas
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("where", ["q", "k"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_inf_key_softcap(monkeypatch, emu, dtype, deterministic, arch):
-    """test_cuda.check_inf_key_softcap: an inf k element is left to the exact math (the review
-    of the NaN handling: forcing its scores NaN made dk / dv NaN where they are finite)."""
-    check_inf_key_softcap(emulate(monkeypatch, emu, arch), dtype, deterministic)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_inf_under_softcap(monkeypatch, emu, dtype, deterministic, where, causal, arch):
+    """test_cuda.check_inf_under_softcap: an inf q or k element under softcap leaves every output
+    and gradient finite (its zero-derivative terms left out, as on the CPU). The fp16 / bf16
+    kernels before gave NaN in dq (inf k) and dk (inf q)."""
+    check_inf_under_softcap(emulate(monkeypatch, emu, arch), dtype, deterministic, where, causal)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_inf_key_hidden(monkeypatch, emu, dtype, deterministic, arch):
+    """test_cuda.check_inf_key_hidden: an inf k element behind a causal edge keeps the dq of the
+    rows before it (0 x inf NaN there before, fp16 / bf16)."""
+    check_inf_key_hidden(emulate(monkeypatch, emu, arch), dtype, deterministic)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

@@ -165,22 +165,51 @@ def check_poison_mark_scope(run, dtype):
     torch.testing.assert_close(got, clean, rtol=1e-5, atol=1e-6, msg="(b) dsinks")
 
 
-def check_inf_key_softcap(run, dtype, deterministic):
-    """An inf (not NaN) element k[40, 3] under softcap: the logits it makes are +-cap, finite, so
-    out, lse, dk and dv stay finite, and dq's column 3 is NaN in every row (IEEE's 0 x inf:
-    softcap's derivative at +-inf is 0), its other columns finite. The CPU leaves those zero-
-    derivative terms out (finite dq); on CUDA this pins the known gap (README, NaN policy)."""
+def check_inf_under_softcap(run, dtype, deterministic, where, causal):
+    """An inf (not NaN) element under softcap, in k[40, 3] or q[100, 7]: the logits it makes are
+    +-cap, where softcap's derivative is 0, so its terms of dq (an inf k) or dk (an inf q) are
+    0 x inf and are left out, as on the CPU (tests/fuzz/test_invariants.py's
+    test_inf_under_softcap_has_zero_derivative): out, lse and every gradient stay finite, and head
+    0 keeps its clean bits. The kernels before gave NaN in dq's column 3 of every row (inf k) and
+    in the dk of the keys the row reads or sits beside (inf q)."""
     torch.manual_seed(5)
-    b, h, s, d = 1, 2, 96, 64
+    b, h, s, d = 1, 2, 150, 64
     q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
-    k[:, :, 40, 3] = float("inf")
-    out, lse, grads = run(q, k, v, dout, deterministic=deterministic, softcap=30.0)
-    dq, dk, dv = (t.cpu() for t in grads[:3])
-    for name, t in (("out", out.cpu()), ("lse", lse.cpu()), ("dk", dk), ("dv", dv)):
+    qi, ki = q.clone(), k.clone()
+    if where == "k":
+        ki[0, 1, 40, 3] = float("inf")
+    else:
+        qi[0, 1, 100, 7] = float("inf")
+    o = dict(softcap=30.0, deterministic=deterministic, zero_dlse=True, **(dict(window_right=0) if causal else {}))
+    out, lse, grads = run(qi, ki, v, dout, **o)
+    got = [out.cpu(), lse.cpu()] + [t.cpu() for t in grads[:3]]
+    for name, t in zip(("out", "lse", "dq", "dk", "dv"), got):
         assert torch.isfinite(t).all(), f"{name}: not finite"
-    assert torch.isnan(dq[..., 3]).all(), "dq column 3: 0 x inf should be NaN"
-    rest = torch.cat([dq[..., :3], dq[..., 4:]], -1)
-    assert torch.isfinite(rest).all(), "dq: a column other than 3 is not finite"
+    out0, lse0, grads0 = run(q, k, v, dout, **o)
+    clean = [out0.cpu(), lse0.cpu()] + [t.cpu() for t in grads0[:3]]
+    for name, c, g in zip(("out", "lse", "dq", "dk", "dv"), clean, got):
+        assert torch.equal(g[0, 0], c[0, 0]), f"{name}: head 0 changed"
+
+
+def check_inf_key_hidden(run, dtype, deterministic):
+    """An inf k[100, 3] under causal, no softcap: the rows before key 100 do not read it, so their
+    dq keeps its clean bits (before: NaN in column 3, 0 x inf, in the rows of the key's tiles).
+    The rows that read it have q.k = +-inf: NaN rows where +inf; where -inf, P = 0 and their dq
+    stays finite (the CPU's rule: the zero terms are left out)."""
+    torch.manual_seed(7)
+    b, h, s, d, jp = 1, 2, 150, 64, 100
+    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
+    ki = k.clone()
+    ki[0, 1, jp, 3] = float("inf")
+    o = dict(window_right=0, deterministic=deterministic, zero_dlse=True)
+    clean = run(q, k, v, dout, **o)[2][0].cpu()
+    dq = run(q, ki, v, dout, **o)[2][0].cpu()
+    assert torch.equal(dq[0, 1, :jp], clean[0, 1, :jp]), "dq of the rows before the key changed"
+    assert torch.equal(dq[0, 0], clean[0, 0]), "dq of head 0 changed"
+    pos = (q[0, 1, jp:, 3].float().cpu() > 0)  # q.k = +inf: the row is NaN
+    rows = dq[0, 1, jp:]
+    assert torch.isnan(rows[pos]).all(), "a row with q.k = +inf is not NaN"
+    assert torch.isfinite(rows[~pos]).all(), "a row with q.k = -inf (P = 0) is not finite"
 
 
 def check_nan_lse_split(run, dtype):
@@ -321,11 +350,20 @@ def test_poison_mark_scope(kernels, dtype):
     check_poison_mark_scope(run_kernel, dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("where", ["q", "k"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_inf_key_softcap(kernels, dtype, deterministic):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_inf_under_softcap(kernels, dtype, deterministic, where, causal):
     kernels(hopper_fwd=0, hopper_bwd=0)
-    check_inf_key_softcap(run_kernel, dtype, deterministic)
+    check_inf_under_softcap(run_kernel, dtype, deterministic, where, causal)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_inf_key_hidden(kernels, dtype, deterministic):
+    kernels(hopper_fwd=0, hopper_bwd=0)
+    check_inf_key_hidden(run_kernel, dtype, deterministic)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

@@ -108,30 +108,43 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
     cp_async_commit();
   }
 
-  // K with NaN elements (k_fix, CTA-uniform, read from global memory while the tiles load; only
-  // where dQ is added here): sK is zeroed there once, for dQ += dS K, and S^T = K Q^T of this
-  // thread's keys that hold one (k_nan bit hf: key wn + g + 8 hf) is NaN for every query
-  // (nonfinite.cuh). Nothing in the loop but a predicated select.
+  // K with inf / NaN elements (k_fix, CTA-uniform, read from global memory while the tiles load;
+  // only where dQ is added here): sK's are zeroed once, for dQ += dS K (a key's dS is 0 or NaN
+  // in every row then), and fix_scores() restores S^T = K Q^T of this thread's keys that held one
+  // (bit hf: key wn + g + 8 hf): NaN for every query where k held a NaN (k_nan); where it held
+  // an inf (k_inf) the exact score, +-inf or NaN, recomputed by inf_key_scores (nonfinite.cuh).
+  // Nothing in the loop but a predicated select, unless this CTA holds an inf key.
   const bool k_fix =
-      dq_atomic &&
-      __syncthreads_or(rows_k > 0 && has_nonfinite<T, kThreads, true>(kp, p.k_row_stride, rows_k, p.d, tid));
-  uint32_t k_nan = 0;
+      dq_atomic && __syncthreads_or(rows_k > 0 && has_nonfinite<T, kThreads>(kp, p.k_row_stride, rows_k, p.d, tid));
+  uint32_t k_nan = 0, k_inf = 0;
   if (k_fix) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int jl = wn + g + hf * 8;
-      if (jl < rows_k && has_nonfinite<T, 1, true>(kp + int64_t(jl) * p.k_row_stride, p.k_row_stride, 1, p.d, 0))
+      const T* krow = kp + int64_t(jl) * p.k_row_stride;
+      if (jl < rows_k && has_nonfinite<T, 1, true>(krow, p.k_row_stride, 1, p.d, 0))
         k_nan |= 1u << hf;
+      else if (jl < rows_k && has_nonfinite<T, 1>(krow, p.k_row_stride, 1, p.d, 0))
+        k_inf |= 1u << hf;
     }
-    wait_and_zero_nonfinite<T, TileKV, kBlockN, kThreads, true>(sK, tid);
+    wait_and_zero_nonfinite<T, TileKV, kBlockN, kThreads, false>(sK, tid);
   }
-  auto nan_scores = [&](float (*acc)[4]) {
-    if (k_nan == 0) return;
+  auto fix_scores = [&](float (*acc)[4], uint32_t sq) {
+    if ((k_nan | k_inf) == 0) return;
+    uint64_t codes[2] = {0, 0};
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      if ((k_inf >> hf) & 1)
+        codes[hf] = inf_key_scores<T, TileQ, kQT>(sq, kp + int64_t(wn + g + hf * 8) * p.k_row_stride, c, p.d);
 #pragma unroll
     for (int t = 0; t < kQT; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if ((k_nan >> (e >> 1)) & 1) acc[t][e] = __uint_as_float(0x7fffffffu);
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1;
+        const uint32_t code = uint32_t(codes[hf] >> (2 * (2 * t + (e & 1)))) & 3u;
+        if ((k_nan >> hf) & 1) acc[t][e] = __uint_as_float(0x7fffffffu);
+        if (code != 0u) acc[t][e] = code == 1u ? INFINITY : code == 2u ? -INFINITY : __uint_as_float(0x7fffffffu);
+      }
   };
   for (int gi = 0; rows_k > 0 && gi < group; ++gi) {
     const int h = hk * group + gi;
@@ -195,6 +208,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
         zero_poisoned_rows<TileQ, kBlockM, kThreads>(sQ, sdO, sLse0 + (m & 1) * kBlockM, sDot, tid);
         __syncthreads();
       }
+      // an inf in q under softcap (not poisoned: its logits are +-cap): the row's dS is 0 (or NaN)
+      // at every key, so its inf elements of Q are zeroed for dK += dS^T Q once every warp's S
+      // read them (q_inf, CTA-uniform; nonfinite.cuh)
+      const bool q_inf = !Var::kPlain && p.softcap > 0.f &&
+                         __syncthreads_or(any_nonfinite_smem<T, TileQ, kBlockM, kThreads>(sQ, tid));
       // ---- S^T = K Q^T and dP^T = V dO^T: (16 keys, kBlockM queries) per warp
       float acc_s[kQT][4], acc_dp[kQT][4];
 #pragma unroll
@@ -216,7 +234,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             mma_n16<T>(acc_s[2 * np], ak, bq);
           }
         }
-        nan_scores(acc_s);
+        fix_scores(acc_s, sQ);
         // ---- P^T, packed to 16 bits at once: the fp32 S^T dies before dP^T is accumulated.
         // dS^T below multiplies by this 16-bit P. Error: P = P_exact (1 + d), |d| <= u (bf16
         // 2^-8, fp16 2^-11; fp16 P < 2^-14 is subnormal, off by <= 2^-25 absolute), so dS =
@@ -300,7 +318,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             }
           }
         }
-        nan_scores(acc_s);
+        fix_scores(acc_s, sQ);
 
         // ---- elementwise: P^T (dropped, scaled) into acc_s, dX^T into acc_dp
         const bool check = !(plain && tile_on && pol.tile_full(m0, m0 + kBlockM, n0 + wn, n0 + wn + 16));
@@ -339,6 +357,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
             }
           }
         }
+      }
+
+      if (q_inf) {
+        __syncthreads();  // every warp's S^T read sQ
+        zero_nonfinite<T, TileQ, kBlockM, kThreads>(sQ, tid);
+        __syncthreads();
       }
 
       // ---- dS^T to shared memory for dQ
@@ -616,12 +640,12 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams
     }
     }
 
-    // dQ reads K: in a tile that may hide keys, its NaN elements are zeroed once S and dP were
-    // computed from it (nonfinite.cuh); the vote is the barrier after every warp's S, and a
-    // reading row's dS is NaN already
-    const bool block_check = tile_may_hide(pol, layout_state == 2, m0, m0 + kBlockM, n0, n0 + kBlockN);
-    if (block_check && __syncthreads_or(scan_nonfinite<T, TileKV, kBlockN, kThreads, false, true>(sK, tid))) {
-      scan_nonfinite<T, TileKV, kBlockN, kThreads, true, true>(sK, tid);
+    // dQ reads K: its inf / NaN elements are zeroed once S and dP were computed from it
+    // (nonfinite.cuh), in every tile: a key whose k holds one has dS = 0 or NaN in every row
+    // (hidden, P = 0, or softcap's zero derivative at +-inf; NaN where it was read), so the
+    // zeros give the CPU's result, never 0 x inf. The vote is the barrier after every warp's S.
+    if (__syncthreads_or(scan_nonfinite<T, TileKV, kBlockN, kThreads, false>(sK, tid))) {
+      scan_nonfinite<T, TileKV, kBlockN, kThreads, true>(sK, tid);
       __syncthreads();
     }
 

@@ -8,17 +8,21 @@
 // vote), so a hidden key adds exact zeros and the rows that never read it keep every bit:
 //   forward  P V:  V's NaN / inf elements are zeroed; a row that reads a zeroed element v(j, c) gets
 //                  acc_o(i, c) += v(j, c) back from global memory (fwd_kernel.cuh);
-//   dQ      dS K:  K's NaN elements are zeroed for this product only. The dQ kernel zeroes its
-//                  tile after S and dP were computed from it, so a reading row's dS is NaN
-//                  already. The dK / dV kernel keeps K for all its query blocks: it zeroes K's
-//                  NaN elements once, and a key whose k row holds a NaN gets S = NaN from every
-//                  query (the forward's q.k there is NaN whatever the policy: softcap's tanh
-//                  keeps it), so the rows that read it get NaN gradients and the others select
-//                  dS = 0 (bwd_kernel.cuh).
-//                  An inf (not NaN) element of k is left as it is: the exact backward needs
-//                  the real q.k there (softcap maps +-inf to +-cap, a finite P), and a row that
-//                  reads it gets dq NaN from 0 x inf as the exact math does; a row that a mask
-//                  hides it from gets that NaN too (known gap, README).
+//   dQ      dS K:  K's NaN / inf elements are zeroed for this product only, in every tile. A
+//                  key whose k row holds one has dS = 0 or NaN in every row: q.k is +-inf or NaN,
+//                  so a row that reads it is NaN (+inf, NaN), has P = 0 (-inf) or sits at
+//                  softcap's zero derivative (+-cap), and a row it is hidden from selects 0. The
+//                  zeros give the CPU's result (its zero terms left out), never 0 x inf. The dQ
+//                  kernel zeroes its tile after S and dP were computed from it. The dK / dV
+//                  kernel keeps K for all its query blocks: it zeroes K's bad elements once and
+//                  restores those keys' scores: NaN from every query where k held a NaN (the
+//                  forward's q.k there is NaN whatever the policy: softcap's tanh keeps it), and
+//                  where it held an inf the exact q.k, +-inf or NaN (inf_key_scores), so softcap
+//                  still maps it to +-cap with a finite P (bwd_kernel.cuh).
+//   dK      dS^T Q: an inf (not NaN) in q under softcap is not a poisoned row (below): its
+//                  logits are +-cap and its dS is 0 at every key it reads, so the dK / dV kernel
+//                  zeroes the inf elements of a query block that holds one (a vote per block,
+//                  softcap only) after every warp's S read them.
 // The backward's dP = dO V^T needs nothing: bwd_point() selects dS = 0 for hidden keys.
 //   dK / dV  dS^T Q, P^T dO: a query row whose dO holds a NaN / inf or whose q holds a NaN
 //                  ("poisoned") would add 0 x NaN into the keys hidden from it. bwd_preprocess_kernel marks such a row
@@ -30,11 +34,11 @@
 //                  the zeroed row: the whole row of dK / dV, not only the bad columns), the
 //                  hidden ones exact zeros, and the row's own dq is NaN; nothing else changes.
 //                  An inf (not NaN) in q is marked only without softcap: under softcap its
-//                  logits are +-cap and its P and dV finite, which the mark would turn NaN; so
-//                  there, as with an inf in k, a key hidden from that row still gets 0 x inf in
-//                  its dK (known gap, README).
+//                  logits are +-cap and its P and dV finite, which the mark would turn NaN
+//                  (there dS^T Q meets zeros instead, above).
 // The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
-// hide keys (the dK / dV kernel: once per CTA, on every CTA that adds dQ atomically); the dK / dV
+// hide keys (the dQ kernel: on every tile; the dK / dV kernel: once per CTA, on every CTA that
+// adds dQ atomically, and under softcap once per query block for Q); the dK / dV
 // kernel's poisoned-row vote costs kBlockM / 32 shared loads and a warp vote per query block; the
 // other work runs only where a non-finite value is present.
 #pragma once
@@ -171,6 +175,48 @@ __device__ __forceinline__ bool has_nonfinite(const T* base, int64_t row_stride,
     for (int x = 0; x < 4; ++x) any |= bad_bits<T, kNanOnly>(w[x]) || bad_bits<T, kNanOnly>(w[x] >> 16);
   }
   return any;
+}
+
+
+// The scores q_i . k_j of one key j whose k row holds an inf (and no NaN) against the kQT * 2
+// query rows of this thread's S^T fragments in a (kBlockM, Tile's columns) tile of Q in shared
+// memory (rows i = t * 8 + 2 c + e2, t < kQT, e2 < 2). Such a score is +inf, -inf or NaN whatever
+// the order of the sum (an inf term absorbs every finite one; q = 0 there, or two infinities of
+// opposite sign, give NaN), so a plain float32 loop reproduces the tensor-core product exactly.
+// Two bits per row, row (t, e2) at bits 2 (2 t + e2): 1 = +inf, 2 = -inf, 3 = NaN, 0 = finite
+// (not reached). Out of line: it runs only in a CTA that holds such a key (bwd_kernel.cuh).
+template <typename T, typename TileQ, int kQT>
+__device__ __noinline__ uint64_t inf_key_scores(uint32_t sq, const T* krow, int c, int d) {
+  static_assert(kQT * 2 <= 32, "two bits per query row in 64 bits");
+  using Ops = TypeOps<T>;
+  uint64_t codes = 0;
+#pragma unroll 1
+  for (int r = 0; r < kQT * 2; ++r) {
+    const int il = (r >> 1) * 8 + 2 * c + (r & 1);
+    float s = 0.f;
+#pragma unroll 1
+    for (int col = 0; col < d; col += 8) {
+      const uint4 qv = ld_shared_v4(sq + TileQ::offset(il, col));
+      const uint4 kv = *reinterpret_cast<const uint4*>(krow + col);
+      const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w}, kw[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const float2 a = Ops::unpack(qw[x]), b = Ops::unpack(kw[x]);
+        s += a.x * b.x;
+        s += a.y * b.y;
+      }
+    }
+    const uint64_t code = s != s ? 3u : s == INFINITY ? 1u : s == -INFINITY ? 2u : 0u;
+    codes |= code << (2 * r);
+  }
+  return codes;
+}
+
+// Whether this thread's share of the 16-byte chunks of a (kRows, Tile's columns) tile of T in
+// shared memory holds an inf or NaN (read only). Out of line, for the dK / dV kernel's loop.
+template <typename T, typename Tile, int kRows, int kThreads>
+__device__ __noinline__ bool any_nonfinite_smem(uint32_t tile, int tid) {
+  return scan_nonfinite<T, Tile, kRows, kThreads, false>(tile, tid);
 }
 
 }  // namespace tc

@@ -274,15 +274,17 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
                                         lse_to_log2(p.lse[lse_index(p, si, b, h, i)]),
                                         p.softmax_d[scratch_row(p, b, h, i)],
                                         dropout_factor(p, bh, i, j), i, j);
-          // a pair top-k drops (or whose P is 0) adds nothing, not 0 x a NaN / inf of its q or dO
-          // row (warp-uniform: bp comes from warp sums)
+          // a zero term adds nothing, not 0 x a NaN / inf of its q or dO row: a pair top-k drops
+          // or whose P is 0, and dS = 0 alone at softcap's zero derivative (an inf in q), where
+          // dV still takes P dO (warp-uniform: bp comes from warp sums)
           if (bp.pd != 0.f || bp.dx != 0.f) {
+            const bool with_dv = bp.pd != 0.f, with_dk = bp.dx != 0.f;
 #pragma unroll
             for (int t = 0; t < kChunks; ++t) {
               const int col = lane + 32 * t;
               if (col < p.d) {
-                dv[t] += bp.pd * to_float(doi[col]);
-                dk[t] += bp.dx * to_float(qi[col]);
+                if (with_dv) dv[t] += bp.pd * to_float(doi[col]);
+                if (with_dk) dk[t] += bp.dx * to_float(qi[col]);
               }
             }
           }
