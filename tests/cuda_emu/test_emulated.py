@@ -291,6 +291,9 @@ def test_schedules(monkeypatch, emu, schedule, reverse):
     check_nan_hidden_key(run, torch.bfloat16, "v", "bool", False)
     check_nan_hidden_key(run, torch.float16, "k", "causal", False)
     check_nan_hidden_key(run, torch.bfloat16, "k", "bool", True)
+    # inf keys' restored scores, and the inf-q zeroing between S and dS^T Q (its two barriers)
+    check_inf_under_softcap(run, torch.float16, False, "k", False)
+    check_inf_under_softcap(run, torch.bfloat16, False, "q", True)
 
 
 # ---------------------------------------------------------------- tuning candidates (sm_90 build)
@@ -338,6 +341,15 @@ def test_nan_hidden_key_sequential_bwd(monkeypatch, emu, which):
     run = emulate(monkeypatch, emu, arch=90)
     emu.set_cuda_kernels(0, 0, 0, 4, False)
     check_nan_hidden_key(run, torch.bfloat16, which, "causal", False)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_inf_under_softcap_sequential_bwd(monkeypatch, emu, where):
+    """bwd4 (kSeq) restores the scores of inf keys and zeroes Q's inf elements under softcap
+    like the default dK / dV kernel."""
+    run = emulate(monkeypatch, emu, arch=90)
+    emu.set_cuda_kernels(0, 0, 0, 4, False)
+    check_inf_under_softcap(run, torch.bfloat16, False, where, True)
 
 
 @pytest.mark.parametrize("what", ["q", "dout"])

@@ -338,11 +338,19 @@ struct DecodeWorker {
       }
     });
   }
-  // One row per kv head (MHA at q_len 1) and a converted cache: the scores' register blocks
-  // span kv heads. Measured at B1 H8 D64 4096, one thread, L3-resident, process time: bf16
-  // 488-551 us against 574-664 us per head; fp32 724-755 against 671-685, so fp32 keeps one
-  // head per block.
-  bool head_blocks() const { return rows_g == 1 && !std::is_same_v<E, T>; }
+  // One row per kv head (MHA at q_len 1): the scores' register blocks span kv heads, and their
+  // horizontal sums share one reduction. Converted caches, measured at B1 H8 D64 4096, one
+  // thread, L3-resident, process time: bf16 488-551 us against 574-664 us per head. float32 on
+  // AVX2 (Zen 3, with pv()'s 8 chains): 643 against 712 us, and 418 against 607 us on 2
+  // threads; float32 on AVX-512 measured faster per head (Zen 4: 671-685 against 724-755 us,
+  // before pv()'s chains), so it keeps one head per block there.
+  static constexpr bool kHeadBlocksF32 =
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      true;
+#else
+      false;
+#endif
+  bool head_blocks() const { return rows_g == 1 && (!std::is_same_v<E, T> || kHeadBlocksF32); }
   // f(r0, RR) over the register blocks of the scores: a GQA group's rows, or kv heads side by
   // side (head_blocks)
   template <typename F>
@@ -353,8 +361,43 @@ struct DecodeWorker {
       for (int hk = 0; hk < p.h_k; ++hk) row_blocks(hk * rows_g, (hk + 1) * rows_g, f);
     }
   }
-  // O rows [r0, r0 + RR) += P (RR, n) @ V rows of the chunk (kv head at offset voff): two
-  // vectors of columns per pass with O in registers, the chunk's keys inner
+  // O rows [r0, r0 + RR), columns [c, c + NV * L) += P V over keys [j_lo, j_hi): NV / 2 pairs
+  // of vectors (load_pair's order), O in registers
+  template <int RR, int NV>
+  void pv_cols(int r0, int c, int64_t voff, int j_lo, int j_hi) {
+    static_assert(NV % 2 == 0 && RR * NV <= 8, "the accumulators leave registers for V and P");
+    V a[RR][NV];
+#pragma GCC unroll 8
+    for (int x = 0; x < RR; ++x) {
+#pragma GCC unroll 8
+      for (int u = 0; u < NV; ++u) a[x][u] = vload(o + (r0 + x) * dp + c + u * L);
+    }
+    // one pointer into P, its rows at constant offsets (x * kChunk): with (r0 + x) * kChunk + jj
+    // indexing GCC kept an address register and an lea per row
+    const T* pj = s + size_t(r0) * kChunk + j_lo;
+    for (int jj = j_lo; jj < j_hi; ++jj, ++pj) {
+      V v[NV];
+#pragma GCC unroll 4
+      for (int u = 0; u < NV; u += 2) load_pair<T>(vp[jj] + voff + c + u * L, &v[u], &v[u + 1]);
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        const V pr = vbcast_mem(pj + x * kChunk);
+#pragma GCC unroll 8
+        for (int u = 0; u < NV; ++u) a[x][u] += pr * v[u];
+      }
+    }
+#pragma GCC unroll 8
+    for (int x = 0; x < RR; ++x) {
+#pragma GCC unroll 8
+      for (int u = 0; u < NV; ++u) vstore(o + (r0 + x) * dp + c + u * L, a[x][u]);
+    }
+  }
+  // O rows [r0, r0 + RR) += P (RR, n) @ V rows of the chunk (kv head at offset voff), O in
+  // registers, the chunk's keys inner. A pass covers NV = 8 / RR vectors of columns (2 for a
+  // 4-row block): every key adds into each of the block's RR x NV accumulators, so they are its
+  // independent FMA chains, and 8 chains cover the FMA latency on two ports. With two vectors
+  // per pass a one-row block (MHA: one row per kv head) waited on its two chains: at B1 H8 D64
+  // 4096 keys, one Zen 3 thread, bf16 went from 511 to 465 us (fp32 738 to 712), same bits.
   // Keys [j_lo, j_hi) of the chunk only (an edge chunk, one row at a time: the keys outside
   // the row's window add nothing, not even 0 x a NaN value).
   template <int RR>
@@ -363,30 +406,14 @@ struct DecodeWorker {
     const int dv = d / L * L;
     int c = 0;
     if constexpr (kDots<T, E>) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
-    for (; c + 2 * L <= dv; c += 2 * L) {
-      V a[RR][2];
-      for (int x = 0; x < RR; ++x) {
-        a[x][0] = vload(o + (r0 + x) * dp + c);
-        a[x][1] = vload(o + (r0 + x) * dp + c + L);
-      }
-      // one pointer into P, its rows at constant offsets (x * kChunk): with (r0 + x) * kChunk + jj
-      // indexing GCC kept an address register and an lea per row
-      const T* pj = s + size_t(r0) * kChunk + j_lo;
-      for (int jj = j_lo; jj < j_hi; ++jj, ++pj) {
-        V v0, v1;
-        load_pair<T>(vp[jj] + voff + c, &v0, &v1);
-#pragma GCC unroll 4
-        for (int x = 0; x < RR; ++x) {
-          const V pr = vbcast_mem(pj + x * kChunk);
-          a[x][0] += pr * v0;
-          a[x][1] += pr * v1;
-        }
-      }
-      for (int x = 0; x < RR; ++x) {
-        vstore(o + (r0 + x) * dp + c, a[x][0]);
-        vstore(o + (r0 + x) * dp + c + L, a[x][1]);
-      }
+    constexpr int NV = RR == 1 ? 8 : RR == 2 ? 4 : 2;
+    if constexpr (NV >= 8) {
+      for (; c + 8 * L <= dv; c += 8 * L) pv_cols<RR, 8>(r0, c, voff, j_lo, j_hi);
     }
+    if constexpr (NV >= 4) {  // and what a one-row block leaves past 8 vectors (D 64 on AVX-512)
+      for (; c + 4 * L <= dv; c += 4 * L) pv_cols<RR, 4>(r0, c, voff, j_lo, j_hi);
+    }
+    for (; c + 2 * L <= dv; c += 2 * L) pv_cols<RR, 2>(r0, c, voff, j_lo, j_hi);
     for (; c < dv; c += L) {
       V a[RR];
       for (int x = 0; x < RR; ++x) a[x] = vload(o + (r0 + x) * dp + c);
