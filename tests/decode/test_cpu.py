@@ -50,6 +50,17 @@ def test_heads(h, hk, sq):
     run(Case(h=h, hk=hk, sq=sq, num_splits=0, sinks=True, window=(-1, 0), b=3, seqlens=(1, 700, 4000)))
 
 
+@pytest.mark.parametrize("d", [8, 13, 40, 64, 80, 128, 200])
+@pytest.mark.parametrize("hk", [3, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_one_row_per_kv_head(dtype, hk, d):
+    """MHA at q_len 1: one row per kv head, the scores in blocks of up to four kv heads
+    (head_blocks: 3 and 5 heads leave partial blocks) and P V in passes of 8 / 4 / 2 / 1 vectors
+    by head dim; causal with q_len 2 runs the same heads one row at a time at the chunk edge."""
+    run(Case(d=d, dtype=dtype, b=2, h=hk, hk=hk, sq=1, seqlens=(450, 33), num_splits=0))
+    run(Case(d=d, dtype=dtype, b=2, h=hk, hk=hk, sq=2, seqlens=(70, 2), window=(-1, 0), num_splits=1, page=16))
+
+
 @pytest.mark.parametrize("d", [8, 13, 40, 64, 80, 128, 200, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_head_dims(d, dtype):
