@@ -396,8 +396,8 @@ struct DecodeWorker {
   // registers, the chunk's keys inner. A pass covers NV = 8 / RR vectors of columns (2 for a
   // 4-row block): every key adds into each of the block's RR x NV accumulators, so they are its
   // independent FMA chains, and 8 chains cover the FMA latency on two ports. With two vectors
-  // per pass a one-row block (MHA: one row per kv head) waited on its two chains: at B1 H8 D64
-  // 4096 keys, one Zen 3 thread, bf16 went from 511 to 465 us (fp32 738 to 712), same bits.
+  // per pass a one-row block (MHA: one row per kv head) had two chains; the gain measured small
+  // on Zen 3 (0-12% on one thread, benchmarks/results/2026-11-27-decode-cpu-zen3.md), same bits.
   // Keys [j_lo, j_hi) of the chunk only (an edge chunk, one row at a time: the keys outside
   // the row's window add nothing, not even 0 x a NaN value).
   template <int RR>
