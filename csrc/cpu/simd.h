@@ -148,6 +148,28 @@ inline bool hsum4(const vf* r, float* out) {
 #endif
 }
 
+// *out = (the lane sums of r[0], ..., r[7]): eight 8-lane float vectors reduced into one, in
+// lane order, through six hadds, two cross-half permutes and one add (AVX without AVX-512): under
+// one instruction per sum, where hsum4 takes five for four. Each sum follows hsum4's tree
+// (adjacent lane pairs, then pairs of pairs, then the two 128-bit halves). Returns false,
+// writing nothing, where vf is not eight floats.
+inline bool hsum8(const vf* r, vf* out) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  const __m256 t0 = _mm256_hadd_ps((__m256)r[0], (__m256)r[1]);  // (r0 01, r0 23, r1 01, r1 23 | 45, 67)
+  const __m256 t1 = _mm256_hadd_ps((__m256)r[2], (__m256)r[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)r[4], (__m256)r[5]);
+  const __m256 t3 = _mm256_hadd_ps((__m256)r[6], (__m256)r[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // (r0..r3 lanes 0-3 | r0..r3 lanes 4-7)
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // (r4..r7 lanes 0-3 | r4..r7 lanes 4-7)
+  *out = (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  return true;
+#else
+  (void)r;
+  (void)out;
+  return false;
+#endif
+}
+
 // 2^x for the softmax, where x = (s - max) * log2(e) <= 0: no overflow handling, and the clamp at
 // -127 makes the exponent field 0, so 2^-inf = 0 exactly (masked scores). NaN stays NaN.
 // Round-to-nearest split x = n + r, r in [-1/2, 1/2], and a degree-5 polynomial fitted for

@@ -1,5 +1,6 @@
-// cpu/simd.h's transpose and the triangular gemm variants against plain loops; built with and
-// without -march=native (test_cpp.py) so both the register transpose and the portable loop run.
+// cpu/simd.h's transpose, the triangular gemm variants and the shared horizontal sums against
+// plain loops; built with and without -march=native (test_cpp.py) so both the register forms
+// and the portable loops run.
 #include <cmath>
 #include <vector>
 
@@ -50,7 +51,40 @@ void check_tri(int n, int nc) {
   }
 }
 
+// hsum4 / hsum8 against the tree they document, sum by sum and bit for bit: adjacent lane pairs,
+// pairs of pairs, then the two 128-bit halves (8 lanes). Where the ISA has no shared form they
+// must say so (false) and write nothing.
+void check_hsums() {
+  constexpr int L = kLanes<float>;
+  vf r[8];
+  for (int x = 0; x < 8; ++x) {
+    for (int u = 0; u < L; ++u) r[x][u] = std::ldexp(1.0f + 0.37f * float(x * L + u), (x + 3 * u) % 29 - 14) * (u % 3 ? 1 : -1);
+  }
+  auto tree8 = [&](int x) {
+    const vf& v = r[x];
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  };
+  float out4[4] = {-1, -1, -1, -1};
+  const bool has4 = hsum4(r, out4);
+  vf out8;
+  for (int u = 0; u < L; ++u) out8[u] = -1;
+  const bool has8 = hsum8(r, &out8);
+#if defined(__AVX__) && !defined(__AVX512F__)
+  CHECK(has4 && has8, "hsum4 / hsum8 must have their AVX form with 8 lanes");
+#endif
+  if (L != 8) CHECK(!has8, "hsum8 with %d lanes", L);
+  if (has4 && L == 8) {
+    for (int x = 0; x < 4; ++x) CHECK(out4[x] == tree8(x), "hsum4 row %d: %g against %g", x, out4[x], tree8(x));
+  }
+  if (has8) {
+    for (int x = 0; x < 8; ++x) CHECK(out8[x] == tree8(x), "hsum8 row %d: %g against %g", x, out8[x], tree8(x));
+  } else {
+    for (int u = 0; u < L; ++u) CHECK(out8[u] == -1, "hsum8 wrote lane %d without a shared form", u);
+  }
+}
+
 int main() {
+  check_hsums();
   check_transpose<float>(48, 64, 64, 48);
   check_transpose<float>(48, 72, 72, 48);
   check_transpose<float>(72, 64, 64, 72);

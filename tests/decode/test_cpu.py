@@ -50,15 +50,29 @@ def test_heads(h, hk, sq):
     run(Case(h=h, hk=hk, sq=sq, num_splits=0, sinks=True, window=(-1, 0), b=3, seqlens=(1, 700, 4000)))
 
 
-@pytest.mark.parametrize("d", [8, 13, 40, 64, 80, 128, 200])
+@pytest.mark.parametrize("d", [8, 13, 40, 64, 80, 128, 144, 200])
 @pytest.mark.parametrize("hk", [3, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_one_row_per_kv_head(dtype, hk, d):
     """MHA at q_len 1: one row per kv head, the scores in blocks of up to four kv heads
-    (head_blocks: 3 and 5 heads leave partial blocks) and P V in passes of 8 / 4 / 2 / 1 vectors
-    by head dim; causal with q_len 2 runs the same heads one row at a time at the chunk edge."""
+    (head_blocks: 3 and 5 heads leave partial blocks), or for float32 on AVX2 at d 128 / 144, 8
+    keys at a time per kv head (key_blocks: 450 and 33 keys leave partial key blocks), and P V in
+    passes of 8 / 4 / 2 / 1 vectors by head dim; a page of 5 keys moves the row pointers inside
+    a key block and splits start mid-cache; causal with q_len 2 runs the same heads one row at a
+    time at the chunk edge."""
     run(Case(d=d, dtype=dtype, b=2, h=hk, hk=hk, sq=1, seqlens=(450, 33), num_splits=0))
+    run(Case(d=d, dtype=dtype, b=2, h=hk, hk=hk, sq=1, seqlens=(97, 8), num_splits=3, page=5))
     run(Case(d=d, dtype=dtype, b=2, h=hk, hk=hk, sq=2, seqlens=(70, 2), window=(-1, 0), num_splits=1, page=16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("h,hk,sq,d", [(40, 40, 1, 128), (40, 40, 3, 200), (64, 16, 2, 256)], ids=str)
+def test_short_chunks(h, hk, sq, d, dtype):
+    """Wide kv rows (H_k * D * element past 4 KB): the chunks shrink below 32 keys (to fit
+    kChunkBytes, down to a vector's lanes), so chunk edges, the softmax's online updates, the
+    compensated flushes every 256 keys, windows and splits all land at other keys."""
+    run(Case(b=2, h=h, hk=hk, sq=sq, d=d, dtype=dtype, seqlens=(300, 29), num_splits=0, window=(-1, 0)))
+    run(Case(b=2, h=h, hk=hk, sq=sq, d=d, dtype=dtype, seqlens=(1, 270), num_splits=3, page=5, sinks=True))
 
 
 @pytest.mark.parametrize("d", [8, 13, 40, 64, 80, 128, 200, 256])

@@ -3,16 +3,17 @@
 //
 // One task = (batch b, key split), every head. The rows of kv head hk are the G = H / H_k query
 // heads of its GQA group times the Sq query rows, packed as G * Sq rows, so each K / V element
-// is loaded once per group and feeds G * Sq FMAs. Keys go by in chunks of kChunk, and inside a
-// chunk key by key, each key's kv heads in order (one sequential stream through a (B, S, H_k, D)
-// cache or a page of one; walking one kv head's rows, H_k * D apart, maps them onto a few L1
-// sets and misses the TLB every few rows):
-//   scores  S (H * Sq, kChunk) = Q K_chunk^T, each K row converted to T in registers;
+// is loaded once per group and feeds G * Sq FMAs. Keys go by in chunks of kChunk (fewer where
+// the kv rows are wide: kChunkBytes), and inside a chunk key by key, each key's kv heads in order
+// (one sequential stream through a (B, S, H_k, D) cache or a page of one; walking one kv head's
+// rows, H_k * D apart, maps them onto a few L1 sets and misses the TLB every few rows; float32
+// MHA at D >= 128 on AVX2 walks 8 at a time per kv head, where that measured faster: dot_keys):
+//   scores  S (H * Sq, chunk) = Q K_chunk^T, each K row converted to T in registers;
 //   policy  the softmax family's TileSoftmax (softmax/cpu/tile.h) per row, one per head;
 //   PV      O (H * Sq, D) += P V_chunk kv head by kv head, each V row converted in registers,
 //           O in registers per (4 rows x 2 vectors) block; the scores pass prefetched V.
-// O accumulates kFlushChunks chunks at a time and each such block joins the row's running output
-// by compensated addition (simd.h's kahan_add; l per chunk, in TileSoftmax::online_update), so a
+// O accumulates kFlushChunks * kChunk keys at a time and each such block joins the row's running
+// output by compensated addition (simd.h's kahan_add; l per chunk, in TileSoftmax::online_update), so a
 // split of tens of millions of keys keeps float32 accuracy. Splits give many cores work at batch 1 (their
 // count follows the problem, not the threads: decode_num_splits); their (O_s, lse_s) merge exactly through
 // common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
@@ -43,6 +44,12 @@ namespace {
 constexpr int kChunk = 32;
 // Query rows per register block of the two products.
 constexpr int kRowBlock = 4;
+// One chunk's K rows of every kv head, at most (keys per chunk halve down to a vector's lanes
+// until they fit): the scores pass prefetches the chunk's V and the next chunk's K into L2, so
+// three such blocks share it. At H_k * D = 4096 float32 (MHA, H 32, D 128) 32 keys of K are
+// 512 KB, a whole Zen 3 L2 before the V and next K beside them; 8-key chunks measured 1.1-1.2x
+// faster there (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
+constexpr int64_t kChunkBytes = 128 * 1024;
 // Chunks whose P V accumulate plainly in O before O joins the running output (os, oc): the
 // compensated addition's pass over O every 256 keys, instead of every 32, keeps its cost small.
 constexpr int kFlushChunks = 8;
@@ -166,6 +173,7 @@ struct DecodeWorker {
   int dq;                    // qh's row length: d rounded up to 32 (one vdpbf16ps operand)
   std::vector<uint16_t> ph;  // kDots: the chunk's P rows rounded to bf16 (rows, kChunk)
   T *os, *oc, *lc;  // the running output, its compensation, and l's (o: the block being summed)
+  int chunk;  // keys per chunk (kChunk, or fewer where one chunk's K rows pass kChunkBytes)
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
   const E* kp_next[kChunk];  // the next chunk's
@@ -194,6 +202,9 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
+    chunk = kChunk;
+    const int64_t k_row_bytes = int64_t(p.h_k) * d * int64_t(sizeof(E));
+    while (chunk > L && chunk * k_row_bytes > kChunkBytes) chunk /= 2;
     row_lo.resize(p.sq);
     row_hi.resize(p.sq);
     pols.reserve(p.h);  // TileSoftmax keeps a reference: no reallocation
@@ -351,6 +362,55 @@ struct DecodeWorker {
       false;
 #endif
   bool head_blocks() const { return rows_g == 1 && (!std::is_same_v<E, T> || kHeadBlocksF32); }
+  // One row per kv head, float32 cache, on AVX2 (head_blocks, 8-lane vectors): at d >= 128 the
+  // scores go 8 keys at a time per row, one accumulator per key, reduced together (simd.h's
+  // hsum8) into one vector of S. Each K row is still loaded once; q's vectors are loaded once
+  // per 8 keys instead of once per key, and the reduction costs about one instruction per score
+  // against two in the per-key blocks (hsum4 over 4 kv heads). Measured on Zen 3 (2 threads, same
+  // process, benchmarks/results/2026-11-28-decode-cpu-zen3.md): float32 at D 128 1.08-1.43x, the
+  // cache cold or warm; at D 64 faster warm but slower cold (0.82-0.95x), and bf16 caches lost at
+  // H 8 D 128 (0.84-0.91x): those stay on the per-key blocks.
+  static constexpr bool kKeyBlocks =
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      std::is_same_v<T, float> && std::is_same_v<E, T>;
+#else
+      false;
+#endif
+  bool key_blocks() const { return kKeyBlocks && head_blocks() && d >= 128 && d % (2 * L) == 0; }
+  // S row r (kv head r) x keys [jb, jb + 8) of the chunk, raw. Keys past nk (the chunk's end)
+  // read key jb's row again, and their sums land in S past n, which the softmax never reads
+  // (scores() zero-fills [n, nn) first). Every key's sum follows the same order wherever its
+  // block starts, so splits and chunk edges do not change a score.
+  void dot_keys(int r, int jb, int nk) {
+    if constexpr (kKeyBlocks) {
+      // row r's q in qp: block r0 of RR rows (row_blocks over the kv heads), vector c / L of
+      // row x at (c / L * RR + x) * L
+      const int r0 = r / kRowBlock * kRowBlock, rr = std::min(kRowBlock, p.h_k - r0);
+      const T* qb = qp + size_t(r0) * dp + (r - r0) * L;
+      const int qs = rr * L;
+      const E* kr[8];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) kr[u] = kp[jb + (u < nk ? u : 0)] + int64_t(r) * p.k_head_stride;
+      V acc[8];
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) acc[u] = V{};
+      for (int c = 0; c < d; c += 2 * L, qb += 2 * qs) {
+        const V q0 = vload(qb), q1 = vload(qb + qs);
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) {
+          V k0, k1;
+          load_pair<T>(kr[u] + c, &k0, &k1);
+          acc[u] += q0 * k0;
+          acc[u] += q1 * k1;
+        }
+      }
+      V sums;
+      hsum8(acc, &sums);
+      vstore(s + size_t(r) * kChunk + jb, sums);
+    } else {
+      (void)r, (void)jb, (void)nk;
+    }
+  }
   // f(r0, RR) over the register blocks of the scores: a GQA group's rows, or kv heads side by
   // side (head_blocks)
   template <typename F>
@@ -537,20 +597,20 @@ struct DecodeWorker {
     const E* vbase = static_cast<const E*>(p.v);
     const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
     auto rows_of = [&](int j0, const E** kq, const E** vq) {
-      kv.walk(j0, std::min(kChunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
+      kv.walk(j0, std::min(chunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
         kq[jj] = kbase + ko;
         vq[jj] = vbase + vo;
       });
     };
     if (a < e) rows_of(a, kp, vp);
-    for (int j0 = a; j0 < e; j0 += kChunk) {
-      const int n = std::min(kChunk, e - j0), nn = round_up(n, L);
+    for (int j0 = a; j0 < e; j0 += chunk) {
+      const int n = std::min(chunk, e - j0), nn = round_up(n, L);
       if (j0 > a) {
         std::copy(kp_next, kp_next + n, kp);
         std::copy(vp_next, vp_next + n, vp);
       }
-      const int n_next = j0 + kChunk < e ? std::min(kChunk, e - j0 - kChunk) : 0;
-      if (n_next > 0) rows_of(j0 + kChunk, kp_next, vp_next);
+      const int n_next = j0 + chunk < e ? std::min(chunk, e - j0 - chunk) : 0;
+      if (n_next > 0) rows_of(j0 + chunk, kp_next, vp_next);
       // scores: key by key, every kv head of the key (one sequential stream through the cache);
       // on the way, the key's V rows are prefetched for the PV pass and the next chunk's K rows
       // for the next scores pass (the hardware prefetchers alone left the FMAs waiting on K).
@@ -558,8 +618,13 @@ struct DecodeWorker {
       // outgrows a 32 KB L1, so L1 prefetches evicted rows not yet read. On one Zen 4 core,
       // L2 hints took a 32k-key bf16 step from 12-13 to 10 ms and fp32 from 22 to 17; also
       // prefetching the next chunk's V (one chunk ahead instead of the same chunk) lost again.
+      const bool kb = key_blocks();
       for (int jj = 0; jj < n; ++jj) {
-        if (head_blocks()) {  // row r = kv head r
+        if (kb) {  // row r = kv head r, 8 keys at a time
+          if (jj % 8 == 0) {
+            for (int r = 0; r < p.h_k; ++r) dot_keys(r, jj, std::min(8, n - jj));
+          }
+        } else if (head_blocks()) {  // row r = kv head r
           row_blocks(0, p.h_k, [&](int r0, auto rr) {
             dot<decltype(rr)::value, false>(r0, jj, kp[jj] + r0 * p.k_head_stride, p.k_head_stride);
           });
@@ -615,7 +680,7 @@ struct DecodeWorker {
           pv<1>(r, n, hk * p.v_head_stride, std::clamp(row_lo[i] - j0, 0, n), std::clamp(row_hi[i] - j0, 0, n));
         }
       }
-      if ((j0 - a) / kChunk % kFlushChunks == kFlushChunks - 1) flush();
+      if ((j0 - a + chunk) % (kFlushChunks * kChunk) == 0) flush();
     }
     flush();
 
