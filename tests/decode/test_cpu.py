@@ -70,8 +70,9 @@ def test_one_row_per_kv_head(dtype, hk, d):
 def test_short_chunks(h, hk, sq, d, dtype):
     """Wide kv rows (H_k * D * element past 4 KB): the chunks shrink below 32 keys (to fit
     kChunkBytes, down to a vector's lanes), so chunk edges, the softmax's online updates, the
-    compensated flushes every 256 keys, windows and splits all land at other keys."""
-    run(Case(b=2, h=h, hk=hk, sq=sq, d=d, dtype=dtype, seqlens=(300, 29), num_splits=0, window=(-1, 0)))
+    compensated flushes every 256 keys, windows and splits all land at other keys; the default
+    split count gives such rows 256-key splits (decode_num_splits), so 700 keys take two."""
+    run(Case(b=2, h=h, hk=hk, sq=sq, d=d, dtype=dtype, seqlens=(700, 29), num_splits=0, window=(-1, 0)))
     run(Case(b=2, h=h, hk=hk, sq=sq, d=d, dtype=dtype, seqlens=(1, 270), num_splits=3, page=5, sinks=True))
 
 

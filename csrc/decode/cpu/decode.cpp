@@ -766,15 +766,21 @@ int decode_num_splits(const DecodeParamsT<T>& p, int max_keys) {
   // rounding with them (the forward is bit-identical for any thread count). Up to kTasks tasks
   // (B * splits): 64 give a batch-1 call work for 32 cores at two tasks each (dynamic hand-out
   // evens out ragged lengths), and bound the partials to about (64 + B) * H * Sq rows of d.
-  // Each split keeps >= kSplitKeys keys, so a task's fixed cost (its q rows, the partial it
+  // Each split keeps >= kSplitKeys keys (at H_k 8, D 128; below), so a task's fixed cost (its q rows, the partial it
   // writes and the merge reads, the unprefetched first chunk) stays small against its keys: on
   // one Zen 3 core at Hq32 Hk8 D128 and 4k keys, 256-key splits cost 7-16% over one split and
   // 64-key splits 30-65%, while 1024-key splits measured within the noise (about +-10% on a
   // shared machine) of the thread-count rule from batch 1 to 4 and 4k to 64k keys. A 4k cache
   // at batch 1 gets 4 splits, 16k 16, 64k and longer 64; batch 4 at 16k 16; batch >= 64 none.
-  constexpr int64_t kTasks = 64, kSplitKeys = 1024;
+  // The keys per split count K / V elements, not keys: a split holds the elements of 1024 keys at
+  // H_k 8, D 128 (2M), so wider kv rows take fewer keys, down to 256. At MHA H 32 D 128 and 1024
+  // keys, 1024-key splits left batch 1 one task (one core busy); 256-key splits (4 tasks) ran
+  // 1.5-1.8x faster on 2 Zen 3 cores (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
+  constexpr int64_t kTasks = 64, kSplitKeys = 1024, kSplitKeysMin = 256, kSplitElems = kSplitKeys * 2 * 8 * 128;
   const int64_t want = (kTasks + p.b - 1) / p.b;
-  return int(std::max<int64_t>(1, std::min<int64_t>(want, max_keys / kSplitKeys)));
+  const int64_t row = 2 * int64_t(p.h_k) * p.d;  // K and V elements per key
+  const int64_t split_keys = std::clamp<int64_t>(kSplitElems / std::max<int64_t>(row, 1), kSplitKeysMin, kSplitKeys);
+  return int(std::max<int64_t>(1, std::min<int64_t>(want, max_keys / split_keys)));
 }
 template int decode_num_splits<float>(const DecodeParamsT<float>&, int);
 template int decode_num_splits<double>(const DecodeParamsT<double>&, int);
