@@ -12,11 +12,14 @@ Sections (q_len 1, the issue's sizes):
    the other contenders ran (its K / V evicted, as in a model whose other layers read their
    caches in between), and back to back (`--warm` table: the 16.7 MB cache stays in L3).
 3. Paged (page 16 and 256) against contiguous, on both cases.
+4. MHA at D 128 (B1, H 32, cache 1024; contiguous only), cold and warm: the float32 rows run the
+   kernel's 8-key score blocks and its short chunks (csrc/decode/cpu/decode.cpp), bf16 the chunks.
 --quick divides the cache lengths by 4 (a smoke run, not the issue's sizes).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import sys
@@ -94,16 +97,17 @@ def main(argv=None) -> int:
     hdr = ("| case | dtype | kernel | ms | K/V GB/s | share of copy bw | vs SDPA (speedup) | vs contiguous |\n"
            "|---|---|---|---|---|---|---|---|")
     lines.append(hdr)
-    for name, (b, h, hk, d, s), dtypes in (("B4 Hq32 Hkv8 D128", (4, 32, 8, 128, 16384 // div), (torch.float32, torch.bfloat16)),
-                                           ("B1 H8 D64", (1, 8, 8, 64, 4096 // div), (torch.float32, torch.bfloat16))):
-        for dtype in dtypes:
-            for k_, ms, gbs, share, vs_sdpa, vs_ours in case(b, h, hk, d, s, dtype, args.reps, copy_bw):
+    both = (torch.float32, torch.bfloat16)
+    for name, (b, h, hk, d, s), pages in (("B4 Hq32 Hkv8 D128", (4, 32, 8, 128, 16384 // div), (16, 256)),
+                                          ("B1 H8 D64", (1, 8, 8, 64, 4096 // div), (16, 256)),
+                                          ("B1 H32 D128", (1, 32, 32, 128, 1024 // div), ())):
+        for dtype in both:
+            for k_, ms, gbs, share, vs_sdpa, vs_ours in case(b, h, hk, d, s, dtype, args.reps, copy_bw, pages):
                 lines.append(f"| {name} S{s} | {str(dtype)[6:]} | {k_} | {ms:.3f} | {gbs:.1f} | {share:.0%} | "
                              f"{vs_sdpa:.2f}x | {vs_ours:.2f} |")
-    lines += ["", "Back to back (each kernel's K / V warm in cache), B1 H8 D64, median of 200 calls:", "",
+    lines += ["", "Back to back (each kernel's K / V warm in cache), median of 200 calls:", "",
               "| case | dtype | ours ms | sdpa ms | vs SDPA (speedup) |", "|---|---|---|---|---|"]
-    b, h, d, s = 1, 8, 64, 4096 // div
-    for dtype in (torch.float32, torch.bfloat16):
+    for (b, h, d, s), dtype in itertools.product(((1, 8, 64, 4096 // div), (1, 32, 128, 1024 // div)), both):
         q = torch.randn(b, 1, h, d).to(dtype)
         kc, vc = torch.randn(b, s, h, d).to(dtype), torch.randn(b, s, h, d).to(dtype)
         seqlens = torch.full((b,), s, dtype=torch.int32)
@@ -111,7 +115,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             t = interleaved_warm({"ours": lambda: decode_fwd(q, kc, vc, cache_seqlens=seqlens, scale=d ** -0.5),
                                   "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=d ** -0.5)})
-        lines.append(f"| B1 H8 D64 S{s} | {str(dtype)[6:]} | {t['ours'] * 1e3:.3f} | {t['sdpa'] * 1e3:.3f} | "
+        lines.append(f"| B{b} H{h} D{d} S{s} | {str(dtype)[6:]} | {t['ours'] * 1e3:.3f} | {t['sdpa'] * 1e3:.3f} | "
                      f"{t['sdpa'] / t['ours']:.2f}x |")
     text = "\n".join(lines)
     print(text)
