@@ -5,6 +5,7 @@ timing, the measured matmul ceiling and copy bandwidth."""
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from typing import Callable, NamedTuple, Optional
@@ -101,15 +102,23 @@ def bench(fn: Callable[[], object], *, warmup: int = 1, reps: int = 5, min_time:
     return statistics.median(times)
 
 
-def interleaved(fns: dict, *, warmup: int = 1, reps: int = 5, sync=None) -> dict:
+def interleaved(fns: dict, *, warmup: int = 1, reps: int = 5, sync=None, shuffle: bool = False) -> dict:
     """Median seconds per call of each fn, timed round-robin so noise on a shared machine hits
-    every contender alike."""
+    every contender alike. shuffle: each round takes the contenders in a seeded random order, so
+    none always runs right after the same neighbour. Where a call leaves the caches dirty or cold
+    for the next (a bf16 SDPA call writes float32 copies of K / V), a fixed order charges that
+    to whoever follows: the decode benchmark's page-16 row, always after SDPA, read 0.74-0.77 of
+    contiguous there and 0.92-1.01 in a shuffled A/B (benchmarks/results/2026-11-28-decode-cpu-zen3.md)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {k: [] for k in fns}
+    rng = random.Random(0)
     for _ in range(reps):
-        for k, fn in fns.items():
+        order = list(fns.items())
+        if shuffle:
+            rng.shuffle(order)
+        for k, fn in order:
             t0 = time.perf_counter()
             fn()
             if sync is not None:
@@ -819,7 +828,7 @@ def decode_main(dev: str, reps: int) -> int:
                     "ours": lambda: decode_fwd(q, kc, vc, cache_seqlens=lens, scale=d ** -0.5),
                     "paged": lambda: decode_fwd(q, kp, vp, cache_seqlens=lens, block_table=bt, scale=d ** -0.5),
                     "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
-                }, reps=reps, sync=sync)
+                }, reps=reps, sync=sync, shuffle=True)
             nb = decode_bytes(b, hk, s, d, dtype)
             print(f"| {s} | {str(dtype)[6:]} | {nb / t['ours'] / 1e9:.1f} | {nb / t['ours'] / copy_bw:.0%} | "
                   f"{t['ours'] / t['paged']:.2f} | {nb / t['sdpa'] / 1e9:.1f} | {t['sdpa'] / t['ours']:.2f}x |")
