@@ -118,6 +118,14 @@ inline auto hsum_tree(V v) {
 #endif
   return hsum(v);
 }
+#if defined(__AVX__) && !defined(__AVX512F__)
+// The first two levels of hsum4 / hsum8's tree for r[0..3]: adjacent lane pairs, then pairs of
+// pairs, within each 128-bit half: lane x of the low half holds row x's lanes 0-3 summed, lane
+// x of the high half its lanes 4-7.
+inline __m256 hadd_pairs4(const vf* r) {
+  return _mm256_hadd_ps(_mm256_hadd_ps((__m256)r[0], (__m256)r[1]), _mm256_hadd_ps((__m256)r[2], (__m256)r[3]));
+}
+#endif
 // out[x] = the lane sum of r[x], four float vectors at once: the reductions share their
 // shuffles (AVX2: three hadds and one add; AVX-512: five shuffles and six adds), where four
 // hsum_tree calls take four times log2(lanes) shuffle + add pairs. A dot product per
@@ -136,9 +144,7 @@ inline bool hsum4(const vf* r, float* out) {
   _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w)));
   return true;
 #elif defined(__AVX__)
-  const __m256 t0 = _mm256_hadd_ps((__m256)r[0], (__m256)r[1]);
-  const __m256 t1 = _mm256_hadd_ps((__m256)r[2], (__m256)r[3]);
-  const __m256 t = _mm256_hadd_ps(t0, t1);  // lanes (0 1 2 3) low half, (0 1 2 3) high half
+  const __m256 t = hadd_pairs4(r);  // lanes (0 1 2 3) low half, (0 1 2 3) high half
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
   return true;
 #else
@@ -155,19 +161,13 @@ inline bool hsum4(const vf* r, float* out) {
 // writing nothing, where vf is not eight floats.
 inline bool hsum8(const vf* r, vf* out) {
 #if defined(__AVX__) && !defined(__AVX512F__)
-  const __m256 t0 = _mm256_hadd_ps((__m256)r[0], (__m256)r[1]);  // (r0 01, r0 23, r1 01, r1 23 | 45, 67)
-  const __m256 t1 = _mm256_hadd_ps((__m256)r[2], (__m256)r[3]);
-  const __m256 t2 = _mm256_hadd_ps((__m256)r[4], (__m256)r[5]);
-  const __m256 t3 = _mm256_hadd_ps((__m256)r[6], (__m256)r[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // (r0..r3 lanes 0-3 | r0..r3 lanes 4-7)
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // (r4..r7 lanes 0-3 | r4..r7 lanes 4-7)
+  const __m256 u0 = hadd_pairs4(r);      // (r0..r3 lanes 0-3 | r0..r3 lanes 4-7)
+  const __m256 u1 = hadd_pairs4(r + 4);  // (r4..r7 lanes 0-3 | r4..r7 lanes 4-7)
   *out = (vf)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   return true;
-#else
-  (void)r;
-  (void)out;
-  return false;
 #endif
+  (void)r, (void)out;
+  return false;
 }
 
 // 2^x for the softmax, where x = (s - max) * log2(e) <= 0: no overflow handling, and the clamp at

@@ -2,6 +2,7 @@
 // plain loops; built with and without -march=native (test_cpp.py) so both the register forms
 // and the portable loops run.
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "check.h"
@@ -60,8 +61,9 @@ void check_hsums() {
   for (int x = 0; x < 8; ++x) {
     for (int u = 0; u < L; ++u) r[x][u] = std::ldexp(1.0f + 0.37f * float(x * L + u), (x + 3 * u) % 29 - 14) * (u % 3 ? 1 : -1);
   }
-  auto tree8 = [&](int x) {
-    const vf& v = r[x];
+  auto tree8 = [&](int x) {  // used where L == 8; a copy keeps narrower builds in bounds
+    float v[8] = {};
+    std::memcpy(v, &r[x], sizeof(float) * (L < 8 ? L : 8));
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
   };
   float out4[4] = {-1, -1, -1, -1};
