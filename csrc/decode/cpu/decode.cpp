@@ -47,8 +47,8 @@ constexpr int kRowBlock = 4;
 // One chunk's K rows of every kv head, at most (keys per chunk halve down to a vector's lanes
 // until they fit): the scores pass prefetches the chunk's V and the next chunk's K into L2, so
 // three such blocks share it. At H_k * D = 4096 float32 (MHA, H 32, D 128) 32 keys of K are
-// 512 KB, a whole Zen 3 L2 before the V and next K beside them; 8-key chunks measured 1.1-1.2x
-// faster there (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
+// 512 KB, a whole Zen 3 L2 before the V and next K beside them; 8-key chunks measured 1.17-1.33x
+// faster there, and 16-key ones 1.06-1.18x at H 16 (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
 constexpr int64_t kChunkBytes = 128 * 1024;
 // Chunks whose P V accumulate plainly in O before O joins the running output (os, oc): the
 // compensated addition's pass over O every 256 keys, instead of every 32, keeps its cost small.
