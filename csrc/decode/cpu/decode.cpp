@@ -370,12 +370,7 @@ struct DecodeWorker {
   // process, benchmarks/results/2026-11-28-decode-cpu-zen3.md): float32 at D 128 1.08-1.43x, the
   // cache cold or warm; at D 64 faster warm but slower cold (0.82-0.95x), and bf16 caches lost at
   // H 8 D 128 (0.84-0.91x): those stay on the per-key blocks.
-  static constexpr bool kKeyBlocks =
-#if defined(__AVX2__) && !defined(__AVX512F__)
-      std::is_same_v<T, float> && std::is_same_v<E, T>;
-#else
-      false;
-#endif
+  static constexpr bool kKeyBlocks = kHeadBlocksF32 && std::is_same_v<T, float> && std::is_same_v<E, T>;
   bool key_blocks() const { return kKeyBlocks && head_blocks() && d >= 128 && d % (2 * L) == 0; }
   // S row r (kv head r) x keys [jb, jb + 8) of the chunk, raw. Keys past nk (the chunk's end)
   // read key jb's row again, and their sums land in S past n, which the softmax never reads
@@ -405,8 +400,7 @@ struct DecodeWorker {
         }
       }
       V sums;
-      hsum8(acc, &sums);
-      vstore(s + size_t(r) * kChunk + jb, sums);
+      if (hsum8(acc, &sums)) vstore(s + size_t(r) * kChunk + jb, sums);  // always on AVX2
     } else {
       (void)r, (void)jb, (void)nk;
     }
