@@ -22,7 +22,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build test hopper families models bench fbench ncu sanitize"}  # + sm80, tune: see their stages
+STAGES=${STAGES:-"build test hopper families graphs models bench fbench ncu sanitize fsanitize"}  # + sm80, tune: see their stages
 TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
@@ -325,6 +325,26 @@ PY
     { echo "==== hopper_bwd=1 $tool (rc=$rc)"; cat "$TMPD/san_hb.log"; } >> "$OUT/sanitizer.log"
     note "compute-sanitizer $tool, hopper_bwd=1: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|cases done' "$TMPD/san_hb.log" | tr '\n' ' ')"
   done
+fi
+
+if has fsanitize; then
+  # the decode, linear and sparse kernels (benchmarks/gpu_sanitize_families.py), every tool issue
+  # 17 names; appended to sanitizer.log. initcheck runs last: it also sees torch's own kernels.
+  for tool in ${FSAN_TOOLS:-memcheck racecheck synccheck initcheck}; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 \
+      python3 benchmarks/gpu_sanitize_families.py >"$TMPD/fsan_$tool.log" 2>&1
+    rc=$?
+    { echo "==== families $tool (rc=$rc)"; cat "$TMPD/fsan_$tool.log"; } >> "$OUT/sanitizer.log"
+    note "compute-sanitizer $tool, decode / linear / sparse: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|cases|cases done' "$TMPD/fsan_$tool.log" | tr '\n' ' ')"
+  done
+fi
+
+if has graphs; then
+  # CUDA-graph replay (atol 0) and a side stream, every family (tests/test_cuda_graphs.py)
+  timeout 240 python3 -m pytest tests/test_cuda_graphs.py -q -rfxX -p no:cacheprovider >"$TMPD/graphs.log" 2>&1
+  note "CUDA graphs / streams (rc=$?): $(tail -1 "$TMPD/graphs.log")"
+  grep -E "^(FAILED|XPASS|XFAIL)" "$TMPD/graphs.log" | cut -c1-200 | head -10 | tee -a "$SUMMARY" || true
+  { echo "==== tests/test_cuda_graphs.py"; cat "$TMPD/graphs.log"; } >> "$OUT/test.log"
 fi
 
 echo

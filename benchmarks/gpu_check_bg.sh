@@ -15,7 +15,7 @@ set -u
 cd "$(dirname "$0")/.."
 RUN=/tmp/gpu_check_bg
 WAIT=${WAIT:-540}
-PLAN=${PLAN:-${STAGES:-build test hopper families models bench fbench ncu sanitize}}
+PLAN=${PLAN:-${STAGES:-build test hopper families graphs models bench fbench ncu sanitize fsanitize}}
 mkdir -p "$RUN"
 # a finished run of another plan is replaced by a new one; a live run is never restarted
 if [ -f "$RUN/pid" ] && ! kill -0 "$(cat "$RUN/pid")" 2>/dev/null && [ "$(cat "$RUN/plan")" != "$PLAN" ]; then
