@@ -5,6 +5,12 @@ keys / values written IN PLACE into the (paged) cache at rows cache_seqlens[b] +
 attention of q over the cache_seqlens[b] + S_new keys of every sequence (decode_fwd). Every
 argument is validated first, so bad input is a clear ValueError / TypeError and never a crash,
 a write out of bounds or a silent wrong answer.
+
+While a CUDA graph is being captured the values of the index tensors cannot be read on the host
+(a sync); shapes, dtypes and devices are still checked, but a bad index value (a length past the
+capacity, a page outside the pool, ...) is found on the device instead: the index is clamped into
+the cache, so nothing is read or written out of bounds, and that sequence's rows of out and lse
+come back NaN. The cache rows such a clamped append lands on are then unspecified.
 """
 from __future__ import annotations
 
@@ -38,6 +44,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: 
         x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
         rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host reads of tensor values)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _fault(cond: Tensor, bad: Optional[Tensor], msg) -> None:
+    """cond (B,) bool: the sequences with a bad index value. Outside a capture (bad is None):
+    ValueError(msg()) if any; under one: marked in bad (B,), whose rows of out / lse become NaN."""
+    if bad is None:
+        if bool(cond.any()):
+            raise ValueError(msg())
+    else:
+        bad |= cond
 
 
 def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) -> Optional[Tensor]:
@@ -157,9 +178,13 @@ def flash_attn_with_kvcache(
         capacity = rows_per
     cache_batch_idx = _int_vector("cache_batch_idx", cache_batch_idx, b, dev)
     cache_leftpad = _int_vector("cache_leftpad", cache_leftpad, b, dev)
-    if cache_batch_idx is not None and cache_batch_idx.numel() and (
-            int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= n_rows):
-        raise ValueError(f"flash_attn_with_kvcache: cache_batch_idx entries must lie in [0, {n_rows})")
+    # index values: checked on the host, or under a capture marked per sequence (module docstring)
+    bad = torch.zeros(b, dtype=torch.bool, device=dev) if _capturing(dev) else None
+    if cache_batch_idx is not None and cache_batch_idx.numel():
+        _fault((cache_batch_idx < 0) | (cache_batch_idx >= n_rows), bad,
+               lambda: f"flash_attn_with_kvcache: cache_batch_idx entries must lie in [0, {n_rows})")
+        if bad is not None:
+            cache_batch_idx = cache_batch_idx.clamp(0, n_rows - 1)
     if block_table is None and cache_batch_idx is None and n_rows < b:
         raise ValueError(f"flash_attn_with_kvcache: the cache holds {n_rows} sequences, q has {b}")
     if block_table is None and cache_batch_idx is None and n_rows > b:
@@ -178,14 +203,16 @@ def flash_attn_with_kvcache(
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
     else:
         seqlens = _int_vector("cache_seqlens", cache_seqlens, b, dev)
-    if seqlens is not None and b and int(seqlens.min()) < 0:
-        raise ValueError("flash_attn_with_kvcache: cache_seqlens must be >= 0")
+    if seqlens is not None and b:
+        _fault(seqlens < 0, bad, lambda: "flash_attn_with_kvcache: cache_seqlens must be >= 0")
+        if bad is not None:
+            seqlens = seqlens.clamp(min=0)
     if cache_leftpad is not None and b:
-        if int(cache_leftpad.min()) < 0:
-            raise ValueError("flash_attn_with_kvcache: cache_leftpad must be >= 0")
+        _fault(cache_leftpad < 0, bad, lambda: "flash_attn_with_kvcache: cache_leftpad must be >= 0")
         ends = seqlens if seqlens is not None else torch.full_like(cache_leftpad, capacity)
-        if bool((cache_leftpad > ends).any()):
-            raise ValueError("flash_attn_with_kvcache: cache_leftpad must be <= cache_seqlens")
+        _fault(cache_leftpad > ends, bad, lambda: "flash_attn_with_kvcache: cache_leftpad must be <= cache_seqlens")
+        if bad is not None:
+            cache_leftpad = torch.minimum(cache_leftpad.clamp(min=0), ends)
 
     # ---- new keys / values
     s_new = 0
@@ -206,19 +233,23 @@ def flash_attn_with_kvcache(
             raise ValueError(f"flash_attn_with_kvcache: k and v must have one S_new, got {k.shape[1]}, {v.shape[1]}")
         s_new = k.shape[1]
     end = seqlens + s_new if seqlens is not None else None
-    if end is not None and b and int(end.max()) > capacity:
-        bad = int(torch.argmax(end))
-        raise ValueError(f"flash_attn_with_kvcache: cache overflow: sequence {bad} would hold {int(end[bad])} rows "
-                         f"(cache_seqlens {int(seqlens[bad])} + {s_new} new) but the cache holds {capacity}")
+
+    def overflow():
+        i = int(torch.argmax(end))
+        return (f"flash_attn_with_kvcache: cache overflow: sequence {i} would hold {int(end[i])} rows "
+                f"(cache_seqlens {int(seqlens[i])} + {s_new} new) but the cache holds {capacity}")
+    if end is not None and b:
+        _fault(end > capacity, bad, overflow)
     if block_table is not None and b:
         # every page a sequence reads or writes must exist (entries past its end may be anything)
         used = (end if end is not None else torch.full((b,), capacity, device=dev, dtype=torch.int32))
         n_used = (used.long() + rows_per - 1) // rows_per  # (B,)
         live = torch.arange(block_table.shape[1], device=dev)[None, :] < n_used[:, None]
-        pages = block_table[live]
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= n_rows):
-            raise ValueError(f"flash_attn_with_kvcache: block_table holds a page outside [0, {n_rows}) among the "
-                             "pages the sequences use")
+        _fault((live & ((block_table < 0) | (block_table >= n_rows))).any(1), bad,
+               lambda: f"flash_attn_with_kvcache: block_table holds a page outside [0, {n_rows}) among the pages "
+                       "the sequences use")
+        if bad is not None:
+            block_table = block_table.clamp(0, n_rows - 1)
 
     # ---- rotary
     if (rotary_cos is None) != (rotary_sin is None):
@@ -242,9 +273,15 @@ def flash_attn_with_kvcache(
         if s_new:
             k_pos = base + torch.arange(s_new, device=dev)[None, :]
             need.append(k_pos)
-        top = max((int(t.max()) for t in need if t.numel()), default=-1)
-        if top >= rotary_cos.shape[0]:
-            raise ValueError(f"flash_attn_with_kvcache: rotary position past seqlen_ro = {rotary_cos.shape[0]}")
+        n_ro = rotary_cos.shape[0]
+        top = [t.amax(1) for t in need if t.shape[1]]  # each (B,)
+        if b and top:
+            _fault(torch.stack(top).amax(0) >= n_ro, bad,
+                   lambda: f"flash_attn_with_kvcache: rotary position past seqlen_ro = {n_ro}")
+        if bad is not None:
+            q_pos = q_pos.clamp(max=n_ro - 1)
+            if s_new:
+                k_pos = k_pos.clamp(max=n_ro - 1)
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         if s_new:
             k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
@@ -275,6 +312,8 @@ def flash_attn_with_kvcache(
     if s_new and b:
         with torch.no_grad():
             rows = seqlens.long()[:, None] + torch.arange(s_new, device=dev)[None, :]  # (B, S_new)
+            if bad is not None:
+                rows = rows.clamp(max=capacity - 1)
             if block_table is not None:
                 page = torch.gather(block_table.long(), 1, rows // rows_per)
                 slot = rows % rows_per
@@ -282,11 +321,21 @@ def flash_attn_with_kvcache(
                 seq = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev)
                 page = seq[:, None].expand(b, s_new)
                 slot = rows
-            k_cache[page, slot] = k
-            v_cache[page, slot] = v
+            if bad is None:
+                k_cache[page, slot] = k
+                v_cache[page, slot] = v
+            else:  # a bad sequence writes back what its clamped rows held
+                keep = bad[:, None, None, None]
+                k_cache[page, slot] = torch.where(keep, k_cache[page, slot], k)
+                v_cache[page, slot] = torch.where(keep, v_cache[page, slot], v)
 
+    if bad is not None and end is not None:
+        end = end.clamp(max=capacity)
     out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=end, block_table=block_table,
                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
                           sinks=sinks, scale=scale, softcap=float(softcap), window_left=wl, window_right=wr,
                           num_splits=int(num_splits))
+    if bad is not None:
+        out = out.masked_fill(bad[:, None, None, None], float("nan"))
+        lse = lse.masked_fill(bad[:, None, None], float("nan"))
     return (out, lse) if return_softmax_lse else out

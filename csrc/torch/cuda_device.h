@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -22,6 +23,10 @@ struct CudaDeviceBase {
   }
   c10::cuda::CUDAGuard guard(const at::Tensor& q) const { return c10::cuda::CUDAGuard(q.device()); }
   static cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+  // the current stream is capturing a CUDA graph (no host syncs allowed)
+  static bool capturing() {
+    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  }
 };
 
 }  // namespace api

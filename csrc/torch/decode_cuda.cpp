@@ -1,7 +1,8 @@
 // CUDA registration of the decode family: attention_ext::decode_fwd on csrc/decode/cuda, through
 // the host steps it shares with the CPU emulator (decode_cuda_steps.h), on the current stream
 // under a device guard. The index tensors' values are checked on the host (one copy and sync,
-// check_decode_inputs), which also yields the longest sequence for the split heuristic.
+// check_decode_inputs), which also yields the longest sequence for the split heuristic; while a
+// CUDA graph is captured they are not (decode_cuda_steps.h).
 #include <torch/library.h>
 
 #include <cstdint>

@@ -9,6 +9,7 @@
 //     void check_device(const Tensor& q) const;  // dtype / device the backend takes
 //     <RAII> guard(const Tensor& q) const;       // device guard for the call
 //     int sm_count() const;                      // SMs of the device (the split heuristic)
+//     bool capturing() const;                    // the current stream is capturing a CUDA graph
 //     void decode_fwd(const DecodeParams&, DType, int splits, float* part_o, float* part_lse) const;
 //   };
 #pragma once
@@ -28,12 +29,21 @@ namespace attn {
 namespace api {
 
 template <typename Device>
-std::tuple<at::Tensor, at::Tensor> decode_cuda_steps(const Device& dev, const DecodeArgs& a) {
-  const int64_t max_keys = check_decode_inputs(a);
-  dev.check_device(a.q);
-  const auto guard = dev.guard(a.q);
-  auto [out, lse] = alloc_decode_outputs(a.q);
-  if (a.q.numel() == 0) return {out, lse};
+std::tuple<at::Tensor, at::Tensor> decode_cuda_steps(const Device& dev, const DecodeArgs& args) {
+  // While a CUDA graph is captured the index values cannot be copied to the host (a sync): they
+  // go unchecked, the split heuristic sees the capacity (an upper bound of every replay's
+  // lengths), and cache_batch_idx is clamped into the cache here, on the device, as the kernels
+  // clamp seqlens_k, leftpad_k and the pages (common/decode_params.h): nothing is read out of
+  // bounds. flash_attn_with_kvcache (attention_ext/decode/kvcache.py) turns such values into
+  // NaN rows instead.
+  const bool capturing = dev.capturing();
+  const int64_t max_keys = check_decode_inputs(args, !capturing);
+  dev.check_device(args.q);
+  const auto guard = dev.guard(args.q);
+  auto [out, lse] = alloc_decode_outputs(args.q);
+  if (args.q.numel() == 0) return {out, lse};
+  DecodeArgs a = args;
+  if (capturing && a.cache_batch_idx.has_value()) a.cache_batch_idx = a.cache_batch_idx->clamp(0, a.k.size(0) - 1);
   if constexpr (Device::kPoison) {
     out.fill_(NAN);
     lse.fill_(NAN);

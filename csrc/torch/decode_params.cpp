@@ -57,7 +57,7 @@ int64_t check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cach
 
 }  // namespace
 
-int64_t check_decode_inputs(const DecodeArgs& a) {
+int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
   const Tensor &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D, got q ", q.sizes(), ", k_cache ",
@@ -132,6 +132,7 @@ int64_t check_decode_inputs(const DecodeArgs& a) {
     TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
                       "attention_ext.decode: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
   }
+  if (!read_values) return cap;
   return check_values(a, b, cap, k.size(0), num_pages, page);
 }
 

@@ -44,8 +44,11 @@ struct DecodeArgs {
 // block_table entry a sequence uses in [0, num_pages). CPU tensors are read in place; CUDA ones
 // with one reduction and one host sync. Throws c10::Error (ValueError / RuntimeError / TypeError
 // in Python) naming the bad argument. Returns the most keys any sequence sees (seqlens_k - leftpad,
-// read with those values), for the CUDA backend's split heuristic.
-int64_t check_decode_inputs(const DecodeArgs& a);
+// read with those values), for the CUDA backend's split heuristic. With read_values = false (a CUDA
+// graph being captured, where a host copy is not allowed) the values go unread and unchecked and
+// the capacity is returned: the kernels clamp every index into the cache (common/decode_params.h;
+// cache_batch_idx by the CUDA host steps), so a bad value reads nothing out of bounds.
+int64_t check_decode_inputs(const DecodeArgs& a, bool read_values = true);
 
 // out (q's shape and layout) and lse (B, H, Sq) of q's acc dtype.
 std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q);

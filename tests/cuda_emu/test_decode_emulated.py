@@ -119,3 +119,40 @@ def test_nan_key_hidden_from_some_rows(emu, window, splits):
                 else:
                     assert torch.equal(got[bi, 2:, r], clean[bi, 2:, r]), what + ": NaN from a key the row does not see"
             assert torch.equal(got[1 - bi], clean[1 - bi]), "the other sequence changed"
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("layout", ["paged", "batch_idx"])
+def test_capture_clamps_bad_indices(emu, layout, splits):
+    # Under a CUDA-graph capture the host steps cannot read the index values (decode_cuda_steps.h):
+    # they go unchecked and every index is clamped into the cache instead. Bad values must then
+    # give exactly the answer of the clamped values (and read nothing out of bounds), while the
+    # same call outside a capture raises.
+    c = Case(b=4, sq=2, num_splits=splits, seqlens=(0, 5, 40, 70), leftpad=True,
+             page=5 if layout == "paged" else None, batch_idx=layout == "batch_idx")
+    q, k, v, idx, kw, alibi, sinks = make_inputs(c)
+    cap = k.shape[1] * (idx["block_table"].shape[1] if layout == "paged" else 1)
+    bad = {n: t.clone() for n, t in idx.items()}
+    bad["cache_seqlens"][3] = cap + 50  # past the capacity
+    bad["cache_leftpad"][1] = 9  # past its sequence's end (5)
+    if layout == "paged":
+        bad["block_table"][2, 0] = -3
+        bad["block_table"][2, 1] = k.shape[0] + 7  # not a page of the pool
+    else:
+        bad["cache_batch_idx"][0] = -1
+        bad["cache_batch_idx"][2] = k.shape[0] + 2
+    clamped = {n: t.clone() for n, t in bad.items()}
+    clamped["cache_seqlens"].clamp_(0, cap)
+    clamped["cache_leftpad"] = torch.minimum(clamped["cache_leftpad"].clamp(min=0), clamped["cache_seqlens"])
+    if layout == "paged":
+        clamped["block_table"].clamp_(0, k.shape[0] - 1)
+    else:
+        clamped["cache_batch_idx"].clamp_(0, k.shape[0] - 1)
+    with pytest.raises(ValueError):
+        emu.decode_fwd(*op_args(c, q, k, v, bad, kw, alibi, sinks), splits, SMS)
+    got = emu.decode_fwd(*op_args(c, q, k, v, bad, kw, alibi, sinks), splits, SMS, True)
+    want = emu.decode_fwd(*op_args(c, q, k, v, clamped, kw, alibi, sinks), splits, SMS)
+    for g, w, name in zip(got, want, ("out", "lse")):
+        assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), name
+    # and the clamped call itself is right (the reference, on the clamped values)
+    check(c, want[0].transpose(1, 2), want[1], q, k, v, clamped, kw, alibi, sinks, "clamped")

@@ -273,6 +273,64 @@ def test_bad_input_raises(case):
     assert torch.equal(kc, k0) and torch.equal(vc, v0), "a rejected call wrote into the cache"
 
 
+
+@pytest.mark.parametrize("fault", ["overflow", "seq_neg", "leftpad", "batch_idx", "page", "rotary_len"])
+def test_capture_marks_bad_sequences(monkeypatch, fault):
+    # Under a CUDA-graph capture the index values cannot be read on the host: a bad one gives NaN
+    # rows for its sequence instead of the ValueError, and the other sequences' out, lse and cache
+    # rows are the eager call's. The capture is simulated on the CPU (kvcache._capturing says yes),
+    # which runs the same Python branch; the CUDA host steps' own capture path runs in the
+    # emulator (tests/cuda_emu/test_decode_emulated.py::test_capture_clamps_bad_indices).
+    from attention_ext.decode import kvcache
+    torch.manual_seed(0)
+    b, h, hk, d, cap, s_new = 3, 4, 2, 16, 24, 2
+    paged = fault == "page"
+    kc, vc, bt, _, loc = make_cache(b, hk, d, cap, torch.float32, paged, page=8)
+    if fault == "batch_idx":  # one spare cache row, which only the clamped index reaches
+        kc, vc = torch.randn(b + 1, cap, hk, d), torch.randn(b + 1, cap, hk, d)
+    q, kn, vn = torch.randn(b, s_new, h, d), torch.randn(b, s_new, hk, d), torch.randn(b, s_new, hk, d)
+    good = dict(cache_seqlens=torch.tensor([5, 3, 9], dtype=torch.int32), block_table=bt, causal=True,
+                num_splits=1)
+    if fault == "leftpad":
+        good["cache_leftpad"] = torch.tensor([1, 1, 2], dtype=torch.int32)
+    if fault == "batch_idx":
+        good["cache_batch_idx"] = torch.tensor([0, 1, 2], dtype=torch.int32)
+    if fault == "rotary_len":
+        good["rotary_cos"], good["rotary_sin"] = torch.rand(12, d // 2), torch.rand(12, d // 2)
+    bad = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in good.items()}
+    if fault == "overflow":
+        bad["cache_seqlens"][1] = cap - 1  # + 2 new rows > cap
+    elif fault == "seq_neg":
+        bad["cache_seqlens"][1] = -4
+    elif fault == "leftpad":
+        bad["cache_leftpad"][1] = 6  # past cache_seqlens[1] = 3
+    elif fault == "batch_idx":
+        bad["cache_batch_idx"][1] = b + 9
+    elif fault == "page":
+        bad["block_table"][1, 0] = kc.shape[0] + 3
+    elif fault == "rotary_len":
+        bad["cache_seqlens"][1] = 20  # positions 20, 21 >= seqlen_ro 12
+    k0, v0 = kc.clone(), vc.clone()
+    with pytest.raises(ValueError):
+        ae.flash_attn_with_kvcache(q, kc, vc, kn, vn, return_softmax_lse=True, **bad)
+    k_want, v_want = k0.clone(), v0.clone()
+    want = ae.flash_attn_with_kvcache(q, k_want, v_want, kn, vn, return_softmax_lse=True, **good)
+    monkeypatch.setattr(kvcache, "_capturing", lambda dev: True)
+    k_got, v_got = k0.clone(), v0.clone()
+    got = ae.flash_attn_with_kvcache(q, k_got, v_got, kn, vn, return_softmax_lse=True, **bad)
+    for g, w in zip(got, want):  # out (B, Sq, H, D), lse (B, H, Sq)
+        assert g[1].isnan().all()
+        assert torch.equal(g[0::2], w[0::2])
+    # the good sequences' new rows hold their appends; every other cache row is as it was (the bad
+    # sequence's clamped append writes back what it finds)
+    rest = torch.ones(kc.shape[:2], dtype=torch.bool)
+    for i in (0, 2):
+        for r in range(int(good["cache_seqlens"][i]), int(good["cache_seqlens"][i]) + s_new):
+            at = loc(i, r) if fault != "batch_idx" else (i, r)
+            assert torch.equal(k_got[at], k_want[at]) and torch.equal(v_got[at], v_want[at])
+            rest[at] = False
+    assert torch.equal(k_got[rest], k0[rest]) and torch.equal(v_got[rest], v0[rest])
+
 # ---------------------------------------------------------------- varlen packed and paged drop-ins
 
 def _varlen(dtype, h=4, hk=2, d=32, lens_q=(3, 1, 7), lens_k=(5, 1, 9)):
