@@ -17,6 +17,7 @@
 //     std::pair<int, int> fwd_sparse_tiles(const FwdParams&, DType) const;  // entry.h: the tiles
 //     std::pair<int, int> bwd_sparse_tiles(const BwdParams&, DType) const;  //   to index a layout at
 //     void reads(std::initializer_list<const Tensor*>) const;  // the tensors kernels may read
+//     bool capturing() const;  // the current stream is capturing a CUDA graph (tile_index's rule)
 //   };
 #pragma once
 
@@ -52,11 +53,12 @@ inline Tensor chunk_friendly(Tensor t) {
 
 // Block-sparse calls: the layout's tile index at the tiles of the kernel that will run (csc = false:
 // the forward's CSR, true: the backward's CSC), attached to p. The returned tensors must outlive
-// the launch. (0, 0) tiles: that kernel reads the layout itself.
+// the launch. (0, 0) tiles: that kernel reads the layout itself. capturing: see tile_index.
 template <typename P>
-TileIndexTensors attach_tile_index(P& p, const Options& o, std::pair<int, int> tiles, bool csc) {
+TileIndexTensors attach_tile_index(P& p, const Options& o, std::pair<int, int> tiles, bool csc, bool capturing) {
   if (!o.block_layout.has_value() || tiles.first <= 0) return {};
-  TileIndexTensors t = tile_index(*o.block_layout, o.block_size, p.sq, p.sk, tiles.first, tiles.second, csc);
+  TileIndexTensors t =
+      tile_index(*o.block_layout, o.block_size, p.sq, p.sk, tiles.first, tiles.second, csc, capturing);
   (csc ? p.sparse.bwd : p.sparse.fwd) = t.view();
   return t;
 }
@@ -81,7 +83,7 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
   if (q.numel() == 0) return {out, lse};
   FwdParams p = make_fwd_params<float>(q, k, v, out, lse, o);
   const DType dt = dtype_of(q);
-  const TileIndexTensors index = attach_tile_index(p, o, dev.fwd_sparse_tiles(p, dt), false);
+  const TileIndexTensors index = attach_tile_index(p, o, dev.fwd_sparse_tiles(p, dt), false, dev.capturing());
   // split-KV: partial O and LSE per split, float32, on the call's device and stream
   FwdSplitScratch split;
   Tensor o_accum, lse_accum;
@@ -113,7 +115,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& 
   Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
   BwdParams p = make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const DType dt = dtype_of(q);
-  const TileIndexTensors index = attach_tile_index(p, o, dev.bwd_sparse_tiles(p, dt), true);
+  const TileIndexTensors index = attach_tile_index(p, o, dev.bwd_sparse_tiles(p, dt), true, dev.capturing());
   Tensor softmax_d = cuda_scratch(q, dev.bwd_softmax_d_floats(p), Device::kPoison);
   p.softmax_d = softmax_d.data_ptr<float>();
   Tensor dq_accum;

@@ -4,6 +4,7 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -72,6 +73,7 @@ struct Entry {
   uint32_t version;
   int64_t key[6];
   bool csc;
+  bool pinned;  // read by a captured CUDA graph: kept for the process's life
   TileIndexTensors index;
 };
 
@@ -81,9 +83,17 @@ std::vector<Entry> g_cache;
 
 }  // namespace
 
+constexpr const char* kNotBuilt =
+    "attention_ext: a block-sparse call captured in a CUDA graph needs its layout's tile index built before "
+    "the capture (building it syncs with the host): run the call once outside the capture with the same layout "
+    "tensor, not an inference-mode one, as the warm-up before a capture does";
+
 TileIndexTensors tile_index(const at::Tensor& layout, int64_t block, int64_t sq, int64_t sk, int64_t tile_m,
-                            int64_t tile_n, bool csc) {
-  if (layout.is_inference()) return build(layout, block, sq, sk, tile_m, tile_n, csc);
+                            int64_t tile_n, bool csc, bool capturing) {
+  if (layout.is_inference()) {
+    TORCH_CHECK(!capturing, kNotBuilt);
+    return build(layout, block, sq, sk, tile_m, tile_n, csc);
+  }
   const uint32_t version = layout.unsafeGetTensorImpl()->version_counter().current_version();
   const int64_t key[6] = {block, sq, sk, tile_m, tile_n, layout.size(0)};
   auto same = [&](const Entry& e) {
@@ -95,18 +105,30 @@ TileIndexTensors tile_index(const at::Tensor& layout, int64_t block, int64_t sq,
   };
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    for (const Entry& e : g_cache)
-      if (same(e)) return e.index;
+    for (Entry& e : g_cache) {
+      if (same(e)) {
+        e.pinned |= capturing;
+        return e.index;
+      }
+    }
   }
+  TORCH_CHECK(!capturing, kNotBuilt);
   TileIndexTensors index = build(layout, block, sq, sk, tile_m, tile_n, csc);
   std::lock_guard<std::mutex> lock(g_mutex);
-  // drop the entries of freed layouts; past the cap, start over (a cache, not a store)
+  // drop the entries of freed layouts; past the cap, start over (a cache, not a store), keeping the
+  // pinned ones (a graph still reads them)
   std::vector<Entry> kept;
-  for (Entry& e : g_cache)
-    if (!e.owner.expired()) kept.push_back(std::move(e));
-  if (kept.size() >= kMaxEntries) kept.clear();
+  size_t unpinned = 0;
+  for (Entry& e : g_cache) {
+    if (e.pinned || !e.owner.expired()) {
+      unpinned += !e.pinned;
+      kept.push_back(std::move(e));
+    }
+  }
+  if (unpinned >= kMaxEntries) kept.erase(std::remove_if(kept.begin(), kept.end(), [](const Entry& x) { return !x.pinned; }),
+                                          kept.end());
   Entry e{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(layout.getIntrusivePtr()),
-          layout.data_ptr(), version, {}, csc, index};
+          layout.data_ptr(), version, {}, csc, false, index};
   for (int i = 0; i < 6; ++i) e.key[i] = key[i];
   kept.push_back(std::move(e));
   g_cache = std::move(kept);

@@ -23,8 +23,13 @@ struct TileIndexTensors {
 // (the forward), csc = true: CSC per key tile (the backward). Cached on the layout tensor's
 // identity and version (an in-place edit rebuilds; inference tensors, which have no version,
 // are not cached).
+// capturing: a CUDA graph is being captured. The build needs a host sync (nonzero), so the index
+// must already be in the cache (an eager call with the same layout tensor, as the warm-up before
+// a capture makes): otherwise a c10::Error says so. The entry is then pinned, never evicted,
+// since the graph's kernels read its tensors on every replay; an in-place edit of the layout
+// after the capture changes eager calls, not the replays.
 TileIndexTensors tile_index(const at::Tensor& layout, int64_t block, int64_t sq, int64_t sk, int64_t tile_m,
-                            int64_t tile_n, bool csc);
+                            int64_t tile_n, bool csc, bool capturing = false);
 
 }  // namespace api
 }  // namespace attn

@@ -32,6 +32,8 @@ attn_emu::Backend backend(int64_t arch) {
   return arch == 80 ? attn_emu::backend_sm80() : attn_emu::backend_sm90();
 }
 
+bool g_capturing = false;
+
 // Params cross to the emulated build as bytes (emu_entry.h).
 struct EmuDevice {
   static constexpr bool kPoison = true;
@@ -67,6 +69,8 @@ struct EmuDevice {
     be.sparse_tiles(&p, sizeof(p), int(dt), true, &m, &n);
     return {m, n};
   }
+  // set_capturing: the host steps act as under a CUDA-graph capture (tile_index's rule)
+  bool capturing() const { return g_capturing; }
   // cp.async may read only from the call's tensors
   void reads(std::initializer_list<const Tensor*> ts) const {
     attn_emu::clear_global_ranges();
@@ -174,6 +178,8 @@ void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, i
 
 void emu_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
 
+void emu_set_capturing(bool capturing) { g_capturing = capturing; }
+
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu, m) {
@@ -190,6 +196,7 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
+  m.def("set_capturing(bool capturing) -> ()", &emu_set_capturing);
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
         &emu_linear_fwd);
   m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "

@@ -268,3 +268,39 @@ def test_topk_nan_row_reaches_kept_keys_only(emu, what):
     rows = torch.ones(b, h, sq, dtype=torch.bool)
     rows[0, 1, row] = False
     assert torch.equal(runs[1][0][rows], runs[0][0][rows]), "dq of another row changed"
+
+
+# ---------------------------------------------------------------- CUDA-graph capture
+def test_capture_uses_the_cached_tile_index(emu):
+    # Under a CUDA-graph capture the tile index cannot be built (its build syncs with the host:
+    # csrc/torch/sparse_index.h). A layout never seen before raises a clear error; one an eager
+    # call indexed is served from the cache, bit for bit the eager result, and pinned: filling the
+    # cache past its 64 entries afterwards does not evict it. set_capturing makes the emulator's
+    # host steps act as under a capture.
+    torch.manual_seed(0)
+    q, k, v, dout = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(4))
+    layout = random_layout(2, 64, 64, 16)
+    args = tc.call_fwd(q, k, v, block_layout=layout, block_size=16)
+
+    def call():
+        out, lse = emu.fwd(q, k, v, *args, 0, False, 90)
+        return (out, lse, *emu.bwd(dout, q, k, v, out, lse, *args, False, False, None, 90)[:3])
+    try:
+        emu.set_capturing(True)
+        with pytest.raises(RuntimeError, match="tile index built before the capture"):
+            call()
+        emu.set_capturing(False)
+        eager = call()
+        emu.set_capturing(True)
+        for a, b in zip(call(), eager):
+            assert torch.equal(a, b)
+        emu.set_capturing(False)
+        others = [random_layout(1, 16, 16, 16, density=1.0) for _ in range(70)]
+        qs, ks, vs = (randn(1, 1, 16, 32, dtype=torch.bfloat16) for _ in range(3))
+        for lay in others:
+            emu.fwd(qs, ks, vs, *tc.call_fwd(qs, ks, vs, block_layout=lay, block_size=16), 0, False, 90)
+        emu.set_capturing(True)
+        for a, b in zip(call(), eager):
+            assert torch.equal(a, b)
+    finally:
+        emu.set_capturing(False)
