@@ -24,7 +24,7 @@ import attention_ext as ae
 from attention_ext._ext import HAS_EXT
 
 CUDA = torch.cuda.is_available() and HAS_EXT
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled CUDA kernels")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled CUDA kernels")
 DEV = "cuda"
 
 
@@ -117,6 +117,7 @@ def _refill(inputs):
                 t.copy_(torch.randn_like(t) if t.dtype != torch.float32 or t.dim() > 1 else torch.rand_like(t))
 
 
+@needs_cuda
 @pytest.mark.parametrize("name", list(CASES))
 def test_side_stream(name):
     torch.manual_seed(0)
@@ -131,6 +132,7 @@ def test_side_stream(name):
     _same(ref, got, f"{name} on a side stream")
 
 
+@needs_cuda
 @pytest.mark.parametrize("name", list(CASES))
 def test_graph_replay(name):
     torch.manual_seed(0)
@@ -153,6 +155,7 @@ def test_graph_replay(name):
         _same(_flat(fn(*inputs)), got, f"{name}: graph replay {rnd}")
 
 
+@needs_cuda
 def test_graph_decode_bad_index():
     # a sequence whose length passes the cache after the capture: NaN rows for it, the others as
     # the eager call with a good length gives them
@@ -178,3 +181,24 @@ def test_graph_decode_bad_index():
     want = fn(*inputs)
     for a, b in zip(got, want):
         assert torch.equal(a[0::2], b[0::2])
+
+
+@needs_cuda
+def test_dropout_refused_in_capture():
+    q = _rand(1, 2, 64, 64)
+    ae.attention(q, q, q, dropout_p=0.1)  # the warm-up, eager: fine
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="one dropout mask"):
+        with torch.cuda.graph(g):
+            ae.attention(q, q, q, dropout_p=0.1)
+
+
+def test_dropout_capture_rule(monkeypatch):
+    # the rule itself, on any machine: a capture in progress on a CUDA device refuses dropout
+    from attention_ext.softmax import functional
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="one dropout mask"):
+        functional._no_dropout_in_capture(torch.device("cuda"))
+    functional._no_dropout_in_capture(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    functional._no_dropout_in_capture(torch.device("cuda"))
