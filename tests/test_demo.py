@@ -126,7 +126,7 @@ def test_demo_quick_same_metrics_on_a_loaded_machine(tmp_path):
     differs. The step budgets are cut (the same in both runs) to keep the test short: what it tests
     is that nothing in training follows the clock, which the budgets' size does not change. No
     time cap: its stop would be a difference in steps (test_demo_time_cap_is_not_a_failed_model)."""
-    budget = ["--parts", "seq2seq,lm", "--s2s-steps", "150", "--lm-steps", "60", "--lm-eval-batches", "2",
+    budget = ["--parts", "seq2seq,lm", "--s2s-steps", "80", "--lm-steps", "30", "--lm-eval-batches", "2",
               "--lm-sample-chars", "40", "--min-accuracy", "0", "--max-seconds", "0"]
     rc, err, quiet, quiet_s = _demo_metrics(tmp_path / "quiet", *budget)
     assert rc == 0, err
@@ -140,7 +140,7 @@ def test_demo_quick_same_metrics_on_a_loaded_machine(tmp_path):
             h.wait()
     assert rc == 0, err
     assert loaded == quiet
-    assert quiet["seq2seq"]["steps"] == 150 and quiet["char_lm"]["steps"] == 60
+    assert quiet["seq2seq"]["steps"] == 80 and quiet["char_lm"]["steps"] == 30
     print(f"quiet {quiet_s:.1f} s, loaded {loaded_s:.1f} s")
 
 

@@ -53,12 +53,13 @@ inline Tensor chunk_friendly(Tensor t) {
 
 // Block-sparse calls: the layout's tile index at the tiles of the kernel that will run (csc = false:
 // the forward's CSR, true: the backward's CSC), attached to p. The returned tensors must outlive
-// the launch. (0, 0) tiles: that kernel reads the layout itself. capturing: see tile_index.
-template <typename P>
-TileIndexTensors attach_tile_index(P& p, const Options& o, std::pair<int, int> tiles, bool csc, bool capturing) {
+// the launch. (0, 0) tiles: that kernel reads the layout itself. Under a CUDA-graph capture the
+// index must come from tile_index's cache (see there); asked only for block-sparse calls.
+template <typename Device, typename P>
+TileIndexTensors attach_tile_index(const Device& dev, P& p, const Options& o, std::pair<int, int> tiles, bool csc) {
   if (!o.block_layout.has_value() || tiles.first <= 0) return {};
   TileIndexTensors t =
-      tile_index(*o.block_layout, o.block_size, p.sq, p.sk, tiles.first, tiles.second, csc, capturing);
+      tile_index(*o.block_layout, o.block_size, p.sq, p.sk, tiles.first, tiles.second, csc, dev.capturing());
   (csc ? p.sparse.bwd : p.sparse.fwd) = t.view();
   return t;
 }
@@ -83,7 +84,7 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
   if (q.numel() == 0) return {out, lse};
   FwdParams p = make_fwd_params<float>(q, k, v, out, lse, o);
   const DType dt = dtype_of(q);
-  const TileIndexTensors index = attach_tile_index(p, o, dev.fwd_sparse_tiles(p, dt), false, dev.capturing());
+  const TileIndexTensors index = attach_tile_index(dev, p, o, dev.fwd_sparse_tiles(p, dt), false);
   // split-KV: partial O and LSE per split, float32, on the call's device and stream
   FwdSplitScratch split;
   Tensor o_accum, lse_accum;
@@ -115,7 +116,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& 
   Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
   BwdParams p = make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const DType dt = dtype_of(q);
-  const TileIndexTensors index = attach_tile_index(p, o, dev.bwd_sparse_tiles(p, dt), true, dev.capturing());
+  const TileIndexTensors index = attach_tile_index(dev, p, o, dev.bwd_sparse_tiles(p, dt), true);
   Tensor softmax_d = cuda_scratch(q, dev.bwd_softmax_d_floats(p), Device::kPoison);
   p.softmax_d = softmax_d.data_ptr<float>();
   Tensor dq_accum;

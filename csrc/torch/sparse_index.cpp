@@ -81,12 +81,12 @@ constexpr size_t kMaxEntries = 64;
 std::mutex g_mutex;
 std::vector<Entry> g_cache;
 
-}  // namespace
-
 constexpr const char* kNotBuilt =
     "attention_ext: a block-sparse call captured in a CUDA graph needs its layout's tile index built before "
     "the capture (building it syncs with the host): run the call once outside the capture with the same layout "
     "tensor, not an inference-mode one, as the warm-up before a capture does";
+
+}  // namespace
 
 TileIndexTensors tile_index(const at::Tensor& layout, int64_t block, int64_t sq, int64_t sk, int64_t tile_m,
                             int64_t tile_n, bool csc, bool capturing) {
@@ -125,8 +125,9 @@ TileIndexTensors tile_index(const at::Tensor& layout, int64_t block, int64_t sq,
       kept.push_back(std::move(e));
     }
   }
-  if (unpinned >= kMaxEntries) kept.erase(std::remove_if(kept.begin(), kept.end(), [](const Entry& x) { return !x.pinned; }),
-                                          kept.end());
+  if (unpinned >= kMaxEntries) {
+    kept.erase(std::remove_if(kept.begin(), kept.end(), [](const Entry& x) { return !x.pinned; }), kept.end());
+  }
   Entry e{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(layout.getIntrusivePtr()),
           layout.data_ptr(), version, {}, csc, false, index};
   for (int i = 0; i < 6; ++i) e.key[i] = key[i];
