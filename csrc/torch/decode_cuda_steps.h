@@ -36,10 +36,10 @@ std::tuple<at::Tensor, at::Tensor> decode_cuda_steps(const Device& dev, const De
   // clamp seqlens_k, leftpad_k and the pages (common/decode_params.h): nothing is read out of
   // bounds. flash_attn_with_kvcache (attention_ext/decode/kvcache.py) turns such values into
   // NaN rows instead.
-  const bool capturing = dev.capturing();
-  const int64_t max_keys = check_decode_inputs(args, !capturing);
   dev.check_device(args.q);
   const auto guard = dev.guard(args.q);
+  const bool capturing = dev.capturing();  // on q's device, under the guard
+  const int64_t max_keys = check_decode_inputs(args, !capturing);
   auto [out, lse] = alloc_decode_outputs(args.q);
   if (args.q.numel() == 0) return {out, lse};
   DecodeArgs a = args;
