@@ -84,7 +84,8 @@ std::vector<Entry> g_cache;
 constexpr const char* kNotBuilt =
     "attention_ext: a block-sparse call captured in a CUDA graph needs its layout's tile index built before "
     "the capture (building it syncs with the host): run the call once outside the capture with the same layout "
-    "tensor, not an inference-mode one, as the warm-up before a capture does";
+    "tensor, as the warm-up before a capture does; pass it contiguous and on q's device (a copy made per call "
+    "is a new tensor each time), and not created in inference mode (those are not cached)";
 
 }  // namespace
 
