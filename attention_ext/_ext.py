@@ -33,6 +33,13 @@ def registered(op: str, dispatch_key: str) -> bool:
     return HAS_EXT and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream: no host reads of
+    tensor values then (a sync), and no host values that a replay would repeat. The C++ host
+    steps ask the same of their device (csrc/torch/cuda_device.h)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def empty_cpu_cache() -> int:
     """Frees the CPU output blocks the kernels keep for reuse and returns their bytes.
 

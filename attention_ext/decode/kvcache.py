@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .. import _ext
 from ..softmax.ops import acc_dtype
 from .ops import decode_fwd
 
@@ -44,11 +45,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: 
         x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
         rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream is capturing a graph (no host reads of tensor values)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _fault(cond: Tensor, bad: Optional[Tensor], msg) -> None:
@@ -179,7 +175,7 @@ def flash_attn_with_kvcache(
     cache_batch_idx = _int_vector("cache_batch_idx", cache_batch_idx, b, dev)
     cache_leftpad = _int_vector("cache_leftpad", cache_leftpad, b, dev)
     # index values: checked on the host, or under a capture marked per sequence (module docstring)
-    bad = torch.zeros(b, dtype=torch.bool, device=dev) if _capturing(dev) else None
+    bad = torch.zeros(b, dtype=torch.bool, device=dev) if _ext.capturing(dev) else None
     if cache_batch_idx is not None and cache_batch_idx.numel():
         _fault((cache_batch_idx < 0) | (cache_batch_idx >= n_rows), bad,
                lambda: f"flash_attn_with_kvcache: cache_batch_idx entries must lie in [0, {n_rows})")

@@ -19,6 +19,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .. import _ext
 from . import ops, reference
 
 __all__ = ["attention", "attention_varlen", "attention_weights"]
@@ -37,7 +38,7 @@ def _no_dropout_in_capture(device: torch.device) -> None:
     """The dropout's seed is a host value read when a kernel launches, so a CUDA graph captured
     with dropout would replay one mask on every step: refuse it rather than repeat the mask
     silently."""
-    _check(not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()),
+    _check(not _ext.capturing(device),
            "dropout_p > 0 inside a CUDA-graph capture would replay one dropout mask on every replay: capture "
            "without dropout, or run the step eagerly", RuntimeError)
 

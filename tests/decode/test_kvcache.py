@@ -278,10 +278,10 @@ def test_bad_input_raises(case):
 def test_capture_marks_bad_sequences(monkeypatch, fault):
     # Under a CUDA-graph capture the index values cannot be read on the host: a bad one gives NaN
     # rows for its sequence instead of the ValueError, and the other sequences' out, lse and cache
-    # rows are the eager call's. The capture is simulated on the CPU (kvcache._capturing says yes),
+    # rows are the eager call's. The capture is simulated on the CPU (_ext.capturing says yes),
     # which runs the same Python branch; the CUDA host steps' own capture path runs in the
     # emulator (tests/cuda_emu/test_decode_emulated.py::test_capture_clamps_bad_indices).
-    from attention_ext.decode import kvcache
+    from attention_ext import _ext
     torch.manual_seed(0)
     b, h, hk, d, cap, s_new = 3, 4, 2, 16, 24, 2
     paged = fault == "page"
@@ -315,7 +315,7 @@ def test_capture_marks_bad_sequences(monkeypatch, fault):
         ae.flash_attn_with_kvcache(q, kc, vc, kn, vn, return_softmax_lse=True, **bad)
     k_want, v_want = k0.clone(), v0.clone()
     want = ae.flash_attn_with_kvcache(q, k_want, v_want, kn, vn, return_softmax_lse=True, **good)
-    monkeypatch.setattr(kvcache, "_capturing", lambda dev: True)
+    monkeypatch.setattr(_ext, "capturing", lambda dev: True)
     k_got, v_got = k0.clone(), v0.clone()
     got = ae.flash_attn_with_kvcache(q, k_got, v_got, kn, vn, return_softmax_lse=True, **bad)
     for g, w in zip(got, want):  # out (B, Sq, H, D), lse (B, H, Sq)
