@@ -69,7 +69,7 @@ struct EmuDevice {
     be.sparse_tiles(&p, sizeof(p), int(dt), true, &m, &n);
     return {m, n};
   }
-  // set_capturing: the host steps act as under a CUDA-graph capture (tile_index's rule)
+  // set_capturing (emulator.capture in the tests): the host steps act as under a CUDA-graph capture
   bool capturing() const { return g_capturing; }
   // cp.async may read only from the call's tensors
   void reads(std::initializer_list<const Tensor*> ts) const {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -115,3 +116,15 @@ def load_decode():
     decode_build_seconds = time.time() - t0
     _decode_ops = torch.ops.attention_ext_emu_decode
     return _decode_ops
+
+
+@contextmanager
+def capture(ops):
+    """Inside the block, the emulated host steps of `ops` (load() or load_decode()) act as under a
+    CUDA-graph capture (what torch.cuda.is_current_stream_capturing() tells the real binding):
+    no host read of device values, cached or clamped indices instead."""
+    ops.set_capturing(True)
+    try:
+        yield
+    finally:
+        ops.set_capturing(False)

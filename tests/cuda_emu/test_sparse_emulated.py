@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from attention_ext.sparse.functional import layout_to_mask
+from tests.cuda_emu import emulator as cuda_emu
 from tests.cuda_emu.test_emulated import ARCHS, emu, emu_ops  # noqa: F401  (the emulator fixtures)
 from tests.softmax import test_cuda as tc
 from tests.sparse.test_cuda import (INT32_MAX, check_thresholds, random_layout, topk_reference,
@@ -275,7 +276,7 @@ def test_capture_uses_the_cached_tile_index(emu):
     # Under a CUDA-graph capture the tile index cannot be built (its build syncs with the host:
     # csrc/torch/sparse_index.h). A layout never seen before raises a clear error; one an eager
     # call indexed is served from the cache, bit for bit the eager result, and pinned: filling the
-    # cache past its 64 entries afterwards does not evict it. set_capturing makes the emulator's
+    # cache past its 64 entries afterwards does not evict it. cuda_emu.capture makes the emulator's
     # host steps act as under a capture.
     torch.manual_seed(0)
     q, k, v, dout = (randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(4))
@@ -285,22 +286,17 @@ def test_capture_uses_the_cached_tile_index(emu):
     def call():
         out, lse = emu.fwd(q, k, v, *args, 0, False, 90)
         return (out, lse, *emu.bwd(dout, q, k, v, out, lse, *args, False, False, None, 90)[:3])
-    try:
-        emu.set_capturing(True)
+    with cuda_emu.capture(emu):
         with pytest.raises(RuntimeError, match="tile index built before the capture"):
             call()
-        emu.set_capturing(False)
-        eager = call()
-        emu.set_capturing(True)
+    eager = call()
+    with cuda_emu.capture(emu):
         for a, b in zip(call(), eager):
             assert torch.equal(a, b)
-        emu.set_capturing(False)
-        others = [random_layout(1, 16, 16, 16, density=1.0) for _ in range(70)]
-        qs, ks, vs = (randn(1, 1, 16, 32, dtype=torch.bfloat16) for _ in range(3))
-        for lay in others:
-            emu.fwd(qs, ks, vs, *tc.call_fwd(qs, ks, vs, block_layout=lay, block_size=16), 0, False, 90)
-        emu.set_capturing(True)
+    others = [random_layout(1, 16, 16, 16, density=1.0) for _ in range(70)]
+    qs, ks, vs = (randn(1, 1, 16, 32, dtype=torch.bfloat16) for _ in range(3))
+    for lay in others:
+        emu.fwd(qs, ks, vs, *tc.call_fwd(qs, ks, vs, block_layout=lay, block_size=16), 0, False, 90)
+    with cuda_emu.capture(emu):
         for a, b in zip(call(), eager):
             assert torch.equal(a, b)
-    finally:
-        emu.set_capturing(False)
