@@ -310,6 +310,11 @@ OVERRIDES = {
         cu_seqlens_q=lambda: torch.tensor([0, 0, 0], **i32), cu_seqlens_k=lambda: torch.tensor([0, 0, 0], **i32))),
     ("flash_attn_with_kvcache", "empty_seq"): set_args(cache_seqlens=lambda: torch.tensor([0, 5], **i32), k=None,
                                                        v=None),
+    **{(fn, "window"): set_args(window_size=(-2, 0)) for fn in (
+        "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+        "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+        "flash_attn_with_kvcache[paged]")},
+    ("decode_fwd", "window"): set_args(window_left=-2),
     ("flash_attn_with_kvcache[paged]", "empty_seq"): set_args(cache_seqlens=lambda: torch.tensor([0, 5], **i32)),
     ("decode_fwd", "empty_seq"): set_args(cache_seqlens=lambda: torch.tensor([0, 5], **i32)),
     ("flash_attn_with_kvcache", "zero_size"): lambda a, spec: a.update(
@@ -398,6 +403,7 @@ _NO_LAYOUT = "takes no block layout"
 _NO_CACHE = "takes no cache_seqlens"
 _NO_FM = "takes no feature_map"
 _PACKED = "q, k and v are one packed tensor: they cannot disagree"
+_FA_WINDOW = (ValueError, r"window_size must be >= -1 on both sides")
 _SOFTMAX_SIDES = dict(mask_shape=NA(_NO_MASK), mask_dtype=NA(_NO_MASK), feature_map_width=NA(_NO_FM))
 _NO_INDEX = dict(cu_not_monotonic=NA(_NO_CU), cu_out_of_range=NA(_NO_CU), block_table_out_of_range=NA(_NO_BT),
                  layout_out_of_range=NA(_NO_LAYOUT), cache_seqlens_beyond_cache=NA(_NO_CACHE))
@@ -448,7 +454,7 @@ _DECODE_ERR = dict(
     gqa=(ValueError, r"query heads \(4\) must be a multiple of kv heads \(3\)"),
     block_table_out_of_range=(ValueError, r"block_table holds a page outside"),
     cache_seqlens_beyond_cache=(ValueError, r"cache_seqlens 400"),
-    **_SOFTMAX_SIDES, window=NA("flash-attn's window_size is checked as attention()'s window: see attention"),
+    **_SOFTMAX_SIDES, window=_FA_WINDOW,
     cu_not_monotonic=NA(_NO_CU), cu_out_of_range=NA(_NO_CU), layout_out_of_range=NA(_NO_LAYOUT),
 )
 
@@ -479,32 +485,32 @@ EXPECT = {
         device=(RuntimeError, r"Expected query, key, and value to have the same device"),
         gqa=(RuntimeError, r"number of heads in key/value \(3\) must divide"),
         head_dim_limit=OK(lambda r: r.shape[-1] == 512)),  # torch's own kernel runs head dims past 256
-    "flash_attn_func": dict(_NO_INDEX, **_SOFTMAX_SIDES, window=NA(_NO_WINDOW), empty_seq=OK(_zero_rows(1))),
+    "flash_attn_func": dict(_NO_INDEX, **_SOFTMAX_SIDES, window=_FA_WINDOW, empty_seq=OK(_zero_rows(1))),
     "flash_attn_qkvpacked_func": dict(
-        _NO_INDEX, **_SOFTMAX_SIDES, window=NA(_NO_WINDOW), ndim=(ValueError, r"qkv must be \(B, S, 3, H, D\)"),
+        _NO_INDEX, **_SOFTMAX_SIDES, window=_FA_WINDOW, ndim=(ValueError, r"qkv must be \(B, S, 3, H, D\)"),
         batch=NA(_PACKED), heads=NA(_PACKED), head_dim=NA(_PACKED), dv=NA(_PACKED), gqa=NA(_PACKED),
         empty_seq=NA(_PACKED),
         mixed_dtype=NA(_PACKED + "; alibi_slopes of another dtype is converted, as flash-attn does"),
         device=(ValueError, r"alibi_slopes must be on cpu, got meta")),
     "flash_attn_kvpacked_func": dict(
-        _NO_INDEX, **_SOFTMAX_SIDES, window=NA(_NO_WINDOW), heads=NA("k and v are one packed kv tensor"),
+        _NO_INDEX, **_SOFTMAX_SIDES, window=_FA_WINDOW, heads=NA("k and v are one packed kv tensor"),
         dv=NA("k and v are one packed kv tensor"), gqa=NA("kv's heads are spoiled by the gqa case of flash_attn_func"),
         empty_seq=NA("covered by flash_attn_func"), batch=(ValueError, r"batch mismatch: q .*, k ")),
     "flash_attn_varlen_func": dict(
-        _NO_INDEX, **_SOFTMAX_SIDES, window=NA(_NO_WINDOW), ndim=(ValueError, r"q must be \(total, H, D\)"),
+        _NO_INDEX, **_SOFTMAX_SIDES, window=_FA_WINDOW, ndim=(ValueError, r"q must be \(total, H, D\)"),
         batch=(ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same length"),
         cu_not_monotonic=DEFAULT["cu_not_monotonic"], cu_out_of_range=DEFAULT["cu_out_of_range"],
         block_table_out_of_range=(ValueError, r"block_table"),
         empty_seq=OK(lambda r: bool((r[:3] == 0).all()))),
     "flash_attn_varlen_qkvpacked_func": dict(
-        _NO_INDEX, **_SOFTMAX_SIDES, window=NA(_NO_WINDOW), ndim=(ValueError, r"qkv must be \(total, 3, H, D\)"),
+        _NO_INDEX, **_SOFTMAX_SIDES, window=_FA_WINDOW, ndim=(ValueError, r"qkv must be \(total, 3, H, D\)"),
         batch=NA(_PACKED), heads=NA(_PACKED), head_dim=NA(_PACKED), dv=NA(_PACKED), gqa=NA(_PACKED),
         mixed_dtype=NA(_PACKED + "; alibi_slopes of another dtype is converted, as flash-attn does"),
         device=(ValueError, r"alibi_slopes must be on cpu, got meta"),
         cu_not_monotonic=DEFAULT["cu_not_monotonic"], cu_out_of_range=DEFAULT["cu_out_of_range"],
         empty_seq=OK(lambda r: True)),
     "flash_attn_varlen_kvpacked_func": dict(
-        _NO_INDEX, **_SOFTMAX_SIDES, window=NA(_NO_WINDOW), ndim=(ValueError, r"q must be \(total, H, D\)"),
+        _NO_INDEX, **_SOFTMAX_SIDES, window=_FA_WINDOW, ndim=(ValueError, r"q must be \(total, H, D\)"),
         batch=(ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same length"),
         heads=NA("k and v are one packed kv tensor"), dv=NA("k and v are one packed kv tensor"),
         gqa=NA("covered by flash_attn_varlen_func"),
@@ -525,7 +531,7 @@ EXPECT = {
         dtype=(TypeError, r"decode_fwd: q must be float32"),
         mixed_dtype=(TypeError, r"q and the caches must share a dtype"),
         device=(ValueError, r"k_cache must be on cpu, got meta"),
-        window=NA("decode_fwd takes window_left / window_right: checked by the op as attention()'s window"),
+        window=(ValueError, r"window_left and window_right must be >= -1"),
         empty_seq=OK(lambda r: bool((r[0][0] == 0).all())),
         block_table_out_of_range=(ValueError, r"block_table"),
         cache_seqlens_beyond_cache=(ValueError, r"seqlens_k\[1\] = 400 is outside")),

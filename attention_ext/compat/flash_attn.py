@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..decode.kvcache import flash_attn_with_kvcache
+from ..decode.kvcache import flash_attn_with_kvcache, window_size_pair
 from ..softmax import reference
 from ..softmax.functional import attention, attention_varlen, attention_weights
 
@@ -18,6 +18,7 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 # out, or (out, lse, probs) with return_attn_probs=True, as flash-attn returns
 _OutOrProbs = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
+_FN = "attention_ext.flash_attn"  # the prefix of this module's argument errors
 
 
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
@@ -27,12 +28,13 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """Drop-in for flash_attn.flash_attn_func: q (B, Sq, H, D), k / v (B, Sk, H_k, D); causal is
     aligned bottom-right. return_attn_probs=True returns (out, lse (B, H, Sq), probs
     (B, H, Sq, Sk)) with the real probabilities recomputed from the LSE."""
+    window = window_size_pair(window_size, _FN)
     out, lse = attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
-                         window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                          return_lse=True, deterministic=deterministic, num_splits=num_splits)
     if return_attn_probs:
         probs = attention_weights(q, k, lse, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
-                                  window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
+                                  window=window, softcap=softcap, alibi_slopes=alibi_slopes)
         return out, lse, probs
     return out
 
@@ -76,15 +78,16 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     The pages are gathered into a packed (total_k, H_k, D) copy with torch indexing (one extra
     read + write of every used key and value, O(total_k * H_k * D) memory; differentiable to
     k / v), then the unpaged varlen kernel runs on it."""
+    window = window_size_pair(window_size, _FN)
     if block_table is not None:
         k, v = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                scale=softmax_scale, causal=causal, bottom_right=True, window=tuple(window_size),
+                                scale=softmax_scale, causal=causal, bottom_right=True, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True,
                                 deterministic=deterministic, num_splits=num_splits)
     if return_attn_probs:
         return out, lse, _varlen_probs(q, k, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                       softmax_scale, softcap, causal, tuple(window_size), alibi_slopes)
+                                       softmax_scale, softcap, causal, window, alibi_slopes)
     return out
 
 

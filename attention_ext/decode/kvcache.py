@@ -71,6 +71,18 @@ def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) ->
     return t
 
 
+def window_size_pair(window_size: Sequence[int], fn: str) -> Tuple[int, int]:
+    """flash-attn's window_size as (left, right), each -1 (unbounded) or a key count; the error
+    names the argument as flash-attn's signature spells it. The one check of it for every
+    flash-attn drop-in (attention_ext.compat.flash_attn and flash_attn_with_kvcache)."""
+    if len(window_size) != 2:
+        raise ValueError(f"{fn}: window_size must be (left, right), got {tuple(window_size)}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if wl < -1 or wr < -1:
+        raise ValueError(f"{fn}: window_size must be >= -1 on both sides (-1 = unbounded), got ({wl}, {wr})")
+    return wl, wr
+
+
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -295,9 +307,7 @@ def flash_attn_with_kvcache(
         if not sinks.is_floating_point() or sinks.shape != (h,):
             raise ValueError(f"flash_attn_with_kvcache: sinks must be a float (H={h},) tensor")
         sinks = sinks.to(device=dev, dtype=acc)
-    if len(window_size) != 2:
-        raise ValueError("flash_attn_with_kvcache: window_size must be (left, right)")
-    wl, wr = int(window_size[0]), int(window_size[1])
+    wl, wr = window_size_pair(window_size, "flash_attn_with_kvcache")
     if causal:
         wr = 0
     if softcap < 0:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..decode import decode_fwd
+from ..softmax.functional import window_pair
 
 
 class PagedKVCache:
@@ -164,8 +165,8 @@ class PagedKVCache:
         kv heads directly (no repeat)."""
         bt = self.block_table if self.rows == list(range(self.batch)) else self.block_table[self._rows_tensor()]
         seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
-        wl, wr = window
+        wl, wr = window_pair(window, causal)
         out, _ = decode_fwd(q, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
                             alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
-                            window_left=wl, window_right=0 if causal else wr)
+                            window_left=wl, window_right=wr)
         return out

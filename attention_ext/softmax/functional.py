@@ -61,10 +61,13 @@ def _rng_state(seed: Union[int, Tensor, None], generator: Optional[torch.Generat
     return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")  # no int(): a SymInt seed stays symbolic
 
 
-def _window(window, causal: bool) -> Tuple[int, int]:
-    """(left, right) sizes with -1 = unbounded; causal caps the right side at 0 (no future keys)."""
-    _check(len(window) == 2, lambda: f"window must be (left, right), got {window}")
+def window_pair(window, causal: bool) -> Tuple[int, int]:
+    """A `window=(left, right)` argument as sizes with -1 = unbounded; causal caps the right side
+    at 0 (no future keys). The check of that argument for every function taking it (the ops check
+    their window_left / window_right again, for direct op calls)."""
+    _check(len(window) == 2, lambda: f"window must be (left, right), got {tuple(window)}")
     wl, wr = int(window[0]), int(window[1])
+    _check(wl >= -1 and wr >= -1, lambda: f"window sizes must be >= -1 (-1 = unbounded), got ({wl}, {wr})")
     return (wl, 0) if causal else (wl, wr)
 
 
@@ -281,7 +284,7 @@ def attention(
            lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, sq, d = q.shape
     sk = k.shape[2]
-    wl, wr = _window(window, causal)
+    wl, wr = window_pair(window, causal)
     if scale is None:
         scale = _default_scale(d)
     acc = ops.acc_dtype(q.dtype)
@@ -375,7 +378,7 @@ def attention_varlen(
                "a sequence is longer than max_seqlen_q / max_seqlen_k")
     if scale is None:
         scale = _default_scale(q.shape[2])
-    wl, wr = _window(window, causal)
+    wl, wr = window_pair(window, causal)
     acc = ops.acc_dtype(q.dtype)
     if alibi_slopes is not None:
         # a meta tensor has no data to move: name it here, not in a failed copy
@@ -418,7 +421,7 @@ def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd"
            lambda: f"lse must be (B, H, Sq) = {(b, h, sq)} (attention()'s return_lse), got {tuple(lse.shape)}")
     _check(lse.device == q.device, lambda: f"lse must be on {q.device}, got {lse.device}")
     sk = k.shape[2]
-    wl, wr = _window(window, causal)
+    wl, wr = window_pair(window, causal)
     scale = scale if scale is not None else _default_scale(d)
     acc = ops.acc_dtype(q.dtype)
     bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)

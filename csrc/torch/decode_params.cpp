@@ -81,7 +81,7 @@ int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
                       "attention_ext.decode: the head dim of q and the caches must be contiguous, got strides ",
                       t->strides());
   }
-  TORCH_CHECK_VALUE(a.window_left >= -1 && a.window_right >= -1, "attention_ext.decode: window sizes must be >= -1, got (",
+  TORCH_CHECK_VALUE(a.window_left >= -1 && a.window_right >= -1, "attention_ext.decode: window_left and window_right must be >= -1 (-1 = unbounded), got (",
                     a.window_left, ", ", a.window_right, ")");
   TORCH_CHECK_VALUE(a.softcap >= 0.0, "attention_ext.decode: softcap must be >= 0, got ", a.softcap);
   TORCH_CHECK_VALUE(std::isfinite(a.scale), "attention_ext.decode: scale must be finite, got ", a.scale);
