@@ -636,6 +636,35 @@ def test_bad_input(fn, case, exp):
     _check_row(fn, case, exp)
 
 
+_EMPTY = ("zero_size", "empty_seq")
+_NO_BACKWARD = {"flash_attn_with_kvcache": "not differentiable (as flash-attn's): an error with grad",
+                "flash_attn_with_kvcache[paged]": "not differentiable (as flash-attn's): an error with grad",
+                "LinearAttentionState": "a state, not an attention call"}
+_EMPTY_ROWS = [(fn, case) for fn in FUNCTIONS for case in _EMPTY if isinstance(expectation(fn, case), OK)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fn,case", _EMPTY_ROWS, ids=[f"{fn}-{case}" for fn, case in _EMPTY_ROWS])
+def test_empty_backward(fn, case):
+    """Where 0-size tensors or a zero-length sequence give a result (the OK cells of those two
+    columns), the backward through it runs too and gives finite gradients of the inputs' shapes:
+    autograd hands it empty gradients whose strides are arbitrary."""
+    spec = SPECS[fn]
+    a = spec["make"]()
+    OVERRIDES.get((fn, case), CASES[case])(a, spec)
+    leaves = [t.requires_grad_() for t in a.values() if isinstance(t, torch.Tensor) and t.is_floating_point()
+              and t.is_leaf]
+    if fn in _NO_BACKWARD:
+        pytest.skip(f"{fn}: {_NO_BACKWARD[fn]}")
+    r = spec["call"](a)
+    out = r[0] if isinstance(r, tuple) else r
+    if not out.requires_grad:
+        pytest.skip(f"{fn} has no backward")
+    out.sum().backward()
+    for t in leaves:
+        assert t.grad is None or (t.grad.shape == t.shape and bool(torch.isfinite(t.grad).all())), fn
+
+
 _CHILD = """
 import sys, warnings
 sys.path.insert(0, {root!r})

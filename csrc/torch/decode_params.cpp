@@ -1,5 +1,6 @@
 // The decode op's checks and params (decode_params.h).
 #include "torch/decode_params.h"
+#include "torch/tensor_rules.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -77,7 +78,7 @@ int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.decode: query heads (", h, ") must be a multiple of kv heads (",
                     hk, ")");
   for (const Tensor* t : {&q, &k, &v}) {
-    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+    TORCH_CHECK_VALUE(unit_stride_last(*t),
                       "attention_ext.decode: the head dim of q and the caches must be contiguous, got strides ",
                       t->strides());
   }

@@ -2,6 +2,7 @@
 #include "torch/linear_params.h"
 
 #include "torch/alloc.h"
+#include "torch/tensor_rules.h"
 
 #include <ATen/ATen.h>
 
@@ -71,7 +72,7 @@ void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear: query heads (", h,
                     ") must be a multiple of kv heads (", hk, ")");
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+    TORCH_CHECK_VALUE(unit_stride_last(*t),
                       "attention_ext.linear: the last dim of q, k, v must be contiguous (stride 1), got strides ",
                       t->strides());
   TORCH_CHECK_VALUE(o.feature_map >= 0 && o.feature_map <= 2,
@@ -117,7 +118,7 @@ void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Ten
                     "attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = ", at::IntArrayRef(want_out));
   TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
                    "attention_ext.linear_bwd: dout and out must have q's dtype ", q.scalar_type());
-  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1,
+  TORCH_CHECK_VALUE(unit_stride_last(dout) && unit_stride_last(out),
                     "attention_ext.linear_bwd: dout and out need a contiguous last dim");
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device(),
               "attention_ext.linear_bwd: dout and out must be on ", q.device());
@@ -261,7 +262,7 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear_step: query heads (", h,
                     ") must be a multiple of kv heads (", hk, ")");
   for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK_VALUE(x->stride(3) == 1 || x->size(3) == 1,
+    TORCH_CHECK_VALUE(unit_stride_last(*x),
                       "attention_ext.linear_step: the last dim of q, k, v must be contiguous (stride 1), got strides ",
                       x->strides());
   TORCH_CHECK_VALUE(feature_map >= 0 && feature_map <= 2,
@@ -277,7 +278,7 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
                     at::IntArrayRef({b, h, m, dv}), ", got ", state.sizes());
   TORCH_CHECK(state.device() == q.device(), "attention_ext.linear_step: state must be on ", q.device(), ", got ",
               state.device());
-  TORCH_CHECK_VALUE(state.stride(3) == 1 || dv == 1, "attention_ext.linear_step: the last dim of state must be contiguous");
+  TORCH_CHECK_VALUE(unit_stride_last(state), "attention_ext.linear_step: the last dim of state must be contiguous");
   if (normalizer.has_value()) {
     const at::Tensor& z = *normalizer;
     TORCH_CHECK_TYPE(z.scalar_type() == acc, "attention_ext.linear_step: normalizer must be ", acc, ", got ",

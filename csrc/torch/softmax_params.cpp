@@ -6,6 +6,7 @@
 #include <string>
 
 #include "torch/softmax_params.h"
+#include "torch/tensor_rules.h"
 
 namespace attn {
 namespace api {
@@ -53,7 +54,7 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext: query heads (", h, ") must be a multiple of kv heads (", hk,
                     ")");
   for (const Tensor* t : {&q, &k, &v})
-    TORCH_CHECK_VALUE(t->stride(3) == 1 || t->size(3) == 1,
+    TORCH_CHECK_VALUE(unit_stride_last(*t),
                       "attention_ext: the head dim of q, k, v must be contiguous (stride 1), got strides ",
                       t->strides());
   TORCH_CHECK_VALUE(o.window_left >= -1 && o.window_right >= -1, "attention_ext: window sizes must be >= -1, got (",
@@ -308,7 +309,7 @@ void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, co
                       const OptTensor& dlse) {
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
                     "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
-  TORCH_CHECK_VALUE(dout.stride(3) == 1 && out.stride(3) == 1,
+  TORCH_CHECK_VALUE(unit_stride_last(dout) && unit_stride_last(out),
                     "attention_ext.bwd: dout and out need a contiguous head dim");
   for (const Tensor* t : {&lse, dlse.has_value() ? &*dlse : &lse}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2) &&
