@@ -25,6 +25,7 @@ test_step.py. This table covers every public function once per case, not every o
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -666,24 +667,63 @@ def test_empty_backward(fn, case):
 
 
 _CHILD = """
-import sys, warnings
+import json, sys, warnings
 sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")
 from tests.test_bad_inputs import build
-build({fn!r}, {case!r})()
+for fn, case in json.loads(sys.argv[1]):
+    print(json.dumps(["begin", fn, case]), flush=True)
+    try:
+        build(fn, case)()
+        print(json.dumps(["returned", fn, case]), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(json.dumps(["raised", fn, case, type(e).__name__, str(e).splitlines()[0] if str(e) else ""]),
+              flush=True)
 """
+_CRASH_ROWS = [r for r in ROWS if r[1] in CRASH_PRONE]
+_crash_results = {}
 
 
-@pytest.mark.parametrize("fn,case,exp", [r for r in ROWS if r[1] in CRASH_PRONE],
-                         ids=[_id(r) for r in ROWS if r[1] in CRASH_PRONE])
+def _run_crash_prone():
+    """Every applicable crash-prone row in child processes, one child for all of them while none
+    dies: {(fn, case): ("raised", type, message) | ("returned",) | ("died", exit code, stderr)}.
+    A child killed by a signal is charged to the row it had begun; a new child takes the rest."""
+    todo = [(fn, case) for fn, case, exp in _CRASH_ROWS if not isinstance(exp, NA)]
+    while todo:
+        r = subprocess.run([sys.executable, "-c", _CHILD.format(root=ROOT), json.dumps(todo)], capture_output=True,
+                           text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        current = None
+        for line in r.stdout.splitlines():
+            if not line.startswith("["):
+                continue
+            kind, fn, case, *rest = json.loads(line)
+            if kind == "begin":
+                current = (fn, case)
+            else:
+                _crash_results[(fn, case)] = (kind, *rest)
+                current = None
+        done = [row for row in todo if row in _crash_results]
+        if current is not None:  # the child died inside this row
+            _crash_results[current] = ("died", r.returncode, r.stderr[-2000:])
+            done.append(current)
+        elif len(done) < len(todo):  # died before its first row: charge every row left
+            for row in todo:
+                _crash_results.setdefault(row, ("died", r.returncode, r.stderr[-2000:]))
+            done = todo
+        todo = [row for row in todo if row not in done]
+
+
+@pytest.mark.parametrize("fn,case,exp", _CRASH_ROWS, ids=[_id(r) for r in _CRASH_ROWS])
 def test_bad_index_in_subprocess(fn, case, exp):
     """Index values a kernel reads memory with: a missed check could read out of bounds, so the
-    call runs in a child process, which must exit 1 with the Python exception (not a signal)."""
+    calls run in a child process (one for every row, _run_crash_prone), in which each must raise
+    the Python exception; a child killed by a signal fails the row it was in."""
     if isinstance(exp, NA):
         pytest.skip(f"not applicable: {exp.reason}")
+    if not _crash_results:
+        _run_crash_prone()
     exc, msg = exp
-    r = subprocess.run([sys.executable, "-c", _CHILD.format(root=ROOT, fn=fn, case=case)], capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    last = (r.stderr.strip().splitlines() or [""])[-1]
-    assert r.returncode == 1, f"exit {r.returncode} (negative: killed by a signal); stderr: {r.stderr[-2000:]}"
-    assert last.startswith(exc.__name__ + ":") and re.search(msg, last), last
+    got = _crash_results[(fn, case)]
+    assert got[0] != "died", f"the child died (exit {got[1]}; negative: a signal) in this row; stderr: {got[2]}"
+    assert got[0] == "raised", "the call returned instead of raising"
+    assert got[1] == exc.__name__ and re.search(msg, got[2]), f"{got[1]}: {got[2]}"
