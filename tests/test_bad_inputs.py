@@ -25,14 +25,17 @@ test_step.py. This table covers every public function once per case, not every o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import attention_ext as ae
 from attention_ext import nn as aenn
@@ -129,6 +132,37 @@ def _dense_args(a, *names):
     return {n: a[n] for n in names if n in a}
 
 
+@contextlib.contextmanager
+def _group1():
+    """A one-rank gloo process group as the default group, made and destroyed around the block
+    (nothing when one exists): the context-parallel functions' collectives need one; every check
+    they make of their arguments is local, before any collective."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _world1(call):
+    """call(a) inside _group1()."""
+    def run(a):
+        with _group1():
+            return call(a)
+    return run
+
+
+def _cp_spec(mode):
+    return dict(make=lambda: dict(q=rn(B, H, SQ, D), k=rn(B, HK, SQ, D), v=rn(B, HK, SQ, D), mode=mode),
+                call=_world1(lambda a: ae.distributed.context_parallel_attention(a.pop("q"), a.pop("k"), a.pop("v"),
+                                                                                 **a)),
+                roles=dict(q=("q", "bhsd"), k=("k", "bhsd"), v=("v", "bhsd")))
+
+
 SPECS = {
     "attention": dict(make=_bhsd, call=lambda a: ae.attention(a.pop("q"), a.pop("k"), a.pop("v"), **a),
                       roles=dict(q=("q", "bhsd"), k=("k", "bhsd"), v=("v", "bhsd"))),
@@ -184,6 +218,12 @@ SPECS = {
         call=lambda a: (a.pop("k"), a.pop("v"),
                         ae.decode.decode_fwd(a.pop("q"), a.pop("k_cache"), a.pop("v_cache"), **a))[-1],
         roles=dict(q=("q", "bshd"), k=("k_cache", "bshd"), v=("v_cache", "bshd"))),
+    **{f"context_parallel_attention[{m}]": _cp_spec(m) for m in ("allgather", "ring", "ulysses")},
+    "context_parallel_linear_attention": dict(
+        make=lambda: dict(q=rn(B, H, SQ, D), k=rn(B, HK, SQ, D), v=rn(B, HK, SQ, D)),
+        call=_world1(lambda a: ae.distributed.context_parallel_linear_attention(a.pop("q"), a.pop("k"), a.pop("v"),
+                                                                                **a)),
+        roles=dict(q=("q", "bhsd"), k=("k", "bhsd"), v=("v", "bhsd"))),
     "linear_attention": dict(make=lambda: dict(q=rn(B, H, SQ, D), k=rn(B, HK, SQ, D), v=rn(B, HK, SQ, D)),
                              call=lambda a: ae.linear_attention(a.pop("q"), a.pop("k"), a.pop("v"), **a),
                              roles=dict(q=("q", "bhsd"), k=("k", "bhsd"), v=("v", "bhsd"))),
@@ -316,6 +356,8 @@ OVERRIDES = {
         "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
         "flash_attn_with_kvcache[paged]")},
     ("decode_fwd", "window"): set_args(window_left=-2),
+    **{(f"context_parallel_attention[{m}]", "window"): set_args(window_size=(-2, 0))
+       for m in ("allgather", "ring", "ulysses")},
     ("flash_attn_with_kvcache[paged]", "empty_seq"): set_args(cache_seqlens=lambda: torch.tensor([0, 5], **i32)),
     ("decode_fwd", "empty_seq"): set_args(cache_seqlens=lambda: torch.tensor([0, 5], **i32)),
     ("flash_attn_with_kvcache", "zero_size"): lambda a, spec: a.update(
@@ -459,6 +501,15 @@ _DECODE_ERR = dict(
     cu_not_monotonic=NA(_NO_CU), cu_out_of_range=NA(_NO_CU), layout_out_of_range=NA(_NO_LAYOUT),
 )
 
+_CP_ERR = dict(  # context parallelism: the shards' own checks (sharding.shards_bhsd / check_shards)
+    ndim=(ValueError, r"q must be a 4-D tensor"),
+    batch=(ValueError, r"q, k, v shards must"), heads=(ValueError, r"q, k, v shards must have one local length"),
+    head_dim=(ValueError, r"q, k, v shards must have one local length"),
+    dv=(ValueError, r"q, k, v shards must have one local length"),
+    dtype=(TypeError, r"q, k, v shards must be float32"), mixed_dtype=(TypeError, r"q, k, v shards must share a dtype"),
+    device=(ValueError, r"q, k, v shards must be on one device"),
+    empty_seq=NA("q, k and v are shards of one sequence: k cannot be shorter than q"))
+
 EXPECT = {
     "attention": dict(_NO_INDEX, feature_map_width=NA(_NO_FM), empty_seq=OK(_zero_rows(1)),
                       layout_out_of_range=DEFAULT["layout_out_of_range"]),
@@ -536,6 +587,18 @@ EXPECT = {
         empty_seq=OK(lambda r: bool((r[0][0] == 0).all())),
         block_table_out_of_range=(ValueError, r"block_table"),
         cache_seqlens_beyond_cache=(ValueError, r"seqlens_k\[1\] = 400 is outside")),
+    **{f"context_parallel_attention[{m}]": dict(
+        _NO_INDEX, **_SOFTMAX_SIDES, **_CP_ERR, window=(ValueError, r"window_size must be >= -1"),
+        gqa=(ValueError, r"query heads \(?H?=?4\)? must be a multiple of (the )?(kv|KV) heads"))
+       for m in ("allgather", "ring", "ulysses")},
+    "context_parallel_linear_attention": dict(
+        _NO_INDEX, **{**_CP_ERR, **dict(
+            heads=(ValueError, r"q, k, v shards must be \(B, H, n, D\)"),
+            head_dim=(ValueError, r"q, k, v shards must be \(B, H, n, D\)"),
+            dv=OK(lambda r: r.shape[-1] == 8),  # Dv != D is linear attention's normal case
+            gqa=(ValueError, r"with H % H_k == 0, got"))},
+        mask_shape=NA(_NO_MASK), mask_dtype=NA(_NO_MASK), window=NA(_NO_WINDOW),
+        head_dim_limit=OK(lambda r: r.shape[-1] == 512)),  # no head-dim limit, as linear_attention
     "linear_attention": dict(
         _NO_INDEX, mask_shape=NA(_NO_MASK), mask_dtype=NA(_NO_MASK), window=NA(_NO_WINDOW),
         heads=(ValueError, r"k and v must have the same heads"),
@@ -609,7 +672,8 @@ def test_table_complete():
               "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
               "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
               "decode_fwd", "linear_attention", "linear_attention_step", "LinearAttentionState",
-              "block_sparse_attention", "topk_attention", "nn.MultiheadAttention", "nn.PagedKVCache"}
+              "block_sparse_attention", "topk_attention", "nn.MultiheadAttention", "nn.PagedKVCache",
+              "context_parallel_attention", "context_parallel_linear_attention"}
     assert public <= {f.split("[")[0] for f in FUNCTIONS}
     assert set(EXPECT) == set(FUNCTIONS)
     for fn in FUNCTIONS:
@@ -657,11 +721,12 @@ def test_empty_backward(fn, case):
               and t.is_leaf]
     if fn in _NO_BACKWARD:
         pytest.skip(f"{fn}: {_NO_BACKWARD[fn]}")
-    r = spec["call"](a)
-    out = r[0] if isinstance(r, tuple) else r
-    if not out.requires_grad:
-        pytest.skip(f"{fn} has no backward")
-    out.sum().backward()
+    with _group1() if fn.startswith("context_parallel") else contextlib.nullcontext():  # the backward's collectives
+        r = spec["call"](a)
+        out = r[0] if isinstance(r, tuple) else r
+        if not out.requires_grad:
+            pytest.skip(f"{fn} has no backward")
+        out.sum().backward()
     for t in leaves:
         assert t.grad is None or (t.grad.shape == t.shape and bool(torch.isfinite(t.grad).all())), fn
 

@@ -9,9 +9,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..decode.kvcache import flash_attn_with_kvcache, window_size_pair
+from ..decode.kvcache import flash_attn_with_kvcache
 from ..softmax import reference
-from ..softmax.functional import attention, attention_varlen, attention_weights
+from ..softmax.functional import attention, attention_varlen, attention_weights, window_size_pair
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .. import _ext
 from ..softmax.ops import acc_dtype
+from ..softmax.functional import window_size_pair
 from .ops import decode_fwd
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
@@ -69,18 +70,6 @@ def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) ->
     if t.device != device:
         raise ValueError(f"flash_attn_with_kvcache: {name} must be on {device}, got {t.device}")
     return t
-
-
-def window_size_pair(window_size: Sequence[int], fn: str) -> Tuple[int, int]:
-    """flash-attn's window_size as (left, right), each -1 (unbounded) or a key count; the error
-    names the argument as flash-attn's signature spells it. The one check of it for every
-    flash-attn drop-in (attention_ext.compat.flash_attn and flash_attn_with_kvcache)."""
-    if len(window_size) != 2:
-        raise ValueError(f"{fn}: window_size must be (left, right), got {tuple(window_size)}")
-    wl, wr = int(window_size[0]), int(window_size[1])
-    if wl < -1 or wr < -1:
-        raise ValueError(f"{fn}: window_size must be >= -1 on both sides (-1 = unbounded), got ({wl}, {wr})")
-    return wl, wr
 
 
 def flash_attn_with_kvcache(

@@ -8,6 +8,11 @@ backward is one reduce-scatter that sums dK / dV back to the owning ranks. The l
 run the fused kernel (attention_ext.attention) against the gathered keys, with every position
 rule (causal, window, ALiBi) on GLOBAL token indices, by one of three paths:
 
+Padding (seq_len < S): the keys past seq_len (the gathered sequence's tail) are cut off and only
+the shard's real rows (a prefix: real_rows) are computed, so no padded position is ever read,
+whatever it holds (NaN included); the padded rows' out and lse are 0. A rank with no real row
+still makes its calls, on 0 rows, so its backward joins the group's reduce-scatter.
+
 1. no position rule (non-causal, no window, no ALiBi, no padding): one call, all keys, no mask.
 2. causal, and the shard is at most 2 contiguous runs of positions (contiguous: 1, zigzag: 2):
    one call per run [a, a + c) against keys [k0, a + c) with bottom_right=True, k0 = max(0, a -
@@ -31,7 +36,9 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
-from .sharding import _check_len, all_gather_sequence, check_shards, dropout_coords, dropout_seed, global_positions
+from ..softmax.functional import window_size_pair
+from .sharding import (_check_len, all_gather_sequence, check_shards, dropout_coords, dropout_seed, global_positions,
+                       real_rows)
 from .ulysses import ulysses_attention as _ulysses
 
 __all__ = ["context_parallel_attention", "MODES"]
@@ -62,13 +69,14 @@ def _runs(s: int, rank: int, world: int, layout: str) -> Optional[List[Tuple[int
     return merged
 
 
-def _position_mask(pq: Tensor, s: int, seq_len: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
+def _position_mask(pq: Tensor, s: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
                    dtype: torch.dtype) -> Tensor:
-    """Path 3's attn_mask for queries at global positions pq (n,) against keys [0, s): bool (n, s)
-    (True = attend), or with ALiBi a float (1 or B, H, n, s) bias with -inf where masked."""
+    """Path 3's attn_mask for queries at global positions pq (n,) against keys [0, s) (s: the real
+    length; padded keys are cut off before): bool (n, s) (True = attend), or with ALiBi a float
+    (1 or B, H, n, s) bias with -inf where masked."""
     pk = torch.arange(s, device=pq.device)
     rel = pk.view(1, -1) - pq.view(-1, 1)  # (n, s): key - query
-    ok = (pk < seq_len).view(1, -1).expand(pq.numel(), s)
+    ok = torch.ones(pq.numel(), s, dtype=torch.bool, device=pq.device)
     if wr >= 0:
         ok = ok & (rel <= wr)
     if wl >= 0:
@@ -118,8 +126,9 @@ def context_parallel_attention(
         scale, softcap, sinks: as attention_ext.attention (sinks (H,) join every softmax).
         return_lse: also return this rank's (B, H, n) log-sum-exp shard.
         seq_len: the real length when the sequence was padded to a multiple (pad_to_multiple):
-            keys at positions >= seq_len are masked; outputs at padded query positions are
-            unspecified and must be dropped. Default: no padding (S = n * P).
+            no position >= seq_len is read, in any mode (queries, keys and values there may
+            hold anything, NaN included); the out and lse of padded rows are unspecified (0, or
+            -inf / the sink for lse) and must be dropped. Default: no padding (S = n * P).
         dropout_p, seed: dropout on the probabilities, drawn at GLOBAL coordinates (batch,
             head, query position, key position; sharding.dropout_coords): with the same seed
             the mask is the one attention_ext.attention(..., seed=seed) draws on the whole
@@ -154,7 +163,7 @@ def context_parallel_attention(
         seq_len = s
     if not 0 < seq_len <= s:
         raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
-    wl, wr = int(window_size[0]), int(window_size[1])
+    wl, wr = window_size_pair(window_size, "context_parallel_attention")
     if causal:
         wr = 0
 
@@ -174,22 +183,34 @@ def context_parallel_attention(
 
     runs = _runs(s, rank, world, layout)
     positional = causal or wl >= 0 or wr >= 0 or alibi_slopes is not None or seq_len < s
+    nr = real_rows(seq_len, s, rank=rank, world_size=world, layout=layout) if seq_len < s else n
+    if seq_len < s:  # padding: no padded key or query row is read (the module docstring)
+        kf, vf = kf[:, :, :seq_len], vf[:, :, :seq_len]
     if not positional:  # path 1
         out, lse = _attention(q, kf, vf, **common, **drop(pos, torch.arange(s)))
     elif causal and runs is not None and len(runs) <= 2:  # path 2: the bottom-right diagonal trick per run
         outs, lses = [], []
         for i0, a, c in runs:
+            c = max(0, min(c, seq_len - a))  # the run's real rows (padding: a suffix of the shard)
+            if c == 0 and outs:
+                continue
             k0 = max(0, a - wl) if wl >= 0 else 0
-            o, l = _attention(q[:, :, i0:i0 + c], kf[:, :, k0:a + c], vf[:, :, k0:a + c], causal=True,
+            k1 = a + c if c else 0  # a wholly padded shard: 0 rows against 0 keys
+            k0 = min(k0, k1)
+            o, l = _attention(q[:, :, i0:i0 + c], kf[:, :, k0:k1], vf[:, :, k0:k1], causal=True,
                               bottom_right=True, window=(wl, 0), alibi_slopes=alibi_slopes, **common,
-                              **drop(torch.arange(a, a + c), torch.arange(k0, a + c)))
+                              **drop(torch.arange(a, a + c), torch.arange(k0, k1)))
             outs.append(o)
             lses.append(l)
-        out, lse = (torch.cat(outs, 2), torch.cat(lses, 2)) if len(runs) > 1 else (outs[0], lses[0])
+        out, lse = (torch.cat(outs, 2), torch.cat(lses, 2)) if len(outs) > 1 else (outs[0], lses[0])
     else:  # path 3: explicit mask from global positions
         acc = _ops.acc_dtype(q.dtype)
-        mask = _position_mask(pos.to(q.device), s, seq_len, wl, wr, alibi_slopes, acc)
-        out, lse = _attention(q, kf, vf, attn_mask=mask, **common, **drop(pos, torch.arange(s)))
+        mask = _position_mask(pos[:nr].to(q.device), seq_len, wl, wr, alibi_slopes, acc)
+        out, lse = _attention(q[:, :, :nr], kf, vf, attn_mask=mask, **common,
+                              **drop(pos[:nr], torch.arange(seq_len)))
+    if nr < n:  # the padded rows: 0
+        out = torch.nn.functional.pad(out, (0, 0, 0, n - nr))
+        lse = torch.nn.functional.pad(lse, (0, n - nr))
     if qkv_layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

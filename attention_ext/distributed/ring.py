@@ -19,6 +19,9 @@ token indices: the local queries' global_positions against the visiting shard's 
 (local queries, visiting shard) a plan is made on the host from those positions (no device sync):
 - nothing allowed (the causal future, outside the window, all padding): the step is SKIPPED (the
   ring still forwards the shard);
+- padding (positions >= seq_len, a suffix of every shard) is outside every step, queries and keys
+  alike: no padded position is read, whatever it holds; a padded row's out is 0 and its lse -inf
+  (the sink's logit with sinks);
 - the allowed pairs fill a rectangle [i0, i1) x [j0, j1) of (queries, keys): one call on those
   slices, no mask (zigzag's causal off-diagonal shards: half the queries, or half the keys);
 - queries and keys are the same positions (the own shard) and the pattern is the causal
@@ -59,7 +62,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..softmax import ops as _ops
-from ..softmax.functional import _default_scale, _rng_state
+from ..softmax.functional import _default_scale, _rng_state, window_size_pair
 from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
 
 __all__ = ["ring_attention"]
@@ -85,14 +88,15 @@ def _plan_plain(pq: Tensor, pk: Tensor, seq_len: int, causal: bool):
     causal), so the bounding box and its two cheap shapes follow from minima and maxima. A box
     that is neither all-allowed nor a causal diagonal returns _DENSE (the caller builds the mask)."""
     valid = pk < seq_len
-    if not bool(valid.any()):
+    nq = int((pq < seq_len).sum())  # the real query rows: a prefix (padding is a shard's suffix)
+    if not bool(valid.any()) or nq == 0:
         return None
     if not causal:
         cols = valid.nonzero().flatten()
         j0, j1 = int(cols[0]), int(cols[-1]) + 1
-        return _Step(0, pq.numel(), j0, j1) if bool(valid[j0:j1].all()) else _DENSE
+        return _Step(0, nq, j0, j1) if bool(valid[j0:j1].all()) else _DENSE
     kmin = int(pk[valid].min())
-    rows = (pq >= kmin).nonzero().flatten()
+    rows = ((pq >= kmin) & (pq < seq_len)).nonzero().flatten()
     if rows.numel() == 0:
         return None
     cols = (valid & (pk <= int(pq.max()))).nonzero().flatten()
@@ -116,7 +120,7 @@ def _plan(pq: Tensor, pk: Tensor, seq_len: int, wl: int, wr: int, alibi_slopes: 
         if fast is not _DENSE:
             return fast
     rel = pk.view(1, -1) - pq.view(-1, 1)  # (n, n): key - query
-    ok = (pk < seq_len).view(1, -1).expand(pq.numel(), pk.numel())
+    ok = (pq < seq_len).view(-1, 1) & (pk < seq_len).view(1, -1)  # no padded query or key is read
     if wr >= 0:
         ok = ok & (rel <= wr)
     if wl >= 0:
@@ -262,8 +266,11 @@ class _Ring(torch.autograd.Function):
             if dkv_in is not None:  # the accumulator of this shard, from rank - 1's step t - 1
                 _wait(tm, dkv_reqs)
                 dkv += dkv_in
-            dkv_in = torch.empty_like(dkv)
-            dkv_reqs = _post(tm, dkv, dkv_in, nxt, prv, group, kv=False)  # on to the shard's next visitor
+            if world == 1:  # its own next visitor: no transfer (gloo has no send to self)
+                dkv_in, dkv_reqs = dkv, []
+            else:
+                dkv_in = torch.empty_like(dkv)
+                dkv_reqs = _post(tm, dkv, dkv_in, nxt, prv, group, kv=False)  # on to the shard's next visitor
             if reqs is not None:
                 _wait(tm, reqs)
                 cur = nxt_buf
@@ -336,7 +343,7 @@ def ring_attention(
         seq_len = s
     if not 0 < seq_len <= s:
         raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
-    wl, wr = int(window_size[0]), int(window_size[1])
+    wl, wr = window_size_pair(window_size, "context_parallel_attention")
     if causal:
         wr = 0
     acc = _ops.acc_dtype(q.dtype)

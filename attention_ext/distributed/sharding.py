@@ -67,6 +67,22 @@ def global_positions(seq_len: int, *, rank: int, world_size: int, layout: str = 
     return torch.arange(rank, seq_len, world_size)
 
 
+def real_rows(seq_len: int, padded_len: int, *, rank: int, world_size: int, layout: str) -> int:
+    """How many of `rank`'s shard positions are below seq_len (the real tokens of a sequence padded
+    to padded_len). A shard's positions ascend (global_positions), so these are its first rows
+    and the padding is a suffix. Plain ints, for torch.compile: no tensor, no data-dependent branch."""
+    n = padded_len // world_size
+    if layout == "contiguous":
+        return max(0, min(n, seq_len - rank * n))
+    if layout == "zigzag":
+        c = n // 2
+        return sum(max(0, min(c, seq_len - j * c)) for j in (rank, 2 * world_size - 1 - rank))
+    return max(0, min(n, -(-(seq_len - rank) // world_size)))  # stripe: rank, rank + P, ...
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Tensor, Tensor, Tensor]:
     """Three 4-D shards in qkv_layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy)."""
     if qkv_layout not in ("bhsd", "bshd"):
@@ -74,6 +90,13 @@ def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Te
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+    # before any collective: a peer's transport would fail on these with a message naming no argument
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v shards must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.dtype not in _FLOATS:
+        raise TypeError(f"q, k, v shards must be float32, float16, bfloat16 or float64, got {q.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v shards must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if qkv_layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return q, k, v

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..softmax.functional import attention as _attention
+from ..softmax.functional import window_size_pair
 from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
 
 __all__ = ["ulysses_attention", "kv_heads_for_rank"]
@@ -69,7 +70,10 @@ def _exchange(xs: List[Tensor], group) -> List[Tensor]:
     outs, o = [], 0
     for x, f in zip(xs, flat):
         nb = f.shape[1]
-        seg = recv if len(flat) == 1 else recv[:, o:o + nb].contiguous()
+        # a fresh (P, nb) buffer, not contiguous(): with one rank the slice already counts as
+        # contiguous, and at a byte offset (or row stride) that is no multiple of x's item size
+        # it cannot be viewed as x's dtype
+        seg = recv if len(flat) == 1 else recv[:, o:o + nb].clone(memory_format=torch.contiguous_format)
         outs.append(seg.view(x.dtype).view(x.shape))
         o += nb
     return outs
@@ -120,8 +124,6 @@ def ulysses_attention(
     """context_parallel_attention(mode="ulysses"): the same arguments and results (see
     attention.context_parallel_attention); the design is this module's docstring."""
     q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     b, hq, n, d = q.shape
     hk = k.shape[1]
@@ -136,7 +138,12 @@ def ulysses_attention(
         seq_len = s
     if not 0 < seq_len <= s:
         raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
-    wl, wr = int(window_size[0]), int(window_size[1])
+    wl, wr = window_size_pair(window_size, "context_parallel_attention")
+    if b == 0:  # an empty batch (on every rank: B is the group's): nothing to exchange
+        out = q * 0 + (k.sum() + v.sum()) * 0  # (0, H, n, D), in the graph of q, k, v
+        out = out.transpose(1, 2) if qkv_layout == "bshd" else out
+        return (out, q.new_zeros(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)) \
+            if return_lse else out
     if causal:
         wr = 0
     h = hq // world

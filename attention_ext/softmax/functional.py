@@ -71,6 +71,18 @@ def window_pair(window, causal: bool) -> Tuple[int, int]:
     return (wl, 0) if causal else (wl, wr)
 
 
+def window_size_pair(window_size: Sequence[int], fn: str) -> Tuple[int, int]:
+    """A `window_size=(left, right)` argument (flash-attn's spelling: the drop-ins, and
+    context parallelism) as ints, each -1 (unbounded) or a key count; `fn` prefixes the error.
+    The one check of that argument, as window_pair is of `window`."""
+    if len(window_size) != 2:
+        raise ValueError(f"{fn}: window_size must be (left, right), got {tuple(window_size)}")
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if wl < -1 or wr < -1:
+        raise ValueError(f"{fn}: window_size must be >= -1 on both sides (-1 = unbounded), got ({wl}, {wr})")
+    return wl, wr
+
+
 def _default_scale(d: int) -> float:
     return 1.0 / math.sqrt(max(d, 1))  # d = 0 is the op's error to report
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import attention_ext as ae
 from attention_ext import distributed as cp
 from attention_ext import reference
+from attention_ext.distributed.sharding import real_rows
 from tests.helpers import assert_close_fa2, reference_in, rel_err
 
 B, H, D, S = 2, 4, 16, 48   # S: a multiple of 2P for P = 2, 3, 4
@@ -137,8 +138,16 @@ def expected_calls(layout: str, o: dict, rank: int, world: int, n: int, s: int, 
         one_run = layout == "contiguous" or rank == world - 1  # zigzag's last rank: chunks P-1, P adjacent
         runs = [(pos[0], n)] if one_run else [(pos[0], n // 2), (pos[n // 2], n // 2)]
         wl = window[0]
-        return [(c, a + c - (max(0, a - wl) if wl >= 0 else 0), False) for a, c in runs]
-    return [(n, s, True)]                                          # 3: explicit mask
+        calls = []
+        for a, c in runs:  # padding: the run's real rows against real keys; 0 x 0 for a padded shard
+            c = max(0, min(c, real - a))
+            if c == 0 and calls:
+                continue
+            k1 = a + c if c else 0
+            calls.append((c, k1 - min(max(0, a - wl) if wl >= 0 else 0, k1), False))
+        return calls
+    nr = real_rows(real, s, rank=rank, world_size=world, layout=layout)
+    return [(nr, real, True)]                                      # 3: explicit mask, real rows and keys
 
 
 def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> None:

@@ -1,4 +1,5 @@
-"""Run a function on P gloo ranks in spawned processes and return what each rank returned.
+"""Run a function on P gloo ranks in spawned processes and return what each rank returned: run()
+spawns a group per call, Group keeps one alive across calls.
 
 Each rank: torch.set_num_threads(1), a gloo process group over a file store in a fresh temporary
 directory (60 s collective timeout), fn(rank, world_size, *args), the group destroyed. Results or
@@ -88,3 +89,92 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> Li
     if error is not None:
         raise RankFailed(error)
     return [got[r] for r in range(world_size)]
+
+
+def _serve(rank: int, world_size: int, store: str, inbox, results) -> None:
+    """A Group's rank: join the group, then run each (seq, fn, args) from `inbox` until None."""
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="gloo", init_method=f"file://{store}", world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=60))
+    try:
+        while (job := inbox.get()) is not None:
+            seq, fn, args = job
+            try:
+                results.put((seq, rank, True, fn(rank, world_size, *args)))
+            except BaseException:  # noqa: BLE001  (back to the parent; the rank serves on)
+                results.put((seq, rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class Group:
+    """world_size gloo ranks kept alive between calls, for tests that run many small problems (a
+    fuzz test's examples): call() costs a queue round trip instead of run()'s process spawn and
+    group set-up. A failing or late call closes the group and raises RankFailed (a rank that
+    raised inside a collective leaves its peers waiting there); the next call starts a new one.
+    fn must run the same collectives on every rank, as under run()."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs = None
+        self._seq = 0
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.mkdtemp(prefix="ae_cp_")
+        self._results = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        store = os.path.join(self._tmp, "store")
+        self._procs = [ctx.Process(target=_serve, args=(r, self.world_size, store, self._inboxes[r], self._results),
+                                   daemon=True) for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def call(self, fn: Callable, *args: Any, timeout: float = 120.0) -> List[Any]:
+        """fn(rank, world_size, *args) on every rank: [rank 0's result, ...]."""
+        if self._procs is None:
+            self._start()
+        self._seq += 1
+        for box in self._inboxes:
+            box.put((self._seq, fn, args))
+        got, error = {}, None
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size and error is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                error = f"ranks {sorted(set(range(self.world_size)) - set(got))} did not finish in {timeout:.0f} s"
+                break
+            try:
+                seq, rank, ok, value = self._results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+                if dead:
+                    error = f"rank {dead[0]} exited with code {self._procs[dead[0]].exitcode}"
+                continue
+            if seq != self._seq:
+                continue  # a late reply to an earlier call that already failed
+            if ok:
+                got[rank] = value
+            else:
+                error = f"rank {rank} failed:\n{value}"
+        if error is not None:
+            self.close()
+            raise RankFailed(error)
+        return [got[r] for r in range(self.world_size)]
+
+    def close(self):
+        if self._procs is None:
+            return
+        for box in self._inboxes:
+            try:
+                box.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._results.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._procs = None

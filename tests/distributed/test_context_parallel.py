@@ -63,6 +63,21 @@ def test_positions_partition(world, layout):
         assert len({int(p.sum()) for p in pos}) == 1
 
 
+@pytest.mark.parametrize("world", (1, 2, 3, 4))
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_real_rows(world, layout):
+    """real_rows counts a shard's positions below seq_len, and they are its first rows (the
+    padding a suffix), for every padded length: context_parallel_attention computes only those."""
+    from attention_ext.distributed.sharding import real_rows
+    m = cp.sequence_multiple(world, layout)
+    for s in (m, 2 * m, 5 * m):
+        for seq_len in range(1, s + 1):
+            for r in range(world):
+                real = cp.global_positions(s, rank=r, world_size=world, layout=layout) < seq_len
+                nr = real_rows(seq_len, s, rank=r, world_size=world, layout=layout)
+                assert nr == int(real.sum()) and bool(real[:nr].all()), (s, seq_len, r)
+
+
 def test_positions_values():
     assert cp.global_positions(8, rank=1, world_size=2, layout="zigzag").tolist() == [2, 3, 4, 5]
     assert cp.global_positions(8, rank=0, world_size=2, layout="zigzag").tolist() == [0, 1, 6, 7]

@@ -85,16 +85,19 @@ def test_plan_zigzag_causal_needs_no_mask():
 
 def test_plan_skips_empty_shards():
     """contiguous + causal: future shards are skipped; a window skips shards out of reach;
-    shards wholly past seq_len (padding) are skipped, partly padded ones sliced; a window's edge
+    shards wholly past seq_len (padding) are skipped, as queries and as keys, partly padded ones
+    sliced; a window's edge
     takes a mask over its bounding box only."""
     p = _plans(4, "contiguous", 32, wr=0)
     assert all((p[r, w] is None) == (w > r) for r, w in p)
     p = _plans(4, "contiguous", 32, wl=3, wr=0)
     assert all((p[r, w] is None) == (w > r or w < r - 1) for r, w in p)
-    p = _plans(4, "contiguous", 32, seq_len=20)  # keys 20.. are padding: owner 3 is all padding
-    assert all((p[r, w] is None) == (w == 3) for r, w in p)
+    p = _plans(4, "contiguous", 32, seq_len=20)  # 20.. are padding: shard 3 is, queries and keys
+    assert all((p[r, w] is None) == (w == 3 or r == 3) for r, w in p)
     st = p[0, 2]  # keys 16..19 real: a rectangle of the shard's first 4 keys, no mask
     assert st.mask is None and (st.i0, st.i1, st.j0, st.j1) == (0, 8, 0, 4)
+    st = p[2, 0]  # queries 16..19 real: the padded query rows are never computed
+    assert st.mask is None and (st.i0, st.i1, st.j0, st.j1) == (0, 4, 0, 8)
     st = _plans(4, "stripe", 32, seq_len=30)[0, 3]  # stripe's padding is the last keys of two shards
     assert st.mask is None and (st.j0, st.j1) == (0, 7)
     st = _plans(2, "contiguous", 16, wl=2, wr=1)[1, 0]  # a window's edge: a mask on the bounding box
@@ -128,7 +131,7 @@ def test_plan_plain_matches_the_pair_matrix(layout, causal):
 def _dense_plain(pq, pk, seq_len, wr):
     """The pair-matrix plan with no window and no ALiBi (ring._plan's general branch)."""
     rel = pk.view(1, -1) - pq.view(-1, 1)
-    ok = (pk < seq_len).view(1, -1).expand(pq.numel(), pk.numel())
+    ok = (pq < seq_len).view(-1, 1) & (pk < seq_len).view(1, -1)
     if wr >= 0:
         ok = ok & (rel <= wr)
     rows, cols = ok.any(1).nonzero().flatten(), ok.any(0).nonzero().flatten()

@@ -15,18 +15,10 @@ from hypothesis import strategies as st
 import attention_ext as ae
 
 from attention_ext.softmax import ops, reference
-from tests.fuzz.common import (F64, run_with_references, LOW, log_example, STORAGES, check_grad, check_out, dtypes,
-                               head_dims, lengths, seeds, strided)
+from tests.fuzz.common import (F64, LOW, STORAGES, check_grad, check_out, dtypes, few_keys, head_dims, lengths,
+                               log_example, run_with_references, seeds, strided)
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
-
-
-def _few_keys(ok):
-    """tests/softmax/test_cpu.py's known limit: in bf16 / fp16 the backward's D_i = dO_i . O_i
-    from the rounded output loses to cancellation on rows that see a few keys; the gradients of
-    such problems are held to the rule in fp32 / fp64 only (README, Known gaps)."""
-    seen = ok.sum(-1)
-    return ((seen > 0) & (seen < 16)).sum().item() > 0.25 * max((seen > 0).sum().item(), 1)
 
 
 def _run(dtype, leaves, call, ref_call, grad, what, few_keys_ok=None, lse_check=True, row_sums=None):
@@ -152,7 +144,7 @@ def case_attention(data):
         ok = ok & bias
     if kpm_t is not None:
         ok = ok & kpm_t.view(b, 1, 1, sk)
-    few_ok = not (_few_keys(ok) or sinks or p > 0)
+    few_ok = not (few_keys(ok) or sinks or p > 0)
     eff = scale if scale is not None else 1.0 / math.sqrt(d)
     sums = {0: eff * k.detach().abs().max().item(), 1: eff * q.detach().abs().max().item(), 3: 1.0, 4: 1.0}
     _run(dtype, [q, k, v, bias, sink_t], call, ref_call, grad, "attention", few_ok, row_sums=sums)
@@ -207,7 +199,7 @@ def case_flash(data):
         return out.transpose(1, 2), lse
 
     ok = reference.mask_structure(sq, sk, window=(wl, wr), bottom_right=True)
-    _run(dtype, leaves, call, ref_call, grad, "flash_" + form, not _few_keys(ok))
+    _run(dtype, leaves, call, ref_call, grad, "flash_" + form, not few_keys(ok))
 
 
 # ------------------------------------------------------------------ SDPA drop-in
@@ -246,7 +238,7 @@ def case_sdpa(data):
     ok = reference.mask_structure(sq, sk, window=(-1, 0) if causal else (-1, -1), bottom_right=False)
     if mask == "bool":
         ok = ok & am
-    _run(dtype, [q, k, v], call, ref_call, grad, "sdpa", not _few_keys(ok))
+    _run(dtype, [q, k, v], call, ref_call, grad, "sdpa", not few_keys(ok))
 
 
 # ------------------------------------------------------------------ varlen
@@ -307,7 +299,7 @@ def case_varlen(data):
 
     if endq == 0:
         return
-    few = any(_few_keys(reference.mask_structure(a, c, window=(wl, wr), bottom_right=bottom_right))
+    few = any(few_keys(reference.mask_structure(a, c, window=(wl, wr), bottom_right=bottom_right))
               for a, c in zip(lq, lk) if a and c)
     _run(dtype, [q, k, v, sink_t], call, ref_call, grad, form, not (few or sinks))
 
