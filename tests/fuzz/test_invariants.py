@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import attention_ext as ae
+from attention_ext import nn as aenn
 from attention_ext.linear import reference as linear_reference
 from attention_ext.softmax import ops
 
@@ -43,6 +44,22 @@ def run_softmax(q, k, v, dout=None, **kw):
     out, lse = ae.attention(q, k, v, return_lse=True, **kw)
     g = grads([out], [q, k, v], [dout]) if dout is not None else ()
     return [out, lse, *g]
+
+
+def run_sdpa(q, k, v, dout=None, **kw):
+    """The torch SDPA drop-in (bhsd)."""
+    out = ae.scaled_dot_product_attention(q, k, v, **kw)
+    g = grads([out], [q, k, v], [dout]) if dout is not None else ()
+    return [out, *g]
+
+
+def run_flash(q, k, v, dout=None, **kw):
+    """The flash-attn drop-in on (B, S, H, D) views of the bhsd inputs (and a bshd view of dout):
+    results back in bhsd, so the checks below compare them as for the other calls."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, lse, _ = ae.flash_attn_func(t(q), t(k), t(v), return_attn_probs=True, **kw)
+    g = grads([out], [q, k, v], [t(dout)]) if dout is not None else ()
+    return [t(out), lse, *g]
 
 
 def run_varlen(q, k, v, dout=None, cu_q=None, cu_k=None, **kw):
@@ -109,6 +126,8 @@ FAMILY_CALLS = {
     "linear_noncausal": (run_linear, dict(causal=False, feature_map="relu")),
     "block_sparse": (run_block_sparse, dict(layout=torch.rand(1, 3, 3) < 0.6, block_size=16, causal=True)),
     "topk": (run_topk, dict(k_top=5)),
+    "sdpa_gqa": (run_sdpa, dict(is_causal=True, enable_gqa=True)),
+    "flash_attn_gqa": (run_flash, dict(causal=True, window_size=(20, 3), softcap=4.0)),
 }
 
 
@@ -243,6 +262,56 @@ def test_nan_softmax_padding(dtype):
     # a bool attn_mask that hides keys from every query hides them as padding does
     am = kpm.view(b, 1, 1, sk).expand(b, 1, sq, sk)
     _clean_vs_poisoned(run_softmax, (q, k, v), ps, "attn_mask", dout, attn_mask=am)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_dropins_hidden_keys(dtype):
+    """The drop-ins keep the NaN policy of the ops under them: keys a bool attn_mask hides from
+    every query (SDPA), keys past cu_seqlens_k[-1] in a flash-attn varlen pack, and keys
+    nn.MultiheadAttention's key_padding_mask pads may hold NaN without changing a bit."""
+    torch.manual_seed(3)
+    b, h, sq, sk, d = 2, 4, 21, 33, 24
+    q, k, v = bhsd(b, h, sq, d, dtype), bhsd(b, 2, sk, d, dtype), bhsd(b, 2, sk, d, dtype)
+    dout = torch.randn(b, h, sq, d, dtype=dtype)
+    keep = torch.rand(b, sk) > 0.3
+    ps = [q] + _poison([k, v], lambda t: t.masked_fill_(~keep.view(b, 1, sk, 1), NAN))
+    am = keep.view(b, 1, 1, sk).expand(b, h, sq, sk)
+    _clean_vs_poisoned(run_sdpa, (q, k, v), ps, "sdpa attn_mask", dout, attn_mask=am, enable_gqa=True)
+
+    # a varlen pack whose storage runs past cu_seqlens_k[-1]
+    cu_q, cu_k = torch.tensor([0, 9, 21], dtype=torch.int32), torch.tensor([0, 14, 25], dtype=torch.int32)
+    qp, kp, vp = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))  # (S, H, D)
+    dp = dout[0].transpose(0, 1).contiguous()
+
+    def varlen(q, k, v, dout):
+        out = ae.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 14, causal=True)
+        return [out, *grads([out], [q, k, v], [dout])]
+
+    def tail(t):
+        t[25:] = NAN
+
+    kp2, vp2 = _poison([kp, vp], tail)
+    _clean_vs_poisoned(varlen, (qp, kp, vp), (qp, kp2, vp2), "flash_attn_varlen_func past cu_seqlens_k", dp)
+
+    # nn.MultiheadAttention, NaN in the padded positions of key and value: the output, the query's
+    # gradient and every parameter's but in_proj_weight's are unchanged. The input projection
+    # reads every position (dW_k = sum over rows of dK_row^T kv_row: 0 x NaN at a padded row), as
+    # torch's own module does; the attention under it reads none.
+    torch.manual_seed(4)
+    mha = aenn.MultiheadAttention(32, 4, batch_first=True, dtype=dtype)
+    params = [p for n, p in mha.named_parameters() if n != "in_proj_weight"]
+    assert len(params) == len(list(mha.parameters())) - 1
+    x = torch.randn(b, sq, 32, dtype=dtype)
+    kv = torch.randn(b, sk, 32, dtype=dtype)
+    kpm = ~keep  # True = padded
+    kv_nan = kv.masked_fill(kpm.view(b, sk, 1), NAN)
+    outs = []
+    for kk in (kv, kv_nan):
+        xq = x.clone().requires_grad_()
+        out, _ = mha(xq, kk, kk, key_padding_mask=kpm, need_weights=False)
+        outs.append((out, *torch.autograd.grad(out, [xq, *params], torch.ones_like(out))))
+    for i, (a, r) in enumerate(zip(outs[1], outs[0])):
+        same(a, r, f"nn.MultiheadAttention key_padding_mask result {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -702,6 +771,8 @@ def _problems():
         "linear_noncausal": lambda: run_linear(q, k, v, dout, causal=False),
         "block_sparse": lambda: run_block_sparse(q, k, v, dout, layout=lay, block_size=16),
         "topk": lambda: run_topk(q, k, v, dout, k_top=20),
+        "sdpa": lambda: run_sdpa(q, k, v, dout, is_causal=True, enable_gqa=True),
+        "flash_attn": lambda: run_flash(q, k, v, dout, window_size=(64, 0), alibi_slopes=torch.linspace(0.1, 0.5, h)),
         # the num_splits=0 heuristic (3 splits here) and a given count
         "decode": lambda: run_decode(qd, kc, vc, cache_seqlens=lens, num_splits=0),
         "decode_paged": lambda: run_decode(qd, pool, pool, cache_seqlens=lens, block_table=bt, num_splits=3),
@@ -709,7 +780,7 @@ def _problems():
 
 
 N_FWD = {"softmax": 2, "softmax_dropout": 2, "varlen": 2, "linear": 2, "linear_noncausal": 2, "block_sparse": 2,
-         "topk": 2, "decode": 2, "decode_paged": 2}  # results before the gradients
+         "topk": 2, "decode": 2, "decode_paged": 2, "sdpa": 1, "flash_attn": 2}  # results before the gradients
 
 
 @pytest.fixture
