@@ -22,7 +22,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build test hopper families graphs models bench fbench ncu sanitize fsanitize"}  # + sm80, tune: see their stages
+STAGES=${STAGES:-"build test hopper families graphs models bench fbench ncu sanitize fsanitize rprobe"}  # + sm80, tune: see their stages
 TMPD=$(mktemp -d)
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} ATTENTION_EXT_CUDA=1
 export PYTHONUNBUFFERED=1
@@ -337,6 +337,20 @@ if has fsanitize; then
     { echo "==== families $tool (rc=$rc)"; cat "$TMPD/fsan_$tool.log"; } >> "$OUT/sanitizer.log"
     note "compute-sanitizer $tool, decode / linear / sparse: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|cases|cases done' "$TMPD/fsan_$tool.log" | tr '\n' ' ')"
   done
+fi
+
+if has rprobe; then
+  # does racecheck follow an mbarrier hand-off? (benchmarks/probes/racecheck_mbarrier.cu says how
+  # to read the five modes); the answer settles the wgmma backward's racecheck report
+  if nvcc -arch=sm_90a -lineinfo -o "$TMPD/rprobe" benchmarks/probes/racecheck_mbarrier.cu >"$TMPD/rprobe.log" 2>&1; then
+    for mode in 0 1 2 3 4; do
+      timeout 60 compute-sanitizer --tool racecheck --racecheck-report all "$TMPD/rprobe" $mode >"$TMPD/rprobe_$mode.log" 2>&1
+      { echo "==== racecheck probe mode $mode (rc=$?)"; cat "$TMPD/rprobe_$mode.log"; } >> "$OUT/sanitizer.log"
+      note "racecheck probe mode $mode: $(grep -E 'RACECHECK SUMMARY' "$TMPD/rprobe_$mode.log" | tr '\n' ' ')$(grep -c 'Race reported' "$TMPD/rprobe_$mode.log") reports"
+    done
+  else
+    note "racecheck probe: nvcc failed: $(tail -3 "$TMPD/rprobe.log" | tr '\n' ' ')"
+  fi
 fi
 
 if has graphs; then

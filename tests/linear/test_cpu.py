@@ -262,13 +262,16 @@ def test_gradcheck(case):
 
 
 def _gradcheck(a):
+    """gradcheck's fast mode (the Jacobian against random projections u^T J v, one numerical
+    directional derivative instead of one per input element): these problems span several
+    chunks, and the full Jacobian took 15-32 s each; GRAD_CASES above check it whole."""
     names = [n for n in ("q", "k", "v", "decay", "initial_state") if a[n] is not None]
 
     def fn(*xs):
         out, _, final = ops.fwd(**dict(a, **dict(zip(names, xs))))
         return out, final
 
-    assert torch.autograd.gradcheck(fn, tuple(a[n] for n in names))
+    assert torch.autograd.gradcheck(fn, tuple(a[n] for n in names), fast_mode=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])
