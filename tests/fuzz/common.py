@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from tests.helpers import FLOOR, rel_err
@@ -22,6 +23,13 @@ dtypes = st.sampled_from(DTYPES)
 head_dims = st.sampled_from(HEAD_DIMS)
 lengths = st.one_of(st.sampled_from(LENGTHS), st.integers(1, 72))
 seeds = st.integers(0, 2**31 - 1)
+
+
+def at_least(n):
+    """@settings of a family's fuzz test: at least n examples under the `ci` profile (issue 17's
+    few hundred per family), the profile's own count when larger (`long`: 10,000). Evaluated
+    when the test module is imported, after pytest has loaded the profile."""
+    return settings(max_examples=max(n, settings.default.max_examples))
 
 
 def log_example(family, entry):

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from attention_ext import distributed as cp
 from attention_ext.softmax import ops, reference
 from tests.distributed import fuzz_cases, harness
-from tests.fuzz.common import LOW, F64, check_grad, check_out, few_keys, head_dims, lengths, log_example, seeds
+from tests.fuzz.common import (F64, LOW, at_least, check_grad, check_out, few_keys, head_dims, lengths, log_example,
+                               seeds)
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
@@ -72,6 +73,7 @@ def _unshard(parts, positions, real):
     return full[:, :, :real]
 
 
+@at_least(300)
 @given(c=cp_case())
 def test_fuzz_cp(groups, c):
     log_example("cp", c["mode"])

@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 import attention_ext as ae
 from attention_ext.decode import ops
 from attention_ext.decode import reference
-from tests.fuzz.common import F64, check_out, dtypes, head_dims, log_example, seeds
+from tests.fuzz.common import F64, at_least, check_out, dtypes, head_dims, log_example, seeds
 
 pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")), reason="decode op has no CPU kernel")
 
 
+@at_least(300)
 @given(data=st.data(), paged=st.booleans())
 def test_fuzz_decode(data, paged):
     draw = data.draw

@@ -15,12 +15,13 @@ import attention_ext as ae
 from attention_ext.softmax import ops
 from attention_ext.softmax import reference
 from attention_ext.sparse import reference as sparse_reference
-from tests.fuzz.common import (F64, LOW, STORAGES, check_grad, check_out, dtypes, few_keys, head_dims, lengths,
-                               log_example, run_with_references, seeds, strided)
+from tests.fuzz.common import (F64, LOW, STORAGES, at_least, check_grad, check_out, dtypes, few_keys, head_dims,
+                               lengths, log_example, run_with_references, seeds, strided)
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
 
+@at_least(300)
 @given(data=st.data(), entry=st.sampled_from(["block_sparse", "topk"]))
 def test_fuzz_sparse(data, entry):
     draw = data.draw
