@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..softmax import ops as _ops
+
 __all__ = ["LAYOUTS", "global_positions", "shard_sequence", "unshard_sequence", "pad_to_multiple",
            "sequence_multiple"]
 
@@ -80,9 +82,6 @@ def real_rows(seq_len: int, padded_len: int, *, rank: int, world_size: int, layo
     return max(0, min(n, -(-(seq_len - rank) // world_size)))  # stripe: rank, rank + P, ...
 
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
 def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Tensor, Tensor, Tensor]:
     """Three 4-D shards in qkv_layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy)."""
     if qkv_layout not in ("bhsd", "bshd"):
@@ -93,7 +92,7 @@ def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Te
     # before any collective: a peer's transport would fail on these with a message naming no argument
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v shards must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.dtype not in _FLOATS:
+    if q.dtype not in _ops.DTYPES:
         raise TypeError(f"q, k, v shards must be float32, float16, bfloat16 or float64, got {q.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v shards must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
 from ..softmax.functional import window_size_pair
 from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
@@ -142,7 +143,7 @@ def ulysses_attention(
     if b == 0:  # an empty batch (on every rank: B is the group's): nothing to exchange
         out = q * 0 + (k.sum() + v.sum()) * 0  # (0, H, n, D), in the graph of q, k, v
         out = out.transpose(1, 2) if qkv_layout == "bshd" else out
-        return (out, q.new_zeros(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)) \
+        return (out, q.new_zeros(q.shape[:3], dtype=_ops.acc_dtype(q.dtype))) \
             if return_lse else out
     if causal:
         wr = 0
