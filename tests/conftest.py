@@ -2,13 +2,17 @@ import collections
 import os
 import sys
 import warnings
+import zlib
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# fresh random inputs each session, but reproducible when a failure is reported
-SEED = int(os.environ.get("ATTENTION_EXT_TEST_SEED", torch.randint(0, 2**31 - 1, (1,)).item()))
+# One seed for the torch inputs of a whole run, printed in the header. The default is fixed, so a
+# run (CI's above all) is reproducible and a landing never depends on the draw;
+# ATTENTION_EXT_TEST_SEED=random draws fresh inputs, =<n> replays the run that printed n.
+_SEED_ENV = os.environ.get("ATTENTION_EXT_TEST_SEED", "0")
+SEED = torch.randint(0, 2**31 - 1, (1,)).item() if _SEED_ENV == "random" else int(_SEED_ENV)
 
 # ATTENTION_EXT_LINEAR_STANDIN=1: the linear ops from reference.py where the extension lacks them
 # (defined before attention_ext is imported: its ops.py reads the registry at import)
@@ -106,7 +110,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    torch.manual_seed(SEED + hash(request.node.nodeid) % 100003)
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a printed seed would not replay
+    torch.manual_seed(SEED + zlib.crc32(request.node.nodeid.encode()) % 100003)
     yield
 
 

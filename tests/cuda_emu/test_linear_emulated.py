@@ -84,10 +84,18 @@ def run_case(emu, s, dtype, *, causal, fmap=1, b=1, h=2, hk=1, m=16, dv=24, layo
         assert grads[4].numel() == 0
 
 
+def few_rows(s):
+    """More batches and heads where a sequence of one row leaves the outputs a few scalars: with
+    b=1, h=2 den and ddecay are 2 numbers each, and PyTorch's same-dtype error on 2 numbers is
+    sometimes near 0 by luck (ours the lower at the median; 1 in 60 seeds failed the 2x rule on
+    ddecay, 0 in 300 with b=2, h=4)."""
+    return dict(b=2, h=4) if s == 1 else {}
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("s", [1, 7, 63, 65, 130])
 def test_sizes(emu, s, causal):
-    run_case(emu, s, torch.float32, causal=causal)
+    run_case(emu, s, torch.float32, causal=causal, **few_rows(s))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -96,7 +104,7 @@ def test_sizes_tensor_cores(emu, s, causal):
     # partial first / last chunks of the tensor-core kernels, both sweeps; decay and the
     # initial state where the call allows them (decay is causal-only)
     dtype = torch.float16 if s % 2 else torch.bfloat16
-    run_case(emu, s, dtype, causal=causal, decay=causal, init=True, mask=s > 1)
+    run_case(emu, s, dtype, causal=causal, decay=causal, init=True, mask=s > 1, **few_rows(s))
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
