@@ -9,7 +9,12 @@
   call on contiguous copies.
 - test_numel_past_2_31 (marker int64_big): v with more than 2^31 elements (4.3 GB in bf16),
   q = k = 0, so attention is uniform and out = mean(v) over the keys, exactly (v's values are
-  chosen so that every mean is a bf16 number). One query row keeps the compute small.
+  chosen so that every mean is a bf16 number). One query row (the decode kernel) keeps the
+  compute small.
+- test_numel_past_2_31_families (marker int64_big): the same v through every other kernel that
+  reads it: 16 query rows (the softmax tiles, forward, and the backward's dv, 4.3 GB more, every
+  element 16 / 2048 exactly), block-sparse over a full layout, top-k keeping every key, and
+  non-causal linear attention (elu + 1 of 0 is 1: out = mean(v) again, an out of 4.3 GB).
 
 Each test reads MemAvailable and skips, saying why, when the footprint plus 4 GB headroom does
 not fit (other processes share the machine).
@@ -97,23 +102,63 @@ def test_offsets_past_2_31():
     assert close(kcache[1, 20], kn[1, 0])
 
 
+B_, H_, S_, D_ = 1, 2 ** 13 + 8, 2048, 128  # v: 2,149,580,800 elements > 2^31
+
+
+def uniform_case(q_rows, qk_dim=D_):
+    """(q, k, v, expect): v (B, H, S, D) bf16 of more than 2^31 elements with v[b, h, j, :] =
+    (h % 7) + (j % 4) / 4, so every mean over j is (h % 7) + 0.375, a bf16 number; q = k = 0 of
+    width qk_dim (k expanded: no memory); expect (H, D) float32, the mean."""
+    dt = torch.bfloat16
+    v = torch.empty(B_, H_, S_, D_, dtype=dt)
+    assert v.numel() > BIG
+    hh = (torch.arange(H_) % 7).to(dt).view(1, H_, 1, 1)
+    jj = ((torch.arange(S_) % 4) * 0.25).to(dt).view(1, 1, S_, 1)
+    for h0 in range(0, H_, 512):
+        v[:, h0:h0 + 512] = (hh[:, h0:h0 + 512] + jj).expand(B_, min(512, H_ - h0), S_, D_)
+    k = torch.zeros(qk_dim, dtype=dt).expand(B_, H_, S_, qk_dim)
+    q = torch.zeros(B_, H_, q_rows, qk_dim, dtype=dt)
+    expect = ((torch.arange(H_) % 7).float() + 0.375)[:, None].expand(H_, D_)
+    return q, k, v, expect
+
+
+def uniform_rows(out, expect):
+    """Every query row of out (1, H, S_q, D) equals expect (H, D)."""
+    return torch.equal(out[0].float(), expect[:, None, :].expand(out.shape[1:]))
+
+
 @pytest.mark.int64_big
 def test_numel_past_2_31(request):
     # opt-in (pytest -m int64_big, tests/conftest.py OPT_IN): 4.3 GB and ~40 s
-    B, H, S, D = 1, 2 ** 13 + 8, 2048, 128  # v: 2,149,580,800 elements > 2^31
-    dt = torch.bfloat16
-    need(B * H * S * D * 2)
-    v = torch.empty(B, H, S, D, dtype=dt)
-    assert v.numel() > BIG
-    # v[b, h, j, :] = (h % 7) + (j % 4) / 4: every mean over j is (h % 7) + 0.375, a bf16 number
-    hh = (torch.arange(H) % 7).to(dt).view(1, H, 1, 1)
-    jj = ((torch.arange(S) % 4) * 0.25).to(dt).view(1, 1, S, 1)
-    for h0 in range(0, H, 512):
-        v[:, h0:h0 + 512] = (hh[:, h0:h0 + 512] + jj).expand(B, min(512, H - h0), S, D)
-    k = torch.zeros(D, dtype=dt).expand(B, H, S, D)  # q = k = 0: uniform attention (k costs no memory)
-    q = torch.zeros(B, H, 1, D, dtype=dt)
-    expect = ((torch.arange(H) % 7).float() + 0.375)[:, None].expand(H, D)
+    need(B_ * H_ * S_ * D_ * 2)
+    q, k, v, expect = uniform_case(1)
     t0 = time.perf_counter()
     out = ae.attention(q, k, v)
     print(f"attention over {v.numel()} elements of v: {time.perf_counter() - t0:.1f} s")
-    assert torch.equal(out[0, :, 0, :].float(), expect)
+    assert uniform_rows(out, expect)
+
+
+@pytest.mark.int64_big
+def test_numel_past_2_31_families():
+    # opt-in as above: 8.6 GB at the peak (v and dv, or v and linear's out)
+    need(2 * B_ * H_ * S_ * D_ * 2)
+    q, k, v, expect = uniform_case(16)
+    t0 = time.perf_counter()
+    assert uniform_rows(ae.attention(q, k, v), expect), "softmax tiles"
+    lay = torch.ones(1, 1, S_ // 128, dtype=torch.bool)  # (H, S_q blocks, S_k blocks), block 128
+    assert uniform_rows(ae.block_sparse_attention(q, k, v, lay, block_size=128), expect), "block-sparse"
+    assert uniform_rows(ae.topk_attention(q, k, v, S_), expect), "top-k keeping every key"
+    # the backward's dv: P^T dout with uniform P = 1 / S and dout = 1 over 16 rows, 16 / 2048 = 2^-7
+    v.requires_grad_()
+    out = ae.attention(q, k, v)
+    (dv,) = torch.autograd.grad(out, [v], torch.ones_like(out))
+    assert dv.numel() > BIG and bool((dv == 2.0 ** -7).all()), "softmax backward dv"
+    del dv, out
+    v.requires_grad_(False)
+    # linear, non-causal: phi(0) = elu(0) + 1 = 1 for every feature of width 1, out_i = mean(v)
+    ql = torch.zeros(B_, H_, S_, 1, dtype=v.dtype)
+    kl = torch.zeros(1, dtype=v.dtype).expand(B_, H_, S_, 1)
+    out = ae.linear_attention(ql, kl, v, causal=False)
+    assert out.numel() > BIG and uniform_rows(out, expect), "linear"
+    print(f"softmax fwd/bwd, block-sparse, top-k, linear over {v.numel()} elements of v: "
+          f"{time.perf_counter() - t0:.1f} s")

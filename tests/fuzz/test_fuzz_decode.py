@@ -1,8 +1,11 @@
 """Property-based fuzzing of the decode family: flash_attn_with_kvcache on contiguous caches
 (cache_batch_idx, cache_leftpad, appended k / v written in place) and paged caches (page sizes
-that divide nothing, shuffled block tables), with causal / window, softcap, ALiBi and sinks, and
-the decode op itself. No gradients (the decode ops have none). Output and LSE against the float64
-reference under the project's rule (tests/fuzz/common.py)."""
+that divide nothing, shuffled block tables), with causal / window, softcap, ALiBi, sinks and
+rotary (GPT-J / NeoX, any even rotary_dim), and the decode op itself. q and the caches come in
+strided storage too (heads-major, a wider last dim sliced, every other row), whose storage
+outside the view is NaN: a read there fails the comparison, a write there fails the check of the
+storage. No gradients (the decode ops have none). Output and LSE against the float64 reference
+under the project's rule (tests/fuzz/common.py)."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +16,35 @@ from hypothesis import strategies as st
 import attention_ext as ae
 from attention_ext.decode import ops
 from attention_ext.decode import reference
-from tests.fuzz.common import F64, at_least, check_out, dtypes, head_dims, log_example, seeds
+from attention_ext.decode.kvcache import apply_rotary
+from tests.decode.test_kvcache import rotary64
+from tests.fuzz.common import F64, LOW, at_least, check_out, dtypes, head_dims, log_example, seeds
+from tests.helpers import FLOOR, rel_err
 
 pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")), reason="decode op has no CPU kernel")
+
+# how a (N, S, H, D) tensor is stored: contiguous; heads-major (N, H, S, D) storage transposed, as a
+# cache kept bhsd; the last dim 3 wider, sliced [..., 1:D+1]; every other row of a 2S-row buffer
+STORAGES = ["contig", "contig", "heads_major", "sliced", "every_other_row"]
+
+
+def stored(shape, dtype, storage):
+    """(view, backing, inside): a random tensor of `shape` in `storage` whose backing buffer is NaN
+    everywhere outside the view; inside is the bool mask of the view's positions in the backing."""
+    n, s, h, d = shape
+    if storage == "contig":
+        back_shape, view = shape, (lambda t: t)
+    elif storage == "heads_major":
+        back_shape, view = (n, h, s, d), (lambda t: t.transpose(1, 2))
+    elif storage == "sliced":
+        back_shape, view = (n, s, h, d + 3), (lambda t: t[..., 1:d + 1])
+    else:
+        back_shape, view = (n, 2 * s, h, d), (lambda t: t[:, ::2])
+    back = torch.full(back_shape, float("nan"), dtype=dtype)
+    view(back).copy_(torch.randn(shape, dtype=F64).to(dtype))
+    inside = torch.zeros(back_shape, dtype=torch.bool)
+    view(inside).fill_(True)
+    return view(back), back, inside
 
 
 @at_least(300)
@@ -50,8 +79,12 @@ def test_fuzz_decode(data, paged):
         s_new = 0
     leftpad = (not paged) and draw(st.booleans())
     batch_idx = (not paged) and draw(st.booleans())
+    q_storage, cache_storage = draw(st.sampled_from(STORAGES)), draw(st.sampled_from(STORAGES))
+    rotary = draw(st.sampled_from([None, None, "interleaved", "neox"])) if d >= 2 else None
+    rotary_dim = 2 * draw(st.integers(1, d // 2)) if rotary else 0
     torch.manual_seed(draw(seeds))
-    note(dict(dtype=dtype, b=b, h=h, hk=hk, d=d, sq=sq, s_new=s_new, paged=paged, cap=cap, lens=lens))
+    note(dict(dtype=dtype, b=b, h=h, hk=hk, d=d, sq=sq, s_new=s_new, paged=paged, cap=cap, lens=lens,
+              q_storage=q_storage, cache_storage=cache_storage, rotary=rotary, rotary_dim=rotary_dim))
     lens_t = torch.tensor(lens, dtype=torch.int32)
 
     def rnd(*shape):
@@ -60,31 +93,44 @@ def test_fuzz_decode(data, paged):
     block_table = cache_batch_idx = cache_leftpad = None
     if paged:
         n_pages = b * max_pages + draw(st.integers(0, 3))
-        kc, vc = rnd(n_pages, page, hk, d), rnd(n_pages, page, hk, d)
+        cache_shape = (n_pages, page, hk, d)
         block_table = torch.randperm(n_pages)[: b * max_pages].view(b, max_pages).to(torch.int32)
     else:
         n_rows = b + draw(st.integers(0, 2))
-        kc, vc = rnd(n_rows, cap, hk, d), rnd(n_rows, cap, hk, d)
+        cache_shape = (n_rows, cap, hk, d)
+    kc, k_back, k_inside = stored(cache_shape, dtype, cache_storage)
+    vc, v_back, v_inside = stored(cache_shape, dtype, cache_storage)
+    if not paged:
         if batch_idx:
             cache_batch_idx = torch.randperm(n_rows)[:b].to(torch.int32)
         if leftpad:
             cache_leftpad = (torch.rand(b) * (lens_t + s_new + 1).float()).long().clamp(max=lens_t + s_new)
             cache_leftpad = torch.minimum(cache_leftpad, lens_t).to(torch.int32)
-    q = rnd(b, sq, h, d)
+    q = stored((b, sq, h, d), dtype, q_storage)[0]
     knew = rnd(b, s_new, hk, d) if s_new else None
     vnew = rnd(b, s_new, hk, d) if s_new else None
     acc = torch.float64 if dtype == F64 else torch.float32
     slopes = None if alibi is None else torch.rand((h,) if alibi == "h" else (b, h), dtype=acc) * 0.5
     sink_t = torch.randn(h, dtype=acc) if sinks else None
+    cos = sin = None
+    if rotary:
+        # positions up to cache_seqlens + max(S_q, S_new) - 1, and a few rows to spare
+        ang = torch.rand(cap + max(sq, s_new) + draw(st.integers(0, 3)), rotary_dim // 2, dtype=F64) * 6.0
+        cos, sin = ang.cos().float(), ang.sin().float()
     kc0, vc0 = kc.clone(), vc.clone()
     with torch.no_grad():
-        res = ae.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=lens_t, cache_batch_idx=cache_batch_idx,
+        res = ae.flash_attn_with_kvcache(q, kc, vc, knew, vnew, rotary_cos=cos, rotary_sin=sin,
+                                         rotary_interleaved=rotary == "interleaved",
+                                         cache_seqlens=lens_t, cache_batch_idx=cache_batch_idx,
                                          cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=scale,
                                          causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
                                          num_splits=num_splits, return_softmax_lse=lse_too, sinks=sink_t)
     out, lse = res if lse_too else (res, None)
     assert out.shape == q.shape and out.dtype == dtype
-    # the appended rows were written in place, and nothing else changed
+    # the appended rows were written in place (k after rotary, computed here in float64: one
+    # rounding apart), nothing else in the view changed, and the storage outside it is still NaN
+    k64 = rotary64(knew, cos, sin, lens_t.long()[:, None] + torch.arange(s_new)[None, :], rotary == "interleaved") \
+        if s_new and rotary else None
     if s_new:
         for i in range(b):
             for t in range(s_new):
@@ -93,13 +139,31 @@ def test_fuzz_decode(data, paged):
                     pg, row = int(block_table[i, r // page]), r % page
                 else:
                     pg, row = int(cache_batch_idx[i]) if cache_batch_idx is not None else i, r
-                assert torch.equal(kc[pg, row], knew[i, t]) and torch.equal(vc[pg, row], vnew[i, t])
-                kc0[pg, row], vc0[pg, row] = knew[i, t], vnew[i, t]
+                assert torch.equal(vc[pg, row], vnew[i, t])
+                if rotary:
+                    tol = 2 * FLOOR[dtype] + (1e-2 if dtype in LOW else 0)
+                    assert rel_err(kc[pg, row], k64[i, t]) <= tol, "rotated k row"
+                else:
+                    assert torch.equal(kc[pg, row], knew[i, t])
+                kc0[pg, row], vc0[pg, row] = kc[pg, row], vnew[i, t]
     assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    for back, inside in ((k_back, k_inside), (v_back, v_inside)):
+        assert back[~inside].isnan().all(), "a write outside the cache's view"
     win = (window[0], 0) if causal else window
+    q_in = q
+    if rotary:
+        # q rows at cache_seqlens + t when causal or local, else all at cache_seqlens. The kernel is
+        # given q rotated then rounded to its dtype: the references start from that same q (as they
+        # start from the cache with its rotated rows), after it is held, like k, within one rounding
+        # of the rotation computed here in float64
+        local = causal or window != (-1, -1)
+        q_pos = lens_t.long()[:, None] + (torch.arange(sq)[None, :] if local else torch.zeros(1, sq, dtype=torch.long))
+        q_in = apply_rotary(q, cos, sin, q_pos, rotary == "interleaved")
+        tol = 2 * FLOOR[dtype] + (1e-2 if dtype in LOW else 0)
+        assert rel_err(q_in, rotary64(q, cos, sin, q_pos, rotary == "interleaved")) <= tol, "rotated q"
 
     def ref_in(dt):
-        return reference.decode_attention(q.to(dt), kc.to(dt), vc.to(dt), cache_seqlens=lens_t + s_new,
+        return reference.decode_attention(q_in.to(dt), kc.to(dt), vc.to(dt), cache_seqlens=lens_t + s_new,
                                           block_table=block_table, cache_batch_idx=cache_batch_idx,
                                           cache_leftpad=cache_leftpad, softmax_scale=scale, window_size=win,
                                           softcap=softcap, alibi_slopes=None if slopes is None else slopes.to(dt),

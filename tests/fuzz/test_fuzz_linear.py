@@ -204,3 +204,110 @@ def test_fp32_relu_few_features_grad_q():
     draws = iter([torch.float32, "relu", True, False, False, 1, 2, 1, 3, 64, "bhsd", "transposed", "strided_seq",
                   False, True, 0.5, True, 42, 1671])
     linear_case(lambda strategy: next(draws), lambda info: None)
+
+
+def _split_relu(x):
+    """A user's plain callable: [relu(x), relu(-x)], (..., D) -> (..., 2D), nonnegative."""
+    return torch.cat([x.relu(), (-x).relu()], -1)
+
+
+@at_least(150)
+@given(data=st.data(), mode=st.sampled_from(["parallel", "steps"]))
+def test_fuzz_linear_maps_and_step(data, mode):
+    """The maps applied in PyTorch before the kernel (FAVOR+, RFA, a plain callable of another
+    width) and the recurrent step: `parallel` runs linear_attention once (gradients too), `steps`
+    a causal prefill then linear_attention_step a few positions at a time (the step kernel: no
+    autograd), against the float64 reference over the whole sequence with the same map applied
+    in float64. FAVOR+'s stabilizers (the query's row maximum, the keys' running maximum carried
+    in the state's log_scale) cancel in the normalized output; its final state is compared
+    after undoing log_scale."""
+    draw = data.draw
+    dtype = draw(dtypes)
+    kind = draw(st.sampled_from(["favor", "rfa", "callable", "elu"]))
+    b, hk = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    h = hk * draw(st.integers(1, 2))
+    d = draw(st.sampled_from([1, 3, 8, 16, 17, 32, 64]))
+    dv = draw(st.sampled_from([1, 5, 16, 33]))
+    # RFA's sin / cos features are signed: the normalizer can cross 0, so it runs unnormalized
+    normalize = kind != "rfa" and draw(st.booleans())
+    causal = mode == "steps" or draw(st.booleans())
+    decay = causal and draw(st.booleans())
+    if mode == "steps":
+        prefill = draw(st.integers(0, 20))
+        steps = draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))
+    else:
+        prefill, steps = draw(lengths), []
+    s = prefill + sum(steps)
+    layout = draw(st.sampled_from(["bhsd", "bshd"]))
+    grad = mode == "parallel" and draw(st.booleans())
+    torch.manual_seed(draw(seeds))
+    if kind == "favor":
+        fm = ae.linear.feature_maps.Favor(d, draw(st.sampled_from([None, 7, 40])), seed=draw(seeds) % 1000)
+    elif kind == "rfa":
+        fm = ae.linear.feature_maps.RFA(d, draw(st.sampled_from([None, 5])), seed=draw(seeds) % 1000)
+    elif kind == "callable":
+        fm = _split_relu
+    else:
+        fm = "elu"
+    note(dict(dtype=dtype, kind=kind, b=b, h=h, hk=hk, d=d, dv=dv, normalize=normalize, causal=causal, decay=decay,
+              prefill=prefill, steps=steps, layout=layout, grad=grad))
+    q = (0.5 * torch.randn(b, h, s, d, dtype=F64)).to(dtype).requires_grad_(grad)
+    k = (0.5 * torch.randn(b, hk, s, d, dtype=F64)).to(dtype).requires_grad_(grad)
+    v = torch.randn(b, hk, s, dv, dtype=F64).to(dtype).requires_grad_(grad)
+    acc = ops.acc_dtype(dtype)
+    g = (-0.2 * torch.rand(b, h, s, dtype=acc)) if decay else None
+    lay = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2).contiguous())
+    unlay = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
+    phi = ae.linear.feature_maps.resolve(fm, d)
+
+    def reference_in(rdt):
+        qq, kk, vv = (t.detach().to(rdt).requires_grad_(grad) for t in (q, k, v))
+        fq = ae.linear.feature_maps.apply(phi, qq, is_query=True, normalized=normalize)
+        fk = ae.linear.feature_maps.apply(phi, kk, is_query=False, normalized=normalize)
+        o, _, f = reference.linear_attention(fq, fk, vv, feature_map=0, causal=causal, normalize=normalize,
+                                             decay=None if g is None else g.to(rdt))
+        return o, f, (qq, kk, vv)
+
+    ref, ref_fin, ref_leaves = reference_in(F64)
+    low, low_fin, low_leaves = reference_in(dtype)
+    if mode == "parallel":
+        with torch.set_grad_enabled(grad):
+            out, st_ = ae.linear_attention(lay(q), lay(k), lay(v), feature_map=fm, causal=causal, normalize=normalize,
+                                           decay=g, layout=layout, return_state=True)
+        out = unlay(out)
+    else:
+        with torch.no_grad():
+            parts = []
+            st_ = None
+            if prefill:
+                o0, st_ = ae.linear_attention(lay(q[:, :, :prefill]), lay(k[:, :, :prefill]), lay(v[:, :, :prefill]),
+                                              feature_map=fm, causal=True, normalize=normalize,
+                                              decay=None if g is None else g[:, :, :prefill], layout=layout,
+                                              return_state=True)
+                parts.append(unlay(o0))
+            t0 = prefill
+            for t in steps:
+                sl = slice(t0, t0 + t)
+                o_t, st_ = ae.linear_attention_step(lay(q[:, :, sl]), lay(k[:, :, sl]), lay(v[:, :, sl]), st_,
+                                                    feature_map=fm, normalize=normalize,
+                                                    decay_t=None if g is None else g[:, :, sl], layout=layout,
+                                                    inplace=draw(st.booleans()))
+                parts.append(unlay(o_t))
+                t0 += t
+            out = torch.cat(parts, 2)
+    assert out.shape == (b, h, s, dv) and out.dtype == dtype
+    check_out(out, low, ref, dtype, f"{mode} out")
+    # the state in its own scale: S, z times exp(log_scale) (FAVOR+'s key offset), [S | z]
+    fin = st_.S if not normalize else torch.cat([st_.S, st_.z.unsqueeze(-1)], -1)
+    if st_.log_scale is not None:
+        fin = fin * st_.log_scale.exp()[..., None, None]
+    # RFA with 1-row-per-head problems and the state in fp32 for fp16 (its own overflows): as test_fuzz_linear
+    check_out(fin, low_fin, ref_fin, dtype if dtype != torch.float16 else torch.float32, f"{mode} final state")
+    if grad:
+        dout = torch.randn(out.shape, dtype=F64).to(dtype)
+        ours = torch.autograd.grad(out, [q, k, v], dout)
+        g64 = torch.autograd.grad(ref, ref_leaves, dout.to(F64))
+        glow = torch.autograd.grad(low, low_leaves, dout)
+        for name, o, r, lo in zip("qkv", ours, g64, glow):
+            check_grad(o, lo, r, dtype, f"grad of {name}")
+    log_example("linear", f"{kind} {mode}")

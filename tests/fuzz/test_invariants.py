@@ -561,6 +561,34 @@ def test_nan_block_sparse_off_blocks(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k_top", [1, 4, 60])
+def test_nan_topk_padding(dtype, k_top):
+    """Top-k ranks the logits in a pass of its own before the fused kernel: NaN in padded keys
+    (key_padding_mask, past seqlens_k, a batch with every key padded) must reach neither the
+    ranking nor the kernel. k_top 60 > S_k: every allowed key kept."""
+    torch.manual_seed(6)
+    b, h, sq, sk, d = 3, 4, 23, 41, 24
+    q, k, v = bhsd(b, h, sq, d, dtype), bhsd(b, 2, sk, d, dtype), bhsd(b, 2, sk, d, dtype)
+    dout = torch.randn(b, h, sq, d, dtype=dtype)
+    kpm = torch.rand(b, sk) > 0.4
+    kpm[2] = False
+    lens = torch.tensor([41, 9, 0], dtype=torch.int32)
+
+    def padded(t):
+        t.masked_fill_(~kpm.view(b, 1, sk, 1), NAN)
+
+    def past_len(t):
+        for i, n in enumerate(lens.tolist()):
+            t[i, :, n:] = NAN
+
+    for fill, kw in ((padded, dict(key_padding_mask=kpm)), (padded, dict(key_padding_mask=kpm, causal=True)),
+                     (past_len, dict(seqlens_k=lens, window=(6, 6), softcap=4.0)),
+                     (past_len, dict(seqlens_k=lens, alibi_slopes=torch.rand(h), sinks=torch.randn(h)))):
+        ps = [q] + _poison([k, v], fill)
+        _clean_vs_poisoned(run_topk, (q, k, v), ps, f"topk {k_top} {kw}", dout, k_top=k_top, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_nan_decode_cache(dtype):
     torch.manual_seed(5)
     b, h, hk, d = 3, 4, 2, 40
