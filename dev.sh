@@ -16,7 +16,7 @@ deps() {
   if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.14.1"
   fi
-  "$PY" -m pip install -q ninja pybind11 numpy tqdm matplotlib pytest hypothesis expecttest "transformers>=4.53"
+  "$PY" -m pip install -q ninja pybind11 numpy tqdm matplotlib pytest pytest-xdist hypothesis expecttest "transformers>=4.53"
   if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
     export CUDA_HOME=/usr/local/cuda
   fi
@@ -77,7 +77,10 @@ shift || true
 case "$cmd" in
   build) deps; build ;;
   demo) deps; ensure_built; exec "$PY" -m attention_ext demo "$@" ;;
-  test) deps; ensure_built; exec "$PY" -m pytest tests -q -p no:cacheprovider "$@" ;;
+  # -n auto: one pytest-xdist worker per core (at most 8), each with cores / workers torch
+  # threads (tests/conftest.py); -n 0 runs in this process
+  # no path: pyproject's testpaths (tests/); paths given replace it, options alone (-k) apply to it
+  test) deps; ensure_built; exec "$PY" -m pytest -q -p no:cacheprovider -n auto --maxprocesses=8 "$@" ;;
   bench) deps; ensure_built; exec "$PY" benchmarks/softmax/bench_cpu.py "$@" ;;
   sanitize)
     deps; sanitize_build; sanitize_env

@@ -13,6 +13,13 @@ from hypothesis import HealthCheck, settings
 # ATTENTION_EXT_TEST_SEED=random draws fresh inputs, =<n> replays the run that printed n.
 _SEED_ENV = os.environ.get("ATTENTION_EXT_TEST_SEED", "0")
 SEED = torch.randint(0, 2**31 - 1, (1,)).item() if _SEED_ENV == "random" else int(_SEED_ENV)
+os.environ["ATTENTION_EXT_TEST_SEED"] = str(SEED)  # pytest-xdist workers start after this: one seed for all
+
+# A pytest-xdist worker (./dev.sh test runs one per core) takes its share of the cores for torch's
+# intra-op threads, so that the workers together do not oversubscribe the machine; the tests of
+# thread counts set theirs themselves
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # ATTENTION_EXT_LINEAR_STANDIN=1: the linear ops from reference.py where the extension lacks them
 # (defined before attention_ext is imported: its ops.py reads the registry at import)
