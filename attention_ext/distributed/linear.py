@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..linear import feature_maps, reference
-from ..linear.functional import LinearAttentionState, linear_attention
+from ..linear.functional import LinearAttentionState, linear_attention, normalize_offset, stabilized, stabilized_query
 from ..linear.ops import acc_dtype
 from .sharding import LAYOUTS, _AllGather, shards_bhsd
 
@@ -71,32 +71,34 @@ def _features(feature_map, q: Tensor, k: Tensor, normalize: bool, key_mask: Opti
     acc = acc_dtype(q.dtype)
     code = getattr(fm, "fused_code", None)
     if code is not None:
-        return q, k, reference.FUSED_FEATURE_MAPS[code], reference.phi(k.to(acc), code), None
+        return q, k, reference.FUSED_FEATURE_MAPS[code], reference.phi(k.to(acc), code), None, None
     if isinstance(fm, feature_maps.FeatureMap):
         fm.prepare()  # once per call, as linear_attention does (random maps must be seeded alike on every rank)
     h = q.shape[1]
-    fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
-    log_scale = None
-    if getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize:
+    log_scale = eps_log = None
+    if stabilized(fm, normalize):
+        fq, q_off = stabilized_query(fm, q)  # the compute dtype, as linear_attention's
         e_k = fm.exponents(k)  # (B, H_k, n, M)
         c = _global_key_scale(e_k, key_mask, prev, h, group)  # (B, H_k), the same on every rank
-        fk = fm.features(e_k - c[:, :, None, None], k.dtype)
+        fk = fm.features(e_k - c[:, :, None, None], e_k.dtype)
         log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
+        eps_log = -(q_off + log_scale.to(q_off.dtype).unsqueeze(-1))  # (B, H, n), normalize_offset's
     else:
+        fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
         fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
     for name, f, x in (("q", fq, q), ("k", fk, k)):
         if not (isinstance(f, Tensor) and f.dim() == 4 and f.shape[:3] == x.shape[:3]):
             raise ValueError(f"feature_map must map {name} (B, H, S, D) to (B, H, S, M), got "
                              f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
-    return fq, fk, "identity", fk.to(acc), log_scale
+    return fq, fk, "identity", fk.to(acc), log_scale, eps_log
 
 
 def _global_key_scale(e_k: Tensor, key_mask: Optional[Tensor], prev: Optional[Tensor], h: int, group) -> Tensor:
     """linear.functional._key_scale over the WHOLE sequence: the maximum of the real keys'
     exponents e_k (B, H_k, n, M) over every rank's shard and the incoming state's log_scale prev
     ((B, H) or None), per (batch, kv head), (B, H_k); 0 where there is none (no real key, no
-    prev). Detached, as in the single-process op (the offset cancels in out_i = O'_i / den_i up to
-    eps, and the op gives it no gradient), so one all-reduce(MAX) of a detached tensor is exact:
+    prev). Detached, as in the single-process op (the offset cancels in out_i = O'_i / den_i, eps
+    term included: linear.functional.normalize_offset), so one all-reduce(MAX) of a detached tensor is exact:
     max is exact in floating point, whatever the order of the ranks."""
     b, hk = e_k.shape[:2]
     e = e_k.detach()
@@ -249,7 +251,8 @@ def context_parallel_linear_attention(
 
     # a stabilized FAVOR+ under normalize: one all-reduce(MAX) here, before the all-gather (every
     # rank takes the same branch: the feature map and normalize are the same on every rank)
-    qf, kf, fm_name, phik, log_scale = _features(feature_map, q, k, normalize, key_padding_mask, prev, group)
+    qf, kf, fm_name, phik, log_scale, eps_log = _features(feature_map, q, k, normalize, key_padding_mask, prev,
+                                                          group)
     s_r, l_r = _shard_state(phik, v, h, decay, normalize, key_padding_mask)  # (B, H, M, Dv'), (B, H)
     m, dvp = s_r.shape[-2:]
     if s0 is not None and tuple(s0.shape) != (b, h, m, dvp):
@@ -284,9 +287,16 @@ def context_parallel_linear_attention(
         state_in = sum(others[1:], others[0]) if others else None
         if s0 is not None:
             state_in = s0 if state_in is None else state_in + s0
-    res = linear_attention(qf, kf, v, feature_map=fm_name, causal=causal, normalize=normalize, eps=eps, scale=scale,
-                           decay=decay, key_padding_mask=key_padding_mask, initial_state=state_in,
-                           return_state=False)
+    if eps_log is None:
+        res = linear_attention(qf, kf, v, feature_map=fm_name, causal=causal, normalize=normalize, eps=eps,
+                               scale=scale, decay=decay, key_padding_mask=key_padding_mask, initial_state=state_in,
+                               return_state=False)
+    else:  # stabilized: unnormalized on v' = [v, 1] with the augmented state, then linear_attention's division
+        va = torch.cat([v.to(kf.dtype), torch.ones_like(v[..., :1], dtype=kf.dtype)], -1)
+        res = linear_attention(qf, kf, va, feature_map=fm_name, causal=causal, normalize=False, scale=scale,
+                               decay=decay, key_padding_mask=key_padding_mask, initial_state=state_in,
+                               return_state=False)
+        res = normalize_offset(res, float(eps), eps_log, q.dtype)
     if gathered.requires_grad:
         res = _Tie.apply(res, gathered)
     if qkv_layout == "bshd":

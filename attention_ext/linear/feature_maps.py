@@ -142,8 +142,10 @@ class Favor(RandomFeatureMap):
     normalized=True): a query subtracts its row maximum from its exponents; keys are mapped in the
     log domain (`log_domain`, `exponents()`) and the functional layer subtracts one constant per
     (batch, kv head), the running maximum, carried in LinearAttentionState.log_scale so that
-    states stay consistent across calls and steps (the online-softmax rescaling). eps then acts
-    on the offset normalizer, so results agree across call splits exactly only at eps = 0.
+    states stay consistent across calls and steps (the online-softmax rescaling). The functional
+    layer scales eps by the same offsets (linear.functional.normalize_offset), so the result is
+    the unstabilized definition phi(q)^T S / (phi(q)^T z + eps), whatever the call splits; the
+    offsets keep every feature and sum finite.
     """
 
     log_domain = True

@@ -119,24 +119,65 @@ def _key_scale(fm, e_k: Tensor, key_mask: Optional[Tensor], prev: Optional[Tenso
     return torch.where(torch.isfinite(c), c, torch.zeros_like(c))
 
 
+def stabilized(fm, normalize: bool) -> bool:
+    """Whether `fm` runs stabilized: a log-domain map (FAVOR+) with stabilize=True, under
+    normalization (the only place its offsets cancel)."""
+    return bool(getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize)
+
+
+def stabilized_query(fm, q: Tensor) -> Tuple[Tensor, Tensor]:
+    """A stabilized map's query features in the compute dtype, each row divided by exp of its
+    largest exponent (so its largest feature is 1 / sqrt(m)): (fq (B, H, S, M), that offset
+    (B, H, S), detached). The compute dtype, not q's: see normalize_offset."""
+    e_q = fm.exponents(q)  # (B, H, S, M) float32 (float64 for float64 q)
+    off = e_q.detach().amax(-1) if e_q.shape[-1] else e_q.new_zeros(e_q.shape[:-1])
+    return fm.features(e_q - off.unsqueeze(-1), e_q.dtype), off
+
+
+def normalize_offset(o_aug: Tensor, eps: float, eps_log: Tensor, dtype: torch.dtype) -> Tensor:
+    """out = O' / (den' + eps exp(eps_log)) in `dtype`, from o_aug = [O' | den']
+    (B, H, S, Dv + 1), the unnormalized op on v' = [v, 1] over a stabilized map's features.
+
+    Stabilizing divides phi(q_i) by exp(a_i) (its row offset) and phi(k_j) by exp(c) (the keys'
+    offset), so O'_i and den'_i are O_i and den_i divided by exp(a_i + c): the definition
+    O_i / (den_i + eps) is O'_i / (den'_i + eps exp(-(a_i + c))), eps_log = -(a_i + c). Adding
+    eps to den'_i instead (the fused kernel's scalar eps) made it exp(a_i + c) times larger:
+    FAVOR+ at D = 128, causal, fp32 was 2% off its definition, and a result depended on where a
+    sequence was split into calls (the keys' running maximum c). The result is now the
+    definition, whatever the split. So where the features underflow (inputs of norm ~100:
+    exponents of -1000), eps dominates and the output goes to 0, as the unstabilized formula's
+    does; the stabilizers keep it finite (eps_log is capped at 80, exp(80) * eps finite in
+    float32). The features, v' and o_aug are in the compute dtype (float32), where the
+    unnormalized sums cannot overflow as fp16's would. A row with no keys (den' = 0) gives 0,
+    as eps > 0 does."""
+    num, den = o_aug[..., :-1], o_aug[..., -1:]
+    den = den + eps * torch.exp(eps_log.to(den.dtype).clamp(max=80.0)).unsqueeze(-1)
+    out = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+    return out.to(dtype)
+
+
 def _featurize(fm, q: Tensor, k: Tensor, normalize: bool, key_mask: Optional[Tensor],
-               state: Optional[LinearAttentionState]) -> Tuple[Tensor, Tensor, int, Optional[Tensor]]:
-    """(q, k, feature_map code, key log-scale) for the op: fused maps pass q and k through with
-    their code; any other map runs here, and the kernel applies its identity (code 0) to the
-    features. A stabilized log-domain map (FAVOR+) under normalization gets its keys' common
-    offset, (B, H) per query head (see _key_scale), else the log-scale is None."""
+               state: Optional[LinearAttentionState]
+               ) -> Tuple[Tensor, Tensor, int, Optional[Tensor], Optional[Tensor]]:
+    """(q, k, feature_map code, key log-scale, eps_log) for the op: fused maps pass q and k
+    through with their code; any other map runs here, and the kernel applies its identity (code
+    0) to the features. A stabilized log-domain map (FAVOR+) under normalization gets its keys'
+    common offset, (B, H) per query head (see _key_scale), its features in the compute dtype and
+    eps_log (B, H, S) for normalize_offset; else those two are None."""
     code = getattr(fm, "fused_code", None)
     if code is not None:
-        return q, k, code, None
+        return q, k, code, None, None
     h = q.shape[1]
-    fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
-    log_scale = None
-    if getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize:
+    log_scale = eps_log = None
+    if stabilized(fm, normalize):
+        fq, q_off = stabilized_query(fm, q)
         e_k = fm.exponents(k)  # (B, H_k, S, M)
         c = _key_scale(fm, e_k, key_mask, state.log_scale if state is not None else None, h)  # (B, H_k)
-        fk = fm.features(e_k - c[:, :, None, None], k.dtype)
+        fk = fm.features(e_k - c[:, :, None, None], e_k.dtype)
         log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
+        eps_log = -(q_off + log_scale.to(q_off.dtype).unsqueeze(-1))
     else:
+        fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
         fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
     for name, f, x in (("q", fq, q), ("k", fk, k)):
         _check(isinstance(f, Tensor) and f.dim() == 4 and f.shape[:3] == x.shape[:3],
@@ -144,9 +185,10 @@ def _featurize(fm, q: Tensor, k: Tensor, normalize: bool, key_mask: Optional[Ten
                        f"{tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__}")
     _check(fq.shape[-1] == fk.shape[-1],
            lambda: f"feature_map gave q and k different widths: {fq.shape[-1]} and {fk.shape[-1]}")
-    fq, fk = (f.to(q.dtype) if f.dtype != q.dtype else f for f in (fq, fk))
+    if eps_log is None:
+        fq, fk = (f.to(q.dtype) if f.dtype != q.dtype else f for f in (fq, fk))
     fq, fk = (f if f.stride(-1) == 1 else f.contiguous() for f in (fq, fk))
-    return fq, fk, 0, log_scale
+    return fq, fk, 0, log_scale, eps_log
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor, Tensor]:
@@ -255,7 +297,11 @@ def linear_attention(
     if isinstance(fm, feature_maps.FeatureMap):
         fm.prepare()
     state_in = initial_state if isinstance(initial_state, LinearAttentionState) else None
-    qf, kf, code, log_scale = _featurize(fm, q, k, normalize, key_padding_mask, state_in)
+    qf, kf, code, log_scale, eps_log = _featurize(fm, q, k, normalize, key_padding_mask, state_in)
+    out_dtype = q.dtype
+    if eps_log is not None:  # stabilized: the unnormalized op on v' = [v, 1] in the compute dtype
+        v = torch.cat([v.to(qf.dtype), torch.ones_like(v[..., :1], dtype=qf.dtype)], -1)
+        acc = ops.acc_dtype(qf.dtype)
     if qf.stride(-1) != 1 or kf.stride(-1) != 1 or v.stride(-1) != 1:
         qf, kf, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qf, kf, v))
     if decay is not None:
@@ -277,9 +323,11 @@ def linear_attention(
     opts = dict(decay=decay, initial_state=_as_state_tensor(initial_state, normalize, acc, q.device, log_scale),
                 key_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                 max_seqlen=int(max_seqlen) if max_seqlen is not None else q.shape[2], feature_map=code,
-                causal=bool(causal), normalize=bool(normalize), eps=float(eps),
+                causal=bool(causal), normalize=bool(normalize) and eps_log is None, eps=float(eps),
                 scale=1.0 if scale is None else float(scale))
     out, _, final = _fused(qf, kf, v, opts)
+    if eps_log is not None:
+        out = normalize_offset(out, float(eps), eps_log, out_dtype)
     if layout == "bshd":
         out = out.transpose(1, 2)
     if packed:
@@ -346,7 +394,7 @@ def linear_attention_step(
                    f"do not match (B, H, T, D), (B, H_k, T, D), (B, H_k, T, Dv)")
     _check(state is None or isinstance(state, LinearAttentionState), "state must be a LinearAttentionState", TypeError)
     fm = feature_maps.resolve(feature_map, d)
-    fq, fk, code, log_scale = _featurize(fm, q_t, k_t, normalize, None, state)
+    fq, fk, code, log_scale, eps_log = _featurize(fm, q_t, k_t, normalize, None, state)
     m = fq.shape[-1]
     acc = ops.acc_dtype(q_t.dtype)
     if state is None:
@@ -372,7 +420,12 @@ def linear_attention_step(
     if not track and not inplace:
         s_, z = s_.clone(), None if z is None else z.clone()
     opts = dict(feature_map=code, eps=float(eps), scale=1.0 if scale is None else float(scale))
-    if not track and sdt == acc and ops.has_step_kernel(q_t.device, q_t.dtype):
+    z_stab = None
+    if eps_log is not None:
+        # stabilized (FAVOR+): the op advances S unnormalized on the compute-dtype features; z and
+        # the normalization follow here, with the eps term of normalize_offset
+        v_t, z_stab, z = v_t.to(fq.dtype), z, None
+    if not track and sdt == acc and ops.has_step_kernel(q_t.device, fq.dtype):
         fq, fk, vv = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk, v_t))
         s_, z = (x if x is None or x.stride(-1) == 1 else x.contiguous() for x in (s_, z))
         out = ops.step(fq, fk, vv, s_, z, None if decay is None else decay.contiguous(), **opts)
@@ -380,6 +433,19 @@ def linear_attention_step(
         if not track:  # the in-place update views S as (B H, M, Dv)
             s_, z = (x if x is None or x.is_contiguous() else x.contiguous() for x in (s_, z))
         out, s_, z = reference.linear_step(fq, fk, v_t, s_, z, decay, inplace=not track, **opts)
+    if eps_log is not None:
+        zz, fkr, dens = z_stab.to(fq.dtype), fk.repeat_interleave(h // hk, dim=1), []  # fkr (B, H, T, M)
+        for i in range(t):  # z_t = exp(decay_t) z_{t-1} + phi(k_t), den'_t = scale phi(q_t) . z_t
+            if decay is not None:
+                zz = zz * decay[:, :, i].exp().unsqueeze(-1)
+            zz = zz + fkr[:, :, i]
+            dens.append((fq[:, :, i] * zz).sum(-1) * opts["scale"])
+        den = torch.stack(dens, 2) if dens else out.new_zeros(b, h, 0)  # (B, H, T)
+        out = normalize_offset(torch.cat([out, den.unsqueeze(-1).to(out.dtype)], -1), float(eps), eps_log, q_t.dtype)
+        if track:
+            z = zz.to(sdt)
+        else:  # the state's own tensor (or its copy, inplace=False), as the op updates S
+            z = z_stab.copy_(zz)
     if layout == "bshd":
         out = out.transpose(1, 2)
     if inplace:

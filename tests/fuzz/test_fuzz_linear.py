@@ -218,9 +218,10 @@ def test_fuzz_linear_maps_and_step(data, mode):
     width) and the recurrent step: `parallel` runs linear_attention once (gradients too), `steps`
     a causal prefill then linear_attention_step a few positions at a time (the step kernel: no
     autograd), against the float64 reference over the whole sequence with the same map applied
-    in float64. FAVOR+'s stabilizers (the query's row maximum, the keys' running maximum carried
-    in the state's log_scale) cancel in the normalized output; its final state is compared
-    after undoing log_scale."""
+    in float64, unstabilized. FAVOR+'s stabilizers (the query's row maximum, the keys' running
+    maximum carried in the state's log_scale) cancel in the normalized output, eps term included;
+    its final state is compared after undoing log_scale. Found by it: eps was added to the
+    offset normalizer, 2% off the definition at D = 128 (test_favor_eps_follows_the_offsets)."""
     draw = data.draw
     dtype = draw(dtypes)
     kind = draw(st.sampled_from(["favor", "rfa", "callable", "elu"]))
@@ -262,7 +263,8 @@ def test_fuzz_linear_maps_and_step(data, mode):
 
     def reference_in(rdt):
         qq, kk, vv = (t.detach().to(rdt).requires_grad_(grad) for t in (q, k, v))
-        fq = ae.linear.feature_maps.apply(phi, qq, is_query=True, normalized=normalize)
+        # the definition: phi unstabilized (is_query=False: no row offset for FAVOR+'s queries)
+        fq = ae.linear.feature_maps.apply(phi, qq, is_query=False, normalized=normalize)
         fk = ae.linear.feature_maps.apply(phi, kk, is_query=False, normalized=normalize)
         o, _, f = reference.linear_attention(fq, fk, vv, feature_map=0, causal=causal, normalize=normalize,
                                              decay=None if g is None else g.to(rdt))
@@ -311,3 +313,36 @@ def test_fuzz_linear_maps_and_step(data, mode):
         for name, o, r, lo in zip("qkv", ours, g64, glow):
             check_grad(o, lo, r, dtype, f"grad of {name}")
     log_example("linear", f"{kind} {mode}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("split", [None, 3])
+def test_favor_eps_follows_the_offsets(causal, split):
+    """Found by test_fuzz_linear_maps_and_step (long profile: FAVOR+, fp32, D = 16, one key:
+    7e-5 against PyTorch's 5e-8). The stabilizers divide phi(q_i) and phi(k_j) by exp of their
+    offsets, and eps was added to that offset normalizer: eps exp(a_i + c) in the definition's
+    terms. At D = 128, S = 1024, causal, fp32, the output was 2.1e-2 off phi(q)^T S / (phi(q)^T z
+    + eps) (elements 9%); now fp32 rounding (7e-7). Also through a prefill and steps (split)."""
+    torch.manual_seed(0)
+    d, s = 128, 64
+    fm = ae.linear.feature_maps.Favor(d, seed=1)
+    q, k, v = 0.5 * torch.randn(2, 4, s, d), 0.5 * torch.randn(2, 4, s, d), torch.randn(2, 4, s, 16)
+    if split is None:
+        out = ae.linear_attention(q, k, v, feature_map=fm, causal=causal)
+    else:
+        if not causal:
+            pytest.skip("steps are causal")
+        o0, st_ = ae.linear_attention(q[:, :, :split], k[:, :, :split], v[:, :, :split], feature_map=fm, causal=True,
+                                      return_state=True)
+        outs = [o0]
+        for t in range(split, s, 5):
+            o, st_ = ae.linear_attention_step(q[:, :, t:t + 5], k[:, :, t:t + 5], v[:, :, t:t + 5], st_, feature_map=fm)
+            outs.append(o)
+        out = torch.cat(outs, 2)
+    fq = fm(q.double(), is_query=False)
+    fk = fm(k.double(), is_query=False)
+    ref, _, _ = reference.linear_attention(fq, fk, v.double(), feature_map=0, causal=causal)
+    low, _, _ = reference.linear_attention(fm(q, is_query=False), fm(k, is_query=False), v, feature_map=0,
+                                           causal=causal)
+    check_out(out, low, ref, torch.float32, "favor out")
+    assert rel_err(out, ref) < 1e-5
