@@ -704,6 +704,8 @@ def test_bad_input(fn, case, exp):
 _EMPTY = ("zero_size", "empty_seq")
 _NO_BACKWARD = {"flash_attn_with_kvcache": "not differentiable (as flash-attn's): an error with grad",
                 "flash_attn_with_kvcache[paged]": "not differentiable (as flash-attn's): an error with grad",
+                "decode_fwd": "no backward: it raises (tests/decode/test_cpu.py::test_backward_raises)",
+                "nn.PagedKVCache": "no backward: decode_fwd's raises",
                 "LinearAttentionState": "a state, not an attention call"}
 _EMPTY_ROWS = [(fn, case) for fn in FUNCTIONS for case in _EMPTY if isinstance(expectation(fn, case), OK)]
 

@@ -45,6 +45,15 @@ if HAS_EXT:
         out = q.new_empty((b, sq, h, q.shape[3])).transpose(1, 2) if q.stride(1) < q.stride(2) else q.new_empty(q.shape)
         return out, q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype))
 
+    def _no_backward(ctx, dout, dlse):
+        raise RuntimeError("attention_ext.decode_fwd has no backward (a KV cache is inference state, as flash-attn's "
+                           "flash_attn_with_kvcache): run decoding under torch.no_grad(), or train through "
+                           "attention_ext.attention")
+
+    # An autograd kernel that refuses the backward: without one torch's fallback let a backward run
+    # through the op with a deprecation warning and no gradient for q or the caches
+    torch.library.register_autograd("attention_ext::decode_fwd", _no_backward)
+
 
 def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Optional[Tensor] = None,
                block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,

@@ -202,3 +202,16 @@ def test_meta_shapes():
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
     out, lse = torch.ops.attention_ext.decode_fwd(*meta, 0)
     assert out.shape == (2, 4, 3, 32) and lse.shape == (2, 4, 3) and lse.dtype == torch.float32
+
+
+def test_backward_raises():
+    """decode_fwd has no backward; a backward through it says so. Without an autograd kernel,
+    torch's fallback ran it with a deprecation warning and gave q and the caches no gradient."""
+    q, kc, vc = torch.randn(2, 1, 4, 16, requires_grad=True), torch.randn(2, 9, 2, 16), torch.randn(2, 9, 2, 16)
+    out, _ = ops.decode_fwd(q, kc, vc, cache_seqlens=torch.tensor([9, 4], dtype=torch.int32), scale=0.25)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="decode_fwd has no backward"):
+        out.sum().backward()
+    with torch.no_grad():  # the decoding path: nothing recorded
+        out, _ = ops.decode_fwd(q, kc, vc, cache_seqlens=torch.tensor([9, 4], dtype=torch.int32), scale=0.25)
+    assert not out.requires_grad
