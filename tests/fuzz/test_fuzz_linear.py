@@ -227,7 +227,9 @@ def test_fuzz_linear_maps_and_step(data, mode):
     kind = draw(st.sampled_from(["favor", "rfa", "callable", "elu"]))
     b, hk = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     h = hk * draw(st.integers(1, 2))
-    d = draw(st.sampled_from([1, 3, 8, 16, 17, 32, 64]))
+    # RFA normalizes its input to unit length: at D = 1 that is the sign, so the gradient of q and k
+    # is 0 in exact math and both errors measure rounding noise alone (found by the long profile)
+    d = draw(st.sampled_from([1, 3, 8, 16, 17, 32, 64] if kind != "rfa" else [2, 3, 8, 16, 17, 32, 64]))
     dv = draw(st.sampled_from([1, 5, 16, 33]))
     # RFA's sin / cos features are signed: the normalizer can cross 0, so it runs unnormalized
     normalize = kind != "rfa" and draw(st.booleans())
