@@ -305,8 +305,14 @@ def test_fuzz_linear_maps_and_step(data, mode):
     fin = st_.S if not normalize else torch.cat([st_.S, st_.z.unsqueeze(-1)], -1)
     if st_.log_scale is not None:
         fin = fin * st_.log_scale.exp()[..., None, None]
-    # RFA with 1-row-per-head problems and the state in fp32 for fp16 (its own overflows): as test_fuzz_linear
-    check_out(fin, low_fin, ref_fin, dtype if dtype != torch.float16 else torch.float32, f"{mode} final state")
+    # The state is fp32 for fp16 (fp16's own overflows). Its floor: fp32's where the kernel's inputs
+    # are exact (elu, fused: test_fuzz_linear's rule; stabilized FAVOR+, whose features stay fp32);
+    # the dtype's where a map's features reach the kernel rounded to it (found by the long profile:
+    # FAVOR+ unnormalized, fp16, S = 41: the state equals the exact sum of the rounded features, 4.3e-4
+    # from float64, PyTorch's fp16 state 1.5e-4)
+    exact_in = kind == "elu" or (kind == "favor" and normalize)
+    check_out(fin, low_fin, ref_fin, torch.float32 if dtype == torch.float16 and exact_in else dtype,
+              f"{mode} final state")
     if grad:
         dout = torch.randn(out.shape, dtype=F64).to(dtype)
         ours = torch.autograd.grad(out, [q, k, v], dout)
