@@ -53,7 +53,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..linear import feature_maps, reference
-from ..linear.functional import LinearAttentionState, linear_attention, normalize_offset, stabilized, stabilized_query
+from ..linear.functional import (LinearAttentionState, linear_attention, normalize_offset, stabilized,
+                                 stabilized_features)
 from ..linear.ops import acc_dtype
 from .sharding import LAYOUTS, _AllGather, shards_bhsd
 
@@ -76,13 +77,9 @@ def _features(feature_map, q: Tensor, k: Tensor, normalize: bool, key_mask: Opti
         fm.prepare()  # once per call, as linear_attention does (random maps must be seeded alike on every rank)
     h = q.shape[1]
     log_scale = eps_log = None
-    if stabilized(fm, normalize):
-        fq, q_off = stabilized_query(fm, q)  # the compute dtype, as linear_attention's
-        e_k = fm.exponents(k)  # (B, H_k, n, M)
-        c = _global_key_scale(e_k, key_mask, prev, h, group)  # (B, H_k), the same on every rank
-        fk = fm.features(e_k - c[:, :, None, None], e_k.dtype)
-        log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
-        eps_log = -(q_off + log_scale.to(q_off.dtype).unsqueeze(-1))  # (B, H, n), normalize_offset's
+    if stabilized(fm, normalize):  # the key offset the same on every rank: one all-reduce(MAX)
+        fq, fk, log_scale, eps_log = stabilized_features(
+            fm, q, k, lambda e_k: _global_key_scale(e_k, key_mask, prev, h, group))
     else:
         fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
         fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)

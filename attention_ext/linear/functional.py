@@ -125,13 +125,22 @@ def stabilized(fm, normalize: bool) -> bool:
     return bool(getattr(fm, "log_domain", False) and getattr(fm, "stabilize", False) and normalize)
 
 
-def stabilized_query(fm, q: Tensor) -> Tuple[Tensor, Tensor]:
-    """A stabilized map's query features in the compute dtype, each row divided by exp of its
-    largest exponent (so its largest feature is 1 / sqrt(m)): (fq (B, H, S, M), that offset
-    (B, H, S), detached). The compute dtype, not q's: see normalize_offset."""
+def stabilized_features(fm, q: Tensor, k: Tensor, key_offset) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A stabilized map's features in the compute dtype (not q's: see normalize_offset), for
+    linear_attention and context parallelism alike: each query row divided by exp of its largest
+    exponent a_i (its largest feature is then 1 / sqrt(m)), every key by exp(c), c =
+    key_offset(e_k) (B, H_k) from the keys' exponents e_k (B, H_k, S, M) (_key_scale, or CP's
+    global one). Returns (fq (B, H, S, M), fk (B, H_k, S, M), log_scale = c per query head (B, H),
+    eps_log = -(a_i + c) (B, H, S)); the offsets are detached."""
+    h = q.shape[1]
     e_q = fm.exponents(q)  # (B, H, S, M) float32 (float64 for float64 q)
-    off = e_q.detach().amax(-1) if e_q.shape[-1] else e_q.new_zeros(e_q.shape[:-1])
-    return fm.features(e_q - off.unsqueeze(-1), e_q.dtype), off
+    a = e_q.detach().amax(-1) if e_q.shape[-1] else e_q.new_zeros(e_q.shape[:-1])  # (B, H, S)
+    e_k = fm.exponents(k)  # (B, H_k, S, M)
+    c = key_offset(e_k)  # (B, H_k)
+    log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
+    fq = fm.features(e_q - a.unsqueeze(-1), e_q.dtype)
+    fk = fm.features(e_k - c[:, :, None, None], e_k.dtype)
+    return fq, fk, log_scale, -(a + log_scale.to(a.dtype).unsqueeze(-1))
 
 
 def normalize_offset(o_aug: Tensor, eps: float, eps_log: Tensor, dtype: torch.dtype) -> Tensor:
@@ -170,12 +179,8 @@ def _featurize(fm, q: Tensor, k: Tensor, normalize: bool, key_mask: Optional[Ten
     h = q.shape[1]
     log_scale = eps_log = None
     if stabilized(fm, normalize):
-        fq, q_off = stabilized_query(fm, q)
-        e_k = fm.exponents(k)  # (B, H_k, S, M)
-        c = _key_scale(fm, e_k, key_mask, state.log_scale if state is not None else None, h)  # (B, H_k)
-        fk = fm.features(e_k - c[:, :, None, None], e_k.dtype)
-        log_scale = c.repeat_interleave(h // k.shape[1], dim=1)  # (B, H)
-        eps_log = -(q_off + log_scale.to(q_off.dtype).unsqueeze(-1))
+        prev = state.log_scale if state is not None else None
+        fq, fk, log_scale, eps_log = stabilized_features(fm, q, k, lambda e_k: _key_scale(fm, e_k, key_mask, prev, h))
     else:
         fq = feature_maps.apply(fm, q, is_query=True, normalized=normalize)
         fk = feature_maps.apply(fm, k, is_query=False, normalized=normalize)
