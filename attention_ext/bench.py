@@ -1,10 +1,12 @@
 """`python -m attention_ext bench`: each family's kernels against the peers on this machine, over
 a sweep of sequence lengths (tables, results.csv and plots: see main()); and the timing helpers
 every benchmark shares (benchmarks/common.py re-exports them): one FLOP formula, interleaved
-timing, the measured matmul ceiling and copy bandwidth."""
+timing (medians, or medians with their spread over as many rounds as the noise needs), and the
+machine's ceilings (the peak FLOP/s of a multiply-add loop or a matmul, copy and read bandwidth)."""
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -102,29 +104,90 @@ def bench(fn: Callable[[], object], *, warmup: int = 1, reps: int = 5, min_time:
     return statistics.median(times)
 
 
+class Timing(NamedTuple):
+    """Seconds per call of one contender over its timed calls: the median, the quartiles (q1, q3),
+    the fastest call and the number of calls."""
+    median: float
+    q1: float
+    q3: float
+    best: float
+    n: int
+
+    @property
+    def spread(self) -> float:
+        """The interquartile range as a fraction of the median."""
+        return (self.q3 - self.q1) / self.median if self.median > 0 else 0.0
+
+    @property
+    def rse(self) -> float:
+        """The median's relative standard error, estimated from the quartiles: a normal sample's
+        median has standard error 1.2533 sigma / sqrt(n), and sigma = IQR / 1.349."""
+        return 1.2533 * self.spread / 1.349 / math.sqrt(self.n)
+
+
+def timing(times: list) -> Timing:
+    """The Timing of a list of seconds (at least one)."""
+    ts = sorted(times)
+    q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else (ts[0],) * 3
+    return Timing(statistics.median(ts), q1, q3, ts[0], len(ts))
+
+
+def _round(fns: dict, times: dict, rng: Optional[random.Random], sync) -> None:
+    """One call of every contender, in the given order or in rng's shuffle of it, each appended
+    to its list of seconds."""
+    order = list(fns.items())
+    if rng is not None:
+        rng.shuffle(order)
+    for k, fn in order:
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times[k].append(time.perf_counter() - t0)
+
+
 def interleaved(fns: dict, *, warmup: int = 1, reps: int = 5, sync=None, shuffle: bool = False) -> dict:
     """Median seconds per call of each fn, timed round-robin so noise on a shared machine hits
     every contender alike. shuffle: each round takes the contenders in a seeded random order, so
     none always runs right after the same neighbour. Where a call leaves the caches dirty or cold
     for the next (a bf16 SDPA call writes float32 copies of K / V), a fixed order charges that
     to whoever follows: the decode benchmark's page-16 row, always after SDPA, read 0.74-0.77 of
-    contiguous there and 0.92-1.01 in a shuffled A/B (benchmarks/results/2026-11-28-decode-cpu-zen3.md)."""
+    contiguous there and 0.92-1.01 in a shuffled A/B (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
+    interleaved_stats: the same rounds, as many as the spread needs, with quartiles."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {k: [] for k in fns}
-    rng = random.Random(0)
+    rng = random.Random(0) if shuffle else None
     for _ in range(reps):
-        order = list(fns.items())
-        if shuffle:
-            rng.shuffle(order)
-        for k, fn in order:
-            t0 = time.perf_counter()
-            fn()
-            if sync is not None:
-                sync()
-            times[k].append(time.perf_counter() - t0)
+        _round(fns, times, rng, sync)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def interleaved_stats(fns: dict, *, warmup: int = 1, min_reps: int = 5, min_time: float = 0.0, max_reps: int = 1000,
+                      budget: float = 10.0, target: float = 0.02, sync=None, shuffle: bool = False,
+                      untracked=()) -> dict:
+    """A Timing per fn from rounds as in interleaved(): at least min_reps of them and min_time
+    seconds, then more until every contender's median is known to `target` (its relative standard
+    error, Timing.rse), the rounds have taken `budget` seconds, or max_reps. A quiet machine stops
+    early; a noisy one pays with time instead of with a median that the next run does not repeat.
+    min_time spreads the samples of short calls over a while, so that one moment's state of the
+    machine (another process, the clock) does not make their median. untracked: names timed in
+    every round whose spread does not hold the rounds up (a ceiling read at its best)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    rng = random.Random(0) if shuffle else None
+    t0 = time.perf_counter()
+    while True:
+        _round(fns, times, rng, sync)
+        n = len(next(iter(times.values()))) if times else max_reps
+        elapsed = time.perf_counter() - t0
+        if n >= max_reps or (n >= min_reps and elapsed >= min_time and (elapsed >= budget or
+                                                 all(timing(v).rse <= target for k, v in times.items()
+                                                     if k not in untracked))):
+            return {k: timing(v) for k, v in times.items()}
 
 
 def interleaved_warm(fns: dict, *, block: int = 20, rounds: int = 10) -> dict:
@@ -144,12 +207,73 @@ def interleaved_warm(fns: dict, *, block: int = 20, rounds: int = 10) -> dict:
 
 
 def matmul_ceiling(dtype=torch.float32, n: int = 2048, device="cpu", reps: int = 5) -> float:
-    """Measured matmul FLOP/s: the ceiling the attention FLOP/s are read against."""
+    """Measured matmul FLOP/s (the median of reps): the ceiling some per-family scripts read
+    attention FLOP/s against. The `bench` command reads them against flop_ceiling()."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device != "cpu" else None
     t = bench(lambda: a @ b, warmup=2, reps=reps, sync=sync)
     return 2.0 * n ** 3 / t
+
+
+def matmul_best(dtype=torch.float32, n: int = 2048, device="cpu", reps: int = 3) -> float:
+    """FLOP/s of the fastest of `reps` n x n matmuls (after one warm-up): the rate torch's own
+    GEMM reaches on this machine when nothing disturbs it."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    cuda = str(device).startswith("cuda")
+    times = []
+    for i in range(reps + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 2.0 * n ** 3 / min(times)
+
+
+def cpu_peak_flops(kind: str = "fp32_fma", threads: int = 0, seconds: float = 0.3) -> float:
+    """FLOP/s of `threads` threads (0: torch.get_num_threads()) doing nothing but the multiply-adds
+    the CPU kernels' products run on, at the active ISA level (attention_ext.set_cpu_isa):
+    "fp32_fma", float32 FMAs as wide as the level's vectors, or "bf16_dot", AVX512-BF16's bf16
+    pair dot products (vdpbf16ps). The best of the 1 ms bursts that fit in `seconds` (one at
+    least; csrc/peak/cpu): a short burst often finds its cores free on a shared machine, where a
+    long one would be sure to share them. 0.0 where the level has no such instruction or the
+    extension is not built."""
+    from attention_ext import _ext
+
+    if not _ext.HAS_EXT or not hasattr(_ext._C, "cpu_peak_flops"):
+        return 0.0
+    return float(_ext._C.cpu_peak_flops(kind, int(threads), float(seconds)))
+
+
+FP32_LOOP, BF16_LOOP = "fp32 FMA loop", "bf16 dot loop"
+LOOP_KINDS = {FP32_LOOP: "fp32_fma", BF16_LOOP: "bf16_dot"}
+
+
+def flop_ceiling(dtype: torch.dtype, device="cpu", *, seconds: float = 0.3, n: Optional[int] = None, reps: int = 3,
+                 matmul: Callable[..., float] = matmul_best, loop: Callable[..., float] = cpu_peak_flops) -> tuple:
+    """The machine's peak FLOP/s for inputs of `dtype`: the highest of the measures that apply.
+    CPU: the float32 FMA loop (cpu_peak_flops, on torch's thread count), the bf16 dot-product loop
+    for bf16 where the CPU has one, and the best n x n matmul in dtype (n 2048), which is what is
+    left without the extension. CUDA: the best n x n matmul in dtype (n 4096; a loop of
+    tensor-core instructions is not measured there). A kernel runs on these same instructions, so
+    no row can pass its ceiling (a 1024-square matmul, the ceiling once, ran slower than the
+    attention kernels on AVX-512). Returns (ceiling, {measure: FLOP/s}), the measures that gave
+    nothing (0) left out."""
+    cuda = str(device).startswith("cuda")
+    n = n or (4096 if cuda else 2048)
+    parts = {}
+    if not cuda:
+        parts[FP32_LOOP] = loop("fp32_fma", torch.get_num_threads(), seconds)
+        if dtype == torch.bfloat16:
+            parts[BF16_LOOP] = loop("bf16_dot", torch.get_num_threads(), seconds)
+    parts[f"{n}x{n} matmul"] = matmul(dtype, n, device, reps)
+    parts = {k: v for k, v in parts.items() if v > 0}
+    return max(parts.values()), parts
 
 
 def cuda_time(fn: Callable[[], object], warmup: int = 3, reps: int = 10) -> float:
@@ -193,7 +317,7 @@ def decode_bytes(b: int, h_k: int, cache_len: int, d: int, dtype: torch.dtype) -
 FAMILIES = ("softmax", "linear", "sparse", "decode")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CSV_FIELDS = ("family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "causal", "seq_len",
-              "ms", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling")
+              "ms", "ms_q1", "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling")
 
 # (B, H, H_k, D) per family and device kind
 SHAPES = {
@@ -218,6 +342,11 @@ SPARSE_BLOCK = 64
 LINEAR_CHUNK = 64  # the torch chunked peer's chunk (benchmarks/linear/bench_cpu.py's peer)
 DECODE_PAGE = 16
 MATH_MAX_BYTES = 4 << 30  # SDPA math materializes the (B, H, S, S) scores: left out beyond 4 GiB of them
+# timing per case (interleaved_stats): at least MIN_REPS rounds and MIN_TIME seconds (QUICK_MIN_TIME
+# with --quick), then more until every median's relative standard error is within TARGET_RSE or
+# BUDGET seconds (QUICK_BUDGET) pass
+MIN_REPS, TARGET_RSE = 5, 0.02
+MIN_TIME, BUDGET, QUICK_MIN_TIME, QUICK_BUDGET = 2.0, 10.0, 1.0, 3.0
 
 
 def sparse_layout(s: int, heads: int, block_size: int = SPARSE_BLOCK, causal: bool = False) -> torch.Tensor:
@@ -501,30 +630,34 @@ def _is_ours(impl: str) -> bool:
     return impl == "ours" or impl.startswith("ours ")
 
 
-CEILING = "(ceiling)"
+CEIL_COPY, CEIL_READ, CEIL_PEAK = "(copy)", "(read)", "(peak loop)"
 
 
-def _ceiling_fn(unit: str, dtype: torch.dtype, device: str) -> tuple:
-    """The machine's ceiling as one more contender of the interleaved timing, so that noise on a
-    shared machine moves it with the others: an N x N matmul in the case's dtype (N 1024 on the
-    CPU, 4096 on CUDA) for FLOP/s, a 64 MiB (CPU) / 256 MiB (CUDA) copy, bytes read + written, for
-    GB/s (copy_bandwidth's measure). Returns (fn, work of one call)."""
-    cuda = device.startswith("cuda")
-    if unit == "gbps":
-        n = (1 << 28 if cuda else 1 << 26) // 4
-        src = torch.ones(n, dtype=torch.float32, device=device)
-        dst = torch.empty_like(src)
-        return (lambda: dst.copy_(src)), 8.0 * n
-    n = 4096 if cuda else 1024
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    return (lambda: a @ b), 2.0 * n ** 3
+def bandwidth_fns(nbytes: float, device="cpu") -> dict:
+    """The memory ceiling of a case that reads `nbytes` (a decode step's K / V), as two more
+    contenders of its interleaved timing, so that noise moves it with the others, on a buffer of
+    as many bytes, so that it sits in the same level of the cache hierarchy as K / V: a copy of the
+    buffer's first half into another (bytes read + written, copy_bandwidth's measure) and a read
+    of the whole buffer (torch's sum). A decode step only reads, and a read streams faster than a
+    copy, whose writes cost a read for ownership too, so the ceiling is the faster of the two,
+    each at its best call. Returns {name: (fn, bytes one call moves)}."""
+    n = max(2, int(nbytes) // 4)
+    buf = torch.ones(n, dtype=torch.float32, device=device)
+    half = buf[: n // 2]
+    dst = torch.empty_like(half)
+    return {CEIL_COPY: ((lambda: dst.copy_(half)), 8.0 * (n // 2)), CEIL_READ: ((lambda: buf.sum()), 4.0 * n)}
 
 
-def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, causal: bool, reps: int,
-             notes: dict) -> list:
-    """Times every contender of one case interleaved; returns one CSV row (dict) per contender.
-    A contender whose first call fails is dropped with a note; so is Flex for the rest of the run
-    when its first compile exceeds the budget."""
+def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, causal: bool, timing_kw: dict,
+             notes: dict, flop_peak: Optional[float] = None, peak_kind: Optional[str] = None,
+             peak_rates: Optional[list] = None) -> list:
+    """Times every contender of one case interleaved (interleaved_stats with timing_kw); returns one
+    CSV row (dict) per contender. A contender whose first call fails is dropped with a note; so is
+    Flex for the rest of the run when its first compile exceeds the budget. The ceiling: flop_peak
+    (flop_ceiling) for FLOP/s, the best copy or read of the case's bytes (bandwidth_fns) for GB/s.
+    peak_kind: a CPU peak loop (cpu_peak_flops) that also runs one burst per round, its rates
+    appended to peak_rates: the caller's ceiling is then the best of the whole run's bursts, which
+    a moment of load on a shared machine cannot pull down."""
     b, h, hk, d = shape
     dev = p.device
     sync = (lambda: torch.cuda.synchronize(dev)) if p.cuda else None
@@ -569,20 +702,29 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
         else:
             trim = _libc_trim()
             peak = {n: _cpu_peak_mb(fn, trim) for n, fn in fns.items()} if trim is not None else {}
-        ceil_fn, ceil_work = _ceiling_fn(unit, dtype, dev)
-        t = interleaved({**fns, CEILING: ceil_fn}, warmup=1, reps=reps, sync=sync)
-        ceiling = ceil_work / t.pop(CEILING)
-    peers = [x for n, x in t.items() if not _is_ours(n)]
+        extra = bandwidth_fns(work, dev) if unit == "gbps" else {}
+        if peak_kind is not None:
+            threads = torch.get_num_threads()
+            extra[CEIL_PEAK] = (lambda: peak_rates.append(cpu_peak_flops(peak_kind, threads, 1e-3))), 0.0
+        # decode: a seeded random order per round, as a fixed one charges SDPA's cache traffic to the
+        # contender after it (interleaved's docstring)
+        t = interleaved_stats({**fns, **{k: f for k, (f, _) in extra.items()}}, sync=sync, untracked=set(extra),
+                              shuffle=family == "decode", **timing_kw)
+        t.pop(CEIL_PEAK, None)
+        ceiling = max(nb / t.pop(k).best for k, (_, nb) in extra.items() if k != CEIL_PEAK) if unit == "gbps" else \
+            max([flop_peak, *(peak_rates or [])])
+    peers = [x.median for n, x in t.items() if not _is_ours(n)]
     best = min(peers) if peers else float("nan")
     rows = []
-    for name, sec in t.items():
-        rate = work / sec
+    for name, tm in t.items():
+        rate = work / tm.median
         rows.append({
             "family": family, "device": dev, "dtype": str(dtype).replace("torch.", ""), "impl": name,
             "batch": b, "heads": h, "kv_heads": hk, "head_dim": d, "causal": causal if family != "decode" else "",
-            "seq_len": s, "ms": sec * 1e3,
-            "tflops": rate / 1e12 if unit == "tflops" else "", "gbps": rate / 1e9 if unit == "gbps" else "",
-            "peak_mem_mb": peak.get(name, ""), "ratio": best / sec, "share": rate / ceiling,
+            "seq_len": s, "ms": tm.median * 1e3, "ms_q1": tm.q1 * 1e3, "ms_q3": tm.q3 * 1e3, "spread": tm.spread,
+            "reps": tm.n, "tflops": rate / 1e12 if unit == "tflops" else "",
+            "gbps": rate / 1e9 if unit == "gbps" else "",
+            "peak_mem_mb": peak.get(name, ""), "ratio": best / tm.median, "share": rate / ceiling,
             "ceiling": ceiling / (1e12 if unit == "tflops" else 1e9),
         })
     return rows
@@ -593,14 +735,15 @@ def _fmt(x, spec):
 
 
 def table(rows: list, header: str, notes: list) -> str:
-    """One markdown table of a (family, device, dtype) group, S by S."""
+    """One markdown table of a (family, device, dtype) group, S by S: the median time of each
+    contender, its spread (interquartile range over median), its rate and share of the ceiling."""
     decode = rows[0]["family"] == "decode"
     mem = any(r["peak_mem_mb"] != "" for r in rows)
-    rate, share = ("GB/s", "of copy") if decode else ("TFLOP/s", "of matmul")
-    cols = ["S", "impl", "ms", rate, share] + (["peak MB"] if mem else []) + ["vs fastest peer"]
+    rate = "GB/s" if decode else "TFLOP/s"
+    cols = ["S", "impl", "ms", "IQR", rate, "of ceiling"] + (["peak MB"] if mem else []) + ["vs fastest peer"]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [str(r["seq_len"]), r["impl"], _fmt(r["ms"], ".3f"),
+        cells = [str(r["seq_len"]), r["impl"], _fmt(r["ms"], ".3f"), _fmt(r["spread"], ".0%"),
                  _fmt(r["gbps"], ".1f") if decode else _fmt(r["tflops"], ".4f"), _fmt(r["share"], ".0%")]
         cells += [_fmt(r["peak_mem_mb"], ".1f")] if mem else []
         cells.append("-" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}x")  # NaN: no peer ran
@@ -610,8 +753,9 @@ def table(rows: list, header: str, notes: list) -> str:
 
 
 def plot(rows: list, path_stem: str) -> list:
-    """Throughput (TFLOP/s, GB/s for decode) against S, one line per contender; and peak memory
-    against S where it was measured (CUDA). Returns the PNG paths written."""
+    """Throughput (TFLOP/s, GB/s for decode) against S, one line per contender, the median with a
+    bar over the interquartile range, under the ceiling; and peak memory against S where it was
+    measured. Returns the PNG paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -631,13 +775,21 @@ def plot(rows: list, path_stem: str) -> list:
     for field, ylabel, suffix in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
         for impl in impls:
-            pts = [(r["seq_len"], r[field]) for r in rows if r["impl"] == impl and r[field] != ""]
-            if pts:
-                xs, ys = zip(*pts)
+            pts = [r for r in rows if r["impl"] == impl and r[field] != ""]
+            if not pts:
+                continue
+            xs, ys = [r["seq_len"] for r in pts], [r[field] for r in pts]
+            if suffix:
                 ax.plot(xs, ys, marker="o", lw=2.5 if _is_ours(impl) else 1.5, label=impl)
-        if not suffix:  # the ceiling timed beside each case, dashed
+                continue
+            # the rate at the time quartiles: a bar from the slower quarter's rate to the faster's
+            lo = [max(0.0, y - y * r["ms"] / r["ms_q3"]) for y, r in zip(ys, pts)]
+            hi = [max(0.0, y * r["ms"] / r["ms_q1"] - y) for y, r in zip(ys, pts)]
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, lw=2.5 if _is_ours(impl) else 1.5, label=impl)
+        if not suffix:  # the ceiling, dashed: the machine's peak, or the copy / read beside each case
             pts = sorted({r["seq_len"]: r["ceiling"] for r in rows}.items())
-            ax.plot(*zip(*pts), ls="--", color="gray", label="copy (ceiling)" if decode else "matmul (ceiling)")
+            ax.plot(*zip(*pts), ls="--", color="gray",
+                    label="best copy / read (ceiling)" if decode else "peak (ceiling)")
         ax.set_xscale("log", base=2)
         lengths = sorted({r["seq_len"] for r in rows})
         ax.set_xticks(lengths, [str(x) for x in lengths])
@@ -662,14 +814,6 @@ def plot(rows: list, path_stem: str) -> list:
 
 def main(argv=None) -> int:
     """`python -m attention_ext bench`: see the parser's help."""
-    import csv
-    import os
-    import platform
-
-    from tqdm import tqdm
-
-    from attention_ext import _ext
-
     cuda_ok = torch.cuda.is_available()
     ap = argparse.ArgumentParser(
         prog="python -m attention_ext bench",
@@ -690,9 +834,20 @@ def main(argv=None) -> int:
                     help="all: the CPU and, when present, CUDA")
     ap.add_argument("--dtype", default=None,
                     help="comma list of fp32, bf16, fp16 (default: fp32 on the CPU, bf16 on CUDA)")
-    ap.add_argument("--quick", action="store_true", help="two lengths per family, 2 reps, no Flex on the CPU")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"two lengths per family, {QUICK_MIN_TIME:g}-{QUICK_BUDGET:g} s of timing per case, no Flex "
+                         f"on the CPU")
     ap.add_argument("--sizes", default=None, help="comma list of lengths replacing every family's sweep")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls per contender (default 5, --quick 2)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads of the run (torch.set_num_threads: the kernels, the peers and the ceiling's "
+                         "FMA loop all use it; default: torch's)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help=f"interleaved rounds per case at least (default {MIN_REPS}); more follow while a median is "
+                         f"known to worse than {TARGET_RSE:.0%} and the case's --budget lasts")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds of timing per case after which no more rounds start (default {BUDGET:g}, "
+                         f"--quick {QUICK_BUDGET:g}); rounds go on for {MIN_TIME:g} s at least ({QUICK_MIN_TIME:g} "
+                         f"s with --quick), or the budget where it is shorter")
     ap.add_argument("--causal", action="store_true", help="causal softmax and sparse (linear is always causal)")
     ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     ap.add_argument("--flex-budget", type=float, default=60.0,
@@ -706,11 +861,37 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not cuda_ok:
         ap.error("--device cuda: no CUDA device visible")
     devices = ["cpu", "cuda"] if args.device == "all" and cuda_ok else ["cpu"] if args.device == "all" else [args.device]
-    reps = args.reps or (2 if args.quick else 5)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads: at least 1, got {args.threads}")
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps: at least 1, got {args.reps}")
+    if args.budget is not None and args.budget < 0:
+        ap.error(f"--budget: seconds >= 0, got {args.budget}")
+    budget = args.budget if args.budget is not None else QUICK_BUDGET if args.quick else BUDGET
+    timing_kw = dict(min_reps=args.reps or MIN_REPS, target=TARGET_RSE, budget=budget,
+                     min_time=min(budget, QUICK_MIN_TIME if args.quick else MIN_TIME))
     sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
     bad = [x for x in (args.dtype or "").split(",") if x and x not in DTYPES]
     if bad:
         ap.error(f"--dtype: unknown {', '.join(bad)} (choose from {', '.join(DTYPES)})")
+    old_threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, families, devices, sizes, timing_kw)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(args, families, devices, sizes, timing_kw) -> int:
+    """main() after the arguments: every case, then the tables, CSV and plots."""
+    import csv
+    import os
+    import platform
+
+    from tqdm import tqdm
+
+    from attention_ext import _ext
 
     cases = []  # (device, family, dtype, S)
     for dev in devices:
@@ -721,7 +902,7 @@ def main(argv=None) -> int:
                 for s in sizes or LENGTHS[fam][kind][1 if args.quick else 0]:
                     cases.append((dev, fam, DTYPES[name], s))
 
-    peers, groups, notes = {}, {}, {}
+    peers, groups, notes, peaks, bursts = {}, {}, {}, {}, {}
     for dev in devices:
         cuda = dev.startswith("cuda")
         flex, why = True, ""
@@ -738,8 +919,16 @@ def main(argv=None) -> int:
         key = (fam, dev, str(dtype).replace("torch.", ""))
         gnotes = notes.setdefault(key, {})
         shape = SHAPES[fam]["cuda" if p.cuda else "cpu"]
+        peak_kind = None
+        if fam != "decode":
+            if (dev, dtype) not in peaks:
+                peaks[dev, dtype] = flop_ceiling(dtype, dev, seconds=0.2 if args.quick else 0.5)
+                bursts[dev, dtype] = []
+            loops = [k for k in (BF16_LOOP, FP32_LOOP) if k in peaks[dev, dtype][1]]
+            peak_kind = LOOP_KINDS[loops[0]] if loops and not p.cuda else None
         try:
-            rows = run_case(p, fam, shape, s, dtype, args.causal, reps, gnotes)
+            rows = run_case(p, fam, shape, s, dtype, args.causal, timing_kw, gnotes,
+                            peaks[dev, dtype][0] if fam != "decode" else None, peak_kind, bursts.get((dev, dtype)))
         except Exception as e:  # noqa: BLE001 - one case that cannot be built (e.g. out of memory) is a note
             gnotes[f"case{s}"] = f"S={s}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
             rows = []
@@ -756,13 +945,33 @@ def main(argv=None) -> int:
         if p.cuda:
             torch.cuda.empty_cache()
     bar.close()
+    # the FLOP ceiling: the best of the first measure and of the loop's bursts beside every case
+    for (dev, dtype), rates in bursts.items():
+        peak, parts = peaks[dev, dtype]
+        loop = BF16_LOOP if BF16_LOOP in parts else FP32_LOOP
+        if rates and loop in parts:
+            parts[loop] = max(parts[loop], *rates)
+            peaks[dev, dtype] = max(parts.values()), parts
+    for (fam, dev, dt), rows in groups.items():
+        for r in rows:
+            if fam != "decode":
+                peak = peaks[dev, getattr(torch, dt)][0]
+                r["ceiling"], r["share"] = peak / 1e12, r["tflops"] * 1e12 / peak
+            if r["share"] > 1:  # never clipped: a ceiling below a row is a wrong ceiling, and says so
+                notes[fam, dev, dt][f"above{r['seq_len']}{r['impl']}"] = (
+                    f"{r['impl']} at S={r['seq_len']}: {r['share']:.0%} of its ceiling (the ceiling was measured "
+                    f"too low)")
 
     os.makedirs(args.out, exist_ok=True)
     threads = torch.get_num_threads()
+    all_rows = [r for rows in groups.values() for r in rows]
+    reps = sorted({r["reps"] for r in all_rows}) or [0]
     head = (f"attention_ext bench: torch {torch.__version__}, CPU {platform.machine()} "
             f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
             + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else "")
-            + f"; {reps} reps interleaved; 'vs fastest peer' = the fastest peer's time / this row's time")
+            + f"; ms: the median of {reps[0]}{'-' + str(reps[-1]) if reps[-1] != reps[0] else ''} interleaved "
+              f"rounds per case, IQR: their interquartile range over the median; 'vs fastest peer' = the fastest "
+              f"peer's time / this row's time")
     md = [head, ""]
     print(head)
     for key, rows in groups.items():
@@ -771,10 +980,17 @@ def main(argv=None) -> int:
             print(f"\n{fam} {dev} {dt}: no rows ({'; '.join(notes[key].values())})")
             continue
         r0 = rows[0]
-        ceil = statistics.median({r["seq_len"]: r["ceiling"] for r in rows}.values())
-        extra = (f"'of copy': of a tensor copy timed beside each case (median {ceil:.1f} GB/s, read + write)"
-                 if fam == "decode" else
-                 f"'of matmul': of a {dt} matmul timed beside each case (median {ceil:.3f} TFLOP/s)")
+        if fam == "decode":
+            ceil = statistics.median({r["seq_len"]: r["ceiling"] for r in rows}.values())
+            extra = (f"'of ceiling': of the faster of a copy (bytes read + written) and a read (torch sum) of as "
+                     f"many bytes as K / V, the best call of each, timed beside each case (median {ceil:.1f} GB/s)")
+        else:
+            peak, parts = peaks[dev, getattr(torch, dt)]
+            extra = (f"'of ceiling': of this machine's peak for {dt} on {threads if dev == 'cpu' else 'the'} "
+                     f"{'threads' if dev == 'cpu' else 'GPU'}, {peak / 1e12:.3f} TFLOP/s, the highest of: "
+                     + ", ".join(f"{k} {v / 1e12:.3f}" for k, v in parts.items())
+                     + (" (a loop: its best 1 ms burst of the run, one beside every round)" if dev == "cpu" else "")
+                     + " (matmul: its fastest of 3)")
         causal = "" if fam == "decode" else (" causal" if fam == "linear" or args.causal else " non-causal")
         header = (f"### {fam}, {dev}, {dt}: B{r0['batch']} H{r0['heads']} Hkv{r0['kv_heads']} D{r0['head_dim']}"
                   f"{causal}{', block ' + str(SPARSE_BLOCK) if fam == 'sparse' else ''}; {extra}")
@@ -782,7 +998,6 @@ def main(argv=None) -> int:
         print("\n" + text)
         md += [text, ""]
         plot(rows, os.path.join(args.out, f"{fam}_{dev.replace(':', '')}_{dt}"))
-    all_rows = [r for rows in groups.values() for r in rows]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()

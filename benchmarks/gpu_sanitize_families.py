@@ -67,7 +67,7 @@ def linear(dev):
                 v = torch.randn(2, 2, s, dv, device=dev).to(dtype).requires_grad_()
                 kpm = torch.rand(2, s, device=dev) > 0.25
                 decay = (-0.2 * torch.rand(2, 4, s, device=dev)).requires_grad_() if causal else None
-                out = ae.linear_attention(q, k, v, causal=causal, key_padding_mask=kpm, decay=decay)
+                out = ae.linear_attention(q, k, v, causal=causal, key_mask=kpm, decay=decay)
                 _backward(out, q, k, v, decay)
                 n += 1
     # the recurrent step

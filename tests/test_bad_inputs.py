@@ -327,6 +327,11 @@ CASES = {
     "head_dim_limit": spoil_all(lambda t: torch.randn(*t.shape[:-1], 512, dtype=t.dtype)),
     "zero_size": spoil_all(lambda t: t[:0] if t.dim() > 0 else t),
     "feature_map_width": set_args(feature_map=lambda: (lambda x: torch.cat([x, x], -1)[..., :-1])),
+    # the errors that say how to fix: a window given as one number, a numpy array, tensors given in
+    # the other layout (every dim agrees once H and S swap: the shapes prove the mix-up)
+    "window_int": set_args(window=4),
+    "numpy": spoil_role("q", lambda t: t.numpy()),
+    "layout_mixup": spoil_all(lambda t: t.transpose(1, 2).contiguous()),
 }
 
 CRASH_PRONE = {"cu_not_monotonic", "cu_out_of_range", "block_table_out_of_range", "layout_out_of_range",
@@ -356,6 +361,14 @@ OVERRIDES = {
         "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
         "flash_attn_with_kvcache[paged]")},
     ("decode_fwd", "window"): set_args(window_left=-2),
+    **{(fn, "window_int"): set_args(window_size=4) for fn in (
+        "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+        "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+        "flash_attn_with_kvcache[paged]",
+        *(f"context_parallel_attention[{m}]" for m in ("allgather", "ring", "ulysses")))},
+    # the step's k and v with H_k = 2 heads: with H heads, (B, 1, H, D) reads as a legal (B, H=1, T=H, D)
+    ("linear_attention_step", "layout_mixup"): lambda a, spec: a.update(q=rn(B, 1, H, D), k=rn(B, 1, HK, D),
+                                                                       v=rn(B, 1, HK, D)),
     **{(f"context_parallel_attention[{m}]", "window"): set_args(window_size=(-2, 0))
        for m in ("allgather", "ring", "ulysses")},
     ("flash_attn_with_kvcache[paged]", "empty_seq"): set_args(cache_seqlens=lambda: torch.tensor([0, 5], **i32)),
@@ -474,6 +487,10 @@ DEFAULT = {
     "head_dim_limit": (ValueError, r"head dim must be in \[1, 256\], got 512"),
     "zero_size": OK(lambda r: (r[0] if isinstance(r, tuple) else r).numel() == 0),
     "feature_map_width": NA(_NO_FM),
+    "window_int": (TypeError, r"window must be a \(left, right\) pair .*window=\(4, 0\) is a causal sliding window"),
+    "numpy": (TypeError, r"\bq must be a torch\.Tensor, got numpy\.ndarray: convert it with torch\.from_numpy\(q\)"),
+    "layout_mixup": (ValueError, r"do not fit layout='bhsd' \(B, H, S, D\) but fit layout='bshd' \(B, S, H, D\): "
+                                 r"pass layout='bshd'"),
 }
 
 
@@ -530,6 +547,8 @@ EXPECT = {
     "scaled_dot_product_attention": dict(
         _NO_INDEX, feature_map_width=NA(_NO_FM), window=NA(_NO_WINDOW),
         ndim=OK(lambda r: r.shape == (2, 4, 8, 16)),  # torch's SDPA broadcasts leading dims: (4, 8, 16) is legal
+        batch=OK(lambda r: r.shape == (2, 4, 8, 16)),  # and a size-1 batch of k ...
+        heads=OK(lambda r: r.shape == (2, 4, 8, 16)),  # ... or one head of v: torch broadcasts them
         head_dim=(RuntimeError, r"query and key head dims differ"),
         dv=OK(lambda r: r.shape[-1] == 8),  # Dv != D is legal in SDPA (torch's own kernel runs it)
         dtype=(RuntimeError, r"query, key and value must be floating point"),
@@ -653,6 +672,50 @@ EXPECT = {
         head_dim_limit=(ValueError, r"k must be \(b, T, H_k, D\)"),
         zero_size=OK(lambda r: r.shape == (2, 0, 4, 16))),
 }
+
+
+# The three naming columns, per function: the function's own argument names in the message.
+_FA_WINDOW_INT = (TypeError, r"window_size must be a \(left, right\) pair .*window_size=\(4, 0\)")
+_NO_LAYOUT_ARG = NA("one fixed layout: no layout argument to mix up")
+
+
+def _numpy(name, prefix=""):
+    return (TypeError, rf"{prefix}\b{name} must be a torch\.Tensor, got numpy\.ndarray: convert it with "
+                       rf"torch\.from_numpy\({name}\)")
+
+
+def _mixup(arg):
+    return (ValueError, rf"but fit {arg}='bshd' \(B, S, H, D\): pass {arg}='bshd'")
+
+
+_NAMING = {
+    "attention_varlen": dict(layout_mixup=NA("(total, H, D) packs: one layout")),
+    "scaled_dot_product_attention": dict(window_int=NA(_NO_WINDOW), numpy=_numpy("query"),
+                                         layout_mixup=NA("torch's (B, H, S, D): no layout argument")),
+    **{fn: dict(window_int=_FA_WINDOW_INT, layout_mixup=NA("flash-attn's (B, S, H, D): no layout argument"))
+       for fn in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+                  "flash_attn_varlen_kvpacked_func")},
+    **{fn: dict(window_int=_FA_WINDOW_INT, numpy=_numpy("qkv"),
+                layout_mixup=NA("flash-attn's (B, S, H, D): no layout argument"))
+       for fn in ("flash_attn_qkvpacked_func", "flash_attn_varlen_qkvpacked_func")},
+    **{fn: dict(window_int=_FA_WINDOW_INT, numpy=_numpy("q", "flash_attn_with_kvcache: "),
+                layout_mixup=NA("flash-attn's (B, S, H, D): no layout argument"))
+       for fn in ("flash_attn_with_kvcache", "flash_attn_with_kvcache[paged]")},
+    "decode_fwd": dict(window_int=NA("window_left / window_right: the op's two ints"),
+                       numpy=_numpy("q", "decode_fwd: "), layout_mixup=_NO_LAYOUT_ARG),
+    **{f"context_parallel_attention[{m}]": dict(window_int=_FA_WINDOW_INT, layout_mixup=_mixup("qkv_layout"))
+       for m in ("allgather", "ring", "ulysses")},
+    "context_parallel_linear_attention": dict(window_int=NA(_NO_WINDOW), layout_mixup=_mixup("qkv_layout")),
+    "linear_attention": dict(window_int=NA(_NO_WINDOW)),
+    "linear_attention_step": dict(window_int=NA(_NO_WINDOW), numpy=_numpy("q_t")),
+    "block_sparse_attention": dict(layout_mixup=_mixup("layout_qkv")),
+    "topk_attention": dict(layout_mixup=_mixup("layout_qkv")),
+    "nn.MultiheadAttention": dict(window_int=NA(_NO_WINDOW), numpy=_numpy("query", "nn.MultiheadAttention: "),
+                                  layout_mixup=NA("(N, L, E) embeddings: no heads dim to mix up")),
+    "nn.PagedKVCache": dict(layout_mixup=_NO_LAYOUT_ARG),
+}
+for _fn, _cols in _NAMING.items():
+    EXPECT[_fn].update(_cols)
 
 
 def expectation(fn, case):
@@ -794,3 +857,20 @@ def test_bad_index_in_subprocess(fn, case, exp):
     assert got[0] != "died", f"the child died (exit {got[1]}; negative: a signal) in this row; stderr: {got[2]}"
     assert got[0] == "raised", "the call returned instead of raising"
     assert got[1] == exc.__name__ and re.search(msg, got[2]), f"{got[1]}: {got[2]}"
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda m: ae.attention(*_bhsd().values(), attn_mask=m.numpy()), "attn_mask"),
+    (lambda m: ae.attention(*_bhsd().values(), key_mask=m[0].expand(B, SK).numpy()), "key_mask"),
+    (lambda m: ae.attention_weights(*list(_bhsd().values())[:2], key_mask=m[0].expand(B, SK).numpy()), "key_mask"),
+    (lambda m: ae.linear_attention(rn(B, H, SQ, D), rn(B, HK, SQ, D), rn(B, HK, SQ, D),
+                                   key_mask=m[0, :SQ].expand(B, SQ).numpy()), "key_mask"),
+    (lambda m: ae.attention([[1.0]], *list(_bhsd().values())[1:]), "q"),
+], ids=["attention-attn_mask", "attention-key_mask", "attention_weights-key_mask", "linear_attention-key_mask",
+        "attention-list"])
+def test_not_a_tensor_says_how_to_convert(call, name):
+    """A mask given as a numpy array (or q as a list) names the argument and the conversion: the
+    check every family's functional layer shares (attention_ext/_args.py)."""
+    fix = "torch.tensor" if name == "q" else "torch.from_numpy"
+    with pytest.raises(TypeError, match=rf"\b{name} must be a torch\.Tensor, got .*: convert it with {fix}\({name}\)"):
+        call(torch.ones(SQ, SK, dtype=torch.bool))

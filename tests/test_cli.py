@@ -1,29 +1,32 @@
 """`python -m attention_ext bench` and `profile`, run in-process on the CPU on tiny sizes: the CSV,
-the plots, the tables' peer rows, a peer that fails, and the ncu / nsys command lines."""
+the plots, the tables' peer rows and spread, --threads, a peer that fails, and the ncu / nsys command
+lines. --budget 0: the minimum rounds (--reps) and no more, so that a loaded machine does not make the
+tests slow."""
 import csv
 import shlex
 
 import pytest
+import torch
 
 from attention_ext import bench, profile
 from attention_ext.__main__ import main as cli
 
-EXPECTED = {"family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms", "tflops",
-            "gbps", "peak_mem_mb", "ratio"}
+EXPECTED = {"family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms", "ms_q1",
+            "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling"}
 PEERS = {"softmax": "sdpa", "linear": "torch chunked", "sparse": "sdpa dense", "decode": "sdpa"}
 
 
 @pytest.fixture(scope="module")
 def run_all(tmp_path_factory):
-    """Every family, one or two tiny lengths, one rep: the whole CLI path in a few seconds."""
+    """Every family, two tiny lengths, three rounds: the whole CLI path in a few seconds."""
     import io
     from contextlib import redirect_stdout
 
     out = tmp_path_factory.mktemp("bench")
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = bench.main(["--quick", "--device", "cpu", "--sizes", "128,256", "--reps", "1", "--no-progress",
-                         "--out", str(out)])
+        rc = bench.main(["--quick", "--device", "cpu", "--sizes", "128,256", "--reps", "3", "--budget", "0",
+                         "--no-progress", "--out", str(out)])
     assert rc == 0
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -40,6 +43,12 @@ def test_bench_csv_columns_and_rows(run_all):
         assert {int(r["seq_len"]) for r in got} == {128, 256}
         unit = "gbps" if fam == "decode" else "tflops"
         assert all(float(r[unit]) > 0 and float(r["ms"]) > 0 for r in got)
+        # the median between its quartiles, three rounds each, the spread their range over the median
+        for r in got:
+            q1, ms, q3 = float(r["ms_q1"]), float(r["ms"]), float(r["ms_q3"])
+            assert 0 < q1 <= ms <= q3 and int(r["reps"]) == 3
+            assert float(r["spread"]) == pytest.approx((q3 - q1) / ms, rel=1e-3, abs=1e-4)  # CSV: 6 digits
+            assert float(r["share"]) == pytest.approx(float(r[unit]) / float(r["ceiling"]), rel=1e-4)
         if bench._libc_trim() is not None:
             assert all(float(r["peak_mem_mb"]) >= 0 for r in got)
         # the fastest peer reads 1.00x against itself
@@ -55,6 +64,10 @@ def test_bench_plots_and_tables(run_all):
     mem = list(out.glob("*_cpu_float32_memory.png"))
     assert len(mem) == (4 if bench._libc_trim() is not None else 0)
     assert "| 256 | sdpa |" in text and "| 256 | ours |" in text and "vs fastest peer" in text
+    for rate in ("TFLOP/s", "GB/s"):
+        assert f"| S | impl | ms | IQR | {rate} | of ceiling |" in text
+    assert "the highest of: fp32 FMA loop" in text and "2048x2048 matmul" in text  # the ceiling, and what made it
+    assert "interleaved rounds per case" in text
     assert "differs from ours" not in text
     assert "flex: skipped on the CPU with --quick" in text
     assert (out / "results.md").read_text().count("### ") == 4
@@ -70,7 +83,7 @@ def test_bench_decode_alias_and_failing_peer(tmp_path, capsys, monkeypatch):
         return c
 
     monkeypatch.setitem(bench.CASES, "decode", with_broken_peer)
-    assert bench.main(["--decode", "--device", "cpu", "--sizes", "64", "--reps", "1", "--no-progress",
+    assert bench.main(["--decode", "--device", "cpu", "--sizes", "64", "--reps", "1", "--budget", "0", "--no-progress",
                        "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "broken: skipped (RuntimeError: not on this machine)" in text
@@ -113,8 +126,8 @@ def test_profile_rejects_decode_backward():
 def test_bench_optional_peer_setup_failure_is_a_note(tmp_path, capsys, monkeypatch):
     """A peer whose import fails (here flash-attn, claimed present) costs its row, not the case."""
     monkeypatch.setattr(bench.Peers, "__init__", _with_flash_attn(bench.Peers.__init__))
-    assert bench.main(["--family", "softmax", "--device", "cpu", "--sizes", "64", "--reps", "1", "--no-flex",
-                       "--no-progress", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--family", "softmax", "--device", "cpu", "--sizes", "64", "--reps", "1", "--budget", "0",
+                       "--no-flex", "--no-progress", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "flash-attn: skipped (ModuleNotFoundError" in text and "| 64 | ours |" in text
 
@@ -124,3 +137,30 @@ def _with_flash_attn(init):
         init(self, *a, **kw)
         self.flash_attn = True
     return patched
+
+
+def test_bench_threads_apply_to_the_run_and_are_restored(tmp_path, capsys, monkeypatch):
+    """--threads N: the cases and the ceiling run on N threads, the header says so, and the caller's
+    thread count comes back after the run."""
+    seen = []
+    real_case, real_ceiling = bench.CASES["linear"], bench.flop_ceiling
+
+    def case(*a):
+        seen.append(("case", torch.get_num_threads()))
+        return real_case(*a)
+
+    def ceiling(*a, **kw):
+        seen.append(("ceiling", torch.get_num_threads()))
+        return real_ceiling(*a, **{**kw, "seconds": 0.02, "n": 256})
+
+    monkeypatch.setitem(bench.CASES, "linear", case)
+    monkeypatch.setattr(bench, "flop_ceiling", ceiling)
+    before = torch.get_num_threads()
+    assert bench.main(["--family", "linear", "--device", "cpu", "--sizes", "64", "--reps", "1", "--budget", "0",
+                       "--threads", "1", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert seen == [("ceiling", 1), ("case", 1)]
+    assert ", 1 threads" in capsys.readouterr().out
+    assert torch.get_num_threads() == before
+    for bad in (["--threads", "0"], ["--reps", "0"], ["--budget", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--family", "linear", "--device", "cpu", *bad])

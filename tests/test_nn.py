@@ -116,9 +116,12 @@ def test_mha_is_causal_and_unbatched(batch_first):
     o_ref, _ = ref(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
     o, _ = ours(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=1e-4)
-    o2, w2 = ours(x, x, x, is_causal=True)  # without the mask: ours applies causal itself
+    o2, w2 = ours(x, x, x, attn_mask=causal, is_causal=True)  # with the weights: the hint still holds
     torch.testing.assert_close(o2, o_ref, atol=ATOL, rtol=1e-4)
     assert torch.all(w2.triu(1) == 0)
+    for mha in (ref, ours):  # the hint needs its mask, in torch's module and ours
+        with pytest.raises(RuntimeError, match="attn_mask"):
+            mha(x, x, x, is_causal=True)
     xu = torch.randn(6, 32)  # unbatched (L, E)
     o_ref, w_ref = ref(xu, xu, xu)
     o, w = ours(xu, xu, xu)
@@ -186,7 +189,7 @@ def test_cross_attention_and_padding():
     kpm = torch.arange(9).unsqueeze(0) < lengths.unsqueeze(1)  # True = valid
     with torch.no_grad():
         a = layer(x, mem, seqlens_k=lengths)
-        b = layer(x, mem, key_padding_mask=kpm)
+        b = layer(x, mem, key_mask=kpm)
         ref = _layer_reference(layer, x, mem, seqlens_k=lengths)
         # padded memory rows must not matter
         mem2 = mem.clone()
@@ -198,13 +201,13 @@ def test_cross_attention_and_padding():
 
 
 def test_padding_by_lengths_and_by_mask_give_the_same_gradients():
-    """Keys past seqlens_k are masked: they get exactly zero gradient, as with key_padding_mask."""
+    """Keys past seqlens_k are masked: they get exactly zero gradient, as with key_mask."""
     torch.manual_seed(0)
     layer = Attention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2), cross=True)
     x = torch.randn(2, 5, 32)
     grads = []
     for kw in (dict(seqlens_k=torch.tensor([9, 4])),
-               dict(key_padding_mask=torch.arange(9).unsqueeze(0) < torch.tensor([[9], [4]]))):
+               dict(key_mask=torch.arange(9).unsqueeze(0) < torch.tensor([[9], [4]]))):
         mem = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
         layer(x, mem, **kw).square().sum().backward()
         assert torch.all(mem.grad[1, 4:] == 0)

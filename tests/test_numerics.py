@@ -5,7 +5,7 @@ of extreme magnitude, and linear attention's normalizer over a million positions
 The long-row tests hold V (and K for random inputs) of S = 2^24 + 2^19 keys (D = 64, float32:
 4.4 GB each). They check /proc/meminfo's MemAvailable first and skip, saying so, when it is short.
 The exact case (q = k = 0, K one broadcast row) runs by default, about 30 s on a 2-core machine.
-The `bigmem` cases run only when selected, `pytest -m bigmem` (README, "The two commands"): the random
+The `bigmem` cases run only when selected, `pytest -m bigmem` (docs/testing.md, "Large tensors"): the random
 case (drawing 2.2e9 normals and a float64 reference: about 2 min) and the fused forward's packed
 path (9+ query rows: it copies K and V once more, about 14 GB in all, about 1 min)."""
 from __future__ import annotations

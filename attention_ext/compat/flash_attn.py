@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .._args import not_a_tensor
 from ..decode.kvcache import flash_attn_with_kvcache
 from ..softmax import reference
 from ..softmax.functional import attention, attention_varlen, attention_weights, window_size_pair
@@ -44,6 +45,8 @@ def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale
                               alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                               return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """qkv (B, S, 3, H, D): q, k, v are strided views of the pack, never copied."""
+    if not isinstance(qkv, Tensor):
+        raise not_a_tensor("qkv", qkv, _FN)
     if not (qkv.dim() == 5 and qkv.shape[2] == 3):
         raise ValueError(f"qkv must be (B, S, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
@@ -147,6 +150,8 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
                                      return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, H, D); q, k, v
     are strided views of the pack, never copied."""
+    if not isinstance(qkv, Tensor):
+        raise not_a_tensor("qkv", qkv, _FN)
     if not (qkv.dim() == 4 and qkv.shape[1] == 3):
         raise ValueError(f"qkv must be (total, 3, H, D), got {tuple(qkv.shape)}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import _ext
+from .._args import not_a_tensor
 from ..softmax.ops import acc_dtype
 from ..softmax.functional import window_size_pair
 from .ops import decode_fwd
@@ -132,7 +133,7 @@ def flash_attn_with_kvcache(
     # ---- shapes and dtypes
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"flash_attn_with_kvcache: {name} must be a tensor, got {type(t).__name__}")
+            raise not_a_tensor(name, t, "flash_attn_with_kvcache")
         if t.dim() != 4:
             raise ValueError(f"flash_attn_with_kvcache: {name} must be 4-D, got shape {tuple(t.shape)}")
         if t.dtype not in _FLOATS:
@@ -218,7 +219,7 @@ def flash_attn_with_kvcache(
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor):
-                raise TypeError(f"flash_attn_with_kvcache: {name} must be a tensor")
+                raise not_a_tensor(name, t, "flash_attn_with_kvcache")
             if t.dtype != q.dtype:
                 raise TypeError(f"flash_attn_with_kvcache: {name} must be {q.dtype} like the cache, got {t.dtype}")
             if t.device != dev:
@@ -251,7 +252,7 @@ def flash_attn_with_kvcache(
     # ---- rotary
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("flash_attn_with_kvcache: pass rotary_cos and rotary_sin together")
-    local = window_size[0] >= 0 or window_size[1] >= 0
+    local = window_size_pair(window_size, "flash_attn_with_kvcache") != (-1, -1)
     if rotary_cos is not None:
         if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
             raise ValueError(f"flash_attn_with_kvcache: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2), "

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._args import not_a_tensor
 from .._ext import HAS_EXT, registered
 from ..softmax.ops import DTYPES, acc_dtype
 from . import reference
@@ -65,6 +66,8 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
     int32. Index tensors are int32 on q's device. Returns out (B, Sq, H, D) and lse (B, H, Sq)
     float32 (float64 for float64 inputs). num_splits: key splits per (batch, kv head), 0 = the
     kernel's heuristic."""
+    if not isinstance(q, Tensor):  # the caches are the op's to check (its schema takes Tensors)
+        raise not_a_tensor("q", q, "decode_fwd")
     if has_kernel(q.device, q.dtype):
         out, lse = torch.ops.attention_ext.decode_fwd(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
@@ -74,7 +77,7 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
     # the reference below states no input rules of its own
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
-            raise TypeError(f"decode_fwd: {name} must be a Tensor, got {type(t).__name__}")
+            raise not_a_tensor(name, t, "decode_fwd")
         if t.dtype not in DTYPES:
             raise TypeError(f"decode_fwd: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
         if t.device != q.device:

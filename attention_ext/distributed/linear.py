@@ -9,7 +9,7 @@ Linear attention's past is a fixed-size state, so no keys travel, only states:
 
 with v' = [v, 1] under normalize (the state's last column is the normalizer z), G the running
 sum of the log-gates inside the shard and G_end its last value (no decay: every weight 1, L = 0).
-A padded key (key_padding_mask False, each rank passing its (B, n) shard of the mask) has
+A padded key (key_mask False, each rank passing its (B, n) shard of the mask) has
 phi(k_t) = 0: it adds nothing to S_r or z; its gate still decays the state, as in the kernel.
 
 Forward, per rank r:
@@ -56,7 +56,8 @@ from ..linear import feature_maps, reference
 from ..linear.functional import (LinearAttentionState, linear_attention, normalize_offset, stabilized,
                                  stabilized_features)
 from ..linear.ops import acc_dtype
-from .sharding import LAYOUTS, _AllGather, shards_bhsd
+from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
+from .sharding import _AllGather, _check_layout, shards_bhsd
 
 __all__ = ["context_parallel_linear_attention"]
 
@@ -160,13 +161,14 @@ def context_parallel_linear_attention(
     feature_map: feature_maps.FeatureMapSpec = "elu",
     causal: bool = True,
     decay: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     normalize: bool = True,
     eps: float = 1e-6,
     qkv_layout: str = "bhsd",
     initial_state: Union[LinearAttentionState, Tensor, None] = None,
     return_state: bool = False,
+    key_padding_mask: None = None,
 ) -> Union[Tensor, Tuple[Tensor, LinearAttentionState]]:
     """linear_attention over a sequence sharded contiguously across the ranks of `group`.
 
@@ -185,8 +187,8 @@ def context_parallel_linear_attention(
         causal: as linear_attention (default True here: the recurrent form across ranks).
         decay: this rank's shard of the (B, H, S) per-token log-gates, (B, H, n) whatever the
             layout; causal only (as linear_attention). Differentiable.
-        key_padding_mask: this rank's shard of linear_attention's (B, S) key_padding_mask,
-            (B, n) bool (True = a real key) whatever the layout; a padded key contributes to no
+        key_mask: this rank's shard of linear_attention's (B, S) key_mask, (B, n) bool (True =
+            a real key) whatever the layout; a padded key contributes to no
             query, on any rank, nor to the normalizer (nor to a stabilizer's maximum).
         initial_state: the state the WHOLE sequence starts from (a LinearAttentionState, its
             log_scale (B, H) if any, or the op's (B, H, M, Dv') tensor), the same on every rank;
@@ -202,17 +204,20 @@ def context_parallel_linear_attention(
     normalize adds one all-reduce(MAX) of a detached (B, H_k) tensor forward (the keys' global
     offset), before the all-gather; it has no backward.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if key_padding_mask is not None:
+        raise key_padding_mask_renamed("context_parallel_linear_attention()")
+    _check_layout(layout)
     if layout != "contiguous":
         raise ValueError(f"context_parallel_linear_attention needs layout='contiguous' (the states combine in rank "
                          f"order, which must be sequence order), got {layout!r}")
+    q0, k0, v0 = q, k, v
     q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)  # (B, H, n, D) views
     b, h, n, _ = q.shape
     hk = k.shape[1]
     if k.shape[:3] != (b, hk, n) or v.shape[:3] != (b, hk, n) or k.shape[-1] != q.shape[-1] or h % hk:
-        raise ValueError(f"q, k, v shards must be (B, H, n, D), (B, H_k, n, D), (B, H_k, n, Dv) with H % H_k == 0, "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        e = ValueError(f"q, k, v shards must be (B, H, n, D), (B, H_k, n, D), (B, H_k, n, Dv) with H % H_k == 0, "
+                       f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise layout_mismatch(q0, k0, v0, qkv_layout, e, arg="qkv_layout", same_len=True) or e
     acc = acc_dtype(q.dtype)
     if decay is not None:
         if not causal:
@@ -221,16 +226,17 @@ def context_parallel_linear_attention(
             raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, got "
                              f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
         decay = decay.to(acc)
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or tuple(key_padding_mask.shape) != (b, n):
-            got = key_padding_mask
-            raise ValueError(f"key_padding_mask must be this rank's (B, n) = {(b, n)} shard of the mask, got "
-                             f"{tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise ValueError(f"key_padding_mask must be bool (True = a real key), got {key_padding_mask.dtype}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}")
-        key_padding_mask = key_padding_mask.contiguous()
+    if key_mask is not None:
+        if not isinstance(key_mask, Tensor):
+            raise not_a_tensor("key_mask", key_mask)
+        if tuple(key_mask.shape) != (b, n):
+            raise ValueError(f"key_mask must be this rank's (B, n) = {(b, n)} shard of the mask (True = a real key), "
+                             f"got {tuple(key_mask.shape)}")
+        if key_mask.dtype != torch.bool:
+            raise ValueError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
+        if key_mask.device != q.device:
+            raise ValueError(f"key_mask must be on {q.device}, got {key_mask.device}")
+        key_mask = key_mask.contiguous()
     s0, prev = None, None  # (B, H, M, Dv') the initial state, (B, H) its log_scale
     if initial_state is not None:
         if isinstance(initial_state, LinearAttentionState):
@@ -248,9 +254,9 @@ def context_parallel_linear_attention(
 
     # a stabilized FAVOR+ under normalize: one all-reduce(MAX) here, before the all-gather (every
     # rank takes the same branch: the feature map and normalize are the same on every rank)
-    qf, kf, fm_name, phik, log_scale, eps_log = _features(feature_map, q, k, normalize, key_padding_mask, prev,
+    qf, kf, fm_name, phik, log_scale, eps_log = _features(feature_map, q, k, normalize, key_mask, prev,
                                                           group)
-    s_r, l_r = _shard_state(phik, v, h, decay, normalize, key_padding_mask)  # (B, H, M, Dv'), (B, H)
+    s_r, l_r = _shard_state(phik, v, h, decay, normalize, key_mask)  # (B, H, M, Dv'), (B, H)
     m, dvp = s_r.shape[-2:]
     if s0 is not None and tuple(s0.shape) != (b, h, m, dvp):
         raise ValueError(f"initial_state must be (B, H, M, Dv') = {(b, h, m, dvp)}, got {tuple(s0.shape)}")
@@ -286,12 +292,12 @@ def context_parallel_linear_attention(
             state_in = s0 if state_in is None else state_in + s0
     if eps_log is None:
         res = linear_attention(qf, kf, v, feature_map=fm_name, causal=causal, normalize=normalize, eps=eps,
-                               scale=scale, decay=decay, key_padding_mask=key_padding_mask, initial_state=state_in,
+                               scale=scale, decay=decay, key_mask=key_mask, initial_state=state_in,
                                return_state=False)
     else:  # stabilized: unnormalized on v' = [v, 1] with the augmented state, then linear_attention's division
         va = torch.cat([v.to(kf.dtype), torch.ones_like(v[..., :1], dtype=kf.dtype)], -1)
         res = linear_attention(qf, kf, va, feature_map=fm_name, causal=causal, normalize=False, scale=scale,
-                               decay=decay, key_padding_mask=key_padding_mask, initial_state=state_in,
+                               decay=decay, key_mask=key_mask, initial_state=state_in,
                                return_state=False)
         res = normalize_offset(res, float(eps), eps_log, q.dtype)
     if gathered.requires_grad:

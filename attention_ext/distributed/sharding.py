@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._args import layout_mismatch as _layout_mismatch, not_a_tensor as _not_a_tensor
 from ..softmax import ops as _ops
 
 __all__ = ["LAYOUTS", "global_positions", "shard_sequence", "unshard_sequence", "pad_to_multiple",
@@ -33,8 +34,12 @@ LAYOUTS = ("contiguous", "zigzag", "stripe")
 
 
 def _check_layout(layout: str) -> None:
+    """`layout` here is how the sequence is sharded; a tensor layout given to it is the likely
+    slip (attention()'s `layout` is the tensors'), so the error names qkv_layout."""
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        hint = (f": the tensors' layout {layout!r} is qkv_layout here (layout is the sequence sharding)"
+                if layout in ("bhsd", "bshd") else "")
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}{hint}")
 
 
 def sequence_multiple(world_size: int, layout: str) -> int:
@@ -87,8 +92,10 @@ def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Te
     if qkv_layout not in ("bhsd", "bshd"):
         raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t))}")
+        if not isinstance(t, Tensor):
+            raise _not_a_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {tuple(t.shape)}")
     # before any collective: a peer's transport would fail on these with a message naming no argument
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v shards must be on one device, got {q.device}, {k.device}, {v.device}")
@@ -107,10 +114,12 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p:
     them as (B, H, n, D) / (B, H_k, n, D) views (bshd transposed, no copy)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    q0, k0, v0 = q, k, v
     q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)
     if k.shape != v.shape or k.shape[2] != q.shape[2]:
-        raise ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+        e = ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
+                       f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
+        raise _layout_mismatch(q0, k0, v0, qkv_layout, e, arg="qkv_layout", same_len=True) or e
     return q, k, v
 
 

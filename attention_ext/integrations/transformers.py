@@ -99,7 +99,7 @@ def attention_forward(
     if want_weights:  # the LSE holds the sink term, so exp(s - lse) is GPT-OSS's sink-less probability too
         out, lse = out
         weights = attention_weights(query, key, lse, scale=scaling, causal=causal, attn_mask=attention_mask,
-                                    softcap=softcap).to(query.dtype)
+                                    softcap=softcap, sinks=s_aux).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights  # (B, Sq, H, D), (B, H, Sq, Sk) or None
 
 
@@ -116,6 +116,6 @@ def register(name: str = DEFAULT_NAME) -> None:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as e:
         raise ImportError("attention_ext.integrations.transformers needs transformers >= 4.53 (AttentionInterface "
-                          "and masking_utils.AttentionMaskInterface): pip install attention_ext[hf]") from e
+                          "and masking_utils.AttentionMaskInterface): pip install \"transformers>=4.53\"") from e
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)

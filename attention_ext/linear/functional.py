@@ -18,6 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
 from . import feature_maps, ops, reference
 from .feature_maps import FeatureMapSpec
 
@@ -244,12 +245,13 @@ def linear_attention(
     eps: float = 1e-6,
     scale: Optional[float] = None,
     decay: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None,
     cu_seqlens: Optional[Tensor] = None,
     max_seqlen: Optional[int] = None,
     layout: str = "bhsd",
     initial_state: Union[LinearAttentionState, Tensor, None] = None,
     return_state: bool = False,
+    key_padding_mask: None = None,
 ) -> Union[Tensor, Tuple[Tensor, LinearAttentionState]]:
     """Linear attention: out_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps) (reference.linear_attention
     states the math).
@@ -266,7 +268,7 @@ def linear_attention(
         scale: multiplies phi(q); None = 1.
         decay: (B, H, S) log-gates (causal only): S_t = exp(decay_t) S_{t-1} + phi(k_t) v_t^T.
             Always (B, H, S), whatever the layout.
-        key_padding_mask: (B, S) bool, True = a real key; padded keys contribute nothing.
+        key_mask: (B, S) bool, True = a real key (as attention()'s); padded keys contribute nothing.
         cu_seqlens: (nb + 1) offsets of a varlen pack: q, k, v are (total, H, D) or a B = 1
             tensor in `layout`; each sequence starts from its own initial state and never sees its
             neighbour's. max_seqlen: the longest sequence (computed when None).
@@ -274,35 +276,43 @@ def linear_attention(
             continues from; (nb, ...) with cu_seqlens.
         return_state: also return the LinearAttentionState after the last position (with
             causal=False: initial_state plus every key).
+        key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
+            name is torch's, with the opposite polarity).
 
     Returns out with q's layout and dtype (and the state).
     """
+    if key_padding_mask is not None:
+        raise key_padding_mask_renamed("linear_attention()")
     packed = cu_seqlens is not None and isinstance(q, Tensor) and q.dim() == 3
     if packed:  # (total, H, D) -> (1, total, H, D)
         q, k, v = (t.unsqueeze(0) if isinstance(t, Tensor) else t for t in (q, k, v))
         layout = "bshd"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t)
         _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
                f"got shape {tuple(t.shape)}")
     _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    q0, k0, v0 = q, k, v
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views, no copy
     _check(q.device == k.device == v.device,
            lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     acc = ops.acc_dtype(q.dtype)
-    if key_padding_mask is not None:
-        _check(tuple(key_padding_mask.shape) == (q.shape[0], q.shape[2]),
-               lambda: f"key_padding_mask must be (B, S) = {(q.shape[0], q.shape[2])}, got "
-                       f"{tuple(key_padding_mask.shape)}")
-        _check(key_padding_mask.dtype == torch.bool,
-               lambda: f"key_padding_mask must be bool (True = a real key), got {key_padding_mask.dtype}", TypeError)
-        key_padding_mask = key_padding_mask.contiguous()
+    if key_mask is not None:
+        if not isinstance(key_mask, Tensor):
+            raise not_a_tensor("key_mask", key_mask)
+        _check(tuple(key_mask.shape) == (q.shape[0], q.shape[2]),
+               lambda: f"key_mask must be (B, S) = {(q.shape[0], q.shape[2])} (True = a real key), got "
+                       f"{tuple(key_mask.shape)}")
+        _check(key_mask.dtype == torch.bool,
+               lambda: f"key_mask must be bool (True = a real key), got {key_mask.dtype}", TypeError)
+        key_mask = key_mask.contiguous()
     fm = feature_maps.resolve(feature_map, q.shape[-1])
     if isinstance(fm, feature_maps.FeatureMap):
         fm.prepare()
     state_in = initial_state if isinstance(initial_state, LinearAttentionState) else None
-    qf, kf, code, log_scale, eps_log = _featurize(fm, q, k, normalize, key_padding_mask, state_in)
+    qf, kf, code, log_scale, eps_log = _featurize(fm, q, k, normalize, key_mask, state_in)
     out_dtype = q.dtype
     if eps_log is not None:  # stabilized: the unnormalized op on v' = [v, 1] in the compute dtype
         v = torch.cat([v.to(qf.dtype), torch.ones_like(v[..., :1], dtype=qf.dtype)], -1)
@@ -310,7 +320,8 @@ def linear_attention(
     if qf.stride(-1) != 1 or kf.stride(-1) != 1 or v.stride(-1) != 1:
         qf, kf, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qf, kf, v))
     if decay is not None:
-        _check(isinstance(decay, Tensor), "decay must be a Tensor", TypeError)
+        if not isinstance(decay, Tensor):
+            raise not_a_tensor("decay", decay)
         decay = decay.to(acc).contiguous()
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
@@ -326,11 +337,17 @@ def linear_attention(
             max_seqlen = int(lens.max())
         cu_seqlens = cu
     opts = dict(decay=decay, initial_state=_as_state_tensor(initial_state, normalize, acc, q.device, log_scale),
-                key_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+                key_mask=key_mask, cu_seqlens=cu_seqlens,
                 max_seqlen=int(max_seqlen) if max_seqlen is not None else q.shape[2], feature_map=code,
                 causal=bool(causal), normalize=bool(normalize) and eps_log is None, eps=float(eps),
                 scale=1.0 if scale is None else float(scale))
-    out, _, final = _fused(qf, kf, v, opts)
+    try:
+        out, _, final = _fused(qf, kf, v, opts)
+    except ValueError as e:  # the op's shape errors: name `layout` where the shapes prove a mix-up
+        mix = None if packed else layout_mismatch(q0, k0, v0, layout, e, same_len=True)
+        if mix is not None:
+            raise mix from e
+        raise
     if eps_log is not None:
         out = normalize_offset(out, float(eps), eps_log, out_dtype)
     if layout == "bshd":
@@ -379,8 +396,11 @@ def linear_attention_step(
     Returns (out_t with q_t's layout and dtype, state).
     """
     for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
-        _check(isinstance(t, Tensor) and t.dim() == 4, lambda: f"{name} must be a 4-D Tensor")
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t)
+        _check(t.dim() == 4, lambda: f"{name} must be a 4-D Tensor, got shape {tuple(t.shape)}")
     _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    q0, k0, v0 = q_t, k_t, v_t
     if layout == "bshd":
         q_t, k_t, v_t = q_t.transpose(1, 2), k_t.transpose(1, 2), v_t.transpose(1, 2)
     # the op states these, but the reference path (autograd, CUDA) would run an integer step or
@@ -393,10 +413,11 @@ def linear_attention_step(
                    f"{v_t.device}")
     b, h, t, d = q_t.shape
     hk, dv = k_t.shape[1], v_t.shape[-1]
-    _check(hk >= 1 and h % hk == 0 and v_t.shape[1] == hk and k_t.shape[-1] == d and k_t.shape[:3] == (b, hk, t)
-           and v_t.shape[:3] == (b, hk, t),
-           lambda: f"linear_attention_step: q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)} "
-                   f"do not match (B, H, T, D), (B, H_k, T, D), (B, H_k, T, Dv)")
+    if not (hk >= 1 and h % hk == 0 and v_t.shape[1] == hk and k_t.shape[-1] == d and k_t.shape[:3] == (b, hk, t)
+            and v_t.shape[:3] == (b, hk, t)):
+        e = ValueError(f"linear_attention_step: q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)} "
+                       f"do not match (B, H, T, D), (B, H_k, T, D), (B, H_k, T, Dv)")
+        raise layout_mismatch(q0, k0, v0, layout, e, same_len=True, names=("q_t", "k_t", "v_t")) or e
     _check(state is None or isinstance(state, LinearAttentionState), "state must be a LinearAttentionState", TypeError)
     fm = feature_maps.resolve(feature_map, d)
     fq, fk, code, log_scale, eps_log = _featurize(fm, q_t, k_t, normalize, None, state)

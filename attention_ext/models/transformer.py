@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._args import key_padding_mask_renamed
 from ..nn.blocks import BlockConfig, DecoderBlock, EncoderBlock, make_norm
 from ..nn.blocks import cross_config
 from ..nn.layers import AttentionConfig, KVCache, allocate_cache
@@ -74,11 +75,14 @@ class TransformerEncoder(nn.Module):
         self.layers = nn.ModuleList(EncoderBlock(config.block(causal=False)) for _ in range(config.n_encoder_layers))
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
 
-    def forward(self, x: Tensor, *, lengths: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
-                attn_mask: Optional[Tensor] = None) -> Tensor:
-        """lengths (B,) valid source lengths; key_padding_mask (B, S) True = valid; attn_mask True = attend."""
+    def forward(self, x: Tensor, *, lengths: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None, key_padding_mask: None = None) -> Tensor:
+        """lengths (B,) valid source lengths; key_mask (B, S) True = a real key (torch's
+        key_padding_mask, True = padding, is refused: pass key_mask=~it); attn_mask True = attend."""
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed("TransformerEncoder.forward()")
         for layer in self.layers:
-            x = layer(x, seqlens_k=lengths, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+            x = layer(x, seqlens_k=lengths, key_mask=key_mask, attn_mask=attn_mask)
         return self.norm(x)
 
 
@@ -92,12 +96,19 @@ class TransformerDecoder(nn.Module):
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
 
     def forward(self, x: Tensor, memory: Tensor, *, memory_lengths: Optional[Tensor] = None,
-                memory_key_padding_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
-                caches: Optional[List[Tuple[KVCache, KVCache]]] = None) -> Tensor:
+                memory_key_mask: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
+                caches: Optional[List[Tuple[KVCache, KVCache]]] = None, key_padding_mask: None = None,
+                memory_key_padding_mask: None = None) -> Tensor:
+        """key_mask (B, T) / memory_key_mask (B, S): True = a real key (torch's key_padding_mask
+        and memory_key_padding_mask, True = padding, are refused: pass the masks inverted)."""
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed("TransformerDecoder.forward()")
+        if memory_key_padding_mask is not None:
+            raise key_padding_mask_renamed("TransformerDecoder.forward()", "memory_key_padding_mask", "memory_key_mask")
         for i, layer in enumerate(self.layers):
             cache, cross_cache = caches[i] if caches is not None else (None, None)
-            x = layer(x, memory, key_padding_mask=key_padding_mask, memory_seqlens=memory_lengths,
-                      memory_key_padding_mask=memory_key_padding_mask, cache=cache, cross_cache=cross_cache)
+            x = layer(x, memory, key_mask=key_mask, memory_seqlens=memory_lengths,
+                      memory_key_mask=memory_key_mask, cache=cache, cross_cache=cross_cache)
         return self.norm(x)
 
     def allocate_caches(self, batch: int, max_len: int, memory_len: int, *, device=None,

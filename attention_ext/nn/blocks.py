@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._args import key_padding_mask_renamed
 from .layers import AttentionConfig, KVCache, make_attention
 
 
@@ -91,15 +92,19 @@ class EncoderBlock(nn.Module):
         self.dropout1 = nn.Dropout(c.dropout)
         self.dropout2 = nn.Dropout(c.dropout)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, seqlens_k: Optional[Tensor] = None,
+    def forward(self, x: Tensor, *, key_mask: Optional[Tensor] = None, seqlens_k: Optional[Tensor] = None,
                 attn_mask: Optional[Tensor] = None, cache: Optional[KVCache] = None,
-                context_parallel=None) -> Tensor:
-        """x (B, S, d_model); with context_parallel (attention_ext.distributed.ContextParallel) x is
-        this rank's sequence shard and the self-attention runs across the group."""
+                context_parallel=None, key_padding_mask: None = None) -> Tensor:
+        """x (B, S, d_model); key_mask (B, S) True = a real key (torch's key_padding_mask, True =
+        padding, is refused: pass key_mask=~it); with context_parallel
+        (attention_ext.distributed.ContextParallel) x is this rank's sequence shard and the
+        self-attention runs across the group."""
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed("EncoderBlock.forward()")
         cp = {} if context_parallel is None else {"context_parallel": context_parallel}
 
         def sa(h):
-            return self.dropout1(self.self_attn(h, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
+            return self.dropout1(self.self_attn(h, key_mask=key_mask, seqlens_k=seqlens_k,
                                                 attn_mask=attn_mask, cache=cache, **cp))
         if self.norm_first:
             x = x + sa(self.norm1(x))
@@ -124,16 +129,24 @@ class DecoderBlock(nn.Module):
         self.norm1, self.norm2, self.norm3 = (make_norm(c.norm, d, c.norm_eps) for _ in range(3))
         self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(c.dropout) for _ in range(3))
 
-    def forward(self, x: Tensor, memory: Tensor, *, key_padding_mask: Optional[Tensor] = None,
-                attn_mask: Optional[Tensor] = None, memory_key_padding_mask: Optional[Tensor] = None,
+    def forward(self, x: Tensor, memory: Tensor, *, key_mask: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None, memory_key_mask: Optional[Tensor] = None,
                 memory_seqlens: Optional[Tensor] = None, memory_mask: Optional[Tensor] = None,
-                cache: Optional[KVCache] = None, cross_cache: Optional[KVCache] = None) -> Tensor:
+                cache: Optional[KVCache] = None, cross_cache: Optional[KVCache] = None,
+                key_padding_mask: None = None, memory_key_padding_mask: None = None) -> Tensor:
+        """x (B, T, d_model) over memory (B, S, d_model). key_mask (B, T) / memory_key_mask (B, S):
+        True = a real key of the self- / cross-attention (torch's key_padding_mask and
+        memory_key_padding_mask, True = padding, are refused: pass the masks inverted)."""
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed("DecoderBlock.forward()")
+        if memory_key_padding_mask is not None:
+            raise key_padding_mask_renamed("DecoderBlock.forward()", "memory_key_padding_mask", "memory_key_mask")
+
         def sa(h):
-            return self.dropout1(self.self_attn(h, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-                                                cache=cache))
+            return self.dropout1(self.self_attn(h, key_mask=key_mask, attn_mask=attn_mask, cache=cache))
 
         def ca(h):
-            return self.dropout2(self.cross_attn(h, memory, key_padding_mask=memory_key_padding_mask,
+            return self.dropout2(self.cross_attn(h, memory, key_mask=memory_key_mask,
                                                  seqlens_k=memory_seqlens, attn_mask=memory_mask,
                                                  cache=cross_cache))
         if self.norm_first:

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from torch.types import Device
 
 from .. import reference
+from .._args import key_padding_mask_renamed
 from ..softmax import attention, attention_varlen, attention_weights
+from ..softmax.functional import window_pair
 from ..sparse import block_sparse_attention, layout_to_mask, topk_attention
 from .positional import RotaryEmbedding, alibi_slopes
 
@@ -58,7 +60,7 @@ class AttentionConfig:
             self.n_kv_heads = self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        self.window = tuple(self.window)
+        self.window = window_pair(self.window, causal=False)  # the functional API's check and error
 
     @property
     def head_dim(self) -> int:
@@ -88,7 +90,7 @@ def _softmax_attention(q, k, v, **kw):
 
 @register_attention_type("sdpa")
 def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1), attn_mask=None,
-                    key_padding_mask=None, seqlens_k=None, alibi_slopes=None, softcap=0.0, sinks=None,
+                    key_mask=None, seqlens_k=None, alibi_slopes=None, softcap=0.0, sinks=None,
                     dropout_p=0.0, return_lse=False, scale=None, generator=None):
     """torch's SDPA on the same inputs: the peer for timings. Everything but plain causal becomes an
     explicit mask, which is how a torch user would have to write it."""
@@ -97,7 +99,7 @@ def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-    plain = (attn_mask is None and key_padding_mask is None and seqlens_k is None and alibi_slopes is None
+    plain = (attn_mask is None and key_mask is None and seqlens_k is None and alibi_slopes is None
              and tuple(window) == (-1, -1))
     mask = None
     is_causal = causal and plain and sq == sk
@@ -105,8 +107,8 @@ def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1
         wl, wr = window
         ok = reference.mask_structure(sq, sk, window=(wl, 0 if causal else wr), bottom_right=bottom_right,
                                       len_k=seqlens_k, batch=b, device=q.device)  # (B, 1, S_q, S_k)
-        if key_padding_mask is not None:
-            ok = ok & key_padding_mask.view(b, 1, 1, sk)
+        if key_mask is not None:
+            ok = ok & key_mask.view(b, 1, 1, sk)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             ok = ok & attn_mask
         mask = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill(~ok, float("-inf"))
@@ -193,7 +195,8 @@ class Attention(nn.Module):
     """Multi-head attention from an AttentionConfig. Self-attention when `cross=False`, else
     queries from x and keys/values from `context`.
 
-    Masks use the functional API's convention: `key_padding_mask` (B, S_k) True = valid key,
+    Masks use the functional API's convention: `key_mask` (B, S_k) True = a real key (torch's
+    `key_padding_mask`, True = padding, is refused with a TypeError: pass key_mask=~it),
     `seqlens_k` (B,) valid key lengths, bool `attn_mask` True = attend, float = additive.
 
     Set `keep_weights = True` to store the (B, H, S_q, S_k) probabilities of each call in
@@ -217,18 +220,21 @@ class Attention(nn.Module):
         self.keep_weights = False
         self.last_weights: Optional[Tensor] = None
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
+    def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_mask: Optional[Tensor] = None,
                 seqlens_k: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                cache: Optional[KVCache] = None, context_parallel: Optional["ContextParallel"] = None) -> Tensor:
+                cache: Optional[KVCache] = None, context_parallel: Optional["ContextParallel"] = None,
+                key_padding_mask: None = None) -> Tensor:
         """x (B, S, d_model) -> (B, S, d_model). With `context_parallel`
         (attention_ext.distributed.ContextParallel) x is this rank's shard of the sequence and the
         attention runs across the group (see _context_parallel)."""
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed(f"{type(self).__name__}.forward()")
         c = self.config
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # (B, S, H, D)
         if context_parallel is not None:
             if self.cross or context is not None or cache is not None or any(
-                    m is not None for m in (key_padding_mask, seqlens_k, attn_mask)):
+                    m is not None for m in (key_mask, seqlens_k, attn_mask)):
                 raise NotImplementedError("context_parallel serves self-attention without masks or caches "
                                           "(training / prefill of whole sequences)")
             out = self._context_parallel(q, x, context_parallel)  # (B, n, H, D)
@@ -249,7 +255,7 @@ class Attention(nn.Module):
                 k, v = cache.append(k, v)
         # causal/window/ALiBi are aligned bottom-right: with a cache the new queries are the last rows
         opts = dict(causal=c.causal and not self.cross, bottom_right=True, window=c.window,
-                    attn_mask=attn_mask, key_padding_mask=key_padding_mask, seqlens_k=seqlens_k,
+                    attn_mask=attn_mask, key_mask=key_mask, seqlens_k=seqlens_k,
                     alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
         kernel, opts = self._kernel(q, k, opts)
         p = c.dropout if self.training else 0.0
@@ -315,9 +321,9 @@ class Attention(nn.Module):
         return ATTENTION_TYPES[self.config.attention_type], opts
 
     def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
-        """The (B, H, S_q, S_k) probabilities of the kernel's call, from its LSE (which already
-        holds the sinks)."""
-        return attention_weights(q, k, lse, layout="bshd", **{n: o for n, o in opts.items() if n != "sinks"})
+        """The (B, H, S_q, S_k) probabilities of the kernel's call, from its LSE (which holds the
+        sinks: each row sums to 1 minus the sink's share)."""
+        return attention_weights(q, k, lse, layout="bshd", **opts)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._args import key_padding_mask_renamed
 from ..linear import LinearAttentionState, feature_maps, linear_attention, linear_attention_step
 from .layers import ATTENTION_MODULES, AttentionConfig, init_projections
 
@@ -42,8 +43,8 @@ class LinearAttention(nn.Module):
     redraw_interval in training). config.decay_gate adds a projection x -> (H) log-decays,
     logsigmoid(W x + b) (a recency gate per position and head), causal self-attention only.
     Softmax-only options (window, ALiBi, sinks, softcap, attn_mask) are rejected; dropout on
-    probabilities has no equivalent and is not applied. key_padding_mask / seqlens_k mark padded
-    keys, which then contribute nothing.
+    probabilities has no equivalent and is not applied. key_mask (B, S_k) True = a real key /
+    seqlens_k mark padded keys, which then contribute nothing.
 
     Set `keep_weights = True` to store in `last_weights` the (B, H, S_q, S_k) weights each call's
     output is the average of (see `_weights`; the demo's heatmaps use this). A generation step
@@ -82,7 +83,7 @@ class LinearAttention(nn.Module):
         out = (fq @ state.S) / ((fq * state.z.unsqueeze(2)).sum(-1, keepdim=True) + 1e-6)
         return out.to(q.dtype).transpose(1, 2)
 
-    def _weights(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], decay: Optional[Tensor]) -> Tensor:
+    def _weights(self, q: Tensor, k: Tensor, key_mask: Optional[Tensor], decay: Optional[Tensor]) -> Tensor:
         """The weights linear attention averages v with, (B, H, S_q, S_k) float32, from q
         (B, S_q, H, D) and k (B, S_k, H_k, D): a_ij = phi(q_i) . phi(k_j) (times exp(G_i - G_j),
         G the running sum of decay, and j <= i when causal; 0 for a padded key), normalized by
@@ -91,8 +92,8 @@ class LinearAttention(nn.Module):
         fk = feature_maps.apply(self.feature_map, k.transpose(1, 2).float(), is_query=False, normalized=True)
         fk = fk.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, S_k, M)
         a = fq.float() @ fk.float().transpose(-1, -2)  # (B, H, S_q, S_k)
-        if key_padding_mask is not None:
-            a = a * key_padding_mask[:, None, None, :].to(a.dtype)
+        if key_mask is not None:
+            a = a * key_mask[:, None, None, :].to(a.dtype)
         if self.causal:
             sq, sk = a.shape[-2:]
             g = decay.float().cumsum(-1) if decay is not None else a.new_zeros(a.shape[0], a.shape[1], sq)  # (B, H, S)
@@ -100,20 +101,22 @@ class LinearAttention(nn.Module):
             a = a * torch.where(allowed, g.unsqueeze(-1) - g.unsqueeze(-2), float("-inf")).exp()
         return a / (a.sum(-1, keepdim=True) + 1e-6)
 
-    def _memory_state(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]) -> LinearAttentionState:
+    def _memory_state(self, k: Tensor, v: Tensor, key_mask: Optional[Tensor]) -> LinearAttentionState:
         """The non-causal state sum_j phi(k_j) [v_j, 1]^T over a memory (B, S_k, H_k, D): the op's
         final state (its queries, here zeros, are not read), for cross-attention where S_q != S_k."""
         b, sk = k.shape[:2]
         q0 = k.new_zeros(b, sk, self.n_heads, self.head_dim)
-        _, state = linear_attention(q0, k, v, feature_map=self.feature_map, key_padding_mask=key_padding_mask,
+        _, state = linear_attention(q0, k, v, feature_map=self.feature_map, key_mask=key_mask,
                                     layout="bshd", return_state=True)
         return state
 
-    def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
+    def forward(self, x: Tensor, context: Optional[Tensor] = None, *, key_mask: Optional[Tensor] = None,
                 seqlens_k: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-                cache: Optional[LinearCache] = None) -> Tensor:
+                cache: Optional[LinearCache] = None, key_padding_mask: None = None) -> Tensor:
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed("LinearAttention.forward()")
         if attn_mask is not None:
-            raise ValueError("attention_type='linear' takes no attn_mask (key_padding_mask / seqlens_k only)")
+            raise ValueError("attention_type='linear' takes no attn_mask (key_mask / seqlens_k only)")
         if cache is not None and not isinstance(cache, LinearCache):
             raise TypeError(f"a linear attention layer keeps a LinearCache, got {type(cache).__name__} "
                             f"(allocate it with nn.layers.allocate_cache)")
@@ -129,23 +132,23 @@ class LinearAttention(nn.Module):
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
         if seqlens_k is not None:
-            key_padding_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
+            key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
         decay = F.logsigmoid(self.gate(x)).transpose(1, 2).contiguous() if self.gate is not None else None  # (B, H, S)
         if self.keep_weights and (cache is None or cache.state is None or self.cross):
-            self.last_weights = self._weights(q, k, key_padding_mask, decay).detach()
+            self.last_weights = self._weights(q, k, key_mask, decay).detach()
         kw = dict(feature_map=self.feature_map, causal=self.causal, layout="bshd")
         if self.cross:
-            state = self._memory_state(k, v, key_padding_mask)
+            state = self._memory_state(k, v, key_mask)
             if cache is not None:
                 cache.state = state
             return self.out_proj(self._read(q, state).reshape(b, s, -1))
         if cache is None:
-            out = linear_attention(q, k, v, decay=decay, key_padding_mask=key_padding_mask, **kw)
-        elif cache.state is not None and self.causal and s <= _STEP_TOKENS and key_padding_mask is None:
+            out = linear_attention(q, k, v, decay=decay, key_mask=key_mask, **kw)
+        elif cache.state is not None and self.causal and s <= _STEP_TOKENS and key_mask is None:
             out, cache.state = linear_attention_step(q, k, v, cache.state, feature_map=self.feature_map,
                                                      decay_t=decay, layout="bshd", inplace=True)
         else:
-            out, cache.state = linear_attention(q, k, v, decay=decay, key_padding_mask=key_padding_mask,
+            out, cache.state = linear_attention(q, k, v, decay=decay, key_mask=key_mask,
                                                 initial_state=cache.state, return_state=True, **kw)
             if not self.causal:  # a non-causal self-attention layer reads the keys of this call only
                 cache.state = None

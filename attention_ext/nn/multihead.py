@@ -5,10 +5,15 @@ state_dict loads into it unchanged:
   - `key_padding_mask` (N, S): bool True = ignore that key, or float added to the scores;
   - `attn_mask` (L, S) or (N * num_heads, L, S): bool True = NOT allowed, or float added;
   - `is_causal`: a hint that attn_mask is the causal mask (top-left aligned), which lets the
-    kernel skip the masked blocks instead of reading a mask. Unlike torch, attn_mask may be None.
+    kernel skip the masked blocks instead of reading a mask. As in torch, the hint needs the mask:
+    is_causal=True without attn_mask raises RuntimeError.
 `need_weights=True` returns the real probabilities, recomputed from the kernel's log-sum-exp
 (one extra q @ k^T), averaged over heads unless `average_attn_weights=False`. With dropout in
 training they are the probabilities before dropout (torch returns them after).
+
+Bad inputs raise a ValueError (shapes) or TypeError (dtypes) that names the argument, where
+torch's module mostly asserts (AssertionError) or fails inside a reshape; a mask of another
+dtype than bool or float is refused, as torch refuses it.
 
 Inside torch's own layers (`nn.TransformerEncoderLayer`, `TransformerDecoderLayer`,
 `TransformerEncoder`) it keeps running our kernel:
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._args import not_a_tensor
 from ..softmax import attention, attention_weights
 
 
@@ -135,6 +141,12 @@ class MultiheadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        if is_causal and attn_mask is None:  # torch's rule and error type: is_causal is a hint about attn_mask
+            raise RuntimeError("attention_ext.nn.MultiheadAttention: is_causal=True is a hint that attn_mask is the "
+                               "causal mask, and needs that mask: pass attn_mask=nn.Transformer."
+                               "generate_square_subsequent_mask(L) with it")
+        if not (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)):
+            self._check_inputs(query, key, value)  # names the argument that is not a Tensor
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
                                         average_attn_weights, is_causal)
@@ -161,7 +173,7 @@ class MultiheadAttention(nn.Module):
         p = "attention_ext.nn.MultiheadAttention"
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
-                raise TypeError(f"{p}: {name} must be a Tensor, got {type(t).__name__}")
+                raise not_a_tensor(name, t, p)
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"{p}: query, key and value must all be 3-D (batched) or all 2-D (unbatched), got "
                              f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -184,6 +196,25 @@ class MultiheadAttention(nn.Module):
                 raise TypeError(f"{p}: {name} must be floating point, got {t.dtype}")
             if t.dtype != query.dtype:
                 raise TypeError(f"{p}: {name} must have query's dtype {query.dtype}, got {t.dtype}")
+
+    def _check_masks(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], n: int, l: int,
+                     s: int) -> None:
+        """The masks' dtypes and shapes, by torch's rules (a 2-D attn_mask may also broadcast to
+        (L, S)): past here a bad mask fails inside a view, or a mask of integers would be added to
+        the scores as numbers."""
+        p = "attention_ext.nn.MultiheadAttention"
+        for name, m in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if m is not None and m.dtype != torch.bool and not m.is_floating_point():
+                raise TypeError(f"{p}: {name} must be bool or floating point (bool True = masked out, float "
+                                f"added to the scores), got {m.dtype}")
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (n, s):
+            raise ValueError(f"{p}: key_padding_mask must be (N, S) = {(n, s)} (or (S,) unbatched), True = padding, "
+                             f"got {tuple(key_padding_mask.shape)}")
+        if attn_mask is not None:
+            if attn_mask.dim() not in (2, 3) or (attn_mask.dim() == 3 and
+                                                 tuple(attn_mask.shape) != (n * self.num_heads, l, s)):
+                raise ValueError(f"{p}: attn_mask must be (L, S) = {(l, s)} or (N * num_heads, L, S) = "
+                                 f"{(n * self.num_heads, l, s)}, got {tuple(attn_mask.shape)}")
 
     def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
                         need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
@@ -223,6 +254,7 @@ class MultiheadAttention(nn.Module):
         the weights (N, L, S) (or (N, H, L, S)) when asked."""
         n, l, _ = query.shape
         h, d = self.num_heads, self.head_dim
+        self._check_masks(key_padding_mask, attn_mask, n, l, key.shape[1])
         q, k, v = self._project(query, key, value)  # (N, L, E), (N, S, E), (N, S, E)
 
         extra_key = self.bias_k is not None or self.add_zero_attn
@@ -263,7 +295,7 @@ class MultiheadAttention(nn.Module):
         q = q.view(n, l, h, d)  # (N, L, H, D)
         k = k.view(n, s, h, d)  # (N, S, H, D)
         v = v.view(n, s, h, d)
-        opts = dict(layout="bshd", causal=causal, attn_mask=attn_mask, key_padding_mask=kpm)
+        opts = dict(layout="bshd", causal=causal, attn_mask=attn_mask, key_mask=kpm)
         p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:

@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._args import not_a_tensor
 from ..decode import decode_fwd
 from ..softmax.functional import window_pair
 
@@ -163,6 +164,8 @@ class PagedKVCache:
         """q (b, S_q, H, D), the selected sequences' newest query rows (already appended) -> out
         (b, S_q, H, D) over their cached keys; causal is aligned bottom-right. GQA reads the H_k
         kv heads directly (no repeat)."""
+        if not isinstance(q, Tensor):
+            raise not_a_tensor("q", q, "PagedKVCache.attend")
         bt = self.block_table if self.rows == list(range(self.batch)) else self.block_table[self._rows_tensor()]
         seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
         wl, wr = window_pair(window, causal)

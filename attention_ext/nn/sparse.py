@@ -19,7 +19,6 @@ from torch import Tensor
 
 from ..softmax import attention_weights
 from ..sparse import layouts as L
-from ..sparse.reference import topk_select
 from .layers import ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionConfig, KVCache, sparse_rows_mask
 
 
@@ -146,14 +145,11 @@ class SparseAttention(Attention):
         return ATTENTION_TYPES["sparse"], dict(opts, layout=lay, block_size=self.block_size)
 
     def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
-        w = {n: o for n, o in opts.items() if n not in ("sinks", "layout", "block_size", "k_top")}
+        w = {n: o for n, o in opts.items() if n not in ("layout", "block_size", "k_top")}
         if self.cross:
             return attention_weights(q, k, lse, layout="bshd", **w)
         if self.pattern == "topk":
-            # exp(s - lse) over every allowed key ranks the keys as the final logits do (and stays
-            # <= 1: no dropped key outscores a kept one); keep the k_top the kernel kept
-            p = attention_weights(q, k, lse, layout="bshd", **w)
-            return p * topk_select(p, p > 0, self.config.topk)
+            return attention_weights(q, k, lse, layout="bshd", topk=self.config.topk, **w)
         mask = sparse_rows_mask(opts["layout"], self.block_size, q.shape[1], k.shape[1]).unsqueeze(0)
         user = w.get("attn_mask")
         if user is None or user.dtype == torch.bool:

@@ -3,7 +3,7 @@ masks, causal, seeds) into the op's options, then calls the fused op.
 
 - attention():          every option of the fused kernel, (B, H, S, D) or (B, S, H, D)
 - attention_varlen():   variable-length packs (total, H, D) with cu_seqlens
-- attention_weights():  the probabilities, recomputed cheaply from the LSE
+- attention_weights():  the probabilities of the same options, from the LSE (checked) or computed here
 
 Input rules the op states itself (shapes, dtypes, head dim, GQA, option ranges) are checked by the
 op: the C++ check on a compiled kernel, ops.check_inputs under torch.compile and before the
@@ -18,8 +18,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_true, sym_or
 
 from .. import _ext
+from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
 from . import ops, reference
 
 __all__ = ["attention", "attention_varlen", "attention_weights"]
@@ -61,12 +63,28 @@ def _rng_state(seed: Union[int, Tensor, None], generator: Optional[torch.Generat
     return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")  # no int(): a SymInt seed stays symbolic
 
 
+def _not_a_pair(arg: str, value, fn: str = "") -> Exception:
+    """The error for a window argument that is not a (left, right) pair. A single number is the
+    likely slip (a window "of 256 keys"): the message spells out the two pairs it may have meant."""
+    p = f"{fn}: " if fn else ""
+    if isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.dim() == 0):
+        n = int(value)
+        return TypeError(f"{p}{arg} must be a (left, right) pair of key counts around the diagonal (-1 = unbounded), "
+                         f"got the number {n}: {arg}=({n}, 0) is a causal sliding window (each query sees itself and "
+                         f"the {n} keys before it), {arg}=({n}, {n}) sees {n} keys on each side")
+    got = tuple(value) if isinstance(value, (list, tuple)) else repr(value)
+    return ValueError(f"{p}{arg} must be (left, right), got {got}")
+
+
 def window_pair(window, causal: bool) -> Tuple[int, int]:
     """A `window=(left, right)` argument as sizes with -1 = unbounded; causal caps the right side
     at 0 (no future keys). The check of that argument for every function taking it (the ops check
     their window_left / window_right again, for direct op calls)."""
-    _check(len(window) == 2, lambda: f"window must be (left, right), got {tuple(window)}")
-    wl, wr = int(window[0]), int(window[1])
+    try:
+        wl, wr = window
+    except (TypeError, ValueError):
+        raise _not_a_pair("window", window) from None
+    wl, wr = int(wl), int(wr)
     _check(wl >= -1 and wr >= -1, lambda: f"window sizes must be >= -1 (-1 = unbounded), got ({wl}, {wr})")
     return (wl, 0) if causal else (wl, wr)
 
@@ -75,9 +93,11 @@ def window_size_pair(window_size: Sequence[int], fn: str) -> Tuple[int, int]:
     """A `window_size=(left, right)` argument (flash-attn's spelling: the drop-ins, and
     context parallelism) as ints, each -1 (unbounded) or a key count; `fn` prefixes the error.
     The one check of that argument, as window_pair is of `window`."""
-    if len(window_size) != 2:
-        raise ValueError(f"{fn}: window_size must be (left, right), got {tuple(window_size)}")
-    wl, wr = int(window_size[0]), int(window_size[1])
+    try:
+        wl, wr = window_size
+    except (TypeError, ValueError):
+        raise _not_a_pair("window_size", window_size, fn) from None
+    wl, wr = int(wl), int(wr)
     if wl < -1 or wr < -1:
         raise ValueError(f"{fn}: window_size must be >= -1 on both sides (-1 = unbounded), got ({wl}, {wr})")
     return wl, wr
@@ -87,19 +107,34 @@ def _default_scale(d: int) -> float:
     return 1.0 / math.sqrt(max(d, 1))  # d = 0 is the op's error to report
 
 
-def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b: int, h: int, sq: int, sk: int,
+def _broadcasts(got, want) -> bool:
+    """Whether a mask dim of size `got` broadcasts to `want` (it is 1 or `want`). Symbolic sizes
+    (torch.compile, torch.export) are compared without a guard the trace cannot take: a
+    data-dependent size (an export's unbacked batch) that the trace cannot decide becomes a
+    runtime assert, and only a size known not to fit fails here."""
+    if type(got) is int and type(want) is int:
+        return got == 1 or got == want
+    ok = sym_or(got == want, got == 1)
+    if not guard_or_true(ok):
+        return False
+    torch._check(ok, lambda: f"attn_mask dim of size {got} does not broadcast to {want}")
+    return True
+
+
+def _as_bias(attn_mask: Optional[Tensor], key_mask: Optional[Tensor], b: int, h: int, sq: int, sk: int,
              device, acc: torch.dtype) -> Optional[Tensor]:
-    """Combine a bool/float mask and a (B, Sk) key padding mask into the op's 4-D bias
-    (bool True = attend, or additive in `acc`, the op's float side dtype), broadcast dims kept
-    at size 1."""
+    """Combine a bool/float mask and a (B, Sk) key mask (True = a real key) into the op's 4-D
+    bias (bool True = attend, or additive in `acc`, the op's float side dtype), broadcast dims
+    kept at size 1."""
     bias = None
     if attn_mask is not None:
-        _check(isinstance(attn_mask, Tensor), "attn_mask must be a Tensor", TypeError)
+        if not isinstance(attn_mask, Tensor):
+            raise not_a_tensor("attn_mask", attn_mask)
         _check(attn_mask.device == device, lambda: f"attn_mask must be on {device}, got {attn_mask.device}")
         _check(attn_mask.dim() <= 4, lambda: f"attn_mask must have at most 4 dims, got shape {tuple(attn_mask.shape)}")
         m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
         for got, want in zip(m.shape, (b, h, sq, sk)):
-            _check(got in (1, want),
+            _check(_broadcasts(got, want),
                    lambda: f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                            f"(B, H, Sq, Sk) = {(b, h, sq, sk)}")
         if m.dtype == torch.bool:
@@ -107,13 +142,14 @@ def _as_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], b:
         else:
             _check(m.is_floating_point(), lambda: f"attn_mask must be bool or floating point, got {m.dtype}", TypeError)
             bias = m.to(acc)
-    if key_padding_mask is not None:
-        _check(key_padding_mask.dim() == 2 and tuple(key_padding_mask.shape) == (b, sk),
-               lambda: f"key_padding_mask must be (B, Sk) = {(b, sk)}, got {tuple(key_padding_mask.shape)}")
-        _check(key_padding_mask.dtype == torch.bool,
-               lambda: f"key_padding_mask must be bool, got {key_padding_mask.dtype}",
-               TypeError)
-        kpm = key_padding_mask.view(b, 1, 1, sk)
+    if key_mask is not None:
+        if not isinstance(key_mask, Tensor):
+            raise not_a_tensor("key_mask", key_mask)
+        _check(key_mask.dim() == 2 and tuple(key_mask.shape) == (b, sk),
+               lambda: f"key_mask must be (B, Sk) = {(b, sk)} (True = a real key), got {tuple(key_mask.shape)}")
+        _check(key_mask.dtype == torch.bool,
+               lambda: f"key_mask must be bool (True = a real key), got {key_mask.dtype}", TypeError)
+        kpm = key_mask.view(b, 1, 1, sk)
         if bias is None:
             bias = kpm
         elif bias.dtype == torch.bool:
@@ -138,7 +174,7 @@ def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int)
     o = opts
     if q.device.type != "cpu" or q.shape[2] > _DECODE_MAX_Q or k.shape[2] == 0 or topk > 0:
         return False
-    if o["bias"] is not None or o["dropout_p"] > 0.0 or o.get("block_layout") is not None:
+    if o["bias"] is not None or o["dropout_p"] != 0.0 or o.get("block_layout") is not None:
         return False
     # varlen packs: the decode op has no cu_seqlens, it would attend across the packed sequences
     if o.get("cu_seqlens_q") is not None or o.get("cu_seqlens_k") is not None:
@@ -163,6 +199,13 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor
         lens = lens.clamp(0, k.shape[2])
     return torch.ops.attention_ext.decode_fwd(q, k, v, lens, None, None, None, o["alibi_slopes"], o["sinks"],
                                               o["scale"], o["softcap"], o["window_left"], o["window_right"], 0)
+
+
+def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, sk: int) -> Tensor:
+    """A block layout (H or 1, ceil(Sq / bs), ceil(Sk / bs)) as an element mask merged into the
+    op's bias: the reference's form of block-sparse attention (the kernels walk the layout)."""
+    m = lay.repeat_interleave(bs, 1).repeat_interleave(bs, 2)[:, :sq, :sk].unsqueeze(0)
+    return m if bias is None else (bias & m if bias.dtype == torch.bool else bias.masked_fill(~m, float("-inf")))
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool,
@@ -200,10 +243,8 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
         dmask = reference.dropout_mask(nb, q.shape[1], sq, sk, o["dropout_p"], rng, device=q.device,
                                        coords=o.get("dropout_coords"))
     bias = o["bias"]
-    if o.get("block_layout") is not None:  # the layout as an element mask, merged into the bias
-        bs, lay = o["block_size"], o["block_layout"]
-        m = lay.repeat_interleave(bs, 1).repeat_interleave(bs, 2)[:, :sq, :sk].unsqueeze(0)
-        bias = m if bias is None else (bias & m if bias.dtype == torch.bool else bias.masked_fill(~m, float("-inf")))
+    if o.get("block_layout") is not None:
+        bias = _merge_block_layout(bias, o["block_layout"], o["block_size"], sq, sk)
     kw = dict(scale=o["scale"], softcap=o["softcap"], window=(o["window_left"], o["window_right"]),
               bottom_right=o["bottom_right"], bias=bias, alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
               dropout_p=o["dropout_p"], dropout_mask=dmask)
@@ -214,6 +255,38 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
         out, lse = reference.attention_varlen(unpack(q), unpack(k), unpack(v), cu_q, cu_k, **kw)
         out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
     return out.to(q.dtype), lse.to(acc)
+
+
+def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic):
+    """attention() without tensor options, its arguments checked by the op alone: (out, lse), or
+    None where the general path must run (subclassed or non-4-D tensors, a device or dtype without
+    a kernel, a CPU call the decode kernel takes, a strided head dim, an unusual layout or window,
+    or any error: the general path then raises it in attention()'s words). Small calls are where
+    the Python in front of the op shows: at (1, 8, 16, 64) it was as long as the kernel."""
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.dim() == 4 and k.dim() == 4
+            and v.dim() == 4):
+        return None
+    if layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    elif layout != "bhsd":
+        return None
+    if type(window) is not tuple or len(window) != 2:
+        return None
+    wl, wr = window
+    if type(wl) is not int or type(wr) is not int or wl < -1 or wr < -1:
+        return None
+    if causal:  # window_pair's rule
+        wr = 0
+    dev = q.device
+    if (not ops.has_kernel(dev, q.dtype) or (dev.type == "cpu" and q.shape[2] <= _DECODE_MAX_Q)
+            or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1):
+        return None
+    try:
+        out, lse = ops.fwd_plain(q, k, v, _default_scale(q.shape[3]) if scale is None else float(scale), wl, wr,
+                                 bool(bottom_right), num_splits, deterministic)
+    except (ValueError, TypeError, RuntimeError):
+        return None
+    return (out.transpose(1, 2) if layout == "bshd" else out), lse
 
 
 def attention(
@@ -227,7 +300,7 @@ def attention(
     bottom_right: bool = False,
     window: Tuple[int, int] = (-1, -1),
     attn_mask: Optional[Tensor] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    key_mask: Optional[Tensor] = None,
     seqlens_k: Optional[Tensor] = None,
     alibi_slopes: Optional[Tensor] = None,
     softcap: float = 0.0,
@@ -242,6 +315,7 @@ def attention(
     block_layout: Optional[Tensor] = None,
     block_size: int = 64,
     topk: int = 0,
+    key_padding_mask: None = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Fused softmax attention with every variant.
 
@@ -254,7 +328,8 @@ def attention(
         window: sliding window (left, right) around the diagonal; -1 = unbounded.
         attn_mask: bool (True = attend) or float (added to the scores), broadcastable to
             (B, H, Sq, Sk). A float mask gets a gradient.
-        key_padding_mask: (B, Sk) bool, True = a real key.
+        key_mask: (B, Sk) bool, True = a real key (flash-attn's and Hugging Face's sense). torch's
+            key_padding_mask means the opposite (True = padding): pass key_mask=~key_padding_mask.
         seqlens_k: (B,) int: keys >= seqlens_k[b] are padding.
         alibi_slopes: (H,) or (B, H): adds -slope * |i + diag - j|.
         softcap: > 0 squashes the scaled scores: softcap * tanh(s / softcap).
@@ -282,11 +357,21 @@ def attention(
         block_size: the layout's block, a multiple of 16.
         topk: > 0 keeps, per query, only the topk highest logits among the keys the other
             rules allow (ties to the lower key; attention_ext.topk_attention).
+        key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
+            name is torch's, with the opposite polarity).
 
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
     """
+    if (attn_mask is None and key_mask is None and seqlens_k is None and alibi_slopes is None and sinks is None
+            and not dropout_p and block_layout is None and not topk and not softcap and key_padding_mask is None):
+        fast = _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic)
+        if fast is not None:
+            return fast if return_lse else fast[0]
+    if key_padding_mask is not None:
+        raise key_padding_mask_renamed("attention()")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t)
         _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
                f"got shape {tuple(t.shape)}")
     _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -300,15 +385,21 @@ def attention(
     if scale is None:
         scale = _default_scale(d)
     acc = ops.acc_dtype(q.dtype)
-    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
+    bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
     if seqlens_k is not None:
+        if not isinstance(seqlens_k, Tensor):
+            raise not_a_tensor("seqlens_k", seqlens_k)
         _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
         seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
     if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor):
+            raise not_a_tensor("alibi_slopes", alibi_slopes)
         # a meta tensor has no data to move: name it here, not in a failed copy
         _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise not_a_tensor("sinks", sinks)
         _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
         if sinks.dtype != acc:
             sinks = sinks.to(acc)
@@ -337,7 +428,13 @@ def attention(
                 window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
                 seed=0, offset=0, rng_state=rng_state, dropout_coords=dropout_coords, block_layout=block_layout,
                 block_size=int(block_size) if block_layout is not None else 0)
-    out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk)
+    try:
+        out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk)
+    except ValueError as e:  # the op's shape errors: name `layout` where the shapes prove a mix-up
+        mix = layout_mismatch(*((q, k, v) if layout == "bhsd" else (t.transpose(1, 2) for t in (q, k, v))), layout, e)
+        if mix is not None:
+            raise mix from e
+        raise
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
@@ -371,7 +468,8 @@ def attention_varlen(
     max_seqlen_k long. The options are attention()'s. Returns out (total_q, H, D) (and the LSE,
     (H, total_q))."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t)
         _check(t.dim() == 3, lambda: f"{name} must be (total, H, D), got {tuple(t.shape)}")
     _check(q.device == k.device == v.device,
            lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
@@ -412,40 +510,111 @@ def attention_varlen(
     return (out, lse.squeeze(0)) if return_lse else out
 
 
-def attention_weights(q: Tensor, k: Tensor, lse: Tensor, *, layout: str = "bhsd", scale: Optional[float] = None,
-                      causal: bool = False, bottom_right: bool = False, window: Tuple[int, int] = (-1, -1),
-                      attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
-                      seqlens_k: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
-                      softcap: float = 0.0) -> Tensor:
-    """The attention probabilities (B, H, Sq, Sk) recomputed from attention()'s LSE: one
-    Q K^T and an exp, no second softmax pass. Dropout is not applied. Returns float32 (float64
-    for float64 inputs)."""
+def attention_weights(q: Tensor, k: Tensor, lse: Optional[Tensor] = None, *, layout: str = "bhsd",
+                      scale: Optional[float] = None, causal: bool = False, bottom_right: bool = False,
+                      window: Tuple[int, int] = (-1, -1), attn_mask: Optional[Tensor] = None,
+                      key_mask: Optional[Tensor] = None, seqlens_k: Optional[Tensor] = None,
+                      alibi_slopes: Optional[Tensor] = None, softcap: float = 0.0, sinks: Optional[Tensor] = None,
+                      block_layout: Optional[Tensor] = None, block_size: int = 64, topk: int = 0,
+                      key_padding_mask: None = None) -> Tensor:
+    """The attention probabilities (B, H, Sq, Sk) of attention(q, k, v, **options) for the same
+    score options (every option of attention() that decides the probabilities: layout, scale,
+    causal, bottom_right, window, attn_mask, key_mask, seqlens_k, alibi_slopes, softcap, sinks,
+    block_layout, block_size, topk). One Q K^T and an exp, no second softmax pass; dropout is not
+    applied. Returns float32 (float64 for float64 inputs); a row with no key to attend is 0.
+
+    lse: the (B, H, Sq) LSE of that attention() call (return_lse=True), which saves the
+    logsumexp here; None computes it from the scores. A given lse must belong to the options:
+    each row's probabilities plus the sinks' share must sum to 1 within float32's rounding (1e-3;
+    1e-6 for float64), else a ValueError names lse (an LSE of other options would give rows that
+    do not sum to 1). With sinks the returned rows sum to 1 minus the sink's share.
+    """
+    if key_padding_mask is not None:
+        raise key_padding_mask_renamed("attention_weights()")
     for name, t in (("q", q), ("k", k), ("lse", lse)):
-        _check(isinstance(t, Tensor), lambda: f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+        if not isinstance(t, Tensor) and (t is not None or name != "lse"):
+            raise not_a_tensor(name, t)
     for name, t in (("q", q), ("k", k)):
         _check(t.dim() == 4, lambda: f"{name} must be 4-D ({'B, H, S, D' if layout == 'bhsd' else 'B, S, H, D'}), "
                f"got shape {tuple(t.shape)}")
     _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    q0, k0 = q, k
     if layout == "bshd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     b, h, sq, d = q.shape
-    _check(tuple(lse.shape) == (b, h, sq),
-           lambda: f"lse must be (B, H, Sq) = {(b, h, sq)} (attention()'s return_lse), got {tuple(lse.shape)}")
-    _check(lse.device == q.device, lambda: f"lse must be on {q.device}, got {lse.device}")
     sk = k.shape[2]
-    wl, wr = window_pair(window, causal)
-    scale = scale if scale is not None else _default_scale(d)
-    acc = ops.acc_dtype(q.dtype)
-    bias = _as_bias(attn_mask, key_padding_mask, b, h, sq, sk, q.device, acc)
-    if seqlens_k is not None:
-        seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
-    if alibi_slopes is not None:
-        # a meta tensor has no data to move: name it here, not in a failed copy
-        _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
-    ops.check_inputs(q, k, k, bias=bias, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, max_seqlen_q=sq,
-                     max_seqlen_k=sk, scale=float(scale), softcap=float(softcap), window_left=wl, window_right=wr,
-                     bottom_right=bool(bottom_right))
-    return reference.attention_probs(
-        q.to(acc), k.to(acc), lse.to(acc), scale=scale, softcap=softcap, window=(wl, wr), bottom_right=bottom_right,
-        bias=bias, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k)
+    try:
+        if lse is not None:
+            _check(tuple(lse.shape) == (b, h, sq),
+                   lambda: f"lse must be (B, H, Sq) = {(b, h, sq)} (attention()'s return_lse), got {tuple(lse.shape)}")
+            _check(lse.device == q.device, lambda: f"lse must be on {q.device}, got {lse.device}")
+        wl, wr = window_pair(window, causal)
+        scale = scale if scale is not None else _default_scale(d)
+        acc = ops.acc_dtype(q.dtype)
+        bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
+        if seqlens_k is not None:
+            seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        if alibi_slopes is not None:
+            # a meta tensor has no data to move: name it here, not in a failed copy
+            _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
+            alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+        if sinks is not None:
+            _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
+            sinks = sinks.to(acc)
+        if block_layout is not None:
+            _check(isinstance(block_layout, Tensor) and block_layout.dtype == torch.bool,
+                   lambda: f"block_layout must be a bool tensor, got "
+                           f"{getattr(block_layout, 'dtype', type(block_layout))}", TypeError)
+            block_layout = (block_layout.unsqueeze(0) if block_layout.dim() == 2 else block_layout).to(q.device)
+        _check(isinstance(topk, int) and topk >= 0, lambda: f"topk must be an int >= 0, got {topk!r}")
+        _check(topk == 0 or block_layout is None, "topk and block_layout do not combine")
+        ops.check_inputs(q, k, k, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=seqlens_k,
+                         max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap), window_left=wl,
+                         window_right=wr, bottom_right=bool(bottom_right), block_layout=block_layout,
+                         block_size=int(block_size) if block_layout is not None else 0)
+    except ValueError as e:  # name `layout` where the shapes prove a mix-up
+        mix = layout_mismatch(q0, k0, None, layout, e)
+        if mix is not None:
+            raise mix from e
+        raise
+    if block_layout is not None:
+        bias = _merge_block_layout(bias, block_layout, int(block_size), sq, sk)
+    s = reference.attention_scores(q.to(acc), k.to(acc), scale=scale, softcap=softcap, window=(wl, wr),
+                                   bottom_right=bottom_right, bias=bias, alibi_slopes=alibi_slopes,
+                                   seqlens_k=seqlens_k)  # (B, H, Sq, Sk), -inf where hidden
+    if topk > 0:
+        from ..sparse.reference import topk_select  # deferred: the sparse family imports this module
+
+        s = s.masked_fill(~topk_select(s, s > float("-inf"), topk), float("-inf"))
+    own = torch.logsumexp(s, -1)  # (B, H, Sq); -inf for a row with no visible key
+    if sinks is not None:
+        own = torch.logaddexp(own, sinks.view(1, h, 1))
+    if lse is None:
+        lse = own
+    else:
+        lse = lse.to(acc)
+        _check_lse(lse, own)
+    return reference.probs_from_scores(s, lse)
+
+
+def _check_lse(lse: Tensor, own: Tensor) -> None:
+    """A given LSE against the one of the options (`own`): row i's probabilities sum to
+    exp(own_i - lse_i), which must be 1 within the accumulation dtype's rounding. Rows where both
+    are -inf (nothing to attend) agree; rows the inputs made NaN are the inputs' to report."""
+    atol, rtol = (1e-6, 1e-12) if own.dtype == torch.float64 else (1e-3, 1e-5)
+    diff = (lse - own).abs()  # inf where exactly one of them is infinite
+    ok = (lse == own) | (diff <= atol + rtol * own.abs().nan_to_num(posinf=0.0)) | torch.isnan(own)
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok.all(), "attention_weights: lse does not belong to the options (rows do not sum to 1)")
+        return
+    if bool(ok.all()):
+        return
+    bad = ~ok
+    worst = torch.where(bad, diff.nan_to_num(float("inf")), torch.zeros_like(diff)).flatten().argmax()
+    b_, h_, i_ = (int(x) for x in torch.unravel_index(worst, own.shape))
+    total = float(torch.exp(own[b_, h_, i_] - lse[b_, h_, i_]))
+    raise ValueError(
+        f"lse does not belong to these options: {int(bad.sum())} of {own.numel()} rows of probabilities would sum "
+        f"to other than 1 (row b={b_}, h={h_}, query {i_} sums to {total:.4g}). Pass attention_weights the options "
+        f"of the attention() call that returned lse (causal, bottom_right, window, attn_mask, key_mask, seqlens_k, "
+        f"scale, softcap, alibi_slopes, sinks, block_layout, topk), or lse=None to compute it here")

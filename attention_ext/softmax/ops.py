@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import sym_or
 from torch.types import Device
 
 from .._ext import HAS_EXT, registered
@@ -128,7 +129,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                            lambda: f"attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = "
                                    f"({nb}, {h}, {sq}, {sk}), got {_shape(bias)}")
         for got, want in zip(bias.shape, (nb, h, sq, sk)):
-            torch._check_value(got == 1 or got == want,
+            # sym_or, not `or`: a data-dependent size (torch.export) is asserted at run time, not guarded on
+            torch._check_value(sym_or(got == want, got == 1),
                                lambda: f"attention_ext: bias of shape {_shape(bias)} does not broadcast to "
                                        f"(B, H, Sq, Sk) = ({nb}, {h}, {sq}, {sk})")
     if alibi_slopes is not None:
@@ -204,6 +206,7 @@ else:
                          if p.kind is inspect.Parameter.KEYWORD_ONLY)
     FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
     BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
+_FWD_OP = torch.ops.attention_ext.fwd.default if HAS_EXT else None
 _OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "rng_state",
                    "dropout_coords", "block_layout", "topk_thr", "topk_jcut")
 # options a caller may leave out of ops.fwd: the dropout mask at its own coordinates, dense, no top-k
@@ -311,13 +314,76 @@ if HAS_EXT:
     torch.library.register_autograd("attention_ext::fwd", _backward, setup_context=_setup_context)
 
 
+_MISSING = object()
+_FWD_INDEX = {n: i for i, n in enumerate(FWD_ARGS)}
+# fwd's argument list with the defaults filled in: a call copies it and sets what it was given
+_FWD_TEMPLATE = [_OPTION_DEFAULTS.get(n, _MISSING) for n in FWD_ARGS]
+# the tensor arguments: a call needs autograd's layer only when one of them requires grad
+_FWD_TENSOR_SLOTS = tuple(_FWD_INDEX[n] for n in ("q", "k", "v", *_OPTION_TENSORS) if n in _FWD_INDEX)
+
+
+def call_fwd(args: list, grad_slots: Tuple[int, ...] = _FWD_TENSOR_SLOTS) -> Tuple[Tensor, Tensor]:
+    """torch.ops.attention_ext.fwd on its full argument list (FWD_ARGS order).
+
+    When no tensor argument requires grad (or grad mode is off), the call goes straight to the
+    device kernel below the Autograd key: what the registered autograd layer would do itself,
+    without its Python (a pytree walk over every argument, ~4 us a call: most of a small call's
+    fixed cost). torch.compile and functorch transforms keep the full dispatch. grad_slots: the
+    argument slots that may hold a tensor (fwd_plain's: q, k, v)."""
+    if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad for i in grad_slots):
+        if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+            with torch._C._AutoDispatchBelowAutograd():
+                return _FWD_OP(*args)
+    return _FWD_OP(*args)
+
+
 def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, **options):
     """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES; those of
     _OPTION_DEFAULTS may be left out). Returns (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 =
     the heuristic); deterministic: the backward adds no atomics (CUDA)."""
-    a = {**_OPTION_DEFAULTS, **options, "q": q, "k": k, "v": v, "num_splits": num_splits,
-         "deterministic": deterministic}
-    return torch.ops.attention_ext.fwd(*[a[n] for n in FWD_ARGS])
+    a = _FWD_TEMPLATE.copy()
+    a[0], a[1], a[2] = q, k, v
+    a[_FWD_INDEX["num_splits"]], a[_FWD_INDEX["deterministic"]] = num_splits, deterministic
+    for n, x in options.items():
+        i = _FWD_INDEX.get(n)
+        if i is None or i < 3:
+            raise TypeError(f"attention_ext.softmax.ops.fwd: unknown option {n!r} (options: {', '.join(OPTION_NAMES)})")
+        a[i] = x
+    try:
+        return call_fwd(a)
+    except (TypeError, RuntimeError, AttributeError):
+        missing = [n for n, x in zip(FWD_ARGS, a) if x is _MISSING]  # looked for only when the call failed
+        if missing:
+            raise TypeError(f"attention_ext.softmax.ops.fwd: missing option(s) {', '.join(missing)}") from None
+        raise
+
+
+# fwd_plain's argument list: every tensor option None, no softcap, dropout, layout or top-k
+_PLAIN_TEMPLATE = [_OPTION_DEFAULTS.get(n, _MISSING) for n in FWD_ARGS]
+for _n, _x in dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                   softcap=0.0, dropout_p=0.0, seed=0, offset=0).items():
+    if _n in _FWD_INDEX:
+        _PLAIN_TEMPLATE[_FWD_INDEX[_n]] = _x
+_PLAIN_SLOTS = tuple(_FWD_INDEX.get(n, -1) for n in ("max_seqlen_q", "max_seqlen_k", "scale", "window_left",
+                                                      "window_right", "bottom_right", "num_splits", "deterministic"))
+
+
+def fwd_plain(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
+              bottom_right: bool, num_splits: int = 1, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+    """fwd for a call with no tensor option (no mask, lengths, ALiBi, sinks, dropout, block
+    layout or top-k): the argument list filled by position. For small calls, where building
+    the keyword dict of fwd() was a measurable share of the call."""
+    a = _PLAIN_TEMPLATE.copy()
+    a[0], a[1], a[2] = q, k, v
+    i = _PLAIN_SLOTS
+    a[i[0]], a[i[1]], a[i[2]], a[i[3]], a[i[4]], a[i[5]], a[i[6]], a[i[7]] = (
+        q.shape[2], k.shape[2], scale, window_left, window_right, bottom_right, num_splits, deterministic)
+    # call_fwd's rule, spelled out for the three tensors
+    if (not (q.requires_grad or k.requires_grad or v.requires_grad) or not torch.is_grad_enabled()) and not (
+            torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
+        with torch._C._AutoDispatchBelowAutograd():
+            return _FWD_OP(*a)
+    return _FWD_OP(*a)
 
 
 def topk_threshold(q: Tensor, k: Tensor, k_top: int, **options) -> Tuple[Tensor, Tensor]:

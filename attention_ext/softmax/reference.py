@@ -182,6 +182,21 @@ def attention_varlen(
 def attention_probs(q: Tensor, k: Tensor, lse: Tensor, **kwargs: Any) -> Tensor:
     """The softmax probabilities P = exp(s - lse) (B, H, S_q, S_k), recomputed from the LSE,
     zero where masked. Takes attention()'s score options (no dropout)."""
+    return probs_from_scores(attention_scores(q, k, **kwargs), lse)
+
+
+def probs_from_scores(s: Tensor, lse: Tensor) -> Tensor:
+    """P = exp(s - lse) from attention_scores' s (B, H, S_q, S_k) and the LSE (B, H, S_q); a row
+    whose LSE is infinite (no key to attend) is 0."""
+    lse = lse.to(s.dtype).unsqueeze(-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    return p.masked_fill(torch.isinf(lse), 0.0)
+
+
+def attention_scores(q: Tensor, k: Tensor, **kwargs: Any) -> Tensor:
+    """The final logits s (B, H, S_q, S_k) of attention()'s score options: scale * q k^T, softcap,
+    ALiBi and a float bias added; -inf where a rule hides the key (window / causal, seqlens_k, a
+    bool bias). logsumexp(s, -1) is the LSE without sinks."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     scale = kwargs.get("scale") or 1.0 / math.sqrt(d)
@@ -202,9 +217,7 @@ def attention_probs(q: Tensor, k: Tensor, lse: Tensor, **kwargs: Any) -> Tensor:
             ok = ok & bias
         else:
             s = s + bias.to(s.dtype)
-    lse = lse.to(s.dtype).unsqueeze(-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
-    return p.masked_fill(~ok | torch.isinf(lse), 0.0)
+    return s.masked_fill(~ok, float("-inf"))
 
 
 # ---------------------------------------------------------------------------------- dropout mask

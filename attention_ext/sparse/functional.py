@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .._args import LayoutMismatch, key_padding_mask_renamed
 from ..softmax.functional import attention
 from .layouts import SparseMask
 
@@ -25,9 +26,9 @@ def layout_to_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor, SparseMask], *,
                            block_size: int = 64, causal: bool = False, scale: Optional[float] = None,
-                           key_padding_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                           key_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                            layout_qkv: str = "bhsd", return_lse: bool = False,
-                           **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                           key_padding_mask: None = None, **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Softmax attention over the (query block, key block) pairs a layout names.
 
     Args:
@@ -39,14 +40,23 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor
             partially allowed blocks.
         block_size: the layout's block, a positive multiple of 16 (ignored for a SparseMask,
             which carries its own).
-        causal, key_padding_mask, dropout_p, scale: as attention(); they apply element-wise
-            inside the computed blocks, so lengths need not divide the block.
+        causal, key_mask, dropout_p, scale: as attention() (key_mask (B, Sk) True = a real
+            key); they apply element-wise inside the computed blocks, so lengths need not divide
+            the block.
+        layout_qkv: the tensors' layout, attention()'s `layout` ("bhsd" or "bshd").
+        key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
+            name is torch's, with the opposite polarity).
         **options: any other option of attention_ext.attention (alibi_slopes, softcap, sinks,
             window, attn_mask, generator, seed, ...).
 
     Returns out (and the LSE). A query whose row has no computed key gives 0 (LSE -inf).
     Cost follows the number of computed blocks, on the CPU kernels and the CUDA ones alike.
     """
+    if key_padding_mask is not None:
+        raise key_padding_mask_renamed("block_sparse_attention()")
+    if isinstance(layout, str):
+        raise TypeError(f"layout is the block layout (a bool tensor or a SparseMask), got {layout!r}: the tensors' "
+                        f"layout ('bhsd' / 'bshd') is layout_qkv")
     if hasattr(layout, "layout") and hasattr(layout, "block_size"):  # a SparseMask
         block_size, mask, layout = layout.block_size, getattr(layout, "mask", None), layout.layout
         if mask is not None:
@@ -58,14 +68,17 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor
             options["attn_mask"] = mask
     if not isinstance(layout, Tensor):
         raise TypeError(f"layout must be a bool tensor or a SparseMask, got {type(layout).__name__}")
-    return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
-                     dropout_p=dropout_p, return_lse=return_lse, block_layout=layout, block_size=block_size,
-                     **options)
+    try:
+        return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_mask=key_mask,
+                         dropout_p=dropout_p, return_lse=return_lse, block_layout=layout, block_size=block_size,
+                         **options)
+    except LayoutMismatch as e:  # attention()'s `layout` is this function's layout_qkv
+        raise e.renamed("layout_qkv") from e.__cause__
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: bool = False,
-                   scale: Optional[float] = None, key_padding_mask: Optional[Tensor] = None,
-                   layout_qkv: str = "bhsd", return_lse: bool = False,
+                   scale: Optional[float] = None, key_mask: Optional[Tensor] = None,
+                   layout_qkv: str = "bhsd", return_lse: bool = False, key_padding_mask: None = None,
                    **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Hard attention: each query keeps only its k_top highest-scoring keys among those the
     other rules allow (causal, padding, window, masks), and softmax runs over them. Ties in the
@@ -77,10 +90,17 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: bool 
     kernel runs with the threshold as one more mask. The gradient flows through the kept
     scores (the selection itself is piecewise constant).
 
-    Args are attention()'s (**options: alibi_slopes, softcap, window, attn_mask, dropout_p, ...;
-    the logits ranked are the final ones, after scale, softcap, ALiBi and an additive mask).
+    Args are attention()'s (key_mask (B, Sk) True = a real key; layout_qkv is attention()'s
+    `layout`; **options: alibi_slopes, softcap, window, attn_mask, dropout_p, ...; the logits
+    ranked are the final ones, after scale, softcap, ALiBi and an additive mask).
+    key_padding_mask is not read: a TypeError says to pass key_mask=~key_padding_mask.
     """
+    if key_padding_mask is not None:
+        raise key_padding_mask_renamed("topk_attention()")
     if not isinstance(k_top, int) or isinstance(k_top, bool) or k_top < 1:
         raise ValueError(f"k_top must be an int >= 1, got {k_top!r}")
-    return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
-                     return_lse=return_lse, topk=k_top, **options)
+    try:
+        return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_mask=key_mask,
+                         return_lse=return_lse, topk=k_top, **options)
+    except LayoutMismatch as e:  # attention()'s `layout` is this function's layout_qkv
+        raise e.renamed("layout_qkv") from e.__cause__

@@ -25,12 +25,12 @@ from attention_ext.nn import KVCache, register_attention_type  # noqa: E402
 
 
 @register_attention_type("sdpa_padded")
-def _sdpa_padded(q, k, v, *, key_padding_mask=None, causal=False, **_):
+def _sdpa_padded(q, k, v, *, key_mask=None, causal=False, **_):
     """torch SDPA with a bool mask: key padding, causal aligned bottom-right, and each query
     row may see its own key (so left-pad rows are not all -inf -> NaN)."""
     sq, sk = q.shape[1], k.shape[1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-    mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, S_k) True = attend
+    mask = key_mask[:, None, None, :]  # (B, 1, 1, S_k) True = attend
     if causal and sq > 1:
         i = torch.arange(sq)[:, None] + (sk - sq)
         j = torch.arange(sk)[None, :]
@@ -57,7 +57,7 @@ def sdpa_generate(model: LanguageModel, prompts, new: int):
         s = x.shape[1]
         h = model.wte(x)
         for blk, c in zip(model.blocks, caches):
-            h = blk(h, key_padding_mask=kpm[:, : pos + s], cache=c)
+            h = blk(h, key_mask=kpm[:, : pos + s], cache=c)
         x = model.lm_head(model.ln_f(h[:, -1:])).argmax(-1)  # (B, 1)
         pos += s
         outs.append(x)

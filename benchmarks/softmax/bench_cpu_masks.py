@@ -1,5 +1,5 @@
 """Masked CPU softmax attention against torch SDPA given the same mask, and against our own unmasked
-call, all timed round-robin in one process: a key padding mask (ours: `key_padding_mask`; SDPA:
+call, all timed round-robin in one process: a key padding mask (ours: `key_mask`; SDPA:
 the equivalent (B, 1, 1, S) bool `attn_mask`) and a dense (B, 1, S, S) bool mask.
 
     python benchmarks/softmax/bench_cpu_masks.py [--threads 1] [--reps 7] [--bwd] [--isa avx2]
@@ -47,7 +47,7 @@ def main() -> None:
 
             fns = {
                 "plain": run(lambda q, k, v: ae.attention(q, k, v)),
-                "kpm": run(lambda q, k, v: ae.attention(q, k, v, key_padding_mask=kpm)),
+                "kpm": run(lambda q, k, v: ae.attention(q, k, v, key_mask=kpm)),
                 "kpm_sdpa": run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
                                                                                attn_mask=kpm.view(b, 1, 1, s))),
                 "dense": run(lambda q, k, v: ae.attention(q, k, v, attn_mask=dense)),

@@ -12,6 +12,7 @@
 #include "cpu/kernels.h"
 #include "decode/cpu/entry.h"
 #include "linear/cpu/entry.h"
+#include "peak/cpu/entry.h"
 #include "softmax/cpu/entry.h"
 #include "sparse/cpu/entry.h"
 
@@ -179,6 +180,8 @@ int simd_width() { return active().simd_width(); }
 void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float p, uint64_t seed, uint64_t offset) {
   active().dropout_mask(keep, b, h, sq, sk, p, seed, offset);
 }
+
+double peak_loop(int kind, int64_t iters) { return active().peak_loop(kind, iters); }
 
 }  // namespace cpu
 }  // namespace attn

@@ -5,6 +5,7 @@
 #include "cpu/isa.h"
 #include "decode/cpu/entry.h"
 #include "linear/cpu/entry.h"
+#include "peak/cpu/entry.h"
 #include "softmax/cpu/entry.h"
 #include "sparse/cpu/entry.h"
 
@@ -106,7 +107,7 @@ constexpr KernelsT<T> table() {
 // cpu/dispatch.cpp declares it as attn::cpu::<level>::kernels
 extern const Kernels kernels;
 const Kernels kernels = {ATTN_STR(ATTN_CPU_ISA), compiled_features(), table<float>(), table<double>(), &simd_width,
-                         &dropout_mask};
+                         &dropout_mask, &peak_loop};
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

@@ -44,6 +44,7 @@ struct Kernels {
   KernelsT<double> f64;
   int (*simd_width)();
   void (*dropout_mask)(uint8_t*, int, int, int, int, float, uint64_t, uint64_t);
+  double (*peak_loop)(int, int64_t);
 };
 
 }  // namespace cpu

@@ -70,19 +70,23 @@ enum class PackLayout {
 
 // Packs rows [0, len) of one (batch, head) slice `src` (row stride rstride, dtype dt) into
 // `dst` in `layout` with blocks of R rows, zero-padding to `pad` rows (a multiple of R) of dp
-// elements. `row` is dp elements of scratch.
+// elements. `row` is dp elements of scratch. Rows [len, zero_end) are written as zeros (zero_end
+// -1: the whole pad); rows past zero_end are left as they are, for readers that never read them
+// (pack_keys' kPanelRows).
+//
+// Small calls are where packing shows: at (1, 8, 16, 64) the 16 keys pad to a whole kBlockN
+// block of 128 rows, and writing that pad element by element (kTPanels' transposed stores) was
+// half of the forward. So the zero rows are whole-memory fills where the layout keeps them
+// contiguous, and kTPanels' float rows go 8 at a time through an 8 x 8 register transpose.
 template <typename T>
 inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_t pad, int d, int dp,
-                     PackLayout layout, int R, T* dst, T* row) {
+                     PackLayout layout, int R, T* dst, T* row, int64_t zero_end = -1) {
   constexpr int P = kPanel<T>;
   const size_t es = dtype_size(dt);
   const char* base = static_cast<const char*>(src);
-  for (int64_t j = 0; j < pad; ++j) {
-    if (j < len) {
-      load_row(dt, base + es * j * rstride, row, d, dp);
-    } else {
-      std::fill(row, row + dp, T(0));
-    }
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(len, pad));
+  zero_end = zero_end < 0 ? pad : std::max(n, std::min(zero_end, pad));
+  auto put = [&](int64_t j) {
     T* blk = dst + (j / R) * R * dp;
     const int jj = int(j % R);
     switch (layout) {
@@ -95,37 +99,127 @@ inline void pack_one(DType dt, const void* src, int64_t rstride, int len, int64_
         for (int c = 0; c < dp; ++c) pan[c * P] = row[c];
         break;
       }
+      default: break;  // the pairs layouts are pack_one_pairs'
+    }
+  };
+  int64_t j = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same<T, float>::value) {
+    // 8 keys of one panel at a time: their rows in `rows8`, transposed into the panel's (dp, P)
+    // columns by simd.h's transpose (8 x 8 blocks in registers; P and dp are multiples of 8)
+    constexpr int kMaxDp = 256;
+    if (layout == PackLayout::kTPanels && R % P == 0 && P % 8 == 0 && dp % 8 == 0 && dp <= kMaxDp) {
+      alignas(64) float rows8[8 * kMaxDp];
+      for (; j + 8 <= n; j += 8) {
+        for (int r = 0; r < 8; ++r) load_row(dt, base + es * (j + r) * rstride, rows8 + r * dp, d, dp);
+        const int jj = int(j % R);
+        transpose(rows8, 8, dp, dp, dst + (j / R) * R * dp + int64_t(jj / P) * dp * P + jj % P, P,
+                  /*keep_rest=*/true);
+      }
     }
   }
+#endif
+  for (; j < n; ++j) {
+    load_row(dt, base + es * j * rstride, row, d, dp);
+    put(j);
+  }
+  if (n >= zero_end) return;
+  // the zero rows [n, zero_end)
+  switch (layout) {
+    case PackLayout::kRows: std::fill(dst + n * dp, dst + zero_end * dp, T(0)); return;
+    case PackLayout::kPanels: {
+      // in each column panel of the block holding row n, its rows from n on are contiguous; the
+      // whole blocks after that are contiguous too
+      const int64_t b0 = n / R * R, end_blk = std::min(zero_end, b0 + R);
+      T* blk = dst + b0 * dp;
+      const int j0 = int(n - b0), j1 = int(end_blk - b0);
+      for (int c0 = 0; c0 < dp; c0 += P) std::fill(blk + int64_t(c0) * R + j0 * P, blk + int64_t(c0) * R + j1 * P, T(0));
+      j = std::max(end_blk, zero_end / R * R);
+      std::fill(dst + end_blk * dp, dst + j * dp, T(0));
+      break;  // a partial last block: row by row below
+    }
+    case PackLayout::kTPanels:
+      if (R % P == 0) {
+        // key panels of P rows are contiguous (dp * P elements each) across blocks: the rest of
+        // the partial panel holding row n row by row, then the whole panels at once
+        const int64_t whole = std::min<int64_t>(zero_end, (n + P - 1) / P * P);
+        if (whole > n) {  // in the panel's (dp, P) columns, keys n % P .. are contiguous
+          T* pan = dst + n / P * dp * P;
+          const int k0 = int(n % P), k1 = int(whole - n / P * P);
+          for (int c = 0; c < dp; ++c) std::fill(pan + c * P + k0, pan + c * P + k1, T(0));
+        }
+        j = std::max(whole, zero_end / P * P);
+        std::fill(dst + whole * dp, dst + j * dp, T(0));
+        break;
+      }
+      j = n;
+      break;
+    default: j = n; break;
+  }
+  std::fill(row, row + dp, T(0));
+  for (; j < zero_end; ++j) put(j);
 }
 
 // pack_one for the pairs layouts (and kRows) in bf16: rows of dt = kBF16 copied as they are, no
 // widening.
 inline void pack_one_pairs(const void* src, int64_t rstride, int len, int64_t pad, int d, int dp, PackLayout layout,
-                           int R, uint16_t* dst) {
+                           int R, uint16_t* dst, int64_t zero_end = -1) {
   constexpr int Q = kDotPanel;
   const uint16_t* base = static_cast<const uint16_t*>(src);
-  for (int64_t j = 0; j < pad; ++j) {
-    // columns [0, n) from the row, [n, dp) zero: no per-element branch, so the copies vectorize
-    const int n = j < len ? d : 0;
-    const uint16_t* row = base + (j < len ? j : 0) * rstride;
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(len, pad));
+  zero_end = zero_end < 0 ? pad : std::max(n, std::min(zero_end, pad));
+  // row j: columns [0, m) from src row j, [m, dp) zero (m = 0: a pad row); no per-element
+  // branch, so the copies vectorize
+  auto put = [&](int64_t j, int m) {
+    const uint16_t* row = base + (m > 0 ? j : 0) * rstride;
     uint16_t* blk = dst + (j / R) * R * dp;
     const int jj = int(j % R);
     if (layout == PackLayout::kRows) {
       uint16_t* out = dst + j * dp;
-      for (int c = 0; c < n; ++c) out[c] = row[c];
-      for (int c = n; c < dp; ++c) out[c] = 0;
+      for (int c = 0; c < m; ++c) out[c] = row[c];
+      for (int c = m; c < dp; ++c) out[c] = 0;
     } else if (layout == PackLayout::kTPairs) {
       // element c at word c / 2 of the key's column in its panel, words 2 Q elements apart
       uint16_t* pan = blk + int64_t(jj / Q) * dp * Q + (jj % Q) * 2;
-      for (int c = 0; c < n; ++c) pan[(c / 2) * 2 * Q + c % 2] = row[c];
-      for (int c = n; c < dp; ++c) pan[(c / 2) * 2 * Q + c % 2] = 0;
+      for (int c = 0; c < m; ++c) pan[(c / 2) * 2 * Q + c % 2] = row[c];
+      for (int c = m; c < dp; ++c) pan[(c / 2) * 2 * Q + c % 2] = 0;
     } else {
       uint16_t* pr = blk + (jj / 2) * 2 * Q + jj % 2;
-      for (int c = 0; c < n; ++c) pr[int64_t(c / Q) * R * Q + (c % Q) * 2] = row[c];
-      for (int c = n; c < dp; ++c) pr[int64_t(c / Q) * R * Q + (c % Q) * 2] = 0;
+      for (int c = 0; c < m; ++c) pr[int64_t(c / Q) * R * Q + (c % Q) * 2] = row[c];
+      for (int c = m; c < dp; ++c) pr[int64_t(c / Q) * R * Q + (c % Q) * 2] = 0;
+    }
+  };
+  for (int64_t j = 0; j < n; ++j) put(j, d);
+  // the zero rows [n, zero_end), as whole fills where the layout keeps them contiguous (pack_one)
+  int64_t j = n;
+  if (layout == PackLayout::kRows) {
+    std::fill(dst + n * dp, dst + zero_end * dp, uint16_t(0));
+    return;
+  }
+  if (layout == PackLayout::kTPairs && R % Q == 0) {
+    // key panels of Q rows, dp * Q elements each, contiguous across blocks
+    for (; j < zero_end && j % Q != 0; ++j) put(j, 0);
+    const int64_t end = std::max(j, zero_end / Q * Q);
+    std::fill(dst + j * dp, dst + end * dp, uint16_t(0));
+    j = end;
+  } else if (layout == PackLayout::kPairs && R % 2 == 0) {
+    // in each column panel of a block, the key pairs from an even row on are contiguous
+    for (; j < zero_end && j % 2 != 0; ++j) put(j, 0);
+    if (j < zero_end) {
+      const int64_t b0 = j / R * R, end_blk = std::min(zero_end, b0 + R) / 2 * 2;
+      uint16_t* blk = dst + b0 * dp;
+      for (int c0 = 0; c0 < dp; c0 += Q) {
+        std::fill(blk + int64_t(c0) * R + (j - b0) * Q, blk + int64_t(c0) * R + (end_blk - b0) * Q, uint16_t(0));
+      }
+      j = std::max(end_blk, j);
+      if (j == b0 + R) {  // whole blocks after
+        const int64_t end = std::max(j, zero_end / R * R);
+        std::fill(dst + j * dp, dst + end * dp, uint16_t(0));
+        j = end;
+      }
     }
   }
+  for (; j < zero_end; ++j) put(j, 0);
 }
 
 // The element at offset `off` (in elements of dt) of a tensor: offsets come from SeqInfo.
@@ -135,22 +229,34 @@ inline auto elem(Void* base, DType dt, int64_t off) {
   return static_cast<Char*>(base) + dtype_size(dt) * off;
 }
 
+// The rows past a sequence's end that pack_keys writes as zeros: readers that cut their key
+// tiles at a panel past the last key (the forward: tile.h's for_key_tiles reads up to the next
+// multiple of kPanel<T>, the bf16 pairs up to kDotPanel) need only those; readers of whole
+// kBlockN blocks (top-k's threshold pass) need the whole pad.
+enum class PackPad { kPanelRows, kWholeBlocks };
+constexpr int kPackPanelRows = 32;  // a multiple of every panel width: kPanel<float> = 2W <= 32, kDotPanel
+static_assert(kBlockN % kPackPanelRows == 0 && kDotPanel <= kPackPanelRows && 2 * W <= kPackPanelRows,
+              "the zeroed rows of a short pack must cover every reader's panel");
+
 // Packs the key-side rows of every (batch, kv head) of a (B, H_k, S, D) tensor (K or V) in
 // blocks of kBlockN rows.
 // Out = uint16_t: the pairs layouts (bf16 in).
 template <typename T, typename Out>
 inline void pack_keys(const FwdParamsT<T>& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
-                      int64_t rstride, const PackIndex& idx, PackLayout layout, Out* out) {
+                      int64_t rstride, const PackIndex& idx, PackLayout layout, Out* out,
+                      PackPad pad = PackPad::kWholeBlocks) {
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
     return [&, row = Buffer<T>(idx.dp)](int64_t t) mutable {
       const int b = int(t / p.h_k), hh = int(t % p.h_k);
       const int64_t off = SeqInfo(p, b).k_offset(p, b, hh, 0, bstride, hstride, rstride);
+      const int64_t zero_end =
+          pad == PackPad::kWholeBlocks ? -1 : (std::max(idx.len[b], 0) + kPackPanelRows - 1) / kPackPanelRows * kPackPanelRows;
       if constexpr (std::is_same<Out, uint16_t>::value) {
         pack_one_pairs(elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
-                       out + idx.offset(b, hh));
+                       out + idx.offset(b, hh), zero_end);
       } else {
         pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
-                 out + idx.offset(b, hh), row.data());
+                 out + idx.offset(b, hh), row.data(), zero_end);
       }
     };
   });

@@ -229,11 +229,12 @@ inline uint32_t lane_bits(M m) {
 }
 
 // dst (cols, ld_dst) <- src (rows, cols)^T, src row stride ld_src; dst columns [rows, ld_dst)
-// are set to 0. Float blocks of 8 x 8 go through registers (AVX: 24 shuffles per 64 elements);
+// are set to 0 unless keep_rest (a transpose into part of a wider panel). Float blocks of 8 x 8 go through registers (AVX: 24 shuffles per 64 elements);
 // a scalar transpose of a strided operand costs about a third of the small products it feeds.
 // Sizes that are not whole blocks, and doubles, take the scalar loop.
 template <typename T>
-inline void transpose(const T* src, int rows, int cols, int64_t ld_src, T* dst, int64_t ld_dst) {
+inline void transpose(const T* src, int rows, int cols, int64_t ld_src, T* dst, int64_t ld_dst,
+                      bool keep_rest = false) {
   int r0 = 0;
 #if defined(__AVX__)
   if constexpr (std::is_same<T, float>::value) {
@@ -266,7 +267,9 @@ inline void transpose(const T* src, int rows, int cols, int64_t ld_src, T* dst, 
   for (int c = 0; c < cols; ++c) {
     T* d = dst + int64_t(c) * ld_dst;
     for (int r = r0; r < rows; ++r) d[r] = src[int64_t(r) * ld_src + c];
-    for (int r = rows; r < ld_dst; ++r) d[r] = T(0);
+    if (!keep_rest) {
+      for (int r = rows; r < ld_dst; ++r) d[r] = T(0);
+    }
   }
 }
 

@@ -2,13 +2,22 @@
 // Python module attention_ext._C (what was compiled, for `python -m attention_ext info`). Each
 // family x device registers its kernels in its own binding file (softmax_cpu.cpp,
 // softmax_cuda.cpp, linear_cpu.cpp).
+#include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
 
 #include "cpu/isa.h"            // the ISA level's dispatch
 #include "cpu/memory.h"         // BlockCache
+#include "peak/cpu/entry.h"     // peak_loop
 #include "softmax/cpu/entry.h"  // simd_width
 #if defined(ATTN_WITH_CUDA)
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
@@ -51,6 +60,88 @@ PyObject* py_set_cpu_isa(PyObject*, PyObject* name) {
 }
 PyObject* py_simd_width(PyObject*, PyObject*) { return PyLong_FromLong(attn::cpu::simd_width()); }
 
+// Iterations of one thread's peak loop (csrc/peak/cpu/entry.h) that take about 1 ms, measured
+// once per ISA level and kind: short enough that a burst often finds its cores free on a shared
+// machine, long enough that the pool's wake-up and the clock read are noise beside it.
+int64_t peak_burst_iters(int kind, double seconds_per_burst) {
+  using Clock = std::chrono::steady_clock;
+  static std::mutex mu;
+  static std::map<std::pair<std::string, int>, int64_t> known;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(std::string(attn::cpu::isa()), kind);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int64_t iters = 256;
+  for (;;) {
+    const auto t0 = Clock::now();
+    attn::cpu::peak_loop(kind, iters);
+    const double t = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (t >= seconds_per_burst / 4) {
+      iters = std::max<int64_t>(1, int64_t(double(iters) * seconds_per_burst / t));
+      break;
+    }
+    iters *= 2;
+  }
+  known[key] = iters;
+  return iters;
+}
+
+// FLOP/s of `threads` pool threads running a peak loop at once: the best of the bursts that fit
+// in `seconds` (at least one), the one least disturbed by other processes. 0 where the active
+// ISA level has no such instruction. A plain function, not an op, like the ISA choice it
+// measures: bench.flop_ceiling reads the kernels' rate against it.
+double cpu_peak_flops(int kind, int64_t threads, double seconds) {
+  using Clock = std::chrono::steady_clock;
+  const auto since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  const double per_round = attn::cpu::peak_loop(kind, 1);  // FLOPs of one round
+  if (per_round == 0.0) return 0.0;
+  const int64_t iters = peak_burst_iters(kind, 1e-3);
+  const double flops = per_round * double(iters) * double(threads);
+  double best = 0.0;
+  const auto start = Clock::now();
+  do {
+    const auto t0 = Clock::now();
+    at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) attn::cpu::peak_loop(kind, iters);
+    });
+    best = std::max(best, flops / since(t0));
+  } while (since(start) < seconds);
+  return best;
+}
+
+PyObject* py_cpu_peak_flops(PyObject*, PyObject* args) {
+  const char* kind_name = nullptr;
+  long long threads = 0;
+  double seconds = 0.0;
+  if (!PyArg_ParseTuple(args, "sLd", &kind_name, &threads, &seconds)) return nullptr;
+  int kind;
+  if (std::strcmp(kind_name, "fp32_fma") == 0) {
+    kind = attn::cpu::kPeakFp32Fma;
+  } else if (std::strcmp(kind_name, "bf16_dot") == 0) {
+    kind = attn::cpu::kPeakBf16Dot;
+  } else {
+    PyErr_Format(PyExc_ValueError, "cpu_peak_flops: kind must be 'fp32_fma' or 'bf16_dot', got '%s'", kind_name);
+    return nullptr;
+  }
+  const int pool = at::get_num_threads();
+  if (threads == 0) threads = pool;
+  if (threads < 1 || threads > pool) {
+    PyErr_Format(PyExc_ValueError,
+                 "cpu_peak_flops: threads must be 1..%d (torch's thread count; 0 for all of them), got %lld: "
+                 "call torch.set_num_threads(%lld) first to measure more",
+                 pool, threads, threads);
+    return nullptr;
+  }
+  if (!(seconds > 0.0 && seconds <= 60.0)) {
+    PyErr_Format(PyExc_ValueError, "cpu_peak_flops: seconds must be in (0, 60], got %g", seconds);
+    return nullptr;
+  }
+  double flops;
+  Py_BEGIN_ALLOW_THREADS
+  flops = cpu_peak_flops(kind, threads, seconds);
+  Py_END_ALLOW_THREADS
+  return PyFloat_FromDouble(flops);
+}
+
 
 #if defined(ATTN_SANITIZE)
 // Test-only canaries of the sanitized build (ATTENTION_EXT_SANITIZE=1, tests/sanitizers): each
@@ -84,6 +175,10 @@ PyMethodDef module_methods[] = {
     {"cpu_isas", py_cpu_isas, METH_O, "the levels built and runnable here (all=True: built), comma-separated"},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
     {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},
+    {"cpu_peak_flops", py_cpu_peak_flops, METH_VARARGS,
+     "cpu_peak_flops(kind, threads, seconds): FLOP/s of threads (0: torch's count) running the active level's "
+     "'fp32_fma' or 'bf16_dot' loop, the best 1 ms burst of `seconds` (one at least); 0.0 where the level "
+     "lacks the instruction"},
 #if defined(ATTN_SANITIZE)
     {"_canary_heap_overflow", canary_heap_overflow, METH_NOARGS, "sanitized build only: a heap over-read"},
     {"_canary_shift_overflow", canary_shift_overflow, METH_O, "sanitized build only: 1 << s in int32"},

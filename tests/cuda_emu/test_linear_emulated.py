@@ -258,7 +258,7 @@ def test_harness_can_fail(emu):
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_nan_padded_keys(emu, dtype, causal, arch):
     """NaN in the k and v rows of padded keys (key_mask False) changes no bit of out, den, the
-    final state or any gradient, and the padded keys' dk / dv stay 0 (the NaN policy, README).
+    final state or any gradient, and the padded keys' dk / dv stay 0 (the NaN policy, docs/testing.md).
     Found in the emulator: the kernels multiplied a padded key's feature-mapped k row by 0 and
     read its v row, so NaN there reached every output; the loaders now leave those rows 0 unread
     and the dk epilogue selects 0. float32 runs the SIMT kernels, bf16 / fp16 the tensor-core ones;

@@ -26,7 +26,7 @@ TOL = 1e-5  # fp32, tests.helpers.rel_err: max |x - ref| / max(max |ref|, 1)
 # the non-fused path; "favor-stab": FAVOR+ stabilized, its global key offset one all-reduce under
 # normalize), hk, lens ("odd": 5, 7, 9, 5, ... tokens per rank; "even": 6 each via
 # shard_sequence), normalize, return_state, init (True: a (B, H, M, Dv') tensor; "logscale": a
-# LinearAttentionState with a log_scale that requires grad), mask (key_padding_mask: "rand" about
+# LinearAttentionState with a log_scale that requires grad), mask (key_mask: "rand" about
 # a third of the keys padded; "hole": also every key of rank 1, a shard with no real key, whose
 # stabilizer maximum is -inf), qkv_layout
 CASES = {
@@ -124,7 +124,7 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
     dr = decay.clone().requires_grad_() if decay is not None else None
     sr = s0.clone().requires_grad_() if s0 is not None else None
     lsr = ls0.clone().requires_grad_() if ls0 is not None else None
-    res = linear_attention(qr, kr, vr, decay=dr, key_padding_mask=mask, initial_state=state(sr, lsr),
+    res = linear_attention(qr, kr, vr, decay=dr, key_mask=mask, initial_state=state(sr, lsr),
                            return_state=want_state, **opts)
     out, st = res if want_state else (res, None)
     loss(out, g, st).backward()
@@ -142,7 +142,7 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
     lsl = ls0.clone().requires_grad_() if ls0 is not None else None
     ml = mask[:, a:a + n] if mask is not None else None  # (B, n) this rank's shard of the mask, whatever the layout
     counter.take()
-    res = cp.context_parallel_linear_attention(ql, kl, vl, decay=dl, key_padding_mask=ml,
+    res = cp.context_parallel_linear_attention(ql, kl, vl, decay=dl, key_mask=ml,
                                                initial_state=state(sl, lsl), return_state=want_state,
                                                qkv_layout=qkv_layout, group=group, **opts)
     n_fwd = counter.take()

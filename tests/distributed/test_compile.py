@@ -1,7 +1,7 @@
 """context_parallel_attention under torch.compile (aot_eager, the CPU-safe backend): every mode
 compiles with graph breaks at its collectives and gives eager's output and gradients; all-gather
 and Ulysses also compile with fullgraph=True. Ring does not (torch.compile refuses to trace
-batch_isend_irecv's P2POp), which the README states."""
+batch_isend_irecv's P2POp), which docs/context-parallel.md states."""
 from __future__ import annotations
 
 import pytest

@@ -70,17 +70,17 @@ def test_decay_errors():
         cp.context_parallel_linear_attention(q, k, v, decay=torch.zeros(2))  # no per-head scalar form
 
 
-def test_key_padding_mask_errors():
+def test_key_mask_errors():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"key_padding_mask must be this rank's \(B, n\)"):
-        cp.context_parallel_linear_attention(q, k, v, key_padding_mask=torch.ones(1, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"key_padding_mask must be this rank's \(B, n\)"):
-        cp.context_parallel_linear_attention(q, k, v, key_padding_mask=torch.ones(1, 2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
-        cp.context_parallel_linear_attention(q, k, v, key_padding_mask=torch.ones(1, 4))
-    with pytest.raises(ValueError, match="key_padding_mask must be this rank's"):  # bshd: still (B, n)
+    with pytest.raises(ValueError, match=r"key_mask must be this rank's \(B, n\)"):
+        cp.context_parallel_linear_attention(q, k, v, key_mask=torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"key_mask must be this rank's \(B, n\)"):
+        cp.context_parallel_linear_attention(q, k, v, key_mask=torch.ones(1, 2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_mask must be bool"):
+        cp.context_parallel_linear_attention(q, k, v, key_mask=torch.ones(1, 4))
+    with pytest.raises(ValueError, match="key_mask must be this rank's"):  # bshd: still (B, n)
         cp.context_parallel_linear_attention(*(t.transpose(1, 2) for t in (q, k, v)), qkv_layout="bshd",
-                                             key_padding_mask=torch.ones(1, 2, dtype=torch.bool))
+                                             key_mask=torch.ones(1, 2, dtype=torch.bool))
 
 
 def test_initial_state_log_scale_shape():

@@ -45,7 +45,7 @@ def few_keys(ok):
     """tests/softmax/test_cpu.py's known limit: in bf16 / fp16 the backward's D_i = dO_i . O_i
     from the rounded output loses to cancellation on rows that see a few keys; the gradients of
     such problems (and of any with sinks, whose gradient is -sum_i P_sink,i D_i) are held to the
-    rule in fp32 / fp64 only, finite in bf16 / fp16 (README, Known gaps). ok: (..., S_q, S_k) bool,
+    rule in fp32 / fp64 only, finite in bf16 / fp16 (docs/known-gaps.md). ok: (..., S_q, S_k) bool,
     the allowed pairs."""
     seen = ok.sum(-1)
     return ((seen > 0) & (seen < 16)).sum().item() > 0.25 * max((seen > 0).sum().item(), 1)

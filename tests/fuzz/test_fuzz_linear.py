@@ -90,7 +90,7 @@ def linear_case(draw, note):
 
     def call(L):
         out, st_ = ae.linear_attention(fq(L[0]), fk(L[1]), fv(L[2]), feature_map=fmap, causal=causal,
-                                       normalize=normalize, scale=scale, decay=L[3], key_padding_mask=kpm_t,
+                                       normalize=normalize, scale=scale, decay=L[3], key_mask=kpm_t,
                                        cu_seqlens=cu, layout=layout, initial_state=L[4], return_state=True)
         return to_bhsd(out), st_.augmented(normalize)
 
@@ -183,7 +183,7 @@ def linear_case(draw, note):
 
 def test_fp16_relu_decay_grad_k():
     """Found by test_fuzz_linear (long profile): fp16, relu, normalized, causal, decay, B = H = 1,
-    S = 19 with a pack of one 17-row sequence (2 tail rows), M = 7, Dv = 13, key_padding_mask.
+    S = 19 with a pack of one 17-row sequence (2 tail rows), M = 7, Dv = 13, key_mask.
     The grad of k failed the rule against PyTorch's fp16 error alone (7.1e-3 vs 3 x 1.8e-3 +
     5e-4): row 0 sees one key with den_0 = 2e-3, and d den_0 from the stored fp16 output cancels;
     float64 math with that one rounding has the kernel's error (test_fuzz_linear's rule).
@@ -195,7 +195,7 @@ def test_fp16_relu_decay_grad_k():
 
 def test_fp32_relu_few_features_grad_q():
     """Found by test_fuzz_linear (long profile, the first run on AVX-512): fp32, relu, normalized,
-    non-causal, B = 1, H = H_k = 2, S = 42, M = 3, Dv = 64, key_padding_mask. The grad of q failed
+    non-causal, B = 1, H = H_k = 2, S = 42, M = 3, Dv = 64, key_mask. The grad of q failed
     the rule against PyTorch's fp32 error (9.7e-5 vs 3 x 8.2e-6 + 5e-5; 7.4e-5 at AVX2, just
     inside), all of it on one row whose relu features are 1/20 of the others': its gradient along
     phi(q) is 0 in exact math and comes from two cancelling terms ~250x the result, and the

@@ -124,7 +124,7 @@ def case_attention(data):
 
     def call(L):
         out, lse = ae.attention(fq(L[0]), fk(L[1]), fv(L[2]), layout=layout, scale=scale, causal=causal,
-                                bottom_right=bottom_right, window=window, attn_mask=L[3], key_padding_mask=kpm_t,
+                                bottom_right=bottom_right, window=window, attn_mask=L[3], key_mask=kpm_t,
                                 seqlens_k=lens_t, alibi_slopes=slopes, softcap=softcap, sinks=L[4], dropout_p=p,
                                 seed=seed, return_lse=True)
         return to_bhsd(out), lse
@@ -421,7 +421,7 @@ def test_float_mask_grad_on_one_key_rows():
     keep = reference.dropout_mask(b, h, sq, sk, p, torch.tensor([8, 0]))
 
     def call(L):
-        return ae.attention(L[0], L[1], L[2], window=(0, 0), attn_mask=L[3], key_padding_mask=kpm,
+        return ae.attention(L[0], L[1], L[2], window=(0, 0), attn_mask=L[3], key_mask=kpm,
                             alibi_slopes=slopes, dropout_p=p, seed=8, return_lse=True)
 
     def ref_call(L):

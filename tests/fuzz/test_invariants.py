@@ -258,7 +258,7 @@ def test_nan_softmax_padding(dtype):
 
     # padded keys and values, forward and backward
     ps = [q] + _poison([k, v], padded)
-    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask", dout, key_padding_mask=kpm)
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_mask", dout, key_mask=kpm)
     # a bool attn_mask that hides keys from every query hides them as padding does
     am = kpm.view(b, 1, 1, sk).expand(b, 1, sq, sk)
     _clean_vs_poisoned(run_softmax, (q, k, v), ps, "attn_mask", dout, attn_mask=am)
@@ -330,8 +330,8 @@ def test_nan_softmax_padding_tiles(rows, dtype):
     ps = [q] + _poison([k], lambda t: t.masked_fill_(~kpm.view(b, 1, sk, 1), NAN)) \
         + _poison([v], lambda t: t.masked_fill_(~kpm.view(b, 1, sk, 1), float("inf")))
     dout = torch.randn(b, h, rows, d, dtype=dtype) if grad else None
-    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask", dout, key_padding_mask=kpm)
-    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_padding_mask + causal", dout, key_padding_mask=kpm,
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_mask", dout, key_mask=kpm)
+    _clean_vs_poisoned(run_softmax, (q, k, v), ps, "key_mask + causal", dout, key_mask=kpm,
                        causal=True, bottom_right=True)
 
 
@@ -350,7 +350,7 @@ def test_nan_softmax_causal_reaches_reading_rows():
 
 
 @pytest.mark.parametrize("what", ["value", "key"])
-@pytest.mark.parametrize("how", ["key_padding_mask", "bool_attn_mask", "block_sparse_key_padding_mask", "causal"])
+@pytest.mark.parametrize("how", ["key_mask", "bool_attn_mask", "block_sparse_key_mask", "causal"])
 def test_nan_softmax_padded(how, what):
     """Found by test_nan_softmax_padding: B = H = 1, S_q = 4, S_k = 6, D = 8, key 2 padded, NaN in
     v[0, 0, 2] (expected: out bit-identical to the clean run; got: NaN in every row: the tile's
@@ -366,12 +366,12 @@ def test_nan_softmax_padded(how, what):
     poisoned = _poison([v if what == "value" else k], lambda t: t[0, 0, key].fill_(NAN))[0]
     args = (q, k, poisoned) if what == "value" else (q, poisoned, v)
     dout = torch.randn(b, h, sq, d)
-    if how == "block_sparse_key_padding_mask":
+    if how == "block_sparse_key_mask":
         lay = torch.ones(1, 1, 1, dtype=torch.bool)
         _clean_vs_poisoned(run_block_sparse, (q, k, v), args, how, dout, layout=lay, block_size=16,
-                           key_padding_mask=kpm)
+                           key_mask=kpm)
     else:
-        kw = {"key_padding_mask": dict(key_padding_mask=kpm), "bool_attn_mask": dict(attn_mask=kpm.view(1, 1, 1, sk)),
+        kw = {"key_mask": dict(key_mask=kpm), "bool_attn_mask": dict(attn_mask=kpm.view(1, 1, 1, sk)),
               "causal": dict(causal=True)}[how]
         _clean_vs_poisoned(run_softmax, (q, k, v), args, how, dout, **kw)
 
@@ -485,7 +485,7 @@ def test_nan_mask_grad_stays_off_hidden_pairs(what):
 def test_nan_float_mask_is_added():
     """A float attn_mask is added to the logits, so its -inf does not hide a NaN key (IEEE:
     NaN + -inf = NaN): the row reads the key and shows it. Hide unread keys with a bool mask,
-    key_padding_mask or seqlens_k."""
+    key_mask or seqlens_k."""
     torch.manual_seed(9)
     q, k, v = bhsd(1, 1, 4, 8, grad=False), bhsd(1, 1, 6, 8, grad=False), bhsd(1, 1, 6, 8, grad=False)
     k[0, 0, 2] = NAN
@@ -532,7 +532,7 @@ def test_nan_linear_padding_and_tail(dtype):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_nan_linear_padded_keys(causal):
-    """Found by test_nan_linear_padding_and_tail: B = 2, H = 2, S = 41, D = 16, key_padding_mask
+    """Found by test_nan_linear_padding_and_tail: B = 2, H = 2, S = 41, D = 16, key_mask
     with ~30% padded, NaN in the padded keys' k and v rows: expected out / state / gradients
     bit-identical to the clean run, got NaN outputs (csrc/linear/cpu/linear.cpp load_chunk loaded a
     padded key's rows and scaled its features by 0; it now fills them with zeros)."""
@@ -541,8 +541,8 @@ def test_nan_linear_padded_keys(causal):
     q, k, v = (0.5 * bhsd(b, h, s, d)).detach().requires_grad_(), bhsd(b, h, s, d), bhsd(b, h, s, d)
     kpm = torch.rand(b, s) > 0.3
     ps = [q] + _poison([k, v], lambda t: t.masked_fill_(~kpm.view(b, 1, s, 1), NAN))
-    _clean_vs_poisoned(run_linear, (q, k, v), ps, "linear key_padding_mask", torch.randn(b, h, s, d),
-                       key_padding_mask=kpm, causal=causal)
+    _clean_vs_poisoned(run_linear, (q, k, v), ps, "linear key_mask", torch.randn(b, h, s, d),
+                       key_mask=kpm, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -564,7 +564,7 @@ def test_nan_block_sparse_off_blocks(dtype):
 @pytest.mark.parametrize("k_top", [1, 4, 60])
 def test_nan_topk_padding(dtype, k_top):
     """Top-k ranks the logits in a pass of its own before the fused kernel: NaN in padded keys
-    (key_padding_mask, past seqlens_k, a batch with every key padded) must reach neither the
+    (key_mask, past seqlens_k, a batch with every key padded) must reach neither the
     ranking nor the kernel. k_top 60 > S_k: every allowed key kept."""
     torch.manual_seed(6)
     b, h, sq, sk, d = 3, 4, 23, 41, 24
@@ -581,7 +581,7 @@ def test_nan_topk_padding(dtype, k_top):
         for i, n in enumerate(lens.tolist()):
             t[i, :, n:] = NAN
 
-    for fill, kw in ((padded, dict(key_padding_mask=kpm)), (padded, dict(key_padding_mask=kpm, causal=True)),
+    for fill, kw in ((padded, dict(key_mask=kpm)), (padded, dict(key_mask=kpm, causal=True)),
                      (past_len, dict(seqlens_k=lens, window=(6, 6), softcap=4.0)),
                      (past_len, dict(seqlens_k=lens, alibi_slopes=torch.rand(h), sinks=torch.randn(h)))):
         ps = [q] + _poison([k, v], fill)

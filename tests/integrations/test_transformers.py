@@ -357,7 +357,7 @@ def test_import_does_not_import_transformers():
 
 def test_register_without_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(ImportError, match=r"pip install attention_ext\[hf\]"):
+    with pytest.raises(ImportError, match=r'pip install "transformers>=4.53"'):
         ae_hf.register()
 
 

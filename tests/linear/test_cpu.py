@@ -35,7 +35,7 @@ def run_case(s, dtype, *, causal, fmap="elu", b=1, h=2, hk=1, m=16, dv=24, layou
     fm = {"favor": feature_maps.Favor(m, 32, stabilize=False, seed=0),
           "rfa": feature_maps.RFA(m, 16, seed=0)}.get(fmap, fmap)
     out, st = ae.linear_attention(q, k, v, feature_map=fm, causal=causal, decay=g, initial_state=s0,
-                                  key_padding_mask=kpm, layout=layout, normalize=normalize, scale=0.5,
+                                  key_mask=kpm, layout=layout, normalize=normalize, scale=0.5,
                                   return_state=True)
     assert out.dtype == dtype and out.shape == (*q.shape[:3], dv) if layout == "bhsd" else True
     final = st.augmented(normalize)

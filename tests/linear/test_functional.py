@@ -107,7 +107,7 @@ def test_padded_keys_contribute_nothing(causal):
     mask = torch.ones(2, 13, dtype=torch.bool)
     mask[0, 9:] = False
     mask[1, [2, 5]] = False
-    out, st = ae.linear_attention(q, k, v, causal=causal, key_padding_mask=mask, return_state=True)
+    out, st = ae.linear_attention(q, k, v, causal=causal, key_mask=mask, return_state=True)
     # the same as keys whose features are 0: identity map on elu features with the padded rows zeroed
     fk = reference.phi(k, 1) * mask.view(2, 1, 13, 1)
     ref, st_ref = ae.linear_attention(reference.phi(q, 1), fk, v, causal=causal, feature_map="identity",
@@ -118,7 +118,7 @@ def test_padded_keys_contribute_nothing(causal):
     k2, v2 = k.clone(), v.clone()
     k2[0, :, 10] += 5
     v2[1, :, 5] -= 3
-    torch.testing.assert_close(ae.linear_attention(q, k2, v2, causal=causal, key_padding_mask=mask), out)
+    torch.testing.assert_close(ae.linear_attention(q, k2, v2, causal=causal, key_mask=mask), out)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -205,8 +205,8 @@ def test_step_gradients_match_parallel():
 @pytest.mark.parametrize("kwargs,exc,msg", [
     (dict(layout="sbhd"), ValueError, "layout"),
     (dict(decay=torch.zeros(2, 4, 13)), ValueError, "decay needs causal"),
-    (dict(key_padding_mask=torch.ones(2, 13)), TypeError, "key_padding_mask must be bool"),
-    (dict(key_padding_mask=torch.ones(2, 12, dtype=torch.bool)), ValueError, "key_padding_mask must be"),
+    (dict(key_mask=torch.ones(2, 13)), TypeError, "key_mask must be bool"),
+    (dict(key_mask=torch.ones(2, 12, dtype=torch.bool)), ValueError, "key_mask must be"),
     (dict(feature_map="nope"), ValueError, "unknown feature_map"),
     (dict(feature_map=3), TypeError, "feature_map must be"),
     (dict(initial_state=torch.zeros(2, 4, 6, 5)), ValueError, "initial_state"),

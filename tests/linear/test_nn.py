@@ -101,7 +101,7 @@ def test_keep_weights_average_the_values(causal, cross, gate):
     mask = torch.ones(2, 9 if cross else 6, dtype=torch.bool)
     mask[1, -2:] = False
     layer.keep_weights = True
-    y = layer(x, ctx if cross else None, key_padding_mask=mask)
+    y = layer(x, ctx if cross else None, key_mask=mask)
     w = layer.last_weights  # (B, H, S_q, S_k)
     assert w.shape == (2, 4, 6, 9 if cross else 6)
     src = ctx if cross else x

@@ -37,7 +37,7 @@ def run_case(b, h, hk, sq, sk, d, dtype, *, layout="bhsd", causal=False, bottom_
     if bias is not None:
         kw["attn_mask"] = bias
     if kpm is not None:
-        kw["key_padding_mask"] = kpm
+        kw["key_mask"] = kpm
     if seqlens_k is not None:
         kw["seqlens_k"] = seqlens_k
     slopes = torch.rand(h, dtype=acc) * 0.5 if alibi else None
@@ -629,8 +629,8 @@ BAD = [
      "broadcast"),
     ("mask dtype", lambda q, k, v: ae.attention(q, k, v, attn_mask=torch.ones(8, 9, dtype=torch.long)), TypeError,
      "bool or floating"),
-    ("kpm shape", lambda q, k, v: ae.attention(q, k, v, key_padding_mask=torch.ones(2, 5, dtype=torch.bool)),
-     ValueError, "key_padding_mask"),
+    ("key_mask shape", lambda q, k, v: ae.attention(q, k, v, key_mask=torch.ones(2, 5, dtype=torch.bool)),
+     ValueError, "key_mask must be"),
     ("dropout", lambda q, k, v: ae.attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
     ("dropout_coords", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, dropout_coords=torch.arange(9)), ValueError,
      "dropout_coords"),

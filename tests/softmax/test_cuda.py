@@ -71,7 +71,7 @@ def check_nan_hidden_key(run, dtype, which, mask, deterministic):
     """One key whose k (or v) row is NaN, hidden from some rows of its tiles and read by others
     (causal: the rows before it; a bool mask with a pattern per row). The rows that read it, and
     what they feed, are NaN; every other element of out, lse, dq, dk and dv keeps its clean bits
-    (README, NaN policy). run: run_kernel or the emulator's. 150 keys make at most two key blocks,
+    (docs/testing.md, the NaN policy). run: run_kernel or the emulator's. 150 keys make at most two key blocks,
     so even the atomic dQ sums in a fixed order."""
     torch.manual_seed(3)
     b, h, s, d, jp = 1, 2, 150, 64, 100
@@ -378,7 +378,7 @@ def test_nan_lse_split(dtype):
 def test_nan_hidden_key_reaches_readers_only(kernels, dtype, which, mask, deterministic):
     """check_nan_hidden_key (k / v) and check_nan_query_row (q / dout) on the mma.sync / SIMT
     kernels (the sm_90a wgmma ones, which serve causal calls by default there, do not handle
-    them: README, NaN policy)."""
+    them: docs/testing.md, the NaN policy)."""
     kernels(hopper_fwd=0, hopper_bwd=0)
     check = check_nan_hidden_key if which in ("k", "v") else check_nan_query_row
     check(run_kernel, dtype, which, mask, deterministic)

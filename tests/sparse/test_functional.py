@@ -53,10 +53,10 @@ def test_block_sparse_empty_query_block_and_padding():
     lay[:, 1, :] = False  # query rows 32..63 compute nothing
     kpm = torch.ones(b, n, dtype=torch.bool)
     kpm[1, 70:] = False
-    out, lse = ae.block_sparse_attention(q, k, v, lay, block_size=bs, key_padding_mask=kpm, return_lse=True)
+    out, lse = ae.block_sparse_attention(q, k, v, lay, block_size=bs, key_mask=kpm, return_lse=True)
     assert (out[:, :, 32:64] == 0).all() and not torch.isnan(out).any()
     assert torch.isneginf(lse[:, :, 32:64]).all()
-    check((out, lse), block_sparse_attention_ref(q, k, v, lay, bs, key_padding_mask=kpm))
+    check((out, lse), block_sparse_attention_ref(q, k, v, lay, bs, key_mask=kpm))
 
 
 def test_block_sparse_bshd_and_cross_lengths():
@@ -86,8 +86,8 @@ def test_topk_ties_and_padding():
     v = torch.randn(1, 1, 7, d, dtype=f64)
     kpm = torch.ones(1, 7, dtype=torch.bool)
     kpm[0, 2] = False
-    got = ae.topk_attention(q, k, v, 2, key_padding_mask=kpm, return_lse=True)
-    check(got, topk_attention_ref(q, k, v, 2, key_padding_mask=kpm))
+    got = ae.topk_attention(q, k, v, 2, key_mask=kpm, return_lse=True)
+    check(got, topk_attention_ref(q, k, v, 2, key_mask=kpm))
     torch.testing.assert_close(got[0][0, 0, 0], (v[0, 0, 4] + v[0, 0, 5]) / 2)
 
 

@@ -67,7 +67,7 @@ OPTIONS = {
     "window": dict(window=(40, 7)),
     "additive_mask": dict(attn_mask=torch.randn(1, 4, 130, 130, dtype=torch.float64)),
     "bool_mask": dict(attn_mask=torch.rand(2, 1, 130, 130) > 0.2),
-    "padding": dict(key_padding_mask=torch.arange(130)[None, :] < torch.tensor([[130], [77]])),
+    "padding": dict(key_mask=torch.arange(130)[None, :] < torch.tensor([[130], [77]])),
     "dropout": dict(dropout_p=0.3, seed=11),
     "bottom_right_causal": dict(causal=True, bottom_right=True),
 }
@@ -109,7 +109,7 @@ def test_topk_options_match_reference_selection(k_top, opt):
     kw = {"plain": {}, "causal": dict(causal=True), "alibi": dict(alibi_slopes=torch.tensor([0.3, 0.2, 0.1, 0.05],
                                                                                            dtype=torch.float64)),
           "softcap": dict(softcap=1.5), "window": dict(window=(20, 20)),
-          "padding": dict(key_padding_mask=torch.arange(s)[None, :] < 97)}[opt]
+          "padding": dict(key_mask=torch.arange(s)[None, :] < 97)}[opt]
     out = ae.topk_attention(q, k, v, k_top, **kw)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -120,8 +120,8 @@ def test_topk_options_match_reference_selection(k_top, opt):
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k_top]
     keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, True) & (probs > 0)
     user = {n: x for n, x in kw.items()}
-    kpm = user.pop("key_padding_mask", None)
-    ref = ae.attention(q, k, v, attn_mask=keep, key_padding_mask=kpm, **user)
+    kpm = user.pop("key_mask", None)
+    ref = ae.attention(q, k, v, attn_mask=keep, key_mask=kpm, **user)
     rgrads = torch.autograd.grad(ref, (q, k, v), dout)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
     for a, r in zip(grads, rgrads):

@@ -77,7 +77,7 @@ def test_topk_respects_masks_and_empty_rows():
     q, k, v = qkv(b=2, h=2, hk=2, sq=8, sk=8)
     kpm = torch.ones(2, 8, dtype=torch.bool)
     kpm[1] = False
-    out, lse = topk_attention_ref(q, k, v, 3, causal=True, key_padding_mask=kpm)
+    out, lse = topk_attention_ref(q, k, v, 3, causal=True, key_mask=kpm)
     assert (out[1] == 0).all() and torch.isinf(lse[1]).all()
     # row 0 (causal) has one allowed key whatever k_top
     torch.testing.assert_close(out[0, :, 0], v[0, :, 0])

@@ -312,7 +312,10 @@ struct FwdWorker {
       pol.key_range(i0, i1, &klo, &khi);
       klo = std::max(klo, 0);
       khi = std::min(khi, si.len_k);
-      if (klo < khi) for_key_tiles<T>(klo, khi, [&](int j0, int n, int lo, int hi) { tile(t, 0, rows, j0, n, lo, hi); });
+      if (klo < khi) {
+        for_key_tiles<T>(klo, khi, [&](int j0, int n, int lo, int hi) { tile(t, 0, rows, j0, n, lo, hi); },
+                         kFwdKeyStep<T>);
+      }
     } else {
       // block-sparse: per layout row under the task's rows, its on blocks (CSR at the layout's
       // own granularity), each cut into tiles the packed operands allow (tile.h)
@@ -332,7 +335,8 @@ struct FwdWorker {
           const int c0 = std::max(idx[e] * bs, klo), c1 = std::min((idx[e1 - 1] + 1) * bs, khi);
           e = e1;
           if (c0 >= c1) continue;
-          for_key_tiles<T>(c0, c1, [&](int j0, int n, int lo, int hi) { tile(t, a - i0, a1 - i0, j0, n, lo, hi); });
+          for_key_tiles<T>(c0, c1, [&](int j0, int n, int lo, int hi) { tile(t, a - i0, a1 - i0, j0, n, lo, hi); },
+                           kFwdKeyStep<T>);
         }
         a = a1;
       }
@@ -366,8 +370,10 @@ void fwd(const FwdParamsT<T>& p, DType dt) {
   if (bf16_dot(p, dt)) {
     const Scratch<uint16_t, 0> kt(kidx.total());
     const Scratch<uint16_t, 1> vr(kidx.total());
-    pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPairs, kt.data());
-    pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPairs, vr.data());
+    pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPairs,
+              kt.data(), PackPad::kPanelRows);
+    pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPairs,
+              vr.data(), PackPad::kPanelRows);
     parallel_tasks(n_tasks, p.num_threads, [&] {
       return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks, kt.data(), vr.data());
     });
@@ -375,8 +381,10 @@ void fwd(const FwdParamsT<T>& p, DType dt) {
   }
   const Scratch<T, 0> kt(kidx.total());
   const Scratch<T, 1> vr(kidx.total());
-  pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPanels, kt.data());
-  pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPanels, vr.data());
+  pack_keys(p, dt, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, kidx, PackLayout::kTPanels,
+              kt.data(), PackPad::kPanelRows);
+  pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPanels,
+              vr.data(), PackPad::kPanelRows);
   parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
 }
 template void fwd<float>(const FwdParamsT<float>&, DType);

@@ -286,17 +286,26 @@ struct QueryTask {
 // a little early and the keys before the block are masked (`lo` below).
 
 // The key tiles covering the valid keys [c0, c1) (c0 < c1): f(j0, n, lo, hi) for keys
-// [j0, j0 + n), n a multiple of kPanel, of which [lo, hi) are valid.
+// [j0, j0 + n), of which [lo, hi) are valid. Each tile starts on a kPanel boundary; all but the
+// last are whole panels, and the last ends at the next multiple of `end_step` (kPanel<T>, or
+// kFwdKeyStep<T> in the forward).
 template <typename T, typename F>
-inline void for_key_tiles(int c0, int c1, F&& f) {
+inline void for_key_tiles(int c0, int c1, F&& f, int end_step = kPanel<T>) {
   constexpr int P = kPanel<T>;
-  const int end = round_up(c1, P);
+  const int end = round_up(c1, end_step);
   for (int j = c0 / P * P; j < end;) {
     const int jn = std::min(end, (j / kBlockN + 1) * kBlockN);
     f(j, jn - j, std::max(c0, j), std::min(c1, jn));
     j = jn;
   }
 }
+
+// The forward's last key tile ends at the next whole vector, not the next whole panel (two
+// vectors): gemm computes a one-vector remainder, and the row operations and the dropout (4 keys
+// a draw) step by vectors. At 16 keys on AVX-512 the panel would double the tile's products. The
+// extra keys are masked, so their P is 0 and the results are bit for bit the panel-wide tile's.
+template <typename T>
+constexpr int kFwdKeyStep = kLanes<T> >= 4 ? kLanes<T> : kPanel<T>;
 
 // The query tiles of rows [r0, r1), cut at kBlockM boundaries: f(i0, rows).
 template <typename F>

@@ -1,0 +1,88 @@
+"""Argument rules every family's public functions share, each stated once here:
+
+- not_a_tensor(name, value): the error for a q / k / v / mask that is not a torch.Tensor, which
+  says how to convert it (a numpy array: torch.from_numpy);
+- key_padding_mask_renamed(fn): the error for `key_padding_mask` passed to a function that takes
+  `key_mask`. Both name a (B, S_k) bool mask of the keys, with opposite polarities: key_mask
+  True = a real key (flash-attn's and Hugging Face's sense), key_padding_mask True = padding
+  (torch's nn.MultiheadAttention, which owns that name). A function never reads one as the other;
+- LayoutMismatch / layout_mismatch(...): the error for q, k, v whose shapes fit the other tensor
+  layout ("bhsd" vs "bshd") and not the one given, which names the layout argument.
+
+The checks run on the error path only (or as one isinstance test): a good call pays nothing for
+them.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+__all__ = ["not_a_tensor", "key_padding_mask_renamed", "LayoutMismatch", "layout_mismatch"]
+
+_DIMS = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
+
+
+def not_a_tensor(name: str, value: object, fn: str = "") -> TypeError:
+    """The TypeError for argument `name` given `value`, not a Tensor; `fn` prefixes the message.
+    A numpy array converts without a copy (torch.from_numpy), a list or a number with
+    torch.tensor."""
+    t = type(value)
+    what = f"{t.__module__}.{t.__qualname__}" if t.__module__ not in ("builtins", None) else t.__qualname__
+    if t.__module__ == "numpy" and t.__name__ == "ndarray":
+        fix = f": convert it with torch.from_numpy({name}) (no copy), then .to(device) if needed"
+    elif isinstance(value, (list, tuple, int, float, bool)) or t.__module__ == "numpy":
+        fix = f": convert it with torch.tensor({name})"
+    else:
+        fix = ""
+    return TypeError(f"{fn}{': ' if fn else ''}{name} must be a torch.Tensor, got {what}{fix}")
+
+
+def key_padding_mask_renamed(fn: str, old: str = "key_padding_mask", new: str = "key_mask") -> TypeError:
+    """The TypeError for `old` passed to `fn`, which takes `new` (True = a real key) instead."""
+    return TypeError(f"{fn} takes {new} (B, S_k) bool, True = a real key (as flash-attn and Hugging Face mean a "
+                     f"key mask); {old} is torch's name for the opposite (True = padding) and is not read here: "
+                     f"pass {new}=~{old}")
+
+
+class LayoutMismatch(ValueError):
+    """q, k, v whose shapes fit the other layout and not the one given. The message names the
+    layout argument (`arg`); a function that passes its own layout argument on under another
+    name re-raises with `renamed(its_name)`."""
+
+    def __init__(self, shapes: str, given: str, other: str, cause: str, arg: str = "layout"):
+        self.shapes, self.given, self.other, self.cause, self.arg = shapes, given, other, cause, arg
+        super().__init__(f"{shapes} do not fit {arg}={given!r} {_DIMS[given]} but fit {arg}={other!r} "
+                         f"{_DIMS[other]}: pass {arg}={other!r} ({cause})")
+
+    def renamed(self, arg: str) -> "LayoutMismatch":
+        return LayoutMismatch(self.shapes, self.given, self.other, self.cause, arg)
+
+
+def _fits(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, same_len: bool) -> bool:
+    """Whether 4-D q, k (and v) read in `layout` agree: one batch, one head dim for q and k, k and
+    v one (heads, length), query heads a multiple of kv heads (and one length with same_len)."""
+    hi, si = (1, 2) if layout == "bhsd" else (2, 1)
+    h, hk = q.shape[hi], k.shape[hi]
+    ok = q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and hk > 0 and h % hk == 0
+    if v is not None:
+        ok = ok and v.shape[0] == k.shape[0] and v.shape[hi] == hk and v.shape[si] == k.shape[si]
+    return ok and (not same_len or q.shape[si] == k.shape[si])
+
+
+def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, cause: BaseException, *,
+                    arg: str = "layout", same_len: bool = False,
+                    names: Tuple[str, str, str] = ("q", "k", "v")) -> Optional[LayoutMismatch]:
+    """The LayoutMismatch to raise for `cause` (an error about q, k, v given in `layout`) when their
+    shapes prove a layout mix-up: they do not fit `layout` and fit the other one. None otherwise
+    (the error has another reason). v may be None (attention_weights); same_len: q and k must
+    have one length (linear attention, context parallelism's shards); names: the arguments'."""
+    ts = (q, k) if v is None else (q, k, v)
+    if layout not in _DIMS or not all(isinstance(t, Tensor) and t.dim() == 4 for t in ts):
+        return None
+    other = "bshd" if layout == "bhsd" else "bhsd"
+    if _fits(q, k, v, layout, same_len) or not _fits(q, k, v, other, same_len):
+        return None
+    shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, ts))
+    return LayoutMismatch(shapes, layout, other, str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
+                          arg)

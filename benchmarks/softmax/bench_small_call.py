@@ -1,0 +1,91 @@
+"""The fixed cost of one small attention call on the CPU: ours against torch SDPA, one thread.
+
+At (1, 8, 16, 64) the kernel's arithmetic is ~0.5 MFLOP (a few microseconds), so what is timed
+is mostly the per-call overhead: argument handling in Python, the dispatcher, input checks and
+output allocation. Rows:
+  sdpa                torch.nn.functional.scaled_dot_product_attention (the peer)
+  ae.sdpa             attention_ext.scaled_dot_product_attention (the drop-in)
+  ae.attention        attention_ext.attention
+  op                  torch.ops.attention_ext.fwd called directly (dispatcher + C++ checks + kernel)
+and the overhead of each layer as the difference of medians. Every contender is timed in blocks
+of back-to-back calls, the blocks taken round-robin, so noise on a shared
+machine hits all alike; the ratio `sdpa / row` is the figure of merit (>= 1: as cheap as torch).
+
+    python benchmarks/softmax/bench_small_call.py [--threads 1] [--rounds 30]
+"""
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import attention_ext as ae  # noqa: E402
+from attention_ext import _ext  # noqa: E402
+
+SHAPES = [(1, 8, 16, 64), (1, 8, 1, 64), (1, 8, 64, 64), (4, 8, 16, 64)]
+
+
+def contenders(b, h, s, d, dtype, causal):
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype) for _ in range(3))
+    opts = dict(ae.softmax.ops._OPTION_DEFAULTS, bias=None, alibi_slopes=None, sinks=None, seqlens_k=None,
+                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=s, max_seqlen_k=s, scale=d ** -0.5, softcap=0.0,
+                window_left=-1, window_right=0 if causal else -1, bottom_right=False, dropout_p=0.0, seed=0,
+                offset=0)
+    return {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        "ae.sdpa": lambda: ae.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        "ae.attention": lambda: ae.attention(q, k, v, causal=causal),
+        "op": lambda: ae.softmax.ops.fwd(q, k, v, **opts),
+    }
+
+
+def warm_blocks(fns: dict, *, block: int, rounds: int) -> dict:
+    """Per-call seconds of each fn, one sample per block of `block` back-to-back calls (the
+    clock's own cost amortized), the blocks taken round-robin over `rounds`."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(block):
+            fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(block):
+                fn()
+            times[k].append((time.perf_counter() - t0) / block)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=30, help="round-robin rounds of 50-call blocks")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"small-call bench: torch {torch.__version__}, {platform.machine()} {_ext.cpu_isa()}, "
+          f"{args.threads} thread(s), {args.dtype}{', causal' if args.causal else ''}; median over "
+          f"{args.rounds} rounds of 50-call blocks, interleaved; ratio = sdpa / row")
+    print(f"{'shape (B, H, S, D)':<20} {'impl':<14} {'us':>8} {'ratio':>7}   spread (p10-p90 us)")
+    for shape in SHAPES:
+        fns = contenders(*shape, dtype, args.causal)
+        with torch.no_grad():
+            times = warm_blocks(fns, block=50, rounds=args.rounds)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for name, ts in times.items():
+            qs = statistics.quantiles(ts, n=10)
+            print(f"{str(shape):<20} {name:<14} {med[name] * 1e6:8.1f} {med['sdpa'] / med[name]:7.2f}   "
+                  f"{qs[0] * 1e6:.1f}-{qs[-1] * 1e6:.1f}")
+        print(f"{'':<20} overhead: drop-in over op {1e6 * (med['ae.sdpa'] - med['op']):.1f} us, attention() over op "
+              f"{1e6 * (med['ae.attention'] - med['op']):.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+// The machine's peak arithmetic rate per thread, for the benchmarks' ceiling (`python -m
+// attention_ext bench`): loops that do nothing but the instruction the kernels' inner products
+// run on, compiled per ISA level like the kernels, so the dispatcher runs the level they run. No
+// torch types: the binding (csrc/torch/library.cpp, _C.cpu_peak_flops) times them on the pool.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/isa.h"
+
+namespace attn {
+namespace cpu {
+
+// What a peak loop runs.
+enum PeakKind : int {
+  kPeakFp32Fma = 0,  // float32 multiply-adds, W lanes (FMA where the level has it, else mul + add)
+  kPeakBf16Dot = 1,  // bf16 pair dot products into float32 lanes (vdpbf16ps, AVX512-BF16 only)
+};
+
+ATTN_CPU_ISA_BEGIN
+
+// Runs `iters` rounds of the kind's loop on the calling thread; returns the FLOPs done (2 per
+// multiply-add), or 0 when this level has no such instruction.
+double peak_loop(int kind, int64_t iters);
+
+ATTN_CPU_ISA_END
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,77 @@
+// The peak loops (peak/cpu/entry.h). Each round issues one instruction per accumulator chain,
+// every chain independent of the others: the FMA units then start one instruction per port per
+// cycle, which needs latency x ports chains in flight (4 x 2 = 8 on Zen 4 / 5 and Intel since
+// Skylake, 5 x 2 = 10 on Haswell). The chain count is what the registers hold beside the two
+// operands (24 of 32 vector registers with AVX-512, 12 of 16 below), above every such product,
+// so the loop is bound by the ports and never by latency or by spills. The operands keep the
+// accumulators near 1 (a fixed point of acc * m + a) or growing slowly (the dot product): no
+// denormals, no overflow, whose slow paths would read as a lower peak.
+#include <cstring>
+
+#include "cpu/isa.h"
+#include "cpu/simd.h"
+#include "peak/cpu/entry.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace attn {
+namespace cpu {
+ATTN_CPU_ISA_BEGIN
+
+namespace {
+
+constexpr int kChains = W == 16 ? 24 : 12;
+
+// Sums the chains into one float, stored where the compiler must assume it is read.
+template <typename V>
+void keep(const V* acc) {
+  V s = acc[0];
+  for (int c = 1; c < kChains; ++c) s += acc[c];
+  float out[sizeof(V) / sizeof(float)];
+  std::memcpy(out, &s, sizeof(s));
+  static volatile float sink;
+  sink = out[0];
+}
+
+double fma_loop(int64_t iters) {
+  vf acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = vbcast(0.5f + 1e-3f * float(c));  // not the fixed point: no chain folds away
+  const vf m = vbcast(0.999f), a = vbcast(1e-3f);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 24
+    for (int c = 0; c < kChains; ++c) acc[c] = acc[c] * m + a;  // one FMA (contracted) per chain
+  }
+  keep(acc);
+  return 2.0 * W * kChains * double(iters);
+}
+
+#if defined(__AVX512BF16__)
+double bf16_dot_loop(int64_t iters) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(1.0f);
+  // 32 bf16 of 2^-10 each: every instruction adds 2 products of 2^-20 per lane
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(short(0x3A80));
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 24
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], x, x);
+  }
+  keep(acc);
+  return 2.0 * 32 * kChains * double(iters);  // 16 lanes x 2 products, 2 FLOPs each
+}
+#endif
+
+}  // namespace
+
+double peak_loop(int kind, int64_t iters) {
+  if (kind == kPeakFp32Fma) return fma_loop(iters);
+#if defined(__AVX512BF16__)
+  if (kind == kPeakBf16Dot) return bf16_dot_loop(iters);
+#endif
+  return 0.0;
+}
+
+ATTN_CPU_ISA_END
+}  // namespace cpu
+}  // namespace attn

@@ -1,0 +1,680 @@
+"""One meaning per argument name: every public function and method (found by signature, from the
+public API that tests/test_api_docs.py walks) that takes one of the names below means by it what
+the table says, and a value of another meaning raises an error that names the right argument.
+
+    key_mask, memory_key_mask       (B, S_k) bool, True = a real key (flash-attn's and Hugging Face's sense)
+    key_padding_mask, memory_...    torch's name: True = padding. Only nn.MultiheadAttention (torch's
+                                    drop-in) reads it; every function that takes key_mask refuses it
+                                    with a TypeError that says key_mask=~key_padding_mask
+    attn_mask, memory_mask          bool True = attend (SDPA), float added to the scores;
+                                    nn.MultiheadAttention keeps torch's bool True = NOT allowed
+    window                          (left, right) keys around the diagonal, -1 = unbounded; an int is
+                                    refused with the two pairs it may mean. The sparse layout builders'
+                                    `window` is a block count (an int; a pair is refused)
+    window_size                     flash-attn's spelling of `window` (its drop-ins, context parallelism)
+    scale, softmax_scale            multiplies q . k (default 1 / sqrt(D)); flash-attn's drop-ins spell it
+                                    softmax_scale. Linear attention: multiplies phi(q) . phi(k) (default 1:
+                                    the normalizer cancels it). Embeddings(scale=): a bool, scale by sqrt(d)
+    layout, layout_qkv, qkv_layout  the tensors' layout "bhsd" / "bshd" (layout in attention() and
+                                    linear attention, layout_qkv in the sparse functionals, qkv_layout in
+                                    context parallelism); `layout` is the block layout (a bool tensor) in
+                                    the sparse family and the sequence sharding in context parallelism,
+                                    whose errors name layout_qkv / qkv_layout when given "bhsd" / "bshd"
+
+Each table below maps (function, argument) to a check; test_every_use_is_checked fails when a
+function gains one of these names without a row, so a new function cannot bring in another meaning
+unseen.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import attention_ext as ae
+from attention_ext import nn as aenn
+from attention_ext.linear import reference as linear_ref
+from attention_ext.models.lm import LMConfig
+from attention_ext.models.transformer import TransformerConfig, TransformerDecoder, TransformerEncoder
+from attention_ext.sparse import layouts as L
+from attention_ext.sparse.reference import block_sparse_attention_ref, topk_attention_ref
+from tests.test_api_docs import API
+
+F64 = torch.float64
+NAMES = ("key_mask", "memory_key_mask", "key_padding_mask", "memory_key_padding_mask", "attn_mask", "memory_mask",
+         "window", "window_size", "scale", "softmax_scale", "layout", "layout_qkv", "qkv_layout")
+
+
+def _functions():
+    """{"module.qualname": function} for every public function and public method (and __init__)
+    of a public class of the API, each function once."""
+    out = {}
+    for obj in API.values():
+        if inspect.isfunction(obj):
+            fns = [obj]
+        else:
+            fns = [f for n, f in inspect.getmembers(obj, inspect.isfunction)
+                   if not n.startswith("_") or n == "__init__"]
+        for f in fns:
+            if (f.__module__ or "").startswith("attention_ext"):
+                out.setdefault(f"{f.__module__.removeprefix('attention_ext.')}.{f.__qualname__}", f)
+    return out
+
+
+FUNCTIONS = _functions()
+USES = sorted((q, n) for q, f in FUNCTIONS.items() for n in inspect.signature(f).parameters if n in NAMES)
+
+
+# ------------------------------------------------------------------ inputs
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _qkv(b=2, h=2, sq=5, sk=7, d=8, seed=0, layout="bhsd"):
+    g = _gen(seed)
+    shape = (lambda s: (b, h, s, d)) if layout == "bhsd" else (lambda s: (b, s, h, d))
+    return tuple(torch.randn(shape(s), generator=g, dtype=F64) for s in (sq, sk, sk))
+
+
+def _mask(*shape, seed=1):
+    """A bool mask with a True and a False in every row (last dim), so that neither it nor its
+    inverse hides a whole row."""
+    m = torch.rand(*shape, generator=_gen(seed)) > 0.5
+    m[..., 0], m[..., -1] = True, False
+    return m
+
+
+def _additive(m):
+    """The float form of a bool True = attend mask: 0 where attended, -inf elsewhere."""
+    return torch.zeros(m.shape, dtype=F64).masked_fill(~m, float("-inf"))
+
+
+def _probs(q, k, allowed, scale=None):
+    """softmax(scale q k^T) over the allowed keys, float64."""
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return s.masked_fill(~allowed, float("-inf")).softmax(-1)
+
+
+def _linear_ref(q, k, v, key_mask=None, eps=1e-6):
+    """Non-causal normalized linear attention with phi = elu + 1, in float64: a padded key
+    (key_mask False) adds nothing."""
+    a = (F.elu(q) + 1) @ (F.elu(k) + 1).transpose(-1, -2)  # (B, H, S, S)
+    if key_mask is not None:
+        a = a * key_mask[:, None, None, :].to(a.dtype)
+    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
+
+
+@contextlib.contextmanager
+def _group1():
+    """A one-rank gloo group around the block (the context-parallel functions need one)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _layer(attention_type="softmax", cross=True, causal=False):
+    torch.manual_seed(0)
+    cfg = aenn.AttentionConfig(d_model=16, n_heads=2, attention_type=attention_type, causal=causal)
+    return aenn.make_attention(cfg, cross=cross).double().eval()
+
+
+def _block(decoder=False):
+    torch.manual_seed(0)
+    cfg = aenn.BlockConfig(attn=aenn.AttentionConfig(d_model=16, n_heads=2, causal=decoder), d_ff=32, dropout=0.0)
+    return (aenn.DecoderBlock if decoder else aenn.EncoderBlock)(cfg).double().eval()
+
+
+def _transformer(decoder=False):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(src_vocab_size=11, d_model=16, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, d_ff=32,
+                            dropout=0.0)
+    return (TransformerDecoder if decoder else TransformerEncoder)(cfg).double().eval()
+
+
+def _x(b, s, seed):
+    return torch.randn(b, s, 16, generator=_gen(seed), dtype=F64)
+
+
+# ------------------------------------------------------------------ key_mask: True = a real key
+# Each case returns (with the mask, the reference of that meaning, with the inverted mask).
+def _km_softmax(call):
+    def case():
+        q, k, v = _qkv()
+        m = _mask(2, 7)
+        return call(q, k, v, m), F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, None, :]), \
+            call(q, k, v, ~m)
+    return case
+
+
+def _km_linear(call):
+    def case():
+        q, k, v = _qkv(sq=6, sk=6)
+        m = _mask(2, 6)
+        return call(q, k, v, m), _linear_ref(q, k, v, m), call(q, k, v, ~m)
+    return case
+
+
+def _km_weights():
+    q, k, _ = _qkv()
+    m = _mask(2, 7)
+    run = lambda mm: ae.attention_weights(q, k, key_mask=mm)  # noqa: E731
+    return run(m), _probs(q, k, m[:, None, None, :]), run(~m)
+
+
+def _km_drop_keys(make, call):
+    """A key mask on a module equals the module on the real keys alone (batch 1, no positions)."""
+    def case():
+        mod = make()
+        x, mem, m = _x(1, 4, 2), _x(1, 7, 3), _mask(1, 7)
+        with torch.no_grad():
+            return call(mod, x, mem, m), call(mod, x, mem[:, m[0]], None), call(mod, x, mem, ~m)
+    return case
+
+
+def _km_self(make, call):
+    """Self-attention with a key mask equals, at the real positions, the module on the real
+    positions alone (per-position FFN and norms, no positions in the attention)."""
+    def case():
+        mod = make()
+        x, m = _x(1, 7, 4), _mask(1, 7)
+        with torch.no_grad():
+            return call(mod, x, m)[:, m[0]], call(mod, x[:, m[0]], None), call(mod, x, ~m)[:, m[0]]
+    return case
+
+
+def _kw(name, m):
+    return {} if m is None else {name: m}
+
+
+_ONE_BLOCK = torch.ones(1, 1, 1, dtype=torch.bool)
+KEY_MASK = {
+    ("softmax.functional.attention", "key_mask"): _km_softmax(lambda q, k, v, m: ae.attention(q, k, v, key_mask=m)),
+    ("softmax.functional.attention_weights", "key_mask"): _km_weights,
+    ("sparse.functional.block_sparse_attention", "key_mask"): _km_softmax(
+        lambda q, k, v, m: ae.block_sparse_attention(q, k, v, _ONE_BLOCK, block_size=16, key_mask=m)),
+    ("sparse.functional.topk_attention", "key_mask"): _km_softmax(
+        lambda q, k, v, m: ae.topk_attention(q, k, v, 7, key_mask=m)),
+    ("sparse.reference.block_sparse_attention_ref", "key_mask"): _km_softmax(
+        lambda q, k, v, m: block_sparse_attention_ref(q, k, v, _ONE_BLOCK, 16, key_mask=m)[0]),
+    ("sparse.reference.topk_attention_ref", "key_mask"): _km_softmax(
+        lambda q, k, v, m: topk_attention_ref(q, k, v, 7, key_mask=m)[0]),
+    ("linear.functional.linear_attention", "key_mask"): _km_linear(
+        lambda q, k, v, m: ae.linear_attention(q, k, v, key_mask=m)),
+    ("linear.reference.linear_attention", "key_mask"): _km_linear(
+        lambda q, k, v, m: linear_ref.linear_attention(q, k, v, feature_map=1, key_mask=m)[0]),
+    ("distributed.linear.context_parallel_linear_attention", "key_mask"): _km_linear(
+        lambda q, k, v, m: _cp(lambda: ae.distributed.context_parallel_linear_attention(q, k, v, layout="contiguous",
+                                                                                          causal=False, key_mask=m))),
+    ("nn.layers.Attention.forward", "key_mask"): _km_drop_keys(
+        _layer, lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
+    ("nn.linear.LinearAttention.forward", "key_mask"): _km_drop_keys(
+        lambda: _layer("linear"), lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
+    ("nn.blocks.EncoderBlock.forward", "key_mask"): _km_self(_block, lambda mod, x, m: mod(x, **_kw("key_mask", m))),
+    ("nn.blocks.DecoderBlock.forward", "key_mask"): _km_self(
+        lambda: _block(decoder=True), lambda mod, x, m: mod(x, _x(1, 5, 5), **_kw("key_mask", m))),
+    ("nn.blocks.DecoderBlock.forward", "memory_key_mask"): _km_drop_keys(
+        lambda: _block(decoder=True), lambda mod, x, mem, m: mod(x, mem, **_kw("memory_key_mask", m))),
+    ("models.transformer.TransformerEncoder.forward", "key_mask"): _km_self(
+        _transformer, lambda mod, x, m: mod(x, **_kw("key_mask", m))),
+    ("models.transformer.TransformerDecoder.forward", "key_mask"): _km_self(
+        lambda: _transformer(decoder=True), lambda mod, x, m: mod(x, _x(1, 5, 5), **_kw("key_mask", m))),
+    ("models.transformer.TransformerDecoder.forward", "memory_key_mask"): _km_drop_keys(
+        lambda: _transformer(decoder=True), lambda mod, x, mem, m: mod(x, mem, **_kw("memory_key_mask", m))),
+}
+
+
+def _cp(call):
+    with _group1():
+        return call()
+
+
+def _mha_pair():
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 2, batch_first=True).double().eval()
+    ours = aenn.MultiheadAttention(16, 2, batch_first=True).double().eval()
+    ours.load_state_dict(ref.state_dict())
+    return ours, ref
+
+
+def _mha_key_padding_mask():
+    """torch's meaning: True = padding, as torch.nn.MultiheadAttention reads it."""
+    ours, ref = _mha_pair()
+    x, p = _x(2, 7, 6), _mask(2, 7)
+    with torch.no_grad():
+        return ours(x, x, x, key_padding_mask=p)[0], ref(x, x, x, key_padding_mask=p)[0], \
+            ours(x, x, x, key_padding_mask=~p)[0]
+
+
+def _merge_masks_refuses():
+    """torch's encoder fast path calls merge_masks to run torch's kernel on our weights: it
+    raises instead, whatever the masks."""
+    ours, _ = _mha_pair()
+    x = _x(1, 3, 0)
+    with pytest.raises(RuntimeError, match="fast path"):
+        ours.merge_masks(None, torch.ones(1, 3, dtype=torch.bool), x)
+
+
+# key_padding_mask with torch's meaning (True = padding): where it is read at all
+TORCH_PADDING = {
+    ("nn.multihead.MultiheadAttention.forward", "key_padding_mask"): _mha_key_padding_mask,
+    ("nn.multihead.MultiheadAttention.merge_masks", "key_padding_mask"): _merge_masks_refuses,
+}
+
+
+def _check_meaning(got, want, inv):
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7)
+    assert not torch.allclose(inv, want, atol=1e-6), "the inverted mask gave the same result: polarity untested"
+
+
+@pytest.mark.parametrize("fn,name", sorted(KEY_MASK), ids=[f"{f}-{n}" for f, n in sorted(KEY_MASK)])
+def test_key_mask_true_is_a_real_key(fn, name):
+    _check_meaning(*KEY_MASK[(fn, name)]())
+
+
+_OLD = [(f, n) for f, n in USES if n in ("key_padding_mask", "memory_key_padding_mask")]
+
+
+@pytest.mark.parametrize("fn,name", _OLD, ids=[f"{f}-{n}" for f, n in _OLD])
+def test_key_padding_mask_is_torchs_or_refused(fn, name):
+    """Where key_padding_mask appears it means padding (torch's nn.MultiheadAttention) or is
+    refused before anything else runs, with the new name and the flip in the message. The call
+    below passes None for every other required argument: the refusal comes first."""
+    if (fn, name) in TORCH_PADDING:
+        r = TORCH_PADDING[(fn, name)]()
+        if r is not None:
+            _check_meaning(*r)
+        return
+    f = FUNCTIONS[fn]
+    sig = inspect.signature(f)
+    assert sig.parameters[name].default is None
+    args = {p.name: None for p in sig.parameters.values()
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    new = name.replace("_padding_mask", "_mask")
+    with pytest.raises(TypeError, match=rf"takes {new} .*True = a real key.*pass {new}=~{name}"):
+        f(**args, **{name: torch.ones(2, 3, dtype=torch.bool)})
+
+
+def test_key_mask_is_refused_by_torchs_drop_in():
+    """nn.MultiheadAttention keeps torch's signature: key_mask is not one of its arguments."""
+    ours, _ = _mha_pair()
+    x = _x(1, 3, 0)
+    with pytest.raises(TypeError, match="key_mask"):
+        ours(x, x, x, key_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ attn_mask: bool True = attend
+def _am_softmax(call):
+    def case():
+        q, k, v = _qkv()
+        m = _mask(5, 7)
+        return call(q, k, v, m), F.scaled_dot_product_attention(q, k, v, attn_mask=m), call(q, k, v, ~m)
+    return case
+
+
+def _am_weights():
+    q, k, _ = _qkv()
+    m = _mask(5, 7)
+    return ae.attention_weights(q, k, attn_mask=m), _probs(q, k, m), ae.attention_weights(q, k, attn_mask=~m)
+
+
+def _am_module(make, call, sq=4, sk=7):
+    """A bool mask on a module against the same mask as 0 / -inf added to the scores."""
+    def case():
+        mod = make()
+        m = _mask(sq, sk)
+        with torch.no_grad():
+            return call(mod, m), call(mod, _additive(m)), call(mod, ~m)
+    return case
+
+
+def _am_mha():
+    """torch's meaning: bool True = NOT allowed, as torch.nn.MultiheadAttention reads it."""
+    ours, ref = _mha_pair()
+    x, m = _x(2, 7, 6), _mask(7, 7)
+    with torch.no_grad():
+        return ours(x, x, x, attn_mask=m)[0], ref(x, x, x, attn_mask=m)[0], ours(x, x, x, attn_mask=~m)[0]
+
+
+def _am_linear_refuses():
+    mod = _layer("linear")
+    with pytest.raises(ValueError, match="attention_type='linear' takes no attn_mask"):
+        mod(_x(1, 4, 0), _x(1, 7, 1), attn_mask=_mask(4, 7))
+
+
+_MEM = _x(1, 7, 3)
+ATTN_MASK = {
+    ("softmax.functional.attention", "attn_mask"): _am_softmax(lambda q, k, v, m: ae.attention(q, k, v, attn_mask=m)),
+    ("softmax.functional.attention_weights", "attn_mask"): _am_weights,
+    ("compat.sdpa.scaled_dot_product_attention", "attn_mask"): _am_softmax(
+        lambda q, k, v, m: ae.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+    ("sparse.reference.block_sparse_attention_ref", "attn_mask"): _am_softmax(
+        lambda q, k, v, m: block_sparse_attention_ref(q, k, v, _ONE_BLOCK, 16, attn_mask=m)[0]),
+    ("nn.layers.Attention.forward", "attn_mask"): _am_module(
+        _layer, lambda mod, m: mod(_x(1, 4, 2), _MEM, attn_mask=m)),
+    ("nn.linear.LinearAttention.forward", "attn_mask"): _am_linear_refuses,
+    ("nn.blocks.EncoderBlock.forward", "attn_mask"): _am_module(_block, lambda mod, m: mod(_x(1, 7, 2), attn_mask=m),
+                                                                sq=7),
+    ("nn.blocks.DecoderBlock.forward", "attn_mask"): _am_module(
+        lambda: _block(decoder=True), lambda mod, m: mod(_x(1, 7, 2), _MEM, attn_mask=m), sq=7),
+    ("nn.blocks.DecoderBlock.forward", "memory_mask"): _am_module(
+        lambda: _block(decoder=True), lambda mod, m: mod(_x(1, 4, 2), _MEM, memory_mask=m)),
+    ("models.transformer.TransformerEncoder.forward", "attn_mask"): _am_module(
+        _transformer, lambda mod, m: mod(_x(1, 7, 2), attn_mask=m), sq=7),
+    ("nn.multihead.MultiheadAttention.forward", "attn_mask"): _am_mha,
+    ("nn.multihead.MultiheadAttention.merge_masks", "attn_mask"): _merge_masks_refuses,
+}
+
+
+@pytest.mark.parametrize("fn,name", sorted(ATTN_MASK), ids=[f"{f}-{n}" for f, n in sorted(ATTN_MASK)])
+def test_attn_mask_bool_polarity(fn, name):
+    r = ATTN_MASK[(fn, name)]()
+    if r is not None:
+        _check_meaning(*r)
+
+
+# ------------------------------------------------------------------ window / window_size
+_INT_WINDOW = r"{0} must be a \(left, right\) pair .*{0}=\(4, 0\) is a causal sliding window"
+
+
+def _paged_attend(window):
+    c = aenn.PagedKVCache(1, 4, 4, 2, 8)
+    c.append(torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8))
+    return c.attend(torch.randn(1, 1, 2, 8), scale=0.25, window=window)
+
+
+_Q, _K, _V = _qkv(b=1, sk=5)
+_THD = (_Q[0].transpose(0, 1), _K[0].transpose(0, 1), _V[0].transpose(0, 1))  # (S, H, D) packs
+_CU_Q, _CU_K = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+_BSHD = tuple(t.transpose(1, 2).contiguous() for t in (_Q, _K, _V))
+
+# (left, right) pairs: the call with `window` set to the argument
+WINDOW_PAIR = {
+    "softmax.functional.attention": lambda w: ae.attention(_Q, _K, _V, window=w),
+    "softmax.functional.attention_varlen": lambda w: ae.softmax.attention_varlen(*_THD, _CU_Q, _CU_K, 5, 5, window=w),
+    "softmax.functional.attention_weights": lambda w: ae.attention_weights(_Q, _K, window=w),
+    "nn.paged_cache.PagedKVCache.attend": _paged_attend,
+    "nn.layers.AttentionConfig.__init__": lambda w: aenn.AttentionConfig(d_model=16, n_heads=2, window=w),
+    "models.lm.LMConfig.__init__": lambda w: LMConfig(window=w).block(),
+    "models.transformer.TransformerConfig.__init__": lambda w: TransformerConfig(window=w).attn(causal=True),
+}
+# a block count (an int): the sparse layout builders
+WINDOW_BLOCKS = {
+    "sparse.layouts.sliding_window": lambda w: L.sliding_window(w, seq_len=128, block_size=32),
+    "sparse.layouts.longformer": lambda w: L.longformer(w, seq_len=128, block_size=32),
+    "sparse.layouts.bigbird": lambda w: L.bigbird(w, seq_len=128, block_size=32),
+}
+# flash-attn's spelling of the pair
+WINDOW_SIZE = {
+    "compat.flash_attn.flash_attn_func": lambda w: ae.flash_attn_func(*_BSHD, window_size=w),
+    "compat.flash_attn.flash_attn_qkvpacked_func": lambda w: ae.flash_attn_qkvpacked_func(
+        torch.stack([_BSHD[0]] * 3, 2), window_size=w),
+    "compat.flash_attn.flash_attn_kvpacked_func": lambda w: ae.flash_attn_kvpacked_func(
+        _BSHD[0], torch.stack(_BSHD[1:], 2), window_size=w),
+    "compat.flash_attn.flash_attn_varlen_func": lambda w: ae.flash_attn_varlen_func(*_THD, _CU_Q, _CU_K, 5, 5,
+                                                                                    window_size=w),
+    "compat.flash_attn.flash_attn_varlen_qkvpacked_func": lambda w: ae.flash_attn_varlen_qkvpacked_func(
+        torch.stack([_THD[0]] * 3, 1), _CU_Q, 5, window_size=w),
+    "compat.flash_attn.flash_attn_varlen_kvpacked_func": lambda w: ae.flash_attn_varlen_kvpacked_func(
+        _THD[0], torch.stack(_THD[1:], 1), _CU_Q, _CU_K, 5, 5, window_size=w),
+    "decode.kvcache.flash_attn_with_kvcache": lambda w: ae.flash_attn_with_kvcache(_BSHD[0], _BSHD[1], _BSHD[2],
+                                                                                   window_size=w),
+    "distributed.attention.context_parallel_attention": lambda w: _cp(
+        lambda: ae.distributed.context_parallel_attention(*_LQ, window_size=w)),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(WINDOW_PAIR))
+def test_window_is_a_pair(fn):
+    """`window` is (left, right): a pair is taken, an int raises a TypeError that names window
+    and spells out the pairs it may mean."""
+    WINDOW_PAIR[fn]((2, 1))
+    with pytest.raises(TypeError, match=_INT_WINDOW.format("window")):
+        WINDOW_PAIR[fn](4)
+
+
+@pytest.mark.parametrize("fn", sorted(WINDOW_BLOCKS))
+def test_sparse_layout_window_is_a_block_count(fn):
+    WINDOW_BLOCKS[fn](1)
+    with pytest.raises(TypeError, match="window must be an int"):
+        WINDOW_BLOCKS[fn]((1, 0))
+
+
+@pytest.mark.parametrize("fn", sorted(WINDOW_SIZE))
+def test_window_size_is_a_pair(fn):
+    WINDOW_SIZE[fn]((2, 0))
+    with pytest.raises(TypeError, match=_INT_WINDOW.format("window_size")):
+        WINDOW_SIZE[fn](4)
+
+
+@pytest.mark.parametrize("how", ["attention", "attention_weights", "window_size"])
+def test_window_pair_meaning(how):
+    """window=(left, right): query i sees keys j with i - left <= j <= i + right (top-left);
+    flash-attn's window_size means the same, aligned bottom-right as its causal."""
+    q, k, v = _qkv(sq=7, sk=7)
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    band = (j >= i - 2) & (j <= i + 1)
+    if how == "attention":
+        torch.testing.assert_close(ae.attention(q, k, v, window=(2, 1)),
+                                   F.scaled_dot_product_attention(q, k, v, attn_mask=band))
+    elif how == "attention_weights":
+        torch.testing.assert_close(ae.attention_weights(q, k, window=(2, 1)), _probs(q, k, band))
+    else:
+        got = ae.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), window_size=(2, 1))
+        torch.testing.assert_close(got.transpose(1, 2), F.scaled_dot_product_attention(q, k, v, attn_mask=band))
+
+
+# ------------------------------------------------------------------ scale / softmax_scale
+def _sc_softmax(run):
+    """run(scale, qf): the call with q multiplied by qf. scale multiplies q . k: scale s on q
+    equals scale 1 on s q; None is 1 / sqrt(D) (D = 8)."""
+    def check():
+        torch.testing.assert_close(run(0.3, 1.0), run(1.0, 0.3))
+        if run(None, 1.0) is not None:
+            torch.testing.assert_close(run(None, 1.0), run(8 ** -0.5, 1.0))
+    return check
+
+
+def _sc_linear(run):
+    """run(scale, normalize): linear attention's scale multiplies phi(q) . phi(k), default 1:
+    normalized it cancels but for eps; unnormalized it scales the output."""
+    def check():
+        torch.testing.assert_close(run(None, True), run(1.0, True))
+        torch.testing.assert_close(run(2.0, False), 2 * run(1.0, False))
+    return check
+
+
+def _embeddings_scale():
+    """Embeddings(scale=) is a flag of the token embedding ("Attention Is All You Need" 3.4):
+    True multiplies by sqrt(d_model). Not an attention argument; a bool, never a factor."""
+    torch.manual_seed(0)
+    e = aenn.Embeddings(11, 16, scale=True)
+    tok = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(e(tok), e.lut(tok) * math.sqrt(16))
+    assert aenn.Embeddings(11, 16, scale=False).scale == 1.0
+
+
+def _paged_scale(s, qf):
+    c = aenn.PagedKVCache(1, 4, 4, 2, 8, dtype=F64)
+    c.append(_BSHD[1], _BSHD[2])
+    return c.attend(_BSHD[0][:, -1:] * qf, scale=s, causal=False) if s is not None else None
+
+
+def _lin_qkv():
+    return _qkv(sq=6, sk=6)
+
+
+SCALE = {
+    ("softmax.functional.attention", "scale"): _sc_softmax(lambda s, f: ae.attention(_Q * f, _K, _V, scale=s)),
+    ("softmax.functional.attention_varlen", "scale"): _sc_softmax(
+        lambda s, f: ae.softmax.attention_varlen(_THD[0] * f, *_THD[1:], _CU_Q, _CU_K, 5, 5, scale=s)),
+    ("softmax.functional.attention_weights", "scale"): _sc_softmax(
+        lambda s, f: ae.attention_weights(_Q * f, _K, scale=s)),
+    ("compat.sdpa.scaled_dot_product_attention", "scale"): _sc_softmax(
+        lambda s, f: ae.scaled_dot_product_attention(_Q * f, _K, _V, scale=s)),
+    ("sparse.functional.block_sparse_attention", "scale"): _sc_softmax(
+        lambda s, f: ae.block_sparse_attention(_Q * f, _K, _V, _ONE_BLOCK, block_size=16, scale=s)),
+    ("sparse.functional.topk_attention", "scale"): _sc_softmax(
+        lambda s, f: ae.topk_attention(_Q * f, _K, _V, 3, scale=s)),
+    ("decode.ops.decode_fwd", "scale"): _sc_softmax(
+        lambda s, f: ae.decode.decode_fwd(_BSHD[0] * f, _BSHD[1], _BSHD[2], scale=s)[0] if s is not None else None),
+    ("nn.paged_cache.PagedKVCache.attend", "scale"): _sc_softmax(_paged_scale),
+    ("distributed.attention.context_parallel_attention", "scale"): _sc_softmax(
+        lambda s, f: _cp(lambda: ae.distributed.context_parallel_attention(_LQ[0] * f, *_LQ[1:], scale=s))),
+    ("compat.flash_attn.flash_attn_func", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_func(_BSHD[0] * f, *_BSHD[1:], softmax_scale=s)),
+    ("compat.flash_attn.flash_attn_qkvpacked_func", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_qkvpacked_func(torch.stack([_BSHD[1] * f, _BSHD[1], _BSHD[2]], 2), softmax_scale=s)),
+    ("compat.flash_attn.flash_attn_kvpacked_func", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_kvpacked_func(_BSHD[0] * f, torch.stack(_BSHD[1:], 2), softmax_scale=s)),
+    ("compat.flash_attn.flash_attn_varlen_func", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_varlen_func(_THD[0] * f, *_THD[1:], _CU_Q, _CU_K, 5, 5, softmax_scale=s)),
+    ("compat.flash_attn.flash_attn_varlen_qkvpacked_func", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_varlen_qkvpacked_func(torch.stack([_THD[1] * f, _THD[1], _THD[2]], 1), _CU_K, 5,
+                                                         softmax_scale=s)),
+    ("compat.flash_attn.flash_attn_varlen_kvpacked_func", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_varlen_kvpacked_func(_THD[0] * f, torch.stack(_THD[1:], 1), _CU_Q, _CU_K, 5, 5,
+                                                        softmax_scale=s)),
+    ("decode.kvcache.flash_attn_with_kvcache", "softmax_scale"): _sc_softmax(
+        lambda s, f: ae.flash_attn_with_kvcache(_BSHD[0] * f, _BSHD[1], _BSHD[2], softmax_scale=s)),
+    ("linear.functional.linear_attention", "scale"): _sc_linear(
+        lambda s, n: ae.linear_attention(*_lin_qkv(), scale=s, normalize=n)),
+    ("linear.functional.linear_attention_step", "scale"): _sc_linear(
+        lambda s, n: ae.linear_attention_step(*_lin_qkv(), None, scale=s, normalize=n)[0]),
+    ("linear.reference.linear_attention", "scale"): _sc_linear(
+        lambda s, n: linear_ref.linear_attention(*_lin_qkv(), **({} if s is None else {"scale": s}), normalize=n)[0]),
+    ("distributed.linear.context_parallel_linear_attention", "scale"): _sc_linear(
+        lambda s, n: _cp(lambda: ae.distributed.context_parallel_linear_attention(
+            *_lin_qkv(), layout="contiguous", scale=s, normalize=n))),
+    ("nn.positional.Embeddings.__init__", "scale"): _embeddings_scale,
+}
+
+
+@pytest.mark.parametrize("fn,name", sorted(SCALE), ids=[f"{f}-{n}" for f, n in sorted(SCALE)])
+def test_scale_multiplies_the_scores(fn, name):
+    SCALE[(fn, name)]()
+
+
+# ------------------------------------------------------------------ layouts
+def _tensor_layout(run):
+    """run(layout) -> output in (B, H, S, D): "bshd" inputs are the "bhsd" ones transposed, and
+    the result is the same."""
+    def check():
+        torch.testing.assert_close(run("bshd"), run("bhsd"))
+    return check
+
+
+def _as(layout, *ts):
+    return ts if layout == "bhsd" else tuple(t.transpose(1, 2) for t in ts)
+
+
+def _back(layout, out):
+    return out if layout == "bhsd" else out.transpose(1, 2)
+
+
+def _misnamed(call, exc, match):
+    """A value of the name's other meaning raises an error that names the right argument."""
+    def check():
+        with pytest.raises(exc, match=match):
+            call()
+    return check
+
+
+_LQ = _qkv(sq=6, sk=6)
+LAYOUT = {
+    # the tensors' layout
+    ("softmax.functional.attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.attention(*_as(lay, _Q, _K, _V), layout=lay))),
+    ("softmax.functional.attention_weights", "layout"): _tensor_layout(
+        lambda lay: ae.attention_weights(*_as(lay, _Q, _K), layout=lay)),
+    ("linear.functional.linear_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.linear_attention(*_as(lay, *_LQ), layout=lay))),
+    ("linear.functional.linear_attention_step", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.linear_attention_step(*_as(lay, *_LQ), None, layout=lay)[0])),
+    ("sparse.functional.block_sparse_attention", "layout_qkv"): _tensor_layout(
+        lambda lay: _back(lay, ae.block_sparse_attention(*_as(lay, _Q, _K, _V), _ONE_BLOCK, block_size=16,
+                                                         layout_qkv=lay))),
+    ("sparse.functional.topk_attention", "layout_qkv"): _tensor_layout(
+        lambda lay: _back(lay, ae.topk_attention(*_as(lay, _Q, _K, _V), 3, layout_qkv=lay))),
+    ("distributed.attention.context_parallel_attention", "qkv_layout"): _tensor_layout(
+        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_attention(*_as(lay, *_LQ),
+                                                                                     qkv_layout=lay)))),
+    ("distributed.linear.context_parallel_linear_attention", "qkv_layout"): _tensor_layout(
+        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_linear_attention(
+            *_as(lay, *_LQ), layout="contiguous", qkv_layout=lay)))),
+    # the block layout of the sparse family
+    ("sparse.functional.block_sparse_attention", "layout"): _misnamed(
+        lambda: ae.block_sparse_attention(*_BSHD, layout="bshd"), TypeError, "layout_qkv"),
+    # the sequence sharding of context parallelism
+    ("distributed.attention.context_parallel_attention", "layout"): _misnamed(
+        lambda: _cp(lambda: ae.distributed.context_parallel_attention(*_LQ, layout="bshd")), ValueError,
+        "qkv_layout"),
+    ("distributed.linear.context_parallel_linear_attention", "layout"): _misnamed(
+        lambda: _cp(lambda: ae.distributed.context_parallel_linear_attention(*_LQ, layout="bshd")), ValueError,
+        "qkv_layout"),
+    ("distributed.context.ContextParallel.__init__", "layout"): _misnamed(
+        lambda: ae.distributed.ContextParallel(layout="bshd"), ValueError, "qkv_layout"),
+    ("distributed.sharding.sequence_multiple", "layout"): _misnamed(
+        lambda: ae.distributed.sequence_multiple(2, "bshd"), ValueError, "qkv_layout"),
+    ("distributed.sharding.global_positions", "layout"): _misnamed(
+        lambda: ae.distributed.global_positions(8, rank=0, world_size=2, layout="bshd"), ValueError, "qkv_layout"),
+    ("distributed.sharding.shard_sequence", "layout"): _misnamed(
+        lambda: _cp(lambda: ae.distributed.shard_sequence(_Q, dim=2, layout="bshd")), ValueError, "qkv_layout"),
+    ("distributed.sharding.unshard_sequence", "layout"): _misnamed(
+        lambda: _cp(lambda: ae.distributed.unshard_sequence(_Q, dim=2, layout="bshd")), ValueError, "qkv_layout"),
+    ("distributed.sharding.all_gather_sequence", "layout"): _misnamed(
+        lambda: _cp(lambda: ae.distributed.all_gather_sequence(_Q, dim=2, layout="bshd")), ValueError, "qkv_layout"),
+}
+
+
+@pytest.mark.parametrize("fn,name", sorted(LAYOUT), ids=[f"{f}-{n}" for f, n in sorted(LAYOUT)])
+def test_layout_names(fn, name):
+    LAYOUT[(fn, name)]()
+
+
+# Uses stated, not run: the references (the oracles the families' tests run, with the meaning of
+# the function they define and no argument checks of their own), internal helpers that the walk
+# finds through an import, and arguments that take a tensor of one kind only.
+_BLOCK = "the sparse family's block layout: a bool (H or 1, blocks_q, blocks_k) tensor"
+KINDS = {
+    ("sparse.functional.layout_to_mask", "layout"): _BLOCK,
+    ("sparse.layouts.SparseMask.__init__", "layout"): _BLOCK,
+    ("sparse.layouts.draw", "layout"): _BLOCK,
+    ("viz.plot_sparse_layout", "layout"): _BLOCK,
+    ("sparse.reference.block_sparse_attention_ref", "layout"): _BLOCK,
+    ("sparse.reference.block_sparse_attention_ref", "scale"): "block_sparse_attention's scale",
+    ("sparse.reference.topk_attention_ref", "scale"): "topk_attention's scale",
+    ("softmax.reference.attention", "scale"): "attention()'s scale",
+    ("softmax.reference.attention", "window"): "attention()'s (left, right) window",
+    ("softmax.reference.mask_structure", "window"): "attention()'s (left, right) window",
+    ("softmax.functional.window_size_pair", "window_size"): "the one check of window_size (test_window_size_is_a_pair)",
+    ("linear.reference.chunked", "scale"): "linear_attention's scale",
+    ("linear.reference.linear_step", "scale"): "linear_attention_step's scale",
+    ("decode.reference.decode_attention", "softmax_scale"): "flash_attn_with_kvcache's softmax_scale",
+    ("decode.reference.decode_attention", "window_size"): "flash_attn_with_kvcache's window_size",
+    ("distributed.sharding.check_shards", "qkv_layout"): "context parallelism's tensor layout (test_layout_names)",
+    ("distributed.sharding.shards_bhsd", "qkv_layout"): "context parallelism's tensor layout (test_layout_names)",
+    ("distributed.sharding.real_rows", "layout"): "the sequence sharding, checked by its callers",
+}
+
+
+# ------------------------------------------------------------------ the tables cover the API
+def test_every_use_is_checked():
+    """Every (function, argument) of the API that uses one of the shared names has its row: a new
+    function (or a new argument of one) fails here until its meaning is stated and tested."""
+    rows = (set(KEY_MASK) | set(TORCH_PADDING) | set(ATTN_MASK) | set(SCALE) | set(LAYOUT) | set(KINDS)
+            | {(f, "window") for f in (*WINDOW_PAIR, *WINDOW_BLOCKS)} | {(f, "window_size") for f in WINDOW_SIZE})
+    refused = {(f, n) for f, n in _OLD if (f, n) not in TORCH_PADDING}  # test_key_padding_mask_is_torchs_or_refused
+    assert {u for u in USES if u not in refused} == rows
+    assert len(USES) > 60  # the walk found the API
