@@ -346,7 +346,7 @@ MATH_MAX_BYTES = 4 << 30  # SDPA math materializes the (B, H, S, S) scores: left
 # with --quick), then more until every median's relative standard error is within TARGET_RSE or
 # BUDGET seconds (QUICK_BUDGET) pass
 MIN_REPS, TARGET_RSE = 5, 0.02
-MIN_TIME, BUDGET, QUICK_MIN_TIME, QUICK_BUDGET = 2.0, 10.0, 1.0, 3.0
+MIN_TIME, BUDGET, QUICK_MIN_TIME, QUICK_BUDGET = 2.5, 10.0, 2.5, 5.0
 
 
 def sparse_layout(s: int, heads: int, block_size: int = SPARSE_BLOCK, causal: bool = False) -> torch.Tensor:
@@ -843,7 +843,7 @@ def main(argv=None) -> int:
                          "FMA loop all use it; default: torch's)")
     ap.add_argument("--reps", type=int, default=None,
                     help=f"interleaved rounds per case at least (default {MIN_REPS}); more follow while a median is "
-                         f"known to worse than {TARGET_RSE:.0%} and the case's --budget lasts")
+                         f"known to worse than {TARGET_RSE * 100:g}%% and the case's --budget lasts")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds of timing per case after which no more rounds start (default {BUDGET:g}, "
                          f"--quick {QUICK_BUDGET:g}); rounds go on for {MIN_TIME:g} s at least ({QUICK_MIN_TIME:g} "

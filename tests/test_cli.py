@@ -164,3 +164,11 @@ def test_bench_threads_apply_to_the_run_and_are_restored(tmp_path, capsys, monke
     for bad in (["--threads", "0"], ["--reps", "0"], ["--budget", "-1"]):
         with pytest.raises(SystemExit):
             bench.main(["--family", "linear", "--device", "cpu", *bad])
+
+
+def test_bench_help_names_the_timing_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--threads" in text and "--budget" in text and "known to worse than 2% and" in text

@@ -164,6 +164,7 @@ def _as_bias(attn_mask: Optional[Tensor], key_mask: Optional[Tensor], b: int, h:
 # the fused forward's few-query path. Measured (one thread, process time, B1, S_k 2048-4096, fp32
 # and bf16): decode 1.4-5.4x faster at 1-8 rows, slower from 16 (the fused tiles take over).
 _DECODE_MAX_Q = 8
+_DECODE_OP = torch.ops.attention_ext.decode_fwd.default if _ext.HAS_EXT else None
 
 
 def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int) -> bool:
@@ -278,12 +279,27 @@ def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits
     if causal:  # window_pair's rule
         wr = 0
     dev = q.device
-    if (not ops.has_kernel(dev, q.dtype) or (dev.type == "cpu" and q.shape[2] <= _DECODE_MAX_Q)
-            or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1):
+    if not ops.has_kernel(dev, q.dtype) or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         return None
+    sc = _default_scale(q.shape[3]) if scale is None else float(scale)
+    if dev.type == "cpu" and q.shape[2] <= _DECODE_MAX_Q:
+        # _takes_decode_kernel's rule for a plain call: the decode op aligns positions bottom-right
+        # and has no backward
+        if ((wl >= 0 or wr >= 0) and not bottom_right) or k.shape[2] == 0 or (
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return None
+        from ..decode import ops as decode_ops  # deferred: the decode family imports softmax.ops
+
+        if not decode_ops.has_kernel(dev, q.dtype):
+            return None
+        try:
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = _DECODE_OP(q, k, v, None, None, None, None, None, None, sc, 0.0, wl, wr, 0)
+        except (ValueError, TypeError, RuntimeError):
+            return None
+        return (out.transpose(1, 2) if layout == "bshd" else out), lse
     try:
-        out, lse = ops.fwd_plain(q, k, v, _default_scale(q.shape[3]) if scale is None else float(scale), wl, wr,
-                                 bool(bottom_right), num_splits, deterministic)
+        out, lse = ops.fwd_plain(q, k, v, sc, wl, wr, bool(bottom_right), num_splits, deterministic)
     except (ValueError, TypeError, RuntimeError):
         return None
     return (out.transpose(1, 2) if layout == "bshd" else out), lse

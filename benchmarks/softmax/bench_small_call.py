@@ -14,19 +14,15 @@ machine hits all alike; the ratio `sdpa / row` is the figure of merit (>= 1: as 
     python benchmarks/softmax/bench_small_call.py [--threads 1] [--rounds 30]
 """
 import argparse
-import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import attention_ext as ae  # noqa: E402
-from attention_ext import _ext  # noqa: E402
+import attention_ext as ae
+from attention_ext import _ext
 
 SHAPES = [(1, 8, 16, 64), (1, 8, 1, 64), (1, 8, 64, 64), (4, 8, 16, 64)]
 
