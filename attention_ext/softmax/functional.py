@@ -191,15 +191,20 @@ def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int)
     return decode_ops.has_kernel(q.device, q.dtype)
 
 
-def _decode(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor]:
+def _decode(q: Tensor, k: Tensor, v: Tensor, seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor],
+            sinks: Optional[Tensor], scale: float, softcap: float, window_left: int,
+            window_right: int) -> Tuple[Tensor, Tensor]:
     """The decode op on (B, H, S, D) views; seqlens_k clamped to [0, S_k] as the fused op reads it
-    (the decode op rejects values outside)."""
-    o = opts
-    lens = o["seqlens_k"]
-    if lens is not None:
-        lens = lens.clamp(0, k.shape[2])
-    return torch.ops.attention_ext.decode_fwd(q, k, v, lens, None, None, None, o["alibi_slopes"], o["sinks"],
-                                              o["scale"], o["softcap"], o["window_left"], o["window_right"], 0)
+    (the decode op rejects values outside). Below the Autograd key: its callers send only calls
+    with nothing to differentiate, and the op's autograd layer (which refuses a backward) is
+    Python that a small call would pay for."""
+    if seqlens_k is not None:
+        seqlens_k = seqlens_k.clamp(0, k.shape[2])
+    args = (q, k, v, seqlens_k, None, None, None, alibi_slopes, sinks, scale, softcap, window_left, window_right, 0)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return _DECODE_OP(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _DECODE_OP(*args)
 
 
 def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, sk: int) -> Tensor:
@@ -216,7 +221,9 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     topk > 0: top-k attention, the threshold pass first (its rows join the options)."""
     if _takes_decode_kernel(q, k, v, opts, topk):
         try:
-            return _decode(q, k, v, opts)
+            o = opts
+            return _decode(q, k, v, o["seqlens_k"], o["alibi_slopes"], o["sinks"], o["scale"], o["softcap"],
+                           o["window_left"], o["window_right"])
         except (ValueError, TypeError):
             # the decode op words its input errors for a KV cache (k_cache, v_cache); the fused op
             # below checks the same inputs and raises the error in attention()'s terms
@@ -293,8 +300,7 @@ def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits
         if not decode_ops.has_kernel(dev, q.dtype):
             return None
         try:
-            with torch._C._AutoDispatchBelowAutograd():
-                out, lse = _DECODE_OP(q, k, v, None, None, None, None, None, None, sc, 0.0, wl, wr, 0)
+            out, lse = _decode(q, k, v, None, None, None, sc, 0.0, wl, wr)
         except (ValueError, TypeError, RuntimeError):
             return None
         return (out.transpose(1, 2) if layout == "bshd" else out), lse
