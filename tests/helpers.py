@@ -2,9 +2,12 @@
 PyTorch's own same-dtype math, both against float64)."""
 from __future__ import annotations
 
+import contextlib
 import math
+import tempfile
 
 import torch
+import torch.distributed as dist
 
 from attention_ext import reference
 
@@ -60,3 +63,19 @@ def reference_in(dtype, q, k, v, **kw):
         kw["alibi_slopes"] = kw["alibi_slopes"].to(dtype)
     out, lse = reference.attention(qq, kk, vv, **kw)
     return out, lse, (qq, kk, vv, kw.get("bias"), kw.get("sinks"))
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank gloo process group as the default group, made and destroyed around the block
+    (nothing when one exists): the context-parallel functions' collectives need one; every check
+    they make of their arguments is local, before any collective."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -27,17 +27,15 @@ unseen.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import attention_ext as ae
+from tests.helpers import one_rank_group
 from attention_ext import nn as aenn
 from attention_ext.linear import reference as linear_ref
 from attention_ext.models.lm import LMConfig
@@ -108,20 +106,6 @@ def _linear_ref(q, k, v, key_mask=None, eps=1e-6):
     if key_mask is not None:
         a = a * key_mask[:, None, None, :].to(a.dtype)
     return (a @ v) / (a.sum(-1, keepdim=True) + eps)
-
-
-@contextlib.contextmanager
-def _group1():
-    """A one-rank gloo group around the block (the context-parallel functions need one)."""
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _layer(attention_type="softmax", cross=True, causal=False):
@@ -236,7 +220,7 @@ KEY_MASK = {
 
 
 def _cp(call):
-    with _group1():
+    with one_rank_group():
         return call()
 
 

@@ -31,13 +31,12 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import attention_ext as ae
+from tests.helpers import one_rank_group
 from attention_ext import nn as aenn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,26 +131,10 @@ def _dense_args(a, *names):
     return {n: a[n] for n in names if n in a}
 
 
-@contextlib.contextmanager
-def _group1():
-    """A one-rank gloo process group as the default group, made and destroyed around the block
-    (nothing when one exists): the context-parallel functions' collectives need one; every check
-    they make of their arguments is local, before any collective."""
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def _world1(call):
-    """call(a) inside _group1()."""
+    """call(a) inside one_rank_group()."""
     def run(a):
-        with _group1():
+        with one_rank_group():
             return call(a)
     return run
 
@@ -786,7 +769,7 @@ def test_empty_backward(fn, case):
               and t.is_leaf]
     if fn in _NO_BACKWARD:
         pytest.skip(f"{fn}: {_NO_BACKWARD[fn]}")
-    with _group1() if fn.startswith("context_parallel") else contextlib.nullcontext():  # the backward's collectives
+    with one_rank_group() if fn.startswith("context_parallel") else contextlib.nullcontext():  # the backward's collectives
         r = spec["call"](a)
         out = r[0] if isinstance(r, tuple) else r
         if not out.requires_grad:
