@@ -6,8 +6,17 @@
   `key_mask`. Both name a (B, S_k) bool mask of the keys, with opposite polarities: key_mask
   True = a real key (flash-attn's and Hugging Face's sense), key_padding_mask True = padding
   (torch's nn.MultiheadAttention, which owns that name). A function never reads one as the other;
+- renamed(fn, old, new, what): the error for an argument passed under its old name `old`, which
+  names the new one. The old spelling is refused, never read under either meaning;
+- misplaced(fn, arg, value, what, goes_in): the error for a value of another meaning given to
+  `arg` (a block layout or a sequence sharding given as the tensor layout `layout`), which names
+  the argument that takes it;
 - LayoutMismatch / layout_mismatch(...): the error for q, k, v whose shapes fit the other tensor
   layout ("bhsd" vs "bshd") and not the one given, which names the layout argument.
+
+One meaning per name: `layout` is always the tensors' layout ("bhsd" / "bshd"); a sparse block
+layout is `block_layout`, context parallelism's sequence sharding `shard_layout`, and the sparse
+layout builders' count of blocks `window_blocks` (`window` is always a (left, right) pair of keys).
 
 The checks run on the error path only (or as one isinstance test): a good call pays nothing for
 them.
@@ -18,9 +27,11 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["not_a_tensor", "key_padding_mask_renamed", "LayoutMismatch", "layout_mismatch"]
+__all__ = ["not_a_tensor", "key_padding_mask_renamed", "renamed", "misplaced", "LayoutMismatch", "layout_mismatch",
+           "TENSOR_LAYOUT"]
 
 _DIMS = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
+TENSOR_LAYOUT = "the tensors' layout, 'bhsd' or 'bshd', as in attention()"  # what `layout` names everywhere
 
 
 def not_a_tensor(name: str, value: object, fn: str = "") -> TypeError:
@@ -43,6 +54,18 @@ def key_padding_mask_renamed(fn: str, old: str = "key_padding_mask", new: str = 
     return TypeError(f"{fn} takes {new} (B, S_k) bool, True = a real key (as flash-attn and Hugging Face mean a "
                      f"key mask); {old} is torch's name for the opposite (True = padding) and is not read here: "
                      f"pass {new}=~{old}")
+
+
+def renamed(fn: str, old: str, new: str, what: str) -> TypeError:
+    """The TypeError for `old` passed to `fn`, whose argument for `what` is `new`."""
+    return TypeError(f"{fn} takes {new} ({what}); {old} is its old name and is not read: pass {new}= instead")
+
+
+def misplaced(fn: str, arg: str, value: object, what: str, goes_in: str, exc: type = TypeError) -> Exception:
+    """The error (`exc`) for `value`, of another meaning, given to `fn`'s argument `arg`, which takes
+    `what`; `goes_in` names the argument that takes such a value."""
+    got = repr(value) if isinstance(value, (str, int, float, tuple)) else f"a {type(value).__name__}"
+    return exc(f"{fn}{': ' if fn else ''}{arg} is {what}, got {got}: {goes_in}")
 
 
 class LayoutMismatch(ValueError):

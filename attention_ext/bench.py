@@ -356,7 +356,7 @@ def sparse_layout(s: int, heads: int, block_size: int = SPARSE_BLOCK, causal: bo
     quadratically."""
     from attention_ext import sparse
 
-    return sparse.bigbird(window=2, n_global=1, n_random=2, seed=0, seq_len=s, block_size=block_size,
+    return sparse.bigbird(window_blocks=2, n_global=1, n_random=2, seed=0, seq_len=s, block_size=block_size,
                           heads=heads, causal=causal)
 
 

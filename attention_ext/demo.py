@@ -80,7 +80,7 @@ def variant_options(variant: str, n_heads: int, context: int) -> Dict:
         "performer": {"attention_type": "linear", "feature_map": "favor"},  # FAVOR+ random features
         # BigBird with the paper's 3-block window, one global and one random block per row
         "bigbird": {"attention_type": "sparse", "sparse_pattern": "bigbird", "sparse_block_size": 16,
-                    "sparse_kwargs": {"window": 1, "n_global": 1, "n_random": 1, "seed": 0}},
+                    "sparse_kwargs": {"window_blocks": 1, "n_global": 1, "n_random": 1, "seed": 0}},
         "topk": {"attention_type": "sparse", "sparse_pattern": "topk", "topk": max(8, context // 8)},
     }[variant]
 

@@ -111,10 +111,11 @@ def block_layout(mask: _Array, block_size: int) -> torch.Tensor:
     return m.amax(dim=(-3, -1)) > 0
 
 
-def plot_sparse_layout(layout: _Array, path: str, *, title: Optional[str] = "block layout", ncols: int = 4) -> str:
+def plot_sparse_layout(block_layout: _Array, path: str, *, title: Optional[str] = "block layout",
+                       ncols: int = 4) -> str:
     """Plots a block-sparse layout (n_q_blocks, n_k_blocks) or one per head (H, n_q, n_k):
     dark = computed block, light = skipped; the title reports the density."""
-    lay = _as_array(torch.as_tensor(_as_array(layout)).bool().float())
+    lay = _as_array(torch.as_tensor(_as_array(block_layout)).bool().float())
     if lay.ndim == 2:
         lay = lay[None]
     h = lay.shape[0]

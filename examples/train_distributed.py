@@ -9,7 +9,7 @@ Parallelism (all over the same ranks, P = world size):
 - data parallel (default): the global batch of --batch sequences is split, rank r takes rows
   [r B/P, (r+1) B/P); --batch must be a multiple of P.
 - --cp: context parallel: every rank takes the SAME global batch and its shard of every sequence
-  (attention_ext.distributed.ContextParallel, --layout / --mode); --seq must be a multiple of
+  (attention_ext.distributed.ContextParallel, --shard-layout / --mode); --seq must be a multiple of
   P (2P for zigzag). Attention gathers K/V from the other ranks over a group of its own, so its
   collectives never interleave with DDP's / FSDP's gradient collectives.
 - gradients: DDP (torch.nn.parallel.DistributedDataParallel), or FSDP2
@@ -60,7 +60,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--cp", action="store_true", help="context parallel: shard each sequence over the ranks")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--mode", default="allgather", help="context_parallel_attention mode (with --cp)")
-    p.add_argument("--layout", default="zigzag", help="sequence layout (with --cp): contiguous, zigzag, stripe")
+    p.add_argument("--shard-layout", default="zigzag", help="sequence sharding (with --cp): contiguous, zigzag, stripe")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=64, help="sequence length")
@@ -138,10 +138,11 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         model = LanguageModel(cfg).to(device)
         if args.cp and world > 1:
             # a group of its own for the attention's K/V collectives (all ranks)
-            cp = ContextParallel(group=dist.new_group(list(range(world))), mode=args.mode, layout=args.layout)
+            cp = ContextParallel(group=dist.new_group(list(range(world))), mode=args.mode,
+                                 shard_layout=args.shard_layout)
             if args.seq % cp.multiple():
                 raise ValueError(f"--seq {args.seq} must be a multiple of {cp.multiple()} for --cp over {world} "
-                                 f"ranks with layout {args.layout!r}")
+                                 f"ranks with shard_layout {args.shard_layout!r}")
         elif world > 1 and args.batch % world:
             raise ValueError(f"--batch {args.batch} must be a multiple of the world size {world} (data parallel)")
         net = wrap(model, args, world, device)

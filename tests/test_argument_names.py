@@ -9,17 +9,22 @@ the table says, and a value of another meaning raises an error that names the ri
     attn_mask, memory_mask          bool True = attend (SDPA), float added to the scores;
                                     nn.MultiheadAttention keeps torch's bool True = NOT allowed
     window                          (left, right) keys around the diagonal, -1 = unbounded; an int is
-                                    refused with the two pairs it may mean. The sparse layout builders'
-                                    `window` is a block count (an int; a pair is refused)
+                                    refused with the two pairs it may mean. Nothing else: the sparse
+                                    layout builders' block count is window_blocks (test_window_has_one_meaning)
+    window_blocks                   an int count of key blocks each side of the diagonal (the sparse layout
+                                    builders); their old name `window` is refused, naming window_blocks
     window_size                     flash-attn's spelling of `window` (its drop-ins, context parallelism)
     scale, softmax_scale            multiplies q . k (default 1 / sqrt(D)); flash-attn's drop-ins spell it
                                     softmax_scale. Linear attention: multiplies phi(q) . phi(k) (default 1:
                                     the normalizer cancels it). Embeddings(scale=): a bool, scale by sqrt(d)
-    layout, layout_qkv, qkv_layout  the tensors' layout "bhsd" / "bshd" (layout in attention() and
-                                    linear attention, layout_qkv in the sparse functionals, qkv_layout in
-                                    context parallelism); `layout` is the block layout (a bool tensor) in
-                                    the sparse family and the sequence sharding in context parallelism,
-                                    whose errors name layout_qkv / qkv_layout when given "bhsd" / "bshd"
+    layout                          the tensors' layout "bhsd" / "bshd", everywhere (test_layout_has_one_
+                                    meaning); the old names layout_qkv (sparse) and qkv_layout (context
+                                    parallelism) are refused, naming layout; a block layout or a sharding
+                                    given as `layout` raises an error naming block_layout / shard_layout
+    block_layout                    the sparse family's bool (H or 1, blocks_q, blocks_k) grid of computed blocks
+    shard_layout                    context parallelism's sequence sharding "contiguous" / "zigzag" / "stripe";
+                                    a tensor layout given to it raises an error naming layout. The
+                                    sharding-only functions refuse their old name `layout`, naming shard_layout
 
 Each table below maps (function, argument) to a check; test_every_use_is_checked fails when a
 function gains one of these names without a row, so a new function cannot bring in another meaning
@@ -46,7 +51,8 @@ from tests.test_api_docs import API
 
 F64 = torch.float64
 NAMES = ("key_mask", "memory_key_mask", "key_padding_mask", "memory_key_padding_mask", "attn_mask", "memory_mask",
-         "window", "window_size", "scale", "softmax_scale", "layout", "layout_qkv", "qkv_layout")
+         "window", "window_size", "scale", "softmax_scale", "layout", "layout_qkv", "qkv_layout", "block_layout",
+         "window_blocks", "shard_layout")
 
 
 def _functions():
@@ -199,7 +205,7 @@ KEY_MASK = {
     ("linear.reference.linear_attention", "key_mask"): _km_linear(
         lambda q, k, v, m: linear_ref.linear_attention(q, k, v, feature_map=1, key_mask=m)[0]),
     ("distributed.linear.context_parallel_linear_attention", "key_mask"): _km_linear(
-        lambda q, k, v, m: _cp(lambda: ae.distributed.context_parallel_linear_attention(q, k, v, layout="contiguous",
+        lambda q, k, v, m: _cp(lambda: ae.distributed.context_parallel_linear_attention(q, k, v,
                                                                                           causal=False, key_mask=m))),
     ("nn.layers.Attention.forward", "key_mask"): _km_drop_keys(
         _layer, lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
@@ -397,7 +403,7 @@ WINDOW_PAIR = {
 WINDOW_BLOCKS = {
     "sparse.layouts.sliding_window": lambda w: L.sliding_window(w, seq_len=128, block_size=32),
     "sparse.layouts.longformer": lambda w: L.longformer(w, seq_len=128, block_size=32),
-    "sparse.layouts.bigbird": lambda w: L.bigbird(w, seq_len=128, block_size=32),
+    "sparse.layouts.bigbird": lambda w: L.bigbird(w, n_global=0, n_random=0, seq_len=128, block_size=32),
 }
 # flash-attn's spelling of the pair
 WINDOW_SIZE = {
@@ -429,9 +435,12 @@ def test_window_is_a_pair(fn):
 
 
 @pytest.mark.parametrize("fn", sorted(WINDOW_BLOCKS))
-def test_sparse_layout_window_is_a_block_count(fn):
-    WINDOW_BLOCKS[fn](1)
-    with pytest.raises(TypeError, match="window must be an int"):
+def test_sparse_layout_window_blocks_is_a_block_count(fn):
+    """window_blocks counts key blocks on each side of the diagonal: 0 is the diagonal blocks, 1
+    adds a block each side; a pair is refused."""
+    assert WINDOW_BLOCKS[fn](0)[0, 2].tolist() == [False, False, True, False]
+    assert WINDOW_BLOCKS[fn](1)[0, 2].tolist() == [False, True, True, True]
+    with pytest.raises(TypeError, match="window_blocks must be an int"):
         WINDOW_BLOCKS[fn]((1, 0))
 
 
@@ -540,7 +549,7 @@ SCALE = {
         lambda s, n: linear_ref.linear_attention(*_lin_qkv(), **({} if s is None else {"scale": s}), normalize=n)[0]),
     ("distributed.linear.context_parallel_linear_attention", "scale"): _sc_linear(
         lambda s, n: _cp(lambda: ae.distributed.context_parallel_linear_attention(
-            *_lin_qkv(), layout="contiguous", scale=s, normalize=n))),
+            *_lin_qkv(), scale=s, normalize=n))),
     ("nn.positional.Embeddings.__init__", "scale"): _embeddings_scale,
 }
 
@@ -556,6 +565,7 @@ def _tensor_layout(run):
     the result is the same."""
     def check():
         torch.testing.assert_close(run("bshd"), run("bhsd"))
+    check.tensor_layout = True  # test_layout_has_one_meaning
     return check
 
 
@@ -565,14 +575,6 @@ def _as(layout, *ts):
 
 def _back(layout, out):
     return out if layout == "bhsd" else out.transpose(1, 2)
-
-
-def _misnamed(call, exc, match):
-    """A value of the name's other meaning raises an error that names the right argument."""
-    def check():
-        with pytest.raises(exc, match=match):
-            call()
-    return check
 
 
 _LQ = _qkv(sq=6, sk=6)
@@ -586,39 +588,16 @@ LAYOUT = {
         lambda lay: _back(lay, ae.linear_attention(*_as(lay, *_LQ), layout=lay))),
     ("linear.functional.linear_attention_step", "layout"): _tensor_layout(
         lambda lay: _back(lay, ae.linear_attention_step(*_as(lay, *_LQ), None, layout=lay)[0])),
-    ("sparse.functional.block_sparse_attention", "layout_qkv"): _tensor_layout(
+    ("sparse.functional.block_sparse_attention", "layout"): _tensor_layout(
         lambda lay: _back(lay, ae.block_sparse_attention(*_as(lay, _Q, _K, _V), _ONE_BLOCK, block_size=16,
-                                                         layout_qkv=lay))),
-    ("sparse.functional.topk_attention", "layout_qkv"): _tensor_layout(
-        lambda lay: _back(lay, ae.topk_attention(*_as(lay, _Q, _K, _V), 3, layout_qkv=lay))),
-    ("distributed.attention.context_parallel_attention", "qkv_layout"): _tensor_layout(
-        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_attention(*_as(lay, *_LQ),
-                                                                                     qkv_layout=lay)))),
-    ("distributed.linear.context_parallel_linear_attention", "qkv_layout"): _tensor_layout(
-        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_linear_attention(
-            *_as(lay, *_LQ), layout="contiguous", qkv_layout=lay)))),
-    # the block layout of the sparse family
-    ("sparse.functional.block_sparse_attention", "layout"): _misnamed(
-        lambda: ae.block_sparse_attention(*_BSHD, layout="bshd"), TypeError, "layout_qkv"),
-    # the sequence sharding of context parallelism
-    ("distributed.attention.context_parallel_attention", "layout"): _misnamed(
-        lambda: _cp(lambda: ae.distributed.context_parallel_attention(*_LQ, layout="bshd")), ValueError,
-        "qkv_layout"),
-    ("distributed.linear.context_parallel_linear_attention", "layout"): _misnamed(
-        lambda: _cp(lambda: ae.distributed.context_parallel_linear_attention(*_LQ, layout="bshd")), ValueError,
-        "qkv_layout"),
-    ("distributed.context.ContextParallel.__init__", "layout"): _misnamed(
-        lambda: ae.distributed.ContextParallel(layout="bshd"), ValueError, "qkv_layout"),
-    ("distributed.sharding.sequence_multiple", "layout"): _misnamed(
-        lambda: ae.distributed.sequence_multiple(2, "bshd"), ValueError, "qkv_layout"),
-    ("distributed.sharding.global_positions", "layout"): _misnamed(
-        lambda: ae.distributed.global_positions(8, rank=0, world_size=2, layout="bshd"), ValueError, "qkv_layout"),
-    ("distributed.sharding.shard_sequence", "layout"): _misnamed(
-        lambda: _cp(lambda: ae.distributed.shard_sequence(_Q, dim=2, layout="bshd")), ValueError, "qkv_layout"),
-    ("distributed.sharding.unshard_sequence", "layout"): _misnamed(
-        lambda: _cp(lambda: ae.distributed.unshard_sequence(_Q, dim=2, layout="bshd")), ValueError, "qkv_layout"),
-    ("distributed.sharding.all_gather_sequence", "layout"): _misnamed(
-        lambda: _cp(lambda: ae.distributed.all_gather_sequence(_Q, dim=2, layout="bshd")), ValueError, "qkv_layout"),
+                                                         layout=lay))),
+    ("sparse.functional.topk_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.topk_attention(*_as(lay, _Q, _K, _V), 3, layout=lay))),
+    ("distributed.attention.context_parallel_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_attention(*_as(lay, *_LQ), layout=lay)))),
+    ("distributed.linear.context_parallel_linear_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_linear_attention(*_as(lay, *_LQ),
+                                                                                            layout=lay)))),
 }
 
 
@@ -627,16 +606,141 @@ def test_layout_names(fn, name):
     LAYOUT[(fn, name)]()
 
 
+# ------------------------------------------------------------------ block_layout: the sparse block grid
+def _block_layout(run):
+    """run(block_layout) -> out: keys in the off blocks are skipped, as the equivalent element mask
+    does in dense attention; the inverted layout gives another result."""
+    def check():
+        q, k, v = _qkv(sq=20, sk=40)
+        blocks = torch.tensor([[[True, False, True], [False, True, True]]])  # (1, 2, 3) of 16
+        allowed = ae.sparse.layout_to_mask(blocks, 16, 20, 40)
+        _check_meaning(run(q, k, v, blocks), F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+                       run(q, k, v, ~blocks))
+    return check
+
+
+BLOCK_LAYOUT = {
+    ("sparse.functional.block_sparse_attention", "block_layout"): _block_layout(
+        lambda q, k, v, b: ae.block_sparse_attention(q, k, v, b, block_size=16)),
+    ("softmax.functional.attention", "block_layout"): _block_layout(
+        lambda q, k, v, b: ae.attention(q, k, v, block_layout=b, block_size=16)),
+    ("softmax.functional.attention_weights", "block_layout"): _block_layout(
+        lambda q, k, v, b: ae.attention_weights(q, k, block_layout=b, block_size=16) @ v),
+}
+
+
+@pytest.mark.parametrize("fn,name", sorted(BLOCK_LAYOUT), ids=[f"{f}-{n}" for f, n in sorted(BLOCK_LAYOUT)])
+def test_block_layout_is_the_block_grid(fn, name):
+    BLOCK_LAYOUT[(fn, name)]()
+
+
+# ------------------------------------------------------------------ shard_layout: context parallelism's sharding
+# the call with `shard_layout` set to the argument, on a one-rank group: a sharding is taken, a
+# tensor layout ("bshd") raises a ValueError that says it goes in `layout`
+SHARD_LAYOUT = {
+    "distributed.attention.context_parallel_attention": lambda s: _cp(
+        lambda: ae.distributed.context_parallel_attention(*_LQ, shard_layout=s)),
+    "distributed.linear.context_parallel_linear_attention": lambda s: _cp(
+        lambda: ae.distributed.context_parallel_linear_attention(*_LQ, shard_layout=s)),
+    "distributed.context.ContextParallel.__init__": lambda s: ae.distributed.ContextParallel(shard_layout=s),
+    "distributed.sharding.sequence_multiple": lambda s: ae.distributed.sequence_multiple(2, s),
+    "distributed.sharding.global_positions": lambda s: ae.distributed.global_positions(8, rank=0, world_size=2,
+                                                                                       shard_layout=s),
+    "distributed.sharding.shard_sequence": lambda s: _cp(lambda: ae.distributed.shard_sequence(_Q, dim=2,
+                                                                                                shard_layout=s)),
+    "distributed.sharding.unshard_sequence": lambda s: _cp(lambda: ae.distributed.unshard_sequence(_Q, dim=2,
+                                                                                                    shard_layout=s)),
+    "distributed.sharding.all_gather_sequence": lambda s: _cp(lambda: ae.distributed.all_gather_sequence(
+        _Q, dim=2, shard_layout=s)),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(SHARD_LAYOUT))
+def test_shard_layout_is_the_sharding(fn):
+    SHARD_LAYOUT[fn]("contiguous")
+    with pytest.raises(ValueError, match=r"shard_layout is the sequence sharding.*got 'bshd': the tensors' layout "
+                                         r"goes in layout"):
+        SHARD_LAYOUT[fn]("bshd")
+
+
+# ------------------------------------------------------------------ renamed arguments
+# (function, old name) -> (the call with the old name, the new name): the old spelling is refused
+# with a TypeError that names the new one, never read under either meaning.
+_SM = ae.sparse.SparseMask(block_layout=_ONE_BLOCK, block_size=16)
+RENAMED = {
+    ("sparse.functional.block_sparse_attention", "layout_qkv"): (
+        lambda: ae.block_sparse_attention(*_BSHD, _ONE_BLOCK, block_size=16, layout_qkv="bshd"), "layout"),
+    ("sparse.functional.topk_attention", "layout_qkv"): (
+        lambda: ae.topk_attention(*_BSHD, 3, layout_qkv="bshd"), "layout"),
+    ("sparse.layouts.sliding_window", "window"): (
+        lambda: L.sliding_window(window=1, seq_len=128, block_size=32), "window_blocks"),
+    ("sparse.layouts.longformer", "window"): (
+        lambda: L.longformer(window=1, seq_len=128, block_size=32), "window_blocks"),
+    ("sparse.layouts.bigbird", "window"): (lambda: L.bigbird(window=1, seq_len=128, block_size=32), "window_blocks"),
+    ("distributed.attention.context_parallel_attention", "qkv_layout"): (
+        lambda: _cp(lambda: ae.distributed.context_parallel_attention(*_LQ, qkv_layout="bshd")), "layout"),
+    ("distributed.linear.context_parallel_linear_attention", "qkv_layout"): (
+        lambda: _cp(lambda: ae.distributed.context_parallel_linear_attention(*_LQ, qkv_layout="bshd")), "layout"),
+    ("distributed.context.ContextParallel.__init__", "layout"): (
+        lambda: ae.distributed.ContextParallel(layout="zigzag"), "shard_layout"),
+    ("distributed.sharding.sequence_multiple", "layout"): (
+        lambda: ae.distributed.sequence_multiple(2, layout="zigzag"), "shard_layout"),
+    ("distributed.sharding.global_positions", "layout"): (
+        lambda: ae.distributed.global_positions(8, rank=0, world_size=2, layout="zigzag"), "shard_layout"),
+    ("distributed.sharding.shard_sequence", "layout"): (
+        lambda: _cp(lambda: ae.distributed.shard_sequence(_Q, dim=2, layout="zigzag")), "shard_layout"),
+    ("distributed.sharding.unshard_sequence", "layout"): (
+        lambda: _cp(lambda: ae.distributed.unshard_sequence(_Q, dim=2, layout="zigzag")), "shard_layout"),
+    ("distributed.sharding.all_gather_sequence", "layout"): (
+        lambda: _cp(lambda: ae.distributed.all_gather_sequence(_Q, dim=2, layout="zigzag")), "shard_layout"),
+}
+
+
+@pytest.mark.parametrize("fn,old", sorted(RENAMED), ids=[f"{f}-{n}" for f, n in sorted(RENAMED)])
+def test_old_name_is_refused_with_the_new_one(fn, old):
+    call, new = RENAMED[(fn, old)]
+    with pytest.raises(TypeError, match=rf"takes {new} \(.*\); {old} is its old name and is not read: pass {new}="):
+        call()
+
+
+# (function, argument, what is given) -> (the call, exception, the argument the message names): a
+# value of another meaning given to a shared name (a block layout or a sequence sharding given as
+# the tensor layout `layout`) raises an error that names the argument taking it.
+MISPLACED = {
+    ("sparse.functional.block_sparse_attention", "layout", "a block layout"): (
+        lambda: ae.block_sparse_attention(*_BSHD, layout=_ONE_BLOCK, block_size=16), TypeError, "block_layout"),
+    ("sparse.functional.block_sparse_attention", "layout", "a SparseMask"): (
+        lambda: ae.block_sparse_attention(*_BSHD, layout=_SM), TypeError, "block_layout"),
+    ("sparse.functional.block_sparse_attention", "block_layout", "a tensor layout"): (
+        lambda: ae.block_sparse_attention(*_BSHD, "bshd"), TypeError, "goes in layout"),
+    ("sparse.functional.topk_attention", "layout", "a block layout"): (
+        lambda: ae.topk_attention(*_BSHD, 3, layout=_ONE_BLOCK), TypeError, "block_layout"),
+    **{("distributed.attention.context_parallel_attention", "layout", f"a sharding ({mode})"): (
+        lambda mode=mode: _cp(lambda: ae.distributed.context_parallel_attention(*_LQ, mode=mode, layout="zigzag")),
+        ValueError, "shard_layout") for mode in ae.distributed.MODES},
+    ("distributed.linear.context_parallel_linear_attention", "layout", "a sharding"): (
+        lambda: _cp(lambda: ae.distributed.context_parallel_linear_attention(*_LQ, layout="contiguous")), ValueError,
+        "shard_layout"),
+}
+
+
+@pytest.mark.parametrize("fn,arg,given", sorted(MISPLACED), ids=["-".join(c) for c in sorted(MISPLACED)])
+def test_value_of_another_meaning_names_its_argument(fn, arg, given):
+    call, exc, right = MISPLACED[(fn, arg, given)]
+    with pytest.raises(exc, match=rf"{arg} is .*got .*{right}"):
+        call()
+
+
 # Uses stated, not run: the references (the oracles the families' tests run, with the meaning of
 # the function they define and no argument checks of their own), internal helpers that the walk
 # finds through an import, and arguments that take a tensor of one kind only.
 _BLOCK = "the sparse family's block layout: a bool (H or 1, blocks_q, blocks_k) tensor"
 KINDS = {
-    ("sparse.functional.layout_to_mask", "layout"): _BLOCK,
-    ("sparse.layouts.SparseMask.__init__", "layout"): _BLOCK,
-    ("sparse.layouts.draw", "layout"): _BLOCK,
-    ("viz.plot_sparse_layout", "layout"): _BLOCK,
-    ("sparse.reference.block_sparse_attention_ref", "layout"): _BLOCK,
+    ("sparse.functional.layout_to_mask", "block_layout"): _BLOCK,
+    ("sparse.layouts.SparseMask.__init__", "block_layout"): _BLOCK,
+    ("sparse.layouts.draw", "block_layout"): _BLOCK,
+    ("viz.plot_sparse_layout", "block_layout"): _BLOCK,
+    ("sparse.reference.block_sparse_attention_ref", "block_layout"): _BLOCK,
     ("sparse.reference.block_sparse_attention_ref", "scale"): "block_sparse_attention's scale",
     ("sparse.reference.topk_attention_ref", "scale"): "topk_attention's scale",
     ("softmax.reference.attention", "scale"): "attention()'s scale",
@@ -647,9 +751,9 @@ KINDS = {
     ("linear.reference.linear_step", "scale"): "linear_attention_step's scale",
     ("decode.reference.decode_attention", "softmax_scale"): "flash_attn_with_kvcache's softmax_scale",
     ("decode.reference.decode_attention", "window_size"): "flash_attn_with_kvcache's window_size",
-    ("distributed.sharding.check_shards", "qkv_layout"): "context parallelism's tensor layout (test_layout_names)",
-    ("distributed.sharding.shards_bhsd", "qkv_layout"): "context parallelism's tensor layout (test_layout_names)",
-    ("distributed.sharding.real_rows", "layout"): "the sequence sharding, checked by its callers",
+    ("distributed.sharding.check_shards", "layout"): "the tensors' layout: context parallelism's (test_layout_names)",
+    ("distributed.sharding.shards_bhsd", "layout"): "the tensors' layout: context parallelism's (test_layout_names)",
+    ("distributed.sharding.real_rows", "shard_layout"): "the sequence sharding, checked by its callers",
 }
 
 
@@ -657,8 +761,30 @@ KINDS = {
 def test_every_use_is_checked():
     """Every (function, argument) of the API that uses one of the shared names has its row: a new
     function (or a new argument of one) fails here until its meaning is stated and tested."""
-    rows = (set(KEY_MASK) | set(TORCH_PADDING) | set(ATTN_MASK) | set(SCALE) | set(LAYOUT) | set(KINDS)
-            | {(f, "window") for f in (*WINDOW_PAIR, *WINDOW_BLOCKS)} | {(f, "window_size") for f in WINDOW_SIZE})
+    rows = (set(KEY_MASK) | set(TORCH_PADDING) | set(ATTN_MASK) | set(SCALE) | set(LAYOUT) | set(BLOCK_LAYOUT)
+            | set(KINDS)
+            | {(f, "window") for f in WINDOW_PAIR} | {(f, "window_blocks") for f in WINDOW_BLOCKS}
+            | {(f, "window_size") for f in WINDOW_SIZE} | {(f, "shard_layout") for f in SHARD_LAYOUT})
     refused = {(f, n) for f, n in _OLD if (f, n) not in TORCH_PADDING}  # test_key_padding_mask_is_torchs_or_refused
+    refused |= set(RENAMED)  # test_old_name_is_refused_with_the_new_one
     assert {u for u in USES if u not in refused} == rows
     assert len(USES) > 60  # the walk found the API
+
+
+def test_layout_has_one_meaning():
+    """`layout` is the tensors' layout ("bhsd" / "bshd") wherever it is read: a block layout is
+    `block_layout`, a sequence sharding `shard_layout`, and a function that took `layout` in
+    another sense refuses it with an error naming the new argument."""
+    uses = {f for f, n in USES if n == "layout"}
+    tensor = {f for (f, n), check in LAYOUT.items() if n == "layout" and getattr(check, "tensor_layout", False)}
+    tensor |= {f for (f, n), what in KINDS.items() if n == "layout" and what.startswith("the tensors' layout")}
+    assert uses - {f for f, n in RENAMED if n == "layout"} == tensor
+    assert set(LAYOUT) == {(f, "layout") for f in tensor if (f, "layout") in LAYOUT}
+
+
+def test_window_has_one_meaning():
+    """`window` is a (left, right) pair of keys wherever it is read: a count of blocks (the sparse
+    builders) is `window_blocks`, and a function that took `window` in that sense refuses it."""
+    uses = {f for f, n in USES if n == "window"}
+    pair = set(WINDOW_PAIR) | {f for (f, n), what in KINDS.items() if n == "window" and "(left, right)" in what}
+    assert uses - {f for f, n in RENAMED if n == "window"} == pair

@@ -123,7 +123,7 @@ def _step():
 
 def _layout():
     a = _bhsd()
-    a["layout"] = torch.ones(1, 1, 1, dtype=torch.bool)
+    a["block_layout"] = torch.ones(1, 1, 1, dtype=torch.bool)
     return a
 
 
@@ -216,7 +216,7 @@ SPECS = {
     "LinearAttentionState": dict(make=_state, call=lambda a: ae.LinearAttentionState(a.pop("S"), **a),
                                  roles={}),
     "block_sparse_attention": dict(
-        make=_layout, call=lambda a: ae.block_sparse_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("layout"),
+        make=_layout, call=lambda a: ae.block_sparse_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("block_layout"),
                                                                **a),
         roles=dict(q=("q", "bhsd"), k=("k", "bhsd"), v=("v", "bhsd"))),
     "topk_attention": dict(make=lambda: dict(_bhsd(), k_top=3),
@@ -304,7 +304,7 @@ CASES = {
     "cu_not_monotonic": set_args(cu_seqlens_q=lambda: torch.tensor([0, 5, 3], **i32)),
     "cu_out_of_range": set_args(cu_seqlens_k=lambda: torch.tensor([0, 4, 900], **i32)),
     "block_table_out_of_range": set_args(block_table=lambda: torch.tensor([[0, 1, 2], [60, 4, 5]], **i32)),
-    "layout_out_of_range": set_args(layout=lambda: torch.ones(1, 5, 5, dtype=torch.bool), block_size=16),
+    "layout_out_of_range": set_args(block_layout=lambda: torch.ones(1, 5, 5, dtype=torch.bool), block_size=16),
     "cache_seqlens_beyond_cache": set_args(cache_seqlens=lambda: torch.tensor([9, 400], **i32)),
     "empty_seq": chain(spoil_dim("k", 1, 0), spoil_dim("v", 1, 0)),  # zero keys
     "head_dim_limit": spoil_all(lambda t: torch.randn(*t.shape[:-1], 512, dtype=t.dtype)),
@@ -416,8 +416,6 @@ OVERRIDES = {
         block_table=torch.tensor([[0, 1, 2], [60, 4, 5]], **i32)),
     ("flash_attn_varlen_func", "block_table_out_of_range"): lambda a, spec: a.update(
         k=rn(6, 4, HK, D), v=rn(6, 4, HK, D), block_table=torch.tensor([[0, 1, 2], [60, 4, 5]], **i32)),
-    ("attention", "layout_out_of_range"): set_args(block_layout=lambda: torch.ones(1, 5, 5, dtype=torch.bool),
-                                                   block_size=16),
 
     ("dropout_mask", "device"): set_args(device="meta"),
 }
@@ -686,13 +684,10 @@ _NAMING = {
        for fn in ("flash_attn_with_kvcache", "flash_attn_with_kvcache[paged]")},
     "decode_fwd": dict(window_int=NA("window_left / window_right: the op's two ints"),
                        numpy=_numpy("q", "decode_fwd: "), layout_mixup=_NO_LAYOUT_ARG),
-    **{f"context_parallel_attention[{m}]": dict(window_int=_FA_WINDOW_INT, layout_mixup=_mixup("qkv_layout"))
-       for m in ("allgather", "ring", "ulysses")},
-    "context_parallel_linear_attention": dict(window_int=NA(_NO_WINDOW), layout_mixup=_mixup("qkv_layout")),
+    **{f"context_parallel_attention[{m}]": dict(window_int=_FA_WINDOW_INT) for m in ("allgather", "ring", "ulysses")},
+    "context_parallel_linear_attention": dict(window_int=NA(_NO_WINDOW)),
     "linear_attention": dict(window_int=NA(_NO_WINDOW)),
     "linear_attention_step": dict(window_int=NA(_NO_WINDOW), numpy=_numpy("q_t")),
-    "block_sparse_attention": dict(layout_mixup=_mixup("layout_qkv")),
-    "topk_attention": dict(layout_mixup=_mixup("layout_qkv")),
     "nn.MultiheadAttention": dict(window_int=NA(_NO_WINDOW), numpy=_numpy("query", "nn.MultiheadAttention: "),
                                   layout_mixup=NA("(N, L, E) embeddings: no heads dim to mix up")),
     "nn.PagedKVCache": dict(layout_mixup=_NO_LAYOUT_ARG),

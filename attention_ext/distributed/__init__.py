@@ -2,13 +2,15 @@
 whose queries are this rank's shard and whose keys are the whole sequence.
 
     from attention_ext import distributed as cp
-    q_l = cp.shard_sequence(q, dim=2, layout="zigzag")              # this rank's shard
-    out_l = cp.context_parallel_attention(q_l, k_l, v_l, causal=True, layout="zigzag")
-    out = cp.unshard_sequence(out_l, dim=2, layout="zigzag")        # the full sequence, every rank
+    q_l = cp.shard_sequence(q, dim=2, shard_layout="zigzag")        # this rank's shard
+    out_l = cp.context_parallel_attention(q_l, k_l, v_l, causal=True, shard_layout="zigzag")
+    out = cp.unshard_sequence(out_l, dim=2, shard_layout="zigzag")  # the full sequence, every rank
 
-Layouts, the padding rule and the collectives: sharding.py. The attention's design: attention.py
-(mode="allgather"), ring.py (mode="ring"), ulysses.py (mode="ulysses"); linear attention: linear.py.
-Whole models: pass context_parallel=ContextParallel(group, mode, layout) to nn.Attention or
+`shard_layout` is how the sequence is sharded; `layout` is the tensors' layout ("bhsd" / "bshd"),
+as everywhere in the library. Shard layouts, the padding rule and the collectives: sharding.py.
+The attention's design: attention.py (mode="allgather"), ring.py (mode="ring"), ulysses.py
+(mode="ulysses"); linear attention: linear.py.
+Whole models: pass context_parallel=ContextParallel(group, mode, shard_layout) to nn.Attention or
 models.LanguageModel (context.py), and feed each rank its shard of the tokens.
 """
 from .attention import MODES, context_parallel_attention

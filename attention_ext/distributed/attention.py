@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._args import TENSOR_LAYOUT, renamed
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
 from ..softmax.functional import window_size_pair
@@ -46,14 +47,14 @@ __all__ = ["context_parallel_attention", "MODES"]
 MODES = ("allgather", "ring", "ulysses")
 
 
-def _runs(s: int, rank: int, world: int, layout: str) -> Optional[List[Tuple[int, int, int]]]:
+def _runs(s: int, rank: int, world: int, shard_layout: str) -> Optional[List[Tuple[int, int, int]]]:
     """The shard's maximal runs of consecutive global positions, [(local start, global start,
-    length)], from the layout's arithmetic (plain ints: no tensor, so torch.compile traces no
+    length)], from the shard_layout's arithmetic (plain ints: no tensor, so torch.compile traces no
     data-dependent branch); None for a stripe shard of more than 2 runs (path 3 serves it)."""
     n = s // world
-    if layout == "contiguous":
+    if shard_layout == "contiguous":
         runs = [(0, rank * n, n)]
-    elif layout == "zigzag":
+    elif shard_layout == "zigzag":
         c = n // 2
         runs = [(0, rank * c, c), (c, (2 * world - 1 - rank) * c, c)]
     elif world == 1:
@@ -96,7 +97,7 @@ def context_parallel_attention(
     *,
     group: Optional[dist.ProcessGroup] = None,
     mode: str = "allgather",
-    layout: str = "zigzag",
+    shard_layout: str = "zigzag",
     causal: bool = False,
     scale: Optional[float] = None,
     window_size: Tuple[int, int] = (-1, -1),
@@ -104,23 +105,29 @@ def context_parallel_attention(
     softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
     return_lse: bool = False,
-    qkv_layout: str = "bhsd",
+    layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
     seed: Union[int, Tensor, None] = None,
+    qkv_layout: None = None,
     _stats: Optional[dict] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of `group` (context parallelism).
 
     Args:
-        q: this rank's query shard, (B, H, n, D) for qkv_layout="bhsd" or (B, n, H, D) for
-            "bshd"; n = S / P, as sharded by shard_sequence with the same `layout`.
+        q: this rank's query shard, (B, H, n, D) for layout="bhsd" or (B, n, H, D) for
+            "bshd"; n = S / P, as sharded by shard_sequence with the same `shard_layout`.
         k, v: this rank's key / value shards, (B, H_k, n, D) (or (B, n, H_k, D)), H % H_k == 0.
         group: the process group (default: the world).
         mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ring" (K/V
             shards circulate rank to rank, P - 1 transfers overlapped with the compute; ring.py);
             "ulysses" (all-to-all from sequence to head shards and back, H % P == 0: ulysses.py).
-        layout: "contiguous", "zigzag" or "stripe" (attention_ext.distributed.sharding).
+        shard_layout: the sequence sharding, "contiguous", "zigzag" or "stripe"
+            (attention_ext.distributed.sharding). A tensor layout given here raises a ValueError
+            that names layout.
+        layout: the tensors' layout, "bhsd" or "bshd" (as in attention()). A sharding given
+            here raises a ValueError that names shard_layout; the old name qkv_layout raises a
+            TypeError that names layout.
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
             positions (window_size is (left, right), -1 = unbounded; causal caps right at 0).
         scale, softcap, sinks: as attention_ext.attention (sinks (H,) join every softmax).
@@ -132,7 +139,7 @@ def context_parallel_attention(
         dropout_p, seed: dropout on the probabilities, drawn at GLOBAL coordinates (batch,
             head, query position, key position; sharding.dropout_coords): with the same seed
             the mask is the one attention_ext.attention(..., seed=seed) draws on the whole
-            sequence in one process, in every mode, layout and world size. seed=None: group
+            sequence in one process, in every mode, shard_layout and world size. seed=None: group
             rank 0 draws a seed from torch's generator and broadcasts it (one extra collective).
         _stats: mode="ring" only, private: a dict that receives the call's P2P op count and its
             seconds in wait() and in compute (ring.ring_attention's `stats`).
@@ -142,23 +149,25 @@ def context_parallel_attention(
     parameter every rank holds whole (sinks) gets this rank's queries' part of its gradient:
     sum it over the group (all_reduce) for the full one.
     """
+    if qkv_layout is not None:
+        raise renamed("context_parallel_attention()", "qkv_layout", "layout", TENSOR_LAYOUT)
     if mode == "ring":
         from .ring import ring_attention
-        return ring_attention(q, k, v, group=group, layout=layout, causal=causal, scale=scale,
+        return ring_attention(q, k, v, group=group, shard_layout=shard_layout, causal=causal, scale=scale,
                               window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                              return_lse=return_lse, qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p,
+                              return_lse=return_lse, layout=layout, seq_len=seq_len, dropout_p=dropout_p,
                               seed=seed, stats=_stats)
     if mode == "ulysses":
-        return _ulysses(q, k, v, group=group, layout=layout, causal=causal, scale=scale, window_size=window_size,
-                        alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks, return_lse=return_lse,
-                        qkv_layout=qkv_layout, seq_len=seq_len, dropout_p=dropout_p, seed=seed)
+        return _ulysses(q, k, v, group=group, shard_layout=shard_layout, causal=causal, scale=scale,
+                        window_size=window_size, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+                        return_lse=return_lse, layout=layout, seq_len=seq_len, dropout_p=dropout_p, seed=seed)
     if mode != "allgather":
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
+    q, k, v = check_shards(q, k, v, layout=layout, dropout_p=dropout_p)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = q.shape[2]
     s = n * world
-    _check_len(s, world, layout)
+    _check_len(s, world, shard_layout)
     if seq_len is None:
         seq_len = s
     if not 0 < seq_len <= s:
@@ -168,9 +177,9 @@ def context_parallel_attention(
         wr = 0
 
     # one collective: K and V stacked, (2, B, H_k, n, D) -> (2, B, H_k, S, D) in global order
-    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, layout=layout)
+    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, shard_layout=shard_layout)
     kf, vf = kv[0], kv[1]
-    pos = global_positions(s, rank=rank, world_size=world, layout=layout)
+    pos = global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout)
     common = dict(scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
     seed = dropout_seed(dropout_p, seed, group, q.device)
     b, h = q.shape[:2]
@@ -181,9 +190,9 @@ def context_parallel_attention(
         return dict(dropout_p=dropout_p, seed=seed,
                     dropout_coords=dropout_coords(b, h, rows, cols, h_total=h, device=q.device))
 
-    runs = _runs(s, rank, world, layout)
+    runs = _runs(s, rank, world, shard_layout)
     positional = causal or wl >= 0 or wr >= 0 or alibi_slopes is not None or seq_len < s
-    nr = real_rows(seq_len, s, rank=rank, world_size=world, layout=layout) if seq_len < s else n
+    nr = real_rows(seq_len, s, rank=rank, world_size=world, shard_layout=shard_layout) if seq_len < s else n
     if seq_len < s:  # padding: no padded key or query row is read (the module docstring)
         kf, vf = kf[:, :, :seq_len], vf[:, :, :seq_len]
     if not positional:  # path 1
@@ -211,6 +220,6 @@ def context_parallel_attention(
     if nr < n:  # the padded rows: 0
         out = torch.nn.functional.pad(out, (0, 0, 0, n - nr))
         lse = torch.nn.functional.pad(lse, (0, n - nr))
-    if qkv_layout == "bshd":
+    if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -2,15 +2,16 @@
 
 A layer (nn.Attention) or a model (models.LanguageModel) given `context_parallel=ContextParallel(...)`
 takes THIS rank's shard of the sequence, (B, n, d_model) with n = S / P, in the order of
-shard_sequence(..., layout=cp.layout), and:
-- computes its attention with context_parallel_attention(..., group, mode, layout) (queries are the
-  shard, keys the whole sequence); causal, window and ALiBi act on global positions there;
+shard_sequence(..., shard_layout=cp.shard_layout), and:
+- computes its attention with context_parallel_attention(..., group, mode, shard_layout) (queries are
+  the shard, keys the whole sequence); causal, window and ALiBi act on global positions there;
 - applies RoPE / learned positions at the shard's GLOBAL positions (cp.positions(n)).
 Everything else in a block (norms, MLP, projections) is per token and needs no communication.
 
 `mode` is passed through untouched, so every mode of context_parallel_attention ("allgather",
-"ring", "ulysses") serves the stack. The sequence must be a multiple of sequence_multiple(P, layout)
-(no padding through the stack: pad the tokens and drop the padded targets from the loss instead).
+"ring", "ulysses") serves the stack. The sequence must be a multiple of
+sequence_multiple(P, shard_layout) (no padding through the stack: pad the tokens and drop the
+padded targets from the loss instead).
 
 Gradients: each rank's backward gives its parameters the gradient of its own loss through its
 own computation, plus (through the K/V collectives' backward) the gradient other ranks' losses
@@ -19,14 +20,14 @@ FSDP's average when every rank's loss is its shard's mean) gives the gradient of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .sharding import _check_layout, global_positions, sequence_multiple, shard_sequence
+from .sharding import _check_layout, _no_layout, global_positions, sequence_multiple, shard_sequence
 
 __all__ = ["ContextParallel"]
 
@@ -35,10 +36,12 @@ __all__ = ["ContextParallel"]
 class ContextParallel:
     group: Optional[Any] = None       # a torch.distributed ProcessGroup; None = the default (world) group
     mode: str = "allgather"           # context_parallel_attention's mode, passed through
-    layout: str = "zigzag"            # sharding.LAYOUTS: "contiguous", "zigzag", "stripe"
+    shard_layout: str = "zigzag"      # sharding.LAYOUTS: "contiguous", "zigzag", "stripe"
+    layout: InitVar[None] = None      # not read: the sharding is shard_layout (a TypeError says so)
 
-    def __post_init__(self):
-        _check_layout(self.layout)
+    def __post_init__(self, layout: None):
+        _no_layout("ContextParallel()", layout)
+        _check_layout(self.shard_layout)
 
     @property
     def rank(self) -> int:
@@ -54,14 +57,14 @@ class ContextParallel:
 
     def multiple(self) -> int:
         """The multiple the global sequence length must be of."""
-        return sequence_multiple(self.world_size, self.layout)
+        return sequence_multiple(self.world_size, self.shard_layout)
 
     def positions(self, local_len: int, device: Optional[torch.device] = None) -> Tensor:
         """(local_len,) int64 global positions of this rank's shard."""
         pos = global_positions(self.seq_len(local_len), rank=self.rank, world_size=self.world_size,
-                               layout=self.layout)
+                               shard_layout=self.shard_layout)
         return pos.to(device) if device is not None else pos
 
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's shard of the full tensor x along `dim` (tokens (B, S) -> (B, n) by default)."""
-        return shard_sequence(x, dim=dim, group=self.group, layout=self.layout)
+        return shard_sequence(x, dim=dim, group=self.group, shard_layout=self.shard_layout)

@@ -41,7 +41,7 @@ whose step-1 matmul turns it into its part of dk, dv and ddecay. One collective 
 plus step 0's all-reduce forward for a stabilized FAVOR+.
 
 Shards may have different lengths per rank (rank order is sequence order), so no padding rule
-applies. Only the contiguous layout exists: zigzag / stripe would interleave rank order with
+applies. Only the contiguous sharding exists: zigzag / stripe would interleave rank order with
 sequence order, which a causal prefix of states cannot express.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ from ..linear import feature_maps, reference
 from ..linear.functional import (LinearAttentionState, linear_attention, normalize_offset, stabilized,
                                  stabilized_features)
 from ..linear.ops import acc_dtype
-from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
+from .._args import TENSOR_LAYOUT, key_padding_mask_renamed, layout_mismatch, not_a_tensor, renamed
 from .sharding import _AllGather, _check_layout, shards_bhsd
 
 __all__ = ["context_parallel_linear_attention"]
@@ -157,7 +157,7 @@ def context_parallel_linear_attention(
     v: Tensor,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    layout: str = "contiguous",
+    shard_layout: str = "contiguous",
     feature_map: feature_maps.FeatureMapSpec = "elu",
     causal: bool = True,
     decay: Optional[Tensor] = None,
@@ -165,21 +165,25 @@ def context_parallel_linear_attention(
     scale: Optional[float] = None,
     normalize: bool = True,
     eps: float = 1e-6,
-    qkv_layout: str = "bhsd",
+    layout: str = "bhsd",
     initial_state: Union[LinearAttentionState, Tensor, None] = None,
     return_state: bool = False,
     key_padding_mask: None = None,
+    qkv_layout: None = None,
 ) -> Union[Tensor, Tuple[Tensor, LinearAttentionState]]:
     """linear_attention over a sequence sharded contiguously across the ranks of `group`.
 
     Args:
-        q: this rank's query shard, (B, H, n, D) for qkv_layout="bhsd" or (B, n, H, D) for
-            "bshd"; rank r holds the r-th contiguous piece (shard_sequence(layout="contiguous"),
-            or any split in rank order: n may differ per rank).
+        q: this rank's query shard, (B, H, n, D) for layout="bhsd" or (B, n, H, D) for
+            "bshd"; rank r holds the r-th contiguous piece (shard_sequence(shard_layout=
+            "contiguous"), or any split in rank order: n may differ per rank).
         k, v: this rank's key / value shards, (B, H_k, n, D) and (B, H_k, n, Dv) (same layout),
             H % H_k == 0 (GQA / MQA).
         group: the process group (default: the world).
-        layout: must be "contiguous" (ValueError otherwise).
+        shard_layout: the sequence sharding; must be "contiguous" (ValueError otherwise).
+        layout: the tensors' layout, "bhsd" or "bshd" (as in linear_attention). A sharding
+            given here raises a ValueError that names shard_layout; the old name qkv_layout
+            raises a TypeError that names layout.
         feature_map, scale, normalize, eps: as linear_attention (fused "elu" / "relu" /
             "identity", or any map). A stabilized FAVOR+ under normalize takes its key offset
             from the whole sequence: one extra all-reduce(MAX) forward (module docstring, step
@@ -206,18 +210,20 @@ def context_parallel_linear_attention(
     """
     if key_padding_mask is not None:
         raise key_padding_mask_renamed("context_parallel_linear_attention()")
-    _check_layout(layout)
-    if layout != "contiguous":
-        raise ValueError(f"context_parallel_linear_attention needs layout='contiguous' (the states combine in rank "
-                         f"order, which must be sequence order), got {layout!r}")
+    if qkv_layout is not None:
+        raise renamed("context_parallel_linear_attention()", "qkv_layout", "layout", TENSOR_LAYOUT)
+    _check_layout(shard_layout)
+    if shard_layout != "contiguous":
+        raise ValueError(f"context_parallel_linear_attention needs shard_layout='contiguous' (the states combine in "
+                         f"rank order, which must be sequence order), got {shard_layout!r}")
     q0, k0, v0 = q, k, v
-    q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)  # (B, H, n, D) views
+    q, k, v = shards_bhsd(q, k, v, layout=layout)  # (B, H, n, D) views
     b, h, n, _ = q.shape
     hk = k.shape[1]
     if k.shape[:3] != (b, hk, n) or v.shape[:3] != (b, hk, n) or k.shape[-1] != q.shape[-1] or h % hk:
         e = ValueError(f"q, k, v shards must be (B, H, n, D), (B, H_k, n, D), (B, H_k, n, Dv) with H % H_k == 0, "
                        f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        raise layout_mismatch(q0, k0, v0, qkv_layout, e, arg="qkv_layout", same_len=True) or e
+        raise layout_mismatch(q0, k0, v0, layout, e, arg="layout", same_len=True) or e
     acc = acc_dtype(q.dtype)
     if decay is not None:
         if not causal:
@@ -302,7 +308,7 @@ def context_parallel_linear_attention(
         res = normalize_offset(res, float(eps), eps_log, q.dtype)
     if gathered.requires_grad:
         res = _Tie.apply(res, gathered)
-    if qkv_layout == "bshd":
+    if layout == "bshd":
         res = res.transpose(1, 2)
     if not return_state:
         return res

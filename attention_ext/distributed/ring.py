@@ -306,7 +306,7 @@ def ring_attention(
     v: Tensor,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    layout: str = "zigzag",
+    shard_layout: str = "zigzag",
     causal: bool = False,
     scale: Optional[float] = None,
     window_size: Tuple[int, int] = (-1, -1),
@@ -314,7 +314,7 @@ def ring_attention(
     softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
     return_lse: bool = False,
-    qkv_layout: str = "bhsd",
+    layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
     seed: Union[int, Tensor, None] = None,
@@ -327,7 +327,7 @@ def ring_attention(
     on transfers), fwd_compute_s (seconds in kernels and merges), and the same bwd_* keys when
     the backward runs (its P2P ops also carry the dK / dV accumulators: P of them).
     """
-    q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
+    q, k, v = check_shards(q, k, v, layout=layout, dropout_p=dropout_p)
     if not _ops.has_kernel(q.device, q.dtype):
         raise NotImplementedError(f"mode='ring' needs a compiled kernel for {q.dtype} on {q.device}")
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
@@ -338,7 +338,7 @@ def ring_attention(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = q.shape[2]
     s = n * world
-    _check_len(s, world, layout)
+    _check_len(s, world, shard_layout)
     if seq_len is None:
         seq_len = s
     if not 0 < seq_len <= s:
@@ -347,7 +347,7 @@ def ring_attention(
     if causal:
         wr = 0
     acc = _ops.acc_dtype(q.dtype)
-    pos = [global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)]
+    pos = [global_positions(s, rank=r, world_size=world, shard_layout=shard_layout) for r in range(world)]
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc)
     plans: Dict[int, Optional[_Step]] = {}
@@ -369,6 +369,6 @@ def ring_attention(
     if sinks is not None and sinks.device != q.device:
         raise ValueError(f"sinks must be on {q.device}, got {sinks.device}")
     out, lse = _Ring.apply(q, k, v, sinks, cfg)
-    if qkv_layout == "bshd":
+    if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -1,7 +1,8 @@
 """Sequence sharding for context parallelism: which global tokens each rank holds, and the
 collectives that move shards (torch.distributed only).
 
-Layouts of a sequence of length S over P ranks (every shard has S / P tokens):
+Shard layouts (`shard_layout`; `layout` is the tensors' "bhsd" / "bshd", as everywhere) of a
+sequence of length S over P ranks (every shard has S / P tokens):
 - "contiguous": rank r holds chunk r of P.
 - "zigzag":     S is cut into 2P chunks; rank r holds chunks r and 2P-1-r, in that order, so that
                 causal work (sum of query positions) is equal across ranks.
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._args import layout_mismatch as _layout_mismatch, not_a_tensor as _not_a_tensor
+from .._args import layout_mismatch as _layout_mismatch, misplaced as _misplaced, not_a_tensor as _not_a_tensor
+from .._args import TENSOR_LAYOUT as _TENSOR_LAYOUT, renamed as _renamed
 from ..softmax import ops as _ops
 
 __all__ = ["LAYOUTS", "global_positions", "shard_sequence", "unshard_sequence", "pad_to_multiple",
@@ -33,64 +35,85 @@ __all__ = ["LAYOUTS", "global_positions", "shard_sequence", "unshard_sequence", 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 
 
-def _check_layout(layout: str) -> None:
-    """`layout` here is how the sequence is sharded; a tensor layout given to it is the likely
-    slip (attention()'s `layout` is the tensors'), so the error names qkv_layout."""
-    if layout not in LAYOUTS:
-        hint = (f": the tensors' layout {layout!r} is qkv_layout here (layout is the sequence sharding)"
-                if layout in ("bhsd", "bshd") else "")
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}{hint}")
+_SHARD_LAYOUT = f"the sequence sharding, one of {LAYOUTS}"
 
 
-def sequence_multiple(world_size: int, layout: str) -> int:
-    """The multiple a sequence length must be of for `layout` over `world_size` ranks
-    (P, or 2P for zigzag)."""
-    _check_layout(layout)
-    return 2 * world_size if layout == "zigzag" else world_size
+def _check_layout(shard_layout: str) -> None:
+    """`shard_layout` is how the sequence is sharded; a tensor layout given to it is the likely
+    slip, so the error names `layout`."""
+    if shard_layout not in LAYOUTS:
+        if shard_layout in ("bhsd", "bshd"):
+            raise _misplaced("", "shard_layout", shard_layout, _SHARD_LAYOUT, "the tensors' layout goes in layout",
+                             ValueError)
+        raise ValueError(f"shard_layout must be one of {LAYOUTS}, got {shard_layout!r}")
 
 
-def _check_len(seq_len: int, world_size: int, layout: str) -> None:
-    m = sequence_multiple(world_size, layout)
+def _no_layout(fn: str, layout: None) -> None:
+    """The refusal of `layout` by a function whose sharding argument is shard_layout (its old name
+    `layout` means the tensors' layout everywhere else)."""
+    if layout is not None:
+        raise _renamed(fn, "layout", "shard_layout", _SHARD_LAYOUT)
+
+
+def sequence_multiple(world_size: int, shard_layout: Optional[str] = None, *, layout: None = None) -> int:
+    """The multiple a sequence length must be of for `shard_layout` over `world_size` ranks
+    (P, or 2P for zigzag). `layout` is not read: a TypeError names shard_layout."""
+    _no_layout("sequence_multiple()", layout)
+    if shard_layout is None:
+        raise TypeError(f"sequence_multiple() missing shard_layout ({_SHARD_LAYOUT})")
+    _check_layout(shard_layout)
+    return 2 * world_size if shard_layout == "zigzag" else world_size
+
+
+def _check_len(seq_len: int, world_size: int, shard_layout: str) -> None:
+    m = sequence_multiple(world_size, shard_layout)
     if seq_len % m != 0:
-        raise ValueError(f"sequence length {seq_len} is not a multiple of {m} (layout {layout!r} over "
+        raise ValueError(f"sequence length {seq_len} is not a multiple of {m} (shard_layout {shard_layout!r} over "
                          f"{world_size} ranks): pad it with attention_ext.distributed.pad_to_multiple(x, dim, {m}) "
                          f"and pass the real length as seq_len to context_parallel_attention")
 
 
-def global_positions(seq_len: int, *, rank: int, world_size: int, layout: str = "zigzag") -> Tensor:
+def global_positions(seq_len: int, *, rank: int, world_size: int, shard_layout: str = "zigzag",
+                     layout: None = None) -> Tensor:
     """The global token indices (int64, (seq_len / world_size,)) of `rank`'s shard, in the
-    shard's order. seq_len must be a multiple of sequence_multiple(world_size, layout)."""
-    _check_layout(layout)
+    shard's order. seq_len must be a multiple of sequence_multiple(world_size, shard_layout).
+    `layout` is not read: a TypeError names shard_layout."""
+    _no_layout("global_positions()", layout)
+    _check_layout(shard_layout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    _check_len(seq_len, world_size, layout)
-    if layout == "contiguous":
+    _check_len(seq_len, world_size, shard_layout)
+    if shard_layout == "contiguous":
         n = seq_len // world_size
         return torch.arange(rank * n, (rank + 1) * n)
-    if layout == "zigzag":
+    if shard_layout == "zigzag":
         c = seq_len // (2 * world_size)
         j = 2 * world_size - 1 - rank
         return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(j * c, (j + 1) * c)])
     return torch.arange(rank, seq_len, world_size)
 
 
-def real_rows(seq_len: int, padded_len: int, *, rank: int, world_size: int, layout: str) -> int:
+def real_rows(seq_len: int, padded_len: int, *, rank: int, world_size: int, shard_layout: str) -> int:
     """How many of `rank`'s shard positions are below seq_len (the real tokens of a sequence padded
     to padded_len). A shard's positions ascend (global_positions), so these are its first rows
     and the padding is a suffix. Plain ints, for torch.compile: no tensor, no data-dependent branch."""
     n = padded_len // world_size
-    if layout == "contiguous":
+    if shard_layout == "contiguous":
         return max(0, min(n, seq_len - rank * n))
-    if layout == "zigzag":
+    if shard_layout == "zigzag":
         c = n // 2
         return sum(max(0, min(c, seq_len - j * c)) for j in (rank, 2 * world_size - 1 - rank))
     return max(0, min(n, -(-(seq_len - rank) // world_size)))  # stripe: rank, rank + P, ...
 
 
-def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """Three 4-D shards in qkv_layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy)."""
-    if qkv_layout not in ("bhsd", "bshd"):
-        raise ValueError(f"qkv_layout must be 'bhsd' or 'bshd', got {qkv_layout!r}")
+def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Three 4-D shards in layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy). A sharding
+    given as `layout` (its old meaning in context parallelism) raises an error naming shard_layout."""
+    if layout not in ("bhsd", "bshd"):
+        if layout in LAYOUTS:
+            raise _misplaced("", "layout", layout, _TENSOR_LAYOUT, "the sequence sharding goes in shard_layout",
+                             ValueError)
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise _not_a_tensor(name, t)
@@ -103,23 +126,23 @@ def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str) -> Tuple[Te
         raise TypeError(f"q, k, v shards must be float32, float16, bfloat16 or float64, got {q.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v shards must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if qkv_layout == "bshd":
+    if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     return q, k, v
 
 
-def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p: float
+def check_shards(q: Tensor, k: Tensor, v: Tensor, *, layout: str, dropout_p: float
                  ) -> Tuple[Tensor, Tensor, Tensor]:
     """The checks every context-parallel mode makes of its (q, k, v) shards, one home: returns
     them as (B, H, n, D) / (B, H_k, n, D) views (bshd transposed, no copy)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     q0, k0, v0 = q, k, v
-    q, k, v = shards_bhsd(q, k, v, qkv_layout=qkv_layout)
+    q, k, v = shards_bhsd(q, k, v, layout=layout)
     if k.shape != v.shape or k.shape[2] != q.shape[2]:
         e = ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
-        raise _layout_mismatch(q0, k0, v0, qkv_layout, e, arg="qkv_layout", same_len=True) or e
+        raise _layout_mismatch(q0, k0, v0, layout, e, arg="layout", same_len=True) or e
     return q, k, v
 
 
@@ -127,7 +150,7 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, *, qkv_layout: str, dropout_p:
 # Dropout under context parallelism draws, for every local element, the Philox decision of its
 # GLOBAL (b * H + h, query position, key position) (the op's dropout_coords), from one
 # (seed, offset) that every rank of the group shares: the mask is the one a single process
-# draws for the whole sequence with the same seed, whatever the mode, layout or world size.
+# draws for the whole sequence with the same seed, whatever the mode, shard_layout or world size.
 def dropout_seed(dropout_p: float, seed: Union[int, Tensor, None], group: Optional[dist.ProcessGroup],
                  device: torch.device) -> Union[int, Tensor, None]:
     """The dropout seed every rank of the group uses (offset 0, as attention_ext.attention's for a
@@ -170,11 +193,13 @@ def pad_to_multiple(x: Tensor, dim: int, multiple: int) -> Tuple[Tensor, int]:
 
 
 def shard_sequence(x: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = None,
-                   layout: str = "zigzag") -> Tensor:
+                   shard_layout: str = "zigzag", layout: None = None) -> Tensor:
     """This rank's shard of the full tensor x (the same on every rank) along `dim`: an
-    index_select by global_positions, differentiable, no communication."""
+    index_select by global_positions, differentiable, no communication. `layout` is not read: a
+    TypeError names shard_layout."""
+    _no_layout("shard_sequence()", layout)
     rank, world = _rank_size(group)
-    pos = global_positions(x.shape[dim], rank=rank, world_size=world, layout=layout)
+    pos = global_positions(x.shape[dim], rank=rank, world_size=world, shard_layout=shard_layout)
     return x.index_select(dim, pos.to(x.device))
 
 
@@ -211,24 +236,28 @@ class _AllGather(torch.autograd.Function):
 
 
 def all_gather_sequence(x_local: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = None,
-                        layout: str = "zigzag") -> Tensor:
+                        shard_layout: str = "zigzag", layout: None = None) -> Tensor:
     """Gather every rank's shard along `dim` and reorder into the full sequence (one
     all-gather; its backward is one reduce-scatter). Used by unshard_sequence and the
-    attention's K/V gather."""
+    attention's K/V gather. `layout` is not read: a TypeError names shard_layout."""
+    _no_layout("all_gather_sequence()", layout)
     rank, world = _rank_size(group)
     dim = dim % x_local.dim()
     seq_len = x_local.shape[dim] * world
-    _check_len(seq_len, world, layout)
+    _check_len(seq_len, world, shard_layout)
     # gathered row r * n + i holds global token pos_r[i]; full[g] = gathered[inv[g]]
-    src = torch.cat([global_positions(seq_len, rank=r, world_size=world, layout=layout) for r in range(world)])
+    src = torch.cat([global_positions(seq_len, rank=r, world_size=world, shard_layout=shard_layout)
+                     for r in range(world)])
     inv = torch.argsort(src).to(x_local.device)
     g = _AllGather.apply(x_local.movedim(dim, 0), group)  # (P * n, ...)
     return g.index_select(0, inv).movedim(0, dim)
 
 
 def unshard_sequence(x_local: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = None,
-                     layout: str = "zigzag") -> Tensor:
+                     shard_layout: str = "zigzag", layout: None = None) -> Tensor:
     """The full sequence on every rank from the shards along `dim` (the inverse of
     shard_sequence). Differentiable: the backward sums every rank's gradient of the full tensor
-    and hands each rank its shard's part (a reduce-scatter)."""
-    return all_gather_sequence(x_local, dim=dim, group=group, layout=layout)
+    and hands each rank its shard's part (a reduce-scatter). `layout` is not read: a TypeError
+    names shard_layout."""
+    _no_layout("unshard_sequence()", layout)
+    return all_gather_sequence(x_local, dim=dim, group=group, shard_layout=shard_layout)

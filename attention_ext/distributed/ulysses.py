@@ -4,9 +4,9 @@ an all-to-all turns the output back into sequence shards.
 
 Shapes (P ranks, this rank j, h = H / P query heads per rank, n = S / P tokens per rank):
 
-    q (B, H, n, D) in the layout's token order
+    q (B, H, n, D) in the sharding's token order
       -> all-to-all -> (B, h, S, D): heads [j h, (j + 1) h), every token; rows arrive grouped by
-         source rank (rank r's tokens in r's layout order) and one index_select puts them in
+         source rank (rank r's tokens in r's sharding order) and one index_select puts them in
          GLOBAL token order, so the local attention is plain: causal, window, ALiBi and the
          seq_len padding need no mask (padding: queries and keys are cut to [0, seq_len), the cut
          queries' outputs are 0).
@@ -109,7 +109,7 @@ def ulysses_attention(
     v: Tensor,
     *,
     group: Optional[dist.ProcessGroup] = None,
-    layout: str = "zigzag",
+    shard_layout: str = "zigzag",
     causal: bool = False,
     scale: Optional[float] = None,
     window_size: Tuple[int, int] = (-1, -1),
@@ -117,14 +117,14 @@ def ulysses_attention(
     softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
     return_lse: bool = False,
-    qkv_layout: str = "bhsd",
+    layout: str = "bhsd",
     seq_len: Optional[int] = None,
     dropout_p: float = 0.0,
     seed: Union[int, Tensor, None] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """context_parallel_attention(mode="ulysses"): the same arguments and results (see
     attention.context_parallel_attention); the design is this module's docstring."""
-    q, k, v = check_shards(q, k, v, qkv_layout=qkv_layout, dropout_p=dropout_p)
+    q, k, v = check_shards(q, k, v, layout=layout, dropout_p=dropout_p)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     b, hq, n, d = q.shape
     hk = k.shape[1]
@@ -134,7 +134,7 @@ def ulysses_attention(
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"the query heads H={hq} must be a multiple of the KV heads H_k={hk}")
     s = n * world
-    _check_len(s, world, layout)
+    _check_len(s, world, shard_layout)
     if seq_len is None:
         seq_len = s
     if not 0 < seq_len <= s:
@@ -142,7 +142,7 @@ def ulysses_attention(
     wl, wr = window_size_pair(window_size, "context_parallel_attention")
     if b == 0:  # an empty batch (on every rank: B is the group's): nothing to exchange
         out = q * 0 + (k.sum() + v.sum()) * 0  # (0, H, n, D), in the graph of q, k, v
-        out = out.transpose(1, 2) if qkv_layout == "bshd" else out
+        out = out.transpose(1, 2) if layout == "bshd" else out
         return (out, q.new_zeros(q.shape[:3], dtype=_ops.acc_dtype(q.dtype))) \
             if return_lse else out
     if causal:
@@ -159,7 +159,8 @@ def ulysses_attention(
         sinks = sinks[heads]
 
     # received row r * n + i holds global token src[r * n + i]; full[t] = received[inv[t]]
-    src = torch.cat([global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)])
+    src = torch.cat([global_positions(s, rank=r, world_size=world, shard_layout=shard_layout)
+                     for r in range(world)])
     src = src.to(q.device)
     inv = torch.argsort(src)
 
@@ -200,7 +201,7 @@ def ulysses_attention(
         back.append(lse.index_select(2, src).view(b, h, world, n).movedim(2, 0))
     got = _AllToAll.apply(group, *back)  # [r]: rank r's heads for this rank's tokens
     out_l = got[0].movedim(0, 1).reshape(b, hq, n, d)
-    if qkv_layout == "bshd":
+    if layout == "bshd":
         out_l = out_l.transpose(1, 2)
     if not return_lse:
         return out_l

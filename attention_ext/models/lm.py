@@ -105,7 +105,7 @@ class LanguageModel(nn.Module):
         or a (B,) tensor of per-sequence offsets with paged caches).
 
         Context parallelism (training over a sequence sharded across ranks): with
-        context_parallel=ContextParallel(group, mode, layout) (attention_ext.distributed), idx and
+        context_parallel=ContextParallel(group, mode, shard_layout) (attention_ext.distributed), idx and
         targets are this rank's shards, cp.shard(tokens) of the (B, S) global ones (S a multiple of
         cp.multiple()), and the logits are this rank's (B, S / P, V). Positions (learned, RoPE,
         ALiBi, causal) are the global ones. The loss is the mean over THIS rank's tokens; every

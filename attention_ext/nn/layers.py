@@ -50,7 +50,7 @@ class AttentionConfig:
     decay_gate: bool = False           # attention_type="linear", causal: a gate projection gives per-head log-decays
     sparse_pattern: str = "local_global"  # attention_type="sparse": a SparseAttention pattern name
     sparse_block_size: int = 64        # attention_type="sparse": the layout's block size
-    sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options (window, ...)
+    sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options (window_blocks..)
     topk: int = 0                      # attention_type="sparse", sparse_pattern="topk": keys kept per query
 
     def __post_init__(self):
@@ -122,32 +122,32 @@ def _sdpa_attention(q, k, v, *, causal=False, bottom_right=False, window=(-1, -1
 
 
 @register_attention_type("sparse")
-def _sparse_attention(q, k, v, *, layout=None, block_size=64, k_top=0, attn_mask=None, **kw):
-    """Block-sparse attention over `layout` (H or 1, n_blocks, n_blocks), or top-k attention when
+def _sparse_attention(q, k, v, *, block_layout=None, block_size=64, k_top=0, attn_mask=None, **kw):
+    """Block-sparse attention over `block_layout` (H or 1, n_blocks, n_blocks), or top-k attention when
     k_top > 0; every other option is softmax.attention's. The layout is square over the keys: with
     fewer queries than keys (a KV-cache step, bottom_right) the queries are its last rows, and the
     layout's rows for them become the equivalent element mask through the fused op."""
     sq, sk = q.shape[1], k.shape[1]
     if k_top > 0:
-        return topk_attention(q, k, v, k_top, layout_qkv="bshd", attn_mask=attn_mask, **kw)
-    if layout is None:
-        raise ValueError("attention_type='sparse' needs a layout: build the layer with make_attention "
+        return topk_attention(q, k, v, k_top, layout="bshd", attn_mask=attn_mask, **kw)
+    if block_layout is None:
+        raise ValueError("attention_type='sparse' needs a block layout: build the layer with make_attention "
                          "(nn.SparseAttention), or call attention_ext.block_sparse_attention")
     if sq == sk:
-        return block_sparse_attention(q, k, v, layout, block_size=block_size, layout_qkv="bshd", attn_mask=attn_mask,
-                                      **kw)
-    mask = sparse_rows_mask(layout, block_size, sq, sk).unsqueeze(0)  # (1, H or 1, S_q, S_k)
+        return block_sparse_attention(q, k, v, block_layout, block_size=block_size, layout="bshd",
+                                      attn_mask=attn_mask, **kw)
+    mask = sparse_rows_mask(block_layout, block_size, sq, sk).unsqueeze(0)  # (1, H or 1, S_q, S_k)
     if attn_mask is not None:
         mask = mask & attn_mask if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~mask, float("-inf"))
     return attention(q, k, v, layout="bshd", attn_mask=mask, **kw)
 
 
-def sparse_rows_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
-    """The element mask of the last sq rows of a square (S_k, S_k) layout: (H or 1, S_q, S_k) bool.
-    Expands only the block rows those queries fall in."""
+def sparse_rows_mask(block_layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
+    """The element mask of the last sq rows of a square (S_k, S_k) block layout: (H or 1, S_q, S_k)
+    bool. Expands only the block rows those queries fall in."""
     r0 = (sk - sq) // block_size
-    rows = layout_to_mask(layout[:, r0:].to(torch.bool), block_size, layout.shape[1] * block_size - r0 * block_size,
-                          sk)  # rows r0 * bs ...
+    rows = layout_to_mask(block_layout[:, r0:].to(torch.bool), block_size,
+                          block_layout.shape[1] * block_size - r0 * block_size, sk)  # rows r0 * bs ...
     first = sk - sq - r0 * block_size
     return rows[:, first: first + sq]
 
@@ -283,9 +283,9 @@ class Attention(nn.Module):
             pos = cp.positions(n, x.device).expand(b, n)  # (B, n) global positions
             q, k = self.rope(q, pos), self.rope(k, pos)
         p = c.dropout if self.training else 0.0
-        return context_parallel_attention(q, k, v, group=cp.group, mode=cp.mode, layout=cp.layout,
+        return context_parallel_attention(q, k, v, group=cp.group, mode=cp.mode, shard_layout=cp.shard_layout,
                                           causal=c.causal, window_size=c.window, alibi_slopes=self.alibi_slopes,
-                                          softcap=c.softcap, sinks=self.sinks, qkv_layout="bshd", dropout_p=p)
+                                          softcap=c.softcap, sinks=self.sinks, layout="bshd", dropout_p=p)
 
     def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
         """Self-attention through a PagedKVCache (nn/paged_cache.py) over its selected sequences:

@@ -19,31 +19,39 @@ from torch import Tensor
 
 from ..softmax import attention_weights
 from ..sparse import layouts as L
+from ..sparse.layouts import _window_blocks_arg
 from .layers import ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionConfig, KVCache, sparse_rows_mask
 
 
-def _local_global(window: int = 1, n_global: int = 1, *, seq_len, block_size, heads, causal, device=None):
-    """sliding_window(window) union the first n_global blocks as global tokens."""
+# The patterns' window_blocks counts blocks; the old key `window` (attention()'s (left, right) pair
+# of keys elsewhere) is refused with an error that names window_blocks.
+def _local_global(window_blocks: int = 1, n_global: int = 1, *, seq_len, block_size, heads, causal, device=None,
+                  window=None):
+    """sliding_window(window_blocks) union the first n_global blocks as global tokens."""
+    window_blocks = _window_blocks_arg("sparse_kwargs of sparse_pattern='local_global'", window_blocks, window)
     nb = -(-seq_len // block_size)
     kw = dict(seq_len=seq_len, block_size=block_size, heads=heads, device=device)
-    lay = L.sliding_window(window, causal=causal, **kw)
+    lay = L.sliding_window(window_blocks, causal=causal, **kw)
     if n_global:
         lay = lay | L.global_tokens(range(min(n_global, nb)), **kw)
     return lay
 
 
-def _longformer(window: int = 1, global_indices=(0,), *, seq_len, block_size, heads, causal, device=None):
+def _longformer(window_blocks: int = 1, global_indices=(0,), *, seq_len, block_size, heads, causal, device=None,
+                window=None):
+    window_blocks = _window_blocks_arg("sparse_kwargs of sparse_pattern='longformer'", window_blocks, window)
     nb = -(-seq_len // block_size)
     # a global block past a short sequence's end does not exist yet
     g = [i for i in global_indices if i < nb]
-    return L.longformer(window, g, seq_len=seq_len, block_size=block_size, heads=heads, device=device)
+    return L.longformer(window_blocks, g, seq_len=seq_len, block_size=block_size, heads=heads, device=device)
 
 
-def _bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0, *, seq_len, block_size, heads,
-             causal, device=None):
+def _bigbird(window_blocks: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0, *, seq_len, block_size,
+             heads, causal, device=None, window=None):
+    window_blocks = _window_blocks_arg("sparse_kwargs of sparse_pattern='bigbird'", window_blocks, window)
     nb = -(-seq_len // block_size)
-    return L.bigbird(window, min(n_global, nb), n_random, seed, seq_len=seq_len, block_size=block_size, heads=heads,
-                     causal=causal, device=device)
+    return L.bigbird(window_blocks, min(n_global, nb), n_random, seed, seq_len=seq_len, block_size=block_size,
+                     heads=heads, causal=causal, device=device)
 
 
 def _with_causal(builder: Callable) -> Callable:
@@ -75,12 +83,12 @@ _MAX_CACHED_LAYOUTS = 32
 class SparseAttention(Attention):
     """Multi-head block-sparse (or top-k) attention from an AttentionConfig (attention_type="sparse").
 
-    config.sparse_pattern is one of "local_global" (a sliding window of `window` blocks each side
-    plus the first `n_global` blocks global; window=1, n_global=1), "longformer" (window,
-    global_indices), "sliding_window" (window, dilation), "bigbird" (window, n_global, n_random,
-    seed), "strided" / "fixed" (stride, c), "random" (density, seed) or "topk" (config.topk keys per
-    query); config.sparse_kwargs holds the pattern's options (see attention_ext.sparse.layouts),
-    config.sparse_block_size the block size. Random patterns draw one layout per query head.
+    config.sparse_pattern is one of "local_global" (a sliding window of `window_blocks` blocks each
+    side plus the first `n_global` blocks global; window_blocks=1, n_global=1), "longformer"
+    (window_blocks, global_indices), "sliding_window" (window_blocks, dilation), "bigbird"
+    (window_blocks, n_global, n_random, seed), "strided" / "fixed" (stride, c), "random" (density,
+    seed) or "topk" (config.topk keys per query); config.sparse_kwargs holds the pattern's options
+    (see attention_ext.sparse.layouts), config.sparse_block_size the block size. Random patterns draw one layout per query head.
 
     Causal layers build causal layouts (blocks above the diagonal dropped) whose rows do not depend
     on the sequence length; "strided" and "fixed" then need an explicit stride (the default one
@@ -142,15 +150,15 @@ class SparseAttention(Attention):
         if self.pattern == "topk":
             return ATTENTION_TYPES["sparse"], dict(opts, k_top=self.config.topk)
         lay = self.layout(k.shape[1], q.device)
-        return ATTENTION_TYPES["sparse"], dict(opts, layout=lay, block_size=self.block_size)
+        return ATTENTION_TYPES["sparse"], dict(opts, block_layout=lay, block_size=self.block_size)
 
     def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
-        w = {n: o for n, o in opts.items() if n not in ("layout", "block_size", "k_top")}
+        w = {n: o for n, o in opts.items() if n not in ("block_layout", "block_size", "k_top")}
         if self.cross:
             return attention_weights(q, k, lse, layout="bshd", **w)
         if self.pattern == "topk":
             return attention_weights(q, k, lse, layout="bshd", topk=self.config.topk, **w)
-        mask = sparse_rows_mask(opts["layout"], self.block_size, q.shape[1], k.shape[1]).unsqueeze(0)
+        mask = sparse_rows_mask(opts["block_layout"], self.block_size, q.shape[1], k.shape[1]).unsqueeze(0)
         user = w.get("attn_mask")
         if user is None or user.dtype == torch.bool:
             w["attn_mask"] = mask if user is None else mask & user
@@ -161,8 +169,8 @@ class SparseAttention(Attention):
     @classmethod
     def build(cls, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None, pattern: str = "local_global",
               block_size: int = 64, causal: bool = False, topk: int = 0, **pattern_kwargs) -> "SparseAttention":
-        """A layer from plain arguments: SparseAttention.build(256, 8, pattern="bigbird", window=1,
-        n_global=1, n_random=2, seed=0)."""
+        """A layer from plain arguments: SparseAttention.build(256, 8, pattern="bigbird",
+        window_blocks=1, n_global=1, n_random=2, seed=0)."""
         cfg = AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, attention_type="sparse",
                               causal=causal, sparse_pattern=pattern, sparse_block_size=block_size,
                               sparse_kwargs=pattern_kwargs, topk=topk)

@@ -11,39 +11,53 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._args import LayoutMismatch, key_padding_mask_renamed
+from .._args import TENSOR_LAYOUT, key_padding_mask_renamed, misplaced, renamed
 from ..softmax.functional import attention
 from .layouts import SparseMask
 
 __all__ = ["block_sparse_attention", "topk_attention", "layout_to_mask"]
 
 
-def layout_to_mask(layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
-    """(H or 1, ceil(Sq/bs), ceil(Sk/bs)) bool layout -> (H or 1, Sq, Sk) bool element mask."""
-    m = layout.repeat_interleave(block_size, dim=1).repeat_interleave(block_size, dim=2)
+def layout_to_mask(block_layout: Tensor, block_size: int, sq: int, sk: int) -> Tensor:
+    """(H or 1, ceil(Sq/bs), ceil(Sk/bs)) bool block layout -> (H or 1, Sq, Sk) bool element mask."""
+    m = block_layout.repeat_interleave(block_size, dim=1).repeat_interleave(block_size, dim=2)
     return m[:, :sq, :sk]
 
 
-def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor, SparseMask], *,
+def _sparse_layout_args(fn: str, layout: Any, options: dict) -> None:
+    """The sparse functionals' refusals of the old `layout_qkv` and of a block layout given as
+    `layout`. Runs only where a call is wrong (the caller tests `options` / the type first)."""
+    if "layout_qkv" in options:
+        raise renamed(fn, "layout_qkv", "layout", TENSOR_LAYOUT)
+    if not isinstance(layout, str):
+        raise misplaced(fn, "layout", layout, TENSOR_LAYOUT,
+                        "the block layout (a bool tensor or a SparseMask) goes in block_layout, the 4th positional "
+                        "argument")
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_layout: Union[Tensor, SparseMask, None] = None, *,
                            block_size: int = 64, causal: bool = False, scale: Optional[float] = None,
                            key_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
-                           layout_qkv: str = "bhsd", return_lse: bool = False,
+                           layout: str = "bhsd", return_lse: bool = False,
                            key_padding_mask: None = None, **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Softmax attention over the (query block, key block) pairs a layout names.
+    """Softmax attention over the (query block, key block) pairs a block layout names.
 
     Args:
-        q: (B, H, Sq, D) (or (B, Sq, H, D) with layout_qkv="bshd"); k, v: (B, H_k, Sk, D),
+        q: (B, H, Sq, D) (or (B, Sq, H, D) with layout="bshd"); k, v: (B, H_k, Sk, D),
             H % H_k == 0 (MQA / GQA without a copy).
-        layout: bool (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)), True = the block
-            is computed (the builders of attention_ext.sparse make them), or a SparseMask from
-            attention_ext.sparse.from_mask, whose element mask then applies inside its
-            partially allowed blocks.
+        block_layout: bool (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)), True = the
+            block is computed (the builders of attention_ext.sparse make them), or a SparseMask
+            from attention_ext.sparse.from_mask, whose element mask then applies inside its
+            partially allowed blocks. Required (its default only lets a call that passes a block
+            layout as `layout=` get an error that says where it goes).
         block_size: the layout's block, a positive multiple of 16 (ignored for a SparseMask,
             which carries its own).
         causal, key_mask, dropout_p, scale: as attention() (key_mask (B, Sk) True = a real
             key); they apply element-wise inside the computed blocks, so lengths need not divide
             the block.
-        layout_qkv: the tensors' layout, attention()'s `layout` ("bhsd" or "bshd").
+        layout: the tensors' layout, "bhsd" or "bshd", as in attention(). A tensor or a
+            SparseMask here raises a TypeError that says the block layout goes in block_layout;
+            the old name layout_qkv raises a TypeError that names layout.
         key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
             name is torch's, with the opposite polarity).
         **options: any other option of attention_ext.attention (alibi_slopes, softcap, sinks,
@@ -54,11 +68,17 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor
     """
     if key_padding_mask is not None:
         raise key_padding_mask_renamed("block_sparse_attention()")
-    if isinstance(layout, str):
-        raise TypeError(f"layout is the block layout (a bool tensor or a SparseMask), got {layout!r}: the tensors' "
-                        f"layout ('bhsd' / 'bshd') is layout_qkv")
-    if hasattr(layout, "layout") and hasattr(layout, "block_size"):  # a SparseMask
-        block_size, mask, layout = layout.block_size, getattr(layout, "mask", None), layout.layout
+    if "layout_qkv" in options or not isinstance(layout, str):
+        _sparse_layout_args("block_sparse_attention()", layout, options)
+    if block_layout is None:
+        raise TypeError("block_sparse_attention() missing its block layout: pass block_layout (a bool tensor or a "
+                        "SparseMask) as the 4th positional argument")
+    if isinstance(block_layout, str):
+        raise misplaced("block_sparse_attention()", "block_layout", block_layout,
+                        "the block layout (a bool tensor or a SparseMask)",
+                        "the tensors' layout ('bhsd' / 'bshd') goes in layout")
+    if isinstance(block_layout, SparseMask):
+        block_size, mask, block_layout = block_layout.block_size, block_layout.mask, block_layout.block_layout
         if mask is not None:
             user = options.pop("attn_mask", None)
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask
@@ -66,19 +86,15 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Union[Tensor
             if user is not None:
                 mask = mask & user if user.dtype == torch.bool else user.masked_fill(~mask, float("-inf"))
             options["attn_mask"] = mask
-    if not isinstance(layout, Tensor):
-        raise TypeError(f"layout must be a bool tensor or a SparseMask, got {type(layout).__name__}")
-    try:
-        return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_mask=key_mask,
-                         dropout_p=dropout_p, return_lse=return_lse, block_layout=layout, block_size=block_size,
-                         **options)
-    except LayoutMismatch as e:  # attention()'s `layout` is this function's layout_qkv
-        raise e.renamed("layout_qkv") from e.__cause__
+    if not isinstance(block_layout, Tensor):
+        raise TypeError(f"block_layout must be a bool tensor or a SparseMask, got {type(block_layout).__name__}")
+    return attention(q, k, v, layout=layout, scale=scale, causal=causal, key_mask=key_mask, dropout_p=dropout_p,
+                     return_lse=return_lse, block_layout=block_layout, block_size=block_size, **options)
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: bool = False,
                    scale: Optional[float] = None, key_mask: Optional[Tensor] = None,
-                   layout_qkv: str = "bhsd", return_lse: bool = False, key_padding_mask: None = None,
+                   layout: str = "bhsd", return_lse: bool = False, key_padding_mask: None = None,
                    **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Hard attention: each query keeps only its k_top highest-scoring keys among those the
     other rules allow (causal, padding, window, masks), and softmax runs over them. Ties in the
@@ -90,17 +106,17 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: bool 
     kernel runs with the threshold as one more mask. The gradient flows through the kept
     scores (the selection itself is piecewise constant).
 
-    Args are attention()'s (key_mask (B, Sk) True = a real key; layout_qkv is attention()'s
-    `layout`; **options: alibi_slopes, softcap, window, attn_mask, dropout_p, ...; the logits
-    ranked are the final ones, after scale, softcap, ALiBi and an additive mask).
+    Args are attention()'s (key_mask (B, Sk) True = a real key; layout the tensors' layout, "bhsd"
+    or "bshd" (the old name layout_qkv raises a TypeError that names layout); **options:
+    alibi_slopes, softcap, window, attn_mask, dropout_p, ...; the logits ranked are the final
+    ones, after scale, softcap, ALiBi and an additive mask).
     key_padding_mask is not read: a TypeError says to pass key_mask=~key_padding_mask.
     """
     if key_padding_mask is not None:
         raise key_padding_mask_renamed("topk_attention()")
     if not isinstance(k_top, int) or isinstance(k_top, bool) or k_top < 1:
         raise ValueError(f"k_top must be an int >= 1, got {k_top!r}")
-    try:
-        return attention(q, k, v, layout=layout_qkv, scale=scale, causal=causal, key_mask=key_mask,
-                         return_lse=return_lse, topk=k_top, **options)
-    except LayoutMismatch as e:  # attention()'s `layout` is this function's layout_qkv
-        raise e.renamed("layout_qkv") from e.__cause__
+    if "layout_qkv" in options or not isinstance(layout, str):
+        _sparse_layout_args("topk_attention()", layout, options)
+    return attention(q, k, v, layout=layout, scale=scale, causal=causal, key_mask=key_mask, return_lse=return_lse,
+                     topk=k_top, **options)

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.types import Device
 
+from .._args import renamed
+
 __all__ = [
     "sliding_window", "global_tokens", "random", "strided", "fixed", "bigbird", "longformer",
     "union", "intersection", "from_mask", "SparseMask", "sparse_mask_args", "draw", "num_blocks",
@@ -42,6 +44,20 @@ def _int(name: str, x, lo: int) -> int:
     if x < lo:
         raise ValueError(f"{name} must be >= {lo}, got {x}")
     return x
+
+
+_WINDOW_BLOCKS = ("key blocks on each side of the diagonal, an int; `window` is attention()'s (left, right) pair "
+                  "of keys")
+
+
+def _window_blocks_arg(fn: str, window_blocks, window) -> int:
+    """The checked `window_blocks` of a builder (or a pattern of the nn layers), refusing the old
+    name `window`, whose meaning elsewhere is attention()'s (left, right) pair of keys."""
+    if window is not None:
+        raise renamed(fn, "window", "window_blocks", _WINDOW_BLOCKS)
+    if window_blocks is None:
+        raise TypeError(f"{fn} missing window_blocks ({_WINDOW_BLOCKS})")
+    return _int("window_blocks", window_blocks, 0)
 
 
 def _check_block_size(block_size) -> int:
@@ -87,12 +103,15 @@ def _default_stride(n_blocks: int) -> int:
 # builders
 
 
-def sliding_window(window: int, dilation: int = 1, *, seq_len: int, seq_len_k: Optional[int] = None,
-                   block_size: int = 64, heads: int = 1, causal: bool = False, device: Device = None) -> Tensor:
+def sliding_window(window_blocks: Optional[int] = None, dilation: int = 1, *, seq_len: int,
+                   seq_len_k: Optional[int] = None, block_size: int = 64, heads: int = 1, causal: bool = False,
+                   device: Device = None, window: None = None) -> Tensor:
     """Banded layout: block (r, c) is computed iff c = r + t * dilation for some integer t in
-    [-window, window] (t in [-window, 0] when `causal`). dilation=1 is the plain band of
-    2 * window + 1 blocks; a larger dilation spreads the same number of blocks further
-    (a dilated sliding window, as in Longformer's upper layers).
+    [-window_blocks, window_blocks] (t in [-window_blocks, 0] when `causal`). dilation=1 is the
+    plain band of 2 * window_blocks + 1 blocks; a larger dilation spreads the same number of blocks
+    further (a dilated sliding window, as in Longformer's upper layers). window_blocks counts
+    blocks, not keys (attention()'s `window` is a (left, right) pair of keys); the old name
+    `window` raises a TypeError that names window_blocks.
 
     >>> print(draw(sliding_window(1, seq_len=96, block_size=16)))
     ##....
@@ -109,11 +128,11 @@ def sliding_window(window: int, dilation: int = 1, *, seq_len: int, seq_len_k: O
     ..#.#.
     ...#.#
     """
-    _int("window", window, 0)
+    window_blocks = _window_blocks_arg("sliding_window()", window_blocks, window)
     _int("dilation", dilation, 1)
     r, c, heads = _grid(seq_len, seq_len_k, block_size, heads, device)
     d = c - r
-    on = (d.abs() <= window * dilation) & (d % dilation == 0)
+    on = (d.abs() <= window_blocks * dilation) & (d % dilation == 0)
     if causal:
         on = on & (d <= 0)
     return _heads(on, heads)
@@ -270,11 +289,12 @@ def _hash_uniform(seed: int, heads: int, nq: int, nk: int) -> Tensor:
     return x.double() / 2.0 ** 32
 
 
-def bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0, *, seq_len: int,
+def bigbird(window_blocks: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0, *, seq_len: int,
             seq_len_k: Optional[int] = None, block_size: int = 64, heads: int = 1, causal: bool = False,
-            device: Device = None) -> Tensor:
-    """BigBird (Zaheer et al. 2020): a sliding window of `window` blocks on each side of the
-    diagonal (|r - c| <= window; the paper's 3-block window is window=1), the first `n_global`
+            device: Device = None, window: None = None) -> Tensor:
+    """BigBird (Zaheer et al. 2020): a sliding window of `window_blocks` blocks on each side of the
+    diagonal (|r - c| <= window_blocks; the paper's 3-block window is window_blocks=1; the old name
+    `window` raises a TypeError that names window_blocks), the first `n_global`
     blocks global (their rows and columns, as `global_tokens`), and `n_random` more key blocks per
     query block row chosen at random among the blocks not already computed (all of them when fewer
     remain). Each head draws its own; the draw is a hash of (seed, head, row, column), the same on
@@ -301,13 +321,14 @@ def bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0
     #..###.
     #.#..##
     """
+    window_blocks = _window_blocks_arg("bigbird()", window_blocks, window)
     _int("n_global", n_global, 0)
     _int("n_random", n_random, 0)
     _int("seed", seed, 0)
     nq, nk = num_blocks(seq_len, seq_len_k, block_size)
     if n_global > max(nq, nk):
         raise ValueError(f"n_global={n_global} exceeds the {max(nq, nk)} blocks")
-    on = sliding_window(window, seq_len=seq_len, seq_len_k=seq_len_k, block_size=block_size, heads=heads)
+    on = sliding_window(window_blocks, seq_len=seq_len, seq_len_k=seq_len_k, block_size=block_size, heads=heads)
     if n_global:
         on = on | global_tokens(range(n_global), seq_len=seq_len, seq_len_k=seq_len_k, block_size=block_size)
     taken = on
@@ -323,10 +344,12 @@ def bigbird(window: int = 1, n_global: int = 1, n_random: int = 1, seed: int = 0
     return on.to(device)
 
 
-def longformer(window: int, global_indices: Iterable[int] = (), *, seq_len: int, seq_len_k: Optional[int] = None,
-               block_size: int = 64, heads: int = 1, device: Device = None) -> Tensor:
-    """Longformer (Beltagy et al. 2020): `sliding_window(window)` union
-    `global_tokens(global_indices)`.
+def longformer(window_blocks: Optional[int] = None, global_indices: Iterable[int] = (), *, seq_len: int,
+               seq_len_k: Optional[int] = None, block_size: int = 64, heads: int = 1, device: Device = None,
+               window: None = None) -> Tensor:
+    """Longformer (Beltagy et al. 2020): `sliding_window(window_blocks)` union
+    `global_tokens(global_indices)` (the old name `window` raises a TypeError that names
+    window_blocks).
 
     >>> print(draw(longformer(1, [0], seq_len=96, block_size=16)))
     ######
@@ -336,8 +359,9 @@ def longformer(window: int, global_indices: Iterable[int] = (), *, seq_len: int,
     #..###
     #...##
     """
+    window_blocks = _window_blocks_arg("longformer()", window_blocks, window)
     kw = dict(seq_len=seq_len, seq_len_k=seq_len_k, block_size=block_size, heads=heads, device=device)
-    return sliding_window(window, **kw) | global_tokens(global_indices, **kw)
+    return sliding_window(window_blocks, **kw) | global_tokens(global_indices, **kw)
 
 
 def _combine(layouts: Sequence[Tensor], op, name: str) -> Tensor:
@@ -392,18 +416,18 @@ def intersection(*layouts: Tensor) -> Tensor:
 class SparseMask:
     """A block layout with the element mask it was built from.
 
-    layout: bool (H or 1, n_q_blocks, n_k_blocks), the blocks with at least one allowed element.
+    block_layout: bool (H or 1, n_q_blocks, n_k_blocks), the blocks with at least one allowed element.
     block_size: the layout's block size.
     mask: bool (H or 1, S_q, S_k), True = attend; None when every computed block is allowed in
         full, so the layout alone is exact.
     """
-    layout: Tensor
+    block_layout: Tensor
     block_size: int
     mask: Optional[Tensor] = None
 
     def density(self) -> float:
         """The fraction of blocks computed."""
-        return self.layout.float().mean().item()
+        return self.block_layout.float().mean().item()
 
 
 def _n_params(fn: Callable) -> int:
@@ -427,7 +451,7 @@ def from_mask(mask: Union[Callable, Tensor], block_size: int = 64, *, seq_len: O
     the attention then applies inside the partial blocks.
 
     >>> sm = from_mask(lambda q, kv: kv <= q, 16, seq_len=64)
-    >>> print(draw(sm.layout)); sm.mask is None
+    >>> print(draw(sm.block_layout)); sm.mask is None
     #...
     ##..
     ###.
@@ -476,28 +500,29 @@ def from_mask(mask: Union[Callable, Tensor], block_size: int = 64, *, seq_len: O
     # elements past the sequence ends do not exist: they count as allowed for "the block is full"
     all_on = blocks(torch.nn.functional.pad(dense, pad, value=True)).all(dim=4).all(dim=2)
     exact = bool((all_on | ~any_on).all())
-    return SparseMask(layout=any_on, block_size=block_size, mask=None if exact else dense)
+    return SparseMask(block_layout=any_on, block_size=block_size, mask=None if exact else dense)
 
 
 def sparse_mask_args(sm: SparseMask) -> dict:
-    """The block_sparse_attention keywords of a SparseMask: layout, block_size and attn_mask (the
+    """The block_sparse_attention keywords of a SparseMask: block_layout, block_size and attn_mask (the
     element mask as (1, H or 1, S_q, S_k), True = attend, or None)."""
     if not isinstance(sm, SparseMask):
         raise TypeError(f"sparse_mask_args expects a SparseMask, got {type(sm).__name__}")
-    return dict(layout=sm.layout, block_size=sm.block_size, attn_mask=None if sm.mask is None else sm.mask.unsqueeze(0))
+    return dict(block_layout=sm.block_layout, block_size=sm.block_size,
+                attn_mask=None if sm.mask is None else sm.mask.unsqueeze(0))
 
 
 # ----------------------------------------------------------------------------------------------
 
 
-def draw(layout: Union[Tensor, SparseMask]) -> str:
-    """ASCII picture of a layout: one line per query block, '#' computed, '.' skipped. A layout
-    with several heads draws each under a 'head h:' line."""
-    if isinstance(layout, SparseMask):
-        layout = layout.layout
-    if not isinstance(layout, Tensor) or layout.dim() not in (2, 3):
-        raise TypeError("draw expects a (n_q, n_k) or (heads, n_q, n_k) layout tensor")
-    t = layout.bool().cpu()
+def draw(block_layout: Union[Tensor, SparseMask]) -> str:
+    """ASCII picture of a block layout: one line per query block, '#' computed, '.' skipped. A
+    layout with several heads draws each under a 'head h:' line."""
+    if isinstance(block_layout, SparseMask):
+        block_layout = block_layout.block_layout
+    if not isinstance(block_layout, Tensor) or block_layout.dim() not in (2, 3):
+        raise TypeError("draw expects a (n_q, n_k) or (heads, n_q, n_k) block layout tensor")
+    t = block_layout.bool().cpu()
     if t.dim() == 2:
         t = t.unsqueeze(0)
 

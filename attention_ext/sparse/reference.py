@@ -31,14 +31,14 @@ def _allowed(q: Tensor, k: Tensor, *, causal: bool, bottom_right: bool, key_mask
     return ok
 
 
-def block_sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, block_size: int, *,
+def block_sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, block_layout: Tensor, block_size: int, *,
                                causal: bool = False, bottom_right: bool = False, scale: Optional[float] = None,
                                key_mask: Optional[Tensor] = None,
                                attn_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Softmax attention restricted to the computed blocks. Returns (out, lse).
 
-    layout (H or 1, ceil(S_q / bs), ceil(S_k / bs)) bool; query i may see key j iff
-    layout[h, i // bs, j // bs] and the element masks (causal, key_mask, attn_mask
+    block_layout (H or 1, ceil(S_q / bs), ceil(S_k / bs)) bool; query i may see key j iff
+    block_layout[h, i // bs, j // bs] and the element masks (causal, key_mask, attn_mask
     broadcastable to (B, H, S_q, S_k)) allow it:
 
         s   = scale * q @ k^T,  -inf where not allowed          (B, H, S_q, S_k)
@@ -48,7 +48,7 @@ def block_sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, layout: Tensor, 
     A row with nothing allowed gives out = 0 and lse = -inf.
     """
     sq, sk = q.shape[2], k.shape[2]
-    blocks = layout.to(device=q.device, dtype=torch.bool)
+    blocks = block_layout.to(device=q.device, dtype=torch.bool)
     elem = blocks.repeat_interleave(block_size, dim=1).repeat_interleave(block_size, dim=2)[:, :sq, :sk]
     ok = _allowed(q, k, causal=causal, bottom_right=bottom_right, key_mask=key_mask,
                   attn_mask=attn_mask) & elem.unsqueeze(0)

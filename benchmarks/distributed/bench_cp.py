@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-CASES = [("non-causal", "contiguous", False), ("causal", "zigzag", True)]  # (name, layout, causal)
+CASES = [("non-causal", "contiguous", False), ("causal", "zigzag", True)]  # (name, shard_layout, causal)
 
 
 # -- spawning (self-contained: the shape of tests/distributed/harness.py) --------------------------
@@ -134,7 +134,7 @@ def ranks(rank, world, a, modes):
     res = {}
     for mode in modes:
         for name, layout, causal in CASES:
-            ql, kl, vl, dol = (cp.shard_sequence(t, dim=2, layout=layout) for t in (q, k, v, do))
+            ql, kl, vl, dol = (cp.shard_sequence(t, dim=2, shard_layout=layout) for t in (q, k, v, do))
             ts, stats = [], []
             try:
                 for it in range(a.warmup + a.reps):
@@ -144,7 +144,7 @@ def ranks(rank, world, a, modes):
                         extra[stats_arg] = {}
                     dist.barrier()
                     t0 = time.perf_counter()
-                    fn(qr, kr, vr, mode=mode, layout=layout, causal=causal, **extra).backward(dol)
+                    fn(qr, kr, vr, mode=mode, shard_layout=layout, causal=causal, **extra).backward(dol)
                     ts.append(time.perf_counter() - t0)
                     if stats_arg is not None and it >= a.warmup:
                         stats.append(extra[stats_arg])

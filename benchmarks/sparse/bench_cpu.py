@@ -73,7 +73,7 @@ def section_layouts(s, h, d, bs, reps, no_flex):
     q, k, v = (torch.randn(1, h, s, d) for _ in range(3))
     nb = s // bs
     layouts = {
-        "bigbird(3, 2, 16)": sparse.bigbird(window=3, n_global=2, n_random=max(1, round(16 * nb / 256)), seed=0,
+        "bigbird(3, 2, 16)": sparse.bigbird(window_blocks=3, n_global=2, n_random=max(1, round(16 * nb / 256)), seed=0,
                                             seq_len=s, block_size=bs, heads=h),
         "fixed(16, 1)": sparse.fixed(stride=max(1, round(16 * (nb / 256) ** 0.5)), c=1, seq_len=s, block_size=bs),
     }

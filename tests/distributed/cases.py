@@ -21,7 +21,7 @@ B, H, D, S = 2, 4, 16, 48   # S: a multiple of 2P for P = 2, 3, 4
 S_ODD = 45                  # padded to 48 by pad_to_multiple
 TOL = 1e-5                  # fp32, relative (tests.helpers.rel_err)
 
-# variant name -> options (causal, window, alibi, sinks, softcap, hk, qkv_layout, real length)
+# variant name -> options (causal, window, alibi, sinks, softcap, hk, layout, real length)
 VARIANTS = {
     "plain": dict(),
     "causal": dict(causal=True),
@@ -35,8 +35,8 @@ VARIANTS = {
     "causal-window-alibi": dict(causal=True, window=(9, -1), alibi=True),
     "sinks-softcap": dict(sinks=True, softcap=2.0),
     "causal-sinks-softcap": dict(causal=True, sinks=True, softcap=2.0, hk=2),
-    "bshd-causal-gqa": dict(causal=True, hk=2, qkv_layout="bshd"),
-    "bshd-window": dict(window=(4, 4), qkv_layout="bshd"),
+    "bshd-causal-gqa": dict(causal=True, hk=2, layout="bshd"),
+    "bshd-window": dict(window=(4, 4), layout="bshd"),
     "odd-plain": dict(real=S_ODD),
     "odd-causal": dict(causal=True, real=S_ODD),
     "odd-window": dict(window=(3, 2), real=S_ODD, hk=2),
@@ -51,7 +51,7 @@ VARIANTS = {
     "odd-causal-dropout": dict(causal=True, real=S_ODD, dropout=0.25),
     "sinks-dropout-seedless": dict(sinks=True, dropout=0.25, seedless=True),
 }
-ATTN_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in VARIANTS]
+ATTN_CASES = [f"{shard_layout}-{v}" for shard_layout in cp.LAYOUTS for v in VARIANTS]
 GROUP_CASES = ["zigzag-causal-gqa", "stripe-window", "contiguous-causal-sinks-softcap"]  # on subgroups of 4
 
 
@@ -127,15 +127,15 @@ class KernelCalls:
         return calls
 
 
-def expected_calls(layout: str, o: dict, rank: int, world: int, n: int, s: int, real: int):
+def expected_calls(shard_layout: str, o: dict, rank: int, world: int, n: int, s: int, real: int):
     """The design's kernel calls (attention.py's three paths) for a case's options; s: the
     padded length, real: the real one."""
     causal, window = o.get("causal", False), o.get("window", (-1, -1))
     if not (causal or window != (-1, -1) or o.get("alibi") or real < s):
         return [(n, s, False)]                                     # 1: no positions
-    if causal and layout != "stripe":                              # 2: one call per run, keys [k0, a + c)
-        pos = cp.global_positions(s, rank=rank, world_size=world, layout=layout).tolist()
-        one_run = layout == "contiguous" or rank == world - 1  # zigzag's last rank: chunks P-1, P adjacent
+    if causal and shard_layout != "stripe":                        # 2: one call per run, keys [k0, a + c)
+        pos = cp.global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout).tolist()
+        one_run = shard_layout == "contiguous" or rank == world - 1  # zigzag's last rank: chunks P-1, P adjacent
         runs = [(pos[0], n)] if one_run else [(pos[0], n // 2), (pos[n // 2], n // 2)]
         wl = window[0]
         calls = []
@@ -146,7 +146,7 @@ def expected_calls(layout: str, o: dict, rank: int, world: int, n: int, s: int, 
             k1 = a + c if c else 0
             calls.append((c, k1 - min(max(0, a - wl) if wl >= 0 else 0, k1), False))
         return calls
-    nr = real_rows(real, s, rank=rank, world_size=world, layout=layout)
+    nr = real_rows(real, s, rank=rank, world_size=world, shard_layout=shard_layout)
     return [(nr, real, True)]                                      # 3: explicit mask, real rows and keys
 
 
@@ -159,11 +159,11 @@ def _check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = TOL) ->
 def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "KernelCalls",
                    group: Optional[dist.ProcessGroup] = None) -> None:
     """One case on this rank; rank and world are the ranks of `group` (default: the world)."""
-    layout, variant = name.split("-", 1)
+    shard_layout, variant = name.split("-", 1)
     o = VARIANTS[variant]
     dtype = o.get("dtype", torch.float32)
     causal, window = o.get("causal", False), o.get("window", (-1, -1))
-    hk, qkv_layout, real = o.get("hk", H), o.get("qkv_layout", "bhsd"), o.get("real", S)
+    hk, layout, real = o.get("hk", H), o.get("layout", "bhsd"), o.get("real", S)
     torch.manual_seed(1000 + ATTN_CASES.index(name))  # the same global tensors on every rank
     q, k, v = torch.randn(B, H, real, D), torch.randn(B, hk, real, D), torch.randn(B, hk, real, D)
     g = torch.randn(B, H, real, D)
@@ -193,35 +193,35 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
         q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
 
     # context parallel on this rank's shard of the padded sequence
-    mult = cp.sequence_multiple(world, layout)
+    mult = cp.sequence_multiple(world, shard_layout)
     pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
     sp = pad(q).shape[2]
-    pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
+    pos = cp.global_positions(sp, rank=rank, world_size=world, shard_layout=shard_layout)
     keep = pos < real
-    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
-    if qkv_layout == "bshd":
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, shard_layout=shard_layout) for t in (q, k, v)]
+    if layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     seed_before_cp(o, rank)
     counter.take()
     kernel.take()
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, layout=layout, window_size=window, sinks=sl,
-                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, **opts, **drop_cp)
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, shard_layout=shard_layout, window_size=window,
+                                             sinks=sl, return_lse=True, layout=layout, seq_len=real, **opts, **drop_cp)
     n_fwd = counter.take()
     calls = kernel.take()
-    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
-    if qkv_layout == "bshd":
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, shard_layout=shard_layout)
+    if layout == "bshd":
         gl = gl.transpose(1, 2)
     (ol * gl).sum().backward()
     n_bwd = counter.take()
     # the checks after every collective of the case, so that a failing rank stays in step with the others
-    want_calls = expected_calls(layout, o, rank, world, pos.numel(), sp, real)
+    want_calls = expected_calls(shard_layout, o, rank, world, pos.numel(), sp, real)
     assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
     assert n_fwd == {"gather": 1, "scatter": 0}, f"forward collectives {n_fwd}: want one all-gather (K, V stacked)"
     assert n_bwd == {"gather": 0, "scatter": 1}, f"backward collectives {n_bwd}: want one reduce-scatter"
 
-    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    as_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)  # noqa: E731
     idx = pos[keep]
     got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
     want = {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
@@ -241,18 +241,18 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
             assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
 
 
-def roundtrip_case(rank: int, world: int, layout: str) -> None:
+def roundtrip_case(rank: int, world: int, shard_layout: str) -> None:
     """shard -> unshard is the identity; unshard's backward sums every rank's gradient of the
     full tensor into the owner's shard."""
     s = 2 * world * 5
     torch.manual_seed(7)
     x = torch.randn(3, s, 5)
     w = torch.randn(3, s, 5)
-    xl = cp.shard_sequence(x, dim=1, layout=layout)
-    pos = cp.global_positions(s, rank=rank, world_size=world, layout=layout)
+    xl = cp.shard_sequence(x, dim=1, shard_layout=shard_layout)
+    pos = cp.global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout)
     assert torch.equal(xl, x[:, pos])
     xl = xl.clone().requires_grad_()
-    full = cp.unshard_sequence(xl, dim=-2, layout=layout)
+    full = cp.unshard_sequence(xl, dim=-2, shard_layout=shard_layout)
     assert torch.equal(full, x), "unshard(shard(x)) != x"
     (full * w * (rank + 1)).sum().backward()
     want = w[:, pos] * sum(r + 1 for r in range(world))
@@ -263,12 +263,12 @@ def suite(rank: int, world: int, attn_cases: List[str]) -> Dict[str, Optional[st
     """Every case on this rank: {name: None (passed) or the traceback}."""
     counter, kernel = Counter(), KernelCalls()
     res: Dict[str, Optional[str]] = {}
-    for layout in cp.LAYOUTS:
+    for shard_layout in cp.LAYOUTS:
         try:
-            roundtrip_case(rank, world, layout)
-            res[f"roundtrip-{layout}"] = None
+            roundtrip_case(rank, world, shard_layout)
+            res[f"roundtrip-{shard_layout}"] = None
         except Exception:  # noqa: BLE001
-            res[f"roundtrip-{layout}"] = traceback.format_exc()
+            res[f"roundtrip-{shard_layout}"] = traceback.format_exc()
     for name in attn_cases:
         try:
             attention_case(rank, world, name, counter, kernel)
@@ -325,7 +325,7 @@ U_VARIANTS = {
     "causal-window-alibi": dict(causal=True, window=(9, -1), alibi=True, kv="split"),
     "sinks-softcap": dict(sinks=True, softcap=2.0),
     "causal-sinks-straddle": dict(causal=True, sinks=True, kv="straddle"),
-    "bshd-causal-split": dict(causal=True, kv="split", qkv_layout="bshd"),
+    "bshd-causal-split": dict(causal=True, kv="split", layout="bshd"),
     "odd-causal": dict(causal=True, real=S_ODD),
     "odd-window-alibi-one": dict(window=(3, 2), alibi=True, real=S_ODD, kv="one"),
     "nolse-causal": dict(causal=True, lse=False),
@@ -335,7 +335,7 @@ U_VARIANTS = {
     "odd-window-sinks-dropout-seedless": dict(window=(3, 2), sinks=True, real=S_ODD, kv="one", dropout=0.25,
                                               seedless=True),
 }
-U_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in U_VARIANTS]
+U_CASES = [f"{shard_layout}-{v}" for shard_layout in cp.LAYOUTS for v in U_VARIANTS]
 U_GROUP_CASES = ["zigzag-causal-one", "stripe-causal-sinks-straddle"]  # on subgroups of 4 (P = 2)
 
 
@@ -349,12 +349,12 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
                  group: Optional[dist.ProcessGroup] = None) -> None:
     """One mode="ulysses" case on this rank vs the single-process fused kernel on the whole
     sequence (fp32: within TOL; bf16: the FA2 rule vs float64); rank and world are `group`'s."""
-    layout, variant = name.split("-", 1)
+    shard_layout, variant = name.split("-", 1)
     o = U_VARIANTS[variant]
     dtype = o.get("dtype", torch.float32)
     causal, window = o.get("causal", False), o.get("window", (-1, -1))
     hq, hk = ulysses_heads(world, o.get("kv", "mha"))
-    qkv_layout, real, with_lse = o.get("qkv_layout", "bhsd"), o.get("real", S), o.get("lse", True)
+    layout, real, with_lse = o.get("layout", "bhsd"), o.get("real", S), o.get("lse", True)
     torch.manual_seed(2000 + U_CASES.index(name))  # the same global tensors on every rank
     q, k, v = torch.randn(B, hq, real, D), torch.randn(B, hk, real, D), torch.randn(B, hk, real, D)
     g = torch.randn(B, hq, real, D)
@@ -385,30 +385,30 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
         q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
         g_lse = None
 
-    mult = cp.sequence_multiple(world, layout)
+    mult = cp.sequence_multiple(world, shard_layout)
     pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
     sp = pad(q).shape[2]
-    pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
+    pos = cp.global_positions(sp, rank=rank, world_size=world, shard_layout=shard_layout)
     keep = pos < real
-    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
-    if qkv_layout == "bshd":
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, shard_layout=shard_layout) for t in (q, k, v)]
+    if layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     seed_before_cp(o, rank)
     counter.take()
-    res = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ulysses", layout=layout, causal=causal,
-                                        window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
-                                        return_lse=with_lse, qkv_layout=qkv_layout, seq_len=real, **drop_cp)
+    res = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ulysses", shard_layout=shard_layout,
+                                        causal=causal, window_size=window, alibi_slopes=slopes, softcap=softcap,
+                                        sinks=sl, return_lse=with_lse, layout=layout, seq_len=real, **drop_cp)
     ol, lsel = res if with_lse else (res, None)
     n_fwd = counter.take()
-    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
-    if qkv_layout == "bshd":
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, shard_layout=shard_layout)
+    if layout == "bshd":
         gl = gl.transpose(1, 2)
     loss = (ol * gl).sum()
     if g_lse is not None:
         loss = loss + (lsel * cp.shard_sequence(cp.pad_to_multiple(g_lse, 2, mult)[0], dim=2, group=group,
-                                                layout=layout)).sum()
+                                                shard_layout=shard_layout)).sum()
     loss.backward()
     n_bwd = counter.take()
     ds = None
@@ -420,7 +420,7 @@ def ulysses_case(rank: int, world: int, name: str, counter: AllToAllCounter,
     assert n_fwd == {"a2a": 2, "other": 0}, f"forward collectives {n_fwd}: want 2 all-to-alls (q/k/v, out/lse)"
     assert n_bwd == {"a2a": 2, "other": 0}, f"backward collectives {n_bwd}: want 2 all-to-alls"
 
-    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    as_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)  # noqa: E731
     idx = pos[keep]
     got = {"out": as_bhsd(ol), "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
     want = {"out": out.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
@@ -443,7 +443,7 @@ def ulysses_errors_case(rank: int, world: int) -> None:
     """H % P != 0 is a ValueError naming H and P, raised before any collective."""
     q = torch.randn(1, 2 * world + 1, 2, 8)
     try:
-        cp.context_parallel_attention(q, q, q, mode="ulysses", layout="contiguous")
+        cp.context_parallel_attention(q, q, q, mode="ulysses", shard_layout="contiguous")
     except ValueError as e:
         assert f"H={2 * world + 1}" in str(e) and f"P={world}" in str(e), str(e)
     else:
@@ -489,7 +489,7 @@ RING_VARIANTS = {
     "causal-window-alibi": dict(causal=True, window=(9, -1), alibi=True),
     "sinks-softcap": dict(sinks=True, softcap=2.0),
     "causal-sinks-lse": dict(causal=True, sinks=True, hk=2, lse_grad=True),
-    "bshd-causal-gqa": dict(causal=True, hk=2, qkv_layout="bshd"),
+    "bshd-causal-gqa": dict(causal=True, hk=2, layout="bshd"),
     "odd-causal-alibi": dict(causal=True, alibi=True, real=S_ODD),
     "n7-causal": dict(causal=True, per_rank=7, hk=2),
     "n5-window-sinks": dict(window=(3, 2), sinks=True, per_rank=5, hk=1),
@@ -499,7 +499,7 @@ RING_VARIANTS = {
     "n5-causal-sinks-lse-dropout-seedless": dict(causal=True, sinks=True, per_rank=5, lse_grad=True, dropout=0.25,
                                                  seedless=True),
 }
-RING_CASES = [f"{layout}-{v}" for layout in cp.LAYOUTS for v in RING_VARIANTS]
+RING_CASES = [f"{shard_layout}-{v}" for shard_layout in cp.LAYOUTS for v in RING_VARIANTS]
 RING_GROUP_CASES = ["zigzag-causal-sinks-lse", "stripe-window"]  # on subgroups of 4
 RING_RATIO_CASE = "zigzag-bf16-causal-gqa-sinks"  # its errors vs float64 at P = 4 and P = 2 are compared
 
@@ -526,11 +526,11 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
     every error <= TOL) or, for bf16, the float64 reference under the 2x-PyTorch rule. Returns
     {what: (max abs error, max abs reference)} of this rank's shard, vs float64 (bf16) or vs the
     kernel (fp32). rank and world are the ranks of `group` (default: the world)."""
-    layout, variant = name.split("-", 1)
+    shard_layout, variant = name.split("-", 1)
     o = RING_VARIANTS[variant]
     dtype = o.get("dtype", torch.float32)
     causal, window = o.get("causal", False), o.get("window", (-1, -1))
-    hk, qkv_layout = o.get("hk", H), o.get("qkv_layout", "bhsd")
+    hk, layout = o.get("hk", H), o.get("layout", "bhsd")
     real = o["per_rank"] * world if "per_rank" in o else o.get("real", S)
     torch.manual_seed(3000 + RING_CASES.index(name))  # the same global tensors on every rank (and world size)
     q, k, v = torch.randn(B, H, real, D), torch.randn(B, hk, real, D), torch.randn(B, hk, real, D)
@@ -562,30 +562,30 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
     if dtype != torch.float32:
         q, k, v, g = (t.to(dtype) for t in (q, k, v, g))
 
-    mult = cp.sequence_multiple(world, layout)
+    mult = cp.sequence_multiple(world, shard_layout)
     pad = lambda t: cp.pad_to_multiple(t, 2, mult)[0]  # noqa: E731
     sp = pad(q).shape[2]
-    pos = cp.global_positions(sp, rank=rank, world_size=world, layout=layout)
+    pos = cp.global_positions(sp, rank=rank, world_size=world, shard_layout=shard_layout)
     keep = pos < real
-    local = [cp.shard_sequence(pad(t), dim=2, group=group, layout=layout) for t in (q, k, v)]
-    if qkv_layout == "bshd":
+    local = [cp.shard_sequence(pad(t), dim=2, group=group, shard_layout=shard_layout) for t in (q, k, v)]
+    if layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.requires_grad_() for t in local)
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     stats: Dict[str, float] = {}
     seed_before_cp(o, rank)
     p2p.take()
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", layout=layout, causal=causal,
-                                             window_size=window, alibi_slopes=slopes, softcap=softcap, sinks=sl,
-                                             return_lse=True, qkv_layout=qkv_layout, seq_len=real, _stats=stats,
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode="ring", shard_layout=shard_layout,
+                                             causal=causal, window_size=window, alibi_slopes=slopes, softcap=softcap,
+                                             sinks=sl, return_lse=True, layout=layout, seq_len=real, _stats=stats,
                                              **drop_cp)
     sends_fwd = p2p.take()
-    gl = cp.shard_sequence(pad(g), dim=2, group=group, layout=layout)
-    if qkv_layout == "bshd":
+    gl = cp.shard_sequence(pad(g), dim=2, group=group, shard_layout=shard_layout)
+    if layout == "bshd":
         gl = gl.transpose(1, 2)
     loss_l = (ol * gl).sum()
     if lse_grad:
-        loss_l = loss_l + (lsel * cp.shard_sequence(pad(g_lse), dim=2, group=group, layout=layout)).sum()
+        loss_l = loss_l + (lsel * cp.shard_sequence(pad(g_lse), dim=2, group=group, shard_layout=shard_layout)).sum()
     loss_l.backward()
     sends_bwd = p2p.take()
     ds = None
@@ -599,7 +599,7 @@ def ring_case(rank: int, world: int, name: str, p2p: P2PCount,
     assert stats["bwd_kv_sends"] == world - 1 and stats["bwd_p2p_ops"] == 2 * (2 * world - 1), stats
     assert all(stats[f"{p}_{w}_s"] >= 0 for p in ("fwd", "bwd") for w in ("wait", "compute")), stats
 
-    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    as_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)  # noqa: E731
     idx = pos[keep]
     got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
     want = {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}

@@ -57,20 +57,20 @@ def fuzz_rank(rank: int, world: int, c: dict) -> Dict[str, torch.Tensor]:
     dsinks (this rank's part), in the (B, H, n, D) order, with the shard's global positions."""
     dtype = DTYPES[c["dtype"]]
     t = make_inputs(c)
-    layout, bshd = c["layout"], c["qkv_layout"] == "bshd"
-    mult = cp.sequence_multiple(world, layout)
+    shard_layout, bshd = c["shard_layout"], c["layout"] == "bshd"
+    mult = cp.sequence_multiple(world, shard_layout)
     real = c["real"]
     shards = {}
     for n in ("q", "k", "v", "g"):
         x = cp.pad_to_multiple(t[n].to(dtype), 2, mult)[0]
-        x = cp.shard_sequence(x, dim=2, layout=layout)
+        x = cp.shard_sequence(x, dim=2, shard_layout=shard_layout)
         shards[n] = x.transpose(1, 2).contiguous() if bshd else x.contiguous()
     s = shards["q"].shape[1 if bshd else 2] * world
-    pos = cp.global_positions(s, rank=rank, world_size=world, layout=layout)
+    pos = cp.global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout)
     slopes = t["slopes"].float() if t["slopes"] is not None else None
     acc = F64 if dtype == F64 else torch.float32
-    opts = dict(mode=c["mode"], layout=layout, causal=c["causal"], window_size=c["window"], alibi_slopes=slopes,
-                softcap=c["softcap"], return_lse=True, qkv_layout=c["qkv_layout"], seq_len=real)
+    opts = dict(mode=c["mode"], shard_layout=shard_layout, causal=c["causal"], window_size=c["window"],
+                alibi_slopes=slopes, softcap=c["softcap"], return_lse=True, layout=c["layout"], seq_len=real)
 
     def run(q, k, v, g, storage="contig"):
         # leaves in `storage` (views of other tensors for all but contig), for their gradients

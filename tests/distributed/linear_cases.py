@@ -28,7 +28,7 @@ TOL = 1e-5  # fp32, tests.helpers.rel_err: max |x - ref| / max(max |ref|, 1)
 # shard_sequence), normalize, return_state, init (True: a (B, H, M, Dv') tensor; "logscale": a
 # LinearAttentionState with a log_scale that requires grad), mask (key_mask: "rand" about
 # a third of the keys padded; "hole": also every key of rank 1, a shard with no real key, whose
-# stabilizer maximum is -inf), qkv_layout
+# stabilizer maximum is -inf), layout
 CASES = {
     "causal": dict(),
     "causal-decay": dict(decay=True),
@@ -37,14 +37,14 @@ CASES = {
     "causal-decay-init-state": dict(decay=True, init=True, return_state=True),
     "causal-decay-unnormalized": dict(decay=True, normalize=False, return_state=True),
     "causal-favor-decay": dict(fm="favor", decay=True),
-    "causal-even-bshd": dict(lens="even", qkv_layout="bshd", decay=True),
+    "causal-even-bshd": dict(lens="even", layout="bshd", decay=True),
     "noncausal": dict(causal=False),
     "noncausal-relu-gqa-state": dict(causal=False, fm="relu", hk=2, return_state=True),
     "noncausal-init-unnormalized": dict(causal=False, init=True, normalize=False),
     "noncausal-favor": dict(causal=False, fm="favor", return_state=True),
     "causal-mask": dict(mask="rand"),
     "causal-decay-mask-hole-init-state": dict(decay=True, mask="hole", init=True, return_state=True),
-    "causal-mask-even-bshd-mqa": dict(mask="rand", lens="even", qkv_layout="bshd", hk=1),
+    "causal-mask-even-bshd-mqa": dict(mask="rand", lens="even", layout="bshd", hk=1),
     "causal-logscale-state": dict(init="logscale", decay=True, return_state=True),
     "noncausal-mask-gqa-state": dict(causal=False, mask="rand", hk=2, return_state=True),
     "noncausal-mask-hole-unnormalized": dict(causal=False, mask="hole", normalize=False),
@@ -52,7 +52,7 @@ CASES = {
     "causal-favor-stab-decay-mask-hole-state": dict(fm="favor-stab", decay=True, mask="hole", return_state=True),
     "causal-favor-stab-logscale-gqa-state": dict(fm="favor-stab", init="logscale", decay=True, hk=2,
                                                  return_state=True),
-    "causal-favor-stab-init-mask-bshd": dict(fm="favor-stab", init=True, mask="rand", qkv_layout="bshd"),
+    "causal-favor-stab-init-mask-bshd": dict(fm="favor-stab", init=True, mask="rand", layout="bshd"),
     "causal-favor-stab-unnormalized": dict(fm="favor-stab", normalize=False, return_state=True),
     "noncausal-favor-stab": dict(causal=False, fm="favor-stab"),
     "noncausal-favor-stab-mask-gqa-state": dict(causal=False, fm="favor-stab", mask="rand", hk=2, return_state=True),
@@ -82,8 +82,8 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
     """One case on this rank; rank and world are the ranks of `group` (None: the world)."""
     o = CASES[name]
     causal, use_decay, hk = o.get("causal", True), o.get("decay", False), o.get("hk", H)
-    normalize, want_state, qkv_layout = o.get("normalize", True), o.get("return_state", False), \
-        o.get("qkv_layout", "bhsd")
+    normalize, want_state, layout = o.get("normalize", True), o.get("return_state", False), \
+        o.get("layout", "bhsd")
     lens = _lens(world, o.get("lens", "odd"))
     s = sum(lens)
     a = sum(lens[:rank])
@@ -131,10 +131,10 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
 
     # context parallel: this rank's contiguous shard
     if o.get("lens") == "even":
-        local = [cp.shard_sequence(t, dim=2, group=group, layout="contiguous") for t in (q, k, v)]
+        local = [cp.shard_sequence(t, dim=2, group=group, shard_layout="contiguous") for t in (q, k, v)]
     else:
         local = [t[:, :, a:a + n] for t in (q, k, v)]
-    if qkv_layout == "bshd":
+    if layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
     ql, kl, vl = (t.clone().requires_grad_() for t in local)
     dl = decay[:, :, a:a + n].clone().requires_grad_() if decay is not None else None
@@ -144,10 +144,10 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
     counter.take()
     res = cp.context_parallel_linear_attention(ql, kl, vl, decay=dl, key_mask=ml,
                                                initial_state=state(sl, lsl), return_state=want_state,
-                                               qkv_layout=qkv_layout, group=group, **opts)
+                                               layout=layout, group=group, **opts)
     n_fwd = counter.take()
     outl, stl = res if want_state else (res, None)
-    outl_h = outl.transpose(1, 2) if qkv_layout == "bshd" else outl
+    outl_h = outl.transpose(1, 2) if layout == "bshd" else outl
     # the final state's loss term on the last rank only: the sum over ranks is the one-process loss
     loss(outl_h, g[:, :, a:a + n], stl if rank == world - 1 else None).backward()
     n_bwd = counter.take()
@@ -165,7 +165,7 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
         (", one all-reduce for the stabilizer)" if stabilized else ")")
     want_bwd = {"gather": 0, "scatter": 1, "reduce": 0}
     assert n_bwd == want_bwd, f"backward collectives {n_bwd}: want one reduce-scatter"
-    as_bhsd = (lambda t: t.transpose(1, 2)) if qkv_layout == "bshd" else (lambda t: t)  # noqa: E731
+    as_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)  # noqa: E731
     sl_ = slice(a, a + n)
     _check("out", outl_h, out.detach()[:, :, sl_])
     _check("dq", as_bhsd(ql.grad), qr.grad[:, :, sl_])

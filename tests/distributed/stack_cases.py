@@ -32,7 +32,7 @@ VARIANTS = {
     "rope-window": dict(positional="rope", window=(7, -1)),
 }
 LAYOUTS = ("contiguous", "zigzag")
-STACK_CASES = [f"{layout}-{v}" for layout in LAYOUTS for v in VARIANTS]
+STACK_CASES = [f"{shard_layout}-{v}" for shard_layout in LAYOUTS for v in VARIANTS]
 
 
 def _config(variant: str) -> LMConfig:
@@ -40,7 +40,7 @@ def _config(variant: str) -> LMConfig:
 
 
 def stack_case(rank: int, world: int, name: str) -> None:
-    layout, variant = name.split("-", 1)
+    shard_layout, variant = name.split("-", 1)
     torch.manual_seed(STACK_CASES.index(name))  # the same model and tokens on every rank
     model = LanguageModel(_config(variant))
     idx = torch.randint(0, 37, (B, S))
@@ -53,7 +53,7 @@ def stack_case(rank: int, world: int, name: str) -> None:
     model.zero_grad()
 
     # this rank's shard
-    cp = ContextParallel(group=None, mode="allgather", layout=layout)
+    cp = ContextParallel(group=None, mode="allgather", shard_layout=shard_layout)
     pos = cp.positions(S // world)
     lg, ls = model(cp.shard(idx), cp.shard(tgt), context_parallel=cp)
     (ls / world).backward()

@@ -18,7 +18,7 @@ def _compile_suite(rank, world):
     for mode, fullgraph in CASES:
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, 4, 24, 16) for _ in range(3))
-        shards = [cp.shard_sequence(t, dim=2, layout="zigzag") for t in (q, k, v)]
+        shards = [cp.shard_sequence(t, dim=2, shard_layout="zigzag") for t in (q, k, v)]
 
         def run(fn):
             a, b, c = (t.clone().requires_grad_() for t in shards)
@@ -26,7 +26,7 @@ def _compile_suite(rank, world):
             (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
             return [out.detach(), a.grad, b.grad, c.grad]
 
-        f = lambda a, b, c: cp.context_parallel_attention(a, b, c, mode=mode, layout="zigzag", causal=True,
+        f = lambda a, b, c: cp.context_parallel_attention(a, b, c, mode=mode, shard_layout="zigzag", causal=True,
                                                           window_size=(9, -1))
         torch._dynamo.reset()
         want = run(f)

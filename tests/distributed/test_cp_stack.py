@@ -40,7 +40,7 @@ TRAIN_ARGS = ["--steps", "5", "--quiet"]
 TRAIN_RUNS = {  # name -> extra options: DDP over the batch, or with --cp the sequence sharded; FSDP2 likewise
     "ddp": [],
     "cp-zigzag": ["--cp"],
-    "cp-contiguous": ["--cp", "--layout", "contiguous"],
+    "cp-contiguous": ["--cp", "--shard-layout", "contiguous"],
     "fsdp": ["--fsdp"],
     "fsdp-cp": ["--fsdp", "--cp"],
 }

@@ -51,15 +51,15 @@ def _qkv():
     return torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
-def test_layout_not_contiguous(layout):
+@pytest.mark.parametrize("shard_layout", ["zigzag", "stripe"])
+def test_layout_not_contiguous(shard_layout):
     with pytest.raises(ValueError, match="contiguous"):
-        cp.context_parallel_linear_attention(*_qkv(), layout=layout)
+        cp.context_parallel_linear_attention(*_qkv(), shard_layout=shard_layout)
 
 
 def test_bad_layout_name():
-    with pytest.raises(ValueError, match="layout must be one of"):
-        cp.context_parallel_linear_attention(*_qkv(), layout="ring")
+    with pytest.raises(ValueError, match="shard_layout must be one of"):
+        cp.context_parallel_linear_attention(*_qkv(), shard_layout="ring")
 
 
 def test_decay_errors():
@@ -79,7 +79,7 @@ def test_key_mask_errors():
     with pytest.raises(ValueError, match="key_mask must be bool"):
         cp.context_parallel_linear_attention(q, k, v, key_mask=torch.ones(1, 4))
     with pytest.raises(ValueError, match="key_mask must be this rank's"):  # bshd: still (B, n)
-        cp.context_parallel_linear_attention(*(t.transpose(1, 2) for t in (q, k, v)), qkv_layout="bshd",
+        cp.context_parallel_linear_attention(*(t.transpose(1, 2) for t in (q, k, v)), layout="bshd",
                                              key_mask=torch.ones(1, 2, dtype=torch.bool))
 
 

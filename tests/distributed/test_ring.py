@@ -61,9 +61,9 @@ def test_error_does_not_grow_with_ranks():
 
 # -- no process group needed ---------------------------------------------------------------------
 
-def _plans(world, layout, s, **kw):
+def _plans(world, shard_layout, s, **kw):
     """{(rank, owner): the step's plan} for every pair of shards."""
-    pos = [cp.global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)]
+    pos = [cp.global_positions(s, rank=r, world_size=world, shard_layout=shard_layout) for r in range(world)]
     o = dict(seq_len=s, wl=-1, wr=-1, alibi_slopes=None, acc=torch.float32, device=torch.device("cpu"))
     o.update(kw)
     return {(r, w): ring._plan(pos[r], pos[w], **o) for r in range(world) for w in range(world)}
@@ -104,15 +104,16 @@ def test_plan_skips_empty_shards():
     assert st.mask is not None and st.mask.dtype == torch.bool and (st.i0, st.i1, st.j0, st.j1) == (0, 2, 6, 8)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stripe"])
+@pytest.mark.parametrize("shard_layout", ["contiguous", "zigzag", "stripe"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_plan_plain_matches_the_pair_matrix(layout, causal):
+def test_plan_plain_matches_the_pair_matrix(shard_layout, causal):
     """_plan's O(n) path (no window, no ALiBi) gives the call the (n, n) pair matrix gives, or
     defers to it: same box, same causal flag, same mask, for every (rank, owner) and padding."""
     for world in (2, 3, 4):
         for s in (4 * world * 2, 4 * world * 5):
             for seq_len in (s, s - 3):
-                pos = [cp.global_positions(s, rank=r, world_size=world, layout=layout) for r in range(world)]
+                pos = [cp.global_positions(s, rank=r, world_size=world, shard_layout=shard_layout)
+                       for r in range(world)]
                 for r in range(world):
                     for w in range(world):
                         wr = 0 if causal else -1
@@ -158,5 +159,5 @@ def test_ring_errors():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         cp.context_parallel_attention(q, q, q, mode="ring", alibi_slopes=torch.ones(2, requires_grad=True))
-    with pytest.raises(ValueError, match="qkv_layout"):
-        cp.context_parallel_attention(q, q, q, mode="ring", qkv_layout="sbhd")
+    with pytest.raises(ValueError, match="layout"):
+        cp.context_parallel_attention(q, q, q, mode="ring", layout="sbhd")

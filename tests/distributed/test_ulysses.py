@@ -1,7 +1,7 @@
 """context_parallel_attention(mode="ulysses") on 2, 3 and 4 gloo ranks on the CPU.
 
 One spawned group per world size runs every case (tests/distributed/cases.py: ulysses_suite):
-each layout x option (causal, window, ALiBi, sinks, softcap, GQA with split / replicated /
+each sharding x option (causal, window, ALiBi, sinks, softcap, GQA with split / replicated /
 straddling KV heads, bshd, odd lengths, bf16) against the single-process fused kernel on the whole
 sequence, forward, LSE and every gradient, with 2 all-to-alls forward and 2 backward counted;
 then the H % P error. The tests below report the cases one by one.

@@ -1,6 +1,6 @@
 """Property-based fuzzing of context parallelism (attention_ext.distributed) on live gloo groups of
 1 to 4 CPU ranks (tests/distributed/harness.Group, one per world size, kept across examples):
-every mode (allgather, ring, ulysses) and layout, with padding to the layout's multiple, GQA,
+every mode (allgather, ring, ulysses) and shard_layout, with padding to the sharding's multiple, GQA,
 causal, windows, ALiBi, softcap, sinks and both qkv layouts, in every dtype.
 
 Per example, the ranks run the drawn case (tests/distributed/fuzz_cases.py) and check on their
@@ -54,12 +54,12 @@ def cp_case(draw):
         h = world * draw(st.integers(1, 2))
         hk = draw(st.sampled_from([x for x in range(1, h + 1) if h % x == 0]))
     return dict(
-        world=world, mode=mode, layout=draw(st.sampled_from(cp.LAYOUTS)),
+        world=world, mode=mode, shard_layout=draw(st.sampled_from(cp.LAYOUTS)),
         dtype=draw(st.sampled_from(list(fuzz_cases.DTYPES))), b=draw(st.integers(1, 2)), h=h, hk=hk,
         real=draw(lengths), d=draw(head_dims), causal=draw(st.booleans()),
         window=draw(st.sampled_from([(-1, -1), (-1, -1), (5, 3), (0, 0), (17, -1), (-1, 2)])),
         alibi=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 0.0, 3.0])), sinks=draw(st.booleans()),
-        qkv_layout=draw(st.sampled_from(["bhsd", "bshd"])),
+        layout=draw(st.sampled_from(["bhsd", "bshd"])),
         storage=draw(st.sampled_from(["contig", "transposed", "sliced", "strided_seq"])),
         grad=draw(st.booleans()), seed=draw(seeds))
 

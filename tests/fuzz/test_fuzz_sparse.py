@@ -71,7 +71,7 @@ def test_fuzz_sparse(data, entry):
     if kpm_t is not None:
         ok = ok & kpm_t.view(b, 1, 1, sk)
     scale = 1.0 / math.sqrt(d)
-    opts = dict(causal=causal, key_mask=kpm_t, layout_qkv=layout, return_lse=True,
+    opts = dict(causal=causal, key_mask=kpm_t, layout=layout, return_lse=True,
                 bottom_right=bottom_right, window=window, softcap=softcap)
     if entry == "block_sparse":
         nbq, nbk = -(-sq // bs), -(-sk // bs)

@@ -64,7 +64,7 @@ def test_block_sparse_bshd_and_cross_lengths():
     q, k, v = qkv(b, h, h, sq, sk)
     lay = L.random(0.5, 2, seq_len=sq, seq_len_k=sk, block_size=bs, heads=h)
     got = ae.block_sparse_attention(*(t.transpose(1, 2) for t in (q, k, v)), lay, block_size=bs,
-                                    layout_qkv="bshd")
+                                    layout="bshd")
     ref, _ = block_sparse_attention_ref(q, k, v, lay, bs)
     torch.testing.assert_close(got.transpose(1, 2), ref, rtol=1e-10, atol=1e-10)
 

@@ -236,19 +236,19 @@ def test_index_cache_follows_in_place_edits():
 
 BAD = [
     ("block not a multiple of 16", dict(block_size=24), ValueError, "multiple of 16"),
-    ("layout shape", dict(layout=torch.ones(2, 3, 3, dtype=torch.bool)), ValueError, "block_layout must be"),
-    ("layout heads", dict(layout=torch.ones(3, 2, 2, dtype=torch.bool)), ValueError, "block_layout must be"),
-    ("layout dtype", dict(layout=torch.ones(2, 2, 2)), TypeError, "bool"),
+    ("layout shape", dict(block_layout=torch.ones(2, 3, 3, dtype=torch.bool)), ValueError, "block_layout must be"),
+    ("layout heads", dict(block_layout=torch.ones(3, 2, 2, dtype=torch.bool)), ValueError, "block_layout must be"),
+    ("layout dtype", dict(block_layout=torch.ones(2, 2, 2)), TypeError, "bool"),
 ]
 
 
 @pytest.mark.parametrize("name,change,exc,msg", BAD, ids=[b[0] for b in BAD])
 def test_bad_block_sparse_input(name, change, exc, msg):
     q, k, v = rand_qkv(1, 2, 2, 64, 64, 16, torch.float32, requires_grad=False)
-    a = dict(layout=torch.ones(2, 2, 2, dtype=torch.bool), block_size=32)
+    a = dict(block_layout=torch.ones(2, 2, 2, dtype=torch.bool), block_size=32)
     a.update(change)
     with pytest.raises(exc, match=msg):
-        ae.block_sparse_attention(q, k, v, a.pop("layout"), **a)
+        ae.block_sparse_attention(q, k, v, a.pop("block_layout"), **a)
 
 
 def test_bad_topk_input():

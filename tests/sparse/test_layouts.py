@@ -175,14 +175,14 @@ def test_union_intersection_broadcast_heads():
 def test_from_mask_block_aligned_causal():
     sm = L.from_mask(lambda q, kv: (kv // 32) <= (q // 32), 32, seq_len=128)
     assert sm.mask is None and sm.block_size == 32
-    assert torch.equal(sm.layout, torch.ones(4, 4, dtype=torch.bool).tril()[None])
+    assert torch.equal(sm.block_layout, torch.ones(4, 4, dtype=torch.bool).tril()[None])
     args = L.sparse_mask_args(sm)
-    assert args["attn_mask"] is None and args["block_size"] == 32 and args["layout"] is sm.layout
+    assert args["attn_mask"] is None and args["block_size"] == 32 and args["block_layout"] is sm.block_layout
 
 
 def test_from_mask_element_causal_keeps_mask():
     sm = L.from_mask(lambda q, kv: kv <= q, 32, seq_len=100)
-    assert torch.equal(sm.layout, torch.ones(4, 4, dtype=torch.bool).tril()[None])
+    assert torch.equal(sm.block_layout, torch.ones(4, 4, dtype=torch.bool).tril()[None])
     assert sm.mask is not None and torch.equal(sm.mask[0], torch.ones(100, 100, dtype=torch.bool).tril())
     assert L.sparse_mask_args(sm)["attn_mask"].shape == (1, 1, 100, 100)
 
@@ -192,7 +192,7 @@ def test_from_mask_ragged_edge_counts_as_full():
     elements still needs no element mask."""
     dense = torch.ones(100, 100, dtype=torch.bool)
     sm = L.from_mask(dense, 32)
-    assert sm.mask is None and sm.layout.all()
+    assert sm.mask is None and sm.block_layout.all()
 
 
 def test_from_mask_dense_per_head_and_function_with_heads():
@@ -200,11 +200,11 @@ def test_from_mask_dense_per_head_and_function_with_heads():
     dense[0, 3, 70] = True
     dense[1, 40:48, :16] = True
     sm = L.from_mask(dense, 16)
-    assert sm.layout.shape == (2, 4, 5)
-    assert sm.layout[0].nonzero().tolist() == [[0, 4]] and sm.layout[1].nonzero().tolist() == [[2, 0]]
+    assert sm.block_layout.shape == (2, 4, 5)
+    assert sm.block_layout[0].nonzero().tolist() == [[0, 4]] and sm.block_layout[1].nonzero().tolist() == [[2, 0]]
     assert sm.mask is not None and torch.equal(sm.mask, dense)
     sm2 = L.from_mask(lambda h, q, kv: (kv <= q) | (h == 1), 16, seq_len=64, heads=2)
-    assert sm2.layout.shape == (2, 4, 4) and sm2.layout[1].all() and not sm2.layout[0].triu(1).any()
+    assert sm2.block_layout.shape == (2, 4, 4) and sm2.block_layout[1].all() and not sm2.block_layout[0].triu(1).any()
 
 
 def test_from_mask_errors():
@@ -223,9 +223,9 @@ def test_from_mask_errors():
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    (lambda: L.sliding_window(-1, seq_len=64), ValueError, "window must be >= 0"),
+    (lambda: L.sliding_window(-1, seq_len=64), ValueError, "window_blocks must be >= 0"),
     (lambda: L.sliding_window(1, 0, seq_len=64), ValueError, "dilation must be >= 1"),
-    (lambda: L.sliding_window(1.5, seq_len=64), TypeError, "window must be an int"),
+    (lambda: L.sliding_window(1.5, seq_len=64), TypeError, "window_blocks must be an int"),
     (lambda: L.sliding_window(1, seq_len=64, block_size=0), ValueError, "block_size must be >= 1"),
     (lambda: L.sliding_window(1, seq_len=64, block_size=40), ValueError, "multiple of 16"),
     (lambda: L.sliding_window(1, seq_len=0), ValueError, "seq_len must be >= 1"),

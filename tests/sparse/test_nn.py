@@ -21,7 +21,7 @@ def projections(layer, x):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("pattern,kw", [("bigbird", dict(window=1, n_global=1, n_random=1, seed=2)),
+@pytest.mark.parametrize("pattern,kw", [("bigbird", dict(window_blocks=1, n_global=1, n_random=1, seed=2)),
                                         ("local_global", {}), ("fixed", dict(stride=2))])
 def test_layer_is_block_sparse_attention_of_its_projections(causal, pattern, kw):
     cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, attention_type="sparse", causal=causal,
@@ -34,7 +34,7 @@ def test_layer_is_block_sparse_attention_of_its_projections(causal, pattern, kw)
     assert lay.shape == (4, 5, 5)
     if causal:
         assert not lay.triu(1).any()
-    ref = ae.block_sparse_attention(q, k, v, lay, block_size=16, causal=causal, layout_qkv="bshd")
+    ref = ae.block_sparse_attention(q, k, v, lay, block_size=16, causal=causal, layout="bshd")
     torch.testing.assert_close(layer(x), layer.out_proj(ref.reshape(2, 70, 32)))
 
 
@@ -42,7 +42,7 @@ def test_topk_layer_and_build():
     layer = SparseAttention.build(32, 4, pattern="topk", topk=3, causal=True)
     x = torch.randn(2, 20, 32)
     q, k, v = projections(layer, x)
-    ref = ae.topk_attention(q, k, v, 3, causal=True, layout_qkv="bshd")
+    ref = ae.topk_attention(q, k, v, 3, causal=True, layout="bshd")
     torch.testing.assert_close(layer(x), layer.out_proj(ref.reshape(2, 20, 32)))
 
 
@@ -58,7 +58,7 @@ def test_layout_cache_per_length_and_device():
 
 
 def test_weights_respect_the_layout():
-    layer = SparseAttention.build(32, 2, pattern="sliding_window", block_size=16, window=0)
+    layer = SparseAttention.build(32, 2, pattern="sliding_window", block_size=16, window_blocks=0)
     layer.keep_weights = True
     layer(torch.randn(1, 40, 32))
     w = layer.last_weights
@@ -92,9 +92,13 @@ def test_bad_configs():
         mk(sparse_pattern="random", causal=True, sparse_kwargs=dict(density=0.5))
     with pytest.raises(ValueError, match="multiple of 16"):
         mk(sparse_block_size=24)
-    with pytest.raises(ValueError, match="window must be >= 0"):
-        mk(sparse_kwargs=dict(window=-1))
-    with pytest.raises(ValueError, match="needs a layout"):
+    with pytest.raises(ValueError, match="window_blocks must be >= 0"):
+        mk(sparse_kwargs=dict(window_blocks=-1))
+    # the old key `window` (a (left, right) pair of keys elsewhere) names window_blocks, per pattern
+    for pattern in ("local_global", "longformer", "bigbird", "sliding_window"):
+        with pytest.raises(TypeError, match=r"takes window_blocks \(key blocks .*window is its old name"):
+            mk(sparse_pattern=pattern, sparse_kwargs=dict(window=1))
+    with pytest.raises(ValueError, match="needs a block layout"):
         Attention(AttentionConfig(d_model=16, n_heads=2, attention_type="sparse"))(torch.randn(1, 4, 16))
 
 
@@ -153,7 +157,7 @@ def test_options_compose_and_weights_match(pattern):
     layer = make_attention(cfg)
     x = torch.randn(2, 45, 32)
     q, k, v = projections(layer, x)
-    opts = dict(causal=True, window=(20, 0), alibi_slopes=layer.alibi_slopes, softcap=5.0, layout_qkv="bshd")
+    opts = dict(causal=True, window=(20, 0), alibi_slopes=layer.alibi_slopes, softcap=5.0, layout="bshd")
     if pattern == "topk":
         ref = ae.topk_attention(q, k, v, 6, **opts)
     else:
