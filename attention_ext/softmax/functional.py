@@ -201,10 +201,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, seqlens_k: Optional[Tensor], alibi_
     if seqlens_k is not None:
         seqlens_k = seqlens_k.clamp(0, k.shape[2])
     args = (q, k, v, seqlens_k, None, None, None, alibi_slopes, sinks, scale, softcap, window_left, window_right, 0)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return _DECODE_OP(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _DECODE_OP(*args)
+    return ops.call_below_autograd(_DECODE_OP, args)
 
 
 def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, sk: int) -> Tensor:

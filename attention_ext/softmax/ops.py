@@ -322,18 +322,24 @@ _FWD_TEMPLATE = [_OPTION_DEFAULTS.get(n, _MISSING) for n in FWD_ARGS]
 _FWD_TENSOR_SLOTS = tuple(_FWD_INDEX[n] for n in ("q", "k", "v", *_OPTION_TENSORS) if n in _FWD_INDEX)
 
 
-def call_fwd(args: list, grad_slots: Tuple[int, ...] = _FWD_TENSOR_SLOTS) -> Tuple[Tensor, Tensor]:
-    """torch.ops.attention_ext.fwd on its full argument list (FWD_ARGS order).
+def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
+    """op(*args) for a call with nothing to differentiate: straight to the device kernel below the
+    Autograd key, which is what a registered Python autograd layer would do itself, without its
+    Python (a pytree walk over every argument, ~4 us a call: most of a small call's fixed cost).
+    torch.compile and functorch transforms keep the full dispatch. The one home of that rule
+    (fwd's calls and the decode kernel's)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
 
-    When no tensor argument requires grad (or grad mode is off), the call goes straight to the
-    device kernel below the Autograd key: what the registered autograd layer would do itself,
-    without its Python (a pytree walk over every argument, ~4 us a call: most of a small call's
-    fixed cost). torch.compile and functorch transforms keep the full dispatch. grad_slots: the
-    argument slots that may hold a tensor (fwd_plain's: q, k, v)."""
+
+def call_fwd(args: list, grad_slots: Tuple[int, ...] = _FWD_TENSOR_SLOTS) -> Tuple[Tensor, Tensor]:
+    """torch.ops.attention_ext.fwd on its full argument list (FWD_ARGS order), below the Autograd
+    key (call_below_autograd) when grad mode is off or no tensor argument requires grad.
+    grad_slots: the argument slots that may hold a tensor (fwd_plain's: q, k, v)."""
     if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad for i in grad_slots):
-        if not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
-            with torch._C._AutoDispatchBelowAutograd():
-                return _FWD_OP(*args)
+        return call_below_autograd(_FWD_OP, args)
     return _FWD_OP(*args)
 
 
@@ -378,11 +384,8 @@ def fwd_plain(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, w
     i = _PLAIN_SLOTS
     a[i[0]], a[i[1]], a[i[2]], a[i[3]], a[i[4]], a[i[5]], a[i[6]], a[i[7]] = (
         q.shape[2], k.shape[2], scale, window_left, window_right, bottom_right, num_splits, deterministic)
-    # call_fwd's rule, spelled out for the three tensors
-    if (not (q.requires_grad or k.requires_grad or v.requires_grad) or not torch.is_grad_enabled()) and not (
-            torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
-        with torch._C._AutoDispatchBelowAutograd():
-            return _FWD_OP(*a)
+    if not (q.requires_grad or k.requires_grad or v.requires_grad) or not torch.is_grad_enabled():
+        return call_below_autograd(_FWD_OP, a)
     return _FWD_OP(*a)
 
 
