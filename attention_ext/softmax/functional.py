@@ -160,10 +160,9 @@ def _as_bias(attn_mask: Optional[Tensor], key_mask: Optional[Tensor], b: int, h:
 
 
 # Query rows up to which a CPU call with nothing to differentiate runs on the decode kernel
-# (attention_ext.decode: key splits across threads, a GQA group's heads packed as rows) instead of
-# the fused forward's few-query path. Measured (one thread, process time, B1, S_k 2048-4096, fp32
-# and bf16): decode 1.4-5.4x faster at 1-8 rows, slower from 16 (the fused tiles take over).
-_DECODE_MAX_Q = 8
+# (attention_ext.decode) instead of the fused forward's tiles: the C++ rule's constant
+# (csrc/torch/softmax_params.h, kDecodeMaxQ), which ops.fwd_plain's plain calls follow in C++.
+_DECODE_MAX_Q = _ext._C.decode_max_q if _ext.HAS_EXT else 8
 _DECODE_OP = torch.ops.attention_ext.decode_fwd.default if _ext.HAS_EXT else None
 
 
@@ -171,7 +170,7 @@ def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int)
     """Whether a fused call runs on the decode kernel instead: a CPU call with at most
     _DECODE_MAX_Q query rows, nothing that needs a gradient, and only what the decode op
     expresses the same way (no mask or dropout, no block layout or top-k, no varlen pack; positions aligned
-    bottom-right as the decode op aligns them, unless nothing depends on positions)."""
+    bottom-right as the decode op aligns them, unless nothing depends on positions or Sq = Sk)."""
     o = opts
     if q.device.type != "cpu" or q.shape[2] > _DECODE_MAX_Q or k.shape[2] == 0 or topk > 0:
         return False
@@ -181,7 +180,7 @@ def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int)
     if o.get("cu_seqlens_q") is not None or o.get("cu_seqlens_k") is not None:
         return False
     positional = o["window_left"] >= 0 or o["window_right"] >= 0 or o["alibi_slopes"] is not None
-    if positional and not o["bottom_right"]:
+    if positional and not o["bottom_right"] and q.shape[2] != k.shape[2]:  # Sq = Sk: top-left is bottom-right
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (q, k, v, o["alibi_slopes"], o["sinks"])):
@@ -262,50 +261,42 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     return out.to(q.dtype), lse.to(acc)
 
 
+# The dtypes with a fused kernel on the CPU / on CUDA
+_PLAIN_DTYPES = {dev: frozenset(t for t in ops.DTYPES if ops.has_kernel(torch.device(dev), t)) for dev in ("cpu", "cuda")}
+
+
 def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic):
-    """attention() without tensor options, its arguments checked by the op alone: (out, lse), or
-    None where the general path must run (subclassed or non-4-D tensors, a device or dtype without
-    a kernel, a CPU call the decode kernel takes, a strided head dim, an unusual layout or window,
-    or any error: the general path then raises it in attention()'s words). Small calls are where
-    the Python in front of the op shows: at (1, 8, 16, 64) it was as long as the kernel."""
+    """attention() without tensor options, its arguments checked by the op alone (ops.fwd_plain,
+    which also takes a CPU call of few query rows to the decode kernel): (out, lse), or None where
+    the general path must run (subclassed or non-4-D tensors, a device or dtype without a kernel,
+    an unusual window, functorch transforms, or any error: the general path then raises it in
+    attention()'s words). Small calls are where the Python in front of the op shows: at
+    (1, 8, 16, 64) it was as long as the kernel, and each tensor attribute read here costs
+    ~35-120 ns."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.dim() == 4 and k.dim() == 4
             and v.dim() == 4):
         return None
-    if layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    elif layout != "bhsd":
-        return None
-    if type(window) is not tuple or len(window) != 2:
-        return None
-    wl, wr = window
-    if type(wl) is not int or type(wr) is not int or wl < -1 or wr < -1:
-        return None
+    if type(window) is tuple and window == (-1, -1):
+        wl = wr = -1
+    else:
+        if type(window) is not tuple or len(window) != 2:
+            return None
+        wl, wr = window
+        if type(wl) is not int or type(wr) is not int or wl < -1 or wr < -1:
+            return None
     if causal:  # window_pair's rule
         wr = 0
-    dev = q.device
-    if not ops.has_kernel(dev, q.dtype) or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+    if q.is_cpu:
+        if q.dtype not in _PLAIN_DTYPES["cpu"]:
+            return None
+    elif not q.is_cuda or q.dtype not in _PLAIN_DTYPES["cuda"]:
         return None
-    sc = _default_scale(q.shape[3]) if scale is None else float(scale)
-    if dev.type == "cpu" and q.shape[2] <= _DECODE_MAX_Q:
-        # _takes_decode_kernel's rule for a plain call: the decode op aligns positions bottom-right
-        # and has no backward
-        if ((wl >= 0 or wr >= 0) and not bottom_right) or k.shape[2] == 0 or (
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-            return None
-        from ..decode import ops as decode_ops  # deferred: the decode family imports softmax.ops
-
-        if not decode_ops.has_kernel(dev, q.dtype):
-            return None
-        try:
-            out, lse = _decode(q, k, v, None, None, None, sc, 0.0, wl, wr)
-        except (ValueError, TypeError, RuntimeError):
-            return None
-        return (out.transpose(1, 2) if layout == "bshd" else out), lse
+    if torch._C._are_functorch_transforms_active():  # the general path: the transforms see fwd
+        return None
     try:
-        out, lse = ops.fwd_plain(q, k, v, sc, wl, wr, bool(bottom_right), num_splits, deterministic)
+        return ops.fwd_plain(q, k, v, scale, wl, wr, bool(bottom_right), layout, num_splits, deterministic)
     except (ValueError, TypeError, RuntimeError):
         return None
-    return (out.transpose(1, 2) if layout == "bshd" else out), lse
 
 
 def attention(
@@ -386,6 +377,16 @@ def attention(
         fast = _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic)
         if fast is not None:
             return fast if return_lse else fast[0]
+    return _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, key_mask, seqlens_k,
+                      alibi_slopes, softcap, sinks, dropout_p, generator, seed, dropout_coords, return_lse,
+                      deterministic, num_splits, block_layout, block_size, topk, key_padding_mask)
+
+
+def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, key_mask, seqlens_k, alibi_slopes,
+               softcap, sinks, dropout_p, generator, seed, dropout_coords, return_lse, deterministic, num_splits,
+               block_layout, block_size, topk, key_padding_mask):
+    """attention() past its plain call (the lambdas of its messages make cells of these
+    names, which a Python function builds on every call: kept out of attention()'s own frame)."""
     if key_padding_mask is not None:
         raise key_padding_mask_renamed("attention()")
     for name, t in (("q", q), ("k", k), ("v", v)):

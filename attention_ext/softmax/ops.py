@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import sym_or
 from torch.types import Device
 
+from .. import _ext
 from .._ext import HAS_EXT, registered
 
 # device type -> a compiled kernel is registered; read once at import so the lookup stays
@@ -337,7 +338,7 @@ def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
 def call_fwd(args: list, grad_slots: Tuple[int, ...] = _FWD_TENSOR_SLOTS) -> Tuple[Tensor, Tensor]:
     """torch.ops.attention_ext.fwd on its full argument list (FWD_ARGS order), below the Autograd
     key (call_below_autograd) when grad mode is off or no tensor argument requires grad.
-    grad_slots: the argument slots that may hold a tensor (fwd_plain's: q, k, v)."""
+    grad_slots: the argument slots that may hold a tensor."""
     if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad for i in grad_slots):
         return call_below_autograd(_FWD_OP, args)
     return _FWD_OP(*args)
@@ -364,29 +365,29 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: 
         raise
 
 
-# fwd_plain's argument list: every tensor option None, no softcap, dropout, layout or top-k
-_PLAIN_TEMPLATE = [_OPTION_DEFAULTS.get(n, _MISSING) for n in FWD_ARGS]
-for _n, _x in dict(bias=None, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                   softcap=0.0, dropout_p=0.0, seed=0, offset=0).items():
-    if _n in _FWD_INDEX:
-        _PLAIN_TEMPLATE[_FWD_INDEX[_n]] = _x
-_PLAIN_SLOTS = tuple(_FWD_INDEX.get(n, -1) for n in ("max_seqlen_q", "max_seqlen_k", "scale", "window_left",
-                                                      "window_right", "bottom_right", "num_splits", "deterministic"))
+# torch.ops.attention_ext.fwd_plain (csrc/torch/softmax_plain.cpp): fwd with no tensor option, a
+# composite op of 10 arguments; _C.fwd_plain calls it without torch.ops' argument conversion.
+_PLAIN_OP = torch.ops.attention_ext.fwd_plain.default if HAS_EXT else None
+_PLAIN_ENTRY = _ext._C.fwd_plain if HAS_EXT else None
 
 
-def fwd_plain(q: Tensor, k: Tensor, v: Tensor, scale: float, window_left: int, window_right: int,
-              bottom_right: bool, num_splits: int = 1, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+def fwd_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, window_left: int = -1,
+              window_right: int = -1, bottom_right: bool = False, layout: str = "bhsd", num_splits: int = 0,
+              deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """fwd for a call with no tensor option (no mask, lengths, ALiBi, sinks, dropout, block
-    layout or top-k): the argument list filled by position. For small calls, where building
-    the keyword dict of fwd() was a measurable share of the call."""
-    a = _PLAIN_TEMPLATE.copy()
-    a[0], a[1], a[2] = q, k, v
-    i = _PLAIN_SLOTS
-    a[i[0]], a[i[1]], a[i[2]], a[i[3]], a[i[4]], a[i[5]], a[i[6]], a[i[7]] = (
-        q.shape[2], k.shape[2], scale, window_left, window_right, bottom_right, num_splits, deterministic)
-    if not (q.requires_grad or k.requires_grad or v.requires_grad) or not torch.is_grad_enabled():
-        return call_below_autograd(_FWD_OP, a)
-    return _FWD_OP(*a)
+    layout or top-k): the op fwd_plain, which takes the layout and the default scale itself and
+    goes below the Autograd key in C++ when nothing needs a gradient. Small calls are where the
+    argument handling in front of a kernel shows. Returns (out, lse), out in q's layout."""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or _plain_traced():
+        return _PLAIN_OP(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic)
+    return _PLAIN_ENTRY(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic)
+
+
+def _plain_traced() -> bool:
+    """Whether a call must take torch.ops' full path: torch.compile tracing it, functorch
+    transforms, or a torch function mode (which torch.ops hands the call to)."""
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._is_torch_function_mode_enabled())
 
 
 def topk_threshold(q: Tensor, k: Tensor, k_top: int, **options) -> Tuple[Tensor, Tensor]:

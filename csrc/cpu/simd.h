@@ -90,12 +90,18 @@ template <typename V>
 inline auto hmax(V v) {
   using E = decltype(v[0] + 0);
   constexpr int n = int(sizeof(V) / sizeof(E));
-  E a[n];
-  std::memcpy(a, &v, sizeof(v));
-  for (int w = n / 2; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) a[i] = a[i + w] > a[i] ? a[i + w] : a[i];
+  if constexpr (n <= 2) {
+    return n == 1 || !(v[1] > v[0]) ? E(v[0]) : E(v[1]);
+  } else {
+    // lane i against lane i + n / 2, in registers (through a stack array the compiler made a
+    // chain of scalar maxes behind a store); a NaN in the lower lane is kept, in the upper one
+    // dropped, at every level
+    typedef E H __attribute__((vector_size(sizeof(V) / 2)));
+    H lo, hi;
+    std::memcpy(&lo, &v, sizeof(H));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(H), sizeof(H));
+    return hmax(H(hi > lo ? hi : lo));
   }
-  return a[0];
 }
 template <typename V>
 inline auto hsum(V v) {

@@ -2,8 +2,12 @@
 // Python module attention_ext._C (what was compiled, for `python -m attention_ext info`). Each
 // family x device registers its kernels in its own binding file (softmax_cpu.cpp,
 // softmax_cuda.cpp, linear_cpu.cpp).
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <Python.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -143,6 +147,66 @@ PyObject* py_cpu_peak_flops(PyObject*, PyObject* args) {
 }
 
 
+// attention_ext::fwd_plain called from Python without the op's generic argument conversion
+// (torch.ops converts each argument to an IValue against the schema: about 1 us of a small
+// call). Positional arguments, the schema's order; plain tensors only, no torch function mode
+// (else TypeError: the Python caller takes torch.ops' path, which handles them). The call goes
+// through the dispatcher as any op call does (autograd, profiler, dispatch modes), without the
+// GIL, as torch's own bindings.
+PyObject* py_fwd_plain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 std::optional<double>, int64_t, int64_t, bool, c10::string_view,
+                                                 int64_t, bool);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::fwd_plain", "").typed<Sig>();
+  if (nargs != 10) {
+    PyErr_Format(PyExc_TypeError, "fwd_plain: 10 positional arguments, got %zd", nargs);
+    return nullptr;
+  }
+  if (!THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) || !THPVariable_CheckExact(args[2]) ||
+      at::impl::torch_function_mode_enabled()) {
+    PyErr_SetString(PyExc_TypeError, "fwd_plain: q, k, v must be plain tensors, with no torch function mode");
+    return nullptr;
+  }
+  std::optional<double> scale;
+  if (args[3] != Py_None) {
+    scale = PyFloat_AsDouble(args[3]);
+    if (*scale == -1.0 && PyErr_Occurred()) return nullptr;
+  }
+  int64_t ints[3];
+  for (int i = 0; i < 3; ++i) {
+    ints[i] = PyLong_AsLongLong(args[i == 2 ? 8 : 4 + i]);
+    if (ints[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  const int bottom_right = PyObject_IsTrue(args[6]), deterministic = PyObject_IsTrue(args[9]);
+  Py_ssize_t layout_len = 0;
+  const char* layout = PyUnicode_AsUTF8AndSize(args[7], &layout_len);
+  if (bottom_right < 0 || deterministic < 0 || layout == nullptr) return nullptr;
+  const at::Tensor &q = THPVariable_Unpack(args[0]), &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
+  std::tuple<at::Tensor, at::Tensor> res;
+  {
+    // released for the call and taken back when it ends or throws (HANDLE_TH_ERRORS needs it)
+    struct NoGil {
+      PyThreadState* state = PyEval_SaveThread();
+      ~NoGil() { PyEval_RestoreThread(state); }
+    } no_gil;
+    res = op.call(q, k, v, scale, ints[0], ints[1], bottom_right != 0, c10::string_view(layout, size_t(layout_len)),
+                  ints[2], deterministic != 0);
+  }
+  PyObject* out = THPVariable_Wrap(std::move(std::get<0>(res)));
+  PyObject* lse = THPVariable_Wrap(std::move(std::get<1>(res)));
+  if (out == nullptr || lse == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(lse);
+    return nullptr;
+  }
+  PyObject* pair = PyTuple_Pack(2, out, lse);
+  Py_DECREF(out);
+  Py_DECREF(lse);
+  return pair;
+  END_HANDLE_TH_ERRORS
+}
+
 #if defined(ATTN_SANITIZE)
 // Test-only canaries of the sanitized build (ATTENTION_EXT_SANITIZE=1, tests/sanitizers): each
 // commits one defect the sanitizers must report, so a clean run proves they were live. Called
@@ -175,6 +239,9 @@ PyMethodDef module_methods[] = {
     {"cpu_isas", py_cpu_isas, METH_O, "the levels built and runnable here (all=True: built), comma-separated"},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
     {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},
+    {"fwd_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fwd_plain)), METH_FASTCALL,
+     "fwd_plain(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic): "
+     "torch.ops.attention_ext.fwd_plain for plain tensors, without torch.ops' argument conversion"},
     {"cpu_peak_flops", py_cpu_peak_flops, METH_VARARGS,
      "cpu_peak_flops(kind, threads, seconds): FLOP/s of threads (0: torch's count) running the active level's "
      "'fp32_fma' or 'bf16_dot' loop, the best 1 ms burst of `seconds` (one at least); 0.0 where the level "
@@ -196,6 +263,9 @@ TORCH_LIBRARY(attention_ext, m) {
         ", int num_splits=1, bool deterministic=False) -> (Tensor, Tensor)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // fwd with no tensor option, for small calls (softmax_plain.cpp): a composite of fwd
+  m.def("fwd_plain(Tensor q, Tensor k, Tensor v, float? scale=None, int window_left=-1, int window_right=-1, "
+        "bool bottom_right=False, str layout=\"bhsd\", int num_splits=0, bool deterministic=False) -> (Tensor, Tensor)");
   m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
   // sparse family: block-sparse attention is fwd / bwd with block_layout; top-k's threshold pass
   // (common/block_sparse.h) takes the same options (top-k's own left unset) and returns the
@@ -221,6 +291,7 @@ TORCH_LIBRARY(attention_ext, m) {
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* mod = PyModule_Create(&module_def);
   if (mod == nullptr) return nullptr;
+  PyModule_AddIntConstant(mod, "decode_max_q", attn::api::kDecodeMaxQ);
 #if defined(ATTN_WITH_CUDA)
   PyModule_AddIntConstant(mod, "with_cuda", 1);
   PyModule_AddStringConstant(mod, "cuda_archs", ATTN_CUDA_ARCHS);

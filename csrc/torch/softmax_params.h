@@ -59,6 +59,14 @@ namespace api {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
+// A CPU call with at most this many query rows, no tensor option (a mask, lengths, dropout, a
+// block layout, top-k, varlen) and nothing to differentiate runs on the decode kernel (key
+// splits across threads, a GQA group's heads packed as rows) instead of the fused forward's
+// tiles: measured 1.4-5.4x faster at 1-8 rows (one thread, B1, S_k 2048-4096, fp32 and bf16),
+// slower from 16. fwd_plain routes by it (softmax_plain.cpp); attention_ext._C.decode_max_q
+// gives it to the general path in Python.
+constexpr int64_t kDecodeMaxQ = 8;
+
 // The options every entry point takes, after the tensors.
 struct Options {
   OptTensor bias, alibi_slopes, sinks, seqlens_k, cu_seqlens_q, cu_seqlens_k;

@@ -47,6 +47,15 @@ struct FwdWorker {
   T *q, *s, *o, *m, *l, *row, *kvrow, *kgrp, *ktr, *oc, *lc, *pb;
   uint16_t *qb, *sb;  // the bf16 dot path: the q tile and one tile's P, in bf16 (carved as T)
   uint64_t hidden[kBlockM * kMaskWords];  // the keys each tile row hides (tile.h's hidden_keys)
+  // The task's Q rows as Q K^T reads them: the q tile (row stride dp), or q itself where it
+  // already is T with rows of dp contiguous elements (no copy).
+  const T* qa0;
+  int64_t ldq;
+  // Whether the task's O holds a tile's product yet, and whether oc holds compensations: the
+  // first tile writes P V straight into O (no zero fill, rescale or compensated add), and oc is
+  // zeroed only when a second tile comes. A call whose keys fit one tile (small calls) never
+  // touches oc.
+  bool o_ready, oc_ready;
 
   FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb,
             const uint16_t* ktb_ = nullptr, const uint16_t* vrb_ = nullptr)
@@ -141,7 +150,7 @@ struct FwdWorker {
   // block (the dense walk: whole kBlockN blocks, lo = j0, hi = j0 + n).
   void tile(const Tile& t, int ra, int rb, int j0, int n, int lo, int hi) {
     const int d = kidx.d, dp = kidx.dp, rows = rb - ra;
-    T* qa = q + ra * dp;
+    const T* qa = qa0 + ra * ldq;
     T* sa = s + ra * kBlockN;
     T* oa = o + ra * dp;
     T* oca = oc + ra * dp;
@@ -155,7 +164,7 @@ struct FwdWorker {
     } else if (t.kt_bh == nullptr) {
       direct_scores(qa, sa, rows, j0, n, t.len_k, t.kbase, d, dp);
     } else {
-      gemm<false>(rows, n, d, qa, dp, t.kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, sa, kBlockN);
+      gemm<false>(rows, n, d, qa, ldq, t.kt_bh + int64_t(j0) * dp, kPanel<T>, int64_t(dp) * kPanel<T>, sa, kBlockN);
     }
     const int i_lo = t.i0 + ra;
     const bool full = t.ts.tile_full(i_lo, i_lo + rows, j0, n);
@@ -165,6 +174,8 @@ struct FwdWorker {
     }
     // keys this tile may hide from some row (a full, unclipped tile without top-k hides none)
     const bool may_hide = !full || lo > j0 || hi < j0 + n || t.pol.topk_thr != nullptr;
+    // the task's first tile: its P V is O (below), so there is nothing to rescale
+    const bool fresh = !o_ready;
     uint64_t* hid = hidden + ra * kMaskWords;
     for (int r = 0; r < rows; ++r) {
       T* srow = sa + r * kBlockN;
@@ -175,12 +186,14 @@ struct FwdWorker {
       const T m_new = t.ts.online_update(srow, mr, &l[ra + r], &lc[ra + r], n);
       if (m_new != mr) {
         // rescale the running output by e^{m - m'} (0 when the row saw nothing before)
-        const T alpha = std::isinf(mr) ? T(0) : std::exp(mr - m_new);
-        T* orow = oa + r * dp;
-        T* ocrow = oca + r * dp;
-        for (int c = 0; c < dp; c += L) {
-          vstore(orow + c, vload(orow + c) * alpha);
-          vstore(ocrow + c, vload(ocrow + c) * alpha);
+        if (!fresh) {
+          const T alpha = std::isinf(mr) ? T(0) : std::exp(mr - m_new);
+          T* orow = oa + r * dp;
+          T* ocrow = oca + r * dp;
+          for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * alpha);
+          if (oc_ready) {
+            for (int c = 0; c < dp; c += L) vstore(ocrow + c, vload(ocrow + c) * alpha);
+          }
         }
         mr = m_new;
       }
@@ -190,7 +203,8 @@ struct FwdWorker {
         if (t.vb_bh != nullptr) rows_to_bf16(srow, kBlockN, sb + (ra + r) * kBlockN, kBlockN, 1, n);
       }
     }
-    // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated
+    // the tile's P (rows, n) @ V block (n, dp), then O += it, compensated (the first tile's is O)
+    if (fresh) pba = oa;
     if (t.vb_bh != nullptr) {
       if constexpr (std::is_same<T, float>::value) {
         // P rounded to bf16 (above)
@@ -214,7 +228,12 @@ struct FwdWorker {
                       [&](int r, int jj) { return key_hidden(hid + r * kMaskWords, jj); });
       }
     }
-    kahan_add(oa, oca, pba, rows * dp);
+    if (!fresh) {
+      if (!oc_ready) std::fill(oca, oca + size_t(rows) * dp, T(0));
+      oc_ready = true;
+      kahan_add(oa, oca, pba, rows * dp);
+    }
+    o_ready = true;
   }
 
   // Top-k rows: at most k keys of a row survive its threshold, so instead of exp over the tile
@@ -285,7 +304,11 @@ struct FwdWorker {
     // (rows, d) tile of Q in T
     const char* qbase = elem(p.q, dt, si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride));
     const bool dot = ktb != nullptr;
-    for (int r = 0; r < rows; ++r) {
+    // T rows of dp elements are read in place by the packed path's Q K^T
+    const bool q_in_place = !dot && kt != nullptr && es == sizeof(T) && d == dp;
+    qa0 = q_in_place ? reinterpret_cast<const T*>(qbase) : q;
+    ldq = q_in_place ? p.q_row_stride : dp;
+    for (int r = 0; r < rows && !q_in_place; ++r) {
       if (dot) {  // bf16 as it is
         std::memcpy(qb + r * dp, qbase + es * r * p.q_row_stride, sizeof(uint16_t) * d);
         std::fill(qb + r * dp + d, qb + (r + 1) * dp, uint16_t(0));
@@ -294,8 +317,13 @@ struct FwdWorker {
       }
     }
 
-    std::fill(o, o + size_t(rows) * dp, T(0));
-    std::fill(oc, oc + size_t(rows) * dp, T(0));
+    // the dense walk's first tile writes O; the block-sparse walk (tiles of some of the rows)
+    // and top-k's rows (which add into O) start from zeros
+    o_ready = oc_ready = p.sparse.on() || pol.topk_thr != nullptr;
+    if (o_ready) {
+      std::fill(o, o + size_t(rows) * dp, T(0));
+      std::fill(oc, oc + size_t(rows) * dp, T(0));
+    }
     std::fill(m, m + kBlockM, -std::numeric_limits<T>::infinity());
     std::fill(l, l + kBlockM, T(0));
     std::fill(lc, lc + kBlockM, T(0));
@@ -346,12 +374,20 @@ struct FwdWorker {
     T* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + si.row_q + i0;
     const T sink = p.sinks != nullptr ? p.sinks[h] : -std::numeric_limits<T>::infinity();
     const T keep_scale = p.dropout_p > 0.f ? T(1) / (T(1) - T(p.dropout_p)) : T(1);
+    if (!o_ready) std::fill(o, o + size_t(rows) * dp, T(0));  // no key reached: 0 (not 0 x garbage)
+    // T rows of dp elements are written in place
+    const bool o_in_place = es == sizeof(T) && d == dp;
     for (int r = 0; r < rows; ++r) {
       const T inv = finish_row(m[r], l[r] - lc[r], p.sinks != nullptr, sink, keep_scale, &lse[r]);
       const T* orow = o + r * dp;
       const T* ocrow = oc + r * dp;
-      for (int c = 0; c < dp; c += L) vstore(row + c, (vload(orow + c) - vload(ocrow + c)) * inv);
-      store_row(dt, row, obase + es * r * p.o_row_stride, d);
+      T* dst = o_in_place ? reinterpret_cast<T*>(obase + es * r * p.o_row_stride) : row;
+      if (oc_ready) {
+        for (int c = 0; c < dp; c += L) vstore(dst + c, (vload(orow + c) - vload(ocrow + c)) * inv);
+      } else {
+        for (int c = 0; c < dp; c += L) vstore(dst + c, vload(orow + c) * inv);
+      }
+      if (!o_in_place) store_row(dt, row, obase + es * r * p.o_row_stride, d);
     }
   }
 };

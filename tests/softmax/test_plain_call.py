@@ -1,0 +1,201 @@
+"""The plain call: attention() / the SDPA drop-in with no tensor option go through
+torch.ops.attention_ext.fwd_plain (a composite of fwd that also takes few-row CPU calls to the
+decode kernel), called from Python by attention_ext._C.fwd_plain. Each route against the float64
+reference, the op under opcheck and gradcheck, the entry's own argument handling, and the ways
+back to torch.ops' full path (torch function modes, functorch, torch.compile)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attention_ext as ae
+from attention_ext import _ext
+from attention_ext.softmax import ops
+from tests.helpers import assert_close_fa2, rand_qkv, reference_in
+
+pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
+
+PLAIN = torch.ops.attention_ext.fwd_plain.default
+
+
+class _OpSpy(TorchDispatchMode):
+    """The names of attention_ext's ops that run below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.startswith("attention_ext::"):
+            self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def _reference(q, k, v, layout, window, bottom_right, scale, dtype):
+    to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
+    kw = dict(window=window, bottom_right=bottom_right, scale=scale)
+    qb, kb, vb = (to_bhsd(t.detach()) for t in (q, k, v))
+    ref, ref_lse, _ = reference_in(torch.float64, qb, kb, vb, **kw)
+    low, _, _ = reference_in(dtype, qb, kb, vb, **kw)
+    return to_bhsd(ref), to_bhsd(low), ref_lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 37), (5, 9), (8, 8), (9, 9), (16, 16), (20, 5), (33, 150)])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("window,bottom_right", [((-1, -1), False), ((-1, 0), False), ((-1, 0), True),
+                                                 ((3, 2), True), ((2, 5), False)])
+def test_routes_match_reference(dtype, sq, sk, layout, window, bottom_right):
+    """No gradient: a CPU call of <= decode_max_q rows whose positions the decode op expresses
+    (no window, bottom-right, or Sq = Sk) runs the decode kernel, any other the fused one; both against
+    the float64 reference, rows that see nothing included (out 0, lse -inf)."""
+    torch.manual_seed(sq * 1000 + sk)
+    q, k, v = rand_qkv(2, 6, 2, sq, sk, 40, dtype, layout=layout, requires_grad=False)
+    spy = _OpSpy()
+    with spy:
+        out, lse = ae.attention(q, k, v, layout=layout, window=window, bottom_right=bottom_right, return_lse=True)
+    decode = sq <= _ext._C.decode_max_q and (window == (-1, -1) or bottom_right or sq == sk)
+    assert spy.ops == ["attention_ext::decode_fwd" if decode else "attention_ext::fwd"]
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 6, sq)
+    ref, low, ref_lse = _reference(q, k, v, layout, window, bottom_right, None, dtype)
+    assert_close_fa2(out, low, ref, dtype, "out")
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert bool((out.transpose(1, 2) if layout == "bshd" else out)[~fin].eq(0).all())
+    if fin.any():
+        assert (lse[fin].double() - ref_lse[fin]).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("sq", [4, 24])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gradients_take_the_fused_op(sq, layout):
+    """Inputs that need a gradient keep the fused op (it has the backward), decode-sized or not;
+    the gradients match the float64 reference within 2x PyTorch's float32 error."""
+    torch.manual_seed(sq)
+    q, k, v = rand_qkv(1, 4, 2, sq, 30, 32, torch.float32, layout=layout)
+    spy = _OpSpy()
+    with spy:
+        out = ae.attention(q, k, v, layout=layout, causal=True, bottom_right=True)
+    assert "attention_ext::fwd" in spy.ops and "attention_ext::decode_fwd" not in spy.ops
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref, low, _ = _reference(q, k, v, layout, (-1, 0), True, None, torch.float32)
+    qs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    qs32 = [t.detach().requires_grad_() for t in (q, k, v)]
+    to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
+    r = ae.reference.attention(*(to_bhsd(t) for t in qs), window=(-1, 0), bottom_right=True)[0]
+    r.backward(to_bhsd(dout).double())
+    r32 = ae.reference.attention(*(to_bhsd(t) for t in qs32), window=(-1, 0), bottom_right=True)[0]
+    r32.backward(to_bhsd(dout))
+    for name, ours, r64, r32_ in zip("qkv", (q, k, v), qs, qs32):
+        assert_close_fa2(ours.grad, r32_.grad, r64.grad, torch.float32, "d" + name)
+
+
+def test_gradcheck_fwd_plain():
+    q, k, v = rand_qkv(1, 2, 1, 6, 9, 8, torch.float64, layout="bshd")
+    torch.autograd.gradcheck(lambda q, k, v: PLAIN(q, k, v, 0.4, 3, 0, True, "bshd", 0, False)[0], (q, k, v))
+    q, k, v = rand_qkv(1, 2, 2, 11, 7, 8, torch.float64)
+    torch.autograd.gradcheck(lambda q, k, v: PLAIN(q, k, v, None, -1, -1, False, "bhsd", 0, False)[0], (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", ["decode", "fused", "bshd_window", "grad"])
+def test_opcheck_fwd_plain(dtype, case):
+    sq = 5 if case in ("decode", "grad") else 19
+    layout = "bshd" if case == "bshd_window" else "bhsd"
+    q, k, v = rand_qkv(2, 4, 2, sq, 23, 16, dtype, layout=layout, requires_grad=case == "grad")
+    window = (6, 0) if case == "bshd_window" else (-1, -1)
+    torch.library.opcheck(PLAIN, (q, k, v, None, *window, case == "bshd_window", layout, 0, False))
+    torch.library.opcheck(PLAIN, (q, k, v, 0.3, -1, -1, False, layout, 1, True))
+
+
+def test_entry_is_the_op():
+    """_C.fwd_plain gives what torch.ops gives, bit for bit, and shows in the profiler as the op."""
+    q, k, v = rand_qkv(1, 8, 8, 16, 16, 64, torch.float32, requires_grad=False)
+    args = (q, k, v, None, -1, 0, False, "bhsd", 0, False)
+    a, b = _ext._C.fwd_plain(*args), PLAIN(*args)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with torch.profiler.profile() as prof:
+        ae.attention(q, k, v)
+    assert "attention_ext::fwd_plain" in {e.name for e in prof.events()}
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_entry_argument_errors():
+    q, k, v = rand_qkv(1, 2, 2, 16, 16, 8, torch.float32, requires_grad=False)
+    good = [q, k, v, None, -1, -1, False, "bhsd", 0, False]
+    with pytest.raises(TypeError, match="10 positional"):
+        _ext._C.fwd_plain(q, k, v)
+    with pytest.raises(TypeError, match="plain tensors"):
+        _ext._C.fwd_plain(q.numpy(), *good[1:])
+    with pytest.raises(TypeError, match="plain tensors"):
+        _ext._C.fwd_plain(q.as_subclass(_Sub), *good[1:])
+    # a Parameter is a plain tensor
+    torch.testing.assert_close(_ext._C.fwd_plain(torch.nn.Parameter(q), *good[1:])[0].detach(),
+                               _ext._C.fwd_plain(*good)[0], rtol=0, atol=0)
+    with pytest.raises(TypeError):
+        _ext._C.fwd_plain(*good[:3], "0.5", *good[4:])
+    with pytest.raises(TypeError):
+        _ext._C.fwd_plain(*good[:4], 1.5, *good[5:])
+    with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
+        _ext._C.fwd_plain(*good[:7], "bsdh", *good[8:])
+    with pytest.raises(ValueError, match="head dim mismatch"):
+        _ext._C.fwd_plain(q, k[..., :4], v[..., :4], *good[3:])
+    # through attention(): the general path words the same errors for its own arguments
+    with pytest.raises(ValueError, match="layout"):
+        ae.attention(q, k, v, layout="bsdh")
+
+
+def test_fallbacks_keep_their_meaning():
+    """What the entry refuses takes torch.ops' path with the same result: a torch function mode
+    (which sees the call), a Parameter, a strided head dim, an int window, 3-D inputs (SDPA)."""
+    torch.manual_seed(0)
+    q, k, v = rand_qkv(1, 4, 4, 12, 12, 16, torch.float32, requires_grad=False)
+    want = ae.attention(q, k, v, causal=True)
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        got = ae.attention(q, k, v, causal=True)
+    assert mode.calls > 0 and torch.equal(got, want)
+    assert torch.equal(ae.attention(torch.nn.Parameter(q), k, v, causal=True).detach(), want)
+    wide = torch.randn(1, 4, 12, 32)
+    strided = wide[..., ::2]
+    assert strided.stride(-1) == 2
+    torch.testing.assert_close(ae.attention(strided, k, v), ae.attention(strided.contiguous(), k, v), rtol=0, atol=0)
+    x = torch.randn(12, 16)
+    torch.testing.assert_close(ae.scaled_dot_product_attention(x[None], x[None], x[None]),
+                               torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_and_compile():
+    """vmap (no gradient: torch.func's grad transforms do not take the ops' autograd, see
+    docs/known-gaps.md) and torch.compile with dynamic shapes, against eager calls."""
+    torch.manual_seed(1)
+    q, k, v = rand_qkv(3, 2, 2, 6, 10, 16, torch.float32, requires_grad=False)
+    want = torch.stack([ae.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal=True, bottom_right=True)[0]
+                        for i in range(3)])
+    with torch.no_grad():
+        got = torch.vmap(lambda a, b, c: ae.attention(a[None], b[None], c[None], causal=True, bottom_right=True)[0])(
+            q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    f = torch.compile(lambda a, b, c: ae.attention(a, b, c, causal=True, bottom_right=True), backend="aot_eager",
+                      fullgraph=True, dynamic=True)
+    for s in (6, 13):
+        a, b, c = rand_qkv(1, 2, 2, s, s + 3, 16, torch.float32, requires_grad=False)
+        torch.testing.assert_close(f(a, b, c), ae.attention(a, b, c, causal=True, bottom_right=True),
+                                   rtol=1e-5, atol=1e-6)
