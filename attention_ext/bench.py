@@ -132,13 +132,15 @@ def timing(times: list) -> Timing:
     return Timing(statistics.median(ts), q1, q3, ts[0], len(ts))
 
 
-def _round(fns: dict, times: dict, rng: Optional[random.Random], sync) -> None:
+def _round(fns: dict, times: dict, rng: Optional[random.Random], sync, before=None) -> None:
     """One call of every contender, in the given order or in rng's shuffle of it, each appended
-    to its list of seconds."""
+    to its list of seconds; before() (untimed) ahead of each call when given."""
     order = list(fns.items())
     if rng is not None:
         rng.shuffle(order)
     for k, fn in order:
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         if sync is not None:
@@ -166,14 +168,15 @@ def interleaved(fns: dict, *, warmup: int = 1, reps: int = 5, sync=None, shuffle
 
 def interleaved_stats(fns: dict, *, warmup: int = 1, min_reps: int = 5, min_time: float = 0.0, max_reps: int = 1000,
                       budget: float = 10.0, target: float = 0.02, sync=None, shuffle: bool = False,
-                      untracked=()) -> dict:
+                      untracked=(), before=None) -> dict:
     """A Timing per fn from rounds as in interleaved(): at least min_reps of them and min_time
     seconds, then more until every contender's median is known to `target` (its relative standard
     error, Timing.rse), the rounds have taken `budget` seconds, or max_reps. A quiet machine stops
     early; a noisy one pays with time instead of with a median that the next run does not repeat.
     min_time spreads the samples of short calls over a while, so that one moment's state of the
     machine (another process, the clock) does not make their median. untracked: names timed in
-    every round whose spread does not hold the rounds up (a ceiling read at its best)."""
+    every round whose spread does not hold the rounds up (a ceiling read at its best). before: run
+    untimed ahead of every call (cache_evictor: each call starts with cold caches)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -181,7 +184,7 @@ def interleaved_stats(fns: dict, *, warmup: int = 1, min_reps: int = 5, min_time
     rng = random.Random(0) if shuffle else None
     t0 = time.perf_counter()
     while True:
-        _round(fns, times, rng, sync)
+        _round(fns, times, rng, sync, before)
         n = len(next(iter(times.values()))) if times else max_reps
         elapsed = time.perf_counter() - t0
         if n >= max_reps or (n >= min_reps and elapsed >= min_time and (elapsed >= budget or
@@ -633,6 +636,35 @@ def _is_ours(impl: str) -> bool:
 CEIL_COPY, CEIL_READ, CEIL_PEAK = "(copy)", "(read)", "(peak loop)"
 
 
+def llc_bytes() -> int:
+    """The CPU's last-level cache per core complex in bytes (sysfs), or 32 MiB where unknown."""
+    best = 0
+    for idx in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
+                txt = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+        try:
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or 32 << 20
+
+
+def cache_evictor(device="cpu") -> Optional[Callable[[], object]]:
+    """A call that reads twice the last-level cache's bytes (CPU; None elsewhere), so that the next
+    call finds none of its data cached. A decode step reads K / V that other layers' weights and
+    caches evicted since the last step; and where K / V is about the size of the cache (B4 H_k 8
+    D128 at S 1024: 34 MB against Zen 5's 32 MB L3), which part of it the previous contender left
+    cached made the timings bimodal (IQR 16-26%) and the medians of two runs 16-25% apart."""
+    if torch.device(device).type != "cpu":
+        return None
+    buf = torch.ones(2 * llc_bytes() // 4, dtype=torch.float32)
+    return lambda: buf.sum()
+
+
 def bandwidth_fns(nbytes: float, device="cpu") -> dict:
     """The memory ceiling of a case that reads `nbytes` (a decode step's K / V), as two more
     contenders of its interleaved timing, so that noise moves it with the others, on a buffer of
@@ -707,9 +739,11 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             threads = torch.get_num_threads()
             extra[CEIL_PEAK] = (lambda: peak_rates.append(cpu_peak_flops(peak_kind, threads, 1e-3))), 0.0
         # decode: a seeded random order per round, as a fixed one charges SDPA's cache traffic to the
-        # contender after it (interleaved's docstring)
+        # contender after it (interleaved's docstring), and every call from cold caches
+        # (cache_evictor), as in a model's decode step
         t = interleaved_stats({**fns, **{k: f for k, (f, _) in extra.items()}}, sync=sync, untracked=set(extra),
-                              shuffle=family == "decode", **timing_kw)
+                              shuffle=family == "decode", before=cache_evictor(dev) if family == "decode" else None,
+                              **timing_kw)
         t.pop(CEIL_PEAK, None)
         ceiling = max(nb / t.pop(k).best for k, (_, nb) in extra.items() if k != CEIL_PEAK) if unit == "gbps" else \
             max([flop_peak, *(peak_rates or [])])

@@ -85,8 +85,33 @@ void check_hsums() {
   }
 }
 
+// hmax against the halving loop it documents (lane i against lane i + w, w = lanes / 2 .. 1, the
+// upper lane kept where it is greater), bit for bit: NaN and infinities at every lane included.
+void check_hmax() {
+  constexpr int L = kLanes<float>;
+  const float nan = std::nanf(""), inf = INFINITY;
+  for (int t = 0; t < 400; ++t) {
+    vf v;
+    for (int u = 0; u < L; ++u) v[u] = std::ldexp(1.0f + 0.61f * float((t * 7 + u * 13) % 37), (t + 5 * u) % 23 - 11) * ((t + u) % 3 ? 1 : -1);
+    if (t % 4 == 1) v[(t / 4) % L] = nan;
+    if (t % 4 == 2) v[(t / 4) % L] = (t % 8 < 4) ? inf : -inf;
+    if (t % 4 == 3) {
+      v[(t / 4) % L] = nan;
+      v[(t / 4 + 3) % L] = -inf;
+    }
+    float a[L];
+    std::memcpy(a, &v, sizeof(v));
+    for (int w = L / 2; w >= 1; w /= 2) {
+      for (int i = 0; i < w; ++i) a[i] = a[i + w] > a[i] ? a[i + w] : a[i];
+    }
+    const float got = hmax(v);
+    CHECK(std::memcmp(&got, &a[0], sizeof(float)) == 0, "hmax case %d: %g against %g", t, got, a[0]);
+  }
+}
+
 int main() {
   check_hsums();
+  check_hmax();
   check_transpose<float>(48, 64, 64, 48);
   check_transpose<float>(48, 72, 72, 48);
   check_transpose<float>(72, 64, 64, 72);
