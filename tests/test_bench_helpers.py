@@ -34,6 +34,26 @@ def test_interleaved_shuffle_varies_order_and_is_seeded():
     assert calls2 == calls  # the same seed, the same orders: runs stay comparable
 
 
+def test_interleaved_stats_before_runs_ahead_of_every_call_untimed(monkeypatch):
+    """before (the decode rows' cache_evictor) runs ahead of each timed call, warmups excluded,
+    and its time is not the contender's."""
+    clock = _Clock()
+    monkeypatch.setattr(bench, "time", clock)
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    t = interleaved_stats(fns, warmup=1, min_reps=3, budget=1e9,
+                          before=lambda: (calls.append("flush"), setattr(clock, "now", clock.now + 1.0)))
+    assert calls == ["a", "b"] + ["flush", "a", "flush", "b"] * 3
+    assert all(v.median == 0.0 for v in t.values())
+
+
+def test_cache_evictor_reads_twice_the_last_level_cache():
+    ev = bench.cache_evictor("cpu")
+    assert ev is not None and bench.cache_evictor("meta") is None
+    assert bench.llc_bytes() >= 1 << 20
+    ev()
+
+
 def test_timing_quartiles_and_spread():
     t = timing([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (t.median, t.q1, t.q3, t.best, t.n) == (3.0, 2.0, 4.0, 1.0, 5)
