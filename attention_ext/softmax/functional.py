@@ -295,7 +295,7 @@ def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits
         return None
     try:
         return ops.fwd_plain(q, k, v, scale, wl, wr, bool(bottom_right), layout, num_splits, deterministic)
-    except (ValueError, TypeError, RuntimeError):
+    except (ValueError, TypeError, RuntimeError, OverflowError):  # OverflowError: an int past int64
         return None
 
 

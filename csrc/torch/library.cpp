@@ -178,10 +178,15 @@ PyObject* py_fwd_plain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     ints[i] = PyLong_AsLongLong(args[i == 2 ? 8 : 4 + i]);
     if (ints[i] == -1 && PyErr_Occurred()) return nullptr;
   }
-  const int bottom_right = PyObject_IsTrue(args[6]), deterministic = PyObject_IsTrue(args[9]);
+  // each conversion checked before the next: a call made with an exception pending would replace
+  // it with a SystemError
+  const int bottom_right = PyObject_IsTrue(args[6]);
+  if (bottom_right < 0) return nullptr;
+  const int deterministic = PyObject_IsTrue(args[9]);
+  if (deterministic < 0) return nullptr;
   Py_ssize_t layout_len = 0;
   const char* layout = PyUnicode_AsUTF8AndSize(args[7], &layout_len);
-  if (bottom_right < 0 || deterministic < 0 || layout == nullptr) return nullptr;
+  if (layout == nullptr) return nullptr;
   const at::Tensor &q = THPVariable_Unpack(args[0]), &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
   std::tuple<at::Tensor, at::Tensor> res;
   {

@@ -146,9 +146,20 @@ def test_entry_argument_errors():
         _ext._C.fwd_plain(*good[:7], "bsdh", *good[8:])
     with pytest.raises(ValueError, match="head dim mismatch"):
         _ext._C.fwd_plain(q, k[..., :4], v[..., :4], *good[3:])
+    # a failing conversion keeps its own error (one made with it pending would be a SystemError)
+    class Fails:
+        def __bool__(self):
+            raise RuntimeError("bool failed")
+
+    with pytest.raises(RuntimeError, match="bool failed"):
+        _ext._C.fwd_plain(*good[:6], Fails(), *good[7:9], Fails())
+    with pytest.raises(OverflowError):
+        _ext._C.fwd_plain(*good[:4], 2**70, *good[5:])
     # through attention(): the general path words the same errors for its own arguments
     with pytest.raises(ValueError, match="layout"):
         ae.attention(q, k, v, layout="bsdh")
+    with pytest.raises(RuntimeError, match="window_left"):  # as the general path raises it
+        ae.attention(q, k, v, window=(2**70, 0))
 
 
 def test_fallbacks_keep_their_meaning():
