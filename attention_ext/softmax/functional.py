@@ -265,12 +265,15 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
 _PLAIN_DTYPES = {dev: frozenset(t for t in ops.DTYPES if ops.has_kernel(torch.device(dev), t)) for dev in ("cpu", "cuda")}
 
 
-def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic):
-    """attention() without tensor options, its arguments checked by the op alone (ops.fwd_plain,
-    which also takes a CPU call of few query rows to the decode kernel): (out, lse), or None where
-    the general path must run (subclassed or non-4-D tensors, a device or dtype without a kernel,
-    an unusual window, functorch transforms, or any error: the general path then raises it in
-    attention()'s words). Small calls are where the Python in front of the op shows: at
+def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic, attn_mask=None,
+                key_mask=None):
+    """attention() without tensor options but a mask, its arguments checked by the op alone
+    (ops.fwd_plain, which also takes an unmasked CPU call of few query rows to the decode kernel):
+    (out, lse), or None where the general path must run (subclassed or non-4-D tensors, a device
+    or dtype without a kernel, an unusual window, a mask that is not one 4-D tensor or one (B, Sk)
+    key mask, functorch transforms, or any error: the general path then raises it in attention()'s
+    words). A 4-D attn_mask goes to the op as it is (_as_bias's rule: bool, or additive in the
+    op's float dtype, which the op checks); a key mask as its (B, 1, 1, Sk) view. Small calls are where the Python in front of the op shows: at
     (1, 8, 16, 64) it was as long as the kernel, and each tensor attribute read here costs
     ~35-120 ns."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.dim() == 4 and k.dim() == 4
@@ -293,8 +296,18 @@ def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits
         return None
     if torch._C._are_functorch_transforms_active():  # the general path: the transforms see fwd
         return None
+    bias = None
+    if attn_mask is not None:
+        if key_mask is not None or type(attn_mask) is not Tensor or attn_mask.dim() != 4:
+            return None
+        bias = attn_mask
+    elif key_mask is not None:
+        if (type(key_mask) is not Tensor or key_mask.dtype != torch.bool
+                or key_mask.shape != (q.shape[0], k.shape[2 if layout == "bhsd" else 1])):
+            return None
+        bias = key_mask[:, None, None, :]
     try:
-        return ops.fwd_plain(q, k, v, scale, wl, wr, bool(bottom_right), layout, num_splits, deterministic)
+        return ops.fwd_plain(q, k, v, scale, wl, wr, bool(bottom_right), layout, num_splits, deterministic, bias)
     except (ValueError, TypeError, RuntimeError, OverflowError):  # OverflowError: an int past int64
         return None
 
@@ -372,9 +385,10 @@ def attention(
 
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
     """
-    if (attn_mask is None and key_mask is None and seqlens_k is None and alibi_slopes is None and sinks is None
-            and not dropout_p and block_layout is None and not topk and not softcap and key_padding_mask is None):
-        fast = _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic)
+    if (seqlens_k is None and alibi_slopes is None and sinks is None and not dropout_p and block_layout is None
+            and not topk and not softcap and key_padding_mask is None):
+        fast = _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic, attn_mask,
+                           key_mask)
         if fast is not None:
             return fast if return_lse else fast[0]
     return _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, key_mask, seqlens_k,

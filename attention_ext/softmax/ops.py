@@ -373,14 +373,18 @@ _PLAIN_ENTRY = _ext._C.fwd_plain if HAS_EXT else None
 
 def fwd_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, window_left: int = -1,
               window_right: int = -1, bottom_right: bool = False, layout: str = "bhsd", num_splits: int = 0,
-              deterministic: bool = False) -> Tuple[Tensor, Tensor]:
-    """fwd for a call with no tensor option (no mask, lengths, ALiBi, sinks, dropout, block
-    layout or top-k): the op fwd_plain, which takes the layout and the default scale itself and
-    goes below the Autograd key in C++ when nothing needs a gradient. Small calls are where the
-    argument handling in front of a kernel shows. Returns (out, lse), out in q's layout."""
-    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or _plain_traced():
-        return _PLAIN_OP(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic)
-    return _PLAIN_ENTRY(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic)
+              deterministic: bool = False, bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """fwd for a call with no tensor option but a 4-D mask (bias: fwd's; no lengths, ALiBi,
+    sinks, dropout, block layout or top-k): the op fwd_plain, which takes the layout and the
+    default scale itself and goes below the Autograd key in C++ when nothing needs a gradient.
+    Small calls are where the argument handling in front of a kernel shows. Returns (out, lse),
+    out in q's layout."""
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor
+            or (bias is not None and type(bias) is not Tensor) or _plain_traced()):
+        return _PLAIN_OP(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic,
+                         bias)
+    return _PLAIN_ENTRY(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic,
+                        bias)
 
 
 def _plain_traced() -> bool:

@@ -157,15 +157,16 @@ PyObject* py_fwd_plain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  std::optional<double>, int64_t, int64_t, bool, c10::string_view,
-                                                 int64_t, bool);
+                                                 int64_t, bool, const std::optional<at::Tensor>&);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::fwd_plain", "").typed<Sig>();
-  if (nargs != 10) {
-    PyErr_Format(PyExc_TypeError, "fwd_plain: 10 positional arguments, got %zd", nargs);
+  if (nargs != 10 && nargs != 11) {
+    PyErr_Format(PyExc_TypeError, "fwd_plain: 10 or 11 positional arguments, got %zd", nargs);
     return nullptr;
   }
+  const bool has_bias = nargs == 11 && args[10] != Py_None;
   if (!THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) || !THPVariable_CheckExact(args[2]) ||
-      at::impl::torch_function_mode_enabled()) {
-    PyErr_SetString(PyExc_TypeError, "fwd_plain: q, k, v must be plain tensors, with no torch function mode");
+      (has_bias && !THPVariable_CheckExact(args[10])) || at::impl::torch_function_mode_enabled()) {
+    PyErr_SetString(PyExc_TypeError, "fwd_plain: q, k, v and bias must be plain tensors, with no torch function mode");
     return nullptr;
   }
   std::optional<double> scale;
@@ -188,6 +189,7 @@ PyObject* py_fwd_plain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* layout = PyUnicode_AsUTF8AndSize(args[7], &layout_len);
   if (layout == nullptr) return nullptr;
   const at::Tensor &q = THPVariable_Unpack(args[0]), &k = THPVariable_Unpack(args[1]), &v = THPVariable_Unpack(args[2]);
+  const std::optional<at::Tensor> bias = has_bias ? std::optional<at::Tensor>(THPVariable_Unpack(args[10])) : std::nullopt;
   std::tuple<at::Tensor, at::Tensor> res;
   {
     // released for the call and taken back when it ends or throws (HANDLE_TH_ERRORS needs it)
@@ -196,7 +198,7 @@ PyObject* py_fwd_plain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       ~NoGil() { PyEval_RestoreThread(state); }
     } no_gil;
     res = op.call(q, k, v, scale, ints[0], ints[1], bottom_right != 0, c10::string_view(layout, size_t(layout_len)),
-                  ints[2], deterministic != 0);
+                  ints[2], deterministic != 0, bias);
   }
   PyObject* out = THPVariable_Wrap(std::move(std::get<0>(res)));
   PyObject* lse = THPVariable_Wrap(std::move(std::get<1>(res)));
@@ -245,7 +247,7 @@ PyMethodDef module_methods[] = {
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
     {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},
     {"fwd_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fwd_plain)), METH_FASTCALL,
-     "fwd_plain(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic): "
+     "fwd_plain(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic[, bias]): "
      "torch.ops.attention_ext.fwd_plain for plain tensors, without torch.ops' argument conversion"},
     {"cpu_peak_flops", py_cpu_peak_flops, METH_VARARGS,
      "cpu_peak_flops(kind, threads, seconds): FLOP/s of threads (0: torch's count) running the active level's "
@@ -270,7 +272,8 @@ TORCH_LIBRARY(attention_ext, m) {
         ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // fwd with no tensor option, for small calls (softmax_plain.cpp): a composite of fwd
   m.def("fwd_plain(Tensor q, Tensor k, Tensor v, float? scale=None, int window_left=-1, int window_right=-1, "
-        "bool bottom_right=False, str layout=\"bhsd\", int num_splits=0, bool deterministic=False) -> (Tensor, Tensor)");
+        "bool bottom_right=False, str layout=\"bhsd\", int num_splits=0, bool deterministic=False, "
+        "Tensor? bias=None) -> (Tensor, Tensor)");
   m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
   // sparse family: block-sparse attention is fwd / bwd with block_layout; top-k's threshold pass
   // (common/block_sparse.h) takes the same options (top-k's own left unset) and returns the

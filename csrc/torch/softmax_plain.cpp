@@ -1,7 +1,8 @@
-// attention_ext::fwd_plain: the fused forward with no tensor option (no mask, lengths, ALiBi,
-// sinks, dropout, varlen, block layout or top-k), the call most small models make.
+// attention_ext::fwd_plain: the fused forward with no tensor option but a mask (no lengths,
+// ALiBi, sinks, dropout, varlen, block layout or top-k), the call most small models make.
 //
-// It is attention_ext::fwd with those options left at their defaults, written as a
+// It is attention_ext::fwd with those options left at their defaults (bias: fwd's, a 4-D bool or
+// additive mask), written as a
 // CompositeImplicitAutograd op over fwd: autograd, torch.compile, fake tensors and every device
 // take fwd's own registrations, and fwd's checks are the only ones (one home per rule). What it
 // saves is the fixed cost of a small call: from Python, 9 arguments are converted instead of fwd's
@@ -51,7 +52,7 @@ Tensor unit_head_stride(const Tensor& t) {
 std::tuple<Tensor, Tensor> fwd_plain(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                      std::optional<double> scale, int64_t window_left, int64_t window_right,
                                      bool bottom_right, c10::string_view layout, int64_t num_splits,
-                                     bool deterministic) {
+                                     bool deterministic, const OptTensor& bias) {
   static const auto fwd =
       c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::fwd", "").typed<FwdSig>();
   const bool bshd = layout == "bshd";
@@ -69,17 +70,18 @@ std::tuple<Tensor, Tensor> fwd_plain(const Tensor& q_in, const Tensor& k_in, con
   const OptTensor none;
   // max_seqlen_q / k are read for varlen packs only; 64 is the schema's block_size default
   const auto call = [&] {
-    return fwd.call(q, k, v, none, none, none, none, none, none, 0, 0, sc, 0.0, window_left, window_right,
+    return fwd.call(q, k, v, bias, none, none, none, none, none, 0, 0, sc, 0.0, window_left, window_right,
                     bottom_right, 0.0, 0, 0, none, none, none, 64, none, none, num_splits, deterministic);
   };
   std::tuple<Tensor, Tensor> res;
-  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad() || (bias.has_value() && bias->requires_grad()))) {
     at::AutoDispatchBelowAutograd below;
     // the decode kernel aligns positions bottom-right (top-left is the same where Sq = Sk) and
     // has no backward; a symbolic length (torch.compile's dynamic shapes) keeps the fused kernel
     // rather than guard on it
     const auto sq = q.sym_size(2).maybe_as_int(), sk = k.sym_size(2).maybe_as_int();
-    if (q.is_cpu() && sq.has_value() && *sq <= attn::api::kDecodeMaxQ && sk.has_value() && *sk > 0 &&
+    if (q.is_cpu() && !bias.has_value() && sq.has_value() && *sq <= attn::api::kDecodeMaxQ && sk.has_value() && *sk > 0 &&
         ((window_left < 0 && window_right < 0) || bottom_right || *sq == *sk)) {
       static const auto decode =
           c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::decode_fwd", "").typed<DecodeSig>();

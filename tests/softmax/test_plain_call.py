@@ -129,7 +129,7 @@ class _Sub(torch.Tensor):
 def test_entry_argument_errors():
     q, k, v = rand_qkv(1, 2, 2, 16, 16, 8, torch.float32, requires_grad=False)
     good = [q, k, v, None, -1, -1, False, "bhsd", 0, False]
-    with pytest.raises(TypeError, match="10 positional"):
+    with pytest.raises(TypeError, match="10 or 11 positional"):
         _ext._C.fwd_plain(q, k, v)
     with pytest.raises(TypeError, match="plain tensors"):
         _ext._C.fwd_plain(q.numpy(), *good[1:])
@@ -210,3 +210,98 @@ def test_vmap_and_compile():
         a, b, c = rand_qkv(1, 2, 2, s, s + 3, 16, torch.float32, requires_grad=False)
         torch.testing.assert_close(f(a, b, c), ae.attention(a, b, c, causal=True, bottom_right=True),
                                    rtol=1e-5, atol=1e-6)
+
+
+def _general(q, k, v, **kw):
+    """attention()'s general path (functional._attention) with attention()'s defaults."""
+    from attention_ext.softmax import functional as fn
+
+    a = dict(layout="bhsd", scale=None, causal=False, bottom_right=False, window=(-1, -1), attn_mask=None,
+             key_mask=None, seqlens_k=None, alibi_slopes=None, softcap=0.0, sinks=None, dropout_p=0.0, generator=None,
+             seed=None, dropout_coords=None, return_lse=True, deterministic=False, num_splits=0, block_layout=None,
+             block_size=64, topk=0, key_padding_mask=None)
+    a.update(kw)
+    return fn._attention(q, k, v, *a.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("mask", ["bool", "bool_rows", "float", "float_heads", "key"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("sq,sk", [(1, 9), (5, 5), (16, 16), (20, 37)])
+def test_masked_plain_call_is_the_general_path(dtype, mask, layout, sq, sk):
+    """A 4-D attn_mask or a key mask takes the plain call (fwd_plain with fwd's bias), which gives
+    the general path's result bit for bit, out and lse, and the float64 reference's within 2x
+    PyTorch's error; the op never routes a masked call to the decode kernel."""
+    torch.manual_seed(sq * 100 + sk)
+    b, h = 2, 4
+    q, k, v = rand_qkv(b, h, 2, sq, sk, 24, dtype, layout=layout, requires_grad=False)
+    acc = ops.acc_dtype(dtype)
+    kw = {}
+    if mask == "bool":
+        kw["attn_mask"] = torch.rand(b, 1, sq, sk) > 0.3
+    elif mask == "bool_rows":
+        kw["attn_mask"] = torch.rand(1, h, 1, sk) > 0.5
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(b, 1, sq, sk, dtype=acc)
+    elif mask == "float_heads":
+        kw["attn_mask"] = torch.randn(1, h, sq, sk, dtype=acc)
+    else:
+        keep = torch.rand(b, sk) > 0.3
+        keep[:, 0] = True
+        kw["key_mask"] = keep
+    spy = _OpSpy()
+    with spy:
+        out, lse = ae.attention(q, k, v, layout=layout, causal=sq > 1, bottom_right=True, return_lse=True, **kw)
+    assert spy.ops == ["attention_ext::fwd"]
+    want, want_lse = _general(q, k, v, layout=layout, causal=sq > 1, bottom_right=True, **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
+    bias = kw.get("attn_mask")
+    if "key_mask" in kw:
+        bias = kw["key_mask"][:, None, None, :]
+    rkw = dict(window=(-1, 0) if sq > 1 else (-1, -1), bottom_right=True, bias=bias)
+    qb, kb, vb = (to_bhsd(t) for t in (q, k, v))
+    ref, _, _ = reference_in(torch.float64, qb, kb, vb, **rkw)
+    low, _, _ = reference_in(dtype, qb, kb, vb, **rkw)
+    assert_close_fa2(to_bhsd(out), low, ref, dtype, "out")
+
+
+def test_masked_plain_call_gradients_and_fallbacks():
+    """A float mask that requires grad gets fwd's bias gradient, as on the general path; what the
+    plain call does not take (a mask of another float dtype, a 2-D mask, both masks, a key mask of
+    the wrong shape) takes the general path with its result or its error."""
+    torch.manual_seed(3)
+    q, k, v = rand_qkv(1, 2, 2, 12, 12, 16, torch.float32)
+    m = torch.randn(1, 2, 12, 12, requires_grad=True)
+    ae.attention(q, k, v, attn_mask=m).square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v, m)]
+    for t in (q, k, v, m):
+        t.grad = None
+    _general(q, k, v, attn_mask=m)[0].square().sum().backward()
+    for g, t in zip(grads, (q, k, v, m)):
+        torch.testing.assert_close(g, t.grad, rtol=0, atol=0)
+
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    half = torch.randn(1, 1, 12, 12, dtype=torch.float16)
+    torch.testing.assert_close(ae.attention(qd, kd, vd, attn_mask=half),
+                               ae.attention(qd, kd, vd, attn_mask=half.float()), rtol=0, atol=0)
+    two_d = torch.rand(12, 12) > 0.4
+    torch.testing.assert_close(ae.attention(qd, kd, vd, attn_mask=two_d),
+                               ae.attention(qd, kd, vd, attn_mask=two_d[None, None]), rtol=0, atol=0)
+    keep = torch.ones(1, 12, dtype=torch.bool)
+    keep[0, 5] = False
+    both = ae.attention(qd, kd, vd, attn_mask=two_d[None, None], key_mask=keep)
+    torch.testing.assert_close(both, ae.attention(qd, kd, vd, attn_mask=two_d[None, None] & keep[:, None, None]),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"key_mask must be \(B, Sk\)"):
+        ae.attention(qd, kd, vd, key_mask=torch.ones(1, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        ae.attention(qd, kd, vd, attn_mask=torch.ones(1, 3, 12, 12, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float_grad"])
+def test_opcheck_fwd_plain_with_bias(kind):
+    q, k, v = rand_qkv(2, 4, 2, 7, 11, 16, torch.float32, requires_grad=kind == "float_grad")
+    bias = (torch.rand(2, 1, 7, 11) > 0.3 if kind == "bool"
+            else torch.randn(1, 4, 7, 11, requires_grad=True))
+    torch.library.opcheck(PLAIN, (q, k, v, None, -1, -1, False, "bhsd", 0, False, bias))
