@@ -273,9 +273,9 @@ def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits
     or dtype without a kernel, an unusual window, a mask that is not one 4-D tensor or one (B, Sk)
     key mask, functorch transforms, or any error: the general path then raises it in attention()'s
     words). A 4-D attn_mask goes to the op as it is (_as_bias's rule: bool, or additive in the
-    op's float dtype, which the op checks); a key mask as its (B, 1, 1, Sk) view. Small calls are where the Python in front of the op shows: at
-    (1, 8, 16, 64) it was as long as the kernel, and each tensor attribute read here costs
-    ~35-120 ns."""
+    op's float dtype, which the op checks); a key mask as its (B, 1, 1, Sk) view. Small calls are
+    where the Python in front of the op shows: at (1, 8, 16, 64) it was as long as the kernel, and
+    each tensor attribute read here costs ~35-120 ns."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.dim() == 4 and k.dim() == 4
             and v.dim() == 4):
         return None

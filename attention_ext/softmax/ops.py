@@ -335,11 +335,11 @@ def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
         return op(*args)
 
 
-def call_fwd(args: list, grad_slots: Tuple[int, ...] = _FWD_TENSOR_SLOTS) -> Tuple[Tensor, Tensor]:
+def call_fwd(args: list) -> Tuple[Tensor, Tensor]:
     """torch.ops.attention_ext.fwd on its full argument list (FWD_ARGS order), below the Autograd
-    key (call_below_autograd) when grad mode is off or no tensor argument requires grad.
-    grad_slots: the argument slots that may hold a tensor."""
-    if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad for i in grad_slots):
+    key (call_below_autograd) when grad mode is off or no tensor argument requires grad."""
+    if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad
+                                               for i in _FWD_TENSOR_SLOTS):
         return call_below_autograd(_FWD_OP, args)
     return _FWD_OP(*args)
 
@@ -365,8 +365,9 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: 
         raise
 
 
-# torch.ops.attention_ext.fwd_plain (csrc/torch/softmax_plain.cpp): fwd with no tensor option, a
-# composite op of 10 arguments; _C.fwd_plain calls it without torch.ops' argument conversion.
+# torch.ops.attention_ext.fwd_plain (csrc/torch/softmax_plain.cpp): fwd with no tensor option but
+# the bias, a composite op of 11 arguments; _C.fwd_plain calls it without torch.ops' argument
+# conversion.
 _PLAIN_OP = torch.ops.attention_ext.fwd_plain.default if HAS_EXT else None
 _PLAIN_ENTRY = _ext._C.fwd_plain if HAS_EXT else None
 

@@ -2,11 +2,11 @@
 // ALiBi, sinks, dropout, varlen, block layout or top-k), the call most small models make.
 //
 // It is attention_ext::fwd with those options left at their defaults (bias: fwd's, a 4-D bool or
-// additive mask), written as a
-// CompositeImplicitAutograd op over fwd: autograd, torch.compile, fake tensors and every device
-// take fwd's own registrations, and fwd's checks are the only ones (one home per rule). What it
-// saves is the fixed cost of a small call: from Python, 9 arguments are converted instead of fwd's
-// 27 (the boxing of each argument was ~60% of the op's cost at (1, 8, 16, 64) on one CPU thread),
+// additive mask), written as a CompositeImplicitAutograd op over fwd: autograd, torch.compile,
+// fake tensors and every device take fwd's own registrations, and fwd's checks are the only ones.
+// What it saves is the fixed cost of a small call: from Python, 11 arguments are converted instead
+// of fwd's 27 (the boxing of each argument was ~60% of the op's cost at (1, 8, 16, 64) on one CPU
+// thread; attention_ext._C.fwd_plain skips that conversion altogether),
 // and a call with nothing to differentiate goes straight below the Autograd key, which is what
 // fwd's Python autograd layer would decide itself after a pytree walk of its arguments.
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -41,7 +41,6 @@ using DecodeSig = std::tuple<Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&,                                                // q, k, v
     const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,                     // lengths, pages
     const OptTensor&, const OptTensor&, double, double, int64_t, int64_t, int64_t);             // alibi .. splits
-
 
 // A head dim with a stride is copied to unit stride, as attention() does (the kernels read whole
 // rows); a symbolic stride (torch.compile) is guarded on.
