@@ -128,7 +128,7 @@ def _cpu_flags():
 
 
 # The CPU kernels' ISA levels, lowest first, with their flags (csrc/cpu/isa.h): each is compiled
-# from the same sources into its own namespace, and csrc/cpu/dispatch.cpp runs the highest one
+# from the same sources into its own namespace, and csrc/cpu/dispatch.h runs the highest one
 # the CPU supports (attention_ext.set_cpu_isa forces a lower one).
 _X86_LEVELS = [
     ("base", []),  # any x86-64 (_cpu_flags): SSE2, 4 floats per instruction
@@ -172,9 +172,10 @@ def _cpu_levels(cxx):
 
 
 def _cpu_kernel_sources():
-    """The CPU kernels (no torch headers), compiled once per level: csrc/<family>/cpu/*.cpp and
-    the level's entry-point table."""
-    return sorted(glob.glob("csrc/*/cpu/*.cpp")) + ["csrc/cpu/kernels.cpp"]
+    """The CPU kernels (no torch headers), compiled once per level: csrc/<family>/cpu/*.cpp (each
+    registers its kernels in its family's dispatch stubs, csrc/cpu/dispatch.h) and the level's
+    description (csrc/cpu/level.cpp)."""
+    return sorted(glob.glob("csrc/*/cpu/*.cpp")) + ["csrc/cpu/level.cpp"]
 
 
 def _sanitizing():

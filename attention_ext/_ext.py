@@ -28,7 +28,7 @@ except ImportError as e:  # pragma: no cover - exercised only on broken installs
 
 
 def registered(op: str, dispatch_key: str) -> bool:
-    """True when the extension registers a kernel of `op` ("attention_ext::fwd") for
+    """True when the extension registers a kernel of `op` ("attention_ext::softmax_fwd") for
     `dispatch_key` ("CPU", "CUDA")."""
     return HAS_EXT and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
 

@@ -537,8 +537,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # one thread by default: these models are too small to gain much from more, a fixed count
     # keeps the floating-point reductions, and so the metrics, the same on machines with other core
     # counts, and torch's threads spin at each op's barrier, so that on a loaded machine a step with
-    # two threads took 16x as long as with one (1220 ms against 74 ms, a 2-core machine running
-    # other jobs). torch.use_deterministic_algorithms is not needed: our CPU kernels' tasks write
+    # two threads took many times as long as with one (benchmarks/results/2026-11-29-figures-from-comments.md).
+    # torch.use_deterministic_algorithms is not needed: our CPU kernels' tasks write
     # disjoint outputs (no atomics), so their dynamic scheduling does not change a bit, and the
     # torch CPU ops here are deterministic for a fixed thread count
     if args.threads:

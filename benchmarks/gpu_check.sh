@@ -171,12 +171,12 @@ b, h, s, d = 4, 16, 4096, 128
 args = op_args(d)
 q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4))
 ops.set_cuda_kernels(hopper_fwd=0, hopper_bwd=0)  # the mma.sync kernels first
-out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
-torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
+out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
+torch.ops.attention_ext.softmax_bwd(do, q, k, v, out, lse, *args, False, False)
 ops.set_cuda_kernels(hopper_fwd=1, hopper_bwd=0)  # the sm_90a wgmma forward, same inputs
-torch.ops.attention_ext.fwd(q, k, v, *args)
+torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
 ops.set_cuda_kernels(hopper_fwd=1, hopper_bwd=1)  # the sm_90a wgmma backward, same inputs
-torch.ops.attention_ext.bwd(do, q, k, v, out, lse, *args, False, False)
+torch.ops.attention_ext.softmax_bwd(do, q, k, v, out, lse, *args, False, False)
 torch.cuda.synchronize()
 PY
   M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"
@@ -241,9 +241,9 @@ def run(b, h, hk, sq, sk, d, dtype, deterministic=False, num_splits=1, **o):
     q = torch.randn(b, h, sq, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
     v = torch.randn(b, hk, sk, d, device="cuda", dtype=dtype)
-    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args, num_splits)
+    out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args, num_splits)
     bias_grad = o.get("bias") is not None and o["bias"].dtype == torch.float32
-    g = torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, bias_grad, deterministic)
+    g = torch.ops.attention_ext.softmax_bwd(torch.randn_like(out), q, k, v, out, lse, *args, bias_grad, deterministic)
     torch.cuda.synchronize()
 bf, f16 = torch.bfloat16, torch.float16
 run(1, 2, 1, 70, 130, 64, bf, window_right=0, bottom_right=True)
@@ -271,7 +271,7 @@ import math, torch
 from attention_ext.softmax import ops
 from gc_common import op_args
 def fwd(q, k, v, **o):
-    return torch.ops.attention_ext.fwd(q, k, v, *op_args(q.shape[-1], **o))
+    return torch.ops.attention_ext.softmax_fwd(q, k, v, *op_args(q.shape[-1], **o))
 r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
 # (no profiler under the sanitizer: tests/softmax/test_cuda.py -k hopper checks that these take the wgmma path)
 fwd(r(1, 2, 70, 64), r(1, 1, 130, 64), r(1, 1, 130, 64), window_right=0, bottom_right=True)
@@ -301,8 +301,8 @@ from attention_ext.softmax import ops
 from gc_common import op_args
 def fwd_bwd(q, k, v, **o):
     args = op_args(q.shape[-1], **o)
-    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
-    torch.ops.attention_ext.bwd(torch.randn_like(out), q, k, v, out, lse, *args, False, False)
+    out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
+    torch.ops.attention_ext.softmax_bwd(torch.randn_like(out), q, k, v, out, lse, *args, False, False)
 r = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)
 # (no profiler under the sanitizer: tests/softmax/test_cuda.py -k hopper_bwd checks that these take the wgmma path)
 fwd_bwd(r(1, 4, 70, 64), r(1, 2, 130, 64), r(1, 2, 130, 64), window_right=0, bottom_right=True)

@@ -9,7 +9,7 @@
 The backward of the softmax and linear ops is captured with the forward (deterministic=True where
 the op has it: a dQ summed by atomics could differ in its last bits between any two runs).
 Block-sparse calls take their layout's tile index from the cache the warm-up filled (building it
-syncs; csrc/torch/sparse_index.h). Decode skips its host checks of the index values while a graph
+syncs; csrc/torch/block_index.h). Decode skips its host checks of the index values while a graph
 is captured (they would need a device-to-host copy): a bad value replayed from the graph gives NaN
 rows for its sequence (attention_ext/decode/kvcache.py), never a read or write out of bounds
 (test_graph_decode_bad_index).

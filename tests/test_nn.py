@@ -429,8 +429,8 @@ def test_blocks_shapes_and_residual_order(norm_first, norm):
 
 
 class _OpSpy(TorchDispatchMode):
-    """Records the name of every op that runs (below autograd): our kernel is attention_ext::fwd
-    (or the composite fwd_plain over it, which is what a dispatch mode sees under inference_mode);
+    """Records the name of every op that runs (below autograd): our kernel is attention_ext::softmax_fwd
+    (or the composite softmax_fwd_plain over it, which is what a dispatch mode sees under inference_mode);
     torch's own attention shows as aten::_transformer_encoder_layer_fwd, _native_multi_head_attention
     or a _scaled_dot_product_* kernel."""
 
@@ -514,9 +514,9 @@ def test_mha_inside_torch_transformer_layers(kind, batch_first, mode):
         spy = _OpSpy()
         with spy:
             got = ours(*args, **kw)
-    # under inference_mode (autograd keys excluded) a dispatch mode sees the composite fwd_plain,
+    # under inference_mode (autograd keys excluded) a dispatch mode sees the composite softmax_fwd_plain,
     # which runs fwd below it
-    assert {"attention_ext::fwd", "attention_ext::fwd_plain"} & spy.ops, "our kernel did not run"
+    assert {"attention_ext::softmax_fwd", "attention_ext::softmax_fwd_plain"} & spy.ops, "our kernel did not run"
     assert not spy.torch_attention(), f"torch's attention ran instead: {spy.torch_attention()}"
     assert not got.is_nested and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

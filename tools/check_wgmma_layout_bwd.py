@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-# CPU check of the sm_90a wgmma BACKWARD's layout math (bwd_hopper_kernel.cuh), no GPU needed.
+# CPU check of the sm_90a wgmma BACKWARD's layout math (csrc/softmax/cuda/sm90/bwd_kernel.cuh), no GPU needed.
 #
 # Part 1 (addresses): for every shared-memory descriptor the kernel builds -- S^T = K Q^T and
 # dP^T = V dO^T (A, B K-major), dV += P^T dO and dK += dS^T Q (B N-major), dQ = dS K (A M-major
@@ -68,7 +68,7 @@ def clayout(t, v):  # CLayout_64xN / ALayout_64x16: thread t, value v -> (row m,
     return idx % 64, idx // 64
 
 
-def kmajor_step(tile, kk):  # fwd_hopper_kernel.cuh kmajor_step, already >> 4
+def kmajor_step(tile, kk):  # sm90/fwd_kernel.cuh kmajor_step, already >> 4
     return ((kk >> 2) * tile.block_bytes + (kk & 3) * 32) >> 4
 
 

@@ -37,14 +37,14 @@ def tc_file(direction: str, name: str, ctype: str, d: int) -> str:
     if direction == "bwd":
         guard += " && !defined(ATTN_CUDA_SKIP_BWD)"
     # the forward file also holds the split-KV (flash-decoding) launcher of the same bucket
-    split = (f"template void run_fwd_tc_split<{ctype}, {d}>(const FwdParams&, const FwdSplitScratch&, "
+    split = (f"template void run_fwd_tc_split<{ctype}, {d}>(const SoftmaxParams&, const FwdSplitScratch&, "
              "cudaStream_t);\n") if direction == "fwd" else ""
     return (
         f"{HEADER}#if {guard}\n"
         '#include "softmax/cuda/launch_template.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_{direction}_tc<{ctype}, {d}>(const "
-        f"{'FwdParams' if direction == 'fwd' else 'BwdParams'}&, cudaStream_t);\n"
+        f"{'SoftmaxParams' if direction == 'fwd' else 'SoftmaxBwdParams'}&, cudaStream_t);\n"
         f"{split}"
         "}  // namespace attn\n"
         "#endif\n"
@@ -57,7 +57,7 @@ def hopper_file(ctype: str, d: int) -> str:
         f"{HEADER}#if {guard}\n"
         '#include "softmax/cuda/sm90/launch_fwd.cuh"\n\n'
         "namespace attn {\n"
-        f"template void run_fwd_hopper<{ctype}, {d}>(const FwdParams&, cudaStream_t);\n"
+        f"template void run_fwd_hopper<{ctype}, {d}>(const SoftmaxParams&, cudaStream_t);\n"
         "}  // namespace attn\n"
         "#endif\n"
     )
@@ -70,7 +70,7 @@ def hopper_bwd_file(ctype: str, d: int) -> str:
         f"{HEADER}#if {guard}\n"
         '#include "softmax/cuda/sm90/launch_bwd.cuh"\n\n'
         "namespace attn {\n"
-        f"template void run_bwd_hopper<{ctype}, {d}>(const BwdParams&, cudaStream_t);\n"
+        f"template void run_bwd_hopper<{ctype}, {d}>(const SoftmaxBwdParams&, cudaStream_t);\n"
         "}  // namespace attn\n"
         "#endif\n"
     )
@@ -80,11 +80,11 @@ def simt_file(ctype: str) -> str:
     return (
         f'{HEADER}#include "softmax/cuda/launch_template.cuh"\n\n'
         "namespace attn {\n"
-        f"template void run_fwd_simt<{ctype}>(const FwdParams&, cudaStream_t);\n"
+        f"template void run_fwd_simt<{ctype}>(const SoftmaxParams&, cudaStream_t);\n"
         "#if !defined(ATTN_CUDA_SKIP_BWD)\n"
-        f"template void run_bwd_simt<{ctype}>(const BwdParams&, cudaStream_t);\n"
-        f"template void run_bwd_preprocess<{ctype}>(const BwdParams&, int, cudaStream_t);\n"
-        f"template void run_bwd_convert_dq<{ctype}>(const BwdParams&, int, cudaStream_t);\n"
+        f"template void run_bwd_simt<{ctype}>(const SoftmaxBwdParams&, cudaStream_t);\n"
+        f"template void run_bwd_preprocess<{ctype}>(const SoftmaxBwdParams&, int, cudaStream_t);\n"
+        f"template void run_bwd_convert_dq<{ctype}>(const SoftmaxBwdParams&, int, cudaStream_t);\n"
         "#endif\n"
         "}  // namespace attn\n"
     )

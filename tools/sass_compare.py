@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
 """Compare the SASS of two builds per (arch, function): identical / differ / only in one.
 
-    python tools/sass_compare.py OLD.o NEW.o [OLD2.o NEW2.o ...]
+    python tools/sass_compare.py [--rename OLD=NEW ...] OLD NEW [OLD2 NEW2 ...]
 
-For each pair, every function `cuobjdump -sass -arch A` lists (A in sm_80, sm_90a) is dumped with
-`-fun` and compared without the file-identifier line (the source path differs between trees).
-Exit status 1 if any function present in both differs. CUOBJDUMP names the binary (default
-`cuobjdump`; triton ships one when the toolkit lacks it). Used to show that a refactor leaves
-the kernels byte-identical (docs/design/splitkv-notes.md).
+OLD / NEW: objects or shared libraries holding cubins (e.g. two builds' attention_ext/_C*.so).
+For each pair and arch (sm_80, sm_90a), `cuobjdump -sass -arch A` dumps every function once; the
+dump is split per function and compared without the file-identifier lines (the source path
+differs between trees). --rename applies a text substitution to the OLD side's names and code
+(a renamed type changes the mangled names of the kernels that take it: e.g.
+--rename 10FwdParamsT=14SoftmaxParamsT). Exit status 1 if any function present in both
+differs, or if a function is only in one. CUOBJDUMP names the binary (default `cuobjdump`;
+triton ships one when the toolkit lacks it). Shows that a refactor leaves the kernels
+byte-identical.
 """
+import argparse
 import os
 import re
 import subprocess
@@ -18,32 +23,52 @@ CUOBJDUMP = os.environ.get("CUOBJDUMP", "cuobjdump")
 ARCHS = ("sm_80", "sm_90a")
 
 
-def dump(obj, arch, fn=None):
-    cmd = [CUOBJDUMP, "-sass", "-arch", arch] + (["-fun", fn] if fn else []) + [obj]
-    return subprocess.run(cmd, capture_output=True, text=True).stdout
+def functions(obj, arch, renames=()):
+    """{function name: [SASS lines]} of every function of `arch` in `obj`."""
+    text = subprocess.run([CUOBJDUMP, "-sass", "-arch", arch, obj], capture_output=True, text=True).stdout
+    for old, new in renames:
+        text = text.replace(old, new)
+    out, name = {}, None
+    for ln in text.splitlines():
+        m = re.match(r"\s*Function : (\S+)", ln)
+        if m:
+            name = m.group(1)
+            n = 2
+            while name in out:  # one name in several cubins (a helper each .cu compiles): the k-th copy
+                name = f"{m.group(1)}#{n}"
+                n += 1
+            out[name] = []
+        elif ln.startswith("Fatbin"):  # the next cubin's (or PTX's) header: the function ended
+            name = None
+        elif name is not None and not ln.lstrip().startswith(("identifier", "code for")):
+            out[name].append(ln)
+    return out
 
 
-def main(pairs):
-    same = diff = 0
-    for old, new in pairs:
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rename", action="append", default=[], help="OLD=NEW substitution on the OLD side")
+    ap.add_argument("files", nargs="+")
+    a = ap.parse_args(argv)
+    if len(a.files) % 2:
+        sys.exit(__doc__)
+    renames = [tuple(r.split("=", 1)) for r in a.rename]
+    same = diff = only = 0
+    for old, new in zip(a.files[0::2], a.files[1::2]):
         for arch in ARCHS:
-            na = set(re.findall(r"Function : (\S+)", dump(old, arch)))
-            nb = set(re.findall(r"Function : (\S+)", dump(new, arch)))
-            for fn in sorted(na | nb):
-                if fn in na and fn in nb:
-                    a, b = ([ln for ln in dump(o, arch, fn).splitlines() if not ln.startswith("identifier")]
-                            for o in (old, new))
-                    same += a == b
-                    diff += a != b
-                    print(f"{'IDENTICAL' if a == b else 'DIFFER   '} {arch} {fn} ({len(a)} lines)")
+            fa, fb = functions(old, arch, renames), functions(new, arch)
+            for fn in sorted(set(fa) | set(fb)):
+                if fn in fa and fn in fb:
+                    ok = fa[fn] == fb[fn]
+                    same += ok
+                    diff += not ok
+                    print(f"{'IDENTICAL' if ok else 'DIFFER   '} {arch} {fn} ({len(fa[fn])} lines)")
                 else:
-                    print(f"ONLY-{'OLD' if fn in na else 'NEW'}  {arch} {fn}")
-    print(f"{same} identical, {diff} differ")
-    return 1 if diff else 0
+                    only += 1
+                    print(f"ONLY-{'OLD' if fn in fa else 'NEW'}  {arch} {fn}")
+    print(f"{same} identical, {diff} differ, {only} only in one build")
+    return 1 if diff or only else 0
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if not args or len(args) % 2:
-        sys.exit(__doc__)
-    sys.exit(main(list(zip(args[0::2], args[1::2]))))
+    sys.exit(main(sys.argv[1:]))

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import _ext
 from .._args import not_a_tensor
-from ..softmax.ops import acc_dtype
+from .._dtypes import acc_dtype
 from ..softmax.functional import window_size_pair
 from .ops import decode_fwd
 

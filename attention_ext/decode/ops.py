@@ -1,5 +1,5 @@
 """Tier 1 of the decode family: the registered op torch.ops.attention_ext.decode_fwd (schema in
-csrc/torch/decode_params.h) with its fake kernel, and a keyword wrapper that falls back to the
+csrc/torch/decode_binding.h) with its fake kernel, and a keyword wrapper that falls back to the
 reference where no compiled kernel serves the device. Forward only: a KV cache is inference
 state (flash-attn's flash_attn_with_kvcache has no backward either)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .._args import not_a_tensor
 from .._ext import HAS_EXT, registered
-from ..softmax.ops import DTYPES, acc_dtype
+from .._dtypes import DTYPES, acc_dtype
 from . import reference
 
 _KERNELS = {dev: registered("attention_ext::decode_fwd", key) for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}

@@ -8,8 +8,10 @@ whose queries are this rank's shard and whose keys are the whole sequence.
 
 `shard_layout` is how the sequence is sharded; `layout` is the tensors' layout ("bhsd" / "bshd"),
 as everywhere in the library. Shard layouts, the padding rule and the collectives: sharding.py.
-The attention's design: attention.py (mode="allgather"), ring.py (mode="ring"), ulysses.py
-(mode="ulysses"); linear attention: linear.py.
+The attention: its options (causal, window_size, seq_len, ...: one AttentionOptions, checked
+once) in options.py, the front door context_parallel_attention in attention.py, one module per
+mode: allgather.py (mode="allgather"), ring.py (mode="ring"), ulysses.py (mode="ulysses");
+linear attention: linear.py.
 Whole models: pass context_parallel=ContextParallel(group, mode, shard_layout) to nn.Attention or
 models.LanguageModel (context.py), and feed each rank its shard of the tokens.
 """

@@ -29,7 +29,7 @@ token indices: the local queries' global_positions against the visiting shard's 
 - otherwise (the window's edges, stripe, ALiBi, partial padding): an explicit mask over the
   bounding rectangle: bool (True = attend), or with ALiBi a float bias -slope * |i - j| with
   -inf where masked ((1 or B, H, rows, cols) per call).
-attention.py's bottom-right trick needs keys [k0, a + c) in one call, which a single visiting
+allgather.py's bottom-right trick needs keys [k0, a + c) in one call, which a single visiting
 shard does not give; the rectangle plan finds the same savings per shard (zigzag + causal: no
 mask at all). The plans are made once per call and kept for the backward: with masks, at most
 (1 or B, H, n, n) per shard, the (n, S) of mode="allgather"'s explicit-mask path in all.
@@ -51,21 +51,26 @@ Gradients: q, k, v, and sinks (this rank's queries' part, as mode="allgather": s
 group): dsinks_h = sum_{b, i} p_sink * (dlse - dO_i . O_i), p_sink = exp(sink_h - lse_i).
 A gradient through the returned LSE (dlse) is passed to every step's backward. alibi_slopes get
 no gradient (a clear error if they require one).
+
+Entry points: attend runs this mode on an AttentionOptions (options.py: the options and their
+checks, shared by every mode); ring_attention is context_parallel_attention(mode="ring") with
+the `stats` dict public.
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..softmax import ops as _ops
-from ..softmax.functional import _default_scale, _rng_state, window_size_pair
-from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
+from ..softmax.functional import _default_scale, _rng_state
+from .options import AttentionOptions, takes_options
+from .sharding import dropout_coords, dropout_seed, global_positions
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "attend"]
 
 
 # ----------------------------------------------------------------------------------- the per-step plan
@@ -258,7 +263,7 @@ class _Ring(torch.autograd.Function):
                          block_layout=None, block_size=0, topk_thr=None, topk_jcut=None,
                          bias_grad=False, deterministic=False,
                          dlse=None if dlse is None else dlse[:, :, sl].contiguous())
-                dq_t, dk_t, dv_t, _, _ = torch.ops.attention_ext.bwd(*[a[nm] for nm in _ops.BWD_ARGS])
+                dq_t, dk_t, dv_t, _, _ = torch.ops.attention_ext.softmax_bwd(*[a[nm] for nm in _ops.BWD_ARGS])
                 dq[:, :, sl] += dq_t
                 dkv[0, :, :, step.j0:step.j1] += dk_t
                 dkv[1, :, :, step.j0:step.j1] += dv_t
@@ -299,59 +304,26 @@ def _merge(out: Tensor, lse: Tensor, o_t: Optional[Tensor], l_t: Tensor) -> None
     lse.copy_(new)
 
 
-# ----------------------------------------------------------------------------------- entry point
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    shard_layout: str = "zigzag",
-    causal: bool = False,
-    scale: Optional[float] = None,
-    window_size: Tuple[int, int] = (-1, -1),
-    alibi_slopes: Optional[Tensor] = None,
-    softcap: float = 0.0,
-    sinks: Optional[Tensor] = None,
-    return_lse: bool = False,
-    layout: str = "bhsd",
-    seq_len: Optional[int] = None,
-    dropout_p: float = 0.0,
-    seed: Union[int, Tensor, None] = None,
-    stats: Optional[Dict[str, Union[int, float]]] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """context_parallel_attention(mode="ring"): the same arguments and result (see there).
-
-    stats: a dict that, when given, receives per call fwd_p2p_ops (P2P ops posted: a send and a
-    receive per transfer), fwd_kv_sends (K/V shards sent: P - 1), fwd_wait_s (seconds in wait()
-    on transfers), fwd_compute_s (seconds in kernels and merges), and the same bwd_* keys when
-    the backward runs (its P2P ops also carry the dK / dV accumulators: P of them).
-    """
-    q, k, v = check_shards(q, k, v, layout=layout, dropout_p=dropout_p)
+# ----------------------------------------------------------------------------------- entry points
+def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGroup],
+           shard_layout: str, stats: Optional[Dict[str, Union[int, float]]] = None) -> Tuple[Tensor, Tensor]:
+    """mode="ring" on this rank's shards (any layout): (out (B, H, n, D), lse (B, H, n)). The
+    entry points (ring_attention, attention.context_parallel_attention) turn them into their result."""
+    q, k, v = opts.shards(q, k, v)
     if not _ops.has_kernel(q.device, q.dtype):
         raise NotImplementedError(f"mode='ring' needs a compiled kernel for {q.dtype} on {q.device}")
+    alibi_slopes = opts.alibi_slopes
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("mode='ring' gives alibi_slopes no gradient: pass them detached "
                                   "(or use mode='allgather')")
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
-        raise ValueError(f"sinks must be (H,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    n = q.shape[2]
-    s = n * world
-    _check_len(s, world, shard_layout)
-    if seq_len is None:
-        seq_len = s
-    if not 0 < seq_len <= s:
-        raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
-    wl, wr = window_size_pair(window_size, "context_parallel_attention")
-    if causal:
-        wr = 0
+    rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
+    wl, wr = opts.window
     acc = _ops.acc_dtype(q.dtype)
     pos = [global_positions(s, rank=r, world_size=world, shard_layout=shard_layout) for r in range(world)]
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc)
     plans: Dict[int, Optional[_Step]] = {}
-    seed = dropout_seed(dropout_p, seed, group, q.device)
+    seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
     rng_state = None if seed is None else _rng_state(seed, None)  # (seed, 0): attention()'s for that seed
 
     def plan(owner: int) -> Optional[_Step]:  # made once per owner, reused by the backward
@@ -363,12 +335,31 @@ def ring_attention(
             plans[owner] = step
         return plans[owner]
 
-    cfg = dict(group=group, world=world, rank=rank, plan=plan, stats=stats, softcap=float(softcap),
+    scale = opts.scale
+    cfg = dict(group=group, world=world, rank=rank, plan=plan, stats=stats, softcap=float(opts.softcap),
                scale=float(scale) if scale is not None else _default_scale(q.shape[3]),
-               dropout_p=float(dropout_p), rng_state=rng_state)
-    if sinks is not None and sinks.device != q.device:
-        raise ValueError(f"sinks must be on {q.device}, got {sinks.device}")
-    out, lse = _Ring.apply(q, k, v, sinks, cfg)
-    if layout == "bshd":
-        out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out
+               dropout_p=float(opts.dropout_p), rng_state=rng_state)
+    return _Ring.apply(q, k, v, opts.sinks, cfg)
+
+
+@takes_options
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    shard_layout: str = "zigzag",
+    stats: Optional[Dict[str, Union[int, float]]] = None,
+    **options: Any,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """context_parallel_attention(mode="ring"): the same arguments, options and result (see
+    there).
+
+    stats: a dict that, when given, receives per call fwd_p2p_ops (P2P ops posted: a send and a
+    receive per transfer), fwd_kv_sends (K/V shards sent: P - 1), fwd_wait_s (seconds in wait()
+    on transfers), fwd_compute_s (seconds in kernels and merges), and the same bwd_* keys when
+    the backward runs (its P2P ops also carry the dK / dV accumulators: P of them).
+    """
+    opts = AttentionOptions.of("ring_attention()", options, ("group", "shard_layout", "stats"))
+    return opts.result(*attend(q, k, v, opts, group=group, shard_layout=shard_layout, stats=stats))

@@ -106,14 +106,20 @@ def real_rows(seq_len: int, padded_len: int, *, rank: int, world_size: int, shar
     return max(0, min(n, -(-(seq_len - rank) // world_size)))  # stripe: rank, rank + P, ...
 
 
-def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """Three 4-D shards in layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy). A sharding
-    given as `layout` (its old meaning in context parallelism) raises an error naming shard_layout."""
+def _check_tensor_layout(layout: str) -> None:
+    """`layout` is the tensors' layout; a sharding given to it (its old meaning in context
+    parallelism) is the likely slip, so the error names shard_layout."""
     if layout not in ("bhsd", "bshd"):
         if layout in LAYOUTS:
             raise _misplaced("", "layout", layout, _TENSOR_LAYOUT, "the sequence sharding goes in shard_layout",
                              ValueError)
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+
+
+def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Three 4-D shards in layout ("bhsd" or "bshd") as (B, H, n, D) views (no copy). A sharding
+    given as `layout` (its old meaning in context parallelism) raises an error naming shard_layout."""
+    _check_tensor_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise _not_a_tensor(name, t)
@@ -131,12 +137,10 @@ def shards_bhsd(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tensor
     return q, k, v
 
 
-def check_shards(q: Tensor, k: Tensor, v: Tensor, *, layout: str, dropout_p: float
-                 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """The checks every context-parallel mode makes of its (q, k, v) shards, one home: returns
-    them as (B, H, n, D) / (B, H_k, n, D) views (bshd transposed, no copy)."""
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+def check_shards(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """The checks every context-parallel attention mode makes of its (q, k, v) shards, one home
+    (the options' own checks: options.py): returns them as (B, H, n, D) / (B, H_k, n, D) views
+    (bshd transposed, no copy)."""
     q0, k0, v0 = q, k, v
     q, k, v = shards_bhsd(q, k, v, layout=layout)
     if k.shape != v.shape or k.shape[2] != q.shape[2]:

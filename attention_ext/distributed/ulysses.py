@@ -36,11 +36,14 @@ Per-head parameters: sinks (H,) and alibi_slopes (H,) / (B, H) are sliced to the
 Rank j's dsinks is the complete gradient of its own heads' sinks and 0 elsewhere, so the sum over
 the group (all_reduce) is the exact full gradient: the same rule as mode="allgather".
 alibi_slopes get no gradient (as attention_ext.attention).
+
+Entry points: attend runs this mode on an AttentionOptions (options.py: the options and their
+checks, shared by every mode); ulysses_attention is context_parallel_attention(mode="ulysses").
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -48,10 +51,10 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
-from ..softmax.functional import window_size_pair
-from .sharding import _check_len, check_shards, dropout_coords, dropout_seed, global_positions
+from .options import AttentionOptions, takes_options
+from .sharding import dropout_coords, dropout_seed, global_positions
 
-__all__ = ["ulysses_attention", "kv_heads_for_rank"]
+__all__ = ["ulysses_attention", "attend", "kv_heads_for_rank"]
 
 
 def _all_to_all(out: Tensor, x: Tensor, group) -> None:
@@ -103,28 +106,12 @@ def kv_heads_for_rank(h_q: int, h_k: int, rank: int, world_size: int) -> Tuple[L
     return [(rank * h + m * gl) // g for m in range(h // gl)], gl
 
 
-def ulysses_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    group: Optional[dist.ProcessGroup] = None,
-    shard_layout: str = "zigzag",
-    causal: bool = False,
-    scale: Optional[float] = None,
-    window_size: Tuple[int, int] = (-1, -1),
-    alibi_slopes: Optional[Tensor] = None,
-    softcap: float = 0.0,
-    sinks: Optional[Tensor] = None,
-    return_lse: bool = False,
-    layout: str = "bhsd",
-    seq_len: Optional[int] = None,
-    dropout_p: float = 0.0,
-    seed: Union[int, Tensor, None] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """context_parallel_attention(mode="ulysses"): the same arguments and results (see
-    attention.context_parallel_attention); the design is this module's docstring."""
-    q, k, v = check_shards(q, k, v, layout=layout, dropout_p=dropout_p)
+def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGroup],
+           shard_layout: str) -> Tuple[Tensor, Optional[Tensor]]:
+    """mode="ulysses" on this rank's shards (any layout): (out (B, H, n, D), lse (B, H, n), or
+    None without return_lse: the LSE then makes no trip). The entry points (ulysses_attention,
+    attention.context_parallel_attention) turn them into their result."""
+    q, k, v = opts.shards(q, k, v)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     b, hq, n, d = q.shape
     hk = k.shape[1]
@@ -133,30 +120,15 @@ def ulysses_attention(
                          f"of the group size P={world} (use mode='allgather' otherwise)")
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"the query heads H={hq} must be a multiple of the KV heads H_k={hk}")
-    s = n * world
-    _check_len(s, world, shard_layout)
-    if seq_len is None:
-        seq_len = s
-    if not 0 < seq_len <= s:
-        raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
-    wl, wr = window_size_pair(window_size, "context_parallel_attention")
+    _, _, s, seq_len = opts.sequence(q, group, shard_layout)
     if b == 0:  # an empty batch (on every rank: B is the group's): nothing to exchange
         out = q * 0 + (k.sum() + v.sum()) * 0  # (0, H, n, D), in the graph of q, k, v
-        out = out.transpose(1, 2) if layout == "bshd" else out
-        return (out, q.new_zeros(q.shape[:3], dtype=_ops.acc_dtype(q.dtype))) \
-            if return_lse else out
-    if causal:
-        wr = 0
+        return out, q.new_zeros(q.shape[:3], dtype=_ops.acc_dtype(q.dtype))
+    wl, wr = opts.window
     h = hq // world
     heads = slice(rank * h, (rank + 1) * h)
-    if alibi_slopes is not None:
-        if alibi_slopes.dim() not in (1, 2) or alibi_slopes.shape[-1] != hq:
-            raise ValueError(f"alibi_slopes must be (H,) or (B, H) with H={hq}, got {tuple(alibi_slopes.shape)}")
-        alibi_slopes = alibi_slopes[..., heads]
-    if sinks is not None:
-        if tuple(sinks.shape) != (hq,):
-            raise ValueError(f"sinks must be (H,) = ({hq},), got {tuple(sinks.shape)}")
-        sinks = sinks[heads]
+    alibi_slopes = None if opts.alibi_slopes is None else opts.alibi_slopes[..., heads]
+    sinks = None if opts.sinks is None else opts.sinks[heads]
 
     # received row r * n + i holds global token src[r * n + i]; full[t] = received[inv[t]]
     src = torch.cat([global_positions(s, rank=r, world_size=world, shard_layout=shard_layout)
@@ -182,14 +154,14 @@ def ulysses_attention(
     # local heads, the whole sequence: one kernel call, position rules on global indices;
     # dropout at the global heads (rows and keys are already global: the identity)
     drop = {}
-    seed = dropout_seed(dropout_p, seed, group, q.device)
+    seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
     if seed is not None:
         sl = qf.shape[2]
-        drop = dict(dropout_p=dropout_p, seed=seed,
+        drop = dict(dropout_p=opts.dropout_p, seed=seed,
                     dropout_coords=dropout_coords(b, h, torch.arange(sl), torch.arange(sl), h_total=hq,
                                                   h0=rank * h, device=q.device))
-    out, lse = _attention(qf, kf, vf, scale=scale, causal=causal, window=(wl, wr), alibi_slopes=alibi_slopes,
-                          softcap=softcap, sinks=sinks, return_lse=True, **drop)
+    out, lse = _attention(qf, kf, vf, scale=opts.scale, causal=opts.causal, window=(wl, wr),
+                          alibi_slopes=alibi_slopes, softcap=opts.softcap, sinks=sinks, return_lse=True, **drop)
     if seq_len < s:
         out = torch.nn.functional.pad(out, (0, 0, 0, s - seq_len))
         lse = torch.nn.functional.pad(lse, (0, s - seq_len))
@@ -197,12 +169,24 @@ def ulysses_attention(
     # back to source order, (P, B, h, n, ...) by destination rank
     out_send = out.index_select(2, src).view(b, h, world, n, d).movedim(2, 0)
     back = [out_send]
-    if return_lse:
+    if opts.return_lse:
         back.append(lse.index_select(2, src).view(b, h, world, n).movedim(2, 0))
     got = _AllToAll.apply(group, *back)  # [r]: rank r's heads for this rank's tokens
     out_l = got[0].movedim(0, 1).reshape(b, hq, n, d)
-    if layout == "bshd":
-        out_l = out_l.transpose(1, 2)
-    if not return_lse:
-        return out_l
-    return out_l, got[1].movedim(0, 1).reshape(b, hq, n)
+    return out_l, (got[1].movedim(0, 1).reshape(b, hq, n) if opts.return_lse else None)
+
+
+@takes_options
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    shard_layout: str = "zigzag",
+    **options: Any,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """context_parallel_attention(mode="ulysses"): the same arguments, options and results (see
+    attention.context_parallel_attention); the design is this module's docstring."""
+    opts = AttentionOptions.of("ulysses_attention()", options, ("group", "shard_layout"))
+    return opts.result(*attend(q, k, v, opts, group=group, shard_layout=shard_layout))

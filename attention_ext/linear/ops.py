@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._ext import HAS_EXT, registered
-from ..softmax.ops import DTYPES, _name, _shape, acc_dtype
+from .._dtypes import DTYPES, acc_dtype, dtype_name, shape_of
 
 # the op's schema is defined (fakes and autograd can attach), and which devices have a kernel;
 # read once at import so the lookups stay traceable by torch.compile
@@ -65,9 +65,9 @@ _P = "attention_ext.linear: "
 def _check_side(t: Optional[Tensor], name: str, shape: tuple, dtype: torch.dtype, q: Tensor) -> None:
     if t is None:
         return
-    torch._check_type(t.dtype == dtype, lambda: f"{_P}{name} must be {_name(dtype)}, got {_name(t.dtype)}")
+    torch._check_type(t.dtype == dtype, lambda: f"{_P}{name} must be {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
     torch._check_value(tuple(t.shape) == tuple(shape),
-                       lambda: f"{_P}{name} must have shape {list(shape)}, got {_shape(t)}")
+                       lambda: f"{_P}{name} must have shape {list(shape)}, got {shape_of(t)}")
     torch._check(t.device == q.device, lambda: f"{_P}{name} must be on {q.device}, got {t.device}")
     torch._check_value(t.is_contiguous(), lambda: f"{_P}{name} must be contiguous")
 
@@ -76,13 +76,13 @@ def _check_qkv_common(q: Tensor, k: Tensor, v: Tensor, what: str, seq: str) -> N
     """The rules q, k, v share in every linear op, as C++ check_qkv_common states them: 4-D, one dtype
     of the four, one device (`what` prefixes the messages, `seq` names the sequence dim)."""
     torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                       lambda: f"{what}q, k, v must be 4-D (B, H, {seq}, D), got q {_shape(q)}, k {_shape(k)}, "
-                               f"v {_shape(v)}")
+                       lambda: f"{what}q, k, v must be 4-D (B, H, {seq}, D), got q {shape_of(q)}, k {shape_of(k)}, "
+                               f"v {shape_of(v)}")
     torch._check_type(q.dtype == k.dtype == v.dtype,
-                      lambda: f"{what}q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, "
-                              f"{_name(v.dtype)}")
+                      lambda: f"{what}q, k, v must share a dtype, got {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, "
+                              f"{dtype_name(v.dtype)}")
     torch._check_type(q.dtype in DTYPES,
-                      lambda: f"{what}q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
+                      lambda: f"{what}q, k, v must be float32, float16, bfloat16 or float64, got {dtype_name(q.dtype)}")
     torch._check(q.device == k.device == v.device,
                  lambda: f"{what}q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
@@ -91,7 +91,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None
                  initial_state: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
                  cu_seqlens: Optional[Tensor] = None, max_seqlen: int = 0, feature_map: int = 1,
                  causal: bool = False, normalize: bool = True, eps: float = 1e-6, scale: float = 1.0) -> None:
-    """linear_fwd's input rules as the C++ check_linear_inputs (csrc/torch/linear_params.cpp) states
+    """linear_fwd's input rules as the C++ check_linear_inputs (csrc/torch/linear_binding.cpp) states
     them, in its order, with the same error types (ValueError, TypeError, RuntimeError) and
     messages. Run by the fake kernels (torch.compile, meta tensors) and before the reference
     fallback. The values inside cu_seqlens are the functional layer's to check (a fake has none)."""
@@ -99,7 +99,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None
     b, h, s, m = q.shape
     hk = k.shape[1]
     torch._check_value(k.shape[0] == b and v.shape[0] == b,
-                       lambda: f"{_P}batch mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+                       lambda: f"{_P}batch mismatch: q {shape_of(q)}, k {shape_of(k)}, v {shape_of(v)}")
     torch._check_value(k.shape[2] == s and v.shape[2] == s,
                        lambda: f"{_P}q, k, v must have one sequence length, got {s}, {k.shape[2]}, {v.shape[2]}")
     torch._check_value(k.shape[3] == m, lambda: f"{_P}feature width mismatch: q has {m}, k has {k.shape[3]}")
@@ -122,9 +122,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor] = None
     if cu_seqlens is not None:
         cu = cu_seqlens
         torch._check_value(b == 1, lambda: f"{_P}varlen inputs are one (1, H, total, D) pack, got batch {b}")
-        torch._check_type(cu.dtype == torch.int32, lambda: f"{_P}cu_seqlens must be int32, got {_name(cu.dtype)}")
+        torch._check_type(cu.dtype == torch.int32, lambda: f"{_P}cu_seqlens must be int32, got {dtype_name(cu.dtype)}")
         torch._check_value(cu.dim() == 1 and cu.numel() >= 2 and cu.is_contiguous(),
-                           lambda: f"{_P}cu_seqlens must be a contiguous (B + 1) tensor, got {_shape(cu)}")
+                           lambda: f"{_P}cu_seqlens must be a contiguous (B + 1) tensor, got {shape_of(cu)}")
         torch._check(cu.device == q.device, lambda: f"{_P}cu_seqlens must be on {q.device}")
         torch._check_value(max_seqlen >= 0, lambda: f"{_P}max_seqlen must be >= 0")
         nb = cu.numel() - 1
@@ -137,10 +137,10 @@ def check_bwd_inputs(dout: Tensor, dfinal_state: Optional[Tensor], q: Tensor, v:
                      cu_seqlens: Optional[Tensor], normalize: bool) -> None:
     """linear_bwd's own rules on top of check_inputs (the C++ check_linear_bwd_inputs)."""
     want = [q.shape[0], q.shape[1], q.shape[2], v.shape[3]]
-    torch._check_value(_shape(dout) == want and _shape(out) == want,
+    torch._check_value(shape_of(dout) == want and shape_of(out) == want,
                        lambda: f"attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = {want}")
     torch._check_type(dout.dtype == q.dtype and out.dtype == q.dtype,
-                      lambda: f"attention_ext.linear_bwd: dout and out must have q's dtype {_name(q.dtype)}")
+                      lambda: f"attention_ext.linear_bwd: dout and out must have q's dtype {dtype_name(q.dtype)}")
     torch._check_value(dout.stride(3) == 1 and out.stride(3) == 1,
                        lambda: "attention_ext.linear_bwd: dout and out need a contiguous last dim")
     torch._check(dout.device == q.device and out.device == q.device,
@@ -156,14 +156,14 @@ _PS = "attention_ext.linear_step: "
 def check_step_inputs(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Optional[Tensor] = None,
                       decay: Optional[Tensor] = None, feature_map: int = 1, eps: float = 1e-6,
                       scale: float = 1.0) -> None:
-    """linear_step's input rules as the C++ check_linear_step_inputs (csrc/torch/linear_params.cpp)
+    """linear_step's input rules as the C++ check_linear_step_inputs (csrc/torch/linear_binding.cpp)
     states them, in its order, with the same error types and messages (run by the fake)."""
     _check_qkv_common(q, k, v, _PS, "T")
     b, h, t, m = q.shape
     hk, dv = k.shape[1], v.shape[3]
     torch._check_value(k.shape[0] == b and v.shape[0] == b and k.shape[2] == t and v.shape[2] == t
                        and k.shape[3] == m and v.shape[1] == hk,
-                       lambda: f"{_PS}q {_shape(q)}, k {_shape(k)}, v {_shape(v)} do not match (B, H, T, M), "
+                       lambda: f"{_PS}q {shape_of(q)}, k {shape_of(k)}, v {shape_of(v)} do not match (B, H, T, M), "
                                f"(B, H_k, T, M), (B, H_k, T, Dv)")
     torch._check_value(1 <= m <= MAX_WIDTH and 1 <= dv <= MAX_WIDTH,
                        lambda: f"{_PS}feature and value widths must be in [1, {MAX_WIDTH}], got {m} and {dv}")
@@ -181,8 +181,8 @@ def check_step_inputs(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer
                            ("decay", decay, (b, h, t))):
         if x is None:
             continue
-        torch._check_type(x.dtype == acc, lambda: f"{_PS}{name} must be {_name(acc)}, got {_name(x.dtype)}")
-        torch._check_value(tuple(x.shape) == shape, lambda: f"{_PS}{name} must have shape {list(shape)}, got {_shape(x)}")
+        torch._check_type(x.dtype == acc, lambda: f"{_PS}{name} must be {dtype_name(acc)}, got {dtype_name(x.dtype)}")
+        torch._check_value(tuple(x.shape) == shape, lambda: f"{_PS}{name} must have shape {list(shape)}, got {shape_of(x)}")
         torch._check(x.device == q.device, lambda: f"{_PS}{name} must be on {q.device}, got {x.device}")
         if name == "decay":
             torch._check_value(x.is_contiguous(), lambda: f"{_PS}decay must be contiguous")
@@ -196,19 +196,11 @@ def _arg_names(op: str) -> Tuple[str, ...]:
     return tuple(a.name for a in getattr(torch.ops.attention_ext, op).default._schema.arguments)
 
 
-# The argument names of the ops as the brief for the C++ schema states them; with the op
-# registered they are read from its schema (a test holds the two equal).
-SPEC_OPTION_NAMES = ("decay", "initial_state", "key_mask", "cu_seqlens", "max_seqlen", "feature_map", "causal",
-                     "normalize", "eps", "scale")
-SPEC_FWD_ARGS = ("q", "k", "v", *SPEC_OPTION_NAMES)
-SPEC_BWD_ARGS = ("dout", "dfinal_state", "q", "k", "v", "out", "den", *SPEC_OPTION_NAMES)
-SPEC_STEP_ARGS = ("q", "k", "v", "state", "normalizer", "decay", "feature_map", "eps", "scale")
-STEP_ARGS = _arg_names("linear_step") if HAS_STEP_OP else SPEC_STEP_ARGS
-if HAS_OP:
-    FWD_ARGS = _arg_names("linear_fwd")
-    BWD_ARGS = _arg_names("linear_bwd")
-else:
-    FWD_ARGS, BWD_ARGS = SPEC_FWD_ARGS, SPEC_BWD_ARGS
+# The ops' argument names, read from their registered schemas (empty without the ops: nothing
+# calls them then).
+STEP_ARGS = _arg_names("linear_step") if HAS_STEP_OP else ()
+FWD_ARGS = _arg_names("linear_fwd") if HAS_OP else ()
+BWD_ARGS = _arg_names("linear_bwd") if HAS_OP else ()
 OPTION_NAMES = FWD_ARGS[3:]  # decay ... scale, in schema order
 _GRAD_INPUTS = ("q", "k", "v", "decay", "initial_state")  # the inputs the backward differentiates
 

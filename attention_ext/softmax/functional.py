@@ -159,50 +159,6 @@ def _as_bias(attn_mask: Optional[Tensor], key_mask: Optional[Tensor], b: int, h:
     return bias
 
 
-# Query rows up to which a CPU call with nothing to differentiate runs on the decode kernel
-# (attention_ext.decode) instead of the fused forward's tiles: the C++ rule's constant
-# (csrc/torch/softmax_params.h, kDecodeMaxQ), which ops.fwd_plain's plain calls follow in C++.
-_DECODE_MAX_Q = _ext._C.decode_max_q if _ext.HAS_EXT else 8
-_DECODE_OP = torch.ops.attention_ext.decode_fwd.default if _ext.HAS_EXT else None
-
-
-def _takes_decode_kernel(q: Tensor, k: Tensor, v: Tensor, opts: dict, topk: int) -> bool:
-    """Whether a fused call runs on the decode kernel instead: a CPU call with at most
-    _DECODE_MAX_Q query rows, nothing that needs a gradient, and only what the decode op
-    expresses the same way (no mask or dropout, no block layout or top-k, no varlen pack; positions aligned
-    bottom-right as the decode op aligns them, unless nothing depends on positions or Sq = Sk)."""
-    o = opts
-    if q.device.type != "cpu" or q.shape[2] > _DECODE_MAX_Q or k.shape[2] == 0 or topk > 0:
-        return False
-    if o["bias"] is not None or o["dropout_p"] != 0.0 or o.get("block_layout") is not None:
-        return False
-    # varlen packs: the decode op has no cu_seqlens, it would attend across the packed sequences
-    if o.get("cu_seqlens_q") is not None or o.get("cu_seqlens_k") is not None:
-        return False
-    positional = o["window_left"] >= 0 or o["window_right"] >= 0 or o["alibi_slopes"] is not None
-    if positional and not o["bottom_right"] and q.shape[2] != k.shape[2]:  # Sq = Sk: top-left is bottom-right
-        return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (q, k, v, o["alibi_slopes"], o["sinks"])):
-        return False
-    from ..decode import ops as decode_ops  # deferred: the decode family imports softmax.ops
-
-    return decode_ops.has_kernel(q.device, q.dtype)
-
-
-def _decode(q: Tensor, k: Tensor, v: Tensor, seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor],
-            sinks: Optional[Tensor], scale: float, softcap: float, window_left: int,
-            window_right: int) -> Tuple[Tensor, Tensor]:
-    """The decode op on (B, H, S, D) views; seqlens_k clamped to [0, S_k] as the fused op reads it
-    (the decode op rejects values outside). Below the Autograd key: its callers send only calls
-    with nothing to differentiate, and the op's autograd layer (which refuses a backward) is
-    Python that a small call would pay for."""
-    if seqlens_k is not None:
-        seqlens_k = seqlens_k.clamp(0, k.shape[2])
-    args = (q, k, v, seqlens_k, None, None, None, alibi_slopes, sinks, scale, softcap, window_left, window_right, 0)
-    return ops.call_below_autograd(_DECODE_OP, args)
-
-
 def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, sk: int) -> Tensor:
     """A block layout (H or 1, ceil(Sq / bs), ceil(Sk / bs)) as an element mask merged into the
     op's bias: the reference's form of block-sparse attention (the kernels walk the layout)."""
@@ -212,23 +168,15 @@ def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, s
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool,
            topk: int = 0) -> Tuple[Tensor, Tensor]:
-    """The fused op on (B, H, S, D) views where a compiled kernel serves q's device and dtype;
-    else reference.py under the op's own input rules (ops.check_inputs), with a warning.
-    topk > 0: top-k attention, the threshold pass first (its rows join the options)."""
-    if _takes_decode_kernel(q, k, v, opts, topk):
-        try:
-            o = opts
-            return _decode(q, k, v, o["seqlens_k"], o["alibi_slopes"], o["sinks"], o["scale"], o["softcap"],
-                           o["window_left"], o["window_right"])
-        except (ValueError, TypeError):
-            # the decode op words its input errors for a KV cache (k_cache, v_cache); the fused op
-            # below checks the same inputs and raises the error in attention()'s terms
-            pass
+    """The fused op on (B, H, S, D) views where a compiled kernel serves q's device and dtype
+    (the routed op: the decode kernel for few-row CPU calls, ops.fwd_route); else reference.py under the
+    op's own input rules (ops.check_inputs), with a warning. topk > 0: top-k attention, the
+    threshold pass first (its rows join the options)."""
     if ops.has_kernel(q.device, q.dtype):
         if topk > 0:
             thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **opts)
             opts = dict(opts, topk_thr=thr, topk_jcut=jcut)
-        return ops.fwd(q, k, v, num_splits=num_splits, deterministic=deterministic, **opts)
+        return ops.fwd(q, k, v, num_splits=num_splits, deterministic=deterministic, routed=True, **opts)
     ops.check_inputs(q, k, v, **opts)
     _check(topk == 0, "top-k attention needs a compiled kernel (no reference fallback runs it)", NotImplementedError)
     key = (q.device.type, q.dtype)
@@ -268,14 +216,14 @@ _PLAIN_DTYPES = {dev: frozenset(t for t in ops.DTYPES if ops.has_kernel(torch.de
 def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic, attn_mask=None,
                 key_mask=None):
     """attention() without tensor options but a mask, its arguments checked by the op alone
-    (ops.fwd_plain, which also takes an unmasked CPU call of few query rows to the decode kernel):
+    (ops.fwd_plain):
     (out, lse), or None where the general path must run (subclassed or non-4-D tensors, a device
     or dtype without a kernel, an unusual window, a mask that is not one 4-D tensor or one (B, Sk)
     key mask, functorch transforms, or any error: the general path then raises it in attention()'s
     words). A 4-D attn_mask goes to the op as it is (_as_bias's rule: bool, or additive in the
     op's float dtype, which the op checks); a key mask as its (B, 1, 1, Sk) view. Small calls are
-    where the Python in front of the op shows: at (1, 8, 16, 64) it was as long as the kernel, and
-    each tensor attribute read here costs ~35-120 ns."""
+    where the Python in front of the op shows (it took as long as the kernel): each tensor
+    attribute read here counts (benchmarks/results/2026-11-29-figures-from-comments.md)."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.dim() == 4 and k.dim() == 4
             and v.dim() == 4):
         return None
@@ -372,7 +320,7 @@ def attention(
         num_splits: split-KV forward on CUDA (flash-decoding), flash-attn's convention: N splits
             of the keys (at most 128), 1 = never split, 0 (the default) = a heuristic picks: it
             splits only grids too small to fill the GPU (few queries over many keys), which ran
-            1.4-4.6x faster on the H100 than unsplit (benchmarks/results/2026-11-24-h100.md).
+            faster than unsplit (benchmarks/results/2026-11-24-h100.md).
             The CPU ignores it.
         block_layout: block-sparse attention (attention_ext.block_sparse_attention): a bool
             (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)) grid; only the on blocks

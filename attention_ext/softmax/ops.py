@@ -18,13 +18,12 @@ from torch.fx.experimental.symbolic_shapes import sym_or
 from torch.types import Device
 
 from .. import _ext
+from .._dtypes import DTYPES, acc_dtype, dtype_name, shape_of
 from .._ext import HAS_EXT, registered
 
 # device type -> a compiled kernel is registered; read once at import so the lookup stays
 # traceable by torch.compile
-_KERNELS = {dev: registered("attention_ext::fwd", key) for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
-# the input dtypes the kernels take; float64 has a CPU kernel only
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_KERNELS = {dev: registered("attention_ext::softmax_fwd", key) for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
 
 
 def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> bool:
@@ -34,31 +33,13 @@ def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> boo
     return dtype is None or (dtype in DTYPES and (dtype != torch.float64 or device.type == "cpu"))
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the float side tensors (lse, additive bias, ALiBi slopes, sinks and their
-    gradients) for inputs of `dtype`: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # ---------------------------------------------------------------------------------- input checks
-def _shape(t: Tensor) -> list:
-    return list(t.shape)
-
-
-def _name(dtype: torch.dtype) -> str:
-    """c10's name of `dtype` (Float, Half, BFloat16, Long, ...), as the C++ messages print it."""
-    try:
-        return torch.empty(0, dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
-    except (RuntimeError, TypeError):
-        return str(dtype)
-
-
 def _check_index(t: Optional[Tensor], name: str, numel, q: Tensor) -> None:
     if t is None:
         return
-    torch._check_type(t.dtype == torch.int32, lambda: f"attention_ext: {name} must be int32, got {_name(t.dtype)}")
+    torch._check_type(t.dtype == torch.int32, lambda: f"attention_ext: {name} must be int32, got {dtype_name(t.dtype)}")
     torch._check(t.dim() == 1 and t.numel() == numel,
-                 lambda: f"attention_ext: {name} must have shape ({numel}), got {_shape(t)}")
+                 lambda: f"attention_ext: {name} must have shape ({numel}), got {shape_of(t)}")
     torch._check(t.device == q.device, lambda: f"attention_ext: {name} must be on {q.device}, got {t.device}")
     torch._check(t.is_contiguous(), lambda: f"attention_ext: {name} must be contiguous")
 
@@ -72,26 +53,26 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
                  rng_state: Optional[Tensor] = None, dropout_coords: Optional[Tensor] = None,
                  block_layout: Optional[Tensor] = None, block_size: int = 0,
                  topk_thr: Optional[Tensor] = None, topk_jcut: Optional[Tensor] = None) -> None:
-    """The op's input rules, as the C++ check_inputs (csrc/torch/softmax_params.cpp) states them,
+    """The op's input rules, as the C++ check_inputs (csrc/torch/softmax_binding.cpp) states them,
     with the same error types (ValueError, TypeError, RuntimeError) and messages. Run by the fake
     kernels (torch.compile, meta tensors) and before the reference fallback; the compiled kernels
     run the C++ copy. The values inside cu_seqlens are the caller's to check (reading them would
     synchronize a GPU)."""
     torch._check_value(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-                       lambda: f"attention_ext: q, k, v must be 4-D (B, H, S, D), got q {_shape(q)}, k {_shape(k)}, "
-                               f"v {_shape(v)}")
+                       lambda: f"attention_ext: q, k, v must be 4-D (B, H, S, D), got q {shape_of(q)}, k {shape_of(k)}, "
+                               f"v {shape_of(v)}")
     torch._check_type(q.dtype == k.dtype == v.dtype,
-                      lambda: f"attention_ext: q, k, v must share a dtype, got {_name(q.dtype)}, {_name(k.dtype)}, {_name(v.dtype)}")
+                      lambda: f"attention_ext: q, k, v must share a dtype, got {dtype_name(q.dtype)}, {dtype_name(k.dtype)}, {dtype_name(v.dtype)}")
     torch._check_type(q.dtype in DTYPES,
-                      lambda: f"attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got {_name(q.dtype)}")
+                      lambda: f"attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got {dtype_name(q.dtype)}")
     torch._check(q.device == k.device == v.device,
                  lambda: f"attention_ext: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, h, _, d = q.shape
     hk = k.shape[1]
     torch._check_value(k.shape[0] == b and v.shape[0] == b,
-                       lambda: f"attention_ext: batch mismatch: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}")
+                       lambda: f"attention_ext: batch mismatch: q {shape_of(q)}, k {shape_of(k)}, v {shape_of(v)}")
     torch._check_value(k.shape == v.shape,
-                       lambda: f"attention_ext: k and v must have the same shape, got {_shape(k)} and {_shape(v)}")
+                       lambda: f"attention_ext: k and v must have the same shape, got {shape_of(k)} and {shape_of(v)}")
     torch._check_value(k.shape[3] == d, lambda: f"attention_ext: head dim mismatch: q has {d}, k and v have {k.shape[3]}")
     torch._check_value(1 <= d <= 256, lambda: f"attention_ext: head dim must be in [1, 256], got {d}")
     torch._check_value(hk >= 1 and h % hk == 0,
@@ -123,31 +104,31 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
     acc = acc_dtype(q.dtype)
     if bias is not None:
         torch._check_type(bias.dtype in (acc, torch.bool),
-                          lambda: f"attention_ext: bias must be {_name(acc)} (additive; float64 goes with float64 inputs, "
-                                  f"float32 with the others) or bool (True = attend), got {_name(bias.dtype)}")
+                          lambda: f"attention_ext: bias must be {dtype_name(acc)} (additive; float64 goes with float64 inputs, "
+                                  f"float32 with the others) or bool (True = attend), got {dtype_name(bias.dtype)}")
         torch._check(bias.device == q.device, lambda: f"attention_ext: bias must be on {q.device}, got {bias.device}")
         torch._check_value(bias.dim() == 4,
                            lambda: f"attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = "
-                                   f"({nb}, {h}, {sq}, {sk}), got {_shape(bias)}")
+                                   f"({nb}, {h}, {sq}, {sk}), got {shape_of(bias)}")
         for got, want in zip(bias.shape, (nb, h, sq, sk)):
             # sym_or, not `or`: a data-dependent size (torch.export) is asserted at run time, not guarded on
             torch._check_value(sym_or(got == want, got == 1),
-                               lambda: f"attention_ext: bias of shape {_shape(bias)} does not broadcast to "
+                               lambda: f"attention_ext: bias of shape {shape_of(bias)} does not broadcast to "
                                        f"(B, H, Sq, Sk) = ({nb}, {h}, {sq}, {sk})")
     if alibi_slopes is not None:
         a = alibi_slopes
-        torch._check_type(a.dtype == acc, lambda: f"attention_ext: alibi_slopes must be {_name(acc)}, got {_name(a.dtype)}")
+        torch._check_type(a.dtype == acc, lambda: f"attention_ext: alibi_slopes must be {dtype_name(acc)}, got {dtype_name(a.dtype)}")
         torch._check(a.device == q.device, lambda: f"attention_ext: alibi_slopes must be on {q.device}")
         torch._check_value((a.dim() == 1 and a.shape[0] == h) or (a.dim() == 2 and a.shape[0] == nb and a.shape[1] == h),
-                           lambda: f"attention_ext: alibi_slopes must be (H) or (B, H) = ({nb}, {h}), got {_shape(a)}")
+                           lambda: f"attention_ext: alibi_slopes must be (H) or (B, H) = ({nb}, {h}), got {shape_of(a)}")
         torch._check_value(a.stride(-1) == 1, lambda: "attention_ext: alibi_slopes must be contiguous over heads")
     if rng_state is not None:  # (seed, offset), read on the host: overrides the int seed / offset
         r = rng_state
         torch._check_type(r.dtype == torch.int64,
-                          lambda: f"attention_ext: rng_state must be int64, got {_name(r.dtype)}")
+                          lambda: f"attention_ext: rng_state must be int64, got {dtype_name(r.dtype)}")
         torch._check_value(r.dim() == 1 and r.shape[0] == 2 and r.is_contiguous(),
                            lambda: f"attention_ext: rng_state must be a contiguous (2) tensor (seed, offset), got "
-                                   f"{_shape(r)}")
+                                   f"{shape_of(r)}")
         torch._check(r.device.type == "cpu",
                      lambda: f"attention_ext: rng_state must be a CPU tensor (read on the host), got {r.device}")
     if dropout_coords is not None:  # Philox counters, never addresses: any value is safe
@@ -155,32 +136,32 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, *, bias: Optional[Tensor] = No
         _check_index(dropout_coords, "dropout_coords", nb * h + sq + sk, q)
     if sinks is not None:
         s = sinks
-        torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {_name(acc)}, got {_name(s.dtype)}")
+        torch._check_type(s.dtype == acc, lambda: f"attention_ext: sinks must be {dtype_name(acc)}, got {dtype_name(s.dtype)}")
         torch._check(s.device == q.device, lambda: f"attention_ext: sinks must be on {q.device}")
         torch._check_value(s.dim() == 1 and s.shape[0] == h and s.is_contiguous(),
-                           lambda: f"attention_ext: sinks must be a contiguous (H) = ({h}) tensor, got {_shape(s)}")
+                           lambda: f"attention_ext: sinks must be a contiguous (H) = ({h}) tensor, got {shape_of(s)}")
     if block_layout is not None:
         lay, bs = block_layout, block_size
         torch._check_value(bs >= 16 and bs % 16 == 0,
                            lambda: f"attention_ext: block_size must be a positive multiple of 16, got {bs}")
-        torch._check_type(lay.dtype == torch.bool, lambda: f"attention_ext: block_layout must be bool, got {_name(lay.dtype)}")
+        torch._check_type(lay.dtype == torch.bool, lambda: f"attention_ext: block_layout must be bool, got {dtype_name(lay.dtype)}")
         torch._check(lay.device == q.device, lambda: f"attention_ext: block_layout must be on {q.device}, got {lay.device}")
         torch._check_value(lay.is_contiguous(), lambda: "attention_ext: block_layout must be contiguous")
         nqb, nkb = -(-sq // bs), -(-sk // bs)
         torch._check_value(lay.dim() == 3 and lay.shape[0] in (1, h) and lay.shape[1] == nqb and lay.shape[2] == nkb,
                            lambda: f"attention_ext: block_layout must be (H or 1, ceil(Sq / block_size), ceil(Sk / "
-                                   f"block_size)) = ({h} or 1, {nqb}, {nkb}), got {_shape(lay)}")
+                                   f"block_size)) = ({h} or 1, {nqb}, {nkb}), got {shape_of(lay)}")
     torch._check_value((topk_thr is None) == (topk_jcut is None),
                        lambda: "attention_ext: topk_thr and topk_jcut go together")
     if topk_thr is not None:
         torch._check_type(topk_thr.dtype == acc and topk_jcut.dtype == torch.int32,
-                          lambda: f"attention_ext: topk_thr must be {_name(acc)} and topk_jcut int32, got "
-                                  f"{_name(topk_thr.dtype)} and {_name(topk_jcut.dtype)}")
+                          lambda: f"attention_ext: topk_thr must be {dtype_name(acc)} and topk_jcut int32, got "
+                                  f"{dtype_name(topk_thr.dtype)} and {dtype_name(topk_jcut.dtype)}")
         for t in (topk_thr, topk_jcut):
             torch._check(t.device == q.device, lambda: f"attention_ext: topk_thr / topk_jcut must be on {q.device}")
             torch._check_value(t.dim() == 3 and tuple(t.shape) == (b, h, q.shape[2]) and t.is_contiguous(),
                                lambda: f"attention_ext: topk_thr / topk_jcut must be contiguous (B, H, Sq) = "
-                                       f"({b}, {h}, {q.shape[2]}), got {_shape(t)}")
+                                       f"({b}, {h}, {q.shape[2]}), got {shape_of(t)}")
 
 
 # ---------------------------------------------------------------------------------- schema
@@ -196,8 +177,8 @@ def _common_prefix(a, b) -> Tuple[str, ...]:
 
 
 if HAS_EXT:
-    FWD_ARGS = _arg_names("fwd")  # q, k, v, the options, num_splits, deterministic
-    BWD_ARGS = _arg_names("bwd")  # dout, q, k, v, out, lse, the options, bias_grad, deterministic, dlse
+    FWD_ARGS = _arg_names("softmax_fwd")  # q, k, v, the options, num_splits, deterministic
+    BWD_ARGS = _arg_names("softmax_bwd")  # dout, q, k, v, out, lse, the options, bias_grad, deterministic, dlse
     # The options fwd and bwd share, in schema order (bias ... offset, rng_state).
     OPTION_NAMES = _common_prefix(FWD_ARGS[3:], BWD_ARGS[6:])
 else:
@@ -207,7 +188,8 @@ else:
                          if p.kind is inspect.Parameter.KEYWORD_ONLY)
     FWD_ARGS = ("q", "k", "v", *OPTION_NAMES, "num_splits", "deterministic")
     BWD_ARGS = ("dout", "q", "k", "v", "out", "lse", *OPTION_NAMES, "bias_grad", "deterministic", "dlse")
-_FWD_OP = torch.ops.attention_ext.fwd.default if HAS_EXT else None
+_FWD_OP = torch.ops.attention_ext.softmax_fwd.default if HAS_EXT else None
+_ROUTED_OP = torch.ops.attention_ext.softmax_fwd_routed.default if HAS_EXT else None
 _OPTION_TENSORS = ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k", "rng_state",
                    "dropout_coords", "block_layout", "topk_thr", "topk_jcut")
 # options a caller may leave out of ops.fwd: the dropout mask at its own coordinates, dense, no top-k
@@ -231,7 +213,7 @@ def _empty_like_layout(t: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------- fakes, autograd
 if HAS_EXT:
 
-    @torch.library.register_fake("attention_ext::fwd")
+    @torch.library.register_fake("attention_ext::softmax_fwd")
     def _fwd_fake(*args):
         a = dict(zip(FWD_ARGS, args))
         q = a["q"]
@@ -240,13 +222,13 @@ if HAS_EXT:
         b, h, sq, _ = q.shape
         return _empty_like_layout(q), q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype))
 
-    @torch.library.register_fake("attention_ext::bwd")
+    @torch.library.register_fake("attention_ext::softmax_bwd")
     def _bwd_fake(*args, **kwargs):
         a = dict(zip(BWD_ARGS, args), **kwargs)
         q, k, v, bias, cu_q = a["q"], a["k"], a["v"], a["bias"], a["cu_seqlens_q"]
         check_inputs(q, k, v, **{n: a[n] for n in OPTION_NAMES})
         torch._check_value(a["dout"].shape == q.shape and a["out"].shape == q.shape,
-                           lambda: f"attention_ext.bwd: dout and out must have q's shape {_shape(q)}")
+                           lambda: f"attention_ext.softmax_bwd: dout and out must have q's shape {shape_of(q)}")
         nb = cu_q.shape[0] - 1 if cu_q is not None else q.shape[0]
         sq = a["max_seqlen_q"] if cu_q is not None else q.shape[2]
         sk = a["max_seqlen_k"] if cu_q is not None else k.shape[2]
@@ -307,12 +289,12 @@ if HAS_EXT:
                  seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rng_state=rng_state,
                  dropout_coords=dropout_coords, block_layout=block_layout, topk_thr=topk_thr, topk_jcut=topk_jcut,
                  bias_grad=ctx.bias_grad, deterministic=ctx.deterministic, dlse=dlse)
-        dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.bwd(*[a[n] for n in BWD_ARGS])
+        dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.softmax_bwd(*[a[n] for n in BWD_ARGS])
         grads = dict(q=dq, k=dk, v=dv, bias=dbias.sum_to_size(bias.shape) if ctx.bias_grad else None,
                      sinks=dsinks.sum(0) if ctx.sinks_grad else None)
         return tuple(grads.get(n) for n in FWD_ARGS)
 
-    torch.library.register_autograd("attention_ext::fwd", _backward, setup_context=_setup_context)
+    torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
 
 
 _MISSING = object()
@@ -326,7 +308,8 @@ _FWD_TENSOR_SLOTS = tuple(_FWD_INDEX[n] for n in ("q", "k", "v", *_OPTION_TENSOR
 def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
     """op(*args) for a call with nothing to differentiate: straight to the device kernel below the
     Autograd key, which is what a registered Python autograd layer would do itself, without its
-    Python (a pytree walk over every argument, ~4 us a call: most of a small call's fixed cost).
+    Python (a pytree walk over every argument, most of a small call's fixed cost:
+    benchmarks/results/2026-11-29-newcomer-cpu-zen5.md).
     torch.compile and functorch transforms keep the full dispatch. The one home of that rule
     (fwd's calls and the decode kernel's)."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
@@ -335,19 +318,24 @@ def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
         return op(*args)
 
 
-def call_fwd(args: list) -> Tuple[Tensor, Tensor]:
-    """torch.ops.attention_ext.fwd on its full argument list (FWD_ARGS order), below the Autograd
-    key (call_below_autograd) when grad mode is off or no tensor argument requires grad."""
+def call_fwd(args: list, op=None) -> Tuple[Tensor, Tensor]:
+    """torch.ops.attention_ext.softmax_fwd (or `op`, of the same schema) on its full argument list
+    (FWD_ARGS order), below the Autograd key (call_below_autograd) when grad mode is off or no
+    tensor argument requires grad."""
+    op = op or _FWD_OP
     if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad
                                                for i in _FWD_TENSOR_SLOTS):
-        return call_below_autograd(_FWD_OP, args)
-    return _FWD_OP(*args)
+        return call_below_autograd(op, args)
+    return op(*args)
 
 
-def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, **options):
-    """torch.ops.attention_ext.fwd with keyword options (every name of OPTION_NAMES; those of
+def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, routed: bool = False,
+        **options):
+    """torch.ops.attention_ext.softmax_fwd with keyword options (every name of OPTION_NAMES; those of
     _OPTION_DEFAULTS may be left out). Returns (out, lse). num_splits: key splits of the CUDA forward (1 = none, 0 =
-    the heuristic); deterministic: the backward adds no atomics (CUDA)."""
+    the heuristic); deterministic: the backward adds no atomics (CUDA). routed: the functional API's
+    op, softmax_fwd_routed, which runs the decode kernel for the few-row CPU calls fwd_route
+    names (softmax_fwd always runs the fused kernels)."""
     a = _FWD_TEMPLATE.copy()
     a[0], a[1], a[2] = q, k, v
     a[_FWD_INDEX["num_splits"]], a[_FWD_INDEX["deterministic"]] = num_splits, deterministic
@@ -357,7 +345,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: 
             raise TypeError(f"attention_ext.softmax.ops.fwd: unknown option {n!r} (options: {', '.join(OPTION_NAMES)})")
         a[i] = x
     try:
-        return call_fwd(a)
+        return call_fwd(a, _ROUTED_OP if routed else None)
     except (TypeError, RuntimeError, AttributeError):
         missing = [n for n, x in zip(FWD_ARGS, a) if x is _MISSING]  # looked for only when the call failed
         if missing:
@@ -365,18 +353,18 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: 
         raise
 
 
-# torch.ops.attention_ext.fwd_plain (csrc/torch/softmax_plain.cpp): fwd with no tensor option but
-# the bias, a composite op of 11 arguments; _C.fwd_plain calls it without torch.ops' argument
+# torch.ops.attention_ext.softmax_fwd_plain (csrc/torch/softmax_plain.cpp): fwd with no tensor option but
+# the bias, a composite op of 11 arguments; _C.softmax_fwd_plain calls it without torch.ops' argument
 # conversion.
-_PLAIN_OP = torch.ops.attention_ext.fwd_plain.default if HAS_EXT else None
-_PLAIN_ENTRY = _ext._C.fwd_plain if HAS_EXT else None
+_PLAIN_OP = torch.ops.attention_ext.softmax_fwd_plain.default if HAS_EXT else None
+_PLAIN_ENTRY = _ext._C.softmax_fwd_plain if HAS_EXT else None
 
 
 def fwd_plain(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None, window_left: int = -1,
               window_right: int = -1, bottom_right: bool = False, layout: str = "bhsd", num_splits: int = 0,
               deterministic: bool = False, bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """fwd for a call with no tensor option but a 4-D mask (bias: fwd's; no lengths, ALiBi,
-    sinks, dropout, block layout or top-k): the op fwd_plain, which takes the layout and the
+    sinks, dropout, block layout or top-k): the op softmax_fwd_plain, which takes the layout and the
     default scale itself and goes below the Autograd key in C++ when nothing needs a gradient.
     Small calls are where the argument handling in front of a kernel shows. Returns (out, lse),
     out in q's layout."""
@@ -393,6 +381,24 @@ def _plain_traced() -> bool:
     transforms, or a torch function mode (which torch.ops hands the call to)."""
     return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._is_torch_function_mode_enabled())
+
+
+def fwd_route(q: Tensor, k: Tensor, v: Tensor, **options) -> str:
+    """Which kernel the functional API's forward (softmax_fwd_routed, fwd(routed=True)) runs for
+    these inputs and options (fwd's keywords), and why: "decode: ..." (a CPU call of few query
+    rows with nothing to differentiate runs on the decode kernel) or "fused: ..." (the reason it
+    does not). The rule lives in C++ (route_fwd, csrc/torch/softmax_route.cpp); the inputs are
+    checked first, as the call would check them. Options left out take the op's neutral values (no tensor option, scale
+    1 / sqrt(D), no window, softcap or dropout)."""
+    a = {n: None for n in _OPTION_TENSORS}
+    a.update(max_seqlen_q=0, max_seqlen_k=0, scale=1.0 / math.sqrt(max(q.shape[-1], 1)), softcap=0.0, window_left=-1,
+             window_right=-1, bottom_right=False, dropout_p=0.0, seed=0, offset=0, block_size=0)
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"attention_ext.softmax.ops.fwd_route: unknown option(s) {sorted(unknown)} "
+                        f"(options: {', '.join(OPTION_NAMES)})")
+    a.update(options)
+    return torch.ops.attention_ext.softmax_fwd_route(q, k, v, *[a[n] for n in OPTION_NAMES])
 
 
 def topk_threshold(q: Tensor, k: Tensor, k_top: int, **options) -> Tuple[Tensor, Tensor]:
@@ -423,7 +429,8 @@ def set_cuda_kernels(hopper_fwd: int = 1, hopper_bwd: int = 1, tune_fwd: int = 0
     kernels; every call sets all five fields.
 
         hopper_fwd  1 the sm_90a wgmma forward where it applies (the default: it beat the mma.sync
-                    forward at every shape measured on the H100), 0 the mma.sync forward there
+                    forward at every shape measured, benchmarks/results/2026-11-24-h100.md), 0 the
+                    mma.sync forward there
         hopper_bwd  1 the sm_90a wgmma backward where it applies (the default, likewise), 0 off
         tune_fwd,   the -DATTN_TUNING candidate of the mma.sync forward / backward (0 = the
         tune_bwd    default kernel; a build without -DATTN_TUNING has only 0)

@@ -78,7 +78,7 @@ def hopper_available():
 
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     with hopper_env(1), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.ops.attention_ext.fwd(q, q, q, *options(128, False))
+        torch.ops.attention_ext.softmax_fwd(q, q, q, *options(128, False))
         torch.cuda.synchronize()
     return any("hopper" in e.name for e in prof.events())
 
@@ -90,9 +90,9 @@ def hopper_bwd_available():
     q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
     args = options(128, False)
     with hopper_env(0):
-        out, lse = torch.ops.attention_ext.fwd(q, q, q, *args)
+        out, lse = torch.ops.attention_ext.softmax_fwd(q, q, q, *args)
     with hopper_env(0), hopper_bwd_env(1), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.ops.attention_ext.bwd(q, q, q, q, out, lse, *args, False, False)
+        torch.ops.attention_ext.softmax_bwd(q, q, q, q, out, lse, *args, False, False)
         torch.cuda.synchronize()
     return any("hopper" in e.name and "bwd_kernel" in e.name for e in prof.events())
 
@@ -154,9 +154,9 @@ def run(quick=False, deterministic=False):
                 mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                 q, k, v, dout = mk(), mk(), mk(), mk()
                 args = options(d, causal)
-                out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
-                ours_fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
-                ours_bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, deterministic)
+                out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
+                ours_fwd = lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
+                ours_bwd = lambda: torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, False, deterministic)
                 f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
                 f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
                 row = dict(d=d, s=s, b=b, h=h, causal=causal)
@@ -223,7 +223,7 @@ def tune(fwd_variants, bwd_variants):
                 q, k, v, dout = mk(), mk(), mk(), mk()
                 args = options(d, causal)
                 ops.set_cuda_kernels()
-                out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+                out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
                 f_fwd = flops(b, h, s, s, d, causal=causal, mode="fwd")
                 f_bwd = flops(b, h, s, s, d, causal=causal, mode="bwd")
                 fns = sdpa_backend_fns(SDPBackend.FLASH_ATTENTION, q, k, v, dout, causal) if sdpa_kernel else None
@@ -234,11 +234,11 @@ def tune(fwd_variants, bwd_variants):
                 ref_f, ref_b, g, o = out, None, None, None
                 for var in fwd_variants:
                     ops.set_cuda_kernels(tune_fwd=var)
-                    o, _ = torch.ops.attention_ext.fwd(q, k, v, *args)
+                    o, _ = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
                     bad = (o.float() - ref_f.float()).abs().max().item() > 0.02 * ref_f.float().abs().max().item()
-                    row_f[var] = (f_fwd / cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args)) / 1e12, bad)
+                    row_f[var] = (f_fwd / cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args)) / 1e12, bad)
                 ops.set_cuda_kernels()
-                bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
+                bwd = lambda: torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, False, False)
                 for var in bwd_variants:
                     ops.set_cuda_kernels(tune_bwd=var)
                     g = [t.float() for t in bwd()[:3]]  # dq, dk, dv
@@ -354,7 +354,7 @@ def reference_shape():
     for causal in (False, True):
         f = flops(b, h, s, s, d, causal=causal, mode="fwd")
         args = options(d, causal)
-        fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args)
+        fwd = lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
         res = {}
         with hopper_env(0):
             res["ours (mma.sync)"] = cuda_time(fwd)
@@ -378,7 +378,7 @@ def reference_shape():
         dout = torch.randn_like(q)
         with hopper_env(0):
             out, lse = fwd()
-        bwd = lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
+        bwd = lambda: torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, False, False)
         resb = {}
         with hopper_bwd_env(0):
             resb["ours (mma.sync)"] = cuda_time(bwd)
@@ -422,13 +422,13 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
             o["window_left"], o["window_right"] = window
         o.update(opt)
         args = [o[n] for n in ops.OPTION_NAMES]
-        out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+        out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
         want_dbias = o["bias"] is not None and o["bias"].requires_grad
         f_fwd = flops(b, h, s, s, d, causal=causal, window=window, mode="fwd")
         f_bwd = flops(b, h, s, s, d, causal=causal, window=window, mode="bwd")
         with hopper_env(0):
-            t_fwd = cuda_time(lambda: torch.ops.attention_ext.fwd(q, k, v, *args))
-            t_bwd = cuda_time(lambda: torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, want_dbias,
+            t_fwd = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args))
+            t_bwd = cuda_time(lambda: torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, want_dbias,
                                                                   deterministic))
         backend = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}[peer]
         kw = dict(peer_kw or {})
@@ -495,8 +495,8 @@ def decode_rows(d=128, device="cuda"):
             k, v = (torch.randn(b, sk, hk, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
                     for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
-            fwd = lambda: torch.ops.attention_ext.fwd(q, k, v, *args, 0)  # num_splits=0: the heuristic
-            unsplit = lambda: torch.ops.attention_ext.fwd(q, k, v, *args, 1)
+            fwd = lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args, 0)  # num_splits=0: the heuristic
+            unsplit = lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args, 1)
             with hopper_env(0):
                 split = any("fwd_combine_kernel" in n for n in kernel_names(fwd))
                 t_ours = cuda_time(fwd)

@@ -6,8 +6,8 @@ output allocation. Rows:
   sdpa                torch.nn.functional.scaled_dot_product_attention (the peer)
   ae.sdpa             attention_ext.scaled_dot_product_attention (the drop-in)
   ae.attention        attention_ext.attention
-  entry               attention_ext._C.fwd_plain: the plain call's op without the Python above it
-  torch.ops           torch.ops.attention_ext.fwd_plain: the same op through torch.ops' generic
+  entry               attention_ext._C.softmax_fwd_plain: the plain call's op without the Python above it
+  torch.ops           torch.ops.attention_ext.softmax_fwd_plain: the same op through torch.ops' generic
                       argument conversion (what the plain call avoids)
 and the Python above the op (attention() over entry, the drop-in over entry) as the difference
 of medians. Every contender is timed in blocks of back-to-back calls, the blocks taken
@@ -49,8 +49,8 @@ def contenders(b, h, s, d, dtype, causal, mask="none"):
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "ae.sdpa": lambda: ae.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "ae.attention": lambda: ae.attention(q, k, v, causal=causal),
-        "entry": lambda: _ext._C.fwd_plain(*plain),
-        "torch.ops": lambda: torch.ops.attention_ext.fwd_plain(*plain),
+        "entry": lambda: _ext._C.softmax_fwd_plain(*plain),
+        "torch.ops": lambda: torch.ops.attention_ext.softmax_fwd_plain(*plain),
     }
 
 

@@ -12,7 +12,7 @@
 // any layout block under it is on, with a `full` flag when every block under it is on, so a
 // kernel whose tiles do not nest inside the layout's blocks still checks the layout element-wise
 // in the tiles that need it, and nowhere else. Cost is proportional to the listed tiles.
-// The torch side (csrc/torch/sparse_index.cpp) builds the indices on the layout's device, once
+// The torch side (csrc/torch/block_index.cpp) builds the indices on the layout's device, once
 // per (layout, tile sizes), and caches them.
 //
 // Top-k (hard) attention: each query row i keeps the k highest logits among the keys the other

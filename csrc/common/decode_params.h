@@ -1,7 +1,7 @@
 // The decode family's params (attention over a KV cache, flash_attn_with_kvcache) and its address
 // policy, shared by the CPU and CUDA decode kernels and the CPU emulator.
 //
-// A decode call is the fused softmax forward (FwdParamsT: q, out, lse, the score policy, causal
+// A decode call is the fused softmax forward (SoftmaxParamsT: q, out, lse, the score policy, causal
 // bottom-right) whose keys live in a cache instead of a (B, H_k, S_k, D) tensor:
 //   contiguous  k / v are (B_cache, H_k, S_cache, D) through the k_ / v_ strides; batch b reads
 //               cache row cache_batch_idx[b] (or b)
@@ -11,19 +11,19 @@
 // Either way the keys of batch b are cache rows [leftpad_k[b], seqlens_k[b]) (leftpad 0 when
 // absent): key j of the policy is cache row leftpad + j, and the policy's len_k is
 // seqlens_k[b] - leftpad, so causal and ALiBi see positions relative to the left pad, as in
-// flash-attn. FwdParamsT::sk is the capacity of one sequence (S_cache, or max_pages * page_size).
+// flash-attn. SoftmaxParamsT::sk is the capacity of one sequence (S_cache, or max_pages * page_size).
 #pragma once
 
 #include <cstdint>
 
 #include "hd.h"
-#include "params.h"
+#include "softmax_params.h"
 #include "policy.h"
 
 namespace attn {
 
 template <typename Acc>
-struct DecodeParamsT : FwdParamsT<Acc> {
+struct DecodeParamsT : SoftmaxParamsT<Acc> {
   // paged cache: (B, max_pages) int32 page ids with row stride block_table_stride, or nullptr
   const int32_t* block_table;
   int64_t block_table_stride;

@@ -1,5 +1,5 @@
 // Parameters of the linear attention kernels (the `linear` family), shared by the CPU and CUDA
-// backends: plain data, strides in elements, as params.h.
+// backends: plain data, strides in elements, as softmax_params.h.
 //
 // Per batch b, query head h and kv head h / (h / h_k), with phi the feature map applied in the
 // kernel (feature_map.h) and Q~ = scale * phi(q), K~ = phi(k) (0 for a padded key):
@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-#include "common/params.h"  // QkvParams, DType
+#include "common/qkv_params.h"
 
 namespace attn {
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "hd.h"
-#include "params.h"
+#include "softmax_params.h"
 
 
 namespace attn {
@@ -29,7 +29,7 @@ struct SeqInfo {
   int64_t row_q, row_k;  // first row of the sequence inside its (batch, head) slice
 
   template <typename Acc>
-  ATTN_HD SeqInfo(const FwdParamsT<Acc>& p, int b) {
+  ATTN_HD SeqInfo(const SoftmaxParamsT<Acc>& p, int b) {
     if (p.cu_seqlens_q != nullptr) {
       row_q = p.cu_seqlens_q[b];
       len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
@@ -44,24 +44,24 @@ struct SeqInfo {
   }
   // batch offset in elements for a tensor with the given batch stride (varlen: one pack)
   template <typename Acc>
-  ATTN_HD int64_t batch_off(const FwdParamsT<Acc>& p, int b, int64_t batch_stride) const {
+  ATTN_HD int64_t batch_off(const SoftmaxParamsT<Acc>& p, int b, int64_t batch_stride) const {
     return p.cu_seqlens_q != nullptr ? 0 : int64_t(b) * batch_stride;
   }
   // Element offset of (head, sequence-local row) in a tensor with strides (bs, hs, rs):
   // query-side tensors (q, o, dout, dq) start at row_q, key-side ones (k, v, dk, dv) at row_k.
   template <typename Acc>
-  ATTN_HD int64_t q_offset(const FwdParamsT<Acc>& p, int b, int head, int row, int64_t bs, int64_t hs,
+  ATTN_HD int64_t q_offset(const SoftmaxParamsT<Acc>& p, int b, int head, int row, int64_t bs, int64_t hs,
                            int64_t rs) const {
     return batch_off(p, b, bs) + int64_t(head) * hs + (row_q + row) * rs;
   }
   template <typename Acc>
-  ATTN_HD int64_t k_offset(const FwdParamsT<Acc>& p, int b, int head, int row, int64_t bs, int64_t hs,
+  ATTN_HD int64_t k_offset(const SoftmaxParamsT<Acc>& p, int b, int head, int row, int64_t bs, int64_t hs,
                            int64_t rs) const {
     return batch_off(p, b, bs) + int64_t(head) * hs + (row_k + row) * rs;
   }
 };
 
-// Acc: the type scores are computed in (FwdParamsT); float on the GPU.
+// Acc: the type scores are computed in (SoftmaxParamsT); float on the GPU.
 template <typename Acc>
 struct PolicyT {
   int len_q, len_k;
@@ -77,7 +77,7 @@ struct PolicyT {
   const Acc* topk_thr;        // (len_q) of this (b, h), nullptr = no top-k
   const int32_t* topk_jcut;
 
-  ATTN_HD PolicyT(const FwdParamsT<Acc>& p, const SeqInfo& s, int b, int h) {
+  ATTN_HD PolicyT(const SoftmaxParamsT<Acc>& p, const SeqInfo& s, int b, int h) {
     len_q = s.len_q;
     len_k = s.len_k;
     diag = p.bottom_right ? len_k - len_q : 0;
@@ -208,11 +208,11 @@ using Policy = PolicyT<float>;
 // the window alone (no softcap, ALiBi or bias). General: a plain-only kernel cannot serve the call
 // (a score that is not plain, or dropout).
 template <typename Acc>
-ATTN_HD bool score_is_plain(const FwdParamsT<Acc>& p) {
+ATTN_HD bool score_is_plain(const SoftmaxParamsT<Acc>& p) {
   return p.softcap <= Acc(0) && p.alibi_slopes == nullptr && p.bias_kind == BiasKind::kNone;
 }
 template <typename Acc>
-ATTN_HD bool needs_general_kernel(const FwdParamsT<Acc>& p) {
+ATTN_HD bool needs_general_kernel(const SoftmaxParamsT<Acc>& p) {
   return !score_is_plain(p) || p.dropout_p > 0.f;
 }
 

@@ -1,53 +1,30 @@
-// The CPU kernels' run-time ISA dispatch (cpu/isa.h): the families' entry points in attn::cpu
-// forward to the active level's table (cpu/kernels.h). Compiled once, with the baseline flags of
-// the torch bindings.
+// The CPU kernels' run-time ISA dispatch (cpu/dispatch.h): which levels were built (each
+// registered itself, cpu/level.cpp), which one runs, and set_isa. Compiled once, with the
+// baseline flags of the torch bindings. It knows no family: the families' stubs read
+// active_level().
 #include <atomic>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "cpu/dispatch.h"
 #include "cpu/isa.h"
-#include "cpu/kernels.h"
-#include "decode/cpu/entry.h"
-#include "linear/cpu/entry.h"
-#include "peak/cpu/entry.h"
-#include "softmax/cpu/entry.h"
-#include "sparse/cpu/entry.h"
 
 namespace attn {
 namespace cpu {
 
-// Every level's table, weak: a level setup.py did not build (avx512 off x86, native unless
-// ATTENTION_EXT_NATIVE=1, every level but the machine's highest in a sanitized build) is a null
-// address, so this file and the torch bindings compile the same whatever the levels, and
-// switching native on builds only its objects.
-namespace base {
-extern const Kernels kernels __attribute__((weak));
-}
-namespace avx2 {
-extern const Kernels kernels __attribute__((weak));
-}
-namespace avx512 {
-extern const Kernels kernels __attribute__((weak));
-}
-namespace avx512bf16 {
-extern const Kernels kernels __attribute__((weak));
-}
-namespace native {
-extern const Kernels kernels __attribute__((weak));
-}
-
 namespace {
 
-// lowest first (setup.py links them in this order; native last: it includes every level built
-// beside it), the levels not built left out
-const std::vector<const Kernels*>& levels() {
-  static const std::vector<const Kernels*> v = [] {
-    std::vector<const Kernels*> l;
-    for (const Kernels* k : {&base::kernels, &avx2::kernels, &avx512::kernels, &avx512bf16::kernels, &native::kernels}) {
-      if (k != nullptr) l.push_back(k);
+// The slots of the levels built, lowest first (setup.py links them in this order; native last:
+// it includes every level built beside it). A level setup.py did not build (avx512 off x86,
+// native unless ATTENTION_EXT_NATIVE=1, every level but the machine's highest in a sanitized
+// build) registered nothing.
+const std::vector<int>& levels() {
+  static const std::vector<int> v = [] {
+    std::vector<int> l;
+    for (int i = 0; i < kNumLevels; ++i) {
+      if (built_levels[i] != nullptr) l.push_back(i);
     }
     return l;
   }();
@@ -79,40 +56,43 @@ uint32_t cpu_features() {
   return f;
 }
 
-bool runs_here(const Kernels* k) {
+bool runs_here(int level) {
   static const uint32_t have = cpu_features();
-  return (k->features & ~have) == 0;
+  return (built_levels[level]->features & ~have) == 0;
 }
 
-const Kernels* best() {
-  const Kernels* b = levels()[0];  // the lowest built: base (plain x86-64, or the target's baseline)
-  for (const Kernels* k : levels()) {
+int best() {
+  int b = levels().at(0);  // the lowest built: base (plain x86-64, or the target's baseline)
+  for (int k : levels()) {
     if (runs_here(k)) b = k;
   }
   return b;
 }
 
-std::atomic<const Kernels*>& active_slot() {
-  static std::atomic<const Kernels*> slot{best()};
+std::atomic<int>& active_slot() {
+  static std::atomic<int> slot{best()};
   return slot;
 }
-const Kernels& active() { return *active_slot().load(std::memory_order_relaxed); }
 
 }  // namespace
 
-const char* isa() { return active().name; }
+int active_level() { return active_slot().load(std::memory_order_relaxed); }
+
+const char* isa() { return built_levels[active_level()]->name; }
+
+int simd_width() { return built_levels[active_level()]->simd_width; }
 
 const char* isa_levels(bool all) {
   static const std::string runnable = [] {
     std::string s;
-    for (const Kernels* k : levels()) {
-      if (runs_here(k)) s += (s.empty() ? "" : ",") + std::string(k->name);
+    for (int k : levels()) {
+      if (runs_here(k)) s += (s.empty() ? "" : ",") + std::string(built_levels[k]->name);
     }
     return s;
   }();
   static const std::string built = [] {
     std::string s;
-    for (const Kernels* k : levels()) s += (s.empty() ? "" : ",") + std::string(k->name);
+    for (int k : levels()) s += (s.empty() ? "" : ",") + std::string(built_levels[k]->name);
     return s;
   }();
   return all ? built.c_str() : runnable.c_str();
@@ -123,65 +103,14 @@ const char* set_isa(const char* name) {
     active_slot().store(best());
     return nullptr;
   }
-  for (const Kernels* k : levels()) {
-    if (std::strcmp(k->name, name) != 0) continue;
+  for (int k : levels()) {
+    if (std::strcmp(built_levels[k]->name, name) != 0) continue;
     if (!runs_here(k)) return "this CPU lacks instructions that level uses";
     active_slot().store(k);
     return nullptr;
   }
   return "this build has no such level";
 }
-
-template <typename T>
-static const KernelsT<T>& of() {
-  if constexpr (std::is_same_v<T, double>) {
-    return active().f64;
-  } else {
-    return active().f32;
-  }
-}
-
-template <typename T>
-void fwd(const FwdParamsT<T>& p, DType dt) { of<T>().fwd(p, dt); }
-template <typename T>
-void bwd(const BwdParamsT<T>& p, DType dt) { of<T>().bwd(p, dt); }
-template <typename T>
-void topk_threshold(const FwdParamsT<T>& p, DType dt, int k_top, T* thr, int32_t* jcut) {
-  of<T>().topk_threshold(p, dt, k_top, thr, jcut);
-}
-template <typename T>
-void linear_fwd(const LinearParamsT<T>& p, DType dt) { of<T>().linear_fwd(p, dt); }
-template <typename T>
-void linear_bwd(const LinearBwdParamsT<T>& p, DType dt) { of<T>().linear_bwd(p, dt); }
-template <typename T>
-void linear_step(const LinearStepParamsT<T>& p, DType dt) { of<T>().linear_step(p, dt); }
-template <typename T>
-void decode_fwd(const DecodeParamsT<T>& p, DType dt) { of<T>().decode_fwd(p, dt); }
-template <typename T>
-int decode_num_splits(const DecodeParamsT<T>& p, int max_keys) {
-  return of<T>().decode_num_splits(p, max_keys);
-}
-
-#define ATTN_INSTANTIATE(T)                                                                  \
-  template void fwd<T>(const FwdParamsT<T>&, DType);                                         \
-  template void bwd<T>(const BwdParamsT<T>&, DType);                                         \
-  template void topk_threshold<T>(const FwdParamsT<T>&, DType, int, T*, int32_t*);           \
-  template void linear_fwd<T>(const LinearParamsT<T>&, DType);                               \
-  template void linear_bwd<T>(const LinearBwdParamsT<T>&, DType);                            \
-  template void linear_step<T>(const LinearStepParamsT<T>&, DType);                          \
-  template void decode_fwd<T>(const DecodeParamsT<T>&, DType);                               \
-  template int decode_num_splits<T>(const DecodeParamsT<T>&, int);
-ATTN_INSTANTIATE(float)
-ATTN_INSTANTIATE(double)
-#undef ATTN_INSTANTIATE
-
-int simd_width() { return active().simd_width(); }
-
-void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float p, uint64_t seed, uint64_t offset) {
-  active().dropout_mask(keep, b, h, sq, sk, p, seed, offset);
-}
-
-double peak_loop(int kind, int64_t iters) { return active().peak_loop(kind, iters); }
 
 }  // namespace cpu
 }  // namespace attn

@@ -1,13 +1,13 @@
 // The CPU kernels are compiled once per ISA level, each with its own flags (setup.py's
 // _cpu_levels: base = any x86-64, avx2 = AVX2 + FMA + F16C, avx512 = AVX-512 F/BW/VL/DQ, and
-// native = -march=native when ATTENTION_EXT_NATIVE=1), and the dispatcher (cpu/dispatch.cpp)
+// native = -march=native when ATTENTION_EXT_NATIVE=1), and the dispatcher (cpu/dispatch.h)
 // runs the highest level the running CPU supports. A level's translation units get
 // -DATTN_CPU_ISA=<level>: every kernel and every csrc/cpu helper it uses then lives in the inline
 // namespace attn::cpu::<level>, so the levels' symbols never collide and the linker never merges
 // an AVX-512 copy of one of our inline functions or templates into a lower level's code (W
 // differs between levels, so such a merge would be wrong even where it does not fault).
-// Without ATTN_CPU_ISA (the torch bindings, the dispatcher, a plain compile of one kernel) the
-// same declarations are in attn::cpu: the entry points there are the dispatcher's.
+// Without ATTN_CPU_ISA (the torch bindings, the dispatcher) the
+// same headers declare the families' DispatchStubs, which call the active level's kernels.
 #pragma once
 
 #if defined(ATTN_CPU_ISA)
@@ -31,6 +31,8 @@ const char* isa_levels(bool all = false);
 // nullptr on success, else why not (a level that was not built or that this CPU lacks); the
 // active level is then unchanged.
 const char* set_isa(const char* name);
+// float32 lanes of the active level's SIMD vector.
+int simd_width();
 
 }  // namespace cpu
 }  // namespace attn

@@ -62,8 +62,8 @@ struct LineAllocator {
   }
   // 2 MB and up: 2 MB aligned and madvise(MADV_HUGEPAGE). The packed K / V stream through L2
   // for every query block; on 4 KB pages their physical placement (hence L2 set conflicts and
-  // TLB misses) changed per process, and the D=128 forward ran at 0.92x or 1.00x torch's
-  // speed from one run to the next (single thread). On huge pages it is 1.00x every run.
+  // TLB misses) changed per process, and the D=128 forward's speed changed with them; on huge
+  // pages it does not (benchmarks/results/2026-11-22-cpu-v2.md).
   static constexpr size_t kHuge = size_t(2) << 20;
   template <typename U>
   bool operator==(const LineAllocator<U>&) const { return true; }
@@ -93,10 +93,10 @@ void carve(T* base, const std::array<size_t, N>& sizes, const std::array<T**, N>
 
 // Scratch that outlives the call, one per (thread, T, kSlot): the packed K / V on the calling
 // thread, each worker's tiles on the pool threads. Each call used to fault in fresh pages (the
-// kernel zeroes them: 16 MB of packed K / V for a (2, 8, 1024, 128) forward, about 3 of its
-// 55 ms on the 2-core EPYC); calls of the same or a smaller size now reuse them. At least 2 MB,
-// so small scratch sits on a huge page too (see LineAllocator). Above kMaxCachedBytes a call
-// gets its own buffer, so one huge call does not pin its memory.
+// kernel zeroes them: 16 MB of packed K / V for a (2, 8, 1024, 128) forward, a measurable part
+// of its time: benchmarks/results/2026-11-22-cpu-v2.md); calls of the same or a smaller size now
+// reuse them. At least 2 MB, so small scratch sits on a huge page too (see LineAllocator). Above
+// kMaxCachedBytes a call gets its own buffer, so one huge call does not pin its memory.
 template <typename T, int kSlot>
 class Scratch {
  public:
@@ -133,11 +133,11 @@ class Scratch {
 
 // Blocks of 2 MB and up (LineAllocator: huge pages) for the kernels' output tensors, kept after
 // the tensor is freed for the next call that asks for the same size. A fresh block is zeroed by
-// the OS page by page on first touch; in this VM that cost about 0.3 ms per MB, a quarter of a
-// causal forward + backward at S = 65536 (4 x 128 MB of outputs per step), where smaller outputs
-// are recycled by malloc. Kept blocks total at most kMaxBytes, the oldest released first: a
-// training step's outputs fit at long sequences, and a process holds no more than that once it
-// stops calling.
+// the OS page by page on first touch, a large part of a causal forward + backward at S = 65536
+// (4 x 128 MB of outputs per step; benchmarks/results/2026-11-29-figures-from-comments.md),
+// where smaller outputs are recycled by malloc. Kept blocks total at most kMaxBytes, the oldest
+// released first: a training step's outputs fit at long sequences, and a process holds no more
+// than that once it stops calling.
 class BlockCache {
  public:
   static constexpr size_t kMaxBytes = size_t(1) << 30;

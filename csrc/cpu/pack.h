@@ -38,7 +38,7 @@ struct PackIndex {
   std::vector<int> len;        // (B) key length of sequence b
 
   template <typename Acc>
-  explicit PackIndex(const FwdParamsT<Acc>& p) : h_k(p.h_k), d(p.d), dp(padded_head_dim(p.d)) {
+  explicit PackIndex(const SoftmaxParamsT<Acc>& p) : h_k(p.h_k), d(p.d), dp(padded_head_dim(p.d)) {
     row0.assign(p.b + 1, 0);
     len.assign(p.b, 0);
     for (int b = 0; b < p.b; ++b) {
@@ -242,7 +242,7 @@ static_assert(kBlockN % kPackPanelRows == 0 && kDotPanel <= kPackPanelRows && 2 
 // blocks of kBlockN rows.
 // Out = uint16_t: the pairs layouts (bf16 in).
 template <typename T, typename Out>
-inline void pack_keys(const FwdParamsT<T>& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
+inline void pack_keys(const SoftmaxParamsT<T>& p, DType dt, const void* base, int64_t bstride, int64_t hstride,
                       int64_t rstride, const PackIndex& idx, PackLayout layout, Out* out,
                       PackPad pad = PackPad::kWholeBlocks) {
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {

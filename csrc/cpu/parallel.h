@@ -1,5 +1,5 @@
 // Dynamic task scheduling for the CPU kernels, on the host framework's intra-op thread pool
-// (torch's, OpenMP when built with -fopenmp: csrc/torch/parallel.cpp binds it), so that
+// (torch's, OpenMP when built with -fopenmp: csrc/torch/thread_pool.cpp binds it), so that
 // torch.set_num_threads governs the kernels too.
 #pragma once
 

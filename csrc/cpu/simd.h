@@ -5,7 +5,8 @@
 // SSE as -march allows (no intrinsics per ISA to keep in sync). Width W floats: one register,
 // 16 with AVX-512F, 8 with AVX, 4 on x86 below AVX (SSE2, the portable base level). A vector
 // wider than the registers is lowered poorly (split ops, vectors passed through memory): an
-// 8-float type on SSE2 ran the forward 40x slower than AVX2. Other targets (AArch64: NEON is
+// 8-float type on SSE2 ran the forward many times slower than AVX2
+// (benchmarks/results/2026-11-25-cpu-isa.md). Other targets (AArch64: NEON is
 // 4 floats) keep 8, two registers.
 #pragma once
 
@@ -14,7 +15,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "common/params.h"
+#include "common/softmax_params.h"
 #include "cpu/isa.h"
 
 #if defined(__F16C__) || defined(__AVX__)
@@ -91,7 +92,8 @@ inline auto hmax(V v) {
   // lane i against lane i + w for w = lanes / 2 .. 1: a NaN in the lower lane is kept, in the
   // upper one dropped (maxps(a, b) is a > b ? a : b, the scalar loop's expression). float in
   // registers: a stack array made a chain of scalar maxes, and halves through memcpy a store the
-  // next load could not forward from (that one cost the forward 5-10% at 2048 keys).
+  // next load could not forward from (that one slowed the forward:
+  // benchmarks/results/2026-11-29-small-calls-cpu-zen5.md).
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<V, vec<float>>) {
     const __m512 x = (__m512)v;
@@ -402,8 +404,8 @@ inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 // B is read in panels of kPanel<T> = 2 vectors of columns: element (k, n) is at
 // B[(n / kPanel) * bpanel + k * ldb + n % kPanel]. A row-major B is ldb = its row stride,
 // bpanel = kPanel; the packed operands of pack.h are ldb = kPanel, bpanel = the panel's size, so
-// the micro-kernel streams one contiguous panel (measured on the 2-core EPYC: 99 vs 86 GFLOP/s
-// per core for a 48 x 128 x 128 product whose B comes from L3, 100 vs 91 from L1/L2).
+// the micro-kernel streams one contiguous panel, which measured faster
+// (benchmarks/results/2026-11-29-figures-from-comments.md).
 //
 // Register blocking: kMR rows x 2 vectors of C live in registers while k runs, so each step
 // loads 2 vectors of B and broadcasts kMR scalars of A for 2 * kMR FMAs. kMR = 6 fills 12 of

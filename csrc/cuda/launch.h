@@ -1,4 +1,4 @@
-// Host utilities of every CUDA launcher, torch-free: the launch macro (real or emulated), grid
+// Host utilities of every CUDA launcher, torch-free: the launch macro (cuda/target.cuh), grid
 // and shared-memory checks, launch errors, device queries and NVTX ranges. Errors are thrown as
 // std::runtime_error naming `what`; the torch layer turns them into Python exceptions.
 #pragma once
@@ -10,12 +10,7 @@
 #include <stdexcept>
 #include <string>
 
-// kernel<<<grid, block, smem, stream>>>, or the host emulator's launch (tests/cuda_emu/cuda_emu.h)
-#if defined(ATTN_CUDA_EMULATE)
-#define ATTN_LAUNCH(kernel, grid, block, smem, stream) ::attn_emu::launch(kernel, grid, block, smem, stream)
-#else
-#define ATTN_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
-#endif
+#include "cuda/target.cuh"  // ATTN_LAUNCH
 
 namespace attn {
 

@@ -9,14 +9,12 @@
 // next product (the P of softmax(QK^T) feeding PV without a trip through shared memory).
 #pragma once
 
-#if defined(ATTN_CUDA_EMULATE)
-#include "cuda_emu.h"  // host build of these wrappers (tests/cuda_emu, on its include path)
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "cuda/target.cuh"  // the instructions (ptx::), ATTN_EXTERN_SMEM
 
 namespace attn {
 namespace tc {
@@ -36,15 +34,7 @@ struct TypeOps<__half> {
     return __half22float2(*reinterpret_cast<__half2*>(&u));
   }
   static __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
-#if defined(ATTN_CUDA_EMULATE)
-    attn_emu::mma_m16n8k16(attn_emu::Elem::kF16, c, a, b);
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
+    ptx::mma_m16n8k16_f16(c, a, b);
   }
 };
 
@@ -58,15 +48,7 @@ struct TypeOps<__nv_bfloat16> {
     return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
   }
   static __device__ __forceinline__ void mma(float* c, const uint32_t* a, const uint32_t* b) {
-#if defined(ATTN_CUDA_EMULATE)
-    attn_emu::mma_m16n8k16(attn_emu::Elem::kBF16, c, a, b);
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
+    ptx::mma_m16n8k16_bf16(c, a, b);
   }
 };
 
@@ -79,92 +61,40 @@ __device__ __forceinline__ void mma_n16(float* c, const uint32_t* a, const uint3
 }
 
 // ---------------------------------------------------------------- shared memory
-// The kernel's dynamic shared memory, `unsigned char name[]`: extern __shared__, or in the host
-// emulator the current CTA's buffer.
-#if defined(ATTN_CUDA_EMULATE)
-#define ATTN_EXTERN_SMEM(name) unsigned char* const name = attn_emu::dynamic_smem()
-#else
-#define ATTN_EXTERN_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
-#endif
-
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-#if defined(ATTN_CUDA_EMULATE)
-  return attn_emu::smem_u32(ptr);
-#else
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-#endif
+  return ptx::smem_u32(ptr);
 }
 
 // 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows past the sequence end, head
 // dims past d), so padded lanes never hold garbage that could turn into NaN.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   int n = valid ? 16 : 0;
-#if defined(ATTN_CUDA_EMULATE)
-  attn_emu::cp_async(dst, src, 16, n);
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-#endif
+  ptx::cp_async16(dst, src, n);
 }
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
   int n = valid ? 4 : 0;
-#if defined(ATTN_CUDA_EMULATE)
-  attn_emu::cp_async(dst, src, 4, n);
-#else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-#endif
+  ptx::cp_async4(dst, src, n);
 }
-#if defined(ATTN_CUDA_EMULATE)
-__device__ __forceinline__ void cp_async_commit() { attn_emu::cp_async_commit(); }
+__device__ __forceinline__ void cp_async_commit() { ptx::cp_async_commit(); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  attn_emu::cp_async_wait(N);
+  ptx::cp_async_wait<N>();
 }
-#else
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-#endif
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
-#if defined(ATTN_CUDA_EMULATE)
-  attn_emu::ldmatrix_x4(r, addr, false);
-#else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
+  ptx::ldmatrix_x4(r, addr);
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
-#if defined(ATTN_CUDA_EMULATE)
-  attn_emu::ldmatrix_x4(r, addr, true);
-#else
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-#endif
+  ptx::ldmatrix_x4_trans(r, addr);
 }
 
 // 32-bit store / 128-bit load of shared memory at a smem_u32 address (the forward's O staging,
 // the backward's dS^T).
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) {
-#if defined(ATTN_CUDA_EMULATE)
-  attn_emu::st_shared_b32(addr, val);
-#else
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val));
-#endif
+  ptx::st_shared_b32(addr, val);
 }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-#if defined(ATTN_CUDA_EMULATE)
-  return attn_emu::ld_shared_v4(addr);
-#else
-  uint4 val;
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-               : "r"(addr));
-  return val;
-#endif
+  return ptx::ld_shared_v4(addr);
 }
 
 // A (kRows x kCols) tile of 16-bit elements in shared memory, rows of kCols / 8 chunks of 16
@@ -230,13 +160,7 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem, const T* gmem, in
 
 // ex2.approx: 2^x with -inf -> +0, the one transcendental of the softmax inner loop.
 __device__ __forceinline__ float fast_exp2(float x) {
-#if defined(ATTN_CUDA_EMULATE)
-  return attn_emu::ex2_approx_ftz(x);
-#else
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-#endif
+  return ptx::ex2_approx_ftz(x);
 }
 
 }  // namespace tc

@@ -3,8 +3,8 @@
 // the generic -> async proxy fence, setmaxnreg and named barriers.
 //
 // wgmma and setmaxnreg exist only on sm_90a: call these only from code compiled under
-// __CUDA_ARCH_FEAT_SM90_ALL (fwd_hopper_kernel.cuh guards its kernel body). Including this
-// header elsewhere is harmless: inline asm is assembled only where it is instantiated.
+// __CUDA_ARCH_FEAT_SM90_ALL (softmax/cuda/sm90/fwd_kernel.cuh guards its kernel body). Including
+// this header elsewhere is harmless: inline asm is assembled only where it is instantiated.
 #pragma once
 
 #include <cuda_bf16.h>

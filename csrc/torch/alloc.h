@@ -11,10 +11,10 @@ namespace api {
 
 // An uninitialized tensor of `sizes`. On the CPU, from 2 MB up, its memory comes from
 // cpu/memory.h's BlockCache (huge pages, recycled across calls): a fresh output is first-touched
-// by the kernel, and on fresh 4 KB pages that cost about 1.2 us per page (fault, zeroing,
-// accounting) in this VM. 4 x 128 MB of outputs took 360 ms to allocate and fill, 90 ms on fresh
-// huge pages, and made a causal forward + backward at S = 65536 scale worse than linearly from
-// S = 8192, whose 16 MB outputs malloc recycles.
+// by the kernel, and on fresh 4 KB pages each page costs a fault, zeroing and accounting; huge
+// pages cost far less (benchmarks/results/2026-11-29-figures-from-comments.md). Fresh
+// pages made a causal forward + backward at S = 65536 scale worse than linearly from S = 8192,
+// whose 16 MB outputs malloc recycles.
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   const size_t bytes = size_t(c10::multiply_integers(sizes)) * opts.dtype().itemsize();
   if (!opts.device().is_cpu() || bytes < cpu::LineAllocator<char>::kHuge) return at::empty(sizes, opts);

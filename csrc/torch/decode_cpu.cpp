@@ -5,8 +5,8 @@
 #include <tuple>
 
 #include "decode/cpu/entry.h"
-#include "torch/decode_params.h"
-#include "torch/softmax_params.h"  // dtype_of
+#include "torch/decode_binding.h"
+#include "torch/tensor_rules.h"  // dtype_of
 
 namespace {
 
@@ -26,9 +26,9 @@ std::tuple<Tensor, Tensor> decode_fwd_cpu(const Tensor& q, const Tensor& k_cache
   if (q.numel() == 0) return {out, lse};
   const attn::DType dt = attn::api::dtype_of(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::decode_fwd(attn::api::make_decode_params<double>(a, out, lse), dt);
+    attn::cpu::decode_fwd_stub<double>(attn::api::make_decode_params<double>(a, out, lse), dt);
   } else {
-    attn::cpu::decode_fwd(attn::api::make_decode_params<float>(a, out, lse), dt);
+    attn::cpu::decode_fwd_stub<float>(attn::api::make_decode_params<float>(a, out, lse), dt);
   }
   return {out, lse};
 }

@@ -1,7 +1,7 @@
 // The host steps of the CUDA decode op between the op's tensors and the torch-free backend
-// (csrc/decode/cuda/entry.h): checks (decode_params.h), outputs, params, the split count and its
+// (csrc/decode/cuda/entry.h): checks (decode_binding.h), outputs, params, the split count and its
 // fp32 scratch, the launch, errors. One copy for the real CUDA binding (decode_cuda.cpp) and the
-// CPU emulator's (tests/cuda_emu/emu_decode_binding.cpp), which differ only in their `Device`:
+// CPU emulator's, which differ only in their `Device`:
 //
 //   struct Device {
 //     static constexpr bool kPoison;       // outputs and scratch start as NaN (the emulator)
@@ -21,9 +21,9 @@
 
 #include "common/decode_params.h"
 #include "decode/cuda/heuristics.h"
-#include "torch/decode_params.h"
-#include "torch/softmax_cuda_steps.h"  // run_backend
-#include "torch/softmax_params.h"      // dtype_of
+#include "torch/decode_binding.h"
+#include "torch/cuda_steps.h"  // run_backend
+#include "torch/tensor_rules.h"  // dtype_of
 
 namespace attn {
 namespace api {

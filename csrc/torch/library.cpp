@@ -19,16 +19,15 @@
 #include <string>
 #include <utility>
 
-#include "cpu/isa.h"            // the ISA level's dispatch
+#include "cpu/isa.h"            // the ISA levels, simd_width
 #include "cpu/memory.h"         // BlockCache
 #include "peak/cpu/entry.h"     // peak_loop
-#include "softmax/cpu/entry.h"  // simd_width
 #if defined(ATTN_WITH_CUDA)
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
 #endif
-#include "torch/decode_params.h"   // ATTN_DECODE_SCHEMA
-#include "torch/linear_params.h"   // ATTN_LINEAR_OPTIONS_SCHEMA
-#include "torch/softmax_params.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
+#include "torch/decode_binding.h"   // ATTN_DECODE_SCHEMA
+#include "torch/linear_binding.h"   // ATTN_LINEAR_OPTIONS_SCHEMA
+#include "torch/softmax_binding.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
 
 namespace {
 
@@ -77,7 +76,7 @@ int64_t peak_burst_iters(int kind, double seconds_per_burst) {
   int64_t iters = 256;
   for (;;) {
     const auto t0 = Clock::now();
-    attn::cpu::peak_loop(kind, iters);
+    attn::cpu::peak_loop_stub(kind, iters);
     const double t = std::chrono::duration<double>(Clock::now() - t0).count();
     if (t >= seconds_per_burst / 4) {
       iters = std::max<int64_t>(1, int64_t(double(iters) * seconds_per_burst / t));
@@ -96,7 +95,7 @@ int64_t peak_burst_iters(int kind, double seconds_per_burst) {
 double cpu_peak_flops(int kind, int64_t threads, double seconds) {
   using Clock = std::chrono::steady_clock;
   const auto since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
-  const double per_round = attn::cpu::peak_loop(kind, 1);  // FLOPs of one round
+  const double per_round = attn::cpu::peak_loop_stub(kind, 1);  // FLOPs of one round
   if (per_round == 0.0) return 0.0;
   const int64_t iters = peak_burst_iters(kind, 1e-3);
   const double flops = per_round * double(iters) * double(threads);
@@ -105,7 +104,7 @@ double cpu_peak_flops(int kind, int64_t threads, double seconds) {
   do {
     const auto t0 = Clock::now();
     at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) attn::cpu::peak_loop(kind, iters);
+      for (int64_t i = i0; i < i1; ++i) attn::cpu::peak_loop_stub(kind, iters);
     });
     best = std::max(best, flops / since(t0));
   } while (since(start) < seconds);
@@ -147,26 +146,26 @@ PyObject* py_cpu_peak_flops(PyObject*, PyObject* args) {
 }
 
 
-// attention_ext::fwd_plain called from Python without the op's generic argument conversion
-// (torch.ops converts each argument to an IValue against the schema: about 1 us of a small
-// call). Positional arguments, the schema's order; plain tensors only, no torch function mode
-// (else TypeError: the Python caller takes torch.ops' path, which handles them). The call goes
-// through the dispatcher as any op call does (autograd, profiler, dispatch modes), without the
-// GIL, as torch's own bindings.
+// attention_ext::softmax_fwd_plain called from Python without the op's generic argument conversion
+// (torch.ops converts each argument to an IValue against the schema, a visible part of a small
+// call: benchmarks/results/2026-11-29-figures-from-comments.md). Positional arguments, the
+// schema's order; plain tensors only, no torch function mode (else TypeError: the Python caller
+// takes torch.ops' path, which handles them). The call goes through the dispatcher as any op
+// call does (autograd, profiler, dispatch modes), without the GIL, as torch's own bindings.
 PyObject* py_fwd_plain(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                  std::optional<double>, int64_t, int64_t, bool, c10::string_view,
                                                  int64_t, bool, const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::fwd_plain", "").typed<Sig>();
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::softmax_fwd_plain", "").typed<Sig>();
   if (nargs != 10 && nargs != 11) {
-    PyErr_Format(PyExc_TypeError, "fwd_plain: 10 or 11 positional arguments, got %zd", nargs);
+    PyErr_Format(PyExc_TypeError, "softmax_fwd_plain: 10 or 11 positional arguments, got %zd", nargs);
     return nullptr;
   }
   const bool has_bias = nargs == 11 && args[10] != Py_None;
   if (!THPVariable_CheckExact(args[0]) || !THPVariable_CheckExact(args[1]) || !THPVariable_CheckExact(args[2]) ||
       (has_bias && !THPVariable_CheckExact(args[10])) || at::impl::torch_function_mode_enabled()) {
-    PyErr_SetString(PyExc_TypeError, "fwd_plain: q, k, v and bias must be plain tensors, with no torch function mode");
+    PyErr_SetString(PyExc_TypeError, "softmax_fwd_plain: q, k, v and bias must be plain tensors, with no torch function mode");
     return nullptr;
   }
   std::optional<double> scale;
@@ -246,9 +245,9 @@ PyMethodDef module_methods[] = {
     {"cpu_isas", py_cpu_isas, METH_O, "the levels built and runnable here (all=True: built), comma-separated"},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
     {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},
-    {"fwd_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fwd_plain)), METH_FASTCALL,
-     "fwd_plain(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic[, bias]): "
-     "torch.ops.attention_ext.fwd_plain for plain tensors, without torch.ops' argument conversion"},
+    {"softmax_fwd_plain", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_fwd_plain)), METH_FASTCALL,
+     "softmax_fwd_plain(q, k, v, scale, window_left, window_right, bottom_right, layout, num_splits, deterministic[, bias]): "
+     "torch.ops.attention_ext.softmax_fwd_plain for plain tensors, without torch.ops' argument conversion"},
     {"cpu_peak_flops", py_cpu_peak_flops, METH_VARARGS,
      "cpu_peak_flops(kind, threads, seconds): FLOP/s of threads (0: torch's count) running the active level's "
      "'fp32_fma' or 'bf16_dot' loop, the best 1 ms burst of `seconds` (one at least); 0.0 where the level "
@@ -266,22 +265,27 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
 
 TORCH_LIBRARY(attention_ext, m) {
   // softmax family
-  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+  m.def("softmax_fwd(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", int num_splits=1, bool deterministic=False) -> (Tensor, Tensor)");
-  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+  m.def("softmax_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // fwd with no tensor option, for small calls (softmax_plain.cpp): a composite of fwd
-  m.def("fwd_plain(Tensor q, Tensor k, Tensor v, float? scale=None, int window_left=-1, int window_right=-1, "
+  m.def("softmax_fwd_plain(Tensor q, Tensor k, Tensor v, float? scale=None, int window_left=-1, int window_right=-1, "
         "bool bottom_right=False, str layout=\"bhsd\", int num_splits=0, bool deterministic=False, "
         "Tensor? bias=None) -> (Tensor, Tensor)");
   m.def("dropout_mask(int b, int h, int sq, int sk, float p, int seed, int offset, Device? device=None) -> Tensor");
+  // the functional API's forward: softmax_fwd, or the decode kernel for few-row CPU calls with
+  // nothing to differentiate (softmax_route.cpp); softmax_fwd_route says which, and why
+  m.def("softmax_fwd_routed(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA
+        ", int num_splits=1, bool deterministic=False) -> (Tensor, Tensor)");
+  m.def("softmax_fwd_route(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA ") -> str");
   // sparse family: block-sparse attention is fwd / bwd with block_layout; top-k's threshold pass
   // (common/block_sparse.h) takes the same options (top-k's own left unset) and returns the
   // (B, H, Sq) thresholds and cut keys that fwd / bwd then take as topk_thr / topk_jcut
-  m.def("topk_threshold(Tensor q, Tensor k, " ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top) -> (Tensor, Tensor)");
+  m.def("topk_threshold(Tensor q, Tensor k" ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top) -> (Tensor, Tensor)");
   // linear family
-  m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
-  m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+  m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den"
         ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // the recurrent step: mutates state (and normalizer) in place, so a decode step reads and
   // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations

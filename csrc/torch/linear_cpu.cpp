@@ -6,7 +6,7 @@
 #include <tuple>
 
 #include "linear/cpu/entry.h"
-#include "torch/linear_params.h"
+#include "torch/linear_binding.h"
 
 namespace {
 
@@ -21,17 +21,17 @@ attn::DType linear_dtype(const Tensor& q) {
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+std::tuple<Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v
                                                   ATTN_LINEAR_OPTIONS_PARAMS) {
-  const attn::api::LinearOptions o = attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS);
+  const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
   auto [out, den, state] = attn::api::alloc_linear_outputs(q, v, o);
   if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) return {out, den, state};
   const attn::DType dt = linear_dtype(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::linear_fwd(attn::api::make_linear_params<double>(q, k, v, out, den, state, o), dt);
+    attn::cpu::linear_fwd_stub<double>(attn::api::make_linear_params<double>(q, k, v, out, den, state, o), dt);
   } else {
-    attn::cpu::linear_fwd(attn::api::make_linear_params<float>(q, k, v, out, den, state, o), dt);
+    attn::cpu::linear_fwd_stub<float>(attn::api::make_linear_params<float>(q, k, v, out, den, state, o), dt);
   }
   return {out, den, state};
 }
@@ -39,9 +39,9 @@ std::tuple<Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor&
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& dout,
                                                                   const std::optional<Tensor>& dfinal_state,
                                                                   const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                  const Tensor& out, const Tensor& den,
-                                                                  ATTN_LINEAR_OPTIONS_PARAMS) {
-  const attn::api::LinearOptions o = attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS);
+                                                                  const Tensor& out, const Tensor& den
+                                                                      ATTN_LINEAR_OPTIONS_PARAMS) {
+  const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
   attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
   attn::api::LinearGrads g = attn::api::alloc_linear_grads(q, k, v, o);
@@ -53,9 +53,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& 
   }
   const attn::DType dt = linear_dtype(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::linear_bwd(attn::api::make_linear_bwd_params<double>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
+    attn::cpu::linear_bwd_stub<double>(
+        attn::api::make_linear_bwd_params<double>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
   } else {
-    attn::cpu::linear_bwd(attn::api::make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
+    attn::cpu::linear_bwd_stub<float>(
+        attn::api::make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
   }
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }
@@ -69,10 +71,10 @@ Tensor linear_step_cpu(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   if (out.numel() == 0) return out;
   const attn::DType dt = linear_dtype(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::linear_step(
+    attn::cpu::linear_step_stub<double>(
         attn::api::make_linear_step_params<double>(q, k, v, out, state, normalizer, decay, feature_map, eps, scale), dt);
   } else {
-    attn::cpu::linear_step(
+    attn::cpu::linear_step_stub<float>(
         attn::api::make_linear_step_params<float>(q, k, v, out, state, normalizer, decay, feature_map, eps, scale), dt);
   }
   return out;

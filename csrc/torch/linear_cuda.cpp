@@ -28,21 +28,21 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> linear_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+std::tuple<Tensor, Tensor, Tensor> linear_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v
                                                    ATTN_LINEAR_OPTIONS_PARAMS) {
   attn::NvtxRange range("attention_ext::linear::fwd (CUDA)");
   return attn::api::linear_cuda_fwd_steps(CudaDevice{}, q, k, v,
-                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+                                          ATTN_LINEAR_MAKE_OPTIONS());
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cuda(const Tensor& dout,
                                                                    const std::optional<Tensor>& dfinal_state,
                                                                    const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                   const Tensor& out, const Tensor& den,
-                                                                   ATTN_LINEAR_OPTIONS_PARAMS) {
+                                                                   const Tensor& out, const Tensor& den
+                                                                       ATTN_LINEAR_OPTIONS_PARAMS) {
   attn::NvtxRange range("attention_ext::linear::bwd (CUDA)");
   return attn::api::linear_cuda_bwd_steps(CudaDevice{}, dout, dfinal_state, q, k, v, out, den,
-                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+                                          ATTN_LINEAR_MAKE_OPTIONS());
 }
 
 }  // namespace

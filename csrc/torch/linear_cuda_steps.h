@@ -1,7 +1,7 @@
 // The host steps of the CUDA linear attention forward and backward between the op's tensors and
-// the torch-free backend (csrc/linear/cuda/entry.h): checks (linear_params.h), outputs, params,
+// the torch-free backend (csrc/linear/cuda/entry.h): checks (linear_binding.h), outputs, params,
 // the backward's scratch, the launch, errors. One copy for the real CUDA binding
-// (linear_cuda.cpp) and the CPU emulator's (tests/cuda_emu), which differ only in their `Device`:
+// (linear_cuda.cpp) and the CPU emulator's, which differ only in their `Device`:
 //
 //   struct Device {
 //     static constexpr bool kPoison;       // outputs start as NaN where the kernels write (the emulator)
@@ -20,9 +20,9 @@
 #include <optional>
 #include <tuple>
 
-#include "torch/linear_params.h"
-#include "torch/softmax_cuda_steps.h"  // run_backend
-#include "torch/softmax_params.h"      // dtype_of
+#include "torch/linear_binding.h"
+#include "torch/cuda_steps.h"  // run_backend
+#include "torch/tensor_rules.h"  // dtype_of
 
 namespace attn {
 namespace api {

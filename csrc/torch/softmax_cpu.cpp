@@ -1,4 +1,4 @@
-// CPU registration of the softmax family: attention_ext::fwd / bwd on the CPU kernels
+// CPU registration of the softmax family: attention_ext::softmax_fwd / bwd on the CPU kernels
 // (csrc/softmax/cpu), float64 included, and dropout_mask for every device.
 #include <torch/library.h>
 
@@ -7,8 +7,8 @@
 #include <tuple>
 
 #include "softmax/cpu/entry.h"
-#include "torch/softmax_params.h"
-#include "torch/sparse_index.h"
+#include "torch/softmax_binding.h"
+#include "torch/block_index.h"
 
 namespace {
 
@@ -28,9 +28,9 @@ TileIndexTensors attach_index(Params& p, const Options& o, bool csc) {
   return t;
 }
 
-std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v, ATTN_SOFTMAX_OPTIONS_PARAMS,
+std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
                                    int64_t num_splits, bool /*deterministic: read by the autograd backward*/) {
-  const Options o = attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS);
+  const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
   attn::api::check_inputs(q, k, v, o);
   attn::api::check_num_splits(num_splits);
   auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
@@ -39,20 +39,20 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
   if (dt == attn::DType::kF64) {
     auto p = attn::api::make_fwd_params<double>(q, k, v, out, lse, o);
     const TileIndexTensors index = attach_index(p, o, false);
-    attn::cpu::fwd(p, dt);
+    attn::cpu::softmax_fwd_stub<double>(p, dt);
   } else {
     auto p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
     const TileIndexTensors index = attach_index(p, o, false);
-    attn::cpu::fwd(p, dt);
+    attn::cpu::softmax_fwd_stub<float>(p, dt);
   }
   return {out, lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                           const Tensor& v, const Tensor& out, const Tensor& lse,
-                                                           ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
+                                                           const Tensor& v, const Tensor& out, const Tensor& lse
+                                                               ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
                                                            bool deterministic, const OptTensor& dlse) {
-  const Options o = attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS);
+  const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
   attn::api::check_inputs(q, k, v, o);
   attn::api::check_bwd_inputs(dout, q, out, lse, dlse);
   attn::api::Grads g = attn::api::alloc_grads(q, k, v, o, bias_grad);
@@ -62,11 +62,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(const Tensor& dout, c
   if (dt == attn::DType::kF64) {
     auto p = attn::api::make_bwd_params<double>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
     const TileIndexTensors index = attach_index(p, o, true);
-    attn::cpu::bwd(p, dt);
+    attn::cpu::softmax_bwd_stub<double>(p, dt);
   } else {
     auto p = attn::api::make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
     const TileIndexTensors index = attach_index(p, o, true);
-    attn::cpu::bwd(p, dt);
+    attn::cpu::softmax_bwd_stub<float>(p, dt);
   }
   return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
 }
@@ -77,16 +77,18 @@ Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, 
   TORCH_CHECK_VALUE(b >= 0 && h >= 0 && sq >= 0 && sk >= 0, "attention_ext.dropout_mask: sizes must be >= 0");
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "attention_ext.dropout_mask: p must be in [0, 1), got ", p);
   Tensor keep = at::empty({b, h, sq, sk}, at::TensorOptions().dtype(at::kBool));
-  attn::cpu::dropout_mask(reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()), int(b), int(h), int(sq), int(sk), float(p),
-                          uint64_t(seed), uint64_t(offset));
+  attn::cpu::dropout_mask_stub(reinterpret_cast<uint8_t*>(keep.data_ptr<bool>()), int(b), int(h), int(sq), int(sk),
+                               float(p), uint64_t(seed), uint64_t(offset));
   return device.has_value() ? keep.to(*device) : keep;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
-  m.impl("fwd", &fwd_cpu);
-  m.impl("bwd", &bwd_cpu);
+  m.impl("softmax_fwd", &fwd_cpu);
+  m.impl("softmax_bwd", &bwd_cpu);
 }
 
-TORCH_LIBRARY_IMPL(attention_ext, CompositeExplicitAutograd, m) { m.impl("dropout_mask", &dropout_mask_cpu); }
+TORCH_LIBRARY_IMPL(attention_ext, CompositeExplicitAutograd, m) {
+  m.impl("dropout_mask", &dropout_mask_cpu);
+}

@@ -1,21 +1,21 @@
 // The host steps of the CUDA softmax forward and backward between the op's tensors and the
 // torch-free backend (csrc/softmax/cuda/entry.h): checks, outputs, params, the scratch the
 // backend sizes, the launch, errors. One copy for the real CUDA binding (softmax_cuda.cpp) and
-// the CPU emulator's (tests/cuda_emu), which differ only in their `Device`:
+// the CPU emulator's, which differ only in their `Device`:
 //
 //   struct Device {
 //     static constexpr bool kPoison;   // outputs and scratch start as NaN (the emulator)
 //     static constexpr const char* kWhat;  // error-message prefix
 //     void check_device(const Tensor& q) const;   // dtype / device the backend takes
 //     <RAII> guard(const Tensor& q) const;         // device guard for the call
-//     int fwd_num_splits(const FwdParams&, DType, int requested) const;
-//     size_t fwd_split_floats(const FwdParams&, int num_splits, int64_t batch_t, int64_t rows, bool o) const;
-//     void fwd(const FwdParams&, DType, const FwdSplitScratch&) const;
-//     size_t bwd_softmax_d_floats(const BwdParams&) const;
-//     size_t bwd_dq_accum_floats(const BwdParams&, DType) const;
-//     void bwd(const BwdParams&, DType) const;
-//     std::pair<int, int> fwd_sparse_tiles(const FwdParams&, DType) const;  // entry.h: the tiles
-//     std::pair<int, int> bwd_sparse_tiles(const BwdParams&, DType) const;  //   to index a layout at
+//     int fwd_num_splits(const SoftmaxParams&, DType, int requested) const;
+//     size_t fwd_split_floats(const SoftmaxParams&, int num_splits, int64_t batch_t, int64_t rows, bool o) const;
+//     void fwd(const SoftmaxParams&, DType, const FwdSplitScratch&) const;
+//     size_t bwd_softmax_d_floats(const SoftmaxBwdParams&) const;
+//     size_t bwd_dq_accum_floats(const SoftmaxBwdParams&, DType) const;
+//     void bwd(const SoftmaxBwdParams&, DType) const;
+//     std::pair<int, int> fwd_sparse_tiles(const SoftmaxParams&, DType) const;  // entry.h: the tiles
+//     std::pair<int, int> bwd_sparse_tiles(const SoftmaxBwdParams&, DType) const;  //   to index a layout at
 //     void reads(std::initializer_list<const Tensor*>) const;  // the tensors kernels may read
 //     bool capturing() const;  // the current stream is capturing a CUDA graph (tile_index's rule)
 //   };
@@ -31,18 +31,12 @@
 #include <utility>
 
 #include "softmax/cuda/entry.h"  // FwdSplitScratch
-#include "torch/sparse_index.h"
-#include "torch/softmax_params.h"
+#include "torch/block_index.h"
+#include "torch/cuda_steps.h"  // cuda_scratch, run_backend
+#include "torch/softmax_binding.h"
 
 namespace attn {
 namespace api {
-
-// float32 scratch of n elements on q's device: uninitialized, or NaN when poisoned
-inline Tensor cuda_scratch(const Tensor& q, size_t n, bool poison) {
-  Tensor t = at::empty({int64_t(n)}, q.options().dtype(at::kFloat));
-  if (poison) t.fill_(NAN);
-  return t;
-}
 
 // The tensor-core path reads rows as 16-byte chunks; give it a copy when dout is strided oddly.
 inline Tensor chunk_friendly(Tensor t) {
@@ -64,15 +58,6 @@ TileIndexTensors attach_tile_index(const Device& dev, P& p, const Options& o, st
   return t;
 }
 
-template <typename Device, typename Fn>
-void run_backend(const Fn& fn) {
-  try {
-    fn();
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, Device::kWhat, ": ", e.what());
-  }
-}
-
 template <typename Device>
 std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, const Tensor& k, const Tensor& v,
                                           const Options& o, int64_t num_splits) {
@@ -82,7 +67,7 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
   const auto guard = dev.guard(q);
   auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
   if (q.numel() == 0) return {out, lse};
-  FwdParams p = make_fwd_params<float>(q, k, v, out, lse, o);
+  SoftmaxParams p = make_fwd_params<float>(q, k, v, out, lse, o);
   const DType dt = dtype_of(q);
   const TileIndexTensors index = attach_tile_index(dev, p, o, dev.fwd_sparse_tiles(p, dt), false);
   // split-KV: partial O and LSE per split, float32, on the call's device and stream
@@ -114,7 +99,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cuda_bwd_steps(const Device& 
   Grads g = alloc_grads(q, k, v, o, bias_grad, Device::kPoison);
   if (is_empty_call(q, k)) return {g.dq, g.dk, g.dv, g.dbias, g.dsinks};
   Tensor dout_c = chunk_friendly(dout.to(q.scalar_type()));
-  BwdParams p = make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
+  SoftmaxBwdParams p = make_bwd_params<float>(dout_c, q, k, v, out, lse, dlse, o, g, deterministic);
   const DType dt = dtype_of(q);
   const TileIndexTensors index = attach_tile_index(dev, p, o, dev.bwd_sparse_tiles(p, dt), true);
   Tensor softmax_d = cuda_scratch(q, dev.bwd_softmax_d_floats(p), Device::kPoison);

@@ -6,7 +6,7 @@
 #include <tuple>
 
 #include "sparse/cpu/entry.h"
-#include "torch/softmax_params.h"
+#include "torch/softmax_binding.h"
 #include "torch/sparse_topk.h"
 
 namespace {
@@ -14,9 +14,9 @@ namespace {
 using at::Tensor;
 using attn::api::Options;
 
-std::tuple<Tensor, Tensor> topk_threshold_cpu(const Tensor& q, const Tensor& k, ATTN_SOFTMAX_OPTIONS_PARAMS,
+std::tuple<Tensor, Tensor> topk_threshold_cpu(const Tensor& q, const Tensor& k ATTN_SOFTMAX_OPTIONS_PARAMS,
                                               int64_t k_top) {
-  const Options o = attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS);
+  const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
   attn::api::check_topk_inputs(q, k, o, k_top);
   auto [thr, jcut] = attn::api::alloc_topk_outputs(q);
   if (attn::api::is_empty_call(q, k)) return {thr, jcut};
@@ -24,10 +24,10 @@ std::tuple<Tensor, Tensor> topk_threshold_cpu(const Tensor& q, const Tensor& k, 
   // v = k and out = q stand in for tensors the pass never reads; thr has lse's layout
   if (dt == attn::DType::kF64) {
     auto p = attn::api::make_fwd_params<double>(q, k, k, q, thr, o);
-    attn::cpu::topk_threshold(p, dt, int(k_top), thr.data_ptr<double>(), jcut.data_ptr<int32_t>());
+    attn::cpu::topk_threshold_stub<double>(p, dt, int(k_top), thr.data_ptr<double>(), jcut.data_ptr<int32_t>());
   } else {
     auto p = attn::api::make_fwd_params<float>(q, k, k, q, thr, o);
-    attn::cpu::topk_threshold(p, dt, int(k_top), thr.data_ptr<float>(), jcut.data_ptr<int32_t>());
+    attn::cpu::topk_threshold_stub<float>(p, dt, int(k_top), thr.data_ptr<float>(), jcut.data_ptr<int32_t>());
   }
   return {thr, jcut};
 }

@@ -21,20 +21,20 @@ using at::Tensor;
 
 struct CudaSparseDevice : attn::api::CudaDeviceBase<CudaSparseDevice> {
   static constexpr const char* kWhat = "attention_ext";
-  size_t topk_scratch_entries(const attn::FwdParams& p, int k_top) const {
+  size_t topk_scratch_entries(const attn::SoftmaxParams& p, int k_top) const {
     return attn::cuda_topk_scratch_entries(p, k_top);
   }
-  void topk_threshold(const attn::FwdParams& p, attn::DType dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
+  void topk_threshold(const attn::SoftmaxParams& p, attn::DType dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
                       int32_t* s_key) const {
     attn::cuda_topk_threshold(p, dt, k_top, thr, jcut, s_logit, s_key, stream());
   }
   void reads(std::initializer_list<const Tensor*>) const {}
 };
 
-std::tuple<Tensor, Tensor> topk_threshold_cuda(const Tensor& q, const Tensor& k, ATTN_SOFTMAX_OPTIONS_PARAMS,
+std::tuple<Tensor, Tensor> topk_threshold_cuda(const Tensor& q, const Tensor& k ATTN_SOFTMAX_OPTIONS_PARAMS,
                                                int64_t k_top) {
   attn::NvtxRange range("attention_ext::sparse::topk_threshold (CUDA)");
-  return attn::api::cuda_topk_steps(CudaSparseDevice{}, q, k, attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS),
+  return attn::api::cuda_topk_steps(CudaSparseDevice{}, q, k, ATTN_SOFTMAX_MAKE_OPTIONS(),
                                     k_top);
 }
 

@@ -1,6 +1,6 @@
 // The host steps of the CUDA topk_threshold op between the op's tensors and the torch-free backend
 // (csrc/sparse/cuda/entry.h): checks, outputs, params, scratch, the launch. One copy for the real
-// CUDA binding (sparse_cuda.cpp) and the CPU emulator's (tests/cuda_emu), which differ only in
+// CUDA binding (sparse_cuda.cpp) and the CPU emulator's, which differ only in
 // their `Device`:
 //
 //   struct Device {
@@ -8,8 +8,8 @@
 //     static constexpr const char* kWhat;         // error-message prefix
 //     void check_device(const Tensor& q) const;   // dtype / device the backend takes
 //     <RAII> guard(const Tensor& q) const;
-//     size_t topk_scratch_entries(const FwdParams&, int k_top) const;
-//     void topk_threshold(const FwdParams&, DType, int k_top, float* thr, int32_t* jcut, float* s_logit,
+//     size_t topk_scratch_entries(const SoftmaxParams&, int k_top) const;
+//     void topk_threshold(const SoftmaxParams&, DType, int k_top, float* thr, int32_t* jcut, float* s_logit,
 //                         int32_t* s_key) const;
 //     void reads(std::initializer_list<const Tensor*>) const;
 //   };
@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <tuple>
 
-#include "torch/softmax_cuda_steps.h"  // cuda_scratch, run_backend
+#include "torch/cuda_steps.h"  // cuda_scratch, run_backend
 #include "torch/sparse_topk.h"
 
 namespace attn {
@@ -35,7 +35,7 @@ std::tuple<Tensor, Tensor> cuda_topk_steps(const Device& dev, const Tensor& q, c
   auto [thr, jcut] = alloc_topk_outputs(q);
   if (is_empty_call(q, k)) return {thr, jcut};
   // v = k and out = q stand in for tensors the pass never reads; thr has lse's layout
-  const FwdParams p = make_fwd_params<float>(q, k, k, q, thr, o);
+  const SoftmaxParams p = make_fwd_params<float>(q, k, k, q, thr, o);
   const DType dt = dtype_of(q);
   const size_t n = dev.topk_scratch_entries(p, int(k_top));
   if (n == 0) return {thr, jcut};

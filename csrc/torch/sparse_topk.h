@@ -7,7 +7,7 @@
 #include <limits>
 #include <tuple>
 
-#include "torch/softmax_params.h"
+#include "torch/softmax_binding.h"
 
 namespace attn {
 namespace api {

@@ -1,10 +1,32 @@
 // Layout rules the ops share for the tensors they are given: one home.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "common/qkv_params.h"
 
 namespace attn {
 namespace api {
+
+// The kernels' element type of q, k, v: float32, float16, bfloat16 or float64 (the CPU's only).
+inline DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kHalf: return DType::kF16;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kDouble: return DType::kF64;
+    default:
+      TORCH_CHECK_TYPE(false, "attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got ",
+                       t.scalar_type());
+  }
+}
+
+// The dtype of the float side tensors (lse, an additive bias, ALiBi slopes, sinks, a state and
+// their gradients): float64 for float64 inputs, else float32 (the kernels' Acc).
+inline at::ScalarType acc_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // The kernels read the last dim (the head dim, or a state's columns) with stride 1. That holds
 // when its stride is 1, when it has one element, and for an empty tensor (nothing is read; a
@@ -12,6 +34,16 @@ namespace api {
 // with no query rows).
 inline bool unit_stride_last(const at::Tensor& t) {
   return t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0;
+}
+
+// An uninitialized (B, H, S, D) tensor with the same memory layout as `like`: (B, S, H, D)
+// storage when `like` has heads inside rows, else contiguous (B, H, S, D).
+inline at::Tensor empty_like_layout(const at::Tensor& like) {
+  const auto opts = like.options();
+  if (like.stride(1) < like.stride(2)) {  // heads inside rows: keep (B, S, H, D) storage
+    return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, opts).transpose(1, 2);
+  }
+  return at::empty(like.sizes(), opts);
 }
 
 }  // namespace api

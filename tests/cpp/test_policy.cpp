@@ -13,7 +13,7 @@ int main() {
   const int shapes[][4] = {{7, 7, -1, 0}, {5, 13, -1, 0}, {13, 5, 3, 0}, {9, 9, 2, 2}, {16, 40, 0, -1}};
   for (const auto& s : shapes) {
     for (int br = 0; br < 2; ++br) {
-      attn::FwdParams p{};
+      attn::SoftmaxParams p{};
       p.b = 1;
       p.h = p.h_k = 1;
       p.sq = s[0];

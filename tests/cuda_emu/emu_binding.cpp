@@ -3,7 +3,7 @@
 // host emulator on CPU tensors. Built at test time by build.py.
 //
 // topk_threshold those of torch.ops.attention_ext.topk_threshold plus `arch` (sparse_cuda_steps.h);
-// fwd / bwd take the arguments of torch.ops.attention_ext.fwd / bwd plus `arch` (80 or 90: the
+// fwd / bwd take the arguments of torch.ops.attention_ext.softmax_fwd / softmax_bwd plus `arch` (80 or 90: the
 // emulated device); linear_fwd / linear_bwd those of torch.ops.attention_ext.linear_fwd /
 // linear_bwd plus `arch` (csrc/torch/linear_cuda_steps.h). Unlike the real binding, every output and scratch buffer the kernels are
 // meant to fill starts as NaN (Device::kPoison), so an element they fail to write fails the tests.
@@ -20,7 +20,7 @@
 #include "torch/linear_cuda_steps.h"
 #include "torch/softmax_cuda_steps.h"
 #include "torch/sparse_cuda_steps.h"
-#include "torch/softmax_params.h"
+#include "torch/softmax_binding.h"
 
 namespace {
 
@@ -45,26 +45,26 @@ struct EmuDevice {
     TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
   }
   int guard(const Tensor&) const { return 0; }
-  int fwd_num_splits(const attn::FwdParams& p, attn::DType dt, int requested) const {
+  int fwd_num_splits(const attn::SoftmaxParams& p, attn::DType dt, int requested) const {
     return be.fwd_num_splits(&p, sizeof(p), int(dt), requested);
   }
-  size_t fwd_split_floats(const attn::FwdParams& p, int n, int64_t batch_t, int64_t rows, bool o) const {
+  size_t fwd_split_floats(const attn::SoftmaxParams& p, int n, int64_t batch_t, int64_t rows, bool o) const {
     return be.fwd_split_floats(&p, sizeof(p), n, batch_t, rows, o);
   }
-  void fwd(const attn::FwdParams& p, attn::DType dt, const attn::FwdSplitScratch& s) const {
+  void fwd(const attn::SoftmaxParams& p, attn::DType dt, const attn::FwdSplitScratch& s) const {
     be.fwd(&p, sizeof(p), int(dt), s.num_splits, s.rows, s.o_accum, s.lse_accum);
   }
-  size_t bwd_softmax_d_floats(const attn::BwdParams& p) const { return be.softmax_d_floats(&p, sizeof(p)); }
-  size_t bwd_dq_accum_floats(const attn::BwdParams& p, attn::DType dt) const {
+  size_t bwd_softmax_d_floats(const attn::SoftmaxBwdParams& p) const { return be.softmax_d_floats(&p, sizeof(p)); }
+  size_t bwd_dq_accum_floats(const attn::SoftmaxBwdParams& p, attn::DType dt) const {
     return be.dq_accum_floats(&p, sizeof(p), int(dt));
   }
-  void bwd(const attn::BwdParams& p, attn::DType dt) const { be.bwd(&p, sizeof(p), int(dt)); }
-  std::pair<int, int> fwd_sparse_tiles(const attn::FwdParams& p, attn::DType dt) const {
+  void bwd(const attn::SoftmaxBwdParams& p, attn::DType dt) const { be.bwd(&p, sizeof(p), int(dt)); }
+  std::pair<int, int> fwd_sparse_tiles(const attn::SoftmaxParams& p, attn::DType dt) const {
     int m = 0, n = 0;
     be.sparse_tiles(&p, sizeof(p), int(dt), false, &m, &n);
     return {m, n};
   }
-  std::pair<int, int> bwd_sparse_tiles(const attn::BwdParams& p, attn::DType dt) const {
+  std::pair<int, int> bwd_sparse_tiles(const attn::SoftmaxBwdParams& p, attn::DType dt) const {
     int m = 0, n = 0;
     be.sparse_tiles(&p, sizeof(p), int(dt), true, &m, &n);
     return {m, n};
@@ -94,20 +94,20 @@ struct EmuSparseDevice {
     TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
   }
   int guard(const Tensor&) const { return 0; }
-  size_t topk_scratch_entries(const attn::FwdParams& p, int k_top) const {
+  size_t topk_scratch_entries(const attn::SoftmaxParams& p, int k_top) const {
     return be.topk_scratch_entries(&p, sizeof(p), k_top);
   }
-  void topk_threshold(const attn::FwdParams& p, attn::DType dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
+  void topk_threshold(const attn::SoftmaxParams& p, attn::DType dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
                       int32_t* s_key) const {
     be.topk_threshold(&p, sizeof(p), int(dt), k_top, thr, jcut, s_logit, s_key);
   }
   void reads(std::initializer_list<const Tensor*>) const {}
 };
 
-std::tuple<Tensor, Tensor> emu_topk_threshold(const Tensor& q, const Tensor& k, ATTN_SOFTMAX_OPTIONS_PARAMS,
+std::tuple<Tensor, Tensor> emu_topk_threshold(const Tensor& q, const Tensor& k ATTN_SOFTMAX_OPTIONS_PARAMS,
                                               int64_t k_top, int64_t arch) {
   return attn::api::cuda_topk_steps(EmuSparseDevice{backend(arch)}, q, k,
-                                    attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), k_top);
+                                    ATTN_SOFTMAX_MAKE_OPTIONS(), k_top);
 }
 
 // The linear family's Device (linear_cuda_steps.h) on the emulated backend.
@@ -130,32 +130,32 @@ struct EmuLinearDevice {
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> emu_linear_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+std::tuple<Tensor, Tensor, Tensor> emu_linear_fwd(const Tensor& q, const Tensor& k, const Tensor& v
                                                   ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
   return attn::api::linear_cuda_fwd_steps(EmuLinearDevice{backend(arch)}, q, k, v,
-                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+                                          ATTN_LINEAR_MAKE_OPTIONS());
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_linear_bwd(const Tensor& dout, const OptTensor& dfinal_state,
                                                                   const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                  const Tensor& out, const Tensor& den,
-                                                                  ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
+                                                                  const Tensor& out, const Tensor& den
+                                                                      ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
   return attn::api::linear_cuda_bwd_steps(EmuLinearDevice{backend(arch)}, dout, dfinal_state, q, k, v, out, den,
-                                          attn::api::make_linear_options(ATTN_LINEAR_OPTIONS_ARGS));
+                                          ATTN_LINEAR_MAKE_OPTIONS());
 }
 
-std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tensor& v, ATTN_SOFTMAX_OPTIONS_PARAMS,
+std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
                                    int64_t num_splits, bool /*deterministic*/, int64_t arch) {
   return attn::api::cuda_fwd_steps(EmuDevice{backend(arch)}, q, k, v,
-                                   attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), num_splits);
+                                   ATTN_SOFTMAX_MAKE_OPTIONS(), num_splits);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                           const Tensor& v, const Tensor& out, const Tensor& lse,
-                                                           ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
+                                                           const Tensor& v, const Tensor& out, const Tensor& lse
+                                                               ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
                                                            bool deterministic, const OptTensor& dlse, int64_t arch) {
   return attn::api::cuda_bwd_steps(EmuDevice{backend(arch)}, dout, q, k, v, out, lse,
-                                   attn::api::make_options(ATTN_SOFTMAX_OPTIONS_ARGS), bias_grad, deterministic,
+                                   ATTN_SOFTMAX_MAKE_OPTIONS(), bias_grad, deterministic,
                                    dlse);
 }
 
@@ -164,7 +164,7 @@ std::string emu_path(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   const attn::api::Options o{std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
                              0, 0, 1.0, 0.0, -1, -1, false, 0.0, 0, 0, std::nullopt};
   auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
-  const attn::FwdParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
+  const attn::SoftmaxParams p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
   return backend(arch).path_name(&p, sizeof(p), int(attn::api::dtype_of(q)));
 }
 
@@ -183,23 +183,23 @@ void emu_set_capturing(bool capturing) { g_capturing = capturing; }
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu, m) {
-  m.def("fwd(Tensor q, Tensor k, Tensor v, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+  m.def("fwd(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", int num_splits, bool deterministic, int arch) -> (Tensor, Tensor)",
         &emu_fwd);
-  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, " ATTN_SOFTMAX_OPTIONS_SCHEMA
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse, int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &emu_bwd);
   m.def("path(Tensor q, Tensor k, Tensor v, int arch) -> str", &emu_path);
-  m.def("topk_threshold(Tensor q, Tensor k, " ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top, int arch) -> (Tensor, Tensor)",
+  m.def("topk_threshold(Tensor q, Tensor k" ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top, int arch) -> (Tensor, Tensor)",
         &emu_topk_threshold);
   m.def("launches() -> str[]", &emu_launches);
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
   m.def("set_capturing(bool capturing) -> ()", &emu_set_capturing);
-  m.def("linear_fwd(Tensor q, Tensor k, Tensor v, " ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
         &emu_linear_fwd);
-  m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
+  m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den"
         ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &emu_linear_bwd);
 }

@@ -1,7 +1,7 @@
 // The entry points of one emulated architecture's build of the CUDA backend (emu_kernels.h),
 // called by the torch binding (emu_binding.cpp) through the host steps of the real binding. Params travel as bytes: each kernel TU compiles
 // params.h into its own namespace (see emu_kernels.h), with the same layout; `bytes` is
-// sizeof(attn::FwdParams) / sizeof(attn::BwdParams) on the caller's side, checked against it.
+// sizeof(attn::SoftmaxParams) / sizeof(attn::SoftmaxBwdParams) on the caller's side, checked against it.
 #pragma once
 
 #include <cstddef>
@@ -33,9 +33,9 @@ struct Backend {
   size_t (*softmax_d_floats)(const void* params, size_t bytes);
   size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);
   const char* (*path_name)(const void* params, size_t bytes, int dtype);
-  // cuda_fwd_sparse_tiles (bwd = false, params as FwdParams) / cuda_bwd_sparse_tiles (BwdParams)
+  // cuda_fwd_sparse_tiles (bwd = false, params as SoftmaxParams) / cuda_bwd_sparse_tiles (SoftmaxBwdParams)
   void (*sparse_tiles)(const void* params, size_t bytes, int dtype, bool bwd, int* tile_m, int* tile_n);
-  // the sparse family's entry points (csrc/sparse/cuda/entry.h), params as FwdParams
+  // the sparse family's entry points (csrc/sparse/cuda/entry.h), params as SoftmaxParams
   size_t (*topk_scratch_entries)(const void* params, size_t bytes, int k_top);
   void (*topk_threshold)(const void* params, size_t bytes, int dtype, int k_top, float* thr, int32_t* jcut,
                          float* s_logit, int32_t* s_key);

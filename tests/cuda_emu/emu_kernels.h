@@ -62,10 +62,10 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   Backend be;
   be.fwd_num_splits = [](const void* p, size_t n, int dt, int requested) {
     attn::prepare();
-    return attn::cuda_fwd_num_splits(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt), requested);
+    return attn::cuda_fwd_num_splits(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), requested);
   };
   be.fwd_split_floats = [](const void* p, size_t n, int num_splits, int64_t batch_t, int64_t rows, bool o) {
-    return attn::cuda_fwd_split_floats(attn::params_from<attn::FwdParams>(p, n), num_splits, batch_t, rows, o);
+    return attn::cuda_fwd_split_floats(attn::params_from<attn::SoftmaxParams>(p, n), num_splits, batch_t, rows, o);
   };
   be.fwd = [](const void* p, size_t n, int dt, int num_splits, int64_t rows, float* o_accum, float* lse_accum) {
     attn::prepare();
@@ -74,40 +74,40 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
     split.rows = rows;
     split.o_accum = o_accum;
     split.lse_accum = lse_accum;
-    attn::cuda_fwd(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt), nullptr, split);
+    attn::cuda_fwd(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), nullptr, split);
   };
   be.bwd = [](const void* p, size_t n, int dt) {
     attn::prepare();
-    attn::cuda_bwd(attn::params_from<attn::BwdParams>(p, n), attn::DType(dt), nullptr);
+    attn::cuda_bwd(attn::params_from<attn::SoftmaxBwdParams>(p, n), attn::DType(dt), nullptr);
   };
   be.softmax_d_floats = [](const void* p, size_t n) {
     attn::prepare();
-    return attn::cuda_bwd_softmax_d_floats(attn::params_from<attn::BwdParams>(p, n));
+    return attn::cuda_bwd_softmax_d_floats(attn::params_from<attn::SoftmaxBwdParams>(p, n));
   };
   be.dq_accum_floats = [](const void* p, size_t n, int dt) {
     attn::prepare();
-    return attn::cuda_bwd_dq_accum_floats(attn::params_from<attn::BwdParams>(p, n), attn::DType(dt));
+    return attn::cuda_bwd_dq_accum_floats(attn::params_from<attn::SoftmaxBwdParams>(p, n), attn::DType(dt));
   };
   be.path_name = [](const void* p, size_t n, int dt) {
     attn::prepare();
-    return attn::cuda_path_name(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt));
+    return attn::cuda_path_name(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt));
   };
   be.sparse_tiles = [](const void* p, size_t n, int dt, bool bwd, int* tile_m, int* tile_n) {
     attn::prepare();
     if (bwd) {
-      attn::cuda_bwd_sparse_tiles(attn::params_from<attn::BwdParams>(p, n), attn::DType(dt), tile_m, tile_n);
+      attn::cuda_bwd_sparse_tiles(attn::params_from<attn::SoftmaxBwdParams>(p, n), attn::DType(dt), tile_m, tile_n);
     } else {
-      attn::cuda_fwd_sparse_tiles(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt), tile_m, tile_n);
+      attn::cuda_fwd_sparse_tiles(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), tile_m, tile_n);
     }
   };
   be.topk_scratch_entries = [](const void* p, size_t n, int k_top) {
     attn::prepare();
-    return attn::cuda_topk_scratch_entries(attn::params_from<attn::FwdParams>(p, n), k_top);
+    return attn::cuda_topk_scratch_entries(attn::params_from<attn::SoftmaxParams>(p, n), k_top);
   };
   be.topk_threshold = [](const void* p, size_t n, int dt, int k_top, float* thr, int32_t* jcut, float* s_logit,
                          int32_t* s_key) {
     attn::prepare();
-    attn::cuda_topk_threshold(attn::params_from<attn::FwdParams>(p, n), attn::DType(dt), k_top, thr, jcut, s_logit,
+    attn::cuda_topk_threshold(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), k_top, thr, jcut, s_logit,
                               s_key, nullptr);
   };
   be.set_kernels = [](int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) {

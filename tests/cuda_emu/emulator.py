@@ -67,11 +67,12 @@ def load():
         sources=[os.path.join(EMU, f) for f in
                  ("emu_binding.cpp", "emu_runtime.cpp", "emu_kernels_sm80.cpp", "emu_kernels_sm90.cpp")]
         # tensors -> params, as in _C
-        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("softmax_params.cpp", "linear_params.cpp",
-                                                             "sparse_index.cpp")],
+        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("softmax_binding.cpp", "linear_binding.cpp",
+                                                             "block_index.cpp")],
         # -O1: the kernels' unrolled loops stay cheap to compile and the emulation is still fast
         extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
-                      "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],
+                      "-I" + os.path.join(EMU, "target"), "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU,
+                      "-I" + inc],
         build_directory=BUILD,
         is_python_module=False,
         verbose=os.environ.get("ATTENTION_EXT_EMU_VERBOSE") == "1",
@@ -106,9 +107,10 @@ def load_decode():
     cpp_extension.load(
         name="attention_ext_emu_decode",
         sources=[os.path.join(EMU, f) for f in ("emu_decode_binding.cpp", "emu_runtime.cpp", "emu_decode_kernels.cpp")]
-        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("decode_params.cpp", "softmax_params.cpp")],
+        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("decode_binding.cpp", "softmax_binding.cpp")],
         extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Dattn_emu=attn_emu_decode",
-                      "-Wno-unknown-pragmas", "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU, "-I" + inc],
+                      "-Wno-unknown-pragmas", "-I" + os.path.join(EMU, "target"), "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU,
+                      "-I" + inc],
         build_directory=build,
         is_python_module=False,
         verbose=os.environ.get("ATTENTION_EXT_EMU_VERBOSE") == "1",

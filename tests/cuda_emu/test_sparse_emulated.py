@@ -274,7 +274,7 @@ def test_topk_nan_row_reaches_kept_keys_only(emu, what):
 # ---------------------------------------------------------------- CUDA-graph capture
 def test_capture_uses_the_cached_tile_index(emu):
     # Under a CUDA-graph capture the tile index cannot be built (its build syncs with the host:
-    # csrc/torch/sparse_index.h). A layout never seen before raises a clear error; one an eager
+    # csrc/torch/block_index.h). A layout never seen before raises a clear error; one an eager
     # call indexed is served from the cache, bit for bit the eager result, and pinned: filling the
     # cache past its 64 entries afterwards does not evict it. cuda_emu.capture makes the emulator's
     # host steps act as under a capture.

@@ -110,11 +110,11 @@ class Counter(CallCounter):
 
 
 class KernelCalls:
-    """Records the fused-kernel calls context_parallel_attention makes (its module-level
+    """Records the fused-kernel calls mode="allgather" makes (allgather.py's module-level
     `_attention`): [(queries, keys, attn_mask given)]."""
 
     def __init__(self):
-        from attention_ext.distributed import attention as mod
+        from attention_ext.distributed import allgather as mod
         self.calls, self._mod, self._fn = [], mod, mod._attention
 
         def wrapped(q, k, v, **kw):
@@ -128,7 +128,7 @@ class KernelCalls:
 
 
 def expected_calls(shard_layout: str, o: dict, rank: int, world: int, n: int, s: int, real: int):
-    """The design's kernel calls (attention.py's three paths) for a case's options; s: the
+    """The design's kernel calls (allgather.py's three paths) for a case's options; s: the
     padded length, real: the real one."""
     causal, window = o.get("causal", False), o.get("window", (-1, -1))
     if not (causal or window != (-1, -1) or o.get("alibi") or real < s):

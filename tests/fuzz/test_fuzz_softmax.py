@@ -376,7 +376,7 @@ def test_fp64_dropout_scale():
     """Found by test_fuzz_softmax (float64, B = H = S_q = S_k = D = 1, dropout_p = 0.2): the op's
     params kept dropout_p as a float32, so the float64 kernels rescaled by 1 / (1 - float32(p)),
     a relative error of ~4e-9, over the 1e-12 float64 floor. p is now kept in the accumulation
-    type (csrc/common/params.h); the keep mask is still drawn against float32(p)."""
+    type (csrc/common/softmax_params.h); the keep mask is still drawn against float32(p)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 1, 1, 1, dtype=F64) for _ in range(3))
     out = ae.attention(q, k, v, dropout_p=0.2, seed=0)

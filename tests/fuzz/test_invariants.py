@@ -2,7 +2,7 @@
 
 - layout: a strided input and its .contiguous() copy give bit-identical outputs, LSEs and
   gradients, and so does a non-contiguous grad_output; gradients come back in the layout the
-  kernels allocate (csrc/torch/softmax_params.cpp, empty_like_layout): (B, S, H, D) storage when
+  kernels allocate (csrc/torch/softmax_binding.cpp, empty_like_layout): (B, S, H, D) storage when
   the input keeps its heads inside its rows (stride(1) < stride(2)), else contiguous;
 - NaN poisoning: NaN in every position an op must not read (past cu_seqlens, past seqlens_k /
   cache_seqlens, padded keys, pages no sequence uses, keys in blocks outside a sparse layout)

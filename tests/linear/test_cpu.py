@@ -343,10 +343,6 @@ def test_opcheck_bwd(dtype):
     torch.library.opcheck(torch.ops.attention_ext.linear_bwd.default, tuple(b[n] for n in ops.BWD_ARGS))
 
 
-def test_schema_names():
-    assert ops.FWD_ARGS == ops.SPEC_FWD_ARGS and ops.BWD_ARGS == ops.SPEC_BWD_ARGS
-
-
 def test_only_final_state_reaches_the_loss():
     a = _args()
     out, _, final = ops.fwd(**a)

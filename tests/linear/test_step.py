@@ -93,10 +93,6 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.attention_ext.linear_step.default, (q, k, v, s, z, gate, 1, 1e-6, 0.5))
 
 
-def test_schema_names():
-    assert ops.STEP_ARGS == ops.SPEC_STEP_ARGS
-
-
 BAD = [
     ("q 3-D", lambda a: a.update(q=a["q"][0]), ValueError),
     ("dtype mix", lambda a: a.update(k=a["k"].double()), TypeError),

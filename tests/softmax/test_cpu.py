@@ -581,7 +581,7 @@ def test_opcheck_fwd(variant, dtype):
                     coords=variant == "dropout_coords")
     if variant == "splits_deterministic":  # the two trailing arguments, past their defaults
         args = (*args, 0, True)
-    torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
+    torch.library.opcheck(torch.ops.attention_ext.softmax_fwd.default, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -593,10 +593,10 @@ def test_opcheck_bwd_and_mask(dtype, rng_state):
     args = _op_args(dtype=dtype, dropout=0.0 if rng_state is None else 0.25,
                     rng_state=None if rng_state is None else torch.tensor(rng_state), coords=coords)
     q, k, v = args[:3]
-    out, lse = torch.ops.attention_ext.fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    out, lse = torch.ops.attention_ext.softmax_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     dargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
              *[a.detach() if isinstance(a, torch.Tensor) else a for a in args[3:]], True, False)
-    torch.library.opcheck(torch.ops.attention_ext.bwd.default, dargs)
+    torch.library.opcheck(torch.ops.attention_ext.softmax_bwd.default, dargs)
     torch.library.opcheck(torch.ops.attention_ext.dropout_mask.default, (2, 3, 5, 7, 0.5, 11, 0))
     torch.library.opcheck(torch.ops.attention_ext.dropout_mask.default, (2, 3, 5, 7, 0.5, 11, 0, torch.device("cpu")))
 
@@ -658,13 +658,13 @@ def test_bad_input_raw_op_never_crashes():
     base = [None, None, None, None, None, None, 8, 9, 0.25, 0.0, -1, -1, False, 0.0, 0, 0, None, None, None, 0, None,
             None]
     with pytest.raises((RuntimeError, ValueError)):
-        torch.ops.attention_ext.fwd(q, k, k, *base)
+        torch.ops.attention_ext.softmax_fwd(q, k, k, *base)
     bad_cu = list(base)
     bad_cu[4] = torch.tensor([0, 5, 100], dtype=torch.int32)
     bad_cu[5] = torch.tensor([0, 5, 9], dtype=torch.int32)
     q1, k1 = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16)
     with pytest.raises((RuntimeError, ValueError)):
-        torch.ops.attention_ext.fwd(q1, k1, k1, *bad_cu)
+        torch.ops.attention_ext.softmax_fwd(q1, k1, k1, *bad_cu)
 
 
 @pytest.mark.filterwarnings("ignore:attention_ext. no compiled kernel:RuntimeWarning")
@@ -740,7 +740,7 @@ def test_fake_checks_match_cpp(case):
     errors = {}
     for device in ("cpu", "meta"):
         with pytest.raises((RuntimeError, ValueError, TypeError)) as e:
-            torch.ops.attention_ext.fwd(*_raw_fwd_args(device, **RAW_BAD[case]))
+            torch.ops.attention_ext.softmax_fwd(*_raw_fwd_args(device, **RAW_BAD[case]))
         errors[device] = (type(e.value), str(e.value).splitlines()[0])
     assert errors["meta"] == errors["cpu"]
 

@@ -51,10 +51,10 @@ def run_kernel(q, k, v, dout, *, bias_grad=False, deterministic=False, num_split
     args = call_fwd(q, k, v, **o)
     nbytes = 4 * (q.numel() + k.numel() + v.numel()) * 2 + (1 << 22)
     poison_allocator(nbytes)
-    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args, num_splits, deterministic)
+    out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args, num_splits, deterministic)
     poison_allocator(nbytes)
     dlse = torch.zeros_like(lse) if zero_dlse else None
-    grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, dlse)
+    grads = torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, bias_grad, deterministic, dlse)
     torch.cuda.synchronize()
     return out, lse, grads
 
@@ -329,7 +329,7 @@ def check_long_row_random(fwd, dtype, d=64):
 
 
 def _fwd_unsplit(q, k, v):
-    return torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v), 1, False)
+    return torch.ops.attention_ext.softmax_fwd(q, k, v, *call_fwd(q, k, v), 1, False)
 
 
 def test_long_row_exact():
@@ -710,7 +710,7 @@ def test_split_path_runs_and_matches_unsplit(kernels):
     args = call_fwd(q, k, v, sinks=torch.randn(h, device=DEV), window_left=-1, window_right=0, bottom_right=True)
     res = {}
     for n in (1, 7):
-        names = fwd_kernels(lambda: res.__setitem__(n, torch.ops.attention_ext.fwd(q, k, v, *args, n)))
+        names = fwd_kernels(lambda: res.__setitem__(n, torch.ops.attention_ext.softmax_fwd(q, k, v, *args, n)))
         combined = any("fwd_combine_kernel" in x for x in names)
         split = any("FwdSplit" in x for x in names)
         assert combined == split == (n != 1), f"num_splits={n} ran {sorted(names)}"
@@ -727,12 +727,12 @@ def test_split_heuristic(kernels):
     kernels(hopper_fwd=0, tune_fwd=0)
     q, k, v = randn(1, 8, 1, 128, dtype=torch.bfloat16), randn(1, 2, 8192, 128, dtype=torch.bfloat16), \
         randn(1, 2, 8192, 128, dtype=torch.bfloat16)
-    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v)))
+    names = fwd_kernels(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *call_fwd(q, k, v)))
     assert not any("fwd_combine_kernel" in x for x in names), f"split without opting in: {sorted(names)}"
-    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v), 0))
+    names = fwd_kernels(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *call_fwd(q, k, v), 0))
     assert any("fwd_combine_kernel" in x for x in names), f"decode did not split: {sorted(names)}"
     q, k, v = (randn(8, 32, 1024, 128, dtype=torch.bfloat16) for _ in range(3))
-    names = fwd_kernels(lambda: torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v), 0))
+    names = fwd_kernels(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *call_fwd(q, k, v), 0))
     assert not any("fwd_combine_kernel" in x for x in names), f"a full grid split: {sorted(names)}"
 
 
@@ -755,7 +755,7 @@ def test_dropout_reproducible_and_matches_cpu(dtype):
     # the CPU kernel draws the same mask: compare the two backends in float32
     qc, kc, vc = (t.float().cpu() for t in (q, k, v))
     args = call_fwd(qc, kc, vc, dropout_p=0.3, seed=99, offset=5)
-    oc, lc = torch.ops.attention_ext.fwd(qc, kc, vc, *args)
+    oc, lc = torch.ops.attention_ext.softmax_fwd(qc, kc, vc, *args)
     err = (o1.float().cpu() - oc).abs().max().item()
     assert err <= (1e-4 if dtype == torch.float32 else 3e-2), f"CUDA vs CPU dropout forward differ by {err}"
 
@@ -932,7 +932,7 @@ def test_hopper_triage(hopper_fwd, d):
 
     def fwd(q, k, v):
         poison_allocator(1 << 24)
-        out, lse = torch.ops.attention_ext.fwd(q, k, v, *call_fwd(q, k, v))
+        out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *call_fwd(q, k, v))
         torch.cuda.synchronize()
         return out.float(), lse
 
@@ -1018,7 +1018,7 @@ def test_hopper_long_and_repeatable(kernels, d, causal):
 
     def fwd():
         poison_allocator(1 << 26)
-        out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+        out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
         torch.cuda.synchronize()
         return out, lse
 
@@ -1143,11 +1143,11 @@ def test_hopper_bwd_long_and_repeatable(kernels, d, causal, heads):
     dout = randn(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
     args = call_fwd(q, k, v, window_left=-1, window_right=0 if causal else -1, bottom_right=True)
     kernels(hopper_fwd=0)
-    out, lse = torch.ops.attention_ext.fwd(q, k, v, *args)
+    out, lse = torch.ops.attention_ext.softmax_fwd(q, k, v, *args)
 
     def bwd():
         poison_allocator(1 << 26)
-        grads = torch.ops.attention_ext.bwd(dout, q, k, v, out, lse, *args, False, False)
+        grads = torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, False, False)
         torch.cuda.synchronize()
         return grads[:3]
 

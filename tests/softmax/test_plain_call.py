@@ -1,6 +1,6 @@
 """The plain call: attention() / the SDPA drop-in with no tensor option go through
-torch.ops.attention_ext.fwd_plain (a composite of fwd that also takes few-row CPU calls to the
-decode kernel), called from Python by attention_ext._C.fwd_plain. Each route against the float64
+torch.ops.attention_ext.softmax_fwd_plain (a composite of fwd that also takes few-row CPU calls to the
+decode kernel), called from Python by attention_ext._C.softmax_fwd_plain. Each route against the float64
 reference, the op under opcheck and gradcheck, the entry's own argument handling, and the ways
 back to torch.ops' full path (torch function modes, functorch, torch.compile)."""
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention_ext as ae
 from attention_ext import _ext
@@ -17,20 +16,16 @@ from tests.helpers import assert_close_fa2, rand_qkv, reference_in
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXT, reason="compiled extension not built")
 
-PLAIN = torch.ops.attention_ext.fwd_plain.default
+PLAIN = torch.ops.attention_ext.softmax_fwd_plain.default
 
 
-class _OpSpy(TorchDispatchMode):
-    """The names of attention_ext's ops that run below autograd."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name.startswith("attention_ext::"):
-            self.ops.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
+def _ops_run(fn):
+    """fn()'s result and the kernel ops it ran, as the profiler records them: the composites that
+    route a call (softmax_fwd_plain, softmax_fwd_routed) left out."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        res = fn()
+    names = [e.name for e in prof.events() if e.name.startswith("attention_ext::")]
+    return res, [n for n in names if n not in ("attention_ext::softmax_fwd_plain", "attention_ext::softmax_fwd_routed")]
 
 
 def _reference(q, k, v, layout, window, bottom_right, scale, dtype):
@@ -53,11 +48,14 @@ def test_routes_match_reference(dtype, sq, sk, layout, window, bottom_right):
     the float64 reference, rows that see nothing included (out 0, lse -inf)."""
     torch.manual_seed(sq * 1000 + sk)
     q, k, v = rand_qkv(2, 6, 2, sq, sk, 40, dtype, layout=layout, requires_grad=False)
-    spy = _OpSpy()
-    with spy:
-        out, lse = ae.attention(q, k, v, layout=layout, window=window, bottom_right=bottom_right, return_lse=True)
+    (out, lse), names = _ops_run(lambda: ae.attention(q, k, v, layout=layout, window=window,
+                                                        bottom_right=bottom_right, return_lse=True))
     decode = sq <= _ext._C.decode_max_q and (window == (-1, -1) or bottom_right or sq == sk)
-    assert spy.ops == ["attention_ext::decode_fwd" if decode else "attention_ext::fwd"]
+    assert names == ["attention_ext::decode_fwd" if decode else "attention_ext::softmax_fwd"]
+    qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t) for t in (q, k, v))
+    wl, wr = window
+    route = ops.fwd_route(qb, kb, vb, window_left=wl, window_right=wr, bottom_right=bottom_right)
+    assert route.startswith("decode: " if decode else "fused: "), route
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 6, sq)
     ref, low, ref_lse = _reference(q, k, v, layout, window, bottom_right, None, dtype)
     assert_close_fa2(out, low, ref, dtype, "out")
@@ -75,10 +73,8 @@ def test_gradients_take_the_fused_op(sq, layout):
     the gradients match the float64 reference within 2x PyTorch's float32 error."""
     torch.manual_seed(sq)
     q, k, v = rand_qkv(1, 4, 2, sq, 30, 32, torch.float32, layout=layout)
-    spy = _OpSpy()
-    with spy:
-        out = ae.attention(q, k, v, layout=layout, causal=True, bottom_right=True)
-    assert "attention_ext::fwd" in spy.ops and "attention_ext::decode_fwd" not in spy.ops
+    out, names = _ops_run(lambda: ae.attention(q, k, v, layout=layout, causal=True, bottom_right=True))
+    assert "attention_ext::softmax_fwd" in names and "attention_ext::decode_fwd" not in names
     dout = torch.randn_like(out)
     out.backward(dout)
     ref, low, _ = _reference(q, k, v, layout, (-1, 0), True, None, torch.float32)
@@ -112,14 +108,14 @@ def test_opcheck_fwd_plain(dtype, case):
 
 
 def test_entry_is_the_op():
-    """_C.fwd_plain gives what torch.ops gives, bit for bit, and shows in the profiler as the op."""
+    """_C.softmax_fwd_plain gives what torch.ops gives, bit for bit, and shows in the profiler as the op."""
     q, k, v = rand_qkv(1, 8, 8, 16, 16, 64, torch.float32, requires_grad=False)
     args = (q, k, v, None, -1, 0, False, "bhsd", 0, False)
-    a, b = _ext._C.fwd_plain(*args), PLAIN(*args)
+    a, b = _ext._C.softmax_fwd_plain(*args), PLAIN(*args)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with torch.profiler.profile() as prof:
         ae.attention(q, k, v)
-    assert "attention_ext::fwd_plain" in {e.name for e in prof.events()}
+    assert "attention_ext::softmax_fwd_plain" in {e.name for e in prof.events()}
 
 
 class _Sub(torch.Tensor):
@@ -130,31 +126,31 @@ def test_entry_argument_errors():
     q, k, v = rand_qkv(1, 2, 2, 16, 16, 8, torch.float32, requires_grad=False)
     good = [q, k, v, None, -1, -1, False, "bhsd", 0, False]
     with pytest.raises(TypeError, match="10 or 11 positional"):
-        _ext._C.fwd_plain(q, k, v)
+        _ext._C.softmax_fwd_plain(q, k, v)
     with pytest.raises(TypeError, match="plain tensors"):
-        _ext._C.fwd_plain(q.numpy(), *good[1:])
+        _ext._C.softmax_fwd_plain(q.numpy(), *good[1:])
     with pytest.raises(TypeError, match="plain tensors"):
-        _ext._C.fwd_plain(q.as_subclass(_Sub), *good[1:])
+        _ext._C.softmax_fwd_plain(q.as_subclass(_Sub), *good[1:])
     # a Parameter is a plain tensor
-    torch.testing.assert_close(_ext._C.fwd_plain(torch.nn.Parameter(q), *good[1:])[0].detach(),
-                               _ext._C.fwd_plain(*good)[0], rtol=0, atol=0)
+    torch.testing.assert_close(_ext._C.softmax_fwd_plain(torch.nn.Parameter(q), *good[1:])[0].detach(),
+                               _ext._C.softmax_fwd_plain(*good)[0], rtol=0, atol=0)
     with pytest.raises(TypeError):
-        _ext._C.fwd_plain(*good[:3], "0.5", *good[4:])
+        _ext._C.softmax_fwd_plain(*good[:3], "0.5", *good[4:])
     with pytest.raises(TypeError):
-        _ext._C.fwd_plain(*good[:4], 1.5, *good[5:])
+        _ext._C.softmax_fwd_plain(*good[:4], 1.5, *good[5:])
     with pytest.raises(ValueError, match="layout must be 'bhsd' or 'bshd'"):
-        _ext._C.fwd_plain(*good[:7], "bsdh", *good[8:])
+        _ext._C.softmax_fwd_plain(*good[:7], "bsdh", *good[8:])
     with pytest.raises(ValueError, match="head dim mismatch"):
-        _ext._C.fwd_plain(q, k[..., :4], v[..., :4], *good[3:])
+        _ext._C.softmax_fwd_plain(q, k[..., :4], v[..., :4], *good[3:])
     # a failing conversion keeps its own error (one made with it pending would be a SystemError)
     class Fails:
         def __bool__(self):
             raise RuntimeError("bool failed")
 
     with pytest.raises(RuntimeError, match="bool failed"):
-        _ext._C.fwd_plain(*good[:6], Fails(), *good[7:9], Fails())
+        _ext._C.softmax_fwd_plain(*good[:6], Fails(), *good[7:9], Fails())
     with pytest.raises(OverflowError):
-        _ext._C.fwd_plain(*good[:4], 2**70, *good[5:])
+        _ext._C.softmax_fwd_plain(*good[:4], 2**70, *good[5:])
     # through attention(): the general path words the same errors for its own arguments
     with pytest.raises(ValueError, match="layout"):
         ae.attention(q, k, v, layout="bsdh")
@@ -229,7 +225,7 @@ def _general(q, k, v, **kw):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("sq,sk", [(1, 9), (5, 5), (16, 16), (20, 37)])
 def test_masked_plain_call_is_the_general_path(dtype, mask, layout, sq, sk):
-    """A 4-D attn_mask or a key mask takes the plain call (fwd_plain with fwd's bias), which gives
+    """A 4-D attn_mask or a key mask takes the plain call (softmax_fwd_plain with softmax_fwd's bias), which gives
     the general path's result bit for bit, out and lse, and the float64 reference's within 2x
     PyTorch's error; the op never routes a masked call to the decode kernel."""
     torch.manual_seed(sq * 100 + sk)
@@ -249,10 +245,9 @@ def test_masked_plain_call_is_the_general_path(dtype, mask, layout, sq, sk):
         keep = torch.rand(b, sk) > 0.3
         keep[:, 0] = True
         kw["key_mask"] = keep
-    spy = _OpSpy()
-    with spy:
-        out, lse = ae.attention(q, k, v, layout=layout, causal=sq > 1, bottom_right=True, return_lse=True, **kw)
-    assert spy.ops == ["attention_ext::fwd"]
+    (out, lse), names = _ops_run(lambda: ae.attention(q, k, v, layout=layout, causal=sq > 1, bottom_right=True,
+                                                        return_lse=True, **kw))
+    assert names == ["attention_ext::softmax_fwd"]
     want, want_lse = _general(q, k, v, layout=layout, causal=sq > 1, bottom_right=True, **kw)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)
@@ -305,3 +300,85 @@ def test_opcheck_fwd_plain_with_bias(kind):
     bias = (torch.rand(2, 1, 7, 11) > 0.3 if kind == "bool"
             else torch.randn(1, 4, 7, 11, requires_grad=True))
     torch.library.opcheck(PLAIN, (q, k, v, None, -1, -1, False, "bhsd", 0, False, bias))
+
+
+@pytest.mark.parametrize("case,want", [
+    ("plain", "decode: "), ("nine_rows", "fused: more query rows"), ("no_keys", "fused: no keys"),
+    ("mask", "fused: a mask"), ("dropout", "fused: dropout"), ("layout", "fused: a block layout"),
+    ("varlen", "fused: a varlen pack"), ("top_left_window", "fused: positions aligned top-left"),
+    ("square_window", "decode: "), ("grad", "fused: an input that requires grad"),
+    ("lengths_alibi_sinks", "decode: ")])
+def test_fwd_route_says_why(case, want):
+    """The one statement of the CPU route (route_cpu_fwd): ops.fwd_route names the condition that
+    decided, and a call runs the kernel it names."""
+    sq = {"nine_rows": 9, "square_window": 6}.get(case, 3)
+    sk = {"no_keys": 0, "square_window": 6}.get(case, 40)
+    q, k, v = rand_qkv(2, 4, 2, sq, sk, 16, torch.float32, requires_grad=case == "grad")
+    opts = {}
+    if case == "mask":
+        opts["bias"] = torch.ones(1, 1, sq, sk, dtype=torch.bool)
+    elif case == "dropout":
+        opts["dropout_p"] = 0.1
+    elif case == "layout":
+        opts.update(block_layout=torch.ones(1, 1, 1, dtype=torch.bool), block_size=64)
+    elif case == "varlen":
+        q, k, v = (t[:1] for t in (q, k, v))
+        opts.update(cu_seqlens_q=torch.tensor([0, sq], dtype=torch.int32),
+                    cu_seqlens_k=torch.tensor([0, sk], dtype=torch.int32), max_seqlen_q=sq, max_seqlen_k=sk)
+    elif case in ("top_left_window", "square_window"):
+        opts.update(window_left=2, window_right=0)
+    elif case == "lengths_alibi_sinks":
+        opts.update(seqlens_k=torch.tensor([40, 7], dtype=torch.int32), alibi_slopes=torch.rand(4),
+                    sinks=torch.randn(4), bottom_right=True)
+    assert ops.fwd_route(q, k, v, **opts).startswith(want)
+    if case in ("plain", "square_window", "lengths_alibi_sinks", "top_left_window", "nine_rows"):
+        kw = dict(window=(opts.get("window_left", -1), opts.get("window_right", -1)),
+                  bottom_right=opts.get("bottom_right", False), seqlens_k=opts.get("seqlens_k"),
+                  alibi_slopes=opts.get("alibi_slopes"), sinks=opts.get("sinks"))
+        out, names = _ops_run(lambda: ae.attention(q, k, v, **kw))
+        assert ("attention_ext::decode_fwd" in names) == want.startswith("decode")
+        ref = ae.reference.attention(q.double(), k.double(), v.double(), **kw)[0]
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_fwd_route_checks_its_inputs():
+    q, k, v = rand_qkv(1, 4, 2, 3, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="head dim mismatch"):
+        ops.fwd_route(q, k[..., :8], v[..., :8])
+    with pytest.raises(TypeError, match="unknown option"):
+        ops.fwd_route(q, k, v, causal=True)
+
+
+def _route_args(q, k, v, **over):
+    a = {n: None for n in ops._OPTION_TENSORS}
+    a.update(max_seqlen_q=0, max_seqlen_k=0, scale=0.25, softcap=0.0, window_left=-1, window_right=-1,
+             bottom_right=False, dropout_p=0.0, seed=0, offset=0, block_size=0, **over)
+    return (q, k, v, *[a[n] for n in ops.OPTION_NAMES])
+
+
+@pytest.mark.parametrize("sq", [3, 12])
+@pytest.mark.parametrize("grad", [False, True])
+def test_opcheck_routed(sq, grad):
+    """softmax_fwd_routed (the decode route at sq = 3 without grad, softmax_fwd otherwise) and
+    softmax_fwd_route pass opcheck; the route op returns a str, which opcheck's AOT comparison
+    cannot compare, so it runs the other checks."""
+    q, k, v = rand_qkv(2, 4, 2, sq, 40, 16, torch.float32, requires_grad=grad)
+    args = _route_args(q, k, v, seqlens_k=torch.tensor([40, 9], dtype=torch.int32))
+    torch.library.opcheck(torch.ops.attention_ext.softmax_fwd_routed.default, (*args, 1, False))
+    torch.library.opcheck(torch.ops.attention_ext.softmax_fwd_route.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    want = "decode: " if sq <= _ext._C.decode_max_q and not grad else "fused: "
+    assert torch.ops.attention_ext.softmax_fwd_route(*args).startswith(want)
+
+
+def test_softmax_fwd_stays_fused():
+    """softmax_fwd runs the fused kernels whatever the call (context parallelism pairs its (out,
+    lse) with softmax_bwd); only the routed op takes the decode kernel."""
+    q, k, v = rand_qkv(1, 4, 2, 2, 40, 16, torch.float32, requires_grad=False)
+    args = _route_args(q, k, v)
+    (out, lse), names = _ops_run(lambda: torch.ops.attention_ext.softmax_fwd(*args))
+    assert names == ["attention_ext::softmax_fwd"]
+    (out2, lse2), names = _ops_run(lambda: torch.ops.attention_ext.softmax_fwd_routed(*args))
+    assert names == ["attention_ext::decode_fwd"]
+    torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-6)

@@ -196,16 +196,16 @@ def test_opcheck_sparse_options(dtype):
     lay = rand_layout(2, s, s, 16, seed=2, empty_row=False)
     o = _opts(s, block_layout=lay, block_size=16)
     args = (q, k, v, *[o[n] for n in ops.OPTION_NAMES])
-    torch.library.opcheck(torch.ops.attention_ext.fwd.default, args)
+    torch.library.opcheck(torch.ops.attention_ext.softmax_fwd.default, args)
     qd, kd = q.detach(), k.detach()
     thr_args = (qd, kd, *[_opts(s)[n] for n in ops.OPTION_NAMES], 5)
     torch.library.opcheck(torch.ops.attention_ext.topk_threshold.default, thr_args)
     thr, jcut = torch.ops.attention_ext.topk_threshold(*thr_args)
     o = _opts(s, topk_thr=thr, topk_jcut=jcut)
-    torch.library.opcheck(torch.ops.attention_ext.fwd.default, (q, k, v, *[o[n] for n in ops.OPTION_NAMES]))
-    out, lse = torch.ops.attention_ext.fwd(qd, kd, v.detach(), *[o[n] for n in ops.OPTION_NAMES])
+    torch.library.opcheck(torch.ops.attention_ext.softmax_fwd.default, (q, k, v, *[o[n] for n in ops.OPTION_NAMES]))
+    out, lse = torch.ops.attention_ext.softmax_fwd(qd, kd, v.detach(), *[o[n] for n in ops.OPTION_NAMES])
     bargs = (torch.randn_like(out), qd, kd, v.detach(), out, lse, *[o[n] for n in ops.OPTION_NAMES], False, False)
-    torch.library.opcheck(torch.ops.attention_ext.bwd.default, bargs)
+    torch.library.opcheck(torch.ops.attention_ext.softmax_bwd.default, bargs)
 
 
 def test_compile_block_sparse_and_topk():

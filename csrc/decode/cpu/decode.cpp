@@ -9,7 +9,7 @@
 // rows, H_k * D apart, maps them onto a few L1 sets and misses the TLB every few rows; float32
 // MHA at D >= 128 on AVX2 walks 8 at a time per kv head, where that measured faster: dot_keys):
 //   scores  S (H * Sq, chunk) = Q K_chunk^T, each K row converted to T in registers;
-//   policy  the softmax family's TileSoftmax (softmax/cpu/tile.h) per row, one per head;
+//   policy  the shared online softmax's TileSoftmax (cpu/online_softmax.h) per row, one per head;
 //   PV      O (H * Sq, D) += P V_chunk kv head by kv head, each V row converted in registers,
 //           O in registers per (4 rows x 2 vectors) block; the scores pass prefetched V.
 // O accumulates kFlushChunks * kChunk keys at a time and each such block joins the row's running
@@ -30,7 +30,7 @@
 #include "cpu/parallel.h"
 #include "cpu/simd.h"
 #include "decode/cpu/entry.h"
-#include "softmax/cpu/tile.h"
+#include "cpu/online_softmax.h"
 
 namespace attn {
 namespace cpu {
@@ -47,8 +47,8 @@ constexpr int kRowBlock = 4;
 // One chunk's K rows of every kv head, at most (keys per chunk halve down to a vector's lanes
 // until they fit): the scores pass prefetches the chunk's V and the next chunk's K into L2, so
 // three such blocks share it. At H_k * D = 4096 float32 (MHA, H 32, D 128) 32 keys of K are
-// 512 KB, a whole Zen 3 L2 before the V and next K beside them; 8-key chunks measured 1.17-1.33x
-// faster there, and 16-key ones 1.06-1.18x at H 16 (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
+// 512 KB, all a 512 KB L2 holds before the V and next K beside them; shorter chunks measured
+// faster there (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
 constexpr int64_t kChunkBytes = 128 * 1024;
 // Chunks whose P V accumulate plainly in O before O joins the running output (os, oc): the
 // compensated addition's pass over O every 256 keys, instead of every 32, keeps its cost small.
@@ -96,8 +96,9 @@ inline vec<T> load_cvt(const E* p) {
 }
 // bf16 caches on CPUs with AVX512-BF16: both products run on vdpbf16ps (bf16dot.h), 32 bf16
 // per instruction, read as they are stored (no widening) and half the multiply-add
-// instructions, which bound this kernel (not the memory: one Zen 4 core streams 22-25 GB/s,
-// and the widening kernel read its bf16 cache at 10-11). Scores: q and K are bf16 data (the
+// instructions, which bound this kernel (not the memory: the widening kernel read its bf16
+// cache well under one core's streaming rate; figures:
+// benchmarks/results/2026-11-29-figures-from-comments.md). Scores: q and K are bf16 data (the
 // op's inputs share one dtype), so the products are exact and only the float32 summation
 // order differs. P V: P is rounded to bf16 (as the softmax family's bf16 forward does, see
 // bf16dot.h), and V's rows go in pairs of keys: unpacking two rows' 16-bit words interleaves
@@ -350,11 +351,9 @@ struct DecodeWorker {
     });
   }
   // One row per kv head (MHA at q_len 1): the scores' register blocks span kv heads, and their
-  // horizontal sums share one reduction. Converted caches, measured at B1 H8 D64 4096, one
-  // thread, L3-resident, process time: bf16 488-551 us against 574-664 us per head. float32 on
-  // AVX2 (Zen 3, with pv()'s 8 chains): 643 against 712 us, and 418 against 607 us on 2
-  // threads; float32 on AVX-512 measured faster per head (Zen 4: 671-685 against 724-755 us,
-  // before pv()'s chains), so it keeps one head per block there.
+  // horizontal sums share one reduction. That measured faster for converted caches and for
+  // float32 on AVX2; float32 on AVX-512 measured faster per head, so it keeps one head per block
+  // there (benchmarks/results/2026-11-29-figures-from-comments.md).
   static constexpr bool kHeadBlocksF32 =
 #if defined(__AVX2__) && !defined(__AVX512F__)
       true;
@@ -366,10 +365,10 @@ struct DecodeWorker {
   // scores go 8 keys at a time per row, one accumulator per key, reduced together (simd.h's
   // hsum8) into one vector of S. Each K row is still loaded once; q's vectors are loaded once
   // per 8 keys instead of once per key, and the reduction costs about one instruction per score
-  // against two in the per-key blocks (hsum4 over 4 kv heads). Measured on Zen 3 (2 threads, same
-  // process, benchmarks/results/2026-11-28-decode-cpu-zen3.md): float32 at D 128 1.08-1.43x, the
-  // cache cold or warm; at D 64 faster warm but slower cold (0.82-0.95x), and bf16 caches lost at
-  // H 8 D 128 (0.84-0.91x): those stay on the per-key blocks.
+  // against two in the per-key blocks (hsum4 over 4 kv heads). That measured faster for float32
+  // at D 128, the cache cold or warm; at D 64 faster warm but slower cold, and bf16 caches lost
+  // at H 8 D 128 (benchmarks/results/2026-11-28-decode-cpu-zen3.md): those stay on the per-key
+  // blocks.
   static constexpr bool kKeyBlocks = kHeadBlocksF32 && std::is_same_v<T, float> && std::is_same_v<E, T>;
   bool key_blocks() const { return kKeyBlocks && head_blocks() && d >= 128 && d % (2 * L) == 0; }
   // S row r (kv head r) x keys [jb, jb + 8) of the chunk, raw. Keys past nk (the chunk's end)
@@ -451,7 +450,7 @@ struct DecodeWorker {
   // 4-row block): every key adds into each of the block's RR x NV accumulators, so they are its
   // independent FMA chains, and 8 chains cover the FMA latency on two ports. With two vectors
   // per pass a one-row block (MHA: one row per kv head) had two chains; the gain measured small
-  // on Zen 3 (0-12% on one thread, benchmarks/results/2026-11-27-decode-cpu-zen3.md), same bits.
+  // (benchmarks/results/2026-11-27-decode-cpu-zen3.md), same bits.
   // Keys [j_lo, j_hi) of the chunk only (an edge chunk, one row at a time: the keys outside
   // the row's window add nothing, not even 0 x a NaN value).
   template <int RR>
@@ -609,9 +608,9 @@ struct DecodeWorker {
       // on the way, the key's V rows are prefetched for the PV pass and the next chunk's K rows
       // for the next scores pass (the hardware prefetchers alone left the FMAs waiting on K).
       // Into L2 (prefetcht1), not L1: a chunk of every kv head (64-128 KB at H_k 8, D 128)
-      // outgrows a 32 KB L1, so L1 prefetches evicted rows not yet read. On one Zen 4 core,
-      // L2 hints took a 32k-key bf16 step from 12-13 to 10 ms and fp32 from 22 to 17; also
-      // prefetching the next chunk's V (one chunk ahead instead of the same chunk) lost again.
+      // outgrows a 32 KB L1, so L1 prefetches evicted rows not yet read. L2 hints measured
+      // faster; prefetching the next chunk's V (one chunk ahead instead of the same chunk) lost
+      // again (benchmarks/results/2026-11-29-figures-from-comments.md).
       const bool kb = key_blocks();
       for (int jj = 0; jj < n; ++jj) {
         if (kb) {  // row r = kv head r, 8 keys at a time
@@ -761,15 +760,15 @@ int decode_num_splits(const DecodeParamsT<T>& p, int max_keys) {
   // (B * splits): 64 give a batch-1 call work for 32 cores at two tasks each (dynamic hand-out
   // evens out ragged lengths), and bound the partials to about (64 + B) * H * Sq rows of d.
   // Each split keeps >= kSplitKeys keys (at H_k 8, D 128; below), so a task's fixed cost (its q rows, the partial it
-  // writes and the merge reads, the unprefetched first chunk) stays small against its keys: on
-  // one Zen 3 core at Hq32 Hk8 D128 and 4k keys, 256-key splits cost 7-16% over one split and
-  // 64-key splits 30-65%, while 1024-key splits measured within the noise (about +-10% on a
-  // shared machine) of the thread-count rule from batch 1 to 4 and 4k to 64k keys. A 4k cache
-  // at batch 1 gets 4 splits, 16k 16, 64k and longer 64; batch 4 at 16k 16; batch >= 64 none.
+  // writes and the merge reads, the unprefetched first chunk) stays small against its keys:
+  // shorter splits cost measurably more than one split, while 1024-key splits measured within
+  // the noise of the thread-count rule from batch 1 to 4 and 4k to 64k keys
+  // (benchmarks/results/2026-11-29-figures-from-comments.md). A 4k cache at batch 1 gets 4
+  // splits, 16k 16, 64k and longer 64; batch 4 at 16k 16; batch >= 64 none.
   // The keys per split count K / V elements, not keys: a split holds the elements of 1024 keys at
   // H_k 8, D 128 (2M), so wider kv rows take fewer keys, down to 256. At MHA H 32 D 128 and 1024
   // keys, 1024-key splits left batch 1 one task (one core busy); 256-key splits (4 tasks) ran
-  // 1.5-1.8x faster on 2 Zen 3 cores (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
+  // faster on 2 cores (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
   constexpr int64_t kTasks = 64, kSplitKeys = 1024, kSplitKeysMin = 256, kSplitElems = kSplitKeys * 2 * 8 * 128;
   const int64_t want = (kTasks + p.b - 1) / p.b;
   const int64_t row = 2 * int64_t(p.h_k) * p.d;  // K and V elements per key
@@ -793,6 +792,8 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt) {
 }
 template void decode_fwd<float>(const DecodeParamsT<float>&, DType);
 template void decode_fwd<double>(const DecodeParamsT<double>&, DType);
+ATTN_CPU_REGISTER(decode_fwd_stub<float>, &decode_fwd<float>);
+ATTN_CPU_REGISTER(decode_fwd_stub<double>, &decode_fwd<double>);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

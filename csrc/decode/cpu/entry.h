@@ -1,16 +1,21 @@
 // Entry points of the CPU decode kernels (attention over a KV cache). No torch types: the
-// binding (csrc/torch/decode_cpu.cpp) fills the params.
+// binding (csrc/torch/decode_cpu.cpp) fills the params. A DispatchStub per entry point
+// (cpu/dispatch.h).
 #pragma once
 
 #include "common/decode_params.h"
-#include "cpu/isa.h"
+#include "cpu/dispatch.h"
 
 namespace attn {
 namespace cpu {
-ATTN_CPU_ISA_BEGIN
 
 // out, lse <- softmax attention of q over the cache (common/decode_params.h). T = float for
-// fp32 / fp16 / bf16 (dt), double for float64; instantiated for both.
+// fp32 / fp16 / bf16 (dt), double for float64.
+template <typename T>
+inline DispatchStub<void (*)(const DecodeParamsT<T>&, DType)> decode_fwd_stub;
+
+#if defined(ATTN_CPU_ISA)
+inline namespace ATTN_CPU_ISA {  // this level's kernels
 template <typename T>
 void decode_fwd(const DecodeParamsT<T>& p, DType dt);
 
@@ -20,7 +25,8 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt);
 // any thread count.
 template <typename T>
 int decode_num_splits(const DecodeParamsT<T>& p, int max_keys);
+}  // namespace ATTN_CPU_ISA
+#endif
 
-ATTN_CPU_ISA_END
 }  // namespace cpu
 }  // namespace attn

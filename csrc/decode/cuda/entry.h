@@ -1,6 +1,6 @@
 // Host entry points of the CUDA decode kernel (attention of a few query rows over a KV cache,
-// common/decode_params.h). No torch here: csrc/torch/decode_cuda.cpp (and the CPU emulator,
-// tests/cuda_emu/emu_decode_*.cpp) fill the params through csrc/torch/decode_params, pick the
+// common/decode_params.h). No torch here: csrc/torch/decode_cuda.cpp (and the CPU emulator) fill
+// the params through csrc/torch/decode_binding, pick the
 // split count (decode/cuda/heuristics.h) and allocate its scratch (csrc/torch/decode_cuda_steps.h),
 // and call this on the current stream. Errors are thrown as
 // std::runtime_error naming the cause. The kernel computes in float32 for fp32 / fp16 / bf16.

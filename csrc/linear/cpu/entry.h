@@ -1,24 +1,34 @@
-// Entry points of the CPU linear attention kernels. No torch types: csrc/torch fills the params.
+// Entry points of the CPU linear attention kernels. No torch types: the bindings
+// (csrc/torch/linear_cpu.cpp) fill the params. A DispatchStub per entry point (cpu/dispatch.h).
 #pragma once
 
 #include "common/linear_params.h"
-#include "cpu/isa.h"
+#include "cpu/dispatch.h"
 
 namespace attn {
 namespace cpu {
-ATTN_CPU_ISA_BEGIN
 
-// T = float for fp32 / fp16 / bf16 inputs (dt), double for float64 ones; instantiated for both.
+// T = float for fp32 / fp16 / bf16 inputs (dt), double for float64 ones.
 // out, den, final_state <- linear attention of q, k, v (common/linear_params.h states the math)
 template <typename T>
-void linear_fwd(const LinearParamsT<T>& p, DType dt);
+inline DispatchStub<void (*)(const LinearParamsT<T>&, DType)> linear_fwd_stub;
 // dq, dk, dv (and ddecay, dinit_state when set) <- gradients given dout (and dfinal_state)
 template <typename T>
-void linear_bwd(const LinearBwdParamsT<T>& p, DType dt);
+inline DispatchStub<void (*)(const LinearBwdParamsT<T>&, DType)> linear_bwd_stub;
 // out <- the recurrent step of T positions; state (and normalizer) advanced in place
 template <typename T>
-void linear_step(const LinearStepParamsT<T>& p, DType dt);
+inline DispatchStub<void (*)(const LinearStepParamsT<T>&, DType)> linear_step_stub;
 
-ATTN_CPU_ISA_END
+#if defined(ATTN_CPU_ISA)
+inline namespace ATTN_CPU_ISA {  // this level's kernels
+template <typename T>
+void linear_fwd(const LinearParamsT<T>& p, DType dt);
+template <typename T>
+void linear_bwd(const LinearBwdParamsT<T>& p, DType dt);
+template <typename T>
+void linear_step(const LinearStepParamsT<T>& p, DType dt);
+}  // namespace ATTN_CPU_ISA
+#endif
+
 }  // namespace cpu
 }  // namespace attn

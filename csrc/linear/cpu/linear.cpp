@@ -47,8 +47,8 @@ namespace {
 // Rows per chunk. Per row, the masked (C, C) products cost O(C (M + dv)) and the state products
 // O(M dv) whatever C, so a smaller C saves flops until the per-chunk work (state copies and
 // transposes, short gemm k-loops, the 6-row micro-kernel's tail) takes over. C = 48 is whole
-// 6-row blocks and 16-column panels; at (M, dv) = (64, 64), fp32, 1 thread it measured (forward,
-// backward) 14.1, 34.0 ms against 15.2, 36.7 at C = 64 and 14.1, 34.9 at C = 32.
+// 6-row blocks and 16-column panels, and measured faster than C = 64 and no slower than C = 32
+// (benchmarks/results/2026-11-29-figures-from-comments.md).
 constexpr int kChunk = 48;
 
 template <typename T>
@@ -646,6 +646,8 @@ void linear_fwd(const LinearParamsT<T>& p, DType dt) {
 }
 template void linear_fwd<float>(const LinearParamsT<float>&, DType);
 template void linear_fwd<double>(const LinearParamsT<double>&, DType);
+ATTN_CPU_REGISTER(linear_fwd_stub<float>, &linear_fwd<float>);
+ATTN_CPU_REGISTER(linear_fwd_stub<double>, &linear_fwd<double>);
 
 template <typename T>
 void linear_bwd(const LinearBwdParamsT<T>& p, DType dt) {
@@ -653,6 +655,8 @@ void linear_bwd(const LinearBwdParamsT<T>& p, DType dt) {
 }
 template void linear_bwd<float>(const LinearBwdParamsT<float>&, DType);
 template void linear_bwd<double>(const LinearBwdParamsT<double>&, DType);
+ATTN_CPU_REGISTER(linear_bwd_stub<float>, &linear_bwd<float>);
+ATTN_CPU_REGISTER(linear_bwd_stub<double>, &linear_bwd<double>);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

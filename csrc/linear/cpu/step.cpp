@@ -201,6 +201,8 @@ void linear_step(const LinearStepParamsT<T>& p, DType dt) {
 }
 template void linear_step<float>(const LinearStepParamsT<float>&, DType);
 template void linear_step<double>(const LinearStepParamsT<double>&, DType);
+ATTN_CPU_REGISTER(linear_step_stub<float>, &linear_step<float>);
+ATTN_CPU_REGISTER(linear_step_stub<double>, &linear_step<double>);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

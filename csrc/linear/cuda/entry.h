@@ -1,6 +1,6 @@
 // Host entry points of the CUDA linear attention backend (the `linear` family). No torch here:
-// csrc/torch/linear_cuda.cpp (and the CPU emulator, tests/cuda_emu) fill the params through
-// csrc/torch/linear_params, allocate the scratch sized below, and call these on the current
+// csrc/torch/linear_cuda.cpp (and the CPU emulator) fill the params through
+// csrc/torch/linear_binding, allocate the scratch sized below, and call these on the current
 // stream. Errors are thrown as std::runtime_error naming the cause. common/linear_params.h
 // states the math; the kernels compute in float32 for float32, float16 and bfloat16 inputs.
 #pragma once

@@ -47,12 +47,7 @@ __device__ __forceinline__ float ld16(const unsigned char* base, uint32_t off) {
 // x, as a value the compiler cannot see through. A sweep's chunk loop starts with lane =
 // opaque(lane): the lane's shared-memory addresses of every product are then recomputed per
 // chunk (a few integer ops) instead of hoisted out of the loops and all kept live in registers.
-__device__ __forceinline__ int opaque(int x) {
-#if !defined(ATTN_CUDA_EMULATE)
-  asm volatile("" : "+r"(x));
-#endif
-  return x;
-}
+__device__ __forceinline__ int opaque(int x) { return ptx::opaque(x); }
 
 template <int kTiles>
 __device__ __forceinline__ void zero(float (&acc)[kTiles][4]) {

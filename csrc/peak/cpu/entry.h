@@ -1,12 +1,12 @@
 // The machine's peak arithmetic rate per thread, for the benchmarks' ceiling (`python -m
 // attention_ext bench`): loops that do nothing but the instruction the kernels' inner products
-// run on, compiled per ISA level like the kernels, so the dispatcher runs the level they run. No
+// run on, compiled per ISA level like the kernels, so the stub runs the level they run. No
 // torch types: the binding (csrc/torch/library.cpp, _C.cpu_peak_flops) times them on the pool.
 #pragma once
 
 #include <cstdint>
 
-#include "cpu/isa.h"
+#include "cpu/dispatch.h"
 
 namespace attn {
 namespace cpu {
@@ -17,12 +17,14 @@ enum PeakKind : int {
   kPeakBf16Dot = 1,  // bf16 pair dot products into float32 lanes (vdpbf16ps, AVX512-BF16 only)
 };
 
-ATTN_CPU_ISA_BEGIN
-
 // Runs `iters` rounds of the kind's loop on the calling thread; returns the FLOPs done (2 per
 // multiply-add), or 0 when this level has no such instruction.
-double peak_loop(int kind, int64_t iters);
+inline DispatchStub<double (*)(int kind, int64_t iters)> peak_loop_stub;
 
-ATTN_CPU_ISA_END
+#if defined(ATTN_CPU_ISA)
+inline namespace ATTN_CPU_ISA {  // this level's loops
+double peak_loop(int kind, int64_t iters);
+}  // namespace ATTN_CPU_ISA
+#endif
 }  // namespace cpu
 }  // namespace attn

@@ -1,7 +1,7 @@
 // The peak loops (peak/cpu/entry.h). Each round issues one instruction per accumulator chain,
 // every chain independent of the others: the FMA units then start one instruction per port per
-// cycle, which needs latency x ports chains in flight (4 x 2 = 8 on Zen 4 / 5 and Intel since
-// Skylake, 5 x 2 = 10 on Haswell). The chain count is what the registers hold beside the two
+// cycle, which needs latency x ports chains in flight (4 x 2 = 8 where the FMA latency is 4
+// cycles, 5 x 2 = 10 where it is 5). The chain count is what the registers hold beside the two
 // operands (24 of 32 vector registers with AVX-512, 12 of 16 below), above every such product,
 // so the loop is bound by the ports and never by latency or by spills. The operands keep the
 // accumulators near 1 (a fixed point of acc * m + a) or growing slowly (the dot product): no
@@ -71,6 +71,7 @@ double peak_loop(int kind, int64_t iters) {
 #endif
   return 0.0;
 }
+ATTN_CPU_REGISTER(peak_loop_stub, &peak_loop);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

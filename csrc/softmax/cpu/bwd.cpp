@@ -31,7 +31,7 @@ template <typename T>
 struct BwdWorker {
   using V = vec<T>;
   static constexpr int L = kLanes<T>;
-  const BwdParamsT<T>& p;
+  const SoftmaxBwdParamsT<T>& p;
   DType dt;
   int dp;
   Scratch<T, 3> mem;  // this thread's buffers, carved below
@@ -51,7 +51,7 @@ struct BwdWorker {
   // block of the current kv head: whether its K rows do
   std::vector<uint8_t> q_bad, do_bad, k_bad;
 
-  BwdWorker(const BwdParamsT<T>& p_, DType dt_)
+  BwdWorker(const SoftmaxBwdParamsT<T>& p_, DType dt_)
       : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp, bf16_dot(p_, dt_)))),
         dot(bf16_dot(p_, dt_)) {
     T *ktbt, *vtbt, *qbt, *dobt;
@@ -63,7 +63,7 @@ struct BwdWorker {
     qb = reinterpret_cast<uint16_t*>(qbt);
     dob = reinterpret_cast<uint16_t*>(dobt);
   }
-  static std::array<size_t, 23> sizes(const BwdParamsT<T>& p, int dp, bool dot) {
+  static std::array<size_t, 23> sizes(const SoftmaxBwdParamsT<T>& p, int dp, bool dot) {
     const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
     const size_t rows = round_up(p.sq, kBlockM), tile = size_t(kBlockM) * kBlockN;
     const size_t kb = dot ? kpad * sizeof(uint16_t) / sizeof(T) : 0, qb = dot ? qpad * sizeof(uint16_t) / sizeof(T) : 0;
@@ -327,11 +327,13 @@ struct BwdWorker {
 }  // namespace
 
 template <typename T>
-void bwd(const BwdParamsT<T>& p, DType dt) {
+void softmax_bwd(const SoftmaxBwdParamsT<T>& p, DType dt) {
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] { return BwdWorker<T>(p, dt); });
 }
-template void bwd<float>(const BwdParamsT<float>&, DType);
-template void bwd<double>(const BwdParamsT<double>&, DType);
+template void softmax_bwd<float>(const SoftmaxBwdParamsT<float>&, DType);
+template void softmax_bwd<double>(const SoftmaxBwdParamsT<double>&, DType);
+ATTN_CPU_REGISTER(softmax_bwd_stub<float>, &softmax_bwd<float>);
+ATTN_CPU_REGISTER(softmax_bwd_stub<double>, &softmax_bwd<double>);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

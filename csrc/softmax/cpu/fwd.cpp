@@ -33,7 +33,7 @@ constexpr int kDirectGroups = 4;
 template <typename T>
 struct FwdWorker {
   static constexpr int L = kLanes<T>;
-  const FwdParamsT<T>& p;
+  const SoftmaxParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
   const T* kt;  // packed K, kTPanels (nullptr in direct mode and on the bf16 dot path)
@@ -57,7 +57,7 @@ struct FwdWorker {
   // touches oc.
   bool o_ready, oc_ready;
 
-  FwdWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb,
+  FwdWorker(const SoftmaxParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb,
             const uint16_t* ktb_ = nullptr, const uint16_t* vrb_ = nullptr)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), ktb(ktb_), vrb(vrb_), n_mblocks(nmb),
         mem(carved_size<T>(sizes(ki.dp))) {
@@ -395,7 +395,7 @@ struct FwdWorker {
 }  // namespace
 
 template <typename T>
-void fwd(const FwdParamsT<T>& p, DType dt) {
+void softmax_fwd(const SoftmaxParamsT<T>& p, DType dt) {
   const PackIndex kidx(p);
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   const int64_t n_tasks = int64_t(p.b) * p.h * n_mblocks;
@@ -423,10 +423,10 @@ void fwd(const FwdParamsT<T>& p, DType dt) {
               vr.data(), PackPad::kPanelRows);
   parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, kt.data(), vr.data(), n_mblocks); });
 }
-template void fwd<float>(const FwdParamsT<float>&, DType);
-template void fwd<double>(const FwdParamsT<double>&, DType);
-
-int simd_width() { return W; }
+template void softmax_fwd<float>(const SoftmaxParamsT<float>&, DType);
+template void softmax_fwd<double>(const SoftmaxParamsT<double>&, DType);
+ATTN_CPU_REGISTER(softmax_fwd_stub<float>, &softmax_fwd<float>);
+ATTN_CPU_REGISTER(softmax_fwd_stub<double>, &softmax_fwd<double>);
 
 void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float prob, uint64_t seed, uint64_t offset) {
   pool_for(int64_t(b) * h * sq, 16, [&](int64_t r0, int64_t r1) {
@@ -436,6 +436,7 @@ void dropout_mask(uint8_t* keep, int b, int h, int sq, int sk, float prob, uint6
     }
   });
 }
+ATTN_CPU_REGISTER(dropout_mask_stub, &dropout_mask);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

@@ -46,7 +46,7 @@ struct BwdVariant {
 // registers into spills on the common no-dropout path.
 template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout,
           typename Var = BwdVariant<>>
-__global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const SoftmaxBwdParams p) {
   static_assert(!(Var::kSeq && kDropout), "the sequential schedule has no dropout path");
   constexpr int kSUnroll = Var::kSUnroll;
   using Ops = TypeOps<T>;
@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const BwdPara
 }
 
 template <typename T, int kD, int kDAcc, int kBlockM, int kBlockN, int kNWarps, bool kDropout>
-__global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const SoftmaxBwdParams p) {
   using Ops = TypeOps<T>;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kSlices = kD / kDAcc;

@@ -55,15 +55,15 @@ namespace attn {
 namespace {
 
 // The developer selection (entry.h), one copy per process.
-// The wgmma kernels are the default on sm_90 (they beat the mma.sync ones at every shape measured
-// on the H100: benchmarks/results/2026-11-24-h100.md); 0 keeps the mma.sync kernels.
+// The wgmma kernels are the default on sm_90 (they beat the mma.sync ones at every shape
+// measured: benchmarks/results/2026-11-24-h100.md); 0 keeps the mma.sync kernels.
 std::atomic<int> g_hopper_fwd{1}, g_hopper_bwd{1}, g_tune_fwd{0}, g_tune_bwd{0};
 std::atomic<bool> g_force_simt{false};
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 bool strides8(int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0 && c % 8 == 0; }
 
-bool use_tensor_cores(const FwdParams& p, DType dt) {
+bool use_tensor_cores(const SoftmaxParams& p, DType dt) {
   if (dt == DType::kF32 || g_force_simt.load(std::memory_order_relaxed)) return false;
   if (p.topk_thr != nullptr) return false;
   if (p.d > 256 || p.d % 8 != 0 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
@@ -75,7 +75,7 @@ bool use_tensor_cores(const FwdParams& p, DType dt) {
          strides8(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
 }
 
-bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
+bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
   // dQ/dK/dV/dO are stored 4 bytes at a time and dO is read with cp.async
   return use_tensor_cores(p, dt) && aligned16(p.dout) &&
          strides8(p.do_batch_stride, p.do_head_stride, p.do_row_stride) &&
@@ -90,7 +90,7 @@ bool use_tensor_cores_bwd(const BwdParams& p, DType dt) {
 // aligned rows), d <= 128, the device is sm_90, and the kernel's plain policy serves it (lengths,
 // causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
 // dropout keep the mma.sync kernel.
-bool use_hopper_fwd(const FwdParams& p, DType dt) {
+bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
   if (!ATTN_HOPPER_FWD || g_hopper_fwd.load(std::memory_order_relaxed) < 1) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || needs_general_kernel(p)) return false;
   if (p.sparse.on()) return false;
@@ -102,14 +102,14 @@ bool use_hopper_fwd(const FwdParams& p, DType dt) {
 // kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and the plain policy
 // serves it, as for use_hopper_fwd (so no dbias; sinks only touch the LSE it reads and dsinks,
 // which the preprocess computes).
-[[maybe_unused]] bool use_hopper_bwd(const BwdParams& p, DType dt) {
+[[maybe_unused]] bool use_hopper_bwd(const SoftmaxBwdParams& p, DType dt) {
   if (!ATTN_HOPPER_BWD || g_hopper_bwd.load(std::memory_order_relaxed) < 1) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || needs_general_kernel(p)) return false;
   if (p.dbias != nullptr || p.deterministic || p.sparse.on()) return false;
   return use_tensor_cores_bwd(p, dt) && device_sm() == 90;
 }
 
-void validate(const FwdParams& p, const char* what) {
+void validate(const SoftmaxParams& p, const char* what) {
   if (p.d < 1 || p.d > simt::kSimtMaxD) {
     throw std::runtime_error(std::string(what) + ": head dim " + std::to_string(p.d) +
                              " is outside the CUDA kernels' range [1, 256]");
@@ -123,19 +123,19 @@ void validate(const FwdParams& p, const char* what) {
 }
 
 template <typename T>
-void fwd_tc(const FwdParams& p, cudaStream_t stream) {
+void fwd_tc(const SoftmaxParams& p, cudaStream_t stream) {
   hdim_switch<64, 128, 256>(p.d, "attention fwd", [&](auto kD) { run_fwd_tc<T, decltype(kD)::value>(p, stream); });
 }
 
 template <typename T>
-void fwd_tc_split(const FwdParams& p, const FwdSplitScratch& split, cudaStream_t stream) {
+void fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& split, cudaStream_t stream) {
   hdim_switch<64, 128, 256>(p.d, "attention fwd (split-KV)",
                             [&](auto kD) { run_fwd_tc_split<T, decltype(kD)::value>(p, split, stream); });
 }
 
 #if ATTN_HOPPER_FWD
 template <typename T>
-void fwd_hopper(const FwdParams& p, cudaStream_t stream) {
+void fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   hdim_switch<64, 128>(p.d, "attention fwd (wgmma)",
                        [&](auto kD) { run_fwd_hopper<T, decltype(kD)::value>(p, stream); });
 }
@@ -143,14 +143,14 @@ void fwd_hopper(const FwdParams& p, cudaStream_t stream) {
 
 #if ATTN_HOPPER_BWD
 template <typename T>
-void bwd_hopper(const BwdParams& p, cudaStream_t stream) {
+void bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   hdim_switch<64, 128>(p.d, "attention bwd (wgmma)", [&](auto kD) { run_bwd_hopper<T, decltype(kD)::value>(p, stream); });
 }
 #endif
 
 #if !defined(ATTN_CUDA_SKIP_BWD)
 template <typename T>
-void bwd_tc(const BwdParams& p, cudaStream_t stream) {
+void bwd_tc(const SoftmaxBwdParams& p, cudaStream_t stream) {
   hdim_switch<64, 128, 256>(p.d, "attention bwd", [&](auto kD) { run_bwd_tc<T, decltype(kD)::value>(p, stream); });
 }
 #endif
@@ -170,7 +170,7 @@ CudaKernels cuda_kernels() {
                      g_force_simt.load()};
 }
 
-int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested) {
+int cuda_fwd_num_splits(const SoftmaxParams& p, DType dt, int requested) {
   if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
   // decided before the wgmma forward: a call the heuristic splits (few queries, many keys) runs
   // the mma.sync split kernels, which the wgmma forward (one CTA per 128 query rows) cannot match
@@ -187,11 +187,11 @@ int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested) {
   const int64_t ctas = int64_t((p.sq + block_m - 1) / block_m) * p.h * p.b;
   return num_splits_heuristic(ctas, device_sm_count(), (int64_t(p.sk) + block_n - 1) / block_n);
 }
-size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o) {
+size_t cuda_fwd_split_floats(const SoftmaxParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o) {
   return size_t(batch_t) * p.h * num_splits * rows * (o ? p.d : 1);
 }
 
-void cuda_fwd_sparse_tiles(const FwdParams& p, DType dt, int* tile_m, int* tile_n) {
+void cuda_fwd_sparse_tiles(const SoftmaxParams& p, DType dt, int* tile_m, int* tile_n) {
   *tile_m = *tile_n = 0;
   if (!use_tensor_cores(p, dt)) return;
   hdim_switch<64, 128, 256>(p.d, "attention fwd", [&](auto kD) {
@@ -200,7 +200,7 @@ void cuda_fwd_sparse_tiles(const FwdParams& p, DType dt, int* tile_m, int* tile_
   });
 }
 
-void cuda_bwd_sparse_tiles(const BwdParams& p, DType dt, int* tile_m, int* tile_n) {
+void cuda_bwd_sparse_tiles(const SoftmaxBwdParams& p, DType dt, int* tile_m, int* tile_n) {
   *tile_m = *tile_n = 0;
   if (!use_tensor_cores_bwd(p, dt)) return;
   hdim_switch<64, 128, 256>(p.d, "attention bwd", [&](auto kD) {
@@ -211,19 +211,19 @@ void cuda_bwd_sparse_tiles(const BwdParams& p, DType dt, int* tile_m, int* tile_
   });
 }
 
-const char* cuda_path_name(const FwdParams& p, DType dt) {
+const char* cuda_path_name(const SoftmaxParams& p, DType dt) {
   if (use_hopper_fwd(p, dt)) return "hopper-wgmma";
   return use_tensor_cores(p, dt) ? "tensor-core" : "simt";
 }
 
-size_t cuda_bwd_softmax_d_floats(const BwdParams& p) { return size_t(p.b) * p.h * p.sq; }
+size_t cuda_bwd_softmax_d_floats(const SoftmaxBwdParams& p) { return size_t(p.b) * p.h * p.sq; }
 
-size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt) {
+size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt) {
   if (p.deterministic || !use_tensor_cores_bwd(p, dt)) return 0;
   return size_t(p.b) * p.h * p.sq * bucket_for_head_dim(p.d);
 }
 
-void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split) {
+void cuda_fwd(const SoftmaxParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split) {
   NvtxRange range("attention_ext::softmax::cuda_fwd");
   validate(p, "attention fwd");
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
@@ -254,7 +254,7 @@ void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitS
   }
 }
 
-void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream) {
+void cuda_bwd(const SoftmaxBwdParams& p, DType dt, cudaStream_t stream) {
   NvtxRange range("attention_ext::softmax::cuda_bwd");
 #if defined(ATTN_CUDA_SKIP_BWD)
   (void)p; (void)dt; (void)stream;
@@ -281,10 +281,10 @@ void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream) {
       cudaMemsetAsync(p.dsinks, 0, size_t(p.b) * p.h * sizeof(float), stream) != cudaSuccess) {
     throw std::runtime_error("attention bwd: cannot zero dsinks");
   }
-  // empty problems: the caller zeroes the gradients (alloc_grads in torch/softmax_params.h)
+  // empty problems: the caller zeroes the gradients (alloc_grads in torch/softmax_binding.h)
   if (p.b == 0 || p.h == 0 || p.sq == 0 || p.sk == 0) return;
   const int dq_ld = atomic_dq ? bucket_for_head_dim(p.d) : 0;
-  BwdParams q = p;
+  SoftmaxBwdParams q = p;
   if (!atomic_dq) q.dq_accum = nullptr;
   switch (dt) {
     case DType::kF32: run_bwd_preprocess<float>(q, dq_ld, stream); break;

@@ -1,5 +1,5 @@
 // Host entry points of the CUDA softmax backend. No torch here: csrc/torch/softmax_cuda.cpp converts
-// tensors to FwdParams / BwdParams, allocates the scratch sized by the functions below, and
+// tensors to SoftmaxParams / SoftmaxBwdParams, allocates the scratch sized by the functions below, and
 // calls these on the current stream. Errors (unsupported configs, launch failures) are thrown
 // as std::runtime_error with a message that names the cause.
 #pragma once
@@ -8,7 +8,7 @@
 
 #include <cstddef>
 
-#include "common/params.h"  // FwdParams, BwdParams, DType
+#include "common/softmax_params.h"  // SoftmaxParams, SoftmaxBwdParams, DType
 
 namespace attn {
 
@@ -39,32 +39,32 @@ CudaKernels cuda_kernels();
 // then `requested` (>= 1: that many, clamped to 128; 0: the heuristic in dispatch.cu). A call
 // with more than one split runs the mma.sync split kernels, also where the sm_90a wgmma forward
 // would take it unsplit. The caller allocates the scratch for that many (if > 1).
-int cuda_fwd_num_splits(const FwdParams& p, DType dt, int requested);
+int cuda_fwd_num_splits(const SoftmaxParams& p, DType dt, int requested);
 // Floats of the O (o = true) or LSE scratch for num_splits splits and q's dims (B_t, rows).
-size_t cuda_fwd_split_floats(const FwdParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o);
+size_t cuda_fwd_split_floats(const SoftmaxParams& p, int num_splits, int64_t batch_t, int64_t rows, bool o);
 
 // Forward: writes p.o and p.lse. split: scratch for split.num_splits > 1 splits, as
 // cuda_fwd_num_splits() returned for p (else the forward is unsplit).
-void cuda_fwd(const FwdParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split = {});
+void cuda_fwd(const SoftmaxParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split = {});
 
 // Backward: writes p.dq, p.dk, p.dv and, when not null, p.dbias (zeroed first, then filled:
 // dense (B, H, Sq_b, Sk) float32) and p.dsinks ((B, H) float32, zeroed first).
 // Needs p.softmax_d with cuda_bwd_softmax_d_floats(p) floats, and p.dq_accum with
 // cuda_bwd_dq_accum_floats(p, dt) floats when that is nonzero (else it may be null).
-void cuda_bwd(const BwdParams& p, DType dt, cudaStream_t stream);
+void cuda_bwd(const SoftmaxBwdParams& p, DType dt, cudaStream_t stream);
 
-size_t cuda_bwd_softmax_d_floats(const BwdParams& p);        // B * H * Sq (Sq = max for varlen)
-size_t cuda_bwd_dq_accum_floats(const BwdParams& p, DType dt);  // 0 unless atomic dQ path
+size_t cuda_bwd_softmax_d_floats(const SoftmaxBwdParams& p);        // B * H * Sq (Sq = max for varlen)
+size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt);  // 0 unless atomic dQ path
 
 // Block-sparse calls (p.sparse.layout set): the tiles, query rows x keys, of the kernel that will
 // run the forward / the backward's dK / dV, so that the caller builds the layout's tile index at
 // them (p.sparse.fwd: CSR, p.sparse.bwd: CSC; block_sparse.h). (0, 0): that kernel reads the
 // layout itself (the SIMT kernels) and needs no index.
-void cuda_fwd_sparse_tiles(const FwdParams& p, DType dt, int* tile_m, int* tile_n);
-void cuda_bwd_sparse_tiles(const BwdParams& p, DType dt, int* tile_m, int* tile_n);
+void cuda_fwd_sparse_tiles(const SoftmaxParams& p, DType dt, int* tile_m, int* tile_n);
+void cuda_bwd_sparse_tiles(const SoftmaxBwdParams& p, DType dt, int* tile_m, int* tile_n);
 
 // Which kernel family a config's forward takes: "hopper-wgmma" (sm_90a, when the developer
 // selection asks for it), "tensor-core" (mma.sync) or "simt" (for tests and benchmarks).
-const char* cuda_path_name(const FwdParams& p, DType dt);
+const char* cuda_path_name(const SoftmaxParams& p, DType dt);
 
 }  // namespace attn

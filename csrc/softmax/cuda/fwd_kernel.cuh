@@ -56,7 +56,7 @@ struct FwdSplit : Base {
 // in fp32, through p.o / p.lse at query head hs. Empty or fully masked rows (l = 0) write
 // lse_s = -inf and O_s = 0. O goes out as float2 per lane, unstaged: split calls are few-row.
 template <int kMT, int kDT>
-__device__ __forceinline__ void store_split_partial(const FwdParams& p, const SeqInfo& si, int b,
+__device__ __forceinline__ void store_split_partial(const SoftmaxParams& p, const SeqInfo& si, int b,
                                                     int hs, int i0, int rows,
                                                     float (&acc_o)[kMT][kDT][4],
                                                     const float (&row_m)[kMT][2],
@@ -90,7 +90,7 @@ __device__ __forceinline__ void store_split_partial(const FwdParams& p, const Se
 // general path's registers out of the fast kernel.
 template <typename T, int kD, int kBlockM, int kBlockN, int kNWarps, bool kGeneral,
           typename Var = FwdVariant<>>
-__global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParams p) {
   constexpr int kSUnroll = Var::kSUnroll == 0 ? kD / 16 : Var::kSUnroll;
   using Ops = TypeOps<T>;
   constexpr int kThreads = kNWarps * 32;
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const FwdParams p)
 constexpr int kCombineRows = 4;
 template <typename T, int kD>
 __global__ void __launch_bounds__(kCombineRows * 32)
-    fwd_combine_kernel(const FwdParams p, const FwdParams ps, int num_splits) {
+    fwd_combine_kernel(const SoftmaxParams p, const SoftmaxParams ps, int num_splits) {
   using Ops = TypeOps<T>;
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kCombineRows + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;

@@ -1,5 +1,5 @@
-// Device helpers shared by the tensor-core and SIMT kernels: where rows live in the output and
-// scratch tensors, and the per-element backward math. The semantics themselves (masking, the
+// Device helpers shared by the softmax family's tensor-core and SIMT kernels: the logit in the
+// log2 domain and the per-element backward math (where rows live: cuda/param_rows.cuh). The semantics themselves (masking, the
 // logit) come from csrc/common/policy.h, the same code the CPU kernel runs.
 #pragma once
 
@@ -7,64 +7,15 @@
 
 #include <cstdint>
 
-#include "common/params.h"
+#include "common/softmax_params.h"
 #include "common/philox.h"
 #include "common/policy.h"
+#include "cuda/param_rows.cuh"
 
 namespace attn {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// lse element (b, h, i): (B, H, Sq) float32 through its batch/head strides; varlen: one
-// (1, H, total_q) pack indexed by the sequence's first row (batch stride unused).
-__device__ __forceinline__ int64_t lse_index(const FwdParams& p, const SeqInfo& si, int b, int h,
-                                             int i) {
-  return si.batch_off(p, b, p.lse_batch_stride) + int64_t(h) * p.lse_head_stride + si.row_q + i;
-}
-
-// Row of the CUDA backward's float32 scratch (softmax_d, dq_accum): always the padded
-// (B, H, Sq) index, so varlen needs B * H * max_seqlen_q rows, independent of the pack.
-__device__ __forceinline__ int64_t scratch_row(const FwdParams& p, int b, int h, int i) {
-  return (int64_t(b) * p.h + h) * p.sq + i;
-}
-
-// Element pointers into the tensors of sequence b, by (head, sequence-local row): query-side
-// tensors (q, o, dout, dq) take a query head h and start at SeqInfo::row_q, key-side ones (k, v,
-// dk, dv) a kv head hk and start at row_k.
-template <typename T>
-__device__ __forceinline__ const T* q_ptr(const FwdParams& p, const SeqInfo& si, int b, int h, int row) {
-  return static_cast<const T*>(p.q) + si.q_offset(p, b, h, row, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ T* o_ptr(const FwdParams& p, const SeqInfo& si, int b, int h, int row) {
-  return static_cast<T*>(p.o) + si.q_offset(p, b, h, row, p.o_batch_stride, p.o_head_stride, p.o_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ const T* dout_ptr(const BwdParams& p, const SeqInfo& si, int b, int h, int row) {
-  return static_cast<const T*>(p.dout) +
-         si.q_offset(p, b, h, row, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ T* dq_ptr(const BwdParams& p, const SeqInfo& si, int b, int h, int row) {
-  return static_cast<T*>(p.dq) + si.q_offset(p, b, h, row, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ const T* k_ptr(const FwdParams& p, const SeqInfo& si, int b, int hk, int row) {
-  return static_cast<const T*>(p.k) + si.k_offset(p, b, hk, row, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ const T* v_ptr(const FwdParams& p, const SeqInfo& si, int b, int hk, int row) {
-  return static_cast<const T*>(p.v) + si.k_offset(p, b, hk, row, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ T* dk_ptr(const BwdParams& p, const SeqInfo& si, int b, int hk, int row) {
-  return static_cast<T*>(p.dk) + si.k_offset(p, b, hk, row, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
-}
-template <typename T>
-__device__ __forceinline__ T* dv_ptr(const BwdParams& p, const SeqInfo& si, int b, int hk, int row) {
-  return static_cast<T*>(p.dv) + si.k_offset(p, b, hk, row, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
-}
 
 // No per-element work beyond the window and the block layout: no softcap, ALiBi, bias or bool
 // mask, and no top-k (whose rule needs the logit exactly as pol.score computes it).
@@ -81,7 +32,7 @@ __device__ __forceinline__ bool plain_allowed(const Policy& pol, int i, int j) {
 // The forward logit in the log2 domain, -inf where (i, j) is not allowed. The log2 e product is
 // __fmul_rn (never contracted): the backward's exp2f(s2 - lse2) must see the same rounded s2 as
 // the forward's max, not an FMA that keeps the product's rounding residual (a row with one
-// visible key must get P = 1 exactly; the CPU's tile.h exp2_arg has the same rule).
+// visible key must get P = 1 exactly; the CPU's online_softmax.h exp2_arg has the same rule).
 //   check = false: the caller proved the tile is inside the window and the layout, and the
 //   policy is plain.
 __device__ __forceinline__ float logit2(const Policy& pol, bool plain, bool check, float scale_log2,
@@ -188,7 +139,7 @@ __device__ __forceinline__ uint32_t philox_word(const Philox4& r, int k) {
 // The dropout factor z of element (i, j) of (batch, head) bh from the Philox stream of the
 // tensor-core kernels (4 keys per draw): 0 for a dropped element, rdrop = 1 / (1 - p) for a kept one.
 // Under global dropout coordinates (a piece of a larger problem) the draw is at those.
-__device__ __forceinline__ float dropout_scale(const FwdParams& p, int bh, int i, int j, float rdrop) {
+__device__ __forceinline__ float dropout_scale(const SoftmaxParams& p, int bh, int i, int j, float rdrop) {
   if (!p.dropout_coords.identity())
     return dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p) ? rdrop : 0.f;
   const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
@@ -197,7 +148,7 @@ __device__ __forceinline__ float dropout_scale(const FwdParams& p, int bh, int i
 
 // d bias (i, j) of (b, h) = ds. A bias broadcast over the query rows (row stride 0) sums the
 // rows' contributions with atomics (skipping zeros: masked elements are the common case).
-__device__ __forceinline__ void store_dbias(const BwdParams& p, int b, int h, int i, int j, float ds) {
+__device__ __forceinline__ void store_dbias(const SoftmaxBwdParams& p, int b, int h, int i, int j, float ds) {
   float* db = p.dbias + int64_t(b) * p.dbias_batch_stride + int64_t(h) * p.dbias_head_stride +
               int64_t(i) * p.dbias_row_stride + j;
   if (p.dbias_row_stride == 0) {
@@ -211,7 +162,7 @@ __device__ __forceinline__ void store_dbias(const BwdParams& p, int b, int h, in
 // and its sum l of 2^(s - m2): the row's lse (natural log, with the sink logit merged in when
 // has_sink) and the factor that turns the unnormalized O row into the output (times the dropout
 // rescale rdrop). A row with nothing allowed (l = 0) gets lse = sink (-inf without sinks) and
-// O = 0; a row that read a NaN logit (l NaN) gets NaN for both, as on the CPU (tile.h), never the
+// O = 0; a row that read a NaN logit (l NaN) gets NaN for both, as on the CPU (online_softmax.h), never the
 // empty row's answer.
 __device__ __forceinline__ void finish_lse(float m2, float l, bool has_sink, float sink, float rdrop,
                                            float* lse, float* factor) {

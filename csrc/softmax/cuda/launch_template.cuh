@@ -22,7 +22,7 @@ namespace attn {
 // Var: the kernel's schedule (tc::FwdVariant, or tc::FwdSplit of one with num_splits CTAs per
 // query block).
 template <typename T, int kD, typename Tr, bool kGeneral, typename Var = tc::FwdVariant<>>
-void run_fwd_cfg(const FwdParams& p, cudaStream_t stream, int num_splits = 1) {
+void run_fwd_cfg(const SoftmaxParams& p, cudaStream_t stream, int num_splits = 1) {
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
   constexpr int kSmem = fwd_smem_bytes<kD, kBlockM, kBlockN>();
   auto kernel = tc::fwd_kernel<T, kD, kBlockM, kBlockN, kNWarps, kGeneral, Var>;
@@ -36,7 +36,7 @@ void run_fwd_cfg(const FwdParams& p, cudaStream_t stream, int num_splits = 1) {
 // alternative; Var: the kernel's schedule (tc::BwdVariant). Defined before tuning.cuh, which
 // names it (nvcc's front end needs the template declared there).
 template <typename T, int kD, typename Tr, bool kDropout, typename Var = tc::BwdVariant<>>
-void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
+void run_bwd_dkdv_cfg(const SoftmaxBwdParams& p, cudaStream_t stream) {
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNWarps = Tr::kNWarps;
   constexpr int kDAcc = BwdTraits<kD>::kDAcc;
   constexpr int kSmem = bwd_smem_bytes<kD, kBlockM, kBlockN>();
@@ -54,7 +54,7 @@ void run_bwd_dkdv_cfg(const BwdParams& p, cudaStream_t stream) {
 namespace attn {
 
 template <typename T, int kD, bool kGeneral>
-void run_fwd_tc_impl(const FwdParams& p, cudaStream_t stream) {
+void run_fwd_tc_impl(const SoftmaxParams& p, cudaStream_t stream) {
 #if defined(ATTN_TUNING)
   // a block-sparse call's tile index is built at FwdTraits' tiles: no candidate takes it
   if (!p.sparse.on() && run_fwd_alt<T, kD, kGeneral>(cuda_kernels().tune_fwd, p, stream,
@@ -65,7 +65,7 @@ void run_fwd_tc_impl(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int kD>
-void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
+void run_fwd_tc(const SoftmaxParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention fwd");
   if (needs_general_kernel(p)) {
     run_fwd_tc_impl<T, kD, true>(p, stream);
@@ -81,10 +81,10 @@ void run_fwd_tc(const FwdParams& p, cudaStream_t stream) {
 // varlen, whose rows are then addressed from SeqInfo::row_q as in p); then fwd_combine_kernel
 // merges them into p.o and p.lse. The tuning candidates (-DATTN_TUNING) are unsplit only.
 template <typename T, int kD>
-void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t stream) {
+void run_fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& s, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention fwd (split-KV)");
   using Tr = FwdTraits<kD>;
-  FwdParams ps = p;
+  SoftmaxParams ps = p;
   ps.o = s.o_accum;
   ps.lse = s.lse_accum;
   ps.o_row_stride = p.d;
@@ -104,7 +104,7 @@ void run_fwd_tc_split(const FwdParams& p, const FwdSplitScratch& s, cudaStream_t
 }
 
 template <typename T, int kD, bool kDropout>
-void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
+void run_bwd_tc_impl(const SoftmaxBwdParams& p, cudaStream_t stream) {
   {
 #if defined(ATTN_TUNING)
     if (!p.sparse.on() && run_bwd_alt<T, kD, kDropout>(cuda_kernels().tune_bwd, p, stream,
@@ -132,7 +132,7 @@ void run_bwd_tc_impl(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <typename T, int kD>
-void run_bwd_tc(const BwdParams& p, cudaStream_t stream) {
+void run_bwd_tc(const SoftmaxBwdParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   if (p.dropout_p > 0.f) {
     run_bwd_tc_impl<T, kD, true>(p, stream);
@@ -142,7 +142,7 @@ void run_bwd_tc(const BwdParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void run_fwd_simt(const FwdParams& p, cudaStream_t stream) {
+void run_fwd_simt(const SoftmaxParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention fwd");
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
   ATTN_LAUNCH(simt::fwd_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p);
@@ -150,7 +150,7 @@ void run_fwd_simt(const FwdParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void run_bwd_preprocess(const BwdParams& p, int dq_ld, cudaStream_t stream) {
+void run_bwd_preprocess(const SoftmaxBwdParams& p, int dq_ld, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
   ATTN_LAUNCH(simt::bwd_preprocess_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p, dq_ld);
@@ -158,14 +158,14 @@ void run_bwd_preprocess(const BwdParams& p, int dq_ld, cudaStream_t stream) {
 }
 
 template <typename T>
-void run_bwd_convert_dq(const BwdParams& p, int dq_ld, cudaStream_t stream) {
+void run_bwd_convert_dq(const SoftmaxBwdParams& p, int dq_ld, cudaStream_t stream) {
   dim3 grid((p.sq + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h, p.b);
   ATTN_LAUNCH(simt::bwd_convert_dq_kernel<T>, grid, 32 * simt::kRowsPerBlock, 0, stream)(p, dq_ld);
   check_launch("attention bwd dq convert");
 }
 
 template <typename T>
-void run_bwd_simt(const BwdParams& p, cudaStream_t stream) {
+void run_bwd_simt(const SoftmaxBwdParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention bwd");
   dim3 grid_k((p.sk + simt::kRowsPerBlock - 1) / simt::kRowsPerBlock, p.h_k, p.b);
   ATTN_LAUNCH(simt::bwd_dkdv_kernel<T>, grid_k, 32 * simt::kRowsPerBlock, 0, stream)(p);

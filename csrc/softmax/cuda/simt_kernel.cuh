@@ -16,6 +16,7 @@
 #include "softmax/cuda/kernel_common.cuh"
 #include "cuda/compensated.cuh"
 #include "cuda/convert.cuh"  // to_float, from_float
+#include "cuda/warp_row.cuh"  // kChunks, warp_sum, load_row, store_row, dot_row
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,51 +24,16 @@
 namespace attn {
 namespace simt {
 
-constexpr int kSimtMaxD = 256;
-constexpr int kChunks = kSimtMaxD / 32;
 constexpr int kRowsPerBlock = 4;  // warps per block, one row each
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-template <typename T>
-__device__ __forceinline__ void load_row(float* r, const T* src, int d, int lane) {
-#pragma unroll
-  for (int t = 0; t < kChunks; ++t) {
-    const int col = lane + 32 * t;
-    r[t] = col < d ? to_float(src[col]) : 0.f;
-  }
-}
-template <typename T>
-__device__ __forceinline__ void store_row(T* dst, const float* r, int d, int lane) {
-#pragma unroll
-  for (int t = 0; t < kChunks; ++t) {
-    const int col = lane + 32 * t;
-    if (col < d) dst[col] = from_float<T>(r[t]);
-  }
-}
-template <typename T>
-__device__ __forceinline__ float dot_row(const float* r, const T* src, int d, int lane) {
-  float acc = 0.f;
-#pragma unroll
-  for (int t = 0; t < kChunks; ++t) {
-    const int col = lane + 32 * t;
-    if (col < d) acc += r[t] * to_float(src[col]);
-  }
-  return warp_sum(acc);
-}
-
-__device__ __forceinline__ float dropout_factor(const FwdParams& p, int bh, int i, int j) {
+__device__ __forceinline__ float dropout_factor(const SoftmaxParams& p, int bh, int i, int j) {
   if (!(p.dropout_p > 0.f)) return 1.f;
   return dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p) ? 1.f / (1.f - p.dropout_p) : 0.f;
 }
 
 // grid (ceil(Sq / 4), H, B), 128 threads: warp w of block x computes query row 4x + w.
 template <typename T>
-__global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const SoftmaxParams p) {
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   const int h = blockIdx.y, b = blockIdx.z;
@@ -153,7 +119,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) fwd_kernel(const FwdParams
 // the tensor-core dK / dV kernel keeps it from the keys hidden from that row (nonfinite.cuh,
 // poisoned rows).
 template <typename T>
-__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(const BwdParams p,
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(const SoftmaxBwdParams p,
                                                                             int dq_ld) {
   __shared__ float sink_part[kRowsPerBlock];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -203,7 +169,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_preprocess_kernel(cons
 
 // dq (dtype, strided) = dq_accum (float32 scratch rows of dq_ld).
 template <typename T>
-__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_convert_dq_kernel(const BwdParams p,
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_convert_dq_kernel(const SoftmaxBwdParams p,
                                                                             int dq_ld) {
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
@@ -218,7 +184,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_convert_dq_kernel(cons
 // dK, dV: warp per key row j of kv head hk, summing over the query heads of its group.
 // grid (ceil(Sk / 4), H_k, B).
 template <typename T>
-__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const SoftmaxBwdParams p) {
   const int lane = threadIdx.x & 31;
   const int j = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -312,7 +278,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dkdv_kernel(const BwdP
 
 // dQ (and the bias gradient): warp per query row. grid (ceil(Sq / 4), H, B).
 template <typename T>
-__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(32 * kRowsPerBlock) bwd_dq_kernel(const SoftmaxBwdParams p) {
   const int lane = threadIdx.x & 31;
   const int i = blockIdx.x * kRowsPerBlock + (threadIdx.x >> 5);
   const int h = blockIdx.y, b = blockIdx.z;

@@ -30,7 +30,7 @@ struct FwdTraits<256> {
   static constexpr int kBlockM = 64, kBlockN = 32, kNWarps = 4;   // O alone is 128 regs
 };
 
-// sm_90a wgmma forward (fwd_hopper_kernel.cuh), buckets 64 and 128 only (256 stays on mma.sync):
+// sm_90a wgmma forward (sm90/fwd_kernel.cuh), buckets 64 and 128 only (256 stays on mma.sync):
 // one producer warpgroup + kConsumerWGs consumer warpgroups of 64 query rows each (kBlockM =
 // 64 * kConsumerWGs), kBlockN keys per step, K and V tiles each kStages deep. setmaxnreg moves
 // registers from the producer (kProducerRegs: cp.async addressing only) to the consumers
@@ -53,7 +53,7 @@ struct FwdHopperTraits<128> {
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 
-// sm_90a wgmma backward (bwd_hopper_kernel.cuh), buckets 64 and 128: one CTA per (128 keys, kv
+// sm_90a wgmma backward (sm90/bwd_kernel.cuh), buckets 64 and 128: one CTA per (128 keys, kv
 // head, batch), one producer warpgroup + 2 consumer warpgroups of 64 keys each (fixed: the dQ
 // split assumes two), query blocks of kBlockM rows streamed through a kStages-deep ring of Q, dO,
 // LSE and dot(dO, O). kBlockM is chosen so that dQ = dS K of a block, (kBlockM, kD), is two
@@ -95,8 +95,8 @@ template <>
 struct BwdTraits<256> {
   static constexpr int kBlockM = 32, kBlockN = 64, kNWarps = 4, kDAcc = 128;
 };
-// sm_90 has 227 KB of shared memory per block: D = 256 takes twice the keys per CTA there
-// (measured 129-140 vs 107-116 TFLOP/s on an H100, bf16, S = 1k/4k).
+// sm_90 has 227 KB of shared memory per block: D = 256 takes twice the keys per CTA there,
+// which measured faster (benchmarks/results/2026-11-29-figures-from-comments.md).
 template <int kD>
 struct BwdTraitsSm90 : BwdTraits<kD> {};
 template <>

@@ -7,7 +7,7 @@
 
 #include <utility>
 
-#include "common/params.h"
+#include "common/softmax_params.h"
 #include "common/policy.h"
 #include "softmax/cuda/entry.h"  // cuda_kernels(): the selected candidate
 #include "softmax/cuda/traits.h"
@@ -54,7 +54,7 @@ template <int kD> struct FwdAlt<kD, 7> : FwdCfg<FwdTraits<kD>, tc::FwdReverseM<F
 constexpr int kNumFwdAlts = 7;
 
 template <typename T, int kD, bool kGeneral, int kV>
-bool run_fwd_alt1(const FwdParams& p, cudaStream_t stream) {
+bool run_fwd_alt1(const SoftmaxParams& p, cudaStream_t stream) {
   using Alt = FwdAlt<kD, kV>;
   if constexpr (kGeneral || kV == 0 || Alt::kSame) {  // the general (bias, dropout ...) kernel is not tuned
     return false;
@@ -64,7 +64,7 @@ bool run_fwd_alt1(const FwdParams& p, cudaStream_t stream) {
   }
 }
 template <typename T, int kD, bool kGeneral, int... kVs>
-bool run_fwd_alt(int v, const FwdParams& p, cudaStream_t stream, std::integer_sequence<int, kVs...>) {
+bool run_fwd_alt(int v, const SoftmaxParams& p, cudaStream_t stream, std::integer_sequence<int, kVs...>) {
   return ((v == kVs && run_fwd_alt1<T, kD, kGeneral, kVs>(p, stream)) || ...);
 }
 
@@ -105,7 +105,7 @@ constexpr int kNumBwdAlts = 12;
 // Run candidate kV if it applies (no dropout: the benchmarked path; kPlain candidates only for
 // plain scores, score_is_plain), else return false.
 template <typename T, int kD, bool kDropout, int kV>
-bool run_bwd_alt1(const BwdParams& p, cudaStream_t stream) {
+bool run_bwd_alt1(const SoftmaxBwdParams& p, cudaStream_t stream) {
   if constexpr (kDropout || kV == 0) {
     return false;
   } else {
@@ -116,7 +116,7 @@ bool run_bwd_alt1(const BwdParams& p, cudaStream_t stream) {
   }
 }
 template <typename T, int kD, bool kDropout, int... kVs>
-bool run_bwd_alt(int v, const BwdParams& p, cudaStream_t stream, std::integer_sequence<int, kVs...>) {
+bool run_bwd_alt(int v, const SoftmaxBwdParams& p, cudaStream_t stream, std::integer_sequence<int, kVs...>) {
   return ((v == kVs && run_bwd_alt1<T, kD, kDropout, kVs>(p, stream)) || ...);
 }
 

@@ -3,7 +3,7 @@
 //
 // One task = (batch, query head, block of kBlockM query rows), as the softmax forward's. It
 // computes each (rows, kBlockN) score tile with the forward's own packed GEMM and row code
-// (softmax/cpu/tile.h), so the logits are bit for bit the ones the fused kernels later compare
+// (cpu/online_softmax.h), so the logits are bit for bit the ones the fused kernels later compare
 // against the threshold. A task first computes every logit of its rows (kBlockM x Sk, one
 // block of rows at a time: never an Sq x Sk tensor), then selects per row in two vector passes
 // and one small nth_element (select() below). A min-heap streamed over the tiles cost about
@@ -21,7 +21,7 @@
 
 #include "cpu/isa.h"
 #include "cpu/pack.h"
-#include "softmax/cpu/tile.h"
+#include "cpu/online_softmax.h"
 #include "sparse/cpu/entry.h"
 
 namespace attn {
@@ -62,7 +62,7 @@ template <typename T>
 struct TopkWorker {
   static constexpr int L = kLanes<T>;
   using Key = decltype(rank_key(T(0), 0));
-  const FwdParamsT<T>& p;
+  const SoftmaxParamsT<T>& p;
   DType dt;
   const PackIndex& kidx;
   const T* kt;
@@ -75,7 +75,7 @@ struct TopkWorker {
   std::vector<T> gmax;     // group maxima of one row
   std::vector<Key> cand;   // candidates of one row
 
-  TopkWorker(const FwdParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, int nmb, int k, T* thr_,
+  TopkWorker(const SoftmaxParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, int nmb, int k, T* thr_,
              int32_t* jcut_)
       : p(p_), dt(dt_), kidx(ki), kt(kt_), n_mblocks(nmb), k_top(k), thr(thr_), jcut(jcut_),
         mem(carved_size<T>(sizes(ki.dp, p_.sk))), ldl(round_up(std::max(p_.sk, 1), kBlockN)),
@@ -159,7 +159,7 @@ struct TopkWorker {
       for (int r = 0; r < rows; ++r) {
         T* srow = s + r * ldl;
         ts.scores(srow, i0 + r, j0, full);
-        // logits: the plain path left x in the row (tile.h), as tile.h's topk() multiplies it
+        // logits: the plain path left x in the row (online_softmax.h), as its topk() multiplies it
         if (ts.plain) {
           const vec<T> sc = vbcast(pol.scale);
           for (int c = 0; c < kBlockN; c += L) vstore(srow + c, vload(srow + c) * sc);
@@ -173,7 +173,7 @@ struct TopkWorker {
 }  // namespace
 
 template <typename T>
-void topk_threshold(const FwdParamsT<T>& p, DType dt, int k_top, T* thr, int32_t* jcut) {
+void topk_threshold(const SoftmaxParamsT<T>& p, DType dt, int k_top, T* thr, int32_t* jcut) {
   const PackIndex kidx(p);
   const int n_mblocks = (p.sq + kBlockM - 1) / kBlockM;
   const int64_t n_tasks = int64_t(p.b) * p.h * n_mblocks;
@@ -184,8 +184,10 @@ void topk_threshold(const FwdParamsT<T>& p, DType dt, int k_top, T* thr, int32_t
   parallel_tasks(n_tasks, p.num_threads,
                  [&] { return TopkWorker<T>(p, dt, kidx, kt.data(), n_mblocks, k, thr, jcut); });
 }
-template void topk_threshold<float>(const FwdParamsT<float>&, DType, int, float*, int32_t*);
-template void topk_threshold<double>(const FwdParamsT<double>&, DType, int, double*, int32_t*);
+template void topk_threshold<float>(const SoftmaxParamsT<float>&, DType, int, float*, int32_t*);
+template void topk_threshold<double>(const SoftmaxParamsT<double>&, DType, int, double*, int32_t*);
+ATTN_CPU_REGISTER(topk_threshold_stub<float>, &topk_threshold<float>);
+ATTN_CPU_REGISTER(topk_threshold_stub<double>, &topk_threshold<double>);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

@@ -9,7 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/params.h"
+#include "common/softmax_params.h"
 
 namespace attn {
 
@@ -22,8 +22,8 @@ namespace attn {
 // bit (simt::dot_row, Policy::score), which is why top-k calls run on the SIMT kernels.
 // Scratch: cuda_topk_scratch_entries(p, k_top) (logit, key) pairs, as a float and an int32 array;
 // 0 = nothing to compute (k_top >= Sk: every row keeps every key), no launch.
-size_t cuda_topk_scratch_entries(const FwdParams& p, int k_top);
-void cuda_topk_threshold(const FwdParams& p, DType dt, int k_top, float* thr, int32_t* jcut, float* scratch_logit,
+size_t cuda_topk_scratch_entries(const SoftmaxParams& p, int k_top);
+void cuda_topk_threshold(const SoftmaxParams& p, DType dt, int k_top, float* thr, int32_t* jcut, float* scratch_logit,
                          int32_t* scratch_key, cudaStream_t stream);
 
 }  // namespace attn

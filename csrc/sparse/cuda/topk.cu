@@ -14,12 +14,12 @@ namespace attn {
 namespace {
 
 // k's buffer size: no row keeps more than Sk keys
-int topk_kcap(const FwdParams& p, int k_top) { return k_top < p.sk ? k_top : (p.sk > 0 ? p.sk : 1); }
+int topk_kcap(const SoftmaxParams& p, int k_top) { return k_top < p.sk ? k_top : (p.sk > 0 ? p.sk : 1); }
 
 // Blocks of the persistent grid: one warp per row, at most one wave of 16 blocks (2048 threads)
 // per SM and a scratch of about 2^24 pairs (128 MB), at least 64 warps (k ~ Sk only comes with
 // short rows).
-int64_t topk_blocks(const FwdParams& p, int k_top) {
+int64_t topk_blocks(const SoftmaxParams& p, int k_top) {
   const int64_t rows = int64_t(p.b) * p.h * p.sq;
   const int64_t per_warp = 3 * int64_t(topk_kcap(p, k_top));
   int64_t warps = (int64_t(1) << 24) / per_warp;
@@ -30,18 +30,18 @@ int64_t topk_blocks(const FwdParams& p, int k_top) {
   return (warps + topk::kWarps - 1) / topk::kWarps;
 }
 
-bool nothing_to_do(const FwdParams& p, int k_top) {
+bool nothing_to_do(const SoftmaxParams& p, int k_top) {
   return p.b == 0 || p.h == 0 || p.sq == 0 || p.sk == 0 || k_top >= p.sk;
 }
 
 }  // namespace
 
-size_t cuda_topk_scratch_entries(const FwdParams& p, int k_top) {
+size_t cuda_topk_scratch_entries(const SoftmaxParams& p, int k_top) {
   if (nothing_to_do(p, k_top)) return 0;
   return size_t(topk_blocks(p, k_top)) * topk::kWarps * 3 * topk_kcap(p, k_top);
 }
 
-void cuda_topk_threshold(const FwdParams& p, DType dt, int k_top, float* thr, int32_t* jcut, float* scratch_logit,
+void cuda_topk_threshold(const SoftmaxParams& p, DType dt, int k_top, float* thr, int32_t* jcut, float* scratch_logit,
                          int32_t* scratch_key, cudaStream_t stream) {
   NvtxRange range("attention_ext::sparse::cuda_topk_threshold");
   if (p.d < 1 || p.d > simt::kSimtMaxD) {

@@ -14,7 +14,10 @@
 
 #include <cstdint>
 
-#include "softmax/cuda/simt_kernel.cuh"  // load_row, dot_row: the SIMT kernels' q.k
+#include "common/policy.h"
+#include "common/softmax_params.h"
+#include "cuda/param_rows.cuh"  // q_ptr, k_ptr, lse_index
+#include "cuda/warp_row.cuh"    // load_row, dot_row: the SIMT kernels' q.k
 
 namespace attn {
 namespace topk {
@@ -57,7 +60,7 @@ __device__ __forceinline__ void prune(float* lg, int32_t* key, float* lg2, int32
 // Sq) rows (W = warps in the grid) and the scratch pairs [3 kcap w, 3 kcap (w + 1)).
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarps)
-    threshold_kernel(const FwdParams p, int k_top, int kcap, float* thr, int32_t* jcut, float* s_logit,
+    threshold_kernel(const SoftmaxParams p, int k_top, int kcap, float* thr, int32_t* jcut, float* s_logit,
                      int32_t* s_key) {
   using simt::kChunks;
   const int lane = threadIdx.x & 31;

@@ -3,6 +3,6 @@
 #include "softmax/cuda/launch_template.cuh"
 
 namespace attn {
-template void run_bwd_tc<__nv_bfloat16, 64>(const BwdParams&, cudaStream_t);
+template void run_bwd_tc<__nv_bfloat16, 64>(const SoftmaxBwdParams&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -3,6 +3,6 @@
 #include "softmax/cuda/launch_template.cuh"
 
 namespace attn {
-template void run_bwd_tc<__half, 128>(const BwdParams&, cudaStream_t);
+template void run_bwd_tc<__half, 128>(const SoftmaxBwdParams&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -3,6 +3,6 @@
 #include "softmax/cuda/sm90/launch_bwd.cuh"
 
 namespace attn {
-template void run_bwd_hopper<__nv_bfloat16, 128>(const BwdParams&, cudaStream_t);
+template void run_bwd_hopper<__nv_bfloat16, 128>(const SoftmaxBwdParams&, cudaStream_t);
 }  // namespace attn
 #endif

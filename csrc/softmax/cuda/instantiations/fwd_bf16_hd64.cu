@@ -3,7 +3,7 @@
 #include "softmax/cuda/launch_template.cuh"
 
 namespace attn {
-template void run_fwd_tc<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);
-template void run_fwd_tc_split<__nv_bfloat16, 64>(const FwdParams&, const FwdSplitScratch&, cudaStream_t);
+template void run_fwd_tc<__nv_bfloat16, 64>(const SoftmaxParams&, cudaStream_t);
+template void run_fwd_tc_split<__nv_bfloat16, 64>(const SoftmaxParams&, const FwdSplitScratch&, cudaStream_t);
 }  // namespace attn
 #endif

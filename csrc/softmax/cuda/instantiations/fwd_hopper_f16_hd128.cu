@@ -3,6 +3,6 @@
 #include "softmax/cuda/sm90/launch_fwd.cuh"
 
 namespace attn {
-template void run_fwd_hopper<__half, 128>(const FwdParams&, cudaStream_t);
+template void run_fwd_hopper<__half, 128>(const SoftmaxParams&, cudaStream_t);
 }  // namespace attn
 #endif

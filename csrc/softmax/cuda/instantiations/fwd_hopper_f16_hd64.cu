@@ -3,6 +3,6 @@
 #include "softmax/cuda/sm90/launch_fwd.cuh"
 
 namespace attn {
-template void run_fwd_hopper<__half, 64>(const FwdParams&, cudaStream_t);
+template void run_fwd_hopper<__half, 64>(const SoftmaxParams&, cudaStream_t);
 }  // namespace attn
 #endif

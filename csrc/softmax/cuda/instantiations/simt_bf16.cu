@@ -2,10 +2,10 @@
 #include "softmax/cuda/launch_template.cuh"
 
 namespace attn {
-template void run_fwd_simt<__nv_bfloat16>(const FwdParams&, cudaStream_t);
+template void run_fwd_simt<__nv_bfloat16>(const SoftmaxParams&, cudaStream_t);
 #if !defined(ATTN_CUDA_SKIP_BWD)
-template void run_bwd_simt<__nv_bfloat16>(const BwdParams&, cudaStream_t);
-template void run_bwd_preprocess<__nv_bfloat16>(const BwdParams&, int, cudaStream_t);
-template void run_bwd_convert_dq<__nv_bfloat16>(const BwdParams&, int, cudaStream_t);
+template void run_bwd_simt<__nv_bfloat16>(const SoftmaxBwdParams&, cudaStream_t);
+template void run_bwd_preprocess<__nv_bfloat16>(const SoftmaxBwdParams&, int, cudaStream_t);
+template void run_bwd_convert_dq<__nv_bfloat16>(const SoftmaxBwdParams&, int, cudaStream_t);
 #endif
 }  // namespace attn

@@ -2,10 +2,10 @@
 #include "softmax/cuda/launch_template.cuh"
 
 namespace attn {
-template void run_fwd_simt<float>(const FwdParams&, cudaStream_t);
+template void run_fwd_simt<float>(const SoftmaxParams&, cudaStream_t);
 #if !defined(ATTN_CUDA_SKIP_BWD)
-template void run_bwd_simt<float>(const BwdParams&, cudaStream_t);
-template void run_bwd_preprocess<float>(const BwdParams&, int, cudaStream_t);
-template void run_bwd_convert_dq<float>(const BwdParams&, int, cudaStream_t);
+template void run_bwd_simt<float>(const SoftmaxBwdParams&, cudaStream_t);
+template void run_bwd_preprocess<float>(const SoftmaxBwdParams&, int, cudaStream_t);
+template void run_bwd_convert_dq<float>(const SoftmaxBwdParams&, int, cudaStream_t);
 #endif
 }  // namespace attn

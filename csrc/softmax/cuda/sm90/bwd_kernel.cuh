@@ -40,7 +40,7 @@
 // the other warpgroup reaches only after its dQ wgmma of block it - 2 (the last reader of that
 // buffer) retired.
 //
-// Memory ordering as in fwd_hopper_kernel.cuh: the producer's cp.async writes are published with
+// Memory ordering as in sm90/fwd_kernel.cuh: the producer's cp.async writes are published with
 // cp.async.wait_group, fence.proxy.async and an mbarrier arrive (release); consumers release a
 // slot after wgmma.wait_group retired its last reader. The dS^T stores (generic proxy) are read by
 // wgmma (async proxy): every storing thread executes fence.proxy.async before the named barrier.
@@ -139,7 +139,7 @@ __device__ __forceinline__ int opaque(int x) {
 // sequence end are zero-filled; their LSE / dot read 0, which only tiles that the consumers
 // check per element see (tile_full is false past len_q).
 template <typename T, int kD>
-__device__ __forceinline__ void produce_bwd(const BwdParams& p, const SeqInfo& si, int b, int hk,
+__device__ __forceinline__ void produce_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, int b, int hk,
                                             int n0, int rows_k, int m_lo, int m_hi, uint32_t base,
                                             int ptid) {
   using P = BwdPlan<kD>;
@@ -290,7 +290,7 @@ __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4
 // and c ^ 1 swap halves so that each lane owns 4 consecutive columns of one row (even c: row g,
 // odd c: row g + 8), one 16-byte reduction per n-tile instead of four 4-byte ones.
 template <int kD>
-__device__ __forceinline__ void add_dq(const BwdParams& p, const SeqInfo& si, int b, int h,
+__device__ __forceinline__ void add_dq(const SoftmaxBwdParams& p, const SeqInfo& si, int b, int h,
                                        const float (&acc)[32], int i0, int col0, int lane) {
   const int g = lane >> 2, c = lane & 3;
   const bool even = (c & 1) == 0;
@@ -313,7 +313,7 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const SeqInfo& si, in
 
 // Consumer warpgroup cw (0 or 1) of 128 threads (ctid = 0..127): keys [n0 + 64 cw, n0 + 64 cw + 64).
 template <typename T, int kD>
-__device__ __forceinline__ void consume_bwd(const BwdParams& p, const SeqInfo& si, const Policy& pol,
+__device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, const Policy& pol,
                                             int b, int hk, int n0, int m_lo, int m_hi,
                                             uint32_t base, int cw, int ctid) {
   using P = BwdPlan<kD>;
@@ -481,7 +481,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const SeqInfo& s
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
-    bwd_kernel(const __grid_constant__ BwdParams p) {
+    bwd_kernel(const __grid_constant__ SoftmaxBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using P = BwdPlan<kD>;
   extern __shared__ __align__(1024) unsigned char smem[];

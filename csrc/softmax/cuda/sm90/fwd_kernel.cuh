@@ -152,7 +152,7 @@ __device__ __forceinline__ void produce_tile(uint32_t smem, const T* gmem, int64
 
 // Producer warpgroup: all 128 threads issue cp.async (ptid = 0..127).
 template <typename T, int kD>
-__device__ __forceinline__ void produce(const FwdParams& p, const SeqInfo& si, int b, int h,
+__device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& si, int b, int h,
                                         int m0, int rows_q, int n_lo, int n_hi, uint32_t base,
                                         int ptid) {
   using P = FwdPlan<kD>;
@@ -285,10 +285,10 @@ __device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
 // [m0 + 64 cw, m0 + 64 cw + 64) of the block.
 // Per key block S -> softmax -> P V, each product waited for at once; the two consumer
 // warpgroups overlap each other. (An intra-warpgroup variant that issued S of block n with P V of
-// block n + 1 measured slower on the H100 at every shape but one and was deleted: see
+// block n + 1 measured slower at every shape but one and was deleted: see
 // benchmarks/results/2026-11-24-h100.md.)
 template <typename T, int kD>
-__device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, const Policy& pol,
+__device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& si, const Policy& pol,
                                         int b, int h, int m0, int rows_q, int n_lo, int n_hi,
                                         uint32_t base, int cw, int ctid) {
   using P = FwdPlan<kD>;
@@ -378,7 +378,7 @@ __device__ __forceinline__ void consume(const FwdParams& p, const SeqInfo& si, c
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdParams p) {
+    fwd_kernel(const __grid_constant__ SoftmaxParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using P = FwdPlan<kD>;
   extern __shared__ __align__(1024) unsigned char smem[];

@@ -13,7 +13,7 @@ namespace attn {
 // After run_bwd_preprocess (softmax_d, dq_accum zeroed with kD floats per row): the dK/dV/dQ
 // kernel, then the conversion of dq_accum into dq.
 template <typename T, int kD>
-void run_bwd_hopper(const BwdParams& p, cudaStream_t stream) {
+void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   using P = hopper::BwdPlan<kD>;
   check_grid(p.h_k, p.b, "attention bwd (wgmma)");
   // the kernel evaluates the plain policy and adds dQ atomically; use_hopper_bwd() never sends

@@ -11,7 +11,7 @@
 namespace attn {
 
 template <typename T, int kD>
-void run_fwd_hopper(const FwdParams& p, cudaStream_t stream) {
+void run_fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   using P = hopper::FwdPlan<kD>;
   check_grid(p.h, p.b, "attention fwd (wgmma)");
   // the kernel evaluates the plain policy only; use_hopper_fwd() never sends these here

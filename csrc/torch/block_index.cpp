@@ -1,5 +1,5 @@
-// Definitions of sparse_index.h.
-#include "torch/sparse_index.h"
+// Definitions of block_index.h.
+#include "torch/block_index.h"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>

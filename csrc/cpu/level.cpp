@@ -1,19 +1,16 @@
-// This ISA level's entry-point table (cpu/kernels.h), compiled once per level with
-// -DATTN_CPU_ISA=<level> like the kernels themselves (cpu/isa.h).
-#include "cpu/kernels.h"
+// One ISA level's description (its name, the CPU features its code needs, its vector width),
+// compiled once per level with -DATTN_CPU_ISA=<level> like the kernels (cpu/isa.h), and
+// registered for the dispatcher (cpu/dispatch.h). It knows no family: each family registers its
+// own kernels.
+#include <cstdint>
 
+#include "cpu/dispatch.h"
 #include "cpu/isa.h"
-#include "decode/cpu/entry.h"
-#include "linear/cpu/entry.h"
-#include "peak/cpu/entry.h"
-#include "softmax/cpu/entry.h"
-#include "sparse/cpu/entry.h"
+#include "cpu/simd.h"  // kLanes
 
 #if !defined(ATTN_CPU_ISA)
-#error "cpu/kernels.cpp is compiled once per ISA level, with -DATTN_CPU_ISA=<level> (setup.py)"
+#error "cpu/level.cpp is compiled once per ISA level, with -DATTN_CPU_ISA=<level> (setup.py)"
 #endif
-#define ATTN_STR2(x) #x
-#define ATTN_STR(x) ATTN_STR2(x)
 
 namespace attn {
 namespace cpu {
@@ -96,18 +93,13 @@ constexpr uint32_t compiled_features() {
   return f;
 }
 
-template <typename T>
-constexpr KernelsT<T> table() {
-  return {&fwd<T>,        &bwd<T>,        &topk_threshold<T>, &linear_fwd<T>,
-          &linear_bwd<T>, &linear_step<T>, &decode_fwd<T>,    &decode_num_splits<T>};
-}
-
 }  // namespace
 
-// cpu/dispatch.cpp declares it as attn::cpu::<level>::kernels
-extern const Kernels kernels;
-const Kernels kernels = {ATTN_STR(ATTN_CPU_ISA), compiled_features(), table<float>(), table<double>(), &simd_width,
-                         &dropout_mask, &peak_loop};
+// cpu/dispatch.cpp lists the levels built from these registrations
+static const LevelInfo kThisLevel = {ATTN_CPU_STR(ATTN_CPU_ISA), compiled_features(), kLanes<float>};
+constexpr int kThisSlot = ATTN_CPU_LEVEL;
+static_assert(kThisSlot >= 0, "ATTN_CPU_ISA names no level of kLevelNames");
+[[maybe_unused]] static const bool kRegistered = (built_levels[kThisSlot] = &kThisLevel, true);
 
 ATTN_CPU_ISA_END
 }  // namespace cpu

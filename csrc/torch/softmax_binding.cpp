@@ -1,29 +1,15 @@
-// Definitions of softmax_params.h: input checks, output allocation, tensors -> params. Compiled
-// into attention_ext._C and into the CPU emulator's module (tests/cuda_emu).
+// Definitions of softmax_binding.h: input checks, output allocation, tensors -> params. Compiled
+// into attention_ext._C and into the CPU emulator's module.
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <string>
 
-#include "torch/softmax_params.h"
+#include "torch/softmax_binding.h"
 #include "torch/tensor_rules.h"
 
 namespace attn {
 namespace api {
-
-DType dtype_of(const Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kF32;
-    case at::kHalf: return DType::kF16;
-    case at::kBFloat16: return DType::kBF16;
-    case at::kDouble: return DType::kF64;
-    default:
-      TORCH_CHECK_TYPE(false, "attention_ext: q, k, v must be float32, float16, bfloat16 or float64, got ",
-                       t.scalar_type());
-  }
-}
-
-at::ScalarType acc_dtype(const Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 static void check_index_tensor(const OptTensor& t, const char* name, int64_t numel, const Tensor& q) {
   if (!t.has_value()) return;
@@ -166,14 +152,6 @@ void check_num_splits(int64_t num_splits) {
   TORCH_CHECK_VALUE(num_splits >= 0, "attention_ext: num_splits must be >= 0 (0 = heuristic), got ", num_splits);
 }
 
-Tensor empty_like_layout(const Tensor& like) {
-  const auto opts = like.options();
-  if (like.stride(1) < like.stride(2)) {  // heads inside rows: keep (B, S, H, D) storage
-    return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, opts).transpose(1, 2);
-  }
-  return at::empty(like.sizes(), opts);
-}
-
 std::tuple<Tensor, Tensor> alloc_fwd_outputs(const Tensor& q, const Options& o, bool poison) {
   Tensor out = empty_like_layout(q);
   Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc_dtype(q)));
@@ -194,9 +172,9 @@ static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) 
 }
 
 template <typename Acc>
-FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+SoftmaxParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                 const Tensor& lse, const Options& o) {
-  FwdParamsT<Acc> p{};
+  SoftmaxParamsT<Acc> p{};
   const bool varlen = o.cu_seqlens_q.has_value();
   p.b = int32_t(varlen ? o.cu_seqlens_q->numel() - 1 : q.size(0));
   p.h = int32_t(q.size(1));
@@ -254,7 +232,7 @@ FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& 
     const int64_t nbh = int64_t(p.b) * p.h;
     p.dropout_coords = DropoutCoords{c, c + nbh, c + nbh + p.sq, p.sq, p.sk};
   }
-  if (o.block_layout.has_value()) {  // the tile indices are the binding's (sparse_index.h)
+  if (o.block_layout.has_value()) {  // the tile indices are the binding's (block_index.h)
     const Tensor& l = *o.block_layout;
     p.sparse.layout = reinterpret_cast<const uint8_t*>(l.data_ptr<bool>());
     p.sparse.heads = int32_t(l.size(0));
@@ -269,9 +247,9 @@ FwdParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& 
   p.num_threads = 0;
   return p;
 }
-template FwdParamsT<float> make_fwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+template SoftmaxParamsT<float> make_fwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                   const Tensor&, const Options&);
-template FwdParamsT<double> make_fwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+template SoftmaxParamsT<double> make_fwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                     const Tensor&, const Options&);
 
 Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o, bool bias_grad,
@@ -308,24 +286,24 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
 void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
                       const OptTensor& dlse) {
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-                    "attention_ext.bwd: dout and out must have q's shape ", q.sizes());
+                    "attention_ext.softmax_bwd: dout and out must have q's shape ", q.sizes());
   TORCH_CHECK_VALUE(unit_stride_last(dout) && unit_stride_last(out),
-                    "attention_ext.bwd: dout and out need a contiguous head dim");
+                    "attention_ext.softmax_bwd: dout and out need a contiguous head dim");
   for (const Tensor* t : {&lse, dlse.has_value() ? &*dlse : &lse}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2) &&
                           t->scalar_type() == acc_dtype(q) && t->is_contiguous(),
-                      "attention_ext.bwd: lse and dlse must be contiguous ", acc_dtype(q), " (B, H, Sq) tensors");
+                      "attention_ext.softmax_bwd: lse and dlse must be contiguous ", acc_dtype(q), " (B, H, Sq) tensors");
   }
   for (const Tensor* t : {&dout, &out, &lse, dlse.has_value() ? &*dlse : &lse})
-    TORCH_CHECK(t->device() == q.device(), "attention_ext.bwd: dout, out, lse and dlse must be on ", q.device());
+    TORCH_CHECK(t->device() == q.device(), "attention_ext.softmax_bwd: dout, out, lse and dlse must be on ", q.device());
 }
 
 template <typename Acc>
-BwdParamsT<Acc> make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+SoftmaxBwdParamsT<Acc> make_bwd_params(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& out, const Tensor& lse, const OptTensor& dlse, const Options& o,
                                 Grads& g, bool deterministic) {
-  BwdParamsT<Acc> p{};
-  static_cast<FwdParamsT<Acc>&>(p) = make_fwd_params<Acc>(q, k, v, out, lse, o);
+  SoftmaxBwdParamsT<Acc> p{};
+  static_cast<SoftmaxParamsT<Acc>&>(p) = make_fwd_params<Acc>(q, k, v, out, lse, o);
   p.dlse = dlse.has_value() ? dlse->data_ptr<Acc>() : nullptr;
   p.dout = dout.data_ptr();
   set_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
@@ -345,10 +323,10 @@ BwdParamsT<Acc> make_bwd_params(const Tensor& dout, const Tensor& q, const Tenso
   p.deterministic = deterministic;
   return p;
 }
-template BwdParamsT<float> make_bwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+template SoftmaxBwdParamsT<float> make_bwd_params<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                   const Tensor&, const Tensor&, const OptTensor&, const Options&,
                                                   Grads&, bool);
-template BwdParamsT<double> make_bwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+template SoftmaxBwdParamsT<double> make_bwd_params<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                     const Tensor&, const Tensor&, const OptTensor&, const Options&,
                                                     Grads&, bool);
 

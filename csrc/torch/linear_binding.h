@@ -16,32 +16,37 @@
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "common/linear_params.h"
 
-#define ATTN_LINEAR_OPTIONS_SCHEMA                                                              \
-  "Tensor? decay, Tensor? initial_state, Tensor? key_mask, Tensor? cu_seqlens, int max_seqlen, " \
-  "int feature_map, bool causal, bool normalize, float eps, float scale"
-#define ATTN_LINEAR_OPTIONS_PARAMS                                                                   \
-  const std::optional<at::Tensor>&decay, const std::optional<at::Tensor>&initial_state,              \
-      const std::optional<at::Tensor>&key_mask, const std::optional<at::Tensor>&cu_seqlens,          \
-      int64_t max_seqlen, int64_t feature_map, bool causal, bool normalize, double eps, double scale
-#define ATTN_LINEAR_OPTIONS_ARGS \
-  decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize, eps, scale
+// The linear ops' options after their tensors, in schema order: the one list. X(schema type, C++
+// parameter type, name); the schema text, the C++ parameters and arguments of every binding, and
+// LinearOptions are generated from it (as softmax_binding.h's ATTN_SOFTMAX_OPTIONS).
+#define ATTN_LINEAR_OPTIONS(X)                                                                       \
+  X("Tensor?", const std::optional<at::Tensor>&, decay)                                              \
+  X("Tensor?", const std::optional<at::Tensor>&, initial_state)                                      \
+  X("Tensor?", const std::optional<at::Tensor>&, key_mask)                                           \
+  X("Tensor?", const std::optional<at::Tensor>&, cu_seqlens) X("int", int64_t, max_seqlen)           \
+  X("int", int64_t, feature_map) X("bool", bool, causal) X("bool", bool, normalize)                  \
+  X("float", double, eps) X("float", double, scale)
+
+// Each with a leading comma, to follow a binding's tensors (see ATTN_SOFTMAX_OPTIONS_SCHEMA).
+#define ATTN_LINEAR_OPTION_SCHEMA_(s, t, n) ", " s " " #n
+#define ATTN_LINEAR_OPTION_PARAM_(s, t, n) , t n
+#define ATTN_LINEAR_OPTION_ARG_(s, t, n) n,
+#define ATTN_LINEAR_OPTION_FIELD_(s, t, n) std::decay_t<t> n;
+#define ATTN_LINEAR_OPTIONS_SCHEMA ATTN_LINEAR_OPTIONS(ATTN_LINEAR_OPTION_SCHEMA_)
+#define ATTN_LINEAR_OPTIONS_PARAMS ATTN_LINEAR_OPTIONS(ATTN_LINEAR_OPTION_PARAM_)
+// The LinearOptions of a kernel that took ATTN_LINEAR_OPTIONS_PARAMS.
+#define ATTN_LINEAR_MAKE_OPTIONS() ::attn::api::LinearOptions{ATTN_LINEAR_OPTIONS(ATTN_LINEAR_OPTION_ARG_)}
 
 namespace attn {
 namespace api {
 
 struct LinearOptions {
-  std::optional<at::Tensor> decay, initial_state, key_mask, cu_seqlens;
-  int64_t max_seqlen, feature_map;
-  bool causal, normalize;
-  double eps, scale;
+  ATTN_LINEAR_OPTIONS(ATTN_LINEAR_OPTION_FIELD_)
 };
-
-inline LinearOptions make_linear_options(ATTN_LINEAR_OPTIONS_PARAMS) {
-  return LinearOptions{ATTN_LINEAR_OPTIONS_ARGS};
-}
 
 // Checks q / k / v and the options; throws c10::Error naming the bad argument.
 void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o);

@@ -1,5 +1,6 @@
-// Kernel parameters: the family-neutral QkvParams and the fused softmax attention's params,
-// shared by the CPU and CUDA backends.
+// The fused softmax attention's params (SoftmaxParamsT, SoftmaxBwdParamsT), shared by the CPU and
+// CUDA backends and by the families that compute a softmax over scores: sparse (block layouts,
+// top-k) and decode (DecodeParamsT extends SoftmaxParamsT with the cache).
 //
 // Plain old data: raw pointers, strides in elements, sizes. No ATen or CUDA types, so both
 // backends and plain C++ tests can fill and read it (the role of FA2's flash.h).
@@ -13,35 +14,15 @@
 
 #include "block_sparse.h"
 #include "philox.h"
+#include "qkv_params.h"
 
 namespace attn {
-
-// Element type of q, k, v, out (and of dout, dq, dk, dv). float64 runs on the CPU only.
-enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
 
 // How the optional `bias` tensor is read.
 enum class BiasKind : int32_t {
   kNone = 0,
-  kAdditive = 1,  // Acc (see FwdParamsT), added to the score
+  kAdditive = 1,  // Acc (see SoftmaxParamsT), added to the score
   kBool = 2,      // uint8 (torch.bool): nonzero = attend, zero = masked
-};
-
-// The part of every family's params that names the problem: sizes and the q, k, v, out tensors,
-// (B, H, S, D) through each family's strides. Linear, sparse and decode params start with it too.
-struct QkvParams {
-  // ---------------------------------------------------------------- sizes
-  int32_t b;      // batch (varlen: number of sequences)
-  int32_t h;      // query heads
-  int32_t h_k;    // key/value heads; h % h_k == 0 (MQA: h_k = 1, GQA: 1 < h_k < h)
-  int32_t sq;     // query length (varlen: the longest sequence)
-  int32_t sk;     // key length (varlen: the longest sequence)
-  int32_t d;      // head dim
-
-  // ---------------------------------------------------------------- tensors (B, H, S, D)
-  const void* q;
-  const void* k;
-  const void* v;
-  void* o;
 };
 
 // The fused softmax attention's params. Its members follow QkvParams' in the same order as one
@@ -51,7 +32,7 @@ struct QkvParams {
 // float for fp32 / fp16 / bf16 inputs (both backends) and double for float64 inputs (CPU
 // only), so a float64 call is float64 end to end and gradcheck can test it.
 template <typename Acc>
-struct FwdParamsT : QkvParams {
+struct SoftmaxParamsT : QkvParams {
   // (B, H, Sq) Acc, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
   // is lse[b * lse_batch_stride + h * lse_head_stride + row_q + i] (SeqInfo::row_q).
   // softmax_d in the backward shares this layout.
@@ -106,7 +87,7 @@ struct FwdParamsT : QkvParams {
 };
 
 template <typename Acc>
-struct BwdParamsT : FwdParamsT<Acc> {
+struct SoftmaxBwdParamsT : SoftmaxParamsT<Acc> {
   const void* dout;
   int64_t do_batch_stride, do_head_stride, do_row_stride;
   void* dq;
@@ -131,7 +112,7 @@ struct BwdParamsT : FwdParamsT<Acc> {
   bool deterministic;
 };
 
-using FwdParams = FwdParamsT<float>;
-using BwdParams = BwdParamsT<float>;
+using SoftmaxParams = SoftmaxParamsT<float>;
+using SoftmaxBwdParams = SoftmaxBwdParamsT<float>;
 
 }  // namespace attn

@@ -1,5 +1,5 @@
-// The decode op's checks and params (decode_params.h).
-#include "torch/decode_params.h"
+// The decode op's checks and params (decode_binding.h).
+#include "torch/decode_binding.h"
 #include "torch/tensor_rules.h"
 
 #include <ATen/ATen.h>
@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#include "torch/softmax_params.h"  // dtype_of, acc_dtype, empty_like_layout, make_fwd_params
+#include "torch/softmax_binding.h"  // the score policy decode shares: Options, make_fwd_params
 
 namespace attn {
 namespace api {
@@ -153,7 +153,7 @@ DecodeParamsT<Acc> make_decode_params(const DecodeArgs& a, const Tensor& out, co
   o.window_right = a.window_right;
   o.bottom_right = true;
   DecodeParamsT<Acc> p{};
-  static_cast<FwdParamsT<Acc>&>(p) = make_fwd_params<Acc>(a.q, a.k, a.v, out, lse, o);
+  static_cast<SoftmaxParamsT<Acc>&>(p) = make_fwd_params<Acc>(a.q, a.k, a.v, out, lse, o);
   p.num_splits = int32_t(a.num_splits);
   if (a.block_table.has_value()) {
     const Tensor& bt = *a.block_table;

@@ -1,5 +1,5 @@
-// Definitions of linear_params.h: input checks, output allocation, tensors -> params.
-#include "torch/linear_params.h"
+// Definitions of linear_binding.h: input checks, output allocation, tensors -> params.
+#include "torch/linear_binding.h"
 
 #include "torch/alloc.h"
 #include "torch/tensor_rules.h"

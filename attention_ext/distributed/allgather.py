@@ -1,0 +1,141 @@
+"""Context-parallel attention, mode="allgather": K and V, stacked, travel in ONE all-gather (only
+the H_k KV heads with GQA); its backward is one reduce-scatter that sums dK / dV back to the
+owning ranks. The local queries then run the fused kernel (attention_ext.attention) against the
+gathered keys, with every position rule (causal, window, ALiBi) on GLOBAL token indices, by one
+of three paths:
+
+Padding (seq_len < S): the keys past seq_len (the gathered sequence's tail) are cut off and only
+the shard's real rows (a prefix: real_rows) are computed, so no padded position is ever read,
+whatever it holds (NaN included); the padded rows' out and lse are 0. A rank with no real row
+still makes its calls, on 0 rows, so its backward joins the group's reduce-scatter.
+
+1. no position rule (non-causal, no window, no ALiBi, no padding): one call, all keys, no mask.
+2. causal, and the shard is at most 2 contiguous runs of positions (contiguous: 1, zigzag: 2):
+   one call per run [a, a + c) against keys [k0, a + c) with bottom_right=True, k0 = max(0, a -
+   window_left) (0 for an unbounded window). bottom-right puts the diagonal at Sk - Sq = a - k0,
+   i.e. local query i, local key j' compare as global a + i against k0 + j': the causal window
+   and ALiBi's |i + diag - j| are exactly the global ones, with no mask and no wasted keys.
+3. otherwise (stripe with positions, non-causal window or ALiBi, padding of a non-causal
+   sequence): an explicit mask over (local queries, all keys) built from global positions: bool
+   for causal / window / padding, a float additive bias (-slope * |i - j|, -inf where masked)
+   with ALiBi. It costs an (n, S) mask (times H with ALiBi) per call.
+Dropout (every path): each call's dropout_coords name its queries' and keys' global positions,
+so the mask is the single process's for the shared seed (sharding.dropout_seed).
+
+The options (causal, window_size, ...) and their checks: options.py; the front door that picks
+this mode: attention.py.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..softmax import ops as _ops
+from ..softmax.functional import attention as _attention
+from .options import AttentionOptions
+from .sharding import all_gather_sequence, dropout_coords, dropout_seed, global_positions, real_rows
+
+__all__ = ["attend"]
+
+
+def _runs(s: int, rank: int, world: int, shard_layout: str) -> Optional[List[Tuple[int, int, int]]]:
+    """The shard's maximal runs of consecutive global positions, [(local start, global start,
+    length)], from the shard_layout's arithmetic (plain ints: no tensor, so torch.compile traces no
+    data-dependent branch); None for a stripe shard of more than 2 runs (path 3 serves it)."""
+    n = s // world
+    if shard_layout == "contiguous":
+        runs = [(0, rank * n, n)]
+    elif shard_layout == "zigzag":
+        c = n // 2
+        runs = [(0, rank * c, c), (c, (2 * world - 1 - rank) * c, c)]
+    elif world == 1:
+        runs = [(0, 0, n)]
+    elif n <= 2:
+        runs = [(i, rank + i * world, 1) for i in range(n)]
+    else:
+        return None
+    merged = [runs[0]]
+    for i0, a, c in runs[1:]:  # zigzag on one rank: chunks 0 and 1 are one run
+        j0, b, d = merged[-1]
+        merged[-1:] = [(j0, b, d + c)] if b + d == a else [(j0, b, d), (i0, a, c)]
+    return merged
+
+
+def _position_mask(pq: Tensor, s: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
+                   dtype: torch.dtype) -> Tensor:
+    """Path 3's attn_mask for queries at global positions pq (n,) against keys [0, s) (s: the real
+    length; padded keys are cut off before): bool (n, s) (True = attend), or with ALiBi a float
+    (1 or B, H, n, s) bias with -inf where masked."""
+    pk = torch.arange(s, device=pq.device)
+    rel = pk.view(1, -1) - pq.view(-1, 1)  # (n, s): key - query
+    ok = torch.ones(pq.numel(), s, dtype=torch.bool, device=pq.device)
+    if wr >= 0:
+        ok = ok & (rel <= wr)
+    if wl >= 0:
+        ok = ok & (rel >= -wl)
+    if alibi_slopes is None:
+        return ok
+    sl = alibi_slopes.to(dtype)
+    sl = sl.view(1, -1, 1, 1) if sl.dim() == 1 else sl.view(sl.shape[0], sl.shape[1], 1, 1)
+    bias = -sl * rel.abs().to(dtype)  # (1 or B, H, n, s)
+    return bias.masked_fill(~ok, float("-inf"))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGroup],
+           shard_layout: str) -> Tuple[Tensor, Tensor]:
+    """mode="allgather" on this rank's shards (any layout): (out (B, H, n, D), lse (B, H, n)).
+    The entry point (attention.context_parallel_attention) turns them into its result."""
+    q, k, v = opts.shards(q, k, v)
+    rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
+    n = q.shape[2]
+    wl, wr = opts.window
+    causal, alibi_slopes, dropout_p = opts.causal, opts.alibi_slopes, opts.dropout_p
+
+    # one collective: K and V stacked, (2, B, H_k, n, D) -> (2, B, H_k, S, D) in global order
+    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, shard_layout=shard_layout)
+    kf, vf = kv[0], kv[1]
+    pos = global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout)
+    common = dict(scale=opts.scale, softcap=opts.softcap, sinks=opts.sinks, return_lse=True)
+    seed = dropout_seed(dropout_p, opts.seed, group, q.device)
+    b, h = q.shape[:2]
+
+    def drop(rows: Tensor, cols: Tensor) -> dict:  # dropout at global (query, key) positions; keys are in global order
+        if seed is None:
+            return {}
+        return dict(dropout_p=dropout_p, seed=seed,
+                    dropout_coords=dropout_coords(b, h, rows, cols, h_total=h, device=q.device))
+
+    runs = _runs(s, rank, world, shard_layout)
+    positional = causal or wl >= 0 or wr >= 0 or alibi_slopes is not None or seq_len < s
+    nr = real_rows(seq_len, s, rank=rank, world_size=world, shard_layout=shard_layout) if seq_len < s else n
+    if seq_len < s:  # padding: no padded key or query row is read (the module docstring)
+        kf, vf = kf[:, :, :seq_len], vf[:, :, :seq_len]
+    if not positional:  # path 1
+        out, lse = _attention(q, kf, vf, **common, **drop(pos, torch.arange(s)))
+    elif causal and runs is not None and len(runs) <= 2:  # path 2: the bottom-right diagonal trick per run
+        outs, lses = [], []
+        for i0, a, c in runs:
+            c = max(0, min(c, seq_len - a))  # the run's real rows (padding: a suffix of the shard)
+            if c == 0 and outs:
+                continue
+            k0 = max(0, a - wl) if wl >= 0 else 0
+            k1 = a + c if c else 0  # a wholly padded shard: 0 rows against 0 keys
+            k0 = min(k0, k1)
+            o, l = _attention(q[:, :, i0:i0 + c], kf[:, :, k0:k1], vf[:, :, k0:k1], causal=True,
+                              bottom_right=True, window=(wl, 0), alibi_slopes=alibi_slopes, **common,
+                              **drop(torch.arange(a, a + c), torch.arange(k0, k1)))
+            outs.append(o)
+            lses.append(l)
+        out, lse = (torch.cat(outs, 2), torch.cat(lses, 2)) if len(outs) > 1 else (outs[0], lses[0])
+    else:  # path 3: explicit mask from global positions
+        acc = _ops.acc_dtype(q.dtype)
+        mask = _position_mask(pos[:nr].to(q.device), seq_len, wl, wr, alibi_slopes, acc)
+        out, lse = _attention(q[:, :, :nr], kf, vf, attn_mask=mask, **common,
+                              **drop(pos[:nr], torch.arange(seq_len)))
+    if nr < n:  # the padded rows: 0
+        out = torch.nn.functional.pad(out, (0, 0, 0, n - nr))
+        lse = torch.nn.functional.pad(lse, (0, n - nr))
+    return out, lse

@@ -1,0 +1,157 @@
+"""The attention options of context parallelism, one frozen object, and their rules, stated once.
+
+Every entry point (attention.context_parallel_attention, the front door; ring.ring_attention and
+ulysses.ulysses_attention, one mode each) takes the options as keywords and builds ONE
+AttentionOptions from them with AttentionOptions.of, which refuses an unknown keyword with a
+TypeError that names it and the keyword it likely meant. Each mode (allgather.py, ring.py,
+ulysses.py) then reads the options, and applies them to its shards, through this object only:
+
+- construction checks every value that needs no tensor: window_size (a (left, right) pair, each
+  >= -1), dropout_p in [0, 1), layout ("bhsd" / "bshd"; a sharding given here names shard_layout);
+- shards(q, k, v): the shards' checks (sharding.check_shards) and the per-head options against
+  them: sinks (H,) on q's device, alibi_slopes (H,) or (B, H);
+- sequence(q, group, shard_layout): the group's rank and size, the padded length S and the real
+  one (seq_len, in [1, S]);
+- window: (left, right) on global positions, causal capping the right side at 0;
+- result(out, lse): the output in the tensors' layout, with the LSE when return_lse.
+
+So a bad value raises the same error whichever entry point and mode received it. Not options:
+how the call is parallel (group, mode, shard_layout, which context.ContextParallel holds for a
+model) and ring's private `stats`.
+"""
+import difflib
+import inspect
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
+
+import torch.distributed as dist
+from torch import Tensor
+
+from .._args import TENSOR_LAYOUT, renamed
+from ..softmax.functional import window_size_pair
+from .sharding import _check_len, _check_tensor_layout, check_shards
+
+__all__ = ["AttentionOptions", "takes_options"]
+
+_FN = "context_parallel_attention"  # the name value errors carry, whichever entry point got the value
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionOptions:
+    """What context-parallel attention computes: the keywords of context_parallel_attention of
+    the same names (documented there), shared by every mode. Frozen; two options are equal when
+    every field is (tensors: the same object)."""
+
+    causal: bool = False
+    scale: Optional[float] = None
+    window_size: Tuple[int, int] = (-1, -1)
+    alibi_slopes: Optional[Tensor] = None
+    softcap: float = 0.0
+    sinks: Optional[Tensor] = None
+    return_lse: bool = False
+    layout: str = "bhsd"
+    seq_len: Optional[int] = None
+    dropout_p: float = 0.0
+    seed: Union[int, Tensor, None] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window_size", window_size_pair(self.window_size, _FN))  # an (int, int) pair
+        if not 0.0 <= self.dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {self.dropout_p!r}")
+        _check_tensor_layout(self.layout)
+
+    @classmethod
+    def of(cls, fn: str, keywords: Dict[str, object], takes: Sequence[str] = ()) -> "AttentionOptions":
+        """The options given as `keywords` to entry point `fn` (e.g. "ring_attention()"), whose own
+        keywords are `takes`. An unknown keyword raises a TypeError naming it; the old name
+        qkv_layout raises one naming layout."""
+        for name in keywords:
+            if name not in _NAMES:
+                if name in _RENAMED:
+                    if keywords[name] is None:  # the old name left at its default: nothing to read
+                        continue
+                    raise renamed(fn, name, *_RENAMED[name])
+                raise _unknown(fn, name, takes)
+        return cls(**{n: val for n, val in keywords.items() if n in _NAMES})
+
+    @property
+    def window(self) -> Tuple[int, int]:
+        """(left, right) key counts on global positions, -1 = unbounded; causal caps right at 0."""
+        wl, wr = self.window_size
+        return (wl, 0) if self.causal else (wl, wr)
+
+    def shards(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The checks of this rank's shards and of the per-head options against them (before any
+        collective, so that every rank fails alike): q, k, v as (B, H, n, D) / (B, H_k, n, D)
+        views (bshd transposed, no copy)."""
+        q, k, v = check_shards(q, k, v, layout=self.layout)
+        b, h = q.shape[:2]
+        if self.sinks is not None:
+            if tuple(self.sinks.shape) != (h,):
+                raise ValueError(f"sinks must be (H,) = ({h},), got {tuple(self.sinks.shape)}")
+            if self.sinks.device != q.device:
+                raise ValueError(f"sinks must be on {q.device}, got {self.sinks.device}")
+        a = self.alibi_slopes
+        if a is not None and (a.dim() not in (1, 2) or a.shape[-1] != h or (a.dim() == 2 and a.shape[0] != b)):
+            raise ValueError(f"alibi_slopes must be (H,) = ({h},) or (B, H) = ({b}, {h}), got {tuple(a.shape)}")
+        return q, k, v
+
+    def sequence(self, q: Tensor, group: Optional[dist.ProcessGroup], shard_layout: str
+                 ) -> Tuple[int, int, int, int]:
+        """(rank, world size, padded length S, real length) of the sequence whose shard q
+        ((B, H, n, D)) is: S = n P must be a multiple of the shard layout's multiple, and the
+        real length (seq_len, default S) in [1, S]."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        s = q.shape[2] * world
+        _check_len(s, world, shard_layout)
+        seq_len = s if self.seq_len is None else self.seq_len
+        if not 0 < seq_len <= s:
+            raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
+        return rank, world, s, seq_len
+
+    def result(self, out: Tensor, lse: Optional[Tensor]) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        """A mode's (B, H, n, D) output in the tensors' layout, with its (B, H, n) LSE when
+        return_lse."""
+        if self.layout == "bshd":
+            out = out.transpose(1, 2)
+        return (out, lse) if self.return_lse else out
+
+    def _key(self) -> tuple:
+        return tuple(("tensor", id(x)) if isinstance(x, Tensor) else x
+                     for x in (getattr(self, f.name) for f in fields(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+_NAMES = frozenset(f.name for f in fields(AttentionOptions))
+_RENAMED = {"qkv_layout": ("layout", TENSOR_LAYOUT)}  # old names, refused with the new one (None: not given)
+_ALIASES = {"softmax_scale": "scale", "is_causal": "causal", "window": "window_size", "dropout": "dropout_p",
+            "return_softmax_lse": "return_lse"}  # other APIs' spellings of these options
+
+
+def _unknown(fn: str, name: str, takes: Sequence[str]) -> TypeError:
+    known = [*takes, *(f.name for f in fields(AttentionOptions))]
+    meant = _ALIASES.get(name) or next(iter(difflib.get_close_matches(name, known, n=1)), None)
+    hint = f": did you mean {meant}=?" if meant else ""
+    return TypeError(f"{fn} got an unexpected keyword argument {name!r}{hint} (its keywords: {', '.join(known)})")
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def takes_options(fn: _F) -> _F:
+    """Decorator for an entry point fn(q, k, v, *, ..., **options): its signature (inspect, help())
+    lists the options' fields as keywords in place of **options, then the refused old names, then
+    its private keywords."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    opts = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in fields(AttentionOptions)]
+    old = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=None) for n in _RENAMED]
+    params = [p for p in own if not p.name.startswith("_")] + opts + old + [p for p in own if p.name.startswith("_")]
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn
