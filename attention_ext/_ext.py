@@ -14,6 +14,12 @@ import torch
 try:
     from . import _C  # noqa: F401  (registers torch.ops.attention_ext)
 
+    # a library built from older sources (an in-place build the checkout moved past) lacks ops
+    # this Python calls: say so here, once, rather than fail on the first missing name
+    if not hasattr(torch.ops.attention_ext, "softmax_fwd_routed"):
+        raise ImportError("attention_ext._C was built from older sources (it has no op softmax_fwd_routed): "
+                          "rebuild it (./dev.sh build, or pip install --no-build-isolation -e .)")
+
     HAS_EXT = True
     IMPORT_ERROR: Optional[BaseException] = None
 except ImportError as e:  # pragma: no cover - exercised only on broken installs

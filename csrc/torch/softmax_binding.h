@@ -74,7 +74,7 @@ namespace api {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// A CPU call with at most this many query rows (route_cpu_fwd) can run on the decode kernel: key
+// A CPU call with at most this many query rows (route_fwd) can run on the decode kernel: key
 // splits across threads and a GQA group's heads packed as rows, where the fused forward's tiles
 // would hold mostly padding (benchmarks/results: faster at 1-8 rows, slower from 16).
 constexpr int64_t kDecodeMaxQ = 8;

@@ -20,6 +20,7 @@ namespace attn {
 namespace api {
 
 FwdRoute route_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return {false, "not 4-D inputs (softmax_fwd says why)"};
   if (!q.is_cpu()) return {false, "not a CPU call"};
   // a symbolic length (torch.compile's dynamic shapes) keeps the fused kernel rather than guard on it
   const auto sq = q.sym_size(2).maybe_as_int(), sk = k.sym_size(2).maybe_as_int();
@@ -59,15 +60,22 @@ std::tuple<Tensor, Tensor> routed_fwd(const Tensor& q, const Tensor& k, const Te
                                       int64_t num_splits, bool deterministic) {
   if (route_fwd(q, k, v, o).decode) {
     // the fused op's input rules first, so that an error names the call's arguments as
-    // softmax_fwd would (the decode op words its own for a KV cache)
-    check_inputs(q, k, v, o);
-    check_num_splits(num_splits);
+    // softmax_fwd would (the decode op words its own for a KV cache). Not while torch.compile
+    // traces with symbolic sizes: the C++ check reads sizes as integers and would specialize
+    // them (the batch of a compiled decode step); the decode op's fake checks the call then, and
+    // the kernels check every call at run time.
+    const auto symbolic = [](const Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); };
+    if (!symbolic(q) && !symbolic(k) && !symbolic(v)) {
+      check_inputs(q, k, v, o);
+      check_num_splits(num_splits);
+    }
     static const auto decode =
         c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::decode_fwd", "").typed<DecodeSig>();
     // seqlens_k clamped to [0, Sk] as the fused kernels read it (the decode op rejects lengths
     // outside); below the Autograd key: nothing to differentiate, and the decode op's autograd
     // layer is Python a small call would pay for
-    const OptTensor lens = o.seqlens_k.has_value() ? OptTensor(o.seqlens_k->clamp(0, k.size(2))) : OptTensor();
+    const int64_t sk = *k.sym_size(2).maybe_as_int();  // route_fwd takes concrete lengths only
+    const OptTensor lens = o.seqlens_k.has_value() ? OptTensor(o.seqlens_k->clamp(0, sk)) : OptTensor();
     const OptTensor none;
     at::AutoDispatchBelowAutograd below;
     return decode.call(q, k, v, lens, none, none, none, o.alibi_slopes, o.sinks, o.scale, o.softcap, o.window_left,

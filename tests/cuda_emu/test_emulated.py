@@ -83,7 +83,8 @@ def test_emulator_unit(tmp_path):
         pytest.skip("needs g++ and the CUDA headers")
     exe = tmp_path / "test_cuda_emu"
     subprocess.run(["g++", "-std=c++20", "-O1", "-DATTN_CUDA_EMULATE", "-Wno-unknown-pragmas",
-                    "-I", os.path.join(cuda_emu.ROOT, "csrc"), "-I", cuda_emu.EMU, "-I", inc,
+                    "-I", os.path.join(cuda_emu.EMU, "target"), "-I", os.path.join(cuda_emu.ROOT, "csrc"),
+                    "-I", cuda_emu.EMU, "-I", inc,
                     os.path.join(cuda_emu.EMU, "test_runtime.cpp"),
                     os.path.join(cuda_emu.EMU, "emu_runtime.cpp"), "-o", str(exe)], check=True)
     res = subprocess.run([str(exe)], capture_output=True, text=True)

@@ -105,8 +105,9 @@ def _inputs(name: str, padded: bool):
 
 class _DecodeCount:
     """Counts the decode kernel's op (attention_ext::decode_fwd) wherever attention()'s calls run
-    it: softmax_fwd's CPU kernel calls it for the calls its route sends there (route_cpu_fwd), so
-    the count comes from the profiler, which records nested op calls."""
+    it: the routed composites (softmax_fwd_routed, softmax_fwd_plain) call it in C++ for the calls
+    their route sends there (route_fwd), so the count comes from the profiler, which records
+    nested op calls."""
 
     def __init__(self, n):
         self.n = n

@@ -309,7 +309,7 @@ def test_opcheck_fwd_plain_with_bias(kind):
     ("square_window", "decode: "), ("grad", "fused: an input that requires grad"),
     ("lengths_alibi_sinks", "decode: ")])
 def test_fwd_route_says_why(case, want):
-    """The one statement of the CPU route (route_cpu_fwd): ops.fwd_route names the condition that
+    """The one statement of the CPU route (route_fwd, csrc/torch/softmax_route.cpp): ops.fwd_route names the condition that
     decided, and a call runs the kernel it names."""
     sq = {"nine_rows": 9, "square_window": 6}.get(case, 3)
     sk = {"no_keys": 0, "square_window": 6}.get(case, 40)
@@ -382,3 +382,22 @@ def test_softmax_fwd_stays_fused():
     assert names == ["attention_ext::decode_fwd"]
     torch.testing.assert_close(out2, out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse2, lse, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "general"])
+def test_compiled_decode_route_keeps_a_dynamic_batch(plain):
+    """A compiled decode step (one query row, no grad) with a dynamic batch: the route runs the
+    fused op's checks only on concrete sizes, so nothing specializes the batch (a
+    ConstraintViolationError under mark_dynamic), and one graph serves every batch."""
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    kw = {} if plain else dict(alibi_slopes=torch.rand(4), bottom_right=True)
+    f = torch.compile(lambda q, k, v: ae.attention(q, k, v, **kw), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for b in (2, 3, 5):
+            q, k, v = rand_qkv(b, 4, 2, 1, 17, 32, torch.float32, requires_grad=False)
+            for t in (q, k, v):
+                torch._dynamo.mark_dynamic(t, 0)
+            torch.testing.assert_close(f(q, k, v), ae.attention(q, k, v, **kw), atol=1e-6, rtol=1e-6)
+    assert counts["stats"]["unique_graphs"] == 1
