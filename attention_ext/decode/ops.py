@@ -1,6 +1,7 @@
-"""Tier 1 of the decode family: the registered op torch.ops.attention_ext.decode_fwd (schema in
-csrc/torch/decode_binding.h) with its fake kernel, and a keyword wrapper that falls back to the
-reference where no compiled kernel serves the device. Forward only: a KV cache is inference
+"""Tier 1 of the decode family: the registered op torch.ops.attention_ext.decode_fwd (schema,
+checks and Meta kernel in C++: csrc/torch/decode_binding.*, decode_cpu.cpp), its autograd
+layer, and a keyword wrapper that falls back to the reference where no compiled kernel serves
+the device. Forward only: a KV cache is inference
 state (flash-attn's flash_attn_with_kvcache has no backward either)."""
 from __future__ import annotations
 
@@ -25,26 +26,6 @@ def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None) -> boo
 
 
 if HAS_EXT:
-
-    @torch.library.register_fake("attention_ext::decode_fwd")
-    def _decode_fwd_fake(q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k, alibi_slopes,
-                         sinks, scale, softcap, window_left, window_right, num_splits=0):
-        # the C++ op is never reached with a meta tensor among CPU ones (the meta key dispatches
-        # here): state its device rule, or a CPU call with a meta cache returns uninitialized memory
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", seqlens_k),
-                        ("block_table", block_table), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", leftpad_k), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-            torch._check_value(t is None or t.device == q.device,
-                               lambda: f"attention_ext.decode: {name} must be on {q.device}, got {t.device}")
-        torch._check_value(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
-                           lambda: "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D")
-        torch._check_type(q.dtype == k_cache.dtype == v_cache.dtype,
-                          lambda: "attention_ext.decode: q and the caches must share a dtype")
-        torch._check_value(q.shape[1] % k_cache.shape[1] == 0,
-                           lambda: "attention_ext.decode: query heads must be a multiple of kv heads")
-        b, h, sq, _ = q.shape
-        out = q.new_empty((b, sq, h, q.shape[3])).transpose(1, 2) if q.stride(1) < q.stride(2) else q.new_empty(q.shape)
-        return out, q.new_empty((b, h, sq), dtype=acc_dtype(q.dtype))
 
     def _no_backward(ctx, dout, dlse):
         raise RuntimeError("attention_ext.decode_fwd has no backward (a KV cache is inference state, as flash-attn's "
@@ -74,14 +55,15 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
             cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
             int(window_right), int(num_splits))
         return out.transpose(1, 2), lse
-    # the reference below states no input rules of its own
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    # the reference below states no input rules of its own: the op's (C++) run first
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
             raise not_a_tensor(name, t, "decode_fwd")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"decode_fwd: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"decode_fwd: {name} must be on {q.device}, got {t.device}")
+    if HAS_EXT:
+        torch.ops.attention_ext.decode_check(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
+            cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
+            int(window_right), int(num_splits))
     acc = acc_dtype(q.dtype)
     out, lse = reference.decode_attention(
         q.to(acc), k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,

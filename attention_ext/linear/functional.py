@@ -4,9 +4,9 @@
 - linear_attention_step():  the recurrent form: advance a LinearAttentionState by a few tokens
 - LinearAttentionState:     S (B, H, M, Dv) and z (B, H, M), float32 (float64 for float64 inputs)
 
-Input rules the op states itself (shapes, dtypes, GQA, option ranges) are checked by the op: the
-C++ check on a compiled kernel, ops.check_inputs under torch.compile and before the reference
-fallback. This layer checks what the op cannot see: layouts, the feature map, states and the
+Input rules the op states itself (shapes, dtypes, GQA, option ranges) are checked by the op's one
+C++ check: on a compiled kernel, in its Meta kernel under torch.compile and on meta tensors, and
+(ops.check_inputs) before the reference fallback. This layer checks what the op cannot see: layouts, the feature map, states and the
 values inside cu_seqlens.
 """
 from __future__ import annotations

@@ -6,8 +6,8 @@ masks, causal, seeds) into the op's options, then calls the fused op.
 - attention_weights():  the probabilities of the same options, from the LSE (checked) or computed here
 
 Input rules the op states itself (shapes, dtypes, head dim, GQA, option ranges) are checked by the
-op: the C++ check on a compiled kernel, ops.check_inputs under torch.compile and before the
-reference fallback. This layer checks only what the op cannot see: layouts, masks before they
+op's one C++ check: on a compiled kernel, in its Meta kernel under torch.compile and on meta
+tensors, and (ops.check_inputs) before the reference fallback. This layer checks only what the op cannot see: layouts, masks before they
 become the op's bias, and the values inside cu_seqlens.
 """
 from __future__ import annotations

@@ -14,12 +14,12 @@ namespace api {
 
 namespace {
 
-void check_index(const OptTensor& t, const char* name, int64_t n, const Tensor& q) {
+void check_index(const OptTensor& t, const char* name, const c10::SymInt& n, const Tensor& q) {
   if (!t.has_value()) return;
   TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "attention_ext.decode: ", name, " must be int32, got ",
                    t->scalar_type());
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() == n, "attention_ext.decode: ", name, " must have shape (", n,
-                    "), got ", t->sizes());
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->sym_numel() == n, "attention_ext.decode: ", name, " must have shape (", n,
+                    "), got ", t->sym_sizes());
   TORCH_CHECK(t->device() == q.device(), "attention_ext.decode: ", name, " must be on ", q.device(), ", got ",
               t->device());
 }
@@ -58,11 +58,11 @@ int64_t check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cach
 
 }  // namespace
 
-int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
+void check_decode_shapes(const DecodeArgs& a) {
   const Tensor &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-                    "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D, got q ", q.sizes(), ", k_cache ",
-                    k.sizes(), ", v_cache ", v.sizes());
+                    "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D, got q ", q.sym_sizes(), ", k_cache ",
+                    k.sym_sizes(), ", v_cache ", v.sym_sizes());
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                    "attention_ext.decode: q and the caches must share a dtype, got ", q.scalar_type(), ", ",
                    k.scalar_type(), ", ", v.scalar_type());
@@ -70,17 +70,17 @@ int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
               "attention_ext.decode: q and the caches must be on one device, got ", q.device(), ", ", k.device(), ", ",
               v.device());
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "attention_ext.decode: k_cache and v_cache must have the same shape, got ",
-                    k.sizes(), " and ", v.sizes());
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(3), hk = k.size(1);
-  TORCH_CHECK_VALUE(k.size(3) == d, "attention_ext.decode: head dim mismatch: q has ", d, ", the caches ", k.size(3));
+  TORCH_CHECK_VALUE(k.sym_sizes() == v.sym_sizes(), "attention_ext.decode: k_cache and v_cache must have the same shape, got ",
+                    k.sym_sizes(), " and ", v.sym_sizes());
+  const c10::SymInt b = q.sym_size(0), h = q.sym_size(1), d = q.sym_size(3), hk = k.sym_size(1);
+  TORCH_CHECK_VALUE(k.sym_size(3) == d, "attention_ext.decode: head dim mismatch: q has ", d, ", the caches ", k.sym_size(3));
   TORCH_CHECK_VALUE(d >= 1 && d <= 256, "attention_ext.decode: head dim must be in [1, 256], got ", d);
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.decode: query heads (", h, ") must be a multiple of kv heads (",
                     hk, ")");
   for (const Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK_VALUE(unit_stride_last(*t),
                       "attention_ext.decode: the head dim of q and the caches must be contiguous, got strides ",
-                      t->strides());
+                      t->sym_strides());
   }
   TORCH_CHECK_VALUE(a.window_left >= -1 && a.window_right >= -1, "attention_ext.decode: window_left and window_right must be >= -1 (-1 = unbounded), got (",
                     a.window_left, ", ", a.window_right, ")");
@@ -89,28 +89,26 @@ int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
   TORCH_CHECK_VALUE(a.num_splits >= 0, "attention_ext.decode: num_splits must be >= 0 (0 = heuristic), got ",
                     a.num_splits);
   const bool paged = a.block_table.has_value();
-  int64_t cap = k.size(2), num_pages = 0, page = 0;
   if (paged) {
     const Tensor& bt = *a.block_table;
     TORCH_CHECK_TYPE(bt.scalar_type() == at::kInt, "attention_ext.decode: block_table must be int32, got ",
                      bt.scalar_type());
-    TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == b && bt.size(1) >= 1,
-                      "attention_ext.decode: block_table must be (B, max_pages) = (", b, ", >= 1), got ", bt.sizes());
-    TORCH_CHECK_VALUE(bt.stride(1) == 1, "attention_ext.decode: block_table rows must be contiguous");
+    TORCH_CHECK_VALUE(bt.dim() == 2 && bt.sym_size(0) == b && bt.sym_size(1) >= 1,
+                      "attention_ext.decode: block_table must be (B, max_pages) = (", b, ", >= 1), got ", bt.sym_sizes());
+    TORCH_CHECK_VALUE(bt.sym_stride(1) == 1, "attention_ext.decode: block_table rows must be contiguous");
     TORCH_CHECK(bt.device() == q.device(), "attention_ext.decode: block_table must be on ", q.device());
     TORCH_CHECK_VALUE(!a.cache_batch_idx.has_value(),
                       "attention_ext.decode: cache_batch_idx is for a contiguous cache; a paged one names its pages "
                       "in block_table");
-    num_pages = k.size(0);
-    page = k.size(2);
-    TORCH_CHECK_VALUE(page >= 1 && num_pages >= 1, "attention_ext.decode: the page pool is empty: ", k.sizes());
-    cap = bt.size(1) * page;
-    TORCH_CHECK_VALUE(cap < (int64_t(1) << 30), "attention_ext.decode: block_table covers too many rows");
+    TORCH_CHECK_VALUE(k.sym_size(2) >= 1 && k.sym_size(0) >= 1, "attention_ext.decode: the page pool is empty: ",
+                      k.sym_sizes());
+    TORCH_CHECK_VALUE(bt.sym_size(1) * k.sym_size(2) < (int64_t(1) << 30),
+                      "attention_ext.decode: block_table covers too many rows");
   } else {
     if (a.cache_batch_idx.has_value()) {
       check_index(a.cache_batch_idx, "cache_batch_idx", b, q);
     } else {
-      TORCH_CHECK_VALUE(k.size(0) == b, "attention_ext.decode: the cache has ", k.size(0), " sequences and q ", b,
+      TORCH_CHECK_VALUE(k.sym_size(0) == b, "attention_ext.decode: the cache has ", k.sym_size(0), " sequences and q ", b,
                         " (pass cache_batch_idx to pick cache rows)");
     }
   }
@@ -122,23 +120,33 @@ int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
     TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext.decode: alibi_slopes must be ", acc, ", got ",
                      s.scalar_type());
     TORCH_CHECK(s.device() == q.device(), "attention_ext.decode: alibi_slopes must be on ", q.device());
-    TORCH_CHECK_VALUE((s.dim() == 1 && s.size(0) == h) || (s.dim() == 2 && s.size(0) == b && s.size(1) == h),
-                      "attention_ext.decode: alibi_slopes must be (H) or (B, H) = (", b, ", ", h, "), got ", s.sizes());
-    TORCH_CHECK_VALUE(s.stride(-1) == 1, "attention_ext.decode: alibi_slopes must be contiguous over heads");
+    TORCH_CHECK_VALUE((s.dim() == 1 && s.sym_size(0) == h) || (s.dim() == 2 && s.sym_size(0) == b && s.sym_size(1) == h),
+                      "attention_ext.decode: alibi_slopes must be (H) or (B, H) = (", b, ", ", h, "), got ", s.sym_sizes());
+    TORCH_CHECK_VALUE(s.sym_stride(-1) == 1, "attention_ext.decode: alibi_slopes must be contiguous over heads");
   }
   if (a.sinks.has_value()) {
     const Tensor& s = *a.sinks;
     TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext.decode: sinks must be ", acc, ", got ", s.scalar_type());
     TORCH_CHECK(s.device() == q.device(), "attention_ext.decode: sinks must be on ", q.device());
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
-                      "attention_ext.decode: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.sym_size(0) == h && s.is_contiguous(),
+                      "attention_ext.decode: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sym_sizes());
   }
+}
+
+int64_t check_decode_inputs(const DecodeArgs& a, bool read_values) {
+  check_decode_shapes(a);
+  const Tensor& k = a.k;
+  const bool paged = a.block_table.has_value();
+  // a pool of pages (num_pages, page_size, ...) or one contiguous row of S_cache keys per sequence
+  const int64_t num_pages = paged ? k.size(0) : 0, page = paged ? k.size(2) : 0;
+  const int64_t cap = paged ? a.block_table->size(1) * page : k.size(2);
   if (!read_values) return cap;
-  return check_values(a, b, cap, k.size(0), num_pages, page);
+  return check_values(a, a.q.size(0), cap, k.size(0), num_pages, page);
 }
 
 std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q) {
-  return {empty_like_layout(q), at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(acc_dtype(q)))};
+  return {empty_like_layout(q),
+          at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, q.options().dtype(acc_dtype(q)))};
 }
 
 template <typename Acc>

@@ -21,10 +21,13 @@
 
 #include "common/decode_params.h"
 
-#define ATTN_DECODE_SCHEMA                                                                              \
-  "decode_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? seqlens_k, Tensor? block_table, "        \
-  "Tensor? cache_batch_idx, Tensor? leftpad_k, Tensor? alibi_slopes, Tensor? sinks, float scale, "        \
-  "float softcap, int window_left, int window_right, int num_splits=0) -> (Tensor, Tensor)"
+// decode_fwd's arguments: the op's schema, and its check-only twin decode_check's (the reference
+// fallback's: the op's rules on a device without a kernel)
+#define ATTN_DECODE_ARGS_SCHEMA                                                                        \
+  "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? seqlens_k, Tensor? block_table, "                \
+  "Tensor? cache_batch_idx, Tensor? leftpad_k, Tensor? alibi_slopes, Tensor? sinks, float scale, "     \
+  "float softcap, int window_left, int window_right, int num_splits=0)"
+#define ATTN_DECODE_SCHEMA "decode_fwd" ATTN_DECODE_ARGS_SCHEMA " -> (Tensor, Tensor)"
 
 namespace attn {
 namespace api {
@@ -49,6 +52,10 @@ struct DecodeArgs {
 // the capacity is returned: the kernels clamp every index into the cache (common/decode_params.h;
 // cache_batch_idx by the CUDA host steps), so a bad value reads nothing out of bounds.
 int64_t check_decode_inputs(const DecodeArgs& a, bool read_values = true);
+
+// The shapes, dtypes and devices part of check_decode_inputs, with sizes as SymInts: what the
+// op's Meta kernel (torch.compile's fake tensors, meta tensors) checks.
+void check_decode_shapes(const DecodeArgs& a);
 
 // out (q's shape and layout) and lse (B, H, Sq) of q's acc dtype.
 std::tuple<Tensor, Tensor> alloc_decode_outputs(const Tensor& q);

@@ -285,6 +285,8 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("topk_threshold(Tensor q, Tensor k" ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top) -> (Tensor, Tensor)");
   // linear family
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+  // linear_fwd's input rules alone, on any device (the Python reference fallback's check)
+  m.def("linear_check(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ") -> ()");
   m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den"
         ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // the recurrent step: mutates state (and normalizer) in place, so a decode step reads and
@@ -293,6 +295,7 @@ TORCH_LIBRARY(attention_ext, m) {
         "int feature_map, float eps, float scale) -> Tensor");
   // decode family: attention of a few query rows over a (paged) KV cache, forward only
   m.def(ATTN_DECODE_SCHEMA);
+  m.def("decode_check" ATTN_DECODE_ARGS_SCHEMA " -> ()");
   // the CPU output blocks kept for reuse (csrc/torch/alloc.h), like torch.cuda.empty_cache()
   m.def("empty_cpu_cache() -> int", &empty_cpu_cache);
   // developer-only

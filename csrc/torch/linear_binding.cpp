@@ -16,13 +16,13 @@ namespace {
 
 at::ScalarType acc_of(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-void check_side(const std::optional<at::Tensor>& t, const char* name, at::IntArrayRef want, at::ScalarType dtype,
+void check_side(const std::optional<at::Tensor>& t, const char* name, c10::SymIntArrayRef want, at::ScalarType dtype,
                 const at::Tensor& q) {
   if (!t.has_value()) return;
   TORCH_CHECK_TYPE(t->scalar_type() == dtype, "attention_ext.linear: ", name, " must be ", dtype, ", got ",
                    t->scalar_type());
-  TORCH_CHECK_VALUE(t->sizes() == want, "attention_ext.linear: ", name, " must have shape ", want, ", got ",
-                    t->sizes());
+  TORCH_CHECK_VALUE(t->sym_sizes() == want, "attention_ext.linear: ", name, " must have shape ", want, ", got ",
+                    t->sym_sizes());
   TORCH_CHECK(t->device() == q.device(), "attention_ext.linear: ", name, " must be on ", q.device(), ", got ",
               t->device());
   TORCH_CHECK_VALUE(t->is_contiguous(), "attention_ext.linear: ", name, " must be contiguous");
@@ -34,6 +34,12 @@ int64_t num_seqs(const at::Tensor& q, const LinearOptions& o) {
 
 int64_t dv_aug(const at::Tensor& v, const LinearOptions& o) { return v.size(3) + (o.normalize ? 1 : 0); }
 
+// the same two, with sizes as SymInts (the checks, which the Meta kernels run too)
+c10::SymInt num_seqs_sym(const at::Tensor& q, const LinearOptions& o) {
+  return o.cu_seqlens.has_value() ? o.cu_seqlens->sym_numel() - 1 : q.sym_size(0);
+}
+c10::SymInt dv_aug_sym(const at::Tensor& v, const LinearOptions& o) { return v.sym_size(3) + (o.normalize ? 1 : 0); }
+
 void set3(const at::Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
   *bs = t.stride(0);
   *hs = t.stride(1);
@@ -44,7 +50,7 @@ void set3(const at::Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
 // sequence dim: S for a whole sequence, T for a step's tokens): 4-D, one dtype of the four, one device.
 void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* what, const char* seq) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, what, "q, k, v must be 4-D (B, H, ", seq,
-                    ", D), got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+                    ", D), got q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes());
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), what,
                    "q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
   const auto st = q.scalar_type();
@@ -58,23 +64,23 @@ void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o) {
   check_qkv_common(q, k, v, "attention_ext.linear: ", "S");
-  const int64_t b = q.size(0), h = q.size(1), s = q.size(2), m = q.size(3), hk = k.size(1);
-  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "attention_ext.linear: batch mismatch: q ", q.sizes(), ", k ",
-                    k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_VALUE(k.size(2) == s && v.size(2) == s, "attention_ext.linear: q, k, v must have one sequence length, got ",
-                    s, ", ", k.size(2), ", ", v.size(2));
-  TORCH_CHECK_VALUE(k.size(3) == m, "attention_ext.linear: feature width mismatch: q has ", m, ", k has ", k.size(3));
-  TORCH_CHECK_VALUE(v.size(1) == hk, "attention_ext.linear: k and v must have the same heads, got ", hk, " and ",
-                    v.size(1));
-  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && v.size(3) >= 1 && v.size(3) <= 1024,
+  const c10::SymInt b = q.sym_size(0), h = q.sym_size(1), s = q.sym_size(2), m = q.sym_size(3), hk = k.sym_size(1);
+  TORCH_CHECK_VALUE(k.sym_size(0) == b && v.sym_size(0) == b, "attention_ext.linear: batch mismatch: q ", q.sym_sizes(), ", k ",
+                    k.sym_sizes(), ", v ", v.sym_sizes());
+  TORCH_CHECK_VALUE(k.sym_size(2) == s && v.sym_size(2) == s, "attention_ext.linear: q, k, v must have one sequence length, got ",
+                    s, ", ", k.sym_size(2), ", ", v.sym_size(2));
+  TORCH_CHECK_VALUE(k.sym_size(3) == m, "attention_ext.linear: feature width mismatch: q has ", m, ", k has ", k.sym_size(3));
+  TORCH_CHECK_VALUE(v.sym_size(1) == hk, "attention_ext.linear: k and v must have the same heads, got ", hk, " and ",
+                    v.sym_size(1));
+  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && v.sym_size(3) >= 1 && v.sym_size(3) <= 1024,
                     "attention_ext.linear: feature and value widths must be in [1, 1024], got ", m, " and ",
-                    v.size(3));
+                    v.sym_size(3));
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear: query heads (", h,
                     ") must be a multiple of kv heads (", hk, ")");
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK_VALUE(unit_stride_last(*t),
                       "attention_ext.linear: the last dim of q, k, v must be contiguous (stride 1), got strides ",
-                      t->strides());
+                      t->sym_strides());
   TORCH_CHECK_VALUE(o.feature_map >= 0 && o.feature_map <= 2,
                     "attention_ext.linear: feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ",
                     o.feature_map);
@@ -84,46 +90,47 @@ void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK_VALUE(o.causal || !o.decay.has_value(),
                     "attention_ext.linear: decay needs causal=True (a gate orders the positions)");
   const at::ScalarType acc = acc_of(q);
-  int64_t nb = b;
+  c10::SymInt nb = b;
   if (o.cu_seqlens.has_value()) {
     const at::Tensor& cu = *o.cu_seqlens;
     TORCH_CHECK_VALUE(b == 1, "attention_ext.linear: varlen inputs are one (1, H, total, D) pack, got batch ", b);
     TORCH_CHECK_TYPE(cu.scalar_type() == at::kInt, "attention_ext.linear: cu_seqlens must be int32, got ",
                      cu.scalar_type());
-    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 2 && cu.is_contiguous(),
-                      "attention_ext.linear: cu_seqlens must be a contiguous (B + 1) tensor, got ", cu.sizes());
+    TORCH_CHECK_VALUE(cu.dim() == 1 && cu.sym_numel() >= 2 && cu.is_contiguous(),
+                      "attention_ext.linear: cu_seqlens must be a contiguous (B + 1) tensor, got ", cu.sym_sizes());
     TORCH_CHECK(cu.device() == q.device(), "attention_ext.linear: cu_seqlens must be on ", q.device());
     TORCH_CHECK_VALUE(o.max_seqlen >= 0, "attention_ext.linear: max_seqlen must be >= 0");
-    nb = cu.numel() - 1;
+    nb = cu.sym_numel() - 1;
     if (q.device().is_cpu()) {
+      const int64_t n = nb.guard_int(__FILE__, __LINE__), len = s.guard_int(__FILE__, __LINE__);
       auto c = cu.accessor<int32_t, 1>();
       TORCH_CHECK_VALUE(c[0] == 0, "attention_ext.linear: cu_seqlens must start at 0");
-      for (int64_t i = 0; i < nb; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         TORCH_CHECK_VALUE(c[i + 1] >= c[i], "attention_ext.linear: cu_seqlens must be non-decreasing");
         TORCH_CHECK_VALUE(c[i + 1] - c[i] <= o.max_seqlen, "attention_ext.linear: a sequence is longer than max_seqlen");
       }
-      TORCH_CHECK_VALUE(c[nb] <= s, "attention_ext.linear: cu_seqlens end past the pack (", c[nb], " > ", s, ")");
+      TORCH_CHECK_VALUE(c[n] <= len, "attention_ext.linear: cu_seqlens end past the pack (", c[n], " > ", len, ")");
     }
   }
   check_side(o.decay, "decay", {b, h, s}, acc, q);
-  check_side(o.initial_state, "initial_state", {nb, h, m, dv_aug(v, o)}, acc, q);
+  check_side(o.initial_state, "initial_state", {nb, h, m, dv_aug_sym(v, o)}, acc, q);
   check_side(o.key_mask, "key_mask", {b, s}, at::kBool, q);
 }
 
 void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
                              const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
                              const LinearOptions& o) {
-  const std::vector<int64_t> want_out{q.size(0), q.size(1), q.size(2), v.size(3)};
-  TORCH_CHECK_VALUE(dout.sizes() == at::IntArrayRef(want_out) && out.sizes() == at::IntArrayRef(want_out),
-                    "attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = ", at::IntArrayRef(want_out));
+  const std::vector<c10::SymInt> want_out{q.sym_size(0), q.sym_size(1), q.sym_size(2), v.sym_size(3)};
+  TORCH_CHECK_VALUE(dout.sym_sizes() == c10::SymIntArrayRef(want_out) && out.sym_sizes() == c10::SymIntArrayRef(want_out),
+                    "attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = ", c10::SymIntArrayRef(want_out));
   TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
                    "attention_ext.linear_bwd: dout and out must have q's dtype ", q.scalar_type());
   TORCH_CHECK_VALUE(unit_stride_last(dout) && unit_stride_last(out),
                     "attention_ext.linear_bwd: dout and out need a contiguous last dim");
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device(),
               "attention_ext.linear_bwd: dout and out must be on ", q.device());
-  check_side(den, "den", {q.size(0), q.size(1), q.size(2)}, acc_of(q), q);
-  check_side(dfinal_state, "dfinal_state", {num_seqs(q, o), q.size(1), q.size(3), dv_aug(v, o)}, acc_of(q), q);
+  check_side(den, "den", {q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc_of(q), q);
+  check_side(dfinal_state, "dfinal_state", {num_seqs_sym(q, o), q.sym_size(1), q.sym_size(3), dv_aug_sym(v, o)}, acc_of(q), q);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q, const at::Tensor& v,
@@ -252,10 +259,11 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
                               const std::optional<at::Tensor>& normalizer, const std::optional<at::Tensor>& decay,
                               int64_t feature_map, double eps, double scale) {
   check_qkv_common(q, k, v, "attention_ext.linear_step: ", "T");
-  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), m = q.size(3), hk = k.size(1), dv = v.size(3);
-  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b && k.size(2) == t && v.size(2) == t && k.size(3) == m &&
-                        v.size(1) == hk,
-                    "attention_ext.linear_step: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(),
+  const c10::SymInt b = q.sym_size(0), h = q.sym_size(1), t = q.sym_size(2), m = q.sym_size(3), hk = k.sym_size(1),
+                    dv = v.sym_size(3);
+  TORCH_CHECK_VALUE(k.sym_size(0) == b && v.sym_size(0) == b && k.sym_size(2) == t && v.sym_size(2) == t && k.sym_size(3) == m &&
+                        v.sym_size(1) == hk,
+                    "attention_ext.linear_step: q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes(),
                     " do not match (B, H, T, M), (B, H_k, T, M), (B, H_k, T, Dv)");
   TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && dv >= 1 && dv <= 1024,
                     "attention_ext.linear_step: feature and value widths must be in [1, 1024], got ", m, " and ", dv);
@@ -264,7 +272,7 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
   for (const at::Tensor* x : {&q, &k, &v})
     TORCH_CHECK_VALUE(unit_stride_last(*x),
                       "attention_ext.linear_step: the last dim of q, k, v must be contiguous (stride 1), got strides ",
-                      x->strides());
+                      x->sym_strides());
   TORCH_CHECK_VALUE(feature_map >= 0 && feature_map <= 2,
                     "attention_ext.linear_step: feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ",
                     feature_map);
@@ -274,8 +282,8 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
   const at::ScalarType acc = acc_of(q);
   TORCH_CHECK_TYPE(state.scalar_type() == acc, "attention_ext.linear_step: state must be ", acc, ", got ",
                    state.scalar_type());
-  TORCH_CHECK_VALUE(state.sizes() == at::IntArrayRef({b, h, m, dv}), "attention_ext.linear_step: state must have shape ",
-                    at::IntArrayRef({b, h, m, dv}), ", got ", state.sizes());
+  TORCH_CHECK_VALUE(state.sym_sizes() == c10::SymIntArrayRef({b, h, m, dv}), "attention_ext.linear_step: state must have shape ",
+                    c10::SymIntArrayRef({b, h, m, dv}), ", got ", state.sym_sizes());
   TORCH_CHECK(state.device() == q.device(), "attention_ext.linear_step: state must be on ", q.device(), ", got ",
               state.device());
   TORCH_CHECK_VALUE(unit_stride_last(state), "attention_ext.linear_step: the last dim of state must be contiguous");
@@ -283,17 +291,17 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
     const at::Tensor& z = *normalizer;
     TORCH_CHECK_TYPE(z.scalar_type() == acc, "attention_ext.linear_step: normalizer must be ", acc, ", got ",
                      z.scalar_type());
-    TORCH_CHECK_VALUE(z.sizes() == at::IntArrayRef({b, h, m}), "attention_ext.linear_step: normalizer must have shape ",
-                      at::IntArrayRef({b, h, m}), ", got ", z.sizes());
+    TORCH_CHECK_VALUE(z.sym_sizes() == c10::SymIntArrayRef({b, h, m}), "attention_ext.linear_step: normalizer must have shape ",
+                      c10::SymIntArrayRef({b, h, m}), ", got ", z.sym_sizes());
     TORCH_CHECK(z.device() == q.device(), "attention_ext.linear_step: normalizer must be on ", q.device(), ", got ",
                 z.device());
-    TORCH_CHECK_VALUE(z.stride(2) == 1 || m == 1, "attention_ext.linear_step: the last dim of normalizer must be contiguous");
+    TORCH_CHECK_VALUE(z.sym_stride(2) == 1 || m == 1, "attention_ext.linear_step: the last dim of normalizer must be contiguous");
   }
   if (decay.has_value()) {
     TORCH_CHECK_TYPE(decay->scalar_type() == acc, "attention_ext.linear_step: decay must be ", acc, ", got ",
                      decay->scalar_type());
-    TORCH_CHECK_VALUE(decay->sizes() == at::IntArrayRef({b, h, t}), "attention_ext.linear_step: decay must have shape ",
-                      at::IntArrayRef({b, h, t}), ", got ", decay->sizes());
+    TORCH_CHECK_VALUE(decay->sym_sizes() == c10::SymIntArrayRef({b, h, t}), "attention_ext.linear_step: decay must have shape ",
+                      c10::SymIntArrayRef({b, h, t}), ", got ", decay->sym_sizes());
     TORCH_CHECK(decay->device() == q.device(), "attention_ext.linear_step: decay must be on ", q.device(), ", got ",
                 decay->device());
     TORCH_CHECK_VALUE(decay->is_contiguous(), "attention_ext.linear_step: decay must be contiguous");

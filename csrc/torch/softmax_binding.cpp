@@ -11,10 +11,10 @@
 namespace attn {
 namespace api {
 
-static void check_index_tensor(const OptTensor& t, const char* name, int64_t numel, const Tensor& q) {
+static void check_index_tensor(const OptTensor& t, const char* name, const c10::SymInt& numel, const Tensor& q) {
   if (!t.has_value()) return;
   TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "attention_ext: ", name, " must be int32, got ", t->scalar_type());
-  TORCH_CHECK(t->dim() == 1 && t->numel() == numel, "attention_ext: ", name, " must have shape (", numel, "), got ",
+  TORCH_CHECK(t->dim() == 1 && t->sym_numel() == numel, "attention_ext: ", name, " must have shape (", numel, "), got ",
               t->sizes());
   TORCH_CHECK(t->device() == q.device(), "attention_ext: ", name, " must be on ", q.device(), ", got ", t->device());
   TORCH_CHECK(t->is_contiguous(), "attention_ext: ", name, " must be contiguous");
@@ -22,27 +22,27 @@ static void check_index_tensor(const OptTensor& t, const char* name, int64_t num
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-                    "attention_ext: q, k, v must be 4-D (B, H, S, D), got q ", q.sizes(), ", k ", k.sizes(), ", v ",
-                    v.sizes());
+                    "attention_ext: q, k, v must be 4-D (B, H, S, D), got q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ",
+                    v.sym_sizes());
   TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
                    "attention_ext: q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
                    v.scalar_type());
   dtype_of(q);
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "attention_ext: q, k, v must be on one device, got ",
               q.device(), ", ", k.device(), ", ", v.device());
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(3), hk = k.size(1);
-  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "attention_ext: batch mismatch: q ", q.sizes(), ", k ",
-                    k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "attention_ext: k and v must have the same shape, got ", k.sizes(), " and ",
-                    v.sizes());
-  TORCH_CHECK_VALUE(k.size(3) == d, "attention_ext: head dim mismatch: q has ", d, ", k and v have ", k.size(3));
+  const c10::SymInt b = q.sym_size(0), h = q.sym_size(1), d = q.sym_size(3), hk = k.sym_size(1);
+  TORCH_CHECK_VALUE(k.sym_size(0) == b && v.sym_size(0) == b, "attention_ext: batch mismatch: q ", q.sym_sizes(), ", k ",
+                    k.sym_sizes(), ", v ", v.sym_sizes());
+  TORCH_CHECK_VALUE(k.sym_sizes() == v.sym_sizes(), "attention_ext: k and v must have the same shape, got ", k.sym_sizes(), " and ",
+                    v.sym_sizes());
+  TORCH_CHECK_VALUE(k.sym_size(3) == d, "attention_ext: head dim mismatch: q has ", d, ", k and v have ", k.sym_size(3));
   TORCH_CHECK_VALUE(d >= 1 && d <= 256, "attention_ext: head dim must be in [1, 256], got ", d);
   TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext: query heads (", h, ") must be a multiple of kv heads (", hk,
                     ")");
   for (const Tensor* t : {&q, &k, &v})
     TORCH_CHECK_VALUE(unit_stride_last(*t),
                       "attention_ext: the head dim of q, k, v must be contiguous (stride 1), got strides ",
-                      t->strides());
+                      t->sym_strides());
   TORCH_CHECK_VALUE(o.window_left >= -1 && o.window_right >= -1, "attention_ext: window sizes must be >= -1, got (",
                     o.window_left, ", ", o.window_right, ")");
   TORCH_CHECK_VALUE(o.dropout_p >= 0.0 && o.dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
@@ -51,10 +51,10 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   TORCH_CHECK_VALUE(std::isfinite(o.scale), "attention_ext: scale must be finite, got ", o.scale);
   const bool varlen = o.cu_seqlens_q.has_value();
   TORCH_CHECK_VALUE(varlen == o.cu_seqlens_k.has_value(), "attention_ext: cu_seqlens_q and cu_seqlens_k go together");
-  int64_t nb = b;
+  c10::SymInt nb = b;
   if (varlen) {
     TORCH_CHECK_VALUE(b == 1, "attention_ext: varlen inputs are one (1, H, total, D) pack, got batch ", b);
-    nb = o.cu_seqlens_q->numel() - 1;
+    nb = o.cu_seqlens_q->sym_numel() - 1;
     TORCH_CHECK_VALUE(nb >= 1, "attention_ext: cu_seqlens_q needs at least 2 entries");
     check_index_tensor(o.cu_seqlens_q, "cu_seqlens_q", nb + 1, q);
     check_index_tensor(o.cu_seqlens_k, "cu_seqlens_k", nb + 1, q);
@@ -62,20 +62,22 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     TORCH_CHECK_VALUE(o.max_seqlen_q >= 0 && o.max_seqlen_k >= 0, "attention_ext: max_seqlen_q/k must be >= 0");
     if (q.device().is_cpu()) {
       // validated here on the CPU; CUDA callers validate in Python (no sync in the op)
+      const int64_t n = nb.guard_int(__FILE__, __LINE__), tq = q.sym_size(2).guard_int(__FILE__, __LINE__),
+                    tk = k.sym_size(2).guard_int(__FILE__, __LINE__);
       auto cq = o.cu_seqlens_q->accessor<int32_t, 1>(), ck = o.cu_seqlens_k->accessor<int32_t, 1>();
       TORCH_CHECK_VALUE(cq[0] == 0 && ck[0] == 0, "attention_ext: cu_seqlens must start at 0");
-      for (int64_t i = 0; i < nb; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         TORCH_CHECK_VALUE(cq[i + 1] >= cq[i] && ck[i + 1] >= ck[i], "attention_ext: cu_seqlens must be non-decreasing");
         TORCH_CHECK_VALUE(cq[i + 1] - cq[i] <= o.max_seqlen_q && ck[i + 1] - ck[i] <= o.max_seqlen_k,
                           "attention_ext: a sequence is longer than max_seqlen_q/k");
       }
-      TORCH_CHECK_VALUE(cq[nb] <= q.size(2) && ck[nb] <= k.size(2),
-                        "attention_ext: cu_seqlens end past the packed tensors (", cq[nb], " > ", q.size(2), " or ",
-                        ck[nb], " > ", k.size(2), ")");
+      TORCH_CHECK_VALUE(cq[n] <= tq && ck[n] <= tk, "attention_ext: cu_seqlens end past the packed tensors (", cq[n],
+                        " > ", tq, " or ", ck[n], " > ", tk, ")");
     }
   }
   check_index_tensor(o.seqlens_k, "seqlens_k", nb, q);
-  const int64_t sq = varlen ? o.max_seqlen_q : q.size(2), sk = varlen ? o.max_seqlen_k : k.size(2);
+  const c10::SymInt sq = varlen ? c10::SymInt(o.max_seqlen_q) : q.sym_size(2),
+                    sk = varlen ? c10::SymInt(o.max_seqlen_k) : k.sym_size(2);
   const at::ScalarType acc = acc_dtype(q);
   if (o.bias.has_value()) {
     const Tensor& bias = *o.bias;
@@ -84,28 +86,29 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
                      "attend), got ", bias.scalar_type());
     TORCH_CHECK(bias.device() == q.device(), "attention_ext: bias must be on ", q.device(), ", got ", bias.device());
     TORCH_CHECK_VALUE(bias.dim() == 4, "attention_ext: bias must be 4-D, broadcastable to (B, H, Sq, Sk) = (", nb, ", ",
-                      h, ", ", sq, ", ", sk, "), got ", bias.sizes());
-    const int64_t want[4] = {nb, h, sq, sk};
+                      h, ", ", sq, ", ", sk, "), got ", bias.sym_sizes());
+    const c10::SymInt want[4] = {nb, h, sq, sk};
     for (int i = 0; i < 4; ++i)
-      TORCH_CHECK_VALUE(bias.size(i) == 1 || bias.size(i) == want[i],
-                        "attention_ext: bias of shape ", bias.sizes(), " does not broadcast to (B, H, Sq, Sk) = (", nb,
+      // sym_or + expect_true: a data-dependent size (torch.export) becomes a run-time assert, not a guard
+      TORCH_CHECK_VALUE(bias.sym_size(i).sym_eq(1).sym_or(bias.sym_size(i).sym_eq(want[i])).expect_true(__FILE__, __LINE__),
+                        "attention_ext: bias of shape ", bias.sym_sizes(), " does not broadcast to (B, H, Sq, Sk) = (", nb,
                         ", ", h, ", ", sq, ", ", sk, ")");
   }
   if (o.alibi_slopes.has_value()) {
     const Tensor& a = *o.alibi_slopes;
     TORCH_CHECK_TYPE(a.scalar_type() == acc, "attention_ext: alibi_slopes must be ", acc, ", got ", a.scalar_type());
     TORCH_CHECK(a.device() == q.device(), "attention_ext: alibi_slopes must be on ", q.device());
-    TORCH_CHECK_VALUE((a.dim() == 1 && a.size(0) == h) || (a.dim() == 2 && a.size(0) == nb && a.size(1) == h),
-                      "attention_ext: alibi_slopes must be (H) or (B, H) = (", nb, ", ", h, "), got ", a.sizes());
-    TORCH_CHECK_VALUE(a.stride(-1) == 1, "attention_ext: alibi_slopes must be contiguous over heads");
+    TORCH_CHECK_VALUE((a.dim() == 1 && a.sym_size(0) == h) || (a.dim() == 2 && a.sym_size(0) == nb && a.sym_size(1) == h),
+                      "attention_ext: alibi_slopes must be (H) or (B, H) = (", nb, ", ", h, "), got ", a.sym_sizes());
+    TORCH_CHECK_VALUE(a.sym_stride(-1) == 1, "attention_ext: alibi_slopes must be contiguous over heads");
   }
   if (o.rng_state.has_value()) {
     // checked in this order (dtype, shape, device) by ops.check_inputs too
     const Tensor& r = *o.rng_state;
     TORCH_CHECK_TYPE(r.scalar_type() == at::kLong, "attention_ext: rng_state must be int64, got ", r.scalar_type());
-    TORCH_CHECK_VALUE(r.dim() == 1 && r.size(0) == 2 && r.is_contiguous(),
-                      "attention_ext: rng_state must be a contiguous (2) tensor (seed, offset), got ", r.sizes());
-    TORCH_CHECK(r.device().is_cpu(), "attention_ext: rng_state must be a CPU tensor (read on the host), got ",
+    TORCH_CHECK_VALUE(r.dim() == 1 && r.sym_size(0) == 2 && r.is_contiguous(),
+                      "attention_ext: rng_state must be a contiguous (2) tensor (seed, offset), got ", r.sym_sizes());
+    TORCH_CHECK(r.device().is_cpu() || r.is_meta(), "attention_ext: rng_state must be a CPU tensor (read on the host), got ",
                 r.device());
   }
   if (o.dropout_coords.has_value()) {
@@ -117,8 +120,8 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     const Tensor& s = *o.sinks;
     TORCH_CHECK_TYPE(s.scalar_type() == acc, "attention_ext: sinks must be ", acc, ", got ", s.scalar_type());
     TORCH_CHECK(s.device() == q.device(), "attention_ext: sinks must be on ", q.device());
-    TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == h && s.is_contiguous(),
-                      "attention_ext: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sizes());
+    TORCH_CHECK_VALUE(s.dim() == 1 && s.sym_size(0) == h && s.is_contiguous(),
+                      "attention_ext: sinks must be a contiguous (H) = (", h, ") tensor, got ", s.sym_sizes());
   }
   if (o.block_layout.has_value()) {
     const Tensor& l = *o.block_layout;
@@ -127,10 +130,10 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     TORCH_CHECK_TYPE(l.scalar_type() == at::kBool, "attention_ext: block_layout must be bool, got ", l.scalar_type());
     TORCH_CHECK(l.device() == q.device(), "attention_ext: block_layout must be on ", q.device(), ", got ", l.device());
     TORCH_CHECK_VALUE(l.is_contiguous(), "attention_ext: block_layout must be contiguous");
-    const int64_t nqb = (sq + bs - 1) / bs, nkb = (sk + bs - 1) / bs;
-    TORCH_CHECK_VALUE(l.dim() == 3 && (l.size(0) == 1 || l.size(0) == h) && l.size(1) == nqb && l.size(2) == nkb,
+    const c10::SymInt nqb = (sq + bs - 1) / bs, nkb = (sk + bs - 1) / bs;
+    TORCH_CHECK_VALUE(l.dim() == 3 && (l.sym_size(0) == 1 || l.sym_size(0) == h) && l.sym_size(1) == nqb && l.sym_size(2) == nkb,
                       "attention_ext: block_layout must be (H or 1, ceil(Sq / block_size), ceil(Sk / block_size)) = (",
-                      h, " or 1, ", nqb, ", ", nkb, "), got ", l.sizes());
+                      h, " or 1, ", nqb, ", ", nkb, "), got ", l.sym_sizes());
   }
   TORCH_CHECK_VALUE(o.topk_thr.has_value() == o.topk_jcut.has_value(),
                     "attention_ext: topk_thr and topk_jcut go together");
@@ -140,10 +143,10 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
                      " and topk_jcut int32, got ", t.scalar_type(), " and ", c.scalar_type());
     for (const Tensor* x : {&t, &c}) {
       TORCH_CHECK(x->device() == q.device(), "attention_ext: topk_thr / topk_jcut must be on ", q.device());
-      TORCH_CHECK_VALUE(x->dim() == 3 && x->size(0) == q.size(0) && x->size(1) == h && x->size(2) == q.size(2) &&
+      TORCH_CHECK_VALUE(x->dim() == 3 && x->sym_size(0) == q.sym_size(0) && x->sym_size(1) == h && x->sym_size(2) == q.sym_size(2) &&
                             x->is_contiguous(),
-                        "attention_ext: topk_thr / topk_jcut must be contiguous (B, H, Sq) = (", q.size(0), ", ", h,
-                        ", ", q.size(2), "), got ", x->sizes());
+                        "attention_ext: topk_thr / topk_jcut must be contiguous (B, H, Sq) = (", q.sym_size(0), ", ", h,
+                        ", ", q.sym_size(2), "), got ", x->sym_sizes());
     }
   }
 }
@@ -285,12 +288,12 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
 
 void check_bwd_inputs(const Tensor& dout, const Tensor& q, const Tensor& out, const Tensor& lse,
                       const OptTensor& dlse) {
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(),
-                    "attention_ext.softmax_bwd: dout and out must have q's shape ", q.sizes());
+  TORCH_CHECK_VALUE(dout.sym_sizes() == q.sym_sizes() && out.sym_sizes() == q.sym_sizes(),
+                    "attention_ext.softmax_bwd: dout and out must have q's shape ", q.sym_sizes());
   TORCH_CHECK_VALUE(unit_stride_last(dout) && unit_stride_last(out),
                     "attention_ext.softmax_bwd: dout and out need a contiguous head dim");
   for (const Tensor* t : {&lse, dlse.has_value() ? &*dlse : &lse}) {
-    TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2) &&
+    TORCH_CHECK_VALUE(t->dim() == 3 && t->sym_size(0) == q.sym_size(0) && t->sym_size(1) == q.sym_size(1) && t->sym_size(2) == q.sym_size(2) &&
                           t->scalar_type() == acc_dtype(q) && t->is_contiguous(),
                       "attention_ext.softmax_bwd: lse and dlse must be contiguous ", acc_dtype(q), " (B, H, Sq) tensors");
   }

@@ -105,9 +105,11 @@ struct FwdRoute {
 FwdRoute route_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o);
 
 // The routed forward: the decode kernel where route_fwd sends the call (below the Autograd key),
-// else softmax_fwd through the dispatcher. q, k, v (B, H, S, D) views.
+// else softmax_fwd through the dispatcher. q, k, v (B, H, S, D) views. fused_errors: check the
+// inputs by softmax_fwd's rules before a call goes to the decode kernel, so that an error names
+// them as softmax_fwd would (the plain call, whose caller rewords any error, skips it).
 std::tuple<Tensor, Tensor> routed_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o,
-                                      int64_t num_splits, bool deterministic);
+                                      int64_t num_splits, bool deterministic, bool fused_errors = true);
 
 // num_splits of the forward: 0 = the split-KV heuristic, N >= 1 = N splits (1 = none; CUDA
 // clamps to its maximum, the CPU ignores it).

@@ -65,9 +65,9 @@ std::tuple<Tensor, Tensor> fwd_plain(const Tensor& q_in, const Tensor& k_in, con
   if (!at::GradMode::is_enabled() ||
       !(q.requires_grad() || k.requires_grad() || v.requires_grad() || (bias.has_value() && bias->requires_grad()))) {
     at::AutoDispatchBelowAutograd below;
-    res = attn::api::routed_fwd(q, k, v, o, num_splits, deterministic);
+    res = attn::api::routed_fwd(q, k, v, o, num_splits, deterministic, /*fused_errors=*/false);
   } else {
-    res = attn::api::routed_fwd(q, k, v, o, num_splits, deterministic);
+    res = attn::api::routed_fwd(q, k, v, o, num_splits, deterministic, /*fused_errors=*/false);
   }
   if (bshd) std::get<0>(res) = std::get<0>(res).transpose(1, 2);
   return res;

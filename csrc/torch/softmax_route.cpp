@@ -57,7 +57,7 @@ using DecodeSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const
 }  // namespace
 
 std::tuple<Tensor, Tensor> routed_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Options& o,
-                                      int64_t num_splits, bool deterministic) {
+                                      int64_t num_splits, bool deterministic, bool fused_errors) {
   if (route_fwd(q, k, v, o).decode) {
     // the fused op's input rules first, so that an error names the call's arguments as
     // softmax_fwd would (the decode op words its own for a KV cache). Not while torch.compile
@@ -65,7 +65,7 @@ std::tuple<Tensor, Tensor> routed_fwd(const Tensor& q, const Tensor& k, const Te
     // them (the batch of a compiled decode step); the decode op's fake checks the call then, and
     // the kernels check every call at run time.
     const auto symbolic = [](const Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); };
-    if (!symbolic(q) && !symbolic(k) && !symbolic(v)) {
+    if (fused_errors && !symbolic(q) && !symbolic(k) && !symbolic(v)) {
       check_inputs(q, k, v, o);
       check_num_splits(num_splits);
     }

@@ -32,6 +32,18 @@ std::tuple<Tensor, Tensor> topk_threshold_cpu(const Tensor& q, const Tensor& k A
   return {thr, jcut};
 }
 
+// The Meta kernel (torch.compile's fake tensors, meta tensors): the op's own checks, then the
+// (B, H, Sq) outputs (softmax_meta.cpp says why).
+std::tuple<Tensor, Tensor> topk_threshold_meta(const Tensor& q, const Tensor& k ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                               int64_t k_top) {
+  attn::api::check_topk_inputs(q, k, ATTN_SOFTMAX_MAKE_OPTIONS(), k_top);
+  const auto rows = [&](at::ScalarType dt) {
+    return at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, q.options().dtype(dt));
+  };
+  return {rows(attn::api::acc_dtype(q)), rows(at::kInt)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) { m.impl("topk_threshold", &topk_threshold_cpu); }
+TORCH_LIBRARY_IMPL(attention_ext, Meta, m) { m.impl("topk_threshold", &topk_threshold_meta); }

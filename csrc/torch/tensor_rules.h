@@ -28,22 +28,26 @@ inline at::ScalarType acc_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// Sizes are read as SymInts: the rules also run in the ops' Meta kernels, which torch.compile
+// calls with symbolic sizes (a comparison then guards on the symbols, as a Python check would).
+
 // The kernels read the last dim (the head dim, or a state's columns) with stride 1. That holds
 // when its stride is 1, when it has one element, and for an empty tensor (nothing is read; a
 // 0-size tensor's strides are arbitrary, e.g. the gradient autograd hands the backward of a call
 // with no query rows).
 inline bool unit_stride_last(const at::Tensor& t) {
-  return t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0;
+  return t.sym_stride(-1) == 1 || t.sym_size(-1) == 1 || t.sym_numel() == 0;
 }
 
 // An uninitialized (B, H, S, D) tensor with the same memory layout as `like`: (B, S, H, D)
 // storage when `like` has heads inside rows, else contiguous (B, H, S, D).
 inline at::Tensor empty_like_layout(const at::Tensor& like) {
   const auto opts = like.options();
-  if (like.stride(1) < like.stride(2)) {  // heads inside rows: keep (B, S, H, D) storage
-    return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, opts).transpose(1, 2);
+  if (like.sym_stride(1) < like.sym_stride(2)) {  // heads inside rows: keep (B, S, H, D) storage
+    return at::empty_symint({like.sym_size(0), like.sym_size(2), like.sym_size(1), like.sym_size(3)}, opts)
+        .transpose(1, 2);
   }
-  return at::empty(like.sizes(), opts);
+  return at::empty_symint(like.sym_sizes(), opts);
 }
 
 }  // namespace api

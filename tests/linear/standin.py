@@ -32,8 +32,9 @@ def _like_layout(x, t):
 
 def _fwd(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize, eps, scale):
     from attention_ext.linear import ops, reference
-    ops.check_inputs(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize,
-                     eps, scale)  # the C++ kernel's own check
+    ops.check_inputs(q, k, v, decay=decay, initial_state=initial_state, key_mask=key_mask, cu_seqlens=cu_seqlens,
+                     max_seqlen=max_seqlen, feature_map=feature_map, causal=causal, normalize=normalize, eps=eps,
+                     scale=scale)  # the C++ kernel's own check
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out, den, final = reference.linear_attention(
         q.to(acc), k.to(acc), v.to(acc), feature_map=feature_map, causal=causal, normalize=normalize, eps=eps,

@@ -375,8 +375,8 @@ BAD = [
 
 @pytest.mark.parametrize("name,mutate,exc", BAD, ids=[c[0] for c in BAD])
 def test_fake_checks_match_cpp(name, mutate, exc):
-    """The op (C++ check) and its fake (ops.check_inputs) reject the same inputs with the same type
-    and message."""
+    """The op on CPU tensors and on fake tensors (its Meta kernel: torch.compile's path) rejects
+    the same inputs with the same type and message: both run the one C++ check."""
     a = _args(rg=False)
     mutate(a)
     args = tuple(a[n] for n in ops.FWD_ARGS)

@@ -116,8 +116,8 @@ BAD = [
 @needs_op
 @pytest.mark.parametrize("name,mutate,exc", BAD, ids=[c[0] for c in BAD])
 def test_bad_inputs_fake_matches_cpp(name, mutate, exc):
-    """The op (C++ check) and its fake (ops.check_step_inputs) reject the same inputs with the same
-    type and message, and a rejected call leaves the state unchanged."""
+    """The op on CPU tensors and on fake tensors (its Meta kernel) rejects the same inputs with the
+    same type and message (one C++ check), and a rejected call leaves the state unchanged."""
     q, k, v, s, z, gate = step_problem(t=2)
     a = dict(q=q, k=k, v=v, state=s, normalizer=z, decay=gate, feature_map=1, eps=1e-6, scale=1.0)
     mutate(a)

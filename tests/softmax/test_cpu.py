@@ -3,7 +3,6 @@ reference, every option alone and combined, the drop-ins, opcheck, gradcheck, dr
 input."""
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 
@@ -671,7 +670,7 @@ def test_bad_input_raw_op_never_crashes():
 @pytest.mark.parametrize("name,fn,exc,msg", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_fallback(monkeypatch, name, fn, exc, msg):
     """The reference fallback (no compiled kernel for the device) raises what the kernels raise:
-    ops.check_inputs states the C++ rules."""
+    ops.check_inputs runs the C++ check (softmax_fwd_route, a composite op)."""
     monkeypatch.setitem(ops._KERNELS, "cpu", False)
     q = torch.randn(2, 4, 8, 16)
     k = torch.randn(2, 2, 9, 16)
@@ -735,8 +734,8 @@ RAW_BAD = {
 
 @pytest.mark.parametrize("case", sorted(RAW_BAD))
 def test_fake_checks_match_cpp(case):
-    """The fake kernel (meta tensors, torch.compile) rejects what the C++ op rejects, with the same
-    error type and message: ops.check_inputs is the Python statement of the C++ check_inputs."""
+    """The Meta kernel (meta tensors, torch.compile's fake tensors) rejects what the CPU kernel
+    rejects, with the same error type and message: both run the one C++ check_inputs."""
     errors = {}
     for device in ("cpu", "meta"):
         with pytest.raises((RuntimeError, ValueError, TypeError)) as e:
@@ -746,12 +745,12 @@ def test_fake_checks_match_cpp(case):
 
 
 def test_option_names_from_schema():
-    """OPTION_NAMES is read from the registered schemas: the options fwd and bwd share, in order;
-    check_inputs names the same options (it stands in for the schema without the extension)."""
+    """OPTION_NAMES and the tensor options are read from the registered schemas (stated once, in
+    C++: ATTN_SOFTMAX_OPTIONS): the options softmax_fwd and softmax_bwd share, in order."""
     assert ops.OPTION_NAMES[0] == "bias" and ops.OPTION_NAMES[-1] == "topk_jcut" and len(ops.OPTION_NAMES) == 22
     assert ops.FWD_ARGS == ("q", "k", "v", *ops.OPTION_NAMES, "num_splits", "deterministic")
-    params = inspect.signature(ops.check_inputs).parameters
-    assert tuple(n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY) == ops.OPTION_NAMES
+    assert ops._OPTION_TENSORS == ("bias", "alibi_slopes", "sinks", "seqlens_k", "cu_seqlens_q", "cu_seqlens_k",
+                                   "rng_state", "dropout_coords", "block_layout", "topk_thr", "topk_jcut")
 
 
 def test_autograd_saves_only_what_backward_needs():
