@@ -215,3 +215,20 @@ def test_backward_raises():
     with torch.no_grad():  # the decoding path: nothing recorded
         out, _ = ops.decode_fwd(q, kc, vc, cache_seqlens=torch.tensor([9, 4], dtype=torch.int32), scale=0.25)
     assert not out.requires_grad
+
+
+def test_decode_check_op():
+    """decode_check, the reference fallback's check: decode_fwd's shape, dtype and device rules on
+    any device (meta tensors here), the same errors as the op, and opcheck."""
+    c = Case(b=2, h=4, hk=2, sq=1, d=32, dtype=torch.float32, seqlens=(5, 9), page=4)
+    args = (*op_args(c, *make_inputs(c)), 0)
+    torch.library.opcheck(torch.ops.attention_ext.decode_check.default, args)
+    meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in args]
+    torch.ops.attention_ext.decode_check(*meta)
+    bad = list(args)
+    bad[0] = bad[0][..., :16]  # q's head dim
+    with pytest.raises(ValueError) as op:
+        torch.ops.attention_ext.decode_fwd(*bad)
+    with pytest.raises(ValueError) as check:
+        torch.ops.attention_ext.decode_check(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in bad])
+    assert str(check.value).splitlines()[0] == str(op.value).splitlines()[0]

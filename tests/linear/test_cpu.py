@@ -388,3 +388,19 @@ def test_fake_checks_match_cpp(name, mutate, exc):
         with pytest.raises(exc) as faked:
             torch.ops.attention_ext.linear_fwd(*fake)
     assert str(faked.value).splitlines()[0] == str(real.value).splitlines()[0]
+
+
+def test_linear_check_op():
+    """linear_check, the reference fallback's check: linear_fwd's own C++ rules on any device (meta
+    tensors here), the same errors as the op, and opcheck."""
+    a = _args(rg=False, dtype=torch.float32)
+    args = tuple(a[n] for n in ops.FWD_ARGS)
+    torch.library.opcheck(torch.ops.attention_ext.linear_check.default, args)
+    torch.ops.attention_ext.linear_check(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in args])
+    bad = dict(a, k=a["k"][..., :2])
+    bad_args = tuple(bad[n] for n in ops.FWD_ARGS)
+    with pytest.raises(ValueError) as op:
+        torch.ops.attention_ext.linear_fwd(*bad_args)
+    with pytest.raises(ValueError) as check:
+        torch.ops.attention_ext.linear_check(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in bad_args])
+    assert str(check.value).splitlines()[0] == str(op.value).splitlines()[0]
