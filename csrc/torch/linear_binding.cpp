@@ -60,6 +60,23 @@ void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               q.device(), ", ", k.device(), ", ", v.device());
 }
 
+// The rules linear_fwd and linear_step share after their shape matching, in this order: the
+// feature and value widths, heads, a contiguous last dim, then the scalar options.
+void check_widths_and_options(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* what,
+                              int64_t feature_map, double eps, double scale) {
+  const c10::SymInt m = q.sym_size(3), dv = v.sym_size(3), h = q.sym_size(1), hk = k.sym_size(1);
+  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && dv >= 1 && dv <= 1024, what,
+                    "feature and value widths must be in [1, 1024], got ", m, " and ", dv);
+  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, what, "query heads (", h, ") must be a multiple of kv heads (", hk, ")");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK_VALUE(unit_stride_last(*t), what, "the last dim of q, k, v must be contiguous (stride 1), got strides ",
+                      t->sym_strides());
+  TORCH_CHECK_VALUE(feature_map >= 0 && feature_map <= 2, what,
+                    "feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ", feature_map);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, what, "eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK_VALUE(std::isfinite(scale), what, "scale must be finite, got ", scale);
+}
+
 }  // namespace
 
 void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o) {
@@ -72,21 +89,7 @@ void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK_VALUE(k.sym_size(3) == m, "attention_ext.linear: feature width mismatch: q has ", m, ", k has ", k.sym_size(3));
   TORCH_CHECK_VALUE(v.sym_size(1) == hk, "attention_ext.linear: k and v must have the same heads, got ", hk, " and ",
                     v.sym_size(1));
-  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && v.sym_size(3) >= 1 && v.sym_size(3) <= 1024,
-                    "attention_ext.linear: feature and value widths must be in [1, 1024], got ", m, " and ",
-                    v.sym_size(3));
-  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear: query heads (", h,
-                    ") must be a multiple of kv heads (", hk, ")");
-  for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK_VALUE(unit_stride_last(*t),
-                      "attention_ext.linear: the last dim of q, k, v must be contiguous (stride 1), got strides ",
-                      t->sym_strides());
-  TORCH_CHECK_VALUE(o.feature_map >= 0 && o.feature_map <= 2,
-                    "attention_ext.linear: feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ",
-                    o.feature_map);
-  TORCH_CHECK_VALUE(std::isfinite(o.eps) && o.eps >= 0.0, "attention_ext.linear: eps must be finite and >= 0, got ",
-                    o.eps);
-  TORCH_CHECK_VALUE(std::isfinite(o.scale), "attention_ext.linear: scale must be finite, got ", o.scale);
+  check_widths_and_options(q, k, v, "attention_ext.linear: ", o.feature_map, o.eps, o.scale);
   TORCH_CHECK_VALUE(o.causal || !o.decay.has_value(),
                     "attention_ext.linear: decay needs causal=True (a gate orders the positions)");
   const at::ScalarType acc = acc_of(q);
@@ -265,20 +268,7 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
                         v.sym_size(1) == hk,
                     "attention_ext.linear_step: q ", q.sym_sizes(), ", k ", k.sym_sizes(), ", v ", v.sym_sizes(),
                     " do not match (B, H, T, M), (B, H_k, T, M), (B, H_k, T, Dv)");
-  TORCH_CHECK_VALUE(m >= 1 && m <= 1024 && dv >= 1 && dv <= 1024,
-                    "attention_ext.linear_step: feature and value widths must be in [1, 1024], got ", m, " and ", dv);
-  TORCH_CHECK_VALUE(hk >= 1 && h % hk == 0, "attention_ext.linear_step: query heads (", h,
-                    ") must be a multiple of kv heads (", hk, ")");
-  for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK_VALUE(unit_stride_last(*x),
-                      "attention_ext.linear_step: the last dim of q, k, v must be contiguous (stride 1), got strides ",
-                      x->sym_strides());
-  TORCH_CHECK_VALUE(feature_map >= 0 && feature_map <= 2,
-                    "attention_ext.linear_step: feature_map must be 0 (identity), 1 (elu + 1) or 2 (relu), got ",
-                    feature_map);
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0, "attention_ext.linear_step: eps must be finite and >= 0, got ",
-                    eps);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "attention_ext.linear_step: scale must be finite, got ", scale);
+  check_widths_and_options(q, k, v, "attention_ext.linear_step: ", feature_map, eps, scale);
   const at::ScalarType acc = acc_of(q);
   TORCH_CHECK_TYPE(state.scalar_type() == acc, "attention_ext.linear_step: state must be ", acc, ", got ",
                    state.scalar_type());
