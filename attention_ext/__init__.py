@@ -6,6 +6,8 @@
     out = ae.flash_attn_func(q, k, v, causal=True)               # flash-attn drop-in
     out = ae.linear_attention(q, k, v, causal=True)              # linearized attention
     out = ae.block_sparse_attention(q, k, v, layout)             # block-sparse (attention_ext.sparse)
+    out = ae.lsh_attention(qk, v, n_buckets=8)                   # Reformer's LSH attention
+    out = ae.linformer_attention(q, k, v, proj_k)                # Linformer
     ae.nn.MultiheadAttention(...), ae.models.LanguageModel(...)   # modules and models
 
 One subpackage per kernel family (softmax, linear; each with ops.py, functional.py, reference.py),
@@ -28,8 +30,8 @@ from .compat import (  # noqa: E402
 )
 from ._ext import cpu_isa, cpu_isas, empty_cpu_cache, set_cpu_isa  # noqa: E402
 from .linear import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
-from .softmax import attention, attention_weights, dropout_mask  # noqa: E402
-from .sparse import block_sparse_attention, topk_attention  # noqa: E402
+from .softmax import attention, attention_weights, dropout_mask, linformer_attention  # noqa: E402
+from .sparse import block_sparse_attention, lsh_attention, topk_attention  # noqa: E402
 
 # subpackages imported on first attribute access: `import attention_ext` stays light
 _LAZY = ("nn", "models", "viz", "demo", "bench", "distributed")
@@ -55,6 +57,8 @@ __all__ = [
     "LinearAttentionState",
     "block_sparse_attention",
     "topk_attention",
+    "linformer_attention",
+    "lsh_attention",
     "reference",
     "softmax",
     "linear",

@@ -43,6 +43,7 @@ import attention_ext as ae
 from tests.helpers import one_rank_group
 from attention_ext import nn as aenn
 from attention_ext.linear import reference as linear_ref
+from attention_ext.softmax import reference as softmax_ref
 from attention_ext.models.lm import LMConfig
 from attention_ext.models.transformer import TransformerConfig, TransformerDecoder, TransformerEncoder
 from attention_ext.sparse import layouts as L
@@ -504,6 +505,10 @@ def _paged_scale(s, qf):
     return c.attend(_BSHD[0][:, -1:] * qf, scale=s, causal=False) if s is not None else None
 
 
+_PROJ = torch.randn(3, 5, dtype=F64)  # Linformer's (r, S_k) projection of _K, _V
+_ROT = torch.randn(1, 8, 1, dtype=F64)  # LSH: one round, two buckets, D = 8
+
+
 def _lin_qkv():
     return _qkv(sq=6, sk=6)
 
@@ -551,6 +556,10 @@ SCALE = {
         lambda s, n: _cp(lambda: ae.distributed.context_parallel_linear_attention(
             *_lin_qkv(), scale=s, normalize=n))),
     ("nn.positional.Embeddings.__init__", "scale"): _embeddings_scale,
+    ("softmax.linformer.linformer_attention", "scale"): _sc_softmax(
+        lambda s, f: ae.linformer_attention(_Q * f, _K, _V, _PROJ, scale=s)),
+    ("softmax.reference.linformer_attention", "scale"): _sc_softmax(
+        lambda s, f: softmax_ref.linformer_attention(_Q * f, _K, _V, _PROJ, scale=s)),
 }
 
 
@@ -593,6 +602,13 @@ LAYOUT = {
                                                          layout=lay))),
     ("sparse.functional.topk_attention", "layout"): _tensor_layout(
         lambda lay: _back(lay, ae.topk_attention(*_as(lay, _Q, _K, _V), 3, layout=lay))),
+    ("softmax.linformer.linformer_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.linformer_attention(*_as(lay, _Q, _K, _V), _PROJ, layout=lay))),
+    ("sparse.lsh.lsh_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.lsh_attention(*_as(lay, _LQ[0], _LQ[2]), n_buckets=2, chunk_size=2, rotations=_ROT,
+                                                layout=lay))),
+    ("sparse.lsh.lsh_buckets", "layout"): _tensor_layout(
+        lambda lay: ae.sparse.lsh_buckets(*_as(lay, _LQ[0]), _ROT, 2, layout=lay)),
     ("distributed.attention.context_parallel_attention", "layout"): _tensor_layout(
         lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_attention(*_as(lay, *_LQ), layout=lay)))),
     ("distributed.linear.context_parallel_linear_attention", "layout"): _tensor_layout(

@@ -277,3 +277,12 @@ def dropout_mask(b: int, h: int, sq: int, sk: int, p: float, rng_state: Tensor, 
     # u >= p in float32, as the kernels compare: (x >> 8) >= p32 * 2**24 (a power-of-two scale is exact)
     threshold = math.ceil(struct.unpack("f", struct.pack("f", p))[0] * 16777216.0)
     return ((bits >> 8) >= threshold).view(b, h, sq, sk)
+
+
+def linformer_attention(q: Tensor, k: Tensor, v: Tensor, proj_k: Tensor, proj_v: Optional[Tensor] = None, *,
+                        scale: Optional[float] = None) -> Tensor:
+    """Linformer (Wang et al. 2020): k' = proj_k k, v' = proj_v v along the sequence (proj (r, S_k)
+    shared by the heads, or (H_k, r, S_k) per head; proj_v defaults to proj_k), then softmax
+    attention of q over the r projected keys, non-causal. Returns (B, H, S_q, D_v)."""
+    proj_v = proj_k if proj_v is None else proj_v
+    return attention(q, torch.matmul(proj_k, k), torch.matmul(proj_v, v), scale=scale)[0]

@@ -8,6 +8,7 @@ True = a real key. Causal is aligned top-left (query i sees keys j <= i) unless 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -88,3 +89,63 @@ def topk_attention_ref(q: Tensor, k: Tensor, v: Tensor, k_top: int, *, causal: b
                   attn_mask=None).expand(b, h, sq, sk)
     keep = topk_select(s, ok, k_top)
     return softmax_ref.attention(q, k, v, scale=scale, bias=keep)
+
+
+def lsh_buckets_ref(qk: Tensor, rotations: Tensor, n_buckets: int) -> Tensor:
+    """Reformer's angular LSH: (B, H, n_hashes, S) int64, bucket(x) = argmax([x R_r ; -x R_r])
+    (the first maximum on ties) with R_r = rotations[r] (D, n_buckets / 2); n_buckets = 1: all 0."""
+    b, h, s, _ = qk.shape
+    if n_buckets == 1:
+        return torch.zeros(b, h, rotations.shape[0], s, dtype=torch.long, device=qk.device)
+    x = torch.einsum("bhsd,rdn->bhrsn", qk.double(), rotations.double())
+    return torch.cat([x, -x], -1).argmax(-1)
+
+
+def lsh_allowed_ref(buckets: Tensor, chunk_size: int, *, causal: bool = False) -> Tuple[Tensor, Tensor]:
+    """The pairs LSH attention computes: (allowed (B, H, n_hashes, S, S) bool, alone (B, H, n_hashes, S)
+    bool) from the buckets (B, H, n_hashes, S). Per round, each position's rank in the order
+    sorted by (bucket, position) and its chunk rank // chunk_size; query i attends key j when they
+    share a bucket, chunk(j) is chunk(i) or chunk(i) - 1, j <= i when causal, and j != i, unless
+    i has no such key (alone): then i attends only itself."""
+    s = buckets.shape[-1]
+    pos = torch.arange(s, device=buckets.device)
+    eye = pos[:, None] == pos[None, :]
+    order = torch.sort(buckets * s + pos, dim=-1).indices                    # sorted row -> position
+    rank = torch.empty_like(order).scatter_(-1, order, pos.expand_as(order))  # position -> sorted row
+    chunk = rank // chunk_size
+    dc = chunk[..., :, None] - chunk[..., None, :]
+    allowed = (buckets[..., :, None] == buckets[..., None, :]) & ((dc == 0) | (dc == 1)) & ~eye
+    if causal:
+        allowed &= pos[None, :] <= pos[:, None]
+    alone = ~allowed.any(-1)
+    return allowed | (alone[..., None] & eye), alone
+
+
+def lsh_attention_ref(qk: Tensor, v: Tensor, rotations: Tensor, n_buckets: int, chunk_size: int, *,
+                      causal: bool = False, buckets: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Reformer's shared-QK LSH attention (Kitaev et al. 2020), dense: (out (B, H, S, D), lse (B, H, S)).
+
+    qk, v (B, H, S, D). Queries are qk_i, keys k_j = qk_j / max(|qk_j|, 1e-12),
+    scale 1 / sqrt(D). Per hash round r: each position's bucket (lsh_buckets_ref, or `buckets`
+    (B, H, n_hashes, S) given) and the pairs of lsh_allowed_ref; a query alone attends only
+    itself, at logit -1e5. The rounds combine by their LSEs: out = sum_r softmax_r(lse_r) out_r.
+    Computed in qk's dtype (the tests' oracle passes float64); the hash in float64.
+    """
+    b, h, s, d = qk.shape
+    if buckets is None:
+        buckets = lsh_buckets_ref(qk, rotations, n_buckets)
+    k = qk / qk.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    scores = torch.einsum("bhid,bhjd->bhij", qk, k) / math.sqrt(d)
+    allowed, alone = lsh_allowed_ref(buckets, chunk_size, causal=causal)
+    outs, lses = [], []
+    for r in range(buckets.shape[2]):
+        sc = scores.masked_fill(~allowed[:, :, r], float("-inf"))
+        # a lone query's logit is -1e5 (beyond float16's range: set in the LSE, which is at least
+        # float32; a lone logit's softmax is 1 whatever its value)
+        lse = torch.where(alone[:, :, r], -1e5, sc.to(torch.promote_types(sc.dtype, torch.float32)).logsumexp(-1))
+        outs.append(torch.softmax(sc, -1) @ v)
+        lses.append(lse)
+    lse = torch.stack(lses, 2)                                           # (B, H, R, S)
+    total = lse.logsumexp(2)
+    w = (lse - total[:, :, None]).exp()[..., None]
+    return (w * torch.stack(outs, 2)).sum(2).to(v.dtype), total

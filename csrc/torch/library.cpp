@@ -283,6 +283,14 @@ TORCH_LIBRARY(attention_ext, m) {
   // (common/block_sparse.h) takes the same options (top-k's own left unset) and returns the
   // (B, H, Sq) thresholds and cut keys that fwd / bwd then take as topk_thr / topk_jcut
   m.def("topk_threshold(Tensor q, Tensor k" ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top) -> (Tensor, Tensor)");
+  // Linformer: k and v projected along the sequence, then fwd (softmax_linformer.cpp, a composite)
+  m.def("linformer_attention(Tensor q, Tensor k, Tensor v, Tensor proj_k, Tensor? proj_v=None, float? scale=None) "
+        "-> Tensor");
+  // Reformer's shared-QK LSH attention: hash, sort, chunked fwd with a mask, rounds merged by LSE
+  // (sparse_lsh.cpp, composites); lsh_buckets is its hash alone, (B, H, n_hashes, S) int64
+  m.def("lsh_buckets(Tensor qk, Tensor? rotations, int n_buckets) -> Tensor");
+  m.def("lsh_attention(Tensor qk, Tensor v, Tensor? rotations, int n_buckets, int n_hashes, int chunk_size, "
+        "bool causal=False) -> (Tensor, Tensor)");
   // linear family
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
   // linear_fwd's input rules alone, on any device (the Python reference fallback's check)

@@ -452,3 +452,58 @@ def test_q_grad_on_one_key_rows(monkeypatch):
              False, None, 0.0, False, 0.25, 1.0, True, 3820]
     monkeypatch.setitem(globals(), "note", lambda *args, **kw: None)  # hypothesis' note needs a test context
     case_attention(_Script(draws))
+
+
+@at_least(100)
+@given(data=st.data())
+def test_fuzz_linformer(data):
+    """linformer_attention on drawn sizes, GQA, projections (shared or per head, r below or above
+    S, proj_v own or defaulted), layouts and storages: out and every gradient against the float64
+    reference."""
+    draw = data.draw
+    dtype = draw(dtypes)
+    b, hk = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    h = hk * draw(st.integers(1, 3))
+    sq, sk, d = draw(lengths), draw(lengths), draw(head_dims)
+    r = draw(st.sampled_from([1, 2, 7, 16, 33, 80]))
+    per_head, own_v, grad = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    layout = draw(st.sampled_from(["bhsd", "bshd"]))
+    storage = draw(st.sampled_from(STORAGES))
+    torch.manual_seed(draw(seeds))
+    note(dict(dtype=dtype, b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, r=r, per_head=per_head, own_v=own_v, layout=layout,
+              storage=storage))
+
+    def shp(heads, s):
+        return (b, heads, s, d) if layout == "bhsd" else (b, s, heads, d)
+
+    seq_dim, head_dim = (2, 1) if layout == "bhsd" else (1, 2)
+    q, fq = strided(shp(h, sq), dtype, storage, seq_dim, heads=head_dim)
+    k, fk = strided(shp(hk, sk), dtype, storage, seq_dim, heads=head_dim)
+    v, fv = strided(shp(hk, sk), dtype, storage, seq_dim, heads=head_dim)
+    pshape = (hk, r, sk) if per_head else (r, sk)
+    pk = (torch.randn(pshape, dtype=F64) / sk ** 0.5).to(dtype).requires_grad_()
+    pv = (torch.randn(pshape, dtype=F64) / sk ** 0.5).to(dtype).requires_grad_() if own_v else None
+    to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
+
+    def call(L):
+        return to_bhsd(ae.linformer_attention(fq(L[0]), fk(L[1]), fv(L[2]), L[3], L[4], layout=layout))
+
+    def ref_call(L):
+        return reference.linformer_attention(to_bhsd(fq(L[0])), to_bhsd(fk(L[1])), to_bhsd(fv(L[2])), L[3], L[4])
+
+    leaves = [q, k, v, pk, pv]
+    out, (r64, ref), (rlow, low) = run_with_references(call, ref_call, leaves, grad, dtype)
+    check_out(out, low, ref, dtype, "linformer out")
+    if grad:
+        idx = [i for i, t in enumerate(leaves) if t is not None]
+        dout = torch.randn(out.shape, dtype=F64).to(dtype)
+        ours = torch.autograd.grad(out, [leaves[i] for i in idx], dout)
+        g64 = torch.autograd.grad(ref, [r64[i] for i in idx], dout.to(F64))
+        glow = torch.autograd.grad(low, [rlow[i] for i in idx], dout)
+        exempt = dtype in LOW and min(r, sk) < 16  # few keys per row: tests/fuzz/common.py, few_keys
+        for i, o, r_, lo in zip(idx, ours, g64, glow):
+            if exempt:
+                assert torch.isfinite(o).all()
+                continue
+            check_grad(o, lo, r_, dtype, f"linformer grad of leaf {i}")
+    log_example("softmax", "linformer")

@@ -1,0 +1,208 @@
+// Reformer's shared-QK LSH attention (Kitaev et al. 2020) as composite ops over the fused softmax
+// forward: attention_ext::lsh_buckets and attention_ext::lsh_attention, CompositeImplicitAutograd,
+// so autograd, torch.compile and every device take the registrations of the ops they call (the
+// hash, sort and gathers are ATen; the chunked attention is softmax_fwd with a bool mask).
+//
+// The semantics, per (batch, head) and hash round r (attention_ext.sparse.reference.lsh_attention_ref
+// is the float64 oracle):
+//   - queries are qk_i, keys k_j = qk_j / max(|qk_j|, 1e-12), scale 1 / sqrt(D);
+//   - bucket(x) = argmax([x R_r ; -x R_r]) (first maximum on ties), R_r = rotations[r] (D, n_buckets / 2),
+//     computed in the float side dtype (float32; float64 for float64 inputs); n_buckets = 1 puts
+//     every position in bucket 0;
+//   - positions sorted by (bucket, position), cut into chunks of chunk_size; query i attends key j
+//     when both share a bucket, j lies in i's chunk or the one before it, j <= i when causal, and
+//     j != i unless i has no other key: then i attends itself alone with logit -1e5 (so
+//     out_{i,r} = v_i and lse_{i,r} = -1e5);
+//   - the rounds combine by their LSEs: out_i = sum_r softmax_r(lse_{i,r}) out_{i,r}.
+//
+// Why a bool mask over chunk pairs: in sorted order each query's allowed keys lie in a window of
+// 2 * chunk_size rows, but the window's bucket and self rules are per element and do not align
+// with the kernels' diagonal-relative masks. So every chunk becomes one head of a (C, 2C)
+// attention with an explicit (C, 2C) mask: memory O(S * C) per round (the mask, the chunk pairs'
+// keys and values twice), compute O(S * C * D), never S^2.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "torch/softmax_binding.h"  // Options, routed_fwd
+#include "torch/tensor_rules.h"     // acc_dtype
+
+namespace {
+
+using at::Tensor;
+using c10::SymInt;
+
+// The logit a query with no other key gives itself (the paper's self-mask value).
+constexpr double kSelfLogit = -1e5;
+
+// lsh_attention's and lsh_buckets' input rules: the one statement (attention_ext.sparse.lsh
+// calls these ops, and the reference fallback runs them on meta tensors).
+// v == nullptr: lsh_buckets' rules (qk, rotations, n_buckets), named as its own.
+void check_lsh(const Tensor& qk, const Tensor* v, const std::optional<Tensor>& rotations_in, int64_t n_buckets,
+               int64_t n_hashes, int64_t chunk_size) {
+  const char* fn = v == nullptr ? "attention_ext.lsh_buckets: " : "attention_ext.lsh_attention: ";
+  TORCH_CHECK_VALUE(qk.dim() == 4, fn, "qk must be 4-D (B, H, S, D) (or (B, S, H, D) with "
+                    "layout='bshd'), got shape ", qk.sym_sizes());
+  TORCH_CHECK_TYPE(qk.is_floating_point(), fn, "qk must be floating point, got ",
+                   qk.scalar_type());
+  TORCH_CHECK_VALUE(qk.sym_size(3) > 0, fn, "qk's head dim D must be >= 1");
+  TORCH_CHECK_VALUE(n_buckets == 1 || (n_buckets >= 2 && n_buckets % 2 == 0),
+                    fn, "n_buckets must be 1 or an even number >= 2 (the hash is the argmax "
+                    "of [xR; -xR] over n_buckets / 2 rotations), got ", n_buckets);
+  TORCH_CHECK_VALUE(n_hashes >= 1, fn, "n_hashes must be >= 1, got ", n_hashes);
+  TORCH_CHECK_VALUE(rotations_in.has_value(), fn, "rotations (n_hashes, D, n_buckets // 2) "
+                    "are required by the op (attention_ext.lsh_attention draws them when not given)");
+  const Tensor& rotations = *rotations_in;
+  TORCH_CHECK_VALUE(rotations.dim() == 3 && rotations.sym_size(0) == n_hashes &&
+                        rotations.sym_size(1) == qk.sym_size(3) && rotations.sym_size(2) == n_buckets / 2,
+                    fn, "rotations must be (n_hashes, D, n_buckets // 2) = (", n_hashes, ", ",
+                    qk.sym_size(3), ", ", n_buckets / 2, "), got shape ", rotations.sym_sizes());
+  TORCH_CHECK_TYPE(rotations.is_floating_point(), fn, "rotations must be floating point, got ",
+                   rotations.scalar_type());
+  TORCH_CHECK_VALUE(rotations.device() == qk.device(), fn, "rotations must be on qk's device ",
+                    qk.device(), ", got ", rotations.device());
+  if (v == nullptr) return;
+  TORCH_CHECK_VALUE(chunk_size >= 1, fn, "chunk_size must be >= 1, got ", chunk_size);
+  TORCH_CHECK_VALUE(v->dim() == 4, fn, "v must be 4-D like qk, got shape ", v->sym_sizes());
+  TORCH_CHECK_VALUE(v->sym_sizes() == qk.sym_sizes(),
+                    fn, "v must have qk's shape (one key and one value per position, the "
+                    "fused kernel's head dim for both), got qk ", qk.sym_sizes(), " and v ", v->sym_sizes());
+  TORCH_CHECK_TYPE(v->scalar_type() == qk.scalar_type(), fn, "qk and v must have one dtype, "
+                   "got ", qk.scalar_type(), " and ", v->scalar_type());
+  TORCH_CHECK_VALUE(v->device() == qk.device(), fn, "qk and v must be on one device, got ",
+                    qk.device(), " and ", v->device());
+}
+
+// Buckets of x (.., n_buckets / 2) = rows of qk times a rotation: argmax over [x ; -x] without
+// the concatenation: the first maximum is in x (index argmax x) unless max(-x) = -min(x) is
+// strictly larger (index n_buckets / 2 + argmin x), as argmax's first-maximum rule decides.
+Tensor argmax_pm(const Tensor& x, int64_t half) {
+  const Tensor hi = x.argmax(-1, true), lo = x.argmin(-1, true);
+  return at::where(x.gather(-1, hi).ge(x.gather(-1, lo).neg()), hi, lo + half).squeeze(-1);
+}
+
+// (B, H, n_hashes, S) int64 buckets of qk's rows. The (.., S, n_buckets / 2) products are made a
+// block of rows at a time where they would be large: with Reformer's n_buckets ~ S / chunk_size
+// they are S^2 / chunk_size per head and round, the one quadratic term of the op (its work stays
+// S * n_buckets * D, a small constant beside the chunks' attention up to S ~ 64k at chunk 64).
+Tensor buckets_of(const Tensor& qk, const Tensor& rotations, int64_t n_buckets) {
+  const auto acc = attn::api::acc_dtype(qk);
+  if (n_buckets == 1) {
+    return at::zeros_symint({qk.sym_size(0), qk.sym_size(1), rotations.sym_size(0), qk.sym_size(2)},
+                            qk.options().dtype(at::kLong));
+  }
+  const int64_t half = n_buckets / 2;
+  const Tensor x = qk.detach().to(acc).unsqueeze(2), rot = rotations.detach().to(acc);  // (B, H, 1, S, D)
+  // (B, H, 1, rows, D) @ (n_hashes, D, half) -> (B, H, n_hashes, rows, half)
+  const auto s = qk.sym_size(2).maybe_as_int();
+  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 16) / half);
+  if (!s.has_value() || *s <= rows) return argmax_pm(at::matmul(x, rot), half);
+  std::vector<Tensor> parts;
+  for (int64_t r0 = 0; r0 < *s; r0 += rows) {
+    parts.push_back(argmax_pm(at::matmul(x.slice(3, r0, std::min(*s, r0 + rows)), rot), half));
+  }
+  return at::cat(parts, -1);
+}
+
+Tensor lsh_buckets(const Tensor& qk, const std::optional<Tensor>& rotations, int64_t n_buckets) {
+  // n_hashes is the rotations' first dim here (a 3-D check first, so that a wrong rank is named)
+  const int64_t n_hashes =
+      rotations.has_value() && rotations->dim() == 3 ? rotations->sym_size(0).guard_int(__FILE__, __LINE__) : 1;
+  check_lsh(qk, nullptr, rotations, n_buckets, n_hashes, 1);
+  return buckets_of(qk, *rotations, n_buckets);
+}
+
+// t's rows (.., S, X), n = the leading dims' product, picked per leading index i by idx (n, R, S')
+// (row numbers within i's S rows) -> (n, R, S', X). One index_select over the flattened rows:
+// its backward is one index_add.
+Tensor pick_rows(const Tensor& t, const Tensor& idx) {
+  const SymInt n = idx.sym_size(0), S = t.sym_size(-2), X = t.sym_size(-1);
+  const Tensor base = at::arange(c10::Scalar(n), idx.options()).mul(c10::Scalar(S)).view_symint({n, 1, 1});
+  return t.reshape_symint({n * S, X})
+      .index_select(0, (idx + base).reshape({-1}))
+      .view_symint({n, idx.sym_size(1), idx.sym_size(2), X});
+}
+
+std::tuple<Tensor, Tensor> lsh_attention(const Tensor& qk, const Tensor& v, const std::optional<Tensor>& rotations_in,
+                                         int64_t n_buckets, int64_t n_hashes, int64_t chunk_size, bool causal) {
+  check_lsh(qk, &v, rotations_in, n_buckets, n_hashes, chunk_size);
+  const Tensor& rotations = *rotations_in;
+  const SymInt B = qk.sym_size(0), H = qk.sym_size(1), S = qk.sym_size(2), D = qk.sym_size(3);
+  const SymInt R = rotations.sym_size(0);
+  const int64_t C = chunk_size;
+  const SymInt nc = (S + (C - 1)) / C, tail = nc * C - S;  // chunks; pad rows after the last position
+  const auto acc = attn::api::acc_dtype(qk);
+  const auto lopts = qk.options().dtype(at::kLong);
+
+  // sort each round's positions by (bucket, position)
+  const Tensor buckets = buckets_of(qk, rotations, n_buckets);  // (B, H, R, S)
+  const Tensor pos = at::arange(c10::Scalar(S), lopts);
+  const Tensor perm = std::get<1>((buckets * c10::Scalar(S) + pos).sort(-1));
+  const Tensor sb = buckets.gather(3, perm);  // sorted buckets; perm = sorted positions
+
+  // queries, unit keys and values in sorted order, (B, H, R, S, D)
+  const Tensor perm_n = perm.flatten(0, 1);  // (B * H, R, S)
+  const Tensor qs = pick_rows(qk, perm_n).unflatten_symint(0, {B, H});
+  const Tensor ks = qs / qs.norm(2, {-1}, true).clamp_min(1e-12);
+  const Tensor vs = pick_rows(v, perm_n).unflatten_symint(0, {B, H});
+
+  // Chunk c's queries are sorted rows [cC, (c+1)C) and its keys rows [(c-1)C, (c+1)C): every
+  // sorted tensor gets C rows in front (chunk 0 looks back at nothing) and `tail` behind, their
+  // bucket -1 (never a real bucket).
+  const auto padded = [&](const Tensor& t, int64_t front, double value) {  // along dim 3 (S)
+    return t.dim() == 4 ? at::constant_pad_nd_symint(t, {SymInt(front), tail}, value)
+                        : at::constant_pad_nd_symint(t, {0, 0, SymInt(front), tail}, value);
+  };
+  const auto chunks = [&](const Tensor& t) {  // (B, H, R, nc * C, ..) -> (B, H, R, nc, C, ..)
+    return t.unflatten_symint(3, {nc, SymInt(C)});
+  };
+  const auto pairs = [&](const Tensor& t, double value) {  // (B, H, R, S, ..) -> (B, H, R, nc, 2C, ..)
+    const Tensor p = padded(t, C, value);
+    return at::cat({chunks(p.slice_symint(3, 0, nc * C)), chunks(p.slice_symint(3, SymInt(C)))}, 4);
+  };
+  const Tensor bq = chunks(padded(sb, 0, -1)), bk = pairs(sb, -1);    // (B, H, R, nc, C) / (.., 2C)
+  const Tensor pq = chunks(padded(perm, 0, -1)), pk = pairs(perm, -1);
+  // (B, H, R, nc, C, 2C): same bucket, not itself, and not later when causal
+  Tensor allowed = bq.unsqueeze(-1).eq(bk.unsqueeze(-2)).logical_and_(pq.unsqueeze(-1).ne(pk.unsqueeze(-2)));
+  if (causal) allowed.logical_and_(pk.unsqueeze(-2).le(pq.unsqueeze(-1)));
+  const Tensor has_other = allowed.any(-1);  // (B, H, R, nc, C)
+
+  const SymInt heads = H * R * nc;  // every chunk of every round is one head of the fused call
+  const Tensor qc = padded(qs, 0, 0).reshape_symint({B, heads, SymInt(C), D});
+  const Tensor kc = pairs(ks, 0).reshape_symint({B, heads, SymInt(2 * C), D});
+  const Tensor vc = pairs(vs, 0).reshape_symint({B, heads, SymInt(2 * C), D});
+
+  attn::api::Options o{};
+  o.bias = allowed.reshape_symint({B, heads, SymInt(C), SymInt(2 * C)});
+  o.scale = 1.0 / std::sqrt(double(D.guard_int(__FILE__, __LINE__)));
+  o.window_left = o.window_right = -1;
+  o.block_size = 64;
+  auto [oc, lc] = attn::api::routed_fwd(qc, kc, vc, o, /*num_splits=*/1, /*deterministic=*/false);
+
+  // a query with no other key attends itself alone: out = v_i, lse = the self logit
+  const Tensor vq = chunks(padded(vs, 0, 0));  // (B, H, R, nc, C, D)
+  Tensor out = at::where(has_other.unsqueeze(-1), oc.reshape_symint({B, H, R, nc, SymInt(C), D}), vq);
+  Tensor lse = at::where(has_other, lc.reshape_symint({B, H, R, nc, SymInt(C)}), kSelfLogit);
+  // back to positions: drop the tail, undo the sort
+  const Tensor inv = std::get<1>(perm.sort(-1));  // sorted row of each position
+  out = pick_rows(out.flatten(3, 4).flatten(0, 2), inv.flatten(0, 2).unsqueeze(1))  // (B, H, R, S, D)
+            .view_symint({B, H, R, S, D});
+  lse = lse.flatten(3, 4).slice_symint(3, 0, S).gather(3, inv);    // (B, H, R, S)
+  if (R == 1) return {out.squeeze(2), lse.squeeze(2)};
+  const Tensor total = lse.logsumexp(2);  // (B, H, S)
+  const Tensor w = (lse - total.unsqueeze(2)).exp().unsqueeze(-1);
+  return {(w * out.to(acc)).sum(2).to(qk.scalar_type()), total};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CompositeImplicitAutograd, m) {
+  m.impl("lsh_buckets", &lsh_buckets);
+  m.impl("lsh_attention", &lsh_attention);
+}
