@@ -846,6 +846,33 @@ def plot(rows: list, path_stem: str) -> list:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's first "model name"), else platform.processor(), else
+    "unknown"."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_line(threads: int, gpu: bool = False) -> str:
+    """"torch V, CPU <arch> <ISA level>, N threads[, GPU <name>]": the machine every table's header
+    names (the ISA level the CPU kernels run, attention_ext.cpu_isa())."""
+    import platform
+
+    from attention_ext import _ext
+
+    return (f"torch {torch.__version__}, CPU {platform.machine()} "
+            f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
+            + (f", GPU {torch.cuda.get_device_name()}" if gpu else ""))
+
+
 def main(argv=None) -> int:
     """`python -m attention_ext bench`: see the parser's help."""
     cuda_ok = torch.cuda.is_available()
@@ -889,6 +916,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out", help="directory of results.csv, results.md and the PNGs")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     ap.add_argument("--decode", action="store_true", help="alias of --family decode")
+    ap.add_argument("--complexity", action="store_true",
+                    help="the complexity table, measured (attention_ext.complexity): forward + backward time and "
+                         "peak memory of every attention (and torch's GRU) for n = 1k ... 64k on the CPU in fp32, "
+                         "each one's growth exponents fitted over its largest 3 lengths beside its theory: "
+                         "DIR/complexity.md, complexity.csv, complexity_cpu_float32.png. --sizes, --quick (1k-8k), "
+                         "--max-n, --reps (calls per length, default 3, and 1 s of calls at least: 0.25 with --quick, "
+                         "at most a tenth of --budget), --budget (the seconds one call may take before a method "
+                         "stops growing n, default 10), --mem-cap, --threads, --out apply")
+    ap.add_argument("--max-n", type=int, default=None, help="--complexity: the longest length (default 65536)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="--complexity: timing rounds over every (method, n), each length keeping its fastest "
+                         "round's median, so that a burst of load has to hit it in every round (default 2, 1 with "
+                         "--quick)")
+    ap.add_argument("--mem-cap", type=float, default=None,
+                    help="--complexity: GiB of predicted peak memory past which a method stops growing n (default 8)")
     args = ap.parse_args(argv)
 
     families = ("decode",) if args.decode else FAMILIES if args.family == "all" else (args.family,)
@@ -908,10 +950,24 @@ def main(argv=None) -> int:
     bad = [x for x in (args.dtype or "").split(",") if x and x not in DTYPES]
     if bad:
         ap.error(f"--dtype: unknown {', '.join(bad)} (choose from {', '.join(DTYPES)})")
+    if args.complexity:
+        if args.family != "all" or args.decode or args.device == "cuda" or (args.dtype or "fp32") != "fp32":
+            ap.error("--complexity: the CPU in fp32, every method; --family, --decode, --device cuda and --dtype "
+                     "do not apply")
+        if args.max_n is not None and args.max_n < 1:
+            ap.error(f"--max-n: at least 1, got {args.max_n}")
+        if args.rounds is not None and args.rounds < 1:
+            ap.error(f"--rounds: at least 1, got {args.rounds}")
+        if args.mem_cap is not None and args.mem_cap <= 0:
+            ap.error(f"--mem-cap: GiB > 0, got {args.mem_cap}")
     old_threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
+        if args.complexity:
+            from attention_ext import complexity
+
+            return complexity.run(args, sizes, budget)
         return _run(args, families, devices, sizes, timing_kw)
     finally:
         torch.set_num_threads(old_threads)
@@ -921,11 +977,8 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
     """main() after the arguments: every case, then the tables, CSV and plots."""
     import csv
     import os
-    import platform
 
     from tqdm import tqdm
-
-    from attention_ext import _ext
 
     cases = []  # (device, family, dtype, S)
     for dev in devices:
@@ -1000,9 +1053,7 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
     threads = torch.get_num_threads()
     all_rows = [r for rows in groups.values() for r in rows]
     reps = sorted({r["reps"] for r in all_rows}) or [0]
-    head = (f"attention_ext bench: torch {torch.__version__}, CPU {platform.machine()} "
-            f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
-            + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else "")
+    head = (f"attention_ext bench: {machine_line(threads, gpu='cuda' in devices)}"
             + f"; ms: the median of {reps[0]}{'-' + str(reps[-1]) if reps[-1] != reps[0] else ''} interleaved "
               f"rounds per case, IQR: their interquartile range over the median; 'vs fastest peer' = the fastest "
               f"peer's time / this row's time")

@@ -8,8 +8,8 @@
    lines with KV-cache generation.
 3. timings: forward+backward step time of the same model with our kernel and with torch SDPA
    (--variant linear / performer: our linear attention against SDPA's softmax attention, since
-   SDPA has no linear form; --variant bigbird / topk: our sparse attention against SDPA's dense
-   attention).
+   SDPA has no linear form; --variant bigbird / topk / reformer: our sparse or LSH attention
+   against SDPA's dense attention).
 
 --variant linear / performer replace every softmax attention with linear attention (elu + 1 or
 FAVOR+ features); generation then carries the recurrent state (nn.LinearCache) instead of a KV
@@ -17,6 +17,11 @@ cache. --variant bigbird makes every self-attention block-sparse (BigBird: a sli
 global block and a random block per row, 16-position blocks; causal in the decoders) and
 --variant topk keeps each query's best keys only (hard top-k attention); cross-attention stays
 dense, and generation keeps the KV cache (a step reads its layout row as an element mask).
+--variant reformer makes every self-attention Reformer's shared-QK LSH attention (causal in the
+decoders; cross-attention stays softmax); it has no incremental form, so generation recomputes
+the prefix each step. --variant linformer (keys and values projected to a fixed length) is
+non-causal: it serves the seq2seq encoder only, the decoder keeps softmax attention, and the
+causal char LM and its timings, which it cannot serve, are skipped and say so.
 
 Training runs to a budget of steps, never of seconds: with the seed fixed, the run trains the same
 steps on a quiet machine and on a loaded one and reports the same accuracy and bits per character
@@ -44,9 +49,12 @@ from torch import Tensor
 
 from .models import LanguageModel, LMConfig, Transformer, TransformerConfig
 
-VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer", "bigbird", "topk")
+VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer", "bigbird", "topk",
+            "reformer", "linformer")
 LINEAR_VARIANTS = ("linear", "performer")  # attention_type="linear": no softmax, a recurrent state in generation
 SPARSE_VARIANTS = ("bigbird", "topk")  # attention_type="sparse": a block layout or top-k keys per query
+UNCACHED_VARIANTS = ("reformer",)  # attention_type="lsh": no incremental form, generation recomputes the prefix
+ENCODER_VARIANTS = ("linformer",)  # non-causal: the seq2seq encoder only, no causal LM
 
 
 @dataclass
@@ -67,7 +75,8 @@ SIZES = {
 
 
 def variant_options(variant: str, n_heads: int, context: int) -> Dict:
-    """The attention options a --variant stands for (model-config keyword arguments)."""
+    """The attention options a --variant stands for (model-config keyword arguments; an
+    ENCODER_VARIANTS entry's are TransformerConfig's only)."""
     return {
         "full": {},
         "gqa": {"n_kv_heads": max(1, n_heads // 2)},
@@ -82,11 +91,21 @@ def variant_options(variant: str, n_heads: int, context: int) -> Dict:
         "bigbird": {"attention_type": "sparse", "sparse_pattern": "bigbird", "sparse_block_size": 16,
                     "sparse_kwargs": {"window_blocks": 1, "n_global": 1, "n_random": 1, "seed": 0}},
         "topk": {"attention_type": "sparse", "sparse_pattern": "topk", "topk": max(8, context // 8)},
+        # Reformer: chunks of 32 and about context / 32 buckets (an even count), 2 hash rounds
+        "reformer": {"attention_type": "lsh", "lsh_chunk_size": 32, "lsh_buckets": max(2, 2 * (context // 64)),
+                     "lsh_hashes": 2},
+        # Linformer in the encoder, keys and values projected to a quarter of the context; the
+        # causal decoder keeps softmax attention
+        "linformer": {"attention_type": "linformer", "decoder_attention_type": "softmax",
+                      "linformer_k": max(4, context // 4)},
     }[variant]
 
 
 def _cache_name(variant: str) -> str:
-    """What generation carries between steps: a KV cache, or linear attention's recurrent state."""
+    """What generation carries between steps: a KV cache, linear attention's recurrent state, or
+    nothing (LSH attention: each step recomputes the prefix)."""
+    if variant in UNCACHED_VARIANTS:
+        return "uncached"
     return "recurrent state" if variant in LINEAR_VARIANTS else "KV cache"
 
 
@@ -236,13 +255,14 @@ def run_seq2seq(args, size: Size, device, log) -> Dict:
     if stopped_by == "time cap":
         log(f"  {cap.message(step + 1, steps)}: the scores below are of a model short of its budget")
 
-    # held-out exact-sequence accuracy with greedy decoding and the KV cache
+    # held-out exact-sequence accuracy with greedy decoding and the KV cache (where the decoder has one)
     model.eval()
+    use_cache = args.variant not in UNCACHED_VARIANTS
     correct, shown = 0, []
     for i in range(0, len(task.test), 250):
         chunk = task.test[i: i + 250]
         src, lengths, _, _ = task.encode(chunk, device)
-        out = model.greedy_decode(src, lengths, BOS, EOS, max_new_tokens=task.max_len + 1)
+        out = model.greedy_decode(src, lengths, BOS, EOS, max_new_tokens=task.max_len + 1, use_cache=use_cache)
         for s, row in zip(chunk, out.tolist()):
             pred = task.decode(row)
             correct += pred == task.target(s)
@@ -257,14 +277,14 @@ def run_seq2seq(args, size: Size, device, log) -> Dict:
 
     plots = []
     if not args.no_plots:
-        plots = _plot_cross_attention(model, task, task.test[0], args.out, log)
+        plots = _plot_cross_attention(model, task, task.test[0], args.out, log, use_cache)
     # full-precision floats: two runs with the same seed compare equal (tests/test_demo.py)
     return {"task": "reverse", "steps": step + 1, "max_steps": steps, "stopped_by": stopped_by,
             "train_s": round(train_s, 1), "accuracy": acc, "val_acc": val_acc, "loss": loss.item(),
             "n_test": len(task.test), "examples": shown, "plots": plots}
 
 
-def _plot_cross_attention(model, task, s: str, out_dir: str, log) -> List[str]:
+def _plot_cross_attention(model, task, s: str, out_dir: str, log, use_cache: bool = True) -> List[str]:
     try:
         from . import viz
         import matplotlib  # noqa: F401
@@ -273,7 +293,7 @@ def _plot_cross_attention(model, task, s: str, out_dir: str, log) -> List[str]:
         return []
     device = next(model.parameters()).device
     src, lengths, _, _ = task.encode([s], device)
-    pred = model.greedy_decode(src, lengths, BOS, EOS, max_new_tokens=task.max_len + 1)
+    pred = model.greedy_decode(src, lengths, BOS, EOS, max_new_tokens=task.max_len + 1, use_cache=use_cache)
     dec_in = torch.cat([torch.tensor([[BOS]], device=device), pred[:, :-1]], 1)  # teacher-force the decode
     layers = [blk.cross_attn for blk in model.decoder.layers]
     for a in layers:
@@ -397,7 +417,8 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
     for p, x in zip(prompts, idx):
         n_new = min(args.lm_sample_chars, cfg.block_size - x.shape[1]) if cfg.positional == "learned" \
             else args.lm_sample_chars
-        out = model.generate(x, n_new, temperature=0.8, top_k=20, generator=g)  # KV cache
+        out = model.generate(x, n_new, temperature=0.8, top_k=20, generator=g,
+                             use_cache=args.variant not in UNCACHED_VARIANTS)  # KV cache, or the prefix recomputed
         samples.append("".join(chars[i] for i in out[0].tolist()))
     gen_s = time.perf_counter() - t1
     log(f"  samples ({_cache_name(args.variant)} generation, temperature 0.8, top-k 20, {gen_s:.1f}s):")
@@ -453,6 +474,9 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
         kind = "block-sparse" if args.variant == "bigbird" else "top-k"
         log(f"  {args.variant}: 'ours' is our sparse attention ({kind}), 'sdpa' torch SDPA's dense softmax attention, "
             f"in the same LM")
+    if args.variant in UNCACHED_VARIANTS:
+        log(f"  {args.variant}: 'ours' is our LSH attention (chunks of 32, 2 hash rounds), 'sdpa' torch SDPA's dense "
+            f"softmax attention, in the same LM")
     for variant in variants:
         for b, s in shapes:
             opts = variant_options(variant, size.n_heads, s)
@@ -488,7 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="full", choices=VARIANTS,
                    help="attention variant: full softmax, GQA, MQA, causal sliding window, ALiBi, RoPE, sinks; "
                         "linear (elu + 1 linear attention) or performer (FAVOR+) replace softmax attention; "
-                        "bigbird (block-sparse) or topk (top-k keys per query) make self-attention sparse")
+                        "bigbird (block-sparse) or topk (top-k keys per query) make self-attention sparse; "
+                        "reformer: LSH self-attention (generation without a cache); linformer: the seq2seq "
+                        "encoder only (non-causal; the char LM and timings are skipped)")
     p.add_argument("--size", default=None, choices=sorted(SIZES), help="model size (default: small, tiny with --quick)")
     p.add_argument("--parts", default="seq2seq,lm,timings", help="comma-separated subset of seq2seq,lm,timings")
     p.add_argument("--seed", type=int, default=0)
@@ -569,6 +595,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "cpu_isa": _ext.cpu_isa() if _ext.HAS_EXT else None, "torch": torch.__version__}
     if "seq2seq" in parts:
         results["seq2seq"] = run_seq2seq(args, size, device, log)
+    if args.variant in ENCODER_VARIANTS:  # the LM and its timings are causal: nothing to run them with
+        why = f"--variant {args.variant} is non-causal (the seq2seq encoder only) and the char LM is causal"
+        for part, name in (("lm", "[2/3] char LM"), ("timings", "[3/3] timings")):
+            if part in parts:
+                parts.discard(part)
+                results.setdefault("skipped", {})[part] = why
+                log(f"\n{name}: skipped: {why}")
     if "lm" in parts:
         results["char_lm"] = run_char_lm(args, size, device, log)
     if "timings" in parts:

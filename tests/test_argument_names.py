@@ -185,6 +185,24 @@ def _km_self(make, call):
     return case
 
 
+def _km_prefix(attention_type, refuses_inverse=False):
+    """Self-attention whose exact padding is right padding (Linformer projects the positions, LSH
+    sorts them into chunks): a prefix key mask equals the module on the real positions alone. LSH
+    refuses a mask that is not a prefix (the inverse) with an error naming right padding; its
+    polarity is then checked against the unmasked call."""
+    def case():
+        mod = _layer(attention_type, cross=False)
+        x, m = _x(1, 7, 4), torch.arange(7).unsqueeze(0) < 5
+        with torch.no_grad():
+            got, want = mod(x, key_mask=m)[:, :5], mod(x[:, :5])
+            if refuses_inverse:
+                with pytest.raises(ValueError, match="right padding only"):
+                    mod(x, key_mask=~m)
+                return got, want, mod(x)[:, :5]
+            return got, want, mod(x, key_mask=~m)[:, :5]
+    return case
+
+
 def _kw(name, m):
     return {} if m is None else {name: m}
 
@@ -212,6 +230,8 @@ KEY_MASK = {
         _layer, lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
     ("nn.linear.LinearAttention.forward", "key_mask"): _km_drop_keys(
         lambda: _layer("linear"), lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
+    ("nn.linformer.LinformerAttention.forward", "key_mask"): _km_prefix("linformer"),
+    ("nn.lsh.LSHAttention.forward", "key_mask"): _km_prefix("lsh", refuses_inverse=True),
     ("nn.blocks.EncoderBlock.forward", "key_mask"): _km_self(_block, lambda mod, x, m: mod(x, **_kw("key_mask", m))),
     ("nn.blocks.DecoderBlock.forward", "key_mask"): _km_self(
         lambda: _block(decoder=True), lambda mod, x, m: mod(x, _x(1, 5, 5), **_kw("key_mask", m))),
@@ -344,6 +364,14 @@ def _am_linear_refuses():
         mod(_x(1, 4, 0), _x(1, 7, 1), attn_mask=_mask(4, 7))
 
 
+def _am_self_refuses(attention_type):
+    def case():
+        mod = _layer(attention_type, cross=False)
+        with pytest.raises(ValueError, match=f"attention_type='{attention_type}' takes no attn_mask"):
+            mod(_x(1, 7, 0), attn_mask=_mask(7, 7))
+    return case
+
+
 _MEM = _x(1, 7, 3)
 ATTN_MASK = {
     ("softmax.functional.attention", "attn_mask"): _am_softmax(lambda q, k, v, m: ae.attention(q, k, v, attn_mask=m)),
@@ -355,6 +383,8 @@ ATTN_MASK = {
     ("nn.layers.Attention.forward", "attn_mask"): _am_module(
         _layer, lambda mod, m: mod(_x(1, 4, 2), _MEM, attn_mask=m)),
     ("nn.linear.LinearAttention.forward", "attn_mask"): _am_linear_refuses,
+    ("nn.linformer.LinformerAttention.forward", "attn_mask"): _am_self_refuses("linformer"),
+    ("nn.lsh.LSHAttention.forward", "attn_mask"): _am_self_refuses("lsh"),
     ("nn.blocks.EncoderBlock.forward", "attn_mask"): _am_module(_block, lambda mod, m: mod(_x(1, 7, 2), attn_mask=m),
                                                                 sq=7),
     ("nn.blocks.DecoderBlock.forward", "attn_mask"): _am_module(

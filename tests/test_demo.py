@@ -9,6 +9,7 @@ import time
 import pytest
 
 from attention_ext import demo
+from attention_ext.models import Transformer, TransformerConfig
 
 
 def test_stdlib_corpus_is_deterministic():
@@ -95,6 +96,35 @@ def test_demo_sparse_variants(tmp_path, variant):
     decoding and sampling, heatmaps, the timing table against SDPA's dense attention); a few steps."""
     _, log = _quick_variant(tmp_path, variant)
     assert "KV cache" in log and "our sparse attention" in log
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_demo_reformer_variant(tmp_path):
+    """--variant reformer: every part runs with LSH self-attention (causal in the decoders,
+    generation without a cache, the timing table against SDPA's dense attention); a few steps."""
+    _, log = _quick_variant(tmp_path, "reformer")
+    assert "(greedy, uncached)" in log and "uncached generation" in log and "our LSH attention" in log
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_demo_linformer_variant(tmp_path):
+    """--variant linformer is non-causal: it is the seq2seq encoder's self-attention only (the
+    decoder keeps softmax), and the causal char LM and its timings are skipped, saying why."""
+    from attention_ext.nn import Attention, LinformerAttention
+
+    model = Transformer(TransformerConfig(src_vocab_size=29, d_model=32, n_heads=4, n_encoder_layers=1,
+                                          n_decoder_layers=1, max_len=64, **demo.variant_options("linformer", 4, 11)))
+    assert isinstance(model.encoder.layers[0].self_attn, LinformerAttention)
+    dec = model.decoder.layers[0]
+    assert type(dec.self_attn) is Attention and type(dec.cross_attn) is Attention
+    out = tmp_path / "linformer"
+    rc = demo.main(["--quick", "--variant", "linformer", "--out", str(out), "--quiet", "--s2s-steps", "30",
+                    "--s2s-test", "40", "--min-accuracy", "0", "--no-plots"])
+    assert rc == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["seq2seq"]["steps"] == 30 and "char_lm" not in r and "timings" not in r
+    assert set(r["skipped"]) == {"lm", "timings"}
+    assert "char LM: skipped: --variant linformer is non-causal" in (out / "log.txt").read_text()
 
 
 def _demo_metrics(out, *extra):

@@ -4,7 +4,9 @@ Generation keeps one preallocated KV cache per layer: the prompt is fed once (pr
 token per step, and the attention over the cache is the fused kernel with causal aligned
 bottom-right (the new query rows are the last rows of the cache). Linear attention layers keep
 their recurrent state instead (O(1) per token). Sparse attention layers keep the KV cache and
-read their layout's rows for the new token.
+read their layout's rows for the new token. LSH attention layers (Reformer) have no incremental
+form: generate(use_cache=False) recomputes the prefix each step. Linformer is non-causal and has
+no place in this model.
 
 Batched generation of prompts of different lengths (`generate([p0, p1, ...])`) keeps a
 PagedKVCache per layer instead: the prompts are prefilled packed into one row (varlen attention,
@@ -52,6 +54,9 @@ class LMConfig:
     sparse_block_size: int = 64           # attention_type="sparse"
     sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options
     topk: int = 0                         # attention_type="sparse", sparse_pattern="topk"
+    lsh_buckets: int = 8                  # attention_type="lsh": see nn.LSHAttention (generate(use_cache=False))
+    lsh_hashes: int = 1                   # attention_type="lsh"
+    lsh_chunk_size: int = 64              # attention_type="lsh"
     bias: bool = True
     tie_weights: bool = True              # the output projection is the token embedding (Press & Wolf)
 
@@ -61,7 +66,8 @@ class LMConfig:
                                attention_type=self.attention_type, causal=True, window=self.window,
                                feature_map=self.feature_map, decay_gate=self.decay_gate,
                                sparse_pattern=self.sparse_pattern, sparse_block_size=self.sparse_block_size,
-                               sparse_kwargs=self.sparse_kwargs, topk=self.topk,
+                               sparse_kwargs=self.sparse_kwargs, topk=self.topk, lsh_buckets=self.lsh_buckets,
+                               lsh_hashes=self.lsh_hashes, lsh_chunk_size=self.lsh_chunk_size,
                                positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
         return BlockConfig(attn=attn, d_ff=d_ff, activation=self.activation, norm=self.norm, norm_first=True,
                            dropout=self.dropout, norm_eps=self.norm_eps)

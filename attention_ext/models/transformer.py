@@ -45,22 +45,34 @@ class TransformerConfig:
     window: Tuple[int, int] = (-1, -1)     # sliding window of the self-attention layers
     sinks: bool = False
     attention_type: str = "softmax"
+    decoder_attention_type: Optional[str] = None  # the decoder's (self and cross); None: attention_type
     feature_map: str = "elu"               # attention_type="linear"
     sparse_pattern: str = "local_global"   # attention_type="sparse" (self-attention; cross-attention stays dense)
     sparse_block_size: int = 64            # attention_type="sparse"
     sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options
     topk: int = 0                          # attention_type="sparse", sparse_pattern="topk"
+    linformer_k: int = 64                  # attention_type="linformer" (encoder only; max_len is its max length)
+    linformer_share: str = "headwise"      # attention_type="linformer": "headwise", "kv" or "none"
+    lsh_buckets: int = 8                   # attention_type="lsh" (cross-attention stays softmax)
+    lsh_hashes: int = 1                    # attention_type="lsh"
+    lsh_chunk_size: int = 64               # attention_type="lsh"
     bias: bool = True
     tie_embeddings: bool = False           # share the target embedding and the output projection
     pad_id: int = 0
 
     def attn(self, causal: bool) -> AttentionConfig:
+        """The encoder's attention config (causal=False), or the decoder's (causal=True: its
+        decoder_attention_type, so that a non-causal type such as "linformer" can serve the encoder
+        alone)."""
+        kind = self.attention_type if not causal or self.decoder_attention_type is None else self.decoder_attention_type
         return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                               attention_type=self.attention_type, causal=causal, window=self.window,
+                               attention_type=kind, causal=causal, window=self.window,
                                feature_map=self.feature_map, positional=self.positional, sinks=self.sinks,
                                sparse_pattern=self.sparse_pattern, sparse_block_size=self.sparse_block_size,
-                               sparse_kwargs=self.sparse_kwargs, topk=self.topk,
-                               dropout=self.dropout, bias=self.bias)
+                               sparse_kwargs=self.sparse_kwargs, topk=self.topk, linformer_k=self.linformer_k,
+                               linformer_max_len=self.max_len, linformer_share=self.linformer_share,
+                               lsh_buckets=self.lsh_buckets, lsh_hashes=self.lsh_hashes,
+                               lsh_chunk_size=self.lsh_chunk_size, dropout=self.dropout, bias=self.bias)
 
     def block(self, causal: bool) -> BlockConfig:
         return BlockConfig(attn=self.attn(causal), d_ff=self.d_ff, activation=self.activation, norm=self.norm,
@@ -144,9 +156,10 @@ class Transformer(nn.Module):
 
     def _init_weights(self) -> None:
         # nn.Transformer's init: Xavier-uniform for every matrix; embeddings N(0, d^-1/2) so that
-        # after the sqrt(d) scale they have unit variance
+        # after the sqrt(d) scale they have unit variance. A stack of per-head matrices (Linformer's
+        # (H_k, r, max_len) projections) keeps its module's per-matrix init
         for p in self.parameters():
-            if p.dim() > 1:
+            if p.dim() == 2:
                 nn.init.xavier_uniform_(p)
         for emb in (self.src_embed, self.tgt_embed):
             nn.init.normal_(emb.lut.weight, std=self.config.d_model ** -0.5)

@@ -5,6 +5,8 @@ from .layers import (ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionCon
                      make_attention, register_attention_type)
 from .paged_cache import PagedKVCache
 from .linear import LinearAttention, LinearCache
+from .linformer import LinformerAttention
+from .lsh import LSHAttention
 from .multihead import MultiheadAttention
 from .sparse import SparseAttention
 from .positional import (Embeddings, LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding,
@@ -14,7 +16,7 @@ __all__ = [
     "MultiheadAttention",
     "Attention", "AttentionConfig", "KVCache", "PagedKVCache", "ATTENTION_TYPES", "register_attention_type",
     "ATTENTION_MODULES", "make_attention", "allocate_cache", "LinearAttention", "LinearCache",
-    "SparseAttention",
+    "SparseAttention", "LinformerAttention", "LSHAttention",
     "AdditiveAttention", "LuongAttention",
     "Embeddings", "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding",
     "alibi_slopes", "sinusoidal_table",

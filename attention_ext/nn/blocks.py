@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._args import key_padding_mask_renamed
-from .layers import AttentionConfig, KVCache, make_attention
+from .layers import ATTENTION_MODULES, AttentionConfig, KVCache, make_attention
 
 
 class RMSNorm(nn.Module):
@@ -74,8 +74,11 @@ class BlockConfig:
 
 
 def cross_config(attn: AttentionConfig) -> AttentionConfig:
-    """Cross-attention sees the whole memory: no causal mask, window or in-sequence positions."""
-    return dataclasses.replace(attn, causal=False, window=(-1, -1), positional="none")
+    """Cross-attention sees the whole memory: no causal mask, window or in-sequence positions. A
+    type with no cross form (LSH attention: shared queries and keys) cross-attends with its
+    module's `cross_attention_type` (softmax)."""
+    kind = getattr(ATTENTION_MODULES.get(attn.attention_type), "cross_attention_type", attn.attention_type)
+    return dataclasses.replace(attn, attention_type=kind, causal=False, window=(-1, -1), positional="none")
 
 
 class EncoderBlock(nn.Module):

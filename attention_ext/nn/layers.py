@@ -6,8 +6,10 @@ computes the attention is `config.attention_type`, a key into `ATTENTION_TYPES`:
 fused kernel) and "sdpa" (torch's scaled_dot_product_attention, the peer the demo and benchmarks
 compare against), both run by `Attention`. A type that brings its own module (its own
 parameters, a recurrent state instead of a KV cache) registers the module class in
-`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention). "sparse" does both: its
-kernel here runs block-sparse or top-k attention on a layout it is given, and its module
+`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention), "linformer"
+(nn/linformer.py, LinformerAttention: learned projections along the sequence, non-causal) and
+"lsh" (nn/lsh.py, LSHAttention: Reformer's shared-QK hashing, no KV cache). "sparse" does both:
+its kernel here runs block-sparse or top-k attention on a layout it is given, and its module
 (nn/sparse.py, SparseAttention) builds the layout from the config's pattern.
 """
 from __future__ import annotations
@@ -52,6 +54,12 @@ class AttentionConfig:
     sparse_block_size: int = 64        # attention_type="sparse": the layout's block size
     sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options (window_blocks..)
     topk: int = 0                      # attention_type="sparse", sparse_pattern="topk": keys kept per query
+    linformer_k: int = 64              # attention_type="linformer": r, the projected length of keys and values
+    linformer_max_len: int = 512       # attention_type="linformer": the longest sequence (the projections' width)
+    linformer_share: str = "headwise"  # attention_type="linformer": "headwise", "kv" or "none" (LinformerAttention)
+    lsh_buckets: int = 8               # attention_type="lsh": buckets per hash round, 1 or even (Reformer: ~ S / chunk)
+    lsh_hashes: int = 1                # attention_type="lsh": hash rounds
+    lsh_chunk_size: int = 64           # attention_type="lsh": the sorted positions' chunk length
 
     def __post_init__(self):
         if self.d_model % self.n_heads:

@@ -168,26 +168,30 @@ std::tuple<Tensor, Tensor> lsh_attention(const Tensor& qk, const Tensor& v, cons
   };
   const Tensor bq = chunks(padded(sb, 0, -1)), bk = pairs(sb, -1);    // (B, H, R, nc, C) / (.., 2C)
   const Tensor pq = chunks(padded(perm, 0, -1)), pk = pairs(perm, -1);
-  // (B, H, R, nc, C, 2C): same bucket, not itself, and not later when causal
-  Tensor allowed = bq.unsqueeze(-1).eq(bk.unsqueeze(-2)).logical_and_(pq.unsqueeze(-1).ne(pk.unsqueeze(-2)));
+  // (B, H, R, nc, C, 2C): same bucket, not itself, and not later when causal; a query with no
+  // other key attends itself alone (the kernel then gives out = v_i exactly, and no gradient to
+  // qk: its one probability is 1 whatever its logit), its lse set to the self logit below
+  const Tensor self = pq.unsqueeze(-1).eq(pk.unsqueeze(-2));
+  Tensor allowed = bq.unsqueeze(-1).eq(bk.unsqueeze(-2)).logical_and_(self.logical_not());
   if (causal) allowed.logical_and_(pk.unsqueeze(-2).le(pq.unsqueeze(-1)));
   const Tensor has_other = allowed.any(-1);  // (B, H, R, nc, C)
+  allowed.logical_or_(self.logical_and(has_other.logical_not().unsqueeze(-1)));
 
-  const SymInt heads = H * R * nc;  // every chunk of every round is one head of the fused call
-  const Tensor qc = padded(qs, 0, 0).reshape_symint({B, heads, SymInt(C), D});
-  const Tensor kc = pairs(ks, 0).reshape_symint({B, heads, SymInt(2 * C), D});
-  const Tensor vc = pairs(vs, 0).reshape_symint({B, heads, SymInt(2 * C), D});
+  // every (batch, head, round) is one batch of the fused call and each of its chunks one head:
+  // a CUDA grid holds up to 65535 of each (S up to 4M rows at chunk_size 64)
+  const SymInt n = B * H * R;
+  const Tensor qc = padded(qs, 0, 0).reshape_symint({n, nc, SymInt(C), D});
+  const Tensor kc = pairs(ks, 0).reshape_symint({n, nc, SymInt(2 * C), D});
+  const Tensor vc = pairs(vs, 0).reshape_symint({n, nc, SymInt(2 * C), D});
 
   attn::api::Options o{};
-  o.bias = allowed.reshape_symint({B, heads, SymInt(C), SymInt(2 * C)});
+  o.bias = allowed.reshape_symint({n, nc, SymInt(C), SymInt(2 * C)});
   o.scale = 1.0 / std::sqrt(double(D.guard_int(__FILE__, __LINE__)));
   o.window_left = o.window_right = -1;
   o.block_size = 64;
   auto [oc, lc] = attn::api::routed_fwd(qc, kc, vc, o, /*num_splits=*/1, /*deterministic=*/false);
 
-  // a query with no other key attends itself alone: out = v_i, lse = the self logit
-  const Tensor vq = chunks(padded(vs, 0, 0));  // (B, H, R, nc, C, D)
-  Tensor out = at::where(has_other.unsqueeze(-1), oc.reshape_symint({B, H, R, nc, SymInt(C), D}), vq);
+  Tensor out = oc.reshape_symint({B, H, R, nc, SymInt(C), D});
   Tensor lse = at::where(has_other, lc.reshape_symint({B, H, R, nc, SymInt(C)}), kSelfLogit);
   // back to positions: drop the tail, undo the sort
   const Tensor inv = std::get<1>(perm.sort(-1));  // sorted row of each position
