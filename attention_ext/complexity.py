@@ -35,15 +35,15 @@ if TYPE_CHECKING:
 
 SIZES = tuple(1024 << i for i in range(7))  # 1k ... 64k
 QUICK_SIZES = (1024, 2048, 4096, 8192)
-SHAPE = (1, 4, 64)  # B, H, D: n = 64k stays a few seconds per call for the linear methods on 2 cores
+SHAPE = (1, 4, 64)  # B, H, D: small enough that the linear methods reach n = 64k within the budget
 FIT_POINTS = 3  # the largest measured lengths each slope is fitted over
 REPS = 3  # timed calls per length (their median) after the warm-up, at least
 MIN_TIME_S, QUICK_MIN_TIME_S = 1.0, 0.25  # and calls for this long at least (a short call's median over many)
 ROUNDS, QUICK_ROUNDS = 2, 1  # timing rounds over every point; each keeps its fastest round's median
 SLOW_S = 3.0  # a length whose warm-up call took longer is timed once
 # Calls after the peak measurement that are not timed: it hands freed memory back to the OS, and
-# the next calls find a cold heap (fresh pages to fault in: FAVOR+ at 64k ran 1.9, 1.1, then 0.6 s
-# per call), where a training loop that repeats a shape finds a warm one.
+# the next calls find a cold heap (fresh pages to fault in), where a training loop that repeats a
+# shape finds a warm one.
 WARM_CALLS = 2
 MEM_CAP_GIB = 8.0
 WINDOW = 256  # sliding window: keys i - 256 ... i

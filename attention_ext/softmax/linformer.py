@@ -37,7 +37,8 @@ def linformer_attention(q: Tensor, k: Tensor, v: Tensor, proj_k: Tensor, proj_v:
         scale: defaults to 1 / sqrt(D).
         layout: "bhsd" or "bshd".
 
-    Differentiable in q, k, v and both projections. Returns (B, H, Sq, Dv) in q's layout.
+    Differentiable in q, k, v and both projections. Returns (B, H, Sq, D) in q's layout (v has k's
+    shape, the fused kernel's rule).
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"linformer_attention: layout must be 'bhsd' or 'bshd', got {layout!r}")

@@ -95,8 +95,12 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_buckets: int, n_hashes: int = 1, c
             _warned.add(key)
             warnings.warn(f"attention_ext: no compiled kernel for {qk.dtype} on {qk.device}; lsh_attention runs the "
                           "dense PyTorch reference (S x S memory)", RuntimeWarning)
-        out, lse = reference.lsh_attention_ref(qk, v, rotations, n_buckets, chunk_size, causal=causal)
-        out, lse = out.to(qk.dtype), lse.to(torch.float64 if qk.dtype == torch.float64 else torch.float32)
+        # hashed as the op hashes (in the float side dtype), computed in it
+        buckets = torch.ops.attention_ext.lsh_buckets(qk, rotations, n_buckets) if HAS_EXT else None
+        acc = softmax_ops.acc_dtype(qk.dtype)
+        out, lse = reference.lsh_attention_ref(qk.to(acc), v.to(acc), rotations, n_buckets, chunk_size, causal=causal,
+                                               buckets=buckets)
+        out, lse = out.to(qk.dtype), lse.to(acc)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

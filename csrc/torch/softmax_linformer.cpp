@@ -58,6 +58,13 @@ Tensor linformer_attention(const Tensor& q, const Tensor& k, const Tensor& v, co
                               : 1.0 / std::sqrt(double(std::max<int64_t>(q.sym_size(3).guard_int(__FILE__, __LINE__), 1)));
   o.window_left = o.window_right = -1;
   o.block_size = 64;
+  try {  // the fused kernel's rules on q and the projected k', v' (r rows), here so that an error says whose call
+    attn::api::check_inputs(q, kp, vp, o);
+  } catch (c10::Error& e) {
+    e.add_context("in attention_ext.linformer_attention: q over k' = proj_k @ k and v' = proj_v @ v (r = "
+                  "proj_k's rows) on the fused softmax kernel");
+    throw;
+  }
   return std::get<0>(attn::api::routed_fwd(q, kp, vp, o, /*num_splits=*/0, /*deterministic=*/false));
 }
 

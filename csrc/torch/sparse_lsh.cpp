@@ -23,12 +23,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 #include "torch/softmax_binding.h"  // Options, routed_fwd
 #include "torch/tensor_rules.h"     // acc_dtype
@@ -68,7 +67,8 @@ void check_lsh(const Tensor& qk, const Tensor* v, const std::optional<Tensor>& r
   TORCH_CHECK_VALUE(rotations.device() == qk.device(), fn, "rotations must be on qk's device ",
                     qk.device(), ", got ", rotations.device());
   if (v == nullptr) return;
-  TORCH_CHECK_VALUE(chunk_size >= 1, fn, "chunk_size must be >= 1, got ", chunk_size);
+  TORCH_CHECK_VALUE(chunk_size >= 1 && chunk_size < (int64_t(1) << 30), fn,
+                    "chunk_size must be in [1, 2^30), got ", chunk_size);
   TORCH_CHECK_VALUE(v->dim() == 4, fn, "v must be 4-D like qk, got shape ", v->sym_sizes());
   TORCH_CHECK_VALUE(v->sym_sizes() == qk.sym_sizes(),
                     fn, "v must have qk's shape (one key and one value per position, the "
@@ -79,18 +79,18 @@ void check_lsh(const Tensor& qk, const Tensor* v, const std::optional<Tensor>& r
                     qk.device(), " and ", v->device());
 }
 
-// Buckets of x (.., n_buckets / 2) = rows of qk times a rotation: argmax over [x ; -x] without
-// the concatenation: the first maximum is in x (index argmax x) unless max(-x) = -min(x) is
-// strictly larger (index n_buckets / 2 + argmin x), as argmax's first-maximum rule decides.
-Tensor argmax_pm(const Tensor& x, int64_t half) {
-  const Tensor hi = x.argmax(-1, true), lo = x.argmin(-1, true);
-  return at::where(x.gather(-1, hi).ge(x.gather(-1, lo).neg()), hi, lo + half).squeeze(-1);
-}
+// The rotation columns one hash product takes at a time: its (.., S, kHashCols) block is O(S)
+// memory whatever n_buckets (with Reformer's n_buckets ~ S / chunk_size the whole product would be
+// S^2 / (2 chunk_size) per head and round), and the blocks are static, so symbolic lengths
+// (torch.compile) keep the same bound.
+constexpr int64_t kHashCols = 32;
 
-// (B, H, n_hashes, S) int64 buckets of qk's rows. The (.., S, n_buckets / 2) products are made a
-// block of rows at a time where they would be large: with Reformer's n_buckets ~ S / chunk_size
-// they are S^2 / chunk_size per head and round, the one quadratic term of the op (its work stays
-// S * n_buckets * D, a small constant beside the chunks' attention up to S ~ 64k at chunk 64).
+// (B, H, n_hashes, S) int64 buckets of qk's rows: argmax over [x ; -x], x = the rows times a
+// rotation (.., n_buckets / 2), without the concatenation. The first maximum is in x (at argmax x)
+// unless max(-x) = -min(x) is strictly larger (at n_buckets / 2 + argmin x), as argmax's
+// first-maximum rule decides; over column blocks, a later block takes the maximum (minimum) only
+// when strictly larger (smaller), which keeps the first one. The work is S * D * n_buckets / 2
+// multiply-adds per head and round: linear in S for a fixed bucket count, quadratic for n_buckets ~ S.
 Tensor buckets_of(const Tensor& qk, const Tensor& rotations, int64_t n_buckets) {
   const auto acc = attn::api::acc_dtype(qk);
   if (n_buckets == 1) {
@@ -99,15 +99,21 @@ Tensor buckets_of(const Tensor& qk, const Tensor& rotations, int64_t n_buckets) 
   }
   const int64_t half = n_buckets / 2;
   const Tensor x = qk.detach().to(acc).unsqueeze(2), rot = rotations.detach().to(acc);  // (B, H, 1, S, D)
-  // (B, H, 1, rows, D) @ (n_hashes, D, half) -> (B, H, n_hashes, rows, half)
-  const auto s = qk.sym_size(2).maybe_as_int();
-  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 16) / half);
-  if (!s.has_value() || *s <= rows) return argmax_pm(at::matmul(x, rot), half);
-  std::vector<Tensor> parts;
-  for (int64_t r0 = 0; r0 < *s; r0 += rows) {
-    parts.push_back(argmax_pm(at::matmul(x.slice(3, r0, std::min(*s, r0 + rows)), rot), half));
+  Tensor hi_v, hi_i, lo_v, lo_i;  // running max / argmax and min / argmin, (B, H, n_hashes, S)
+  for (int64_t c0 = 0; c0 < half; c0 += kHashCols) {
+    // (B, H, 1, S, D) @ (n_hashes, D, cols) -> (B, H, n_hashes, S, cols)
+    const Tensor xb = at::matmul(x, rot.slice(2, c0, std::min(half, c0 + kHashCols)));
+    auto [bh_v, bh_i] = xb.max(-1);
+    auto [bl_v, bl_i] = xb.min(-1);
+    if (c0 == 0) {
+      hi_v = bh_v, hi_i = bh_i, lo_v = bl_v, lo_i = bl_i;
+      continue;
+    }
+    const Tensor up = bh_v.gt(hi_v), down = bl_v.lt(lo_v);
+    hi_v = at::where(up, bh_v, hi_v), hi_i = at::where(up, bh_i + c0, hi_i);
+    lo_v = at::where(down, bl_v, lo_v), lo_i = at::where(down, bl_i + c0, lo_i);
   }
-  return at::cat(parts, -1);
+  return at::where(hi_v.ge(lo_v.neg()), hi_i, lo_i + half);
 }
 
 Tensor lsh_buckets(const Tensor& qk, const std::optional<Tensor>& rotations, int64_t n_buckets) {
@@ -135,10 +141,21 @@ std::tuple<Tensor, Tensor> lsh_attention(const Tensor& qk, const Tensor& v, cons
   const Tensor& rotations = *rotations_in;
   const SymInt B = qk.sym_size(0), H = qk.sym_size(1), S = qk.sym_size(2), D = qk.sym_size(3);
   const SymInt R = rotations.sym_size(0);
-  const int64_t C = chunk_size;
-  const SymInt nc = (S + (C - 1)) / C, tail = nc * C - S;  // chunks; pad rows after the last position
   const auto acc = attn::api::acc_dtype(qk);
   const auto lopts = qk.options().dtype(at::kLong);
+  const auto s = S.maybe_as_int();
+  if (s.has_value() && *s == 0) {  // no positions: nothing to hash or attend
+    return {at::empty_symint(qk.sym_sizes(), qk.options()),
+            at::empty_symint({B, H, S}, qk.options().dtype(acc))};
+  }
+  // a chunk longer than the sequence is one chunk: the same pairs from a (S, 2S) mask, not (C, 2C)
+  const int64_t C = s.has_value() ? std::min(chunk_size, *s) : chunk_size;
+  const SymInt nc = (S + (C - 1)) / C, tail = nc * C - S;  // chunks; pad rows after the last position
+  if (qk.is_cuda()) {  // the fused call's grid: (B * H * n_hashes) batches of nc heads, each at most 65535
+    TORCH_CHECK_VALUE(B * H * R <= 65535 && nc <= 65535, "attention_ext.lsh_attention: on CUDA, batch * heads * "
+                      "n_hashes (", B * H * R, ") and the chunks per sequence, ceil(S / chunk_size) (", nc,
+                      "), must each be <= 65535 (the kernel's grid): split the batch or raise chunk_size");
+  }
 
   // sort each round's positions by (bucket, position)
   const Tensor buckets = buckets_of(qk, rotations, n_buckets);  // (B, H, R, S)
@@ -189,6 +206,12 @@ std::tuple<Tensor, Tensor> lsh_attention(const Tensor& qk, const Tensor& v, cons
   o.scale = 1.0 / std::sqrt(double(D.guard_int(__FILE__, __LINE__)));
   o.window_left = o.window_right = -1;
   o.block_size = 64;
+  try {  // the fused kernel's own rules (the head dim, the dtype), here so that an error says whose call
+    attn::api::check_inputs(qc, kc, vc, o);
+  } catch (c10::Error& e) {
+    e.add_context("in attention_ext.lsh_attention: the chunks of qk and v on the fused softmax kernel");
+    throw;
+  }
   auto [oc, lc] = attn::api::routed_fwd(qc, kc, vc, o, /*num_splits=*/1, /*deterministic=*/false);
 
   Tensor out = oc.reshape_symint({B, H, R, nc, SymInt(C), D});

@@ -120,3 +120,13 @@ def test_errors_name_the_argument(kw, match):
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=match):
         ae.linformer_attention(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("proj_k"), **args)
+
+
+def test_fused_rules_name_the_call():
+    """A rule of the fused kernel (the head dim, GQA's head counts) names linformer_attention."""
+    with pytest.raises(ValueError, match="(?s)head dim.*in attention_ext.linformer_attention"):
+        ae.linformer_attention(torch.randn(1, 2, 5, 300), torch.randn(1, 2, 9, 300), torch.randn(1, 2, 9, 300),
+                               torch.randn(4, 9))
+    with pytest.raises(ValueError, match="(?s)multiple.*in attention_ext.linformer_attention"):
+        ae.linformer_attention(torch.randn(1, 3, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8),
+                               torch.randn(4, 9))

@@ -208,7 +208,7 @@ def test_memory_is_chunked_not_quadratic():
 @pytest.mark.parametrize("kw, match", [
     (dict(n_buckets=3), "n_buckets must be 1 or an even number"),
     (dict(n_buckets=0), "n_buckets must be 1 or an even number"),
-    (dict(chunk_size=0), "chunk_size must be >= 1"),
+    (dict(chunk_size=0), r"chunk_size must be in \[1, 2\^30\)"),
     (dict(n_hashes=0), "n_hashes must be >= 1"),
     (dict(rotations=torch.randn(1, 5, 4)), r"rotations must be \(n_hashes, D, n_buckets // 2\) = \(1, 8, 4\)"),
     (dict(rotations=torch.randn(2, 8, 4)), r"rotations must be \(n_hashes, D, n_buckets // 2\) = \(1, 8, 4\)"),
@@ -221,4 +221,41 @@ def test_errors_name_the_argument(kw, match):
     args = dict(qk=torch.randn(1, 2, 10, 8), v=torch.randn(1, 2, 10, 8), n_buckets=8, chunk_size=4)
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=match):
+        ae.lsh_attention(args.pop("qk"), args.pop("v"), **args)
+
+
+def test_edge_sizes():
+    """No positions: empty outputs. A chunk far longer than the sequence: one chunk (the mask is
+    sized by the sequence, not by chunk_size), equal to chunk_size = S."""
+    out, lse = ae.lsh_attention(torch.randn(2, 3, 0, 8), torch.randn(2, 3, 0, 8), n_buckets=4, return_lse=True)
+    assert out.shape == (2, 3, 0, 8) and lse.shape == (2, 3, 0)
+    qk, v, rot = problem(1, 2, 50, 8, 4, 2, f64, seed=10)
+    big = ae.lsh_attention(qk, v, n_buckets=4, n_hashes=2, chunk_size=10 ** 8, rotations=rot)
+    torch.testing.assert_close(big, ae.lsh_attention(qk, v, n_buckets=4, n_hashes=2, chunk_size=50, rotations=rot))
+    torch.testing.assert_close(big, lsh_attention_ref(qk, v, rot, 4, 10 ** 8)[0], rtol=1e-10, atol=1e-10)
+
+
+def test_alone_in_one_round_of_two():
+    """A query alone in one round and not the other: that round's weight is about exp(-1e5) = 0, so
+    the output is the other round's; the LSE combines both as the reference does."""
+    qk = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.9, 0.1], [-0.8, 0.3]], dtype=f64).view(1, 1, 4, 2)
+    v = torch.randn(1, 1, 4, 2, dtype=f64)
+    rot = torch.tensor([[[1.0], [0.0]], [[0.0], [1.0]]], dtype=f64)  # round 0: sign of x0, round 1: of x1
+    out, lse = ae.lsh_attention(qk, v, n_buckets=2, n_hashes=2, chunk_size=4, rotations=rot, return_lse=True)
+    ref, ref_lse = lsh_attention_ref(qk, v, rot, 2, 4)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(rotations=torch.randn(1, 8, 4, device="meta")), ValueError, "rotations must be on qk's device"),
+    (dict(rotations=torch.ones(1, 8, 4, dtype=torch.long)), TypeError, "rotations must be floating point"),
+    (dict(chunk_size=2 ** 40), ValueError, r"chunk_size must be in \[1, 2\^30\)"),
+    (dict(qk=torch.randn(1, 2, 10, 300), v=torch.randn(1, 2, 10, 300), rotations=torch.randn(1, 300, 4)),
+     ValueError, "(?s)head dim.*in attention_ext.lsh_attention"),
+])
+def test_more_errors(kw, exc, match):
+    args = dict(qk=torch.randn(1, 2, 10, 8), v=torch.randn(1, 2, 10, 8), n_buckets=8, chunk_size=4)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
         ae.lsh_attention(args.pop("qk"), args.pop("v"), **args)
