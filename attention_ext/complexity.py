@@ -176,7 +176,8 @@ def methods() -> List[Method]:
                note=f"FAVOR+: {FAVOR_M} random features (Favor), mapped by PyTorch ops ahead of the kernel. Page "
                     "faults: an intermediate of more than 32 MB (glibc's largest mmap threshold; FAVOR+'s (B, H, "
                     "n, m) features from n = 16k, LSH's sorted copies from n = 16k) is fresh memory on every call, "
-                    "so the page faults per call step up there, and so does the time: the slopes of the rows built of PyTorch ops read above their theory over 16k-64k. "
+                    "so the page faults per call step up there, and so does the time: the slopes of the rows built "
+                    "of PyTorch ops read above their theory over 16k-64k. "
                     "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages for malloc, glibc >= 2.35) "
                     "removes most of the step."),
         Method("GRU (torch.nn.GRU, 1 thread)", "O(n d^2), sequential", "O(n d)", lambda n: n, gru,
@@ -425,7 +426,8 @@ def write_csv(path: str, rows: list, meths: Sequence[Method], fits: dict) -> Non
         for r in rows:
             fit = fits[r["method"]]
             w.writerow({**{k: (f"{v:.6g}" if isinstance(v, float) else "" if v is None else v) for k, v in r.items()},
-                        "ms_rounds": " ".join(f"{x:.6g}" for x in r["ms_rounds"]), "theory": theory[r["method"]], "time_slope": f"{fit.time:.4g}",
+                        "ms_rounds": " ".join(f"{x:.6g}" for x in r["ms_rounds"]), "theory": theory[r["method"]],
+                        "time_slope": f"{fit.time:.4g}",
                         "memory_slope": f"{fit.memory:.4g}", "expected_slope": f"{fit.expected:.4g}"})
 
 

@@ -54,8 +54,8 @@ Tensor linformer_attention(const Tensor& q, const Tensor& k, const Tensor& v, co
   // (r, S) @ (B, H_k, S, D) and (H_k, r, S) @ (B, H_k, S, D) both broadcast to (B, H_k, r, D)
   const Tensor kp = at::matmul(proj_k, k), vp = at::matmul(proj_v, v);
   attn::api::Options o{};
-  o.scale = scale.has_value() ? *scale
-                              : 1.0 / std::sqrt(double(std::max<int64_t>(q.sym_size(3).guard_int(__FILE__, __LINE__), 1)));
+  const int64_t d = q.sym_size(3).guard_int(__FILE__, __LINE__);
+  o.scale = scale.has_value() ? *scale : 1.0 / std::sqrt(double(std::max<int64_t>(d, 1)));
   o.window_left = o.window_right = -1;
   o.block_size = 64;
   try {  // the fused kernel's rules on q and the projected k', v' (r rows), here so that an error says whose call

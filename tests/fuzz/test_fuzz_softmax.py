@@ -501,9 +501,14 @@ def test_fuzz_linformer(data):
         g64 = torch.autograd.grad(ref, [r64[i] for i in idx], dout.to(F64))
         glow = torch.autograd.grad(low, [rlow[i] for i in idx], dout)
         exempt = dtype in LOW and min(r, sk) < 16  # few keys per row: tests/fuzz/common.py, few_keys
+        # r = 1: one projected key, every probability 1, so the gradients of q, k and proj_k are 0
+        # in exact math; ours are the rounding of dS = P (dP - D) summed through the projection
+        # (tests/helpers.py, FLOOR), which PyTorch's autograd happens to give as an exact 0
+        zero_floor = 20.0 if r == 1 else 1.0
         for i, o, r_, lo in zip(idx, ours, g64, glow):
             if exempt:
                 assert torch.isfinite(o).all()
                 continue
-            check_grad(o, lo, r_, dtype, f"linformer grad of leaf {i}")
+            check_grad(o, lo, r_, dtype, f"linformer grad of leaf {i}",
+                       floor_scale=zero_floor if i in (0, 1, 3) else 1.0)
     log_example("softmax", "linformer")
