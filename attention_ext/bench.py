@@ -833,17 +833,25 @@ def plot(rows: list, path_stem: str) -> list:
             ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
             ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("KV-cache length" if decode else "sequence length S")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = f"{path_stem}{suffix}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        out.append(path)
+        xlabel = "KV-cache length" if decode else "sequence length S"
+        out.append(save_figure(fig, ax, f"{path_stem}{suffix}.png", xlabel, ylabel, title, 10, dict(fontsize=8)))
     return out
+
+
+def save_figure(fig, ax, path: str, xlabel: str, ylabel: str, title: str, title_size: int, legend: dict) -> str:
+    """The benchmark plots' common finish: labels, title, grid and legend (`legend`: matplotlib's
+    legend keywords), then the PNG at `path`, the figure closed. Returns path."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=title_size)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(**legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def cpu_model() -> str:

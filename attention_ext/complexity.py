@@ -469,17 +469,10 @@ def plot(rows: list, meths: Sequence[Method], fits: dict, path_stem: str, title:
         ax.set_yscale("log")
         ax.set_xticks(ns, [_k(n) for n in ns])
         ax.minorticks_off()
-        ax.set_xlabel("sequence length n")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="method (fitted slope)",
-                  title_fontsize=7)
-        fig.tight_layout()
-        path = f"{path_stem}{suffix}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        out.append(path)
+        legend = dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="method (fitted slope)",
+                      title_fontsize=7)
+        out.append(_bench.save_figure(fig, ax, f"{path_stem}{suffix}.png", "sequence length n", ylabel, title, 8,
+                                      legend))
     return out
 
 
