@@ -56,6 +56,35 @@ def state_width(dv: int, normalize: bool) -> int:
     return dv + 1 if normalize else dv
 
 
+# ---------------------------------------------------------------------------------- kernel selection
+_cuda_kernels = dict(chunk_parallel=False, segment_chunks=0)
+
+
+def set_cuda_kernels(chunk_parallel: bool = False, segment_chunks: int = 0) -> dict:
+    """Process-wide: the schedule of the CUDA tensor-core forward (fp16 / bf16, feature width <= 128).
+
+        chunk_parallel  False (the default): one CTA walks each sequence. True: the chunk-parallel
+                        forward (segments of chunks in parallel, a scan of the segment states,
+                        then the outputs in parallel; docs/gpu.md). It has passed the CPU emulator
+                        only, no GPU run yet, so it is not the default.
+        segment_chunks  chunks of 64 rows per segment of the chunk-parallel forward; 0 picks enough
+                        segments to fill the device.
+
+    Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The backward
+    and the float32 kernels are unchanged by it."""
+    new = dict(chunk_parallel=bool(chunk_parallel), segment_chunks=int(segment_chunks))
+    if HAS_EXT:  # the op states the rule on segment_chunks; without the extension nothing runs on CUDA
+        torch.ops.attention_ext.linear_set_cuda_kernels(*new.values())
+    old = dict(_cuda_kernels)
+    _cuda_kernels.update(new)
+    return old
+
+
+def cuda_kernels() -> dict:
+    """The current selection of set_cuda_kernels (its two keywords)."""
+    return dict(_cuda_kernels)
+
+
 # ---------------------------------------------------------------------------------- input checks
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, **options) -> None:
     """linear_fwd's input rules, for a call that reaches no kernel (the reference fallback): the

@@ -23,6 +23,7 @@
 #include "cpu/memory.h"         // BlockCache
 #include "peak/cpu/entry.h"     // peak_loop
 #if defined(ATTN_WITH_CUDA)
+#include "linear/cuda/entry.h"   // cuda_linear_set_kernels
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
 #endif
 #include "torch/decode_binding.h"   // ATTN_DECODE_SCHEMA
@@ -39,6 +40,17 @@ void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, 
   TORCH_CHECK_VALUE(tune_fwd >= 0 && tune_bwd >= 0, "attention_ext.set_cuda_kernels: tuning candidates are >= 0");
 #if defined(ATTN_WITH_CUDA)
   attn::cuda_set_kernels(attn::CudaKernels{int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt});
+#endif
+}
+
+// The linear family's CUDA forward schedule (attn::LinearCudaKernels); without the CUDA kernels
+// it only checks its arguments.
+void linear_set_cuda_kernels(bool chunk_parallel, int64_t segment_chunks) {
+  TORCH_CHECK_VALUE(segment_chunks >= 0 && segment_chunks <= (int64_t(1) << 24),
+                    "attention_ext.linear.set_cuda_kernels: segment_chunks must be in [0, 2^24] (0 = fill the device), got ",
+                    segment_chunks);
+#if defined(ATTN_WITH_CUDA)
+  attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, int(segment_chunks)});
 #endif
 }
 
@@ -309,6 +321,7 @@ TORCH_LIBRARY(attention_ext, m) {
   // developer-only
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);
+  m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &linear_set_cuda_kernels);
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -19,7 +19,12 @@ using at::Tensor;
 
 struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   static constexpr const char* kWhat = "attention_ext.linear";
-  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt) const { attn::cuda_linear_fwd(p, dt, stream()); }
+  size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt) const {
+    return attn::cuda_linear_fwd_scratch_floats(p, dt);
+  }
+  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
+    attn::cuda_linear_fwd(p, dt, scratch, stream());
+  }
   size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
     return attn::cuda_linear_bwd_scratch_floats(p);
   }

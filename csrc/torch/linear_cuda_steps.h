@@ -8,7 +8,8 @@
 //     static constexpr const char* kWhat;  // error-message prefix
 //     void check_device(const Tensor& q) const;  // dtype / device the backend takes
 //     <RAII> guard(const Tensor& q) const;       // device guard for the call
-//     void linear_fwd(const LinearParamsT<float>&, DType) const;
+//     size_t linear_fwd_scratch_floats(const LinearParamsT<float>&, DType) const;
+//     void linear_fwd(const LinearParamsT<float>&, DType, float* scratch) const;
 //     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&) const;
 //     void linear_bwd(const LinearBwdParamsT<float>&, DType, float* scratch) const;
 //   };
@@ -59,7 +60,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Devic
   }
   const LinearParamsT<float> p = make_linear_params<float>(q, k, v, out, den, state, o);
   const DType dt = dtype_of(q);
-  run_backend<Device>([&] { dev.linear_fwd(p, dt); });
+  // the chunk-parallel forward's segment states (entry.h); every element is written before it is read
+  const int64_t scratch_floats = int64_t(dev.linear_fwd_scratch_floats(p, dt));
+  at::Tensor scratch;
+  if (scratch_floats > 0) scratch = at::empty({scratch_floats}, q.options().dtype(at::kFloat));
+  if constexpr (Device::kPoison) {
+    if (scratch.defined()) scratch.fill_(NAN);
+  }
+  run_backend<Device>([&] { dev.linear_fwd(p, dt, scratch.defined() ? scratch.data_ptr<float>() : nullptr); });
   return {out, den, state};
 }
 

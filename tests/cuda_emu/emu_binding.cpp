@@ -121,7 +121,12 @@ struct EmuLinearDevice {
     TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
   }
   int guard(const Tensor&) const { return 0; }
-  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt) const { be.linear_fwd(&p, sizeof(p), int(dt)); }
+  size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt) const {
+    return be.linear_fwd_scratch_floats(&p, sizeof(p), int(dt));
+  }
+  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
+    be.linear_fwd(&p, sizeof(p), int(dt), scratch);
+  }
   size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
     return be.linear_bwd_scratch_floats(&p, sizeof(p));
   }
@@ -176,6 +181,11 @@ void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, i
     backend(arch).set_kernels(int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt);
 }
 
+// linear_set_cuda_kernels for both emulated archs
+void emu_linear_set_kernels(bool chunk_parallel, int64_t segment_chunks) {
+  for (int64_t arch : {80, 90}) backend(arch).linear_set_kernels(chunk_parallel, int(segment_chunks));
+}
+
 void emu_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
 
 void emu_set_capturing(bool capturing) { g_capturing = capturing; }
@@ -196,6 +206,7 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
+  m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &emu_linear_set_kernels);
   m.def("set_capturing(bool capturing) -> ()", &emu_set_capturing);
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
         &emu_linear_fwd);

@@ -113,9 +113,16 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   be.set_kernels = [](int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) {
     attn::cuda_set_kernels(attn::CudaKernels{hopper_fwd, hopper_bwd, tune_fwd, tune_bwd, force_simt});
   };
-  be.linear_fwd = [](const void* p, size_t n, int dt) {
+  be.linear_set_kernels = [](bool chunk_parallel, int segment_chunks) {
+    attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, segment_chunks});
+  };
+  be.linear_fwd_scratch_floats = [](const void* p, size_t n, int dt) {
     attn::prepare();
-    attn::cuda_linear_fwd(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt), nullptr);
+    return attn::cuda_linear_fwd_scratch_floats(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt));
+  };
+  be.linear_fwd = [](const void* p, size_t n, int dt, float* scratch) {
+    attn::prepare();
+    attn::cuda_linear_fwd(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt), scratch, nullptr);
   };
   be.linear_bwd_scratch_floats = [](const void* p, size_t n) {
     return attn::cuda_linear_bwd_scratch_floats(attn::params_from<attn::LinearBwdParamsT<float>>(p, n));

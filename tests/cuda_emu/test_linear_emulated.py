@@ -291,3 +291,68 @@ def test_nan_padded_keys(emu, dtype, causal, arch):
         assert torch.equal(got, clean), f"{name}: NaN in padded keys changed it ({got.isnan().sum().item()} NaN)"
     for name, grad in zip(("dk", "dv"), results[0][4:6]):
         assert (grad.transpose(1, 2)[~kpm] == 0).all(), f"{name} of a padded key is not 0"
+
+
+# ------------------------------------------------------------------ the chunk-parallel forward
+@pytest.fixture
+def chunk_parallel(emu):
+    """select(segment_chunks) picks the chunk-parallel forward (linear.set_cuda_kernels) for one
+    test, segment_chunks 0 = the heuristic; the sequential forward again after it."""
+
+    def select(segment_chunks):
+        emu.linear_set_cuda_kernels(True, segment_chunks)
+
+    yield select
+    emu.linear_set_cuda_kernels(False, 0)
+
+
+@pytest.mark.parametrize("seg", [1, 2, 0])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 63, 65, 130, 200])
+def test_chunk_parallel_sizes(emu, chunk_parallel, s, causal, seg):
+    """Segments of one chunk, two chunks (the state update inside a segment, a partial last
+    segment) and the heuristic's (every chunk its own segment at these sizes); decay and the
+    initial state where the call allows them; every output starts as NaN, the scratch too."""
+    chunk_parallel(seg)
+    dtype = torch.float16 if s % 2 else torch.bfloat16
+    run_case(emu, s, dtype, causal=causal, decay=causal, init=True, mask=s > 1, **few_rows(s))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("opt", ["gqa_bshd", "widths", "odd_width", "no_norm", "varlen", "all"])
+def test_chunk_parallel_options(emu, chunk_parallel, opt, dtype):
+    """GQA in the (B, S, H, D) layout; several value tiles and the 128 bucket; a feature width
+    that is not a multiple of 8 (the scalar stager); no normalizer; a varlen pack (sequences of
+    0, 1 and 65 rows, segments past a sequence's end); everything at once."""
+    chunk_parallel(2)
+    kw = dict(gqa_bshd=dict(b=2, h=4, hk=2, layout="bshd"), widths=dict(m=72, dv=130),
+              odd_width=dict(m=20, dv=20, decay=True), no_norm=dict(normalize=False, fmap=0, decay=True),
+              varlen=dict(h=4, hk=2, cu=torch.tensor([0, 7, 7, 72, 73], dtype=torch.int32), decay=True, mask=True),
+              all=dict(decay=True, init=True, mask=True, b=2, h=4, hk=2, m=40, dv=24, layout="bshd"))[opt]
+    for causal in (True, False):
+        if causal or "decay" not in kw:
+            run_case(emu, 150, dtype, causal=causal, **kw)
+
+
+def test_chunk_parallel_launches(emu, chunk_parallel):
+    """The chunk-parallel forward is three launches (segment states, the scan, the outputs) and
+    gives the sequential forward's outputs to rounding (the same chunk math; the state enters
+    each segment through the fp32 scan instead of a running sum)."""
+    torch.manual_seed(3)
+    q, k = (0.5 * torch.randn(2, 2, 300, 64)).bfloat16(), (0.5 * torch.randn(2, 2, 300, 64)).bfloat16()
+    v = torch.randn(2, 2, 300, 64).bfloat16()
+    g = -0.1 * torch.rand(2, 2, 300)
+    opts = dict(decay=g, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=300, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    emu.launches()
+    seq = emu.linear_fwd(q, k, v, *args, 90)
+    assert len(emu.launches()) == 1
+    chunk_parallel(2)
+    emu.launches()
+    par = emu.linear_fwd(q, k, v, *args, 90)
+    names = emu.launches()
+    assert len(names) == 3, names
+    assert "FwdMode)1" in names[0] and "seg_scan_kernel" in names[1] and "FwdMode)2" in names[2], names
+    for a, b in zip(seq, par):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)

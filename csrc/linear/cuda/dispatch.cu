@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -50,24 +51,75 @@ void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
 }
 
 // fp16 / bf16 only (TypeOps); M <= kM
+std::atomic<bool> g_chunk_parallel{false};
+std::atomic<int> g_segment_chunks{0};
+
+int value_tiles_tc(const LinearParamsT<float>& p) { return (p.dim_v + linear_tc::kN - 1) / linear_tc::kN; }
+
+// The chunk-parallel forward's segments: enough CTAs (value tiles x heads x sequences x
+// segments) for kCtasPerSm waves' worth of the device's SMs, each segment whole chunks; the
+// state scratch grows with the segment count (one (M, Dv + 1) fp32 matrix per segment and head,
+// 66 KB at M = Dv = 128), so no more segments than that.
+linear_tc::SegPlan plan_segments(const LinearParamsT<float>& p) {
+  constexpr int kCtasPerSm = 8;
+  const int64_t chunks = std::max<int64_t>(1, (int64_t(p.sq) + linear_simt::kChunk - 1) / linear_simt::kChunk);
+  int64_t seg_chunks = g_segment_chunks.load();
+  if (seg_chunks <= 0) {
+    const int64_t base = int64_t(value_tiles_tc(p)) * p.h * p.b;
+    const int64_t want = (int64_t(kCtasPerSm) * device_sm_count() + base - 1) / base;
+    const int64_t n_seg = std::clamp<int64_t>(want, 1, chunks);
+    seg_chunks = (chunks + n_seg - 1) / n_seg;
+  }
+  seg_chunks = std::min(seg_chunks, chunks);
+  linear_tc::SegPlan plan;
+  plan.n_seg = int((chunks + seg_chunks - 1) / seg_chunks);
+  plan.seg_rows = int(seg_chunks * linear_simt::kChunk);
+  return plan;
+}
+
+size_t seg_scratch_floats(const LinearParamsT<float>& p, const linear_tc::SegPlan& plan) {
+  const int64_t heads = int64_t(p.b) * p.h;
+  return size_t(heads * (plan.n_seg + 1) * int64_t(p.d) * p.dim_v_aug + heads * plan.n_seg);
+}
+
 template <typename T, int kM>
-void run_fwd_tc(const LinearParamsT<float>& p, cudaStream_t stream) {
+void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stream) {
   const char* what = "attention_ext.linear (CUDA tensor-core forward)";
   check_grid(p.h, p.b, what);
   constexpr int smem = linear_tc::Smem<kM>::kBytes;
-  auto kernel = &linear_tc::fwd_kernel<T, kM>;
-  set_smem(kernel, smem, what);
-  const dim3 grid((p.dim_v + linear_tc::kN - 1) / linear_tc::kN, p.h, p.b);
-  ATTN_LAUNCH(kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p);
+  const int tiles = value_tiles_tc(p);
+  if (scratch == nullptr) {
+    auto kernel = &linear_tc::fwd_kernel<T, kM, linear_tc::FwdMode::kWhole>;
+    set_smem(kernel, smem, what);
+    ATTN_LAUNCH(kernel, dim3(tiles, p.h, p.b), dim3(linear_tc::kThreads), smem, stream)(p, linear_tc::SegPlan{});
+    check_launch(what);
+    return;
+  }
+  linear_tc::SegPlan plan = plan_segments(p);
+  plan.states = scratch;
+  plan.gtot = scratch + (seg_scratch_floats(p, plan) - size_t(p.b) * p.h * plan.n_seg);
+  if (int64_t(tiles) * plan.n_seg > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many segments");
+  const dim3 grid(tiles * plan.n_seg, p.h, p.b);
+  auto state_kernel = &linear_tc::fwd_kernel<T, kM, linear_tc::FwdMode::kSegState>;
+  auto out_kernel = &linear_tc::fwd_kernel<T, kM, linear_tc::FwdMode::kSegOut>;
+  set_smem(state_kernel, smem, what);
+  set_smem(out_kernel, smem, what);
+  ATTN_LAUNCH(state_kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p, plan);
+  check_launch(what);
+  const int64_t per = int64_t(p.d) * p.dim_v_aug;
+  const dim3 scan_grid(unsigned((per + linear_tc::kThreads - 1) / linear_tc::kThreads), p.h, p.b);
+  ATTN_LAUNCH(linear_tc::seg_scan_kernel, scan_grid, dim3(linear_tc::kThreads), 0, stream)(p, plan);
+  check_launch(what);
+  ATTN_LAUNCH(out_kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p, plan);
   check_launch(what);
 }
 
 template <typename T>
-void run_fwd_tc(const LinearParamsT<float>& p, cudaStream_t stream) {
+void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stream) {
   if (p.d <= 64) {
-    run_fwd_tc<T, 64>(p, stream);
+    run_fwd_tc<T, 64>(p, scratch, stream);
   } else {
-    run_fwd_tc<T, 128>(p, stream);
+    run_fwd_tc<T, 128>(p, scratch, stream);
   }
 }
 
@@ -142,12 +194,27 @@ void run_bwd(const LinearBwdParamsT<float>& p, bool tensor_cores, float* scratch
 
 }  // namespace linear_cuda
 
-void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, cudaStream_t stream) {
+void cuda_linear_set_kernels(const LinearCudaKernels& k) {
+  if (k.segment_chunks < 0) throw std::runtime_error("attention_ext.linear: segment_chunks must be >= 0");
+  linear_cuda::g_chunk_parallel.store(k.chunk_parallel);
+  linear_cuda::g_segment_chunks.store(k.segment_chunks);
+}
+
+LinearCudaKernels cuda_linear_kernels() {
+  return LinearCudaKernels{linear_cuda::g_chunk_parallel.load(), linear_cuda::g_segment_chunks.load()};
+}
+
+size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt) {
+  if (!linear_cuda::g_chunk_parallel.load() || !linear_cuda::use_tensor_cores(p, dt)) return 0;
+  return linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p));
+}
+
+void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream) {
   if (linear_cuda::use_tensor_cores(p, dt)) {
     if (dt == DType::kF16) {
-      linear_cuda::run_fwd_tc<__half>(p, stream);
+      linear_cuda::run_fwd_tc<__half>(p, scratch, stream);
     } else {
-      linear_cuda::run_fwd_tc<__nv_bfloat16>(p, stream);
+      linear_cuda::run_fwd_tc<__nv_bfloat16>(p, scratch, stream);
     }
     return;
   }

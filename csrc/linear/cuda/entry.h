@@ -13,8 +13,25 @@
 
 namespace attn {
 
-// Forward: writes p.o, p.den and (when not null) p.final_state.
-void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, cudaStream_t stream);
+// The forward's schedule, process-wide (set by the attention_ext::linear_set_cuda_kernels op):
+//   chunk_parallel: false = one CTA walks each sequence (the default until a GPU run has passed
+//                   the other), true = the chunk-parallel forward of mma_fwd_kernel.cuh for the
+//                   tensor-core calls (fp16 / bf16, M <= 128); fp32 and wider calls keep the SIMT kernels;
+//   segment_chunks: chunks per segment of the chunk-parallel forward, 0 = fill the device.
+struct LinearCudaKernels {
+  bool chunk_parallel = false;
+  int segment_chunks = 0;
+};
+void cuda_linear_set_kernels(const LinearCudaKernels& k);
+LinearCudaKernels cuda_linear_kernels();
+
+// Float32 elements of the forward's scratch (the chunk-parallel forward's segment states), 0
+// when the selected kernel needs none; allocated (not zeroed) by the caller.
+size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt);
+
+// Forward: writes p.o, p.den and (when not null) p.final_state. scratch:
+// cuda_linear_fwd_scratch_floats(p, dt) floats (null when 0).
+void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream);
 
 // Float32 elements of the backward's scratch: the pre-feature-map gradients dQ~ (B_t, H, rows, M),
 // dK~ (B_t, H_k, rows, M), dV (B_t, H_k, rows, Dv) and the per-row dG (B_t, H, rows), with

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   };
 
   // ---------------------------------------------------------------- dQ~_i = S_i dO'_i
-  load_state<kM>(Sf, z, p.init_state, p, b, h, c0, nv, has_norm);
+  load_state<kM>(Sf, z, state_at(p.init_state, p, b, h), p, c0, nv, has_norm);
   __syncthreads();
   float sigma = refresh_s16<T, L, kM>(smem, Sf, red);
   // pass 0 (non-causal only): S, z over the whole sequence; pass 1: dQ~ (and, causal, S)
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   // ---------------------------------------------------------------- dK~_j = U_j v'_j, dV_j = U_j^T K~_j
   float* U = Sf;
   float* uz = z;
-  load_state<kM>(U, uz, p.dfinal_state, p, b, h, c0, nv, has_norm);
+  load_state<kM>(U, uz, state_at(p.dfinal_state, p, b, h), p, c0, nv, has_norm);
   __syncthreads();
   float sigma_u = refresh_s16<T, L, kM>(smem, U, red);
   // the U update of rows [r0, r0 + n) with Q~, (wq Q~)^T, dO' and dn staged; f = e^{gC}
@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     if (p.causal) update_u(n, egc);
   }
   __syncthreads();
-  if (p.dinit_state != nullptr) store_state(p.dinit_state, U, uz, p, b, h, c0, nv, has_norm);
+  if (p.dinit_state != nullptr) store_state(state_at(p.dinit_state, p, b, h), U, uz, p, c0, nv, has_norm);
 }
 
 }  // namespace linear_tc

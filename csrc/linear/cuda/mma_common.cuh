@@ -155,30 +155,36 @@ __device__ __forceinline__ void add_outer(float* Sf, uint32_t xt, uint32_t y, fl
   }
 }
 
-// Sf (kM, kN) and z (kM) <- columns [c0, c0 + nv) and (with_z) the normalizer column of src
-// (B, H, M, dim_v_aug) at (b, h), or 0 (src null, rows past M, columns past nv).
+// The (M, dim_v_aug) fp32 state matrix of (b, h) in a (B, H, M, dim_v_aug) tensor, or null.
+__device__ __forceinline__ const float* state_at(const float* t, const Params& p, int b, int h) {
+  return t == nullptr ? nullptr : t + (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
+}
+__device__ __forceinline__ float* state_at(float* t, const Params& p, int b, int h) {
+  return t == nullptr ? nullptr : t + (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
+}
+
+// Sf (kM, kN) and z (kM) <- columns [c0, c0 + nv) and (with_z) the normalizer column of the
+// (M, dim_v_aug) matrix src, or 0 (src null, rows past M, columns past nv).
 template <int kM>
-__device__ __forceinline__ void load_state(float* Sf, float* z, const float* src, const Params& p, int b, int h, int c0,
-                                           int nv, bool with_z) {
-  const int64_t base = (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
+__device__ __forceinline__ void load_state(float* Sf, float* z, const float* src, const Params& p, int c0, int nv,
+                                           bool with_z) {
   for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
     const int r = e / kN, c = e % kN;
-    Sf[e] = src != nullptr && r < p.d && c < nv ? src[base + int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
+    Sf[e] = src != nullptr && r < p.d && c < nv ? src[int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
   }
   for (int r = threadIdx.x; r < kM; r += kThreads) {
-    z[r] = src != nullptr && with_z && r < p.d ? src[base + int64_t(r) * p.dim_v_aug + p.dim_v] : 0.f;
+    z[r] = src != nullptr && with_z && r < p.d ? src[int64_t(r) * p.dim_v_aug + p.dim_v] : 0.f;
   }
 }
 // The inverse of load_state: dst's columns [c0, c0 + nv) and (with_z) its normalizer column.
-__device__ __forceinline__ void store_state(float* dst, const float* Sf, const float* z, const Params& p, int b, int h,
-                                            int c0, int nv, bool with_z) {
-  const int64_t base = (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;
+__device__ __forceinline__ void store_state(float* dst, const float* Sf, const float* z, const Params& p, int c0,
+                                            int nv, bool with_z) {
   for (int e = threadIdx.x; e < p.d * nv; e += kThreads) {
     const int r = e / nv, c = e % nv;
-    dst[base + int64_t(r) * p.dim_v_aug + c0 + c] = Sf[r * kN + c];
+    dst[int64_t(r) * p.dim_v_aug + c0 + c] = Sf[r * kN + c];
   }
   if (with_z) {
-    for (int r = threadIdx.x; r < p.d; r += kThreads) dst[base + int64_t(r) * p.dim_v_aug + p.dim_v] = z[r];
+    for (int r = threadIdx.x; r < p.d; r += kThreads) dst[int64_t(r) * p.dim_v_aug + p.dim_v] = z[r];
   }
 }
 

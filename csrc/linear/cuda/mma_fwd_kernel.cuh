@@ -15,6 +15,22 @@
 // Non-causal calls take two passes: S over the whole sequence, then O' = Q~ S per chunk.
 // Operands are staged by plain 16-bit shared stores (the feature map and the key mask are
 // applied while loading), so any row stride and alignment works.
+//
+// Two schedules (FwdMode):
+//   kWhole: one CTA walks the whole sequence (the kernel above). Its parallelism is
+//           value tiles x heads x batch: 128 CTAs at (B, H, Dv) = (4, 16, 128), a few percent of an
+//           H100's warp slots, each waiting on one global load per element it stages.
+//   chunk-parallel, the two-level scan of the chunked forms (GLA, FLA's chunked kernels): the
+//           sequence is cut into segments of whole chunks, and grid.x = value tiles x segments.
+//     kSegState: each CTA runs its segment from a zero state with no outputs, and writes the
+//                segment's local state U_s (its keys' K~^T V', decayed to the segment end) and its
+//                total log-decay G_s to the scratch (SegPlan);
+//     scan_kernel: per state element, the states entering the segments, in place:
+//                S_0 = init, S_{s+1} = e^{G_s} S_s + U_s; slot n_seg holds the final state;
+//     kSegOut:   each CTA runs its segment from S_s (non-causal: from the final state) and writes
+//                the outputs; the state update is skipped after the segment's last chunk.
+//   The segment modes stage a chunk with 16-byte loads, every load of the chunk issued before
+//   the first is used, where the rows allow it (stage_vec); the per-chunk math is kWhole's.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,6 +45,19 @@
 
 namespace attn {
 namespace linear_tc {
+
+enum class FwdMode : int { kWhole = 0, kSegState = 1, kSegOut = 2 };
+
+// The chunk-parallel forward's cut of the sequence and its scratch (dispatch.cu sizes both).
+struct SegPlan {
+  int n_seg = 1;     // segments per sequence
+  int seg_rows = 0;  // rows per segment, a multiple of kChunk
+  float* states = nullptr;  // (nb, H, n_seg + 1, M, dim_v_aug): U_s, then S_s in place; slot n_seg the final state
+  float* gtot = nullptr;    // (nb, H, n_seg): G_s, the sum of the segment's log-decays
+  __device__ float* state(const Params& p, int b, int h, int slot) const {
+    return states + ((int64_t(b) * p.h + h) * (n_seg + 1) + slot) * int64_t(p.d) * p.dim_v_aug;
+  }
+};
 
 template <int kM>
 struct Smem {
@@ -46,11 +75,79 @@ struct Smem {
   static constexpr int kBytes = kRed + kWarps * 4;
 };
 
-// grid (ceil(Dv / kN), H, B), kThreads threads, Smem<kM>::kBytes bytes.
-template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
+// One chunk's Q~ (when want_q), K~, (wk K~)^T and V tiles, as the scalar loop of fwd_kernel
+// stages them, from 16-byte loads: all of a thread's loads are issued before the first is used,
+// so a chunk costs one memory round trip. The caller checks vec_ok (whole 8-element vectors:
+// m, nv and the row strides multiples of 8, the row pointers 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ bool aligned16(const T* ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+}
+
+template <typename T, typename L, int kM>
+__device__ __forceinline__ void stage_vec(unsigned char* smem, const Params& p, const T* qh, const T* kh, const T* vh,
+                                          int r0, int n, int c0, int nv, const float* wk, const float* kmul,
+                                          bool want_q, int tid) {
+  using Ops = tc::TypeOps<T>;
+  constexpr int kRowVecs = kM / 8, kVQ = kChunk * kRowVecs / kThreads;
+  constexpr int kVRowVecs = kN / 8, kVV = kChunk * kVRowVecs / kThreads;
+  static_assert(kChunk * kRowVecs % kThreads == 0 && kChunk * kVRowVecs % kThreads == 0, "whole vectors per thread");
+  const int m = p.d;
+  const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
+  uint4 qr[kVQ], kr[kVQ], vr[kVV];
+#pragma unroll
+  for (int j = 0; j < kVQ; ++j) {
+    const int e = tid + j * kThreads, i = e / kRowVecs, c = (e % kRowVecs) * 8;
+    const bool ok = i < n && c < m;
+    qr[j] = want_q && ok ? *reinterpret_cast<const uint4*>(qh + int64_t(r0 + i) * p.q_row_stride + c) : zero4;
+    // a padded key (kmul 0): 0 without a read
+    kr[j] = ok && kmul[i] != 0.f ? *reinterpret_cast<const uint4*>(kh + int64_t(r0 + i) * p.k_row_stride + c) : zero4;
+  }
+#pragma unroll
+  for (int j = 0; j < kVV; ++j) {
+    const int e = tid + j * kThreads, i = e / kVRowVecs, c = (e % kVRowVecs) * 8;
+    const bool ok = i < n && c < nv && kmul[i] != 0.f;
+    vr[j] = ok ? *reinterpret_cast<const uint4*>(vh + int64_t(r0 + i) * p.v_row_stride + c0 + c) : zero4;
+  }
+  // features of the loaded elements; rows and columns outside the chunk stay 0 (not phi(0))
+#pragma unroll
+  for (int j = 0; j < kVQ; ++j) {
+    const int e = tid + j * kThreads, i = e / kRowVecs, c = (e % kRowVecs) * 8;
+    const bool ok = i < n && c < m;
+    const float km = ok ? kmul[i] : 0.f, w = ok ? wk[i] : 0.f;
+    const uint32_t qw[4] = {qr[j].x, qr[j].y, qr[j].z, qr[j].w}, kw[4] = {kr[j].x, kr[j].y, kr[j].z, kr[j].w};
+    uint32_t qo[4], ko[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const float2 x = Ops::unpack(qw[t]), y = Ops::unpack(kw[t]);
+      const float qa = ok ? linear_simt::feature(p.feature_map, x.x) * p.scale : 0.f;
+      const float qb = ok ? linear_simt::feature(p.feature_map, x.y) * p.scale : 0.f;
+      const float ka = km != 0.f ? linear_simt::feature(p.feature_map, y.x) * km : 0.f;
+      const float kb = km != 0.f ? linear_simt::feature(p.feature_map, y.y) * km : 0.f;
+      qo[t] = Ops::pack(qa, qb);
+      ko[t] = Ops::pack(ka, kb);
+      st16<T>(smem, L::kKt + L::KtTile::offset(c + 2 * t, i), ka * w);
+      st16<T>(smem, L::kKt + L::KtTile::offset(c + 2 * t + 1, i), kb * w);
+    }
+    if (want_q) *reinterpret_cast<uint4*>(smem + L::kQ + L::QTile::offset(i, c)) = make_uint4(qo[0], qo[1], qo[2], qo[3]);
+    *reinterpret_cast<uint4*>(smem + L::kK + L::QTile::offset(i, c)) = make_uint4(ko[0], ko[1], ko[2], ko[3]);
+  }
+#pragma unroll
+  for (int j = 0; j < kVV; ++j) {
+    const int e = tid + j * kThreads, i = e / kVRowVecs, c = (e % kVRowVecs) * 8;
+    *reinterpret_cast<uint4*>(smem + L::kV + L::VTile::offset(i, c)) = vr[j];
+  }
+}
+
+// kWhole: grid (ceil(Dv / kN), H, B); the segment modes: grid (ceil(Dv / kN) * plan.n_seg, H, B).
+// kThreads threads, Smem<kM>::kBytes bytes.
+template <typename T, int kM, FwdMode kMode = FwdMode::kWhole>
+__global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const SegPlan plan) {
   using L = Smem<kM>;
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
+  constexpr bool kSeg = kMode != FwdMode::kWhole;
+  const int ntiles = (p.dim_v + kN - 1) / kN;
+  const int tile = kSeg ? int(blockIdx.x) % ntiles : int(blockIdx.x), seg = kSeg ? int(blockIdx.x) / ntiles : 0;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
   const int tid = threadIdx.x, warp = tid / 32;
   int lane = tid % 32;  // opaque() per chunk (mma_common.cuh)
   const int m = p.d, c0 = tile * kN, nv = min(kN, p.dim_v - c0);
@@ -71,20 +168,40 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
   const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride);
   T* oh = static_cast<T*>(p.o) + s.off(p.o_batch_stride, h, p.o_head_stride, 0, p.o_row_stride);
 
-  load_state<kM>(Sf, z, p.init_state, p, b, h, c0, nv, p.normalize);
+  // this CTA's rows [r_begin, r_end) and the state it starts from
+  int r_begin = 0, r_end = s.len;
+  const float* s_in = state_at(p.init_state, p, b, h);
+  if constexpr (kSeg) {
+    r_begin = min(s.len, seg * plan.seg_rows);
+    r_end = min(s.len, r_begin + plan.seg_rows);
+    s_in = kMode == FwdMode::kSegState ? nullptr : plan.state(p, b, h, p.causal ? seg : plan.n_seg);
+  }
+  load_state<kM>(Sf, z, s_in, p, c0, nv, p.normalize);
   __syncthreads();
   float sigma = refresh_s16<T, L, kM>(smem, Sf, red);
+  const bool vec = kSeg && m % 8 == 0 && nv % 8 == 0 && p.q_row_stride % 8 == 0 && p.k_row_stride % 8 == 0 &&
+                   p.v_row_stride % 8 == 0 && aligned16(qh) && aligned16(kh) && aligned16(vh + c0);
+  float glog = 0.f;  // kSegState: the segment's summed log-decay
 
-  // pass 0 (non-causal only): S, z over the whole sequence; pass 1: outputs (and, causal, S)
-  for (int pass = p.causal ? 1 : 0; pass < 2; ++pass) {
-    const bool want_out = pass == 1, want_update = pass == 0 || p.causal;
-    for (int r0 = 0; r0 < s.len; r0 += kChunk) {
-      const int n = min(kChunk, s.len - r0);
+  // kWhole: pass 0 (non-causal only): S, z over the whole sequence; pass 1: outputs (and,
+  // causal, S). kSegState: pass 0 over the segment; kSegOut: pass 1 over the segment.
+  const int pass_begin = kMode == FwdMode::kSegOut ? 1 : (kSeg || !p.causal ? 0 : 1);
+  const int pass_end = kMode == FwdMode::kSegState ? 1 : 2;
+  for (int pass = pass_begin; pass < pass_end; ++pass) {
+    const bool want_out = pass == 1;
+    for (int r0 = r_begin; r0 < r_end; r0 += kChunk) {
+      const int n = min(kChunk, r_end - r0);
+      // kSegOut: the state after the segment's last chunk is not needed
+      const bool want_update = pass == 0 || (p.causal && (kMode != FwdMode::kSegOut || r0 + kChunk < r_end));
       lane = opaque(lane);
       linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
       __syncthreads();
       const float egc = expf(g[n - 1]);
+      if constexpr (kMode == FwdMode::kSegState) glog += g[n - 1];
       // stage Q~, K~, (wk K~)^T and V as 16-bit tiles
+      if (vec) {
+        stage_vec<T, L, kM>(smem, p, qh, kh, vh, r0, n, c0, nv, wk, kmul, want_out, tid);
+      } else {
       for (int e = tid; e < kChunk * kM; e += kThreads) {
         const int i = e / kM, c = e % kM;
         const bool ok = i < n && c < m;
@@ -103,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
         const int i = e / kN, c = e % kN;
         const float x = i < n && c < nv && kmul[i] != 0.f ? to_float(vh[int64_t(r0 + i) * p.v_row_stride + c0 + c]) : 0.f;
         st16<T>(smem, L::kV + L::VTile::offset(i, c), x);
+      }
       }
       __syncthreads();
       if (want_out && tid < kChunk) {  // Q~_i . z with the chunk-start z
@@ -185,7 +303,31 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p) {
       __syncthreads();
     }
   }
-  if (p.final_state != nullptr) store_state(p.final_state, Sf, z, p, b, h, c0, nv, tile == 0 && p.normalize);
+  if constexpr (kMode == FwdMode::kWhole) {
+    if (p.final_state != nullptr) store_state(state_at(p.final_state, p, b, h), Sf, z, p, c0, nv, tile == 0 && p.normalize);
+  } else if constexpr (kMode == FwdMode::kSegState) {
+    store_state(plan.state(p, b, h, seg), Sf, z, p, c0, nv, tile == 0 && p.normalize);
+    if (tile == 0 && tid == 0) plan.gtot[(int64_t(b) * p.h + h) * plan.n_seg + seg] = glog;
+  }
+}
+
+// The scan of the chunk-parallel forward over segment states, in place (SegPlan): one thread
+// per element of a (b, h) state matrix, grid (ceil(M * dim_v_aug / kThreads), H, B).
+__global__ void __launch_bounds__(kThreads) seg_scan_kernel(const Params p, const SegPlan plan) {
+  const int64_t per = int64_t(p.d) * p.dim_v_aug;
+  const int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  if (e >= per) return;
+  float* st = plan.state(p, b, h, 0) + e;
+  const float* gt = plan.gtot + (int64_t(b) * p.h + h) * plan.n_seg;
+  float x = p.init_state != nullptr ? state_at(p.init_state, p, b, h)[e] : 0.f;
+  for (int j = 0; j < plan.n_seg; ++j) {
+    const float u = st[j * per];
+    st[j * per] = x;
+    x = expf(gt[j]) * x + u;
+  }
+  st[plan.n_seg * per] = x;
+  if (p.final_state != nullptr) state_at(p.final_state, p, b, h)[e] = x;
 }
 
 }  // namespace linear_tc
