@@ -175,6 +175,17 @@ std::string emu_path(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
 
 std::vector<std::string> emu_launches() { return attn_emu::take_launches(); }
 
+// (launches, 5) int64: take_launch_stats()'s fields per launch since the last call
+Tensor emu_launch_stats() {
+  const std::vector<attn_emu::LaunchStats> st = attn_emu::take_launch_stats();
+  Tensor t = at::empty({int64_t(st.size()), 5}, at::kLong);
+  for (size_t i = 0; i < st.size(); ++i) {
+    const uint64_t f[5] = {st[i].ctas, st[i].threads, st[i].mma, st[i].barriers, st[i].cp_async_bytes};
+    for (int j = 0; j < 5; ++j) t[int64_t(i)][j] = int64_t(f[j]);
+  }
+  return t;
+}
+
 // set_cuda_kernels for both emulated archs
 void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, int64_t tune_bwd, bool force_simt) {
   for (int64_t arch : {80, 90})
@@ -203,6 +214,7 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("topk_threshold(Tensor q, Tensor k" ATTN_SOFTMAX_OPTIONS_SCHEMA ", int k_top, int arch) -> (Tensor, Tensor)",
         &emu_topk_threshold);
   m.def("launches() -> str[]", &emu_launches);
+  m.def("launch_stats() -> Tensor", &emu_launch_stats);
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);

@@ -21,6 +21,13 @@ void clear_global_ranges();
 void set_schedule(bool warp_serial, bool reverse);
 // The kernels launched since the last call, demangled, in launch order.
 std::vector<std::string> take_launches();
+// What each launch since the last call executed (the static cost report's counts,
+// benchmarks/gpu_cost.py): CTAs, threads per CTA, warp-level mma.sync m16n8k16 instructions,
+// completed block barriers (summed over CTAs), bytes copied from global memory by cp.async.
+struct LaunchStats {
+  uint64_t ctas, threads, mma, barriers, cp_async_bytes;
+};
+std::vector<LaunchStats> take_launch_stats();
 
 struct Backend {
   // the backend's entry points (csrc/softmax/cuda/entry.h); dtype is attn::DType as int

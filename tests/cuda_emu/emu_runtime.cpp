@@ -134,6 +134,7 @@ struct Runtime {
   std::vector<std::pair<const unsigned char*, const unsigned char*>> ranges;
   std::unordered_map<const void*, int> max_dyn_smem;
   std::vector<std::string> launches;  // kernel names, for take_launches()
+  std::vector<LaunchStats> stats;      // per launch, for take_launch_stats()
   Cta cta;
   // the interleaving (set_schedule): warp-serial (else lockstep), warps last-first (reverse)
   bool reverse = false, warp_serial = true;
@@ -387,6 +388,11 @@ std::vector<std::string> take_launches() {
   out.swap(rt.launches);
   return out;
 }
+std::vector<LaunchStats> take_launch_stats() {
+  std::vector<LaunchStats> out;
+  out.swap(rt.stats);
+  return out;
+}
 void set_arch(int sm) { rt.arch = sm; }
 void set_schedule(bool warp_serial, bool reverse) {
   rt.warp_serial = warp_serial;
@@ -417,6 +423,7 @@ void run_grid(const void* kernel_id, dim3 grid, dim3 block, size_t smem_bytes, v
             " bytes of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize");
   }
   rt.launches.push_back(kernel_name(kernel_id));
+  rt.stats.push_back(LaunchStats{uint64_t(grid.x) * grid.y * grid.z, uint64_t(nthreads), 0, 0, 0});
   Cta& c = rt.cta;
   c.nthreads = nthreads;
   c.nwarps = (nthreads + 31) / 32;
@@ -463,6 +470,7 @@ int syncthreads_or(int pred) {
   Fiber& f = self();
   c.vote_acc |= pred != 0;
   if (++c.at_barrier == c.live) {
+    if (!rt.stats.empty()) ++rt.stats.back().barriers;
     c.at_barrier = 0;
     c.vote_result = c.vote_acc;
     c.vote_acc = 0;
@@ -487,6 +495,7 @@ void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b) {
   std::memcpy(in, a, 16);
   std::memcpy(in + 4, b, 8);
   std::memcpy(in + 6, c, 16);
+  if (!rt.stats.empty() && self().lane == 0) ++rt.stats.back().mma;  // once per warp
   collective(e == Elem::kF16 ? Op::kMmaF16 : Op::kMmaBF16, in, 10, out, 4, [e](Warp& w) {
     float A[16][16], B[16][8], C[16][8];
     for (int l = 0; l < 32; ++l) {
@@ -575,6 +584,7 @@ void cp_async(uint32_t dst, const void* src, int bytes, int src_bytes) {
     for (const auto& r : rt.ranges) inside = inside || (s >= r.first && s + src_bytes <= r.second);
     if (!inside) fault("cp.async: global source outside the kernel's tensors (" + where(self()) + ")");
   }
+  if (!rt.stats.empty()) rt.stats.back().cp_async_bytes += uint64_t(src_bytes > 0 ? src_bytes : 0);
   std::memset(rt.smem + dst, 0xff, bytes);  // undefined until the group is waited for
   Fiber& f = self();
   f.copies.push_back(Copy{dst, s, bytes, src_bytes, f.commits});

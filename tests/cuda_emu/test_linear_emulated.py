@@ -356,3 +356,41 @@ def test_chunk_parallel_launches(emu, chunk_parallel):
     assert "FwdMode)1" in names[0] and "seg_scan_kernel" in names[1] and "FwdMode)2" in names[2], names
     for a, b in zip(seq, par):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+
+
+def count_mma_flops(s, m, dv, causal, seg, b=1, h=2):
+    """The emulator's mma.sync count (x 4096 flops per m16n8k16) of each launch of one forward
+    call, bf16: the sequential kernel (seg 0) or the chunk-parallel one with `seg` chunks per
+    segment. benchmarks/gpu_cost.py prints these beside its formulas (--check-counts)."""
+    e = cuda_emu.load()
+    torch.manual_seed(0)
+    q, k = torch.randn(b, h, s, m).bfloat16(), torch.randn(b, h, s, m).bfloat16()
+    v = torch.randn(b, h, s, dv).bfloat16()
+    opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=s, feature_map=0,
+                causal=causal, normalize=False, eps=1e-6, scale=1.0)
+    e.linear_set_cuda_kernels(seg > 0, seg)
+    try:
+        e.launch_stats()
+        e.linear_fwd(q, k, v, *[opts[n] for n in ops.OPTION_NAMES], 90)
+        stats = e.launch_stats()
+    finally:
+        e.linear_set_cuda_kernels(False, 0)
+    return [float(x) * 4096 for x in stats[:, 2]]
+
+
+@pytest.mark.parametrize("case", [dict(s=200, m=64, dv=64, causal=True, seg=0),
+                                  dict(s=130, m=100, dv=72, causal=False, seg=0),
+                                  dict(s=200, m=64, dv=64, causal=True, seg=2),
+                                  dict(s=130, m=128, dv=128, causal=True, seg=1),
+                                  dict(s=130, m=100, dv=72, causal=False, seg=2)], ids=str)
+def test_cost_report_counts(emu, case):
+    """benchmarks/gpu_cost.py's tensor-core flop formulas equal what the kernels issue."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(cuda_emu.ROOT, "benchmarks", "gpu_cost.py")
+    spec = importlib.util.spec_from_file_location("gpu_cost", path)
+    gpu_cost = sys.modules.setdefault("gpu_cost", importlib.util.module_from_spec(spec))  # dataclasses need it there
+    spec.loader.exec_module(gpu_cost)
+    assert count_mma_flops(**case) == gpu_cost.expected_mma_flops(**case)

@@ -404,3 +404,20 @@ def test_linear_check_op():
     with pytest.raises(ValueError) as check:
         torch.ops.attention_ext.linear_check(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in bad_args])
     assert str(check.value).splitlines()[0] == str(op.value).splitlines()[0]
+
+
+def test_set_cuda_kernels_selection():
+    """linear.set_cuda_kernels returns the previous selection (so **old restores it) and names a
+    bad segment_chunks; on the CPU it changes nothing."""
+    old = ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=3)
+    try:
+        assert ae.linear.cuda_kernels() == dict(chunk_parallel=True, segment_chunks=3)
+        if ops.HAS_OP:
+            with pytest.raises(ValueError, match="segment_chunks"):
+                ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=-1)
+        q = torch.randn(1, 2, 9, 8)
+        torch.testing.assert_close(ae.linear_attention(q, q, q, causal=True),
+                                   reference.linear_attention(q, q, q, causal=True)[0])
+    finally:
+        assert ae.linear.set_cuda_kernels(**old) == dict(chunk_parallel=True, segment_chunks=3)
+    assert ae.linear.cuda_kernels() == old

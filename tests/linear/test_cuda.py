@@ -48,6 +48,46 @@ def test_options(opt, dtype):
         run_case(97, dtype, causal=False, **kw)
 
 
+@pytest.fixture
+def chunk_parallel():
+    """The chunk-parallel forward (linear.set_cuda_kernels) for one test, segments of 2 chunks so
+    that a segment's state update runs too; the previous selection after it."""
+    old = ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=2)
+    yield
+    ae.linear.set_cuda_kernels(**old)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 65, 300, 1000])
+def test_chunk_parallel_sizes(chunk_parallel, s, causal, dtype):
+    run_case(s, dtype, causal=causal, m=64, dv=72, decay=causal, init=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("opt", ["mask", "gqa_bshd", "all", "odd_width"])
+def test_chunk_parallel_options(chunk_parallel, opt, dtype):
+    kw = dict(mask=dict(mask=True), gqa_bshd=dict(b=2, h=6, hk=2, layout="bshd"),
+              all=dict(decay=True, init=True, mask=True, b=2, h=4, hk=2, m=128, dv=128),
+              odd_width=dict(m=20, dv=36, decay=True))[opt]
+    run_case(333, dtype, causal=True, **kw)
+    if "decay" not in kw:
+        run_case(333, dtype, causal=False, **kw)
+
+
+def test_chunk_parallel_heuristic_long():
+    """The default segment count (fill the device) on a long sequence, against the sequential forward."""
+    q, k, v = (torch.randn(1, 2, 20000, 64, dtype=torch.bfloat16) * 0.5 for _ in range(3))
+    g = -0.01 * torch.rand(1, 2, 20000)
+    seq = ae.linear_attention(q, k, v, causal=True, decay=g)
+    old = ae.linear.set_cuda_kernels(chunk_parallel=True)
+    try:
+        par = ae.linear_attention(q, k, v, causal=True, decay=g)
+    finally:
+        ae.linear.set_cuda_kernels(**old)
+    torch.testing.assert_close(par.float(), seq.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("fmap,normalize", [("relu", True), ("identity", False), ("favor", True)])
 def test_feature_maps(fmap, normalize):
     run_case(65, torch.bfloat16, causal=True, fmap=fmap, normalize=normalize)

@@ -164,13 +164,31 @@ __device__ __forceinline__ float* state_at(float* t, const Params& p, int b, int
 }
 
 // Sf (kM, kN) and z (kM) <- columns [c0, c0 + nv) and (with_z) the normalizer column of the
-// (M, dim_v_aug) matrix src, or 0 (src null, rows past M, columns past nv).
-template <int kM>
+// (M, dim_v_aug) matrix src, or 0 (src null, rows past M, columns past nv). kBatched issues a
+// thread's loads 16 at a time before storing them (4 memory round trips at kM = 128, where the
+// plain loop may wait once per element): the chunk-parallel forward loads a state per CTA.
+template <int kM, bool kBatched = false>
 __device__ __forceinline__ void load_state(float* Sf, float* z, const float* src, const Params& p, int c0, int nv,
                                            bool with_z) {
-  for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
-    const int r = e / kN, c = e % kN;
-    Sf[e] = src != nullptr && r < p.d && c < nv ? src[int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
+  if constexpr (kBatched) {
+    constexpr int kPer = kM * kN / kThreads, kB = 16;
+    static_assert(kM * kN % kThreads == 0 && kPer % kB == 0, "whole batches per thread");
+#pragma unroll 1
+    for (int j0 = 0; j0 < kPer; j0 += kB) {
+      float x[kB];
+#pragma unroll
+      for (int j = 0; j < kB; ++j) {
+        const int e = threadIdx.x + (j0 + j) * kThreads, r = e / kN, c = e % kN;
+        x[j] = src != nullptr && r < p.d && c < nv ? src[int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < kB; ++j) Sf[threadIdx.x + (j0 + j) * kThreads] = x[j];
+    }
+  } else {
+    for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
+      const int r = e / kN, c = e % kN;
+      Sf[e] = src != nullptr && r < p.d && c < nv ? src[int64_t(r) * p.dim_v_aug + c0 + c] : 0.f;
+    }
   }
   for (int r = threadIdx.x; r < kM; r += kThreads) {
     z[r] = src != nullptr && with_z && r < p.d ? src[int64_t(r) * p.dim_v_aug + p.dim_v] : 0.f;

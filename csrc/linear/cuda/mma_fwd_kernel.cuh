@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
     r_end = min(s.len, r_begin + plan.seg_rows);
     s_in = kMode == FwdMode::kSegState ? nullptr : plan.state(p, b, h, p.causal ? seg : plan.n_seg);
   }
-  load_state<kM>(Sf, z, s_in, p, c0, nv, p.normalize);
+  load_state<kM, kSeg>(Sf, z, s_in, p, c0, nv, p.normalize);
   __syncthreads();
   float sigma = refresh_s16<T, L, kM>(smem, Sf, red);
   const bool vec = kSeg && m % 8 == 0 && nv % 8 == 0 && p.q_row_stride % 8 == 0 && p.k_row_stride % 8 == 0 &&
