@@ -152,6 +152,12 @@ if has families; then
   done
 fi
 
+if has lbench; then
+  # the linear bench alone (issue 37: the chunk-parallel forward's ours-cp column against FLA and the sequential one)
+  timeout 150 python3 benchmarks/linear/bench_cuda.py --reps 5 --out "$TMPD/linear.md" >>"$OUT/bench.log" 2>&1
+  note "linear bench: rc=$?"; cat "$TMPD/linear.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
+fi
+
 if has fbench; then
   # the families' benchmarks, tables appended to bench.md (FLA's column needs its wheels: see the device README)
   timeout 240 python3 benchmarks/decode/bench_cuda.py --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
