@@ -25,8 +25,8 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
     attn::cuda_linear_fwd(p, dt, scratch, stream());
   }
-  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
-    return attn::cuda_linear_bwd_scratch_floats(p);
+  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt) const {
+    return attn::cuda_linear_bwd_scratch_floats(p, dt);
   }
   void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
     attn::cuda_linear_bwd(p, dt, scratch, stream());

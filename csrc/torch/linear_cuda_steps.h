@@ -10,7 +10,7 @@
 //     <RAII> guard(const Tensor& q) const;       // device guard for the call
 //     size_t linear_fwd_scratch_floats(const LinearParamsT<float>&, DType) const;
 //     void linear_fwd(const LinearParamsT<float>&, DType, float* scratch) const;
-//     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&) const;
+//     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&, DType) const;
 //     void linear_bwd(const LinearBwdParamsT<float>&, DType, float* scratch) const;
 //   };
 #pragma once
@@ -94,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cu
   const LinearBwdParamsT<float> p = make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g);
   const DType dt = dtype_of(q);
   // fp32 accumulators the kernels add into (entry.h): zeroed, never poisoned
-  at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p))}, q.options().dtype(at::kFloat));
+  at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p, dt))}, q.options().dtype(at::kFloat));
   run_backend<Device>([&] { dev.linear_bwd(p, dt, scratch.data_ptr<float>()); });
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }

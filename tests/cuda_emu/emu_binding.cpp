@@ -127,8 +127,8 @@ struct EmuLinearDevice {
   void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
     be.linear_fwd(&p, sizeof(p), int(dt), scratch);
   }
-  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p) const {
-    return be.linear_bwd_scratch_floats(&p, sizeof(p));
+  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt) const {
+    return be.linear_bwd_scratch_floats(&p, sizeof(p), int(dt));
   }
   void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
     be.linear_bwd(&p, sizeof(p), int(dt), scratch);

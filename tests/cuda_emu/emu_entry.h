@@ -52,7 +52,7 @@ struct Backend {
   void (*linear_set_kernels)(bool chunk_parallel, int segment_chunks);
   size_t (*linear_fwd_scratch_floats)(const void* params, size_t bytes, int dtype);
   void (*linear_fwd)(const void* params, size_t bytes, int dtype, float* scratch);
-  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes);
+  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype);
   void (*linear_bwd)(const void* params, size_t bytes, int dtype, float* scratch);
 };
 

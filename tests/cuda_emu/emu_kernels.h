@@ -124,8 +124,9 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
     attn::prepare();
     attn::cuda_linear_fwd(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt), scratch, nullptr);
   };
-  be.linear_bwd_scratch_floats = [](const void* p, size_t n) {
-    return attn::cuda_linear_bwd_scratch_floats(attn::params_from<attn::LinearBwdParamsT<float>>(p, n));
+  be.linear_bwd_scratch_floats = [](const void* p, size_t n, int dt) {
+    attn::prepare();
+    return attn::cuda_linear_bwd_scratch_floats(attn::params_from<attn::LinearBwdParamsT<float>>(p, n), attn::DType(dt));
   };
   be.linear_bwd = [](const void* p, size_t n, int dt, float* scratch) {
     attn::prepare();

@@ -77,10 +77,21 @@ linear_tc::SegPlan plan_segments(const LinearParamsT<float>& p) {
   return plan;
 }
 
-size_t seg_scratch_floats(const LinearParamsT<float>& p, const linear_tc::SegPlan& plan) {
+// states (and, for the backward, ustates) then gtot, floats
+size_t seg_scratch_floats(const LinearParamsT<float>& p, const linear_tc::SegPlan& plan, bool bwd = false) {
   const int64_t heads = int64_t(p.b) * p.h;
-  return size_t(heads * (plan.n_seg + 1) * int64_t(p.d) * p.dim_v_aug + heads * plan.n_seg);
+  return size_t((bwd ? 2 : 1) * heads * (plan.n_seg + 1) * int64_t(p.d) * p.dim_v_aug + heads * plan.n_seg);
 }
+
+linear_tc::SegPlan carve_plan(const LinearParamsT<float>& p, float* scratch, bool bwd) {
+  linear_tc::SegPlan plan = plan_segments(p);
+  const size_t states = size_t(int64_t(p.b) * p.h * (plan.n_seg + 1) * int64_t(p.d) * p.dim_v_aug);
+  plan.states = scratch;
+  plan.ustates = bwd ? scratch + states : nullptr;
+  plan.gtot = scratch + (bwd ? 2 : 1) * states;
+  return plan;
+}
+
 
 template <typename T, int kM>
 void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stream) {
@@ -95,9 +106,7 @@ void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stre
     check_launch(what);
     return;
   }
-  linear_tc::SegPlan plan = plan_segments(p);
-  plan.states = scratch;
-  plan.gtot = scratch + (seg_scratch_floats(p, plan) - size_t(p.b) * p.h * plan.n_seg);
+  const linear_tc::SegPlan plan = carve_plan(p, scratch, false);
   if (int64_t(tiles) * plan.n_seg > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many segments");
   const dim3 grid(tiles * plan.n_seg, p.h, p.b);
   auto state_kernel = &linear_tc::fwd_kernel<T, kM, linear_tc::FwdMode::kSegState>;
@@ -108,7 +117,8 @@ void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stre
   check_launch(what);
   const int64_t per = int64_t(p.d) * p.dim_v_aug;
   const dim3 scan_grid(unsigned((per + linear_tc::kThreads - 1) / linear_tc::kThreads), p.h, p.b);
-  ATTN_LAUNCH(linear_tc::seg_scan_kernel, scan_grid, dim3(linear_tc::kThreads), 0, stream)(p, plan);
+  ATTN_LAUNCH(linear_tc::seg_scan_kernel, scan_grid, dim3(linear_tc::kThreads), 0, stream)(p, plan, false, p.init_state,
+                                                                                            p.final_state);
   check_launch(what);
   ATTN_LAUNCH(out_kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p, plan);
   check_launch(what);
@@ -125,6 +135,11 @@ void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stre
 
 bool use_tensor_cores(const LinearParamsT<float>& p, DType dt) {
   return (dt == DType::kF16 || dt == DType::kBF16) && p.d <= 128 && device_sm() >= 80;
+}
+
+// the dq / dk / dv / dg accumulators of every backward (entry.h)
+size_t base_bwd_scratch_floats(const LinearBwdParamsT<float>& p) {
+  return size_t(scratch_rows(p, p.h) * (p.d + 1) + scratch_rows(p, p.h_k) * (p.d + p.dim_v));
 }
 
 linear_simt::BwdScratch carve_scratch(const LinearBwdParamsT<float>& p, float* scratch) {
@@ -147,15 +162,51 @@ void run_bwd_simt(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratc
   check_launch(what);
 }
 
-// fp16 / bf16 only (TypeOps); M <= kM
+// fp16 / bf16 only (TypeOps); M <= kM. seg_scratch: the chunk-parallel backward's segment
+// states (carve_plan), or null for the sequential kernel.
 template <typename T, int kM>
-void run_bwd_tc(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch& sc, cudaStream_t stream) {
+void run_bwd_tc(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch& sc, float* seg_scratch,
+                cudaStream_t stream) {
+  using linear_tc::BwdMode;
   const char* what = "attention_ext.linear (CUDA tensor-core backward)";
   constexpr int smem = linear_tc::BwdSmem<kM>::kBytes;
-  auto kernel = &linear_tc::bwd_kernel<T, kM>;
-  set_smem(kernel, smem, what);
-  const dim3 grid((p.dim_v + linear_tc::kN - 1) / linear_tc::kN, p.h, p.b);
-  ATTN_LAUNCH(kernel, grid, dim3(linear_tc::kThreads), smem, stream)(p, sc);
+  const int tiles = value_tiles_tc(p);
+  const dim3 block(linear_tc::kThreads);
+  if (seg_scratch == nullptr) {
+    auto kernel = &linear_tc::bwd_kernel<T, kM, BwdMode::kWhole>;
+    set_smem(kernel, smem, what);
+    ATTN_LAUNCH(kernel, dim3(tiles, p.h, p.b), block, smem, stream)(p, sc, linear_tc::SegPlan{});
+    check_launch(what);
+    return;
+  }
+  const linear_tc::SegPlan plan = carve_plan(p, seg_scratch, true);
+  if (int64_t(tiles) * plan.n_seg > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many segments");
+  const dim3 grid(tiles * plan.n_seg, p.h, p.b);
+  const int64_t per = int64_t(p.d) * p.dim_v_aug;
+  const dim3 scan_grid(unsigned((per + linear_tc::kThreads - 1) / linear_tc::kThreads), p.h, p.b);
+  // the forward's segment states and their scan: the state entering each segment
+  constexpr int fwd_smem = linear_tc::Smem<kM>::kBytes;
+  auto state_kernel = &linear_tc::fwd_kernel<T, kM, linear_tc::FwdMode::kSegState>;
+  set_smem(state_kernel, fwd_smem, what);
+  const LinearParamsT<float>& fp = p;
+  ATTN_LAUNCH(state_kernel, grid, block, fwd_smem, stream)(fp, plan);
+  check_launch(what);
+  ATTN_LAUNCH(linear_tc::seg_scan_kernel, scan_grid, block, 0, stream)(fp, plan, false, p.init_state, nullptr);
+  check_launch(what);
+  // the reverse states: each segment's own, then the reverse scan (dS_0 = dinit_state)
+  auto u_kernel = &linear_tc::bwd_kernel<T, kM, BwdMode::kSegU>;
+  set_smem(u_kernel, smem, what);
+  ATTN_LAUNCH(u_kernel, grid, block, smem, stream)(p, sc, plan);
+  check_launch(what);
+  ATTN_LAUNCH(linear_tc::seg_scan_kernel, scan_grid, block, 0, stream)(fp, plan, true, p.dfinal_state, p.dinit_state);
+  check_launch(what);
+  auto dq_kernel = &linear_tc::bwd_kernel<T, kM, BwdMode::kSegDq>;
+  auto dkv_kernel = &linear_tc::bwd_kernel<T, kM, BwdMode::kSegDkv>;
+  set_smem(dq_kernel, smem, what);
+  set_smem(dkv_kernel, smem, what);
+  ATTN_LAUNCH(dq_kernel, grid, block, smem, stream)(p, sc, plan);
+  check_launch(what);
+  ATTN_LAUNCH(dkv_kernel, grid, block, smem, stream)(p, sc, plan);
   check_launch(what);
 }
 
@@ -168,10 +219,12 @@ void run_bwd(const LinearBwdParamsT<float>& p, bool tensor_cores, float* scratch
   const linear_simt::BwdScratch sc = carve_scratch(p, scratch);
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_cores) {
+      // the chunk-parallel backward's segment scratch follows the atomics' (entry.h)
+      float* seg = g_chunk_parallel.load() ? scratch + base_bwd_scratch_floats(p) : nullptr;
       if (p.d <= 64) {
-        run_bwd_tc<T, 64>(p, sc, stream);
+        run_bwd_tc<T, 64>(p, sc, seg, stream);
       } else {
-        run_bwd_tc<T, 128>(p, sc, stream);
+        run_bwd_tc<T, 128>(p, sc, seg, stream);
       }
     }
   }
@@ -226,8 +279,12 @@ void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cu
   }
 }
 
-size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p) {
-  return size_t(linear_cuda::scratch_rows(p, p.h) * (p.d + 1) + linear_cuda::scratch_rows(p, p.h_k) * (p.d + p.dim_v));
+size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt) {
+  size_t n = linear_cuda::base_bwd_scratch_floats(p);
+  if (linear_cuda::g_chunk_parallel.load() && linear_cuda::use_tensor_cores(p, dt)) {
+    n += linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p), true);
+  }
+  return n;
 }
 
 void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream) {

@@ -13,10 +13,11 @@
 
 namespace attn {
 
-// The forward's schedule, process-wide (set by the attention_ext::linear_set_cuda_kernels op):
+// The schedule of the tensor-core forward and backward, process-wide (set by the attention_ext::linear_set_cuda_kernels op):
 //   chunk_parallel: false = one CTA walks each sequence (the default until a GPU run has passed
-//                   the other), true = the chunk-parallel forward of mma_fwd_kernel.cuh for the
-//                   tensor-core calls (fp16 / bf16, M <= 128); fp32 and wider calls keep the SIMT kernels;
+//                   the other), true = the chunk-parallel forward and backward of
+//                   mma_fwd_kernel.cuh / mma_bwd_kernel.cuh for the tensor-core calls (fp16 / bf16,
+//                   M <= 128); fp32 and wider calls keep the SIMT kernels;
 //   segment_chunks: chunks per segment of the chunk-parallel forward, 0 = fill the device.
 struct LinearCudaKernels {
   bool chunk_parallel = false;
@@ -36,11 +37,12 @@ void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cu
 // Float32 elements of the backward's scratch: the pre-feature-map gradients dQ~ (B_t, H, rows, M),
 // dK~ (B_t, H_k, rows, M), dV (B_t, H_k, rows, Dv) and the per-row dG (B_t, H, rows), with
 // (B_t, rows) the batch and row dims of q: (B, S), or (1, total) for a varlen pack. The value
-// tiles of a head and the query heads of a GQA group add into them with atomics.
-size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p);
+// tiles of a head and the query heads of a GQA group add into them with atomics. Then, when the
+// chunk-parallel kernels take the call, their segment states (forward and reverse).
+size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt);
 
 // Backward: writes p.dq, p.dk, p.dv and, when not null, p.ddecay and p.dinit_state. scratch:
-// cuda_linear_bwd_scratch_floats(p) floats, zeroed by the caller.
+// cuda_linear_bwd_scratch_floats(p, dt) floats, zeroed by the caller.
 void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream);
 
 }  // namespace attn

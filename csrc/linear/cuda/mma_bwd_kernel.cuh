@@ -22,6 +22,16 @@
 // and the chunk products are only the S / U terms. dQ~ / dK~ / dV rows go to the fp32 scratch
 // with atomics (value tiles and GQA query heads add up); dG_i = Q~_i . dQ~_i - K~_i . dK~_i
 // per tile from the accumulators and the 16-bit Q~ / K~ tiles the products used.
+//
+// Chunk-parallel (BwdMode; the forward's segments and scans, mma_fwd_kernel.cuh): after the
+// forward's kSegState and scan have put the state entering each segment in the scratch,
+//   kSegU:   per segment, the reverse state of its own rows from 0 (the descending sweep's U
+//            updates only), then seg_scan_kernel in reverse gives U at each segment's end and
+//            dS_0 (dinit_state);
+//   kSegDq:  per segment, the ascending sweep from the segment's entering state (the last
+//            segment also adds the <dS_T, S_T> term of dG);
+//   kSegDkv: per segment, the descending sweep from U at the segment's end.
+// The segment modes stage a chunk with 16-byte loads issued together where the rows allow it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,8 +57,8 @@ struct BwdSmem {
   static constexpr int kQ = 0, kK = kQ + QTile::kBytes, kKt = kK + QTile::kBytes, kV = kKt + KtTile::kBytes,
                        kD = kV + VTile::kBytes, kS = kD + VTile::kBytes, kSf = kS + STile::kBytes;  // fp32 S / U
   static constexpr int kZ = kSf + kM * kN * 4;         // fp32 z, then Uz (kM)
-  static constexpr int kScalars = kZ + kM * 4;         // g, wq, wk, kmul, dn (C each)
-  static constexpr int kRed = kScalars + 5 * kChunk * 4;  // per-warp max |S|
+  static constexpr int kScalars = kZ + kM * 4;         // g, wq, wk, kmul, dn, inv (C each)
+  static constexpr int kRed = kScalars + 6 * kChunk * 4;  // per-warp max |S|
   static constexpr int kBytes = kRed + kWarps * 4;
 };
 
@@ -58,14 +68,21 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// grid (ceil(Dv / kN), H, B), kThreads threads, BwdSmem<kM>::kBytes bytes; scratch zeroed.
-template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, const linear_simt::BwdScratch sc) {
+enum class BwdMode : int { kWhole = 0, kSegU = 1, kSegDq = 2, kSegDkv = 3 };
+
+// kWhole: grid (ceil(Dv / kN), H, B); the segment modes: grid (ceil(Dv / kN) * plan.n_seg, H, B).
+// kThreads threads, BwdSmem<kM>::kBytes bytes; scratch zeroed.
+template <typename T, int kM, BwdMode kMode = BwdMode::kWhole>
+__global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, const linear_simt::BwdScratch sc,
+                                                          const SegPlan plan) {
   using L = BwdSmem<kM>;
   using QT = typename L::QTile;
   using VT = typename L::VTile;
   using ST = typename L::STile;
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
+  constexpr bool kSeg = kMode != BwdMode::kWhole;
+  const int ntiles = (p.dim_v + kN - 1) / kN;
+  const int tile = kSeg ? int(blockIdx.x) % ntiles : int(blockIdx.x), seg = kSeg ? int(blockIdx.x) / ntiles : 0;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
   const int tid = threadIdx.x, warp = tid / 32, row_a = 16 * warp;
   int lane = tid % 32;  // opaque() per chunk
   const int m = p.d, c0 = tile * kN, nv = min(kN, p.dim_v - c0);
@@ -81,6 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   float* wk = wq + kChunk;
   float* kmul = wk + kChunk;
   float* dn = kmul + kChunk;
+  float* inv_den = dn + kChunk;
   float* red = reinterpret_cast<float*>(smem + L::kRed);
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, 0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
@@ -90,6 +108,60 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   const int64_t q_rows = (int64_t(s.bt) * p.h + h) * p.seq_head_stride + s.row0;     // dQ~, dG rows
   const int64_t kv_rows = (int64_t(s.bt) * p.h_k + hk) * p.seq_head_stride + s.row0;  // dK~, dV rows
   const int ra = row_a + lane / 4, rb = ra + 8;  // this thread's two accumulator rows
+  // this CTA's rows [r_begin, r_end): the whole sequence, or its segment
+  const int r_begin = kSeg ? min(s.len, seg * plan.seg_rows) : 0;
+  const int r_end = kSeg ? min(s.len, r_begin + plan.seg_rows) : s.len;
+  // whole 16-byte vectors (stage_vec); evaluated per chunk, as a value kept across the loops
+  // cost registers the dK~ / dV products spill without
+  auto vec = [&] {
+    return kSeg && m % 8 == 0 && nv % 8 == 0 && p.dim_v % 8 == 0 && p.q_row_stride % 8 == 0 &&
+           p.k_row_stride % 8 == 0 && p.v_row_stride % 8 == 0 && p.do_row_stride % 8 == 0 && p.o_row_stride % 8 == 0 &&
+           aligned16(qh) && aligned16(kh) && aligned16(vh + c0) && aligned16(douth) && aligned16(outh);
+  };
+
+  // The vector form of stage (below; vec), in two batches of loads issued together (one batch
+  // spilled at kM = 128): Q~ and K~; then V, dO' and the rows' dout . out (two threads per row,
+  // 16-byte loads).
+  static_assert(kThreads == 2 * kChunk, "two threads per chunk row for the dout . out dots");
+  auto stage_vec = [&](int r0, int n, bool q, bool qt, bool k, bool kt, bool v, bool d) {
+    {
+      RowVecs<kM> qv, kv;
+      qv.load(qh, p.q_row_stride, r0, n, m, nullptr, q, tid);
+      kv.load(kh, p.k_row_stride, r0, n, m, kmul, k, tid);  // a padded key (kmul 0): 0 without a read
+      if (q) store_features<T, QT, typename L::KtTile, kM>(smem, L::kQ, L::kKt, qv, p, n, nullptr, wq, qt, tid);
+      if (k) store_features<T, QT, typename L::KtTile, kM>(smem, L::kK, L::kKt, kv, p, n, kmul, wk, kt, tid);
+    }
+    RowVecs<kN> vv, dv;
+    vv.load(vh + c0, p.v_row_stride, r0, n, nv, kmul, v, tid);
+    dv.load(douth + c0, p.do_row_stride, r0, n, nv, nullptr, d, tid);
+    if (d) {
+      const int i = tid / 2, half = tid % 2;
+      float dot = 0.f;
+      if (i < n && p.normalize) {
+        const T* dr = douth + int64_t(r0 + i) * p.do_row_stride;
+        const T* orow = outh + int64_t(r0 + i) * p.o_row_stride;
+#pragma unroll 4
+        for (int c = 8 * half; c < p.dim_v; c += 16) {
+          const uint4 a = *reinterpret_cast<const uint4*>(dr + c), o = *reinterpret_cast<const uint4*>(orow + c);
+          const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, ow[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const float2 x = tc::TypeOps<T>::unpack(aw[t]), y = tc::TypeOps<T>::unpack(ow[t]);
+            dot += x.x * y.x + x.y * y.y;
+          }
+        }
+      }
+      dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+      if (half == 0) {
+        const float inv = i < n && p.normalize ? 1.f / p.den[s.row(p, p.h, h, r0 + i)] : 1.f;
+        inv_den[i] = i < n ? inv : 0.f;
+        dn[i] = i < n && has_norm ? -dot * inv : 0.f;
+      }
+    }
+    __syncthreads();  // inv_den of every row
+    if (v) store_rows<T, VT, kN>(smem, L::kV, vv, nullptr, tid);
+    if (d) store_rows<T, VT, kN>(smem, L::kD, dv, inv_den, tid);
+  };
 
   // Stage rows [r0, r0 + n) as 16-bit tiles (0 past n rows / m features / nv columns):
   //   q:  Q~ (C, kM), and (qt) (wq Q~)^T into the transposed tile
@@ -97,6 +169,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   //   v:  V (C, kN);   d: dO' (C, kN) and dn (C)
   // Row scalars must be loaded, and a barrier passed since the last read of these tiles.
   auto stage = [&](int r0, int n, bool q, bool qt, bool k, bool kt, bool v, bool d) {
+    if (vec()) {
+      stage_vec(r0, n, q, qt, k, kt, v, d);
+      return;
+    }
     for (int e = tid; e < kChunk * kM; e += kThreads) {
       const int i = e / kM, c = e % kM;
       const bool ok = i < n && c < m;
@@ -188,20 +264,29 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     }
   };
 
+  if constexpr (kMode == BwdMode::kWhole || kMode == BwdMode::kSegDq) {
+  // the segment holding the sequence's last row adds the <dS_T, S_T> term of dG
+  const bool last_seg = r_begin < r_end && r_end == s.len;
   // ---------------------------------------------------------------- dQ~_i = S_i dO'_i
-  load_state<kM>(Sf, z, state_at(p.init_state, p, b, h), p, c0, nv, has_norm);
+  const float* s_in = state_at(p.init_state, p, b, h);
+  if constexpr (kSeg) s_in = plan.state(p, b, h, p.causal ? seg : plan.n_seg);
+  load_state<kM, kSeg>(Sf, z, s_in, p, c0, nv, has_norm);
   __syncthreads();
   float sigma = refresh_s16<T, L, kM>(smem, Sf, red);
-  // pass 0 (non-causal only): S, z over the whole sequence; pass 1: dQ~ (and, causal, S)
-  for (int pass = p.causal ? 1 : 0; pass < 2; ++pass) {
-    const bool want_dq = pass == 1, want_update = pass == 0 || p.causal;
-    for (int r0 = 0; r0 < s.len; r0 += kChunk) {
-      const int n = min(kChunk, s.len - r0);
+  // pass 0 (kWhole, non-causal only): S, z over the whole sequence; pass 1: dQ~ (and, causal, S)
+  for (int pass = p.causal || kSeg ? 1 : 0; pass < 2; ++pass) {
+    for (int r0 = r_begin; r0 < r_end; r0 += kChunk) {
+      const int n = min(kChunk, r_end - r0);
+      // kSegDq: the state after the segment's last chunk is needed only for the dG_T term
+      const bool want_dq = pass == 1;
+      const bool want_update = pass == 0 || (p.causal && (!kSeg || r0 + kChunk < r_end || (last_seg && want_dg)));
       lane = opaque(lane);
       linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
       __syncthreads();
       const float egc = expf(g[n - 1]);
-      stage(r0, n, want_dq && want_dg, false, want_update, want_update, want_update, want_dq);
+      // K~ and V feed the causal dQ~ products and the update; (wk K~)^T only the update
+      const bool kv = want_update || (want_dq && p.causal);
+      stage(r0, n, want_dq && want_dg, false, kv, want_update, kv, want_dq);
       __syncthreads();
       if (want_dq) {
         float dq[kM / 8][4];
@@ -245,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     }
   }
   // dG_T += <dS_T, S_T>: this tile's columns (and, tile 0, the normalizer column)
-  if (want_dg && p.dfinal_state != nullptr && s.len > 0) {
+  if (want_dg && p.dfinal_state != nullptr && s.len > 0 && (!kSeg || last_seg)) {
     const int64_t base = (int64_t(b) * p.h + h) * int64_t(m) * p.dim_v_aug;
     float part = 0.f;
     for (int e = tid; e < m * nv; e += kThreads) {
@@ -260,11 +345,16 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     if (lane == 0) atomicAdd(sc.dg + q_rows + s.len - 1, part);
   }
   __syncthreads();
+  }  // the dQ~ sweep
 
+  if constexpr (kMode != BwdMode::kSegDq) {
   // ---------------------------------------------------------------- dK~_j = U_j v'_j, dV_j = U_j^T K~_j
   float* U = Sf;
   float* uz = z;
-  load_state<kM>(U, uz, state_at(p.dfinal_state, p, b, h), p, c0, nv, has_norm);
+  const float* u_in = state_at(p.dfinal_state, p, b, h);
+  if constexpr (kMode == BwdMode::kSegU) u_in = nullptr;
+  if constexpr (kMode == BwdMode::kSegDkv) u_in = plan.ustate(p, b, h, p.causal ? seg : plan.n_seg);
+  load_state<kM, kSeg>(U, uz, u_in, p, c0, nv, has_norm);
   __syncthreads();
   float sigma_u = refresh_s16<T, L, kM>(smem, U, red);
   // the U update of rows [r0, r0 + n) with Q~, (wq Q~)^T, dO' and dn staged; f = e^{gC}
@@ -280,7 +370,23 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     __syncthreads();
     sigma_u = refresh_s16<T, L, kM>(smem, U, red);
   };
-  if (!p.causal) {  // U = dS_T + sum_i Q~_i dO'_i^T over the sequence
+  if constexpr (kMode == BwdMode::kSegU) {
+    // the segment's own reverse state from 0: U <- e^{gC} U + (wq Q~)^T dO', descending
+    // (non-causal: no decay, any order), then to the scratch for the reverse scan
+    const int last = r_begin < r_end ? r_begin + (r_end - 1 - r_begin) / kChunk * kChunk : r_begin - kChunk;
+    for (int r0 = last; r0 >= r_begin; r0 -= kChunk) {
+      const int n = min(kChunk, r_end - r0);
+      lane = opaque(lane);
+      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      __syncthreads();
+      stage(r0, n, true, true, false, false, false, true);
+      __syncthreads();
+      update_u(n, p.causal ? expf(g[n - 1]) : 1.f);
+    }
+    store_state(plan.ustate(p, b, h, seg), U, uz, p, c0, nv, has_norm);
+    return;
+  }
+  if (!kSeg && !p.causal) {  // U = dS_T + sum_i Q~_i dO'_i^T over the sequence
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
       lane = opaque(lane);
@@ -291,9 +397,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       update_u(n, 1.f);
     }
   }
-  const int last = s.len == 0 ? -1 : (s.len - 1) / kChunk * kChunk;
-  for (int r0 = last; r0 >= 0; r0 -= kChunk) {
-    const int n = min(kChunk, s.len - r0);
+  const int last = r_begin < r_end ? r_begin + (r_end - 1 - r_begin) / kChunk * kChunk : r_begin - kChunk;
+  for (int r0 = last; r0 >= r_begin; r0 -= kChunk) {
+    const int n = min(kChunk, r_end - r0);
     lane = opaque(lane);
     linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
     __syncthreads();
@@ -344,10 +450,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       scatter(dv, sc.dv + c0, kv_rows, p.dim_v, n, nv, r0, false, 0u, VT{}, unused_a, unused_b);
     }
     __syncthreads();  // every warp is done reading U16, Uz and the tiles
-    if (p.causal) update_u(n, egc);
+    // kSegDkv: the reverse state past the segment's first chunk comes from the scan
+    if (p.causal && (!kSeg || r0 > r_begin)) update_u(n, egc);
   }
   __syncthreads();
-  if (p.dinit_state != nullptr) store_state(state_at(p.dinit_state, p, b, h), U, uz, p, c0, nv, has_norm);
+  if (!kSeg && p.dinit_state != nullptr) store_state(state_at(p.dinit_state, p, b, h), U, uz, p, c0, nv, has_norm);
+  }  // the dK~ / dV sweep
 }
 
 }  // namespace linear_tc

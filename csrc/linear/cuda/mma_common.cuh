@@ -155,6 +155,110 @@ __device__ __forceinline__ void add_outer(float* Sf, uint32_t xt, uint32_t y, fl
   }
 }
 
+// The chunk-parallel kernels' cut of the sequence and their scratch (dispatch.cu sizes both):
+// segments of whole chunks; per (sequence, head) the forward states entering each segment (the
+// forward's kSegState writes each segment's local state, seg_scan_kernel turns them into these in
+// place; slot n_seg: the final state), the backward's reverse states at each segment's end
+// (likewise; slot n_seg: the reverse state at the sequence start) and each segment's summed log-decay.
+struct SegPlan {
+  int n_seg = 1;     // segments per sequence
+  int seg_rows = 0;  // rows per segment, a multiple of kChunk
+  float* states = nullptr;   // (nb, H, n_seg + 1, M, dim_v_aug)
+  float* ustates = nullptr;  // (nb, H, n_seg + 1, M, dim_v_aug), the backward only
+  float* gtot = nullptr;     // (nb, H, n_seg)
+  __device__ static int64_t slot(const Params& p, int n_seg, int b, int h, int s) {
+    return ((int64_t(b) * p.h + h) * (n_seg + 1) + s) * int64_t(p.d) * p.dim_v_aug;
+  }
+  __device__ float* state(const Params& p, int b, int h, int s) const { return states + slot(p, n_seg, b, h, s); }
+  __device__ float* ustate(const Params& p, int b, int h, int s) const { return ustates + slot(p, n_seg, b, h, s); }
+};
+
+// ---------------------------------------------------------------- 16-byte staging
+// The chunk-parallel kernels stage a chunk's (kChunk, kCols) 16-bit rows from 16-byte loads, all
+// of a thread's loads issued before the first is used (one memory round trip per chunk, where a
+// plain loop may wait once per element). Thread tid owns the 8-element vectors tid + j * kThreads
+// of the tile, j < kVecs; vec_i / vec_c name their row and first column. The caller checks that
+// whole vectors are in or out (widths and row strides multiples of 8, rows 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ bool aligned16(const T* ptr) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+}
+
+template <int kCols>
+struct RowVecs {
+  static constexpr int kRowVecs = kCols / 8, kVecs = kChunk * kRowVecs / kThreads;
+  static_assert(kChunk * kRowVecs % kThreads == 0, "whole vectors per thread");
+  uint4 r[kVecs];
+  __device__ __forceinline__ static int vec_i(int tid, int j) { return (tid + j * kThreads) / kRowVecs; }
+  __device__ __forceinline__ static int vec_c(int tid, int j) { return (tid + j * kThreads) % kRowVecs * 8; }
+  // rows [r0, r0 + n) x columns [0, ncols) of base (row stride rs); 0 elsewhere, for rows with
+  // kmul 0 (a padded key: not read) when kmul is given, and everywhere when !on
+  template <typename T>
+  __device__ __forceinline__ void load(const T* base, int64_t rs, int r0, int n, int ncols, const float* kmul, bool on,
+                                       int tid) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = vec_i(tid, j), c = vec_c(tid, j);
+      const bool ok = on && i < n && c < ncols && (kmul == nullptr || kmul[i] != 0.f);
+      r[j] = ok ? *reinterpret_cast<const uint4*>(base + int64_t(r0 + i) * rs + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+};
+
+// Features of loaded Q or K vectors into the (kChunk, kM) tile at `tile` and, when `tr`, times
+// w[i] into the transposed (kM, kChunk) tile at `tr_tile`: x -> phi(x) * mul[i] (mul null: * scale);
+// rows past n, columns past m and (mul) rows with mul 0 are stored as 0, not phi(0).
+template <typename T, typename Tile, typename TrTile, int kM>
+__device__ __forceinline__ void store_features(unsigned char* smem, uint32_t tile, uint32_t tr_tile, const RowVecs<kM>& v,
+                                               const Params& p, int n, const float* mul, const float* w, bool tr,
+                                               int tid) {
+  using Ops = tc::TypeOps<T>;
+#pragma unroll
+  for (int j = 0; j < RowVecs<kM>::kVecs; ++j) {
+    const int i = RowVecs<kM>::vec_i(tid, j), c = RowVecs<kM>::vec_c(tid, j);
+    const bool live = i < n && c < p.d && (mul == nullptr || mul[i] != 0.f);
+    const float f = live ? (mul != nullptr ? mul[i] : p.scale) : 0.f;
+    const float wi = tr && live ? w[i] : 0.f;
+    const uint32_t in[4] = {v.r[j].x, v.r[j].y, v.r[j].z, v.r[j].w};
+    uint32_t o[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const float2 x = Ops::unpack(in[t]);
+      const float a = live ? linear_simt::feature(p.feature_map, x.x) * f : 0.f;
+      const float b = live ? linear_simt::feature(p.feature_map, x.y) * f : 0.f;
+      o[t] = Ops::pack(a, b);
+      if (tr) {
+        st16<T>(smem, tr_tile + TrTile::offset(c + 2 * t, i), a * wi);
+        st16<T>(smem, tr_tile + TrTile::offset(c + 2 * t + 1, i), b * wi);
+      }
+    }
+    *reinterpret_cast<uint4*>(smem + tile + Tile::offset(i, c)) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// Loaded vectors into the (kChunk, kCols) tile at `tile` as they are (V), or times inv[i] (dO').
+template <typename T, typename Tile, int kCols>
+__device__ __forceinline__ void store_rows(unsigned char* smem, uint32_t tile, const RowVecs<kCols>& v, const float* inv,
+                                           int tid) {
+  using Ops = tc::TypeOps<T>;
+#pragma unroll
+  for (int j = 0; j < RowVecs<kCols>::kVecs; ++j) {
+    const int i = RowVecs<kCols>::vec_i(tid, j), c = RowVecs<kCols>::vec_c(tid, j);
+    uint4 o = v.r[j];
+    if (inv != nullptr) {
+      const float s = inv[i];
+      uint32_t w[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const float2 x = Ops::unpack(w[t]);
+        w[t] = Ops::pack(x.x * s, x.y * s);
+      }
+      o = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    *reinterpret_cast<uint4*>(smem + tile + Tile::offset(i, c)) = o;
+  }
+}
+
 // The (M, dim_v_aug) fp32 state matrix of (b, h) in a (B, H, M, dim_v_aug) tensor, or null.
 __device__ __forceinline__ const float* state_at(const float* t, const Params& p, int b, int h) {
   return t == nullptr ? nullptr : t + (int64_t(b) * p.h + h) * int64_t(p.d) * p.dim_v_aug;

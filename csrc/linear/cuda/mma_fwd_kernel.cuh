@@ -48,17 +48,6 @@ namespace linear_tc {
 
 enum class FwdMode : int { kWhole = 0, kSegState = 1, kSegOut = 2 };
 
-// The chunk-parallel forward's cut of the sequence and its scratch (dispatch.cu sizes both).
-struct SegPlan {
-  int n_seg = 1;     // segments per sequence
-  int seg_rows = 0;  // rows per segment, a multiple of kChunk
-  float* states = nullptr;  // (nb, H, n_seg + 1, M, dim_v_aug): U_s, then S_s in place; slot n_seg the final state
-  float* gtot = nullptr;    // (nb, H, n_seg): G_s, the sum of the segment's log-decays
-  __device__ float* state(const Params& p, int b, int h, int slot) const {
-    return states + ((int64_t(b) * p.h + h) * (n_seg + 1) + slot) * int64_t(p.d) * p.dim_v_aug;
-  }
-};
-
 template <int kM>
 struct Smem {
   static_assert(kM == 64 || kM == 128, "feature-width buckets");
@@ -76,67 +65,19 @@ struct Smem {
 };
 
 // One chunk's Q~ (when want_q), K~, (wk K~)^T and V tiles, as the scalar loop of fwd_kernel
-// stages them, from 16-byte loads: all of a thread's loads are issued before the first is used,
-// so a chunk costs one memory round trip. The caller checks vec_ok (whole 8-element vectors:
-// m, nv and the row strides multiples of 8, the row pointers 16-byte aligned).
-template <typename T>
-__device__ __forceinline__ bool aligned16(const T* ptr) {
-  return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
-}
-
+// stages them, from 16-byte loads (mma_common.cuh's staging: one memory round trip per chunk).
 template <typename T, typename L, int kM>
 __device__ __forceinline__ void stage_vec(unsigned char* smem, const Params& p, const T* qh, const T* kh, const T* vh,
                                           int r0, int n, int c0, int nv, const float* wk, const float* kmul,
                                           bool want_q, int tid) {
-  using Ops = tc::TypeOps<T>;
-  constexpr int kRowVecs = kM / 8, kVQ = kChunk * kRowVecs / kThreads;
-  constexpr int kVRowVecs = kN / 8, kVV = kChunk * kVRowVecs / kThreads;
-  static_assert(kChunk * kRowVecs % kThreads == 0 && kChunk * kVRowVecs % kThreads == 0, "whole vectors per thread");
-  const int m = p.d;
-  const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-  uint4 qr[kVQ], kr[kVQ], vr[kVV];
-#pragma unroll
-  for (int j = 0; j < kVQ; ++j) {
-    const int e = tid + j * kThreads, i = e / kRowVecs, c = (e % kRowVecs) * 8;
-    const bool ok = i < n && c < m;
-    qr[j] = want_q && ok ? *reinterpret_cast<const uint4*>(qh + int64_t(r0 + i) * p.q_row_stride + c) : zero4;
-    // a padded key (kmul 0): 0 without a read
-    kr[j] = ok && kmul[i] != 0.f ? *reinterpret_cast<const uint4*>(kh + int64_t(r0 + i) * p.k_row_stride + c) : zero4;
-  }
-#pragma unroll
-  for (int j = 0; j < kVV; ++j) {
-    const int e = tid + j * kThreads, i = e / kVRowVecs, c = (e % kVRowVecs) * 8;
-    const bool ok = i < n && c < nv && kmul[i] != 0.f;
-    vr[j] = ok ? *reinterpret_cast<const uint4*>(vh + int64_t(r0 + i) * p.v_row_stride + c0 + c) : zero4;
-  }
-  // features of the loaded elements; rows and columns outside the chunk stay 0 (not phi(0))
-#pragma unroll
-  for (int j = 0; j < kVQ; ++j) {
-    const int e = tid + j * kThreads, i = e / kRowVecs, c = (e % kRowVecs) * 8;
-    const bool ok = i < n && c < m;
-    const float km = ok ? kmul[i] : 0.f, w = ok ? wk[i] : 0.f;
-    const uint32_t qw[4] = {qr[j].x, qr[j].y, qr[j].z, qr[j].w}, kw[4] = {kr[j].x, kr[j].y, kr[j].z, kr[j].w};
-    uint32_t qo[4], ko[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const float2 x = Ops::unpack(qw[t]), y = Ops::unpack(kw[t]);
-      const float qa = ok ? linear_simt::feature(p.feature_map, x.x) * p.scale : 0.f;
-      const float qb = ok ? linear_simt::feature(p.feature_map, x.y) * p.scale : 0.f;
-      const float ka = km != 0.f ? linear_simt::feature(p.feature_map, y.x) * km : 0.f;
-      const float kb = km != 0.f ? linear_simt::feature(p.feature_map, y.y) * km : 0.f;
-      qo[t] = Ops::pack(qa, qb);
-      ko[t] = Ops::pack(ka, kb);
-      st16<T>(smem, L::kKt + L::KtTile::offset(c + 2 * t, i), ka * w);
-      st16<T>(smem, L::kKt + L::KtTile::offset(c + 2 * t + 1, i), kb * w);
-    }
-    if (want_q) *reinterpret_cast<uint4*>(smem + L::kQ + L::QTile::offset(i, c)) = make_uint4(qo[0], qo[1], qo[2], qo[3]);
-    *reinterpret_cast<uint4*>(smem + L::kK + L::QTile::offset(i, c)) = make_uint4(ko[0], ko[1], ko[2], ko[3]);
-  }
-#pragma unroll
-  for (int j = 0; j < kVV; ++j) {
-    const int e = tid + j * kThreads, i = e / kVRowVecs, c = (e % kVRowVecs) * 8;
-    *reinterpret_cast<uint4*>(smem + L::kV + L::VTile::offset(i, c)) = vr[j];
-  }
+  RowVecs<kM> qv, kv;
+  RowVecs<kN> vv;
+  qv.load(qh, p.q_row_stride, r0, n, p.d, nullptr, want_q, tid);
+  kv.load(kh, p.k_row_stride, r0, n, p.d, kmul, true, tid);  // a padded key (kmul 0): 0 without a read
+  vv.load(vh + c0, p.v_row_stride, r0, n, nv, kmul, true, tid);
+  if (want_q) store_features<T, typename L::QTile, typename L::KtTile, kM>(smem, L::kQ, 0u, qv, p, n, nullptr, nullptr, false, tid);
+  store_features<T, typename L::QTile, typename L::KtTile, kM>(smem, L::kK, L::kKt, kv, p, n, kmul, wk, true, tid);
+  store_rows<T, typename L::VTile, kN>(smem, L::kV, vv, nullptr, tid);
 }
 
 // kWhole: grid (ceil(Dv / kN), H, B); the segment modes: grid (ceil(Dv / kN) * plan.n_seg, H, B).
@@ -311,23 +252,28 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
   }
 }
 
-// The scan of the chunk-parallel forward over segment states, in place (SegPlan): one thread
-// per element of a (b, h) state matrix, grid (ceil(M * dim_v_aug / kThreads), H, B).
-__global__ void __launch_bounds__(kThreads) seg_scan_kernel(const Params p, const SegPlan plan) {
+// The scan over segment states, in place (SegPlan): one thread per element of a (b, h) state
+// matrix, grid (ceil(M * dim_v_aug / kThreads), H, B). Forward (plan.states, ascending): slot s
+// becomes the state entering segment s, from `init` (null: 0); reverse (plan.ustates, the
+// backward, descending): slot s becomes the reverse state at segment s's end, from `init` = dS_T.
+// Slot n_seg and `last` (when not null) get the state past the last segment scanned.
+__global__ void __launch_bounds__(kThreads) seg_scan_kernel(const Params p, const SegPlan plan, bool reverse,
+                                                            const float* init, float* last) {
   const int64_t per = int64_t(p.d) * p.dim_v_aug;
   const int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
   if (e >= per) return;
-  float* st = plan.state(p, b, h, 0) + e;
+  float* st = (reverse ? plan.ustate(p, b, h, 0) : plan.state(p, b, h, 0)) + e;
   const float* gt = plan.gtot + (int64_t(b) * p.h + h) * plan.n_seg;
-  float x = p.init_state != nullptr ? state_at(p.init_state, p, b, h)[e] : 0.f;
-  for (int j = 0; j < plan.n_seg; ++j) {
+  float x = init != nullptr ? state_at(init, p, b, h)[e] : 0.f;
+  for (int jj = 0; jj < plan.n_seg; ++jj) {
+    const int j = reverse ? plan.n_seg - 1 - jj : jj;
     const float u = st[j * per];
     st[j * per] = x;
     x = expf(gt[j]) * x + u;
   }
   st[plan.n_seg * per] = x;
-  if (p.final_state != nullptr) state_at(p.final_state, p, b, h)[e] = x;
+  if (last != nullptr) state_at(last, p, b, h)[e] = x;
 }
 
 }  // namespace linear_tc
