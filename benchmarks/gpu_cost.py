@@ -12,7 +12,8 @@ causal rows). CTAs per SM come from the registers, shared memory and threads ptx
 launch takes at least its DRAM bytes / the copy bandwidth, and LAUNCH_S. The constants:
   * COPY_BW and the wgmma ceiling: measured on the H100 (benchmarks/results/2026-11-24-h100.md);
   * LATENCY, one dependent global-memory round trip: fitted on the two linear forward rows of
-    that run, whose kernel waits on one load per element it stages (160 / 96 trips per chunk);
+    that run, whose kernel waits on one load per element it stages (162 / 98 trips per chunk);
+    the linear backward rows are then predicted with no constant of their own;
   * per kernel class and head dim, cta_rate and t0: fitted on two rows of the softmax table
     (non-causal S = 16k, causal S = 1k), then checked on the eight other rows.
 Counts: mma_flops of the linear kernels are formulas checked against the emulator's count of
@@ -21,8 +22,8 @@ check in CI). Round trips are counted from the source: one per loop iteration th
 memory and stores what it loaded before the next load can issue; one per batch of loads issued
 together.
 
-Not modelled yet: the decode kernel (ncu: barrier-bound), block-sparse, the option rows, the
-linear backward. They say so in the report rather than print a number.
+Not modelled yet: the decode kernel (ncu: barrier-bound), block-sparse, the option rows. They
+say so in the report rather than print a number.
 """
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ LAUNCH_S = 4e-6            # one kernel launch in a stream of launches
 # the H100 rows this model is calibrated and checked on (benchmarks/results/2026-11-24-h100.md)
 LINEAR_FWD_MEASURED = {(4, 16, 8192, 128): 10.27e-3, (8, 16, 2048, 64): 1.55e-3}
 FLA_FWD_MEASURED = {shape: t * r for (shape, t), r in zip(LINEAR_FWD_MEASURED.items(), (0.09, 0.35))}
+# forward + backward (the backward alone: the difference; it includes the dq / dk / dv conversions)
+LINEAR_FWD_BWD_MEASURED = {(4, 16, 8192, 128): 32.38e-3, (8, 16, 2048, 64): 5.35e-3}
+FLA_FWD_BWD_MEASURED = {shape: t * r for (shape, t), r in zip(LINEAR_FWD_BWD_MEASURED.items(), (0.11, 0.36))}
+# SDPA flash, causal softmax at the same shapes (the issue's second target: >= 4x it at S = 8192)
+SDPA_FWD_MEASURED = {shape: t * r for (shape, t), r in zip(LINEAR_FWD_MEASURED.items(), (0.33, 0.25))}
+SDPA_FWD_BWD_MEASURED = {shape: t * r for (shape, t), r in zip(LINEAR_FWD_BWD_MEASURED.items(), (0.38, 0.23))}
 # softmax, B * S = 32k, H = 16, bf16: TFLOP/s by (D, S, causal)
 SOFTMAX_TFLOPS = {
     # D, S, causal: (mma.sync fwd, wgmma fwd, wgmma bwd)
@@ -87,11 +94,20 @@ def ctas_per_sm(r: Resources) -> int:
 RESOURCES: Dict[str, Resources] = {
     "linear fwd seq, M 128": Resources(128, 165, 108_304),
     "linear fwd seq, M 64": Resources(128, 160, 58_896),
-    "linear fwd cp state, M 128": Resources(128, 150, 108_304),
-    "linear fwd cp out, M 128": Resources(128, 191, 108_304),
-    "linear fwd cp state, M 64": Resources(128, 126, 58_896),
-    "linear fwd cp out, M 64": Resources(128, 163, 58_896),
-    "linear scan": Resources(128, 32, 0),
+    "linear fwd cp state, M 128": Resources(128, 167, 108_304),
+    "linear fwd cp out, M 128": Resources(128, 197, 108_304),
+    "linear fwd cp state, M 64": Resources(128, 128, 58_896),
+    "linear fwd cp out, M 64": Resources(128, 168, 58_896),
+    "linear scan": Resources(128, 18, 0),
+    "linear bwd seq, M 128": Resources(128, 248, 108_560),
+    "linear bwd seq, M 64": Resources(128, 222, 59_152),
+    "linear bwd cp U, M 128": Resources(128, 222, 108_560),
+    "linear bwd cp dQ, M 128": Resources(128, 252, 108_560),
+    "linear bwd cp dK dV, M 128": Resources(128, 255, 108_560),
+    "linear bwd cp U, M 64": Resources(128, 168, 59_152),
+    "linear bwd cp dQ, M 64": Resources(128, 210, 59_152),
+    "linear bwd cp dK dV, M 64": Resources(128, 246, 59_152),
+    "linear finalize": Resources(128, 32, 0),
     "mma.sync fwd": Resources(128, 255, 64 * 1024),
     "wgmma fwd": Resources(384, 168, 64 * 1024),
     "wgmma bwd": Resources(384, 168, 64 * 1024),
@@ -218,6 +234,78 @@ def linear_fwd_cp(b, h, s, m, dv, *, causal=True, segment_chunks=0) -> List[Laun
     return launches
 
 
+def linear_bwd_chunk_mma_flops(m: int, *, causal: bool) -> Dict[str, float]:
+    """Tensor-core flops of one chunk of one backward CTA, by product group (mma_bwd_kernel.cuh)."""
+    km, c, n = bucket(m), CHUNK, KN
+    upd = 2 * km * c * n                                   # add_outer: S or U update
+    dq = 2 * c * n * km + (2 * c * n * c + 2 * c * c * km if causal else 0)   # dO' S^T (+ P, P K~)
+    dk = 2 * c * n * km + (2 * c * n * c + 2 * c * c * km if causal else 0)   # V U^T (+ P1, P1 Q~)
+    dv = 2 * c * km * n + (2 * c * km * c + 2 * c * c * n if causal else 0)   # K~ U (+ P2, P2 dO')
+    return dict(update=upd, dq=dq, dkv=dk + dv)
+
+
+def seq_bwd_trips_per_chunk(m: int) -> int:
+    """The sequential backward's staging loops per sweep and chunk (plain linear attention, no
+    normalizer: no dout . out dots): the Q~ / K~ loop (kChunk x kM / 128 iterations), V
+    (kChunk x kN / 128), dO' (16 rows per warp x kN / 32), the row scalars."""
+    return CHUNK * bucket(m) // 128 + CHUNK * KN // 128 + (CHUNK // 4) * (KN // 32) + 2
+
+
+CP_BWD_TRIPS_PER_CHUNK = 4  # the row scalars, then two batches of 16-byte loads
+
+
+def finalize_launch(b, h, s, m, dv) -> Launch:
+    # fp32 scratch rows read, 16-bit gradients written: dq, dk (M wide), dv (Dv wide)
+    elems = b * h * s * (2 * m + dv)
+    return Launch("linear finalize", RESOURCES["linear finalize"], [0.0] * 4096, elems * 6)
+
+
+def linear_bwd_seq(b, h, s, m, dv, *, causal=True) -> List[Launch]:
+    km = bucket(m)
+    tiles = math.ceil(dv / KN)
+    chunks = math.ceil(s / CHUNK)
+    f = linear_bwd_chunk_mma_flops(m, causal=causal)
+    per_chunk = f["dq"] + f["dkv"] + 2 * f["update"]  # the S and U updates of the two sweeps
+    t = chunks * (2 * seq_bwd_trips_per_chunk(m) * LATENCY + per_chunk / MMA_SYNC_CTA_RATE)
+    n = tiles * h * b
+    io = 2 * b * h * s * (4 * m * tiles + 3 * dv)
+    return [Launch(f"linear bwd seq, M {km}", RESOURCES[f"linear bwd seq, M {km}"], [t] * n, io, per_chunk * chunks * n),
+            finalize_launch(b, h, s, m, dv)]
+
+
+def linear_bwd_cp(b, h, s, m, dv, *, causal=True, segment_chunks=0) -> List[Launch]:
+    """The chunk-parallel backward: the forward's segment states and scan, then kSegU, the reverse
+    scan, kSegDq and kSegDkv (dispatch.cu), then the conversions."""
+    km = bucket(m)
+    tiles = math.ceil(dv / KN)
+    chunks = max(1, math.ceil(s / CHUNK))
+    fwd = linear_fwd_cp(b, h, s, m, dv, causal=causal, segment_chunks=segment_chunks)
+    n_ctas = len(fwd[0].cta_times)
+    n_seg = n_ctas // (tiles * h * b)
+    seg = math.ceil(chunks / n_seg)
+    f = linear_bwd_chunk_mma_flops(m, causal=causal)
+    trip = CP_BWD_TRIPS_PER_CHUNK * LATENCY
+    state_load = (km // 32) * LATENCY
+    state_bytes = b * h * n_seg * m * dv * 4
+    io = 2 * b * h * s
+    out = fwd[:2]
+    out.append(Launch(f"linear bwd cp U, M {km}", RESOURCES[f"linear bwd cp U, M {km}"],
+                      [seg * (trip + f["update"] / MMA_SYNC_CTA_RATE)] * n_ctas, io * (m + dv) + state_bytes,
+                      f["update"] * chunks * tiles * h * b))
+    out.append(fwd[1])  # the reverse scan: the same shape as the forward's
+    dq_upd = f["update"] if causal else 0.0
+    out.append(Launch(f"linear bwd cp dQ, M {km}", RESOURCES[f"linear bwd cp dQ, M {km}"],
+                      [state_load + seg * (trip + f["dq"] / MMA_SYNC_CTA_RATE) + (seg - 1) * dq_upd / MMA_SYNC_CTA_RATE]
+                      * n_ctas, io * (m + 2 * dv) + state_bytes,
+                      (f["dq"] * chunks + dq_upd * (chunks - n_seg)) * tiles * h * b))
+    out.append(Launch(f"linear bwd cp dK dV, M {km}", RESOURCES[f"linear bwd cp dK dV, M {km}"],
+                      [state_load + seg * (trip + f["dkv"] / MMA_SYNC_CTA_RATE) + (seg - 1) * dq_upd / MMA_SYNC_CTA_RATE]
+                      * n_ctas, io * (2 * m + 2 * dv) + state_bytes,
+                      (f["dkv"] * chunks + dq_upd * (chunks - n_seg)) * tiles * h * b))
+    out.append(finalize_launch(b, h, s, m, dv))
+    return out
+
+
 def total(launches: List[Launch]) -> float:
     return sum(predict(x)["time"] for x in launches)
 
@@ -324,6 +412,12 @@ def check_table(fits) -> Tuple[List[str], float]:
         t = total(linear_fwd_seq(*shape[:3], shape[3], shape[3]))
         worst = max(worst, abs(math.log(t / t_meas)))
         lines.append(f"| linear fwd (sequential) | {shape} | {t_meas * 1e3:.3f} | {t * 1e3:.3f} | {t / t_meas:.2f} | LATENCY |")
+    for shape, t_fb in LINEAR_FWD_BWD_MEASURED.items():
+        t_meas = t_fb - LINEAR_FWD_MEASURED[shape]
+        t = total(linear_bwd_seq(*shape[:3], shape[3], shape[3]))
+        worst = max(worst, abs(math.log(t / t_meas)))
+        lines.append(f"| linear bwd (sequential; fwd+bwd - fwd) | {shape} | {t_meas * 1e3:.3f} | {t * 1e3:.3f} | "
+                     f"{t / t_meas:.2f} |  |")
     for (cls, d), f in fits.items():
         for (dd, s, causal) in SOFTMAX_TFLOPS:
             if dd != d:
@@ -342,7 +436,7 @@ def check_table(fits) -> Tuple[List[str], float]:
 
 # ---------------------------------------------------------------------------------- predictions
 def report_linear() -> List[str]:
-    lines = ["", "## Linear attention forward: the chunk-parallel redesign, predicted (no GPU run yet)", "",
+    lines = ["", "## Linear attention: the chunk-parallel redesign, predicted (no GPU run yet)", "",
              "| (B, H, S, D) | launch | CTAs | CTAs / SM | waves | mma TFLOP | DRAM MB | predicted ms |",
              "|---|---|---|---|---|---|---|---|"]
     for shape in LINEAR_FWD_MEASURED:
@@ -351,21 +445,34 @@ def report_linear() -> List[str]:
             p = predict(launch)
             lines.append(f"| {shape} | {launch.name} | {p['ctas']} | {p['cps']} | {p['waves']} | "
                          f"{launch.mma_flops / 1e12:.3f} | {launch.dram_bytes / 1e6:.0f} | {p['time'] * 1e3:.3f} |")
-    lines += ["", "| (B, H, S, D) | sequential measured ms | chunk-parallel predicted ms | FLA measured ms | "
-                  "predicted ours-cp / FLA (> 1: ours faster) | target |", "|---|---|---|---|---|---|"]
+        for launch in linear_bwd_seq(b, h, s, d, d) + linear_bwd_cp(b, h, s, d, d):
+            p = predict(launch)
+            lines.append(f"| {shape} | {launch.name} | {p['ctas']} | {p['cps']} | {p['waves']} | "
+                         f"{launch.mma_flops / 1e12:.3f} | {launch.dram_bytes / 1e6:.0f} | {p['time'] * 1e3:.3f} |")
+    lines += ["", "| (B, H, S, D) | pass | sequential measured ms | chunk-parallel predicted ms | FLA measured ms | "
+                  "predicted ours-cp / FLA (> 1: ours faster; target >= 1.0x) | SDPA-flash causal measured ms | "
+                  "predicted ours-cp / SDPA (target >= 4x at S = 8192) |", "|---|---|---|---|---|---|---|---|"]
     for shape, t_seq in LINEAR_FWD_MEASURED.items():
         b, h, s, d = shape
         t_cp = total(linear_fwd_cp(b, h, s, d, d))
         t_fla = FLA_FWD_MEASURED[shape]
-        lines.append(f"| {shape} | {t_seq * 1e3:.2f} | {t_cp * 1e3:.3f} | {t_fla * 1e3:.2f} | {t_fla / t_cp:.2f}x | >= 1.0x |")
+        t_sdpa = SDPA_FWD_MEASURED[shape]
+        lines.append(f"| {shape} | fwd | {t_seq * 1e3:.2f} | {t_cp * 1e3:.3f} | {t_fla * 1e3:.2f} | {t_fla / t_cp:.2f}x "
+                     f"| {t_sdpa * 1e3:.2f} | {t_sdpa / t_cp:.1f}x |")
+        t_cp += total(linear_bwd_cp(b, h, s, d, d))
+        t_fla, t_sdpa = FLA_FWD_BWD_MEASURED[shape], SDPA_FWD_BWD_MEASURED[shape]
+        lines.append(f"| {shape} | fwd+bwd | {LINEAR_FWD_BWD_MEASURED[shape] * 1e3:.2f} | {t_cp * 1e3:.3f} | "
+                     f"{t_fla * 1e3:.2f} | {t_fla / t_cp:.2f}x | {t_sdpa * 1e3:.2f} | {t_sdpa / t_cp:.1f}x |")
     return lines
 
 
 NOT_MODELLED = ["", "## Not modelled yet", "",
                 "- decode kernel (ncu 2026-11-24: DRAM 21% of peak, warps stalled on its own barriers): needs a "
                 "barrier term;",
-                "- block-sparse (mma.sync over CSR / CSC tiles), the option rows (ALiBi, softcap, bias, dropout), "
-                "the linear backward: their CTA work lists are not written yet."]
+                "- block-sparse (mma.sync over CSR / CSC tiles), the option rows (ALiBi, softcap, bias, dropout): "
+                "their CTA work lists are not written yet;",
+                "- the linear backward's atomics into its fp32 scratch (every value tile and GQA head adds into dQ~ "
+                "/ dK~ / dV): counted as no time."]
 
 
 # ---------------------------------------------------------------------------------- emulator counts
@@ -379,12 +486,16 @@ def check_counts() -> List[str]:
            "| case | launch | formula | emulator |", "|---|---|---|---|"]
     for case in [dict(s=200, m=64, dv=64, causal=True, seg=0), dict(s=200, m=64, dv=64, causal=True, seg=2),
                  dict(s=130, m=128, dv=128, causal=True, seg=1), dict(s=130, m=100, dv=72, causal=False, seg=2)]:
-        got = count_mma_flops(**case)
-        want = expected_mma_flops(**case)
-        for name, g, w in zip(("seq" if case["seg"] == 0 else "state", "scan", "out"), got, want):
-            out.append(f"| {case} | {name} | {w:.0f} | {g:.0f} |")
-            if g != w:
-                raise AssertionError(f"{case} {name}: formula {w}, emulator {g}")
+        for bwd in (False, True):
+            got = count_mma_flops(**case, bwd=bwd)
+            want = expected_bwd_mma_flops(**case) if bwd else expected_mma_flops(**case)
+            names = (["bwd", "finalize dq", "finalize dk", "finalize dv"] if case["seg"] == 0 else
+                     ["fwd state", "scan", "bwd U", "reverse scan", "bwd dQ", "bwd dK dV", "finalize dq", "finalize dk",
+                      "finalize dv"]) if bwd else (["seq"] if case["seg"] == 0 else ["state", "scan", "out"])
+            for name, g, w in zip(names, got, want):
+                out.append(f"| {case} | {name} | {w:.0f} | {g:.0f} |")
+            if got != want:
+                raise AssertionError(f"{case} bwd={bwd}: formula {want}, emulator {got}")
     return out
 
 
@@ -405,6 +516,21 @@ def expected_mma_flops(s, m, dv, causal, seg, b=1, h=2) -> List[float]:
     if causal:
         out += n * (chunks - n_seg) * linear_chunk_mma_flops(m, out=False, causal=True, update=True)
     return [state, 0.0, out]
+
+
+def expected_bwd_mma_flops(s, m, dv, causal, seg, b=1, h=2) -> List[float]:
+    """The mma flops of each launch of the backward in count_mma_flops(..., bwd=True): seg 0 the
+    sequential kernel then the three conversions; else the chunk-parallel launches."""
+    tiles = math.ceil(dv / KN)
+    chunks = math.ceil(s / CHUNK)
+    n = tiles * b * h
+    f = linear_bwd_chunk_mma_flops(m, causal=causal)
+    if seg == 0:
+        return [n * chunks * (f["dq"] + f["dkv"] + 2 * f["update"]), 0.0, 0.0, 0.0]
+    n_seg = math.ceil(chunks / seg)
+    inner = f["update"] * (chunks - n_seg) if causal else 0.0
+    return [n * chunks * f["update"], 0.0, n * chunks * f["update"], 0.0, n * (chunks * f["dq"] + inner),
+            n * (chunks * f["dkv"] + inner), 0.0, 0.0, 0.0]
 
 
 def main(argv=None) -> int:

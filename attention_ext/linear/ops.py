@@ -61,17 +61,17 @@ _cuda_kernels = dict(chunk_parallel=False, segment_chunks=0)
 
 
 def set_cuda_kernels(chunk_parallel: bool = False, segment_chunks: int = 0) -> dict:
-    """Process-wide: the schedule of the CUDA tensor-core forward (fp16 / bf16, feature width <= 128).
+    """Process-wide: the schedule of the CUDA tensor-core forward and backward (fp16 / bf16,
+    feature width <= 128).
 
         chunk_parallel  False (the default): one CTA walks each sequence. True: the chunk-parallel
-                        forward (segments of chunks in parallel, a scan of the segment states,
-                        then the outputs in parallel; docs/gpu.md). It has passed the CPU emulator
-                        only, no GPU run yet, so it is not the default.
-        segment_chunks  chunks of 64 rows per segment of the chunk-parallel forward; 0 picks enough
-                        segments to fill the device.
+                        kernels (segments of chunks in parallel, a scan of the segment states,
+                        then the outputs or gradients in parallel; docs/gpu.md). They have passed
+                        the CPU emulator only, no GPU run yet, so they are not the default.
+        segment_chunks  chunks of 64 rows per segment; 0 picks enough segments to fill the device.
 
-    Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The backward
-    and the float32 kernels are unchanged by it."""
+    Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The float32
+    kernels are unchanged by it."""
     new = dict(chunk_parallel=bool(chunk_parallel), segment_chunks=int(segment_chunks))
     if HAS_EXT:  # the op states the rule on segment_chunks; without the extension nothing runs on CUDA
         torch.ops.attention_ext.linear_set_cuda_kernels(*new.values())

@@ -11,8 +11,8 @@ scale 1/sqrt(D) on both. FLA is optional (`pip install flash-linear-attention fl
 device README says how its wheels travel); without it that column says so. Targets: >= 1.0x FLA,
 >= 4x SDPA-flash at S = 8192. GFLOP/s: attention_ext.bench.linear_flops, the one shared formula.
 
-"ours" is the default (sequential) forward, "ours-cp" the chunk-parallel forward
-(attention_ext.linear.set_cuda_kernels(chunk_parallel=True)); both use the same backward.
+"ours" is the default (sequential) kernels, "ours-cp" the chunk-parallel forward and backward
+(attention_ext.linear.set_cuda_kernels(chunk_parallel=True)).
 """
 from __future__ import annotations
 

@@ -358,20 +358,25 @@ def test_chunk_parallel_launches(emu, chunk_parallel):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
 
 
-def count_mma_flops(s, m, dv, causal, seg, b=1, h=2):
+def count_mma_flops(s, m, dv, causal, seg, b=1, h=2, bwd=False):
     """The emulator's mma.sync count (x 4096 flops per m16n8k16) of each launch of one forward
-    call, bf16: the sequential kernel (seg 0) or the chunk-parallel one with `seg` chunks per
-    segment. benchmarks/gpu_cost.py prints these beside its formulas (--check-counts)."""
+    (or, bwd, backward) call, bf16: the sequential kernels (seg 0) or the chunk-parallel ones with
+    `seg` chunks per segment. benchmarks/gpu_cost.py prints these beside its formulas
+    (--check-counts)."""
     e = cuda_emu.load()
     torch.manual_seed(0)
     q, k = torch.randn(b, h, s, m).bfloat16(), torch.randn(b, h, s, m).bfloat16()
     v = torch.randn(b, h, s, dv).bfloat16()
     opts = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=s, feature_map=0,
                 causal=causal, normalize=False, eps=1e-6, scale=1.0)
+    args = [opts[n] for n in ops.OPTION_NAMES]
     e.linear_set_cuda_kernels(seg > 0, seg)
     try:
         e.launch_stats()
-        e.linear_fwd(q, k, v, *[opts[n] for n in ops.OPTION_NAMES], 90)
+        out, den, _ = e.linear_fwd(q, k, v, *args, 90)
+        if bwd:
+            e.launch_stats()
+            e.linear_bwd(torch.randn_like(out), None, q, k, v, out, den, *args, 90)
         stats = e.launch_stats()
     finally:
         e.linear_set_cuda_kernels(False, 0)
@@ -384,7 +389,8 @@ def count_mma_flops(s, m, dv, causal, seg, b=1, h=2):
                                   dict(s=130, m=128, dv=128, causal=True, seg=1),
                                   dict(s=130, m=100, dv=72, causal=False, seg=2)], ids=str)
 def test_cost_report_counts(emu, case):
-    """benchmarks/gpu_cost.py's tensor-core flop formulas equal what the kernels issue."""
+    """benchmarks/gpu_cost.py's tensor-core flop formulas equal what the kernels issue, forward
+    and backward."""
     import importlib.util
     import os
     import sys
@@ -394,3 +400,4 @@ def test_cost_report_counts(emu, case):
     gpu_cost = sys.modules.setdefault("gpu_cost", importlib.util.module_from_spec(spec))  # dataclasses need it there
     spec.loader.exec_module(gpu_cost)
     assert count_mma_flops(**case) == gpu_cost.expected_mma_flops(**case)
+    assert count_mma_flops(**case, bwd=True) == gpu_cost.expected_bwd_mma_flops(**case)
