@@ -108,6 +108,7 @@ RESOURCES: Dict[str, Resources] = {
     "linear bwd cp dQ, M 64": Resources(128, 210, 59_152),
     "linear bwd cp dK dV, M 64": Resources(128, 246, 59_152),
     "linear finalize": Resources(128, 32, 0),
+    "linear step": Resources(256, 40, 8_448),
     "mma.sync fwd": Resources(128, 255, 64 * 1024),
     "wgmma fwd": Resources(384, 168, 64 * 1024),
     "wgmma bwd": Resources(384, 168, 64 * 1024),
@@ -306,6 +307,19 @@ def linear_bwd_cp(b, h, s, m, dv, *, causal=True, segment_chunks=0) -> List[Laun
     return out
 
 
+STEP_CASES = [(8, 32, 128), (64, 32, 128), (256, 16, 64)]  # benchmarks/linear/bench_cuda.py --step
+
+
+def linear_step_launch(b, h, m, dv, t=1) -> Launch:
+    """step_kernel.cuh: one CTA per (b, h); its chain: the features (and decay) of the block's
+    positions, z, then per 32-column tile the v loads and one round trip per 32 rows (8 row groups
+    x 4 rows in flight); stores do not wait."""
+    tiles = math.ceil(dv / 32)
+    trips = max(1, math.ceil(t * m / 256)) + math.ceil(m / 256) + tiles * (1 + math.ceil(m / 32))
+    nbytes = 2 * b * h * (m * dv + m) * 4 + b * h * t * (2 * m + 2 * dv) * 2
+    return Launch("linear step", RESOURCES["linear step"], [trips * LATENCY] * (b * h), nbytes)
+
+
 def total(launches: List[Launch]) -> float:
     return sum(predict(x)["time"] for x in launches)
 
@@ -466,6 +480,22 @@ def report_linear() -> List[str]:
     return lines
 
 
+def report_step() -> List[str]:
+    lines = ["", "## The recurrent step (linear_step), T = 1, bf16 inputs, fp32 state: predicted (no GPU run yet)", "",
+             "| (B, H, M = Dv) | CTAs | CTAs / SM | state read + write MB | predicted us | predicted % of copy |",
+             "|---|---|---|---|---|---|"]
+    for b, h, m in STEP_CASES:
+        launch = linear_step_launch(b, h, m, m)
+        p = predict(launch)
+        state = 2 * b * h * (m * m + m) * 4
+        lines.append(f"| {(b, h, m)} | {p['ctas']} | {p['cps']} | {state / 1e6:.0f} | {p['time'] * 1e6:.1f} | "
+                     f"{state / p['time'] / COPY_BW:.0%} |")
+    lines.append("")
+    lines.append("Target (issue 37): >= 70% of the copy bandwidth on the state's read and write. The small case is "
+                 "launch- and latency-bound in the model (4 us launch, one wave of short CTAs).")
+    return lines
+
+
 NOT_MODELLED = ["", "## Not modelled yet", "",
                 "- decode kernel (ncu 2026-11-24: DRAM 21% of peak, warps stalled on its own barriers): needs a "
                 "barrier term;",
@@ -540,7 +570,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + NOT_MODELLED
+    lines += check + report_linear() + report_step() + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"

@@ -388,11 +388,11 @@ def linear_attention_step(
     autograd is not recording: decode loops); otherwise a new state is returned and `state` kept.
     normalize=False returns a state without z, as linear_attention does.
 
-    Where autograd does not record and a compiled kernel serves the device and dtype (the CPU),
-    this runs torch.ops.attention_ext.linear_step: one pass over the state, updated in place
-    (after a copy when inplace=False). Otherwise (autograd recording: the step is differentiable
-    in every input; CUDA; a state dtype other than the op's) it runs reference.linear_step, the
-    PyTorch form.
+    Where autograd does not record and a compiled kernel serves the device and dtype (CPU; CUDA
+    for float32 / bfloat16 / float16), this runs torch.ops.attention_ext.linear_step: one pass over
+    the state, updated in place (after a copy when inplace=False). Otherwise (autograd recording:
+    the step is differentiable in every input; a state dtype other than the op's) it runs
+    reference.linear_step, the PyTorch form.
     Returns (out_t with q_t's layout and dtype, state).
     """
     for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
@@ -403,7 +403,7 @@ def linear_attention_step(
     q0, k0, v0 = q_t, k_t, v_t
     if layout == "bshd":
         q_t, k_t, v_t = q_t.transpose(1, 2), k_t.transpose(1, 2), v_t.transpose(1, 2)
-    # the op states these, but the reference path (autograd, CUDA) would run an integer step or
+    # the op states these, but the reference path (autograd) would run an integer step or
     # fail inside a matmul
     _check(q_t.is_floating_point() and k_t.dtype == q_t.dtype and v_t.dtype == q_t.dtype,
            lambda: f"linear_attention_step: q_t, k_t, v_t must share a floating dtype, got {q_t.dtype}, {k_t.dtype}, "

@@ -2,7 +2,7 @@
 chunked kernel (plain linear attention) and against SDPA's flash backend (causal softmax), timed
 interleaved in the same run with CUDA synchronization, bf16.
 
-    python benchmarks/linear/bench_cuda.py [--reps N] [--out FILE]
+    python benchmarks/linear/bench_cuda.py [--reps N] [--out FILE] [--step]
 
 Cases: (B, H, S, D) = (4, 16, 8192, 128) and (8, 16, 2048, 64), causal, forward and
 forward + backward. Plain linear attention means the feature map and normalization FLA's chunked
@@ -26,11 +26,39 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from common import interleaved, linear_flops, matmul_ceiling  # noqa: E402
+from common import copy_bandwidth, interleaved, linear_flops, matmul_ceiling  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 
 CASES = [(4, 16, 8192, 128), (8, 16, 2048, 64)]
+# the recurrent step (decode of a linear model): (B, H, M = Dv), one position, bf16 inputs, fp32 state
+STEP_CASES = [(8, 32, 128), (64, 32, 128), (256, 16, 64)]
+
+
+def step_table(reps: int) -> list:
+    """The linear_step kernel's state traffic (one read, one write of S and z) against the copy
+    bandwidth, and against the PyTorch form a user would write (reference.linear_step in place:
+    a scale, an addcmul and a bmm per position), timed interleaved."""
+    from attention_ext.linear import ops, reference
+    bw = copy_bandwidth(device="cuda")
+    lines = ["", f"linear_step, bf16 inputs, fp32 state, T = 1; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", "",
+             "| (B, H, M = Dv) | state MB | ours us | ours GB/s (% of copy) | PyTorch form us | x PyTorch |",
+             "|---|---|---|---|---|---|"]
+    for b, h, m in STEP_CASES:
+        q, k, v = (torch.randn(b, h, 1, m, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        s = torch.randn(b, h, m, m, device="cuda")
+        z = torch.rand(b, h, m, device="cuda") + 1
+        g = -torch.rand(b, h, 1, device="cuda")
+        s2, z2 = s.clone(), z.clone()
+        fns = {"ours": lambda: ops.step(q, k, v, s, z, g, feature_map=1, eps=1e-6, scale=1.0),
+               "torch": lambda: reference.linear_step(q, k, v, s2, z2, g, feature_map=1, eps=1e-6, scale=1.0)}
+        t = interleaved(fns, reps=reps, sync=torch.cuda.synchronize)
+        nbytes = 2 * (s.numel() + z.numel()) * 4
+        lines.append(f"| {(b, h, m)} | {s.numel() * 4 / 1e6:.0f} | {t['ours'] * 1e6:.1f} | "
+                     f"{nbytes / t['ours'] / 1e9:.0f} ({nbytes / t['ours'] / bw:.0%}) | {t['torch'] * 1e6:.1f} | "
+                     f"{t['torch'] / t['ours']:.2f}x |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def fla_fn():
@@ -60,6 +88,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", help="write the markdown table here")
+    ap.add_argument("--step", action="store_true", help="only the recurrent step's table")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cuda.py needs a CUDA device")
@@ -71,7 +100,7 @@ def main(argv=None) -> int:
              "| (B, H, S, D) | pass | ours TFLOP/s (of matmul, ms) | ours / FLA | ours / SDPA-flash causal "
              "| ours-cp TFLOP/s (ms) | ours-cp / FLA | ours-cp / ours |",
              "|---|---|---|---|---|---|---|---|"]
-    for b, h, s, d in CASES:
+    for b, h, s, d in ([] if args.step else CASES):
         for grad in (False, True):
             torch.manual_seed(0)
             # (B, S, H, D): FLA's layout; ours reads it through strides (layout="bshd")
@@ -110,6 +139,7 @@ def main(argv=None) -> int:
                          f"| {fl / t['ours-cp'] / 1e12:.1f} ({t['ours-cp'] * 1e3:.2f}) | {cp_fla} "
                          f"| {t['ours'] / t['ours-cp']:.2f}x |")
             print(lines[-1], flush=True)
+    lines += step_table(args.reps)
     text = "\n".join(lines) + "\n\nRatios > 1: ours faster. Command: python benchmarks/linear/bench_cuda.py\n"
     print(text)
     if args.out:

@@ -1,4 +1,4 @@
-// CUDA registration of the linear family: attention_ext::linear_fwd / linear_bwd on the CUDA
+// CUDA registration of the linear family: attention_ext::linear_fwd / linear_bwd / linear_step on the CUDA
 // backend (csrc/linear/cuda), through the host steps it shares with the CPU emulator
 // (linear_cuda_steps.h), on the current stream under a device guard.
 #include <c10/cuda/CUDAGuard.h>
@@ -25,6 +25,9 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
     attn::cuda_linear_fwd(p, dt, scratch, stream());
   }
+  void linear_step(const attn::LinearStepParamsT<float>& p, attn::DType dt) const {
+    attn::cuda_linear_step(p, dt, stream());
+  }
   size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt) const {
     return attn::cuda_linear_bwd_scratch_floats(p, dt);
   }
@@ -50,9 +53,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cuda(const Tensor&
                                           ATTN_LINEAR_MAKE_OPTIONS());
 }
 
+Tensor linear_step_cuda(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& state,
+                        const std::optional<Tensor>& normalizer, const std::optional<Tensor>& decay,
+                        int64_t feature_map, double eps, double scale) {
+  attn::NvtxRange range("attention_ext::linear::step (CUDA)");
+  return attn::api::linear_cuda_step_steps(CudaDevice{}, q, k, v, state, normalizer, decay, feature_map, eps, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
   m.impl("linear_fwd", &linear_fwd_cuda);
   m.impl("linear_bwd", &linear_bwd_cuda);
+  m.impl("linear_step", &linear_step_cuda);
 }

@@ -12,6 +12,7 @@
 //     void linear_fwd(const LinearParamsT<float>&, DType, float* scratch) const;
 //     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&, DType) const;
 //     void linear_bwd(const LinearBwdParamsT<float>&, DType, float* scratch) const;
+//     void linear_step(const LinearStepParamsT<float>&, DType) const;
 //   };
 #pragma once
 
@@ -97,6 +98,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cu
   at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p, dt))}, q.options().dtype(at::kFloat));
   run_backend<Device>([&] { dev.linear_bwd(p, dt, scratch.data_ptr<float>()); });
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
+}
+
+// linear_step: out (B, H, T, Dv) in q's dtype; state and normalizer advanced in place.
+template <typename Device>
+at::Tensor linear_cuda_step_steps(const Device& dev, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  at::Tensor& state, const std::optional<at::Tensor>& normalizer,
+                                  const std::optional<at::Tensor>& decay, int64_t feature_map, double eps,
+                                  double scale) {
+  check_linear_step_inputs(q, k, v, state, normalizer, decay, feature_map, eps, scale);
+  dev.check_device(q);
+  const auto guard = dev.guard(q);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  if (out.numel() == 0 || q.size(3) == 0) {
+    // no feature: Q~ . anything is 0 and the state has no rows; out is 0 / eps
+    if (out.numel() > 0) out.zero_();
+    return out;
+  }
+  if constexpr (Device::kPoison) out.fill_(NAN);
+  const LinearStepParamsT<float> p =
+      make_linear_step_params<float>(q, k, v, out, state, normalizer, decay, feature_map, eps, scale);
+  const DType dt = dtype_of(q);
+  run_backend<Device>([&] { dev.linear_step(p, dt); });
+  return out;
 }
 
 }  // namespace api

@@ -133,7 +133,16 @@ struct EmuLinearDevice {
   void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
     be.linear_bwd(&p, sizeof(p), int(dt), scratch);
   }
+  void linear_step(const attn::LinearStepParamsT<float>& p, attn::DType dt) const {
+    be.linear_step(&p, sizeof(p), int(dt));
+  }
 };
+
+Tensor emu_linear_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor state, const OptTensor& normalizer,
+                       const OptTensor& decay, int64_t feature_map, double eps, double scale, int64_t arch) {
+  return attn::api::linear_cuda_step_steps(EmuLinearDevice{backend(arch)}, q, k, v, state, normalizer, decay,
+                                           feature_map, eps, scale);
+}
 
 std::tuple<Tensor, Tensor, Tensor> emu_linear_fwd(const Tensor& q, const Tensor& k, const Tensor& v
                                                   ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
@@ -219,6 +228,9 @@ TORCH_LIBRARY(attention_ext_emu, m) {
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
   m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &emu_linear_set_kernels);
+  m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
+        "int feature_map, float eps, float scale, int arch) -> Tensor",
+        &emu_linear_step);
   m.def("set_capturing(bool capturing) -> ()", &emu_set_capturing);
   m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
         &emu_linear_fwd);

@@ -54,6 +54,7 @@ struct Backend {
   void (*linear_fwd)(const void* params, size_t bytes, int dtype, float* scratch);
   size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype);
   void (*linear_bwd)(const void* params, size_t bytes, int dtype, float* scratch);
+  void (*linear_step)(const void* params, size_t bytes, int dtype);
 };
 
 Backend backend_sm80();

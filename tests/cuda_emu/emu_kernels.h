@@ -132,5 +132,9 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
     attn::prepare();
     attn::cuda_linear_bwd(attn::params_from<attn::LinearBwdParamsT<float>>(p, n), attn::DType(dt), scratch, nullptr);
   };
+  be.linear_step = [](const void* p, size_t n, int dt) {
+    attn::prepare();
+    attn::cuda_linear_step(attn::params_from<attn::LinearStepParamsT<float>>(p, n), attn::DType(dt), nullptr);
+  };
   return be;
 }

@@ -401,3 +401,37 @@ def test_cost_report_counts(emu, case):
     spec.loader.exec_module(gpu_cost)
     assert count_mma_flops(**case) == gpu_cost.expected_mma_flops(**case)
     assert count_mma_flops(**case, bwd=True) == gpu_cost.expected_bwd_mma_flops(**case)
+
+
+# ------------------------------------------------------------------ the recurrent step
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("t,m,dv,h,hk,norm,decay", [(1, 16, 24, 2, 1, True, True), (3, 40, 70, 4, 2, False, True),
+                                                     (6, 33, 5, 2, 2, True, False), (1, 128, 128, 1, 1, True, True),
+                                                     (9, 8, 40, 2, 1, True, True)], ids=str)
+def test_step(emu, dtype, t, m, dv, h, hk, norm, decay):
+    """The CUDA linear_step kernel against the float64 reference step: out (poisoned to NaN
+    first), the state and the normalizer advanced in place; T > kMaxT positions pass over the
+    state twice; GQA; odd widths; without normalizer or decay."""
+    torch.manual_seed(t * 100 + m)
+    b = 2
+    q, k = (0.5 * torch.randn(b, h, t, m)).to(dtype), (0.5 * torch.randn(b, hk, t, m)).to(dtype)
+    v = torch.randn(b, hk, t, dv).to(dtype)
+    acc = ops.acc_dtype(dtype)
+    s0 = torch.rand(b, h, m, dv, dtype=acc)
+    z0 = torch.rand(b, h, m, dtype=acc) if norm else None
+    g = -0.3 * torch.rand(b, h, t, dtype=acc) if decay else None
+
+    def ref(rdt):  # tests/linear/test_step.py's rule: the state in float32 below float64
+        sdt = f64 if rdt == f64 else acc
+        return reference.linear_step(*(x.to(rdt) for x in (q, k, v)), s0.to(sdt).clone(),
+                                     None if z0 is None else z0.to(sdt).clone(), None if g is None else g.to(sdt),
+                                     feature_map=1, eps=1e-6, scale=0.5, inplace=True)
+
+    s, z = s0.clone(), None if z0 is None else z0.clone()
+    out = emu.linear_step(q, k, v, s, z, g, 1, 1e-6, 0.5, 80)
+    r_out, r_s, r_z = ref(f64)
+    lo_out, lo_s, lo_z = ref(dtype)
+    assert_close_fa2(out, lo_out, r_out, dtype, "out")
+    assert_close_fa2(s, lo_s, r_s, torch.float32, "state")
+    if norm:
+        assert_close_fa2(z, lo_z, r_z, torch.float32, "normalizer")

@@ -103,3 +103,39 @@ def test_float64_runs_the_reference_with_a_warning():
     with pytest.raises(TypeError, match="float64"):
         ops.fwd(q, q, q, decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=9, feature_map=1,
                 causal=True, normalize=True, eps=1e-6, scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("code", [0, 1])
+@pytest.mark.parametrize("t,decay,normalize,hk", [(1, False, True, 4), (1, True, True, 2), (3, True, True, 1),
+                                                   (6, False, False, 2)])
+@pytest.mark.parametrize("m,dv", [(7, 9), (64, 64), (128, 128), (33, 1)])
+def test_step_kernel(m, dv, t, decay, normalize, hk, code, dtype):
+    """The CUDA linear_step kernel against the float64 reference step (tests/linear/test_step.py's
+    rule): out, and the state and normalizer advanced in place."""
+    from attention_ext.linear import reference
+    from tests.helpers import assert_close_fa2
+    from tests.linear.test_step import step_problem
+
+    assert ops.has_step_kernel(torch.device("cuda"), dtype)
+    with torch.device("cpu"):
+        cpu = step_problem(hk=hk, t=t, m=m, dv=dv, dtype=dtype, decay=decay, normalize=normalize)
+    q, k, v, s0, z0, gate = (None if x is None else x.cuda() for x in cpu)
+    s, z = s0.clone(), None if z0 is None else z0.clone()
+    kw = dict(feature_map=code, eps=1e-6, scale=0.7)
+    out = ops.step(q, k, v, s, z, gate, **kw)
+
+    def ref(rdt):
+        sdt = torch.float64 if rdt == torch.float64 else ops.acc_dtype(dtype)
+        qc, kc, vc, sc, zc, gc = cpu
+        return reference.linear_step(*(x.to(rdt) for x in (qc, kc, vc)), sc.to(sdt).clone(),
+                                     None if zc is None else zc.to(sdt).clone(), None if gc is None else gc.to(sdt),
+                                     inplace=True, **kw)
+
+    with torch.device("cpu"):
+        r_out, r_s, r_z = ref(torch.float64)
+        lo_out, lo_s, lo_z = ref(dtype)
+    assert_close_fa2(out.cpu(), lo_out, r_out, dtype, "out")
+    assert_close_fa2(s.cpu(), lo_s, r_s, torch.float32, "state")
+    if normalize:
+        assert_close_fa2(z.cpu(), lo_z, r_z, torch.float32, "normalizer")

@@ -20,6 +20,7 @@
 #include "linear/cuda/mma_bwd_kernel.cuh"
 #include "linear/cuda/mma_fwd_kernel.cuh"
 #include "linear/cuda/simt_kernel.cuh"
+#include "linear/cuda/step_kernel.cuh"
 
 namespace attn {
 
@@ -246,6 +247,28 @@ void run_bwd(const LinearBwdParamsT<float>& p, bool tensor_cores, float* scratch
 }
 
 }  // namespace linear_cuda
+
+void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t stream) {
+  const char* what = "attention_ext.linear_step (CUDA)";
+  if (p.b > 65535) throw std::runtime_error(std::string(what) + ": batch must be <= 65535");
+  const int64_t bytes = int64_t(linear_step_cuda::smem_floats(p.d)) * 4;
+  if (bytes > 200 * 1024) {
+    throw std::runtime_error(std::string(what) + ": feature width " + std::to_string(p.d) +
+                             " needs more shared memory than a CTA has (at most ~6000)");
+  }
+  const dim3 grid(unsigned(p.h), unsigned(p.b));
+  auto launch = [&](auto kernel) {
+    set_smem(kernel, int(bytes), what);
+    ATTN_LAUNCH(kernel, grid, dim3(linear_step_cuda::kThreads), size_t(bytes), stream)(p);
+    check_launch(what);
+  };
+  switch (dt) {
+    case DType::kF32: launch(&linear_step_cuda::step_kernel<float>); break;
+    case DType::kF16: launch(&linear_step_cuda::step_kernel<__half>); break;
+    case DType::kBF16: launch(&linear_step_cuda::step_kernel<__nv_bfloat16>); break;
+    default: throw std::runtime_error(std::string(what) + ": the CUDA kernels take float32, float16 or bfloat16");
+  }
+}
 
 void cuda_linear_set_kernels(const LinearCudaKernels& k) {
   if (k.segment_chunks < 0) throw std::runtime_error("attention_ext.linear: segment_chunks must be >= 0");

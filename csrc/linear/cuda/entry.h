@@ -45,4 +45,7 @@ size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt
 // cuda_linear_bwd_scratch_floats(p, dt) floats, zeroed by the caller.
 void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream);
 
+// The recurrent step (linear_step): out (B, H, T, Dv), p.state and p.normalizer advanced in place.
+void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t stream);
+
 }  // namespace attn
