@@ -5,6 +5,7 @@
 #include "torch/tensor_rules.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cmath>
 #include <vector>
@@ -286,6 +287,37 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
     TORCH_CHECK(z.device() == q.device(), "attention_ext.linear_step: normalizer must be on ", q.device(), ", got ",
                 z.device());
     TORCH_CHECK_VALUE(z.sym_stride(2) == 1 || m == 1, "attention_ext.linear_step: the last dim of normalizer must be contiguous");
+  }
+  // written in place: an element shared by two positions of state (an expanded tensor) or by
+  // state and normalizer would be updated twice, in an order the CUDA kernel does not fix
+  const bool concrete = !state.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+                        (!normalizer.has_value() || !normalizer->unsafeGetTensorImpl()->has_symbolic_sizes_strides());
+  if (concrete && state.device().type() != at::kMeta) {
+    TORCH_CHECK_VALUE(at::has_internal_overlap(state) != at::MemOverlap::Yes,
+                      "attention_ext.linear_step: state is updated in place, so its elements must not overlap (an "
+                      "expanded tensor does); pass state.clone() or a contiguous tensor");
+    if (normalizer.has_value()) {
+      TORCH_CHECK_VALUE(at::has_internal_overlap(*normalizer) != at::MemOverlap::Yes,
+                        "attention_ext.linear_step: normalizer is updated in place, so its elements must not overlap (an "
+                        "expanded tensor does); pass normalizer.clone()");
+      // byte spans of the two views (strides here are >= 0); overlapping spans of one storage
+      // are refused, exact for dense views and conservative for strided ones
+      auto span = [](const at::Tensor& t) {
+        const char* lo = static_cast<const char*>(t.data_ptr());
+        int64_t hi = t.element_size();
+        for (int64_t i = 0; i < t.dim(); ++i) hi += (t.size(i) - 1) * t.stride(i) * t.element_size();
+        return std::make_pair(lo, lo + hi);
+      };
+      const bool same = state.numel() > 0 && normalizer->numel() > 0 && state.has_storage() &&
+                        normalizer->has_storage() && state.storage().is_alias_of(normalizer->storage());
+      const bool apart = !same || [&] {
+        const auto a = span(state), z = span(*normalizer);
+        return a.second <= z.first || z.second <= a.first;
+      }();
+      TORCH_CHECK_VALUE(apart,
+                        "attention_ext.linear_step: state and normalizer share memory; both are updated in place, pass "
+                        "separate tensors");
+    }
   }
   if (decay.has_value()) {
     TORCH_CHECK_TYPE(decay->scalar_type() == acc, "attention_ext.linear_step: decay must be ", acc, ", got ",

@@ -19,20 +19,25 @@ using at::Tensor;
 
 struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   static constexpr const char* kWhat = "attention_ext.linear";
-  size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt) const {
-    return attn::cuda_linear_fwd_scratch_floats(p, dt);
+  attn::LinearCudaKernels linear_kernels() const { return attn::cuda_linear_kernels(); }
+  size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt,
+                                   const attn::LinearCudaKernels& k) const {
+    return attn::cuda_linear_fwd_scratch_floats(p, dt, k);
   }
-  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
-    attn::cuda_linear_fwd(p, dt, scratch, stream());
+  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, const attn::LinearCudaKernels& k,
+                  float* scratch) const {
+    attn::cuda_linear_fwd(p, dt, k, scratch, stream());
   }
   void linear_step(const attn::LinearStepParamsT<float>& p, attn::DType dt) const {
     attn::cuda_linear_step(p, dt, stream());
   }
-  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt) const {
-    return attn::cuda_linear_bwd_scratch_floats(p, dt);
+  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt,
+                                   const attn::LinearCudaKernels& k) const {
+    return attn::cuda_linear_bwd_scratch_floats(p, dt, k);
   }
-  void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
-    attn::cuda_linear_bwd(p, dt, scratch, stream());
+  void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, const attn::LinearCudaKernels& k,
+                  float* scratch) const {
+    attn::cuda_linear_bwd(p, dt, k, scratch, stream());
   }
 };
 

@@ -8,10 +8,11 @@
 //     static constexpr const char* kWhat;  // error-message prefix
 //     void check_device(const Tensor& q) const;  // dtype / device the backend takes
 //     <RAII> guard(const Tensor& q) const;       // device guard for the call
-//     size_t linear_fwd_scratch_floats(const LinearParamsT<float>&, DType) const;
-//     void linear_fwd(const LinearParamsT<float>&, DType, float* scratch) const;
-//     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&, DType) const;
-//     void linear_bwd(const LinearBwdParamsT<float>&, DType, float* scratch) const;
+//     LinearCudaKernels linear_kernels() const;  // the selection's snapshot, one per call
+//     size_t linear_fwd_scratch_floats(const LinearParamsT<float>&, DType, const LinearCudaKernels&) const;
+//     void linear_fwd(const LinearParamsT<float>&, DType, const LinearCudaKernels&, float* scratch) const;
+//     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&, DType, const LinearCudaKernels&) const;
+//     void linear_bwd(const LinearBwdParamsT<float>&, DType, const LinearCudaKernels&, float* scratch) const;
 //     void linear_step(const LinearStepParamsT<float>&, DType) const;
 //   };
 #pragma once
@@ -22,6 +23,7 @@
 #include <optional>
 #include <tuple>
 
+#include "linear/cuda/entry.h"  // LinearCudaKernels
 #include "torch/linear_binding.h"
 #include "torch/cuda_steps.h"  // run_backend
 #include "torch/tensor_rules.h"  // dtype_of
@@ -62,13 +64,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Devic
   const LinearParamsT<float> p = make_linear_params<float>(q, k, v, out, den, state, o);
   const DType dt = dtype_of(q);
   // the chunk-parallel forward's segment states (entry.h); every element is written before it is read
-  const int64_t scratch_floats = int64_t(dev.linear_fwd_scratch_floats(p, dt));
+  const LinearCudaKernels kern = dev.linear_kernels();  // one snapshot sizes and launches
+  const int64_t scratch_floats = int64_t(dev.linear_fwd_scratch_floats(p, dt, kern));
   at::Tensor scratch;
   if (scratch_floats > 0) scratch = at::empty({scratch_floats}, q.options().dtype(at::kFloat));
   if constexpr (Device::kPoison) {
     if (scratch.defined()) scratch.fill_(NAN);
   }
-  run_backend<Device>([&] { dev.linear_fwd(p, dt, scratch.defined() ? scratch.data_ptr<float>() : nullptr); });
+  run_backend<Device>([&] { dev.linear_fwd(p, dt, kern, scratch.defined() ? scratch.data_ptr<float>() : nullptr); });
   return {out, den, state};
 }
 
@@ -95,8 +98,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cu
   const LinearBwdParamsT<float> p = make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g);
   const DType dt = dtype_of(q);
   // fp32 accumulators the kernels add into (entry.h): zeroed, never poisoned
-  at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p, dt))}, q.options().dtype(at::kFloat));
-  run_backend<Device>([&] { dev.linear_bwd(p, dt, scratch.data_ptr<float>()); });
+  const LinearCudaKernels kern = dev.linear_kernels();  // one snapshot sizes and launches
+  at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p, dt, kern))}, q.options().dtype(at::kFloat));
+  run_backend<Device>([&] { dev.linear_bwd(p, dt, kern, scratch.data_ptr<float>()); });
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }
 

@@ -121,17 +121,26 @@ struct EmuLinearDevice {
     TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu: the CUDA kernels have no float64 path");
   }
   int guard(const Tensor&) const { return 0; }
-  size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt) const {
-    return be.linear_fwd_scratch_floats(&p, sizeof(p), int(dt));
+  attn::LinearCudaKernels linear_kernels() const {
+    attn::LinearCudaKernels k;
+    be.linear_kernels(&k.chunk_parallel, &k.segment_chunks);
+    return k;
   }
-  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, float* scratch) const {
-    be.linear_fwd(&p, sizeof(p), int(dt), scratch);
+  size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt,
+                                   const attn::LinearCudaKernels& k) const {
+    return be.linear_fwd_scratch_floats(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks);
   }
-  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt) const {
-    return be.linear_bwd_scratch_floats(&p, sizeof(p), int(dt));
+  void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, const attn::LinearCudaKernels& k,
+                  float* scratch) const {
+    be.linear_fwd(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, scratch);
   }
-  void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, float* scratch) const {
-    be.linear_bwd(&p, sizeof(p), int(dt), scratch);
+  size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt,
+                                   const attn::LinearCudaKernels& k) const {
+    return be.linear_bwd_scratch_floats(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks);
+  }
+  void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, const attn::LinearCudaKernels& k,
+                  float* scratch) const {
+    be.linear_bwd(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, scratch);
   }
   void linear_step(const attn::LinearStepParamsT<float>& p, attn::DType dt) const {
     be.linear_step(&p, sizeof(p), int(dt));

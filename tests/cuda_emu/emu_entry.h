@@ -49,11 +49,13 @@ struct Backend {
   void (*set_kernels)(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt);
   // the linear family's entry points (csrc/linear/cuda/entry.h), params as
   // attn::LinearParamsT<float> / attn::LinearBwdParamsT<float>
+  // the selection (attn::LinearCudaKernels) travels as its two fields
   void (*linear_set_kernels)(bool chunk_parallel, int segment_chunks);
-  size_t (*linear_fwd_scratch_floats)(const void* params, size_t bytes, int dtype);
-  void (*linear_fwd)(const void* params, size_t bytes, int dtype, float* scratch);
-  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype);
-  void (*linear_bwd)(const void* params, size_t bytes, int dtype, float* scratch);
+  void (*linear_kernels)(bool* chunk_parallel, int* segment_chunks);
+  size_t (*linear_fwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg);
+  void (*linear_fwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, float* scratch);
+  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg);
+  void (*linear_bwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, float* scratch);
   void (*linear_step)(const void* params, size_t bytes, int dtype);
 };
 

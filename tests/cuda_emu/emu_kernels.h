@@ -116,21 +116,30 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   be.linear_set_kernels = [](bool chunk_parallel, int segment_chunks) {
     attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, segment_chunks});
   };
-  be.linear_fwd_scratch_floats = [](const void* p, size_t n, int dt) {
-    attn::prepare();
-    return attn::cuda_linear_fwd_scratch_floats(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt));
+  be.linear_kernels = [](bool* chunk_parallel, int* segment_chunks) {
+    const attn::LinearCudaKernels k = attn::cuda_linear_kernels();
+    *chunk_parallel = k.chunk_parallel;
+    *segment_chunks = k.segment_chunks;
   };
-  be.linear_fwd = [](const void* p, size_t n, int dt, float* scratch) {
+  be.linear_fwd_scratch_floats = [](const void* p, size_t n, int dt, bool cp, int seg) {
     attn::prepare();
-    attn::cuda_linear_fwd(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt), scratch, nullptr);
+    return attn::cuda_linear_fwd_scratch_floats(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt),
+                                                attn::LinearCudaKernels{cp, seg});
   };
-  be.linear_bwd_scratch_floats = [](const void* p, size_t n, int dt) {
+  be.linear_fwd = [](const void* p, size_t n, int dt, bool cp, int seg, float* scratch) {
     attn::prepare();
-    return attn::cuda_linear_bwd_scratch_floats(attn::params_from<attn::LinearBwdParamsT<float>>(p, n), attn::DType(dt));
+    attn::cuda_linear_fwd(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt),
+                          attn::LinearCudaKernels{cp, seg}, scratch, nullptr);
   };
-  be.linear_bwd = [](const void* p, size_t n, int dt, float* scratch) {
+  be.linear_bwd_scratch_floats = [](const void* p, size_t n, int dt, bool cp, int seg) {
     attn::prepare();
-    attn::cuda_linear_bwd(attn::params_from<attn::LinearBwdParamsT<float>>(p, n), attn::DType(dt), scratch, nullptr);
+    return attn::cuda_linear_bwd_scratch_floats(attn::params_from<attn::LinearBwdParamsT<float>>(p, n),
+                                                attn::DType(dt), attn::LinearCudaKernels{cp, seg});
+  };
+  be.linear_bwd = [](const void* p, size_t n, int dt, bool cp, int seg, float* scratch) {
+    attn::prepare();
+    attn::cuda_linear_bwd(attn::params_from<attn::LinearBwdParamsT<float>>(p, n), attn::DType(dt),
+                          attn::LinearCudaKernels{cp, seg}, scratch, nullptr);
   };
   be.linear_step = [](const void* p, size_t n, int dt) {
     attn::prepare();

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attention_ext.linear import ops, reference
 from tests.cuda_emu import emulator as cuda_emu
@@ -435,3 +437,22 @@ def test_step(emu, dtype, t, m, dv, h, hk, norm, decay):
     assert_close_fa2(s, lo_s, r_s, torch.float32, "state")
     if norm:
         assert_close_fa2(z, lo_z, r_z, torch.float32, "normalizer")
+
+
+# ------------------------------------------------------------------ fuzz: the chunk-parallel kernels
+@settings(max_examples=40, deadline=None)
+@given(s=st.integers(1, 300), m=st.sampled_from([8, 16, 20, 40, 64, 72, 128]), dv=st.sampled_from([8, 24, 64, 70, 136]),
+       heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]), causal=st.booleans(), decay=st.booleans(),
+       init=st.booleans(), mask=st.booleans(), normalize=st.booleans(), fmap=st.sampled_from([0, 1, 2]),
+       layout=st.sampled_from(["bhsd", "bshd"]), seg=st.integers(0, 3), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_fuzz_chunk_parallel(emu, s, m, dv, heads, causal, decay, init, mask, normalize, fmap, layout, seg, dtype):
+    """Random shapes and options through the chunk-parallel forward and backward (segments of 1-3
+    chunks or the heuristic's) against float64: out, den, final state and every gradient under
+    the 2x rule, outputs and the forward's scratch poisoned first."""
+    emu.linear_set_cuda_kernels(True, seg)
+    try:
+        # one row: more heads (few_rows: the 2x rule on a handful of scalars is a draw)
+        run_case(emu, s, dtype, causal=causal, fmap=fmap, b=2, h=4 if s == 1 else heads[0], hk=heads[1], m=m, dv=dv,
+                 layout=layout, decay=decay and causal, init=init, mask=mask and s > 1, normalize=normalize)
+    finally:
+        emu.linear_set_cuda_kernels(False, 0)

@@ -257,3 +257,18 @@ def test_compiled_step_mutates_the_state():
     torch.testing.assert_close(s1, s2)
     torch.testing.assert_close(z1, z2)
     assert not torch.equal(s1, s0)
+
+
+@needs_op
+def test_op_refuses_overlapping_state():
+    """state and normalizer are written in place: an expanded state, or a normalizer sharing the
+    state's memory, would be updated twice; the op names the argument instead."""
+    q, k, v, s0, z0, gate = step_problem(b=2, h=4, hk=2, m=7, dv=9)
+    expanded = s0[:1].expand(2, -1, -1, -1)
+    with pytest.raises(ValueError, match="state is updated in place"):
+        ops.step(q, k, v, expanded, z0.clone(), gate)
+    with pytest.raises(ValueError, match="normalizer is updated in place"):
+        ops.step(q, k, v, s0.clone(), z0[:1].expand(2, -1, -1), gate)
+    s = s0.clone()
+    with pytest.raises(ValueError, match="share memory"):
+        ops.step(q, k, v, s, s.view(2, 4, 7 * 9)[:, :, :7], gate)  # z over the first state row

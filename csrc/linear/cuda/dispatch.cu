@@ -52,8 +52,9 @@ void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
 }
 
 // fp16 / bf16 only (TypeOps); M <= kM
-std::atomic<bool> g_chunk_parallel{false};
-std::atomic<int> g_segment_chunks{0};
+// the selection in one word (bit 32: chunk_parallel, low 32 bits: segment_chunks), so that a
+// reader never sees half of an update
+std::atomic<uint64_t> g_kernels{0};
 
 int value_tiles_tc(const LinearParamsT<float>& p) { return (p.dim_v + linear_tc::kN - 1) / linear_tc::kN; }
 
@@ -61,10 +62,10 @@ int value_tiles_tc(const LinearParamsT<float>& p) { return (p.dim_v + linear_tc:
 // segments) for kCtasPerSm waves' worth of the device's SMs, each segment whole chunks; the
 // state scratch grows with the segment count (one (M, Dv + 1) fp32 matrix per segment and head,
 // 66 KB at M = Dv = 128), so no more segments than that.
-linear_tc::SegPlan plan_segments(const LinearParamsT<float>& p) {
+linear_tc::SegPlan plan_segments(const LinearParamsT<float>& p, const LinearCudaKernels& k) {
   constexpr int kCtasPerSm = 8;
   const int64_t chunks = std::max<int64_t>(1, (int64_t(p.sq) + linear_simt::kChunk - 1) / linear_simt::kChunk);
-  int64_t seg_chunks = g_segment_chunks.load();
+  int64_t seg_chunks = k.segment_chunks;
   if (seg_chunks <= 0) {
     const int64_t base = int64_t(value_tiles_tc(p)) * p.h * p.b;
     const int64_t want = (int64_t(kCtasPerSm) * device_sm_count() + base - 1) / base;
@@ -84,8 +85,8 @@ size_t seg_scratch_floats(const LinearParamsT<float>& p, const linear_tc::SegPla
   return size_t((bwd ? 2 : 1) * heads * (plan.n_seg + 1) * int64_t(p.d) * p.dim_v_aug + heads * plan.n_seg);
 }
 
-linear_tc::SegPlan carve_plan(const LinearParamsT<float>& p, float* scratch, bool bwd) {
-  linear_tc::SegPlan plan = plan_segments(p);
+linear_tc::SegPlan carve_plan(const LinearParamsT<float>& p, const LinearCudaKernels& k, float* scratch, bool bwd) {
+  linear_tc::SegPlan plan = plan_segments(p, k);
   const size_t states = size_t(int64_t(p.b) * p.h * (plan.n_seg + 1) * int64_t(p.d) * p.dim_v_aug);
   plan.states = scratch;
   plan.ustates = bwd ? scratch + states : nullptr;
@@ -95,7 +96,7 @@ linear_tc::SegPlan carve_plan(const LinearParamsT<float>& p, float* scratch, boo
 
 
 template <typename T, int kM>
-void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stream) {
+void run_fwd_tc(const LinearParamsT<float>& p, const LinearCudaKernels& k, float* scratch, cudaStream_t stream) {
   const char* what = "attention_ext.linear (CUDA tensor-core forward)";
   check_grid(p.h, p.b, what);
   constexpr int smem = linear_tc::Smem<kM>::kBytes;
@@ -107,7 +108,7 @@ void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stre
     check_launch(what);
     return;
   }
-  const linear_tc::SegPlan plan = carve_plan(p, scratch, false);
+  const linear_tc::SegPlan plan = carve_plan(p, k, scratch, false);
   if (int64_t(tiles) * plan.n_seg > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many segments");
   const dim3 grid(tiles * plan.n_seg, p.h, p.b);
   auto state_kernel = &linear_tc::fwd_kernel<T, kM, linear_tc::FwdMode::kSegState>;
@@ -126,11 +127,11 @@ void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stre
 }
 
 template <typename T>
-void run_fwd_tc(const LinearParamsT<float>& p, float* scratch, cudaStream_t stream) {
+void run_fwd_tc(const LinearParamsT<float>& p, const LinearCudaKernels& k, float* scratch, cudaStream_t stream) {
   if (p.d <= 64) {
-    run_fwd_tc<T, 64>(p, scratch, stream);
+    run_fwd_tc<T, 64>(p, k, scratch, stream);
   } else {
-    run_fwd_tc<T, 128>(p, scratch, stream);
+    run_fwd_tc<T, 128>(p, k, scratch, stream);
   }
 }
 
@@ -166,7 +167,8 @@ void run_bwd_simt(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratc
 // fp16 / bf16 only (TypeOps); M <= kM. seg_scratch: the chunk-parallel backward's segment
 // states (carve_plan), or null for the sequential kernel.
 template <typename T, int kM>
-void run_bwd_tc(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch& sc, float* seg_scratch,
+void run_bwd_tc(const LinearBwdParamsT<float>& p, const LinearCudaKernels& k, const linear_simt::BwdScratch& sc,
+                float* seg_scratch,
                 cudaStream_t stream) {
   using linear_tc::BwdMode;
   const char* what = "attention_ext.linear (CUDA tensor-core backward)";
@@ -180,7 +182,7 @@ void run_bwd_tc(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch&
     check_launch(what);
     return;
   }
-  const linear_tc::SegPlan plan = carve_plan(p, seg_scratch, true);
+  const linear_tc::SegPlan plan = carve_plan(p, k, seg_scratch, true);
   if (int64_t(tiles) * plan.n_seg > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many segments");
   const dim3 grid(tiles * plan.n_seg, p.h, p.b);
   const int64_t per = int64_t(p.d) * p.dim_v_aug;
@@ -214,18 +216,19 @@ void run_bwd_tc(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch&
 // The chunked kernel (tensor cores when use_tensor_cores), then finalize_kernel and
 // ddecay_kernel on the scratch.
 template <typename T>
-void run_bwd(const LinearBwdParamsT<float>& p, bool tensor_cores, float* scratch, cudaStream_t stream) {
+void run_bwd(const LinearBwdParamsT<float>& p, const LinearCudaKernels& k, bool tensor_cores, float* scratch,
+             cudaStream_t stream) {
   const char* what = "attention_ext.linear (CUDA backward)";
   check_grid(p.h, p.b, what);
   const linear_simt::BwdScratch sc = carve_scratch(p, scratch);
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_cores) {
       // the chunk-parallel backward's segment scratch follows the atomics' (entry.h)
-      float* seg = g_chunk_parallel.load() ? scratch + base_bwd_scratch_floats(p) : nullptr;
+      float* seg = k.chunk_parallel ? scratch + base_bwd_scratch_floats(p) : nullptr;
       if (p.d <= 64) {
-        run_bwd_tc<T, 64>(p, sc, seg, stream);
+        run_bwd_tc<T, 64>(p, k, sc, seg, stream);
       } else {
-        run_bwd_tc<T, 128>(p, sc, seg, stream);
+        run_bwd_tc<T, 128>(p, k, sc, seg, stream);
       }
     }
   }
@@ -252,9 +255,9 @@ void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t 
   const char* what = "attention_ext.linear_step (CUDA)";
   if (p.b > 65535) throw std::runtime_error(std::string(what) + ": batch must be <= 65535");
   const int64_t bytes = int64_t(linear_step_cuda::smem_floats(p.d)) * 4;
-  if (bytes > 200 * 1024) {
-    throw std::runtime_error(std::string(what) + ": feature width " + std::to_string(p.d) +
-                             " needs more shared memory than a CTA has (at most ~6000)");
+  if (bytes > 227 * 1024) {  // sm_90's most; set_smem names a smaller device limit
+    throw std::runtime_error(std::string(what) + ": feature width " + std::to_string(p.d) + " needs " +
+                             std::to_string(bytes) + " bytes of shared memory (8 floats per feature), more than a CTA has");
   }
   const dim3 grid(unsigned(p.h), unsigned(p.b));
   auto launch = [&](auto kernel) {
@@ -272,25 +275,26 @@ void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t 
 
 void cuda_linear_set_kernels(const LinearCudaKernels& k) {
   if (k.segment_chunks < 0) throw std::runtime_error("attention_ext.linear: segment_chunks must be >= 0");
-  linear_cuda::g_chunk_parallel.store(k.chunk_parallel);
-  linear_cuda::g_segment_chunks.store(k.segment_chunks);
+  linear_cuda::g_kernels.store((uint64_t(k.chunk_parallel) << 32) | uint32_t(k.segment_chunks));
 }
 
 LinearCudaKernels cuda_linear_kernels() {
-  return LinearCudaKernels{linear_cuda::g_chunk_parallel.load(), linear_cuda::g_segment_chunks.load()};
+  const uint64_t w = linear_cuda::g_kernels.load();
+  return LinearCudaKernels{(w >> 32) != 0, int(uint32_t(w))};
 }
 
-size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt) {
-  if (!linear_cuda::g_chunk_parallel.load() || !linear_cuda::use_tensor_cores(p, dt)) return 0;
-  return linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p));
+size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt, const LinearCudaKernels& k) {
+  if (!k.chunk_parallel || !linear_cuda::use_tensor_cores(p, dt)) return 0;
+  return linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p, k));
 }
 
-void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream) {
+void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, const LinearCudaKernels& k, float* scratch,
+                     cudaStream_t stream) {
   if (linear_cuda::use_tensor_cores(p, dt)) {
     if (dt == DType::kF16) {
-      linear_cuda::run_fwd_tc<__half>(p, scratch, stream);
+      linear_cuda::run_fwd_tc<__half>(p, k, scratch, stream);
     } else {
-      linear_cuda::run_fwd_tc<__nv_bfloat16>(p, scratch, stream);
+      linear_cuda::run_fwd_tc<__nv_bfloat16>(p, k, scratch, stream);
     }
     return;
   }
@@ -302,20 +306,21 @@ void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cu
   }
 }
 
-size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt) {
+size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt, const LinearCudaKernels& k) {
   size_t n = linear_cuda::base_bwd_scratch_floats(p);
-  if (linear_cuda::g_chunk_parallel.load() && linear_cuda::use_tensor_cores(p, dt)) {
-    n += linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p), true);
+  if (k.chunk_parallel && linear_cuda::use_tensor_cores(p, dt)) {
+    n += linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p, k), true);
   }
   return n;
 }
 
-void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream) {
+void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, const LinearCudaKernels& k, float* scratch,
+                     cudaStream_t stream) {
   const bool tc = linear_cuda::use_tensor_cores(p, dt);
   switch (dt) {
-    case DType::kF32: linear_cuda::run_bwd<float>(p, false, scratch, stream); break;
-    case DType::kF16: linear_cuda::run_bwd<__half>(p, tc, scratch, stream); break;
-    case DType::kBF16: linear_cuda::run_bwd<__nv_bfloat16>(p, tc, scratch, stream); break;
+    case DType::kF32: linear_cuda::run_bwd<float>(p, k, false, scratch, stream); break;
+    case DType::kF16: linear_cuda::run_bwd<__half>(p, k, tc, scratch, stream); break;
+    case DType::kBF16: linear_cuda::run_bwd<__nv_bfloat16>(p, k, tc, scratch, stream); break;
     default: throw std::runtime_error("attention_ext.linear: the CUDA kernels take float32, float16 or bfloat16");
   }
 }

@@ -18,32 +18,37 @@ namespace attn {
 //                   the other), true = the chunk-parallel forward and backward of
 //                   mma_fwd_kernel.cuh / mma_bwd_kernel.cuh for the tensor-core calls (fp16 / bf16,
 //                   M <= 128); fp32 and wider calls keep the SIMT kernels;
-//   segment_chunks: chunks per segment of the chunk-parallel forward, 0 = fill the device.
+//   segment_chunks: chunks per segment of the chunk-parallel kernels, 0 = fill the device.
 struct LinearCudaKernels {
   bool chunk_parallel = false;
   int segment_chunks = 0;
 };
 void cuda_linear_set_kernels(const LinearCudaKernels& k);
+// The current selection, one consistent snapshot. A call sizes its scratch and launches with the
+// same snapshot (the functions below take it), so a selection changed by another thread between
+// the two cannot make a launch outgrow its scratch.
 LinearCudaKernels cuda_linear_kernels();
 
 // Float32 elements of the forward's scratch (the chunk-parallel forward's segment states), 0
 // when the selected kernel needs none; allocated (not zeroed) by the caller.
-size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt);
+size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt, const LinearCudaKernels& k);
 
 // Forward: writes p.o, p.den and (when not null) p.final_state. scratch:
-// cuda_linear_fwd_scratch_floats(p, dt) floats (null when 0).
-void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream);
+// cuda_linear_fwd_scratch_floats(p, dt, k) floats (null when 0).
+void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, const LinearCudaKernels& k, float* scratch,
+                     cudaStream_t stream);
 
 // Float32 elements of the backward's scratch: the pre-feature-map gradients dQ~ (B_t, H, rows, M),
 // dK~ (B_t, H_k, rows, M), dV (B_t, H_k, rows, Dv) and the per-row dG (B_t, H, rows), with
 // (B_t, rows) the batch and row dims of q: (B, S), or (1, total) for a varlen pack. The value
 // tiles of a head and the query heads of a GQA group add into them with atomics. Then, when the
 // chunk-parallel kernels take the call, their segment states (forward and reverse).
-size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt);
+size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt, const LinearCudaKernels& k);
 
 // Backward: writes p.dq, p.dk, p.dv and, when not null, p.ddecay and p.dinit_state. scratch:
-// cuda_linear_bwd_scratch_floats(p, dt) floats, zeroed by the caller.
-void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, float* scratch, cudaStream_t stream);
+// cuda_linear_bwd_scratch_floats(p, dt, k) floats, zeroed by the caller.
+void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, const LinearCudaKernels& k, float* scratch,
+                     cudaStream_t stream);
 
 // The recurrent step (linear_step): out (B, H, T, Dv), p.state and p.normalizer advanced in place.
 void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t stream);

@@ -109,8 +109,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   const int64_t kv_rows = (int64_t(s.bt) * p.h_k + hk) * p.seq_head_stride + s.row0;  // dK~, dV rows
   const int ra = row_a + lane / 4, rb = ra + 8;  // this thread's two accumulator rows
   // this CTA's rows [r_begin, r_end): the whole sequence, or its segment
-  const int r_begin = kSeg ? min(s.len, seg * plan.seg_rows) : 0;
-  const int r_end = kSeg ? min(s.len, r_begin + plan.seg_rows) : s.len;
+  // (the last segment takes every remaining row, as in the forward)
+  const int r_begin = kSeg ? clamp_rows(seg, plan.seg_rows, s.len) : 0;
+  const int r_end = !kSeg || seg == plan.n_seg - 1 ? s.len : clamp_rows(seg + 1, plan.seg_rows, s.len);
   // whole 16-byte vectors (stage_vec); evaluated per chunk, as a value kept across the loops
   // cost registers the dK~ / dV products spill without
   auto vec = [&] {
@@ -368,7 +369,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       }
     }
     __syncthreads();
-    sigma_u = refresh_s16<T, L, kM>(smem, U, red);
+    // kSegU has no products with U: its 16-bit copy is never read
+    if constexpr (kMode != BwdMode::kSegU) sigma_u = refresh_s16<T, L, kM>(smem, U, red);
   };
   if constexpr (kMode == BwdMode::kSegU) {
     // the segment's own reverse state from 0: U <- e^{gC} U + (wq Q~)^T dO', descending

@@ -173,6 +173,12 @@ struct SegPlan {
   __device__ float* ustate(const Params& p, int b, int h, int s) const { return ustates + slot(p, n_seg, b, h, s); }
 };
 
+// Row `i * rows` clamped to len, without an int overflow of the product.
+__device__ __forceinline__ int clamp_rows(int64_t i, int rows, int len) {
+  const int64_t r = i * rows;
+  return r < len ? int(r) : len;
+}
+
 // ---------------------------------------------------------------- 16-byte staging
 // The chunk-parallel kernels stage a chunk's (kChunk, kCols) 16-bit rows from 16-byte loads, all
 // of a thread's loads issued before the first is used (one memory round trip per chunk, where a

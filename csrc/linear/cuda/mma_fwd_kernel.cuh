@@ -113,8 +113,10 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
   int r_begin = 0, r_end = s.len;
   const float* s_in = state_at(p.init_state, p, b, h);
   if constexpr (kSeg) {
-    r_begin = min(s.len, seg * plan.seg_rows);
-    r_end = min(s.len, r_begin + plan.seg_rows);
+    // the last segment takes every remaining row: a varlen sequence longer than max_seqlen (the
+    // plan's length, not checked on CUDA) is still covered whole
+    r_begin = clamp_rows(seg, plan.seg_rows, s.len);
+    r_end = seg == plan.n_seg - 1 ? s.len : clamp_rows(seg + 1, plan.seg_rows, s.len);
     s_in = kMode == FwdMode::kSegState ? nullptr : plan.state(p, b, h, p.causal ? seg : plan.n_seg);
   }
   load_state<kM, kSeg>(Sf, z, s_in, p, c0, nv, p.normalize);
@@ -239,7 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
           z[c] = f * z[c] + acc;
         }
         __syncthreads();
-        sigma = refresh_s16<T, L, kM>(smem, Sf, red);
+        // kSegState has no products with S: its 16-bit copy is never read
+        if constexpr (kMode != FwdMode::kSegState) sigma = refresh_s16<T, L, kM>(smem, Sf, red);
       }
       __syncthreads();
     }
