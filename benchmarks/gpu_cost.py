@@ -23,8 +23,9 @@ memory and stores what it loaded before the next load can issue; one per batch o
 together.
 
 Block-sparse calls are the dense mma.sync classes' fits applied to the layout's visible blocks
-(no constant of their own). Not modelled yet: the decode kernel, the option rows. They say so in
-the report rather than print a number.
+(no constant of their own). The decode kernel adds an instruction-issue term from an estimated
+(not counted) instruction budget. Not modelled yet: the option rows. The report says so rather
+than print a number.
 """
 from __future__ import annotations
 
@@ -115,6 +116,8 @@ RESOURCES: Dict[str, Resources] = {
     "linear bwd cp dK dV, M 64": Resources(128, 246, 59_152),
     "linear finalize": Resources(128, 32, 0),
     "linear step": Resources(256, 40, 8_448),
+    # decode_kernel<bf16, 128, 8 rows> (benchmarks/results/2026-11-24-decode-ptxas.md: 239 on sm_80), 34 KB static
+    "decode": Resources(128, 239, 34_048),
     "mma.sync fwd": Resources(128, 255, 64 * 1024),
     "wgmma fwd": Resources(384, 168, 64 * 1024),
     "wgmma bwd": Resources(384, 168, 64 * 1024),
@@ -325,6 +328,74 @@ def linear_step_launch(b, h, m, dv, t=1) -> Launch:
     trips = max(1, math.ceil(t * m / 256)) + math.ceil(m / 256) + tiles * (1 + math.ceil(m / 32))
     nbytes = 2 * b * h * (m * dv + m) * 4 + b * h * t * (2 * m + 2 * dv) * 2
     return Launch("linear step", RESOURCES["linear step"], [trips * LATENCY] * (b * h), nbytes)
+
+
+# The decode kernel (csrc/decode/cuda/kernel.cuh), bf16, D = 128, GQA 8 rows per pass: per
+# thread and key-loop iteration (16 keys of the CTA, 2 per key group) an estimate from the source,
+# not a count: 4 16-byte loads and their addresses (14), K / V conversions (32), Q.K FMAs (128),
+# the 16-lane reductions (128), scores (48), the online softmax of 8 rows (160), P V (192).
+DECODE_INSTR_PER_ITER = 700
+SM_CLOCK = 1.755e9   # H100 SXM boost
+ISSUE_PER_CLK = 4    # warp instructions per SM per clock (4 schedulers): an upper bound on speed
+# SDPA flash (GQA), B = 8, Hq = 32, Hkv = 8, D = 128, bf16, q_len 1: us by cache length (2026-11-24)
+SDPA_DECODE_US = {4096: 75.8, 8192: 101.0, 16384: 185.5, 32768: 357.9, 65536: 708.1}
+
+
+def decode_splits(ctas: int, sk: int, old: bool = False) -> int:
+    """csrc/decode/cuda/heuristics.h's count for SMS SMs (old: before 2026-11-29, the count
+    around 2 x SMS / ctas rounded up)."""
+    target = 2 * SMS
+    if ctas * 5 >= target * 4 or sk < 1:
+        return 1
+
+    def capped(n):
+        return max(1, min(n, sk // 256, 128))
+    hi, lo = capped(math.ceil(target / ctas)), capped(target // ctas)
+    if old:
+        n = hi
+    else:
+        fill = lambda n: ctas * n / (math.ceil(ctas * n / target) * target)  # noqa: E731
+        n = lo if fill(lo) > fill(hi) else hi
+    return n if n >= 2 else 1
+
+
+def decode_launches(b, hq, hk, sk, d=128, old_splits=False) -> List[Launch]:
+    """decode_kernel + combine with decode_num_splits_heuristic's split count (heuristics.h):
+    per iteration a CTA waits max(one round trip, its share of the SM's instruction issue)."""
+    ctas = b * hk
+    splits = decode_splits(ctas, sk, old_splits)
+    res = RESOURCES["decode"]
+    cps = ctas_per_sm(res)
+    keys = math.ceil(sk / splits)
+    iters = math.ceil(keys / 16)
+    issue = cps * (res.threads // 32) * DECODE_INSTR_PER_ITER / ISSUE_PER_CLK / SM_CLOCK
+    per_cta = iters * max(LATENCY, issue)
+    kv = 2 * b * hk * sk * d * 2
+    out = [Launch("decode", res, [per_cta] * (ctas * splits), kv)]
+    if splits > 1:
+        rows = b * hq
+        out.append(Launch("linear finalize", RESOURCES["linear finalize"], [LATENCY * 2] * math.ceil(rows / 4),
+                          rows * splits * (d + 1) * 4))
+    return out
+
+
+def report_decode() -> List[str]:
+    lines = ["", "## Decode (decode_kernel, B = 8, Hq = 32, Hkv = 8, D = 128, bf16): predicted, no GPU run of this kernel",
+             "", "| cache | splits | CTAs | K + V MB | predicted us | predicted GB/s (% of copy) | SDPA flash us (2026-11-24) | "
+             "predicted ours / SDPA speed |", "|---|---|---|---|---|---|---|---|"]
+    for sk, t_sdpa in SDPA_DECODE_US.items():
+        for old in (True, False):
+            launches = decode_launches(8, 32, 8, sk, old_splits=old)
+            t = total(launches)
+            kv = launches[0].dram_bytes
+            splits = len(launches[0].cta_times) // 64
+            lines.append(f"| {sk // 1024}k | {splits}{' (before)' if old else ''} | {len(launches[0].cta_times)} | "
+                         f"{kv / 1e6:.0f} | {t * 1e6:.0f} | {kv / t / 1e9:.0f} ({kv / t / COPY_BW:.0%}) | {t_sdpa:.0f} | "
+                         f"{t_sdpa * 1e-6 / t:.2f}x |")
+    lines += ["", "The instruction count is an estimate from the source and the issue rate an upper bound (every "
+              "scheduler issuing every clock), so these are optimistic; the kernel measured on 2026-11-24 was an "
+              "earlier design (256 threads, 44 registers), so no recorded row checks this one."]
+    return lines
 
 
 def total(launches: List[Launch]) -> float:
@@ -539,8 +610,8 @@ def report_step() -> List[str]:
 
 
 NOT_MODELLED = ["", "## Not modelled yet", "",
-                "- decode kernel (ncu 2026-11-24: DRAM 21% of peak, warps stalled on its own barriers): needs a "
-                "barrier term;",
+                "- the decode kernel's instruction count (an estimate above, not a count: the emulator counts tensor-core "
+                "instructions only);",
                 "- the option rows (ALiBi, softcap, bias, dropout): their CTA work lists are not written yet;",
                 "- the linear backward's atomics into its fp32 scratch (every value tile and GQA head adds into dQ~ "
                 "/ dK~ / dV): counted as no time."]
@@ -611,7 +682,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + report_step() + NOT_MODELLED
+    lines += check + report_linear() + report_step() + report_decode() + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"

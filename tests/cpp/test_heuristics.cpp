@@ -2,7 +2,8 @@
 // (csrc/softmax/cuda/heuristics.h): a decode step against a long cache splits to about two CTAs
 // per SM, a grid that already fills the GPU never splits, and no split gets fewer than 4 key
 // blocks. Decode kernel (csrc/decode/cuda/heuristics.h): about two CTAs per SM, >= 256 keys per
-// split, a requested count bounded by one split per 16 keys.
+// split (of the two counts around it, the one that fills its last wave best), a requested count
+// bounded by one split per 16 keys.
 #include <cstdio>
 
 #include "decode/cuda/heuristics.h"
@@ -31,10 +32,13 @@ int main() {
       CHECK(s >= 1 && s <= attn::kMaxSplits && (s == 1 || kb / s >= 4));
     }
 
-  // decode: B 8 x H_k 8 = 64 CTAs on 132 SMs -> 5 splits (320 CTAs, >= 2 per SM) at 4k..64k keys
+  // decode: B 8 x H_k 8 = 64 CTAs on 132 SMs -> 4 splits (256 CTAs: one wave of two per SM; 5
+  // would make 320, a second wave a fifth full) at 4k..64k keys
   using attn::decode_num_splits_heuristic;
-  CHECK(decode_num_splits_heuristic(64, sms, 4096, 0) == 5);
-  CHECK(decode_num_splits_heuristic(64, sms, 65536, 0) == 5);
+  CHECK(decode_num_splits_heuristic(64, sms, 4096, 0) == 4);
+  CHECK(decode_num_splits_heuristic(64, sms, 65536, 0) == 4);
+  // B 4 x H_k 8 = 32 CTAs: 8 splits (256 CTAs) over 9 (288)
+  CHECK(decode_num_splits_heuristic(32, sms, 65536, 0) == 8);
   // batch 1, one kv head: as many splits as two CTAs per SM allow, bounded by 256 keys per split
   CHECK(decode_num_splits_heuristic(1, sms, 1 << 20, 0) == attn::kDecodeMaxSplits);
   CHECK(decode_num_splits_heuristic(1, sms, 2048, 0) == 8);
