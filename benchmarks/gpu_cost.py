@@ -624,8 +624,8 @@ def check_counts() -> List[str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
     from tests.cuda_emu.test_linear_emulated import count_mma_flops
-    out = ["", "## Counts: formula vs the emulator's mma.sync m16n8k16 x 4096 flops", "",
-           "| case | launch | formula | emulator |", "|---|---|---|---|"]
+    out = ["", "## Counts: formula vs the emulator's mma.sync m16n8k16 x 4096 flops; barriers per CTA (emulator)", "",
+           "| case | launch | formula flops | emulator flops | barriers / CTA |", "|---|---|---|---|---|"]
     for case in [dict(s=200, m=64, dv=64, causal=True, seg=0), dict(s=200, m=64, dv=64, causal=True, seg=2),
                  dict(s=130, m=128, dv=128, causal=True, seg=1), dict(s=130, m=100, dv=72, causal=False, seg=2)]:
         for bwd in (False, True):
@@ -634,8 +634,9 @@ def check_counts() -> List[str]:
             names = (["bwd", "finalize dq", "finalize dk", "finalize dv"] if case["seg"] == 0 else
                      ["fwd state", "scan", "bwd U", "reverse scan", "bwd dQ", "bwd dK dV", "finalize dq", "finalize dk",
                       "finalize dv"]) if bwd else (["seq"] if case["seg"] == 0 else ["state", "scan", "out"])
-            for name, g, w in zip(names, got, want):
-                out.append(f"| {case} | {name} | {w:.0f} | {g:.0f} |")
+            table = count_mma_flops(**case, bwd=bwd, stats=True)
+            for name, g, w, row in zip(names, got, want, table.tolist()):
+                out.append(f"| {case} | {name} | {w:.0f} | {g:.0f} | {row[3] / row[0]:.1f} |")
             if got != want:
                 raise AssertionError(f"{case} bwd={bwd}: formula {want}, emulator {got}")
     return out

@@ -360,11 +360,11 @@ def test_chunk_parallel_launches(emu, chunk_parallel):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
 
 
-def count_mma_flops(s, m, dv, causal, seg, b=1, h=2, bwd=False):
+def count_mma_flops(s, m, dv, causal, seg, b=1, h=2, bwd=False, stats=False):
     """The emulator's mma.sync count (x 4096 flops per m16n8k16) of each launch of one forward
     (or, bwd, backward) call, bf16: the sequential kernels (seg 0) or the chunk-parallel ones with
     `seg` chunks per segment. benchmarks/gpu_cost.py prints these beside its formulas
-    (--check-counts)."""
+    (--check-counts). stats=True returns the emulator's whole (launches, 5) table instead."""
     e = cuda_emu.load()
     torch.manual_seed(0)
     q, k = torch.randn(b, h, s, m).bfloat16(), torch.randn(b, h, s, m).bfloat16()
@@ -379,10 +379,10 @@ def count_mma_flops(s, m, dv, causal, seg, b=1, h=2, bwd=False):
         if bwd:
             e.launch_stats()
             e.linear_bwd(torch.randn_like(out), None, q, k, v, out, den, *args, 90)
-        stats = e.launch_stats()
+        table = e.launch_stats()
     finally:
         e.linear_set_cuda_kernels(False, 0)
-    return [float(x) * 4096 for x in stats[:, 2]]
+    return table if stats else [float(x) * 4096 for x in table[:, 2]]
 
 
 @pytest.mark.parametrize("case", [dict(s=200, m=64, dv=64, causal=True, seg=0),

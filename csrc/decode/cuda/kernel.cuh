@@ -30,6 +30,10 @@
 // leftpad); a group steps through its keys with a cursor (one division at the start, then
 // page crossings by subtraction) instead of a division per key.
 //
+// Static cost (benchmarks/gpu_cost.py, "decode" rows): bound by instruction issue at 8 rows per
+// pass (about 700 instructions per thread per 16 keys of the CTA: the 8 rows' dots, reductions,
+// softmax and P V on CUDA cores) and by how full the last wave of CTAs is (heuristics.h).
+//
 // Loads: 16-byte vectors when the host found every K / V row 16-byte aligned and d a multiple of
 // the vector (vec_ok); otherwise (and for the vector holding d's tail) element by element. Head
 // dims up to the bucket kD (64 / 128 / 256) run with the elements past d as zeros.
