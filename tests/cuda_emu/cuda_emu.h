@@ -120,6 +120,16 @@ int syncthreads_or(int pred);
 enum class Elem : int { kF16 = 0, kBF16 = 1 };
 // D = A B + C of mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: this lane's a[4], b[2], c[4]
 void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b);
+// wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{f16,bf16} (cuda/wgmma_ops.cuh), executed when it
+// is issued (fence / commit_group / wait_group are then no-ops): this warp's 16 rows of the
+// warpgroup's 64 (warp % 4), d its n / 2 accumulators (C fragments per 8-column n-tile), A from
+// shared memory through desc_a (a null) or from this lane's a[4] registers (an mma.m16n8k16 A
+// fragment), B through desc_b; trans_a / trans_b: M-major A / N-major B. Both descriptors in
+// the 128-byte-swizzle mode (the only one the kernels build; any other faults), addresses decoded
+// as the hardware does (PTX ISA "Matrix Descriptor Format", the swizzle on absolute address
+// bits [4:6] ^= [7:9]). accumulate 0 overwrites d.
+void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, int accumulate, bool trans_a,
+           bool trans_b);
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 with this lane's row address
 void ldmatrix_x4(uint32_t* r, uint32_t addr, bool trans);
 uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width);

@@ -210,6 +210,23 @@ void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, i
     backend(arch).set_kernels(int(hopper_fwd), int(hopper_bwd), int(tune_fwd), int(tune_bwd), force_simt);
 }
 
+// d = a b + c through the emulated wgmma (wgmma_test_kernel.cuh), variant 0..4
+Tensor emu_wgmma_test(const Tensor& a, const Tensor& b, const Tensor& c, int64_t variant) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(0) == 64 && a.size(1) == b.size(0) &&
+                  c.size(0) == 64 && c.size(1) == b.size(1),
+              "wgmma_test: a (64, k), b (k, n), c (64, n)");
+  const int64_t k = a.size(1), n = b.size(1);
+  TORCH_CHECK((k == 64 || k == 128) && (n == 64 || n == 128), "wgmma_test: k and n in {64, 128}");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16),
+              "wgmma_test: a, b float16 or bfloat16");
+  TORCH_CHECK(variant >= 0 && variant <= 4, "wgmma_test: variant 0..4");
+  const Tensor ac = a.contiguous(), bc = b.contiguous(), cc = c.to(at::kFloat).contiguous();
+  Tensor d = at::empty({64, n}, c.options().dtype(at::kFloat));
+  backend(90).wgmma_test(ac.data_ptr(), bc.data_ptr(), cc.data_ptr<float>(), d.data_ptr<float>(),
+                         int(attn::api::dtype_of(ac)), int(n), int(k), int(variant));
+  return d;
+}
+
 // linear_set_cuda_kernels for both emulated archs
 void emu_linear_set_kernels(bool chunk_parallel, int64_t segment_chunks) {
   for (int64_t arch : {80, 90}) backend(arch).linear_set_kernels(chunk_parallel, int(segment_chunks));
@@ -233,6 +250,7 @@ TORCH_LIBRARY(attention_ext_emu, m) {
         &emu_topk_threshold);
   m.def("launches() -> str[]", &emu_launches);
   m.def("launch_stats() -> Tensor", &emu_launch_stats);
+  m.def("wgmma_test(Tensor a, Tensor b, Tensor c, int variant) -> Tensor", &emu_wgmma_test);
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);

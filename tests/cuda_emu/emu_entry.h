@@ -57,6 +57,9 @@ struct Backend {
   size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg);
   void (*linear_bwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, float* scratch);
   void (*linear_step)(const void* params, size_t bytes, int dtype);
+  // wgmma_test_kernel.cuh (sm_90 backend only; null on sm_80): d = a b + c through the emulated
+  // wgmma, a (64, k), b (k, n) of dtype, c and d (64, n) fp32 row-major
+  void (*wgmma_test)(const void* a, const void* b, const float* c, float* d, int dtype, int n, int k, int variant);
 };
 
 Backend backend_sm80();

@@ -66,7 +66,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 
 enum class State { kReady, kBarrier, kWarp, kDone };
-enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16 };
+enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16, kWgmma };
 const char* op_name(Op op) {
   switch (op) {
     case Op::kShfl: return "__shfl_xor_sync";
@@ -74,6 +74,7 @@ const char* op_name(Op op) {
     case Op::kLdmatrixTrans: return "ldmatrix.x4.trans";
     case Op::kMmaF16: return "mma.m16n8k16.f16";
     case Op::kMmaBF16: return "mma.m16n8k16.bf16";
+    case Op::kWgmma: return "wgmma.mma_async";
     default: return "none";
   }
 }
@@ -573,6 +574,111 @@ uint32_t smem_u32(const void* ptr) {
   const unsigned char* p = static_cast<const unsigned char*>(ptr);
   if (p < rt.smem || p > rt.smem + kMaxSmem) fault("smem_u32 of a pointer outside shared memory");
   return uint32_t(p - rt.smem);
+}
+
+// ---------------------------------------------------------------- wgmma
+namespace {
+
+// The 16-bit element (mn, k) of an operand through a 128-byte-swizzle descriptor: K-major
+// (mn along 8-row atoms SBO apart, k inside a 128-byte row) or MN-major (mn inside the row,
+// 64-element blocks LBO apart; k along rows, 8-row atoms SBO apart).
+uint32_t desc_addr(uint64_t desc, int mn, int k, bool mn_major) {
+  const uint32_t start = uint32_t(desc & 0x3FFFu) << 4;
+  const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFFu) << 4;
+  const uint32_t sbo = uint32_t((desc >> 32) & 0x3FFFu) << 4;
+  uint32_t a;
+  if (!mn_major) {
+    a = start + uint32_t(mn % 8) * 128 + uint32_t(mn / 8) * sbo + uint32_t(k / 8) * 16 + uint32_t(k % 8) * 2;
+  } else {
+    a = start + uint32_t((mn % 64) / 8) * 16 + uint32_t(mn % 8) * 2 + uint32_t(mn / 64) * lbo + uint32_t(k % 8) * 128 +
+        uint32_t(k / 8) * sbo;
+  }
+  return a ^ (((a >> 7) & 7u) << 4);
+}
+
+float desc_elem(uint64_t desc, int mn, int k, bool mn_major, Elem e) {
+  if ((desc >> 62) != 1u) fault("wgmma: descriptor swizzle mode " + std::to_string(desc >> 62) + " (only 128-byte, 1, is emulated)");
+  if (((desc >> 49) & 7u) != 0u) fault("wgmma: descriptor base offset != 0 (atoms must start 1024-aligned)");
+  const uint32_t a = desc_addr(desc, mn, k, mn_major);
+  check_smem(a, 2, "wgmma operand");
+  uint16_t h;
+  std::memcpy(&h, rt.smem + a, 2);
+  return half_bits_to_float(h, e);
+}
+
+}  // namespace
+
+void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, int accumulate, bool trans_a,
+           bool trans_b) {
+  if (n != 64 && n != 128) fault("wgmma: n = " + std::to_string(n) + " is not emulated (64 or 128)");
+  if (rt.arch < 90) fault("wgmma on an emulated sm_" + std::to_string(rt.arch) + " (sm_90a only)");
+  uint32_t in[10] = {};
+  const uintptr_t dp = reinterpret_cast<uintptr_t>(d), ap = reinterpret_cast<uintptr_t>(a);
+  std::memcpy(in, &dp, 8);
+  std::memcpy(in + 2, &ap, 8);
+  std::memcpy(in + 4, &desc_a, 8);
+  std::memcpy(in + 6, &desc_b, 8);
+  in[8] = uint32_t(accumulate != 0) | uint32_t(trans_a) << 1 | uint32_t(trans_b) << 2 | uint32_t(n) << 8 |
+          uint32_t(e) << 20;
+  const int wq = self().warp % 4;  // this warp's quarter of the warpgroup's 64 rows
+  uint32_t unused[1];
+  collective(Op::kWgmma, in, 10, unused, 0, [e, n, wq, trans_a, trans_b](Warp& w) {
+    for (int l = 1; l < 32; ++l) {  // descriptors and flags are warp-uniform, as is the A source
+      if (std::memcmp(w.in[l] + 4, w.in[0] + 4, 5 * sizeof(uint32_t)) != 0 ||
+          ((w.in[l][2] | w.in[l][3]) != 0) != ((w.in[0][2] | w.in[0][3]) != 0))
+        fault("wgmma: lanes of one warp gave different descriptors or flags");
+    }
+    uint64_t da, db;
+    std::memcpy(&da, w.in[0] + 4, 8);
+    std::memcpy(&db, w.in[0] + 6, 8);
+    const bool acc = (w.in[0][8] & 1u) != 0;
+    const bool a_regs = (w.in[0][2] | w.in[0][3]) != 0;
+    float* dl[32];
+    const uint32_t* al[32];
+    for (int l = 0; l < 32; ++l) {
+      uintptr_t p0, p1;
+      std::memcpy(&p0, w.in[l], 8);
+      std::memcpy(&p1, w.in[l] + 2, 8);
+      dl[l] = reinterpret_cast<float*>(p0);
+      al[l] = reinterpret_cast<const uint32_t*>(p1);
+    }
+    // A (16 rows of this warp x 16), B (16 x n)
+    double A[16][16], C[16][128];
+    static thread_local double B[16][128];
+    if (a_regs) {
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int h = 0; h < 2; ++h) {
+          A[g][2 * t + h] = half_bits_to_float(uint16_t(al[l][0] >> (16 * h)), e);
+          A[g + 8][2 * t + h] = half_bits_to_float(uint16_t(al[l][1] >> (16 * h)), e);
+          A[g][2 * t + 8 + h] = half_bits_to_float(uint16_t(al[l][2] >> (16 * h)), e);
+          A[g + 8][2 * t + 8 + h] = half_bits_to_float(uint16_t(al[l][3] >> (16 * h)), e);
+        }
+      }
+    } else {
+      for (int r = 0; r < 16; ++r)
+        for (int k = 0; k < 16; ++k) A[r][k] = desc_elem(da, 16 * wq + r, k, trans_a, e);
+    }
+    for (int k = 0; k < 16; ++k)
+      for (int c = 0; c < n; ++c) B[k][c] = desc_elem(db, c, k, trans_b, e);
+    // C fragments: d[4 nt + x] is (row g + 8 (x >= 2), column 8 nt + 2 t + (x & 1))
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int nt = 0; nt < n / 8; ++nt)
+        for (int x = 0; x < 4; ++x) C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)] = acc ? dl[l][4 * nt + x] : 0.0;
+    }
+    for (int r = 0; r < 16; ++r)
+      for (int c = 0; c < n; ++c) {
+        double s = C[r][c];
+        for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][c];
+        C[r][c] = s;
+      }
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int nt = 0; nt < n / 8; ++nt)
+        for (int x = 0; x < 4; ++x) dl[l][4 * nt + x] = float(C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)]);
+    }
+  });
 }
 
 void cp_async(uint32_t dst, const void* src, int bytes, int src_bytes) {

@@ -658,6 +658,10 @@ __global__ void __launch_bounds__(kThreads) ddecay_kernel(const BwdParams p, con
     acc += sc.dg[r];
     p.ddecay[r] = acc;
   }
+  // Without an initial state the first position's decay scales a zero state, so its gradient is
+  // exactly 0; the sum above reaches it only as a cancellation (Q~ . dQ~ - K~ . dK~ over the whole
+  // sequence, rounded through 16-bit operands on the tensor-core path), so it is set, not summed.
+  if (p.init_state == nullptr && s.len > 0) p.ddecay[s.row(p, p.h, h, 0)] = 0.f;
 }
 
 }  // namespace linear_simt

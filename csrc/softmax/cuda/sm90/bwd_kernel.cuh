@@ -46,7 +46,7 @@
 // wgmma (async proxy): every storing thread executes fence.proxy.async before the named barrier.
 #pragma once
 
-#include "softmax/cuda/sm90/fwd_kernel.cuh"  // RingPos, kmajor_step, produce_tile, release_slot
+#include "softmax/cuda/sm90/fwd_kernel.cuh"  // RingPos, kmajor_step / mnmajor_step, produce_tile, release_slot
 #include "softmax/cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 #include "softmax/cuda/fragment_softmax.cuh"
@@ -229,7 +229,7 @@ __device__ __forceinline__ void issue_kv_grad(float (&acc)[kD / 2], uint32_t (&a
                                               uint64_t desc_b) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    wg::Wgmma<kD, T>::rs(acc, a[kk], desc_b + uint64_t((kk * 16 * 128) >> 4), 1);
+    wg::Wgmma<kD, T>::rs(acc, a[kk], desc_b + mnmajor_step(kk), 1);
   }
   wg::commit();
 }
@@ -438,8 +438,8 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
 #pragma unroll
         for (int kk = 0; kk < P::kBlockN / 16; ++kk) {
           // k-step kk = keys 16 kk .. 16 kk + 15: two 8-row atoms = 2048 bytes on, in both
-          wg::Wgmma<64, T>::ss_t(acc_dq, desc_ds + uint64_t(((it & 1) * TileS::kBytes + kk * 2048) >> 4),
-                                 desc_k_n + uint64_t((kk * 2048) >> 4), kk > 0 ? 1 : 0);
+          wg::Wgmma<64, T>::ss_t(acc_dq, desc_ds + uint64_t(((it & 1) * TileS::kBytes) >> 4) + mnmajor_step(kk),
+                                 desc_k_n + mnmajor_step(kk), kk > 0 ? 1 : 0);
         }
         wg::commit();
         wg::wait<1>();  // dV and dK retired; dQ may still run

@@ -115,12 +115,8 @@ struct RingPos {
   }
 };
 
-// Descriptor offset (already >> 4) of k-step kk (16 columns) of a K-major Sw128Tile: 32 bytes per
-// step inside a 128-byte row, the next column block after 4 steps.
-template <typename Tile>
-__device__ __forceinline__ constexpr uint64_t kmajor_step(int kk) {
-  return uint64_t(((kk >> 2) * Tile::kBlockBytes + (kk & 3) * 32) >> 4);
-}
+using wg::kmajor_step;
+using wg::mnmajor_step;
 
 // Producer copy of rows [0, kRows) x cols [0, kD) of a global tile (row stride in elements) into
 // an Sw128Tile by 128 threads; rows >= valid_rows and cols >= valid_cols are zero-filled. Thread t
@@ -231,7 +227,7 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2],
   wg::fence();  // the rescale of acc_o and the packing of pa before the async reads
 #pragma unroll
   for (int kk = 0; kk < P::kBlockN / 16; ++kk) {
-    wg::Wgmma<kD, T>::rs(acc_o, pa[kk], desc_v + slot + uint64_t((kk * 16 * 128) >> 4), 1);
+    wg::Wgmma<kD, T>::rs(acc_o, pa[kk], desc_v + slot + mnmajor_step(kk), 1);
   }
   wg::commit();
 }

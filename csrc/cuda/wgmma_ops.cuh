@@ -1,0 +1,191 @@
+// The instructions of the sm_90a (Hopper) kernels: warpgroup MMA (wgmma.mma_async m64nNk16,
+// fp32 accumulators), mbarriers, the generic -> async proxy fence, setmaxnreg and named barriers.
+// Included by cuda/wgmma.cuh (the operand layouts and descriptors); the CPU emulator has its own
+// copy of this header (tests/cuda_emu/target/cuda/wgmma_ops.cuh), the host emulation of each.
+//
+// wgmma and setmaxnreg exist only on sm_90a: call these only from code compiled under
+// __CUDA_ARCH_FEAT_SM90_ALL (softmax/cuda/sm90/fwd_kernel.cuh guards its kernel body). Including
+// this header elsewhere is harmless: inline asm is assembled only where it is instantiated.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace attn {
+namespace wg {
+
+// ---------------------------------------------------------------- warpgroup MMA
+// Issue order for one product: fence() (orders this thread's earlier register writes to the
+// accumulators and A fragments before the async reads), the wgmma.mma_async of every k-step,
+// commit(), then wait<N>() before the accumulators are read or the smem operands are reused.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// The compiler sees a wgmma as reading and writing its registers when it is issued, not when it
+// completes: tie them to this point so no read of an accumulator moves above wait() and no
+// register of an in-flight A fragment is reused before it.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+#define ATTN_WGMMA_ACC32(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define ATTN_WGMMA_REGS32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define ATTN_WGMMA_ACC64(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define ATTN_WGMMA_REGS64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// wgmma.mma_async m64nNk16 with fp32 accumulators d (64 x N over the warpgroup: warp w holds rows
+// 16 w .. 16 w + 15 as mma.m16n8 C fragments, d[4 nt + e] for n-tile nt). accumulate = 0
+// overwrites d (the first k-step), 1 adds. Scale factors are +1; the transpose flags select the
+// majors: ss() takes A and B K-major, ss_t() A M-major and B N-major (both transposed: legal for
+// 16-bit types only; the backward's dQ = dS K reads dS^T and K as they lie in shared memory),
+// rs() takes A from registers and B N-major. TA / TB: the transpose immediates as text.
+#define ATTN_WGMMA_SS(N, TY, ACC, REGS, IA, IB, IP, TA, TB)                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS ", %" IA      \
+               ", %" IB ", p, 1, 1, " TA ", " TB ";\n}\n"                                       \
+               : ACC                                                                             \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+#define ATTN_WGMMA_RS(N, TY, ACC, REGS, IA0, IA1, IA2, IA3, IB, IP)                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS ", {%" IA0     \
+               ", %" IA1 ", %" IA2 ", %" IA3 "}, %" IB ", p, 1, 1, 1;\n}\n"                     \
+               : ACC                                                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+template <int N, typename T>
+struct Wgmma;
+
+#define ATTN_DEFINE_WGMMA(CT, TY)                                                                \
+  template <>                                                                                    \
+  struct Wgmma<64, CT> {                                                                         \
+    static __device__ __forceinline__ void ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,  \
+                                              int accumulate) {                                  \
+      ATTN_WGMMA_SS("64", TY, ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34", "0",    \
+                    "0");                                                                        \
+    }                                                                                            \
+    static __device__ __forceinline__ void ss_t(float (&d)[32], uint64_t desc_a, uint64_t desc_b, \
+                                                int accumulate) {                                \
+      ATTN_WGMMA_SS("64", TY, ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34", "1",    \
+                    "1");                                                                        \
+    }                                                                                            \
+    static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4],            \
+                                              uint64_t desc_b, int accumulate) {                 \
+      ATTN_WGMMA_RS("64", TY, ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34", "35",    \
+                    "36", "37");                                                                 \
+    }                                                                                            \
+  };                                                                                             \
+  template <>                                                                                    \
+  struct Wgmma<128, CT> {                                                                        \
+    static __device__ __forceinline__ void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,  \
+                                              int accumulate) {                                  \
+      ATTN_WGMMA_SS("128", TY, ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66", "0",   \
+                    "0");                                                                        \
+    }                                                                                            \
+    static __device__ __forceinline__ void ss_t(float (&d)[64], uint64_t desc_a, uint64_t desc_b, \
+                                                int accumulate) {                                \
+      ATTN_WGMMA_SS("128", TY, ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66", "1",   \
+                    "1");                                                                        \
+    }                                                                                            \
+    static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t (&a)[4],            \
+                                              uint64_t desc_b, int accumulate) {                 \
+      ATTN_WGMMA_RS("128", TY, ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66", "67",   \
+                    "68", "69");                                                                 \
+    }                                                                                            \
+  };
+
+ATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16")
+ATTN_DEFINE_WGMMA(__half, "f16")
+
+#undef ATTN_DEFINE_WGMMA
+#undef ATTN_WGMMA_SS
+#undef ATTN_WGMMA_RS
+#undef ATTN_WGMMA_ACC32
+#undef ATTN_WGMMA_ACC64
+#undef ATTN_WGMMA_REGS32
+#undef ATTN_WGMMA_REGS64
+
+// ---------------------------------------------------------------- mbarrier (shared::cta, 8 bytes)
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrive with release semantics: this thread's earlier memory accesses happen before the phase
+// completes for whoever waits on it.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait (acquire) until the phase with the given parity has completed. A fresh barrier is in
+// phase 0, so waiting for parity 1 returns at once: producers start on the "empty" barriers
+// with parity 1, consumers on the "full" ones with parity 0.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+
+// Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async once complete)
+// before later async-proxy accesses (wgmma operand reads) that a barrier hands them to.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------- warpgroup roles
+// setmaxnreg moves registers between warpgroups of one CTA; it takes effect only when the kernel
+// has a register cap at entry (__launch_bounds__(threads, 1)). Every warp of the warpgroup
+// executes it.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Barrier among kThreads threads (whole warps) of the CTA; id 0 is __syncthreads'.
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+}  // namespace wg
+}  // namespace attn

@@ -1,0 +1,65 @@
+// The CPU emulator's csrc/cuda/wgmma_ops.cuh: the same functions, each the host emulation of its
+// instruction (cuda_emu.h). The emulator's include path puts tests/cuda_emu/target ahead of
+// csrc/, so cuda/wgmma.cuh's `#include "cuda/wgmma_ops.cuh"` finds this file, while the operand
+// layouts and descriptors (cuda/wgmma.cuh itself) are the ones the GPU build runs.
+//
+// wgmma runs when it is issued, so fence / commit / wait and the operand fences have nothing to
+// order. mbarriers, named barriers and setmaxnreg (the warp-specialized kernels' protocol) are
+// not emulated yet: calling them faults with the name of what is missing.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda_emu.h"
+
+namespace attn {
+namespace wg {
+
+__device__ __forceinline__ void fence() {}
+__device__ __forceinline__ void commit() {}
+template <int N>
+__device__ __forceinline__ void wait() {}
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&)[N]) {}
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32_t (&)[N][4]) {}
+
+template <int N, typename T>
+struct Wgmma {
+  static_assert(N == 64 || N == 128, "the kernels' wgmma shapes: m64n64k16 and m64n128k16");
+  static constexpr ::attn_emu::Elem kElem =
+      std::is_same_v<T, __half> ? ::attn_emu::Elem::kF16 : ::attn_emu::Elem::kBF16;
+  static void ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ::attn_emu::wgmma(kElem, N, d, desc_a, nullptr, desc_b, accumulate, false, false);
+  }
+  static void ss_t(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ::attn_emu::wgmma(kElem, N, d, desc_a, nullptr, desc_b, accumulate, true, true);
+  }
+  static void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+    ::attn_emu::wgmma(kElem, N, d, 0, a, desc_b, accumulate, false, true);
+  }
+};
+
+[[noreturn]] inline void not_emulated(const char* what) {
+  throw std::runtime_error(std::string("emulated kernel: ") + what +
+                           " is not emulated yet (tests/cuda_emu/target/cuda/wgmma_ops.cuh)");
+}
+__device__ __forceinline__ void mbar_init(uint32_t, int) { not_emulated("mbarrier.init"); }
+__device__ __forceinline__ void mbar_arrive(uint32_t) { not_emulated("mbarrier.arrive"); }
+__device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) { not_emulated("mbarrier.try_wait"); }
+__device__ __forceinline__ void fence_proxy_async() {}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {}
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_sync(int) {
+  not_emulated("bar.sync with a barrier id");
+}
+
+}  // namespace wg
+}  // namespace attn
