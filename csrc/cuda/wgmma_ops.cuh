@@ -138,6 +138,32 @@ ATTN_DEFINE_WGMMA(__half, "f16")
 #undef ATTN_WGMMA_REGS32
 #undef ATTN_WGMMA_REGS64
 
+// ---------------------------------------------------------------- shared memory, ordered
+// The warp-specialized kernels' own shared-memory accesses (the O staging, the LSE / dot rows of
+// a ring slot): "memory" clobbers keep them in program order with the barriers around them.
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 val;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+               : "r"(addr)
+               : "memory");
+  return val;
+}
+// Two floats at a shared-memory address (8-byte aligned).
+__device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
+// x, opaque to the compiler (an empty asm that may change it, executed where it stands).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // ---------------------------------------------------------------- mbarrier (shared::cta, 8 bytes)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

@@ -130,6 +130,13 @@ void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b);
 // bits [4:6] ^= [7:9]). accumulate 0 overwrites d.
 void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, int accumulate, bool trans_a,
            bool trans_b);
+// mbarrier.init / arrive (release) / try_wait.parity (acquire, in a loop: blocks this thread
+// until the phase of that parity has completed) on an 8-byte object in shared memory, and
+// bar.sync id, count (a barrier of `count` threads, id 1..15)
+void mbar_init(uint32_t addr, int count);
+void mbar_arrive(uint32_t addr);
+void mbar_wait(uint32_t addr, uint32_t parity);
+void named_barrier(int id, int count);
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 with this lane's row address
 void ldmatrix_x4(uint32_t* r, uint32_t addr, bool trans);
 uint32_t shfl_xor_bits(uint32_t mask, uint32_t bits, int lane_mask, int width);
@@ -141,6 +148,7 @@ void cp_async_commit();
 void cp_async_wait(int n);
 void st_shared_b32(uint32_t addr, uint32_t v);
 uint4 ld_shared_v4(uint32_t addr);
+float2 ld_shared_v2f(uint32_t addr);
 
 // ex2.approx.ftz.f32: flush-to-zero in and out (the approximation error, ~2 ulp, is not modeled)
 inline float ex2_approx_ftz(float x) {
@@ -169,6 +177,8 @@ inline float ex2_approx_ftz(float x) {
 #define __noinline__ inline
 #undef __launch_bounds__
 #define __launch_bounds__(...)
+#undef __grid_constant__
+#define __grid_constant__
 
 #define cudaGetDevice ::attn_emu::get_device
 #define cudaDeviceGetAttribute ::attn_emu::device_get_attribute

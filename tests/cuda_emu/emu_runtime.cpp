@@ -65,7 +65,9 @@ attn_emu_switch:
 constexpr size_t kStackBytes = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 
-enum class State { kReady, kBarrier, kWarp, kDone };
+// kMbar: blocked in mbarrier.try_wait on wait_bar for the phase of parity wait_parity;
+// kNamed: at the named barrier bar_id (bar.sync id, count)
+enum class State { kReady, kBarrier, kWarp, kMbar, kNamed, kDone };
 enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16, kWgmma };
 const char* op_name(Op op) {
   switch (op) {
@@ -99,6 +101,16 @@ struct Fiber {
   std::unique_ptr<unsigned char[]> stack;
   std::vector<Copy> copies;
   int commits;  // cp.async groups committed so far; copies of group == commits are uncommitted
+  uint32_t wait_bar, wait_parity;
+  int bar_id;
+};
+
+struct Mbar {  // an mbarrier object: arrivals expected per phase, still pending, the phase number
+  int count, pending;
+  uint32_t phase;
+};
+struct NamedBar {
+  int arrived = 0, expected = 0;
 };
 
 struct Warp {
@@ -124,6 +136,8 @@ struct Cta {
 #endif
   void (*fn)(void*);
   void* ctx;
+  std::unordered_map<uint32_t, Mbar> mbars;  // by shared-memory address
+  std::unordered_map<int, NamedBar> named;   // by barrier id (1..15)
   std::exception_ptr error;
 };
 
@@ -188,6 +202,22 @@ void yield_to_scheduler() {
     swapcontext(&f->uc, &c.sched_uc);
 #endif
   }
+  g_thread = &f->ctx;  // resumed
+  c.cur = f;
+}
+
+// The current fiber stays ready and hands the thread to `next` (a ready fiber) at once.
+void switch_to(Fiber& next) {
+  Cta& c = rt.cta;
+  Fiber* f = c.cur;
+  if (&next == f || c.error) return;
+  c.cur = &next;
+  g_thread = &next.ctx;
+#if defined(__x86_64__)
+  attn_emu_switch(&f->sp, next.sp);
+#else
+  swapcontext(&f->uc, &next.uc);
+#endif
   g_thread = &f->ctx;  // resumed
   c.cur = f;
 }
@@ -270,6 +300,8 @@ void run_cta(uint3 bidx, dim3 grid, dim3 block) {
   c.live = c.nthreads;
   c.at_barrier = 0;
   c.vote_acc = c.vote_result = 0;
+  c.mbars.clear();
+  c.named.clear();
   for (int t = 0; t < c.nthreads; ++t) {
     Fiber& f = c.fibers[t];
     f.linear = t;
@@ -305,11 +337,13 @@ void run_cta(uint3 bidx, dim3 grid, dim3 block) {
     if (f != nullptr) resume(*f);
     if (c.error) std::rethrow_exception(c.error);
     if (c.live > 0 && next_ready(0) == nullptr) {
-      int bar = 0, coll = 0;
+      int bar = 0, coll = 0, mbar = 0, named = 0;
       std::string detail;
       for (int t = 0; t < c.nthreads; ++t) {
         const Fiber& f = c.fibers[t];
         if (f.state == State::kBarrier) ++bar;
+        if (f.state == State::kMbar) ++mbar;
+        if (f.state == State::kNamed) ++named;
         if (f.state == State::kWarp) {
           ++coll;
           if (detail.empty())
@@ -318,7 +352,8 @@ void run_cta(uint3 bidx, dim3 grid, dim3 block) {
         }
       }
       fault("deadlock: " + std::to_string(bar) + " threads at __syncthreads, " + std::to_string(coll) +
-            " at a warp collective, " + std::to_string(c.nthreads - c.live) + " exited" + detail);
+            " at a warp collective, " + std::to_string(mbar) + " waiting on mbarriers, " + std::to_string(named) +
+            " at named barriers, " + std::to_string(c.nthreads - c.live) + " exited" + detail);
     }
   }
 }
@@ -576,6 +611,69 @@ uint32_t smem_u32(const void* ptr) {
   return uint32_t(p - rt.smem);
 }
 
+// ---------------------------------------------------------------- mbarriers and named barriers
+void mbar_init(uint32_t addr, int count) {
+  check_smem(addr, 8, "mbarrier.init");
+  if (count < 1) fault("mbarrier.init with count " + std::to_string(count));
+  rt.cta.mbars[addr] = Mbar{count, count, 0};
+}
+
+void mbar_arrive(uint32_t addr) {
+  Cta& c = rt.cta;
+  auto it = c.mbars.find(addr);
+  if (it == c.mbars.end()) fault("mbarrier.arrive on shared address " + std::to_string(addr) + " before its init (" + where(self()) + ")");
+  Mbar& m = it->second;
+  if (--m.pending > 0) return;
+  m.pending = m.count;
+  ++m.phase;  // the phase completes: every waiter for it may go on
+  Fiber* woken = nullptr;
+  for (int t = 0; t < c.nthreads; ++t) {
+    Fiber& f = c.fibers[c.order[t]];
+    if (f.state == State::kMbar && f.wait_bar == addr && (m.phase & 1u) != f.wait_parity) {
+      f.state = State::kReady;
+      if (woken == nullptr) woken = &f;
+    }
+  }
+  // the waiters run at once, before the arriving thread goes on: whatever it starts next (the
+  // producer's next cp.async group, still NaN until its own wait) is what a reader that skipped
+  // its barrier would see
+  if (woken != nullptr) switch_to(*woken);
+}
+
+void mbar_wait(uint32_t addr, uint32_t parity) {
+  Cta& c = rt.cta;
+  auto it = c.mbars.find(addr);
+  if (it == c.mbars.end()) fault("mbarrier.try_wait on shared address " + std::to_string(addr) + " before its init (" + where(self()) + ")");
+  // the phase of this parity has completed when the current phase has the other parity
+  if ((it->second.phase & 1u) != (parity & 1u)) return;
+  Fiber& f = self();
+  f.state = State::kMbar;
+  f.wait_bar = addr;
+  f.wait_parity = parity & 1u;
+  yield_to_scheduler();
+}
+
+void named_barrier(int id, int count) {
+  Cta& c = rt.cta;
+  if (id < 1 || id > 15) fault("bar.sync id " + std::to_string(id) + " (1..15; 0 is __syncthreads)");
+  if (count % 32 != 0 || count < 32 || count > c.nthreads) fault("bar.sync thread count " + std::to_string(count));
+  NamedBar& b = c.named[id];
+  if (b.arrived > 0 && b.expected != count) fault("bar.sync " + std::to_string(id) + " with different thread counts");
+  b.expected = count;
+  if (++b.arrived == count) {
+    b.arrived = 0;
+    for (int t = 0; t < c.nthreads; ++t) {
+      Fiber& f = c.fibers[t];
+      if (f.state == State::kNamed && f.bar_id == id) f.state = State::kReady;
+    }
+    return;
+  }
+  Fiber& f = self();
+  f.state = State::kNamed;
+  f.bar_id = id;
+  yield_to_scheduler();
+}
+
 // ---------------------------------------------------------------- wgmma
 namespace {
 
@@ -723,6 +821,13 @@ uint4 ld_shared_v4(uint32_t addr) {
   check_smem(addr, 16, "ld.shared.v4.u32");
   uint4 v;
   std::memcpy(&v, rt.smem + addr, 16);
+  return v;
+}
+
+float2 ld_shared_v2f(uint32_t addr) {
+  check_smem(addr, 8, "ld.shared.v2.f32");
+  float2 v;
+  std::memcpy(&v, rt.smem + addr, 8);
   return v;
 }
 

@@ -126,11 +126,7 @@ __device__ __forceinline__ void query_blocks(const Policy& pol, int len_q, int n
   *m_hi = i0 < i1 ? (i1 + kBlockM - 1) / kBlockM : *m_lo;
 }
 
-// x, opaque to the compiler (an empty asm that may change it, executed where it stands).
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
+using wg::opaque;
 
 // Producer warpgroup: all 128 threads issue cp.async (ptid = 0..127). K and V once (one copy
 // group, published with the first query block's), then per (head, query block) one ring slot:
@@ -195,12 +191,7 @@ __device__ __forceinline__ void produce_bwd(const SoftmaxBwdParams& p, const Seq
   wg::mbar_arrive(pending);
 }
 
-// Two floats at a shared-memory address (8-byte aligned).
-__device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
-  return v;
-}
+using wg::ld_shared_f2;
 
 // ---- consumer steps. A consumer warp's registers: acc_s / acc_dp = S^T / dP^T of its 16 keys x
 // kBlockM queries as C fragments (s[4 t + e]: key g + 8 (e / 2), query 8 t + 2 c + e % 2);
@@ -416,10 +407,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               const int t = 2 * kk + r / 2, hf = r % 2;
-              asm volatile("st.shared.b32 [%0], %1;\n"
-                           ::"r"(s_ds + TileS::offset(wk + g + hf * 8, sb * 64 + t * 8 + 2 * c)),
-                           "r"(da[kk][r])
-                           : "memory");
+              wg::st_shared_b32(s_ds + TileS::offset(wk + g + hf * 8, sb * 64 + t * 8 + 2 * c), da[kk][r]);
             }
 
           // ---- dV += P^T dO, dK += dS^T Q (A from registers), two commit groups
@@ -484,7 +472,7 @@ __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
     bwd_kernel(const __grid_constant__ SoftmaxBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using P = BwdPlan<kD>;
-  extern __shared__ __align__(1024) unsigned char smem[];
+  ATTN_EXTERN_SMEM(smem);  // the base is rounded up to 1024 bytes below
   const uint32_t base = (tc::smem_u32(smem) + 1023u) & ~1023u;
 
   const int hk = blockIdx.y, b = blockIdx.z;

@@ -349,9 +349,7 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     for (int hf = 0; hf < 2; ++hf) {
       // rows g of 8 lanes land on 8 different chunks (dt ^ g): no bank conflicts
       const uint32_t val = tc::TypeOps<T>::pack(acc_o[4 * dt + 2 * hf], acc_o[4 * dt + 2 * hf + 1]);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sO + TileQ::offset(wm + g + hf * 8, dt * 8 + 2 * c)),
-                   "r"(val)
-                   : "memory");
+      wg::st_shared_b32(sO + TileQ::offset(wm + g + hf * 8, dt * 8 + 2 * c), val);
     }
   wg::named_barrier_sync<128>(1 + cw);  // this warpgroup's rows are complete
   T* o = o_ptr<T>(p, si, b, h, m0);
@@ -362,11 +360,7 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     const int idx = it * 128 + ctid;
     const int r = cw * 64 + idx / kChunks, ch = idx % kChunks;
     if (r < rows_q && ch * 8 < p.d) {
-      uint4 val;
-      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                   : "r"(sO + TileQ::offset(r, ch * 8))
-                   : "memory");
+      const uint4 val = wg::ld_shared_v4(sO + TileQ::offset(r, ch * 8));
       *reinterpret_cast<uint4*>(o + int64_t(r) * p.o_row_stride + ch * 8) = val;
     }
   }
@@ -377,7 +371,7 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     fwd_kernel(const __grid_constant__ SoftmaxParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using P = FwdPlan<kD>;
-  extern __shared__ __align__(1024) unsigned char smem[];
+  ATTN_EXTERN_SMEM(smem);  // the base is rounded up to 1024 bytes below
   const uint32_t base = (tc::smem_u32(smem) + 1023u) & ~1023u;
 
   // heaviest query blocks (causal: the last ones) first, so the grid's tail is short

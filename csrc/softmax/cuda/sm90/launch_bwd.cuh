@@ -25,7 +25,7 @@ void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   auto kernel = hopper::bwd_kernel<T, kD>;
   set_smem(kernel, P::kSmemBytes, "attention bwd (wgmma)");
   dim3 grid((p.sk + P::kBlockN - 1) / P::kBlockN, p.h_k, p.b);
-  kernel<<<grid, P::kThreads, P::kSmemBytes, stream>>>(p);
+  ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);
   check_launch("attention bwd (wgmma, sm_90a)");
   run_bwd_convert_dq<T>(p, kD, stream);
 }

@@ -21,7 +21,7 @@ void run_fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   auto kernel = hopper::fwd_kernel<T, kD>;
   set_smem(kernel, P::kSmemBytes, "attention fwd (wgmma)");
   dim3 grid((p.sq + P::kBlockM - 1) / P::kBlockM, p.h, p.b);
-  kernel<<<grid, P::kThreads, P::kSmemBytes, stream>>>(p);
+  ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);
   check_launch("attention fwd (wgmma, sm_90a)");
 }
 

@@ -4,8 +4,8 @@
 // layouts and descriptors (cuda/wgmma.cuh itself) are the ones the GPU build runs.
 //
 // wgmma runs when it is issued, so fence / commit / wait and the operand fences have nothing to
-// order. mbarriers, named barriers and setmaxnreg (the warp-specialized kernels' protocol) are
-// not emulated yet: calling them faults with the name of what is missing.
+// order. An mbarrier wait blocks the emulated thread until the phase completes; a phase that
+// never completes, or a named barrier some threads never reach, is reported as a deadlock.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,21 +44,24 @@ struct Wgmma {
   }
 };
 
-[[noreturn]] inline void not_emulated(const char* what) {
-  throw std::runtime_error(std::string("emulated kernel: ") + what +
-                           " is not emulated yet (tests/cuda_emu/target/cuda/wgmma_ops.cuh)");
-}
-__device__ __forceinline__ void mbar_init(uint32_t, int) { not_emulated("mbarrier.init"); }
-__device__ __forceinline__ void mbar_arrive(uint32_t) { not_emulated("mbarrier.arrive"); }
-__device__ __forceinline__ void mbar_wait(uint32_t, uint32_t) { not_emulated("mbarrier.try_wait"); }
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) { ::attn_emu::st_shared_b32(addr, val); }
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) { return ::attn_emu::ld_shared_v4(addr); }
+__device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) { return ::attn_emu::ld_shared_v2f(addr); }
+__device__ __forceinline__ int opaque(int x) { return x; }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) { ::attn_emu::mbar_init(bar, count); }
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) { ::attn_emu::mbar_arrive(bar); }
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) { ::attn_emu::mbar_wait(bar, parity); }
+// the emulator has one proxy: cp.async data land at the issuing thread's wait, before it arrives
 __device__ __forceinline__ void fence_proxy_async() {}
+// register budgets are not modeled
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {}
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {}
 template <int kThreads>
-__device__ __forceinline__ void named_barrier_sync(int) {
-  not_emulated("bar.sync with a barrier id");
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  ::attn_emu::named_barrier(id, kThreads);
 }
 
 }  // namespace wg

@@ -1,0 +1,79 @@
+"""The sm_90a wgmma kernels (csrc/softmax/cuda/sm90) in the CPU emulator: the warp-specialized
+forward and backward with their cp.async producer, mbarrier ring, named barriers and wgmma
+products emulated (target/cuda/wgmma_ops.cuh, cuda_emu.h), against the float64 reference with
+test_cuda's rule, selected by set_cuda_kernels(hopper_fwd=1, hopper_bwd=1) on the emulated sm_90.
+
+What this cannot check: the async proxy (the emulator runs a wgmma when it is issued, so a
+missing wgmma.wait or proxy fence is invisible), timing, register budgets (setmaxnreg)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cuda_emu import emulator as cuda_emu
+from tests.cuda_emu.test_emulated import emulate
+from tests.softmax import test_cuda as tc
+
+
+@pytest.fixture(scope="module")
+def emu_ops():
+    e = cuda_emu.load()
+    if e is None:
+        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
+    return e
+
+
+@pytest.fixture
+def hopper(emu_ops):
+    """The wgmma forward and backward selected (the product's defaults on sm_90), then the
+    mma.sync kernels again."""
+    emu_ops.set_cuda_kernels(1, 1, 0, 0, False)
+    emu_ops.set_schedule(True, False)
+    yield emu_ops
+    emu_ops.set_cuda_kernels(0, 0, 0, 0, False)
+    emu_ops.set_schedule(True, False)
+
+
+def test_path(hopper):
+    q = torch.randn(1, 2, 64, 64).bfloat16()
+    assert hopper.path(q, q, q, 90) == "hopper-wgmma"
+    assert hopper.path(q, q, q, 80) == "tensor-core"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 128, 40])
+@pytest.mark.parametrize("sq,sk,causal", [(1, 1, False), (70, 200, False), (200, 130, True), (129, 129, True)])
+def test_forward_backward(monkeypatch, hopper, dtype, d, sq, sk, causal):
+    """Odd lengths (partial tiles of queries and keys, ring wrap-around), both head-dim buckets
+    and a padded one (d = 40 in the 64 bucket), causal bottom-right and not."""
+    emulate(monkeypatch, hopper, arch=90)
+    hopper.launches()
+    torch.manual_seed(sq * 7 + sk + d)
+    tc.run_and_compare(1, 2, 1, sq, sk, d, dtype, causal=causal, bottom_right=True)
+    names = hopper.launches()
+    assert any("hopper::fwd_kernel" in n for n in names), names
+    assert any("hopper::bwd_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("o", [dict(window=(40, 10)), dict(h_k=1), dict(seqlens_k=True)], ids=str)
+def test_options(monkeypatch, hopper, o):
+    """What the wgmma kernels take besides plain causal: a sliding window, GQA (MQA here) and
+    per-batch key lengths."""
+    emulate(monkeypatch, hopper, arch=90)
+    torch.manual_seed(5)
+    kw = dict(o)
+    hk = kw.pop("h_k", 2)
+    if kw.pop("seqlens_k", False):
+        kw["seqlens_k"] = torch.tensor([150, 37], dtype=torch.int32)
+    tc.run_and_compare(2, 2, hk, 130, 150, 64, torch.bfloat16, **kw)
+
+
+@pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)])
+def test_schedules(monkeypatch, hopper, warp_serial, reverse):
+    """Lockstep and last-warp-first interleavings of the producer and consumer warpgroups: a
+    consumer that read a ring slot before its "full" barrier, or a producer that refilled one
+    before its "empty" barrier, would read the NaN fill of an unfinished cp.async."""
+    hopper.set_schedule(warp_serial, reverse)
+    emulate(monkeypatch, hopper, arch=90)
+    torch.manual_seed(9)
+    tc.run_and_compare(1, 2, 1, 150, 300, 64, torch.bfloat16, causal=True)
