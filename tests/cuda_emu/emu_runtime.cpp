@@ -183,10 +183,9 @@ Fiber* next_ready(int pos) {
 
 // The current fiber blocks (or has finished): hand the thread straight to the next ready fiber,
 // or back to the scheduler when there is none (all done, or a deadlock) or a fault is pending.
-void yield_to_scheduler() {
+// Suspends the current fiber f and runs `next` (or the scheduler, when null) until f resumes.
+void hand_over(Fiber* f, Fiber* next) {
   Cta& c = rt.cta;
-  Fiber* f = c.cur;
-  Fiber* next = c.error ? nullptr : next_ready(f->pos);
   if (next != nullptr) {
     c.cur = next;
     g_thread = &next->ctx;
@@ -206,20 +205,15 @@ void yield_to_scheduler() {
   c.cur = f;
 }
 
+void yield_to_scheduler() {
+  Cta& c = rt.cta;
+  hand_over(c.cur, c.error ? nullptr : next_ready(c.cur->pos));
+}
+
 // The current fiber stays ready and hands the thread to `next` (a ready fiber) at once.
 void switch_to(Fiber& next) {
   Cta& c = rt.cta;
-  Fiber* f = c.cur;
-  if (&next == f || c.error) return;
-  c.cur = &next;
-  g_thread = &next.ctx;
-#if defined(__x86_64__)
-  attn_emu_switch(&f->sp, next.sp);
-#else
-  swapcontext(&f->uc, &next.uc);
-#endif
-  g_thread = &f->ctx;  // resumed
-  c.cur = f;
+  if (&next != c.cur && !c.error) hand_over(c.cur, &next);
 }
 
 void fiber_main() {

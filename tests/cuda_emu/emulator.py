@@ -2,7 +2,7 @@
 torch.ops.attention_ext_emu.fwd / bwd / path and linear_fwd / linear_bwd (this folder), and, as a
 separate small module (load_decode), torch.ops.attention_ext_emu_decode.decode_fwd.
 
-The emulator compiles csrc/softmax/cuda's mma.sync and SIMT kernels with g++ (ATTN_CUDA_EMULATE), with
+The emulator compiles csrc/softmax/cuda's mma.sync, SIMT and (sm_90) wgmma kernels with g++ (ATTN_CUDA_EMULATE), with
 the real CUDA headers for the half / bfloat16 types (so it needs a CUDA toolkit's include
 directory, not a GPU). load() returns None, with the reason in `why`, when that cannot work.
 """

@@ -10,17 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cuda_emu import emulator as cuda_emu
-from tests.cuda_emu.test_emulated import emulate
+from tests.cuda_emu.test_emulated import emu_ops, emulate  # noqa: F401  (emu_ops: the module fixture)
 from tests.softmax import test_cuda as tc
-
-
-@pytest.fixture(scope="module")
-def emu_ops():
-    e = cuda_emu.load()
-    if e is None:
-        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
-    return e
 
 
 @pytest.fixture

@@ -2,24 +2,14 @@
 kernel (wgmma_test_kernel.cuh) that builds its operands with the sm_90a kernels' own layout code
 (cuda/wgmma.cuh: Sw128Tile offsets, make_desc_sw128 descriptors, kmajor_step / mnmajor_step):
 D = A B + C against a float64 product for the three operand forms the kernels use, and two
-deliberate layout bugs that must give wrong results (so the check can fail).
-
-What this does not cover yet: the warp-specialized kernels themselves (their mbarriers and named
-barriers are not emulated), so the sm_90a forward and backward still run only on a GPU."""
+deliberate layout bugs that must give wrong results (so the check can fail). The kernels
+themselves: test_hopper_emulated.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.cuda_emu import emulator as cuda_emu
-
-
-@pytest.fixture(scope="module")
-def emu():
-    e = cuda_emu.load()
-    if e is None:
-        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
-    return e
+from tests.cuda_emu.test_linear_emulated import emu  # noqa: F401  (the module fixture)
 
 
 def operands(k, n, dtype, seed):

@@ -372,10 +372,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     // kSegU has no products with U: its 16-bit copy is never read
     if constexpr (kMode != BwdMode::kSegU) sigma_u = refresh_s16<T, L, kM>(smem, U, red);
   };
+  // the first row of the last chunk of [r_begin, r_end) (below r_begin when it is empty)
+  const int last = r_begin < r_end ? r_begin + (r_end - 1 - r_begin) / kChunk * kChunk : r_begin - kChunk;
   if constexpr (kMode == BwdMode::kSegU) {
     // the segment's own reverse state from 0: U <- e^{gC} U + (wq Q~)^T dO', descending
     // (non-causal: no decay, any order), then to the scratch for the reverse scan
-    const int last = r_begin < r_end ? r_begin + (r_end - 1 - r_begin) / kChunk * kChunk : r_begin - kChunk;
     for (int r0 = last; r0 >= r_begin; r0 -= kChunk) {
       const int n = min(kChunk, r_end - r0);
       lane = opaque(lane);
@@ -399,7 +400,6 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       update_u(n, 1.f);
     }
   }
-  const int last = r_begin < r_end ? r_begin + (r_end - 1 - r_begin) / kChunk * kChunk : r_begin - kChunk;
   for (int r0 = last; r0 >= r_begin; r0 -= kChunk) {
     const int n = min(kChunk, r_end - r0);
     lane = opaque(lane);
