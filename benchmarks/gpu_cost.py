@@ -115,6 +115,7 @@ RESOURCES: Dict[str, Resources] = {
     "linear bwd cp dQ, M 64": Resources(128, 211, 59_152),
     "linear bwd cp dK dV, M 64": Resources(128, 246, 59_152),
     "linear finalize": Resources(128, 32, 0),
+    "decode combine": Resources(128, 32, 0),  # one warp per row, few registers
     "linear step": Resources(256, 40, 8_448),
     # decode_kernel<bf16, 128, 8 rows> (benchmarks/results/2026-11-24-decode-ptxas.md: 239 on sm_80), 34 KB static
     "decode": Resources(128, 239, 34_048),
@@ -374,7 +375,7 @@ def decode_launches(b, hq, hk, sk, d=128, old_splits=False) -> List[Launch]:
     out = [Launch("decode", res, [per_cta] * (ctas * splits), kv)]
     if splits > 1:
         rows = b * hq
-        out.append(Launch("linear finalize", RESOURCES["linear finalize"], [LATENCY * 2] * math.ceil(rows / 4),
+        out.append(Launch("decode combine", RESOURCES["decode combine"], [LATENCY * 2] * math.ceil(rows / 4),
                           rows * splits * (d + 1) * 4))
     return out
 
