@@ -119,6 +119,9 @@ RESOURCES: Dict[str, Resources] = {
     "linear step": Resources(256, 40, 8_448),
     # decode_kernel<bf16, 128, 8 rows> (benchmarks/results/2026-11-24-decode-ptxas.md: 239 on sm_80), 34 KB static
     "decode": Resources(128, 239, 34_048),
+    # decode_mma_kernel<bf16, 128> (mma_kernel.cuh): 255 registers; 3 stages x 4 warps x (K, V) 16 x 128
+    # tiles + the Q tile + 16 policies of 96 bytes, dynamic
+    "decode mma": Resources(128, 255, 98_304 + 4_096 + 1_536),
     "mma.sync fwd": Resources(128, 255, 64 * 1024),
     "wgmma fwd": Resources(384, 168, 64 * 1024),
     "wgmma bwd": Resources(384, 168, 64 * 1024),
@@ -380,22 +383,58 @@ def decode_launches(b, hq, hk, sk, d=128, old_splits=False) -> List[Launch]:
     return out
 
 
+# The tensor-core decode kernel (csrc/decode/cuda/mma_kernel.cuh), bf16, D = 128: per warp and
+# tile of 16 keys an estimate from the source (warp instructions): the tile's 16 cp.async with
+# their addresses and the cursor (40), Q K^T (8 k-steps x 2 ldmatrix + 2 mma + addresses: 48), the
+# policy, scores and online softmax of 8 logits per lane with the rescale of the 64 accumulators
+# (170), P V (8 x ldmatrix.trans + 2 mma + address: 32), the wait and loop (10). The mma.sync
+# count itself is checked against the emulator (tests/cuda_emu/test_decode_emulated.py::test_mma_count).
+DECODE_MMA_INSTR_PER_TILE = 300
+
+
+def decode_mma_launches(b, hq, hk, sk, d=128) -> List[Launch]:
+    """decode_mma_kernel + combine, same splits as the CUDA-core kernel: a CTA pays the Q load
+    and its pipeline's fill (two round trips) and the merge (one), then per 64 keys (a tile per
+    warp) its share of the SM's instruction issue; the launch's DRAM bound does the rest (the
+    pipelines keep 36-64 KB per SM in flight, above the copy bandwidth x latency)."""
+    ctas = b * hk
+    splits = decode_splits(ctas, sk)
+    res = RESOURCES["decode mma"]
+    cps = ctas_per_sm(res)
+    keys = math.ceil(sk / splits)
+    iters = math.ceil(keys / 64)
+    issue = cps * (res.threads // 32) * DECODE_MMA_INSTR_PER_TILE / ISSUE_PER_CLK / SM_CLOCK
+    per_cta = 3 * LATENCY + iters * issue
+    rows = hq // hk
+    flops = 2 * 2 * b * hk * sk * 16 * math.ceil(rows / 16) * d  # Q K^T and P V over 16 padded rows
+    out = [Launch("decode mma", res, [per_cta] * (ctas * splits), 2 * b * hk * sk * d * 2, mma_flops=flops)]
+    if splits > 1:
+        out.append(Launch("decode combine", RESOURCES["decode combine"], [LATENCY * 2] * math.ceil(b * hq / 4),
+                          b * hq * splits * (d + 1) * 4))
+    return out
+
+
 def report_decode() -> List[str]:
-    lines = ["", "## Decode (decode_kernel, B = 8, Hq = 32, Hkv = 8, D = 128, bf16): predicted, no GPU run of this kernel",
-             "", "| cache | splits | CTAs | K + V MB | predicted us | predicted GB/s (% of copy) | SDPA flash us (2026-11-24) | "
-             "predicted ours / SDPA speed |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["", "## Decode (B = 8, Hq = 32, Hkv = 8, D = 128, bf16): predicted, no GPU run of these kernels", "",
+             "Kernels: the CUDA-core decode_kernel with the split count before 2026-11-29 and now (the default), "
+             "and the tensor-core decode_mma_kernel (decode.set_cuda_kernels(tensor_cores=True)).", "",
+             "| cache | kernel | splits | CTAs | K + V MB | predicted us | predicted GB/s (% of copy) | "
+             "SDPA flash us (2026-11-24) | predicted ours / SDPA speed |", "|---|---|---|---|---|---|---|---|---|"]
     for sk, t_sdpa in SDPA_DECODE_US.items():
-        for old in (True, False):
-            launches = decode_launches(8, 32, 8, sk, old_splits=old)
+        for kind in ("before", "cuda cores", "tensor cores"):
+            launches = (decode_mma_launches(8, 32, 8, sk) if kind == "tensor cores"
+                        else decode_launches(8, 32, 8, sk, old_splits=kind == "before"))
             t = total(launches)
             kv = launches[0].dram_bytes
             splits = len(launches[0].cta_times) // 64
-            lines.append(f"| {sk // 1024}k | {splits}{' (before)' if old else ''} | {len(launches[0].cta_times)} | "
+            lines.append(f"| {sk // 1024}k | {kind} | {splits} | {len(launches[0].cta_times)} | "
                          f"{kv / 1e6:.0f} | {t * 1e6:.0f} | {kv / t / 1e9:.0f} ({kv / t / COPY_BW:.0%}) | {t_sdpa:.0f} | "
                          f"{t_sdpa * 1e-6 / t:.2f}x |")
-    lines += ["", "The instruction count is an estimate from the source and the issue rate an upper bound (every "
+    lines += ["", "The instruction counts are estimates from the source and the issue rate an upper bound (every "
               "scheduler issuing every clock), so these are optimistic; the kernel measured on 2026-11-24 was an "
-              "earlier design (256 threads, 44 registers), so no recorded row checks this one."]
+              "earlier design (256 threads, 44 registers), so no recorded row checks these. The tensor-core kernel "
+              "is predicted at the copy bandwidth: its issue time is a fraction of the bytes' time, so the row is "
+              "the DRAM bound plus the launches, which SDPA flash already nearly reaches (2.9-3.0 TB/s at 16k-64k)."]
     return lines
 
 
@@ -611,8 +650,8 @@ def report_step() -> List[str]:
 
 
 NOT_MODELLED = ["", "## Not modelled yet", "",
-                "- the decode kernel's instruction count (an estimate above, not a count: the emulator counts tensor-core "
-                "instructions only);",
+                "- the decode kernels' instruction counts (estimates above, not counts: the emulator counts tensor-core "
+                "instructions only, checked for the tensor-core decode kernel);",
                 "- the option rows (ALiBi, softcap, bias, dropout): their CTA work lists are not written yet;",
                 "- the linear backward's atomics into its fp32 scratch (every value tile and GQA head adds into dQ~ "
                 "/ dK~ / dV): counted as no time."]

@@ -3,9 +3,11 @@
     decode_fwd(q, k_cache, v_cache, cache_seqlens=..., block_table=...)   the op (ops.py)
     reference.decode_attention                                             the float64 oracle
     flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...)                flash-attn's drop-in (kvcache.py)
+    set_cuda_kernels(tensor_cores=False) / cuda_kernels()                 the CUDA kernel selection
 """
 from . import kvcache, ops, reference
 from .kvcache import flash_attn_with_kvcache
-from .ops import decode_fwd, has_kernel
+from .ops import cuda_kernels, decode_fwd, has_kernel, set_cuda_kernels
 
-__all__ = ["decode_fwd", "flash_attn_with_kvcache", "has_kernel", "kvcache", "ops", "reference"]
+__all__ = ["cuda_kernels", "decode_fwd", "flash_attn_with_kvcache", "has_kernel", "kvcache", "ops", "reference",
+           "set_cuda_kernels"]

@@ -37,6 +37,33 @@ if HAS_EXT:
     torch.library.register_autograd("attention_ext::decode_fwd", _no_backward)
 
 
+# ---------------------------------------------------------------------------------- kernel selection
+_cuda_kernels = dict(tensor_cores=False)
+
+
+def set_cuda_kernels(tensor_cores: bool = False) -> dict:
+    """Process-wide: which CUDA decode kernel runs.
+
+        tensor_cores  False (the default): the CUDA-core kernel for every call. True: the
+                      tensor-core kernel (mma.sync, a cp.async pipeline per warp; docs/gpu.md) for
+                      fp16 / bf16 calls whose cache rows are 16-byte aligned with a head dim that
+                      is a multiple of 8; the others keep the CUDA-core kernel. It has passed the
+                      CPU emulator only, no GPU run yet, so it is not the default.
+
+    Returns the previous selection, so that `set_cuda_kernels(**old)` restores it."""
+    new = dict(tensor_cores=bool(tensor_cores))
+    if HAS_EXT:
+        torch.ops.attention_ext.decode_set_cuda_kernels(*new.values())
+    old = dict(_cuda_kernels)
+    _cuda_kernels.update(new)
+    return old
+
+
+def cuda_kernels() -> dict:
+    """The current selection of set_cuda_kernels (its keyword)."""
+    return dict(_cuda_kernels)
+
+
 def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Optional[Tensor] = None,
                block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,
                cache_leftpad: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,

@@ -11,7 +11,8 @@ copy of a 2 GiB tensor, counted as bytes read + written. SDPA is the best of wha
 write on the same contiguous cache in (B, H, L, D) layout (it has no paged cache): the flash
 backend with enable_gqa, and flash / cuDNN / memory-efficient on K / V already repeated to 32
 heads (the repeat is not timed, so that baseline reads 4x the bytes but gets them for free); the
-table names the fastest. Times are medians of CUDA-event timings after warm-up, and include our
+table names the fastest. Each layout runs both of our kernels (ops.set_cuda_kernels: CUDA cores,
+the default, and tensor cores). Times are medians of CUDA-event timings after warm-up, and include our
 op's host work (input checks: the index tensors' values are copied to the host once per call).
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ except ImportError:  # pragma: no cover
 
 B, HQ, HKV, D = 8, 32, 8, 128
 DT = torch.bfloat16
+# ops.set_cuda_kernels: the CUDA-core kernel (the default) and the tensor-core one, each row both
+KERNELS = ("cuda cores", "tensor cores")
 
 
 def make_inputs(L):
@@ -106,8 +109,9 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name()
     lines = [f"decode step, {name}, B={B} H_q={HQ} H_kv={HKV} D={D} bf16, q_len 1; "
              f"device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", "",
-             "| cache | layout | ours us | ours GB/s | % of copy | SDPA us | SDPA GB/s | SDPA variant | ours / SDPA | max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| cache | layout | our kernel | ours us | ours GB/s | % of copy | SDPA us | SDPA GB/s | SDPA variant | ours / SDPA | "
+             "max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     caches = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536]
     for L in caches:
@@ -119,15 +123,21 @@ def main(argv=None) -> int:
             kc, vc, idx = as_layout(k, v, page)
             scale = D ** -0.5
             fn = lambda: ops.decode_fwd(q, kc, vc, **idx, scale=scale)  # noqa: E731
-            out, _ = fn()
-            t = cuda_time(fn)
-            diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
-            row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {t * 1e6:.1f} | "
-                   f"{kv_bytes / t / 1e9:.0f} | {100 * kv_bytes / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
-                   f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
-            lines.append(row)
-            print(row, flush=True)
-            del kc, vc, idx, out
+            for kernel in KERNELS:
+                old = ops.set_cuda_kernels(tensor_cores=kernel == "tensor cores")
+                try:
+                    out, _ = fn()
+                    t = cuda_time(fn)
+                finally:
+                    ops.set_cuda_kernels(**old)
+                diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
+                row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {kernel} | "
+                       f"{t * 1e6:.1f} | {kv_bytes / t / 1e9:.0f} | {100 * kv_bytes / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
+                       f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
+                lines.append(row)
+                print(row, flush=True)
+                del out
+            del kc, vc, idx
         del q, k, v, sd
         torch.cuda.empty_cache()
     if args.md:

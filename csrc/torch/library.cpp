@@ -23,6 +23,7 @@
 #include "cpu/memory.h"         // BlockCache
 #include "peak/cpu/entry.h"     // peak_loop
 #if defined(ATTN_WITH_CUDA)
+#include "decode/cuda/entry.h"   // cuda_decode_set_kernels
 #include "linear/cuda/entry.h"   // cuda_linear_set_kernels
 #include "softmax/cuda/entry.h"  // cuda_set_kernels
 #endif
@@ -51,6 +52,15 @@ void linear_set_cuda_kernels(bool chunk_parallel, int64_t segment_chunks) {
                     segment_chunks);
 #if defined(ATTN_WITH_CUDA)
   attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, int(segment_chunks)});
+#endif
+}
+
+// attention_ext.decode.set_cuda_kernels: the CUDA decode kernel selection (decode/cuda/entry.h).
+void decode_set_cuda_kernels(bool tensor_cores) {
+#if defined(ATTN_WITH_CUDA)
+  attn::cuda_decode_set_kernels(attn::DecodeCudaKernels{tensor_cores});
+#else
+  (void)tensor_cores;
 #endif
 }
 
@@ -322,6 +332,7 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);
   m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &linear_set_cuda_kernels);
+  m.def("decode_set_cuda_kernels(bool tensor_cores) -> ()", &decode_set_cuda_kernels);
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -3,6 +3,7 @@
 // (csrc/decode/cuda, emu_decode_kernels.cpp) run by the host emulator on CPU tensors. Arguments:
 // those of torch.ops.attention_ext.decode_fwd plus `sms`, the SM count the split heuristic sees.
 // set_schedule: the warps' interleaving (cuda_emu.h), to shake out missing barriers.
+// set_kernels: the kernel selection (decode/cuda/entry.h DecodeCudaKernels).
 // set_capturing: the host steps act as under a CUDA-graph capture (no host read of the index
 // values; they are clamped instead). Ambient state, as a stream's capture status is on a GPU, and
 // the same setter as the softmax emulator's (emulator.capture() sets both).
@@ -12,7 +13,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "decode/cuda/entry.h"
 #include "emu_entry.h"  // set_schedule
@@ -48,6 +51,11 @@ std::tuple<Tensor, Tensor> emu_decode_fwd(const Tensor& q, const Tensor& k_cache
                                           const OptTensor& alibi_slopes, const OptTensor& sinks, double scale,
                                           double softcap, int64_t window_left, int64_t window_right,
                                           int64_t num_splits, int64_t sms) {
+  // cp.async (the tensor-core kernel) may read only from the caches
+  attn_emu::clear_global_ranges();
+  for (const Tensor* t : {&k_cache, &v_cache}) {
+    if (t->numel() > 0) attn_emu::add_global_range(t->storage().data(), t->storage().nbytes());
+  }
   const attn::api::DecodeArgs a{q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k,
                                 alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits};
   return attn::api::decode_cuda_steps(EmuDecodeDevice{int(sms)}, a);
@@ -62,6 +70,21 @@ void emu_decode_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_sch
 
 void emu_decode_set_capturing(bool capturing) { g_capturing = capturing; }
 
+// The kernel selection of the real op (decode/cuda/entry.h), on the emulator's copy of dispatch.cu.
+// The kernels launched since the last call (which decode kernel a call took).
+std::vector<std::string> emu_decode_launches() { return attn_emu::take_launches(); }
+
+// take_launch_stats() since the last call, flattened: 5 counts per launch (emu_entry.h LaunchStats)
+std::vector<int64_t> emu_decode_launch_stats() {
+  std::vector<int64_t> out;
+  for (const auto& st : attn_emu::take_launch_stats()) {
+    for (uint64_t f : {st.ctas, st.threads, st.mma, st.barriers, st.cp_async_bytes}) out.push_back(int64_t(f));
+  }
+  return out;
+}
+
+void emu_decode_set_kernels(bool tensor_cores) { attn::cuda_decode_set_kernels(attn::DecodeCudaKernels{tensor_cores}); }
+
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu_decode, m) {
@@ -73,4 +96,7 @@ TORCH_LIBRARY(attention_ext_emu_decode, m) {
   m.def("num_splits(int ctas, int sms, int max_keys, int requested) -> int", &emu_decode_num_splits);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_decode_set_schedule);
   m.def("set_capturing(bool capturing) -> ()", &emu_decode_set_capturing);
+  m.def("set_kernels(bool tensor_cores) -> ()", &emu_decode_set_kernels);
+  m.def("launches() -> str[]", &emu_decode_launches);
+  m.def("launch_stats() -> int[]", &emu_decode_launch_stats);
 }

@@ -23,19 +23,38 @@ from tests.cuda_emu import emulator as cuda_emu
 from tests.decode.cases import Case, check, make_inputs, op_args, option_sets
 
 SMS = 132
+SELECTED = {"tensor_cores": False}  # the emu fixture's kernel selection
 
 
-@pytest.fixture(scope="module")
-def emu():
+@pytest.fixture(scope="module", params=["cuda_cores", "tensor_cores"])
+def emu(request):
+    """The emulator module with one kernel selection (decode/cuda/entry.h DecodeCudaKernels): every
+    test runs on the CUDA-core kernel and on the tensor-core one (fp16 / bf16 calls with
+    16-byte-aligned rows; the others fall back to the CUDA-core kernel, which run() asserts)."""
     e = cuda_emu.load_decode()
     if e is None:
         pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
-    return e
+    SELECTED["tensor_cores"] = request.param == "tensor_cores"
+    e.set_kernels(SELECTED["tensor_cores"])
+    yield e
+    e.set_kernels(False)
+    SELECTED["tensor_cores"] = False
+
+
+def expect_kernel(emu, c: Case):
+    """The decode kernel the selection gives this case: the tensor-core one for 16-bit data whose
+    head dim fills whole 16-byte vectors, up to 128."""
+    mma = SELECTED["tensor_cores"] and c.dtype != torch.float32 and c.d % 8 == 0 and c.d <= 128
+    return "decode_mma_kernel" if mma else "decode_kernel<"
 
 
 def run(emu, c: Case, what="", sms=SMS):
     q, k, v, idx, kw, alibi, sinks = make_inputs(c)
+    emu.launches()
     out, lse = emu.decode_fwd(*op_args(c, q, k, v, idx, kw, alibi, sinks), c.num_splits, sms)
+    names = emu.launches()
+    if q.numel() and max(c.seqlens) > 0:
+        assert any(expect_kernel(emu, c) in n for n in names), names
     check(c, out.transpose(1, 2), lse, q, k, v, idx, kw, alibi, sinks, what or repr(c))
 
 
@@ -64,9 +83,10 @@ def test_heads(emu, h, hk):
 
 @pytest.mark.parametrize("d,dtype", [(64, torch.float32), (128, torch.bfloat16), (80, torch.float16),
                                      (80, torch.float32), (256, torch.bfloat16), (33, torch.float16),
-                                     (200, torch.float32)], ids=str)
+                                     (200, torch.float32), (256, torch.float32)], ids=str)
 def test_head_dims(emu, d, dtype):
-    run(emu, Case(d=d, dtype=dtype, b=2, h=4, hk=2, sq=2, seqlens=(45, 9), num_splits=2, page=16))
+    # 6 packed rows: one pass of 8 (or of 16 on tensor cores), two of 4 for fp32 at 256
+    run(emu, Case(d=d, dtype=dtype, b=2, h=4, hk=2, sq=3, seqlens=(45, 9), num_splits=2, page=16))
 
 
 def test_heuristic(emu):
@@ -157,3 +177,57 @@ def test_capture_clamps_bad_indices(emu, layout, splits):
         assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)), name
     # and the clamped call itself is right (the reference, on the clamped values)
     check(c, want[0].transpose(1, 2), want[1], q, k, v, clamped, kw, alibi, sinks, "clamped")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page,splits", [(None, 1), (48, 1), (48, 3), (256, 2)], ids=str)
+def test_long_cache(emu, page, splits, d):
+    # caches long enough that every warp of the tensor-core kernel wraps its cp.async pipeline
+    # several times (1500 keys, 1 split: 6 tiles of 16 keys per warp), pages that a warp's 64-key
+    # stride crosses by one, several or none, a window with both edges inside the split (tiles
+    # that are not full take P V on CUDA cores) and the causal diagonal of 3 query rows
+    run(emu, Case(b=2, h=8, hk=2, sq=3, d=d, dtype=torch.bfloat16, seqlens=(1500, 700), page=page,
+                  num_splits=splits, window=(300, 0) if splits != 3 else (-1, 0), leftpad=page is None))
+
+
+@pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)], ids=["lockstep", "reverse"])
+def test_long_cache_schedules(emu, warp_serial, reverse):
+    # the warps' pipelines run independently until the CTA merge reuses their shared memory: under
+    # other interleavings a warp that finishes first must not overwrite tiles another still reads
+    emu.set_schedule(warp_serial, reverse)
+    try:
+        run(emu, Case(b=1, h=16, hk=1, sq=1, d=64, dtype=torch.float16, seqlens=(1100,), num_splits=1,
+                      sinks=True))
+    finally:
+        emu.set_schedule(True, False)
+
+
+def decode_mma_count(seqlens, hk, rows, d, splits):
+    """The tensor-core kernel's mma.sync instructions (benchmarks/gpu_cost.py's formula): per
+    tile of 16 keys and block of 16 packed rows, d / 8 for Q K^T and d / 8 for P V (full tiles),
+    over each split's keys (split_range: runs of a multiple of 64 keys)."""
+    kd = 64 if d <= 64 else 128
+    total = 0
+    for n in seqlens:
+        per = -(-(-(-n // splits)) // 64) * 64
+        for s in range(splits):
+            a, e = min(n, s * per), min(n, s * per + per)
+            total += -(-(e - a) // 16) * -(-rows // 16) * kd // 4
+    return total * hk
+
+
+def test_mma_count(emu):
+    # the emulator's count of mma.sync instructions equals the cost report's formula (no window:
+    # every tile full), and the CTA's cp.async bytes are the keys' K and V rows
+    if not SELECTED["tensor_cores"]:
+        pytest.skip("the tensor-core kernel's count")
+    c = Case(b=3, h=8, hk=2, sq=5, d=128, seqlens=(300, 41, 1000), num_splits=3)
+    q, k, v, idx, kw, alibi, sinks = make_inputs(c)
+    emu.launch_stats()
+    emu.decode_fwd(*op_args(c, q, k, v, idx, kw, alibi, sinks), c.num_splits, SMS)
+    stats = emu.launch_stats()
+    assert len(stats) == 10, stats  # the decode kernel and the combine
+    ctas, mma, copied = stats[0], stats[2], stats[4]
+    assert ctas == c.b * c.hk * 3
+    assert mma == decode_mma_count(c.seqlens, c.hk, c.h // c.hk * c.sq, c.d, 3)
+    assert copied == 2 * sum(c.seqlens) * c.hk * c.d * 2 * -(-(c.h // c.hk * c.sq) // 16)

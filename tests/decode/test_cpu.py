@@ -232,3 +232,20 @@ def test_decode_check_op():
     with pytest.raises(ValueError) as check:
         torch.ops.attention_ext.decode_check(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in bad])
     assert str(check.value).splitlines()[0] == str(op.value).splitlines()[0]
+
+
+def test_set_cuda_kernels_selection():
+    """decode.set_cuda_kernels returns the previous selection (so **old restores it); on the CPU it
+    changes nothing."""
+    import attention_ext as ae
+
+    old = ae.decode.set_cuda_kernels(tensor_cores=True)
+    try:
+        assert ae.decode.cuda_kernels() == dict(tensor_cores=True)
+        c = Case(sq=2, seqlens=(0, 3, 40, 9))
+        q, k, v, idx, kw, alibi, sinks = make_inputs(c)
+        out, lse = ops.decode_fwd(q, k, v, **idx, scale=kw["softmax_scale"])
+        check(c, out, lse, q, k, v, idx, kw, alibi, sinks)
+    finally:
+        assert ae.decode.set_cuda_kernels(**old) == dict(tensor_cores=True)
+    assert ae.decode.cuda_kernels() == old

@@ -20,6 +20,16 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled C
 DEV = "cuda"
 
 
+@pytest.fixture(autouse=True, params=["cuda_cores", "tensor_cores"])
+def kernel(request):
+    """Every test on both CUDA kernels (ops.set_cuda_kernels): the CUDA-core one (the default) and
+    the tensor-core one (fp16 / bf16, head dims that are multiples of 8 up to 128; the other calls
+    take the CUDA-core kernel under either selection)."""
+    old = ops.set_cuda_kernels(tensor_cores=request.param == "tensor_cores")
+    yield request.param
+    ops.set_cuda_kernels(**old)
+
+
 def poison_allocator(nbytes: int) -> None:
     blocks = []
     for n in (nbytes, nbytes // 2, nbytes // 4, 1 << 20, 1 << 16):

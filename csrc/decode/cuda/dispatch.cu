@@ -2,25 +2,30 @@
 // its combine.
 //
 // Instantiations: 3 storage types x 3 head-dim buckets (64, 128, 256; runtime d <= bucket) x 2
-// row blocks (4: R = G x Sq <= 4, else 8) of decode_kernel plus 3 combine kernels, all in this one TU (each is a small SIMT kernel; CI
-// builds them for sm_80 and sm_90a).
+// row blocks (4: R = G x Sq <= 4, else 8) of decode_kernel, 2 x 2 of decode_mma_kernel (fp16 /
+// bf16, head dims 64 / 128) plus 3 combine kernels, all in this one TU (CI builds them for sm_80 and sm_90a).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 
 #include "cuda/launch.h"
 #include "decode/cuda/entry.h"
 #include "decode/cuda/heuristics.h"
 #include "decode/cuda/kernel.cuh"
+#include "decode/cuda/mma_kernel.cuh"
 
 namespace attn {
 
 namespace {
 
 constexpr const char* kWhat = "attention_ext.decode (CUDA)";
+
+std::atomic<bool> g_tensor_cores{false};  // DecodeCudaKernels, one word
 
 // Every K / V row starts 16-byte aligned and d fills whole vectors: the kernel may use 16-byte loads.
 bool vec_loads_ok(const DecodeParams& p, int elem_bytes) {
@@ -35,9 +40,29 @@ template <typename E, int kD>
 void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
   const dim3 grid(splits, p.h_k, p.b);
   const int rows = p.h / p.h_k * p.sq;
-  auto kernel = rows <= 4 ? &decode_cuda::decode_kernel<E, kD, 4> : &decode_cuda::decode_kernel<E, kD, 8>;
-  ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kThreads), 0, stream)
-  (p, splits, splits > 1 ? part_o : nullptr, splits > 1 ? part_lse : nullptr, vec_loads_ok(p, int(sizeof(E))));
+  const bool vec_ok = vec_loads_ok(p, int(sizeof(E)));
+  float* po = splits > 1 ? part_o : nullptr;
+  float* pl = splits > 1 ? part_lse : nullptr;
+  bool mma = false;
+  // the tensor-core kernel for fp16 / bf16 at head dims up to 128 (at 256 its 16 x 256 fp32
+  // accumulator per warp leaves ptxas too few registers: it spills, so those calls stay on CUDA cores)
+  constexpr bool kMmaShape = sizeof(E) == 2 && kD <= 128;
+  if constexpr (kMmaShape) mma = vec_ok && g_tensor_cores.load(std::memory_order_relaxed);
+  if constexpr (kMmaShape) {
+    if (mma) {
+      auto kernel = &decode_cuda::decode_mma_kernel<E, kD>;
+      constexpr int smem = decode_cuda::MmaTraits<kD>::kSmemBytes;
+      set_smem(kernel, smem, kWhat);
+      ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kMmaThreads), smem, stream)(p, splits, po, pl);
+    }
+  }
+  if (!mma) {
+    // fp32 at kD = 256 takes 4 rows per pass at any row count: 8 rows spill on sm_80 (255 registers)
+    constexpr bool kNarrow = sizeof(E) == 4 && kD == 256;
+    auto kernel = rows <= 4 || kNarrow ? &decode_cuda::decode_kernel<E, kD, 4>
+                                       : &decode_cuda::decode_kernel<E, kD, kNarrow ? 4 : 8>;
+    ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kThreads), 0, stream)(p, splits, po, pl, vec_ok);
+  }
   check_launch(kWhat);
   if (splits > 1) {
     const int64_t n_rows = int64_t(p.b) * p.h * p.sq;
@@ -65,6 +90,10 @@ void run(const DecodeParams& p, int splits, float* part_o, float* part_lse, cuda
 }
 
 }  // namespace
+
+void cuda_decode_set_kernels(const DecodeCudaKernels& k) { g_tensor_cores.store(k.tensor_cores); }
+
+DecodeCudaKernels cuda_decode_kernels() { return DecodeCudaKernels{g_tensor_cores.load()}; }
 
 void cuda_decode_fwd(const DecodeParams& p, DType dt, int splits, float* part_o, float* part_lse,
                      cudaStream_t stream) {

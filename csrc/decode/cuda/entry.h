@@ -15,6 +15,17 @@
 
 namespace attn {
 
+// The kernel selection, process-wide (set by the attention_ext::decode_set_cuda_kernels op):
+//   tensor_cores: false = the CUDA-core kernel (kernel.cuh) for every call (the default until a
+//                 GPU run has passed the other); true = the tensor-core kernel (mma_kernel.cuh)
+//                 for fp16 / bf16 calls whose K / V rows allow 16-byte loads; fp32 and the others
+//                 keep the CUDA-core kernel.
+struct DecodeCudaKernels {
+  bool tensor_cores = false;
+};
+void cuda_decode_set_kernels(const DecodeCudaKernels& k);
+DecodeCudaKernels cuda_decode_kernels();
+
 // out, lse <- decode attention. splits > 1: part_o (B, H, Sq, splits, D) and part_lse
 // (B, H, Sq, splits) float32 scratch (every element is written before the combine reads it; no
 // zeroing needed).

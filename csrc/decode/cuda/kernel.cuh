@@ -52,6 +52,7 @@
 #include "common/policy.h"
 #include "common/split_merge.h"
 #include "cuda/convert.cuh"
+#include "decode/cuda/kernel_common.cuh"
 
 namespace attn {
 namespace decode_cuda {
@@ -116,64 +117,10 @@ __device__ __forceinline__ void cvt_vec(const uint4& u, float* f) {
   }
 }
 
-// Steps through keys j, j + step, ... of (b, hk) in KvRows' address space: one division at the
-// start, then page crossings by subtraction (about step / page_size of them per step).
-struct KvCursor {
-  int64_t ko, vo;  // current offsets
-  int pi, in;      // paged: page index in the block table and row inside the page
-  __device__ __forceinline__ void start(const KvRows& kv, int j) {
-    const int r = kv.pad + j;
-    if (kv.pages == nullptr) {
-      pi = 0;
-      in = 0;
-      ko = kv.k_head + int64_t(r) * kv.k_rs;
-      vo = kv.v_head + int64_t(r) * kv.v_rs;
-    } else {
-      pi = r / kv.page;
-      in = r % kv.page;
-      set_page(kv);
-    }
-  }
-  __device__ __forceinline__ void set_page(const KvRows& kv) {
-    const int64_t pg = kv.page_of(pi * kv.page);
-    ko = pg * kv.k_ps + kv.k_head + int64_t(in) * kv.k_rs;
-    vo = pg * kv.v_ps + kv.v_head + int64_t(in) * kv.v_rs;
-  }
-  __device__ __forceinline__ void advance(const KvRows& kv, int step) {
-    if (kv.pages == nullptr) {
-      ko += int64_t(step) * kv.k_rs;
-      vo += int64_t(step) * kv.v_rs;
-      return;
-    }
-    in += step;
-    while (in >= kv.page) {
-      in -= kv.page;
-      ++pi;
-    }
-    set_page(kv);
-  }
-};
-
-// This split's keys [*a, *e) of (b, hk): the keys any row may see (the window does not depend on
-// the head), cut into `splits` runs of a multiple of kGroups * kUnroll keys.
-template <int kGroups>
-__device__ __forceinline__ void split_range(const DecodeParams& p, const SeqInfo& si, int b, int h0, int split,
-                                            int splits, int* a, int* e) {
-  const PolicyT<float> pol(p, si, b, h0);
-  int klo, khi;
-  pol.key_range(0, p.sq, &klo, &khi);
-  klo = imax(klo, 0);
-  khi = imin(khi, si.len_k);
-  const int n = imax(khi - klo, 0);
-  constexpr int kStep = kGroups * kUnroll;
-  const int per = ((n + splits - 1) / splits + kStep - 1) / kStep * kStep;
-  *a = imin(khi, klo + split * per);
-  *e = imin(khi, *a + per);
-  if (*e < *a) *e = *a;
-}
-
+// __launch_bounds__ minimums of 1 (here) and 8 (combine_kernel) ask ptxas for the whole register
+// budget they allow: without one it aimed lower (32 registers for the combine) and spilled.
 template <typename E, int kD, int kRows>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, int splits, float* part_o,
+__global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams p, int splits, float* part_o,
                                                           float* part_lse, bool vec_ok) {
   using Tr = Traits<E, kD>;
   static_assert(kRows >= 1 && kRows <= kMaxRows, "rows per pass");
@@ -191,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
   const SeqInfo si = decode_seq_info(p, b);
   const KvRows kv(p, b, hk);
   int a, e;
-  split_range<kGroups>(p, si, b, hk * group, split, splits, &a, &e);
+  split_range(p, si, b, hk * group, split, splits, kGroups * kUnroll, &a, &e);
   const E* kbase = static_cast<const E*>(p.k);
   const E* vbase = static_cast<const E*>(p.v);
   const E* qbase = static_cast<const E*>(p.q);
@@ -359,28 +306,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
         lr += red_l[g][rr];
         o += red_o[g][rr][c];
       }
-      const int64_t row_id = (int64_t(b) * p.h + h) * p.sq + i;
-      if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the combine adds it)
-        const bool empty = !(lr > 0.f) && !(lr != lr);
-        part_o[(row_id * splits + split) * d + c] = empty ? 0.f : o / lr;
-        if (c == 0) part_lse[row_id * splits + split] = empty ? kNegInf : mr + logf(lr);
-        continue;
-      }
-      float alpha = 1.f;
-      const float sink = p.sinks != nullptr ? p.sinks[h] : kNegInf;
-      if (sink > mr) {  // the sink joins the denominator only; rescale to its max
-        alpha = mr == kNegInf ? 0.f : expf(mr - sink);
-        lr = lr * alpha + 1.f;
-        mr = sink;
-      } else if (p.sinks != nullptr) {
-        lr += expf(sink - mr);
-      }
-      const bool empty = !(lr > 0.f) && !(lr != lr);
-      const float inv = empty ? 0.f : alpha / lr;
-      E* orow = static_cast<E*>(p.o) + int64_t(b) * p.o_batch_stride + int64_t(h) * p.o_head_stride +
-                int64_t(i) * p.o_row_stride;
-      orow[c] = from_float<E>(o * inv);
-      if (c == 0) p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + i] = empty ? kNegInf : mr + logf(lr);
+      finish_elem<E>(p, splits, split, part_o, part_lse, b, h, i, c, mr, lr, o);
     }
   }
 }
@@ -388,7 +314,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p, 
 // out, lse of every (b, h, i) row from its splits' partials (common/split_merge.h, sinks
 // included): one warp per row, kThreads / 32 rows per CTA.
 template <typename E>
-__global__ void __launch_bounds__(kThreads) combine_kernel(const DecodeParams p, int splits, const float* part_o,
+__global__ void __launch_bounds__(kThreads, 8) combine_kernel(const DecodeParams p, int splits, const float* part_o,
                                                            const float* part_lse) {
   const int64_t n_rows = int64_t(p.b) * p.h * p.sq;
   const int64_t row_id = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
