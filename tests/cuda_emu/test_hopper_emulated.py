@@ -68,3 +68,22 @@ def test_schedules(monkeypatch, hopper, warp_serial, reverse):
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(9)
     tc.run_and_compare(1, 2, 1, 150, 300, 64, torch.bfloat16, causal=True)
+
+
+@pytest.mark.parametrize("o", [dict(softcap=5.0), dict(alibi=True), dict(softcap=3.0, alibi=True, causal=True),
+                               dict(alibi=True, window=(40, 10), h_k=1)], ids=str)
+def test_score_options(monkeypatch, hopper, o):
+    """hopper_fwd = 2: softcap and ALiBi on the wgmma forward (every element through the policy's
+    score), the backward on the mma.sync kernel; with hopper_fwd = 1 they stay on mma.sync."""
+    emulate(monkeypatch, hopper, arch=90)
+    torch.manual_seed(11)
+    kw = dict(o)
+    hk = kw.pop("h_k", 2)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(2, 2) * 0.3  # (B, H)
+    for level in (1, 2):
+        hopper.set_cuda_kernels(level, 1, 0, 0, False)
+        hopper.launches()
+        tc.run_and_compare(2, 2, hk, 130, 150, 64, torch.bfloat16, bottom_right=True, **kw)
+        names = hopper.launches()
+        assert any("hopper::fwd_kernel" in n for n in names) == (level == 2), names

@@ -991,6 +991,18 @@ def test_hopper_falls_back(hopper_fwd, opt):
 
 
 @hopper
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("opt", ["alibi", "softcap"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_score_options(kernels, opt, heads, d):
+    """hopper_fwd = 2: softcap and ALiBi on the wgmma forward (not yet the default)."""
+    kernels(hopper_fwd=2, hopper_bwd=0)
+    torch.manual_seed(hash((opt, heads, d)) % 10000)
+    h, hk = HEADS[heads]
+    hopper_compare(2, h, hk, 129, 200, d, torch.bfloat16, **option_cases()[opt](h))
+
+
+@hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 80, 128])
 @pytest.mark.parametrize("causal", [False, True])

@@ -85,14 +85,18 @@ bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
          aligned16(p.dk) && aligned16(p.dv);
 }
 
-// The wgmma forward takes a call when the selection allows it (hopper_fwd 1, the default), its bucket
+// The wgmma forward takes a call when the selection allows it (hopper_fwd >= 1, 1 the default), its bucket
 // (64 or 128) is compiled, the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte
 // aligned rows), d <= 128, the device is sm_90, and the kernel's plain policy serves it (lengths,
 // causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
 // dropout keep the mma.sync kernel.
 bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
-  if (!ATTN_HOPPER_FWD || g_hopper_fwd.load(std::memory_order_relaxed) < 1) return false;
-  if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || needs_general_kernel(p)) return false;
+  const int level = g_hopper_fwd.load(std::memory_order_relaxed);
+  if (!ATTN_HOPPER_FWD || level < 1) return false;
+  // level 2: softcap and ALiBi too (a score through the policy, per element); never a bias or
+  // bool mask (their tiles may hide keys: the NaN scan of fwd_kernel.cuh) or dropout
+  const bool scores_ok = level >= 2 ? p.bias_kind == BiasKind::kNone && p.dropout_p <= 0.f : !needs_general_kernel(p);
+  if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || !scores_ok) return false;
   if (p.sparse.on()) return false;
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }

@@ -3,8 +3,9 @@
 // fp16/bf16, head dims <= 128 that are multiples of 8 (buckets 64 and 128, columns past d
 // zero-filled), MHA/GQA/MQA, any strides that are multiples of 8 elements ((B, H, S, D) and
 // (B, S, H, D) views), per-batch seqlens_k and varlen packs, ragged tails, causal (top-left or
-// bottom-right) and sliding windows through the shared Policy, and sinks. Softcap, ALiBi,
-// bias/mask and dropout stay on the mma.sync kernel.
+// bottom-right) and sliding windows through the shared Policy, and sinks; softcap and ALiBi
+// when hopper_fwd 2 selects them (use_hopper_fwd). Bias/mask and dropout stay on the mma.sync
+// kernel.
 //
 // One CTA per (kBlockM = 64 * kConsumerWGs query rows, head, batch), 128 * (1 + kConsumerWGs)
 // threads in warpgroups with one role each:
@@ -233,15 +234,16 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2],
 }
 
 // Logits and the softmax of this warp's (16, kBlockN) tile of block n0, in place; alpha gets
-// the rescale factors of O. The policy is plain (use_hopper_fwd): only the window and the
-// sequence ends, checked per element only on tiles that cross them.
+// the rescale factors of O. A plain policy (lengths, causal, window) is checked per element only
+// on tiles that cross the window or a sequence end; softcap and ALiBi (plain = false, hopper_fwd
+// 2 in use_hopper_fwd) go through PolicyT::score on every element, as in fwd_kernel.cuh.
 template <int kD>
 __device__ __forceinline__ void scores_to_probs(float (&acc_s)[FwdPlan<kD>::kBlockN / 2],
-                                                const Policy& pol, float scale_log2, int i0, int n0,
-                                                int lane, float* row_m, float* row_l, float* alpha) {
+                                                const Policy& pol, bool plain, float scale_log2, int i0,
+                                                int n0, int lane, float* row_m, float* row_l, float* alpha) {
   constexpr int kBlockN = FwdPlan<kD>::kBlockN;
-  const bool check = !pol.tile_full(i0, i0 + 16, n0, n0 + kBlockN);
-  tc::tile_logits<kBlockN / 8>(acc_s, pol, true, check, scale_log2, i0, n0, lane);
+  const bool check = !plain || !pol.tile_full(i0, i0 + 16, n0, n0 + kBlockN);
+  tc::tile_logits<kBlockN / 8>(acc_s, pol, plain, check, scale_log2, i0, n0, lane);
   tc::softmax_rows<kBlockN / 8>(acc_s, row_m, row_l, alpha);
 }
 
@@ -309,6 +311,7 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     const uint64_t desc_k = wg::make_desc_sw128(base + P::kK, 16, 1024);
     const uint64_t desc_v = wg::make_desc_sw128(base + P::kV, TileKV::kBlockBytes, 1024);
     const float scale_log2 = p.scale * kLog2e;
+    const bool plain = score_is_plain(p);
     const int i0 = m0 + wm;
     float acc_s[4 * kNT];
     uint32_t pa[kNT / 2][4];
@@ -318,7 +321,7 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     RingPos<P::kStages> pos;
     for (int n = n_hi - 1; n >= n_lo; --n) {
       qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
-      scores_to_probs<kD>(acc_s, pol, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+      scores_to_probs<kD>(acc_s, pol, plain, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
       tc::rescale_rows<kDT>(acc_o, alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
       pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);

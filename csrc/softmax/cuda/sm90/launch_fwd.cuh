@@ -14,9 +14,9 @@ template <typename T, int kD>
 void run_fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   using P = hopper::FwdPlan<kD>;
   check_grid(p.h, p.b, "attention fwd (wgmma)");
-  // the kernel evaluates the plain policy only; use_hopper_fwd() never sends these here
-  if (needs_general_kernel(p)) {
-    throw std::runtime_error("attention fwd (wgmma): softcap, ALiBi, bias and dropout are not supported");
+  // the kernel evaluates the plain policy, softcap and ALiBi; use_hopper_fwd() never sends these here
+  if (p.bias_kind != BiasKind::kNone || p.dropout_p > 0.f) {
+    throw std::runtime_error("attention fwd (wgmma): a bias, bool mask or dropout is not supported");
   }
   auto kernel = hopper::fwd_kernel<T, kD>;
   set_smem(kernel, P::kSmemBytes, "attention fwd (wgmma)");
