@@ -158,6 +158,13 @@ if has lbench; then
   note "linear bench: rc=$?"; cat "$TMPD/linear.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
 fi
 
+if has dbench; then
+  # the decode bench alone (issue 37: both CUDA decode kernels, CUDA cores and tensor cores, against
+  # SDPA and the copy bandwidth, caches 4k and 32k, contiguous and paged)
+  timeout 150 python3 benchmarks/decode/bench_cuda.py --quick --md "$TMPD/decode.md" >>"$OUT/bench.log" 2>&1
+  note "decode bench: rc=$?"; cat "$TMPD/decode.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
+fi
+
 if has fbench; then
   # the families' benchmarks, tables appended to bench.md (FLA's column needs its wheels: see the device README)
   timeout 240 python3 benchmarks/decode/bench_cuda.py --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
