@@ -51,7 +51,7 @@ def test_set_cuda_kernels(restore_kernels):
                                                       force_simt=False)
     assert ops.cuda_kernels() == old
     if ops.HAS_EXT:  # the op states the rules (without the extension nothing runs on CUDA)
-        for bad, name in ((dict(hopper_fwd=3), "hopper_fwd"), (dict(hopper_bwd=2), "hopper_bwd"),
+        for bad, name in ((dict(hopper_fwd=3), "hopper_fwd"), (dict(hopper_bwd=3), "hopper_bwd"),
                           (dict(tune_fwd=-1), "tune_fwd")):
             with pytest.raises(ValueError, match=name):
                 ae.softmax.set_cuda_kernels(**bad)

@@ -409,8 +409,8 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
     race). Returns markdown."""
     torch.manual_seed(0)
     lines = ["| case | fwd ours | fwd peer | x peer | fwd ours, wgmma (hopper_fwd=2) | x peer | bwd ours | bwd peer | "
-             "x peer | peer |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "x peer | bwd ours, wgmma (hopper_bwd=2) | x peer | peer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def mk(heads, dtype=torch.bfloat16):
         return torch.randn(b, s, heads, d, device=device, dtype=dtype).transpose(1, 2)  # (B, H, S, D)
@@ -434,14 +434,19 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
             t_fwd = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args))
             t_bwd = cuda_time(lambda: torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, want_dbias,
                                                                   deterministic))
-        # the sm_90 selection with the score options on wgmma; "-" where the wgmma forward does not
-        # take the call (another GPU, a bias, dropout) and the time would repeat the column before
-        t_wg = float("nan")
+        # the sm_90 selection with the score options on wgmma; "-" where a wgmma kernel does not
+        # take the call (another GPU, a bias, dropout, deterministic) and the time would repeat the
+        # mma.sync column
+        t_wg = t_wg_bwd = float("nan")
         if sm90:
-            with hopper_env(2):
+            with kernels(hopper_fwd=2, hopper_bwd=2):
                 fn = lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args)  # noqa: E731
                 if any("hopper" in n for n in kernel_names(fn)):
                     t_wg = cuda_time(fn)
+                fb = lambda: torch.ops.attention_ext.softmax_bwd(dout, q, k, v, out, lse, *args, want_dbias,  # noqa: E731
+                                                                 deterministic)
+                if any("hopper" in n for n in kernel_names(fb)):
+                    t_wg_bwd = cuda_time(fb)
         backend = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}[peer]
         kw = dict(peer_kw or {})
         kw.setdefault("is_causal", causal)
@@ -452,8 +457,9 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
         pf_bwd = flops(b, h, s, s, d, causal=kw["is_causal"], mode="bwd")
         tf = lambda f, t: f / t / 1e12
         wg = f"{tf(f_fwd, t_wg):.0f} | {ratio(p_fwd, t_wg)}" if t_wg == t_wg else "- | -"
+        wgb = f"{tf(f_bwd, t_wg_bwd):.0f} | {ratio(p_bwd, t_wg_bwd)}" if t_wg_bwd == t_wg_bwd else "- | -"
         lines.append(f"| {name} | {tf(f_fwd, t_fwd):.0f} | {tf(pf_fwd, p_fwd):.0f} | {ratio(p_fwd, t_fwd)} | "
-                     f"{wg} | {tf(f_bwd, t_bwd):.0f} | {tf(pf_bwd, p_bwd):.0f} | {ratio(p_bwd, t_bwd)} | "
+                     f"{wg} | {tf(f_bwd, t_bwd):.0f} | {tf(pf_bwd, p_bwd):.0f} | {ratio(p_bwd, t_bwd)} | {wgb} | "
                      f"{peer}{'' if like else '*'} |")
         print(lines[-1], flush=True)
 

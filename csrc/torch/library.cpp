@@ -38,7 +38,7 @@ namespace {
 void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, int64_t tune_bwd, bool force_simt) {
   TORCH_CHECK_VALUE(hopper_fwd >= 0 && hopper_fwd <= 2, "attention_ext.set_cuda_kernels: hopper_fwd must be 0, 1 or 2, got ",
                     hopper_fwd);
-  TORCH_CHECK_VALUE(hopper_bwd >= 0 && hopper_bwd <= 1, "attention_ext.set_cuda_kernels: hopper_bwd must be 0 or 1, got ",
+  TORCH_CHECK_VALUE(hopper_bwd >= 0 && hopper_bwd <= 2, "attention_ext.set_cuda_kernels: hopper_bwd must be 0, 1 or 2, got ",
                     hopper_bwd);
   TORCH_CHECK_VALUE(tune_fwd >= 0 && tune_bwd >= 0, "attention_ext.set_cuda_kernels: tune_fwd and tune_bwd must be >= 0, got ",
                     tune_fwd, ", ", tune_bwd);

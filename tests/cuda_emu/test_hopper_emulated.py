@@ -73,8 +73,8 @@ def test_schedules(monkeypatch, hopper, warp_serial, reverse):
 @pytest.mark.parametrize("o", [dict(softcap=5.0), dict(alibi=True), dict(softcap=3.0, alibi=True, causal=True),
                                dict(alibi=True, window=(40, 10), h_k=1)], ids=str)
 def test_score_options(monkeypatch, hopper, o):
-    """hopper_fwd = 2: softcap and ALiBi on the wgmma forward (every element through the policy's
-    score), the backward on the mma.sync kernel; with hopper_fwd = 1 they stay on mma.sync."""
+    """hopper_fwd = hopper_bwd = 2: softcap and ALiBi on the wgmma forward and backward (every
+    element through the policy); at 1 they stay on mma.sync."""
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(11)
     kw = dict(o)
@@ -82,8 +82,26 @@ def test_score_options(monkeypatch, hopper, o):
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(2, 2) * 0.3  # (B, H)
     for level in (1, 2):
-        hopper.set_cuda_kernels(level, 1, 0, 0, False)
+        hopper.set_cuda_kernels(level, level, 0, 0, False)
         hopper.launches()
         tc.run_and_compare(2, 2, hk, 130, 150, 64, torch.bfloat16, bottom_right=True, **kw)
         names = hopper.launches()
         assert any("hopper::fwd_kernel" in n for n in names) == (level == 2), names
+        assert any("hopper::bwd_kernel" in n for n in names) == (level == 2), names
+
+
+@pytest.mark.parametrize("o", [dict(softcap=5.0, causal=True), dict(alibi=True, h_k=1)], ids=str)
+def test_score_options_hd128(monkeypatch, hopper, o):
+    """hopper_fwd = hopper_bwd = 2 at the 128 bucket (one 64-query block per ring slot in the
+    backward, the other dQ split), GQA heads with their own ALiBi slopes."""
+    emulate(monkeypatch, hopper, arch=90)
+    torch.manual_seed(12)
+    kw = dict(o)
+    hk = kw.pop("h_k", 2)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(4) * 0.3  # (H,)
+    hopper.set_cuda_kernels(2, 2, 0, 0, False)
+    hopper.launches()
+    tc.run_and_compare(1, 4, hk, 100, 140, 128, torch.float16, bottom_right=True, **kw)
+    names = hopper.launches()
+    assert any("hopper::fwd_kernel" in n for n in names) and any("hopper::bwd_kernel" in n for n in names), names

@@ -991,12 +991,14 @@ def test_hopper_falls_back(hopper_fwd, opt):
 
 
 @hopper
+@pytest.mark.parametrize("which", ["fwd", "bwd"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("opt", ["alibi", "softcap"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_hopper_score_options(kernels, opt, heads, d):
-    """hopper_fwd = 2: softcap and ALiBi on the wgmma forward (not yet the default)."""
-    kernels(hopper_fwd=2, hopper_bwd=0)
+def test_hopper_score_options(kernels, opt, heads, d, which):
+    """hopper_fwd = 2 / hopper_bwd = 2: softcap and ALiBi on the wgmma forward or backward (not yet
+    the default); the other pass on mma.sync, so that the wgmma kernel that ran is the one named."""
+    kernels(hopper_fwd=2 if which == "fwd" else 0, hopper_bwd=2 if which == "bwd" else 0)
     torch.manual_seed(hash((opt, heads, d)) % 10000)
     h, hk = HEADS[heads]
     hopper_compare(2, h, hk, 129, 200, d, torch.bfloat16, **option_cases()[opt](h))

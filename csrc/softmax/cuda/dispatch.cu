@@ -90,25 +90,29 @@ bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
 // aligned rows), d <= 128, the device is sm_90, and the kernel's plain policy serves it (lengths,
 // causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
 // dropout keep the mma.sync kernel.
+// The scores the wgmma kernels evaluate at selection level `level` (hopper_fwd / hopper_bwd): the
+// plain policy at 1; softcap and ALiBi too at 2 (a score through the policy, per element); never
+// a bias or bool mask (their tiles may hide keys: the NaN scan of the mma.sync kernels) or dropout.
+bool hopper_scores_ok(const SoftmaxParams& p, int level) {
+  if (level >= 2) return p.bias_kind == BiasKind::kNone && p.dropout_p <= 0.f;
+  return level >= 1 && !needs_general_kernel(p);
+}
+
 bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
-  const int level = g_hopper_fwd.load(std::memory_order_relaxed);
-  if (!ATTN_HOPPER_FWD || level < 1) return false;
-  // level 2: softcap and ALiBi too (a score through the policy, per element); never a bias or
-  // bool mask (their tiles may hide keys: the NaN scan of fwd_kernel.cuh) or dropout
-  const bool scores_ok = level >= 2 ? p.bias_kind == BiasKind::kNone && p.dropout_p <= 0.f : !needs_general_kernel(p);
-  if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || !scores_ok) return false;
+  if (!ATTN_HOPPER_FWD || !hopper_scores_ok(p, g_hopper_fwd.load(std::memory_order_relaxed))) return false;
+  if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
   if (p.sparse.on()) return false;
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
-// The wgmma backward takes a call when the selection allows it (hopper_bwd 1, the default), the mma.sync
+// The wgmma backward takes a call when the selection allows it (hopper_bwd >= 1, 1 the default), the mma.sync
 // backward would take it with atomic dQ (use_tensor_cores_bwd, not deterministic: the wgmma
 // kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and the plain policy
 // serves it, as for use_hopper_fwd (so no dbias; sinks only touch the LSE it reads and dsinks,
 // which the preprocess computes).
 [[maybe_unused]] bool use_hopper_bwd(const SoftmaxBwdParams& p, DType dt) {
-  if (!ATTN_HOPPER_BWD || g_hopper_bwd.load(std::memory_order_relaxed) < 1) return false;
-  if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d)) || needs_general_kernel(p)) return false;
+  if (!ATTN_HOPPER_BWD || !hopper_scores_ok(p, g_hopper_bwd.load(std::memory_order_relaxed))) return false;
+  if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
   if (p.dbias != nullptr || p.deterministic || p.sparse.on()) return false;
   return use_tensor_cores_bwd(p, dt) && device_sm() == 90;
 }

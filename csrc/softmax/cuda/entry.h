@@ -25,9 +25,9 @@ struct FwdSplitScratch {
 // The kernel selection, process-wide (set by the attention_ext::set_cuda_kernels op; the values
 // below are the defaults):
 //   hopper_fwd / hopper_bwd: 1 = the sm_90a wgmma forward / backward where use_hopper_fwd() /
-//               use_hopper_bwd() accept the call, 0 = the mma.sync kernels there; hopper_fwd 2 =
-//               the wgmma forward also for softcap and ALiBi (emulator-checked, not yet run on a
-//               GPU, so not the default);
+//               use_hopper_bwd() accept the call, 0 = the mma.sync kernels there; 2 = the wgmma
+//               kernel also for softcap and ALiBi (emulator-checked, not yet run on a GPU, so
+//               not the default);
 //   tune_fwd / tune_bwd: the -DATTN_TUNING candidate (launch_template.cuh), 0 = the default;
 //   force_simt: every call on the SIMT kernels.
 struct CudaKernels {

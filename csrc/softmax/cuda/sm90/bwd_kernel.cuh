@@ -5,8 +5,9 @@
 // zero-filled), MHA/GQA/MQA, strided (B, H, S, D) / (B, S, H, D) views, seqlens_k, varlen, ragged
 // tails, causal (top-left / bottom-right) and sliding windows through the shared Policy, and sinks
 // (they only change the LSE, which this kernel reads, and dsinks, which the preprocess kernel
-// computes for every path). Deterministic mode, dbias, dropout, softcap, ALiBi and bias / bool
-// masks stay on the mma.sync kernels (bwd_kernel.cuh).
+// computes for every path); softcap and ALiBi when hopper_bwd 2 selects them (use_hopper_bwd:
+// every tile through bwd_point). Deterministic mode, dbias, dropout and bias / bool masks stay on
+// the mma.sync kernels (bwd_kernel.cuh).
 //
 // The math is bwd_kernel.cuh's dkdv_kernel, on 128-key blocks split over two warpgroups:
 // One CTA per (kBlockN = 128 keys, kv head, batch), 384 threads in warpgroups with one role each:
@@ -251,12 +252,12 @@ __device__ __forceinline__ void dscores_full(const float (&s)[4 * kQT], float (&
   }
 }
 
-// A tile the window or a sequence end cuts: P^T into s and dS^T into dp through bwd_point (plain
-// policy, checked per element), exactly dkdv_kernel's per-element math. i0 / j0: the tile's first
-// query / key.
+// A tile the window or a sequence end cuts, or any tile of a score that is not plain (softcap,
+// ALiBi): P^T into s and dS^T into dp through bwd_point, checked per element, exactly
+// dkdv_kernel's per-element math. i0 / j0: the tile's first query / key.
 template <int kQT>
 __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4 * kQT],
-                                              const Policy& pol, uint32_t s_lse, uint32_t s_dot,
+                                              const Policy& pol, bool plain, uint32_t s_lse, uint32_t s_dot,
                                               float scale, int i0, int j0, int lane) {
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -268,7 +269,7 @@ __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = i0 + 8 * t + 2 * c + (e & 1), j = j0 + g + (e >> 1) * 8;
-      const BwdPoint bp = bwd_point(pol, true, true, scale, s[4 * t + e], dp[4 * t + e], l2[e & 1],
+      const BwdPoint bp = bwd_point(pol, plain, true, scale, s[4 * t + e], dp[4 * t + e], l2[e & 1],
                                     dsum[e & 1], 1.f, i, j);
       s[4 * t + e] = bp.pd;
       dp[4 * t + e] = bp.dx;
@@ -303,8 +304,12 @@ __device__ __forceinline__ void add_dq(const SoftmaxBwdParams& p, const SeqInfo&
 }
 
 // Consumer warpgroup cw (0 or 1) of 128 threads (ctid = 0..127): keys [n0 + 64 cw, n0 + 64 cw + 64).
-template <typename T, int kD>
-__device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, const Policy& pol,
+// pol: the policy of the group's first head, a copy whose ALiBi slope is set per head. kPlain: the
+// score is the scaled product (the default kernel); else softcap / ALiBi, every tile per element
+// (hopper_bwd 2). A template parameter, not a run-time flag: the general path's registers made
+// ptxas spill the plain kernel's loop (768 bytes at D = 128).
+template <typename T, int kD, bool kPlain>
+__device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, Policy pol,
                                             int b, int hk, int n0, int m_lo, int m_hi,
                                             uint32_t base, int cw, int ctid) {
   using P = BwdPlan<kD>;
@@ -351,6 +356,8 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
     int it = 0;  // blocks done so far, over every head: the parity picks the dS^T buffer
     for (int gi = 0; gi < group; ++gi) {
       const int h = hk * group + gi;
+      // the one per-head field of the policy (the window, lengths and softcap are the group's)
+      if (!kPlain && p.alibi_slopes != nullptr) pol.slope = p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h];
       for (int m = m_lo; m < m_hi; ++m, ++it) {
         const int m0 = m * P::kBlockM;
         const uint64_t slot = uint64_t(pos.stage * TileQ::kBytes) >> 4;
@@ -377,7 +384,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
           issue_kt<T, kD>(acc_dp, desc_v, desc_do + sub);
 
           // ---- P^T while dP^T is still on the tensor cores, then dS^T
-          const bool full = pol.tile_full(q0, q0 + 64, j0, j0 + 16);
+          const bool full = kPlain && pol.tile_full(q0, q0 + 64, j0, j0 + 16);
           wg::wait<1>();  // S^T, and the previous sub-block's dV / dK, retired
           wg::fence_operands(acc_s);
           if (sb > 0) {
@@ -392,7 +399,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
           if (full) {
             dscores_full<kQT>(acc_s, acc_dp, s_dot + sb * 64 * 4, p.scale, c);
           } else {
-            grads_partial<kQT>(acc_s, acc_dp, pol, s_lse + sb * 64 * 4, s_dot + sb * 64 * 4, p.scale,
+            grads_partial<kQT>(acc_s, acc_dp, pol, kPlain, s_lse + sb * 64 * 4, s_dot + sb * 64 * 4, p.scale,
                                q0, j0, lane);
           }
 
@@ -467,7 +474,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
   }
 }
 
-template <typename T, int kD>
+template <typename T, int kD, bool kPlain>
 __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
     bwd_kernel(const __grid_constant__ SoftmaxBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -496,7 +503,7 @@ __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
     if (m_lo < m_hi) produce_bwd<T, kD>(p, si, b, hk, n0, rows_k, m_lo, m_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume_bwd<T, kD>(p, si, pol, b, hk, n0, m_lo, m_hi, base, wg_idx - 1, threadIdx.x % 128);
+    consume_bwd<T, kD, kPlain>(p, si, pol, b, hk, n0, m_lo, m_hi, base, wg_idx - 1, threadIdx.x % 128);
   }
 #else
   // only sm_90a has wgmma; the dispatcher launches this kernel only where that code was built

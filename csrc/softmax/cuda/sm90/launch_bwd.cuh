@@ -16,13 +16,14 @@ template <typename T, int kD>
 void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   using P = hopper::BwdPlan<kD>;
   check_grid(p.h_k, p.b, "attention bwd (wgmma)");
-  // the kernel evaluates the plain policy and adds dQ atomically; use_hopper_bwd() never sends
-  // anything else here
-  if (needs_general_kernel(p) || p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
-    throw std::runtime_error(
-        "attention bwd (wgmma): softcap, ALiBi, bias, dropout and deterministic mode are not supported");
+  // the kernel evaluates the plain policy, softcap and ALiBi, and adds dQ atomically;
+  // use_hopper_bwd() never sends anything else here
+  if (p.bias_kind != BiasKind::kNone || p.dropout_p > 0.f || p.dbias != nullptr || p.deterministic ||
+      p.dq_accum == nullptr) {
+    throw std::runtime_error("attention bwd (wgmma): a bias, bool mask, dropout or deterministic mode is not supported");
   }
-  auto kernel = hopper::bwd_kernel<T, kD>;
+  // the plain kernel (the default) and the softcap / ALiBi one (hopper_bwd 2)
+  auto kernel = score_is_plain(p) ? hopper::bwd_kernel<T, kD, true> : hopper::bwd_kernel<T, kD, false>;
   set_smem(kernel, P::kSmemBytes, "attention bwd (wgmma)");
   dim3 grid((p.sk + P::kBlockN - 1) / P::kBlockN, p.h_k, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);
