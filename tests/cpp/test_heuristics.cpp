@@ -3,7 +3,7 @@
 // per SM, a grid that already fills the GPU never splits, and no split gets fewer than 4 key
 // blocks. Decode kernel (csrc/decode/cuda/heuristics.h): about two CTAs per SM, >= 256 keys per
 // split (of the two counts around it, the one that fills its last wave best), a requested count
-// bounded by one split per 16 keys.
+// bounded by one split per 16 keys. The softmax forward's GQA row packing of one-query-row calls.
 #include <cstdio>
 
 #include "decode/cuda/heuristics.h"
@@ -58,6 +58,47 @@ int main() {
       CHECK(s >= 1 && s <= attn::kDecodeMaxSplits && (s == 1 || keys / s >= attn::kDecodeMinKeysPerSplit));
       CHECK(s == 1 || int64_t(ctas) * (s - 1) < 2 * sms);  // no more splits than two CTAs per SM need
     }
+
+  // GQA row packing (softmax/cuda/heuristics.h): a (B 2, H 8, 1, D 64) call over 2 kv heads, q / out
+  // in (B, S, H, D) storage and a (B, H, 1) LSE, becomes (B 2, H_k 2, G 4 rows): element (b, hk, g)
+  // of the packed view is element (b, hk * 4 + g, 0) of the call, in q, out and the LSE
+  attn::SoftmaxParams p{};
+  p.b = 2, p.h = 8, p.h_k = 2, p.sq = 1, p.sk = 1000, p.d = 64;
+  p.q_batch_stride = 8 * 64, p.q_head_stride = 64, p.q_row_stride = 8 * 64;
+  p.o_batch_stride = 8 * 64, p.o_head_stride = 64, p.o_row_stride = 8 * 64;
+  p.lse_batch_stride = 8, p.lse_head_stride = 1;
+  p.window_left = -1, p.window_right = 0, p.bottom_right = true;  // causal, bottom-right
+  CHECK(attn::gqa_rows_packable(p));
+  const attn::SoftmaxParams r = attn::pack_gqa_rows(p);
+  CHECK(r.h == 2 && r.h_k == 2 && r.sq == 4 && r.window_right == -1 && r.window_left == -1);
+  for (int b = 0; b < 2; ++b)
+    for (int h = 0; h < 8; ++h) {
+      const int hk = h / 4, g = h % 4;
+      CHECK(b * r.q_batch_stride + hk * r.q_head_stride + g * r.q_row_stride == b * p.q_batch_stride + h * p.q_head_stride);
+      CHECK(b * r.o_batch_stride + hk * r.o_head_stride + g * r.o_row_stride == b * p.o_batch_stride + h * p.o_head_stride);
+      CHECK(b * r.lse_batch_stride + hk * r.lse_head_stride + g == b * p.lse_batch_stride + h * p.lse_head_stride);
+    }
+  // what a packed row could not share, or a call that is not one query row of GQA: unchanged
+  auto refused = [&](auto change) {
+    attn::SoftmaxParams q = p;
+    change(q);
+    return !attn::gqa_rows_packable(q) && attn::pack_gqa_rows(q).h == q.h;
+  };
+  const float slopes[8] = {};
+  const int32_t cu[3] = {0, 1, 2};
+  CHECK(refused([](attn::SoftmaxParams& q) { q.sq = 2; }));
+  CHECK(refused([](attn::SoftmaxParams& q) { q.h_k = 8; }));
+  CHECK(refused([&](attn::SoftmaxParams& q) { q.alibi_slopes = slopes; }));
+  CHECK(refused([&](attn::SoftmaxParams& q) { q.sinks = slopes; }));
+  CHECK(refused([](attn::SoftmaxParams& q) { q.bias_kind = attn::BiasKind::kBool; }));
+  CHECK(refused([](attn::SoftmaxParams& q) { q.dropout_p = 0.1f; }));
+  CHECK(refused([](attn::SoftmaxParams& q) { q.window_left = 100; }));
+  CHECK(refused([](attn::SoftmaxParams& q) { q.bottom_right = false; }));  // top-left causal: key 0 only
+  CHECK(refused([&](attn::SoftmaxParams& q) { q.cu_seqlens_q = cu; }));
+  CHECK(refused([](attn::SoftmaxParams& q) { q.lse_head_stride = 3; }));
+  CHECK(!refused([](attn::SoftmaxParams& q) { q.window_right = -1, q.bottom_right = false; }));  // no mask at all
+  CHECK(!refused([](attn::SoftmaxParams& q) { q.softcap = 30.f; }));
+
   if (failures == 0) std::printf("ok\n");
   return failures == 0 ? 0 : 1;
 }

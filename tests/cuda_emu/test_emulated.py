@@ -211,6 +211,29 @@ def test_split_kv(monkeypatch, emu, opt, splits):
     assert torch.allclose(l_s, l_1, rtol=0, atol=1e-4, equal_nan=True), (l_s - l_1).abs().max()
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("case", ["gqa_split", "mqa_split", "gqa_unsplit_sm90", "fp32_simt", "topleft_causal"])
+def test_gqa_row_packing(monkeypatch, emu, case, layout):
+    """One query row per head of a GQA / MQA call runs with each kv group's heads as rows of one
+    query block (softmax/cuda/heuristics.h pack_gqa_rows): right against float64 and, where it
+    packs, G times fewer CTAs. Top-left causal (the one row sees key 0 only) does not pack."""
+    run_kernel = emulate(monkeypatch, emu, arch=90 if case == "gqa_unsplit_sm90" else 80,
+                         num_splits=1 if case == "gqa_unsplit_sm90" else 3)
+    torch.manual_seed(len(case) + len(layout))
+    hk = 1 if case == "mqa_split" else 2
+    dtype = torch.float32 if case == "fp32_simt" else torch.bfloat16
+    o = dict(window=(-1, 0), bottom_right=case != "topleft_causal", softcap=10.0 if case == "gqa_split" else 0.0)
+    emu.launch_stats()
+    tc.run_and_compare(2, 8, hk, 1, 300, 64, dtype, seqlens_k=torch.tensor([300, 77], dtype=torch.int32),
+                       layout=layout, **o)
+    fwd_ctas = int(emu.launch_stats()[0, 0])  # the forward's first launch (the backward follows)
+    packed = case != "topleft_causal"
+    heads = 2 * (hk if packed else 8)  # batch x heads the grid spans
+    # one query block per (batch, head) of the grid, times the splits (the SIMT path is unsplit)
+    splits = 1 if case in ("gqa_unsplit_sm90", "fp32_simt") else 3
+    assert fwd_ctas == heads * splits, fwd_ctas
+
+
 @pytest.mark.parametrize("opt", ["causal_tl", "bool_mask", "dropout", "dropout_coords"])
 def test_options_fp32_simt(monkeypatch, emu, opt):
     emulate(monkeypatch, emu)

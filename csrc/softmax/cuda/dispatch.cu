@@ -178,7 +178,10 @@ CudaKernels cuda_kernels() {
                      g_force_simt.load()};
 }
 
-int cuda_fwd_num_splits(const SoftmaxParams& p, DType dt, int requested) {
+// Both the split count and the launch see a one-query-row GQA call with the heads of each kv
+// group packed as rows of one query block (heuristics.h pack_gqa_rows).
+int cuda_fwd_num_splits(const SoftmaxParams& call, DType dt, int requested) {
+  const SoftmaxParams p = pack_gqa_rows(call);
   if (p.b == 0 || p.h == 0 || p.sq == 0) return 1;
   // decided before the wgmma forward: a call the heuristic splits (few queries, many keys) runs
   // the mma.sync split kernels, which the wgmma forward (one CTA per 128 query rows) cannot match
@@ -231,9 +234,12 @@ size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt) {
   return size_t(p.b) * p.h * p.sq * bucket_for_head_dim(p.d);
 }
 
-void cuda_fwd(const SoftmaxParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split) {
+void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const FwdSplitScratch& call_split) {
   NvtxRange range("attention_ext::softmax::cuda_fwd");
-  validate(p, "attention fwd");
+  validate(call, "attention fwd");
+  const SoftmaxParams p = pack_gqa_rows(call);
+  FwdSplitScratch split = call_split;
+  if (p.sq != call.sq) split.rows = p.sq;  // packed: the scratch's G rows per (batch, kv head)
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
 #if ATTN_HOPPER_FWD
   if (split.num_splits <= 1 && use_hopper_fwd(p, dt)) {
