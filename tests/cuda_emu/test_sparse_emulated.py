@@ -300,3 +300,47 @@ def test_capture_uses_the_cached_tile_index(emu):
     with cuda_emu.capture(emu):
         for a, b in zip(call(), eager):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the sm_90a wgmma forward
+@pytest.mark.parametrize("case", ["block16_causal", "block64_gqa", "block128_br", "block80_d128", "empty_rows",
+                                  "softcap_block48"])
+def test_wgmma_forward(emu, case):
+    """hopper_fwd = 2: block-sparse calls on the sm_90a wgmma forward, walking the CSR tile index
+    at its 128 x 128 tiles (full tiles skip the layout per element, partial ones check it); the
+    backward on the mma.sync kernels. Blocks smaller than, equal to and larger than the tiles, GQA
+    with per-head layouts, causal top-left and bottom-right, both head-dim buckets, a query tile
+    with nothing on, softcap. At hopper_fwd = 1 block-sparse calls stay on mma.sync."""
+    torch.manual_seed(len(case))
+    block = int(case.split("_")[0].removeprefix("block")) if case.startswith("block") else (64 if case == "empty_rows" else 48)
+    if case == "softcap_block48":
+        block = 48
+    b, h, hk, sq, sk, d = 1, 4, 2, 200, 300, 64
+    kw = {}
+    if case == "block16_causal":
+        kw = dict(causal=True)
+    elif case == "block64_gqa":
+        h, hk = 4, 1
+    elif case == "block128_br":
+        sq, kw = 150, dict(causal=True, bottom_right=True)
+    elif case == "block80_d128":
+        d = 128
+    elif case == "softcap_block48":
+        kw = dict(softcap=8.0)
+    layout = random_layout(h, sq, sk, block, density=0.5)
+    if case == "empty_rows":
+        layout[:, 2:4, :] = False  # query rows 128..255: nothing on (the second 128-row tile, and more)
+    try:
+        emu.set_cuda_kernels(2, 0, 0, 0, False)
+        emu.launches()
+        out, lse, *_ = run_sparse(emu, layout, block, b, h, hk, sq, sk, d, torch.bfloat16, arch=90, **kw)
+        names = [n.split("(")[0] for n in emu.launches()]
+        assert any("hopper::fwd_kernel" in n for n in names), names
+        if case == "empty_rows":
+            assert torch.all(out[:, :, 128:] == 0) and torch.all(lse[:, :, 128:] == float("-inf"))
+        emu.set_cuda_kernels(1, 0, 0, 0, False)
+        emu.launches()
+        run_sparse(emu, layout, block, b, h, hk, sq, sk, d, torch.bfloat16, arch=90, **kw)
+        assert not any("hopper::fwd_kernel" in n for n in emu.launches())
+    finally:
+        emu.set_cuda_kernels(0, 0, 0, 0, False)

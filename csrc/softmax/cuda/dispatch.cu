@@ -98,10 +98,35 @@ bool hopper_scores_ok(const SoftmaxParams& p, int level) {
   return level >= 1 && !needs_general_kernel(p);
 }
 
+// The mma.sync forward's (query, key) tile: the grid of its block-sparse tile index.
+void cuda_fwd_sparse_tiles_tc(int d, int* tile_m, int* tile_n) {
+  hdim_switch<64, 128, 256>(d, "attention fwd", [&](auto kD) {
+    *tile_m = FwdTraits<decltype(kD)::value>::kBlockM;
+    *tile_n = FwdTraits<decltype(kD)::value>::kBlockN;
+  });
+}
+
+// The wgmma forward's (query, key) tile: the grid of its block-sparse tile index.
+void hopper_tiles(int d, int* tile_m, int* tile_n) {
+  hdim_switch<64, 128>(d, "attention fwd (wgmma)", [&](auto kD) {
+    *tile_m = 64 * FwdHopperTraits<decltype(kD)::value>::kConsumerWGs;
+    *tile_n = FwdHopperTraits<decltype(kD)::value>::kBlockN;
+  });
+}
+
+// A block-sparse call's tile index was built for this kernel's tiles (cuda_fwd_sparse_tiles asked
+// with the same selection): a selection changed by another thread in between must not make a
+// kernel walk an index of another grid.
+bool index_fits(const SoftmaxParams& p, int tile_m, int tile_n) {
+  return !p.sparse.on() || (p.sparse.fwd.tile_m == tile_m && p.sparse.fwd.tile_n == tile_n);
+}
+
 bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
-  if (!ATTN_HOPPER_FWD || !hopper_scores_ok(p, g_hopper_fwd.load(std::memory_order_relaxed))) return false;
+  const int level = g_hopper_fwd.load(std::memory_order_relaxed);
+  if (!ATTN_HOPPER_FWD || !hopper_scores_ok(p, level)) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
-  if (p.sparse.on()) return false;
+  // block-sparse layouts at level 2, through a tile index at the wgmma kernel's tiles (hopper_tiles)
+  if (p.sparse.on() && (level < 2 || p.topk_thr != nullptr)) return false;
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
@@ -205,10 +230,11 @@ size_t cuda_fwd_split_floats(const SoftmaxParams& p, int num_splits, int64_t bat
 void cuda_fwd_sparse_tiles(const SoftmaxParams& p, DType dt, int* tile_m, int* tile_n) {
   *tile_m = *tile_n = 0;
   if (!use_tensor_cores(p, dt)) return;
-  hdim_switch<64, 128, 256>(p.d, "attention fwd", [&](auto kD) {
-    *tile_m = FwdTraits<decltype(kD)::value>::kBlockM;
-    *tile_n = FwdTraits<decltype(kD)::value>::kBlockN;
-  });
+  if (use_hopper_fwd(p, dt)) {  // sparse calls never split, so the wgmma forward will take it
+    hopper_tiles(p.d, tile_m, tile_n);
+    return;
+  }
+  cuda_fwd_sparse_tiles_tc(p.d, tile_m, tile_n);
 }
 
 void cuda_bwd_sparse_tiles(const SoftmaxBwdParams& p, DType dt, int* tile_m, int* tile_n) {
@@ -242,7 +268,9 @@ void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const Fw
   if (p.sq != call.sq) split.rows = p.sq;  // packed: the scratch's G rows per (batch, kv head)
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
 #if ATTN_HOPPER_FWD
-  if (split.num_splits <= 1 && use_hopper_fwd(p, dt)) {
+  int hm = 0, hn = 0;
+  if (p.sparse.on() && p.d <= 128) hopper_tiles(p.d, &hm, &hn);
+  if (split.num_splits <= 1 && use_hopper_fwd(p, dt) && index_fits(p, hm, hn)) {
     if (dt == DType::kF16) fwd_hopper<__half>(p, stream);
     else fwd_hopper<__nv_bfloat16>(p, stream);
     return;
@@ -256,6 +284,14 @@ void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const Fw
       if (dt == DType::kF16) fwd_tc_split<__half>(p, split, stream);
       else fwd_tc_split<__nv_bfloat16>(p, split, stream);
       return;
+    }
+    if (p.sparse.on()) {
+      int tm = 0, tn = 0;
+      cuda_fwd_sparse_tiles_tc(p.d, &tm, &tn);
+      if (!index_fits(p, tm, tn)) {
+        throw std::runtime_error("attention fwd: the block-sparse tile index was built for another kernel's tiles "
+                                 "(the CUDA kernel selection changed during the call)");
+      }
     }
     if (dt == DType::kF16) fwd_tc<__half>(p, stream);
     else fwd_tc<__nv_bfloat16>(p, stream);

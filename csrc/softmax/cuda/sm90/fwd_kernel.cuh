@@ -3,9 +3,10 @@
 // fp16/bf16, head dims <= 128 that are multiples of 8 (buckets 64 and 128, columns past d
 // zero-filled), MHA/GQA/MQA, any strides that are multiples of 8 elements ((B, H, S, D) and
 // (B, S, H, D) views), per-batch seqlens_k and varlen packs, ragged tails, causal (top-left or
-// bottom-right) and sliding windows through the shared Policy, and sinks; softcap and ALiBi
-// when hopper_fwd 2 selects them (use_hopper_fwd). Bias/mask and dropout stay on the mma.sync
-// kernel.
+// bottom-right) and sliding windows through the shared Policy, and sinks; softcap, ALiBi and
+// block-sparse layouts (the CSR tile index at this kernel's tiles, FlexAttention's full / partial
+// tiles: only partial ones check the layout per element) when hopper_fwd 2 selects them
+// (use_hopper_fwd). Bias/mask and dropout stay on the mma.sync kernel.
 //
 // One CTA per (kBlockM = 64 * kConsumerWGs query rows, head, batch), 128 * (1 + kConsumerWGs)
 // threads in warpgroups with one role each:
@@ -147,6 +148,11 @@ __device__ __forceinline__ void produce_tile(uint32_t smem, const T* gmem, int64
   }
 }
 
+// Key block of step `step` of the kernel's walk (see fwd_kernel below).
+__device__ __forceinline__ int key_block(const SoftmaxParams& p, int step) {
+  return p.sparse.on() ? int(p.sparse.fwd.idx[step]) : step;
+}
+
 // Producer warpgroup: all 128 threads issue cp.async (ptid = 0..127).
 template <typename T, int kD>
 __device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& si, int b, int h,
@@ -165,8 +171,8 @@ __device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& s
   // the barrier of the newest committed copy group, published once a newer group is in flight
   uint32_t pending = bars.full_q();
   RingPos<P::kStages> pos;
-  for (int n = n_hi - 1; n >= n_lo; --n) {
-    const int n0 = n * P::kBlockN;
+  for (int step = n_hi - 1; step >= n_lo; --step) {
+    const int n0 = key_block(p, step) * P::kBlockN;
     const uint32_t slot = uint32_t(pos.stage * TileKV::kBytes);
 
     wg::mbar_wait(bars.empty_k(pos.stage), pos.phase ^ 1u);
@@ -235,14 +241,15 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kD / 2],
 
 // Logits and the softmax of this warp's (16, kBlockN) tile of block n0, in place; alpha gets
 // the rescale factors of O. A plain policy (lengths, causal, window) is checked per element only
-// on tiles that cross the window or a sequence end; softcap and ALiBi (plain = false, hopper_fwd
-// 2 in use_hopper_fwd) go through PolicyT::score on every element, as in fwd_kernel.cuh.
+// on tiles that cross the window or a sequence end, or (block-sparse) that the tile index does not
+// mark full (layout_full false: the layout per element); softcap and ALiBi (plain = false,
+// hopper_fwd 2 in use_hopper_fwd) go through the policy on every element, as in fwd_kernel.cuh.
 template <int kD>
 __device__ __forceinline__ void scores_to_probs(float (&acc_s)[FwdPlan<kD>::kBlockN / 2],
-                                                const Policy& pol, bool plain, float scale_log2, int i0,
-                                                int n0, int lane, float* row_m, float* row_l, float* alpha) {
+                                                const Policy& pol, bool plain, bool layout_full, float scale_log2,
+                                                int i0, int n0, int lane, float* row_m, float* row_l, float* alpha) {
   constexpr int kBlockN = FwdPlan<kD>::kBlockN;
-  const bool check = !plain || !pol.tile_full(i0, i0 + 16, n0, n0 + kBlockN);
+  const bool check = !plain || !layout_full || !pol.tile_full(i0, i0 + 16, n0, n0 + kBlockN);
   tc::tile_logits<kBlockN / 8>(acc_s, pol, plain, check, scale_log2, i0, n0, lane);
   tc::softmax_rows<kBlockN / 8>(acc_s, row_m, row_l, alpha);
 }
@@ -319,9 +326,11 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     wg::mbar_wait(bars.full_q(), 0);
 
     RingPos<P::kStages> pos;
-    for (int n = n_hi - 1; n >= n_lo; --n) {
+    for (int step = n_hi - 1; step >= n_lo; --step) {
       qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
-      scores_to_probs<kD>(acc_s, pol, plain, scale_log2, i0, n * P::kBlockN, lane, row_m, row_l, alpha);
+      const bool layout_full = !p.sparse.on() || p.sparse.fwd.full[step] != 0;
+      scores_to_probs<kD>(acc_s, pol, plain, layout_full, scale_log2, i0, key_block(p, step) * P::kBlockN, lane,
+                          row_m, row_l, alpha);
       tc::rescale_rows<kDT>(acc_o, alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
       pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
@@ -384,8 +393,12 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
   if (m0 >= si.len_q) return;  // the whole CTA, before any barrier
   const Policy pol(p, si, b, h);
   const int rows_q = min(P::kBlockM, si.len_q - m0);
+  // the steps [n_lo, n_hi), run high to low: dense, step n is key block n; block-sparse (hopper_fwd
+  // 2), step e is entry e of this query tile's row of the CSR tile index (key block idx[e],
+  // ascending), clipped to the visible blocks (key_block)
   int n_lo, n_hi;
   pol.key_blocks(m0, m0 + rows_q, P::kBlockN, &n_lo, &n_hi);
+  if (p.sparse.on()) sparse_entries(p.sparse, p.sparse.fwd, h, m_block, n_lo, n_hi, &n_lo, &n_hi);
 
   if (threadIdx.x == 0) Bars<P::kStages>{base + P::kBar}.init(4 * P::kConsumerWGs);
   __syncthreads();  // the barriers are initialized before any thread uses them
