@@ -115,6 +115,19 @@ def test_block_sparse(dtype, block, heads, causal):
     run_sparse(layout, block, 2, 4, 4, 1000, 1000, 64, dtype, causal=causal)
 
 
+@pytest.mark.skipif(not tc.SM90, reason="needs an sm_90 GPU (H100 / H200)")
+@pytest.mark.parametrize("block", [16, 64, 128, 80])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_wgmma_forward(kernels, block, d, causal):
+    """hopper_fwd = 2: the forward on the sm_90a wgmma kernel (its own 128 x 128 tile index), the
+    backward on mma.sync; not yet the default."""
+    kernels(hopper_fwd=2)
+    torch.manual_seed(block + d)
+    layout = random_layout(4, 1000, 1000, block, device="cuda")
+    assert tc.hopper_ran(lambda: run_sparse(layout, block, 2, 4, 2, 1000, 1000, d, torch.bfloat16, causal=causal))
+
+
 @pytest.mark.parametrize("d", [40, 64, 96, 128, 256])
 @pytest.mark.parametrize("sq,sk", [(100, 100), (130, 130), (129, 700), (1000, 77)])
 def test_shapes_gqa(d, sq, sk):
