@@ -86,19 +86,10 @@ struct PolicyT {
     scale = p.scale;
     softcap = p.softcap;
     inv_softcap = p.softcap > Acc(0) ? Acc(1) / p.softcap : Acc(0);
-    slope = p.alibi_slopes != nullptr ? p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h] : Acc(0);
     bias_kind = p.bias_kind;
     bias_row_stride = p.bias_row_stride;
     bias_col_stride = p.bias_col_stride;
-    if (p.bias_kind == BiasKind::kAdditive) {
-      bias = static_cast<const Acc*>(p.bias) + int64_t(b) * p.bias_batch_stride +
-             int64_t(h) * p.bias_head_stride;
-    } else if (p.bias_kind == BiasKind::kBool) {
-      bias = static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride +
-             int64_t(h) * p.bias_head_stride;
-    } else {
-      bias = nullptr;
-    }
+    set_score_head(p, b, h);
     layout = p.sparse.on() ? p.sparse.head_layout(h) : nullptr;
     n_kb = p.sparse.n_kb;
     block = p.sparse.block;
@@ -109,6 +100,20 @@ struct PolicyT {
     } else {
       topk_thr = nullptr;
       topk_jcut = nullptr;
+    }
+  }
+
+  // The score's per-head fields, ALiBi's slope and the bias of (b, h): a kernel that walks the
+  // heads of a kv group with one policy moves it to the next head with this.
+  ATTN_HD void set_score_head(const SoftmaxParamsT<Acc>& p, int b, int h) {
+    slope = p.alibi_slopes != nullptr ? p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h] : Acc(0);
+    const int64_t off = int64_t(b) * p.bias_batch_stride + int64_t(h) * p.bias_head_stride;
+    if (p.bias_kind == BiasKind::kAdditive) {
+      bias = static_cast<const Acc*>(p.bias) + off;
+    } else if (p.bias_kind == BiasKind::kBool) {
+      bias = static_cast<const uint8_t*>(p.bias) + off;
+    } else {
+      bias = nullptr;
     }
   }
 

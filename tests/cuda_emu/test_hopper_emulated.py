@@ -40,7 +40,7 @@ def test_forward_backward(monkeypatch, hopper, dtype, d, sq, sk, causal):
     emulate(monkeypatch, hopper, arch=90)
     hopper.launches()
     torch.manual_seed(sq * 7 + sk + d)
-    tc.run_and_compare(1, 2, 1, sq, sk, d, dtype, causal=causal, bottom_right=True)
+    tc.run_and_compare(1, 2, 1, sq, sk, d, dtype, window=(-1, 0) if causal else (-1, -1), bottom_right=True)
     names = hopper.launches()
     assert any("hopper::fwd_kernel" in n for n in names), names
     assert any("hopper::bwd_kernel" in n for n in names), names
@@ -67,20 +67,37 @@ def test_schedules(monkeypatch, hopper, warp_serial, reverse):
     hopper.set_schedule(warp_serial, reverse)
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(9)
-    tc.run_and_compare(1, 2, 1, 150, 300, 64, torch.bfloat16, causal=True)
+    tc.run_and_compare(1, 2, 1, 150, 300, 64, torch.bfloat16, window=(-1, 0))
 
 
-@pytest.mark.parametrize("o", [dict(softcap=5.0), dict(alibi=True), dict(softcap=3.0, alibi=True, causal=True),
-                               dict(alibi=True, window=(40, 10), h_k=1)], ids=str)
+def _mask(kind):
+    """(B = 2, ., Sq = 130, Sk = 150) masks of test_score_options: a float bias without its
+    gradient (the backward stays on wgmma), a bool key mask, a bool mask with a fully masked row."""
+    g = torch.Generator().manual_seed(3)
+    if kind == "bias":
+        return torch.randn(1, 2, 130, 150, generator=g)
+    if kind == "key_mask":
+        return torch.rand(2, 1, 1, 150, generator=g) > 0.3
+    m = torch.rand(2, 1, 130, 150, generator=g) > 0.4
+    m[:, :, 7] = False
+    return m
+
+
+@pytest.mark.parametrize("o", [dict(softcap=5.0), dict(alibi=True), dict(softcap=3.0, alibi=True, window=(-1, 0)),
+                               dict(alibi=True, window=(40, 10), h_k=1), dict(mask="bias", h_k=1),
+                               dict(mask="key_mask", window=(-1, 0)), dict(mask="bool_rows", softcap=4.0)], ids=str)
 def test_score_options(monkeypatch, hopper, o):
-    """hopper_fwd = hopper_bwd = 2: softcap and ALiBi on the wgmma forward and backward (every
-    element through the policy); at 1 they stay on mma.sync."""
+    """hopper_fwd = hopper_bwd = 2: softcap, ALiBi, an additive bias (no dbias) and bool masks on
+    the wgmma forward and backward (every element through the policy, GQA heads each with their
+    own slope and bias); at 1 they stay on mma.sync."""
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(11)
     kw = dict(o)
     hk = kw.pop("h_k", 2)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(2, 2) * 0.3  # (B, H)
+    if "mask" in kw:
+        kw["bias"] = _mask(kw.pop("mask"))
     for level in (1, 2):
         hopper.set_cuda_kernels(level, level, 0, 0, False)
         hopper.launches()
@@ -90,7 +107,7 @@ def test_score_options(monkeypatch, hopper, o):
         assert any("hopper::bwd_kernel" in n for n in names) == (level == 2), names
 
 
-@pytest.mark.parametrize("o", [dict(softcap=5.0, causal=True), dict(alibi=True, h_k=1)], ids=str)
+@pytest.mark.parametrize("o", [dict(softcap=5.0, window=(-1, 0)), dict(alibi=True, h_k=1)], ids=str)
 def test_score_options_hd128(monkeypatch, hopper, o):
     """hopper_fwd = hopper_bwd = 2 at the 128 bucket (one 64-query block per ring slot in the
     backward, the other dQ split), GQA heads with their own ALiBi slopes."""

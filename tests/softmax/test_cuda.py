@@ -42,6 +42,9 @@ def call_fwd(q, k, v, **o):
                 softcap=0.0, window_left=-1, window_right=-1, bottom_right=False, dropout_p=0.0, seed=0,
                 offset=0, rng_state=None, dropout_coords=None, block_layout=None, block_size=0, topk_thr=None,
                 topk_jcut=None)
+    unknown = set(o) - set(opts)
+    if unknown:  # a misspelt or unsupported option (say causal=True) must not pass silently as no option
+        raise TypeError(f"call_fwd: unknown option(s) {sorted(unknown)}; causal is window=(-1, 0)")
     opts.update(o)
     return [opts[n] for n in ops.OPTION_NAMES]
 
@@ -993,15 +996,17 @@ def test_hopper_falls_back(hopper_fwd, opt):
 @hopper
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("opt", ["alibi", "softcap"])
+@pytest.mark.parametrize("opt", ["alibi", "softcap", "bool_mask", "bias"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_score_options(kernels, opt, heads, d, which):
-    """hopper_fwd = 2 / hopper_bwd = 2: softcap and ALiBi on the wgmma forward or backward (not yet
-    the default); the other pass on mma.sync, so that the wgmma kernel that ran is the one named."""
+    """hopper_fwd = 2 / hopper_bwd = 2: softcap, ALiBi, bool masks and an additive bias (without its
+    gradient) on the wgmma forward or backward (not yet the default); the other pass on mma.sync,
+    so that the wgmma kernel that ran is the one named."""
     kernels(hopper_fwd=2 if which == "fwd" else 0, hopper_bwd=2 if which == "bwd" else 0)
     torch.manual_seed(hash((opt, heads, d)) % 10000)
     h, hk = HEADS[heads]
-    hopper_compare(2, h, hk, 129, 200, d, torch.bfloat16, **option_cases()[opt](h))
+    o = dict(bias=torch.randn(2, h, 129, 200, device=DEV)) if opt == "bias" else option_cases()[opt](h)
+    hopper_compare(2, h, hk, 129, 200, d, torch.bfloat16, **o)
 
 
 @hopper

@@ -91,10 +91,11 @@ bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
 // causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
 // dropout keep the mma.sync kernel.
 // The scores the wgmma kernels evaluate at selection level `level` (hopper_fwd / hopper_bwd): the
-// plain policy at 1; softcap and ALiBi too at 2 (a score through the policy, per element); never
-// a bias or bool mask (their tiles may hide keys: the NaN scan of the mma.sync kernels) or dropout.
+// plain policy at 1; at 2 any score through the policy, per element: softcap, ALiBi, an additive
+// bias or a bool mask (the backward without dbias: use_hopper_bwd). Never dropout (no Philox in
+// the wgmma kernels).
 bool hopper_scores_ok(const SoftmaxParams& p, int level) {
-  if (level >= 2) return p.bias_kind == BiasKind::kNone && p.dropout_p <= 0.f;
+  if (level >= 2) return p.dropout_p <= 0.f;
   return level >= 1 && !needs_general_kernel(p);
 }
 

@@ -5,9 +5,9 @@
 // zero-filled), MHA/GQA/MQA, strided (B, H, S, D) / (B, S, H, D) views, seqlens_k, varlen, ragged
 // tails, causal (top-left / bottom-right) and sliding windows through the shared Policy, and sinks
 // (they only change the LSE, which this kernel reads, and dsinks, which the preprocess kernel
-// computes for every path); softcap and ALiBi when hopper_bwd 2 selects them (use_hopper_bwd:
-// every tile through bwd_point). Deterministic mode, dbias, dropout and bias / bool masks stay on
-// the mma.sync kernels (bwd_kernel.cuh).
+// computes for every path); softcap, ALiBi, an additive bias (without its gradient) and bool
+// masks when hopper_bwd 2 selects them (use_hopper_bwd: every tile through bwd_point).
+// Deterministic mode, dbias and dropout stay on the mma.sync kernels (bwd_kernel.cuh).
 //
 // The math is bwd_kernel.cuh's dkdv_kernel, on 128-key blocks split over two warpgroups:
 // One CTA per (kBlockN = 128 keys, kv head, batch), 384 threads in warpgroups with one role each:
@@ -304,9 +304,9 @@ __device__ __forceinline__ void add_dq(const SoftmaxBwdParams& p, const SeqInfo&
 }
 
 // Consumer warpgroup cw (0 or 1) of 128 threads (ctid = 0..127): keys [n0 + 64 cw, n0 + 64 cw + 64).
-// pol: the policy of the group's first head, a copy whose ALiBi slope is set per head. kPlain: the
-// score is the scaled product (the default kernel); else softcap / ALiBi, every tile per element
-// (hopper_bwd 2). A template parameter, not a run-time flag: the general path's registers made
+// pol: the policy of the group's first head, moved to each head when the score is not plain. kPlain:
+// the score is the scaled product (the default kernel); else softcap / ALiBi / a bias or bool
+// mask, every tile per element (hopper_bwd 2). A template parameter, not a run-time flag: the general path's registers made
 // ptxas spill the plain kernel's loop (768 bytes at D = 128).
 template <typename T, int kD, bool kPlain>
 __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, Policy pol,
@@ -356,8 +356,9 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
     int it = 0;  // blocks done so far, over every head: the parity picks the dS^T buffer
     for (int gi = 0; gi < group; ++gi) {
       const int h = hk * group + gi;
-      // the one per-head field of the policy (the window, lengths and softcap are the group's)
-      if (!kPlain && p.alibi_slopes != nullptr) pol.slope = p.alibi_slopes[int64_t(b) * p.alibi_batch_stride + h];
+      // the per-head fields of the policy (ALiBi's slope, the bias of this head; the window,
+      // lengths and softcap are the group's)
+      if constexpr (!kPlain) pol.set_score_head(p, b, h);
       for (int m = m_lo; m < m_hi; ++m, ++it) {
         const int m0 = m * P::kBlockM;
         const uint64_t slot = uint64_t(pos.stage * TileQ::kBytes) >> 4;

@@ -3,10 +3,10 @@
 // fp16/bf16, head dims <= 128 that are multiples of 8 (buckets 64 and 128, columns past d
 // zero-filled), MHA/GQA/MQA, any strides that are multiples of 8 elements ((B, H, S, D) and
 // (B, S, H, D) views), per-batch seqlens_k and varlen packs, ragged tails, causal (top-left or
-// bottom-right) and sliding windows through the shared Policy, and sinks; softcap, ALiBi and
-// block-sparse layouts (the CSR tile index at this kernel's tiles, FlexAttention's full / partial
-// tiles: only partial ones check the layout per element) when hopper_fwd 2 selects them
-// (use_hopper_fwd). Bias/mask and dropout stay on the mma.sync kernel.
+// bottom-right) and sliding windows through the shared Policy, and sinks; softcap, ALiBi, an
+// additive bias, bool masks and block-sparse layouts (the CSR tile index at this kernel's tiles,
+// FlexAttention's full / partial tiles: only partial ones check the layout per element) when
+// hopper_fwd 2 selects them (use_hopper_fwd). Dropout stays on the mma.sync kernel.
 //
 // One CTA per (kBlockM = 64 * kConsumerWGs query rows, head, batch), 128 * (1 + kConsumerWGs)
 // threads in warpgroups with one role each:

@@ -16,11 +16,10 @@ template <typename T, int kD>
 void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   using P = hopper::BwdPlan<kD>;
   check_grid(p.h_k, p.b, "attention bwd (wgmma)");
-  // the kernel evaluates the plain policy, softcap and ALiBi, and adds dQ atomically;
-  // use_hopper_bwd() never sends anything else here
-  if (p.bias_kind != BiasKind::kNone || p.dropout_p > 0.f || p.dbias != nullptr || p.deterministic ||
-      p.dq_accum == nullptr) {
-    throw std::runtime_error("attention bwd (wgmma): a bias, bool mask, dropout or deterministic mode is not supported");
+  // the kernel evaluates any score through the policy and adds dQ atomically, but draws no
+  // dropout and writes no dbias; use_hopper_bwd() never sends those here
+  if (p.dropout_p > 0.f || p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
+    throw std::runtime_error("attention bwd (wgmma): dropout, dbias and deterministic mode are not supported");
   }
   // the plain kernel (the default) and the softcap / ALiBi one (hopper_bwd 2)
   auto kernel = score_is_plain(p) ? hopper::bwd_kernel<T, kD, true> : hopper::bwd_kernel<T, kD, false>;
