@@ -23,9 +23,10 @@ memory and stores what it loaded before the next load can issue; one per batch o
 together.
 
 Block-sparse calls are the dense mma.sync classes' fits applied to the layout's visible blocks
-(no constant of their own). The decode kernel adds an instruction-issue term from an estimated
-(not counted) instruction budget. Not modelled yet: the option rows. The report says so rather
-than print a number.
+(no constant of their own). The decode kernels add an instruction-issue term from an estimated
+(not counted) instruction budget; the option rows on the wgmma forward are bounded between the
+dense kernel with the policy work overlapped and with it serial. Not modelled yet: the option rows'
+backward. The report says so rather than print a number.
 """
 from __future__ import annotations
 
@@ -649,10 +650,61 @@ def report_step() -> List[str]:
     return lines
 
 
+# The option rows on the sm_90a wgmma forward (hopper_fwd=2), B = 8, H = 16, S = 4096, D = 128,
+# causal: the per-element policy work a general score adds to the plain kernel, in warp
+# instructions per (query, key) element of every computed tile, estimated from the source (not
+# counted): the plain softmax (scale, max, exp2, sum, pack) ~8; ALiBi +16 (the window and layout
+# tests, the score's branches, |i + diag - j| and its FMA); softcap +40 (tanhf); a bool mask +8 (a
+# byte load and its address); dropout +20 (a Philox4x32-10 draw of ~70 instructions per 4 keys,
+# the compare and select). An additive (1, H, S, S) float32 bias is read from DRAM once per batch
+# entry: its bytes bound the row. Bounds: "overlapped" = the dense kernel's time or the issue time
+# of all the softmax work, whichever is longer (the other warpgroup's wgmma hides it);
+# "serial" = the dense time plus the extra issue time.
+OPTION_SHAPE = (8, 16, 4096, 128)
+PLAIN_INSTR_PER_ELEM = 8
+OPTION_EXTRA_INSTR = {"ALiBi": 16, "softcap 30": 40, "bool mask (B, 1, S, S)": 8, "dropout 0.1": 20,
+                      "additive bias (1, H, S, S)": 4}
+# their 2026-11-24 H100 rows (benchmarks/results/2026-11-24-h100.md, causal unless named): the
+# mma.sync general kernel's forward TFLOP/s, and the peer's (flash on the unmasked causal problem;
+# SDPA's efficient backend with the bias; flash with dropout, non-causal)
+OPTION_MEASURED = {"ALiBi": (35, 334), "softcap 30": (34, 334), "additive bias (1, H, S, S)": (24, 131),
+                   "dropout 0.1": (98, 286)}
+
+
+def report_options(fits) -> List[str]:
+    b, h, s, d = OPTION_SHAPE
+    lines = ["", "## Option rows on the wgmma forward (hopper_fwd=2): predicted bounds, no GPU run yet", "",
+             f"B = {b}, H = {h}, S = {s}, D = {d}, bf16; instruction estimates per element (see the source); "
+             "peer and mma.sync rates measured 2026-11-24.", "",
+             "| row | extra instr / element | wgmma fwd TFLOP/s (serial - overlapped) | x peer (serial - overlapped) | "
+             "mma.sync measured TFLOP/s | peer TFLOP/s |", "|---|---|---|---|---|---|"]
+    issue_rate = SMS * ISSUE_PER_CLK * SM_CLOCK  # warp instructions per second
+    for name, extra in OPTION_EXTRA_INSTR.items():
+        causal = not name.startswith("dropout") and not name.startswith("additive")
+        dense = predict(softmax_launch("wgmma fwd", fits[("wgmma fwd", d)], b, h, s, d, causal))["time"]
+        flops = softmax_flops(b, h, s, d, causal)
+        elems = b * h * s * s * (0.5 if causal else 1.0)
+        plain_issue = elems * PLAIN_INSTR_PER_ELEM / 32 / issue_rate
+        extra_issue = elems * extra / 32 / issue_rate
+        serial = dense + extra_issue
+        overlapped = max(dense, plain_issue + extra_issue)
+        if name.startswith("additive"):
+            bias_bytes = b * h * s * s * 4  # fp32, once per batch entry (the mask is broadcast over B)
+            serial, overlapped = max(serial, bias_bytes / COPY_BW), max(overlapped, bias_bytes / COPY_BW)
+        meas, peer = OPTION_MEASURED.get(name, (float("nan"), float("nan")))
+        tf = lambda t: flops / t / 1e12  # noqa: E731
+        lines.append(f"| {name}{', causal' if causal else ''} | {extra} | {tf(serial):.0f} - {tf(overlapped):.0f} | "
+                     f"{'-' if peer != peer else f'{tf(serial) / peer:.2f} - {tf(overlapped) / peer:.2f}'} | "
+                     f"{'-' if meas != meas else meas} | {'-' if peer != peer else peer} |")
+    lines += ["", "The bool-mask row has no 2026-11-24 measurement (the table had none); its peer would be "
+              "SDPA's efficient backend with the mask. The backward's option rows are not modelled."]
+    return lines
+
+
 NOT_MODELLED = ["", "## Not modelled yet", "",
                 "- the decode kernels' instruction counts (estimates above, not counts: the emulator counts tensor-core "
                 "instructions only, checked for the tensor-core decode kernel);",
-                "- the option rows (ALiBi, softcap, bias, dropout): their CTA work lists are not written yet;",
+                "- the option rows' backward, and the option rows on the mma.sync kernels (their spills);",
                 "- the linear backward's atomics into its fp32 scratch (every value tile and GQA head adds into dQ~ "
                 "/ dK~ / dV): counted as no time."]
 
@@ -723,7 +775,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + report_step() + report_decode() + NOT_MODELLED
+    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"

@@ -259,11 +259,11 @@ def set_cuda_kernels(hopper_fwd: int = 1, hopper_bwd: int = 1, tune_fwd: int = 0
         hopper_fwd  1 the sm_90a wgmma forward where it applies (the default: it beat the mma.sync
                     forward at every shape measured, benchmarks/results/2026-11-24-h100.md), 0 the
                     mma.sync forward there, 2 the wgmma forward also for softcap, ALiBi, bool
-                    masks, additive biases and block-sparse layouts (checked in the CPU emulator
-                    only, no GPU run yet, so not the default)
+                    masks, additive biases, dropout and block-sparse layouts (checked in the CPU
+                    emulator only, no GPU run yet, so not the default)
         hopper_bwd  1 the sm_90a wgmma backward where it applies (the default, likewise), 0 off,
-                    2 also for softcap, ALiBi, bool masks and biases without dbias (likewise
-                    not yet run on a GPU)
+                    2 also for softcap, ALiBi, bool masks, biases without dbias and dropout
+                    (likewise not yet run on a GPU)
         tune_fwd,   the -DATTN_TUNING candidate of the mma.sync forward / backward (0 = the
         tune_bwd    default kernel; a build without -DATTN_TUNING has only 0)
         force_simt  route every call to the SIMT kernels (the sm < 80 path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cuda_emu.test_emulated import emu_ops, emulate  # noqa: F401  (emu_ops: the module fixture)
+from tests.cuda_emu.test_emulated import emu_ops, emulate, needs_dropout_mask  # noqa: F401  (emu_ops: the module fixture)
 from tests.softmax import test_cuda as tc
 
 
@@ -85,14 +85,17 @@ def _mask(kind):
 
 @pytest.mark.parametrize("o", [dict(softcap=5.0), dict(alibi=True), dict(softcap=3.0, alibi=True, window=(-1, 0)),
                                dict(alibi=True, window=(40, 10), h_k=1), dict(mask="bias", h_k=1),
-                               dict(mask="key_mask", window=(-1, 0)), dict(mask="bool_rows", softcap=4.0)], ids=str)
+                               dict(mask="key_mask", window=(-1, 0)), dict(mask="bool_rows", softcap=4.0),
+                               dict(dropout_p=0.2, seed=1234, offset=7),
+                               dict(dropout_p=0.3, seed=5, offset=0, window=(-1, 0), h_k=1, alibi=True)], ids=str)
 def test_score_options(monkeypatch, hopper, o):
-    """hopper_fwd = hopper_bwd = 2: softcap, ALiBi, an additive bias (no dbias) and bool masks on
-    the wgmma forward and backward (every element through the policy, GQA heads each with their
-    own slope and bias); at 1 they stay on mma.sync."""
+    """hopper_fwd = hopper_bwd = 2: softcap, ALiBi, an additive bias (no dbias), bool masks and
+    dropout (the mma.sync kernels' Philox stream) on the wgmma forward and backward (every element
+    through the policy, GQA heads each with their own slope and bias); at 1 they stay on mma.sync."""
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(11)
     kw = dict(o)
+    needs_dropout_mask(kw)
     hk = kw.pop("h_k", 2)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(2, 2) * 0.3  # (B, H)

@@ -996,12 +996,12 @@ def test_hopper_falls_back(hopper_fwd, opt):
 @hopper
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("opt", ["alibi", "softcap", "bool_mask", "bias"])
+@pytest.mark.parametrize("opt", ["alibi", "softcap", "bool_mask", "bias", "dropout"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_score_options(kernels, opt, heads, d, which):
-    """hopper_fwd = 2 / hopper_bwd = 2: softcap, ALiBi, bool masks and an additive bias (without its
-    gradient) on the wgmma forward or backward (not yet the default); the other pass on mma.sync,
-    so that the wgmma kernel that ran is the one named."""
+    """hopper_fwd = 2 / hopper_bwd = 2: softcap, ALiBi, bool masks, an additive bias (without its
+    gradient) and dropout on the wgmma forward or backward (not yet the default); the other pass on
+    mma.sync, so that the wgmma kernel that ran is the one named."""
     kernels(hopper_fwd=2 if which == "fwd" else 0, hopper_bwd=2 if which == "bwd" else 0)
     torch.manual_seed(hash((opt, heads, d)) % 10000)
     h, hk = HEADS[heads]

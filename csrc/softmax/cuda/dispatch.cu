@@ -91,12 +91,10 @@ bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
 // causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
 // dropout keep the mma.sync kernel.
 // The scores the wgmma kernels evaluate at selection level `level` (hopper_fwd / hopper_bwd): the
-// plain policy at 1; at 2 any score through the policy, per element: softcap, ALiBi, an additive
-// bias or a bool mask (the backward without dbias: use_hopper_bwd). Never dropout (no Philox in
-// the wgmma kernels).
+// plain policy at 1; at 2 any score through the policy, per element (softcap, ALiBi, an additive
+// bias, a bool mask; the backward without dbias: use_hopper_bwd) and dropout.
 bool hopper_scores_ok(const SoftmaxParams& p, int level) {
-  if (level >= 2) return p.dropout_p <= 0.f;
-  return level >= 1 && !needs_general_kernel(p);
+  return level >= 2 || (level >= 1 && !needs_general_kernel(p));
 }
 
 // The mma.sync forward's (query, key) tile: the grid of its block-sparse tile index.

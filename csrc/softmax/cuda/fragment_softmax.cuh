@@ -70,6 +70,32 @@ __device__ __forceinline__ void softmax_rows(float* s, float* row_m, float* row_
   }
 }
 
+// Dropout on a (16, 8 kNT) tile of probabilities s (C fragments, as above; row i0 + g + 8 hf, key
+// j0 + 8 nt + 2 c + e), after the row sums (the LSE is of the undropped probabilities): a dropped
+// element becomes 0, a kept one keeps its value (the 1 / (1 - p) rescale comes at the end, with
+// the normalization). The Philox stream of the tensor-core kernels (reference.dropout_mask): keys
+// j, j + 1 (j even) share one draw; under global dropout coordinates, a draw per element at them.
+template <int kNT>
+__device__ __forceinline__ void dropout_tile(float* s, const SoftmaxParams& p, int bh, int i0, int j0, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const int i = i0 + g + hf * 8;
+      const int j = j0 + nt * 8 + 2 * c;
+      float* e = s + 4 * nt + 2 * hf;
+      if (p.dropout_coords.identity()) {
+        const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
+        if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) e[0] = 0.f;
+        if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) e[1] = 0.f;
+      } else {
+        if (!dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p)) e[0] = 0.f;
+        if (!dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j + 1, p.dropout_p)) e[1] = 0.f;
+      }
+    }
+}
+
 template <int kDT>
 __device__ __forceinline__ void rescale_rows(float* o, const float* alpha) {
 #pragma unroll

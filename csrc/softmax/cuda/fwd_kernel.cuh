@@ -236,24 +236,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
     // dropout acts on P after the row sums (the LSE is of the undropped probabilities)
     if (dropout) {
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) {
-            const int i = m0 + wm + mt * 16 + g + hf * 8;
-            const int j = n0 + nt * 8 + 2 * c;
-            if (p.dropout_coords.identity()) {  // keys j, j + 1 (j even) share one draw
-              const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
-              if (!dropout_keep_bits(philox_word(r, j & 3), p.dropout_p)) acc_s[mt][nt][2 * hf] = 0.f;
-              if (!dropout_keep_bits(philox_word(r, (j & 3) + 1), p.dropout_p)) acc_s[mt][nt][2 * hf + 1] = 0.f;
-            } else {  // a piece of a larger problem: global coordinates, a draw per element
-              if (!dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p))
-                acc_s[mt][nt][2 * hf] = 0.f;
-              if (!dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j + 1, p.dropout_p))
-                acc_s[mt][nt][2 * hf + 1] = 0.f;
-            }
-          }
+      for (int mt = 0; mt < kMT; ++mt) dropout_tile<kNT>(&acc_s[mt][0][0], p, bh, m0 + wm + mt * 16, n0, lane);
     }
 
     cp_async_wait<0>();

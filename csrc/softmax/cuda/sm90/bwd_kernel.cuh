@@ -5,9 +5,10 @@
 // zero-filled), MHA/GQA/MQA, strided (B, H, S, D) / (B, S, H, D) views, seqlens_k, varlen, ragged
 // tails, causal (top-left / bottom-right) and sliding windows through the shared Policy, and sinks
 // (they only change the LSE, which this kernel reads, and dsinks, which the preprocess kernel
-// computes for every path); softcap, ALiBi, an additive bias (without its gradient) and bool
-// masks when hopper_bwd 2 selects them (use_hopper_bwd: every tile through bwd_point).
-// Deterministic mode, dbias and dropout stay on the mma.sync kernels (bwd_kernel.cuh).
+// computes for every path); softcap, ALiBi, an additive bias (without its gradient), bool masks
+// and dropout when hopper_bwd 2 selects them (use_hopper_bwd: every tile through bwd_point, the
+// dropout factor drawn per element). Deterministic mode and dbias stay on the mma.sync kernels
+// (bwd_kernel.cuh).
 //
 // The math is bwd_kernel.cuh's dkdv_kernel, on 128-key blocks split over two warpgroups:
 // One CTA per (kBlockN = 128 keys, kv head, batch), 384 threads in warpgroups with one role each:
@@ -252,13 +253,20 @@ __device__ __forceinline__ void dscores_full(const float (&s)[4 * kQT], float (&
   }
 }
 
+// The backward's instantiations by what a call's scores need (launch_bwd.cuh picks): the plain
+// policy (the default kernel: full tiles branch-free); any score through the policy (softcap,
+// ALiBi, a bias or bool mask: every tile per element); the same with the forward's dropout drawn.
+enum BwdScore { kPlainScore = 0, kPolicyScore = 1, kPolicyDropout = 2 };
+
 // A tile the window or a sequence end cuts, or any tile of a score that is not plain (softcap,
-// ALiBi): P^T into s and dS^T into dp through bwd_point, checked per element, exactly
-// dkdv_kernel's per-element math. i0 / j0: the tile's first query / key.
-template <int kQT>
+// ALiBi, a bias or mask) or of a call with dropout: P^T into s and dS^T into dp through bwd_point,
+// checked per element, exactly dkdv_kernel's per-element math. i0 / j0: the tile's first query /
+// key. kDrop: draw the forward's dropout factor z (bh: batch * H + head, rdrop = 1 / (1 - p)).
+template <int kQT, bool kDrop>
 __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4 * kQT],
-                                              const Policy& pol, bool plain, uint32_t s_lse, uint32_t s_dot,
-                                              float scale, int i0, int j0, int lane) {
+                                              const SoftmaxBwdParams& p, const Policy& pol, bool plain,
+                                              uint32_t s_lse, uint32_t s_dot, float scale, int bh, float rdrop,
+                                              int i0, int j0, int lane) {
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < kQT; ++t) {
@@ -269,8 +277,9 @@ __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = i0 + 8 * t + 2 * c + (e & 1), j = j0 + g + (e >> 1) * 8;
+      const float z = kDrop ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
       const BwdPoint bp = bwd_point(pol, plain, true, scale, s[4 * t + e], dp[4 * t + e], l2[e & 1],
-                                    dsum[e & 1], 1.f, i, j);
+                                    dsum[e & 1], z, i, j);
       s[4 * t + e] = bp.pd;
       dp[4 * t + e] = bp.dx;
     }
@@ -304,11 +313,12 @@ __device__ __forceinline__ void add_dq(const SoftmaxBwdParams& p, const SeqInfo&
 }
 
 // Consumer warpgroup cw (0 or 1) of 128 threads (ctid = 0..127): keys [n0 + 64 cw, n0 + 64 cw + 64).
-// pol: the policy of the group's first head, moved to each head when the score is not plain. kPlain:
-// the score is the scaled product (the default kernel); else softcap / ALiBi / a bias or bool
-// mask, every tile per element (hopper_bwd 2). A template parameter, not a run-time flag: the general path's registers made
+// pol: the policy of the group's first head, moved to each head when the score is not plain.
+// kScore: the instantiation (BwdScore). Template parameters, not run-time flags: the general path's
+// registers made ptxas spill the plain kernel's loop (768 bytes at D = 128), and the dropout draw
+// the general one's (68 bytes). A template parameter, not a run-time flag: the general path's registers made
 // ptxas spill the plain kernel's loop (768 bytes at D = 128).
-template <typename T, int kD, bool kPlain>
+template <typename T, int kD, int kScore>
 __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, Policy pol,
                                             int b, int hk, int n0, int m_lo, int m_hi,
                                             uint32_t base, int cw, int ctid) {
@@ -348,6 +358,8 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
     const uint64_t desc_k_n = wg::make_desc_sw128(base + P::kK + (dq_col / 64) * TileKV::kBlockBytes,
                                                   TileKV::kBlockBytes, 1024);
     const float scale_log2 = p.scale * kLog2e;
+    constexpr bool kPlain = kScore == kPlainScore;
+    const float rdrop = kScore == kPolicyDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
     const int group = p.h / p.h_k;
     const int j0 = n0 + wk;
 
@@ -400,8 +412,8 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
           if (full) {
             dscores_full<kQT>(acc_s, acc_dp, s_dot + sb * 64 * 4, p.scale, c);
           } else {
-            grads_partial<kQT>(acc_s, acc_dp, pol, kPlain, s_lse + sb * 64 * 4, s_dot + sb * 64 * 4, p.scale,
-                               q0, j0, lane);
+            grads_partial<kQT, kScore == kPolicyDropout>(acc_s, acc_dp, p, pol, kPlain, s_lse + sb * 64 * 4, s_dot + sb * 64 * 4,
+                                        p.scale, b * p.h + h, rdrop, q0, j0, lane);
           }
 
           // ---- P^T, dS^T packed to 16 bits as A fragments (n-tiles 2 kk, 2 kk + 1 -> k-step kk):
@@ -475,7 +487,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
   }
 }
 
-template <typename T, int kD, bool kPlain>
+template <typename T, int kD, int kScore>
 __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
     bwd_kernel(const __grid_constant__ SoftmaxBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -504,7 +516,7 @@ __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
     if (m_lo < m_hi) produce_bwd<T, kD>(p, si, b, hk, n0, rows_k, m_lo, m_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume_bwd<T, kD, kPlain>(p, si, pol, b, hk, n0, m_lo, m_hi, base, wg_idx - 1, threadIdx.x % 128);
+    consume_bwd<T, kD, kScore>(p, si, pol, b, hk, n0, m_lo, m_hi, base, wg_idx - 1, threadIdx.x % 128);
   }
 #else
   // only sm_90a has wgmma; the dispatcher launches this kernel only where that code was built

@@ -4,9 +4,10 @@
 // zero-filled), MHA/GQA/MQA, any strides that are multiples of 8 elements ((B, H, S, D) and
 // (B, S, H, D) views), per-batch seqlens_k and varlen packs, ragged tails, causal (top-left or
 // bottom-right) and sliding windows through the shared Policy, and sinks; softcap, ALiBi, an
-// additive bias, bool masks and block-sparse layouts (the CSR tile index at this kernel's tiles,
-// FlexAttention's full / partial tiles: only partial ones check the layout per element) when
-// hopper_fwd 2 selects them (use_hopper_fwd). Dropout stays on the mma.sync kernel.
+// additive bias, bool masks, dropout (the mma.sync kernels' Philox stream, tc::dropout_tile) and
+// block-sparse layouts (the CSR tile index at this kernel's tiles, FlexAttention's full / partial
+// tiles: only partial ones check the layout per element) when hopper_fwd 2 selects them
+// (use_hopper_fwd).
 //
 // One CTA per (kBlockM = 64 * kConsumerWGs query rows, head, batch), 128 * (1 + kConsumerWGs)
 // threads in warpgroups with one role each:
@@ -287,12 +288,13 @@ __device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
 }
 
 // Consumer warpgroup cw (0-based) of 128 threads (ctid = 0..127): query rows
-// [m0 + 64 cw, m0 + 64 cw + 64) of the block.
+// [m0 + 64 cw, m0 + 64 cw + 64) of the block. kDropout: the instantiation that draws dropout
+// (hopper_fwd 2); the default one has none of its code (its Philox left a local frame in it).
 // Per key block S -> softmax -> P V, each product waited for at once; the two consumer
 // warpgroups overlap each other. (An intra-warpgroup variant that issued S of block n with P V of
 // block n + 1 measured slower at every shape but one and was deleted: see
 // benchmarks/results/2026-11-24-h100.md.)
-template <typename T, int kD>
+template <typename T, int kD, bool kDropout>
 __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& si, const Policy& pol,
                                         int b, int h, int m0, int rows_q, int n_lo, int n_hi,
                                         uint32_t base, int cw, int ctid) {
@@ -329,8 +331,9 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     for (int step = n_hi - 1; step >= n_lo; --step) {
       qk_now<T, kD>(acc_s, desc_q, desc_k, bars, pos, lane);
       const bool layout_full = !p.sparse.on() || p.sparse.fwd.full[step] != 0;
-      scores_to_probs<kD>(acc_s, pol, plain, layout_full, scale_log2, i0, key_block(p, step) * P::kBlockN, lane,
-                          row_m, row_l, alpha);
+      const int n0 = key_block(p, step) * P::kBlockN;
+      scores_to_probs<kD>(acc_s, pol, plain, layout_full, scale_log2, i0, n0, lane, row_m, row_l, alpha);
+      if constexpr (kDropout) tc::dropout_tile<P::kBlockN / 8>(acc_s, p, b * p.h + h, i0, n0, lane);
       tc::rescale_rows<kDT>(acc_o, alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
       pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
@@ -342,10 +345,11 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
   // by this warpgroup's wgmmas, all retired) for 16-byte stores
   const int g = lane >> 2, c = lane & 3;
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+  const float rdrop = kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;  // the kept probabilities' rescale
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float lse, factor;
-    finish_row(row_m[hf], row_l[hf], p.sinks != nullptr, sink, 1.f, &lse, &factor);
+    finish_row(row_m[hf], row_l[hf], p.sinks != nullptr, sink, rdrop, &lse, &factor);
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       acc_o[4 * dt + 2 * hf] *= factor;
@@ -378,7 +382,7 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
   }
 }
 
-template <typename T, int kD>
+template <typename T, int kD, bool kDropout>
 __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     fwd_kernel(const __grid_constant__ SoftmaxParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -410,7 +414,7 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     if (n_lo < n_hi) produce<T, kD>(p, si, b, h, m0, rows_q, n_lo, n_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume<T, kD>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
+    consume<T, kD, kDropout>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
                              threadIdx.x % 128);
   }
 #else

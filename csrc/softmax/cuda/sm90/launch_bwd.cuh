@@ -16,13 +16,15 @@ template <typename T, int kD>
 void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   using P = hopper::BwdPlan<kD>;
   check_grid(p.h_k, p.b, "attention bwd (wgmma)");
-  // the kernel evaluates any score through the policy and adds dQ atomically, but draws no
-  // dropout and writes no dbias; use_hopper_bwd() never sends those here
-  if (p.dropout_p > 0.f || p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
-    throw std::runtime_error("attention bwd (wgmma): dropout, dbias and deterministic mode are not supported");
+  // the kernel evaluates any score through the policy and adds dQ atomically, but writes no
+  // dbias; use_hopper_bwd() never sends those here
+  if (p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
+    throw std::runtime_error("attention bwd (wgmma): dbias and deterministic mode are not supported");
   }
-  // the plain kernel (the default) and the softcap / ALiBi one (hopper_bwd 2)
-  auto kernel = score_is_plain(p) ? hopper::bwd_kernel<T, kD, true> : hopper::bwd_kernel<T, kD, false>;
+  // the plain kernel (the default), and for hopper_bwd 2 the general one, with or without dropout
+  auto kernel = p.dropout_p > 0.f  ? hopper::bwd_kernel<T, kD, hopper::kPolicyDropout>
+                : score_is_plain(p) ? hopper::bwd_kernel<T, kD, hopper::kPlainScore>
+                                    : hopper::bwd_kernel<T, kD, hopper::kPolicyScore>;
   set_smem(kernel, P::kSmemBytes, "attention bwd (wgmma)");
   dim3 grid((p.sk + P::kBlockN - 1) / P::kBlockN, p.h_k, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);

@@ -14,10 +14,7 @@ template <typename T, int kD>
 void run_fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   using P = hopper::FwdPlan<kD>;
   check_grid(p.h, p.b, "attention fwd (wgmma)");
-  // the kernel evaluates any score through the policy, but draws no dropout; use_hopper_fwd()
-  // never sends it here
-  if (p.dropout_p > 0.f) throw std::runtime_error("attention fwd (wgmma): dropout is not supported");
-  auto kernel = hopper::fwd_kernel<T, kD>;
+  auto kernel = p.dropout_p > 0.f ? hopper::fwd_kernel<T, kD, true> : hopper::fwd_kernel<T, kD, false>;
   set_smem(kernel, P::kSmemBytes, "attention fwd (wgmma)");
   dim3 grid((p.sq + P::kBlockM - 1) / P::kBlockM, p.h, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);
