@@ -51,8 +51,9 @@ inline int device_sm() {
   return major * 10 + minor;
 }
 
-// Streaming multiprocessors of the current device, queried once per device.
-inline int device_sm_count() {
+// A positive attribute of the current device, queried once per device (what: its name in the error).
+template <cudaDeviceAttr kAttr>
+inline int device_attribute(const char* what) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices];
   int dev = 0;
@@ -62,11 +63,20 @@ inline int device_sm_count() {
     if (n > 0) return n;
   }
   int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
-    throw std::runtime_error("attention: cannot query the SM count of the current CUDA device");
+  if (cudaDeviceGetAttribute(&n, kAttr, dev) != cudaSuccess || n < 1) {
+    throw std::runtime_error(std::string("attention: cannot query ") + what + " of the current CUDA device");
   }
   if (dev >= 0 && dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
   return n;
+}
+
+// Streaming multiprocessors of the current device.
+inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("the SM count"); }
+
+// The most dynamic shared memory one block may opt in to (99 KB on sm_86 / sm_89, 163 KB on sm_80,
+// 227 KB on sm_90).
+inline int device_max_smem_optin() {
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>("the shared memory per block");
 }
 
 // An NVTX range for the lifetime of the object (Nsight Systems / Compute group by these names).

@@ -479,6 +479,8 @@ cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int) {
     *value = rt.arch % 10;
   } else if (attr == cudaDevAttrMultiProcessorCount) {
     *value = rt.arch >= 90 ? 132 : 108;  // an H100 SXM, an A100
+  } else if (attr == cudaDevAttrMaxSharedMemoryPerBlockOptin) {
+    *value = rt.arch >= 90 ? 232448 : 166912;  // 227 KB, 163 KB
   } else {
     fault("device attribute " + std::to_string(int(attr)) + " is not emulated");
   }

@@ -47,7 +47,11 @@ void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, c
   // the tensor-core kernel for fp16 / bf16 at head dims up to 128 (at 256 its 16 x 256 fp32
   // accumulator per warp leaves ptxas too few registers: it spills, so those calls stay on CUDA cores)
   constexpr bool kMmaShape = sizeof(E) == 2 && kD <= 128;
-  if constexpr (kMmaShape) mma = vec_ok && g_tensor_cores.load(std::memory_order_relaxed);
+  // (and on devices whose blocks may take its shared memory: not sm_86 / sm_89 at kD = 128)
+  if constexpr (kMmaShape) {
+    mma = vec_ok && g_tensor_cores.load(std::memory_order_relaxed) &&
+          device_max_smem_optin() >= decode_cuda::MmaTraits<kD>::kSmemBytes;
+  }
   if constexpr (kMmaShape) {
     if (mma) {
       auto kernel = &decode_cuda::decode_mma_kernel<E, kD>;

@@ -85,11 +85,6 @@ bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
          aligned16(p.dk) && aligned16(p.dv);
 }
 
-// The wgmma forward takes a call when the selection allows it (hopper_fwd >= 1, 1 the default), its bucket
-// (64 or 128) is compiled, the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte
-// aligned rows), d <= 128, the device is sm_90, and the kernel's plain policy serves it (lengths,
-// causal, sliding window; sinks only touch the LSE): softcap, ALiBi, bias or bool mask, and
-// dropout keep the mma.sync kernel.
 // The scores the wgmma kernels evaluate at selection level `level` (hopper_fwd / hopper_bwd): the
 // plain policy at 1; at 2 any score through the policy, per element (softcap, ALiBi, an additive
 // bias, a bool mask; the backward without dbias: use_hopper_bwd) and dropout.
@@ -120,6 +115,11 @@ bool index_fits(const SoftmaxParams& p, int tile_m, int tile_n) {
   return !p.sparse.on() || (p.sparse.fwd.tile_m == tile_m && p.sparse.fwd.tile_n == tile_n);
 }
 
+// The wgmma forward takes a call when the selection allows it (hopper_fwd >= 1, 1 the default) and
+// its scores (hopper_scores_ok: at 1 the plain policy, lengths, causal, sliding window, sinks;
+// at 2 every score and dropout, and block-sparse layouts), its bucket (64 or 128) is compiled,
+// the mma.sync path would take it (fp16/bf16, d % 8 == 0, 16-byte aligned rows), d <= 128, and
+// the device is sm_90.
 bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
   const int level = g_hopper_fwd.load(std::memory_order_relaxed);
   if (!ATTN_HOPPER_FWD || !hopper_scores_ok(p, level)) return false;
@@ -131,9 +131,9 @@ bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
 
 // The wgmma backward takes a call when the selection allows it (hopper_bwd >= 1, 1 the default), the mma.sync
 // backward would take it with atomic dQ (use_tensor_cores_bwd, not deterministic: the wgmma
-// kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and the plain policy
-// serves it, as for use_hopper_fwd (so no dbias; sinks only touch the LSE it reads and dsinks,
-// which the preprocess computes).
+// kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and its scores are the
+// selection's (hopper_scores_ok, as for use_hopper_fwd), with no dbias and no block-sparse layout
+// (sinks only touch the LSE it reads and dsinks, which the preprocess computes).
 [[maybe_unused]] bool use_hopper_bwd(const SoftmaxBwdParams& p, DType dt) {
   if (!ATTN_HOPPER_BWD || !hopper_scores_ok(p, g_hopper_bwd.load(std::memory_order_relaxed))) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
@@ -267,9 +267,10 @@ void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const Fw
   if (p.sq != call.sq) split.rows = p.sq;  // packed: the scratch's G rows per (batch, kv head)
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
 #if ATTN_HOPPER_FWD
+  const bool hopper = split.num_splits <= 1 && use_hopper_fwd(p, dt);
   int hm = 0, hn = 0;
-  if (p.sparse.on() && p.d <= 128) hopper_tiles(p.d, &hm, &hn);
-  if (split.num_splits <= 1 && use_hopper_fwd(p, dt) && index_fits(p, hm, hn)) {
+  if (hopper && p.sparse.on()) hopper_tiles(p.d, &hm, &hn);
+  if (hopper && index_fits(p, hm, hn)) {
     if (dt == DType::kF16) fwd_hopper<__half>(p, stream);
     else fwd_hopper<__nv_bfloat16>(p, stream);
     return;

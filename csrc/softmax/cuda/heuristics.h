@@ -40,7 +40,8 @@ inline bool gqa_rows_packable(const SoftmaxParams& p) {
 // p with the G = H / H_k query heads of each kv group as G query rows of one head (the group's):
 // (B, H, 1, D) viewed as (B, H_k, G, D) through the head stride, the same for out and the LSE.
 // A packed call reads each K / V block once per group instead of G times and fills its query
-// blocks G times fuller; the outputs are the unpacked call's, element for element. p itself
+// blocks G times fuller; its outputs are the unpacked call's up to rounding (bit for bit where the
+// same kernel and split count run; packing changes the grid the split heuristic sees). p itself
 // when it cannot be packed. The split scratch's rows (FwdSplitScratch::rows) become G too.
 inline SoftmaxParams pack_gqa_rows(const SoftmaxParams& p) {
   if (!gqa_rows_packable(p)) return p;

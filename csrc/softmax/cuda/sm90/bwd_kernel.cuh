@@ -316,8 +316,7 @@ __device__ __forceinline__ void add_dq(const SoftmaxBwdParams& p, const SeqInfo&
 // pol: the policy of the group's first head, moved to each head when the score is not plain.
 // kScore: the instantiation (BwdScore). Template parameters, not run-time flags: the general path's
 // registers made ptxas spill the plain kernel's loop (768 bytes at D = 128), and the dropout draw
-// the general one's (68 bytes). A template parameter, not a run-time flag: the general path's registers made
-// ptxas spill the plain kernel's loop (768 bytes at D = 128).
+// the general one's (68 bytes).
 template <typename T, int kD, int kScore>
 __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, Policy pol,
                                             int b, int hk, int n0, int m_lo, int m_hi,
