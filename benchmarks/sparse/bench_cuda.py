@@ -1,6 +1,6 @@
 """Block-sparse attention on the GPU: ours (attention_ext.block_sparse_attention, the mma.sync
-kernels walking the layout's tile index; and with the forward on the sm_90a wgmma kernel,
-set_cuda_kernels(hopper_fwd=2), not yet the default) against torch's FlexAttention compiled with
+kernels walking the layout's tile index; and on the sm_90a wgmma kernels,
+set_cuda_kernels(hopper_fwd=2, hopper_bwd=2), not yet the default) against torch's FlexAttention compiled with
 the equivalent BlockMask, and against our own dense attention on the same inputs, bf16, one run.
 
     python benchmarks/sparse/bench_cuda.py [--quick] [--reps N] [--out FILE]
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         return 1
     seqs = [16384] if args.quick else [16384, 32768, 65536]
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B = 1, {BLOCK} x {BLOCK} blocks",
-             "", "| layout | (H, S, D) | density | pass | ours GFLOP/s (ms) | ours, wgmma fwd GFLOP/s (ms) | "
+             "", "| layout | (H, S, D) | density | pass | ours GFLOP/s (ms) | ours, wgmma GFLOP/s (ms) | "
              "flex GFLOP/s (ms) | dense GFLOP/s (ms) | ours / flex | wgmma / flex | ours / dense |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in seqs:
@@ -139,9 +139,9 @@ def main(argv=None) -> int:
                                     (q, k, v))
                         fns = {
                             "ours": ours,
-                            # the same call with the forward on the sm_90a wgmma kernel (hopper_fwd=2:
+                            # the same call on the sm_90a wgmma kernels (hopper_fwd=2, hopper_bwd=2:
                             # not yet the default; on other GPUs the same kernels as "ours")
-                            "wgmma": with_kernels(ours, hopper_fwd=2),
+                            "wgmma": with_kernels(ours, hopper_fwd=2, hopper_bwd=2),
                             "dense": step(lambda: ae.attention(q, k, v), grad, dout, (q, k, v)),
                         }
                         if flex is not None:

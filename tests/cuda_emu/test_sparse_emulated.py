@@ -305,12 +305,13 @@ def test_capture_uses_the_cached_tile_index(emu):
 # ---------------------------------------------------------------- the sm_90a wgmma forward
 @pytest.mark.parametrize("case", ["block16_causal", "block64_gqa", "block128_br", "block80_d128", "empty_rows",
                                   "softcap_block48"])
-def test_wgmma_forward(emu, case):
-    """hopper_fwd = 2: block-sparse calls on the sm_90a wgmma forward, walking the CSR tile index
-    at its 128 x 128 tiles (full tiles skip the layout per element, partial ones check it); the
-    backward on the mma.sync kernels. Blocks smaller than, equal to and larger than the tiles, GQA
-    with per-head layouts, causal top-left and bottom-right, both head-dim buckets, a query tile
-    with nothing on, softcap. At hopper_fwd = 1 block-sparse calls stay on mma.sync."""
+def test_wgmma_kernels(emu, case):
+    """hopper_fwd = hopper_bwd = 2: block-sparse calls on the sm_90a wgmma forward, walking the CSR
+    tile index at its 128 x 128 tiles, and backward, walking the CSC index at its (64 or 128) x
+    128 tiles per head of the kv group (full tiles skip the layout per element, partial ones check
+    it). Blocks smaller than, equal to and larger than the tiles, GQA with per-head layouts, causal
+    top-left and bottom-right, both head-dim buckets, a query tile with nothing on, softcap. At
+    level 1 block-sparse calls stay on mma.sync."""
     torch.manual_seed(len(case))
     block = int(case.split("_")[0].removeprefix("block")) if case.startswith("block") else (64 if case == "empty_rows" else 48)
     if case == "softcap_block48":
@@ -331,16 +332,18 @@ def test_wgmma_forward(emu, case):
     if case == "empty_rows":
         layout[:, 2:4, :] = False  # query rows 128..255: nothing on (the second 128-row tile, and more)
     try:
-        emu.set_cuda_kernels(2, 0, 0, 0, False)
+        emu.set_cuda_kernels(2, 2, 0, 0, False)
         emu.launches()
-        out, lse, *_ = run_sparse(emu, layout, block, b, h, hk, sq, sk, d, torch.bfloat16, arch=90, **kw)
+        out, lse, dq, *_ = run_sparse(emu, layout, block, b, h, hk, sq, sk, d, torch.bfloat16, arch=90, **kw)
         names = [n.split("(")[0] for n in emu.launches()]
         assert any("hopper::fwd_kernel" in n for n in names), names
+        assert any("hopper::bwd_kernel" in n for n in names), names
         if case == "empty_rows":
             assert torch.all(out[:, :, 128:] == 0) and torch.all(lse[:, :, 128:] == float("-inf"))
-        emu.set_cuda_kernels(1, 0, 0, 0, False)
+            assert torch.all(dq[:, :, 128:] == 0)
+        emu.set_cuda_kernels(1, 1, 0, 0, False)
         emu.launches()
         run_sparse(emu, layout, block, b, h, hk, sq, sk, d, torch.bfloat16, arch=90, **kw)
-        assert not any("hopper::fwd_kernel" in n for n in emu.launches())
+        assert not any("hopper::" in n for n in emu.launches())
     finally:
         emu.set_cuda_kernels(0, 0, 0, 0, False)

@@ -119,10 +119,10 @@ def test_block_sparse(dtype, block, heads, causal):
 @pytest.mark.parametrize("block", [16, 64, 128, 80])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_block_sparse_wgmma_forward(kernels, block, d, causal):
-    """hopper_fwd = 2: the forward on the sm_90a wgmma kernel (its own 128 x 128 tile index), the
-    backward on mma.sync; not yet the default."""
-    kernels(hopper_fwd=2)
+def test_block_sparse_wgmma(kernels, block, d, causal):
+    """hopper_fwd = hopper_bwd = 2: the forward and backward on the sm_90a wgmma kernels (each with
+    a tile index at its own tiles); not yet the default."""
+    kernels(hopper_fwd=2, hopper_bwd=2)
     torch.manual_seed(block + d)
     layout = random_layout(4, 1000, 1000, block, device="cuda")
     assert tc.hopper_ran(lambda: run_sparse(layout, block, 2, 4, 2, 1000, 1000, d, torch.bfloat16, causal=causal))

@@ -13,8 +13,9 @@
 // followed by the same dq_accum conversion, as the mma.sync backward's atomic-dQ mode.
 //
 // Block-sparse calls (p.sparse.on()) take the mma.sync kernels, which walk the layout's tile index
-// built at their own tiles (cuda_fwd_sparse_tiles / cuda_bwd_sparse_tiles), unsplit and never the
-// wgmma ones; where the mma.sync path cannot serve, the SIMT kernels read the layout per block.
+// built at their own tiles (cuda_fwd_sparse_tiles / cuda_bwd_sparse_tiles), unsplit; at the
+// hopper_fwd / hopper_bwd selection 2 the wgmma kernels instead, with an index at theirs. Where
+// the mma.sync path cannot serve, the SIMT kernels read the layout per block.
 // Top-k calls (p.topk_thr set) take the SIMT kernels only: top-k keeps a logit by comparing it
 // for equality with its row's threshold, so every kernel applying it must compute q.k bit for bit
 // as the threshold pass (csrc/sparse/cuda) does, with the same warp dot product.
@@ -108,11 +109,24 @@ void hopper_tiles(int d, int* tile_m, int* tile_n) {
   });
 }
 
-// A block-sparse call's tile index was built for this kernel's tiles (cuda_fwd_sparse_tiles asked
-// with the same selection): a selection changed by another thread in between must not make a
-// kernel walk an index of another grid.
-bool index_fits(const SoftmaxParams& p, int tile_m, int tile_n) {
-  return !p.sparse.on() || (p.sparse.fwd.tile_m == tile_m && p.sparse.fwd.tile_n == tile_n);
+// The wgmma backward's (query, key) tile: the grid of its block-sparse tile index.
+[[maybe_unused]] void hopper_bwd_tiles(int d, int* tile_m, int* tile_n) {
+  hdim_switch<64, 128>(d, "attention bwd (wgmma)", [&](auto kD) {
+    *tile_m = BwdHopperTraits<decltype(kD)::value>::kBlockM;
+    *tile_n = BwdHopperTraits<decltype(kD)::value>::kBlockN;
+  });
+}
+
+// A block-sparse call's tile index (ix: p.sparse.fwd or .bwd) was built for this kernel's tiles
+// (cuda_*_sparse_tiles asked with the same selection): a selection changed by another thread in
+// between must not make a kernel walk an index of another grid.
+bool index_fits(const SoftmaxParams& p, const TileIndex& ix, int tile_m, int tile_n) {
+  return !p.sparse.on() || (ix.tile_m == tile_m && ix.tile_n == tile_n);
+}
+
+void throw_foreign_index(const char* what) {
+  throw std::runtime_error(std::string(what) + ": the block-sparse tile index was built for another kernel's tiles "
+                           "(the CUDA kernel selection changed during the call)");
 }
 
 // The wgmma forward takes a call when the selection allows it (hopper_fwd >= 1, 1 the default) and
@@ -137,7 +151,9 @@ bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
 [[maybe_unused]] bool use_hopper_bwd(const SoftmaxBwdParams& p, DType dt) {
   if (!ATTN_HOPPER_BWD || !hopper_scores_ok(p, g_hopper_bwd.load(std::memory_order_relaxed))) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
-  if (p.dbias != nullptr || p.deterministic || p.sparse.on()) return false;
+  if (p.dbias != nullptr || p.deterministic) return false;
+  // block-sparse layouts at level 2, through a CSC tile index at the wgmma kernel's tiles
+  if (p.sparse.on() && (g_hopper_bwd.load(std::memory_order_relaxed) < 2 || p.topk_thr != nullptr)) return false;
   return use_tensor_cores_bwd(p, dt) && device_sm() == 90;
 }
 
@@ -236,15 +252,26 @@ void cuda_fwd_sparse_tiles(const SoftmaxParams& p, DType dt, int* tile_m, int* t
   cuda_fwd_sparse_tiles_tc(p.d, tile_m, tile_n);
 }
 
-void cuda_bwd_sparse_tiles(const SoftmaxBwdParams& p, DType dt, int* tile_m, int* tile_n) {
-  *tile_m = *tile_n = 0;
-  if (!use_tensor_cores_bwd(p, dt)) return;
-  hdim_switch<64, 128, 256>(p.d, "attention bwd", [&](auto kD) {
+// The mma.sync dK / dV kernel's (query, key) tile (run_bwd_tc_impl); the deterministic dQ kernel
+// reads the layout itself.
+void bwd_sparse_tiles_tc(int d, int* tile_m, int* tile_n) {
+  hdim_switch<64, 128, 256>(d, "attention bwd", [&](auto kD) {
     constexpr int D = decltype(kD)::value;
-    // the dK / dV kernel's tiles (run_bwd_tc_impl); the deterministic dQ kernel reads the layout
     *tile_m = device_sm() >= 90 ? BwdTraitsSm90<D>::kBlockM : BwdTraits<D>::kBlockM;
     *tile_n = device_sm() >= 90 ? BwdTraitsSm90<D>::kBlockN : BwdTraits<D>::kBlockN;
   });
+}
+
+void cuda_bwd_sparse_tiles(const SoftmaxBwdParams& p, DType dt, int* tile_m, int* tile_n) {
+  *tile_m = *tile_n = 0;
+  if (!use_tensor_cores_bwd(p, dt)) return;
+#if ATTN_HOPPER_BWD
+  if (use_hopper_bwd(p, dt)) {
+    hopper_bwd_tiles(p.d, tile_m, tile_n);
+    return;
+  }
+#endif
+  bwd_sparse_tiles_tc(p.d, tile_m, tile_n);
 }
 
 const char* cuda_path_name(const SoftmaxParams& p, DType dt) {
@@ -270,7 +297,7 @@ void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const Fw
   const bool hopper = split.num_splits <= 1 && use_hopper_fwd(p, dt);
   int hm = 0, hn = 0;
   if (hopper && p.sparse.on()) hopper_tiles(p.d, &hm, &hn);
-  if (hopper && index_fits(p, hm, hn)) {
+  if (hopper && index_fits(p, p.sparse.fwd, hm, hn)) {
     if (dt == DType::kF16) fwd_hopper<__half>(p, stream);
     else fwd_hopper<__nv_bfloat16>(p, stream);
     return;
@@ -288,10 +315,7 @@ void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const Fw
     if (p.sparse.on()) {
       int tm = 0, tn = 0;
       cuda_fwd_sparse_tiles_tc(p.d, &tm, &tn);
-      if (!index_fits(p, tm, tn)) {
-        throw std::runtime_error("attention fwd: the block-sparse tile index was built for another kernel's tiles "
-                                 "(the CUDA kernel selection changed during the call)");
-      }
+      if (!index_fits(p, p.sparse.fwd, tm, tn)) throw_foreign_index("attention fwd");
     }
     if (dt == DType::kF16) fwd_tc<__half>(p, stream);
     else fwd_tc<__nv_bfloat16>(p, stream);
@@ -343,13 +367,21 @@ void cuda_bwd(const SoftmaxBwdParams& p, DType dt, cudaStream_t stream) {
   }
 #if ATTN_HOPPER_BWD
   // implies tc and atomic_dq: q.dq_accum is the zeroed (B, H, Sq, bucket) scratch
-  if (use_hopper_bwd(p, dt)) {
+  const bool hopper = use_hopper_bwd(p, dt);
+  int hm = 0, hn = 0;
+  if (hopper && p.sparse.on()) hopper_bwd_tiles(p.d, &hm, &hn);
+  if (hopper && index_fits(p, p.sparse.bwd, hm, hn)) {
     if (dt == DType::kF16) bwd_hopper<__half>(q, stream);
     else bwd_hopper<__nv_bfloat16>(q, stream);
     return;
   }
 #endif
   if (tc) {
+    if (p.sparse.on()) {
+      int tm = 0, tn = 0;
+      bwd_sparse_tiles_tc(p.d, &tm, &tn);
+      if (!index_fits(p, p.sparse.bwd, tm, tn)) throw_foreign_index("attention bwd");
+    }
     if (dt == DType::kF16) bwd_tc<__half>(q, stream);
     else bwd_tc<__nv_bfloat16>(q, stream);
     return;

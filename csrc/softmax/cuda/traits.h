@@ -68,12 +68,12 @@ template <int kD>
 struct BwdHopperTraits;
 template <>
 struct BwdHopperTraits<64> {
-  static constexpr int kBlockM = 128, kStages = 2;
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <>
 struct BwdHopperTraits<128> {
-  static constexpr int kBlockM = 64, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 

@@ -66,6 +66,7 @@ struct BwdPlan {
   using Tr = BwdHopperTraits<kD>;
   static constexpr int kConsumerWGs = 2, kStages = Tr::kStages;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = 64 * kConsumerWGs;
+  static_assert(kBlockN == Tr::kBlockN, "the traits name the tiles (the block-sparse index's grid)");
   // the 64 x 64 dQ tile of consumer warpgroup cw: query block cw % kDqRowBlocks, column block
   // cw / kDqRowBlocks
   static constexpr int kDqRowBlocks = kBlockM / 64;
@@ -130,13 +131,29 @@ __device__ __forceinline__ void query_blocks(const Policy& pol, int len_q, int n
 
 using wg::opaque;
 
+// The query blocks of head h the CTA of key tile n_block walks: steps [*e_lo, *e_hi) (kSparse:
+// entries of the key tile's column of the CSC tile index, clipped to [m_lo, m_hi), query block
+// idx[e]; dense: the blocks themselves). The producer and both consumer warpgroups walk the same.
+template <bool kSparse>
+__device__ __forceinline__ void query_steps(const SoftmaxBwdParams& p, int h, int n_block, int m_lo, int m_hi,
+                                            int* e_lo, int* e_hi) {
+  *e_lo = m_lo;
+  *e_hi = m_hi;
+  if constexpr (kSparse) sparse_entries(p.sparse, p.sparse.bwd, h, n_block, m_lo, m_hi, e_lo, e_hi);
+}
+template <bool kSparse>
+__device__ __forceinline__ int query_block_of(const SoftmaxBwdParams& p, int step) {
+  if constexpr (kSparse) return int(p.sparse.bwd.idx[step]);
+  return step;
+}
+
 // Producer warpgroup: all 128 threads issue cp.async (ptid = 0..127). K and V once (one copy
 // group, published with the first query block's), then per (head, query block) one ring slot:
 // Q, dO, and the block's LSE and dot(dO, O) (kBlockM floats each, one or two per thread). Rows
 // past the
 // sequence end are zero-filled; their LSE / dot read 0, which only tiles that the consumers
 // check per element see (tile_full is false past len_q).
-template <typename T, int kD>
+template <typename T, int kD, bool kSparse>
 __device__ __forceinline__ void produce_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, int b, int hk,
                                             int n0, int rows_k, int m_lo, int m_hi, uint32_t base,
                                             int ptid) {
@@ -160,8 +177,10 @@ __device__ __forceinline__ void produce_bwd(const SoftmaxBwdParams& p, const Seq
     const T* dout = dout_ptr<T>(p, si, b, h, 0);
     const float* lse = p.lse + lse_index(p, si, b, h, 0);
     const float* dot = p.softmax_d + scratch_row(p, b, h, 0);
-    for (int m = m_lo; m < m_hi; ++m) {
-      const int m0 = m * P::kBlockM;
+    int e_lo, e_hi;
+    query_steps<kSparse>(p, h, n0 / P::kBlockN, m_lo, m_hi, &e_lo, &e_hi);
+    for (int e = e_lo; e < e_hi; ++e) {
+      const int m0 = query_block_of<kSparse>(p, e) * P::kBlockM;
       const int rows = min(P::kBlockM, si.len_q - m0);
       const uint32_t slot = uint32_t(pos.stage * TileQ::kBytes);
       // the per-thread addresses below are recomputed for every slot: hoisted out of the loops,
@@ -317,7 +336,7 @@ __device__ __forceinline__ void add_dq(const SoftmaxBwdParams& p, const SeqInfo&
 // kScore: the instantiation (BwdScore). Template parameters, not run-time flags: the general path's
 // registers made ptxas spill the plain kernel's loop (768 bytes at D = 128), and the dropout draw
 // the general one's (68 bytes).
-template <typename T, int kD, int kScore>
+template <typename T, int kD, int kScore, bool kSparse>
 __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const SeqInfo& si, Policy pol,
                                             int b, int hk, int n0, int m_lo, int m_hi,
                                             uint32_t base, int cw, int ctid) {
@@ -370,8 +389,13 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
       // the per-head fields of the policy (ALiBi's slope, the bias of this head; the window,
       // lengths and softcap are the group's)
       if constexpr (!kPlain) pol.set_score_head(p, b, h);
-      for (int m = m_lo; m < m_hi; ++m, ++it) {
-        const int m0 = m * P::kBlockM;
+      if constexpr (kSparse) pol.layout = p.sparse.head_layout(h);
+      int e_lo, e_hi;
+      query_steps<kSparse>(p, h, n0 / P::kBlockN, m_lo, m_hi, &e_lo, &e_hi);
+      for (int e = e_lo; e < e_hi; ++e, ++it) {
+        // a tile the index does not mark full checks the layout per element (grads_partial)
+        const bool layout_full = !kSparse || p.sparse.bwd.full[e] != 0;
+        const int m0 = query_block_of<kSparse>(p, e) * P::kBlockM;
         const uint64_t slot = uint64_t(pos.stage * TileQ::kBytes) >> 4;
         const uint32_t s_lse = base + P::kLse + pos.stage * P::kBlockM * 4;
         const uint32_t s_dot = base + P::kDot + pos.stage * P::kBlockM * 4;
@@ -396,7 +420,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
           issue_kt<T, kD>(acc_dp, desc_v, desc_do + sub);
 
           // ---- P^T while dP^T is still on the tensor cores, then dS^T
-          const bool full = kPlain && pol.tile_full(q0, q0 + 64, j0, j0 + 16);
+          const bool full = kPlain && layout_full && pol.tile_full(q0, q0 + 64, j0, j0 + 16);
           wg::wait<1>();  // S^T, and the previous sub-block's dV / dK, retired
           wg::fence_operands(acc_s);
           if (sb > 0) {
@@ -486,7 +510,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
   }
 }
 
-template <typename T, int kD, int kScore>
+template <typename T, int kD, int kScore, bool kSparse>
 __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
     bwd_kernel(const __grid_constant__ SoftmaxBwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -512,10 +536,10 @@ __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
   const int wg_idx = threadIdx.x / 128;
   if (wg_idx == 0) {
     wg::setmaxnreg_dec<P::Tr::kProducerRegs>();
-    if (m_lo < m_hi) produce_bwd<T, kD>(p, si, b, hk, n0, rows_k, m_lo, m_hi, base, threadIdx.x);
+    if (m_lo < m_hi) produce_bwd<T, kD, kSparse>(p, si, b, hk, n0, rows_k, m_lo, m_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume_bwd<T, kD, kScore>(p, si, pol, b, hk, n0, m_lo, m_hi, base, wg_idx - 1, threadIdx.x % 128);
+    consume_bwd<T, kD, kScore, kSparse>(p, si, pol, b, hk, n0, m_lo, m_hi, base, wg_idx - 1, threadIdx.x % 128);
   }
 #else
   // only sm_90a has wgmma; the dispatcher launches this kernel only where that code was built

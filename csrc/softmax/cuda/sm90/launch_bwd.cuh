@@ -3,6 +3,7 @@
 #pragma once
 
 #include <stdexcept>
+#include <type_traits>
 
 #include "softmax/cuda/sm90/bwd_kernel.cuh"
 #include "softmax/cuda/launchers.h"
@@ -21,10 +22,15 @@ void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   if (p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
     throw std::runtime_error("attention bwd (wgmma): dbias and deterministic mode are not supported");
   }
-  // the plain kernel (the default), and for hopper_bwd 2 the general one, with or without dropout
-  auto kernel = p.dropout_p > 0.f  ? hopper::bwd_kernel<T, kD, hopper::kPolicyDropout>
-                : score_is_plain(p) ? hopper::bwd_kernel<T, kD, hopper::kPlainScore>
-                                    : hopper::bwd_kernel<T, kD, hopper::kPolicyScore>;
+  // the plain kernel (the default), and for hopper_bwd 2 the general one, with or without
+  // dropout; each also walking a block-sparse CSC tile index at its own tiles (hopper_bwd 2)
+  auto pick = [&](auto sparse) {
+    constexpr bool kSparse = decltype(sparse)::value;
+    return p.dropout_p > 0.f  ? hopper::bwd_kernel<T, kD, hopper::kPolicyDropout, kSparse>
+           : score_is_plain(p) ? hopper::bwd_kernel<T, kD, hopper::kPlainScore, kSparse>
+                               : hopper::bwd_kernel<T, kD, hopper::kPolicyScore, kSparse>;
+  };
+  auto kernel = p.sparse.on() ? pick(std::true_type{}) : pick(std::false_type{});
   set_smem(kernel, P::kSmemBytes, "attention bwd (wgmma)");
   dim3 grid((p.sk + P::kBlockN - 1) / P::kBlockN, p.h_k, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);
