@@ -14,7 +14,7 @@
 //   rows        R = G * Sq packed rows as in kernel.cuh (row r: query head hk * G + r / Sq, query
 //               row r % Sq), 16 per pass (rows past R are zeros, their results dropped); more
 //               rows loop over blocks of 16, re-reading the split's keys from L2.
-//   keys        the split [a, e) (a multiple of 64 keys, kernel_common.h split_range) is dealt
+//   keys        the split [a, e) (a multiple of 64 keys, kernel_common.cuh split_range) is dealt
 //               to the warps in tiles of 16: warp w takes keys a + 64 t + 16 w + [0, 16). Each
 //               warp runs its own kStages-deep pipeline of (K, V) tiles in shared memory
 //               (SmemTile, swizzled), waited for with cp.async.wait_group and __syncwarp: the
