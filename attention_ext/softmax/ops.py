@@ -262,8 +262,8 @@ def set_cuda_kernels(hopper_fwd: int = 1, hopper_bwd: int = 1, tune_fwd: int = 0
                     masks, additive biases, dropout and block-sparse layouts (checked in the CPU
                     emulator only, no GPU run yet, so not the default)
         hopper_bwd  1 the sm_90a wgmma backward where it applies (the default, likewise), 0 off,
-                    2 also for softcap, ALiBi, bool masks, biases without dbias and dropout
-                    (likewise not yet run on a GPU)
+                    2 also for softcap, ALiBi, bool masks, biases with dbias, dropout and
+                    block-sparse layouts (likewise not yet run on a GPU)
         tune_fwd,   the -DATTN_TUNING candidate of the mma.sync forward / backward (0 = the
         tune_bwd    default kernel; a build without -DATTN_TUNING has only 0)
         force_simt  route every call to the SIMT kernels (the sm < 80 path)

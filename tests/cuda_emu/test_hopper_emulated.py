@@ -76,6 +76,8 @@ def _mask(kind):
     g = torch.Generator().manual_seed(3)
     if kind == "bias":
         return torch.randn(1, 2, 130, 150, generator=g)
+    if kind == "row_bias":  # broadcast over the query rows: dbias sums them (atomics)
+        return torch.randn(2, 1, 1, 150, generator=g)
     if kind == "key_mask":
         return torch.rand(2, 1, 1, 150, generator=g) > 0.3
     m = torch.rand(2, 1, 130, 150, generator=g) > 0.4
@@ -87,11 +89,15 @@ def _mask(kind):
                                dict(alibi=True, window=(40, 10), h_k=1), dict(mask="bias", h_k=1),
                                dict(mask="key_mask", window=(-1, 0)), dict(mask="bool_rows", softcap=4.0),
                                dict(dropout_p=0.2, seed=1234, offset=7),
-                               dict(dropout_p=0.3, seed=5, offset=0, window=(-1, 0), h_k=1, alibi=True)], ids=str)
+                               dict(dropout_p=0.3, seed=5, offset=0, window=(-1, 0), h_k=1, alibi=True),
+                               dict(mask="bias", bias_grad=True, h_k=1), dict(mask="row_bias", bias_grad=True,
+                                                                              window=(-1, 0), dropout_p=0.1, seed=3)],
+                         ids=str)
 def test_score_options(monkeypatch, hopper, o):
-    """hopper_fwd = hopper_bwd = 2: softcap, ALiBi, an additive bias (no dbias), bool masks and
-    dropout (the mma.sync kernels' Philox stream) on the wgmma forward and backward (every element
-    through the policy, GQA heads each with their own slope and bias); at 1 they stay on mma.sync."""
+    """hopper_fwd = hopper_bwd = 2: softcap, ALiBi, an additive bias and its gradient (also one
+    broadcast over the query rows: atomics), bool masks and dropout (the mma.sync kernels' Philox
+    stream) on the wgmma forward and backward (every element through the policy, GQA heads each
+    with their own slope and bias); at 1 they stay on mma.sync."""
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(11)
     kw = dict(o)

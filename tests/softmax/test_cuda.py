@@ -996,10 +996,10 @@ def test_hopper_falls_back(hopper_fwd, opt):
 @hopper
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("opt", ["alibi", "softcap", "bool_mask", "bias", "dropout"])
+@pytest.mark.parametrize("opt", ["alibi", "softcap", "bool_mask", "bias", "dropout", "bias_grad", "bias_row_bcast_grad"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_score_options(kernels, opt, heads, d, which):
-    """hopper_fwd = 2 / hopper_bwd = 2: softcap, ALiBi, bool masks, an additive bias (without its
+    """hopper_fwd = 2 / hopper_bwd = 2: softcap, ALiBi, bool masks, an additive bias (and its
     gradient) and dropout on the wgmma forward or backward (not yet the default); the other pass on
     mma.sync, so that the wgmma kernel that ran is the one named."""
     kernels(hopper_fwd=2 if which == "fwd" else 0, hopper_bwd=2 if which == "bwd" else 0)

@@ -88,7 +88,7 @@ bool use_tensor_cores_bwd(const SoftmaxBwdParams& p, DType dt) {
 
 // The scores the wgmma kernels evaluate at selection level `level` (hopper_fwd / hopper_bwd): the
 // plain policy at 1; at 2 any score through the policy, per element (softcap, ALiBi, an additive
-// bias, a bool mask; the backward without dbias: use_hopper_bwd) and dropout.
+// bias and its gradient, a bool mask) and dropout.
 bool hopper_scores_ok(const SoftmaxParams& p, int level) {
   return level >= 2 || (level >= 1 && !needs_general_kernel(p));
 }
@@ -146,12 +146,12 @@ bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
 // The wgmma backward takes a call when the selection allows it (hopper_bwd >= 1, 1 the default), the mma.sync
 // backward would take it with atomic dQ (use_tensor_cores_bwd, not deterministic: the wgmma
 // kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and its scores are the
-// selection's (hopper_scores_ok, as for use_hopper_fwd), with no dbias and no block-sparse layout
-// (sinks only touch the LSE it reads and dsinks, which the preprocess computes).
+// selection's (hopper_scores_ok, as for use_hopper_fwd; at 2 with dbias and block-sparse layouts
+// too; sinks only touch the LSE it reads and dsinks, which the preprocess computes).
 [[maybe_unused]] bool use_hopper_bwd(const SoftmaxBwdParams& p, DType dt) {
   if (!ATTN_HOPPER_BWD || !hopper_scores_ok(p, g_hopper_bwd.load(std::memory_order_relaxed))) return false;
   if (p.d > 128 || !hdim_compiled(bucket_for_head_dim(p.d))) return false;
-  if (p.dbias != nullptr || p.deterministic) return false;
+  if (p.deterministic) return false;  // (dbias implies a bias: level 2 only, by hopper_scores_ok)
   // block-sparse layouts at level 2, through a CSC tile index at the wgmma kernel's tiles
   if (p.sparse.on() && (g_hopper_bwd.load(std::memory_order_relaxed) < 2 || p.topk_thr != nullptr)) return false;
   return use_tensor_cores_bwd(p, dt) && device_sm() == 90;

@@ -5,10 +5,10 @@
 // zero-filled), MHA/GQA/MQA, strided (B, H, S, D) / (B, S, H, D) views, seqlens_k, varlen, ragged
 // tails, causal (top-left / bottom-right) and sliding windows through the shared Policy, and sinks
 // (they only change the LSE, which this kernel reads, and dsinks, which the preprocess kernel
-// computes for every path); softcap, ALiBi, an additive bias (without its gradient), bool masks
-// and dropout when hopper_bwd 2 selects them (use_hopper_bwd: every tile through bwd_point, the
-// dropout factor drawn per element). Deterministic mode and dbias stay on the mma.sync kernels
-// (bwd_kernel.cuh).
+// computes for every path); softcap, ALiBi, an additive bias and its gradient dbias, bool masks,
+// dropout and block-sparse layouts when hopper_bwd 2 selects them (use_hopper_bwd: every tile
+// through bwd_point, the dropout factor drawn and dS stored to dbias per element). Deterministic
+// mode stays on the mma.sync kernels (bwd_kernel.cuh).
 //
 // The math is bwd_kernel.cuh's dkdv_kernel, on 128-key blocks split over two warpgroups:
 // One CTA per (kBlockN = 128 keys, kv head, batch), 384 threads in warpgroups with one role each:
@@ -274,18 +274,20 @@ __device__ __forceinline__ void dscores_full(const float (&s)[4 * kQT], float (&
 
 // The backward's instantiations by what a call's scores need (launch_bwd.cuh picks): the plain
 // policy (the default kernel: full tiles branch-free); any score through the policy (softcap,
-// ALiBi, a bias or bool mask: every tile per element); the same with the forward's dropout drawn.
-enum BwdScore { kPlainScore = 0, kPolicyScore = 1, kPolicyDropout = 2 };
+// ALiBi, a bias or bool mask: every tile per element); the same drawing the forward's dropout
+// and / or writing dbias (each when the call has it).
+enum BwdScore { kPlainScore = 0, kPolicyScore = 1, kPolicyHeavy = 2 };
 
 // A tile the window or a sequence end cuts, or any tile of a score that is not plain (softcap,
 // ALiBi, a bias or mask) or of a call with dropout: P^T into s and dS^T into dp through bwd_point,
 // checked per element, exactly dkdv_kernel's per-element math. i0 / j0: the tile's first query /
-// key. kDrop: draw the forward's dropout factor z (bh: batch * H + head, rdrop = 1 / (1 - p)).
-template <int kQT, bool kDrop>
+// key; (b, h) the batch entry and head. kHeavy: draw the forward's dropout factor z when the call
+// has dropout (rdrop = 1 / (1 - p)), and write dS to dbias when it asks for it.
+template <int kQT, bool kHeavy>
 __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4 * kQT],
                                               const SoftmaxBwdParams& p, const Policy& pol, bool plain,
-                                              uint32_t s_lse, uint32_t s_dot, float scale, int bh, float rdrop,
-                                              int i0, int j0, int lane) {
+                                              uint32_t s_lse, uint32_t s_dot, float scale, int b, int h,
+                                              float rdrop, int i0, int j0, int lane) {
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int t = 0; t < kQT; ++t) {
@@ -296,9 +298,10 @@ __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = i0 + 8 * t + 2 * c + (e & 1), j = j0 + g + (e >> 1) * 8;
-      const float z = kDrop ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
+      const float z = kHeavy && p.dropout_p > 0.f ? dropout_scale(p, b * p.h + h, i, j, rdrop) : 1.f;
       const BwdPoint bp = bwd_point(pol, plain, true, scale, s[4 * t + e], dp[4 * t + e], l2[e & 1],
                                     dsum[e & 1], z, i, j);
+      if (kHeavy && p.dbias != nullptr && i < pol.len_q && j < pol.len_k) store_dbias(p, b, h, i, j, bp.ds);
       s[4 * t + e] = bp.pd;
       dp[4 * t + e] = bp.dx;
     }
@@ -377,7 +380,7 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
                                                   TileKV::kBlockBytes, 1024);
     const float scale_log2 = p.scale * kLog2e;
     constexpr bool kPlain = kScore == kPlainScore;
-    const float rdrop = kScore == kPolicyDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+    const float rdrop = kScore == kPolicyHeavy && p.dropout_p > 0.f ? 1.f / (1.f - p.dropout_p) : 1.f;
     const int group = p.h / p.h_k;
     const int j0 = n0 + wk;
 
@@ -435,8 +438,8 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
           if (full) {
             dscores_full<kQT>(acc_s, acc_dp, s_dot + sb * 64 * 4, p.scale, c);
           } else {
-            grads_partial<kQT, kScore == kPolicyDropout>(acc_s, acc_dp, p, pol, kPlain, s_lse + sb * 64 * 4, s_dot + sb * 64 * 4,
-                                        p.scale, b * p.h + h, rdrop, q0, j0, lane);
+            grads_partial<kQT, kScore == kPolicyHeavy>(acc_s, acc_dp, p, pol, kPlain, s_lse + sb * 64 * 4,
+                                                       s_dot + sb * 64 * 4, p.scale, b, h, rdrop, q0, j0, lane);
           }
 
           // ---- P^T, dS^T packed to 16 bits as A fragments (n-tiles 2 kk, 2 kk + 1 -> k-step kk):

@@ -17,16 +17,15 @@ template <typename T, int kD>
 void run_bwd_hopper(const SoftmaxBwdParams& p, cudaStream_t stream) {
   using P = hopper::BwdPlan<kD>;
   check_grid(p.h_k, p.b, "attention bwd (wgmma)");
-  // the kernel evaluates any score through the policy and adds dQ atomically, but writes no
-  // dbias; use_hopper_bwd() never sends those here
-  if (p.dbias != nullptr || p.deterministic || p.dq_accum == nullptr) {
-    throw std::runtime_error("attention bwd (wgmma): dbias and deterministic mode are not supported");
+  // the kernel adds dQ atomically; use_hopper_bwd() never sends a deterministic call here
+  if (p.deterministic || p.dq_accum == nullptr) {
+    throw std::runtime_error("attention bwd (wgmma): deterministic mode is not supported");
   }
-  // the plain kernel (the default), and for hopper_bwd 2 the general one, with or without
-  // dropout; each also walking a block-sparse CSC tile index at its own tiles (hopper_bwd 2)
+  // the plain kernel (the default), and for hopper_bwd 2 the general one, without or with
+  // dropout / dbias; each also walking a block-sparse CSC tile index at its own tiles (hopper_bwd 2)
   auto pick = [&](auto sparse) {
     constexpr bool kSparse = decltype(sparse)::value;
-    return p.dropout_p > 0.f  ? hopper::bwd_kernel<T, kD, hopper::kPolicyDropout, kSparse>
+    return p.dropout_p > 0.f || p.dbias != nullptr ? hopper::bwd_kernel<T, kD, hopper::kPolicyHeavy, kSparse>
            : score_is_plain(p) ? hopper::bwd_kernel<T, kD, hopper::kPlainScore, kSparse>
                                : hopper::bwd_kernel<T, kD, hopper::kPolicyScore, kSparse>;
   };
