@@ -45,23 +45,20 @@ void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, c
   float* pl = splits > 1 ? part_lse : nullptr;
   bool mma = false;
   // the tensor-core kernel for fp16 / bf16 at head dims up to 128 (at 256 its 16 x 256 fp32
-  // accumulator per warp leaves ptxas too few registers: it spills, so those calls stay on CUDA cores)
-  constexpr bool kMmaShape = sizeof(E) == 2 && kD <= 128;
-  // (and on devices whose blocks may take its shared memory: not sm_86 / sm_89 at kD = 128)
-  if constexpr (kMmaShape) {
-    mma = vec_ok && g_tensor_cores.load(std::memory_order_relaxed) &&
-          device_max_smem_optin() >= decode_cuda::MmaTraits<kD>::kSmemBytes;
-  }
-  if constexpr (kMmaShape) {
+  // accumulator per warp leaves ptxas too few registers: it spills, so those calls stay on CUDA
+  // cores), on devices whose blocks may take its shared memory (not sm_86 / sm_89 at kD = 128)
+  if constexpr (sizeof(E) == 2 && kD <= 128) {
+    constexpr int smem = decode_cuda::MmaTraits<kD>::kSmemBytes;
+    mma = vec_ok && g_tensor_cores.load(std::memory_order_relaxed) && device_max_smem_optin() >= smem;
     if (mma) {
       auto kernel = &decode_cuda::decode_mma_kernel<E, kD>;
-      constexpr int smem = decode_cuda::MmaTraits<kD>::kSmemBytes;
       set_smem(kernel, smem, kWhat);
       ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kMmaThreads), smem, stream)(p, splits, po, pl);
     }
   }
   if (!mma) {
-    // fp32 at kD = 256 takes 4 rows per pass at any row count: 8 rows spill on sm_80 (255 registers)
+    // fp32 at kD = 256 takes 4 rows per pass at any row count: 8 rows spill on sm_80 (255
+    // registers), so that instantiation is never made (the second operand names 4 for it too)
     constexpr bool kNarrow = sizeof(E) == 4 && kD == 256;
     auto kernel = rows <= 4 || kNarrow ? &decode_cuda::decode_kernel<E, kD, 4>
                                        : &decode_cuda::decode_kernel<E, kD, kNarrow ? 4 : 8>;
