@@ -5,6 +5,7 @@
     out = ae.scaled_dot_product_attention(q, k, v, is_causal=True)  # SDPA drop-in
     out = ae.flash_attn_func(q, k, v, causal=True)               # flash-attn drop-in
     out = ae.linear_attention(q, k, v, causal=True)              # linearized attention
+    out = ae.delta_rule_attention(q, k, v, beta, gate=g)         # (Gated) DeltaNet, KDA
     out = ae.block_sparse_attention(q, k, v, layout)             # block-sparse (attention_ext.sparse)
     out = ae.lsh_attention(qk, v, n_buckets=8)                   # Reformer's LSH attention
     out = ae.linformer_attention(q, k, v, proj_k)                # Linformer
@@ -29,7 +30,13 @@ from .compat import (  # noqa: E402
     scaled_dot_product_attention,
 )
 from ._ext import cpu_isa, cpu_isas, empty_cpu_cache, set_cpu_isa  # noqa: E402
-from .linear import LinearAttentionState, linear_attention, linear_attention_step  # noqa: E402
+from .linear import (  # noqa: E402
+    LinearAttentionState,
+    delta_rule_attention,
+    delta_rule_step,
+    linear_attention,
+    linear_attention_step,
+)
 from .softmax import attention, attention_weights, dropout_mask, linformer_attention  # noqa: E402
 from .sparse import block_sparse_attention, lsh_attention, topk_attention  # noqa: E402
 
@@ -55,6 +62,8 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "LinearAttentionState",
+    "delta_rule_attention",
+    "delta_rule_step",
     "block_sparse_attention",
     "topk_attention",
     "linformer_attention",

@@ -230,3 +230,113 @@ def linear_step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Opti
         outs.append(o)
     out = torch.stack(outs, 2) if outs else q.new_empty(b, h, 0, dv, dtype=sdt)  # (B, H, T, Dv)
     return out.to(q.dtype), s_, z
+
+
+# ---------------------------------------------------------------------------------- the delta rule
+def _l2n(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the delta rule's qk_l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _delta_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor], scale: float,
+                 h0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The recurrence on one padded batch, q / k already (B, H_v, S, K) and normalized."""
+    b, hv, s, kd = q.shape
+    h = torch.zeros(b, hv, kd, v.shape[-1], dtype=q.dtype, device=q.device) if h0 is None else h0.to(q.dtype)
+    outs = []
+    for t in range(s):
+        if gate is not None:
+            g = gate[:, :, t]
+            a = torch.exp(g)
+            h = h * (a.unsqueeze(-1) if g.dim() == 3 else a[..., None, None])
+        kt = k[:, :, t]
+        u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", h, kt))
+        h = h + kt.unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", h, q[:, :, t] * scale))
+    out = torch.stack(outs, 2) if outs else v.new_zeros(b, hv, 0, v.shape[-1])
+    return out, h
+
+
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None, scale: Optional[float] = None,
+               initial_state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
+               qk_l2norm: bool = False) -> Tuple[Tensor, Tensor]:
+    """The delta rule by its recurrence, token by token (the oracle, and the fallback where no
+    kernel runs): per value head, with q / k shared by H_v / H_k value heads,
+
+        h' = Diag(exp(g_t)) h_{t-1};  u_t = beta_t (v_t - h'^T k_t);  h_t = h' + k_t u_t^T;
+        o_t = h_t^T (scale q_t)
+
+    (DeltaNet without gate; Gated DeltaNet with gate (B, H_v, S); KDA with gate (B, H_v, S, K)).
+    q, k (B, H_k, S, K), v (B, H_v, S, V), beta (B, H_v, S); computed in float32 (float64 for
+    float64 inputs). Returns out (B, H_v, S, V) in q's dtype and the final state (N, H_v, K, V)
+    in the compute dtype; with cu_seqlens (B = 1) each sequence starts from its own
+    initial_state[n] (or zeros) and returns its own state."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    hk, hv = q.shape[1], v.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = q.to(acc), k.to(acc)
+    if qk_l2norm:
+        qf, kf = _l2n(qf), _l2n(kf)
+    if hv != hk:
+        qf, kf = (t.repeat_interleave(hv // hk, dim=1) for t in (qf, kf))
+    vf, bf = v.to(acc), beta.to(acc)
+    gf = gate.to(acc) if gate is not None else None
+    if cu_seqlens is None:
+        out, state = _delta_dense(qf, kf, vf, bf, gf, scale, initial_state)
+        return out.to(q.dtype), state
+    cu = [int(x) for x in cu_seqlens]
+    out = vf.new_zeros(vf.shape)
+    states = []
+    for n in range(len(cu) - 1):
+        a, e = cu[n], cu[n + 1]
+        h0 = initial_state[n:n + 1] if initial_state is not None else None
+        o, st = _delta_dense(qf[:, :, a:e], kf[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e],
+                             gf[:, :, a:e] if gf is not None else None, scale, h0)
+        out[:, :, a:e] = o
+        states.append(st)
+    return out.to(q.dtype), torch.cat(states, 0)
+
+
+def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
+                       scale: Optional[float] = None, chunk: int = 64) -> Tuple[Tensor, Tensor]:
+    """DeltaNet / Gated DeltaNet (gate (B, H, S), scalar per head) in the chunked form (the WY /
+    UT representation of Yang et al., 2024), the way a user writes it in PyTorch: the CPU
+    benchmark's peer, in the inputs' dtype. Per chunk of C tokens with cumulative log-gate G and
+    Gam_ij = exp(G_i - G_j) (i >= j):
+
+        T = (I + tril(diag(beta) K K^T * Gam, -1))^-1 diag(beta)   (a triangular solve)
+        U = T V - T diag(exp(G)) K h0;  O = diag(exp(G)) Q h0 + (tril(Q K^T * Gam)) U
+        h = exp(G_C) h0 + (K * exp(G_C - G))^T U
+
+    q, k (B, H, S, K) (no GQA), v (B, H, S, V). Like every chunked form it subtracts cumulative
+    log-gates, so a hard reset (-inf) gives NaN: the recurrent kernels exist for that."""
+    b, h, s, kd = q.shape
+    scale = kd ** -0.5 if scale is None else scale
+    dv = v.shape[-1]
+    state = q.new_zeros(b, h, kd, dv)
+    outs = []
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    for c0 in range(0, s, chunk):
+        c1 = min(c0 + chunk, s)
+        n = c1 - c0
+        qc, kc, vc, bc = q[:, :, c0:c1] * scale, k[:, :, c0:c1], v[:, :, c0:c1], beta[:, :, c0:c1]
+        if gate is not None:
+            g = gate[:, :, c0:c1].cumsum(-1)
+            gam = torch.exp(g[..., :, None] - g[..., None, :]).tril()
+            eg = torch.exp(g)
+        else:
+            gam = torch.ones(n, n, dtype=q.dtype, device=q.device).tril()
+            eg = None
+        kk = kc @ kc.transpose(-1, -2)
+        a = (bc[..., :, None] * kk * gam).tril(-1)
+        t_mat = torch.linalg.solve_triangular(eye[:n, :n] + a, torch.diag_embed(bc), upper=False, unitriangular=True)
+        kg = kc * eg[..., None] if eg is not None else kc
+        u = t_mat @ vc - (t_mat @ kg) @ state
+        qg = qc * eg[..., None] if eg is not None else qc
+        outs.append(qg @ state + ((qc @ kc.transpose(-1, -2)) * gam) @ u)
+        if eg is not None:
+            last = g[..., -1:]
+            state = torch.exp(last)[..., None] * state + (kc * torch.exp(last - g)[..., None]).transpose(-1, -2) @ u
+        else:
+            state = state + kc.transpose(-1, -2) @ u
+    return torch.cat(outs, 2), state

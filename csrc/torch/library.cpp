@@ -29,6 +29,7 @@
 #endif
 #include "torch/decode_binding.h"   // ATTN_DECODE_SCHEMA
 #include "torch/linear_binding.h"   // ATTN_LINEAR_OPTIONS_SCHEMA
+#include "torch/delta_binding.h"    // ATTN_DELTA_OPTIONS_SCHEMA
 #include "torch/softmax_binding.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
 
 namespace {
@@ -326,6 +327,11 @@ TORCH_LIBRARY(attention_ext, m) {
   // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale) -> Tensor");
+  // the delta rule (DeltaNet, Gated DeltaNet, KDA), in the linear family: delta_binding.h
+  m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
+  m.def("delta_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor beta"
+        ATTN_DELTA_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("delta_check(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA ") -> ()");
   // decode family: attention of a few query rows over a (paged) KV cache, forward only
   m.def(ATTN_DECODE_SCHEMA);
   m.def("decode_check" ATTN_DECODE_ARGS_SCHEMA " -> ()");

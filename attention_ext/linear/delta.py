@@ -1,0 +1,178 @@
+"""The delta rule (DeltaNet, Gated DeltaNet, Kimi Delta Attention) in the linear family: the
+custom ops torch.ops.attention_ext.{delta_fwd, delta_bwd} with their autograd, and the public
+functions delta_rule_attention / delta_rule_step.
+
+    delta_fwd(q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale, qk_l2norm)
+        -> (out, final_state)
+    delta_bwd(dout, dfinal_state?, q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale,
+              qk_l2norm) -> (dq, dk, dv, dbeta, dgate, dinitial_state)
+
+The math is reference.delta_rule's (common/delta_params.h in C++). The input rules, the Meta
+kernels and the check-only op delta_check are C++ (csrc/torch/delta_binding.*); this module adds
+the layout handling, the defaults, `register_autograd`, and the PyTorch recurrence on devices
+with no kernel (CUDA today).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .._args import layout_mismatch, not_a_tensor
+from .._ext import HAS_EXT, registered
+from . import reference
+
+HAS_OP = HAS_EXT and hasattr(torch.ops.attention_ext, "delta_fwd")
+_KERNELS = {dev: HAS_OP and registered("attention_ext::delta_fwd", key) for dev, key in (("cpu", "CPU"),
+                                                                                         ("cuda", "CUDA"))}
+FWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_fwd.default._schema.arguments) if HAS_OP else ()
+BWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_bwd.default._schema.arguments) if HAS_OP else ()
+_GRAD_INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
+
+
+def has_kernel(device: torch.device) -> bool:
+    """True when a compiled delta-rule kernel serves tensors on `device` (the CPU: every dtype,
+    float64 included)."""
+    return _KERNELS.get(device.type, False)
+
+
+def _call(op: str, names, a: dict):
+    return getattr(torch.ops.attention_ext, op)(*[a[n] for n in names])
+
+
+if HAS_OP:
+
+    def _setup_context(ctx, inputs, output):
+        a = dict(zip(FWD_ARGS, inputs))
+        ctx.set_materialize_grads(False)  # an unused final_state gives dfinal_state None
+        ctx.need = {n: ctx.needs_input_grad[FWD_ARGS.index(n)] for n in _GRAD_INPUTS}
+        if not any(ctx.need.values()):
+            return
+        ctx.scalars = {n: a[n] for n in ("scale", "qk_l2norm")}
+        ctx.save_for_backward(a["q"], a["k"], a["v"], a["beta"], a["gate"], a["initial_state"], a["cu_seqlens"])
+
+    def _backward(ctx, dout, dfinal_state):
+        if not any(ctx.need.values()):
+            return (None,) * len(FWD_ARGS)
+        q, k, v, beta, gate, initial_state, cu_seqlens = ctx.saved_tensors
+        if dout is None:  # only the final state reached the loss
+            dout = v.new_zeros(q.shape[0], v.shape[1], q.shape[2], v.shape[3])
+        elif dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        if dfinal_state is not None:
+            dfinal_state = dfinal_state.contiguous()
+        a = dict(ctx.scalars, dout=dout, dfinal_state=dfinal_state, q=q, k=k, v=v, beta=beta, gate=gate,
+                 initial_state=initial_state, cu_seqlens=cu_seqlens)
+        dq, dk, dv, dbeta, dgate, dinit = _call("delta_bwd", BWD_ARGS, a)
+        grads = dict(q=dq, k=dk, v=dv, beta=dbeta, gate=dgate if gate is not None else None,
+                     initial_state=dinit if initial_state is not None else None)
+        return tuple(grads[n] if n in grads and ctx.need[n] else None for n in FWD_ARGS)
+
+    torch.library.register_autograd("attention_ext::delta_fwd", _backward, setup_context=_setup_context)
+
+
+def _side(name: str, t) -> Optional[Tensor]:
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise not_a_tensor(name, t, "delta_rule_attention(): ")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def delta_rule_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    gate: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    layout: str = "bhsd",
+    qk_l2norm: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """The delta rule over a whole sequence: DeltaNet (no gate), Gated DeltaNet (gate (B, H_v, S))
+    or Kimi Delta Attention (gate (B, H_v, S, K)). Per value head, with state h (K, V):
+
+        h' = Diag(exp(g_t)) h_{t-1};  u_t = beta_t (v_t - h'^T k_t);  h_t = h' + k_t u_t^T
+        o_t = h_t^T (scale q_t)
+
+    Args:
+        q, k: (B, H_k, S, K), or (B, S, H_k, K) with layout="bshd".
+        v: (B, H_v, S, V) in the same layout; H_v a multiple of H_k (q and k are shared by
+            H_v / H_k value heads, Gated DeltaNet's grouped values).
+        beta: (B, H_v, S), the write strength (usually a sigmoid), always (B, H_v, S) whatever
+            the layout; q's dtype or float32.
+        gate: log-gates (<= 0 decays; -inf is an exact hard reset, e.g. at a document start):
+            (B, H_v, S) per head, or (B, H_v, S, K) per key channel (KDA); q's dtype or float32.
+        scale: multiplies q; None = K ** -0.5.
+        initial_state: (N, H_v, K, V) float32 (float64 for float64 inputs), N = B, or the
+            number of sequences with cu_seqlens.
+        return_state: also return the final state, (N, H_v, K, V), float32 (float64).
+        cu_seqlens: (N + 1) int32 offsets of sequences packed in one B = 1 batch; none sees
+            another, each has its own initial and final state.
+        qk_l2norm: L2-normalize q and k over K first (x / sqrt(sum x^2 + 1e-6)), with its
+            gradient.
+
+    Returns out (B, H_v, S, V) in q's layout and dtype (and the final state). Differentiable in
+    q, k, v, beta, gate and initial_state. The CPU runs compiled kernels (docs/api.md); other
+    devices run the PyTorch recurrence (reference.delta_rule).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t, "delta_rule_attention(): ")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"delta_rule_attention(): layout must be 'bhsd' or 'bshd', got {layout!r}")
+    q0, k0, v0 = q, k, v
+    if layout == "bshd" and q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views, no copy
+    beta = _side("beta", beta)
+    gate = _side("gate", gate)
+    initial_state = _side("initial_state", initial_state)
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, Tensor):
+            raise not_a_tensor("cu_seqlens", cu_seqlens, "delta_rule_attention(): ")
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
+    a = dict(q=q, k=k, v=v, beta=beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+             scale=float(scale), qk_l2norm=bool(qk_l2norm))
+    try:
+        if has_kernel(q.device):
+            out, state = _call("delta_fwd", FWD_ARGS, a)
+        else:
+            if HAS_OP:  # the op's own input rules, then the PyTorch recurrence
+                _call("delta_check", FWD_ARGS, a)
+            out, state = reference.delta_rule(q, k, v, beta, gate, float(scale), initial_state, cu_seqlens,
+                                              bool(qk_l2norm))
+    except ValueError as e:  # name `layout` where the shapes prove a bhsd / bshd mix-up
+        mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True)
+        if mix is not None:
+            raise mix from e
+        raise
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return (out, state) if return_state else out
+
+
+def delta_rule_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    state: Optional[Tensor],
+    *,
+    gate: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    qk_l2norm: bool = False,
+    layout: str = "bhsd",
+) -> Tuple[Tensor, Tensor]:
+    """T >= 1 new tokens from `state` (generation): q, k (B, H_k, T, K), v (B, H_v, T, V),
+    beta (B, H_v, T), gate as delta_rule_attention's with T positions, state (B, H_v, K, V)
+    float32 (None = zeros). Returns (out (B, H_v, T, V), new_state); the input state is not
+    modified. A prefill's final state followed by steps equals the whole sequence."""
+    return delta_rule_attention(q, k, v, beta, gate=gate, scale=scale, initial_state=state, return_state=True,
+                                layout=layout, qk_l2norm=qk_l2norm)

@@ -1,0 +1,78 @@
+// The torch side of the delta-rule ops (the `linear` family): input checks with clear messages,
+// output allocation, tensors -> attn::DeltaParams. The rules are stated here once; the CPU
+// kernels, the Meta kernels and the check-only op (the Python reference's check) all run them.
+//
+// Op schema (registered in library.cpp):
+//   delta_fwd(q, k, v, beta, <options>) -> (out, final_state)
+//   delta_bwd(dout, dfinal_state?, q, k, v, beta, <options>)
+//       -> (dq, dk, dv, dbeta, dgate, dinitial_state)
+//   delta_check(q, k, v, beta, <options>) -> ()
+//   <options> = gate?, initial_state?, cu_seqlens?, scale, qk_l2norm
+// q, k (B, H_k, S, K), v (B, H_v, S, V) through strides (last dim stride 1); beta (B, H_v, S),
+// gate (B, H_v, S) or (B, H_v, S, K); states (B or the varlen sequences, H_v, K, V) in float32
+// (float64 for float64 inputs). common/delta_params.h states the math.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "common/delta_params.h"
+
+#define ATTN_DELTA_OPTIONS(X)                                                                         \
+  X("Tensor?", const std::optional<at::Tensor>&, gate)                                                \
+  X("Tensor?", const std::optional<at::Tensor>&, initial_state)                                       \
+  X("Tensor?", const std::optional<at::Tensor>&, cu_seqlens) X("float", double, scale) X("bool", bool, qk_l2norm)
+
+#define ATTN_DELTA_OPTION_SCHEMA_(s, t, n) ", " s " " #n
+#define ATTN_DELTA_OPTION_PARAM_(s, t, n) , t n
+#define ATTN_DELTA_OPTION_ARG_(s, t, n) n,
+#define ATTN_DELTA_OPTION_FIELD_(s, t, n) std::decay_t<t> n;
+#define ATTN_DELTA_OPTIONS_SCHEMA ATTN_DELTA_OPTIONS(ATTN_DELTA_OPTION_SCHEMA_)
+#define ATTN_DELTA_OPTIONS_PARAMS ATTN_DELTA_OPTIONS(ATTN_DELTA_OPTION_PARAM_)
+#define ATTN_DELTA_MAKE_OPTIONS() ::attn::api::DeltaOptions{ATTN_DELTA_OPTIONS(ATTN_DELTA_OPTION_ARG_)}
+
+namespace attn {
+namespace api {
+
+struct DeltaOptions {
+  ATTN_DELTA_OPTIONS(ATTN_DELTA_OPTION_FIELD_)
+};
+
+// The L2 norm's epsilon under the square root (qk_l2norm), as the published layers use.
+inline constexpr double kDeltaL2Eps = 1e-6;
+
+// Checks q, k, v, beta and the options; throws c10::Error naming the bad argument.
+void check_delta_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                        const DeltaOptions& o);
+// The backward's extra inputs.
+void check_delta_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
+                            const at::Tensor& q, const at::Tensor& v, const DeltaOptions& o);
+
+// out (B, H_v, S, V) in q's layout and dtype, final_state (B or sequences, H_v, K, V) in the
+// accumulation dtype. Both may be meta / symbolic (the Meta kernels use them too).
+std::tuple<at::Tensor, at::Tensor> alloc_delta_outputs(const at::Tensor& q, const at::Tensor& v,
+                                                       const DeltaOptions& o);
+
+template <typename Acc>
+DeltaParamsT<Acc> make_delta_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& beta, const at::Tensor& out, const at::Tensor& final_state,
+                                    const DeltaOptions& o);
+
+struct DeltaGrads {
+  at::Tensor dq, dk, dv, dbeta, dgate, dinit_state;
+};
+// like their inputs (dgate, dinit_state (0) tensors when the input is absent); zeros where no
+// kernel writes (a varlen pack's tail, empty calls)
+DeltaGrads alloc_delta_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                             const DeltaOptions& o);
+
+template <typename Acc>
+DeltaBwdParamsT<Acc> make_delta_bwd_params(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
+                                           const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& beta, const DeltaOptions& o, DeltaGrads& g);
+
+}  // namespace api
+}  // namespace attn

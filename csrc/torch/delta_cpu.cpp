@@ -1,0 +1,73 @@
+// CPU registration of the delta-rule ops: attention_ext::delta_fwd / delta_bwd on the CPU
+// kernels (csrc/linear/cpu/delta.cpp), float64 included.
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "linear/cpu/entry.h"
+#include "torch/delta_binding.h"
+
+namespace {
+
+using at::Tensor;
+
+std::tuple<Tensor, Tensor> delta_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
+  attn::api::check_delta_inputs(q, k, v, beta, o);
+  auto [out, state] = attn::api::alloc_delta_outputs(q, v, o);
+  if (o.cu_seqlens.has_value() || out.numel() == 0) out.zero_();  // rows no sequence owns
+  if (q.size(2) == 0 || q.numel() == 0 || v.numel() == 0) {
+    if (o.initial_state.has_value()) {
+      state.copy_(*o.initial_state);
+    } else {
+      state.zero_();
+    }
+    if (q.numel() == 0 || q.size(2) == 0 || state.numel() == 0) return {out, state};
+  }
+  if (q.scalar_type() == at::kDouble) {
+    attn::cpu::delta_fwd_stub<double>(attn::api::make_delta_params<double>(q, k, v, beta, out, state, o));
+  } else {
+    attn::cpu::delta_fwd_stub<float>(attn::api::make_delta_params<float>(q, k, v, beta, out, state, o));
+  }
+  return {out, state};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cpu(const Tensor& dout,
+                                                                         const std::optional<Tensor>& dfinal_state,
+                                                                         const Tensor& q, const Tensor& k,
+                                                                         const Tensor& v,
+                                                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
+  attn::api::check_delta_inputs(q, k, v, beta, o);
+  attn::api::check_delta_bwd_inputs(dout, dfinal_state, q, v, o);
+  attn::api::DeltaGrads g = attn::api::alloc_delta_grads(q, k, v, beta, o);
+  const bool empty = q.numel() == 0 || v.numel() == 0 || q.size(2) == 0;
+  if (o.cu_seqlens.has_value() || empty) {  // rows no sequence owns; empty calls
+    for (Tensor* t : {&g.dq, &g.dk, &g.dv, &g.dbeta, &g.dgate}) t->zero_();
+  }
+  if (empty) {
+    if (o.initial_state.has_value()) {  // an empty sequence passes the state through
+      if (dfinal_state.has_value()) {
+        g.dinit_state.copy_(*dfinal_state);
+      } else {
+        g.dinit_state.zero_();
+      }
+    }
+    return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
+  }
+  if (q.scalar_type() == at::kDouble) {
+    attn::cpu::delta_bwd_stub<double>(attn::api::make_delta_bwd_params<double>(dout, dfinal_state, q, k, v, beta, o, g));
+  } else {
+    attn::cpu::delta_bwd_stub<float>(attn::api::make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g));
+  }
+  return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
+  m.impl("delta_fwd", &delta_fwd_cpu);
+  m.impl("delta_bwd", &delta_bwd_cpu);
+}

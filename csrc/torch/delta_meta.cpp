@@ -1,0 +1,45 @@
+// Meta kernels of the delta-rule ops and the check-only op delta_check: the ops' own C++ input
+// checks (delta_binding.cpp, sizes as SymInts), then outputs of the right shapes, dtypes and
+// layouts, as linear_meta.cpp does for linear attention.
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "torch/delta_binding.h"
+
+namespace {
+
+using at::Tensor;
+
+std::tuple<Tensor, Tensor> delta_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
+  attn::api::check_delta_inputs(q, k, v, beta, o);
+  return attn::api::alloc_delta_outputs(q, v, o);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_meta(const Tensor& dout,
+                                                                          const std::optional<Tensor>& dfinal_state,
+                                                                          const Tensor& q, const Tensor& k,
+                                                                          const Tensor& v,
+                                                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
+  attn::api::check_delta_inputs(q, k, v, beta, o);
+  attn::api::check_delta_bwd_inputs(dout, dfinal_state, q, v, o);
+  attn::api::DeltaGrads g = attn::api::alloc_delta_grads(q, k, v, beta, o);
+  return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
+}
+
+void delta_check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  attn::api::check_delta_inputs(q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, Meta, m) {
+  m.impl("delta_fwd", &delta_fwd_meta);
+  m.impl("delta_bwd", &delta_bwd_meta);
+}
+
+TORCH_LIBRARY_IMPL(attention_ext, CompositeExplicitAutograd, m) { m.impl("delta_check", &delta_check); }
