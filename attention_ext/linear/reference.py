@@ -259,7 +259,7 @@ def _delta_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[T
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None, scale: Optional[float] = None,
                initial_state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-               qk_l2norm: bool = False) -> Tuple[Tensor, Tensor]:
+               qk_l2norm: bool = False, acc: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
     """The delta rule by its recurrence, token by token (the oracle, and the fallback where no
     kernel runs): per value head, with q / k shared by H_v / H_k value heads,
 
@@ -268,10 +268,11 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Ten
 
     (DeltaNet without gate; Gated DeltaNet with gate (B, H_v, S); KDA with gate (B, H_v, S, K)).
     q, k (B, H_k, S, K), v (B, H_v, S, V), beta (B, H_v, S); computed in float32 (float64 for
-    float64 inputs). Returns out (B, H_v, S, V) in q's dtype and the final state (N, H_v, K, V)
-    in the compute dtype; with cu_seqlens (B = 1) each sequence starts from its own
+    float64 inputs; `acc` overrides it: the tests' same-dtype comparison). Returns out
+    (B, H_v, S, V) in q's dtype and the final state (N, H_v, K, V) in the compute dtype; with cu_seqlens (B = 1) each sequence starts from its own
     initial_state[n] (or zeros) and returns its own state."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if acc is None:
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hk, hv = q.shape[1], v.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qf, kf = q.to(acc), k.to(acc)

@@ -1,0 +1,299 @@
+"""The delta rule (DeltaNet, Gated DeltaNet, KDA): delta_rule_attention / delta_rule_step and the
+ops delta_fwd / delta_bwd against the float64 recurrence (reference.delta_rule), under the
+project's rule (error <= 2x PyTorch's same-dtype error, tests/helpers.py); gradcheck, opcheck,
+hard resets and extreme gates, varlen packs, layouts, the step, and input errors (the C++ check
+and the fake agree)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.linear import delta, reference
+from tests.helpers import assert_close_fa2, rel_err
+
+pytestmark = pytest.mark.skipif(not delta.has_kernel(torch.device("cpu")), reason="no CPU delta kernel")
+F64 = torch.float64
+
+
+def problem(b=2, hk=1, hv=2, s=23, kd=16, vd=24, gate=None, dtype=torch.float32, seed=0, h0=True, nseq=None):
+    """q, k, v, beta, gate, initial_state in float64 (cast by the caller). gate: None, 'head' or
+    'key'. k is L2-normalized and beta in (0, 1), as the layers produce them (an unnormalized k
+    with beta near 1 makes the recurrence grow without bound)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hk, s, kd, generator=g, dtype=F64)
+    k = reference._l2n(torch.randn(b, hk, s, kd, generator=g, dtype=F64))
+    v = torch.randn(b, hv, s, vd, generator=g, dtype=F64)
+    beta = torch.rand(b, hv, s, generator=g, dtype=F64)
+    gt = None
+    if gate == "head":
+        gt = -torch.rand(b, hv, s, generator=g, dtype=F64) * 0.5
+    elif gate == "key":
+        gt = -torch.rand(b, hv, s, kd, generator=g, dtype=F64) * 0.5
+    st = torch.randn(nseq or b, hv, kd, vd, generator=g, dtype=F64) * 0.3 if h0 else None
+    return q, k, v, beta, gt, st
+
+
+def torch_same_dtype(dtype, q, k, v, beta, gate, h0, scale=None, l2=False):
+    """The recurrence in PyTorch at `dtype` throughout (what the kernel is held against)."""
+    qq, kk = (reference._l2n(q), reference._l2n(k)) if l2 else (q, k)
+    return reference.delta_rule(qq, kk, v, beta, gate, scale, h0, acc=dtype)
+
+
+CASES = [  # (hk, hv, s, kd, vd, gate, l2)
+    (1, 1, 1, 8, 8, None, False),
+    (1, 2, 23, 16, 24, None, False),
+    (2, 4, 37, 33, 17, "head", False),
+    (1, 3, 70, 64, 64, "key", True),
+    (2, 2, 9, 5, 100, "key", False),
+    (1, 1, 45, 128, 40, "head", True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_forward_and_grads_match_reference(case, dtype):
+    hk, hv, s, kd, vd, gate, l2 = case
+    q, k, v, beta, g, h0 = problem(hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate)
+    qd, kd_, vd_ = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    bd = beta.to(dtype).requires_grad_()
+    gd = g.to(torch.float32 if dtype != F64 else F64).requires_grad_() if g is not None else None
+    acc = F64 if dtype == F64 else torch.float32
+    hd = h0.to(acc).requires_grad_()
+    out, st = ae.delta_rule_attention(qd, kd_, vd_, bd, gate=gd, initial_state=hd, return_state=True, qk_l2norm=l2)
+    assert out.dtype == dtype and out.shape == (2, hv, s, vd) and st.dtype == acc
+
+    ins64 = [t.detach().to(F64).requires_grad_() for t in (qd, kd_, vd_, bd)]
+    g64 = gd.detach().to(F64).requires_grad_() if gd is not None else None
+    h64 = hd.detach().to(F64).requires_grad_()
+    qq, kk = (reference._l2n(ins64[0]), reference._l2n(ins64[1])) if l2 else (ins64[0], ins64[1])
+    ref_out, ref_st = reference.delta_rule(qq, kk, ins64[2], ins64[3], g64, None, h64)
+    same = [t.detach().to(dtype).requires_grad_() for t in (qd, kd_, vd_, bd)]
+    g_same = gd.detach().to(dtype).requires_grad_() if gd is not None else None
+    h_same = hd.detach().to(dtype).requires_grad_()
+    t_out, t_st = torch_same_dtype(dtype, *same, g_same, h_same, l2=l2)
+    assert_close_fa2(out, t_out, ref_out, dtype, "out")
+    assert_close_fa2(st, t_st, ref_st, dtype, "final state")
+
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(out.shape, generator=gen, dtype=F64)
+    dst = torch.randn(st.shape, generator=gen, dtype=F64)
+    ours = torch.autograd.grad((out.to(F64) * do).sum() + (st.to(F64) * dst).sum(),
+                               [qd, kd_, vd_, bd, hd] + ([gd] if gd is not None else []))
+    refs = torch.autograd.grad((ref_out * do).sum() + (ref_st * dst).sum(), ins64 + [h64] + ([g64] if g64 is not None else []))
+    tg = torch.autograd.grad((t_out.to(F64) * do).sum() + (t_st.to(F64) * dst).sum(),
+                             same + [h_same] + ([g_same] if g_same is not None else []))
+    for name, a, t, r in zip(("dq", "dk", "dv", "dbeta", "dinitial_state", "dgate"), ours, tg, refs):
+        assert a.dtype == (hd.dtype if name == "dinitial_state" else gd.dtype if name == "dgate" else dtype), name
+        assert_close_fa2(a, t, r, dtype, name)
+
+
+@pytest.mark.parametrize("gate,l2,hv", [(None, False, 1), ("head", True, 2), ("key", False, 2), ("key", True, 4)])
+def test_gradcheck(gate, l2, hv):
+    """float64 gradcheck of every input; S = 70 crosses the backward's replay chunk (64)."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=min(hv, 2), hv=hv, s=70, kd=6, vd=5, gate=gate)
+    ins = [t.requires_grad_() for t in (q, k, v, beta, h0)] + ([g.requires_grad_()] if g is not None else [])
+
+    def fn(q, k, v, beta, h0, *g):
+        return ae.delta_rule_attention(q, k, v, beta, gate=g[0] if g else None, initial_state=h0, return_state=True,
+                                       qk_l2norm=l2)
+
+    assert torch.autograd.gradcheck(fn, ins, atol=1e-8)
+
+
+@pytest.mark.parametrize("gate", [None, "head", "key"])
+def test_opcheck(gate):
+    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=11, kd=7, vd=9, gate=gate)
+    args = [t.float().requires_grad_() for t in (q, k, v, beta)]
+    a = dict(q=args[0], k=args[1], v=args[2], beta=args[3], gate=g.float() if g is not None else None,
+             initial_state=h0.float(), cu_seqlens=None, scale=0.3, qk_l2norm=True)
+    torch.library.opcheck(torch.ops.attention_ext.delta_fwd.default, tuple(a[n] for n in delta.FWD_ARGS))
+    dout = torch.randn(2, 2, 11, 9)
+    b = dict(a, dout=dout, dfinal_state=torch.randn(2, 2, 7, 9))
+    torch.library.opcheck(torch.ops.attention_ext.delta_bwd.default,
+                          tuple(b[n].detach() if isinstance(b[n], torch.Tensor) else b[n] for n in delta.BWD_ARGS))
+
+
+@pytest.mark.parametrize("gate", ["head", "key"])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_hard_reset_is_exact(gate, dtype):
+    """A log-gate of -inf at token r empties the state: rows from r on equal a fresh run of the
+    tail from zeros, bit for bit up to the summation order, with finite gradients; the chunked
+    (WY) form, which subtracts cumulative gates, gives NaN there."""
+    q, k, v, beta, g, _ = problem(b=1, hk=1, hv=1, s=40, kd=8, vd=8, gate=gate, h0=False)
+    r = 17
+    g[:, :, r] = float("-inf")
+    args = [t.to(dtype).requires_grad_() for t in (q, k, v, beta, g)]
+    out = ae.delta_rule_attention(*args[:4], gate=args[4])
+    tail = ae.delta_rule_attention(*(t[:, :, r:].detach() for t in args[:4]), gate=_tail_gate(args[4].detach(), r))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, :, r:].detach(), tail, rtol=1e-6 if dtype != F64 else 1e-13, atol=1e-6)
+    out.sum().backward()
+    for t in args:
+        assert torch.isfinite(t.grad).all()
+    if gate == "head":
+        chunked, _ = reference.delta_rule_chunked(*(t.detach().to(F64) for t in args[:4]), args[4].detach().to(F64),
+                                                  chunk=64)
+        assert torch.isnan(chunked[:, :, r:]).any()
+
+
+def _tail_gate(g, r):
+    t = g[:, :, r:].clone()
+    t[:, :, 0] = 0.0  # the reset's own token starts from zeros: its gate no longer matters
+    return t
+
+
+@pytest.mark.parametrize("big", [1e4, 1e9])
+def test_extreme_gates_match_float64(big):
+    """log-gates of -1e4 and -1e9 (an underflowing decay) give the float64 recurrence's answer."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=30, kd=8, vd=8, gate="head")
+    g[:, :, 5] = -big
+    g[:, 1, 20] = -big
+    out, st = ae.delta_rule_attention(q.float(), k.float(), v.float(), beta.float(), gate=g.float(),
+                                      initial_state=h0.float(), return_state=True)
+    ref, ref_st = reference.delta_rule(q, k, v, beta, g, None, h0)
+    assert rel_err(out, ref) < 1e-5 and rel_err(st, ref_st) < 1e-5
+
+
+@pytest.mark.parametrize("gate", [None, "key"])
+def test_varlen_equals_separate_sequences(gate):
+    lens = [5, 0, 31, 1, 12]
+    s = sum(lens) + 3  # a tail no sequence owns
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=s, kd=9, vd=10, gate=gate, nseq=len(lens))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    ins = [t.float().requires_grad_() for t in (q, k, v, beta)]
+    gf = g.float().requires_grad_() if g is not None else None
+    hf = h0.float().requires_grad_()
+    out, st = ae.delta_rule_attention(*ins, gate=gf, initial_state=hf, cu_seqlens=cu, return_state=True)
+    assert st.shape == (len(lens), 2, 9, 10)
+    assert torch.equal(out[:, :, s - 3:], torch.zeros_like(out[:, :, s - 3:]))
+    (out.sum() + st.sum()).backward()
+    for n, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        sl = [t.detach()[:, :, a:e].clone().requires_grad_() for t in ins]
+        gs = gf.detach()[:, :, a:e].clone().requires_grad_() if gf is not None else None
+        hs = hf.detach()[n:n + 1].clone().requires_grad_()
+        o, sn = ae.delta_rule_attention(*sl, gate=gs, initial_state=hs, return_state=True)
+        torch.testing.assert_close(out[:, :, a:e], o)
+        torch.testing.assert_close(st[n:n + 1], sn)
+        (o.sum() + sn.sum()).backward()
+        for full, part in zip(ins + ([gf] if gf is not None else []), sl + ([gs] if gs is not None else [])):
+            torch.testing.assert_close(full.grad[:, :, a:e], part.grad)
+        torch.testing.assert_close(hf.grad[n:n + 1], hs.grad)
+    for t in ins:
+        assert torch.equal(t.grad[:, :, s - 3:], torch.zeros_like(t.grad[:, :, s - 3:]))
+
+
+def test_bshd_layout_equals_bhsd():
+    q, k, v, beta, g, h0 = problem(b=2, hk=2, hv=4, s=13, kd=8, vd=6, gate="key")
+    a = ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0)
+    b = ae.delta_rule_attention(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                                v.transpose(1, 2).contiguous(), beta, gate=g, initial_state=h0, layout="bshd")
+    assert b.shape == (2, 13, 4, 6) and b.is_contiguous()
+    torch.testing.assert_close(b.transpose(1, 2), a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_then_steps_equal_the_sequence(dtype):
+    q, k, v, beta, g, _ = problem(b=2, hk=1, hv=2, s=20, kd=16, vd=16, gate="head", h0=False)
+    q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
+    g = g.float()
+    whole, final = ae.delta_rule_attention(q, k, v, beta, gate=g, return_state=True)
+    outs, state = [], None
+    o, state = ae.delta_rule_step(q[:, :, :12], k[:, :, :12], v[:, :, :12], beta[:, :, :12], None, gate=g[:, :, :12])
+    outs.append(o)
+    for t in range(12, 20, 3):
+        e = min(t + 3, 20)
+        before = state.clone()
+        o, new = ae.delta_rule_step(q[:, :, t:e], k[:, :, t:e], v[:, :, t:e], beta[:, :, t:e], state, gate=g[:, :, t:e])
+        assert torch.equal(state, before)  # not modified in place
+        outs.append(o)
+        state = new
+    torch.testing.assert_close(torch.cat(outs, 2), whole, rtol=0, atol=0)
+    torch.testing.assert_close(state, final, rtol=0, atol=0)
+
+
+def test_reference_fallback_equals_kernel(monkeypatch):
+    """Devices with no kernel run the PyTorch recurrence after the op's own check: the same
+    answer and gradients."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=9, kd=5, vd=7, gate="key")
+    ins = [t.requires_grad_() for t in (q, k, v, beta, g, h0)]
+    a, sa = ae.delta_rule_attention(*ins[:4], gate=ins[4], initial_state=ins[5], return_state=True, qk_l2norm=True)
+    ga = torch.autograd.grad(a.sum() + sa.sum(), ins)
+    monkeypatch.setitem(delta._KERNELS, "cpu", False)
+    b, sb = ae.delta_rule_attention(*ins[:4], gate=ins[4], initial_state=ins[5], return_state=True, qk_l2norm=True)
+    gb = torch.autograd.grad(b.sum() + sb.sum(), ins)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(sa, sb)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y)
+    with pytest.raises(ValueError, match="beta must have shape"):
+        ae.delta_rule_attention(*[t.detach() for t in ins[:3]], beta[:, :1].detach())
+
+
+def test_empty_sequence_passes_the_state_through():
+    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=1, s=0, kd=4, vd=3, gate="head")
+    h0.requires_grad_()
+    out, st = ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, return_state=True)
+    assert out.shape == (2, 1, 0, 3)
+    torch.testing.assert_close(st, h0.detach())
+    st.sum().backward()
+    torch.testing.assert_close(h0.grad, torch.ones_like(h0))
+
+
+def _base_args():
+    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=6, kd=4, vd=5, gate="head")
+    return dict(q=q.float(), k=k.float(), v=v.float(), beta=beta.float(), gate=g.float(), initial_state=h0.float(),
+                cu_seqlens=None, scale=0.5, qk_l2norm=False)
+
+
+BAD = [
+    ("q dims", lambda a: a.update(q=a["q"][0]), ValueError, "4-D"),
+    ("k shape", lambda a: a.update(k=a["k"][..., :3]), ValueError, "k must have q's shape"),
+    ("v heads", lambda a: a.update(q=torch.randn(2, 3, 6, 4), k=torch.randn(2, 3, 6, 4)), ValueError, "multiple"),
+    ("v length", lambda a: a.update(v=a["v"][:, :, :4]), ValueError, "v must be"),
+    ("dtype mix", lambda a: a.update(k=a["k"].double()), TypeError, "share a dtype"),
+    ("beta shape", lambda a: a.update(beta=a["beta"][:, :1]), ValueError, "beta must have shape"),
+    ("beta dtype", lambda a: a.update(beta=a["beta"].half()), TypeError, "beta must be"),
+    ("gate shape", lambda a: a.update(gate=a["gate"][..., :3]), ValueError, "gate must have shape"),
+    ("gate per key width", lambda a: a.update(gate=torch.zeros(2, 2, 6, 3)), ValueError, "gate must have shape"),
+    ("state shape", lambda a: a.update(initial_state=a["initial_state"][..., :2]), ValueError, "initial_state must"),
+    ("state dtype", lambda a: a.update(initial_state=a["initial_state"].double()), TypeError, "initial_state must"),
+    ("scale", lambda a: a.update(scale=float("nan")), ValueError, "scale"),
+    ("last stride", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
+     "contiguous"),
+    ("cu batch", lambda a: a.update(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)), ValueError, "pack"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,msg", BAD, ids=[c[0] for c in BAD])
+def test_bad_inputs_fake_matches_cpp(name, mutate, exc, msg):
+    a = _base_args()
+    mutate(a)
+    args = tuple(a[n] for n in delta.FWD_ARGS)
+    with pytest.raises(exc, match=msg) as real:
+        torch.ops.attention_ext.delta_fwd(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args)
+        with pytest.raises(exc) as faked:
+            torch.ops.attention_ext.delta_fwd(*fake)
+    assert str(faked.value).splitlines()[0] == str(real.value).splitlines()[0]
+
+
+def test_functional_bad_inputs():
+    a = _base_args()
+    with pytest.raises(TypeError, match="beta"):
+        ae.delta_rule_attention(a["q"], a["k"], a["v"], [0.5])
+    with pytest.raises(ValueError, match="layout"):
+        ae.delta_rule_attention(a["q"], a["k"], a["v"], a["beta"], layout="bsd")
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        ae.delta_rule_attention(a["q"][:1], a["k"][:1], a["v"][:1], a["beta"][:1],
+                                cu_seqlens=torch.tensor([1, 6], dtype=torch.int32))
+
+
+def test_compile_traces_the_op():
+    q, k, v, beta, g, _ = problem(b=1, hk=1, hv=1, s=8, kd=4, vd=4, gate="head", h0=False)
+    args = [t.float() for t in (q, k, v, beta, g)]
+    f = torch.compile(lambda q, k, v, b, g: ae.delta_rule_attention(q, k, v, b, gate=g), fullgraph=True,
+                      backend="eager")
+    torch.testing.assert_close(f(*args), ae.delta_rule_attention(*args[:4], gate=args[4]))
