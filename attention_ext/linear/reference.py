@@ -300,44 +300,60 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Ten
 
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
                        scale: Optional[float] = None, chunk: int = 64) -> Tuple[Tensor, Tensor]:
-    """DeltaNet / Gated DeltaNet (gate (B, H, S), scalar per head) in the chunked form (the WY /
-    UT representation of Yang et al., 2024), the way a user writes it in PyTorch: the CPU
-    benchmark's peer, in the inputs' dtype. Per chunk of C tokens with cumulative log-gate G and
-    Gam_ij = exp(G_i - G_j) (i >= j):
+    """DeltaNet / Gated DeltaNet (gate (B, H, S)) / KDA (gate (B, H, S, K)) in the chunked form
+    (the WY / UT representation of Yang et al., 2024), the way a user writes it in PyTorch: the
+    CPU benchmark's peer, in the inputs' dtype. Per chunk of C tokens with cumulative log-gates G
+    (per key channel for KDA) and Gam_ij = exp(G_i - G_j) (i >= j):
 
-        T = (I + tril(diag(beta) K K^T * Gam, -1))^-1 diag(beta)   (a triangular solve)
-        U = T V - T diag(exp(G)) K h0;  O = diag(exp(G)) Q h0 + (tril(Q K^T * Gam)) U
-        h = exp(G_C) h0 + (K * exp(G_C - G))^T U
+        T = (I + tril(diag(beta) (K Gam K^T), -1))^-1 diag(beta)   (a triangular solve)
+        U = T V - T (K * exp(G)) h0;  O = (Q * exp(G)) h0 + tril(Q Gam K^T) U
+        h = exp(G_C) * h0 + (K * exp(G_C - G))^T U
 
-    q, k (B, H, S, K) (no GQA), v (B, H, S, V). Like every chunked form it subtracts cumulative
-    log-gates, so a hard reset (-inf) gives NaN: the recurrent kernels exist for that."""
+    where K Gam K^T is (k_i * exp(G_i)) . (k_j * exp(-G_j)) per channel for KDA. q, k
+    (B, H, S, K) (no GQA), v (B, H, S, V). Like every chunked form it subtracts cumulative
+    log-gates, so a hard reset (-inf) gives NaN (and KDA's exp(-G) overflows for strong decays):
+    the recurrent kernels exist for that."""
     b, h, s, kd = q.shape
     scale = kd ** -0.5 if scale is None else scale
     dv = v.shape[-1]
     state = q.new_zeros(b, h, kd, dv)
+    per_key = gate is not None and gate.dim() == 4
     outs = []
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     for c0 in range(0, s, chunk):
         c1 = min(c0 + chunk, s)
         n = c1 - c0
         qc, kc, vc, bc = q[:, :, c0:c1] * scale, k[:, :, c0:c1], v[:, :, c0:c1], beta[:, :, c0:c1]
-        if gate is not None:
-            g = gate[:, :, c0:c1].cumsum(-1)
-            gam = torch.exp(g[..., :, None] - g[..., None, :]).tril()
-            eg = torch.exp(g)
+        if per_key:
+            g = gate[:, :, c0:c1].cumsum(-2)  # (B, H, C, K)
+            kp, km, qp = kc * torch.exp(g), kc * torch.exp(-g), qc * torch.exp(g)
+            kk = (kp @ km.transpose(-1, -2)).tril()
+            qk = (qp @ km.transpose(-1, -2)).tril()
+            kg, qg = kp, qp
         else:
-            gam = torch.ones(n, n, dtype=q.dtype, device=q.device).tril()
-            eg = None
-        kk = kc @ kc.transpose(-1, -2)
-        a = (bc[..., :, None] * kk * gam).tril(-1)
-        t_mat = torch.linalg.solve_triangular(eye[:n, :n] + a, torch.diag_embed(bc), upper=False, unitriangular=True)
-        kg = kc * eg[..., None] if eg is not None else kc
+            if gate is not None:
+                gs = gate[:, :, c0:c1].cumsum(-1)
+                gam = torch.exp(gs[..., :, None] - gs[..., None, :]).tril()
+                eg = torch.exp(gs)[..., None]
+                kg, qg = kc * eg, qc * eg
+            else:
+                gam = torch.ones(n, n, dtype=q.dtype, device=q.device).tril()
+                kg, qg = kc, qc
+            kk = (kc @ kc.transpose(-1, -2)) * gam
+            qk = (qc @ kc.transpose(-1, -2)) * gam
+        a = (bc[..., :, None] * kk).tril(-1)
+        # solve_triangular has no bf16 / fp16 CPU kernel: a user solves in float32
+        ad = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float32
+        t_mat = torch.linalg.solve_triangular((eye[:n, :n] + a).to(ad), torch.diag_embed(bc).to(ad), upper=False,
+                                              unitriangular=True).to(q.dtype)
         u = t_mat @ vc - (t_mat @ kg) @ state
-        qg = qc * eg[..., None] if eg is not None else qc
-        outs.append(qg @ state + ((qc @ kc.transpose(-1, -2)) * gam) @ u)
-        if eg is not None:
-            last = g[..., -1:]
-            state = torch.exp(last)[..., None] * state + (kc * torch.exp(last - g)[..., None]).transpose(-1, -2) @ u
+        outs.append(qg @ state + qk @ u)
+        if per_key:
+            last = g[:, :, -1:]  # (B, H, 1, K)
+            state = torch.exp(last).transpose(-1, -2) * state + (kc * torch.exp(last - g)).transpose(-1, -2) @ u
+        elif gate is not None:
+            last = gs[..., -1:]
+            state = torch.exp(last)[..., None] * state + (kc * torch.exp(last - gs)[..., None]).transpose(-1, -2) @ u
         else:
             state = state + kc.transpose(-1, -2) @ u
     return torch.cat(outs, 2), state

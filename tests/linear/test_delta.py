@@ -297,3 +297,14 @@ def test_compile_traces_the_op():
     f = torch.compile(lambda q, k, v, b, g: ae.delta_rule_attention(q, k, v, b, gate=g), fullgraph=True,
                       backend="eager")
     torch.testing.assert_close(f(*args), ae.delta_rule_attention(*args[:4], gate=args[4]))
+
+
+@pytest.mark.parametrize("gate", [None, "head", "key"])
+def test_chunked_peer_equals_the_recurrence(gate):
+    """The benchmark's peer (reference.delta_rule_chunked) computes the same function (moderate
+    gates; chunks of 16 over 40 tokens, a partial last one)."""
+    q, k, v, beta, g, _ = problem(b=2, hk=2, hv=2, s=40, kd=8, vd=6, gate=gate, h0=False)
+    out, st = reference.delta_rule_chunked(q, k, v, beta, g, chunk=16)
+    ref, ref_st = reference.delta_rule(q, k, v, beta, g)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(st, ref_st, rtol=1e-10, atol=1e-10)

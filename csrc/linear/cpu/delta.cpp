@@ -8,23 +8,26 @@
 // multiply-adds out of L1 (about the chunked form's count at K = V = 128), with no C x C
 // triangular solve and no state round trip through memory.
 //
-// Forward: one task per (sequence, value head, block of kCols columns), the block row-major
-// (K rows of kCols), two passes per token over it: h' = a h with p = h'^T k accumulated; then
-// u = beta (v - p), h = h' + k u^T with o = h^T q accumulated. Reductions run down the rows
-// (over K), so they are vertical vector adds; kChains independent accumulators hide the FMA
-// latency.
+// Forward: one task per (sequence, value head, block of kColVecs vectors of columns), the block
+// row-major (K rows) in L1. One pass per token: it finishes token t (h_t = h' + k u^T, o_t =
+// h_t^T q) and starts token t + 1 (h' = a h_t, p = h'^T k) in the same sweep, so each token
+// loads and stores the block once. Reductions run down the rows (over K), so they are vertical
+// vector adds; kChains rows at a time keep independent accumulators, hiding the FMA latency.
 //
 // Backward: one task per (sequence, value head), the state transposed (V rows of K, so the
 // reductions over V that dq, dk and the gate's gradient need become vertical adds; the one over
 // K, du, is a horizontal sum per row). The states are recomputed: a forward pass keeps a
 // checkpoint every `chunk` tokens, then each chunk, last first, is replayed from its checkpoint
-// keeping h_{t-1}, p_t and u_t of its tokens, and walked backwards. Per row j of a token, one
-// pass gets du_j, the next dh' and the new dh_j. dq and dk of a value head go to float scratch
+// and walked backwards. Rows evolve independently, so both run by blocks of rows that stay in L1
+// (block_rows): a block is replayed through the chunk, keeping its h' = a h_{t-1}, p_t and u_t, then
+// walked back through it. Per row j of a token, one pass gets du_j, the next dh' and the new
+// dh_j. dq and dk of a value head go to float scratch
 // and are summed over the value heads that share q / k (GVA) in a last pass, which also applies
 // the L2 norm's backward.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "common/delta_params.h"
 #include "cpu/isa.h"
@@ -116,7 +119,21 @@ struct TokenIn {
   void gate(int b, int64_t r, T* a, int kp) const {
     if (p.gate_per_key) {
       const int64_t g0 = side(b, r) * p.dim_k;
-      for (int i = 0; i < p.dim_k; ++i) a[i] = std::exp(load_elem<T>(p.gate_dt, p.gate, g0 + i));
+      load_row(p.gate_dt, static_cast<const char*>(p.gate) + g0 * int64_t(dtype_size(p.gate_dt)), a, p.dim_k, p.dim_k);
+      int i = 0;
+      if constexpr (std::is_same_v<T, float>) {  // K exps per token: vectorized where the gates are <= 0
+        constexpr int L = kLanes<T>;
+        const vec<T> log2e = vbcast(T(1.4426950408889634));
+        for (; i + L <= p.dim_k; i += L) {
+          const vec<T> x = vload(a + i);
+          if (hmax(x) <= T(0)) {
+            vstore(a + i, vexp2_nonpos(x * log2e));
+          } else {
+            for (int l = 0; l < L; ++l) a[i + l] = std::exp(a[i + l]);
+          }
+        }
+      }
+      for (; i < p.dim_k; ++i) a[i] = std::exp(a[i]);
     } else {
       const T x = std::exp(load_elem<T>(p.gate_dt, p.gate, side(b, r)));
       for (int i = 0; i < p.dim_k; ++i) a[i] = x;
@@ -130,9 +147,62 @@ struct TokenIn {
 // columns per forward task: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
 template <typename T>
 constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
-// independent accumulators per column vector, so that about 8 FMA chains are in flight
+// rows per step of the row loop, each with its own accumulators, so that 2 x kChains x kColVecs
+// FMA chains (o and the next token's p) are in flight: 8 at AVX-512 float32
 template <typename T>
-constexpr int kChains = std::max(1, std::min(4, 8 / kColVecs<T>));
+constexpr int kChains = std::max(1, 4 / kColVecs<T>);
+
+// One token's inputs, widened: q (scaled), k, gate factors (K each), v's block (Wp), beta.
+template <typename T>
+struct FwdToken {
+  T *q, *k, *a, *v;
+  T beta;
+};
+
+// The pass over the block that finishes token t and starts token t + 1 (kNext): per row m,
+// x = h'_t[m] + k_t[m] u (h_t's row), o += q_t[m] x; then h'_{t+1}[m] = a_{t+1}[m] x, and
+// p += k_{t+1}[m] h'_{t+1}[m]. One load and one store of the block per token. Without kFinish
+// (the prologue) it only starts token t + 1 (x = h_{-1}'s row).
+template <bool kFinish, bool kNext, bool kGate, int NV, int CH, typename T>
+inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
+                       vec<T> (&o)[NV], vec<T> (&pn)[NV]) {
+  constexpr int L = kLanes<T>, Wp = NV * L;
+  vec<T> oc[CH][NV], pc[CH][NV];
+  for (int c = 0; c < CH; ++c)
+    for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
+  auto row_step = [&](int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
+    T* row = S + int64_t(m) * Wp;
+    const vec<T> kc = vbcast(kFinish ? cur.k[m] : T(0)), qc = vbcast(kFinish ? cur.q[m] : T(0));
+    const vec<T> kn = vbcast(kNext ? nxt.k[m] : T(0)), an = vbcast(kNext && kGate ? nxt.a[m] : T(1));
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      vec<T> x = vload(row + i * L);
+      if (kFinish) {
+        x += kc * u[i];
+        oa[i] += qc * x;
+      }
+      if (kNext) {
+        if (kGate) x *= an;
+        pa[i] += kn * x;
+      }
+      vstore(row + i * L, x);
+    }
+  };
+  int m = 0;
+  for (; m + CH <= K; m += CH) {
+#pragma GCC unroll 4
+    for (int c = 0; c < CH; ++c) row_step(m + c, oc[c], pc[c]);
+  }
+  for (; m < K; ++m) row_step(m, oc[0], pc[0]);
+  for (int i = 0; i < NV; ++i) {
+    o[i] = oc[0][i];
+    pn[i] = pc[0][i];
+    for (int c = 1; c < CH; ++c) {
+      o[i] += oc[c][i];
+      pn[i] += pc[c][i];
+    }
+  }
+}
 
 template <bool kGate, typename T>
 void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
@@ -140,91 +210,43 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   const int K = p.dim_k, w = std::min(Wp, p.dim_v - j0);
   const Span sp = span_of(p, n);
   const TokenIn<T> in(p, hv);
-  T *q = rows, *k = q + K, *a = k + K, *v = a + K, *o = v + Wp;
+  FwdToken<T> tok[2];
+  for (int i = 0; i < 2; ++i) {
+    T* base = rows + int64_t(i) * (3 * K + Wp);
+    tok[i] = {base, base + K, base + 2 * K, base + 3 * K, T(0)};
+  }
+  T* o = rows + 2 * int64_t(3 * K + Wp);
+  auto load = [&](int t, FwdToken<T>& x) {
+    const int64_t r = sp.row0 + t;
+    in.qk(sp.b, r, x.q, x.k, K);
+    if (kGate) in.gate(sp.b, r, x.a, K);
+    x.beta = in.beta(sp.b, r);
+    load_row(p.dt, in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, r) + int64_t(j0) * in.es,
+             x.v, w, Wp);
+  };
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v + j0;  // this block in a (b, h_v, K, V) state
   for (int m = 0; m < K; ++m) {
     T* row = S + int64_t(m) * Wp;
     for (int j = 0; j < Wp; ++j) row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
   }
+  vec<T> u[NV], ov[NV], pv[NV];
+  if (sp.len > 0) {
+    load(0, tok[0]);
+    fused_pass<false, true, kGate, NV, CH>(S, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
+  }
   for (int t = 0; t < sp.len; ++t) {
+    const FwdToken<T>& cur = tok[t & 1];
+    FwdToken<T>& nxt = tok[(t + 1) & 1];
+    const vec<T> bv = vbcast(cur.beta);
+    for (int i = 0; i < NV; ++i) u[i] = bv * (vload(cur.v + i * L) - pv[i]);
+    if (t + 1 < sp.len) {
+      load(t + 1, nxt);
+      fused_pass<true, true, kGate, NV, CH>(S, K, cur, nxt, u, ov, pv);
+    } else {
+      fused_pass<true, false, kGate, NV, CH>(S, K, cur, nxt, u, ov, pv);
+    }
+    for (int i = 0; i < NV; ++i) vstore(o + i * L, ov[i]);
     const int64_t r = sp.row0 + t;
-    in.qk(sp.b, r, q, k, K);
-    if (kGate) in.gate(sp.b, r, a, K);
-    const T beta = in.beta(sp.b, r);
-    load_row(p.dt, in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, r) + int64_t(j0) * in.es, v,
-             w, Wp);
-    // pass 1: h' = a h, p = h'^T k
-    vec<T> acc[CH][NV];
-    for (int c = 0; c < CH; ++c)
-      for (int i = 0; i < NV; ++i) acc[c][i] = vec<T>{};
-    int m = 0;
-    for (; m + CH <= K; m += CH) {
-#pragma GCC unroll 4
-      for (int c = 0; c < CH; ++c) {
-        T* row = S + int64_t(m + c) * Wp;
-        const vec<T> km = vbcast(k[m + c]);
-        const vec<T> am = vbcast(kGate ? a[m + c] : T(1));
-#pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) {
-          vec<T> x = vload(row + i * L);
-          if (kGate) {
-            x *= am;
-            vstore(row + i * L, x);
-          }
-          acc[c][i] += km * x;
-        }
-      }
-    }
-    for (; m < K; ++m) {
-      T* row = S + int64_t(m) * Wp;
-      const vec<T> km = vbcast(k[m]);
-      const vec<T> am = vbcast(kGate ? a[m] : T(1));
-      for (int i = 0; i < NV; ++i) {
-        vec<T> x = vload(row + i * L);
-        if (kGate) {
-          x *= am;
-          vstore(row + i * L, x);
-        }
-        acc[0][i] += km * x;
-      }
-    }
-    vec<T> u[NV];
-    const vec<T> bv = vbcast(beta);
-    for (int i = 0; i < NV; ++i) {
-      vec<T> s = acc[0][i];
-      for (int c = 1; c < CH; ++c) s += acc[c][i];
-      u[i] = bv * (vload(v + i * L) - s);
-      for (int c = 0; c < CH; ++c) acc[c][i] = vec<T>{};
-    }
-    // pass 2: h = h' + k u^T, o = h^T q
-    m = 0;
-    for (; m + CH <= K; m += CH) {
-#pragma GCC unroll 4
-      for (int c = 0; c < CH; ++c) {
-        T* row = S + int64_t(m + c) * Wp;
-        const vec<T> km = vbcast(k[m + c]), qm = vbcast(q[m + c]);
-#pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) {
-          const vec<T> x = vload(row + i * L) + km * u[i];
-          vstore(row + i * L, x);
-          acc[c][i] += qm * x;
-        }
-      }
-    }
-    for (; m < K; ++m) {
-      T* row = S + int64_t(m) * Wp;
-      const vec<T> km = vbcast(k[m]), qm = vbcast(q[m]);
-      for (int i = 0; i < NV; ++i) {
-        const vec<T> x = vload(row + i * L) + km * u[i];
-        vstore(row + i * L, x);
-        acc[0][i] += qm * x;
-      }
-    }
-    for (int i = 0; i < NV; ++i) {
-      vec<T> s = acc[0][i];
-      for (int c = 1; c < CH; ++c) s += acc[c][i];
-      vstore(o + i * L, s);
-    }
     char* orow = static_cast<char*>(p.o) +
                  (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride + r * p.o_row_stride + j0) * int64_t(in.es);
     store_row(p.dt, o, orow, w);
@@ -237,18 +259,28 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
 
 // ---------------------------------------------------------------------------------- backward
 
+// Rows of kBlockBytes of the transposed state: a block stays in L1 while it runs through a
+// chunk's tokens (16 rows at K = 128 in float32).
+constexpr int kBlockBytes = 8192;
+template <typename T>
+int block_rows(int kp) {
+  return std::max(1, kBlockBytes / (kp * int(sizeof(T))));
+}
+
 // One task's scratch: the transposed state and its gradient (V rows of kp), the checkpoints, a
-// chunk's token inputs and replayed states, per-token results.
+// chunk's token inputs, replayed states (h_{t-1}), p and u, and its per-token results (dq~, dk^,
+// dg summed over the rows; dbeta; dv).
 template <typename T>
 struct BwdScratch {
-  int kp, V, chunk, nck;
+  int kp, V, chunk, nck, rb;
   Buffer<T> mem;
-  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *dq, *dk, *dg, *dvv;
+  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *dbeta, *dq, *dk, *dg, *dvv;
   BwdScratch(int K, int V_, int chunk_, int max_len)
-      : kp(round_up(K, kLanes<T>)), V(V_), chunk(chunk_), nck((max_len + chunk_ - 1) / chunk_) {
+      : kp(round_up(K, kLanes<T>)), V(V_), chunk(chunk_), nck((max_len + chunk_ - 1) / chunk_),
+        rb(std::min(V_, block_rows<T>(round_up(K, kLanes<T>)))) {
     const size_t st = size_t(V) * kp, ck = size_t(chunk);
-    const size_t total = st * (2 + size_t(std::max(nck, 1)) + ck) + ck * (3 * size_t(kp) + 5 * size_t(V) + 1) +
-                         3 * size_t(kp);
+    const size_t total = st * (2 + size_t(std::max(nck, 1))) + ck * size_t(rb) * kp +
+                         ck * (6 * size_t(kp) + 5 * size_t(V) + 2);
     mem.resize(total);
     T* x = mem.data();
     auto take = [&](size_t n) {
@@ -259,7 +291,7 @@ struct BwdScratch {
     S = take(st);
     dS = take(st);
     ckpt = take(st * std::max(nck, 1));
-    H = take(st * ck);
+    H = take(ck * size_t(rb) * kp);
     k = take(ck * kp);
     q = take(ck * kp);
     a = take(ck * kp);
@@ -269,18 +301,20 @@ struct BwdScratch {
     uu = take(ck * V);
     dvv = take(ck * V);
     beta = take(ck);
-    dq = take(kp);
-    dk = take(kp);
-    dg = take(kp);
+    dbeta = take(ck);
+    dq = take(ck * kp);
+    dk = take(ck * kp);
+    dg = take(ck * kp);
   }
 };
 
-// Tokens of one chunk chosen so its replayed states (chunk x V x kp) stay near 2 MiB, the size of
-// a core's L2 on current parts: 32 tokens at K = V = 128 in float32.
+// Tokens per chunk: 64, fewer where a row block's replayed states (chunk x rows x kp) would pass
+// 1 MiB (they stay in L2 between the replay and the backward of the block).
 template <typename T>
 int bwd_chunk(int K, int V) {
-  const int64_t per = int64_t(round_up(K, kLanes<T>)) * V * int64_t(sizeof(T));
-  return int(std::clamp<int64_t>((int64_t(2) << 20) / std::max<int64_t>(per, 1), 4, 64));
+  const int kp = round_up(K, kLanes<T>);
+  const int64_t per = int64_t(std::min(V, block_rows<T>(kp))) * kp * int64_t(sizeof(T));
+  return int(std::clamp<int64_t>((int64_t(1) << 20) / std::max<int64_t>(per, 1), 4, 64));
 }
 
 // Loads tokens [t0, t0 + nt) of the span into the chunk rows (with q and dout when `grads`).
@@ -303,87 +337,111 @@ void load_chunk(const DBP<T>& p, const TokenIn<T>& in, const Span& sp, int t0, i
   }
 }
 
-// One token's step on the transposed state S (V rows of kp): per row j, S_j <- a S_j + u_j k with
-// p_j = (a S_j) . k, u_j = beta (v_j - p_j); p and u written when not null.
+// Rows [j0, j1) of the transposed state S through the chunk's first nt tokens: per row j,
+// S_j <- a S_j + u_j k with p_j = (a S_j) . k, u_j = beta (v_j - p_j). With `keep`, each
+// token's rows of h' = a h_{t-1} go to H, and p, u to pp, uu.
 template <bool kGate, typename T>
-void step_t(T* S, int V, int kp, const T* k, const T* a, T beta, const T* v, T* p_out, T* u_out) {
+void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
   constexpr int L = kLanes<T>;
-  for (int j = 0; j < V; ++j) {
-    T* row = S + int64_t(j) * kp;
-    vec<T> acc0{}, acc1{};
-    int i = 0;
-    for (; i + 2 * L <= kp; i += 2 * L) {
-      vec<T> x0 = vload(row + i), x1 = vload(row + i + L);
-      if (kGate) {
-        x0 *= vload(a + i);
-        x1 *= vload(a + i + L);
-        vstore(row + i, x0);
-        vstore(row + i + L, x1);
+  const int kp = sc.kp, V = sc.V;
+  for (int t = 0; t < nt; ++t) {
+    const T* k = sc.k + int64_t(t) * kp;
+    const T* a = sc.a + int64_t(t) * kp;
+    const T beta = sc.beta[t];
+    const T* v = sc.v + int64_t(t) * V;
+    for (int j = j0; j < j1; ++j) {
+      T* row = S + int64_t(j) * kp;
+      T* keep_row = keep ? sc.H + (int64_t(t) * sc.rb + (j - j0)) * kp : row;  // h' goes there too
+      vec<T> acc0{}, acc1{};
+      int i = 0;
+      for (; i + 2 * L <= kp; i += 2 * L) {
+        vec<T> x0 = vload(row + i), x1 = vload(row + i + L);
+        if (kGate) {
+          x0 *= vload(a + i);
+          x1 *= vload(a + i + L);
+          vstore(row + i, x0);
+          vstore(row + i + L, x1);
+        }
+        if (keep) {
+          vstore(keep_row + i, x0);
+          vstore(keep_row + i + L, x1);
+        }
+        acc0 += x0 * vload(k + i);
+        acc1 += x1 * vload(k + i + L);
       }
-      acc0 += x0 * vload(k + i);
-      acc1 += x1 * vload(k + i + L);
-    }
-    for (; i < kp; i += L) {
-      vec<T> x = vload(row + i);
-      if (kGate) {
-        x *= vload(a + i);
-        vstore(row + i, x);
+      for (; i < kp; i += L) {
+        vec<T> x = vload(row + i);
+        if (kGate) {
+          x *= vload(a + i);
+          vstore(row + i, x);
+        }
+        if (keep) vstore(keep_row + i, x);
+        acc0 += x * vload(k + i);
       }
-      acc0 += x * vload(k + i);
+      const T pj = hsum_tree(acc0 + acc1), uj = beta * (v[j] - pj);
+      const vec<T> uv = vbcast(uj);
+      for (i = 0; i < kp; i += L) vstore(row + i, vload(row + i) + uv * vload(k + i));
+      if (keep) {
+        sc.pp[int64_t(t) * V + j] = pj;
+        sc.uu[int64_t(t) * V + j] = uj;
+      }
     }
-    const T pj = hsum_tree(acc0 + acc1), uj = beta * (v[j] - pj);
-    const vec<T> uv = vbcast(uj);
-    for (i = 0; i < kp; i += L) vstore(row + i, vload(row + i) + uv * vload(k + i));
-    if (p_out != nullptr) p_out[j] = pj;
-    if (u_out != nullptr) u_out[j] = uj;
   }
 }
 
-// The backward of one token: given h_{t-1} (H, transposed), p_t, u_t and the inputs, turns dS
-// from dL/dh_t (without this token's output term) into dL/dh_{t-1}; writes dq~ (w.r.t. scale q^),
-// dk^, dg (per key, w.r.t. the log-gate), dv and returns dbeta.
+// The backward of rows [j0, j1) through the chunk's first nt tokens, last first: given h'
+// (H), p_t, u_t and the inputs, turns those rows of dS from dL/dh_t (without token t's output
+// term) into dL/dh_{t-1}, adds their terms of dq~, dk^, dg (per key, w.r.t. the log-gate) and
+// dbeta into the chunk's per-token sums, and writes their dv.
 template <bool kGate, typename T>
-T token_bwd(T* dS, const T* H, int V, int kp, const T* k, const T* q, const T* a, T beta, const T* v, const T* pv,
-            const T* uv, const T* dov, T* dq, T* dk, T* dg, T* dv) {
+void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
   constexpr int L = kLanes<T>;
-  std::fill(dq, dq + kp, T(0));
-  std::fill(dk, dk + kp, T(0));
-  if (kGate) std::fill(dg, dg + kp, T(0));
-  T dbeta = 0;
-  for (int j = 0; j < V; ++j) {
-    const T* hj = H + int64_t(j) * kp;
-    T* dsj = dS + int64_t(j) * kp;
-    const vec<T> u = vbcast(uv[j]), d = vbcast(dov[j]);
-    // ds = dh_t (with the output term), ht = h_t; dq += do_j ht, dk += u_j ds, du = ds . k
-    vec<T> du{};
-    for (int i = 0; i < kp; i += L) {
-      const vec<T> kk = vload(k + i);
-      const vec<T> hp = kGate ? vload(a + i) * vload(hj + i) : vload(hj + i);
-      const vec<T> ht = hp + u * kk;
-      const vec<T> ds = vload(dsj + i) + d * vload(q + i);
-      vstore(dq + i, vload(dq + i) + d * ht);
-      vstore(dk + i, vload(dk + i) + u * ds);
-      du += ds * kk;
-    }
-    const T duj = hsum_tree(du), dpj = -beta * duj;
-    dv[j] = beta * duj;
-    dbeta += duj * (v[j] - pv[j]);
-    // dh' = ds + dp_j k; dk += dp_j h'; dg += dh' h'; dh_{t-1} = a dh'
-    const vec<T> dp = vbcast(dpj);
-    for (int i = 0; i < kp; i += L) {
-      const vec<T> kk = vload(k + i);
-      const vec<T> hp = kGate ? vload(a + i) * vload(hj + i) : vload(hj + i);
-      const vec<T> dhp = vload(dsj + i) + d * vload(q + i) + dp * kk;
-      vstore(dk + i, vload(dk + i) + dp * hp);
-      if (kGate) {
-        vstore(dg + i, vload(dg + i) + dhp * hp);
-        vstore(dsj + i, vload(a + i) * dhp);
-      } else {
-        vstore(dsj + i, dhp);
+  const int kp = sc.kp, V = sc.V;
+  for (int t = nt - 1; t >= 0; --t) {
+    const T* k = sc.k + int64_t(t) * kp;
+    const T* q = sc.q + int64_t(t) * kp;
+    const T* a = sc.a + int64_t(t) * kp;
+    const T beta = sc.beta[t];
+    const T *v = sc.v + int64_t(t) * V, *pv = sc.pp + int64_t(t) * V, *uv = sc.uu + int64_t(t) * V,
+            *dov = sc.dov + int64_t(t) * V;
+    T *dq = sc.dq + int64_t(t) * kp, *dk = sc.dk + int64_t(t) * kp, *dg = sc.dg + int64_t(t) * kp;
+    T* dv = sc.dvv + int64_t(t) * V;
+    T dbeta = 0;
+    for (int j = j0; j < j1; ++j) {
+      const T* hj = sc.H + (int64_t(t) * sc.rb + (j - j0)) * kp;
+      T* dsj = sc.dS + int64_t(j) * kp;
+      const vec<T> u = vbcast(uv[j]), d = vbcast(dov[j]);
+      // ds = dh_t (with the output term), ht = h_t; dq += do_j ht, dk += u_j ds, du = ds . k
+      vec<T> du{};
+      for (int i = 0; i < kp; i += L) {
+        const vec<T> kk = vload(k + i);
+        const vec<T> hp = vload(hj + i);
+        const vec<T> ht = hp + u * kk;
+        const vec<T> ds = vload(dsj + i) + d * vload(q + i);
+        vstore(dq + i, vload(dq + i) + d * ht);
+        vstore(dk + i, vload(dk + i) + u * ds);
+        du += ds * kk;
+      }
+      const T duj = hsum_tree(du), dpj = -beta * duj;
+      dv[j] = beta * duj;
+      dbeta += duj * (v[j] - pv[j]);
+      // dh' = ds + dp_j k; dk += dp_j h'; dg += dh' h'; dh_{t-1} = a dh'
+      const vec<T> dp = vbcast(dpj);
+      for (int i = 0; i < kp; i += L) {
+        const vec<T> kk = vload(k + i);
+        const vec<T> hp = vload(hj + i);
+        const vec<T> dhp = vload(dsj + i) + d * vload(q + i) + dp * kk;
+        vstore(dk + i, vload(dk + i) + dp * hp);
+        if (kGate) {
+          vstore(dg + i, vload(dg + i) + dhp * hp);
+          vstore(dsj + i, vload(a + i) * dhp);
+        } else {
+          vstore(dsj + i, dhp);
+        }
       }
     }
+    sc.dbeta[t] += dbeta;
   }
-  return dbeta;
 }
 
 // Float scratch for dq~ / dk^ per value head: (B, h_v, S, kp), summed over a q / k head's group
@@ -405,6 +463,7 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
   const TokenIn<T> in(p, hv);
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * V;
   const int64_t st = int64_t(V) * kp;
+  const int rb = sc.rb;
   // the forward, keeping a checkpoint at each chunk's start
   std::fill(sc.S, sc.S + st, T(0));
   if (p.init_state != nullptr)
@@ -415,9 +474,7 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
     std::memcpy(sc.ckpt + c * st, sc.S, sizeof(T) * st);
     if (c == nck - 1) break;  // the last chunk's states are replayed below
     load_chunk<kGate>(p, in, sp, c * C, C, false, sc);
-    for (int t = 0; t < C; ++t)
-      step_t<kGate>(sc.S, V, kp, sc.k + int64_t(t) * kp, sc.a + int64_t(t) * kp, sc.beta[t], sc.v + int64_t(t) * V,
-                    (T*)nullptr, (T*)nullptr);
+    for (int j = 0; j < V; j += rb) advance_rows<kGate>(sc.S, j, std::min(V, j + rb), C, false, sc);
   }
   // dL/dh at the end
   std::fill(sc.dS, sc.dS + st, T(0));
@@ -428,36 +485,34 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
     const int t0 = c * C, nt = std::min(C, sp.len - t0);
     load_chunk<kGate>(p, in, sp, t0, nt, true, sc);
     std::memcpy(sc.S, sc.ckpt + c * st, sizeof(T) * st);
-    for (int t = 0; t < nt; ++t) {
-      std::memcpy(sc.H + t * st, sc.S, sizeof(T) * st);
-      step_t<kGate>(sc.S, V, kp, sc.k + int64_t(t) * kp, sc.a + int64_t(t) * kp, sc.beta[t], sc.v + int64_t(t) * V,
-                    sc.pp + int64_t(t) * V, sc.uu + int64_t(t) * V);
+    std::fill(sc.dq, sc.dq + int64_t(nt) * kp, T(0));
+    std::fill(sc.dk, sc.dk + int64_t(nt) * kp, T(0));
+    if (kGate) std::fill(sc.dg, sc.dg + int64_t(nt) * kp, T(0));
+    std::fill(sc.dbeta, sc.dbeta + nt, T(0));
+    for (int j = 0; j < V; j += rb) {
+      advance_rows<kGate>(sc.S, j, std::min(V, j + rb), nt, true, sc);
+      backward_rows<kGate>(j, std::min(V, j + rb), nt, sc);
     }
-    for (int t = nt - 1; t >= 0; --t) {
+    for (int t = 0; t < nt; ++t) {
       const int64_t r = sp.row0 + t0 + t;
-      const T* kt = sc.k + int64_t(t) * kp;
-      const T* at = sc.a + int64_t(t) * kp;
-      T* dvt = sc.dvv + int64_t(t) * V;
-      const T dbeta = token_bwd<kGate>(sc.dS, sc.H + t * st, V, kp, kt, sc.q + int64_t(t) * kp, at, sc.beta[t],
-                                       sc.v + int64_t(t) * V, sc.pp + int64_t(t) * V, sc.uu + int64_t(t) * V,
-                                       sc.dov + int64_t(t) * V, sc.dq, sc.dk, sc.dg, dvt);
       const int64_t side = (int64_t(sp.b) * p.h_v + hv) * p.s + r;
-      store_elem(p.beta_dt, p.dbeta, side, dbeta);
+      store_elem(p.beta_dt, p.dbeta, side, sc.dbeta[t]);
+      const T* dg = sc.dg + int64_t(t) * kp;
       if (kGate) {
         if (p.gate_per_key) {
-          for (int i = 0; i < K; ++i) store_elem(p.gate_dt, p.dgate, side * K + i, sc.dg[i]);
+          for (int i = 0; i < K; ++i) store_elem(p.gate_dt, p.dgate, side * K + i, dg[i]);
         } else {
           T s = 0;
-          for (int i = 0; i < K; ++i) s += sc.dg[i];
+          for (int i = 0; i < K; ++i) s += dg[i];
           store_elem(p.gate_dt, p.dgate, side, s);
         }
       }
-      std::memcpy(qs.at(qs.dq, p, sp.b, hv, r), sc.dq, sizeof(T) * kp);
-      std::memcpy(qs.at(qs.dk, p, sp.b, hv, r), sc.dk, sizeof(T) * kp);
+      std::memcpy(qs.at(qs.dq, p, sp.b, hv, r), sc.dq + int64_t(t) * kp, sizeof(T) * kp);
+      std::memcpy(qs.at(qs.dk, p, sp.b, hv, r), sc.dk + int64_t(t) * kp, sizeof(T) * kp);
       char* dvr = static_cast<char*>(p.dv) +
                   (int64_t(sp.b) * p.dv_batch_stride + int64_t(hv) * p.dv_head_stride + r * p.dv_row_stride) *
                       int64_t(in.es);
-      store_row(p.dt, dvt, dvr, V);
+      store_row(p.dt, sc.dvv + int64_t(t) * V, dvr, V);
     }
   }
   if (p.dinit_state != nullptr)
@@ -508,7 +563,7 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int64_t tasks = int64_t(p.b) * p.h_v * nblk;
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
-    return [&, S = Buffer<T>(size_t(p.dim_k) * Wp), rows = Buffer<T>(3 * size_t(p.dim_k) + 2 * Wp)](int64_t task) mutable {
+    return [&, S = Buffer<T>(size_t(p.dim_k) * Wp), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + Wp) + Wp)](int64_t task) mutable {
       const int jb = int(task % nblk), hv = int(task / nblk % p.h_v), n = int(task / nblk / p.h_v);
       if (p.gate != nullptr) {
         fwd_block<true>(p, n, hv, jb * Wp, S.data(), rows.data());
