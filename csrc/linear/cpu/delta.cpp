@@ -21,9 +21,8 @@
 // and walked backwards. Rows evolve independently, so both run by blocks of rows that stay in L1
 // (block_rows): a block is replayed through the chunk, keeping its h' = a h_{t-1}, p_t and u_t, then
 // walked back through it. Per row j of a token, one pass gets du_j, the next dh' and the new
-// dh_j. dq and dk of a value head go to float scratch
-// and are summed over the value heads that share q / k (GVA) in a last pass, which also applies
-// the L2 norm's backward.
+// dh_j. Without GVA a token's dq and dk are then done (the L2 norm's backward applied); with it
+// they go to float scratch and are summed over the value heads that share q / k in a last pass.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -274,13 +273,13 @@ template <typename T>
 struct BwdScratch {
   int kp, V, chunk, nck, rb;
   Buffer<T> mem;
-  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *dbeta, *dq, *dk, *dg, *dvv;
+  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *dbeta, *dq, *dk, *dg, *dvv, *xrow;
   BwdScratch(int K, int V_, int chunk_, int max_len)
       : kp(round_up(K, kLanes<T>)), V(V_), chunk(chunk_), nck((max_len + chunk_ - 1) / chunk_),
         rb(std::min(V_, block_rows<T>(round_up(K, kLanes<T>)))) {
     const size_t st = size_t(V) * kp, ck = size_t(chunk);
     const size_t total = st * (2 + size_t(std::max(nck, 1))) + ck * size_t(rb) * kp +
-                         ck * (6 * size_t(kp) + 5 * size_t(V) + 2);
+                         ck * (6 * size_t(kp) + 5 * size_t(V) + 2) + size_t(kp);
     mem.resize(total);
     T* x = mem.data();
     auto take = [&](size_t n) {
@@ -305,6 +304,7 @@ struct BwdScratch {
     dq = take(ck * kp);
     dk = take(ck * kp);
     dg = take(ck * kp);
+    xrow = take(kp);
   }
 };
 
@@ -389,13 +389,72 @@ void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
   }
 }
 
-// The backward of rows [j0, j1) through the chunk's first nt tokens, last first: given h'
-// (H), p_t, u_t and the inputs, turns those rows of dS from dL/dh_t (without token t's output
-// term) into dL/dh_{t-1}, adds their terms of dq~, dk^, dg (per key, w.r.t. the log-gate) and
-// dbeta into the chunk's per-token sums, and writes their dv.
+// The backward of R rows j.. j + R - 1 of one token (given h' rows, p, u and the inputs), sharing
+// the per-token sums' loads and stores among the R rows: turns those rows of dS from dL/dh_t
+// (without token t's output term) into dL/dh_{t-1}, adds their terms of dq~, dk^ and dg (per
+// key, w.r.t. the log-gate), writes their dv and returns their part of dbeta.
+template <int R, bool kGate, typename T>
+inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* __restrict__ dS, const T* k,
+                                const T* q, const T* a, T beta, const T* v, const T* pv, const T* uv, const T* dov,
+                                T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dg, T* dv) {
+  constexpr int L = kLanes<T>;
+  vec<T> u[R], d[R], du[R];
+  for (int r = 0; r < R; ++r) {
+    u[r] = vbcast(uv[j + r]);
+    d[r] = vbcast(dov[j + r]);
+    du[r] = vec<T>{};
+  }
+  // ds = dh_t (with the output term), ht = h_t: dq += do_j ht, dk += u_j ds, du_j = ds . k
+  for (int i = 0; i < kp; i += L) {
+    const vec<T> kk = vload(k + i), qq = vload(q + i);
+    vec<T> dqa = vload(dq + i), dka = vload(dk + i);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const vec<T> ht = vload(hrows + int64_t(r) * kp + i) + u[r] * kk;
+      const vec<T> ds = vload(dS + int64_t(j + r) * kp + i) + d[r] * qq;
+      dqa += d[r] * ht;
+      dka += u[r] * ds;
+      du[r] += ds * kk;
+    }
+    vstore(dq + i, dqa);
+    vstore(dk + i, dka);
+  }
+  T dbeta = 0;
+  vec<T> dp[R];
+  for (int r = 0; r < R; ++r) {
+    const T duj = hsum_tree(du[r]);
+    dp[r] = vbcast(-beta * duj);
+    dv[j + r] = beta * duj;
+    dbeta += duj * (v[j + r] - pv[j + r]);
+  }
+  // dh' = ds + dp_j k; dk += dp_j h'; dg += dh' h'; dh_{t-1} = a dh'
+  for (int i = 0; i < kp; i += L) {
+    const vec<T> kk = vload(k + i), qq = vload(q + i);
+    vec<T> dka = vload(dk + i), dga = kGate ? vload(dg + i) : vec<T>{};
+    const vec<T> aa = kGate ? vload(a + i) : vec<T>{};
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      T* dsr = dS + int64_t(j + r) * kp + i;
+      const vec<T> hp = vload(hrows + int64_t(r) * kp + i);
+      const vec<T> dhp = vload(dsr) + d[r] * qq + dp[r] * kk;
+      dka += dp[r] * hp;
+      if (kGate) {
+        dga += dhp * hp;
+        vstore(dsr, aa * dhp);
+      } else {
+        vstore(dsr, dhp);
+      }
+    }
+    vstore(dk + i, dka);
+    if (kGate) vstore(dg + i, dga);
+  }
+  return dbeta;
+}
+
+// The backward of rows [j0, j1) through the chunk's first nt tokens, last first (four rows at a
+// time, then one), adding into the chunk's per-token sums.
 template <bool kGate, typename T>
 void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
-  constexpr int L = kLanes<T>;
   const int kp = sc.kp, V = sc.V;
   for (int t = nt - 1; t >= 0; --t) {
     const T* k = sc.k + int64_t(t) * kp;
@@ -406,40 +465,15 @@ void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
             *dov = sc.dov + int64_t(t) * V;
     T *dq = sc.dq + int64_t(t) * kp, *dk = sc.dk + int64_t(t) * kp, *dg = sc.dg + int64_t(t) * kp;
     T* dv = sc.dvv + int64_t(t) * V;
+    const T* h = sc.H + int64_t(t) * sc.rb * kp - int64_t(j0) * kp;  // row j of the block at h + j kp
     T dbeta = 0;
-    for (int j = j0; j < j1; ++j) {
-      const T* hj = sc.H + (int64_t(t) * sc.rb + (j - j0)) * kp;
-      T* dsj = sc.dS + int64_t(j) * kp;
-      const vec<T> u = vbcast(uv[j]), d = vbcast(dov[j]);
-      // ds = dh_t (with the output term), ht = h_t; dq += do_j ht, dk += u_j ds, du = ds . k
-      vec<T> du{};
-      for (int i = 0; i < kp; i += L) {
-        const vec<T> kk = vload(k + i);
-        const vec<T> hp = vload(hj + i);
-        const vec<T> ht = hp + u * kk;
-        const vec<T> ds = vload(dsj + i) + d * vload(q + i);
-        vstore(dq + i, vload(dq + i) + d * ht);
-        vstore(dk + i, vload(dk + i) + u * ds);
-        du += ds * kk;
-      }
-      const T duj = hsum_tree(du), dpj = -beta * duj;
-      dv[j] = beta * duj;
-      dbeta += duj * (v[j] - pv[j]);
-      // dh' = ds + dp_j k; dk += dp_j h'; dg += dh' h'; dh_{t-1} = a dh'
-      const vec<T> dp = vbcast(dpj);
-      for (int i = 0; i < kp; i += L) {
-        const vec<T> kk = vload(k + i);
-        const vec<T> hp = vload(hj + i);
-        const vec<T> dhp = vload(dsj + i) + d * vload(q + i) + dp * kk;
-        vstore(dk + i, vload(dk + i) + dp * hp);
-        if (kGate) {
-          vstore(dg + i, vload(dg + i) + dhp * hp);
-          vstore(dsj + i, vload(a + i) * dhp);
-        } else {
-          vstore(dsj + i, dhp);
-        }
-      }
-    }
+    int j = j0;
+    for (; j + 4 <= j1; j += 4)
+      dbeta += backward_rows_of_token<4, kGate>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv, dov, dq,
+                                                dk, dg, dv);
+    for (; j < j1; ++j)
+      dbeta += backward_rows_of_token<1, kGate>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv, dov, dq,
+                                                dk, dg, dv);
     sc.dbeta[t] += dbeta;
   }
 }
@@ -455,6 +489,53 @@ struct QkScratch {
     return base + ((int64_t(b) * p.h_v + hv) * p.s + r) * kp;
   }
 };
+
+// The dq and dk rows of (b, q / k head hk, row r) from dq~ and dk^ summed over the head's group
+// (overwritten): the scale, the L2 norm's backward (y = x r, r = (x.x + eps)^-1/2: dx = r (dy -
+// y (y . dy))), the store. x: K of scratch.
+template <typename T>
+void store_qk_grads(const DBP<T>& p, int b, int hk, int64_t r, T* dqs, T* dks, T* x) {
+  const int K = p.dim_k;
+  const size_t es = dtype_size(p.dt);
+  for (int i = 0; i < K; ++i) dqs[i] *= p.scale;
+  for (int which = 0; which < 2; ++which) {
+    T* dy = which == 0 ? dqs : dks;
+    if (p.qk_l2norm) {
+      const void* src = which == 0 ? p.q : p.k;
+      const int64_t bs = which == 0 ? p.q_batch_stride : p.k_batch_stride;
+      const int64_t hs = which == 0 ? p.q_head_stride : p.k_head_stride;
+      const int64_t rs = which == 0 ? p.q_row_stride : p.k_row_stride;
+      load_row(p.dt, static_cast<const char*>(src) + (int64_t(b) * bs + int64_t(hk) * hs + r * rs) * int64_t(es), x, K, K);
+      const T rn = inv_norm(x, K, p.l2_eps);
+      T yd = 0;
+      for (int i = 0; i < K; ++i) yd += x[i] * rn * dy[i];
+      for (int i = 0; i < K; ++i) dy[i] = rn * (dy[i] - x[i] * rn * yd);
+    }
+    void* dst = which == 0 ? p.dq : p.dk;
+    const int64_t bs = which == 0 ? p.dq_batch_stride : p.dk_batch_stride;
+    const int64_t hs = which == 0 ? p.dq_head_stride : p.dk_head_stride;
+    const int64_t rs = which == 0 ? p.dq_row_stride : p.dk_row_stride;
+    store_row(p.dt, dy, static_cast<char*>(dst) + (int64_t(b) * bs + int64_t(hk) * hs + r * rs) * int64_t(es), K);
+  }
+}
+
+// With GVA (h_v > h_k): dq, dk of one (b, q / k head, row), the group's value heads summed from
+// the scratch.
+template <typename T>
+void finish_qk(const DBP<T>& p, const QkScratch<T>& qs, int b, int hk, int64_t r, T* x, T* dqs, T* dks) {
+  const int K = p.dim_k, G = p.h_v / p.h_k;
+  std::fill(dqs, dqs + K, T(0));
+  std::fill(dks, dks + K, T(0));
+  for (int g = 0; g < G; ++g) {
+    const T* sq = qs.at(qs.dq, p, b, hk * G + g, r);
+    const T* sk = qs.at(qs.dk, p, b, hk * G + g, r);
+    for (int i = 0; i < K; ++i) {
+      dqs[i] += sq[i];
+      dks[i] += sk[i];
+    }
+  }
+  store_qk_grads(p, b, hk, r, dqs, dks, x);
+}
 
 template <bool kGate, typename T>
 void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch<T>& qs) {
@@ -507,8 +588,12 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
           store_elem(p.gate_dt, p.dgate, side, s);
         }
       }
-      std::memcpy(qs.at(qs.dq, p, sp.b, hv, r), sc.dq + int64_t(t) * kp, sizeof(T) * kp);
-      std::memcpy(qs.at(qs.dk, p, sp.b, hv, r), sc.dk + int64_t(t) * kp, sizeof(T) * kp);
+      if (p.h_v == p.h_k) {  // q / k are this value head's alone: their gradients are done
+        store_qk_grads(p, sp.b, hv, r, sc.dq + int64_t(t) * kp, sc.dk + int64_t(t) * kp, sc.xrow);
+      } else {
+        std::memcpy(qs.at(qs.dq, p, sp.b, hv, r), sc.dq + int64_t(t) * kp, sizeof(T) * kp);
+        std::memcpy(qs.at(qs.dk, p, sp.b, hv, r), sc.dk + int64_t(t) * kp, sizeof(T) * kp);
+      }
       char* dvr = static_cast<char*>(p.dv) +
                   (int64_t(sp.b) * p.dv_batch_stride + int64_t(hv) * p.dv_head_stride + r * p.dv_row_stride) *
                       int64_t(in.es);
@@ -518,40 +603,6 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
   if (p.dinit_state != nullptr)
     for (int m = 0; m < K; ++m)
       for (int j = 0; j < V; ++j) p.dinit_state[st0 + int64_t(m) * V + j] = sc.dS[int64_t(j) * kp + m];
-}
-
-// dq, dk of one (b, q / k head, row): the group's value heads summed; then the scale, and the L2
-// norm's backward (y = x r, r = (x.x + eps)^-1/2: dx = r (dy - y (y . dy))).
-template <typename T>
-void finish_qk(const DBP<T>& p, const QkScratch<T>& qs, int b, int hk, int64_t r, T* x, T* dy) {
-  const int K = p.dim_k, G = p.h_v / p.h_k;
-  const size_t es = dtype_size(p.dt);
-  for (int which = 0; which < 2; ++which) {
-    T* base = which == 0 ? qs.dq : qs.dk;
-    std::fill(dy, dy + K, T(0));
-    for (int g = 0; g < G; ++g) {
-      const T* s = qs.at(base, p, b, hk * G + g, r);
-      for (int i = 0; i < K; ++i) dy[i] += s[i];
-    }
-    if (which == 0)
-      for (int i = 0; i < K; ++i) dy[i] *= p.scale;
-    if (p.qk_l2norm) {
-      const void* src = which == 0 ? p.q : p.k;
-      const int64_t bs = which == 0 ? p.q_batch_stride : p.k_batch_stride;
-      const int64_t hs = which == 0 ? p.q_head_stride : p.k_head_stride;
-      const int64_t rs = which == 0 ? p.q_row_stride : p.k_row_stride;
-      load_row(p.dt, static_cast<const char*>(src) + (int64_t(b) * bs + int64_t(hk) * hs + r * rs) * int64_t(es), x, K, K);
-      const T rn = inv_norm(x, K, p.l2_eps);
-      T yd = 0;
-      for (int i = 0; i < K; ++i) yd += x[i] * rn * dy[i];
-      for (int i = 0; i < K; ++i) dy[i] = rn * (dy[i] - x[i] * rn * yd);
-    }
-    void* dst = which == 0 ? p.dq : p.dk;
-    const int64_t bs = which == 0 ? p.dq_batch_stride : p.dk_batch_stride;
-    const int64_t hs = which == 0 ? p.dq_head_stride : p.dk_head_stride;
-    const int64_t rs = which == 0 ? p.dq_row_stride : p.dk_row_stride;
-    store_row(p.dt, dy, static_cast<char*>(dst) + (int64_t(b) * bs + int64_t(hk) * hs + r * rs) * int64_t(es), K);
-  }
 }
 
 }  // namespace
@@ -585,8 +636,9 @@ void delta_bwd(const DeltaBwdParamsT<T>& p) {
   }
   const int kp = round_up(p.dim_k, kLanes<T>);
   const int batches = p.cu_seqlens != nullptr ? 1 : p.b;
-  Buffer<T> scratch(size_t(2) * batches * p.h_v * size_t(p.s) * kp);
-  const QkScratch<T> qs{kp, scratch.data(), scratch.data() + size_t(batches) * p.h_v * size_t(p.s) * kp};
+  const bool gva = p.h_v != p.h_k;  // dq~, dk^ per value head go through scratch, then summed
+  Buffer<T> scratch(gva ? size_t(2) * batches * p.h_v * size_t(p.s) * kp : 0);
+  const QkScratch<T> qs{kp, scratch.data(), scratch.data() + (gva ? size_t(batches) * p.h_v * size_t(p.s) * kp : 0)};
   const int chunk = bwd_chunk<T>(p.dim_k, p.dim_v);
   parallel_tasks(tasks, 0, [&] {
     return [&, sc = BwdScratch<T>(p.dim_k, p.dim_v, chunk, max_len)](int64_t task) mutable {
@@ -598,16 +650,16 @@ void delta_bwd(const DeltaBwdParamsT<T>& p) {
       }
     };
   });
+  if (!gva) return;
   // rows of every sequence (varlen: the pack's rows inside a sequence; the rest stay zero)
-  const int hk_all = p.h_k;
-  const int64_t rows = int64_t(batches) * hk_all * p.s;
+  const int64_t rows = int64_t(batches) * p.h_k * p.s;
   pool_for(rows, 64, [&](int64_t r0, int64_t r1) {
-    Buffer<T> x(size_t(p.dim_k)), dy(size_t(p.dim_k));
+    Buffer<T> x(size_t(p.dim_k)), dqs(size_t(p.dim_k)), dks(size_t(p.dim_k));
     for (int64_t i = r0; i < r1; ++i) {
       const int64_t r = i % p.s;
-      const int hk = int(i / p.s % hk_all), b = int(i / p.s / hk_all);
+      const int hk = int(i / p.s % p.h_k), b = int(i / p.s / p.h_k);
       if (p.cu_seqlens != nullptr && (r < p.cu_seqlens[0] || r >= p.cu_seqlens[p.b])) continue;
-      finish_qk(p, qs, b, hk, r, x.data(), dy.data());
+      finish_qk(p, qs, b, hk, r, x.data(), dqs.data(), dks.data());
     }
   });
 }
