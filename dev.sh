@@ -43,7 +43,7 @@ ensure_built() {
 # and its files' mtimes, so a second run recompiles only what changed.
 SAN_TREE=build/sanitize/tree
 SAN_TESTS=(tests/sanitizers tests/softmax/test_cpu.py tests/softmax/test_exact.py tests/linear/test_cpu.py
-           tests/linear/test_step.py tests/sparse/test_kernels.py tests/decode/test_cpu.py
+           tests/linear/test_step.py tests/linear/test_delta.py tests/sparse/test_kernels.py tests/decode/test_cpu.py
            tests/decode/test_kvcache.py)
 
 sanitize_build() {

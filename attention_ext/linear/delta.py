@@ -6,6 +6,8 @@ functions delta_rule_attention / delta_rule_step.
         -> (out, final_state)
     delta_bwd(dout, dfinal_state?, q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale,
               qk_l2norm) -> (dq, dk, dv, dbeta, dgate, dinitial_state)
+    delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
+        T tokens from state, advanced in place (no autograd: decode)
 
 The math is reference.delta_rule's (common/delta_params.h in C++). The input rules, the Meta
 kernels and the check-only op delta_check are C++ (csrc/torch/delta_binding.*); this module adds
@@ -28,6 +30,7 @@ _KERNELS = {dev: HAS_OP and registered("attention_ext::delta_fwd", key) for dev,
                                                                                          ("cuda", "CUDA"))}
 FWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_fwd.default._schema.arguments) if HAS_OP else ()
 BWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_bwd.default._schema.arguments) if HAS_OP else ()
+STEP_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_step.default._schema.arguments) if HAS_OP else ()
 _GRAD_INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
 
 
@@ -169,10 +172,41 @@ def delta_rule_step(
     scale: Optional[float] = None,
     qk_l2norm: bool = False,
     layout: str = "bhsd",
+    inplace: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """T >= 1 new tokens from `state` (generation): q, k (B, H_k, T, K), v (B, H_v, T, V),
     beta (B, H_v, T), gate as delta_rule_attention's with T positions, state (B, H_v, K, V)
-    float32 (None = zeros). Returns (out (B, H_v, T, V), new_state); the input state is not
-    modified. A prefill's final state followed by steps equals the whole sequence."""
-    return delta_rule_attention(q, k, v, beta, gate=gate, scale=scale, initial_state=state, return_state=True,
-                                layout=layout, qk_l2norm=qk_l2norm)
+    float32 (float64 for float64 inputs; None = zeros). Returns (out (B, H_v, T, V), new_state).
+    A prefill's final state followed by steps equals the whole sequence.
+
+    inplace=False leaves `state` as it was and is differentiable; inplace=True advances `state`
+    itself and returns it as new_state: one read and one write of the state per step, no new
+    allocation (decode, where the state is the step's whole memory traffic). It records no
+    autograd, so it refuses inputs that require grad while grad mode is on."""
+    if not inplace:
+        return delta_rule_attention(q, k, v, beta, gate=gate, scale=scale, initial_state=state, return_state=True,
+                                    layout=layout, qk_l2norm=qk_l2norm)
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("state", state)):
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t, "delta_rule_step(inplace=True): ")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, gate, state)):
+        raise ValueError("delta_rule_step(inplace=True) records no autograd: call it under torch.no_grad() (decode), "
+                         "or pass inplace=False to differentiate")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"delta_rule_step(): layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if layout == "bshd":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    beta, gate = _side("beta", beta), _side("gate", gate)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
+    a = dict(q=q, k=k, v=v, beta=beta, state=state, gate=gate, scale=float(scale), qk_l2norm=bool(qk_l2norm))
+    if has_kernel(q.device):
+        out = _call("delta_step", STEP_ARGS, a)
+    else:
+        if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)
+            _call("delta_check", FWD_ARGS, dict(a, initial_state=state, cu_seqlens=None))
+        out, new = reference.delta_rule(q, k, v, beta, gate, float(scale), state, None, bool(qk_l2norm))
+        state.copy_(new)
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return out, state

@@ -8,9 +8,11 @@ ratios beside the machine's fp32 matmul ceiling.
 Sections:
 1. (B1, H8, S4096, K=V=128), fp32 and bf16, each gate kind: forward and forward+backward.
    GFLOP/s count the recurrence's work, 7 K V flops per token forward (h' = a h, p += k h',
-   h += k u, o += q h), read against the measured fp32 matmul ceiling.
-2. The step (delta_rule_step, T = 1, B16 H16 K=V=128 fp32): the state's bytes (read once,
-   written once) per second, against a copy of as many bytes; peer: the PyTorch recurrence.
+   h += k u, o += q h), read against the measured fp32 FMA peak (forward+backward rows count
+   the forward's flops too, so they read low: the backward does about 4.6x the forward's work).
+2. The step (delta_rule_step, T = 1, B16 H16 K=V=128 fp32, in place and into a new state): the
+   state's bytes (read once, written once) per second, against a copy of as many bytes; peer:
+   the PyTorch recurrence.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import interleaved, matmul_ceiling  # noqa: E402
+from common import cpu_peak_flops, interleaved, matmul_ceiling  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.linear import delta, reference  # noqa: E402
@@ -107,13 +109,15 @@ def step_bandwidth(reps):
 
     fns = {"pytorch": pytorch_step, "copy": lambda: dst.copy_(src)}
     if HAS_OP:
+        fns["inplace"] = lambda: ae.delta_rule_step(q, k, v, beta, state, gate=gt, inplace=True)
         fns["step"] = lambda: ae.delta_rule_step(q, k, v, beta, state, gate=gt)
     with torch.no_grad():
         t = interleaved(fns, reps=max(reps, 20) * 5)
     nbytes = 2 * state.numel() * 4  # read once, written once
     emit(f"Step (delta_rule_step, T=1, B{b} H{h} K=V={kd} fp32, gated, state {state.numel() * 4 / 2**20:.0f} MiB; "
          f"copy {nbytes / t['copy'] / 1e9:.1f} GB/s, {t['copy'] * 1e6:.0f} us):")
-    for name, what in (("step", "delta_rule_step"), ("pytorch", "the PyTorch recurrence")):
+    for name, what in (("inplace", "delta_rule_step(inplace=True)"), ("step", "delta_rule_step (a new state)"),
+                       ("pytorch", "the PyTorch recurrence")):
         if name in t:
             emit(f"  {what}: {nbytes / t[name] / 1e9:.1f} GB/s over the state's bytes, {t['copy'] / t[name]:.0%} of "
                  f"copy bandwidth; {t[name] * 1e6:.0f} us")
@@ -128,15 +132,16 @@ def main(argv=None):
     argv_list = list(sys.argv[1:] if argv is None else argv)
     reps = 1 if args.quick else args.reps
     warnings.simplefilter("ignore", RuntimeWarning)
-    ceil = matmul_ceiling(torch.float32, n=1024 if args.quick else 2048)
+    ceil = cpu_peak_flops("fp32_fma") or matmul_ceiling(torch.float32, n=1024 if args.quick else 2048)
     emit(f"CPU: {platform.processor() or platform.machine()}, ISA level {ae.cpu_isa()}, {torch.get_num_threads()} "
-         f"threads, torch {torch.__version__}; fp32 matmul ceiling {ceil / 1e9:.1f} GFLOP/s; delta op "
+         f"threads, torch {torch.__version__}; fp32 FMA peak {ceil / 1e9:.1f} GFLOP/s (cpu_peak_flops), fp32 "
+         f"matmul {matmul_ceiling(torch.float32, n=1024 if args.quick else 2048) / 1e9:.1f} GFLOP/s; delta op "
          f"{'built' if HAS_OP else 'NOT built'}")
     emit()
     shape = (1, 8, 1024 if args.quick else 4096, 128, 128)
     emit(f"(B, H, S, K, V) = {shape}")
     emit()
-    emit("| variant | pass | dtype | ours ms | ours GFLOP/s (of fp32 matmul) | peer ms | peer / ours |")
+    emit("| variant | pass | dtype | ours ms | ours GFLOP/s (of fp32 FMA peak) | peer ms | peer / ours |")
     emit("|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         for name, gate in (("DeltaNet", None), ("Gated DeltaNet", "head"), ("KDA", "key")):

@@ -125,6 +125,28 @@ void check_delta_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tens
   check_state(dfinal_state, "dfinal_state", state_shape(q, v, o), q);
 }
 
+void check_delta_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                             const at::Tensor& state, const DeltaOptions& o) {
+  TORCH_CHECK_VALUE(!o.cu_seqlens.has_value(), "attention_ext.delta_rule_step: cu_seqlens is not taken (one state per batch row)");
+  DeltaOptions without = o;
+  without.initial_state = std::nullopt;
+  check_delta_inputs(q, k, v, beta, without);
+  // the state is read and written in place: contiguous, so no two positions share an element
+  const std::vector<c10::SymInt> want = state_shape(q, v, without);
+  TORCH_CHECK_TYPE(state.scalar_type() == acc_dtype(q), "attention_ext.delta_rule_step: state must be ", acc_dtype(q),
+                   ", got ", state.scalar_type());
+  TORCH_CHECK_VALUE(state.sym_sizes() == c10::SymIntArrayRef(want), "attention_ext.delta_rule_step: state must have shape "
+                    "(B, H_v, K, V) = ", c10::SymIntArrayRef(want), ", got ", state.sym_sizes());
+  TORCH_CHECK(state.device() == q.device(), "attention_ext.delta_rule_step: state must be on ", q.device(), ", got ",
+              state.device());
+  TORCH_CHECK_VALUE(state.is_contiguous(), "attention_ext.delta_rule_step: state is updated in place and must be "
+                    "contiguous (an expanded or strided view is not); pass state.contiguous() and keep that tensor");
+}
+
+at::Tensor alloc_delta_out(const at::Tensor& q, const at::Tensor& v) {
+  return alloc_like_layout(q, v.sym_size(1), v.sym_size(3), q.options());
+}
+
 std::tuple<at::Tensor, at::Tensor> alloc_delta_outputs(const at::Tensor& q, const at::Tensor& v,
                                                        const DeltaOptions& o) {
   at::Tensor out = alloc_like_layout(q, v.sym_size(1), v.sym_size(3), q.options());

@@ -7,6 +7,8 @@
 //   delta_bwd(dout, dfinal_state?, q, k, v, beta, <options>)
 //       -> (dq, dk, dv, dbeta, dgate, dinitial_state)
 //   delta_check(q, k, v, beta, <options>) -> ()
+//   delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
+//       T tokens from `state`, advanced in place (decode)
 //   <options> = gate?, initial_state?, cu_seqlens?, scale, qk_l2norm
 // q, k (B, H_k, S, K), v (B, H_v, S, V) through strides (last dim stride 1); beta (B, H_v, S),
 // gate (B, H_v, S) or (B, H_v, S, K); states (B or the varlen sequences, H_v, K, V) in float32
@@ -55,6 +57,13 @@ void check_delta_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tens
 // accumulation dtype. Both may be meta / symbolic (the Meta kernels use them too).
 std::tuple<at::Tensor, at::Tensor> alloc_delta_outputs(const at::Tensor& q, const at::Tensor& v,
                                                        const DeltaOptions& o);
+
+// delta_step's rules: delta_fwd's, and a contiguous state of the initial state's shape and dtype
+// (it is written in place).
+void check_delta_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                             const at::Tensor& state, const DeltaOptions& o);
+// out alone (delta_step's output)
+at::Tensor alloc_delta_out(const at::Tensor& q, const at::Tensor& v);
 
 template <typename Acc>
 DeltaParamsT<Acc> make_delta_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

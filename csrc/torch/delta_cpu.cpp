@@ -65,9 +65,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cpu(const T
   return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
 }
 
+// T tokens from state, advanced in place: the forward with the state as both its initial and its
+// final state. Each task reads its block of columns at its start and writes it at its end, and
+// no two tasks share a block, so the in-place update is safe.
+Tensor delta_step_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
+                      const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  const attn::api::DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm};
+  attn::api::check_delta_step_inputs(q, k, v, beta, state, o);
+  Tensor out = attn::api::alloc_delta_out(q, v);
+  if (out.numel() == 0 || state.numel() == 0) {
+    if (out.numel() > 0) out.zero_();
+    return out;
+  }
+  if (q.scalar_type() == at::kDouble) {
+    attn::cpu::delta_fwd_stub<double>(attn::api::make_delta_params<double>(q, k, v, beta, out, state, o));
+  } else {
+    attn::cpu::delta_fwd_stub<float>(attn::api::make_delta_params<float>(q, k, v, beta, out, state, o));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("delta_fwd", &delta_fwd_cpu);
   m.impl("delta_bwd", &delta_bwd_cpu);
+  m.impl("delta_step", &delta_step_cpu);
 }

@@ -31,6 +31,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_meta(const 
   return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
 }
 
+Tensor delta_step_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
+                       const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  const attn::api::DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm};
+  attn::api::check_delta_step_inputs(q, k, v, beta, state, o);
+  return attn::api::alloc_delta_out(q, v);
+}
+
 void delta_check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
   attn::api::check_delta_inputs(q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS());
 }
@@ -40,6 +47,7 @@ void delta_check(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 TORCH_LIBRARY_IMPL(attention_ext, Meta, m) {
   m.impl("delta_fwd", &delta_fwd_meta);
   m.impl("delta_bwd", &delta_bwd_meta);
+  m.impl("delta_step", &delta_step_meta);
 }
 
 TORCH_LIBRARY_IMPL(attention_ext, CompositeExplicitAutograd, m) { m.impl("delta_check", &delta_check); }

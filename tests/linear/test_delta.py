@@ -308,3 +308,32 @@ def test_chunked_peer_equals_the_recurrence(gate):
     ref, ref_st = reference.delta_rule(q, k, v, beta, g)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(st, ref_st, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+@pytest.mark.parametrize("gate", [None, "head", "key"])
+def test_inplace_step_equals_the_functional_step(gate, dtype):
+    q, k, v, beta, g, h0 = problem(b=3, hk=1, hv=2, s=3, kd=16, vd=40, gate=gate)
+    acc = F64 if dtype == F64 else torch.float32
+    args = [t.to(dtype) for t in (q, k, v, beta)]
+    gg = g.to(acc) if g is not None else None
+    state = h0.to(acc)
+    want_out, want_state = ae.delta_rule_step(*args, state, gate=gg, qk_l2norm=True)
+    s2 = state.clone()
+    with torch.no_grad():
+        out, new = ae.delta_rule_step(*args, s2, gate=gg, qk_l2norm=True, inplace=True)
+    assert new is s2
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(s2, want_state, rtol=0, atol=0)
+
+
+def test_inplace_step_opcheck_and_errors():
+    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=1, kd=8, vd=8, gate="head")
+    a = dict(q=q.float(), k=k.float(), v=v.float(), beta=beta.float(), state=h0.float(), gate=g.float(), scale=0.5,
+             qk_l2norm=False)
+    torch.library.opcheck(torch.ops.attention_ext.delta_step.default, tuple(a[n] for n in delta.STEP_ARGS))
+    with pytest.raises(ValueError, match="state is updated in place and must be contiguous"):
+        torch.ops.attention_ext.delta_step(*[dict(a, state=torch.zeros(8, 8).expand(2, 2, 8, 8))[n]
+                                             for n in delta.STEP_ARGS])
+    with pytest.raises(ValueError, match="no autograd"):
+        ae.delta_rule_step(a["q"].requires_grad_(), a["k"], a["v"], a["beta"], a["state"], inplace=True)
