@@ -519,6 +519,23 @@ def _sc_linear(run):
     return check
 
 
+def _sc_delta(run):
+    """run(scale) -> out: the delta rule's scale multiplies q (o_t = h_t^T (scale q_t)), so the
+    output is linear in it; None is K ** -0.5 (K = 8)."""
+    def check():
+        torch.testing.assert_close(run(2.0), 2 * run(1.0))
+        torch.testing.assert_close(run(None), run(8 ** -0.5))
+    return check
+
+
+_BETA = torch.rand(2, 2, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def _delta_qkv():
+    q, k, v = _qkv(sq=6, sk=6)
+    return q, linear_ref._l2n(k), v, _BETA
+
+
 def _embeddings_scale():
     """Embeddings(scale=) is a flag of the token embedding ("Attention Is All You Need" 3.4):
     True multiplies by sqrt(d_model). Not an attention argument; a bool, never a factor."""
@@ -585,6 +602,12 @@ SCALE = {
     ("distributed.linear.context_parallel_linear_attention", "scale"): _sc_linear(
         lambda s, n: _cp(lambda: ae.distributed.context_parallel_linear_attention(
             *_lin_qkv(), scale=s, normalize=n))),
+    ("linear.delta.delta_rule_attention", "scale"): _sc_delta(
+        lambda s: ae.delta_rule_attention(*_delta_qkv(), scale=s)),
+    ("linear.delta.delta_rule_step", "scale"): _sc_delta(lambda s: ae.delta_rule_step(*_delta_qkv(), None, scale=s)[0]),
+    ("linear.reference.delta_rule", "scale"): _sc_delta(lambda s: linear_ref.delta_rule(*_delta_qkv(), scale=s)[0]),
+    ("linear.reference.delta_rule_chunked", "scale"): _sc_delta(
+        lambda s: linear_ref.delta_rule_chunked(*_delta_qkv(), scale=s, chunk=4)[0]),
     ("nn.positional.Embeddings.__init__", "scale"): _embeddings_scale,
     ("softmax.linformer.linformer_attention", "scale"): _sc_softmax(
         lambda s, f: ae.linformer_attention(_Q * f, _K, _V, _PROJ, scale=s)),
@@ -627,6 +650,10 @@ LAYOUT = {
         lambda lay: _back(lay, ae.linear_attention(*_as(lay, *_LQ), layout=lay))),
     ("linear.functional.linear_attention_step", "layout"): _tensor_layout(
         lambda lay: _back(lay, ae.linear_attention_step(*_as(lay, *_LQ), None, layout=lay)[0])),
+    ("linear.delta.delta_rule_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.delta_rule_attention(*_as(lay, *_delta_qkv()[:3]), _BETA, layout=lay))),
+    ("linear.delta.delta_rule_step", "layout"): _tensor_layout(
+        lambda lay: _back(lay, ae.delta_rule_step(*_as(lay, *_delta_qkv()[:3]), _BETA, None, layout=lay)[0])),
     ("sparse.functional.block_sparse_attention", "layout"): _tensor_layout(
         lambda lay: _back(lay, ae.block_sparse_attention(*_as(lay, _Q, _K, _V), _ONE_BLOCK, block_size=16,
                                                          layout=lay))),
