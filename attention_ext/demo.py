@@ -13,7 +13,9 @@
 
 --variant linear / performer replace every softmax attention with linear attention (elu + 1 or
 FAVOR+ features); generation then carries the recurrent state (nn.LinearCache) instead of a KV
-cache. --variant bigbird makes every self-attention block-sparse (BigBird: a sliding window, a
+cache. --variant gated_delta makes the char LM's layers Gated DeltaNet (nn.GatedDeltaNet: the
+delta rule, a recurrent state in generation); it has no encoder or cross-attention form, so the
+seq2seq part is skipped and says so. --variant bigbird makes every self-attention block-sparse (BigBird: a sliding window, a
 global block and a random block per row, 16-position blocks; causal in the decoders) and
 --variant topk keeps each query's best keys only (hard top-k attention); cross-attention stays
 dense, and generation keeps the KV cache (a step reads its layout row as an element mask).
@@ -49,12 +51,13 @@ from torch import Tensor
 
 from .models import LanguageModel, LMConfig, Transformer, TransformerConfig
 
-VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer", "bigbird", "topk",
-            "reformer", "linformer")
+VARIANTS = ("full", "gqa", "mqa", "window", "alibi", "rope", "sinks", "linear", "performer", "gated_delta", "bigbird",
+            "topk", "reformer", "linformer")
 LINEAR_VARIANTS = ("linear", "performer")  # attention_type="linear": no softmax, a recurrent state in generation
 SPARSE_VARIANTS = ("bigbird", "topk")  # attention_type="sparse": a block layout or top-k keys per query
 UNCACHED_VARIANTS = ("reformer",)  # attention_type="lsh": no incremental form, generation recomputes the prefix
 ENCODER_VARIANTS = ("linformer",)  # non-causal: the seq2seq encoder only, no causal LM
+LM_VARIANTS = ("gated_delta",)  # causal self-attention only (a recurrence): the char LM and timings, no seq2seq
 
 
 @dataclass
@@ -87,6 +90,9 @@ def variant_options(variant: str, n_heads: int, context: int) -> Dict:
         "sinks": {"sinks": True},
         "linear": {"attention_type": "linear", "feature_map": "elu"},  # Katharopoulos et al.: phi = elu + 1
         "performer": {"attention_type": "linear", "feature_map": "favor"},  # FAVOR+ random features
+        # Gated DeltaNet (the delta rule with short convolutions and an output gate); the
+        # recurrence orders positions, so no RoPE
+        "gated_delta": {"attention_type": "gated_delta", "positional": "learned"},
         # BigBird with the paper's 3-block window, one global and one random block per row
         "bigbird": {"attention_type": "sparse", "sparse_pattern": "bigbird", "sparse_block_size": 16,
                     "sparse_kwargs": {"window_blocks": 1, "n_global": 1, "n_random": 1, "seed": 0}},
@@ -106,7 +112,7 @@ def _cache_name(variant: str) -> str:
     nothing (LSH attention: each step recomputes the prefix)."""
     if variant in UNCACHED_VARIANTS:
         return "uncached"
-    return "recurrent state" if variant in LINEAR_VARIANTS else "KV cache"
+    return "recurrent state" if variant in LINEAR_VARIANTS + LM_VARIANTS else "KV cache"
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -466,9 +472,10 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
 
     if not (linear_ops if args.variant in LINEAR_VARIANTS else ops).has_kernel(torch.device(device)):
         log(f"  note: no compiled kernel for {device}; 'ours' is running the pure-PyTorch reference")
-    log(f"  {'variant':<9} {'batch x seq':>11} {'ours ms':>9} {'sdpa ms':>9} {'sdpa/ours':>9}")
-    if args.variant in LINEAR_VARIANTS:
-        log(f"  {args.variant}: 'ours' is our linear attention, 'sdpa' torch SDPA's softmax attention (SDPA has no "
+    log(f"  {'variant':<11} {'batch x seq':>11} {'ours ms':>9} {'sdpa ms':>9} {'sdpa/ours':>9}")
+    if args.variant in LINEAR_VARIANTS + LM_VARIANTS:
+        what = "Gated DeltaNet layer" if args.variant in LM_VARIANTS else "linear attention"
+        log(f"  {args.variant}: 'ours' is our {what}, 'sdpa' torch SDPA's softmax attention (SDPA has no "
             f"linear form), in the same LM")
     if args.variant in SPARSE_VARIANTS:
         kind = "block-sparse" if args.variant == "bigbird" else "top-k"
@@ -496,7 +503,7 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
             row = {"variant": variant, "batch": b, "seq": s, "ours_ms": round(times["ours"], 2),
                    "sdpa_ms": round(times["sdpa"], 2), "ratio": round(times["sdpa"] / times["ours"], 2)}
             rows.append(row)
-            log(f"  {variant:<9} {f'{b} x {s}':>11} {row['ours_ms']:>9.1f} {row['sdpa_ms']:>9.1f} {row['ratio']:>8.2f}x")
+            log(f"  {variant:<11} {f'{b} x {s}':>11} {row['ours_ms']:>9.1f} {row['sdpa_ms']:>9.1f} {row['ratio']:>8.2f}x")
     return rows
 
 
@@ -512,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="full", choices=VARIANTS,
                    help="attention variant: full softmax, GQA, MQA, causal sliding window, ALiBi, RoPE, sinks; "
                         "linear (elu + 1 linear attention) or performer (FAVOR+) replace softmax attention; "
+                        "gated_delta: Gated DeltaNet layers (the char LM and timings; seq2seq is skipped); "
                         "bigbird (block-sparse) or topk (top-k keys per query) make self-attention sparse; "
                         "reformer: LSH self-attention (generation without a cache); linformer: the seq2seq "
                         "encoder only (non-causal; the char LM and timings are skipped)")
@@ -593,6 +601,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict = {"device": device, "size": args.size, "variant": args.variant, "quick": args.quick,
                      "seed": args.seed, "threads": torch.get_num_threads(),
                      "cpu_isa": _ext.cpu_isa() if _ext.HAS_EXT else None, "torch": torch.__version__}
+    if args.variant in LM_VARIANTS and "seq2seq" in parts:  # no non-causal or cross-attention form
+        why = f"--variant {args.variant} is causal self-attention only (a recurrence): no encoder or cross-attention"
+        parts.discard("seq2seq")
+        results.setdefault("skipped", {})["seq2seq"] = why
+        log(f"\n[1/3] seq2seq: skipped: {why}")
     if "seq2seq" in parts:
         results["seq2seq"] = run_seq2seq(args, size, device, log)
     if args.variant in ENCODER_VARIANTS:  # the LM and its timings are causal: nothing to run them with

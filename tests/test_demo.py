@@ -107,6 +107,24 @@ def test_demo_reformer_variant(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_demo_gated_delta_variant(tmp_path):
+    """--variant gated_delta: the char LM trains on Gated DeltaNet layers and samples with the
+    recurrent state, the timing table runs against SDPA's softmax, and seq2seq (which needs an
+    encoder and cross-attention) is skipped, saying why."""
+    out = tmp_path / "gated_delta"
+    rc = demo.main(["--quick", "--variant", "gated_delta", "--out", str(out), "--threads", "1", "--quiet",
+                    "--lm-steps", "15", "--lm-chars", "60000", "--lm-eval-batches", "1", "--lm-sample-chars", "20",
+                    "--bench-reps", "1", "--no-plots"])
+    assert rc == 0
+    r = json.loads((out / "results.json").read_text())
+    assert "seq2seq" not in r and set(r["skipped"]) == {"seq2seq"}
+    assert len(r["char_lm"]["samples"]) == 3 and {row["variant"] for row in r["timings"]} == {"full", "gated_delta"}
+    log = (out / "log.txt").read_text()
+    assert "seq2seq: skipped: --variant gated_delta is causal self-attention only" in log
+    assert "recurrent state" in log and "Gated DeltaNet layer" in log
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_demo_linformer_variant(tmp_path):
     """--variant linformer is non-causal: it is the seq2seq encoder's self-attention only (the
     decoder keeps softmax), and the causal char LM and its timings are skipped, saying why."""

@@ -132,6 +132,7 @@ def delta_rule_attention(
     q0, k0, v0 = q, k, v
     if layout == "bshd" and q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D) views, no copy
+    q, k, v = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # rows read whole
     beta = _side("beta", beta)
     gate = _side("gate", gate)
     initial_state = _side("initial_state", initial_state)
@@ -196,6 +197,7 @@ def delta_rule_step(
         raise ValueError(f"delta_rule_step(): layout must be 'bhsd' or 'bshd', got {layout!r}")
     if layout == "bshd":
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     beta, gate = _side("beta", beta), _side("gate", gate)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0

@@ -5,6 +5,7 @@ from .layers import (ATTENTION_MODULES, ATTENTION_TYPES, Attention, AttentionCon
                      make_attention, register_attention_type)
 from .paged_cache import PagedKVCache
 from .linear import LinearAttention, LinearCache
+from .delta import DeltaCache, GatedDeltaNet
 from .linformer import LinformerAttention
 from .lsh import LSHAttention
 from .multihead import MultiheadAttention
@@ -16,6 +17,7 @@ __all__ = [
     "MultiheadAttention",
     "Attention", "AttentionConfig", "KVCache", "PagedKVCache", "ATTENTION_TYPES", "register_attention_type",
     "ATTENTION_MODULES", "make_attention", "allocate_cache", "LinearAttention", "LinearCache",
+    "GatedDeltaNet", "DeltaCache",
     "SparseAttention", "LinformerAttention", "LSHAttention",
     "AdditiveAttention", "LuongAttention",
     "Embeddings", "SinusoidalPositionalEncoding", "LearnedPositionalEmbedding", "RotaryEmbedding",

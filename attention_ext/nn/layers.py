@@ -6,7 +6,8 @@ computes the attention is `config.attention_type`, a key into `ATTENTION_TYPES`:
 fused kernel) and "sdpa" (torch's scaled_dot_product_attention, the peer the demo and benchmarks
 compare against), both run by `Attention`. A type that brings its own module (its own
 parameters, a recurrent state instead of a KV cache) registers the module class in
-`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention), "linformer"
+`ATTENTION_MODULES` instead: "linear" (nn/linear.py, LinearAttention), "gated_delta"
+(nn/delta.py, GatedDeltaNet: the delta rule with a recurrent state in generation), "linformer"
 (nn/linformer.py, LinformerAttention: learned projections along the sequence, non-causal) and
 "lsh" (nn/lsh.py, LSHAttention: Reformer's shared-QK hashing, no KV cache). "sparse" does both:
 its kernel here runs block-sparse or top-k attention on a layout it is given, and its module
@@ -50,6 +51,7 @@ class AttentionConfig:
     kv_dim: Optional[int] = None       # width of the cross-attention memory; None = d_model
     feature_map: str = "elu"           # attention_type="linear": a registered feature map name
     decay_gate: bool = False           # attention_type="linear", causal: a gate projection gives per-head log-decays
+    delta_conv: int = 4                # attention_type="gated_delta": the short causal convolutions' kernel (0: none)
     sparse_pattern: str = "local_global"  # attention_type="sparse": a SparseAttention pattern name
     sparse_block_size: int = 64        # attention_type="sparse": the layout's block size
     sparse_kwargs: Optional[Dict[str, Any]] = None  # attention_type="sparse": the pattern's options (window_blocks..)

@@ -260,7 +260,7 @@ BAD = [
     ("state dtype", lambda a: a.update(initial_state=a["initial_state"].double()), TypeError, "initial_state must"),
     ("scale", lambda a: a.update(scale=float("nan")), ValueError, "scale"),
     ("last stride", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
-     "contiguous"),
+     "contiguous"),  # the op's rule; delta_rule_attention copies such rows (test_strided_rows_are_copied)
     ("cu batch", lambda a: a.update(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)), ValueError, "pack"),
 ]
 
@@ -337,3 +337,10 @@ def test_inplace_step_opcheck_and_errors():
                                              for n in delta.STEP_ARGS])
     with pytest.raises(ValueError, match="no autograd"):
         ae.delta_rule_step(a["q"].requires_grad_(), a["k"], a["v"], a["beta"], a["state"], inplace=True)
+
+
+def test_strided_rows_are_copied():
+    """q, k, v whose last dim is strided (the op reads rows whole) are copied by the function."""
+    q, k, v, beta, g, _ = problem(b=1, hk=1, hv=1, s=7, kd=6, vd=5, gate="head", h0=False)
+    qs = q.transpose(2, 3).contiguous().transpose(2, 3)
+    torch.testing.assert_close(ae.delta_rule_attention(qs, k, v, beta, gate=g), ae.delta_rule_attention(q, k, v, beta, gate=g))

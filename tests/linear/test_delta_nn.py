@@ -1,0 +1,101 @@
+"""nn.GatedDeltaNet (attention_type="gated_delta") and the LM on it: cached generation equals the
+full forward, padded tokens change nothing, gradients reach every parameter, the LM trains and
+generates, and the options the layer has no form for are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.linear import delta
+from attention_ext.models import LanguageModel, LMConfig
+from attention_ext.nn import AttentionConfig, DeltaCache, GatedDeltaNet, allocate_cache
+
+pytestmark = pytest.mark.skipif(not delta.has_kernel(torch.device("cpu")), reason="no CPU delta kernel")
+
+
+def layer(n_heads=4, n_kv_heads=2, d_model=64, conv=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = AttentionConfig(d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, attention_type="gated_delta",
+                          causal=True, delta_conv=conv)
+    return GatedDeltaNet(cfg).double()
+
+
+@pytest.mark.parametrize("conv", [4, 0])
+def test_cached_generation_equals_the_full_forward(conv):
+    m = layer(conv=conv)
+    x = torch.randn(2, 23, 64, dtype=torch.float64)
+    full = m(x)
+    cache = allocate_cache(m.config, 2, 23)
+    assert isinstance(cache, DeltaCache)
+    with torch.no_grad():
+        parts = [m(x[:, :9], cache=cache)]  # prefill
+        for t in range(9, 23, 2):  # steps of 2 and a last one of 1, in place on the state
+            parts.append(m(x[:, t:t + 2], cache=cache))
+    assert cache.pos == 23
+    torch.testing.assert_close(torch.cat(parts, 1), full.detach(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_tokens_change_nothing(side):
+    m = layer()
+    x = torch.randn(1, 15, 64, dtype=torch.float64)
+    want = m(x)
+    pad = torch.randn(1, 4, 64, dtype=torch.float64) * 100  # garbage
+    xp = torch.cat([pad, x], 1) if side == "left" else torch.cat([x, pad], 1)
+    mask = torch.ones(1, 19, dtype=torch.bool)
+    if side == "left":
+        mask[:, :4] = False
+    else:
+        mask[:, 15:] = False
+    got = m(xp, key_mask=mask)
+    real = got[:, 4:] if side == "left" else got[:, :15]
+    torch.testing.assert_close(real, want, rtol=1e-10, atol=1e-10)
+    # and the state after the padded prefill is the unpadded one's
+    c1, c2 = DeltaCache(), DeltaCache()
+    with torch.no_grad():
+        m(x, cache=c1)
+        m(xp, key_mask=mask, cache=c2)
+    if side == "left":
+        torch.testing.assert_close(c2.state, c1.state, rtol=1e-10, atol=1e-10)
+
+
+def test_gradients_reach_every_parameter():
+    m = layer()
+    m(torch.randn(2, 11, 64, dtype=torch.float64)).pow(2).sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_lm_trains_and_generates():
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=32, block_size=64, n_layers=2, n_heads=4, n_kv_heads=2, d_model=64,
+                   attention_type="gated_delta", positional="learned")
+    lm = LanguageModel(cfg)
+    opt = torch.optim.AdamW(lm.parameters(), lr=3e-3)
+    data = torch.arange(64).remainder(8).repeat(4, 1)  # a period-8 pattern
+    losses = []
+    for _ in range(30):
+        _, loss = lm(data[:, :-1], data[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    lm.eval()
+    with torch.no_grad():
+        cached = lm.generate(data[:, :16], 12, greedy=True)
+        uncached = lm.generate(data[:, :16], 12, greedy=True, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(causal=False), "causal"),
+    (dict(causal=True, positional="rope"), "RoPE"),
+    (dict(causal=True, window=(8, 0)), "window"),
+])
+def test_refuses_what_it_has_no_form_for(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        GatedDeltaNet(AttentionConfig(d_model=32, n_heads=2, attention_type="gated_delta", **kw))
+    with pytest.raises(ValueError, match="self-attention only"):
+        GatedDeltaNet(AttentionConfig(d_model=32, n_heads=2, attention_type="gated_delta", causal=True), cross=True)
