@@ -43,20 +43,6 @@ void check_state(const std::optional<at::Tensor>& t, const char* name, const std
   TORCH_CHECK_VALUE(t->is_contiguous(), kWhat, name, " must be contiguous (call .contiguous())");
 }
 
-void set3(const at::Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
-  *bs = t.stride(0);
-  *hs = t.stride(1);
-  *rs = t.stride(2);
-}
-
-// (B, H, S, last) in `like`'s storage order ((B, S, H, last) storage when its heads are inner)
-at::Tensor alloc_like_layout(const at::Tensor& like, const c10::SymInt& h, const c10::SymInt& last,
-                             const at::TensorOptions& opts) {
-  if (like.sym_stride(1) < like.sym_stride(2))
-    return at::empty_symint({like.sym_size(0), like.sym_size(2), h, last}, opts).transpose(1, 2);
-  return at::empty_symint({like.sym_size(0), h, like.sym_size(2), last}, opts);
-}
-
 }  // namespace
 
 void check_delta_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
@@ -144,12 +130,12 @@ void check_delta_step_inputs(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 at::Tensor alloc_delta_out(const at::Tensor& q, const at::Tensor& v) {
-  return alloc_like_layout(q, v.sym_size(1), v.sym_size(3), q.options());
+  return empty_like_layout(q, v.sym_size(1), v.sym_size(3), q.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> alloc_delta_outputs(const at::Tensor& q, const at::Tensor& v,
                                                        const DeltaOptions& o) {
-  at::Tensor out = alloc_like_layout(q, v.sym_size(1), v.sym_size(3), q.options());
+  at::Tensor out = alloc_delta_out(q, v);
   at::Tensor state = at::empty_symint(state_shape(q, v, o), q.options().dtype(acc_dtype(q)));
   return {out, state};
 }
@@ -171,10 +157,10 @@ DeltaParamsT<Acc> make_delta_params(const at::Tensor& q, const at::Tensor& k, co
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.defined() ? out.data_ptr() : nullptr;
-  set3(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
-  set3(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
-  set3(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
-  if (out.defined()) set3(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  bhs_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  bhs_strides(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  bhs_strides(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  if (out.defined()) bhs_strides(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
   p.cu_seqlens = varlen ? o.cu_seqlens->data_ptr<int32_t>() : nullptr;
   p.beta = beta.data_ptr();
   p.beta_dt = dtype_of(beta);
@@ -198,9 +184,9 @@ template DeltaParamsT<double> make_delta_params<double>(const at::Tensor&, const
 DeltaGrads alloc_delta_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
                              const DeltaOptions& o) {
   DeltaGrads g;
-  g.dq = alloc_like_layout(q, q.sym_size(1), q.sym_size(3), q.options());
-  g.dk = alloc_like_layout(k, k.sym_size(1), k.sym_size(3), k.options());
-  g.dv = alloc_like_layout(v, v.sym_size(1), v.sym_size(3), v.options());
+  g.dq = empty_like_layout(q);
+  g.dk = empty_like_layout(k);
+  g.dv = empty_like_layout(v);
   g.dbeta = at::empty_symint(beta.sym_sizes(), beta.options());
   const auto acc = q.options().dtype(acc_dtype(q));
   g.dgate = o.gate.has_value() ? at::empty_symint(o.gate->sym_sizes(), o.gate->options()) : at::empty({0}, acc);
@@ -215,14 +201,14 @@ DeltaBwdParamsT<Acc> make_delta_bwd_params(const at::Tensor& dout, const std::op
   DeltaBwdParamsT<Acc> p{};
   static_cast<DeltaParamsT<Acc>&>(p) = make_delta_params<Acc>(q, k, v, beta, at::Tensor(), at::Tensor(), o);
   p.dout = dout.data_ptr();
-  set3(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
+  bhs_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
   p.dfinal_state = dfinal_state.has_value() ? dfinal_state->data_ptr<Acc>() : nullptr;
   p.dq = g.dq.data_ptr();
   p.dk = g.dk.data_ptr();
   p.dv = g.dv.data_ptr();
-  set3(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
-  set3(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
-  set3(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
+  bhs_strides(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
+  bhs_strides(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
+  bhs_strides(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
   p.dbeta = g.dbeta.data_ptr();
   p.dgate = o.gate.has_value() ? g.dgate.data_ptr() : nullptr;
   p.dinit_state = o.initial_state.has_value() ? g.dinit_state.data_ptr<Acc>() : nullptr;

@@ -41,12 +41,6 @@ c10::SymInt num_seqs_sym(const at::Tensor& q, const LinearOptions& o) {
 }
 c10::SymInt dv_aug_sym(const at::Tensor& v, const LinearOptions& o) { return v.sym_size(3) + (o.normalize ? 1 : 0); }
 
-void set3(const at::Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) {
-  *bs = t.stride(0);
-  *hs = t.stride(1);
-  *rs = t.stride(2);
-}
-
 // The rules q, k, v share in every linear op (`what` prefixes the messages, `seq` names the
 // sequence dim: S for a whole sequence, T for a step's tokens): 4-D, one dtype of the four, one device.
 void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* what, const char* seq) {
@@ -178,10 +172,10 @@ LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, 
   p.o = out.data_ptr();
   p.dim_v = int32_t(v.size(3));
   p.dim_v_aug = int32_t(dv_aug(v, o));
-  set3(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
-  set3(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
-  set3(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
-  set3(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  bhs_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  bhs_strides(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  bhs_strides(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  bhs_strides(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
   p.cu_seqlens = varlen ? o.cu_seqlens->data_ptr<int32_t>() : nullptr;
   p.key_mask = o.key_mask.has_value() ? reinterpret_cast<const uint8_t*>(o.key_mask->data_ptr<bool>()) : nullptr;
   p.key_mask_batch_stride = o.key_mask.has_value() ? o.key_mask->stride(0) : 0;
@@ -237,14 +231,14 @@ LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::
   static_cast<LinearParamsT<Acc>&>(p) = make_linear_params<Acc>(q, k, v, out, den, at::Tensor(), o);
   p.final_state = nullptr;
   p.dout = dout.data_ptr();
-  set3(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
+  bhs_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
   p.dfinal_state = dfinal_state.has_value() ? dfinal_state->data_ptr<Acc>() : nullptr;
   p.dq = g.dq.data_ptr();
   p.dk = g.dk.data_ptr();
   p.dv = g.dv.data_ptr();
-  set3(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
-  set3(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
-  set3(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
+  bhs_strides(g.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride);
+  bhs_strides(g.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride);
+  bhs_strides(g.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride);
   p.ddecay = g.ddecay.numel() > 0 ? g.ddecay.data_ptr<Acc>() : nullptr;
   p.dinit_state = g.dinit_state.numel() > 0 ? g.dinit_state.data_ptr<Acc>() : nullptr;
   return p;
@@ -347,12 +341,12 @@ LinearStepParamsT<Acc> make_linear_step_params(const at::Tensor& q, const at::Te
   p.v = v.data_ptr();
   p.o = out.data_ptr();
   p.dim_v = int32_t(v.size(3));
-  set3(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
-  set3(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
-  set3(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
-  set3(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
+  bhs_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
+  bhs_strides(k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride);
+  bhs_strides(v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride);
+  bhs_strides(out, &p.o_batch_stride, &p.o_head_stride, &p.o_row_stride);
   p.state = state.data_ptr<Acc>();
-  set3(state, &p.state_batch_stride, &p.state_head_stride, &p.state_row_stride);
+  bhs_strides(state, &p.state_batch_stride, &p.state_head_stride, &p.state_row_stride);
   p.normalizer = normalizer.has_value() ? normalizer->data_ptr<Acc>() : nullptr;
   p.z_batch_stride = normalizer.has_value() ? normalizer->stride(0) : 0;
   p.z_head_stride = normalizer.has_value() ? normalizer->stride(1) : 0;

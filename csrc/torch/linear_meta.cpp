@@ -19,15 +19,6 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// (B, H, S, last) in t's storage order ((B, S, H, last) storage when heads are inner), as the
-// CPU and CUDA allocations
-Tensor like_layout(const Tensor& t, const c10::SymInt& last) {
-  if (t.sym_stride(1) < t.sym_stride(2)) {
-    return at::empty_symint({t.sym_size(0), t.sym_size(2), t.sym_size(1), last}, t.options()).transpose(1, 2);
-  }
-  return at::empty_symint({t.sym_size(0), t.sym_size(1), t.sym_size(2), last}, t.options());
-}
-
 // the final state's (B or the varlen sequences, H, M, Dv (+1 with the normalizer)) shape
 std::vector<c10::SymInt> state_shape(const Tensor& q, const Tensor& v, const attn::api::LinearOptions& o) {
   const c10::SymInt nb = o.cu_seqlens.has_value() ? o.cu_seqlens->sym_numel() - 1 : q.sym_size(0);
@@ -39,7 +30,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_fwd_meta(const Tensor& q, const Tensor
   const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
   const auto acc = q.options().dtype(attn::api::acc_dtype(q));
-  return {like_layout(q, v.sym_size(3)), at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc),
+  return {attn::api::empty_like_layout(q, q.sym_size(1), v.sym_size(3), q.options()), at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc),
           at::empty_symint(state_shape(q, v, o), acc)};
 }
 
@@ -54,7 +45,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_meta(const Tensor&
   // alloc_linear_grads' shapes: ddecay like decay, dinit_state like initial_state, else (0)
   Tensor ddecay = o.decay.has_value() ? at::empty_symint(o.decay->sym_sizes(), acc) : at::empty({0}, acc);
   Tensor dinit = o.initial_state.has_value() ? at::empty_symint(state_shape(q, v, o), acc) : at::empty({0}, acc);
-  return {like_layout(q, q.sym_size(3)), like_layout(k, k.sym_size(3)), like_layout(v, v.sym_size(3)), ddecay, dinit};
+  return {attn::api::empty_like_layout(q), attn::api::empty_like_layout(k), attn::api::empty_like_layout(v), ddecay, dinit};
 }
 
 Tensor linear_step_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& state, const OptTensor& normalizer,

@@ -50,5 +50,21 @@ inline at::Tensor empty_like_layout(const at::Tensor& like) {
   return at::empty_symint(like.sym_sizes(), opts);
 }
 
+// The same with `h` heads and a last dim of `last` (an output whose heads or width differ from
+// its input's: the linear and delta ops' out, their gradients), of dtype / device `opts`.
+inline at::Tensor empty_like_layout(const at::Tensor& like, const c10::SymInt& h, const c10::SymInt& last,
+                                    const at::TensorOptions& opts) {
+  if (like.sym_stride(1) < like.sym_stride(2))
+    return at::empty_symint({like.sym_size(0), like.sym_size(2), h, last}, opts).transpose(1, 2);
+  return at::empty_symint({like.sym_size(0), h, like.sym_size(2), last}, opts);
+}
+
+// The (batch, head, row) strides of a (B, H, S, D) tensor, as the families' params keep them.
+inline void bhs_strides(const at::Tensor& t, int64_t* batch, int64_t* head, int64_t* row) {
+  *batch = t.stride(0);
+  *head = t.stride(1);
+  *row = t.stride(2);
+}
+
 }  // namespace api
 }  // namespace attn
