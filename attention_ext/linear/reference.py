@@ -49,10 +49,15 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, code: int, causal: bool, normalize: 
         vv = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1)  # (B, H, S, Dv')
     a = fq @ fk.transpose(-1, -2)  # (B, H, S, S): a_ij = scale * phi(q_i) . phi(k_j)
     if causal:
-        g = decay.to(q.dtype).cumsum(-1) if decay is not None else q.new_zeros(b, h, s)  # (B, H, S) G_i
+        d = decay.to(q.dtype) if decay is not None else q.new_zeros(b, h, s)
+        g = d.cumsum(-1)  # (B, H, S) G_i
+        # w_ij = exp(G_i - G_j) = exp(d_{j+1} + ... + d_i) for j <= i, built as sums of the gates
+        # (row l of the masked matrix holds d_l in columns j < l; a cumulative sum down the rows),
+        # never as a difference of running sums, so that gates of -1e9 or -inf stay exact
+        below = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-1)  # l > j
+        seg = torch.where(below, d.unsqueeze(-1), d.new_zeros(())).cumsum(-2)  # (B, H, S, S)
         allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        # w_ij = exp(G_i - G_j) for j <= i; the -inf keeps exp from overflowing above the diagonal
-        w = torch.where(allowed, g.unsqueeze(-1) - g.unsqueeze(-2), float("-inf")).exp()  # (B, H, S, S)
+        w = torch.where(allowed, seg, float("-inf")).exp()  # -inf above the diagonal: exp gives 0
         a = a * w
     o = a @ vv  # (B, H, S, Dv')
     if initial_state is not None:
@@ -60,7 +65,7 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, code: int, causal: bool, normalize: 
         o = o + (fq @ s0) * (g.exp().unsqueeze(-1) if causal else 1.0)
     # the state after the last position: sum_j exp(G_last - G_j) phi(k_j) v'_j^T (+ exp(G_last) S_0)
     if causal and s > 0:
-        fk_w = fk * (g[..., -1:] - g).exp().unsqueeze(-1)
+        fk_w = fk * seg[..., -1, :].exp().unsqueeze(-1)  # exp(G_last - G_j), as a sum of gates
         final = fk_w.transpose(-1, -2) @ vv  # (B, H, M, Dv')
         if initial_state is not None:
             final = final + g[..., -1].exp().view(b, h, 1, 1) * s0
@@ -99,7 +104,9 @@ def linear_attention(
     q and k (reference.phi); a padded key (key_mask (B, S) False) has phi(k_j) = 0.
 
         G_i     = sum_{t <= i} decay_t                    decay (B, H, S) log-gates; None = 0
-        w_ij    = exp(G_i - G_j) if j <= i else 0          (causal; decay needs causal)
+        w_ij    = exp(G_i - G_j) if j <= i else 0          (causal; decay needs causal; computed as
+                                                            exp(decay_{j+1} + ... + decay_i), exact
+                                                            for gates of -1e9 or -inf)
                 = 1                                        (non-causal)
         v'_j    = [v_j, 1] if normalize else v_j           (Dv')
         O'_i    = scale * phi(q_i)^T (sum_j w_ij phi(k_j) v'_j^T + exp(G_i) S_0)

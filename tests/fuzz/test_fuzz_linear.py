@@ -1,5 +1,6 @@
 """Property-based fuzzing of the linear family: ae.linear_attention with the fused feature maps,
-causal or not, normalized or not, decay, initial state, key padding, varlen packs, GQA, Dv != D,
+causal or not, normalized or not, decay (with gates of -1e4, -1e9 and -inf), initial state, key
+padding, varlen packs, GQA, Dv != D,
 both layouts and unusual strides. Forward, final state and every gradient against the float64
 reference under the project's rule (tests/fuzz/common.py)."""
 from __future__ import annotations
@@ -83,7 +84,13 @@ def linear_case(draw, note):
     k, fk = strided(shp(hk, m), dtype, kv_storage, seq_dim, heads=head_dim, gen_scale=0.5)
     v, fv = strided(shp(hk, dv), dtype, kv_storage, seq_dim, heads=head_dim)
     acc = ops.acc_dtype(dtype)
-    g = (-0.2 * torch.rand(b, h, s, dtype=acc)).requires_grad_(grad) if decay else None
+    g = (-0.2 * torch.rand(b, h, s, dtype=acc)) if decay else None
+    # a gate of -1e4, -1e9 or -inf (a hard reset) somewhere: the kernels sum gates, never subtract
+    # running sums, so these keep the recurrence's answer
+    extreme = decay and draw(st.sampled_from([None, -1e4, -1e9, float("-inf")]))
+    if extreme:
+        g[..., draw(st.integers(0, s - 1))] = extreme
+    g = g.requires_grad_(grad) if decay else None
     s0 = torch.rand(nb, h, m, dv + normalize, dtype=acc).requires_grad_(grad) if init else None
     kpm_t = (torch.rand(b, s) > 0.25) if kpm else None
     to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
@@ -189,7 +196,7 @@ def test_fp16_relu_decay_grad_k():
     float64 math with that one rounding has the kernel's error (test_fuzz_linear's rule).
     Replayed from its draws in order (hypothesis' reproduce_failure fails a test that passes)."""
     draws = iter([torch.float16, "relu", True, True, True, 1, 1, 7, 13, "bhsd", "contig", "contig", True, False, True,
-                  0.5, True, [17], 2, 1])
+                  0.5, True, [17], 2, 1, None])  # None: no extreme gate (drawn since)
     linear_case(lambda strategy: next(draws), lambda info: None)
 
 

@@ -421,3 +421,42 @@ def test_set_cuda_kernels_selection():
     finally:
         assert ae.linear.set_cuda_kernels(**old) == dict(chunk_parallel=True, segment_chunks=3)
     assert ae.linear.cuda_kernels() == old
+
+
+@pytest.mark.parametrize("big", [1e4, 1e9, float("inf")])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_extreme_gates_give_the_recurrence(big, normalize):
+    """decay of -1e4, -1e9 and -inf (a hard reset) inside a chunk and at a chunk's first row: the
+    chunked kernel's out, final state and gradients equal the recurrent form's (reference.linear_step
+    in float64), finite everywhere. The weights are sums of the gates between two rows, never a
+    difference of running sums, which loses the small gates after a large one and gives NaN
+    after -inf."""
+    import attention_ext as ae
+    from attention_ext.linear import reference as ref
+
+    torch.manual_seed(0)
+    b, h, s, m, dv = 1, 2, 150, 8, 5
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for d in (m, m, dv))
+    decay = -0.1 * torch.rand(b, h, s, dtype=torch.float64)
+    decay[:, 0, 30] = -big   # inside the first chunk
+    decay[:, 1, 64] = -big   # a chunk's first row
+    decay[:, :, 100] = -big
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, decay)]
+    out, st = ae.linear_attention(*leaves[:3], causal=True, decay=leaves[3], normalize=normalize, return_state=True)
+    fin = st.augmented(normalize)
+    assert torch.isfinite(out).all() and torch.isfinite(fin).all()
+    # the recurrence, position by position, in float64
+    r_leaves = [t.clone().requires_grad_() for t in (q, k, v, decay)]
+    state = torch.zeros(b, h, m, dv, dtype=torch.float64)
+    z = torch.zeros(b, h, m, dtype=torch.float64) if normalize else None
+    r_out, state, z = ref.linear_step(*r_leaves[:3], state, z, r_leaves[3], feature_map=1, inplace=False)
+    torch.testing.assert_close(out, r_out, rtol=1e-9, atol=1e-9)
+    r_fin = torch.cat([state, z.unsqueeze(-1)], -1) if normalize else state
+    torch.testing.assert_close(fin, r_fin, rtol=1e-9, atol=1e-9)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad((out * g).sum() + fin.sum(), leaves)
+    want = torch.autograd.grad((r_out * g).sum() + r_fin.sum(), r_leaves)
+    for name, a, w in zip(("dq", "dk", "dv", "ddecay"), ours, want):
+        assert torch.isfinite(a).all(), name
+        fin_w = torch.isfinite(w)
+        torch.testing.assert_close(a[fin_w], w[fin_w], rtol=1e-7, atol=1e-7, msg=name)

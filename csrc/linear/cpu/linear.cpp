@@ -7,6 +7,10 @@
 // chunk of n rows, with g the running sum of decay since the chunk start (gC = g_{n-1}):
 //   forward     A = Q~ K~^T (masked j <= i, weights e^{g_i - g_j});  O' = A V' + e^{g_i} Q~ S
 //               S <- e^{gC} S + sum_j e^{gC - g_j} K~_j v'_j^T
+// Every e^{g_i - g_j} is computed as e^{d_{j+1} + ... + d_i}, a sum of the gates between j and i
+// (mask_chunk, weights_to_end), never as a difference of running sums: gates of -1e4, -1e9 or
+// -inf (a hard reset) then give the recurrence's answer, where the difference loses the gates
+// after a large one to rounding and turns -inf - -inf into NaN.
 // The backward takes the normalization apart first: dO'_i = [dout_i / den_i, -(dout_i . out_i)
 // / den_i] (the last column only when normalize), so that everything after is the unnormalized
 // form over v'. Then, with S_i the forward state at row i and U_j = sum_{i >= j} e^{G_i - G_j}
@@ -102,22 +106,31 @@ T dot(const T* a, const T* b, int n) {
 }
 
 // The intra-chunk mask on a (n, ldp) product P (rows i, columns j): keeps j <= i with weight
-// e^{g_i - g_j} (the forward's A = Q~ K~^T and the backward's dO' V'^T; the products that need
-// the reverse mask read these transposed), zeroes the rest, columns past n included. g holds
-// ldp readable entries (those past n are masked off whatever they hold). Vector compares and
+// Keeps the causal triangle j <= i of the (n, ldp) block P, each entry times its gate weight
+// e^{d_{j+1} + ... + d_i} (the forward's A = Q~ K~^T and the backward's dO' V'^T; the products
+// that need the reverse mask read these transposed), zeroes the rest, columns past n included.
+// The exponents are sums of gates built row by row (seg: row i = row i - 1 + d_i, 0 at column
+// i), never differences of running sums, so gates of -1e4, -1e9 or -inf (a hard reset: every
+// weight across it is 0) keep the recurrence's answer. seg: ldp of scratch. Vector compares and
 // the vector exp: a scalar std::exp per kept entry cost as much as the product it masks.
 template <typename T>
-void mask_chunk(T* P, int n, int ldp, const T* g, bool decay) {
+void mask_chunk(T* P, int n, int ldp, const T* d, T* seg, bool decay) {
   constexpr int L = kLanes<T>;
   const T log2e = T(1.4426950408889634);
   const vec<T> iota = lane_index<T>(), zero{};
+  if (decay) std::fill(seg, seg + ldp, T(0));
   for (int r = 0; r < n; ++r) {
     T* row = P + int64_t(r) * ldp;
-    const vec<T> gr = vbcast(g[r]);
+    const vec<T> dr = vbcast(decay ? d[r] : T(0));
     for (int c0 = 0; c0 < ldp; c0 += L) {
       vec<T> x = vload(row + c0);
-      if (decay) x *= vexp2_nonpos((gr - vload(g + c0)) * log2e);
-      vstore(row + c0, iota + T(c0) <= T(r) ? x : zero);
+      const auto keep = iota + T(c0) <= T(r);
+      if (decay) {
+        const vec<T> sg = iota + T(c0) < T(r) ? vload(seg + c0) + dr : zero;
+        vstore(seg + c0, sg);
+        x *= vexp2_nonpos(sg * log2e);
+      }
+      vstore(row + c0, keep ? x : zero);
     }
   }
 }
@@ -163,37 +176,51 @@ template <typename T>
 struct Chunk {
   int mp, dp, cp;  // M, dim_v_aug and kChunk padded to whole vectors
   Scratch<T, 4> mem;
-  Span<T> q, k, v, dov, kt, p, p2, o, t, s, st, u, g, grow;
+  Span<T> q, k, v, dov, kt, p, p2, o, t, s, st, u, g, grow, d, seg;
   Chunk(int m, int dv_aug)
       : mp(round_up(m, kLanes<T>)), dp(round_up(dv_aug, kLanes<T>)), cp(round_up(kChunk, kLanes<T>)),
-        mem(carved_size<T, 14>(sizes(mp, dp, cp))) {
+        mem(carved_size<T, 16>(sizes(mp, dp, cp))) {
     const auto n = sizes(mp, dp, cp);
-    std::array<Span<T>*, 14> spans{&q, &k, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow};
-    std::array<T*, 14> ptrs{};
-    std::array<T**, 14> out{};
-    for (int i = 0; i < 14; ++i) out[i] = &ptrs[i];
-    carve<T, 14>(mem.data(), n, out);
-    for (int i = 0; i < 14; ++i) {
+    std::array<Span<T>*, 16> spans{&q, &k, &v, &dov, &o, &kt, &p, &p2, &t, &s, &st, &u, &g, &grow, &d, &seg};
+    std::array<T*, 16> ptrs{};
+    std::array<T**, 16> out{};
+    for (int i = 0; i < 16; ++i) out[i] = &ptrs[i];
+    carve<T, 16>(mem.data(), n, out);
+    for (int i = 0; i < 16; ++i) {
       spans[i]->ptr = ptrs[i];
       spans[i]->n = int64_t(n[i]);
       std::fill(spans[i]->begin(), spans[i]->end(), T(0));
     }
   }
-  static std::array<size_t, 14> sizes(int mp, int dp, int cp) {
+  static std::array<size_t, 16> sizes(int mp, int dp, int cp) {
     const size_t cm = size_t(cp) * mp, cd = size_t(cp) * dp, md = size_t(mp) * dp;
     const size_t big = std::max({cm, cd, size_t(cp) * cp});
-    // q, k | v, dov, o | kt, p, p2, t | s, st, u | g, grow
-    return {cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp)};
+    // q, k | v, dov, o | kt, p, p2, t | s, st, u | g, grow, d, seg
+    return {cm, cm, cd, cd, cd, big, big, big, big, md, md, md, size_t(cp), size_t(cp), size_t(cp), size_t(cp)};
   }
 };
 
-// g_i <- sum of decay over rows r0 .. r0 + i of (b, h), i < n (0 without decay)
+// d_i <- decay of row r0 + i of (b, h) and g_i <- d_0 + ... + d_i, i < n (0 without decay). g is
+// a sum of gates, never a difference of two sums: e^{g_i} is exact for any gate, -inf included.
 template <typename T>
-void running_decay(const LP<T>& p, int b, int h, int r0, int n, T* g) {
+void running_decay(const LP<T>& p, int b, int h, int r0, int n, T* g, T* d) {
   T acc = T(0);
   for (int i = 0; i < n; ++i) {
-    if (p.decay != nullptr) acc += p.decay[seq_index(p, b, h, r0 + i)];
+    d[i] = p.decay != nullptr ? p.decay[seq_index(p, b, h, r0 + i)] : T(0);
+    acc += d[i];
     g[i] = acc;
+  }
+}
+
+// w_j <- e^{d_{j+1} + ... + d_{n-1}} (the weight of row j in the state at the chunk's end),
+// summed from the end: the difference g_{n-1} - g_j would lose the small gates after a large one
+// (1e-3 relative after a gate of -1e4 in float32) and give NaN after a -inf.
+template <typename T>
+void weights_to_end(const T* d, int n, T* w) {
+  T acc = T(0);
+  for (int j = n - 1; j >= 0; --j) {
+    w[j] = T(std::exp(acc));
+    acc += d[j];
   }
 }
 
@@ -236,7 +263,7 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
       }
     }
   }
-  running_decay(p, b, h, r0, n, c.g.data());
+  running_decay(p, b, h, r0, n, c.g.data(), c.d.data());
 }
 
 // out_i, den_i from O'_i (n rows in c.o)
@@ -274,11 +301,11 @@ void save_state(const LP<T>& p, int b, int h, const Chunk<T>& c, const T* s, T* 
 template <typename T>
 void advance_state(Chunk<T>& c, int n, bool decay, T* s) {
   if (decay) {
-    const T gc = c.g[n - 1];
-    const T f = T(std::exp(gc));
+    const T f = T(std::exp(c.g[n - 1]));
     for (int64_t x = 0; x < int64_t(c.mp) * c.dp; ++x) s[x] *= f;
+    weights_to_end(c.d.data(), n, c.grow.data());
     for (int j = 0; j < n; ++j) {
-      const T w = T(std::exp(gc - c.g[j]));
+      const T w = c.grow[j];
       T* k = c.k.data() + int64_t(j) * c.mp;
       for (int x = 0; x < c.mp; ++x) k[x] *= w;
     }
@@ -324,7 +351,7 @@ struct FwdTask {
         load_chunk(p, dt, b, h, hk, r0, n, c, true, true);
         transpose(c.k.data(), c.cp, c.mp, c.mp, c.kt.data(), c.cp);  // K~^T (mp, cp)
         mm<false, false, Tri::kLowerC>(n, c.cp, c.mp, c.q.data(), c.mp, c.kt.data(), c.cp, c.p.data(), c.cp);
-        mask_chunk(c.p.data(), n, c.cp, c.g.data(), decay);
+        mask_chunk(c.p.data(), n, c.cp, c.d.data(), c.seg.data(), decay);
         mm<false, false, Tri::kLowerA>(n, c.dp, n, c.p.data(), c.cp, c.v.data(), c.dp, c.o.data(), c.dp);
         if (!state_zero) {
           const T* qw = c.q.data();
@@ -484,10 +511,9 @@ struct BwdTask {
         std::copy(st_at(hh, ci), st_at(hh, ci) + md, next);
         const T* a = c.v.data();
         if (decay) {  // S <- e^{gC} S + sum_j e^{gC - g_j} K~_j v'_j^T
-          running_decay(p, b, h0 + hh, r0, n, c.g.data());
-          const T gc = c.g[n - 1];
-          scale(next, md, T(std::exp(gc)));
-          for (int j = 0; j < n; ++j) ec[j] = T(std::exp(gc - c.g[j]));
+          running_decay(p, b, h0 + hh, r0, n, c.g.data(), c.d.data());
+          scale(next, md, T(std::exp(c.g[n - 1])));
+          weights_to_end(c.d.data(), n, ec.data());
           scale_rows(vw.data(), c.v.data(), n, dp, ec.data());
           a = vw.data();
         }
@@ -519,9 +545,9 @@ struct BwdTask {
         const T* g = c.g.data();
         // intra-chunk
         mm<false, false, Tri::kLowerC>(n, cp, dp, c.dov.data(), dp, vt.data(), cp, P, cp);
-        mask_chunk(P, n, cp, g, decay);
+        mask_chunk(P, n, cp, c.d.data(), c.seg.data(), decay);
         mm<false, false, Tri::kLowerC>(n, cp, mp, c.q.data(), mp, kt.data(), cp, A, cp);
-        mask_chunk(A, n, cp, g, decay);
+        mask_chunk(A, n, cp, c.d.data(), c.seg.data(), decay);
         mm<false, false, Tri::kLowerA>(n, mp, n, P, cp, c.k.data(), mp, dq.data(), mp);          // dQ~ = P K~
         mm<false, true, Tri::kUpperAT>(n, mp, n, P, cp, c.q.data(), mp, dkh.data(), mp);  // dK~ = P^T Q~
         mm<false, true, Tri::kUpperAT>(n, vp, n, A, cp, c.dov.data(), dp, dvh.data(), dp);  // dV' = A^T dO'
@@ -531,10 +557,8 @@ struct BwdTask {
         const T* kw_ = c.k.data();
         const T gc = g[n - 1];
         if (decay) {
-          for (int i = 0; i < n; ++i) {
-            ew[i] = T(std::exp(g[i]));
-            ec[i] = T(std::exp(gc - g[i]));
-          }
+          for (int i = 0; i < n; ++i) ew[i] = T(std::exp(g[i]));
+          weights_to_end(c.d.data(), n, ec.data());
           scale_rows(dow.data(), c.dov.data(), n, dp, ew.data());
           dow_ = dow.data();
         }
