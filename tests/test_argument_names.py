@@ -185,13 +185,14 @@ def _km_self(make, call):
     return case
 
 
-def _km_prefix(attention_type, refuses_inverse=False):
+def _km_prefix(attention_type, refuses_inverse=False, causal=False):
     """Self-attention whose exact padding is right padding (Linformer projects the positions, LSH
-    sorts them into chunks): a prefix key mask equals the module on the real positions alone. LSH
-    refuses a mask that is not a prefix (the inverse) with an error naming right padding; its
-    polarity is then checked against the unmasked call."""
+    sorts them into chunks; Gated DeltaNet, causal, takes left padding too): a prefix key mask
+    equals the module on the real positions alone. LSH refuses a mask that is not a prefix (the
+    inverse) with an error naming right padding; its polarity is then checked against the
+    unmasked call."""
     def case():
-        mod = _layer(attention_type, cross=False)
+        mod = _layer(attention_type, cross=False, causal=causal)
         x, m = _x(1, 7, 4), torch.arange(7).unsqueeze(0) < 5
         with torch.no_grad():
             got, want = mod(x, key_mask=m)[:, :5], mod(x[:, :5])
@@ -232,6 +233,7 @@ KEY_MASK = {
         lambda: _layer("linear"), lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
     ("nn.linformer.LinformerAttention.forward", "key_mask"): _km_prefix("linformer"),
     ("nn.lsh.LSHAttention.forward", "key_mask"): _km_prefix("lsh", refuses_inverse=True),
+    ("nn.delta.GatedDeltaNet.forward", "key_mask"): _km_prefix("gated_delta", causal=True),
     ("nn.blocks.EncoderBlock.forward", "key_mask"): _km_self(_block, lambda mod, x, m: mod(x, **_kw("key_mask", m))),
     ("nn.blocks.DecoderBlock.forward", "key_mask"): _km_self(
         lambda: _block(decoder=True), lambda mod, x, m: mod(x, _x(1, 5, 5), **_kw("key_mask", m))),
@@ -364,9 +366,9 @@ def _am_linear_refuses():
         mod(_x(1, 4, 0), _x(1, 7, 1), attn_mask=_mask(4, 7))
 
 
-def _am_self_refuses(attention_type):
+def _am_self_refuses(attention_type, causal=False):
     def case():
-        mod = _layer(attention_type, cross=False)
+        mod = _layer(attention_type, cross=False, causal=causal)
         with pytest.raises(ValueError, match=f"attention_type='{attention_type}' takes no attn_mask"):
             mod(_x(1, 7, 0), attn_mask=_mask(7, 7))
     return case
@@ -385,6 +387,7 @@ ATTN_MASK = {
     ("nn.linear.LinearAttention.forward", "attn_mask"): _am_linear_refuses,
     ("nn.linformer.LinformerAttention.forward", "attn_mask"): _am_self_refuses("linformer"),
     ("nn.lsh.LSHAttention.forward", "attn_mask"): _am_self_refuses("lsh"),
+    ("nn.delta.GatedDeltaNet.forward", "attn_mask"): _am_self_refuses("gated_delta", causal=True),
     ("nn.blocks.EncoderBlock.forward", "attn_mask"): _am_module(_block, lambda mod, m: mod(_x(1, 7, 2), attn_mask=m),
                                                                 sq=7),
     ("nn.blocks.DecoderBlock.forward", "attn_mask"): _am_module(

@@ -10,7 +10,7 @@ functions delta_rule_attention / delta_rule_step.
         T tokens from state, advanced in place (no autograd: decode)
 
 The math is reference.delta_rule's (common/delta_params.h in C++). The input rules, the Meta
-kernels and the check-only op delta_check are C++ (csrc/torch/delta_binding.*); this module adds
+kernels and the check-only op delta_check are C++ (csrc/torch/linear_delta_binding.*); this module adds
 the layout handling, the defaults, `register_autograd`, and the PyTorch recurrence on devices
 with no kernel (CUDA today).
 """

@@ -29,7 +29,7 @@
 #endif
 #include "torch/decode_binding.h"   // ATTN_DECODE_SCHEMA
 #include "torch/linear_binding.h"   // ATTN_LINEAR_OPTIONS_SCHEMA
-#include "torch/delta_binding.h"    // ATTN_DELTA_OPTIONS_SCHEMA
+#include "torch/linear_delta_binding.h"    // ATTN_DELTA_OPTIONS_SCHEMA
 #include "torch/softmax_binding.h"  // ATTN_SOFTMAX_OPTIONS_SCHEMA
 
 namespace {
@@ -327,7 +327,7 @@ TORCH_LIBRARY(attention_ext, m) {
   // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale) -> Tensor");
-  // the delta rule (DeltaNet, Gated DeltaNet, KDA), in the linear family: delta_binding.h
+  // the delta rule (DeltaNet, Gated DeltaNet, KDA), in the linear family: linear_delta_binding.h
   m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
   m.def("delta_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor beta"
         ATTN_DELTA_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

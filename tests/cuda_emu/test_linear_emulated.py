@@ -32,9 +32,11 @@ def emu():
 
 
 def run_case(emu, s, dtype, *, causal, fmap=1, b=1, h=2, hk=1, m=16, dv=24, layout="bhsd", decay=False, init=False,
-             mask=False, normalize=True, cu=None, arch=80):
+             mask=False, normalize=True, cu=None, arch=80, extreme=None):
     """The emulated op in `dtype` against the reference in float64 and in `dtype`: out, den,
-    final_state, then dq, dk, dv, ddecay and dinitial_state for random dout and dfinal_state."""
+    final_state, then dq, dk, dv, ddecay and dinitial_state for random dout and dfinal_state.
+    extreme: a gate value (-1e4, -1e9, -inf) put at rows 5, 64 (a chunk's first) and s - 2 of
+    head 0, and at row 40 of every head."""
     total = s if cu is None else int(cu[-1]) + 3  # a varlen pack with a tail no sequence owns
     nb = b if cu is None else cu.numel() - 1
 
@@ -46,6 +48,10 @@ def run_case(emu, s, dtype, *, causal, fmap=1, b=1, h=2, hk=1, m=16, dv=24, layo
     q, k, v = mk(h, m, 0.5), mk(hk, m, 0.5), mk(hk, dv, 1.0)
     acc = ops.acc_dtype(dtype)
     g = -0.2 * torch.rand(b, h, total, dtype=acc) if decay else None
+    if extreme is not None:
+        for r in (5, 64, total - 2):
+            g[:, 0, r] = extreme
+        g[:, :, 40] = extreme
     s0 = torch.rand(nb, h, m, dv + normalize, dtype=acc) if init else None
     kpm = (torch.rand(b, total) > 0.25) if mask else None
     opts = dict(decay=g, initial_state=s0, key_mask=kpm, cu_seqlens=cu, max_seqlen=s, feature_map=fmap,
@@ -293,6 +299,21 @@ def test_nan_padded_keys(emu, dtype, causal, arch):
         assert torch.equal(got, clean), f"{name}: NaN in padded keys changed it ({got.isnan().sum().item()} NaN)"
     for name, grad in zip(("dk", "dv"), results[0][4:6]):
         assert (grad.transpose(1, 2)[~kpm] == 0).all(), f"{name} of a padded key is not 0"
+
+
+@pytest.mark.parametrize("big", [-1e4, -1e9, float("-inf")])
+@pytest.mark.parametrize("kernel", ["simt", "mma", "chunk_parallel"])
+def test_extreme_gates(emu, kernel, big):
+    """Gates of -1e4, -1e9 and -inf (a hard reset) inside chunks and at a chunk's first row: every
+    CUDA schedule gives the recurrence's answer (the reference builds its weights from sums of
+    gates, as the kernels do within a reset-free run of rows), gradients included, nothing NaN."""
+    if kernel == "chunk_parallel":
+        emu.linear_set_cuda_kernels(True, 1)
+    try:
+        dtype = torch.float32 if kernel == "simt" else torch.bfloat16
+        run_case(emu, 150, dtype, causal=True, decay=True, init=True, extreme=big)
+    finally:
+        emu.linear_set_cuda_kernels(False, 0)
 
 
 # ------------------------------------------------------------------ the chunk-parallel forward

@@ -57,8 +57,8 @@ struct BwdSmem {
   static constexpr int kQ = 0, kK = kQ + QTile::kBytes, kKt = kK + QTile::kBytes, kV = kKt + KtTile::kBytes,
                        kD = kV + VTile::kBytes, kS = kD + VTile::kBytes, kSf = kS + STile::kBytes;  // fp32 S / U
   static constexpr int kZ = kSf + kM * kN * 4;         // fp32 z, then Uz (kM)
-  static constexpr int kScalars = kZ + kM * 4;         // g, wq, wk, kmul, dn, inv (C each)
-  static constexpr int kRed = kScalars + 6 * kChunk * 4;  // per-warp max |S|
+  static constexpr int kScalars = kZ + kM * 4;         // g, wq, wk, kmul, dn, inv, ep (C each)
+  static constexpr int kRed = kScalars + 7 * kChunk * 4;  // per-warp max |S|
   static constexpr int kBytes = kRed + kWarps * 4;
 };
 
@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   float* kmul = wk + kChunk;
   float* dn = kmul + kChunk;
   float* inv_den = dn + kChunk;
+  float* ep = inv_den + kChunk;
   float* red = reinterpret_cast<float*>(smem + L::kRed);
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, 0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
@@ -222,6 +223,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   // ascending sweep), else i >= j (row j, column i); + dn of the query index when add_dn, times
   // e^{g_i - g_j}; 0 past n.
   auto mask_cc = [&](float (&acc)[kChunk / 8][4], int n, bool lower, bool add_dn) {
+    // the warp's two rows' g and epoch, read once (linear_simt::pair_weight, unrolled by hand)
+    const float g_a = g[ra], g_b = g[rb], e_a = ep[ra], e_b = ep[rb];
 #pragma unroll
     for (int t = 0; t < kChunk / 8; ++t) {
 #pragma unroll
@@ -231,7 +234,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
         float val = 0.f;
         if (j <= i && i < n) {
           val = acc[t][x] + (add_dn ? dn[i] : 0.f);
-          if (decay) val *= expf(g[i] - g[j]);
+          if (decay) {
+            const float gr = x < 2 ? g_a : g_b, er = x < 2 ? e_a : e_b;
+            val *= er == ep[c] ? expf(lower ? gr - g[c] : g[c] - gr) : 0.f;
+          }
         }
         acc[t][x] = val;
       }
@@ -282,9 +288,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       const bool want_dq = pass == 1;
       const bool want_update = pass == 0 || (p.causal && (!kSeg || r0 + kChunk < r_end || (last_seg && want_dg)));
       lane = opaque(lane);
-      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
       __syncthreads();
-      const float egc = expf(g[n - 1]);
+      const float egc = linear_simt::chunk_decay(wq, n);
       // K~ and V feed the causal dQ~ products and the update; (wk K~)^T only the update
       const bool kv = want_update || (want_dq && p.causal);
       stage(r0, n, want_dq && want_dg, false, kv, want_update, kv, want_dq);
@@ -380,11 +386,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     for (int r0 = last; r0 >= r_begin; r0 -= kChunk) {
       const int n = min(kChunk, r_end - r0);
       lane = opaque(lane);
-      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
       __syncthreads();
       stage(r0, n, true, true, false, false, false, true);
       __syncthreads();
-      update_u(n, p.causal ? expf(g[n - 1]) : 1.f);
+      update_u(n, p.causal ? linear_simt::chunk_decay(wq, n) : 1.f);
     }
     store_state(plan.ustate(p, b, h, seg), U, uz, p, c0, nv, has_norm);
     return;
@@ -393,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
       lane = opaque(lane);
-      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
       __syncthreads();
       stage(r0, n, true, true, false, false, false, true);
       __syncthreads();
@@ -403,9 +409,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
   for (int r0 = last; r0 >= r_begin; r0 -= kChunk) {
     const int n = min(kChunk, r_end - r0);
     lane = opaque(lane);
-    linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+    linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
     __syncthreads();
-    const float egc = expf(g[n - 1]);
+    const float egc = linear_simt::chunk_decay(wq, n);
     stage(r0, n, p.causal, p.causal, true, false, true, p.causal);
     __syncthreads();
     const float fa = p.causal ? wk[ra] : 1.f, fb = p.causal ? wk[rb] : 1.f;

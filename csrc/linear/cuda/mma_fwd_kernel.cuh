@@ -59,8 +59,8 @@ struct Smem {
                        kS = kV + VTile::kBytes, kSf = kS + STile::kBytes;  // fp32 S (kM, kN)
   static constexpr int kZ = kSf + kM * kN * 4;                            // fp32 z (kM)
   static constexpr int kQz = kZ + kM * 4;                                  // Q~_i . z (C)
-  static constexpr int kScalars = kQz + kChunk * 4;                        // g, wq, wk, kmul (C each)
-  static constexpr int kRed = kScalars + 4 * kChunk * 4;                   // per-warp max |S|
+  static constexpr int kScalars = kQz + kChunk * 4;                        // g, wq, wk, kmul, ep (C each)
+  static constexpr int kRed = kScalars + 5 * kChunk * 4;                   // per-warp max |S|
   static constexpr int kBytes = kRed + kWarps * 4;
 };
 
@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
   float* wq = g + kChunk;
   float* wk = wq + kChunk;
   float* kmul = wk + kChunk;
+  float* ep = kmul + kChunk;
   float* red = reinterpret_cast<float*>(smem + L::kRed);
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, 0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
@@ -137,10 +138,11 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
       // kSegOut: the state after the segment's last chunk is not needed
       const bool want_update = pass == 0 || (p.causal && (kMode != FwdMode::kSegOut || r0 + kChunk < r_end));
       lane = opaque(lane);
-      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
       __syncthreads();
-      const float egc = expf(g[n - 1]);
-      if constexpr (kMode == FwdMode::kSegState) glog += g[n - 1];
+      const float egc = linear_simt::chunk_decay(wq, n);
+      // the segment's log-decay: -inf once a reset is in (its e^ is the scan's factor)
+      if constexpr (kMode == FwdMode::kSegState) glog += ep[n - 1] == 0.f ? g[n - 1] : -INFINITY;
       // stage Q~, K~, (wk K~)^T and V as 16-bit tiles
       if (vec) {
         stage_vec<T, L, kM>(smem, p, qh, kh, vh, r0, n, c0, nv, wk, kmul, want_out, tid);
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_kernel(const Params p, const 
             for (int x = 0; x < 4; ++x) {
               const int i = x < 2 ? ra : rb, j = t * 8 + 2 * (lane % 4) + (x & 1);
               float val = j <= i ? acc_s[t][x] : 0.f;
-              if (decay && j <= i) val *= expf(g[i] - g[j]);
+              if (decay && j <= i) val *= linear_simt::pair_weight(g, ep, i, j);
               acc_s[t][x] = val;
             }
             sum_a += acc_s[t][0] + acc_s[t][1];

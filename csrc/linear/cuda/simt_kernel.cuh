@@ -50,6 +50,7 @@ constexpr int kPerCC = kChunk * kChunk / kThreads;
 constexpr int kPerCS = kChunk * kSlice / kThreads;
 constexpr int kPerCV = (kChunk * (kMaxCols + 1) + kThreads - 1) / kThreads;
 static_assert(kChunk * kChunk % kThreads == 0 && kChunk * kSlice % kThreads == 0, "whole tiles per thread");
+static_assert(kThreads % kChunk == 0, "a thread keeps one column of the (C, C) tiles");
 static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scalars");
 
 // Value columns per CTA for feature width m: the (M, cols + 1) fp32 state slab stays <= ~37 KB.
@@ -57,11 +58,11 @@ __host__ __device__ constexpr int tile_cols(int m) { return m <= 256 ? 32 : (m <
 
 // Shared memory of the forward / backward for feature width m (bytes).
 __host__ __device__ constexpr int fwd_smem_floats(int m) {
-  return m * (tile_cols(m) + 1) + 2 * kChunk * kLdSlice + kChunk * (tile_cols(m) + 1) + kChunk * kLdP + 4 * kChunk;
+  return m * (tile_cols(m) + 1) + 2 * kChunk * kLdSlice + kChunk * (tile_cols(m) + 1) + kChunk * kLdP + 5 * kChunk;
 }
 __host__ __device__ constexpr int bwd_smem_floats(int m) {
   return m * (tile_cols(m) + 1) + 2 * kChunk * kLdSlice + 2 * kChunk * (tile_cols(m) + 1) + 2 * kChunk * kLdP +
-         5 * kChunk + 1;
+         6 * kChunk + 1;
 }
 
 // phi(x) (linear_params.h's feature map)
@@ -146,30 +147,56 @@ __device__ __forceinline__ void load_values(float* dst, const T* v, int64_t rs, 
   }
 }
 
-// The chunk's per-row scalars: g (running decay sum), wq = e^{g_i}, wk = e^{gC - g_i}, and kmul
-// (1 for a real key, 0 for a padded one); 0 past n. Thread 0 takes the running sum.
+// A gate at or below kResetGate is a reset: e^{gate} is 0 in float32 (e^-104 is below the
+// smallest subnormal), so every weight across it is exactly 0.
+constexpr float kResetGate = -104.f;
+
+// The chunk's per-row scalars: g and ep (the running decay sum since the chunk start or since the
+// last reset, and the number of resets up to the row: the row's epoch), wq = e^{G_i} (G the sum
+// since the chunk start: 0 once a reset is in), wk = e^{G_C - G_i}, and kmul (1 for a real key, 0
+// for a padded one); 0 past n. Thread 0 takes the running sum. A reset row starts its epoch at
+// g = 0, so e^{g_i - g_j} (pair_weight) is a difference of sums over one epoch: gates of -1e4,
+// -1e9 or -inf give the recurrence's answer, where one running sum over the chunk would lose the
+// small gates after a large one and turn -inf - -inf into NaN.
 __device__ __forceinline__ void load_row_scalars(const Params& p, const Seq& s, int h, int r0, int n, float* g,
-                                                 float* wq, float* wk, float* kmul) {
+                                                 float* wq, float* wk, float* kmul, float* ep) {
   if (threadIdx.x == 0) {
-    float acc = 0.f;
+    float acc = 0.f, e = 0.f;
     for (int i = 0; i < kChunk; ++i) {
-      if (i < n && p.decay != nullptr) acc += p.decay[s.row(p, p.h, h, r0 + i)];
+      if (i < n && p.decay != nullptr) {
+        const float d = p.decay[s.row(p, p.h, h, r0 + i)];
+        if (d <= kResetGate) {
+          acc = 0.f;
+          e += 1.f;
+        } else {
+          acc += d;
+        }
+      }
       g[i] = i < n ? acc : 0.f;
+      ep[i] = i < n ? e : 0.f;
     }
   }
   __syncthreads();
   if (threadIdx.x < kChunk) {
     const int i = threadIdx.x;
-    const float gc = g[n - 1];
+    const float gc = g[n - 1], ec = ep[n - 1];
     const bool live = i < n;
-    wq[i] = live ? expf(g[i]) : 0.f;
-    wk[i] = live ? expf(gc - g[i]) : 0.f;
+    wq[i] = live && ep[i] == 0.f ? expf(g[i]) : 0.f;
+    wk[i] = live && ep[i] == ec ? expf(gc - g[i]) : 0.f;
     bool real = live;
     if (live && p.key_mask != nullptr) real = p.key_mask[int64_t(s.bt) * p.key_mask_batch_stride + s.row0 + r0 + i] != 0;
     kmul[i] = real ? 1.f : 0.f;
   }
   __syncthreads();  // the loaders read every row's kmul
 }
+
+// e^{G_i - G_j} for rows j <= i of a chunk (load_row_scalars' g and ep): 0 across a reset.
+__device__ __forceinline__ float pair_weight(const float* g, const float* ep, int i, int j) {
+  return ep[i] == ep[j] ? expf(g[i] - g[j]) : 0.f;
+}
+
+// The chunk's total decay e^{G_C} (0 once a reset is in), from load_row_scalars' wq.
+__device__ __forceinline__ float chunk_decay(const float* wq, int n) { return wq[n - 1]; }
 
 // S[m0 + c][j] <- egc S + sum_t wk[t] K~[t][c] V'[t][j] for this slice's rows of the state
 __device__ __forceinline__ void advance_slice(float* S, const float* Ks, const float* V, const float* wk, float egc,
@@ -235,6 +262,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   float* wq = g + kChunk;
   float* wk = wq + kChunk;
   float* kmul = wk + kChunk;
+  float* ep = kmul + kChunk;
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, 0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
   const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride);
@@ -246,7 +274,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   if (!p.causal) {
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
-      load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
       load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
       for (int m0 = 0; m0 < m; m0 += kSlice) {
         __syncthreads();
@@ -259,9 +287,9 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   }
   for (int r0 = 0; r0 < s.len; r0 += kChunk) {
     const int n = min(kChunk, s.len - r0);
-    load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+    load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
     if (p.causal) load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
-    const float egc = expf(g[n - 1]);
+    const float egc = chunk_decay(wq, n);
     float a[kPerCC], oi[kPerCV];
 #pragma unroll
     for (int t = 0; t < kPerCC; ++t) a[t] = 0.f;
@@ -298,10 +326,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
     }
     // O' = mask(A) V' + e^{g_i} Q~ S  (non-causal: Q~ S)
     if (p.causal) {
+      const int jj = threadIdx.x % kChunk;  // this thread's column of every row it takes
+      const float gj = g[jj], ej = ep[jj];
 #pragma unroll
       for (int t = 0; t < kPerCC; ++t) {
-        const int e = threadIdx.x + t * kThreads, i = e / kChunk, j = e % kChunk;
-        P[i * kLdP + j] = j <= i ? a[t] * (decay ? expf(g[i] - g[j]) : 1.f) : 0.f;
+        const int i = (threadIdx.x + t * kThreads) / kChunk;
+        const float w = !decay ? 1.f : ep[i] == ej ? expf(g[i] - gj) : 0.f;  // pair_weight(g, ep, i, jj)
+        P[i * kLdP + jj] = jj <= i ? a[t] * w : 0.f;
       }
       __syncthreads();
 #pragma unroll
@@ -394,7 +425,8 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
   float* wq = g + kChunk;
   float* wk = wq + kChunk;
   float* kmul = wk + kChunk;
-  float* rowdot = kmul + kChunk;  // per-row dG share of this tile, + 1 scalar
+  float* ep = kmul + kChunk;
+  float* rowdot = ep + kChunk;  // per-row dG share of this tile, + 1 scalar
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, 0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
   const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride);
@@ -407,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
   if (!p.causal) {
     for (int r0 = 0; r0 < s.len; r0 += kChunk) {
       const int n = min(kChunk, s.len - r0);
-      load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+      load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
       load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
       for (int m0 = 0; m0 < m; m0 += kSlice) {
         __syncthreads();
@@ -420,11 +452,11 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
   }
   for (int r0 = 0; r0 < s.len; r0 += kChunk) {
     const int n = min(kChunk, s.len - r0);
-    load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+    load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
     if (p.causal) load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
     load_dout<T>(D, p, s, h, r0, n, cols);
     if (threadIdx.x < kChunk) rowdot[threadIdx.x] = 0.f;
-    const float egc = expf(g[n - 1]);
+    const float egc = chunk_decay(wq, n);
     __syncthreads();
     if (p.causal) {  // P1 = mask(dO' V'^T), weights e^{g_i - g_j}
 #pragma unroll
@@ -433,7 +465,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
         float acc = 0.f;
         if (j <= i) {
           for (int c = 0; c < cols.ncol; ++c) acc += D[i * cols.ld + c] * V[j * cols.ld + c];
-          if (decay) acc *= expf(g[i] - g[j]);
+          if (decay) acc *= pair_weight(g, ep, i, j);
         }
         P1[i * kLdP + j] = acc;
       }
@@ -506,11 +538,11 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
   const int last = s.len == 0 ? -1 : (s.len - 1) / kChunk * kChunk;
   for (int r0 = last; r0 >= 0; r0 -= kChunk) {
     const int n = min(kChunk, s.len - r0);
-    load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul);
+    load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
     load_values(V, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, cols, kmul);
     load_dout<T>(D, p, s, h, r0, n, cols);
     if (threadIdx.x < kChunk) rowdot[threadIdx.x] = 0.f;
-    const float egc = expf(g[n - 1]);
+    const float egc = chunk_decay(wq, n);
     __syncthreads();
     if (p.causal) {  // P1[j][i] = V'_j . dO'_i for i >= j, weights e^{g_i - g_j}
 #pragma unroll
@@ -519,7 +551,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
         float acc = 0.f;
         if (i >= j) {
           for (int c = 0; c < cols.ncol; ++c) acc += V[j * cols.ld + c] * D[i * cols.ld + c];
-          if (decay) acc *= expf(g[i] - g[j]);
+          if (decay) acc *= pair_weight(g, ep, i, j);
         }
         P1[j * kLdP + i] = acc;
       }
@@ -559,7 +591,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p, const 
 #pragma unroll
       for (int t = 0; t < kPerCC; ++t) {
         const int e = threadIdx.x + t * kThreads, j = e / kChunk, i = e % kChunk;
-        P2[j * kLdP + i] = i >= j ? p2[t] * (decay ? expf(g[i] - g[j]) : 1.f) : 0.f;
+        P2[j * kLdP + i] = i >= j ? p2[t] * (decay ? pair_weight(g, ep, i, j) : 1.f) : 0.f;
       }
     }
     __syncthreads();

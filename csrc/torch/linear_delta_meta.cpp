@@ -1,12 +1,12 @@
 // Meta kernels of the delta-rule ops and the check-only op delta_check: the ops' own C++ input
-// checks (delta_binding.cpp, sizes as SymInts), then outputs of the right shapes, dtypes and
+// checks (linear_delta_binding.cpp, sizes as SymInts), then outputs of the right shapes, dtypes and
 // layouts, as linear_meta.cpp does for linear attention.
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
-#include "torch/delta_binding.h"
+#include "torch/linear_delta_binding.h"
 
 namespace {
 

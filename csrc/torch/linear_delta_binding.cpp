@@ -1,5 +1,5 @@
-// Definitions of delta_binding.h: input checks, output allocation, tensors -> params.
-#include "torch/delta_binding.h"
+// Definitions of linear_delta_binding.h: input checks, output allocation, tensors -> params.
+#include "torch/linear_delta_binding.h"
 
 #include <cmath>
 #include <vector>

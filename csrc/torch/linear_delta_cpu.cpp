@@ -6,7 +6,7 @@
 #include <tuple>
 
 #include "linear/cpu/entry.h"
-#include "torch/delta_binding.h"
+#include "torch/linear_delta_binding.h"
 
 namespace {
 
