@@ -79,7 +79,7 @@ def _side(name: str, t) -> Optional[Tensor]:
     if t is None:
         return None
     if not isinstance(t, Tensor):
-        raise not_a_tensor(name, t, "delta_rule_attention(): ")
+        raise not_a_tensor(name, t, "delta_rule_attention()")
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -126,7 +126,7 @@ def delta_rule_attention(
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if not isinstance(t, Tensor):
-            raise not_a_tensor(name, t, "delta_rule_attention(): ")
+            raise not_a_tensor(name, t, "delta_rule_attention()")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"delta_rule_attention(): layout must be 'bhsd' or 'bshd', got {layout!r}")
     q0, k0, v0 = q, k, v
@@ -138,7 +138,7 @@ def delta_rule_attention(
     initial_state = _side("initial_state", initial_state)
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, Tensor):
-            raise not_a_tensor("cu_seqlens", cu_seqlens, "delta_rule_attention(): ")
+            raise not_a_tensor("cu_seqlens", cu_seqlens, "delta_rule_attention()")
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
@@ -189,7 +189,7 @@ def delta_rule_step(
                                     layout=layout, qk_l2norm=qk_l2norm)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("state", state)):
         if not isinstance(t, Tensor):
-            raise not_a_tensor(name, t, "delta_rule_step(inplace=True): ")
+            raise not_a_tensor(name, t, "delta_rule_step(inplace=True)")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, gate, state)):
         raise ValueError("delta_rule_step(inplace=True) records no autograd: call it under torch.no_grad() (decode), "
                          "or pass inplace=False to differentiate")

@@ -48,7 +48,9 @@ class DeltaCache:
 class _ShortConv(nn.Module):
     """A causal depthwise Conv1d over the sequence (kernel `size`), then SiLU: x (B, S, C) with the
     previous size - 1 inputs `past` (B, size - 1, C) or zeros. Returns (y, the last size - 1
-    inputs)."""
+    inputs of real tokens: `keep` (B, S) marks x's real rows; the past's all count), which the
+    next call continues from: after a right-padded prefill, the last real tokens, not the
+    padding."""
 
     def __init__(self, channels: int, size: int):
         super().__init__()
@@ -56,13 +58,19 @@ class _ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, size))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: Tensor, past: Optional[Tensor]) -> tuple:
+    def forward(self, x: Tensor, past: Optional[Tensor], keep: Optional[Tensor] = None) -> tuple:
         b, s, c = x.shape
+        w = self.size - 1
         if past is None:
-            past = x.new_zeros(b, self.size - 1, c)
+            past = x.new_zeros(b, w, c)
         xx = torch.cat([past.to(x.dtype), x], 1)  # (B, size - 1 + S, C)
         y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype), groups=c).transpose(1, 2).contiguous()
-        return F.silu(y), xx[:, xx.shape[1] - (self.size - 1):]
+        if keep is None:
+            return F.silu(y), xx[:, xx.shape[1] - w:]
+        real = torch.cat([keep.new_ones(b, w), keep], 1)
+        pos = torch.arange(xx.shape[1], device=x.device).expand(b, -1)
+        last = torch.where(real, pos, -1).topk(w, dim=1).values.flip(1)  # the w latest real rows, in order
+        return F.silu(y), xx.gather(1, last.unsqueeze(-1).expand(-1, -1, c))
 
 
 class GatedDeltaNet(nn.Module):
@@ -83,6 +91,9 @@ class GatedDeltaNet(nn.Module):
                                          ("softcap", c.softcap > 0)) if bad]
         if unsupported:
             raise ValueError(f"attention_type='gated_delta' has no {', '.join(unsupported)}")
+        if not isinstance(c.delta_conv, int) or c.delta_conv < 0 or c.delta_conv == 1:
+            raise ValueError(f"delta_conv is the short convolutions' kernel size: an int >= 2, or 0 for none; "
+                             f"got {c.delta_conv!r}")
         self.config = config
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         qk, vw = c.n_kv_heads * c.head_dim, c.n_heads * c.head_dim
@@ -93,7 +104,7 @@ class GatedDeltaNet(nn.Module):
         self.a_proj = nn.Linear(c.d_model, c.n_heads, bias=False)
         self.z_proj = nn.Linear(c.d_model, vw, bias=False)
         self.out_proj = nn.Linear(vw, c.d_model, bias=c.bias)
-        self.conv = nn.ModuleList(_ShortConv(w, c.delta_conv) for w in (qk, qk, vw)) if c.delta_conv > 1 else None
+        self.conv = nn.ModuleList(_ShortConv(w, c.delta_conv) for w in (qk, qk, vw)) if c.delta_conv else None
         # decay rates: A in [1, 16], dt in [1e-3, 1e-1] at init (the published layer's ranges)
         self.A_log = nn.Parameter(torch.log(torch.empty(c.n_heads).uniform_(1, 16)))
         dt = torch.exp(torch.empty(c.n_heads).uniform_(math.log(1e-3), math.log(1e-1)))
@@ -128,7 +139,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.q_proj(xin), self.k_proj(xin), self.v_proj(xin)
         if self.conv is not None:
             past = cache.conv if cache is not None and cache.conv is not None else [None, None, None]
-            (q, pq), (k, pk), (v, pv) = (conv(t, p) for conv, t, p in zip(self.conv, (q, k, v), past))
+            (q, pq), (k, pk), (v, pv) = (conv(t, p, key_mask) for conv, t, p in zip(self.conv, (q, k, v), past))
             if cache is not None:
                 cache.conv = [pq.detach(), pk.detach(), pv.detach()]
         else:

@@ -87,9 +87,15 @@ void check_delta_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
     TORCH_CHECK_VALUE(cu.dim() == 1 && cu.sym_numel() >= 2 && cu.is_contiguous(), kWhat,
                       "cu_seqlens must be a contiguous 1-D tensor of N + 1 offsets, got ", cu.sym_sizes());
     TORCH_CHECK(cu.device() == q.device(), kWhat, "cu_seqlens must be on ", q.device(), ", got ", cu.device());
-    if (q.device().is_cpu()) {
-      const int64_t n = cu.numel() - 1, len = s.guard_int(__FILE__, __LINE__);
-      auto c = cu.accessor<int32_t, 1>();
+    // the offsets' values, wherever they are real numbers (not meta / fake tensors): a device
+    // copy to the host for the check (the only device call today is the PyTorch recurrence's,
+    // a host loop over the offsets anyway)
+    const bool concrete = !cu.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && cu.device().type() != at::kMeta &&
+                          !q.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+    if (concrete && cu.has_storage()) {
+      const at::Tensor host = cu.device().is_cpu() ? cu : cu.to(at::kCPU);
+      const int64_t n = host.numel() - 1, len = s.guard_int(__FILE__, __LINE__);
+      auto c = host.accessor<int32_t, 1>();
       TORCH_CHECK_VALUE(c[0] == 0, kWhat, "cu_seqlens must start at 0, got ", c[0]);
       for (int64_t i = 0; i < n; ++i)
         TORCH_CHECK_VALUE(c[i + 1] >= c[i], kWhat, "cu_seqlens must be non-decreasing, got ", c[i], " then ", c[i + 1]);

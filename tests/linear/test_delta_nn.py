@@ -60,6 +60,25 @@ def test_padded_tokens_change_nothing(side):
         torch.testing.assert_close(c2.state, c1.state, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_generation_after_a_padded_prefill(side):
+    """Steps after a padded prefill continue from the real tokens: the convolutions' cache holds
+    the last real inputs (not the padding), the state ignores the padding."""
+    m = layer()
+    x = torch.randn(1, 6, 64, dtype=torch.float64)
+    pad = torch.randn(1, 3, 64, dtype=torch.float64)
+    xp = torch.cat([pad, x[:, :4]], 1) if side == "left" else torch.cat([x[:, :4], pad], 1)
+    mask = torch.ones(1, 7, dtype=torch.bool)
+    mask[:, :3] = side != "left"
+    mask[:, 4:] = side == "left"
+    c1, c2 = DeltaCache(), DeltaCache()
+    with torch.no_grad():
+        m(x[:, :4], cache=c1)
+        m(xp, key_mask=mask, cache=c2)
+        want, got = m(x[:, 4:], cache=c1), m(x[:, 4:], cache=c2)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_gradients_reach_every_parameter():
     m = layer()
     m(torch.randn(2, 11, 64, dtype=torch.float64)).pow(2).sum().backward()
@@ -93,6 +112,8 @@ def test_lm_trains_and_generates():
     (dict(causal=False), "causal"),
     (dict(causal=True, positional="rope"), "RoPE"),
     (dict(causal=True, window=(8, 0)), "window"),
+    (dict(causal=True, delta_conv=1), "delta_conv"),
+    (dict(causal=True, delta_conv=-2), "delta_conv"),
 ])
 def test_refuses_what_it_has_no_form_for(kw, msg):
     with pytest.raises(ValueError, match=msg):
