@@ -42,8 +42,14 @@ def registered(op: str, dispatch_key: str) -> bool:
 def capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on `device`'s current stream: no host reads of
     tensor values then (a sync), and no host values that a replay would repeat. The C++ host
-    steps ask the same of their device (csrc/torch/cuda_device.h)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    steps ask the same of their device (csrc/torch/cuda_device.h).
+
+    While torch.compile traces, False: Dynamo cannot put the query (a host bool) in a graph, so
+    asking broke `fullgraph=True` with dropout on a GPU. A compiled graph is captured by its own
+    backend (cudagraphs skips graphs with host ops such as the dropout seed's draw)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 def empty_cpu_cache() -> int:

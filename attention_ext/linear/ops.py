@@ -57,17 +57,17 @@ def state_width(dv: int, normalize: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------- kernel selection
-_cuda_kernels = dict(chunk_parallel=False, segment_chunks=0)
+_cuda_kernels = dict(chunk_parallel=True, segment_chunks=0)
 
 
-def set_cuda_kernels(chunk_parallel: bool = False, segment_chunks: int = 0) -> dict:
+def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0) -> dict:
     """Process-wide: the schedule of the CUDA tensor-core forward and backward (fp16 / bf16,
     feature width <= 128).
 
-        chunk_parallel  False (the default): one CTA walks each sequence. True: the chunk-parallel
-                        kernels (segments of chunks in parallel, a scan of the segment states,
-                        then the outputs or gradients in parallel; docs/gpu.md). They have passed
-                        the CPU emulator only, no GPU run yet, so they are not the default.
+        chunk_parallel  True (the default): the chunk-parallel kernels (segments of chunks in
+                        parallel, a scan of the segment states, then the outputs or gradients in
+                        parallel; docs/gpu.md). False: one CTA walks each sequence (the
+                        sequential kernels, slower on every shape timed: benchmarks/results/).
         segment_chunks  chunks of 64 rows per segment; 0 picks enough segments to fill the device.
 
     Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The float32

@@ -62,9 +62,18 @@ ATTN_HD bool dropout_keep_bits(uint32_t bits, float p) {
   return float(bits >> 8) * (1.0f / 16777216.0f) >= p;
 }
 
+// Word k (0..3) of a Philox result by selects, not a run-time array index: on a GPU an indexed
+// r.x[k] puts r in local memory (a 16-byte stack frame and local loads per element in every
+// kernel that inlines it).
+ATTN_HD uint32_t philox_word(const Philox4& r, int k) {
+  const uint32_t lo = (k & 1) ? r.x[1] : r.x[0];
+  const uint32_t hi = (k & 1) ? r.x[3] : r.x[2];
+  return (k & 2) ? hi : lo;
+}
+
 ATTN_HD bool dropout_keep(uint64_t seed, uint64_t offset, int bh, int i, int j, float p) {
   Philox4 r = dropout_bits4(seed, offset, bh, i, j >> 2);
-  return dropout_keep_bits(r.x[j & 3], p);
+  return dropout_keep_bits(philox_word(r, j & 3), p);
 }
 
 // Dropout at the coordinates of a larger problem. A kernel call that computes one piece of a

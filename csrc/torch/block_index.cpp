@@ -79,7 +79,10 @@ struct Entry {
 
 constexpr size_t kMaxEntries = 64;
 std::mutex g_mutex;
-std::vector<Entry> g_cache;
+// Never destroyed: its tensors may live on a GPU, and a destructor run at exit comes after the
+// CUDA runtime has shut down, where freeing them throws (with the caching allocator off, as under
+// compute-sanitizer, that ended the process with "driver shutting down"). The OS takes the memory.
+std::vector<Entry>& g_cache = *new std::vector<Entry>();
 
 constexpr const char* kNotBuilt =
     "attention_ext: a block-sparse call captured in a CUDA graph needs its layout's tile index built before "

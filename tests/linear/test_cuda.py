@@ -18,10 +18,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not ops.has_ker
 LOW = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def on_cuda():
-    with torch.device("cuda"):
-        yield
+@pytest.fixture(autouse=True, params=["chunk_parallel", "sequential"])
+def on_cuda(request):
+    """Every test on both schedules of the tensor-core kernels: the chunk-parallel default and the
+    sequential kernels (set_cuda_kernels(chunk_parallel=False))."""
+    old = ae.linear.set_cuda_kernels(chunk_parallel=request.param == "chunk_parallel")
+    try:
+        with torch.device("cuda"):
+            yield
+    finally:
+        ae.linear.set_cuda_kernels(**old)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
@@ -79,7 +85,11 @@ def test_chunk_parallel_heuristic_long():
     """The default segment count (fill the device) on a long sequence, against the sequential forward."""
     q, k, v = (torch.randn(1, 2, 20000, 64, dtype=torch.bfloat16) * 0.5 for _ in range(3))
     g = -0.01 * torch.rand(1, 2, 20000)
-    seq = ae.linear_attention(q, k, v, causal=True, decay=g)
+    old = ae.linear.set_cuda_kernels(chunk_parallel=False)
+    try:
+        seq = ae.linear_attention(q, k, v, causal=True, decay=g)
+    finally:
+        ae.linear.set_cuda_kernels(**old)
     old = ae.linear.set_cuda_kernels(chunk_parallel=True)
     try:
         par = ae.linear_attention(q, k, v, causal=True, decay=g)

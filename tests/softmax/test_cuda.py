@@ -278,8 +278,11 @@ def check_low_bits_of_a_column(run):
     out, lse, grads = run(*(x.to(DEV) for x in (q, k, v, dout)), scale=1.0)
     ref = ref_run(q.double(), k.double(), v.double(), dout.double(), torch.float64, scale=1.0)
     for name, got, want in (("dk", grads[1], ref[3]), ("dv", grads[2], ref[4])):
-        # key 1 (weight ~1 in every row) sums to ~65536: a relative tolerance there
-        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-6, atol=2e-5, msg=name)
+        # key 1 (weight ~1 in every row) sums to ~65536: a relative tolerance there. The message
+        # carries both tensors (2 x 2): dk failed on an H200 (2026-11-29) and passes the emulator
+        got = got.cpu().double()
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-5,
+                                   msg=lambda m, name=name, got=got, want=want: f"{name}: {m}\ngot {got.tolist()}\nwant {want.tolist()}")
 
 
 def test_low_bits_of_a_row():
@@ -340,11 +343,28 @@ def test_long_row_exact():
     check_long_row_exact(_fwd_unsplit)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+# The tensor-core kernels add each 16-key product into the running fp32 accumulator: over 2^24
+# keys in one CTA that drifts past SDPA's error, which splits such a row (H200, 2026-11-29: 1.63e-5
+# vs 3.8e-7 in fp16, 1.81e-5 vs 2.9e-6 in bf16; docs/known-gaps.md). The split-KV forward below is
+# the remedy the docs give.
+_UNSPLIT_TC_DRIFT = pytest.mark.xfail(strict=True, reason="tensor-core accumulation over 2^24 keys in one CTA "
+                                      "(measured on an H200; docs/known-gaps.md)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=_UNSPLIT_TC_DRIFT),
+                                   pytest.param(torch.bfloat16, marks=_UNSPLIT_TC_DRIFT)], ids=str)
 def test_long_row_random(dtype):
     """K and V of 4.4 GB each in float32: the SIMT kernel (compensated sums); float16 / bfloat16
     run the tensor-core kernels, whose sums take one term per 16-key product (not compensated)."""
     check_long_row_random(_fwd_unsplit, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_long_row_random_split(dtype):
+    """The same row on the split-KV forward (num_splits=0: the heuristic's split count): each
+    split sums a slice of the keys and the combine adds the slices' results."""
+    check_long_row_random(lambda q, k, v: torch.ops.attention_ext.softmax_fwd(q, k, v, *call_fwd(q, k, v), 0, False),
+                          dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)

@@ -219,3 +219,21 @@ def test_topk_public_api():
     out = ae.topk_attention(q, k, v, 16, causal=True)
     out.float().sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+
+
+def test_exit_with_cached_tile_index_and_no_caching_allocator():
+    """The tile-index cache outlives the CUDA runtime at exit: with the caching allocator off (as
+    under compute-sanitizer) freeing its tensors then threw 'driver shutting down' and aborted the
+    process (H200, 2026-11-29). The cache is never destroyed now: the process exits 0."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, attention_ext as ae\n"
+            "q, k, v = (torch.randn(1, 2, 128, 64, device='cuda', dtype=torch.bfloat16) for _ in range(3))\n"
+            "layout = torch.ones(2, 2, 2, dtype=torch.bool, device='cuda')\n"
+            "ae.block_sparse_attention(q, k, v, layout, block_size=64)\n"
+            "torch.cuda.synchronize()\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -14,13 +14,13 @@
 namespace attn {
 
 // The schedule of the tensor-core forward and backward, process-wide (set by the attention_ext::linear_set_cuda_kernels op):
-//   chunk_parallel: false = one CTA walks each sequence (the default until a GPU run has passed
-//                   the other), true = the chunk-parallel forward and backward of
+//   chunk_parallel: true (the default) = the chunk-parallel forward and backward of
 //                   mma_fwd_kernel.cuh / mma_bwd_kernel.cuh for the tensor-core calls (fp16 / bf16,
-//                   M <= 128); fp32 and wider calls keep the SIMT kernels;
+//                   M <= 128), false = one CTA walks each sequence; fp32 and wider calls keep the
+//                   SIMT kernels;
 //   segment_chunks: chunks per segment of the chunk-parallel kernels, 0 = fill the device.
 struct LinearCudaKernels {
-  bool chunk_parallel = false;
+  bool chunk_parallel = true;
   int segment_chunks = 0;
 };
 void cuda_linear_set_kernels(const LinearCudaKernels& k);

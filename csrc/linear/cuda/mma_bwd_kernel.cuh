@@ -411,7 +411,6 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
     lane = opaque(lane);
     linear_simt::load_row_scalars(p, s, h, r0, n, g, wq, wk, kmul, ep);
     __syncthreads();
-    const float egc = linear_simt::chunk_decay(wq, n);
     stage(r0, n, p.causal, p.causal, true, false, true, p.causal);
     __syncthreads();
     const float fa = p.causal ? wk[ra] : 1.f, fb = p.causal ? wk[rb] : 1.f;
@@ -458,8 +457,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_kernel(const BwdParams p, con
       scatter(dv, sc.dv + c0, kv_rows, p.dim_v, n, nv, r0, false, 0u, VT{}, unused_a, unused_b);
     }
     __syncthreads();  // every warp is done reading U16, Uz and the tiles
-    // kSegDkv: the reverse state past the segment's first chunk comes from the scan
-    if (p.causal && (!kSeg || r0 > r_begin)) update_u(n, egc);
+    // kSegDkv: the reverse state past the segment's first chunk comes from the scan. The chunk's
+    // decay is read here, not held across the products above (one register fewer: bf16 at
+    // M = 128 spilled 8 bytes on sm_90a with it live)
+    if (p.causal && (!kSeg || r0 > r_begin)) update_u(n, linear_simt::chunk_decay(wq, n));
   }
   __syncthreads();
   if (!kSeg && p.dinit_state != nullptr) store_state(state_at(p.dinit_state, p, b, h), U, uz, p, c0, nv, has_norm);

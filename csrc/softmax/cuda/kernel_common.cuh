@@ -129,13 +129,6 @@ __device__ __forceinline__ BwdPoint bwd_point(const Policy& pol, bool plain, boo
   return r;
 }
 
-// Word k of a Philox result without a run-time array index (which would put it in local memory).
-__device__ __forceinline__ uint32_t philox_word(const Philox4& r, int k) {
-  const uint32_t lo = (k & 1) ? r.x[1] : r.x[0];
-  const uint32_t hi = (k & 1) ? r.x[3] : r.x[2];
-  return (k & 2) ? hi : lo;
-}
-
 // The dropout factor z of element (i, j) of (batch, head) bh from the Philox stream of the
 // tensor-core kernels (4 keys per draw): 0 for a dropped element, rdrop = 1 / (1 - p) for a kept one.
 // Under global dropout coordinates (a piece of a larger problem) the draw is at those.
