@@ -158,6 +158,25 @@ if has lbench; then
   note "linear bench: rc=$?"; cat "$TMPD/linear.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
 fi
 
+if has lncu; then
+  # why the chunk-parallel linear kernels run 7-12x the static model's time (H200, 2026-11-29):
+  # ncu on one forward and one backward at issue 37's shape, the stall reasons of each kernel
+  cat > "$TMPD/lncu_case.py" <<'PY'
+import torch, attention_ext as ae
+q, k, v = (torch.randn(4, 16, 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+ae.linear.set_cuda_kernels(chunk_parallel=True)
+out = ae.linear_attention(q, k, v, causal=True)
+out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+PY
+  M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__occupancy_limit_shared_mem,launch__registers_per_thread,smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"
+  timeout 240 ncu --clock-control none -k "regex:linear" --metrics "$M" python3 "$TMPD/lncu_case.py" >"$TMPD/lncu.log" 2>&1
+  note "ncu, linear chunk-parallel (bf16, 4 x 16 x 8192 x 128, causal; rc=$?):"
+  grep -E "linear|gpu__time|warps_active|hmma|dram__|grid_size|occupancy_limit|registers_per|stalled|inst_executed|bank_conflicts" "$TMPD/lncu.log" \
+    | sed 's/^ */  /' | cut -c1-160 | head -120 | tee -a "$SUMMARY"
+  { echo "==== ncu linear chunk-parallel"; cat "$TMPD/lncu.log"; } >> "$OUT/bench.log"
+fi
+
 if has dbench; then
   # the decode bench alone (issue 37: both CUDA decode kernels, CUDA cores and tensor cores, against
   # SDPA and the copy bandwidth, caches 4k and 32k, contiguous and paged)

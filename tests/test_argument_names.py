@@ -608,6 +608,8 @@ SCALE = {
     ("linear.delta.delta_rule_attention", "scale"): _sc_delta(
         lambda s: ae.delta_rule_attention(*_delta_qkv(), scale=s)),
     ("linear.delta.delta_rule_step", "scale"): _sc_delta(lambda s: ae.delta_rule_step(*_delta_qkv(), None, scale=s)[0]),
+    ("distributed.delta.context_parallel_delta_rule_attention", "scale"): _sc_delta(
+        lambda s: _cp(lambda: ae.distributed.context_parallel_delta_rule_attention(*_delta_qkv(), scale=s))),
     ("linear.reference.delta_rule", "scale"): _sc_delta(lambda s: linear_ref.delta_rule(*_delta_qkv(), scale=s)[0]),
     ("linear.reference.delta_rule_chunked", "scale"): _sc_delta(
         lambda s: linear_ref.delta_rule_chunked(*_delta_qkv(), scale=s, chunk=4)[0]),
@@ -674,6 +676,9 @@ LAYOUT = {
     ("distributed.linear.context_parallel_linear_attention", "layout"): _tensor_layout(
         lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_linear_attention(*_as(lay, *_LQ),
                                                                                             layout=lay)))),
+    ("distributed.delta.context_parallel_delta_rule_attention", "layout"): _tensor_layout(
+        lambda lay: _back(lay, _cp(lambda: ae.distributed.context_parallel_delta_rule_attention(
+            *_as(lay, *_delta_qkv()[:3]), _BETA, layout=lay)))),
 }
 
 
@@ -718,6 +723,8 @@ SHARD_LAYOUT = {
         lambda: ae.distributed.context_parallel_attention(*_LQ, shard_layout=s)),
     "distributed.linear.context_parallel_linear_attention": lambda s: _cp(
         lambda: ae.distributed.context_parallel_linear_attention(*_LQ, shard_layout=s)),
+    "distributed.delta.context_parallel_delta_rule_attention": lambda s: _cp(
+        lambda: ae.distributed.context_parallel_delta_rule_attention(*_delta_qkv(), shard_layout=s)),
     "distributed.context.ContextParallel.__init__": lambda s: ae.distributed.ContextParallel(shard_layout=s),
     "distributed.sharding.sequence_multiple": lambda s: ae.distributed.sequence_multiple(2, s),
     "distributed.sharding.global_positions": lambda s: ae.distributed.global_positions(8, rank=0, world_size=2,

@@ -11,12 +11,13 @@ as everywhere in the library. Shard layouts, the padding rule and the collective
 The attention: its options (causal, window_size, seq_len, ...: one AttentionOptions, checked
 once) in options.py, the front door context_parallel_attention in attention.py, one module per
 mode: allgather.py (mode="allgather"), ring.py (mode="ring"), ulysses.py (mode="ulysses");
-linear attention: linear.py.
+linear attention: linear.py; the delta rule: delta.py.
 Whole models: pass context_parallel=ContextParallel(group, mode, shard_layout) to nn.Attention or
 models.LanguageModel (context.py), and feed each rank its shard of the tokens.
 """
 from .attention import MODES, context_parallel_attention
 from .context import ContextParallel
+from .delta import context_parallel_delta_rule_attention
 from .linear import context_parallel_linear_attention
 from .sharding import (
     LAYOUTS,
@@ -32,6 +33,7 @@ __all__ = [
     "context_parallel_attention",
     "ContextParallel",
     "context_parallel_linear_attention",
+    "context_parallel_delta_rule_attention",
     "shard_sequence",
     "unshard_sequence",
     "all_gather_sequence",

@@ -128,11 +128,15 @@ def _shard_state(fk: Tensor, v: Tensor, h: int, decay: Optional[Tensor], normali
     if decay is None:  # one state per kv head, shared by its query heads
         s = (fk.transpose(-1, -2) @ vv).repeat_interleave(h // hk, dim=1)  # (B, H, M, Dv')
         return s, fk.new_zeros(b, h)
-    g = decay.cumsum(-1)  # (B, H, n) G_t
-    w = (g[..., -1:] - g).exp()  # (B, H, n) exp(G_end - G_t)
-    fkw = fk.repeat_interleave(h // hk, dim=1) * w.unsqueeze(-1)  # (B, H, n, M)
+    # key t's weight exp(G_end - G_t) is the exp of the gates after t summed to the shard's end,
+    # formed as suffix sums and never as a difference of running sums: after a gate of -inf (a hard
+    # reset) or -1e9 the difference is nan or all rounding, the sum is exact (0 weight, or the
+    # later keys' own)
+    suffix = decay.flip(-1).cumsum(-1).flip(-1)  # (B, H, n) the gates from t to the end
+    after = torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], -1)  # from t + 1
+    fkw = fk.repeat_interleave(h // hk, dim=1) * after.exp().unsqueeze(-1)  # (B, H, n, M)
     s = fkw.transpose(-1, -2) @ vv.repeat_interleave(h // hk, dim=1)  # (B, H, M, Dv')
-    return s, g[..., -1] if n else fk.new_zeros(b, h)
+    return s, suffix[..., 0] if n else fk.new_zeros(b, h)
 
 
 class _Tie(torch.autograd.Function):

@@ -162,6 +162,34 @@ def delta_rule_attention(
     return (out, state) if return_state else out
 
 
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optional[Tensor] = None,
+                 scale: Optional[float] = None, initial_state: Optional[Tensor] = None, layout: str = "bhsd",
+                 qk_l2norm: bool = False, caller: str = "delta_rule_attention()") -> None:
+    """delta_rule_attention's input rules on these tensors, for a caller that runs the kernels on
+    tensors of its own making (context parallelism's widened values): the op's C++ check
+    (delta_check), so an error names the caller's argument. Without the extension, nothing."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t, caller)
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"{caller}: layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if not HAS_OP:
+        return
+    q0, k0, v0 = q, k, v
+    if layout == "bshd" and q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    a = dict(q=q, k=k, v=v, beta=_side("beta", beta), gate=_side("gate", gate),
+             initial_state=_side("initial_state", initial_state), cu_seqlens=None,
+             scale=float(scale) if scale is not None else 1.0, qk_l2norm=bool(qk_l2norm))
+    try:
+        _call("delta_check", FWD_ARGS, a)
+    except ValueError as e:
+        mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True)
+        if mix is not None:
+            raise mix from e
+        raise
+
+
 def delta_rule_step(
     q: Tensor,
     k: Tensor,

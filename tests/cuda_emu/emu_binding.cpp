@@ -232,6 +232,14 @@ void emu_linear_set_kernels(bool chunk_parallel, int64_t segment_chunks) {
   for (int64_t arch : {80, 90}) backend(arch).linear_set_kernels(chunk_parallel, int(segment_chunks));
 }
 
+// the current linear selection of the sm_80 build (both archs are always set together)
+std::tuple<bool, int64_t> emu_linear_kernels() {
+  bool chunk_parallel = false;
+  int segment_chunks = 0;
+  backend(80).linear_kernels(&chunk_parallel, &segment_chunks);
+  return {chunk_parallel, int64_t(segment_chunks)};
+}
+
 void emu_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
 
 void emu_set_capturing(bool capturing) { g_capturing = capturing; }
@@ -255,6 +263,7 @@ TORCH_LIBRARY(attention_ext_emu, m) {
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
   m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &emu_linear_set_kernels);
+  m.def("linear_cuda_kernels() -> (bool, int)", &emu_linear_kernels);
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale, int arch) -> Tensor",
         &emu_linear_step);

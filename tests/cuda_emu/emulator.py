@@ -49,9 +49,13 @@ def _toolchain():
     return inc, None
 
 
+# the linear selection (chunk_parallel, segment_chunks) the compiled dispatch starts with
+initial_linear_kernels = None
+
+
 def load():
     """torch.ops.attention_ext_emu, built on first use; None (see `why`) without a toolchain."""
-    global _ops, why, build_seconds
+    global _ops, why, build_seconds, initial_linear_kernels
     if _ops is not None:
         return _ops
     inc, why_not = _toolchain()
@@ -79,6 +83,7 @@ def load():
     )
     build_seconds = time.time() - t0
     _ops = torch.ops.attention_ext_emu
+    initial_linear_kernels = tuple(_ops.linear_cuda_kernels())  # dispatch.cu's default, before any test sets it
     return _ops
 
 

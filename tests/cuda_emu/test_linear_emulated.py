@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import attention_ext as ae
 from attention_ext.linear import ops, reference
 from tests.cuda_emu import emulator as cuda_emu
 from tests.helpers import assert_close_fa2
@@ -28,7 +29,21 @@ def emu():
     e = cuda_emu.load()
     if e is None:
         pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
-    return e
+    e.linear_set_cuda_kernels(False, 0)  # the tests name their schedule: "mma" is the sequential one
+    yield e
+    e.linear_set_cuda_kernels(*cuda_emu.initial_linear_kernels)
+
+
+def test_default_selection_is_the_python_default(emu):
+    """The compiled dispatch starts with LinearCudaKernels{} (csrc/linear/cuda/entry.h), which
+    must be what attention_ext.linear.set_cuda_kernels() documents and selects without arguments:
+    a selection word that started at 0 ran the sequential kernels although the docs said
+    chunk-parallel."""
+    import inspect
+    sig = inspect.signature(ae.linear.set_cuda_kernels)
+    want = tuple(sig.parameters[n].default for n in ("chunk_parallel", "segment_chunks"))
+    assert cuda_emu.initial_linear_kernels == want
+    assert want == (True, 0)
 
 
 def run_case(emu, s, dtype, *, causal, fmap=1, b=1, h=2, hk=1, m=16, dv=24, layout="bhsd", decay=False, init=False,

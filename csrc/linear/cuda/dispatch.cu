@@ -53,8 +53,12 @@ void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
 
 // fp16 / bf16 only (TypeOps); M <= kM
 // the selection in one word (bit 32: chunk_parallel, low 32 bits: segment_chunks), so that a
-// reader never sees half of an update
-std::atomic<uint64_t> g_kernels{0};
+// reader never sees half of an update; it starts as LinearCudaKernels{} (entry.h), the defaults'
+// one home
+constexpr uint64_t pack_kernels(const LinearCudaKernels& k) {
+  return (uint64_t(k.chunk_parallel) << 32) | uint32_t(k.segment_chunks);
+}
+std::atomic<uint64_t> g_kernels{pack_kernels(LinearCudaKernels{})};
 
 int value_tiles_tc(const LinearParamsT<float>& p) { return (p.dim_v + linear_tc::kN - 1) / linear_tc::kN; }
 
@@ -275,7 +279,7 @@ void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t 
 
 void cuda_linear_set_kernels(const LinearCudaKernels& k) {
   if (k.segment_chunks < 0) throw std::runtime_error("attention_ext.linear: segment_chunks must be >= 0");
-  linear_cuda::g_kernels.store((uint64_t(k.chunk_parallel) << 32) | uint32_t(k.segment_chunks));
+  linear_cuda::g_kernels.store(linear_cuda::pack_kernels(k));
 }
 
 LinearCudaKernels cuda_linear_kernels() {
