@@ -44,9 +44,9 @@ def capturing(device: torch.device) -> bool:
     tensor values then (a sync), and no host values that a replay would repeat. The C++ host
     steps ask the same of their device (csrc/torch/cuda_device.h).
 
-    While torch.compile traces, False: Dynamo cannot put the query (a host bool) in a graph, so
-    asking broke `fullgraph=True` with dropout on a GPU. A compiled graph is captured by its own
-    backend (cudagraphs skips graphs with host ops such as the dropout seed's draw)."""
+    While torch.compile traces, False: Dynamo cannot put the query (a host bool) in a graph
+    (asking once broke `fullgraph=True` on a GPU); the ops' own host steps ask again when the
+    compiled graph runs."""
     if device.type != "cuda" or torch.compiler.is_compiling():
         return False
     return torch.cuda.is_current_stream_capturing()

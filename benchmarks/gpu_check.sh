@@ -170,7 +170,7 @@ out.backward(torch.randn_like(out))
 torch.cuda.synchronize()
 PY
   M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__occupancy_limit_shared_mem,launch__registers_per_thread,smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"
-  timeout 240 ncu --clock-control none -k "regex:linear" --metrics "$M" python3 "$TMPD/lncu_case.py" >"$TMPD/lncu.log" 2>&1
+  timeout 240 ncu --clock-control none --kernel-name-base demangled -k "regex:linear" --metrics "$M" python3 "$TMPD/lncu_case.py" >"$TMPD/lncu.log" 2>&1
   note "ncu, linear chunk-parallel (bf16, 4 x 16 x 8192 x 128, causal; rc=$?):"
   grep -E "linear|gpu__time|warps_active|hmma|dram__|grid_size|occupancy_limit|registers_per|stalled|inst_executed|bank_conflicts" "$TMPD/lncu.log" \
     | sed 's/^ */  /' | cut -c1-160 | head -120 | tee -a "$SUMMARY"

@@ -9,12 +9,12 @@ A_t and U (K x V) its state from zero; and each row's state is h_t = P_{<=t} E_i
     o_t = h_t^T (scale q_t) = U_{<=t}^T (scale q_t) + E_in^T (P_{<=t}^T (scale q_t)).
 
 Forward, per rank r:
-1. ONE local call of the delta-rule kernel on the value columns [v, 0] (V + K wide) from the state
-   [0, I]: the columns evolve independently, so its first V output columns are the outputs from
-   a zero state, its last K are P_{<=t}^T (scale q_t), and its final state is [U_r, P_r]. It runs
-   in float32 (float64 for float64 inputs): the two parts of o_t are added after the call, each
-   rounded once to the output dtype at the end;
-2. ONE all-gather of the (K, V + K) pairs (sharding._AllGather: its backward is one
+1. two local calls of the delta-rule kernel, since the state's columns evolve independently:
+   on v from a zero state (the outputs from zero and U_r), and on K zero value columns from the
+   state I (P_{<=t}^T (scale q_t) per row, and P_r). Two calls rather than one on [v, 0] from
+   [0, I]: each width stays within the kernel's limits as the user's V and K are. They run in
+   float32 (float64 for float64 inputs); o_t is rounded to the output dtype once, at the end;
+2. ONE all-gather of the (K, V + K) pairs [U_r, P_r] (sharding._AllGather: its backward is one
    reduce-scatter that sums every rank's gradient of them back to the owner), O(P K (V + K))
    floats per rank, independent of the sequence length;
 3. E_in(r) = E_{r-1}, folded over the ranks before r: E_{-1} = initial_state (or 0),
@@ -95,24 +95,22 @@ def context_parallel_delta_rule_attention(
     dk = qb.shape[-1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    # 1. the shard's map and its rows' two output parts, in one call on [v, 0] from [0, I]
-    v_aug = torch.cat([vb.to(acc), vb.new_zeros(b, hv, n, dk, dtype=acc)], -1)
-    init_aug = torch.cat([torch.zeros(b, hv, dk, dv, dtype=acc, device=q.device),
-                          torch.eye(dk, dtype=acc, device=q.device).expand(b, hv, dk, dk)], -1)
+    # 1. the shard's map [U_r, P_r] and its rows' two output parts: v from zero, 0 from I
+    qa, ka, ba = qb.to(acc), kb.to(acc), beta.to(acc)
     gate = gate.to(acc) if gate is not None else None
-    out_aug, map_r = delta_rule_attention(qb.to(acc), kb.to(acc), v_aug, beta.to(acc), gate=gate, scale=scale,
-                                          initial_state=init_aug, return_state=True, qk_l2norm=qk_l2norm)
-    # 2. every rank's (U_j, P_j): (P, B, H_v, K, V + K)
+    kw = dict(gate=gate, scale=scale, return_state=True, qk_l2norm=qk_l2norm)
+    out_u, u_r = delta_rule_attention(qa, ka, vb.to(acc), ba, **kw)
+    eye = torch.eye(dk, dtype=acc, device=q.device).expand(b, hv, dk, dk)
+    out_p, p_r = delta_rule_attention(qa, ka, vb.new_zeros(b, hv, n, dk, dtype=acc), ba, initial_state=eye, **kw)
+    # 2. every rank's [U_j, P_j]: (P, B, H_v, K, V + K)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    gathered = _AllGather.apply(map_r.unsqueeze(0), group)
+    gathered = _AllGather.apply(torch.cat([u_r, p_r], -1).unsqueeze(0), group)
 
     # 3. the state entering this shard (E_{r-1}) and, for return_state, the last one (E_{P-1})
     s0 = initial_state.to(acc) if initial_state is not None else None
     state_in = _fold(gathered, s0, rank, dv)
     final = _fold(gathered, s0, world, dv) if return_state else None
-    out = out_aug[..., :dv]
-    if state_in is not None:
-        out = out + out_aug[..., dv:] @ state_in
+    out = out_u if state_in is None else out_u + out_p @ state_in
     out = out.to(q.dtype)
     if gathered.requires_grad:
         out = _Tie.apply(out, gathered)

@@ -75,11 +75,11 @@ if HAS_OP:
     torch.library.register_autograd("attention_ext::delta_fwd", _backward, setup_context=_setup_context)
 
 
-def _side(name: str, t) -> Optional[Tensor]:
+def _side(name: str, t, caller: str = "delta_rule_attention()") -> Optional[Tensor]:
     if t is None:
         return None
     if not isinstance(t, Tensor):
-        raise not_a_tensor(name, t, "delta_rule_attention()")
+        raise not_a_tensor(name, t, caller)
     return t if t.is_contiguous() else t.contiguous()
 
 
@@ -178,8 +178,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optiona
     q0, k0, v0 = q, k, v
     if layout == "bshd" and q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    a = dict(q=q, k=k, v=v, beta=_side("beta", beta), gate=_side("gate", gate),
-             initial_state=_side("initial_state", initial_state), cu_seqlens=None,
+    a = dict(q=q, k=k, v=v, beta=_side("beta", beta, caller), gate=_side("gate", gate, caller),
+             initial_state=_side("initial_state", initial_state, caller), cu_seqlens=None,
              scale=float(scale) if scale is not None else 1.0, qk_l2norm=bool(qk_l2norm))
     try:
         _call("delta_check", FWD_ARGS, a)

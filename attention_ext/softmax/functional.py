@@ -36,15 +36,6 @@ def _check(cond: bool, msg, exc=ValueError):
         raise exc(msg() if callable(msg) else msg)
 
 
-def _no_dropout_in_capture(device: torch.device) -> None:
-    """The dropout's seed is a host value read when a kernel launches, so a CUDA graph captured
-    with dropout would replay one mask on every step: refuse it rather than repeat the mask
-    silently."""
-    _check(not _ext.capturing(device),
-           "dropout_p > 0 inside a CUDA-graph capture would replay one dropout mask on every replay: capture "
-           "without dropout, or run the step eagerly", RuntimeError)
-
-
 def _rng_state(seed: Union[int, Tensor, None], generator: Optional[torch.Generator]) -> Tensor:
     """The dropout's (seed, offset) as the op's rng_state: a CPU int64 (2) tensor, as torch's SDPA
     keeps its Philox seed / offset. Without `seed`, both are drawn with torch.randint from
@@ -387,8 +378,6 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
             sinks = sinks.to(acc)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if dropout_p > 0.0:
-        _no_dropout_in_capture(q.device)
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
     if dropout_coords is not None:
         _check(isinstance(dropout_coords, Tensor) and tuple(dropout_coords.shape) == (b * h + sq + sk,),
@@ -478,8 +467,6 @@ def attention_varlen(
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
     if sinks is not None and sinks.dtype != acc:
         sinks = sinks.to(acc)
-    if dropout_p > 0.0:
-        _no_dropout_in_capture(q.device)
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
     # (total, H, D) -> (1, H, total, D) views
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))

@@ -1,5 +1,5 @@
 """Context-parallel delta rule on CPU gloo ranks: efficiency T(one process, whole sequence) /
-(P * T(rank)), forward + backward, and the peak memory of a rank against the one process.
+(P * T(rank)), forward + backward.
 
     python benchmarks/distributed/bench_delta_cp.py [--seq 4096] [--heads 8] [--dim 128] [--world 2]
         [--dtype float32] [--warmup 1] [--reps 3] [--out benchmarks/results/delta-cp.md]
@@ -39,11 +39,6 @@ def _inputs(a):
     return q, k, v, do, beta, gate
 
 
-def _peak_rss_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def single(rank, world, a):
     import attention_ext as ae
     q, k, v, do, beta, gate = _inputs(a)
@@ -53,7 +48,7 @@ def single(rank, world, a):
         t0 = time.perf_counter()
         ae.delta_rule_attention(qr, kr, vr, br, gate=gr).backward(do)
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[a.warmup:]), _peak_rss_mb()
+    return statistics.median(ts[a.warmup:])
 
 
 def ranks(rank, world, a):
@@ -70,7 +65,7 @@ def ranks(rank, world, a):
         t0 = time.perf_counter()
         cp.context_parallel_delta_rule_attention(qr, kr, vr, br, gate=gr).backward(dol)
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts[a.warmup:]), _peak_rss_mb()
+    return statistics.median(ts[a.warmup:])
 
 
 def main(argv=None):
@@ -87,15 +82,14 @@ def main(argv=None):
     if a.seq % a.world:
         p.error("--seq must be a multiple of --world")
     import attention_ext as ae
-    (t1, mem1), = spawn(single, 1, a)
-    res = spawn(ranks, a.world, a)
-    tr, memr = max(r[0] for r in res), max(r[1] for r in res)
+    t1, = spawn(single, 1, a)
+    tr = max(spawn(ranks, a.world, a))
     lines = [f"# context_parallel_delta_rule_attention, CPU gloo ranks, 1 thread each",
              "", f"{platform.processor() or platform.machine()}, ISA {ae.cpu_isa()}; torch {torch.__version__}; "
              f"(1, {a.heads}, {a.seq}, K = V = {a.dim}) {a.dtype}, Gated DeltaNet; P = {a.world}", "",
-             "| T(one process) s | T(rank) s | efficiency T1 / (P T(rank)) | peak RSS one process MB | peak RSS rank MB |",
-             "|---|---|---|---|---|",
-             f"| {t1:.3f} | {tr:.3f} | {t1 / (a.world * tr):.2f} | {mem1:.0f} | {memr:.0f} |"]
+             "| T(one process) s | T(rank) s | efficiency T1 / (P T(rank)) |",
+             "|---|---|---|",
+             f"| {t1:.3f} | {tr:.3f} | {t1 / (a.world * tr):.2f} |"]
     text = "\n".join(lines)
     print(text)
     if a.out:

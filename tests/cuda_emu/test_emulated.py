@@ -509,3 +509,16 @@ def test_poison_mark_scope(monkeypatch, emu, dtype, arch):
     """test_cuda.check_poison_mark_scope: an inf q under softcap and a NaN q row that sees no key
     (with sinks) keep their finite results."""
     check_poison_mark_scope(emulate(monkeypatch, emu, arch), dtype)
+
+
+def test_dropout_refused_under_capture(emu):
+    """The rule of the CUDA host steps (csrc/torch/softmax_cuda_steps.h): dropout inside a
+    CUDA-graph capture raises (a replay would repeat one mask), the same call outside runs. It is
+    the op's, so a torch.compile'd graph run inside a capture meets it too."""
+    q = torch.randn(1, 2, 8, 16)
+    args = tc.call_fwd(q, q, q, dropout_p=0.1, seed=1)
+    emu.fwd(q, q, q, *args, 1, False, 80)
+    with cuda_emu.capture(emu):
+        with pytest.raises(RuntimeError, match="one dropout mask"):
+            emu.fwd(q, q, q, *args, 1, False, 80)
+        emu.fwd(q, q, q, *tc.call_fwd(q, q, q), 1, False, 80)  # no dropout: fine

@@ -160,11 +160,17 @@ constexpr float kResetGate = -104.f;
 // small gates after a large one and turn -inf - -inf into NaN.
 __device__ __forceinline__ void load_row_scalars(const Params& p, const Seq& s, int h, int r0, int n, float* g,
                                                  float* wq, float* wk, float* kmul, float* ep) {
+  // the chunk's gates into g by every thread at once (one memory round trip), then the running
+  // sum by one thread from shared memory: thread 0 loading them itself issued each load after
+  // the last one's store (g may alias p.decay for all nvcc knows), 64 round trips per chunk
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x)
+    g[i] = i < n && p.decay != nullptr ? p.decay[s.row(p, p.h, h, r0 + i)] : 0.f;
+  __syncthreads();
   if (threadIdx.x == 0) {
     float acc = 0.f, e = 0.f;
     for (int i = 0; i < kChunk; ++i) {
       if (i < n && p.decay != nullptr) {
-        const float d = p.decay[s.row(p, p.h, h, r0 + i)];
+        const float d = g[i];
         if (d <= kResetGate) {
           acc = 0.f;
           e += 1.f;
