@@ -52,7 +52,7 @@ if HAS_OP:
         ctx.need = {n: ctx.needs_input_grad[FWD_ARGS.index(n)] for n in _GRAD_INPUTS}
         if not any(ctx.need.values()):
             return
-        ctx.scalars = {n: a[n] for n in ("scale", "qk_l2norm")}
+        ctx.scalars = {n: a[n] for n in ("scale", "qk_l2norm", "plain")}
         ctx.save_for_backward(a["q"], a["k"], a["v"], a["beta"], a["gate"], a["initial_state"], a["cu_seqlens"])
 
     def _backward(ctx, dout, dfinal_state):
@@ -143,15 +143,9 @@ def delta_rule_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
     a = dict(q=q, k=k, v=v, beta=beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
-             scale=float(scale), qk_l2norm=bool(qk_l2norm))
+             scale=float(scale), qk_l2norm=bool(qk_l2norm), plain=False)
     try:
-        if has_kernel(q.device):
-            out, state = _call("delta_fwd", FWD_ARGS, a)
-        else:
-            if HAS_OP:  # the op's own input rules, then the PyTorch recurrence
-                _call("delta_check", FWD_ARGS, a)
-            out, state = reference.delta_rule(q, k, v, beta, gate, float(scale), initial_state, cu_seqlens,
-                                              bool(qk_l2norm))
+        out, state = run(a)
     except ValueError as e:  # name `layout` where the shapes prove a bhsd / bshd mix-up
         mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True)
         if mix is not None:
@@ -160,6 +154,19 @@ def delta_rule_attention(
     if layout == "bshd":
         out = out.transpose(1, 2)
     return (out, state) if return_state else out
+
+
+def run(a: dict) -> Tuple[Tensor, Tensor]:
+    """(out, final_state) of the delta_fwd op's arguments `a` (by name: FWD_ARGS, `plain`
+    included): the compiled kernel where there is one (with autograd), else the op's input rules
+    and the PyTorch recurrence. For callers that prepared the arguments themselves
+    (delta_rule_attention, linear_attention's per-key-channel gates with plain=True)."""
+    if has_kernel(a["q"].device):
+        return _call("delta_fwd", FWD_ARGS, a)
+    if HAS_OP:
+        _call("delta_check", FWD_ARGS, a)
+    return reference.delta_rule(a["q"], a["k"], a["v"], a["beta"], a["gate"], float(a["scale"]), a["initial_state"],
+                                a["cu_seqlens"], bool(a["qk_l2norm"]), plain=bool(a["plain"]))
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optional[Tensor] = None,
@@ -180,7 +187,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optiona
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     a = dict(q=q, k=k, v=v, beta=_side("beta", beta, caller), gate=_side("gate", gate, caller),
              initial_state=_side("initial_state", initial_state, caller), cu_seqlens=None,
-             scale=float(scale) if scale is not None else 1.0, qk_l2norm=bool(qk_l2norm))
+             scale=float(scale) if scale is not None else 1.0, qk_l2norm=bool(qk_l2norm), plain=False)
     try:
         _call("delta_check", FWD_ARGS, a)
     except ValueError as e:
@@ -234,7 +241,7 @@ def delta_rule_step(
         out = _call("delta_step", STEP_ARGS, a)
     else:
         if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)
-            _call("delta_check", FWD_ARGS, dict(a, initial_state=state, cu_seqlens=None))
+            _call("delta_check", FWD_ARGS, dict(a, initial_state=state, cu_seqlens=None, plain=False))
         out, new = reference.delta_rule(q, k, v, beta, gate, float(scale), state, None, bool(qk_l2norm))
         state.copy_(new)
     if layout == "bshd":

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
-from . import feature_maps, ops, reference
+from . import delta, feature_maps, ops, reference
 from .feature_maps import FeatureMapSpec
 
 __all__ = ["linear_attention", "linear_attention_step", "LinearAttentionState"]
@@ -215,6 +215,39 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor,
     return out.to(q.dtype), den, final
 
 
+def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
+                       out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """linear_attention with GLA's gates, one per feature: decay (B, H, S, M), S_t =
+    Diag(exp(decay_t)) S_{t-1} + phi(k_t) v'_t^T. The recurrence is the delta-rule kernels' with
+    the plain write u_t = v'_t (linear/delta.py: `plain`), run per query head on the features in
+    the compute dtype, so the gates stay exact down to -inf (a hard reset). The op's rules check
+    everything else (with one feature's gates standing in for the decay). Returns (out in
+    out_dtype, the final state (nb, H, M, Dv'))."""
+    decay = opts["decay"]
+    b, h, s, _ = qf.shape
+    hk, acc = kf.shape[1], decay.dtype
+    phi_q, phi_k = (reference.phi(t.to(acc), code) for t in (qf, kf))
+    m = phi_q.shape[-1]
+    _check(tuple(decay.shape) == (b, h, s, m),
+           lambda: f"decay must be (B, H, S) or, a gate per feature, (B, H, S, M) = {(b, h, s, m)}, got "
+                   f"{tuple(decay.shape)}")
+    ops.check_inputs(qf, kf, v, **dict(opts, decay=decay[..., 0].contiguous()))  # every other rule, the op's
+    if opts["key_mask"] is not None:  # a padded key writes nothing (where, not a product: 0 x inf)
+        phi_k = torch.where(opts["key_mask"].view(b, 1, s, 1), phi_k, torch.zeros_like(phi_k))
+    vv = v.to(acc)
+    if h != hk:  # the state is per query head (its gates): k and v repeated over the group
+        phi_k, vv = (t.repeat_interleave(h // hk, dim=1) for t in (phi_k, vv))
+    if opts["normalize"]:
+        vv = torch.cat([vv, torch.ones_like(vv[..., :1])], -1)
+    a = dict(q=phi_q.contiguous(), k=phi_k.contiguous(), v=vv.contiguous(), beta=phi_q.new_ones(b, h, s),
+             gate=decay, initial_state=opts["initial_state"], cu_seqlens=opts["cu_seqlens"], scale=opts["scale"],
+             qk_l2norm=False, plain=True)
+    o, final = delta.run(a)
+    if opts["normalize"]:
+        o = o[..., :-1] / (o[..., -1:] + opts["eps"])
+    return o.to(out_dtype), final
+
+
 def _as_state_tensor(state, normalize: bool, acc: torch.dtype, device,
                      log_scale: Optional[Tensor]) -> Optional[Tensor]:
     """The op's (nb, H, M, Dv') initial state, rescaled from the state's log_scale to `log_scale`
@@ -266,8 +299,10 @@ def linear_attention(
         causal: position i reads keys j <= i (the recurrent form); else every key.
         normalize: divide by the normalizer phi(q_i)^T z_i + eps; False returns phi(q_i)^T S_i.
         scale: multiplies phi(q); None = 1.
-        decay: (B, H, S) log-gates (causal only): S_t = exp(decay_t) S_{t-1} + phi(k_t) v_t^T.
-            Always (B, H, S), whatever the layout.
+        decay: (B, H, S) log-gates (causal only): S_t = exp(decay_t) S_{t-1} + phi(k_t) v_t^T;
+            or (B, H, S, M), a gate per feature (GLA): S_t = Diag(exp(decay_t)) S_{t-1} + ...
+            (the delta-rule kernels' plain write; fused or unstabilized feature maps). Always
+            (B, H, S[, M]), whatever the layout.
         key_mask: (B, S) bool, True = a real key (as attention()'s); padded keys contribute nothing.
         cu_seqlens: (nb + 1) offsets of a varlen pack: q, k, v are (total, H, D) or a B = 1
             tensor in `layout`; each sequence starts from its own initial state and never sees its
@@ -342,7 +377,12 @@ def linear_attention(
                 causal=bool(causal), normalize=bool(normalize) and eps_log is None, eps=float(eps),
                 scale=1.0 if scale is None else float(scale))
     try:
-        out, _, final = _fused(qf, kf, v, opts)
+        if decay is not None and decay.dim() == 4:
+            _check(eps_log is None, "a decay per feature (B, H, S, M) takes the fused feature maps or an unstabilized "
+                                    "one: pass stabilize=False to the feature map")
+            out, final = _per_feature_gates(qf, kf, v, code, opts, out_dtype)
+        else:
+            out, _, final = _fused(qf, kf, v, opts)
     except ValueError as e:  # the op's shape errors: name `layout` where the shapes prove a mix-up
         mix = None if packed else layout_mismatch(q0, k0, v0, layout, e, same_len=True)
         if mix is not None:

@@ -33,6 +33,27 @@ def phi(x: Tensor, code: int) -> Tensor:
     raise ValueError(f"feature_map code must be 0 (identity), 1 (elu) or 2 (relu), got {code}")
 
 
+def _per_feature_gates(fq: Tensor, fk: Tensor, vv: Tensor, decay: Tensor,
+                       s0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """S_t = Diag(exp(decay_t)) S_{t-1} + phi(k_t) v'_t^T, O'_t = fq_t^T S_t (fq scaled), token by
+    token: GLA's per-feature gates, decay (B, H, S, M). Returns (O' (B, H, S, Dv'), S_last)."""
+    b, h, s, m = fq.shape
+    st = fq.new_zeros(b, h, m, vv.shape[-1]) if s0 is None else s0.to(fq.dtype)
+    outs = []
+    for t in range(s):
+        st = st * decay[:, :, t].exp().unsqueeze(-1) + fk[:, :, t].unsqueeze(-1) * vv[:, :, t].unsqueeze(-2)
+        outs.append(torch.einsum("bhm,bhmv->bhv", fq[:, :, t], st))
+    return (torch.stack(outs, 2) if outs else vv.new_zeros(b, h, 0, vv.shape[-1])), st
+
+
+def _normalized(o: Tensor, normalize: bool, eps: float) -> Tuple[Tensor, Tensor]:
+    """(out, den) from O' (B, H, S, Dv'): out = O'[:Dv] / (O'[Dv] + eps) with normalize."""
+    if normalize:
+        den = o[..., -1] + eps
+        return o[..., :-1] / den.unsqueeze(-1), den
+    return o, torch.ones_like(o[..., 0])
+
+
 def _dense(q: Tensor, k: Tensor, v: Tensor, code: int, causal: bool, normalize: bool, eps: float, scale: float,
            decay: Optional[Tensor], initial_state: Optional[Tensor],
            key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
@@ -47,6 +68,9 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, code: int, causal: bool, normalize: 
     vv = v.repeat_interleave(group, dim=1)  # (B, H, S, Dv)
     if normalize:
         vv = torch.cat([vv, torch.ones_like(vv[..., :1])], dim=-1)  # (B, H, S, Dv')
+    if causal and decay is not None and decay.dim() == 4:  # GLA: a gate per feature, by the recurrence
+        o, final = _per_feature_gates(fq, fk, vv, decay.to(q.dtype), initial_state)
+        return _normalized(o, normalize, eps) + (final,)
     a = fq @ fk.transpose(-1, -2)  # (B, H, S, S): a_ij = scale * phi(q_i) . phi(k_j)
     if causal:
         d = decay.to(q.dtype) if decay is not None else q.new_zeros(b, h, s)
@@ -104,6 +128,8 @@ def linear_attention(
     q and k (reference.phi); a padded key (key_mask (B, S) False) has phi(k_j) = 0.
 
         G_i     = sum_{t <= i} decay_t                    decay (B, H, S) log-gates; None = 0
+                                                           (B, H, S, M): a gate per feature (GLA), the
+                                                           recurrence below with Diag(exp(decay_t))
         w_ij    = exp(G_i - G_j) if j <= i else 0          (causal; decay needs causal; computed as
                                                             exp(decay_{j+1} + ... + decay_i), exact
                                                             for gates of -1e9 or -inf)
@@ -246,8 +272,9 @@ def _l2n(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def _delta_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor], scale: float,
-                 h0: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """The recurrence on one padded batch, q / k already (B, H_v, S, K) and normalized."""
+                 h0: Optional[Tensor], plain: bool = False) -> Tuple[Tensor, Tensor]:
+    """The recurrence on one padded batch, q / k already (B, H_v, S, K) and normalized; plain:
+    u_t = v_t (linear attention's write, GLA)."""
     b, hv, s, kd = q.shape
     h = torch.zeros(b, hv, kd, v.shape[-1], dtype=q.dtype, device=q.device) if h0 is None else h0.to(q.dtype)
     outs = []
@@ -257,7 +284,7 @@ def _delta_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[T
             a = torch.exp(g)
             h = h * (a.unsqueeze(-1) if g.dim() == 3 else a[..., None, None])
         kt = k[:, :, t]
-        u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", h, kt))
+        u = v[:, :, t] if plain else beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", h, kt))
         h = h + kt.unsqueeze(-1) * u.unsqueeze(-2)
         outs.append(torch.einsum("bhkv,bhk->bhv", h, q[:, :, t] * scale))
     out = torch.stack(outs, 2) if outs else v.new_zeros(b, hv, 0, v.shape[-1])
@@ -266,7 +293,7 @@ def _delta_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[T
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None, scale: Optional[float] = None,
                initial_state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
-               qk_l2norm: bool = False, acc: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+               qk_l2norm: bool = False, acc: Optional[torch.dtype] = None, plain: bool = False) -> Tuple[Tensor, Tensor]:
     """The delta rule by its recurrence, token by token (the oracle, and the fallback where no
     kernel runs): per value head, with q / k shared by H_v / H_k value heads,
 
@@ -277,7 +304,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Ten
     q, k (B, H_k, S, K), v (B, H_v, S, V), beta (B, H_v, S); computed in float32 (float64 for
     float64 inputs; `acc` overrides it: the tests' same-dtype comparison). Returns out
     (B, H_v, S, V) in q's dtype and the final state (N, H_v, K, V) in the compute dtype; with cu_seqlens (B = 1) each sequence starts from its own
-    initial_state[n] (or zeros) and returns its own state."""
+    initial_state[n] (or zeros) and returns its own state. plain: u_t = v_t instead (beta unread),
+    linear attention with GLA's per-key-channel gates."""
     if acc is None:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hk, hv = q.shape[1], v.shape[1]
@@ -290,7 +318,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Ten
     vf, bf = v.to(acc), beta.to(acc)
     gf = gate.to(acc) if gate is not None else None
     if cu_seqlens is None:
-        out, state = _delta_dense(qf, kf, vf, bf, gf, scale, initial_state)
+        out, state = _delta_dense(qf, kf, vf, bf, gf, scale, initial_state, plain)
         return out.to(q.dtype), state
     cu = [int(x) for x in cu_seqlens]
     out = vf.new_zeros(vf.shape)
@@ -299,7 +327,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Ten
         a, e = cu[n], cu[n + 1]
         h0 = initial_state[n:n + 1] if initial_state is not None else None
         o, st = _delta_dense(qf[:, :, a:e], kf[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e],
-                             gf[:, :, a:e] if gf is not None else None, scale, h0)
+                             gf[:, :, a:e] if gf is not None else None, scale, h0, plain)
         out[:, :, a:e] = o
         states.append(st)
     return out.to(q.dtype), torch.cat(states, 0)

@@ -10,6 +10,8 @@
 //   o_t = h_t^T (scale q^_t)                   (V)
 // A gate of -inf is a hard reset (a_t = 0): the recurrence never subtracts log-gates, so it
 // stays exact there, where a chunked form's exp(G_i - G_j) gives NaN.
+// With `plain` the write is linear attention's, u_t = v_t (beta unread): h_t = Diag(a_t) h_{t-1}
+// + k^_t v_t^T, GLA's per-key-channel gates (linear_attention with a (B, H, S, M) decay).
 #pragma once
 
 #include <cstdint>
@@ -49,6 +51,7 @@ struct DeltaParamsT {
   Acc scale;
   bool qk_l2norm;
   Acc l2_eps;
+  bool plain;  // u_t = v_t (GLA), not beta_t (v_t - h'^T k^_t)
 };
 
 template <typename Acc>

@@ -178,6 +178,7 @@ DeltaParamsT<Acc> make_delta_params(const at::Tensor& q, const at::Tensor& k, co
   p.scale = Acc(o.scale);
   p.qk_l2norm = o.qk_l2norm;
   p.l2_eps = Acc(kDeltaL2Eps);
+  p.plain = o.plain;
   return p;
 }
 template DeltaParamsT<float> make_delta_params<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -9,7 +9,8 @@
 //   delta_check(q, k, v, beta, <options>) -> ()
 //   delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
 //       T tokens from `state`, advanced in place (decode)
-//   <options> = gate?, initial_state?, cu_seqlens?, scale, qk_l2norm
+//   <options> = gate?, initial_state?, cu_seqlens?, scale, qk_l2norm, plain
+//   (plain: linear attention's write u = v with per-key gates, GLA; beta is checked, not read)
 // q, k (B, H_k, S, K), v (B, H_v, S, V) through strides (last dim stride 1); beta (B, H_v, S),
 // gate (B, H_v, S) or (B, H_v, S, K); states (B or the varlen sequences, H_v, K, V) in float32
 // (float64 for float64 inputs). common/delta_params.h states the math.
@@ -26,7 +27,8 @@
 #define ATTN_DELTA_OPTIONS(X)                                                                         \
   X("Tensor?", const std::optional<at::Tensor>&, gate)                                                \
   X("Tensor?", const std::optional<at::Tensor>&, initial_state)                                       \
-  X("Tensor?", const std::optional<at::Tensor>&, cu_seqlens) X("float", double, scale) X("bool", bool, qk_l2norm)
+  X("Tensor?", const std::optional<at::Tensor>&, cu_seqlens) X("float", double, scale) X("bool", bool, qk_l2norm) \
+  X("bool", bool, plain)
 
 #define ATTN_DELTA_OPTION_SCHEMA_(s, t, n) ", " s " " #n
 #define ATTN_DELTA_OPTION_PARAM_(s, t, n) , t n

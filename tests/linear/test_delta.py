@@ -106,7 +106,7 @@ def test_opcheck(gate):
     q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=11, kd=7, vd=9, gate=gate)
     args = [t.float().requires_grad_() for t in (q, k, v, beta)]
     a = dict(q=args[0], k=args[1], v=args[2], beta=args[3], gate=g.float() if g is not None else None,
-             initial_state=h0.float(), cu_seqlens=None, scale=0.3, qk_l2norm=True)
+             initial_state=h0.float(), cu_seqlens=None, scale=0.3, qk_l2norm=True, plain=False)
     torch.library.opcheck(torch.ops.attention_ext.delta_fwd.default, tuple(a[n] for n in delta.FWD_ARGS))
     dout = torch.randn(2, 2, 11, 9)
     b = dict(a, dout=dout, dfinal_state=torch.randn(2, 2, 7, 9))
@@ -243,7 +243,7 @@ def test_empty_sequence_passes_the_state_through():
 def _base_args():
     q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=6, kd=4, vd=5, gate="head")
     return dict(q=q.float(), k=k.float(), v=v.float(), beta=beta.float(), gate=g.float(), initial_state=h0.float(),
-                cu_seqlens=None, scale=0.5, qk_l2norm=False)
+                cu_seqlens=None, scale=0.5, qk_l2norm=False, plain=False)
 
 
 BAD = [

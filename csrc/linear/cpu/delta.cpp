@@ -23,6 +23,9 @@
 // walked back through it. Per row j of a token, one pass gets du_j, the next dh' and the new
 // dh_j. Without GVA a token's dq and dk are then done (the L2 norm's backward applied); with it
 // they go to float scratch and are summed over the value heads that share q / k in a last pass.
+//
+// The plain write (params.plain: u_t = v_t, linear attention with GLA's per-feature gates) is the
+// same recurrence without p = h'^T k and its gradient terms: the kDelta = false instantiations.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -162,7 +165,7 @@ struct FwdToken {
 // x = h'_t[m] + k_t[m] u (h_t's row), o += q_t[m] x; then h'_{t+1}[m] = a_{t+1}[m] x, and
 // p += k_{t+1}[m] h'_{t+1}[m]. One load and one store of the block per token. Without kFinish
 // (the prologue) it only starts token t + 1 (x = h_{-1}'s row).
-template <bool kFinish, bool kNext, bool kGate, int NV, int CH, typename T>
+template <bool kFinish, bool kNext, bool kGate, bool kDelta, int NV, int CH, typename T>
 inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
                        vec<T> (&o)[NV], vec<T> (&pn)[NV]) {
   constexpr int L = kLanes<T>, Wp = NV * L;
@@ -172,7 +175,7 @@ inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const F
   auto row_step = [&](int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
     T* row = S + int64_t(m) * Wp;
     const vec<T> kc = vbcast(kFinish ? cur.k[m] : T(0)), qc = vbcast(kFinish ? cur.q[m] : T(0));
-    const vec<T> kn = vbcast(kNext ? nxt.k[m] : T(0)), an = vbcast(kNext && kGate ? nxt.a[m] : T(1));
+    const vec<T> kn = vbcast(kNext && kDelta ? nxt.k[m] : T(0)), an = vbcast(kNext && kGate ? nxt.a[m] : T(1));
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       vec<T> x = vload(row + i * L);
@@ -182,7 +185,7 @@ inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const F
       }
       if (kNext) {
         if (kGate) x *= an;
-        pa[i] += kn * x;
+        if (kDelta) pa[i] += kn * x;  // the plain write (GLA) reads no p
       }
       vstore(row + i * L, x);
     }
@@ -203,7 +206,7 @@ inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const F
   }
 }
 
-template <bool kGate, typename T>
+template <bool kGate, bool kDelta, typename T>
 void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   constexpr int L = kLanes<T>, NV = kColVecs<T>, CH = kChains<T>, Wp = NV * L;
   const int K = p.dim_k, w = std::min(Wp, p.dim_v - j0);
@@ -231,18 +234,22 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   vec<T> u[NV], ov[NV], pv[NV];
   if (sp.len > 0) {
     load(0, tok[0]);
-    fused_pass<false, true, kGate, NV, CH>(S, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
+    fused_pass<false, true, kGate, kDelta, NV, CH>(S, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
   }
   for (int t = 0; t < sp.len; ++t) {
     const FwdToken<T>& cur = tok[t & 1];
     FwdToken<T>& nxt = tok[(t + 1) & 1];
     const vec<T> bv = vbcast(cur.beta);
-    for (int i = 0; i < NV; ++i) u[i] = bv * (vload(cur.v + i * L) - pv[i]);
+    if constexpr (kDelta) {
+      for (int i = 0; i < NV; ++i) u[i] = bv * (vload(cur.v + i * L) - pv[i]);
+    } else {  // the plain write (GLA): v itself
+      for (int i = 0; i < NV; ++i) u[i] = vload(cur.v + i * L);
+    }
     if (t + 1 < sp.len) {
       load(t + 1, nxt);
-      fused_pass<true, true, kGate, NV, CH>(S, K, cur, nxt, u, ov, pv);
+      fused_pass<true, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
     } else {
-      fused_pass<true, false, kGate, NV, CH>(S, K, cur, nxt, u, ov, pv);
+      fused_pass<true, false, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
     }
     for (int i = 0; i < NV; ++i) vstore(o + i * L, ov[i]);
     const int64_t r = sp.row0 + t;
@@ -340,7 +347,7 @@ void load_chunk(const DBP<T>& p, const TokenIn<T>& in, const Span& sp, int t0, i
 // Rows [j0, j1) of the transposed state S through the chunk's first nt tokens: per row j,
 // S_j <- a S_j + u_j k with p_j = (a S_j) . k, u_j = beta (v_j - p_j). With `keep`, each
 // token's rows of h' = a h_{t-1} go to H, and p, u to pp, uu.
-template <bool kGate, typename T>
+template <bool kGate, bool kDelta, typename T>
 void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
   constexpr int L = kLanes<T>;
   const int kp = sc.kp, V = sc.V;
@@ -366,8 +373,10 @@ void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
           vstore(keep_row + i, x0);
           vstore(keep_row + i + L, x1);
         }
-        acc0 += x0 * vload(k + i);
-        acc1 += x1 * vload(k + i + L);
+        if (kDelta) {
+          acc0 += x0 * vload(k + i);
+          acc1 += x1 * vload(k + i + L);
+        }
       }
       for (; i < kp; i += L) {
         vec<T> x = vload(row + i);
@@ -376,9 +385,9 @@ void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
           vstore(row + i, x);
         }
         if (keep) vstore(keep_row + i, x);
-        acc0 += x * vload(k + i);
+        if (kDelta) acc0 += x * vload(k + i);
       }
-      const T pj = hsum_tree(acc0 + acc1), uj = beta * (v[j] - pj);
+      const T pj = kDelta ? hsum_tree(acc0 + acc1) : T(0), uj = kDelta ? beta * (v[j] - pj) : v[j];
       const vec<T> uv = vbcast(uj);
       for (i = 0; i < kp; i += L) vstore(row + i, vload(row + i) + uv * vload(k + i));
       if (keep) {
@@ -393,10 +402,10 @@ void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
 // the per-token sums' loads and stores among the R rows: turns those rows of dS from dL/dh_t
 // (without token t's output term) into dL/dh_{t-1}, adds their terms of dq~, dk^ and dg (per
 // key, w.r.t. the log-gate), writes their dv and returns their part of dbeta.
-template <int R, bool kGate, typename T>
+template <int R, bool kGate, bool kDelta, typename T>
 inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* __restrict__ dS, const T* k,
-                                const T* q, const T* a, T beta, const T* v, const T* pv, const T* uv, const T* dov,
-                                T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dg, T* dv) {
+                                const T* q, const T* a, T beta, const T* v, const T* pv, const T* uv,
+                                const T* dov, T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dg, T* dv) {
   constexpr int L = kLanes<T>;
   vec<T> u[R], d[R], du[R];
   for (int r = 0; r < R; ++r) {
@@ -423,9 +432,14 @@ inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* _
   vec<T> dp[R];
   for (int r = 0; r < R; ++r) {
     const T duj = hsum_tree(du[r]);
-    dp[r] = vbcast(-beta * duj);
-    dv[j + r] = beta * duj;
-    dbeta += duj * (v[j + r] - pv[j + r]);
+    if constexpr (kDelta) {
+      dp[r] = vbcast(-beta * duj);
+      dv[j + r] = beta * duj;
+      dbeta += duj * (v[j + r] - pv[j + r]);
+    } else {  // the plain write u = v: du is dv, and u does not depend on h'
+      dp[r] = vec<T>{};
+      dv[j + r] = duj;
+    }
   }
   // dh' = ds + dp_j k; dk += dp_j h'; dg += dh' h'; dh_{t-1} = a dh'
   for (int i = 0; i < kp; i += L) {
@@ -436,8 +450,11 @@ inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* _
     for (int r = 0; r < R; ++r) {
       T* dsr = dS + int64_t(j + r) * kp + i;
       const vec<T> hp = vload(hrows + int64_t(r) * kp + i);
-      const vec<T> dhp = vload(dsr) + d[r] * qq + dp[r] * kk;
-      dka += dp[r] * hp;
+      vec<T> dhp = vload(dsr) + d[r] * qq;
+      if (kDelta) {
+        dhp += dp[r] * kk;
+        dka += dp[r] * hp;
+      }
       if (kGate) {
         dga += dhp * hp;
         vstore(dsr, aa * dhp);
@@ -453,7 +470,7 @@ inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* _
 
 // The backward of rows [j0, j1) through the chunk's first nt tokens, last first (four rows at a
 // time, then one), adding into the chunk's per-token sums.
-template <bool kGate, typename T>
+template <bool kGate, bool kDelta, typename T>
 void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
   const int kp = sc.kp, V = sc.V;
   for (int t = nt - 1; t >= 0; --t) {
@@ -469,11 +486,11 @@ void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
     T dbeta = 0;
     int j = j0;
     for (; j + 4 <= j1; j += 4)
-      dbeta += backward_rows_of_token<4, kGate>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv, dov, dq,
-                                                dk, dg, dv);
+      dbeta += backward_rows_of_token<4, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv,
+                                                        dov, dq, dk, dg, dv);
     for (; j < j1; ++j)
-      dbeta += backward_rows_of_token<1, kGate>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv, dov, dq,
-                                                dk, dg, dv);
+      dbeta += backward_rows_of_token<1, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv,
+                                                        dov, dq, dk, dg, dv);
     sc.dbeta[t] += dbeta;
   }
 }
@@ -537,7 +554,7 @@ void finish_qk(const DBP<T>& p, const QkScratch<T>& qs, int b, int hk, int64_t r
   store_qk_grads(p, b, hk, r, dqs, dks, x);
 }
 
-template <bool kGate, typename T>
+template <bool kGate, bool kDelta, typename T>
 void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch<T>& qs) {
   const int kp = sc.kp, V = p.dim_v, K = p.dim_k, C = sc.chunk;
   const Span sp = span_of(p, n);
@@ -555,7 +572,7 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
     std::memcpy(sc.ckpt + c * st, sc.S, sizeof(T) * st);
     if (c == nck - 1) break;  // the last chunk's states are replayed below
     load_chunk<kGate>(p, in, sp, c * C, C, false, sc);
-    for (int j = 0; j < V; j += rb) advance_rows<kGate>(sc.S, j, std::min(V, j + rb), C, false, sc);
+    for (int j = 0; j < V; j += rb) advance_rows<kGate, kDelta>(sc.S, j, std::min(V, j + rb), C, false, sc);
   }
   // dL/dh at the end
   std::fill(sc.dS, sc.dS + st, T(0));
@@ -571,8 +588,8 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
     if (kGate) std::fill(sc.dg, sc.dg + int64_t(nt) * kp, T(0));
     std::fill(sc.dbeta, sc.dbeta + nt, T(0));
     for (int j = 0; j < V; j += rb) {
-      advance_rows<kGate>(sc.S, j, std::min(V, j + rb), nt, true, sc);
-      backward_rows<kGate>(j, std::min(V, j + rb), nt, sc);
+      advance_rows<kGate, kDelta>(sc.S, j, std::min(V, j + rb), nt, true, sc);
+      backward_rows<kGate, kDelta>(j, std::min(V, j + rb), nt, sc);
     }
     for (int t = 0; t < nt; ++t) {
       const int64_t r = sp.row0 + t0 + t;
@@ -617,9 +634,11 @@ void delta_fwd(const DeltaParamsT<T>& p) {
     return [&, S = Buffer<T>(size_t(p.dim_k) * Wp), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + Wp) + Wp)](int64_t task) mutable {
       const int jb = int(task % nblk), hv = int(task / nblk % p.h_v), n = int(task / nblk / p.h_v);
       if (p.gate != nullptr) {
-        fwd_block<true>(p, n, hv, jb * Wp, S.data(), rows.data());
+        p.plain ? fwd_block<true, false>(p, n, hv, jb * Wp, S.data(), rows.data())
+                : fwd_block<true, true>(p, n, hv, jb * Wp, S.data(), rows.data());
       } else {
-        fwd_block<false>(p, n, hv, jb * Wp, S.data(), rows.data());
+        p.plain ? fwd_block<false, false>(p, n, hv, jb * Wp, S.data(), rows.data())
+                : fwd_block<false, true>(p, n, hv, jb * Wp, S.data(), rows.data());
       }
     };
   });
@@ -644,9 +663,9 @@ void delta_bwd(const DeltaBwdParamsT<T>& p) {
     return [&, sc = BwdScratch<T>(p.dim_k, p.dim_v, chunk, max_len)](int64_t task) mutable {
       const int hv = int(task % p.h_v), n = int(task / p.h_v);
       if (p.gate != nullptr) {
-        bwd_task<true>(p, n, hv, sc, qs);
+        p.plain ? bwd_task<true, false>(p, n, hv, sc, qs) : bwd_task<true, true>(p, n, hv, sc, qs);
       } else {
-        bwd_task<false>(p, n, hv, sc, qs);
+        p.plain ? bwd_task<false, false>(p, n, hv, sc, qs) : bwd_task<false, true>(p, n, hv, sc, qs);
       }
     };
   });

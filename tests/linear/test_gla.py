@@ -1,0 +1,172 @@
+"""linear_attention with GLA's gates, one per feature (decay (B, H, S, M)): S_t =
+Diag(exp(decay_t)) S_{t-1} + phi(k_t) v'_t^T, on the delta-rule kernels' plain write. Against the
+float64 recurrence (reference.linear_attention) under the project's rule (error <= 2x PyTorch's
+same-dtype error), every gradient, gradcheck in float64, gates of -inf / -1e9, GQA, key padding,
+states, varlen, layouts, opcheck of the op with `plain`, and the argument errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.linear import delta, reference
+from tests.helpers import assert_close_fa2, rel_err
+
+pytestmark = pytest.mark.skipif(not delta.has_kernel(torch.device("cpu")), reason="no CPU delta kernel")
+F64 = torch.float64
+CODES = {"identity": 0, "elu": 1, "relu": 2}
+
+
+def problem(b=2, h=4, hk=2, s=29, m=8, dv=6, seed=0, extreme=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s, m, generator=g, dtype=F64)
+    k = torch.randn(b, hk, s, m, generator=g, dtype=F64)
+    v = torch.randn(b, hk, s, dv, generator=g, dtype=F64)
+    decay = -torch.rand(b, h, s, m, generator=g, dtype=F64) * 0.5
+    if extreme:  # a hard reset of some features, -1e9 on every feature of one row, -1e4 on one
+        decay[0, 1, 5, : m // 2] = float("-inf")
+        decay[-1, -1, s // 2] = -1e9
+        decay[0, 0, s - 3, 1] = -1e4
+    return q, k, v, decay
+
+
+def run(dtype, q, k, v, decay, grad=True, **kw):
+    """linear_attention in `dtype` (decay, states in float32 below float64): out (and the state)
+    and the gradients of q, k, v, decay (and the initial state) for a fixed random loss."""
+    side = F64 if dtype == F64 else torch.float32
+    xs = [t.detach().to(dtype).requires_grad_(grad) for t in (q, k, v)] + [decay.detach().to(side).requires_grad_(grad)]
+    st = kw.pop("initial_state", None)
+    if st is not None:
+        st = st.detach().to(side).requires_grad_(grad)
+    res = ae.linear_attention(*xs[:3], causal=True, decay=xs[3], initial_state=st, return_state=True, **kw)
+    out, state = res
+    if not grad:
+        return out, state.augmented(kw.get("normalize", True))
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(out.shape, generator=g, dtype=F64).to(out.dtype)
+    ws = torch.randn(state.augmented(kw.get("normalize", True)).shape, generator=g, dtype=F64)
+    loss = (out.double() * w.double()).sum() + (state.augmented(kw.get("normalize", True)).double() * ws).sum()
+    loss.backward()
+    grads = [x.grad for x in xs] + ([st.grad] if st is not None else [])
+    return out, state.augmented(kw.get("normalize", True)), grads
+
+
+def torch_ref(dtype, q, k, v, decay, *, feature_map="elu", normalize=True, key_mask=None, initial_state=None,
+              scale=1.0, cu_seqlens=None):
+    """reference.linear_attention in `dtype` throughout (float64: the oracle), with autograd."""
+    xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, decay)]
+    st = initial_state.detach().to(dtype).requires_grad_() if initial_state is not None else None
+    out, _, final = reference.linear_attention(*xs[:3], feature_map=CODES[feature_map], causal=True, normalize=normalize,
+                                               scale=scale, decay=xs[3], initial_state=st, key_mask=key_mask,
+                                               cu_seqlens=cu_seqlens)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(out.shape, generator=g, dtype=F64).to(dtype)
+    ws = torch.randn(final.shape, generator=g, dtype=F64).to(dtype)
+    ((out * w).sum() + (final * ws).sum()).backward()
+    return out, final, [x.grad for x in xs] + ([st.grad] if st is not None else [])
+
+
+NAMES = ("dq", "dk", "dv", "ddecay", "dinitial_state")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_against_the_recurrence(dtype, feature_map, normalize):
+    q, k, v, decay = problem(seed=CODES[feature_map] + 3 * normalize)
+    s0 = torch.rand(2, 4, 8, 7 if normalize else 6, dtype=F64)
+    kw = dict(feature_map=feature_map, normalize=normalize, scale=0.5)
+    out, state, grads = run(dtype, q, k, v, decay, initial_state=s0, **kw)
+    r_out, r_state, r_grads = torch_ref(F64, q, k, v, decay, initial_state=s0, **kw)
+    t_out, t_state, t_grads = torch_ref(dtype, q, k, v, decay, initial_state=s0, **kw)
+    assert_close_fa2(out, t_out, r_out, dtype, "out")
+    assert_close_fa2(state, t_state, r_state, torch.float32, "final state")
+    for name, a, t, r in zip(NAMES, grads, t_grads, r_grads):
+        assert_close_fa2(a, t, r, dtype if name in ("dq", "dk", "dv") else torch.float32, name)
+
+
+@pytest.mark.parametrize("case", ["gqa-mask", "mha", "extreme", "identity-unnormalized"])
+def test_float64_exact(case):
+    """float64 runs the float64 kernel: the recurrence's answer to rounding, every gradient."""
+    q, k, v, decay = problem(hk=4 if case == "mha" else 2, extreme=case == "extreme", seed=11)
+    kw = dict(feature_map="identity" if case == "identity-unnormalized" else "elu",
+              normalize=case != "identity-unnormalized")
+    if case == "gqa-mask":
+        kw["key_mask"] = torch.rand(2, 29, generator=torch.Generator().manual_seed(1)) > 0.3
+    out, state, grads = run(F64, q, k, v, decay, **kw)
+    r_out, r_state, r_grads = torch_ref(F64, q, k, v, decay, **kw)
+    assert rel_err(out, r_out) < 1e-12 and rel_err(state, r_state) < 1e-12
+    for name, a, r in zip(NAMES, grads, r_grads):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, r) < 1e-11, f"{name}: {rel_err(a, r):.3g}"
+
+
+def test_hard_reset_forgets_the_past():
+    """A row whose gates are all -inf empties the state: what follows equals a fresh start."""
+    q, k, v, decay = problem(b=1, h=2, hk=2, s=20)
+    decay[:, :, 9] = float("-inf")
+    out = ae.linear_attention(q, k, v, causal=True, decay=decay)
+    fresh = ae.linear_attention(q[:, :, 9:], k[:, :, 9:], v[:, :, 9:], causal=True, decay=decay[:, :, 9:])
+    torch.testing.assert_close(out[:, :, 9:], fresh, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck():
+    q, k, v, decay = problem(b=1, h=2, hk=1, s=9, m=3, dv=2)
+    s0 = torch.rand(1, 2, 3, 3, dtype=F64, requires_grad=True)
+    q, k, v, decay = (t.requires_grad_() for t in (q, k, v, decay))
+
+    def f(q, k, v, decay, s0):
+        out, st = ae.linear_attention(q, k, v, causal=True, decay=decay, initial_state=s0, return_state=True)
+        return out, st.augmented(True)
+    assert torch.autograd.gradcheck(f, (q, k, v, decay, s0))
+
+
+def test_varlen_and_bshd_match_the_padded_calls():
+    """A varlen pack equals each sequence on its own; bshd equals bhsd."""
+    q, k, v, decay = problem(b=1, h=2, hk=2, s=30)
+    cu = torch.tensor([0, 11, 11, 26], dtype=torch.int32)
+    s0 = torch.rand(3, 2, 8, 7, dtype=F64)
+    out, st = ae.linear_attention(q, k, v, causal=True, decay=decay, cu_seqlens=cu, initial_state=s0, return_state=True)
+    for n in range(3):
+        a, e = int(cu[n]), int(cu[n + 1])
+        o_n, st_n = ae.linear_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], causal=True, decay=decay[:, :, a:e],
+                                        initial_state=s0[n:n + 1], return_state=True)
+        torch.testing.assert_close(out[:, :, a:e], o_n, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(st.augmented(True)[n:n + 1], st_n.augmented(True), rtol=1e-12, atol=1e-12)
+    assert (out[:, :, 26:] == 0).all()  # rows no sequence owns
+    o_b = ae.linear_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, decay=decay, layout="bshd")
+    torch.testing.assert_close(o_b.transpose(1, 2), ae.linear_attention(q, k, v, causal=True, decay=decay),
+                               rtol=0, atol=0)
+
+
+def test_a_prefill_then_more_tokens():
+    """Generation: a prefill's state, then the next tokens from it, equals the whole sequence."""
+    q, k, v, decay = problem(b=1, h=2, hk=2, s=16)
+    whole = ae.linear_attention(q, k, v, causal=True, decay=decay)
+    _, st = ae.linear_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], causal=True, decay=decay[:, :, :10],
+                                return_state=True)
+    rest = ae.linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], causal=True, decay=decay[:, :, 10:],
+                               initial_state=st)
+    torch.testing.assert_close(rest, whole[:, :, 10:], rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck_plain():
+    """delta_fwd / delta_bwd with plain=True (the GLA write) under torch.library.opcheck."""
+    q, k, v, decay = problem(b=1, h=2, hk=2, s=7, m=4, dv=3)
+    a = dict(q=q.float(), k=k.float(), v=v.float(), beta=torch.ones(1, 2, 7), gate=decay.float(),
+             initial_state=torch.rand(1, 2, 4, 3), cu_seqlens=None, scale=0.5, qk_l2norm=False, plain=True)
+    for n in ("q", "k", "v", "gate", "initial_state"):
+        a[n] = a[n].requires_grad_()
+    torch.library.opcheck(torch.ops.attention_ext.delta_fwd.default, tuple(a[n] for n in delta.FWD_ARGS))
+
+
+def test_errors_name_the_argument():
+    q, k, v, decay = problem(b=1, h=2, hk=2, s=5)
+    with pytest.raises(ValueError, match="decay"):
+        ae.linear_attention(q, k, v, causal=True, decay=decay[..., :3])  # not M wide
+    with pytest.raises(ValueError, match="causal"):
+        ae.linear_attention(q, k, v, causal=False, decay=decay)
+    from attention_ext.linear.feature_maps import Favor
+    fm = Favor(8, nb_features=6, stabilize=True, seed=0)
+    with pytest.raises(ValueError, match="stabilize"):
+        ae.linear_attention(q, k, v, causal=True, decay=decay[..., :6], feature_map=fm)
