@@ -1,5 +1,6 @@
 """Property-based fuzzing of the linear family: ae.linear_attention with the fused feature maps,
-causal or not, normalized or not, decay (with gates of -1e4, -1e9 and -inf), initial state, key
+causal or not, normalized or not, decay per head or per feature (GLA; with gates of -1e4, -1e9
+and -inf), initial state, key
 padding, varlen packs, GQA, Dv != D,
 both layouts and unusual strides. Forward, final state and every gradient against the float64
 reference under the project's rule (tests/fuzz/common.py)."""
@@ -63,6 +64,7 @@ def linear_case(draw, note):
     storage = draw(st.sampled_from(STORAGES))
     kv_storage = draw(st.sampled_from(STORAGES + ["expanded"]))
     decay = causal and draw(st.booleans())
+    per_feature = decay and draw(st.booleans())  # GLA's gates: (B, H, S, M)
     init = draw(st.booleans())
     kpm = draw(st.booleans())
     scale = draw(st.sampled_from([None, 0.5, 2.0]))
@@ -77,19 +79,24 @@ def linear_case(draw, note):
         s, cu, nb = draw(lengths), None, b
     torch.manual_seed(draw(seeds))
     note(dict(dtype=dtype, fmap=fmap, normalize=normalize, causal=causal, b=b, h=h, hk=hk, s=s, m=m, dv=dv,
-              layout=layout, storage=(storage, kv_storage), decay=decay, init=init, kpm=kpm, cu=cu))
+              layout=layout, storage=(storage, kv_storage), decay=decay, per_feature=per_feature, init=init, kpm=kpm,
+              cu=cu))
     shp = (lambda heads, d: (b, heads, s, d)) if layout == "bhsd" else (lambda heads, d: (b, s, heads, d))
     seq_dim, head_dim = (2, 1) if layout == "bhsd" else (1, 2)
     q, fq = strided(shp(h, m), dtype, storage, seq_dim, heads=head_dim, gen_scale=0.5)
     k, fk = strided(shp(hk, m), dtype, kv_storage, seq_dim, heads=head_dim, gen_scale=0.5)
     v, fv = strided(shp(hk, dv), dtype, kv_storage, seq_dim, heads=head_dim)
     acc = ops.acc_dtype(dtype)
-    g = (-0.2 * torch.rand(b, h, s, dtype=acc)) if decay else None
+    g = (-0.2 * torch.rand(*((b, h, s, m) if per_feature else (b, h, s)), dtype=acc)) if decay else None
     # a gate of -1e4, -1e9 or -inf (a hard reset) somewhere: the kernels sum gates, never subtract
     # running sums, so these keep the recurrence's answer
     extreme = decay and draw(st.sampled_from([None, -1e4, -1e9, float("-inf")]))
     if extreme:
-        g[..., draw(st.integers(0, s - 1))] = extreme
+        row = draw(st.integers(0, s - 1))
+        if per_feature:
+            g[:, :, row, :draw(st.integers(1, m))] = extreme  # some or all of the row's features
+        else:
+            g[..., row] = extreme
     g = g.requires_grad_(grad) if decay else None
     s0 = torch.rand(nb, h, m, dv + normalize, dtype=acc).requires_grad_(grad) if init else None
     kpm_t = (torch.rand(b, s) > 0.25) if kpm else None
@@ -195,8 +202,8 @@ def test_fp16_relu_decay_grad_k():
     5e-4): row 0 sees one key with den_0 = 2e-3, and d den_0 from the stored fp16 output cancels;
     float64 math with that one rounding has the kernel's error (test_fuzz_linear's rule).
     Replayed from its draws in order (hypothesis' reproduce_failure fails a test that passes)."""
-    draws = iter([torch.float16, "relu", True, True, True, 1, 1, 7, 13, "bhsd", "contig", "contig", True, False, True,
-                  0.5, True, [17], 2, 1, None])  # None: no extreme gate (drawn since)
+    draws = iter([torch.float16, "relu", True, True, True, 1, 1, 7, 13, "bhsd", "contig", "contig", True, False, False,
+                  True, 0.5, True, [17], 2, 1, None])  # per_feature False, extreme None: drawn since
     linear_case(lambda strategy: next(draws), lambda info: None)
 
 
