@@ -8,7 +8,6 @@ every rank runs the same collectives in the same order; {case name: None or the 
 back per rank."""
 from __future__ import annotations
 
-import traceback
 from typing import Dict, List, Optional
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from attention_ext import delta_rule_attention
 from attention_ext import distributed as cp
 from tests.distributed.cases import Counter
+from tests.distributed.harness import case_table
 from tests.helpers import rel_err
 
 B, HK, K, V = 2, 2, 8, 6
@@ -136,18 +136,5 @@ def delta_case(rank: int, world: int, name: str, counter: Counter, group: Option
 
 
 def suite(rank: int, world: int, sizes: List[int], names: List[str]) -> Dict[str, Optional[str]]:
-    """Every case on every group size of `sizes` (the world, or a subgroup of ranks 0 .. size - 1):
-    {"size/name": None (passed) or the traceback} for the sizes this rank belongs to."""
-    counter = Counter()
-    res: Dict[str, Optional[str]] = {}
-    for size in sizes:
-        group = None if size == world else dist.new_group(list(range(size)))  # every rank calls new_group
-        if rank >= size:
-            continue
-        for name in names:
-            try:
-                delta_case(rank, size, name, counter, group)
-                res[f"{size}/{name}"] = None
-            except Exception:  # noqa: BLE001
-                res[f"{size}/{name}"] = traceback.format_exc()
-    return res
+    """Every case on every group size of `sizes` (harness.case_table)."""
+    return case_table(delta_case, Counter(), rank, world, sizes, names)

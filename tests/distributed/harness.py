@@ -16,7 +16,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -178,3 +178,51 @@ class Group:
         self._results.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
         self._procs = None
+
+
+def case_table(case: Callable, counter, rank: int, world: int, sizes: List[int],
+               names: List[str]) -> Dict[str, Optional[str]]:
+    """A rank's part of a table of cases run on every group size of `sizes` (ranks 0 .. size - 1:
+    the world itself, or a subgroup, so that one spawn of the largest size serves them all and
+    `group=` is exercised): case(rank, size, name, counter, group) for each name, {"size/name":
+    None (passed) or the traceback} for the sizes this rank belongs to. A failure is recorded, not
+    raised, so every rank runs the same collectives in the same order."""
+    res: Dict[str, Optional[str]] = {}
+    for size in sizes:
+        group = None if size == world else dist.new_group(list(range(size)))  # every rank calls new_group
+        if rank >= size:
+            continue
+        for name in names:
+            try:
+                case(rank, size, name, counter, group)
+                res[f"{size}/{name}"] = None
+            except Exception:  # noqa: BLE001
+                res[f"{size}/{name}"] = traceback.format_exc()
+    return res
+
+
+class CaseTable:
+    """One spawn of max(sizes) ranks running `suite(rank, world, sizes, names)` (a case_table), the
+    first time a test asks; check(world, name) then asserts that case ran on every rank of its
+    group and passed there."""
+
+    def __init__(self, suite: Callable, sizes: List[int], names: List[str], timeout: float = 150.0):
+        self.suite, self.sizes, self.names, self.timeout = suite, list(sizes), list(names), timeout
+        self._res: List[Any] = []
+
+    def results(self) -> List[Dict[str, Optional[str]]]:
+        if not self._res:
+            try:
+                self._res.append(run(self.suite, max(self.sizes), self.sizes, self.names, timeout=self.timeout))
+            except RankFailed as e:
+                self._res.append(e)
+        if isinstance(self._res[0], Exception):
+            raise self._res[0]
+        return self._res[0]
+
+    def check(self, world: int, name: str) -> None:
+        key = f"{world}/{name}"
+        ran = [r for r, res in enumerate(self.results()) if key in res]
+        assert ran == list(range(world)), f"{key} ran on ranks {ran}, want 0 .. {world - 1}"
+        failed = {r: res[key] for r, res in enumerate(self.results()) if res.get(key) is not None}
+        assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())

@@ -7,7 +7,6 @@ failure is recorded, not raised, so that every rank runs the same collectives in
 {case name: None or the traceback} comes back per rank."""
 from __future__ import annotations
 
-import traceback
 from typing import Dict, List, Optional
 
 import torch
@@ -17,6 +16,7 @@ from attention_ext import distributed as cp
 from attention_ext.linear import LinearAttentionState, linear_attention
 from attention_ext.linear.feature_maps import Favor
 from tests.distributed.cases import CallCounter, Counter
+from tests.distributed.harness import case_table
 from tests.helpers import rel_err
 
 B, H, D, DV = 2, 4, 8, 6
@@ -196,19 +196,5 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
 
 
 def suite(rank: int, world: int, sizes: List[int], names: List[str]) -> Dict[str, Optional[str]]:
-    """Every case on every group size of `sizes` (ranks 0 .. size - 1: the world itself, or a
-    subgroup, so that one spawn of the largest size serves them all and `group=` is exercised):
-    {"size/name": None (passed) or the traceback} for the sizes this rank belongs to."""
-    counter = LinearCounter()
-    res: Dict[str, Optional[str]] = {}
-    for size in sizes:
-        group = None if size == world else dist.new_group(list(range(size)))  # every rank calls new_group
-        if rank >= size:
-            continue
-        for name in names:
-            try:
-                linear_case(rank, size, name, counter, group)
-                res[f"{size}/{name}"] = None
-            except Exception:  # noqa: BLE001
-                res[f"{size}/{name}"] = traceback.format_exc()
-    return res
+    """Every case on every group size of `sizes` (harness.case_table)."""
+    return case_table(linear_case, LinearCounter(), rank, world, sizes, names)

@@ -11,29 +11,13 @@ from attention_ext import distributed as cp
 from tests.distributed import delta_cases, harness
 
 WORLD_SIZES = (2, 3, 4)
-_results = []
-
-
-def _suite():
-    if not _results:
-        try:
-            _results.append(harness.run(delta_cases.suite, max(WORLD_SIZES), list(WORLD_SIZES),
-                                        list(delta_cases.CASES), timeout=150))
-        except harness.RankFailed as e:
-            _results.append(e)
-    if isinstance(_results[0], Exception):
-        raise _results[0]
-    return _results[0]
+TABLE = harness.CaseTable(delta_cases.suite, WORLD_SIZES, list(delta_cases.CASES))
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("name", list(delta_cases.CASES))
 def test_delta_cp(world, name):
-    key = f"{world}/{name}"
-    ran = [r for r, res in enumerate(_suite()) if key in res]
-    assert ran == list(range(world)), f"{key} ran on ranks {ran}, want 0 .. {world - 1}"
-    failed = {r: res[key] for r, res in enumerate(_suite()) if res.get(key) is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+    TABLE.check(world, name)
 
 
 # -- no process group needed: the argument checks come before any collective ------------------------

@@ -19,30 +19,13 @@ from attention_ext.linear import LinearAttentionState
 from tests.distributed import harness, linear_cases
 
 WORLD_SIZES = (2, 3, 4)
-_results = []
-
-
-def _suite():
-    """The cases' results on every rank, run once (the first test that asks)."""
-    if not _results:
-        try:
-            _results.append(harness.run(linear_cases.suite, max(WORLD_SIZES), list(WORLD_SIZES),
-                                        list(linear_cases.CASES), timeout=150))
-        except harness.RankFailed as e:
-            _results.append(e)
-    if isinstance(_results[0], Exception):
-        raise _results[0]
-    return _results[0]
+TABLE = harness.CaseTable(linear_cases.suite, WORLD_SIZES, list(linear_cases.CASES))
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("name", list(linear_cases.CASES))
 def test_linear_cp(world, name):
-    key = f"{world}/{name}"
-    ran = [r for r, res in enumerate(_suite()) if key in res]
-    assert ran == list(range(world)), f"{key} ran on ranks {ran}, want 0 .. {world - 1}"
-    failed = {r: res[key] for r, res in enumerate(_suite()) if res.get(key) is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+    TABLE.check(world, name)
 
 
 # -- no process group needed: the argument checks come before any collective ------------------------
