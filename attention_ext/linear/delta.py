@@ -2,10 +2,12 @@
 custom ops torch.ops.attention_ext.{delta_fwd, delta_bwd} with their autograd, and the public
 functions delta_rule_attention / delta_rule_step.
 
-    delta_fwd(q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale, qk_l2norm)
+    delta_fwd(q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale, qk_l2norm, plain)
         -> (out, final_state)
     delta_bwd(dout, dfinal_state?, q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale,
-              qk_l2norm) -> (dq, dk, dv, dbeta, dgate, dinitial_state)
+              qk_l2norm, plain) -> (dq, dk, dv, dbeta, dgate, dinitial_state)
+        plain: the write u = v (no delta correction, beta unread): linear attention with GLA's
+        per-feature gates (linear.functional)
     delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
         T tokens from state, advanced in place (no autograd: decode)
 

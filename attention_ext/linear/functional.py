@@ -237,14 +237,23 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
     vv = v.to(acc)
     if h != hk:  # the state is per query head (its gates): k and v repeated over the group
         phi_k, vv = (t.repeat_interleave(h // hk, dim=1) for t in (phi_k, vv))
-    if opts["normalize"]:
-        vv = torch.cat([vv, torch.ones_like(vv[..., :1])], -1)
+    dv, s0, scale = vv.shape[-1], opts["initial_state"], opts["scale"]
+    # The state's columns evolve independently, so the normalizer column z runs as a call of its
+    # own: v keeps every width the op takes (a column more could pass the kernels' limit), at no
+    # extra kernel work (tasks are blocks of columns). A scale of 0 gives 0: run at 1, times 0.
     a = dict(q=phi_q.contiguous(), k=phi_k.contiguous(), v=vv.contiguous(), beta=phi_q.new_ones(b, h, s),
-             gate=decay, initial_state=opts["initial_state"], cu_seqlens=opts["cu_seqlens"], scale=opts["scale"],
-             qk_l2norm=False, plain=True)
+             gate=decay, initial_state=s0[..., :dv].contiguous() if s0 is not None else None,
+             cu_seqlens=opts["cu_seqlens"], scale=scale if scale != 0.0 else 1.0, qk_l2norm=False, plain=True)
     o, final = delta.run(a)
     if opts["normalize"]:
-        o = o[..., :-1] / (o[..., -1:] + opts["eps"])
+        z0 = s0[..., dv:].contiguous() if s0 is not None else None
+        den, final_z = delta.run(dict(a, v=phi_q.new_ones(b, h, s, 1), initial_state=z0))
+        if scale == 0.0:
+            o, den = o * 0.0, den * 0.0
+        o = o / (den + opts["eps"])
+        final = torch.cat([final, final_z], -1)
+    elif scale == 0.0:
+        o = o * 0.0
     return o.to(out_dtype), final
 
 
@@ -357,6 +366,8 @@ def linear_attention(
     if decay is not None:
         if not isinstance(decay, Tensor):
             raise not_a_tensor("decay", decay)
+        _check(decay.dim() in (3, 4), lambda: f"decay must be (B, H, S) log-gates, or (B, H, S, M) with a gate per "
+                                              f"feature, got {decay.dim()}-D {tuple(decay.shape)}")
         decay = decay.to(acc).contiguous()
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()

@@ -6,8 +6,8 @@ paper's chunk form, autograd backward), timed in the same run, beside the fp32 F
 
 (B1, H8, S4096, M = V = 128), fp32 and bf16, causal, unnormalized (GLA's form), identity feature
 map on features given (the peer's inputs): forward and forward+backward. GFLOP/s count the
-recurrence's work, 4 M V flops per token forward (S = a S, S += k v^T, o = S^T q), so they read
-low against the peak: our kernel shares the delta rule's and spends its p = h'^T k too.
+recurrence's work, 4 M V flops per token forward (S = a S, S += k v^T, o = S^T q), against the
+fp32 FMA peak.
 """
 from __future__ import annotations
 

@@ -170,3 +170,18 @@ def test_errors_name_the_argument():
     fm = Favor(8, nb_features=6, stabilize=True, seed=0)
     with pytest.raises(ValueError, match="stabilize"):
         ae.linear_attention(q, k, v, causal=True, decay=decay[..., :6], feature_map=fm)
+
+
+def test_widest_values_and_zero_scale():
+    """What the per-head path takes, the per-feature one takes too: Dv = 1024 normalized (the
+    normalizer runs as a column of its own) and scale = 0 (every output 0)."""
+    q, k = torch.rand(1, 2, 10, 8, dtype=F64), torch.rand(1, 2, 10, 8, dtype=F64)
+    v = torch.randn(1, 2, 10, 1024, dtype=F64)
+    g = -torch.rand(1, 2, 10, 8, dtype=F64)
+    out, st = ae.linear_attention(q, k, v, causal=True, decay=g, return_state=True)
+    r_out, _, r_fin = reference.linear_attention(q, k, v, causal=True, decay=g)
+    assert rel_err(out, r_out) < 1e-12 and rel_err(st.augmented(True), r_fin) < 1e-12
+    z = ae.linear_attention(q, k, v[..., :6], causal=True, decay=g, scale=0.0)
+    assert (z == 0).all()
+    with pytest.raises(ValueError, match="decay"):
+        ae.linear_attention(q, k, v, causal=True, decay=g[..., None])  # 5-D
