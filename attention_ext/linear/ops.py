@@ -57,10 +57,10 @@ def state_width(dv: int, normalize: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------- kernel selection
-_cuda_kernels = dict(chunk_parallel=True, segment_chunks=0)
+_cuda_kernels = dict(chunk_parallel=True, segment_chunks=0, chunk_states=False)
 
 
-def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0) -> dict:
+def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0, chunk_states: bool = False) -> dict:
     """Process-wide: the schedule of the CUDA tensor-core forward and backward (fp16 / bf16,
     feature width <= 128).
 
@@ -69,10 +69,16 @@ def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0) -> di
                         parallel; docs/gpu.md). False: one CTA walks each sequence (the
                         sequential kernels, slower on every shape timed: benchmarks/results/).
         segment_chunks  chunks of 64 rows per segment; 0 picks enough segments to fill the device.
+        chunk_states    True: the chunk-parallel forward stores the state entering every chunk of
+                        64 rows, then computes every chunk's outputs at once (flash-linear-
+                        attention's schedule; docs/gpu.md), where M, Dv and every stride are
+                        multiples of 8; other calls, and the backward, keep the segment kernels.
+                        Off by default until a GPU run has tested and timed it.
 
     Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The float32
     kernels are unchanged by it."""
-    new = dict(chunk_parallel=bool(chunk_parallel), segment_chunks=int(segment_chunks))
+    new = dict(chunk_parallel=bool(chunk_parallel), segment_chunks=int(segment_chunks),
+               chunk_states=bool(chunk_states))
     if HAS_EXT:  # the op states the rule on segment_chunks; without the extension nothing runs on CUDA
         torch.ops.attention_ext.linear_set_cuda_kernels(*new.values())
     old = dict(_cuda_kernels)
@@ -81,7 +87,7 @@ def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0) -> di
 
 
 def cuda_kernels() -> dict:
-    """The current selection of set_cuda_kernels (its two keywords)."""
+    """The current selection of set_cuda_kernels (its three keywords)."""
     return dict(_cuda_kernels)
 
 

@@ -50,12 +50,15 @@ void set_cuda_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, 
 
 // The linear family's CUDA forward schedule (attn::LinearCudaKernels); without the CUDA kernels
 // it only checks its arguments.
-void linear_set_cuda_kernels(bool chunk_parallel, int64_t segment_chunks) {
+void linear_set_cuda_kernels(bool chunk_parallel, int64_t segment_chunks, bool chunk_states) {
   TORCH_CHECK_VALUE(segment_chunks >= 0 && segment_chunks <= (int64_t(1) << 24),
                     "attention_ext.linear.set_cuda_kernels: segment_chunks must be in [0, 2^24] (0 = fill the device), got ",
                     segment_chunks);
 #if defined(ATTN_WITH_CUDA)
-  attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, int(segment_chunks)});
+  attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, int(segment_chunks), chunk_states});
+#else
+  (void)chunk_parallel;
+  (void)chunk_states;
 #endif
 }
 
@@ -343,7 +346,7 @@ TORCH_LIBRARY(attention_ext, m) {
   // developer-only
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);
-  m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &linear_set_cuda_kernels);
+  m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks, bool chunk_states) -> ()", &linear_set_cuda_kernels);
   m.def("decode_set_cuda_kernels(bool tensor_cores) -> ()", &decode_set_cuda_kernels);
 }
 

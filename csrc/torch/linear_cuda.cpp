@@ -20,6 +20,7 @@ using at::Tensor;
 struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   static constexpr const char* kWhat = "attention_ext.linear";
   attn::LinearCudaKernels linear_kernels() const { return attn::cuda_linear_kernels(); }
+  void reads(std::initializer_list<const Tensor*>) const {}
   size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt,
                                    const attn::LinearCudaKernels& k) const {
     return attn::cuda_linear_fwd_scratch_floats(p, dt, k);

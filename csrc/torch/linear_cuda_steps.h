@@ -14,6 +14,7 @@
 //     size_t linear_bwd_scratch_floats(const LinearBwdParamsT<float>&, DType, const LinearCudaKernels&) const;
 //     void linear_bwd(const LinearBwdParamsT<float>&, DType, const LinearCudaKernels&, float* scratch) const;
 //     void linear_step(const LinearStepParamsT<float>&, DType) const;
+//     void reads(std::initializer_list<const Tensor*>) const;  // the tensors kernels may cp.async from
 //   };
 #pragma once
 
@@ -68,9 +69,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Devic
   const int64_t scratch_floats = int64_t(dev.linear_fwd_scratch_floats(p, dt, kern));
   at::Tensor scratch;
   if (scratch_floats > 0) scratch = at::empty({scratch_floats}, q.options().dtype(at::kFloat));
-  if constexpr (Device::kPoison) {
-    if (scratch.defined()) scratch.fill_(NAN);
+  if constexpr (Device::kPoison) {  // all-ones bits: NaN as float32 and as the 16-bit chunk states
+    if (scratch.defined()) scratch.view(at::kInt).fill_(-1);
   }
+  dev.reads({&q, &k, &v, &scratch});
   run_backend<Device>([&] { dev.linear_fwd(p, dt, kern, scratch.defined() ? scratch.data_ptr<float>() : nullptr); });
   return {out, den, state};
 }

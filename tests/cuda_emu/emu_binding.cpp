@@ -123,27 +123,34 @@ struct EmuLinearDevice {
   int guard(const Tensor&) const { return 0; }
   attn::LinearCudaKernels linear_kernels() const {
     attn::LinearCudaKernels k;
-    be.linear_kernels(&k.chunk_parallel, &k.segment_chunks);
+    be.linear_kernels(&k.chunk_parallel, &k.segment_chunks, &k.chunk_states);
     return k;
   }
   size_t linear_fwd_scratch_floats(const attn::LinearParamsT<float>& p, attn::DType dt,
                                    const attn::LinearCudaKernels& k) const {
-    return be.linear_fwd_scratch_floats(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks);
+    return be.linear_fwd_scratch_floats(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, k.chunk_states);
   }
   void linear_fwd(const attn::LinearParamsT<float>& p, attn::DType dt, const attn::LinearCudaKernels& k,
                   float* scratch) const {
-    be.linear_fwd(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, scratch);
+    be.linear_fwd(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, k.chunk_states, scratch);
   }
   size_t linear_bwd_scratch_floats(const attn::LinearBwdParamsT<float>& p, attn::DType dt,
                                    const attn::LinearCudaKernels& k) const {
-    return be.linear_bwd_scratch_floats(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks);
+    return be.linear_bwd_scratch_floats(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, k.chunk_states);
   }
   void linear_bwd(const attn::LinearBwdParamsT<float>& p, attn::DType dt, const attn::LinearCudaKernels& k,
                   float* scratch) const {
-    be.linear_bwd(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, scratch);
+    be.linear_bwd(&p, sizeof(p), int(dt), k.chunk_parallel, k.segment_chunks, k.chunk_states, scratch);
   }
   void linear_step(const attn::LinearStepParamsT<float>& p, attn::DType dt) const {
     be.linear_step(&p, sizeof(p), int(dt));
+  }
+  // cp.async may read only from the call's tensors (the chunk-state forward's)
+  void reads(std::initializer_list<const Tensor*> ts) const {
+    attn_emu::clear_global_ranges();
+    for (const Tensor* t : ts) {
+      if (t->defined() && t->numel() > 0) attn_emu::add_global_range(t->storage().data(), t->storage().nbytes());
+    }
   }
 };
 
@@ -228,16 +235,16 @@ Tensor emu_wgmma_test(const Tensor& a, const Tensor& b, const Tensor& c, int64_t
 }
 
 // linear_set_cuda_kernels for both emulated archs
-void emu_linear_set_kernels(bool chunk_parallel, int64_t segment_chunks) {
-  for (int64_t arch : {80, 90}) backend(arch).linear_set_kernels(chunk_parallel, int(segment_chunks));
+void emu_linear_set_kernels(bool chunk_parallel, int64_t segment_chunks, bool chunk_states) {
+  for (int64_t arch : {80, 90}) backend(arch).linear_set_kernels(chunk_parallel, int(segment_chunks), chunk_states);
 }
 
 // the current linear selection of the sm_80 build (both archs are always set together)
-std::tuple<bool, int64_t> emu_linear_kernels() {
-  bool chunk_parallel = false;
+std::tuple<bool, int64_t, bool> emu_linear_kernels() {
+  bool chunk_parallel = false, chunk_states = false;
   int segment_chunks = 0;
-  backend(80).linear_kernels(&chunk_parallel, &segment_chunks);
-  return {chunk_parallel, int64_t(segment_chunks)};
+  backend(80).linear_kernels(&chunk_parallel, &segment_chunks, &chunk_states);
+  return {chunk_parallel, int64_t(segment_chunks), chunk_states};
 }
 
 void emu_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
@@ -262,8 +269,8 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);
-  m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks) -> ()", &emu_linear_set_kernels);
-  m.def("linear_cuda_kernels() -> (bool, int)", &emu_linear_kernels);
+  m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks, bool chunk_states=False) -> ()", &emu_linear_set_kernels);
+  m.def("linear_cuda_kernels() -> (bool, int, bool)", &emu_linear_kernels);
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale, int arch) -> Tensor",
         &emu_linear_step);

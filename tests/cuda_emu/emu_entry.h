@@ -50,12 +50,12 @@ struct Backend {
   // the linear family's entry points (csrc/linear/cuda/entry.h), params as
   // attn::LinearParamsT<float> / attn::LinearBwdParamsT<float>
   // the selection (attn::LinearCudaKernels) travels as its two fields
-  void (*linear_set_kernels)(bool chunk_parallel, int segment_chunks);
-  void (*linear_kernels)(bool* chunk_parallel, int* segment_chunks);
-  size_t (*linear_fwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg);
-  void (*linear_fwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, float* scratch);
-  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg);
-  void (*linear_bwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, float* scratch);
+  void (*linear_set_kernels)(bool chunk_parallel, int segment_chunks, bool chunk_states);
+  void (*linear_kernels)(bool* chunk_parallel, int* segment_chunks, bool* chunk_states);
+  size_t (*linear_fwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg, bool states);
+  void (*linear_fwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, bool states, float* scratch);
+  size_t (*linear_bwd_scratch_floats)(const void* params, size_t bytes, int dtype, bool cp, int seg, bool states);
+  void (*linear_bwd)(const void* params, size_t bytes, int dtype, bool cp, int seg, bool states, float* scratch);
   void (*linear_step)(const void* params, size_t bytes, int dtype);
   // wgmma_test_kernel.cuh (sm_90 backend only; null on sm_80): d = a b + c through the emulated
   // wgmma, a (64, k), b (k, n) of dtype, c and d (64, n) fp32 row-major

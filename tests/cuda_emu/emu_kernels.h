@@ -132,33 +132,34 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
   be.set_kernels = [](int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) {
     attn::cuda_set_kernels(attn::CudaKernels{hopper_fwd, hopper_bwd, tune_fwd, tune_bwd, force_simt});
   };
-  be.linear_set_kernels = [](bool chunk_parallel, int segment_chunks) {
-    attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, segment_chunks});
+  be.linear_set_kernels = [](bool chunk_parallel, int segment_chunks, bool chunk_states) {
+    attn::cuda_linear_set_kernels(attn::LinearCudaKernels{chunk_parallel, segment_chunks, chunk_states});
   };
-  be.linear_kernels = [](bool* chunk_parallel, int* segment_chunks) {
+  be.linear_kernels = [](bool* chunk_parallel, int* segment_chunks, bool* chunk_states) {
     const attn::LinearCudaKernels k = attn::cuda_linear_kernels();
     *chunk_parallel = k.chunk_parallel;
     *segment_chunks = k.segment_chunks;
+    *chunk_states = k.chunk_states;
   };
-  be.linear_fwd_scratch_floats = [](const void* p, size_t n, int dt, bool cp, int seg) {
+  be.linear_fwd_scratch_floats = [](const void* p, size_t n, int dt, bool cp, int seg, bool states) {
     attn::prepare();
     return attn::cuda_linear_fwd_scratch_floats(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt),
-                                                attn::LinearCudaKernels{cp, seg});
+                                                attn::LinearCudaKernels{cp, seg, states});
   };
-  be.linear_fwd = [](const void* p, size_t n, int dt, bool cp, int seg, float* scratch) {
+  be.linear_fwd = [](const void* p, size_t n, int dt, bool cp, int seg, bool states, float* scratch) {
     attn::prepare();
     attn::cuda_linear_fwd(attn::params_from<attn::LinearParamsT<float>>(p, n), attn::DType(dt),
-                          attn::LinearCudaKernels{cp, seg}, scratch, nullptr);
+                          attn::LinearCudaKernels{cp, seg, states}, scratch, nullptr);
   };
-  be.linear_bwd_scratch_floats = [](const void* p, size_t n, int dt, bool cp, int seg) {
+  be.linear_bwd_scratch_floats = [](const void* p, size_t n, int dt, bool cp, int seg, bool states) {
     attn::prepare();
     return attn::cuda_linear_bwd_scratch_floats(attn::params_from<attn::LinearBwdParamsT<float>>(p, n),
-                                                attn::DType(dt), attn::LinearCudaKernels{cp, seg});
+                                                attn::DType(dt), attn::LinearCudaKernels{cp, seg, states});
   };
-  be.linear_bwd = [](const void* p, size_t n, int dt, bool cp, int seg, float* scratch) {
+  be.linear_bwd = [](const void* p, size_t n, int dt, bool cp, int seg, bool states, float* scratch) {
     attn::prepare();
     attn::cuda_linear_bwd(attn::params_from<attn::LinearBwdParamsT<float>>(p, n), attn::DType(dt),
-                          attn::LinearCudaKernels{cp, seg}, scratch, nullptr);
+                          attn::LinearCudaKernels{cp, seg, states}, scratch, nullptr);
   };
 #if ATTN_EMU_ARCH >= 900
   be.wgmma_test = [](const void* a, const void* b, const float* c, float* d, int dt, int n, int k, int variant) {

@@ -41,9 +41,9 @@ def test_default_selection_is_the_python_default(emu):
     chunk-parallel."""
     import inspect
     sig = inspect.signature(ae.linear.set_cuda_kernels)
-    want = tuple(sig.parameters[n].default for n in ("chunk_parallel", "segment_chunks"))
+    want = tuple(sig.parameters[n].default for n in ("chunk_parallel", "segment_chunks", "chunk_states"))
     assert cuda_emu.initial_linear_kernels == want
-    assert want == (True, 0)
+    assert want == (True, 0, False)
 
 
 def run_case(emu, s, dtype, *, causal, fmap=1, b=1, h=2, hk=1, m=16, dv=24, layout="bhsd", decay=False, init=False,
@@ -192,10 +192,20 @@ def test_path(emu, dtype, m, tc):
     assert any("finalize_kernel" in n for n in names) and any("ddecay_kernel" in n for n in names), names
 
 
+@pytest.mark.parametrize("states", [False, True], ids=["sequential", "chunk_states"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fp16_state_past_fp16_range(emu, causal):
-    """A state entry past fp16's range (65504): the tensor-core forward's fp16 copy of S is
-    scaled (sigma), so the output stays finite and close to the float64 reference."""
+def test_fp16_state_past_fp16_range(emu, causal, states):
+    """A state entry past fp16's range (65504): the tensor-core forward's fp16 copy of S (the
+    chunk-state forward: every stored chunk state) is scaled (sigma), so the output stays finite
+    and close to the float64 reference."""
+    emu.linear_set_cuda_kernels(states, 1, states)
+    try:
+        fp16_past_range(emu, causal)
+    finally:
+        emu.linear_set_cuda_kernels(False, 0, False)
+
+
+def fp16_past_range(emu, causal):
     s = 1200
     q, k = (0.5 * torch.randn(1, 1, s, 16)).half(), (0.5 * torch.randn(1, 1, s, 16)).half()
     v = (60 + torch.randn(1, 1, s, 8)).half()
@@ -276,10 +286,21 @@ def test_harness_can_fail(emu):
         run_case(Perturbed, 33, torch.float32, causal=True)
 
 
+@pytest.mark.parametrize("states", [False, True], ids=["default", "chunk_states"])
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-def test_nan_padded_keys(emu, dtype, causal, arch):
+def test_nan_padded_keys(emu, dtype, causal, arch, states):
+    if states and dtype == torch.float32:
+        pytest.skip("float32 runs the SIMT kernels whatever the schedule: the default case covers it")
+    emu.linear_set_cuda_kernels(states, 1, states)
+    try:
+        nan_padded_keys(emu, dtype, causal, arch)
+    finally:
+        emu.linear_set_cuda_kernels(False, 0, False)
+
+
+def nan_padded_keys(emu, dtype, causal, arch):
     """NaN in the k and v rows of padded keys (key_mask False) changes no bit of out, den, the
     final state or any gradient, and the padded keys' dk / dv stay 0 (the NaN policy, docs/testing.md).
     Found in the emulator: the kernels multiplied a padded key's feature-mapped k row by 0 and
@@ -317,13 +338,13 @@ def test_nan_padded_keys(emu, dtype, causal, arch):
 
 
 @pytest.mark.parametrize("big", [-1e4, -1e9, float("-inf")])
-@pytest.mark.parametrize("kernel", ["simt", "mma", "chunk_parallel"])
+@pytest.mark.parametrize("kernel", ["simt", "mma", "chunk_parallel", "chunk_states"])
 def test_extreme_gates(emu, kernel, big):
     """Gates of -1e4, -1e9 and -inf (a hard reset) inside chunks and at a chunk's first row: every
     CUDA schedule gives the recurrence's answer (the reference builds its weights from sums of
     gates, as the kernels do within a reset-free run of rows), gradients included, nothing NaN."""
-    if kernel == "chunk_parallel":
-        emu.linear_set_cuda_kernels(True, 1)
+    if kernel.startswith("chunk"):
+        emu.linear_set_cuda_kernels(True, 1, kernel == "chunk_states")
     try:
         dtype = torch.float32 if kernel == "simt" else torch.bfloat16
         run_case(emu, 150, dtype, causal=True, decay=True, init=True, extreme=big)
@@ -480,19 +501,96 @@ def test_step(emu, dtype, t, m, dv, h, hk, norm, decay):
 @given(s=st.integers(1, 300), m=st.sampled_from([8, 16, 20, 40, 64, 72, 128]), dv=st.sampled_from([8, 24, 64, 70, 136]),
        heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]), causal=st.booleans(), decay=st.booleans(),
        init=st.booleans(), mask=st.booleans(), fmap=st.sampled_from([0, 1, 2]),
-       layout=st.sampled_from(["bhsd", "bshd"]), seg=st.integers(0, 3), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
-def test_fuzz_chunk_parallel(emu, s, m, dv, heads, causal, decay, init, mask, fmap, layout, seg, dtype):
+       layout=st.sampled_from(["bhsd", "bshd"]), seg=st.integers(0, 3), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       states=st.booleans())
+def test_fuzz_chunk_parallel(emu, s, m, dv, heads, causal, decay, init, mask, fmap, layout, seg, dtype, states):
     """Random shapes and options through the chunk-parallel forward and backward (segments of 1-3
     chunks or the heuristic's) against float64: out, the final state and every gradient under
     the plain 2x rule, outputs and the forward's scratch poisoned first. Unnormalized: normalized
     16-bit calls take d den from the stored, rounded output, whose gradients need the wider,
     documented rule of tests/fuzz/test_fuzz_linear.py (the sequential kernel fails the plain rule
     on such draws too, about 1 in 30: benchmarks/results/2026-11-29-gpu-cost.md); the fixed-seed
-    cases above run normalized."""
-    emu.linear_set_cuda_kernels(True, seg)
+    cases above run normalized. states: the forward is the chunk-state one where M and Dv are
+    multiples of 8 (the segment one elsewhere)."""
+    emu.linear_set_cuda_kernels(True, seg, states)
     try:
         # one row: more heads (few_rows: the 2x rule on a handful of scalars is a draw)
         run_case(emu, s, dtype, causal=causal, fmap=fmap, b=2, h=4 if s == 1 else heads[0], hk=heads[1], m=m, dv=dv,
                  layout=layout, decay=decay and causal, init=init, mask=mask and s > 1, normalize=False)
     finally:
         emu.linear_set_cuda_kernels(False, 0)
+
+
+# ------------------------------------------------------------------ the chunk-state forward
+@pytest.fixture
+def chunk_states(emu):
+    """The chunk-state forward (linear.set_cuda_kernels(chunk_states=True)) for one test, with
+    the segment backward at one chunk per segment; the sequential kernels again after it."""
+    emu.linear_set_cuda_kernels(True, 1, True)
+    yield
+    emu.linear_set_cuda_kernels(False, 0, False)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s", [1, 63, 64, 65, 130, 200])
+def test_chunk_states_sizes(emu, chunk_states, s, causal):
+    """Partial and whole last chunks, one chunk and several (the state kernel's double buffers
+    wrap); decay, the initial state and a key mask where the call allows them; every output and
+    the scratch poisoned first."""
+    dtype = torch.float16 if s % 2 else torch.bfloat16
+    run_case(emu, s, dtype, causal=causal, decay=causal, init=True, mask=s > 1, **few_rows(s))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("opt", ["gqa_bshd", "widths", "m128", "relu", "no_norm", "varlen", "all"])
+def test_chunk_states_options(emu, chunk_states, opt, dtype):
+    """GQA in the (B, S, H, D) layout; three value tiles with a partial one and the 128 bucket
+    with M < 128; M = Dv = 128; relu features; identity features without normalizer; a varlen
+    pack (sequences of 0, 1 and 65 rows: CTAs past a sequence's end); everything at once."""
+    kw = dict(gqa_bshd=dict(b=2, h=4, hk=2, layout="bshd"), widths=dict(m=72, dv=136),
+              m128=dict(m=128, dv=128, decay=True, mask=True), relu=dict(fmap=2, decay=True, mask=True),
+              no_norm=dict(normalize=False, fmap=0, decay=True),
+              varlen=dict(h=4, hk=2, cu=torch.tensor([0, 7, 7, 72, 73], dtype=torch.int32), decay=True, mask=True),
+              all=dict(decay=True, init=True, mask=True, b=2, h=4, hk=2, m=40, dv=24, layout="bshd"))[opt]
+    for causal in (True, False):
+        if causal or "decay" not in kw:
+            run_case(emu, 150, dtype, causal=causal, **kw)
+
+
+def test_chunk_states_launches(emu, chunk_states):
+    """The chunk-state forward is two launches (the states, the outputs) and gives the
+    sequential forward's outputs to rounding; a feature width that is not a multiple of 8 keeps
+    the segment kernels (their scalar stager), which the selection reaches as well."""
+    torch.manual_seed(3)
+    q, k = (0.5 * torch.randn(2, 2, 300, 64)).bfloat16(), (0.5 * torch.randn(2, 2, 300, 64)).bfloat16()
+    v = torch.randn(2, 2, 300, 64).bfloat16()
+    g = -0.1 * torch.rand(2, 2, 300)
+    opts = dict(decay=g, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=300, feature_map=1,
+                causal=True, normalize=True, eps=1e-6, scale=1.0)
+    args = [opts[n] for n in ops.OPTION_NAMES]
+    emu.launches()
+    par = emu.linear_fwd(q, k, v, *args, 90)
+    names = emu.launches()
+    assert len(names) == 2 and "chunk_state_kernel" in names[0] and "chunk_out_kernel" in names[1], names
+    emu.linear_set_cuda_kernels(False, 0, False)
+    seq = emu.linear_fwd(q, k, v, *args, 90)
+    for a, b in zip(seq, par):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+    emu.linear_set_cuda_kernels(True, 1, True)
+    emu.launches()
+    emu.linear_fwd(q[..., :20], k[..., :20], v, *args, 90)
+    names = emu.launches()
+    assert any("FwdMode)1" in n for n in names) and not any("chunk_" in n for n in names), names
+
+
+@pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)])
+def test_chunk_states_schedules(emu, chunk_states, warp_serial, reverse):
+    """Lockstep and last-warp-first interleavings through both chunk-state kernels: three chunks,
+    so the state kernel's double buffers (operands and scalars) are each reused; a missing
+    barrier shows up as poisoned shared memory or a stale value."""
+    emu.set_schedule(warp_serial, reverse)
+    try:
+        run_case(emu, 150, torch.bfloat16, causal=True, m=40, dv=24, decay=True, init=True, mask=True)
+        run_case(emu, 150, torch.float16, causal=False, m=72, dv=72, init=True, mask=True)
+    finally:
+        emu.set_schedule(True, False)

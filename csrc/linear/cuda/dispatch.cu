@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "cuda/launch.h"
+#include "linear/cuda/chunk_fwd_kernel.cuh"
 #include "linear/cuda/entry.h"
 #include "linear/cuda/mma_bwd_kernel.cuh"
 #include "linear/cuda/mma_fwd_kernel.cuh"
@@ -52,11 +53,12 @@ void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
 }
 
 // fp16 / bf16 only (TypeOps); M <= kM
-// the selection in one word (bit 32: chunk_parallel, low 32 bits: segment_chunks), so that a
+// the selection in one word (bit 32: chunk_parallel, bit 33: chunk_states, low 32 bits:
+// segment_chunks), so that a
 // reader never sees half of an update; it starts as LinearCudaKernels{} (entry.h), the defaults'
 // one home
 constexpr uint64_t pack_kernels(const LinearCudaKernels& k) {
-  return (uint64_t(k.chunk_parallel) << 32) | uint32_t(k.segment_chunks);
+  return (uint64_t(k.chunk_states) << 33) | (uint64_t(k.chunk_parallel) << 32) | uint32_t(k.segment_chunks);
 }
 std::atomic<uint64_t> g_kernels{pack_kernels(LinearCudaKernels{})};
 
@@ -99,9 +101,59 @@ linear_tc::SegPlan carve_plan(const LinearParamsT<float>& p, const LinearCudaKer
 }
 
 
+// The chunk-state forward (chunk_fwd_kernel.cuh) takes the call: selected, and every row of
+// q, k, v and out is whole 16-byte vectors (the kernels copy by cp.async and store pairs).
+bool use_chunk_states(const LinearParamsT<float>& p, const LinearCudaKernels& k) {
+  if (!k.chunk_parallel || !k.chunk_states) return false;
+  auto al = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  auto st = [](int64_t bs, int64_t hs, int64_t rs) { return bs % 8 == 0 && hs % 8 == 0 && rs % 8 == 0; };
+  return p.d % 8 == 0 && p.dim_v % 8 == 0 && al(p.q) && al(p.k) && al(p.v) && al(p.o) &&
+         st(p.q_batch_stride, p.q_head_stride, p.q_row_stride) && st(p.k_batch_stride, p.k_head_stride, p.k_row_stride) &&
+         st(p.v_batch_stride, p.v_head_stride, p.v_row_stride) && st(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+}
+
+int feature_bucket(const LinearParamsT<float>& p) { return p.d <= 64 ? 64 : 128; }
+
+// The chunk-state scratch: the 16-bit states (two per float), then z, then sigma (ChunkPlan).
+linear_tc::ChunkPlan chunk_plan(const LinearParamsT<float>& p, float* scratch, size_t* floats) {
+  linear_tc::ChunkPlan plan;
+  plan.nt = int(std::max<int64_t>(1, (int64_t(p.sq) + linear_simt::kChunk - 1) / linear_simt::kChunk));
+  plan.tiles = value_tiles_tc(p);
+  const int64_t slots = int64_t(p.b) * p.h * (plan.nt + 1), km = feature_bucket(p);
+  const int64_t h_floats = slots * plan.tiles * km * linear_tc::kN / 2, z_floats = slots * km;
+  if (floats != nullptr) *floats = size_t(h_floats + z_floats + slots * plan.tiles);
+  if (scratch != nullptr) {
+    plan.h = scratch;
+    plan.z = scratch + h_floats;
+    plan.sigma = plan.z + z_floats;
+  }
+  return plan;
+}
+
+template <typename T, int kM>
+void run_fwd_chunk_states(const LinearParamsT<float>& p, float* scratch, cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA chunk-state forward)";
+  const linear_tc::ChunkPlan plan = chunk_plan(p, scratch, nullptr);
+  if (int64_t(plan.tiles) * plan.nt > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks");
+  auto state_kernel = &linear_tc::chunk_state_kernel<T, kM>;
+  auto out_kernel = &linear_tc::chunk_out_kernel<T, kM>;
+  constexpr int state_smem = linear_tc::StateSmem<kM>::kBytes, out_smem = linear_tc::OutSmem<kM>::kBytes;
+  set_smem(state_kernel, state_smem, what);
+  set_smem(out_kernel, out_smem, what);
+  ATTN_LAUNCH(state_kernel, dim3(plan.tiles, p.h, p.b), dim3(linear_tc::kThreads), state_smem, stream)(p, plan);
+  check_launch(what);
+  ATTN_LAUNCH(out_kernel, dim3(plan.tiles * plan.nt, p.h, p.b), dim3(linear_tc::kThreads), out_smem, stream)(p, plan);
+  check_launch(what);
+}
+
 template <typename T, int kM>
 void run_fwd_tc(const LinearParamsT<float>& p, const LinearCudaKernels& k, float* scratch, cudaStream_t stream) {
   const char* what = "attention_ext.linear (CUDA tensor-core forward)";
+  if (scratch != nullptr && use_chunk_states(p, k)) {
+    check_grid(p.h, p.b, what);
+    run_fwd_chunk_states<T, kM>(p, scratch, stream);
+    return;
+  }
   check_grid(p.h, p.b, what);
   constexpr int smem = linear_tc::Smem<kM>::kBytes;
   const int tiles = value_tiles_tc(p);
@@ -284,11 +336,16 @@ void cuda_linear_set_kernels(const LinearCudaKernels& k) {
 
 LinearCudaKernels cuda_linear_kernels() {
   const uint64_t w = linear_cuda::g_kernels.load();
-  return LinearCudaKernels{(w >> 32) != 0, int(uint32_t(w))};
+  return LinearCudaKernels{((w >> 32) & 1) != 0, int(uint32_t(w)), ((w >> 33) & 1) != 0};
 }
 
 size_t cuda_linear_fwd_scratch_floats(const LinearParamsT<float>& p, DType dt, const LinearCudaKernels& k) {
   if (!k.chunk_parallel || !linear_cuda::use_tensor_cores(p, dt)) return 0;
+  if (linear_cuda::use_chunk_states(p, k)) {
+    size_t n = 0;
+    linear_cuda::chunk_plan(p, nullptr, &n);
+    return n;
+  }
   return linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p, k));
 }
 

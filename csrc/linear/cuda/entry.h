@@ -18,10 +18,15 @@ namespace attn {
 //                   mma_fwd_kernel.cuh / mma_bwd_kernel.cuh for the tensor-core calls (fp16 / bf16,
 //                   M <= 128), false = one CTA walks each sequence; fp32 and wider calls keep the
 //                   SIMT kernels;
-//   segment_chunks: chunks per segment of the chunk-parallel kernels, 0 = fill the device.
+//   segment_chunks: chunks per segment of the chunk-parallel kernels, 0 = fill the device;
+//   chunk_states:   the chunk-parallel forward as chunk_fwd_kernel.cuh's two kernels (every
+//                   chunk's entering state stored, then all outputs at once: flash-linear-
+//                   attention's schedule) where the rows are 16-byte vectors; opt-in until a GPU
+//                   run has tested and timed it (the backward keeps the segment kernels).
 struct LinearCudaKernels {
   bool chunk_parallel = true;
   int segment_chunks = 0;
+  bool chunk_states = false;
 };
 void cuda_linear_set_kernels(const LinearCudaKernels& k);
 // The current selection, one consistent snapshot. A call sizes its scratch and launches with the

@@ -1,0 +1,592 @@
+// The chunk-state forward of the tensor-core linear attention (fp16 / bf16, M <= 128): the
+// schedule of flash-linear-attention's chunked kernels and of the GLA paper, in two kernels.
+//
+//   chunk_state_kernel  grid (value tiles, H, B): one CTA walks a sequence's chunks with its
+//                       (kM, kN) slab of the state in mma accumulators (fp32 registers, never in
+//                       shared memory), and stores the state entering every chunk, rounded to the
+//                       input's 16-bit type, to the scratch (ChunkPlan). Per chunk the only work
+//                       on the sequential path is one product, S <- e^{gC} S + (wk K~)^T V, whose
+//                       operands were copied by cp.async one chunk ahead.
+//   chunk_out_kernel    grid (value tiles x chunks, H, B): every chunk at once, from its entering
+//                       state: O' = e^{g_i} Q~ S_c + mask(Q~ K~^T, e^{g_i - g_j}) V, the
+//                       products of mma_fwd_kernel.cuh with no state update.
+//
+// Against the segment kernels of mma_fwd_kernel.cuh, which run both the update and the outputs
+// per chunk on a slab in shared memory (a 16-bit copy of it refreshed per chunk, a transposed
+// copy of K~ stored element by element, scalar loops for the normalizer), every per-element
+// transform here happens in the fragments: the feature map, the key mask and the decay weights
+// are applied to the ldmatrix results, and A = K~^T is read from K's row-major tile by
+// ldmatrix.trans. The normalizer column rides as one extra n-tile whose B fragment is a column of
+// ones (z = K~^T w), so z costs no loop either.
+//
+// The stored states are (kM, kN) 16-bit tiles per (sequence, head, slot, value tile): the same
+// rounding as the segment kernels' 16-bit copy, with fp16's power-of-2 scale sigma (mma_common.h)
+// stored beside each tile. Slot nt holds the final state (the non-causal outputs' state).
+//
+// The row scalars (load_row_scalars' g, ep, wq, wk, kmul) come from a segmented scan in two
+// warps' registers (shuffles, one barrier), not from one thread's loop over the chunk: on the
+// state kernel's sequential path a 64-step loop per chunk would cost more than the product.
+//
+// Needs 16-byte rows (M, Dv, every stride a multiple of 8 elements, 16-byte aligned bases):
+// dispatch.cu routes other calls to the segment kernels. A varlen sequence longer than
+// max_seqlen (not checked on CUDA: the offsets live on the device) gets NaN past the slots the
+// plan has, never a row left unwritten.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/linear_params.h"
+#include "cuda/mma.cuh"
+#include "linear/cuda/mma_common.cuh"
+
+namespace attn {
+namespace linear_tc {
+
+// The chunk-state forward's scratch (dispatch.cu carves it): per (sequence, head) nt + 1 slots,
+// slot c < nt the state entering chunk c, slot nt the final state.
+struct ChunkPlan {
+  int nt = 1;     // chunk slots per sequence: ceil(max_seqlen / kChunk)
+  int tiles = 1;  // value tiles of kN columns
+  void* h = nullptr;        // (nb, H, nt + 1, tiles, kM, kN) T: S / sigma
+  float* z = nullptr;       // (nb, H, nt + 1, kM): the normalizer state (normalize only)
+  float* sigma = nullptr;   // (nb, H, nt + 1, tiles)
+  __device__ int64_t slot(const Params& p, int b, int h, int c) const {
+    return (int64_t(b) * p.h + h) * (nt + 1) + c;
+  }
+};
+
+// The chunk's row scalars (load_row_scalars' meaning) and the scan's partial results.
+struct ChunkScalars {
+  float g[kChunk], ep[kChunk], wq[kChunk], wk[kChunk], kmul[kChunk];
+};
+struct ScanPart {
+  float s[kChunk], c[kChunk];
+  int f[kChunk];
+  float tot_s, tot_c;
+};
+
+// Row tid's raw inputs of the chunk at r0 (threads tid < kChunk): its log-gate (0 without decay
+// or past n) and whether it is a real key.
+__device__ __forceinline__ void row_inputs(const Params& p, const linear_simt::Seq& s, int h, int r0, int n, int tid,
+                                           float& gate, bool& real) {
+  gate = 0.f;
+  real = false;
+  if (tid < kChunk && tid < n) {
+    if (p.decay != nullptr) gate = p.decay[s.row(p, p.h, h, r0 + tid)];
+    real = p.key_mask == nullptr || p.key_mask[int64_t(s.bt) * p.key_mask_batch_stride + s.row0 + r0 + tid] != 0;
+  }
+}
+
+// The chunk's scalars into *out from each row's (gate, real) held by threads tid < kChunk (two
+// whole warps). The running sum with resets is a segmented scan: element i is (reset_i, d_i)
+// with d_i = 0 on a reset row, and (a o b) = (a.f | b.f, b.f ? b.s : a.s + b.s); a butterfly
+// of xor shuffles gives each lane its inclusive prefix within the warp, the second warp adds the
+// first's total. Every thread calls it: one barrier inside, after which out->kmul is visible; the
+// other fields are written after it (visible after the caller's next barrier).
+__device__ __forceinline__ void chunk_scalars(const Params& p, int n, float gate, bool real, ChunkScalars* out,
+                                              ScanPart* part, int tid) {
+  static_assert(kChunk == 64, "two warps scan a chunk");
+  if (tid < kChunk) {
+    const int lane = tid % 32;
+    const bool reset = tid < n && p.decay != nullptr && gate <= linear_simt::kResetGate;
+    float ps = reset ? 0.f : gate, pc = reset ? 1.f : 0.f;
+    int pf = reset ? 1 : 0;
+    float ts = ps, tc = pc;
+    int tf = pf;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, ts, o), oc = __shfl_xor_sync(0xffffffffu, tc, o);
+      const int of = __shfl_xor_sync(0xffffffffu, tf, o);
+      if (lane & o) {  // the partner's block precedes this lane's
+        ps = pf ? ps : os + ps;
+        pf |= of;
+        pc += oc;
+        ts = tf ? ts : os + ts;
+      } else {
+        ts = of ? os : ts + os;
+      }
+      tf |= of;
+      tc += oc;
+    }
+    part->s[tid] = ps;
+    part->f[tid] = pf;
+    part->c[tid] = pc;
+    if (tid == 0) {
+      part->tot_s = ts;
+      part->tot_c = tc;
+    }
+    out->kmul[tid] = real ? 1.f : 0.f;
+  }
+  __syncthreads();
+  if (tid < kChunk) {
+    auto fin = [&](int i, float& gi, float& ei) {
+      gi = part->s[i];
+      ei = part->c[i];
+      if (i >= 32) {
+        if (!part->f[i]) gi += part->tot_s;
+        ei += part->tot_c;
+      }
+    };
+    float gi, ei, gc, ec;
+    fin(tid, gi, ei);
+    fin(n - 1, gc, ec);
+    const bool live = tid < n;
+    out->g[tid] = live ? gi : 0.f;
+    out->ep[tid] = live ? ei : 0.f;
+    out->wq[tid] = live && ei == 0.f ? expf(gi) : 0.f;
+    out->wk[tid] = live && ei == ec ? expf(gc - gi) : 0.f;
+  }
+}
+
+// x -> phi(x) * w for the two elements of a packed 16-bit pair (w 0: 0, whatever x is)
+template <typename T>
+__device__ __forceinline__ uint32_t feature_pair(uint32_t u, FeatureMap fm, float w0, float w1) {
+  using Ops = tc::TypeOps<T>;
+  const float2 x = Ops::unpack(u);
+  const float a = w0 != 0.f ? linear_simt::feature(fm, x.x) * w0 : 0.f;
+  const float b = w1 != 0.f ? linear_simt::feature(fm, x.y) * w1 : 0.f;
+  return Ops::pack(a, b);
+}
+
+// Rows [0, n) (and, with kmul, only real keys) x columns [0, ncols) of a (kChunk, kCols) row
+// tile into the swizzled tile at dst by cp.async; the rest zero-filled, not read.
+template <int kCols, typename T>
+__device__ __forceinline__ void copy_rows(uint32_t dst, const T* src, int64_t rs, int n, int ncols, const float* kmul,
+                                          int tid) {
+  using Tile = tc::SmemTile<kChunk, kCols>;
+  constexpr int kVecs = kChunk * kCols / 8;
+  static_assert(kVecs % kThreads == 0, "whole vectors per thread");
+#pragma unroll
+  for (int j = 0; j < kVecs / kThreads; ++j) {
+    const int idx = tid + j * kThreads, r = idx / (kCols / 8), c = idx % (kCols / 8) * 8;
+    const bool ok = r < n && c < ncols && (kmul == nullptr || kmul[r] != 0.f);
+    tc::cp_async16(dst + Tile::offset(r, c), ok ? src + int64_t(r) * rs + c : src, ok);
+  }
+}
+
+// fp16: the power of 2 that keeps |S / sigma| <= 2^14 over the CTA's slab (block-wide max; every
+// thread calls it); bf16: 1.
+template <typename T, int kMT>
+__device__ __forceinline__ float slab_sigma(const float (&acc)[kMT][kN / 8][4], float* red) {
+  if constexpr (std::is_same_v<T, __half>) {
+    float mx = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int t = 0; t < kN / 8; ++t)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) mx = fmaxf(mx, fabsf(acc[mt][t][x]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+    __syncthreads();
+    mx = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+    __syncthreads();  // red is free for the next call
+    return mx > 16384.f ? exp2f(ceilf(log2f(mx / 16384.f))) : 1.f;
+  } else {
+    return 1.f;
+  }
+}
+
+template <int kM>
+struct StateSmem {
+  static_assert(kM == 64 || kM == 128, "feature-width buckets");
+  using KTile = tc::SmemTile<kChunk, kM>;
+  using VTile = tc::SmemTile<kChunk, kN>;
+  static constexpr int kBuf = KTile::kBytes + VTile::kBytes;  // one chunk's K~ then V
+  static constexpr int kScal = 2 * kBuf;                       // ChunkScalars, double-buffered like K and V
+  static constexpr int kPart = kScal + 2 * int(sizeof(ChunkScalars));
+  static constexpr int kRed = kPart + int(sizeof(ScanPart));
+  static constexpr int kBytes = kRed + kWarps * 4;
+};
+
+// The A fragment of K~^T rows [m0, m0 + 16) x chunk rows [j0, j0 + 16) from K's row-major
+// (kChunk, kM) tile: ldmatrix.trans of the four 8x8 blocks K[j0 + 8 (l / 16) ..][m0 + 8 ((l / 8) % 2) ..].
+template <typename KTile>
+__device__ __forceinline__ uint32_t lane_kt(int m0, int j0, int lane) {
+  return KTile::offset(j0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3));
+}
+
+// grid (value tiles, H, B), kThreads threads, StateSmem<kM>::kBytes bytes.
+template <typename T, int kM>
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p, const ChunkPlan plan) {
+  using L = StateSmem<kM>;
+  using Ops = tc::TypeOps<T>;
+  constexpr int kMT = kM / 64;  // m-tiles of 16 state rows per warp: a warp owns kM / 4 rows
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int c0 = tile * kN, nv = min(kN, p.dim_v - c0);
+  const linear_simt::Seq s(p, b);
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sbase = tc::smem_u32(smem);
+  ChunkScalars* scal = reinterpret_cast<ChunkScalars*>(smem + L::kScal);
+  ScanPart* part = reinterpret_cast<ScanPart*>(smem + L::kPart);
+  float* red = reinterpret_cast<float*>(smem + L::kRed);
+  const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
+  const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride) + c0;
+  const int nch = (s.len + kChunk - 1) / kChunk;
+  const bool with_z = p.normalize && tile == 0;
+  const bool decay = p.causal && p.decay != nullptr;
+  // identity features, no decay, no mask: every weight is 1 and the rows past n are zero-filled
+  const bool plain = p.feature_map == FeatureMap::kIdentity && p.decay == nullptr && p.key_mask == nullptr;
+  const int mrow0 = warp * (kM / 4);
+
+  // the state slab in accumulators: element x of n-tile t of m-tile mt is (acc_row, acc_col)
+  float acc[kMT][kN / 8][4], accz[kMT][4];
+  const float* init = state_at(p.init_state, p, b, h);
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int r = acc_row(mrow0 + 16 * mt, lane, x);
+      const bool zcol = lane % 4 == 0 && (x & 1) == 0;  // column 0 of the z tile
+      accz[mt][x] = init != nullptr && with_z && zcol && r < p.d ? init[int64_t(r) * p.dim_v_aug + p.dim_v] : 0.f;
+#pragma unroll
+      for (int t = 0; t < kN / 8; ++t) {
+        const int cc = acc_col(t, lane, x);
+        acc[mt][t][x] = init != nullptr && r < p.d && cc < nv ? init[int64_t(r) * p.dim_v_aug + c0 + cc] : 0.f;
+      }
+    }
+  }
+  // the B fragment of a column of ones (n = 0): z = K~^T w rides as one more n-tile
+  const uint32_t ones = lane / 4 == 0 ? Ops::pack(1.f, 1.f) : 0u;
+  const uint32_t bones[2] = {ones, ones};
+
+  // the slab (scaled to 16 bits) into slot c: the state entering chunk c
+  auto store_slot = [&](int c) {
+    const float sigma = slab_sigma<T, kMT>(acc, red), inv = 1.f / sigma;
+    const int64_t slot = plan.slot(p, b, h, c);
+    T* hs = static_cast<T*>(plan.h) + (slot * plan.tiles + tile) * (kM * kN);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = acc_row(mrow0 + 16 * mt, lane, 2 * half);
+#pragma unroll
+        for (int t = 0; t < kN / 8; ++t) {
+          const int cc = acc_col(t, lane, 0);
+          *reinterpret_cast<uint32_t*>(hs + r * kN + cc) =
+              Ops::pack(acc[mt][t][2 * half] * inv, acc[mt][t][2 * half + 1] * inv);
+        }
+        if (with_z && lane % 4 == 0) plan.z[slot * kM + r] = accz[mt][2 * half];
+      }
+    }
+    if (tid == 0) plan.sigma[slot * plan.tiles + tile] = sigma;
+  };
+
+  auto issue = [&](int c, int buf) {
+    const int r0 = c * kChunk, n = min(kChunk, s.len - r0);
+    const uint32_t kb = sbase + buf * L::kBuf;
+    const float* kmul = scal[buf].kmul;
+    copy_rows<kM>(kb, kh + int64_t(r0) * p.k_row_stride, p.k_row_stride, n, p.d, kmul, tid);
+    copy_rows<kN>(kb + L::KTile::kBytes, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, nv, kmul, tid);
+  };
+
+  // prologue: chunk 0's scalars and operands; chunk 1's raw row inputs
+  float gate = 0.f;
+  bool real = false;
+  if (nch > 0) {
+    const int n0 = min(kChunk, s.len);
+    row_inputs(p, s, h, 0, n0, tid, gate, real);
+    chunk_scalars(p, n0, gate, real, &scal[0], part, tid);
+    issue(0, 0);
+    if (nch > 1) row_inputs(p, s, h, kChunk, min(kChunk, s.len - kChunk), tid, gate, real);
+  }
+  tc::cp_async_commit();
+  __syncthreads();  // the scan's partials are read: the loop's first scan may write them
+
+  for (int c = 0; c < nch; ++c) {
+    const int r0 = c * kChunk, n = min(kChunk, s.len - r0), buf = c & 1;
+    if (c + 1 < nch) {  // chunk c + 1's scalars and operands, chunk c + 2's row inputs
+      chunk_scalars(p, min(kChunk, s.len - r0 - kChunk), gate, real, &scal[buf ^ 1], part, tid);
+      issue(c + 1, buf ^ 1);
+      if (c + 2 < nch) row_inputs(p, s, h, r0 + 2 * kChunk, min(kChunk, s.len - r0 - 2 * kChunk), tid, gate, real);
+    }
+    tc::cp_async_commit();
+    if (p.causal && c < plan.nt) store_slot(c);  // past nt: a sequence longer than max_seqlen
+    tc::cp_async_wait<1>();
+    __syncthreads();  // chunk c's K~, V and scalars are in
+
+    const ChunkScalars& sc = scal[buf];
+    if (decay) {
+      const float egc = sc.wq[n - 1];  // e^{G_C}, 0 once a reset is in
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          accz[mt][x] *= egc;
+#pragma unroll
+          for (int t = 0; t < kN / 8; ++t) acc[mt][t][x] *= egc;
+        }
+    }
+    // S += (w K~)^T V, w = wk * kmul; z += (w K~)^T 1
+    const uint32_t kb = sbase + buf * L::kBuf, vb = kb + L::KTile::kBytes;
+    const uint32_t vo = L::VTile::lane_bt(0, lane);
+#pragma unroll
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        tc::ldmatrix_x4_trans(a[mt], kb + lane_kt<typename L::KTile>(mrow0 + 16 * mt, kk * 16, lane));
+        if (!plain) {
+          // a[0], a[2]: feature row f, a[1], a[3]: f + 8 (0 past M: phi(0) is 1 for elu);
+          // a[0], a[1]: chunk rows j, j + 1, a[2], a[3]: j + 8, j + 9
+          const int j = kk * 16 + 2 * (lane % 4), f = mrow0 + 16 * mt + lane / 4;
+          const float in0 = f < p.d ? 1.f : 0.f, in8 = f + 8 < p.d ? 1.f : 0.f;
+          const float w0 = sc.wk[j] * sc.kmul[j], w1 = sc.wk[j + 1] * sc.kmul[j + 1];
+          const float w8 = sc.wk[j + 8] * sc.kmul[j + 8], w9 = sc.wk[j + 9] * sc.kmul[j + 9];
+          a[mt][0] = feature_pair<T>(a[mt][0], p.feature_map, w0 * in0, w1 * in0);
+          a[mt][1] = feature_pair<T>(a[mt][1], p.feature_map, w0 * in8, w1 * in8);
+          a[mt][2] = feature_pair<T>(a[mt][2], p.feature_map, w8 * in0, w9 * in0);
+          a[mt][3] = feature_pair<T>(a[mt][3], p.feature_map, w8 * in8, w9 * in8);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kN / 16; ++np) {
+        uint32_t bf[4];
+        tc::ldmatrix_x4_trans(bf, vb + L::VTile::advance(vo, kk * 16, np * 16));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) tc::mma_n16<T>(acc[mt][2 * np], a[mt], bf);
+      }
+      if (with_z) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) Ops::mma(accz[mt], a[mt], bones);
+      }
+    }
+    __syncthreads();  // buffer `buf` and scal[buf] are free for chunk c + 2
+  }
+
+  if (!p.causal) store_slot(plan.nt);  // the state every non-causal output reads
+  float* fin = state_at(p.final_state, p, b, h);
+  if (fin != nullptr) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int r = acc_row(mrow0 + 16 * mt, lane, x);
+        if (r >= p.d) continue;
+#pragma unroll
+        for (int t = 0; t < kN / 8; ++t) {
+          const int cc = acc_col(t, lane, x);
+          if (cc < nv) fin[int64_t(r) * p.dim_v_aug + c0 + cc] = acc[mt][t][x];
+        }
+        if (with_z && lane % 4 == 0 && (x & 1) == 0) fin[int64_t(r) * p.dim_v_aug + p.dim_v] = accz[mt][x];
+      }
+    }
+  }
+}
+
+template <int kM>
+struct OutSmem {
+  static_assert(kM == 64 || kM == 128, "feature-width buckets");
+  using QTile = tc::SmemTile<kChunk, kM>;  // Q, K (kChunk, kM)
+  using VTile = tc::SmemTile<kChunk, kN>;
+  using HTile = tc::SmemTile<kM, kN>;      // the entering state (kM, kN)
+  static constexpr int kQ = 0, kK = kQ + QTile::kBytes, kV = kK + QTile::kBytes, kH = kV + VTile::kBytes;
+  static constexpr int kZ = kH + HTile::kBytes;  // fp32 z (kM)
+  static constexpr int kScal = kZ + kM * 4;
+  static constexpr int kPart = kScal + int(sizeof(ChunkScalars));
+  static constexpr int kBytes = kPart + int(sizeof(ScanPart));
+};
+
+// grid (value tiles x plan.nt, H, B), kThreads threads, OutSmem<kM>::kBytes bytes.
+template <typename T, int kM>
+__global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, const ChunkPlan plan) {
+  using L = OutSmem<kM>;
+  using Ops = tc::TypeOps<T>;
+  const int tile = int(blockIdx.x) % plan.tiles, c = int(blockIdx.x) / plan.tiles;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int c0 = tile * kN, nv = min(kN, p.dim_v - c0);
+  const linear_simt::Seq s(p, b);
+  const int r0 = c * kChunk;
+  if (r0 >= s.len) return;  // the whole CTA: a varlen sequence shorter than the plan's
+  const int n = min(kChunk, s.len - r0);
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sbase = tc::smem_u32(smem);
+  float* z = reinterpret_cast<float*>(smem + L::kZ);
+  ChunkScalars* sc = reinterpret_cast<ChunkScalars*>(smem + L::kScal);
+  ScanPart* part = reinterpret_cast<ScanPart*>(smem + L::kPart);
+  const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, r0, p.q_row_stride);
+  const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, r0, p.k_row_stride);
+  const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, r0, p.v_row_stride) + c0;
+  T* oh = static_cast<T*>(p.o) + s.off(p.o_batch_stride, h, p.o_head_stride, r0, p.o_row_stride) + c0;
+  const bool causal = p.causal, decay = p.decay != nullptr, masked = p.key_mask != nullptr;
+  const int64_t slot = plan.slot(p, b, h, causal ? c : plan.nt);
+
+  // operands: Q, the state and z at once; K and V too unless a key mask decides which rows to read
+  copy_rows<kM>(sbase + L::kQ, qh, p.q_row_stride, n, p.d, nullptr, tid);
+  {
+    const T* hs = static_cast<const T*>(plan.h) + (slot * plan.tiles + tile) * (kM * kN);
+    constexpr int kVecs = kM * kN / 8;
+#pragma unroll
+    for (int j = 0; j < kVecs / kThreads; ++j) {
+      const int idx = tid + j * kThreads, r = idx / (kN / 8), cc = idx % (kN / 8) * 8;
+      tc::cp_async16(sbase + L::kH + L::HTile::offset(r, cc), hs + r * kN + cc, true);
+    }
+  }
+  if (p.normalize) {
+    for (int r = tid; r < kM; r += kThreads) z[r] = plan.z[slot * kM + r];
+  }
+  if (causal && !masked) {
+    copy_rows<kM>(sbase + L::kK, kh, p.k_row_stride, n, p.d, nullptr, tid);
+    copy_rows<kN>(sbase + L::kV, vh, p.v_row_stride, n, nv, nullptr, tid);
+  }
+  if (causal) {  // a non-causal output needs no row scalar: the state has the key mask
+    float gate;
+    bool real;
+    row_inputs(p, s, h, r0, n, tid, gate, real);
+    chunk_scalars(p, n, gate, real, sc, part, tid);
+  }
+  if (causal && masked) {
+    copy_rows<kM>(sbase + L::kK, kh, p.k_row_stride, n, p.d, sc->kmul, tid);
+    copy_rows<kN>(sbase + L::kV, vh, p.v_row_stride, n, nv, sc->kmul, tid);
+  }
+  tc::cp_async_commit();
+  const float sigma = plan.sigma[slot * plan.tiles + tile];
+  tc::cp_async_wait<0>();
+  __syncthreads();
+
+  // Q~ = scale * phi(q) for the warp's 16 rows, in A fragments, kept for both products
+  const int row_a = 16 * warp, ra = row_a + lane / 4, rb = ra + 8;
+  uint32_t qa[kM / 16][4];
+  const uint32_t qo = L::QTile::lane_a(row_a, lane);
+#pragma unroll
+  for (int kk = 0; kk < kM / 16; ++kk) {
+    tc::ldmatrix_x4(qa[kk], sbase + L::kQ + L::QTile::advance(qo, 0, kk * 16));
+    // qa[0], qa[1]: features f, f + 1, qa[2], qa[3]: f + 8, f + 9; 0 past M (M % 8 == 0)
+    const int f = kk * 16 + 2 * (lane % 4);
+    const float w0 = f < p.d ? p.scale : 0.f, w8 = f + 8 < p.d ? p.scale : 0.f;
+    qa[kk][0] = feature_pair<T>(qa[kk][0], p.feature_map, w0, w0);
+    qa[kk][1] = feature_pair<T>(qa[kk][1], p.feature_map, w0, w0);
+    qa[kk][2] = feature_pair<T>(qa[kk][2], p.feature_map, w8, w8);
+    qa[kk][3] = feature_pair<T>(qa[kk][3], p.feature_map, w8, w8);
+  }
+  // Q~_i . z, from the rounded Q~ the products use: this lane's columns, then the quad's sum
+  float qz_a = 0.f, qz_b = 0.f;
+  if (p.normalize) {
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) {
+      const int cl = kk * 16 + 2 * (lane % 4);
+      const float2 x0 = Ops::unpack(qa[kk][0]), x1 = Ops::unpack(qa[kk][1]);
+      const float2 x2 = Ops::unpack(qa[kk][2]), x3 = Ops::unpack(qa[kk][3]);
+      qz_a += x0.x * z[cl] + x0.y * z[cl + 1] + x2.x * z[cl + 8] + x2.y * z[cl + 9];
+      qz_b += x1.x * z[cl] + x1.y * z[cl + 1] + x3.x * z[cl + 8] + x3.y * z[cl + 9];
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      qz_a += __shfl_xor_sync(0xffffffffu, qz_a, o);
+      qz_b += __shfl_xor_sync(0xffffffffu, qz_b, o);
+    }
+  }
+
+  // O' = Q~ S_c, rows times e^{g_i} sigma
+  float acc_o[kN / 8][4];
+  zero(acc_o);
+  {
+    const uint32_t ho = L::HTile::lane_bt(0, lane);
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kN / 16; ++np) {
+        uint32_t bf[4];
+        tc::ldmatrix_x4_trans(bf, sbase + L::kH + L::HTile::advance(ho, kk * 16, np * 16));
+        tc::mma_n16<T>(acc_o[2 * np], qa[kk], bf);
+      }
+    }
+  }
+  const float ea = causal ? sc->wq[ra] : 1.f, eb = causal ? sc->wq[rb] : 1.f;
+#pragma unroll
+  for (int t = 0; t < kN / 8; ++t) {
+    acc_o[t][0] *= ea * sigma;
+    acc_o[t][1] *= ea * sigma;
+    acc_o[t][2] *= eb * sigma;
+    acc_o[t][3] *= eb * sigma;
+  }
+  float sum_a = 0.f, sum_b = 0.f;
+  if (causal) {
+    // A = Q~ K~^T over the chunk's keys; K~ = phi(k) * kmul in the B fragments
+    float acc_s[kChunk / 8][4];
+    zero(acc_s);
+    const uint32_t ko = L::QTile::lane_b(0, lane);
+    const bool fmap = p.feature_map != FeatureMap::kIdentity;
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kChunk / 16; ++np) {
+        uint32_t bf[4];
+        tc::ldmatrix_x4(bf, sbase + L::kK + L::QTile::advance(ko, np * 16, kk * 16));
+        if (fmap) {
+          // b[0..1]: key np * 16 + lane / 4, b[2..3]: 8 keys later; b[0], b[2]: features f,
+          // f + 1, b[1], b[3]: f + 8, f + 9 (0 past M: phi(0) is 1 for elu)
+          const int f = kk * 16 + 2 * (lane % 4);
+          const float m0 = sc->kmul[np * 16 + lane / 4], m1 = sc->kmul[np * 16 + 8 + lane / 4];
+          const float in0 = f < p.d ? 1.f : 0.f, in8 = f + 8 < p.d ? 1.f : 0.f;
+          bf[0] = feature_pair<T>(bf[0], p.feature_map, m0 * in0, m0 * in0);
+          bf[1] = feature_pair<T>(bf[1], p.feature_map, m0 * in8, m0 * in8);
+          bf[2] = feature_pair<T>(bf[2], p.feature_map, m1 * in0, m1 * in0);
+          bf[3] = feature_pair<T>(bf[3], p.feature_map, m1 * in8, m1 * in8);
+        }
+        tc::mma_n16<T>(acc_s[2 * np], qa[kk], bf);
+      }
+    }
+    // mask j <= i, weights e^{g_i - g_j}; the row sums feed den
+#pragma unroll
+    for (int t = 0; t < kChunk / 8; ++t) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int i = x < 2 ? ra : rb, j = acc_col(t, lane, x);
+        float val = j <= i ? acc_s[t][x] : 0.f;
+        if (decay && j <= i) val *= linear_simt::pair_weight(sc->g, sc->ep, i, j);
+        acc_s[t][x] = val;
+      }
+      sum_a += acc_s[t][0] + acc_s[t][1];
+      sum_b += acc_s[t][2] + acc_s[t][3];
+    }
+    mma_reg<T, typename L::VTile, kChunk, kN>(acc_o, acc_s, sbase + L::kV, lane);
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      sum_a += __shfl_xor_sync(0xffffffffu, sum_a, o);
+      sum_b += __shfl_xor_sync(0xffffffffu, sum_b, o);
+    }
+  }
+  const float den_a = p.normalize ? sum_a + ea * qz_a + p.eps : 1.f;
+  const float den_b = p.normalize ? sum_b + eb * qz_b + p.eps : 1.f;
+#pragma unroll
+  for (int t = 0; t < kN / 8; ++t) {
+    const int cc = acc_col(t, lane, 0);
+    if (cc >= nv) continue;
+    if (ra < n) {
+      *reinterpret_cast<uint32_t*>(oh + int64_t(ra) * p.o_row_stride + cc) =
+          Ops::pack(acc_o[t][0] / den_a, acc_o[t][1] / den_a);
+    }
+    if (rb < n) {
+      *reinterpret_cast<uint32_t*>(oh + int64_t(rb) * p.o_row_stride + cc) =
+          Ops::pack(acc_o[t][2] / den_b, acc_o[t][3] / den_b);
+    }
+  }
+  if (tile == 0 && lane % 4 == 0) {
+    if (ra < n) p.den[s.row(p, p.h, h, r0 + ra)] = den_a;
+    if (rb < n) p.den[s.row(p, p.h, h, r0 + rb)] = den_b;
+  }
+  // rows past the plan's slots (a varlen sequence longer than max_seqlen): NaN, not unwritten
+  if (c == plan.nt - 1 && s.len > r0 + kChunk) {
+    const float nan = __uint_as_float(0x7fc00000u);
+    for (int i = r0 + kChunk + tid / nv; i < s.len; i += kThreads / nv) {
+      const int cc = tid % nv;
+      if (tid < (kThreads / nv) * nv) {
+        oh[int64_t(i - r0) * p.o_row_stride + cc] = from_float<T>(nan);
+        if (tile == 0 && cc == 0) p.den[s.row(p, p.h, h, i)] = nan;
+      }
+    }
+  }
+}
+
+}  // namespace linear_tc
+}  // namespace attn
