@@ -18,11 +18,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not ops.has_ker
 LOW = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, params=["chunk_parallel", "sequential"])
+@pytest.fixture(autouse=True, params=["chunk_parallel", "sequential", "chunk_states"])
 def on_cuda(request):
-    """Every test on both schedules of the tensor-core kernels: the chunk-parallel default and the
-    sequential kernels (set_cuda_kernels(chunk_parallel=False))."""
-    old = ae.linear.set_cuda_kernels(chunk_parallel=request.param == "chunk_parallel")
+    """Every test on the three schedules of the tensor-core kernels: the chunk-parallel default,
+    the sequential kernels (set_cuda_kernels(chunk_parallel=False)) and the chunk-state forward
+    (chunk_states=True; calls whose rows are not 16-byte vectors fall back to the default)."""
+    old = ae.linear.set_cuda_kernels(chunk_parallel=request.param != "sequential",
+                                     chunk_states=request.param == "chunk_states")
     try:
         with torch.device("cuda"):
             yield

@@ -85,8 +85,8 @@ __device__ __forceinline__ void row_inputs(const Params& p, const linear_simt::S
 // whole warps). The running sum with resets is a segmented scan: element i is (reset_i, d_i)
 // with d_i = 0 on a reset row, and (a o b) = (a.f | b.f, b.f ? b.s : a.s + b.s); a butterfly
 // of xor shuffles gives each lane its inclusive prefix within the warp, the second warp adds the
-// first's total. Every thread calls it: one barrier inside, after which out->kmul is visible; the
-// other fields are written after it (visible after the caller's next barrier).
+// first's total. Every thread calls it; two barriers inside, so that every field is visible on
+// return and the partials may be written by the next call.
 __device__ __forceinline__ void chunk_scalars(const Params& p, int n, float gate, bool real, ChunkScalars* out,
                                               ScanPart* part, int tid) {
   static_assert(kChunk == 64, "two warps scan a chunk");
@@ -123,23 +123,17 @@ __device__ __forceinline__ void chunk_scalars(const Params& p, int n, float gate
   }
   __syncthreads();
   if (tid < kChunk) {
-    auto fin = [&](int i, float& gi, float& ei) {
-      gi = part->s[i];
-      ei = part->c[i];
-      if (i >= 32) {
-        if (!part->f[i]) gi += part->tot_s;
-        ei += part->tot_c;
-      }
-    };
-    float gi, ei, gc, ec;
-    fin(tid, gi, ei);
-    fin(n - 1, gc, ec);
+    // row i's inclusive prefix: the second warp's rows add the first warp's total
+    auto fin_g = [&](int i) { return part->s[i] + (i >= 32 && !part->f[i] ? part->tot_s : 0.f); };
+    auto fin_e = [&](int i) { return part->c[i] + (i >= 32 ? part->tot_c : 0.f); };
+    const float gi = fin_g(tid), ei = fin_e(tid), gc = fin_g(n - 1), ec = fin_e(n - 1);
     const bool live = tid < n;
     out->g[tid] = live ? gi : 0.f;
     out->ep[tid] = live ? ei : 0.f;
     out->wq[tid] = live && ei == 0.f ? expf(gi) : 0.f;
     out->wk[tid] = live && ei == ec ? expf(gc - gi) : 0.f;
   }
+  __syncthreads();
 }
 
 // x -> phi(x) * w for the two elements of a packed 16-bit pair (w 0: 0, whatever x is)
@@ -194,14 +188,19 @@ __device__ __forceinline__ float slab_sigma(const float (&acc)[kMT][kN / 8][4], 
   }
 }
 
+// The state kernel's pipeline: chunk c + kStages - 1's operands are copied while chunk c's product
+// runs, so that a chunk's copy has kStages - 1 products' time to arrive (one product, about half a
+// microsecond of tensor-core time per CTA, is less than a loaded HBM round trip).
+constexpr int kStages = 3;
+
 template <int kM>
 struct StateSmem {
   static_assert(kM == 64 || kM == 128, "feature-width buckets");
   using KTile = tc::SmemTile<kChunk, kM>;
   using VTile = tc::SmemTile<kChunk, kN>;
   static constexpr int kBuf = KTile::kBytes + VTile::kBytes;  // one chunk's K~ then V
-  static constexpr int kScal = 2 * kBuf;                       // ChunkScalars, double-buffered like K and V
-  static constexpr int kPart = kScal + 2 * int(sizeof(ChunkScalars));
+  static constexpr int kScal = kStages * kBuf;                 // ChunkScalars, one per stage like K and V
+  static constexpr int kPart = kScal + kStages * int(sizeof(ChunkScalars));
   static constexpr int kRed = kPart + int(sizeof(ScanPart));
   static constexpr int kBytes = kRed + kWarps * 4;
 };
@@ -220,7 +219,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
   using Ops = tc::TypeOps<T>;
   constexpr int kMT = kM / 64;  // m-tiles of 16 state rows per warp: a warp owns kM / 4 rows
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32;
+  int lane = tid % 32;  // opaque() per chunk (mma_common.cuh)
   const int c0 = tile * kN, nv = min(kN, p.dim_v - c0);
   const linear_simt::Seq s(p, b);
   ATTN_EXTERN_SMEM(smem);
@@ -288,30 +288,36 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
     copy_rows<kN>(kb + L::KTile::kBytes, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, nv, kmul, tid);
   };
 
-  // prologue: chunk 0's scalars and operands; chunk 1's raw row inputs
+  // prologue: the first kStages - 1 chunks' scalars and operands, the next chunk's row inputs
+  constexpr int kAhead = kStages - 1;
   float gate = 0.f;
   bool real = false;
-  if (nch > 0) {
-    const int n0 = min(kChunk, s.len);
-    row_inputs(p, s, h, 0, n0, tid, gate, real);
-    chunk_scalars(p, n0, gate, real, &scal[0], part, tid);
-    issue(0, 0);
-    if (nch > 1) row_inputs(p, s, h, kChunk, min(kChunk, s.len - kChunk), tid, gate, real);
+  auto chunk_rows = [&](int c) { return min(kChunk, s.len - c * kChunk); };
+  if (nch > 0) row_inputs(p, s, h, 0, chunk_rows(0), tid, gate, real);
+#pragma unroll 1
+  for (int c = 0; c < kAhead; ++c) {
+    if (c < nch) {
+      chunk_scalars(p, chunk_rows(c), gate, real, &scal[c], part, tid);
+      issue(c, c);
+      if (c + 1 < nch) row_inputs(p, s, h, (c + 1) * kChunk, chunk_rows(c + 1), tid, gate, real);
+    }
+    tc::cp_async_commit();
   }
-  tc::cp_async_commit();
-  __syncthreads();  // the scan's partials are read: the loop's first scan may write them
 
+#pragma unroll 1
   for (int c = 0; c < nch; ++c) {
-    const int r0 = c * kChunk, n = min(kChunk, s.len - r0), buf = c & 1;
-    if (c + 1 < nch) {  // chunk c + 1's scalars and operands, chunk c + 2's row inputs
-      chunk_scalars(p, min(kChunk, s.len - r0 - kChunk), gate, real, &scal[buf ^ 1], part, tid);
-      issue(c + 1, buf ^ 1);
-      if (c + 2 < nch) row_inputs(p, s, h, r0 + 2 * kChunk, min(kChunk, s.len - r0 - 2 * kChunk), tid, gate, real);
+    const int n = chunk_rows(c), buf = c % kStages;
+    lane = opaque(lane);
+    if (c + kAhead < nch) {  // chunk c + kAhead's scalars and operands, the next one's row inputs
+      const int ca = c + kAhead;
+      chunk_scalars(p, chunk_rows(ca), gate, real, &scal[ca % kStages], part, tid);
+      issue(ca, ca % kStages);
+      if (ca + 1 < nch) row_inputs(p, s, h, (ca + 1) * kChunk, chunk_rows(ca + 1), tid, gate, real);
     }
     tc::cp_async_commit();
     if (p.causal && c < plan.nt) store_slot(c);  // past nt: a sequence longer than max_seqlen
-    tc::cp_async_wait<1>();
-    __syncthreads();  // chunk c's K~, V and scalars are in
+    tc::cp_async_wait<kAhead>();
+    __syncthreads();  // chunk c's K~ and V are in
 
     const ChunkScalars& sc = scal[buf];
     if (decay) {
@@ -359,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
         for (int mt = 0; mt < kMT; ++mt) Ops::mma(accz[mt], a[mt], bones);
       }
     }
-    __syncthreads();  // buffer `buf` and scal[buf] are free for chunk c + 2
+    __syncthreads();  // buffer `buf` and scal[buf] are free for chunk c + kStages
   }
 
   if (!p.causal) store_slot(plan.nt);  // the state every non-causal output reads
