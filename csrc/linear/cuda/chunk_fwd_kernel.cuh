@@ -21,16 +21,17 @@
 //
 // The stored states are (kM, kN) 16-bit tiles per (sequence, head, slot, value tile): the same
 // rounding as the segment kernels' 16-bit copy, with fp16's power-of-2 scale sigma (mma_common.h)
-// stored beside each tile. Slot nt holds the final state (the non-causal outputs' state).
+// stored beside each tile. A final slot per sequence holds the final state (the non-causal
+// outputs' state).
 //
 // The row scalars (load_row_scalars' g, ep, wq, wk, kmul) come from a segmented scan in two
 // warps' registers (shuffles, one barrier), not from one thread's loop over the chunk: on the
 // state kernel's sequential path a 64-step loop per chunk would cost more than the product.
 //
 // Needs 16-byte rows (M, Dv, every stride a multiple of 8 elements, 16-byte aligned bases):
-// dispatch.cu routes other calls to the segment kernels. A varlen sequence longer than
-// max_seqlen (not checked on CUDA: the offsets live on the device) gets NaN past the slots the
-// plan has, never a row left unwritten.
+// dispatch.cu routes other calls to the segment kernels. The state slots of a varlen pack are
+// laid out by position in the pack (ChunkPlan), so a sequence longer than max_seqlen (unchecked
+// on CUDA: the offsets live on the device) is still computed whole.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,16 +47,23 @@
 namespace attn {
 namespace linear_tc {
 
-// The chunk-state forward's scratch (dispatch.cu carves it): per (sequence, head) nt + 1 slots,
-// slot c < nt the state entering chunk c, slot nt the final state.
+// The chunk-state forward's scratch (dispatch.cu carves it). Per head, the chunk slots then one
+// final-state slot per sequence; sequence b's chunk c is slot base_b + c, base_b = b nt for a
+// batch, and floor(row0_b / kChunk) + b for a varlen pack (total / kChunk + nb chunk slots hold
+// every sequence whatever max_seqlen says: sum over b' < b of ceil(len / kChunk) <= that base).
 struct ChunkPlan {
-  int nt = 1;     // chunk slots per sequence: ceil(max_seqlen / kChunk)
-  int tiles = 1;  // value tiles of kN columns
-  void* h = nullptr;        // (nb, H, nt + 1, tiles, kM, kN) T: S / sigma
-  float* z = nullptr;       // (nb, H, nt + 1, kM): the normalizer state (normalize only)
-  float* sigma = nullptr;   // (nb, H, nt + 1, tiles)
-  __device__ int64_t slot(const Params& p, int b, int h, int c) const {
-    return (int64_t(b) * p.h + h) * (nt + 1) + c;
+  int nt = 1;              // chunks per sequence of the output grid: ceil(max_seqlen / kChunk)
+  int tiles = 1;           // value tiles of kN columns
+  int64_t chunk_slots = 0;  // chunk slots per head; then nb final slots
+  void* h = nullptr;       // (H, chunk_slots + nb, tiles, kM, kN) T: S / sigma
+  float* z = nullptr;      // (H, chunk_slots + nb, kM): the normalizer state (normalize only)
+  float* sigma = nullptr;  // (H, chunk_slots + nb, tiles)
+  __device__ int64_t slot(const Params& p, const linear_simt::Seq& s, int b, int h, int c) const {
+    const int64_t base = p.cu_seqlens != nullptr ? s.row0 / kChunk + b : int64_t(b) * nt;
+    return int64_t(h) * (chunk_slots + p.b) + base + c;
+  }
+  __device__ int64_t final_slot(const Params& p, int b, int h) const {
+    return int64_t(h) * (chunk_slots + p.b) + chunk_slots + b;
   }
 };
 
@@ -258,10 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
   const uint32_t ones = lane / 4 == 0 ? Ops::pack(1.f, 1.f) : 0u;
   const uint32_t bones[2] = {ones, ones};
 
-  // the slab (scaled to 16 bits) into slot c: the state entering chunk c
+  // the slab (scaled to 16 bits) into a slot: the state entering chunk c, or (c < 0) the final
   auto store_slot = [&](int c) {
     const float sigma = slab_sigma<T, kMT>(acc, red), inv = 1.f / sigma;
-    const int64_t slot = plan.slot(p, b, h, c);
+    const int64_t slot = c >= 0 ? plan.slot(p, s, b, h, c) : plan.final_slot(p, b, h);
     T* hs = static_cast<T*>(plan.h) + (slot * plan.tiles + tile) * (kM * kN);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -315,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
       if (ca + 1 < nch) row_inputs(p, s, h, (ca + 1) * kChunk, chunk_rows(ca + 1), tid, gate, real);
     }
     tc::cp_async_commit();
-    if (p.causal && c < plan.nt) store_slot(c);  // past nt: a sequence longer than max_seqlen
+    if (p.causal) store_slot(c);
     tc::cp_async_wait<kAhead>();
     __syncthreads();  // chunk c's K~ and V are in
 
@@ -368,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
     __syncthreads();  // buffer `buf` and scal[buf] are free for chunk c + kStages
   }
 
-  if (!p.causal) store_slot(plan.nt);  // the state every non-causal output reads
+  if (!p.causal) store_slot(-1);  // the state every non-causal output reads
   float* fin = state_at(p.final_state, p, b, h);
   if (fin != nullptr) {
 #pragma unroll
@@ -406,25 +414,27 @@ template <typename T, int kM>
 __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, const ChunkPlan plan) {
   using L = OutSmem<kM>;
   using Ops = tc::TypeOps<T>;
-  const int tile = int(blockIdx.x) % plan.tiles, c = int(blockIdx.x) / plan.tiles;
+  const int tile = int(blockIdx.x) % plan.tiles, c_first = int(blockIdx.x) / plan.tiles;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int c0 = tile * kN, nv = min(kN, p.dim_v - c0);
   const linear_simt::Seq s(p, b);
-  const int r0 = c * kChunk;
-  if (r0 >= s.len) return;  // the whole CTA: a varlen sequence shorter than the plan's
-  const int n = min(kChunk, s.len - r0);
   ATTN_EXTERN_SMEM(smem);
   const uint32_t sbase = tc::smem_u32(smem);
   float* z = reinterpret_cast<float*>(smem + L::kZ);
   ChunkScalars* sc = reinterpret_cast<ChunkScalars*>(smem + L::kScal);
   ScanPart* part = reinterpret_cast<ScanPart*>(smem + L::kPart);
+  // chunks c_first, c_first + nt, ...: one, unless a varlen sequence is longer than max_seqlen
+  // (unchecked on CUDA); none for a shorter one
+#pragma unroll 1
+  for (int c = c_first; int64_t(c) * kChunk < s.len; c += plan.nt) {
+  const int r0 = c * kChunk, n = min(kChunk, s.len - r0);
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, r0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, r0, p.k_row_stride);
   const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, r0, p.v_row_stride) + c0;
   T* oh = static_cast<T*>(p.o) + s.off(p.o_batch_stride, h, p.o_head_stride, r0, p.o_row_stride) + c0;
   const bool causal = p.causal, decay = p.decay != nullptr, masked = p.key_mask != nullptr;
-  const int64_t slot = plan.slot(p, b, h, causal ? c : plan.nt);
+  const int64_t slot = causal ? plan.slot(p, s, b, h, c) : plan.final_slot(p, b, h);
 
   // operands: Q, the state and z at once; K and V too unless a key mask decides which rows to read
   copy_rows<kM>(sbase + L::kQ, qh, p.q_row_stride, n, p.d, nullptr, tid);
@@ -581,16 +591,7 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, con
     if (ra < n) p.den[s.row(p, p.h, h, r0 + ra)] = den_a;
     if (rb < n) p.den[s.row(p, p.h, h, r0 + rb)] = den_b;
   }
-  // rows past the plan's slots (a varlen sequence longer than max_seqlen): NaN, not unwritten
-  if (c == plan.nt - 1 && s.len > r0 + kChunk) {
-    const float nan = __uint_as_float(0x7fc00000u);
-    for (int i = r0 + kChunk + tid / nv; i < s.len; i += kThreads / nv) {
-      const int cc = tid % nv;
-      if (tid < (kThreads / nv) * nv) {
-        oh[int64_t(i - r0) * p.o_row_stride + cc] = from_float<T>(nan);
-        if (tile == 0 && cc == 0) p.den[s.row(p, p.h, h, i)] = nan;
-      }
-    }
+  __syncthreads();  // the next chunk's copies overwrite the tiles
   }
 }
 

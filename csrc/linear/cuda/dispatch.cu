@@ -119,7 +119,8 @@ linear_tc::ChunkPlan chunk_plan(const LinearParamsT<float>& p, float* scratch, s
   linear_tc::ChunkPlan plan;
   plan.nt = int(std::max<int64_t>(1, (int64_t(p.sq) + linear_simt::kChunk - 1) / linear_simt::kChunk));
   plan.tiles = value_tiles_tc(p);
-  const int64_t slots = int64_t(p.b) * p.h * (plan.nt + 1), km = feature_bucket(p);
+  plan.chunk_slots = p.cu_seqlens != nullptr ? p.seq_head_stride / linear_simt::kChunk + p.b : int64_t(p.b) * plan.nt;
+  const int64_t slots = int64_t(p.h) * (plan.chunk_slots + p.b), km = feature_bucket(p);
   const int64_t h_floats = slots * plan.tiles * km * linear_tc::kN / 2, z_floats = slots * km;
   if (floats != nullptr) *floats = size_t(h_floats + z_floats + slots * plan.tiles);
   if (scratch != nullptr) {
