@@ -789,10 +789,12 @@ def check_counts() -> List[str]:
     for case in [dict(s=200, m=64, dv=64, causal=True, seg=0), dict(s=200, m=64, dv=64, causal=True, seg=2),
                  dict(s=130, m=128, dv=128, causal=True, seg=1), dict(s=130, m=100, dv=72, causal=False, seg=2),
                  dict(s=200, m=64, dv=64, causal=True, seg=1, states=True)]:
-        for bwd in ((False,) if case.get("states") else (False, True)):
+        for bwd in (False, True):
             got = count_mma_flops(**case, bwd=bwd)
             want = expected_bwd_mma_flops(**case) if bwd else expected_mma_flops(**case)
             names = (["bwd", "finalize dq", "finalize dk", "finalize dv"] if case["seg"] == 0 else
+                     ["states", "reverse states", "gradients", "finalize dq", "finalize dk", "finalize dv"]
+                     if case.get("states") else
                      ["fwd state", "scan", "bwd U", "reverse scan", "bwd dQ", "bwd dK dV", "finalize dq", "finalize dk",
                       "finalize dv"]) if bwd else (["seq"] if case["seg"] == 0 else ["states", "out"] if case.get("states")
                                                    else ["state", "scan", "out"])
@@ -827,13 +829,17 @@ def expected_mma_flops(s, m, dv, causal, seg, b=1, h=2, states=False) -> List[fl
     return [state, 0.0, out]
 
 
-def expected_bwd_mma_flops(s, m, dv, causal, seg, b=1, h=2) -> List[float]:
+def expected_bwd_mma_flops(s, m, dv, causal, seg, b=1, h=2, states=False) -> List[float]:
     """The mma flops of each launch of the backward in count_mma_flops(..., bwd=True): seg 0 the
-    sequential kernel then the three conversions; else the chunk-parallel launches."""
+    sequential kernel then the three conversions; else the chunk-parallel launches; states: the
+    chunk-state backward (unnormalized: no prep launch, no z tile): the state walk, the reverse
+    walk, the gradients, the conversions."""
     tiles = math.ceil(dv / KN)
     chunks = math.ceil(s / CHUNK)
     n = tiles * b * h
     f = linear_bwd_chunk_mma_flops(m, causal=causal)
+    if states:
+        return [n * chunks * f["update"], n * chunks * f["update"], n * chunks * (f["dq"] + f["dkv"]), 0.0, 0.0, 0.0]
     if seg == 0:
         return [n * chunks * (f["dq"] + f["dkv"] + 2 * f["update"]), 0.0, 0.0, 0.0]
     n_seg = math.ceil(chunks / seg)

@@ -102,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cu
   // fp32 accumulators the kernels add into (entry.h): zeroed, never poisoned
   const LinearCudaKernels kern = dev.linear_kernels();  // one snapshot sizes and launches
   at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p, dt, kern))}, q.options().dtype(at::kFloat));
+  dev.reads({&q, &k, &v, &dout, &scratch});
   run_backend<Device>([&] { dev.linear_bwd(p, dt, kern, scratch.data_ptr<float>()); });
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }

@@ -461,8 +461,7 @@ def test_cost_report_counts(emu, case):
     gpu_cost = sys.modules.setdefault("gpu_cost", importlib.util.module_from_spec(spec))  # dataclasses need it there
     spec.loader.exec_module(gpu_cost)
     assert count_mma_flops(**case) == gpu_cost.expected_mma_flops(**case)
-    bwd_case = {k: v for k, v in case.items() if k != "states"}  # the backward has no chunk-state form
-    assert count_mma_flops(**case, bwd=True) == gpu_cost.expected_bwd_mma_flops(**bwd_case)
+    assert count_mma_flops(**case, bwd=True) == gpu_cost.expected_bwd_mma_flops(**case)
 
 
 # ------------------------------------------------------------------ the recurrent step

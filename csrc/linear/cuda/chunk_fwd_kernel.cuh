@@ -58,6 +58,11 @@ struct ChunkPlan {
   void* h = nullptr;       // (H, chunk_slots + nb, tiles, kM, kN) T: S / sigma
   float* z = nullptr;      // (H, chunk_slots + nb, kM): the normalizer state (normalize only)
   float* sigma = nullptr;  // (H, chunk_slots + nb, tiles)
+  // the backward only (null in the forward): per row of q (den's indexing) 1 / den and dn =
+  // -(dout . out) / den (chunk_prep_kernel), and the dG scratch the state walk adds <dS_T, S_T> to
+  const float* inv = nullptr;
+  const float* dn = nullptr;
+  float* dg = nullptr;
   __device__ int64_t slot(const Params& p, const linear_simt::Seq& s, int b, int h, int c) const {
     const int64_t base = p.cu_seqlens != nullptr ? s.row0 / kChunk + b : int64_t(b) * nt;
     return int64_t(h) * (chunk_slots + p.b) + base + c;
@@ -70,6 +75,7 @@ struct ChunkPlan {
 // The chunk's row scalars (load_row_scalars' meaning) and the scan's partial results.
 struct ChunkScalars {
   float g[kChunk], ep[kChunk], wq[kChunk], wk[kChunk], kmul[kChunk];
+  float inv[kChunk], dn[kChunk];  // the backward's 1 / den and dn (1 and 0 without normalize)
 };
 struct ScanPart {
   float s[kChunk], c[kChunk];
@@ -78,15 +84,24 @@ struct ScanPart {
 };
 
 // Row tid's raw inputs of the chunk at r0 (threads tid < kChunk): its log-gate (0 without decay
-// or past n) and whether it is a real key.
-__device__ __forceinline__ void row_inputs(const Params& p, const linear_simt::Seq& s, int h, int r0, int n, int tid,
-                                           float& gate, bool& real) {
-  gate = 0.f;
-  real = false;
+// or past n), whether it is a real key, and (the backward) its 1 / den and dn.
+struct RowIn {
+  float gate = 0.f, inv = 1.f, dn = 0.f;
+  bool real = false;
+};
+__device__ __forceinline__ RowIn row_inputs(const Params& p, const ChunkPlan& plan, const linear_simt::Seq& s, int h,
+                                            int r0, int n, int tid) {
+  RowIn in;
   if (tid < kChunk && tid < n) {
-    if (p.decay != nullptr) gate = p.decay[s.row(p, p.h, h, r0 + tid)];
-    real = p.key_mask == nullptr || p.key_mask[int64_t(s.bt) * p.key_mask_batch_stride + s.row0 + r0 + tid] != 0;
+    const int64_t row = s.row(p, p.h, h, r0 + tid);
+    if (p.decay != nullptr) in.gate = p.decay[row];
+    in.real = p.key_mask == nullptr || p.key_mask[int64_t(s.bt) * p.key_mask_batch_stride + s.row0 + r0 + tid] != 0;
+    if (plan.inv != nullptr) {
+      in.inv = plan.inv[row];
+      in.dn = plan.dn[row];
+    }
   }
+  return in;
 }
 
 // The chunk's scalars into *out from each row's (gate, real) held by threads tid < kChunk (two
@@ -95,9 +110,10 @@ __device__ __forceinline__ void row_inputs(const Params& p, const linear_simt::S
 // of xor shuffles gives each lane its inclusive prefix within the warp, the second warp adds the
 // first's total. Every thread calls it; two barriers inside, so that every field is visible on
 // return and the partials may be written by the next call.
-__device__ __forceinline__ void chunk_scalars(const Params& p, int n, float gate, bool real, ChunkScalars* out,
+__device__ __forceinline__ void chunk_scalars(const Params& p, int n, const RowIn& in, ChunkScalars* out,
                                               ScanPart* part, int tid) {
   static_assert(kChunk == 64, "two warps scan a chunk");
+  const float gate = in.gate;
   if (tid < kChunk) {
     const int lane = tid % 32;
     const bool reset = tid < n && p.decay != nullptr && gate <= linear_simt::kResetGate;
@@ -127,7 +143,9 @@ __device__ __forceinline__ void chunk_scalars(const Params& p, int n, float gate
       part->tot_s = ts;
       part->tot_c = tc;
     }
-    out->kmul[tid] = real ? 1.f : 0.f;
+    out->kmul[tid] = in.real ? 1.f : 0.f;
+    out->inv[tid] = tid < n ? in.inv : 0.f;
+    out->dn[tid] = tid < n ? in.dn : 0.f;
   }
   __syncthreads();
   if (tid < kChunk) {
@@ -220,9 +238,17 @@ __device__ __forceinline__ uint32_t lane_kt(int m0, int j0, int lane) {
   return KTile::offset(j0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3));
 }
 
-// grid (value tiles, H, B), kThreads threads, StateSmem<kM>::kBytes bytes.
-template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p, const ChunkPlan plan) {
+// The state walk of one CTA (value tile, head, sequence), both directions:
+//   forward (kReverse false): S from the initial state, ascending; per chunk S <- e^{gC} S +
+//     (w K~)^T V with w = wk * kmul, z <- e^{gC} z + (w K~)^T 1; slot c gets S entering chunk c;
+//     the final state to p.final_state; in the backward (plan.dg), dG_T += <dS_T, S_T>.
+//   reverse (kReverse, the backward's dS): D from dS_T, descending; per chunk D <- e^{gC} D +
+//     (wq Q~)^T dO' with dO' = dout / den, Dz <- e^{gC} Dz + (wq Q~)^T dn; slot c gets D at chunk
+//     c's end; D_0 to p.dinit_state.
+// X is the (kChunk, kM) feature operand (K or q), Y the (kChunk, kN) value one (V or dout).
+// Non-causal: no decay, the slots unused; the final slot gets the state past the last chunk.
+template <typename T, int kM, bool kReverse, typename P>
+__device__ __forceinline__ void state_walk(const P& p, const ChunkPlan& plan) {
   using L = StateSmem<kM>;
   using Ops = tc::TypeOps<T>;
   constexpr int kMT = kM / 64;  // m-tiles of 16 state rows per warp: a warp owns kM / 4 rows
@@ -236,18 +262,35 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
   ChunkScalars* scal = reinterpret_cast<ChunkScalars*>(smem + L::kScal);
   ScanPart* part = reinterpret_cast<ScanPart*>(smem + L::kPart);
   float* red = reinterpret_cast<float*>(smem + L::kRed);
-  const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
-  const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride) + c0;
+  const T* xh;
+  const T* yh;
+  int64_t xs, ys;
+  if constexpr (kReverse) {
+    xh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, 0, p.q_row_stride);
+    yh = static_cast<const T*>(p.dout) + s.off(p.do_batch_stride, h, p.do_head_stride, 0, p.do_row_stride) + c0;
+    xs = p.q_row_stride;
+    ys = p.do_row_stride;
+  } else {
+    xh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, 0, p.k_row_stride);
+    yh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, 0, p.v_row_stride) + c0;
+    xs = p.k_row_stride;
+    ys = p.v_row_stride;
+  }
   const int nch = (s.len + kChunk - 1) / kChunk;
   const bool with_z = p.normalize && tile == 0;
   const bool decay = p.causal && p.decay != nullptr;
-  // identity features, no decay, no mask: every weight is 1 and the rows past n are zero-filled
-  const bool plain = p.feature_map == FeatureMap::kIdentity && p.decay == nullptr && p.key_mask == nullptr;
+  // forward, identity features, no decay, no mask: every weight is 1, rows past n zero-filled
+  const bool plain = !kReverse && p.feature_map == FeatureMap::kIdentity && p.decay == nullptr && p.key_mask == nullptr;
   const int mrow0 = warp * (kM / 4);
 
-  // the state slab in accumulators: element x of n-tile t of m-tile mt is (acc_row, acc_col)
+  // the slab in accumulators: element x of n-tile t of m-tile mt is (acc_row, acc_col)
   float acc[kMT][kN / 8][4], accz[kMT][4];
-  const float* init = state_at(p.init_state, p, b, h);
+  const float* init;
+  if constexpr (kReverse) {
+    init = state_at(p.dfinal_state, p, b, h);
+  } else {
+    init = state_at(p.init_state, p, b, h);
+  }
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -262,11 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
       }
     }
   }
-  // the B fragment of a column of ones (n = 0): z = K~^T w rides as one more n-tile
-  const uint32_t ones = lane / 4 == 0 ? Ops::pack(1.f, 1.f) : 0u;
-  const uint32_t bones[2] = {ones, ones};
 
-  // the slab (scaled to 16 bits) into a slot: the state entering chunk c, or (c < 0) the final
+  // the slab (scaled to 16 bits) into a slot: chunk c's (see above), or (c < 0) the final one
   auto store_slot = [&](int c) {
     const float sigma = slab_sigma<T, kMT>(acc, red), inv = 1.f / sigma;
     const int64_t slot = c >= 0 ? plan.slot(p, s, b, h, c) : plan.final_slot(p, b, h);
@@ -288,44 +328,47 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
     if (tid == 0) plan.sigma[slot * plan.tiles + tile] = sigma;
   };
 
+  // chunk c's operands into stage buf: X rows [0, n) (K: real keys only), Y's likewise
   auto issue = [&](int c, int buf) {
     const int r0 = c * kChunk, n = min(kChunk, s.len - r0);
-    const uint32_t kb = sbase + buf * L::kBuf;
-    const float* kmul = scal[buf].kmul;
-    copy_rows<kM>(kb, kh + int64_t(r0) * p.k_row_stride, p.k_row_stride, n, p.d, kmul, tid);
-    copy_rows<kN>(kb + L::KTile::kBytes, vh + int64_t(r0) * p.v_row_stride, p.v_row_stride, n, nv, kmul, tid);
+    const uint32_t xb = sbase + buf * L::kBuf;
+    const float* kmul = kReverse ? nullptr : scal[buf].kmul;
+    copy_rows<kM>(xb, xh + int64_t(r0) * xs, xs, n, p.d, kmul, tid);
+    copy_rows<kN>(xb + L::KTile::kBytes, yh + int64_t(r0) * ys, ys, n, nv, kmul, tid);
   };
 
+  // the walk's i-th chunk (descending in reverse)
+  auto chunk_at = [&](int i) { return kReverse ? nch - 1 - i : i; };
+  auto chunk_rows = [&](int c) { return min(kChunk, s.len - c * kChunk); };
   // prologue: the first kStages - 1 chunks' scalars and operands, the next chunk's row inputs
   constexpr int kAhead = kStages - 1;
-  float gate = 0.f;
-  bool real = false;
-  auto chunk_rows = [&](int c) { return min(kChunk, s.len - c * kChunk); };
-  if (nch > 0) row_inputs(p, s, h, 0, chunk_rows(0), tid, gate, real);
+  RowIn in;
+  if (nch > 0) in = row_inputs(p, plan, s, h, chunk_at(0) * kChunk, chunk_rows(chunk_at(0)), tid);
 #pragma unroll 1
-  for (int c = 0; c < kAhead; ++c) {
-    if (c < nch) {
-      chunk_scalars(p, chunk_rows(c), gate, real, &scal[c], part, tid);
-      issue(c, c);
-      if (c + 1 < nch) row_inputs(p, s, h, (c + 1) * kChunk, chunk_rows(c + 1), tid, gate, real);
+  for (int i = 0; i < kAhead; ++i) {
+    if (i < nch) {
+      const int c = chunk_at(i);
+      chunk_scalars(p, chunk_rows(c), in, &scal[i], part, tid);
+      issue(c, i);
+      if (i + 1 < nch) in = row_inputs(p, plan, s, h, chunk_at(i + 1) * kChunk, chunk_rows(chunk_at(i + 1)), tid);
     }
     tc::cp_async_commit();
   }
 
 #pragma unroll 1
-  for (int c = 0; c < nch; ++c) {
-    const int n = chunk_rows(c), buf = c % kStages;
+  for (int i = 0; i < nch; ++i) {
+    const int c = chunk_at(i), n = chunk_rows(c), buf = i % kStages;
     lane = opaque(lane);
-    if (c + kAhead < nch) {  // chunk c + kAhead's scalars and operands, the next one's row inputs
-      const int ca = c + kAhead;
-      chunk_scalars(p, chunk_rows(ca), gate, real, &scal[ca % kStages], part, tid);
-      issue(ca, ca % kStages);
-      if (ca + 1 < nch) row_inputs(p, s, h, (ca + 1) * kChunk, chunk_rows(ca + 1), tid, gate, real);
+    if (i + kAhead < nch) {  // walk step i + kAhead's scalars and operands, the next one's row inputs
+      const int ia = i + kAhead, ca = chunk_at(ia);
+      chunk_scalars(p, chunk_rows(ca), in, &scal[ia % kStages], part, tid);
+      issue(ca, ia % kStages);
+      if (ia + 1 < nch) in = row_inputs(p, plan, s, h, chunk_at(ia + 1) * kChunk, chunk_rows(chunk_at(ia + 1)), tid);
     }
     tc::cp_async_commit();
     if (p.causal) store_slot(c);
     tc::cp_async_wait<kAhead>();
-    __syncthreads();  // chunk c's K~ and V are in
+    __syncthreads();  // the chunk's X and Y are in
 
     const ChunkScalars& sc = scal[buf];
     if (decay) {
@@ -339,22 +382,27 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
           for (int t = 0; t < kN / 8; ++t) acc[mt][t][x] *= egc;
         }
     }
-    // S += (w K~)^T V, w = wk * kmul; z += (w K~)^T 1
-    const uint32_t kb = sbase + buf * L::kBuf, vb = kb + L::KTile::kBytes;
-    const uint32_t vo = L::VTile::lane_bt(0, lane);
+    // acc += (w X~)^T Y', accz += (w X~)^T z' with z' = 1 (forward) or dn (reverse)
+    const uint32_t xb = sbase + buf * L::kBuf, yb = xb + L::KTile::kBytes;
+    const uint32_t yo = L::VTile::lane_bt(0, lane);
 #pragma unroll
     for (int kk = 0; kk < kChunk / 16; ++kk) {
+      const int j = kk * 16 + 2 * (lane % 4);  // a[0], a[1]: chunk rows j, j + 1; a[2], a[3]: j + 8, j + 9
       uint32_t a[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        tc::ldmatrix_x4_trans(a[mt], kb + lane_kt<typename L::KTile>(mrow0 + 16 * mt, kk * 16, lane));
+        tc::ldmatrix_x4_trans(a[mt], xb + lane_kt<typename L::KTile>(mrow0 + 16 * mt, kk * 16, lane));
         if (!plain) {
-          // a[0], a[2]: feature row f, a[1], a[3]: f + 8 (0 past M: phi(0) is 1 for elu);
-          // a[0], a[1]: chunk rows j, j + 1, a[2], a[3]: j + 8, j + 9
-          const int j = kk * 16 + 2 * (lane % 4), f = mrow0 + 16 * mt + lane / 4;
+          // a[0], a[2]: feature row f, a[1], a[3]: f + 8 (0 past M: phi(0) is 1 for elu)
+          const int f = mrow0 + 16 * mt + lane / 4;
           const float in0 = f < p.d ? 1.f : 0.f, in8 = f + 8 < p.d ? 1.f : 0.f;
-          const float w0 = sc.wk[j] * sc.kmul[j], w1 = sc.wk[j + 1] * sc.kmul[j + 1];
-          const float w8 = sc.wk[j + 8] * sc.kmul[j + 8], w9 = sc.wk[j + 9] * sc.kmul[j + 9];
+          float w0, w1, w8, w9;
+          if constexpr (kReverse) {  // wq Q~ = wq * scale * phi(q); wq is 0 past n (and 1 without decay)
+            w0 = sc.wq[j] * p.scale, w1 = sc.wq[j + 1] * p.scale, w8 = sc.wq[j + 8] * p.scale, w9 = sc.wq[j + 9] * p.scale;
+          } else {  // wk K~ = wk * kmul * phi(k)
+            w0 = sc.wk[j] * sc.kmul[j], w1 = sc.wk[j + 1] * sc.kmul[j + 1];
+            w8 = sc.wk[j + 8] * sc.kmul[j + 8], w9 = sc.wk[j + 9] * sc.kmul[j + 9];
+          }
           a[mt][0] = feature_pair<T>(a[mt][0], p.feature_map, w0 * in0, w1 * in0);
           a[mt][1] = feature_pair<T>(a[mt][1], p.feature_map, w0 * in8, w1 * in8);
           a[mt][2] = feature_pair<T>(a[mt][2], p.feature_map, w8 * in0, w9 * in0);
@@ -364,20 +412,42 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
 #pragma unroll
       for (int np = 0; np < kN / 16; ++np) {
         uint32_t bf[4];
-        tc::ldmatrix_x4_trans(bf, vb + L::VTile::advance(vo, kk * 16, np * 16));
+        tc::ldmatrix_x4_trans(bf, yb + L::VTile::advance(yo, kk * 16, np * 16));
+        if constexpr (kReverse) {  // dO' = dout / den: b[0], b[2] rows j, j + 1; b[1], b[3] rows j + 8, j + 9
+          const float i0 = sc.inv[j], i1 = sc.inv[j + 1], i8 = sc.inv[j + 8], i9 = sc.inv[j + 9];
+          bf[0] = feature_pair<T>(bf[0], FeatureMap::kIdentity, i0, i1);
+          bf[2] = feature_pair<T>(bf[2], FeatureMap::kIdentity, i0, i1);
+          bf[1] = feature_pair<T>(bf[1], FeatureMap::kIdentity, i8, i9);
+          bf[3] = feature_pair<T>(bf[3], FeatureMap::kIdentity, i8, i9);
+        }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) tc::mma_n16<T>(acc[mt][2 * np], a[mt], bf);
       }
       if (with_z) {
+        // the z column's B fragment (n = 0: lanes 0-3): 1 in the forward, dn in reverse
+        uint32_t bz[2] = {0u, 0u};
+        if (lane / 4 == 0) {
+          if constexpr (kReverse) {
+            bz[0] = Ops::pack(sc.dn[j], sc.dn[j + 1]);
+            bz[1] = Ops::pack(sc.dn[j + 8], sc.dn[j + 9]);
+          } else {
+            bz[0] = bz[1] = Ops::pack(1.f, 1.f);
+          }
+        }
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) Ops::mma(accz[mt], a[mt], bones);
+        for (int mt = 0; mt < kMT; ++mt) Ops::mma(accz[mt], a[mt], bz);
       }
     }
-    __syncthreads();  // buffer `buf` and scal[buf] are free for chunk c + kStages
+    __syncthreads();  // stage `buf` and scal[buf] are free for walk step i + kStages
   }
 
-  if (!p.causal) store_slot(-1);  // the state every non-causal output reads
-  float* fin = state_at(p.final_state, p, b, h);
+  if (!p.causal) store_slot(-1);  // the state every non-causal output (or gradient) reads
+  float* fin;
+  if constexpr (kReverse) {
+    fin = state_at(p.dinit_state, p, b, h);
+  } else {
+    fin = state_at(p.final_state, p, b, h);
+  }
   if (fin != nullptr) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -394,6 +464,48 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p
       }
     }
   }
+  if constexpr (!kReverse && std::is_same_v<P, BwdParams>) {
+    // the backward's dG_T += <dS_T, S_T>: this tile's columns (and, tile 0, the normalizer)
+    if (plan.dg != nullptr && s.len > 0) {
+      const float* dfin = state_at(p.dfinal_state, p, b, h);
+      if (dfin != nullptr) {
+        float part_sum = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int r = acc_row(mrow0 + 16 * mt, lane, x);
+            if (r >= p.d) continue;
+#pragma unroll
+            for (int t = 0; t < kN / 8; ++t) {
+              const int cc = acc_col(t, lane, x);
+              if (cc < nv) part_sum += acc[mt][t][x] * dfin[int64_t(r) * p.dim_v_aug + c0 + cc];
+            }
+            if (with_z && lane % 4 == 0 && (x & 1) == 0) part_sum += accz[mt][x] * dfin[int64_t(r) * p.dim_v_aug + p.dim_v];
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) part_sum += __shfl_xor_sync(0xffffffffu, part_sum, o);
+        if (lane == 0) atomicAdd(plan.dg + s.row(p, p.h, h, s.len - 1), part_sum);
+      }
+    }
+  }
+}
+
+// The forward's state walk (and the backward's recomputation of it: plan.dg set, p a
+// LinearBwdParamsT). grid (value tiles, H, B), kThreads threads, StateSmem<kM>::kBytes bytes.
+template <typename T, int kM>
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_kernel(const Params p, const ChunkPlan plan) {
+  state_walk<T, kM, false>(p, plan);
+}
+template <typename T, int kM>
+__global__ void __launch_bounds__(kThreads, 1) chunk_state_bwd_kernel(const BwdParams p, const ChunkPlan plan) {
+  state_walk<T, kM, false>(p, plan);
+}
+// The backward's reverse state walk (dS). Same grid and shared memory.
+template <typename T, int kM>
+__global__ void __launch_bounds__(kThreads, 1) chunk_rev_kernel(const BwdParams p, const ChunkPlan plan) {
+  state_walk<T, kM, true>(p, plan);
 }
 
 template <int kM>
@@ -455,10 +567,8 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, con
     copy_rows<kN>(sbase + L::kV, vh, p.v_row_stride, n, nv, nullptr, tid);
   }
   if (causal) {  // a non-causal output needs no row scalar: the state has the key mask
-    float gate;
-    bool real;
-    row_inputs(p, s, h, r0, n, tid, gate, real);
-    chunk_scalars(p, n, gate, real, sc, part, tid);
+    const RowIn in = row_inputs(p, plan, s, h, r0, n, tid);
+    chunk_scalars(p, n, in, sc, part, tid);
   }
   if (causal && masked) {
     copy_rows<kM>(sbase + L::kK, kh, p.k_row_stride, n, p.d, sc->kmul, tid);

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "cuda/launch.h"
+#include "linear/cuda/chunk_bwd_kernel.cuh"
 #include "linear/cuda/chunk_fwd_kernel.cuh"
 #include "linear/cuda/entry.h"
 #include "linear/cuda/mma_bwd_kernel.cuh"
@@ -112,6 +113,13 @@ bool use_chunk_states(const LinearParamsT<float>& p, const LinearCudaKernels& k)
          st(p.v_batch_stride, p.v_head_stride, p.v_row_stride) && st(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
 }
 
+// The chunk-state backward: the forward's rule and dout's rows as 16-byte vectors too.
+bool use_chunk_states(const LinearBwdParamsT<float>& p, const LinearCudaKernels& k) {
+  const LinearParamsT<float>& fp = p;
+  return use_chunk_states(fp, k) && (reinterpret_cast<uintptr_t>(p.dout) & 15) == 0 && p.do_batch_stride % 8 == 0 &&
+         p.do_head_stride % 8 == 0 && p.do_row_stride % 8 == 0;
+}
+
 int feature_bucket(const LinearParamsT<float>& p) { return p.d <= 64 ? 64 : 128; }
 
 // The chunk-state scratch: the 16-bit states (two per float), then z, then sigma (ChunkPlan).
@@ -122,7 +130,8 @@ linear_tc::ChunkPlan chunk_plan(const LinearParamsT<float>& p, float* scratch, s
   plan.chunk_slots = p.cu_seqlens != nullptr ? p.seq_head_stride / linear_simt::kChunk + p.b : int64_t(p.b) * plan.nt;
   const int64_t slots = int64_t(p.h) * (plan.chunk_slots + p.b), km = feature_bucket(p);
   const int64_t h_floats = slots * plan.tiles * km * linear_tc::kN / 2, z_floats = slots * km;
-  if (floats != nullptr) *floats = size_t(h_floats + z_floats + slots * plan.tiles);
+  // a multiple of 4 floats, so that a plan carved after this one keeps its states 16-byte aligned
+  if (floats != nullptr) *floats = size_t((h_floats + z_floats + slots * plan.tiles + 3) / 4 * 4);
   if (scratch != nullptr) {
     plan.h = scratch;
     plan.z = scratch + h_floats;
@@ -223,12 +232,64 @@ void run_bwd_simt(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratc
 
 // fp16 / bf16 only (TypeOps); M <= kM. seg_scratch: the chunk-parallel backward's segment
 // states (carve_plan), or null for the sequential kernel.
+// The chunk-state backward's scratch after the atomics' (entry.h): the forward states' plan, the
+// reverse states' plan, then (normalize) 1 / den and dn per row of q.
+size_t chunk_bwd_scratch_floats(const LinearBwdParamsT<float>& p) {
+  size_t plan_floats = 0;
+  chunk_plan(p, nullptr, &plan_floats);
+  return 4 + 2 * plan_floats + (p.normalize ? 2 * size_t(scratch_rows(p, p.h)) : 0);  // 4: to align the start
+}
+
+template <typename T, int kM>
+void run_bwd_chunk_states(const LinearBwdParamsT<float>& p, const linear_simt::BwdScratch& sc, float* scratch,
+                          cudaStream_t stream) {
+  const char* what = "attention_ext.linear (CUDA chunk-state backward)";
+  // the atomics' scratch before this part has any length: the states need 16-byte alignment
+  scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 15) & ~uintptr_t(15));
+  size_t plan_floats = 0;
+  linear_tc::ChunkPlan sp = chunk_plan(p, scratch, &plan_floats);
+  linear_tc::ChunkPlan up = chunk_plan(p, scratch + plan_floats, nullptr);
+  if (int64_t(sp.tiles) * sp.nt > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks");
+  const dim3 block(linear_tc::kThreads), walk_grid(sp.tiles, p.h, p.b);
+  if (p.normalize) {
+    float* inv = scratch + 2 * plan_floats;
+    float* dn = inv + scratch_rows(p, p.h);
+    ATTN_LAUNCH(linear_tc::chunk_prep_kernel<T>, dim3(sp.nt, p.h, p.b), block, 0, stream)(p, sp, inv, dn);
+    check_launch(what);
+    sp.inv = up.inv = inv;
+    sp.dn = up.dn = dn;
+  }
+  // the forward states again (no final state written: the forward has it), with dG_T's term
+  LinearBwdParamsT<float> fp = p;
+  fp.final_state = nullptr;
+  linear_tc::ChunkPlan walk = sp;
+  walk.inv = walk.dn = nullptr;
+  walk.dg = p.decay != nullptr && p.ddecay != nullptr ? sc.dg : nullptr;
+  constexpr int walk_smem = linear_tc::StateSmem<kM>::kBytes, grad_smem = linear_tc::GradSmem<kM>::kBytes;
+  auto state_kernel = &linear_tc::chunk_state_bwd_kernel<T, kM>;
+  auto rev_kernel = &linear_tc::chunk_rev_kernel<T, kM>;
+  auto grad_kernel = &linear_tc::chunk_grad_kernel<T, kM>;
+  set_smem(state_kernel, walk_smem, what);
+  set_smem(rev_kernel, walk_smem, what);
+  set_smem(grad_kernel, grad_smem, what);
+  ATTN_LAUNCH(state_kernel, walk_grid, block, walk_smem, stream)(fp, walk);
+  check_launch(what);
+  ATTN_LAUNCH(rev_kernel, walk_grid, block, walk_smem, stream)(fp, up);
+  check_launch(what);
+  ATTN_LAUNCH(grad_kernel, dim3(sp.tiles * sp.nt, p.h, p.b), block, grad_smem, stream)(fp, sp, up, sc);
+  check_launch(what);
+}
+
 template <typename T, int kM>
 void run_bwd_tc(const LinearBwdParamsT<float>& p, const LinearCudaKernels& k, const linear_simt::BwdScratch& sc,
                 float* seg_scratch,
                 cudaStream_t stream) {
   using linear_tc::BwdMode;
   const char* what = "attention_ext.linear (CUDA tensor-core backward)";
+  if (seg_scratch != nullptr && use_chunk_states(p, k)) {
+    run_bwd_chunk_states<T, kM>(p, sc, seg_scratch, stream);
+    return;
+  }
   constexpr int smem = linear_tc::BwdSmem<kM>::kBytes;
   const int tiles = value_tiles_tc(p);
   const dim3 block(linear_tc::kThreads);
@@ -371,7 +432,8 @@ void cuda_linear_fwd(const LinearParamsT<float>& p, DType dt, const LinearCudaKe
 size_t cuda_linear_bwd_scratch_floats(const LinearBwdParamsT<float>& p, DType dt, const LinearCudaKernels& k) {
   size_t n = linear_cuda::base_bwd_scratch_floats(p);
   if (k.chunk_parallel && linear_cuda::use_tensor_cores(p, dt)) {
-    n += linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p, k), true);
+    n += linear_cuda::use_chunk_states(p, k) ? linear_cuda::chunk_bwd_scratch_floats(p)
+                                             : linear_cuda::seg_scratch_floats(p, linear_cuda::plan_segments(p, k), true);
   }
   return n;
 }
