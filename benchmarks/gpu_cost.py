@@ -793,7 +793,7 @@ def check_counts() -> List[str]:
             got = count_mma_flops(**case, bwd=bwd)
             want = expected_bwd_mma_flops(**case) if bwd else expected_mma_flops(**case)
             names = (["bwd", "finalize dq", "finalize dk", "finalize dv"] if case["seg"] == 0 else
-                     ["states", "reverse states", "gradients", "finalize dq", "finalize dk", "finalize dv"]
+                     ["states", "reverse states", "dQ", "dK dV", "finalize dq", "finalize dk", "finalize dv"]
                      if case.get("states") else
                      ["fwd state", "scan", "bwd U", "reverse scan", "bwd dQ", "bwd dK dV", "finalize dq", "finalize dk",
                       "finalize dv"]) if bwd else (["seq"] if case["seg"] == 0 else ["states", "out"] if case.get("states")
@@ -833,13 +833,14 @@ def expected_bwd_mma_flops(s, m, dv, causal, seg, b=1, h=2, states=False) -> Lis
     """The mma flops of each launch of the backward in count_mma_flops(..., bwd=True): seg 0 the
     sequential kernel then the three conversions; else the chunk-parallel launches; states: the
     chunk-state backward (unnormalized: no prep launch, no z tile): the state walk, the reverse
-    walk, the gradients, the conversions."""
+    walk, dQ~, dK~ and dV, the conversions."""
     tiles = math.ceil(dv / KN)
     chunks = math.ceil(s / CHUNK)
     n = tiles * b * h
     f = linear_bwd_chunk_mma_flops(m, causal=causal)
     if states:
-        return [n * chunks * f["update"], n * chunks * f["update"], n * chunks * (f["dq"] + f["dkv"]), 0.0, 0.0, 0.0]
+        return [n * chunks * f["update"], n * chunks * f["update"], n * chunks * f["dq"], n * chunks * f["dkv"],
+                0.0, 0.0, 0.0]
     if seg == 0:
         return [n * chunks * (f["dq"] + f["dkv"] + 2 * f["update"]), 0.0, 0.0, 0.0]
     n_seg = math.ceil(chunks / seg)

@@ -76,24 +76,26 @@ struct GradSmem {
 };
 
 // acc (16 x kCols) += A B: A the warp's 16-row fragments (kK / 16 k-steps), B (kK x kCols) from
-// the tile at b, stored rows n / columns k (kTrans false: ldmatrix) or rows k / columns n (kTrans:
-// ldmatrix.trans). xf(bf, kb, nb) may rewrite a B fragment: register r holds (k, k + 1) at
-// column n with k = kb + 8 (r % 2), n = nb + 8 (r / 2).
+// the tile at b starting at tile row brow0 (a multiple of 16), stored rows n / columns k (kTrans
+// false: ldmatrix) or rows k / columns n (kTrans: ldmatrix.trans). xf(bf, kb, nb) may rewrite a B
+// fragment: register r holds (k, k + 1) at column n with k = kb + 8 (r % 2), n = nb + 8 (r / 2),
+// both counted in the tile (brow0 included).
 template <typename T, typename BTile, int kK, int kCols, bool kTrans, typename Xf>
 __device__ __forceinline__ void mma_ab(float (&acc)[kCols / 8][4], const uint32_t (&a)[kK / 16][4], uint32_t b, int lane,
-                                       Xf&& xf) {
+                                       Xf&& xf, int brow0 = 0) {
   const uint32_t bo = kTrans ? BTile::lane_bt(0, lane) : BTile::lane_b(0, lane);
+  const int k0 = kTrans ? brow0 : 0, n0 = kTrans ? 0 : brow0;
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
 #pragma unroll
     for (int np = 0; np < kCols / 16; ++np) {
       uint32_t bf[4];
       if constexpr (kTrans) {
-        tc::ldmatrix_x4_trans(bf, b + BTile::advance(bo, kk * 16, np * 16));
+        tc::ldmatrix_x4_trans(bf, b + BTile::advance(bo, k0 + kk * 16, np * 16));
       } else {
-        tc::ldmatrix_x4(bf, b + BTile::advance(bo, np * 16, kk * 16));
+        tc::ldmatrix_x4(bf, b + BTile::advance(bo, n0 + np * 16, kk * 16));
       }
-      xf(bf, kk * 16 + 2 * (lane % 4), np * 16 + lane / 4);
+      xf(bf, k0 + kk * 16 + 2 * (lane % 4), n0 + np * 16 + lane / 4);
       tc::mma_n16<T>(acc[2 * np], a[kk], bf);
     }
   }
@@ -102,7 +104,7 @@ __device__ __forceinline__ void mma_ab(float (&acc)[kCols / 8][4], const uint32_
 // The same with A = P, the fp32 accumulators of an earlier (16 x kK) product, rounded to T.
 template <typename T, typename BTile, int kK, int kCols, bool kTrans, typename Xf>
 __device__ __forceinline__ void mma_pb(float (&acc)[kCols / 8][4], const float (&pm)[kK / 8][4], uint32_t b, int lane,
-                                       Xf&& xf) {
+                                       Xf&& xf, int brow0 = 0) {
   using Ops = tc::TypeOps<T>;
   uint32_t a[kK / 16][4];
 #pragma unroll
@@ -112,7 +114,7 @@ __device__ __forceinline__ void mma_pb(float (&acc)[kCols / 8][4], const float (
     a[kb][2] = Ops::pack(pm[2 * kb + 1][0], pm[2 * kb + 1][1]);
     a[kb][3] = Ops::pack(pm[2 * kb + 1][2], pm[2 * kb + 1][3]);
   }
-  mma_ab<T, BTile, kK, kCols, kTrans>(acc, a, b, lane, xf);
+  mma_ab<T, BTile, kK, kCols, kTrans>(acc, a, b, lane, xf, brow0);
 }
 
 // The warp's 16-row A fragments of a tile (kK columns): a[kk][0] (row g, columns kk 16 + 2c, + 1),
@@ -128,11 +130,17 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[kK / 16][4], uint32_t base,
   }
 }
 
+// Which gradients a chunk_grad_kernel launch computes: dQ~ (with its dG share), or dK~ and dV
+// (with theirs). Two launches, not one kernel doing all three: the three products' accumulators
+// and operand fragments in one kernel spilled (255 registers, 272 bytes at M = 128).
+enum class GradPart : int { kDq = 0, kDkv = 1 };
+
 // grid (value tiles x plan.nt, H, B), kThreads threads, GradSmem<kM>::kBytes bytes; sp: the
 // forward states, up: the reverse ones (same nt, tiles, slots; inv / dn in sp). Scratch zeroed.
-template <typename T, int kM>
-__global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p, const ChunkPlan sp, const ChunkPlan up,
+template <typename T, int kM, GradPart kPart>
+__global__ void __launch_bounds__(kThreads, 1) chunk_grad_kernel(const BwdParams p, const ChunkPlan sp, const ChunkPlan up,
                                                               const linear_simt::BwdScratch scr) {
+  constexpr bool kDq = kPart == GradPart::kDq;
   using L = GradSmem<kM>;
   using QT = typename L::QTile;
   using VT = typename L::VTile;
@@ -168,24 +176,24 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
     const int64_t s_slot = causal ? sp.slot(p, s, b, h, c) : sp.final_slot(p, b, h);
     const int64_t u_slot = causal ? up.slot(p, s, b, h, c) : up.final_slot(p, b, h);
 
-    // operands: Q, dout, S and D at once; K and V too unless a key mask decides which rows to read
-    copy_rows<kM>(sbase + L::kQ, qh, p.q_row_stride, n, m, nullptr, tid);
+    // operands: Q (dQ~: for dG only), dout and the part's state (dQ~: S, dK~ dV: D) at once; K
+    // and V too unless a key mask decides which rows to read
+    if (!kDq || want_dg) copy_rows<kM>(sbase + L::kQ, qh, p.q_row_stride, n, m, nullptr, tid);
     copy_rows<kN>(sbase + L::kD, dh, p.do_row_stride, n, nv, nullptr, tid);
     {
-      const T* hs = static_cast<const T*>(sp.h) + (s_slot * sp.tiles + tile) * (kM * kN);
-      const T* us = static_cast<const T*>(up.h) + (u_slot * up.tiles + tile) * (kM * kN);
+      const ChunkPlan& pl = kDq ? sp : up;
+      const T* hs = static_cast<const T*>(pl.h) + ((kDq ? s_slot : u_slot) * pl.tiles + tile) * (kM * kN);
       constexpr int kVecs = kM * kN / 8;
 #pragma unroll
       for (int j = 0; j < kVecs / kThreads; ++j) {
         const int idx = tid + j * kThreads, r = idx / (kN / 8), cc = idx % (kN / 8) * 8;
-        tc::cp_async16(sbase + L::kS + HT::offset(r, cc), hs + r * kN + cc, true);
-        tc::cp_async16(sbase + L::kU + HT::offset(r, cc), us + r * kN + cc, true);
+        tc::cp_async16(sbase + (kDq ? L::kS : L::kU) + HT::offset(r, cc), hs + r * kN + cc, true);
       }
     }
     if (has_norm) {
       for (int r = tid; r < kM; r += kThreads) {
-        z[r] = sp.z[s_slot * kM + r];
-        uz[r] = up.z[u_slot * kM + r];
+        if (kDq) z[r] = sp.z[s_slot * kM + r];
+        if (!kDq) uz[r] = up.z[u_slot * kM + r];
       }
     }
     if (!masked) {
@@ -199,7 +207,8 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
       copy_rows<kN>(sbase + L::kV, vh, p.v_row_stride, n, nv, sc->kmul, tid);
     }
     tc::cp_async_commit();
-    const float sigma_s = sp.sigma[s_slot * sp.tiles + tile], sigma_u = up.sigma[u_slot * up.tiles + tile];
+    const float sigma_s = kDq ? sp.sigma[s_slot * sp.tiles + tile] : 1.f;
+    const float sigma_u = kDq ? 1.f : up.sigma[u_slot * up.tiles + tile];
     tc::cp_async_wait<0>();
     __syncthreads();
 
@@ -249,15 +258,18 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
         bf[r] = feature_pair<T>(bf[r], FeatureMap::kIdentity, w, w);
       }
     };
-    // the (C, C) product of the warp's rows masked to j <= i (lower: row i, column j) or i >= j
-    // (row j, column i), + dn of the query index (add_dn), times e^{g_i - g_j}; 0 past n
-    auto mask_cc = [&](float (&acc)[kChunk / 8][4], bool lower, bool add_dn) {
+    // a (16, kHalf) slice, columns [col0, col0 + kHalf), of the (C, C) product of the warp's rows,
+    // masked to j <= i (lower: row i, column j) or i >= j (row j, column i), + dn of the query
+    // index (add_dn), times e^{g_i - g_j}; 0 past n. The (C, C) products go by halves: a whole
+    // one live beside the (16, M) accumulator spilled at M = 128.
+    constexpr int kHalf = kChunk / 2;
+    auto mask_cc = [&](float (&acc)[kHalf / 8][4], int col0, bool lower, bool add_dn) {
       const float g_a = sc->g[ra], g_b = sc->g[rb], e_a = sc->ep[ra], e_b = sc->ep[rb];
 #pragma unroll
-      for (int t = 0; t < kChunk / 8; ++t) {
+      for (int t = 0; t < kHalf / 8; ++t) {
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
-          const int r = x < 2 ? ra : rb, cl = acc_col(t, lane, x);
+          const int r = x < 2 ? ra : rb, cl = col0 + acc_col(t, lane, x);
           const int i = lower ? r : cl, j = lower ? cl : r;
           float val = 0.f;
           if (j <= i && i < n) {
@@ -308,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
     const float fa = causal ? sc->wk[ra] : 1.f, fb = causal ? sc->wk[rb] : 1.f;  // rows as j
 
     // ------------------------------------------------ dQ~ (rows i)
-    {
+    if constexpr (kDq) {
       uint32_t da_[kN / 16][4];  // dO' = dout / den of the warp's rows
       load_a<VT, kN>(da_, sbase + L::kD, row_a, lane, [&](uint32_t(&a)[4], int) {
         a[0] = feature_pair<T>(a[0], FeatureMap::kIdentity, inv[ra], inv[ra]);
@@ -329,11 +341,15 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
         }
       }
       if (causal) {
-        float pm[kChunk / 8][4];
-        zero(pm);
-        mma_ab<T, VT, kN, kChunk, false>(pm, da_, sbase + L::kV, lane, xf_none);  // dO' V^T
-        mask_cc(pm, true, has_norm);
-        mma_pb<T, QT, kChunk, kM, true>(dq, pm, sbase + L::kK, lane, xf_k);  // + P K~
+#pragma unroll 1
+        for (int c1 = 0; c1 < kChunk; c1 += kHalf) {  // keys j in [c1, c1 + kHalf)
+          lane = opaque(lane);
+          float pm[kHalf / 8][4];
+          zero(pm);
+          mma_ab<T, VT, kN, kHalf, false>(pm, da_, sbase + L::kV, lane, xf_none, c1);  // dO' V^T
+          mask_cc(pm, c1, true, has_norm);
+          mma_pb<T, QT, kHalf, kM, true>(dq, pm, sbase + L::kK, lane, xf_k, c1);  // + P K~
+        }
       }
       scatter(dq, scr.dq, q_rows, m, m);
       if (want_dg) {
@@ -350,17 +366,20 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
         add_dg(da, db, 1.f);
       }
     }
-    // K~ of the warp's rows (as j), for dV's K~ D and K~ Q~^T and dG's K~ . dK~
-    uint32_t ka[kM / 16][4];
-    load_a<QT, kM>(ka, sbase + L::kK, row_a, lane, [&](uint32_t(&a)[4], int f) {
+    // K~ = phi(k) * kmul of the warp's rows (as j), 0 past M: for dV's K~ D and K~ Q~^T, and
+    // loaded again for dG's K~ . dK~ (kept live across dK~'s products it spilled)
+    auto xf_ka = [&](uint32_t(&a)[4], int f) {
       const float in0 = f < m ? 1.f : 0.f, in8 = f + 8 < m ? 1.f : 0.f;
       a[0] = feature_pair<T>(a[0], fm, kmul[ra] * in0, kmul[ra] * in0);
       a[1] = feature_pair<T>(a[1], fm, kmul[rb] * in0, kmul[rb] * in0);
       a[2] = feature_pair<T>(a[2], fm, kmul[ra] * in8, kmul[ra] * in8);
       a[3] = feature_pair<T>(a[3], fm, kmul[rb] * in8, kmul[rb] * in8);
-    });
+    };
     // ------------------------------------------------ dV (rows j)
-    {
+    if constexpr (!kDq) {
+      lane = opaque(lane);  // each product group derives its own addresses (fewer live registers)
+      uint32_t ka[kM / 16][4];
+      load_a<QT, kM>(ka, sbase + L::kK, row_a, lane, xf_ka);
       float dv[kN / 8][4];
       zero(dv);
       mma_ab<T, HT, kM, kN, true>(dv, ka, sbase + L::kU, lane, xf_none);  // K~ D
@@ -370,16 +389,21 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
         for (int x = 0; x < 4; ++x) dv[t][x] *= (x < 2 ? fa : fb) * sigma_u;
       }
       if (causal) {
-        float pm[kChunk / 8][4];
-        zero(pm);
-        mma_ab<T, QT, kM, kChunk, false>(pm, ka, sbase + L::kQ, lane, xf_qt);  // K~ Q~^T
-        mask_cc(pm, false, false);
-        mma_pb<T, VT, kChunk, kN, true>(dv, pm, sbase + L::kD, lane, xf_d);  // + P2 dO'
+#pragma unroll 1
+        for (int c1 = 0; c1 < kChunk; c1 += kHalf) {  // queries i in [c1, c1 + kHalf)
+          lane = opaque(lane);
+          float pm[kHalf / 8][4];
+          zero(pm);
+          mma_ab<T, QT, kM, kHalf, false>(pm, ka, sbase + L::kQ, lane, xf_qt, c1);  // K~ Q~^T
+          mask_cc(pm, c1, false, false);
+          mma_pb<T, VT, kHalf, kN, true>(dv, pm, sbase + L::kD, lane, xf_d, c1);  // + P2 dO'
+        }
       }
       scatter(dv, scr.dv + c0, kv_rows, p.dim_v, nv);
     }
     // ------------------------------------------------ dK~ (rows j)
-    {
+    if constexpr (!kDq) {
+      lane = opaque(lane);
       uint32_t va[kN / 16][4];
       load_a<VT, kN>(va, sbase + L::kV, row_a, lane, [](uint32_t(&)[4], int) {});
       float dk[kM / 8][4];
@@ -394,14 +418,20 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(const BwdParams p,
         }
       }
       if (causal) {
-        float pm[kChunk / 8][4];
-        zero(pm);
-        mma_ab<T, VT, kN, kChunk, false>(pm, va, sbase + L::kD, lane, xf_dt);  // V dO'^T
-        mask_cc(pm, false, has_norm);
-        mma_pb<T, QT, kChunk, kM, true>(dk, pm, sbase + L::kQ, lane, xf_q);  // + P1 Q~
+#pragma unroll 1
+        for (int c1 = 0; c1 < kChunk; c1 += kHalf) {  // queries i in [c1, c1 + kHalf)
+          lane = opaque(lane);
+          float pm[kHalf / 8][4];
+          zero(pm);
+          mma_ab<T, VT, kN, kHalf, false>(pm, va, sbase + L::kD, lane, xf_dt, c1);  // V dO'^T
+          mask_cc(pm, c1, false, has_norm);
+          mma_pb<T, QT, kHalf, kM, true>(dk, pm, sbase + L::kQ, lane, xf_q, c1);  // + P1 Q~
+        }
       }
       scatter(dk, scr.dk, kv_rows, m, m);
       if (want_dg) {
+        uint32_t ka[kM / 16][4];
+        load_a<QT, kM>(ka, sbase + L::kK, row_a, lane, xf_ka);
         float da, db;
         row_dots(dk, ka, da, db);
         add_dg(da, db, -1.f);

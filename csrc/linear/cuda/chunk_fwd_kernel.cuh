@@ -528,7 +528,8 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, con
   using Ops = tc::TypeOps<T>;
   const int tile = int(blockIdx.x) % plan.tiles, c_first = int(blockIdx.x) / plan.tiles;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, warp = tid / 32;
+  int lane = tid % 32;  // opaque() per chunk
   const int c0 = tile * kN, nv = min(kN, p.dim_v - c0);
   const linear_simt::Seq s(p, b);
   ATTN_EXTERN_SMEM(smem);
@@ -541,6 +542,7 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, con
 #pragma unroll 1
   for (int c = c_first; int64_t(c) * kChunk < s.len; c += plan.nt) {
   const int r0 = c * kChunk, n = min(kChunk, s.len - r0);
+  lane = opaque(lane);
   const T* qh = static_cast<const T*>(p.q) + s.off(p.q_batch_stride, h, p.q_head_stride, r0, p.q_row_stride);
   const T* kh = static_cast<const T*>(p.k) + s.off(p.k_batch_stride, hk, p.k_head_stride, r0, p.k_row_stride);
   const T* vh = static_cast<const T*>(p.v) + s.off(p.v_batch_stride, hk, p.v_head_stride, r0, p.v_row_stride) + c0;

@@ -268,15 +268,20 @@ void run_bwd_chunk_states(const LinearBwdParamsT<float>& p, const linear_simt::B
   constexpr int walk_smem = linear_tc::StateSmem<kM>::kBytes, grad_smem = linear_tc::GradSmem<kM>::kBytes;
   auto state_kernel = &linear_tc::chunk_state_bwd_kernel<T, kM>;
   auto rev_kernel = &linear_tc::chunk_rev_kernel<T, kM>;
-  auto grad_kernel = &linear_tc::chunk_grad_kernel<T, kM>;
+  auto dq_kernel = &linear_tc::chunk_grad_kernel<T, kM, linear_tc::GradPart::kDq>;
+  auto dkv_kernel = &linear_tc::chunk_grad_kernel<T, kM, linear_tc::GradPart::kDkv>;
   set_smem(state_kernel, walk_smem, what);
   set_smem(rev_kernel, walk_smem, what);
-  set_smem(grad_kernel, grad_smem, what);
+  set_smem(dq_kernel, grad_smem, what);
+  set_smem(dkv_kernel, grad_smem, what);
   ATTN_LAUNCH(state_kernel, walk_grid, block, walk_smem, stream)(fp, walk);
   check_launch(what);
   ATTN_LAUNCH(rev_kernel, walk_grid, block, walk_smem, stream)(fp, up);
   check_launch(what);
-  ATTN_LAUNCH(grad_kernel, dim3(sp.tiles * sp.nt, p.h, p.b), block, grad_smem, stream)(fp, sp, up, sc);
+  const dim3 grad_grid(sp.tiles * sp.nt, p.h, p.b);
+  ATTN_LAUNCH(dq_kernel, grad_grid, block, grad_smem, stream)(fp, sp, up, sc);
+  check_launch(what);
+  ATTN_LAUNCH(dkv_kernel, grad_grid, block, grad_smem, stream)(fp, sp, up, sc);
   check_launch(what);
 }
 
