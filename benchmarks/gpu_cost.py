@@ -120,10 +120,17 @@ RESOURCES: Dict[str, Resources] = {
     "linear bwd cp dK dV, M 64": Resources(128, 246, 59_152),
     "linear finalize": Resources(128, 32, 0),
     # chunk_fwd_kernel.cuh (sm_90a, bf16; StateSmem / OutSmem<kM>::kBytes)
-    "linear fwd cs state, M 128": Resources(128, 211, 78_360),
-    "linear fwd cs out, M 128": Resources(128, 142, 59_912),
-    "linear fwd cs state, M 64": Resources(128, 128, 53_784),
-    "linear fwd cs out, M 64": Resources(128, 126, 35_080),
+    "linear fwd cs state, M 128": Resources(128, 222, 79_896),
+    "linear fwd cs out, M 128": Resources(128, 160, 60_424),
+    "linear fwd cs state, M 64": Resources(128, 128, 55_320),
+    "linear fwd cs out, M 64": Resources(128, 141, 35_592),
+    # chunk_bwd_kernel.cuh (sm_90a, bf16): the walks share StateSmem; GradSmem<kM>::kBytes
+    "linear bwd cs walk, M 128": Resources(128, 188, 79_896),
+    "linear bwd cs walk, M 64": Resources(128, 138, 55_320),
+    "linear bwd cs dQ, M 128": Resources(128, 251, 85_512),
+    "linear bwd cs dK dV, M 128": Resources(128, 254, 85_512),
+    "linear bwd cs dQ, M 64": Resources(128, 153, 52_232),
+    "linear bwd cs dK dV, M 64": Resources(128, 202, 52_232),
     "decode combine": Resources(128, 32, 0),  # one warp per row, few registers
     "linear step": Resources(256, 40, 8_448),
     # decode_kernel<bf16, 128, 8 rows> (benchmarks/results/2026-11-24-decode-ptxas.md: 239 on sm_80), 34 KB static
@@ -293,6 +300,38 @@ def fit_chunk_overhead() -> float:
         else:
             hi = mid
     return lo
+
+
+def linear_bwd_cs(b, h, s, m, dv, *, causal=True, overhead=0.0) -> List[Launch]:
+    """The chunk-state backward (chunk_bwd_kernel.cuh; the benchmark's call: unnormalized, no
+    prep launch): the state walk again, the reverse walk (both as the forward's walk), then one
+    CTA per (chunk, value tile, head, sequence) for dQ~ and another for dK~ / dV, then the
+    conversions."""
+    km = bucket(m)
+    tiles = math.ceil(dv / KN)
+    chunks = max(1, math.ceil(s / CHUNK))
+    n = tiles * h * b
+    f = linear_bwd_chunk_mma_flops(m, causal=causal)
+    per_chunk = max(f["update"] / MMA_SYNC_CTA_RATE, LATENCY / 2) + overhead
+    state_store = (chunks if causal else 1) * km * KN * 2 * n
+    walk_io = 2 * b * h * s * (m * tiles + dv) + state_store
+    walk = [LATENCY + chunks * per_chunk] * n
+    out = [Launch(f"linear bwd cs walk, M {km}", RESOURCES[f"linear bwd cs walk, M {km}"], walk, walk_io,
+                  f["update"] * chunks * n),
+           Launch(f"linear bwd cs walk, M {km}", RESOURCES[f"linear bwd cs walk, M {km}"], walk, walk_io,
+                  f["update"] * chunks * n)]
+    io = 2 * b * h * s
+    # dQ~: dout, V, K (and Q for dG) per value tile, its state; atomics into the fp32 dQ~ (4 B)
+    out.append(Launch(f"linear bwd cs dQ, M {km}", RESOURCES[f"linear bwd cs dQ, M {km}"],
+                      [2 * LATENCY + f["dq"] / MMA_SYNC_CTA_RATE + overhead] * (n * chunks),
+                      io * tiles * (2 * dv // tiles + m) + state_store + b * h * s * m * 4 * tiles,
+                      f["dq"] * chunks * n))
+    out.append(Launch(f"linear bwd cs dK dV, M {km}", RESOURCES[f"linear bwd cs dK dV, M {km}"],
+                      [2 * LATENCY + f["dkv"] / MMA_SYNC_CTA_RATE + overhead] * (n * chunks),
+                      io * tiles * (2 * dv // tiles + 2 * m) + state_store + b * h * s * (m * tiles + dv) * 4,
+                      f["dkv"] * chunks * n))
+    out.append(finalize_launch(b, h, s, m, dv))
+    return out
 
 
 def linear_fwd_cs(b, h, s, m, dv, *, causal=True, overhead=0.0) -> List[Launch]:
@@ -662,7 +701,7 @@ def report_linear() -> List[str]:
             p = predict(launch)
             lines.append(f"| {shape} | {launch.name} | {p['ctas']} | {p['cps']} | {p['waves']} | "
                          f"{launch.mma_flops / 1e12:.3f} | {launch.dram_bytes / 1e6:.0f} | {p['time'] * 1e3:.3f} |")
-        for launch in linear_bwd_seq(b, h, s, d, d) + linear_bwd_cp(b, h, s, d, d):
+        for launch in linear_bwd_seq(b, h, s, d, d) + linear_bwd_cp(b, h, s, d, d) + linear_bwd_cs(b, h, s, d, d):
             p = predict(launch)
             lines.append(f"| {shape} | {launch.name} | {p['ctas']} | {p['cps']} | {p['waves']} | "
                          f"{launch.mma_flops / 1e12:.3f} | {launch.dram_bytes / 1e6:.0f} | {p['time'] * 1e3:.3f} |")
@@ -681,24 +720,34 @@ def report_linear() -> List[str]:
         lines.append(f"| {shape} | fwd+bwd | {LINEAR_FWD_BWD_MEASURED[shape] * 1e3:.2f} | {t_cp * 1e3:.3f} | "
                      f"{t_fla * 1e3:.2f} | {t_fla / t_cp:.2f}x | {t_sdpa * 1e3:.2f} | {t_sdpa / t_cp:.1f}x |")
     ovh = fit_chunk_overhead()
-    lines += ["", "## Linear attention: the chunk-state forward (set_cuda_kernels(chunk_states=True)), predicted", "",
+    lines += ["", "## Linear attention: the chunk-state kernels (set_cuda_kernels(chunk_states=True)), predicted", "",
               "The segment kernels measured 7x slower than this model on the H200 "
               f"({', '.join(f'{k}: {v[0] * 1e3:.2f} ms forward' for k, v in CP_MEASURED_H200.items())}); "
               f"as a per-chunk-step cost that is {ovh * 1e6:.1f} us the model does not explain. The chunk-state "
               "kernels are predicted twice: by the model, and with that cost added to each of their chunk "
               "steps (a pessimistic bound: their chunk step has none of the segment kernels' per-element "
               "loops, but no profile says which part of the step took the time).", "",
-              "| (B, H, S, D) | segment fwd predicted (fitted) / measured ms | chunk-state fwd ms: model | "
-              "with the fitted cost | FLA fwd measured ms | predicted / FLA (model .. bound) |", "|---|---|---|---|---|---|"]
+              "| (B, H, S, D) | pass | segment kernels predicted (fitted) / measured ms | chunk-state ms: model | "
+              "with the fitted cost | FLA measured ms | predicted / FLA (model .. bound) |", "|---|---|---|---|---|---|---|"]
     for shape in LINEAR_FWD_MEASURED:
         b, h, s, d = shape
-        t_seg = total(linear_fwd_cp(b, h, s, d, d, overhead=ovh))
         meas = CP_MEASURED_H200.get(shape)
-        t_cs, t_cs_bound = total(linear_fwd_cs(b, h, s, d, d)), total(linear_fwd_cs(b, h, s, d, d, overhead=ovh))
-        t_fla = FLA_FWD_MEASURED[shape]
-        lines.append(f"| {shape} | {t_seg * 1e3:.2f} / {'%.2f' % (meas[0] * 1e3) if meas else 'not run'} | "
-                     f"{t_cs * 1e3:.3f} | {t_cs_bound * 1e3:.3f} | {t_fla * 1e3:.2f} | "
-                     f"{t_fla / t_cs:.2f}x .. {t_fla / t_cs_bound:.2f}x |")
+        for i, name in enumerate(("fwd", "fwd+bwd")):
+            bwd = i == 1
+            t_seg = total(linear_fwd_cp(b, h, s, d, d, overhead=ovh))
+            t_cs = total(linear_fwd_cs(b, h, s, d, d))
+            t_cs_bound = total(linear_fwd_cs(b, h, s, d, d, overhead=ovh))
+            if bwd:
+                t_seg += total(linear_bwd_cp(b, h, s, d, d))
+                t_cs += total(linear_bwd_cs(b, h, s, d, d))
+                t_cs_bound += total(linear_bwd_cs(b, h, s, d, d, overhead=ovh))
+            t_fla = (FLA_FWD_BWD_MEASURED if bwd else FLA_FWD_MEASURED)[shape]
+            seg_meas = "%.2f" % (meas[i] * 1e3) if meas else "not run"
+            lines.append(f"| {shape} | {name} | {t_seg * 1e3:.2f} / {seg_meas} | {t_cs * 1e3:.3f} | "
+                         f"{t_cs_bound * 1e3:.3f} | {t_fla * 1e3:.2f} | {t_fla / t_cs:.2f}x .. {t_fla / t_cs_bound:.2f}x |")
+    lines.append("")
+    lines.append("(The segment backward's row is the model without the fitted cost: its own unexplained time, 24.7 "
+                 "of its 28.7 ms, has no fit of its own.)")
     return lines
 
 

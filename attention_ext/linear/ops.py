@@ -69,11 +69,12 @@ def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0, chunk
                         parallel; docs/gpu.md). False: one CTA walks each sequence (the
                         sequential kernels, slower on every shape timed: benchmarks/results/).
         segment_chunks  chunks of 64 rows per segment; 0 picks enough segments to fill the device.
-        chunk_states    True: the chunk-parallel forward stores the state entering every chunk of
-                        64 rows, then computes every chunk's outputs at once (flash-linear-
-                        attention's schedule; docs/gpu.md), where M, Dv and every stride are
-                        multiples of 8; other calls, and the backward, keep the segment kernels.
-                        Off by default until a GPU run has tested and timed it.
+        chunk_states    True: the chunk-parallel forward and backward store the state entering
+                        (and the gradient leaving) every chunk of 64 rows, then compute every
+                        chunk's outputs or gradients at once (flash-linear-attention's schedule;
+                        docs/gpu.md), where M, Dv and every stride are multiples of 8; other
+                        calls keep the segment kernels. Off by default until a GPU run has
+                        tested and timed them.
 
     Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The float32
     kernels are unchanged by it."""

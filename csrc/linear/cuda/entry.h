@@ -19,10 +19,11 @@ namespace attn {
 //                   M <= 128), false = one CTA walks each sequence; fp32 and wider calls keep the
 //                   SIMT kernels;
 //   segment_chunks: chunks per segment of the chunk-parallel kernels, 0 = fill the device;
-//   chunk_states:   the chunk-parallel forward as chunk_fwd_kernel.cuh's two kernels (every
-//                   chunk's entering state stored, then all outputs at once: flash-linear-
-//                   attention's schedule) where the rows are 16-byte vectors; opt-in until a GPU
-//                   run has tested and timed it (the backward keeps the segment kernels).
+//   chunk_states:   the chunk-parallel forward and backward as chunk_fwd_kernel.cuh's and
+//                   chunk_bwd_kernel.cuh's (the states entering / leaving every chunk stored by a
+//                   walk in registers, then every chunk's outputs or gradients at once: flash-
+//                   linear-attention's schedule) where the rows are 16-byte vectors; opt-in until
+//                   a GPU run has tested and timed them.
 struct LinearCudaKernels {
   bool chunk_parallel = true;
   int segment_chunks = 0;
