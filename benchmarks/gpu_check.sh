@@ -167,9 +167,9 @@ q, k, v = (torch.randn(4, 16, 8192, 128, device="cuda", dtype=torch.bfloat16, re
 ae.linear.set_cuda_kernels(chunk_parallel=True)
 out = ae.linear_attention(q, k, v, causal=True)
 out.backward(torch.randn_like(out))
-ae.linear.set_cuda_kernels(chunk_states=True)  # the chunk-state forward (chunk_fwd_kernel.cuh)
-with torch.no_grad():
-    ae.linear_attention(q, k, v, causal=True)
+ae.linear.set_cuda_kernels(chunk_states=True)  # the chunk-state kernels (chunk_fwd / chunk_bwd_kernel.cuh)
+out = ae.linear_attention(q, k, v, causal=True)
+out.backward(torch.randn_like(out))
 torch.cuda.synchronize()
 PY
   M="gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__occupancy_limit_shared_mem,launch__registers_per_thread,smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"
