@@ -153,7 +153,7 @@ if has families; then
 fi
 
 if has lbench; then
-  # the linear bench alone (issue 37: the chunk-parallel forward's ours-cp column against FLA and the sequential one)
+  # the linear bench alone (issue 37: the default and the chunk-state kernels against FLA and SDPA)
   timeout 150 python3 benchmarks/linear/bench_cuda.py --reps 5 --out "$TMPD/linear.md" >>"$OUT/bench.log" 2>&1
   note "linear bench: rc=$?"; cat "$TMPD/linear.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
 fi
