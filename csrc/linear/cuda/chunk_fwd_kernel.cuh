@@ -436,6 +436,18 @@ __device__ __forceinline__ void state_walk(const P& p, const ChunkPlan& plan) {
         }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) Ops::mma(accz[mt], a[mt], bz);
+        if constexpr (kReverse) {
+          // dn's rounding residual as a second product: dn stays fp32-exact to the 16-bit
+          // operand's precision squared, as the segment kernels' fp32 Dz loop has it
+          uint32_t lo[2] = {0u, 0u};
+          if (lane / 4 == 0) {
+            const float2 h0 = Ops::unpack(bz[0]), h1 = Ops::unpack(bz[1]);
+            lo[0] = Ops::pack(sc.dn[j] - h0.x, sc.dn[j + 1] - h0.y);
+            lo[1] = Ops::pack(sc.dn[j + 8] - h1.x, sc.dn[j + 9] - h1.y);
+          }
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) Ops::mma(accz[mt], a[mt], lo);
+        }
       }
     }
     __syncthreads();  // stage `buf` and scal[buf] are free for walk step i + kStages
@@ -670,8 +682,10 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, con
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
         const int i = x < 2 ? ra : rb, j = acc_col(t, lane, x);
-        float val = j <= i ? acc_s[t][x] : 0.f;
-        if (decay && j <= i) val *= linear_simt::pair_weight(sc->g, sc->ep, i, j);
+        // rows past n are not stored, and their weights are not finite (g past n is 0)
+        const bool keep = j <= i && i < n;
+        float val = keep ? acc_s[t][x] : 0.f;
+        if (decay && keep) val *= linear_simt::pair_weight(sc->g, sc->ep, i, j);
         acc_s[t][x] = val;
       }
       sum_a += acc_s[t][0] + acc_s[t][1];
