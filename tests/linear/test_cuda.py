@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attention_ext as ae
-from attention_ext.linear import functional, ops
+from attention_ext.linear import functional, ops, reference
 from tests.linear.test_cpu import run_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not ops.has_kernel(torch.device("cuda")),
@@ -98,6 +98,37 @@ def test_chunk_parallel_heuristic_long():
     finally:
         ae.linear.set_cuda_kernels(**old)
     torch.testing.assert_close(par.float(), seq.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_longer_than_max_seqlen(causal, dtype):
+    """CUDA does not check max_seqlen against the offsets (they live on the device): a pack whose
+    300-row sequence is past max_seqlen = 64 still gets that sequence computed whole, on every
+    schedule (the chunk-state kernels stride over its chunks), gradients included: the same
+    outputs as with the right max_seqlen, and the float64 reference's."""
+    cu = torch.tensor([0, 50, 350, 351], dtype=torch.int32)
+    h, m, dv, total = 2, 64, 72, 351
+    acc = ops.acc_dtype(dtype)
+    q, k = (0.5 * torch.randn(1, h, total, m)).to(dtype), (0.5 * torch.randn(1, 1, total, m)).to(dtype)
+    v = torch.randn(1, 1, total, dv).to(dtype)
+    g = -0.05 * torch.rand(1, h, total, dtype=acc) if causal else None
+
+    def run(max_seqlen):
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, _, final = ops.fwd(*xs, decay=g, initial_state=None, key_mask=None, cu_seqlens=cu,
+                                max_seqlen=max_seqlen, feature_map=1, causal=causal, normalize=True, eps=1e-6,
+                                scale=0.5)
+        out.backward(torch.ones_like(out))
+        return [out, final] + [t.grad for t in xs]
+
+    right, short = run(300), run(64)
+    for name, a, b in zip(("out", "final_state", "dq", "dk", "dv"), right, short):
+        assert torch.isfinite(b).all(), name
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
+    r = reference.linear_attention(q.double(), k.double(), v.double(), causal=causal, scale=0.5,
+                                   decay=None if g is None else g.double(), cu_seqlens=cu)
+    torch.testing.assert_close(short[0].double(), r[0], rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("fmap,normalize", [("relu", True), ("identity", False), ("favor", True)])
