@@ -409,9 +409,10 @@ def test_linear_check_op():
 def test_set_cuda_kernels_selection():
     """linear.set_cuda_kernels returns the previous selection (so **old restores it) and names a
     bad segment_chunks; on the CPU it changes nothing."""
-    old = ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=3)
+    old = ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=3, chunk_states=True)
+    want = dict(chunk_parallel=True, segment_chunks=3, chunk_states=True)
     try:
-        assert ae.linear.cuda_kernels() == dict(chunk_parallel=True, segment_chunks=3)
+        assert ae.linear.cuda_kernels() == want
         if ops.HAS_OP:
             with pytest.raises(ValueError, match="segment_chunks"):
                 ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=-1)
@@ -419,7 +420,7 @@ def test_set_cuda_kernels_selection():
         torch.testing.assert_close(ae.linear_attention(q, q, q, causal=True),
                                    reference.linear_attention(q, q, q, causal=True)[0])
     finally:
-        assert ae.linear.set_cuda_kernels(**old) == dict(chunk_parallel=True, segment_chunks=3)
+        assert ae.linear.set_cuda_kernels(**old) == want
     assert ae.linear.cuda_kernels() == old
 
 
