@@ -120,12 +120,12 @@ RESOURCES: Dict[str, Resources] = {
     "linear bwd cp dK dV, M 64": Resources(128, 246, 59_152),
     "linear finalize": Resources(128, 32, 0),
     # chunk_fwd_kernel.cuh (sm_90a, bf16; StateSmem / OutSmem<kM>::kBytes)
-    "linear fwd cs state, M 128": Resources(128, 222, 79_896),
+    "linear fwd cs state, M 128": Resources(128, 196, 79_896),
     "linear fwd cs out, M 128": Resources(128, 160, 60_424),
     "linear fwd cs state, M 64": Resources(128, 128, 55_320),
     "linear fwd cs out, M 64": Resources(128, 141, 35_592),
     # chunk_bwd_kernel.cuh (sm_90a, bf16): the walks share StateSmem; GradSmem<kM>::kBytes
-    "linear bwd cs walk, M 128": Resources(128, 196, 79_896),
+    "linear bwd cs walk, M 128": Resources(128, 200, 79_896),
     "linear bwd cs walk, M 64": Resources(128, 146, 55_320),
     "linear bwd cs dQ, M 128": Resources(128, 251, 85_512),
     "linear bwd cs dK dV, M 128": Resources(128, 254, 85_512),

@@ -200,15 +200,7 @@ __device__ __forceinline__ float slab_sigma(const float (&acc)[kMT][kN / 8][4], 
       for (int t = 0; t < kN / 8; ++t)
 #pragma unroll
         for (int x = 0; x < 4; ++x) mx = fmaxf(mx, fabsf(acc[mt][t][x]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
-    __syncthreads();
-    mx = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
-    __syncthreads();  // red is free for the next call
-    return mx > 16384.f ? exp2f(ceilf(log2f(mx / 16384.f))) : 1.f;
+    return fp16_sigma(mx, red);
   } else {
     return 1.f;
   }
@@ -454,53 +446,45 @@ __device__ __forceinline__ void state_walk(const P& p, const ChunkPlan& plan) {
   }
 
   if (!p.causal) store_slot(-1);  // the state every non-causal output (or gradient) reads
+  // the slab past the last chunk: to the final state (reverse: dinitial_state), and in the
+  // backward's forward walk dG_T += <dS_T, S_T> (this tile's columns; tile 0 the normalizer)
   float* fin;
+  const float* dfin = nullptr;
   if constexpr (kReverse) {
     fin = state_at(p.dinit_state, p, b, h);
   } else {
     fin = state_at(p.final_state, p, b, h);
+    if constexpr (std::is_same_v<P, BwdParams>) {
+      if (plan.dg != nullptr && s.len > 0) dfin = state_at(p.dfinal_state, p, b, h);
+    }
   }
-  if (fin != nullptr) {
+  float dot = 0.f;
+  if (fin != nullptr || dfin != nullptr) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
         const int r = acc_row(mrow0 + 16 * mt, lane, x);
         if (r >= p.d) continue;
+        const int64_t row = int64_t(r) * p.dim_v_aug;
 #pragma unroll
         for (int t = 0; t < kN / 8; ++t) {
           const int cc = acc_col(t, lane, x);
-          if (cc < nv) fin[int64_t(r) * p.dim_v_aug + c0 + cc] = acc[mt][t][x];
+          if (cc >= nv) continue;
+          if (fin != nullptr) fin[row + c0 + cc] = acc[mt][t][x];
+          if (dfin != nullptr) dot += acc[mt][t][x] * dfin[row + c0 + cc];
         }
-        if (with_z && lane % 4 == 0 && (x & 1) == 0) fin[int64_t(r) * p.dim_v_aug + p.dim_v] = accz[mt][x];
+        if (with_z && lane % 4 == 0 && (x & 1) == 0) {
+          if (fin != nullptr) fin[row + p.dim_v] = accz[mt][x];
+          if (dfin != nullptr) dot += accz[mt][x] * dfin[row + p.dim_v];
+        }
       }
     }
   }
-  if constexpr (!kReverse && std::is_same_v<P, BwdParams>) {
-    // the backward's dG_T += <dS_T, S_T>: this tile's columns (and, tile 0, the normalizer)
-    if (plan.dg != nullptr && s.len > 0) {
-      const float* dfin = state_at(p.dfinal_state, p, b, h);
-      if (dfin != nullptr) {
-        float part_sum = 0.f;
+  if (dfin != nullptr) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-          for (int x = 0; x < 4; ++x) {
-            const int r = acc_row(mrow0 + 16 * mt, lane, x);
-            if (r >= p.d) continue;
-#pragma unroll
-            for (int t = 0; t < kN / 8; ++t) {
-              const int cc = acc_col(t, lane, x);
-              if (cc < nv) part_sum += acc[mt][t][x] * dfin[int64_t(r) * p.dim_v_aug + c0 + cc];
-            }
-            if (with_z && lane % 4 == 0 && (x & 1) == 0) part_sum += accz[mt][x] * dfin[int64_t(r) * p.dim_v_aug + p.dim_v];
-          }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) part_sum += __shfl_xor_sync(0xffffffffu, part_sum, o);
-        if (lane == 0) atomicAdd(plan.dg + s.row(p, p.h, h, s.len - 1), part_sum);
-      }
-    }
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (lane == 0) atomicAdd(plan.dg + s.row(p, p.h, h, s.len - 1), dot);
   }
 }
 

@@ -109,6 +109,21 @@ __device__ __forceinline__ void mma_reg(float (&acc)[kCols / 8][4], const float 
   }
 }
 
+// sigma for a slab whose entries this thread's part has max |x| = mx: the block-wide max, then
+// the power of 2 that keeps |S / sigma| <= 2^14 (1 below that). Every thread calls it; red is
+// kWarps floats of shared memory, free again on return.
+__device__ __forceinline__ float fp16_sigma(float mx, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+  return mx > 16384.f ? exp2f(ceilf(log2f(mx / 16384.f))) : 1.f;
+}
+
 // The 16-bit copy of the fp32 state Sf (kM, kN) at L::kS; returns its scale sigma (S16 = S /
 // sigma). Every thread calls it, after a barrier that follows the last write of Sf and the
 // last read of the old copy (block-wide max for fp16).
@@ -118,14 +133,7 @@ __device__ __forceinline__ float refresh_s16(unsigned char* smem, const float* S
   if constexpr (std::is_same_v<T, __half>) {
     float mx = 0.f;
     for (int e = threadIdx.x; e < kM * kN; e += kThreads) mx = fmaxf(mx, fabsf(Sf[e]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
-    __syncthreads();
-    mx = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
-    if (mx > 16384.f) sigma = exp2f(ceilf(log2f(mx / 16384.f)));
+    sigma = fp16_sigma(mx, red);
   }
   const float inv = 1.f / sigma;
   for (int e = threadIdx.x; e < kM * kN; e += kThreads) {
