@@ -684,17 +684,20 @@ __global__ void __launch_bounds__(kThreads) chunk_out_kernel(const Params p, con
   }
   const float den_a = p.normalize ? sum_a + ea * qz_a + p.eps : 1.f;
   const float den_b = p.normalize ? sum_b + eb * qz_b + p.eps : 1.f;
+  // one reciprocal per row, not an IEEE division per element (within an ulp of fp32, far below
+  // the 16-bit output's rounding)
+  const float inv_a = 1.f / den_a, inv_b = 1.f / den_b;
 #pragma unroll
   for (int t = 0; t < kN / 8; ++t) {
     const int cc = acc_col(t, lane, 0);
     if (cc >= nv) continue;
     if (ra < n) {
       *reinterpret_cast<uint32_t*>(oh + int64_t(ra) * p.o_row_stride + cc) =
-          Ops::pack(acc_o[t][0] / den_a, acc_o[t][1] / den_a);
+          Ops::pack(acc_o[t][0] * inv_a, acc_o[t][1] * inv_a);
     }
     if (rb < n) {
       *reinterpret_cast<uint32_t*>(oh + int64_t(rb) * p.o_row_stride + cc) =
-          Ops::pack(acc_o[t][2] / den_b, acc_o[t][3] / den_b);
+          Ops::pack(acc_o[t][2] * inv_b, acc_o[t][3] * inv_b);
     }
   }
   if (tile == 0 && lane % 4 == 0) {
