@@ -393,17 +393,23 @@ def test_chunk_parallel_options(emu, chunk_parallel, opt, dtype):
             run_case(emu, 150, dtype, causal=causal, **kw)
 
 
-def test_chunk_parallel_launches(emu, chunk_parallel):
-    """The chunk-parallel forward is three launches (segment states, the scan, the outputs) and
-    gives the sequential forward's outputs to rounding (the same chunk math; the state enters
-    each segment through the fp32 scan instead of a running sum)."""
+def launch_case():
+    """The launch tests' call: bf16 (2, 2, 300, 64) q, k, v with decay, causal, normalized; returns
+    q, k, v and the op's option arguments."""
     torch.manual_seed(3)
     q, k = (0.5 * torch.randn(2, 2, 300, 64)).bfloat16(), (0.5 * torch.randn(2, 2, 300, 64)).bfloat16()
     v = torch.randn(2, 2, 300, 64).bfloat16()
     g = -0.1 * torch.rand(2, 2, 300)
     opts = dict(decay=g, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=300, feature_map=1,
                 causal=True, normalize=True, eps=1e-6, scale=1.0)
-    args = [opts[n] for n in ops.OPTION_NAMES]
+    return q, k, v, [opts[n] for n in ops.OPTION_NAMES]
+
+
+def test_chunk_parallel_launches(emu, chunk_parallel):
+    """The chunk-parallel forward is three launches (segment states, the scan, the outputs) and
+    gives the sequential forward's outputs to rounding (the same chunk math; the state enters
+    each segment through the fp32 scan instead of a running sum)."""
+    q, k, v, args = launch_case()
     emu.launches()
     seq = emu.linear_fwd(q, k, v, *args, 90)
     assert len(emu.launches()) == 1
@@ -563,13 +569,7 @@ def test_chunk_states_launches(emu, chunk_states):
     """The chunk-state forward is two launches (the states, the outputs) and gives the
     sequential forward's outputs to rounding; a feature width that is not a multiple of 8 keeps
     the segment kernels (their scalar stager), which the selection reaches as well."""
-    torch.manual_seed(3)
-    q, k = (0.5 * torch.randn(2, 2, 300, 64)).bfloat16(), (0.5 * torch.randn(2, 2, 300, 64)).bfloat16()
-    v = torch.randn(2, 2, 300, 64).bfloat16()
-    g = -0.1 * torch.rand(2, 2, 300)
-    opts = dict(decay=g, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=300, feature_map=1,
-                causal=True, normalize=True, eps=1e-6, scale=1.0)
-    args = [opts[n] for n in ops.OPTION_NAMES]
+    q, k, v, args = launch_case()
     emu.launches()
     par = emu.linear_fwd(q, k, v, *args, 90)
     names = emu.launches()
