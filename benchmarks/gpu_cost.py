@@ -80,6 +80,10 @@ CAL_ROWS = ((4096, False), (1024, True))  # the two rows each softmax class is f
 SPARSE_MS = {("bigbird", 8, 64): (0.62, 2.13), ("fixed", 8, 64): (0.21, 1.56), ("bigbird", 8, 128): (1.44, 3.96),
              ("fixed", 8, 128): (0.75, 3.02), ("bigbird", 16, 64): (0.79, 3.08), ("fixed", 16, 64): (0.41, 2.49),
              ("bigbird", 16, 128): (2.32, 6.14), ("fixed", 16, 128): (1.48, 4.95)}
+# FlexAttention with the same BlockMask, the same run and rows: (fwd ms, fwd+bwd ms)
+FLEX_MS = {("bigbird", 8, 64): (0.37, 1.14), ("fixed", 8, 64): (0.17, 0.86), ("bigbird", 8, 128): (0.55, 1.68),
+           ("fixed", 8, 128): (0.27, 1.29), ("bigbird", 16, 64): (0.51, 1.79), ("fixed", 16, 64): (0.28, 1.42),
+           ("bigbird", 16, 128): (0.84, 2.77), ("fixed", 16, 128): (0.52, 2.28)}
 
 
 # ---------------------------------------------------------------------------------- occupancy
@@ -576,15 +580,10 @@ def sparse_launch(cls: str, fit: SoftmaxFit, layout, h: int) -> Launch:
 
 def sparse_rows(fits) -> Tuple[List[str], float]:
     """Predicted vs measured block-sparse rows (no constant of their own: the dense fits)."""
-    import importlib.util
-    root = os.path.dirname(os.path.abspath(__file__))
-    spec = importlib.util.spec_from_file_location("sparse_bench", os.path.join(root, "sparse", "bench_cuda.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    layout_of = sparse_layouts()
     lines, worst = [], 0.0
-    n = 16384 // 128
     for (name, h, d), (t_fwd, t_fb) in SPARSE_MS.items():
-        layout = mod.bigbird_layout(h, n) if name == "bigbird" else mod.fixed_layout(n)
+        layout = layout_of(name, h)
         fwd = predict(sparse_launch("mma.sync fwd", fits[("mma.sync fwd", d)], layout, h))["time"]
         bwd = predict(sparse_launch("mma.sync bwd", fits[("mma.sync bwd", d)], layout, h))["time"]
         for what, t, meas in (("fwd", fwd, t_fwd), ("fwd+bwd", fwd + bwd, t_fb)):
@@ -592,6 +591,40 @@ def sparse_rows(fits) -> Tuple[List[str], float]:
             lines.append(f"| block-sparse {name}, {what} | H {h}, S 16384, D {d} | {meas:.3f} | {t * 1e3:.3f} | "
                          f"{t * 1e3 / meas:.2f} |  |")
     return lines, worst
+
+
+def sparse_layouts():
+    """The benchmark's layouts (benchmarks/sparse/bench_cuda.py), by name."""
+    import importlib.util
+    root = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("sparse_bench", os.path.join(root, "sparse", "bench_cuda.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    n = 16384 // 128
+    return lambda name, h: mod.bigbird_layout(h, n) if name == "bigbird" else mod.fixed_layout(n)
+
+
+def report_sparse_wgmma(fits) -> List[str]:
+    """Block-sparse on the wgmma kernels (set_cuda_kernels(hopper_fwd=2, hopper_bwd=2)): the dense
+    wgmma fits on the layout's visible blocks, as the mma.sync rows above are predicted. Full
+    blocks skip the element mask there, so a visible block costs a dense tile; the CSR / CSC
+    index adds one 4-byte read per block to the producer warp's loads, counted as no time."""
+    layout_of = sparse_layouts()
+    lines = ["", "## Block-sparse on the wgmma kernels (hopper_fwd=2, hopper_bwd=2): predicted, no GPU timing yet", "",
+             "B = 1, S = 16384, 128 x 128 blocks, bf16; ours (mma.sync) and FlexAttention measured on the H100 "
+             "(2026-11-24), the same rows as above.", "",
+             "| layout | (H, D) | pass | mma.sync measured ms | wgmma predicted ms | Flex measured ms | "
+             "predicted wgmma / Flex speed (target >= 1.0x) |", "|---|---|---|---|---|---|---|"]
+    for (name, h, d), (t_fwd, t_fb) in SPARSE_MS.items():
+        layout = layout_of(name, h)
+        fwd = predict(sparse_launch("wgmma fwd", fits[("wgmma fwd", d)], layout, h))["time"] * 1e3
+        bwd = predict(sparse_launch("wgmma bwd", fits[("wgmma bwd", d)], layout, h))["time"] * 1e3
+        f_fwd, f_fb = FLEX_MS[(name, h, d)]
+        for what, ours, pred, flex in (("fwd", t_fwd, fwd, f_fwd), ("fwd+bwd", t_fb, fwd + bwd, f_fb)):
+            lines.append(f"| {name} | ({h}, {d}) | {what} | {ours:.2f} | {pred:.3f} | {flex:.2f} | {flex / pred:.2f}x |")
+    lines += ["", "The prediction assumes the dense kernels' per-tile rate on every visible block; the layouts' "
+              "diagonal blocks are partial only under causal masks, which these rows do not use."]
+    return lines
 
 
 def measured_softmax(cls: str, d: int, s: int, causal: bool) -> float:
@@ -905,7 +938,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + NOT_MODELLED
+    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_sparse_wgmma(fits) + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"
