@@ -13,8 +13,9 @@ functions delta_rule_attention / delta_rule_step.
 
 The math is reference.delta_rule's (common/delta_params.h in C++). The input rules, the Meta
 kernels and the check-only op delta_check are C++ (csrc/torch/linear_delta_binding.*); this module adds
-the layout handling, the defaults, `register_autograd`, and the PyTorch recurrence on devices
-with no kernel (CUDA today).
+the layout handling, the defaults, `register_autograd`, and the PyTorch recurrence where no
+kernel serves the call (float64 on CUDA; CUDA calls that need gradients: the CUDA forward has no
+backward kernel yet).
 """
 from __future__ import annotations
 
@@ -30,16 +31,30 @@ from . import reference
 HAS_OP = HAS_EXT and hasattr(torch.ops.attention_ext, "delta_fwd")
 _KERNELS = {dev: HAS_OP and registered("attention_ext::delta_fwd", key) for dev, key in (("cpu", "CPU"),
                                                                                          ("cuda", "CUDA"))}
+_BWD_KERNELS = {dev: HAS_OP and registered("attention_ext::delta_bwd", key) for dev, key in (("cpu", "CPU"),
+                                                                                             ("cuda", "CUDA"))}
+_STEP_KERNELS = {dev: HAS_OP and registered("attention_ext::delta_step", key) for dev, key in (("cpu", "CPU"),
+                                                                                               ("cuda", "CUDA"))}
 FWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_fwd.default._schema.arguments) if HAS_OP else ()
 BWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_bwd.default._schema.arguments) if HAS_OP else ()
 STEP_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_step.default._schema.arguments) if HAS_OP else ()
 _GRAD_INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
 
 
-def has_kernel(device: torch.device) -> bool:
-    """True when a compiled delta-rule kernel serves tensors on `device` (the CPU: every dtype,
-    float64 included)."""
-    return _KERNELS.get(device.type, False)
+def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None, *, grad: bool = False) -> bool:
+    """True when a compiled delta-rule forward serves tensors on `device` (and of `dtype`, when
+    given; with grad=True, its backward too). The CPU: every dtype, float64 included, forward
+    and backward. CUDA: float32, float16 and bfloat16, the forward and the in-place step (a call
+    that needs gradients runs the PyTorch recurrence there)."""
+    kernels = _BWD_KERNELS if grad else _KERNELS
+    if not kernels.get(device.type, False):
+        return False
+    return dtype is None or dtype != torch.float64 or device.type == "cpu"
+
+
+def _needs_grad(a: dict) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(a.get(n), Tensor) and a[n].requires_grad for n in _GRAD_INPUTS)
 
 
 def _call(op: str, names, a: dict):
@@ -123,8 +138,9 @@ def delta_rule_attention(
             gradient.
 
     Returns out (B, H_v, S, V) in q's layout and dtype (and the final state). Differentiable in
-    q, k, v, beta, gate and initial_state. The CPU runs compiled kernels (docs/api.md); other
-    devices run the PyTorch recurrence (reference.delta_rule).
+    q, k, v, beta, gate and initial_state. The CPU runs compiled kernels forward and backward;
+    CUDA runs a compiled forward (float32 / float16 / bfloat16) and, for calls that need
+    gradients, the PyTorch recurrence (reference.delta_rule), as do other devices (docs/api.md).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if not isinstance(t, Tensor):
@@ -163,7 +179,8 @@ def run(a: dict) -> Tuple[Tensor, Tensor]:
     included): the compiled kernel where there is one (with autograd), else the op's input rules
     and the PyTorch recurrence. For callers that prepared the arguments themselves
     (delta_rule_attention, linear_attention's per-key-channel gates with plain=True)."""
-    if has_kernel(a["q"].device):
+    q = a["q"]
+    if isinstance(q, Tensor) and has_kernel(q.device, q.dtype, grad=_needs_grad(a)):
         return _call("delta_fwd", FWD_ARGS, a)
     if HAS_OP:
         _call("delta_check", FWD_ARGS, a)
@@ -239,7 +256,7 @@ def delta_rule_step(
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
     a = dict(q=q, k=k, v=v, beta=beta, state=state, gate=gate, scale=float(scale), qk_l2norm=bool(qk_l2norm))
-    if has_kernel(q.device):
+    if _STEP_KERNELS.get(q.device.type, False) and has_kernel(q.device, q.dtype):
         out = _call("delta_step", STEP_ARGS, a)
     else:
         if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)

@@ -135,6 +135,20 @@ void check_delta_step_inputs(const at::Tensor& q, const at::Tensor& k, const at:
                     "contiguous (an expanded or strided view is not); pass state.contiguous() and keep that tensor");
 }
 
+bool delta_fill_unwritten(at::Tensor& out, at::Tensor& state, const at::Tensor& q, const at::Tensor& v,
+                          const DeltaOptions& o) {
+  if (o.cu_seqlens.has_value() || out.numel() == 0) out.zero_();
+  const bool empty = q.numel() == 0 || v.numel() == 0 || q.size(2) == 0;
+  if (empty) {
+    if (o.initial_state.has_value()) {
+      state.copy_(*o.initial_state);
+    } else {
+      state.zero_();
+    }
+  }
+  return empty || state.numel() == 0;
+}
+
 at::Tensor alloc_delta_out(const at::Tensor& q, const at::Tensor& v) {
   return empty_like_layout(q, v.sym_size(1), v.sym_size(3), q.options());
 }

@@ -60,6 +60,12 @@ void check_delta_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tens
 std::tuple<at::Tensor, at::Tensor> alloc_delta_outputs(const at::Tensor& q, const at::Tensor& v,
                                                        const DeltaOptions& o);
 
+// What no kernel writes, on any device: out's rows that no sequence owns (a varlen pack's tail)
+// become 0, and a call with no tokens passes the initial state (or zeros) to the final state.
+// Returns true when nothing is left for a kernel (an empty call).
+bool delta_fill_unwritten(at::Tensor& out, at::Tensor& state, const at::Tensor& q, const at::Tensor& v,
+                          const DeltaOptions& o);
+
 // delta_step's rules: delta_fwd's, and a contiguous state of the initial state's shape and dtype
 // (it is written in place).
 void check_delta_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,

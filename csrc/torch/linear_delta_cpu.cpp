@@ -17,15 +17,7 @@ std::tuple<Tensor, Tensor> delta_fwd_cpu(const Tensor& q, const Tensor& k, const
   const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
   attn::api::check_delta_inputs(q, k, v, beta, o);
   auto [out, state] = attn::api::alloc_delta_outputs(q, v, o);
-  if (o.cu_seqlens.has_value() || out.numel() == 0) out.zero_();  // rows no sequence owns
-  if (q.size(2) == 0 || q.numel() == 0 || v.numel() == 0) {
-    if (o.initial_state.has_value()) {
-      state.copy_(*o.initial_state);
-    } else {
-      state.zero_();
-    }
-    if (q.numel() == 0 || q.size(2) == 0 || state.numel() == 0) return {out, state};
-  }
+  if (attn::api::delta_fill_unwritten(out, state, q, v, o)) return {out, state};
   if (q.scalar_type() == at::kDouble) {
     attn::cpu::delta_fwd_stub<double>(attn::api::make_delta_params<double>(q, k, v, beta, out, state, o));
   } else {

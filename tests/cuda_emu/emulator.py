@@ -1,6 +1,7 @@
 """Builds (JIT, cached in build/emu) and loads the host emulator of the CUDA kernels:
-torch.ops.attention_ext_emu.fwd / bwd / path and linear_fwd / linear_bwd (this folder), and, as a
-separate small module (load_decode), torch.ops.attention_ext_emu_decode.decode_fwd.
+torch.ops.attention_ext_emu.fwd / bwd / path and linear_fwd / linear_bwd (this folder), and, as
+separate small modules: torch.ops.attention_ext_emu_decode.decode_fwd (load_decode) and
+torch.ops.attention_ext_emu_delta.delta_fwd / delta_step (load_delta).
 
 The emulator compiles csrc/softmax/cuda's mma.sync, SIMT and (sm_90) wgmma kernels with g++ (ATTN_CUDA_EMULATE), with
 the real CUDA headers for the half / bfloat16 types (so it needs a CUDA toolkit's include
@@ -87,42 +88,63 @@ def load():
     return _ops
 
 
-_decode_ops = None
-decode_build_seconds = None
-
-
-def load_decode():
-    """torch.ops.attention_ext_emu_decode (the CUDA decode kernels, csrc/decode/cuda), built on
-    first use into build/emu_decode; None (see `why`) without a toolchain. A module of its own:
-    the decode kernels have no arch-specific code, so it needs neither the softmax instantiations
-    nor a second arch, and builds in a fraction of the main emulator's time. Its runtime copy is
-    renamed (attn_emu -> attn_emu_decode) so both modules load into one process."""
-    global _decode_ops, why, decode_build_seconds
-    if _decode_ops is not None:
-        return _decode_ops
+def _load_module(tag: str, sources, torch_sources):
+    """torch.ops.attention_ext_emu_<tag>, a small emulator module of its own (one family's
+    kernels, no arch-specific code: one sm_80 build stands for both archs), built on first use
+    into build/emu_<tag>. Its runtime copy is renamed (attn_emu -> attn_emu_<tag>) so every
+    module loads into one process. Returns (ops, build seconds), or (None, None) (see `why`)."""
+    global why
     inc, why_not = _toolchain()
     if inc is None:
         why = why_not
-        return None
+        return None, None
     from torch.utils import cpp_extension
 
-    build = BUILD + "_decode"
+    build = BUILD + "_" + tag
     os.makedirs(build, exist_ok=True)
     t0 = time.time()
     cpp_extension.load(
-        name="attention_ext_emu_decode",
-        sources=[os.path.join(EMU, f) for f in ("emu_decode_binding.cpp", "emu_runtime.cpp", "emu_decode_kernels.cpp")]
-        + [os.path.join(ROOT, "csrc", "torch", f) for f in ("decode_binding.cpp", "softmax_binding.cpp")],
-        extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Dattn_emu=attn_emu_decode",
+        name="attention_ext_emu_" + tag,
+        sources=[os.path.join(EMU, f) for f in sources] + [os.path.join(ROOT, "csrc", "torch", f) for f in torch_sources],
+        extra_cflags=["-O1", "-std=c++20", "-DATTN_CUDA_EMULATE", "-Dattn_emu=attn_emu_" + tag,
                       "-Wno-unknown-pragmas", "-I" + os.path.join(EMU, "target"), "-I" + os.path.join(ROOT, "csrc"), "-I" + EMU,
                       "-I" + inc],
         build_directory=build,
         is_python_module=False,
         verbose=os.environ.get("ATTENTION_EXT_EMU_VERBOSE") == "1",
     )
-    decode_build_seconds = time.time() - t0
-    _decode_ops = torch.ops.attention_ext_emu_decode
+    return getattr(torch.ops, "attention_ext_emu_" + tag), time.time() - t0
+
+
+_decode_ops = None
+decode_build_seconds = None
+
+
+def load_decode():
+    """torch.ops.attention_ext_emu_decode (the CUDA decode kernels, csrc/decode/cuda), built on
+    first use; None (see `why`) without a toolchain. A module of its own (_load_module): the
+    decode kernels need neither the softmax instantiations nor a second arch."""
+    global _decode_ops, decode_build_seconds
+    if _decode_ops is None:
+        _decode_ops, decode_build_seconds = _load_module(
+            "decode", ("emu_decode_binding.cpp", "emu_runtime.cpp", "emu_decode_kernels.cpp"),
+            ("decode_binding.cpp", "softmax_binding.cpp"))
     return _decode_ops
+
+
+_delta_ops = None
+delta_build_seconds = None
+
+
+def load_delta():
+    """torch.ops.attention_ext_emu_delta (the delta rule's CUDA kernel, csrc/linear/cuda/delta.cu),
+    built on first use; None (see `why`) without a toolchain."""
+    global _delta_ops, delta_build_seconds
+    if _delta_ops is None:
+        _delta_ops, delta_build_seconds = _load_module(
+            "delta", ("emu_delta_binding.cpp", "emu_runtime.cpp", "emu_delta_kernels.cpp"),
+            ("linear_delta_binding.cpp",))
+    return _delta_ops
 
 
 @contextmanager

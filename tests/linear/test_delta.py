@@ -220,6 +220,7 @@ def test_reference_fallback_equals_kernel(monkeypatch):
     a, sa = ae.delta_rule_attention(*ins[:4], gate=ins[4], initial_state=ins[5], return_state=True, qk_l2norm=True)
     ga = torch.autograd.grad(a.sum() + sa.sum(), ins)
     monkeypatch.setitem(delta._KERNELS, "cpu", False)
+    monkeypatch.setitem(delta._BWD_KERNELS, "cpu", False)
     b, sb = ae.delta_rule_attention(*ins[:4], gate=ins[4], initial_state=ins[5], return_state=True, qk_l2norm=True)
     gb = torch.autograd.grad(b.sum() + sb.sum(), ins)
     torch.testing.assert_close(a, b)
@@ -228,6 +229,28 @@ def test_reference_fallback_equals_kernel(monkeypatch):
         torch.testing.assert_close(x, y)
     with pytest.raises(ValueError, match="beta must have shape"):
         ae.delta_rule_attention(*[t.detach() for t in ins[:3]], beta[:, :1].detach())
+
+
+def test_forward_kernel_without_backward_kernel(monkeypatch):
+    """A device with a forward kernel and no backward kernel (CUDA today): calls that need
+    gradients run the PyTorch recurrence, calls that do not (inference, no_grad) the kernel."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=9, kd=5, vd=7, gate="head")
+    q, k, v, beta, g, h0 = (t.float() for t in (q, k, v, beta, g, h0))
+    monkeypatch.setitem(delta._BWD_KERNELS, "cpu", False)
+    calls = []
+    real = delta._call
+    monkeypatch.setattr(delta, "_call", lambda op, names, a: calls.append(op) or real(op, names, a))
+    kernel = ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0)
+    assert calls == ["delta_fwd"]
+    calls.clear()
+    qg = q.clone().requires_grad_()
+    rec = ae.delta_rule_attention(qg, k, v, beta, gate=g, initial_state=h0)
+    assert "delta_fwd" not in calls and rec.requires_grad
+    torch.testing.assert_close(rec.detach(), kernel, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    with torch.no_grad():
+        ae.delta_rule_attention(qg, k, v, beta, gate=g, initial_state=h0)
+    assert calls == ["delta_fwd"]
 
 
 def test_empty_sequence_passes_the_state_through():

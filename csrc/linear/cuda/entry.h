@@ -9,6 +9,7 @@
 
 #include <cstddef>
 
+#include "common/delta_params.h"
 #include "common/linear_params.h"
 
 namespace attn {
@@ -58,5 +59,10 @@ void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, const LinearCud
 
 // The recurrent step (linear_step): out (B, H, T, Dv), p.state and p.normalizer advanced in place.
 void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t stream);
+
+// The delta rule's forward (delta.cu): writes p.o and, when not null, p.final_state, which may be
+// p.init_state itself (the in-place step). Every row of every sequence; a varlen pack's other
+// rows are left as they are.
+void cuda_delta_fwd(const DeltaParamsT<float>& p, cudaStream_t stream);
 
 }  // namespace attn

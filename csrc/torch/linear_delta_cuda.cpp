@@ -1,0 +1,44 @@
+// CUDA registration of the delta-rule ops: attention_ext::delta_fwd and delta_step on the CUDA
+// forward kernel (csrc/linear/cuda/delta_kernel.cuh), through the host steps it shares with the
+// CPU emulator (linear_delta_cuda_steps.h), on the current stream under a device guard. delta_bwd
+// has no CUDA kernel: attention_ext.linear.delta runs the PyTorch recurrence when a CUDA call
+// needs gradients.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cuda/launch.h"  // NvtxRange
+#include "linear/cuda/entry.h"
+#include "torch/cuda_device.h"
+#include "torch/linear_delta_cuda_steps.h"
+
+namespace {
+
+using at::Tensor;
+
+struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
+  static constexpr const char* kWhat = "attention_ext.delta_rule_attention";
+  void delta_fwd(const attn::DeltaParamsT<float>& p) const { attn::cuda_delta_fwd(p, stream()); }
+};
+
+std::tuple<Tensor, Tensor> delta_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  attn::NvtxRange range("attention_ext::delta::fwd (CUDA)");
+  return attn::api::delta_cuda_fwd_steps(CudaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS());
+}
+
+Tensor delta_step_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
+                       const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  attn::NvtxRange range("attention_ext::delta::step (CUDA)");
+  return attn::api::delta_cuda_step_steps(CudaDevice{}, q, k, v, beta, state, gate, scale, qk_l2norm);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
+  m.impl("delta_fwd", &delta_fwd_cuda);
+  m.impl("delta_step", &delta_step_cuda);
+}

@@ -1,0 +1,68 @@
+// The host steps of the delta rule's CUDA forward and in-place step between the ops' tensors and
+// the torch-free backend (csrc/linear/cuda/entry.h cuda_delta_fwd): the checks
+// (linear_delta_binding.h), outputs, params, the launch, errors. One copy for the real CUDA
+// binding (linear_delta_cuda.cpp) and the CPU emulator's, which differ only in their `Device`:
+//
+//   struct Device {
+//     static constexpr bool kPoison;       // outputs start as NaN where the kernels write (the emulator)
+//     static constexpr const char* kWhat;  // error-message prefix
+//     void check_device(const Tensor& q) const;  // dtype / device the backend takes
+//     <RAII> guard(const Tensor& q) const;       // device guard for the call
+//     void delta_fwd(const DeltaParamsT<float>&) const;
+//   };
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "torch/cuda_steps.h"  // run_backend
+#include "torch/linear_delta_binding.h"
+
+namespace attn {
+namespace api {
+
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor> delta_cuda_fwd_steps(const Device& dev, const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& beta,
+                                                        const DeltaOptions& o) {
+  check_delta_inputs(q, k, v, beta, o);
+  dev.check_device(q);
+  const auto guard = dev.guard(q);
+  auto [out, state] = alloc_delta_outputs(q, v, o);
+  if (delta_fill_unwritten(out, state, q, v, o)) return {out, state};
+  if constexpr (Device::kPoison) {  // the rows the kernel owns, and the state
+    const int64_t used = o.cu_seqlens.has_value() ? o.cu_seqlens->cpu()[-1].item<int64_t>() : q.size(2);
+    out.narrow(2, 0, used).fill_(NAN);
+    state.fill_(NAN);
+  }
+  const DeltaParamsT<float> p = make_delta_params<float>(q, k, v, beta, out, state, o);
+  run_backend<Device>([&] { dev.delta_fwd(p); });
+  return {out, state};
+}
+
+// T tokens from `state`, advanced in place: the forward with the state as both its initial and
+// its final state (each CTA reads its columns at its start and writes them at its end).
+template <typename Device>
+at::Tensor delta_cuda_step_steps(const Device& dev, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& beta, at::Tensor& state, const std::optional<at::Tensor>& gate,
+                                 double scale, bool qk_l2norm) {
+  const DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, false};
+  check_delta_step_inputs(q, k, v, beta, state, o);
+  dev.check_device(q);
+  const auto guard = dev.guard(q);
+  at::Tensor out = alloc_delta_out(q, v);
+  if (out.numel() == 0 || state.numel() == 0) {
+    if (out.numel() > 0) out.zero_();
+    return out;
+  }
+  if constexpr (Device::kPoison) out.fill_(NAN);
+  const DeltaParamsT<float> p = make_delta_params<float>(q, k, v, beta, out, state, o);
+  run_backend<Device>([&] { dev.delta_fwd(p); });
+  return out;
+}
+
+}  // namespace api
+}  // namespace attn

@@ -1,0 +1,61 @@
+// torch.ops.attention_ext_emu_delta: the delta rule's CUDA host steps
+// (csrc/torch/linear_delta_cuda_steps.h, the same code as the real binding) and kernel
+// (csrc/linear/cuda/delta_kernel.cuh, emu_delta_kernels.cpp) run by the host emulator on CPU
+// tensors. delta_fwd / delta_step take the arguments of torch.ops.attention_ext.delta_fwd /
+// delta_step. set_schedule: the warps' interleaving (cuda_emu.h), to shake out missing barriers.
+// Unlike the real binding, out and the final state start as NaN (Device::kPoison), so an element
+// the kernel fails to write fails the tests.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "emu_entry.h"  // set_schedule, launch stats
+#include "linear/cuda/entry.h"
+#include "torch/linear_delta_cuda_steps.h"
+
+namespace {
+
+using at::Tensor;
+
+struct EmuDeltaDevice {
+  static constexpr bool kPoison = true;
+  static constexpr const char* kWhat = "attention_ext_emu_delta";
+
+  void check_device(const Tensor& q) const {
+    TORCH_CHECK(q.device().is_cpu(), "attention_ext_emu_delta: the emulator takes CPU tensors");
+    TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu_delta: the CUDA kernels have no float64 path");
+  }
+  int guard(const Tensor&) const { return 0; }
+  void delta_fwd(const attn::DeltaParamsT<float>& p) const { attn::cuda_delta_fwd(p, nullptr); }
+};
+
+std::tuple<Tensor, Tensor> emu_delta_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+  return attn::api::delta_cuda_fwd_steps(EmuDeltaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS());
+}
+
+Tensor emu_delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor state,
+                      const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  return attn::api::delta_cuda_step_steps(EmuDeltaDevice{}, q, k, v, beta, state, gate, scale, qk_l2norm);
+}
+
+void emu_delta_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
+
+std::vector<std::string> emu_delta_launches() { return attn_emu::take_launches(); }
+
+}  // namespace
+
+TORCH_LIBRARY(attention_ext_emu_delta, m) {
+  m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA " ) -> (Tensor, Tensor)",
+        &emu_delta_fwd);
+  m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor(a!) state, Tensor? gate, float scale, "
+        "bool qk_l2norm) -> Tensor",
+        &emu_delta_step);
+  m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_delta_set_schedule);
+  m.def("launches() -> str[]", &emu_delta_launches);
+}
