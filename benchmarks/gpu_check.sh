@@ -145,10 +145,10 @@ fi
 if has families; then
   # the decode, linear and sparse families' CUDA tests (appended to test.log; $OUT holds at most 8 files)
   for fam in decode linear sparse; do
-    timeout 240 python3 -m pytest tests/$fam/test_cuda.py -q -rf -p no:cacheprovider --maxfail=30 >"$TMPD/fam_$fam.log" 2>&1
+    timeout 240 python3 -m pytest tests/$fam/test_*cuda.py -q -rf -p no:cacheprovider --maxfail=30 >"$TMPD/fam_$fam.log" 2>&1
     note "$fam CUDA tests (rc=$?): $(tail -1 "$TMPD/fam_$fam.log")"
     grep -E "^FAILED" "$TMPD/fam_$fam.log" | cut -c1-200 | head -8 | tee -a "$SUMMARY" || true
-    { echo "==== tests/$fam/test_cuda.py"; cat "$TMPD/fam_$fam.log"; } >> "$OUT/test.log"
+    { echo "==== tests/$fam/test_*cuda.py"; cat "$TMPD/fam_$fam.log"; } >> "$OUT/test.log"
   done
 fi
 
@@ -185,6 +185,12 @@ if has dbench; then
   # SDPA and the copy bandwidth, caches 4k and 32k, contiguous and paged)
   timeout 150 python3 benchmarks/decode/bench_cuda.py --quick --md "$TMPD/decode.md" >>"$OUT/bench.log" 2>&1
   note "decode bench: rc=$?"; cat "$TMPD/decode.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
+fi
+
+if has deltabench; then
+  # the delta rule's CUDA forward and in-place step against FLA's Gated DeltaNet kernels (issue 38)
+  timeout 150 python3 benchmarks/linear/bench_delta_cuda.py --reps 5 --out "$TMPD/delta.md" >>"$OUT/bench.log" 2>&1
+  note "delta bench: rc=$?"; cat "$TMPD/delta.md" | tee -a "$SUMMARY" >> "$OUT/bench.md" 2>/dev/null
 fi
 
 if has fbench; then

@@ -800,6 +800,68 @@ def report_step() -> List[str]:
     return lines
 
 
+# The delta rule's recurrent forward (csrc/linear/cuda/delta_kernel.cuh): CTAs of 4 warps, a
+# column held by KS lanes with kRows = 16 rows each. Per token and warp, from the source (not
+# counted): the gate (kRows multiplies), p = h'^T k and o = h^T q (2 kRows FMAs, 2 x 3 adds and
+# 2 log2(KS) shuffles and adds), the update (kRows FMAs), kRows / 2 float4 reads of k and q, about
+# 15 more (u, beta, v, o's store, the loop): ~105 at K = 128. The token's dependent chain (gate,
+# p's FMAs and shuffles, u, the update's FMAs and o's shuffles) is about DELTA_CHAIN_CLK clocks,
+# which the other warps of the SM overlap; the SM's time per token is the longer of that chain
+# and its warps' issue time. A staged block of 32 tokens adds one global round trip.
+DELTA_CHAIN_CLK = 220
+DELTA_CASES = [(4, 16, 8192, 128, 128), (8, 16, 2048, 128, 128), (1, 32, 16384, 128, 128), (16, 8, 1024, 64, 64)]
+DELTA_STEP_CASES = [(8, 32, 128, 128), (64, 32, 128, 128), (256, 32, 128, 128)]
+
+
+def delta_lanes(k: int) -> int:
+    return min(32, max(1, 1 << max(0, math.ceil(math.log2(max(k, 1) / 16)))))
+
+
+def delta_fwd_launch(b, hv, s, k, v) -> Launch:
+    ks = delta_lanes(k)
+    bv = 4 * (32 // ks)
+    instr = 3 * 16 + 8 + 2 * 2 * math.log2(ks) + 6 + 15 + 20
+    res = Resources(128, 128, 48 * 1024)  # ptxas: 96-128 registers, no spills (sm_80, sm_90a)
+    cps = ctas_per_sm(res)
+    # each CTA is one of cps sharing an SM: its token time is the SM's when the SM is full
+    t_tok = max(DELTA_CHAIN_CLK, cps * 4 * instr / ISSUE_PER_CLK) / SM_CLOCK
+    blocks = math.ceil(s / 32)
+    ctas = math.ceil(v / bv) * hv * b
+    full = min(1.0, ctas / (SMS * cps))
+    t_cta = s * (t_tok if full >= 1.0 else max(DELTA_CHAIN_CLK / SM_CLOCK, t_tok * full)) + blocks * LATENCY
+    io = b * s * (2 * hv * k * 2 + hv * v * 2 * 2)  # q, k (per value head's reads, cached) and v, o in bf16
+    return Launch("delta fwd", res, [t_cta] * ctas, io, notes=f"KS {ks}, {bv} columns per CTA")
+
+
+def report_delta() -> List[str]:
+    lines = ["", "## The delta rule's CUDA forward (recurrent; delta_rule_attention without autograd): predicted, "
+             "no GPU run yet", "",
+             "Gated DeltaNet, bf16 inputs, float32 state. Per token, the SM's time is the longer of the dependent "
+             f"chain (~{DELTA_CHAIN_CLK} clocks) and its warps' issue time (estimated instructions, not counted).", "",
+             "| (B, H_v, S, K, V) | CTAs | CTAs / SM | predicted ms | TFLOP/s (3 K V FMAs per token) |",
+             "|---|---|---|---|---|"]
+    for b, hv, s, k, v in DELTA_CASES:
+        launch = delta_fwd_launch(b, hv, s, k, v)
+        p = predict(launch)
+        fl = 2 * 3 * b * hv * s * k * v
+        lines.append(f"| {(b, hv, s, k, v)} | {p['ctas']} | {p['cps']} | {p['time'] * 1e3:.2f} | "
+                     f"{fl / p['time'] / 1e12:.1f} |")
+    lines += ["", "The in-place step (delta_rule_step, T = 1): the state's read and write at the copy bandwidth "
+              "(each warp reads 16-byte pieces of 8 rows: half of each 32-byte sector, the other half read by "
+              "the neighbouring warp at the same time), plus one token's chain and the launch.", "",
+              "| (B, H_v, K, V) | CTAs | state read + write MB | predicted us | predicted % of copy |", "|---|---|---|---|---|"]
+    for b, hv, k, v in DELTA_STEP_CASES:
+        ctas = math.ceil(v / (4 * (32 // delta_lanes(k)))) * hv * b
+        state = 2 * b * hv * k * v * 4
+        launch = Launch("delta step", Resources(128, 128, 48 * 1024),
+                        [2 * LATENCY + DELTA_CHAIN_CLK / SM_CLOCK] * ctas, state)
+        t = predict(launch)["time"]
+        lines.append(f"| {(b, hv, k, v)} | {ctas} | {state / 1e6:.0f} | {t * 1e6:.1f} | {state / t / COPY_BW:.0%} |")
+    lines += ["", "No peer has been measured on a GPU for these rows yet (benchmarks/linear/bench_delta_cuda.py "
+              "times FLA's fused recurrent and chunked Gated DeltaNet kernels beside ours)."]
+    return lines
+
+
 # The option rows on the sm_90a wgmma forward (hopper_fwd=2), B = 8, H = 16, S = 4096, D = 128,
 # causal: the per-element policy work a general score adds to the plain kernel, in warp
 # instructions per (query, key) element of every computed tile, estimated from the source (not
@@ -938,7 +1000,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_sparse_wgmma(fits) + NOT_MODELLED
+    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_sparse_wgmma(fits) + report_delta() + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"

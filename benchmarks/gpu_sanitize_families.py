@@ -75,7 +75,24 @@ def linear(dev):
     for _ in range(3):
         q, k, v = (torch.randn(2, 4, 1, 32, device=dev, dtype=bf) for _ in range(3))
         _, st = ae.linear_attention_step(q, k, v, st)
-    return n + 1
+    n += 1
+    # the delta rule's forward (no autograd: the CUDA kernel) and in-place step: every lane split
+    # of a column (K 5 .. 600), partial value tiles, gates, varlen with an empty sequence
+    with torch.no_grad():
+        for kd, vd, gate in ((5, 9, None), (64, 40, "head"), (128, 128, "key"), (200, 33, "head"), (600, 6, "key")):
+            s = 37
+            q, k = (torch.randn(1, 2, s, kd, device=dev, dtype=bf) for _ in range(2))
+            v = torch.randn(1, 4, s, vd, device=dev, dtype=bf)
+            beta = torch.rand(1, 4, s, device=dev)
+            g = None if gate is None else -torch.rand(*((1, 4, s) if gate == "head" else (1, 4, s, kd)), device=dev)
+            cu = torch.tensor([0, 10, 10, 37], device=dev, dtype=torch.int32)
+            h0 = torch.randn(3, 4, kd, vd, device=dev)
+            ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, cu_seqlens=cu, qk_l2norm=True)
+            state = torch.zeros(1, 4, kd, vd, device=dev)
+            ae.delta_rule_step(q[:, :, :3], k[:, :, :3], v[:, :, :3], beta[:, :, :3].contiguous(), state,
+                               gate=g[:, :, :3].contiguous() if g is not None else None, inplace=True)
+            n += 2
+    return n
 
 
 def sparse(dev):

@@ -1,0 +1,125 @@
+"""The delta rule on the GPU: our CUDA forward (csrc/linear/cuda/delta_kernel.cuh, recurrent, the
+state in registers) against flash-linear-attention's Gated DeltaNet kernels (the fused recurrent
+one, the same schedule, and the chunked one, its training kernel) and against the chunked
+PyTorch form a user would write (reference.delta_rule_chunked), timed interleaved in the same run
+with CUDA synchronization. Inference calls (no autograd): prefill, and the in-place step of
+decode, whose cost is one read and one write of the state.
+
+    python benchmarks/linear/bench_delta_cuda.py [--reps N] [--out FILE]
+
+Gated DeltaNet (a per-head gate), L2-normalized q and k in the kernel, bf16 inputs, float32 state.
+FLA is optional (`pip install flash-linear-attention fla-core`; the device README says how its
+wheels travel); without it those columns say so. The FMA rate counts 3 K V multiply-adds per
+token and value head (p = h'^T k, the update, o = h^T q), against the float32 matmul ceiling
+(attention_ext.bench.flop_ceiling; without TF32, cuBLAS runs it on the same FMA units).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from common import copy_bandwidth, interleaved  # noqa: E402
+
+import attention_ext as ae  # noqa: E402
+from attention_ext.linear import reference  # noqa: E402
+
+# (B, H_k, H_v, S, K, V): Gated DeltaNet's shapes (Qwen3-Next: 16 q / k heads, 32 value heads, 128 wide)
+CASES = [(4, 16, 16, 8192, 128, 128), (8, 16, 16, 2048, 128, 128), (1, 16, 32, 16384, 128, 128),
+         (16, 8, 8, 1024, 64, 64)]
+# the in-place step, T = 1: (B, H_k, H_v, K, V)
+STEP_CASES = [(8, 16, 32, 128, 128), (64, 16, 32, 128, 128), (256, 16, 32, 128, 128)]
+
+
+def fla_fns():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def inputs(b, hk, hv, s, kd, vd):
+    torch.manual_seed(0)
+    q = torch.randn(b, s, hk, kd, device="cuda", dtype=torch.bfloat16)  # (B, S, H, D): FLA's layout
+    k = torch.randn(b, s, hk, kd, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, s, hv, vd, device="cuda", dtype=torch.bfloat16)
+    beta = torch.rand(b, hv, s, device="cuda", dtype=torch.float32)
+    g = -torch.rand(b, hv, s, device="cuda", dtype=torch.float32) * 0.1
+    return q, k, v, beta, g
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", help="write the markdown table here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_delta_cuda.py needs a CUDA device")
+        return 1
+    fla = fla_fns()
+    from attention_ext.bench import flop_ceiling
+    fma, _ = flop_ceiling(torch.float32, "cuda")  # cuBLAS float32 without TF32: the FMA units
+    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; FLA: "
+             f"{'gated_delta_rule' if fla else 'not installed'}; float32 matmul ceiling {fma / 1e12:.0f} TFLOP/s", "",
+             "Prefill (no autograd), Gated DeltaNet, bf16 inputs:", "",
+             "| (B, H_k, H_v, S, K, V) | ours ms | ours TFLOP/s (of the float32 matmul) | x FLA fused recurrent | x FLA chunk "
+             "| x PyTorch chunked |", "|---|---|---|---|---|---|"]
+    with torch.no_grad():
+        for b, hk, hv, s, kd, vd in CASES:
+            q, k, v, beta, g = inputs(b, hk, hv, s, kd, vd)
+            rep = hv // hk
+            fns = {"ours": lambda: ae.delta_rule_attention(q, k, v, beta, gate=g, qk_l2norm=True, layout="bshd")}
+            if fla is not None:
+                chunk, fused = fla
+                qf, kf = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q, k))
+                bt, gt = beta.transpose(1, 2).contiguous(), g.transpose(1, 2).contiguous()
+                fns["fla_rec"] = lambda: fused(qf, kf, v, g=gt, beta=bt, use_qk_l2norm_in_kernel=True)
+                fns["fla_chunk"] = lambda: chunk(qf, kf, v, g=gt, beta=bt, use_qk_l2norm_in_kernel=True)
+            if s <= 4096:  # the Python loop over chunks: slow at long S, and it holds every chunk
+                qh, kh = (reference._l2n(t.transpose(1, 2).float().repeat_interleave(rep, dim=1)) for t in (q, k))
+                vh = v.transpose(1, 2).float()
+                fns["torch"] = lambda: reference.delta_rule_chunked(qh, kh, vh, beta, g)
+            t = interleaved(fns, reps=args.reps, sync=torch.cuda.synchronize)
+            fl = 2 * 3 * b * hv * s * kd * vd
+            cols = [f"{t[n] / t['ours']:.2f}x" if n in t else "-" for n in ("fla_rec", "fla_chunk", "torch")]
+            lines.append(f"| {(b, hk, hv, s, kd, vd)} | {t['ours'] * 1e3:.3f} | {fl / t['ours'] / 1e12:.1f} "
+                         f"({fl / t['ours'] / fma:.0%}) | " + " | ".join(cols) + " |")
+            print(lines[-1], flush=True)
+
+        bw = copy_bandwidth(device="cuda")
+        lines += ["", f"The in-place step (decode), T = 1; copy bandwidth {bw / 1e9:.0f} GB/s (read + write):", "",
+                  "| (B, H_k, H_v, K, V) | state MB | ours us | ours GB/s (% of copy) | x FLA fused recurrent |",
+                  "|---|---|---|---|---|"]
+        for b, hk, hv, kd, vd in STEP_CASES:
+            q, k, v, beta, g = inputs(b, hk, hv, 1, kd, vd)
+            qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+            state = torch.randn(b, hv, kd, vd, device="cuda") * 0.1
+            fns = {"ours": lambda: ae.delta_rule_step(qs, ks, vs, beta, state, gate=g, qk_l2norm=True, inplace=True)}
+            if fla is not None:
+                fused = fla[1]
+                rep = hv // hk
+                qf, kf = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q, k))
+                bt, gt = beta.transpose(1, 2).contiguous(), g.transpose(1, 2).contiguous()
+                st2 = state.clone()
+                fns["fla_rec"] = lambda: fused(qf, kf, v, g=gt, beta=bt, initial_state=st2, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+            t = interleaved(fns, reps=args.reps, sync=torch.cuda.synchronize)
+            nbytes = 2 * state.numel() * 4
+            vs_fla = f"{t['fla_rec'] / t['ours']:.2f}x" if "fla_rec" in t else "-"
+            lines.append(f"| {(b, hk, hv, kd, vd)} | {state.numel() * 4 / 1e6:.0f} | {t['ours'] * 1e6:.1f} | "
+                         f"{nbytes / t['ours'] / 1e9:.0f} ({nbytes / t['ours'] / bw:.0%}) | {vs_fla} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n\nRatios > 1: ours faster. Command: python benchmarks/linear/bench_delta_cuda.py\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

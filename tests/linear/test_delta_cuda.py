@@ -1,0 +1,86 @@
+"""The delta rule's CUDA forward (csrc/linear/cuda/delta_kernel.cuh) on a GPU, through the public
+functions: outputs and final states against the float64 recurrence with the project rule (2x
+PyTorch's same-dtype error), every lane split of a column (K from 5 to 600), GVA, the gates, the
+L2 norm, varlen packs, hard resets, the in-place step, and calls that need gradients (the PyTorch
+recurrence on CUDA). Skips without a GPU or without the compiled CUDA kernel;
+tests/cuda_emu/test_delta_emulated.py runs the same kernel on the CPU on every CI run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.linear import delta, reference
+from tests.cuda_emu.test_delta_emulated import CASES, problem
+from tests.helpers import assert_close_fa2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not delta.has_kernel(torch.device("cuda")),
+                                reason="no GPU, or no CUDA delta kernel in this build")
+F64 = torch.float64
+
+
+def check(dtype, q, k, v, beta, g, h0, *, l2=False, cu=None, what=""):
+    dev = "cuda"
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    bd, gd = beta.float(), g.float() if g is not None else None
+    h = h0.float() if h0 is not None else None
+    out, st = ae.delta_rule_attention(*(t.to(dev) for t in (qd, kd, vd, bd)), gate=gd.to(dev) if gd is not None else None,
+                                      initial_state=h.to(dev) if h is not None else None, return_state=True,
+                                      qk_l2norm=l2, cu_seqlens=cu.to(dev) if cu is not None else None)
+    out, st = out.cpu(), st.cpu()
+    ins64 = [t.to(F64) for t in (qd, kd, vd, bd)]
+    ref_out, ref_st = reference.delta_rule(*ins64, gd.to(F64) if gd is not None else None, None,
+                                           h.to(F64) if h is not None else None, cu, l2)
+    t_out, t_st = reference.delta_rule(qd, kd, vd, bd.to(dtype), gd.to(dtype) if gd is not None else None, None,
+                                       h.to(dtype) if h is not None else None, cu, l2, acc=dtype)
+    assert torch.isfinite(out).all() and torch.isfinite(st).all(), what
+    assert_close_fa2(out, t_out, ref_out, dtype, f"{what} out")
+    assert_close_fa2(st, t_st, ref_st, dtype, f"{what} final state")
+    return out, st
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES + [(2, 4, 1000, 128, 128, "head", True), (1, 2, 300, 256, 64, "key", True)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_forward(case, dtype):
+    hk, hv, s, kd, vd, gate, l2 = case
+    check(dtype, *problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate), l2=l2, what=str(case))
+
+
+def test_varlen_and_hard_reset():
+    cu = torch.tensor([0, 9, 9, 30, 41], dtype=torch.int32)
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=45, kd=24, vd=10, gate="key", nseq=4)
+    g[:, :, 20] = float("-inf")
+    out, st = check(torch.float32, q, k, v, beta, g, h0, l2=True, cu=cu)
+    assert (out[:, :, 41:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_then_inplace_steps(dtype):
+    q, k, v, beta, g, h0 = (t.cuda() for t in problem(b=2, hk=1, hv=2, s=20, kd=128, vd=128, gate="head"))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    beta, g, h0 = beta.float(), g.float(), h0.float()
+    whole, final = ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, return_state=True, qk_l2norm=True)
+    out, state = ae.delta_rule_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], beta[:, :, :12], gate=g[:, :, :12],
+                                         initial_state=h0, return_state=True, qk_l2norm=True)
+    outs = [out]
+    for t in range(12, 20):
+        o, state = ae.delta_rule_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], beta[:, :, t:t + 1].contiguous(),
+                                      state, gate=g[:, :, t:t + 1].contiguous(), qk_l2norm=True, inplace=True)
+        outs.append(o)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(torch.cat(outs, 2).float(), whole.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_calls_run_the_recurrence():
+    """No backward kernel on CUDA yet: a call that needs gradients runs the PyTorch recurrence
+    and matches the forward kernel's output."""
+    q, k, v, beta, g, h0 = (t.float().cuda() for t in problem(b=1, hk=1, hv=2, s=30, kd=32, vd=16, gate="key"))
+    with torch.no_grad():
+        fast = ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, qk_l2norm=True)
+    qg = q.clone().requires_grad_()
+    slow = ae.delta_rule_attention(qg, k, v, beta, gate=g, initial_state=h0, qk_l2norm=True)
+    slow.sum().backward()
+    torch.testing.assert_close(slow.detach(), fast, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(qg.grad).all()
