@@ -333,6 +333,107 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Ten
     return out.to(q.dtype), torch.cat(states, 0)
 
 
+def _pair_log_decay(g: Tensor) -> Tensor:
+    """D[..., i, j] = g_{j+1} + ... + g_i for i >= j (0 on the diagonal; -inf above it), over the
+    last dim of g (..., C). Each entry sums only the gates between its two tokens, so a -1e4 or
+    -inf gate never meets the small ones it does not lie between: no cancellation (a chunked form
+    that subtracts cumulative sums, G_i - G_j, loses them, and gives NaN at -inf)."""
+    c = g.shape[-1]
+    idx = torch.arange(c, device=g.device)
+    after = idx[:, None] > idx[None, :]  # (i, j): token i lies after j
+    m = torch.where(after, g.unsqueeze(-1).expand(*g.shape, c), g.new_zeros(()))  # (..., i, j) = g_i [i > j]
+    d = m.cumsum(-2)
+    return torch.where(idx[:, None] >= idx[None, :], d, g.new_full((), float("-inf")))
+
+
+def delta_rule_wy(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
+                  scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
+                  cu_seqlens: Optional[Tensor] = None, qk_l2norm: bool = False, chunk: int = 64) -> Tuple[Tensor, Tensor]:
+    """The delta rule (no gate, or a per-head gate (B, H_v, S)) in its chunked WY form, exact for
+    every gate: where a kernel does not serve the call (CUDA calls that need gradients) it runs
+    S / chunk steps of small matmuls instead of S steps of the recurrence, differentiable through
+    autograd. Arguments and results as delta_rule's (computed in float32, float64 for float64).
+
+    Per chunk of C tokens entering state h0, with D the pairwise log-decays (_pair_log_decay),
+    Gam = exp(D) (lower triangular, 1 on the diagonal) and e_i = exp(g_1 + ... + g_i):
+        (I + tril(diag(beta) (K K^T * Gam), -1)) U = diag(beta) (V - diag(e) K h0)   (a triangular solve)
+        O = diag(e) (scale Q) h0 + ((scale Q) K^T * Gam) U
+        h = e_C h0 + (K * Gam[C, :])^T U
+    Every exponent is a sum of gates between two tokens or from the chunk's start, never a
+    difference, so hard resets (-inf) and extreme gates stay exact as in the recurrence."""
+    if gate is not None and gate.dim() != 3:
+        raise ValueError("delta_rule_wy: gate must be None or per head, (B, H_v, S); per-key gates take delta_rule")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    hk, hv = q.shape[1], v.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = q.to(acc), k.to(acc)
+    if qk_l2norm:
+        qf, kf = _l2n(qf), _l2n(kf)
+    if hv != hk:
+        qf, kf = (t.repeat_interleave(hv // hk, dim=1) for t in (qf, kf))
+    vf, bf = v.to(acc), beta.to(acc)
+    gf = gate.to(acc) if gate is not None else None
+    if cu_seqlens is None:
+        out, state = _delta_wy_dense(qf * scale, kf, vf, bf, gf, initial_state, chunk)
+        return out.to(q.dtype), state
+    cu = [int(x) for x in cu_seqlens]
+    pieces, states = [], []
+    for n in range(len(cu) - 1):
+        a, e = cu[n], cu[n + 1]
+        h0 = initial_state[n:n + 1] if initial_state is not None else None
+        o, st = _delta_wy_dense(qf[:, :, a:e] * scale, kf[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e],
+                                gf[:, :, a:e] if gf is not None else None, h0, chunk)
+        pieces.append(o)
+        states.append(st)
+    tail = vf.new_zeros(*vf.shape[:2], vf.shape[2] - cu[-1], vf.shape[3])
+    return torch.cat(pieces + [tail], 2).to(q.dtype), torch.cat(states, 0)
+
+
+def _delta_wy_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor], h0: Optional[Tensor],
+                    chunk: int) -> Tuple[Tensor, Tensor]:
+    """delta_rule_wy on one batch: q (scaled) and k (B, H, S, K) in the compute dtype."""
+    b, h, s, kd = q.shape
+    dv = v.shape[-1]
+    state = q.new_zeros(b, h, kd, dv) if h0 is None else h0.to(q.dtype)
+    if s == 0:
+        return v.new_zeros(b, h, 0, dv), state
+    n = -(-s // chunk)
+    pad = n * chunk - s
+    if pad:  # padded tokens: beta 0 and gate 0, so they write nothing and decay nothing
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        beta = torch.nn.functional.pad(beta, (0, pad))
+        gate = torch.nn.functional.pad(gate, (0, pad)) if gate is not None else None
+    qc, kc, vc = (t.reshape(b, h, n, chunk, -1) for t in (q, k, v))
+    bc = beta.reshape(b, h, n, chunk)
+    tril = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    if gate is not None:
+        gc = gate.reshape(b, h, n, chunk)
+        gam = torch.exp(_pair_log_decay(gc))        # (B, H, n, C, C)
+        e = torch.exp(gc.cumsum(-1)).unsqueeze(-1)  # (B, H, n, C, 1): decay from the chunk's start
+        last = gam[..., -1, :].unsqueeze(-1)        # (B, H, n, C, 1): from after token j to the chunk's end
+        e_end = e[..., -1:, :]                      # (B, H, n, 1, 1)
+    else:
+        gam = tril.to(q.dtype)
+        e = last = None
+    kk = (kc @ kc.transpose(-1, -2)) * gam
+    lower = torch.eye(chunk, dtype=q.dtype, device=q.device) + (bc.unsqueeze(-1) * kk).tril(-1)
+    # every chunk's T = (I + tril(beta KK^T Gam))^-1 diag(beta) at once; then only h0 is sequential
+    t_mat = torch.linalg.solve_triangular(lower, torch.diag_embed(bc), upper=False, unitriangular=True)
+    u0 = t_mat @ vc                                      # T V
+    w = t_mat @ (kc * e if e is not None else kc)        # T diag(e) K
+    p = (qc @ kc.transpose(-1, -2)) * gam                # (Q K^T * Gam), lower triangular
+    qe = qc * e if e is not None else qc
+    kd_end = kc * last if last is not None else kc
+    outs = []
+    for c in range(n):
+        u = u0[:, :, c] - w[:, :, c] @ state
+        outs.append(qe[:, :, c] @ state + p[:, :, c] @ u)
+        decayed = state * e_end[:, :, c] if e is not None else state
+        state = decayed + kd_end[:, :, c].transpose(-1, -2) @ u
+    out = torch.cat(outs, 2)[:, :, :s]
+    return out, state
+
+
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
                        scale: Optional[float] = None, chunk: int = 64) -> Tuple[Tensor, Tensor]:
     """DeltaNet / Gated DeltaNet (gate (B, H, S)) / KDA (gate (B, H, S, K)) in the chunked form

@@ -253,6 +253,92 @@ def test_forward_kernel_without_backward_kernel(monkeypatch):
     assert calls == ["delta_fwd"]
 
 
+WY_CASES = [  # (b, hk, hv, s, kd, vd, gate, chunk): S below, at and past the chunk; GVA
+    (2, 1, 2, 23, 8, 5, "head", 8),
+    (1, 2, 4, 70, 16, 9, None, 16),
+    (2, 1, 1, 64, 8, 8, "head", 64),
+    (1, 1, 1, 3, 4, 4, "head", 64),
+    (1, 1, 3, 130, 32, 20, "head", 64),
+]
+
+
+@pytest.mark.parametrize("case", WY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_wy_form_matches_float64(case, dtype):
+    """The chunked WY form (the fallback where no kernel serves a call) against the float64
+    recurrence: 2x the recurrence's own error at float32, and to rounding at float64; gradients
+    too."""
+    b, hk, hv, s, kd, vd, gate, chunk = case
+    q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate)
+    ins = [t.to(dtype).requires_grad_() for t in (q, k, v, beta, h0)] + ([g.to(dtype).requires_grad_()] if g is not None else [])
+    out, st = reference.delta_rule_wy(*ins[:4], ins[5] if g is not None else None, 0.4, ins[4], None, True, chunk=chunk)
+    ins64 = [t.detach().to(F64).requires_grad_() for t in ins]
+    ref, ref_st = reference.delta_rule(*ins64[:4], ins64[5] if g is not None else None, 0.4, ins64[4], None, True)
+    same = [t.detach().requires_grad_() for t in ins]
+    t_out, t_st = reference.delta_rule(*same[:4], same[5] if g is not None else None, 0.4, same[4], None, True)
+    assert_close_fa2(out, t_out, ref, dtype, "out")
+    assert_close_fa2(st, t_st, ref_st, dtype, "state")
+    gen = torch.Generator().manual_seed(3)
+    do, dst = torch.randn(out.shape, generator=gen, dtype=F64), torch.randn(st.shape, generator=gen, dtype=F64)
+    ga = torch.autograd.grad((out.to(F64) * do).sum() + (st.to(F64) * dst).sum(), ins)
+    gr = torch.autograd.grad((ref * do).sum() + (ref_st * dst).sum(), ins64)
+    gt = torch.autograd.grad((t_out.to(F64) * do).sum() + (t_st.to(F64) * dst).sum(), same)
+    for name, x, t, r in zip(("dq", "dk", "dv", "dbeta", "dh0", "dgate"), ga, gt, gr):
+        assert_close_fa2(x, t, r, dtype, name)
+
+
+def test_wy_gradcheck():
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=13, kd=4, vd=3, gate="head")
+    ins = [t.requires_grad_() for t in (q, k, v, beta, g, h0)]
+    assert torch.autograd.gradcheck(lambda *x: reference.delta_rule_wy(*x[:5], 0.5, x[5], None, True, chunk=4), ins)
+
+
+@pytest.mark.parametrize("big", [1e4, 1e9, float("inf")])
+def test_wy_extreme_gates_are_exact(big):
+    """Gates of -1e4, -1e9 and -inf (hard resets) inside chunks: the WY form sums gates between
+    two tokens, never subtracts cumulative ones, so values and gradients equal the recurrence's."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=40, kd=8, vd=8, gate="head")
+    g[:, :, 17] = -big
+    g[:, :, 30] = -big
+    ins = [t.clone().requires_grad_() for t in (q, k, v, beta, g, h0)]
+    out, st = reference.delta_rule_wy(*ins[:5], 0.4, ins[5], chunk=16)
+    ins2 = [t.detach().clone().requires_grad_() for t in ins]
+    ref, ref_st = reference.delta_rule(*ins2[:5], 0.4, ins2[5])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st, ref_st, rtol=1e-12, atol=1e-12)
+    ga = torch.autograd.grad(out.sum() + st.sum(), ins)
+    gr = torch.autograd.grad(ref.sum() + ref_st.sum(), ins2)
+    for x, r in zip(ga, gr):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10)
+
+
+def test_wy_varlen_equals_the_recurrence():
+    cu = torch.tensor([0, 9, 9, 30, 41], dtype=torch.int32)
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=45, kd=6, vd=5, gate="head", nseq=4)
+    out, st = reference.delta_rule_wy(q, k, v, beta, g, 0.4, h0, cu, True, chunk=8)
+    ref, ref_st = reference.delta_rule(q, k, v, beta, g, 0.4, h0, cu, True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st, ref_st, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="per head"):
+        reference.delta_rule_wy(q, k, v, beta, g.unsqueeze(-1).expand(-1, -1, -1, 6), 0.4, h0, cu)
+
+
+@pytest.mark.parametrize("gate,form", [(None, "wy"), ("head", "wy"), ("key", "recurrence")])
+def test_fallback_form(monkeypatch, gate, form):
+    """Where no kernel serves a call, DeltaNet and Gated DeltaNet run the chunked WY form, KDA's
+    per-key gates the recurrence."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=9, kd=5, vd=7, gate=gate)
+    monkeypatch.setitem(delta._KERNELS, "cpu", False)
+    monkeypatch.setitem(delta._BWD_KERNELS, "cpu", False)
+    calls = []
+    for name in ("delta_rule_wy", "delta_rule"):
+        real = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0)
+    assert calls == ["delta_rule_wy" if form == "wy" else "delta_rule"]
+
+
 def test_empty_sequence_passes_the_state_through():
     q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=1, s=0, kd=4, vd=3, gate="head")
     h0.requires_grad_()

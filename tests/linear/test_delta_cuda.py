@@ -1,8 +1,8 @@
 """The delta rule's CUDA forward (csrc/linear/cuda/delta_kernel.cuh) on a GPU, through the public
 functions: outputs and final states against the float64 recurrence with the project rule (2x
 PyTorch's same-dtype error), every lane split of a column (K from 5 to 600), GVA, the gates, the
-L2 norm, varlen packs, hard resets, the in-place step, and calls that need gradients (the PyTorch
-recurrence on CUDA). Skips without a GPU or without the compiled CUDA kernel;
+L2 norm, varlen packs, hard resets, the in-place step, and calls that need gradients (PyTorch
+on CUDA: the chunked WY form or the recurrence). Skips without a GPU or without the compiled CUDA kernel;
 tests/cuda_emu/test_delta_emulated.py runs the same kernel on the CPU on every CI run."""
 from __future__ import annotations
 
@@ -73,14 +73,21 @@ def test_prefill_then_inplace_steps(dtype):
     torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
 
 
-def test_grad_calls_run_the_recurrence():
-    """No backward kernel on CUDA yet: a call that needs gradients runs the PyTorch recurrence
-    and matches the forward kernel's output."""
-    q, k, v, beta, g, h0 = (t.float().cuda() for t in problem(b=1, hk=1, hv=2, s=30, kd=32, vd=16, gate="key"))
+@pytest.mark.parametrize("gate", ["head", "key"])
+def test_grad_calls_run_pytorch(gate):
+    """No backward kernel on CUDA yet: a call that needs gradients runs PyTorch (the chunked WY
+    form with a per-head gate, the recurrence with per-key gates), matching the forward kernel's
+    output and the float64 gradients."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=70, kd=32, vd=16, gate=gate)
+    cu = [t.float().cuda() for t in (q, k, v, beta, g, h0)]
     with torch.no_grad():
-        fast = ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, qk_l2norm=True)
-    qg = q.clone().requires_grad_()
-    slow = ae.delta_rule_attention(qg, k, v, beta, gate=g, initial_state=h0, qk_l2norm=True)
-    slow.sum().backward()
+        fast = ae.delta_rule_attention(*cu[:4], gate=cu[4], initial_state=cu[5], qk_l2norm=True)
+    ins = [t.clone().requires_grad_() for t in cu]
+    slow = ae.delta_rule_attention(*ins[:4], gate=ins[4], initial_state=ins[5], qk_l2norm=True)
     torch.testing.assert_close(slow.detach(), fast, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(qg.grad).all()
+    grads = torch.autograd.grad(slow.sum(), ins)
+    ins64 = [t.detach().cpu().double().requires_grad_() for t in cu]
+    ref = ae.delta_rule_attention(*ins64[:4], gate=ins64[4], initial_state=ins64[5], qk_l2norm=True)
+    refs = torch.autograd.grad(ref.sum(), ins64)
+    for a, r in zip(grads, refs):
+        torch.testing.assert_close(a.cpu().double(), r, rtol=1e-4, atol=1e-4)
