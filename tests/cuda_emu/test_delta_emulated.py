@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
 
 from attention_ext.linear import reference
 from tests.cuda_emu import emulator as cuda_emu
+from tests.fuzz.common import at_least
 from tests.helpers import assert_close_fa2
 
 F64 = torch.float64
@@ -206,3 +209,39 @@ def test_errors_name_the_argument(emu):
         emu.delta_fwd(q.double(), k.double(), v.double(), beta.double(), None, None, None, 0.3, False, False)
     with pytest.raises(ValueError, match="state must be contiguous|contiguous"):
         emu.delta_step(q, k, v, beta, h0.float().transpose(-1, -2).contiguous().transpose(-1, -2), None, 0.3, False)
+
+
+@at_least(150)
+@given(data=st.data())
+def test_fuzz_cuda_delta_forward(emu, data):
+    """Hypothesis over the emulated kernel: dtypes, GVA groups, K (every lane split) and V (partial
+    column blocks), gates (with the odd -inf reset), the L2 norm, initial states, varlen packs with
+    empty sequences and a tail, the plain write, 16-bit beta / gates; out and the final state
+    against float64 under the 2x rule."""
+    draw = data.draw
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    varlen = draw(st.booleans())
+    b = 1 if varlen else draw(st.integers(1, 2))
+    hk = draw(st.integers(1, 2))
+    hv = hk * draw(st.integers(1, 3))
+    kd = draw(st.sampled_from([1, 3, 16, 17, 33, 64, 100, 128, 200, 513]))
+    vd = draw(st.sampled_from([1, 5, 16, 31, 33, 64, 100]))
+    gate = draw(st.sampled_from([None, "head", "key"]))
+    plain = draw(st.booleans()) and gate == "key"
+    l2, init = draw(st.booleans()), draw(st.booleans())
+    side = draw(st.sampled_from([torch.float32, dtype]))
+    if varlen:
+        lens = draw(st.lists(st.integers(0, 25), min_size=1, max_size=4))
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        s, nseq = int(cu[-1]) + draw(st.integers(0, 2)), len(lens)
+    else:
+        s, cu, nseq = draw(st.integers(0, 80)), None, b
+    seed = draw(st.integers(0, 2 ** 16))
+    note(dict(dtype=dtype, b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, plain=plain, l2=l2, init=init,
+              side=side, cu=cu, seed=seed))
+    q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, seed=seed, h0=init, nseq=nseq)
+    if g is not None and s > 3 and draw(st.booleans()):
+        g[:, :, s // 2] = float("-inf")  # a hard reset mid-sequence
+    if plain:
+        v = v * 0.3  # the plain write adds every token: keep the state's size moderate
+    check(emu, dtype, q, k, v, beta, g, h0, l2=l2, plain=plain, cu=cu, side_dtype=side, what="fuzz")
