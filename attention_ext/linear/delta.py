@@ -15,7 +15,7 @@ The math is reference.delta_rule's (common/delta_params.h in C++). The input rul
 kernels and the check-only op delta_check are C++ (csrc/torch/linear_delta_binding.*); this module adds
 the layout handling, the defaults, `register_autograd`, and PyTorch where no kernel serves the
 call (float64 on CUDA; CUDA calls that need gradients: the CUDA forward has no backward kernel
-yet): the chunked WY form for DeltaNet and Gated DeltaNet, the recurrence for per-key gates.
+yet): the chunked WY form, reference.delta_rule_wy.
 """
 from __future__ import annotations
 
@@ -140,8 +140,8 @@ def delta_rule_attention(
     Returns out (B, H_v, S, V) in q's layout and dtype (and the final state). Differentiable in
     q, k, v, beta, gate and initial_state. The CPU runs compiled kernels forward and backward;
     CUDA runs a compiled forward (float32 / float16 / bfloat16) and, for calls that need
-    gradients, PyTorch (docs/api.md): the chunked WY form without a gate or with per-head gates
-    (reference.delta_rule_wy), the recurrence with per-key gates (reference.delta_rule).
+    gradients, PyTorch's chunked WY form (reference.delta_rule_wy, exact for every gate;
+    docs/api.md).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if not isinstance(t, Tensor):
@@ -178,19 +178,17 @@ def delta_rule_attention(
 def run(a: dict) -> Tuple[Tensor, Tensor]:
     """(out, final_state) of the delta_fwd op's arguments `a` (by name: FWD_ARGS, `plain`
     included): the compiled kernel where there is one (with autograd), else the op's input rules
-    and PyTorch: the chunked WY form (reference.delta_rule_wy, exact for every gate) without a gate
-    or with per-head gates, the recurrence (reference.delta_rule) with per-key gates. For callers that prepared the arguments themselves
-    (delta_rule_attention, linear_attention's per-key-channel gates with plain=True)."""
+    and PyTorch's chunked WY form (reference.delta_rule_wy, exact for every gate). For callers that
+    prepared the arguments themselves (delta_rule_attention, linear_attention's per-key-channel
+    gates with plain=True)."""
     q = a["q"]
     if isinstance(q, Tensor) and has_kernel(q.device, q.dtype, grad=_needs_grad(a)):
         return _call("delta_fwd", FWD_ARGS, a)
     if HAS_OP:
         _call("delta_check", FWD_ARGS, a)
-    if not a["plain"] and (a["gate"] is None or a["gate"].dim() == 3):  # the chunked form: S / 64 steps
-        return reference.delta_rule_wy(a["q"], a["k"], a["v"], a["beta"], a["gate"], float(a["scale"]),
-                                       a["initial_state"], a["cu_seqlens"], bool(a["qk_l2norm"]))
-    return reference.delta_rule(a["q"], a["k"], a["v"], a["beta"], a["gate"], float(a["scale"]), a["initial_state"],
-                                a["cu_seqlens"], bool(a["qk_l2norm"]), plain=bool(a["plain"]))
+    # the chunked form: S / 64 (per-key gates: S / 32) steps of small matmuls, exact for every gate
+    return reference.delta_rule_wy(a["q"], a["k"], a["v"], a["beta"], a["gate"], float(a["scale"]),
+                                   a["initial_state"], a["cu_seqlens"], bool(a["qk_l2norm"]), plain=bool(a["plain"]))
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optional[Tensor] = None,

@@ -12,6 +12,8 @@ Tensors are (B, H, S, D) unless stated otherwise.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Optional, Tuple
 
 import torch
@@ -348,11 +350,13 @@ def _pair_log_decay(g: Tensor) -> Tensor:
 
 def delta_rule_wy(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
                   scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
-                  cu_seqlens: Optional[Tensor] = None, qk_l2norm: bool = False, chunk: int = 64) -> Tuple[Tensor, Tensor]:
-    """The delta rule (no gate, or a per-head gate (B, H_v, S)) in its chunked WY form, exact for
-    every gate: where a kernel does not serve the call (CUDA calls that need gradients) it runs
-    S / chunk steps of small matmuls instead of S steps of the recurrence, differentiable through
-    autograd. Arguments and results as delta_rule's (computed in float32, float64 for float64).
+                  cu_seqlens: Optional[Tensor] = None, qk_l2norm: bool = False, chunk: Optional[int] = None,
+                  plain: bool = False) -> Tuple[Tensor, Tensor]:
+    """The delta rule in its chunked WY form, exact for every gate: where a kernel does not serve
+    the call (CUDA calls that need gradients) it runs S / chunk steps of small matmuls instead of S
+    steps of the recurrence, differentiable through autograd. Arguments and results as
+    delta_rule's (computed in float32, float64 for float64); chunk defaults to 64 (32 with
+    per-key gates).
 
     Per chunk of C tokens entering state h0, with D the pairwise log-decays (_pair_log_decay),
     Gam = exp(D) (lower triangular, 1 on the diagonal) and e_i = exp(g_1 + ... + g_i):
@@ -360,9 +364,16 @@ def delta_rule_wy(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[
         O = diag(e) (scale Q) h0 + ((scale Q) K^T * Gam) U
         h = e_C h0 + (K * Gam[C, :])^T U
     Every exponent is a sum of gates between two tokens or from the chunk's start, never a
-    difference, so hard resets (-inf) and extreme gates stay exact as in the recurrence."""
-    if gate is not None and gate.dim() != 3:
-        raise ValueError("delta_rule_wy: gate must be None or per head, (B, H_v, S); per-key gates take delta_rule")
+    difference, so hard resets (-inf) and extreme gates stay exact as in the recurrence.
+
+    Per-key gates (KDA, and GLA's with plain=True: U = V, no solve) make Gam (C, C, K): the
+    products above become sums over K of q_i k_j Gam_ij per channel, which each chunk forms and
+    drops again (torch.utils.checkpoint recomputes them in the backward), so memory stays
+    O(C^2 K) per head rather than per chunk."""
+    if chunk is None:
+        chunk = 32 if gate is not None and gate.dim() == 4 else 64
+    if plain and (gate is None or gate.dim() != 4):
+        raise ValueError("delta_rule_wy: plain=True (GLA's write) takes per-key gates (B, H_v, S, K)")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hk, hv = q.shape[1], v.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -373,16 +384,19 @@ def delta_rule_wy(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[
         qf, kf = (t.repeat_interleave(hv // hk, dim=1) for t in (qf, kf))
     vf, bf = v.to(acc), beta.to(acc)
     gf = gate.to(acc) if gate is not None else None
+    dense = _delta_wy_key if gf is not None and gf.dim() == 4 else _delta_wy_dense
+    if dense is _delta_wy_key:
+        dense = functools.partial(_delta_wy_key, plain=plain)
     if cu_seqlens is None:
-        out, state = _delta_wy_dense(qf * scale, kf, vf, bf, gf, initial_state, chunk)
+        out, state = dense(qf * scale, kf, vf, bf, gf, initial_state, chunk)
         return out.to(q.dtype), state
     cu = [int(x) for x in cu_seqlens]
     pieces, states = [], []
     for n in range(len(cu) - 1):
         a, e = cu[n], cu[n + 1]
         h0 = initial_state[n:n + 1] if initial_state is not None else None
-        o, st = _delta_wy_dense(qf[:, :, a:e] * scale, kf[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e],
-                                gf[:, :, a:e] if gf is not None else None, h0, chunk)
+        o, st = dense(qf[:, :, a:e] * scale, kf[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e],
+                      gf[:, :, a:e] if gf is not None else None, h0, chunk)
         pieces.append(o)
         states.append(st)
     tail = vf.new_zeros(*vf.shape[:2], vf.shape[2] - cu[-1], vf.shape[3])
@@ -431,6 +445,47 @@ def _delta_wy_dense(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optiona
         decayed = state * e_end[:, :, c] if e is not None else state
         state = decayed + kd_end[:, :, c].transpose(-1, -2) @ u
     out = torch.cat(outs, 2)[:, :, :s]
+    return out, state
+
+
+def _wy_key_intra(q: Tensor, k: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One chunk's per-key decay products: KK (strictly lower, sum_d k_i k_j Gam_ijd), QK (lower,
+    sum_d q_i k_j Gam_ijd), E = exp(g_1 + ... + g_i) (C, K) and Gam[C - 1, j] (C, K)."""
+    d = _pair_log_decay(g.transpose(-1, -2)).permute(0, 1, 3, 4, 2)  # (B, H, i, j, K)
+    gam = torch.exp(d)
+    kk = torch.einsum("bhid,bhjd,bhijd->bhij", k, k, gam).tril(-1)
+    qk = torch.einsum("bhid,bhjd,bhijd->bhij", q, k, gam)
+    return kk, qk, torch.exp(g.cumsum(-2)), gam[:, :, -1]
+
+
+def _delta_wy_key(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Tensor, h0: Optional[Tensor], chunk: int,
+                  plain: bool = False) -> Tuple[Tensor, Tensor]:
+    """delta_rule_wy on one batch with per-key gates (B, H, S, K): chunk by chunk, the (C, C, K)
+    decays formed and dropped inside each (recomputed in the backward)."""
+    from torch.utils.checkpoint import checkpoint
+    b, h, s, kd = q.shape
+    dv = v.shape[-1]
+    state = q.new_zeros(b, h, kd, dv) if h0 is None else h0.to(q.dtype)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    outs = []
+    for c0 in range(0, s, chunk):
+        c1 = min(s, c0 + chunk)
+        n = c1 - c0
+        qc, kc, vc, gc = q[:, :, c0:c1], k[:, :, c0:c1], v[:, :, c0:c1], gate[:, :, c0:c1]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (qc, kc, gc)):
+            kk, qk, e, last = checkpoint(_wy_key_intra, qc, kc, gc, use_reentrant=False)
+        else:
+            kk, qk, e, last = _wy_key_intra(qc, kc, gc)
+        if plain:
+            u = vc
+        else:
+            bc = beta[:, :, c0:c1]
+            lower = eye[:n, :n] + bc.unsqueeze(-1) * kk
+            rhs = bc.unsqueeze(-1) * (vc - (kc * e) @ state)
+            u = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        outs.append((qc * e) @ state + qk @ u)
+        state = e[:, :, -1].unsqueeze(-1) * state + (kc * last).transpose(-1, -2) @ u
+    out = torch.cat(outs, 2) if outs else v.new_zeros(b, h, 0, dv)
     return out, state
 
 

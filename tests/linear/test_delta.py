@@ -259,6 +259,8 @@ WY_CASES = [  # (b, hk, hv, s, kd, vd, gate, chunk): S below, at and past the ch
     (2, 1, 1, 64, 8, 8, "head", 64),
     (1, 1, 1, 3, 4, 4, "head", 64),
     (1, 1, 3, 130, 32, 20, "head", 64),
+    (2, 1, 2, 23, 8, 5, "key", 8),
+    (1, 2, 2, 45, 16, 9, "key", 32),
 ]
 
 
@@ -287,28 +289,46 @@ def test_wy_form_matches_float64(case, dtype):
         assert_close_fa2(x, t, r, dtype, name)
 
 
-def test_wy_gradcheck():
-    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=13, kd=4, vd=3, gate="head")
+@pytest.mark.parametrize("gate,plain", [("head", False), ("key", False), ("key", True)])
+def test_wy_gradcheck(gate, plain):
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=13, kd=4, vd=3, gate=gate)
     ins = [t.requires_grad_() for t in (q, k, v, beta, g, h0)]
-    assert torch.autograd.gradcheck(lambda *x: reference.delta_rule_wy(*x[:5], 0.5, x[5], None, True, chunk=4), ins)
+    if plain:
+        beta.requires_grad_(False)  # unread by the plain write
+        ins = [t for t in ins if t is not beta]
+
+    def fn(*x):
+        a = list(x)
+        if plain:
+            a.insert(3, beta)
+        return reference.delta_rule_wy(*a[:5], 0.5, a[5], None, True, chunk=4, plain=plain)
+    assert torch.autograd.gradcheck(fn, ins)
 
 
+@pytest.mark.parametrize("gate,plain", [("head", False), ("key", False), ("key", True)])
 @pytest.mark.parametrize("big", [1e4, 1e9, float("inf")])
-def test_wy_extreme_gates_are_exact(big):
-    """Gates of -1e4, -1e9 and -inf (hard resets) inside chunks: the WY form sums gates between
-    two tokens, never subtracts cumulative ones, so values and gradients equal the recurrence's."""
-    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=40, kd=8, vd=8, gate="head")
-    g[:, :, 17] = -big
-    g[:, :, 30] = -big
+def test_wy_extreme_gates_are_exact(big, gate, plain):
+    """Gates of -1e4, -1e9 and -inf (hard resets; per key: on some channels) inside chunks: the
+    WY form sums gates between two tokens, never subtracts cumulative ones, so values and
+    gradients equal the recurrence's (the plain write too: GLA)."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=40, kd=8, vd=8, gate=gate)
+    g[:, :, 17, ...] = -big
+    if gate == "key":
+        g[:, :, 30, :3] = -big
+    else:
+        g[:, :, 30] = -big
     ins = [t.clone().requires_grad_() for t in (q, k, v, beta, g, h0)]
-    out, st = reference.delta_rule_wy(*ins[:5], 0.4, ins[5], chunk=16)
+    out, st = reference.delta_rule_wy(*ins[:5], 0.4, ins[5], chunk=16, plain=plain)
     ins2 = [t.detach().clone().requires_grad_() for t in ins]
-    ref, ref_st = reference.delta_rule(*ins2[:5], 0.4, ins2[5])
+    ref, ref_st = reference.delta_rule(*ins2[:5], 0.4, ins2[5], plain=plain)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(st, ref_st, rtol=1e-12, atol=1e-12)
-    ga = torch.autograd.grad(out.sum() + st.sum(), ins)
-    gr = torch.autograd.grad(ref.sum() + ref_st.sum(), ins2)
+    ga = torch.autograd.grad(out.sum() + st.sum(), ins, allow_unused=True)
+    gr = torch.autograd.grad(ref.sum() + ref_st.sum(), ins2, allow_unused=True)
     for x, r in zip(ga, gr):
+        if x is None or r is None:  # beta with the plain write
+            assert plain and x is None and r is None
+            continue
         assert torch.isfinite(x).all()
         torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-10)
 
@@ -320,14 +340,19 @@ def test_wy_varlen_equals_the_recurrence():
     ref, ref_st = reference.delta_rule(q, k, v, beta, g, 0.4, h0, cu, True)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(st, ref_st, rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="per head"):
-        reference.delta_rule_wy(q, k, v, beta, g.unsqueeze(-1).expand(-1, -1, -1, 6), 0.4, h0, cu)
+    gk = -torch.rand(1, 2, 45, 6, dtype=F64)
+    gk[:, :, 20, :2] = float("-inf")
+    out, st = reference.delta_rule_wy(q, k, v, beta, gk, 0.4, h0, cu, True, chunk=8)
+    ref, ref_st = reference.delta_rule(q, k, v, beta, gk, 0.4, h0, cu, True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st, ref_st, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="per-key gates"):
+        reference.delta_rule_wy(q, k, v, beta, g, 0.4, h0, cu, plain=True)
 
 
-@pytest.mark.parametrize("gate,form", [(None, "wy"), ("head", "wy"), ("key", "recurrence")])
+@pytest.mark.parametrize("gate,form", [(None, "wy"), ("head", "wy"), ("key", "wy")])
 def test_fallback_form(monkeypatch, gate, form):
-    """Where no kernel serves a call, DeltaNet and Gated DeltaNet run the chunked WY form, KDA's
-    per-key gates the recurrence."""
+    """Where no kernel serves a call, the chunked WY form runs, never the token loop."""
     q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=9, kd=5, vd=7, gate=gate)
     monkeypatch.setitem(delta._KERNELS, "cpu", False)
     monkeypatch.setitem(delta._BWD_KERNELS, "cpu", False)

@@ -185,3 +185,18 @@ def test_widest_values_and_zero_scale():
     assert (z == 0).all()
     with pytest.raises(ValueError, match="decay"):
         ae.linear_attention(q, k, v, causal=True, decay=g[..., None])  # 5-D
+
+
+def test_fallback_without_kernels_equals_the_kernels(monkeypatch):
+    """Where no delta kernel serves the call (CUDA training), GLA's gates run PyTorch's chunked WY
+    form with the plain write: the kernels' answer and gradients, extreme gates included."""
+    q, k, v, decay = problem(b=1, h=2, hk=1, s=45, m=6, dv=5, extreme=True)
+    st = torch.randn(1, 2, 6, 6, dtype=F64) * 0.3
+    a_out, a_st, a_g = run(torch.float32, q, k, v, decay, initial_state=st)
+    monkeypatch.setitem(delta._KERNELS, "cpu", False)
+    monkeypatch.setitem(delta._BWD_KERNELS, "cpu", False)
+    b_out, b_st, b_g = run(torch.float32, q, k, v, decay, initial_state=st)
+    torch.testing.assert_close(b_out, a_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b_st, a_st, rtol=1e-5, atol=1e-5)
+    for x, y in zip(b_g, a_g):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
