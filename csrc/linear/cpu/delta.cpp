@@ -165,8 +165,10 @@ struct FwdToken {
 // x = h'_t[m] + k_t[m] u (h_t's row), o += q_t[m] x; then h'_{t+1}[m] = a_{t+1}[m] x, and
 // p += k_{t+1}[m] h'_{t+1}[m]. One load and one store of the block per token. Without kFinish
 // (the prologue) it only starts token t + 1 (x = h_{-1}'s row).
+// Always inlined: with the kDelta instantiations GCC stopped inlining it into fwd_block's three
+// call sites, and the out-of-line pass ran the forward 1.7x slower.
 template <bool kFinish, bool kNext, bool kGate, bool kDelta, int NV, int CH, typename T>
-inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
+__attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
                        vec<T> (&o)[NV], vec<T> (&pn)[NV]) {
   constexpr int L = kLanes<T>, Wp = NV * L;
   vec<T> oc[CH][NV], pc[CH][NV];
