@@ -611,6 +611,8 @@ SCALE = {
     ("distributed.delta.context_parallel_delta_rule_attention", "scale"): _sc_delta(
         lambda s: _cp(lambda: ae.distributed.context_parallel_delta_rule_attention(*_delta_qkv(), scale=s))),
     ("linear.reference.delta_rule", "scale"): _sc_delta(lambda s: linear_ref.delta_rule(*_delta_qkv(), scale=s)[0]),
+    ("linear.reference.delta_rule_wy", "scale"): _sc_delta(
+        lambda s: linear_ref.delta_rule_wy(*_delta_qkv(), scale=s, chunk=4)[0]),
     ("linear.reference.delta_rule_chunked", "scale"): _sc_delta(
         lambda s: linear_ref.delta_rule_chunked(*_delta_qkv(), scale=s, chunk=4)[0]),
     ("nn.positional.Embeddings.__init__", "scale"): _embeddings_scale,
