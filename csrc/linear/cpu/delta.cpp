@@ -20,7 +20,9 @@
 // checkpoint every `chunk` tokens, then each chunk, last first, is replayed from its checkpoint
 // and walked backwards. Rows evolve independently, so both run by blocks of rows that stay in L1
 // (block_rows): a block is replayed through the chunk, keeping its h' = a h_{t-1}, p_t and u_t, then
-// walked back through it. Per row j of a token, one pass gets du_j, the next dh' and the new
+// walked back through it. The replay (and the first forward pass) holds a few rows at a time in
+// registers through all of a chunk's tokens where a row is at most 16 vectors, so a token costs
+// its FMAs and the loads of k and a, not a load and a store of every row. Per row j of a token, one pass gets du_j, the next dh' and the new
 // dh_j. Without GVA a token's dq and dk are then done (the L2 norm's backward applied); with it
 // they go to float scratch and are summed over the value heads that share q / k in a last pass.
 //
@@ -281,6 +283,7 @@ int block_rows(int kp) {
 template <typename T>
 struct BwdScratch {
   int kp, V, chunk, nck, rb;
+  int row0 = 0;  // the first row of the block whose h' advance_rows keeps in H
   Buffer<T> mem;
   T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *dbeta, *dq, *dk, *dg, *dvv, *xrow;
   BwdScratch(int K, int V_, int chunk_, int max_len)
@@ -346,13 +349,76 @@ void load_chunk(const DBP<T>& p, const TokenIn<T>& in, const Span& sp, int t0, i
   }
 }
 
+// R rows from j of the transposed state through the chunk's first nt tokens, each row held in
+// registers for all of them (kp = NV vectors): per token, the gate, the dot with k, its sum, and
+// the update, with k and a read from L1 and nothing else but h' (keep) stored. R rows go together
+// so that the dot's sum of one row overlaps the others' products.
+template <bool kGate, bool kDelta, int R, int NV, typename T>
+inline void advance_rows_reg(T* S, int j, int nt, bool keep, BwdScratch<T>& sc) {
+  constexpr int L = kLanes<T>;
+  const int kp = sc.kp, V = sc.V;
+  vec<T> x[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) x[r][i] = vload(S + int64_t(j + r) * kp + i * L);
+  for (int t = 0; t < nt; ++t) {
+    const T* k = sc.k + int64_t(t) * kp;
+    const T* a = sc.a + int64_t(t) * kp;
+    const T beta = sc.beta[t];
+    const T* v = sc.v + int64_t(t) * V;
+    vec<T> acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec<T>{};
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) {
+      const vec<T> kv = vload(k + i * L);
+      const vec<T> av = kGate ? vload(a + i * L) : vec<T>{};
+      for (int r = 0; r < R; ++r) {
+        if (kGate) x[r][i] *= av;
+        if (keep) vstore(sc.H + (int64_t(t) * sc.rb + (j + r - sc.row0)) * kp + i * L, x[r][i]);
+        if (kDelta) acc[r][i & 1] += x[r][i] * kv;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const T pj = kDelta ? hsum_tree(acc[r][0] + acc[r][1]) : T(0);
+      const T uj = kDelta ? beta * (v[j + r] - pj) : v[j + r];
+      const vec<T> uv = vbcast(uj);
+#pragma GCC unroll 16
+      for (int i = 0; i < NV; ++i) x[r][i] += uv * vload(k + i * L);
+      if (keep) {
+        sc.pp[int64_t(t) * V + j + r] = pj;
+        sc.uu[int64_t(t) * V + j + r] = uj;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) vstore(S + int64_t(j + r) * kp + i * L, x[r][i]);
+}
+
+template <bool kGate, bool kDelta, int NV, typename T>
+inline void advance_rows_fixed(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
+  constexpr int R = NV <= 4 ? 4 : NV <= 8 ? 3 : 1;  // x, the two sums and k's vector in 32 registers
+  int j = j0;
+  for (; j + R <= j1; j += R) advance_rows_reg<kGate, kDelta, R, NV>(S, j, nt, keep, sc);
+  for (; j < j1; ++j) advance_rows_reg<kGate, kDelta, 1, NV>(S, j, nt, keep, sc);
+}
+
 // Rows [j0, j1) of the transposed state S through the chunk's first nt tokens: per row j,
 // S_j <- a S_j + u_j k with p_j = (a S_j) . k, u_j = beta (v_j - p_j). With `keep`, each
-// token's rows of h' = a h_{t-1} go to H, and p, u to pp, uu.
+// token's rows of h' = a h_{t-1} go to H (rows from sc.row0 = j0), and p, u to pp, uu. Rows of up
+// to 16 vectors stay in registers through the tokens (advance_rows_reg); wider ones take two
+// passes over L1 per token.
 template <bool kGate, bool kDelta, typename T>
 void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
   constexpr int L = kLanes<T>;
   const int kp = sc.kp, V = sc.V;
+  sc.row0 = j0;
+  switch (kp / L) {
+    case 1: return advance_rows_fixed<kGate, kDelta, 1>(S, j0, j1, nt, keep, sc);
+    case 2: return advance_rows_fixed<kGate, kDelta, 2>(S, j0, j1, nt, keep, sc);
+    case 4: return advance_rows_fixed<kGate, kDelta, 4>(S, j0, j1, nt, keep, sc);
+    case 8: return advance_rows_fixed<kGate, kDelta, 8>(S, j0, j1, nt, keep, sc);
+    case 16: return advance_rows_fixed<kGate, kDelta, 16>(S, j0, j1, nt, keep, sc);
+    default: break;
+  }
   for (int t = 0; t < nt; ++t) {
     const T* k = sc.k + int64_t(t) * kp;
     const T* a = sc.a + int64_t(t) * kp;
