@@ -377,25 +377,30 @@ def delta_rule_wy(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     hk, hv = q.shape[1], v.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qf, kf = q.to(acc), k.to(acc)
-    if qk_l2norm:
-        qf, kf = _l2n(qf), _l2n(kf)
-    if hv != hk:
-        qf, kf = (t.repeat_interleave(hv // hk, dim=1) for t in (qf, kf))
+
+    def prep(qs: Tensor, ks: Tensor) -> Tuple[Tensor, Tensor]:
+        # per sequence under cu_seqlens: rows past the pack (NaN, whatever) reach no gradient
+        qs, ks = qs.to(acc), ks.to(acc)
+        if qk_l2norm:
+            qs, ks = _l2n(qs), _l2n(ks)
+        if hv != hk:
+            qs, ks = (t.repeat_interleave(hv // hk, dim=1) for t in (qs, ks))
+        return qs * scale, ks
+
     vf, bf = v.to(acc), beta.to(acc)
     gf = gate.to(acc) if gate is not None else None
     dense = _delta_wy_key if gf is not None and gf.dim() == 4 else _delta_wy_dense
     if dense is _delta_wy_key:
         dense = functools.partial(_delta_wy_key, plain=plain)
     if cu_seqlens is None:
-        out, state = dense(qf * scale, kf, vf, bf, gf, initial_state, chunk)
+        out, state = dense(*prep(q, k), vf, bf, gf, initial_state, chunk)
         return out.to(q.dtype), state
     cu = [int(x) for x in cu_seqlens]
     pieces, states = [], []
     for n in range(len(cu) - 1):
         a, e = cu[n], cu[n + 1]
         h0 = initial_state[n:n + 1] if initial_state is not None else None
-        o, st = dense(qf[:, :, a:e] * scale, kf[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e],
+        o, st = dense(*prep(q[:, :, a:e], k[:, :, a:e]), vf[:, :, a:e], bf[:, :, a:e],
                       gf[:, :, a:e] if gf is not None else None, h0, chunk)
         pieces.append(o)
         states.append(st)

@@ -142,6 +142,12 @@ def test_varlen_with_empty_sequences(emu, gate):
     out, st = check(emu, torch.float32, q, k, v, beta, g, h0, l2=True, cu=cu)
     assert (out[:, :, 41:] == 0).all()
     torch.testing.assert_close(st[1], h0[1].float(), rtol=0, atol=0)
+    # NaN in the rows past the last sequence changes no bit
+    bad = [t.float().clone() for t in (q, k, v, beta, g)]
+    for t in bad:
+        t[:, :, 41:] = float("nan")
+    out_n, st_n = run(emu, *bad, h0, l2=True, cu=cu)
+    assert torch.equal(out_n, out) and torch.equal(st_n, st)
     for n in range(4):
         a, e = int(cu[n]), int(cu[n + 1])
         sl = (slice(None), slice(None), slice(a, e))

@@ -64,10 +64,13 @@ def delta_case(draw, note):
     to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
     leaves = [q, k, v, beta, g, h0]
 
-    def call(L):
-        out, fin = ae.delta_rule_attention(fq(L[0]), fk(L[1]), fv(L[2]), L[3], gate=L[4], initial_state=L[5],
-                                           return_state=True, cu_seqlens=cu, layout=layout, qk_l2norm=l2)
+    def call_on(qv, kv, vv, bt, gt, st):
+        out, fin = ae.delta_rule_attention(qv, kv, vv, bt, gate=gt, initial_state=st, return_state=True,
+                                           cu_seqlens=cu, layout=layout, qk_l2norm=l2)
         return to_bhsd(out), fin
+
+    def call(L):
+        return call_on(fq(L[0]), fk(L[1]), fv(L[2]), *L[3:])
 
     def ref_call(L, dt):
         qq, kk = to_bhsd(fq(L[0])), to_bhsd(fk(L[1]))
@@ -85,6 +88,20 @@ def delta_case(draw, note):
     check_out(fin, low_fin, ref_fin, dtype if dtype != torch.float16 else torch.float32, "final state")
     if cu is not None:
         assert torch.equal(out[:, :, end:], torch.zeros_like(out[:, :, end:]))
+        if s > end:  # NaN in the rows past the last sequence changes no bit of anything
+            views = [f(t).detach().clone() for f, t in ((fq, q), (fk, k), (fv, v))]
+            for t in views:
+                t.narrow(seq_dim, end, s - end).fill_(float("nan"))
+            bt = beta.detach().clone()
+            bt[:, :, end:] = float("nan")
+            gt = None
+            if g is not None:
+                gt = g.detach().clone()
+                gt[:, :, end:] = float("nan")
+            with torch.no_grad():
+                out_c, fin_c = call_on(*(f(t) for f, t in ((fq, q), (fk, k), (fv, v))), beta, g, h0)
+                out_n, fin_n = call_on(*views, bt, gt, h0)
+            assert torch.equal(out_n, out_c) and torch.equal(fin_n, fin_c)
     if grad:
         dout = torch.randn(out.shape, dtype=F64).to(dtype)
         dfin = torch.randn(fin.shape, dtype=F64).to(fin.dtype)

@@ -364,6 +364,35 @@ def test_fallback_form(monkeypatch, gate, form):
     assert calls == ["delta_rule_wy" if form == "wy" else "delta_rule"]
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "wy_fallback"])
+@pytest.mark.parametrize("gate", [None, "head", "key"])
+def test_nan_past_the_pack_changes_nothing(monkeypatch, gate, kernel):
+    """NaN in every input's rows past cu_seqlens[-1]: out, the final states and every gradient are
+    bit for bit the clean pack's (the tail's gradients 0), on the kernels and on the fallback."""
+    if not kernel:
+        monkeypatch.setitem(delta._KERNELS, "cpu", False)
+        monkeypatch.setitem(delta._BWD_KERNELS, "cpu", False)
+    cu = torch.tensor([0, 9, 9, 30], dtype=torch.int32)
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=35, kd=6, vd=5, gate=gate, nseq=3)
+    res = []
+    for poison in (False, True):
+        ins = [t.float().clone() for t in (q, k, v, beta)] + [g.float().clone() if g is not None else None]
+        if poison:
+            for t in ins:
+                if t is not None:
+                    t[:, :, 30:] = float("nan")
+        ins = [t.requires_grad_() if t is not None else None for t in ins]
+        h = h0.float().clone().requires_grad_()
+        out, st = ae.delta_rule_attention(*ins[:4], gate=ins[4], initial_state=h, return_state=True, cu_seqlens=cu,
+                                          qk_l2norm=True)
+        grads = torch.autograd.grad(out.sum() + st.sum(), [t for t in ins + [h] if t is not None])
+        res.append((out, st, grads))
+    (o1, s1, g1), (o2, s2, g2) = res
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
 def test_empty_sequence_passes_the_state_through():
     q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=1, s=0, kd=4, vd=3, gate="head")
     h0.requires_grad_()
