@@ -2,12 +2,14 @@
 custom ops torch.ops.attention_ext.{delta_fwd, delta_bwd} with their autograd, and the public
 functions delta_rule_attention / delta_rule_step.
 
-    delta_fwd(q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale, qk_l2norm, plain)
-        -> (out, final_state)
+    delta_fwd(q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale, qk_l2norm, plain,
+              checkpoints=False) -> (out, final_state, checkpoints)
     delta_bwd(dout, dfinal_state?, q, k, v, beta, gate?, initial_state?, cu_seqlens?, scale,
-              qk_l2norm, plain) -> (dq, dk, dv, dbeta, dgate, dinitial_state)
+              qk_l2norm, plain, checkpoints?) -> (dq, dk, dv, dbeta, dgate, dinitial_state)
         plain: the write u = v (no delta correction, beta unread): linear attention with GLA's
         per-feature gates (linear.functional)
+        checkpoints: the forward also returns the state entering every 64 tokens (CPU kernels),
+        which the backward then reads instead of running a forward pass of its own
     delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
         T tokens from state, advanced in place (no autograd: decode)
 
@@ -38,6 +40,7 @@ _STEP_KERNELS = {dev: HAS_OP and registered("attention_ext::delta_step", key) fo
 FWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_fwd.default._schema.arguments) if HAS_OP else ()
 BWD_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_bwd.default._schema.arguments) if HAS_OP else ()
 STEP_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_step.default._schema.arguments) if HAS_OP else ()
+CHECK_ARGS = tuple(a.name for a in torch.ops.attention_ext.delta_check.default._schema.arguments) if HAS_OP else ()
 _GRAD_INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
 
 
@@ -58,7 +61,10 @@ def _needs_grad(a: dict) -> bool:
 
 
 def _call(op: str, names, a: dict):
-    return getattr(torch.ops.attention_ext, op)(*[a[n] for n in names])
+    """The op on the arguments `a` by name; `checkpoints` (the forward's flag, the backward's
+    tensor) defaults to none."""
+    return getattr(torch.ops.attention_ext, op)(*[a.get(n, False if op == "delta_fwd" else None) if n == "checkpoints"
+                                                  else a[n] for n in names])
 
 
 if HAS_OP:
@@ -70,12 +76,14 @@ if HAS_OP:
         if not any(ctx.need.values()):
             return
         ctx.scalars = {n: a[n] for n in ("scale", "qk_l2norm", "plain")}
-        ctx.save_for_backward(a["q"], a["k"], a["v"], a["beta"], a["gate"], a["initial_state"], a["cu_seqlens"])
+        # the states the forward kept for this backward (checkpoints=True), else an empty tensor
+        ckpt = output[2] if a.get("checkpoints") else None
+        ctx.save_for_backward(a["q"], a["k"], a["v"], a["beta"], a["gate"], a["initial_state"], a["cu_seqlens"], ckpt)
 
-    def _backward(ctx, dout, dfinal_state):
+    def _backward(ctx, dout, dfinal_state, _dcheckpoints):
         if not any(ctx.need.values()):
             return (None,) * len(FWD_ARGS)
-        q, k, v, beta, gate, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, beta, gate, initial_state, cu_seqlens, ckpt = ctx.saved_tensors
         if dout is None:  # only the final state reached the loss
             dout = v.new_zeros(q.shape[0], v.shape[1], q.shape[2], v.shape[3])
         elif dout.stride(-1) != 1:
@@ -83,7 +91,7 @@ if HAS_OP:
         if dfinal_state is not None:
             dfinal_state = dfinal_state.contiguous()
         a = dict(ctx.scalars, dout=dout, dfinal_state=dfinal_state, q=q, k=k, v=v, beta=beta, gate=gate,
-                 initial_state=initial_state, cu_seqlens=cu_seqlens)
+                 initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoints=ckpt)
         dq, dk, dv, dbeta, dgate, dinit = _call("delta_bwd", BWD_ARGS, a)
         grads = dict(q=dq, k=dk, v=dv, beta=dbeta, gate=dgate if gate is not None else None,
                      initial_state=dinit if initial_state is not None else None)
@@ -182,10 +190,13 @@ def run(a: dict) -> Tuple[Tensor, Tensor]:
     prepared the arguments themselves (delta_rule_attention, linear_attention's per-key-channel
     gates with plain=True)."""
     q = a["q"]
-    if isinstance(q, Tensor) and has_kernel(q.device, q.dtype, grad=_needs_grad(a)):
-        return _call("delta_fwd", FWD_ARGS, a)
+    grad = _needs_grad(a)
+    if isinstance(q, Tensor) and has_kernel(q.device, q.dtype, grad=grad):
+        # a call that will have a backward keeps the states that backward would recompute
+        out, state, _ = _call("delta_fwd", FWD_ARGS, dict(a, checkpoints=grad))
+        return out, state
     if HAS_OP:
-        _call("delta_check", FWD_ARGS, a)
+        _call("delta_check", CHECK_ARGS, a)
     # the chunked form: S / 64 (per-key gates: S / 32) steps of small matmuls, exact for every gate
     return reference.delta_rule_wy(a["q"], a["k"], a["v"], a["beta"], a["gate"], float(a["scale"]),
                                    a["initial_state"], a["cu_seqlens"], bool(a["qk_l2norm"]), plain=bool(a["plain"]))
@@ -211,7 +222,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optiona
              initial_state=_side("initial_state", initial_state, caller), cu_seqlens=None,
              scale=float(scale) if scale is not None else 1.0, qk_l2norm=bool(qk_l2norm), plain=False)
     try:
-        _call("delta_check", FWD_ARGS, a)
+        _call("delta_check", CHECK_ARGS, a)
     except ValueError as e:
         mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True)
         if mix is not None:
@@ -263,7 +274,7 @@ def delta_rule_step(
         out = _call("delta_step", STEP_ARGS, a)
     else:
         if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)
-            _call("delta_check", FWD_ARGS, dict(a, initial_state=state, cu_seqlens=None, plain=False))
+            _call("delta_check", CHECK_ARGS, dict(a, initial_state=state, cu_seqlens=None, plain=False))
         out, new = reference.delta_rule(q, k, v, beta, gate, float(scale), state, None, bool(qk_l2norm))
         state.copy_(new)
     if layout == "bshd":

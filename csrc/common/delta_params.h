@@ -20,6 +20,16 @@
 
 namespace attn {
 
+// The states kept for the backward (delta_fwd's `checkpoints`): the state entering every chunk of
+// kDeltaChunk tokens, h_{64 c - 1} of sequence n at slot delta_checkpoint_slot(n, c), each
+// (h_v, V, K), the state transposed (the CPU backward's rows are value columns).
+inline constexpr int kDeltaChunk = 64;
+// Slots of a call: ceil(S / 64) per batch row; for a varlen pack, floor(S / 64) + N (sequence n
+// starts at slot floor(row0 / 64) + n, so no two sequences share one).
+inline int64_t delta_checkpoint_slots(int64_t b, int64_t s, bool varlen) {
+  return varlen ? s / kDeltaChunk + b : b * ((s + kDeltaChunk - 1) / kDeltaChunk);
+}
+
 template <typename Acc>
 struct DeltaParamsT {
   int32_t b;         // batch (varlen: the number of sequences)
@@ -48,6 +58,9 @@ struct DeltaParamsT {
   // (b, h_v, K, V) contiguous; nullptr = zeros / not wanted
   const Acc* init_state;
   Acc* final_state;
+  // (delta_checkpoint_slots, h_v, V, K) contiguous: the forward writes it when not null, the
+  // backward reads it when not null (else it runs a forward pass of its own)
+  Acc* checkpoints;
   Acc scale;
   bool qk_l2norm;
   Acc l2_eps;

@@ -331,9 +331,12 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "
         "int feature_map, float eps, float scale) -> Tensor");
   // the delta rule (DeltaNet, Gated DeltaNet, KDA), in the linear family: linear_delta_binding.h
-  m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA ") -> (Tensor, Tensor)");
+  // checkpoints: the forward also returns the states its backward would recompute (CPU kernels;
+  // an empty tensor when False), which delta_bwd then reads instead of a forward pass of its own
+  m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA
+        ", bool checkpoints=False) -> (Tensor, Tensor, Tensor)");
   m.def("delta_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor beta"
-        ATTN_DELTA_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ATTN_DELTA_OPTIONS_SCHEMA ", Tensor? checkpoints=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("delta_check(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA ") -> ()");
   // decode: T tokens advance the state in place (one read and one write of it per step)
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor(a!) state, Tensor? gate, float scale, "

@@ -135,6 +135,35 @@ void check_delta_step_inputs(const at::Tensor& q, const at::Tensor& k, const at:
                     "contiguous (an expanded or strided view is not); pass state.contiguous() and keep that tensor");
 }
 
+namespace {
+// (delta_checkpoint_slots, H_v, V, K) (delta_params.h), in SymInts for the Meta kernels
+std::vector<c10::SymInt> checkpoint_shape(const at::Tensor& q, const at::Tensor& v, const DeltaOptions& o) {
+  const c10::SymInt s = q.sym_size(2), chunk = kDeltaChunk;
+  const c10::SymInt slots = o.cu_seqlens.has_value() ? s / chunk + (o.cu_seqlens->sym_numel() - 1)
+                                                     : q.sym_size(0) * ((s + chunk - 1) / chunk);
+  return {slots, v.sym_size(1), v.sym_size(3), q.sym_size(3)};
+}
+}  // namespace
+
+at::Tensor alloc_delta_checkpoints(const at::Tensor& q, const at::Tensor& v, const DeltaOptions& o, bool want) {
+  const auto acc = q.options().dtype(acc_dtype(q));
+  if (!want) return at::empty({0}, acc);
+  // a pack's slots between its sequences are never written: zeros rather than stale memory
+  return o.cu_seqlens.has_value() ? at::zeros_symint(checkpoint_shape(q, v, o), acc)
+                                  : at::empty_symint(checkpoint_shape(q, v, o), acc);
+}
+
+void check_delta_checkpoints(const std::optional<at::Tensor>& checkpoints, const at::Tensor& q, const at::Tensor& v,
+                             const DeltaOptions& o) {
+  if (!checkpoints.has_value()) return;
+  const std::vector<c10::SymInt> want = checkpoint_shape(q, v, o);
+  TORCH_CHECK_VALUE(checkpoints->sym_sizes() == c10::SymIntArrayRef(want) && checkpoints->scalar_type() == acc_dtype(q) &&
+                        checkpoints->is_contiguous() && checkpoints->device() == q.device(),
+                    "attention_ext.delta_bwd: checkpoints must be delta_fwd's (checkpoints=True) of the same call: ",
+                    acc_dtype(q), " ", c10::SymIntArrayRef(want), " contiguous on ", q.device(), ", got ",
+                    checkpoints->scalar_type(), " ", checkpoints->sym_sizes());
+}
+
 bool delta_fill_unwritten(at::Tensor& out, at::Tensor& state, const at::Tensor& q, const at::Tensor& v,
                           const DeltaOptions& o) {
   if (o.cu_seqlens.has_value() || out.numel() == 0) out.zero_();

@@ -3,8 +3,8 @@
 // kernels, the Meta kernels and the check-only op (the Python reference's check) all run them.
 //
 // Op schema (registered in library.cpp):
-//   delta_fwd(q, k, v, beta, <options>) -> (out, final_state)
-//   delta_bwd(dout, dfinal_state?, q, k, v, beta, <options>)
+//   delta_fwd(q, k, v, beta, <options>, checkpoints=False) -> (out, final_state, checkpoints)
+//   delta_bwd(dout, dfinal_state?, q, k, v, beta, <options>, checkpoints?)
 //       -> (dq, dk, dv, dbeta, dgate, dinitial_state)
 //   delta_check(q, k, v, beta, <options>) -> ()
 //   delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
@@ -59,6 +59,12 @@ void check_delta_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tens
 // accumulation dtype. Both may be meta / symbolic (the Meta kernels use them too).
 std::tuple<at::Tensor, at::Tensor> alloc_delta_outputs(const at::Tensor& q, const at::Tensor& v,
                                                        const DeltaOptions& o);
+
+// delta_fwd's checkpoints output: (delta_checkpoint_slots, H_v, V, K) in the accumulation dtype
+// when wanted, else an empty tensor. delta_bwd's checkpoints input is checked against the same.
+at::Tensor alloc_delta_checkpoints(const at::Tensor& q, const at::Tensor& v, const DeltaOptions& o, bool want);
+void check_delta_checkpoints(const std::optional<at::Tensor>& checkpoints, const at::Tensor& q, const at::Tensor& v,
+                             const DeltaOptions& o);
 
 // What no kernel writes, on any device: out's rows that no sequence owns (a varlen pack's tail)
 // become 0, and a call with no tokens passes the initial state (or zeros) to the final state.

@@ -12,28 +12,38 @@ namespace {
 
 using at::Tensor;
 
-std::tuple<Tensor, Tensor> delta_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+template <typename Acc>
+attn::DeltaParamsT<Acc> with_checkpoints(attn::DeltaParamsT<Acc> p, const Tensor& ck) {
+  p.checkpoints = ck.numel() > 0 ? ck.data_ptr<Acc>() : nullptr;
+  return p;
+}
+
+std::tuple<Tensor, Tensor, Tensor> delta_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, bool checkpoints) {
   const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
   attn::api::check_delta_inputs(q, k, v, beta, o);
   auto [out, state] = attn::api::alloc_delta_outputs(q, v, o);
-  if (attn::api::delta_fill_unwritten(out, state, q, v, o)) return {out, state};
+  Tensor ck = attn::api::alloc_delta_checkpoints(q, v, o, checkpoints);
+  if (attn::api::delta_fill_unwritten(out, state, q, v, o)) return {out, state, ck};
   if (q.scalar_type() == at::kDouble) {
-    attn::cpu::delta_fwd_stub<double>(attn::api::make_delta_params<double>(q, k, v, beta, out, state, o));
+    attn::cpu::delta_fwd_stub<double>(with_checkpoints(attn::api::make_delta_params<double>(q, k, v, beta, out, state, o), ck));
   } else {
-    attn::cpu::delta_fwd_stub<float>(attn::api::make_delta_params<float>(q, k, v, beta, out, state, o));
+    attn::cpu::delta_fwd_stub<float>(with_checkpoints(attn::api::make_delta_params<float>(q, k, v, beta, out, state, o), ck));
   }
-  return {out, state};
+  return {out, state, ck};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cpu(const Tensor& dout,
                                                                          const std::optional<Tensor>& dfinal_state,
                                                                          const Tensor& q, const Tensor& k,
                                                                          const Tensor& v,
-                                                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+                                                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS,
+                                                                         const std::optional<Tensor>& checkpoints) {
   const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
   attn::api::check_delta_inputs(q, k, v, beta, o);
   attn::api::check_delta_bwd_inputs(dout, dfinal_state, q, v, o);
+  attn::api::check_delta_checkpoints(checkpoints, q, v, o);
+  const Tensor ck = checkpoints.has_value() ? *checkpoints : Tensor();
   attn::api::DeltaGrads g = attn::api::alloc_delta_grads(q, k, v, beta, o);
   const bool empty = q.numel() == 0 || v.numel() == 0 || q.size(2) == 0;
   if (o.cu_seqlens.has_value() || empty) {  // rows no sequence owns; empty calls
@@ -50,9 +60,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cpu(const T
     return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
   }
   if (q.scalar_type() == at::kDouble) {
-    attn::cpu::delta_bwd_stub<double>(attn::api::make_delta_bwd_params<double>(dout, dfinal_state, q, k, v, beta, o, g));
+    auto p = attn::api::make_delta_bwd_params<double>(dout, dfinal_state, q, k, v, beta, o, g);
+    p.checkpoints = ck.defined() && ck.numel() > 0 ? ck.data_ptr<double>() : nullptr;
+    attn::cpu::delta_bwd_stub<double>(p);
   } else {
-    attn::cpu::delta_bwd_stub<float>(attn::api::make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g));
+    auto p = attn::api::make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g);
+    p.checkpoints = ck.defined() && ck.numel() > 0 ? ck.data_ptr<float>() : nullptr;
+    attn::cpu::delta_bwd_stub<float>(p);
   }
   return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
 }

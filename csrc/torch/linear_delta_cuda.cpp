@@ -24,10 +24,10 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   void delta_fwd(const attn::DeltaParamsT<float>& p) const { attn::cuda_delta_fwd(p, stream()); }
 };
 
-std::tuple<Tensor, Tensor> delta_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor> delta_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, bool checkpoints) {
   attn::NvtxRange range("attention_ext::delta::fwd (CUDA)");
-  return attn::api::delta_cuda_fwd_steps(CudaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS());
+  return attn::api::delta_cuda_fwd_steps(CudaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS(), checkpoints);
 }
 
 Tensor delta_step_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,

@@ -24,15 +24,21 @@
 namespace attn {
 namespace api {
 
+// checkpoints (for a backward) come from the CPU kernels only: the CUDA forward serves calls
+// without gradients, so it takes checkpoints=False and returns the empty tensor.
 template <typename Device>
-std::tuple<at::Tensor, at::Tensor> delta_cuda_fwd_steps(const Device& dev, const at::Tensor& q, const at::Tensor& k,
-                                                        const at::Tensor& v, const at::Tensor& beta,
-                                                        const DeltaOptions& o) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_cuda_fwd_steps(const Device& dev, const at::Tensor& q,
+                                                                    const at::Tensor& k, const at::Tensor& v,
+                                                                    const at::Tensor& beta, const DeltaOptions& o,
+                                                                    bool checkpoints) {
   check_delta_inputs(q, k, v, beta, o);
   dev.check_device(q);
+  TORCH_CHECK_VALUE(!checkpoints, Device::kWhat, ": checkpoints=True is for the CPU kernels' backward; the CUDA "
+                    "forward serves calls without gradients (pass checkpoints=False)");
   const auto guard = dev.guard(q);
   auto [out, state] = alloc_delta_outputs(q, v, o);
-  if (delta_fill_unwritten(out, state, q, v, o)) return {out, state};
+  at::Tensor ck = alloc_delta_checkpoints(q, v, o, false);
+  if (delta_fill_unwritten(out, state, q, v, o)) return {out, state, ck};
   if constexpr (Device::kPoison) {  // the rows the kernel owns, and the state
     const int64_t used = o.cu_seqlens.has_value() ? o.cu_seqlens->cpu()[-1].item<int64_t>() : q.size(2);
     out.narrow(2, 0, used).fill_(NAN);
@@ -40,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> delta_cuda_fwd_steps(const Device& dev, const
   }
   const DeltaParamsT<float> p = make_delta_params<float>(q, k, v, beta, out, state, o);
   run_backend<Device>([&] { dev.delta_fwd(p); });
-  return {out, state};
+  return {out, state, ck};
 }
 
 // T tokens from `state`, advanced in place: the forward with the state as both its initial and

@@ -12,21 +12,24 @@ namespace {
 
 using at::Tensor;
 
-std::tuple<Tensor, Tensor> delta_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor> delta_fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, bool checkpoints) {
   const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
   attn::api::check_delta_inputs(q, k, v, beta, o);
-  return attn::api::alloc_delta_outputs(q, v, o);
+  auto [out, state] = attn::api::alloc_delta_outputs(q, v, o);
+  return {out, state, attn::api::alloc_delta_checkpoints(q, v, o, checkpoints)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_meta(const Tensor& dout,
                                                                           const std::optional<Tensor>& dfinal_state,
                                                                           const Tensor& q, const Tensor& k,
                                                                           const Tensor& v,
-                                                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
+                                                                          const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS,
+                                                                          const std::optional<Tensor>& checkpoints) {
   const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
   attn::api::check_delta_inputs(q, k, v, beta, o);
   attn::api::check_delta_bwd_inputs(dout, dfinal_state, q, v, o);
+  attn::api::check_delta_checkpoints(checkpoints, q, v, o);
   attn::api::DeltaGrads g = attn::api::alloc_delta_grads(q, k, v, beta, o);
   return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
 }

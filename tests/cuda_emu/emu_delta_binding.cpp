@@ -34,9 +34,9 @@ struct EmuDeltaDevice {
   void delta_fwd(const attn::DeltaParamsT<float>& p) const { attn::cuda_delta_fwd(p, nullptr); }
 };
 
-std::tuple<Tensor, Tensor> emu_delta_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                         const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS) {
-  return attn::api::delta_cuda_fwd_steps(EmuDeltaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS());
+std::tuple<Tensor, Tensor, Tensor> emu_delta_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, bool checkpoints) {
+  return attn::api::delta_cuda_fwd_steps(EmuDeltaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS(), checkpoints);
 }
 
 Tensor emu_delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor state,
@@ -51,7 +51,8 @@ std::vector<std::string> emu_delta_launches() { return attn_emu::take_launches()
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu_delta, m) {
-  m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA " ) -> (Tensor, Tensor)",
+  m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA
+        ", bool checkpoints=False) -> (Tensor, Tensor, Tensor)",
         &emu_delta_fwd);
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor(a!) state, Tensor? gate, float scale, "
         "bool qk_l2norm) -> Tensor",

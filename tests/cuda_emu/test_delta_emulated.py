@@ -58,8 +58,10 @@ def run(emu, q, k, v, beta, gate, h0, *, scale=None, l2=False, plain=False, cu=N
     side = side_dtype or torch.float32
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     emu.launches()
-    out, st = emu.delta_fwd(q, k, v, beta.to(side).contiguous(), gate.to(side).contiguous() if gate is not None else None,
-                            h0.float().contiguous() if h0 is not None else None, cu, scale, l2, plain)
+    out, st, ck = emu.delta_fwd(q, k, v, beta.to(side).contiguous(),
+                                gate.to(side).contiguous() if gate is not None else None,
+                                h0.float().contiguous() if h0 is not None else None, cu, scale, l2, plain)
+    assert ck.numel() == 0
     if q.shape[2] and q.numel() and v.numel():
         assert any("delta_fwd_kernel" in n for n in emu.launches())
     return out, st
@@ -211,6 +213,8 @@ def test_errors_name_the_argument(emu):
     q, k, v, beta = (t.float() for t in (q, k, v, beta))
     with pytest.raises(ValueError, match="beta must have shape"):
         emu.delta_fwd(q, k, v, beta[:, :1], None, None, None, 0.3, False, False)
+    with pytest.raises(ValueError, match="checkpoints=True is for the CPU"):
+        emu.delta_fwd(q, k, v, beta, None, None, None, 0.3, False, False, True)
     with pytest.raises(TypeError, match="float64"):
         emu.delta_fwd(q.double(), k.double(), v.double(), beta.double(), None, None, None, 0.3, False, False)
     with pytest.raises(ValueError, match="state must be contiguous|contiguous"):

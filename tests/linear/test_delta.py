@@ -101,17 +101,46 @@ def test_gradcheck(gate, l2, hv):
     assert torch.autograd.gradcheck(fn, ins, atol=1e-8)
 
 
+@pytest.mark.parametrize("checkpoints", [False, True])
 @pytest.mark.parametrize("gate", [None, "head", "key"])
-def test_opcheck(gate):
-    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=11, kd=7, vd=9, gate=gate)
+def test_opcheck(gate, checkpoints):
+    """S = 70 crosses a checkpoint (64 tokens); with checkpoints=True the backward reads them."""
+    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=70, kd=7, vd=9, gate=gate)
     args = [t.float().requires_grad_() for t in (q, k, v, beta)]
     a = dict(q=args[0], k=args[1], v=args[2], beta=args[3], gate=g.float() if g is not None else None,
-             initial_state=h0.float(), cu_seqlens=None, scale=0.3, qk_l2norm=True, plain=False)
+             initial_state=h0.float(), cu_seqlens=None, scale=0.3, qk_l2norm=True, plain=False,
+             checkpoints=checkpoints)
     torch.library.opcheck(torch.ops.attention_ext.delta_fwd.default, tuple(a[n] for n in delta.FWD_ARGS))
-    dout = torch.randn(2, 2, 11, 9)
-    b = dict(a, dout=dout, dfinal_state=torch.randn(2, 2, 7, 9))
+    ck = torch.ops.attention_ext.delta_fwd(*(a[n] for n in delta.FWD_ARGS))[2].detach() if checkpoints else None
+    assert ck is None or ck.shape == (2 * 2, 2, 9, 7)
+    dout = torch.randn(2, 2, 70, 9)
+    b = dict(a, dout=dout, dfinal_state=torch.randn(2, 2, 7, 9), checkpoints=ck)
     torch.library.opcheck(torch.ops.attention_ext.delta_bwd.default,
                           tuple(b[n].detach() if isinstance(b[n], torch.Tensor) else b[n] for n in delta.BWD_ARGS))
+
+
+@pytest.mark.parametrize("gate", [None, "head", "key"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_backward_from_the_forward_checkpoints(gate, varlen):
+    """The backward reading the forward's checkpoints (what autograd does) equals the backward
+    that recomputes them, to rounding (the two forward passes sum in different orders); varlen
+    packs place each sequence's checkpoints by its position in the pack."""
+    cu = torch.tensor([0, 70, 70, 100, 230], dtype=torch.int32) if varlen else None
+    q, k, v, beta, g, h0 = problem(b=1 if varlen else 2, hk=1, hv=2, s=235 if varlen else 150, kd=12, vd=9,
+                                   gate=gate, nseq=4 if varlen else None)
+    a = dict(q=q.float(), k=k.float(), v=v.float(), beta=beta.float(), gate=g.float() if g is not None else None,
+             initial_state=h0.float(), cu_seqlens=cu, scale=0.3, qk_l2norm=True, plain=False, checkpoints=True)
+    out, st, ck = torch.ops.attention_ext.delta_fwd(*(a[n] for n in delta.FWD_ARGS))
+    out0, st0, ck0 = torch.ops.attention_ext.delta_fwd(*(dict(a, checkpoints=False)[n] for n in delta.FWD_ARGS))
+    assert torch.equal(out, out0) and torch.equal(st, st0) and ck0.numel() == 0
+    gen = torch.Generator().manual_seed(2)
+    b = dict(a, dout=torch.randn(out.shape, generator=gen), dfinal_state=torch.randn(st.shape, generator=gen))
+    with_ck = torch.ops.attention_ext.delta_bwd(*(dict(b, checkpoints=ck)[n] for n in delta.BWD_ARGS))
+    without = torch.ops.attention_ext.delta_bwd(*(dict(b, checkpoints=None)[n] for n in delta.BWD_ARGS))
+    for x, y in zip(with_ck, without):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="checkpoints must be"):
+        torch.ops.attention_ext.delta_bwd(*(dict(b, checkpoints=ck[1:])[n] for n in delta.BWD_ARGS))
 
 
 @pytest.mark.parametrize("gate", ["head", "key"])
@@ -430,7 +459,7 @@ BAD = [
 
 @pytest.mark.parametrize("name,mutate,exc,msg", BAD, ids=[c[0] for c in BAD])
 def test_bad_inputs_fake_matches_cpp(name, mutate, exc, msg):
-    a = _base_args()
+    a = dict(_base_args(), checkpoints=False)
     mutate(a)
     args = tuple(a[n] for n in delta.FWD_ARGS)
     with pytest.raises(exc, match=msg) as real:

@@ -154,7 +154,8 @@ def test_opcheck_plain():
     """delta_fwd / delta_bwd with plain=True (the GLA write) under torch.library.opcheck."""
     q, k, v, decay = problem(b=1, h=2, hk=2, s=7, m=4, dv=3)
     a = dict(q=q.float(), k=k.float(), v=v.float(), beta=torch.ones(1, 2, 7), gate=decay.float(),
-             initial_state=torch.rand(1, 2, 4, 3), cu_seqlens=None, scale=0.5, qk_l2norm=False, plain=True)
+             initial_state=torch.rand(1, 2, 4, 3), cu_seqlens=None, scale=0.5, qk_l2norm=False, plain=True,
+             checkpoints=True)
     for n in ("q", "k", "v", "gate", "initial_state"):
         a[n] = a[n].requires_grad_()
     torch.library.opcheck(torch.ops.attention_ext.delta_fwd.default, tuple(a[n] for n in delta.FWD_ARGS))

@@ -84,6 +84,15 @@ Span span_of(const DP<T>& p, int n) {
   return {n, 0, p.s};
 }
 
+// Element 0 of checkpoint c of sequence n, value head hv, in p.checkpoints ((slots, h_v, V, K):
+// delta_params.h).
+template <typename T>
+int64_t checkpoint_offset(const DP<T>& p, int n, int hv, int c) {
+  const int64_t slot0 = p.cu_seqlens != nullptr ? int64_t(p.cu_seqlens[n]) / kDeltaChunk + n
+                                                 : int64_t(n) * ((p.s + kDeltaChunk - 1) / kDeltaChunk);
+  return ((slot0 + c) * p.h_v + hv) * int64_t(p.dim_v) * p.dim_k;
+}
+
 // 1 / sqrt(sum x^2 + eps) over the n values of x (the L2 norm's reciprocal)
 template <typename T>
 T inv_norm(const T* x, int n, T eps) {
@@ -235,8 +244,15 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
     T* row = S + int64_t(m) * Wp;
     for (int j = 0; j < Wp; ++j) row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
   }
-  vec<T> u[NV], ov[NV], pv[NV];
+  // the backward's checkpoint c (the state entering token 64 c), transposed: columns j0 .. j0 + w
+  auto checkpoint = [&](int c) {
+    T* ck = p.checkpoints + checkpoint_offset(p, n, hv, c) + int64_t(j0) * K;
+    for (int m = 0; m < K; ++m)
+      for (int j = 0; j < w; ++j) ck[int64_t(j) * K + m] = S[int64_t(m) * Wp + j];
+  };
+  vec<T> u[NV], ov[NV], pv[NV], unused[NV];
   if (sp.len > 0) {
+    if (p.checkpoints != nullptr) checkpoint(0);
     load(0, tok[0]);
     fused_pass<false, true, kGate, kDelta, NV, CH>(S, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
   }
@@ -251,7 +267,13 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
     }
     if (t + 1 < sp.len) {
       load(t + 1, nxt);
-      fused_pass<true, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
+      if (p.checkpoints != nullptr && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint: two passes
+        fused_pass<true, false, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, unused);
+        checkpoint((t + 1) / kDeltaChunk);
+        fused_pass<false, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, unused, pv);
+      } else {
+        fused_pass<true, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
+      }
     } else {
       fused_pass<true, false, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
     }
@@ -320,14 +342,9 @@ struct BwdScratch {
   }
 };
 
-// Tokens per chunk: 64, fewer where a row block's replayed states (chunk x rows x kp) would pass
-// 1 MiB (they stay in L2 between the replay and the backward of the block).
-template <typename T>
-int bwd_chunk(int K, int V) {
-  const int kp = round_up(K, kLanes<T>);
-  const int64_t per = int64_t(std::min(V, block_rows<T>(kp))) * kp * int64_t(sizeof(T));
-  return int(std::clamp<int64_t>((int64_t(1) << 20) / std::max<int64_t>(per, 1), 4, 64));
-}
+// Tokens per chunk: kDeltaChunk (64), the forward's checkpoint interval. A row block's replayed
+// states (chunk x rows x kp) are then at most 64 x 8 KiB (kBlockBytes), which stay in L2 between
+// the replay and the backward of the block.
 
 // Loads tokens [t0, t0 + nt) of the span into the chunk rows (with q and dout when `grads`).
 template <bool kGate, typename T>
@@ -630,13 +647,13 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * V;
   const int64_t st = int64_t(V) * kp;
   const int rb = sc.rb;
-  // the forward, keeping a checkpoint at each chunk's start
+  const int nck = (sp.len + C - 1) / C;
+  // the forward, keeping a checkpoint at each chunk's start, unless the forward op kept them
   std::fill(sc.S, sc.S + st, T(0));
-  if (p.init_state != nullptr)
+  if (p.init_state != nullptr && p.checkpoints == nullptr)
     for (int m = 0; m < K; ++m)
       for (int j = 0; j < V; ++j) sc.S[int64_t(j) * kp + m] = p.init_state[st0 + int64_t(m) * V + j];
-  const int nck = (sp.len + C - 1) / C;
-  for (int c = 0; c < nck; ++c) {
+  for (int c = 0; c < (p.checkpoints == nullptr ? nck : 0); ++c) {
     std::memcpy(sc.ckpt + c * st, sc.S, sizeof(T) * st);
     if (c == nck - 1) break;  // the last chunk's states are replayed below
     load_chunk<kGate>(p, in, sp, c * C, C, false, sc);
@@ -650,7 +667,12 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
   for (int c = nck - 1; c >= 0; --c) {
     const int t0 = c * C, nt = std::min(C, sp.len - t0);
     load_chunk<kGate>(p, in, sp, t0, nt, true, sc);
-    std::memcpy(sc.S, sc.ckpt + c * st, sizeof(T) * st);
+    if (p.checkpoints != nullptr) {  // (V, K) rows into the (V, kp) ones; the pad past K stays 0
+      const T* ck = p.checkpoints + checkpoint_offset(p, n, hv, c);
+      for (int j = 0; j < V; ++j) std::memcpy(sc.S + int64_t(j) * kp, ck + int64_t(j) * K, sizeof(T) * K);
+    } else {
+      std::memcpy(sc.S, sc.ckpt + c * st, sizeof(T) * st);
+    }
     std::fill(sc.dq, sc.dq + int64_t(nt) * kp, T(0));
     std::fill(sc.dk, sc.dk + int64_t(nt) * kp, T(0));
     if (kGate) std::fill(sc.dg, sc.dg + int64_t(nt) * kp, T(0));
@@ -726,9 +748,10 @@ void delta_bwd(const DeltaBwdParamsT<T>& p) {
   const bool gva = p.h_v != p.h_k;  // dq~, dk^ per value head go through scratch, then summed
   Buffer<T> scratch(gva ? size_t(2) * batches * p.h_v * size_t(p.s) * kp : 0);
   const QkScratch<T> qs{kp, scratch.data(), scratch.data() + (gva ? size_t(batches) * p.h_v * size_t(p.s) * kp : 0)};
-  const int chunk = bwd_chunk<T>(p.dim_k, p.dim_v);
+  const int chunk = kDeltaChunk;
+  // with the forward's checkpoints, no task keeps its own
   parallel_tasks(tasks, 0, [&] {
-    return [&, sc = BwdScratch<T>(p.dim_k, p.dim_v, chunk, max_len)](int64_t task) mutable {
+    return [&, sc = BwdScratch<T>(p.dim_k, p.dim_v, chunk, p.checkpoints != nullptr ? 0 : max_len)](int64_t task) mutable {
       const int hv = int(task % p.h_v), n = int(task / p.h_v);
       if (p.gate != nullptr) {
         p.plain ? bwd_task<true, false>(p, n, hv, sc, qs) : bwd_task<true, true>(p, n, hv, sc, qs);
