@@ -6,7 +6,9 @@
 #include <tuple>
 
 #include "linear/cpu/entry.h"
+#include "torch/alloc.h"
 #include "torch/linear_delta_binding.h"
+#include "torch/tensor_rules.h"  // acc_dtype
 
 namespace {
 
@@ -23,7 +25,13 @@ std::tuple<Tensor, Tensor, Tensor> delta_fwd_cpu(const Tensor& q, const Tensor& 
   const attn::api::DeltaOptions o = ATTN_DELTA_MAKE_OPTIONS();
   attn::api::check_delta_inputs(q, k, v, beta, o);
   auto [out, state] = attn::api::alloc_delta_outputs(q, v, o);
-  Tensor ck = attn::api::alloc_delta_checkpoints(q, v, o, checkpoints);
+  // alloc_delta_checkpoints' tensor, from the recycled output blocks (alloc.h): tens of MB of
+  // fresh pages would fault on every call
+  const auto acc = q.options().dtype(attn::api::acc_dtype(q));
+  const bool varlen = o.cu_seqlens.has_value();
+  const int64_t slots = attn::delta_checkpoint_slots(varlen ? o.cu_seqlens->numel() - 1 : q.size(0), q.size(2), varlen);
+  Tensor ck = checkpoints ? attn::api::empty_output({slots, v.size(1), v.size(3), q.size(3)}, acc) : at::empty({0}, acc);
+  if (checkpoints && varlen) ck.zero_();  // a pack's slots between its sequences
   if (attn::api::delta_fill_unwritten(out, state, q, v, o)) return {out, state, ck};
   if (q.scalar_type() == at::kDouble) {
     attn::cpu::delta_fwd_stub<double>(with_checkpoints(attn::api::make_delta_params<double>(q, k, v, beta, out, state, o), ck));

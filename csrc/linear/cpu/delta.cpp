@@ -219,7 +219,32 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int K, 
   }
 }
 
-template <bool kGate, bool kDelta, typename T>
+// Columns [j0, j0 + w) of the block S (K rows of Wp) into checkpoint c, transposed: each of its
+// rows written in order (the block's strided reads stay in L1).
+template <typename T>
+void write_checkpoint(const DP<T>& p, int n, int hv, int c, int j0, int w, int Wp, const T* S) {
+  T* ck = p.checkpoints + checkpoint_offset(p, n, hv, c) + int64_t(j0) * p.dim_k;
+  for (int j = 0; j < w; ++j) {
+    T* row = ck + int64_t(j) * p.dim_k;
+    for (int m = 0; m < p.dim_k; ++m) row[m] = S[int64_t(m) * Wp + j];
+  }
+}
+
+// At a checkpoint, once every 64 tokens: finish token t (S = h_t), keep it, start token t + 1.
+// Out of line, so that fwd_block's token loop is the one it is without checkpoints.
+template <bool kGate, bool kDelta, int NV, int CH, typename T>
+__attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, int c, int j0, int w, T* S,
+                                               const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
+                                               vec<T> (&o)[NV], vec<T> (&pn)[NV]) {
+  vec<T> unused[NV];
+  fused_pass<true, false, kGate, kDelta, NV, CH>(S, p.dim_k, cur, nxt, u, o, unused);
+  write_checkpoint(p, n, hv, c, j0, w, NV * kLanes<T>, S);
+  fused_pass<false, true, kGate, kDelta, NV, CH>(S, p.dim_k, cur, nxt, u, unused, pn);
+}
+
+// kCkpt: keep the backward's checkpoints (p.checkpoints); an instantiation of its own, so that the
+// token loop without them compiles as it did (a branch in it slowed the gated float32 forward 1.6x).
+template <bool kGate, bool kDelta, bool kCkpt, typename T>
 void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   constexpr int L = kLanes<T>, NV = kColVecs<T>, CH = kChains<T>, Wp = NV * L;
   const int K = p.dim_k, w = std::min(Wp, p.dim_v - j0);
@@ -244,15 +269,9 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
     T* row = S + int64_t(m) * Wp;
     for (int j = 0; j < Wp; ++j) row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
   }
-  // the backward's checkpoint c (the state entering token 64 c), transposed: columns j0 .. j0 + w
-  auto checkpoint = [&](int c) {
-    T* ck = p.checkpoints + checkpoint_offset(p, n, hv, c) + int64_t(j0) * K;
-    for (int m = 0; m < K; ++m)
-      for (int j = 0; j < w; ++j) ck[int64_t(j) * K + m] = S[int64_t(m) * Wp + j];
-  };
-  vec<T> u[NV], ov[NV], pv[NV], unused[NV];
+  vec<T> u[NV], ov[NV], pv[NV];
   if (sp.len > 0) {
-    if (p.checkpoints != nullptr) checkpoint(0);
+    if (kCkpt) write_checkpoint(p, n, hv, 0, j0, w, Wp, S);  // the state entering token 0
     load(0, tok[0]);
     fused_pass<false, true, kGate, kDelta, NV, CH>(S, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
   }
@@ -267,10 +286,8 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
     }
     if (t + 1 < sp.len) {
       load(t + 1, nxt);
-      if (p.checkpoints != nullptr && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint: two passes
-        fused_pass<true, false, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, unused);
-        checkpoint((t + 1) / kDeltaChunk);
-        fused_pass<false, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, unused, pv);
+      if (kCkpt && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint
+        checkpoint_pass<kGate, kDelta, NV, CH>(p, n, hv, (t + 1) / kDeltaChunk, j0, w, S, cur, nxt, u, ov, pv);
       } else {
         fused_pass<true, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
       }
@@ -723,12 +740,17 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   parallel_tasks(tasks, 0, [&] {
     return [&, S = Buffer<T>(size_t(p.dim_k) * Wp), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + Wp) + Wp)](int64_t task) mutable {
       const int jb = int(task % nblk), hv = int(task / nblk % p.h_v), n = int(task / nblk / p.h_v);
+      auto run = [&](auto gate, auto write) {
+        constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
+        p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true>(p, n, hv, jb * Wp, S.data(), rows.data())
+                                 : fwd_block<kGate, kDelta, false>(p, n, hv, jb * Wp, S.data(), rows.data());
+      };
+      using Y = std::true_type;
+      using N = std::false_type;
       if (p.gate != nullptr) {
-        p.plain ? fwd_block<true, false>(p, n, hv, jb * Wp, S.data(), rows.data())
-                : fwd_block<true, true>(p, n, hv, jb * Wp, S.data(), rows.data());
+        p.plain ? run(Y{}, N{}) : run(Y{}, Y{});
       } else {
-        p.plain ? fwd_block<false, false>(p, n, hv, jb * Wp, S.data(), rows.data())
-                : fwd_block<false, true>(p, n, hv, jb * Wp, S.data(), rows.data());
+        p.plain ? run(N{}, N{}) : run(N{}, Y{});
       }
     };
   });
