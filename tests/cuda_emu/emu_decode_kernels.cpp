@@ -3,22 +3,6 @@
 // (emu_decode_binding.cpp, built by emulator.load_decode()). The decode kernels use no
 // arch-specific code (SIMT, no mma / cp.async), so one sm_80 build stands for both archs, and the
 // module is separate from the softmax / linear emulator: its build stays a few small TUs.
-#if !defined(ATTN_CUDA_EMULATE)
-#error "define ATTN_CUDA_EMULATE"
-#endif
-
-// the half / bfloat16 API the nvcc build sees (torch's CUDA extension flags)
-#define __CUDA_NO_HALF_OPERATORS__
-#define __CUDA_NO_HALF_CONVERSIONS__
-#define __CUDA_NO_BFLOAT16_CONVERSIONS__
-#define __CUDA_NO_HALF2_OPERATORS__
-
-#include "cuda_emu.h"
-
-#include <cmath>
-#include <cstring>
-
-// only now: the CUDA headers above take device code paths when __CUDA_ARCH__ is defined
-#define __CUDA_ARCH__ 800
+#include "emu_sm80_prelude.h"
 
 #include "decode/cuda/dispatch.cu"

@@ -23,6 +23,7 @@ from attention_ext.linear import reference
 from tests.cuda_emu import emulator as cuda_emu
 from tests.fuzz.common import at_least
 from tests.helpers import assert_close_fa2
+from tests.linear.test_delta import problem  # float64 q, k (L2-normalized), v, beta, gates, state
 
 F64 = torch.float64
 
@@ -33,23 +34,6 @@ def emu():
     if e is None:
         pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
     return e
-
-
-def problem(b=1, hk=1, hv=1, s=20, kd=16, vd=8, gate=None, seed=0, h0=True, nseq=None):
-    """float64 inputs: q, k (k L2-normalized, as the layers make it), v, beta in (0, 1), gates in
-    (-0.5, 0], an initial state."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hk, s, kd, generator=g, dtype=F64)
-    k = reference._l2n(torch.randn(b, hk, s, kd, generator=g, dtype=F64))
-    v = torch.randn(b, hv, s, vd, generator=g, dtype=F64)
-    beta = torch.rand(b, hv, s, generator=g, dtype=F64)
-    gt = None
-    if gate == "head":
-        gt = -torch.rand(b, hv, s, generator=g, dtype=F64) * 0.5
-    elif gate == "key":
-        gt = -torch.rand(b, hv, s, kd, generator=g, dtype=F64) * 0.5
-    st = torch.randn(nseq or b, hv, kd, vd, generator=g, dtype=F64) * 0.3 if h0 else None
-    return q, k, v, beta, gt, st
 
 
 def run(emu, q, k, v, beta, gate, h0, *, scale=None, l2=False, plain=False, cu=None, side_dtype=None):

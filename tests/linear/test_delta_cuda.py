@@ -11,8 +11,9 @@ import torch
 
 import attention_ext as ae
 from attention_ext.linear import delta, reference
-from tests.cuda_emu.test_delta_emulated import CASES, problem
+from tests.cuda_emu.test_delta_emulated import CASES
 from tests.helpers import assert_close_fa2
+from tests.linear.test_delta import problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not delta.has_kernel(torch.device("cuda")),
                                 reason="no GPU, or no CUDA delta kernel in this build")
