@@ -860,6 +860,62 @@ def delta_fwd_launch(b, hv, s, k, v) -> Launch:
     return Launch("delta fwd", res, [t_cta] * ctas, io, notes=f"KS {ks}, {bv} columns per CTA")
 
 
+# The chunk-parallel forward (delta_chunk_kernel.cuh), bf16, three launches. Resources from ptxas
+# (sm_90a): prep 128 registers / 75.5 KB at K = 128, state 252 / 104 KB, out 109 / 41 KB. The prep
+# kernel's T = (I + A)^-1 is a SIMT forward substitution whose longest column walks 63 rows, row i
+# costing ~i / 2 dependent smem FMAs (about 4 clocks each) plus a shuffle and its dependency
+# (~30 clocks): ~6000 clocks per CTA, overlapped with the other CTAs on the SM only through the
+# slots (a pessimistic bound: its issue slots are few).
+DELTA_T_SOLVE_CLK = sum(i / 2 * 4 + 30 for i in range(1, 64))
+
+
+def delta_chunk_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
+    kk = bucket(k)
+    tiles = math.ceil(v / KN)
+    vp = tiles * KN
+    chunks = max(1, math.ceil(s / CHUNK))
+    slots = b * chunks
+    f_prep = 2 * CHUNK * CHUNK * kk * 2 + 2 * CHUNK * CHUNK * vp  # A, W; U
+    prep_io = slots * hv * (CHUNK * kk * 2 + CHUNK * vp * 2 + 2 * CHUNK * kk * 2 + CHUNK * vp * 2 + 1024)
+    prep = Launch(f"delta chunk prep, K {kk}", Resources(128, 128, 75 * 1024 + 512),
+                  [2 * LATENCY + DELTA_T_SOLVE_CLK / SM_CLOCK + f_prep / MMA_SYNC_CTA_RATE + overhead] * (slots * hv),
+                  prep_io, f_prep * slots * hv)
+    f_step = 2 * CHUNK * kk * KN * 2  # W h, K~^T u
+    n = tiles * hv * b
+    per_chunk = max(f_step / MMA_SYNC_CTA_RATE, LATENCY / 2) + overhead
+    state_io = slots * hv * (2 * CHUNK * kk * 2 + 2 * CHUNK * vp * 2 + kk * vp * 2) * 1.0
+    state = Launch(f"delta chunk state, K {kk}", Resources(128, 252, 104 * 1024),
+                   [LATENCY + chunks * per_chunk] * n, state_io, f_step * chunks * n)
+    f_out = 2 * CHUNK * kk * KN * 2 + 2 * CHUNK * CHUNK * KN  # Q h, Q K^T; P u
+    out_io = slots * hv * tiles * (2 * CHUNK * kk * 2 + kk * KN * 2 + CHUNK * KN * 2 * 2)
+    out = Launch(f"delta chunk out, K {kk}", Resources(128, 110, 41 * 1024),
+                 [2 * LATENCY + f_out / MMA_SYNC_CTA_RATE + overhead] * (slots * hv * tiles), out_io,
+                 f_out * slots * hv * tiles)
+    return [prep, state, out]
+
+
+def report_delta_chunk() -> List[str]:
+    ovh = fit_chunk_overhead()
+    lines = ["", "## The delta rule's chunk-parallel CUDA forward (bf16, delta_chunked): predicted, no GPU run yet", "",
+             "Three launches (prep: A, T, W, U, K~ per chunk; state: the walk over chunks; out). 'model' is the "
+             "products at the fitted mma.sync CTA rate, the copies' round trips and DRAM; 'bound' adds the "
+             f"segment kernels' unexplained {ovh * 1e6:.2f} us per chunk step and per CTA (fit_chunk_overhead) "
+             "to every launch.", "",
+             "| (B, H_v, S, K, V) | recurrent ms | chunked ms (model - bound) | prep / state / out ms (model) | "
+             "chunked x recurrent (model - bound) |", "|---|---|---|---|---|"]
+    for b, hv, s, k, v in DELTA_CASES:
+        rec = predict(delta_fwd_launch(b, hv, s, k, v))["time"]
+        model = delta_chunk_launches(b, hv, s, k, v)
+        bound = total(delta_chunk_launches(b, hv, s, k, v, overhead=ovh))
+        parts = [predict(x)["time"] for x in model]
+        t = total(model)
+        lines.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
+                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {rec / t:.1f} - {rec / bound:.1f} |")
+    lines += ["", "FLA's chunk_gated_delta_rule has not been timed on a GPU here yet (bench_delta_cuda.py times it "
+              "beside ours), so there is no ratio to the issue's target yet."]
+    return lines
+
+
 def report_delta() -> List[str]:
     lines = ["", "## The delta rule's CUDA forward (recurrent; delta_rule_attention without autograd): predicted, "
              "no GPU run yet", "",
@@ -1027,7 +1083,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_sparse_wgmma(fits) + report_lpt(fits) + report_delta() + NOT_MODELLED
+    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_sparse_wgmma(fits) + report_lpt(fits) + report_delta() + report_delta_chunk() + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"

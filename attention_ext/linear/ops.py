@@ -57,10 +57,11 @@ def state_width(dv: int, normalize: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------- kernel selection
-_cuda_kernels = dict(chunk_parallel=True, segment_chunks=0, chunk_states=False)
+_cuda_kernels = dict(chunk_parallel=True, segment_chunks=0, chunk_states=False, delta_chunked=False)
 
 
-def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0, chunk_states: bool = False) -> dict:
+def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0, chunk_states: bool = False,
+                     delta_chunked: Optional[bool] = False) -> dict:
     """Process-wide: the schedule of the CUDA tensor-core forward and backward (fp16 / bf16,
     feature width <= 128).
 
@@ -75,20 +76,28 @@ def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0, chunk
                         docs/gpu.md), where M, Dv and every stride are multiples of 8; other
                         calls keep the segment kernels. Off by default until a GPU run has
                         tested and timed them.
+        delta_chunked   the delta rule's CUDA forward (delta_rule_attention / delta_rule_step
+                        without gradients): False (the default) = the recurrent kernel always;
+                        True = the chunk-parallel tensor-core kernels for every bf16 call they
+                        take (no per-key gate, K <= 128, K and V multiples of 8, 16-byte rows);
+                        None = those kernels from 256 rows on, the recurrent one below. Off by
+                        default until a GPU run has tested and timed them (docs/gpu.md).
 
     Returns the previous selection, so that `set_cuda_kernels(**old)` restores it. The float32
     kernels are unchanged by it."""
     new = dict(chunk_parallel=bool(chunk_parallel), segment_chunks=int(segment_chunks),
-               chunk_states=bool(chunk_states))
-    if HAS_EXT:  # the op states the rule on segment_chunks; without the extension nothing runs on CUDA
-        torch.ops.attention_ext.linear_set_cuda_kernels(*new.values())
+               chunk_states=bool(chunk_states), delta_chunked=None if delta_chunked is None else bool(delta_chunked))
+    if HAS_EXT:  # the ops state the rules; without the extension nothing runs on CUDA
+        torch.ops.attention_ext.linear_set_cuda_kernels(new["chunk_parallel"], new["segment_chunks"],
+                                                        new["chunk_states"])
+        torch.ops.attention_ext.delta_set_cuda_kernels(-1 if delta_chunked is None else int(bool(delta_chunked)))
     old = dict(_cuda_kernels)
     _cuda_kernels.update(new)
     return old
 
 
 def cuda_kernels() -> dict:
-    """The current selection of set_cuda_kernels (its three keywords)."""
+    """The current selection of set_cuda_kernels (its four keywords)."""
     return dict(_cuda_kernels)
 
 

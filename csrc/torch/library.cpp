@@ -62,6 +62,17 @@ void linear_set_cuda_kernels(bool chunk_parallel, int64_t segment_chunks, bool c
 #endif
 }
 
+// attention_ext.linear.set_cuda_kernels(delta_chunked=): the delta rule's CUDA forward schedule
+// (attn::DeltaCudaKernels: -1 auto, 0 the recurrent kernel, 1 the chunk kernels where they fit).
+void delta_set_cuda_kernels(int64_t chunked) {
+  TORCH_CHECK_VALUE(chunked >= -1 && chunked <= 1,
+                    "attention_ext.linear.set_cuda_kernels: delta_chunked must be None, True or False (-1, 1 or 0), got ",
+                    chunked);
+#if defined(ATTN_WITH_CUDA)
+  attn::cuda_delta_set_kernels(attn::DeltaCudaKernels{int(chunked)});
+#endif
+}
+
 // attention_ext.decode.set_cuda_kernels: the CUDA decode kernel selection (decode/cuda/entry.h).
 void decode_set_cuda_kernels(bool tensor_cores) {
 #if defined(ATTN_WITH_CUDA)
@@ -351,6 +362,7 @@ TORCH_LIBRARY(attention_ext, m) {
         &set_cuda_kernels);
   m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks, bool chunk_states) -> ()", &linear_set_cuda_kernels);
   m.def("decode_set_cuda_kernels(bool tensor_cores) -> ()", &decode_set_cuda_kernels);
+  m.def("delta_set_cuda_kernels(int chunked) -> ()", &delta_set_cuda_kernels);
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 
@@ -21,7 +22,10 @@ using at::Tensor;
 
 struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   static constexpr const char* kWhat = "attention_ext.delta_rule_attention";
-  void delta_fwd(const attn::DeltaParamsT<float>& p) const { attn::cuda_delta_fwd(p, stream()); }
+  void delta_fwd(const attn::DeltaParamsT<float>& p, const attn::DeltaCudaKernels& k, const Tensor& scratch,
+                 std::initializer_list<Tensor>) const {
+    attn::cuda_delta_fwd(p, k, scratch.defined() ? scratch.data_ptr() : nullptr, stream());
+  }
 };
 
 std::tuple<Tensor, Tensor, Tensor> delta_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -8,21 +8,41 @@
 //     static constexpr const char* kWhat;  // error-message prefix
 //     void check_device(const Tensor& q) const;  // dtype / device the backend takes
 //     <RAII> guard(const Tensor& q) const;       // device guard for the call
-//     void delta_fwd(const DeltaParamsT<float>&) const;
+//     // the launch; `reads` are the tensors the kernels copy from (the emulator checks cp.async
+//     // sources against them and the scratch)
+//     void delta_fwd(const DeltaParamsT<float>&, const DeltaCudaKernels&, const at::Tensor& scratch,
+//                    std::initializer_list<at::Tensor> reads) const;
 //   };
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 
-#include "torch/cuda_steps.h"  // run_backend
+#include "linear/cuda/entry.h"  // cuda_delta_fwd, its scratch and selection
+#include "torch/cuda_steps.h"    // run_backend
 #include "torch/linear_delta_binding.h"
 
 namespace attn {
 namespace api {
+
+// The forward's launch with its scratch (one selection snapshot sizes and runs it); the emulator's
+// scratch starts as 0xff bytes (bf16 NaN), so a tile read before it is written fails the tests.
+template <typename Device>
+void delta_cuda_launch(const Device& dev, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const DeltaParamsT<float>& p) {
+  const DeltaCudaKernels ks = cuda_delta_kernels();
+  const size_t bytes = cuda_delta_fwd_scratch_bytes(p, ks);
+  at::Tensor scratch;
+  if (bytes > 0) {
+    scratch = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
+    if constexpr (Device::kPoison) scratch.fill_(255);
+  }
+  run_backend<Device>([&] { dev.delta_fwd(p, ks, scratch, {q, k, v}); });
+}
 
 // checkpoints (for a backward) come from the CPU kernels only: the CUDA forward serves calls
 // without gradients, so it takes checkpoints=False and returns the empty tensor.
@@ -45,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_cuda_fwd_steps(const Device
     state.fill_(NAN);
   }
   const DeltaParamsT<float> p = make_delta_params<float>(q, k, v, beta, out, state, o);
-  run_backend<Device>([&] { dev.delta_fwd(p); });
+  delta_cuda_launch(dev, q, k, v, p);
   return {out, state, ck};
 }
 
@@ -66,7 +86,7 @@ at::Tensor delta_cuda_step_steps(const Device& dev, const at::Tensor& q, const a
   }
   if constexpr (Device::kPoison) out.fill_(NAN);
   const DeltaParamsT<float> p = make_delta_params<float>(q, k, v, beta, out, state, o);
-  run_backend<Device>([&] { dev.delta_fwd(p); });
+  delta_cuda_launch(dev, q, k, v, p);
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -31,7 +32,15 @@ struct EmuDeltaDevice {
     TORCH_CHECK_TYPE(q.scalar_type() != at::kDouble, "attention_ext_emu_delta: the CUDA kernels have no float64 path");
   }
   int guard(const Tensor&) const { return 0; }
-  void delta_fwd(const attn::DeltaParamsT<float>& p) const { attn::cuda_delta_fwd(p, nullptr); }
+  void delta_fwd(const attn::DeltaParamsT<float>& p, const attn::DeltaCudaKernels& k, const Tensor& scratch,
+                 std::initializer_list<Tensor> reads) const {
+    attn_emu::clear_global_ranges();
+    for (const Tensor& t : reads) {
+      if (t.numel() > 0) attn_emu::add_global_range(t.storage().data(), t.storage().nbytes());
+    }
+    if (scratch.defined()) attn_emu::add_global_range(scratch.data_ptr(), scratch.nbytes());
+    attn::cuda_delta_fwd(p, k, scratch.defined() ? scratch.data_ptr() : nullptr, nullptr);
+  }
 };
 
 std::tuple<Tensor, Tensor, Tensor> emu_delta_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -46,6 +55,14 @@ Tensor emu_delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const T
 
 void emu_delta_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
 
+// The kernel selection (entry.h DeltaCudaKernels) of the emulated module, as the real
+// delta_set_cuda_kernels op sets it; returns the previous one.
+int64_t emu_delta_set_chunked(int64_t chunked) {
+  const int old = attn::cuda_delta_kernels().chunked;
+  attn::cuda_delta_set_kernels(attn::DeltaCudaKernels{int(chunked)});
+  return old;
+}
+
 std::vector<std::string> emu_delta_launches() { return attn_emu::take_launches(); }
 
 }  // namespace
@@ -58,5 +75,6 @@ TORCH_LIBRARY(attention_ext_emu_delta, m) {
         "bool qk_l2norm) -> Tensor",
         &emu_delta_step);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_delta_set_schedule);
+  m.def("set_chunked(int chunked) -> int", &emu_delta_set_chunked);
   m.def("launches() -> str[]", &emu_delta_launches);
 }

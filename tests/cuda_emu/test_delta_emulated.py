@@ -36,9 +36,16 @@ def emu():
     return e
 
 
-def run(emu, q, k, v, beta, gate, h0, *, scale=None, l2=False, plain=False, cu=None, side_dtype=None):
+def launched(emu):
+    """Which kernels the calls since the last look ran: 'recurrent' (delta_kernel.cuh), 'chunk'
+    (delta_chunk_kernel.cuh)."""
+    return {"chunk" if "delta_chunk" in n else "recurrent" for n in emu.launches() if "delta" in n}
+
+
+def run(emu, q, k, v, beta, gate, h0, *, scale=None, l2=False, plain=False, cu=None, side_dtype=None,
+        kernel="recurrent"):
     """The emulated op on inputs cast to q's dtype (beta and gate to side_dtype, default float32),
-    checked to have run the kernel."""
+    checked to have run `kernel` (launched()) and no other."""
     side = side_dtype or torch.float32
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     emu.launches()
@@ -47,16 +54,17 @@ def run(emu, q, k, v, beta, gate, h0, *, scale=None, l2=False, plain=False, cu=N
                                 h0.float().contiguous() if h0 is not None else None, cu, scale, l2, plain)
     assert ck.numel() == 0
     if q.shape[2] and q.numel() and v.numel():
-        assert any("delta_fwd_kernel" in n for n in emu.launches())
+        assert launched(emu) == {kernel}
     return out, st
 
 
-def check(emu, dtype, q, k, v, beta, gate, h0, *, l2=False, plain=False, cu=None, side_dtype=None, what=""):
+def check(emu, dtype, q, k, v, beta, gate, h0, *, l2=False, plain=False, cu=None, side_dtype=None, what="",
+          kernel="recurrent"):
     """ours vs float64 within 2x the same recurrence in PyTorch at `dtype` (its states in dtype)."""
     qd, kd, vd, bd = (t.to(dtype) for t in (q, k, v, beta))
     side = side_dtype or torch.float32
     gd = gate.to(side) if gate is not None else None
-    out, st = run(emu, qd, kd, vd, bd, gd, h0, l2=l2, plain=plain, cu=cu, side_dtype=side)
+    out, st = run(emu, qd, kd, vd, bd, gd, h0, l2=l2, plain=plain, cu=cu, side_dtype=side, kernel=kernel)
     scale = q.shape[-1] ** -0.5
     ins64 = [t.to(F64) for t in (qd, kd, vd, bd.to(side))]
     g64 = gd.to(F64) if gd is not None else None

@@ -409,13 +409,15 @@ def test_linear_check_op():
 def test_set_cuda_kernels_selection():
     """linear.set_cuda_kernels returns the previous selection (so **old restores it) and names a
     bad segment_chunks; on the CPU it changes nothing."""
-    old = ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=3, chunk_states=True)
-    want = dict(chunk_parallel=True, segment_chunks=3, chunk_states=True)
+    old = ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=3, chunk_states=True, delta_chunked=True)
+    want = dict(chunk_parallel=True, segment_chunks=3, chunk_states=True, delta_chunked=True)
     try:
         assert ae.linear.cuda_kernels() == want
         if ops.HAS_OP:
             with pytest.raises(ValueError, match="segment_chunks"):
                 ae.linear.set_cuda_kernels(chunk_parallel=True, segment_chunks=-1)
+            with pytest.raises(ValueError, match="delta_chunked"):
+                torch.ops.attention_ext.delta_set_cuda_kernels(2)
         q = torch.randn(1, 2, 9, 8)
         torch.testing.assert_close(ae.linear_attention(q, q, q, causal=True),
                                    reference.linear_attention(q, q, q, causal=True)[0])

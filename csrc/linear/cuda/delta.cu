@@ -1,20 +1,97 @@
-// cuda_delta_fwd (entry.h): the delta rule's forward on CUDA, delta_kernel.cuh's recurrent kernel.
-// The key width K picks how many lanes share a column (KS) and how many rows each holds (kRows),
-// so that a column's K rows fit in registers: 16 rows per lane up to K = 512, 32 beyond.
+// cuda_delta_fwd (entry.h): the delta rule's forward on CUDA. Two schedules:
+//   - delta_kernel.cuh's recurrent kernel, every call: the key width K picks how many lanes share
+//     a column (KS) and how many rows each holds (kRows), so that a column's K rows fit in
+//     registers: 16 rows per lane up to K = 512, 32 beyond;
+//   - delta_chunk_kernel.cuh's chunk-parallel tensor-core kernels (three launches over a scratch),
+//     for the calls they take (chunk_fits) when the selection asks (chunked = -1: from kChunkRows
+//     rows on, where the recurrent kernel's one CTA per 16-32 value columns leaves most of the GPU
+//     idle for thousands of sequential steps (benchmarks/gpu_cost.py predicts both).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "cuda/launch.h"
+#include "linear/cuda/delta_chunk_kernel.cuh"
 #include "linear/cuda/delta_kernel.cuh"
 #include "linear/cuda/entry.h"
 
 namespace attn {
 
 namespace {
+
+std::atomic<int> g_chunked{0};  // entry.h: the recurrent kernel until a GPU run has timed both
+constexpr int kChunkRows = 256;
+
+bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// The calls the chunk kernels take: bf16, no per-key gate, the delta write (not GLA's plain one),
+// K <= 128, and rows the 16-byte copies can read.
+bool chunk_fits(const DeltaParamsT<float>& p) {
+  if (p.dt != DType::kBF16 || p.plain || (p.gate != nullptr && p.gate_per_key)) return false;
+  if (p.dim_k > 128 || p.dim_k % 8 != 0 || p.dim_v % 8 != 0) return false;
+  for (int64_t st : {p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.k_batch_stride, p.k_head_stride,
+                     p.k_row_stride, p.v_batch_stride, p.v_head_stride, p.v_row_stride}) {
+    if (st % 8 != 0) return false;
+  }
+  for (int64_t st : {p.o_batch_stride, p.o_head_stride, p.o_row_stride}) {
+    if (st % 2 != 0) return false;
+  }
+  return aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16) && aligned(p.o, 4);
+}
+
+bool use_chunk(const DeltaParamsT<float>& p, const DeltaCudaKernels& k) {
+  if (k.chunked == 0 || !chunk_fits(p)) return false;
+  return k.chunked == 1 || p.s >= kChunkRows;
+}
+
+// The plan's sizes (pointers null) and the scratch bytes they need.
+delta_chunk::DeltaChunkPlan chunk_plan(const DeltaParamsT<float>& p, size_t* bytes) {
+  using delta_chunk::kC;
+  delta_chunk::DeltaChunkPlan plan;
+  plan.nt = (p.s + kC - 1) / kC;
+  plan.tiles = (p.dim_v + delta_chunk::kBV - 1) / delta_chunk::kBV;
+  plan.kk = p.dim_k <= 64 ? 64 : 128;
+  plan.slots = p.cu_seqlens != nullptr ? int64_t(p.s / kC) + p.b : int64_t(p.b) * plan.nt;
+  const int64_t hs = int64_t(p.h_v) * plan.slots;
+  const size_t scal = size_t(hs) * delta_chunk::kScalars * 4, wk = size_t(hs) * kC * plan.kk * 2,
+               u = size_t(hs) * kC * plan.vp() * 2, hc = size_t(hs) * plan.kk * plan.vp() * 2;
+  *bytes = scal + 2 * wk + u + hc;
+  return plan;
+}
+
+template <int kK>
+void launch_delta_chunk(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPlan plan, cudaStream_t stream,
+                        const char* what) {
+  using T = __nv_bfloat16;
+  using namespace delta_chunk;
+  if (plan.slots > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks for one launch");
+  const unsigned slots = unsigned(plan.slots);
+  {
+    auto kernel = &delta_chunk_prep_kernel<T, kK>;
+    set_smem(kernel, PrepSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(PrepSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_state_kernel<T, kK>;
+    set_smem(kernel, StateSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), dim3(kThreads),
+                size_t(StateSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_out_kernel<T, kK>;
+    set_smem(kernel, OutSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), dim3(kThreads),
+                size_t(OutSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+}
 
 template <typename T, int KS, int kRows>
 void launch_delta_fwd(const DeltaParamsT<float>& p, cudaStream_t stream, const char* what) {
@@ -44,10 +121,37 @@ void delta_fwd_dtype(const DeltaParamsT<float>& p, cudaStream_t stream, const ch
 
 }  // namespace
 
-void cuda_delta_fwd(const DeltaParamsT<float>& p, cudaStream_t stream) {
+void cuda_delta_set_kernels(const DeltaCudaKernels& k) { g_chunked.store(k.chunked); }
+DeltaCudaKernels cuda_delta_kernels() { return DeltaCudaKernels{g_chunked.load()}; }
+
+size_t cuda_delta_fwd_scratch_bytes(const DeltaParamsT<float>& p, const DeltaCudaKernels& k) {
+  size_t bytes = 0;
+  if (use_chunk(p, k)) chunk_plan(p, &bytes);
+  return bytes;
+}
+
+void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, void* scratch, cudaStream_t stream) {
   const char* what = "attention_ext.delta_rule_attention (CUDA)";
   check_grid(p.h_v, p.b, what);
   if (p.dim_k > 1024) throw std::runtime_error(std::string(what) + ": K must be <= 1024");
+  if (use_chunk(p, k)) {
+    size_t bytes = 0;
+    delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);
+    if (scratch == nullptr) throw std::runtime_error(std::string(what) + ": the chunked kernels need their scratch");
+    const int64_t hs = int64_t(p.h_v) * plan.slots;
+    char* at = static_cast<char*>(scratch);
+    plan.scal = reinterpret_cast<float*>(at);
+    at += size_t(hs) * delta_chunk::kScalars * 4;
+    plan.w = at;
+    at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
+    plan.kt = at;
+    at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
+    plan.u = at;
+    at += size_t(hs) * delta_chunk::kC * plan.vp() * 2;
+    plan.hc = at;
+    if (plan.kk == 64) return launch_delta_chunk<64>(p, plan, stream, what);
+    return launch_delta_chunk<128>(p, plan, stream, what);
+  }
   switch (p.dt) {
     case DType::kF32: return delta_fwd_dtype<float>(p, stream, what);
     case DType::kF16: return delta_fwd_dtype<__half>(p, stream, what);

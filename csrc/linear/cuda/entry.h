@@ -60,9 +60,23 @@ void cuda_linear_bwd(const LinearBwdParamsT<float>& p, DType dt, const LinearCud
 // The recurrent step (linear_step): out (B, H, T, Dv), p.state and p.normalizer advanced in place.
 void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t stream);
 
+// The delta rule's CUDA forward schedule, process-wide (set by the
+// attention_ext::delta_set_cuda_kernels op): chunked 0 (the default until a GPU run has tested
+// and timed the chunk kernels) = the recurrent kernel for every call; -1 = the chunk-parallel
+// tensor-core kernels (delta_chunk_kernel.cuh) for the calls they take from 256 rows on, the
+// recurrent kernel for the rest; 1 = the chunk kernels for every call they take.
+struct DeltaCudaKernels {
+  int chunked = 0;
+};
+void cuda_delta_set_kernels(const DeltaCudaKernels& k);
+DeltaCudaKernels cuda_delta_kernels();
+
+// Bytes of the forward's scratch under selection k (0: none), allocated (not zeroed) by the caller.
+size_t cuda_delta_fwd_scratch_bytes(const DeltaParamsT<float>& p, const DeltaCudaKernels& k);
+
 // The delta rule's forward (delta.cu): writes p.o and, when not null, p.final_state, which may be
 // p.init_state itself (the in-place step). Every row of every sequence; a varlen pack's other
-// rows are left as they are.
-void cuda_delta_fwd(const DeltaParamsT<float>& p, cudaStream_t stream);
+// rows are left as they are. scratch: cuda_delta_fwd_scratch_bytes(p, k) bytes.
+void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, void* scratch, cudaStream_t stream);
 
 }  // namespace attn

@@ -1,0 +1,558 @@
+// The delta rule's chunk-parallel forward on the tensor cores (bf16; DeltaNet and Gated DeltaNet:
+// no gate or one log-gate per head; common/delta_params.h states the math): the WY form of the
+// DeltaNet and Gated DeltaNet papers on flash-linear-attention's schedule, in three kernels.
+//
+// Per chunk of kC = 64 tokens entering with state h0 (K, V), with k^, q^ the normalized rows (q^
+// times scale), b_i = beta_i and w(i, j) = prod_{j < t <= i} a_t the decay from token j to i:
+//   A    = strictly lower (b_i w(i, j) k^_i . k^_j)           T = (I + A)^-1
+//   W    = T Diag(b_j w(j, -1)) K^      U = T Diag(b) V       (u = U - W h0: the chunk's writes)
+//   h1   = w(C-1, -1) h0 + K~^T u,      K~_j = w(C-1, j) k^_j
+//   o_i  = w(i, -1) h0^T q^_i + sum_{j <= i} w(i, j) (q^_i . k^_j) u_j
+//
+//   delta_chunk_prep_kernel   grid (slots, H_v): every chunk at once. The decays within the chunk
+//                             (below), A by one product, T by forward substitution in fp32
+//                             (a thread pair per column of T, no barrier), then W, U and K~ by
+//                             products; all three stored 16-bit to the scratch.
+//   delta_chunk_state_kernel  grid (value tiles, H_v, N): the only sequential walk. A CTA keeps
+//                             its (K, 64) slab of h in mma accumulators (fp32, never rounded),
+//                             and per chunk stores h rounded to 16 bits (the outputs' operand),
+//                             forms u = U - W h (stored over U) and adds K~^T u. Its operands
+//                             for the next chunk arrive by cp.async while it computes.
+//   delta_chunk_out_kernel    grid (slots, H_v, value tiles): every chunk's outputs at once from
+//                             its entering state, the intra-chunk scores masked and weighted in
+//                             the accumulators and fed to the u product from registers.
+//
+// Decays are exact for every gate. No cumulative log-gate over the sequence is ever formed; within
+// a chunk G'_i sums the log-gates since the chunk start or the last reset before i (a gate <=
+// kResetGate, whose e^g is 0 in float32, a -inf included), f_i is that reset's row (-1: none), and
+// w(i, j) = f_i > j ? 0 : exp(G'_i - G'_j), w(i, -1) = f_i >= 0 ? 0 : exp(G'_i). So a -1e9 or -inf
+// gate gives zeros where the recurrence has them, never NaN from -inf - -inf, and a chunk's
+// rounding error is that of sums over at most 64 gates.
+//
+// The scratch (DeltaChunkPlan, dispatch in delta.cu) holds per (value head, chunk slot): the row
+// scalars, W and K~ (64, kK), U then u (64, Vp) and the entering state (kK, Vp), 16-bit, Vp the
+// value width rounded up to 64. Every element is written (zeros past K, V and a chunk's end), so
+// the kernels read whole tiles with no bounds. Slots: sequence n's chunk c is slot n * nt + c for
+// a batch, floor(row0_n / 64) + n + c for a varlen pack (as ChunkPlan in chunk_fwd_kernel.cuh).
+//
+// Needs (delta.cu checks): bf16 (fp16's range is too narrow for a stored state; fp16 and fp32 take
+// the recurrent kernel), K <= 128, K and V multiples of 8, 16-byte aligned rows.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/delta_params.h"
+#include "cuda/mma.cuh"
+#include "linear/cuda/delta_kernel.cuh"  // load_side
+#include "linear/cuda/mma_common.cuh"    // mma_smem, mma_reg, fragment indexing, 16-bit smem access
+
+namespace attn {
+namespace delta_chunk {
+
+using DeltaParams = DeltaParamsT<float>;
+using linear_tc::acc_col;
+using linear_tc::acc_row;
+
+constexpr int kC = 64;  // tokens per chunk
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBV = 64;  // value columns per CTA of the state and output kernels
+static_assert(linear_tc::kThreads == kThreads, "the shared product helpers assume 4 warps");
+constexpr float kResetGate = linear_simt::kResetGate;
+// the per-slot row scalars, float (4, kC): G', f (as a float), the inverse key norm, w(i, -1)
+constexpr int kScalars = 4 * kC;
+
+struct DeltaChunkPlan {
+  int nt = 1;         // chunks per sequence of a batch: ceil(S / 64)
+  int tiles = 1;      // value tiles of kBV columns; Vp = tiles * kBV
+  int kk = 64;        // K rounded up to the kernels' width (64 or 128)
+  int64_t slots = 0;  // chunk slots per value head
+  float* scal = nullptr;  // (H_v, slots, kScalars)
+  void* w = nullptr;      // (H_v, slots, kC, kk)
+  void* kt = nullptr;     // (H_v, slots, kC, kk): K~
+  void* u = nullptr;      // (H_v, slots, kC, Vp): U, then u
+  void* hc = nullptr;     // (H_v, slots, kk, Vp): the state entering the chunk
+  __host__ __device__ int vp() const { return tiles * kBV; }
+};
+
+// The chunk of slot x: its batch row b, first row (in the pack or the sequence), rows n (0: an
+// empty slot) and chunk index c.
+struct ChunkAt {
+  int b = 0, n = 0, c = 0;
+  int64_t row = 0;  // first row of the chunk: row0 of the sequence + 64 c
+};
+__device__ __forceinline__ int64_t seq_base(const DeltaParams& p, const DeltaChunkPlan& plan, int n) {
+  return p.cu_seqlens != nullptr ? int64_t(p.cu_seqlens[n] / kC) + n : int64_t(n) * plan.nt;
+}
+__device__ __forceinline__ ChunkAt chunk_at(const DeltaParams& p, const DeltaChunkPlan& plan, int64_t x) {
+  ChunkAt at;
+  int seq = 0, len = p.s;
+  int64_t row0 = 0;
+  if (p.cu_seqlens != nullptr) {  // the last sequence whose first slot is <= x
+    int lo = 0, hi = p.b - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (seq_base(p, plan, mid) <= x) lo = mid; else hi = mid - 1;
+    }
+    seq = lo;
+    row0 = p.cu_seqlens[seq];
+    len = p.cu_seqlens[seq + 1] - p.cu_seqlens[seq];
+  } else {
+    seq = int(x / plan.nt);
+    at.b = seq;
+  }
+  at.c = int(x - seq_base(p, plan, seq));
+  at.n = max(0, min(kC, len - at.c * kC));
+  at.row = row0 + int64_t(at.c) * kC;
+  return at;
+}
+
+// Scalars of rows i < kC from the raw log-gates gr (0 past the chunk): G'_i, f_i, w(i, -1). One
+// thread per row, a loop over the rows before it (the prep kernel's only serial loop of the kind:
+// 64 steps, off every sequential path).
+__device__ __forceinline__ void chunk_decays(const float* gr, int i, float& g, float& f, float& e) {
+  float s = 0.f;
+  int last = -1;
+  for (int t = 0; t <= i; ++t) {
+    const float x = gr[t];
+    if (x <= kResetGate) {
+      s = 0.f;
+      last = t;
+    } else {
+      s += x;
+    }
+  }
+  g = s;
+  f = float(last);
+  e = last >= 0 ? 0.f : expf(s);
+}
+// w(i, j) for j <= i from the scalars
+__device__ __forceinline__ float decay(const float* G, const float* F, int i, int j) {
+  return F[i] > float(j) ? 0.f : expf(G[i] - G[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ const T* head_rows(const void* base, int64_t bs, int64_t hs, int b, int h) {
+  return static_cast<const T*>(base) + int64_t(b) * bs + int64_t(h) * hs;
+}
+
+// 1 / ||row i|| (+ eps) of a (kC, kK) 16-bit tile at byte `tile` of smem: thread i < kC.
+template <typename T, typename Tile, int kK>
+__device__ __forceinline__ float inv_norm(const unsigned char* smem, uint32_t tile, int i, int cols, float eps) {
+  float s = 0.f;
+  for (int c = 0; c < cols; ++c) {
+    const float x = linear_tc::ld16<T>(smem, tile + Tile::offset(i, c));
+    s = fmaf(x, x, s);
+  }
+  return 1.f / sqrtf(s + eps);
+}
+
+// A 16-bit pair (columns c, c + 1) of an accumulator row, stored to global memory.
+template <typename T>
+__device__ __forceinline__ void st_pair(T* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) = tc::TypeOps<T>::pack(a, b);
+}
+
+// ------------------------------------------------------------------------------ prep
+template <int kK>
+struct PrepSmem {
+  using KTile = tc::SmemTile<kC, kK>;
+  using CTile = tc::SmemTile<kC, kC>;
+  static constexpr uint32_t kK_ = 0, kV = kK_ + KTile::kBytes, kTw = kV + CTile::kBytes, kTu = kTw + CTile::kBytes,
+                            kF = kTu + CTile::kBytes;  // then the floats
+  static constexpr int kAStride = kC + 1;               // A's rows (fp32), padded: T's column walk reads A[i][k..]
+  static constexpr int kFloats = kC * kAStride + kC * kC + 6 * kC;
+  static constexpr int kBytes = int(kF) + kFloats * 4;
+};
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_prep_kernel(const DeltaParams p, const DeltaChunkPlan plan) {
+  using L = PrepSmem<kK>;
+  using KTile = typename L::KTile;
+  using CTile = typename L::CTile;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  float* Af = reinterpret_cast<float*>(smem + L::kF);  // (kC, kAStride)
+  float* Tf = Af + kC * L::kAStride;                    // (kC, kC): T, column c by thread pair c
+  float* G = Tf + kC * kC;
+  float* F = G + kC;
+  float* NK = F + kC;
+  float* E = NK + kC;
+  float* B = E + kC;
+  float* GR = B + kC;
+
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, hk = hv / (p.h_v / p.h_k);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;  // a varlen pack's gap slot: no chunk, nothing reads it
+  const int K = p.dim_k, V = p.dim_v, vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;  // this (head, slot)
+
+  const T* kh = head_rows<T>(p.k, p.k_batch_stride, p.k_head_stride, at.b, hk) + at.row * p.k_row_stride;
+  const T* vh = head_rows<T>(p.v, p.v_batch_stride, p.v_head_stride, at.b, hv) + at.row * p.v_row_stride;
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kK_, kh, p.k_row_stride, n, K, tid);
+  tc::cp_async_commit();
+  if (tid < kC) {
+    const int64_t side = (int64_t(at.b) * p.h_v + hv) * p.s + at.row + tid;
+    GR[tid] = p.gate != nullptr && tid < n ? delta_cuda::load_side(p.gate_dt, p.gate, side) : 0.f;
+    B[tid] = tid < n ? delta_cuda::load_side(p.beta_dt, p.beta, side) : 0.f;
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  if (tid < kC) {
+    chunk_decays(GR, tid, G[tid], F[tid], E[tid]);
+    NK[tid] = tid < n ? (p.qk_l2norm ? inv_norm<T, KTile, kK>(smem, L::kK_, tid, K, p.l2_eps) : 1.f) : 0.f;
+    float* sc = plan.scal + hs * kScalars;
+    sc[tid] = G[tid];
+    sc[kC + tid] = F[tid];
+    sc[2 * kC + tid] = NK[tid];
+    sc[3 * kC + tid] = E[tid];
+  }
+  __syncthreads();
+
+  // A: warp w's rows [16 w, 16 w + 16), every column
+  {
+    float acc[kC / 8][4];
+    linear_tc::zero(acc);
+    linear_tc::mma_smem<T, KTile, KTile, kK, kC, false>(acc, sb + L::kK_, 16 * warp, sb + L::kK_, lane);
+#pragma unroll
+    for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = acc_row(16 * warp, lane, e), j = acc_col(t, lane, e);
+        Af[i * L::kAStride + j] = j < i && i < n ? B[i] * NK[i] * NK[j] * decay(G, F, i, j) * acc[t][e] : 0.f;
+      }
+    }
+  }
+  __syncthreads();
+
+  // T = (I + A)^-1, lower unitriangular: column c by threads 2c and 2c + 1, each summing the
+  // terms k = c + h (mod 2) and writing the rows i = c + h (mod 2), so that each reads only what
+  // it wrote; the pair's partial sums meet by one shuffle per row (every lane of the warp walks
+  // every row, so that the shuffle's lanes are all there).
+  {
+    const int c = tid / 2, h = tid % 2;
+    for (int i = h; i < c; i += 2) Tf[i * kC + c] = 0.f;
+    if (h == 0) Tf[c * kC + c] = 1.f;
+    for (int i = 1; i < kC; ++i) {
+      float s = 0.f;
+      if (i > c) {
+        for (int k = c + h; k < i; k += 2) s = fmaf(Af[i * L::kAStride + k], Tf[k * kC + c], s);
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (i > c && ((i - c) & 1) == h) Tf[i * kC + c] = -s;
+    }
+  }
+  __syncthreads();
+
+  // T Diag(b_j w(j, -1) nk_j) and T Diag(b_j), 16-bit, for the W and U products
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e % kC;
+    const float t = Tf[e];
+    linear_tc::st16<T>(smem, L::kTw + CTile::offset(i, j), t * B[j] * E[j] * NK[j]);
+    linear_tc::st16<T>(smem, L::kTu + CTile::offset(i, j), t * B[j]);
+  }
+  // K~ = w(n-1, j) nk_j k_j, the state update's operand
+  T* kt = static_cast<T*>(plan.kt) + hs * kC * kK;
+  for (int e = tid; e < kC * kK / 2; e += kThreads) {
+    const int j = e / (kK / 2), c = 2 * (e % (kK / 2));
+    const float f = j < n ? NK[j] * decay(G, F, n - 1, j) : 0.f;
+    st_pair(kt + j * kK + c, linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(j, c)) * f,
+            linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(j, c + 1)) * f);
+  }
+  __syncthreads();
+
+  // W = (T Diag(..)) K^ (rows 16 w .. of the warp)
+  {
+    float acc[kK / 8][4];
+    linear_tc::zero(acc);
+    linear_tc::mma_smem<T, CTile, KTile, kC, kK, true>(acc, sb + L::kTw, 16 * warp, sb + L::kK_, lane);
+    T* w = static_cast<T*>(plan.w) + hs * kC * kK;
+#pragma unroll
+    for (int t = 0; t < kK / 8; ++t) {
+      const int i = acc_row(16 * warp, lane, 0), c = acc_col(t, lane, 0);
+      st_pair(w + i * kK + c, acc[t][0], acc[t][1]);
+      st_pair(w + (i + 8) * kK + c, acc[t][2], acc[t][3]);
+    }
+  }
+  // U = (T Diag(b)) V, a value tile at a time
+  T* u = static_cast<T*>(plan.u) + hs * kC * vp;
+  for (int c0 = 0; c0 < vp; c0 += kBV) {
+    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kV, vh + c0, p.v_row_stride, n, V - c0, tid);
+    tc::cp_async_commit();
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    float acc[kBV / 8][4];
+    linear_tc::zero(acc);
+    linear_tc::mma_smem<T, CTile, CTile, kC, kBV, true>(acc, sb + L::kTu, 16 * warp, sb + L::kV, lane);
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+      const int i = acc_row(16 * warp, lane, 0), c = c0 + acc_col(t, lane, 0);
+      st_pair(u + i * vp + c, acc[t][0], acc[t][1]);
+      st_pair(u + (i + 8) * vp + c, acc[t][2], acc[t][3]);
+    }
+    __syncthreads();  // the next tile's copy overwrites V's tile
+  }
+}
+
+// A (kRows, kBV) 16-bit shared tile to global rows (stride ld) by 16-byte vectors.
+template <typename T, typename Tile, int kRows>
+__device__ __forceinline__ void store_tile(T* dst, int64_t ld, uint32_t tile, int tid) {
+  constexpr int kVecs = kRows * kBV / 8;
+#pragma unroll
+  for (int e = tid; e < kVecs; e += kThreads) {
+    const int r = e / (kBV / 8), c = e % (kBV / 8) * 8;
+    *reinterpret_cast<uint4*>(dst + int64_t(r) * ld + c) = tc::ld_shared_v4(tile + Tile::offset(r, c));
+  }
+}
+
+// ------------------------------------------------------------------------------ state walk
+template <int kK>
+struct StateSmem {
+  using KTile = tc::SmemTile<kC, kK>;   // W, K~
+  using CTile = tc::SmemTile<kC, kBV>;  // U, u
+  using HTile = tc::SmemTile<kK, kBV>;  // h, rounded
+  // two stages of (W, K~, U), then h and u
+  static constexpr uint32_t kStage = 2 * KTile::kBytes + CTile::kBytes;
+  static constexpr uint32_t kH = 2 * kStage, kU = kH + HTile::kBytes;
+  static constexpr int kBytes = int(kU + CTile::kBytes);
+  __device__ static uint32_t w(int s) { return s * kStage; }
+  __device__ static uint32_t kt(int s) { return s * kStage + KTile::kBytes; }
+  __device__ static uint32_t uin(int s) { return s * kStage + 2 * KTile::kBytes; }
+};
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const DeltaParams p, const DeltaChunkPlan plan) {
+  using L = StateSmem<kK>;
+  using KTile = typename L::KTile;
+  using CTile = typename L::CTile;
+  using HTile = typename L::HTile;
+  using Ops = tc::TypeOps<T>;
+  constexpr int kMT = kK / 64;  // 16-row tiles of h per warp (kK / 4 rows)
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  const int tile = blockIdx.x, hv = blockIdx.y, seq = blockIdx.z, c0 = tile * kBV;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int K = p.dim_k, V = p.dim_v, vp = plan.vp();
+  int len = p.s;
+  if (p.cu_seqlens != nullptr) len = p.cu_seqlens[seq + 1] - p.cu_seqlens[seq];
+  const int nc = (len + kC - 1) / kC;
+  const int64_t hs0 = int64_t(hv) * plan.slots + seq_base(p, plan, seq);  // (head, first slot)
+  const int64_t st0 = (int64_t(seq) * p.h_v + hv) * K * V;
+
+  float h[kMT][kBV / 8][4];
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = acc_row(warp * (kK / 4) + 16 * m, lane, e), c = c0 + acc_col(t, lane, e);
+        h[m][t][e] = p.init_state != nullptr && r < K && c < V ? p.init_state[st0 + int64_t(r) * V + c] : 0.f;
+      }
+    }
+  }
+
+  // tid and lane pass through opaque() per chunk: otherwise the compiler hoists every copy's and
+  // product's shared address out of the walk, one register each (spills at kK = 128)
+  auto load_chunk = [&](int c, int tid) {
+    const int64_t hs = hs0 + c;
+    const int s = c & 1;
+    tc::load_tile_async<kC, kK, kThreads, T>(sb + L::w(s), static_cast<const T*>(plan.w) + hs * kC * kK, kK, kC, kK, tid);
+    tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kt(s), static_cast<const T*>(plan.kt) + hs * kC * kK, kK, kC, kK,
+                                             tid);
+    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::uin(s), static_cast<const T*>(plan.u) + hs * kC * vp + c0, vp, kC,
+                                              kBV, tid);
+  };
+  if (nc > 0) load_chunk(0, tid);
+  tc::cp_async_commit();
+
+#pragma unroll 1
+  for (int c = 0; c < nc; ++c) {
+    const int s = c & 1;
+    const int64_t hs = hs0 + c;
+    const int lane = linear_tc::opaque(threadIdx.x % 32);
+    if (c + 1 < nc) load_chunk(c + 1, linear_tc::opaque(tid));
+    tc::cp_async_commit();
+    // h, rounded: the operand of W h here and of the outputs' product (stored from the tile)
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+        const int r = acc_row(warp * (kK / 4) + 16 * m, lane, 0), cc = acc_col(t, lane, 0);
+        tc::st_shared_b32(sb + L::kH + HTile::offset(r, cc), Ops::pack(h[m][t][0], h[m][t][1]));
+        tc::st_shared_b32(sb + L::kH + HTile::offset(r + 8, cc), Ops::pack(h[m][t][2], h[m][t][3]));
+      }
+    }
+    tc::cp_async_wait<1>();  // chunk c's tiles (the group before the one just committed)
+    __syncthreads();
+    store_tile<T, HTile, kK>(static_cast<T*>(plan.hc) + hs * kK * vp + c0, vp, sb + L::kH, linear_tc::opaque(tid));
+
+    // u = U - W h: rows [16 w, 16 w + 16) into u's tile, then stored over U
+    {
+      float acc[kBV / 8][4];
+      linear_tc::zero(acc);
+      linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(acc, sb + L::w(s), 16 * warp, sb + L::kH, lane);
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+        const int i = acc_row(16 * warp, lane, 0), cc = acc_col(t, lane, 0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = i + 8 * half;
+          const float2 x = Ops::unpack(*reinterpret_cast<const uint32_t*>(smem + L::uin(s) + CTile::offset(r, cc)));
+          tc::st_shared_b32(sb + L::kU + CTile::offset(r, cc),
+                            Ops::pack(x.x - acc[t][2 * half], x.y - acc[t][2 * half + 1]));
+        }
+      }
+    }
+    __syncthreads();
+    store_tile<T, CTile, kC>(static_cast<T*>(plan.u) + hs * kC * vp + c0, vp, sb + L::kU, linear_tc::opaque(tid));
+
+    // h <- w(n-1, -1) h + K~^T u: A = K~^T from K~'s row-major tile by ldmatrix.trans
+    {
+      const int n = min(kC, len - c * kC);
+      const float dec = plan.scal[hs * kScalars + 3 * kC + n - 1];
+#pragma unroll
+      for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+        for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) h[m][t][e] *= dec;
+        }
+      }
+      const uint32_t bo = CTile::lane_bt(0, lane);
+#pragma unroll
+      for (int m = 0; m < kMT; ++m) {
+        const int f0 = warp * (kK / 4) + 16 * m;
+#pragma unroll
+        for (int kb = 0; kb < kC / 16; ++kb) {
+          uint32_t af[4];
+          tc::ldmatrix_x4_trans(af, sb + L::kt(s) + KTile::offset(16 * kb + (lane & 7) + (lane >> 4) * 8,
+                                                                  f0 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+          for (int np = 0; np < kBV / 16; ++np) {
+            uint32_t bf[4];
+            tc::ldmatrix_x4_trans(bf, sb + L::kU + CTile::advance(bo, kb * 16, np * 16));
+            tc::mma_n16<T>(h[m][2 * np], af, bf);
+          }
+        }
+      }
+    }
+    __syncthreads();  // h's and u's tiles and stage s are free for the next chunk
+  }
+
+  if (p.final_state != nullptr) {
+#pragma unroll
+    for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = acc_row(warp * (kK / 4) + 16 * m, lane, e), c = c0 + acc_col(t, lane, e);
+          if (r < K && c < V) p.final_state[st0 + int64_t(r) * V + c] = h[m][t][e];
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------ outputs
+template <int kK>
+struct OutSmem {
+  using KTile = tc::SmemTile<kC, kK>;   // Q, K
+  using CTile = tc::SmemTile<kC, kBV>;  // u
+  using HTile = tc::SmemTile<kK, kBV>;  // the entering state
+  static constexpr uint32_t kQ = 0, kK_ = KTile::kBytes, kH = 2 * KTile::kBytes, kU = kH + HTile::kBytes,
+                            kF = kU + CTile::kBytes;
+  static constexpr int kBytes = int(kF) + 5 * kC * 4;
+};
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_out_kernel(const DeltaParams p, const DeltaChunkPlan plan) {
+  using L = OutSmem<kK>;
+  using KTile = typename L::KTile;
+  using CTile = typename L::CTile;
+  using HTile = typename L::HTile;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  float* G = reinterpret_cast<float*>(smem + L::kF);
+  float* F = G + kC;
+  float* NK = F + kC;
+  float* E = NK + kC;
+  float* NQ = E + kC;
+
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, hk = hv / (p.h_v / p.h_k), c0 = blockIdx.z * kBV;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int K = p.dim_k, V = p.dim_v, vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+
+  const T* qh = head_rows<T>(p.q, p.q_batch_stride, p.q_head_stride, at.b, hk) + at.row * p.q_row_stride;
+  const T* kh = head_rows<T>(p.k, p.k_batch_stride, p.k_head_stride, at.b, hk) + at.row * p.k_row_stride;
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kQ, qh, p.q_row_stride, n, K, tid);
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kK_, kh, p.k_row_stride, n, K, tid);
+  tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK, kBV,
+                                            tid);
+  tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kU, static_cast<const T*>(plan.u) + hs * kC * vp + c0, vp, kC, kBV,
+                                            tid);
+  tc::cp_async_commit();
+  if (tid < kC) {
+    const float* sc = plan.scal + hs * kScalars;
+    G[tid] = sc[tid];
+    F[tid] = sc[kC + tid];
+    NK[tid] = sc[2 * kC + tid];
+    E[tid] = sc[3 * kC + tid];
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  if (tid < kC) {
+    NQ[tid] = tid < n ? (p.qk_l2norm ? p.scale * inv_norm<T, KTile, kK>(smem, L::kQ, tid, K, p.l2_eps) : p.scale)
+                      : 0.f;
+  }
+  __syncthreads();
+
+  float o[kBV / 8][4];
+  linear_tc::zero(o);
+  linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(o, sb + L::kQ, 16 * warp, sb + L::kH, lane);
+  float s[kC / 8][4];
+  linear_tc::zero(s);
+  linear_tc::mma_smem<T, KTile, KTile, kK, kC, false>(s, sb + L::kQ, 16 * warp, sb + L::kK_, lane);
+#pragma unroll
+  for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = acc_row(16 * warp, lane, e);
+      o[t][e] *= NQ[i] * E[i];
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = acc_row(16 * warp, lane, e), j = acc_col(t, lane, e);
+      s[t][e] = j <= i && i < n ? NQ[i] * NK[j] * decay(G, F, i, j) * s[t][e] : 0.f;
+    }
+  }
+  linear_tc::mma_reg<T, CTile, kC, kBV>(o, s, sb + L::kU, lane);
+
+  T* oh = static_cast<T*>(p.o) + int64_t(at.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
+          at.row * p.o_row_stride;
+#pragma unroll
+  for (int t = 0; t < kBV / 8; ++t) {
+    const int i = acc_row(16 * warp, lane, 0), c = c0 + acc_col(t, lane, 0);
+    if (c < V) {
+      if (i < n) st_pair(oh + int64_t(i) * p.o_row_stride + c, o[t][0], o[t][1]);
+      if (i + 8 < n) st_pair(oh + int64_t(i + 8) * p.o_row_stride + c, o[t][2], o[t][3]);
+    }
+  }
+}
+
+}  // namespace delta_chunk
+}  // namespace attn
