@@ -1,5 +1,6 @@
-"""The delta rule on the GPU: our CUDA forward (csrc/linear/cuda/delta_kernel.cuh, recurrent, the
-state in registers) against flash-linear-attention's Gated DeltaNet kernels (the fused recurrent
+"""The delta rule on the GPU: our two CUDA forwards (csrc/linear/cuda/delta_kernel.cuh, recurrent,
+the state in registers; delta_chunk_kernel.cuh, chunk-parallel on the tensor cores, selected by
+linear.set_cuda_kernels(delta_chunked=True)) against flash-linear-attention's Gated DeltaNet kernels (the fused recurrent
 one, the same schedule, and the chunked one, its training kernel) and against the chunked
 PyTorch form a user would write (reference.delta_rule_chunked), timed interleaved in the same run
 with CUDA synchronization. Inference calls (no autograd): prefill, and the in-place step of
@@ -53,6 +54,18 @@ def inputs(b, hk, hv, s, kd, vd):
     return q, k, v, beta, g
 
 
+def selected(chunked: bool, fn):
+    """fn under the delta_chunked selection `chunked` (process-wide: set around each call, so that
+    the interleaved timing can alternate the two)."""
+    def run():
+        old = ae.linear.set_cuda_kernels(**{**ae.linear.cuda_kernels(), "delta_chunked": chunked})
+        try:
+            return fn()
+        finally:
+            ae.linear.set_cuda_kernels(**old)
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10)
@@ -68,12 +81,14 @@ def main(argv=None) -> int:
              f"{'gated_delta_rule' if fla else 'not installed'}; float32 matmul ceiling {fma / 1e12:.0f} TFLOP/s", "",
              "Prefill (no autograd), Gated DeltaNet, bf16 inputs:", "",
              "| (B, H_k, H_v, S, K, V) | ours ms | ours TFLOP/s (of the float32 matmul) | x FLA fused recurrent | x FLA chunk "
-             "| x PyTorch chunked |", "|---|---|---|---|---|---|"]
+             "| x PyTorch chunked | ours chunked ms | chunked x recurrent | chunked x FLA chunk |",
+             "|---|---|---|---|---|---|---|---|---|"]
     with torch.no_grad():
         for b, hk, hv, s, kd, vd in CASES:
             q, k, v, beta, g = inputs(b, hk, hv, s, kd, vd)
             rep = hv // hk
-            fns = {"ours": lambda: ae.delta_rule_attention(q, k, v, beta, gate=g, qk_l2norm=True, layout="bshd")}
+            call = lambda: ae.delta_rule_attention(q, k, v, beta, gate=g, qk_l2norm=True, layout="bshd")  # noqa: E731
+            fns = {"ours": selected(False, call), "chunked": selected(True, call)}
             if fla is not None:
                 chunk, fused = fla
                 qf, kf = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q, k))
@@ -87,6 +102,8 @@ def main(argv=None) -> int:
             t = interleaved(fns, reps=args.reps, sync=torch.cuda.synchronize)
             fl = 2 * 3 * b * hv * s * kd * vd
             cols = [f"{t[n] / t['ours']:.2f}x" if n in t else "-" for n in ("fla_rec", "fla_chunk", "torch")]
+            cols += [f"{t['chunked'] * 1e3:.3f}", f"{t['ours'] / t['chunked']:.2f}x",
+                     f"{t['fla_chunk'] / t['chunked']:.2f}x" if "fla_chunk" in t else "-"]
             lines.append(f"| {(b, hk, hv, s, kd, vd)} | {t['ours'] * 1e3:.3f} | {fl / t['ours'] / 1e12:.1f} "
                          f"({fl / t['ours'] / fma:.0%}) | " + " | ".join(cols) + " |")
             print(lines[-1], flush=True)

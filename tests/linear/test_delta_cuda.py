@@ -1,9 +1,11 @@
-"""The delta rule's CUDA forward (csrc/linear/cuda/delta_kernel.cuh) on a GPU, through the public
+"""The delta rule's CUDA forwards (csrc/linear/cuda/delta_kernel.cuh, recurrent, and
+delta_chunk_kernel.cuh, chunk-parallel: the tests with `chunked`) on a GPU, through the public
 functions: outputs and final states against the float64 recurrence with the project rule (2x
 PyTorch's same-dtype error), every lane split of a column (K from 5 to 600), GVA, the gates, the
 L2 norm, varlen packs, hard resets, the in-place step, and calls that need gradients (PyTorch
 on CUDA: the chunked WY form or the recurrence). Skips without a GPU or without the compiled CUDA kernel;
-tests/cuda_emu/test_delta_emulated.py runs the same kernel on the CPU on every CI run."""
+tests/cuda_emu/test_delta_emulated.py and test_delta_chunk_emulated.py run the same kernels on the
+CPU on every CI run."""
 from __future__ import annotations
 
 import pytest
@@ -54,6 +56,49 @@ def test_varlen_and_hard_reset():
     g[:, :, 20] = float("-inf")
     out, st = check(torch.float32, q, k, v, beta, g, h0, l2=True, cu=cu)
     assert (out[:, :, 41:] == 0).all()
+
+
+@pytest.fixture
+def chunked():
+    """The chunk-parallel forward (delta_chunk_kernel.cuh) for every call it takes."""
+    old = ae.linear.set_cuda_kernels(**{**ae.linear.cuda_kernels(), "delta_chunked": True})
+    yield
+    ae.linear.set_cuda_kernels(**old)
+
+
+@pytest.mark.parametrize("case", [(1, 1, 1, 8, 8, None, False), (1, 2, 63, 16, 24, None, False),
+                                  (2, 4, 64, 64, 72, "head", True), (1, 3, 130, 72, 8, "head", False),
+                                  (2, 4, 1000, 128, 128, "head", True), (1, 2, 3000, 128, 136, "head", True),
+                                  (2, 2, 700, 120, 64, None, True)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_forward_chunked(chunked, case):
+    """The chunk kernels (bf16) on the same rule; the cases of
+    tests/cuda_emu/test_delta_chunk_emulated.py and longer ones."""
+    hk, hv, s, kd, vd, gate, l2 = case
+    check(torch.bfloat16, *problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate), l2=l2, what=str(case))
+
+
+@pytest.mark.parametrize("r", [17, 64, 100])
+def test_chunked_varlen_and_hard_resets(chunked, r):
+    """A pack whose sequences start mid-chunk (an empty one included), and a -inf gate at row r."""
+    cu = torch.tensor([0, 70, 70, 135, 200], dtype=torch.int32)
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=205, kd=64, vd=24, gate="head", nseq=4)
+    g[:, :, r] = float("-inf")
+    out, _ = check(torch.bfloat16, q, k, v, beta, g, h0, l2=True, cu=cu)
+    assert (out[:, :, 200:] == 0).all()
+
+
+def test_chunked_long_sequence_matches_recurrent():
+    """S = 8192: the chunk kernels against the recurrent kernel (both bf16 in, fp32 state) and the
+    float64 recurrence at the bench's Gated DeltaNet shape, one head."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=8192, kd=128, vd=128, gate="head")
+    old = ae.linear.set_cuda_kernels(**{**ae.linear.cuda_kernels(), "delta_chunked": True})
+    try:
+        out_c, st_c = check(torch.bfloat16, q, k, v, beta, g, h0, l2=True, what="chunked")
+    finally:
+        ae.linear.set_cuda_kernels(**old)
+    out_r, st_r = check(torch.bfloat16, q, k, v, beta, g, h0, l2=True, what="recurrent")
+    torch.testing.assert_close(out_c.float(), out_r.float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -540,7 +540,21 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_out_kernel(const DeltaPa
       s[t][e] = j <= i && i < n ? NQ[i] * NK[j] * decay(G, F, i, j) * s[t][e] : 0.f;
     }
   }
+  // P u with P = hi + lo, both 16-bit: the scores' rounding would otherwise add a third rounding
+  // to every output (u's and the output's are the others); the second product costs 64 x 64 x 64
+  // per CTA beside the 2 x 64 x kK x 64 of the first two
+  float lo[kC / 8][4];
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float2 hi = tc::TypeOps<T>::unpack(tc::TypeOps<T>::pack(s[t][e], s[t][e + 1]));
+      lo[t][e] = s[t][e] - hi.x;
+      lo[t][e + 1] = s[t][e + 1] - hi.y;
+    }
+  }
   linear_tc::mma_reg<T, CTile, kC, kBV>(o, s, sb + L::kU, lane);
+  linear_tc::mma_reg<T, CTile, kC, kBV>(o, lo, sb + L::kU, lane);
 
   T* oh = static_cast<T*>(p.o) + int64_t(at.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
           at.row * p.o_row_stride;
