@@ -26,6 +26,9 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
                  std::initializer_list<Tensor>) const {
     attn::cuda_delta_fwd(p, k, scratch.defined() ? scratch.data_ptr() : nullptr, stream());
   }
+  void delta_bwd(const attn::DeltaBwdParamsT<float>& p, const Tensor& scratch, std::initializer_list<Tensor>) const {
+    attn::cuda_delta_bwd(p, scratch.data_ptr(), stream());
+  }
 };
 
 std::tuple<Tensor, Tensor, Tensor> delta_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,

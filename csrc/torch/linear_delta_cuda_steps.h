@@ -12,6 +12,8 @@
 //     // sources against them and the scratch)
 //     void delta_fwd(const DeltaParamsT<float>&, const DeltaCudaKernels&, const at::Tensor& scratch,
 //                    std::initializer_list<at::Tensor> reads) const;
+//     void delta_bwd(const DeltaBwdParamsT<float>&, const at::Tensor& scratch,
+//                    std::initializer_list<at::Tensor> reads) const;
 //   };
 #pragma once
 
@@ -67,6 +69,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> delta_cuda_fwd_steps(const Device
   const DeltaParamsT<float> p = make_delta_params<float>(q, k, v, beta, out, state, o);
   delta_cuda_launch(dev, q, k, v, p);
   return {out, state, ck};
+}
+
+// The backward on the chunk kernels (entry.h cuda_delta_bwd): the calls they take, else a
+// ValueError naming what they need. dq and dk arrive as float32 sums in the scratch (a GVA group's
+// value heads add into them) and are converted here.
+template <typename Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> delta_cuda_bwd_steps(
+    const Device& dev, const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta, const DeltaOptions& o,
+    const std::optional<at::Tensor>& checkpoints) {
+  check_delta_inputs(q, k, v, beta, o);
+  check_delta_bwd_inputs(dout, dfinal_state, q, v, o);
+  dev.check_device(q);
+  TORCH_CHECK_VALUE(!checkpoints.has_value(), Device::kWhat, ": checkpoints are the CPU kernels' (the CUDA backward "
+                    "recomputes the chunk states); pass None");
+  const auto guard = dev.guard(q);
+  DeltaGrads g = alloc_delta_grads(q, k, v, beta, o);
+  const bool empty = q.numel() == 0 || v.numel() == 0 || q.size(2) == 0;
+  if (o.cu_seqlens.has_value() || empty) {  // rows no sequence owns; empty calls
+    for (at::Tensor* t : {&g.dq, &g.dk, &g.dv, &g.dbeta, &g.dgate}) t->zero_();
+  }
+  if (empty) {
+    if (o.initial_state.has_value()) {
+      if (dfinal_state.has_value()) {
+        g.dinit_state.copy_(*dfinal_state);
+      } else {
+        g.dinit_state.zero_();
+      }
+    }
+    return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
+  }
+  if constexpr (Device::kPoison) {  // the rows the kernels own
+    const int64_t used = o.cu_seqlens.has_value() ? o.cu_seqlens->cpu()[-1].item<int64_t>() : q.size(2);
+    for (at::Tensor* t : {&g.dv, &g.dbeta, &g.dgate}) {
+      if (t->numel() > 0) t->narrow(2, 0, used).fill_(NAN);
+    }
+    if (g.dinit_state.numel() > 0) g.dinit_state.fill_(NAN);
+  }
+  const DeltaBwdParamsT<float> p = make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g);
+  TORCH_CHECK_VALUE(cuda_delta_bwd_fits(p), Device::kWhat, ": the CUDA backward kernels take bfloat16 calls with no "
+                    "gate or a per-head gate, K <= 128, K and V multiples of 8 and 16-byte aligned rows; got ",
+                    q.scalar_type(), ", K = ", q.size(3), ", V = ", v.size(3),
+                    o.gate.has_value() && o.gate->dim() == 4 ? ", a per-key gate" : "");
+  size_t zeroed = 0;
+  const size_t bytes = cuda_delta_bwd_scratch_bytes(p, &zeroed);
+  at::Tensor scratch = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
+  if constexpr (Device::kPoison) scratch.fill_(255);
+  scratch.narrow(0, 0, int64_t(zeroed)).zero_();
+  run_backend<Device>([&] { dev.delta_bwd(p, scratch, {q, k, v, dout}); });
+  const int64_t rows = o.cu_seqlens.has_value() ? 1 : q.size(0);
+  const at::Tensor acc = scratch.narrow(0, 0, int64_t(zeroed)).view(at::kFloat).view({2, rows, q.size(1), q.size(2), q.size(3)});
+  g.dq.copy_(acc[0]);
+  g.dk.copy_(acc[1]);
+  return {g.dq, g.dk, g.dv, g.dbeta, g.dgate, g.dinit_state};
 }
 
 // T tokens from `state`, advanced in place: the forward with the state as both its initial and

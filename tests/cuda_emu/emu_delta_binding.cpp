@@ -41,11 +41,27 @@ struct EmuDeltaDevice {
     if (scratch.defined()) attn_emu::add_global_range(scratch.data_ptr(), scratch.nbytes());
     attn::cuda_delta_fwd(p, k, scratch.defined() ? scratch.data_ptr() : nullptr, nullptr);
   }
+  void delta_bwd(const attn::DeltaBwdParamsT<float>& p, const Tensor& scratch,
+                 std::initializer_list<Tensor> reads) const {
+    attn_emu::clear_global_ranges();
+    for (const Tensor& t : reads) {
+      if (t.numel() > 0) attn_emu::add_global_range(t.storage().data(), t.storage().nbytes());
+    }
+    attn_emu::add_global_range(scratch.data_ptr(), scratch.nbytes());
+    attn::cuda_delta_bwd(p, scratch.data_ptr(), nullptr);
+  }
 };
 
 std::tuple<Tensor, Tensor, Tensor> emu_delta_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                  const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, bool checkpoints) {
   return attn::api::delta_cuda_fwd_steps(EmuDeltaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS(), checkpoints);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> emu_delta_bwd(
+    const Tensor& dout, const std::optional<Tensor>& dfinal_state, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, const std::optional<Tensor>& checkpoints) {
+  return attn::api::delta_cuda_bwd_steps(EmuDeltaDevice{}, dout, dfinal_state, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS(),
+                                         checkpoints);
 }
 
 Tensor emu_delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor state,
@@ -71,6 +87,9 @@ TORCH_LIBRARY(attention_ext_emu_delta, m) {
   m.def("delta_fwd(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA
         ", bool checkpoints=False) -> (Tensor, Tensor, Tensor)",
         &emu_delta_fwd);
+  m.def("delta_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA
+        ", Tensor? checkpoints=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        &emu_delta_bwd);
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor(a!) state, Tensor? gate, float scale, "
         "bool qk_l2norm) -> Tensor",
         &emu_delta_step);

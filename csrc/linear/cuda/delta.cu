@@ -16,6 +16,7 @@
 #include <string>
 
 #include "cuda/launch.h"
+#include "linear/cuda/delta_chunk_bwd_kernel.cuh"
 #include "linear/cuda/delta_chunk_kernel.cuh"
 #include "linear/cuda/delta_kernel.cuh"
 #include "linear/cuda/entry.h"
@@ -62,6 +63,33 @@ delta_chunk::DeltaChunkPlan chunk_plan(const DeltaParamsT<float>& p, size_t* byt
                u = size_t(hs) * kC * plan.vp() * 2, hc = size_t(hs) * plan.kk * plan.vp() * 2;
   *bytes = scal + 2 * wk + u + hc;
   return plan;
+}
+
+// The backward's extra scratch after the forward's: T, w q^, du, dh1 per chunk, the three matrices,
+// then (zeroed by the caller) dq and dk in float32.
+size_t chunk_bwd_extra(const DeltaParamsT<float>& p, const delta_chunk::DeltaChunkPlan& plan) {
+  using delta_chunk::kC;
+  const size_t hs = size_t(p.h_v) * plan.slots;
+  return hs * (kC * kC * 2 + kC * plan.kk * 2 + kC * plan.vp() * 2 + plan.kk * plan.vp() * 2 + 3 * kC * kC * 2);
+}
+size_t chunk_bwd_zeroed(const DeltaParamsT<float>& p) {
+  const size_t rows = p.cu_seqlens != nullptr ? 1 : size_t(p.b);  // a varlen pack is one batch row
+  return 2 * rows * p.h_k * p.s * p.dim_k * 4;
+}
+
+// The forward's part of a plan carved from `at` (advanced past it).
+void carve_fwd(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPlan& plan, char*& at) {
+  const int64_t hs = int64_t(p.h_v) * plan.slots;
+  plan.scal = reinterpret_cast<float*>(at);
+  at += size_t(hs) * delta_chunk::kScalars * 4;
+  plan.w = at;
+  at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
+  plan.kt = at;
+  at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
+  plan.u = at;
+  at += size_t(hs) * delta_chunk::kC * plan.vp() * 2;
+  plan.hc = at;
+  at += size_t(hs) * plan.kk * plan.vp() * 2;
 }
 
 template <int kK>
@@ -130,6 +158,101 @@ size_t cuda_delta_fwd_scratch_bytes(const DeltaParamsT<float>& p, const DeltaCud
   return bytes;
 }
 
+namespace {
+
+template <int kK>
+void launch_delta_chunk_bwd(const DeltaBwdParamsT<float>& p, const delta_chunk::DeltaChunkPlan& plan,
+                            cudaStream_t stream, const char* what) {
+  using T = __nv_bfloat16;
+  using namespace delta_chunk;
+  if (plan.slots > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks for one launch");
+  const unsigned slots = unsigned(plan.slots);
+  // the forward's chunk quantities, entering states and u (no outputs, no final state)
+  DeltaParamsT<float> fp = p;
+  fp.final_state = nullptr;
+  fp.o = nullptr;
+  {
+    auto kernel = &delta_chunk_prep_kernel<T, kK>;
+    set_smem(kernel, PrepSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(PrepSmem<kK>::kBytes), stream)(fp, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_state_kernel<T, kK>;
+    set_smem(kernel, StateSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), dim3(kThreads),
+                size_t(StateSmem<kK>::kBytes), stream)(fp, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_dlocal_kernel<T, kK>;
+    set_smem(kernel, DlocalSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), dim3(kThreads),
+                size_t(DlocalSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_rev_kernel<T, kK>;
+    set_smem(kernel, RevSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), dim3(kThreads),
+                size_t(RevSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_dscal_kernel<T, kK>;
+    set_smem(kernel, DscalSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(DscalSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+  {
+    auto kernel = &delta_chunk_dqk_kernel<T, kK>;
+    set_smem(kernel, DqkSmem<kK>::kBytes, what);
+    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(DqkSmem<kK>::kBytes), stream)(p, plan);
+    check_launch(what);
+  }
+}
+
+}  // namespace
+
+bool cuda_delta_bwd_fits(const DeltaParamsT<float>& p) { return chunk_fits(p); }
+
+size_t cuda_delta_bwd_scratch_bytes(const DeltaParamsT<float>& p, size_t* zeroed) {
+  size_t bytes = 0;
+  const delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);
+  *zeroed = chunk_bwd_zeroed(p);
+  return *zeroed + bytes + chunk_bwd_extra(p, plan);
+}
+
+void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t stream) {
+  const char* what = "attention_ext.delta_rule_attention backward (CUDA)";
+  check_grid(p.h_v, p.b, what);
+  if (!chunk_fits(p)) {
+    throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16, no per-key "
+                             "gate, K <= 128, K and V multiples of 8, 16-byte rows)");
+  }
+  size_t bytes = 0;
+  delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);
+  const size_t half = chunk_bwd_zeroed(p) / 2;
+  char* at = static_cast<char*>(scratch);
+  plan.dq = reinterpret_cast<float*>(at);
+  plan.dk = reinterpret_cast<float*>(at + half);
+  at += 2 * half;
+  carve_fwd(p, plan, at);
+  const size_t hs = size_t(p.h_v) * plan.slots;
+  using delta_chunk::kC;
+  plan.t = at;
+  at += hs * kC * kC * 2;
+  plan.qg = at;
+  at += hs * kC * plan.kk * 2;
+  plan.du = at;
+  at += hs * kC * plan.vp() * 2;
+  plan.dhc = at;
+  at += hs * plan.kk * plan.vp() * 2;
+  plan.mm = at;
+  if (plan.kk == 64) return launch_delta_chunk_bwd<64>(p, plan, stream, what);
+  return launch_delta_chunk_bwd<128>(p, plan, stream, what);
+}
+
 void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, void* scratch, cudaStream_t stream) {
   const char* what = "attention_ext.delta_rule_attention (CUDA)";
   check_grid(p.h_v, p.b, what);
@@ -138,17 +261,8 @@ void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, voi
     size_t bytes = 0;
     delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);
     if (scratch == nullptr) throw std::runtime_error(std::string(what) + ": the chunked kernels need their scratch");
-    const int64_t hs = int64_t(p.h_v) * plan.slots;
     char* at = static_cast<char*>(scratch);
-    plan.scal = reinterpret_cast<float*>(at);
-    at += size_t(hs) * delta_chunk::kScalars * 4;
-    plan.w = at;
-    at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
-    plan.kt = at;
-    at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
-    plan.u = at;
-    at += size_t(hs) * delta_chunk::kC * plan.vp() * 2;
-    plan.hc = at;
+    carve_fwd(p, plan, at);
     if (plan.kk == 64) return launch_delta_chunk<64>(p, plan, stream, what);
     return launch_delta_chunk<128>(p, plan, stream, what);
   }

@@ -61,8 +61,9 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kBV = 64;  // value columns per CTA of the state and output kernels
 static_assert(linear_tc::kThreads == kThreads, "the shared product helpers assume 4 warps");
 constexpr float kResetGate = linear_simt::kResetGate;
-// the per-slot row scalars, float (4, kC): G', f (as a float), the inverse key norm, w(i, -1)
-constexpr int kScalars = 4 * kC;
+// the per-slot row scalars, float (5, kC): G', f (as a float), the inverse key norm, w(i, -1), and
+// (the backward) q's factor scale / ||q||
+constexpr int kScalars = 5 * kC;
 
 struct DeltaChunkPlan {
   int nt = 1;         // chunks per sequence of a batch: ceil(S / 64)
@@ -74,6 +75,14 @@ struct DeltaChunkPlan {
   void* kt = nullptr;     // (H_v, slots, kC, kk): K~
   void* u = nullptr;      // (H_v, slots, kC, Vp): U, then u
   void* hc = nullptr;     // (H_v, slots, kk, Vp): the state entering the chunk
+  // the backward only (delta_chunk_bwd_kernel.cuh; null in the forward)
+  void* t = nullptr;    // (H_v, slots, kC, kC): T
+  void* qg = nullptr;   // (H_v, slots, kC, kk): w(i, -1) q^_i
+  void* du = nullptr;   // (H_v, slots, kC, Vp): P^T dO, then du
+  void* dhc = nullptr;  // (H_v, slots, kk, Vp): the gradient of the state leaving the chunk
+  void* mm = nullptr;   // (H_v, slots, 3, kC, kC): M1 Diag(nk), Diag(nq) M1, (D + D^T) Diag(nk)
+  float* dq = nullptr;  // (B, H_k, S, K) float32, zeroed: dq summed over a GVA group by atomics
+  float* dk = nullptr;
   __host__ __device__ int vp() const { return tiles * kBV; }
 };
 
@@ -147,6 +156,37 @@ __device__ __forceinline__ float inv_norm(const unsigned char* smem, uint32_t ti
     s = fmaf(x, x, s);
   }
   return 1.f / sqrtf(s + eps);
+}
+
+// The A fragment (rows [m0, m0 + 16), columns [k0, k0 + 16)) of X^T, X a row-major 16-bit tile
+// whose rows are the product's k index: ldmatrix.trans of X's 8 x 8 blocks (rows k0 / k0 + 8,
+// columns m0 / m0 + 8), so that a transposed operand needs no transposed copy.
+template <typename Tile>
+__device__ __forceinline__ void lda_trans(uint32_t (&af)[4], uint32_t tile, int k0, int m0, int lane) {
+  tc::ldmatrix_x4_trans(af, tile + Tile::offset(k0 + (lane & 7) + (lane >> 4) * 8, m0 + ((lane >> 3) & 1) * 8));
+}
+
+// acc (16 x kCols) += P B^T with P (16 x kK) fp32 accumulators of an earlier product rounded to
+// T, B a (kCols, kK) tile read as rows n, columns k (mma_reg's other B layout).
+template <typename T, typename BTile, int kK, int kCols>
+__device__ __forceinline__ void mma_reg_nt(float (&acc)[kCols / 8][4], const float (&pm)[kK / 8][4], uint32_t b,
+                                           int lane) {
+  using Ops = tc::TypeOps<T>;
+  const uint32_t bo = BTile::lane_b(0, lane);
+#pragma unroll
+  for (int kb = 0; kb < kK / 16; ++kb) {
+    uint32_t a[4];
+    a[0] = Ops::pack(pm[2 * kb][0], pm[2 * kb][1]);
+    a[1] = Ops::pack(pm[2 * kb][2], pm[2 * kb][3]);
+    a[2] = Ops::pack(pm[2 * kb + 1][0], pm[2 * kb + 1][1]);
+    a[3] = Ops::pack(pm[2 * kb + 1][2], pm[2 * kb + 1][3]);
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t bf[4];
+      tc::ldmatrix_x4(bf, b + BTile::advance(bo, np * 16, kb * 16));
+      tc::mma_n16<T>(acc[2 * np], a, bf);
+    }
+  }
 }
 
 // A 16-bit pair (columns c, c + 1) of an accumulator row, stored to global memory.
@@ -249,10 +289,13 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_prep_kernel(const DeltaP
   }
   __syncthreads();
 
-  // T Diag(b_j w(j, -1) nk_j) and T Diag(b_j), 16-bit, for the W and U products
+  // T Diag(b_j w(j, -1) nk_j) and T Diag(b_j), 16-bit, for the W and U products (and T itself for
+  // the backward)
+  T* tg = plan.t != nullptr ? static_cast<T*>(plan.t) + hs * kC * kC : nullptr;
   for (int e = tid; e < kC * kC; e += kThreads) {
     const int i = e / kC, j = e % kC;
     const float t = Tf[e];
+    if (tg != nullptr) tg[e] = from_float<T>(t);
     linear_tc::st16<T>(smem, L::kTw + CTile::offset(i, j), t * B[j] * E[j] * NK[j]);
     linear_tc::st16<T>(smem, L::kTu + CTile::offset(i, j), t * B[j]);
   }
@@ -431,8 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const De
 #pragma unroll
         for (int kb = 0; kb < kC / 16; ++kb) {
           uint32_t af[4];
-          tc::ldmatrix_x4_trans(af, sb + L::kt(s) + KTile::offset(16 * kb + (lane & 7) + (lane >> 4) * 8,
-                                                                  f0 + ((lane >> 3) & 1) * 8));
+          lda_trans<KTile>(af, sb + L::kt(s), 16 * kb, f0, lane);
 #pragma unroll
           for (int np = 0; np < kBV / 16; ++np) {
             uint32_t bf[4];

@@ -79,4 +79,14 @@ size_t cuda_delta_fwd_scratch_bytes(const DeltaParamsT<float>& p, const DeltaCud
 // rows are left as they are. scratch: cuda_delta_fwd_scratch_bytes(p, k) bytes.
 void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, void* scratch, cudaStream_t stream);
 
+// The delta rule's backward on CUDA (delta_chunk_bwd_kernel.cuh): the calls the chunk kernels take
+// (cuda_delta_bwd_fits: bf16, no per-key gate, K <= 128, K and V multiples of 8, 16-byte rows).
+// Scratch: cuda_delta_bwd_scratch_bytes(p, &zeroed) bytes whose first `zeroed` are zero: they
+// end as dq then dk, float32, (B, H_k, S, K) contiguous (a varlen pack: B = 1), which the caller
+// converts into p.dq / p.dk (not written by the kernels). Writes p.dv, p.dbeta, p.dgate (when
+// not null) and p.dinit_state (when not null).
+bool cuda_delta_bwd_fits(const DeltaParamsT<float>& p);
+size_t cuda_delta_bwd_scratch_bytes(const DeltaParamsT<float>& p, size_t* zeroed);
+void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t stream);
+
 }  // namespace attn
