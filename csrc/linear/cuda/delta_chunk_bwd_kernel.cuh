@@ -312,8 +312,9 @@ struct DscalSmem {
                             kDH = kH0 + HTile::kBytes, kU = kDH + HTile::kBytes, kDU = kU + CTile::kBytes,
                             kDO = kDU + CTile::kBytes, kV = kDO + CTile::kBytes, kF = kV + CTile::kBytes;
   static constexpr int kMat = kC * (kC + 1);  // a padded (kC, kC) float matrix
-  // floats: G, F, NK, E, NQ, beta, X (k^_i . dh1 u_i), dgamma, row sums, col sums, red; E and D
-  static constexpr int kBytes = int(kF) + (11 * kC + 2 * kMat) * 4;
+  // floats: G, F, NK, E, NQ, beta, X (k^_i . dh1 u_i), dgamma, row sums, col sums, red; the
+  // decay gradients, S2, S1
+  static constexpr int kBytes = int(kF) + (11 * kC + 3 * kMat) * 4;
 };
 
 template <typename T, int kK>
@@ -337,7 +338,8 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
   float* CS = RS + kC;
   float* RED = CS + kC;
   float* Em = RED + kC;      // (kC, kC + 1): dw(i, j) w(i, j)
-  float* Dm = Em + L::kMat;  // (kC, kC + 1): D
+  float* Dm = Em + L::kMat;  // (kC, kC + 1): S2
+  float* Sm = Dm + L::kMat;  // (kC, kC + 1): S1
   constexpr int kLd = kC + 1;
 
   const int64_t x = blockIdx.x;
@@ -366,13 +368,23 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
     CS[tid] = 0.f;
   }
 
-  float s1[kC / 8][4], s2[kC / 8][4];
-  linear_tc::zero(s1);
-  linear_tc::zero(s2);
+  // S1 and S2 sum over the value tiles in Sm and Dm (each element by the thread whose fragment
+  // holds it, so no barrier until the sums are read by others), which keeps 64 registers free
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = acc_row(16 * warp, lane, e), j = acc_col(t, lane, e);
+      Sm[i * kLd + j] = 0.f;
+      Dm[i * kLd + j] = 0.f;
+    }
+  }
   float pb[2] = {0.f, 0.f}, pg[2] = {0.f, 0.f}, pl[2] = {0.f, 0.f}, hd = 0.f;
   const int r0 = acc_row(16 * warp, lane, 0);  // this lane's rows r0 and r0 + 8
 
+#pragma unroll 1
   for (int c0 = 0; c0 < vp; c0 += kBV) {
+    const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
     tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH0, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK,
                                               kBV, tid);
     tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kDH, static_cast<const T*>(plan.dhc) + hs * kK * vp + c0, vp, kK,
@@ -387,40 +399,28 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
     tc::cp_async_wait<0>();
     __syncthreads();
 
-    // db = T^T du; dv = Diag(b) db; dbeta's db . v
-    float db[kBV / 8][4];
-    linear_tc::zero(db);
-    {
-      const uint32_t bo = CTile::lane_bt(0, lane);
-#pragma unroll
-      for (int kb = 0; kb < kC / 16; ++kb) {
-        uint32_t af[4];
-        lda_trans<TTile>(af, sb + L::kT, 16 * kb, 16 * warp, lane);
-#pragma unroll
-        for (int np = 0; np < kBV / 16; ++np) {
-          uint32_t bf[4];
-          tc::ldmatrix_x4_trans(bf, sb + L::kDU + CTile::advance(bo, kb * 16, np * 16));
-          tc::mma_n16<T>(db[2 * np], af, bf);
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kBV / 8; ++t) {
-      const int c = acc_col(t, lane, 0);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = r0 + 8 * half;
-        const float a = db[t][2 * half], bb = db[t][2 * half + 1];
-        const float2 v = tc::TypeOps<T>::unpack(*reinterpret_cast<const uint32_t*>(smem + L::kV + CTile::offset(i, c)));
-        pb[half] += a * v.x + bb * v.y;
-        if (i < n && c0 + c < V) st_pair(dvh + int64_t(i) * p.dv_row_stride + c0 + c, B[i] * a, B[i] * bb);
-      }
-    }
-    // K^ h0: dbeta's and dgamma's b-terms; Q^ h0: dgamma's output term; K^ dh1: the K~ term
+    // K^ h0 and db = T^T du: dbeta's and dgamma's b-terms, dv, S2
     {
       float y[kBV / 8][4];
       linear_tc::zero(y);
       linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(y, sb + L::kK_, 16 * warp, sb + L::kH0, lane);
+      // db = T^T du
+      float db[kBV / 8][4];
+      linear_tc::zero(db);
+      {
+        const uint32_t bo = CTile::lane_bt(0, lane);
+#pragma unroll
+        for (int kb = 0; kb < kC / 16; ++kb) {
+          uint32_t af[4];
+          lda_trans<TTile>(af, sb + L::kT, 16 * kb, 16 * warp, lane);
+#pragma unroll
+          for (int np = 0; np < kBV / 16; ++np) {
+            uint32_t bf[4];
+            tc::ldmatrix_x4_trans(bf, sb + L::kDU + CTile::advance(bo, kb * 16, np * 16));
+            tc::mma_n16<T>(db[2 * np], af, bf);
+          }
+        }
+      }
       float dot[2] = {0.f, 0.f};
 #pragma unroll
       for (int t = 0; t < kBV / 8; ++t) {
@@ -433,9 +433,54 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
         pb[half] -= E[i] * NK[i] * dot[half];
         pg[half] -= B[i] * NK[i] * dot[half];
       }
+      // dv goes out through the warp's own rows of V's tile (read here first): 16-byte stores
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+        const int c = acc_col(t, lane, 0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + 8 * half;
+          const float a = db[t][2 * half], bb = db[t][2 * half + 1];
+          const float2 v = tc::TypeOps<T>::unpack(*reinterpret_cast<const uint32_t*>(smem + L::kV + CTile::offset(i, c)));
+          pb[half] += a * v.x + bb * v.y;
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+        const int c = acc_col(t, lane, 0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + 8 * half;
+          tc::st_shared_b32(sb + L::kV + CTile::offset(i, c),
+                            tc::TypeOps<T>::pack(B[i] * db[t][2 * half], B[i] * db[t][2 * half + 1]));
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int e = lane; e < 16 * kBV / 8; e += 32) {
+        const int i = 16 * warp + e / (kBV / 8), c = e % (kBV / 8) * 8;
+        if (i < n && c0 + c < V) {
+          *reinterpret_cast<uint4*>(dvh + int64_t(i) * p.dv_row_stride + c0 + c) =
+              tc::ld_shared_v4(sb + L::kV + CTile::offset(i, c));
+        }
+      }
+      {  // S2 += db u^T (db's last use)
+        float sp[kC / 8][4];
+        linear_tc::zero(sp);
+        mma_reg_nt<T, CTile, kBV, kC>(sp, db, sb + L::kU, lane);
+#pragma unroll
+        for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) Dm[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
+        }
+      }
+    }
+    {  // Q^ h0: dgamma's output term; K^ dh1: the K~ term
+      float y[kBV / 8][4];
       linear_tc::zero(y);
       linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(y, sb + L::kQ, 16 * warp, sb + L::kH0, lane);
-      dot[0] = dot[1] = 0.f;
+      float dot[2] = {0.f, 0.f};
 #pragma unroll
       for (int t = 0; t < kBV / 8; ++t) {
         const int c = acc_col(t, lane, 0);
@@ -464,9 +509,16 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       pl[0] += NK[r0] * dot[0];
       pl[1] += NK[r0 + 8] * dot[1];
     }
-    // S1 += dO u^T, S2 += db u^T
-    linear_tc::mma_smem<T, CTile, CTile, kBV, kC, false>(s1, sb + L::kDO, 16 * warp, sb + L::kU, lane);
-    mma_reg_nt<T, CTile, kBV, kC>(s2, db, sb + L::kU, lane);
+    {  // S1 += dO u^T
+      float sp[kC / 8][4];
+      linear_tc::zero(sp);
+      linear_tc::mma_smem<T, CTile, CTile, kBV, kC, false>(sp, sb + L::kDO, 16 * warp, sb + L::kU, lane);
+#pragma unroll
+      for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Sm[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
+      }
+    }
     // <h0, dh1> (the last row's decay gradient)
     for (int e = tid; e < kK * kBV; e += kThreads) {
       const int r = e / kBV, c = e % kBV;
@@ -493,15 +545,14 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
   if (lane == 0) RED[warp] = hd;
   __syncthreads();
 
-  // Q^ K^^T and K^ K^^T with the scores: the matrices, dbeta's A term, the decay gradients
+  // K^ K^^T, then Q^ K^^T, with the scores (one score-sized accumulator live at a time): the
+  // matrices, dbeta's A term, the decay gradients (their dA part in Em first)
+  float re[2] = {0.f, 0.f};
+  T* mm = static_cast<T*>(plan.mm) + hs * 3 * kC * kC;
   {
-    float qk[kC / 8][4], kk[kC / 8][4];
-    linear_tc::zero(qk);
-    linear_tc::mma_smem<T, KTile, KTile, kK, kC, false>(qk, sb + L::kQ, 16 * warp, sb + L::kK_, lane);
+    float kk[kC / 8][4];
     linear_tc::zero(kk);
     linear_tc::mma_smem<T, KTile, KTile, kK, kC, false>(kk, sb + L::kK_, 16 * warp, sb + L::kK_, lane);
-    float re[2] = {0.f, 0.f};
-    T* mm = static_cast<T*>(plan.mm) + hs * 3 * kC * kC;
 #pragma unroll
     for (int t = 0; t < kC / 8; ++t) {
 #pragma unroll
@@ -509,18 +560,33 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
         const int i = acc_row(16 * warp, lane, e), j = acc_col(t, lane, e), half = e / 2;
         const bool live = i < n && j < n;
         const float w = live && j <= i ? decay(G, F, i, j) : 0.f;
-        const float m1 = j <= i ? s1[t][e] * w : 0.f;
-        const float da = live && j < i ? -s2[t][e] : 0.f;
+        const float da = live && j < i ? -Dm[i * kLd + j] : 0.f;
         const float kkij = NK[i] * NK[j] * kk[t][e];
         pb[half] += da * w * kkij;
-        float dw = (j <= i ? NQ[i] * NK[j] * qk[t][e] * s1[t][e] : 0.f) + da * B[i] * kkij;
+        Em[i * kLd + j] = da * B[i] * kkij;
+      }
+    }
+  }
+  {
+    float qk[kC / 8][4];
+    linear_tc::zero(qk);
+    linear_tc::mma_smem<T, KTile, KTile, kK, kC, false>(qk, sb + L::kQ, 16 * warp, sb + L::kK_, lane);
+#pragma unroll
+    for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = acc_row(16 * warp, lane, e), j = acc_col(t, lane, e), half = e / 2;
+        const bool live = i < n && j < n;
+        const float w = live && j <= i ? decay(G, F, i, j) : 0.f;
+        const float s1 = Sm[i * kLd + j];
+        const float m1 = j <= i ? s1 * w : 0.f;
+        float dw = Em[i * kLd + j] + (j <= i ? NQ[i] * NK[j] * qk[t][e] * s1 : 0.f);
         if (i == last && j <= i) dw += X[j];
         const float ew = live ? dw * w : 0.f;
         re[half] += ew;
         Em[i * kLd + j] = ew;
-        Dm[i * kLd + j] = da * w * B[i];
-        mm[i * kC + j] = from_float<T>(m1 * NK[j]);               // dq^ += (M1 Diag(nk)) K
-        mm[kC * kC + i * kC + j] = from_float<T>(m1 * NQ[i]);     // dk^ += (Diag(nq) M1)^T Q
+        mm[i * kC + j] = from_float<T>(m1 * NK[j]);            // dq^ += (M1 Diag(nk)) K
+        mm[kC * kC + i * kC + j] = from_float<T>(m1 * NQ[i]);  // dk^ += (Diag(nq) M1)^T Q
       }
     }
 #pragma unroll
@@ -545,9 +611,12 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
   // (D + D^T) Diag(nk) for dk^; the column sums of the decay gradients
   {
     T* mm = static_cast<T*>(plan.mm) + hs * 3 * kC * kC + 2 * kC * kC;
+    auto dmat = [&](int i, int j) {  // D = dA w(i, j) b_i, dA = -S2 (strictly lower)
+      return i < n && j < i ? -Dm[i * kLd + j] * decay(G, F, i, j) * B[i] : 0.f;
+    };
     for (int e = tid; e < kC * kC; e += kThreads) {
       const int i = e / kC, j = e % kC;
-      mm[e] = from_float<T>((Dm[i * kLd + j] + Dm[j * kLd + i]) * NK[j]);
+      mm[e] = from_float<T>((dmat(i, j) + dmat(j, i)) * NK[j]);
     }
     if (tid < kC) {
       float cs = 0.f;
@@ -637,7 +706,9 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dqk_kernel(const DeltaBw
   linear_tc::zero(aq);
   linear_tc::zero(ak);
   const int r0 = acc_row(16 * warp, lane, 0);
+#pragma unroll 1
   for (int c0 = 0; c0 < vp; c0 += kBV) {
+    const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
     tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH0, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK,
                                               kBV, tid);
     tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kDH, static_cast<const T*>(plan.dhc) + hs * kK * vp + c0, vp, kK,

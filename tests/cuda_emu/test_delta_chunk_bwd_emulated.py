@@ -1,0 +1,167 @@
+"""The delta rule's chunk-parallel CUDA backward (csrc/linear/cuda/delta_chunk_bwd_kernel.cuh: the
+forward's prep and walk recomputed, then four kernels) run on the CPU by the host emulator: every
+gradient (q, k, v, beta, the per-head gate, the initial state) against autograd of the float64
+recurrence, within 2x the error of autograd through PyTorch's own bf16 recurrence plus a floor.
+
+The op's host steps (csrc/torch/linear_delta_cuda_steps.h) start the scratch as 0xff bytes (bf16
+NaN) and dv / dbeta / dgate / dinit_state as NaN, so a tile read before it is written or a
+gradient left unwritten fails. Covered: both kernel widths (K 8-128), partial value tiles, GVA
+(dq / dk summed over a group), no gate and per-head gates, the L2 norm, with and without initial
+states and final-state gradients, chunk boundaries, varlen packs whose sequences start mid-chunk
+(an empty one included), -1e4 / -1e9 / -inf gates, other warp interleavings, the calls it does not
+take (a ValueError), and a fuzz. Not covered: timing, real concurrency, spills, atomics' order.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from attention_ext.linear import reference
+from tests.cuda_emu import emulator as cuda_emu
+from tests.fuzz.common import at_least
+from tests.helpers import assert_close_fa2
+from tests.linear.test_delta import problem
+
+BF16, F64 = torch.bfloat16, torch.float64
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = cuda_emu.load_delta()
+    if e is None:
+        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
+    return e
+
+
+def autograd(dtype, q, k, v, beta, gate, h0, dout, dh, l2, cu):
+    """Gradients of <out, dout> + <final state, dh> through reference.delta_rule computed in
+    `dtype` (NaN of a -inf gate's own derivative as 0, the kernels' value)."""
+    ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, beta)]
+    gi = gate.detach().to(dtype).requires_grad_() if gate is not None else None
+    hi = h0.detach().to(dtype).requires_grad_() if h0 is not None else None
+    out, fin = reference.delta_rule(*ins, gi, q.shape[-1] ** -0.5, hi, cu, l2, acc=dtype)
+    leaves = ins + [x for x in (gi, hi) if x is not None]
+    loss = (out.to(dtype) * dout.to(dtype)).sum() + (fin.to(dtype) * dh.to(dtype)).sum()
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else torch.nan_to_num(g, nan=0.0) for g, x in zip(grads, leaves)]
+
+
+def check_bwd(emu, q, k, v, beta, gate, h0, *, l2=False, cu=None, seed=0, dfinal=True, what=""):
+    """The emulated delta_bwd on bf16 q / k / v / dout (beta, gate float32 as rounded to bf16 for
+    beta) against float64 autograd, each gradient within 2x bf16 autograd's error."""
+    qd, kd, vd = (t.to(BF16) for t in (q, k, v))
+    bd = beta.to(BF16).float()
+    gd = gate.float() if gate is not None else None
+    hh = h0.float() if h0 is not None else None
+    gen = torch.Generator().manual_seed(seed)
+    dout = torch.randn(v.shape, generator=gen, dtype=F64).to(BF16)
+    nst = h0.shape[0] if h0 is not None else (cu.numel() - 1 if cu is not None else q.shape[0])
+    dh = torch.randn(nst, v.shape[1], q.shape[-1], v.shape[-1], generator=gen, dtype=F64).float() if dfinal else None
+    res = emu.delta_bwd(dout, dh, qd, kd, vd, bd, gd, hh, cu, q.shape[-1] ** -0.5, l2, False)
+    dh_ = dh if dh is not None else torch.zeros(nst, v.shape[1], q.shape[-1], v.shape[-1])
+    ins = (qd, kd, vd, bd, gd, hh)
+    r64 = autograd(F64, *(t.double() if t is not None else None for t in ins), dout.double(), dh_.double(), l2, cu)
+    rt = autograd(BF16, *ins, dout, dh_, l2, cu)
+    mine = [res[0], res[1], res[2], res[3]] + ([res[4]] if gd is not None else []) + ([res[5]] if hh is not None else [])
+    names = ["dq", "dk", "dv", "dbeta"] + (["dgate"] if gd is not None else []) + (["dinit"] if hh is not None else [])
+    for name, a, r, t in zip(names, mine, r64, rt):
+        assert not a.isnan().any(), f"{what} {name}: NaN"
+        assert_close_fa2(a.float(), t.float(), r, BF16, f"{what} {name}")
+    return res
+
+
+CASES = [  # (hk, hv, s, kd, vd, gate, l2, h0)
+    (1, 1, 1, 8, 8, None, False, False),
+    (1, 2, 63, 16, 24, "head", True, True),
+    (2, 4, 64, 64, 72, "head", True, True),
+    (1, 1, 65, 128, 64, None, False, True),
+    (1, 3, 130, 72, 8, "head", False, False),
+    (2, 2, 100, 120, 136, "head", True, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_backward_matches_float64(emu, case):
+    hk, hv, s, kd, vd, gate, l2, init = case
+    q, k, v, beta, g, h0 = problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, h0=init)
+    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, what=str(case))
+
+
+def test_without_final_state_gradient(emu):
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=90, kd=32, vd=40, gate="head")
+    check_bwd(emu, q, k, v, beta, g, h0, l2=True, dfinal=False)
+
+
+def test_varlen_with_empty_sequences(emu):
+    """Sequences starting mid-chunk and an empty one: the gradients of the rows past the pack are
+    0, and the empty sequence passes dfinal_state to its initial state."""
+    cu = torch.tensor([0, 70, 70, 135, 200], dtype=torch.int32)
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=205, kd=64, vd=24, gate="head", nseq=4)
+    res = check_bwd(emu, q, k, v, beta, g, h0, l2=True, cu=cu)
+    for t in res[:5]:
+        assert (t[:, :, 200:] == 0).all()
+
+
+@pytest.mark.parametrize("r", [17, 64, 100])
+@pytest.mark.parametrize("big", [1e4, 1e9, float("inf")])
+def test_extreme_gates(emu, big, r):
+    """A log-gate of -1e4, -1e9 or -inf at row r: every gradient stays finite and within the rule
+    (the reset row's own gate gets 0)."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=150, kd=32, vd=16, gate="head")
+    g[:, :, r] = -big
+    res = check_bwd(emu, q, k, v, beta, g, h0, l2=True)
+    assert res[4][0, 0, r] == 0
+
+
+@pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)], ids=["lockstep", "last_warp_first"])
+def test_other_warp_interleavings(emu, warp_serial, reverse):
+    emu.set_schedule(warp_serial, reverse)
+    try:
+        q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=140, kd=64, vd=72, gate="head")
+        check_bwd(emu, q, k, v, beta, g, h0, l2=True)
+    finally:
+        emu.set_schedule(True, False)
+
+
+def test_calls_it_does_not_take(emu):
+    """float16 / float32, per-key gates, K > 128 or K not a multiple of 8: a ValueError saying what
+    the kernels take."""
+    for dtype, kd, gate in ((torch.float16, 64, "head"), (torch.float32, 64, None), (BF16, 64, "key"),
+                            (BF16, 136, None), (BF16, 20, "head")):
+        q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=10, kd=kd, vd=16, gate=gate)
+        qd, kd_, vd_ = (t.to(dtype) for t in (q, k, v))
+        with pytest.raises(ValueError, match="take bfloat16 calls"):
+            emu.delta_bwd(torch.zeros_like(vd_), None, qd, kd_, vd_, beta.float(), g.float() if g is not None else None,
+                          None, None, 0.3, False, False)
+
+
+@at_least(40)
+@given(data=st.data())
+def test_fuzz_chunked_delta_backward(emu, data):
+    """Hypothesis over the backward: GVA, K and V (multiples of 8), no / per-head gates with the odd
+    hard reset, the L2 norm, initial states, final-state gradients, varlen packs."""
+    draw = data.draw
+    varlen = draw(st.booleans())
+    b = 1 if varlen else draw(st.integers(1, 2))
+    hk = draw(st.integers(1, 2))
+    hv = hk * draw(st.integers(1, 2))
+    kd = 8 * draw(st.integers(1, 16))
+    vd = 8 * draw(st.integers(1, 18))
+    gate = draw(st.sampled_from([None, "head"]))
+    l2, init, dfinal = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    if varlen:
+        lens = draw(st.lists(st.integers(0, 140), min_size=1, max_size=3))
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        s, nseq = int(cu[-1]) + draw(st.integers(0, 2)), len(lens)
+    else:
+        s, cu, nseq = draw(st.integers(1, 150)), None, b
+    seed = draw(st.integers(0, 2 ** 16))
+    note(dict(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, l2=l2, init=init, dfinal=dfinal, cu=cu, seed=seed))
+    if s == 0 or (cu is not None and int(cu[-1]) == 0):
+        return
+    q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, seed=seed, h0=init, nseq=nseq)
+    if g is not None and s > 3 and draw(st.booleans()):
+        g[:, :, draw(st.integers(0, s - 1))] = float("-inf")
+    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, seed=seed, dfinal=dfinal, what="fuzz")
