@@ -16,8 +16,9 @@ functions delta_rule_attention / delta_rule_step.
 The math is reference.delta_rule's (common/delta_params.h in C++). The input rules, the Meta
 kernels and the check-only op delta_check are C++ (csrc/torch/linear_delta_binding.*); this module adds
 the layout handling, the defaults, `register_autograd`, and PyTorch where no kernel serves the
-call (float64 on CUDA; CUDA calls that need gradients: the CUDA forward has no backward kernel
-yet): the chunked WY form, reference.delta_rule_wy.
+call (float64 on CUDA; CUDA calls that need gradients, except those the chunk-parallel backward
+takes under linear.set_cuda_kernels(delta_chunked=...): cuda_chunked_grad): the chunked WY form,
+reference.delta_rule_wy.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ import torch
 from torch import Tensor
 
 from .._args import layout_mismatch, not_a_tensor
-from .._ext import HAS_EXT, registered
+from .._ext import HAS_EXT, delta_chunk_takes, registered
 from . import reference
+from .ops import cuda_kernels
 
 HAS_OP = HAS_EXT and hasattr(torch.ops.attention_ext, "delta_fwd")
 _KERNELS = {dev: HAS_OP and registered("attention_ext::delta_fwd", key) for dev, key in (("cpu", "CPU"),
@@ -45,14 +47,30 @@ _GRAD_INPUTS = ("q", "k", "v", "beta", "gate", "initial_state")
 
 
 def has_kernel(device: torch.device, dtype: Optional[torch.dtype] = None, *, grad: bool = False) -> bool:
-    """True when a compiled delta-rule forward serves tensors on `device` (and of `dtype`, when
-    given; with grad=True, its backward too). The CPU: every dtype, float64 included, forward
-    and backward. CUDA: float32, float16 and bfloat16, the forward and the in-place step (a call
-    that needs gradients runs PyTorch there: see run())."""
+    """True when a compiled delta-rule forward serves every call on `device` (and of `dtype`,
+    when given; with grad=True, its backward too). The CPU: every dtype, float64 included,
+    forward and backward. CUDA: float32, float16 and bfloat16, the forward and the in-place step;
+    its backward serves only the calls the chunk kernels take under the selection
+    (cuda_chunked_grad), so grad=True says False there."""
     kernels = _BWD_KERNELS if grad else _KERNELS
-    if not kernels.get(device.type, False):
+    if not kernels.get(device.type, False) or (grad and device.type == "cuda"):
         return False
     return dtype is None or dtype != torch.float64 or device.type == "cpu"
+
+
+def cuda_chunked_grad(a: dict) -> bool:
+    """Whether a CUDA call of the delta_fwd arguments `a` that needs gradients runs the compiled
+    kernels (the forward, then the chunk-parallel backward): the backward kernel is there, the
+    selection (linear.set_cuda_kernels(delta_chunked=)) asks for the chunk kernels and they take
+    the call's dtype and sizes (the C++ rule, delta_chunk_takes)."""
+    q, v, gate = a["q"], a["v"], a["gate"]
+    if not (_BWD_KERNELS.get("cuda", False) and isinstance(q, Tensor) and q.device.type == "cuda"
+            and isinstance(v, Tensor) and q.dim() == 4 and v.dim() == 4):
+        return False
+    sel = cuda_kernels()["delta_chunked"]
+    chunked = -1 if sel is None else int(bool(sel))
+    per_key = isinstance(gate, Tensor) and gate.dim() == 4
+    return delta_chunk_takes(chunked, q.dtype, q.shape[-1], v.shape[-1], per_key, bool(a["plain"]), q.shape[2])
 
 
 def _needs_grad(a: dict) -> bool:
@@ -148,8 +166,9 @@ def delta_rule_attention(
     Returns out (B, H_v, S, V) in q's layout and dtype (and the final state). Differentiable in
     q, k, v, beta, gate and initial_state. The CPU runs compiled kernels forward and backward;
     CUDA runs a compiled forward (float32 / float16 / bfloat16) and, for calls that need
-    gradients, PyTorch's chunked WY form (reference.delta_rule_wy, exact for every gate;
-    docs/api.md).
+    gradients, the chunk-parallel backward kernels where linear.set_cuda_kernels(delta_chunked=)
+    selects them and they take the call (bf16, no per-key gate, K <= 128, K and V multiples of 8),
+    else PyTorch's chunked WY form (reference.delta_rule_wy, exact for every gate; docs/api.md).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if not isinstance(t, Tensor):
@@ -194,6 +213,9 @@ def run(a: dict) -> Tuple[Tensor, Tensor]:
     if isinstance(q, Tensor) and has_kernel(q.device, q.dtype, grad=grad):
         # a call that will have a backward keeps the states that backward would recompute
         out, state, _ = _call("delta_fwd", FWD_ARGS, dict(a, checkpoints=grad))
+        return out, state
+    if grad and cuda_chunked_grad(a):  # the CUDA chunk backward recomputes its states itself
+        out, state, _ = _call("delta_fwd", FWD_ARGS, dict(a, checkpoints=False))
         return out, state
     if HAS_OP:
         _call("delta_check", CHECK_ARGS, a)

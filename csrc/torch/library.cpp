@@ -88,6 +88,20 @@ int64_t empty_cpu_cache() { return int64_t(attn::cpu::BlockCache::release()); }
 // The CPU kernels' ISA levels (csrc/cpu/isa.h), for attention_ext._ext: plain Python functions,
 // not ops, as the choice is process-wide like torch.set_num_threads.
 PyObject* py_cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(attn::cpu::isa()); }
+// delta_params.h delta_chunk_takes for attention_ext._ext.delta_chunked: (chunked, dtype name, K,
+// V, gate per key, plain, S) -> bool
+PyObject* py_delta_chunk_takes(PyObject*, PyObject* args) {
+  int chunked = 0, k = 0, v = 0, per_key = 0, plain = 0;
+  long long s = 0;
+  const char* dt = nullptr;
+  if (!PyArg_ParseTuple(args, "isiippL", &chunked, &dt, &k, &v, &per_key, &plain, &s)) return nullptr;
+  const std::string name(dt);
+  const attn::DType d = name == "bfloat16" ? attn::DType::kBF16
+                        : name == "float16" ? attn::DType::kF16
+                        : name == "float32" ? attn::DType::kF32
+                                            : attn::DType::kF64;
+  return PyBool_FromLong(attn::delta_chunk_takes(chunked, d, k, v, per_key != 0, plain != 0, s));
+}
 PyObject* py_cpu_isas(PyObject*, PyObject* all) {
   return PyUnicode_FromString(attn::cpu::isa_levels(PyObject_IsTrue(all) == 1));
 }
@@ -282,6 +296,8 @@ PyObject* canary_shift_overflow(PyObject*, PyObject* arg) {
 
 PyMethodDef module_methods[] = {
     {"cpu_isa", py_cpu_isa, METH_NOARGS, "the CPU kernels' active ISA level"},
+    {"delta_chunk_takes", py_delta_chunk_takes, METH_VARARGS,
+     "whether the CUDA delta chunk kernels take a call: (chunked, dtype name, K, V, per_key, plain, S)"},
     {"cpu_isas", py_cpu_isas, METH_O, "the levels built and runnable here (all=True: built), comma-separated"},
     {"set_cpu_isa", py_set_cpu_isa, METH_O, "make a level active (None: the highest runnable); ValueError if not"},
     {"simd_width", py_simd_width, METH_NOARGS, "float32 lanes of the active level's SIMD vector"},

@@ -1,8 +1,8 @@
 // CUDA registration of the delta-rule ops: attention_ext::delta_fwd and delta_step on the CUDA
-// forward kernel (csrc/linear/cuda/delta_kernel.cuh), through the host steps it shares with the
-// CPU emulator (linear_delta_cuda_steps.h), on the current stream under a device guard. delta_bwd
-// has no CUDA kernel: attention_ext.linear.delta runs the PyTorch recurrence when a CUDA call
-// needs gradients.
+// forward kernels (csrc/linear/cuda/delta_kernel.cuh, delta_chunk_kernel.cuh), delta_bwd on the
+// chunk-parallel backward (delta_chunk_bwd_kernel.cuh; the calls it takes, else a ValueError:
+// attention_ext.linear.delta routes the others to PyTorch), through the host steps shared with
+// the CPU emulator (linear_delta_cuda_steps.h), on the current stream under a device guard.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -37,6 +37,14 @@ std::tuple<Tensor, Tensor, Tensor> delta_fwd_cuda(const Tensor& q, const Tensor&
   return attn::api::delta_cuda_fwd_steps(CudaDevice{}, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS(), checkpoints);
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cuda(
+    const Tensor& dout, const std::optional<Tensor>& dfinal_state, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& beta ATTN_DELTA_OPTIONS_PARAMS, const std::optional<Tensor>& checkpoints) {
+  attn::NvtxRange range("attention_ext::delta::bwd (CUDA)");
+  return attn::api::delta_cuda_bwd_steps(CudaDevice{}, dout, dfinal_state, q, k, v, beta, ATTN_DELTA_MAKE_OPTIONS(),
+                                         checkpoints);
+}
+
 Tensor delta_step_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
                        const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
   attn::NvtxRange range("attention_ext::delta::step (CUDA)");
@@ -47,5 +55,6 @@ Tensor delta_step_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const 
 
 TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
   m.impl("delta_fwd", &delta_fwd_cuda);
+  m.impl("delta_bwd", &delta_bwd_cuda);
   m.impl("delta_step", &delta_step_cuda);
 }

@@ -107,7 +107,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     }
     if (g.dinit_state.numel() > 0) g.dinit_state.fill_(NAN);
   }
-  const DeltaBwdParamsT<float> p = make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g);
+  DeltaBwdParamsT<float> p = make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g);
+  at::Tensor qc = q, kc = k, vc = v, doc = dout;
+  const bool per_key = o.gate.has_value() && o.gate->dim() == 4;
+  if (!cuda_delta_bwd_fits(p) && delta_chunk_takes(1, p.dt, p.dim_k, p.dim_v, per_key, p.plain, p.s)) {
+    // rows the 16-byte copies cannot read (strides or offsets off 8 elements): dense copies
+    qc = q.clone(at::MemoryFormat::Contiguous);
+    kc = k.clone(at::MemoryFormat::Contiguous);
+    vc = v.clone(at::MemoryFormat::Contiguous);
+    doc = dout.clone(at::MemoryFormat::Contiguous);
+    p = make_delta_bwd_params<float>(doc, dfinal_state, qc, kc, vc, beta, o, g);
+  }
   TORCH_CHECK_VALUE(cuda_delta_bwd_fits(p), Device::kWhat, ": the CUDA backward kernels take bfloat16 calls with no "
                     "gate or a per-head gate, K <= 128, K and V multiples of 8 and 16-byte aligned rows; got ",
                     q.scalar_type(), ", K = ", q.size(3), ", V = ", v.size(3),
@@ -117,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor scratch = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
   if constexpr (Device::kPoison) scratch.fill_(255);
   scratch.narrow(0, 0, int64_t(zeroed)).zero_();
-  run_backend<Device>([&] { dev.delta_bwd(p, scratch, {q, k, v, dout}); });
+  run_backend<Device>([&] { dev.delta_bwd(p, scratch, {qc, kc, vc, doc}); });
   const int64_t rows = o.cu_seqlens.has_value() ? 1 : q.size(0);
   const at::Tensor acc = scratch.narrow(0, 0, int64_t(zeroed)).view(at::kFloat).view({2, rows, q.size(1), q.size(2), q.size(3)});
   g.dq.copy_(acc[0]);

@@ -125,6 +125,26 @@ def test_other_warp_interleavings(emu, warp_serial, reverse):
         emu.set_schedule(True, False)
 
 
+def test_rows_off_16_bytes_are_copied(emu):
+    """q, k, v and dout at an element offset (rows not 16-byte aligned): the host steps run the
+    kernels on dense copies, with the same gradients."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=70, kd=16, vd=16, gate="head")
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=BF16)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+
+    qd, kd, vd = (t.to(BF16) for t in (q, k, v))
+    dout = torch.randn(v.shape, dtype=F64).to(BF16)
+    args = (beta.to(BF16).float(), g.float(), h0.float(), None, 0.25, True, False)
+    want = emu.delta_bwd(dout, None, qd, kd, vd, *args)
+    got = emu.delta_bwd(shifted(dout), None, shifted(qd), shifted(kd), shifted(vd), *args)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
 def test_calls_it_does_not_take(emu):
     """float16 / float32, per-key gates, K > 128 or K not a multiple of 8: a ValueError saying what
     the kernels take."""

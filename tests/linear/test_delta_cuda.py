@@ -101,6 +101,34 @@ def test_chunked_long_sequence_matches_recurrent():
     torch.testing.assert_close(out_c.float(), out_r.float(), rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("case", [(1, 2, 63, 16, 24, "head", True), (2, 4, 300, 128, 128, "head", True),
+                                  (1, 1, 1000, 64, 72, None, False), (2, 2, 700, 120, 136, "head", True)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_backward_chunked(chunked, case):
+    """Calls that need gradients under delta_chunked=True: the chunk-parallel backward, every
+    gradient within 2x autograd's bf16 error (tests/cuda_emu/test_delta_chunk_bwd_emulated.py's
+    rule) against float64."""
+    from tests.cuda_emu.test_delta_chunk_bwd_emulated import autograd
+    hk, hv, s, kd, vd, gate, l2 = case
+    q, k, v, beta, g, h0 = problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate)
+    qd, kd_, vd_ = (t.to(torch.bfloat16) for t in (q, k, v))
+    bd, gd, hh = beta.to(torch.bfloat16).float(), g.float() if g is not None else None, h0.float()
+    leaves = [t.cuda().requires_grad_() for t in (qd, kd_, vd_, bd)] + \
+        ([gd.cuda().requires_grad_()] if gd is not None else []) + [hh.cuda().requires_grad_()]
+    gi = leaves[4] if gd is not None else None
+    out, fin = ae.delta_rule_attention(*leaves[:4], gate=gi, initial_state=leaves[-1], return_state=True, qk_l2norm=l2)
+    dout = torch.randn_like(out)
+    dh = torch.randn_like(fin)
+    grads = torch.autograd.grad((out * dout).sum() + (fin * dh).sum(), leaves)
+    ins = (qd, kd_, vd_, bd, gd, hh)
+    r64 = autograd(F64, *(t.double() if t is not None else None for t in ins), dout.cpu().double(), dh.cpu().double(),
+                   l2, None)
+    rt = autograd(torch.bfloat16, *ins, dout.cpu(), dh.cpu(), l2, None)
+    for a, r, t in zip(grads, r64, rt):
+        assert torch.isfinite(a).all()
+        assert_close_fa2(a.cpu().float(), t.float(), r, torch.bfloat16, str(case))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_prefill_then_inplace_steps(dtype):
     q, k, v, beta, g, h0 = (t.cuda() for t in problem(b=2, hk=1, hv=2, s=20, kd=128, vd=128, gate="head"))

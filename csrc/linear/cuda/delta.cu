@@ -3,7 +3,7 @@
 //     a column (KS) and how many rows each holds (kRows), so that a column's K rows fit in
 //     registers: 16 rows per lane up to K = 512, 32 beyond;
 //   - delta_chunk_kernel.cuh's chunk-parallel tensor-core kernels (three launches over a scratch),
-//     for the calls they take (chunk_fits) when the selection asks (chunked = -1: from kChunkRows
+//     for the calls they take (chunk_fits) when the selection asks (chunked = -1: from kDeltaChunkRows
 //     rows on, where the recurrent kernel's one CTA per 16-32 value columns leaves most of the GPU
 //     idle for thousands of sequential steps (benchmarks/gpu_cost.py predicts both).
 #include <cuda_bf16.h>
@@ -26,15 +26,13 @@ namespace attn {
 namespace {
 
 std::atomic<int> g_chunked{0};  // entry.h: the recurrent kernel until a GPU run has timed both
-constexpr int kChunkRows = 256;
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// The calls the chunk kernels take: bf16, no per-key gate, the delta write (not GLA's plain one),
-// K <= 128, and rows the 16-byte copies can read.
+// The calls the chunk kernels take (delta_params.h delta_chunk_takes with every call selected) whose
+// rows the 16-byte copies can read.
 bool chunk_fits(const DeltaParamsT<float>& p) {
-  if (p.dt != DType::kBF16 || p.plain || (p.gate != nullptr && p.gate_per_key)) return false;
-  if (p.dim_k > 128 || p.dim_k % 8 != 0 || p.dim_v % 8 != 0) return false;
+  if (!delta_chunk_takes(1, p.dt, p.dim_k, p.dim_v, p.gate != nullptr && p.gate_per_key, p.plain, p.s)) return false;
   for (int64_t st : {p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.k_batch_stride, p.k_head_stride,
                      p.k_row_stride, p.v_batch_stride, p.v_head_stride, p.v_row_stride}) {
     if (st % 8 != 0) return false;
@@ -46,8 +44,7 @@ bool chunk_fits(const DeltaParamsT<float>& p) {
 }
 
 bool use_chunk(const DeltaParamsT<float>& p, const DeltaCudaKernels& k) {
-  if (k.chunked == 0 || !chunk_fits(p)) return false;
-  return k.chunked == 1 || p.s >= kChunkRows;
+  return chunk_fits(p) && delta_chunk_takes(k.chunked, p.dt, p.dim_k, p.dim_v, false, false, p.s);
 }
 
 // The plan's sizes (pointers null) and the scratch bytes they need.
