@@ -894,6 +894,37 @@ def delta_chunk_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     return [prep, state, out]
 
 
+def delta_chunk_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
+    """The chunk-parallel backward (delta_chunk_bwd_kernel.cuh): the forward's prep (T kept) and
+    state walk again, then dlocal, the reverse walk, the row scalars and dq / dk. Resources from
+    ptxas (sm_90a, K = 128); DRAM bytes counted per tile read."""
+    kk = bucket(k)
+    tiles = math.ceil(v / KN)
+    vp = tiles * KN
+    chunks = max(1, math.ceil(s / CHUNK))
+    slots = b * chunks
+    prep, state, _ = delta_chunk_launches(b, hv, s, k, v, overhead=overhead)
+    per = lambda f: 2 * LATENCY + f / MMA_SYNC_CTA_RATE + overhead  # noqa: E731
+    ch, t16 = CHUNK, 2  # rows per chunk, bytes per element
+    f_dl = 2 * ch * ch * kk + 2 * ch * ch * KN
+    dl = Launch(f"delta chunk dlocal, K {kk}", Resources(128, 72, 41 * 1024), [per(f_dl)] * (slots * hv * tiles),
+                slots * hv * tiles * (2 * ch * kk * t16 + 2 * ch * KN * t16), f_dl * slots * hv * tiles)
+    f_rev = 3 * 2 * ch * kk * KN
+    n = tiles * hv * b
+    rev = Launch(f"delta chunk rev, K {kk}", Resources(128, 255, 160 * 1024),
+                 [LATENCY + chunks * (max(f_rev / MMA_SYNC_CTA_RATE, LATENCY / 2) + overhead)] * n,
+                 slots * hv * tiles * (3 * ch * kk * t16 + 4 * ch * KN * t16 + kk * KN * t16), f_rev * chunks * n)
+    f_sc = tiles * (2 * ch ** 2 * KN + 3 * 2 * ch * kk * KN + 2 * 2 * ch * ch * KN) + 2 * 2 * ch * ch * kk
+    sc = Launch(f"delta chunk dscal, K {kk}", Resources(128, 194, 157 * 1024), [per(f_sc)] * (slots * hv),
+                slots * hv * (2 * ch * kk * t16 + tiles * (2 * kk * KN + 5 * ch * KN) * t16 + 4 * ch * ch * t16),
+                f_sc * slots * hv)
+    f_qk = tiles * (3 * 2 * ch * KN * kk + 2 * ch ** 2 * KN) + 3 * 2 * ch * ch * kk
+    qk = Launch(f"delta chunk dqk, K {kk}", Resources(128, 254, 121 * 1024), [per(f_qk)] * (slots * hv),
+                slots * hv * (2 * ch * kk * t16 + 4 * ch * ch * t16 + tiles * (2 * kk * KN + 3 * ch * KN) * t16
+                              + 2 * ch * kk * 4), f_qk * slots * hv)
+    return [prep, state, dl, rev, sc, qk]
+
+
 def report_delta_chunk() -> List[str]:
     ovh = fit_chunk_overhead()
     lines = ["", "## The delta rule's chunk-parallel CUDA forward (bf16, delta_chunked): predicted, no GPU run yet", "",
@@ -911,8 +942,20 @@ def report_delta_chunk() -> List[str]:
         t = total(model)
         lines.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
                      f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {rec / t:.1f} - {rec / bound:.1f} |")
+    lines += ["", "The chunk-parallel backward (training; the forward above plus these launches), same "
+              "columns' conventions:", "",
+              "| (B, H_v, S, K, V) | backward ms (model - bound) | prep / state / dlocal / rev / dscal / dqk ms "
+              "(model) | forward + backward ms (model) |", "|---|---|---|---|"]
+    for b, hv, s, k, v in DELTA_CASES:
+        model = delta_chunk_bwd_launches(b, hv, s, k, v)
+        bound = total(delta_chunk_bwd_launches(b, hv, s, k, v, overhead=ovh))
+        parts = [predict(x)["time"] for x in model]
+        t = total(model)
+        fwd = total(delta_chunk_launches(b, hv, s, k, v))
+        lines.append(f"| {(b, hv, s, k, v)} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
+                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {(fwd + t) * 1e3:.2f} |")
     lines += ["", "FLA's chunk_gated_delta_rule has not been timed on a GPU here yet (bench_delta_cuda.py times it "
-              "beside ours), so there is no ratio to the issue's target yet."]
+              "beside ours, forward and training), so there is no ratio to the issue's target yet."]
     return lines
 
 

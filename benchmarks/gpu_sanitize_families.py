@@ -106,6 +106,13 @@ def linear(dev):
                 h0 = torch.randn(4, 4, kd, vd, device=dev)
                 ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, cu_seqlens=cu, qk_l2norm=True)
                 n += 1
+                # the chunk-parallel backward (grad mode is off here: turn it on for this call)
+                with torch.enable_grad():
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, g, h0)]
+                    out = ae.delta_rule_attention(*leaves[:4], gate=leaves[4], initial_state=leaves[5], cu_seqlens=cu,
+                                                  qk_l2norm=True)
+                    torch.autograd.grad(out.float().square().sum(), leaves)
+                n += 1
         finally:
             ae.linear.set_cuda_kernels(**old)
     return n
