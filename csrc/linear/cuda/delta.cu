@@ -89,6 +89,15 @@ void carve_fwd(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPlan& plan, 
   at += size_t(hs) * plan.kk * plan.vp() * 2;
 }
 
+// One launch of a chunk kernel: its dynamic shared memory reserved, the grid of 128-thread CTAs.
+template <typename Params>
+void chunk_launch(void (*kernel)(Params, delta_chunk::DeltaChunkPlan), int smem, dim3 grid, const Params& p,
+                  const delta_chunk::DeltaChunkPlan& plan, cudaStream_t stream, const char* what) {
+  set_smem(kernel, smem, what);
+  ATTN_LAUNCH(kernel, grid, dim3(delta_chunk::kThreads), size_t(smem), stream)(p, plan);
+  check_launch(what);
+}
+
 template <int kK>
 void launch_delta_chunk(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPlan plan, cudaStream_t stream,
                         const char* what) {
@@ -96,26 +105,9 @@ void launch_delta_chunk(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPla
   using namespace delta_chunk;
   if (plan.slots > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks for one launch");
   const unsigned slots = unsigned(plan.slots);
-  {
-    auto kernel = &delta_chunk_prep_kernel<T, kK>;
-    set_smem(kernel, PrepSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(PrepSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_state_kernel<T, kK>;
-    set_smem(kernel, StateSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), dim3(kThreads),
-                size_t(StateSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_out_kernel<T, kK>;
-    set_smem(kernel, OutSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), dim3(kThreads),
-                size_t(OutSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
+  chunk_launch(delta_chunk_prep_kernel<T, kK>, PrepSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
+  chunk_launch(delta_chunk_state_kernel<T, kK>, StateSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), p, plan, stream, what);
+  chunk_launch(delta_chunk_out_kernel<T, kK>, OutSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), p, plan, stream, what);
 }
 
 template <typename T, int KS, int kRows>
@@ -168,45 +160,12 @@ void launch_delta_chunk_bwd(const DeltaBwdParamsT<float>& p, const delta_chunk::
   DeltaParamsT<float> fp = p;
   fp.final_state = nullptr;
   fp.o = nullptr;
-  {
-    auto kernel = &delta_chunk_prep_kernel<T, kK>;
-    set_smem(kernel, PrepSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(PrepSmem<kK>::kBytes), stream)(fp, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_state_kernel<T, kK>;
-    set_smem(kernel, StateSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), dim3(kThreads),
-                size_t(StateSmem<kK>::kBytes), stream)(fp, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_dlocal_kernel<T, kK>;
-    set_smem(kernel, DlocalSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), dim3(kThreads),
-                size_t(DlocalSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_rev_kernel<T, kK>;
-    set_smem(kernel, RevSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), dim3(kThreads),
-                size_t(RevSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_dscal_kernel<T, kK>;
-    set_smem(kernel, DscalSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(DscalSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
-  {
-    auto kernel = &delta_chunk_dqk_kernel<T, kK>;
-    set_smem(kernel, DqkSmem<kK>::kBytes, what);
-    ATTN_LAUNCH(kernel, dim3(slots, unsigned(p.h_v)), dim3(kThreads), size_t(DqkSmem<kK>::kBytes), stream)(p, plan);
-    check_launch(what);
-  }
+  chunk_launch(delta_chunk_prep_kernel<T, kK>, PrepSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), fp, plan, stream, what);
+  chunk_launch(delta_chunk_state_kernel<T, kK>, StateSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), fp, plan, stream, what);
+  chunk_launch(delta_chunk_dlocal_kernel<T, kK>, DlocalSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), p, plan, stream, what);
+  chunk_launch(delta_chunk_rev_kernel<T, kK>, RevSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), p, plan, stream, what);
+  chunk_launch(delta_chunk_dscal_kernel<T, kK>, DscalSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
+  chunk_launch(delta_chunk_dqk_kernel<T, kK>, DqkSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
 }
 
 }  // namespace

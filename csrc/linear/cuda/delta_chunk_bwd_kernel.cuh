@@ -58,6 +58,24 @@ __device__ __forceinline__ void store_side(DType dt, void* base, int64_t i, floa
   }
 }
 
+// db = T^T du for the warp's 16 rows: T (kC, kC) at t (A = T^T by ldmatrix.trans), du (kC, kBV) at du.
+template <typename T, typename TTile, typename CTile>
+__device__ __forceinline__ void t_transpose_du(float (&db)[kBV / 8][4], uint32_t t, uint32_t du, int warp, int lane) {
+  linear_tc::zero(db);
+  const uint32_t bo = CTile::lane_bt(0, lane);
+#pragma unroll
+  for (int kb = 0; kb < kC / 16; ++kb) {
+    uint32_t af[4];
+    lda_trans<TTile>(af, t, 16 * kb, 16 * warp, lane);
+#pragma unroll
+    for (int np = 0; np < kBV / 16; ++np) {
+      uint32_t bf[4];
+      tc::ldmatrix_x4_trans(bf, du + CTile::advance(bo, kb * 16, np * 16));
+      tc::mma_n16<T>(db[2 * np], af, bf);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ du_loc
 template <int kK>
 struct DlocalSmem {
@@ -178,17 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_rev_kernel(const Delt
   const T* doh = head_rows<T>(p.dout, p.do_batch_stride, p.do_head_stride, b, hv) + row0 * p.do_row_stride + c0;
 
   float dh[kMT][kBV / 8][4];
-#pragma unroll
-  for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-    for (int t = 0; t < kBV / 8; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = acc_row(warp * (kK / 4) + 16 * m, threadIdx.x % 32, e), c = c0 + acc_col(t, threadIdx.x % 32, e);
-        dh[m][t][e] = p.dfinal_state != nullptr && r < K && c < V ? p.dfinal_state[st0 + int64_t(r) * V + c] : 0.f;
-      }
-    }
-  }
+  load_slab<kK>(dh, p.dfinal_state != nullptr ? p.dfinal_state + st0 : nullptr, K, V, c0, warp, threadIdx.x % 32);
 
   auto load_chunk = [&](int it, int tid) {  // walk step it: chunk nc - 1 - it
     const int c = nc - 1 - it, s = it & 1;
@@ -213,15 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_rev_kernel(const Delt
     const int lane = linear_tc::opaque(threadIdx.x % 32);
     if (it + 1 < nc) load_chunk(it + 1, linear_tc::opaque(tid));
     tc::cp_async_commit();
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int r = acc_row(warp * (kK / 4) + 16 * m, lane, 0), cc = acc_col(t, lane, 0);
-        tc::st_shared_b32(sb + L::kDH + HTile::offset(r, cc), Ops::pack(dh[m][t][0], dh[m][t][1]));
-        tc::st_shared_b32(sb + L::kDH + HTile::offset(r + 8, cc), Ops::pack(dh[m][t][2], dh[m][t][3]));
-      }
-    }
+    slab_to_tile<T, HTile, kK>(dh, sb + L::kDH, warp, lane);
     tc::cp_async_wait<1>();
     __syncthreads();
     store_tile<T, HTile, kK>(static_cast<T*>(plan.dhc) + hs * kK * vp + c0, vp, sb + L::kDH, linear_tc::opaque(tid));
@@ -248,57 +248,13 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_rev_kernel(const Delt
     store_tile<T, CTile, kC>(static_cast<T*>(plan.du) + hs * kC * vp + c0, vp, sb + L::kDU, linear_tc::opaque(tid));
 
     // dh <- w(n-1, -1) dh + (w q^)^T dO - W^T du
-    {
-      const int n = min(kC, len - c * kC);
-      const float dec = plan.scal[hs * kScalars + 3 * kC + n - 1];
-#pragma unroll
-      for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-        for (int t = 0; t < kBV / 8; ++t) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dh[m][t][e] *= dec;
-        }
-      }
-      const uint32_t bo = CTile::lane_bt(0, lane);
-#pragma unroll
-      for (int m = 0; m < kMT; ++m) {
-        const int f0 = warp * (kK / 4) + 16 * m;
-#pragma unroll
-        for (int kb = 0; kb < kC / 16; ++kb) {
-          uint32_t af[4];
-          lda_trans<KTile>(af, sb + L::qg(s), 16 * kb, f0, lane);
-#pragma unroll
-          for (int np = 0; np < kBV / 16; ++np) {
-            uint32_t bf[4];
-            tc::ldmatrix_x4_trans(bf, sb + L::dout(s) + CTile::advance(bo, kb * 16, np * 16));
-            tc::mma_n16<T>(dh[m][2 * np], af, bf);
-          }
-          lda_trans<KTile>(af, sb + L::w(s), 16 * kb, f0, lane);
-#pragma unroll
-          for (int np = 0; np < kBV / 16; ++np) {
-            uint32_t bf[4];
-            tc::ldmatrix_x4_trans(bf, sb + L::kNDU + CTile::advance(bo, kb * 16, np * 16));
-            tc::mma_n16<T>(dh[m][2 * np], af, bf);
-          }
-        }
-      }
-    }
+    scale_slab(dh, chunk_decay(plan, hs, len, c));
+    add_xt_y<T, KTile, CTile, kK>(dh, sb + L::qg(s), sb + L::dout(s), warp, lane);
+    add_xt_y<T, KTile, CTile, kK>(dh, sb + L::w(s), sb + L::kNDU, warp, lane);
     __syncthreads();
   }
 
-  if (p.dinit_state != nullptr) {
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(warp * (kK / 4) + 16 * m, threadIdx.x % 32, e), c = c0 + acc_col(t, threadIdx.x % 32, e);
-          if (r < K && c < V) p.dinit_state[st0 + int64_t(r) * V + c] = dh[m][t][e];
-        }
-      }
-    }
-  }
+  store_slab<kK>(dh, p.dinit_state != nullptr ? p.dinit_state + st0 : nullptr, K, V, c0, warp, threadIdx.x % 32);
 }
 
 // ------------------------------------------------------------------------------ row scalars, dv
@@ -404,23 +360,8 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       float y[kBV / 8][4];
       linear_tc::zero(y);
       linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(y, sb + L::kK_, 16 * warp, sb + L::kH0, lane);
-      // db = T^T du
       float db[kBV / 8][4];
-      linear_tc::zero(db);
-      {
-        const uint32_t bo = CTile::lane_bt(0, lane);
-#pragma unroll
-        for (int kb = 0; kb < kC / 16; ++kb) {
-          uint32_t af[4];
-          lda_trans<TTile>(af, sb + L::kT, 16 * kb, 16 * warp, lane);
-#pragma unroll
-          for (int np = 0; np < kBV / 16; ++np) {
-            uint32_t bf[4];
-            tc::ldmatrix_x4_trans(bf, sb + L::kDU + CTile::advance(bo, kb * 16, np * 16));
-            tc::mma_n16<T>(db[2 * np], af, bf);
-          }
-        }
-      }
+      t_transpose_du<T, TTile, CTile>(db, sb + L::kT, sb + L::kDU, warp, lane);
       float dot[2] = {0.f, 0.f};
 #pragma unroll
       for (int t = 0; t < kBV / 8; ++t) {
@@ -726,19 +667,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dqk_kernel(const DeltaBw
     // dk^ -= Diag(b w(., -1)) (T^T du) h0^T
     {
       float db[kBV / 8][4];
-      linear_tc::zero(db);
-      const uint32_t bo = CTile::lane_bt(0, lane);
-#pragma unroll
-      for (int kb = 0; kb < kC / 16; ++kb) {
-        uint32_t af[4];
-        lda_trans<TTile>(af, sb + L::kT, 16 * kb, 16 * warp, lane);
-#pragma unroll
-        for (int np = 0; np < kBV / 16; ++np) {
-          uint32_t bf[4];
-          tc::ldmatrix_x4_trans(bf, sb + L::kDU + CTile::advance(bo, kb * 16, np * 16));
-          tc::mma_n16<T>(db[2 * np], af, bf);
-        }
-      }
+      t_transpose_du<T, TTile, CTile>(db, sb + L::kT, sb + L::kDU, warp, lane);
       const float f0 = -Bt[r0] * E[r0], f1 = -Bt[r0 + 8] * E[r0 + 8];
 #pragma unroll
       for (int t = 0; t < kBV / 8; ++t) {

@@ -353,6 +353,103 @@ __device__ __forceinline__ void store_tile(T* dst, int64_t ld, uint32_t tile, in
   }
 }
 
+// ------------------------------------------------------------------------------ state slabs
+// A walk's (kK, kBV) slab of a state (or of its gradient) in mma accumulators: warp w holds rows
+// [w kK / 4, (w + 1) kK / 4) as kMT = kK / 64 row tiles of 16, all kBV columns. Its element e of
+// n-tile t of row tile m is row slab_row(..), column acc_col(t, lane, e).
+template <int kK>
+__device__ __forceinline__ int slab_row(int warp, int m, int lane, int e) {
+  return acc_row(warp * (kK / 4) + 16 * m, lane, e);
+}
+
+// The slab from columns [c0, c0 + kBV) of a (K, V) float32 matrix (null: zeros; rows past K and
+// columns past V: zeros), and back (rows and columns past them skipped).
+template <int kK, int kMT>
+__device__ __forceinline__ void load_slab(float (&h)[kMT][kBV / 8][4], const float* src, int K, int V, int c0,
+                                          int warp, int lane) {
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = slab_row<kK>(warp, m, lane, e), c = c0 + acc_col(t, lane, e);
+        h[m][t][e] = src != nullptr && r < K && c < V ? src[int64_t(r) * V + c] : 0.f;
+      }
+    }
+  }
+}
+template <int kK, int kMT>
+__device__ __forceinline__ void store_slab(const float (&h)[kMT][kBV / 8][4], float* dst, int K, int V, int c0,
+                                           int warp, int lane) {
+  if (dst == nullptr) return;
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = slab_row<kK>(warp, m, lane, e), c = c0 + acc_col(t, lane, e);
+        if (r < K && c < V) dst[int64_t(r) * V + c] = h[m][t][e];
+      }
+    }
+  }
+}
+
+// The slab rounded to T into a (kK, kBV) shared tile (the walks' per-chunk operand).
+template <typename T, typename HTile, int kK, int kMT>
+__device__ __forceinline__ void slab_to_tile(const float (&h)[kMT][kBV / 8][4], uint32_t tile, int warp, int lane) {
+  using Ops = tc::TypeOps<T>;
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+      const int r = slab_row<kK>(warp, m, lane, 0), c = acc_col(t, lane, 0);
+      tc::st_shared_b32(tile + HTile::offset(r, c), Ops::pack(h[m][t][0], h[m][t][1]));
+      tc::st_shared_b32(tile + HTile::offset(r + 8, c), Ops::pack(h[m][t][2], h[m][t][3]));
+    }
+  }
+}
+
+// h <- f h (a chunk's decay w(n-1, -1)).
+template <int kMT>
+__device__ __forceinline__ void scale_slab(float (&h)[kMT][kBV / 8][4], float f) {
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) h[m][t][e] *= f;
+    }
+  }
+}
+
+// h += X^T Y: X (kC, kK) at x (rows the chunk's tokens: A = X^T by ldmatrix.trans), Y (kC, kBV) at y.
+template <typename T, typename XTile, typename YTile, int kK, int kMT>
+__device__ __forceinline__ void add_xt_y(float (&h)[kMT][kBV / 8][4], uint32_t x, uint32_t y, int warp, int lane) {
+  const uint32_t bo = YTile::lane_bt(0, lane);
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+#pragma unroll
+    for (int kb = 0; kb < kC / 16; ++kb) {
+      uint32_t af[4];
+      lda_trans<XTile>(af, x, 16 * kb, warp * (kK / 4) + 16 * m, lane);
+#pragma unroll
+      for (int np = 0; np < kBV / 16; ++np) {
+        uint32_t bf[4];
+        tc::ldmatrix_x4_trans(bf, y + YTile::advance(bo, kb * 16, np * 16));
+        tc::mma_n16<T>(h[m][2 * np], af, bf);
+      }
+    }
+  }
+}
+
+// w(n-1, -1) of the chunk at slot hs of `len` rows, chunk c: the state's decay across it.
+__device__ __forceinline__ float chunk_decay(const DeltaChunkPlan& plan, int64_t hs, int len, int c) {
+  const int n = min(kC, len - c * kC);
+  return plan.scal[hs * kScalars + 3 * kC + n - 1];
+}
+
 // ------------------------------------------------------------------------------ state walk
 template <int kK>
 struct StateSmem {
@@ -388,17 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const De
   const int64_t st0 = (int64_t(seq) * p.h_v + hv) * K * V;
 
   float h[kMT][kBV / 8][4];
-#pragma unroll
-  for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-    for (int t = 0; t < kBV / 8; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = acc_row(warp * (kK / 4) + 16 * m, lane, e), c = c0 + acc_col(t, lane, e);
-        h[m][t][e] = p.init_state != nullptr && r < K && c < V ? p.init_state[st0 + int64_t(r) * V + c] : 0.f;
-      }
-    }
-  }
+  load_slab<kK>(h, p.init_state != nullptr ? p.init_state + st0 : nullptr, K, V, c0, warp, lane);
 
   // tid and lane pass through opaque() per chunk: otherwise the compiler hoists every copy's and
   // product's shared address out of the walk, one register each (spills at kK = 128)
@@ -422,15 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const De
     if (c + 1 < nc) load_chunk(c + 1, linear_tc::opaque(tid));
     tc::cp_async_commit();
     // h, rounded: the operand of W h here and of the outputs' product (stored from the tile)
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int r = acc_row(warp * (kK / 4) + 16 * m, lane, 0), cc = acc_col(t, lane, 0);
-        tc::st_shared_b32(sb + L::kH + HTile::offset(r, cc), Ops::pack(h[m][t][0], h[m][t][1]));
-        tc::st_shared_b32(sb + L::kH + HTile::offset(r + 8, cc), Ops::pack(h[m][t][2], h[m][t][3]));
-      }
-    }
+    slab_to_tile<T, HTile, kK>(h, sb + L::kH, warp, lane);
     tc::cp_async_wait<1>();  // chunk c's tiles (the group before the one just committed)
     __syncthreads();
     store_tile<T, HTile, kK>(static_cast<T*>(plan.hc) + hs * kK * vp + c0, vp, sb + L::kH, linear_tc::opaque(tid));
@@ -456,50 +535,12 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const De
     store_tile<T, CTile, kC>(static_cast<T*>(plan.u) + hs * kC * vp + c0, vp, sb + L::kU, linear_tc::opaque(tid));
 
     // h <- w(n-1, -1) h + K~^T u: A = K~^T from K~'s row-major tile by ldmatrix.trans
-    {
-      const int n = min(kC, len - c * kC);
-      const float dec = plan.scal[hs * kScalars + 3 * kC + n - 1];
-#pragma unroll
-      for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-        for (int t = 0; t < kBV / 8; ++t) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) h[m][t][e] *= dec;
-        }
-      }
-      const uint32_t bo = CTile::lane_bt(0, lane);
-#pragma unroll
-      for (int m = 0; m < kMT; ++m) {
-        const int f0 = warp * (kK / 4) + 16 * m;
-#pragma unroll
-        for (int kb = 0; kb < kC / 16; ++kb) {
-          uint32_t af[4];
-          lda_trans<KTile>(af, sb + L::kt(s), 16 * kb, f0, lane);
-#pragma unroll
-          for (int np = 0; np < kBV / 16; ++np) {
-            uint32_t bf[4];
-            tc::ldmatrix_x4_trans(bf, sb + L::kU + CTile::advance(bo, kb * 16, np * 16));
-            tc::mma_n16<T>(h[m][2 * np], af, bf);
-          }
-        }
-      }
-    }
+    scale_slab(h, chunk_decay(plan, hs, len, c));
+    add_xt_y<T, KTile, CTile, kK>(h, sb + L::kt(s), sb + L::kU, warp, lane);
     __syncthreads();  // h's and u's tiles and stage s are free for the next chunk
   }
 
-  if (p.final_state != nullptr) {
-#pragma unroll
-    for (int m = 0; m < kMT; ++m) {
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = acc_row(warp * (kK / 4) + 16 * m, lane, e), c = c0 + acc_col(t, lane, e);
-          if (r < K && c < V) p.final_state[st0 + int64_t(r) * V + c] = h[m][t][e];
-        }
-      }
-    }
-  }
+  store_slab<kK>(h, p.final_state != nullptr ? p.final_state + st0 : nullptr, K, V, c0, warp, lane);
 }
 
 // ------------------------------------------------------------------------------ outputs
