@@ -257,6 +257,23 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_rev_kernel(const Delt
   store_slab<kK>(dh, p.dinit_state != nullptr ? p.dinit_state + st0 : nullptr, K, V, c0, warp, threadIdx.x % 32);
 }
 
+// A value tile's operands of the dscal / dqk kernels (layout L names kH0, kDH, kU, kDU, kDO):
+// h0 and dh1 (kK, kBV), u and du (kC, kBV) from the scratch, dO's rows from `dout`.
+template <typename T, typename L, int kK>
+__device__ __forceinline__ void load_value_tiles(uint32_t sb, const DeltaChunkPlan& plan, int64_t hs, int c0,
+                                                 const T* dout, int64_t do_stride, int n, int cols, int tid) {
+  const int vp = plan.vp();
+  tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH0, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK,
+                                            kBV, tid);
+  tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kDH, static_cast<const T*>(plan.dhc) + hs * kK * vp + c0, vp, kK,
+                                            kBV, tid);
+  tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kU, static_cast<const T*>(plan.u) + hs * kC * vp + c0, vp, kC, kBV,
+                                            tid);
+  tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kDU, static_cast<const T*>(plan.du) + hs * kC * vp + c0, vp, kC,
+                                            kBV, tid);
+  tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kDO, dout, do_stride, n, cols, tid);
+}
+
 // ------------------------------------------------------------------------------ row scalars, dv
 template <int kK>
 struct DscalSmem {
@@ -341,15 +358,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
 #pragma unroll 1
   for (int c0 = 0; c0 < vp; c0 += kBV) {
     const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
-    tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH0, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK,
-                                              kBV, tid);
-    tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kDH, static_cast<const T*>(plan.dhc) + hs * kK * vp + c0, vp, kK,
-                                              kBV, tid);
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kU, static_cast<const T*>(plan.u) + hs * kC * vp + c0, vp, kC,
-                                              kBV, tid);
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kDU, static_cast<const T*>(plan.du) + hs * kC * vp + c0, vp, kC,
-                                              kBV, tid);
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kDO, doh + c0, p.do_row_stride, n, V - c0, tid);
+    load_value_tiles<T, L, kK>(sb, plan, hs, c0, doh + c0, p.do_row_stride, n, V - c0, tid);
     tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kV, vh + c0, p.v_row_stride, n, V - c0, tid);
     tc::cp_async_commit();
     tc::cp_async_wait<0>();
@@ -409,7 +418,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       {  // S2 += db u^T (db's last use)
         float sp[kC / 8][4];
         linear_tc::zero(sp);
-        mma_reg_nt<T, CTile, kBV, kC>(sp, db, sb + L::kU, lane);
+        linear_tc::mma_reg<T, CTile, kBV, kC, false>(sp, db, sb + L::kU, lane);
 #pragma unroll
         for (int t = 0; t < kC / 8; ++t) {
 #pragma unroll
@@ -650,15 +659,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dqk_kernel(const DeltaBw
 #pragma unroll 1
   for (int c0 = 0; c0 < vp; c0 += kBV) {
     const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
-    tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH0, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK,
-                                              kBV, tid);
-    tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kDH, static_cast<const T*>(plan.dhc) + hs * kK * vp + c0, vp, kK,
-                                              kBV, tid);
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kU, static_cast<const T*>(plan.u) + hs * kC * vp + c0, vp, kC,
-                                              kBV, tid);
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kDU, static_cast<const T*>(plan.du) + hs * kC * vp + c0, vp, kC,
-                                              kBV, tid);
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kDO, doh + c0, p.do_row_stride, n, V - c0, tid);
+    load_value_tiles<T, L, kK>(sb, plan, hs, c0, doh + c0, p.do_row_stride, n, V - c0, tid);
     tc::cp_async_commit();
     tc::cp_async_wait<0>();
     __syncthreads();
@@ -676,7 +677,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dqk_kernel(const DeltaBw
         db[t][2] *= f1;
         db[t][3] *= f1;
       }
-      mma_reg_nt<T, HTile, kBV, kK>(ak, db, sb + L::kH0, lane);
+      linear_tc::mma_reg<T, HTile, kBV, kK, false>(ak, db, sb + L::kH0, lane);
     }
     // dk^ += Diag(w(n-1, .)) u dh1^T: u's A fragments scaled per row
     {

@@ -166,29 +166,6 @@ __device__ __forceinline__ void lda_trans(uint32_t (&af)[4], uint32_t tile, int 
   tc::ldmatrix_x4_trans(af, tile + Tile::offset(k0 + (lane & 7) + (lane >> 4) * 8, m0 + ((lane >> 3) & 1) * 8));
 }
 
-// acc (16 x kCols) += P B^T with P (16 x kK) fp32 accumulators of an earlier product rounded to
-// T, B a (kCols, kK) tile read as rows n, columns k (mma_reg's other B layout).
-template <typename T, typename BTile, int kK, int kCols>
-__device__ __forceinline__ void mma_reg_nt(float (&acc)[kCols / 8][4], const float (&pm)[kK / 8][4], uint32_t b,
-                                           int lane) {
-  using Ops = tc::TypeOps<T>;
-  const uint32_t bo = BTile::lane_b(0, lane);
-#pragma unroll
-  for (int kb = 0; kb < kK / 16; ++kb) {
-    uint32_t a[4];
-    a[0] = Ops::pack(pm[2 * kb][0], pm[2 * kb][1]);
-    a[1] = Ops::pack(pm[2 * kb][2], pm[2 * kb][3]);
-    a[2] = Ops::pack(pm[2 * kb + 1][0], pm[2 * kb + 1][1]);
-    a[3] = Ops::pack(pm[2 * kb + 1][2], pm[2 * kb + 1][3]);
-#pragma unroll
-    for (int np = 0; np < kCols / 16; ++np) {
-      uint32_t bf[4];
-      tc::ldmatrix_x4(bf, b + BTile::advance(bo, np * 16, kb * 16));
-      tc::mma_n16<T>(acc[2 * np], a, bf);
-    }
-  }
-}
-
 // A 16-bit pair (columns c, c + 1) of an accumulator row, stored to global memory.
 template <typename T>
 __device__ __forceinline__ void st_pair(T* dst, float a, float b) {

@@ -87,12 +87,12 @@ __device__ __forceinline__ void mma_smem(float (&acc)[kCols / 8][4], uint32_t a,
 }
 
 // acc (16 x kCols) += P B with P (16 x kK) the fp32 accumulators of an earlier product (the C
-// fragments of two adjacent n-tiles are one A fragment, mma.cuh), rounded to T; B rows k,
-// columns n in the BTile at b.
-template <typename T, typename BTile, int kK, int kCols>
+// fragments of two adjacent n-tiles are one A fragment, mma.cuh), rounded to T; B in the BTile at
+// b as rows k, columns n (kBRowsK, ldmatrix.trans) or rows n, columns k (P B^T's shape).
+template <typename T, typename BTile, int kK, int kCols, bool kBRowsK = true>
 __device__ __forceinline__ void mma_reg(float (&acc)[kCols / 8][4], const float (&pm)[kK / 8][4], uint32_t b, int lane) {
   using Ops = tc::TypeOps<T>;
-  const uint32_t bo = BTile::lane_bt(0, lane);
+  const uint32_t bo = kBRowsK ? BTile::lane_bt(0, lane) : BTile::lane_b(0, lane);
 #pragma unroll
   for (int kb = 0; kb < kK / 16; ++kb) {
     uint32_t a[4];
@@ -103,7 +103,11 @@ __device__ __forceinline__ void mma_reg(float (&acc)[kCols / 8][4], const float 
 #pragma unroll
     for (int np = 0; np < kCols / 16; ++np) {
       uint32_t bf[4];
-      tc::ldmatrix_x4_trans(bf, b + BTile::advance(bo, kb * 16, np * 16));
+      if constexpr (kBRowsK) {
+        tc::ldmatrix_x4_trans(bf, b + BTile::advance(bo, kb * 16, np * 16));
+      } else {
+        tc::ldmatrix_x4(bf, b + BTile::advance(bo, np * 16, kb * 16));
+      }
       tc::mma_n16<T>(acc[2 * np], a, bf);
     }
   }
