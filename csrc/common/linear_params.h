@@ -18,6 +18,11 @@
 
 namespace attn {
 
+// A log-gate at or below kResetGate is a reset in the chunked kernels (linear attention's decay
+// and the delta rule's gates): e^{gate} is 0 in float32 (e^-104 is below the smallest subnormal),
+// so every weight across it is exactly 0, and the chunk sums restart there.
+inline constexpr float kResetGate = -104.f;
+
 enum class FeatureMap : int32_t { kIdentity = 0, kElu = 1, kRelu = 2 };
 
 // QkvParams' sq = sk = the sequence length (varlen: the longest), d = M, the feature width of

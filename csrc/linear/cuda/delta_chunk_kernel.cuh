@@ -46,7 +46,8 @@
 #include "common/delta_params.h"
 #include "cuda/mma.cuh"
 #include "linear/cuda/delta_kernel.cuh"  // load_side
-#include "linear/cuda/mma_common.cuh"    // mma_smem, mma_reg, fragment indexing, 16-bit smem access
+#include "common/linear_params.h"      // kResetGate
+#include "linear/cuda/mma_products.cuh"  // mma_smem, mma_reg, fragment indexing, 16-bit smem access
 
 namespace attn {
 namespace delta_chunk {
@@ -59,8 +60,6 @@ constexpr int kC = 64;  // tokens per chunk
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBV = 64;  // value columns per CTA of the state and output kernels
-static_assert(linear_tc::kThreads == kThreads, "the shared product helpers assume 4 warps");
-constexpr float kResetGate = linear_simt::kResetGate;
 // the per-slot row scalars, float (5, kC): G', f (as a float), the inverse key norm, w(i, -1), and
 // (the backward) q's factor scale / ||q||
 constexpr int kScalars = 5 * kC;

@@ -147,9 +147,7 @@ __device__ __forceinline__ void load_values(float* dst, const T* v, int64_t rs, 
   }
 }
 
-// A gate at or below kResetGate is a reset: e^{gate} is 0 in float32 (e^-104 is below the
-// smallest subnormal), so every weight across it is exactly 0.
-constexpr float kResetGate = -104.f;
+using ::attn::kResetGate;  // common/linear_params.h
 
 // The chunk's per-row scalars: g and ep (the running decay sum since the chunk start or since the
 // last reset, and the number of resets up to the row: the row's epoch), wq = e^{G_i} (G the sum
