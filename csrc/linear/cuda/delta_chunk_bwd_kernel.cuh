@@ -76,6 +76,24 @@ __device__ __forceinline__ void t_transpose_du(float (&db)[kBV / 8][4], uint32_t
   }
 }
 
+// Per row of the warp's 16 (this lane's rows r0 and r0 + 8): the dot product of the accumulator
+// rows y (16 x kBV) with the same rows of a (kC, kBV) 16-bit shared tile at byte `tile` of smem,
+// this lane's part (the caller sums the lane quad).
+template <typename T, typename Tile>
+__device__ __forceinline__ void row_dots(float (&dot)[2], const float (&y)[kBV / 8][4], const unsigned char* smem,
+                                         uint32_t tile, int r0, int lane) {
+#pragma unroll
+  for (int t = 0; t < kBV / 8; ++t) {
+    const int c = acc_col(t, lane, 0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float2 x =
+          tc::TypeOps<T>::unpack(*reinterpret_cast<const uint32_t*>(smem + tile + Tile::offset(r0 + 8 * half, c)));
+      dot[half] += x.x * y[t][2 * half] + x.y * y[t][2 * half + 1];
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ du_loc
 template <int kK>
 struct DlocalSmem {
@@ -384,17 +402,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
         pg[half] -= B[i] * NK[i] * dot[half];
       }
       // dv goes out through the warp's own rows of V's tile (read here first): 16-byte stores
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int c = acc_col(t, lane, 0);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = r0 + 8 * half;
-          const float a = db[t][2 * half], bb = db[t][2 * half + 1];
-          const float2 v = tc::TypeOps<T>::unpack(*reinterpret_cast<const uint32_t*>(smem + L::kV + CTile::offset(i, c)));
-          pb[half] += a * v.x + bb * v.y;
-        }
-      }
+      row_dots<T, CTile>(pb, db, smem, L::kV, r0, lane);
       __syncwarp();
 #pragma unroll
       for (int t = 0; t < kBV / 8; ++t) {
@@ -431,31 +439,13 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       linear_tc::zero(y);
       linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(y, sb + L::kQ, 16 * warp, sb + L::kH0, lane);
       float dot[2] = {0.f, 0.f};
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int c = acc_col(t, lane, 0);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float2 d = tc::TypeOps<T>::unpack(
-              *reinterpret_cast<const uint32_t*>(smem + L::kDO + CTile::offset(r0 + 8 * half, c)));
-          dot[half] += d.x * y[t][2 * half] + d.y * y[t][2 * half + 1];
-        }
-      }
+      row_dots<T, CTile>(dot, y, smem, L::kDO, r0, lane);
       pg[0] += NQ[r0] * dot[0];
       pg[1] += NQ[r0 + 8] * dot[1];
       linear_tc::zero(y);
       linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(y, sb + L::kK_, 16 * warp, sb + L::kDH, lane);
       dot[0] = dot[1] = 0.f;
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int c = acc_col(t, lane, 0);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float2 u = tc::TypeOps<T>::unpack(
-              *reinterpret_cast<const uint32_t*>(smem + L::kU + CTile::offset(r0 + 8 * half, c)));
-          dot[half] += u.x * y[t][2 * half] + u.y * y[t][2 * half + 1];
-        }
-      }
+      row_dots<T, CTile>(dot, y, smem, L::kU, r0, lane);
       pl[0] += NK[r0] * dot[0];
       pl[1] += NK[r0 + 8] * dot[1];
     }
