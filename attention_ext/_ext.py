@@ -89,11 +89,13 @@ def set_cpu_isa(isa: Optional[str]) -> str:
 
 
 @torch.compiler.assume_constant_result
-def delta_chunk_takes(chunked: int, dtype: torch.dtype, k: int, v: int, per_key: bool, plain: bool, s: int) -> bool:
-    """Whether the CUDA delta-rule chunk kernels run a call of this dtype and these sizes under the
-    selection `chunked` (-1 auto, 0 never, 1 every call they take): the C++ rule
+def delta_chunk_takes(chunked: int, dtype: torch.dtype, k: int, v: int, per_key: bool, plain: bool, s: int,
+                      backward: bool) -> bool:
+    """Whether the CUDA delta-rule chunk kernels (the forward, or with `backward` the backward) run
+    a call of this dtype and these sizes under the selection `chunked` (-1 auto, 0 never, 1 every
+    call they take): the C++ rule
     (csrc/common/delta_params.h delta_chunk_takes). False without the extension."""
     if not HAS_EXT:
         return False
     return bool(_C.delta_chunk_takes(int(chunked), str(dtype).replace("torch.", ""), int(k), int(v), bool(per_key),
-                                     bool(plain), int(s)))
+                                     bool(plain), int(s), bool(backward)))

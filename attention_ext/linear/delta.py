@@ -70,7 +70,8 @@ def cuda_chunked_grad(a: dict) -> bool:
     sel = cuda_kernels()["delta_chunked"]
     chunked = -1 if sel is None else int(bool(sel))
     per_key = isinstance(gate, Tensor) and gate.dim() == 4
-    return delta_chunk_takes(chunked, q.dtype, q.shape[-1], v.shape[-1], per_key, bool(a["plain"]), q.shape[2])
+    return delta_chunk_takes(chunked, q.dtype, q.shape[-1], v.shape[-1], per_key, bool(a["plain"]), q.shape[2],
+                             backward=True)
 
 
 def _needs_grad(a: dict) -> bool:

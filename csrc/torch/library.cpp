@@ -89,18 +89,18 @@ int64_t empty_cpu_cache() { return int64_t(attn::cpu::BlockCache::release()); }
 // not ops, as the choice is process-wide like torch.set_num_threads.
 PyObject* py_cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(attn::cpu::isa()); }
 // delta_params.h delta_chunk_takes for attention_ext._ext.delta_chunked: (chunked, dtype name, K,
-// V, gate per key, plain, S) -> bool
+// V, gate per key, plain, S, backward) -> bool
 PyObject* py_delta_chunk_takes(PyObject*, PyObject* args) {
-  int chunked = 0, k = 0, v = 0, per_key = 0, plain = 0;
+  int chunked = 0, k = 0, v = 0, per_key = 0, plain = 0, backward = 0;
   long long s = 0;
   const char* dt = nullptr;
-  if (!PyArg_ParseTuple(args, "isiippL", &chunked, &dt, &k, &v, &per_key, &plain, &s)) return nullptr;
+  if (!PyArg_ParseTuple(args, "isiippLp", &chunked, &dt, &k, &v, &per_key, &plain, &s, &backward)) return nullptr;
   const std::string name(dt);
   const attn::DType d = name == "bfloat16" ? attn::DType::kBF16
                         : name == "float16" ? attn::DType::kF16
                         : name == "float32" ? attn::DType::kF32
                                             : attn::DType::kF64;
-  return PyBool_FromLong(attn::delta_chunk_takes(chunked, d, k, v, per_key != 0, plain != 0, s));
+  return PyBool_FromLong(attn::delta_chunk_takes(chunked, d, k, v, per_key != 0, plain != 0, s, backward != 0));
 }
 PyObject* py_cpu_isas(PyObject*, PyObject* all) {
   return PyUnicode_FromString(attn::cpu::isa_levels(PyObject_IsTrue(all) == 1));

@@ -110,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   DeltaBwdParamsT<float> p = make_delta_bwd_params<float>(dout, dfinal_state, q, k, v, beta, o, g);
   at::Tensor qc = q, kc = k, vc = v, doc = dout;
   const bool per_key = o.gate.has_value() && o.gate->dim() == 4;
-  if (!cuda_delta_bwd_fits(p) && delta_chunk_takes(1, p.dt, p.dim_k, p.dim_v, per_key, p.plain, p.s)) {
+  if (!cuda_delta_bwd_fits(p) && delta_chunk_takes(1, p.dt, p.dim_k, p.dim_v, per_key, p.plain, p.s, true)) {
     // rows the 16-byte copies cannot read (strides or offsets off 8 elements): dense copies
     qc = q.clone(at::MemoryFormat::Contiguous);
     kc = k.clone(at::MemoryFormat::Contiguous);

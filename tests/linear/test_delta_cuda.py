@@ -69,7 +69,9 @@ def chunked():
 @pytest.mark.parametrize("case", [(1, 1, 1, 8, 8, None, False), (1, 2, 63, 16, 24, None, False),
                                   (2, 4, 64, 64, 72, "head", True), (1, 3, 130, 72, 8, "head", False),
                                   (2, 4, 1000, 128, 128, "head", True), (1, 2, 3000, 128, 136, "head", True),
-                                  (2, 2, 700, 120, 64, None, True)],
+                                  (2, 2, 700, 120, 64, None, True), (2, 4, 64, 64, 72, "key", True),
+                                  (1, 3, 130, 72, 8, "key", False), (2, 4, 1000, 128, 128, "key", True),
+                                  (1, 2, 3000, 128, 136, "key", True)],
                          ids=lambda c: "-".join(map(str, c)))
 def test_forward_chunked(chunked, case):
     """The chunk kernels (bf16) on the same rule; the cases of
@@ -88,6 +90,27 @@ def test_chunked_varlen_and_hard_resets(chunked, r):
     assert (out[:, :, 200:] == 0).all()
 
 
+@pytest.mark.parametrize("r", [5, 64, 100])
+def test_chunked_per_key_hard_resets(chunked, r):
+    """Per-key gates (KDA) with -inf in some channels at row r and in every channel 20 rows later."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=205, kd=64, vd=24, gate="key")
+    g[:, :, r, ::3] = float("-inf")
+    g[:, :, r + 20] = float("-inf")
+    check(torch.bfloat16, q, k, v, beta, g, h0, l2=True)
+
+
+def test_chunked_gla_per_feature_decay(chunked):
+    """linear_attention with GLA's per-feature decay (the plain write over per-key gates) on the
+    chunk kernels, against the same call in float64 on the CPU's PyTorch reference, under the
+    bf16 rule's tolerance of the module (loose: the feature map's output is compared)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 300, 64, generator=g) for _ in range(3))
+    dec = -torch.rand(2, 2, 300, 64, generator=g) * 0.3
+    got = ae.linear_attention(*(t.cuda().bfloat16() for t in (q, k, v)), decay=dec.cuda(), causal=True)
+    ref = ae.linear_attention(*(t.double() for t in (q, k, v)), decay=dec.double(), causal=True)
+    torch.testing.assert_close(got.cpu().double(), ref, rtol=3e-2, atol=3e-2)
+
+
 def test_chunked_long_sequence_matches_recurrent():
     """S = 8192: the chunk kernels against the recurrent kernel (both bf16 in, fp32 state) and the
     float64 recurrence at the bench's Gated DeltaNet shape, one head."""
@@ -98,6 +121,18 @@ def test_chunked_long_sequence_matches_recurrent():
     finally:
         ae.linear.set_cuda_kernels(**old)
     out_r, st_r = check(torch.bfloat16, q, k, v, beta, g, h0, l2=True, what="recurrent")
+    torch.testing.assert_close(out_c.float(), out_r.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_chunked_kda_long_sequence_matches_recurrent():
+    """The same at S = 8192 with per-key gates (KDA's shape, one head)."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=8192, kd=128, vd=128, gate="key")
+    old = ae.linear.set_cuda_kernels(**{**ae.linear.cuda_kernels(), "delta_chunked": True})
+    try:
+        out_c, _ = check(torch.bfloat16, q, k, v, beta, g, h0, l2=True, what="chunked")
+    finally:
+        ae.linear.set_cuda_kernels(**old)
+    out_r, _ = check(torch.bfloat16, q, k, v, beta, g, h0, l2=True, what="recurrent")
     torch.testing.assert_close(out_c.float(), out_r.float(), rtol=5e-2, atol=5e-2)
 
 

@@ -29,10 +29,12 @@ std::atomic<int> g_chunked{0};  // entry.h: the recurrent kernel until a GPU run
 
 bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// The calls the chunk kernels take (delta_params.h delta_chunk_takes with every call selected) whose
-// rows the 16-byte copies can read.
-bool chunk_fits(const DeltaParamsT<float>& p) {
-  if (!delta_chunk_takes(1, p.dt, p.dim_k, p.dim_v, p.gate != nullptr && p.gate_per_key, p.plain, p.s)) return false;
+bool per_key(const DeltaParamsT<float>& p) { return p.gate != nullptr && p.gate_per_key; }
+
+// The calls the chunk kernels (the forward's, or the backward's) take (delta_params.h
+// delta_chunk_takes with every call selected) whose rows the 16-byte copies can read.
+bool chunk_fits(const DeltaParamsT<float>& p, bool backward) {
+  if (!delta_chunk_takes(1, p.dt, p.dim_k, p.dim_v, per_key(p), p.plain, p.s, backward)) return false;
   for (int64_t st : {p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.k_batch_stride, p.k_head_stride,
                      p.k_row_stride, p.v_batch_stride, p.v_head_stride, p.v_row_stride}) {
     if (st % 8 != 0) return false;
@@ -44,7 +46,7 @@ bool chunk_fits(const DeltaParamsT<float>& p) {
 }
 
 bool use_chunk(const DeltaParamsT<float>& p, const DeltaCudaKernels& k) {
-  return chunk_fits(p) && delta_chunk_takes(k.chunked, p.dt, p.dim_k, p.dim_v, false, false, p.s);
+  return chunk_fits(p, false) && delta_chunk_takes(k.chunked, p.dt, p.dim_k, p.dim_v, per_key(p), p.plain, p.s, false);
 }
 
 // The plan's sizes (pointers null) and the scratch bytes they need.
@@ -58,7 +60,9 @@ delta_chunk::DeltaChunkPlan chunk_plan(const DeltaParamsT<float>& p, size_t* byt
   const int64_t hs = int64_t(p.h_v) * plan.slots;
   const size_t scal = size_t(hs) * delta_chunk::kScalars * 4, wk = size_t(hs) * kC * plan.kk * 2,
                u = size_t(hs) * kC * plan.vp() * 2, hc = size_t(hs) * plan.kk * plan.vp() * 2;
-  *bytes = scal + 2 * wk + u + hc;
+  // per-key gates: w(i, -1) q^ (16-bit) and the scores (fp32)
+  const size_t key = per_key(p) ? size_t(hs) * kC * (plan.kk * 2 + kC * 4) : 0;
+  *bytes = scal + 2 * wk + u + hc + key;
   return plan;
 }
 
@@ -87,6 +91,12 @@ void carve_fwd(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPlan& plan, 
   at += size_t(hs) * delta_chunk::kC * plan.vp() * 2;
   plan.hc = at;
   at += size_t(hs) * plan.kk * plan.vp() * 2;
+  if (per_key(p)) {
+    plan.qd = at;
+    at += size_t(hs) * delta_chunk::kC * plan.kk * 2;
+    plan.sc = reinterpret_cast<float*>(at);
+    at += size_t(hs) * delta_chunk::kC * delta_chunk::kC * 4;
+  }
 }
 
 // One launch of a chunk kernel: its dynamic shared memory reserved, the grid of 128-thread CTAs.
@@ -105,16 +115,23 @@ void launch_delta_chunk(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPla
   using namespace delta_chunk;
   if (plan.slots > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks for one launch");
   const unsigned slots = unsigned(plan.slots);
-  chunk_launch(delta_chunk_prep_kernel<T, kK>, PrepSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
-  chunk_launch(delta_chunk_state_kernel<T, kK>, StateSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), p, plan, stream, what);
-  chunk_launch(delta_chunk_out_kernel<T, kK>, OutSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), p, plan, stream, what);
+  const dim3 per_slot(slots, unsigned(p.h_v)), walk(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)),
+      per_tile(slots, unsigned(p.h_v), unsigned(plan.tiles));
+  if (per_key(p)) {
+    chunk_launch(delta_chunk_prep_key_kernel<T, kK>, PrepKeySmem<kK>::kBytes, per_slot, p, plan, stream, what);
+    chunk_launch(delta_chunk_state_kernel<T, kK, true>, StateSmem<kK>::kBytes, walk, p, plan, stream, what);
+    chunk_launch(delta_chunk_out_key_kernel<T, kK>, OutKeySmem<kK>::kBytes, per_tile, p, plan, stream, what);
+    return;
+  }
+  chunk_launch(delta_chunk_prep_kernel<T, kK>, PrepSmem<kK>::kBytes, per_slot, p, plan, stream, what);
+  chunk_launch(delta_chunk_state_kernel<T, kK, false>, StateSmem<kK>::kBytes, walk, p, plan, stream, what);
+  chunk_launch(delta_chunk_out_kernel<T, kK>, OutSmem<kK>::kBytes, per_tile, p, plan, stream, what);
 }
 
 template <typename T, int KS, int kRows>
 void launch_delta_fwd(const DeltaParamsT<float>& p, cudaStream_t stream, const char* what) {
   constexpr int kBV = delta_cuda::kWarps * (32 / KS), kKp = KS * kRows;
-  const bool per_key = p.gate != nullptr && p.gate_per_key;
-  const int per_token = delta_cuda::token_floats(kKp, kBV, per_key);
+  const int per_token = delta_cuda::token_floats(kKp, kBV, per_key(p));
   const int tokens = std::clamp(delta_cuda::kSmemBudget / 4 / per_token - 1, 1, delta_cuda::kMaxTokens);
   const int bytes = (tokens * per_token + 4) * 4;
   const dim3 grid(unsigned((p.dim_v + kBV - 1) / kBV), unsigned(p.h_v), unsigned(p.b));
@@ -161,7 +178,7 @@ void launch_delta_chunk_bwd(const DeltaBwdParamsT<float>& p, const delta_chunk::
   fp.final_state = nullptr;
   fp.o = nullptr;
   chunk_launch(delta_chunk_prep_kernel<T, kK>, PrepSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), fp, plan, stream, what);
-  chunk_launch(delta_chunk_state_kernel<T, kK>, StateSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), fp, plan, stream, what);
+  chunk_launch(delta_chunk_state_kernel<T, kK, false>, StateSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), fp, plan, stream, what);
   chunk_launch(delta_chunk_dlocal_kernel<T, kK>, DlocalSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), p, plan, stream, what);
   chunk_launch(delta_chunk_rev_kernel<T, kK>, RevSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), p, plan, stream, what);
   chunk_launch(delta_chunk_dscal_kernel<T, kK>, DscalSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
@@ -170,7 +187,7 @@ void launch_delta_chunk_bwd(const DeltaBwdParamsT<float>& p, const delta_chunk::
 
 }  // namespace
 
-bool cuda_delta_bwd_fits(const DeltaParamsT<float>& p) { return chunk_fits(p); }
+bool cuda_delta_bwd_fits(const DeltaParamsT<float>& p) { return chunk_fits(p, true); }
 
 size_t cuda_delta_bwd_scratch_bytes(const DeltaParamsT<float>& p, size_t* zeroed) {
   size_t bytes = 0;
@@ -182,7 +199,7 @@ size_t cuda_delta_bwd_scratch_bytes(const DeltaParamsT<float>& p, size_t* zeroed
 void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t stream) {
   const char* what = "attention_ext.delta_rule_attention backward (CUDA)";
   check_grid(p.h_v, p.b, what);
-  if (!chunk_fits(p)) {
+  if (!chunk_fits(p, true)) {
     throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16, no per-key "
                              "gate, K <= 128, K and V multiples of 8, 16-byte rows)");
   }

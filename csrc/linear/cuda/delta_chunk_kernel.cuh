@@ -60,9 +60,11 @@ constexpr int kC = 64;  // tokens per chunk
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBV = 64;  // value columns per CTA of the state and output kernels
-// the per-slot row scalars, float (5, kC): G', f (as a float), the inverse key norm, w(i, -1), and
-// (the backward) q's factor scale / ||q||
-constexpr int kScalars = 5 * kC;
+// the per-slot scalars, float: per row (5, kC) G', f (as a float), the inverse key norm, w(i, -1)
+// and (the backward) q's factor scale / ||q||; with per-key gates, from kKeyDecay, the state's
+// decay across the chunk per key channel (up to 128)
+constexpr int kKeyDecay = 5 * kC;
+constexpr int kScalars = kKeyDecay + 128;
 
 struct DeltaChunkPlan {
   int nt = 1;         // chunks per sequence of a batch: ceil(S / 64)
@@ -74,6 +76,9 @@ struct DeltaChunkPlan {
   void* kt = nullptr;     // (H_v, slots, kC, kk): K~
   void* u = nullptr;      // (H_v, slots, kC, Vp): U, then u
   void* hc = nullptr;     // (H_v, slots, kk, Vp): the state entering the chunk
+  // per-key gates only (delta_chunk_prep_key_kernel; null otherwise)
+  void* qd = nullptr;     // (H_v, slots, kC, kk): w(i, -1) q^_i
+  float* sc = nullptr;    // (H_v, slots, kC, kC): the intra-chunk output scores, masked and scaled
   // the backward only (delta_chunk_bwd_kernel.cuh; null in the forward)
   void* t = nullptr;    // (H_v, slots, kC, kC): T
   void* qg = nullptr;   // (H_v, slots, kC, kk): w(i, -1) q^_i
@@ -171,6 +176,69 @@ __device__ __forceinline__ void st_pair(T* dst, float a, float b) {
   *reinterpret_cast<uint32_t*>(dst) = tc::TypeOps<T>::pack(a, b);
 }
 
+// T = (I + A)^-1, lower unitriangular, into Tf (kC, kC) from A's rows Af (stride kStride): column
+// c by threads 2c and 2c + 1, each summing the terms k = c + h (mod 2) and writing the rows
+// i = c + h (mod 2), so that each reads only what it wrote; the pair's partial sums meet by one
+// shuffle per row (every lane of the warp walks every row, so that the shuffle's lanes are all
+// there).
+template <int kStride>
+__device__ __forceinline__ void t_solve(const float* Af, float* Tf, int tid) {
+  const int c = tid / 2, h = tid % 2;
+  for (int i = h; i < c; i += 2) Tf[i * kC + c] = 0.f;
+  if (h == 0) Tf[c * kC + c] = 1.f;
+  for (int i = 1; i < kC; ++i) {
+    float s = 0.f;
+    if (i > c) {
+      for (int k = c + h; k < i; k += 2) s = fmaf(Af[i * kStride + k], Tf[k * kC + c], s);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (i > c && ((i - c) & 1) == h) Tf[i * kC + c] = -s;
+  }
+}
+
+// W = (Tw) K' and U = (Tu) V, stored to (head, slot) hs of the scratch: Tw, Tu (kC, kC) 16-bit
+// tiles at tw, tu, K' the (kC, kK) tile at kk, V by value tiles through the (kC, kBV) tile at vt
+// (rows vh, n valid). Warp w's rows [16 w, 16 w + 16). The output pointers are formed where they
+// are used (the products' registers are the kernels' peak).
+template <typename T, int kK>
+__device__ __forceinline__ void w_u_products(const DeltaParams& p, const DeltaChunkPlan& plan, int64_t hs,
+                                             unsigned char* smem, uint32_t tw, uint32_t tu, uint32_t kk, uint32_t vt,
+                                             const T* vh, int n, int warp, int lane, int tid) {
+  const int V = p.dim_v, vp = plan.vp();
+  using KTile = tc::SmemTile<kC, kK>;
+  using CTile = tc::SmemTile<kC, kC>;
+  const uint32_t sb = tc::smem_u32(smem);
+  {
+    float acc[kK / 8][4];
+    linear_tc::zero(acc);
+    linear_tc::mma_smem<T, CTile, KTile, kC, kK, true>(acc, sb + tw, 16 * warp, sb + kk, lane);
+    T* w = static_cast<T*>(plan.w) + hs * kC * kK;
+#pragma unroll
+    for (int t = 0; t < kK / 8; ++t) {
+      const int i = acc_row(16 * warp, lane, 0), c = acc_col(t, lane, 0);
+      st_pair(w + i * kK + c, acc[t][0], acc[t][1]);
+      st_pair(w + (i + 8) * kK + c, acc[t][2], acc[t][3]);
+    }
+  }
+  for (int c0 = 0; c0 < vp; c0 += kBV) {
+    tc::load_tile_async<kC, kBV, kThreads, T>(sb + vt, vh + c0, p.v_row_stride, n, V - c0, tid);
+    tc::cp_async_commit();
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    float acc[kBV / 8][4];
+    linear_tc::zero(acc);
+    linear_tc::mma_smem<T, CTile, CTile, kC, kBV, true>(acc, sb + tu, 16 * warp, sb + vt, lane);
+    T* u = static_cast<T*>(plan.u) + hs * kC * vp;
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+      const int i = acc_row(16 * warp, lane, 0), c = c0 + acc_col(t, lane, 0);
+      st_pair(u + i * vp + c, acc[t][0], acc[t][1]);
+      st_pair(u + (i + 8) * vp + c, acc[t][2], acc[t][3]);
+    }
+    __syncthreads();  // the next tile's copy overwrites V's tile
+  }
+}
+
 // ------------------------------------------------------------------------------ prep
 template <int kK>
 struct PrepSmem {
@@ -246,23 +314,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_prep_kernel(const DeltaP
   }
   __syncthreads();
 
-  // T = (I + A)^-1, lower unitriangular: column c by threads 2c and 2c + 1, each summing the
-  // terms k = c + h (mod 2) and writing the rows i = c + h (mod 2), so that each reads only what
-  // it wrote; the pair's partial sums meet by one shuffle per row (every lane of the warp walks
-  // every row, so that the shuffle's lanes are all there).
-  {
-    const int c = tid / 2, h = tid % 2;
-    for (int i = h; i < c; i += 2) Tf[i * kC + c] = 0.f;
-    if (h == 0) Tf[c * kC + c] = 1.f;
-    for (int i = 1; i < kC; ++i) {
-      float s = 0.f;
-      if (i > c) {
-        for (int k = c + h; k < i; k += 2) s = fmaf(Af[i * L::kAStride + k], Tf[k * kC + c], s);
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      if (i > c && ((i - c) & 1) == h) Tf[i * kC + c] = -s;
-    }
-  }
+  t_solve<L::kAStride>(Af, Tf, tid);
   __syncthreads();
 
   // T Diag(b_j w(j, -1) nk_j) and T Diag(b_j), 16-bit, for the W and U products (and T itself for
@@ -285,37 +337,235 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_prep_kernel(const DeltaP
   }
   __syncthreads();
 
-  // W = (T Diag(..)) K^ (rows 16 w .. of the warp)
+  // W = (T Diag(..)) K^, U = (T Diag(b)) V
+  w_u_products<T, kK>(p, plan, hs, smem, L::kTw, L::kTu, L::kK_, L::kV, vh, n, warp, lane, tid);
+}
+
+// ------------------------------------------------------------------------------ prep, per-key gates
+// Per-key-channel gates (KDA; and GLA's plain write, u = v, A = 0): the decay from token j to i
+// is a vector, w_d(i, j) = prod_{j < t <= i} a_td with a = e^g, so a score sum_d x_id k_jd w_d(i, j)
+// is no product of scaled rows. Split on the chunk's four 16-row blocks:
+//   - rows i of block I >= 1 against columns j < r = 16 I: w_d(i, j) = L_id R_jd with
+//     L_id = w_d(i, r) and R_jd = w_d(r, j), products of gates over disjoint spans, each in [0, 1]
+//     for log-gates <= 0: no overflow and no difference of sums, so (X ⊙ L) (K ⊙ R^(I))^T runs on
+//     the tensor cores, one R tile per block (16 I rows);
+//   - the four 16 x 16 diagonal blocks in fp32 on the CUDA cores: per (j, channel) a running
+//     product over i (16 x 16 x K / 2 multiply-adds per block and matrix, beside 64 x 64 x K
+//     per product on the tensor cores).
+// Every decay is a product of gate factors, so a reset (a -inf or <= kResetGate log-gate, whose
+// factor is 0) zeros exactly the products that span it, with no reset bookkeeping, and a -1e9
+// gate is a 0 factor too. The same split gives the intra-chunk output scores S (q in place of
+// k), computed here once for every value tile and stored in fp32; the out kernel then reads
+// w(i, -1) q^_i (stored 16-bit) and S, and the state walk the per-channel decay across the chunk.
+template <int kK>
+struct PrepKeySmem {
+  using KTile = tc::SmemTile<kC, kK>;
+  using CTile = tc::SmemTile<kC, kC>;
+  using R1 = tc::SmemTile<16, kK>;
+  using R2 = tc::SmemTile<32, kK>;
+  using R3 = tc::SmemTile<48, kK>;
+  static constexpr int kAStride = kC + 1;
+  static constexpr uint32_t cmax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+  // regions, each reused by a later phase (after the '/'):
+  static constexpr uint32_t kK_ = 0;                                          // K / K^ w(i, -1)
+  static constexpr uint32_t kQ = kK_ + KTile::kBytes;                         // Q / T (fp32)
+  static constexpr uint32_t kGa = kQ + cmax(KTile::kBytes, kC * kC * 4);      // a (fp32) / A (fp32)
+  static constexpr uint32_t kR = kGa + cmax(kC * kK * 4, kC * kAStride * 4);  // R tiles / T Diag(b), V
+  static constexpr uint32_t kL = kR + cmax(R1::kBytes + R2::kBytes + R3::kBytes, 2 * CTile::kBytes);  // Q ⊙ L / K ⊙ L
+  static constexpr uint32_t kDg = kL + KTile::kBytes;  // the diagonal blocks, fp32 (2, 4, 16, 16): A's, S's
+  static constexpr uint32_t kF = kDg + 2 * 4 * 16 * 16 * 4;
+  static constexpr int kBytes = int(kF) + 3 * kC * 4;  // b (or 1), 1 / ||k||, scale / ||q||
+  __device__ static uint32_t r(int blk) {  // R^(blk)'s tile, blk = 1, 2, 3
+    return kR + (blk == 1 ? 0u : blk == 2 ? uint32_t(R1::kBytes) : uint32_t(R1::kBytes + R2::kBytes));
+  }
+};
+
+// The off-diagonal scores of block kI's 16 rows: (X ⊙ L) (K ⊙ R^(kI))^T, columns [0, 16 kI), each
+// handed to emit(i, j, x).
+template <typename T, int kK, int kI, typename Emit>
+__device__ __forceinline__ void off_diagonal(uint32_t xl, uint32_t rt, int lane, Emit&& emit) {
+  float acc[2 * kI][4];
+  linear_tc::zero(acc);
+  linear_tc::mma_smem<T, tc::SmemTile<kC, kK>, tc::SmemTile<16 * kI, kK>, kK, 16 * kI, false>(acc, xl, 16 * kI, rt,
+                                                                                               lane);
+#pragma unroll
+  for (int t = 0; t < 2 * kI; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) emit(acc_row(16 * kI, lane, e), acc_col(t, lane, e), acc[t][e]);
+  }
+}
+template <typename T, int kK, typename Emit>
+__device__ __forceinline__ void off_diagonal_rows(uint32_t sb, int warp, int lane, Emit&& emit) {
+  using L = PrepKeySmem<kK>;
+  if (warp == 1) off_diagonal<T, kK, 1>(sb + L::kL, sb + L::r(1), lane, emit);
+  if (warp == 2) off_diagonal<T, kK, 2>(sb + L::kL, sb + L::r(2), lane, emit);
+  if (warp == 3) off_diagonal<T, kK, 3>(sb + L::kL, sb + L::r(3), lane, emit);
+}
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_prep_key_kernel(const DeltaParams p, const DeltaChunkPlan plan) {
+  using L = PrepKeySmem<kK>;
+  using KTile = typename L::KTile;
+  using CTile = typename L::CTile;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  float* Ga = reinterpret_cast<float*>(smem + L::kGa);  // (kC, kK): a_td
+  float* Af = Ga;                                       // (kC, kAStride), once a is spent
+  float* Tf = reinterpret_cast<float*>(smem + L::kQ);   // (kC, kC), once Q is spent
+  float* Dg = reinterpret_cast<float*>(smem + L::kDg);  // A's then S's diagonal blocks, (4, 16, 16) each
+  float* B = reinterpret_cast<float*>(smem + L::kF);
+  float* NK = B + kC;
+  float* NQ = NK + kC;
+
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, hk = hv / (p.h_v / p.h_k);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int K = p.dim_k, V = p.dim_v, vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+
+  const T* qh = head_rows<T>(p.q, p.q_batch_stride, p.q_head_stride, at.b, hk) + at.row * p.q_row_stride;
+  const T* kh = head_rows<T>(p.k, p.k_batch_stride, p.k_head_stride, at.b, hk) + at.row * p.k_row_stride;
+  const T* vh = head_rows<T>(p.v, p.v_batch_stride, p.v_head_stride, at.b, hv) + at.row * p.v_row_stride;
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kK_, kh, p.k_row_stride, n, K, tid);
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kQ, qh, p.q_row_stride, n, K, tid);
+  tc::cp_async_commit();
+  const int64_t side = (int64_t(at.b) * p.h_v + hv) * p.s + at.row;
+  // a = e^g: 1 past the chunk and the key width, 0 where e^g is (a reset)
+  for (int e = tid; e < kC * kK; e += kThreads) {
+    const int i = e / kK, d = e % kK;
+    Ga[e] = i < n && d < K ? expf(delta_cuda::load_side(p.gate_dt, p.gate, (side + i) * K + d)) : 1.f;
+  }
+  if (tid < kC) B[tid] = tid < n ? (p.plain ? 1.f : delta_cuda::load_side(p.beta_dt, p.beta, side + tid)) : 0.f;
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  if (tid < kC) {
+    NK[tid] = tid < n ? (p.qk_l2norm ? inv_norm<T, KTile, kK>(smem, L::kK_, tid, K, p.l2_eps) : 1.f) : 0.f;
+    NQ[tid] = tid < n ? (p.qk_l2norm ? p.scale * inv_norm<T, KTile, kK>(smem, L::kQ, tid, K, p.l2_eps) : p.scale)
+                      : 0.f;
+  }
+
+  // The diagonal blocks: warp w the block of rows [16 w, 16 w + 16), lane pair (2 jj, 2 jj + 1)
+  // its column j = 16 w + jj, each lane half the channels (the pair's sums meet by a shuffle).
+  // Every lane of a warp reads the same row (or two channels of it): broadcasts.
   {
-    float acc[kK / 8][4];
-    linear_tc::zero(acc);
-    linear_tc::mma_smem<T, CTile, KTile, kC, kK, true>(acc, sb + L::kTw, 16 * warp, sb + L::kK_, lane);
-    T* w = static_cast<T*>(plan.w) + hs * kC * kK;
+    const int r = 16 * warp, jj = lane / 2, j = r + jj;
+    float da[16], ds[16];
 #pragma unroll
-    for (int t = 0; t < kK / 8; ++t) {
-      const int i = acc_row(16 * warp, lane, 0), c = acc_col(t, lane, 0);
-      st_pair(w + i * kK + c, acc[t][0], acc[t][1]);
-      st_pair(w + (i + 8) * kK + c, acc[t][2], acc[t][3]);
+    for (int ii = 0; ii < 16; ++ii) da[ii] = ds[ii] = 0.f;
+    for (int d = lane % 2; d < K; d += 2) {
+      const float kj = linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(j, d));
+      float w = 0.f;
+#pragma unroll
+      for (int ii = 0; ii < 16; ++ii) {
+        w = ii < jj ? 0.f : ii == jj ? 1.f : w * Ga[(r + ii) * kK + d];  // w_d(i, j), 0 above the diagonal
+        const float y = kj * w;
+        ds[ii] = fmaf(linear_tc::ld16<T>(smem, L::kQ + KTile::offset(r + ii, d)), y, ds[ii]);
+        da[ii] = fmaf(linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(r + ii, d)), y, da[ii]);
+      }
+    }
+#pragma unroll
+    for (int ii = 0; ii < 16; ++ii) {
+      da[ii] += __shfl_xor_sync(0xffffffffu, da[ii], 1);
+      ds[ii] += __shfl_xor_sync(0xffffffffu, ds[ii], 1);
+      if (lane % 2 == 0) {
+        Dg[(r + ii) * 16 + jj] = da[ii];
+        Dg[4 * 256 + (r + ii) * 16 + jj] = ds[ii];
+      }
     }
   }
-  // U = (T Diag(b)) V, a value tile at a time
-  T* u = static_cast<T*>(plan.u) + hs * kC * vp;
-  for (int c0 = 0; c0 < vp; c0 += kBV) {
-    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kV, vh + c0, p.v_row_stride, n, V - c0, tid);
-    tc::cp_async_commit();
-    tc::cp_async_wait<0>();
-    __syncthreads();
-    float acc[kBV / 8][4];
-    linear_tc::zero(acc);
-    linear_tc::mma_smem<T, CTile, CTile, kC, kBV, true>(acc, sb + L::kTu, 16 * warp, sb + L::kV, lane);
-#pragma unroll
-    for (int t = 0; t < kBV / 8; ++t) {
-      const int i = acc_row(16 * warp, lane, 0), c = c0 + acc_col(t, lane, 0);
-      st_pair(u + i * vp + c, acc[t][0], acc[t][1]);
-      st_pair(u + (i + 8) * vp + c, acc[t][2], acc[t][3]);
+  __syncthreads();
+
+  // Per channel d (thread d): the R tiles, K~ = w(n-1, j) k^_j (the state walk's operand, to the
+  // scratch), Q ⊙ L (the S products' left operand), w(i, -1) q^_i (the out kernel's, to the
+  // scratch) and w(n-1, -1) (the state's decay across the chunk, to the scalars).
+  if (tid < kK) {
+    const int d = tid;
+#pragma unroll 1
+    for (int blk = 1; blk < 4; ++blk) {
+      const uint32_t rt = L::r(blk);
+      float w = 1.f;
+      for (int j = 16 * blk - 1; j >= 0; --j) {  // w_d(16 blk, j)
+        w *= Ga[(j + 1) * kK + d];
+        const float kj = linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(j, d));
+        linear_tc::st16<T>(smem, rt + tc::SmemTile<48, kK>::offset(j, d), kj * w);
+      }
     }
-    __syncthreads();  // the next tile's copy overwrites V's tile
+    T* kt = static_cast<T*>(plan.kt) + hs * kC * kK;
+    float w = 1.f;
+    for (int j = kC - 1; j >= 0; --j) {  // w_d(n - 1, j), zeros past the chunk
+      const float kj = j < n ? linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(j, d)) * NK[j] * w : 0.f;
+      kt[j * kK + d] = from_float<T>(kj);
+      if (j < n) w *= Ga[j * kK + d];
+    }
+    T* qd = static_cast<T*>(plan.qd) + hs * kC * kK;
+    float e = 1.f, l = 1.f;
+    for (int i = 0; i < kC; ++i) {
+      const float a = Ga[i * kK + d];
+      e *= a;                          // w_d(i, -1)
+      l = i % 16 == 0 ? 1.f : l * a;   // w_d(i, 16 floor(i / 16))
+      const float qi = linear_tc::ld16<T>(smem, L::kQ + KTile::offset(i, d));
+      linear_tc::st16<T>(smem, L::kL + KTile::offset(i, d), qi * l);
+      qd[i * kK + d] = from_float<T>(qi * NQ[i] * e);
+      if (i == n - 1) plan.scal[hs * kScalars + kKeyDecay + d] = e;
+    }
   }
+  __syncthreads();
+
+  // S = the intra-chunk output scores, masked (j <= i < n) and scaled, fp32 to the scratch:
+  // warp w's rows, columns before its block from the products, its block from Dg, zeros after
+  float* sc = plan.sc + hs * kC * kC;
+  off_diagonal_rows<T, kK>(sb, warp, lane, [&](int i, int j, float s) {
+    sc[i * kC + j] = i < n ? NQ[i] * NK[j] * s : 0.f;
+  });
+  for (int e = lane; e < 16 * (kC - 16 * warp); e += 32) {
+    const int w0 = 16 * warp, i = w0 + e / (kC - w0), j = w0 + e % (kC - w0);
+    sc[i * kC + j] = j <= i && i < n ? NQ[i] * NK[j] * Dg[4 * 256 + i * 16 + (j - w0)] : 0.f;
+  }
+  __syncthreads();
+
+  // K ⊙ L over Q ⊙ L, and K^ w(i, -1) (W's operand) over K in place (thread d reads and writes
+  // channel d only)
+  if (tid < kK) {
+    const int d = tid;
+    float e = 1.f, l = 1.f;
+    for (int i = 0; i < kC; ++i) {
+      const float a = Ga[i * kK + d];
+      e *= a;
+      l = i % 16 == 0 ? 1.f : l * a;
+      const float ki = linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(i, d));
+      linear_tc::st16<T>(smem, L::kL + KTile::offset(i, d), ki * l);
+      linear_tc::st16<T>(smem, L::kK_ + KTile::offset(i, d), ki * NK[i] * e);
+    }
+  }
+  __syncthreads();
+
+  // A = strictly lower (b_i k^_i . decayed k^_j) over a (spent): 0 for the plain write
+  const float ab = p.plain ? 0.f : 1.f;
+  off_diagonal_rows<T, kK>(sb, warp, lane, [&](int i, int j, float s) {
+    Af[i * L::kAStride + j] = i < n ? ab * B[i] * NK[i] * NK[j] * s : 0.f;
+  });
+  for (int e = lane; e < 16 * (kC - 16 * warp); e += 32) {
+    const int w0 = 16 * warp, i = w0 + e / (kC - w0), j = w0 + e % (kC - w0);
+    Af[i * L::kAStride + j] = j < i && i < n ? ab * B[i] * NK[i] * NK[j] * Dg[i * 16 + (j - w0)] : 0.f;
+  }
+  __syncthreads();
+
+  t_solve<L::kAStride>(Af, Tf, tid);
+  __syncthreads();
+
+  // T Diag(b) (T = I for the plain write), the W and U products' left operand, over the R tiles
+  // (spent); W = 0 for the plain write (ab: T Diag(0))
+  const uint32_t kTb = L::kR, kTw = L::kR + CTile::kBytes, kV = L::kL;
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e % kC;
+    linear_tc::st16<T>(smem, kTb + CTile::offset(i, j), Tf[e] * B[j]);
+    linear_tc::st16<T>(smem, kTw + CTile::offset(i, j), Tf[e] * B[j] * ab);
+  }
+  __syncthreads();
+  w_u_products<T, kK>(p, plan, hs, smem, kTw, kTb, L::kK_, kV, vh, n, warp, lane, tid);
 }
 
 // A (kRows, kBV) 16-bit shared tile to global rows (stride ld) by 16-byte vectors.
@@ -420,6 +670,22 @@ __device__ __forceinline__ void add_xt_y(float (&h)[kMT][kBV / 8][4], uint32_t x
   }
 }
 
+// h <- Diag(f) h, f (kK) the per-key decay across a chunk: each thread's rows' factors.
+template <int kK, int kMT>
+__device__ __forceinline__ void scale_slab_rows(float (&h)[kMT][kBV / 8][4], const float* f, int warp, int lane) {
+#pragma unroll
+  for (int m = 0; m < kMT; ++m) {
+    const float f0 = f[slab_row<kK>(warp, m, lane, 0)], f1 = f[slab_row<kK>(warp, m, lane, 2)];
+#pragma unroll
+    for (int t = 0; t < kBV / 8; ++t) {
+      h[m][t][0] *= f0;
+      h[m][t][1] *= f0;
+      h[m][t][2] *= f1;
+      h[m][t][3] *= f1;
+    }
+  }
+}
+
 // w(n-1, -1) of the chunk at slot hs of `len` rows, chunk c: the state's decay across it.
 __device__ __forceinline__ float chunk_decay(const DeltaChunkPlan& plan, int64_t hs, int len, int c) {
   const int n = min(kC, len - c * kC);
@@ -441,7 +707,9 @@ struct StateSmem {
   __device__ static uint32_t uin(int s) { return s * kStage + 2 * KTile::kBytes; }
 };
 
-template <typename T, int kK>
+// kPerKey: the decay across a chunk per key channel (delta_chunk_prep_key_kernel's), else one per
+// chunk.
+template <typename T, int kK, bool kPerKey>
 __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const DeltaParams p, const DeltaChunkPlan plan) {
   using L = StateSmem<kK>;
   using KTile = typename L::KTile;
@@ -511,12 +779,52 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const De
     store_tile<T, CTile, kC>(static_cast<T*>(plan.u) + hs * kC * vp + c0, vp, sb + L::kU, linear_tc::opaque(tid));
 
     // h <- w(n-1, -1) h + K~^T u: A = K~^T from K~'s row-major tile by ldmatrix.trans
-    scale_slab(h, chunk_decay(plan, hs, len, c));
+    if constexpr (kPerKey) {
+      scale_slab_rows<kK>(h, plan.scal + hs * kScalars + kKeyDecay, warp, lane);
+    } else {
+      scale_slab(h, chunk_decay(plan, hs, len, c));
+    }
     add_xt_y<T, KTile, CTile, kK>(h, sb + L::kt(s), sb + L::kU, warp, lane);
     __syncthreads();  // h's and u's tiles and stage s are free for the next chunk
   }
 
   store_slab<kK>(h, p.final_state != nullptr ? p.final_state + st0 : nullptr, K, V, c0, warp, lane);
+}
+
+// o += P u with P = hi + lo, both 16-bit (P: the warp's 16 rows of intra-chunk scores in fp32
+// accumulators, u the (kC, kBV) tile at ut), then rows < n of the warp stored to the output's value
+// columns [c0, c0 + kBV). Split, as the scores' rounding would otherwise add a third rounding to
+// every output (u's and the output's are the others); the second product costs 64 x 64 x 64 per CTA
+// beside the 2 x 64 x kK x 64 of the first two.
+template <typename T, int kCols>
+__device__ __forceinline__ void out_tail(float (&o)[kCols / 8][4], const float (&s)[kC / 8][4], uint32_t ut,
+                                         const DeltaParams& p, const ChunkAt& at, int hv, int c0, int n, int warp,
+                                         int lane) {
+  using CTile = tc::SmemTile<kC, kCols>;
+  float lo[kC / 8][4];
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float2 hi = tc::TypeOps<T>::unpack(tc::TypeOps<T>::pack(s[t][e], s[t][e + 1]));
+      lo[t][e] = s[t][e] - hi.x;
+      lo[t][e + 1] = s[t][e + 1] - hi.y;
+    }
+  }
+  linear_tc::mma_reg<T, CTile, kC, kCols>(o, s, ut, lane);
+  linear_tc::mma_reg<T, CTile, kC, kCols>(o, lo, ut, lane);
+
+  T* oh = static_cast<T*>(p.o) + int64_t(at.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
+          at.row * p.o_row_stride;
+  const int V = p.dim_v;
+#pragma unroll
+  for (int t = 0; t < kCols / 8; ++t) {
+    const int i = acc_row(16 * warp, lane, 0), c = c0 + acc_col(t, lane, 0);
+    if (c < V) {
+      if (i < n) st_pair(oh + int64_t(i) * p.o_row_stride + c, o[t][0], o[t][1]);
+      if (i + 8 < n) st_pair(oh + int64_t(i + 8) * p.o_row_stride + c, o[t][2], o[t][3]);
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------ outputs
@@ -599,32 +907,63 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_out_kernel(const DeltaPa
       s[t][e] = j <= i && i < n ? NQ[i] * NK[j] * decay(G, F, i, j) * s[t][e] : 0.f;
     }
   }
-  // P u with P = hi + lo, both 16-bit: the scores' rounding would otherwise add a third rounding
-  // to every output (u's and the output's are the others); the second product costs 64 x 64 x 64
-  // per CTA beside the 2 x 64 x kK x 64 of the first two
-  float lo[kC / 8][4];
+  out_tail<T, kBV>(o, s, sb + L::kU, p, at, hv, c0, n, warp, lane);
+}
+
+
+// The outputs with per-key gates: o = (w(i, -1) q^_i) h0 + S u, both operands from the prep's
+// scratch (no gates or keys read here).
+template <int kK>
+struct OutKeySmem {
+  using KTile = tc::SmemTile<kC, kK>;   // w(i, -1) q^_i
+  using CTile = tc::SmemTile<kC, kBV>;  // u
+  using HTile = tc::SmemTile<kK, kBV>;  // the entering state
+  static constexpr uint32_t kQ = 0, kH = KTile::kBytes, kU = kH + HTile::kBytes;
+  static constexpr int kBytes = int(kU + CTile::kBytes);
+};
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_out_key_kernel(const DeltaParams p, const DeltaChunkPlan plan) {
+  using L = OutKeySmem<kK>;
+  using KTile = typename L::KTile;
+  using HTile = typename L::HTile;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, c0 = blockIdx.z * kBV;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kQ, static_cast<const T*>(plan.qd) + hs * kC * kK, kK, kC, kK, tid);
+  tc::load_tile_async<kK, kBV, kThreads, T>(sb + L::kH, static_cast<const T*>(plan.hc) + hs * kK * vp + c0, vp, kK, kBV,
+                                            tid);
+  tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kU, static_cast<const T*>(plan.u) + hs * kC * vp + c0, vp, kC, kBV,
+                                            tid);
+  tc::cp_async_commit();
+  // the warp's score rows from the scratch while the tiles arrive
+  const float* sc = plan.sc + hs * kC * kC;
+  float s[kC / 8][4];
 #pragma unroll
   for (int t = 0; t < kC / 8; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-      const float2 hi = tc::TypeOps<T>::unpack(tc::TypeOps<T>::pack(s[t][e], s[t][e + 1]));
-      lo[t][e] = s[t][e] - hi.x;
-      lo[t][e + 1] = s[t][e + 1] - hi.y;
-    }
+    const int i = acc_row(16 * warp, lane, 0), j = acc_col(t, lane, 0);
+    const float2 a = *reinterpret_cast<const float2*>(sc + i * kC + j);
+    const float2 b = *reinterpret_cast<const float2*>(sc + (i + 8) * kC + j);
+    s[t][0] = a.x;
+    s[t][1] = a.y;
+    s[t][2] = b.x;
+    s[t][3] = b.y;
   }
-  linear_tc::mma_reg<T, CTile, kC, kBV>(o, s, sb + L::kU, lane);
-  linear_tc::mma_reg<T, CTile, kC, kBV>(o, lo, sb + L::kU, lane);
+  tc::cp_async_wait<0>();
+  __syncthreads();
 
-  T* oh = static_cast<T*>(p.o) + int64_t(at.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
-          at.row * p.o_row_stride;
-#pragma unroll
-  for (int t = 0; t < kBV / 8; ++t) {
-    const int i = acc_row(16 * warp, lane, 0), c = c0 + acc_col(t, lane, 0);
-    if (c < V) {
-      if (i < n) st_pair(oh + int64_t(i) * p.o_row_stride + c, o[t][0], o[t][1]);
-      if (i + 8 < n) st_pair(oh + int64_t(i + 8) * p.o_row_stride + c, o[t][2], o[t][3]);
-    }
-  }
+  float o[kBV / 8][4];
+  linear_tc::zero(o);
+  linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(o, sb + L::kQ, 16 * warp, sb + L::kH, lane);
+  out_tail<T, kBV>(o, s, sb + L::kU, p, at, hv, c0, n, warp, lane);
 }
 
 }  // namespace delta_chunk
