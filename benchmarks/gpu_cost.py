@@ -894,6 +894,42 @@ def delta_chunk_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     return [prep, state, out]
 
 
+# Per-key gates (KDA, delta_chunk_prep_key_kernel): the scores' four 16 x 16 diagonal blocks on the
+# CUDA cores, per warp 64 channel pairs x 16 rows of ~8 issued instructions (a shared load of the
+# gate, two of q and k, a product step, two FMAs), its 4 warps on the SM's 4 schedulers; and the
+# per-channel passes (R tiles, K~, Q ⊙ L, K ⊙ L: 288 steps per thread, each a shared load and a
+# dependent multiply, ~40 clocks). Estimates from the code, not counted instructions.
+DELTA_KEY_DIAG_CLK = 64 * 16 * 8
+DELTA_KEY_PASS_CLK = 288 * 40
+
+
+def delta_chunk_key_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
+    """The chunk-parallel forward with per-key gates: the per-key prep (A's and S's off-diagonal
+    blocks, W, U on the tensor cores, the SIMT passes above), the walk with a per-channel decay,
+    the out kernel over the stored scores. Resources from ptxas (sm_90a, K = 128) and the
+    kernels' shared-memory layouts (the prep's 113 KB leaves 2 CTAs per H100 SM)."""
+    kk = bucket(k)
+    tiles = math.ceil(v / KN)
+    vp = tiles * KN
+    chunks = max(1, math.ceil(s / CHUNK))
+    slots = b * chunks
+    ch = CHUNK
+    f_prep = 2 * 2 * 16 * (16 + 32 + 48) * kk + 2 * ch * ch * kk + 2 * ch * ch * vp  # S, A blocks; W; U
+    prep_io = slots * hv * (2 * ch * kk * 2 + ch * kk * 4 + ch * vp * 2 + 2 * ch * kk * 2 + ch * vp * 2 + ch * kk * 2
+                            + ch * ch * 4 + 1024)
+    simt = (DELTA_T_SOLVE_CLK + DELTA_KEY_DIAG_CLK + DELTA_KEY_PASS_CLK) / SM_CLOCK
+    prep = Launch(f"delta chunk prep (per-key), K {kk}", Resources(128, 130, 113 * 1024),
+                  [2 * LATENCY + simt + f_prep / MMA_SYNC_CTA_RATE + overhead] * (slots * hv), prep_io, f_prep * slots * hv)
+    _, state, _ = delta_chunk_launches(b, hv, s, k, v, overhead=overhead)
+    state.name = f"delta chunk state (per-key), K {kk}"
+    f_out = 2 * ch * kk * KN + 2 * ch * ch * KN  # q~ h; S u
+    out_io = slots * hv * tiles * (ch * kk * 2 + kk * KN * 2 + ch * KN * 2 * 2 + ch * ch * 4)
+    out = Launch(f"delta chunk out (per-key), K {kk}", Resources(128, 138, 40 * 1024),
+                 [2 * LATENCY + f_out / MMA_SYNC_CTA_RATE + overhead] * (slots * hv * tiles), out_io,
+                 f_out * slots * hv * tiles)
+    return [prep, state, out]
+
+
 def delta_chunk_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     """The chunk-parallel backward (delta_chunk_bwd_kernel.cuh): the forward's prep (T kept) and
     state walk again, then dlocal, the reverse walk, the row scalars and dq / dk. Resources from
@@ -954,8 +990,22 @@ def report_delta_chunk() -> List[str]:
         fwd = total(delta_chunk_launches(b, hv, s, k, v))
         lines.append(f"| {(b, hv, s, k, v)} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
                      f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {(fwd + t) * 1e3:.2f} |")
-    lines += ["", "FLA's chunk_gated_delta_rule has not been timed on a GPU here yet (bench_delta_cuda.py times it "
-              "beside ours, forward and training), so there is no ratio to the issue's target yet."]
+    lines += ["", "Kimi Delta Attention (per-key gates), forward: the per-key prep adds the scores' diagonal "
+              "blocks and per-channel gate products on the CUDA cores (estimated, DELTA_KEY_DIAG_CLK and "
+              "DELTA_KEY_PASS_CLK) and stores the output scores; the recurrent column is the per-head model "
+              "(the per-key gate read per token is not in it):", "",
+              "| (B, H_v, S, K, V) | recurrent ms | chunked ms (model - bound) | prep / state / out ms (model) | "
+              "chunked x recurrent (model - bound) |", "|---|---|---|---|---|"]
+    for b, hv, s, k, v in DELTA_CASES:
+        rec = predict(delta_fwd_launch(b, hv, s, k, v))["time"]
+        model = delta_chunk_key_launches(b, hv, s, k, v)
+        bound = total(delta_chunk_key_launches(b, hv, s, k, v, overhead=ovh))
+        parts = [predict(x)["time"] for x in model]
+        t = total(model)
+        lines.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
+                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {rec / t:.1f} - {rec / bound:.1f} |")
+    lines += ["", "FLA's chunk_gated_delta_rule and chunk_kda have not been timed on a GPU here yet "
+              "(bench_delta_cuda.py times them beside ours), so there is no ratio to the issue's target yet."]
     return lines
 
 

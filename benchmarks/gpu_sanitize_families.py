@@ -105,14 +105,16 @@ def linear(dev):
                 cu = torch.tensor([0, 70, 70, 135, 200], device=dev, dtype=torch.int32)
                 h0 = torch.randn(4, 4, kd, vd, device=dev)
                 ae.delta_rule_attention(q, k, v, beta, gate=g, initial_state=h0, cu_seqlens=cu, qk_l2norm=True)
-                n += 1
+                # per-key gates (KDA): the per-key prep and out kernels, the walk's per-channel decay
+                gk = -torch.rand(1, 4, s, kd, device=dev)
+                ae.delta_rule_attention(q, k, v, beta, gate=gk, initial_state=h0, cu_seqlens=cu, qk_l2norm=True)
+                n += 3  # with the backward below
                 # the chunk-parallel backward (grad mode is off here: turn it on for this call)
                 with torch.enable_grad():
                     leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, g, h0)]
                     out = ae.delta_rule_attention(*leaves[:4], gate=leaves[4], initial_state=leaves[5], cu_seqlens=cu,
                                                   qk_l2norm=True)
                     torch.autograd.grad(out.float().square().sum(), leaves)
-                n += 1
         finally:
             ae.linear.set_cuda_kernels(**old)
     return n

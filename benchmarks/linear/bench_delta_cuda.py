@@ -8,7 +8,8 @@ decode, whose cost is one read and one write of the state.
 
     python benchmarks/linear/bench_delta_cuda.py [--reps N] [--out FILE]
 
-Gated DeltaNet (a per-head gate), L2-normalized q and k in the kernel, bf16 inputs, float32 state.
+Gated DeltaNet (a per-head gate), L2-normalized q and k in the kernel, bf16 inputs, float32 state;
+then Kimi Delta Attention (per-key gates) prefill against FLA's chunk_kda and fused_recurrent_kda.
 FLA is optional (`pip install flash-linear-attention fla-core`; the device README says how its
 wheels travel); without it those columns say so. The FMA rate counts 3 K V multiply-adds per
 token and value head (p = h'^T k, the update, o = h^T q), against the float32 matmul ceiling
@@ -32,6 +33,8 @@ from attention_ext.linear import reference  # noqa: E402
 CASES = [(4, 16, 16, 8192, 128, 128), (8, 16, 16, 2048, 128, 128), (1, 16, 32, 16384, 128, 128),
          (16, 8, 8, 1024, 64, 64)]
 TRAIN_CASES = [(4, 16, 16, 8192, 128, 128), (4, 16, 16, 4096, 128, 128), (8, 16, 16, 2048, 128, 128)]
+# Kimi Delta Attention (per-key gates), prefill: (B, H_k, H_v, S, K, V)
+KDA_CASES = [(4, 16, 16, 8192, 128, 128), (8, 16, 16, 2048, 128, 128)]
 # the in-place step, T = 1: (B, H_k, H_v, K, V)
 STEP_CASES = [(8, 16, 32, 128, 128), (64, 16, 32, 128, 128), (256, 16, 32, 128, 128)]
 
@@ -42,6 +45,14 @@ def fla_fns():
     except ImportError:
         return None
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_kda_fns():
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except ImportError:
+        return None
+    return chunk_kda, fused_recurrent_kda
 
 
 def inputs(b, hk, hv, s, kd, vd):
@@ -115,6 +126,31 @@ def main(argv=None) -> int:
                      f"{t['fla_chunk'] / t['chunked']:.2f}x" if "fla_chunk" in t else "-"]
             lines.append(f"| {(b, hk, hv, s, kd, vd)} | {t['ours'] * 1e3:.3f} | {fl / t['ours'] / 1e12:.1f} "
                          f"({fl / t['ours'] / fma:.0%}) | " + " | ".join(cols) + " |")
+            flush(lines, args.out)
+
+    # KDA prefill: the per-key gates' chunk kernels (delta_chunk_prep_key_kernel) against the
+    # recurrent kernel and FLA's KDA kernels
+    kda = fla_kda_fns()
+    lines += ["", f"Prefill (no autograd), Kimi Delta Attention (per-key gates), bf16 inputs; FLA: "
+              f"{'kda' if kda else 'not installed'}:", "",
+              "| (B, H_k, H_v, S, K, V) | ours recurrent ms | ours chunked ms | chunked x recurrent | "
+              "chunked x FLA chunk_kda | chunked x FLA fused_recurrent_kda |", "|---|---|---|---|---|---|"]
+    with torch.no_grad():
+        for b, hk, hv, s, kd, vd in KDA_CASES:
+            q, k, v, beta, _ = inputs(b, hk, hv, s, kd, vd)
+            gk = -torch.rand(b, hv, s, kd, device="cuda", dtype=torch.float32) * 0.1
+            call = lambda: ae.delta_rule_attention(q, k, v, beta, gate=gk, qk_l2norm=True, layout="bshd")  # noqa: E731
+            fns = {"ours": selected(False, call), "chunked": selected(True, call)}
+            if kda is not None:
+                rep = hv // hk
+                qf, kf = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q, k))
+                bt, gt = beta.transpose(1, 2).contiguous(), gk.transpose(1, 2).contiguous()
+                fns["fla_chunk"] = lambda: kda[0](qf, kf, v, gt, bt, use_qk_l2norm_in_kernel=True)
+                fns["fla_rec"] = lambda: kda[1](qf, kf, v, gt, bt, use_qk_l2norm_in_kernel=True)
+            t = interleaved(fns, reps=args.reps, sync=torch.cuda.synchronize)
+            vs = [f"{t[n] / t['chunked']:.2f}x" if n in t else "-" for n in ("fla_chunk", "fla_rec")]
+            lines.append(f"| {(b, hk, hv, s, kd, vd)} | {t['ours'] * 1e3:.3f} | {t['chunked'] * 1e3:.3f} | "
+                         f"{t['ours'] / t['chunked']:.2f}x | {vs[0]} | {vs[1]} |")
             flush(lines, args.out)
 
     # training: by default PyTorch's chunked WY form (autograd); with delta_chunked=True the chunk
