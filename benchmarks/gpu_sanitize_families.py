@@ -92,14 +92,14 @@ def linear(dev):
             ae.delta_rule_step(q[:, :, :3], k[:, :, :3], v[:, :, :3], beta[:, :, :3].contiguous(), state,
                                gate=g[:, :, :3].contiguous() if g is not None else None, inplace=True)
             n += 2
-        # the chunk-parallel forward (delta_chunked=True): both kernel widths, a partial value tile,
-        # a pack whose sequences start mid-chunk
+        # the chunk-parallel forward (delta_chunked=True): both kernel widths, bf16 and fp16, a
+        # partial value tile, a pack whose sequences start mid-chunk
         old = ae.linear.set_cuda_kernels(**{**ae.linear.cuda_kernels(), "delta_chunked": True})
         try:
-            for kd, vd in ((64, 72), (128, 128)):
+            for kd, vd, dt in ((64, 72, bf), (128, 128, bf), (128, 72, f16)):
                 s = 205
-                q, k = (torch.randn(1, 2, s, kd, device=dev, dtype=bf) for _ in range(2))
-                v = torch.randn(1, 4, s, vd, device=dev, dtype=bf)
+                q, k = (torch.randn(1, 2, s, kd, device=dev, dtype=dt) for _ in range(2))
+                v = torch.randn(1, 4, s, vd, device=dev, dtype=dt)
                 beta = torch.rand(1, 4, s, device=dev)
                 g = -torch.rand(1, 4, s, device=dev)
                 cu = torch.tensor([0, 70, 70, 135, 200], device=dev, dtype=torch.int32)

@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     doc = dout.clone(at::MemoryFormat::Contiguous);
     p = make_delta_bwd_params<float>(doc, dfinal_state, qc, kc, vc, beta, o, g);
   }
-  TORCH_CHECK_VALUE(cuda_delta_bwd_fits(p), Device::kWhat, ": the CUDA backward kernels take bfloat16 calls with no "
+  TORCH_CHECK_VALUE(cuda_delta_bwd_fits(p), Device::kWhat, ": the CUDA backward kernels take bfloat16 or float16 calls with no "
                     "gate or a per-head gate, K <= 128, K and V multiples of 8 and 16-byte aligned rows; got ",
                     q.scalar_type(), ", K = ", q.size(3), ", V = ", v.size(3),
                     o.gate.has_value() && o.gate->dim() == 4 ? ", a per-key gate" : "");

@@ -1,8 +1,8 @@
 """The delta rule's chunk-parallel CUDA backward (csrc/linear/cuda/delta_chunk_bwd_kernel.cuh: the
 forward's prep and walk recomputed, then four kernels) run on the CPU by the host emulator: every
 gradient (q, k, v, beta, the per-head gate, the initial state) against autograd of the float64
-recurrence, within 2x PyTorch's same-dtype error plus a floor, PyTorch's being the larger of two
-bf16 computations of the same gradients: autograd through the recurrence, and the chunked form
+recurrence, within 2x PyTorch's same-dtype error plus a floor (bf16, and fp16 in the cases marked
+so), PyTorch's being the larger of two same-dtype computations of the same gradients: autograd through the recurrence, and the chunked form
 (delta_chunk_torch.py, bf16 intermediates where the kernels have them, as flash-linear-attention's
 kernels do). The second matters where the first is lucky: at one token its few roundings can
 make a one-element gradient (dgate) 10x more accurate than any chunked bf16 form.
@@ -29,7 +29,7 @@ from tests.fuzz.common import at_least
 from tests.helpers import assert_close_fa2, rel_err
 from tests.linear.test_delta import problem
 
-BF16, F64 = torch.bfloat16, torch.float64
+BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
 
 
 @pytest.fixture(scope="module")
@@ -53,29 +53,31 @@ def autograd(dtype, q, k, v, beta, gate, h0, dout, dh, l2, cu):
     return [torch.zeros_like(x) if g is None else torch.nan_to_num(g, nan=0.0) for g, x in zip(grads, leaves)]
 
 
-def check_bwd(emu, q, k, v, beta, gate, h0, *, l2=False, cu=None, seed=0, dfinal=True, what=""):
-    """The emulated delta_bwd on bf16 q / k / v / dout (beta, gate float32 as rounded to bf16 for
-    beta) against float64 autograd, each gradient within 2x bf16 autograd's error."""
-    qd, kd, vd = (t.to(BF16) for t in (q, k, v))
-    bd = beta.to(BF16).float()
+def check_bwd(emu, q, k, v, beta, gate, h0, *, l2=False, cu=None, seed=0, dfinal=True, what="", dtype=BF16):
+    """The emulated delta_bwd on `dtype` (bf16 or fp16) q / k / v / dout (beta, gate float32, beta
+    as rounded to dtype) against float64 autograd, each gradient within 2x PyTorch's error in
+    dtype."""
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    bd = beta.to(dtype).float()
     gd = gate.float() if gate is not None else None
     hh = h0.float() if h0 is not None else None
     gen = torch.Generator().manual_seed(seed)
-    dout = torch.randn(v.shape, generator=gen, dtype=F64).to(BF16)
+    dout = torch.randn(v.shape, generator=gen, dtype=F64).to(dtype)
     nst = h0.shape[0] if h0 is not None else (cu.numel() - 1 if cu is not None else q.shape[0])
     dh = torch.randn(nst, v.shape[1], q.shape[-1], v.shape[-1], generator=gen, dtype=F64).float() if dfinal else None
     res = emu.delta_bwd(dout, dh, qd, kd, vd, bd, gd, hh, cu, q.shape[-1] ** -0.5, l2, False)
     dh_ = dh if dh is not None else torch.zeros(nst, v.shape[1], q.shape[-1], v.shape[-1])
     ins = (qd, kd, vd, bd, gd, hh)
     r64 = autograd(F64, *(t.double() if t is not None else None for t in ins), dout.double(), dh_.double(), l2, cu)
-    rt = autograd(BF16, *ins, dout, dh_, l2, cu)
-    rc = [x for x in chunked_grads(*ins, dout, dh_, l2, cu, BF16) if x is not None]
+    rt = autograd(dtype, *ins, dout, dh_, l2, cu)
+    rc = [x for x in chunked_grads(*ins, dout, dh_, l2, cu, dtype) if x is not None]
     mine = [res[0], res[1], res[2], res[3]] + ([res[4]] if gd is not None else []) + ([res[5]] if hh is not None else [])
     names = ["dq", "dk", "dv", "dbeta"] + (["dgate"] if gd is not None else []) + (["dinit"] if hh is not None else [])
     for name, a, r, t, c in zip(names, mine, r64, rt, rc):
         assert not a.isnan().any(), f"{what} {name}: NaN"
         peer = t if rel_err(t, r) >= rel_err(c, r) else c
-        assert_close_fa2(a.float(), peer.float(), r, BF16, f"{what} {name}")
+        assert a.dtype == (dtype if name in ("dq", "dk", "dv") else a.dtype), f"{what} {name}: {a.dtype}"
+        assert_close_fa2(a.float(), peer.float(), r, dtype, f"{what} {name}")
     return res
 
 
@@ -107,11 +109,12 @@ CASES = [  # (hk, hv, s, kd, vd, gate, l2, h0)
 ]
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_backward_matches_float64(emu, case):
+def test_backward_matches_float64(emu, case, dtype):
     hk, hv, s, kd, vd, gate, l2, init = case
     q, k, v, beta, g, h0 = problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, h0=init)
-    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, what=str(case))
+    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, what=str(case), dtype=dtype)
 
 
 def test_without_final_state_gradient(emu):
@@ -171,13 +174,13 @@ def test_rows_off_16_bytes_are_copied(emu):
 
 
 def test_calls_it_does_not_take(emu):
-    """float16 / float32, per-key gates, K > 128 or K not a multiple of 8: a ValueError saying what
-    the kernels take."""
-    for dtype, kd, gate in ((torch.float16, 64, "head"), (torch.float32, 64, None), (BF16, 64, "key"),
-                            (BF16, 136, None), (BF16, 20, "head")):
+    """float32, per-key gates, K > 128 or K not a multiple of 8: a ValueError saying what the
+    kernels take."""
+    for dtype, kd, gate in ((torch.float32, 64, None), (BF16, 64, "key"), (F16, 64, "key"), (BF16, 136, None),
+                            (BF16, 20, "head")):
         q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=10, kd=kd, vd=16, gate=gate)
         qd, kd_, vd_ = (t.to(dtype) for t in (q, k, v))
-        with pytest.raises(ValueError, match="take bfloat16 calls"):
+        with pytest.raises(ValueError, match="take bfloat16 or float16 calls"):
             emu.delta_bwd(torch.zeros_like(vd_), None, qd, kd_, vd_, beta.float(), g.float() if g is not None else None,
                           None, None, 0.3, False, False)
 
@@ -195,6 +198,7 @@ def test_fuzz_chunked_delta_backward(emu, data):
     kd = 8 * draw(st.integers(1, 16))
     vd = 8 * draw(st.integers(1, 18))
     gate = draw(st.sampled_from([None, "head"]))
+    dtype = draw(st.sampled_from([BF16, F16]))
     l2, init, dfinal = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     if varlen:
         lens = draw(st.lists(st.integers(0, 140), min_size=1, max_size=3))
@@ -203,10 +207,11 @@ def test_fuzz_chunked_delta_backward(emu, data):
     else:
         s, cu, nseq = draw(st.integers(1, 150)), None, b
     seed = draw(st.integers(0, 2 ** 16))
-    note(dict(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, l2=l2, init=init, dfinal=dfinal, cu=cu, seed=seed))
+    note(dict(dtype=dtype, b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, l2=l2, init=init, dfinal=dfinal, cu=cu,
+              seed=seed))
     if s == 0 or (cu is not None and int(cu[-1]) == 0):
         return
     q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, seed=seed, h0=init, nseq=nseq)
     if g is not None and s > 3 and draw(st.booleans()):
         g[:, :, draw(st.integers(0, s - 1))] = float("-inf")
-    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, seed=seed, dfinal=dfinal, what="fuzz")
+    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, seed=seed, dfinal=dfinal, what="fuzz", dtype=dtype)

@@ -1,6 +1,7 @@
 """The delta rule's chunk-parallel CUDA forward (csrc/linear/cuda/delta_chunk_kernel.cuh: three
 tensor-core kernels over a scratch) run on the CPU by the host emulator against the float64
-recurrence, under the project rule (error <= 2x PyTorch's own bf16 recurrence plus a floor).
+recurrence, under the project rule (error <= 2x PyTorch's own recurrence in the same dtype, bf16
+or fp16, plus a floor).
 
 The module's selection is set to chunked=1 (the chunk kernels for every call they take), so short
 sequences reach them too; each test checks that they ran (or, for the calls they do not take, that
@@ -25,7 +26,7 @@ from tests.cuda_emu.test_delta_emulated import check, launched
 from tests.fuzz.common import at_least
 from tests.linear.test_delta import problem
 
-BF16 = torch.bfloat16
+BF16, F16 = torch.bfloat16, torch.float16
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,9 @@ def emu():
     e.set_chunked(old)
 
 
-def check_chunked(emu, *args, **kw):
-    """check() at bf16 on the chunk kernels."""
-    return check(emu, BF16, *args, kernel="chunk", **kw)
+def check_chunked(emu, *args, dtype=BF16, **kw):
+    """check() at bf16 (or dtype) on the chunk kernels."""
+    return check(emu, dtype, *args, kernel="chunk", **kw)
 
 
 def run(emu, q, k, v, beta, gate, h0, *, l2=True, cu=None, plain=False):
@@ -69,11 +70,12 @@ CASES = [  # (hk, hv, s, kd, vd, gate, l2)
 ]
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_forward_matches_float64(emu, case):
+def test_forward_matches_float64(emu, case, dtype):
     hk, hv, s, kd, vd, gate, l2 = case
     q, k, v, beta, g, h0 = problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate)
-    check_chunked(emu, q, k, v, beta, g, h0, l2=l2, what=str(case))
+    check_chunked(emu, q, k, v, beta, g, h0, l2=l2, what=str(case), dtype=dtype)
 
 
 def test_no_initial_state_unnormalized(emu):
@@ -168,9 +170,9 @@ def test_varlen_per_key_gates(emu):
 
 
 def test_calls_the_chunk_kernels_do_not_take(emu):
-    """float16 / float32, K > 128 or K not a multiple of 8 run on the recurrent kernel whatever
-    the selection says (and stay right)."""
-    for dtype, kd, gate in ((torch.float16, 64, "head"), (torch.float32, 64, None), (torch.float16, 64, "key"),
+    """float32, K > 128 or K not a multiple of 8 run on the recurrent kernel whatever the
+    selection says (and stay right)."""
+    for dtype, kd, gate in ((torch.float32, 64, "head"), (torch.float32, 64, "key"), (F16, 136, None),
                             (BF16, 136, None), (BF16, 20, "head"), (BF16, 136, "key")):
         q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=70, kd=kd, vd=16, gate=gate)
         check(emu, dtype, q, k, v, beta, g, h0, l2=True, what=f"{dtype} {kd} {gate}", kernel="recurrent")
@@ -216,6 +218,7 @@ def test_fuzz_chunked_delta_forward(emu, data):
     kd = 8 * draw(st.integers(1, 16))
     vd = 8 * draw(st.integers(1, 18))
     gate = draw(st.sampled_from([None, "head", "key"]))
+    dtype = draw(st.sampled_from([BF16, F16]))
     plain = gate == "key" and draw(st.booleans())
     l2, init = draw(st.booleans()), draw(st.booleans())
     if varlen:
@@ -225,7 +228,8 @@ def test_fuzz_chunked_delta_forward(emu, data):
     else:
         s, cu, nseq = draw(st.integers(1, 200)), None, b
     seed = draw(st.integers(0, 2 ** 16))
-    note(dict(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, plain=plain, l2=l2, init=init, cu=cu, seed=seed))
+    note(dict(dtype=dtype, b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, plain=plain, l2=l2, init=init, cu=cu,
+              seed=seed))
     q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, seed=seed, h0=init, nseq=nseq)
     if g is not None and s > 3 and draw(st.booleans()):
         row = draw(st.integers(0, s - 1))
@@ -237,4 +241,4 @@ def test_fuzz_chunked_delta_forward(emu, data):
         v = v * 0.3  # the plain write adds every token: keep the state's size moderate
     if s == 0 or (cu is not None and int(cu[-1]) == 0):
         return
-    check_chunked(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, plain=plain, what="fuzz")
+    check_chunked(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, plain=plain, what="fuzz", dtype=dtype)

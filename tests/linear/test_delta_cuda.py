@@ -73,11 +73,12 @@ def chunked():
                                   (1, 3, 130, 72, 8, "key", False), (2, 4, 1000, 128, 128, "key", True),
                                   (1, 2, 3000, 128, 136, "key", True)],
                          ids=lambda c: "-".join(map(str, c)))
-def test_forward_chunked(chunked, case):
-    """The chunk kernels (bf16) on the same rule; the cases of
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_chunked(chunked, case, dtype):
+    """The chunk kernels (bf16, fp16) on the same rule; the cases of
     tests/cuda_emu/test_delta_chunk_emulated.py and longer ones."""
     hk, hv, s, kd, vd, gate, l2 = case
-    check(torch.bfloat16, *problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate), l2=l2, what=str(case))
+    check(dtype, *problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate), l2=l2, what=str(case))
 
 
 @pytest.mark.parametrize("r", [17, 64, 100])
@@ -139,15 +140,16 @@ def test_chunked_kda_long_sequence_matches_recurrent():
 @pytest.mark.parametrize("case", [(1, 2, 63, 16, 24, "head", True), (2, 4, 300, 128, 128, "head", True),
                                   (1, 1, 1000, 64, 72, None, False), (2, 2, 700, 120, 136, "head", True)],
                          ids=lambda c: "-".join(map(str, c)))
-def test_backward_chunked(chunked, case):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_chunked(chunked, case, dtype):
     """Calls that need gradients under delta_chunked=True: the chunk-parallel backward, every
-    gradient within 2x autograd's bf16 error (tests/cuda_emu/test_delta_chunk_bwd_emulated.py's
-    rule) against float64."""
+    gradient within 2x autograd's error in the call's dtype
+    (tests/cuda_emu/test_delta_chunk_bwd_emulated.py's rule) against float64."""
     from tests.cuda_emu.test_delta_chunk_bwd_emulated import autograd
     hk, hv, s, kd, vd, gate, l2 = case
     q, k, v, beta, g, h0 = problem(b=2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate)
-    qd, kd_, vd_ = (t.to(torch.bfloat16) for t in (q, k, v))
-    bd, gd, hh = beta.to(torch.bfloat16).float(), g.float() if g is not None else None, h0.float()
+    qd, kd_, vd_ = (t.to(dtype) for t in (q, k, v))
+    bd, gd, hh = beta.to(dtype).float(), g.float() if g is not None else None, h0.float()
     leaves = [t.cuda().requires_grad_() for t in (qd, kd_, vd_, bd)] + \
         ([gd.cuda().requires_grad_()] if gd is not None else []) + [hh.cuda().requires_grad_()]
     gi = leaves[4] if gd is not None else None
@@ -158,10 +160,10 @@ def test_backward_chunked(chunked, case):
     ins = (qd, kd_, vd_, bd, gd, hh)
     r64 = autograd(F64, *(t.double() if t is not None else None for t in ins), dout.cpu().double(), dh.cpu().double(),
                    l2, None)
-    rt = autograd(torch.bfloat16, *ins, dout.cpu(), dh.cpu(), l2, None)
+    rt = autograd(dtype, *ins, dout.cpu(), dh.cpu(), l2, None)
     for a, r, t in zip(grads, r64, rt):
         assert torch.isfinite(a).all()
-        assert_close_fa2(a.cpu().float(), t.float(), r, torch.bfloat16, str(case))
+        assert_close_fa2(a.cpu().float(), t.float(), r, dtype, str(case))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -108,10 +108,9 @@ void chunk_launch(void (*kernel)(Params, delta_chunk::DeltaChunkPlan), int smem,
   check_launch(what);
 }
 
-template <int kK>
+template <typename T, int kK>
 void launch_delta_chunk(const DeltaParamsT<float>& p, delta_chunk::DeltaChunkPlan plan, cudaStream_t stream,
                         const char* what) {
-  using T = __nv_bfloat16;
   using namespace delta_chunk;
   if (plan.slots > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks for one launch");
   const unsigned slots = unsigned(plan.slots);
@@ -166,10 +165,9 @@ size_t cuda_delta_fwd_scratch_bytes(const DeltaParamsT<float>& p, const DeltaCud
 
 namespace {
 
-template <int kK>
+template <typename T, int kK>
 void launch_delta_chunk_bwd(const DeltaBwdParamsT<float>& p, const delta_chunk::DeltaChunkPlan& plan,
                             cudaStream_t stream, const char* what) {
-  using T = __nv_bfloat16;
   using namespace delta_chunk;
   if (plan.slots > 0x7fffffff) throw std::runtime_error(std::string(what) + ": too many chunks for one launch");
   const unsigned slots = unsigned(plan.slots);
@@ -200,8 +198,8 @@ void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t
   const char* what = "attention_ext.delta_rule_attention backward (CUDA)";
   check_grid(p.h_v, p.b, what);
   if (!chunk_fits(p, true)) {
-    throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16, no per-key "
-                             "gate, K <= 128, K and V multiples of 8, 16-byte rows)");
+    throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16 or fp16, no "
+                             "per-key gate, K <= 128, K and V multiples of 8, 16-byte rows)");
   }
   size_t bytes = 0;
   delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);
@@ -222,8 +220,13 @@ void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t
   plan.dhc = at;
   at += hs * plan.kk * plan.vp() * 2;
   plan.mm = at;
-  if (plan.kk == 64) return launch_delta_chunk_bwd<64>(p, plan, stream, what);
-  return launch_delta_chunk_bwd<128>(p, plan, stream, what);
+  const bool f16 = p.dt == DType::kF16;
+  if (plan.kk == 64) {
+    return f16 ? launch_delta_chunk_bwd<__half, 64>(p, plan, stream, what)
+               : launch_delta_chunk_bwd<__nv_bfloat16, 64>(p, plan, stream, what);
+  }
+  return f16 ? launch_delta_chunk_bwd<__half, 128>(p, plan, stream, what)
+             : launch_delta_chunk_bwd<__nv_bfloat16, 128>(p, plan, stream, what);
 }
 
 void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, void* scratch, cudaStream_t stream) {
@@ -236,8 +239,13 @@ void cuda_delta_fwd(const DeltaParamsT<float>& p, const DeltaCudaKernels& k, voi
     if (scratch == nullptr) throw std::runtime_error(std::string(what) + ": the chunked kernels need their scratch");
     char* at = static_cast<char*>(scratch);
     carve_fwd(p, plan, at);
-    if (plan.kk == 64) return launch_delta_chunk<64>(p, plan, stream, what);
-    return launch_delta_chunk<128>(p, plan, stream, what);
+    const bool f16 = p.dt == DType::kF16;
+    if (plan.kk == 64) {
+      return f16 ? launch_delta_chunk<__half, 64>(p, plan, stream, what)
+                 : launch_delta_chunk<__nv_bfloat16, 64>(p, plan, stream, what);
+    }
+    return f16 ? launch_delta_chunk<__half, 128>(p, plan, stream, what)
+               : launch_delta_chunk<__nv_bfloat16, 128>(p, plan, stream, what);
   }
   switch (p.dt) {
     case DType::kF32: return delta_fwd_dtype<float>(p, stream, what);

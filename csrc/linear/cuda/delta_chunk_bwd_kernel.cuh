@@ -1,4 +1,4 @@
-// The delta rule's chunk-parallel backward on the tensor cores (bf16; DeltaNet and Gated DeltaNet,
+// The delta rule's chunk-parallel backward on the tensor cores (bf16 or fp16; DeltaNet and Gated DeltaNet,
 // the forward's calls: delta_chunk_kernel.cuh states the forward and its notation). After the
 // forward's prep (with T kept) and state walk recompute every chunk's entering state h0 and u,
 // four kernels, per chunk with dO its output gradient and dh1 the gradient of the state it leaves:

@@ -1,5 +1,6 @@
-// The delta rule's chunk-parallel forward on the tensor cores (bf16; DeltaNet and Gated DeltaNet:
-// no gate or one log-gate per head; common/delta_params.h states the math): the WY form of the
+// The delta rule's chunk-parallel forward on the tensor cores (bf16 or fp16; DeltaNet and Gated
+// DeltaNet: no gate or one log-gate per head; KDA's per-key gates and GLA's plain write in the
+// kernels past "per-key gates" below; common/delta_params.h states the math): the WY form of the
 // DeltaNet and Gated DeltaNet papers on flash-linear-attention's schedule, in three kernels.
 //
 // Per chunk of kC = 64 tokens entering with state h0 (K, V), with k^, q^ the normalized rows (q^
@@ -35,8 +36,10 @@
 // the kernels read whole tiles with no bounds. Slots: sequence n's chunk c is slot n * nt + c for
 // a batch, floor(row0_n / 64) + n + c for a varlen pack (as ChunkPlan in chunk_fwd_kernel.cuh).
 //
-// Needs (delta.cu checks): bf16 (fp16's range is too narrow for a stored state; fp16 and fp32 take
-// the recurrent kernel), K <= 128, K and V multiples of 8, 16-byte aligned rows.
+// Needs (delta.cu checks): bf16 or fp16 (the scratch's tiles in the inputs' type: with fp16, a
+// state entry past 65504 overflows at its per-chunk rounding, where the recurrent kernel's float32
+// state does not; fp32 takes the recurrent kernel), K <= 128, K and V multiples of 8, 16-byte
+// aligned rows.
 #pragma once
 
 #include <cuda_bf16.h>
