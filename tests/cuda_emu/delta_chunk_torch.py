@@ -89,8 +89,78 @@ def _chunk_bwd(Q, K, V, b, g, gam, Gam, h0, dO, dh1, c, dt):
     return dQ, dK, dV, dbeta, dg, dh0
 
 
+def _key_scalars(g: Tensor):
+    """Per-key gates g (n, K): gam (n, K) = w(i, -1) and Gam (n, n, K) = w(i, j) (0 above the
+    diagonal) as products of the factors a = e^g (0 at a reset), in float32, as the kernels."""
+    a = torch.exp(g.float())
+    n = g.shape[0]
+    gam = torch.cumprod(a, 0)
+    Gam = torch.zeros(n, n, g.shape[1])
+    for j in range(n):
+        w = torch.ones(g.shape[1])
+        for i in range(j, n):
+            if i > j:
+                w = w * a[i]
+            Gam[i, j] = w
+    return gam, Gam
+
+
+def _chunk_fwd_key(Q, K, V, b, gam, Gam, h0, dt):
+    n = Q.shape[0]
+    A = torch.tril(b[:, None] * torch.einsum("id,jd,ijd->ij", K.float(), K.float(), Gam), -1)
+    T = torch.linalg.inv(torch.eye(n) + A).to(dt)
+    W = T @ (b[:, None] * gam * K.float()).to(dt)
+    u = T @ (b[:, None].to(dt) * V) - W @ h0
+    Kt = (Gam[n - 1] * K.float()).to(dt)
+    h1 = (gam[n - 1][:, None] * h0.float() + (Kt.T @ u).float()).to(dt)
+    return h1, dict(T=T, W=W, u=u, Kt=Kt, A=A / torch.where(b == 0, torch.ones_like(b), b)[:, None])
+
+
+def _chunk_bwd_key(Q, K, V, b, g, gam, Gam, h0, dO, dh1, c, dt):
+    """The per-key backward as the kernels decompose it: the value-sized products on the tensor
+    cores (du, db = T^T du, S1 = dO u^T, S2 = db u^T, Z = dO h0^T, Y = db h0^T, X = u dh1^T),
+    then per key channel the decayed sums over the chunk's pairs (the rows' and the columns'),
+    the log-gates' gradient per channel by a reverse sum that stops at a zero factor."""
+    n = Q.shape[0]
+    T, W, u, Kt, Ab = c["T"], c["W"], c["u"], c["Kt"], c["A"]
+    L = n - 1
+    Qf, Kf = Q.float(), K.float()
+    Pm = torch.einsum("id,jd,ijd->ij", Qf, Kf, Gam).tril().to(dt)
+    du = Pm.T @ dO + Kt @ dh1
+    dh0 = (gam * Qf).to(dt).T @ dO + (gam[L][:, None] * dh1.float()).to(dt) - W.T @ du
+    db = T.T @ du
+    bt = b.to(dt)
+    dV = bt[:, None] * db
+    S1, S2 = (dO @ u.T).float(), (db @ u.T).float()
+    M1 = torch.tril(S1)
+    Dm = -b[:, None] * torch.tril(S2, -1)  # b_i dA_ij
+    Z, Y, X = (dO @ h0.T).float(), (db @ h0.T).float(), (u @ dh1.T).float()
+    Kbar = gam * Kf
+    dbeta = (db * V).float().sum(1) - (Kbar * Y).sum(1) - (torch.tril(S2, -1) * Ab).sum(1)
+    rowq = torch.einsum("ij,jd,ijd->id", M1, Kf, Gam)   # sum_j M1_ij k_j w(i, j)
+    rowk = torch.einsum("ij,jd,ijd->id", Dm, Kf, Gam)
+    colp = torch.einsum("ij,id,ijd->jd", M1, Qf, Gam)   # sum_i M1_ij q_i w(i, j)
+    cola = torch.einsum("ij,id,ijd->jd", Dm, Kf, Gam)
+    wL = Gam[L]
+    dQ = gam * Z + rowq
+    same = rowk - b[:, None] * gam * Y
+    opp = colp + cola + wL * X
+    dK = same + opp
+    dG = Qf * dQ + Kf * (same - opp)
+    dG[L] += (Kf * wL * X).sum(0) + gam[L] * (h0.float() * dh1.float()).sum(1)
+    a = torch.exp(g.float())
+    dg = torch.zeros(n, K.shape[1])
+    run = torch.zeros(K.shape[1])
+    for t in reversed(range(n)):
+        run = run + dG[t]
+        dg[t] = torch.where(a[t] == 0, torch.zeros_like(run), run)
+        run = torch.where(a[t] == 0, torch.zeros_like(run), run)
+    return dQ.to(dt), dK.to(dt), dV, dbeta, dg, dh0
+
+
 def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt):
-    """One sequence of one value head: q, k (S, K), v, dout (S, V), beta, g (S), h0, dh (K, V)."""
+    """One sequence of one value head: q, k (S, K), v, dout (S, V), beta, g (S) or (S, K) (per-key
+    gates), h0, dh (K, V)."""
     S = q.shape[0]
     qf, kf = q.float(), k.float()
     if l2:
@@ -100,20 +170,22 @@ def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt):
     Qh, Kh = (qf * (nq * scale)[:, None]).to(dt), (kf * nk[:, None]).to(dt)
     V, dO = v.to(dt), dout.to(dt)
     h, hs, cs, sc = h0.to(dt), [], [], []
+    key = g.dim() == 2
+    fwd, bwd, scal = (_chunk_fwd_key, _chunk_bwd_key, _key_scalars) if key else (_chunk_fwd, _chunk_bwd, _scalars)
     for c0 in range(0, S, C):
         sl = slice(c0, min(S, c0 + C))
-        gam, Gam = _scalars(g[sl])
+        gam, Gam = scal(g[sl])
         hs.append(h)
         sc.append((gam, Gam))
-        h, cache = _chunk_fwd(Qh[sl], Kh[sl], V[sl], beta[sl].float(), gam, Gam, h, dt)
+        h, cache = fwd(Qh[sl], Kh[sl], V[sl], beta[sl].float(), gam, Gam, h, dt)
         cs.append(cache)
     dQh, dKh = torch.zeros(S, q.shape[1]), torch.zeros(S, k.shape[1])
-    dv, dbeta, dg = torch.zeros(S, v.shape[1]), torch.zeros(S), torch.zeros(S)
+    dv, dbeta, dg = torch.zeros(S, v.shape[1]), torch.zeros(S), torch.zeros(g.shape)
     dhc = dh.to(dt)
     for ci in reversed(range(len(cs))):
         sl = slice(ci * C, min(S, ci * C + C))
         gam, Gam = sc[ci]
-        r = _chunk_bwd(Qh[sl], Kh[sl], V[sl], beta[sl].float(), g[sl], gam, Gam, hs[ci], dO[sl], dhc, cs[ci], dt)
+        r = bwd(Qh[sl], Kh[sl], V[sl], beta[sl].float(), g[sl], gam, Gam, hs[ci], dO[sl], dhc, cs[ci], dt)
         dQh[sl], dKh[sl], dv[sl], dbeta[sl], dg[sl] = (x.float() for x in r[:5])
         dhc = r[5]
     dq = scale * (nq[:, None] * dQh - (nq ** 3 * (qf * dQh).sum(1))[:, None] * qf) if l2 else scale * dQh
@@ -124,7 +196,8 @@ def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt):
 def grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor], h0: Optional[Tensor], dout: Tensor,
           dfinal: Optional[Tensor], qk_l2norm: bool, cu_seqlens: Optional[Tensor], dtype: torch.dtype):
     """Gradients of <out, dout> + <final state, dfinal> (module docstring); q, k (B, H_k, S, K), v
-    (B, H_v, S, V), beta / gate (B, H_v, S), h0 / dfinal (N, H_v, K, V) or None."""
+    (B, H_v, S, V), beta (B, H_v, S), gate (B, H_v, S) or per key (B, H_v, S, K), h0 / dfinal
+    (N, H_v, K, V) or None."""
     B, Hk, S, Kd = q.shape
     Hv, Vd = v.shape[1], v.shape[3]
     rep, scale = Hv // Hk, Kd ** -0.5
@@ -132,7 +205,8 @@ def grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor],
     seqs = [(0, n, cu[n], cu[n + 1]) for n in range(len(cu) - 1)] if cu else [(b, b, 0, S) for b in range(B)]
     nst = len(seqs)
     dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
-    dbeta, dgate = torch.zeros(beta.shape), torch.zeros(beta.shape)
+    dbeta = torch.zeros(beta.shape)
+    dgate = torch.zeros(gate.shape if gate is not None else beta.shape)
     dh0 = torch.zeros(nst, Hv, Kd, Vd)
     for bb, n, a, e in seqs:
         for hv in range(Hv):

@@ -1,6 +1,7 @@
 """The delta rule's chunk-parallel CUDA backward (csrc/linear/cuda/delta_chunk_bwd_kernel.cuh: the
-forward's prep and walk recomputed, then four kernels) run on the CPU by the host emulator: every
-gradient (q, k, v, beta, the per-head gate, the initial state) against autograd of the float64
+forward's prep and walk recomputed, then four kernels; with per-key gates
+delta_chunk_key_bwd_kernel.cuh's) run on the CPU by the host emulator: every gradient (q, k, v,
+beta, the per-head or per-key gate, the initial state) against autograd of the float64
 recurrence, within 2x PyTorch's same-dtype error plus a floor (bf16, and fp16 in the cases marked
 so), PyTorch's being the larger of two same-dtype computations of the same gradients: autograd through the recurrence, and the chunked form
 (delta_chunk_torch.py, bf16 intermediates where the kernels have them, as flash-linear-attention's
@@ -10,9 +11,10 @@ make a one-element gradient (dgate) 10x more accurate than any chunked bf16 form
 The op's host steps (csrc/torch/linear_delta_cuda_steps.h) start the scratch as 0xff bytes (bf16
 NaN) and dv / dbeta / dgate / dinit_state as NaN, so a tile read before it is written or a
 gradient left unwritten fails. Covered: both kernel widths (K 8-128), partial value tiles, GVA
-(dq / dk summed over a group), no gate and per-head gates, the L2 norm, with and without initial
+(dq / dk summed over a group), no gate, per-head and per-key gates (KDA), the L2 norm, with and without initial
 states and final-state gradients, chunk boundaries, varlen packs whose sequences start mid-chunk
-(an empty one included), -1e4 / -1e9 / -inf gates, other warp interleavings, the calls it does not
+(an empty one included), -1e4 / -1e9 / -inf gates (per key: in some channels), other warp
+interleavings, the calls it does not
 take (a ValueError), and a fuzz. Not covered: timing, real concurrency, spills, atomics' order.
 """
 from __future__ import annotations
@@ -85,12 +87,17 @@ def test_the_chunked_peer_is_the_same_math():
     """delta_chunk_torch.grads on float64 tensors equals autograd of the float64 recurrence (to
     its float32 decays' rounding): gates with a reset at a chunk boundary, the L2 norm, GVA, a
     varlen pack with an empty sequence."""
-    for hk, hv, s, kd, vd, l2, cu in ((1, 2, 70, 8, 5, True, None), (2, 4, 150, 16, 8, False, None),
-                                      (1, 2, 205, 16, 8, True, torch.tensor([0, 70, 70, 135, 200], dtype=torch.int32))):
-        q, k, v, beta, g, h0 = problem(b=1 if cu is not None else 2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate="head",
+    for hk, hv, s, kd, vd, l2, cu, gate in (
+            (1, 2, 70, 8, 5, True, None, "head"), (2, 4, 150, 16, 8, False, None, "head"),
+            (1, 2, 205, 16, 8, True, torch.tensor([0, 70, 70, 135, 200], dtype=torch.int32), "head"),
+            (1, 2, 70, 8, 5, True, None, "key"), (2, 4, 150, 16, 8, False, None, "key"),
+            (1, 2, 205, 16, 8, True, torch.tensor([0, 70, 70, 135, 200], dtype=torch.int32), "key")):
+        q, k, v, beta, g, h0 = problem(b=1 if cu is not None else 2, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate,
                                        nseq=4 if cu is not None else None)
         if cu is None:
             g[:, :, 64] = float("-inf")
+            if gate == "key":
+                g[:, :, 20, ::3] = float("-inf")
         gen = torch.Generator().manual_seed(3)
         dout, dh = torch.randn(v.shape, generator=gen, dtype=F64), torch.randn(h0.shape, generator=gen, dtype=F64)
         mine = chunked_grads(q, k, v, beta, g, h0, dout, dh, l2, cu, F64)
@@ -106,6 +113,13 @@ CASES = [  # (hk, hv, s, kd, vd, gate, l2, h0)
     (1, 1, 65, 128, 64, None, False, True),
     (1, 3, 130, 72, 8, "head", False, False),
     (2, 2, 100, 120, 136, "head", True, True),
+    # per-key gates (KDA): delta_chunk_key_bwd_kernel.cuh
+    (1, 1, 1, 8, 8, "key", False, False),
+    (1, 2, 63, 16, 24, "key", True, True),
+    (2, 4, 64, 64, 72, "key", True, True),
+    (1, 1, 65, 128, 64, "key", False, True),
+    (1, 3, 130, 72, 8, "key", False, False),
+    (2, 2, 100, 120, 136, "key", True, True),
 ]
 
 
@@ -134,21 +148,28 @@ def test_varlen_with_empty_sequences(emu):
 
 @pytest.mark.parametrize("r", [17, 64, 100])
 @pytest.mark.parametrize("big", [1e4, 1e9, float("inf")])
-def test_extreme_gates(emu, big, r):
-    """A log-gate of -1e4, -1e9 or -inf at row r: every gradient stays finite and within the rule
-    (the reset row's own gate gets 0)."""
-    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=150, kd=32, vd=16, gate="head")
-    g[:, :, r] = -big
+@pytest.mark.parametrize("gate", ["head", "key"])
+def test_extreme_gates(emu, big, r, gate):
+    """A log-gate of -1e4, -1e9 or -inf at row r (per key: in every third channel, and in a few
+    channels 5 rows on): every gradient stays finite and within the rule (a reset's own gate
+    gets 0)."""
+    q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=150, kd=32, vd=16, gate=gate)
+    if gate == "head":
+        g[:, :, r] = -big
+    else:
+        g[:, :, r, ::3] = -big
+        g[:, :, r + 5, 4:7] = -big
     res = check_bwd(emu, q, k, v, beta, g, h0, l2=True)
-    assert res[4][0, 0, r] == 0
+    assert (res[4][0, 0, r] == 0).all() if gate == "head" else (res[4][0, 0, r, ::3] == 0).all()
 
 
 @pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)], ids=["lockstep", "last_warp_first"])
 def test_other_warp_interleavings(emu, warp_serial, reverse):
     emu.set_schedule(warp_serial, reverse)
     try:
-        q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=140, kd=64, vd=72, gate="head")
-        check_bwd(emu, q, k, v, beta, g, h0, l2=True)
+        for gate in ("head", "key"):
+            q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=140, kd=64, vd=72, gate=gate)
+            check_bwd(emu, q, k, v, beta, g, h0, l2=True, what=gate)
     finally:
         emu.set_schedule(True, False)
 
@@ -174,22 +195,22 @@ def test_rows_off_16_bytes_are_copied(emu):
 
 
 def test_calls_it_does_not_take(emu):
-    """float32, per-key gates, K > 128 or K not a multiple of 8: a ValueError saying what the
+    """float32, GLA's plain write, K > 128 or K not a multiple of 8: a ValueError saying what the
     kernels take."""
-    for dtype, kd, gate in ((torch.float32, 64, None), (BF16, 64, "key"), (F16, 64, "key"), (BF16, 136, None),
-                            (BF16, 20, "head")):
+    for dtype, kd, gate, plain in ((torch.float32, 64, None, False), (BF16, 64, "key", True), (F16, 64, "key", True),
+                                   (BF16, 136, None, False), (BF16, 20, "head", False), (BF16, 136, "key", False)):
         q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=10, kd=kd, vd=16, gate=gate)
         qd, kd_, vd_ = (t.to(dtype) for t in (q, k, v))
         with pytest.raises(ValueError, match="take bfloat16 or float16 calls"):
             emu.delta_bwd(torch.zeros_like(vd_), None, qd, kd_, vd_, beta.float(), g.float() if g is not None else None,
-                          None, None, 0.3, False, False)
+                          None, None, 0.3, False, plain)
 
 
 @at_least(40)
 @given(data=st.data())
 def test_fuzz_chunked_delta_backward(emu, data):
-    """Hypothesis over the backward: GVA, K and V (multiples of 8), no / per-head gates with the odd
-    hard reset, the L2 norm, initial states, final-state gradients, varlen packs."""
+    """Hypothesis over the backward: GVA, K and V (multiples of 8), no / per-head / per-key gates
+    with the odd hard reset (per key: in a run of channels), bf16 and fp16, the L2 norm, initial states, final-state gradients, varlen packs."""
     draw = data.draw
     varlen = draw(st.booleans())
     b = 1 if varlen else draw(st.integers(1, 2))
@@ -197,7 +218,7 @@ def test_fuzz_chunked_delta_backward(emu, data):
     hv = hk * draw(st.integers(1, 2))
     kd = 8 * draw(st.integers(1, 16))
     vd = 8 * draw(st.integers(1, 18))
-    gate = draw(st.sampled_from([None, "head"]))
+    gate = draw(st.sampled_from([None, "head", "key"]))
     dtype = draw(st.sampled_from([BF16, F16]))
     l2, init, dfinal = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     if varlen:
@@ -213,5 +234,9 @@ def test_fuzz_chunked_delta_backward(emu, data):
         return
     q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, seed=seed, h0=init, nseq=nseq)
     if g is not None and s > 3 and draw(st.booleans()):
-        g[:, :, draw(st.integers(0, s - 1))] = float("-inf")
+        row = draw(st.integers(0, s - 1))
+        if gate == "key":
+            g[:, :, row, draw(st.integers(0, kd - 1)):] = float("-inf")
+        else:
+            g[:, :, row] = float("-inf")
     check_bwd(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, seed=seed, dfinal=dfinal, what="fuzz", dtype=dtype)

@@ -17,6 +17,7 @@
 
 #include "cuda/launch.h"
 #include "linear/cuda/delta_chunk_bwd_kernel.cuh"
+#include "linear/cuda/delta_chunk_key_bwd_kernel.cuh"
 #include "linear/cuda/delta_chunk_kernel.cuh"
 #include "linear/cuda/delta_kernel.cuh"
 #include "linear/cuda/entry.h"
@@ -66,12 +67,14 @@ delta_chunk::DeltaChunkPlan chunk_plan(const DeltaParamsT<float>& p, size_t* byt
   return plan;
 }
 
-// The backward's extra scratch after the forward's: T, w q^, du, dh1 per chunk, the three matrices,
-// then (zeroed by the caller) dq and dk in float32.
+// The backward's extra scratch after the forward's: T, w q^ (per-key gates: the forward's), du,
+// dh1 per chunk, the three matrices, with per-key gates A / b and Z, Y, X; then (zeroed by the
+// caller) dq and dk in float32.
 size_t chunk_bwd_extra(const DeltaParamsT<float>& p, const delta_chunk::DeltaChunkPlan& plan) {
   using delta_chunk::kC;
   const size_t hs = size_t(p.h_v) * plan.slots;
-  return hs * (kC * kC * 2 + kC * plan.kk * 2 + kC * plan.vp() * 2 + plan.kk * plan.vp() * 2 + 3 * kC * kC * 2);
+  const size_t key = per_key(p) ? kC * kC * 4 + 3 * kC * plan.kk * 2 : kC * plan.kk * 2;
+  return hs * (kC * kC * 2 + key + kC * plan.vp() * 2 + plan.kk * plan.vp() * 2 + 3 * kC * kC * 2);
 }
 size_t chunk_bwd_zeroed(const DeltaParamsT<float>& p) {
   const size_t rows = p.cu_seqlens != nullptr ? 1 : size_t(p.b);  // a varlen pack is one batch row
@@ -175,10 +178,22 @@ void launch_delta_chunk_bwd(const DeltaBwdParamsT<float>& p, const delta_chunk::
   DeltaParamsT<float> fp = p;
   fp.final_state = nullptr;
   fp.o = nullptr;
+  if (per_key(p)) {
+    const dim3 per_slot(slots, unsigned(p.h_v)), walk(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)),
+        per_tile(slots, unsigned(p.h_v), unsigned(plan.tiles));
+    chunk_launch(delta_chunk_prep_key_kernel<T, kK>, PrepKeySmem<kK>::kBytes, per_slot, fp, plan, stream, what);
+    chunk_launch(delta_chunk_state_kernel<T, kK, true>, StateSmem<kK>::kBytes, walk, fp, plan, stream, what);
+    chunk_launch(delta_chunk_dlocal_key_kernel<T>, int(tc::SmemTile<kC, kBV>::kBytes), per_tile, p, plan, stream, what);
+    chunk_launch(delta_chunk_rev_kernel<T, kK, true>, RevSmem<kK>::kBytes, walk, p, plan, stream, what);
+    chunk_launch(delta_chunk_dscal_key_kernel<T, kK>, DscalKeySmem<kK>::kBytes, per_slot, p, plan, stream, what);
+    chunk_launch(delta_chunk_dzyx_kernel<T, kK>, DzyxSmem<kK>::kBytes, per_slot, p, plan, stream, what);
+    chunk_launch(delta_chunk_dkey_kernel<T, kK>, DkeySmem<kK>::kBytes, per_slot, p, plan, stream, what);
+    return;
+  }
   chunk_launch(delta_chunk_prep_kernel<T, kK>, PrepSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), fp, plan, stream, what);
   chunk_launch(delta_chunk_state_kernel<T, kK, false>, StateSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), fp, plan, stream, what);
   chunk_launch(delta_chunk_dlocal_kernel<T, kK>, DlocalSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v), unsigned(plan.tiles)), p, plan, stream, what);
-  chunk_launch(delta_chunk_rev_kernel<T, kK>, RevSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), p, plan, stream, what);
+  chunk_launch(delta_chunk_rev_kernel<T, kK, false>, RevSmem<kK>::kBytes, dim3(unsigned(plan.tiles), unsigned(p.h_v), unsigned(p.b)), p, plan, stream, what);
   chunk_launch(delta_chunk_dscal_kernel<T, kK>, DscalSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
   chunk_launch(delta_chunk_dqk_kernel<T, kK>, DqkSmem<kK>::kBytes, dim3(slots, unsigned(p.h_v)), p, plan, stream, what);
 }
@@ -198,8 +213,8 @@ void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t
   const char* what = "attention_ext.delta_rule_attention backward (CUDA)";
   check_grid(p.h_v, p.b, what);
   if (!chunk_fits(p, true)) {
-    throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16 or fp16, no "
-                             "per-key gate, K <= 128, K and V multiples of 8, 16-byte rows)");
+    throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16 or fp16, the "
+                             "delta write, K <= 128, K and V multiples of 8, 16-byte rows)");
   }
   size_t bytes = 0;
   delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);
@@ -213,8 +228,16 @@ void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t
   using delta_chunk::kC;
   plan.t = at;
   at += hs * kC * kC * 2;
-  plan.qg = at;
-  at += hs * kC * plan.kk * 2;
+  if (per_key(p)) {  // w(i, -1) q^ is the forward's; A / b and Z, Y, X
+    plan.qg = plan.qd;
+    plan.aa = reinterpret_cast<float*>(at);
+    at += hs * kC * kC * 4;
+    plan.zyx = at;
+    at += hs * 3 * kC * plan.kk * 2;
+  } else {
+    plan.qg = at;
+    at += hs * kC * plan.kk * 2;
+  }
   plan.du = at;
   at += hs * kC * plan.vp() * 2;
   plan.dhc = at;

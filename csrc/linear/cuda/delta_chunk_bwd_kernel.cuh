@@ -188,7 +188,8 @@ struct RevSmem {
   __device__ static uint32_t dout(int s) { return s * kStage + 3 * KTile::kBytes + CTile::kBytes; }
 };
 
-template <typename T, int kK>
+// kPerKey: the state's decay across a chunk per key channel (the per-key prep's).
+template <typename T, int kK, bool kPerKey>
 __global__ void __launch_bounds__(kThreads, 1) delta_chunk_rev_kernel(const DeltaBwdParams p, const DeltaChunkPlan plan) {
   using L = RevSmem<kK>;
   using KTile = typename L::KTile;
@@ -266,7 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_rev_kernel(const Delt
     store_tile<T, CTile, kC>(static_cast<T*>(plan.du) + hs * kC * vp + c0, vp, sb + L::kDU, linear_tc::opaque(tid));
 
     // dh <- w(n-1, -1) dh + (w q^)^T dO - W^T du
-    scale_slab(dh, chunk_decay(plan, hs, len, c));
+    if constexpr (kPerKey) {
+      scale_slab_rows<kK>(dh, plan.scal + hs * kScalars + kKeyDecay, warp, lane);
+    } else {
+      scale_slab(dh, chunk_decay(plan, hs, len, c));
+    }
     add_xt_y<T, KTile, CTile, kK>(dh, sb + L::qg(s), sb + L::dout(s), warp, lane);
     add_xt_y<T, KTile, CTile, kK>(dh, sb + L::w(s), sb + L::kNDU, warp, lane);
     __syncthreads();

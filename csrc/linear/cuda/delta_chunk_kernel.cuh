@@ -65,9 +65,11 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kBV = 64;  // value columns per CTA of the state and output kernels
 // the per-slot scalars, float: per row (5, kC) G', f (as a float), the inverse key norm, w(i, -1)
 // and (the backward) q's factor scale / ||q||; with per-key gates, from kKeyDecay, the state's
-// decay across the chunk per key channel (up to 128)
+// decay across the chunk per key channel (up to 128), and from kKeyHd (the backward) the entering
+// state's dot with the leaving state's gradient per key channel
 constexpr int kKeyDecay = 5 * kC;
-constexpr int kScalars = kKeyDecay + 128;
+constexpr int kKeyHd = kKeyDecay + 128;
+constexpr int kScalars = kKeyHd + 128;
 
 struct DeltaChunkPlan {
   int nt = 1;         // chunks per sequence of a batch: ceil(S / 64)
@@ -82,6 +84,8 @@ struct DeltaChunkPlan {
   // per-key gates only (delta_chunk_prep_key_kernel; null otherwise)
   void* qd = nullptr;     // (H_v, slots, kC, kk): w(i, -1) q^_i
   float* sc = nullptr;    // (H_v, slots, kC, kC): the intra-chunk output scores, masked and scaled
+  float* aa = nullptr;    // the backward: (H_v, slots, kC, kC) A / b (strictly lower, fp32)
+  void* zyx = nullptr;    // the backward: (H_v, slots, 3, kC, kk): dO h0^T, db h0^T, u dh1^T
   // the backward only (delta_chunk_bwd_kernel.cuh; null in the forward)
   void* t = nullptr;    // (H_v, slots, kC, kC): T
   void* qg = nullptr;   // (H_v, slots, kC, kk): w(i, -1) q^_i
@@ -547,12 +551,22 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_prep_key_kernel(const De
 
   // A = strictly lower (b_i k^_i . decayed k^_j) over a (spent): 0 for the plain write
   const float ab = p.plain ? 0.f : 1.f;
+  // (the backward keeps A / b, its dbeta's term, and the row factors)
+  float* aa = plan.aa != nullptr ? plan.aa + hs * kC * kC : nullptr;
   off_diagonal_rows<T, kK>(sb, warp, lane, [&](int i, int j, float s) {
-    Af[i * L::kAStride + j] = i < n ? ab * B[i] * NK[i] * NK[j] * s : 0.f;
+    const float a = i < n ? NK[i] * NK[j] * s : 0.f;
+    Af[i * L::kAStride + j] = ab * B[i] * a;
+    if (aa != nullptr) aa[i * kC + j] = a;
   });
   for (int e = lane; e < 16 * (kC - 16 * warp); e += 32) {
     const int w0 = 16 * warp, i = w0 + e / (kC - w0), j = w0 + e % (kC - w0);
-    Af[i * L::kAStride + j] = j < i && i < n ? ab * B[i] * NK[i] * NK[j] * Dg[i * 16 + (j - w0)] : 0.f;
+    const float a = j < i && i < n ? NK[i] * NK[j] * Dg[i * 16 + (j - w0)] : 0.f;
+    Af[i * L::kAStride + j] = ab * B[i] * a;
+    if (aa != nullptr) aa[i * kC + j] = a;
+  }
+  if (plan.t != nullptr && tid < kC) {
+    plan.scal[hs * kScalars + 2 * kC + tid] = NK[tid];
+    plan.scal[hs * kScalars + 4 * kC + tid] = NQ[tid];
   }
   __syncthreads();
 
@@ -562,8 +576,10 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_prep_key_kernel(const De
   // T Diag(b) (T = I for the plain write), the W and U products' left operand, over the R tiles
   // (spent); W = 0 for the plain write (ab: T Diag(0))
   const uint32_t kTb = L::kR, kTw = L::kR + CTile::kBytes, kV = L::kL;
+  T* tg = plan.t != nullptr ? static_cast<T*>(plan.t) + hs * kC * kC : nullptr;
   for (int e = tid; e < kC * kC; e += kThreads) {
     const int i = e / kC, j = e % kC;
+    if (tg != nullptr) tg[e] = from_float<T>(Tf[e]);
     linear_tc::st16<T>(smem, kTb + CTile::offset(i, j), Tf[e] * B[j]);
     linear_tc::st16<T>(smem, kTw + CTile::offset(i, j), Tf[e] * B[j] * ab);
   }

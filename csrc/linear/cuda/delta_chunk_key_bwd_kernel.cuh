@@ -1,0 +1,479 @@
+// The delta rule's chunk-parallel backward with per-key gates (KDA; bf16 or fp16): the schedule of
+// delta_chunk_bwd_kernel.cuh with a decay per key channel, w_d(i, j) = prod_{j < t <= i} a_td.
+// delta_chunk_prep_key_kernel (keeping T, A / b and the row factors) and the per-channel state walk
+// recompute every chunk's entering state h0 and u; the reverse walk (its per-channel decay) leaves
+// du and dh1 per chunk; then, per chunk:
+//
+//   delta_chunk_dlocal_key_kernel  grid (slots, H_v, value tiles): du_loc = P^T dO, P the prep's
+//                                  stored scores.
+//   delta_chunk_dscal_key_kernel   grid (slots, H_v): db = T^T du (dv = Diag(b) db), S1 = dO u^T
+//                                  and S2 = db u^T summed over the value tiles, dbeta; stores
+//                                  M1 = lower(S1) and Dm = -Diag(b) strictly-lower(S2), 16-bit.
+//   delta_chunk_dzyx_kernel        grid (slots, H_v): Z = dO h0^T, Y = db h0^T and X = u dh1^T
+//                                  (16-bit), and <h0, dh1> per key channel.
+//   delta_chunk_dkey_kernel        grid (slots, H_v): a thread per key channel d sums the chunk's
+//                                  pairs in fp32 on the CUDA cores, w_d(i, j) as running products
+//                                  (exact through a zero factor, like the forward's):
+//     dq^_i = w(i, -1) Z_i + sum_{j <= i} M1_ij w(i, j) k^_j
+//     same_i = sum_{j < i} Dm_ij w(i, j) k^_j - b_i w(i, -1) Y_i
+//     opp_j  = sum_{i >= j} (M1_ij q^_i + Dm_ij k^_i) w(i, j) + w(n-1, j) X_j,   dk^ = same + opp
+//     dG_i   = q^_i dq^_i + k^_i (same_i - opp_i)
+//              (+ on the last row: sum_j k^_j w(n-1, j) X_j + w(n-1, -1) <h0, dh1>)
+//                                  then the log-gates' gradient per channel, dG summed from the
+//                                  chunk's end back to each row, stopping at a zero factor (whose own
+//                                  gate gets 0: the derivative of its exp in float32), and the L2
+//                                  norm's chain rule into float32 dq / dk (atomics: a GVA group).
+//
+// The pairs' sums cost 2 x 64 x 65 / 2 steps per thread and chunk on the CUDA cores: the exact
+// first form; a tensor-core split like the forward's (16-row blocks) is the faster one to come.
+// The decomposition, checked against autograd of the float64 recurrence, is
+// tests/cuda_emu/delta_chunk_torch.py's _chunk_bwd_key.
+#pragma once
+
+#include "linear/cuda/delta_chunk_bwd_kernel.cuh"
+
+namespace attn {
+namespace delta_chunk {
+
+// ------------------------------------------------------------------------------ du_loc
+template <typename T>
+__global__ void __launch_bounds__(kThreads) delta_chunk_dlocal_key_kernel(const DeltaBwdParams p,
+                                                                          const DeltaChunkPlan plan) {
+  using CTile = tc::SmemTile<kC, kBV>;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, c0 = blockIdx.z * kBV;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+  const T* doh = head_rows<T>(p.dout, p.do_batch_stride, p.do_head_stride, at.b, hv) + at.row * p.do_row_stride;
+  tc::load_tile_async<kC, kBV, kThreads, T>(sb, doh + c0, p.do_row_stride, n, p.dim_v - c0, tid);
+  tc::cp_async_commit();
+  // P^T: rows j (keys) of warp w, columns i, from the stored scores (masked there)
+  const float* sc = plan.sc + hs * kC * kC;
+  float s[kC / 8][4];
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[t][e] = sc[acc_col(t, lane, e) * kC + acc_row(16 * warp, lane, e)];
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  float acc[kBV / 8][4];
+  linear_tc::zero(acc);
+  linear_tc::mma_reg<T, CTile, kC, kBV>(acc, s, sb, lane);
+  T* du = static_cast<T*>(plan.du) + hs * kC * vp + c0;
+#pragma unroll
+  for (int t = 0; t < kBV / 8; ++t) {
+    const int j = acc_row(16 * warp, lane, 0), c = acc_col(t, lane, 0);
+    st_pair(du + int64_t(j) * vp + c, acc[t][0], acc[t][1]);
+    st_pair(du + int64_t(j + 8) * vp + c, acc[t][2], acc[t][3]);
+  }
+}
+
+// ------------------------------------------------------------------------------ db, dv, dbeta
+template <int kK>
+struct DscalKeySmem {
+  using KTile = tc::SmemTile<kC, kK>;   // K^ w(i, -1)
+  using TTile = tc::SmemTile<kC, kC>;   // T
+  using CTile = tc::SmemTile<kC, kBV>;  // u, du, dO, V
+  using HTile = tc::SmemTile<kK, kBV>;  // h0, dh1
+  static constexpr uint32_t kKB = 0, kT = KTile::kBytes, kH0 = kT + TTile::kBytes, kDH = kH0 + HTile::kBytes,
+                            kU = kDH + HTile::kBytes, kDU = kU + CTile::kBytes, kDO = kDU + CTile::kBytes,
+                            kV = kDO + CTile::kBytes, kF = kV + CTile::kBytes;
+  static constexpr int kLd = kC + 1;
+  // floats: NK, beta, dbeta's value-tile partials; S1, S2 (padded rows)
+  static constexpr int kBytes = int(kF) + (3 * kC + 2 * kC * kLd) * 4;
+};
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_dscal_key_kernel(const DeltaBwdParams p,
+                                                                         const DeltaChunkPlan plan) {
+  using L = DscalKeySmem<kK>;
+  using KTile = typename L::KTile;
+  using TTile = typename L::TTile;
+  using CTile = typename L::CTile;
+  using HTile = typename L::HTile;
+  constexpr int kLd = L::kLd;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  float* NK = reinterpret_cast<float*>(smem + L::kF);
+  float* B = NK + kC;
+  float* PB = B + kC;
+  float* Sm = PB + kC;   // S1
+  float* S2 = Sm + kC * kLd;
+
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, hk = hv / (p.h_v / p.h_k);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int K = p.dim_k, V = p.dim_v, vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+  const int64_t side = (int64_t(at.b) * p.h_v + hv) * p.s + at.row;
+
+  const T* kh = head_rows<T>(p.k, p.k_batch_stride, p.k_head_stride, at.b, hk) + at.row * p.k_row_stride;
+  const T* vh = head_rows<T>(p.v, p.v_batch_stride, p.v_head_stride, at.b, hv) + at.row * p.v_row_stride;
+  const T* doh = head_rows<T>(p.dout, p.do_batch_stride, p.do_head_stride, at.b, hv) + at.row * p.do_row_stride;
+  T* dvh = static_cast<T*>(p.dv) + int64_t(at.b) * p.dv_batch_stride + int64_t(hv) * p.dv_head_stride +
+           at.row * p.dv_row_stride;
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kKB, kh, p.k_row_stride, n, K, tid);
+  tc::load_tile_async<kC, kC, kThreads, T>(sb + L::kT, static_cast<const T*>(plan.t) + hs * kC * kC, kC, kC, kC, tid);
+  tc::cp_async_commit();
+  if (tid < kC) {
+    NK[tid] = plan.scal[hs * kScalars + 2 * kC + tid];
+    B[tid] = tid < n ? delta_cuda::load_side(p.beta_dt, p.beta, side + tid) : 0.f;
+  }
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = acc_row(16 * warp, lane, e), j = acc_col(t, lane, e);
+      Sm[i * kLd + j] = 0.f;
+      S2[i * kLd + j] = 0.f;
+    }
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  // K^ w(i, -1) in place: thread d walks its channel's gate factors from the chunk's start
+  if (tid < kK) {
+    const int d = tid;
+    float e = 1.f;
+    for (int i = 0; i < kC; ++i) {
+      e *= i < n && d < K ? expf(delta_cuda::load_side(p.gate_dt, p.gate, (side + i) * K + d)) : 1.f;
+      const float kv = linear_tc::ld16<T>(smem, L::kKB + KTile::offset(i, d));
+      linear_tc::st16<T>(smem, L::kKB + KTile::offset(i, d), kv * NK[i] * e);
+    }
+  }
+  float pb[2] = {0.f, 0.f};
+  const int r0 = acc_row(16 * warp, lane, 0);
+  __syncthreads();
+
+#pragma unroll 1
+  for (int c0 = 0; c0 < vp; c0 += kBV) {
+    const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
+    load_value_tiles<T, L, kK>(sb, plan, hs, c0, doh + c0, p.do_row_stride, n, V - c0, tid);
+    tc::load_tile_async<kC, kBV, kThreads, T>(sb + L::kV, vh + c0, p.v_row_stride, n, V - c0, tid);
+    tc::cp_async_commit();
+    tc::cp_async_wait<0>();
+    __syncthreads();
+    {
+      // (K^ w) h0 and db = T^T du: dbeta's -db . (K^ w h0) and db . v, dv, S2
+      float y[kBV / 8][4];
+      linear_tc::zero(y);
+      linear_tc::mma_smem<T, KTile, HTile, kK, kBV, true>(y, sb + L::kKB, 16 * warp, sb + L::kH0, lane);
+      float db[kBV / 8][4];
+      t_transpose_du<T, TTile, CTile>(db, sb + L::kT, sb + L::kDU, warp, lane);
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pb[e / 2] -= db[t][e] * y[t][e];
+      }
+      row_dots<T, CTile>(pb, db, smem, L::kV, r0, lane);
+      __syncwarp();
+#pragma unroll
+      for (int t = 0; t < kBV / 8; ++t) {
+        const int c = acc_col(t, lane, 0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + 8 * half;
+          tc::st_shared_b32(sb + L::kV + CTile::offset(i, c),
+                            tc::TypeOps<T>::pack(B[i] * db[t][2 * half], B[i] * db[t][2 * half + 1]));
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int e = lane; e < 16 * kBV / 8; e += 32) {
+        const int i = 16 * warp + e / (kBV / 8), c = e % (kBV / 8) * 8;
+        if (i < n && c0 + c < V) {
+          *reinterpret_cast<uint4*>(dvh + int64_t(i) * p.dv_row_stride + c0 + c) =
+              tc::ld_shared_v4(sb + L::kV + CTile::offset(i, c));
+        }
+      }
+      float sp[kC / 8][4];
+      linear_tc::zero(sp);
+      linear_tc::mma_reg<T, CTile, kBV, kC, false>(sp, db, sb + L::kU, lane);
+#pragma unroll
+      for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S2[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
+      }
+    }
+    {  // S1 += dO u^T
+      float sp[kC / 8][4];
+      linear_tc::zero(sp);
+      linear_tc::mma_smem<T, CTile, CTile, kBV, kC, false>(sp, sb + L::kDO, 16 * warp, sb + L::kU, lane);
+#pragma unroll
+      for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Sm[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
+      }
+    }
+    __syncthreads();  // the next value tile's copies overwrite these tiles
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) pb[half] += __shfl_xor_sync(0xffffffffu, pb[half], o);
+  }
+  if (lane % 4 == 0) {
+    PB[r0] = pb[0];
+    PB[r0 + 8] = pb[1];
+  }
+  __syncthreads();
+
+  // M1 = lower(S1) and Dm = -Diag(b) strictly-lower(S2), 16-bit, for the dkey kernel; dbeta's A term
+  T* mm = static_cast<T*>(plan.mm) + hs * 3 * kC * kC;
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    const int i = e / kC, j = e % kC;
+    mm[e] = from_float<T>(j <= i && i < n ? Sm[i * kLd + j] : 0.f);
+    mm[kC * kC + e] = from_float<T>(j < i && i < n ? -B[i] * S2[i * kLd + j] : 0.f);
+  }
+  if (tid < n) {
+    const float* aa = plan.aa + hs * kC * kC + tid * kC;
+    float acc = PB[tid];
+    for (int j = 0; j < tid; ++j) acc -= S2[tid * kLd + j] * aa[j];
+    store_side(p.beta_dt, p.dbeta, side + tid, acc);
+  }
+}
+
+// ------------------------------------------------------------------------------ Z, Y, X
+template <int kK>
+struct DzyxSmem {
+  using TTile = tc::SmemTile<kC, kC>;   // T
+  using CTile = tc::SmemTile<kC, kBV>;  // u, du, dO
+  using HTile = tc::SmemTile<kK, kBV>;  // h0, dh1
+  static constexpr uint32_t kT = 0, kH0 = TTile::kBytes, kDH = kH0 + HTile::kBytes, kU = kDH + HTile::kBytes,
+                            kDU = kU + CTile::kBytes, kDO = kDU + CTile::kBytes;
+  static constexpr int kBytes = int(kDO + CTile::kBytes);
+};
+
+// A warp's 16 rows of a (kC, kK) accumulator product, 16-bit to rows of dst (stride kK).
+template <typename T, int kK>
+__device__ __forceinline__ void store_rows(T* dst, const float (&acc)[kK / 8][4], int warp, int lane) {
+#pragma unroll
+  for (int t = 0; t < kK / 8; ++t) {
+    const int i = acc_row(16 * warp, lane, 0), c = acc_col(t, lane, 0);
+    st_pair(dst + i * kK + c, acc[t][0], acc[t][1]);
+    st_pair(dst + (i + 8) * kK + c, acc[t][2], acc[t][3]);
+  }
+}
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_dzyx_kernel(const DeltaBwdParams p, const DeltaChunkPlan plan) {
+  using L = DzyxSmem<kK>;
+  using TTile = typename L::TTile;
+  using CTile = typename L::CTile;
+  using HTile = typename L::HTile;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int V = p.dim_v, vp = plan.vp();
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+  const T* doh = head_rows<T>(p.dout, p.do_batch_stride, p.do_head_stride, at.b, hv) + at.row * p.do_row_stride;
+  T* zyx = static_cast<T*>(plan.zyx) + hs * 3 * kC * kK;
+  tc::load_tile_async<kC, kC, kThreads, T>(sb + L::kT, static_cast<const T*>(plan.t) + hs * kC * kC, kC, kC, kC, tid);
+
+  // Z = dO h0^T and X = u dh1^T, <h0, dh1> per key row
+  float hd = 0.f;
+  {
+    float z[kK / 8][4], xx[kK / 8][4];
+    linear_tc::zero(z);
+    linear_tc::zero(xx);
+#pragma unroll 1
+    for (int c0 = 0; c0 < vp; c0 += kBV) {
+      const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
+      load_value_tiles<T, L, kK>(sb, plan, hs, c0, doh + c0, p.do_row_stride, n, V - c0, tid);
+      tc::cp_async_commit();
+      tc::cp_async_wait<0>();
+      __syncthreads();
+      linear_tc::mma_smem<T, CTile, HTile, kBV, kK, false>(z, sb + L::kDO, 16 * warp, sb + L::kH0, lane);
+      linear_tc::mma_smem<T, CTile, HTile, kBV, kK, false>(xx, sb + L::kU, 16 * warp, sb + L::kDH, lane);
+      if (tid < kK) {
+        for (int c = 0; c < kBV; ++c) {
+          hd += linear_tc::ld16<T>(smem, L::kH0 + HTile::offset(tid, c)) *
+                linear_tc::ld16<T>(smem, L::kDH + HTile::offset(tid, c));
+        }
+      }
+      __syncthreads();
+    }
+    store_rows<T, kK>(zyx, z, warp, lane);
+    store_rows<T, kK>(zyx + 2 * kC * kK, xx, warp, lane);
+  }
+  if (tid < kK) plan.scal[hs * kScalars + kKeyHd + tid] = hd;
+  // Y = db h0^T, db = T^T du
+  {
+    float y[kK / 8][4];
+    linear_tc::zero(y);
+#pragma unroll 1
+    for (int c0 = 0; c0 < vp; c0 += kBV) {
+      const int lane = linear_tc::opaque(threadIdx.x % 32), tid = linear_tc::opaque(int(threadIdx.x));
+      load_value_tiles<T, L, kK>(sb, plan, hs, c0, doh + c0, p.do_row_stride, n, V - c0, tid);
+      tc::cp_async_commit();
+      tc::cp_async_wait<0>();
+      __syncthreads();
+      float db[kBV / 8][4];
+      t_transpose_du<T, TTile, CTile>(db, sb + L::kT, sb + L::kDU, warp, lane);
+      linear_tc::mma_reg<T, HTile, kBV, kK, false>(y, db, sb + L::kH0, lane);
+      __syncthreads();
+    }
+    store_rows<T, kK>(zyx + kC * kK, y, warp, lane);
+  }
+}
+
+// ------------------------------------------------------------------------------ dq, dk, dgate
+template <int kK>
+struct DkeySmem {
+  using KTile = tc::SmemTile<kC, kK>;  // Q, K as given
+  static constexpr uint32_t kQ = 0, kK_ = KTile::kBytes, kM = 2 * KTile::kBytes,  // M1, Dm: 16-bit (kC, kC) each
+      kA = kM + 2 * kC * kC * 2,                                                    // a (fp32 (kC, kK))
+      kDQ = kA + kC * kK * 4,                                                       // dq^ (fp32)
+      kSM = kDQ + kC * kK * 4,                                                      // same, then dk^ (fp32)
+      kF = kSM + kC * kK * 4;
+  static constexpr int kBytes = int(kF) + 5 * kC * 4;  // nq, nk, b, the rows' dots of q and k
+};
+
+template <typename T, int kK>
+__global__ void __launch_bounds__(kThreads) delta_chunk_dkey_kernel(const DeltaBwdParams p, const DeltaChunkPlan plan) {
+  using L = DkeySmem<kK>;
+  using KTile = typename L::KTile;
+  ATTN_EXTERN_SMEM(smem);
+  const uint32_t sb = tc::smem_u32(smem);
+  const T* M1 = reinterpret_cast<const T*>(smem + L::kM);
+  const T* Dm = M1 + kC * kC;
+  float* Ga = reinterpret_cast<float*>(smem + L::kA);
+  float* DQ = reinterpret_cast<float*>(smem + L::kDQ);
+  float* SM = reinterpret_cast<float*>(smem + L::kSM);
+  float* NQ = reinterpret_cast<float*>(smem + L::kF);
+  float* NK = NQ + kC;
+  float* B = NK + kC;
+  float* RQ = B + kC;
+  float* RK = RQ + kC;
+
+  const int64_t x = blockIdx.x;
+  const int hv = blockIdx.y, hk = hv / (p.h_v / p.h_k);
+  const int tid = threadIdx.x, lane = tid % 32;
+  const ChunkAt at = chunk_at(p, plan, x);
+  const int n = at.n;
+  if (n == 0) return;
+  const int K = p.dim_k;
+  const int64_t hs = int64_t(hv) * plan.slots + x;
+  const int64_t side = (int64_t(at.b) * p.h_v + hv) * p.s + at.row;
+
+  const T* qh = head_rows<T>(p.q, p.q_batch_stride, p.q_head_stride, at.b, hk) + at.row * p.q_row_stride;
+  const T* kh = head_rows<T>(p.k, p.k_batch_stride, p.k_head_stride, at.b, hk) + at.row * p.k_row_stride;
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kQ, qh, p.q_row_stride, n, K, tid);
+  tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kK_, kh, p.k_row_stride, n, K, tid);
+  {  // M1 and Dm as stored (row-major): 16-byte copies
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(plan.mm) + hs * 3 * kC * kC);
+    for (int e = tid; e < 2 * kC * kC / 8; e += kThreads) tc::cp_async16(sb + L::kM + e * 16, src + e, true);
+  }
+  tc::cp_async_commit();
+  for (int e = tid; e < kC * kK; e += kThreads) {
+    const int i = e / kK, d = e % kK;
+    Ga[e] = i < n && d < K ? expf(delta_cuda::load_side(p.gate_dt, p.gate, (side + i) * K + d)) : 1.f;
+  }
+  if (tid < kC) {
+    NQ[tid] = plan.scal[hs * kScalars + 4 * kC + tid];
+    NK[tid] = plan.scal[hs * kScalars + 2 * kC + tid];
+    B[tid] = tid < n ? delta_cuda::load_side(p.beta_dt, p.beta, side + tid) : 0.f;
+    RQ[tid] = RK[tid] = 0.f;
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();
+
+  const int d = tid;
+  const bool live = d < K;
+  const T* Z = static_cast<const T*>(plan.zyx) + hs * 3 * kC * kK;
+  const T* Y = Z + kC * kK;
+  const T* X = Y + kC * kK;
+  auto qh_ = [&](int i) { return linear_tc::ld16<T>(smem, L::kQ + KTile::offset(i, d)) * NQ[i]; };
+  auto kh_ = [&](int i) { return linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(i, d)) * NK[i]; };
+  auto a_ = [&](int i) { return Ga[i * kK + d]; };
+  if (live) {
+    // rows: dq^ and same, w(i, j) from j = i down
+    float e = 1.f;
+    for (int i = 0; i < n; ++i) {
+      e *= a_(i);
+      float rq = 0.f, rk = 0.f, w = 1.f;
+      for (int j = i; j >= 0; --j) {
+        if (j < i) w *= a_(j + 1);
+        const float kj = kh_(j) * w;
+        rq = fmaf(to_float(M1[i * kC + j]), kj, rq);
+        rk = fmaf(to_float(Dm[i * kC + j]), kj, rk);  // Dm's diagonal is 0
+      }
+      DQ[i * kK + d] = e * to_float(Z[i * kK + d]) + rq;
+      SM[i * kK + d] = rk - B[i] * e * to_float(Y[i * kK + d]);
+    }
+    const float last_decay = e;  // w(n-1, -1)
+    // sum_j k^_j w(n-1, j) X_j: the last row's K~ term
+    float skx = 0.f, wl = 1.f;
+    for (int j = n - 1; j >= 0; --j) {
+      if (j < n - 1) wl *= a_(j + 1);
+      skx = fmaf(kh_(j) * wl, to_float(X[j * kK + d]), skx);
+    }
+    // columns, from the chunk's end: dk^, dG and the log-gates' reverse sum
+    float run = 0.f;
+    wl = 1.f;
+    for (int j = n - 1; j >= 0; --j) {
+      if (j < n - 1) wl *= a_(j + 1);
+      float cp = 0.f, ca = 0.f, w = 1.f;
+      for (int i = j; i < n; ++i) {
+        if (i > j) w *= a_(i);
+        cp = fmaf(to_float(M1[i * kC + j]), qh_(i) * w, cp);
+        ca = fmaf(to_float(Dm[i * kC + j]), kh_(i) * w, ca);
+      }
+      const float opp = cp + ca + wl * to_float(X[j * kK + d]);
+      const float same = SM[j * kK + d];
+      SM[j * kK + d] = same + opp;
+      float dg = qh_(j) * DQ[j * kK + d] + kh_(j) * (same - opp);
+      if (j == n - 1) dg += skx + last_decay * plan.scal[hs * kScalars + kKeyHd + d];
+      run += dg;
+      const bool zero = a_(j) == 0.f;
+      store_side(p.gate_dt, p.dgate, (side + j) * K + d, zero ? 0.f : run);
+      if (zero) run = 0.f;
+    }
+  }
+  __syncthreads();
+  // the chain rule of q^ = scale q / ||q|| and k^ = k / ||k|| (or of the scale alone), added in
+  if (p.qk_l2norm) {
+    for (int i = 0; i < n; ++i) {
+      float vq = live ? linear_tc::ld16<T>(smem, L::kQ + KTile::offset(i, d)) * DQ[i * kK + d] : 0.f;
+      float vk = live ? linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(i, d)) * SM[i * kK + d] : 0.f;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        vq += __shfl_xor_sync(0xffffffffu, vq, o);
+        vk += __shfl_xor_sync(0xffffffffu, vk, o);
+      }
+      if (lane == 0) {
+        atomicAdd(RQ + i, vq);
+        atomicAdd(RK + i, vk);
+      }
+    }
+    __syncthreads();
+  }
+  if (live) {
+    const int64_t row = (int64_t(at.b) * p.h_k + hk) * p.s + at.row;
+    for (int i = 0; i < n; ++i) {
+      const float nq = NQ[i], nq2 = p.qk_l2norm ? (nq / p.scale) * (nq / p.scale) : 0.f;
+      const float nk = NK[i], nk2 = p.qk_l2norm ? nk * nk : 0.f;
+      const float qv = linear_tc::ld16<T>(smem, L::kQ + KTile::offset(i, d));
+      const float kv = linear_tc::ld16<T>(smem, L::kK_ + KTile::offset(i, d));
+      atomicAdd(plan.dq + (row + i) * K + d, nq * (DQ[i * kK + d] - nq2 * RQ[i] * qv));
+      atomicAdd(plan.dk + (row + i) * K + d, nk * (SM[i * kK + d] - nk2 * RK[i] * kv));
+    }
+  }
+}
+
+}  // namespace delta_chunk
+}  // namespace attn
