@@ -930,6 +930,43 @@ def delta_chunk_key_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     return [prep, state, out]
 
 
+# KDA's backward: delta_chunk_dkey_kernel sums the chunk's pairs per key channel on the CUDA cores,
+# 2 x 64 x 65 / 2 steps per thread of ~10 issued instructions (a gate load and a product step, two
+# shared loads of M1 / Dm (broadcast), one of q or k, two FMAs), its 4 warps on the SM's 4
+# schedulers (145 KB of shared memory: one CTA per SM). An estimate from the code.
+DELTA_DKEY_CLK = 2 * 64 * 65 // 2 * 10
+
+
+def delta_chunk_key_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
+    """KDA's chunk-parallel backward (delta_chunk_key_bwd_kernel.cuh): the per-key prep (T, A / b
+    kept) and walk again, dlocal over the stored scores, the reverse walk, dscal, dzyx and the
+    per-channel dkey kernel. Resources from ptxas (sm_90a, K = 128) and the shared layouts."""
+    kk = bucket(k)
+    tiles = math.ceil(v / KN)
+    chunks = max(1, math.ceil(s / CHUNK))
+    slots = b * chunks
+    prep, state, _ = delta_chunk_key_launches(b, hv, s, k, v, overhead=overhead)
+    _, _, _, rev, _, _ = delta_chunk_bwd_launches(b, hv, s, k, v, overhead=overhead)
+    per = lambda f: 2 * LATENCY + f / MMA_SYNC_CTA_RATE + overhead  # noqa: E731
+    ch, t16 = CHUNK, 2
+    f_dl = 2 * ch * ch * KN
+    dl = Launch(f"delta chunk dlocal (per-key), K {kk}", Resources(128, 64, 8 * 1024), [per(f_dl)] * (slots * hv * tiles),
+                slots * hv * tiles * (ch * ch * 4 + 2 * ch * KN * t16), f_dl * slots * hv * tiles)
+    f_sc = tiles * (2 * ch * kk * KN + 3 * 2 * ch * ch * KN)
+    sc = Launch(f"delta chunk dscal (per-key), K {kk}", Resources(128, 112, 122 * 1024),
+                [per(f_sc) + 64 * 40 / SM_CLOCK] * (slots * hv),
+                slots * hv * (ch * kk * t16 + ch * kk * 4 + ch * ch * t16 + tiles * (2 * kk * KN + 5 * ch * KN) * t16
+                              + ch * ch * 4 + 2 * ch * ch * t16), f_sc * slots * hv)
+    f_zyx = tiles * (3 * 2 * ch * KN * kk + 2 * ch * ch * KN)
+    zyx = Launch(f"delta chunk dzyx, K {kk}", Resources(128, 180, 64 * 1024), [per(f_zyx)] * (slots * hv),
+                 slots * hv * (ch * ch * t16 + 2 * tiles * (2 * kk * KN + 3 * ch * KN) * t16 + 3 * ch * kk * t16),
+                 f_zyx * slots * hv)
+    key = Launch(f"delta chunk dkey, K {kk}", Resources(128, 64, 145 * 1024),
+                 [2 * LATENCY + DELTA_DKEY_CLK / SM_CLOCK + overhead] * (slots * hv),
+                 slots * hv * (2 * ch * kk * t16 + 2 * ch * ch * t16 + ch * kk * 4 + 3 * ch * kk * t16 + 4 * ch * kk * 4))
+    return [prep, state, dl, rev, sc, zyx, key]
+
+
 def delta_chunk_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     """The chunk-parallel backward (delta_chunk_bwd_kernel.cuh): the forward's prep (T kept) and
     state walk again, then dlocal, the reverse walk, the row scalars and dq / dk. Resources from
@@ -1004,6 +1041,18 @@ def report_delta_chunk() -> List[str]:
         t = total(model)
         lines.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
                      f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {rec / t:.1f} - {rec / bound:.1f} |")
+    lines += ["", "KDA's backward (per-key gates; its per-channel pair sums on the CUDA cores, DELTA_DKEY_CLK, "
+              "an estimate from the code):", "",
+              "| (B, H_v, S, K, V) | backward ms (model - bound) | prep / state / dlocal / rev / dscal / dzyx / "
+              "dkey ms (model) | forward + backward ms (model) |", "|---|---|---|---|"]
+    for b, hv, s, k, v in DELTA_CASES:
+        model = delta_chunk_key_bwd_launches(b, hv, s, k, v)
+        bound = total(delta_chunk_key_bwd_launches(b, hv, s, k, v, overhead=ovh))
+        parts = [predict(x)["time"] for x in model]
+        t = total(model)
+        fwd = total(delta_chunk_key_launches(b, hv, s, k, v))
+        lines.append(f"| {(b, hv, s, k, v)} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
+                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {(fwd + t) * 1e3:.2f} |")
     lines += ["", "FLA's chunk_gated_delta_rule and chunk_kda have not been timed on a GPU here yet "
               "(bench_delta_cuda.py times them beside ours), so there is no ratio to the issue's target yet."]
     return lines

@@ -108,13 +108,15 @@ def linear(dev):
                 # per-key gates (KDA): the per-key prep and out kernels, the walk's per-channel decay
                 gk = -torch.rand(1, 4, s, kd, device=dev)
                 ae.delta_rule_attention(q, k, v, beta, gate=gk, initial_state=h0, cu_seqlens=cu, qk_l2norm=True)
-                n += 3  # with the backward below
-                # the chunk-parallel backward (grad mode is off here: turn it on for this call)
+                n += 4  # with the backwards below
+                # the chunk-parallel backward, per-head and per-key gates (grad mode is off here: turn
+                # it on for these calls)
                 with torch.enable_grad():
-                    leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, g, h0)]
-                    out = ae.delta_rule_attention(*leaves[:4], gate=leaves[4], initial_state=leaves[5], cu_seqlens=cu,
-                                                  qk_l2norm=True)
-                    torch.autograd.grad(out.float().square().sum(), leaves)
+                    for gate in (g, gk):
+                        leaves = [t.clone().requires_grad_() for t in (q, k, v, beta, gate, h0)]
+                        out = ae.delta_rule_attention(*leaves[:4], gate=leaves[4], initial_state=leaves[5],
+                                                      cu_seqlens=cu, qk_l2norm=True)
+                        torch.autograd.grad(out.float().square().sum(), leaves)
         finally:
             ae.linear.set_cuda_kernels(**old)
     return n

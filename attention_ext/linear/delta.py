@@ -168,8 +168,7 @@ def delta_rule_attention(
     q, k, v, beta, gate and initial_state. The CPU runs compiled kernels forward and backward;
     CUDA runs a compiled forward (float32 / float16 / bfloat16) and, for calls that need
     gradients, the chunk-parallel backward kernels where linear.set_cuda_kernels(delta_chunked=)
-    selects them and they take the call (bf16 / fp16, no gate or per-head gates, K <= 128, K and
-    V multiples of 8),
+    selects them and they take the call (bf16 / fp16, K <= 128, K and V multiples of 8),
     else PyTorch's chunked WY form (reference.delta_rule_wy, exact for every gate; docs/api.md).
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):

@@ -9,7 +9,8 @@ decode, whose cost is one read and one write of the state.
     python benchmarks/linear/bench_delta_cuda.py [--reps N] [--out FILE]
 
 Gated DeltaNet (a per-head gate), L2-normalized q and k in the kernel, bf16 inputs, float32 state;
-then Kimi Delta Attention (per-key gates) prefill against FLA's chunk_kda and fused_recurrent_kda.
+then Kimi Delta Attention (per-key gates) prefill against FLA's chunk_kda and fused_recurrent_kda, and
+training (forward + backward) of both against FLA's chunked kernels.
 FLA is optional (`pip install flash-linear-attention fla-core`; the device README says how its
 wheels travel); without it those columns say so. The FMA rate counts 3 K V multiply-adds per
 token and value head (p = h'^T k, the update, o = h^T q), against the float32 matmul ceiling
@@ -154,38 +155,48 @@ def main(argv=None) -> int:
             flush(lines, args.out)
 
     # training: by default PyTorch's chunked WY form (autograd); with delta_chunked=True the chunk
-    # kernels forward and backward
-    lines += ["", "Training (forward + backward), Gated DeltaNet, bf16 inputs: 'WY' is the default (PyTorch's "
-              "chunked WY form under autograd), 'chunked' the chunk kernels forward and backward "
-              "(delta_chunked=True):", "",
-              "| (B, H_k, H_v, S, K, V) | WY ms | chunked ms | chunked x WY | WY x FLA chunk | chunked x FLA chunk |",
-              "|---|---|---|---|---|---|"]
-    for b, hk, hv, s, kd, vd in TRAIN_CASES:
-        q, k, v, beta, g = inputs(b, hk, hv, s, kd, vd)
-        leaves = [t.requires_grad_() for t in (q, k, v, beta, g)]
-        dout = torch.randn_like(v)
+    # kernels forward and backward; Gated DeltaNet against FLA's chunk_gated_delta_rule, KDA (per-key
+    # gates) against its chunk_kda
+    for model, per_key in (("Gated DeltaNet", False), ("KDA (per-key gates)", True)):
+        peer = "chunk_kda" if per_key else "chunk"
+        lines += ["", f"Training (forward + backward), {model}, bf16 inputs: 'WY' is the default (PyTorch's "
+                  "chunked WY form under autograd), 'chunked' the chunk kernels forward and backward "
+                  "(delta_chunked=True):", "",
+                  f"| (B, H_k, H_v, S, K, V) | WY ms | chunked ms | chunked x WY | WY x FLA {peer} | "
+                  f"chunked x FLA {peer} |", "|---|---|---|---|---|---|"]
+        for b, hk, hv, s, kd, vd in TRAIN_CASES:
+            q, k, v, beta, g = inputs(b, hk, hv, s, kd, vd)
+            if per_key:
+                g = -torch.rand(b, hv, s, kd, device="cuda", dtype=torch.float32) * 0.1
+            leaves = [t.requires_grad_() for t in (q, k, v, beta, g)]
+            dout = torch.randn_like(v)
 
-        def ours():
-            out = ae.delta_rule_attention(q, k, v, beta, gate=g, qk_l2norm=True, layout="bshd")
-            torch.autograd.grad(out, leaves, dout)
-        fns = {"chunked": selected(True, ours)}
-        if s <= 4096:  # the WY form's Python loop over chunks: slow at long S
-            fns["ours"] = selected(False, ours)
-        if fla is not None:
-            rep = hv // hk
-            qf, kf = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q, k))
-            bt, gt = beta.transpose(1, 2), g.transpose(1, 2)
-
-            def fla_chunk():
-                out = fla[0](qf, kf, v, g=gt, beta=bt, use_qk_l2norm_in_kernel=True)[0]
+            def ours():
+                out = ae.delta_rule_attention(q, k, v, beta, gate=g, qk_l2norm=True, layout="bshd")
                 torch.autograd.grad(out, leaves, dout)
-            fns["fla_chunk"] = fla_chunk
-        t = interleaved(fns, reps=args.reps, sync=torch.cuda.synchronize)
-        vs = [f"{t['fla_chunk'] / t[n]:.2f}x" if "fla_chunk" in t and n in t else "-" for n in ("ours", "chunked")]
-        wy = f"{t['ours'] * 1e3:.2f}" if "ours" in t else "-"
-        wy_x = f"{t['ours'] / t['chunked']:.2f}x" if "ours" in t else "-"
-        lines.append(f"| {(b, hk, hv, s, kd, vd)} | {wy} | {t['chunked'] * 1e3:.2f} | {wy_x} | {vs[0]} | {vs[1]} |")
-        flush(lines, args.out)
+            fns = {"chunked": selected(True, ours)}
+            if s <= (2048 if per_key else 4096):  # the WY form's Python loop over chunks: slow at long S
+                fns["ours"] = selected(False, ours)
+            fla_train = kda[0] if per_key and kda is not None else (fla[0] if not per_key and fla is not None else None)
+            if fla_train is not None:
+                rep = hv // hk
+                qf, kf = (t.repeat_interleave(rep, dim=2) if rep > 1 else t for t in (q, k))
+                bt, gt = beta.transpose(1, 2), g.transpose(1, 2)
+
+                def fla_chunk():
+                    if per_key:
+                        out = fla_train(qf, kf, v, gt, bt, use_qk_l2norm_in_kernel=True)[0]
+                    else:
+                        out = fla_train(qf, kf, v, g=gt, beta=bt, use_qk_l2norm_in_kernel=True)[0]
+                    torch.autograd.grad(out, leaves, dout)
+                fns["fla_chunk"] = fla_chunk
+            t = interleaved(fns, reps=args.reps, sync=torch.cuda.synchronize)
+            vs = [f"{t['fla_chunk'] / t[n]:.2f}x" if "fla_chunk" in t and n in t else "-" for n in ("ours", "chunked")]
+            wy = f"{t['ours'] * 1e3:.2f}" if "ours" in t else "-"
+            wy_x = f"{t['ours'] / t['chunked']:.2f}x" if "ours" in t else "-"
+            lines.append(f"| {(b, hk, hv, s, kd, vd)} | {wy} | {t['chunked'] * 1e3:.2f} | {wy_x} | {vs[0]} | "
+                         f"{vs[1]} |")
+            flush(lines, args.out)
 
     with torch.no_grad():
         bw = copy_bandwidth(device="cuda")

@@ -138,7 +138,9 @@ def test_chunked_kda_long_sequence_matches_recurrent():
 
 
 @pytest.mark.parametrize("case", [(1, 2, 63, 16, 24, "head", True), (2, 4, 300, 128, 128, "head", True),
-                                  (1, 1, 1000, 64, 72, None, False), (2, 2, 700, 120, 136, "head", True)],
+                                  (1, 1, 1000, 64, 72, None, False), (2, 2, 700, 120, 136, "head", True),
+                                  (1, 2, 63, 16, 24, "key", True), (2, 4, 300, 128, 128, "key", True),
+                                  (2, 2, 700, 120, 136, "key", False)],
                          ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_backward_chunked(chunked, case, dtype):
