@@ -34,7 +34,7 @@ inline int64_t delta_checkpoint_slots(int64_t b, int64_t s, bool varlen) {
 // a call, by its dtype and sizes, under the selection `chunked` (linear/cuda/entry.h
 // DeltaCudaKernels: 0 never, 1 every call they take, -1 from kDeltaChunkRows rows on): bf16 or
 // fp16, K <= 128, K and V multiples of 8; every gate (none, per head, per key: DeltaNet, Gated
-// DeltaNet, KDA); the plain write (GLA's, per-key gates) in the forward only. The kernels also
+// DeltaNet, KDA) with the delta write, per-key gates with the plain one (GLA's). The kernels also
 // need 16-byte aligned rows (checked on the pointers by delta.cu). Stated here, without CUDA, so
 // that Python (attention_ext._ext.delta_chunked) routes a CUDA call needing gradients by the same
 // rule.
@@ -42,7 +42,7 @@ inline constexpr int kDeltaChunkRows = 256;
 inline bool delta_chunk_takes(int chunked, DType dt, int dim_k, int dim_v, bool gate_per_key, bool plain, int64_t s,
                               bool backward) {
   if (chunked == 0 || (dt != DType::kBF16 && dt != DType::kF16)) return false;
-  if (plain && (backward || !gate_per_key)) return false;
+  if (plain && !gate_per_key) return false;
   if (dim_k > 128 || dim_k % 8 != 0 || dim_v % 8 != 0) return false;
   return chunked == 1 || s >= kDeltaChunkRows;
 }

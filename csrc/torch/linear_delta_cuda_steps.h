@@ -118,9 +118,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     doc = dout.clone(at::MemoryFormat::Contiguous);
     p = make_delta_bwd_params<float>(doc, dfinal_state, qc, kc, vc, beta, o, g);
   }
-  TORCH_CHECK_VALUE(cuda_delta_bwd_fits(p), Device::kWhat, ": the CUDA backward kernels take bfloat16 or float16 calls with the "
-                    "delta write (not GLA's plain one), K <= 128, K and V multiples of 8 and 16-byte aligned rows; "
-                    "got ", q.scalar_type(), ", K = ", q.size(3), ", V = ", v.size(3), p.plain ? ", the plain write" : "");
+  TORCH_CHECK_VALUE(cuda_delta_bwd_fits(p), Device::kWhat, ": the CUDA backward kernels take bfloat16 or float16 calls (the plain "
+                    "write with per-key gates only), K <= 128, K and V multiples of 8 and 16-byte aligned rows; got ",
+                    q.scalar_type(), ", K = ", q.size(3), ", V = ", v.size(3),
+                    p.plain && !(o.gate.has_value() && o.gate->dim() == 4) ? ", the plain write without per-key gates"
+                                                                            : "");
   size_t zeroed = 0;
   const size_t bytes = cuda_delta_bwd_scratch_bytes(p, &zeroed);
   at::Tensor scratch = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));

@@ -7,8 +7,10 @@ test_delta_chunk_bwd_emulated.py checks it), so it is a peer of the same math; i
 matmul and elementwise product rounds to bf16 (fp32 accumulation inside the matmuls), T is
 inverted in float32 then rounded, the decays are float32.
 
-    grads(q, k, v, beta, gate, h0, dout, dfinal, qk_l2norm, cu_seqlens, dtype)
+    grads(q, k, v, beta, gate, h0, dout, dfinal, qk_l2norm, cu_seqlens, dtype, plain=False)
         -> dq, dk, dv, dbeta, dgate (or None), dh0 (or None)
+
+plain=True is GLA's write (u = v; per-key gates): A = 0, b = 1 in U, W = 0.
 """
 from __future__ import annotations
 
@@ -105,18 +107,20 @@ def _key_scalars(g: Tensor):
     return gam, Gam
 
 
-def _chunk_fwd_key(Q, K, V, b, gam, Gam, h0, dt):
+def _chunk_fwd_key(Q, K, V, b, gam, Gam, h0, dt, plain=False):
     n = Q.shape[0]
     A = torch.tril(b[:, None] * torch.einsum("id,jd,ijd->ij", K.float(), K.float(), Gam), -1)
+    if plain:
+        A, b = torch.zeros_like(A), torch.ones_like(b)
     T = torch.linalg.inv(torch.eye(n) + A).to(dt)
-    W = T @ (b[:, None] * gam * K.float()).to(dt)
+    W = T @ (b[:, None] * gam * K.float()).to(dt) * (0.0 if plain else 1.0)
     u = T @ (b[:, None].to(dt) * V) - W @ h0
     Kt = (Gam[n - 1] * K.float()).to(dt)
     h1 = (gam[n - 1][:, None] * h0.float() + (Kt.T @ u).float()).to(dt)
     return h1, dict(T=T, W=W, u=u, Kt=Kt, A=A / torch.where(b == 0, torch.ones_like(b), b)[:, None])
 
 
-def _chunk_bwd_key(Q, K, V, b, g, gam, Gam, h0, dO, dh1, c, dt):
+def _chunk_bwd_key(Q, K, V, b, g, gam, Gam, h0, dO, dh1, c, dt, plain=False):
     """The per-key backward as the kernels decompose it: the value-sized products on the tensor
     cores (du, db = T^T du, S1 = dO u^T, S2 = db u^T, Z = dO h0^T, Y = db h0^T, X = u dh1^T),
     then per key channel the decayed sums over the chunk's pairs (the rows' and the columns'),
@@ -129,21 +133,27 @@ def _chunk_bwd_key(Q, K, V, b, g, gam, Gam, h0, dO, dh1, c, dt):
     du = Pm.T @ dO + Kt @ dh1
     dh0 = (gam * Qf).to(dt).T @ dO + (gam[L][:, None] * dh1.float()).to(dt) - W.T @ du
     db = T.T @ du
+    if plain:  # U = V: b = 1 there, and no A or W (bw: the W term's factor)
+        b, bw = torch.ones_like(b), torch.zeros_like(b)
+    else:
+        bw = b
     bt = b.to(dt)
     dV = bt[:, None] * db
     S1, S2 = (dO @ u.T).float(), (db @ u.T).float()
     M1 = torch.tril(S1)
-    Dm = -b[:, None] * torch.tril(S2, -1)  # b_i dA_ij
+    Dm = -bw[:, None] * torch.tril(S2, -1)  # b_i dA_ij
     Z, Y, X = (dO @ h0.T).float(), (db @ h0.T).float(), (u @ dh1.T).float()
     Kbar = gam * Kf
     dbeta = (db * V).float().sum(1) - (Kbar * Y).sum(1) - (torch.tril(S2, -1) * Ab).sum(1)
+    if plain:
+        dbeta = torch.zeros_like(dbeta)
     rowq = torch.einsum("ij,jd,ijd->id", M1, Kf, Gam)   # sum_j M1_ij k_j w(i, j)
     rowk = torch.einsum("ij,jd,ijd->id", Dm, Kf, Gam)
     colp = torch.einsum("ij,id,ijd->jd", M1, Qf, Gam)   # sum_i M1_ij q_i w(i, j)
     cola = torch.einsum("ij,id,ijd->jd", Dm, Kf, Gam)
     wL = Gam[L]
     dQ = gam * Z + rowq
-    same = rowk - b[:, None] * gam * Y
+    same = rowk - bw[:, None] * gam * Y
     opp = colp + cola + wL * X
     dK = same + opp
     dG = Qf * dQ + Kf * (same - opp)
@@ -158,7 +168,7 @@ def _chunk_bwd_key(Q, K, V, b, g, gam, Gam, h0, dO, dh1, c, dt):
     return dQ.to(dt), dK.to(dt), dV, dbeta, dg, dh0
 
 
-def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt):
+def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt, plain=False):
     """One sequence of one value head: q, k (S, K), v, dout (S, V), beta, g (S) or (S, K) (per-key
     gates), h0, dh (K, V)."""
     S = q.shape[0]
@@ -171,7 +181,15 @@ def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt):
     V, dO = v.to(dt), dout.to(dt)
     h, hs, cs, sc = h0.to(dt), [], [], []
     key = g.dim() == 2
-    fwd, bwd, scal = (_chunk_fwd_key, _chunk_bwd_key, _key_scalars) if key else (_chunk_fwd, _chunk_bwd, _scalars)
+    if key:
+        def fwd(*args):
+            return _chunk_fwd_key(*args, plain=plain)
+
+        def bwd(*args):
+            return _chunk_bwd_key(*args, plain=plain)
+        scal = _key_scalars
+    else:
+        fwd, bwd, scal = _chunk_fwd, _chunk_bwd, _scalars
     for c0 in range(0, S, C):
         sl = slice(c0, min(S, c0 + C))
         gam, Gam = scal(g[sl])
@@ -194,7 +212,8 @@ def _sequence(q, k, v, beta, g, h0, dout, dh, scale, l2, dt):
 
 
 def grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor], h0: Optional[Tensor], dout: Tensor,
-          dfinal: Optional[Tensor], qk_l2norm: bool, cu_seqlens: Optional[Tensor], dtype: torch.dtype):
+          dfinal: Optional[Tensor], qk_l2norm: bool, cu_seqlens: Optional[Tensor], dtype: torch.dtype,
+          plain: bool = False):
     """Gradients of <out, dout> + <final state, dfinal> (module docstring); q, k (B, H_k, S, K), v
     (B, H_v, S, V), beta (B, H_v, S), gate (B, H_v, S) or per key (B, H_v, S, K), h0 / dfinal
     (N, H_v, K, V) or None."""
@@ -218,7 +237,7 @@ def grads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, gate: Optional[Tensor],
                 dh0[n, hv] = d.float()
                 continue
             r = _sequence(q[bb, hk, a:e], k[bb, hk, a:e], v[bb, hv, a:e], beta[bb, hv, a:e], g, h, dout[bb, hv, a:e], d,
-                          scale, qk_l2norm, dtype)
+                          scale, qk_l2norm, dtype, plain)
             dq[bb, hk, a:e] += r[0]
             dk[bb, hk, a:e] += r[1]
             dv[bb, hv, a:e], dbeta[bb, hv, a:e], dgate[bb, hv, a:e] = r[2], r[3], r[4]

@@ -42,20 +42,21 @@ def emu():
     return e
 
 
-def autograd(dtype, q, k, v, beta, gate, h0, dout, dh, l2, cu):
+def autograd(dtype, q, k, v, beta, gate, h0, dout, dh, l2, cu, plain=False):
     """Gradients of <out, dout> + <final state, dh> through reference.delta_rule computed in
-    `dtype` (NaN of a -inf gate's own derivative as 0, the kernels' value)."""
+    `dtype` (NaN of a -inf gate's own derivative as 0, the kernels' value; plain: GLA's write)."""
     ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, beta)]
     gi = gate.detach().to(dtype).requires_grad_() if gate is not None else None
     hi = h0.detach().to(dtype).requires_grad_() if h0 is not None else None
-    out, fin = reference.delta_rule(*ins, gi, q.shape[-1] ** -0.5, hi, cu, l2, acc=dtype)
+    out, fin = reference.delta_rule(*ins, gi, q.shape[-1] ** -0.5, hi, cu, l2, acc=dtype, plain=plain)
     leaves = ins + [x for x in (gi, hi) if x is not None]
     loss = (out.to(dtype) * dout.to(dtype)).sum() + (fin.to(dtype) * dh.to(dtype)).sum()
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     return [torch.zeros_like(x) if g is None else torch.nan_to_num(g, nan=0.0) for g, x in zip(grads, leaves)]
 
 
-def check_bwd(emu, q, k, v, beta, gate, h0, *, l2=False, cu=None, seed=0, dfinal=True, what="", dtype=BF16):
+def check_bwd(emu, q, k, v, beta, gate, h0, *, l2=False, cu=None, seed=0, dfinal=True, what="", dtype=BF16,
+              plain=False):
     """The emulated delta_bwd on `dtype` (bf16 or fp16) q / k / v / dout (beta, gate float32, beta
     as rounded to dtype) against float64 autograd, each gradient within 2x PyTorch's error in
     dtype."""
@@ -67,12 +68,13 @@ def check_bwd(emu, q, k, v, beta, gate, h0, *, l2=False, cu=None, seed=0, dfinal
     dout = torch.randn(v.shape, generator=gen, dtype=F64).to(dtype)
     nst = h0.shape[0] if h0 is not None else (cu.numel() - 1 if cu is not None else q.shape[0])
     dh = torch.randn(nst, v.shape[1], q.shape[-1], v.shape[-1], generator=gen, dtype=F64).float() if dfinal else None
-    res = emu.delta_bwd(dout, dh, qd, kd, vd, bd, gd, hh, cu, q.shape[-1] ** -0.5, l2, False)
+    res = emu.delta_bwd(dout, dh, qd, kd, vd, bd, gd, hh, cu, q.shape[-1] ** -0.5, l2, plain)
     dh_ = dh if dh is not None else torch.zeros(nst, v.shape[1], q.shape[-1], v.shape[-1])
     ins = (qd, kd, vd, bd, gd, hh)
-    r64 = autograd(F64, *(t.double() if t is not None else None for t in ins), dout.double(), dh_.double(), l2, cu)
-    rt = autograd(dtype, *ins, dout, dh_, l2, cu)
-    rc = [x for x in chunked_grads(*ins, dout, dh_, l2, cu, dtype) if x is not None]
+    r64 = autograd(F64, *(t.double() if t is not None else None for t in ins), dout.double(), dh_.double(), l2, cu,
+                   plain)
+    rt = autograd(dtype, *ins, dout, dh_, l2, cu, plain)
+    rc = [x for x in chunked_grads(*ins, dout, dh_, l2, cu, dtype, plain) if x is not None]
     mine = [res[0], res[1], res[2], res[3]] + ([res[4]] if gd is not None else []) + ([res[5]] if hh is not None else [])
     names = ["dq", "dk", "dv", "dbeta"] + (["dgate"] if gd is not None else []) + (["dinit"] if hh is not None else [])
     for name, a, r, t, c in zip(names, mine, r64, rt, rc):
@@ -194,10 +196,18 @@ def test_rows_off_16_bytes_are_copied(emu):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("s", [40, 130])
+def test_plain_write_per_key_gates(emu, s):
+    """GLA's recurrence (u = v, per-key gates): T = I, no W or A terms, dbeta = 0."""
+    q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=s, kd=64, vd=40, gate="key")
+    res = check_bwd(emu, q, k, v * 0.3, beta, g, h0, l2=False, plain=True)
+    assert (res[3] == 0).all()
+
+
 def test_calls_it_does_not_take(emu):
-    """float32, GLA's plain write, K > 128 or K not a multiple of 8: a ValueError saying what the
-    kernels take."""
-    for dtype, kd, gate, plain in ((torch.float32, 64, None, False), (BF16, 64, "key", True), (F16, 64, "key", True),
+    """float32, the plain write without per-key gates, K > 128 or K not a multiple of 8: a
+    ValueError saying what the kernels take."""
+    for dtype, kd, gate, plain in ((torch.float32, 64, None, False), (BF16, 64, "head", True), (F16, 64, None, True),
                                    (BF16, 136, None, False), (BF16, 20, "head", False), (BF16, 136, "key", False)):
         q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=1, s=10, kd=kd, vd=16, gate=gate)
         qd, kd_, vd_ = (t.to(dtype) for t in (q, k, v))
@@ -219,6 +229,7 @@ def test_fuzz_chunked_delta_backward(emu, data):
     kd = 8 * draw(st.integers(1, 16))
     vd = 8 * draw(st.integers(1, 18))
     gate = draw(st.sampled_from([None, "head", "key"]))
+    plain = gate == "key" and draw(st.booleans())
     dtype = draw(st.sampled_from([BF16, F16]))
     l2, init, dfinal = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
     if varlen:
@@ -228,8 +239,8 @@ def test_fuzz_chunked_delta_backward(emu, data):
     else:
         s, cu, nseq = draw(st.integers(1, 150)), None, b
     seed = draw(st.integers(0, 2 ** 16))
-    note(dict(dtype=dtype, b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, l2=l2, init=init, dfinal=dfinal, cu=cu,
-              seed=seed))
+    note(dict(dtype=dtype, b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, plain=plain, l2=l2, init=init,
+              dfinal=dfinal, cu=cu, seed=seed))
     if s == 0 or (cu is not None and int(cu[-1]) == 0):
         return
     q, k, v, beta, g, h0 = problem(b=b, hk=hk, hv=hv, s=s, kd=kd, vd=vd, gate=gate, seed=seed, h0=init, nseq=nseq)
@@ -239,4 +250,7 @@ def test_fuzz_chunked_delta_backward(emu, data):
             g[:, :, row, draw(st.integers(0, kd - 1)):] = float("-inf")
         else:
             g[:, :, row] = float("-inf")
-    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, seed=seed, dfinal=dfinal, what="fuzz", dtype=dtype)
+    if plain:
+        v = v * 0.3  # the plain write adds every token: keep the state's size moderate
+    check_bwd(emu, q, k, v, beta, g, h0, l2=l2, cu=cu, seed=seed, dfinal=dfinal, what="fuzz", dtype=dtype,
+              plain=plain)

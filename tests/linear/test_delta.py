@@ -542,14 +542,14 @@ def test_strided_rows_are_copied():
 def test_cuda_chunk_rule():
     """The one C++ rule (common/delta_params.h delta_chunk_takes) that picks the CUDA chunk
     kernels, as Python's routing of CUDA calls needing gradients reads it: every gate (per-key
-    ones: KDA) both ways, GLA's plain write the forward only; bf16 and fp16; K <= 128,
+    ones: KDA) both ways, GLA's plain write with per-key gates; bf16 and fp16; K <= 128,
     K and V multiples of 8; the automatic selection from 256 rows on."""
     from attention_ext._ext import delta_chunk_takes as takes
     bf, f16 = torch.bfloat16, torch.float16
     for bwd in (False, True):
         assert takes(1, bf, 128, 128, False, False, 64, bwd)           # DeltaNet / Gated DeltaNet
         assert takes(1, bf, 128, 128, True, False, 64, bwd)             # KDA
-        assert takes(1, bf, 64, 40, True, True, 64, bwd) != bwd        # GLA's plain write
+        assert takes(1, bf, 64, 40, True, True, 64, bwd)                # GLA's plain write
         assert not takes(1, bf, 64, 64, False, True, 64, bwd)          # a plain write without per-key gates
         assert takes(1, f16, 64, 64, False, False, 64, bwd) and takes(1, f16, 64, 64, True, False, 64, bwd)
         assert not takes(1, torch.float32, 64, 64, True, False, 64, bwd)

@@ -214,7 +214,7 @@ void cuda_delta_bwd(const DeltaBwdParamsT<float>& p, void* scratch, cudaStream_t
   check_grid(p.h_v, p.b, what);
   if (!chunk_fits(p, true)) {
     throw std::runtime_error(std::string(what) + ": the chunk kernels do not take this call (bf16 or fp16, the "
-                             "delta write, K <= 128, K and V multiples of 8, 16-byte rows)");
+                             "plain write with per-key gates only, K <= 128, K and V multiples of 8, 16-byte rows)");
   }
   size_t bytes = 0;
   delta_chunk::DeltaChunkPlan plan = chunk_plan(p, &bytes);

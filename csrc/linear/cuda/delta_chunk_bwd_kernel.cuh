@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dlocal_kernel(const Delt
   }
   float acc[kBV / 8][4];
   linear_tc::zero(acc);
-  linear_tc::mma_reg<T, CTile, kC, kBV>(acc, s, sb + L::kDO, lane);
+  mma_reg_split<T, kBV>(acc, s, sb + L::kDO, lane);  // P^T split hi + lo, as the outputs' P
   T* du = static_cast<T*>(plan.du) + hs * kC * vp + c0;
 #pragma unroll
   for (int t = 0; t < kBV / 8; ++t) {

@@ -810,15 +810,12 @@ __global__ void __launch_bounds__(kThreads, 1) delta_chunk_state_kernel(const De
   store_slab<kK>(h, p.final_state != nullptr ? p.final_state + st0 : nullptr, K, V, c0, warp, lane);
 }
 
-// o += P u with P = hi + lo, both 16-bit (P: the warp's 16 rows of intra-chunk scores in fp32
-// accumulators, u the (kC, kBV) tile at ut), then rows < n of the warp stored to the output's value
-// columns [c0, c0 + kBV). Split, as the scores' rounding would otherwise add a third rounding to
-// every output (u's and the output's are the others); the second product costs 64 x 64 x 64 per CTA
-// beside the 2 x 64 x kK x 64 of the first two.
+// acc += S B with S (the warp's 16 rows of fp32 scores in accumulators) as hi + lo, both 16-bit,
+// B the (kC, kCols) tile at b: the scores' rounding would otherwise add a rounding to every
+// result; the second product costs 64 x 64 x kCols per warp.
 template <typename T, int kCols>
-__device__ __forceinline__ void out_tail(float (&o)[kCols / 8][4], const float (&s)[kC / 8][4], uint32_t ut,
-                                         const DeltaParams& p, const ChunkAt& at, int hv, int c0, int n, int warp,
-                                         int lane) {
+__device__ __forceinline__ void mma_reg_split(float (&acc)[kCols / 8][4], const float (&s)[kC / 8][4], uint32_t b,
+                                              int lane) {
   using CTile = tc::SmemTile<kC, kCols>;
   float lo[kC / 8][4];
 #pragma unroll
@@ -830,8 +827,18 @@ __device__ __forceinline__ void out_tail(float (&o)[kCols / 8][4], const float (
       lo[t][e + 1] = s[t][e + 1] - hi.y;
     }
   }
-  linear_tc::mma_reg<T, CTile, kC, kCols>(o, s, ut, lane);
-  linear_tc::mma_reg<T, CTile, kC, kCols>(o, lo, ut, lane);
+  linear_tc::mma_reg<T, CTile, kC, kCols>(acc, s, b, lane);
+  linear_tc::mma_reg<T, CTile, kC, kCols>(acc, lo, b, lane);
+}
+
+// o += P u (P: the warp's 16 rows of intra-chunk scores, split hi + lo: u's and the output's
+// roundings are then the only ones), then rows < n of the warp stored to the output's value
+// columns [c0, c0 + kBV).
+template <typename T, int kCols>
+__device__ __forceinline__ void out_tail(float (&o)[kCols / 8][4], const float (&s)[kC / 8][4], uint32_t ut,
+                                         const DeltaParams& p, const ChunkAt& at, int hv, int c0, int n, int warp,
+                                         int lane) {
+  mma_reg_split<T, kCols>(o, s, ut, lane);
 
   T* oh = static_cast<T*>(p.o) + int64_t(at.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
           at.row * p.o_row_stride;

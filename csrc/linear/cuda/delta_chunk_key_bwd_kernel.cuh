@@ -1,4 +1,5 @@
-// The delta rule's chunk-parallel backward with per-key gates (KDA; bf16 or fp16): the schedule of
+// The delta rule's chunk-parallel backward with per-key gates (KDA, and GLA's plain write u = v:
+// b = 1 in U, A = 0, W = 0, so T = I, Dm = 0 and no W term; bf16 or fp16): the schedule of
 // delta_chunk_bwd_kernel.cuh with a decay per key channel, w_d(i, j) = prod_{j < t <= i} a_td.
 // delta_chunk_prep_key_kernel (keeping T, A / b and the row factors) and the per-channel state walk
 // recompute every chunk's entering state h0 and u; the reverse walk (its per-channel decay) leaves
@@ -39,7 +40,6 @@ namespace delta_chunk {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) delta_chunk_dlocal_key_kernel(const DeltaBwdParams p,
                                                                           const DeltaChunkPlan plan) {
-  using CTile = tc::SmemTile<kC, kBV>;
   ATTN_EXTERN_SMEM(smem);
   const uint32_t sb = tc::smem_u32(smem);
   const int64_t x = blockIdx.x;
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dlocal_key_kernel(const 
   __syncthreads();
   float acc[kBV / 8][4];
   linear_tc::zero(acc);
-  linear_tc::mma_reg<T, CTile, kC, kBV>(acc, s, sb, lane);
+  mma_reg_split<T, kBV>(acc, s, sb, lane);  // P^T split hi + lo, as the outputs' P
   T* du = static_cast<T*>(plan.du) + hs * kC * vp + c0;
 #pragma unroll
   for (int t = 0; t < kBV / 8; ++t) {
@@ -125,9 +125,9 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_key_kernel(const D
   tc::load_tile_async<kC, kK, kThreads, T>(sb + L::kKB, kh, p.k_row_stride, n, K, tid);
   tc::load_tile_async<kC, kC, kThreads, T>(sb + L::kT, static_cast<const T*>(plan.t) + hs * kC * kC, kC, kC, kC, tid);
   tc::cp_async_commit();
-  if (tid < kC) {
+  if (tid < kC) {  // b (1 for the plain write, whose U is V)
     NK[tid] = plan.scal[hs * kScalars + 2 * kC + tid];
-    B[tid] = tid < n ? delta_cuda::load_side(p.beta_dt, p.beta, side + tid) : 0.f;
+    B[tid] = tid < n ? (p.plain ? 1.f : delta_cuda::load_side(p.beta_dt, p.beta, side + tid)) : 0.f;
   }
 #pragma unroll
   for (int t = 0; t < kC / 8; ++t) {
@@ -227,18 +227,20 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_key_kernel(const D
   }
   __syncthreads();
 
-  // M1 = lower(S1) and Dm = -Diag(b) strictly-lower(S2), 16-bit, for the dkey kernel; dbeta's A term
+  // M1 = lower(S1) and Dm = -Diag(b) strictly-lower(S2), 16-bit, for the dkey kernel; dbeta's A
+  // term (the plain write: no A, Dm = 0, and beta unused: dbeta = 0)
   T* mm = static_cast<T*>(plan.mm) + hs * 3 * kC * kC;
+  const float dm = p.plain ? 0.f : -1.f;
   for (int e = tid; e < kC * kC; e += kThreads) {
     const int i = e / kC, j = e % kC;
     mm[e] = from_float<T>(j <= i && i < n ? Sm[i * kLd + j] : 0.f);
-    mm[kC * kC + e] = from_float<T>(j < i && i < n ? -B[i] * S2[i * kLd + j] : 0.f);
+    mm[kC * kC + e] = from_float<T>(j < i && i < n ? dm * B[i] * S2[i * kLd + j] : 0.f);
   }
-  if (tid < n) {
+  if (tid < n && p.dbeta != nullptr) {
     const float* aa = plan.aa + hs * kC * kC + tid * kC;
     float acc = PB[tid];
     for (int j = 0; j < tid; ++j) acc -= S2[tid * kLd + j] * aa[j];
-    store_side(p.beta_dt, p.dbeta, side + tid, acc);
+    store_side(p.beta_dt, p.dbeta, side + tid, p.plain ? 0.f : acc);
   }
 }
 
@@ -356,7 +358,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dkey_kernel(const DeltaB
   float* SM = reinterpret_cast<float*>(smem + L::kSM);
   float* NQ = reinterpret_cast<float*>(smem + L::kF);
   float* NK = NQ + kC;
-  float* B = NK + kC;
+  float* B = NK + kC;  // b, the W term's factor (0 for the plain write: W = 0)
   float* RQ = B + kC;
   float* RK = RQ + kC;
 
@@ -386,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dkey_kernel(const DeltaB
   if (tid < kC) {
     NQ[tid] = plan.scal[hs * kScalars + 4 * kC + tid];
     NK[tid] = plan.scal[hs * kScalars + 2 * kC + tid];
-    B[tid] = tid < n ? delta_cuda::load_side(p.beta_dt, p.beta, side + tid) : 0.f;
+    B[tid] = tid < n && !p.plain ? delta_cuda::load_side(p.beta_dt, p.beta, side + tid) : 0.f;
     RQ[tid] = RK[tid] = 0.f;
   }
   tc::cp_async_wait<0>();
