@@ -80,7 +80,7 @@ def set_cuda_kernels(chunk_parallel: bool = True, segment_chunks: int = 0, chunk
                         kernel, and PyTorch's chunked WY form for calls that need gradients;
                         True = the chunk-parallel tensor-core kernels for every bf16 / fp16 call
                         they take (K <= 128, K and V multiples of 8): the forward for every gate
-                        (per-key ones included), the backward for the delta write (not GLA's);
+                        (per-key ones, and GLA's plain write with them), forward and backward;
                         None = those kernels from 256 rows on. Off by default until a GPU run
                         has tested and timed them (docs/gpu.md).
 
