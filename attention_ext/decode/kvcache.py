@@ -24,6 +24,7 @@ from .._args import not_a_tensor
 from .._dtypes import acc_dtype
 from ..softmax.functional import window_size_pair
 from .ops import decode_fwd
+from .quant import QMAX, quantize_rows
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
 
@@ -73,6 +74,19 @@ def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) ->
     return t
 
 
+def _quantize_append(x: Tensor, descale: Tensor, page: Tensor, slot: Tensor, dtype: torch.dtype) -> Tensor:
+    """New rows x (B, S_new, H_k, D) quantized for cache rows (page, slot) (B, S_new): per-row
+    descales (3-D) get a fresh scale written there (amax over D / the type's largest value);
+    per batch entry ones (B, H_k) are used as given (saturating)."""
+    if not isinstance(descale, Tensor) or descale.dtype != torch.float32:
+        raise TypeError("flash_attn_with_kvcache: k_descale / v_descale must be float32 tensors")
+    if descale.dim() == 3:
+        scale = x.float().abs().amax(-1) / QMAX[dtype]  # (B, S_new, H_k)
+        descale[page, slot] = scale
+        return quantize_rows(x, scale[..., None], dtype)
+    return quantize_rows(x, descale[:, None, :, None], dtype)
+
+
 def flash_attn_with_kvcache(
     q: Tensor,
     k_cache: Tensor,
@@ -95,6 +109,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     sinks: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Drop-in for flash_attn.flash_attn_with_kvcache (flash-attn 2.x semantics).
 
@@ -125,6 +141,13 @@ def flash_attn_with_kvcache(
     num_splits: key splits, 0 = heuristic (on the CPU from the batch and cache length only, so the
     result does not depend on the thread count).
 
+    k_descale / v_descale (keyword only): the float32 scales of an int8 / float8_e4m3fn cache
+    (cache value = stored value x descale), per row (B_cache, S_cache, H_k) / paged (num_pages,
+    page_size, H_k), or per batch entry and kv head (B, H_k); decode.quantize_kv makes both. New
+    k / v rows (q's dtype) are quantized into such a cache in place: per row, with a fresh scale
+    (amax / 127 for int8, / 448 for e4m3) written into the descales at the same rows; per batch
+    entry, with the given scale (saturating).
+
     Returns out (B, Sq, H, D), and lse (B, H, Sq) float32 with return_softmax_lse.
 
     Not differentiable (flash-attn's has no backward either): a ValueError is raised when grad
@@ -136,9 +159,11 @@ def flash_attn_with_kvcache(
             raise not_a_tensor(name, t, "flash_attn_with_kvcache")
         if t.dim() != 4:
             raise ValueError(f"flash_attn_with_kvcache: {name} must be 4-D, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"flash_attn_with_kvcache: {name} must be fp32 / bf16 / fp16 / fp64, got {t.dtype}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        if t.dtype not in _FLOATS and not (name != "q" and t.dtype in QMAX):
+            raise TypeError(f"flash_attn_with_kvcache: {name} must be fp32 / bf16 / fp16 / fp64 (the caches also "
+                            f"int8 / float8_e4m3fn with k_descale and v_descale), got {t.dtype}")
+    quantized = k_cache.dtype in QMAX
+    if not quantized and not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"flash_attn_with_kvcache: q, k_cache, v_cache must share a dtype, got "
                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     dev = q.device
@@ -221,7 +246,7 @@ def flash_attn_with_kvcache(
             if not isinstance(t, Tensor):
                 raise not_a_tensor(name, t, "flash_attn_with_kvcache")
             if t.dtype != q.dtype:
-                raise TypeError(f"flash_attn_with_kvcache: {name} must be {q.dtype} like the cache, got {t.dtype}")
+                raise TypeError(f"flash_attn_with_kvcache: {name} must be {q.dtype} like q, got {t.dtype}")
             if t.device != dev:
                 raise ValueError(f"flash_attn_with_kvcache: {name} must be on {dev}")
             if t.dim() != 4 or t.shape[0] != b or t.shape[2:] != (hk, d):
@@ -317,6 +342,15 @@ def flash_attn_with_kvcache(
                 seq = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev)
                 page = seq[:, None].expand(b, s_new)
                 slot = rows
+            if quantized:
+                if k_descale is None or v_descale is None:
+                    raise ValueError("flash_attn_with_kvcache: an int8 / float8_e4m3fn cache needs k_descale and "
+                                     "v_descale (decode.quantize_kv makes them)")
+                if bad is not None:
+                    raise ValueError("flash_attn_with_kvcache: appending to an int8 / float8_e4m3fn cache is not "
+                                     "supported under CUDA-graph capture")
+                k, v = _quantize_append(k, k_descale, page, slot, k_cache.dtype), \
+                    _quantize_append(v, v_descale, page, slot, v_cache.dtype)
             if bad is None:
                 k_cache[page, slot] = k
                 v_cache[page, slot] = v
@@ -330,7 +364,7 @@ def flash_attn_with_kvcache(
     out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=end, block_table=block_table,
                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
                           sinks=sinks, scale=scale, softcap=float(softcap), window_left=wl, window_right=wr,
-                          num_splits=int(num_splits))
+                          num_splits=int(num_splits), k_descale=k_descale, v_descale=v_descale)
     if bad is not None:
         out = out.masked_fill(bad[:, None, None, None], float("nan"))
         lse = lse.masked_fill(bad[:, None, None], float("nan"))

@@ -14,6 +14,7 @@ from .._args import not_a_tensor
 from .._ext import HAS_EXT, registered
 from .._dtypes import DTYPES, acc_dtype
 from . import reference
+from .quant import is_quantized
 
 _KERNELS = {dev: registered("attention_ext::decode_fwd", key) for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
 
@@ -68,19 +69,25 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
                block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,
                cache_leftpad: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
                sinks: Optional[Tensor] = None, scale: float, softcap: float = 0.0, window_left: int = -1,
-               window_right: int = -1, num_splits: int = 0) -> Tuple[Tensor, Tensor]:
+               window_right: int = -1, num_splits: int = 0, k_descale: Optional[Tensor] = None,
+               v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Decode attention in flash-attn's layout: q (B, Sq, H, D); k_cache / v_cache (B_cache,
     S_cache, H_k, D), or paged (num_pages, page_size, H_k, D) with block_table (B, max_pages)
     int32. Index tensors are int32 on q's device. Returns out (B, Sq, H, D) and lse (B, H, Sq)
     float32 (float64 for float64 inputs). num_splits: key splits per (batch, kv head), 0 = the
-    kernel's heuristic."""
+    kernel's heuristic. int8 / float8_e4m3fn caches (q float32 / float16 / bfloat16) come with
+    float32 k_descale and v_descale (cache value = stored value x descale): per row (B_cache,
+    S_cache, H_k) / (num_pages, page_size, H_k), or per batch entry and kv head (B, H_k)
+    (decode.quantize_kv makes either); the CPU kernel reads them directly, CUDA (no kernel for
+    them yet) through the dequantized reference."""
     if not isinstance(q, Tensor):  # the caches are the op's to check (its schema takes Tensors)
         raise not_a_tensor("q", q, "decode_fwd")
-    if has_kernel(q.device, q.dtype):
+    quantized = is_quantized(k_cache) or is_quantized(v_cache)
+    if has_kernel(q.device, q.dtype) and (not quantized or q.device.type == "cpu"):
         out, lse = torch.ops.attention_ext.decode_fwd(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
             cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
-            int(window_right), int(num_splits))
+            int(window_right), int(num_splits), k_descale, v_descale)
         return out.transpose(1, 2), lse
     # the reference below states no input rules of its own: the op's (C++) run first
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -90,10 +97,11 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
         torch.ops.attention_ext.decode_check(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
             cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
-            int(window_right), int(num_splits))
+            int(window_right), int(num_splits), k_descale, v_descale)
     acc = acc_dtype(q.dtype)
     out, lse = reference.decode_attention(
         q.to(acc), k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, softmax_scale=scale,
-        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        k_descale=k_descale, v_descale=v_descale)
     return out.to(q.dtype), lse

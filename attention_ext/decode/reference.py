@@ -36,14 +36,25 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
                      block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,
                      cache_leftpad: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
-                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                     k_descale: Optional[Tensor] = None, v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """q (B, Sq, H, D) against the cache (flash-attn layout). Sequence b's keys are cache rows
     [leftpad[b], cache_seqlens[b]); the diagonal is bottom-right (the last query row sees the
-    last key). Causal is window_size = (left, 0). Returns out (B, Sq, H, D) in q's dtype and lse
-    (B, H, Sq) (the math runs in q's dtype: call it with float64 tensors for the oracle)."""
+    last key). Causal is window_size = (left, 0). An int8 / float8_e4m3fn cache is read as
+    cache.float() * descale (per row (.., .., H_k), or per batch entry and kv head (B, H_k)).
+    Returns out (B, Sq, H, D) in q's dtype and lse (B, H, Sq) (the math runs in q's dtype: call it
+    with float64 tensors for the oracle)."""
     b = q.shape[0]
+    if k_descale is not None:  # per row: the cache's own rows (per batch entry: after the gather)
+        k_cache = k_cache.to(q.dtype) * (k_descale.to(q.dtype)[..., None] if k_descale.dim() == 3 else 1)
+    if v_descale is not None:
+        v_cache = v_cache.to(q.dtype) * (v_descale.to(q.dtype)[..., None] if v_descale.dim() == 3 else 1)
     k = gather_cache(k_cache, block_table, cache_batch_idx, cache_leftpad, b)
     v = gather_cache(v_cache, block_table, cache_batch_idx, cache_leftpad, b)
+    if k_descale is not None and k_descale.dim() == 2:  # per batch entry: the rows it gathered
+        k = k.to(q.dtype) * k_descale.to(q.dtype)[:, None, :, None]
+    if v_descale is not None and v_descale.dim() == 2:
+        v = v.to(q.dtype) * v_descale.to(q.dtype)[:, None, :, None]
     cap = k.shape[1]
     lens = cache_seqlens if cache_seqlens is not None else torch.full((b,), cap, dtype=torch.int32, device=q.device)
     if cache_leftpad is not None:

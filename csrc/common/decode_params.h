@@ -8,6 +8,10 @@
 //   paged       k / v are (num_pages, H_k, page_size, D) through the same strides (the batch
 //               stride is the page stride); cache row r of batch b is row r % page_size of page
 //               block_table[b, r / page_size]
+// A quantized cache (kv_quant: int8 or fp8 e4m3) holds x / descale: element e of cache row r, kv
+// head hk is e * k_descale (v_descale for V) with one float32 scale per (batch entry, kv head),
+// (B, H_k), or per row and kv head (descale_per_token): (B_cache, S_cache, H_k), paged
+// (num_pages, page_size, H_k), addressed like the row (KvRows::scale_row).
 // Either way the keys of batch b are cache rows [leftpad_k[b], seqlens_k[b]) (leftpad 0 when
 // absent): key j of the policy is cache row leftpad + j, and the policy's len_k is
 // seqlens_k[b] - leftpad, so causal and ALiBi see positions relative to the left pad, as in
@@ -36,7 +40,14 @@ struct DecodeParamsT : SoftmaxParamsT<Acc> {
   const int32_t* leftpad_k;
   // key splits per (batch, kv head); 0 = the backend's heuristic
   int32_t num_splits;
+  // the cache's storage: kKvNone (q's dtype), kKvInt8, kKvFp8 (e4m3), with its descales
+  int32_t kv_quant;
+  const float* k_descale;
+  const float* v_descale;
+  bool descale_per_token;
 };
+
+inline constexpr int32_t kKvNone = 0, kKvInt8 = 1, kKvFp8 = 2;
 
 using DecodeParams = DecodeParamsT<float>;
 
@@ -58,6 +69,7 @@ struct KvRows {
   int64_t k_rs, v_rs, k_ps, v_ps;  // row strides; page strides (paged)
   const int32_t* pages;            // this sequence's block-table row; nullptr = contiguous
   int32_t page, num_pages, pad;    // page size, pool size, left pad
+  int64_t row0;                    // contiguous: the first cache row of the sequence, cb * capacity
 
   template <typename Acc>
   ATTN_HD KvRows(const DecodeParamsT<Acc>& p, int b, int hk) {
@@ -72,12 +84,21 @@ struct KvRows {
       pages = p.block_table + int64_t(b) * p.block_table_stride;
       k_head = int64_t(hk) * p.k_head_stride;
       v_head = int64_t(hk) * p.v_head_stride;
+      row0 = 0;
     } else {
       pages = nullptr;
       const int64_t cb = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
       k_head = cb * p.k_batch_stride + int64_t(hk) * p.k_head_stride;
       v_head = cb * p.v_batch_stride + int64_t(hk) * p.v_head_stride;
+      row0 = cb * p.sk;
     }
+  }
+  // The row of key j in a per-token descale ((B_cache, S_cache) or (num_pages, page_size) rows,
+  // times H_k plus the kv head for the element)
+  ATTN_HD int64_t scale_row(int j) const {
+    const int r = pad + j;
+    if (pages == nullptr) return row0 + r;
+    return page_of(r) * page + r % page;
   }
   // The page holding cache row r, clamped into the pool.
   ATTN_HD int64_t page_of(int r) const {

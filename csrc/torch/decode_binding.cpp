@@ -58,14 +58,69 @@ int64_t check_values(const DecodeArgs& a, int64_t b, int64_t cap, int64_t n_cach
 
 }  // namespace
 
+bool quantized_cache(const DecodeArgs& a) {
+  const at::ScalarType t = a.k.scalar_type();
+  return t == at::kChar || t == at::kFloat8_e4m3fn || a.v.scalar_type() == at::kChar ||
+         a.v.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+namespace {
+// k_descale / v_descale of a quantized cache: float32, contiguous, on q's device, (B, H_k) or
+// per row (the cache's leading two dims, then H_k). Returns whether they are per row.
+bool check_descales(const DecodeArgs& a) {
+  const Tensor& k = a.k;
+  const bool paged = a.block_table.has_value();
+  // the cache is (B_cache, H_k, S_cache, D) here (paged: (num_pages, H_k, page_size, D))
+  const c10::SymInt b = a.q.sym_size(0), hk = k.sym_size(1), n0 = k.sym_size(0), n1 = k.sym_size(2);
+  bool per_row = false;
+  for (const auto& [name, t] : {std::pair<const char*, const OptTensor*>{"k_descale", &a.k_descale},
+                                {"v_descale", &a.v_descale}}) {
+    TORCH_CHECK_VALUE(t->has_value(), "attention_ext.decode: an ", k.scalar_type(), " cache needs ", name,
+                      " (float32 scales, cache value = stored value x scale): (B, H_k) = (", b, ", ", hk,
+                      ") per sequence and kv head, or per row ", paged ? "(num_pages, page_size, H_k) = (" :
+                      "(B_cache, S_cache, H_k) = (", n0, ", ", n1, ", ", hk, "); attention_ext.decode.quantize_kv ",
+                      "makes both");
+    const Tensor& s = **t;
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "attention_ext.decode: ", name, " must be float32, got ",
+                     s.scalar_type());
+    TORCH_CHECK(s.device() == a.q.device(), "attention_ext.decode: ", name, " must be on ", a.q.device(), ", got ",
+                s.device());
+    const bool row = s.dim() == 3;
+    TORCH_CHECK_VALUE((s.dim() == 2 && s.sym_size(0) == b && s.sym_size(1) == hk) ||
+                          (row && s.sym_size(0) == n0 && s.sym_size(1) == n1 && s.sym_size(2) == hk),
+                      "attention_ext.decode: ", name, " must be (B, H_k) = (", b, ", ", hk, ") or per row ",
+                      paged ? "(num_pages, page_size, H_k) = (" : "(B_cache, S_cache, H_k) = (", n0, ", ", n1, ", ",
+                      hk, "), got ", s.sym_sizes());
+    TORCH_CHECK_VALUE(s.is_contiguous(), "attention_ext.decode: ", name, " must be contiguous");
+    if (t == &a.k_descale) per_row = row;
+    TORCH_CHECK_VALUE(row == per_row, "attention_ext.decode: k_descale and v_descale must both be per row or ",
+                      "both per (batch, kv head), got ", a.k_descale->sym_sizes(), " and ", s.sym_sizes());
+  }
+  return per_row;
+}
+}  // namespace
+
 void check_decode_shapes(const DecodeArgs& a) {
   const Tensor &q = a.q, &k = a.k, &v = a.v;
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "attention_ext.decode: q must be (B, H, Sq, D) and the caches 4-D, got q ", q.sym_sizes(), ", k_cache ",
                     k.sym_sizes(), ", v_cache ", v.sym_sizes());
-  TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                   "attention_ext.decode: q and the caches must share a dtype, got ", q.scalar_type(), ", ",
-                   k.scalar_type(), ", ", v.scalar_type());
+  const bool quant = quantized_cache(a);
+  if (quant) {
+    TORCH_CHECK_TYPE(k.scalar_type() == v.scalar_type(), "attention_ext.decode: k_cache and v_cache must share a ",
+                     "dtype, got ", k.scalar_type(), " and ", v.scalar_type());
+    TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                     "attention_ext.decode: with an ", k.scalar_type(), " cache q must be float32, float16 or ",
+                     "bfloat16, got ", q.scalar_type());
+  } else {
+    TORCH_CHECK_TYPE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                     "attention_ext.decode: q and the caches must share a dtype (or the caches be int8 / "
+                     "float8_e4m3fn with k_descale and v_descale), got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+                     v.scalar_type());
+    TORCH_CHECK_VALUE(!a.k_descale.has_value() && !a.v_descale.has_value(),
+                      "attention_ext.decode: k_descale / v_descale go with int8 or float8_e4m3fn caches; the caches ",
+                      "are ", k.scalar_type());
+  }
   dtype_of(q);  // float32 / float16 / bfloat16 / float64
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
               "attention_ext.decode: q and the caches must be on one device, got ", q.device(), ", ", k.device(), ", ",
@@ -82,6 +137,7 @@ void check_decode_shapes(const DecodeArgs& a) {
                       "attention_ext.decode: the head dim of q and the caches must be contiguous, got strides ",
                       t->sym_strides());
   }
+  if (quant) check_descales(a);
   TORCH_CHECK_VALUE(a.window_left >= -1 && a.window_right >= -1, "attention_ext.decode: window_left and window_right must be >= -1 (-1 = unbounded), got (",
                     a.window_left, ", ", a.window_right, ")");
   TORCH_CHECK_VALUE(a.softcap >= 0.0, "attention_ext.decode: softcap must be >= 0, got ", a.softcap);
@@ -173,6 +229,13 @@ DecodeParamsT<Acc> make_decode_params(const DecodeArgs& a, const Tensor& out, co
   }
   p.cache_batch_idx = a.cache_batch_idx.has_value() ? a.cache_batch_idx->data_ptr<int32_t>() : nullptr;
   p.leftpad_k = a.leftpad_k.has_value() ? a.leftpad_k->data_ptr<int32_t>() : nullptr;
+  p.kv_quant = kKvNone;
+  if (quantized_cache(a)) {
+    p.kv_quant = a.k.scalar_type() == at::kChar ? kKvInt8 : kKvFp8;
+    p.k_descale = a.k_descale->data_ptr<float>();
+    p.v_descale = a.v_descale->data_ptr<float>();
+    p.descale_per_token = a.k_descale->dim() == 3;
+  }
   return p;
 }
 template DecodeParamsT<float> make_decode_params<float>(const DecodeArgs&, const Tensor&, const Tensor&);

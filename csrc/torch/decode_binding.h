@@ -4,12 +4,15 @@
 //
 // Op schema (registered in library.cpp):
 //   decode_fwd(q, k_cache, v_cache, seqlens_k?, block_table?, cache_batch_idx?, leftpad_k?,
-//              alibi_slopes?, sinks?, scale, softcap, window_left, window_right, num_splits=0)
-//       -> (out, lse)
+//              alibi_slopes?, sinks?, scale, softcap, window_left, window_right, num_splits=0,
+//              k_descale?, v_descale?) -> (out, lse)
 // q (B, H, Sq, D) through strides (flash-attn's (B, Sq, H, D) transposed); k_cache / v_cache
 // (B_cache, H_k, S_cache, D), or paged (num_pages, H_k, page_size, D) with block_table
 // (B, max_pages) int32. seqlens_k (B) int32: cache rows in use per sequence (absent = all);
 // leftpad_k (B) int32: the first valid row. Causal is window_right = 0, always bottom-right.
+// int8 / float8_e4m3fn caches (with q float32 / float16 / bfloat16) come with float32
+// k_descale and v_descale: (B, H_k) per batch entry and kv head, or per row, (B_cache, S_cache,
+// H_k) / paged (num_pages, page_size, H_k) (common/decode_params.h); the CPU kernel reads them.
 // out keeps q's memory layout; lse is (B, H, Sq) float32 (float64 for float64 inputs).
 // Forward only: the cache is not differentiated (flash-attn's function has no backward either).
 #pragma once
@@ -26,7 +29,8 @@
 #define ATTN_DECODE_ARGS_SCHEMA                                                                        \
   "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? seqlens_k, Tensor? block_table, "                \
   "Tensor? cache_batch_idx, Tensor? leftpad_k, Tensor? alibi_slopes, Tensor? sinks, float scale, "     \
-  "float softcap, int window_left, int window_right, int num_splits=0)"
+  "float softcap, int window_left, int window_right, int num_splits=0, Tensor? k_descale=None, "        \
+  "Tensor? v_descale=None)"
 #define ATTN_DECODE_SCHEMA "decode_fwd" ATTN_DECODE_ARGS_SCHEMA " -> (Tensor, Tensor)"
 
 namespace attn {
@@ -40,7 +44,11 @@ struct DecodeArgs {
   OptTensor seqlens_k, block_table, cache_batch_idx, leftpad_k, alibi_slopes, sinks;
   double scale, softcap;
   int64_t window_left, window_right, num_splits;
+  OptTensor k_descale, v_descale;  // quantized caches only
 };
+
+// Whether the caches are int8 / float8_e4m3fn (quantized, with descales).
+bool quantized_cache(const DecodeArgs& a);
 
 // Shapes, dtypes and devices, then the values of the index tensors: seqlens_k in
 // [0, capacity], leftpad_k in [0, seqlens_k], cache_batch_idx in [0, B_cache), and every

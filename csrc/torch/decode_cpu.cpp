@@ -18,9 +18,11 @@ std::tuple<Tensor, Tensor> decode_fwd_cpu(const Tensor& q, const Tensor& k_cache
                                           const OptTensor& cache_batch_idx, const OptTensor& leftpad_k,
                                           const OptTensor& alibi_slopes, const OptTensor& sinks, double scale,
                                           double softcap, int64_t window_left, int64_t window_right,
-                                          int64_t num_splits) {
-  const attn::api::DecodeArgs a{q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k,
-                                alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits};
+                                          int64_t num_splits, const OptTensor& k_descale,
+                                          const OptTensor& v_descale) {
+  const attn::api::DecodeArgs a{q,           k_cache, v_cache,     seqlens_k,    block_table, cache_batch_idx,
+                                leftpad_k,   alibi_slopes, sinks,  scale,        softcap,     window_left,
+                                window_right, num_splits, k_descale, v_descale};
   attn::api::check_decode_inputs(a);
   auto [out, lse] = attn::api::alloc_decode_outputs(q);
   if (q.numel() == 0) return {out, lse};
@@ -40,9 +42,11 @@ std::tuple<Tensor, Tensor> decode_fwd_meta(const Tensor& q, const Tensor& k_cach
                                            const OptTensor& cache_batch_idx, const OptTensor& leftpad_k,
                                            const OptTensor& alibi_slopes, const OptTensor& sinks, double scale,
                                            double softcap, int64_t window_left, int64_t window_right,
-                                           int64_t num_splits) {
+                                           int64_t num_splits, const OptTensor& k_descale,
+                                           const OptTensor& v_descale) {
   attn::api::check_decode_shapes({q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k,
-                                  alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits});
+                                  alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits,
+                                  k_descale, v_descale});
   return attn::api::alloc_decode_outputs(q);
 }
 
@@ -51,9 +55,11 @@ std::tuple<Tensor, Tensor> decode_fwd_meta(const Tensor& q, const Tensor& k_cach
 void decode_check(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const OptTensor& seqlens_k,
                   const OptTensor& block_table, const OptTensor& cache_batch_idx, const OptTensor& leftpad_k,
                   const OptTensor& alibi_slopes, const OptTensor& sinks, double scale, double softcap,
-                  int64_t window_left, int64_t window_right, int64_t num_splits) {
+                  int64_t window_left, int64_t window_right, int64_t num_splits, const OptTensor& k_descale,
+                  const OptTensor& v_descale) {
   attn::api::check_decode_shapes({q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k,
-                                  alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits});
+                                  alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits,
+                                  k_descale, v_descale});
 }
 
 }  // namespace

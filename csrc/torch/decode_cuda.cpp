@@ -31,10 +31,12 @@ std::tuple<Tensor, Tensor> decode_fwd_cuda(const Tensor& q, const Tensor& k_cach
                                            const OptTensor& cache_batch_idx, const OptTensor& leftpad_k,
                                            const OptTensor& alibi_slopes, const OptTensor& sinks, double scale,
                                            double softcap, int64_t window_left, int64_t window_right,
-                                           int64_t num_splits) {
+                                           int64_t num_splits, const OptTensor& k_descale,
+                                           const OptTensor& v_descale) {
   attn::NvtxRange range("attention_ext::decode::fwd (CUDA)");
-  const attn::api::DecodeArgs a{q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k,
-                                alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits};
+  const attn::api::DecodeArgs a{q,         k_cache,      v_cache, seqlens_k, block_table, cache_batch_idx,
+                                leftpad_k, alibi_slopes, sinks,   scale,     softcap,     window_left,
+                                window_right, num_splits, k_descale, v_descale};
   return attn::api::decode_cuda_steps(CudaDevice{}, a);
 }
 

@@ -18,6 +18,11 @@
 // count follows the problem, not the threads: decode_num_splits); their (O_s, lse_s) merge exactly through
 // common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
 // so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
+// Quantized caches (int8, fp8 e4m3) are element types like the 16-bit ones, widened in registers
+// (a byte per element read: half a bf16 cache's bytes); their descales never touch an element: a
+// key's k scale multiplies its score (per (batch, kv head): folded into the q rows once), and a
+// key's v scale its probability before P V (per (batch, kv head): the output row at the end),
+// after the softmax's sum has taken the probabilities.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -61,6 +66,25 @@ struct Bf16 {
 struct F16 {
   uint16_t bits;
 };
+struct I8 {  // int8
+  int8_t x;
+};
+struct F8 {  // fp8 e4m3 (float8_e4m3fn: no infinities, S.1111.111 NaN)
+  uint8_t bits;
+};
+
+// fp8 e4m3 -> float32: the 7 magnitude bits placed at float32's exponent / mantissa boundary
+// (bits << 20) read as a float32 are x * 2^-120 for normal and subnormal e4m3 alike (an e4m3
+// subnormal lands on a float32 subnormal), so one multiply by 2^120 finishes; the sign is or-ed
+// in and 0x7f / 0xff give NaN.
+inline float f8_to_f32(uint8_t b) {
+  if ((b & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  const uint32_t m = uint32_t(b & 0x7f) << 20;
+  float f;
+  std::memcpy(&f, &m, 4);
+  f *= 0x1p120f;
+  return (b & 0x80) ? -f : f;
+}
 
 template <typename T, typename E>
 inline vec<T> load_cvt(const E* p) {
@@ -79,6 +103,38 @@ inline vec<T> load_cvt(const E* p) {
     const vi x = __builtin_convertvector(h, vi) << 16;
     vf f;
     std::memcpy(&f, &x, sizeof(f));
+    return f;
+#endif
+  } else if constexpr (std::is_same_v<E, I8>) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+    vf f;
+    for (int u = 0; u < W; ++u) f[u] = float(p[u].x);
+    return f;
+#endif
+  } else if constexpr (std::is_same_v<E, F8>) {
+#if defined(__AVX512F__)
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), _mm512_set1_ps(0x1p120f));
+    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f),
+                                            _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+    return (vf)_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+#elif defined(__AVX2__)
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+    __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+    f = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f),
+                                            _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
+    return (vf)_mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+#else
+    vf f;
+    for (int u = 0; u < W; ++u) f[u] = f8_to_f32(p[u].bits);
     return f;
 #endif
   } else {
@@ -157,6 +213,8 @@ template <typename T, typename E>
 inline T to_t(E e) {
   if constexpr (std::is_same_v<E, T>) return e;
   else if constexpr (std::is_same_v<E, Bf16>) return bf16_to_f32(e.bits);
+  else if constexpr (std::is_same_v<E, I8>) return T(e.x);
+  else if constexpr (std::is_same_v<E, F8>) return f8_to_f32(e.bits);
   else return f16_to_f32(e.bits);
 }
 
@@ -179,6 +237,9 @@ struct DecodeWorker {
   const E* vp[kChunk];
   const E* kp_next[kChunk];  // the next chunk's
   const E* vp_next[kChunk];
+  // quantized caches: the descales' row (times H_k) of the chunk's keys, and the next chunk's
+  static constexpr bool kQuant = std::is_same_v<E, I8> || std::is_same_v<E, F8>;
+  int64_t sr[kChunk], sr_next[kChunk];
   std::vector<int> row_lo, row_hi;  // the keys query row i sees: [row_lo[i], row_hi[i])
   std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
@@ -567,11 +628,16 @@ struct DecodeWorker {
     const int per = round_up(std::max((std::max(khi - klo, 0) + splits - 1) / splits, 1), kChunk);
     const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
+    const bool per_token = kQuant && p.descale_per_token;
     for (int r = 0; r < rows; ++r) {
       const int h = r / p.sq, i = r % p.sq;
       const char* src = elem(p.q, dt, int64_t(b) * p.q_batch_stride + int64_t(h) * p.q_head_stride +
                                           int64_t(i) * p.q_row_stride);
       load_row(dt, src, q + size_t(r) * dp, d, dp);
+      if (kQuant && !per_token) {  // a (batch, kv head) k scale: q . (k s) = (q s) . k
+        const T ks = p.k_descale[int64_t(b) * p.h_k + r / rows_g];
+        for (int c = 0; c < d; ++c) q[size_t(r) * dp + c] *= ks;
+      }
     }
     pack_q();
     std::fill(o, o + size_t(rows) * dp, T(0));
@@ -589,21 +655,25 @@ struct DecodeWorker {
     const E* kbase = static_cast<const E*>(p.k);
     const E* vbase = static_cast<const E*>(p.v);
     const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
-    auto rows_of = [&](int j0, const E** kq, const E** vq) {
+    auto rows_of = [&](int j0, const E** kq, const E** vq, int64_t* sq_) {
       kv.walk(j0, std::min(chunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
         kq[jj] = kbase + ko;
         vq[jj] = vbase + vo;
       });
+      if (per_token) {
+        for (int jj = 0; jj < std::min(chunk, e - j0); ++jj) sq_[jj] = kv.scale_row(j0 + jj) * p.h_k;
+      }
     };
-    if (a < e) rows_of(a, kp, vp);
+    if (a < e) rows_of(a, kp, vp, sr);
     for (int j0 = a; j0 < e; j0 += chunk) {
       const int n = std::min(chunk, e - j0), nn = round_up(n, L);
       if (j0 > a) {
         std::copy(kp_next, kp_next + n, kp);
         std::copy(vp_next, vp_next + n, vp);
+        if (per_token) std::copy(sr_next, sr_next + n, sr);
       }
       const int n_next = j0 + chunk < e ? std::min(chunk, e - j0 - chunk) : 0;
-      if (n_next > 0) rows_of(j0 + chunk, kp_next, vp_next);
+      if (n_next > 0) rows_of(j0 + chunk, kp_next, vp_next, sr_next);
       // scores: key by key, every kv head of the key (one sequential stream through the cache);
       // on the way, the key's V rows are prefetched for the PV pass and the next chunk's K rows
       // for the next scores pass (the hardware prefetchers alone left the FMAs waiting on K).
@@ -641,9 +711,17 @@ struct DecodeWorker {
         const TileSoftmax<T>& ts = tss[r / p.sq];
         T* srow = s + r * kChunk;
         std::fill(srow + n, srow + nn, T(0));
+        if (per_token) {  // each key's k scale
+          const int hk = r / rows_g;
+          for (int jj = 0; jj < n; ++jj) srow[jj] *= p.k_descale[sr[jj] + hk];
+        }
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
         const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
+        if (per_token) {  // each key's v scale on its probability, the softmax's sum taken
+          const int hk = r / rows_g;
+          for (int jj = 0; jj < n; ++jj) srow[jj] *= p.v_descale[sr[jj] + hk];
+        }
         if constexpr (kDots<T, E>) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
@@ -684,6 +762,10 @@ struct DecodeWorker {
       const T* osrow = os + size_t(r) * dp;
       const T* ocrow = oc + size_t(r) * dp;
       for (int c = 0; c < dp; c += L) vstore(orow + c, vload(osrow + c) - vload(ocrow + c));
+      if (kQuant && !per_token) {  // a (batch, kv head) v scale
+        const V vs = vbcast(T(p.v_descale[int64_t(b) * p.h_k + r / rows_g]));
+        for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * vs);
+      }
       if constexpr (kPermuted) {  // back to column order
         for (int c = 0; c < dp; ++c) row[c] = orow[c < d ? stored_col(c) : c];
         std::copy(row, row + dp, orow);
@@ -783,6 +865,8 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt) {
   if constexpr (std::is_same_v<T, double>) {
     run<double, double>(p, dt);
   } else {
+    if (p.kv_quant == kKvInt8) return run<float, I8>(p, dt);
+    if (p.kv_quant == kKvFp8) return run<float, F8>(p, dt);
     switch (dt) {
       case DType::kBF16: run<float, Bf16>(p, dt); break;
       case DType::kF16: run<float, F16>(p, dt); break;

@@ -1,0 +1,235 @@
+"""8-bit KV caches (int8, float8_e4m3fn) in the decode family: the CPU kernel (csrc/decode/cpu,
+its I8 / F8 element types) against decode over the dequantized cache (stored value x descale)
+in float64, under the project rule (2x PyTorch's error in q's dtype over the same dequantized
+cache, + a floor): per-row and per-(batch, kv head) descales, contiguous and paged caches, GQA,
+q_len > 1 with causal / window, cache_batch_idx, leftpad, splits; quantize_kv's rounding; the
+in-place quantized append of flash_attn_with_kvcache; the NaN policy (unread cache bytes may be
+anything, fp8 NaN included); CUDA-less reference fallback; the input errors; opcheck."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.decode import dequantize_kv, ops, quantize_kv, reference
+from tests.decode.cases import Case, make_inputs, op_args
+from tests.helpers import assert_close_fa2
+
+pytestmark = pytest.mark.skipif(not ops.has_kernel(torch.device("cpu")), reason="needs the compiled CPU kernels")
+
+F64 = torch.float64
+QDT = [torch.int8, torch.float8_e4m3fn]
+
+
+def quantize_case(c: Case, qdt, granularity, seed=0):
+    """make_inputs(c) with the caches quantized: per row (quantize_kv on the cache or page pool),
+    or per (batch entry, kv head): one scale per entry where entry b owns cache row b, else one
+    per kv head shared by every entry (pages and cache_batch_idx rows hold any entry's keys)."""
+    torch.manual_seed(seed)
+    q, k, v, idx, kw, alibi, sinks = make_inputs(c)
+    k, v = k.float() * 2.0, v.float()
+    if granularity == "token":
+        (kq, ks), (vq, vs) = quantize_kv(k, qdt, "token"), quantize_kv(v, qdt, "token")
+    elif c.page is None and not c.batch_idx:
+        (kq, ks), (vq, vs) = quantize_kv(k, qdt, "head"), quantize_kv(v, qdt, "head")
+    else:
+        from attention_ext.decode.quant import QMAX, quantize_rows
+        kq, vq, scales = [], [], []
+        for x in (k, v):
+            s = x.abs().amax(dim=(0, 1, 3)) / QMAX[qdt]  # (H_k,)
+            scales.append(s[None, :].expand(c.b, -1).contiguous())
+            (kq if x is k else vq).append(quantize_rows(x, s[None, None, :, None], qdt))
+        (kq,), (vq,), (ks, vs) = kq, vq, scales
+    return q, kq, vq, ks, vs, idx, kw, alibi, sinks
+
+
+def dequant(x_q, s, c: Case):
+    if s.dim() == 3:
+        return dequantize_kv(x_q, s)
+    if c.page is None and not c.batch_idx:
+        return dequantize_kv(x_q, s)
+    return x_q.float() * s[0][None, None, :, None]  # one scale per kv head
+
+
+def run_check(c: Case, qdt, granularity, what=""):
+    q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, qdt, granularity)
+    out, lse = ops.decode_fwd(q, kq, vq, **idx, alibi_slopes=alibi, sinks=sinks, scale=kw["softmax_scale"],
+                              softcap=kw["softcap"], window_left=kw["window_size"][0],
+                              window_right=kw["window_size"][1], num_splits=c.num_splits, k_descale=ks, v_descale=vs)
+    kd, vd = dequant(kq, ks, c), dequant(vq, vs, c)
+    args = dict(**idx, **kw, alibi_slopes=alibi, sinks=sinks)
+    ref, ref_lse = reference.decode_attention(q.to(F64), kd.to(F64), vd.to(F64),
+                                              **{n: (t.to(F64) if n in ("alibi_slopes", "sinks") and t is not None
+                                                     else t) for n, t in args.items()})
+    low, _ = reference.decode_attention(q, kd.to(q.dtype), vd.to(q.dtype), **args)
+    _, lse32 = reference.decode_attention(q.float(), kd, vd, **args)
+    assert out.dtype == q.dtype and not out.isnan().any(), what
+    assert_close_fa2(out, low, ref, q.dtype, f"{what} out")
+    assert_close_fa2(lse, lse32, ref_lse, torch.float32, f"{what} lse")
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["token", "head"])
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+@pytest.mark.parametrize("layout", [dict(), dict(page=16), dict(page=5, leftpad=True), dict(batch_idx=True)],
+                         ids=["contiguous", "page16", "page5_leftpad", "batch_idx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_matches_dequantized_decode(granularity, qdt, layout, dtype):
+    c = Case(b=4, h=8, hk=2, sq=1, d=64, dtype=dtype, seqlens=(0, 1, 97, 300), num_splits=2, **layout)
+    run_check(c, qdt, granularity, f"{qdt} {granularity} {layout} {dtype}")
+
+
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+@pytest.mark.parametrize("opts", [dict(sq=3, window=(-1, 0)), dict(sq=2, window=(40, 2), sinks=True, softcap=5.0),
+                                  dict(h=4, hk=4, d=80), dict(h=6, hk=1, d=128, num_splits=0),
+                                  dict(h=2, hk=2, d=33, alibi=True)],
+                         ids=["causal", "window_sinks_softcap", "mha_d80", "mqa_d128", "odd_d_alibi"])
+def test_options(qdt, opts):
+    c = Case(**{**dict(b=3, h=8, hk=2, d=64, dtype=torch.bfloat16, seqlens=(5, 150, 333), num_splits=3), **opts})
+    for gran in ("token", "head"):
+        run_check(c, qdt, gran, f"{qdt} {gran} {opts}")
+
+
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+def test_quantize_kv_rounding(qdt):
+    """Per row: |dequantized - x| <= half a step (int8) or e4m3's relative half-ulp (2^-4) of
+    amax; per head the same against the head's amax; zero rows stay zero; the descales' shapes."""
+    x = torch.randn(2, 50, 3, 16) * torch.rand(2, 50, 3, 1) * 4
+    x[0, 7] = 0.0
+    for gran, shape in (("token", (2, 50, 3)), ("head", (2, 3))):
+        xq, s = quantize_kv(x, qdt, gran)
+        assert xq.dtype == qdt and s.shape == shape and s.dtype == torch.float32
+        err = (dequantize_kv(xq, s) - x).abs()
+        step = s[..., None] if gran == "token" else s[:, None, :, None]
+        bound = 0.5 * step if qdt == torch.int8 else 2.0 ** -4 * x.abs() + 2.0 ** -9 * step * 448
+        assert (err <= bound * (1 + 1e-6) + 1e-12).all()
+        assert (dequantize_kv(xq, s)[0, 7] == 0).all()
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_kv(x, qdt, "channel")
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_kv(x, torch.float16)
+
+
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_quantizes_in_place(qdt, paged):
+    """flash_attn_with_kvcache with new k / v rows on an 8-bit cache with per-row descales: the
+    new rows' scales are written (amax / the type's max), only the new rows and their scales
+    change, and the output equals decode over the dequantized cache."""
+    torch.manual_seed(1)
+    b, hk, h, d, cap = 2, 2, 4, 32, 64
+    lens = torch.tensor([10, 33], dtype=torch.int32)
+    if paged:
+        kf, vf = torch.randn(14, 8, hk, d), torch.randn(14, 8, hk, d)
+        bt = torch.randperm(14)[:12].reshape(b, 6).to(torch.int32)
+        kw = dict(block_table=bt)
+    else:
+        kf, vf = torch.randn(b, cap, hk, d), torch.randn(b, cap, hk, d)
+        kw = {}
+    (kq, ks), (vq, vs) = quantize_kv(kf, qdt), quantize_kv(vf, qdt)
+    k0, s0 = kq.clone(), ks.clone()
+    q, kn, vn = (torch.randn(b, 3, n, d).bfloat16() for n in (h, hk, hk))
+    out = ae.flash_attn_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=lens, causal=True, k_descale=ks, v_descale=vs,
+                                     **kw)
+    rows = lens.long()[:, None] + torch.arange(3)[None, :]
+    if paged:
+        page, slot = torch.gather(bt.long(), 1, rows // 8), rows % 8
+    else:
+        page, slot = torch.arange(b)[:, None].expand(b, 3), rows
+    from attention_ext.decode.quant import QMAX
+    torch.testing.assert_close(ks[page, slot], kn.float().abs().amax(-1) / QMAX[qdt], rtol=0, atol=0)
+    changed = (kq.view(torch.uint8) != k0.view(torch.uint8)).any(-1)  # (rows, H_k)
+    changed[page, slot] = False
+    assert not changed.any()
+    mask = torch.ones_like(ks, dtype=torch.bool)
+    mask[page, slot] = False
+    assert torch.equal(ks[mask], s0[mask])
+    ref, _ = reference.decode_attention(q.to(F64), dequantize_kv(kq, ks).to(F64), dequantize_kv(vq, vs).to(F64),
+                                        cache_seqlens=lens + 3, softmax_scale=d ** -0.5, window_size=(-1, 0), **kw)
+    low, _ = reference.decode_attention(q, dequantize_kv(kq, ks).bfloat16(), dequantize_kv(vq, vs).bfloat16(),
+                                        cache_seqlens=lens + 3, softmax_scale=d ** -0.5, window_size=(-1, 0), **kw)
+    assert_close_fa2(out, low, ref, torch.bfloat16, "append")
+
+
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+def test_unread_bytes_change_nothing(qdt):
+    """Cache rows past cache_seqlens hold any byte (fp8: 0x7f, NaN): the output does not change."""
+    c = Case(b=2, h=4, hk=2, d=64, dtype=torch.bfloat16, seqlens=(40, 77), num_splits=2)
+    q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, qdt, "token")
+    call = lambda k, v: ops.decode_fwd(q, k, v, **idx, scale=kw["softmax_scale"], k_descale=ks,  # noqa: E731
+                                       v_descale=vs)[0]
+    want = call(kq, vq)
+    kb, vb = kq.clone(), vq.clone()
+    for t in (kb, vb):
+        t.view(torch.uint8)[0, 40:] = 0x7F
+        t.view(torch.uint8)[1, 77:] = 0xFF
+    assert torch.equal(call(kb, vb), want)
+
+
+def test_kernel_equals_the_reference_fallback():
+    """The reference the CUDA calls fall back to (no 8-bit CUDA kernel yet) reads the cache as the
+    CPU kernel does: both agree to float32 rounding."""
+    c = Case(b=2, h=4, hk=2, d=32, dtype=torch.float32, seqlens=(9, 30), num_splits=1)
+    q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, torch.int8, "token")
+    out, lse = ops.decode_fwd(q, kq, vq, **idx, scale=kw["softmax_scale"], k_descale=ks, v_descale=vs)
+    ref, ref_lse = reference.decode_attention(q, kq, vq, **idx, softmax_scale=kw["softmax_scale"], k_descale=ks,
+                                              v_descale=vs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_input_errors():
+    c = Case(b=2, h=4, hk=2, d=32, dtype=torch.bfloat16, seqlens=(9, 30), page=8)
+    q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, torch.int8, "token")
+    call = lambda **o: ops.decode_fwd(q, o.get("k", kq), o.get("v", vq), **idx, scale=0.1,  # noqa: E731
+                                      k_descale=o.get("ks", ks), v_descale=o.get("vs", vs))
+    with pytest.raises(ValueError, match="needs k_descale"):
+        call(ks=None)
+    with pytest.raises(TypeError, match="k_descale must be float32"):
+        call(ks=ks.half())
+    with pytest.raises(ValueError, match=r"v_descale must be \(B, H_k\)"):
+        call(vs=vs[:, :3])
+    with pytest.raises(ValueError, match="both be per row"):
+        call(vs=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="share a dtype"):
+        call(v=vq.view(torch.uint8).view(torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="q must be float32, float16 or bfloat16"):
+        ops.decode_fwd(q.double(), kq, vq, **idx, scale=0.1, k_descale=ks, v_descale=vs)
+    with pytest.raises(ValueError, match="go with int8 or float8_e4m3fn caches"):
+        ops.decode_fwd(q, kq.bfloat16(), vq.bfloat16(), **idx, scale=0.1, k_descale=ks, v_descale=vs)
+    with pytest.raises(ValueError, match="needs k_descale and v_descale"):
+        ae.flash_attn_with_kvcache(q, kq, vq, q[:, :, :2], q[:, :, :2], cache_seqlens=idx["cache_seqlens"],
+                                   block_table=idx["block_table"])
+
+
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+def test_opcheck(qdt):
+    for gran, page in (("token", 8), ("head", None)):
+        c = Case(b=2, h=4, hk=2, sq=2, d=32, dtype=torch.bfloat16, seqlens=(5, 40), page=page)
+        q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, qdt, gran)
+        args = op_args(c, q, kq, vq, idx, kw, alibi, sinks)
+        # torch's schema check multiplies the inputs, which fp8 CPU tensors do not implement: the
+        # other checks (fake tensors, autograd registration, AOT dispatch) run for both types
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(torch.ops.attention_ext.decode_fwd.default, (*args, 0, ks, vs),
+                              test_utils=utils + (("test_schema",) if qdt == torch.int8 else ()))
+
+
+LEVELS = ae.cpu_isas() if ae._ext.HAS_EXT else ()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+def test_every_isa_level(level, qdt):
+    """The 8-bit widening (AVX-512, AVX2, and the portable loops of the base level) at every ISA
+    level this machine runs, with a head dim that leaves a scalar tail."""
+    old = ae.cpu_isa()
+    try:
+        ae.set_cpu_isa(level)
+        for gran in ("token", "head"):
+            for d in (64, 37):
+                c = Case(b=3, h=4, hk=2, sq=2, d=d, dtype=torch.bfloat16, seqlens=(1, 70, 129), num_splits=2,
+                         window=(-1, 0))
+                run_check(c, qdt, gran, f"{level} {qdt} {gran} d={d}")
+    finally:
+        ae.set_cpu_isa(old)
