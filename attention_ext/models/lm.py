@@ -158,18 +158,36 @@ class LanguageModel(nn.Module):
                  top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
                  use_cache: bool = True, generator: Optional[torch.Generator] = None,
                  eos_token_id: Optional[int] = None, page_size: int = 16,
-                 num_pages: Optional[int] = None) -> Union[Tensor, List[Tensor]]:
+                 num_pages: Optional[int] = None, kv_cache_dtype: Optional[torch.dtype] = None
+                 ) -> Union[Tensor, List[Tensor]]:
         """Extends idx (B, T0) by max_new_tokens tokens -> (B, T0 + max_new_tokens).
 
         idx may instead be a list of 1-D prompts of different lengths: they run batched on a paged
         KV cache (see the module docstring) and the result is a list of 1-D tensors, prompt i
         followed by its new tokens: max_new_tokens of them, or fewer when it emitted eos_token_id
         (kept as its last token). page_size / num_pages size the page pool (default: enough for
-        every sequence at full length); an exhausted pool raises RuntimeError."""
+        every sequence at full length); an exhausted pool raises RuntimeError.
+
+        kv_cache_dtype: torch.int8 or torch.float8_e4m3fn stores the caches in 8 bits (a scale
+        per row and kv head, attention_ext.nn.PagedKVCache): the run goes through the paged
+        caches (a (B, T0) idx as B prompts of one length, the result stacked back). None: the
+        model's dtype."""
+        if kv_cache_dtype is not None and kv_cache_dtype not in (torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"generate: kv_cache_dtype must be None, torch.int8 or torch.float8_e4m3fn, got "
+                             f"{kv_cache_dtype}")
+        if kv_cache_dtype is not None and isinstance(idx, Tensor):
+            if not use_cache or eos_token_id is not None:
+                raise ValueError("generate: kv_cache_dtype with a (B, T0) idx needs use_cache=True and no "
+                                 "eos_token_id (pass a list of prompts to stop sequences early)")
+            out = self.generate(list(idx), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                greedy=greedy, generator=generator, page_size=page_size, num_pages=num_pages,
+                                kv_cache_dtype=kv_cache_dtype)
+            return torch.stack(out)
         if not isinstance(idx, Tensor):
             return self._generate_ragged(list(idx), max_new_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, greedy=greedy, generator=generator,
-                                         eos_token_id=eos_token_id, page_size=page_size, num_pages=num_pages)
+                                         eos_token_id=eos_token_id, page_size=page_size, num_pages=num_pages,
+                                         kv_cache_dtype=kv_cache_dtype)
         b, t0 = idx.shape
         total = t0 + max_new_tokens
         learned = self.wpe is not None
@@ -191,7 +209,8 @@ class LanguageModel(nn.Module):
         return idx
 
     def _generate_ragged(self, prompts: List[Tensor], max_new_tokens: int, *, eos_token_id: Optional[int],
-                         page_size: int, num_pages: Optional[int], **sample) -> List[Tensor]:
+                         page_size: int, num_pages: Optional[int], kv_cache_dtype: Optional[torch.dtype] = None,
+                         **sample) -> List[Tensor]:
         n = len(prompts)
         if n == 0 or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
             raise ValueError("generate: a list of prompts must hold non-empty 1-D token tensors")
@@ -204,7 +223,7 @@ class LanguageModel(nn.Module):
         if num_pages is None:
             num_pages = sum(-(-(t + max_new_tokens) // page_size) for t in lens)
         caches = self.allocate_paged_caches(n, num_pages, page_size, max_len=max_len, device=device,
-                                            dtype=self.wte.weight.dtype)
+                                            dtype=kv_cache_dtype or self.wte.weight.dtype)
 
         def run(tokens: Tensor, rows: List[int], packed: Optional[List[int]] = None) -> Tensor:
             for cache in caches:

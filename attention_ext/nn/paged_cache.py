@@ -9,6 +9,11 @@ from a free list when a sequence grows past its last page, and `free(seq)` gives
 Which sequences the next layer call feeds is `rows` (set with `select`): a prefill feeds one
 sequence (or a few), a decode step feeds every active sequence; finished sequences are simply left
 out of `rows`. The attention layer calls `positions()`, `append(k, v)` and `attend(q, ...)`.
+
+dtype=torch.int8 or torch.float8_e4m3fn stores the pools in 8 bits with a float32 scale per row
+and kv head (k_descale / v_descale, (num_pages, page_size, H_k)): each appended row is quantized
+with scale amax / 127 (int8) or amax / 448 (e4m3), and decode_fwd reads the bytes with their
+scales (decode/quant.py).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from torch import Tensor
 
 from .._args import not_a_tensor
 from ..decode import decode_fwd
+from ..decode.quant import QMAX, dequantize_kv, quantize_rows
 from ..softmax.functional import window_pair
 
 
@@ -38,6 +44,11 @@ class PagedKVCache:
         self.page_size = page_size
         self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, device=device, dtype=dtype)
         self.v_pages = torch.zeros_like(self.k_pages)
+        if dtype in QMAX:  # 8-bit pools: a scale per row and kv head
+            self.k_descale = torch.zeros(num_pages, page_size, n_kv_heads, device=device, dtype=torch.float32)
+            self.v_descale = torch.zeros_like(self.k_descale)
+        else:
+            self.k_descale = self.v_descale = None
         max_pages = -(-(max_len or num_pages * page_size) // page_size)
         self.block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)  # (B, max_pages)
         self._len: List[int] = [0] * batch           # rows filled per sequence (host; `lengths` is the tensor)
@@ -146,8 +157,16 @@ class PagedKVCache:
             self._len[r] = p0 + t
         idx_t = torch.tensor(idx, dtype=torch.long, device=k.device)  # (b * T,) flat pool rows
         h, d = k.shape[2:]
-        self.k_pages.view(-1, h, d).index_copy_(0, idx_t, k.reshape(-1, h, d).to(self.k_pages.dtype))
-        self.v_pages.view(-1, h, d).index_copy_(0, idx_t, v.reshape(-1, h, d).to(self.v_pages.dtype))
+        for x, pool, scales in ((k, self.k_pages, self.k_descale), (v, self.v_pages, self.v_descale)):
+            rows = x.reshape(-1, h, d)
+            if scales is not None:  # quantized: a fresh scale per row and kv head
+                s = rows.float().abs().amax(-1) / QMAX[pool.dtype]  # (b * T, H_k)
+                scales.view(-1, h).index_copy_(0, idx_t, s)
+                rows = quantize_rows(rows, s[..., None], pool.dtype)
+            rows = rows.to(pool.dtype)
+            if pool.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+                pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
+            pool.view(-1, h, d).index_copy_(0, idx_t, rows)
 
     def view(self, seq: int) -> Tuple[Tensor, Tensor]:
         """Sequence `seq`'s keys and values, gathered contiguous: (len, H_k, D) each (a copy)."""
@@ -156,6 +175,9 @@ class PagedKVCache:
         h, d = self.k_pages.shape[2:]
         k = self.k_pages[pages].reshape(-1, h, d)[:n]
         v = self.v_pages[pages].reshape(-1, h, d)[:n]
+        if self.k_descale is not None:  # 8-bit: dequantized (float32)
+            k = dequantize_kv(k[None], self.k_descale[pages].reshape(-1, h)[:n][None])[0]
+            v = dequantize_kv(v[None], self.v_descale[pages].reshape(-1, h)[:n][None])[0]
         return k, v
 
     def attend(self, q: Tensor, *, scale: float, causal: bool = True, window: Tuple[int, int] = (-1, -1),
@@ -171,5 +193,5 @@ class PagedKVCache:
         wl, wr = window_pair(window, causal)
         out, _ = decode_fwd(q, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
                             alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
-                            window_left=wl, window_right=wr)
+                            window_left=wl, window_right=wr, k_descale=self.k_descale, v_descale=self.v_descale)
         return out

@@ -52,7 +52,8 @@ using FwdSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Te
                                           int64_t, bool);
 using DecodeSig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
                                              const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                                             const OptTensor&, double, double, int64_t, int64_t, int64_t);
+                                             const OptTensor&, double, double, int64_t, int64_t, int64_t,
+                                             const OptTensor&, const OptTensor&);
 
 }  // namespace
 
@@ -79,7 +80,7 @@ std::tuple<Tensor, Tensor> routed_fwd(const Tensor& q, const Tensor& k, const Te
     const OptTensor none;
     at::AutoDispatchBelowAutograd below;
     return decode.call(q, k, v, lens, none, none, none, o.alibi_slopes, o.sinks, o.scale, o.softcap, o.window_left,
-                       o.window_right, 0);
+                       o.window_right, 0, none, none);
   }
   static const auto fwd =
       c10::Dispatcher::singleton().findSchemaOrThrow("attention_ext::softmax_fwd", "").typed<FwdSig>();
