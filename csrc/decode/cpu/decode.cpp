@@ -218,11 +218,7 @@ inline T to_t(E e) {
   else return f16_to_f32(e.bits);
 }
 
-// S: the cache's storage type; E: the element type the products read. They differ for an 8-bit
-// cache read through the bf16 products (bf16 queries on AVX512-BF16): each chunk's rows are
-// widened to bf16 once (exactly: every int8 and e4m3 value is a bf16 value) into kbuf / vbuf,
-// laid out [key][kv head][d], and the bf16 cache's vdpbf16ps products run on them.
-template <typename T, typename E, typename S = E>
+template <typename T, typename E>
 struct DecodeWorker {
   using V = vec<T>;
   static constexpr int L = kLanes<T>;
@@ -239,16 +235,11 @@ struct DecodeWorker {
   int chunk;  // keys per chunk (kChunk, or fewer where one chunk's K rows pass kChunkBytes)
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
   const E* vp[kChunk];
-  const S* kp_next[kChunk];  // the next chunk's (as stored)
-  const S* vp_next[kChunk];
+  const E* kp_next[kChunk];  // the next chunk's
+  const E* vp_next[kChunk];
   // quantized caches: the descales' row (times H_k) of the chunk's keys, and the next chunk's
-  static constexpr bool kQuant = std::is_same_v<S, I8> || std::is_same_v<S, F8>;
+  static constexpr bool kQuant = std::is_same_v<E, I8> || std::is_same_v<E, F8>;
   int64_t sr[kChunk], sr_next[kChunk];
-  static constexpr bool kConv = !std::is_same_v<E, S>;
-  const S* ks_cur[kChunk];  // kConv: the chunk's rows as stored, widened into kbuf / vbuf
-  const S* vs_cur[kChunk];
-  std::vector<E> kbuf, vbuf;
-  int64_t khs, vhs;  // the head strides of the rows the products read
   std::vector<int> row_lo, row_hi;  // the keys query row i sees: [row_lo[i], row_hi[i])
   std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
@@ -273,12 +264,6 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
-    khs = kConv ? d : p.k_head_stride;
-    vhs = kConv ? d : p.v_head_stride;
-    if constexpr (kConv) {
-      kbuf.resize(size_t(kChunk) * p.h_k * d);
-      vbuf.resize(size_t(kChunk) * p.h_k * d);
-    }
     chunk = kChunk;
     const int64_t k_row_bytes = int64_t(p.h_k) * d * int64_t(sizeof(E));
     while (chunk > L && chunk * k_row_bytes > kChunkBytes) chunk /= 2;
@@ -286,35 +271,6 @@ struct DecodeWorker {
     row_hi.resize(p.sq);
     pols.reserve(p.h);  // TileSoftmax keeps a reference: no reallocation
     tss.reserve(p.h);
-  }
-
-  // kConv: the chunk's n keys' rows (every kv head) widened to bf16 into kbuf / vbuf, [key][kv
-  // head][d], and kp / vp pointed there.
-  void widen_chunk(int n) {
-    if constexpr (kConv) {
-#if defined(__AVX512BF16__)
-      for (int jj = 0; jj < n; ++jj) {
-        for (int which = 0; which < 2; ++which) {
-          const S* src = which == 0 ? ks_cur[jj] : vs_cur[jj];
-          const int64_t hs = which == 0 ? p.k_head_stride : p.v_head_stride;
-          E* dst = (which == 0 ? kbuf.data() : vbuf.data()) + size_t(jj) * p.h_k * d;
-          for (int hk = 0; hk < p.h_k; ++hk, dst += d) {
-            const S* row = src + hk * hs;
-            int c = 0;
-            for (; c + 16 <= d; c += 16) {
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                                  (__m256i)_mm512_cvtneps_pbh((__m512)load_cvt<float>(row + c)));
-            }
-            for (; c < d; ++c) dst[c].bits = f32_to_bf16(to_t<float>(row[c]));
-          }
-        }
-        kp[jj] = kbuf.data() + size_t(jj) * p.h_k * d;
-        vp[jj] = vbuf.data() + size_t(jj) * p.h_k * d;
-      }
-#else
-      (void)n;
-#endif
-    }
   }
 
   // S rows [r0, r0 + RR) x key jj = q_r . k_r (raw); two accumulators per row break the add
@@ -489,7 +445,7 @@ struct DecodeWorker {
       const int qs = rr * L;
       const E* kr[8];
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) kr[u] = kp[jb + (u < nk ? u : 0)] + int64_t(r) * khs;
+      for (int u = 0; u < 8; ++u) kr[u] = kp[jb + (u < nk ? u : 0)] + int64_t(r) * p.k_head_stride;
       V acc[8];
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) acc[u] = V{};
@@ -678,7 +634,7 @@ struct DecodeWorker {
       const char* src = elem(p.q, dt, int64_t(b) * p.q_batch_stride + int64_t(h) * p.q_head_stride +
                                           int64_t(i) * p.q_row_stride);
       load_row(dt, src, q + size_t(r) * dp, d, dp);
-      if (kQuant && !per_token && !kDots<T, E>) {  // a (batch, kv head) k scale: q . (k s) = (q s) . k
+      if (kQuant && !per_token) {  // a (batch, kv head) k scale: q . (k s) = (q s) . k
         const T ks = p.k_descale[int64_t(b) * p.h_k + r / rows_g];
         for (int c = 0; c < d; ++c) q[size_t(r) * dp + c] *= ks;
       }
@@ -696,10 +652,10 @@ struct DecodeWorker {
       std::fill(o, o + size_t(rows) * dp, T(0));
     };
 
-    const S* kbase = static_cast<const S*>(p.k);
-    const S* vbase = static_cast<const S*>(p.v);
-    const int line_elems = std::max<int>(1, 64 / int(sizeof(S)));
-    auto rows_of = [&](int j0, const S** kq, const S** vq, int64_t* sq_) {
+    const E* kbase = static_cast<const E*>(p.k);
+    const E* vbase = static_cast<const E*>(p.v);
+    const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
+    auto rows_of = [&](int j0, const E** kq, const E** vq, int64_t* sq_) {
       kv.walk(j0, std::min(chunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
         kq[jj] = kbase + ko;
         vq[jj] = vbase + vo;
@@ -708,24 +664,14 @@ struct DecodeWorker {
         for (int jj = 0; jj < std::min(chunk, e - j0); ++jj) sq_[jj] = kv.scale_row(j0 + jj) * p.h_k;
       }
     };
-    const S** kcur;  // the chunk's rows as stored
-    const S** vcur;
-    if constexpr (kConv) {
-      kcur = ks_cur;
-      vcur = vs_cur;
-    } else {
-      kcur = kp;
-      vcur = vp;
-    }
-    if (a < e) rows_of(a, kcur, vcur, sr);
+    if (a < e) rows_of(a, kp, vp, sr);
     for (int j0 = a; j0 < e; j0 += chunk) {
       const int n = std::min(chunk, e - j0), nn = round_up(n, L);
       if (j0 > a) {
-        std::copy(kp_next, kp_next + n, kcur);
-        std::copy(vp_next, vp_next + n, vcur);
+        std::copy(kp_next, kp_next + n, kp);
+        std::copy(vp_next, vp_next + n, vp);
         if (per_token) std::copy(sr_next, sr_next + n, sr);
       }
-      if constexpr (kConv) widen_chunk(n);
       const int n_next = j0 + chunk < e ? std::min(chunk, e - j0 - chunk) : 0;
       if (n_next > 0) rows_of(j0 + chunk, kp_next, vp_next, sr_next);
       // scores: key by key, every kv head of the key (one sequential stream through the cache);
@@ -743,22 +689,20 @@ struct DecodeWorker {
           }
         } else if (head_blocks()) {  // row r = kv head r
           row_blocks(0, p.h_k, [&](int r0, auto rr) {
-            dot<decltype(rr)::value, false>(r0, jj, kp[jj] + r0 * khs, khs);
+            dot<decltype(rr)::value, false>(r0, jj, kp[jj] + r0 * p.k_head_stride, p.k_head_stride);
           });
         }
         for (int hk = 0; hk < p.h_k; ++hk) {
-          const E* k = kp[jj] + hk * khs;
+          const E* k = kp[jj] + hk * p.k_head_stride;
           if (!head_blocks()) {
             row_blocks(hk * rows_g, (hk + 1) * rows_g,
                        [&](int r0, auto rr) { dot<decltype(rr)::value, true>(r0, jj, k, 0); });
           }
-          if constexpr (!kConv) {  // (widened rows are in cache already)
-            const E* v = vp[jj] + hk * vhs;
-            for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c, 0, 2);
-            if (jj < n_next) {
-              const S* kn = kp_next[jj] + hk * p.k_head_stride;
-              for (int c = 0; c < d; c += line_elems) __builtin_prefetch(kn + c, 0, 2);
-            }
+          const E* v = vp[jj] + hk * p.v_head_stride;
+          for (int c = 0; c < d; c += line_elems) __builtin_prefetch(v + c, 0, 2);
+          if (jj < n_next) {
+            const E* kn = kp_next[jj] + hk * p.k_head_stride;
+            for (int c = 0; c < d; c += line_elems) __builtin_prefetch(kn + c, 0, 2);
           }
         }
       }
@@ -770,9 +714,6 @@ struct DecodeWorker {
         if (per_token) {  // each key's k scale
           const int hk = r / rows_g;
           for (int jj = 0; jj < n; ++jj) srow[jj] *= p.k_descale[sr[jj] + hk];
-        } else if (kQuant && kDots<T, E>) {  // a (batch, kv head) k scale, on the scores: q is bf16 data
-          const T ks = p.k_descale[int64_t(b) * p.h_k + r / rows_g];
-          for (int jj = 0; jj < n; ++jj) srow[jj] *= ks;
         }
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
@@ -802,12 +743,12 @@ struct DecodeWorker {
       for (int hk = 0; hk < p.h_k; ++hk) {
         if (!edge) {
           row_blocks(hk * rows_g, (hk + 1) * rows_g,
-                     [&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n, hk * vhs); });
+                     [&](int r0, auto rr) { pv<decltype(rr)::value>(r0, n, hk * p.v_head_stride); });
           continue;
         }
         for (int r = hk * rows_g; r < (hk + 1) * rows_g; ++r) {
           const int i = r % p.sq;
-          pv<1>(r, n, hk * vhs, std::clamp(row_lo[i] - j0, 0, n), std::clamp(row_hi[i] - j0, 0, n));
+          pv<1>(r, n, hk * p.v_head_stride, std::clamp(row_lo[i] - j0, 0, n), std::clamp(row_hi[i] - j0, 0, n));
         }
       }
       if ((j0 - a + chunk) % (kFlushChunks * kChunk) == 0) flush();
@@ -871,7 +812,7 @@ void merge_splits(const DecodeParamsT<T>& p, DType dt, int splits, const T* part
   });
 }
 
-template <typename T, typename E, typename S = E>
+template <typename T, typename E>
 void run(const DecodeParamsT<T>& p, DType dt) {
   int max_keys = 0;
   for (int b = 0; b < p.b; ++b) max_keys = std::max(max_keys, decode_seq_info(p, b).len_k);
@@ -885,7 +826,7 @@ void run(const DecodeParamsT<T>& p, DType dt) {
   }
   T* po = splits > 1 ? part_o.data() : nullptr;
   T* pl = splits > 1 ? part_lse.data() : nullptr;
-  parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E, S>(p, dt, splits, po, pl); });
+  parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E>(p, dt, splits, po, pl); });
   if (splits > 1) merge_splits(p, dt, splits, po, pl);
 }
 
@@ -924,16 +865,8 @@ void decode_fwd(const DecodeParamsT<T>& p, DType dt) {
   if constexpr (std::is_same_v<T, double>) {
     run<double, double>(p, dt);
   } else {
-    if (p.kv_quant != kKvNone) {
-      // bf16 queries on AVX512-BF16: the chunk widened to bf16 once, then the bf16 products;
-      // otherwise each product widens to float32 (float32 / float16 queries keep their precision)
-      if constexpr (kBf16Dot) {
-        if (dt == DType::kBF16) {
-          return p.kv_quant == kKvInt8 ? run<float, Bf16, I8>(p, dt) : run<float, Bf16, F8>(p, dt);
-        }
-      }
-      return p.kv_quant == kKvInt8 ? run<float, I8>(p, dt) : run<float, F8>(p, dt);
-    }
+    if (p.kv_quant == kKvInt8) return run<float, I8>(p, dt);
+    if (p.kv_quant == kKvFp8) return run<float, F8>(p, dt);
     switch (dt) {
       case DType::kBF16: run<float, Bf16>(p, dt); break;
       case DType::kF16: run<float, F16>(p, dt); break;
