@@ -94,6 +94,34 @@ __device__ __forceinline__ void row_dots(float (&dot)[2], const float (&y)[kBV /
   }
 }
 
+// dv = Diag(b) db for the warp's 16 rows, out through the warp's own rows of the (kC, kBV) 16-bit
+// tile at vt (V's, read before) as 16-byte stores to dv's rows (dvh: the value tile's first
+// column; rows < n and columns < cols written).
+template <typename T, typename CTile>
+__device__ __forceinline__ void store_dv(const float (&db)[kBV / 8][4], const float* B, uint32_t vt, T* dvh,
+                                         int64_t ld, int n, int cols, int warp, int lane) {
+  const int r0 = acc_row(16 * warp, lane, 0);
+  __syncwarp();
+#pragma unroll
+  for (int t = 0; t < kBV / 8; ++t) {
+    const int c = acc_col(t, lane, 0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = r0 + 8 * half;
+      tc::st_shared_b32(vt + CTile::offset(i, c),
+                        tc::TypeOps<T>::pack(B[i] * db[t][2 * half], B[i] * db[t][2 * half + 1]));
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int e = lane; e < 16 * kBV / 8; e += 32) {
+    const int i = 16 * warp + e / (kBV / 8), c = e % (kBV / 8) * 8;
+    if (i < n && c < cols) {
+      *reinterpret_cast<uint4*>(dvh + int64_t(i) * ld + c) = tc::ld_shared_v4(vt + CTile::offset(i, c));
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ du_loc
 template <int kK>
 struct DlocalSmem {
@@ -408,26 +436,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       }
       // dv goes out through the warp's own rows of V's tile (read here first): 16-byte stores
       row_dots<T, CTile>(pb, db, smem, L::kV, r0, lane);
-      __syncwarp();
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int c = acc_col(t, lane, 0);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = r0 + 8 * half;
-          tc::st_shared_b32(sb + L::kV + CTile::offset(i, c),
-                            tc::TypeOps<T>::pack(B[i] * db[t][2 * half], B[i] * db[t][2 * half + 1]));
-        }
-      }
-      __syncwarp();
-#pragma unroll
-      for (int e = lane; e < 16 * kBV / 8; e += 32) {
-        const int i = 16 * warp + e / (kBV / 8), c = e % (kBV / 8) * 8;
-        if (i < n && c0 + c < V) {
-          *reinterpret_cast<uint4*>(dvh + int64_t(i) * p.dv_row_stride + c0 + c) =
-              tc::ld_shared_v4(sb + L::kV + CTile::offset(i, c));
-        }
-      }
+      store_dv<T, CTile>(db, B, sb + L::kV, dvh + c0, p.dv_row_stride, n, V - c0, warp, lane);
       {  // S2 += db u^T (db's last use)
         float sp[kC / 8][4];
         linear_tc::zero(sp);

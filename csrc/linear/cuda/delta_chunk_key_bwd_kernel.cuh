@@ -175,26 +175,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_key_kernel(const D
         for (int e = 0; e < 4; ++e) pb[e / 2] -= db[t][e] * y[t][e];
       }
       row_dots<T, CTile>(pb, db, smem, L::kV, r0, lane);
-      __syncwarp();
-#pragma unroll
-      for (int t = 0; t < kBV / 8; ++t) {
-        const int c = acc_col(t, lane, 0);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = r0 + 8 * half;
-          tc::st_shared_b32(sb + L::kV + CTile::offset(i, c),
-                            tc::TypeOps<T>::pack(B[i] * db[t][2 * half], B[i] * db[t][2 * half + 1]));
-        }
-      }
-      __syncwarp();
-#pragma unroll
-      for (int e = lane; e < 16 * kBV / 8; e += 32) {
-        const int i = 16 * warp + e / (kBV / 8), c = e % (kBV / 8) * 8;
-        if (i < n && c0 + c < V) {
-          *reinterpret_cast<uint4*>(dvh + int64_t(i) * p.dv_row_stride + c0 + c) =
-              tc::ld_shared_v4(sb + L::kV + CTile::offset(i, c));
-        }
-      }
+      store_dv<T, CTile>(db, B, sb + L::kV, dvh + c0, p.dv_row_stride, n, V - c0, warp, lane);
       float sp[kC / 8][4];
       linear_tc::zero(sp);
       linear_tc::mma_reg<T, CTile, kBV, kC, false>(sp, db, sb + L::kU, lane);
