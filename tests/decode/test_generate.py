@@ -127,11 +127,12 @@ def test_8bit_paged_cache(qdt):
     model = _lm(n_kv_heads=2)
     idx = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
     nll = {}
-    for dtype in (torch.float32, qdt):
+    for dtype in (torch.float32, qdt):  # (under no_grad: a cache is inference state)
         caches = model.allocate_paged_caches(2, num_pages=24, page_size=4, max_len=48, dtype=dtype)
-        logits = [model(idx[:, :1], caches=caches, offset=caches[0].positions())]
-        for t in range(1, idx.shape[1] - 1):
-            logits.append(model(idx[:, t:t + 1], caches=caches, offset=caches[0].positions()))
+        with torch.no_grad():
+            logits = [model(idx[:, :1], caches=caches, offset=caches[0].positions())]
+            for t in range(1, idx.shape[1] - 1):
+                logits.append(model(idx[:, t:t + 1], caches=caches, offset=caches[0].positions()))
         lg = torch.cat(logits, 1)  # (2, 39, V): predicts idx[:, 1:]
         nll[dtype] = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), idx[:, 1:].reshape(-1))
     assert abs(float(torch.exp(nll[qdt]) / torch.exp(nll[torch.float32])) - 1) < 0.01
