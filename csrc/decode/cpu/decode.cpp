@@ -240,6 +240,7 @@ struct DecodeWorker {
   // quantized caches: the descales' row (times H_k) of the chunk's keys, and the next chunk's
   static constexpr bool kQuant = std::is_same_v<E, I8> || std::is_same_v<E, F8>;
   int64_t sr[kChunk], sr_next[kChunk];
+  std::vector<T> kscl, vscl;  // per-row descales of the chunk, (H_k, kChunk): contiguous per kv head
   std::vector<int> row_lo, row_hi;  // the keys query row i sees: [row_lo[i], row_hi[i])
   std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
@@ -264,6 +265,10 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
+    if (kQuant && p.descale_per_token) {
+      kscl.resize(size_t(p.h_k) * kChunk);
+      vscl.resize(size_t(p.h_k) * kChunk);
+    }
     chunk = kChunk;
     const int64_t k_row_bytes = int64_t(p.h_k) * d * int64_t(sizeof(E));
     while (chunk > L && chunk * k_row_bytes > kChunkBytes) chunk /= 2;
@@ -706,21 +711,31 @@ struct DecodeWorker {
           }
         }
       }
+      if (per_token) {  // the chunk's descales, gathered once per kv head (their rows share them)
+        for (int jj = 0; jj < n; ++jj) {
+          const float* ks = p.k_descale + sr[jj];
+          const float* vs = p.v_descale + sr[jj];
+          for (int hk = 0; hk < p.h_k; ++hk) {
+            kscl[size_t(hk) * kChunk + jj] = ks[hk];
+            vscl[size_t(hk) * kChunk + jj] = vs[hk];
+          }
+        }
+      }
       for (int r = 0; r < rows; ++r) {
         const int i = r % p.sq;
         const TileSoftmax<T>& ts = tss[r / p.sq];
         T* srow = s + r * kChunk;
         std::fill(srow + n, srow + nn, T(0));
         if (per_token) {  // each key's k scale
-          const int hk = r / rows_g;
-          for (int jj = 0; jj < n; ++jj) srow[jj] *= p.k_descale[sr[jj] + hk];
+          const T* ks = kscl.data() + size_t(r / rows_g) * kChunk;
+          for (int jj = 0; jj < n; ++jj) srow[jj] *= ks[jj];
         }
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
         const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
         if (per_token) {  // each key's v scale on its probability, the softmax's sum taken
-          const int hk = r / rows_g;
-          for (int jj = 0; jj < n; ++jj) srow[jj] *= p.v_descale[sr[jj] + hk];
+          const T* vs = vscl.data() + size_t(r / rows_g) * kChunk;
+          for (int jj = 0; jj < n; ++jj) srow[jj] *= vs[jj];
         }
         if constexpr (kDots<T, E>) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
