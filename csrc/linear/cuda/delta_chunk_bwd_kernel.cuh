@@ -122,6 +122,31 @@ __device__ __forceinline__ void store_dv(const float (&db)[kBV / 8][4], const fl
   }
 }
 
+// The score-sized sums of the dscal kernels over the value tiles, into M (kC rows of kC + 1
+// floats; each element by the thread whose fragment holds it): M += db u^T (db from registers)
+// and M += dO u^T (dO's tile at d), u's (kC, kBV) tile at u.
+__device__ __forceinline__ void add_rows(float* M, const float (&a)[kC / 8][4], int warp, int lane) {
+#pragma unroll
+  for (int t = 0; t < kC / 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) M[acc_row(16 * warp, lane, e) * (kC + 1) + acc_col(t, lane, e)] += a[t][e];
+  }
+}
+template <typename T, typename CTile>
+__device__ __forceinline__ void add_db_ut(float* M, const float (&db)[kBV / 8][4], uint32_t u, int warp, int lane) {
+  float sp[kC / 8][4];
+  linear_tc::zero(sp);
+  linear_tc::mma_reg<T, CTile, kBV, kC, false>(sp, db, u, lane);
+  add_rows(M, sp, warp, lane);
+}
+template <typename T, typename CTile>
+__device__ __forceinline__ void add_do_ut(float* M, uint32_t d, uint32_t u, int warp, int lane) {
+  float sp[kC / 8][4];
+  linear_tc::zero(sp);
+  linear_tc::mma_smem<T, CTile, CTile, kBV, kC, false>(sp, d, 16 * warp, u, lane);
+  add_rows(M, sp, warp, lane);
+}
+
 // ------------------------------------------------------------------------------ du_loc
 template <int kK>
 struct DlocalSmem {
@@ -437,16 +462,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       // dv goes out through the warp's own rows of V's tile (read here first): 16-byte stores
       row_dots<T, CTile>(pb, db, smem, L::kV, r0, lane);
       store_dv<T, CTile>(db, B, sb + L::kV, dvh + c0, p.dv_row_stride, n, V - c0, warp, lane);
-      {  // S2 += db u^T (db's last use)
-        float sp[kC / 8][4];
-        linear_tc::zero(sp);
-        linear_tc::mma_reg<T, CTile, kBV, kC, false>(sp, db, sb + L::kU, lane);
-#pragma unroll
-        for (int t = 0; t < kC / 8; ++t) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) Dm[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
-        }
-      }
+      add_db_ut<T, CTile>(Dm, db, sb + L::kU, warp, lane);  // S2 += db u^T (db's last use)
     }
     {  // Q^ h0: dgamma's output term; K^ dh1: the K~ term
       float y[kBV / 8][4];
@@ -463,16 +479,7 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_kernel(const Delta
       pl[0] += NK[r0] * dot[0];
       pl[1] += NK[r0 + 8] * dot[1];
     }
-    {  // S1 += dO u^T
-      float sp[kC / 8][4];
-      linear_tc::zero(sp);
-      linear_tc::mma_smem<T, CTile, CTile, kBV, kC, false>(sp, sb + L::kDO, 16 * warp, sb + L::kU, lane);
-#pragma unroll
-      for (int t = 0; t < kC / 8; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) Sm[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
-      }
-    }
+    add_do_ut<T, CTile>(Sm, sb + L::kDO, sb + L::kU, warp, lane);  // S1 += dO u^T
     // <h0, dh1> (the last row's decay gradient)
     for (int e = tid; e < kK * kBV; e += kThreads) {
       const int r = e / kBV, c = e % kBV;

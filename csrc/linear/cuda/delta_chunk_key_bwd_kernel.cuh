@@ -176,25 +176,9 @@ __global__ void __launch_bounds__(kThreads) delta_chunk_dscal_key_kernel(const D
       }
       row_dots<T, CTile>(pb, db, smem, L::kV, r0, lane);
       store_dv<T, CTile>(db, B, sb + L::kV, dvh + c0, p.dv_row_stride, n, V - c0, warp, lane);
-      float sp[kC / 8][4];
-      linear_tc::zero(sp);
-      linear_tc::mma_reg<T, CTile, kBV, kC, false>(sp, db, sb + L::kU, lane);
-#pragma unroll
-      for (int t = 0; t < kC / 8; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S2[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
-      }
+      add_db_ut<T, CTile>(S2, db, sb + L::kU, warp, lane);
     }
-    {  // S1 += dO u^T
-      float sp[kC / 8][4];
-      linear_tc::zero(sp);
-      linear_tc::mma_smem<T, CTile, CTile, kBV, kC, false>(sp, sb + L::kDO, 16 * warp, sb + L::kU, lane);
-#pragma unroll
-      for (int t = 0; t < kC / 8; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) Sm[acc_row(16 * warp, lane, e) * kLd + acc_col(t, lane, e)] += sp[t][e];
-      }
-    }
+    add_do_ut<T, CTile>(Sm, sb + L::kDO, sb + L::kU, warp, lane);  // S1 += dO u^T
     __syncthreads();  // the next value tile's copies overwrite these tiles
   }
 #pragma unroll
