@@ -998,61 +998,61 @@ def delta_chunk_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     return [prep, state, dl, rev, sc, qk]
 
 
+def _ms_parts(model: List[Launch]) -> str:
+    return " / ".join(f"{predict(x)['time'] * 1e3:.2f}" for x in model)
+
+
+def _delta_fwd_rows(launches, ovh: float) -> List[str]:
+    """report_delta_chunk's forward rows for a launches(b, hv, s, k, v, overhead=) model."""
+    rows = []
+    for b, hv, s, k, v in DELTA_CASES:
+        rec = predict(delta_fwd_launch(b, hv, s, k, v))["time"]
+        model = launches(b, hv, s, k, v)
+        bound = total(launches(b, hv, s, k, v, overhead=ovh))
+        t = total(model)
+        rows.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
+                    f"{_ms_parts(model)} | "
+                    f"{rec / t:.1f} - {rec / bound:.1f} |")
+    return rows
+
+
+def _delta_bwd_rows(fwd_launches, bwd_launches, ovh: float) -> List[str]:
+    """report_delta_chunk's backward rows (the forward's model added for forward + backward)."""
+    rows = []
+    for b, hv, s, k, v in DELTA_CASES:
+        model = bwd_launches(b, hv, s, k, v)
+        bound = total(bwd_launches(b, hv, s, k, v, overhead=ovh))
+        t = total(model)
+        fwd = total(fwd_launches(b, hv, s, k, v))
+        rows.append(f"| {(b, hv, s, k, v)} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
+                    f"{_ms_parts(model)} | {(fwd + t) * 1e3:.2f} |")
+    return rows
+
+
 def report_delta_chunk() -> List[str]:
     ovh = fit_chunk_overhead()
+    fwd_head = ["| (B, H_v, S, K, V) | recurrent ms | chunked ms (model - bound) | prep / state / out ms (model) | "
+                "chunked x recurrent (model - bound) |", "|---|---|---|---|---|"]
     lines = ["", "## The delta rule's chunk-parallel CUDA forward (bf16, delta_chunked): predicted, no GPU run yet", "",
              "Three launches (prep: A, T, W, U, K~ per chunk; state: the walk over chunks; out). 'model' is the "
              "products at the fitted mma.sync CTA rate, the copies' round trips and DRAM; 'bound' adds the "
              f"segment kernels' unexplained {ovh * 1e6:.2f} us per chunk step and per CTA (fit_chunk_overhead) "
-             "to every launch.", "",
-             "| (B, H_v, S, K, V) | recurrent ms | chunked ms (model - bound) | prep / state / out ms (model) | "
-             "chunked x recurrent (model - bound) |", "|---|---|---|---|---|"]
-    for b, hv, s, k, v in DELTA_CASES:
-        rec = predict(delta_fwd_launch(b, hv, s, k, v))["time"]
-        model = delta_chunk_launches(b, hv, s, k, v)
-        bound = total(delta_chunk_launches(b, hv, s, k, v, overhead=ovh))
-        parts = [predict(x)["time"] for x in model]
-        t = total(model)
-        lines.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
-                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {rec / t:.1f} - {rec / bound:.1f} |")
+             "to every launch.", ""] + fwd_head + _delta_fwd_rows(delta_chunk_launches, ovh)
     lines += ["", "The chunk-parallel backward (training; the forward above plus these launches), same "
               "columns' conventions:", "",
               "| (B, H_v, S, K, V) | backward ms (model - bound) | prep / state / dlocal / rev / dscal / dqk ms "
               "(model) | forward + backward ms (model) |", "|---|---|---|---|"]
-    for b, hv, s, k, v in DELTA_CASES:
-        model = delta_chunk_bwd_launches(b, hv, s, k, v)
-        bound = total(delta_chunk_bwd_launches(b, hv, s, k, v, overhead=ovh))
-        parts = [predict(x)["time"] for x in model]
-        t = total(model)
-        fwd = total(delta_chunk_launches(b, hv, s, k, v))
-        lines.append(f"| {(b, hv, s, k, v)} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
-                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {(fwd + t) * 1e3:.2f} |")
+    lines += _delta_bwd_rows(delta_chunk_launches, delta_chunk_bwd_launches, ovh)
     lines += ["", "Kimi Delta Attention (per-key gates), forward: the per-key prep adds the scores' diagonal "
               "blocks and per-channel gate products on the CUDA cores (estimated, DELTA_KEY_DIAG_CLK and "
               "DELTA_KEY_PASS_CLK) and stores the output scores; the recurrent column is the per-head model "
-              "(the per-key gate read per token is not in it):", "",
-              "| (B, H_v, S, K, V) | recurrent ms | chunked ms (model - bound) | prep / state / out ms (model) | "
-              "chunked x recurrent (model - bound) |", "|---|---|---|---|---|"]
-    for b, hv, s, k, v in DELTA_CASES:
-        rec = predict(delta_fwd_launch(b, hv, s, k, v))["time"]
-        model = delta_chunk_key_launches(b, hv, s, k, v)
-        bound = total(delta_chunk_key_launches(b, hv, s, k, v, overhead=ovh))
-        parts = [predict(x)["time"] for x in model]
-        t = total(model)
-        lines.append(f"| {(b, hv, s, k, v)} | {rec * 1e3:.2f} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
-                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {rec / t:.1f} - {rec / bound:.1f} |")
+              "(the per-key gate read per token is not in it):", ""] + fwd_head
+    lines += _delta_fwd_rows(delta_chunk_key_launches, ovh)
     lines += ["", "KDA's backward (per-key gates; its per-channel pair sums on the CUDA cores, DELTA_DKEY_CLK, "
               "an estimate from the code):", "",
               "| (B, H_v, S, K, V) | backward ms (model - bound) | prep / state / dlocal / rev / dscal / dzyx / "
               "dkey ms (model) | forward + backward ms (model) |", "|---|---|---|---|"]
-    for b, hv, s, k, v in DELTA_CASES:
-        model = delta_chunk_key_bwd_launches(b, hv, s, k, v)
-        bound = total(delta_chunk_key_bwd_launches(b, hv, s, k, v, overhead=ovh))
-        parts = [predict(x)["time"] for x in model]
-        t = total(model)
-        fwd = total(delta_chunk_key_launches(b, hv, s, k, v))
-        lines.append(f"| {(b, hv, s, k, v)} | {t * 1e3:.2f} - {bound * 1e3:.2f} | "
-                     f"{' / '.join(f'{x * 1e3:.2f}' for x in parts)} | {(fwd + t) * 1e3:.2f} |")
+    lines += _delta_bwd_rows(delta_chunk_key_launches, delta_chunk_key_bwd_launches, ovh)
     lines += ["", "FLA's chunk_gated_delta_rule and chunk_kda have not been timed on a GPU here yet "
               "(bench_delta_cuda.py times them beside ours), so there is no ratio to the issue's target yet."]
     return lines
