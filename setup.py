@@ -134,9 +134,10 @@ _X86_LEVELS = [
     ("base", []),  # any x86-64 (_cpu_flags): SSE2, 4 floats per instruction
     ("avx2", ["-mavx2", "-mfma", "-mf16c"]),  # Haswell, Zen 1 and later: 8 floats
     ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),  # 16 floats
-    # + bf16 dot products (Zen 4, Cooper Lake, Sapphire Rapids): the softmax bf16 path (cpu/bf16dot.h)
+    # + bf16 dot products (Zen 4, Cooper Lake, Sapphire Rapids): the softmax bf16 path (cpu/bf16dot.h);
+    # + VNNI int8 dot products, which every AVX512-BF16 CPU has: the int8 Q K^T (cpu/q8dot.h)
     ("avx512bf16", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                    "-mavx512bf16"]),
+                    "-mavx512bf16", "-mavx512vnni"]),
 ]
 _NATIVE = ("native", ["-march=native", "-mtune=native"])  # after _cpu_flags' -march: this one wins
 

@@ -157,12 +157,34 @@ def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, s
     return m if bias is None else (bias & m if bias.dtype == torch.bool else bias.masked_fill(~m, float("-inf")))
 
 
+def _quantized(q: Tensor, k: Tensor, v: Tensor, opts: dict, qk_quant: str) -> Tuple[Tensor, Tensor]:
+    """The forward with a quantized Q.K^T (softmax_fwd_quant) on (B, H, S, D) views: the CPU
+    kernel, else (CUDA: no kernel yet) reference.attention_qk_int8 under the op's input rules."""
+    _check(isinstance(qk_quant, str), lambda: f"qk_quant must be None or 'int8', got {qk_quant!r}", TypeError)
+    grads = [n for n, t in (("q", q), ("k", k), ("v", v), ("attn_mask", opts["bias"]), ("sinks", opts["sinks"]))
+             if isinstance(t, Tensor) and t.requires_grad]
+    _check(not (torch.is_grad_enabled() and grads),
+           lambda: f"qk_quant={qk_quant!r} is forward-only (inference), but {', '.join(grads)} require grad: run it "
+                   "under torch.no_grad() / torch.inference_mode(), or leave qk_quant=None to train")
+    if ops.has_quant_kernel(q.device):
+        return ops.fwd_quant(q, k, v, qk_quant=qk_quant, **opts)
+    ops.check_quant_inputs(q, k, v, qk_quant=qk_quant, **opts)
+    key = (q.device.type, "qk_quant")
+    if key not in _warned_fallback:
+        _warned_fallback.add(key)
+        warnings.warn(f"attention_ext: no compiled int8 Q.K^T kernel on {q.device}; running the PyTorch reference of "
+                      "the method (reference.attention_qk_int8)", RuntimeWarning)
+    return _reference(q, k, v, opts, quantized=True)
+
+
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool,
-           topk: int = 0) -> Tuple[Tensor, Tensor]:
+           topk: int = 0, qk_quant: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """The fused op on (B, H, S, D) views where a compiled kernel serves q's device and dtype
     (the routed op: the decode kernel for few-row CPU calls, ops.fwd_route); else reference.py under the
     op's own input rules (ops.check_inputs), with a warning. topk > 0: top-k attention, the
-    threshold pass first (its rows join the options)."""
+    threshold pass first (its rows join the options). qk_quant: _quantized."""
+    if qk_quant is not None:
+        return _quantized(q, k, v, opts, qk_quant)
     if ops.has_kernel(q.device, q.dtype):
         if topk > 0:
             thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **opts)
@@ -175,6 +197,12 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
         _warned_fallback.add(key)
         warnings.warn(f"attention_ext: no compiled kernel for {q.dtype} on {q.device}; running the PyTorch reference",
                       RuntimeWarning)
+    return _reference(q, k, v, opts)
+
+
+def _reference(q: Tensor, k: Tensor, v: Tensor, opts: dict, quantized: bool = False) -> Tuple[Tensor, Tensor]:
+    """reference.attention (quantized: attention_qk_int8) of the fused op's call: (out, lse) in
+    q's dtype and the acc dtype."""
     acc = ops.acc_dtype(q.dtype)
     o = opts
     cu_q, cu_k = o["cu_seqlens_q"], o["cu_seqlens_k"]
@@ -191,11 +219,12 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     kw = dict(scale=o["scale"], softcap=o["softcap"], window=(o["window_left"], o["window_right"]),
               bottom_right=o["bottom_right"], bias=bias, alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
               dropout_p=o["dropout_p"], dropout_mask=dmask)
+    fn = reference.attention_qk_int8 if quantized else reference.attention
     if cu_q is None:
-        out, lse = reference.attention(q.to(acc), k.to(acc), v.to(acc), seqlens_k=o["seqlens_k"], **kw)
+        out, lse = fn(q.to(acc), k.to(acc), v.to(acc), seqlens_k=o["seqlens_k"], **kw)
     else:  # (1, H, total, D) packs -> (total, H, D) and back
         unpack = lambda t: t[0].transpose(0, 1).to(acc)  # noqa: E731
-        out, lse = reference.attention_varlen(unpack(q), unpack(k), unpack(v), cu_q, cu_k, **kw)
+        out, lse = reference.attention_varlen(unpack(q), unpack(k), unpack(v), cu_q, cu_k, attend=fn, **kw)
         out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
     return out.to(q.dtype), lse.to(acc)
 
@@ -277,6 +306,7 @@ def attention(
     block_layout: Optional[Tensor] = None,
     block_size: int = 64,
     topk: int = 0,
+    qk_quant: Optional[str] = None,
     key_padding_mask: None = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Fused softmax attention with every variant.
@@ -319,25 +349,32 @@ def attention(
         block_size: the layout's block, a multiple of 16.
         topk: > 0 keeps, per query, only the topk highest logits among the keys the other
             rules allow (ties to the lower key; attention_ext.topk_attention).
+        qk_quant: "int8" runs Q.K^T in int8 (SageAttention's method, for inference): K is
+            smoothed by its mean over the sequence (q.mean is added back exactly), Q and K are
+            rounded to int8 with one scale per block (48 query rows, 128 keys on the CPU) and
+            their products summed in int32; P.V stays in q's dtype. Every mask and score
+            option composes with it except topk; a call that needs gradients raises. The
+            CPU kernel uses AVX512-VNNI where the CPU has it; CUDA runs the PyTorch reference
+            of the method (reference.attention_qk_int8) until its kernel lands.
         key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
             name is torch's, with the opposite polarity).
 
     Returns out with q's layout (and the LSE). Rows with nothing to attend give 0 (lse -inf).
     """
     if (seqlens_k is None and alibi_slopes is None and sinks is None and not dropout_p and block_layout is None
-            and not topk and not softcap and key_padding_mask is None):
+            and not topk and not softcap and key_padding_mask is None and qk_quant is None):
         fast = _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits, deterministic, attn_mask,
                            key_mask)
         if fast is not None:
             return fast if return_lse else fast[0]
     return _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, key_mask, seqlens_k,
                       alibi_slopes, softcap, sinks, dropout_p, generator, seed, dropout_coords, return_lse,
-                      deterministic, num_splits, block_layout, block_size, topk, key_padding_mask)
+                      deterministic, num_splits, block_layout, block_size, topk, key_padding_mask, qk_quant)
 
 
 def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, key_mask, seqlens_k, alibi_slopes,
                softcap, sinks, dropout_p, generator, seed, dropout_coords, return_lse, deterministic, num_splits,
-               block_layout, block_size, topk, key_padding_mask):
+               block_layout, block_size, topk, key_padding_mask, qk_quant=None):
     """attention() past its plain call (the lambdas of its messages make cells of these
     names, which a Python function builds on every call: kept out of attention()'s own frame)."""
     if key_padding_mask is not None:
@@ -400,7 +437,7 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
                 seed=0, offset=0, rng_state=rng_state, dropout_coords=dropout_coords, block_layout=block_layout,
                 block_size=int(block_size) if block_layout is not None else 0)
     try:
-        out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk)
+        out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk, qk_quant)
     except ValueError as e:  # the op's shape errors: name `layout` where the shapes prove a mix-up
         mix = layout_mismatch(*((q, k, v) if layout == "bhsd" else (t.transpose(1, 2) for t in (q, k, v))), layout, e)
         if mix is not None:
@@ -433,6 +470,7 @@ def attention_varlen(
     return_lse: bool = False,
     deterministic: bool = False,
     num_splits: int = 0,
+    qk_quant: Optional[str] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """attention() over variable-length packs: q (total_q, H, D), k / v (total_k, H_k, D);
     sequence b holds rows [cu_seqlens[b], cu_seqlens[b+1]) and is at most max_seqlen_q /
@@ -474,7 +512,7 @@ def attention_varlen(
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), scale=float(scale),
                 softcap=float(softcap), window_left=wl, window_right=wr, bottom_right=bool(bottom_right),
                 dropout_p=float(dropout_p), seed=0, offset=0, rng_state=rng_state)
-    out4, lse = _fused(q4, k4, v4, opts, num_splits, deterministic)
+    out4, lse = _fused(q4, k4, v4, opts, num_splits, deterministic, qk_quant=qk_quant)
     out = out4.transpose(1, 2).squeeze(0)
     return (out, lse.squeeze(0)) if return_lse else out
 

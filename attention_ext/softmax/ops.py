@@ -114,6 +114,14 @@ if HAS_EXT:
 
     torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
 
+    def _quant_backward(ctx, dout, dlse):
+        raise RuntimeError("attention_ext: the int8 Q.K^T forward (qk_quant) has no backward: it is for inference; "
+                           "train with qk_quant=None")
+
+    # a gradient through softmax_fwd_quant is an error at backward time, not a silent None
+    torch.library.register_autograd("attention_ext::softmax_fwd_quant", _quant_backward,
+                                    setup_context=lambda ctx, inputs, output: None)
+
 
 _MISSING = object()
 _FWD_INDEX = {n: i for i, n in enumerate(FWD_ARGS)}
@@ -181,6 +189,38 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: 
         if missing:
             raise TypeError(f"attention_ext.softmax.ops.fwd: missing option(s) {', '.join(missing)}") from None
         raise
+
+
+_QUANT_OP = torch.ops.attention_ext.softmax_fwd_quant.default if HAS_EXT else None
+_QUANT_KERNELS = {dev: registered("attention_ext::softmax_fwd_quant", key) for dev, key in (("cpu", "CPU"),
+                                                                                            ("cuda", "CUDA"))}
+
+
+def has_quant_kernel(device: torch.device) -> bool:
+    """True when a compiled kernel runs softmax_fwd_quant (the int8 Q.K^T forward) on `device`."""
+    return _QUANT_KERNELS.get(device.type, False)
+
+
+def _quant_args(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, options: dict) -> list:
+    a = {**_NEUTRAL_OPTIONS, **options}
+    return [q, k, v, *[a[n] for n in OPTION_NAMES], qk_quant]
+
+
+def fwd_quant(q: Tensor, k: Tensor, v: Tensor, *, qk_quant: str = "int8", **options) -> Tuple[Tensor, Tensor]:
+    """torch.ops.attention_ext.softmax_fwd_quant (the forward with an int8 Q.K^T) with fwd's keyword
+    options. Returns (out, lse). Inference only: its backward raises."""
+    return call_below_autograd(_QUANT_OP, _quant_args(q, k, v, qk_quant, options))
+
+
+def check_quant_inputs(q: Tensor, k: Tensor, v: Tensor, *, qk_quant: str = "int8", **options) -> None:
+    """softmax_fwd_quant's input rules (C++) for a call no kernel takes: the op's Meta kernel on
+    meta copies of the arguments (same shapes, strides and dtypes)."""
+    if not HAS_EXT:
+        return
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") if isinstance(t, Tensor) else t
+    _QUANT_OP(*[meta(x) for x in _quant_args(q, k, v, qk_quant, options)])
 
 
 # torch.ops.attention_ext.softmax_fwd_plain (csrc/torch/softmax_plain.cpp): fwd with no tensor option but

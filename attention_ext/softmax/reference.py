@@ -88,6 +88,7 @@ def attention(
     seqlens_k: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     dropout_mask: Optional[Tensor] = None,
+    logits: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Softmax attention with every variant of the fused op. Returns (out, lse).
 
@@ -103,7 +104,8 @@ def attention(
         P     = exp(s - lse) * keep / (1 - p)              keep: dropout_mask (B, H, S_q, S_k)
         out   = P @ v                                      (B, H, S_q, D)
 
-    A row with nothing allowed gives out = 0 and lse = -inf (or the sink logit).
+    A row with nothing allowed gives out = 0 and lse = -inf (or the sink logit). `logits`, when
+    given, is x (B, H, S_q, S_k) itself (qk_int8_scores': the int8 Q.K^T's), in place of q @ k^T.
     """
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -112,7 +114,8 @@ def attention(
     group = h // hk
     k = k.repeat_interleave(group, dim=1)  # (B, H, S_k, D)
     v = v.repeat_interleave(group, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, S_q, S_k)
+    x = torch.matmul(q, k.transpose(-1, -2)) if logits is None else logits.to(q.dtype)
+    s = x * scale  # (B, H, S_q, S_k)
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
@@ -144,6 +147,79 @@ def attention(
     return out, lse
 
 
+# Blocks of the int8 Q.K^T (qk_quant="int8") on the CPU: a scale per kBlockM query rows and per
+# kBlockN keys (csrc/cpu/pack.h), counted from each sequence's first row.
+QK_INT8_BLOCK_Q = 48
+QK_INT8_BLOCK_K = 128
+
+
+def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
+    """x (B, H, S, D) float32 rounded to int8 per block of `block` rows (rows where `valid`
+    (B, 1, S, 1) is False are left out of the scale and come back 0): (xi (B, H, S, D) float32
+    holding integers, scale (B, H, S, 1) float32, the row's block scale). Float32 op for op as
+    the kernels: scale = amax / 127, rint(x * (127 / amax)) clamped to +-127; a block holding a
+    NaN or an inf gets a NaN scale (and zeros)."""
+    b, h, s, d = x.shape
+    nb = -(-s // block)
+    pad = nb * block - s
+    xv = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    xp = torch.nn.functional.pad(xv, (0, 0, 0, pad)).view(b, h, nb, block * d)
+    ax = xp.abs()
+    finite = torch.isfinite(ax).all(-1, keepdim=True)
+    amax = torch.where(finite, ax, torch.zeros((), dtype=ax.dtype, device=ax.device)).amax(-1, keepdim=True)
+    # full tensors on both sides: torch turns a division by or of a scalar into a multiplication
+    # by a reciprocal (two roundings), where the kernels divide once
+    c127 = torch.full_like(amax, 127.0)
+    scale = torch.where(finite, amax / c127, torch.full_like(amax, float("nan")))
+    inv = torch.where(finite & (amax > 0), c127 / amax.clamp_min(torch.finfo(torch.float32).tiny),
+                      torch.zeros_like(amax))
+    xi = torch.round(xp * inv).clamp(-127, 127).nan_to_num(0.0)
+    xi = xi.view(b, h, nb * block, d)[:, :, :s]
+    rows = scale.view(b, h, nb, 1).repeat_interleave(block, dim=2)[:, :, :s]
+    return xi, rows
+
+
+def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, block_q: int = QK_INT8_BLOCK_Q,
+                   block_k: int = QK_INT8_BLOCK_K) -> Tensor:
+    """The raw scores x = q.k (B, H, S_q, S_k) of the int8 Q.K^T (SageAttention's method), in
+    float64: attention(..., logits=this) is what attention(..., qk_quant="int8") computes.
+
+        mean  = mean of the valid keys (B, H_k, 1, D)   (k - mean: the smoothing; summed in float64)
+        qi, sq = int8 blocks of q (block_q rows);  ki, sk = int8 blocks of k - mean (block_k keys)
+        x     = (qi @ ki^T) * (sq * sk) + q @ mean^T
+
+    q.k = q.(k - mean) + q.mean, so only the smoothed part is rounded; softmax, softcap and the
+    LSE see q.k. Keys past seqlens_k (B,) take no part in the mean or the scales."""
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    q32, k32 = q.float(), k.float()
+    pos = torch.arange(sk, device=k.device)
+    if seqlens_k is None:
+        valid = torch.ones(b, 1, sk, 1, dtype=torch.bool, device=k.device)
+        n = torch.full((b,), sk, device=k.device)
+    else:
+        n = seqlens_k.to(k.device).long().clamp(0, sk)
+        valid = (pos[None, :] < n[:, None]).view(b, 1, sk, 1)
+    kv = torch.where(valid, k32.double(), torch.zeros((), dtype=torch.float64, device=k.device))
+    mean = (kv.sum(2, keepdim=True) / n.clamp_min(1).view(b, 1, 1, 1)).float()  # (B, H_k, 1, D)
+    ki, ks = _int8_blocks(k32 - mean, block_k, valid)
+    qi, qs = _int8_blocks(q32, block_q, torch.ones(b, 1, sq, 1, dtype=torch.bool, device=q.device))
+    g = h // hk
+    ki, ks, mean = (t.repeat_interleave(g, dim=1) for t in (ki, ks, mean))
+    scale = (qs * ks.transpose(-1, -2)).double()  # (B, H, S_q, S_k): float32 products, as the kernels
+    return (qi.double() @ ki.double().transpose(-1, -2)) * scale + q32.double() @ mean.double().transpose(-1, -2)
+
+
+def attention_qk_int8(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
+    """attention() with the int8 Q.K^T's scores (qk_int8_scores) in float64: the oracle of
+    attention(..., qk_quant="int8") and its fallback where no kernel runs it. Takes attention()'s
+    options; returns (out, lse) in float64."""
+    x = qk_int8_scores(q, k, seqlens_k=kwargs.get("seqlens_k"))
+    f64 = torch.float64
+    kw = {n: (t.to(f64) if isinstance(t, Tensor) and t.is_floating_point() else t) for n, t in kwargs.items()}
+    return attention(q.to(f64), k.to(f64), v.to(f64), logits=x, **kw)
+
+
 def attention_varlen(
     q: Tensor,
     k: Tensor,
@@ -154,8 +230,10 @@ def attention_varlen(
 ) -> Tuple[Tensor, Tensor]:
     """Variable-length packs: q (total_q, H, D), k, v (total_k, H_k, D); sequence b holds rows
     [cu[b], cu[b+1]). Each sequence is attention() on its own. Returns out (total_q, H, D) and
-    lse (H, total_q). A (B, H, S_q, S_k)-shaped `bias` or `dropout_mask` is indexed per sequence."""
+    lse (H, total_q). A (B, H, S_q, S_k)-shaped `bias` or `dropout_mask` is indexed per sequence.
+    `attend` (default attention) computes each sequence (attention_qk_int8: the int8 Q.K^T's)."""
     outs, lses = [], []
+    attend = kwargs.pop("attend", attention)
     bias = kwargs.pop("bias", None)
     dmask = kwargs.pop("dropout_mask", None)
     slopes = kwargs.pop("alibi_slopes", None)
@@ -173,7 +251,7 @@ def attention_varlen(
             extra["dropout_mask"] = dmask[b, :, : q1 - q0, : k1 - k0].unsqueeze(0)
         if slopes is not None:
             extra["alibi_slopes"] = slopes[b] if slopes.dim() == 2 else slopes
-        o, l = attention(qb, kb, vb, **extra)
+        o, l = attend(qb, kb, vb, **extra)
         outs.append(o[0].transpose(0, 1))
         lses.append(l[0])
     return torch.cat(outs, 0), torch.cat(lses, -1)

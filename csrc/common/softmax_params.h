@@ -82,6 +82,11 @@ struct SoftmaxParamsT : QkvParams {
   uint64_t offset;
   DropoutCoords dropout_coords;  // identity, or this call's place in a larger problem (philox.h)
 
+  // ---------------------------------------------------------------- quantized Q K^T (forward only)
+  // 0 = off; 1 = int8: Q per block of query rows and the mean-smoothed K per block of keys
+  // rounded to int8, q . k summed in int32 (cpu/q8dot.h). The CPU forward only.
+  int32_t qk_quant;
+
   // threads for the CPU backend (0 = the intra-op pool's, cpu/parallel.h)
   int32_t num_threads;
 };

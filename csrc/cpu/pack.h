@@ -7,7 +7,11 @@
 // never O(S^2).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -16,6 +20,7 @@
 #include "cpu/isa.h"
 #include "cpu/memory.h"
 #include "cpu/parallel.h"
+#include "cpu/q8dot.h"
 #include "cpu/simd.h"
 
 namespace attn {
@@ -257,6 +262,73 @@ inline void pack_keys(const SoftmaxParamsT<T>& p, DType dt, const void* base, in
       } else {
         pack_one(dt, elem(base, dt, off), rstride, idx.len[b], idx.padded_len(b), idx.d, idx.dp, layout, kBlockN,
                  out + idx.offset(b, hh), row.data(), zero_end);
+      }
+    };
+  });
+}
+
+// K for the forward's int8 Q K^T (cpu/q8dot.h), packed per (batch, kv head) in blocks of kBlockN
+// rows like the float layouts (same PackIndex offsets, in bytes):
+//   mean  (B, H_k, dp) float32: the mean of the sequence's keys, summed in float64 (SageAttention's
+//         smoothing: q . k = q . (k - mean) + q . mean, and k - mean has a smaller range to round);
+//   scale one float32 per block of kBlockN keys, amax |k - mean| / 127 over the block's keys and d
+//         channels (NaN when the block holds a NaN or an inf: every score it gives is then NaN);
+//   keys  uint8 rint((k - mean) 127 / amax) + 128 in q8dot.h's kTQuads panels; pad rows and
+//         channels hold 128 (a signed 0).
+// The rounding is the one reference.qk_int8_scores states, float32 op for op, so the integer
+// keys here and there agree.
+struct Q8Keys {
+  const uint8_t* keys = nullptr;
+  const float* scale = nullptr;  // scale[offset(b, h) / (dp kBlockN) + j / kBlockN]
+  const float* mean = nullptr;   // mean[(b H_k + h) dp + c]
+};
+inline int64_t q8_scale_count(const PackIndex& idx) { return idx.row0.back() * idx.h_k / kBlockN; }
+
+template <typename T>
+inline void pack_keys_q8(const SoftmaxParamsT<T>& p, DType dt, const PackIndex& idx, uint8_t* keys, float* scale,
+                         float* mean) {
+  constexpr int P = kQ8Panel;
+  static_assert(kBlockN % P == 0, "a key block is whole q8 panels");
+  const int d = idx.d, dp = idx.dp;
+  const size_t es = dtype_size(dt);
+  parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
+    return [&, blk = Buffer<float>(size_t(kBlockN) * dp), sum = std::vector<double>(dp),
+            row = Buffer<int8_t>(dp)](int64_t t) mutable {
+      const int b = int(t / p.h_k), hh = int(t % p.h_k);
+      const int len = std::max(idx.len[b], 0);
+      const char* src =
+          elem(p.k, dt, SeqInfo(p, b).k_offset(p, b, hh, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
+      float* mu = mean + (int64_t(b) * p.h_k + hh) * dp;
+      std::fill(sum.begin(), sum.end(), 0.0);
+      for (int j = 0; j < len; ++j) {
+        load_row(dt, src + es * j * p.k_row_stride, blk.data(), d, dp);
+        for (int c = 0; c < d; ++c) sum[c] += blk[c];
+      }
+      for (int c = 0; c < dp; ++c) mu[c] = c < d && len > 0 ? float(sum[c] / len) : 0.f;
+      const int64_t base = idx.offset(b, hh);
+      for (int64_t j0 = 0; j0 < idx.padded_len(b); j0 += kBlockN) {
+        const int n = int(std::max<int64_t>(0, std::min<int64_t>(len - j0, kBlockN)));
+        for (int r = 0; r < n; ++r) {  // k - mean, rows of dp (the pad channels stay 0)
+          float* x = blk.data() + size_t(r) * dp;
+          load_row(dt, src + es * (j0 + r) * p.k_row_stride, x, d, dp);
+          for (int c = 0; c < dp; c += kLanes<float>) vstore(x + c, vload(x + c) - vload(mu + c));
+        }
+        const float amax = q8_amax(blk.data(), int64_t(n) * dp);
+        scale[(base / dp + j0) / kBlockN] = q8_scale(amax);
+        const float inv = q8_inv(amax);
+        uint8_t* dst = keys + base + j0 * dp;
+        std::memset(dst, kQ8Bias, size_t(kBlockN) * dp);
+        for (int r = 0; r < n; ++r) {
+          q8_round(blk.data() + size_t(r) * dp, dp, inv, row.data());
+          // + 128, one channel quad (a 32-bit word) at a time into the key's column of its panel
+          uint8_t* col = dst + int64_t(r / P) * dp * P + (r % P) * 4;
+          for (int c = 0; c < dp; c += 4) {
+            uint32_t w;
+            std::memcpy(&w, row.data() + c, 4);
+            w ^= 0x80808080u;  // two's complement byte + 128 = its top bit flipped
+            std::memcpy(col + (c / 4) * 4 * P, &w, 4);
+          }
+        }
       }
     };
   });

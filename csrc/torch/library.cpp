@@ -175,8 +175,11 @@ PyObject* py_cpu_peak_flops(PyObject*, PyObject* args) {
     kind = attn::cpu::kPeakFp32Fma;
   } else if (std::strcmp(kind_name, "bf16_dot") == 0) {
     kind = attn::cpu::kPeakBf16Dot;
+  } else if (std::strcmp(kind_name, "int8_dot") == 0) {
+    kind = attn::cpu::kPeakInt8Dot;
   } else {
-    PyErr_Format(PyExc_ValueError, "cpu_peak_flops: kind must be 'fp32_fma' or 'bf16_dot', got '%s'", kind_name);
+    PyErr_Format(PyExc_ValueError, "cpu_peak_flops: kind must be 'fp32_fma', 'bf16_dot' or 'int8_dot', got '%s'",
+                 kind_name);
     return nullptr;
   }
   const int pool = at::get_num_threads();
@@ -306,7 +309,7 @@ PyMethodDef module_methods[] = {
      "torch.ops.attention_ext.softmax_fwd_plain for plain tensors, without torch.ops' argument conversion"},
     {"cpu_peak_flops", py_cpu_peak_flops, METH_VARARGS,
      "cpu_peak_flops(kind, threads, seconds): FLOP/s of threads (0: torch's count) running the active level's "
-     "'fp32_fma' or 'bf16_dot' loop, the best 1 ms burst of `seconds` (one at least); 0.0 where the level "
+     "'fp32_fma', 'bf16_dot' or 'int8_dot' loop, the best 1 ms burst of `seconds` (one at least); 0.0 where the level "
      "lacks the instruction"},
 #if defined(ATTN_SANITIZE)
     {"_canary_heap_overflow", canary_heap_overflow, METH_NOARGS, "sanitized build only: a heap over-read"},
@@ -334,6 +337,10 @@ TORCH_LIBRARY(attention_ext, m) {
   // nothing to differentiate (softmax_route.cpp); softmax_fwd_route says which, and why
   m.def("softmax_fwd_routed(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", int num_splits=1, bool deterministic=False) -> (Tensor, Tensor)");
+  // the forward with a quantized Q.K^T (SageAttention's method; inference: no backward):
+  // qk_quant "int8" (CPU: csrc/cpu/q8dot.h)
+  m.def("softmax_fwd_quant(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA
+        ", str qk_quant=\"int8\") -> (Tensor, Tensor)");
   m.def("softmax_fwd_route(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA ") -> str");
   // sparse family: block-sparse attention is fwd / bwd with block_layout; top-k's threshold pass
   // (common/block_sparse.h) takes the same options (top-k's own left unset) and returns the

@@ -48,6 +48,21 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
   return {out, lse};
 }
 
+// The forward with the int8 Q K^T (SoftmaxParams::qk_quant): float inputs only (check_qk_quant).
+std::tuple<Tensor, Tensor> fwd_quant_cpu(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                         c10::string_view qk_quant) {
+  const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
+  attn::api::check_inputs(q, k, v, o);
+  const int32_t code = attn::api::check_qk_quant(q, o, qk_quant);
+  auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
+  if (q.numel() == 0) return {out, lse};
+  auto p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);
+  p.qk_quant = code;
+  const TileIndexTensors index = attach_index(p, o, false);
+  attn::cpu::softmax_fwd_stub<float>(p, attn::api::dtype_of(q));
+  return {out, lse};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cpu(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                            const Tensor& v, const Tensor& out, const Tensor& lse
                                                                ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
@@ -86,6 +101,7 @@ Tensor dropout_mask_cpu(int64_t b, int64_t h, int64_t sq, int64_t sk, double p, 
 
 TORCH_LIBRARY_IMPL(attention_ext, CPU, m) {
   m.impl("softmax_fwd", &fwd_cpu);
+  m.impl("softmax_fwd_quant", &fwd_quant_cpu);
   m.impl("softmax_bwd", &bwd_cpu);
 }
 

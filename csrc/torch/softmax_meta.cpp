@@ -31,6 +31,14 @@ std::tuple<Tensor, Tensor> fwd_meta(const Tensor& q, const Tensor& k, const Tens
   return {attn::api::empty_like_layout(q), rows_like(q, attn::api::acc_dtype(q))};
 }
 
+std::tuple<Tensor, Tensor> fwd_quant_meta(const Tensor& q, const Tensor& k,
+                                          const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS, c10::string_view qk_quant) {
+  const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
+  attn::api::check_inputs(q, k, v, o);
+  attn::api::check_qk_quant(q, o, qk_quant);
+  return {attn::api::empty_like_layout(q), rows_like(q, attn::api::acc_dtype(q))};
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                             const Tensor& v, const Tensor& out,
                                                             const Tensor& lse ATTN_SOFTMAX_OPTIONS_PARAMS,
@@ -58,5 +66,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(const Tensor& dout, 
 
 TORCH_LIBRARY_IMPL(attention_ext, Meta, m) {
   m.impl("softmax_fwd", &fwd_meta);
+  m.impl("softmax_fwd_quant", &fwd_quant_meta);
   m.impl("softmax_bwd", &bwd_meta);
 }

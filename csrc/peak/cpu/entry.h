@@ -15,6 +15,7 @@ namespace cpu {
 enum PeakKind : int {
   kPeakFp32Fma = 0,  // float32 multiply-adds, W lanes (FMA where the level has it, else mul + add)
   kPeakBf16Dot = 1,  // bf16 pair dot products into float32 lanes (vdpbf16ps, AVX512-BF16 only)
+  kPeakInt8Dot = 2,  // int8 quad dot products into int32 lanes (vpdpbusd, AVX512-VNNI only)
 };
 
 // Runs `iters` rounds of the kind's loop on the calling thread; returns the FLOPs done (2 per

@@ -40,6 +40,14 @@ struct FwdWorker {
   const T* vr;  // packed V, kPanels (idem)
   // the bf16 dot path (tile.h's bf16_dot): packed K as kTPairs, V as kPairs; else nullptr
   const uint16_t *ktb, *vrb;
+  // the int8 Q K^T (qk_quant): packed int8 K, its block scales and means (pack.h's Q8Keys); the
+  // task's Q in int8 (qi, rows of dp), its block scale, and per row 128 sum_c qi and q . mean
+  // (q8dot.h's Q8Epilogue)
+  Q8Keys q8;
+  Buffer<int8_t> qi;
+  Buffer<int32_t> qcorr;
+  Buffer<float> qadd;
+  float qscale = 0.f;
   int n_mblocks;
   // this thread's q, s, o tiles, m, l, one output row and one K / V row; o's compensation oc,
   // l's lc, and pb, one tile's p V before it joins o
@@ -58,9 +66,14 @@ struct FwdWorker {
   bool o_ready, oc_ready;
 
   FwdWorker(const SoftmaxParamsT<T>& p_, DType dt_, const PackIndex& ki, const T* kt_, const T* vr_, int nmb,
-            const uint16_t* ktb_ = nullptr, const uint16_t* vrb_ = nullptr)
-      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), ktb(ktb_), vrb(vrb_), n_mblocks(nmb),
+            const uint16_t* ktb_ = nullptr, const uint16_t* vrb_ = nullptr, Q8Keys q8_ = {})
+      : p(p_), dt(dt_), kidx(ki), kt(kt_), vr(vr_), ktb(ktb_), vrb(vrb_), q8(q8_), n_mblocks(nmb),
         mem(carved_size<T>(sizes(ki.dp))) {
+    if (q8.keys != nullptr) {
+      qi.resize(size_t(kBlockM) * ki.dp);
+      qcorr.resize(kBlockM);
+      qadd.resize(kBlockM);
+    }
     T *qbt, *sbt;
     carve(mem.data(), sizes(ki.dp), {&q, &s, &o, &m, &l, &row, &kvrow, &kgrp, &ktr, &oc, &lc, &pb, &qbt, &sbt});
     qb = reinterpret_cast<uint16_t*>(qbt);
@@ -144,6 +157,8 @@ struct FwdWorker {
     const T *kt_bh, *v_bh;  // packed K / V of the (batch, kv head); nullptr in direct mode
     const char *kbase, *vbase;
     const uint16_t *ktb_bh, *vb_bh;  // the bf16 dot path's packed K / V; else nullptr
+    const uint8_t* ktq_bh = nullptr;  // the int8 Q K^T's packed K and its block scales; else nullptr
+    const float* ksc_bh = nullptr;
   };
   // Rows [ra, rb) of the task (offsets from its first row) against keys [j0, j0 + n), of which
   // [lo, hi) may be seen: n <= kBlockN, j0 a multiple of kPanel, [j0, j0 + n) inside one packed
@@ -156,7 +171,14 @@ struct FwdWorker {
     T* oca = oc + ra * dp;
     T* pba = pb + ra * dp;
     // (rows, n) scores = Q (rows, d) @ K^T block (d, n)
-    if (t.ktb_bh != nullptr) {
+    if (t.ktq_bh != nullptr) {
+      if constexpr (std::is_same<T, float>::value) {  // float only
+        // the tile lies in one key block: one K scale
+        const Q8Epilogue e{qcorr.data() + ra, qscale * t.ksc_bh[j0 / kBlockN], qadd.data() + ra};
+        gemm_q8(rows, n, dp, qi.data() + ra * dp, dp, t.ktq_bh + int64_t(j0) * dp, int64_t(dp) * kQ8Panel, sa,
+                kBlockN, e);
+      }
+    } else if (t.ktb_bh != nullptr) {
       if constexpr (std::is_same<T, float>::value) {  // tile.h's bf16_dot: float only
         gemm_dp(rows, n, round_up(d, 2), qb + ra * dp, dp, t.ktb_bh + int64_t(j0) * dp, int64_t(dp) * kDotPanel, sa,
                 kBlockN);
@@ -216,7 +238,7 @@ struct FwdWorker {
                            [&](int r, int jj) { return key_hidden(hid + r * kMaskWords, jj); });
         }
       }
-    } else if (t.kt_bh == nullptr) {
+    } else if (t.v_bh == nullptr) {
       std::fill(pba, pba + size_t(rows) * dp, T(0));
       direct_pv(sa, pba, rows, j0, n, t.len_k, t.vbase, d, dp, may_hide ? hid : nullptr);
     } else {
@@ -290,6 +312,24 @@ struct FwdWorker {
     }
   }
 
+  // The task's Q rows (float, in q) to int8 with one scale for the block: rint(q 127 / amax),
+  // amax over its rows and d channels (NaN when one is not finite: every score of the task is
+  // then NaN), with each row's 128 sum_c qi and q . mean (the smoothing's part of q . k) for
+  // q8dot.h's epilogue. Rounded as reference.qk_int8_scores rounds, float32 op for op.
+  void quantize_q(int rows, const float* mean) {
+    const int dp = kidx.dp;  // q's rows are dp wide, zero past d
+    const float amax = q8_amax(q, int64_t(rows) * dp);
+    qscale = q8_scale(amax);
+    const float inv = q8_inv(amax);
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + r * dp;
+      qcorr[r] = kQ8Bias * q8_round(qr, dp, inv, qi.data() + r * dp);
+      vf dm = vbcast(0.f);
+      for (int c = 0; c < dp; c += L) dm += vload(qr + c) * vload(mean + c);
+      qadd[r] = hsum_tree(dm);
+    }
+  }
+
   void operator()(int64_t task) {
     const QueryTask qt(task, n_mblocks, p.h, true);
     const int b = qt.b, h = qt.h, i0 = qt.i0;
@@ -309,12 +349,16 @@ struct FwdWorker {
     qa0 = q_in_place ? reinterpret_cast<const T*>(qbase) : q;
     ldq = q_in_place ? p.q_row_stride : dp;
     for (int r = 0; r < rows && !q_in_place; ++r) {
-      if (dot) {  // bf16 as it is
+      if (dot && q8.keys == nullptr) {  // bf16 as it is
         std::memcpy(qb + r * dp, qbase + es * r * p.q_row_stride, sizeof(uint16_t) * d);
         std::fill(qb + r * dp + d, qb + (r + 1) * dp, uint16_t(0));
       } else {
         load_row(dt, qbase + es * r * p.q_row_stride, q + r * dp, d, dp);
       }
+    }
+
+    if constexpr (std::is_same<T, float>::value) {
+      if (q8.keys != nullptr) quantize_q(rows, q8.mean + (int64_t(b) * p.h_k + hk) * dp);
     }
 
     // the dense walk's first tile writes O; the block-sparse walk (tiles of some of the rows)
@@ -332,7 +376,11 @@ struct FwdWorker {
            kt == nullptr ? nullptr : kt + kidx.offset(b, hk), vr == nullptr ? nullptr : vr + kidx.offset(b, hk),
            elem(p.k, dt, si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride)),
            elem(p.v, dt, si.k_offset(p, b, hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride)),
-           dot ? ktb + kidx.offset(b, hk) : nullptr, dot ? vrb + kidx.offset(b, hk) : nullptr};
+           ktb != nullptr ? ktb + kidx.offset(b, hk) : nullptr, vrb != nullptr ? vrb + kidx.offset(b, hk) : nullptr};
+    if (q8.keys != nullptr) {
+      t.ktq_bh = q8.keys + kidx.offset(b, hk);
+      t.ksc_bh = q8.scale + kidx.offset(b, hk) / (int64_t(dp) * kBlockN);
+    }
     if (!p.sparse.on()) {
       // the keys the task's rows may see, in tiles trimmed to the panels some row reaches
       // (tile.h's for_key_tiles): a causal or window edge tile skips its wholly masked panels
@@ -402,6 +450,30 @@ void softmax_fwd(const SoftmaxParamsT<T>& p, DType dt) {
   if (direct_mode(p)) {
     parallel_tasks(n_tasks, p.num_threads, [&] { return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks); });
     return;
+  }
+  if constexpr (std::is_same<T, float>::value) {
+    if (p.qk_quant != 0) {
+      // int8 Q K^T; P V as the call would take it (bf16 dot products or float32)
+      const Scratch<uint8_t, 0> kq(kidx.total());
+      Buffer<float> ksc(q8_scale_count(kidx)), kmean(size_t(p.b) * p.h_k * kidx.dp);
+      pack_keys_q8(p, dt, kidx, kq.data(), ksc.data(), kmean.data());
+      const Q8Keys q8{kq.data(), ksc.data(), kmean.data()};
+      if (bf16_dot(p, dt)) {
+        const Scratch<uint16_t, 1> vr(kidx.total());
+        pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPairs,
+                  vr.data(), PackPad::kPanelRows);
+        parallel_tasks(n_tasks, p.num_threads, [&] {
+          return FwdWorker<T>(p, dt, kidx, nullptr, nullptr, n_mblocks, nullptr, vr.data(), q8);
+        });
+      } else {
+        const Scratch<T, 1> vr(kidx.total());
+        pack_keys(p, dt, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, kidx, PackLayout::kPanels,
+                  vr.data(), PackPad::kPanelRows);
+        parallel_tasks(n_tasks, p.num_threads,
+                       [&] { return FwdWorker<T>(p, dt, kidx, nullptr, vr.data(), n_mblocks, nullptr, nullptr, q8); });
+      }
+      return;
+    }
   }
   if (bf16_dot(p, dt)) {
     const Scratch<uint16_t, 0> kt(kidx.total());

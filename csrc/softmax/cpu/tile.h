@@ -44,7 +44,9 @@ inline bool key_hidden(const uint64_t* bits, int jj) { return (bits[jj >> 6] >> 
 // as its threshold pass computed them, with the packed GEMM.
 constexpr int kDirectMaxRows = 8;
 template <typename T>
-inline bool direct_mode(const SoftmaxParamsT<T>& p) { return p.sq <= kDirectMaxRows && p.topk_thr == nullptr; }
+inline bool direct_mode(const SoftmaxParamsT<T>& p) {
+  return p.sq <= kDirectMaxRows && p.topk_thr == nullptr && p.qk_quant == 0;  // int8 Q K^T: packed K
+}
 
 // bf16 inputs on a level with AVX512-BF16 take the bf16 dot products (cpu/bf16dot.h) for the
 // forward's Q K^T and P V and the backward's Q K^T and dO V^T. The forward and the backward

@@ -1,0 +1,198 @@
+// int8 dot products for the softmax forward's quantized Q K^T (qk_quant = "int8", SageAttention's
+// method): Q and the mean-smoothed K are rounded to int8 with a scale per block, their products
+// are summed exactly in int32, and one multiply-add per score brings the sum back to float32.
+//
+// On CPUs with AVX512-VNNI (every CPU with AVX512-BF16: Zen 4 / 5, Cooper Lake, Sapphire Rapids)
+// vpdpbusd multiplies 64 pairs of bytes (one unsigned, one signed) and adds each 4 adjacent
+// products into 16 int32 lanes: twice the multiply-adds per instruction of vdpbf16ps, four times
+// a float32 FMA's, on a quarter of the float32 operand bytes. Other levels run the same integer
+// arithmetic portably (the compiler vectorizes the int16 products): the sums are exact integers,
+// so every level computes the same scores bit for bit.
+//
+// The unsigned operand is K, stored with a bias of 128 (k + 128 in [1, 255]); Q stays signed, so
+//   sum_c (k_c + 128) q_c = q . k + 128 sum_c q_c
+// and the row's correction 128 sum_c q_c, one integer per query row, is subtracted before the
+// conversion. No product or sum can overflow: |sum| <= D 255 127 < 2^31 for D < 66,000.
+//
+// Operands:
+//   A (M, K) int8 row-major (Q's rows, zero past d): row m's quad k is A[m * lda + 4k .. + 3].
+//   B (K, N) uint8 in panels of kQ8Panel keys: element (c, n) at
+//     B[(n / kQ8Panel) * bpanel + (c / 4) * 4 kQ8Panel + (n % kQ8Panel) * 4 + c % 4],
+//     so one 64-byte load is a channel quad of 16 keys (pack.h's kTQuads).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "cpu/isa.h"
+#include "cpu/simd.h"
+
+#if defined(__AVX512VNNI__)
+#include <immintrin.h>
+#endif
+
+namespace attn {
+namespace cpu {
+ATTN_CPU_ISA_BEGIN
+
+#if defined(__AVX512VNNI__)
+constexpr bool kQ8Vnni = true;
+#else
+constexpr bool kQ8Vnni = false;
+#endif
+
+// Keys per B panel: the float32 micro-kernel's kPanel at every level, so that the forward's key
+// tiles (which start on kPanel<float> boundaries) start on a panel.
+constexpr int kQ8Panel = 2 * W;
+constexpr int kQ8Bias = 128;  // K's bias in the unsigned operand
+constexpr int kQ8MR = 8;      // rows per micro-kernel block
+
+// ---------------------------------------------------------------- rounding to int8
+// The blocks' scales and integers, float32 op for op as reference.py's _int8_blocks:
+//   scale = amax / 127, x_i = clamp(rint(x * (127 / amax)), -127, 127)
+// amax the block's largest |x|, NaN when one is not finite (then every x_i is 0 and every score
+// that uses the block is NaN: a non-finite input shows, block-wide, instead of rounding to junk).
+
+// max |x| over n floats (a multiple of the vector width), or NaN if one is not finite.
+inline float q8_amax(const float* x, int64_t n) {
+  if (any_nonfinite(x, n)) return std::numeric_limits<float>::quiet_NaN();
+  vf m = vbcast(0.f);
+  for (int64_t i = 0; i < n; i += kLanes<float>) {
+    const vf v = vload(x + i);
+    m = vmax(m, vmax(v, -v));
+  }
+  return hmax(m);
+}
+inline float q8_scale(float amax) { return amax / 127.f; }  // NaN stays NaN
+inline float q8_inv(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }  // 0 for NaN and 0
+
+// dst[c] = clamp(rint(x[c] inv), -127, 127) for c < n; returns sum_c dst[c]. The loop vectorizes
+// (-fno-math-errno: nearbyint is a rounding instruction).
+inline int32_t q8_round(const float* x, int n, float inv, int8_t* dst) {
+  int32_t sum = 0;
+  for (int c = 0; c < n; ++c) {
+    const float y = std::min(127.f, std::max(-127.f, std::nearbyint(x[c] * inv)));
+    const int32_t v = int32_t(y);
+    dst[c] = int8_t(v);
+    sum += v;
+  }
+  return sum;
+}
+
+// What turns a block's int32 sums into the float32 scores q . k: for row m,
+//   C[m][n] = float(acc - corr[m]) * scale + add[m]
+// (corr: 128 sum_c q_c; scale: the Q block's scale times the K block's; add: the row's q . mean,
+// the part of q . k the smoothing took out of K).
+struct Q8Epilogue {
+  const int32_t* corr;
+  float scale;
+  const float* add;
+};
+
+#if defined(__AVX512VNNI__)
+// C (MR, 16 NV) = epilogue(A (MR, 4 K4) @ B panel (4 K4, 16 NV)): MR x NV int32 accumulators
+// in registers (16 of the 32 zmm at 8 x 2); each channel quad loads NV vectors of B and
+// broadcasts MR words of A, for MR x NV vpdpbusd.
+template <int MR, int NV>
+inline void q8_micro(int K4, const int8_t* __restrict__ A, int64_t lda, const uint8_t* __restrict__ B,
+                     float* __restrict__ C, int64_t ldc, const Q8Epilogue& e) {
+  __m512i acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
+  }
+  for (int k = 0; k < K4; ++k) {
+    __m512i b[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_si512(B + int64_t(k) * 4 * kQ8Panel + v * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t w;
+      std::memcpy(&w, A + r * lda + 4 * k, 4);
+      const __m512i a = _mm512_set1_epi32(w);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], b[v], a);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(e.scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m512i corr = _mm512_set1_epi32(e.corr[r]);
+    const __m512 add = _mm512_set1_ps(e.add[r]);
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], corr));
+      _mm512_storeu_ps(C + r * ldc + v * 16, _mm512_fmadd_ps(s, sc, add));
+    }
+  }
+}
+
+template <int NV>
+inline void q8_rows(int mr, int K4, const int8_t* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc,
+                    const Q8Epilogue& e) {
+  switch (mr) {
+    case 8: q8_micro<8, NV>(K4, A, lda, B, C, ldc, e); break;
+    case 7: q8_micro<7, NV>(K4, A, lda, B, C, ldc, e); break;
+    case 6: q8_micro<6, NV>(K4, A, lda, B, C, ldc, e); break;
+    case 5: q8_micro<5, NV>(K4, A, lda, B, C, ldc, e); break;
+    case 4: q8_micro<4, NV>(K4, A, lda, B, C, ldc, e); break;
+    case 3: q8_micro<3, NV>(K4, A, lda, B, C, ldc, e); break;
+    case 2: q8_micro<2, NV>(K4, A, lda, B, C, ldc, e); break;
+    default: q8_micro<1, NV>(K4, A, lda, B, C, ldc, e); break;
+  }
+}
+#endif
+
+// The portable form: one panel of up to kQ8Panel keys for one row, int16 products summed in
+// int32 (the compiler turns the inner loop into pmaddwd-style multiply-adds).
+inline void q8_row_portable(int K4, const int8_t* a, const uint8_t* B, int32_t* acc) {
+  for (int j = 0; j < kQ8Panel; ++j) acc[j] = 0;
+  for (int k = 0; k < K4; ++k) {
+    const uint8_t* b = B + int64_t(k) * 4 * kQ8Panel;
+    const int32_t a0 = a[4 * k], a1 = a[4 * k + 1], a2 = a[4 * k + 2], a3 = a[4 * k + 3];
+    for (int j = 0; j < kQ8Panel; ++j) {
+      acc[j] += int32_t(b[4 * j]) * a0 + int32_t(b[4 * j + 1]) * a1 + int32_t(b[4 * j + 2]) * a2 +
+                int32_t(b[4 * j + 3]) * a3;
+    }
+  }
+}
+
+// C (M, N) = epilogue(A (M, K) @ B (K, N)) in the layouts above; K a multiple of 4, N a multiple
+// of 16 (of kQ8Panel's half at least: a tile's last panel may be half full).
+inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel, float* C,
+                    int64_t ldc, const Q8Epilogue& e) {
+#if defined(__AVX512VNNI__)
+  // n outer, m inner: the (K, kQ8Panel) panel of B stays in L1 while A's rows stream past it
+  for (int n0 = 0; n0 < N; n0 += kQ8Panel) {
+    const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel;
+    for (int m0 = 0; m0 < M; m0 += kQ8MR) {
+      const int mr = M - m0 < kQ8MR ? M - m0 : kQ8MR;
+      const Q8Epilogue em{e.corr + m0, e.scale, e.add + m0};
+      if (N - n0 >= kQ8Panel) {
+        q8_rows<2>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+      } else {
+        q8_rows<1>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+      }
+    }
+  }
+#else
+  int32_t acc[kQ8Panel];
+  for (int n0 = 0; n0 < N; n0 += kQ8Panel) {
+    const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel;
+    const int nn = N - n0 < kQ8Panel ? N - n0 : kQ8Panel;
+    for (int m = 0; m < M; ++m) {
+      q8_row_portable(K / 4, A + m * lda, b, acc);
+      // one rounding, as vfmadd231ps
+      for (int j = 0; j < nn; ++j) C[m * ldc + n0 + j] = std::fma(float(acc[j] - e.corr[m]), e.scale, e.add[m]);
+    }
+  }
+#endif
+}
+
+ATTN_CPU_ISA_END
+}  // namespace cpu
+}  // namespace attn
