@@ -150,6 +150,11 @@ def test_cpu_peak_flops_is_physically_possible():
         assert 0 < bf16 < 2 * 2 * lanes * 2 * MAX_HZ  # pairs: twice the multiply-adds of an FMA
     elif _ext.cpu_isa() != "native":
         assert bf16 == 0.0  # the level has no bf16 dot product
+    int8 = bench.cpu_peak_flops("int8_dot", 1, 0.05)
+    if _ext.cpu_isa() in ("avx512bf16", "native") and "avx512bf16" in _ext.cpu_isas():
+        assert 0 < int8 < 2 * 4 * lanes * 2 * MAX_HZ  # quads: four times the multiply-adds of an FMA
+    elif _ext.cpu_isa() != "native":
+        assert int8 == 0.0  # the level has no VNNI (built with it only at avx512bf16)
     n = torch.get_num_threads()
     assert 0 < bench.cpu_peak_flops("fp32_fma", n, 0.05) < n * 2 * lanes * 2 * MAX_HZ
 
@@ -169,7 +174,7 @@ def test_cpu_peak_flops_follows_the_active_isa_level():
 
 @needs_ext
 def test_cpu_peak_flops_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="kind must be 'fp32_fma' or 'bf16_dot'"):
+    with pytest.raises(ValueError, match="kind must be 'fp32_fma', 'bf16_dot' or 'int8_dot'"):
         _ext._C.cpu_peak_flops("fp64", 1, 0.01)
     n = torch.get_num_threads()
     with pytest.raises(ValueError, match=r"torch.set_num_threads"):

@@ -25,14 +25,16 @@ _FN = "attention_ext.flash_attn"  # the prefix of this module's argument errors
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
+                    return_attn_probs: bool = False, *, num_splits: int = 0,
+                    qk_quant: Optional[str] = None) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_func: q (B, Sq, H, D), k / v (B, Sk, H_k, D); causal is
     aligned bottom-right. return_attn_probs=True returns (out, lse (B, H, Sq), probs
-    (B, H, Sq, Sk)) with the real probabilities recomputed from the LSE."""
+    (B, H, Sq, Sk)) with the real probabilities recomputed from the LSE. qk_quant="int8":
+    attention()'s int8 Q.K^T (inference; the probabilities returned are the unquantized ones)."""
     window = window_size_pair(window_size, _FN)
     out, lse = attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                         return_lse=True, deterministic=deterministic, num_splits=num_splits)
+                         return_lse=True, deterministic=deterministic, num_splits=num_splits, qk_quant=qk_quant)
     if return_attn_probs:
         probs = attention_weights(q, k, lse, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
                                   window=window, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -70,7 +72,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: Optional[Tensor] = None, *,
-                           num_splits: int = 1) -> _OutOrProbs:
+                           num_splits: int = 1, qk_quant: Optional[str] = None) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_varlen_func: q (total_q, H, D), k / v (total_k, H_k, D),
     sequence b in rows [cu_seqlens[b], cu_seqlens[b+1]). Returns out (total_q, H, D) (and lse
     (H, total_q) and the (B, H, max_seqlen_q, max_seqlen_k) probabilities with
@@ -80,14 +82,15 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     b's cu_seqlens_k[b+1] - cu_seqlens_k[b] keys are rows 0.. of its pages block_table[b, :].
     The pages are gathered into a packed (total_k, H_k, D) copy with torch indexing (one extra
     read + write of every used key and value, O(total_k * H_k * D) memory; differentiable to
-    k / v), then the unpaged varlen kernel runs on it."""
+    k / v), then the unpaged varlen kernel runs on it. qk_quant="int8": attention()'s int8 Q.K^T
+    (inference), each sequence with its own K mean and blocks."""
     window = window_size_pair(window_size, _FN)
     if block_table is not None:
         k, v = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale=softmax_scale, causal=causal, bottom_right=True, window=window,
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True,
-                                deterministic=deterministic, num_splits=num_splits)
+                                deterministic=deterministic, num_splits=num_splits, qk_quant=qk_quant)
     if return_attn_probs:
         return out, lse, _varlen_probs(q, k, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                        softmax_scale, softcap, causal, window, alibi_slopes)

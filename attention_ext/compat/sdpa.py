@@ -68,7 +68,7 @@ def _check_fallback_shapes(query: Tensor, key: Tensor, value: Tensor, gqa_heads:
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
-                                 enable_gqa: bool = False) -> Tensor:
+                                 enable_gqa: bool = False, *, qk_quant: Optional[str] = None) -> Tensor:
     """Drop-in for torch.nn.functional.scaled_dot_product_attention: same arguments, conventions
     and error types.
 
@@ -86,8 +86,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
       also ValueError / TypeError (SDPAInputError, SDPAInputTypeError). Beyond torch, a float
       mask of another float dtype than query's is taken, and key and value of different lengths
       are refused.
+    - qk_quant="int8" (keyword, beyond torch): attention()'s int8 Q.K^T, for inference; only
+      for inputs the fused kernel takes.
     """
-    if (attn_mask is None and not dropout_p and type(query) is Tensor and type(key) is Tensor
+    if (attn_mask is None and not dropout_p and qk_quant is None and type(query) is Tensor and type(key) is Tensor
             and (enable_gqa or key.dim() != 4 or key.size(1) in (1, query.size(1)))):
         # the plain call (no mask or dropout; GQA only when asked for): the op checks it, and
         # anything unusual (other shapes, a subclass, an error) takes the path below
@@ -136,6 +138,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                  and query.size(0) == key.size(0) and key.shape[:3] == value.shape[:3]
                  and ops.has_kernel(query.device, query.dtype))
     if not fused:
+        if qk_quant is not None:
+            raise SDPAInputError(
+                f"scaled_dot_product_attention: qk_quant={qk_quant!r} runs on the fused kernel only: 4-D query, key "
+                f"and value with query heads a multiple of key heads and one head dim in [1, 256] (got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)})")
         _check_fallback_shapes(query, key, value, enable_gqa)
         if bottom_right:  # torch's own takes the lower-right bias as its (Sq, Sk) bool mask
             sq, sk = query.size(-2), key.size(-2)
@@ -145,7 +152,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                            scale=scale, enable_gqa=enable_gqa)
     try:
         return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, causal=is_causal,
-                         bottom_right=bottom_right, scale=scale)
+                         bottom_right=bottom_right, scale=scale, qk_quant=qk_quant)
     except (ValueError, TypeError) as e:  # torch's SDPA raises RuntimeError for every bad input
         if isinstance(e, RuntimeError):
             raise

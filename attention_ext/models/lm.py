@@ -60,6 +60,7 @@ class LMConfig:
     lsh_chunk_size: int = 64              # attention_type="lsh"
     bias: bool = True
     tie_weights: bool = True              # the output projection is the token embedding (Press & Wolf)
+    qk_quant: Optional[str] = None        # "int8": the int8 Q.K^T in no-grad forwards (AttentionConfig)
 
     def block(self) -> BlockConfig:
         d_ff = self.d_ff or (int(8 * self.d_model / 3) if self.activation == "swiglu" else 4 * self.d_model)
@@ -69,7 +70,8 @@ class LMConfig:
                                delta_conv=self.delta_conv, sparse_pattern=self.sparse_pattern, sparse_block_size=self.sparse_block_size,
                                sparse_kwargs=self.sparse_kwargs, topk=self.topk, lsh_buckets=self.lsh_buckets,
                                lsh_hashes=self.lsh_hashes, lsh_chunk_size=self.lsh_chunk_size,
-                               positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias)
+                               positional=self.positional, sinks=self.sinks, dropout=self.dropout, bias=self.bias,
+                               qk_quant=self.qk_quant)
         return BlockConfig(attn=attn, d_ff=d_ff, activation=self.activation, norm=self.norm, norm_first=True,
                            dropout=self.dropout, norm_eps=self.norm_eps)
 

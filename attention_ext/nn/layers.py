@@ -62,6 +62,10 @@ class AttentionConfig:
     lsh_buckets: int = 8               # attention_type="lsh": buckets per hash round, 1 or even (Reformer: ~ S / chunk)
     lsh_hashes: int = 1                # attention_type="lsh": hash rounds
     lsh_chunk_size: int = 64           # attention_type="lsh": the sorted positions' chunk length
+    # attention_type="softmax": "int8" runs Q.K^T in int8 (attention()'s qk_quant) in forwards with
+    # no graph to build (torch.no_grad / inference_mode: evaluation, a generation's prefill); a
+    # forward that records gradients, and generation's cached steps, run unquantized
+    qk_quant: Optional[str] = None
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -70,6 +74,10 @@ class AttentionConfig:
             self.n_kv_heads = self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.qk_quant not in (None, "int8"):
+            raise ValueError(f"qk_quant must be None or 'int8', got {self.qk_quant!r}")
+        if self.qk_quant is not None and self.attention_type != "softmax":
+            raise ValueError(f"qk_quant serves attention_type='softmax', got {self.attention_type!r}")
         self.window = window_pair(self.window, causal=False)  # the functional API's check and error
 
     @property
@@ -250,6 +258,9 @@ class Attention(nn.Module):
             out = self._context_parallel(q, x, context_parallel)  # (B, n, H, D)
             return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
         src = context if self.cross else x
+        # the int8 Q.K^T: forwards without a graph, over a whole prompt (not a cached step)
+        quant = c.qk_quant if (c.qk_quant and not torch.is_grad_enabled() and
+                               (cache is None or getattr(cache, "pos", None) == 0)) else None
         if getattr(cache, "paged", False) and not self.cross:
             return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))
         if cache is not None and cache.static and cache.pos > 0:
@@ -268,10 +279,12 @@ class Attention(nn.Module):
                     attn_mask=attn_mask, key_mask=key_mask, seqlens_k=seqlens_k,
                     alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
         kernel, opts = self._kernel(q, k, opts)
+        if quant is not None:
+            opts["qk_quant"] = quant
         p = c.dropout if self.training else 0.0
         if self.keep_weights:
             out, lse = kernel(q, k, v, dropout_p=p, return_lse=True, **opts)
-            self.last_weights = self._weights(q, k, lse, opts).detach()
+            self.last_weights = self._weights(q, k, lse, {n: o for n, o in opts.items() if n != "qk_quant"}).detach()
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)

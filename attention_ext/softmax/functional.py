@@ -184,6 +184,9 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     op's own input rules (ops.check_inputs), with a warning. topk > 0: top-k attention, the
     threshold pass first (its rows join the options). qk_quant: _quantized."""
     if qk_quant is not None:
+        if topk > 0:  # the op's rule refuses top-k rows: stated in C++, reached with placeholders
+            rows = torch.empty(q.shape[:3], device="meta")
+            opts = dict(opts, topk_thr=rows, topk_jcut=rows.int())
         return _quantized(q, k, v, opts, qk_quant)
     if ops.has_kernel(q.device, q.dtype):
         if topk > 0:

@@ -163,7 +163,7 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     nb = -(-s // block)
     pad = nb * block - s
     xv = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    xp = torch.nn.functional.pad(xv, (0, 0, 0, pad)).view(b, h, nb, block * d)
+    xp = torch.nn.functional.pad(xv, (0, 0, 0, pad)).reshape(b, h, nb, block * d)
     ax = xp.abs()
     finite = torch.isfinite(ax).all(-1, keepdim=True)
     amax = torch.where(finite, ax, torch.zeros((), dtype=ax.dtype, device=ax.device)).amax(-1, keepdim=True)
@@ -174,7 +174,7 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     inv = torch.where(finite & (amax > 0), c127 / amax.clamp_min(torch.finfo(torch.float32).tiny),
                       torch.zeros_like(amax))
     xi = torch.round(xp * inv).clamp(-127, 127).nan_to_num(0.0)
-    xi = xi.view(b, h, nb * block, d)[:, :, :s]
+    xi = xi.reshape(b, h, nb * block, d)[:, :, :s]
     rows = scale.view(b, h, nb, 1).repeat_interleave(block, dim=2)[:, :, :s]
     return xi, rows
 

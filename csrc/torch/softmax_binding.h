@@ -117,7 +117,8 @@ void check_num_splits(int64_t num_splits);
 
 // The quantized Q K^T of a forward (softmax_fwd_quant): qk_quant "int8" -> 1 (SoftmaxParams::qk_quant),
 // after its rules: float32 / float16 / bfloat16 inputs, no top-k. "fp8" (Hopper's wgmma) is named
-// and refused as not built; any other string is an error. check_inputs' rules come first.
+// and refused as not built; any other string is an error. Checked before check_inputs (whose
+// rules then apply as to softmax_fwd).
 int32_t check_qk_quant(const Tensor& q, const Options& o, c10::string_view qk_quant);
 
 // Checks the backward's extra inputs (dout, out, lse and the optional dlse) against q.

@@ -52,8 +52,8 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
 std::tuple<Tensor, Tensor> fwd_quant_cpu(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
                                          c10::string_view qk_quant) {
   const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
-  attn::api::check_inputs(q, k, v, o);
   const int32_t code = attn::api::check_qk_quant(q, o, qk_quant);
+  attn::api::check_inputs(q, k, v, o);
   auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
   if (q.numel() == 0) return {out, lse};
   auto p = attn::api::make_fwd_params<float>(q, k, v, out, lse, o);

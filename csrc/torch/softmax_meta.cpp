@@ -34,8 +34,8 @@ std::tuple<Tensor, Tensor> fwd_meta(const Tensor& q, const Tensor& k, const Tens
 std::tuple<Tensor, Tensor> fwd_quant_meta(const Tensor& q, const Tensor& k,
                                           const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS, c10::string_view qk_quant) {
   const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
-  attn::api::check_inputs(q, k, v, o);
   attn::api::check_qk_quant(q, o, qk_quant);
+  attn::api::check_inputs(q, k, v, o);
   return {attn::api::empty_like_layout(q), rows_like(q, attn::api::acc_dtype(q))};
 }
 
