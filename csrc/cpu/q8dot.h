@@ -5,9 +5,11 @@
 // On CPUs with AVX512-VNNI (every CPU with AVX512-BF16: Zen 4 / 5, Cooper Lake, Sapphire Rapids)
 // vpdpbusd multiplies 64 pairs of bytes (one unsigned, one signed) and adds each 4 adjacent
 // products into 16 int32 lanes: twice the multiply-adds per instruction of vdpbf16ps, four times
-// a float32 FMA's, on a quarter of the float32 operand bytes. Other levels run the same integer
-// arithmetic portably (the compiler vectorizes the int16 products): the sums are exact integers,
-// so every level computes the same scores bit for bit.
+// a float32 FMA's, on a quarter of the float32 operand bytes (whether the core issues it as often
+// as those is the CPU's: Zen 5 runs about half as many per cycle as vdpbf16ps, the int8_dot peak
+// loop of csrc/peak). AVX2 levels widen the bytes to int16 and multiply pairs (vpmaddwd: 16
+// multiply-adds per instruction, a float32 FMA's 8); other levels run the integer arithmetic in
+// plain C++. The sums are exact integers, so every level computes the same scores bit for bit.
 //
 // The unsigned operand is K, stored with a bias of 128 (k + 128 in [1, 255]); Q stays signed, so
 //   sum_c (k_c + 128) q_c = q . k + 128 sum_c q_c
@@ -30,19 +32,13 @@
 #include "cpu/isa.h"
 #include "cpu/simd.h"
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace attn {
 namespace cpu {
 ATTN_CPU_ISA_BEGIN
-
-#if defined(__AVX512VNNI__)
-constexpr bool kQ8Vnni = true;
-#else
-constexpr bool kQ8Vnni = false;
-#endif
 
 // Keys per B panel: the float32 micro-kernel's kPanel at every level, so that the forward's key
 // tiles (which start on kPanel<float> boundaries) start on a panel.
@@ -147,6 +143,51 @@ inline void q8_rows(int mr, int K4, const int8_t* A, int64_t lda, const uint8_t*
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+// C (MR, 8) = epilogue(A (MR, 4 K4) @ B keys [0, 8) of a panel): A's quads as 4 int16 (a16, 8
+// bytes a quad: one 64-bit broadcast); B's bytes widened 4 keys at a time (vpmovzxbw: 16 bytes =
+// 4 keys x 4 channels -> 16 int16), vpmaddwd against the broadcast quad gives per key two sums of
+// two products, and the two are added in the epilogue (vphaddd, then the lanes put in key order).
+template <int MR>
+inline void q8_micro_avx2(int K4, const int16_t* __restrict__ A, int64_t lda, const uint8_t* __restrict__ B,
+                          float* __restrict__ C, int64_t ldc, const Q8Epilogue& e) {
+  __m256i acc[MR][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int k = 0; k < K4; ++k) {
+    const uint8_t* b = B + int64_t(k) * 4 * kQ8Panel;
+    const __m256i b0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    const __m256i b1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int64_t w;
+      std::memcpy(&w, A + r * lda + 4 * k, 8);
+      const __m256i a = _mm256_set1_epi64x(w);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(b0, a));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(b1, a));
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(e.scale);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    // [k0 k1 k4 k5 | k2 k3 k6 k7] -> [k0 .. k7]
+    const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xD8);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, _mm256_set1_epi32(e.corr[r])));
+    _mm256_storeu_ps(C + r * ldc, _mm256_fmadd_ps(f, sc, _mm256_set1_ps(e.add[r])));
+  }
+}
+
+inline void q8_rows_avx2(int mr, int K4, const int16_t* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc,
+                         const Q8Epilogue& e) {
+  switch (mr) {
+    case 4: q8_micro_avx2<4>(K4, A, lda, B, C, ldc, e); break;
+    case 3: q8_micro_avx2<3>(K4, A, lda, B, C, ldc, e); break;
+    case 2: q8_micro_avx2<2>(K4, A, lda, B, C, ldc, e); break;
+    default: q8_micro_avx2<1>(K4, A, lda, B, C, ldc, e); break;
+  }
+}
+#endif
+
 // The portable form: one panel of up to kQ8Panel keys for one row, int16 products summed in
 // int32 (the compiler turns the inner loop into pmaddwd-style multiply-adds).
 inline void q8_row_portable(int K4, const int8_t* a, const uint8_t* B, int32_t* acc) {
@@ -161,8 +202,8 @@ inline void q8_row_portable(int K4, const int8_t* a, const uint8_t* B, int32_t* 
   }
 }
 
-// C (M, N) = epilogue(A (M, K) @ B (K, N)) in the layouts above; K a multiple of 4, N a multiple
-// of 16 (of kQ8Panel's half at least: a tile's last panel may be half full).
+// C (M, N) = epilogue(A (M, K) @ B (K, N)) in the layouts above; K a multiple of 4 (at most 256),
+// N a multiple of 8 (kQ8Panel's half at least: a tile's last panel may be half full).
 inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel, float* C,
                     int64_t ldc, const Q8Epilogue& e) {
 #if defined(__AVX512VNNI__)
@@ -176,6 +217,24 @@ inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uin
         q8_rows<2>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
       } else {
         q8_rows<1>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+      }
+    }
+  }
+#elif defined(__AVX2__)
+  // A widened to int16 once per call (M <= 48 rows of K <= 256: negligible beside the products)
+  constexpr int kMaxM = 64, kMaxK = 256;
+  alignas(64) int16_t a16[kMaxM * kMaxK];
+  for (int m0 = 0; m0 < M; m0 += kMaxM) {
+    const int mm = M - m0 < kMaxM ? M - m0 : kMaxM;
+    for (int m = 0; m < mm; ++m) {
+      for (int c = 0; c < K; ++c) a16[m * K + c] = A[(m0 + m) * lda + c];
+    }
+    for (int n0 = 0; n0 < N; n0 += 8) {  // half panels of 8 keys
+      const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel + (n0 % kQ8Panel) * 4;
+      for (int m = 0; m < mm; m += 4) {
+        const int mr = mm - m < 4 ? mm - m : 4;
+        const Q8Epilogue em{e.corr + m0 + m, e.scale, e.add + m0 + m};
+        q8_rows_avx2(mr, K / 4, a16 + m * K, K, b, C + (m0 + m) * ldc + n0, ldc, em);
       }
     }
   }
