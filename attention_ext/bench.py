@@ -321,7 +321,8 @@ def decode_bytes(b: int, h_k: int, cache_len: int, d: int, dtype: torch.dtype) -
 FAMILIES = ("softmax", "linear", "sparse", "decode")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CSV_FIELDS = ("family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "causal", "seq_len",
-              "ms", "ms_q1", "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling")
+              "ms", "ms_q1", "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling",
+              "tokens_s")
 
 # (B, H, H_k, D) per family and device kind
 SHAPES = {
@@ -368,12 +369,15 @@ class Contenders(NamedTuple):
     """One case's contenders: fns (name -> zero-argument call), the Flex ones among them (their
     first call compiles), the work of one call (FLOPs, or bytes for decode) in `unit` ("tflops" /
     "gbps"), and how to bring each output to ours' layout for the agreement check (name -> function;
-    None: not expected to agree, e.g. dense attention against a sparse layout; absent: as is)."""
+    None: not expected to agree, e.g. dense attention against a sparse layout; absent: as is).
+    work_of: the work of the contenders whose call does a different amount (name -> work; the
+    8-bit caches read fewer bytes)."""
     fns: dict
     flex: list
     work: float
     unit: str
     convert: dict
+    work_of: Optional[dict] = None
 
 
 def _bshd(o):
@@ -455,6 +459,8 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
     k, v = (torch.randn(b, hk, s, d, dtype=dtype, device=dev) for _ in range(2))
     gqa = hk != h
     fns = {"ours": lambda: ae.attention(q, k, v, causal=causal)}
+    if not p.cuda:  # the int8 Q.K^T (CUDA has no kernel for it yet: its reference is not a contender)
+        fns["ours int8 qk"] = lambda: ae.attention(q, k, v, causal=causal, qk_quant="int8")
     for name, backend in p.sdpa_backends().items():
         if name == "sdpa math" and b * h * s * s * 4 > MATH_MAX_BYTES:
             continue  # noted by the caller
@@ -477,7 +483,9 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
             qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
             return lambda: flash_attn_func(qb, kb, vb, causal=causal)
         fns["flash-attn"] = _try(fa_setup)
-    return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops", {"flash-attn": _bshd})
+    # the int8 row agrees with ours to its quantization (about 1% relative), not to the tolerance
+    return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops",
+                      {"flash-attn": _bshd, "ours int8 qk": None})
 
 
 def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
@@ -538,12 +546,13 @@ def _sparse_case(p: Peers, b, h, hk, s, d, dtype, causal):
 
 def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
     """One decode step (q_len 1) over a cache of S keys: decode_fwd on a contiguous (B, S, H_k, D)
-    cache and on a paged one (16-token pages in shuffled order), against SDPA with enable_gqa on a
+    cache and on a paged one (16-token pages in shuffled order), on the CPU also over int8 and
+    fp8 e4m3 caches (per-row descales, quantize_kv's "token"), against SDPA with enable_gqa on a
     contiguous (B, H_k, S, D) cache (its best layout) and flash-attn's flash_attn_with_kvcache on
-    CUDA. GB/s of K / V read (decode_bytes)."""
+    CUDA. GB/s of K / V read (decode_bytes; the 8-bit rows: their bytes and descales)."""
     import torch.nn.functional as F
 
-    from attention_ext.decode import decode_fwd
+    from attention_ext.decode import decode_fwd, quantize_kv
 
     dev = p.device
     q = torch.randn(b, 1, h, d, dtype=dtype, device=dev)
@@ -560,6 +569,14 @@ def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
            f"ours paged {DECODE_PAGE}": lambda: decode_fwd(q, kp, vp, cache_seqlens=lens, block_table=bt,
                                                            scale=scale),
            "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=hk != h)}
+    work_of, convert = {}, {"sdpa": _bshd}
+    if not p.cuda:  # CUDA runs 8-bit caches through the dequantized reference: not a contender yet
+        for qdt, name in ((torch.int8, "ours int8 cache"), (torch.float8_e4m3fn, "ours fp8 cache")):
+            (k8, kd), (v8, vd) = quantize_kv(kc, qdt, "token"), quantize_kv(vc, qdt, "token")
+            fns[name] = (lambda k8=k8, v8=v8, kd=kd, vd=vd:
+                         decode_fwd(q, k8, v8, cache_seqlens=lens, scale=scale, k_descale=kd, v_descale=vd))
+            work_of[name] = sum(t.numel() * t.element_size() for t in (k8, v8, kd, vd))
+            convert[name] = None  # agrees with ours to its quantization, not to the tolerance
     if p.flash_attn:
         def fa_setup():
             from flash_attn import flash_attn_with_kvcache
@@ -567,7 +584,7 @@ def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
             return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, softmax_scale=scale)
         fns["flash-attn"] = _try(fa_setup)
     # ours and flash-attn give (B, 1, H, D) (decode_fwd with its LSE), SDPA (B, H, 1, D)
-    return Contenders(fns, [], decode_bytes(b, hk, s, d, dtype), "gbps", {"sdpa": _bshd})
+    return Contenders(fns, [], decode_bytes(b, hk, s, d, dtype), "gbps", convert, work_of)
 
 
 CASES = {"softmax": _softmax_case, "linear": _linear_case, "sparse": _sparse_case, "decode": _decode_case}
@@ -699,7 +716,8 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             # every length compiles Flex anew (static shapes); torch caps the compiles per function
             # (recompile_limit, 8) and runs the eager, unfused Flex beyond it: start each case afresh
             torch._dynamo.reset()
-        fns, flex_names, work, unit, convert = CASES[family](p, b, h, hk, s, d, dtype, causal)
+        fns, flex_names, work, unit, convert, work_of = CASES[family](p, b, h, hk, s, d, dtype, causal)
+        work_of = work_of or {}
         outs = {}
         for name in list(fns):  # the first call: compiles Flex, and screens out what cannot run here
             t0 = time.perf_counter()
@@ -752,7 +770,7 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
     best = min(peers) if peers else float("nan")
     rows = []
     for name, tm in t.items():
-        rate = work / tm.median
+        rate = work_of.get(name, work) / tm.median
         rows.append({
             "family": family, "device": dev, "dtype": str(dtype).replace("torch.", ""), "impl": name,
             "batch": b, "heads": h, "kv_heads": hk, "head_dim": d, "causal": causal if family != "decode" else "",
@@ -761,6 +779,7 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             "gbps": rate / 1e9 if unit == "gbps" else "",
             "peak_mem_mb": peak.get(name, ""), "ratio": best / tm.median, "share": rate / ceiling,
             "ceiling": ceiling / (1e12 if unit == "tflops" else 1e9),
+            "tokens_s": b / tm.median if family == "decode" else "",  # one new token per sequence a call
         })
     return rows
 
@@ -775,11 +794,13 @@ def table(rows: list, header: str, notes: list) -> str:
     decode = rows[0]["family"] == "decode"
     mem = any(r["peak_mem_mb"] != "" for r in rows)
     rate = "GB/s" if decode else "TFLOP/s"
-    cols = ["S", "impl", "ms", "IQR", rate, "of ceiling"] + (["peak MB"] if mem else []) + ["vs fastest peer"]
+    cols = ["S", "impl", "ms", "IQR", rate, "of ceiling"] + (["tokens/s"] if decode else []) + \
+        (["peak MB"] if mem else []) + ["vs fastest peer"]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [str(r["seq_len"]), r["impl"], _fmt(r["ms"], ".3f"), _fmt(r["spread"], ".0%"),
                  _fmt(r["gbps"], ".1f") if decode else _fmt(r["tflops"], ".4f"), _fmt(r["share"], ".0%")]
+        cells += [_fmt(r["tokens_s"], ".0f")] if decode else []
         cells += [_fmt(r["peak_mem_mb"], ".1f")] if mem else []
         cells.append("-" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}x")  # NaN: no peer ran
         lines.append("| " + " | ".join(cells) + " |")

@@ -12,7 +12,7 @@ from attention_ext import bench, profile
 from attention_ext.__main__ import main as cli
 
 EXPECTED = {"family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms", "ms_q1",
-            "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling"}
+            "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling", "tokens_s"}
 PEERS = {"softmax": "sdpa", "linear": "torch chunked", "sparse": "sdpa dense", "decode": "sdpa"}
 
 
@@ -53,6 +53,16 @@ def test_bench_csv_columns_and_rows(run_all):
             assert all(float(r["peak_mem_mb"]) >= 0 for r in got)
         # the fastest peer reads 1.00x against itself
         assert max(float(r["ratio"]) for r in got if not r["impl"].startswith("ours")) == pytest.approx(1.0)
+    # the quantized rows: the int8 Q.K^T; the 8-bit caches, their rate counted in their own bytes
+    assert "ours int8 qk" in {r["impl"] for r in rows if r["family"] == "softmax"}
+    dec = [r for r in rows if r["family"] == "decode"]
+    assert {"ours int8 cache", "ours fp8 cache"} <= {r["impl"] for r in dec}
+    for r in dec:
+        assert float(r["tokens_s"]) == pytest.approx(int(r["batch"]) / (float(r["ms"]) * 1e-3), rel=1e-4)
+        if r["impl"] in ("ours int8 cache", "ours fp8 cache"):  # bytes: a quarter of fp32 K / V, + descales
+            s, hk, d = int(r["seq_len"]), int(r["kv_heads"]), int(r["head_dim"])
+            nbytes = 2 * int(r["batch"]) * s * hk * (d + 4)
+            assert float(r["gbps"]) == pytest.approx(nbytes / (float(r["ms"]) * 1e-3) / 1e9, rel=1e-4)
 
 
 def test_bench_plots_and_tables(run_all):
