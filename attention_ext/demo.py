@@ -415,6 +415,14 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
     log(f"  validation: {val_bpc:.2f} bits/char   vs unigram baseline {unigram_bpc:.2f} bits/char "
         f"({unigram_bpc / val_bpc:.2f}x better)")
 
+    cache_bpc = {}
+    if cfg.attention_type == "softmax" and args.variant not in UNCACHED_VARIANTS:
+        cache_bpc = _cache_bits(model, val, t_blk, device, args.seed)
+        base = cache_bpc["bfloat16"]
+        log("  validation through an 8-bit KV cache (teacher-forced, token by token, paged): bf16 "
+            f"{base:.3f} bits/char; " + "; ".join(
+                f"{n} {b:.3f} (perplexity {2 ** (b - base) - 1:+.2%})" for n, b in cache_bpc.items() if n != "bfloat16"))
+
     samples = []
     g = torch.Generator().manual_seed(args.seed)
     prompts = ["def ", "class ", "import "]
@@ -436,7 +444,28 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
     return {"files": len(files), "train_chars": len(train), "val_chars": len(val), "steps": step + 1,
             "max_steps": steps, "stopped_by": stopped_by, "train_s": round(train_s, 1),
             "tokens_per_s": round(tokens / train_s), "val_bpc": round(val_bpc, 3), "val_loss": sum(losses) / len(losses),
-            "loss": loss.item(), "unigram_bpc": round(unigram_bpc, 3), "samples": samples}
+            "loss": loss.item(), "unigram_bpc": round(unigram_bpc, 3), "samples": samples,
+            "cache_bpc": {n: round(b, 4) for n, b in cache_bpc.items()}}
+
+
+def _cache_bits(model, val: torch.Tensor, t_blk: int, device, seed: int, n_seq: int = 2) -> Dict[str, float]:
+    """Validation bits/char of `model` stepping token by token through paged KV caches in bf16,
+    int8 and fp8 e4m3 (a scale per row and kv head: the 8-bit caches of flash_attn_with_kvcache):
+    n_seq sequences of t_blk characters, the same for each cache dtype, teacher-forced."""
+    t_blk = min(t_blk, 128)  # a step per character: kept short, the check costs seconds
+    g = torch.Generator().manual_seed(seed + 11)
+    ix = torch.randint(len(val) - t_blk - 1, (n_seq,), generator=g).tolist()
+    x = torch.stack([val[i: i + t_blk + 1] for i in ix]).to(device)  # (n_seq, t_blk + 1)
+    out = {}
+    for dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        caches = model.allocate_paged_caches(n_seq, num_pages=n_seq * (t_blk // 16 + 1), page_size=16,
+                                             max_len=t_blk, device=device, dtype=dtype)
+        with torch.no_grad():
+            logits = [model(x[:, t:t + 1], caches=caches, offset=caches[0].positions()) for t in range(t_blk)]
+        lg = torch.cat(logits, 1).float()  # (n_seq, t_blk, V): predicts x[:, 1:]
+        nll = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), x[:, 1:].reshape(-1))
+        out[str(dtype).replace("torch.", "")] = float(nll) / math.log(2)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

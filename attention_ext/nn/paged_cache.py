@@ -185,13 +185,16 @@ class PagedKVCache:
                softcap: float = 0.0) -> Tensor:
         """q (b, S_q, H, D), the selected sequences' newest query rows (already appended) -> out
         (b, S_q, H, D) over their cached keys; causal is aligned bottom-right. GQA reads the H_k
-        kv heads directly (no repeat)."""
+        kv heads directly (no repeat). A float pool of another dtype than q's (a bf16 cache under
+        a float32 model) reads q in the pool's dtype and returns out in q's."""
         if not isinstance(q, Tensor):
             raise not_a_tensor("q", q, "PagedKVCache.attend")
         bt = self.block_table if self.rows == list(range(self.batch)) else self.block_table[self._rows_tensor()]
         seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
         wl, wr = window_pair(window, causal)
-        out, _ = decode_fwd(q, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
+        pool = self.k_pages.dtype
+        qc = q if (self.k_descale is not None or not q.is_floating_point() or pool == q.dtype) else q.to(pool)
+        out, _ = decode_fwd(qc, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
                             alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
                             window_left=wl, window_right=wr, k_descale=self.k_descale, v_descale=self.v_descale)
-        return out
+        return out.to(q.dtype)
