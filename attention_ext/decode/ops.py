@@ -39,10 +39,10 @@ if HAS_EXT:
 
 
 # ---------------------------------------------------------------------------------- kernel selection
-_cuda_kernels = dict(tensor_cores=False)
+_cuda_kernels = dict(tensor_cores=False, quantized=False)
 
 
-def set_cuda_kernels(tensor_cores: bool = False) -> dict:
+def set_cuda_kernels(tensor_cores: bool = False, quantized: bool = False) -> dict:
     """Process-wide: which CUDA decode kernel runs.
 
         tensor_cores  False (the default): the CUDA-core kernel for every call. True: the
@@ -50,11 +50,16 @@ def set_cuda_kernels(tensor_cores: bool = False) -> dict:
                       fp16 / bf16 calls whose cache rows are 16-byte aligned with a head dim that
                       is a multiple of 8; the others keep the CUDA-core kernel. It has passed the
                       CPU emulator only, no GPU run yet, so it is not the default.
+        quantized     False (the default): decode_fwd / flash_attn_with_kvcache run int8 / fp8 e4m3
+                      caches on CUDA through the dequantized PyTorch reference. True: the
+                      CUDA-core kernel reads them (8-byte vectors widened in registers, the
+                      descales on scores and probabilities); emulator-checked, no GPU run yet.
+                      (torch.ops.attention_ext.decode_fwd itself always runs the kernel.)
 
     Returns the previous selection, so that `set_cuda_kernels(**old)` restores it."""
-    new = dict(tensor_cores=bool(tensor_cores))
+    new = dict(tensor_cores=bool(tensor_cores), quantized=bool(quantized))
     if HAS_EXT:
-        torch.ops.attention_ext.decode_set_cuda_kernels(*new.values())
+        torch.ops.attention_ext.decode_set_cuda_kernels(new["tensor_cores"])
     old = dict(_cuda_kernels)
     _cuda_kernels.update(new)
     return old
@@ -78,12 +83,12 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
     kernel's heuristic. int8 / float8_e4m3fn caches (q float32 / float16 / bfloat16) come with
     float32 k_descale and v_descale (cache value = stored value x descale): per row (B_cache,
     S_cache, H_k) / (num_pages, page_size, H_k), or per batch entry and kv head (B, H_k)
-    (decode.quantize_kv makes either); the CPU kernel reads them directly, CUDA (no kernel for
-    them yet) through the dequantized reference."""
+    (decode.quantize_kv makes either); the CPU kernel reads them directly, CUDA through the
+    dequantized reference unless set_cuda_kernels(quantized=True)."""
     if not isinstance(q, Tensor):  # the caches are the op's to check (its schema takes Tensors)
         raise not_a_tensor("q", q, "decode_fwd")
     quantized = is_quantized(k_cache) or is_quantized(v_cache)
-    if has_kernel(q.device, q.dtype) and (not quantized or q.device.type == "cpu"):
+    if has_kernel(q.device, q.dtype) and (not quantized or q.device.type == "cpu" or _cuda_kernels["quantized"]):
         out, lse = torch.ops.attention_ext.decode_fwd(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
             cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),

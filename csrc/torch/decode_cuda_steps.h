@@ -40,9 +40,6 @@ std::tuple<at::Tensor, at::Tensor> decode_cuda_steps(const Device& dev, const De
   const auto guard = dev.guard(args.q);
   const bool capturing = dev.capturing();  // on q's device, under the guard
   const int64_t max_keys = check_decode_inputs(args, !capturing);
-  TORCH_CHECK_VALUE(!quantized_cache(args), "attention_ext.decode: the CUDA decode kernels do not read int8 / "
-                    "float8_e4m3fn caches yet (attention_ext.decode.decode_fwd and flash_attn_with_kvcache run such "
-                    "calls on CUDA through the dequantized reference)");
   auto [out, lse] = alloc_decode_outputs(args.q);
   if (args.q.numel() == 0) return {out, lse};
   DecodeArgs a = args;

@@ -50,14 +50,16 @@ std::tuple<Tensor, Tensor> emu_decode_fwd(const Tensor& q, const Tensor& k_cache
                                           const OptTensor& cache_batch_idx, const OptTensor& leftpad_k,
                                           const OptTensor& alibi_slopes, const OptTensor& sinks, double scale,
                                           double softcap, int64_t window_left, int64_t window_right,
-                                          int64_t num_splits, int64_t sms) {
+                                          int64_t num_splits, int64_t sms, const OptTensor& k_descale,
+                                          const OptTensor& v_descale) {
   // cp.async (the tensor-core kernel) may read only from the caches
   attn_emu::clear_global_ranges();
   for (const Tensor* t : {&k_cache, &v_cache}) {
     if (t->numel() > 0) attn_emu::add_global_range(t->storage().data(), t->storage().nbytes());
   }
   const attn::api::DecodeArgs a{q, k_cache, v_cache, seqlens_k, block_table, cache_batch_idx, leftpad_k,
-                                alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits};
+                                alibi_slopes, sinks, scale, softcap, window_left, window_right, num_splits,
+                                k_descale, v_descale};
   return attn::api::decode_cuda_steps(EmuDecodeDevice{int(sms)}, a);
 }
 
@@ -90,7 +92,8 @@ void emu_decode_set_kernels(bool tensor_cores) { attn::cuda_decode_set_kernels(a
 TORCH_LIBRARY(attention_ext_emu_decode, m) {
   m.def("decode_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? seqlens_k, Tensor? block_table, "
         "Tensor? cache_batch_idx, Tensor? leftpad_k, Tensor? alibi_slopes, Tensor? sinks, float scale, "
-        "float softcap, int window_left, int window_right, int num_splits, int sms) -> "
+        "float softcap, int window_left, int window_right, int num_splits, int sms, Tensor? k_descale=None, "
+        "Tensor? v_descale=None) -> "
         "(Tensor, Tensor)",
         &emu_decode_fwd);
   m.def("num_splits(int ctas, int sms, int max_keys, int requested) -> int", &emu_decode_num_splits);

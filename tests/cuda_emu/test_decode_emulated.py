@@ -10,7 +10,8 @@ one split vs several (the combine kernel), ragged cache_seqlens with 0 and 1, q_
 GQA (8 / 2), MQA, MHA, the row-block loop (R = G x Sq > 8), window, causal, sinks, ALiBi,
 softcap, cache_batch_idx, leftpad, fp16 / bf16 / fp32, head dims 64 / 128 / 80 / 256 / 33 (the
 element-by-element load path), the split heuristic, two other warp interleavings (lockstep,
-reverse: a missing barrier shows). The module builds once into build/emu_decode (~50 s on two
+reverse: a missing barrier shows); int8 / fp8 e4m3 caches with per-row and per-(b, hk) descales
+(against decode over the dequantized cache, tests/decode/test_quant.py's check). The module builds once into build/emu_decode (~50 s on two
 cores); the tests then take ~10 s. Not covered: timing, real concurrency,
 register spills, 16-byte alignment faults (the emulator does not fault on them).
 """
@@ -231,3 +232,46 @@ def test_mma_count(emu):
     assert ctas == c.b * c.hk * 3
     assert mma == decode_mma_count(c.seqlens, c.hk, c.h // c.hk * c.sq, c.d, 3)
     assert copied == 2 * sum(c.seqlens) * c.hk * c.d * 2 * -(-(c.h // c.hk * c.sq) // 16)
+
+
+QLAYOUTS = {"contiguous": dict(), "page16": dict(page=16), "page5_leftpad": dict(page=5, leftpad=True),
+            "batch_idx": dict(batch_idx=True)}
+
+
+@pytest.mark.parametrize("granularity", ["token", "head"])
+@pytest.mark.parametrize("qdt", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("layout", list(QLAYOUTS))
+def test_8bit_caches(emu, layout, qdt, granularity):
+    """The CUDA-core kernel over int8 / e4m3 caches (8-byte vectors widened in registers, the
+    descales on q.k and on P V's probabilities) equals decode over the dequantized cache within
+    the project rule, as the CPU kernel must (tests/decode/test_quant.py)."""
+    from tests.decode.test_quant import run_check
+
+    dtype = {"contiguous": torch.bfloat16, "page16": torch.float16, "page5_leftpad": torch.float32,
+             "batch_idx": torch.bfloat16}[layout]
+    c = Case(b=4, h=8, hk=2, sq=1, d=64, dtype=dtype, seqlens=(0, 1, 97, 300), num_splits=2, **QLAYOUTS[layout])
+
+    def fwd(q, kq, vq, ks, vs, idx, kw, alibi, sinks):
+        emu.launches()
+        out, lse = emu.decode_fwd(*op_args(c, q, kq, vq, idx, kw, alibi, sinks), c.num_splits, SMS, ks, vs)
+        assert any("decode_kernel<" in n for n in emu.launches())  # never the tensor-core kernel
+        return out.transpose(1, 2), lse
+
+    run_check(c, qdt, granularity, f"{qdt} {granularity} {layout}", fwd=fwd)
+
+
+@pytest.mark.parametrize("qdt", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("opts", [dict(sq=3, window=(-1, 0), d=128), dict(sq=2, window=(40, 2), sinks=True, softcap=5.0),
+                                  dict(h=6, hk=1, d=256, num_splits=1), dict(h=2, hk=2, d=33, alibi=True)],
+                         ids=["causal_d128", "window_sinks_softcap", "mqa_d256", "odd_d_alibi"])
+def test_8bit_cache_options(emu, qdt, opts):
+    from tests.decode.test_quant import run_check
+
+    c = Case(**{**dict(b=3, h=8, hk=2, d=64, dtype=torch.bfloat16, seqlens=(5, 150, 333), num_splits=3), **opts})
+
+    def fwd(q, kq, vq, ks, vs, idx, kw, alibi, sinks):
+        out, lse = emu.decode_fwd(*op_args(c, q, kq, vq, idx, kw, alibi, sinks), c.num_splits, SMS, ks, vs)
+        return out.transpose(1, 2), lse
+
+    for gran in ("token", "head"):
+        run_check(c, qdt, gran, f"{qdt} {gran} {opts}", fwd=fwd)

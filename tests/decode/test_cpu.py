@@ -239,13 +239,13 @@ def test_set_cuda_kernels_selection():
     changes nothing."""
     import attention_ext as ae
 
-    old = ae.decode.set_cuda_kernels(tensor_cores=True)
+    old = ae.decode.set_cuda_kernels(tensor_cores=True, quantized=True)
     try:
-        assert ae.decode.cuda_kernels() == dict(tensor_cores=True)
+        assert ae.decode.cuda_kernels() == dict(tensor_cores=True, quantized=True)
         c = Case(sq=2, seqlens=(0, 3, 40, 9))
         q, k, v, idx, kw, alibi, sinks = make_inputs(c)
         out, lse = ops.decode_fwd(q, k, v, **idx, scale=kw["softmax_scale"])
         check(c, out, lse, q, k, v, idx, kw, alibi, sinks)
     finally:
-        assert ae.decode.set_cuda_kernels(**old) == dict(tensor_cores=True)
+        assert ae.decode.set_cuda_kernels(**old) == dict(tensor_cores=True, quantized=True)
     assert ae.decode.cuda_kernels() == old

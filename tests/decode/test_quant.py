@@ -51,11 +51,17 @@ def dequant(x_q, s, c: Case):
     return x_q.float() * s[0][None, None, :, None]  # one scale per kv head
 
 
-def run_check(c: Case, qdt, granularity, what=""):
+def run_check(c: Case, qdt, granularity, what="", fwd=None):
+    """fwd(q, kq, vq, ks, vs, idx, kw, alibi, sinks) -> (out (B, Sq, H, D), lse): the kernel under
+    test (default: ops.decode_fwd; the CUDA emulator's)."""
     q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, qdt, granularity)
-    out, lse = ops.decode_fwd(q, kq, vq, **idx, alibi_slopes=alibi, sinks=sinks, scale=kw["softmax_scale"],
-                              softcap=kw["softcap"], window_left=kw["window_size"][0],
-                              window_right=kw["window_size"][1], num_splits=c.num_splits, k_descale=ks, v_descale=vs)
+    if fwd is None:
+        out, lse = ops.decode_fwd(q, kq, vq, **idx, alibi_slopes=alibi, sinks=sinks, scale=kw["softmax_scale"],
+                                  softcap=kw["softcap"], window_left=kw["window_size"][0],
+                                  window_right=kw["window_size"][1], num_splits=c.num_splits, k_descale=ks,
+                                  v_descale=vs)
+    else:
+        out, lse = fwd(q, kq, vq, ks, vs, idx, kw, alibi, sinks)
     kd, vd = dequant(kq, ks, c), dequant(vq, vs, c)
     args = dict(**idx, **kw, alibi_slopes=alibi, sinks=sinks)
     ref, ref_lse = reference.decode_attention(q.to(F64), kd.to(F64), vd.to(F64),

@@ -28,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/fp8.h"
 #include "common/split_merge.h"
 #include "cpu/bf16dot.h"
 #include "cpu/isa.h"
@@ -73,18 +74,7 @@ struct F8 {  // fp8 e4m3 (float8_e4m3fn: no infinities, S.1111.111 NaN)
   uint8_t bits;
 };
 
-// fp8 e4m3 -> float32: the 7 magnitude bits placed at float32's exponent / mantissa boundary
-// (bits << 20) read as a float32 are x * 2^-120 for normal and subnormal e4m3 alike (an e4m3
-// subnormal lands on a float32 subnormal), so one multiply by 2^120 finishes; the sign is or-ed
-// in and 0x7f / 0xff give NaN.
-inline float f8_to_f32(uint8_t b) {
-  if ((b & 0x7f) == 0x7f) return std::numeric_limits<float>::quiet_NaN();
-  const uint32_t m = uint32_t(b & 0x7f) << 20;
-  float f;
-  std::memcpy(&f, &m, 4);
-  f *= 0x1p120f;
-  return (b & 0x80) ? -f : f;
-}
+inline float f8_to_f32(uint8_t b) { return e4m3_to_float(b); }  // common/fp8.h
 
 template <typename T, typename E>
 inline vec<T> load_cvt(const E* p) {

@@ -1,9 +1,10 @@
 // cuda_decode_fwd (entry.h): the launches of the decode kernel (kernel.cuh) and, for splits > 1,
 // its combine.
 //
-// Instantiations: 3 storage types x 3 head-dim buckets (64, 128, 256; runtime d <= bucket) x 2
-// row blocks (4: R = G x Sq <= 4, else 8) of decode_kernel, 2 x 2 of decode_mma_kernel (fp16 /
-// bf16, head dims 64 / 128) plus 3 combine kernels, all in this one TU (CI builds them for sm_80 and sm_90a).
+// Instantiations: 3 storage types x 3 caches (the storage type, int8, fp8 e4m3) x 3 head-dim
+// buckets (64, 128, 256; runtime d <= bucket) x 2 row blocks (4: R = G x Sq <= 4, else 8) of
+// decode_kernel, 2 x 2 of decode_mma_kernel (fp16 / bf16, head dims 64 / 128) plus 3 combine
+// kernels, all in this one TU (CI builds them for sm_80 and sm_90a).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -27,27 +28,30 @@ constexpr const char* kWhat = "attention_ext.decode (CUDA)";
 
 std::atomic<bool> g_tensor_cores{false};  // DecodeCudaKernels, one word
 
-// Every K / V row starts 16-byte aligned and d fills whole vectors: the kernel may use 16-byte loads.
+// Every K / V row starts aligned to the kernel's vector (16 bytes; 8 for 8-bit caches) and d fills
+// whole vectors: the kernel may use vector loads.
 bool vec_loads_ok(const DecodeParams& p, int elem_bytes) {
-  const int64_t vec = 16 / elem_bytes;
-  auto al = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const int64_t vec = elem_bytes == 1 ? 8 : 16 / elem_bytes;
+  const uintptr_t align = uintptr_t(vec * elem_bytes);
+  auto al = [&](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % align == 0; };
   return al(p.k) && al(p.v) && p.d % vec == 0 && p.k_row_stride % vec == 0 && p.k_head_stride % vec == 0 &&
          p.k_batch_stride % vec == 0 && p.v_row_stride % vec == 0 && p.v_head_stride % vec == 0 &&
          p.v_batch_stride % vec == 0;
 }
 
-template <typename E, int kD>
+// C: the cache's elements (E, or an 8-bit type: int8_t, uint8_t for e4m3 bits)
+template <typename E, typename C, int kD>
 void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
   const dim3 grid(splits, p.h_k, p.b);
   const int rows = p.h / p.h_k * p.sq;
-  const bool vec_ok = vec_loads_ok(p, int(sizeof(E)));
+  const bool vec_ok = vec_loads_ok(p, int(sizeof(C)));
   float* po = splits > 1 ? part_o : nullptr;
   float* pl = splits > 1 ? part_lse : nullptr;
   bool mma = false;
   // the tensor-core kernel for fp16 / bf16 at head dims up to 128 (at 256 its 16 x 256 fp32
   // accumulator per warp leaves ptxas too few registers: it spills, so those calls stay on CUDA
   // cores), on devices whose blocks may take its shared memory (not sm_86 / sm_89 at kD = 128)
-  if constexpr (sizeof(E) == 2 && kD <= 128) {
+  if constexpr (sizeof(E) == 2 && kD <= 128 && std::is_same_v<C, E>) {
     constexpr int smem = decode_cuda::MmaTraits<kD>::kSmemBytes;
     mma = vec_ok && g_tensor_cores.load(std::memory_order_relaxed) && device_max_smem_optin() >= smem;
     if (mma) {
@@ -60,8 +64,8 @@ void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, c
     // fp32 at kD = 256 takes 4 rows per pass at any row count: 8 rows spill on sm_80 (255
     // registers), so that instantiation is never made (the second operand names 4 for it too)
     constexpr bool kNarrow = sizeof(E) == 4 && kD == 256;
-    auto kernel = rows <= 4 || kNarrow ? &decode_cuda::decode_kernel<E, kD, 4>
-                                       : &decode_cuda::decode_kernel<E, kD, kNarrow ? 4 : 8>;
+    auto kernel = rows <= 4 || kNarrow ? &decode_cuda::decode_kernel<E, C, kD, 4>
+                                       : &decode_cuda::decode_kernel<E, C, kD, kNarrow ? 4 : 8>;
     ATTN_LAUNCH(kernel, grid, dim3(decode_cuda::kThreads), 0, stream)(p, splits, po, pl, vec_ok);
   }
   check_launch(kWhat);
@@ -77,16 +81,25 @@ void launch(const DecodeParams& p, int splits, float* part_o, float* part_lse, c
   }
 }
 
-template <typename E>
-void run(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
+template <typename E, typename C>
+void run_cache(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
   if (p.d <= 64) {
-    launch<E, 64>(p, splits, part_o, part_lse, stream);
+    launch<E, C, 64>(p, splits, part_o, part_lse, stream);
   } else if (p.d <= 128) {
-    launch<E, 128>(p, splits, part_o, part_lse, stream);
+    launch<E, C, 128>(p, splits, part_o, part_lse, stream);
   } else if (p.d <= 256) {
-    launch<E, 256>(p, splits, part_o, part_lse, stream);
+    launch<E, C, 256>(p, splits, part_o, part_lse, stream);
   } else {
     throw std::runtime_error(std::string(kWhat) + ": head dim must be <= 256, got " + std::to_string(p.d));
+  }
+}
+
+template <typename E>
+void run(const DecodeParams& p, int splits, float* part_o, float* part_lse, cudaStream_t stream) {
+  switch (p.kv_quant) {
+    case kKvInt8: run_cache<E, int8_t>(p, splits, part_o, part_lse, stream); break;
+    case kKvFp8: run_cache<E, uint8_t>(p, splits, part_o, part_lse, stream); break;
+    default: run_cache<E, E>(p, splits, part_o, part_lse, stream); break;
   }
 }
 

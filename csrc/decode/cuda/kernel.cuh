@@ -37,6 +37,12 @@
 // Loads: 16-byte vectors when the host found every K / V row 16-byte aligned and d a multiple of
 // the vector (vec_ok); otherwise (and for the vector holding d's tail) element by element. Head
 // dims up to the bucket kD (64 / 128 / 256) run with the elements past d as zeros.
+//
+// 8-bit caches (DecodeParams::kv_quant; C = int8_t, or uint8_t holding fp8 e4m3 bits): 8-byte
+// vectors of 8 elements (the fp16 layout of lanes and groups, so the merge buffer stays 32 KB),
+// widened to float in registers. The descales never touch an element: a key's k descale
+// multiplies its q.k, its v descale its probability in P V (the CPU kernel's arithmetic), per row
+// (descale_per_token, read at the cursor's descale row) or per (b, hk).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +55,7 @@
 #include <type_traits>
 
 #include "common/decode_params.h"
+#include "common/fp8.h"
 #include "common/policy.h"
 #include "common/split_merge.h"
 #include "cuda/convert.cuh"
@@ -65,7 +72,8 @@ constexpr int kUnroll = 2;   // keys in flight per group
 
 template <typename E, int kD>
 struct Traits {
-  static constexpr int kVec = 16 / int(sizeof(E));           // elements per 16-byte load
+  // elements per vector load: 16 bytes, 8 for 8-bit caches
+  static constexpr int kVec = sizeof(E) == 1 ? 8 : 16 / int(sizeof(E));
   static constexpr int kVecs = kD / kVec;                      // vectors per key row
   static constexpr int kTPR = kVecs < 32 ? kVecs : 32;         // lanes per key
   static constexpr int kVPT = kVecs / kTPR;                    // vectors per lane
@@ -76,11 +84,18 @@ struct Traits {
   static_assert(kGroups * kMaxRows * kD * 4 <= 32 * 1024, "the CTA merge buffer fits 32 KB of static smem");
 };
 
-// Elements [c0, c0 + kVec) of a row as raw bits (zeros past d).
+// Elements [c0, c0 + kVec) of a row as raw bits (zeros past d; 8-bit elements in x and y).
 template <typename E>
 __device__ __forceinline__ uint4 load_vec(const E* row, int c0, int d, bool vec_ok) {
-  constexpr int kVec = 16 / int(sizeof(E));
-  if (vec_ok && c0 + kVec <= d) return *reinterpret_cast<const uint4*>(row + c0);
+  constexpr int kVec = Traits<E, 64>::kVec;
+  if constexpr (sizeof(E) == 1) {
+    if (vec_ok && c0 + kVec <= d) {
+      const uint2 h = *reinterpret_cast<const uint2*>(row + c0);
+      return make_uint4(h.x, h.y, 0u, 0u);
+    }
+  } else {
+    if (vec_ok && c0 + kVec <= d) return *reinterpret_cast<const uint4*>(row + c0);
+  }
   uint4 u = make_uint4(0u, 0u, 0u, 0u);
   char* dst = reinterpret_cast<char*>(&u);
 #pragma unroll
@@ -94,7 +109,13 @@ __device__ __forceinline__ uint4 load_vec(const E* row, int c0, int d, bool vec_
 template <typename E>
 __device__ __forceinline__ void cvt_vec(const uint4& u, float* f) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-  if constexpr (sizeof(E) == 4) {
+  if constexpr (std::is_same_v<E, int8_t>) {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) f[t] = float(int8_t(uint8_t(w[t / 4] >> (8 * (t % 4)))));
+  } else if constexpr (std::is_same_v<E, uint8_t>) {  // fp8 e4m3 bits
+#pragma unroll
+    for (int t = 0; t < 8; ++t) f[t] = e4m3_to_float((w[t / 4] >> (8 * (t % 4))) & 0xffu);
+  } else if constexpr (sizeof(E) == 4) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) f[t] = __uint_as_float(w[t]);
   } else if constexpr (std::is_same_v<E, __nv_bfloat16>) {
@@ -119,10 +140,13 @@ __device__ __forceinline__ void cvt_vec(const uint4& u, float* f) {
 
 // __launch_bounds__ minimums of 1 (here) and 8 (combine_kernel) ask ptxas for the whole register
 // budget they allow: without one it aimed lower (32 registers for the combine) and spilled.
-template <typename E, int kD, int kRows>
+// E: q and out; C: the cache's elements (E, or 8-bit: int8_t / uint8_t e4m3 bits).
+template <typename E, typename C, int kD, int kRows>
 __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams p, int splits, float* part_o,
                                                           float* part_lse, bool vec_ok) {
-  using Tr = Traits<E, kD>;
+  using Tr = Traits<C, kD>;
+  constexpr bool kQuant = sizeof(C) == 1;
+  static_assert(kQuant || std::is_same_v<C, E>, "a cache of another type than q is an 8-bit one");
   static_assert(kRows >= 1 && kRows <= kMaxRows, "rows per pass");
   constexpr int kVec = Tr::kVec, kTPR = Tr::kTPR, kVPT = Tr::kVPT, kEPT = Tr::kEPT, kGroups = Tr::kGroups;
   // (kRows) policies of the rows' heads; the CTA merge of the groups' (m, l, O)
@@ -139,9 +163,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
   const KvRows kv(p, b, hk);
   int a, e;
   split_range(p, si, b, hk * group, split, splits, kGroups * kUnroll, &a, &e);
-  const E* kbase = static_cast<const E*>(p.k);
-  const E* vbase = static_cast<const E*>(p.v);
+  const C* kbase = static_cast<const C*>(p.k);
+  const C* vbase = static_cast<const C*>(p.v);
   const E* qbase = static_cast<const E*>(p.q);
+  // 8-bit: the descales of (b, hk) when one serves the whole sequence
+  const bool per_token = kQuant && p.descale_per_token;
+  const float ks_seq = kQuant && !per_token ? p.k_descale[int64_t(b) * p.h_k + hk] : 1.f;
+  const float vs_seq = kQuant && !per_token ? p.v_descale[int64_t(b) * p.h_k + hk] : 1.f;
   constexpr float kNegInf = -INFINITY;
 
   for (int r0 = 0; r0 < rows; r0 += kRows) {
@@ -165,7 +193,12 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
 #pragma unroll
       for (int u = 0; u < kVPT; ++u) {
         const int c0 = (lane + u * kTPR) * kVec;
-        cvt_vec<E>(load_vec(qrow, c0, d, false), &q[rr][u * kVec]);
+        if constexpr (kQuant) {  // the cache's vector of elements, read from q element by element
+#pragma unroll
+          for (int t = 0; t < kVec; ++t) q[rr][u * kVec + t] = c0 + t < d ? to_float(qrow[c0 + t]) : 0.f;
+        } else {
+          cvt_vec<E>(load_vec(qrow, c0, d, false), &q[rr][u * kVec]);
+        }
 #pragma unroll
         for (int t = 0; t < kVec; ++t) acc[rr][u * kVec + t] = 0.f;
       }
@@ -183,10 +216,13 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
       // (kUnroll, kVPT) raw K and V vectors of this group's keys j0 + grp + u * kGroups
       uint4 kr[kUnroll][kVPT], vr[kUnroll][kVPT];
       bool valid[kUnroll];
+      float ksc[kUnroll], vsc[kUnroll];  // 8-bit: the keys' descales
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int j = j0 + grp + u * kGroups;
         valid[u] = j < e;
+        ksc[u] = ks_seq;
+        vsc[u] = vs_seq;
         if (valid[u]) {
           if (cur_j < 0) {
             cur.start(kv, j);
@@ -194,6 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
             cur.advance(kv, j - cur_j);
           }
           cur_j = j;
+          if (per_token) {
+            ksc[u] = p.k_descale[cur.sr * p.h_k + hk];
+            vsc[u] = p.v_descale[cur.sr * p.h_k + hk];
+          }
 #pragma unroll
           for (int w = 0; w < kVPT; ++w) {
             const int c0 = (lane + w * kTPR) * kVec;
@@ -220,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
         float kf[kEPT];
 #pragma unroll
         for (int w = 0; w < kVPT; ++w) {
-          cvt_vec<E>(kr[u][w], &kf[w * kVec]);
-          cvt_vec<E>(vr[u][w], &vf[u][w * kVec]);
+          cvt_vec<C>(kr[u][w], &kf[w * kVec]);
+          cvt_vec<C>(vr[u][w], &vf[u][w * kVec]);
         }
 #pragma unroll
         for (int rr = 0; rr < kRows; ++rr) {
@@ -231,6 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
           // every lane of the warp shuffles (groups of one warp may differ in `valid`)
 #pragma unroll
           for (int off = kTPR / 2; off >= 1; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off, 32);
+          if constexpr (kQuant) x *= ksc[u];
           float s = kNegInf;
           if (valid[u] && rr < nr) {
             const PolicyT<float>& pol = pols[rr];
@@ -266,6 +307,10 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeParams 
         }
         l[rr] = l[rr] * corr + psum;
         m[rr] = mx;
+        if constexpr (kQuant) {  // V's descale weighs its probability in P V, not in the sum
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) pr[u] *= vsc[u];
+        }
 #pragma unroll
         for (int t = 0; t < kEPT; ++t) {
           float o = acc[rr][t] * corr;

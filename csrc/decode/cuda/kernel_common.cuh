@@ -18,9 +18,11 @@ namespace attn {
 namespace decode_cuda {
 
 // Steps through keys j, j + step, ... of (b, hk) in KvRows' address space: one division at the
-// start, then page crossings by subtraction (about step / page_size of them per step).
+// start, then page crossings by subtraction (about step / page_size of them per step). sr: the
+// key's row of a per-token descale (KvRows::scale_row).
 struct KvCursor {
   int64_t ko, vo;  // current offsets
+  int64_t sr;      // current descale row
   int pi, in;      // paged: page index in the block table and row inside the page
   __device__ __forceinline__ void start(const KvRows& kv, int j) {
     const int r = kv.pad + j;
@@ -29,6 +31,7 @@ struct KvCursor {
       in = 0;
       ko = kv.k_head + int64_t(r) * kv.k_rs;
       vo = kv.v_head + int64_t(r) * kv.v_rs;
+      sr = kv.row0 + r;
     } else {
       pi = r / kv.page;
       in = r % kv.page;
@@ -39,11 +42,13 @@ struct KvCursor {
     const int64_t pg = kv.page_of(pi * kv.page);
     ko = pg * kv.k_ps + kv.k_head + int64_t(in) * kv.k_rs;
     vo = pg * kv.v_ps + kv.v_head + int64_t(in) * kv.v_rs;
+    sr = pg * kv.page + in;
   }
   __device__ __forceinline__ void advance(const KvRows& kv, int step) {
     if (kv.pages == nullptr) {
       ko += int64_t(step) * kv.k_rs;
       vo += int64_t(step) * kv.v_rs;
+      sr += step;
       return;
     }
     in += step;
