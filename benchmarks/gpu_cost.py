@@ -432,6 +432,11 @@ def linear_step_launch(b, h, m, dv, t=1) -> Launch:
 # not a count: 4 16-byte loads and their addresses (14), K / V conversions (32), Q.K FMAs (128),
 # the 16-lane reductions (128), scores (48), the online softmax of 8 rows (160), P V (192).
 DECODE_INSTR_PER_ITER = 700
+# 8-bit caches (the same kernel, 8-byte vectors of 8 elements: the bf16 layout of lanes): the
+# widening costs 2 instructions per element for int8 (byte extract, convert) and about 6 for e4m3
+# (common/fp8.h: mask, shift, multiply, sign, NaN select), on 32 elements per thread and
+# iteration (+32 / +160 over bf16's 32), and the per-row descales 2 loads and 10 multiplies (+12)
+DECODE_INSTR_PER_ITER_8BIT = {"int8": DECODE_INSTR_PER_ITER + 32 + 12, "fp8": DECODE_INSTR_PER_ITER + 160 + 12}
 SM_CLOCK = 1.755e9   # H100 SXM boost
 ISSUE_PER_CLK = 4    # warp instructions per SM per clock (4 schedulers): an upper bound on speed
 # SDPA flash (GQA), B = 8, Hq = 32, Hkv = 8, D = 128, bf16, q_len 1: us by cache length (2026-11-24)
@@ -456,18 +461,20 @@ def decode_splits(ctas: int, sk: int, old: bool = False) -> int:
     return n if n >= 2 else 1
 
 
-def decode_launches(b, hq, hk, sk, d=128, old_splits=False) -> List[Launch]:
+def decode_launches(b, hq, hk, sk, d=128, old_splits=False, cache: str = "bf16") -> List[Launch]:
     """decode_kernel + combine with decode_num_splits_heuristic's split count (heuristics.h):
-    per iteration a CTA waits max(one round trip, its share of the SM's instruction issue)."""
+    per iteration a CTA waits max(one round trip, its share of the SM's instruction issue).
+    cache "int8" / "fp8": an 8-bit cache with per-row descales (its bytes, its instructions)."""
     ctas = b * hk
     splits = decode_splits(ctas, sk, old_splits)
     res = RESOURCES["decode"]
     cps = ctas_per_sm(res)
     keys = math.ceil(sk / splits)
     iters = math.ceil(keys / 16)
-    issue = cps * (res.threads // 32) * DECODE_INSTR_PER_ITER / ISSUE_PER_CLK / SM_CLOCK
+    instr = DECODE_INSTR_PER_ITER_8BIT.get(cache, DECODE_INSTR_PER_ITER)
+    issue = cps * (res.threads // 32) * instr / ISSUE_PER_CLK / SM_CLOCK
     per_cta = iters * max(LATENCY, issue)
-    kv = 2 * b * hk * sk * d * 2
+    kv = 2 * b * hk * sk * d * 2 if cache == "bf16" else 2 * b * hk * sk * (d + 4)  # + the float32 descales
     out = [Launch("decode", res, [per_cta] * (ctas * splits), kv)]
     if splits > 1:
         rows = b * hq
@@ -514,9 +521,10 @@ def report_decode() -> List[str]:
              "| cache | kernel | splits | CTAs | K + V MB | predicted us | predicted GB/s (% of copy) | "
              "SDPA flash us (2026-11-24) | predicted ours / SDPA speed |", "|---|---|---|---|---|---|---|---|---|"]
     for sk, t_sdpa in SDPA_DECODE_US.items():
-        for kind in ("before", "cuda cores", "tensor cores"):
+        for kind in ("before", "cuda cores", "tensor cores", "int8 cache", "fp8 cache"):
             launches = (decode_mma_launches(8, 32, 8, sk) if kind == "tensor cores"
-                        else decode_launches(8, 32, 8, sk, old_splits=kind == "before"))
+                        else decode_launches(8, 32, 8, sk, old_splits=kind == "before",
+                                             cache=kind.split()[0] if kind.endswith("cache") else "bf16"))
             t = total(launches)
             kv = launches[0].dram_bytes
             splits = len(launches[0].cta_times) // 64
@@ -527,7 +535,11 @@ def report_decode() -> List[str]:
               "scheduler issuing every clock), so these are optimistic; the kernel measured on 2026-11-24 was an "
               "earlier design (256 threads, 44 registers), so no recorded row checks these. The tensor-core kernel "
               "is predicted at the copy bandwidth: its issue time is a fraction of the bytes' time, so the row is "
-              "the DRAM bound plus the launches, which SDPA flash already nearly reaches (2.9-3.0 TB/s at 16k-64k)."]
+              "the DRAM bound plus the launches, which SDPA flash already nearly reaches (2.9-3.0 TB/s at 16k-64k). "
+              "The int8 / fp8 cache rows (CUDA-core kernel, per-row descales; decode.set_cuda_kernels(quantized=True)) "
+              "read half the bytes but issue more instructions (the widening): the CUDA-core kernel being "
+              "issue-bound, they are predicted no faster than the bf16 cache; a bandwidth-bound 8-bit decode needs "
+              "the tensor-core kernel's schedule."]
     return lines
 
 

@@ -106,3 +106,30 @@ def test_matches_cpu_kernel():
     out_c, lse_c = torch.ops.attention_ext.decode_fwd(*cpu_args, 0)
     torch.testing.assert_close(out.cpu().float(), out_c.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.cpu(), lse_c, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("granularity", ["token", "head"])
+@pytest.mark.parametrize("qdt", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("layout", [dict(), dict(page=16), dict(page=5, leftpad=True), dict(batch_idx=True)],
+                         ids=["contiguous", "page16", "page5_leftpad", "batch_idx"])
+def test_8bit_caches(layout, qdt, granularity, kernel):
+    """int8 / e4m3 caches on the CUDA-core kernel (decode.set_cuda_kernels(quantized=True)) against
+    decode over the dequantized cache, as in the emulator (tests/cuda_emu/test_decode_emulated.py)."""
+    from tests.decode.test_quant import quantize_case, run_check
+
+    c = Case(b=4, h=8, hk=2, sq=1, d=128, dtype=torch.bfloat16, seqlens=(0, 1, 977, 3000), num_splits=0, **layout)
+    old = ops.set_cuda_kernels(**{**ops.cuda_kernels(), "quantized": True})
+    try:
+        def fwd(q, kq, vq, ks, vs, idx, kw, alibi, sinks):
+            to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+            out, lse = ops.decode_fwd(to(q), to(kq), to(vq), **{n: to(t) for n, t in idx.items()},
+                                      alibi_slopes=to(alibi), sinks=to(sinks), scale=kw["softmax_scale"],
+                                      softcap=kw["softcap"], window_left=kw["window_size"][0],
+                                      window_right=kw["window_size"][1], num_splits=c.num_splits,
+                                      k_descale=to(ks), v_descale=to(vs))
+            torch.cuda.synchronize()
+            return out.cpu(), lse.cpu()
+
+        run_check(c, qdt, granularity, f"{qdt} {granularity} {layout}", fwd=fwd)
+    finally:
+        ops.set_cuda_kernels(**old)
