@@ -254,6 +254,28 @@ def cpu_peak_flops(kind: str = "fp32_fma", threads: int = 0, seconds: float = 0.
     return float(_ext._C.cpu_peak_flops(kind, int(threads), float(seconds)))
 
 
+def at_isa_levels(levels):
+    """Yields each CPU ISA level of `levels` made active in turn (attention_ext.set_cpu_isa), and
+    restores the level active before, however the loop ends: the per-level benchmark scripts."""
+    import attention_ext as ae
+
+    old = ae.cpu_isa()
+    try:
+        for level in levels:
+            ae.set_cpu_isa(level)
+            yield level
+    finally:
+        ae.set_cpu_isa(old)
+
+
+def emit(text: str, out: Optional[str]) -> None:
+    """A benchmark's report: printed, and written to `out` when given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
 FP32_LOOP, BF16_LOOP = "fp32 FMA loop", "bf16 dot loop"
 LOOP_KINDS = {FP32_LOOP: "fp32_fma", BF16_LOOP: "bf16_dot"}
 

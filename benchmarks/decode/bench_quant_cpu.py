@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, interleaved  # noqa: E402
+from common import at_isa_levels, copy_bandwidth, emit, interleaved  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.decode import decode_fwd, quantize_kv  # noqa: E402
@@ -55,26 +55,17 @@ def main(argv=None) -> int:
     lines = [f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
              f"{torch.__version__}; copy bandwidth {bw / 1e9:.1f} GB/s; (B, Hq, Hkv, D) = ({b}, {h}, {hk}, {d}), "
              f"cache {s}, q bf16", ""]
-    old = ae.cpu_isa()
-    try:
-        for level in levels:
-            ae.set_cpu_isa(level)
-            fns = {n: call(*c) for n, c in caches.items()}
-            t = interleaved(fns, reps=args.reps, shuffle=True)
-            lines += [f"ISA level {level}:", "", "| cache | ms | x bf16 cache | GB/s of cache bytes (% of copy) |",
-                      "|---|---|---|---|"]
-            for n, c in caches.items():
-                gbs = nbytes(*c) / t[n]
-                lines.append(f"| {n} | {t[n] * 1e3:.2f} | {t['bf16'] / t[n]:.2f}x | {gbs / 1e9:.1f} ({gbs / bw:.0%}) |")
-            lines.append("")
-    finally:
-        ae.set_cpu_isa(old)
-    text = "\n".join(lines) + "\nCommand: python benchmarks/decode/bench_quant_cpu.py" + \
-        (f" --levels {args.levels}" if args.levels else "") + (" --quick" if args.quick else "") + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    for level in at_isa_levels(levels):
+        fns = {n: call(*c) for n, c in caches.items()}
+        t = interleaved(fns, reps=args.reps, shuffle=True)
+        lines += [f"ISA level {level}:", "", "| cache | ms | x bf16 cache | GB/s of cache bytes (% of copy) |",
+                  "|---|---|---|---|"]
+        for n, c in caches.items():
+            gbs = nbytes(*c) / t[n]
+            lines.append(f"| {n} | {t[n] * 1e3:.2f} | {t['bf16'] / t[n]:.2f}x | {gbs / 1e9:.1f} ({gbs / bw:.0%}) |")
+        lines.append("")
+    emit("\n".join(lines) + "\nCommand: python benchmarks/decode/bench_quant_cpu.py" +
+         (f" --levels {args.levels}" if args.levels else "") + (" --quick" if args.quick else "") + "\n", args.out)
     return 0
 
 

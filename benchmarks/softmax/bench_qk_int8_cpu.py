@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cpu_peak_flops, interleaved  # noqa: E402
+from common import at_isa_levels, cpu_peak_flops, emit, interleaved  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 
@@ -89,51 +89,38 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.accuracy:
-        text = "\n".join(accuracy()) + "\n\nCommand: python benchmarks/softmax/bench_qk_int8_cpu.py --accuracy\n"
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        emit("\n".join(accuracy()) + "\n\nCommand: python benchmarks/softmax/bench_qk_int8_cpu.py --accuracy\n",
+             args.out)
         return 0
     threads = torch.get_num_threads()
     peaks = {k: cpu_peak_flops(k, threads, 0.5) for k in ("fp32_fma", "bf16_dot", "int8_dot")}
     lines = [f"CPU: {platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}; "
              "ceilings (every thread): " + ", ".join(f"{k} {v / 1e12:.2f} T/s" for k, v in peaks.items() if v > 0),
              ""]
-    levels = args.levels.split(",") if args.levels else [ae.cpu_isa()]
-    old = ae.cpu_isa()
-    try:
-        for level in levels:
-            ae.set_cpu_isa(level)
-            lines += [f"ISA level {level}:", "",
-                      "| (B, H, S, D) | mask | dtype | unquantized ms | int8 Q.K^T ms | x unquantized | SDPA ms | "
-                      "x SDPA | int8 TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
-            for (b, h, s, d), causal in SHAPES:
-                s = s // 2 if args.quick else s
-                flop = 4.0 * b * h * s * s * d / (2 if causal else 1)
-                for name in args.dtypes.split(","):
-                    dt = DTYPES[name]
-                    torch.manual_seed(0)
-                    q, k, v = (torch.randn(b, h, s, d).to(dt) for _ in range(3))
-                    fns = {"plain": lambda: ae.attention(q, k, v, causal=causal),
-                           "int8": lambda: ae.attention(q, k, v, causal=causal, qk_quant="int8"),
-                           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
-                    with torch.no_grad():
-                        t = interleaved(fns, reps=args.reps, shuffle=True)
-                    lines.append(f"| ({b}, {h}, {s}, {d}) | {'causal' if causal else 'none'} | {name} | "
-                                 f"{t['plain'] * 1e3:.1f} | {t['int8'] * 1e3:.1f} | {t['plain'] / t['int8']:.2f}x | "
-                                 f"{t['sdpa'] * 1e3:.1f} | {t['sdpa'] / t['int8']:.2f}x | "
-                                 f"{flop / t['int8'] / 1e12:.2f} |")
-                    print(lines[-1], flush=True)
-            lines.append("")
-    finally:
-        ae.set_cpu_isa(old)
-    text = "\n".join(lines) + "\nCommand: python benchmarks/softmax/bench_qk_int8_cpu.py" + \
-        (f" --levels {args.levels}" if args.levels else "") + (" --quick" if args.quick else "") + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    for level in at_isa_levels(args.levels.split(",") if args.levels else [ae.cpu_isa()]):
+        lines += [f"ISA level {level}:", "",
+                  "| (B, H, S, D) | mask | dtype | unquantized ms | int8 Q.K^T ms | x unquantized | SDPA ms | "
+                  "x SDPA | int8 TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+        for (b, h, s, d), causal in SHAPES:
+            s = s // 2 if args.quick else s
+            flop = 4.0 * b * h * s * s * d / (2 if causal else 1)
+            for name in args.dtypes.split(","):
+                dt = DTYPES[name]
+                torch.manual_seed(0)
+                q, k, v = (torch.randn(b, h, s, d).to(dt) for _ in range(3))
+                fns = {"plain": lambda: ae.attention(q, k, v, causal=causal),
+                       "int8": lambda: ae.attention(q, k, v, causal=causal, qk_quant="int8"),
+                       "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+                with torch.no_grad():
+                    t = interleaved(fns, reps=args.reps, shuffle=True)
+                lines.append(f"| ({b}, {h}, {s}, {d}) | {'causal' if causal else 'none'} | {name} | "
+                             f"{t['plain'] * 1e3:.1f} | {t['int8'] * 1e3:.1f} | {t['plain'] / t['int8']:.2f}x | "
+                             f"{t['sdpa'] * 1e3:.1f} | {t['sdpa'] / t['int8']:.2f}x | "
+                             f"{flop / t['int8'] / 1e12:.2f} |")
+                print(lines[-1], flush=True)
+        lines.append("")
+    emit("\n".join(lines) + "\nCommand: python benchmarks/softmax/bench_qk_int8_cpu.py" +
+         (f" --levels {args.levels}" if args.levels else "") + (" --quick" if args.quick else "") + "\n", args.out)
     return 0
 
 

@@ -118,16 +118,7 @@ inline void dp_micro(int K2, const uint16_t* __restrict__ A, int64_t lda, const 
 
 template <int NV>
 inline void dp_rows(int mr, int K2, const uint16_t* A, int64_t lda, const uint16_t* B, float* C, int64_t ldc) {
-  switch (mr) {
-    case 8: dp_micro<8, NV>(K2, A, lda, B, C, ldc); break;
-    case 7: dp_micro<7, NV>(K2, A, lda, B, C, ldc); break;
-    case 6: dp_micro<6, NV>(K2, A, lda, B, C, ldc); break;
-    case 5: dp_micro<5, NV>(K2, A, lda, B, C, ldc); break;
-    case 4: dp_micro<4, NV>(K2, A, lda, B, C, ldc); break;
-    case 3: dp_micro<3, NV>(K2, A, lda, B, C, ldc); break;
-    case 2: dp_micro<2, NV>(K2, A, lda, B, C, ldc); break;
-    default: dp_micro<1, NV>(K2, A, lda, B, C, ldc); break;
-  }
+  rows_switch<kDotMR>(mr, [&](auto m) { dp_micro<decltype(m)::value, NV>(K2, A, lda, B, C, ldc); });
 }
 #endif
 

@@ -130,16 +130,7 @@ inline void q8_micro(int K4, const int8_t* __restrict__ A, int64_t lda, const ui
 template <int NV>
 inline void q8_rows(int mr, int K4, const int8_t* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc,
                     const Q8Epilogue& e) {
-  switch (mr) {
-    case 8: q8_micro<8, NV>(K4, A, lda, B, C, ldc, e); break;
-    case 7: q8_micro<7, NV>(K4, A, lda, B, C, ldc, e); break;
-    case 6: q8_micro<6, NV>(K4, A, lda, B, C, ldc, e); break;
-    case 5: q8_micro<5, NV>(K4, A, lda, B, C, ldc, e); break;
-    case 4: q8_micro<4, NV>(K4, A, lda, B, C, ldc, e); break;
-    case 3: q8_micro<3, NV>(K4, A, lda, B, C, ldc, e); break;
-    case 2: q8_micro<2, NV>(K4, A, lda, B, C, ldc, e); break;
-    default: q8_micro<1, NV>(K4, A, lda, B, C, ldc, e); break;
-  }
+  rows_switch<kQ8MR>(mr, [&](auto m) { q8_micro<decltype(m)::value, NV>(K4, A, lda, B, C, ldc, e); });
 }
 #endif
 
@@ -179,12 +170,7 @@ inline void q8_micro_avx2(int K4, const int16_t* __restrict__ A, int64_t lda, co
 
 inline void q8_rows_avx2(int mr, int K4, const int16_t* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc,
                          const Q8Epilogue& e) {
-  switch (mr) {
-    case 4: q8_micro_avx2<4>(K4, A, lda, B, C, ldc, e); break;
-    case 3: q8_micro_avx2<3>(K4, A, lda, B, C, ldc, e); break;
-    case 2: q8_micro_avx2<2>(K4, A, lda, B, C, ldc, e); break;
-    default: q8_micro_avx2<1>(K4, A, lda, B, C, ldc, e); break;
-  }
+  rows_switch<4>(mr, [&](auto m) { q8_micro_avx2<decltype(m)::value>(K4, A, lda, B, C, ldc, e); });
 }
 #endif
 

@@ -511,16 +511,19 @@ inline void micro_kernel(int K, const T* __restrict__ A, int64_t lda, const T* _
   }
 }
 
+// f(std::integral_constant<int, m>{}) for the row count m = clamp(mr, 1, kMax): the micro-kernels'
+// remainder blocks, each a compile-time row count (the accumulators stay in registers).
+template <int kMax, typename F>
+inline void rows_switch(int mr, F&& f) {
+  if constexpr (kMax > 1) {
+    if (mr < kMax) return rows_switch<kMax - 1>(mr, f);
+  }
+  f(std::integral_constant<int, kMax>{});
+}
+
 template <int NV, bool kAccumulate, bool kTransA, Tri kTri, typename T>
 inline void micro_rows(int mr, int K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
-  switch (mr) {
-    case 6: micro_kernel<6, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
-    case 5: micro_kernel<5, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
-    case 4: micro_kernel<4, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
-    case 3: micro_kernel<3, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
-    case 2: micro_kernel<2, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
-    default: micro_kernel<1, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); break;
-  }
+  rows_switch<kMR>(mr, [&](auto m) { micro_kernel<decltype(m)::value, NV, kAccumulate, kTransA, kTri>(K, A, lda, B, ldb, C, ldc); });
 }
 
 template <bool kAccumulate, bool kTransA = false, Tri kTri = Tri::kFull, typename T>
