@@ -22,6 +22,12 @@ _OutOrProbs = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
 _FN = "attention_ext.flash_attn"  # the prefix of this module's argument errors
 
 
+def _no_probs_with_quant(return_attn_probs: bool, qk_quant) -> None:
+    if return_attn_probs and qk_quant is not None:
+        raise ValueError(f"{_FN}: return_attn_probs=True does not combine with qk_quant={qk_quant!r} (the "
+                         "probabilities are recomputed from unquantized scores); call it without qk_quant for them")
+
+
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
@@ -30,8 +36,9 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     """Drop-in for flash_attn.flash_attn_func: q (B, Sq, H, D), k / v (B, Sk, H_k, D); causal is
     aligned bottom-right. return_attn_probs=True returns (out, lse (B, H, Sq), probs
     (B, H, Sq, Sk)) with the real probabilities recomputed from the LSE. qk_quant="int8":
-    attention()'s int8 Q.K^T (inference; the probabilities returned are the unquantized ones)."""
+    attention()'s int8 Q.K^T (inference; not with return_attn_probs)."""
     window = window_size_pair(window_size, _FN)
+    _no_probs_with_quant(return_attn_probs, qk_quant)
     out, lse = attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                          return_lse=True, deterministic=deterministic, num_splits=num_splits, qk_quant=qk_quant)
@@ -83,8 +90,9 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     The pages are gathered into a packed (total_k, H_k, D) copy with torch indexing (one extra
     read + write of every used key and value, O(total_k * H_k * D) memory; differentiable to
     k / v), then the unpaged varlen kernel runs on it. qk_quant="int8": attention()'s int8 Q.K^T
-    (inference), each sequence with its own K mean and blocks."""
+    (inference; not with return_attn_probs), each sequence with its own K mean and blocks."""
     window = window_size_pair(window_size, _FN)
+    _no_probs_with_quant(return_attn_probs, qk_quant)
     if block_table is not None:
         k, v = _gather_paged_varlen(k, v, block_table, cu_seqlens_k)
     out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -54,12 +54,12 @@ def set_cuda_kernels(tensor_cores: bool = False, quantized: bool = False) -> dic
                       caches on CUDA through the dequantized PyTorch reference. True: the
                       CUDA-core kernel reads them (8-byte vectors widened in registers, the
                       descales on scores and probabilities); emulator-checked, no GPU run yet.
-                      (torch.ops.attention_ext.decode_fwd itself always runs the kernel.)
+                      (torch.ops.attention_ext.decode_fwd refuses such caches on CUDA without it.)
 
     Returns the previous selection, so that `set_cuda_kernels(**old)` restores it."""
     new = dict(tensor_cores=bool(tensor_cores), quantized=bool(quantized))
     if HAS_EXT:
-        torch.ops.attention_ext.decode_set_cuda_kernels(new["tensor_cores"])
+        torch.ops.attention_ext.decode_set_cuda_kernels(new["tensor_cores"], new["quantized"])
     old = dict(_cuda_kernels)
     _cuda_kernels.update(new)
     return old

@@ -26,6 +26,7 @@ from torch.types import Device
 from .. import reference
 from .._args import key_padding_mask_renamed
 from ..softmax import attention, attention_varlen, attention_weights
+from ..softmax import ops as softmax_ops
 from ..softmax.functional import window_pair
 from ..sparse import block_sparse_attention, layout_to_mask, topk_attention
 from .positional import RotaryEmbedding, alibi_slopes
@@ -63,8 +64,9 @@ class AttentionConfig:
     lsh_hashes: int = 1                # attention_type="lsh": hash rounds
     lsh_chunk_size: int = 64           # attention_type="lsh": the sorted positions' chunk length
     # attention_type="softmax": "int8" runs Q.K^T in int8 (attention()'s qk_quant) in forwards with
-    # no graph to build (torch.no_grad / inference_mode: evaluation, a generation's prefill); a
-    # forward that records gradients, and generation's cached steps, run unquantized
+    # no graph to build (torch.no_grad / inference_mode: evaluation, a generation's prefill) on a
+    # device with its kernel (the CPU); a forward that records gradients, generation's cached
+    # steps, keep_weights and other devices run unquantized
     qk_quant: Optional[str] = None
 
     def __post_init__(self):
@@ -74,8 +76,6 @@ class AttentionConfig:
             self.n_kv_heads = self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.qk_quant not in (None, "int8"):
-            raise ValueError(f"qk_quant must be None or 'int8', got {self.qk_quant!r}")
         if self.qk_quant is not None and self.attention_type != "softmax":
             raise ValueError(f"qk_quant serves attention_type='softmax', got {self.attention_type!r}")
         self.window = window_pair(self.window, causal=False)  # the functional API's check and error
@@ -259,7 +259,8 @@ class Attention(nn.Module):
             return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
         src = context if self.cross else x
         # the int8 Q.K^T: forwards without a graph, over a whole prompt (not a cached step)
-        quant = c.qk_quant if (c.qk_quant and not torch.is_grad_enabled() and
+        quant = c.qk_quant if (c.qk_quant and not torch.is_grad_enabled() and not self.keep_weights and
+                               softmax_ops.has_quant_kernel(x.device) and
                                (cache is None or getattr(cache, "pos", None) == 0)) else None
         if getattr(cache, "paged", False) and not self.cross:
             return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))
@@ -284,7 +285,7 @@ class Attention(nn.Module):
         p = c.dropout if self.training else 0.0
         if self.keep_weights:
             out, lse = kernel(q, k, v, dropout_p=p, return_lse=True, **opts)
-            self.last_weights = self._weights(q, k, lse, {n: o for n, o in opts.items() if n != "qk_quant"}).detach()
+            self.last_weights = self._weights(q, k, lse, opts).detach()
         else:
             out = kernel(q, k, v, dropout_p=p, **opts)
         return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))  # (B, S, d_model)

@@ -193,7 +193,7 @@ class PagedKVCache:
         seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
         wl, wr = window_pair(window, causal)
         pool = self.k_pages.dtype
-        qc = q if (self.k_descale is not None or not q.is_floating_point() or pool == q.dtype) else q.to(pool)
+        qc = q if (self.k_descale is not None or pool == q.dtype) else q.to(pool)
         out, _ = decode_fwd(qc, self.k_pages, self.v_pages, cache_seqlens=seqlens, block_table=bt,
                             alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, softcap=softcap,
                             window_left=wl, window_right=wr, k_descale=self.k_descale, v_descale=self.v_descale)

@@ -171,8 +171,8 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     # by a reciprocal (two roundings), where the kernels divide once
     c127 = torch.full_like(amax, 127.0)
     scale = torch.where(finite, amax / c127, torch.full_like(amax, float("nan")))
-    inv = torch.where(finite & (amax > 0), c127 / amax.clamp_min(torch.finfo(torch.float32).tiny),
-                      torch.zeros_like(amax))
+    inv = c127 / amax.clamp_min(torch.finfo(torch.float32).tiny)
+    inv = torch.where(finite & (amax > 0) & torch.isfinite(inv), inv, torch.zeros_like(amax))
     xi = torch.round(xp * inv).clamp(-127, 127).nan_to_num(0.0)
     xi = xi.reshape(b, h, nb * block, d)[:, :, :s]
     rows = scale.view(b, h, nb, 1).repeat_interleave(block, dim=2)[:, :, :s]

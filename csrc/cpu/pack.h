@@ -272,11 +272,12 @@ inline void pack_keys(const SoftmaxParamsT<T>& p, DType dt, const void* base, in
 //   mean  (B, H_k, dp) float32: the mean of the sequence's keys, summed in float64 (SageAttention's
 //         smoothing: q . k = q . (k - mean) + q . mean, and k - mean has a smaller range to round);
 //   scale one float32 per block of kBlockN keys, amax |k - mean| / 127 over the block's keys and d
-//         channels (NaN when the block holds a NaN or an inf: every score it gives is then NaN);
-//   keys  uint8 rint((k - mean) 127 / amax) + 128 in q8dot.h's kTQuads panels; pad rows and
+//         channels (the non-finite rule: q8dot.h);
+//   keys  uint8 rint((k - mean) 127 / amax) + 128 in q8dot.h's quads layout; pad rows and
 //         channels hold 128 (a signed 0).
 // The rounding is the one reference.qk_int8_scores states, float32 op for op, so the integer
-// keys here and there agree.
+// keys here and there agree (but where the two float64 sums of the mean, in different orders,
+// round to different float32: a tie, which no test has met).
 struct Q8Keys {
   const uint8_t* keys = nullptr;
   const float* scale = nullptr;  // scale[offset(b, h) / (dp kBlockN) + j / kBlockN]

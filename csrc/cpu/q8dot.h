@@ -6,8 +6,8 @@
 // vpdpbusd multiplies 64 pairs of bytes (one unsigned, one signed) and adds each 4 adjacent
 // products into 16 int32 lanes: twice the multiply-adds per instruction of vdpbf16ps, four times
 // a float32 FMA's, on a quarter of the float32 operand bytes (whether the core issues it as often
-// as those is the CPU's: Zen 5 runs about half as many per cycle as vdpbf16ps, the int8_dot peak
-// loop of csrc/peak). AVX2 levels widen the bytes to int16 and multiply pairs (vpmaddwd: 16
+// as those is the CPU's: csrc/peak's int8_dot loop measures it). AVX2 levels widen the bytes to
+// int16 and multiply pairs (vpmaddwd: 16
 // multiply-adds per instruction, a float32 FMA's 8); other levels run the integer arithmetic in
 // plain C++. The sums are exact integers, so every level computes the same scores bit for bit.
 //
@@ -20,7 +20,8 @@
 //   A (M, K) int8 row-major (Q's rows, zero past d): row m's quad k is A[m * lda + 4k .. + 3].
 //   B (K, N) uint8 in panels of kQ8Panel keys: element (c, n) at
 //     B[(n / kQ8Panel) * bpanel + (c / 4) * 4 kQ8Panel + (n % kQ8Panel) * 4 + c % 4],
-//     so one 64-byte load is a channel quad of 16 keys (pack.h's kTQuads).
+//     so one 64-byte load is a channel quad of 16 keys: the "quads" layout, which pack.h's
+//     pack_keys_q8 writes.
 #pragma once
 
 #include <algorithm>
@@ -49,8 +50,12 @@ constexpr int kQ8MR = 8;      // rows per micro-kernel block
 // ---------------------------------------------------------------- rounding to int8
 // The blocks' scales and integers, float32 op for op as reference.py's _int8_blocks:
 //   scale = amax / 127, x_i = clamp(rint(x * (127 / amax)), -127, 127)
-// amax the block's largest |x|, NaN when one is not finite (then every x_i is 0 and every score
-// that uses the block is NaN: a non-finite input shows, block-wide, instead of rounding to junk).
+// amax the block's largest |x|, NaN when one is not finite. The non-finite rule, stated here
+// once: such a block's scale is NaN, so every score that uses it is NaN (its integers are
+// meaningless and never read as numbers); a non-finite key also makes its sequence's K mean NaN,
+// so the whole (sequence, kv head) shows NaN, and a non-finite query its block of rows. A
+// non-finite input shows instead of rounding to junk, masked keys included (the mean and the
+// scales read every key inside the sequence).
 
 // max |x| over n floats (a multiple of the vector width), or NaN if one is not finite.
 inline float q8_amax(const float* x, int64_t n) {
@@ -63,7 +68,11 @@ inline float q8_amax(const float* x, int64_t n) {
   return hmax(m);
 }
 inline float q8_scale(float amax) { return amax / 127.f; }  // NaN stays NaN
-inline float q8_inv(float amax) { return amax > 0.f ? 127.f / amax : 0.f; }  // 0 for NaN and 0
+// 0 for NaN, 0 and an amax so small that 127 / amax overflows
+inline float q8_inv(float amax) {
+  const float inv = 127.f / amax;
+  return amax > 0.f && inv <= std::numeric_limits<float>::max() ? inv : 0.f;
+}
 
 // dst[c] = clamp(rint(x[c] inv), -127, 127) for c < n; returns sum_c dst[c]. The loop vectorizes
 // (-fno-math-errno: nearbyint is a rounding instruction).
@@ -188,8 +197,9 @@ inline void q8_row_portable(int K4, const int8_t* a, const uint8_t* B, int32_t* 
   }
 }
 
-// C (M, N) = epilogue(A (M, K) @ B (K, N)) in the layouts above; K a multiple of 4 (at most 256),
-// N a multiple of 8 (kQ8Panel's half at least: a tile's last panel may be half full).
+// C (M, N) = epilogue(A (M, K) @ B (K, N)) in the layouts above; K a multiple of 4, at most 256
+// (the ops' head-dim rule, d <= 256, padded to dp <= 256); N a multiple of the forward's key step
+// (tile.h's kFwdKeyStep: a tile's last panel may be part full).
 inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel, float* C,
                     int64_t ldc, const Q8Epilogue& e) {
 #if defined(__AVX512VNNI__)
@@ -207,8 +217,9 @@ inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uin
     }
   }
 #elif defined(__AVX2__)
-  // A widened to int16 once per call (M <= 48 rows of K <= 256: negligible beside the products)
+  // A widened to int16 once per call (at most 48 rows of K <= 256: small beside the products)
   constexpr int kMaxM = 64, kMaxK = 256;
+  if (K > kMaxK) __builtin_trap();  // unreachable under the head-dim rule
   alignas(64) int16_t a16[kMaxM * kMaxK];
   for (int m0 = 0; m0 < M; m0 += kMaxM) {
     const int mm = M - m0 < kMaxM ? M - m0 : kMaxM;

@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "common/decode_params.h"
+#include "decode/cuda/entry.h"  // cuda_decode_kernels
 #include "decode/cuda/heuristics.h"
 #include "torch/decode_binding.h"
 #include "torch/cuda_steps.h"  // run_backend
@@ -40,6 +41,11 @@ std::tuple<at::Tensor, at::Tensor> decode_cuda_steps(const Device& dev, const De
   const auto guard = dev.guard(args.q);
   const bool capturing = dev.capturing();  // on q's device, under the guard
   const int64_t max_keys = check_decode_inputs(args, !capturing);
+  TORCH_CHECK_VALUE(!quantized_cache(args) || cuda_decode_kernels().quantized,
+                    "attention_ext.decode: int8 / float8_e4m3fn caches on CUDA need "
+                    "attention_ext.decode.set_cuda_kernels(quantized=True) (the CUDA-core kernel's 8-bit build, not "
+                    "yet run on a GPU); without it decode_fwd and flash_attn_with_kvcache run them through the "
+                    "dequantized reference");
   auto [out, lse] = alloc_decode_outputs(args.q);
   if (args.q.numel() == 0) return {out, lse};
   DecodeArgs a = args;

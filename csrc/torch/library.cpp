@@ -74,11 +74,12 @@ void delta_set_cuda_kernels(int64_t chunked) {
 }
 
 // attention_ext.decode.set_cuda_kernels: the CUDA decode kernel selection (decode/cuda/entry.h).
-void decode_set_cuda_kernels(bool tensor_cores) {
+void decode_set_cuda_kernels(bool tensor_cores, bool quantized) {
 #if defined(ATTN_WITH_CUDA)
-  attn::cuda_decode_set_kernels(attn::DecodeCudaKernels{tensor_cores});
+  attn::cuda_decode_set_kernels(attn::DecodeCudaKernels{tensor_cores, quantized});
 #else
   (void)tensor_cores;
+  (void)quantized;
 #endif
 }
 
@@ -384,7 +385,7 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &set_cuda_kernels);
   m.def("linear_set_cuda_kernels(bool chunk_parallel, int segment_chunks, bool chunk_states) -> ()", &linear_set_cuda_kernels);
-  m.def("decode_set_cuda_kernels(bool tensor_cores) -> ()", &decode_set_cuda_kernels);
+  m.def("decode_set_cuda_kernels(bool tensor_cores, bool quantized=False) -> ()", &decode_set_cuda_kernels);
   m.def("delta_set_cuda_kernels(int chunked) -> ()", &delta_set_cuda_kernels);
 }
 

@@ -85,7 +85,9 @@ std::vector<int64_t> emu_decode_launch_stats() {
   return out;
 }
 
-void emu_decode_set_kernels(bool tensor_cores) { attn::cuda_decode_set_kernels(attn::DecodeCudaKernels{tensor_cores}); }
+void emu_decode_set_kernels(bool tensor_cores, bool quantized) {
+  attn::cuda_decode_set_kernels(attn::DecodeCudaKernels{tensor_cores, quantized});
+}
 
 }  // namespace
 
@@ -99,7 +101,7 @@ TORCH_LIBRARY(attention_ext_emu_decode, m) {
   m.def("num_splits(int ctas, int sms, int max_keys, int requested) -> int", &emu_decode_num_splits);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_decode_set_schedule);
   m.def("set_capturing(bool capturing) -> ()", &emu_decode_set_capturing);
-  m.def("set_kernels(bool tensor_cores) -> ()", &emu_decode_set_kernels);
+  m.def("set_kernels(bool tensor_cores, bool quantized=True) -> ()", &emu_decode_set_kernels);
   m.def("launches() -> str[]", &emu_decode_launches);
   m.def("launch_stats() -> int[]", &emu_decode_launch_stats);
 }

@@ -10,8 +10,8 @@ one split vs several (the combine kernel), ragged cache_seqlens with 0 and 1, q_
 GQA (8 / 2), MQA, MHA, the row-block loop (R = G x Sq > 8), window, causal, sinks, ALiBi,
 softcap, cache_batch_idx, leftpad, fp16 / bf16 / fp32, head dims 64 / 128 / 80 / 256 / 33 (the
 element-by-element load path), the split heuristic, two other warp interleavings (lockstep,
-reverse: a missing barrier shows); int8 / fp8 e4m3 caches with per-row and per-(b, hk) descales
-(against decode over the dequantized cache, tests/decode/test_quant.py's check). The module builds once into build/emu_decode (~50 s on two
+reverse: a missing barrier shows); int8 / fp8 e4m3 caches with per-row and per-(b, hk)
+descales (against decode over the dequantized cache, tests/decode/test_quant.py's check). The module builds once into build/emu_decode (~50 s on two
 cores); the tests then take ~10 s. Not covered: timing, real concurrency,
 register spills, 16-byte alignment faults (the emulator does not fault on them).
 """
@@ -275,3 +275,18 @@ def test_8bit_cache_options(emu, qdt, opts):
 
     for gran in ("token", "head"):
         run_check(c, qdt, gran, f"{qdt} {gran} {opts}", fwd=fwd)
+
+
+def test_8bit_caches_need_the_selection(emu):
+    """Without decode.set_cuda_kernels(quantized=True) the CUDA op refuses 8-bit caches (the
+    Python layer then runs the dequantized reference), naming the switch."""
+    from tests.decode.test_quant import quantize_case
+
+    c = Case(b=2, h=4, hk=2, sq=1, d=64, dtype=torch.bfloat16, seqlens=(5, 40), num_splits=1)
+    q, kq, vq, ks, vs, idx, kw, alibi, sinks = quantize_case(c, torch.int8, "token")
+    emu.set_kernels(SELECTED["tensor_cores"], False)
+    try:
+        with pytest.raises(ValueError, match=r"set_cuda_kernels\(quantized=True\)"):
+            emu.decode_fwd(*op_args(c, q, kq, vq, idx, kw, alibi, sinks), 1, SMS, ks, vs)
+    finally:
+        emu.set_kernels(SELECTED["tensor_cores"], True)

@@ -121,12 +121,17 @@ def test_options(option, dtype):
         ref = check_against_oracle(q, k, v, option, attn_mask=dense[None])
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-6 if dtype == torch.float32 else 2e-2, rtol=0)
         return
-    elif option == "dropout":  # the fused op's Philox mask, drawn as without qk_quant
+    elif option == "dropout":  # the fused op's Philox mask for the seed, on the quantized scores
         with torch.no_grad():
-            a = ae.attention(q, k, v, qk_quant="int8", dropout_p=0.3, seed=7)
-            plain = ae.attention(q, k, v, dropout_p=0.3, seed=7)
-            keep = (a != 0) == (plain != 0)
-        assert keep.float().mean() > 0.999
+            out = ae.attention(q, k, v, qk_quant="int8", dropout_p=0.3, seed=7)
+        x = reference.qk_int8_scores(q, k)
+        mask = ae.dropout_mask(b, h, sq, sk, 0.3, 7)
+        ref, _ = reference.attention(q.double(), k.double(), v.double(), logits=x, dropout_p=0.3, dropout_mask=mask)
+        low, _ = reference.attention(q, k, v, logits=x.to(dtype), dropout_p=0.3, dropout_mask=mask)
+        assert_close_fa2(out, low, ref, dtype, "dropout")
+        other, _ = reference.attention(q.double(), k.double(), v.double(), logits=x, dropout_p=0.3,
+                                       dropout_mask=ae.dropout_mask(b, h, sq, sk, 0.3, 8))
+        assert (out.double() - other).abs().max() > 0.1  # another seed's mask is not this one
         return
     check_against_oracle(q, k, v, option, **kw)
 
@@ -153,11 +158,13 @@ def test_varlen(dtype):
         torch.testing.assert_close(out[q0:q1], want[0].transpose(0, 1), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 96), (torch.bfloat16, 256), (torch.float16, 40)], ids=str)
 @pytest.mark.parametrize("level", LEVELS)
-def test_isa_levels_agree(level):
+def test_isa_levels_agree(level, dtype, d):
     """The integer sums are exact: every level gives the VNNI level's scores, so the outputs
-    differ by the softmax's own rounding only (the levels' exp differ in the last bits)."""
-    q, k, v = make(1, 2, 1, 100, 260, 96, torch.float32, offset=1.0, seed=4)
+    differ by the softmax's own rounding only (the levels' exp differ in the last bits; bf16 / fp16
+    by P V's rounding and the output's)."""
+    q, k, v = make(1, 2, 1, 100, 260, d, dtype, offset=1.0, seed=4)
     old = ae.cpu_isa()
     try:
         ae.set_cpu_isa(level)
@@ -166,7 +173,8 @@ def test_isa_levels_agree(level):
         ae.set_cpu_isa(old)
     with torch.no_grad():
         base = ae.attention(q, k, v, qk_quant="int8", causal=True)
-    torch.testing.assert_close(out, base, atol=2e-6, rtol=0)
+    tol = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), base.float(), atol=tol, rtol=0)
 
 
 def cosine_l1(out: torch.Tensor, ref: torch.Tensor):
@@ -191,9 +199,9 @@ def exact_attention(q, k, v, causal, chunk=1024):
 @pytest.mark.parametrize("inputs", ["random", "outliers_offset"])
 @pytest.mark.parametrize("s", [1000, 8192])
 def test_accuracy_contract(inputs, s):
-    """cosine >= 0.999 and relative L1 <= 2% against exact float64 attention (bf16 inputs; 1.2-1.3%
-    measured). Outliers that scale a channel's spread rather than shift it are not smoothed away:
-    at 3x on one channel in 16 the relative L1 is 2.4% (benchmarks/results)."""
+    """cosine >= 0.999 and relative L1 <= 2% against exact float64 attention (bf16 inputs). Outliers
+    that scale a channel's spread rather than shift it are not smoothed away and are not held to
+    it (benchmarks/results/2026-11-30-qk-int8-cpu.md)."""
     q, k, v = make(1, 2, 1, s, s, 128, torch.bfloat16, offset=4.0 if inputs != "random" else 0.0,
                    outliers=inputs != "random", seed=5)
     with torch.no_grad():
@@ -232,7 +240,7 @@ def test_smoothing_is_what_keeps_offset_keys_accurate():
 
 @settings(max_examples=25, deadline=None)
 @given(b=st.integers(1, 2), hk=st.integers(1, 2), g=st.integers(1, 3), sq=st.integers(1, 150),
-       sk=st.integers(1, 300), d=st.sampled_from([1, 8, 31, 64, 100, 128]), causal=st.booleans(),
+       sk=st.integers(1, 300), d=st.sampled_from([1, 8, 31, 64, 100, 128, 200, 256]), causal=st.booleans(),
        dtype=st.sampled_from(DTYPES), offset=st.floats(-5, 5), seed=st.integers(0, 2 ** 16))
 def test_fuzz(b, hk, g, sq, sk, d, causal, dtype, offset, seed):
     q, k, v = make(b, hk * g, hk, sq, sk, d, dtype, offset=offset, seed=seed)
@@ -315,6 +323,8 @@ def test_drop_ins_and_layers():
     torch.testing.assert_close(fa.transpose(1, 2), fa_ref, atol=0, rtol=0)
     with pytest.raises(ValueError, match="fused kernel only"):
         ae.scaled_dot_product_attention(q[0], k[0], v[0, :, :, :16], qk_quant="int8")
+    with pytest.raises(ValueError, match="return_attn_probs"):
+        ae.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), qk_quant="int8", return_attn_probs=True)
 
     from attention_ext.models.lm import LanguageModel, LMConfig
     torch.manual_seed(0)
@@ -329,5 +339,11 @@ def test_drop_ins_and_layers():
     torch.testing.assert_close(b, a, atol=0.05, rtol=0.05)
     loss = lm_q(x).float().logsumexp(-1).mean()  # with grad: the unquantized kernel, no error
     loss.backward()
-    with pytest.raises(ValueError, match="qk_quant must be None or 'int8'"):
-        LMConfig(qk_quant="int4").block()
+    lm_q.blocks[0].self_attn.keep_weights = True  # weights wanted: the layer runs unquantized
+    with torch.no_grad():
+        lm_q(x)
+    w = lm_q.blocks[0].self_attn.last_weights
+    torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)), atol=1e-5, rtol=0)
+    bad = LanguageModel(LMConfig(**{**cfg.__dict__, "qk_quant": "int4"})).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="qk_quant must be None or 'int8'"):
+        bad(x)  # the op's rule (C++)

@@ -26,7 +26,7 @@ namespace {
 
 constexpr const char* kWhat = "attention_ext.decode (CUDA)";
 
-std::atomic<bool> g_tensor_cores{false};  // DecodeCudaKernels, one word
+std::atomic<bool> g_tensor_cores{false}, g_quantized{false};  // DecodeCudaKernels
 
 // Every K / V row starts aligned to the kernel's vector (16 bytes; 8 for 8-bit caches) and d fills
 // whole vectors: the kernel may use vector loads.
@@ -105,9 +105,12 @@ void run(const DecodeParams& p, int splits, float* part_o, float* part_lse, cuda
 
 }  // namespace
 
-void cuda_decode_set_kernels(const DecodeCudaKernels& k) { g_tensor_cores.store(k.tensor_cores); }
+void cuda_decode_set_kernels(const DecodeCudaKernels& k) {
+  g_tensor_cores.store(k.tensor_cores);
+  g_quantized.store(k.quantized);
+}
 
-DecodeCudaKernels cuda_decode_kernels() { return DecodeCudaKernels{g_tensor_cores.load()}; }
+DecodeCudaKernels cuda_decode_kernels() { return DecodeCudaKernels{g_tensor_cores.load(), g_quantized.load()}; }
 
 void cuda_decode_fwd(const DecodeParams& p, DType dt, int splits, float* part_o, float* part_lse,
                      cudaStream_t stream) {

@@ -20,8 +20,12 @@ namespace attn {
 //                 GPU run has passed the other); true = the tensor-core kernel (mma_kernel.cuh)
 //                 for fp16 / bf16 calls whose K / V rows allow 16-byte loads; fp32 and the others
 //                 keep the CUDA-core kernel.
+//   quantized:    false = int8 / fp8 e4m3 caches are refused (the Python layer runs them through
+//                 the dequantized reference); true = the CUDA-core kernel's 8-bit build reads them
+//                 (not the default until a GPU run has passed it).
 struct DecodeCudaKernels {
   bool tensor_cores = false;
+  bool quantized = false;
 };
 void cuda_decode_set_kernels(const DecodeCudaKernels& k);
 DecodeCudaKernels cuda_decode_kernels();
