@@ -25,6 +25,8 @@ from torch.types import Device
 
 from .. import reference
 from .._args import key_padding_mask_renamed
+from ..decode import decode_fwd
+from ..decode.quant import QMAX, quantize_rows
 from ..softmax import attention, attention_varlen, attention_weights
 from ..softmax import ops as softmax_ops
 from ..softmax.functional import window_pair
@@ -179,6 +181,11 @@ class KVCache:
 
     `pos` rows are filled. A self-attention cache grows by the new rows each step; a `static` one
     (cross-attention over a fixed memory) is filled once and then only read.
+
+    dtype=torch.int8 or torch.float8_e4m3fn stores the rows in 8 bits with a float32 scale per
+    row and kv head (k_descale / v_descale, (B, max_len, H_k): amax / 127 or amax / 448 of each
+    appended row, as flash_attn_with_kvcache quantizes); `attend` then reads them through the
+    decode kernel. Self-attention only (not `static`).
     """
 
     def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, *, device=None,
@@ -187,15 +194,41 @@ class KVCache:
         self.v = torch.empty_like(self.k)
         self.pos = 0
         self.static = static
+        self.quantized = dtype in QMAX
+        self.k_descale = self.v_descale = None
+        if self.quantized:
+            if static:
+                raise ValueError(f"KVCache: an 8-bit ({dtype}) cache serves self-attention, not a static one")
+            self.k_descale = torch.zeros(batch, max_len, n_kv_heads, device=device, dtype=torch.float32)
+            self.v_descale = torch.zeros_like(self.k_descale)
 
     def append(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         t = k.shape[1]
         if self.pos + t > self.k.shape[1]:
             raise ValueError(f"KV cache overflow: {self.pos} + {t} rows > max_len={self.k.shape[1]}")
-        self.k[:, self.pos: self.pos + t] = k
-        self.v[:, self.pos: self.pos + t] = v
+        if self.quantized:  # a fresh scale per row and kv head
+            for x, store, scales in ((k, self.k, self.k_descale), (v, self.v, self.v_descale)):
+                s = x.float().abs().amax(-1) / QMAX[store.dtype]  # (B, t, H_k)
+                scales[:, self.pos: self.pos + t] = s
+                store[:, self.pos: self.pos + t] = quantize_rows(x, s[..., None], store.dtype)
+        else:
+            self.k[:, self.pos: self.pos + t] = k
+            self.v[:, self.pos: self.pos + t] = v
         self.pos += t
         return self.k[:, : self.pos], self.v[:, : self.pos]  # (B, pos, H_k, D) views
+
+    def attend(self, q: Tensor, *, scale: float, causal: bool = True, window: Tuple[int, int] = (-1, -1),
+               alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+               softcap: float = 0.0) -> Tensor:
+        """q (B, S_q, H, D), the newest query rows (their keys already appended) -> out
+        (B, S_q, H, D) over the `pos` cached rows by the decode kernel (attention_ext.decode;
+        causal aligned bottom-right, GQA unrepeated), the 8-bit rows with their descales."""
+        wl, wr = window_pair(window, causal)
+        lens = torch.full((self.k.shape[0],), self.pos, dtype=torch.int32, device=self.k.device)
+        out, _ = decode_fwd(q, self.k, self.v, cache_seqlens=lens, alibi_slopes=alibi_slopes, sinks=sinks,
+                            scale=scale, softcap=softcap, window_left=wl, window_right=wr,
+                            k_descale=self.k_descale, v_descale=self.v_descale)
+        return out
 
     @property
     def lengths(self) -> Tensor:
@@ -273,6 +306,10 @@ class Attention(nn.Module):
             offset = cache.pos if (cache is not None and not self.cross) else 0
             if self.rope is not None:
                 q, k = self.rope(q, offset), self.rope(k, offset)
+            if getattr(cache, "quantized", False):
+                out = self._quantized_cache(q, k, v, cache, quant, any(m is not None for m in (attn_mask, key_mask,
+                                                                                              seqlens_k)))
+                return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             if cache is not None:
                 k, v = cache.append(k, v)
         # causal/window/ALiBi are aligned bottom-right: with a cache the new queries are the last rows
@@ -310,6 +347,25 @@ class Attention(nn.Module):
         return context_parallel_attention(q, k, v, group=cp.group, mode=cp.mode, shard_layout=cp.shard_layout,
                                           causal=c.causal, window_size=c.window, alibi_slopes=self.alibi_slopes,
                                           softcap=c.softcap, sinks=self.sinks, layout="bshd", dropout_p=p)
+
+    def _quantized_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, quant: Optional[str],
+                         masked: bool) -> Tensor:
+        """Self-attention through an 8-bit KVCache: the new rows k, v (B, S, H_k, D) are quantized
+        into it; a prefill from empty attends over them with the fused kernel (unquantized), a
+        step over the cached rows is the decode kernel on the 8-bit rows. Returns (B, S, H, D)."""
+        c = self.config
+        if self.cross or masked or self.keep_weights or c.dropout and self.training:
+            raise NotImplementedError("an 8-bit KVCache serves causal self-attention without masks, dropout or "
+                                      "keep_weights (generation); use a float cache for those")
+        fresh = cache.pos == 0
+        cache.append(k, v)
+        if fresh:
+            opts = dict(causal=c.causal, bottom_right=True, window=c.window, alibi_slopes=self.alibi_slopes,
+                        softcap=c.softcap, sinks=self.sinks)
+            kernel, opts = self._kernel(q, k, opts)
+            return kernel(q, k, v, **opts, **({"qk_quant": quant} if quant else {}))
+        return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal, window=c.window,
+                            alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap)
 
     def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
         """Self-attention through a PagedKVCache (nn/paged_cache.py) over its selected sequences:
