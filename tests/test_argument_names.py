@@ -418,6 +418,12 @@ def _paged_attend(window):
     return c.attend(torch.randn(1, 1, 2, 8), scale=0.25, window=window)
 
 
+def _kvcache_attend(window):
+    c = aenn.KVCache(1, 8, 2, 8, dtype=torch.int8)
+    c.append(torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8))
+    return c.attend(torch.randn(1, 1, 2, 8), scale=0.25, window=window)
+
+
 _Q, _K, _V = _qkv(b=1, sk=5)
 _THD = (_Q[0].transpose(0, 1), _K[0].transpose(0, 1), _V[0].transpose(0, 1))  # (S, H, D) packs
 _CU_Q, _CU_K = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
@@ -429,6 +435,7 @@ WINDOW_PAIR = {
     "softmax.functional.attention_varlen": lambda w: ae.softmax.attention_varlen(*_THD, _CU_Q, _CU_K, 5, 5, window=w),
     "softmax.functional.attention_weights": lambda w: ae.attention_weights(_Q, _K, window=w),
     "nn.paged_cache.PagedKVCache.attend": _paged_attend,
+    "nn.layers.KVCache.attend": _kvcache_attend,
     "nn.layers.AttentionConfig.__init__": lambda w: aenn.AttentionConfig(d_model=16, n_heads=2, window=w),
     "models.lm.LMConfig.__init__": lambda w: LMConfig(window=w).block(),
     "models.transformer.TransformerConfig.__init__": lambda w: TransformerConfig(window=w).attn(causal=True),
@@ -555,6 +562,12 @@ def _paged_scale(s, qf):
     return c.attend(_BSHD[0][:, -1:] * qf, scale=s, causal=False) if s is not None else None
 
 
+def _kvcache_scale(s, qf):
+    c = aenn.KVCache(1, 8, 2, 8, dtype=F64)
+    c.append(_BSHD[1], _BSHD[2])
+    return c.attend(_BSHD[0][:, -1:] * qf, scale=s, causal=False) if s is not None else None
+
+
 _PROJ = torch.randn(3, 5, dtype=F64)  # Linformer's (r, S_k) projection of _K, _V
 _ROT = torch.randn(1, 8, 1, dtype=F64)  # LSH: one round, two buckets, D = 8
 
@@ -578,6 +591,7 @@ SCALE = {
     ("decode.ops.decode_fwd", "scale"): _sc_softmax(
         lambda s, f: ae.decode.decode_fwd(_BSHD[0] * f, _BSHD[1], _BSHD[2], scale=s)[0] if s is not None else None),
     ("nn.paged_cache.PagedKVCache.attend", "scale"): _sc_softmax(_paged_scale),
+    ("nn.layers.KVCache.attend", "scale"): _sc_softmax(_kvcache_scale),
     ("distributed.attention.context_parallel_attention", "scale"): _sc_softmax(
         lambda s, f: _cp(lambda: ae.distributed.context_parallel_attention(_LQ[0] * f, *_LQ[1:], scale=s))),
     ("compat.flash_attn.flash_attn_func", "softmax_scale"): _sc_softmax(
