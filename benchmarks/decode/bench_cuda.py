@@ -14,6 +14,10 @@ heads (the repeat is not timed, so that baseline reads 4x the bytes but gets the
 table names the fastest. Each layout runs both of our kernels (ops.set_cuda_kernels: CUDA cores,
 the default, and tensor cores). Times are medians of CUDA-event timings after warm-up, and include our
 op's host work (input checks: the index tensors' values are copied to the host once per call).
+The contiguous and page-16 layouts also run int8 and fp8 e4m3 caches (per-row descales,
+decode.quantize_kv) on the CUDA-core kernel's 8-bit build (set_cuda_kernels(quantized=True)):
+their GB/s count their own bytes (a byte per element plus the float32 descales), and their
+"max abs diff" is against SDPA on the unquantized cache (the quantization's error included).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import copy_bandwidth, cuda_time  # noqa: E402  (common puts the repository on sys.path)
 
-from attention_ext.decode import ops  # noqa: E402
+from attention_ext.decode import ops, quantize_kv  # noqa: E402
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -137,6 +141,24 @@ def main(argv=None) -> int:
                 lines.append(row)
                 print(row, flush=True)
                 del out
+            if page in (None, 16):  # 8-bit caches: the CUDA-core kernel's 8-bit build
+                for qdt, qname in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8 e4m3")):
+                    (k8, kd), (v8, vd) = quantize_kv(kc, qdt, "token"), quantize_kv(vc, qdt, "token")
+                    nb = sum(x.numel() * x.element_size() for x in (k8, v8, kd, vd))
+                    f8 = lambda: ops.decode_fwd(q, k8, v8, **idx, scale=scale, k_descale=kd, v_descale=vd)  # noqa: E731
+                    old = ops.set_cuda_kernels(**{**ops.cuda_kernels(), "quantized": True})
+                    try:
+                        out, _ = f8()
+                        t = cuda_time(f8)
+                    finally:
+                        ops.set_cuda_kernels(**old)
+                    diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
+                    row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {qname} cache | "
+                           f"{t * 1e6:.1f} | {nb / t / 1e9:.0f} | {100 * nb / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
+                           f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
+                    lines.append(row)
+                    print(row, flush=True)
+                    del out, k8, v8, kd, vd
             del kc, vc, idx
         del q, k, v, sd
         torch.cuda.empty_cache()
