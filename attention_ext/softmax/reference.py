@@ -179,8 +179,18 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     return xi, rows
 
 
-def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, block_q: int = QK_INT8_BLOCK_Q,
-                   block_k: int = QK_INT8_BLOCK_K) -> Tensor:
+def key_mask_of(bias: Optional[Tensor], b: int, sk: int) -> Optional[Tensor]:
+    """The (B, S_k) key mask a bool bias is, where it is one: broadcast over heads and query rows
+    (size 1 or stride 0 there, as attention()'s key_mask makes it); else None."""
+    if bias is None or bias.dtype != torch.bool or bias.dim() != 4:
+        return None
+    if not all(bias.shape[i] == 1 or bias.stride(i) == 0 for i in (1, 2)):
+        return None
+    return bias[:, 0, 0, :].expand(b, sk)
+
+
+def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
+                   block_q: int = QK_INT8_BLOCK_Q, block_k: int = QK_INT8_BLOCK_K) -> Tensor:
     """The raw scores x = q.k (B, H, S_q, S_k) of the int8 Q.K^T (SageAttention's method), in
     float64: attention(..., logits=this) is what attention(..., qk_quant="int8") computes.
 
@@ -189,7 +199,8 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, 
         x     = (qi @ ki^T) * (sq * sk) + q @ mean^T
 
     q.k = q.(k - mean) + q.mean, so only the smoothed part is rounded; softmax, softcap and the
-    LSE see q.k. Keys past seqlens_k (B,) take no part in the mean or the scales."""
+    LSE see q.k. Keys past seqlens_k (B,) and keys key_mask (B, S_k) hides (key_mask_of: a bool
+    bias over keys only) take no part in the mean or the scales and round to 0."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     q32, k32 = q.float(), k.float()
@@ -200,9 +211,12 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, 
     else:
         n = seqlens_k.to(k.device).long().clamp(0, sk)
         valid = (pos[None, :] < n[:, None]).view(b, 1, sk, 1)
+    if key_mask is not None:
+        valid = valid & key_mask.to(k.device).view(b, 1, sk, 1)
+        n = valid.view(b, sk).sum(1)
     kv = torch.where(valid, k32.double(), torch.zeros((), dtype=torch.float64, device=k.device))
     mean = (kv.sum(2, keepdim=True) / n.clamp_min(1).view(b, 1, 1, 1)).float()  # (B, H_k, 1, D)
-    ki, ks = _int8_blocks(k32 - mean, block_k, valid)
+    ki, ks = _int8_blocks(torch.where(valid, k32 - mean, torch.zeros((), device=k.device)), block_k, valid)
     qi, qs = _int8_blocks(q32, block_q, torch.ones(b, 1, sq, 1, dtype=torch.bool, device=q.device))
     g = h // hk
     ki, ks, mean = (t.repeat_interleave(g, dim=1) for t in (ki, ks, mean))
@@ -214,7 +228,8 @@ def attention_qk_int8(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tuple[T
     """attention() with the int8 Q.K^T's scores (qk_int8_scores) in float64: the oracle of
     attention(..., qk_quant="int8") and its fallback where no kernel runs it. Takes attention()'s
     options; returns (out, lse) in float64."""
-    x = qk_int8_scores(q, k, seqlens_k=kwargs.get("seqlens_k"))
+    x = qk_int8_scores(q, k, seqlens_k=kwargs.get("seqlens_k"),
+                       key_mask=key_mask_of(kwargs.get("bias"), q.shape[0], k.shape[2]))
     f64 = torch.float64
     kw = {n: (t.to(f64) if isinstance(t, Tensor) and t.is_floating_point() else t) for n, t in kwargs.items()}
     return attention(q.to(f64), k.to(f64), v.to(f64), logits=x, **kw)

@@ -278,6 +278,10 @@ inline void pack_keys(const SoftmaxParamsT<T>& p, DType dt, const void* base, in
 // The rounding is the one reference.qk_int8_scores states, float32 op for op, so the integer
 // keys here and there agree (but where the two float64 sums of the mean, in different orders,
 // round to different float32: a tie, which no test has met).
+// Keys a bool mask hides from every row and head (a key mask: the bias broadcast over heads and
+// rows, as attention()'s key_mask makes it) take no part in the mean or the scales and are
+// stored as 0: a padding key's values, NaN included, reach nothing (every row's score for it is
+// -inf). Keys past the sequence's length are left out alike.
 struct Q8Keys {
   const uint8_t* keys = nullptr;
   const float* scale = nullptr;  // scale[offset(b, h) / (dp kBlockN) + j / kBlockN]
@@ -299,18 +303,30 @@ inline void pack_keys_q8(const SoftmaxParamsT<T>& p, DType dt, const PackIndex& 
       const int len = std::max(idx.len[b], 0);
       const char* src =
           elem(p.k, dt, SeqInfo(p, b).k_offset(p, b, hh, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
+      // the key mask, where the bias is one (a bool bias broadcast over heads and rows)
+      const uint8_t* kmask = p.bias_kind == BiasKind::kBool && p.bias_head_stride == 0 && p.bias_row_stride == 0
+                                 ? static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride
+                                 : nullptr;
+      auto hidden = [&](int64_t j) { return kmask != nullptr && kmask[j * p.bias_col_stride] == 0; };
       float* mu = mean + (int64_t(b) * p.h_k + hh) * dp;
       std::fill(sum.begin(), sum.end(), 0.0);
+      int64_t count = 0;
       for (int j = 0; j < len; ++j) {
+        if (hidden(j)) continue;
         load_row(dt, src + es * j * p.k_row_stride, blk.data(), d, dp);
         for (int c = 0; c < d; ++c) sum[c] += blk[c];
+        ++count;
       }
-      for (int c = 0; c < dp; ++c) mu[c] = c < d && len > 0 ? float(sum[c] / len) : 0.f;
+      for (int c = 0; c < dp; ++c) mu[c] = c < d && count > 0 ? float(sum[c] / double(count)) : 0.f;
       const int64_t base = idx.offset(b, hh);
       for (int64_t j0 = 0; j0 < idx.padded_len(b); j0 += kBlockN) {
         const int n = int(std::max<int64_t>(0, std::min<int64_t>(len - j0, kBlockN)));
-        for (int r = 0; r < n; ++r) {  // k - mean, rows of dp (the pad channels stay 0)
+        for (int r = 0; r < n; ++r) {  // k - mean, rows of dp (the pad channels stay 0); hidden keys 0
           float* x = blk.data() + size_t(r) * dp;
+          if (hidden(j0 + r)) {
+            std::fill(x, x + dp, 0.f);
+            continue;
+          }
           load_row(dt, src + es * (j0 + r) * p.k_row_stride, x, d, dp);
           for (int c = 0; c < dp; c += kLanes<float>) vstore(x + c, vload(x + c) - vload(mu + c));
         }

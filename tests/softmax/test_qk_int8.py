@@ -55,7 +55,8 @@ def check_against_oracle(q, k, v, what="", **kw):
         rkw["window"] = (-1, 0)
     if "attn_mask" in rkw:
         rkw["bias"] = rkw.pop("attn_mask")
-    x = reference.qk_int8_scores(q, k, seqlens_k=rkw.get("seqlens_k"))
+    x = reference.qk_int8_scores(q, k, seqlens_k=rkw.get("seqlens_k"),
+                                 key_mask=reference.key_mask_of(rkw.get("bias"), q.shape[0], k.shape[2]))
     ref, ref_lse = reference.attention(q.to(F64), k.to(F64), v.to(F64), logits=x,
                                        **{n: (t.to(F64) if isinstance(t, torch.Tensor) and t.is_floating_point()
                                               else t) for n, t in rkw.items()})
@@ -245,6 +246,30 @@ def test_smoothing_is_what_keeps_offset_keys_accurate():
 def test_fuzz(b, hk, g, sq, sk, d, causal, dtype, offset, seed):
     q, k, v = make(b, hk * g, hk, sq, sk, d, dtype, offset=offset, seed=seed)
     check_against_oracle(q, k, v, f"fuzz {(b, hk * g, hk, sq, sk, d)} {dtype}", causal=causal)
+
+
+@pytest.mark.parametrize("how", ["key_mask", "attn_mask_keys", "seqlens_k"])
+def test_padding_keys_reach_nothing(how):
+    """Keys a key mask (or seqlens_k) hides take no part in the K mean or the block scales: NaN or
+    huge values there change no output (as without qk_quant), and the result is the one with those
+    keys zeroed."""
+    b, h, sq, sk, d = 2, 4, 60, 150, 64
+    q, k, v = make(b, h, 2, sq, sk, d, torch.bfloat16, offset=1.0, seed=12)
+    real = torch.ones(b, sk, dtype=torch.bool)
+    real[0, 100:] = False
+    real[1, 37:] = False
+    kw = {"key_mask": dict(key_mask=real), "attn_mask_keys": dict(attn_mask=real[:, None, None, :]),
+          "seqlens_k": dict(seqlens_k=torch.tensor([100, 37]))}[how]
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[~real[:, None, :].expand(b, 2, sk)] = float("nan")
+    bad_k[0, 0, 120] = 1e30
+    bad_v[~real[:, None, :].expand(b, 2, sk)] = float("nan")
+    zero = ~real[:, None, :, None]
+    with torch.no_grad():
+        out = ae.attention(q, bad_k, bad_v, qk_quant="int8", **kw)
+        clean = ae.attention(q, k.masked_fill(zero, 0), v.masked_fill(zero, 0), qk_quant="int8", **kw)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
 
 
 def test_nonfinite_inputs_show():
