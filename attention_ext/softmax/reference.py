@@ -189,7 +189,7 @@ def key_mask_of(bias: Optional[Tensor], b: int, sk: int) -> Optional[Tensor]:
     return bias[:, 0, 0, :].expand(b, sk)
 
 
-def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
+def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, valid_keys: Optional[Tensor] = None,
                    block_q: int = QK_INT8_BLOCK_Q, block_k: int = QK_INT8_BLOCK_K) -> Tensor:
     """The raw scores x = q.k (B, H, S_q, S_k) of the int8 Q.K^T (SageAttention's method), in
     float64: attention(..., logits=this) is what attention(..., qk_quant="int8") computes.
@@ -199,8 +199,8 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, 
         x     = (qi @ ki^T) * (sq * sk) + q @ mean^T
 
     q.k = q.(k - mean) + q.mean, so only the smoothed part is rounded; softmax, softcap and the
-    LSE see q.k. Keys past seqlens_k (B,) and keys key_mask (B, S_k) hides (key_mask_of: a bool
-    bias over keys only) take no part in the mean or the scales and round to 0."""
+    LSE see q.k. Keys past seqlens_k (B,) and keys where valid_keys (B, S_k) is False (key_mask_of:
+    a bool bias over keys only) take no part in the mean or the scales and round to 0."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     q32, k32 = q.float(), k.float()
@@ -211,8 +211,8 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, 
     else:
         n = seqlens_k.to(k.device).long().clamp(0, sk)
         valid = (pos[None, :] < n[:, None]).view(b, 1, sk, 1)
-    if key_mask is not None:
-        valid = valid & key_mask.to(k.device).view(b, 1, sk, 1)
+    if valid_keys is not None:
+        valid = valid & valid_keys.to(k.device).view(b, 1, sk, 1)
         n = valid.view(b, sk).sum(1)
     kv = torch.where(valid, k32.double(), torch.zeros((), dtype=torch.float64, device=k.device))
     mean = (kv.sum(2, keepdim=True) / n.clamp_min(1).view(b, 1, 1, 1)).float()  # (B, H_k, 1, D)
@@ -229,7 +229,7 @@ def attention_qk_int8(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tuple[T
     attention(..., qk_quant="int8") and its fallback where no kernel runs it. Takes attention()'s
     options; returns (out, lse) in float64."""
     x = qk_int8_scores(q, k, seqlens_k=kwargs.get("seqlens_k"),
-                       key_mask=key_mask_of(kwargs.get("bias"), q.shape[0], k.shape[2]))
+                       valid_keys=key_mask_of(kwargs.get("bias"), q.shape[0], k.shape[2]))
     f64 = torch.float64
     kw = {n: (t.to(f64) if isinstance(t, Tensor) and t.is_floating_point() else t) for n, t in kwargs.items()}
     return attention(q.to(f64), k.to(f64), v.to(f64), logits=x, **kw)

@@ -56,7 +56,7 @@ def check_against_oracle(q, k, v, what="", **kw):
     if "attn_mask" in rkw:
         rkw["bias"] = rkw.pop("attn_mask")
     x = reference.qk_int8_scores(q, k, seqlens_k=rkw.get("seqlens_k"),
-                                 key_mask=reference.key_mask_of(rkw.get("bias"), q.shape[0], k.shape[2]))
+                                 valid_keys=reference.key_mask_of(rkw.get("bias"), q.shape[0], k.shape[2]))
     ref, ref_lse = reference.attention(q.to(F64), k.to(F64), v.to(F64), logits=x,
                                        **{n: (t.to(F64) if isinstance(t, torch.Tensor) and t.is_floating_point()
                                               else t) for n, t in rkw.items()})
