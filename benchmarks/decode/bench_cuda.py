@@ -123,42 +123,37 @@ def main(argv=None) -> int:
         q, k, v = make_inputs(L)
         sd = sdpa_best(q, k, v)  # SDPA on the contiguous cache
         sd_t = sd[0] if sd is not None else float("nan")
+
+        def timed_row(fn, selection, layout, kernel, nbytes):
+            """One table row: fn timed under the kernel selection (ops.set_cuda_kernels keywords),
+            GB/s in nbytes, the max abs diff against SDPA on the unquantized cache."""
+            old = ops.set_cuda_kernels(**{**ops.cuda_kernels(), **selection})
+            try:
+                out, _ = fn()
+                t = cuda_time(fn)
+            finally:
+                ops.set_cuda_kernels(**old)
+            diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
+            row = (f"| {L // 1024}k | {layout} | {kernel} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | "
+                   f"{100 * nbytes / t / bw:.0f}% | {sd_t * 1e6:.1f} | {kv_bytes / sd_t / 1e9:.0f} | "
+                   f"{sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
+            lines.append(row)
+            print(row, flush=True)
+
         for page in (None, 16, 256):
             kc, vc, idx = as_layout(k, v, page)
             scale = D ** -0.5
-            fn = lambda: ops.decode_fwd(q, kc, vc, **idx, scale=scale)  # noqa: E731
+            layout = "contiguous" if page is None else f"paged {page}"
             for kernel in KERNELS:
-                old = ops.set_cuda_kernels(tensor_cores=kernel == "tensor cores")
-                try:
-                    out, _ = fn()
-                    t = cuda_time(fn)
-                finally:
-                    ops.set_cuda_kernels(**old)
-                diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
-                row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {kernel} | "
-                       f"{t * 1e6:.1f} | {kv_bytes / t / 1e9:.0f} | {100 * kv_bytes / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
-                       f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
-                lines.append(row)
-                print(row, flush=True)
-                del out
+                timed_row(lambda: ops.decode_fwd(q, kc, vc, **idx, scale=scale),
+                          dict(tensor_cores=kernel == "tensor cores"), layout, kernel, kv_bytes)
             if page in (None, 16):  # 8-bit caches: the CUDA-core kernel's 8-bit build
                 for qdt, qname in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8 e4m3")):
                     (k8, kd), (v8, vd) = quantize_kv(kc, qdt, "token"), quantize_kv(vc, qdt, "token")
                     nb = sum(x.numel() * x.element_size() for x in (k8, v8, kd, vd))
-                    f8 = lambda: ops.decode_fwd(q, k8, v8, **idx, scale=scale, k_descale=kd, v_descale=vd)  # noqa: E731
-                    old = ops.set_cuda_kernels(**{**ops.cuda_kernels(), "quantized": True})
-                    try:
-                        out, _ = f8()
-                        t = cuda_time(f8)
-                    finally:
-                        ops.set_cuda_kernels(**old)
-                    diff = (out.float() - sd[2].float()).abs().max().item() if sd is not None else float("nan")
-                    row = (f"| {L // 1024}k | {'contiguous' if page is None else f'paged {page}'} | {qname} cache | "
-                           f"{t * 1e6:.1f} | {nb / t / 1e9:.0f} | {100 * nb / t / bw:.0f}% | {sd_t * 1e6:.1f} | "
-                           f"{kv_bytes / sd_t / 1e9:.0f} | {sd[1] if sd else '-'} | {sd_t / t:.2f}x | {diff:.3g} |")
-                    lines.append(row)
-                    print(row, flush=True)
-                    del out, k8, v8, kd, vd
+                    timed_row(lambda: ops.decode_fwd(q, k8, v8, **idx, scale=scale, k_descale=kd, v_descale=vd),
+                              dict(quantized=True), layout, f"{qname} cache", nb)
+                    del k8, v8, kd, vd
             del kc, vc, idx
         del q, k, v, sd
         torch.cuda.empty_cache()
