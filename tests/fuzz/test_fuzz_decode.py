@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import attention_ext as ae
 from attention_ext.decode import ops
-from attention_ext.decode import reference
+from attention_ext.decode import quantize_kv, reference
 from attention_ext.decode.kvcache import apply_rotary
 from tests.decode.test_kvcache import rotary64
 from tests.fuzz.common import F64, LOW, at_least, check_out, dtypes, head_dims, log_example, seeds
@@ -195,3 +195,143 @@ def test_kvcache_larger_cache_than_batch():
     assert torch.equal(kc[0, 4], kn[0, 0]) and torch.equal(vc[0, 4], vn[0, 0])
     ref, _ = reference.decode_attention(q.double(), kc.double(), vc.double(), cache_seqlens=lens + 1)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@at_least(200)
+@given(data=st.data(), paged=st.booleans())
+def test_fuzz_decode_quantized(data, paged):
+    """flash_attn_with_kvcache over int8 / float8_e4m3fn caches (contiguous or paged) with per-row or
+    per-(batch, kv head) descales, every mask and score option, appended rows quantized in place,
+    against decode over the dequantized cache (stored value x descale) in float64 under the
+    project's rule. The NaN policy: every cache byte no row reads (past cache_seqlens, before
+    cache_leftpad, rows and pages no sequence owns) is random, fp8's NaN bytes included, and its
+    per-row descales NaN; the output must not see them. Appended rows hold quantize_rows' bytes
+    and (per row) amax / the type's largest value as their descales; nothing else changes."""
+    from attention_ext.decode.quant import QMAX, quantize_rows
+    draw = data.draw
+    qdt = draw(st.sampled_from([torch.int8, torch.float8_e4m3fn]))
+    per_row = draw(st.booleans())
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    b = draw(st.integers(1, 4))
+    hk = draw(st.sampled_from([1, 2, 3, 1, 2, 3, 20]))
+    h = hk * draw(st.integers(1, 4))
+    d = draw(head_dims)
+    sq = draw(st.sampled_from([1, 1, 1, 2, 3, 5, 8, 9]))
+    s_new = draw(st.sampled_from([0, 0, 1, 2, 5]))
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from([(-1, -1), (-1, -1), (7, 0), (0, 0), (30, 2)]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
+    alibi = draw(st.sampled_from([None, "h", "bh"]))
+    sinks = draw(st.booleans())
+    scale = draw(st.sampled_from([None, 0.3]))
+    num_splits = draw(st.sampled_from([0, 1, 3]))
+    if paged:
+        page = draw(st.sampled_from([1, 3, 16, 17, 64]))
+        max_pages = draw(st.integers(1, 6))
+        cap = page * max_pages
+    else:
+        cap = draw(st.sampled_from([1, 5, 16, 33, 64, 130]))
+    if s_new > cap:
+        s_new = 0
+    lens = draw(st.lists(st.integers(0, cap - s_new), min_size=b, max_size=b))
+    leftpad = (not paged) and draw(st.booleans())
+    batch_idx = (not paged) and draw(st.booleans())
+    torch.manual_seed(draw(seeds))
+    note(dict(qdt=qdt, per_row=per_row, dtype=dtype, b=b, h=h, hk=hk, d=d, sq=sq, s_new=s_new, paged=paged,
+              cap=cap, lens=lens))
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    block_table = cache_batch_idx = cache_leftpad = None
+    if paged:
+        n_pages = b * max_pages + draw(st.integers(0, 3))
+        shape = (n_pages, page, hk, d)
+        block_table = torch.randperm(n_pages)[: b * max_pages].view(b, max_pages).to(torch.int32)
+    else:
+        n_rows = b + draw(st.integers(0, 2))
+        shape = (n_rows, cap, hk, d)
+        if batch_idx:
+            cache_batch_idx = torch.randperm(n_rows)[:b].to(torch.int32)
+        if leftpad:
+            cache_leftpad = torch.minimum((torch.rand(b) * (lens_t + 1).float()).long(), lens_t.long()).to(torch.int32)
+    # the positions some sequence reads: [leftpad, cache_seqlens + s_new) of its rows
+    read = torch.zeros(shape[:2], dtype=torch.bool)
+    for i in range(b):
+        lo = int(cache_leftpad[i]) if cache_leftpad is not None else 0
+        for j in range(lo, lens[i] + s_new):
+            if paged:
+                read[int(block_table[i, j // page]), j % page] = True
+            else:
+                read[int(cache_batch_idx[i]) if cache_batch_idx is not None else i, j] = True
+    # values with a spread of row magnitudes (outlier rows), quantized per row or per sequence
+    caches, scales = [], []
+    for _ in range(2):
+        x = torch.randn(shape) * torch.exp(2 * torch.randn(shape[:3] + (1,)))
+        if per_row:
+            xq, s = quantize_kv(x, qdt, "token")
+            s[~read] = float("nan")
+        else:
+            s = torch.rand(b, hk) * 0.05 + 1e-3  # as given: saturating rows above 127 or 448 x s
+            xq = quantize_rows(x, (x.abs().amax(-1, keepdim=True) / QMAX[qdt]).clamp(min=1e-30), qdt)
+        junk = torch.randint(0, 256, shape, dtype=torch.uint8)
+        junk[..., :: max(d // 4, 1)] = 0x7F  # fp8 NaN (int8: 127)
+        xq.view(torch.uint8)[~read] = junk[~read]
+        caches.append(xq)
+        scales.append(s)
+    (kc, vc), (ks, vs) = caches, scales
+    knew, vnew = ((torch.randn(b, s_new, hk, d) * 3).to(dtype) for _ in range(2)) if s_new else (None, None)
+    q = torch.randn(b, sq, h, d).to(dtype)
+    acc = torch.float32
+    slopes = None if alibi is None else torch.rand((h,) if alibi == "h" else (b, h), dtype=acc) * 0.5
+    sink_t = torch.randn(h, dtype=acc) if sinks else None
+    before = [t.clone() for t in (kc, vc, ks, vs)]
+    with torch.no_grad():
+        out = ae.flash_attn_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=lens_t, cache_batch_idx=cache_batch_idx,
+                                         cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=scale,
+                                         causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+                                         num_splits=num_splits, sinks=sink_t, k_descale=ks, v_descale=vs)
+    assert out.shape == q.shape and out.dtype == dtype
+    # the appended rows: quantize_rows' bytes, their descales (per row) amax / the type's largest
+    written = torch.zeros(shape[:2], dtype=torch.bool)
+    for i in range(b):
+        for t in range(s_new):
+            r = lens[i] + t
+            pg, row = (int(block_table[i, r // page]), r % page) if paged else \
+                (int(cache_batch_idx[i]) if cache_batch_idx is not None else i, r)
+            written[pg, row] = True
+            for new, cache, sc, s0 in ((knew, kc, ks, before[2]), (vnew, vc, vs, before[3])):
+                x = new[i, t].float()
+                if per_row:
+                    want_s = x.abs().amax(-1) / QMAX[qdt]
+                    assert torch.equal(sc[pg, row], want_s), "appended row's descale"
+                    want = quantize_rows(x, want_s[:, None], qdt)
+                else:
+                    want = quantize_rows(x, s0[i][:, None], qdt)
+                assert torch.equal(cache[pg, row].view(torch.uint8), want.view(torch.uint8)), "appended row"
+    for now, was in zip((kc, vc), before[:2]):
+        assert torch.equal(now.view(torch.uint8)[~written], was.view(torch.uint8)[~written]), "a write elsewhere"
+    if per_row:
+        for now, was in zip((ks, vs), before[2:]):
+            assert torch.equal(now[~written].nan_to_num(-1.0), was[~written].nan_to_num(-1.0)), "a descale written"
+    # the reference reads what the kernel may read: the unread bytes zeroed, their descales 1
+    clean = []
+    for c_, s_ in ((kc, ks), (vc, vs)):
+        c2 = c_.clone()
+        c2.view(torch.uint8)[~read] = 0
+        s2 = s_.clone()
+        if per_row:
+            s2[~read] = 1.0
+        clean.append((c2, s2))
+    (kcl, ksl), (vcl, vsl) = clean
+    win = (window[0], 0) if causal else window
+
+    def ref_in(dt):
+        return reference.decode_attention(q.to(dt), kcl, vcl, cache_seqlens=lens_t + s_new, block_table=block_table,
+                                          cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                          softmax_scale=scale, window_size=win, softcap=softcap,
+                                          alibi_slopes=None if slopes is None else slopes.to(dt),
+                                          sinks=None if sink_t is None else sink_t.to(dt), k_descale=ksl,
+                                          v_descale=vsl)
+
+    ref, _ = ref_in(F64)
+    low, _ = ref_in(dtype)
+    check_out(out, low, ref, dtype, "quantized kvcache out")
+    log_example("decode", "quantized " + ("paged" if paged else "contiguous"))

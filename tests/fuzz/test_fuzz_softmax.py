@@ -362,7 +362,92 @@ def case_mha(data):
     del params
 
 
-CASES = {"attention": case_attention, "flash": case_flash, "sdpa": case_sdpa, "varlen": case_varlen, "mha": case_mha}
+# ------------------------------------------------------------------ int8 Q.K^T (qk_quant="int8")
+def case_qk_int8(data):
+    """attention(..., qk_quant="int8"), forward only, against its float64 oracle: the same int8
+    blocks (reference.qk_int8_scores, from the inputs as the kernel gets them), then the float64
+    softmax with every option, under the project's rule on those scores. Keys come with a shared
+    offset now and then (what the smoothing removes)."""
+    draw = data.draw
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    b = draw(st.integers(1, 3))
+    h, hk = _heads(draw)
+    sq, sk, d = draw(lengths), draw(lengths), draw(head_dims)
+    layout = draw(st.sampled_from(["bhsd", "bshd"]))
+    sq_, sk_ = draw(st.sampled_from(STORAGES)), draw(st.sampled_from(STORAGES + ["expanded"]))
+    causal = draw(st.booleans())
+    bottom_right = draw(st.booleans())
+    window = _window(draw)
+    mask = draw(st.sampled_from([None, None, "bool", "bool_keys", "float", "float_row"]))
+    kpm, lens = draw(st.booleans()), draw(st.booleans())
+    alibi = draw(st.sampled_from([None, None, "h", "bh"]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 2.0, 30.0]))
+    sinks = draw(st.booleans())
+    p = draw(st.sampled_from([0.0, 0.0, 0.0, 0.25]))
+    scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
+    offset = draw(st.sampled_from([0.0, 0.0, 3.0, -20.0]))
+    seed = draw(seeds)
+    torch.manual_seed(seed)
+    note(dict(dtype=dtype, b=b, h=h, hk=hk, sq=sq, sk=sk, d=d, layout=layout, storage=(sq_, sk_), offset=offset))
+
+    def shp(heads, s):
+        return (b, heads, s, d) if layout == "bhsd" else (b, s, heads, d)
+
+    seq_dim, head_dim = (2, 1) if layout == "bhsd" else (1, 2)
+    q, fq = strided(shp(h, sq), dtype, sq_, seq_dim, heads=head_dim)
+    k, fk = strided(shp(hk, sk), dtype, sk_, seq_dim, heads=head_dim)
+    v, fv = strided(shp(hk, sk), dtype, sk_, seq_dim, heads=head_dim)
+    with torch.no_grad():
+        k.add_(offset)
+    acc = ops.acc_dtype(dtype)
+    bias = None
+    if mask == "bool":
+        bias = torch.rand(b, 1, sq, sk) > 0.3
+    elif mask == "bool_keys":  # a key mask in attn_mask's form: its hidden keys leave the blocks too
+        bias = torch.rand(b, 1, 1, sk) > 0.3
+    elif mask == "float":
+        bias = torch.randn(1, h, sq, sk, dtype=acc)
+    elif mask == "float_row":
+        bias = torch.randn(b, 1, 1, sk, dtype=acc)
+    kpm_t = (torch.rand(b, sk) > 0.25) if kpm else None
+    lens_t = torch.randint(0, sk + 1, (b,), dtype=torch.int32) if lens else None
+    slopes = None if alibi is None else torch.rand((h,) if alibi == "h" else (b, h), dtype=acc) * 0.5
+    sink_t = torch.randn(h, dtype=acc) if sinks else None
+    wl, wr = (window[0], 0) if causal else window
+    dmask = reference.dropout_mask(b, h, sq, sk, p, torch.tensor([seed, 0])) if p > 0 else None
+    to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
+    rb = bias
+    if kpm_t is not None:
+        kb = kpm_t.view(b, 1, 1, sk)
+        rb = kb if rb is None else (rb & kb if rb.dtype == torch.bool else rb.masked_fill(~kb, -math.inf))
+    with torch.no_grad():
+        x = reference.qk_int8_scores(to_bhsd(fq(q)), to_bhsd(fk(k)), seqlens_k=lens_t,
+                                     valid_keys=reference.key_mask_of(rb, b, sk))
+
+    def call(L):
+        out, lse = ae.attention(fq(L[0]), fk(L[1]), fv(L[2]), layout=layout, scale=scale, causal=causal,
+                                bottom_right=bottom_right, window=window, attn_mask=L[3], key_mask=kpm_t,
+                                seqlens_k=lens_t, alibi_slopes=slopes, softcap=softcap, sinks=L[4], dropout_p=p,
+                                seed=seed, return_lse=True, qk_quant="int8")
+        return to_bhsd(out), lse
+
+    def ref_call(L):
+        r = L[3]
+        if kpm_t is not None:
+            kb = kpm_t.view(b, 1, 1, sk)
+            r = kb if r is None else (r & kb if r.dtype == torch.bool else r.masked_fill(~kb, -math.inf))
+        return reference.attention(to_bhsd(fq(L[0])), to_bhsd(fk(L[1])), to_bhsd(fv(L[2])), scale=scale,
+                                   softcap=softcap, window=(wl, wr), bottom_right=bottom_right, bias=r,
+                                   alibi_slopes=None if slopes is None else slopes.to(L[0].dtype), sinks=L[4],
+                                   seqlens_k=lens_t, dropout_p=p, dropout_mask=dmask, logits=x.to(L[0].dtype))
+
+    leaves = [q.detach().requires_grad_(False), k.detach().requires_grad_(False), v.detach().requires_grad_(False),
+              bias, sink_t]
+    _run(dtype, leaves, call, ref_call, False, "qk_int8")
+
+
+CASES = {"attention": case_attention, "flash": case_flash, "sdpa": case_sdpa, "varlen": case_varlen, "mha": case_mha,
+         "qk_int8": case_qk_int8}
 
 
 @at_least(300)

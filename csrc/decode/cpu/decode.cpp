@@ -20,9 +20,10 @@
 // so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
 // Quantized caches (int8, fp8 e4m3) are element types like the 16-bit ones, widened in registers
 // (a byte per element read: half a bf16 cache's bytes); their descales never touch an element: a
-// key's k scale multiplies its score (per (batch, kv head): folded into the q rows once), and a
-// key's v scale its probability before P V (per (batch, kv head): the output row at the end),
-// after the softmax's sum has taken the probabilities.
+// key's k scale multiplies its score (per (batch, kv head): folded into the q rows once, except
+// under bf16 queries, whose q stays bf16 data: kDots), and a key's v scale its probability before
+// P V (per (batch, kv head): the output row at the end), after the softmax's sum has taken the
+// probabilities.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -74,7 +75,18 @@ struct F8 {  // fp8 e4m3 (float8_e4m3fn: no infinities, S.1111.111 NaN)
   uint8_t bits;
 };
 
-inline float f8_to_f32(uint8_t b) { return e4m3_to_float(b); }  // common/fp8.h
+template <typename E>
+constexpr bool kByte = std::is_same_v<E, I8> || std::is_same_v<E, F8>;
+
+// e4m3 elements are read at 2^-8 of their value: the byte's 7 magnitude bits shifted into a
+// binary16 (exponent bias 15 against e4m3's 7; e4m3 subnormals land on binary16 subnormals) are
+// that value exactly, so a shift and a mask make a half that vcvtph2ps (F16C) widens, five
+// operations per vector with the NaN check where common/fp8.h's float32 form takes nine. The 2^8
+// (kUnit) joins the descales where they are read: every e4m3 cache has them. S.1111.111 (NaN)
+// would read as 1.875 and is set to NaN.
+template <typename E>
+constexpr float kUnit = std::is_same_v<E, F8> ? 256.0f : 1.0f;
+inline float f8_to_f32(uint8_t b) { return e4m3_to_float(b) * 0x1p-8f; }  // common/fp8.h, x 2^-8
 
 template <typename T, typename E>
 inline vec<T> load_cvt(const E* p) {
@@ -105,23 +117,18 @@ inline vec<T> load_cvt(const E* p) {
     for (int u = 0; u < W; ++u) f[u] = float(p[u].x);
     return f;
 #endif
-  } else if constexpr (std::is_same_v<E, F8>) {
+  } else if constexpr (std::is_same_v<E, F8>) {  // x 2^-8 (kUnit)
 #if defined(__AVX512F__)
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), _mm512_set1_ps(0x1p120f));
-    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f),
-                                            _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
-    const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
-    return (vf)_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-#elif defined(__AVX2__)
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-    __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
-    f = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f),
-                                            _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
-    return (vf)_mm256_blendv_ps(f, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), nan);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbf80)));
+    const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+    return (vf)_mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xbf80)));
+    const __m256i nan = _mm256_cvtepi8_epi32(_mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f)));
+    return (vf)_mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                                _mm256_castsi256_ps(nan));
 #else
     vf f;
     for (int u = 0; u < W; ++u) f[u] = f8_to_f32(p[u].bits);
@@ -151,8 +158,42 @@ inline vec<T> load_cvt(const E* p) {
 // (v_j[c], v_j+1[c]) into one 32-bit lane, so one instruction adds p_j v_j[c] + p_j+1 v_j+1[c]
 // for 16 columns. Within 128-bit lanes, so a full 32-column block of O is kept in that order
 // (dots_col) and put back once per task.
-template <typename T, typename E>
-constexpr bool kDots = kBf16Dot && std::is_same_v<E, Bf16> && std::is_same_v<T, float>;
+// 8-bit caches under bf16 queries (kQb: q is bf16 data) take the same products: their elements
+// convert to bf16 in registers exactly (8 and 4 significant bits; bf16x32), five operations per
+// 32 int8 and nine per 32 e4m3, against two and nine per 16 widened to float32 and then an FMA
+// per element per row. Under float32 / fp16 queries they widen to float32 (q would not be bf16
+// data, and P would be rounded past the float32 rule).
+template <typename T, typename E, bool kQb = false>
+constexpr bool kDots =
+    kBf16Dot && std::is_same_v<T, float> && (std::is_same_v<E, Bf16> || (kQb && kByte<E>));
+
+#if defined(__AVX512BF16__)
+// 32 elements of a cache row at p as bf16 (zeros past the first n < 32 when kTail, nothing read
+// there; n <= 32): bf16 as stored, int8 and e4m3 (x 2^-8, kUnit) converted
+template <typename E, bool kTail = false>
+inline __m512i bf16x32(const E* p, int n = 32) {
+  const __mmask32 mask = kTail && n < 32 ? (__mmask32(1) << n) - 1 : ~__mmask32(0);
+  if constexpr (std::is_same_v<E, Bf16>) {
+    return kTail ? _mm512_maskz_loadu_epi16(mask, p) : _mm512_loadu_si512(p);
+  } else {
+    static_assert(kByte<E>);
+    const __m256i b = kTail ? _mm256_maskz_loadu_epi8(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    __m512 lo, hi;
+    if constexpr (std::is_same_v<E, I8>) {
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    } else {
+      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(int16_t(0xbf80)));
+      lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    }
+    const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    if constexpr (std::is_same_v<E, I8>) return r;
+    const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_and_si256(b, _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f));
+    return _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(0x7fc0));
+  }
+}
+#endif
 // Stored position of column c (< 32) of a full 32-column block in the kDots order: the
 // unpacked low words (columns 8g + 0..3 of each 8) fill the first 16 lanes, the high words
 // (8g + 4..7) the next 16.
@@ -208,8 +249,9 @@ inline T to_t(E e) {
   else return f16_to_f32(e.bits);
 }
 
-template <typename T, typename E>
+template <typename T, typename E, bool kQb = false>
 struct DecodeWorker {
+  static constexpr bool kDot = kDots<T, E, kQb>;
   using V = vec<T>;
   static constexpr int L = kLanes<T>;
   const DecodeParamsT<T>& p;
@@ -230,7 +272,9 @@ struct DecodeWorker {
   // quantized caches: the descales' row (times H_k) of the chunk's keys, and the next chunk's
   static constexpr bool kQuant = std::is_same_v<E, I8> || std::is_same_v<E, F8>;
   int64_t sr[kChunk], sr_next[kChunk];
-  std::vector<T> kscl, vscl;  // per-row descales of the chunk, (H_k, kChunk): contiguous per kv head
+  // per-key descales of the chunk (x kUnit), (H_k, kChunk): contiguous per kv head; kDot takes its
+  // (batch, kv head) descales the same way (q stays bf16 data), filled once per task
+  std::vector<T> kscl, vscl;
   std::vector<int> row_lo, row_hi;  // the keys query row i sees: [row_lo[i], row_hi[i])
   std::vector<PolicyT<T>> pols;  // one per query head
   std::vector<TileSoftmax<T>> tss;
@@ -239,7 +283,7 @@ struct DecodeWorker {
       : p(p_), dt(dt_), group(p_.h / p_.h_k), rows_g(group * p_.sq), rows(p_.h * p_.sq), splits(splits_),
         d(p_.d), dp(round_up(p_.d, L)), part_o(po), part_lse(pl) {
     dq = round_up(d, 32);
-    if constexpr (kDots<T, E>) {
+    if constexpr (kDot) {
       qh.assign((size_t(rows) + kRowBlock) * dq, 0);
       ph.assign((size_t(rows) + kRowBlock) * kChunk, 0);
     }
@@ -255,7 +299,7 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
-    if (kQuant && p.descale_per_token) {
+    if (kQuant && (p.descale_per_token || kDot)) {
       kscl.resize(size_t(p.h_k) * kChunk);
       vscl.resize(size_t(p.h_k) * kChunk);
     }
@@ -277,7 +321,7 @@ struct DecodeWorker {
   // from the stack every step).
   template <int RR, bool kShared>
   void dot(int r0, int jj, const E* k, int64_t kstride) {
-    if constexpr (kDots<T, E>) {
+    if constexpr (kDot) {
       dot_bf16<RR, kShared>(r0, jj, k, kstride);
       return;
     }
@@ -346,7 +390,7 @@ struct DecodeWorker {
   void dot_bf16(int r0, int jj, const E* k, int64_t kstride) {
 #if defined(__AVX512BF16__)
     const uint16_t* qb = qh.data() + size_t(r0) * dq;
-    auto krow = [&](int x) { return reinterpret_cast<const uint16_t*>(k + (kShared ? 0 : x * kstride)); };
+    auto krow = [&](int x) { return k + (kShared ? 0 : x * kstride); };
     __m512 a0[RR], a1[RR];
 #pragma GCC unroll 4
     for (int x = 0; x < RR; ++x) a0[x] = a1[x] = _mm512_setzero_ps();
@@ -354,18 +398,17 @@ struct DecodeWorker {
     for (; c + 64 <= d; c += 64, qb += 2 * RR * 32) {
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
-        const uint16_t* kx = krow(x) + c;
-        a0[x] = _mm512_dpbf16_ps(a0[x], (__m512bh)_mm512_loadu_si512(qb + x * 32), (__m512bh)_mm512_loadu_si512(kx));
-        a1[x] = _mm512_dpbf16_ps(a1[x], (__m512bh)_mm512_loadu_si512(qb + (RR + x) * 32),
-                                 (__m512bh)_mm512_loadu_si512(kx + 32));
+        const E* kx = krow(x) + c;
+        a0[x] = _mm512_dpbf16_ps(a0[x], (__m512bh)_mm512_loadu_si512(qb + x * 32), (__m512bh)bf16x32(kx));
+        a1[x] = _mm512_dpbf16_ps(a1[x], (__m512bh)_mm512_loadu_si512(qb + (RR + x) * 32), (__m512bh)bf16x32(kx + 32));
       }
     }
     for (; c < d; c += 32, qb += RR * 32) {
-      const __mmask32 mask = d - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (d - c)) - 1;
+      const int nc = std::min(d - c, 32);
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
         a0[x] = _mm512_dpbf16_ps(a0[x], (__m512bh)_mm512_loadu_si512(qb + x * 32),
-                                 (__m512bh)_mm512_maskz_loadu_epi16(mask, krow(x) + c));
+                                 (__m512bh)bf16x32<E, true>(krow(x) + c, nc));
       }
     }
     T* sj = s + size_t(r0) * kChunk + jj;
@@ -381,16 +424,16 @@ struct DecodeWorker {
   }
   // Column c of a q / O row as stored: kEvenOdd permutes each full 2L block, kDots each full
   // 32-column block of O (its q goes to qh in column order); the rest stays
-  static constexpr bool kPermuted = kEvenOdd<T, E> || kDots<T, E>;
+  static constexpr bool kPermuted = kEvenOdd<T, E> || kDot;
   int stored_col(int c) const {
-    if constexpr (kDots<T, E>) return c < d / 32 * 32 ? c / 32 * 32 + dots_col(c % 32) : c;
+    if constexpr (kDot) return c < d / 32 * 32 ? c / 32 * 32 + dots_col(c % 32) : c;
     return kEvenOdd<T, E> && c < d / (2 * L) * (2 * L) ? even_odd_col(c, L) : c;
   }
   // qp <- the q rows (q, column order) packed per register block, in stored column order
   void pack_q() {
     for_dot_blocks([&](int r0, auto rr) {
       constexpr int RR = decltype(rr)::value;
-      if constexpr (kDots<T, E>) {  // q is bf16 data: the conversion back is exact
+      if constexpr (kDot) {  // q is bf16 data: the conversion back is exact
         uint16_t* dst = qh.data() + size_t(r0) * dq;
         for (int x = 0; x < RR; ++x) {
           for (int c = 0; c < d; ++c) dst[(c / 32 * RR + x) * 32 + c % 32] = f32_to_bf16(q[size_t(r0 + x) * dp + c]);
@@ -514,7 +557,7 @@ struct DecodeWorker {
     if (j_hi < 0) j_hi = n;
     const int dv = d / L * L;
     int c = 0;
-    if constexpr (kDots<T, E>) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
+    if constexpr (kDot) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
     constexpr int NV = RR == 1 ? 8 : RR == 2 ? 4 : 2;
     if constexpr (NV >= 8) {
       for (; c + 8 * L <= dv; c += 8 * L) pv_cols<RR, 8>(r0, c, voff, j_lo, j_hi);
@@ -570,13 +613,11 @@ struct DecodeWorker {
       };
       int jj = j_lo & ~1;
       if (jj < j_lo && j_lo < j_hi) {
-        step(_mm512_setzero_si512(), _mm512_loadu_si512(vp[j_lo] + voff + c), pj + jj);
+        step(_mm512_setzero_si512(), bf16x32(vp[j_lo] + voff + c), pj + jj);
         jj += 2;
       }
-      for (; jj + 1 < j_hi; jj += 2) {
-        step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_loadu_si512(vp[jj + 1] + voff + c), pj + jj);
-      }
-      if (jj < j_hi) step(_mm512_loadu_si512(vp[jj] + voff + c), _mm512_setzero_si512(), pj + jj);
+      for (; jj + 1 < j_hi; jj += 2) step(bf16x32(vp[jj] + voff + c), bf16x32(vp[jj + 1] + voff + c), pj + jj);
+      if (jj < j_hi) step(bf16x32(vp[jj] + voff + c), _mm512_setzero_si512(), pj + jj);
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
         _mm512_storeu_ps(o + (r0 + x) * dp + c, lo[x]);
@@ -624,13 +665,20 @@ struct DecodeWorker {
     const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
     const bool per_token = kQuant && p.descale_per_token;
+    const bool key_scales = per_token || (kQuant && kDot);  // descales per key (kscl, vscl)
+    if (kQuant && !per_token && kDot) {
+      for (int hk = 0; hk < p.h_k; ++hk) {
+        std::fill_n(kscl.data() + size_t(hk) * kChunk, kChunk, p.k_descale[int64_t(b) * p.h_k + hk] * kUnit<E>);
+        std::fill_n(vscl.data() + size_t(hk) * kChunk, kChunk, p.v_descale[int64_t(b) * p.h_k + hk] * kUnit<E>);
+      }
+    }
     for (int r = 0; r < rows; ++r) {
       const int h = r / p.sq, i = r % p.sq;
       const char* src = elem(p.q, dt, int64_t(b) * p.q_batch_stride + int64_t(h) * p.q_head_stride +
                                           int64_t(i) * p.q_row_stride);
       load_row(dt, src, q + size_t(r) * dp, d, dp);
-      if (kQuant && !per_token) {  // a (batch, kv head) k scale: q . (k s) = (q s) . k
-        const T ks = p.k_descale[int64_t(b) * p.h_k + r / rows_g];
+      if (kQuant && !key_scales) {  // a (batch, kv head) k scale: q . (k s) = (q s) . k
+        const T ks = p.k_descale[int64_t(b) * p.h_k + r / rows_g] * kUnit<E>;
         for (int c = 0; c < d; ++c) q[size_t(r) * dp + c] *= ks;
       }
     }
@@ -706,8 +754,8 @@ struct DecodeWorker {
           const float* ks = p.k_descale + sr[jj];
           const float* vs = p.v_descale + sr[jj];
           for (int hk = 0; hk < p.h_k; ++hk) {
-            kscl[size_t(hk) * kChunk + jj] = ks[hk];
-            vscl[size_t(hk) * kChunk + jj] = vs[hk];
+            kscl[size_t(hk) * kChunk + jj] = ks[hk] * kUnit<E>;
+            vscl[size_t(hk) * kChunk + jj] = vs[hk] * kUnit<E>;
           }
         }
       }
@@ -716,18 +764,18 @@ struct DecodeWorker {
         const TileSoftmax<T>& ts = tss[r / p.sq];
         T* srow = s + r * kChunk;
         std::fill(srow + n, srow + nn, T(0));
-        if (per_token) {  // each key's k scale
+        if (key_scales) {  // each key's k scale
           const T* ks = kscl.data() + size_t(r / rows_g) * kChunk;
           for (int jj = 0; jj < n; ++jj) srow[jj] *= ks[jj];
         }
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
         const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
-        if (per_token) {  // each key's v scale on its probability, the softmax's sum taken
+        if (key_scales) {  // each key's v scale on its probability, the softmax's sum taken
           const T* vs = vscl.data() + size_t(r / rows_g) * kChunk;
           for (int jj = 0; jj < n; ++jj) srow[jj] *= vs[jj];
         }
-        if constexpr (kDots<T, E>) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
+        if constexpr (kDot) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
           for (T* x : {o, os, oc}) {
@@ -767,8 +815,8 @@ struct DecodeWorker {
       const T* osrow = os + size_t(r) * dp;
       const T* ocrow = oc + size_t(r) * dp;
       for (int c = 0; c < dp; c += L) vstore(orow + c, vload(osrow + c) - vload(ocrow + c));
-      if (kQuant && !per_token) {  // a (batch, kv head) v scale
-        const V vs = vbcast(T(p.v_descale[int64_t(b) * p.h_k + r / rows_g]));
+      if (kQuant && !key_scales) {  // a (batch, kv head) v scale
+        const V vs = vbcast(T(p.v_descale[int64_t(b) * p.h_k + r / rows_g] * kUnit<E>));
         for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * vs);
       }
       if constexpr (kPermuted) {  // back to column order
@@ -831,6 +879,13 @@ void run(const DecodeParamsT<T>& p, DType dt) {
   }
   T* po = splits > 1 ? part_o.data() : nullptr;
   T* pl = splits > 1 ? part_lse.data() : nullptr;
+  if constexpr (kDots<T, E, true> && kByte<E>) {
+    if (dt == DType::kBF16) {
+      parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E, true>(p, dt, splits, po, pl); });
+      if (splits > 1) merge_splits(p, dt, splits, po, pl);
+      return;
+    }
+  }
   parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E>(p, dt, splits, po, pl); });
   if (splits > 1) merge_splits(p, dt, splits, po, pl);
 }
