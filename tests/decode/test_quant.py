@@ -239,3 +239,22 @@ def test_every_isa_level(level, qdt):
                 run_check(c, qdt, gran, f"{level} {qdt} {gran} d={d}")
     finally:
         ae.set_cpu_isa(old)
+
+
+def test_cache_larger_than_batch_per_row_descales():
+    """Found by the quantized decode fuzz: a contiguous 8-bit cache with more rows than q's batch
+    (flash-attn reads rows [0, B)) and per-row descales raised 'k_descale must be (B, H_k) ...':
+    the cache was cut to B rows, its descales not. Now both are, and the append lands in the
+    caller's cache and descales."""
+    torch.manual_seed(0)
+    kf, vf = torch.randn(3, 12, 2, 16), torch.randn(3, 12, 2, 16)
+    (kq, ks), (vq, vs) = quantize_kv(kf), quantize_kv(vf)
+    q, kn, vn = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    with torch.no_grad():
+        out = ae.flash_attn_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=lens, k_descale=ks, v_descale=vs)
+    from attention_ext.decode.quant import QMAX
+    assert torch.equal(ks[1, 9], kn[1, 0].abs().amax(-1) / QMAX[torch.int8])
+    ref, _ = reference.decode_attention(q.double(), dequantize_kv(kq, ks)[:2].double(),
+                                        dequantize_kv(vq, vs)[:2].double(), cache_seqlens=lens + 1)
+    assert (out.double() - ref).abs().max().item() < 1e-5
