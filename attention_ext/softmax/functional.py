@@ -158,22 +158,29 @@ def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, s
 
 
 def _quantized(q: Tensor, k: Tensor, v: Tensor, opts: dict, qk_quant: str) -> Tuple[Tensor, Tensor]:
-    """The forward with a quantized Q.K^T (softmax_fwd_quant) on (B, H, S, D) views: the CPU
-    kernel, else (CUDA: no kernel yet) reference.attention_qk_int8 under the op's input rules."""
+    """The forward with a quantized Q.K^T (softmax_fwd_quant) on (B, H, S, D) views: the compiled
+    kernel of q's device (CPU; CUDA: fp16 / bf16 with a head dim a multiple of 16 up to 128, dense,
+    sm_80+), else reference.attention_qk_int8 under the op's input rules, with a warning."""
     _check(isinstance(qk_quant, str), lambda: f"qk_quant must be None or 'int8', got {qk_quant!r}", TypeError)
     grads = [n for n, t in (("q", q), ("k", k), ("v", v), ("attn_mask", opts["bias"]), ("sinks", opts["sinks"]))
              if isinstance(t, Tensor) and t.requires_grad]
     _check(not (torch.is_grad_enabled() and grads),
            lambda: f"qk_quant={qk_quant!r} is forward-only (inference), but {', '.join(grads)} require grad: run it "
                    "under torch.no_grad() / torch.inference_mode(), or leave qk_quant=None to train")
+    why = f"no compiled int8 Q.K^T kernel on {q.device}"
     if ops.has_quant_kernel(q.device):
-        return ops.fwd_quant(q, k, v, qk_quant=qk_quant, **opts)
+        try:
+            return ops.fwd_quant(q, k, v, qk_quant=qk_quant, **opts)
+        except NotImplementedError as e:  # a config the device's kernel does not take (the op's message)
+            if q.device.type == "cpu" or "qk_quant='int8' on CUDA runs on" not in str(e):
+                raise
+            why = str(e).split("\n")[0]
     ops.check_quant_inputs(q, k, v, qk_quant=qk_quant, **opts)
-    key = (q.device.type, "qk_quant")
+    key = (q.device.type, "qk_quant", q.dtype, q.shape[-1])
     if key not in _warned_fallback:
         _warned_fallback.add(key)
-        warnings.warn(f"attention_ext: no compiled int8 Q.K^T kernel on {q.device}; running the PyTorch reference of "
-                      "the method (reference.attention_qk_int8)", RuntimeWarning)
+        warnings.warn(f"attention_ext: {why}; running the PyTorch reference of the method "
+                      "(reference.attention_qk_int8)", RuntimeWarning)
     return _reference(q, k, v, opts, quantized=True)
 
 

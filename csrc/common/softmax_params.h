@@ -84,8 +84,21 @@ struct SoftmaxParamsT : QkvParams {
 
   // ---------------------------------------------------------------- quantized Q K^T (forward only)
   // 0 = off; 1 = int8: Q per block of query rows and the mean-smoothed K per block of keys
-  // rounded to int8, q . k summed in int32 (cpu/q8dot.h). The CPU forward only.
+  // rounded to int8, q . k summed in int32 (cpu/q8dot.h; CUDA: softmax/cuda/q8.cuh).
   int32_t qk_quant;
+  // The CUDA forward's int8 operands, filled by its quantize pass (softmax/cuda/q8.cuh): q8 / k8
+  // with q's / k's strides (element offsets as q's / k's); q_scale (B, H, nbq) per q8_block_q
+  // rows of a sequence, k_scale (B, H_k, nbk) per q8_block_k keys; q_mean (q . mean of its kv
+  // head) in lse's layout; k_mean (B, H_k, d). Unused (null) elsewhere.
+  struct Q8Operands {
+    int8_t* q;
+    int8_t* k;
+    float* q_scale;
+    float* k_scale;
+    float* q_mean;
+    float* k_mean;
+    int32_t block_q, block_k, nbq, nbk;
+  } q8;
 
   // threads for the CPU backend (0 = the intra-op pool's, cpu/parallel.h)
   int32_t num_threads;

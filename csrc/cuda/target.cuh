@@ -36,6 +36,16 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float* c, const uint32_t* a, c
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// mma.sync.m16n8k32 with int32 accumulators and signed int8 operands: c += a b, exact (mma.cuh's
+// layouts with each 32-bit word holding four int8 along k: a0 = (g, 4c..4c+3), a2 = (g, 16+4c..))
+__device__ __forceinline__ void mma_m16n8k32_s8(int32_t* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // A generic pointer into shared memory as the 32-bit shared-window address PTX takes.
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));

@@ -30,6 +30,12 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   void fwd(const attn::SoftmaxParams& p, attn::DType dt, const attn::FwdSplitScratch& split) const {
     attn::cuda_fwd(p, dt, stream(), split);
   }
+  std::pair<int, int> fwd_q8_blocks(const attn::SoftmaxParams& p, attn::DType dt) const {
+    int bq = 0, bk = 0;
+    attn::cuda_fwd_q8_blocks(p, dt, &bq, &bk);
+    return {bq, bk};
+  }
+  void fwd_q8(const attn::SoftmaxParams& p, attn::DType dt) const { attn::cuda_fwd_q8(p, dt, stream()); }
   size_t bwd_softmax_d_floats(const attn::SoftmaxBwdParams& p) const { return attn::cuda_bwd_softmax_d_floats(p); }
   size_t bwd_dq_accum_floats(const attn::SoftmaxBwdParams& p, attn::DType dt) const {
     return attn::cuda_bwd_dq_accum_floats(p, dt);
@@ -55,6 +61,13 @@ std::tuple<Tensor, Tensor> fwd_cuda(const Tensor& q, const Tensor& k, const Tens
                                    num_splits);
 }
 
+// The forward with the int8 Q.K^T (qk_quant): softmax/cuda/q8.cuh, then the FwdQ8 kernel.
+std::tuple<Tensor, Tensor> fwd_quant_cuda(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                          c10::string_view qk_quant) {
+  attn::NvtxRange range("attention_ext::softmax::fwd_quant (CUDA)");
+  return attn::api::cuda_fwd_quant_steps(CudaDevice{}, q, k, v, ATTN_SOFTMAX_MAKE_OPTIONS(), qk_quant);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                             const Tensor& v, const Tensor& out, const Tensor& lse
                                                                 ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
@@ -69,5 +82,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(const Tensor& dout, 
 
 TORCH_LIBRARY_IMPL(attention_ext, CUDA, m) {
   m.impl("softmax_fwd", &fwd_cuda);
+  m.impl("softmax_fwd_quant", &fwd_quant_cuda);
   m.impl("softmax_bwd", &bwd_cuda);
 }

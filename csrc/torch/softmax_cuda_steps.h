@@ -11,6 +11,8 @@
 //     int fwd_num_splits(const SoftmaxParams&, DType, int requested) const;
 //     size_t fwd_split_floats(const SoftmaxParams&, int num_splits, int64_t batch_t, int64_t rows, bool o) const;
 //     void fwd(const SoftmaxParams&, DType, const FwdSplitScratch&) const;
+//     std::pair<int, int> fwd_q8_blocks(const SoftmaxParams&, DType) const;  // entry.h's int8 Q.K^T
+//     void fwd_q8(const SoftmaxParams&, DType) const;                         //   forward
 //     size_t bwd_softmax_d_floats(const SoftmaxBwdParams&) const;
 //     size_t bwd_dq_accum_floats(const SoftmaxBwdParams&, DType) const;
 //     void bwd(const SoftmaxBwdParams&, DType) const;
@@ -89,6 +91,53 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
   }
   dev.reads({&q, &k, &v});
   run_backend<Device>([&] { dev.fwd(p, dt, split); });
+  return {out, lse};
+}
+
+// The forward with the int8 Q.K^T (softmax_fwd_quant): the op's rules (check_qk_quant, then the
+// forward's), the int8 operands and scales at the kernel's blocks, the launch. A config the
+// kernel does not take raises NotImplementedError naming what it takes (the Python layer then
+// runs reference.attention_qk_int8, with a warning).
+template <typename Device>
+std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const Options& o, c10::string_view qk_quant) {
+  const int32_t code = check_qk_quant(q, o, qk_quant);
+  check_inputs(q, k, v, o);
+  dev.check_device(q);
+  const auto guard = dev.guard(q);
+  TORCH_CHECK(!(o.dropout_p > 0.0 && dev.capturing()),
+              "attention_ext: dropout_p > 0 inside a CUDA-graph capture would replay one dropout mask on every "
+              "replay: capture without dropout, or run the step eagerly");
+  auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
+  if (q.numel() == 0) return {out, lse};
+  SoftmaxParams p = make_fwd_params<float>(q, k, v, out, lse, o);
+  p.qk_quant = code;
+  const DType dt = dtype_of(q);
+  const auto [bq, bk] = dev.fwd_q8_blocks(p, dt);
+  TORCH_CHECK_NOT_IMPLEMENTED(bq > 0, Device::kWhat, ": qk_quant='int8' on CUDA runs on the tensor-core kernels: ",
+                              "float16 / bfloat16 q, k, v with a head dim that is a multiple of 16 up to 128, ",
+                              "16-byte aligned rows, no block_layout, on sm_80 or newer; this call (", q.scalar_type(),
+                              ", head dim ", p.d, ") has no such kernel");
+  // int8 q / k with q's / k's strides (so their element offsets are q's / k's), the scales, q . mean
+  // in lse's layout and the K means: one float32 scratch
+  Tensor q8 = at::empty_strided(q.sizes(), q.strides(), q.options().dtype(at::kChar));
+  Tensor k8 = at::empty_strided(k.sizes(), k.strides(), k.options().dtype(at::kChar));
+  p.q8.block_q = bq;
+  p.q8.block_k = bk;
+  p.q8.nbq = (p.sq + bq - 1) / bq;
+  p.q8.nbk = (p.sk + bk - 1) / bk;
+  const int64_t n_qs = int64_t(p.b) * p.h * p.q8.nbq, n_ks = int64_t(p.b) * p.h_k * p.q8.nbk;
+  const int64_t n_mean = int64_t(p.b) * p.h_k * p.d;
+  Tensor scratch = cuda_scratch(q, size_t(n_qs + n_ks + n_mean), Device::kPoison);
+  Tensor q_mean = cuda_scratch(q, size_t(lse.numel()), Device::kPoison).view(lse.sizes());
+  p.q8.q = q8.data_ptr<int8_t>();
+  p.q8.k = k8.data_ptr<int8_t>();
+  p.q8.q_scale = scratch.data_ptr<float>();
+  p.q8.k_scale = p.q8.q_scale + n_qs;
+  p.q8.k_mean = p.q8.k_scale + n_ks;
+  p.q8.q_mean = q_mean.data_ptr<float>();
+  dev.reads({&q, &k, &v, &q8, &k8});
+  run_backend<Device>([&] { dev.fwd_q8(p, dt); });
   return {out, lse};
 }
 

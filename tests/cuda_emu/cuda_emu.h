@@ -120,6 +120,8 @@ int syncthreads_or(int pred);
 enum class Elem : int { kF16 = 0, kBF16 = 1 };
 // D = A B + C of mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: this lane's a[4], b[2], c[4]
 void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b);
+// D = A B + C of mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (exact, wrapping as int32)
+void mma_m16n8k32_s8(int32_t* c, const uint32_t* a, const uint32_t* b);
 // wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{f16,bf16} (cuda/wgmma_ops.cuh), executed when it
 // is issued (fence / commit_group / wait_group are then no-ops): this warp's 16 rows of the
 // warpgroup's 64 (warp % 4), d its n / 2 accumulators (C fragments per 8-column n-tile), A from

@@ -54,6 +54,12 @@ struct EmuDevice {
   void fwd(const attn::SoftmaxParams& p, attn::DType dt, const attn::FwdSplitScratch& s) const {
     be.fwd(&p, sizeof(p), int(dt), s.num_splits, s.rows, s.o_accum, s.lse_accum);
   }
+  std::pair<int, int> fwd_q8_blocks(const attn::SoftmaxParams& p, attn::DType dt) const {
+    int bq = 0, bk = 0;
+    be.fwd_q8_blocks(&p, sizeof(p), int(dt), &bq, &bk);
+    return {bq, bk};
+  }
+  void fwd_q8(const attn::SoftmaxParams& p, attn::DType dt) const { be.fwd_q8(&p, sizeof(p), int(dt)); }
   size_t bwd_softmax_d_floats(const attn::SoftmaxBwdParams& p) const { return be.softmax_d_floats(&p, sizeof(p)); }
   size_t bwd_dq_accum_floats(const attn::SoftmaxBwdParams& p, attn::DType dt) const {
     return be.dq_accum_floats(&p, sizeof(p), int(dt));
@@ -180,6 +186,11 @@ std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tenso
                                    ATTN_SOFTMAX_MAKE_OPTIONS(), num_splits);
 }
 
+std::tuple<Tensor, Tensor> emu_fwd_quant(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
+                                         c10::string_view qk_quant, int64_t arch) {
+  return attn::api::cuda_fwd_quant_steps(EmuDevice{backend(arch)}, q, k, v, ATTN_SOFTMAX_MAKE_OPTIONS(), qk_quant);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                            const Tensor& v, const Tensor& out, const Tensor& lse
                                                                ATTN_SOFTMAX_OPTIONS_PARAMS, bool bias_grad,
@@ -257,6 +268,8 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", int num_splits, bool deterministic, int arch) -> (Tensor, Tensor)",
         &emu_fwd);
+  m.def("fwd_quant(Tensor q, Tensor k, Tensor v" ATTN_SOFTMAX_OPTIONS_SCHEMA ", str qk_quant, int arch) -> (Tensor, Tensor)",
+        &emu_fwd_quant);
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse" ATTN_SOFTMAX_OPTIONS_SCHEMA
         ", bool bias_grad, bool deterministic, Tensor? dlse, int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &emu_bwd);

@@ -37,6 +37,9 @@ struct Backend {
   void (*fwd)(const void* params, size_t bytes, int dtype, int num_splits, int64_t rows, float* o_accum,
               float* lse_accum);
   void (*bwd)(const void* params, size_t bytes, int dtype);
+  // the int8 Q.K^T forward: cuda_fwd_q8_blocks, cuda_fwd_q8
+  void (*fwd_q8_blocks)(const void* params, size_t bytes, int dtype, int* block_q, int* block_k);
+  void (*fwd_q8)(const void* params, size_t bytes, int dtype);
   size_t (*softmax_d_floats)(const void* params, size_t bytes);
   size_t (*dq_accum_floats)(const void* params, size_t bytes, int dtype);
   const char* (*path_name)(const void* params, size_t bytes, int dtype);

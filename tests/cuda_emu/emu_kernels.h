@@ -95,6 +95,14 @@ attn_emu::Backend attn_emu::ATTN_EMU_CAT(backend_sm, ATTN_EMU_SM)() {
     split.lse_accum = lse_accum;
     attn::cuda_fwd(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), nullptr, split);
   };
+  be.fwd_q8_blocks = [](const void* p, size_t n, int dt, int* bq, int* bk) {
+    attn::prepare();
+    attn::cuda_fwd_q8_blocks(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), bq, bk);
+  };
+  be.fwd_q8 = [](const void* p, size_t n, int dt) {
+    attn::prepare();
+    attn::cuda_fwd_q8(attn::params_from<attn::SoftmaxParams>(p, n), attn::DType(dt), nullptr);
+  };
   be.bwd = [](const void* p, size_t n, int dt) {
     attn::prepare();
     attn::cuda_bwd(attn::params_from<attn::SoftmaxBwdParams>(p, n), attn::DType(dt), nullptr);

@@ -68,7 +68,7 @@ constexpr int kMaxThreads = 1024;
 // kMbar: blocked in mbarrier.try_wait on wait_bar for the phase of parity wait_parity;
 // kNamed: at the named barrier bar_id (bar.sync id, count)
 enum class State { kReady, kBarrier, kWarp, kMbar, kNamed, kDone };
-enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16, kWgmma };
+enum class Op { kNone, kShfl, kLdmatrix, kLdmatrixTrans, kMmaF16, kMmaBF16, kMmaS8, kWgmma };
 const char* op_name(Op op) {
   switch (op) {
     case Op::kShfl: return "__shfl_xor_sync";
@@ -76,6 +76,7 @@ const char* op_name(Op op) {
     case Op::kLdmatrixTrans: return "ldmatrix.x4.trans";
     case Op::kMmaF16: return "mma.m16n8k16.f16";
     case Op::kMmaBF16: return "mma.m16n8k16.bf16";
+    case Op::kMmaS8: return "mma.m16n8k32.s8";
     case Op::kWgmma: return "wgmma.mma_async";
     default: return "none";
   }
@@ -559,6 +560,46 @@ void mma_m16n8k16(Elem e, float* c, const uint32_t* a, const uint32_t* b) {
       w.out[l][1] = __float_as_uint(D[g][2 * t + 1]);
       w.out[l][2] = __float_as_uint(D[g + 8][2 * t]);
       w.out[l][3] = __float_as_uint(D[g + 8][2 * t + 1]);
+    }
+  });
+  std::memcpy(c, out, 16);
+}
+
+// The s8 form: four int8 per 32-bit word along k (a0 = (g, 4t..4t+3), a1 = (g+8, ..), a2 = (g,
+// 16+4t..), a3 = (g+8, 16+4t..); b0 = (k 4t..4t+3, n g), b1 = (k 16+4t.., n g)); C as the f32 form.
+void mma_m16n8k32_s8(int32_t* c, const uint32_t* a, const uint32_t* b) {
+  uint32_t in[10], out[4];
+  std::memcpy(in, a, 16);
+  std::memcpy(in + 4, b, 8);
+  std::memcpy(in + 6, c, 16);
+  if (!rt.stats.empty() && self().lane == 0) ++rt.stats.back().mma;  // once per warp
+  collective(Op::kMmaS8, in, 10, out, 4, [](Warp& w) {
+    int32_t A[16][32], B[32][8], C[16][8];
+    auto byte = [](uint32_t r, int i) { return int32_t(int8_t(uint8_t(r >> (8 * i)))); };
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      const uint32_t* r = w.in[l];
+      for (int i = 0; i < 4; ++i) {
+        A[g][4 * t + i] = byte(r[0], i);
+        A[g + 8][4 * t + i] = byte(r[1], i);
+        A[g][16 + 4 * t + i] = byte(r[2], i);
+        A[g + 8][16 + 4 * t + i] = byte(r[3], i);
+        B[4 * t + i][g] = byte(r[4], i);
+        B[16 + 4 * t + i][g] = byte(r[5], i);
+      }
+      C[g][2 * t] = int32_t(r[6]);
+      C[g][2 * t + 1] = int32_t(r[7]);
+      C[g + 8][2 * t] = int32_t(r[8]);
+      C[g + 8][2 * t + 1] = int32_t(r[9]);
+    }
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int e = 0; e < 4; ++e) {
+        const int i = g + (e >> 1) * 8, j = 2 * t + (e & 1);
+        int64_t s = C[i][j];
+        for (int k = 0; k < 32; ++k) s += int64_t(A[i][k]) * B[k][j];
+        w.out[l][e] = uint32_t(int32_t(uint32_t(s)));
+      }
     }
   });
   std::memcpy(c, out, 16);

@@ -286,6 +286,36 @@ size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt) {
   return size_t(p.b) * p.h * p.sq * bucket_for_head_dim(p.d);
 }
 
+// The int8 Q K^T forward (qk_quant): the mma.sync kernel's rules (use_tensor_cores: fp16 / bf16,
+// 16-byte aligned rows, sm_80+), head dims a multiple of 16 (the int8 rows are 16-byte chunks)
+// up to 128 in a compiled bucket, dense (no block-sparse layout), and never GQA-packed rows (the
+// scales are laid out per (batch, head, row block) of the call as given).
+void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k) {
+  *block_q = *block_k = 0;
+  if (!use_tensor_cores(p, dt) || p.d > 128 || p.d % 16 != 0 || p.sparse.on()) return;
+  hdim_switch<64, 128>(p.d, "attention fwd (int8 Q.K^T)", [&](auto kD) {
+    using Tr = FwdTraits<decltype(kD)::value>;
+    *block_q = Tr::kBlockM / Tr::kNWarps;  // one warp's rows
+    *block_k = Tr::kBlockN;                 // one key tile
+  });
+}
+
+void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream) {
+  NvtxRange range("attention_ext::softmax::cuda_fwd (int8 Q.K^T)");
+  validate(p, "attention fwd (int8 Q.K^T)");
+  int bq = 0, bk = 0;
+  cuda_fwd_q8_blocks(p, dt, &bq, &bk);
+  if (bq == 0 || p.q8.block_q != bq || p.q8.block_k != bk || p.q8.q == nullptr) {
+    throw std::runtime_error("attention fwd (int8 Q.K^T): the call's int8 operands were not allocated at "
+                             "cuda_fwd_q8_blocks' blocks");
+  }
+  if (p.b == 0 || p.h == 0 || p.sq == 0) return;
+  hdim_switch<64, 128>(p.d, "attention fwd (int8 Q.K^T)", [&](auto kD) {
+    if (dt == DType::kF16) run_fwd_q8<__half, decltype(kD)::value>(p, stream);
+    else run_fwd_q8<__nv_bfloat16, decltype(kD)::value>(p, stream);
+  });
+}
+
 void cuda_fwd(const SoftmaxParams& call, DType dt, cudaStream_t stream, const FwdSplitScratch& call_split) {
   NvtxRange range("attention_ext::softmax::cuda_fwd");
   validate(call, "attention fwd");

@@ -50,6 +50,15 @@ size_t cuda_fwd_split_floats(const SoftmaxParams& p, int num_splits, int64_t bat
 // cuda_fwd_num_splits() returned for p (else the forward is unsplit).
 void cuda_fwd(const SoftmaxParams& p, DType dt, cudaStream_t stream, const FwdSplitScratch& split = {});
 
+// The forward with the int8 Q K^T (qk_quant = "int8", q8.cuh). cuda_fwd_q8_blocks: the query
+// rows per q scale and the keys per k scale of this config's kernel, (0, 0) where none runs it
+// (fp16 / bf16 q, k, v with the tensor-core rules, head dim a multiple of 16 up to 128, dense,
+// sm_80+). cuda_fwd_q8: writes p.o and p.lse after filling p.q8, which the caller allocated at
+// those blocks (nbq = ceil(sq / block_q), nbk = ceil(sk / block_k); q8 / k8 with q's / k's
+// strides, q_mean in lse's layout, k_mean (B, H_k, d)).
+void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k);
+void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream);
+
 // Backward: writes p.dq, p.dk, p.dv and, when not null, p.dbias (zeroed first, then filled:
 // dense (B, H, Sq_b, Sk) float32) and p.dsinks ((B, H) float32, zeroed first).
 // Needs p.softmax_d with cuda_bwd_softmax_d_floats(p) floats, and p.dq_accum with

@@ -14,6 +14,7 @@
 #include "cuda/mma.cuh"
 #include "softmax/cuda/fragment_softmax.cuh"
 #include "softmax/cuda/nonfinite.cuh"
+#include "softmax/cuda/q8.cuh"
 #include "softmax/cuda/traits.h"
 
 namespace attn {
@@ -29,6 +30,7 @@ struct FwdVariant {
   static constexpr int kSUnroll = kSUnroll_;
   static constexpr bool kReverseM = false;
   static constexpr bool kSplit = false;
+  static constexpr bool kQ8 = false;
 };
 
 // Query blocks in reverse launch order. Under a causal mask block m costs m + 1 key blocks; the
@@ -49,6 +51,16 @@ struct FwdReverseM : Base {
 template <typename Base>
 struct FwdSplit : Base {
   static constexpr bool kSplit = true;
+};
+
+// The int8 Q K^T instance (qk_quant, q8.cuh): Q and K come as int8 from the quantize pass
+// (p.q8), their tiles hold D bytes per row (half a 16-bit tile), and S = Q K^T runs on
+// mma.m16n8k32.s8 in int32, then s = sum * (q_scale * k_scale) + q . mean per element: one
+// scale per warp's rows (block_q = 16 kMT) and per key tile (block_k = kBlockN). P V, the
+// softmax and every option are the 16-bit kernel's.
+template <typename Base>
+struct FwdQ8 : Base {
+  static constexpr bool kQ8 = true;
 };
 
 // Split-KV epilogue of one warp (rows [i0, i0 + 16 * kMT) of the sequence, of which the first
@@ -101,6 +113,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
   static_assert(kBlockN % 16 == 0 && kD % 16 == 0, "mma k-steps are 16 wide");
   using TileQ = SmemTile<kBlockM, kD>;
   using TileKV = SmemTile<kBlockN, kD>;
+  // FwdQ8: the int8 Q / K tiles, D bytes per row read as D / 2 16-bit columns
+  constexpr bool kQ8 = Var::kQ8;
+  using TileQ8 = SmemTile<kBlockM, kD / 2>;
+  using TileK8 = SmemTile<kBlockN, kD / 2>;
+  static_assert(!kQ8 || (kD % 64 == 0 && !Var::kSplit), "int8 Q K^T: head dims 64 / 128, unsplit");
 
   ATTN_EXTERN_SMEM(smem);
   const uint32_t sQ = smem_u32(smem);                      // (kBlockM, kD)
@@ -129,6 +146,25 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
   const T* q = q_ptr<T>(p, si, b, h, m0);
   const T* k = k_ptr<T>(p, si, b, hk, 0);
   const T* v = v_ptr<T>(p, si, b, hk, 0);
+  // FwdQ8: q8 / k8 share q's / k's element offsets; rows read as 16-bit pairs (strides are
+  // multiples of 8 on this path)
+  const uint16_t* q8 = nullptr;
+  const uint16_t* k8 = nullptr;
+  if constexpr (kQ8) {
+    q8 = reinterpret_cast<const uint16_t*>(p.q8.q + si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride,
+                                                                 p.q_row_stride));
+    k8 = reinterpret_cast<const uint16_t*>(p.q8.k + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride,
+                                                                 p.k_row_stride));
+  }
+  auto load_k = [&](int n0) {  // key tile n0 into sK
+    if constexpr (kQ8) {
+      load_tile_async<kBlockN, kD / 2, kThreads, uint16_t, TileK8>(sK, k8 + int64_t(n0) * (p.k_row_stride / 2),
+                                                                   p.k_row_stride / 2, si.len_k - n0, p.d / 2, tid);
+    } else {
+      load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride, si.len_k - n0,
+                                             p.d, tid);
+    }
+  };
 
   // The key blocks to visit are steps [n_lo, n_hi): dense, step n is key block n; block-sparse,
   // step e is entry e of this query tile's row of the tile index (its key block sp_idx[e],
@@ -170,13 +206,25 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
   }
 
   if (n_lo < n_hi) {
-    load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, rows_q, p.d, tid);
-    {
-      const int n0 = key_block(n_hi - 1) * kBlockN;
-      load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride,
-                                             si.len_k - n0, p.d, tid);
+    if constexpr (kQ8) {
+      load_tile_async<kBlockM, kD / 2, kThreads, uint16_t, TileQ8>(sQ, q8, p.q_row_stride / 2, rows_q, p.d / 2, tid);
+    } else {
+      load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, rows_q, p.d, tid);
     }
+    load_k(key_block(n_hi - 1) * kBlockN);
     cp_async_commit();
+  }
+  // FwdQ8: this warp's q scale and each of its rows' q . mean (rows past the sequence: 0)
+  float q8_qs = 0.f, q8_qm[kMT][2];
+  if constexpr (kQ8) {
+    q8_qs = p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + (m0 + wm) / p.q8.block_q];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = m0 + wm + mt * 16 + g + hf * 8;
+        q8_qm[mt][hf] = i < si.len_q ? p.q8.q_mean[lse_index(p, si, b, h, i)] : 0.f;
+      }
   }
 
   // iterate key blocks in reverse so the partially masked diagonal block comes first
@@ -196,19 +244,53 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
-#pragma unroll kSUnroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      {  // zero-filled head-dim padding contributes zeros: no guard, so loads can be hoisted
+    if constexpr (kQ8) {
+      // int8: 32 channels (16 16-bit columns) per k-step, exact int32 sums, then one FMA per
+      // score. (Key pairs outer with each pair's sums converted before the next keeps 16 sums
+      // live instead of 48 but reads Q's fragments once per pair; ptxas spilled more with it.)
+      const uint32_t q_a8 = TileQ8::lane_a(wm, lane), k_b8 = TileK8::lane_b(0, lane);
+      int32_t acc_i[kMT][kNT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_i[mt][nt][e] = 0;
+#pragma unroll
+      for (int kk = 0; kk < kD / 32; ++kk) {
         uint32_t a[kMT][4];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-          ldmatrix_x4(a[mt], sQ + TileQ::advance(q_a, mt * 16, kk * 16));
+        for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], sQ + TileQ8::advance(q_a8, mt * 16, kk * 16));
 #pragma unroll
         for (int np = 0; np < kBlockN / 16; ++np) {
           uint32_t bf[4];
-          ldmatrix_x4(bf, sK + TileKV::advance(k_b, np * 16, kk * 16));
+          ldmatrix_x4(bf, sK + TileK8::advance(k_b8, np * 16, kk * 16));
 #pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) mma_n16<T>(acc_s[mt][2 * np], a[mt], bf);
+          for (int mt = 0; mt < kMT; ++mt) mma_s8_n16(acc_i[mt][2 * np], a[mt], bf);
+        }
+      }
+      const float sa = q8_qs * p.q8.k_scale[(int64_t(b) * p.h_k + hk) * p.q8.nbk + n0 / p.q8.block_k];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = fmaf(float(acc_i[mt][nt][e]), sa, q8_qm[mt][e >> 1]);
+    } else {
+#pragma unroll kSUnroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        {  // zero-filled head-dim padding contributes zeros: no guard, so loads can be hoisted
+          uint32_t a[kMT][4];
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt)
+            ldmatrix_x4(a[mt], sQ + TileQ::advance(q_a, mt * 16, kk * 16));
+#pragma unroll
+          for (int np = 0; np < kBlockN / 16; ++np) {
+            uint32_t bf[4];
+            ldmatrix_x4(bf, sK + TileKV::advance(k_b, np * 16, kk * 16));
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) mma_n16<T>(acc_s[mt][2 * np], a[mt], bf);
+          }
         }
       }
     }
@@ -242,9 +324,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
     cp_async_wait<0>();
     __syncthreads();  // V[n] landed; every warp finished reading K[n]
     if (n > n_lo) {
-      const int nn0 = key_block(n - 1) * kBlockN;
-      load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(nn0) * p.k_row_stride, p.k_row_stride,
-                                             si.len_k - nn0, p.d, tid);
+      load_k(key_block(n - 1) * kBlockN);
       cp_async_commit();
     }
     // a tile that may hide keys from some of the block's rows: V's non-finite elements become 0

@@ -103,6 +103,21 @@ void run_fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& s, cudaStre
   check_launch("attention fwd split-KV combine");
 }
 
+// The forward with the int8 Q K^T (qk_quant, q8.cuh): the quantize pass into p.q8 (which the
+// caller allocated at cuda_fwd_q8_blocks' blocks), then the FwdQ8 kernel at the default tiles,
+// general policy (one instance per bucket: the plain policy runs through it too).
+template <typename T, int kD>
+void run_fwd_q8(const SoftmaxParams& p, cudaStream_t stream) {
+  check_grid(p.h, p.b, "attention fwd (int8 Q.K^T)");
+  ATTN_LAUNCH(tc::q8_mean_kernel<T>, dim3(p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
+  check_launch("attention int8 Q.K^T: K mean");
+  ATTN_LAUNCH(tc::q8_quant_k_kernel<T>, dim3(p.q8.nbk, p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
+  check_launch("attention int8 Q.K^T: K blocks");
+  ATTN_LAUNCH(tc::q8_quant_q_kernel<T>, dim3(p.q8.nbq, p.h, p.b), tc::kQ8Threads, 0, stream)(p);
+  check_launch("attention int8 Q.K^T: Q blocks");
+  run_fwd_cfg<T, kD, FwdTraits<kD>, true, tc::FwdQ8<tc::FwdVariant<>>>(p, stream);
+}
+
 template <typename T, int kD, bool kDropout>
 void run_bwd_tc_impl(const SoftmaxBwdParams& p, cudaStream_t stream) {
   {

@@ -18,6 +18,9 @@ template <typename T, int kD>
 void run_fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& s, cudaStream_t stream);
 template <typename T, int kD>
 void run_bwd_tc(const SoftmaxBwdParams& p, cudaStream_t stream);  // after the preprocess
+// The int8 Q K^T forward (launch_template.cuh): quantize pass, then the FwdQ8 kernel; kD = 64, 128.
+template <typename T, int kD>
+void run_fwd_q8(const SoftmaxParams& p, cudaStream_t stream);
 
 // sm_90a wgmma forward (sm90/fwd_kernel.cuh), kD = 64 or 128; only for configs that
 // use_hopper_fwd() accepts, on an sm_90 device, in builds with sm_90a code (fwd_hopper_*.cu).

@@ -5,5 +5,6 @@
 namespace attn {
 template void run_fwd_tc<__nv_bfloat16, 64>(const SoftmaxParams&, cudaStream_t);
 template void run_fwd_tc_split<__nv_bfloat16, 64>(const SoftmaxParams&, const FwdSplitScratch&, cudaStream_t);
+template void run_fwd_q8<__nv_bfloat16, 64>(const SoftmaxParams&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -5,5 +5,6 @@
 namespace attn {
 template void run_fwd_tc<__half, 64>(const SoftmaxParams&, cudaStream_t);
 template void run_fwd_tc_split<__half, 64>(const SoftmaxParams&, const FwdSplitScratch&, cudaStream_t);
+template void run_fwd_q8<__half, 64>(const SoftmaxParams&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -19,6 +19,9 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float* c, const uint32_t* a, co
 __device__ __forceinline__ void mma_m16n8k16_bf16(float* c, const uint32_t* a, const uint32_t* b) {
   attn_emu::mma_m16n8k16(attn_emu::Elem::kBF16, c, a, b);
 }
+__device__ __forceinline__ void mma_m16n8k32_s8(int32_t* c, const uint32_t* a, const uint32_t* b) {
+  attn_emu::mma_m16n8k32_s8(c, a, b);
+}
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) { return attn_emu::smem_u32(ptr); }
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   attn_emu::cp_async(dst, src, 16, src_bytes);

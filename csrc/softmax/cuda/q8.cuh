@@ -1,0 +1,183 @@
+// The int8 Q K^T of the CUDA forward (qk_quant = "int8", SageAttention's method; the CPU's is
+// cpu/q8dot.h): a quantize pass writes the operands the mma.sync forward reads (fwd_kernel.cuh,
+// FwdQ8), then the forward sums q . k exactly in int32 on mma.m16n8k32.s8 and turns each sum
+// back into a float score with one FMA: s = sum * (q_scale * k_scale) + q . mean.
+//
+//   q8_mean_kernel     the K mean of each (sequence, kv head) over its valid keys (float64 sums,
+//                      as the CPU and reference.qk_int8_scores): the smoothing k - mean, which
+//                      softmax does not see, and which takes a shared offset out of the int8 range;
+//   q8_quant_k_kernel  (k - mean) to int8 per block of block_k keys (the forward's key tile, so
+//                      one scale per tile) and kv head: rint((k - mean) 127 / amax), amax over the
+//                      block's valid keys and d channels;
+//   q8_quant_q_kernel  q to int8 per block of block_q rows (one warp's rows of the forward) and
+//                      head, and q . mean per row (float64), which the scores get back exactly.
+//
+// Valid keys are those below the sequence's length and not hidden by a key mask (a bool bias
+// broadcast over heads and rows, as attention()'s key_mask makes it): the others take no part in
+// the mean or the scales and quantize to 0, so a NaN there reaches nothing. A block holding a
+// non-finite value gets a NaN scale (every score it feeds is NaN), as on the CPU. Float32 op for
+// op as the reference rounds: the scale amax / 127 and the step 127 / amax are one IEEE division
+// each (no fast-math in this build), the rounding to nearest even.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/mma.cuh"
+#include "softmax/cuda/kernel_common.cuh"
+
+namespace attn {
+namespace tc {
+
+constexpr int kQ8Threads = 128;
+
+// C of two adjacent n-tiles (c[0..3], c[4..7]) += A (16 x 32 int8) times the two 8-column halves
+// (b[0..1], b[2..3]) of one ldmatrix.x4 B fragment: mma_n16's int8 form.
+__device__ __forceinline__ void mma_s8_n16(int32_t* c, const uint32_t* a, const uint32_t* b) {
+  ptx::mma_m16n8k32_s8(c, a, b);
+  ptx::mma_m16n8k32_s8(c + 4, a, b + 2);
+}
+
+template <typename T>
+__device__ __forceinline__ float q8_load(const T* x);
+template <>
+__device__ __forceinline__ float q8_load<__half>(const __half* x) {
+  return __half2float(*x);
+}
+template <>
+__device__ __forceinline__ float q8_load<__nv_bfloat16>(const __nv_bfloat16* x) {
+  return __bfloat162float(*x);
+}
+
+// key j of sequence b is hidden by a key mask (the bias where it is one)
+__device__ __forceinline__ const uint8_t* q8_key_mask(const SoftmaxParams& p, int b) {
+  return p.bias_kind == BiasKind::kBool && p.bias_head_stride == 0 && p.bias_row_stride == 0
+             ? static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride
+             : nullptr;
+}
+
+__device__ __forceinline__ bool q8_nonfinite(float x) { return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u; }
+
+// (max |x|, any non-finite) over the CTA: every thread gets the result
+__device__ __forceinline__ float q8_block_amax(float amax, bool bad, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float v = bad ? __uint_as_float(0x7fc00000u) : amax;  // NaN stands for a non-finite value
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = (v != v || w != w) ? __uint_as_float(0x7fc00000u) : fmaxf(v, w);
+  }
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = red[0];
+  for (int i = 1; i < kQ8Threads / 32; ++i) r = (r != r || red[i] != red[i]) ? __uint_as_float(0x7fc00000u) : fmaxf(r, red[i]);
+  __syncthreads();
+  return r;
+}
+
+// scale = amax / 127 (NaN stays NaN); step = 127 / amax, 0 for NaN, 0 and an overflowing step
+__device__ __forceinline__ void q8_scale_step(float amax, float* scale, float* step) {
+  *scale = amax / 127.f;
+  const float inv = 127.f / amax;
+  *step = amax > 0.f && inv <= 3.402823466e38f ? inv : 0.f;
+}
+__device__ __forceinline__ int8_t q8_round(float x, float step) {
+  const float y = rintf(x * step);
+  return y == y ? int8_t(fminf(127.f, fmaxf(-127.f, y))) : int8_t(0);
+}
+
+// grid (H_k, B): k_mean (b, hk, c) = the mean of the valid keys' channel c (0 with none)
+template <typename T>
+__global__ void __launch_bounds__(kQ8Threads) q8_mean_kernel(const SoftmaxParams p) {
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const SeqInfo si(p, b);
+  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const uint8_t* mask = q8_key_mask(p, b);
+  float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
+  for (int c = threadIdx.x; c < p.d; c += kQ8Threads) {
+    double sum = 0.0;
+    int count = 0;
+    for (int j = 0; j < si.len_k; ++j) {
+      if (mask != nullptr && mask[int64_t(j) * p.bias_col_stride] == 0) continue;
+      sum += double(q8_load(k + int64_t(j) * p.k_row_stride + c));
+      ++count;
+    }
+    mean[c] = count > 0 ? float(sum / double(count)) : 0.f;
+  }
+}
+
+// grid (key blocks, H_k, B): k8 and k_scale of block blockIdx.x (keys [j0, j0 + block_k))
+template <typename T>
+__global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxParams p) {
+  __shared__ float red[kQ8Threads / 32];
+  const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * p.q8.block_k;
+  const SeqInfo si(p, b);
+  const int n = imin(p.q8.block_k, si.len_k - j0);
+  if (n <= 0) return;  // past this sequence: the forward never reads the block
+  const int64_t off = si.k_offset(p, b, hk, j0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const T* k = static_cast<const T*>(p.k) + off;
+  int8_t* k8 = p.q8.k + off;
+  const uint8_t* mask = q8_key_mask(p, b);
+  const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
+  auto value = [&](int r, int c) {  // k - mean of the block's key r, channel c; 0 where hidden
+    if (mask != nullptr && mask[int64_t(j0 + r) * p.bias_col_stride] == 0) return 0.f;
+    return q8_load(k + int64_t(r) * p.k_row_stride + c) - mean[c];
+  };
+  float amax = 0.f;
+  bool bad = false;
+  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
+    const float x = value(e / p.d, e % p.d);
+    bad |= q8_nonfinite(x);
+    amax = fmaxf(amax, fabsf(x));
+  }
+  amax = q8_block_amax(amax, bad, red);
+  float scale, step;
+  q8_scale_step(amax, &scale, &step);
+  if (threadIdx.x == 0) p.q8.k_scale[(int64_t(b) * p.h_k + hk) * p.q8.nbk + blockIdx.x] = scale;
+  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
+    const int r = e / p.d, c = e % p.d;
+    k8[int64_t(r) * p.k_row_stride + c] = q8_round(value(r, c), step);
+  }
+}
+
+// grid (query blocks, H, B): q8 and q_scale of block blockIdx.x (rows [i0, i0 + block_q)), and
+// q_mean of its rows
+template <typename T>
+__global__ void __launch_bounds__(kQ8Threads) q8_quant_q_kernel(const SoftmaxParams p) {
+  __shared__ float red[kQ8Threads / 32];
+  const int h = blockIdx.y, b = blockIdx.z, i0 = blockIdx.x * p.q8.block_q;
+  const SeqInfo si(p, b);
+  const int n = imin(p.q8.block_q, si.len_q - i0);
+  if (n <= 0) return;
+  const int hk = h / (p.h / p.h_k);
+  const int64_t off = si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  const T* q = static_cast<const T*>(p.q) + off;
+  int8_t* q8 = p.q8.q + off;
+  float amax = 0.f;
+  bool bad = false;
+  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
+    const float x = q8_load(q + int64_t(e / p.d) * p.q_row_stride + e % p.d);
+    bad |= q8_nonfinite(x);
+    amax = fmaxf(amax, fabsf(x));
+  }
+  amax = q8_block_amax(amax, bad, red);
+  float scale, step;
+  q8_scale_step(amax, &scale, &step);
+  if (threadIdx.x == 0) p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + blockIdx.x] = scale;
+  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
+    const int r = e / p.d, c = e % p.d;
+    q8[int64_t(r) * p.q_row_stride + c] = q8_round(q8_load(q + int64_t(r) * p.q_row_stride + c), step);
+  }
+  // q . mean, one row per thread (d <= 128 products in float64, in channel order)
+  const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
+  for (int r = threadIdx.x; r < n; r += kQ8Threads) {
+    double dot = 0.0;
+    for (int c = 0; c < p.d; ++c) dot += double(q8_load(q + int64_t(r) * p.q_row_stride + c)) * double(mean[c]);
+    p.q8.q_mean[lse_index(p, si, b, h, i0 + r)] = float(dot);
+  }
+}
+
+}  // namespace tc
+}  // namespace attn

@@ -1,0 +1,195 @@
+"""The CUDA forward with the int8 Q.K^T (softmax_fwd_quant on CUDA: softmax/cuda/q8.cuh's quantize
+pass, then fwd_kernel.cuh's FwdQ8 instance on mma.m16n8k32.s8) in the host emulator, sm_80 and
+sm_90, against its float64 oracle reference.qk_int8_scores at the kernel's blocks (one q scale per
+warp's 32 rows, one k scale per key tile: 64 keys at head dim 64, 48 at 128), under the project
+rule on those scores: every mask and score option, GQA, padding (seqlens_k, key masks), varlen,
+dropout, odd lengths; the non-finite rules; the configs the kernel refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_ext.softmax import ops, reference
+from tests.cuda_emu import emulator as cuda_emu
+from tests.helpers import assert_close_fa2
+from tests.softmax import test_cuda as tc
+
+F64 = torch.float64
+ARCHS = (90, 80)
+# (block_q, block_k) of the kernel per head-dim bucket: softmax/cuda/traits.h FwdTraits
+BLOCKS = {64: (32, 64), 128: (32, 48)}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    e = cuda_emu.load()
+    if e is None:
+        pytest.skip(f"CUDA emulator unavailable: {cuda_emu.why}")
+    e.set_cuda_kernels(0, 0, 0, 0, False)
+    e.set_schedule(True, False)
+    return e
+
+
+def make(b, h, hk, sq, sk, d, dtype, *, offset=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g)
+    k = torch.randn(b, hk, sk, d, generator=g) + offset
+    v = torch.randn(b, hk, sk, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def check(emu, q, k, v, arch, what="", **o):
+    """The emulated kernel against the oracle at its blocks; o: test_cuda.call_fwd's options
+    (window_left / window_right, bias, seqlens_k, alibi_slopes, softcap, sinks, dropout_p ...)."""
+    dt = q.dtype
+    out, lse = emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v, **o), "int8", arch)
+    bq, bk = BLOCKS[64 if q.shape[-1] <= 64 else 128]
+    rkw = dict(scale=o.get("scale"), window=(o.get("window_left", -1), o.get("window_right", -1)),
+               bottom_right=o.get("bottom_right", False), bias=o.get("bias"), seqlens_k=o.get("seqlens_k"),
+               alibi_slopes=o.get("alibi_slopes"), softcap=o.get("softcap", 0.0), sinks=o.get("sinks"))
+    dmask = None
+    if o.get("dropout_p", 0.0) > 0:
+        dmask = reference.dropout_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], o["dropout_p"],
+                                       torch.tensor([o.get("seed", 0), o.get("offset", 0)]))
+        rkw.update(dropout_p=o["dropout_p"], dropout_mask=dmask)
+    x = reference.qk_int8_scores(q, k, seqlens_k=rkw["seqlens_k"],
+                                 valid_keys=reference.key_mask_of(rkw["bias"], q.shape[0], k.shape[2]),
+                                 block_q=bq, block_k=bk)
+
+    def cast(kw, t):
+        return {n: (a.to(t) if isinstance(a, torch.Tensor) and a.is_floating_point() else a) for n, a in kw.items()}
+
+    ref, ref_lse = reference.attention(q.to(F64), k.to(F64), v.to(F64), logits=x, **cast(rkw, F64))
+    low, _ = reference.attention(q, k, v, logits=x.to(dt), **cast(rkw, dt))
+    _, lse32 = reference.attention(q.float(), k.float(), v.float(), logits=x.float(), **cast(rkw, torch.float32))
+    assert out.dtype == dt and out.shape == q.shape
+    assert_close_fa2(out, low, ref, dt, f"{what} out")
+    assert_close_fa2(lse, lse32, ref_lse, torch.float32, f"{what} lse")
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 70, 130, 64), (1, 2, 1, 33, 97, 128), (1, 3, 3, 129, 50, 96),
+                                   (2, 2, 1, 1, 1, 16)], ids=["gqa_d64", "mqa_d128", "mha_d96", "one_d16"])
+def test_matches_quantized_oracle(emu, arch, dtype, shape):
+    b, h, hk, sq, sk, d = shape
+    q, k, v = make(b, h, hk, sq, sk, d, dtype, offset=2.0)
+    check(emu, q, k, v, arch, f"{shape}")
+    check(emu, q, k, v, arch, f"{shape} causal", window_left=-1, window_right=0)
+
+
+@pytest.mark.parametrize("option", ["window", "bottom_right", "seqlens_k", "key_mask", "bool_mask", "float_mask",
+                                    "alibi", "softcap", "sinks", "dropout"])
+def test_options(emu, option):
+    b, h, hk, sq, sk, d = 2, 4, 2, 77, 150, 64
+    q, k, v = make(b, h, hk, sq, sk, d, torch.bfloat16, offset=1.0, seed=1)
+    o = {}
+    if option == "window":
+        o = dict(window_left=37, window_right=5)
+    elif option == "bottom_right":
+        o = dict(window_left=-1, window_right=0, bottom_right=True)
+    elif option == "seqlens_k":
+        o = dict(seqlens_k=torch.tensor([100, 1], dtype=torch.int32))
+    elif option == "key_mask":  # a bool bias over keys only: its hidden keys leave the mean and scales
+        o = dict(bias=(torch.rand(b, 1, 1, sk) > 0.3).expand(b, 1, 1, sk))
+    elif option == "bool_mask":
+        o = dict(bias=torch.rand(b, 1, sq, sk) > 0.5)
+    elif option == "float_mask":
+        o = dict(bias=torch.randn(1, h, sq, sk))
+    elif option == "alibi":
+        o = dict(alibi_slopes=torch.rand(h), window_left=-1, window_right=0)
+    elif option == "softcap":  # not shift-invariant: q . mean must come back exactly
+        o = dict(softcap=3.0)
+    elif option == "sinks":
+        o = dict(sinks=torch.randn(h))
+    elif option == "dropout":
+        if not ops.HAS_EXT:
+            pytest.skip("the dropout reference needs attention_ext's compiled dropout_mask")
+        o = dict(dropout_p=0.3, seed=7)
+    check(emu, q, k, v, 90, option, **o)
+
+
+def test_varlen(emu):
+    """Each sequence its own mean and blocks; rows of a pack addressed through cu_seqlens."""
+    lens_q, lens_k = [5, 0, 70, 33], [7, 3, 130, 33]
+    cq = torch.tensor([0] + lens_q).cumsum(0).int()
+    ck = torch.tensor([0] + lens_k).cumsum(0).int()
+    h, hk, d = 4, 2, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(int(cq[-1]), h, d, generator=g).bfloat16()
+    k = (torch.randn(int(ck[-1]), hk, d, generator=g) + 1.5).bfloat16()
+    v = torch.randn(int(ck[-1]), hk, d, generator=g).bfloat16()
+    pack = lambda t: t.transpose(0, 1)[None]  # noqa: E731  (1, H, total, D), as the op takes a pack
+    out, _ = emu.fwd_quant(pack(q), pack(k), pack(v),
+                           *tc.call_fwd(pack(q), pack(k), pack(v), cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                        max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), window_left=-1,
+                                        window_right=0, bottom_right=True), "int8", 90)
+    for i in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cq[i]), int(cq[i + 1]), int(ck[i]), int(ck[i + 1])
+        if q1 == q0:
+            continue
+        one = lambda t, a, z: t[a:z].transpose(0, 1)[None].contiguous()  # noqa: E731
+        want = check(emu, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1), 90, f"seq {i}", window_left=-1,
+                     window_right=0, bottom_right=True)
+        torch.testing.assert_close(out[0, :, q0:q1], want[0], atol=0, rtol=0)
+
+
+def test_padding_keys_reach_nothing(emu):
+    """Keys past seqlens_k and keys a key mask hides may hold NaN: the mean, the scales and the
+    output do not see them."""
+    q, k, v = make(2, 2, 1, 40, 100, 64, torch.bfloat16, offset=3.0, seed=4)
+    lens = torch.tensor([60, 100], dtype=torch.int32)
+    km = torch.ones(2, 1, 1, 100, dtype=torch.bool)
+    km[1, ..., 10:20] = False
+    want = check(emu, q, k, v, 90, "clean", seqlens_k=lens, bias=km)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 60:] = float("nan")
+    v2[0, :, 60:] = float("nan")
+    k2[1, :, 10:20] = float("nan")
+    out, _ = emu.fwd_quant(q, k2, v2, *tc.call_fwd(q, k2, v2, seqlens_k=lens, bias=km), "int8", 90)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_nonfinite_inputs_show(emu):
+    """As on the CPU: a NaN in a valid key reaches the K mean, so every score of its (sequence, kv
+    head) is NaN, causal rows that never read the key included (docs/known-gaps.md); a NaN in q
+    makes its block's scale NaN: the 32 rows of that warp are NaN, the others are not."""
+    q, k, v = make(1, 1, 1, 70, 130, 64, torch.float16, seed=5)
+    k2 = k.clone()
+    k2[0, 0, 70, 3] = float("nan")
+    for o in ({}, dict(window_left=-1, window_right=0)):
+        out, _ = emu.fwd_quant(q, k2, v, *tc.call_fwd(q, k2, v, **o), "int8", 80)
+        assert out.isnan().all()
+    q2 = q.clone()
+    q2[0, 0, 40, 5] = float("nan")
+    out, _ = emu.fwd_quant(q2, k, v, *tc.call_fwd(q2, k, v), "int8", 80)
+    bad = out[0, 0].isnan().any(-1)
+    assert bad[32:64].all() and not bad[:32].any() and not bad[64:].any()
+
+
+def test_configs_it_refuses(emu):
+    """float32, head dims that are no multiple of 16 or past 128, and block layouts raise
+    NotImplementedError naming what the kernel takes (the Python layer falls back on it)."""
+    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 40), (torch.bfloat16, 256)):
+        q, k, v = make(1, 1, 1, 8, 8, d, dtype)
+        with pytest.raises(NotImplementedError, match="multiple of 16 up to 128"):
+            emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int8", 90)
+    q, k, v = make(1, 1, 1, 8, 8, 64, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="no block_layout"):
+        emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v, block_layout=torch.ones(1, 1, 1, dtype=torch.bool),
+                                            block_size=16), "int8", 90)
+    with pytest.raises(ValueError, match="qk_quant must be None or 'int8'"):
+        emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int4", 90)
+
+
+def test_launch_sequence(emu):
+    """The quantize pass (K mean, K blocks, Q blocks), then the FwdQ8 instance of the mma.sync
+    forward: the int8 products run on mma.m16n8k32.s8 (counted like the 16-bit ones)."""
+    q, k, v = make(1, 2, 1, 64, 128, 64, torch.bfloat16)
+    emu.launches()
+    emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int8", 90)
+    names = emu.launches()
+    assert len(names) == 4, names
+    assert "q8_mean_kernel" in names[0] and "q8_quant_k_kernel" in names[1] and "q8_quant_q_kernel" in names[2]
+    assert "fwd_kernel" in names[3] and "FwdQ8" in names[3]
