@@ -65,7 +65,9 @@ fi
 
 if has test; then
   # the wgmma forward's tests run in the hopper stage
-  timeout 300 python3 -m pytest tests/softmax/test_cuda.py -k "not hopper" -q -rf -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
+  # (and the int8 Q.K^T forward's: tests/softmax/test_qk_int8_cuda.py)
+  timeout 300 python3 -m pytest tests/softmax/test_cuda.py tests/softmax/test_qk_int8_cuda.py -k "not hopper" -q -rf \
+    -p no:cacheprovider --maxfail=40 >"$OUT/test.log" 2>&1
   note "tests: $(tail -1 "$OUT/test.log")"
   grep -E "^FAILED" "$OUT/test.log" | head -15 | tee -a "$SUMMARY" || true
 fi
@@ -237,6 +239,9 @@ if has bench; then
   # decode steps (Sq = 1, KV cache): split-KV heuristic vs num_splits=1 vs SDPA flash, appended
   timeout 240 python3 benchmarks/softmax/bench_cuda.py --decode --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
   note "bench --decode: rc=$?"
+  # the int8 Q.K^T forward (qk_quant) against our bf16 forward and SDPA flash, appended
+  timeout 180 python3 benchmarks/softmax/bench_cuda.py --qk-int8 --md "$OUT/bench.md" >>"$OUT/bench.log" 2>&1
+  note "bench --qk-int8: rc=$?"
 fi
 
 if has tune; then

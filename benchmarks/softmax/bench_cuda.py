@@ -482,6 +482,37 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
             "* = peer computes the unmasked problem\n\n" + "\n".join(lines) + "\n")
 
 
+def qk_int8_rows(device="cuda"):
+    """The int8 Q.K^T forward (softmax_fwd_quant: the quantize pass, then the mma.sync FwdQ8
+    kernel) against our bf16 forward as the default runs it (the wgmma kernel on sm_90), the bf16
+    mma.sync kernel it is built on (hopper_fwd=0) and SDPA flash, at the issue's shapes: B * S =
+    32k, H = 16, D 64 / 128, S 4096 / 8192, causal and not. TFLOP/s count the allowed pairs; x =
+    the other's time / the int8 time (target: >= 1.3x our bf16 forward). Returns markdown."""
+    lines = ["| D | S | causal | int8 TFLOP/s | bf16 default | x | bf16 mma.sync | x | SDPA flash | x |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for d in (128, 64):
+        for s in (4096, 8192):
+            for causal in (False, True):
+                b, h = 32768 // s, 16
+                q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+                           for _ in range(3))
+                o = dict(zip(ops.OPTION_NAMES, options(d, causal)))
+                args = [o[n] for n in ops.OPTION_NAMES]
+                t8 = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd_quant(q, k, v, *args, "int8"))
+                t_def = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args))
+                with hopper_env(0):
+                    t_mma = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args))
+                fns = sdpa_backend_fns(getattr(SDPBackend, "FLASH_ATTENTION", None), q, k, v, q, is_causal=causal)
+                t_sdpa = cuda_time(fns[0]) if fns else float("nan")
+                f = flops(b, h, s, s, d, causal=causal, mode="fwd")
+                lines.append(f"| {d} | {s} | {causal} | {f / t8 / 1e12:.0f} | {f / t_def / 1e12:.0f} | "
+                             f"{ratio(t_def, t8)} | {f / t_mma / 1e12:.0f} | {ratio(t_mma, t8)} | "
+                             f"{f / t_sdpa / 1e12:.0f} | {ratio(t_sdpa, t8)} |")
+                print(lines[-1], flush=True)
+    return "int8 Q.K^T forward (qk_quant), bf16 inputs, H=16, B*S=32k; x = other time / int8 time\n\n" + \
+        "\n".join(lines) + "\n"
+
+
 def kernel_names(fn):
     """The CUDA kernels fn launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -551,6 +582,8 @@ def main():
     ap.add_argument("--ref", action="store_true", help="the reference shape: floors, forward and backward times")
     ap.add_argument("--options", action="store_true",
                     help="fp16, deterministic, GQA, window, ALiBi, softcap, sinks, bias, dropout vs SDPA")
+    ap.add_argument("--qk-int8", action="store_true",
+                    help="the int8 Q.K^T forward (qk_quant) vs our bf16 forward and SDPA flash")
     ap.add_argument("--decode", action="store_true",
                     help="decode steps (Sq = 1, KV cache 1k-32k, GQA): split-KV vs unsplit vs SDPA flash")
     args = ap.parse_args()
@@ -563,8 +596,9 @@ def main():
     if args.tune:
         tune(parse_variants(args.fwd_variants), parse_variants(args.bwd_variants))
         return
-    if args.options or args.decode:
-        md = "\n".join(f() for f, on in ((option_rows, args.options), (decode_rows, args.decode)) if on)
+    if args.options or args.decode or args.qk_int8:
+        md = "\n".join(f() for f, on in ((option_rows, args.options), (decode_rows, args.decode),
+                                         (qk_int8_rows, args.qk_int8)) if on)
         if args.md:
             with open(args.md, "a") as f:
                 f.write("\n" + md)

@@ -31,6 +31,10 @@ enum class BiasKind : int32_t {
 // the LSE, ALiBi slopes, an additive bias, sinks, their gradients, scale and softcap. It is
 // float for fp32 / fp16 / bf16 inputs (both backends) and double for float64 inputs (CPU
 // only), so a float64 call is float64 end to end and gradcheck can test it.
+// Keys per partial sum of the CUDA int8 forward's K mean (SoftmaxParamsT::Q8Operands): a long
+// sequence's mean spread over that many CTAs per kv head.
+constexpr int kQ8MeanKeys = 256;
+
 template <typename Acc>
 struct SoftmaxParamsT : QkvParams {
   // (B, H, Sq) Acc, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
@@ -89,7 +93,9 @@ struct SoftmaxParamsT : QkvParams {
   // The CUDA forward's int8 operands, filled by its quantize pass (softmax/cuda/q8.cuh): q8 / k8
   // with q's / k's strides (element offsets as q's / k's); q_scale (B, H, nbq) per q8_block_q
   // rows of a sequence, k_scale (B, H_k, nbk) per q8_block_k keys; q_mean (q . mean of its kv
-  // head) in lse's layout; k_mean (B, H_k, d). Unused (null) elsewhere.
+  // head) in lse's layout; k_mean (B, H_k, d); k_sum / k_count the K mean's float64 partial sums
+  // and key counts per (B, H_k, chunk of kQ8MeanKeys keys, below) (nch chunks). Unused (null)
+  // elsewhere.
   struct Q8Operands {
     int8_t* q;
     int8_t* k;
@@ -97,7 +103,9 @@ struct SoftmaxParamsT : QkvParams {
     float* k_scale;
     float* q_mean;
     float* k_mean;
-    int32_t block_q, block_k, nbq, nbk;
+    double* k_sum;
+    int32_t* k_count;
+    int32_t block_q, block_k, nbq, nbk, nch;
   } q8;
 
   // threads for the CPU backend (0 = the intra-op pool's, cpu/parallel.h)

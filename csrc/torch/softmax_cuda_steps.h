@@ -128,7 +128,10 @@ std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor&
   p.q8.nbk = (p.sk + bk - 1) / bk;
   const int64_t n_qs = int64_t(p.b) * p.h * p.q8.nbq, n_ks = int64_t(p.b) * p.h_k * p.q8.nbk;
   const int64_t n_mean = int64_t(p.b) * p.h_k * p.d;
+  p.q8.nch = (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys;
   Tensor scratch = cuda_scratch(q, size_t(n_qs + n_ks + n_mean), Device::kPoison);
+  Tensor k_sum = at::empty({int64_t(p.b) * p.h_k * p.q8.nch * p.d}, q.options().dtype(at::kDouble));
+  Tensor k_count = at::empty({int64_t(p.b) * p.h_k * p.q8.nch}, q.options().dtype(at::kInt));
   Tensor q_mean = cuda_scratch(q, size_t(lse.numel()), Device::kPoison).view(lse.sizes());
   p.q8.q = q8.data_ptr<int8_t>();
   p.q8.k = k8.data_ptr<int8_t>();
@@ -136,6 +139,8 @@ std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor&
   p.q8.k_scale = p.q8.q_scale + n_qs;
   p.q8.k_mean = p.q8.k_scale + n_ks;
   p.q8.q_mean = q_mean.data_ptr<float>();
+  p.q8.k_sum = k_sum.data_ptr<double>();
+  p.q8.k_count = k_count.data_ptr<int32_t>();
   dev.reads({&q, &k, &v, &q8, &k8});
   run_backend<Device>([&] { dev.fwd_q8(p, dt); });
   return {out, lse};

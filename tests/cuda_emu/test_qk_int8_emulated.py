@@ -71,7 +71,8 @@ def check(emu, q, k, v, arch, what="", **o):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 4, 2, 70, 130, 64), (1, 2, 1, 33, 97, 128), (1, 3, 3, 129, 50, 96),
-                                   (2, 2, 1, 1, 1, 16)], ids=["gqa_d64", "mqa_d128", "mha_d96", "one_d16"])
+                                   (2, 2, 1, 1, 1, 16), (1, 1, 1, 20, 700, 64)],
+                         ids=["gqa_d64", "mqa_d128", "mha_d96", "one_d16", "three_mean_chunks"])
 def test_matches_quantized_oracle(emu, arch, dtype, shape):
     b, h, hk, sq, sk, d = shape
     q, k, v = make(b, h, hk, sq, sk, d, dtype, offset=2.0)
@@ -138,15 +139,17 @@ def test_varlen(emu):
 def test_padding_keys_reach_nothing(emu):
     """Keys past seqlens_k and keys a key mask hides may hold NaN: the mean, the scales and the
     output do not see them."""
-    q, k, v = make(2, 2, 1, 40, 100, 64, torch.bfloat16, offset=3.0, seed=4)
-    lens = torch.tensor([60, 100], dtype=torch.int32)
-    km = torch.ones(2, 1, 1, 100, dtype=torch.bool)
+    q, k, v = make(2, 2, 1, 40, 600, 64, torch.bfloat16, offset=3.0, seed=4)
+    lens = torch.tensor([60, 600], dtype=torch.int32)
+    km = torch.ones(2, 1, 1, 600, dtype=torch.bool)
     km[1, ..., 10:20] = False
+    km[1, ..., 300:520] = False  # most of the second mean chunk
     want = check(emu, q, k, v, 90, "clean", seqlens_k=lens, bias=km)
     k2, v2 = k.clone(), v.clone()
     k2[0, :, 60:] = float("nan")
     v2[0, :, 60:] = float("nan")
     k2[1, :, 10:20] = float("nan")
+    k2[1, :, 300:520] = float("nan")
     out, _ = emu.fwd_quant(q, k2, v2, *tc.call_fwd(q, k2, v2, seqlens_k=lens, bias=km), "int8", 90)
     torch.testing.assert_close(out, want, atol=0, rtol=0)
 

@@ -322,7 +322,7 @@ def test_opcheck():
 
 
 def test_cuda_fallback_rules_and_reference(monkeypatch):
-    """Where no kernel runs the op (CUDA today), the call checks the op's C++ rules on meta copies
+    """Where no kernel runs the op, the call checks the op's C++ rules on meta copies
     and runs reference.attention_qk_int8: exercised here by hiding the CPU kernel."""
     monkeypatch.setattr(ops, "has_quant_kernel", lambda device: False)
     q, k, v = make(1, 2, 1, 60, 90, 32, torch.float32, offset=1.0)
@@ -333,6 +333,30 @@ def test_cuda_fallback_rules_and_reference(monkeypatch):
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="qk_quant must be None or 'int8'"):
         ae.attention(q, k, v, qk_quant="int4")
+
+
+def test_cuda_refusal_falls_back(monkeypatch):
+    """A config the CUDA kernel does not take (float32, a head dim that is no multiple of 16 or past
+    128, a block layout) raises the op's NotImplementedError; attention() then runs the reference
+    with a warning naming why. Exercised on the CPU by standing in for the CUDA op's refusal."""
+    msg = ("attention_ext: qk_quant='int8' on CUDA runs on the tensor-core kernels: float16 / bfloat16 q, k, v "
+           "with a head dim that is a multiple of 16 up to 128, ...")
+
+    def refuse(*a, **kw):
+        raise NotImplementedError(msg)
+    monkeypatch.setattr(ops, "fwd_quant", refuse)
+    q, k, v = make(1, 2, 1, 20, 30, 40, torch.float32, offset=1.0)
+    with pytest.warns(RuntimeWarning, match="multiple of 16 up to 128"):
+        with torch.no_grad():
+            out = ae.attention(q, k, v, qk_quant="int8")
+    ref, _ = reference.attention_qk_int8(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
+
+    def other(*a, **kw):
+        raise NotImplementedError("something else")
+    monkeypatch.setattr(ops, "fwd_quant", other)
+    with pytest.raises(NotImplementedError, match="something else"), torch.no_grad():
+        ae.attention(q, k, v, qk_quant="int8")
 
 
 def test_drop_ins_and_layers():

@@ -305,7 +305,8 @@ void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream) {
   validate(p, "attention fwd (int8 Q.K^T)");
   int bq = 0, bk = 0;
   cuda_fwd_q8_blocks(p, dt, &bq, &bk);
-  if (bq == 0 || p.q8.block_q != bq || p.q8.block_k != bk || p.q8.q == nullptr) {
+  if (bq == 0 || p.q8.block_q != bq || p.q8.block_k != bk || p.q8.q == nullptr ||
+      p.q8.nch != (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys) {
     throw std::runtime_error("attention fwd (int8 Q.K^T): the call's int8 operands were not allocated at "
                              "cuda_fwd_q8_blocks' blocks");
   }

@@ -55,7 +55,8 @@ void cuda_fwd(const SoftmaxParams& p, DType dt, cudaStream_t stream, const FwdSp
 // (fp16 / bf16 q, k, v with the tensor-core rules, head dim a multiple of 16 up to 128, dense,
 // sm_80+). cuda_fwd_q8: writes p.o and p.lse after filling p.q8, which the caller allocated at
 // those blocks (nbq = ceil(sq / block_q), nbk = ceil(sk / block_k); q8 / k8 with q's / k's
-// strides, q_mean in lse's layout, k_mean (B, H_k, d)).
+// strides, q_mean in lse's layout, k_mean (B, H_k, d), k_sum / k_count (B, H_k, nch[, d]) with
+// nch = ceil(sk / kQ8MeanKeys), softmax_params.h).
 void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k);
 void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream);
 

@@ -1,0 +1,75 @@
+"""The CUDA int8 Q.K^T forward (attention(..., qk_quant="int8") on a GPU: softmax/cuda/q8.cuh's
+quantize pass and fwd_kernel.cuh's FwdQ8 instance) against its float64 oracle at the kernel's
+blocks, on real hardware. The same cases run in the CPU emulator in CI
+(tests/cuda_emu/test_qk_int8_emulated.py); here the GPU confirms them. Skipped without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_ext as ae
+from attention_ext.softmax import ops, reference
+from tests.helpers import assert_close_fa2
+
+CUDA = torch.cuda.is_available() and ops.HAS_EXT and ops.has_quant_kernel(torch.device("cuda"))
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a GPU and the compiled CUDA kernels")]
+F64 = torch.float64
+BLOCKS = {64: (32, 64), 128: (32, 48)}  # (block_q, block_k): FwdTraits' warp rows and key tile
+
+
+def oracle_check(q, k, v, what, **kw):
+    with torch.no_grad():
+        out, lse = ae.attention(q, k, v, qk_quant="int8", return_lse=True, **kw)
+    torch.cuda.synchronize()
+    bq, bk = BLOCKS[64 if q.shape[-1] <= 64 else 128]
+    rkw = dict(kw)
+    if rkw.pop("causal", False):
+        rkw["window"] = (-1, 0)
+    x = reference.qk_int8_scores(q.cpu(), k.cpu(), seqlens_k=None if rkw.get("seqlens_k") is None else
+                                 rkw["seqlens_k"].cpu(), block_q=bq, block_k=bk)
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in rkw.items()}
+    ref, ref_lse = reference.attention(q.cpu().to(F64), k.cpu().to(F64), v.cpu().to(F64), logits=x, **cpu)
+    low, _ = reference.attention(q.cpu(), k.cpu(), v.cpu(), logits=x.to(q.dtype), **cpu)
+    _, lse32 = reference.attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), logits=x.float(), **cpu)
+    assert_close_fa2(out.cpu(), low, ref, q.dtype, f"{what} out")
+    assert_close_fa2(lse.cpu(), lse32, ref_lse, torch.float32, f"{what} lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 2, 300, 517, 64), (1, 4, 1, 129, 1000, 128), (2, 2, 2, 64, 48, 96)],
+                         ids=["gqa_d64", "mqa_d128", "mha_d96"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_quantized_oracle(dtype, shape, causal):
+    b, h, hk, sq, sk, d = shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype).cuda()
+    k = (torch.randn(b, hk, sk, d, generator=g) + 2.0).to(dtype).cuda()
+    v = torch.randn(b, hk, sk, d, generator=g).to(dtype).cuda()
+    oracle_check(q, k, v, f"{shape} {dtype}", causal=causal)
+    oracle_check(q, k, v, f"{shape} {dtype} lens", causal=causal,
+                 seqlens_k=torch.tensor([sk // 2] + [sk] * (b - 1), dtype=torch.int32, device="cuda"))
+
+
+def test_accuracy_contract_8k():
+    """The method's contract against exact attention on the GPU's kernel: cosine >= 0.999 and
+    relative L1 <= 2% at 8k keys, keys with a shared offset and outlier channels."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 1024, 128, generator=g)
+    k = torch.randn(1, 4, 8192, 128, generator=g) + 3.0
+    k[..., ::8] += 20.0
+    v = torch.randn(1, 4, 8192, 128, generator=g)
+    with torch.no_grad():
+        out = ae.attention(*(t.bfloat16().cuda() for t in (q, k, v)), qk_quant="int8").double().cpu()
+    ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 128 ** 0.5, -1) @ v.double()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+    l1 = ((out - ref).abs().sum() / ref.abs().sum()).item()
+    assert cos >= 0.999 and l1 <= 0.02, (cos, l1)
+
+
+def test_refused_configs_fall_back():
+    """float32 and d = 40 run the reference with a warning (the kernel's NotImplementedError)."""
+    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 40)):
+        q, k, v = (torch.randn(1, 2, 33, d, device="cuda").to(dtype) for _ in range(3))
+        with pytest.warns(RuntimeWarning, match="reference"), torch.no_grad():
+            out = ae.attention(q, k, v, qk_quant="int8")
+        assert out.shape == q.shape and torch.isfinite(out).all()
