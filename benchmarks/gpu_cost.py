@@ -1230,6 +1230,36 @@ def expected_bwd_mma_flops(s, m, dv, causal, seg, b=1, h=2, states=False) -> Lis
             n * (chunks * f["dkv"] + inner), 0.0, 0.0, 0.0]
 
 
+def report_q8(fits) -> List[str]:
+    """The int8 Q.K^T forward (qk_quant; fwd_kernel.cuh FwdQ8 after q8.cuh's quantize pass),
+    bounded from the measured mma.sync forward it derives from: its S = Q K^T runs on
+    mma.m16n8k32.s8, twice the multiply-adds per instruction of m16n8k16 at the same issue rate,
+    while P V, the softmax and the loads are unchanged. If the tile time were all tensor-core
+    issue, Q K^T's half of it would halve (0.75 x the tile); if the products were hidden under the
+    rest, nothing would change (1.0 x). The quantize pass is DRAM-bound: q read and written as
+    int8 (2 + 1 bytes per element), k read twice (mean, rounding) and written (2 + 2 + 1)."""
+    lines = ["", "## int8 Q.K^T forward (qk_quant): predicted bounds, no GPU run yet", "",
+             "B * S = 32k, H = 16, bf16 in; the mma.sync and wgmma forwards measured 2026-11-24; the int8 "
+             "kernel between 0.75x and 1.0x the mma.sync tile time, plus its quantize pass.", "",
+             "| D | S | causal | quantize pass us | int8 fwd ms (best - worst) | mma.sync bf16 ms | "
+             "x mma.sync bf16 (A100's default path) | x wgmma bf16 (H100's default; target >= 1.3x) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in (64, 128):
+        for s, causal in ((4096, False), (8192, False), (8192, True)):
+            b, h = 32768 // s, 16
+            mma = predict(softmax_launch("mma.sync fwd", fits[("mma.sync fwd", d)], b, h, s, d, causal))["time"]
+            wg = measured_softmax("wgmma fwd", d, s, causal)
+            elems = b * h * s * d
+            quant = LAUNCH_S * 3 + elems * (3 + 5) / COPY_BW
+            best, worst = 0.75 * mma + quant, mma + quant
+            lines.append(f"| {d} | {s} | {causal} | {quant * 1e6:.0f} | {best * 1e3:.2f} - {worst * 1e3:.2f} | "
+                         f"{mma * 1e3:.2f} | {mma / worst:.2f} - {mma / best:.2f}x | {wg / worst:.2f} - {wg / best:.2f}x |")
+    lines += ["", "So the 1.3x target is out of reach on sm_90 for a mma.sync kernel (the default bf16 forward there "
+              "is the wgmma one, 1.4-1.9x the mma.sync rate): it needs an s8 / e4m3 wgmma form. On sm_80, where the "
+              "bf16 default is the mma.sync kernel, the bound is 0.95-1.3x."]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check-counts", action="store_true", help="compare the count formulas with the CPU emulator")
@@ -1237,7 +1267,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fits, lines = calibrate()
     check, worst = check_table(fits)
-    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_sparse_wgmma(fits) + report_lpt(fits) + report_delta() + report_delta_chunk() + NOT_MODELLED
+    lines += check + report_linear() + report_step() + report_decode() + report_options(fits) + report_q8(fits) + report_sparse_wgmma(fits) + report_lpt(fits) + report_delta() + report_delta_chunk() + NOT_MODELLED
     if args.check_counts:
         lines += check_counts()
     text = "\n".join(lines) + "\n"
