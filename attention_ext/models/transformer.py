@@ -191,17 +191,22 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def greedy_decode(self, src: Tensor, src_lengths: Optional[Tensor], bos_id: int, eos_id: int,
-                      max_new_tokens: int, use_cache: bool = True) -> Tensor:
+                      max_new_tokens: int, use_cache: bool = True,
+                      kv_cache_dtype: Optional[torch.dtype] = None) -> Tensor:
         """Greedy decoding. Returns (B, <= max_new_tokens) tokens, eos included; after a
         sequence's EOS it is padded with eos_id. With `use_cache` each step feeds one token
         through preallocated self-attention caches, and the cross-attention K/V of the memory are
-        computed once."""
+        computed once. kv_cache_dtype: torch.int8 or torch.float8_e4m3fn stores both caches in 8
+        bits (a scale per row and kv head; the decode kernel reads them)."""
+        if kv_cache_dtype is not None and (kv_cache_dtype not in (torch.int8, torch.float8_e4m3fn) or not use_cache):
+            raise ValueError(f"greedy_decode: kv_cache_dtype must be None, torch.int8 or torch.float8_e4m3fn (with "
+                             f"use_cache=True), got {kv_cache_dtype}")
         b = src.shape[0]
         memory = self.encode(src, src_lengths)
         out = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)
         done = torch.zeros(b, dtype=torch.bool, device=src.device)
         caches = (self.decoder.allocate_caches(b, max_new_tokens + 1, memory.shape[1], device=src.device,
-                                               dtype=memory.dtype) if use_cache else None)
+                                               dtype=kv_cache_dtype or memory.dtype) if use_cache else None)
         for t in range(max_new_tokens):
             if use_cache:
                 logits = self.decode(out[:, -1:], memory, src_lengths, caches=caches, offset=t)

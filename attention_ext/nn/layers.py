@@ -185,7 +185,8 @@ class KVCache:
     dtype=torch.int8 or torch.float8_e4m3fn stores the rows in 8 bits with a float32 scale per
     row and kv head (k_descale / v_descale, (B, max_len, H_k): amax / 127 or amax / 448 of each
     appended row, as flash_attn_with_kvcache quantizes); `attend` then reads them through the
-    decode kernel. Self-attention only (not `static`).
+    decode kernel: causal self-attention, or a `static` cross-attention memory (its valid lengths
+    as seqlens_k; no key_mask / attn_mask).
     """
 
     def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, *, device=None,
@@ -197,8 +198,6 @@ class KVCache:
         self.quantized = dtype in QMAX
         self.k_descale = self.v_descale = None
         if self.quantized:
-            if static:
-                raise ValueError(f"KVCache: an 8-bit ({dtype}) cache serves self-attention, not a static one")
             self.k_descale = torch.zeros(batch, max_len, n_kv_heads, device=device, dtype=torch.float32)
             self.v_descale = torch.zeros_like(self.k_descale)
 
@@ -219,12 +218,15 @@ class KVCache:
 
     def attend(self, q: Tensor, *, scale: float, causal: bool = True, window: Tuple[int, int] = (-1, -1),
                alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-               softcap: float = 0.0) -> Tensor:
+               softcap: float = 0.0, lengths: Optional[Tensor] = None) -> Tensor:
         """q (B, S_q, H, D), the newest query rows (their keys already appended) -> out
-        (B, S_q, H, D) over the `pos` cached rows by the decode kernel (attention_ext.decode;
+        (B, S_q, H, D) over the `pos` cached rows (or each sequence's first `lengths` (B,) of them:
+        a cross-attention memory's valid lengths) by the decode kernel (attention_ext.decode;
         causal aligned bottom-right, GQA unrepeated), the 8-bit rows with their descales."""
         wl, wr = window_pair(window, causal)
         lens = torch.full((self.k.shape[0],), self.pos, dtype=torch.int32, device=self.k.device)
+        if lengths is not None:
+            lens = torch.minimum(lens, lengths.to(device=lens.device, dtype=torch.int32))
         out, _ = decode_fwd(q, self.k, self.v, cache_seqlens=lens, alibi_slopes=alibi_slopes, sinks=sinks,
                             scale=scale, softcap=softcap, window_left=wl, window_right=wr,
                             k_descale=self.k_descale, v_descale=self.v_descale)
@@ -298,6 +300,9 @@ class Attention(nn.Module):
         if getattr(cache, "paged", False) and not self.cross:
             return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))
         if cache is not None and cache.static and cache.pos > 0:
+            if getattr(cache, "quantized", False):  # an 8-bit memory: the decode kernel reads it
+                out = self._quantized_memory(q, cache, attn_mask, key_mask, seqlens_k)
+                return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             k, v = cache.k[:, : cache.pos], cache.v[:, : cache.pos]  # (B, S_k, H_k, D)
         else:
             sk = src.shape[1]
@@ -307,8 +312,12 @@ class Attention(nn.Module):
             if self.rope is not None:
                 q, k = self.rope(q, offset), self.rope(k, offset)
             if getattr(cache, "quantized", False):
-                out = self._quantized_cache(q, k, v, cache, quant, any(m is not None for m in (attn_mask, key_mask,
-                                                                                              seqlens_k)))
+                if cache.static:  # a cross-attention memory, quantized once, then read like the steps
+                    cache.append(k, v)
+                    out = self._quantized_memory(q, cache, attn_mask, key_mask, seqlens_k)
+                else:
+                    out = self._quantized_cache(q, k, v, cache, quant, any(m is not None for m in (attn_mask, key_mask,
+                                                                                                  seqlens_k)))
                 return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             if cache is not None:
                 k, v = cache.append(k, v)
@@ -366,6 +375,18 @@ class Attention(nn.Module):
             return kernel(q, k, v, **opts, **({"qk_quant": quant} if quant else {}))
         return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal, window=c.window,
                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap)
+
+    def _quantized_memory(self, q: Tensor, cache: KVCache, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
+                          seqlens_k: Optional[Tensor]) -> Tensor:
+        """Attention over a static 8-bit KVCache (a cross-attention memory) by the decode kernel:
+        q (B, S, H, D) -> (B, S, H, D); the memory's valid lengths come as seqlens_k."""
+        c = self.config
+        if attn_mask is not None or key_mask is not None or self.keep_weights or c.dropout and self.training:
+            raise NotImplementedError("an 8-bit static KVCache (a cross-attention memory) is read by the decode "
+                                      "kernel: pass the memory's valid lengths as seqlens_k instead of key_mask / "
+                                      "attn_mask (no dropout or keep_weights), or use a float cache")
+        return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal and not self.cross, window=c.window,
+                            alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap, lengths=seqlens_k)
 
     def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
         """Self-attention through a PagedKVCache (nn/paged_cache.py) over its selected sequences:

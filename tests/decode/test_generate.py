@@ -155,8 +155,6 @@ def test_8bit_contiguous_kvcache(qdt):
     step = k.abs().amax(-1, keepdim=True) / (127 if qdt == torch.int8 else 448)
     tol = 0.5 * step if qdt == torch.int8 else 2.0 ** -4 * k.abs() + step
     assert ((kq.float() * c.k_descale[:, :5, :, None] - k).abs() <= tol * (1 + 1e-6)).all()
-    with pytest.raises(ValueError, match="static"):
-        KVCache(2, 16, 2, 8, dtype=qdt, static=True)
     model = _lm(n_kv_heads=2)
     idx = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(4))
     nll = {}
@@ -170,3 +168,55 @@ def test_8bit_contiguous_kvcache(qdt):
         nll[dtype] = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), idx[:, 1:].reshape(-1))
     assert abs(float(torch.exp(nll[qdt]) / torch.exp(nll[torch.float32])) - 1) < 0.01
     assert not torch.equal(nll[qdt], nll[torch.float32])  # the 8-bit rows were read
+
+
+@pytest.mark.parametrize("qdt", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_8bit_cross_attention_memory(qdt):
+    """A static 8-bit KVCache (a cross-attention memory): quantized once on the first call, then
+    read by the decode kernel on every call (the first included), with the memory's lengths as
+    seqlens_k. Equals the layer over a float cache holding the dequantized memory; key_mask is
+    refused with a message naming seqlens_k; an encoder-decoder's greedy decoding and
+    teacher-forced perplexity through 8-bit caches stay within 1% of the float caches'."""
+    from attention_ext.decode import dequantize_kv
+    from attention_ext.models import Transformer, TransformerConfig
+    from attention_ext.nn import AttentionConfig
+    from attention_ext.nn.layers import Attention, KVCache
+
+    torch.manual_seed(5)
+    layer = Attention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, causal=False), cross=True).eval()
+    mem, x = torch.randn(2, 19, 32), torch.randn(2, 3, 32)
+    lens = torch.tensor([19, 11], dtype=torch.int32)
+    c8 = KVCache(2, 19, 2, 8, dtype=qdt, static=True)
+    with torch.no_grad():
+        first = layer(x, mem, cache=c8, seqlens_k=lens)
+        again = layer(x, mem, cache=c8, seqlens_k=lens)
+        cf = KVCache(2, 19, 2, 8, static=True)
+        cf.k.copy_(dequantize_kv(c8.k, c8.k_descale))
+        cf.v.copy_(dequantize_kv(c8.v, c8.v_descale))
+        cf.pos = 19
+        want = layer(x, mem, cache=cf, seqlens_k=lens)
+    assert c8.pos == 19 and torch.equal(first, again)
+    torch.testing.assert_close(first, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(NotImplementedError, match="seqlens_k"), torch.no_grad():
+        layer(x, mem, cache=c8, key_mask=torch.ones(2, 19, dtype=torch.bool))
+
+    cfg = TransformerConfig(src_vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_encoder_layers=1,
+                            n_decoder_layers=2, d_ff=64, dropout=0.0, max_len=64)
+    model = Transformer(cfg).eval()
+    g = torch.Generator().manual_seed(6)
+    src, tgt = torch.randint(0, 40, (2, 17), generator=g), torch.randint(0, 40, (2, 24), generator=g)
+    src_len = torch.tensor([17, 12])
+    nll = {}
+    with torch.no_grad():
+        memory = model.encode(src, src_len)
+        for dtype in (torch.float32, qdt):
+            caches = model.decoder.allocate_caches(2, 24, 17, dtype=dtype)
+            logits = [model.decode(tgt[:, t:t + 1], memory, src_len, caches=caches, offset=t) for t in range(23)]
+            lg = torch.cat(logits, 1)
+            nll[dtype] = torch.nn.functional.cross_entropy(lg.reshape(-1, 40), tgt[:, 1:].reshape(-1))
+    assert abs(float(torch.exp(nll[qdt]) / torch.exp(nll[torch.float32])) - 1) < 0.01
+    assert not torch.equal(nll[qdt], nll[torch.float32])
+    out = model.greedy_decode(src, src_len, bos_id=1, eos_id=2, max_new_tokens=6, kv_cache_dtype=qdt)
+    assert out.shape[0] == 2 and 1 <= out.shape[1] <= 6
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        model.greedy_decode(src, src_len, 1, 2, 3, kv_cache_dtype=torch.float16)
