@@ -91,11 +91,13 @@ struct SoftmaxParamsT : QkvParams {
   // rounded to int8, q . k summed in int32 (cpu/q8dot.h; CUDA: softmax/cuda/q8.cuh).
   int32_t qk_quant;
   // The CUDA forward's int8 operands, filled by its quantize pass (softmax/cuda/q8.cuh): q8 / k8
-  // with q's / k's strides (element offsets as q's / k's); q_scale (B, H, nbq) per q8_block_q
+  // in q's / k's shapes, contiguous (their own strides below: multiples of d, so every row is
+  // 16-byte aligned, and a k expanded over the batch gets rows of its own per sequence, whose
+  // mean differs with its length); q_scale (B, H, nbq) per q8_block_q
   // rows of a sequence, k_scale (B, H_k, nbk) per q8_block_k keys; q_mean (q . mean of its kv
   // head) in lse's layout; k_mean (B, H_k, d); k_sum / k_count the K mean's float64 partial sums
-  // and key counts per (B, H_k, chunk of kQ8MeanKeys keys, below) (nch chunks). Unused (null)
-  // elsewhere.
+  // and key counts per (B, H_k, chunk of kQ8MeanKeys keys, below) (nch >= 1 chunks; nbk >= 1 too,
+  // so an empty key range still writes its mean). Unused (null) elsewhere.
   struct Q8Operands {
     int8_t* q;
     int8_t* k;
@@ -105,6 +107,8 @@ struct SoftmaxParamsT : QkvParams {
     float* k_mean;
     double* k_sum;
     int32_t* k_count;
+    int64_t q_batch_stride, q_head_stride, q_row_stride;
+    int64_t k_batch_stride, k_head_stride, k_row_stride;
     int32_t block_q, block_k, nbq, nbk, nch;
   } q8;
 

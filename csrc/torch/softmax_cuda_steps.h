@@ -118,17 +118,24 @@ std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor&
                               "float16 / bfloat16 q, k, v with a head dim that is a multiple of 16 up to 128, ",
                               "16-byte aligned rows, no block_layout, on sm_80 or newer; this call (", q.scalar_type(),
                               ", head dim ", p.d, ") has no such kernel");
-  // int8 q / k with q's / k's strides (so their element offsets are q's / k's), the scales, q . mean
-  // in lse's layout and the K means: one float32 scratch
-  Tensor q8 = at::empty_strided(q.sizes(), q.strides(), q.options().dtype(at::kChar));
-  Tensor k8 = at::empty_strided(k.sizes(), k.strides(), k.options().dtype(at::kChar));
+  // int8 q / k in q's / k's shapes, contiguous (rows of d bytes: 16-byte aligned, see
+  // Q8Operands), the scales, q . mean in lse's layout and the K means: one float32 scratch. At
+  // least one key block and mean chunk, so an empty key range still has its mean written.
+  Tensor q8 = at::empty(q.sizes(), q.options().dtype(at::kChar));
+  Tensor k8 = at::empty(k.sizes(), k.options().dtype(at::kChar));
+  p.q8.q_batch_stride = q8.stride(0);
+  p.q8.q_head_stride = q8.stride(1);
+  p.q8.q_row_stride = q8.stride(2);
+  p.q8.k_batch_stride = k8.stride(0);
+  p.q8.k_head_stride = k8.stride(1);
+  p.q8.k_row_stride = k8.stride(2);
   p.q8.block_q = bq;
   p.q8.block_k = bk;
   p.q8.nbq = (p.sq + bq - 1) / bq;
-  p.q8.nbk = (p.sk + bk - 1) / bk;
+  p.q8.nbk = std::max(1, (p.sk + bk - 1) / bk);
   const int64_t n_qs = int64_t(p.b) * p.h * p.q8.nbq, n_ks = int64_t(p.b) * p.h_k * p.q8.nbk;
   const int64_t n_mean = int64_t(p.b) * p.h_k * p.d;
-  p.q8.nch = (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys;
+  p.q8.nch = std::max(1, (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys);
   Tensor scratch = cuda_scratch(q, size_t(n_qs + n_ks + n_mean), Device::kPoison);
   Tensor k_sum = at::empty({int64_t(p.b) * p.h_k * p.q8.nch * p.d}, q.options().dtype(at::kDouble));
   Tensor k_count = at::empty({int64_t(p.b) * p.h_k * p.q8.nch}, q.options().dtype(at::kInt));

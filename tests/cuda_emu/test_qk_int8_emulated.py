@@ -187,12 +187,36 @@ def test_configs_it_refuses(emu):
 
 
 def test_launch_sequence(emu):
-    """The quantize pass (K mean, K blocks, Q blocks), then the FwdQ8 instance of the mma.sync
-    forward: the int8 products run on mma.m16n8k32.s8 (counted like the 16-bit ones)."""
+    """The quantize pass (K partial sums, K mean, K blocks, Q blocks), then the FwdQ8 instance of
+    the mma.sync forward: the int8 products run on mma.m16n8k32.s8."""
     q, k, v = make(1, 2, 1, 64, 128, 64, torch.bfloat16)
     emu.launches()
     emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int8", 90)
     names = emu.launches()
-    assert len(names) == 4, names
-    assert "q8_mean_kernel" in names[0] and "q8_quant_k_kernel" in names[1] and "q8_quant_q_kernel" in names[2]
-    assert "fwd_kernel" in names[3] and "FwdQ8" in names[3]
+    assert len(names) == 5, names
+    for i, name in enumerate(("q8_mean_kernel", "q8_mean_finalize_kernel", "q8_quant_k_kernel", "q8_quant_q_kernel")):
+        assert name in names[i], names
+    assert "fwd_kernel" in names[4] and "FwdQ8" in names[4]
+
+
+def test_strides_empty_keys_and_expanded_k(emu):
+    """Found by review: (1) q / k rows 8 elements past a multiple of 16 (a sliced last dim): the
+    int8 copies are contiguous, so their rows stay 16-byte aligned (with q's strides cp.async read
+    misaligned rows); (2) no keys: out 0 and lse -inf as the 16-bit forward, no empty launch; (3)
+    k expanded over the batch with a length per sequence: each sequence its own mean and blocks
+    (with k's strides the sequences wrote one shared copy)."""
+    q, k, v = make(2, 2, 1, 40, 90, 64, torch.bfloat16, offset=1.0, seed=6)
+    wide = lambda t: torch.cat([t, torch.zeros(*t.shape[:-1], 8, dtype=t.dtype)], -1)[..., :64]  # noqa: E731
+    qs, ks, vs = wide(q), wide(k), wide(v)
+    assert qs.stride(2) == 72
+    want = check(emu, q, k, v, 90, "contiguous", window_left=-1, window_right=0)
+    got, _ = emu.fwd_quant(qs, ks, vs, *tc.call_fwd(qs, ks, vs, window_left=-1, window_right=0), "int8", 90)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    k0, v0 = k[:, :, :0], v[:, :, :0]
+    out, lse = emu.fwd_quant(q, k0, v0, *tc.call_fwd(q, k0, v0), "int8", 80)
+    assert (out == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+    lens = torch.tensor([90, 20], dtype=torch.int32)
+    ke, ve = k[:1].expand(2, -1, -1, -1), v[:1].expand(2, -1, -1, -1)
+    want = check(emu, q, ke.contiguous(), ve.contiguous(), 90, "expanded k", seqlens_k=lens)
+    got, _ = emu.fwd_quant(q, ke, ve, *tc.call_fwd(q, ke, ve, seqlens_k=lens), "int8", 90)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

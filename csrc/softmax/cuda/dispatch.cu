@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
@@ -306,7 +307,8 @@ void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream) {
   int bq = 0, bk = 0;
   cuda_fwd_q8_blocks(p, dt, &bq, &bk);
   if (bq == 0 || p.q8.block_q != bq || p.q8.block_k != bk || p.q8.q == nullptr ||
-      p.q8.nch != (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys) {
+      p.q8.nch != std::max(1, (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys) || p.q8.q_row_stride % 16 != 0 ||
+      p.q8.k_row_stride % 16 != 0) {
     throw std::runtime_error("attention fwd (int8 Q.K^T): the call's int8 operands were not allocated at "
                              "cuda_fwd_q8_blocks' blocks");
   }

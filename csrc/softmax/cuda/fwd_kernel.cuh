@@ -146,20 +146,20 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
   const T* q = q_ptr<T>(p, si, b, h, m0);
   const T* k = k_ptr<T>(p, si, b, hk, 0);
   const T* v = v_ptr<T>(p, si, b, hk, 0);
-  // FwdQ8: q8 / k8 share q's / k's element offsets; rows read as 16-bit pairs (strides are
-  // multiples of 8 on this path)
+  // FwdQ8: q8 / k8 at their own strides (multiples of d, a multiple of 16: every row 16-byte
+  // aligned), rows read as 16-bit pairs
   const uint16_t* q8 = nullptr;
   const uint16_t* k8 = nullptr;
   if constexpr (kQ8) {
-    q8 = reinterpret_cast<const uint16_t*>(p.q8.q + si.q_offset(p, b, h, m0, p.q_batch_stride, p.q_head_stride,
-                                                                 p.q_row_stride));
-    k8 = reinterpret_cast<const uint16_t*>(p.q8.k + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride,
-                                                                 p.k_row_stride));
+    q8 = reinterpret_cast<const uint16_t*>(p.q8.q + si.q_offset(p, b, h, m0, p.q8.q_batch_stride, p.q8.q_head_stride,
+                                                                 p.q8.q_row_stride));
+    k8 = reinterpret_cast<const uint16_t*>(p.q8.k + si.k_offset(p, b, hk, 0, p.q8.k_batch_stride, p.q8.k_head_stride,
+                                                                 p.q8.k_row_stride));
   }
   auto load_k = [&](int n0) {  // key tile n0 into sK
     if constexpr (kQ8) {
-      load_tile_async<kBlockN, kD / 2, kThreads, uint16_t, TileK8>(sK, k8 + int64_t(n0) * (p.k_row_stride / 2),
-                                                                   p.k_row_stride / 2, si.len_k - n0, p.d / 2, tid);
+      load_tile_async<kBlockN, kD / 2, kThreads, uint16_t, TileK8>(sK, k8 + int64_t(n0) * (p.q8.k_row_stride / 2),
+                                                                   p.q8.k_row_stride / 2, si.len_k - n0, p.d / 2, tid);
     } else {
       load_tile_async<kBlockN, kD, kThreads>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride, si.len_k - n0,
                                              p.d, tid);
@@ -207,17 +207,19 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
 
   if (n_lo < n_hi) {
     if constexpr (kQ8) {
-      load_tile_async<kBlockM, kD / 2, kThreads, uint16_t, TileQ8>(sQ, q8, p.q_row_stride / 2, rows_q, p.d / 2, tid);
+      load_tile_async<kBlockM, kD / 2, kThreads, uint16_t, TileQ8>(sQ, q8, p.q8.q_row_stride / 2, rows_q, p.d / 2,
+                                                                   tid);
     } else {
       load_tile_async<kBlockM, kD, kThreads>(sQ, q, p.q_row_stride, rows_q, p.d, tid);
     }
     load_k(key_block(n_hi - 1) * kBlockN);
     cp_async_commit();
   }
-  // FwdQ8: this warp's q scale and each of its rows' q . mean (rows past the sequence: 0)
+  // FwdQ8: this warp's q scale and each of its rows' q . mean (rows past the sequence: 0; a warp
+  // with none reads no scale, which the quantize pass did not write)
   float q8_qs = 0.f, q8_qm[kMT][2];
   if constexpr (kQ8) {
-    q8_qs = p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + (m0 + wm) / p.q8.block_q];
+    if (m0 + wm < si.len_q) q8_qs = p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + (m0 + wm) / p.q8.block_q];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

@@ -7,10 +7,10 @@
 //                      mean of each (sequence, kv head) (float64 as the CPU and
 //                      reference.qk_int8_scores): the smoothing k - mean, which softmax does not
 //                      see, and which takes a shared offset out of the int8 range;
-//   q8_quant_k_kernel  the mean from those partials (each CTA, in chunk order), then (k - mean) to
-//                      int8 per block of block_k keys (the forward's key tile, so one scale per
-//                      tile) and kv head: rint((k - mean) 127 / amax), amax over the block's
-//                      valid keys and d channels;
+//   q8_mean_finalize_kernel  the mean from those partials, in chunk order, per (sequence, kv head);
+//   q8_quant_k_kernel  (k - mean) to int8 per block of block_k keys (the forward's key tile, so
+//                      one scale per tile) and kv head: rint((k - mean) 127 / amax), amax over the
+//                      block's valid keys and d channels;
 //   q8_quant_q_kernel  q to int8 per block of block_q rows (one warp's rows of the forward) and
 //                      head, and q . mean per row (float64), which the scores get back exactly.
 //
@@ -34,7 +34,6 @@ namespace attn {
 namespace tc {
 
 constexpr int kQ8Threads = 128;
-constexpr int kQ8MaxD = 128;      // the head dims the int8 forward takes (dispatch.cu)
 
 // C of two adjacent n-tiles (c[0..3], c[4..7]) += A (16 x 32 int8) times the two 8-column halves
 // (b[0..1], b[2..3]) of one ldmatrix.x4 B fragment: mma_n16's int8 form.
@@ -93,7 +92,7 @@ __device__ __forceinline__ int8_t q8_round(float x, float step) {
 
 // grid (chunks, H_k, B): the float64 sums of each channel over the valid keys of chunk
 // blockIdx.x (kQ8MeanKeys keys; past the sequence: 0) and their count, into k_sum / k_count. The
-// chunks spread a long sequence's mean over many CTAs; q8_k_mean adds them up in chunk order.
+// chunks spread a long sequence's mean over many CTAs; q8_mean_finalize_kernel adds them up.
 template <typename T>
 __global__ void __launch_bounds__(kQ8Threads) q8_mean_kernel(const SoftmaxParams p) {
   const int ch = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -115,37 +114,33 @@ __global__ void __launch_bounds__(kQ8Threads) q8_mean_kernel(const SoftmaxParams
   }
 }
 
-// mean[c] (c < d, in shared memory) of (b, hk) from q8_mean_kernel's partials, summed in chunk
-// order; 0 with no valid key. Ends with a barrier.
-__device__ __forceinline__ void q8_k_mean(const SoftmaxParams& p, int b, int hk, float* mean) {
+// grid (H_k, B): k_mean of (b, hk) from q8_mean_kernel's partials, summed in chunk order; 0 with
+// no valid key. Once per (sequence, kv head), so the K blocks read the mean instead of each
+// re-summing the partials (which would grow as the square of the length).
+__global__ void __launch_bounds__(kQ8Threads) q8_mean_finalize_kernel(const SoftmaxParams p) {
+  const int hk = blockIdx.x, b = blockIdx.y;
   const int64_t part0 = (int64_t(b) * p.h_k + hk) * p.q8.nch;
   int64_t count = 0;
   for (int ch = 0; ch < p.q8.nch; ++ch) count += p.q8.k_count[part0 + ch];
   for (int c = threadIdx.x; c < p.d; c += kQ8Threads) {
     double sum = 0.0;
     for (int ch = 0; ch < p.q8.nch; ++ch) sum += p.q8.k_sum[(part0 + ch) * p.d + c];
-    mean[c] = count > 0 ? float(sum / double(count)) : 0.f;
+    p.q8.k_mean[(int64_t(b) * p.h_k + hk) * p.d + c] = count > 0 ? float(sum / double(count)) : 0.f;
   }
-  __syncthreads();
 }
 
 // grid (key blocks, H_k, B): k8 and k_scale of block blockIdx.x (keys [j0, j0 + block_k))
 template <typename T>
 __global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxParams p) {
   __shared__ float red[kQ8Threads / 32];
-  __shared__ float mean[kQ8MaxD];
   const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * p.q8.block_k;
   const SeqInfo si(p, b);
-  q8_k_mean(p, b, hk, mean);
-  if (blockIdx.x == 0) {  // for q8_quant_q_kernel's q . mean
-    for (int c = threadIdx.x; c < p.d; c += kQ8Threads) p.q8.k_mean[(int64_t(b) * p.h_k + hk) * p.d + c] = mean[c];
-  }
   const int n = imin(p.q8.block_k, si.len_k - j0);
   if (n <= 0) return;  // past this sequence: the forward never reads the block
-  const int64_t off = si.k_offset(p, b, hk, j0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const T* k = static_cast<const T*>(p.k) + off;
-  int8_t* k8 = p.q8.k + off;
+  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, j0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  int8_t* k8 = p.q8.k + si.k_offset(p, b, hk, j0, p.q8.k_batch_stride, p.q8.k_head_stride, p.q8.k_row_stride);
   const uint8_t* mask = q8_key_mask(p, b);
+  const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
   auto value = [&](int r, int c) {  // k - mean of the block's key r, channel c; 0 where hidden
     if (mask != nullptr && mask[int64_t(j0 + r) * p.bias_col_stride] == 0) return 0.f;
     return q8_load(k + int64_t(r) * p.k_row_stride + c) - mean[c];
@@ -163,7 +158,7 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxPar
   if (threadIdx.x == 0) p.q8.k_scale[(int64_t(b) * p.h_k + hk) * p.q8.nbk + blockIdx.x] = scale;
   for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
     const int r = e / p.d, c = e % p.d;
-    k8[int64_t(r) * p.k_row_stride + c] = q8_round(value(r, c), step);
+    k8[int64_t(r) * p.q8.k_row_stride + c] = q8_round(value(r, c), step);
   }
 }
 
@@ -177,9 +172,8 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_q_kernel(const SoftmaxPar
   const int n = imin(p.q8.block_q, si.len_q - i0);
   if (n <= 0) return;
   const int hk = h / (p.h / p.h_k);
-  const int64_t off = si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
-  const T* q = static_cast<const T*>(p.q) + off;
-  int8_t* q8 = p.q8.q + off;
+  const T* q = static_cast<const T*>(p.q) + si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
+  int8_t* q8 = p.q8.q + si.q_offset(p, b, h, i0, p.q8.q_batch_stride, p.q8.q_head_stride, p.q8.q_row_stride);
   float amax = 0.f;
   bool bad = false;
   for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
@@ -193,7 +187,7 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_q_kernel(const SoftmaxPar
   if (threadIdx.x == 0) p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + blockIdx.x] = scale;
   for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
     const int r = e / p.d, c = e % p.d;
-    q8[int64_t(r) * p.q_row_stride + c] = q8_round(q8_load(q + int64_t(r) * p.q_row_stride + c), step);
+    q8[int64_t(r) * p.q8.q_row_stride + c] = q8_round(q8_load(q + int64_t(r) * p.q_row_stride + c), step);
   }
   // q . mean, one row per thread (d <= 128 products in float64, in channel order)
   const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
