@@ -73,3 +73,21 @@ def test_refused_configs_fall_back():
         with pytest.warns(RuntimeWarning, match="reference"), torch.no_grad():
             out = ae.attention(q, k, v, qk_quant="int8")
         assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_strided_rows_and_expanded_k():
+    """Rows 8 elements past a multiple of 16 (a sliced last dim) read as the contiguous call does
+    (the int8 copies are contiguous: 16-byte aligned rows), and k expanded over the batch with a
+    length per sequence gives each sequence its own mean and blocks."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 70, 72, generator=g).bfloat16().cuda() for _ in range(3))
+    qs, ks, vs = (t[..., :64] for t in (q, k, v))
+    with torch.no_grad():
+        got = ae.attention(qs, ks, vs, qk_quant="int8", causal=True)
+        want = ae.attention(*(t.contiguous() for t in (qs, ks, vs)), qk_quant="int8", causal=True)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        lens = torch.tensor([70, 20], dtype=torch.int32, device="cuda")
+        ke, ve = ks[:1].expand(2, -1, -1, -1), vs[:1].expand(2, -1, -1, -1)
+        got = ae.attention(qs, ke, ve, qk_quant="int8", seqlens_k=lens)
+        want = ae.attention(qs, ke.contiguous(), ve.contiguous(), qk_quant="int8", seqlens_k=lens)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
