@@ -47,6 +47,7 @@ uint32_t cpu_features() {
       {__builtin_cpu_supports("avx512vl"), kAvx512vl},   {__builtin_cpu_supports("avx512dq"), kAvx512dq},
       {__builtin_cpu_supports("avx512cd"), kAvx512cd},   {__builtin_cpu_supports("avx512bf16"), kAvx512bf16},
       {__builtin_cpu_supports("avx512vnni"), kAvx512vnni}, {__builtin_cpu_supports("avx512vbmi"), kAvx512vbmi},
+      {__builtin_cpu_supports("avxvnni"), kAvxVnni},
 #if defined(__clang__) || __GNUC__ >= 12  // older compilers know no "avx512fp16" (and define no __AVX512FP16__)
       {__builtin_cpu_supports("avx512fp16"), kAvx512fp16},
 #endif
@@ -61,38 +62,76 @@ bool runs_here(int level) {
   return (built_levels[level]->features & ~have) == 0;
 }
 
-int best() {
-  int b = levels().at(0);  // the lowest built: base (plain x86-64, or the target's baseline)
-  for (int k : levels()) {
-    if (runs_here(k)) b = k;
+// The int8 variants of a level (isa.h's int8_vnni): the level's code, with vpdpbusd in the int8
+// dot products where the CPU has `feature`. Listed after their level.
+struct Variant {
+  const char* name;
+  int slot;
+  uint32_t feature;
+};
+constexpr Variant kVariants[] = {{"avx2vnni", level_index("avx2"), kAvxVnni},
+                                 {"avx512vnni", level_index("avx512"), kAvx512vnni}};
+
+// A choice: a built level, or one of its variants (variant >= 0)
+struct Choice {
+  int slot, variant;
+};
+bool variant_runs_here(const Variant& v) {
+  static const uint32_t have = cpu_features();
+  return built_levels[v.slot] != nullptr && runs_here(v.slot) && (v.feature & ~have) == 0;
+}
+// every choice built, lowest first: each level, then its variants
+const std::vector<Choice>& choices() {
+  static const std::vector<Choice> c = [] {
+    std::vector<Choice> l;
+    for (int k : levels()) {
+      l.push_back({k, -1});
+      for (int i = 0; i < int(sizeof(kVariants) / sizeof(kVariants[0])); ++i) {
+        if (kVariants[i].slot == k) l.push_back({k, i});
+      }
+    }
+    return l;
+  }();
+  return c;
+}
+const char* name_of(const Choice& c) { return c.variant >= 0 ? kVariants[c.variant].name : built_levels[c.slot]->name; }
+bool choice_runs_here(const Choice& c) { return c.variant >= 0 ? variant_runs_here(kVariants[c.variant]) : runs_here(c.slot); }
+
+// the highest choice this CPU runs (a level's variant above the level)
+int best_choice() {
+  int b = 0;
+  for (int i = 0; i < int(choices().size()); ++i) {
+    if (choice_runs_here(choices()[i])) b = i;
   }
   return b;
 }
 
-std::atomic<int>& active_slot() {
-  static std::atomic<int> slot{best()};
-  return slot;
+std::atomic<int>& active_choice() {
+  static std::atomic<int> choice{best_choice()};
+  return choice;
 }
 
 }  // namespace
 
-int active_level() { return active_slot().load(std::memory_order_relaxed); }
+int active_level() { return choices()[active_choice().load(std::memory_order_relaxed)].slot; }
 
-const char* isa() { return built_levels[active_level()]->name; }
+bool int8_vnni() { return choices()[active_choice().load(std::memory_order_relaxed)].variant >= 0; }
+
+const char* isa() { return name_of(choices()[active_choice().load(std::memory_order_relaxed)]); }
 
 int simd_width() { return built_levels[active_level()]->simd_width; }
 
 const char* isa_levels(bool all) {
   static const std::string runnable = [] {
     std::string s;
-    for (int k : levels()) {
-      if (runs_here(k)) s += (s.empty() ? "" : ",") + std::string(built_levels[k]->name);
+    for (const Choice& c : choices()) {
+      if (choice_runs_here(c)) s += (s.empty() ? "" : ",") + std::string(name_of(c));
     }
     return s;
   }();
   static const std::string built = [] {
     std::string s;
-    for (int k : levels()) s += (s.empty() ? "" : ",") + std::string(built_levels[k]->name);
+    for (const Choice& c : choices()) s += (s.empty() ? "" : ",") + std::string(name_of(c));
     return s;
   }();
   return all ? built.c_str() : runnable.c_str();
@@ -100,13 +139,13 @@ const char* isa_levels(bool all) {
 
 const char* set_isa(const char* name) {
   if (name == nullptr || name[0] == '\0') {
-    active_slot().store(best());
+    active_choice().store(best_choice());
     return nullptr;
   }
-  for (int k : levels()) {
-    if (std::strcmp(built_levels[k]->name, name) != 0) continue;
-    if (!runs_here(k)) return "this CPU lacks instructions that level uses";
-    active_slot().store(k);
+  for (int i = 0; i < int(choices().size()); ++i) {
+    if (std::strcmp(name_of(choices()[i]), name) != 0) continue;
+    if (!choice_runs_here(choices()[i])) return "this CPU lacks instructions that level uses";
+    active_choice().store(i);
     return nullptr;
   }
   return "this build has no such level";

@@ -10,6 +10,10 @@
 // int16 and multiply pairs (vpmaddwd: 16
 // multiply-adds per instruction, a float32 FMA's 8); other levels run the integer arithmetic in
 // plain C++. The sums are exact integers, so every level computes the same scores bit for bit.
+// The variants "avx512vnni" (AVX-512 with VNNI but no BF16: Cascade Lake, Ice Lake) and
+// "avx2vnni" (AVX-VNNI, vpdpbusd on 256 bits: Alder Lake and later, Zen 5) run their level's
+// code with vpdpbusd here (isa.h's int8_vnni, at run time; the functions carry the target
+// attribute, since their level's flags do not include the instruction).
 //
 // The unsigned operand is K, stored with a bias of 128 (k + 128 in [1, 255]); Q stays signed, so
 //   sum_c (k_c + 128) q_c = q . k + 128 sum_c q_c
@@ -97,12 +101,22 @@ struct Q8Epilogue {
   const float* add;
 };
 
+// The 512-bit vpdpbusd kernel: built in with AVX512-VNNI's flags (avx512bf16), and under the
+// target attribute at the avx512 level (its "avx512vnni" variant)
 #if defined(__AVX512VNNI__)
+#define ATTN_Q8_VNNI512 1
+#define ATTN_Q8_VNNI512_FN
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_Q8_VNNI512 1
+#define ATTN_Q8_VNNI512_FN __attribute__((target("avx512vnni")))
+#endif
+
+#if defined(ATTN_Q8_VNNI512)
 // C (MR, 16 NV) = epilogue(A (MR, 4 K4) @ B panel (4 K4, 16 NV)): MR x NV int32 accumulators
 // in registers (16 of the 32 zmm at 8 x 2); each channel quad loads NV vectors of B and
 // broadcasts MR words of A, for MR x NV vpdpbusd.
 template <int MR, int NV>
-inline void q8_micro(int K4, const int8_t* __restrict__ A, int64_t lda, const uint8_t* __restrict__ B,
+ATTN_Q8_VNNI512_FN inline void q8_micro(int K4, const int8_t* __restrict__ A, int64_t lda, const uint8_t* __restrict__ B,
                      float* __restrict__ C, int64_t ldc, const Q8Epilogue& e) {
   __m512i acc[MR][NV];
 #pragma GCC unroll 8
@@ -140,6 +154,84 @@ template <int NV>
 inline void q8_rows(int mr, int K4, const int8_t* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc,
                     const Q8Epilogue& e) {
   rows_switch<kQ8MR>(mr, [&](auto m) { q8_micro<decltype(m)::value, NV>(K4, A, lda, B, C, ldc, e); });
+}
+
+// gemm_q8 on the 512-bit kernel. n outer, m inner: the (K, kQ8Panel) panel of B stays in L1
+// while A's rows stream past it.
+inline void gemm_q8_vnni512(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel,
+                            float* C, int64_t ldc, const Q8Epilogue& e) {
+  for (int n0 = 0; n0 < N; n0 += kQ8Panel) {
+    const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel;
+    for (int m0 = 0; m0 < M; m0 += kQ8MR) {
+      const int mr = M - m0 < kQ8MR ? M - m0 : kQ8MR;
+      const Q8Epilogue em{e.corr + m0, e.scale, e.add + m0};
+      if (N - n0 >= kQ8Panel) {
+        q8_rows<2>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+      } else {
+        q8_rows<1>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+      }
+    }
+  }
+}
+#endif
+
+// The 256-bit vpdpbusd kernel (AVX-VNNI) of the avx2 level's "avx2vnni" variant: the panel's 16
+// keys as NV vectors of 8 (one channel quad each; NV = 1 for a tile's last, half-full panel), MR
+// rows of A broadcast a word at a time.
+#if defined(__AVX2__) && !defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_Q8_AVXVNNI 1
+template <int MR, int NV>
+__attribute__((target("avxvnni"))) inline void q8_micro_avxvnni(int K4, const int8_t* __restrict__ A, int64_t lda,
+                                                                 const uint8_t* __restrict__ B, float* __restrict__ C,
+                                                                 int64_t ldc, const Q8Epilogue& e) {
+  static_assert(kQ8Panel == 16, "two 8-key vectors per panel");
+  __m256i acc[MR][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
+  }
+  for (int k = 0; k < K4; ++k) {
+    const uint8_t* b = B + int64_t(k) * 4 * kQ8Panel;
+    __m256i bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * v));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t w;
+      std::memcpy(&w, A + r * lda + 4 * k, 4);
+      const __m256i a = _mm256_set1_epi32(w);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_dpbusd_avx_epi32(acc[r][v], bv[v], a);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(e.scale);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    const __m256i corr = _mm256_set1_epi32(e.corr[r]);
+    const __m256 add = _mm256_set1_ps(e.add[r]);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][v], corr));
+      _mm256_storeu_ps(C + r * ldc + v * 8, _mm256_fmadd_ps(f, sc, add));
+    }
+  }
+}
+
+inline void gemm_q8_avxvnni(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel,
+                            float* C, int64_t ldc, const Q8Epilogue& e) {
+  for (int n0 = 0; n0 < N; n0 += kQ8Panel) {  // N: a multiple of 8, the last panel maybe half full
+    const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel;
+    const bool full = N - n0 >= kQ8Panel;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      const int mr = M - m0 < 4 ? M - m0 : 4;
+      const Q8Epilogue em{e.corr + m0, e.scale, e.add + m0};
+      rows_switch<4>(mr, [&](auto m) {
+        constexpr int MR = decltype(m)::value;
+        if (full) {
+          q8_micro_avxvnni<MR, 2>(K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+        } else {
+          q8_micro_avxvnni<MR, 1>(K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
+        }
+      });
+    }
+  }
 }
 #endif
 
@@ -203,20 +295,13 @@ inline void q8_row_portable(int K4, const int8_t* a, const uint8_t* B, int32_t* 
 inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel, float* C,
                     int64_t ldc, const Q8Epilogue& e) {
 #if defined(__AVX512VNNI__)
-  // n outer, m inner: the (K, kQ8Panel) panel of B stays in L1 while A's rows stream past it
-  for (int n0 = 0; n0 < N; n0 += kQ8Panel) {
-    const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel;
-    for (int m0 = 0; m0 < M; m0 += kQ8MR) {
-      const int mr = M - m0 < kQ8MR ? M - m0 : kQ8MR;
-      const Q8Epilogue em{e.corr + m0, e.scale, e.add + m0};
-      if (N - n0 >= kQ8Panel) {
-        q8_rows<2>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
-      } else {
-        q8_rows<1>(mr, K / 4, A + m0 * lda, lda, b, C + m0 * ldc + n0, ldc, em);
-      }
-    }
-  }
+  gemm_q8_vnni512(M, N, K, A, lda, B, bpanel, C, ldc, e);
 #elif defined(__AVX2__)
+#if defined(ATTN_Q8_VNNI512)
+  if (int8_vnni()) return gemm_q8_vnni512(M, N, K, A, lda, B, bpanel, C, ldc, e);  // "avx512vnni"
+#elif defined(ATTN_Q8_AVXVNNI)
+  if (int8_vnni()) return gemm_q8_avxvnni(M, N, K, A, lda, B, bpanel, C, ldc, e);  // "avx2vnni"
+#endif
   // A widened to int16 once per call (at most 48 rows of K <= 256: small beside the products)
   constexpr int kMaxM = 64, kMaxK = 256;
   if (K > kMaxK) __builtin_trap();  // unreachable under the head-dim rule

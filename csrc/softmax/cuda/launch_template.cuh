@@ -111,7 +111,7 @@ void run_fwd_q8(const SoftmaxParams& p, cudaStream_t stream) {
   check_grid(p.h, p.b, "attention fwd (int8 Q.K^T)");
   ATTN_LAUNCH(tc::q8_mean_kernel<T>, dim3(p.q8.nch, p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
   check_launch("attention int8 Q.K^T: K sums");
-  ATTN_LAUNCH(tc::q8_mean_finalize_kernel, dim3(p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
+  ATTN_LAUNCH(tc::q8_mean_finalize_kernel<T>, dim3(p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
   check_launch("attention int8 Q.K^T: K mean");
   ATTN_LAUNCH(tc::q8_quant_k_kernel<T>, dim3(p.q8.nbk, p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
   check_launch("attention int8 Q.K^T: K blocks");

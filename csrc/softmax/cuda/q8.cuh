@@ -116,7 +116,9 @@ __global__ void __launch_bounds__(kQ8Threads) q8_mean_kernel(const SoftmaxParams
 
 // grid (H_k, B): k_mean of (b, hk) from q8_mean_kernel's partials, summed in chunk order; 0 with
 // no valid key. Once per (sequence, kv head), so the K blocks read the mean instead of each
-// re-summing the partials (which would grow as the square of the length).
+// re-summing the partials (which would grow as the square of the length). A template like the
+// others (on the element type it does not read), so that every instantiation file may hold it.
+template <typename T>
 __global__ void __launch_bounds__(kQ8Threads) q8_mean_finalize_kernel(const SoftmaxParams p) {
   const int hk = blockIdx.x, b = blockIdx.y;
   const int64_t part0 = (int64_t(b) * p.h_k + hk) * p.q8.nch;
