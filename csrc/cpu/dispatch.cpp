@@ -95,7 +95,9 @@ const std::vector<Choice>& choices() {
   return c;
 }
 const char* name_of(const Choice& c) { return c.variant >= 0 ? kVariants[c.variant].name : built_levels[c.slot]->name; }
-bool choice_runs_here(const Choice& c) { return c.variant >= 0 ? variant_runs_here(kVariants[c.variant]) : runs_here(c.slot); }
+bool choice_runs_here(const Choice& c) {
+  return c.variant >= 0 ? variant_runs_here(kVariants[c.variant]) : runs_here(c.slot);
+}
 
 // the highest choice this CPU runs (a level's variant above the level)
 int best_choice() {

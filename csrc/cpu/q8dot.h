@@ -116,7 +116,8 @@ struct Q8Epilogue {
 // in registers (16 of the 32 zmm at 8 x 2); each channel quad loads NV vectors of B and
 // broadcasts MR words of A, for MR x NV vpdpbusd.
 template <int MR, int NV>
-ATTN_Q8_VNNI512_FN inline void q8_micro(int K4, const int8_t* __restrict__ A, int64_t lda, const uint8_t* __restrict__ B,
+ATTN_Q8_VNNI512_FN inline void q8_micro(int K4, const int8_t* __restrict__ A, int64_t lda,
+                                        const uint8_t* __restrict__ B,
                      float* __restrict__ C, int64_t ldc, const Q8Epilogue& e) {
   __m512i acc[MR][NV];
 #pragma GCC unroll 8

@@ -60,6 +60,16 @@ TileIndexTensors attach_tile_index(const Device& dev, P& p, const Options& o, st
   return t;
 }
 
+// dropout's (seed, offset) is a host value read at launch, so a captured graph would replay one
+// mask on every replay. Here, not in Python: a torch.compile'd graph run inside a capture reaches
+// only the op. Every forward's steps check it.
+template <typename Device>
+void check_capture_dropout(const Device& dev, const Options& o) {
+  TORCH_CHECK(!(o.dropout_p > 0.0 && dev.capturing()),
+              "attention_ext: dropout_p > 0 inside a CUDA-graph capture would replay one dropout mask on every "
+              "replay: capture without dropout, or run the step eagerly");
+}
+
 template <typename Device>
 std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, const Tensor& k, const Tensor& v,
                                           const Options& o, int64_t num_splits) {
@@ -67,12 +77,7 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
   check_num_splits(num_splits);
   dev.check_device(q);
   const auto guard = dev.guard(q);
-  // dropout's (seed, offset) is a host value read at launch, so a captured graph would replay one
-  // mask on every replay. Here, not in Python: a torch.compile'd graph run inside a capture
-  // reaches only the op.
-  TORCH_CHECK(!(o.dropout_p > 0.0 && dev.capturing()),
-              "attention_ext: dropout_p > 0 inside a CUDA-graph capture would replay one dropout mask on every "
-              "replay: capture without dropout, or run the step eagerly");
+  check_capture_dropout(dev, o);
   auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
   if (q.numel() == 0) return {out, lse};
   SoftmaxParams p = make_fwd_params<float>(q, k, v, out, lse, o);
@@ -105,9 +110,7 @@ std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor&
   check_inputs(q, k, v, o);
   dev.check_device(q);
   const auto guard = dev.guard(q);
-  TORCH_CHECK(!(o.dropout_p > 0.0 && dev.capturing()),
-              "attention_ext: dropout_p > 0 inside a CUDA-graph capture would replay one dropout mask on every "
-              "replay: capture without dropout, or run the step eagerly");
+  check_capture_dropout(dev, o);
   auto [out, lse] = alloc_fwd_outputs(q, o, Device::kPoison);
   if (q.numel() == 0) return {out, lse};
   SoftmaxParams p = make_fwd_params<float>(q, k, v, out, lse, o);

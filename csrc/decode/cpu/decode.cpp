@@ -120,13 +120,15 @@ inline vec<T> load_cvt(const E* p) {
   } else if constexpr (std::is_same_v<E, F8>) {  // x 2^-8 (kUnit)
 #if defined(__AVX512F__)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbf80)));
+    const __m256i h =
+        _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbf80)));
     const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
     return (vf)_mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
 #elif defined(__AVX2__) && defined(__F16C__)
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xbf80)));
-    const __m256i nan = _mm256_cvtepi8_epi32(_mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f)));
+    const __m256i nan =
+        _mm256_cvtepi8_epi32(_mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f)));
     return (vf)_mm256_blendv_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
                                 _mm256_castsi256_ps(nan));
 #else
@@ -177,13 +179,15 @@ inline __m512i bf16x32(const E* p, int n = 32) {
     return kTail ? _mm512_maskz_loadu_epi16(mask, p) : _mm512_loadu_si512(p);
   } else {
     static_assert(kByte<E>);
-    const __m256i b = kTail ? _mm256_maskz_loadu_epi8(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i b =
+        kTail ? _mm256_maskz_loadu_epi8(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     __m512 lo, hi;
     if constexpr (std::is_same_v<E, I8>) {
       lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
       hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
     } else {
-      const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(int16_t(0xbf80)));
+      const __m512i h =
+          _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(int16_t(0xbf80)));
       lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
       hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     }

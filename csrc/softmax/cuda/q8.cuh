@@ -74,7 +74,9 @@ __device__ __forceinline__ float q8_block_amax(float amax, bool bad, float* red)
   if (lane == 0) red[warp] = v;
   __syncthreads();
   float r = red[0];
-  for (int i = 1; i < kQ8Threads / 32; ++i) r = (r != r || red[i] != red[i]) ? __uint_as_float(0x7fc00000u) : fmaxf(r, red[i]);
+  for (int i = 1; i < kQ8Threads / 32; ++i) {
+    r = (r != r || red[i] != red[i]) ? __uint_as_float(0x7fc00000u) : fmaxf(r, red[i]);
+  }
   __syncthreads();
   return r;
 }
@@ -88,6 +90,28 @@ __device__ __forceinline__ void q8_scale_step(float amax, float* scale, float* s
 __device__ __forceinline__ int8_t q8_round(float x, float step) {
   const float y = rintf(x * step);
   return y == y ? int8_t(fminf(127.f, fmaxf(-127.f, y))) : int8_t(0);
+}
+
+// One block, n rows x d channels of value(r, c), to int8 at dst (row stride ld) with one scale,
+// which thread 0 writes to *scale: the amax pass over the CTA, the scale and step, the rounding.
+template <typename F>
+__device__ __forceinline__ void q8_quantize_block(const F& value, int n, int d, int8_t* dst, int64_t ld,
+                                                  float* scale, float* red) {
+  float amax = 0.f;
+  bool bad = false;
+  for (int e = threadIdx.x; e < n * d; e += kQ8Threads) {
+    const float x = value(e / d, e % d);
+    bad |= q8_nonfinite(x);
+    amax = fmaxf(amax, fabsf(x));
+  }
+  amax = q8_block_amax(amax, bad, red);
+  float sc, step;
+  q8_scale_step(amax, &sc, &step);
+  if (threadIdx.x == 0) *scale = sc;
+  for (int e = threadIdx.x; e < n * d; e += kQ8Threads) {
+    const int r = e / d, c = e % d;
+    dst[int64_t(r) * ld + c] = q8_round(value(r, c), step);
+  }
 }
 
 // grid (chunks, H_k, B): the float64 sums of each channel over the valid keys of chunk
@@ -139,7 +163,8 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxPar
   const SeqInfo si(p, b);
   const int n = imin(p.q8.block_k, si.len_k - j0);
   if (n <= 0) return;  // past this sequence: the forward never reads the block
-  const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, j0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const T* k =
+      static_cast<const T*>(p.k) + si.k_offset(p, b, hk, j0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
   int8_t* k8 = p.q8.k + si.k_offset(p, b, hk, j0, p.q8.k_batch_stride, p.q8.k_head_stride, p.q8.k_row_stride);
   const uint8_t* mask = q8_key_mask(p, b);
   const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
@@ -147,21 +172,8 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxPar
     if (mask != nullptr && mask[int64_t(j0 + r) * p.bias_col_stride] == 0) return 0.f;
     return q8_load(k + int64_t(r) * p.k_row_stride + c) - mean[c];
   };
-  float amax = 0.f;
-  bool bad = false;
-  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
-    const float x = value(e / p.d, e % p.d);
-    bad |= q8_nonfinite(x);
-    amax = fmaxf(amax, fabsf(x));
-  }
-  amax = q8_block_amax(amax, bad, red);
-  float scale, step;
-  q8_scale_step(amax, &scale, &step);
-  if (threadIdx.x == 0) p.q8.k_scale[(int64_t(b) * p.h_k + hk) * p.q8.nbk + blockIdx.x] = scale;
-  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
-    const int r = e / p.d, c = e % p.d;
-    k8[int64_t(r) * p.q8.k_row_stride + c] = q8_round(value(r, c), step);
-  }
+  float* scale = p.q8.k_scale + (int64_t(b) * p.h_k + hk) * p.q8.nbk + blockIdx.x;
+  q8_quantize_block(value, n, p.d, k8, p.q8.k_row_stride, scale, red);
 }
 
 // grid (query blocks, H, B): q8 and q_scale of block blockIdx.x (rows [i0, i0 + block_q)), and
@@ -176,21 +188,9 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_q_kernel(const SoftmaxPar
   const int hk = h / (p.h / p.h_k);
   const T* q = static_cast<const T*>(p.q) + si.q_offset(p, b, h, i0, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
   int8_t* q8 = p.q8.q + si.q_offset(p, b, h, i0, p.q8.q_batch_stride, p.q8.q_head_stride, p.q8.q_row_stride);
-  float amax = 0.f;
-  bool bad = false;
-  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
-    const float x = q8_load(q + int64_t(e / p.d) * p.q_row_stride + e % p.d);
-    bad |= q8_nonfinite(x);
-    amax = fmaxf(amax, fabsf(x));
-  }
-  amax = q8_block_amax(amax, bad, red);
-  float scale, step;
-  q8_scale_step(amax, &scale, &step);
-  if (threadIdx.x == 0) p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + blockIdx.x] = scale;
-  for (int e = threadIdx.x; e < n * p.d; e += kQ8Threads) {
-    const int r = e / p.d, c = e % p.d;
-    q8[int64_t(r) * p.q8.q_row_stride + c] = q8_round(q8_load(q + int64_t(r) * p.q_row_stride + c), step);
-  }
+  auto value = [&](int r, int c) { return q8_load(q + int64_t(r) * p.q_row_stride + c); };
+  float* scale = p.q8.q_scale + (int64_t(b) * p.h + h) * p.q8.nbq + blockIdx.x;
+  q8_quantize_block(value, n, p.d, q8, p.q8.q_row_stride, scale, red);
   // q . mean, one row per thread (d <= 128 products in float64, in channel order)
   const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
   for (int r = threadIdx.x; r < n; r += kQ8Threads) {
