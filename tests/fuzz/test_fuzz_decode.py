@@ -47,11 +47,9 @@ def stored(shape, dtype, storage):
     return view(back), back, inside
 
 
-@at_least(300)
-@given(data=st.data(), paged=st.booleans())
-def test_fuzz_decode(data, paged):
-    draw = data.draw
-    dtype = draw(dtypes)
+def draw_problem(draw):
+    """The problem both decode fuzz tests draw: (B, H_k, H, D, S_q, S_new, causal, window, softcap,
+    alibi, sinks, scale)."""
     b = draw(st.integers(1, 4))
     # now and then 20 kv heads: rows wide enough (H_k * D * element past 4 KB) that the CPU
     # kernel's chunks shrink below 32 keys (kChunkBytes, csrc/decode/cpu/decode.cpp)
@@ -66,6 +64,15 @@ def test_fuzz_decode(data, paged):
     alibi = draw(st.sampled_from([None, "h", "bh"]))
     sinks = draw(st.booleans())
     scale = draw(st.sampled_from([None, 0.3]))
+    return b, hk, h, d, sq, s_new, causal, window, softcap, alibi, sinks, scale
+
+
+@at_least(300)
+@given(data=st.data(), paged=st.booleans())
+def test_fuzz_decode(data, paged):
+    draw = data.draw
+    dtype = draw(dtypes)
+    b, hk, h, d, sq, s_new, causal, window, softcap, alibi, sinks, scale = draw_problem(draw)
     lse_too = draw(st.booleans())
     num_splits = draw(st.sampled_from([0, 1, 3]))
     if paged:
@@ -212,18 +219,7 @@ def test_fuzz_decode_quantized(data, paged):
     qdt = draw(st.sampled_from([torch.int8, torch.float8_e4m3fn]))
     per_row = draw(st.booleans())
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-    b = draw(st.integers(1, 4))
-    hk = draw(st.sampled_from([1, 2, 3, 1, 2, 3, 20]))
-    h = hk * draw(st.integers(1, 4))
-    d = draw(head_dims)
-    sq = draw(st.sampled_from([1, 1, 1, 2, 3, 5, 8, 9]))
-    s_new = draw(st.sampled_from([0, 0, 1, 2, 5]))
-    causal = draw(st.booleans())
-    window = draw(st.sampled_from([(-1, -1), (-1, -1), (7, 0), (0, 0), (30, 2)]))
-    softcap = draw(st.sampled_from([0.0, 0.0, 5.0]))
-    alibi = draw(st.sampled_from([None, "h", "bh"]))
-    sinks = draw(st.booleans())
-    scale = draw(st.sampled_from([None, 0.3]))
+    b, hk, h, d, sq, s_new, causal, window, softcap, alibi, sinks, scale = draw_problem(draw)
     num_splits = draw(st.sampled_from([0, 1, 3]))
     if paged:
         page = draw(st.sampled_from([1, 3, 16, 17, 64]))

@@ -74,6 +74,14 @@ def _window(draw):
     return draw(st.sampled_from([(-1, -1), (-1, 0), (0, 0), (3, 1), (17, 3), (0, -1), (-1, 5), (40, 0)]))
 
 
+def _with_key_mask(bias, key_mask):
+    """The reference's bias for attention()'s attn_mask `bias` and key_mask (B, S_k) together."""
+    if key_mask is None:
+        return bias
+    kb = key_mask.view(key_mask.shape[0], 1, 1, key_mask.shape[1])
+    return kb if bias is None else (bias & kb if bias.dtype == torch.bool else bias.masked_fill(~kb, -math.inf))
+
+
 # ------------------------------------------------------------------ attention()
 def case_attention(data):
     draw = data.draw
@@ -130,10 +138,7 @@ def case_attention(data):
         return to_bhsd(out), lse
 
     def ref_call(L):
-        rb = L[3]
-        if kpm_t is not None:
-            kb = kpm_t.view(b, 1, 1, sk)
-            rb = kb if rb is None else (rb & kb if rb.dtype == torch.bool else rb.masked_fill(~kb, -math.inf))
+        rb = _with_key_mask(L[3], kpm_t)
         return reference.attention(to_bhsd(fq(L[0])), to_bhsd(fk(L[1])), to_bhsd(fv(L[2])), scale=scale,
                                    softcap=softcap, window=(wl, wr), bottom_right=bottom_right, bias=rb,
                                    alibi_slopes=None if slopes is None else slopes.to(L[0].dtype), sinks=L[4],
@@ -416,10 +421,7 @@ def case_qk_int8(data):
     wl, wr = (window[0], 0) if causal else window
     dmask = reference.dropout_mask(b, h, sq, sk, p, torch.tensor([seed, 0])) if p > 0 else None
     to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
-    rb = bias
-    if kpm_t is not None:
-        kb = kpm_t.view(b, 1, 1, sk)
-        rb = kb if rb is None else (rb & kb if rb.dtype == torch.bool else rb.masked_fill(~kb, -math.inf))
+    rb = _with_key_mask(bias, kpm_t)
     with torch.no_grad():
         x = reference.qk_int8_scores(to_bhsd(fq(q)), to_bhsd(fk(k)), seqlens_k=lens_t,
                                      valid_keys=reference.key_mask_of(rb, b, sk))
@@ -432,10 +434,7 @@ def case_qk_int8(data):
         return to_bhsd(out), lse
 
     def ref_call(L):
-        r = L[3]
-        if kpm_t is not None:
-            kb = kpm_t.view(b, 1, 1, sk)
-            r = kb if r is None else (r & kb if r.dtype == torch.bool else r.masked_fill(~kb, -math.inf))
+        r = _with_key_mask(L[3], kpm_t)
         return reference.attention(to_bhsd(fq(L[0])), to_bhsd(fk(L[1])), to_bhsd(fv(L[2])), scale=scale,
                                    softcap=softcap, window=(wl, wr), bottom_right=bottom_right, bias=r,
                                    alibi_slopes=None if slopes is None else slopes.to(L[0].dtype), sinks=L[4],
