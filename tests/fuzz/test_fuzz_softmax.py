@@ -82,10 +82,9 @@ def _with_key_mask(bias, key_mask):
     return kb if bias is None else (bias & kb if bias.dtype == torch.bool else bias.masked_fill(~kb, -math.inf))
 
 
-# ------------------------------------------------------------------ attention()
-def case_attention(data):
-    draw = data.draw
-    dtype = draw(dtypes)
+def _attention_problem(draw, masks):
+    """What attention()'s cases draw alike: (B, H, H_k, S_q, S_k, D, layout, q / k storages,
+    causal, bottom_right, window, mask kind (one of `masks`), key mask?, lengths?, ALiBi, softcap)."""
     b = draw(st.integers(1, 3))
     h, hk = _heads(draw)
     sq, sk, d = draw(lengths), draw(lengths), draw(head_dims)
@@ -94,10 +93,19 @@ def case_attention(data):
     causal = draw(st.booleans())
     bottom_right = draw(st.booleans())
     window = _window(draw)
-    mask = draw(st.sampled_from([None, None, "bool", "float", "float_row"]))
+    mask = draw(st.sampled_from(masks))
     kpm, lens = draw(st.booleans()), draw(st.booleans())
     alibi = draw(st.sampled_from([None, None, "h", "bh"]))
     softcap = draw(st.sampled_from([0.0, 0.0, 2.0, 30.0]))
+    return b, h, hk, sq, sk, d, layout, sq_, sk_, causal, bottom_right, window, mask, kpm, lens, alibi, softcap
+
+
+# ------------------------------------------------------------------ attention()
+def case_attention(data):
+    draw = data.draw
+    dtype = draw(dtypes)
+    (b, h, hk, sq, sk, d, layout, sq_, sk_, causal, bottom_right, window, mask, kpm, lens, alibi,
+     softcap) = _attention_problem(draw, [None, None, "bool", "float", "float_row"])
     sinks = draw(st.booleans())
     p = draw(st.sampled_from([0.0, 0.0, 0.0, 0.25, 0.2, 0.6]))
     scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
@@ -375,18 +383,8 @@ def case_qk_int8(data):
     offset now and then (what the smoothing removes)."""
     draw = data.draw
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-    b = draw(st.integers(1, 3))
-    h, hk = _heads(draw)
-    sq, sk, d = draw(lengths), draw(lengths), draw(head_dims)
-    layout = draw(st.sampled_from(["bhsd", "bshd"]))
-    sq_, sk_ = draw(st.sampled_from(STORAGES)), draw(st.sampled_from(STORAGES + ["expanded"]))
-    causal = draw(st.booleans())
-    bottom_right = draw(st.booleans())
-    window = _window(draw)
-    mask = draw(st.sampled_from([None, None, "bool", "bool_keys", "float", "float_row"]))
-    kpm, lens = draw(st.booleans()), draw(st.booleans())
-    alibi = draw(st.sampled_from([None, None, "h", "bh"]))
-    softcap = draw(st.sampled_from([0.0, 0.0, 2.0, 30.0]))
+    (b, h, hk, sq, sk, d, layout, sq_, sk_, causal, bottom_right, window, mask, kpm, lens, alibi,
+     softcap) = _attention_problem(draw, [None, None, "bool", "bool_keys", "float", "float_row"])
     sinks = draw(st.booleans())
     p = draw(st.sampled_from([0.0, 0.0, 0.0, 0.25]))
     scale = draw(st.sampled_from([None, None, 0.05, 1.0]))
