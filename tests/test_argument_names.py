@@ -751,6 +751,7 @@ SHARD_LAYOUT = {
                                                                                                     shard_layout=s)),
     "distributed.sharding.all_gather_sequence": lambda s: _cp(lambda: ae.distributed.all_gather_sequence(
         _Q, dim=2, shard_layout=s)),
+    "distributed.sharding.shard_work": lambda s: ae.distributed.shard_work(8, 2, s),
 }
 
 

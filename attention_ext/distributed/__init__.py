@@ -6,6 +6,8 @@ whose queries are this rank's shard and whose keys are the whole sequence.
     out_l = cp.context_parallel_attention(q_l, k_l, v_l, causal=True, shard_layout="zigzag")
     out = cp.unshard_sequence(out_l, dim=2, shard_layout="zigzag")  # the full sequence, every rank
 
+Packed documents: pass their global offsets as cu_seqlens (context_parallel_attention, and
+shard_layout="balanced" to shard the pack by work: documents.py, sharding.py).
 `shard_layout` is how the sequence is sharded; `layout` is the tensors' layout ("bhsd" / "bshd"),
 as everywhere in the library. Shard layouts, the padding rule and the collectives: sharding.py.
 The attention: its options (causal, window_size, seq_len, ...: one AttentionOptions, checked
@@ -21,11 +23,13 @@ from .delta import context_parallel_delta_rule_attention
 from .linear import context_parallel_linear_attention
 from .sharding import (
     LAYOUTS,
+    SHARD_LAYOUTS,
     all_gather_sequence,
     global_positions,
     pad_to_multiple,
     sequence_multiple,
     shard_sequence,
+    shard_work,
     unshard_sequence,
 )
 
@@ -40,6 +44,8 @@ __all__ = [
     "global_positions",
     "pad_to_multiple",
     "sequence_multiple",
+    "shard_work",
     "LAYOUTS",
+    "SHARD_LAYOUTS",
     "MODES",
 ]

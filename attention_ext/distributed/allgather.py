@@ -22,6 +22,11 @@ still makes its calls, on 0 rows, so its backward joins the group's reduce-scatt
 Dropout (every path): each call's dropout_coords name its queries' and keys' global positions,
 so the mask is the single process's for the shared seed (sharding.dropout_seed).
 
+Packed documents (cu_seqlens; B = 1): the gathered keys are cut at the documents' end and the
+local queries run the plan of documents.py against them: per run of the shard inside one
+document, its document's keys (causal: up to the run's end, bottom-right, as path 2), every
+unmasked call of a kind in one varlen call; no query meets a key of another document.
+
 The options (causal, window_size, ...) and their checks: options.py; the front door that picks
 this mode: attention.py.
 """
@@ -35,6 +40,7 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
+from . import documents
 from .options import AttentionOptions
 from .sharding import all_gather_sequence, dropout_coords, dropout_seed, global_positions, real_rows
 
@@ -90,6 +96,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
     The entry point (attention.context_parallel_attention) turns them into its result."""
     q, k, v = opts.shards(q, k, v)
     rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
+    docs = opts.documents(q, s, shard_layout)
+    if docs is not None:
+        return _attend_documents(q, k, v, opts, docs, group=group, shard_layout=shard_layout, rank=rank,
+                                 world=world, s=s)
     n = q.shape[2]
     wl, wr = opts.window
     causal, alibi_slopes, dropout_p = opts.causal, opts.alibi_slopes, opts.dropout_p
@@ -139,3 +149,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
         out = torch.nn.functional.pad(out, (0, 0, 0, n - nr))
         lse = torch.nn.functional.pad(lse, (0, n - nr))
     return out, lse
+
+
+def _attend_documents(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, docs: Tuple[int, ...], *,
+                      group: Optional[dist.ProcessGroup], shard_layout: str, rank: int, world: int, s: int
+                      ) -> Tuple[Tensor, Tensor]:
+    """attend() for packed documents (the module docstring): one all-gather, then the plan."""
+    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, shard_layout=shard_layout, cu_seqlens=docs)
+    real = docs[-1]
+    kf, vf = kv[0][:, :, :real], kv[1][:, :, :real]
+    pos = global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout, cu_seqlens=docs)
+    seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
+    h = q.shape[1]
+    wl, wr = opts.window
+    calls = documents.plan(pos, torch.arange(real), docs, wl, wr, opts.alibi_slopes, _ops.acc_dtype(q.dtype),
+                           q.device, dropout=None if seed is None else (h, h, 0))
+    return documents.attend(q, kf, vf, calls, scale=opts.scale, softcap=opts.softcap, sinks=opts.sinks,
+                            alibi=opts.alibi_slopes, dropout_p=opts.dropout_p, seed=seed)

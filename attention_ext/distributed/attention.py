@@ -49,9 +49,9 @@ def context_parallel_attention(
         mode: "allgather" (K/V all-gathered, one collective forward, one backward); "ring" (K/V
             shards circulate rank to rank, P - 1 transfers overlapped with the compute; ring.py);
             "ulysses" (all-to-all from sequence to head shards and back, H % P == 0: ulysses.py).
-        shard_layout: the sequence sharding, "contiguous", "zigzag" or "stripe"
-            (attention_ext.distributed.sharding). A tensor layout given here raises a ValueError
-            that names layout.
+        shard_layout: the sequence sharding, "contiguous", "zigzag", "stripe" or, for packed
+            documents, "balanced" (attention_ext.distributed.sharding). A tensor layout given here
+            raises a ValueError that names layout.
 
     The attention options, keywords only, one AttentionOptions (options.py) for every mode:
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
@@ -71,6 +71,14 @@ def context_parallel_attention(
             the mask is the one attention_ext.attention(..., seed=seed) draws on the whole
             sequence in one process, in every mode, shard_layout and world size. seed=None: group
             rank 0 draws a seed from torch's generator and broadcasts it (one extra collective).
+        cu_seqlens: packed documents: the GLOBAL document offsets of the one sequence (B = 1)
+            the shards come from, int32 / int64 (or a list), the same on every rank; document i
+            is positions [cu_seqlens[i], cu_seqlens[i + 1]) and positions from cu_seqlens[-1] on
+            are padding (seq_len, if given, must equal cu_seqlens[-1]). No query attends a key of
+            another document; causal, window, ALiBi, softcap, sinks, dropout and the LSE mean
+            what they mean in flash_attn_varlen_func on the whole pack in one process (positions
+            restart at each document; dropout is drawn at each document's own coordinates).
+            Every mode and shard_layout; shard_layout="balanced" shards a pack by work.
     Any other keyword raises a TypeError that names it.
 
     _stats: mode="ring" only, private: a dict that receives the call's P2P op count and its

@@ -11,7 +11,9 @@ ulysses.py) then reads the options, and applies them to its shards, through this
 - shards(q, k, v): the shards' checks (sharding.check_shards) and the per-head options against
   them: sinks (H,) on q's device, alibi_slopes (H,) or (B, H);
 - sequence(q, group, shard_layout): the group's rank and size, the padded length S and the real
-  one (seq_len, in [1, S]);
+  one (seq_len, in [1, S]; with cu_seqlens their end);
+- documents(q, S): the packed documents' offsets (cu_seqlens, checked by sharding.check_cu_seqlens)
+  as host ints, with B = 1;
 - window: (left, right) on global positions, causal capping the right side at 0;
 - result(out, lse): the output in the tensors' layout, with the LSE when return_lse.
 
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from .._args import TENSOR_LAYOUT, renamed
 from ..softmax.functional import window_size_pair
-from .sharding import _check_len, _check_tensor_layout, check_shards
+from .sharding import _check_len, _check_tensor_layout, _documents_for, check_shards
 
 __all__ = ["AttentionOptions", "takes_options"]
 
@@ -53,6 +55,7 @@ class AttentionOptions:
     seq_len: Optional[int] = None
     dropout_p: float = 0.0
     seed: Union[int, Tensor, None] = None
+    cu_seqlens: Union[Tensor, Sequence[int], None] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_size", window_size_pair(self.window_size, _FN))  # an (int, int) pair
@@ -105,9 +108,25 @@ class AttentionOptions:
         s = q.shape[2] * world
         _check_len(s, world, shard_layout)
         seq_len = s if self.seq_len is None else self.seq_len
+        docs = self.documents(q, s, shard_layout)
+        if docs is not None:
+            if self.seq_len is not None and self.seq_len != docs[-1]:
+                raise ValueError(f"seq_len ({self.seq_len}) must equal cu_seqlens[-1] ({docs[-1]}), the packed "
+                                 f"documents' end (or be left out)")
+            seq_len = docs[-1]
         if not 0 < seq_len <= s:
-            raise ValueError(f"seq_len must be in [1, {s}] (the padded length), got {seq_len}")
+            what = "cu_seqlens[-1] (the documents' end)" if docs is not None else "seq_len"
+            raise ValueError(f"{what} must be in [1, {s}] (the padded length), got {seq_len}")
         return rank, world, s, seq_len
+
+    def documents(self, q: Tensor, s: int, shard_layout: str) -> Optional[Tuple[int, ...]]:
+        """The packed documents' global offsets (cu_seqlens) as host ints, or None: checked
+        (sharding.check_cu_seqlens) against the padded length s, with q ((B, H, n, D)) of B = 1;
+        shard_layout="balanced" needs them."""
+        if self.cu_seqlens is not None and q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens packs documents into ONE sequence: the shards' batch must be 1, got "
+                             f"{q.shape[0]} (pack every batch row's documents into one sequence)")
+        return _documents_for(shard_layout, self.cu_seqlens, s)
 
     def result(self, out: Tensor, lse: Optional[Tensor]) -> Union[Tensor, Tuple[Tensor, Tensor]]:
         """A mode's (B, H, n, D) output in the tensors' layout, with its (B, H, n) LSE when

@@ -34,6 +34,12 @@ shard does not give; the rectangle plan finds the same savings per shard (zigzag
 mask at all). The plans are made once per call and kept for the backward: with masks, at most
 (1 or B, H, n, n) per shard, the (n, S) of mode="allgather"'s explicit-mask path in all.
 
+Packed documents (cu_seqlens; B = 1): a step's calls are the plan of documents.py for the local
+queries against the visiting shard (runs inside one document, paired by document: no query meets
+a key of another document); a visiting shard that shares no document with the local queries
+(after the window) has no call: the step is skipped. Causal, window and ALiBi run in the kernel
+where a pair of runs ends (or starts) at the same position, else in a mask.
+
 Dropout: every step's kernel call draws its elements' Philox decisions at their GLOBAL (batch,
 head, query position, key position) (the op's dropout_coords, made with the step's plan), from
 one seed the group shares (sharding.dropout_seed): the mask is the single process's for that
@@ -59,7 +65,7 @@ the `stats` dict public.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -67,6 +73,8 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import _default_scale, _rng_state
+from .documents import Call
+from . import documents
 from .options import AttentionOptions, takes_options
 from .sharding import dropout_coords, dropout_seed, global_positions
 
@@ -74,14 +82,10 @@ __all__ = ["ring_attention", "attend"]
 
 
 # ----------------------------------------------------------------------------------- the per-step plan
-class _Step:
+def _Step(i0: int, i1: int, j0: int, j1: int, causal: bool = False, mask: Optional[Tensor] = None) -> Call:
     """One kernel call of the plan: queries [i0, i1) x keys [j0, j1) of the visiting shard,
     causal (top-left, no mask) or an explicit mask (None = every pair allowed)."""
-    __slots__ = ("i0", "i1", "j0", "j1", "causal", "mask", "coords")
-
-    def __init__(self, i0, i1, j0, j1, causal=False, mask=None):
-        self.i0, self.i1, self.j0, self.j1, self.causal, self.mask = i0, i1, j0, j1, causal, mask
-        self.coords = None  # with dropout: the call's global dropout coordinates (sharding.dropout_coords)
+    return Call(slice(i0, i1), slice(j0, j1), window=(-1, 0) if causal else (-1, -1), mask=mask)
 
 
 _DENSE = object()  # _plan_plain's answer when the (n, n) pair matrix is needed after all
@@ -117,7 +121,7 @@ def _plan_plain(pq: Tensor, pk: Tensor, seq_len: int, causal: bool):
 
 
 def _plan(pq: Tensor, pk: Tensor, seq_len: int, wl: int, wr: int, alibi_slopes: Optional[Tensor],
-          acc: torch.dtype, device) -> Optional[_Step]:
+          acc: torch.dtype, device) -> Optional[Call]:
     """The call for queries at global positions pq (n,) against keys at pk (n,) (CPU int64), or
     None when no pair is allowed. See the module docstring for the cases."""
     if alibi_slopes is None and wl < 0 and wr in (-1, 0):
@@ -148,13 +152,30 @@ def _plan(pq: Tensor, pk: Tensor, seq_len: int, wl: int, wr: int, alibi_slopes: 
     return _Step(i0, i1, j0, j1, mask=bias.masked_fill(~sub.to(sl.device), float("-inf")).contiguous())
 
 
-def _options(step: _Step, cfg: dict, sq: int, sk: int) -> dict:
-    """The op's options for one step (no sinks, no ALiBi slopes: both handled around the calls)."""
-    return dict(bias=step.mask, alibi_slopes=None, sinks=None, seqlens_k=None, cu_seqlens_q=None,
-                cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=cfg["scale"], softcap=cfg["softcap"],
-                window_left=-1, window_right=0 if step.causal else -1, bottom_right=False,
-                dropout_p=cfg["dropout_p"], seed=0, offset=0, rng_state=cfg["rng_state"],
-                dropout_coords=step.coords)
+def _options(step: Call, cfg: dict, sq: int, sk: int) -> dict:
+    """The op's options for one call (no sinks: they join once, in the final merge; ALiBi slopes
+    only where the call runs them in the kernel, else they are in its mask)."""
+    dev = cfg["device"]
+    varlen = step.cu_q is not None
+    return dict(bias=step.mask, alibi_slopes=cfg["alibi"] if step.alibi else None, sinks=None, seqlens_k=None,
+                cu_seqlens_q=step.cu_q.to(dev) if varlen else None, cu_seqlens_k=step.cu_k.to(dev) if varlen else None,
+                max_seqlen_q=step.max_q if varlen else sq, max_seqlen_k=step.max_k if varlen else sk,
+                scale=cfg["scale"], softcap=cfg["softcap"], window_left=step.window[0], window_right=step.window[1],
+                bottom_right=step.bottom_right, dropout_p=cfg["dropout_p"], seed=0, offset=0,
+                rng_state=cfg["rng_state"], dropout_coords=step.coords)
+
+
+def _rows(x: Tensor, idx) -> Tensor:
+    """x[:, :, idx] along the sequence dim: a view for a slice, a gather for indices."""
+    return x[:, :, idx] if isinstance(idx, slice) else x.index_select(2, idx.to(x.device))
+
+
+def _add_rows(x: Tensor, idx, y: Tensor) -> None:
+    """x[:, :, idx] += y, in place (indices may repeat: each adds)."""
+    if isinstance(idx, slice):
+        x[:, :, idx] += y
+    else:
+        x.index_add_(2, idx.to(x.device), y.to(x.dtype))
 
 
 # ----------------------------------------------------------------------------------- communication
@@ -165,7 +186,7 @@ class _Timer:
     def __init__(self, on: bool, device: torch.device):
         self.on, self.cuda = on, device.type == "cuda"
         self.wait_s = self.compute_s = 0.0
-        self.ops = self.kv_sends = 0
+        self.ops = self.kv_sends = self.steps = self.calls = 0
 
     def now(self) -> float:
         if self.on and self.cuda:
@@ -211,12 +232,20 @@ class _Ring(torch.autograd.Function):
                 nxt_buf = torch.empty_like(cur)
                 reqs = _post(tm, cur, nxt_buf, nxt, prv, group, kv=True)
             t0 = tm.now()
-            step = cfg["plan"]((rank - t) % world)
-            if step is not None:
-                qs = q[:, :, step.i0:step.i1]
-                ks, vs = cur[0, :, :, step.j0:step.j1], cur[1, :, :, step.j0:step.j1]
+            calls = cfg["plan"]((rank - t) % world)
+            tm.steps += bool(calls)
+            tm.calls += len(calls)
+            for step in calls:
+                qs, ks, vs = _rows(q, step.rows), _rows(cur[0], step.cols), _rows(cur[1], step.cols)
                 o_t, l_t = _ops.fwd(qs, ks, vs, **_options(step, cfg, qs.shape[2], ks.shape[2]))
-                _merge(out[:, :, step.i0:step.i1], lse[:, :, step.i0:step.i1], o_t, l_t)
+                if isinstance(step.rows, slice):
+                    _merge(out[:, :, step.rows], lse[:, :, step.rows], o_t, l_t)
+                else:  # a varlen call's rows (each once): gather, merge, put back
+                    idx = step.rows.to(q.device)
+                    o_r, l_r = out.index_select(2, idx), lse.index_select(2, idx)
+                    _merge(o_r, l_r, o_t, l_t)
+                    out.index_copy_(2, idx, o_r)
+                    lse.index_copy_(2, idx, l_r)
             tm.compute_s += tm.now() - t0
             if reqs is not None:
                 _wait(tm, reqs)
@@ -226,7 +255,7 @@ class _Ring(torch.autograd.Function):
         out = out.to(q.dtype)
         if cfg["stats"] is not None:
             cfg["stats"].update(fwd_p2p_ops=tm.ops, fwd_kv_sends=tm.kv_sends, fwd_wait_s=tm.wait_s,
-                                fwd_compute_s=tm.compute_s)
+                                fwd_compute_s=tm.compute_s, fwd_steps=tm.steps, fwd_calls=tm.calls)
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         return out, lse
@@ -254,19 +283,18 @@ class _Ring(torch.autograd.Function):
                 reqs = _post(tm, cur, nxt_buf, nxt, prv, group, kv=True)
             t0 = tm.now()
             dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)  # this step's pieces, float32
-            step = cfg["plan"]((rank - t) % world)
-            if step is not None:
-                sl = slice(step.i0, step.i1)
-                qs, ks, vs = q[:, :, sl], cur[0, :, :, step.j0:step.j1], cur[1, :, :, step.j0:step.j1]
+            for step in cfg["plan"]((rank - t) % world):
+                sl = step.rows
+                qs, ks, vs = _rows(q, sl), _rows(cur[0], step.cols), _rows(cur[1], step.cols)
                 a = dict(_options(step, cfg, qs.shape[2], ks.shape[2]),
-                         dout=dout[:, :, sl], q=qs, k=ks, v=vs, out=out[:, :, sl], lse=lse[:, :, sl].contiguous(),
+                         dout=_rows(dout, sl), q=qs, k=ks, v=vs, out=_rows(out, sl), lse=_rows(lse, sl).contiguous(),
                          block_layout=None, block_size=0, topk_thr=None, topk_jcut=None,
                          bias_grad=False, deterministic=False,
-                         dlse=None if dlse is None else dlse[:, :, sl].contiguous())
+                         dlse=None if dlse is None else _rows(dlse, sl).contiguous())
                 dq_t, dk_t, dv_t, _, _ = torch.ops.attention_ext.softmax_bwd(*[a[nm] for nm in _ops.BWD_ARGS])
-                dq[:, :, sl] += dq_t
-                dkv[0, :, :, step.j0:step.j1] += dk_t
-                dkv[1, :, :, step.j0:step.j1] += dv_t
+                _add_rows(dq, sl, dq_t)
+                _add_rows(dkv[0], step.cols, dk_t)
+                _add_rows(dkv[1], step.cols, dv_t)
             tm.compute_s += tm.now() - t0
             if dkv_in is not None:  # the accumulator of this shard, from rank - 1's step t - 1
                 _wait(tm, dkv_reqs)
@@ -317,28 +345,37 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
         raise NotImplementedError("mode='ring' gives alibi_slopes no gradient: pass them detached "
                                   "(or use mode='allgather')")
     rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
+    docs = opts.documents(q, s, shard_layout)
     wl, wr = opts.window
     acc = _ops.acc_dtype(q.dtype)
-    pos = [global_positions(s, rank=r, world_size=world, shard_layout=shard_layout) for r in range(world)]
+    pos = [global_positions(s, rank=r, world_size=world, shard_layout=shard_layout, cu_seqlens=docs)
+           for r in range(world)]
     if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc)
-    plans: Dict[int, Optional[_Step]] = {}
+        alibi_slopes = alibi_slopes.detach().to(device=q.device, dtype=acc)
+    plans: Dict[int, List[Call]] = {}
     seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
     rng_state = None if seed is None else _rng_state(seed, None)  # (seed, 0): attention()'s for that seed
+    h = q.shape[1]
 
-    def plan(owner: int) -> Optional[_Step]:  # made once per owner, reused by the backward
-        if owner not in plans:
-            step = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
-            if step is not None and rng_state is not None:  # the step's queries and keys where they are global
-                step.coords = dropout_coords(q.shape[0], q.shape[1], pos[rank][step.i0:step.i1],
-                                             pos[owner][step.j0:step.j1], h_total=q.shape[1], device=q.device)
-            plans[owner] = step
+    def plan(owner: int) -> List[Call]:  # made once per owner, reused by the backward
+        if owner in plans:
+            return plans[owner]
+        if docs is not None:
+            plans[owner] = documents.plan(pos[rank], pos[owner], docs, wl, wr, alibi_slopes, acc, q.device,
+                                          dropout=None if rng_state is None else (h, h, 0))
+            return plans[owner]
+        step = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
+        if step is not None and rng_state is not None:  # the step's queries and keys where they are global
+            step.coords = dropout_coords(q.shape[0], h, pos[rank][step.rows], pos[owner][step.cols], h_total=h,
+                                         device=q.device)
+        plans[owner] = [] if step is None else [step]
         return plans[owner]
 
     scale = opts.scale
     cfg = dict(group=group, world=world, rank=rank, plan=plan, stats=stats, softcap=float(opts.softcap),
                scale=float(scale) if scale is not None else _default_scale(q.shape[3]),
-               dropout_p=float(opts.dropout_p), rng_state=rng_state)
+               dropout_p=float(opts.dropout_p), rng_state=rng_state, device=q.device,
+               alibi=None if alibi_slopes is None else alibi_slopes.reshape(-1).contiguous())
     return _Ring.apply(q, k, v, opts.sinks, cfg)
 
 
@@ -358,8 +395,10 @@ def ring_attention(
 
     stats: a dict that, when given, receives per call fwd_p2p_ops (P2P ops posted: a send and a
     receive per transfer), fwd_kv_sends (K/V shards sent: P - 1), fwd_wait_s (seconds in wait()
-    on transfers), fwd_compute_s (seconds in kernels and merges), and the same bwd_* keys when
-    the backward runs (its P2P ops also carry the dK / dV accumulators: P of them).
+    on transfers), fwd_compute_s (seconds in kernels and merges), fwd_steps (the steps that
+    computed: the others had nothing allowed, e.g. no shared document) and fwd_calls (their
+    kernel calls), and the same bwd_* P2P / time keys when the backward runs (its P2P ops also
+    carry the dK / dV accumulators: P of them).
     """
     opts = AttentionOptions.of("ring_attention()", options, ("group", "shard_layout", "stats"))
     return opts.result(*attend(q, k, v, opts, group=group, shard_layout=shard_layout, stats=stats))

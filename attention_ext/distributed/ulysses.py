@@ -29,6 +29,10 @@ The local attention then sees h query heads over c KV heads, GQA ratio gl. Repli
 index_select, so the backward sums the copies' dK / dV (and the all-to-all returns them to the
 token owners).
 
+Packed documents (cu_seqlens; B = 1): the whole sequence is local, so the local attention is one
+varlen call over the documents (documents.py's plan against every key; with dropout, one call
+per document at its coordinates, the global heads included).
+
 Dropout: the local call draws at the global heads (b * H + j h + local head) and positions
 (already global once the rows are in token order): the single process's mask for the shared seed.
 
@@ -51,6 +55,7 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
+from . import documents
 from .options import AttentionOptions, takes_options
 from .sharding import dropout_coords, dropout_seed, global_positions
 
@@ -121,6 +126,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"the query heads H={hq} must be a multiple of the KV heads H_k={hk}")
     _, _, s, seq_len = opts.sequence(q, group, shard_layout)
+    docs = opts.documents(q, s, shard_layout)
     if b == 0:  # an empty batch (on every rank: B is the group's): nothing to exchange
         out = q * 0 + (k.sum() + v.sum()) * 0  # (0, H, n, D), in the graph of q, k, v
         return out, q.new_zeros(q.shape[:3], dtype=_ops.acc_dtype(q.dtype))
@@ -131,7 +137,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
     sinks = None if opts.sinks is None else opts.sinks[heads]
 
     # received row r * n + i holds global token src[r * n + i]; full[t] = received[inv[t]]
-    src = torch.cat([global_positions(s, rank=r, world_size=world, shard_layout=shard_layout)
+    src = torch.cat([global_positions(s, rank=r, world_size=world, shard_layout=shard_layout, cu_seqlens=docs)
                      for r in range(world)])
     src = src.to(q.device)
     inv = torch.argsort(src)
@@ -155,13 +161,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
     # dropout at the global heads (rows and keys are already global: the identity)
     drop = {}
     seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
-    if seed is not None:
-        sl = qf.shape[2]
-        drop = dict(dropout_p=opts.dropout_p, seed=seed,
-                    dropout_coords=dropout_coords(b, h, torch.arange(sl), torch.arange(sl), h_total=hq,
-                                                  h0=rank * h, device=q.device))
-    out, lse = _attention(qf, kf, vf, scale=opts.scale, causal=opts.causal, window=(wl, wr),
-                          alibi_slopes=alibi_slopes, softcap=opts.softcap, sinks=sinks, return_lse=True, **drop)
+    if docs is not None:
+        every = torch.arange(seq_len)
+        calls = documents.plan(every, every, docs, wl, wr, alibi_slopes, _ops.acc_dtype(q.dtype), q.device,
+                               dropout=None if seed is None else (h, hq, rank * h))
+        out, lse = documents.attend(qf, kf, vf, calls, scale=opts.scale, softcap=opts.softcap, sinks=sinks,
+                                    alibi=alibi_slopes, dropout_p=opts.dropout_p, seed=seed)
+    else:
+        if seed is not None:
+            sl = qf.shape[2]
+            drop = dict(dropout_p=opts.dropout_p, seed=seed,
+                        dropout_coords=dropout_coords(b, h, torch.arange(sl), torch.arange(sl), h_total=hq,
+                                                      h0=rank * h, device=q.device))
+        out, lse = _attention(qf, kf, vf, scale=opts.scale, causal=opts.causal, window=(wl, wr),
+                              alibi_slopes=alibi_slopes, softcap=opts.softcap, sinks=sinks, return_lse=True, **drop)
     if seq_len < s:
         out = torch.nn.functional.pad(out, (0, 0, 0, s - seq_len))
         lse = torch.nn.functional.pad(lse, (0, s - seq_len))

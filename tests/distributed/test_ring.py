@@ -61,6 +61,16 @@ def test_error_does_not_grow_with_ranks():
 
 # -- no process group needed ---------------------------------------------------------------------
 
+def _box(call):
+    """A plan's call as its (i0, i1, j0, j1) box: queries [i0, i1) x keys [j0, j1)."""
+    return call.rows.start, call.rows.stop, call.cols.start, call.cols.stop
+
+
+def _causal(call):
+    """The call runs top-left causal (no mask)."""
+    return call.window == (-1, 0) and not call.bottom_right
+
+
 def _plans(world, shard_layout, s, **kw):
     """{(rank, owner): the step's plan} for every pair of shards."""
     pos = [cp.global_positions(s, rank=r, world_size=world, shard_layout=shard_layout) for r in range(world)]
@@ -76,11 +86,11 @@ def test_plan_zigzag_causal_needs_no_mask():
     for (r, w), st in _plans(4, "zigzag", 4 * n, wr=0).items():
         assert st is not None and st.mask is None
         if r == w:
-            assert st.causal and (st.i0, st.i1, st.j0, st.j1) == (0, n, 0, n)
+            assert _causal(st) and _box(st) == (0, n, 0, n)
         elif w < r:  # the owner's first chunk is seen by every query, its second by none
-            assert (st.i0, st.i1, st.j0, st.j1) == (0, n, 0, n // 2) and not st.causal
+            assert _box(st) == (0, n, 0, n // 2) and not _causal(st)
         else:        # only the second query chunk sees the owner's shard, all of it
-            assert (st.i0, st.i1, st.j0, st.j1) == (n // 2, n, 0, n) and not st.causal
+            assert _box(st) == (n // 2, n, 0, n) and not _causal(st)
 
 
 def test_plan_skips_empty_shards():
@@ -95,13 +105,13 @@ def test_plan_skips_empty_shards():
     p = _plans(4, "contiguous", 32, seq_len=20)  # 20.. are padding: shard 3 is, queries and keys
     assert all((p[r, w] is None) == (w == 3 or r == 3) for r, w in p)
     st = p[0, 2]  # keys 16..19 real: a rectangle of the shard's first 4 keys, no mask
-    assert st.mask is None and (st.i0, st.i1, st.j0, st.j1) == (0, 8, 0, 4)
+    assert st.mask is None and _box(st) == (0, 8, 0, 4)
     st = p[2, 0]  # queries 16..19 real: the padded query rows are never computed
-    assert st.mask is None and (st.i0, st.i1, st.j0, st.j1) == (0, 4, 0, 8)
+    assert st.mask is None and _box(st) == (0, 4, 0, 8)
     st = _plans(4, "stripe", 32, seq_len=30)[0, 3]  # stripe's padding is the last keys of two shards
-    assert st.mask is None and (st.j0, st.j1) == (0, 7)
+    assert st.mask is None and _box(st)[2:] == (0, 7)
     st = _plans(2, "contiguous", 16, wl=2, wr=1)[1, 0]  # a window's edge: a mask on the bounding box
-    assert st.mask is not None and st.mask.dtype == torch.bool and (st.i0, st.i1, st.j0, st.j1) == (0, 2, 6, 8)
+    assert st.mask is not None and st.mask.dtype == torch.bool and _box(st) == (0, 2, 6, 8)
 
 
 @pytest.mark.parametrize("shard_layout", ["contiguous", "zigzag", "stripe"])
@@ -124,8 +134,8 @@ def test_plan_plain_matches_the_pair_matrix(shard_layout, causal):
                         if fast is None or want is None:
                             assert fast is None and want is None, (world, s, seq_len, r, w)
                             continue
-                        assert (fast.i0, fast.i1, fast.j0, fast.j1, fast.causal) == \
-                            (want.i0, want.i1, want.j0, want.j1, want.causal), (world, s, seq_len, r, w)
+                        assert (*_box(fast), _causal(fast)) == \
+                            (*_box(want), _causal(want)), (world, s, seq_len, r, w)
                         assert fast.mask is None and want.mask is None
 
 
