@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_distributed.py                 # DDP, data parallel
     torchrun --nproc-per-node 2 examples/train_distributed.py --cp            # context parallel
     torchrun --nproc-per-node 2 examples/train_distributed.py --fsdp [--cp]   # FSDP2 (fully_shard)
-    python examples/train_distributed.py                                      # one process
+    torchrun --nproc-per-node 2 examples/train_distributed.py --cp --packed   # packed documents
+    python examples/train_distributed.py [--packed]                           # one process
 
 Parallelism (all over the same ranks, P = world size):
 - data parallel (default): the global batch of --batch sequences is split, rank r takes rows
@@ -12,6 +13,12 @@ Parallelism (all over the same ranks, P = world size):
   (attention_ext.distributed.ContextParallel, --shard-layout / --mode); --seq must be a multiple of
   P (2P for zigzag). Attention gathers K/V from the other ranks over a group of its own, so its
   collectives never interleave with DDP's / FSDP's gradient collectives.
+- --packed: each step trains on ONE pack of --seq tokens made of documents of random lengths
+  (cut from the corpus at random places); no token attends, or predicts, across a document's end
+  (its last token's target is ignored) and positions restart at each document. With --cp the
+  ranks shard the pack (cp.with_documents(cu_seqlens); --shard-layout balanced splits it by
+  attention work); in one process each document runs alone. The loss is the mean over the
+  pack's predicted tokens, whichever rank holds them.
 - gradients: DDP (torch.nn.parallel.DistributedDataParallel), or FSDP2
   (torch.distributed.fsdp.fully_shard, each block then the root) with --fsdp. Both AVERAGE the
   gradients over the ranks. Each rank's loss is the mean over its own tokens and every rank holds
@@ -60,7 +67,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--cp", action="store_true", help="context parallel: shard each sequence over the ranks")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--mode", default="allgather", help="context_parallel_attention mode (with --cp)")
-    p.add_argument("--shard-layout", default="zigzag", help="sequence sharding (with --cp): contiguous, zigzag, stripe")
+    p.add_argument("--shard-layout", default="zigzag",
+                   help="sequence sharding (with --cp): contiguous, zigzag, stripe; balanced with --packed")
+    p.add_argument("--packed", action="store_true", help="one pack of documents per step (with --cp or alone)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
     p.add_argument("--seq", type=int, default=64, help="sequence length")
@@ -100,6 +109,38 @@ def get_batch(data: torch.Tensor, step: int, args) -> tuple:
     x = torch.stack([data[s: s + args.seq] for s in starts.tolist()])          # (B, T)
     y = torch.stack([data[s + 1: s + 1 + args.seq] for s in starts.tolist()])  # (B, T)
     return x, y
+
+
+def get_pack(data: torch.Tensor, step: int, args) -> tuple:
+    """The pack of `step`: (1, T) inputs, targets (a document's last token -100: ignored) and the
+    documents' offsets, the same on every rank."""
+    g = torch.Generator().manual_seed(args.seed + 1 + step)
+    cu, xs, ys = [0], [], []
+    while cu[-1] < args.seq:
+        n = min(int(torch.randint(1, args.seq // 2 + 1, (1,), generator=g)), args.seq - cu[-1])
+        s = int(torch.randint(0, data.numel() - n - 1, (1,), generator=g))
+        xs.append(data[s: s + n])
+        ys.append(torch.cat([data[s + 1: s + n], torch.tensor([-100])]))  # nothing after the document's end
+        cu.append(cu[-1] + n)
+    return torch.cat(xs)[None], torch.cat(ys)[None], cu
+
+
+def packed_loss(net, model, x, y, cu, cp, world: int) -> tuple:
+    """(this rank's loss to backward, its share of the global mean): the sum of its token losses
+    over the pack's predicted tokens (times P: DDP / FSDP average the gradients)."""
+    count = int((y != -100).sum()) if cp is None else int((cp.shard(y) != -100).sum())
+    total = count
+    if cp is None:  # one process: each document alone
+        logits = torch.cat([model(x[:, a:e]) for a, e in zip(cu[:-1], cu[1:])], 1)
+        target = y
+    else:
+        logits, target = net(cp.shard(x), context_parallel=cp), cp.shard(y)
+        t = torch.tensor([count], dtype=torch.float64)
+        dist.all_reduce(t)
+        total = int(t.item())
+    s = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
+                                          reduction="sum")
+    return s / total * world, s.detach() / total
 
 
 def wrap(model: torch.nn.Module, args, world: int, device: torch.device) -> torch.nn.Module:
@@ -143,6 +184,8 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
             if args.seq % cp.multiple():
                 raise ValueError(f"--seq {args.seq} must be a multiple of {cp.multiple()} for --cp over {world} "
                                  f"ranks with shard_layout {args.shard_layout!r}")
+        elif args.packed and world > 1:
+            raise ValueError("--packed over several ranks needs --cp (one pack per step, sharded)")
         elif world > 1 and args.batch % world:
             raise ValueError(f"--batch {args.batch} must be a multiple of the world size {world} (data parallel)")
         net = wrap(model, args, world, device)
@@ -150,6 +193,19 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
 
         losses = []
         for step in range(args.steps):
+            if args.packed:
+                x, y, cu = get_pack(data, step, args)
+                pcp = cp.with_documents(cu) if cp is not None else None
+                loss, share = packed_loss(net, model, x.to(device), y.to(device), cu, pcp, world)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if world > 1:
+                    dist.all_reduce(share)  # the global mean over the pack's predicted tokens
+                losses.append(share.item())
+                if rank == 0 and not args.quiet:
+                    print(f"step {step}  loss {losses[-1]:.6f}", flush=True)
+                continue
             x, y = get_batch(data, step, args)
             if cp is not None:  # every rank the whole batch, its shard of each sequence
                 x, y = cp.shard(x), cp.shard(y)  # (B, T / P)

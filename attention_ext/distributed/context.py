@@ -8,6 +8,11 @@ shard_sequence(..., shard_layout=cp.shard_layout), and:
 - applies RoPE / learned positions at the shard's GLOBAL positions (cp.positions(n)).
 Everything else in a block (norms, MLP, projections) is per token and needs no communication.
 
+Packed documents: cp.with_documents(cu_seqlens) is the same setup for one pack (B = 1) of
+documents at those global offsets: attention keeps to each document (context_parallel_attention's
+cu_seqlens), positions (RoPE, learned) restart at each document, and shard() / positions() follow
+shard_layout="balanced" too.
+
 `mode` is passed through untouched, so every mode of context_parallel_attention ("allgather",
 "ring", "ulysses") serves the stack. The sequence must be a multiple of
 sequence_multiple(P, shard_layout) (no padding through the stack: pad the tokens and drop the
@@ -20,8 +25,8 @@ FSDP's average when every rank's loss is its shard's mean) gives the gradient of
 """
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
-from typing import Any, Optional
+from dataclasses import InitVar, dataclass, replace
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -36,12 +41,19 @@ __all__ = ["ContextParallel"]
 class ContextParallel:
     group: Optional[Any] = None       # a torch.distributed ProcessGroup; None = the default (world) group
     mode: str = "allgather"           # context_parallel_attention's mode, passed through
-    shard_layout: str = "zigzag"      # sharding.LAYOUTS: "contiguous", "zigzag", "stripe"
+    shard_layout: str = "zigzag"      # sharding.SHARD_LAYOUTS: "contiguous", "zigzag", "stripe", "balanced"
     layout: InitVar[None] = None      # not read: the sharding is shard_layout (a TypeError says so)
+    cu_seqlens: Optional[Tuple[int, ...]] = None  # packed documents' global offsets (with_documents)
 
     def __post_init__(self, layout: None):
         _no_layout("ContextParallel()", layout)
         _check_layout(self.shard_layout)
+
+    def with_documents(self, cu_seqlens: Union[Tensor, Sequence[int]]) -> "ContextParallel":
+        """This setup for one pack of documents at global offsets cu_seqlens (B = 1; checked
+        against the sequence at use, by sharding.check_cu_seqlens)."""
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens
+        return replace(self, cu_seqlens=tuple(int(x) for x in cu))
 
     @property
     def rank(self) -> int:
@@ -60,11 +72,16 @@ class ContextParallel:
         return sequence_multiple(self.world_size, self.shard_layout)
 
     def positions(self, local_len: int, device: Optional[torch.device] = None) -> Tensor:
-        """(local_len,) int64 global positions of this rank's shard."""
+        """(local_len,) int64 positions of this rank's shard: global, or with documents each
+        token's position inside its document (padding's from cu_seqlens[-1])."""
         pos = global_positions(self.seq_len(local_len), rank=self.rank, world_size=self.world_size,
-                               shard_layout=self.shard_layout)
+                               shard_layout=self.shard_layout, cu_seqlens=self.cu_seqlens)
+        if self.cu_seqlens is not None:
+            starts = torch.tensor(self.cu_seqlens, dtype=torch.int64)
+            pos = pos - starts[torch.searchsorted(starts, pos, right=True) - 1]
         return pos.to(device) if device is not None else pos
 
     def shard(self, x: Tensor, dim: int = 1) -> Tensor:
         """This rank's shard of the full tensor x along `dim` (tokens (B, S) -> (B, n) by default)."""
-        return shard_sequence(x, dim=dim, group=self.group, shard_layout=self.shard_layout)
+        return shard_sequence(x, dim=dim, group=self.group, shard_layout=self.shard_layout,
+                              cu_seqlens=self.cu_seqlens)

@@ -162,12 +162,10 @@ def _varlen_calls(kind: str, pieces: List[Tuple[int, int, int, int]], wl: int, w
                   alibi: Optional[Tensor]) -> List[Call]:
     """Pieces of one kind as varlen calls, no query row twice in a call (a row's pieces merge
     across calls); one piece stays a plain call on slices."""
-    seen: Dict[Tuple[int, int], int] = defaultdict(int)
     layers: List[List[Tuple[int, int, int, int]]] = []
-    for p in pieces:
-        k = seen[(p[0], p[1])]
-        seen[(p[0], p[1])] += 1
-        while len(layers) <= k:
+    for p in pieces:  # the first call none of whose pieces shares a row with this one
+        k = next((i for i, ps in enumerate(layers) if all(p[1] <= o[0] or o[1] <= p[0] for o in ps)), len(layers))
+        if k == len(layers):
             layers.append([])
         layers[k].append(p)
     calls = []
@@ -251,8 +249,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, calls: List[Call], *, scale: Optiona
         outs.append(o)
         lses.append(l)
         rows.append(torch.arange(c.rows.start, c.rows.stop) if isinstance(c.rows, slice) else c.rows)
-    if not calls:  # no real row: zeros in the graph of q, k, v (the backward's collectives still run)
+    if not calls:  # no real row: zeros in the graph of q, k, v, sinks (the backward's collectives still run)
         out = q * 0 + (k.sum() + v.sum()) * 0
+        if sinks is not None:
+            out = out + sinks.sum().to(out.dtype) * 0
         return out, q.new_zeros(q.shape[:3], dtype=acc)
     idx = torch.cat(rows)
     if idx.numel() == n and torch.equal(idx, torch.arange(n)):  # the calls cover the rows in order

@@ -46,7 +46,7 @@ sequence order, which a causal prefix of states cannot express.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ from ..linear.functional import (LinearAttentionState, linear_attention, normali
                                  stabilized_features)
 from ..linear.ops import acc_dtype
 from .._args import TENSOR_LAYOUT, key_padding_mask_renamed, layout_mismatch, not_a_tensor, renamed
-from .sharding import _AllGather, _check_layout, shards_bhsd
+from .sharding import _AllGather, _check_layout, check_cu_seqlens, shards_bhsd
 
 __all__ = ["context_parallel_linear_attention"]
 
@@ -172,6 +172,7 @@ def context_parallel_linear_attention(
     layout: str = "bhsd",
     initial_state: Union[LinearAttentionState, Tensor, None] = None,
     return_state: bool = False,
+    cu_seqlens: Union[Tensor, Sequence[int], None] = None,
     key_padding_mask: None = None,
     qkv_layout: None = None,
 ) -> Union[Tensor, Tuple[Tensor, LinearAttentionState]]:
@@ -204,6 +205,14 @@ def context_parallel_linear_attention(
         return_state: also return the global final state (after the last rank's last token;
             non-causal: initial state plus every key), the same on every rank. Its gradient, like
             the keys', sums over ranks: a loss on it on every rank counts it once per rank.
+        cu_seqlens: packed documents (causal, B = 1): the GLOBAL document offsets of the pack,
+            the same on every rank, with shards of equal length (shard_sequence's contiguous
+            layout; checked after the all-gather). The state resets at every document start (a
+            log-gate of -inf there, exact: the states weight keys by sums of the gates after
+            them), so no document sees another's keys or normalizer, on this rank or an earlier
+            one; positions from cu_seqlens[-1] on are padding (keys that enter nothing, queries
+            that read nothing). initial_state enters the first document; return_state gives the
+            state after the last position.
 
     Returns this rank's output shard in q's layout and dtype (and the state). Communication: one
     all-gather of the (state, log-decay) pairs forward and one reduce-scatter backward, run by
@@ -236,6 +245,21 @@ def context_parallel_linear_attention(
             raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, got "
                              f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
         decay = decay.to(acc)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if cu_seqlens is not None:  # packed documents: a reset (log-gate -inf) at each start, padding masked
+        if not causal:
+            raise ValueError("cu_seqlens needs causal=True (the documents reset a causal state)")
+        if b != 1:
+            raise ValueError(f"cu_seqlens packs documents into ONE sequence: the shards' batch must be 1, got {b}")
+        cu = check_cu_seqlens(cu_seqlens, n * world)
+        off = rank * n
+        pos = torch.arange(off, off + n, device=q.device)
+        # every start, the padding's (cu[-1]) too: padded queries see no document
+        starts = torch.tensor([t for t in cu[1:] if off < t < off + n], dtype=torch.long, device=q.device)
+        reset = torch.isin(pos, starts).view(1, 1, n)
+        decay = (decay if decay is not None else q.new_zeros((b, h, n), dtype=acc)).masked_fill(reset, float("-inf"))
+        real = (pos < cu[-1]).view(1, n)
+        key_mask = real if key_mask is None else key_mask & real
     if key_mask is not None:
         if not isinstance(key_mask, Tensor):
             raise not_a_tensor("key_mask", key_mask)
@@ -277,10 +301,19 @@ def context_parallel_linear_attention(
         new = log_scale.to(acc) if log_scale is not None else 0.0
         s0 = s0 * torch.exp(old - new)[..., None, None]
 
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    # the all-gather: (1, B, H, M Dv' + 1) -> (P, B, H, M Dv' + 1), rank j's pair in row j
-    packed = torch.cat([s_r.reshape(b, h, m * dvp), l_r.unsqueeze(-1)], -1)
-    gathered = _AllGather.apply(packed.unsqueeze(0), group)
+    # the all-gather: (1, B, H, M Dv' + 1) -> (P, B, H, M Dv' + 1), rank j's pair in row j (with
+    # documents one more column, the shard's length, so that every rank sees unequal shards)
+    parts = [s_r.reshape(b, h, m * dvp), l_r.unsqueeze(-1)]
+    if cu_seqlens is not None:
+        parts.append(s_r.new_full((b, h, 1), float(n)))
+    gathered = _AllGather.apply(torch.cat(parts, -1).unsqueeze(0), group)
+    if cu_seqlens is not None:
+        lens = gathered[:, 0, 0, -1].tolist()
+        if any(x != n for x in lens):
+            raise ValueError(f"cu_seqlens needs shards of one length (the documents' offsets are global), got "
+                             f"{[int(x) for x in lens]} tokens per rank: shard with shard_sequence(..., "
+                             f"shard_layout='contiguous')")
+        gathered = gathered[..., :-1]
     states = gathered[..., :-1].reshape(world, b, h, m, dvp)  # S_j
     logd = gathered[..., -1]  # (P, B, H) L_j
 

@@ -355,7 +355,8 @@ class Attention(nn.Module):
         p = c.dropout if self.training else 0.0
         return context_parallel_attention(q, k, v, group=cp.group, mode=cp.mode, shard_layout=cp.shard_layout,
                                           causal=c.causal, window_size=c.window, alibi_slopes=self.alibi_slopes,
-                                          softcap=c.softcap, sinks=self.sinks, layout="bshd", dropout_p=p)
+                                          softcap=c.softcap, sinks=self.sinks, layout="bshd", dropout_p=p,
+                                          cu_seqlens=cp.cu_seqlens)
 
     def _quantized_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, quant: Optional[str],
                          masked: bool) -> Tensor:

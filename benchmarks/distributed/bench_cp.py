@@ -12,7 +12,10 @@ Design:
 - T(rank): P spawned gloo ranks each run context_parallel_attention on its shard, with a barrier
   before every iteration so the ranks start together; a rank's time is the median of its
   iterations, T(rank) the max of those over the ranks (the slowest rank sets the pace);
-- cases: non-causal with the contiguous layout, causal with zigzag (balanced causal work);
+- cases: non-causal with the contiguous layout, causal with zigzag (balanced causal work); and a
+  pack of documents (cu_seqlens), causal: one document of 3/4 of S and S/4 in documents of 32
+  tokens (1 x 6144 + 64 x 32 at S = 8192, a skewed length mix), sharded zigzag and "balanced",
+  against attention_varlen (flash_attn_varlen_func's kernel) on the whole pack in one process;
 - modes: --modes, default every mode in attention_ext.distributed.MODES whose first call does
   not raise NotImplementedError;
 - exposed communication: when context_parallel_attention takes a `_stats` / `stats` dict (ring
@@ -44,7 +47,15 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-CASES = [("non-causal", "contiguous", False), ("causal", "zigzag", True)]  # (name, shard_layout, causal)
+# (name, shard_layout, causal, packed documents)
+CASES = [("non-causal", "contiguous", False, False), ("causal", "zigzag", True, False),
+         ("docs causal", "zigzag", True, True), ("docs causal", "balanced", True, True)]
+
+
+def pack(s):
+    """The documents' offsets: one of 3/4 of s, then s/4 in documents of 32 tokens."""
+    big = 3 * s // 4
+    return [0] + [big + 32 * i for i in range((s - big) // 32)] + [s]
 
 
 # -- spawning (self-contained: the shape of tests/distributed/harness.py) --------------------------
@@ -111,20 +122,28 @@ def single(rank, world, a):
     import attention_ext as ae
 
     q, k, v, do = _inputs(a, a.seq)
+    cu = torch.tensor(pack(a.seq), dtype=torch.int32)
+    mx = int((cu[1:] - cu[:-1]).max())
+    flat = lambda t: t[0].transpose(0, 1)  # noqa: E731  (1, H, S, D) -> (S, H, D)
     out = {}
-    for name, _, causal in CASES:
+    for name, _, causal, docs in CASES:
+        if name in out:
+            continue
         ts = []
         for it in range(a.warmup + a.reps):
             qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
             t0 = time.perf_counter()
-            ae.attention(qr, kr, vr, causal=causal).backward(do)
+            if docs:
+                ae.attention_varlen(flat(qr), flat(kr), flat(vr), cu, cu, mx, mx, causal=causal).backward(flat(do))
+            else:
+                ae.attention(qr, kr, vr, causal=causal).backward(do)
             ts.append(time.perf_counter() - t0)
         out[name] = statistics.median(ts[a.warmup:])
     return out
 
 
 def ranks(rank, world, a, modes):
-    """{(mode, case): (median seconds of this rank, stats)} or {(mode, None): "not built"}."""
+    """{(mode, case, shard_layout): (median seconds of this rank, stats)} or {(mode, None): "not built"}."""
     from attention_ext import distributed as cp
 
     fn = cp.context_parallel_attention
@@ -133,8 +152,9 @@ def ranks(rank, world, a, modes):
     q, k, v, do = _inputs(a, a.seq)
     res = {}
     for mode in modes:
-        for name, layout, causal in CASES:
-            ql, kl, vl, dol = (cp.shard_sequence(t, dim=2, shard_layout=layout) for t in (q, k, v, do))
+        for name, layout, causal, docs in CASES:
+            cu = pack(a.seq) if docs else None
+            ql, kl, vl, dol = (cp.shard_sequence(t, dim=2, shard_layout=layout, cu_seqlens=cu) for t in (q, k, v, do))
             ts, stats = [], []
             try:
                 for it in range(a.warmup + a.reps):
@@ -144,6 +164,8 @@ def ranks(rank, world, a, modes):
                         extra[stats_arg] = {}
                     dist.barrier()
                     t0 = time.perf_counter()
+                    if docs:
+                        extra["cu_seqlens"] = cu
                     fn(qr, kr, vr, mode=mode, shard_layout=layout, causal=causal, **extra).backward(dol)
                     ts.append(time.perf_counter() - t0)
                     if stats_arg is not None and it >= a.warmup:
@@ -151,7 +173,7 @@ def ranks(rank, world, a, modes):
             except NotImplementedError as e:  # raised by every rank alike, before any collective
                 res[(mode, None)] = f"not built: {e}"
                 break
-            res[(mode, name)] = (statistics.median(ts[a.warmup:]), stats)
+            res[(mode, name, layout)] = (statistics.median(ts[a.warmup:]), stats)
     return res
 
 
@@ -172,7 +194,7 @@ def _exposed(stats, t):
 
 
 def main(argv=None):
-    from attention_ext.distributed import MODES
+    from attention_ext.distributed import MODES, shard_work
     from attention_ext.bench import flops
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -193,25 +215,35 @@ def main(argv=None):
     lines = [f"Context-parallel attention efficiency T1 / (P T_rank), fwd+bwd fp32, B=1 H={a.heads} S={a.seq} "
              f"D={a.dim}, P={a.world} gloo ranks, 1 thread per process, median of {a.reps} after {a.warmup} warmup",
              f"({datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__})", "",
-             "| mode | case | T1 (ms) | T rank (ms) | efficiency | GFLOP/s per process | exposed comm |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             f"documents: {len(pack(a.seq)) - 1} (1 x {3 * a.seq // 4} + {(a.seq - 3 * a.seq // 4) // 32} x 32); "
+             f"work imbalance max / mean: " + ", ".join(
+                 f"{lay} {max(w) / (sum(w) / a.world):.2f}" for lay in ("zigzag", "balanced")
+                 for w in [shard_work(a.seq, a.world, lay, pack(a.seq))]), "",
+             "| mode | case | layout | T1 (ms) | T rank (ms) | efficiency | GFLOP/s per process | exposed comm |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
     skipped = []
     for mode in modes:
         if (mode, None) in per_rank[0]:
             skipped.append(f"{mode}: {per_rank[0][(mode, None)]}")
             if not explicit:
                 continue
-        for name, _, causal in CASES:
-            if (mode, name) not in per_rank[0]:
-                lines.append(f"| {mode} | {name} | {t1[name] * 1e3:.1f} | - | - | - | not built |")
+        for name, layout, causal, docs in CASES:
+            key = (mode, name, layout)
+            if key not in per_rank[0]:
+                lines.append(f"| {mode} | {name} | {layout} | {t1[name] * 1e3:.1f} | - | - | - | not built |")
                 continue
-            times = [r[(mode, name)][0] for r in per_rank]
+            times = [r[key][0] for r in per_rank]
             tr = max(times)
             slow = times.index(tr)
             eff = t1[name] / (a.world * tr)
-            gf = flops(1, a.heads, a.seq, a.seq, a.dim, causal=causal, mode="fwd_bwd") / (a.world * tr) / 1e9
-            lines.append(f"| {mode} | {name} | {t1[name] * 1e3:.1f} | {tr * 1e3:.1f} | {eff:.2f} | {gf:.1f} | "
-                         f"{_exposed(per_rank[slow][(mode, name)][1], tr)} |")
+            if docs:  # the documents' causal pairs, as flops() counts a causal square
+                fl = sum(flops(1, a.heads, e - b, e - b, a.dim, causal=True, mode="fwd_bwd")
+                         for b, e in zip(pack(a.seq)[:-1], pack(a.seq)[1:]))
+            else:
+                fl = flops(1, a.heads, a.seq, a.seq, a.dim, causal=causal, mode="fwd_bwd")
+            gf = fl / (a.world * tr) / 1e9
+            lines.append(f"| {mode} | {name} | {layout} | {t1[name] * 1e3:.1f} | {tr * 1e3:.1f} | {eff:.2f} | "
+                         f"{gf:.1f} | {_exposed(per_rank[slow][key][1], tr)} |")
     if skipped:
         lines += [""] + [f"skipped {s}" for s in skipped]
     text = "\n".join(lines)

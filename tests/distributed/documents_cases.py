@@ -152,12 +152,85 @@ def _check_pack(where, mode, shard_layout, variant, o, dtype, layout, rank, worl
         assert stats["fwd_steps"] == sharing, f"{where}: {stats['fwd_steps']} steps computed, {sharing} share"
 
 
+# -- linear attention: the state resets at each document start -------------------------------------
+
+LINEAR_CASES = {
+    "linear-elu": dict(),
+    "linear-decay-gqa": dict(decay=True, hk=2),
+    "linear-relu-unnormalized-init-state": dict(fm="relu", normalize=False, init=True, return_state=True),
+    "linear-decay-mask-state": dict(decay=True, mask=True, return_state=True),
+}
+
+
+def linear_documents_case(rank: int, world: int, name: str) -> None:
+    """context_parallel_linear_attention(cu_seqlens=...) on contiguous shards against
+    linear_attention run per document in one process (the first document from initial_state):
+    out, dq, dk, dv, ddecay and the final state, for every pack."""
+    from attention_ext.linear import linear_attention
+
+    o = LINEAR_CASES[name]
+    hk, dv = o.get("hk", 4), 6
+    errors = []
+    for pi, cu in enumerate(PACKS):
+        torch.manual_seed(700 + 10 * list(LINEAR_CASES).index(name) + pi)
+        q, k = torch.randn(1, 4, S, 8), torch.randn(1, hk, S, 8)
+        v, g = torch.randn(1, hk, S, dv), torch.randn(1, 4, S, dv)
+        decay = -torch.rand(1, 4, S) if o.get("decay") else None
+        mask = torch.rand(1, S) > 0.3 if o.get("mask") else None
+        # the op's (B, H, M, Dv') state: M = D for elu / relu, Dv' = Dv + 1 under normalize
+        init = torch.randn(1, 4, 8, dv + int(o.get("normalize", True))).abs() if o.get("init") else None
+        kw = dict(feature_map=o.get("fm", "elu"), normalize=o.get("normalize", True), causal=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        dl = decay.clone().requires_grad_() if decay is not None else None
+        real, outs, state = cu[-1], [], None
+        for i, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
+            if e == a:
+                continue
+            r = linear_attention(*(t[:, :, a:e] for t in leaves), decay=None if dl is None else dl[:, :, a:e],
+                                 key_mask=None if mask is None else mask[:, a:e],
+                                 initial_state=init if a == 0 else None, return_state=True, **kw)
+            outs.append(r[0])
+            state = r[1]
+        out = torch.cat(outs, 2)
+        (out * g[:, :, :real]).sum().backward()
+        shard = lambda t: cp.shard_sequence(t, dim=2, shard_layout="contiguous")  # noqa: E731
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        dr = shard(decay).requires_grad_() if decay is not None else None
+        ml = cp.shard_sequence(mask, dim=1, shard_layout="contiguous") if mask is not None else None
+        ol, st = cp.context_parallel_linear_attention(ql, kl, vl, decay=dr, key_mask=ml, initial_state=init,
+                                                      return_state=True, cu_seqlens=cu, **kw)
+        (ol * shard(g)).sum().backward()
+        try:
+            pos = cp.global_positions(S, rank=rank, world_size=world, shard_layout="contiguous")
+            keep = pos < real
+            got = dict(out=ol, dq=ql.grad, dk=kl.grad, dv=vl.grad)
+            want = dict(out=out.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+            if decay is not None:
+                got["ddecay"], want["ddecay"] = dr.grad, dl.grad
+            for what in got:
+                x, w = got[what][:, :, keep], want[what][:, :, pos[keep]]
+                e = rel_err(x, w)
+                assert e <= TOL, f"pack {pi}: {what} relative error {e:.3g}"
+            if o.get("return_state") and cu[-1] == S:  # the last document's state (no padding after it)
+                e = rel_err(st.S, state.S)
+                assert e <= TOL, f"pack {pi}: final state relative error {e:.3g}"
+        except AssertionError as ex:
+            errors.append(str(ex))
+    assert not errors, "\n".join(errors)
+
+
 def suite(rank: int, world: int) -> Dict[str, Optional[str]]:
     counter = Counter()
     res: Dict[str, Optional[str]] = {}
     for name in CASES:
         try:
             documents_case(rank, world, name, counter)
+            res[name] = None
+        except Exception:  # noqa: BLE001
+            res[name] = traceback.format_exc()
+    for name in LINEAR_CASES:
+        try:
+            linear_documents_case(rank, world, name)
             res[name] = None
         except Exception:  # noqa: BLE001
             res[name] = traceback.format_exc()

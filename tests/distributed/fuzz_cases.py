@@ -59,18 +59,19 @@ def fuzz_rank(rank: int, world: int, c: dict) -> Dict[str, torch.Tensor]:
     t = make_inputs(c)
     shard_layout, bshd = c["shard_layout"], c["layout"] == "bshd"
     mult = cp.sequence_multiple(world, shard_layout)
-    real = c["real"]
+    real, cu = c["real"], c.get("cu")
     shards = {}
     for n in ("q", "k", "v", "g"):
         x = cp.pad_to_multiple(t[n].to(dtype), 2, mult)[0]
-        x = cp.shard_sequence(x, dim=2, shard_layout=shard_layout)
+        x = cp.shard_sequence(x, dim=2, shard_layout=shard_layout, cu_seqlens=cu)
         shards[n] = x.transpose(1, 2).contiguous() if bshd else x.contiguous()
     s = shards["q"].shape[1 if bshd else 2] * world
-    pos = cp.global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout)
+    pos = cp.global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout, cu_seqlens=cu)
     slopes = t["slopes"].float() if t["slopes"] is not None else None
     acc = F64 if dtype == F64 else torch.float32
     opts = dict(mode=c["mode"], shard_layout=shard_layout, causal=c["causal"], window_size=c["window"],
-                alibi_slopes=slopes, softcap=c["softcap"], return_lse=True, layout=c["layout"], seq_len=real)
+                alibi_slopes=slopes, softcap=c["softcap"], return_lse=True, layout=c["layout"], seq_len=real,
+                cu_seqlens=cu)
 
     def run(q, k, v, g, storage="contig"):
         # leaves in `storage` (views of other tensors for all but contig), for their gradients

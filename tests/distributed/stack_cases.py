@@ -2,7 +2,8 @@
 
 Stack cases: the LanguageModel with context_parallel on this rank's sequence shard against the
 same model (same seed on every rank) on the full sequence in this process: logits, the global
-mean loss and the parameter gradients (each rank backwards loss / P, then all_reduce SUM). A
+mean loss and the parameter gradients (each rank backwards loss / P, then all_reduce SUM).
+Packed cases: one pack of documents (cp.with_documents) against each document run alone. A
 case's failure is recorded, not raised, so every rank runs the same collectives in the same order.
 
 Training cases: examples/train_distributed.py's main() on this rank; its per-step losses come back.
@@ -17,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from attention_ext.distributed import ContextParallel
+from attention_ext.distributed import ContextParallel, global_positions
 from attention_ext.models import LanguageModel, LMConfig
 from tests.helpers import rel_err
 
@@ -33,6 +34,10 @@ VARIANTS = {
 }
 LAYOUTS = ("contiguous", "zigzag")
 STACK_CASES = [f"{shard_layout}-{v}" for shard_layout in LAYOUTS for v in VARIANTS]
+# packed documents (B = 1): the pack against each document run alone
+PACK = [0, 7, 8, 19, 24]
+PACKED_CASES = [f"packed-{shard_layout}-{v}" for shard_layout in ("zigzag", "balanced")
+                for v in ("rope-gqa", "learned", "alibi-sinks")]
 
 
 def _config(variant: str) -> LMConfig:
@@ -40,21 +45,30 @@ def _config(variant: str) -> LMConfig:
 
 
 def stack_case(rank: int, world: int, name: str) -> None:
-    shard_layout, variant = name.split("-", 1)
-    torch.manual_seed(STACK_CASES.index(name))  # the same model and tokens on every rank
+    packed = name.startswith("packed-")
+    shard_layout, variant = name.removeprefix("packed-").split("-", 1)
+    torch.manual_seed((PACKED_CASES if packed else STACK_CASES).index(name))  # the same model, tokens on every rank
     model = LanguageModel(_config(variant))
-    idx = torch.randint(0, 37, (B, S))
-    tgt = torch.randint(0, 37, (B, S))
+    b = 1 if packed else B
+    idx = torch.randint(0, 37, (b, S))
+    tgt = torch.randint(0, 37, (b, S))
 
-    # one process, the whole sequence
-    logits, loss = model(idx, tgt)
+    # one process, the whole sequence (packed: each document alone, positions from 0)
+    if packed:
+        logits = torch.cat([model(idx[:, a:e]) for a, e in zip(PACK[:-1], PACK[1:])], 1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    else:
+        logits, loss = model(idx, tgt)
     loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
     # this rank's shard
     cp = ContextParallel(group=None, mode="allgather", shard_layout=shard_layout)
-    pos = cp.positions(S // world)
+    if packed:
+        cp = cp.with_documents(PACK)
+    # the shard's global positions (cp.positions restarts them per document)
+    pos = global_positions(S, rank=rank, world_size=world, shard_layout=shard_layout, cu_seqlens=cp.cu_seqlens)
     lg, ls = model(cp.shard(idx), cp.shard(tgt), context_parallel=cp)
     (ls / world).backward()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]

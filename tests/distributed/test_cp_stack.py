@@ -19,7 +19,8 @@ _results = {}
 def _suite(world):
     if world not in _results:
         try:
-            _results[world] = harness.run(stack_cases.stack_suite, world, stack_cases.STACK_CASES, timeout=120)
+            _results[world] = harness.run(stack_cases.stack_suite, world,
+                                          stack_cases.STACK_CASES + stack_cases.PACKED_CASES, timeout=120)
         except harness.RankFailed as e:
             _results[world] = e
     if isinstance(_results[world], Exception):
@@ -28,7 +29,7 @@ def _suite(world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("name", stack_cases.STACK_CASES)
+@pytest.mark.parametrize("name", stack_cases.STACK_CASES + stack_cases.PACKED_CASES)
 def test_lm_context_parallel(world, name):
     failed = {r: res[name] for r, res in enumerate(_suite(world)) if res[name] is not None}
     assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
@@ -43,6 +44,8 @@ TRAIN_RUNS = {  # name -> extra options: DDP over the batch, or with --cp the se
     "cp-contiguous": ["--cp", "--shard-layout", "contiguous"],
     "fsdp": ["--fsdp"],
     "fsdp-cp": ["--fsdp", "--cp"],
+    "cp-packed-balanced": ["--cp", "--packed", "--shard-layout", "balanced"],  # against one process --packed
+    "cp-packed-ring": ["--cp", "--packed", "--mode", "ring"],
 }
 _train = {}
 
@@ -54,15 +57,19 @@ def _train_losses():
             _train["ranks"] = [dict(zip(TRAIN_RUNS, r)) for r in got]
         except harness.RankFailed as e:
             _train["ranks"] = e
-        _train["one"] = stack_cases._example().main(TRAIN_ARGS)  # one process (no group), the global batch
+        main = stack_cases._example().main
+        _train["one"] = main(TRAIN_ARGS)  # one process (no group), the global batch
+        _train["one-packed"] = main(TRAIN_ARGS + ["--packed"])  # each document alone
     if isinstance(_train["ranks"], Exception):
         raise _train["ranks"]
-    return _train["ranks"], _train["one"]
+    return _train["ranks"], _train["one"], _train["one-packed"]
 
 
 @pytest.mark.parametrize("name", list(TRAIN_RUNS))
 def test_train_example(name):
-    ranks, one = _train_losses()
+    ranks, one, one_packed = _train_losses()
+    if "--packed" in TRAIN_RUNS[name]:
+        one = one_packed
     assert len(one) == 5 and all(isinstance(x, float) for x in one)
     for r, res in enumerate(ranks):
         got = res[name]

@@ -1,7 +1,9 @@
 """Property-based fuzzing of context parallelism (attention_ext.distributed) on live gloo groups of
 1 to 4 CPU ranks (tests/distributed/harness.Group, one per world size, kept across examples):
 every mode (allgather, ring, ulysses) and shard_layout, with padding to the sharding's multiple, GQA,
-causal, windows, ALiBi, softcap, sinks and both qkv layouts, in every dtype.
+causal, windows, ALiBi, softcap, sinks and both qkv layouts, in every dtype; and packed documents
+(cu_seqlens, B = 1, shard_layout "balanced" too) of random lengths: documents longer than a shard,
+runs of 1-token documents (shards made only of document boundaries), one document.
 
 Per example, the ranks run the drawn case (tests/distributed/fuzz_cases.py) and check on their
 own shards that strided inputs with a non-contiguous grad_output, and NaN in every padded position
@@ -53,10 +55,17 @@ def cp_case(draw):
     if mode == "ulysses":  # heads shard across the ranks: H % P == 0
         h = world * draw(st.integers(1, 2))
         hk = draw(st.sampled_from([x for x in range(1, h + 1) if h % x == 0]))
+    real = draw(lengths)
+    cu = None
+    if draw(st.booleans()):  # packed documents: the pack is the real length, cut at random points
+        cuts = draw(st.lists(st.integers(0, real), max_size=6))
+        if draw(st.booleans()):  # a run of 1-token documents
+            cuts += list(range(draw(st.integers(0, real)), min(real, draw(st.integers(0, real)) + 12)))
+        cu = sorted(set([0, real] + cuts))
     return dict(
-        world=world, mode=mode, shard_layout=draw(st.sampled_from(cp.LAYOUTS)),
-        dtype=draw(st.sampled_from(list(fuzz_cases.DTYPES))), b=draw(st.integers(1, 2)), h=h, hk=hk,
-        real=draw(lengths), d=draw(head_dims), causal=draw(st.booleans()),
+        world=world, mode=mode, shard_layout=draw(st.sampled_from(cp.SHARD_LAYOUTS if cu else cp.LAYOUTS)),
+        dtype=draw(st.sampled_from(list(fuzz_cases.DTYPES))), b=1 if cu else draw(st.integers(1, 2)), h=h, hk=hk,
+        real=real, cu=cu, d=draw(head_dims), causal=draw(st.booleans()),
         window=draw(st.sampled_from([(-1, -1), (-1, -1), (5, 3), (0, 0), (17, -1), (-1, 2)])),
         alibi=draw(st.booleans()), softcap=draw(st.sampled_from([0.0, 0.0, 3.0])), sinks=draw(st.booleans()),
         layout=draw(st.sampled_from(["bhsd", "bshd"])),
@@ -85,11 +94,15 @@ def test_fuzz_cp(groups, c):
     t = fuzz_cases.make_inputs(c)
     win = (c["window"][0], 0) if c["causal"] else c["window"]
 
+    cu = c["cu"] or [0, real]
+
     def ref(dt):
         leaves = [t[n].to(dt, copy=True).requires_grad_(c["grad"]) for n in ("q", "k", "v")]
         sinks = t["sinks"].to(dt, copy=True).requires_grad_(c["grad"]) if t["sinks"] is not None else None
         slopes = t["slopes"].float().to(dt) if t["slopes"] is not None else None
-        out, lse = reference.attention(*leaves, window=win, alibi_slopes=slopes, softcap=c["softcap"], sinks=sinks)
+        parts = [reference.attention(*(x[:, :, a:e] for x in leaves), window=win, alibi_slopes=slopes,
+                                     softcap=c["softcap"], sinks=sinks) for a, e in zip(cu[:-1], cu[1:])]
+        out, lse = torch.cat([o for o, _ in parts], 2), torch.cat([l for _, l in parts], 2)  # one call per document
         grads = {}
         if c["grad"]:
             out.backward(t["g"].to(dt))
@@ -100,7 +113,8 @@ def test_fuzz_cp(groups, c):
     r64, low = ref(F64), ref(dtype)
     # the gradients' known limit in bf16 / fp16 (tests/fuzz/common.few_keys): finite only
     i, j = torch.arange(real).view(-1, 1), torch.arange(real).view(1, -1)
-    ok = ((win[0] < 0) | (j >= i - win[0])) & ((win[1] < 0) | (j <= i + win[1]))
+    doc = torch.searchsorted(torch.tensor(cu[1:]), torch.arange(real), right=True)
+    ok = ((win[0] < 0) | (j >= i - win[0])) & ((win[1] < 0) | (j <= i + win[1])) & (doc.view(-1, 1) == doc.view(1, -1))
     exempt = dtype in LOW and (few_keys(ok) or t["sinks"] is not None)
     for what in ("out", "lse") + (("dq", "dk", "dv") if c["grad"] else ()):
         got = _unshard([r[what] for r in res], pos, real)
