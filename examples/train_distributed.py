@@ -138,8 +138,8 @@ def packed_loss(net, model, x, y, cu, cp, world: int) -> tuple:
         t = torch.tensor([count], dtype=torch.float64)
         dist.all_reduce(t)
         total = int(t.item())
-    s = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(logits.device),
-                                          reduction="sum")
+    s = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                          target.reshape(-1).to(logits.device), reduction="sum")
     return s / total * world, s.detach() / total
 
 

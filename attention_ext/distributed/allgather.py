@@ -4,6 +4,15 @@ owning ranks. The local queries then run the fused kernel (attention_ext.attenti
 gathered keys, with every position rule (causal, window, ALiBi) on GLOBAL token indices, by one
 of three paths:
 
+Two forms. By default (overlap=True, eager) the collectives overlap the compute
+(attend_overlapped, _Overlapped below): the all-gather is posted asynchronously and the local
+queries run against the rank's own shard while the others arrive, then against each other shard,
+merged in float32 by the LSE (the per-shard plans and steps of steps.py, as mode="ring"); the
+backward computes the other shards' dK / dV pieces first and posts their reduce-scatter while it
+computes its own shard's. With overlap=False, or under torch.compile (which traces no async
+collective), the form below: one all-gather, then one kernel call per run of the shard against
+the gathered keys, through autograd (fewer, larger calls; nothing overlapped).
+
 Padding (seq_len < S): the keys past seq_len (the gathered sequence's tail) are cut off and only
 the shard's real rows (a prefix: real_rows) are computed, so no padded position is ever read,
 whatever it holds (NaN included); the padded rows' out and lse are 0. A rank with no real row
@@ -40,11 +49,12 @@ from torch import Tensor
 
 from ..softmax import ops as _ops
 from ..softmax.functional import attention as _attention
-from . import documents
+from . import documents, steps
 from .options import AttentionOptions
-from .sharding import all_gather_sequence, dropout_coords, dropout_seed, global_positions, real_rows
+from .sharding import (_gather_fn, _reduce_scatter_fn, all_gather_sequence, dropout_coords, dropout_seed,
+                       global_positions, real_rows)
 
-__all__ = ["attend"]
+__all__ = ["attend", "attend_overlapped"]
 
 
 def _runs(s: int, rank: int, world: int, shard_layout: str) -> Optional[List[Tuple[int, int, int]]]:
@@ -91,9 +101,12 @@ def _position_mask(pq: Tensor, s: int, wl: int, wr: int, alibi_slopes: Optional[
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGroup],
-           shard_layout: str) -> Tuple[Tensor, Tensor]:
+           shard_layout: str, overlap: bool = True) -> Tuple[Tensor, Tensor]:
     """mode="allgather" on this rank's shards (any layout): (out (B, H, n, D), lse (B, H, n)).
-    The entry point (attention.context_parallel_attention) turns them into its result."""
+    The entry point (attention.context_parallel_attention) turns them into its result.
+    overlap (eager only: torch.compile traces the paths below): attend_overlapped."""
+    if overlap and not torch.compiler.is_compiling():
+        return attend_overlapped(q, k, v, opts, group=group, shard_layout=shard_layout)
     q, k, v = opts.shards(q, k, v)
     rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
     docs = opts.documents(q, s, shard_layout)
@@ -166,3 +179,80 @@ def _attend_documents(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, d
                            q.device, dropout=None if seed is None else (h, h, 0))
     return documents.attend(q, kf, vf, calls, scale=opts.scale, softcap=opts.softcap, sinks=opts.sinks,
                             alibi=opts.alibi_slopes, dropout_p=opts.dropout_p, seed=seed)
+
+
+# ----------------------------------------------------------------------------------- overlapped
+class _Overlapped(torch.autograd.Function):
+    """mode="allgather" with its collectives overlapped (attend_overlapped): (q (B, H, n, D),
+    k, v (B, H_k, n, D), sinks) -> (out (B, H, n, D) in q's dtype, lse (B, H, n) float32).
+
+    Forward: the all-gather of the stacked K / V is posted asynchronously and the local queries
+    run against the rank's OWN shard while the others' arrive; then against each other shard;
+    the partial results merge in float32 by their LSE (steps.py, as mode="ring"). Backward: the
+    gradient pieces of the other shards first (dq locally, their dK / dV into one float32 buffer
+    per owner), the reduce-scatter of that buffer posted asynchronously, and the own shard's
+    pieces computed while it runs. One all-gather forward, one reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], cfg: dict):
+        group, world, rank = cfg["group"], cfg["world"], cfg["rank"]
+        acc = _ops.acc_dtype(q.dtype)
+        b, h, n, d = q.shape
+        kv = torch.stack([k, v]).contiguous()  # (2, B, H_k, n, D)
+        flat = kv.new_empty((world * 2,) + tuple(kv.shape[1:]))  # rank r's K, V at rows 2r, 2r + 1
+        work = _gather_fn()(flat, kv, group=group, async_op=True) if world > 1 else None
+        gathered = flat.view((world,) + tuple(kv.shape))
+        out = q.new_zeros((b, h, n, d), dtype=acc)
+        lse = q.new_full((b, h, n), float("-inf"), dtype=acc)
+        steps.forward_step(q, kv, cfg["plan"](rank), out, lse, cfg)  # while the others' shards arrive
+        if work is not None:
+            work.wait()
+        for r in range(world):
+            if r != rank:
+                steps.forward_step(q, gathered[r], cfg["plan"](r), out, lse, cfg)
+        out = steps.finish_forward(out, lse, sinks, q.dtype)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, gathered if world > 1 else kv.unsqueeze(0), sinks, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, dlse: Optional[Tensor]):
+        q, gathered, sinks, out, lse = ctx.saved_tensors
+        cfg = ctx.cfg
+        group, world, rank = cfg["group"], cfg["world"], cfg["rank"]
+        acc = _ops.acc_dtype(q.dtype)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        if dlse is not None:  # rows that saw nothing (lse -inf) pass nothing on
+            dlse = dlse.to(acc).masked_fill(torch.isinf(lse), 0.0)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv_shape = tuple(gathered.shape[1:])
+        if world > 1:
+            pieces = torch.zeros((world,) + kv_shape, dtype=acc, device=q.device)  # dK / dV per owner
+            for r in range(world):
+                if r != rank:
+                    steps.backward_step(q, gathered[r], cfg["plan"](r), dout, out, lse, dlse, dq, pieces[r], cfg)
+            mine = torch.empty(kv_shape, dtype=acc, device=q.device)
+            # (P, 2, B, H_k, n, D) -> rank r receives the sum of every rank's pieces[r]
+            work = _reduce_scatter_fn()(mine, pieces.flatten(0, 1), group=group, async_op=True)
+        own = torch.zeros(kv_shape, dtype=acc, device=q.device)
+        steps.backward_step(q, gathered[rank if world > 1 else 0], cfg["plan"](rank), dout, out, lse, dlse, dq, own,
+                            cfg)  # while the reduce-scatter runs
+        if world > 1:
+            work.wait()
+            own += mine
+        dsinks = steps.sinks_grad(sinks, dout, out, lse, dlse) if sinks is not None and ctx.needs_input_grad[3] \
+            else None
+        return dq.to(q.dtype), own[0].to(q.dtype), own[1].to(q.dtype), dsinks, None
+
+
+def attend_overlapped(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *,
+                      group: Optional[dist.ProcessGroup], shard_layout: str) -> Tuple[Tensor, Tensor]:
+    """mode="allgather" with the all-gather (forward) and the reduce-scatter (backward) overlapped
+    with the own shard's compute (_Overlapped): every option, shard layout and packed documents
+    (the plans of steps.py)."""
+    q, k, v = opts.shards(q, k, v)
+    alibi_slopes = opts.alibi_slopes
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("the overlapped all-gather gives alibi_slopes no gradient: pass them detached")
+    cfg = steps.config(q, opts, group=group, shard_layout=shard_layout)
+    return _Overlapped.apply(q, k, v, opts.sinks, cfg)

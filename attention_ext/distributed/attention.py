@@ -24,7 +24,7 @@ from .options import takes_options as _takes_options
 __all__ = ["context_parallel_attention", "MODES"]
 
 MODES = ("allgather", "ring", "ulysses")
-_TAKES = ("group", "mode", "shard_layout")
+_TAKES = ("group", "mode", "shard_layout", "overlap")
 
 
 @_takes_options
@@ -36,6 +36,7 @@ def context_parallel_attention(
     group: Optional[dist.ProcessGroup] = None,
     mode: str = "allgather",
     shard_layout: str = "zigzag",
+    overlap: bool = True,
     _stats: Optional[dict] = None,
     **options: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -52,6 +53,10 @@ def context_parallel_attention(
         shard_layout: the sequence sharding, "contiguous", "zigzag", "stripe" or, for packed
             documents, "balanced" (attention_ext.distributed.sharding). A tensor layout given here
             raises a ValueError that names layout.
+        overlap: mode="allgather" only: overlap the all-gather (forward) and the reduce-scatter
+            (backward) with the compute on the rank's own shard (True, the default, eager); False,
+            and any call under torch.compile, runs one all-gather then the kernel on the gathered
+            keys with nothing overlapped (allgather.py). The other modes ignore it.
 
     The attention options, keywords only, one AttentionOptions (options.py) for every mode:
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
@@ -97,5 +102,5 @@ def context_parallel_attention(
     elif mode == "ulysses":
         out, lse = ulysses.attend(q, k, v, opts, group=group, shard_layout=shard_layout)
     else:
-        out, lse = allgather.attend(q, k, v, opts, group=group, shard_layout=shard_layout)
+        out, lse = allgather.attend(q, k, v, opts, group=group, shard_layout=shard_layout, overlap=overlap)
     return opts.result(out, lse)

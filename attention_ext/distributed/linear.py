@@ -245,17 +245,18 @@ def context_parallel_linear_attention(
             raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, got "
                              f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
         decay = decay.to(acc)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     if cu_seqlens is not None:  # packed documents: a reset (log-gate -inf) at each start, padding masked
         if not causal:
             raise ValueError("cu_seqlens needs causal=True (the documents reset a causal state)")
         if b != 1:
             raise ValueError(f"cu_seqlens packs documents into ONE sequence: the shards' batch must be 1, got {b}")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         cu = check_cu_seqlens(cu_seqlens, n * world)
         off = rank * n
         pos = torch.arange(off, off + n, device=q.device)
-        # every start, the padding's (cu[-1]) too: padded queries see no document
-        starts = torch.tensor([t for t in cu[1:] if off < t < off + n], dtype=torch.long, device=q.device)
+        # every start, the padding's (cu[-1]) too: padded queries see no document; a shard's first
+        # position included (position 0 is the sequence's start: the initial state enters there)
+        starts = torch.tensor([t for t in cu[1:] if max(off, 1) <= t < off + n], dtype=torch.long, device=q.device)
         reset = torch.isin(pos, starts).view(1, 1, n)
         decay = (decay if decay is not None else q.new_zeros((b, h, n), dtype=acc)).masked_fill(reset, float("-inf"))
         real = (pos < cu[-1]).view(1, n)
@@ -301,6 +302,7 @@ def context_parallel_linear_attention(
         new = log_scale.to(acc) if log_scale is not None else 0.0
         s0 = s0 * torch.exp(old - new)[..., None, None]
 
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     # the all-gather: (1, B, H, M Dv' + 1) -> (P, B, H, M Dv' + 1), rank j's pair in row j (with
     # documents one more column, the shard's length, so that every rank sees unequal shards)
     parts = [s_r.reshape(b, h, m * dvp), l_r.unsqueeze(-1)]

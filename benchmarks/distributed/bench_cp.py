@@ -15,12 +15,13 @@ Design:
 - cases: non-causal with the contiguous layout, causal with zigzag (balanced causal work); and a
   pack of documents (cu_seqlens), causal: one document of 3/4 of S and S/4 in documents of 32
   tokens (1 x 6144 + 64 x 32 at S = 8192, a skewed length mix), sharded zigzag and "balanced",
-  against attention_varlen (flash_attn_varlen_func's kernel) on the whole pack in one process;
+  against flash_attn_varlen_func on the whole pack in one process;
 - modes: --modes, default every mode in attention_ext.distributed.MODES whose first call does
   not raise NotImplementedError;
 - exposed communication: when context_parallel_attention takes a `_stats` / `stats` dict (ring
   fills it), the share of T(rank) the rank spent blocked in wait() on transfers (forward +
-  backward), else a key with "exposed" in its name as a share of T(rank), else the dict's keys. Without that argument the column is "-".
+  backward), else a key with "exposed" in its name as a share of T(rank), else the dict's keys.
+  Without that argument the column is "-".
 The GFLOP/s column is the shared flops() (attention_ext.bench) of the whole problem over P *
 T(rank): the rate each process sustains, to read against the single-process kernel's.
 """
@@ -134,7 +135,7 @@ def single(rank, world, a):
             qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
             t0 = time.perf_counter()
             if docs:
-                ae.attention_varlen(flat(qr), flat(kr), flat(vr), cu, cu, mx, mx, causal=causal).backward(flat(do))
+                ae.flash_attn_varlen_func(flat(qr), flat(kr), flat(vr), cu, cu, mx, mx, causal=causal).backward(flat(do))
             else:
                 ae.attention(qr, kr, vr, causal=causal).backward(do)
             ts.append(time.perf_counter() - t0)

@@ -201,44 +201,58 @@ def attention_case(rank: int, world: int, name: str, counter: Counter, kernel: "
     local = [cp.shard_sequence(pad(t), dim=2, group=group, shard_layout=shard_layout) for t in (q, k, v)]
     if layout == "bshd":
         local = [t.transpose(1, 2).contiguous() for t in local]
-    ql, kl, vl = (t.requires_grad_() for t in local)
-    sl = sinks.clone().requires_grad_() if sinks is not None else None
-    seed_before_cp(o, rank)
-    counter.take()
-    kernel.take()
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, shard_layout=shard_layout, window_size=window,
-                                             sinks=sl, return_lse=True, layout=layout, seq_len=real, **opts, **drop_cp)
-    n_fwd = counter.take()
-    calls = kernel.take()
     gl = cp.shard_sequence(pad(g), dim=2, group=group, shard_layout=shard_layout)
     if layout == "bshd":
         gl = gl.transpose(1, 2)
-    (ol * gl).sum().backward()
-    n_bwd = counter.take()
+
+    def run(overlap: bool):
+        """The call with both all-gather forms: (out, lse, leaves, sinks, counts fwd / bwd, kernel calls)."""
+        ql, kl, vl = (t.clone().requires_grad_() for t in local)
+        sl = sinks.clone().requires_grad_() if sinks is not None else None
+        seed_before_cp(o, rank)
+        counter.take()
+        kernel.take()
+        ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, shard_layout=shard_layout, overlap=overlap,
+                                                 window_size=window, sinks=sl, return_lse=True, layout=layout,
+                                                 seq_len=real, **opts, **drop_cp)
+        n_fwd = counter.take()
+        calls = kernel.take()
+        (ol * gl).sum().backward()
+        return ol, lsel, (ql, kl, vl), sl, n_fwd, counter.take(), calls
+
+    runs = {ov: run(ov) for ov in (False, True)}
     # the checks after every collective of the case, so that a failing rank stays in step with the others
     want_calls = expected_calls(shard_layout, o, rank, world, pos.numel(), sp, real)
-    assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
-    assert n_fwd == {"gather": 1, "scatter": 0}, f"forward collectives {n_fwd}: want one all-gather (K, V stacked)"
-    assert n_bwd == {"gather": 0, "scatter": 1}, f"backward collectives {n_bwd}: want one reduce-scatter"
-
+    for ov, (_, _, _, _, n_fwd, n_bwd, calls) in runs.items():
+        if not ov:  # the non-overlapped form's design: its kernel calls (the overlapped one: steps.py's plans)
+            assert calls == want_calls, f"kernel calls (queries, keys, mask) {calls}, want {want_calls}"
+        assert n_fwd == {"gather": 1, "scatter": 0}, \
+            f"overlap={ov}: forward collectives {n_fwd}: want one all-gather (K, V stacked)"
+        assert n_bwd == {"gather": 0, "scatter": 1}, \
+            f"overlap={ov}: backward collectives {n_bwd}: want one reduce-scatter"
+    dsinks = {}
+    for ov, (_, _, _, sl, *_) in runs.items():  # each rank holds its queries' part of dsinks: the sum is the full one
+        if sl is not None:
+            dsinks[ov] = sl.grad.float()
+            dist.all_reduce(dsinks[ov], group=group)
+    counter.take()
     as_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t)  # noqa: E731
     idx = pos[keep]
-    got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
     want = {"out": out.detach(), "lse": lse.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
-    for what in got:
-        if dtype == torch.float32:
-            _check(what, got[what][:, :, keep], want[what][:, :, idx])
-        else:
-            assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
-            assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype, what)
-    if sinks is not None:  # each rank holds its queries' part of dsinks: the sum is the full one
-        ds = sl.grad.float()
-        dist.all_reduce(ds, group=group)
-        counter.take()
-        if dtype == torch.float32:
-            _check("dsinks", ds, sr.grad)
-        else:
-            assert_close_fa2(ds, ts.grad, sr.grad, dtype, "dsinks")
+    for ov, (ol, lsel, (ql, kl, vl), *_) in runs.items():
+        got = {"out": as_bhsd(ol), "lse": lsel, "dq": as_bhsd(ql.grad), "dk": as_bhsd(kl.grad), "dv": as_bhsd(vl.grad)}
+        for what in got:
+            if dtype == torch.float32:
+                _check(f"overlap={ov}: {what}", got[what][:, :, keep], want[what][:, :, idx])
+            else:
+                assert got[what].dtype == (torch.float32 if what == "lse" else dtype), (what, got[what].dtype)
+                assert_close_fa2(got[what][:, :, keep], torch_same[what][:, :, idx], want[what][:, :, idx], dtype,
+                                 f"overlap={ov}: {what}")
+        if ov in dsinks:
+            if dtype == torch.float32:
+                _check(f"overlap={ov}: dsinks", dsinks[ov], sr.grad)
+            else:
+                assert_close_fa2(dsinks[ov], ts.grad, sr.grad, dtype, f"overlap={ov}: dsinks")
 
 
 def roundtrip_case(rank: int, world: int, shard_layout: str) -> None:

@@ -76,7 +76,8 @@ def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
     errors = []
     for pi, cu in enumerate(PACKS):
         torch.manual_seed(100 * CASES.index(name) + pi)  # the same global tensors on every rank
-        q, k, v, g = torch.randn(1, H, S, D), torch.randn(1, hk, S, D), torch.randn(1, hk, S, D), torch.randn(1, H, S, D)
+        q, k, v = torch.randn(1, H, S, D), torch.randn(1, hk, S, D), torch.randn(1, hk, S, D)
+        g = torch.randn(1, H, S, D)
         slopes = torch.rand(H) * 0.5 + 0.1 if o.get("alibi") else None
         sinks = torch.randn(H) if o.get("sinks") else None
         real = cu[-1]
@@ -104,7 +105,8 @@ def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
         extra = dict(_stats=stats) if mode == "ring" else {}
         counter.take()
         ol, lsel = cp.context_parallel_attention(
-            ql, kl, vl, mode=mode, shard_layout=shard_layout, cu_seqlens=torch.tensor(cu), causal=o.get("causal", False),
+            ql, kl, vl, mode=mode, shard_layout=shard_layout, cu_seqlens=torch.tensor(cu),
+            causal=o.get("causal", False),
             window_size=o.get("window", (-1, -1)), alibi_slopes=slopes, softcap=o.get("softcap", 0.0), sinks=sl,
             dropout_p=o.get("dropout", 0.0), seed=o.get("seed"), layout=layout, return_lse=True, **extra)
         n_fwd = counter.take()
@@ -117,8 +119,9 @@ def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
             dist.all_reduce(ds)
             counter.take()
         try:  # the checks, after every collective of the pack; raised after the last pack's
-            _check_pack(f"pack {pi} ({cu})", mode, shard_layout, variant, o, dtype, layout, rank, world, cu, pos, n_fwd,
-                        n_bwd, stats, ol, lsel, ql, kl, vl, ds, sr, want, torch_same if dtype != torch.float32 else None)
+            _check_pack(f"pack {pi} ({cu})", mode, shard_layout, variant, o, dtype, layout, rank, world, cu, pos,
+                        n_fwd, n_bwd, stats, ol, lsel, ql, kl, vl, ds, sr, want,
+                        torch_same if dtype != torch.float32 else None)
         except AssertionError as e:
             errors.append(str(e))
     assert not errors, "\n".join(errors)

@@ -155,7 +155,7 @@ def test_signatures_list_the_options_once():
     """The three entry points document the same option keywords (the fields, in order), after
     their own and before their private ones."""
     fields = [f.name for f in dataclasses.fields(AttentionOptions)]
-    for fn, own in ((cp.context_parallel_attention, ["group", "mode", "shard_layout"]),
+    for fn, own in ((cp.context_parallel_attention, ["group", "mode", "shard_layout", "overlap"]),
                     (ring_attention, ["group", "shard_layout", "stats"]),
                     (ulysses_attention, ["group", "shard_layout"])):
         params = list(inspect.signature(fn).parameters)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention_ext import distributed as cp
-from attention_ext.distributed import ring
+from attention_ext.distributed import ring, steps
 from tests.distributed import cases, harness
 
 WORLD_SIZES = (2, 3, 4)
@@ -76,7 +76,7 @@ def _plans(world, shard_layout, s, **kw):
     pos = [cp.global_positions(s, rank=r, world_size=world, shard_layout=shard_layout) for r in range(world)]
     o = dict(seq_len=s, wl=-1, wr=-1, alibi_slopes=None, acc=torch.float32, device=torch.device("cpu"))
     o.update(kw)
-    return {(r, w): ring._plan(pos[r], pos[w], **o) for r in range(world) for w in range(world)}
+    return {(r, w): steps._plan(pos[r], pos[w], **o) for r in range(world) for w in range(world)}
 
 
 def test_plan_zigzag_causal_needs_no_mask():
@@ -127,8 +127,8 @@ def test_plan_plain_matches_the_pair_matrix(shard_layout, causal):
                 for r in range(world):
                     for w in range(world):
                         wr = 0 if causal else -1
-                        fast = ring._plan_plain(pos[r], pos[w], seq_len, causal=causal)
-                        if fast is ring._DENSE:
+                        fast = steps._plan_plain(pos[r], pos[w], seq_len, causal=causal)
+                        if fast is steps._DENSE:
                             continue
                         want = _dense_plain(pos[r], pos[w], seq_len, wr)
                         if fast is None or want is None:
@@ -140,7 +140,7 @@ def test_plan_plain_matches_the_pair_matrix(shard_layout, causal):
 
 
 def _dense_plain(pq, pk, seq_len, wr):
-    """The pair-matrix plan with no window and no ALiBi (ring._plan's general branch)."""
+    """The pair-matrix plan with no window and no ALiBi (steps._plan's general branch)."""
     rel = pk.view(1, -1) - pq.view(-1, 1)
     ok = (pq < seq_len).view(-1, 1) & (pk < seq_len).view(1, -1)
     if wr >= 0:
@@ -151,10 +151,10 @@ def _dense_plain(pq, pk, seq_len, wr):
     i0, i1, j0, j1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
     sub = ok[i0:i1, j0:j1]
     if bool(sub.all()):
-        return ring._Step(i0, i1, j0, j1)
+        return steps._Step(i0, i1, j0, j1)
     if i1 - i0 == j1 - j0 and torch.equal(pq[i0:i1], pk[j0:j1]) and torch.equal(sub, torch.ones_like(sub).tril()):
-        return ring._Step(i0, i1, j0, j1, causal=True)
-    return ring._Step(i0, i1, j0, j1, mask=sub)
+        return steps._Step(i0, i1, j0, j1, causal=True)
+    return steps._Step(i0, i1, j0, j1, mask=sub)
 
 
 def test_plan_alibi_bias():
