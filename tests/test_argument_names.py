@@ -704,15 +704,15 @@ def test_layout_names(fn, name):
 
 
 # ------------------------------------------------------------------ block_layout: the sparse block grid
-def _block_layout(run):
+def _block_layout(run, sq=20, sk=40, blocks=((True, False, True), (False, True, True))):
     """run(block_layout) -> out: keys in the off blocks are skipped, as the equivalent element mask
     does in dense attention; the inverted layout gives another result."""
     def check():
-        q, k, v = _qkv(sq=20, sk=40)
-        blocks = torch.tensor([[[True, False, True], [False, True, True]]])  # (1, 2, 3) of 16
-        allowed = ae.sparse.layout_to_mask(blocks, 16, 20, 40)
-        _check_meaning(run(q, k, v, blocks), F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
-                       run(q, k, v, ~blocks))
+        q, k, v = _qkv(sq=sq, sk=sk)
+        grid = torch.tensor([blocks])  # (1, ceil(sq / 16), ceil(sk / 16))
+        allowed = ae.sparse.layout_to_mask(grid, 16, sq, sk)
+        _check_meaning(run(q, k, v, grid), F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+                       run(q, k, v, ~grid))
     return check
 
 
@@ -723,6 +723,11 @@ BLOCK_LAYOUT = {
         lambda q, k, v, b: ae.attention(q, k, v, block_layout=b, block_size=16)),
     ("softmax.functional.attention_weights", "block_layout"): _block_layout(
         lambda q, k, v, b: ae.attention_weights(q, k, block_layout=b, block_size=16) @ v),
+    # the whole sequence's grid, on a one-rank group (every row keeps a block either way)
+    ("distributed.attention.context_parallel_attention", "block_layout"): _block_layout(
+        lambda q, k, v, b: _cp(lambda: ae.distributed.context_parallel_attention(q, k, v, block_layout=b,
+                                                                                 block_size=16)),
+        sq=40, sk=40, blocks=((True, False, True), (False, True, True), (True, True, False))),
 }
 
 

@@ -110,9 +110,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
     q, k, v = opts.shards(q, k, v)
     rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
     docs = opts.documents(q, s, shard_layout)
-    if docs is not None:
-        return _attend_documents(q, k, v, opts, docs, group=group, shard_layout=shard_layout, rank=rank,
-                                 world=world, s=s)
+    block = opts.blocks(q, s)
+    if docs is not None or block is not None:  # a block layout: the plan's calls over one document
+        return _attend_documents(q, k, v, opts, docs or (0, seq_len), group=group, shard_layout=shard_layout,
+                                 rank=rank, world=world, s=s, block=block)
     n = q.shape[2]
     wl, wr = opts.window
     causal, alibi_slopes, dropout_p = opts.causal, opts.alibi_slopes, opts.dropout_p
@@ -165,18 +166,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
 
 
 def _attend_documents(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, docs: Tuple[int, ...], *,
-                      group: Optional[dist.ProcessGroup], shard_layout: str, rank: int, world: int, s: int
-                      ) -> Tuple[Tensor, Tensor]:
-    """attend() for packed documents (the module docstring): one all-gather, then the plan."""
-    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, shard_layout=shard_layout, cu_seqlens=docs)
+                      group: Optional[dist.ProcessGroup], shard_layout: str, rank: int, world: int, s: int,
+                      block: Optional[Tuple[Tensor, int]] = None) -> Tuple[Tensor, Tensor]:
+    """attend() for packed documents or a block layout (the module docstring): one all-gather,
+    then the plan."""
+    cu = opts.documents(q, s, shard_layout)  # the sharding's documents (docs may be the one real sequence)
+    kv = all_gather_sequence(torch.stack([k, v]), dim=3, group=group, shard_layout=shard_layout, cu_seqlens=cu)
     real = docs[-1]
     kf, vf = kv[0][:, :, :real], kv[1][:, :, :real]
-    pos = global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout, cu_seqlens=docs)
+    pos = global_positions(s, rank=rank, world_size=world, shard_layout=shard_layout, cu_seqlens=cu)
     seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
     h = q.shape[1]
     wl, wr = opts.window
     calls = documents.plan(pos, torch.arange(real), docs, wl, wr, opts.alibi_slopes, _ops.acc_dtype(q.dtype),
-                           q.device, dropout=None if seed is None else (h, h, 0))
+                           q.device, dropout=None if seed is None else (q.shape[0], h, h, 0), block=block)
     return documents.attend(q, kf, vf, calls, scale=opts.scale, softcap=opts.softcap, sinks=opts.sinks,
                             alibi=opts.alibi_slopes, dropout_p=opts.dropout_p, seed=seed)
 

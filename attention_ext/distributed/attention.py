@@ -84,6 +84,12 @@ def context_parallel_attention(
             what they mean in flash_attn_varlen_func on the whole pack in one process (positions
             restart at each document; dropout is drawn at each document's own coordinates).
             Every mode and shard_layout; shard_layout="balanced" shards a pack by work.
+        block_layout, block_size: a block-sparse layout of the WHOLE (padded) sequence, as the
+            sparse family's (bool (H or 1, ceil(S / block_size), ceil(S / block_size)); blocks of
+            block_size tokens, a multiple of 16, on global positions), with every other option and
+            with cu_seqlens. A call whose queries and keys start on block boundaries takes its part
+            of the grid (the kernel skips the off blocks), else the layout as an element mask; a
+            ring step with no on block is skipped. B > 1 allowed without cu_seqlens.
     Any other keyword raises a TypeError that names it.
 
     _stats: mode="ring" only, private: a dict that receives the call's P2P op count and its

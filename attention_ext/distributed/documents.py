@@ -50,9 +50,9 @@ class Call:
     a slice or an int64 index tensor; window / bottom_right / alibi: the kernel's position rule
     (alibi False: none); mask: None, bool (1, 1, r, c) or a float bias (1, H, r, c) (ALiBi in it);
     cu_q / cu_k (int32) with max_q / max_k: a varlen call over pieces; coords: with dropout, the
-    op's dropout_coords."""
+    op's dropout_coords; block_layout / block_size: the call's part of a block-sparse layout."""
     __slots__ = ("rows", "cols", "window", "bottom_right", "alibi", "mask", "cu_q", "cu_k", "max_q", "max_k",
-                 "coords")
+                 "coords", "block_layout", "block_size")
 
     def __init__(self, rows, cols, window=(-1, -1), bottom_right=False, alibi=False, mask=None):
         self.rows, self.cols, self.window, self.bottom_right = rows, cols, window, bottom_right
@@ -60,6 +60,7 @@ class Call:
         self.cu_q = self.cu_k = None
         self.max_q = self.max_k = 0
         self.coords = None
+        self.block_layout, self.block_size = None, 0  # a block-sparse call: its part of the layout
 
     def n_rows(self) -> int:
         r = self.rows
@@ -91,26 +92,31 @@ def _rel_mask(qp: Tensor, kp: Tensor, lo: float, hi: float, alibi: Optional[Tens
     ok = (rel >= lo) & (rel <= hi)
     if alibi is None:
         return ok.to(device).view(1, 1, *ok.shape)
-    sl = alibi.detach().to(device=device, dtype=acc).view(1, -1, 1, 1)
+    sl = alibi.detach().to(device=device, dtype=acc)
+    sl = sl.view(sl.shape[0] if sl.dim() == 2 else 1, -1, 1, 1)  # (1 or B, H, 1, 1)
     bias = -sl * rel.abs().to(device=device, dtype=acc)
     return bias.masked_fill(~ok.to(device), float("-inf")).contiguous()
 
 
 def plan(pq: Tensor, pk: Tensor, cu: Sequence[int], wl: int, wr: int, alibi: Optional[Tensor], acc: torch.dtype,
-         device, dropout: Optional[Tuple[int, int, int]] = None) -> List[Call]:
+         device, dropout: Optional[Tuple[int, int, int]] = None,
+         block: Optional[Tuple[Tensor, int]] = None) -> List[Call]:
     """The calls of queries at global positions pq against keys at pk (CPU int64 tensors, each
     ascending within its runs), documents cu (host ints; positions from cu[-1] on are padding),
-    window (wl, wr) on global positions (-1 unbounded), ALiBi slopes (H,) or None. dropout:
-    (H_call, H_total, h0) when the calls draw dropout (the call's heads are global heads
-    [h0, h0 + H_call) of H_total): one document per call, with its coordinates. [] when nothing
-    is allowed."""
+    window (wl, wr) on global positions (-1 unbounded), ALiBi slopes (H,) or (B, H), or None.
+    dropout: (B, H_call, H_total, h0) when the calls draw dropout (the call's heads are global
+    heads [h0, h0 + H_call) of H_total): one document per call, with its coordinates. block: a
+    block-sparse layout of the whole sequence, (bool (H or 1, ceil(S / bs), ceil(S / bs)) on the
+    CPU, bs): each call takes its part of the grid when its queries and keys start on block
+    boundaries (the kernel skips the off blocks), else the layout as an element mask; calls with no
+    on block are dropped, and none is grouped into a varlen call. [] when nothing is allowed."""
     lo = -wl if wl >= 0 else -_INF
     hi = wr if wr >= 0 else _INF
     real = cu[-1]
     lq, lk = pq.tolist(), pk.tolist()
     qr, kr = _runs(lq, cu, real), _runs(lk, cu, real)
     if len(qr) > max(16, len(lq) // 16) or len(kr) > max(16, len(lk) // 16):
-        return _plan_per_document(pq, pk, cu, lo, hi, alibi, acc, device, dropout)
+        return _with_blocks(_plan_per_document(pq, pk, cu, lo, hi, alibi, acc, device, dropout), pq, pk, block, device)
     by_doc: Dict[int, List[Tuple[int, int, int, int]]] = defaultdict(list)
     for run in kr:
         by_doc[run[2]].append(run)
@@ -139,7 +145,7 @@ def plan(pq: Tensor, pk: Tensor, cu: Sequence[int], wl: int, wr: int, alibi: Opt
         rows, cols = slice(i0, i1), slice(j0, j1)
         if kind == "mask":
             call = Call(rows, cols, mask=_rel_mask(pq[rows], pk[cols], lo, hi, alibi, acc, device))
-        elif dropout is not None:
+        elif dropout is not None or block is not None:
             call = _kernel_call(kind, rows, cols, wl, wr, alibi)
         else:
             groups[kind].append((i0, i1, j0, j1))
@@ -149,7 +155,42 @@ def plan(pq: Tensor, pk: Tensor, cu: Sequence[int], wl: int, wr: int, alibi: Opt
         calls.append(call)
     for kind, ps in groups.items():
         calls.extend(_varlen_calls(kind, ps, wl, wr, alibi))
-    return calls
+    return _with_blocks(calls, pq, pk, block, device)
+
+
+def _with_blocks(calls: List[Call], pq: Tensor, pk: Tensor, block: Optional[Tuple[Tensor, int]], device
+                 ) -> List[Call]:
+    """The calls under a block-sparse layout (plan's `block`): each with its part of the grid, or
+    the layout as an element mask; the calls that meet no on block dropped."""
+    if block is None:
+        return calls
+    layout, bs = block
+    out = []
+    for c in calls:
+        qp, kp = pq[c.rows], pk[c.cols]
+        aligned = isinstance(c.rows, slice) and isinstance(c.cols, slice) and int(qp[0]) % bs == 0 and \
+            int(kp[0]) % bs == 0
+        if aligned:  # contiguous runs from block boundaries: the grid's rectangle
+            qb, kb = int(qp[0]) // bs, int(kp[0]) // bs
+            sub = layout[:, qb:qb + -(-qp.numel() // bs), kb:kb + -(-kp.numel() // bs)]
+            if not bool(sub.any()):
+                continue
+            if not bool(sub.all()):
+                c.block_layout, c.block_size = sub.contiguous().to(device), bs
+            out.append(c)
+            continue
+        em = layout[:, qp // bs][:, :, kp // bs]  # (H or 1, rows, cols): the element mask
+        if not bool(em.any()):
+            continue
+        em = em.to(device).unsqueeze(0)
+        if c.mask is None:
+            c.mask = em
+        elif c.mask.dtype == torch.bool:
+            c.mask = c.mask & em
+        else:  # an ALiBi bias
+            c.mask = c.mask.masked_fill(~em, float("-inf"))
+        out.append(c)
+    return out
 
 
 def _kernel_call(kind: str, rows, cols, wl: int, wr: int, alibi: Optional[Tensor]) -> Call:
@@ -210,12 +251,13 @@ def _plan_per_document(pq: Tensor, pk: Tensor, cu: Sequence[int], lo: float, hi:
     return calls
 
 
-def _coords(dropout: Tuple[int, int, int], rows: Tensor, cols: Tensor, doc: int, device) -> Tensor:
-    """dropout_coords of a call inside document `doc` (B = 1): heads at d H_total + h0 + h, rows
-    and keys at their positions inside the document (flash_attn_varlen_func's draw)."""
-    h, h_total, h0 = dropout
-    bh = doc * h_total + h0 + torch.arange(h)
-    return torch.cat([bh, rows.long(), cols.long()]).to(device=device, dtype=torch.int32)
+def _coords(dropout: Tuple[int, int, int, int], rows: Tensor, cols: Tensor, doc: int, device) -> Tensor:
+    """dropout_coords of a call inside document `doc`: heads at (b + d) H_total + h0 + h (B = 1
+    with documents; d = 0 without), rows and keys at their positions inside the document
+    (flash_attn_varlen_func's draw; the global positions when the one document is the sequence)."""
+    b, h, h_total, h0 = dropout
+    bh = ((torch.arange(b) + doc) * h_total + h0).view(-1, 1) + torch.arange(h).view(1, -1)
+    return torch.cat([bh.flatten(), rows.long(), cols.long()]).to(device=device, dtype=torch.int32)
 
 
 def _take(x: Tensor, idx: Union[slice, Tensor]) -> Tensor:
@@ -227,10 +269,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, calls: List[Call], *, scale: Optiona
            sinks: Optional[Tensor], alibi: Optional[Tensor], dropout_p: float = 0.0,
            seed: Union[int, Tensor, None] = None) -> Tuple[Tensor, Tensor]:
     """Run a plan whose calls cover each query row at most once (keys that hold every document
-    whole), under autograd: q (1, H, n, D), k / v (1, H_k, Sk, D) -> out (1, H, n, D), lse
-    (1, H, n) float32; rows in no call (padding) get 0."""
+    whole), under autograd: q (B, H, n, D), k / v (B, H_k, Sk, D) -> out (B, H, n, D), lse
+    (B, H, n) float32 (B = 1 with varlen calls); rows in no call (padding, or a row a block
+    layout leaves with no key) get out 0 and lse -inf (with sinks: the sink's logit)."""
     h, n = q.shape[1], q.shape[2]
-    alibi = None if alibi is None else alibi.reshape(-1)  # (H,) or (1, H): one sequence
+    if alibi is not None and alibi.dim() == 2 and alibi.shape[0] == 1:
+        alibi = alibi.reshape(-1)  # (1, H): one sequence, as varlen takes it
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     outs, lses, rows = [], [], []
     common = dict(scale=scale, softcap=softcap, sinks=sinks, return_lse=True)
@@ -244,20 +288,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, calls: List[Call], *, scale: Optiona
             o, l = o.transpose(0, 1).unsqueeze(0), l.unsqueeze(0)
         else:
             drop = dict(dropout_p=dropout_p, seed=seed, dropout_coords=c.coords) if c.coords is not None else {}
+            if c.block_layout is not None:
+                drop.update(block_layout=c.block_layout, block_size=c.block_size)
             o, l = _attention(qs, ks, vs, window=c.window, bottom_right=c.bottom_right, alibi_slopes=slopes,
                               attn_mask=c.mask, **common, **drop)
         outs.append(o)
         lses.append(l)
         rows.append(torch.arange(c.rows.start, c.rows.stop) if isinstance(c.rows, slice) else c.rows)
+    empty = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # the lse of a row that sees nothing
+    if sinks is not None:
+        empty = empty.clone().copy_(sinks.detach().to(acc).view(1, -1, 1).expand_as(empty))
     if not calls:  # no real row: zeros in the graph of q, k, v, sinks (the backward's collectives still run)
         out = q * 0 + (k.sum() + v.sum()) * 0
         if sinks is not None:
             out = out + sinks.sum().to(out.dtype) * 0
-        return out, q.new_zeros(q.shape[:3], dtype=acc)
+        return out, empty
     idx = torch.cat(rows)
     if idx.numel() == n and torch.equal(idx, torch.arange(n)):  # the calls cover the rows in order
         return torch.cat(outs, 2), torch.cat(lses, 2).to(acc)
     idx = idx.to(q.device)
     out = q.new_zeros(q.shape).index_copy(2, idx, torch.cat(outs, 2).to(q.dtype))
-    lse = q.new_zeros(q.shape[:3], dtype=acc).index_copy(2, idx, torch.cat(lses, 2).to(acc))
+    lse = empty.index_copy(2, idx, torch.cat(lses, 2).to(acc))
     return out, lse

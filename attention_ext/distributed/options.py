@@ -12,6 +12,7 @@ ulysses.py) then reads the options, and applies them to its shards, through this
   them: sinks (H,) on q's device, alibi_slopes (H,) or (B, H);
 - sequence(q, group, shard_layout): the group's rank and size, the padded length S and the real
   one (seq_len, in [1, S]; with cu_seqlens their end);
+- blocks(q, S): the block-sparse layout of the whole sequence, checked, on the host;
 - documents(q, S): the packed documents' offsets (cu_seqlens, checked by sharding.check_cu_seqlens)
   as host ints, with B = 1;
 - window: (left, right) on global positions, causal capping the right side at 0;
@@ -26,6 +27,7 @@ import inspect
 from dataclasses import dataclass, fields
 from typing import Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -56,6 +58,8 @@ class AttentionOptions:
     dropout_p: float = 0.0
     seed: Union[int, Tensor, None] = None
     cu_seqlens: Union[Tensor, Sequence[int], None] = None
+    block_layout: Optional[Tensor] = None
+    block_size: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_size", window_size_pair(self.window_size, _FN))  # an (int, int) pair
@@ -118,6 +122,26 @@ class AttentionOptions:
             what = "cu_seqlens[-1] (the documents' end)" if docs is not None else "seq_len"
             raise ValueError(f"{what} must be in [1, {s}] (the padded length), got {seq_len}")
         return rank, world, s, seq_len
+
+    def blocks(self, q: Tensor, s: int) -> Optional[Tuple[Tensor, int]]:
+        """(the block layout as a host bool (H or 1, ceil(S / bs), ceil(S / bs)) tensor, bs), or
+        None: the sparse family's layout of the WHOLE (padded) sequence of length s, blocks of
+        block_size (a multiple of 16) on global positions."""
+        lay, bs = self.block_layout, self.block_size
+        if lay is None:
+            return None
+        if not isinstance(lay, Tensor) or lay.dtype != torch.bool:
+            raise TypeError(f"block_layout must be a bool tensor, got {getattr(lay, 'dtype', type(lay).__name__)}")
+        if not isinstance(bs, int) or bs < 16 or bs % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {bs!r}")
+        h, nb = q.shape[1], -(-s // bs)
+        if lay.dim() == 2:
+            lay = lay.unsqueeze(0)
+        if lay.dim() != 3 or lay.shape[0] not in (1, h) or tuple(lay.shape[1:]) != (nb, nb):
+            raise ValueError(f"block_layout must be the whole sequence's (H or 1, ceil(S / block_size), "
+                             f"ceil(S / block_size)) = ({h} or 1, {nb}, {nb}) grid (S = {s}, the shards' length times "
+                             f"the group size), got {tuple(lay.shape)}")
+        return lay.cpu(), bs
 
     def documents(self, q: Tensor, s: int, shard_layout: str) -> Optional[Tuple[int, ...]]:
         """The packed documents' global offsets (cu_seqlens) as host ints, or None: checked

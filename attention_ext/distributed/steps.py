@@ -114,7 +114,8 @@ def _options(step: Call, cfg: dict, sq: int, sk: int) -> dict:
                 max_seqlen_q=step.max_q if varlen else sq, max_seqlen_k=step.max_k if varlen else sk,
                 scale=cfg["scale"], softcap=cfg["softcap"], window_left=step.window[0], window_right=step.window[1],
                 bottom_right=step.bottom_right, dropout_p=cfg["dropout_p"], seed=0, offset=0,
-                rng_state=cfg["rng_state"], dropout_coords=step.coords)
+                rng_state=cfg["rng_state"], dropout_coords=step.coords, block_layout=step.block_layout,
+                block_size=step.block_size)
 
 
 def _rows(x: Tensor, idx) -> Tensor:
@@ -150,6 +151,7 @@ def config(q: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGro
     (B, H, n, D) after opts.shards()."""
     rank, world, s, seq_len = opts.sequence(q, group, shard_layout)
     docs = opts.documents(q, s, shard_layout)
+    block = opts.blocks(q, s)
     wl, wr = opts.window
     acc = _ops.acc_dtype(q.dtype)
     pos = [global_positions(s, rank=r, world_size=world, shard_layout=shard_layout, cu_seqlens=docs)
@@ -165,9 +167,9 @@ def config(q: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGro
     def plan(owner: int) -> List[Call]:  # made once per owner, reused by the backward
         if owner in plans:
             return plans[owner]
-        if docs is not None:
-            plans[owner] = documents.plan(pos[rank], pos[owner], docs, wl, wr, alibi_slopes, acc, q.device,
-                                          dropout=None if rng_state is None else (h, h, 0))
+        if docs is not None or block is not None:  # one document: the whole real sequence
+            plans[owner] = documents.plan(pos[rank], pos[owner], docs or (0, seq_len), wl, wr, alibi_slopes, acc,
+                                          q.device, dropout=None if rng_state is None else (q.shape[0], h, h, 0), block=block)
             return plans[owner]
         step = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
         if step is not None and rng_state is not None:  # the step's queries and keys where they are global
@@ -180,7 +182,8 @@ def config(q: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGro
     return dict(group=group, world=world, rank=rank, plan=plan, stats=stats, softcap=float(opts.softcap),
                 scale=float(scale) if scale is not None else _default_scale(q.shape[3]),
                 dropout_p=float(opts.dropout_p), rng_state=rng_state, device=q.device,
-                alibi=None if alibi_slopes is None else alibi_slopes.reshape(-1).contiguous())
+                alibi=None if alibi_slopes is None else
+                (alibi_slopes.reshape(-1) if alibi_slopes.shape[0] == 1 else alibi_slopes).contiguous())
 
 
 # ----------------------------------------------------------------------------------- a step
@@ -218,7 +221,7 @@ def backward_step(q: Tensor, kv: Tensor, calls: List[Call], dout: Tensor, out: T
         qs, ks, vs = _rows(q, sl), _rows(kv[0], step.cols), _rows(kv[1], step.cols)
         a = dict(_options(step, cfg, qs.shape[2], ks.shape[2]),
                  dout=_rows(dout, sl), q=qs, k=ks, v=vs, out=_rows(out, sl), lse=_rows(lse, sl).contiguous(),
-                 block_layout=None, block_size=0, topk_thr=None, topk_jcut=None,
+                 topk_thr=None, topk_jcut=None,
                  bias_grad=False, deterministic=False,
                  dlse=None if dlse is None else _rows(dlse, sl).contiguous())
         dq_t, dk_t, dv_t, _, _ = torch.ops.attention_ext.softmax_bwd(*[a[nm] for nm in _ops.BWD_ARGS])

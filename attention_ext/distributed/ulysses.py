@@ -127,6 +127,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
         raise ValueError(f"the query heads H={hq} must be a multiple of the KV heads H_k={hk}")
     _, _, s, seq_len = opts.sequence(q, group, shard_layout)
     docs = opts.documents(q, s, shard_layout)
+    block = opts.blocks(q, s)
     if b == 0:  # an empty batch (on every rank: B is the group's): nothing to exchange
         out = q * 0 + (k.sum() + v.sum()) * 0  # (0, H, n, D), in the graph of q, k, v
         return out, q.new_zeros(q.shape[:3], dtype=_ops.acc_dtype(q.dtype))
@@ -161,10 +162,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
     # dropout at the global heads (rows and keys are already global: the identity)
     drop = {}
     seed = dropout_seed(opts.dropout_p, opts.seed, group, q.device)
-    if docs is not None:
+    if block is not None:  # the rank's heads' part of the layout
+        block = (block[0] if block[0].shape[0] == 1 else block[0][rank * h:(rank + 1) * h], block[1])
+    if docs is not None or block is not None:
         every = torch.arange(seq_len)
-        calls = documents.plan(every, every, docs, wl, wr, alibi_slopes, _ops.acc_dtype(q.dtype), q.device,
-                               dropout=None if seed is None else (h, hq, rank * h))
+        calls = documents.plan(every, every, docs or (0, seq_len), wl, wr, alibi_slopes, _ops.acc_dtype(q.dtype),
+                               q.device, dropout=None if seed is None else (b, h, hq, rank * h), block=block)
         out, lse = documents.attend(qf, kf, vf, calls, scale=opts.scale, softcap=opts.softcap, sinks=sinks,
                                     alibi=alibi_slopes, dropout_p=opts.dropout_p, seed=seed)
     else:

@@ -17,7 +17,8 @@ Design:
   tokens (1 x 6144 + 64 x 32 at S = 8192, a skewed length mix), sharded zigzag and "balanced",
   against flash_attn_varlen_func on the whole pack in one process;
 - modes: --modes, default every mode in attention_ext.distributed.MODES whose first call does
-  not raise NotImplementedError;
+  not raise NotImplementedError; "allgather-no-overlap" is mode="allgather" with overlap=False
+  (one all-gather, then the kernel: nothing overlapped);
 - exposed communication: when context_parallel_attention takes a `_stats` / `stats` dict (ring
   fills it), the share of T(rank) the rank spent blocked in wait() on transfers (forward +
   backward), else a key with "exposed" in its name as a share of T(rank), else the dict's keys.
@@ -167,7 +168,9 @@ def ranks(rank, world, a, modes):
                     t0 = time.perf_counter()
                     if docs:
                         extra["cu_seqlens"] = cu
-                    fn(qr, kr, vr, mode=mode, shard_layout=layout, causal=causal, **extra).backward(dol)
+                    if mode == "allgather-no-overlap":
+                        extra["overlap"] = False
+                    fn(qr, kr, vr, mode=mode.split("-")[0], shard_layout=layout, causal=causal, **extra).backward(dol)
                     ts.append(time.perf_counter() - t0)
                     if stats_arg is not None and it >= a.warmup:
                         stats.append(extra[stats_arg])

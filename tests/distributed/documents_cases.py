@@ -222,6 +222,76 @@ def linear_documents_case(rank: int, world: int, name: str) -> None:
     assert not errors, "\n".join(errors)
 
 
+# -- block-sparse layouts (block_layout=), with and without documents -------------------------------
+
+BLOCK_VARIANTS = {
+    "causal": dict(causal=True),
+    "heads-window-alibi": dict(heads=True, window=(20, 5), alibi=True),
+    "causal-dropout": dict(causal=True, dropout=0.3),
+    "docs-causal-sinks": dict(causal=True, sinks=True, docs=True),
+    "docs-heads-plain": dict(heads=True, docs=True),
+}
+BLOCK_CASES = [f"block-{mode}-{sl}-{v}" for mode in ("allgather", "allgather/nooverlap", "ring", "ulysses")
+               for sl in ("contiguous", "zigzag", "stripe") for v in BLOCK_VARIANTS]
+
+
+def block_case(rank: int, world: int, name: str) -> None:
+    """A block layout of the whole sequence (16-token blocks: a 3 x 3 grid, some shards on block
+    boundaries, some not) against attention_ext.attention with the layout's element mask (and the
+    documents' same-document mask), every mode: out, lse, dq, dk, dv, dsinks."""
+    import attention_ext as ae
+
+    _, mode, shard_layout, variant = name.split("-", 3)
+    o = BLOCK_VARIANTS[variant]
+    overlap = not mode.endswith("/nooverlap")
+    mode = mode.split("/")[0]
+    torch.manual_seed(3000 + BLOCK_CASES.index(name))
+    cu = PACKS[0] if o.get("docs") else None
+    real = cu[-1] if cu else S
+    q, k, v, g = (torch.randn(1, H, S, D) for _ in range(4))
+    lay = torch.rand(H if o.get("heads") else 1, 3, 3) < 0.5
+    lay |= torch.eye(3, dtype=torch.bool)  # every row sees a block
+    slopes = torch.rand(H) * 0.5 + 0.1 if o.get("alibi") else None
+    sinks = torch.randn(H) if o.get("sinks") else None
+    drop = dict(dropout_p=o["dropout"], seed=99) if "dropout" in o else {}
+    win = o.get("window", (-1, -1))
+    # one process: the layout as an element mask, with the documents' mask, on the real positions
+    i = torch.arange(real)
+    mask = lay[:, i // 16][:, :, i // 16]
+    if cu:
+        doc = torch.searchsorted(torch.tensor(cu[1:]), i, right=True)
+        mask = mask & (doc.view(-1, 1) == doc.view(1, -1))
+    leaves = [t[:, :, :real].clone().requires_grad_() for t in (q, k, v)]
+    sr = sinks.clone().requires_grad_() if sinks is not None else None
+    out, lse = ae.attention(*leaves, causal=o.get("causal", False), window=win, alibi_slopes=slopes, sinks=sr,
+                            attn_mask=mask.unsqueeze(0), return_lse=True, **drop)
+    (out * g[:, :, :real]).sum().backward()
+    want = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+
+    shard = lambda t: cp.shard_sequence(t, dim=2, shard_layout=shard_layout)  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    sl = sinks.clone().requires_grad_() if sinks is not None else None
+    extra = dict(overlap=overlap) if mode == "allgather" else {}
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, mode=mode, shard_layout=shard_layout, block_layout=lay,
+                                             block_size=16, cu_seqlens=cu, causal=o.get("causal", False),
+                                             window_size=win, alibi_slopes=slopes, sinks=sl, return_lse=True,
+                                             seq_len=None if cu else real, **drop, **extra)
+    (ol * shard(g)).sum().backward()
+    ds = None
+    if sinks is not None:
+        ds = sl.grad.clone()
+        dist.all_reduce(ds)
+    pos = cp.global_positions(S, rank=rank, world_size=world, shard_layout=shard_layout)
+    keep = pos < real
+    got = dict(out=ol, lse=lsel, dq=ql.grad, dk=kl.grad, dv=vl.grad)
+    for what, x in got.items():
+        e = rel_err(x[:, :, keep], want[what][:, :, pos[keep]])
+        assert e <= TOL, f"{what} relative error {e:.3g}"
+    if ds is not None:
+        e = rel_err(ds, sr.grad)
+        assert e <= TOL, f"dsinks relative error {e:.3g}"
+
+
 def suite(rank: int, world: int) -> Dict[str, Optional[str]]:
     counter = Counter()
     res: Dict[str, Optional[str]] = {}
@@ -234,6 +304,12 @@ def suite(rank: int, world: int) -> Dict[str, Optional[str]]:
     for name in LINEAR_CASES:
         try:
             linear_documents_case(rank, world, name)
+            res[name] = None
+        except Exception:  # noqa: BLE001
+            res[name] = traceback.format_exc()
+    for name in BLOCK_CASES:
+        try:
+            block_case(rank, world, name)
             res[name] = None
         except Exception:  # noqa: BLE001
             res[name] = traceback.format_exc()

@@ -81,7 +81,7 @@ def test_plan_covers_each_allowed_pair_once(seed):
     pos = [cp.global_positions(s, rank=x, world_size=world, shard_layout=shard_layout, cu_seqlens=cu)
            for x in range(world)]
     for pq, pk in ((pos[r], pos[owner]), (pos[r], torch.arange(cu[-1]))):  # ring's step, allgather's keys
-        for dropout in (None, (2, 2, 0)):
+        for dropout in (None, (1, 2, 2, 0)):
             calls = documents.plan(pq, pk, cu, wl, wr, alibi, torch.float32, "cpu", dropout=dropout)
             got = _covered(calls, pq.tolist(), pk.tolist())
             assert got == _expected(pq.tolist(), pk.tolist(), cu, wl, wr)
@@ -173,7 +173,7 @@ def _suite(world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("name", documents_cases.CASES + list(documents_cases.LINEAR_CASES))
+@pytest.mark.parametrize("name", documents_cases.CASES + list(documents_cases.LINEAR_CASES) + documents_cases.BLOCK_CASES)
 def test_documents(world, name):
     failed = {r: res[name] for r, res in enumerate(_suite(world)) if res[name] is not None}
     assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
