@@ -169,7 +169,8 @@ def config(q: Tensor, opts: AttentionOptions, *, group: Optional[dist.ProcessGro
             return plans[owner]
         if docs is not None or block is not None:  # one document: the whole real sequence
             plans[owner] = documents.plan(pos[rank], pos[owner], docs or (0, seq_len), wl, wr, alibi_slopes, acc,
-                                          q.device, dropout=None if rng_state is None else (q.shape[0], h, h, 0), block=block)
+                                          q.device, block=block,
+                                          dropout=None if rng_state is None else (q.shape[0], h, h, 0))
             return plans[owner]
         step = _plan(pos[rank], pos[owner], seq_len, wl, wr, alibi_slopes, acc, q.device)
         if step is not None and rng_state is not None:  # the step's queries and keys where they are global

@@ -173,7 +173,8 @@ def _suite(world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("name", documents_cases.CASES + list(documents_cases.LINEAR_CASES) + documents_cases.BLOCK_CASES)
+@pytest.mark.parametrize("name", documents_cases.CASES + list(documents_cases.LINEAR_CASES)
+                         + documents_cases.BLOCK_CASES)
 def test_documents(world, name):
     failed = {r: res[name] for r, res in enumerate(_suite(world)) if res[name] is not None}
     assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
