@@ -7,8 +7,7 @@ documents, a padded tail. Failures are recorded, not raised, so every rank runs 
 collectives; {case: None or the traceback} comes back per rank."""
 from __future__ import annotations
 
-import traceback
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from attention_ext import distributed as cp
 from attention_ext.softmax.functional import attention_varlen
 from attention_ext.softmax import reference
 from tests.distributed.cases import Counter
+from tests.distributed.harness import case_table
 from tests.helpers import assert_close_fa2, rel_err
 
 H, D, S = 12, 16, 48         # H, S: multiples of P and 2P for P = 2, 3, 4 (ulysses shards the heads)
@@ -66,7 +66,7 @@ def _single(q, k, v, cu, o: dict, slopes, sinks, dtype):
     return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
 
 
-def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
+def documents_case(rank: int, world: int, name: str, counter: Counter, group=None) -> None:
     mode, shard_layout, variant = name.split("-", 2)
     o = dict(VARIANTS[variant])
     dtype = o.get("dtype", torch.float32)
@@ -95,7 +95,8 @@ def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
             torch_same = dict(out=t_out, lse=t_lse, dq=same[0].grad, dk=same[1].grad, dv=same[2].grad)
 
         pos = cp.global_positions(S, rank=rank, world_size=world, shard_layout=shard_layout, cu_seqlens=cu)
-        shard = lambda t: cp.shard_sequence(t.to(dtype), dim=2, shard_layout=shard_layout, cu_seqlens=cu)  # noqa: E731
+        shard = lambda t: cp.shard_sequence(t.to(dtype), dim=2, group=group, shard_layout=shard_layout,  # noqa: E731
+                                            cu_seqlens=cu)
         ql, kl, vl = (shard(t) for t in (q, k, v))
         if layout == "bshd":
             ql, kl, vl = (t.transpose(1, 2).contiguous() for t in (ql, kl, vl))
@@ -105,7 +106,7 @@ def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
         extra = dict(_stats=stats) if mode == "ring" else {}
         counter.take()
         ol, lsel = cp.context_parallel_attention(
-            ql, kl, vl, mode=mode, shard_layout=shard_layout, cu_seqlens=torch.tensor(cu),
+            ql, kl, vl, group=group, mode=mode, shard_layout=shard_layout, cu_seqlens=torch.tensor(cu),
             causal=o.get("causal", False),
             window_size=o.get("window", (-1, -1)), alibi_slopes=slopes, softcap=o.get("softcap", 0.0), sinks=sl,
             dropout_p=o.get("dropout", 0.0), seed=o.get("seed"), layout=layout, return_lse=True, **extra)
@@ -116,7 +117,7 @@ def documents_case(rank: int, world: int, name: str, counter: Counter) -> None:
         ds = None
         if sinks is not None:
             ds = sl.grad.float()
-            dist.all_reduce(ds)
+            dist.all_reduce(ds, group=group)
             counter.take()
         try:  # the checks, after every collective of the pack; raised after the last pack's
             _check_pack(f"pack {pi} ({cu})", mode, shard_layout, variant, o, dtype, layout, rank, world, cu, pos,
@@ -165,7 +166,7 @@ LINEAR_CASES = {
 }
 
 
-def linear_documents_case(rank: int, world: int, name: str) -> None:
+def linear_documents_case(rank: int, world: int, name: str, counter: Counter = None, group=None) -> None:
     """context_parallel_linear_attention(cu_seqlens=...) on contiguous shards against
     linear_attention run per document in one process (the first document from initial_state):
     out, dq, dk, dv, ddecay and the final state, for every pack."""
@@ -196,12 +197,12 @@ def linear_documents_case(rank: int, world: int, name: str) -> None:
             state = r[1]
         out = torch.cat(outs, 2)
         (out * g[:, :, :real]).sum().backward()
-        shard = lambda t: cp.shard_sequence(t, dim=2, shard_layout="contiguous")  # noqa: E731
+        shard = lambda t: cp.shard_sequence(t, dim=2, group=group, shard_layout="contiguous")  # noqa: E731
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
         dr = shard(decay).requires_grad_() if decay is not None else None
-        ml = cp.shard_sequence(mask, dim=1, shard_layout="contiguous") if mask is not None else None
-        ol, st = cp.context_parallel_linear_attention(ql, kl, vl, decay=dr, key_mask=ml, initial_state=init,
-                                                      return_state=True, cu_seqlens=cu, **kw)
+        ml = cp.shard_sequence(mask, dim=1, group=group, shard_layout="contiguous") if mask is not None else None
+        ol, st = cp.context_parallel_linear_attention(ql, kl, vl, group=group, decay=dr, key_mask=ml,
+                                                      initial_state=init, return_state=True, cu_seqlens=cu, **kw)
         (ol * shard(g)).sum().backward()
         try:
             pos = cp.global_positions(S, rank=rank, world_size=world, shard_layout="contiguous")
@@ -235,7 +236,7 @@ BLOCK_CASES = [f"block-{mode}-{sl}-{v}" for mode in ("allgather", "allgather/noo
                for sl in ("contiguous", "zigzag", "stripe") for v in BLOCK_VARIANTS]
 
 
-def block_case(rank: int, world: int, name: str) -> None:
+def block_case(rank: int, world: int, name: str, counter: Counter = None, group=None) -> None:
     """A block layout of the whole sequence (16-token blocks: a 3 x 3 grid, some shards on block
     boundaries, some not) against attention_ext.attention with the layout's element mask (and the
     documents' same-document mask), every mode: out, lse, dq, dk, dv, dsinks."""
@@ -268,11 +269,12 @@ def block_case(rank: int, world: int, name: str) -> None:
     (out * g[:, :, :real]).sum().backward()
     want = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
 
-    shard = lambda t: cp.shard_sequence(t, dim=2, shard_layout=shard_layout)  # noqa: E731
+    shard = lambda t: cp.shard_sequence(t, dim=2, group=group, shard_layout=shard_layout)  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
     sl = sinks.clone().requires_grad_() if sinks is not None else None
     extra = dict(overlap=overlap) if mode == "allgather" else {}
-    ol, lsel = cp.context_parallel_attention(ql, kl, vl, mode=mode, shard_layout=shard_layout, block_layout=lay,
+    ol, lsel = cp.context_parallel_attention(ql, kl, vl, group=group, mode=mode, shard_layout=shard_layout,
+                                             block_layout=lay,
                                              block_size=16, cu_seqlens=cu, causal=o.get("causal", False),
                                              window_size=win, alibi_slopes=slopes, sinks=sl, return_lse=True,
                                              seq_len=None if cu else real, **drop, **extra)
@@ -280,7 +282,7 @@ def block_case(rank: int, world: int, name: str) -> None:
     ds = None
     if sinks is not None:
         ds = sl.grad.clone()
-        dist.all_reduce(ds)
+        dist.all_reduce(ds, group=group)
     pos = cp.global_positions(S, rank=rank, world_size=world, shard_layout=shard_layout)
     keep = pos < real
     got = dict(out=ol, lse=lsel, dq=ql.grad, dk=kl.grad, dv=vl.grad)
@@ -292,25 +294,14 @@ def block_case(rank: int, world: int, name: str) -> None:
         assert e <= TOL, f"dsinks relative error {e:.3g}"
 
 
-def suite(rank: int, world: int) -> Dict[str, Optional[str]]:
-    counter = Counter()
-    res: Dict[str, Optional[str]] = {}
-    for name in CASES:
-        try:
-            documents_case(rank, world, name, counter)
-            res[name] = None
-        except Exception:  # noqa: BLE001
-            res[name] = traceback.format_exc()
-    for name in LINEAR_CASES:
-        try:
-            linear_documents_case(rank, world, name)
-            res[name] = None
-        except Exception:  # noqa: BLE001
-            res[name] = traceback.format_exc()
-    for name in BLOCK_CASES:
-        try:
-            block_case(rank, world, name)
-            res[name] = None
-        except Exception:  # noqa: BLE001
-            res[name] = traceback.format_exc()
-    return res
+CASE_FNS = {**{n: documents_case for n in CASES}, **{n: linear_documents_case for n in LINEAR_CASES},
+            **{n: block_case for n in BLOCK_CASES}}
+
+
+def _case(rank: int, world: int, name: str, counter: Counter, group) -> None:
+    CASE_FNS[name](rank, world, name, counter, group)
+
+
+def suite(rank: int, world: int, sizes: List[int], names: List[str]) -> Dict[str, Optional[str]]:
+    """Every case on every group size of `sizes` (harness.case_table)."""
+    return case_table(_case, Counter(), rank, world, sizes, names)

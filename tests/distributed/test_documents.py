@@ -158,23 +158,10 @@ def test_cu_seqlens_errors(cu, match):
 # -- every mode on live groups ---------------------------------------------------------------------
 
 WORLD_SIZES = (2, 3, 4)
-_results = {}
-
-
-def _suite(world):
-    if world not in _results:
-        try:
-            _results[world] = harness.run(documents_cases.suite, world, timeout=300)
-        except harness.RankFailed as e:
-            _results[world] = e
-    if isinstance(_results[world], Exception):
-        raise _results[world]
-    return _results[world]
+TABLE = harness.CaseTable(documents_cases.suite, WORLD_SIZES, list(documents_cases.CASE_FNS), timeout=600)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("name", documents_cases.CASES + list(documents_cases.LINEAR_CASES)
-                         + documents_cases.BLOCK_CASES)
+@pytest.mark.parametrize("name", list(documents_cases.CASE_FNS))
 def test_documents(world, name):
-    failed = {r: res[name] for r, res in enumerate(_suite(world)) if res[name] is not None}
-    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+    TABLE.check(world, name)
