@@ -32,6 +32,7 @@ shard).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -218,10 +219,10 @@ def _varlen_calls(kind: str, pieces: List[Tuple[int, int, int, int]], wl: int, w
         rows = torch.cat([torch.arange(i0, i1) for i0, i1, _, _ in ps])
         cols = torch.cat([torch.arange(j0, j1) for _, _, j0, j1 in ps])
         call = _kernel_call(kind, rows, cols, wl, wr, alibi)
-        lq = torch.tensor([0] + [i1 - i0 for i0, i1, _, _ in ps])
-        lk = torch.tensor([0] + [j1 - j0 for _, _, j0, j1 in ps])
-        call.cu_q, call.cu_k = lq.cumsum(0).to(torch.int32), lk.cumsum(0).to(torch.int32)
-        call.max_q, call.max_k = int(lq.max()), int(lk.max())
+        lq, lk = [i1 - i0 for i0, i1, _, _ in ps], [j1 - j0 for _, _, j0, j1 in ps]
+        call.cu_q = torch.tensor([0] + list(itertools.accumulate(lq)), dtype=torch.int32)
+        call.cu_k = torch.tensor([0] + list(itertools.accumulate(lk)), dtype=torch.int32)
+        call.max_q, call.max_k = max(lq), max(lk)
         calls.append(call)
     return calls
 
