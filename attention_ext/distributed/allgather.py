@@ -104,8 +104,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, *, group: Op
            shard_layout: str, overlap: bool = True) -> Tuple[Tensor, Tensor]:
     """mode="allgather" on this rank's shards (any layout): (out (B, H, n, D), lse (B, H, n)).
     The entry point (attention.context_parallel_attention) turns them into its result.
-    overlap (eager only: torch.compile traces the paths below): attend_overlapped."""
-    if overlap and not torch.compiler.is_compiling():
+    overlap (eager only: torch.compile traces the paths below; and not with ALiBi slopes that
+    require grad, which the form below takes, giving them none as attention() does):
+    attend_overlapped."""
+    slopes_grad = opts.alibi_slopes is not None and opts.alibi_slopes.requires_grad
+    if overlap and not torch.compiler.is_compiling() and not slopes_grad:
         return attend_overlapped(q, k, v, opts, group=group, shard_layout=shard_layout)
     q, k, v = opts.shards(q, k, v)
     rank, world, s, seq_len = opts.sequence(q, group, shard_layout)

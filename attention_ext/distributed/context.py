@@ -25,6 +25,7 @@ FSDP's average when every rank's loss is its shard's mean) gives the gradient of
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import InitVar, dataclass, replace
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .sharding import _check_layout, _no_layout, global_positions, sequence_multiple, shard_sequence
+from .sharding import _check_layout, _no_layout, check_cu_seqlens, global_positions, sequence_multiple, shard_sequence
 
 __all__ = ["ContextParallel"]
 
@@ -52,8 +53,7 @@ class ContextParallel:
     def with_documents(self, cu_seqlens: Union[Tensor, Sequence[int]]) -> "ContextParallel":
         """This setup for one pack of documents at global offsets cu_seqlens (B = 1; checked
         against the sequence at use, by sharding.check_cu_seqlens)."""
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens
-        return replace(self, cu_seqlens=tuple(int(x) for x in cu))
+        return replace(self, cu_seqlens=check_cu_seqlens(cu_seqlens, sys.maxsize))  # the end: checked at use
 
     @property
     def rank(self) -> int:

@@ -296,14 +296,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, calls: List[Call], *, scale: Optiona
         outs.append(o)
         lses.append(l)
         rows.append(torch.arange(c.rows.start, c.rows.stop) if isinstance(c.rows, slice) else c.rows)
-    empty = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # the lse of a row that sees nothing
-    if sinks is not None:
-        empty = empty.clone().copy_(sinks.detach().to(acc).view(1, -1, 1).expand_as(empty))
-    if not calls:  # no real row: zeros in the graph of q, k, v, sinks (the backward's collectives still run)
-        out = q * 0 + (k.sum() + v.sum()) * 0
+    # the lse of a row that sees nothing: -inf, or the sink's logit (with its gradient)
+    empty = q.new_full(q.shape[:3], float("-inf"), dtype=acc) if sinks is None else \
+        sinks.to(acc).view(1, -1, 1).expand(q.shape[:3])
+    if not calls:  # no real row: out and lse in the graph of q, k, v (the backward's collectives still run)
+        zero = q.sum() * 0 + (k.sum() + v.sum()) * 0
+        out = q * 0 + zero
         if sinks is not None:
             out = out + sinks.sum().to(out.dtype) * 0
-        return out, empty
+        return out, empty + zero.to(acc)
     idx = torch.cat(rows)
     if idx.numel() == n and torch.equal(idx, torch.arange(n)):  # the calls cover the rows in order
         return torch.cat(outs, 2), torch.cat(lses, 2).to(acc)

@@ -46,6 +46,7 @@ sequence order, which a causal prefix of states cannot express.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -251,7 +252,9 @@ def context_parallel_linear_attention(
         if b != 1:
             raise ValueError(f"cu_seqlens packs documents into ONE sequence: the shards' batch must be 1, got {b}")
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        cu = check_cu_seqlens(cu_seqlens, n * world)
+        # the end is checked against S after the all-gather, once every rank knows the shards are
+        # of one length (a per-rank S could fail on some ranks only, and the others would hang)
+        cu = check_cu_seqlens(cu_seqlens, sys.maxsize)
         off = rank * n
         pos = torch.arange(off, off + n, device=q.device)
         # every start, the padding's (cu[-1]) too: padded queries see no document; a shard's first
@@ -316,6 +319,7 @@ def context_parallel_linear_attention(
                              f"{[int(x) for x in lens]} tokens per rank: shard with shard_sequence(..., "
                              f"shard_layout='contiguous')")
         gathered = gathered[..., :-1]
+        check_cu_seqlens(cu_seqlens, n * world)  # the documents' end within S, on every rank alike
     states = gathered[..., :-1].reshape(world, b, h, m, dvp)  # S_j
     logd = gathered[..., -1]  # (P, B, H) L_j
 

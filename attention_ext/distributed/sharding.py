@@ -25,6 +25,7 @@ rank's gradient of its shard is the sum of the gradients all ranks computed for 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -70,10 +71,10 @@ def check_cu_seqlens(cu_seqlens: Union[Tensor, Sequence[int], None], padded_len:
         cu = tuple(int(x) for x in cu_seqlens.tolist())
     else:
         try:
-            cu = tuple(int(x) for x in cu_seqlens)
+            cu = tuple(operator.index(x) for x in cu_seqlens)  # ints only: 10.7 is refused, not truncated
         except TypeError:
-            raise TypeError(f"cu_seqlens must be a tensor or a sequence of ints, got {type(cu_seqlens).__name__}") \
-                from None
+            raise TypeError(f"cu_seqlens must be a 1-D int tensor or a sequence of ints (document offsets), got "
+                            f"{cu_seqlens!r:.80}") from None
     if len(cu) < 2 or cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, end], got {list(cu[:8])}")
     if any(b < a for a, b in zip(cu[:-1], cu[1:])):

@@ -231,6 +231,9 @@ BLOCK_VARIANTS = {
     "causal-dropout": dict(causal=True, dropout=0.3),
     "docs-causal-sinks": dict(causal=True, sinks=True, docs=True),
     "docs-heads-plain": dict(heads=True, docs=True),
+    # only block (0, 0) on: most rows see nothing (out 0, lse the sink's) and the last shards have
+    # no call at all; the loss reads the lse too (its gradient reaches the sinks)
+    "holes-sinks": dict(holes=True, sinks=True),
 }
 BLOCK_CASES = [f"block-{mode}-{sl}-{v}" for mode in ("allgather", "allgather/nooverlap", "ring", "ulysses")
                for sl in ("contiguous", "zigzag", "stripe") for v in BLOCK_VARIANTS]
@@ -252,6 +255,9 @@ def block_case(rank: int, world: int, name: str, counter: Counter = None, group=
     q, k, v, g = (torch.randn(1, H, S, D) for _ in range(4))
     lay = torch.rand(H if o.get("heads") else 1, 3, 3) < 0.5
     lay |= torch.eye(3, dtype=torch.bool)  # every row sees a block
+    if o.get("holes"):
+        lay[:] = False
+        lay[:, 0, 0] = True
     slopes = torch.rand(H) * 0.5 + 0.1 if o.get("alibi") else None
     sinks = torch.randn(H) if o.get("sinks") else None
     drop = dict(dropout_p=o["dropout"], seed=99) if "dropout" in o else {}
@@ -266,7 +272,8 @@ def block_case(rank: int, world: int, name: str, counter: Counter = None, group=
     sr = sinks.clone().requires_grad_() if sinks is not None else None
     out, lse = ae.attention(*leaves, causal=o.get("causal", False), window=win, alibi_slopes=slopes, sinks=sr,
                             attn_mask=mask.unsqueeze(0), return_lse=True, **drop)
-    (out * g[:, :, :real]).sum().backward()
+    gl = torch.randn(1, H, S) if o.get("holes") else None  # a gradient through the lse
+    ((out * g[:, :, :real]).sum() + ((lse * gl[:, :, :real]).sum() if gl is not None else 0)).backward()
     want = dict(out=out.detach(), lse=lse.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
 
     shard = lambda t: cp.shard_sequence(t, dim=2, group=group, shard_layout=shard_layout)  # noqa: E731
@@ -278,7 +285,8 @@ def block_case(rank: int, world: int, name: str, counter: Counter = None, group=
                                              block_size=16, cu_seqlens=cu, causal=o.get("causal", False),
                                              window_size=win, alibi_slopes=slopes, sinks=sl, return_lse=True,
                                              seq_len=None if cu else real, **drop, **extra)
-    (ol * shard(g)).sum().backward()
+    lse_part = (lsel * shard(gl.unsqueeze(-1)).squeeze(-1)).sum() if gl is not None else 0
+    ((ol * shard(g)).sum() + lse_part).backward()
     ds = None
     if sinks is not None:
         ds = sl.grad.clone()
@@ -292,6 +300,18 @@ def block_case(rank: int, world: int, name: str, counter: Counter = None, group=
     if ds is not None:
         e = rel_err(ds, sr.grad)
         assert e <= TOL, f"dsinks relative error {e:.3g}"
+
+
+def uneven_linear(rank: int, world: int) -> str:
+    """context_parallel_linear_attention with cu_seqlens on shards of 20 and 12 tokens: every rank
+    must raise the same error (none may raise before the all-gather, or its peers would hang)."""
+    n = 20 if rank == 0 else 12
+    q, k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 4)
+    try:
+        cp.context_parallel_linear_attention(q, k, v, cu_seqlens=[0, 10, 32])
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 CASE_FNS = {**{n: documents_case for n in CASES}, **{n: linear_documents_case for n in LINEAR_CASES},

@@ -155,6 +155,21 @@ def test_cu_seqlens_errors(cu, match):
         cp.global_positions(16, rank=0, world_size=2, shard_layout="balanced", cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("cu", [[0, 10.7, 16], "abc"])
+def test_cu_seqlens_takes_ints_only(cu):
+    """Offsets that are not ints are refused, never truncated (10.7 is not 10)."""
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D int tensor or a sequence of ints"):
+        cp.global_positions(16, rank=0, world_size=2, shard_layout="balanced", cu_seqlens=cu)
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        cp.ContextParallel().with_documents(cu)
+
+
+def test_with_documents_checks_the_offsets():
+    with pytest.raises(ValueError, match="non-decreasing"):
+        cp.ContextParallel().with_documents([0, 5, 3])
+    assert cp.ContextParallel().with_documents(torch.tensor([0, 5, 9])).cu_seqlens == (0, 5, 9)
+
+
 # -- every mode on live groups ---------------------------------------------------------------------
 
 WORLD_SIZES = (2, 3, 4)
@@ -165,3 +180,8 @@ TABLE = harness.CaseTable(documents_cases.suite, WORLD_SIZES, list(documents_cas
 @pytest.mark.parametrize("name", list(documents_cases.CASE_FNS))
 def test_documents(world, name):
     TABLE.check(world, name)
+
+
+def test_linear_unequal_shards_raise_on_every_rank():
+    got = harness.run(documents_cases.uneven_linear, 2, timeout=120)
+    assert all("shards of one length" in e for e in got), got
