@@ -53,10 +53,11 @@ def context_parallel_attention(
         shard_layout: the sequence sharding, "contiguous", "zigzag", "stripe" or, for packed
             documents, "balanced" (attention_ext.distributed.sharding). A tensor layout given here
             raises a ValueError that names layout.
-        overlap: mode="allgather" only: overlap the all-gather (forward) and the reduce-scatter
-            (backward) with the compute on the rank's own shard (True, the default, eager); False,
-            and any call under torch.compile, runs one all-gather then the kernel on the gathered
-            keys with nothing overlapped (allgather.py). The other modes ignore it.
+        overlap: mode="allgather" only: overlap the K / V gather (forward) and the dK / dV
+            return (backward), one all-to-all each, with the compute on the rank's own shard (True,
+            the default, eager); False, and any call under torch.compile, runs one all-gather then
+            the kernel on the gathered keys and one reduce-scatter back, nothing overlapped
+            (allgather.py). The other modes ignore it.
 
     The attention options, keywords only, one AttentionOptions (options.py) for every mode:
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
