@@ -19,7 +19,8 @@
 // common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
 // so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
 // Quantized caches (int8, fp8 e4m3) are element types like the 16-bit ones, widened in registers
-// (a byte per element read: half a bf16 cache's bytes); their descales never touch an element: a
+// (a byte per element read: half a bf16 cache's bytes; int8 under 16-bit queries on AVX-512 in
+// int32 products instead: kInts); their descales never touch an element: a
 // key's k scale multiplies its score (per (batch, kv head): folded into the q rows once, except
 // under bf16 queries, whose q stays bf16 data: kDots), and a key's v scale its probability before
 // P V (per (batch, kv head): the output row at the end), after the softmax's sum has taken the
@@ -48,7 +49,7 @@ namespace {
 // Keys per chunk: a multiple of every vector width. One kv head's K / V rows of a chunk (32 x
 // 128 x 4 B = 16 KB in fp32) fit L1; the whole chunk's (x H_k) fit L2, where the scores pass
 // prefetches them.
-constexpr int kChunk = 32;
+constexpr int kChunkKeys = 32;
 // Query rows per register block of the two products.
 constexpr int kRowBlock = 4;
 // One chunk's K rows of every kv head, at most (keys per chunk halve down to a vector's lanes
@@ -165,9 +166,47 @@ inline vec<T> load_cvt(const E* p) {
 // 32 int8 and nine per 32 e4m3, against two and nine per 16 widened to float32 and then an FMA
 // per element per row. Under float32 / fp16 queries they widen to float32 (q would not be bf16
 // data, and P would be rounded past the float32 rule).
+// int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX-512: both products in int32
+// on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
+// the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
+// vpmovsxbw per 32 elements, and a pair of V rows interleaves by one byte unpack each half.
+//   Q K^T: each q row is q16 x 2^e, e the row's max exponent - 14 (|q16| <= 32752): a bf16 row
+//     is exact where its elements are within 2^7 of its largest (an fp16 row within 2^4), and
+//     smaller elements round by at most 2^-15 of the largest, far below q's own rounding. The
+//     int32 sums are exact (|sum| <= d 32752 128 < 2^31 for d <= kI16MaxD).
+//   P V: each chunk's P row is p16 x 2^e the same way, rounded by at most 2^-15 of its largest
+//     probability (bf16's P rounds each by 2^-9 of itself); the chunk's int32 sums join O in
+//     float32, times the row's scale.
+// Non-finite rows (q, or P from a NaN score / descale) get a NaN scale, so they show as NaN.
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kI16Level = true;
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#else
+constexpr bool kI16Level = false;
+#endif
+constexpr int kI16MaxD = 256;
+template <typename T, typename E, bool kQb>
+constexpr bool kInts = kI16Level && kQb && std::is_same_v<T, float> && std::is_same_v<E, I8>;
+// x = q16 x scale: the scale 2^(e - 14), e the exponent of max |x| over n elements (NaN when one
+// is not finite; 0 for an all-zero row); out[c] (stride `stride`) the rounded q16
+inline float i16_scale(const float* x, int n) {
+  float amax = 0.f;
+  for (int c = 0; c < n; ++c) {
+    if (!std::isfinite(x[c])) return std::numeric_limits<float>::quiet_NaN();
+    amax = std::max(amax, std::fabs(x[c]));
+  }
+  return amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -149)) : 0.f;
+}
+
 template <typename T, typename E, bool kQb = false>
-constexpr bool kDots =
-    kBf16Dot && std::is_same_v<T, float> && (std::is_same_v<E, Bf16> || (kQb && kByte<E>));
+constexpr bool kDots = kBf16Dot && std::is_same_v<T, float> &&
+                       (std::is_same_v<E, Bf16> || (kQb && kByte<E>)) && !kInts<T, E, kQb>;
 
 #if defined(__AVX512BF16__)
 // 32 elements of a cache row at p as bf16 (zeros past the first n < 32 when kTail, nothing read
@@ -205,6 +244,10 @@ inline int dots_col(int c) {
   const int g = c / 8, h = c % 8;
   return h < 4 ? 4 * g + h : 16 + 4 * g + (h - 4);
 }
+
+// Stored position of column c (< 32) of a full 32-column block in the kInts order: a byte unpack
+// of two V rows pairs columns 0-7 and 16-23 in its low half, 8-15 and 24-31 in its high half.
+inline int i16_col(int c) { return c / 8 == 1 ? c + 8 : c / 8 == 2 ? c - 8 : c; }
 
 // Whether a bf16 cache row loads as even / odd lanes: 2L elements in one vector load are 32-bit
 // lanes (element 2u in the low half, 2u + 1 in the high half), so a mask keeps the odd elements
@@ -256,6 +299,9 @@ inline T to_t(E e) {
 template <typename T, typename E, bool kQb = false>
 struct DecodeWorker {
   static constexpr bool kDot = kDots<T, E, kQb>;
+  // Keys per chunk: twice kChunkKeys for 8-bit caches (the same bytes per kv head as a 16-bit
+  // chunk), which halves the softmax's fixed work per row and key.
+  static constexpr int kChunk = kByte<E> ? 2 * kChunkKeys : kChunkKeys;
   using V = vec<T>;
   static constexpr int L = kLanes<T>;
   const DecodeParamsT<T>& p;
@@ -267,6 +313,11 @@ struct DecodeWorker {
   std::vector<uint16_t> qh;  // kDots: the q rows as bf16, packed per register block as qp
   int dq;                    // qh's row length: d rounded up to 32 (one vdpbf16ps operand)
   std::vector<uint16_t> ph;  // kDots: the chunk's P rows rounded to bf16 (rows, kChunk)
+  static constexpr bool kInt = kInts<T, E, kQb>;
+  std::vector<int16_t> qi;    // kInts: the q rows' q16, packed per register block as qh
+  std::vector<int16_t> pi;    // kInts: the chunk's P rows' p16 (rows, kChunk)
+  std::vector<float> qsc, psc;  // kInts: each row's q scale, and its P scale in this chunk
+  std::vector<int32_t> si;    // kInts: the chunk's integer scores, key-major per register block
   T *os, *oc, *lc;  // the running output, its compensation, and l's (o: the block being summed)
   int chunk;  // keys per chunk (kChunk, or fewer where one chunk's K rows pass kChunkBytes)
   const E* kp[kChunk];  // the chunk's K / V rows of kv head 0 (head hk: + hk * head stride)
@@ -291,6 +342,13 @@ struct DecodeWorker {
       qh.assign((size_t(rows) + kRowBlock) * dq, 0);
       ph.assign((size_t(rows) + kRowBlock) * kChunk, 0);
     }
+    if constexpr (kInt) {
+      qi.assign((size_t(rows) + kRowBlock) * dq, 0);
+      pi.assign((size_t(rows) + kRowBlock) * kChunk, 0);
+      qsc.assign(size_t(rows) + kRowBlock, 0.f);
+      psc.assign(size_t(rows) + kRowBlock, 0.f);
+      si.assign((size_t(rows) + kRowBlock) * kChunk, 0);
+    }
     const size_t rp = size_t(rows) + kRowBlock;
     mem.assign(rp * dp * 5 + rp * kChunk + rp * 3 + dp, T(0));
     q = mem.data();
@@ -303,7 +361,7 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
-    if (kQuant && (p.descale_per_token || kDot)) {
+    if (kQuant && (p.descale_per_token || kDot || kInt)) {
       kscl.resize(size_t(p.h_k) * kChunk);
       vscl.resize(size_t(p.h_k) * kChunk);
     }
@@ -328,6 +386,11 @@ struct DecodeWorker {
     if constexpr (kDot) {
       dot_bf16<RR, kShared>(r0, jj, k, kstride);
       return;
+    }
+    if constexpr (kInt) {  // the common head dims with their loop unrolled
+      if (d == 128) return dot_i16<RR, kShared, 4>(r0, jj, k, kstride);
+      if (d == 64) return dot_i16<RR, kShared, 2>(r0, jj, k, kstride);
+      return dot_i16<RR, kShared, 0>(r0, jj, k, kstride);
     }
     const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
     const T* qb = qp + size_t(r0) * dp;
@@ -426,17 +489,124 @@ struct DecodeWorker {
     (void)r0, (void)jj, (void)k, (void)kstride;
 #endif
   }
+  // dot() in int32 (kInts): si's block r0 holds key jj's RR sums at jj * RR (scores_from_ints
+  // scales them). NC: d / 32 where d is a multiple of 32 known at compile time, else 0.
+  template <int RR, bool kShared, int NC>
+  void dot_i16(int r0, int jj, const E* k, int64_t kstride) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int16_t* qb = qi.data() + size_t(r0) * dq;
+    auto krow = [&](int x) { return reinterpret_cast<const int8_t*>(k + (kShared ? 0 : x * kstride)); };
+    __m512i a[RR];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) a[x] = _mm512_setzero_si512();
+    const int dd = NC > 0 ? NC * 32 : d;
+#pragma GCC unroll 8
+    for (int c = 0; c < dd; c += 32, qb += RR * 32) {
+      const __mmask32 mask = NC > 0 || dd - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (dd - c)) - 1;
+      if constexpr (kShared) {
+        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, krow(0) + c));
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) a[x] = dpwssd(a[x], kv, _mm512_loadu_si512(qb + x * 32));
+      } else {
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) {
+          const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, krow(x) + c));
+          a[x] = dpwssd(a[x], kv, _mm512_loadu_si512(qb + x * 32));
+        }
+      }
+    }
+    int32_t* sj = si.data() + size_t(r0) * kChunk + jj * RR;
+    if constexpr (RR == 4) {  // simd.h's hsum4 tree on int32
+      const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[0], a[1], 0x44), _mm512_shuffle_i32x4(a[0], a[1], 0xEE));
+      const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2], a[3], 0x44), _mm512_shuffle_i32x4(a[2], a[3], 0xEE));
+      __m512i w = _mm512_add_epi32(_mm512_shuffle_i32x4(u01, u23, 0x88), _mm512_shuffle_i32x4(u01, u23, 0xDD));
+      w = _mm512_add_epi32(w, _mm512_shuffle_epi32(w, _MM_PERM_BADC));
+      w = _mm512_add_epi32(w, _mm512_shuffle_epi32(w, _MM_PERM_CDAB));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sj),
+                       _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0,
+                                                                                         0, 0, 0, 0, 0, 0, 0), w)));
+    } else {
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) sj[x] = _mm512_reduce_add_epi32(a[x]);
+    }
+#else
+    (void)r0, (void)jj, (void)k, (void)kstride;
+#endif
+  }
+  // kInts: S rows <- the chunk's integer sums times the rows' q scales, row-major
+  void scores_from_ints(int n) {
+    for_dot_blocks([&](int r0, auto rr) {
+      constexpr int RR = decltype(rr)::value;
+      const int32_t* src = si.data() + size_t(r0) * kChunk;
+#if defined(__AVX512F__)
+      if constexpr (RR == 4) {  // four keys x four rows per vector: rows to quarters, then stored
+        const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m512 sc = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                _mm512_castps128_ps512(_mm_loadu_ps(qsc.data() + r0)));
+        T* s0 = s + size_t(r0) * kChunk;
+        for (int jj = 0; jj < n; jj += 4) {  // past n: S's padding, which scores() overwrites
+          const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(idx, _mm512_loadu_si512(src + jj * 4))), sc);
+          _mm_storeu_ps(s0 + jj, _mm512_castps512_ps128(x));
+          _mm_storeu_ps(s0 + kChunk + jj, _mm512_extractf32x4_ps(x, 1));
+          _mm_storeu_ps(s0 + 2 * kChunk + jj, _mm512_extractf32x4_ps(x, 2));
+          _mm_storeu_ps(s0 + 3 * kChunk + jj, _mm512_extractf32x4_ps(x, 3));
+        }
+        return;
+      }
+#endif
+      for (int x = 0; x < RR; ++x) {
+        T* srow = s + size_t(r0 + x) * kChunk;
+        const float sc = qsc[r0 + x];
+        for (int jj = 0; jj < n; ++jj) srow[jj] = float(src[jj * RR + x]) * sc;
+      }
+    });
+  }
+  // kInts: P row (n floats, n a multiple of 16) -> p16 and its scale
+  static void p_to_i16(const float* src, int n, int16_t* dst, float* scale) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m512 mx = _mm512_setzero_ps();  // P >= 0; max_ps(NaN, m) keeps m, so NaN is checked apart
+    __mmask16 bad = 0;
+    for (int c = 0; c < n; c += 16) {
+      const __m512 x = _mm512_loadu_ps(src + c);
+      mx = _mm512_max_ps(mx, x);
+      bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    }
+    const float amax = _mm512_reduce_max_ps(mx);
+    const float sc = bad || !std::isfinite(amax) ? std::numeric_limits<float>::quiet_NaN()
+                     : amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -149)) : 0.f;
+    *scale = sc;
+    const __m512 inv = _mm512_set1_ps(sc > 0.f ? 1.f / sc : 0.f);  // a power of two: exact
+    for (int c = 0; c < n; c += 16) {
+      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv));  // to nearest even
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), _mm512_cvtsepi32_epi16(x));
+    }
+#else
+    (void)src, (void)n, (void)dst, (void)scale;
+#endif
+  }
   // Column c of a q / O row as stored: kEvenOdd permutes each full 2L block, kDots each full
   // 32-column block of O (its q goes to qh in column order); the rest stays
-  static constexpr bool kPermuted = kEvenOdd<T, E> || kDot;
+  static constexpr bool kPermuted = kEvenOdd<T, E> || kDot || kInt;
   int stored_col(int c) const {
     if constexpr (kDot) return c < d / 32 * 32 ? c / 32 * 32 + dots_col(c % 32) : c;
+    if constexpr (kInt) return c < d / 32 * 32 ? c / 32 * 32 + i16_col(c % 32) : c;
     return kEvenOdd<T, E> && c < d / (2 * L) * (2 * L) ? even_odd_col(c, L) : c;
   }
   // qp <- the q rows (q, column order) packed per register block, in stored column order
   void pack_q() {
     for_dot_blocks([&](int r0, auto rr) {
       constexpr int RR = decltype(rr)::value;
+      if constexpr (kInt) {
+        int16_t* dst = qi.data() + size_t(r0) * dq;
+        for (int x = 0; x < RR; ++x) {
+          const float* src = q + size_t(r0 + x) * dp;
+          const float sc = i16_scale(src, d);
+          qsc[r0 + x] = sc;
+          const float inv = sc > 0.f ? 1.f / sc : 0.f;  // a power of two: exact
+          for (int c = 0; c < d; ++c) dst[(c / 32 * RR + x) * 32 + c % 32] = int16_t(std::nearbyint(src[c] * inv));
+        }
+        return;
+      }
       if constexpr (kDot) {  // q is bf16 data: the conversion back is exact
         uint16_t* dst = qh.data() + size_t(r0) * dq;
         for (int x = 0; x < RR; ++x) {
@@ -562,6 +732,7 @@ struct DecodeWorker {
     const int dv = d / L * L;
     int c = 0;
     if constexpr (kDot) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
+    if constexpr (kInt) c = pv_i16<RR>(r0, voff, j_lo, j_hi);
     constexpr int NV = RR == 1 ? 8 : RR == 2 ? 4 : 2;
     if constexpr (NV >= 8) {
       for (; c + 8 * L <= dv; c += 8 * L) pv_cols<RR, 8>(r0, c, voff, j_lo, j_hi);
@@ -634,6 +805,73 @@ struct DecodeWorker {
     return 0;
 #endif
   }
+  // pv() in int32 (kInts) over the full 32-column blocks of O (in i16_col order); returns the
+  // columns done. Keys in pairs from an even index as pv_bf16: P's pair (p_j, p_j+1) is one
+  // 32-bit word of pi, the two V rows' bytes interleave by unpacking (then widen to int16); a key
+  // outside [j_lo, j_hi) in a pair pairs with a zero row, never read.
+  template <int RR>
+  int pv_i16(int r0, int64_t voff, int j_lo, int j_hi) {
+    const int d32 = d / 32 * 32;
+    if (j_lo >= j_hi) return d32;  // no key of this chunk for these rows
+    int c = 0;
+    for (; c + 64 <= d32; c += 64) pv_i16_cols<RR, 2>(r0, voff, c, j_lo, j_hi);
+    if (c < d32) pv_i16_cols<RR, 1>(r0, voff, c, j_lo, j_hi);
+    return d32;
+  }
+  // pv_i16 over NB 32-column blocks from column c: NB = 2 shares each P pair's broadcast and the
+  // key loop between two blocks (4 NB RR accumulators: 16 of the 32 zmm at four rows)
+  template <int RR, int NB>
+  void pv_i16_cols(int r0, int64_t voff, int c, int j_lo, int j_hi) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int16_t* pj = pi.data() + size_t(r0) * kChunk;
+    __m512i acc[RR][2 * NB];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) {
+#pragma GCC unroll 4
+      for (int u = 0; u < 2 * NB; ++u) acc[x][u] = _mm512_setzero_si512();
+    }
+    auto vrow = [&](int j, int u) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp[j] + voff + c + 32 * u));
+    };
+    // keys j, j + 1 (v1 / v0 zero for a key outside [j_lo, j_hi), whose rows are not read)
+    auto step = [&](int j, bool first, bool second) {
+      __m512i b[2 * NB];
+#pragma GCC unroll 2
+      for (int u = 0; u < NB; ++u) {
+        const __m256i v0 = first ? vrow(j, u) : _mm256_setzero_si256();
+        const __m256i v1 = second ? vrow(j + 1, u) : _mm256_setzero_si256();
+        b[2 * u] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(v0, v1));
+        b[2 * u + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(v0, v1));
+      }
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        int32_t w;
+        std::memcpy(&w, pj + x * kChunk + j, 4);
+        const __m512i a = _mm512_set1_epi32(w);
+#pragma GCC unroll 4
+        for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd(acc[x][u], a, b[u]);
+      }
+    };
+    int jj = j_lo & ~1;
+    if (jj < j_lo) {
+      step(jj, false, true);
+      jj += 2;
+    }
+    for (; jj + 1 < j_hi; jj += 2) step(jj, true, true);
+    if (jj < j_hi) step(jj, true, false);
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) {
+      const __m512 sc = _mm512_set1_ps(psc[r0 + x]);
+      float* orow = o + (r0 + x) * dp + c;
+#pragma GCC unroll 4
+      for (int u = 0; u < 2 * NB; ++u) {
+        _mm512_storeu_ps(orow + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[x][u]), sc, _mm512_loadu_ps(orow + 16 * u)));
+      }
+    }
+#else
+    (void)r0, (void)voff, (void)c, (void)j_lo, (void)j_hi;
+#endif
+  }
   // f(r0, RR) over the rows [r_begin, r_end) in register blocks of up to kRowBlock
   template <typename F>
   static void row_blocks(int r_begin, int r_end, F&& f) {
@@ -669,8 +907,8 @@ struct DecodeWorker {
     const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
     const bool per_token = kQuant && p.descale_per_token;
-    const bool key_scales = per_token || (kQuant && kDot);  // descales per key (kscl, vscl)
-    if (kQuant && !per_token && kDot) {
+    const bool key_scales = per_token || (kQuant && (kDot || kInt));  // descales per key (kscl, vscl)
+    if (kQuant && !per_token && (kDot || kInt)) {
       for (int hk = 0; hk < p.h_k; ++hk) {
         std::fill_n(kscl.data() + size_t(hk) * kChunk, kChunk, p.k_descale[int64_t(b) * p.h_k + hk] * kUnit<E>);
         std::fill_n(vscl.data() + size_t(hk) * kChunk, kChunk, p.v_descale[int64_t(b) * p.h_k + hk] * kUnit<E>);
@@ -753,6 +991,7 @@ struct DecodeWorker {
           }
         }
       }
+      if constexpr (kInt) scores_from_ints(n);
       if (per_token) {  // the chunk's descales, gathered once per kv head (their rows share them)
         for (int jj = 0; jj < n; ++jj) {
           const float* ks = p.k_descale + sr[jj];
@@ -780,6 +1019,7 @@ struct DecodeWorker {
           for (int jj = 0; jj < n; ++jj) srow[jj] *= vs[jj];
         }
         if constexpr (kDot) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
+        if constexpr (kInt) p_to_i16(srow, nn, pi.data() + size_t(r) * kChunk, &psc[r]);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
           for (T* x : {o, os, oc}) {
@@ -883,8 +1123,10 @@ void run(const DecodeParamsT<T>& p, DType dt) {
   }
   T* po = splits > 1 ? part_o.data() : nullptr;
   T* pl = splits > 1 ? part_lse.data() : nullptr;
-  if constexpr (kDots<T, E, true> && kByte<E>) {
-    if (dt == DType::kBF16) {
+  if constexpr ((kDots<T, E, true> || kInts<T, E, true>) && kByte<E>) {
+    // kInts: bf16 or fp16 q; kDots (P rounded to bf16): bf16 q only
+    const bool q16 = dt == DType::kBF16 || (kInts<T, E, true> && dt == DType::kF16 && p.d <= kI16MaxD);
+    if (q16 && (!kInts<T, E, true> || p.d <= kI16MaxD)) {
       parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E, true>(p, dt, splits, po, pl); });
       if (splits > 1) merge_splits(p, dt, splits, po, pl);
       return;
@@ -898,7 +1140,7 @@ void run(const DecodeParamsT<T>& p, DType dt) {
 
 template <typename T>
 int decode_num_splits(const DecodeParamsT<T>& p, int max_keys) {
-  const int chunks = std::max(1, (max_keys + kChunk - 1) / kChunk);
+  const int chunks = std::max(1, (max_keys + kChunkKeys - 1) / kChunkKeys);
   if (p.num_splits > 0) return std::min(p.num_splits, chunks);
   // From the problem alone, never from the thread count: the merge sums the splits' partials in
   // an order fixed by the split count, so a count that followed the threads would change the
