@@ -227,16 +227,19 @@ LEVELS = ae.cpu_isas() if ae._ext.HAS_EXT else ()
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qdt", QDT, ids=str)
 def test_every_isa_level(level, qdt):
-    """The 8-bit widening (AVX-512, AVX2, and the portable loops of the base level) at every ISA
-    level this machine runs, with a head dim that leaves a scalar tail."""
+    """The 8-bit paths (AVX-512, AVX2, and the portable loops of the base level) at every ISA
+    level this machine runs: the widening, and for int8 under bf16 / fp16 queries the int16-pair
+    products (their 32 / 16-column blocks, a head dim that leaves a scalar tail or a masked K
+    load, GQA blocks of four rows and MHA's blocks across kv heads)."""
     old = ae.cpu_isa()
     try:
         ae.set_cpu_isa(level)
         for gran in ("token", "head"):
-            for d in (64, 37):
-                c = Case(b=3, h=4, hk=2, sq=2, d=d, dtype=torch.bfloat16, seqlens=(1, 70, 129), num_splits=2,
+            for d, dtype, h in ((64, torch.bfloat16, 4), (37, torch.bfloat16, 4), (128, torch.float16, 8),
+                                (72, torch.float16, 2), (100, torch.bfloat16, 2)):
+                c = Case(b=3, h=h, hk=2, sq=2, d=d, dtype=dtype, seqlens=(1, 70, 129), num_splits=2,
                          window=(-1, 0))
-                run_check(c, qdt, gran, f"{level} {qdt} {gran} d={d}")
+                run_check(c, qdt, gran, f"{level} {qdt} {gran} d={d} {dtype} h={h}")
     finally:
         ae.set_cpu_isa(old)
 

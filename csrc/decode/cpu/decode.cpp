@@ -166,8 +166,8 @@ inline vec<T> load_cvt(const E* p) {
 // 32 int8 and nine per 32 e4m3, against two and nine per 16 widened to float32 and then an FMA
 // per element per row. Under float32 / fp16 queries they widen to float32 (q would not be bf16
 // data, and P would be rounded past the float32 rule).
-// int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX-512: both products in int32
-// on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
+// int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
+// int32 on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
 // the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
 // vpmovsxbw per 32 elements, and a pair of V rows interleaves by one byte unpack each half.
 //   Q K^T: each q row is q16 x 2^e, e the row's max exponent - 14 (|q16| <= 32752): a bf16 row
@@ -178,8 +178,9 @@ inline vec<T> load_cvt(const E* p) {
 //     probability (bf16's P rounds each by 2^-9 of itself); the chunk's int32 sums join O in
 //     float32, times the row's scale.
 // Non-finite rows (q, or P from a NaN score / descale) get a NaN scale, so they show as NaN.
+// kI16Cols: the columns of one int16 vector (0: no such path at this level)
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-constexpr bool kI16Level = true;
+constexpr int kI16Cols = 32;
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, a, b);
@@ -187,9 +188,13 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
+#elif defined(__AVX2__)
+constexpr int kI16Cols = 16;
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #else
-constexpr bool kI16Level = false;
+constexpr int kI16Cols = 0;
 #endif
+constexpr bool kI16Level = kI16Cols > 0;
 constexpr int kI16MaxD = 256;
 template <typename T, typename E, bool kQb>
 constexpr bool kInts = kI16Level && kQb && std::is_same_v<T, float> && std::is_same_v<E, I8>;
@@ -245,8 +250,9 @@ inline int dots_col(int c) {
   return h < 4 ? 4 * g + h : 16 + 4 * g + (h - 4);
 }
 
-// Stored position of column c (< 32) of a full 32-column block in the kInts order: a byte unpack
-// of two V rows pairs columns 0-7 and 16-23 in its low half, 8-15 and 24-31 in its high half.
+// Stored position of column c (< 32) of a full 32-column block in the kInts order on AVX-512: a
+// byte unpack of two V rows pairs columns 0-7 and 16-23 in its low half, 8-15 and 24-31 in its
+// high half (on AVX2, 16 columns per block, it pairs 0-7 and 8-15: column order).
 inline int i16_col(int c) { return c / 8 == 1 ? c + 8 : c / 8 == 2 ? c - 8 : c; }
 
 // Whether a bf16 cache row loads as even / odd lanes: 2L elements in one vector load are 32-bit
@@ -529,6 +535,45 @@ struct DecodeWorker {
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) sj[x] = _mm512_reduce_add_epi32(a[x]);
     }
+#elif defined(__AVX2__)
+    const int16_t* qb = qi.data() + size_t(r0) * dq;
+    auto krow = [&](int x) { return reinterpret_cast<const int8_t*>(k + (kShared ? 0 : x * kstride)); };
+    const int dd = NC > 0 ? NC * 32 : d;
+    auto kload = [&](const int8_t* kc, int c) {  // 16 int8 as int16; zeros past dd, not read
+      if (NC > 0 || dd - c >= 16) return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kc)));
+      alignas(16) int8_t t[16] = {};
+      std::memcpy(t, kc, size_t(dd - c));
+      return _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+    };
+    __m256i a[RR];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) a[x] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < dd; c += 16, qb += RR * 16) {
+      if constexpr (kShared) {
+        const __m256i kv = kload(krow(0) + c, c);
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) a[x] = dpwssd(a[x], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
+      } else {
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) {
+          a[x] = dpwssd(a[x], kload(krow(x) + c, c), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
+        }
+      }
+    }
+    int32_t* sj = si.data() + size_t(r0) * kChunk + jj * RR;
+    if constexpr (RR == 4) {  // lanes (r0 r1 r2 r3) in each half, then the halves added
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sj),
+                       _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    } else {
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        alignas(32) int32_t t[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), a[x]);
+        sj[x] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+      }
+    }
 #else
     (void)r0, (void)jj, (void)k, (void)kstride;
 #endif
@@ -580,6 +625,26 @@ struct DecodeWorker {
       const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv));  // to nearest even
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), _mm512_cvtsepi32_epi16(x));
     }
+#elif defined(__AVX2__)
+    __m256 mx = _mm256_setzero_ps();
+    int bad = 0;
+    for (int c = 0; c < n; c += 8) {
+      const __m256 x = _mm256_loadu_ps(src + c);
+      mx = _mm256_max_ps(mx, x);
+      bad |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    alignas(32) float t[8];
+    _mm256_store_ps(t, mx);
+    const float amax = *std::max_element(t, t + 8);
+    const float sc = bad || !std::isfinite(amax) ? std::numeric_limits<float>::quiet_NaN()
+                     : amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -149)) : 0.f;
+    *scale = sc;
+    const __m256 inv = _mm256_set1_ps(sc > 0.f ? 1.f / sc : 0.f);
+    for (int c = 0; c < n; c += 8) {
+      const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + c), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+                       _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+    }
 #else
     (void)src, (void)n, (void)dst, (void)scale;
 #endif
@@ -589,7 +654,7 @@ struct DecodeWorker {
   static constexpr bool kPermuted = kEvenOdd<T, E> || kDot || kInt;
   int stored_col(int c) const {
     if constexpr (kDot) return c < d / 32 * 32 ? c / 32 * 32 + dots_col(c % 32) : c;
-    if constexpr (kInt) return c < d / 32 * 32 ? c / 32 * 32 + i16_col(c % 32) : c;
+    if constexpr (kInt) return kI16Cols == 32 && c < d / 32 * 32 ? c / 32 * 32 + i16_col(c % 32) : c;
     return kEvenOdd<T, E> && c < d / (2 * L) * (2 * L) ? even_odd_col(c, L) : c;
   }
   // qp <- the q rows (q, column order) packed per register block, in stored column order
@@ -603,7 +668,8 @@ struct DecodeWorker {
           const float sc = i16_scale(src, d);
           qsc[r0 + x] = sc;
           const float inv = sc > 0.f ? 1.f / sc : 0.f;  // a power of two: exact
-          for (int c = 0; c < d; ++c) dst[(c / 32 * RR + x) * 32 + c % 32] = int16_t(std::nearbyint(src[c] * inv));
+          constexpr int B = std::max(kI16Cols, 1);  // one int16 vector's columns: qh's layout per B
+          for (int c = 0; c < d; ++c) dst[(c / B * RR + x) * B + c % B] = int16_t(std::nearbyint(src[c] * inv));
         }
         return;
       }
@@ -811,15 +877,17 @@ struct DecodeWorker {
   // outside [j_lo, j_hi) in a pair pairs with a zero row, never read.
   template <int RR>
   int pv_i16(int r0, int64_t voff, int j_lo, int j_hi) {
-    const int d32 = d / 32 * 32;
-    if (j_lo >= j_hi) return d32;  // no key of this chunk for these rows
+    constexpr int B = std::max(kI16Cols, 1), NB = kI16Cols == 32 ? 2 : 1;
+    const int db = d / B * B;
+    if (j_lo >= j_hi) return db;  // no key of this chunk for these rows
     int c = 0;
-    for (; c + 64 <= d32; c += 64) pv_i16_cols<RR, 2>(r0, voff, c, j_lo, j_hi);
-    if (c < d32) pv_i16_cols<RR, 1>(r0, voff, c, j_lo, j_hi);
-    return d32;
+    for (; c + NB * B <= db; c += NB * B) pv_i16_cols<RR, NB>(r0, voff, c, j_lo, j_hi);
+    if (c < db) pv_i16_cols<RR, 1>(r0, voff, c, j_lo, j_hi);
+    return db;
   }
-  // pv_i16 over NB 32-column blocks from column c: NB = 2 shares each P pair's broadcast and the
-  // key loop between two blocks (4 NB RR accumulators: 16 of the 32 zmm at four rows)
+  // pv_i16 over NB blocks of kI16Cols columns from column c: NB = 2 (AVX-512) shares each P
+  // pair's broadcast and the key loop between two blocks (4 NB RR accumulators: 16 of the 32 zmm
+  // at four rows; AVX2's 16 ymm take one block)
   template <int RR, int NB>
   void pv_i16_cols(int r0, int64_t voff, int c, int j_lo, int j_hi) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -866,6 +934,49 @@ struct DecodeWorker {
 #pragma GCC unroll 4
       for (int u = 0; u < 2 * NB; ++u) {
         _mm512_storeu_ps(orow + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[x][u]), sc, _mm512_loadu_ps(orow + 16 * u)));
+      }
+    }
+#elif defined(__AVX2__)
+    const int16_t* pj = pi.data() + size_t(r0) * kChunk;
+    __m256i acc[RR][2 * NB];
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) {
+#pragma GCC unroll 4
+      for (int u = 0; u < 2 * NB; ++u) acc[x][u] = _mm256_setzero_si256();
+    }
+    auto vrow = [&](int j, int u) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(vp[j] + voff + c + 16 * u)); };
+    auto step = [&](int j, bool first, bool second) {
+      __m256i b[2 * NB];
+#pragma GCC unroll 2
+      for (int u = 0; u < NB; ++u) {
+        const __m128i v0 = first ? vrow(j, u) : _mm_setzero_si128();
+        const __m128i v1 = second ? vrow(j + 1, u) : _mm_setzero_si128();
+        b[2 * u] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v0, v1));  // columns 0-7, paired by key
+        b[2 * u + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v0, v1));  // 8-15
+      }
+#pragma GCC unroll 4
+      for (int x = 0; x < RR; ++x) {
+        int32_t w;
+        std::memcpy(&w, pj + x * kChunk + j, 4);
+        const __m256i a = _mm256_set1_epi32(w);
+#pragma GCC unroll 4
+        for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd(acc[x][u], a, b[u]);
+      }
+    };
+    int jj = j_lo & ~1;
+    if (jj < j_lo) {
+      step(jj, false, true);
+      jj += 2;
+    }
+    for (; jj + 1 < j_hi; jj += 2) step(jj, true, true);
+    if (jj < j_hi) step(jj, true, false);
+#pragma GCC unroll 4
+    for (int x = 0; x < RR; ++x) {
+      const __m256 sc = _mm256_set1_ps(psc[r0 + x]);
+      float* orow = o + (r0 + x) * dp + c;
+#pragma GCC unroll 4
+      for (int u = 0; u < 2 * NB; ++u) {
+        _mm256_storeu_ps(orow + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[x][u]), sc, _mm256_loadu_ps(orow + 8 * u)));
       }
     }
 #else
