@@ -26,7 +26,7 @@ from torch.types import Device
 from .. import reference
 from .._args import key_padding_mask_renamed
 from ..decode import decode_fwd
-from ..decode.quant import QMAX, quantize_rows
+from ..decode.quant import QMAX, dequantize_kv, quantize_rows
 from ..softmax import attention, attention_varlen, attention_weights
 from ..softmax import ops as softmax_ops
 from ..softmax.functional import window_pair
@@ -176,6 +176,22 @@ def sparse_rows_mask(block_layout: Tensor, block_size: int, sq: int, sk: int) ->
 # KV cache
 
 
+def key_mask_run(key_mask: Tensor, s_k: int) -> Optional[Tuple[Tensor, Tensor]]:
+    """(start, end), int32 (B,) each, when every row of key_mask (B, s_k) (True = a real key)
+    holds its real keys as one run of positions [start, end) (a row without any: 0, 0); None when
+    a row has holes. One device-to-host copy (the check)."""
+    if key_mask.dim() != 2 or key_mask.shape[1] != s_k:
+        raise ValueError(f"key_mask must be (B, S_k) = (B, {s_k}) over the cached keys, got {tuple(key_mask.shape)}")
+    m = key_mask.to(torch.bool)
+    pos = torch.arange(s_k, device=m.device)
+    real = m.any(1)
+    start = torch.where(m, pos, s_k).amin(1)
+    end = torch.where(m, pos + 1, 0).amax(1)
+    if not bool(((end - start == m.sum(1)) | ~real).all()):
+        return None
+    return torch.where(real, start, 0).to(torch.int32), end.to(torch.int32)
+
+
 class KVCache:
     """Preallocated keys and values of one attention layer: (B, max_len, H_k, D) each.
 
@@ -185,8 +201,9 @@ class KVCache:
     dtype=torch.int8 or torch.float8_e4m3fn stores the rows in 8 bits with a float32 scale per
     row and kv head (k_descale / v_descale, (B, max_len, H_k): amax / 127 or amax / 448 of each
     appended row, as flash_attn_with_kvcache quantizes); `attend` then reads them through the
-    decode kernel: causal self-attention, or a `static` cross-attention memory (its valid lengths
-    as seqlens_k; no key_mask / attn_mask).
+    decode kernel: causal self-attention, or a `static` cross-attention memory (valid keys as a
+    leading offset and a length per sequence); `dequantized` returns the rows as numbers for calls
+    the decode kernel cannot express (Attention picks which, see Attention._read_8bit).
     """
 
     def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, *, device=None,
@@ -218,19 +235,31 @@ class KVCache:
 
     def attend(self, q: Tensor, *, scale: float, causal: bool = True, window: Tuple[int, int] = (-1, -1),
                alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-               softcap: float = 0.0, lengths: Optional[Tensor] = None) -> Tensor:
+               softcap: float = 0.0, lengths: Optional[Tensor] = None, leftpad: Optional[Tensor] = None) -> Tensor:
         """q (B, S_q, H, D), the newest query rows (their keys already appended) -> out
-        (B, S_q, H, D) over the `pos` cached rows (or each sequence's first `lengths` (B,) of them:
-        a cross-attention memory's valid lengths) by the decode kernel (attention_ext.decode;
-        causal aligned bottom-right, GQA unrepeated), the 8-bit rows with their descales."""
+        (B, S_q, H, D) over the `pos` cached rows (or each sequence's rows [leftpad, lengths), (B,)
+        each: a memory's valid keys) by the decode kernel (attention_ext.decode; causal aligned
+        bottom-right on each sequence's last valid row, GQA unrepeated), the 8-bit rows with their
+        descales."""
         wl, wr = window_pair(window, causal)
         lens = torch.full((self.k.shape[0],), self.pos, dtype=torch.int32, device=self.k.device)
         if lengths is not None:
             lens = torch.minimum(lens, lengths.to(device=lens.device, dtype=torch.int32))
-        out, _ = decode_fwd(q, self.k, self.v, cache_seqlens=lens, alibi_slopes=alibi_slopes, sinks=sinks,
-                            scale=scale, softcap=softcap, window_left=wl, window_right=wr,
+        if leftpad is not None:
+            leftpad = torch.minimum(leftpad.to(device=lens.device, dtype=torch.int32), lens)
+        out, _ = decode_fwd(q, self.k, self.v, cache_seqlens=lens, cache_leftpad=leftpad, alibi_slopes=alibi_slopes,
+                            sinks=sinks, scale=scale, softcap=softcap, window_left=wl, window_right=wr,
                             k_descale=self.k_descale, v_descale=self.v_descale)
         return out
+
+    def dequantized(self, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        """The `pos` cached rows as numbers, (B, pos, H_k, D) each in `dtype`: stored value x
+        descale for an 8-bit cache (a new tensor per call), the rows themselves otherwise."""
+        k, v = self.k[:, : self.pos], self.v[:, : self.pos]
+        if not self.quantized:
+            return k.to(dtype), v.to(dtype)
+        return (dequantize_kv(k, self.k_descale[:, : self.pos]).to(dtype),
+                dequantize_kv(v, self.v_descale[:, : self.pos]).to(dtype))
 
     @property
     def lengths(self) -> Tensor:
@@ -301,7 +330,7 @@ class Attention(nn.Module):
             return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))
         if cache is not None and cache.static and cache.pos > 0:
             if getattr(cache, "quantized", False):  # an 8-bit memory: the decode kernel reads it
-                out = self._quantized_memory(q, cache, attn_mask, key_mask, seqlens_k)
+                out = self._read_8bit(q, cache, attn_mask, key_mask, seqlens_k)
                 return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             k, v = cache.k[:, : cache.pos], cache.v[:, : cache.pos]  # (B, S_k, H_k, D)
         else:
@@ -314,10 +343,9 @@ class Attention(nn.Module):
             if getattr(cache, "quantized", False):
                 if cache.static:  # a cross-attention memory, quantized once, then read like the steps
                     cache.append(k, v)
-                    out = self._quantized_memory(q, cache, attn_mask, key_mask, seqlens_k)
+                    out = self._read_8bit(q, cache, attn_mask, key_mask, seqlens_k)
                 else:
-                    out = self._quantized_cache(q, k, v, cache, quant, any(m is not None for m in (attn_mask, key_mask,
-                                                                                                  seqlens_k)))
+                    out = self._quantized_cache(q, k, v, cache, quant, attn_mask, key_mask, seqlens_k)
                 return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             if cache is not None:
                 k, v = cache.append(k, v)
@@ -359,35 +387,62 @@ class Attention(nn.Module):
                                           cu_seqlens=cp.cu_seqlens)
 
     def _quantized_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, quant: Optional[str],
-                         masked: bool) -> Tensor:
+                         attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
+                         seqlens_k: Optional[Tensor]) -> Tensor:
         """Self-attention through an 8-bit KVCache: the new rows k, v (B, S, H_k, D) are quantized
-        into it; a prefill from empty attends over them with the fused kernel (unquantized), a
-        step over the cached rows is the decode kernel on the 8-bit rows. Returns (B, S, H, D)."""
+        into it; a prefill from empty attends over them with the fused kernel (unquantized, masks
+        included), a step over the cached rows reads the 8-bit rows (_read_8bit). Returns
+        (B, S, H, D)."""
         c = self.config
-        if self.cross or masked or self.keep_weights or c.dropout and self.training:
-            raise NotImplementedError("an 8-bit KVCache serves causal self-attention without masks, dropout or "
-                                      "keep_weights (generation); use a float cache for those")
+        if self.cross or self.keep_weights or c.dropout and self.training:
+            raise NotImplementedError("an 8-bit KVCache serves self-attention without dropout or keep_weights "
+                                      "(generation); use a float cache for those")
         fresh = cache.pos == 0
         cache.append(k, v)
         if fresh:
             opts = dict(causal=c.causal, bottom_right=True, window=c.window, alibi_slopes=self.alibi_slopes,
-                        softcap=c.softcap, sinks=self.sinks)
+                        softcap=c.softcap, sinks=self.sinks, attn_mask=attn_mask, key_mask=key_mask,
+                        seqlens_k=seqlens_k)
             kernel, opts = self._kernel(q, k, opts)
             return kernel(q, k, v, **opts, **({"qk_quant": quant} if quant else {}))
-        return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal, window=c.window,
-                            alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap)
+        return self._read_8bit(q, cache, attn_mask, key_mask, seqlens_k)
 
-    def _quantized_memory(self, q: Tensor, cache: KVCache, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
-                          seqlens_k: Optional[Tensor]) -> Tensor:
-        """Attention over a static 8-bit KVCache (a cross-attention memory) by the decode kernel:
-        q (B, S, H, D) -> (B, S, H, D); the memory's valid lengths come as seqlens_k."""
+    def _read_8bit(self, q: Tensor, cache: KVCache, attn_mask: Optional[Tensor], key_mask: Optional[Tensor],
+                   seqlens_k: Optional[Tensor]) -> Tensor:
+        """q (B, S, H, D) over the `pos` rows of an 8-bit KVCache (a memory, or a self-attention
+        cache after its new rows were appended) -> (B, S, H, D), as the layer over a float cache
+        holding the dequantized rows would compute it.
+
+        The decode kernel reads the bytes when the keys each sequence sees are one run of rows:
+        no mask, seqlens_k, or a key_mask whose real keys are contiguous per sequence (left or
+        right padding: the run's start goes in as the kernel's leftpad). With causal, a window or
+        ALiBi the run must end at the last row (left padding), where the kernel's bottom-right
+        diagonal is the fused op's. Any other mask (attn_mask, a key_mask with holes) runs the
+        fused kernel over the dequantized rows (a float copy of the cache per call)."""
         c = self.config
-        if attn_mask is not None or key_mask is not None or self.keep_weights or c.dropout and self.training:
-            raise NotImplementedError("an 8-bit static KVCache (a cross-attention memory) is read by the decode "
-                                      "kernel: pass the memory's valid lengths as seqlens_k instead of key_mask / "
-                                      "attn_mask (no dropout or keep_weights), or use a float cache")
-        return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal and not self.cross, window=c.window,
-                            alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap, lengths=seqlens_k)
+        if self.keep_weights or c.dropout and self.training:
+            raise NotImplementedError("an 8-bit KVCache is read without dropout or keep_weights; use a float "
+                                      "cache for those")
+        causal = c.causal and not self.cross
+        run = None
+        if attn_mask is None and key_mask is not None:
+            run = key_mask_run(key_mask, cache.pos)
+            positional = causal or tuple(c.window) != (-1, -1) or self.alibi_slopes is not None
+            if run is not None and positional and not bool(((run[1] == cache.pos) | (run[1] == 0)).all()):
+                run = None
+        if attn_mask is None and (key_mask is None or run is not None):
+            lengths, leftpad = seqlens_k, None
+            if run is not None:
+                leftpad, lengths = run[0], run[1] if seqlens_k is None else torch.minimum(
+                    run[1], seqlens_k.to(device=run[1].device, dtype=torch.int32))
+            return cache.attend(q, scale=self.head_dim ** -0.5, causal=causal, window=c.window,
+                                alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap, lengths=lengths,
+                                leftpad=leftpad)
+        k, v = cache.dequantized(q.dtype)
+        opts = dict(causal=causal, bottom_right=True, window=c.window, attn_mask=attn_mask, key_mask=key_mask,
+                    seqlens_k=seqlens_k, alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
+        kernel, opts = self._kernel(q, k, opts)
+        return kernel(q, k, v, **opts)
 
     def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
         """Self-attention through a PagedKVCache (nn/paged_cache.py) over its selected sequences:

@@ -174,9 +174,9 @@ def test_8bit_contiguous_kvcache(qdt):
 def test_8bit_cross_attention_memory(qdt):
     """A static 8-bit KVCache (a cross-attention memory): quantized once on the first call, then
     read by the decode kernel on every call (the first included), with the memory's lengths as
-    seqlens_k. Equals the layer over a float cache holding the dequantized memory; key_mask is
-    refused with a message naming seqlens_k; an encoder-decoder's greedy decoding and
-    teacher-forced perplexity through 8-bit caches stay within 1% of the float caches'."""
+    seqlens_k. Equals the layer over a float cache holding the dequantized memory (masks:
+    test_8bit_caches_with_masks); an encoder-decoder's greedy decoding and teacher-forced
+    perplexity through 8-bit caches stay within 1% of the float caches'."""
     from attention_ext.decode import dequantize_kv
     from attention_ext.models import Transformer, TransformerConfig
     from attention_ext.nn import AttentionConfig
@@ -197,8 +197,6 @@ def test_8bit_cross_attention_memory(qdt):
         want = layer(x, mem, cache=cf, seqlens_k=lens)
     assert c8.pos == 19 and torch.equal(first, again)
     torch.testing.assert_close(first, want, atol=2e-5, rtol=1e-4)
-    with pytest.raises(NotImplementedError, match="seqlens_k"), torch.no_grad():
-        layer(x, mem, cache=c8, key_mask=torch.ones(2, 19, dtype=torch.bool))
 
     cfg = TransformerConfig(src_vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_encoder_layers=1,
                             n_decoder_layers=2, d_ff=64, dropout=0.0, max_len=64)
@@ -220,3 +218,88 @@ def test_8bit_cross_attention_memory(qdt):
     assert out.shape[0] == 2 and 1 <= out.shape[1] <= 6
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         model.greedy_decode(src, src_len, 1, 2, 3, kv_cache_dtype=torch.float16)
+
+
+def _float_copy(c8, static=True):
+    """A float static KVCache holding c8's dequantized rows (the layer's float path reads it)."""
+    from attention_ext.nn.layers import KVCache
+
+    b, n, hk, d = c8.k.shape
+    cf = KVCache(b, n, hk, d, static=static)
+    k, v = c8.dequantized(torch.float32)
+    cf.k[:, : c8.pos], cf.v[:, : c8.pos] = k, v
+    cf.pos = c8.pos
+    return cf
+
+
+def _masks(b, n, ends_last):
+    """key masks over n keys for b = 3 sequences: (name, mask, contiguous)"""
+    pos = torch.arange(n)
+    left = pos[None] >= torch.tensor([0, 4, n - 1])[:, None]  # left padding: runs end at the last key
+    right = pos[None] < torch.tensor([n, 7, 1])[:, None]
+    holes = left.clone()
+    holes[1, 6] = False
+    empty = left.clone()
+    empty[2] = False
+    return [("left", left, True), ("right", right, not ends_last), ("holes", holes, False), ("empty row", empty, True)]
+
+
+@pytest.mark.parametrize("qdt", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("variant", ["plain", "window", "alibi", "sinks_softcap"])
+def test_8bit_caches_with_masks(qdt, variant):
+    """Masks over 8-bit KVCaches, a cross-attention memory and a causal self-attention cache's
+    steps: key_mask, attn_mask and seqlens_k give the layer's answer over a float cache holding
+    the dequantized rows. A key_mask whose real keys are one run per sequence (right padding for
+    the memory, left padding for causal steps) goes to the decode kernel as (leftpad, length); a
+    mask with holes, an attn_mask, or right padding under causal / window / ALiBi runs the fused
+    kernel on the dequantized rows (the counts of decode calls are checked)."""
+    from unittest import mock
+
+    from attention_ext.nn import AttentionConfig
+    from attention_ext.nn.layers import Attention, KVCache
+
+    torch.manual_seed(11)
+    extra = dict(plain={}, window=dict(window=(5, -1)), alibi=dict(positional="alibi"),
+                 sinks_softcap=dict(sinks=True, softcap=20.0))[variant]
+    b, hk, d = 3, 2, 8
+    for cross in (True, False):
+        cfg = AttentionConfig(d_model=32, n_heads=4, n_kv_heads=hk, causal=not cross,
+                              **{k: v for k, v in extra.items() if not (cross and k == "positional")})
+        layer = Attention(cfg, cross=cross).eval()
+        if cfg.sinks:
+            torch.nn.init.normal_(layer.sinks)
+        positional = not cross or "window" in extra  # ALiBi is self-attention's only
+        with torch.no_grad():
+            if cross:
+                n = 13
+                c8 = KVCache(b, n, hk, d, dtype=qdt, static=True)
+                x = torch.randn(b, 2, 32)
+                layer(x, torch.randn(b, n, 32), cache=c8)  # quantizes the memory
+            else:
+                n = 12
+                c8 = KVCache(b, 16, hk, d, dtype=qdt)
+                layer(torch.randn(b, n - 1, 32), cache=c8)  # the prefill
+                x = torch.randn(b, 1, 32)
+        cases = [(name, dict(key_mask=m), fits) for name, m, fits in _masks(b, n, positional)]
+        cases += [("attn_mask", dict(attn_mask=torch.rand(b, 1, x.shape[1], n) > 0.3), False),
+                  ("seqlens_k", dict(seqlens_k=torch.tensor([n, 9, 5], dtype=torch.int32)), True),
+                  ("left + seqlens_k", dict(key_mask=_masks(b, n, positional)[0][1],
+                                            seqlens_k=torch.tensor([n, n, n], dtype=torch.int32)), True)]
+        for name, masks, fits in cases:
+            if not cross and name == "seqlens_k" and positional:
+                fits = True  # lengths alone: the kernel's diagonal sits at each length, as the fused op's
+            with torch.no_grad():
+                if cross:
+                    ref_cache = _float_copy(c8)
+                    with mock.patch.object(KVCache, "attend", autospec=True, side_effect=KVCache.attend) as spy:
+                        got = layer(x, cache=c8, **masks)
+                else:
+                    pos = c8.pos
+                    with mock.patch.object(KVCache, "attend", autospec=True, side_effect=KVCache.attend) as spy:
+                        got = layer(x, cache=c8, **masks)  # appends x's row, then reads n rows
+                    ref_cache = _float_copy(c8)  # the step's own row included, as the 8-bit call read it
+                    c8.pos = pos  # the next case steps from the same prefill
+                want = layer(x, cache=ref_cache, **masks)
+            where = f"{qdt} {variant} cross={cross} {name}"
+            torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4, msg=where)
+            assert spy.call_count == (1 if fits else 0), where
