@@ -182,7 +182,9 @@ def key_mask_run(key_mask: Tensor, s_k: int) -> Optional[Tuple[Tensor, Tensor]]:
     a row has holes. One device-to-host copy (the check)."""
     if key_mask.dim() != 2 or key_mask.shape[1] != s_k:
         raise ValueError(f"key_mask must be (B, S_k) = (B, {s_k}) over the cached keys, got {tuple(key_mask.shape)}")
-    m = key_mask.to(torch.bool)
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
+    m = key_mask
     pos = torch.arange(s_k, device=m.device)
     real = m.any(1)
     start = torch.where(m, pos, s_k).amin(1)

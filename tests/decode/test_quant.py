@@ -172,6 +172,43 @@ def test_unread_bytes_change_nothing(qdt):
     assert torch.equal(call(kb, vb), want)
 
 
+@pytest.mark.parametrize("level", ae.cpu_isas() if ae._ext.HAS_EXT else ())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+def test_hidden_key_descales_and_signs(qdt, dtype, level):
+    """Found by review: with several causal query rows, a key that only the last row sees may
+    carry NaN descales (an appended row with a NaN), which must reach that row only; negative v
+    descales (used as given) flip the values' signs on every path; a chunk whose scores sit ~100
+    below the row's max (probabilities near 1e-44) changes nothing visible. At every ISA level,
+    bf16 and fp16 queries (the int8 cache's int16 products included), against the dequantized
+    cache in float64 (the NaN key zeroed for the rows that do not see it)."""
+    old = ae.cpu_isa()
+    try:
+        ae.set_cpu_isa(level)
+        torch.manual_seed(3)
+        b, hq, hk, d, s, sq = 2, 8, 2, 64, 150, 3
+        u = torch.randn(d)
+        u /= u.norm()
+        q = (0.1 * torch.randn(b, sq, hq, d) + 4.0 * u).to(dtype)
+        kf, vf = torch.randn(b, s, hk, d), torch.randn(b, s, hk, d)
+        kf[:, 64:128] -= 200.0 * u  # the second chunk's scores ~100 below the first's
+        (kq, ks), (vq, vs) = quantize_kv(kf, qdt, "token"), quantize_kv(vf, qdt, "token")
+        vs[1] = -vs[1]  # sequence 1: negative v descales
+        ks[0, s - 1], vs[0, s - 1] = float("nan"), float("nan")  # sequence 0: the last key, seen by row 2 only
+        out, _ = ops.decode_fwd(q, kq, vq, scale=d ** -0.5, window_left=-1, window_right=0, k_descale=ks,
+                                v_descale=vs)
+        kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+        assert out[0, 2].isnan().all() and not out[0, :2].isnan().any() and not out[1].isnan().any()
+        kd[0, s - 1], vd[0, s - 1] = 0.0, 0.0
+        kw = dict(window_size=(-1, 0), softmax_scale=d ** -0.5)
+        ref, _ = reference.decode_attention(q.double(), kd.double(), vd.double(), **kw)
+        low, _ = reference.decode_attention(q, kd.to(dtype), vd.to(dtype), **kw)
+        for sel in ((0, slice(0, 2)), (1, slice(None))):
+            assert_close_fa2(out[sel], low[sel], ref[sel], dtype, f"{level} {qdt} {dtype} {sel}")
+    finally:
+        ae.set_cpu_isa(old)
+
+
 def test_kernel_equals_the_reference_fallback():
     """The reference the CUDA calls fall back to (no 8-bit CUDA kernel yet) reads the cache as the
     CPU kernel does: both agree to float32 rounding."""
@@ -230,16 +267,20 @@ def test_every_isa_level(level, qdt):
     """The 8-bit paths (AVX-512, AVX2, and the portable loops of the base level) at every ISA
     level this machine runs: the widening, and for int8 under bf16 / fp16 queries the int16-pair
     products (their 32 / 16-column blocks, a head dim that leaves a scalar tail or a masked K
-    load, GQA blocks of four rows and MHA's blocks across kv heads)."""
+    load, GQA blocks of 4, 3 and 2 rows, MHA's blocks across kv heads)."""
     old = ae.cpu_isa()
     try:
         ae.set_cpu_isa(level)
         for gran in ("token", "head"):
-            for d, dtype, h in ((64, torch.bfloat16, 4), (37, torch.bfloat16, 4), (128, torch.float16, 8),
-                                (72, torch.float16, 2), (100, torch.bfloat16, 2)):
-                c = Case(b=3, h=h, hk=2, sq=2, d=d, dtype=dtype, seqlens=(1, 70, 129), num_splits=2,
+            # (d, q dtype, H, H_k, Sq): GQA blocks of 4 and 2 rows, of 3 (H 6 / H_k 2, one row),
+            # MHA's blocks across kv heads (one row per kv head: 4, and 4 + 1)
+            for d, dtype, h, hk, sq in ((64, torch.bfloat16, 4, 2, 2), (37, torch.bfloat16, 4, 2, 2),
+                                        (128, torch.float16, 8, 2, 2), (72, torch.float16, 2, 2, 2),
+                                        (100, torch.bfloat16, 6, 2, 1), (64, torch.bfloat16, 4, 4, 1),
+                                        (72, torch.float16, 5, 5, 1), (128, torch.float16, 6, 2, 1)):
+                c = Case(b=3, h=h, hk=hk, sq=sq, d=d, dtype=dtype, seqlens=(1, 70, 129), num_splits=2,
                          window=(-1, 0))
-                run_check(c, qdt, gran, f"{level} {qdt} {gran} d={d} {dtype} h={h}")
+                run_check(c, qdt, gran, f"{level} {qdt} {gran} d={d} {dtype} h={h} hk={hk} sq={sq}")
     finally:
         ae.set_cpu_isa(old)
 

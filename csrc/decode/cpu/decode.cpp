@@ -19,8 +19,8 @@
 // common/split_merge.h, where the sinks join. Addresses come from common/decode_params.h's KvRows,
 // so contiguous and paged caches (and cache_batch_idx / leftpad) share this code.
 // Quantized caches (int8, fp8 e4m3) are element types like the 16-bit ones, widened in registers
-// (a byte per element read: half a bf16 cache's bytes; int8 under 16-bit queries on AVX-512 in
-// int32 products instead: kInts); their descales never touch an element: a
+// (a byte per element read: half a bf16 cache's bytes; int8 under 16-bit queries on AVX2 /
+// AVX-512 in int32 products instead: kInts); their descales never touch an element: a
 // key's k scale multiplies its score (per (batch, kv head): folded into the q rows once, except
 // under bf16 queries, whose q stays bf16 data: kDots), and a key's v scale its probability before
 // P V (per (batch, kv head): the output row at the end), after the softmax's sum has taken the
@@ -59,7 +59,8 @@ constexpr int kRowBlock = 4;
 // faster there (benchmarks/results/2026-11-28-decode-cpu-zen3.md).
 constexpr int64_t kChunkBytes = 128 * 1024;
 // Chunks whose P V accumulate plainly in O before O joins the running output (os, oc): the
-// compensated addition's pass over O every 256 keys, instead of every 32, keeps its cost small.
+// compensated addition's pass over O every 256 keys (512 for 8-bit caches' chunks), instead of
+// every chunk, keeps its cost small.
 constexpr int kFlushChunks = 8;
 
 // Cache element types: E is the storage, loaded as one vec<T> converted in registers.
@@ -198,15 +199,21 @@ constexpr bool kI16Level = kI16Cols > 0;
 constexpr int kI16MaxD = 256;
 template <typename T, typename E, bool kQb>
 constexpr bool kInts = kI16Level && kQb && std::is_same_v<T, float> && std::is_same_v<E, I8>;
-// x = q16 x scale: the scale 2^(e - 14), e the exponent of max |x| over n elements (NaN when one
-// is not finite; 0 for an all-zero row); out[c] (stride `stride`) the rounded q16
+// 2^(e - 14) for amax of exponent e (|x| / scale < 2^15 for |x| <= amax), at least 2^-126 so
+// that 1 / scale stays finite (rows below 2^-112 keep fewer bits: far below any sum they join);
+// 0 for amax 0, NaN for NaN / inf
+inline float i16_pow2(float amax) {
+  if (!std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
+  return amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -126)) : 0.f;
+}
+// x = q16 x scale over n elements: i16_pow2 of max |x| (NaN when one is not finite)
 inline float i16_scale(const float* x, int n) {
   float amax = 0.f;
   for (int c = 0; c < n; ++c) {
     if (!std::isfinite(x[c])) return std::numeric_limits<float>::quiet_NaN();
     amax = std::max(amax, std::fabs(x[c]));
   }
-  return amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -149)) : 0.f;
+  return i16_pow2(amax);
 }
 
 template <typename T, typename E, bool kQb = false>
@@ -320,7 +327,7 @@ struct DecodeWorker {
   int dq;                    // qh's row length: d rounded up to 32 (one vdpbf16ps operand)
   std::vector<uint16_t> ph;  // kDots: the chunk's P rows rounded to bf16 (rows, kChunk)
   static constexpr bool kInt = kInts<T, E, kQb>;
-  std::vector<int16_t> qi;    // kInts: the q rows' q16, packed per register block as qh
+  std::vector<int16_t> qi;    // kInts: the q rows' q16, packed per register block in kI16Cols columns
   std::vector<int16_t> pi;    // kInts: the chunk's P rows' p16 (rows, kChunk)
   std::vector<float> qsc, psc;  // kInts: each row's q scale, and its P scale in this chunk
   std::vector<int32_t> si;    // kInts: the chunk's integer scores, key-major per register block
@@ -606,19 +613,17 @@ struct DecodeWorker {
       }
     });
   }
-  // kInts: P row (n floats, n a multiple of 16) -> p16 and its scale
+  // kInts: P row (n floats, n a multiple of the vector width) -> p16 and its scale
   static void p_to_i16(const float* src, int n, int16_t* dst, float* scale) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    __m512 mx = _mm512_setzero_ps();  // P >= 0; max_ps(NaN, m) keeps m, so NaN is checked apart
+    __m512 mx = _mm512_setzero_ps();  // max |P| (a negative v descale makes P < 0); NaN apart
     __mmask16 bad = 0;
     for (int c = 0; c < n; c += 16) {
       const __m512 x = _mm512_loadu_ps(src + c);
-      mx = _mm512_max_ps(mx, x);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
       bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     }
-    const float amax = _mm512_reduce_max_ps(mx);
-    const float sc = bad || !std::isfinite(amax) ? std::numeric_limits<float>::quiet_NaN()
-                     : amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -149)) : 0.f;
+    const float sc = bad ? std::numeric_limits<float>::quiet_NaN() : i16_pow2(_mm512_reduce_max_ps(mx));
     *scale = sc;
     const __m512 inv = _mm512_set1_ps(sc > 0.f ? 1.f / sc : 0.f);  // a power of two: exact
     for (int c = 0; c < n; c += 16) {
@@ -630,14 +635,12 @@ struct DecodeWorker {
     int bad = 0;
     for (int c = 0; c < n; c += 8) {
       const __m256 x = _mm256_loadu_ps(src + c);
-      mx = _mm256_max_ps(mx, x);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x));  // |x|
       bad |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     }
     alignas(32) float t[8];
     _mm256_store_ps(t, mx);
-    const float amax = *std::max_element(t, t + 8);
-    const float sc = bad || !std::isfinite(amax) ? std::numeric_limits<float>::quiet_NaN()
-                     : amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -149)) : 0.f;
+    const float sc = bad ? std::numeric_limits<float>::quiet_NaN() : i16_pow2(*std::max_element(t, t + 8));
     *scale = sc;
     const __m256 inv = _mm256_set1_ps(sc > 0.f ? 1.f / sc : 0.f);
     for (int c = 0; c < n; c += 8) {
@@ -886,7 +889,7 @@ struct DecodeWorker {
     return db;
   }
   // pv_i16 over NB blocks of kI16Cols columns from column c: NB = 2 (AVX-512) shares each P
-  // pair's broadcast and the key loop between two blocks (4 NB RR accumulators: 16 of the 32 zmm
+  // pair's broadcast and the key loop between two blocks (2 NB RR accumulators: 16 of the 32 zmm
   // at four rows; AVX2's 16 ymm take one block)
   template <int RR, int NB>
   void pv_i16_cols(int r0, int64_t voff, int c, int j_lo, int j_hi) {
@@ -1014,7 +1017,8 @@ struct DecodeWorker {
     klo = std::max(klo, 0);
     khi = std::min(khi, si.len_k);
     for (int i = 0; i < p.sq; ++i) pols[0].key_range(i, i + 1, &row_lo[i], &row_hi[i]);
-    const int per = round_up(std::max((std::max(khi - klo, 0) + splits - 1) / splits, 1), kChunk);
+    // splits on kChunkKeys boundaries, as decode_num_splits counts them, whatever this cache's chunk
+    const int per = round_up(std::max((std::max(khi - klo, 0) + splits - 1) / splits, 1), kChunkKeys);
     const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
     const bool per_token = kQuant && p.descale_per_token;
@@ -1125,9 +1129,11 @@ struct DecodeWorker {
         ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
         if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
         const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
-        if (key_scales) {  // each key's v scale on its probability, the softmax's sum taken
+        if (key_scales) {  // each key's v scale on its probability, the softmax's sum taken: only
+          // on the keys the row sees, whose others keep P = 0 whatever their scale (NaN included)
           const T* vs = vscl.data() + size_t(r / rows_g) * kChunk;
-          for (int jj = 0; jj < n; ++jj) srow[jj] *= vs[jj];
+          const int lo = std::clamp(row_lo[i] - j0, 0, n), hi = std::clamp(row_hi[i] - j0, lo, n);
+          for (int jj = lo; jj < hi; ++jj) srow[jj] *= vs[jj];
         }
         if constexpr (kDot) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
         if constexpr (kInt) p_to_i16(srow, nn, pi.data() + size_t(r) * kChunk, &psc[r]);
