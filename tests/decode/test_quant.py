@@ -209,6 +209,33 @@ def test_hidden_key_descales_and_signs(qdt, dtype, level):
         ae.set_cpu_isa(old)
 
 
+@pytest.mark.parametrize("level", ae.cpu_isas() if ae._ext.HAS_EXT else ())
+def test_every_e4m3_byte_reads_exactly(level):
+    """Each of the 256 e4m3 bytes (subnormals, both zeros, NaN) read as a value (a V row of all
+    256 under one key: out is that row) and as a key (256 sequences of one key, each its byte in
+    every column, q one-hot: the LSE is the byte's value): exactly float8_e4m3fn's value, NaN
+    where it is NaN, at every ISA level (the bf16 construction in integer lanes included)."""
+    old = ae.cpu_isa()
+    try:
+        ae.set_cpu_isa(level)
+        every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        want = every.float()
+        one = torch.ones(1, 1)
+        for dtype in (torch.bfloat16, torch.float32):
+            q = torch.randn(1, 1, 1, 256).to(dtype)
+            out, _ = ops.decode_fwd(q, torch.zeros(1, 1, 1, 256, dtype=torch.float8_e4m3fn), every.view(1, 1, 1, 256),
+                                    scale=1.0, k_descale=one, v_descale=one)
+            torch.testing.assert_close(out.flatten().float(), want, rtol=0, atol=0, equal_nan=True)
+            q = torch.zeros(256, 1, 1, 32, dtype=dtype)
+            q[..., 0] = 1
+            k = every.view(256, 1, 1, 1).expand(256, 1, 1, 32).contiguous()
+            _, lse = ops.decode_fwd(q, k, torch.zeros_like(k), scale=1.0, k_descale=torch.ones(256, 1),
+                                    v_descale=torch.ones(256, 1))
+            torch.testing.assert_close(lse.flatten(), want, rtol=0, atol=0, equal_nan=True)
+    finally:
+        ae.set_cpu_isa(old)
+
+
 def test_kernel_equals_the_reference_fallback():
     """The reference the CUDA calls fall back to (no 8-bit CUDA kernel yet) reads the cache as the
     CPU kernel does: both agree to float32 rounding."""

@@ -162,11 +162,12 @@ inline vec<T> load_cvt(const E* p) {
 // (v_j[c], v_j+1[c]) into one 32-bit lane, so one instruction adds p_j v_j[c] + p_j+1 v_j+1[c]
 // for 16 columns. Within 128-bit lanes, so a full 32-column block of O is kept in that order
 // (dots_col) and put back once per task.
-// 8-bit caches under bf16 queries (kQb: q is bf16 data) take the same products: their elements
-// convert to bf16 in registers exactly (8 and 4 significant bits; bf16x32), five operations per
-// 32 int8 and nine per 32 e4m3, against two and nine per 16 widened to float32 and then an FMA
-// per element per row. Under float32 / fp16 queries they widen to float32 (q would not be bf16
-// data, and P would be rounded past the float32 rule).
+// e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products: their elements
+// convert to bf16 in registers exactly (4 significant bits; bf16x32), ten integer operations per
+// 32, against nine per 16 widened to float32 and then an FMA per element per row (int8 caches
+// take kInts below where the level has it, else the same bf16 products). Under float32 / fp16
+// queries they widen to float32 (q would not be bf16 data, and P would be rounded past the
+// float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
 // int32 on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
 // the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
@@ -232,20 +233,26 @@ inline __m512i bf16x32(const E* p, int n = 32) {
     static_assert(kByte<E>);
     const __m256i b =
         kTail ? _mm256_maskz_loadu_epi8(mask, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    __m512 lo, hi;
     if constexpr (std::is_same_v<E, I8>) {
-      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-      hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     } else {
-      const __m512i h =
-          _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(int16_t(0xbf80)));
-      lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-      hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      // e4m3 bits to bf16 bits in integer lanes: a normal byte (exponent field e >= 1) is the
+      // bf16 with exponent e + 112 (2^-8 of its value: kUnit) and its 3 mantissa bits on top of
+      // bf16's 7; the 8 subnormal magnitudes come from a table (vpermw), NaN is set apart, the
+      // sign ORed in. Ten integer operations per 32 elements, against the widening through
+      // float32 (two vcvtph2ps and one vcvtne2ps2bf16 besides): 10-12% off an e4m3 decode call
+      // (benchmarks/results/2026-11-30-decode-int8-i16-cpu.md).
+      alignas(64) static const uint16_t kSubnormal[32] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+      const __m512i w = _mm512_cvtepi8_epi16(b);  // sign-extended: bit 15 is the sign
+      const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+      __m512i x = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(112 << 7));
+      x = _mm512_mask_permutexvar_epi16(x, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                        _mm512_load_si512(kSubnormal));
+      x = _mm512_mask_mov_epi16(x, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
+      return _mm512_ternarylogic_epi32(x, w, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // x | (w & sign)
     }
-    const __m512i r = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    if constexpr (std::is_same_v<E, I8>) return r;
-    const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_and_si256(b, _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f));
-    return _mm512_mask_mov_epi16(r, nan, _mm512_set1_epi16(0x7fc0));
   }
 }
 #endif
