@@ -181,6 +181,9 @@ inline vec<T> load_cvt(const E* p) {
 //     float32, times the row's scale.
 // Non-finite rows (q, or P from a NaN score / descale) get a NaN scale, so they show as NaN.
 // kI16Cols: the columns of one int16 vector (0: no such path at this level)
+// I16Ops: the level's vectors for P V, I int16 pairs / int32 lanes, Bytes kI16Cols cache bytes;
+// pairs_lo / pairs_hi widen two rows' bytes into (v0[c], v1[c]) pairs (the two halves of a byte
+// unpack: i16_col's order), add_scaled(o, acc, s) is o += s acc in float32 over acc's lanes.
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr int kI16Cols = 32;
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
@@ -190,9 +193,35 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
+struct I16Ops {
+  using I = __m512i;
+  using Bytes = __m256i;
+  static I zero() { return _mm512_setzero_si512(); }
+  static Bytes bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static Bytes no_bytes() { return _mm256_setzero_si256(); }
+  static I pairs_lo(Bytes v0, Bytes v1) { return _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(v0, v1)); }
+  static I pairs_hi(Bytes v0, Bytes v1) { return _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(v0, v1)); }
+  static I bcast(int32_t w) { return _mm512_set1_epi32(w); }
+  static void add_scaled(float* o, I acc, float s) {
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(s), _mm512_loadu_ps(o)));
+  }
+};
 #elif defined(__AVX2__)
 constexpr int kI16Cols = 16;
 inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+struct I16Ops {
+  using I = __m256i;
+  using Bytes = __m128i;
+  static I zero() { return _mm256_setzero_si256(); }
+  static Bytes bytes(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static Bytes no_bytes() { return _mm_setzero_si128(); }
+  static I pairs_lo(Bytes v0, Bytes v1) { return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v0, v1)); }
+  static I pairs_hi(Bytes v0, Bytes v1) { return _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v0, v1)); }
+  static I bcast(int32_t w) { return _mm256_set1_epi32(w); }
+  static void add_scaled(float* o, I acc, float s) {
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s), _mm256_loadu_ps(o)));
+  }
+};
 #else
 constexpr int kI16Cols = 0;
 #endif
@@ -900,93 +929,48 @@ struct DecodeWorker {
   // at four rows; AVX2's 16 ymm take one block)
   template <int RR, int NB>
   void pv_i16_cols(int r0, int64_t voff, int c, int j_lo, int j_hi) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    const int16_t* pj = pi.data() + size_t(r0) * kChunk;
-    __m512i acc[RR][2 * NB];
-#pragma GCC unroll 4
-    for (int x = 0; x < RR; ++x) {
-#pragma GCC unroll 4
-      for (int u = 0; u < 2 * NB; ++u) acc[x][u] = _mm512_setzero_si512();
-    }
-    auto vrow = [&](int j, int u) {
-      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp[j] + voff + c + 32 * u));
-    };
-    // keys j, j + 1 (v1 / v0 zero for a key outside [j_lo, j_hi), whose rows are not read)
-    auto step = [&](int j, bool first, bool second) {
-      __m512i b[2 * NB];
-#pragma GCC unroll 2
-      for (int u = 0; u < NB; ++u) {
-        const __m256i v0 = first ? vrow(j, u) : _mm256_setzero_si256();
-        const __m256i v1 = second ? vrow(j + 1, u) : _mm256_setzero_si256();
-        b[2 * u] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(v0, v1));
-        b[2 * u + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(v0, v1));
-      }
+#if defined(__AVX2__)  // I16Ops: AVX2 or AVX-512 (every level with AVX-512 has BW and VL)
+    {
+      using I = I16Ops::I;
+      const int16_t* pj = pi.data() + size_t(r0) * kChunk;
+      I acc[RR][2 * NB];
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
-        int32_t w;
-        std::memcpy(&w, pj + x * kChunk + j, 4);
-        const __m512i a = _mm512_set1_epi32(w);
 #pragma GCC unroll 4
-        for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd(acc[x][u], a, b[u]);
+        for (int u = 0; u < 2 * NB; ++u) acc[x][u] = I16Ops::zero();
       }
-    };
-    int jj = j_lo & ~1;
-    if (jj < j_lo) {
-      step(jj, false, true);
-      jj += 2;
-    }
-    for (; jj + 1 < j_hi; jj += 2) step(jj, true, true);
-    if (jj < j_hi) step(jj, true, false);
-#pragma GCC unroll 4
-    for (int x = 0; x < RR; ++x) {
-      const __m512 sc = _mm512_set1_ps(psc[r0 + x]);
-      float* orow = o + (r0 + x) * dp + c;
-#pragma GCC unroll 4
-      for (int u = 0; u < 2 * NB; ++u) {
-        _mm512_storeu_ps(orow + 16 * u, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[x][u]), sc, _mm512_loadu_ps(orow + 16 * u)));
-      }
-    }
-#elif defined(__AVX2__)
-    const int16_t* pj = pi.data() + size_t(r0) * kChunk;
-    __m256i acc[RR][2 * NB];
-#pragma GCC unroll 4
-    for (int x = 0; x < RR; ++x) {
-#pragma GCC unroll 4
-      for (int u = 0; u < 2 * NB; ++u) acc[x][u] = _mm256_setzero_si256();
-    }
-    auto vrow = [&](int j, int u) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(vp[j] + voff + c + 16 * u)); };
-    auto step = [&](int j, bool first, bool second) {
-      __m256i b[2 * NB];
+      auto vrow = [&](int j, int u) { return I16Ops::bytes(vp[j] + voff + c + kI16Cols * u); };
+      // keys j, j + 1 (v0 / v1 zero for a key outside [j_lo, j_hi), whose rows are not read)
+      auto step = [&](int j, bool first, bool second) {
+        I b[2 * NB];
 #pragma GCC unroll 2
-      for (int u = 0; u < NB; ++u) {
-        const __m128i v0 = first ? vrow(j, u) : _mm_setzero_si128();
-        const __m128i v1 = second ? vrow(j + 1, u) : _mm_setzero_si128();
-        b[2 * u] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v0, v1));  // columns 0-7, paired by key
-        b[2 * u + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v0, v1));  // 8-15
+        for (int u = 0; u < NB; ++u) {
+          const auto v0 = first ? vrow(j, u) : I16Ops::no_bytes();
+          const auto v1 = second ? vrow(j + 1, u) : I16Ops::no_bytes();
+          b[2 * u] = I16Ops::pairs_lo(v0, v1);
+          b[2 * u + 1] = I16Ops::pairs_hi(v0, v1);
+        }
+#pragma GCC unroll 4
+        for (int x = 0; x < RR; ++x) {
+          int32_t w;
+          std::memcpy(&w, pj + x * kChunk + j, 4);
+          const I a = I16Ops::bcast(w);
+#pragma GCC unroll 4
+          for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd(acc[x][u], a, b[u]);
+        }
+      };
+      int jj = j_lo & ~1;
+      if (jj < j_lo) {
+        step(jj, false, true);
+        jj += 2;
       }
+      for (; jj + 1 < j_hi; jj += 2) step(jj, true, true);
+      if (jj < j_hi) step(jj, true, false);
 #pragma GCC unroll 4
       for (int x = 0; x < RR; ++x) {
-        int32_t w;
-        std::memcpy(&w, pj + x * kChunk + j, 4);
-        const __m256i a = _mm256_set1_epi32(w);
+        float* orow = o + (r0 + x) * dp + c;
 #pragma GCC unroll 4
-        for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd(acc[x][u], a, b[u]);
-      }
-    };
-    int jj = j_lo & ~1;
-    if (jj < j_lo) {
-      step(jj, false, true);
-      jj += 2;
-    }
-    for (; jj + 1 < j_hi; jj += 2) step(jj, true, true);
-    if (jj < j_hi) step(jj, true, false);
-#pragma GCC unroll 4
-    for (int x = 0; x < RR; ++x) {
-      const __m256 sc = _mm256_set1_ps(psc[r0 + x]);
-      float* orow = o + (r0 + x) * dp + c;
-#pragma GCC unroll 4
-      for (int u = 0; u < 2 * NB; ++u) {
-        _mm256_storeu_ps(orow + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[x][u]), sc, _mm256_loadu_ps(orow + 8 * u)));
+        for (int u = 0; u < 2 * NB; ++u) I16Ops::add_scaled(orow + kI16Cols / 2 * u, acc[x][u], psc[r0 + x]);
       }
     }
 #else
