@@ -566,8 +566,10 @@ struct DecodeWorker {
     }
     int32_t* sj = si.data() + size_t(r0) * kChunk + jj * RR;
     if constexpr (RR == 4) {  // simd.h's hsum4 tree on int32
-      const __m512i u01 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[0], a[1], 0x44), _mm512_shuffle_i32x4(a[0], a[1], 0xEE));
-      const __m512i u23 = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2], a[3], 0x44), _mm512_shuffle_i32x4(a[2], a[3], 0xEE));
+      const __m512i u01 =
+          _mm512_add_epi32(_mm512_shuffle_i32x4(a[0], a[1], 0x44), _mm512_shuffle_i32x4(a[0], a[1], 0xEE));
+      const __m512i u23 =
+          _mm512_add_epi32(_mm512_shuffle_i32x4(a[2], a[3], 0x44), _mm512_shuffle_i32x4(a[2], a[3], 0xEE));
       __m512i w = _mm512_add_epi32(_mm512_shuffle_i32x4(u01, u23, 0x88), _mm512_shuffle_i32x4(u01, u23, 0xDD));
       w = _mm512_add_epi32(w, _mm512_shuffle_epi32(w, _MM_PERM_BADC));
       w = _mm512_add_epi32(w, _mm512_shuffle_epi32(w, _MM_PERM_CDAB));
@@ -596,7 +598,9 @@ struct DecodeWorker {
       if constexpr (kShared) {
         const __m256i kv = kload(krow(0) + c, c);
 #pragma GCC unroll 4
-        for (int x = 0; x < RR; ++x) a[x] = dpwssd(a[x], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
+        for (int x = 0; x < RR; ++x) {
+          a[x] = dpwssd(a[x], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
+        }
       } else {
 #pragma GCC unroll 4
         for (int x = 0; x < RR; ++x) {
@@ -633,7 +637,8 @@ struct DecodeWorker {
                                                 _mm512_castps128_ps512(_mm_loadu_ps(qsc.data() + r0)));
         T* s0 = s + size_t(r0) * kChunk;
         for (int jj = 0; jj < n; jj += 4) {  // past n: S's padding, which scores() overwrites
-          const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_permutexvar_epi32(idx, _mm512_loadu_si512(src + jj * 4))), sc);
+          const __m512i sums = _mm512_permutexvar_epi32(idx, _mm512_loadu_si512(src + jj * 4));
+          const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), sc);
           _mm_storeu_ps(s0 + jj, _mm512_castps512_ps128(x));
           _mm_storeu_ps(s0 + kChunk + jj, _mm512_extractf32x4_ps(x, 1));
           _mm_storeu_ps(s0 + 2 * kChunk + jj, _mm512_extractf32x4_ps(x, 2));
