@@ -271,7 +271,7 @@ inline __m512i bf16x32(const E* p, int n = 32) {
       // bf16 with exponent e + 112 (2^-8 of its value: kUnit) and its 3 mantissa bits on top of
       // bf16's 7; the 8 subnormal magnitudes come from a table (vpermw), NaN is set apart, the
       // sign ORed in. Ten integer operations per 32 elements, against the widening through
-      // float32 (two vcvtph2ps and one vcvtne2ps2bf16 besides): 10-12% off an e4m3 decode call
+      // float32 (two vcvtph2ps and one vcvtne2ps2bf16 besides), which measured slower
       // (benchmarks/results/2026-11-30-decode-int8-i16-cpu.md).
       alignas(64) static const uint16_t kSubnormal[32] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
       const __m512i w = _mm512_cvtepi8_epi16(b);  // sign-extended: bit 15 is the sign
