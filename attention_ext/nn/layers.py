@@ -179,11 +179,11 @@ def sparse_rows_mask(block_layout: Tensor, block_size: int, sq: int, sk: int) ->
 def key_mask_run(key_mask: Tensor, s_k: int) -> Optional[Tuple[Tensor, Tensor]]:
     """(start, end), int32 (B,) each, when every row of key_mask (B, s_k) (True = a real key)
     holds its real keys as one run of positions [start, end) (a row without any: 0, 0); None when
-    a row has holes. One device-to-host copy (the check)."""
-    if key_mask.dim() != 2 or key_mask.shape[1] != s_k:
-        raise ValueError(f"key_mask must be (B, S_k) = (B, {s_k}) over the cached keys, got {tuple(key_mask.shape)}")
-    if key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
+    a row has holes, or for anything but a (B, s_k) bool tensor (the fused op, which the caller
+    falls back to, states the rule). One device-to-host copy (the check)."""
+    if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or key_mask.dim() != 2 or \
+            key_mask.shape[1] != s_k:
+        return None
     m = key_mask
     pos = torch.arange(s_k, device=m.device)
     real = m.any(1)
@@ -351,11 +351,7 @@ class Attention(nn.Module):
                 return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             if cache is not None:
                 k, v = cache.append(k, v)
-        # causal/window/ALiBi are aligned bottom-right: with a cache the new queries are the last rows
-        opts = dict(causal=c.causal and not self.cross, bottom_right=True, window=c.window,
-                    attn_mask=attn_mask, key_mask=key_mask, seqlens_k=seqlens_k,
-                    alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
-        kernel, opts = self._kernel(q, k, opts)
+        kernel, opts = self._kernel(q, k, self._fused_opts(attn_mask, key_mask, seqlens_k))
         if quant is not None:
             opts["qk_quant"] = quant
         p = c.dropout if self.training else 0.0
@@ -402,10 +398,7 @@ class Attention(nn.Module):
         fresh = cache.pos == 0
         cache.append(k, v)
         if fresh:
-            opts = dict(causal=c.causal, bottom_right=True, window=c.window, alibi_slopes=self.alibi_slopes,
-                        softcap=c.softcap, sinks=self.sinks, attn_mask=attn_mask, key_mask=key_mask,
-                        seqlens_k=seqlens_k)
-            kernel, opts = self._kernel(q, k, opts)
+            kernel, opts = self._kernel(q, k, self._fused_opts(attn_mask, key_mask, seqlens_k))
             return kernel(q, k, v, **opts, **({"qk_quant": quant} if quant else {}))
         return self._read_8bit(q, cache, attn_mask, key_mask, seqlens_k)
 
@@ -441,9 +434,7 @@ class Attention(nn.Module):
                                 alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap, lengths=lengths,
                                 leftpad=leftpad)
         k, v = cache.dequantized(q.dtype)
-        opts = dict(causal=causal, bottom_right=True, window=c.window, attn_mask=attn_mask, key_mask=key_mask,
-                    seqlens_k=seqlens_k, alibi_slopes=self.alibi_slopes, softcap=c.softcap, sinks=self.sinks)
-        kernel, opts = self._kernel(q, k, opts)
+        kernel, opts = self._kernel(q, k, self._fused_opts(attn_mask, key_mask, seqlens_k))
         return kernel(q, k, v, **opts)
 
     def _paged(self, q: Tensor, x: Tensor, cache) -> Tensor:
@@ -467,12 +458,19 @@ class Attention(nn.Module):
                                     window=c.window, alibi_slopes=self.alibi_slopes, softcap=c.softcap,
                                     sinks=self.sinks)[None]  # (1, total, H, D)
         if fresh:
-            opts = dict(causal=c.causal, bottom_right=True, window=c.window, alibi_slopes=self.alibi_slopes,
-                        softcap=c.softcap, sinks=self.sinks)
-            kernel, opts = self._kernel(q, k, opts)
+            kernel, opts = self._kernel(q, k, self._fused_opts())
             return kernel(q, k, v, **opts)
         return cache.attend(q, scale=self.head_dim ** -0.5, causal=c.causal, window=c.window,
                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap)
+
+    def _fused_opts(self, attn_mask: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
+                    seqlens_k: Optional[Tensor] = None) -> dict:
+        """The fused op's options for this layer: causal / window / ALiBi aligned bottom-right (with
+        a cache the new queries are the last rows), the masks as given."""
+        c = self.config
+        return dict(causal=c.causal and not self.cross, bottom_right=True, window=c.window, attn_mask=attn_mask,
+                    key_mask=key_mask, seqlens_k=seqlens_k, alibi_slopes=self.alibi_slopes, softcap=c.softcap,
+                    sinks=self.sinks)
 
     def _kernel(self, q: Tensor, k: Tensor, opts: dict) -> Tuple[Callable, dict]:
         """The kernel for q (B, S_q, H, D), k (B, S_k, H_k, D) and its keyword options; a subclass

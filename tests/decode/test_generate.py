@@ -303,3 +303,6 @@ def test_8bit_caches_with_masks(qdt, variant):
             where = f"{qdt} {variant} cross={cross} {name}"
             torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4, msg=where)
             assert spy.call_count == (1 if fits else 0), where
+        if cross:  # the fused op's rule for the mask, whichever path would have read the cache
+            with pytest.raises(TypeError, match="key_mask must be bool"), torch.no_grad():
+                layer(x, cache=c8, key_mask=_masks(b, n, positional)[0][1].int())
