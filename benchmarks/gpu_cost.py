@@ -942,11 +942,22 @@ def delta_chunk_key_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
     return [prep, state, out]
 
 
-# KDA's backward: delta_chunk_dkey_kernel sums the chunk's pairs per key channel on the CUDA cores,
-# 2 x 64 x 65 / 2 steps per thread of ~10 issued instructions (a gate load and a product step, two
-# shared loads of M1 / Dm (broadcast), one of q or k, two FMAs), its 4 warps on the SM's 4
-# schedulers (145 KB of shared memory: one CTA per SM). An estimate from the code.
-DELTA_DKEY_CLK = 2 * 64 * 65 // 2 * 10
+# KDA's backward: delta_chunk_dkey_kernel splits the chunk's pairs on its four 16-row blocks: the
+# pairs across blocks on the tensor cores (DELTA_DKEY_FLOP: M1 and Dm against the scaled K^ rows for
+# the rows' sums, M1^T and Dm^T against the scaled Q^ / K^ rows for the columns'), each block's own
+# pairs per key channel on the CUDA cores: 2 x 4 x 16 x 17 / 2 steps per thread of ~10 issued
+# instructions (a gate load and a product step, two shared loads of M1 / Dm (broadcast), one of q
+# or k, two FMAs), plus the operands' rows scaled per channel (~6 each; 16 + 32 + 48 for the rows'
+# rounds, twice that for the columns'), its 4 warps on the SM's 4 schedulers (158 KB of shared memory: one CTA per SM). The 9
+# rounds (a product's operand, a barrier, the product, a barrier) are counted at 2 x 100 clocks
+# each. An estimate from the code.
+DELTA_DKEY_CLK = 2 * 4 * 16 * 17 // 2 * 10 + 3 * (16 + 32 + 48) * 6 + 9 * 2 * 100
+
+
+def delta_dkey_flop(kk: int) -> int:
+    """The dkey kernel's tensor-core work per chunk: four products (M1, Dm; rows and columns) of
+    16 x 16 I x kk per row block I = 1..3 (and per column block, the same sizes)."""
+    return 4 * 2 * 16 * (16 + 32 + 48) * kk
 
 
 def delta_chunk_key_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
@@ -973,8 +984,9 @@ def delta_chunk_key_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch
     zyx = Launch(f"delta chunk dzyx, K {kk}", Resources(128, 180, 64 * 1024), [per(f_zyx)] * (slots * hv),
                  slots * hv * (ch * ch * t16 + 2 * tiles * (2 * kk * KN + 3 * ch * KN) * t16 + 3 * ch * kk * t16),
                  f_zyx * slots * hv)
-    key = Launch(f"delta chunk dkey, K {kk}", Resources(128, 64, 145 * 1024),
-                 [2 * LATENCY + DELTA_DKEY_CLK / SM_CLOCK + overhead] * (slots * hv),
+    f_key = delta_dkey_flop(kk)
+    key = Launch(f"delta chunk dkey, K {kk}", Resources(128, 94, 158 * 1024),
+                 [2 * LATENCY + DELTA_DKEY_CLK / SM_CLOCK + f_key / MMA_SYNC_CTA_RATE + overhead] * (slots * hv),
                  slots * hv * (2 * ch * kk * t16 + 2 * ch * ch * t16 + ch * kk * 4 + 3 * ch * kk * t16 + 4 * ch * kk * 4))
     return [prep, state, dl, rev, sc, zyx, key]
 
@@ -1060,7 +1072,7 @@ def report_delta_chunk() -> List[str]:
               "DELTA_KEY_PASS_CLK) and stores the output scores; the recurrent column is the per-head model "
               "(the per-key gate read per token is not in it):", ""] + fwd_head
     lines += _delta_fwd_rows(delta_chunk_key_launches, ovh)
-    lines += ["", "KDA's backward (per-key gates; its per-channel pair sums on the CUDA cores, DELTA_DKEY_CLK, "
+    lines += ["", "KDA's backward (per-key gates; the dkey kernel's blocks' own pairs on the CUDA cores, DELTA_DKEY_CLK, "
               "an estimate from the code):", "",
               "| (B, H_v, S, K, V) | backward ms (model - bound) | prep / state / dlocal / rev / dscal / dzyx / "
               "dkey ms (model) | forward + backward ms (model) |", "|---|---|---|---|"]

@@ -81,6 +81,15 @@ int64_t emu_delta_set_chunked(int64_t chunked) {
 
 std::vector<std::string> emu_delta_launches() { return attn_emu::take_launches(); }
 
+// take_launch_stats() since the last call, flattened: 5 counts per launch (emu_entry.h LaunchStats)
+std::vector<int64_t> emu_delta_launch_stats() {
+  std::vector<int64_t> out;
+  for (const auto& st : attn_emu::take_launch_stats()) {
+    for (uint64_t f : {st.ctas, st.threads, st.mma, st.barriers, st.cp_async_bytes}) out.push_back(int64_t(f));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attention_ext_emu_delta, m) {
@@ -96,4 +105,5 @@ TORCH_LIBRARY(attention_ext_emu_delta, m) {
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_delta_set_schedule);
   m.def("set_chunked(int chunked) -> int", &emu_delta_set_chunked);
   m.def("launches() -> str[]", &emu_delta_launches);
+  m.def("launch_stats() -> int[]", &emu_delta_launch_stats);
 }

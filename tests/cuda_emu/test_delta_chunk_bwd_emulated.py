@@ -165,6 +165,42 @@ def test_extreme_gates(emu, big, r, gate):
     assert (res[4][0, 0, r] == 0).all() if gate == "head" else (res[4][0, 0, r, ::3] == 0).all()
 
 
+@pytest.mark.parametrize("n", [16, 17, 32, 33, 48, 49])
+def test_per_key_chunk_ends_at_block_edges(emu, n):
+    """Per-key gates with a last chunk of n rows, at and just past the edges of the dkey kernel's
+    16-row blocks (its tensor-core rounds run for the blocks a chunk reaches), K 128 and 40 with
+    a reset in some channels of that chunk."""
+    for kd in (128, 40):
+        q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=64 + n, kd=kd, vd=24, gate="key")
+        g[:, :, 64 + n // 2, ::5] = float("-inf")
+        check_bwd(emu, q, k, v, beta, g, h0, l2=True, what=f"n {n} K {kd}")
+
+
+def test_cost_report_counts_the_dkey_products(emu):
+    """benchmarks/gpu_cost.py's tensor-core work of the dkey kernel (delta_dkey_flop, per chunk)
+    equals the mma.sync count the emulated kernel issues (x 4096 flops per m16n8k16) over full
+    chunks, at both kernel widths."""
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(cuda_emu.ROOT, "benchmarks", "gpu_cost.py")
+    spec = importlib.util.spec_from_file_location("gpu_cost", path)
+    gpu_cost = sys.modules.setdefault("gpu_cost", importlib.util.module_from_spec(spec))  # dataclasses need it there
+    spec.loader.exec_module(gpu_cost)
+    for kd, kk in ((128, 128), (40, 64)):
+        q, k, v, beta, g, h0 = problem(b=1, hk=1, hv=2, s=128, kd=kd, vd=16, gate="key")
+        emu.launches()
+        emu.launch_stats()
+        emu.delta_bwd(torch.zeros(v.shape, dtype=BF16), None, q.to(BF16), k.to(BF16), v.to(BF16), beta.float(),
+                      g.float(), None, None, kd ** -0.5, False, False)
+        names, stats = emu.launches(), torch.tensor(emu.launch_stats()).view(-1, 5)
+        (at,) = [i for i, n in enumerate(names) if "dkey" in n]
+        ctas, mma = int(stats[at, 0]), int(stats[at, 2])
+        assert ctas == 2 * 2
+        assert mma * 4096 == ctas * gpu_cost.delta_dkey_flop(kk), (kd, mma)
+
+
 @pytest.mark.parametrize("warp_serial,reverse", [(False, False), (True, True)], ids=["lockstep", "last_warp_first"])
 def test_other_warp_interleavings(emu, warp_serial, reverse):
     emu.set_schedule(warp_serial, reverse)
