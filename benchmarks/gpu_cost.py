@@ -943,14 +943,14 @@ def delta_chunk_key_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch]:
 
 
 # KDA's backward: delta_chunk_dkey_kernel splits the chunk's pairs on its four 16-row blocks: the
-# pairs across blocks on the tensor cores (DELTA_DKEY_FLOP: M1 and Dm against the scaled K^ rows for
-# the rows' sums, M1^T and Dm^T against the scaled Q^ / K^ rows for the columns'), each block's own
-# pairs per key channel on the CUDA cores: 2 x 4 x 16 x 17 / 2 steps per thread of ~10 issued
-# instructions (a gate load and a product step, two shared loads of M1 / Dm (broadcast), one of q
-# or k, two FMAs), plus the operands' rows scaled per channel (~6 each; 16 + 32 + 48 for the rows'
-# rounds, twice that for the columns'), its 4 warps on the SM's 4 schedulers (158 KB of shared memory: one CTA per SM). The 9
-# rounds (a product's operand, a barrier, the product, a barrier) are counted at 2 x 100 clocks
-# each. An estimate from the code.
+# pairs across blocks on the tensor cores (delta_dkey_flop: M1 and Dm against the scaled K^ rows
+# for the rows' sums, M1^T and Dm^T against the scaled Q^ / K^ rows for the columns'), each
+# block's own pairs per key channel on the CUDA cores: 2 x 4 x 16 x 17 / 2 steps per thread of
+# ~10 issued instructions (a gate load and a product step, two shared loads of M1 / Dm
+# (broadcast), one of q or k, two FMAs), plus the operands' rows scaled per channel (~6 each;
+# 16 + 32 + 48 for the rows' rounds, twice that for the columns'), its 4 warps on the SM's 4
+# schedulers (157 KB of shared memory: one CTA per SM). The 9 rounds (an operand, a barrier, the
+# product, a barrier) are counted at 2 x 100 clocks each. An estimate from the code.
 DELTA_DKEY_CLK = 2 * 4 * 16 * 17 // 2 * 10 + 3 * (16 + 32 + 48) * 6 + 9 * 2 * 100
 
 
@@ -985,7 +985,7 @@ def delta_chunk_key_bwd_launches(b, hv, s, k, v, *, overhead=0.0) -> List[Launch
                  slots * hv * (ch * ch * t16 + 2 * tiles * (2 * kk * KN + 3 * ch * KN) * t16 + 3 * ch * kk * t16),
                  f_zyx * slots * hv)
     f_key = delta_dkey_flop(kk)
-    key = Launch(f"delta chunk dkey, K {kk}", Resources(128, 94, 158 * 1024),
+    key = Launch(f"delta chunk dkey, K {kk}", Resources(128, 94, 157 * 1024),
                  [2 * LATENCY + DELTA_DKEY_CLK / SM_CLOCK + f_key / MMA_SYNC_CTA_RATE + overhead] * (slots * hv),
                  slots * hv * (2 * ch * kk * t16 + 2 * ch * ch * t16 + ch * kk * 4 + 3 * ch * kk * t16 + 4 * ch * kk * 4))
     return [prep, state, dl, rev, sc, zyx, key]
