@@ -113,6 +113,37 @@ def test_linear_fwd_bwd(at_level, dtype):
                  "linear out, dq, dk, dv")
 
 
+@pytest.mark.parametrize("gate", ["head", "key"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_fwd_bwd(at_level, dtype, gate):
+    """The delta rule's recurrence (forward, and the backward's replay from checkpoints) with
+    per-head and per-key gates, GVA, 40 columns (a full block of the level's vectors and a part
+    block) and 70 tokens (a checkpoint past 64)."""
+    g = torch.Generator().manual_seed(2)
+    b, hk, hv, s, kd, vd = 1, 1, 2, 70, 24, 40
+    q0 = torch.randn(b, hk, s, kd, generator=g).to(dtype)
+    k0 = linear_ref._l2n(torch.randn(b, hk, s, kd, generator=g)).to(dtype)
+    v0 = torch.randn(b, hv, s, vd, generator=g).to(dtype)
+    beta0 = torch.rand(b, hv, s, generator=g).to(dtype)
+    g0 = -0.5 * torch.rand((b, hv, s) + ((kd,) if gate == "key" else ()), generator=g)
+    dout = torch.randn(b, hv, s, vd, generator=g).to(dtype)
+
+    def run():
+        q, k, v, beta, gt = (t.clone().requires_grad_() for t in (q0, k0, v0, beta0, g0))
+        out = ae.delta_rule_attention(q, k, v, beta, gate=gt)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad, beta.grad, gt.grad
+
+    def reference(dt):
+        q, k, v, beta, gt = (t.detach().to(dt).requires_grad_() for t in (q0, k0, v0, beta0, g0))
+        out = linear_ref.delta_rule(q, k, v, beta, gt, kd ** -0.5, None, acc=dt)[0]
+        out.backward(dout.to(dt))
+        return out.detach(), q.grad, k.grad, v.grad, beta.grad, gt.grad
+
+    check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
+                 "delta out, dq, dk, dv, dbeta, dgate")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_block_and_topk(at_level, dtype):
     torch.manual_seed(2)

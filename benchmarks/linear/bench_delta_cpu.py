@@ -3,7 +3,7 @@ against the chunked PyTorch form a user writes (reference.delta_rule_chunked: th
 torch.linalg.solve_triangular, chunk 64, autograd backward), timed in the same run, reported as
 ratios beside the machine's fp32 matmul ceiling.
 
-    python benchmarks/linear/bench_delta_cpu.py [--quick] [--out benchmarks/results/<file>.md]
+    python benchmarks/linear/bench_delta_cpu.py [--levels avx2,avx512bf16] [--quick] [--out FILE.md]
 
 Sections:
 1. (B1, H8, S4096, K=V=128), fp32 and bf16, each gate kind: forward and forward+backward.
@@ -26,7 +26,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import cpu_peak_flops, interleaved, matmul_ceiling  # noqa: E402
+from common import at_isa_levels, cpu_peak_flops, interleaved, matmul_ceiling  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.linear import delta, reference  # noqa: E402
@@ -127,31 +127,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="S = 1024 and one rep: under a minute")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--levels", default=None, help="comma-separated ISA levels (default: this machine's)")
     ap.add_argument("--out", default=None, help="write the markdown report here")
     args = ap.parse_args(argv)
     argv_list = list(sys.argv[1:] if argv is None else argv)
     reps = 1 if args.quick else args.reps
     warnings.simplefilter("ignore", RuntimeWarning)
-    ceil = cpu_peak_flops("fp32_fma") or matmul_ceiling(torch.float32, n=1024 if args.quick else 2048)
+    mm = matmul_ceiling(torch.float32, n=1024 if args.quick else 2048)
     emit(f"CPU: {platform.processor() or platform.machine()}, ISA level {ae.cpu_isa()}, {torch.get_num_threads()} "
-         f"threads, torch {torch.__version__}; fp32 FMA peak {ceil / 1e9:.1f} GFLOP/s (cpu_peak_flops), fp32 "
-         f"matmul {matmul_ceiling(torch.float32, n=1024 if args.quick else 2048) / 1e9:.1f} GFLOP/s; delta op "
+         f"threads, torch {torch.__version__}; fp32 matmul {mm / 1e9:.1f} GFLOP/s; delta op "
          f"{'built' if HAS_OP else 'NOT built'}")
     emit()
     shape = (1, 8, 1024 if args.quick else 4096, 128, 128)
     emit(f"(B, H, S, K, V) = {shape}")
-    emit()
-    emit("| variant | pass | dtype | ours ms | ours GFLOP/s (of fp32 FMA peak) | peer ms | peer / ours |")
-    emit("|---|---|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, gate in (("DeltaNet", None), ("Gated DeltaNet", "head"), ("KDA", "key")):
-            for grad in (False, True):
-                compare(name, gate, dtype, grad, reps, ceil, shape)
+    # the peer (PyTorch) runs at torch's own ISA whatever the level; ours at each level in turn
+    for level in at_isa_levels(args.levels.split(",") if args.levels else [ae.cpu_isa()]):
+        ceil = cpu_peak_flops("fp32_fma") or mm  # the level's vector width
+        emit()
+        emit(f"ISA level {level}: fp32 FMA peak {ceil / 1e9:.1f} GFLOP/s (cpu_peak_flops)")
+        emit()
+        emit("| variant | pass | dtype | ours ms | ours GFLOP/s (of fp32 FMA peak) | peer ms | peer / ours |")
+        emit("|---|---|---|---|---|---|---|")
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, gate in (("DeltaNet", None), ("Gated DeltaNet", "head"), ("KDA", "key")):
+                for grad in (False, True):
+                    compare(name, gate, dtype, grad, reps, ceil, shape)
+        emit()
+        step_bandwidth(reps)
     emit()
     emit("Peer: reference.delta_rule_chunked (chunk 64, the WY form with torch.linalg.solve_triangular), autograd "
          "backward, in the inputs' dtype. Ratios > 1: ours faster.")
-    emit()
-    step_bandwidth(reps)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"# Delta rule CPU benchmark, {datetime.date.today()}\n\n")

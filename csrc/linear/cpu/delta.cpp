@@ -187,8 +187,12 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int K, 
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
   auto row_step = [&](int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
     T* row = S + int64_t(m) * Wp;
-    const vec<T> kc = vbcast(kFinish ? cur.k[m] : T(0)), qc = vbcast(kFinish ? cur.q[m] : T(0));
-    const vec<T> kn = vbcast(kNext && kDelta ? nxt.k[m] : T(0)), an = vbcast(kNext && kGate ? nxt.a[m] : T(1));
+    // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
+    // shares with an FMA pipe (simd.h's vbcast_mem)
+    vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
+    if (kFinish) kc = vbcast_mem(cur.k + m), qc = vbcast_mem(cur.q + m);
+    if (kNext && kDelta) kn = vbcast_mem(nxt.k + m);
+    if (kNext && kGate) an = vbcast_mem(nxt.a + m);
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       vec<T> x = vload(row + i * L);
