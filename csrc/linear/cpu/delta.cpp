@@ -157,7 +157,9 @@ struct TokenIn {
 
 // ---------------------------------------------------------------------------------- forward
 
-// columns per forward task: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
+// calls of at most this many tokens run a (sequence, head)'s column blocks as one task (delta_fwd)
+constexpr int kStepTokens = 16;
+// columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
 template <typename T>
 constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
 // rows per step of the row loop, each with its own accumulators, so that 2 x kChains x kColVecs
@@ -739,22 +741,31 @@ template <typename T>
 void delta_fwd(const DeltaParamsT<T>& p) {
   constexpr int Wp = kColVecs<T> * kLanes<T>;
   const int nblk = (p.dim_v + Wp - 1) / Wp;
-  const int64_t tasks = int64_t(p.b) * p.h_v * nblk;
+  // A few tokens (a decode step: the state is the call's memory traffic) with (sequence, head)
+  // pairs enough for the threads: a task runs all of a pair's column blocks in turn, so one core
+  // reads its state front to back (in place at B16 H16, one token: 1.25-1.33x faster than its
+  // blocks spread over the threads, benchmarks/results/2026-11-30-delta-avx2-cpu.md).
+  const bool whole = p.s <= kStepTokens && int64_t(p.b) * p.h_v >= 2 * int64_t(pool_threads());
+  const int per_task = whole ? nblk : 1;
+  const int64_t tasks = int64_t(p.b) * p.h_v * (nblk / per_task);
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
     return [&, S = Buffer<T>(size_t(p.dim_k) * Wp), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + Wp) + Wp)](int64_t task) mutable {
-      const int jb = int(task % nblk), hv = int(task / nblk % p.h_v), n = int(task / nblk / p.h_v);
-      auto run = [&](auto gate, auto write) {
-        constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
-        p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true>(p, n, hv, jb * Wp, S.data(), rows.data())
-                                 : fwd_block<kGate, kDelta, false>(p, n, hv, jb * Wp, S.data(), rows.data());
-      };
-      using Y = std::true_type;
-      using N = std::false_type;
-      if (p.gate != nullptr) {
-        p.plain ? run(Y{}, N{}) : run(Y{}, Y{});
-      } else {
-        p.plain ? run(N{}, N{}) : run(N{}, Y{});
+      const int64_t first = task * per_task;
+      for (int64_t blk = first; blk < first + per_task; ++blk) {
+        const int jb = int(blk % nblk), hv = int(blk / nblk % p.h_v), n = int(blk / nblk / p.h_v);
+        auto run = [&](auto gate, auto write) {
+          constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
+          p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true>(p, n, hv, jb * Wp, S.data(), rows.data())
+                                   : fwd_block<kGate, kDelta, false>(p, n, hv, jb * Wp, S.data(), rows.data());
+        };
+        using Y = std::true_type;
+        using N = std::false_type;
+        if (p.gate != nullptr) {
+          p.plain ? run(Y{}, N{}) : run(Y{}, Y{});
+        } else {
+          p.plain ? run(N{}, N{}) : run(N{}, Y{});
+        }
       }
     };
   });
