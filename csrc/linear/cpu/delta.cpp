@@ -743,8 +743,8 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int nblk = (p.dim_v + Wp - 1) / Wp;
   // A few tokens (a decode step: the state is the call's memory traffic) with (sequence, head)
   // pairs enough for the threads: a task runs all of a pair's column blocks in turn, so one core
-  // reads its state front to back (in place at B16 H16, one token: 1.25-1.33x faster than its
-  // blocks spread over the threads, benchmarks/results/2026-11-30-delta-avx2-cpu.md).
+  // reads its state front to back instead of the threads interleaving 128-byte pieces of its rows
+  // (benchmarks/results/2026-11-30-delta-avx2-cpu.md).
   const bool whole = p.s <= kStepTokens && int64_t(p.b) * p.h_v >= 2 * int64_t(pool_threads());
   const int per_task = whole ? nblk : 1;
   const int64_t tasks = int64_t(p.b) * p.h_v * (nblk / per_task);
