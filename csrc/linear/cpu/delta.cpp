@@ -181,14 +181,15 @@ struct FwdToken {
 // Always inlined: with the kDelta instantiations GCC stopped inlining it into fwd_block's three
 // call sites, and the out-of-line pass ran the forward 1.7x slower.
 template <bool kFinish, bool kNext, bool kGate, bool kDelta, int NV, int CH, typename T>
-__attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int K, const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
-                       vec<T> (&o)[NV], vec<T> (&pn)[NV]) {
-  constexpr int L = kLanes<T>, Wp = NV * L;
+__attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t ld, int K, const FwdToken<T>& cur,
+                                                      const FwdToken<T>& nxt, const vec<T>* u, vec<T> (&o)[NV],
+                                                      vec<T> (&pn)[NV]) {
+  constexpr int L = kLanes<T>;
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
   auto row_step = [&](int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
-    T* row = S + int64_t(m) * Wp;
+    T* row = S + int64_t(m) * ld;
     // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
     // shares with an FMA pipe (simd.h's vbcast_mem)
     vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
@@ -243,9 +244,9 @@ __attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, in
                                                const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
                                                vec<T> (&o)[NV], vec<T> (&pn)[NV]) {
   vec<T> unused[NV];
-  fused_pass<true, false, kGate, kDelta, NV, CH>(S, p.dim_k, cur, nxt, u, o, unused);
+  fused_pass<true, false, kGate, kDelta, NV, CH>(S, NV * kLanes<T>, p.dim_k, cur, nxt, u, o, unused);
   write_checkpoint(p, n, hv, c, j0, w, NV * kLanes<T>, S);
-  fused_pass<false, true, kGate, kDelta, NV, CH>(S, p.dim_k, cur, nxt, u, unused, pn);
+  fused_pass<false, true, kGate, kDelta, NV, CH>(S, NV * kLanes<T>, p.dim_k, cur, nxt, u, unused, pn);
 }
 
 // kCkpt: keep the backward's checkpoints (p.checkpoints); an instantiation of its own, so that the
@@ -271,15 +272,25 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
              x.v, w, Wp);
   };
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v + j0;  // this block in a (b, h_v, K, V) state
-  for (int m = 0; m < K; ++m) {
-    T* row = S + int64_t(m) * Wp;
-    for (int j = 0; j < Wp; ++j) row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
+  // A decode step in place (the state both initial and final, a whole block of columns, no
+  // checkpoints): the passes run on the state's rows themselves, without the copy into the block
+  // and back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
+  const bool direct = !kCkpt && p.s <= kStepTokens && p.init_state != nullptr && p.init_state == p.final_state &&
+                      w == Wp;
+  const int64_t ld = direct ? p.dim_v : Wp;
+  if (direct) {
+    S = p.final_state + st0;
+  } else {
+    for (int m = 0; m < K; ++m) {
+      T* row = S + int64_t(m) * Wp;
+      for (int j = 0; j < Wp; ++j) row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
+    }
   }
   vec<T> u[NV], ov[NV], pv[NV];
   if (sp.len > 0) {
     if (kCkpt) write_checkpoint(p, n, hv, 0, j0, w, Wp, S);  // the state entering token 0
     load(0, tok[0]);
-    fused_pass<false, true, kGate, kDelta, NV, CH>(S, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
+    fused_pass<false, true, kGate, kDelta, NV, CH>(S, ld, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
   }
   for (int t = 0; t < sp.len; ++t) {
     const FwdToken<T>& cur = tok[t & 1];
@@ -295,10 +306,10 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
       if (kCkpt && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint
         checkpoint_pass<kGate, kDelta, NV, CH>(p, n, hv, (t + 1) / kDeltaChunk, j0, w, S, cur, nxt, u, ov, pv);
       } else {
-        fused_pass<true, true, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
+        fused_pass<true, true, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
       }
     } else {
-      fused_pass<true, false, kGate, kDelta, NV, CH>(S, K, cur, nxt, u, ov, pv);
+      fused_pass<true, false, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
     }
     for (int i = 0; i < NV; ++i) vstore(o + i * L, ov[i]);
     const int64_t r = sp.row0 + t;
@@ -306,7 +317,7 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
                  (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride + r * p.o_row_stride + j0) * int64_t(in.es);
     store_row(p.dt, o, orow, w);
   }
-  if (p.final_state != nullptr) {
+  if (p.final_state != nullptr && !direct) {
     for (int m = 0; m < K; ++m)
       std::memcpy(p.final_state + st0 + int64_t(m) * p.dim_v, S + int64_t(m) * Wp, sizeof(T) * w);
   }
