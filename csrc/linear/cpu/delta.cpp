@@ -251,9 +251,9 @@ __attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, in
 
 // kCkpt: keep the backward's checkpoints (p.checkpoints); an instantiation of its own, so that the
 // token loop without them compiles as it did (a branch in it slowed the gated float32 forward 1.6x).
-template <bool kGate, bool kDelta, bool kCkpt, typename T>
+template <bool kGate, bool kDelta, bool kCkpt, typename T, int NV = kColVecs<T>>
 void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
-  constexpr int L = kLanes<T>, NV = kColVecs<T>, CH = kChains<T>, Wp = NV * L;
+  constexpr int L = kLanes<T>, CH = std::max(1, 4 / NV), Wp = NV * L;
   const int K = p.dim_k, w = std::min(Wp, p.dim_v - j0);
   const Span sp = span_of(p, n);
   const TokenIn<T> in(p, hv);
@@ -750,7 +750,13 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
 
 template <typename T>
 void delta_fwd(const DeltaParamsT<T>& p) {
-  constexpr int Wp = kColVecs<T> * kLanes<T>;
+  constexpr int WpN = kColVecs<T> * kLanes<T>;
+  // a decode step in place at AVX-512: blocks of 128 columns (whole 512-byte rows of a V = 128
+  // state), its o and p sums and u in 24 of the 32 registers
+  constexpr int kWideNV = kLanes<T> >= 16 ? 8 : kColVecs<T>, WpW = kWideNV * kLanes<T>;
+  const bool wide = kWideNV != kColVecs<T> && p.s <= kStepTokens && p.init_state != nullptr &&
+                    p.init_state == p.final_state && p.checkpoints == nullptr && p.dim_v % WpW == 0;
+  const int Wp = wide ? WpW : WpN;
   const int nblk = (p.dim_v + Wp - 1) / Wp;
   // A few tokens (a decode step: the state is the call's memory traffic) with (sequence, head)
   // pairs enough for the threads: a task runs all of a pair's column blocks in turn, so one core
@@ -761,12 +767,15 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int64_t tasks = int64_t(p.b) * p.h_v * (nblk / per_task);
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
-    return [&, S = Buffer<T>(size_t(p.dim_k) * Wp), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + Wp) + Wp)](int64_t task) mutable {
+    return [&, S = Buffer<T>(size_t(p.dim_k) * WpN), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + WpW) + WpW)](int64_t task) mutable {
       const int64_t first = task * per_task;
       for (int64_t blk = first; blk < first + per_task; ++blk) {
         const int jb = int(blk % nblk), hv = int(blk / nblk % p.h_v), n = int(blk / nblk / p.h_v);
         auto run = [&](auto gate, auto write) {
           constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
+          if constexpr (kWideNV != kColVecs<T>) {
+            if (wide) return fwd_block<kGate, kDelta, false, T, kWideNV>(p, n, hv, jb * Wp, S.data(), rows.data());
+          }
           p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true>(p, n, hv, jb * Wp, S.data(), rows.data())
                                    : fwd_block<kGate, kDelta, false>(p, n, hv, jb * Wp, S.data(), rows.data());
         };
