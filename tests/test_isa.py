@@ -144,6 +144,37 @@ def test_delta_rule_fwd_bwd(at_level, dtype, gate):
                  "delta out, dq, dk, dv, dbeta, dgate")
 
 
+@pytest.mark.parametrize("s", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_inplace_step(at_level, dtype, s):
+    """delta_rule_step(inplace=True) over a V = 128 state (whole 512-byte rows: AVX-512's wide
+    blocks on the state's own rows), 64 (sequence, head) pairs (one task per pair on up to 32
+    threads) and a V = 40 one (a part block through the copy), against the float64 recurrence."""
+    g = torch.Generator().manual_seed(3)
+    for b, hv, kd, vd in ((8, 8, 24, 128), (2, 2, 16, 40)):
+        q0 = torch.randn(b, 1, s, kd, generator=g).to(dtype)
+        k0 = linear_ref._l2n(torch.randn(b, 1, s, kd, generator=g)).to(dtype)
+        v0 = torch.randn(b, hv, s, vd, generator=g).to(dtype)
+        beta0 = torch.rand(b, hv, s, generator=g).to(dtype)
+        g0 = -0.5 * torch.rand(b, hv, s, kd, generator=g)
+        h0 = 0.3 * torch.randn(b, hv, kd, vd, generator=g)
+
+        def run():
+            st = h0.clone()
+            with torch.no_grad():
+                out, new = ae.delta_rule_step(q0, k0, v0, beta0, st, gate=g0, inplace=True)
+            assert new is st
+            return out, st
+
+        def reference(dt):
+            out, st = linear_ref.delta_rule(q0.to(dt), k0.to(dt), v0.to(dt), beta0.to(dt), g0.to(dt), kd ** -0.5,
+                                            h0.to(dt if dt == torch.float64 else torch.float32), acc=dt)
+            return out, st
+
+        check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
+                     f"in-place step V {vd}: out, state")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_block_and_topk(at_level, dtype):
     torch.manual_seed(2)

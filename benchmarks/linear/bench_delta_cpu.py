@@ -93,7 +93,7 @@ def compare(name, gate, dtype, grad, reps, ceil, shape):
         emit(f"| {name:<14} | {what:<7} | {dt:<8} | op not built | - | {t['peer'] * 1e3:7.1f} | - |")
 
 
-def step_bandwidth(reps):
+def step_bandwidth(reps, budget=20.0):
     b, h, kd, vd = 16, 16, 128, 128
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(b, h, 1, kd, generator=g), reference._l2n(torch.randn(b, h, 1, kd, generator=g))
@@ -120,7 +120,7 @@ def step_bandwidth(reps):
     st = {}
     with torch.no_grad():
         for group in (dict(copy, **ours), dict(copy, pytorch=pytorch_step)):
-            got = interleaved_stats(group, min_reps=max(reps, 20), budget=20.0, shuffle=True, before=cache_evictor())
+            got = interleaved_stats(group, min_reps=max(reps, 20), budget=budget, shuffle=True, before=cache_evictor())
             st.update({n: x for n, x in got.items() if n not in st})
     t = {n: x.median for n, x in st.items()}
     nbytes = 2 * state.numel() * 4  # read once, written once
@@ -163,7 +163,7 @@ def main(argv=None):
                 for grad in (False, True):
                     compare(name, gate, dtype, grad, reps, ceil, shape)
         emit()
-        step_bandwidth(reps)
+        step_bandwidth(reps, budget=2.0 if args.quick else 20.0)
     emit()
     emit("Peer: reference.delta_rule_chunked (chunk 64, the WY form with torch.linalg.solve_triangular), autograd "
          "backward, in the inputs' dtype. Ratios > 1: ours faster.")

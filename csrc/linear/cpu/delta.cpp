@@ -758,6 +758,7 @@ void delta_fwd(const DeltaParamsT<T>& p) {
                     p.init_state == p.final_state && p.checkpoints == nullptr && p.dim_v % WpW == 0;
   const int Wp = wide ? WpW : WpN;
   const int nblk = (p.dim_v + Wp - 1) / Wp;
+  if (nblk == 0) return;
   // A few tokens (a decode step: the state is the call's memory traffic) with (sequence, head)
   // pairs enough for the threads: a task runs all of a pair's column blocks in turn, so one core
   // reads its state front to back instead of the threads interleaving 128-byte pieces of its rows
