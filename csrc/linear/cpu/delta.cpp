@@ -185,6 +185,12 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
                                                       const FwdToken<T>& nxt, const vec<T>* u, vec<T> (&o)[NV],
                                                       vec<T> (&pn)[NV]) {
   constexpr int L = kLanes<T>;
+  // the token rows as local restrict pointers: read through the FwdToken references, they were
+  // reloaded on every row (the stores to S may alias them as far as the compiler knows)
+  const T* __restrict__ ck = cur.k;
+  const T* __restrict__ cq = cur.q;
+  const T* __restrict__ nk = nxt.k;
+  const T* __restrict__ na = nxt.a;
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
@@ -193,9 +199,9 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
     // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
     // shares with an FMA pipe (simd.h's vbcast_mem)
     vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
-    if (kFinish) kc = vbcast_mem(cur.k + m), qc = vbcast_mem(cur.q + m);
-    if (kNext && kDelta) kn = vbcast_mem(nxt.k + m);
-    if (kNext && kGate) an = vbcast_mem(nxt.a + m);
+    if (kFinish) kc = vbcast_mem(ck + m), qc = vbcast_mem(cq + m);
+    if (kNext && kDelta) kn = vbcast_mem(nk + m);
+    if (kNext && kGate) an = vbcast_mem(na + m);
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
       vec<T> x = vload(row + i * L);
