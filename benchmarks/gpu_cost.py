@@ -1072,8 +1072,8 @@ def report_delta_chunk() -> List[str]:
               "DELTA_KEY_PASS_CLK) and stores the output scores; the recurrent column is the per-head model "
               "(the per-key gate read per token is not in it):", ""] + fwd_head
     lines += _delta_fwd_rows(delta_chunk_key_launches, ovh)
-    lines += ["", "KDA's backward (per-key gates; the dkey kernel's blocks' own pairs on the CUDA cores, DELTA_DKEY_CLK, "
-              "an estimate from the code):", "",
+    lines += ["", "KDA's backward (per-key gates; the dkey kernel's blocks' own pairs on the CUDA cores, "
+              "DELTA_DKEY_CLK, an estimate from the code):", "",
               "| (B, H_v, S, K, V) | backward ms (model - bound) | prep / state / dlocal / rev / dscal / dzyx / "
               "dkey ms (model) | forward + backward ms (model) |", "|---|---|---|---|"]
     lines += _delta_bwd_rows(delta_chunk_key_launches, delta_chunk_key_bwd_launches, ovh)

@@ -289,7 +289,8 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   } else {
     for (int m = 0; m < K; ++m) {
       T* row = S + int64_t(m) * Wp;
-      for (int j = 0; j < Wp; ++j) row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
+      for (int j = 0; j < Wp; ++j)
+        row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
     }
   }
   vec<T> u[NV], ov[NV], pv[NV];
