@@ -159,6 +159,13 @@ struct TokenIn {
 
 // calls of at most this many tokens run a (sequence, head)'s column blocks as one task (delta_fwd)
 constexpr int kStepTokens = 16;
+// A decode step in place: a few tokens, the state both initial and final, no checkpoints. Its
+// passes may run on the state's own rows (fwd_block's direct mode, delta_fwd's wide blocks).
+template <typename T>
+bool inplace_step(const DP<T>& p) {
+  return p.s <= kStepTokens && p.init_state != nullptr && p.init_state == p.final_state && p.checkpoints == nullptr;
+}
+
 // columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
 template <typename T>
 constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
@@ -281,8 +288,7 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   // A decode step in place (the state both initial and final, a whole block of columns, no
   // checkpoints): the passes run on the state's rows themselves, without the copy into the block
   // and back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
-  const bool direct = !kCkpt && p.s <= kStepTokens && p.init_state != nullptr && p.init_state == p.final_state &&
-                      w == Wp;
+  const bool direct = !kCkpt && inplace_step(p) && w == Wp;
   const int64_t ld = direct ? p.dim_v : Wp;
   if (direct) {
     S = p.final_state + st0;
@@ -761,8 +767,7 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   // a decode step in place at AVX-512: blocks of 128 columns (whole 512-byte rows of a V = 128
   // state), its o and p sums and u in 24 of the 32 registers
   constexpr int kWideNV = kLanes<T> >= 16 ? 8 : kColVecs<T>, WpW = kWideNV * kLanes<T>;
-  const bool wide = kWideNV != kColVecs<T> && p.s <= kStepTokens && p.init_state != nullptr &&
-                    p.init_state == p.final_state && p.checkpoints == nullptr && p.dim_v % WpW == 0;
+  const bool wide = kWideNV != kColVecs<T> && inplace_step(p) && p.dim_v % WpW == 0;
   const int Wp = wide ? WpW : WpN;
   const int nblk = (p.dim_v + Wp - 1) / Wp;
   if (nblk == 0) return;
