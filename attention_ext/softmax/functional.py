@@ -363,11 +363,11 @@ def attention(
             smoothed by its mean over the sequence (q.mean is added back exactly), Q and K are
             rounded to int8 with one scale per block (48 query rows, 128 keys on the CPU) and
             their products summed in int32; P.V stays in q's dtype. Every mask and score
-            option composes with it except topk (the K mean and block scales leave out padding
-            keys, seqlens_k or a key mask, and read the others, masked or not); a call that
-            needs gradients raises. The CPU
-            kernel uses AVX512-VNNI at the avx512bf16 level; CUDA runs the PyTorch reference
-            of the method (reference.attention_qk_int8) until its kernel lands.
+            option composes with it except topk (the K mean and block scales leave out the
+            keys no query row of a kv group may attend, so NaN there reaches nothing); a call
+            that needs gradients raises. The CPU kernel uses AVX512-VNNI at the avx512bf16
+            level; CUDA runs an mma.sync int8 kernel (fp16 / bf16, head dims multiples of 16
+            up to 128, dense), other CUDA calls reference.attention_qk_int8 with a warning.
         key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
             name is torch's, with the opposite polarity).
 

@@ -155,7 +155,7 @@ QK_INT8_BLOCK_K = 128
 
 def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     """x (B, H, S, D) float32 rounded to int8 per block of `block` rows (rows where `valid`
-    (B, 1, S, 1) is False are left out of the scale and come back 0): (xi (B, H, S, D) float32
+    (B, 1 or H, S, 1) is False are left out of the scale and come back 0): (xi (B, H, S, D) float32
     holding integers, scale (B, H, S, 1) float32, the row's block scale). Float32 op for op as
     the kernels: scale = amax / 127, rint(x * (127 / amax)) clamped to +-127; a block holding a
     NaN or an inf gets a NaN scale (and zeros)."""
@@ -179,43 +179,39 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     return xi, rows
 
 
-def key_mask_of(bias: Optional[Tensor], b: int, sk: int) -> Optional[Tensor]:
-    """The (B, S_k) key mask a bool bias is, where it is one: broadcast over heads and query rows
-    (size 1 or stride 0 there, as attention()'s key_mask makes it); else None."""
-    if bias is None or bias.dtype != torch.bool or bias.dim() != 4:
-        return None
-    if not all(bias.shape[i] == 1 or bias.stride(i) == 0 for i in (1, 2)):
-        return None
-    return bias[:, 0, 0, :].expand(b, sk)
+def seen_keys(b: int, h: int, hk: int, sq: int, sk: int, *, window: Tuple[int, int] = (-1, -1),
+              bottom_right: bool = False, seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+              device: Device = None) -> Tensor:
+    """(B, H_k, S_k) bool: the keys that some row of some head of each kv group may attend (the
+    lengths, the window / causal and a bool bias; a float bias hides nothing). The int8 Q.K^T
+    leaves the others out of its K mean and block scales."""
+    ok = mask_structure(sq, sk, window=window, bottom_right=bottom_right, len_k=seqlens_k, batch=b, device=device)
+    if bias is not None and bias.dtype == torch.bool:
+        ok = ok & bias.to(device)
+    return ok.expand(b, h, sq, sk).any(2).view(b, hk, h // hk, sk).any(2)
 
 
-def qk_int8_scores(q: Tensor, k: Tensor, *, seqlens_k: Optional[Tensor] = None, valid_keys: Optional[Tensor] = None,
+def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), bottom_right: bool = False,
+                   seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                    block_q: int = QK_INT8_BLOCK_Q, block_k: int = QK_INT8_BLOCK_K) -> Tensor:
     """The raw scores x = q.k (B, H, S_q, S_k) of the int8 Q.K^T (SageAttention's method), in
     float64: attention(..., logits=this) is what attention(..., qk_quant="int8") computes.
 
-        mean  = mean of the valid keys (B, H_k, 1, D)   (k - mean: the smoothing; summed in float64)
+        mean  = mean of the seen keys (B, H_k, 1, D)   (k - mean: the smoothing; summed in float64)
         qi, sq = int8 blocks of q (block_q rows);  ki, sk = int8 blocks of k - mean (block_k keys)
         x     = (qi @ ki^T) * (sq * sk) + q @ mean^T
 
     q.k = q.(k - mean) + q.mean, so only the smoothed part is rounded; softmax, softcap and the
-    LSE see q.k. Keys past seqlens_k (B,) and keys where valid_keys (B, S_k) is False (key_mask_of:
-    a bool bias over keys only) take no part in the mean or the scales and round to 0."""
+    LSE see q.k. The mask options (attention()'s) decide which keys are seen (seen_keys): those no
+    row of a kv group may attend take no part in the mean or the scales and round to 0."""
     b, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     q32, k32 = q.float(), k.float()
-    pos = torch.arange(sk, device=k.device)
-    if seqlens_k is None:
-        valid = torch.ones(b, 1, sk, 1, dtype=torch.bool, device=k.device)
-        n = torch.full((b,), sk, device=k.device)
-    else:
-        n = seqlens_k.to(k.device).long().clamp(0, sk)
-        valid = (pos[None, :] < n[:, None]).view(b, 1, sk, 1)
-    if valid_keys is not None:
-        valid = valid & valid_keys.to(k.device).view(b, 1, sk, 1)
-        n = valid.view(b, sk).sum(1)
+    valid = seen_keys(b, h, hk, sq, sk, window=window, bottom_right=bottom_right, seqlens_k=seqlens_k, bias=bias,
+                      device=k.device).view(b, hk, sk, 1)
+    n = valid.sum(2, keepdim=True)  # (B, H_k, 1, 1)
     kv = torch.where(valid, k32.double(), torch.zeros((), dtype=torch.float64, device=k.device))
-    mean = (kv.sum(2, keepdim=True) / n.clamp_min(1).view(b, 1, 1, 1)).float()  # (B, H_k, 1, D)
+    mean = (kv.sum(2, keepdim=True) / n.clamp_min(1)).float()  # (B, H_k, 1, D)
     ki, ks = _int8_blocks(torch.where(valid, k32 - mean, torch.zeros((), device=k.device)), block_k, valid)
     qi, qs = _int8_blocks(q32, block_q, torch.ones(b, 1, sq, 1, dtype=torch.bool, device=q.device))
     g = h // hk
@@ -228,8 +224,7 @@ def attention_qk_int8(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tuple[T
     """attention() with the int8 Q.K^T's scores (qk_int8_scores) in float64: the oracle of
     attention(..., qk_quant="int8") and its fallback where no kernel runs it. Takes attention()'s
     options; returns (out, lse) in float64."""
-    x = qk_int8_scores(q, k, seqlens_k=kwargs.get("seqlens_k"),
-                       valid_keys=key_mask_of(kwargs.get("bias"), q.shape[0], k.shape[2]))
+    x = qk_int8_scores(q, k, **{n: kwargs[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in kwargs})
     f64 = torch.float64
     kw = {n: (t.to(f64) if isinstance(t, Tensor) and t.is_floating_point() else t) for n, t in kwargs.items()}
     return attention(q.to(f64), k.to(f64), v.to(f64), logits=x, **kw)

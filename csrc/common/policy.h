@@ -181,6 +181,40 @@ struct PolicyT {
     *i1 = hi;
   }
 
+  // Whether some row may see key j (allowed: every element rule but top-k's). The int8 Q K^T's
+  // smoothing and block scales leave out the keys that no row of a kv group sees, so a value
+  // there, NaN included, reaches nothing, as in the float forward. This column form is the CUDA
+  // quantize pass's (one thread per key); mark_seen_row is the same rule a row at a time (the
+  // CPU's, which reads a bool bias in its row order).
+  ATTN_HD bool key_seen(int j) const {
+    int i0, i1;
+    query_range(j, j + 1, &i0, &i1);
+    for (int i = i0; i < i1; ++i) {
+      if (allowed(i, j)) return true;
+    }
+    return false;
+  }
+  // seen[j] made nonzero where allowed(i, j), for every key j of row i (other entries unchanged).
+  // Rows whose key ranges meet cover one interval between them, so without a bool bias or a
+  // layout a caller may mark key_range(0, len_q) at once instead.
+  ATTN_HD void mark_seen_row(int i, uint8_t* seen) const {
+    if (i < 0 || i >= len_q) return;
+    int j0, j1;
+    key_range(i, i + 1, &j0, &j1);
+    j0 = imax(j0, 0);
+    j1 = imin(j1, len_k);
+    if (layout == nullptr && bias_kind == BiasKind::kBool) {
+      const uint8_t* row = static_cast<const uint8_t*>(bias) + i * bias_row_stride;
+      if (bias_col_stride == 1) {  // OR-ed bytes are nonzero iff one is: a loop compilers vectorize
+        for (int j = j0; j < j1; ++j) seen[j] |= row[j];
+      } else {
+        for (int j = j0; j < j1; ++j) seen[j] |= uint8_t(row[j * bias_col_stride] != 0);
+      }
+    } else {
+      for (int j = j0; j < j1; ++j) seen[j] |= uint8_t(allowed(i, j));
+    }
+  }
+
   // The logit for raw x = q.k. Softcap applies to the scaled product; ALiBi and the additive
   // bias come after it (the flash-attn and SDPA conventions).
   ATTN_HD Acc score(Acc x, int i, int j) const {

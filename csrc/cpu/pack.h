@@ -278,16 +278,45 @@ inline void pack_keys(const SoftmaxParamsT<T>& p, DType dt, const void* base, in
 // The rounding is the one reference.qk_int8_scores states, float32 op for op, so the integer
 // keys here and there agree (but where the two float64 sums of the mean, in different orders,
 // round to different float32: a tie, which no test has met).
-// Keys a bool mask hides from every row and head (a key mask: the bias broadcast over heads and
-// rows, as attention()'s key_mask makes it) take no part in the mean or the scales and are
-// stored as 0: a padding key's values, NaN included, reach nothing (every row's score for it is
-// -inf). Keys past the sequence's length are left out alike.
+// Keys that no row of any head of the kv group may see (q8_seen_keys: lengths, causal, the window,
+// a bool mask, the block layout) take no part in the mean or the scales and are stored as 0: a
+// padding key's values, NaN included, reach nothing (every row's score for it is -inf), as in the
+// float forward.
 struct Q8Keys {
   const uint8_t* keys = nullptr;
   const float* scale = nullptr;  // scale[offset(b, h) / (dp kBlockN) + j / kBlockN]
   const float* mean = nullptr;   // mean[(b H_k + h) dp + c]
 };
 inline int64_t q8_scale_count(const PackIndex& idx) { return idx.row0.back() * idx.h_k / kBlockN; }
+
+// seen[j] = 1 for the keys j < len_k of (b, kv head hh) that some row of some head of its group
+// may see (PolicyT::key_seen's rule, a row at a time), else 0. Without a bool bias or a layout
+// that is one interval; a bias shared by the rows (a key mask) is read once, one shared by the
+// heads once per group.
+template <typename T>
+inline void q8_seen_keys(const SoftmaxParamsT<T>& p, int b, int hh, uint8_t* seen) {
+  const SeqInfo s(p, b);
+  const int len_k = std::max(s.len_k, 0), group = p.h / p.h_k;
+  std::fill(seen, seen + len_k, uint8_t(0));
+  const bool mask = p.bias_kind == BiasKind::kBool, layout = p.sparse.on();
+  const int heads = layout || (mask && p.bias_head_stride != 0) ? group : 1;
+  for (int g = 0; g < heads; ++g) {
+    const PolicyT<T> pol(p, s, b, hh * group + g);
+    if (pol.len_q <= 0) continue;
+    int j0, j1;
+    pol.key_range(0, pol.len_q, &j0, &j1);
+    j0 = std::max(j0, 0);
+    j1 = std::min(j1, len_k);
+    if (!mask && !layout) {
+      for (int j = j0; j < j1; ++j) seen[j] = 1;
+    } else if (!layout && p.bias_row_stride == 0) {
+      const uint8_t* row = static_cast<const uint8_t*>(pol.bias);
+      for (int j = j0; j < j1; ++j) seen[j] |= uint8_t(row[j * p.bias_col_stride] != 0);
+    } else {
+      for (int i = 0; i < pol.len_q; ++i) pol.mark_seen_row(i, seen);
+    }
+  }
+}
 
 template <typename T>
 inline void pack_keys_q8(const SoftmaxParamsT<T>& p, DType dt, const PackIndex& idx, uint8_t* keys, float* scale,
@@ -298,16 +327,14 @@ inline void pack_keys_q8(const SoftmaxParamsT<T>& p, DType dt, const PackIndex& 
   const size_t es = dtype_size(dt);
   parallel_tasks(int64_t(p.b) * p.h_k, p.num_threads, [&] {
     return [&, blk = Buffer<float>(size_t(kBlockN) * dp), sum = std::vector<double>(dp),
-            row = Buffer<int8_t>(dp)](int64_t t) mutable {
+            row = Buffer<int8_t>(dp), seen = std::vector<uint8_t>()](int64_t t) mutable {
       const int b = int(t / p.h_k), hh = int(t % p.h_k);
       const int len = std::max(idx.len[b], 0);
       const char* src =
           elem(p.k, dt, SeqInfo(p, b).k_offset(p, b, hh, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride));
-      // the key mask, where the bias is one (a bool bias broadcast over heads and rows)
-      const uint8_t* kmask = p.bias_kind == BiasKind::kBool && p.bias_head_stride == 0 && p.bias_row_stride == 0
-                                 ? static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride
-                                 : nullptr;
-      auto hidden = [&](int64_t j) { return kmask != nullptr && kmask[j * p.bias_col_stride] == 0; };
+      seen.resize(size_t(len));
+      q8_seen_keys(p, b, hh, seen.data());
+      auto hidden = [&](int64_t j) { return seen[size_t(j)] == 0; };
       float* mu = mean + (int64_t(b) * p.h_k + hh) * dp;
       std::fill(sum.begin(), sum.end(), 0.0);
       int64_t count = 0;

@@ -58,8 +58,8 @@ constexpr int kQ8MR = 8;      // rows per micro-kernel block
 // once: such a block's scale is NaN, so every score that uses it is NaN (its integers are
 // meaningless and never read as numbers); a non-finite key also makes its sequence's K mean NaN,
 // so the whole (sequence, kv head) shows NaN, and a non-finite query its block of rows. A
-// non-finite input shows instead of rounding to junk, keys that masks other than a key mask
-// hide included (pack.h's pack_keys_q8 leaves out only padding keys).
+// non-finite input shows instead of rounding to junk, except in keys no row may see, which
+// pack.h's pack_keys_q8 leaves out (q8_seen_keys).
 
 // max |x| over n floats (a multiple of the vector width), or NaN if one is not finite.
 inline float q8_amax(const float* x, int64_t n) {

@@ -52,9 +52,8 @@ def check(emu, q, k, v, arch, what="", **o):
         dmask = reference.dropout_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], o["dropout_p"],
                                        torch.tensor([o.get("seed", 0), o.get("offset", 0)]))
         rkw.update(dropout_p=o["dropout_p"], dropout_mask=dmask)
-    x = reference.qk_int8_scores(q, k, seqlens_k=rkw["seqlens_k"],
-                                 valid_keys=reference.key_mask_of(rkw["bias"], q.shape[0], k.shape[2]),
-                                 block_q=bq, block_k=bk)
+    x = reference.qk_int8_scores(q, k, window=rkw["window"], bottom_right=rkw["bottom_right"],
+                                 seqlens_k=rkw["seqlens_k"], bias=rkw["bias"], block_q=bq, block_k=bk)
 
     def cast(kw, t):
         return {n: (a.to(t) if isinstance(a, torch.Tensor) and a.is_floating_point() else a) for n, a in kw.items()}
@@ -154,16 +153,52 @@ def test_padding_keys_reach_nothing(emu):
     torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("how", ["causal_top_left", "window", "row_mask", "head_mask"])
+def test_unseen_keys_reach_nothing(emu, how):
+    """Keys no row of a kv group may see (past the last causal row, left of every window, False in
+    every row of a mask for every head of the group) leave the mean and the scales: NaN there
+    changes nothing; a key one head of the group sees stays in (q8_seen_keys, PolicyT::key_seen)."""
+    b, h, hk, sq, sk = 2, 4, 2, 40, 300
+    q, k, v = make(b, h, hk, sq, sk, 64, torch.bfloat16, offset=2.0, seed=6)
+    heads = torch.rand(b, h, sq, sk, generator=torch.Generator().manual_seed(2)) > 0.5
+    heads[..., 60:90] = False
+    heads[:, 1, :, 70:80] = True
+    rows = torch.rand(b, 1, sq, sk, generator=torch.Generator().manual_seed(1)) > 0.5
+    rows[..., 250:290] = False  # most of the second mean chunk
+    o, rkw = {
+        "causal_top_left": (dict(window_left=-1, window_right=0), dict(window=(-1, 0))),
+        "window": (dict(window_left=20, window_right=0, bottom_right=True), dict(window=(20, 0), bottom_right=True)),
+        "row_mask": (dict(bias=rows), dict(bias=rows)),
+        "head_mask": (dict(bias=heads), dict(bias=heads)),
+    }[how]
+    seen = reference.seen_keys(b, h, hk, sq, sk, **rkw)
+    assert not seen.all()
+    want = check(emu, q, k, v, 90, how, **o)
+    k2, v2 = k.clone(), v.clone()
+    k2[~seen] = float("nan")
+    v2[~seen] = float("nan")
+    out, _ = emu.fwd_quant(q, k2, v2, *tc.call_fwd(q, k2, v2, **o), "int8", 90)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
 def test_nonfinite_inputs_show(emu):
-    """As on the CPU: a NaN in a valid key reaches the K mean, so every score of its (sequence, kv
-    head) is NaN, causal rows that never read the key included (docs/known-gaps.md); a NaN in q
-    makes its block's scale NaN: the 32 rows of that warp are NaN, the others are not."""
+    """As on the CPU: a NaN in a key some row sees reaches the K mean, so every score of its
+    (sequence, kv head) is NaN, causal rows that never read the key included (docs/known-gaps.md);
+    one in a key no row sees (past the last causal row's) reaches nothing; a NaN in q makes its
+    block's scale NaN: the 32 rows of that warp are NaN, the others are not."""
     q, k, v = make(1, 1, 1, 70, 130, 64, torch.float16, seed=5)
+    causal = dict(window_left=-1, window_right=0)
     k2 = k.clone()
-    k2[0, 0, 70, 3] = float("nan")
-    for o in ({}, dict(window_left=-1, window_right=0)):
+    k2[0, 0, 30, 3] = float("nan")
+    for o in ({}, causal):
         out, _ = emu.fwd_quant(q, k2, v, *tc.call_fwd(q, k2, v, **o), "int8", 80)
         assert out.isnan().all()
+    k3, v3 = k.clone(), v.clone()
+    k3[0, 0, 70:] = float("nan")
+    v3[0, 0, 70:] = float("nan")
+    out, _ = emu.fwd_quant(q, k3, v3, *tc.call_fwd(q, k3, v3, **causal), "int8", 80)
+    clean, _ = emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v, **causal), "int8", 80)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
     q2 = q.clone()
     q2[0, 0, 40, 5] = float("nan")
     out, _ = emu.fwd_quant(q2, k, v, *tc.call_fwd(q2, k, v), "int8", 80)

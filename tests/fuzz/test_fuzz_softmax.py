@@ -421,8 +421,8 @@ def case_qk_int8(data):
     to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
     rb = _with_key_mask(bias, kpm_t)
     with torch.no_grad():
-        x = reference.qk_int8_scores(to_bhsd(fq(q)), to_bhsd(fk(k)), seqlens_k=lens_t,
-                                     valid_keys=reference.key_mask_of(rb, b, sk))
+        x = reference.qk_int8_scores(to_bhsd(fq(q)), to_bhsd(fk(k)), window=(wl, wr), bottom_right=bottom_right,
+                                     seqlens_k=lens_t, bias=rb)
 
     def call(L):
         out, lse = ae.attention(fq(L[0]), fk(L[1]), fv(L[2]), layout=layout, scale=scale, causal=causal,

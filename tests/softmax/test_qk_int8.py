@@ -55,8 +55,8 @@ def check_against_oracle(q, k, v, what="", **kw):
         rkw["window"] = (-1, 0)
     if "attn_mask" in rkw:
         rkw["bias"] = rkw.pop("attn_mask")
-    x = reference.qk_int8_scores(q, k, seqlens_k=rkw.get("seqlens_k"),
-                                 valid_keys=reference.key_mask_of(rkw.get("bias"), q.shape[0], k.shape[2]))
+    x = reference.qk_int8_scores(q, k, **{n: rkw[n] for n in ("window", "bottom_right", "seqlens_k", "bias")
+                                          if n in rkw})
     ref, ref_lse = reference.attention(q.to(F64), k.to(F64), v.to(F64), logits=x,
                                        **{n: (t.to(F64) if isinstance(t, torch.Tensor) and t.is_floating_point()
                                               else t) for n, t in rkw.items()})
@@ -248,28 +248,54 @@ def test_fuzz(b, hk, g, sq, sk, d, causal, dtype, offset, seed):
     check_against_oracle(q, k, v, f"fuzz {(b, hk * g, hk, sq, sk, d)} {dtype}", causal=causal)
 
 
-@pytest.mark.parametrize("how", ["key_mask", "attn_mask_keys", "seqlens_k"])
-def test_padding_keys_reach_nothing(how):
-    """Keys a key mask (or seqlens_k) hides take no part in the K mean or the block scales: NaN or
-    huge values there change no output (as without qk_quant), and the result is the one with those
-    keys zeroed."""
-    b, h, sq, sk, d = 2, 4, 60, 150, 64
-    q, k, v = make(b, h, 2, sq, sk, d, torch.bfloat16, offset=1.0, seed=12)
+@pytest.mark.parametrize("how", ["key_mask", "attn_mask_keys", "seqlens_k", "causal_top_left", "window",
+                                 "row_mask", "head_mask", "block_layout"])
+def test_unseen_keys_reach_nothing(how):
+    """Keys that no row of a kv group may see (past seqlens_k, hidden by a key mask, past the last
+    causal row, left of every window, False in every row of a mask for every head of the group, in
+    no block of the layout) take no part in the K mean or the block scales: NaN or huge values there
+    change no output (as without qk_quant), and the result is the one with those keys zeroed. A key
+    one head of the group sees stays in."""
+    b, h, hk, sq, sk, d = 2, 4, 2, 60, 150, 64
+    q, k, v = make(b, h, hk, sq, sk, d, torch.bfloat16, offset=1.0, seed=12)
     real = torch.ones(b, sk, dtype=torch.bool)
     real[0, 100:] = False
     real[1, 37:] = False
-    kw = {"key_mask": dict(key_mask=real), "attn_mask_keys": dict(attn_mask=real[:, None, None, :]),
-          "seqlens_k": dict(seqlens_k=torch.tensor([100, 37]))}[how]
+    rows = torch.rand(b, 1, sq, sk, generator=torch.Generator().manual_seed(1)) > 0.5
+    rows[:, :, :, 20:50] = False  # hidden from every row
+    heads = torch.rand(b, h, sq, sk, generator=torch.Generator().manual_seed(2)) > 0.5
+    heads[:, :, :, 60:90] = False
+    heads[:, 1, :, 70:80] = True  # kv head 0 sees these through its second query head
+    lay = torch.ones(h, 2, 5, dtype=torch.bool)
+    lay[:, :, 1] = False  # keys 32-63: no block of any head
+    lay[:2, :, 3] = False  # keys 96-127: hidden from kv head 0's group only
+    kw, rkw = {
+        "key_mask": (dict(key_mask=real), dict(bias=real[:, None, None, :])),
+        "attn_mask_keys": (dict(attn_mask=real[:, None, None, :]), dict(bias=real[:, None, None, :])),
+        "seqlens_k": (dict(seqlens_k=torch.tensor([100, 37])), dict(seqlens_k=torch.tensor([100, 37]))),
+        "causal_top_left": (dict(causal=True), dict(window=(-1, 0))),
+        "window": (dict(bottom_right=True, window=(20, 0)), dict(window=(20, 0), bottom_right=True)),
+        "row_mask": (dict(attn_mask=rows), dict(bias=rows)),
+        "head_mask": (dict(attn_mask=heads), dict(bias=heads)),
+        "block_layout": (dict(block_layout=lay, block_size=32),
+                         dict(bias=lay.repeat_interleave(32, 1).repeat_interleave(32, 2)[None, :, :sq, :sk])),
+    }[how]
+    seen = reference.seen_keys(b, h, hk, sq, sk, **rkw)  # (B, H_k, S_k)
+    assert not seen.all()
+    if how == "head_mask":
+        assert seen[:, 0, 70:80].all() and not seen[:, 0, 60:70].any() and not seen[:, 1, 70:80].any()
     bad_k, bad_v = k.clone(), v.clone()
-    bad_k[~real[:, None, :].expand(b, 2, sk)] = float("nan")
-    bad_k[0, 0, 120] = 1e30
-    bad_v[~real[:, None, :].expand(b, 2, sk)] = float("nan")
-    zero = ~real[:, None, :, None]
+    bad_k[~seen] = float("nan")
+    bad_v[~seen] = float("nan")
+    bad_k[0, 0, int((~seen[0, 0]).nonzero()[-1])] = 1e30
+    zero = ~seen[..., None]
     with torch.no_grad():
         out = ae.attention(q, bad_k, bad_v, qk_quant="int8", **kw)
         clean = ae.attention(q, k.masked_fill(zero, 0), v.masked_fill(zero, 0), qk_quant="int8", **kw)
     assert not out.isnan().any()
     torch.testing.assert_close(out, clean, atol=0, rtol=0)
+    if how not in ("key_mask", "block_layout"):  # their oracles' masks: attn_mask_keys', test_options'
+        check_against_oracle(q, k, v, how, **kw)
 
 
 def test_nonfinite_inputs_show():

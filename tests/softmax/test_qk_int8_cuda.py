@@ -25,9 +25,9 @@ def oracle_check(q, k, v, what, **kw):
     rkw = dict(kw)
     if rkw.pop("causal", False):
         rkw["window"] = (-1, 0)
-    x = reference.qk_int8_scores(q.cpu(), k.cpu(), seqlens_k=None if rkw.get("seqlens_k") is None else
-                                 rkw["seqlens_k"].cpu(), block_q=bq, block_k=bk)
     cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in rkw.items()}
+    x = reference.qk_int8_scores(q.cpu(), k.cpu(), block_q=bq, block_k=bk,
+                                 **{n: cpu[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in cpu})
     ref, ref_lse = reference.attention(q.cpu().to(F64), k.cpu().to(F64), v.cpu().to(F64), logits=x, **cpu)
     low, _ = reference.attention(q.cpu(), k.cpu(), v.cpu(), logits=x.to(q.dtype), **cpu)
     _, lse32 = reference.attention(q.cpu().float(), k.cpu().float(), v.cpu().float(), logits=x.float(), **cpu)

@@ -108,6 +108,8 @@ void run_fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& s, cudaStre
 // general policy (one instance per bucket: the plain policy runs through it too).
 template <typename T, int kD>
 void run_fwd_q8(const SoftmaxParams& p, cudaStream_t stream) {
+  static_assert(FwdTraits<kD>::kBlockN <= tc::kQ8MaxBlockK,
+                "q8_quant_k_kernel flags a key tile's keys in shared memory");
   check_grid(p.h, p.b, "attention fwd (int8 Q.K^T)");
   ATTN_LAUNCH(tc::q8_mean_kernel<T>, dim3(p.q8.nch, p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
   check_launch("attention int8 Q.K^T: K sums");

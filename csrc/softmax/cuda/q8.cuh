@@ -14,9 +14,9 @@
 //   q8_quant_q_kernel  q to int8 per block of block_q rows (one warp's rows of the forward) and
 //                      head, and q . mean per row (float64), which the scores get back exactly.
 //
-// Valid keys are those below the sequence's length and not hidden by a key mask (a bool bias
-// broadcast over heads and rows, as attention()'s key_mask makes it): the others take no part in
-// the mean or the scales and quantize to 0, so a NaN there reaches nothing. A block holding a
+// Valid keys are those some row of some head of the kv group may see (PolicyT::key_seen: the
+// length, causal, the window, a bool bias): the others take no part in the mean or the scales and
+// quantize to 0, so a NaN there reaches nothing, as in the float forward. A block holding a
 // non-finite value gets a NaN scale (every score it feeds is NaN), as on the CPU. Float32 op for
 // op as the reference rounds: the scale amax / 127 and the step 127 / amax are one IEEE division
 // each (no fast-math in this build), the rounding to nearest even.
@@ -34,6 +34,7 @@ namespace attn {
 namespace tc {
 
 constexpr int kQ8Threads = 128;
+constexpr int kQ8MaxBlockK = 128;  // the largest key tile a FwdQ8 kernel quantizes per scale
 
 // C of two adjacent n-tiles (c[0..3], c[4..7]) += A (16 x 32 int8) times the two 8-column halves
 // (b[0..1], b[2..3]) of one ldmatrix.x4 B fragment: mma_n16's int8 form.
@@ -53,11 +54,19 @@ __device__ __forceinline__ float q8_load<__nv_bfloat16>(const __nv_bfloat16* x) 
   return __bfloat162float(*x);
 }
 
-// key j of sequence b is hidden by a key mask (the bias where it is one)
-__device__ __forceinline__ const uint8_t* q8_key_mask(const SoftmaxParams& p, int b) {
-  return p.bias_kind == BiasKind::kBool && p.bias_head_stride == 0 && p.bias_row_stride == 0
-             ? static_cast<const uint8_t*>(p.bias) + int64_t(b) * p.bias_batch_stride
-             : nullptr;
+// seen[r] for the n keys from j0 of (b, kv head hk): whether some row of some head of its group may
+// see key j0 + r (PolicyT::key_seen), one thread per key; a bias shared by the heads is one head's
+// work. Ends with a barrier.
+__device__ __forceinline__ void q8_seen_keys(const SoftmaxParams& p, const SeqInfo& si, int b, int hk, int j0, int n,
+                                             uint8_t* seen) {
+  const int group = p.h / p.h_k;
+  const int heads = p.sparse.on() || (p.bias_kind == BiasKind::kBool && p.bias_head_stride != 0) ? group : 1;
+  for (int r = threadIdx.x; r < n; r += kQ8Threads) {
+    bool any = false;
+    for (int g = 0; g < heads && !any; ++g) any = Policy(p, si, b, hk * group + g).key_seen(j0 + r);
+    seen[r] = any;
+  }
+  __syncthreads();
 }
 
 __device__ __forceinline__ bool q8_nonfinite(float x) { return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u; }
@@ -122,14 +131,15 @@ __global__ void __launch_bounds__(kQ8Threads) q8_mean_kernel(const SoftmaxParams
   const int ch = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const SeqInfo si(p, b);
   const T* k = static_cast<const T*>(p.k) + si.k_offset(p, b, hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
-  const uint8_t* mask = q8_key_mask(p, b);
+  __shared__ uint8_t seen[kQ8MeanKeys];
   const int j0 = ch * kQ8MeanKeys, j1 = imin(si.len_k, j0 + kQ8MeanKeys);
+  q8_seen_keys(p, si, b, hk, j0, j1 - j0, seen);
   const int64_t part = (int64_t(b) * p.h_k + hk) * p.q8.nch + ch;
   for (int c = threadIdx.x; c < p.d; c += kQ8Threads) {
     double sum = 0.0;
     int count = 0;
     for (int j = j0; j < j1; ++j) {
-      if (mask != nullptr && mask[int64_t(j) * p.bias_col_stride] == 0) continue;
+      if (!seen[j - j0]) continue;
       sum += double(q8_load(k + int64_t(j) * p.k_row_stride + c));
       ++count;
     }
@@ -159,17 +169,18 @@ __global__ void __launch_bounds__(kQ8Threads) q8_mean_finalize_kernel(const Soft
 template <typename T>
 __global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxParams p) {
   __shared__ float red[kQ8Threads / 32];
+  __shared__ uint8_t seen[kQ8MaxBlockK];
   const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * p.q8.block_k;
   const SeqInfo si(p, b);
   const int n = imin(p.q8.block_k, si.len_k - j0);
   if (n <= 0) return;  // past this sequence: the forward never reads the block
+  q8_seen_keys(p, si, b, hk, j0, n, seen);
   const T* k =
       static_cast<const T*>(p.k) + si.k_offset(p, b, hk, j0, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
   int8_t* k8 = p.q8.k + si.k_offset(p, b, hk, j0, p.q8.k_batch_stride, p.q8.k_head_stride, p.q8.k_row_stride);
-  const uint8_t* mask = q8_key_mask(p, b);
   const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
   auto value = [&](int r, int c) {  // k - mean of the block's key r, channel c; 0 where hidden
-    if (mask != nullptr && mask[int64_t(j0 + r) * p.bias_col_stride] == 0) return 0.f;
+    if (!seen[r]) return 0.f;
     return q8_load(k + int64_t(r) * p.k_row_stride + c) - mean[c];
   };
   float* scale = p.q8.k_scale + (int64_t(b) * p.h_k + hk) * p.q8.nbk + blockIdx.x;
