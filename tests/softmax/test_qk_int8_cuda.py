@@ -25,6 +25,8 @@ def oracle_check(q, k, v, what, **kw):
     rkw = dict(kw)
     if rkw.pop("causal", False):
         rkw["window"] = (-1, 0)
+    if "attn_mask" in rkw:
+        rkw["bias"] = rkw.pop("attn_mask")
     cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in rkw.items()}
     x = reference.qk_int8_scores(q.cpu(), k.cpu(), block_q=bq, block_k=bk,
                                  **{n: cpu[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in cpu})
@@ -91,3 +93,27 @@ def test_strided_rows_and_expanded_k():
         got = ae.attention(qs, ke, ve, qk_quant="int8", seqlens_k=lens)
         want = ae.attention(qs, ke.contiguous(), ve.contiguous(), qk_quant="int8", seqlens_k=lens)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("how", ["causal_top_left", "head_mask"])
+def test_unseen_keys_reach_nothing(how):
+    """Keys no row of a kv group may see (past the last causal row; False in every row of every
+    head of the group) leave the K mean and the scales: NaN there changes nothing, and the result
+    matches the oracle, whose mean leaves them out too."""
+    g = torch.Generator().manual_seed(3)
+    b, h, hk, sq, sk, d = 2, 4, 2, 70, 300, 64
+    q = torch.randn(b, h, sq, d, generator=g).bfloat16().cuda()
+    k = (torch.randn(b, hk, sk, d, generator=g) + 2.0).bfloat16().cuda()
+    v = torch.randn(b, hk, sk, d, generator=g).bfloat16().cuda()
+    mask = torch.rand(b, h, sq, sk, generator=g) > 0.5
+    mask[..., 60:90] = False
+    mask[:, 1, :, 70:80] = True  # kv head 0 sees these through its second query head
+    kw, rkw = {"causal_top_left": (dict(causal=True), dict(window=(-1, 0))),
+               "head_mask": (dict(attn_mask=mask.cuda()), dict(bias=mask))}[how]
+    seen = reference.seen_keys(b, h, hk, sq, sk, **rkw).cuda()
+    k2, v2 = k.masked_fill(~seen[..., None], float("nan")), v.masked_fill(~seen[..., None], float("nan"))
+    with torch.no_grad():
+        got = ae.attention(q, k2, v2, qk_quant="int8", **kw)
+        want = ae.attention(q, k, v, qk_quant="int8", **kw)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    oracle_check(q, k, v, how, **kw)
