@@ -1270,6 +1270,22 @@ def report_q8(fits) -> List[str]:
     lines += ["", "So the 1.3x target is out of reach on sm_90 for a mma.sync kernel (the default bf16 forward there "
               "is the wgmma one, 1.4-1.9x the mma.sync rate): it needs an s8 / e4m3 wgmma form. On sm_80, where the "
               "bf16 default is the mma.sync kernel, the bound is 0.95-1.3x."]
+    lines += ["", "The s8 wgmma form (sm90/fwd_kernel.cuh's kQ8 instance, `set_cuda_kernels(hopper_fwd=2)`; "
+              "m64nNk32.s32.s8.s8, twice the multiply-adds per instruction of the bf16 k16 form), bounded the same "
+              "way from the measured wgmma bf16 forward: between 0.75x and 1.0x its tile time (one more FMA per "
+              "score, in the softmax's shadow), plus the quantize pass.", "",
+              "| D | S | causal | int8 wgmma fwd ms (best - worst) | wgmma bf16 ms | x wgmma bf16 (target >= 1.3x) |",
+              "|---|---|---|---|---|---|"]
+    for d in (64, 128):
+        for s, causal in ((4096, False), (8192, False), (8192, True)):
+            b, h = 32768 // s, 16
+            wg = measured_softmax("wgmma fwd", d, s, causal)
+            quant = LAUNCH_S * 4 + b * h * s * d * (3 + 5) / COPY_BW
+            best, worst = 0.75 * wg + quant, wg + quant
+            lines.append(f"| {d} | {s} | {causal} | {best * 1e3:.2f} - {worst * 1e3:.2f} | {wg * 1e3:.2f} | "
+                         f"{wg / worst:.2f} - {wg / best:.2f}x |")
+    lines += ["", "At best 1.19-1.27x, at worst 0.91-0.96x: the 1.3x target needs Q K^T's products to be most of "
+              "the tile's time, where the measured forward has the softmax and P V beside them; a GPU run decides."]
     return lines
 
 

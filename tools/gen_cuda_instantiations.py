@@ -62,6 +62,7 @@ def hopper_file(ctype: str, d: int) -> str:
         '#include "softmax/cuda/sm90/launch_fwd.cuh"\n\n'
         "namespace attn {\n"
         f"template void run_fwd_hopper<{ctype}, {d}>(const SoftmaxParams&, cudaStream_t);\n"
+        f"template void run_fwd_hopper_q8<{ctype}, {d}>(const SoftmaxParams&, cudaStream_t);\n"
         "}  // namespace attn\n"
         "#endif\n"
     )

@@ -299,8 +299,9 @@ def set_cuda_kernels(hopper_fwd: int = 1, hopper_bwd: int = 1, tune_fwd: int = 0
         hopper_fwd  1 the sm_90a wgmma forward where it applies (the default: it beat the mma.sync
                     forward at every shape measured, benchmarks/results/2026-11-24-h100.md), 0 the
                     mma.sync forward there, 2 the wgmma forward also for softcap, ALiBi, bool
-                    masks, additive biases, dropout and block-sparse layouts (checked in the CPU
-                    emulator only, no GPU run yet, so not the default)
+                    masks, additive biases, dropout, block-sparse layouts and qk_quant="int8"
+                    (s8 wgmma; checked in the CPU emulator only, no GPU run yet, so not the
+                    default)
         hopper_bwd  1 the sm_90a wgmma backward where it applies (the default, likewise), 0 off,
                     2 also for softcap, ALiBi, bool masks, biases with dbias, dropout and
                     block-sparse layouts (likewise not yet run on a GPU)

@@ -130,6 +130,50 @@ struct Wgmma;
 ATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA(__half, "f16")
 
+// wgmma.mma_async m64nNk32 with int32 accumulators, A and B int8 (.s8), both from shared memory
+// and K-major (the only major 8-bit operands take; 32 bytes of K per step, as a 16-bit k16 step):
+// the int8 Q K^T of the sm_90a forward (qk_quant). Exact: the sums wrap as int32 (they cannot
+// here: d <= 128 products of |x| <= 127). d: C fragments as the float form's.
+#define ATTN_WGMMA_IACC32(d) \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]) \
+  "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]) \
+  "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]) \
+  "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+#define ATTN_WGMMA_IACC64(d) \
+  "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]) \
+  "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]) \
+  "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]) \
+  "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]) \
+  "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]) \
+  "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]) \
+  "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]) \
+  "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+#define ATTN_WGMMA_S8(N, ACC, REGS, IA, IB, IP)                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n" N "k32.s32.s8.s8 " REGS ", %" IA ", %" IB ", p;\n}\n" \
+               : ACC                                                                             \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <int N>
+struct WgmmaS8;
+template <>
+struct WgmmaS8<64> {
+  static __device__ __forceinline__ void ss(int32_t (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ATTN_WGMMA_S8("64", ATTN_WGMMA_IACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34");
+  }
+};
+template <>
+struct WgmmaS8<128> {
+  static __device__ __forceinline__ void ss(int32_t (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ATTN_WGMMA_S8("128", ATTN_WGMMA_IACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66");
+  }
+};
+template <int N>
+__device__ __forceinline__ void fence_operands(int32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
 #undef ATTN_DEFINE_WGMMA
 #undef ATTN_WGMMA_SS
 #undef ATTN_WGMMA_RS
@@ -137,6 +181,9 @@ ATTN_DEFINE_WGMMA(__half, "f16")
 #undef ATTN_WGMMA_ACC64
 #undef ATTN_WGMMA_REGS32
 #undef ATTN_WGMMA_REGS64
+#undef ATTN_WGMMA_S8
+#undef ATTN_WGMMA_IACC32
+#undef ATTN_WGMMA_IACC64
 
 // ---------------------------------------------------------------- shared memory, ordered
 // The warp-specialized kernels' own shared-memory accesses (the O staging, the LSE / dot rows of

@@ -132,6 +132,10 @@ void mma_m16n8k32_s8(int32_t* c, const uint32_t* a, const uint32_t* b);
 // bits [4:6] ^= [7:9]). accumulate 0 overwrites d.
 void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, int accumulate, bool trans_a,
            bool trans_b);
+// wgmma.mma_async.sync.aligned.m64n{n}k32.s32.s8.s8: as wgmma, with int8 A and B, both from
+// shared memory and K-major (byte k of a row is the low or high byte of its 16-bit element
+// k / 2), int32 accumulators d (exact, wrapping as int32).
+void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulate);
 // mbarrier.init / arrive (release) / try_wait.parity (acquire, in a loop: blocks this thread
 // until the phase of that parity has completed) on an 8-byte object in shared memory, and
 // bar.sync id, count (a barrier of `count` threads, id 1..15)

@@ -741,7 +741,71 @@ float desc_elem(uint64_t desc, int mn, int k, bool mn_major, Elem e) {
   return half_bits_to_float(h, e);
 }
 
+// Byte k (0..31 of a k32 step) of row mn of a K-major 8-bit operand: byte k % 2 of the 16-bit
+// element (mn, k / 2) of the same descriptor (8-bit core matrices are 8 rows of 16 bytes, as
+// 16-bit ones).
+int8_t desc_byte(uint64_t desc, int mn, int k) {
+  if ((desc >> 62) != 1u) fault("wgmma: descriptor swizzle mode " + std::to_string(desc >> 62) + " (only 128-byte, 1, is emulated)");
+  if (((desc >> 49) & 7u) != 0u) fault("wgmma: descriptor base offset != 0 (atoms must start 1024-aligned)");
+  const uint32_t a = desc_addr(desc, mn, k / 2, false) + uint32_t(k % 2);
+  check_smem(a, 1, "wgmma operand");
+  int8_t x;
+  std::memcpy(&x, rt.smem + a, 1);
+  return x;
+}
+
 }  // namespace
+
+void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if (n != 64 && n != 128) fault("wgmma s8: n = " + std::to_string(n) + " is not emulated (64 or 128)");
+  if (rt.arch < 90) fault("wgmma on an emulated sm_" + std::to_string(rt.arch) + " (sm_90a only)");
+  uint32_t in[7] = {};
+  const uintptr_t dp = reinterpret_cast<uintptr_t>(d);
+  std::memcpy(in, &dp, 8);
+  std::memcpy(in + 2, &desc_a, 8);
+  std::memcpy(in + 4, &desc_b, 8);
+  in[6] = uint32_t(accumulate != 0) | uint32_t(n) << 8;
+  const int wq = self().warp % 4;
+  uint32_t unused[1];
+  collective(Op::kWgmma, in, 7, unused, 0, [n, wq](Warp& w) {
+    for (int l = 1; l < 32; ++l) {
+      if (std::memcmp(w.in[l] + 2, w.in[0] + 2, 5 * sizeof(uint32_t)) != 0)
+        fault("wgmma s8: lanes of one warp gave different descriptors or flags");
+    }
+    uint64_t da, db;
+    std::memcpy(&da, w.in[0] + 2, 8);
+    std::memcpy(&db, w.in[0] + 4, 8);
+    const bool acc = (w.in[0][6] & 1u) != 0;
+    int32_t* dl[32];
+    for (int l = 0; l < 32; ++l) {
+      uintptr_t p0;
+      std::memcpy(&p0, w.in[l], 8);
+      dl[l] = reinterpret_cast<int32_t*>(p0);
+    }
+    int32_t A[16][32], C[16][128];
+    static thread_local int32_t B[32][128];
+    for (int r = 0; r < 16; ++r)
+      for (int k = 0; k < 32; ++k) A[r][k] = desc_byte(da, 16 * wq + r, k);
+    for (int k = 0; k < 32; ++k)
+      for (int c = 0; c < n; ++c) B[k][c] = desc_byte(db, c, k);
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int nt = 0; nt < n / 8; ++nt)
+        for (int x = 0; x < 4; ++x) C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)] = acc ? dl[l][4 * nt + x] : 0;
+    }
+    for (int r = 0; r < 16; ++r)
+      for (int c = 0; c < n; ++c) {
+        uint32_t s = uint32_t(C[r][c]);  // wrapping, as the hardware's int32 sums
+        for (int k = 0; k < 32; ++k) s += uint32_t(A[r][k] * B[k][c]);
+        C[r][c] = int32_t(s);
+      }
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int nt = 0; nt < n / 8; ++nt)
+        for (int x = 0; x < 4; ++x) dl[l][4 * nt + x] = C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)];
+    }
+  });
+}
 
 void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, int accumulate, bool trans_a,
            bool trans_b) {

@@ -17,11 +17,11 @@ F64 = torch.float64
 BLOCKS = {64: (32, 64), 128: (32, 48)}  # (block_q, block_k): FwdTraits' warp rows and key tile
 
 
-def oracle_check(q, k, v, what, **kw):
+def oracle_check(q, k, v, what, blocks=None, **kw):
     with torch.no_grad():
         out, lse = ae.attention(q, k, v, qk_quant="int8", return_lse=True, **kw)
     torch.cuda.synchronize()
-    bq, bk = BLOCKS[64 if q.shape[-1] <= 64 else 128]
+    bq, bk = (blocks or BLOCKS)[64 if q.shape[-1] <= 64 else 128]
     rkw = dict(kw)
     if rkw.pop("causal", False):
         rkw["window"] = (-1, 0)
@@ -117,3 +117,27 @@ def test_unseen_keys_reach_nothing(how):
         want = ae.attention(q, k, v, qk_quant="int8", **kw)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     oracle_check(q, k, v, how, **kw)
+
+
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] != 9, reason="the s8 wgmma form is sm_90a's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 2, 300, 517, 64), (1, 4, 1, 129, 1000, 128)], ids=["gqa_d64", "mqa_d128"])
+def test_wgmma_form(dtype, shape):
+    """The s8 wgmma form (hopper_fwd=2: a q scale per 16 rows, a k scale per 128 keys) against
+    the oracle at its blocks, plain, causal, with lengths and a bool mask."""
+    b, h, hk, sq, sk, d = shape
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype).cuda()
+    k = (torch.randn(b, hk, sk, d, generator=g) + 2.0).to(dtype).cuda()
+    v = torch.randn(b, hk, sk, d, generator=g).to(dtype).cuda()
+    old = ops.set_cuda_kernels(**{**ops.cuda_kernels(), "hopper_fwd": 2})
+    try:
+        blocks = {64: (16, 128), 128: (16, 128)}
+        oracle_check(q, k, v, f"{shape} {dtype}", blocks=blocks)
+        oracle_check(q, k, v, f"{shape} {dtype} causal", blocks=blocks, causal=True)
+        oracle_check(q, k, v, f"{shape} {dtype} lens", blocks=blocks,
+                     seqlens_k=torch.tensor([sk // 2] + [sk] * (b - 1), dtype=torch.int32, device="cuda"))
+        mask = (torch.rand(b, 1, sq, sk, generator=g) > 0.3).cuda()
+        oracle_check(q, k, v, f"{shape} {dtype} mask", blocks=blocks, attn_mask=mask)
+    finally:
+        ops.set_cuda_kernels(**old)

@@ -144,6 +144,15 @@ bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
+// The int8 Q K^T (qk_quant) runs on the wgmma forward's kQ8 instance at the selection's level 2
+// (emulator-checked, not yet run on a GPU), where the mma.sync FwdQ8 kernel would take the call
+// (cuda_fwd_q8_blocks' rules, below) and the device is sm_90; else on FwdQ8.
+bool use_hopper_q8(const SoftmaxParams& p, DType dt) {
+  if (!ATTN_HOPPER_FWD || g_hopper_fwd.load(std::memory_order_relaxed) < 2) return false;
+  return use_tensor_cores(p, dt) && p.d <= 128 && p.d % 16 == 0 && !p.sparse.on() &&
+         hdim_compiled(bucket_for_head_dim(p.d)) && device_sm() == 90;
+}
+
 // The wgmma backward takes a call when the selection allows it (hopper_bwd >= 1, 1 the default), the mma.sync
 // backward would take it with atomic dQ (use_tensor_cores_bwd, not deterministic: the wgmma
 // kernel adds dQ atomically), d <= 128 and compiled, the device is sm_90, and its scores are the
@@ -187,6 +196,14 @@ template <typename T>
 void fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   hdim_switch<64, 128>(p.d, "attention fwd (wgmma)",
                        [&](auto kD) { run_fwd_hopper<T, decltype(kD)::value>(p, stream); });
+}
+#endif
+
+#if ATTN_HOPPER_FWD
+template <typename T>
+void fwd_hopper_q8(const SoftmaxParams& p, cudaStream_t stream) {
+  hdim_switch<64, 128>(p.d, "attention fwd (wgmma, int8 Q.K^T)",
+                       [&](auto kD) { run_fwd_hopper_q8<T, decltype(kD)::value>(p, stream); });
 }
 #endif
 
@@ -294,6 +311,13 @@ size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt) {
 void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k) {
   *block_q = *block_k = 0;
   if (!use_tensor_cores(p, dt) || p.d > 128 || p.d % 16 != 0 || p.sparse.on()) return;
+  if (use_hopper_q8(p, dt)) {  // one warp's 16 rows of a consumer warpgroup; one key tile
+    hdim_switch<64, 128>(p.d, "attention fwd (wgmma, int8 Q.K^T)", [&](auto kD) {
+      *block_q = 16;
+      *block_k = FwdHopperTraits<decltype(kD)::value>::kBlockN;
+    });
+    return;
+  }
   hdim_switch<64, 128>(p.d, "attention fwd (int8 Q.K^T)", [&](auto kD) {
     using Tr = FwdTraits<decltype(kD)::value>;
     *block_q = Tr::kBlockM / Tr::kNWarps;  // one warp's rows
@@ -313,6 +337,13 @@ void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream) {
                              "cuda_fwd_q8_blocks' blocks");
   }
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
+#if ATTN_HOPPER_FWD
+  if (use_hopper_q8(p, dt)) {
+    if (dt == DType::kF16) fwd_hopper_q8<__half>(p, stream);
+    else fwd_hopper_q8<__nv_bfloat16>(p, stream);
+    return;
+  }
+#endif
   hdim_switch<64, 128>(p.d, "attention fwd (int8 Q.K^T)", [&](auto kD) {
     if (dt == DType::kF16) run_fwd_q8<__half, decltype(kD)::value>(p, stream);
     else run_fwd_q8<__nv_bfloat16, decltype(kD)::value>(p, stream);

@@ -26,9 +26,9 @@ struct FwdSplitScratch {
 // below are the defaults):
 //   hopper_fwd / hopper_bwd: 1 = the sm_90a wgmma forward / backward where use_hopper_fwd() /
 //               use_hopper_bwd() accept the call, 0 = the mma.sync kernels there; 2 = the wgmma
-//               kernel also for softcap, ALiBi, biases (with dbias), bool masks, dropout and
-//               block-sparse layouts (emulator-checked, not yet run on a GPU, so not the
-//               default);
+//               kernel also for softcap, ALiBi, biases (with dbias), bool masks, dropout,
+//               block-sparse layouts and the int8 Q K^T (qk_quant; emulator-checked, not yet run
+//               on a GPU, so not the default);
 //   tune_fwd / tune_bwd: the -DATTN_TUNING candidate (launch_template.cuh), 0 = the default;
 //   force_simt: every call on the SIMT kernels.
 struct CudaKernels {

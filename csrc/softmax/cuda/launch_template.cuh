@@ -13,6 +13,7 @@
 #include "softmax/cuda/fwd_kernel.cuh"
 #include "cuda/launch.h"
 #include "softmax/cuda/launchers.h"
+#include "softmax/cuda/q8_launch.cuh"
 #include "softmax/cuda/simt_kernel.cuh"
 #include "softmax/cuda/traits.h"
 
@@ -110,15 +111,7 @@ template <typename T, int kD>
 void run_fwd_q8(const SoftmaxParams& p, cudaStream_t stream) {
   static_assert(FwdTraits<kD>::kBlockN <= tc::kQ8MaxBlockK,
                 "q8_quant_k_kernel flags a key tile's keys in shared memory");
-  check_grid(p.h, p.b, "attention fwd (int8 Q.K^T)");
-  ATTN_LAUNCH(tc::q8_mean_kernel<T>, dim3(p.q8.nch, p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
-  check_launch("attention int8 Q.K^T: K sums");
-  ATTN_LAUNCH(tc::q8_mean_finalize_kernel<T>, dim3(p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
-  check_launch("attention int8 Q.K^T: K mean");
-  ATTN_LAUNCH(tc::q8_quant_k_kernel<T>, dim3(p.q8.nbk, p.h_k, p.b), tc::kQ8Threads, 0, stream)(p);
-  check_launch("attention int8 Q.K^T: K blocks");
-  ATTN_LAUNCH(tc::q8_quant_q_kernel<T>, dim3(p.q8.nbq, p.h, p.b), tc::kQ8Threads, 0, stream)(p);
-  check_launch("attention int8 Q.K^T: Q blocks");
+  run_q8_quantize<T>(p, stream);
   run_fwd_cfg<T, kD, FwdTraits<kD>, true, tc::FwdQ8<tc::FwdVariant<>>>(p, stream);
 }
 

@@ -26,6 +26,10 @@ void run_fwd_q8(const SoftmaxParams& p, cudaStream_t stream);
 // use_hopper_fwd() accepts, on an sm_90 device, in builds with sm_90a code (fwd_hopper_*.cu).
 template <typename T, int kD>
 void run_fwd_hopper(const SoftmaxParams& p, cudaStream_t stream);
+// Its int8 Q K^T form (qk_quant, sm90/launch_fwd.cuh): the quantize pass at its blocks, then the
+// kernel; only for configs that use_hopper_q8() accepts.
+template <typename T, int kD>
+void run_fwd_hopper_q8(const SoftmaxParams& p, cudaStream_t stream);
 
 // sm_90a wgmma backward (sm90/bwd_kernel.cuh), kD = 64 or 128, after the preprocess (dq_accum
 // zeroed with kD floats per row); converts dq_accum into dq itself. Only for configs that

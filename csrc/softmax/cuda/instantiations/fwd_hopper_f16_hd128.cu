@@ -4,5 +4,6 @@
 
 namespace attn {
 template void run_fwd_hopper<__half, 128>(const SoftmaxParams&, cudaStream_t);
+template void run_fwd_hopper_q8<__half, 128>(const SoftmaxParams&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -4,5 +4,6 @@
 
 namespace attn {
 template void run_fwd_hopper<__half, 64>(const SoftmaxParams&, cudaStream_t);
+template void run_fwd_hopper_q8<__half, 64>(const SoftmaxParams&, cudaStream_t);
 }  // namespace attn
 #endif

@@ -27,6 +27,8 @@ template <int N>
 __device__ __forceinline__ void fence_operands(float (&)[N]) {}
 template <int N>
 __device__ __forceinline__ void fence_operands(uint32_t (&)[N][4]) {}
+template <int N>
+__device__ __forceinline__ void fence_operands(int32_t (&)[N]) {}
 
 template <int N, typename T>
 struct Wgmma {
@@ -41,6 +43,14 @@ struct Wgmma {
   }
   static void rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
     ::attn_emu::wgmma(kElem, N, d, 0, a, desc_b, accumulate, false, true);
+  }
+};
+
+template <int N>
+struct WgmmaS8 {
+  static_assert(N == 64 || N == 128, "the kernels' int8 wgmma shapes: m64n64k32 and m64n128k32");
+  static void ss(int32_t (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ::attn_emu::wgmma_s8(N, d, desc_a, desc_b, accumulate);
   }
 };
 
