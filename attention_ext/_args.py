@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor
 
-__all__ = ["not_a_tensor", "key_padding_mask_renamed", "renamed", "misplaced", "LayoutMismatch", "layout_mismatch",
+__all__ = ["not_a_tensor", "as_offsets", "key_padding_mask_renamed", "renamed", "misplaced", "LayoutMismatch", "layout_mismatch",
            "TENSOR_LAYOUT"]
 
 _DIMS = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
@@ -47,6 +48,24 @@ def not_a_tensor(name: str, value: object, fn: str = "") -> TypeError:
     else:
         fix = ""
     return TypeError(f"{fn}{': ' if fn else ''}{name} must be a torch.Tensor, got {what}{fix}")
+
+
+def as_offsets(t: object, name: str, device, fn: str = "") -> Tensor:
+    """An offsets tensor (cu_seqlens) as the ops read it: int32, contiguous, on `device`. Takes
+    int32 or int64 (torch.tensor([0, 3, 10]) is int64); any other dtype is a TypeError, and an
+    int64 value outside int32's range a ValueError (checked where the values can be read: not
+    while compiling)."""
+    pre = f"{fn}: " if fn else ""
+    if not isinstance(t, Tensor):
+        raise not_a_tensor(name, t, fn)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{pre}{name} must be an int32 (or int64) tensor of offsets, got {t.dtype}")
+    if t.dtype == torch.int64 and t.numel() > 0 and not t.is_meta and not torch.compiler.is_compiling():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -2 ** 31 or hi > 2 ** 31 - 1:
+            raise ValueError(f"{pre}{name} holds {hi if hi > 2 ** 31 - 1 else lo}, outside int32's range: packs "
+                             f"address at most 2^31 - 1 rows")
+    return t.to(device=device, dtype=torch.int32).contiguous()
 
 
 def key_padding_mask_renamed(fn: str, old: str = "key_padding_mask", new: str = "key_mask") -> TypeError:

@@ -67,6 +67,8 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
                              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                              return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """kv (B, Sk, 2, H_k, D)."""
+    if not isinstance(kv, Tensor):
+        raise not_a_tensor("kv", kv, _FN)
     if not (kv.dim() == 5 and kv.shape[2] == 2):
         raise ValueError(f"kv must be (B, S, 2, H_k, D), got {tuple(kv.shape)}")
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
@@ -178,6 +180,8 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                     return_attn_probs: bool = False, *, num_splits: int = 0) -> _OutOrProbs:
     """Drop-in for flash_attn.flash_attn_varlen_kvpacked_func: q (total_q, H, D), kv
     (total_k, 2, H_k, D); k and v are strided views of the pack, never copied."""
+    if not isinstance(kv, Tensor):
+        raise not_a_tensor("kv", kv, _FN)
     if not (kv.dim() == 4 and kv.shape[1] == 2):
         raise ValueError(f"kv must be (total_k, 2, H_k, D), got {tuple(kv.shape)}")
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -314,6 +314,9 @@ def flash_attn_with_kvcache(
 
     # ---- side tensors
     acc = acc_dtype(q.dtype)
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and not isinstance(t, Tensor):
+            raise not_a_tensor(name, t, "flash_attn_with_kvcache")
     if alibi_slopes is not None:
         if alibi_slopes.dtype not in (torch.float32, acc):
             raise TypeError(f"flash_attn_with_kvcache: alibi_slopes must be float32, got {alibi_slopes.dtype}")

@@ -27,7 +27,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._args import layout_mismatch, not_a_tensor
+from .._args import as_offsets, layout_mismatch, not_a_tensor
 from .._ext import HAS_EXT, delta_chunk_takes, registered
 from . import reference
 from .ops import cuda_kernels
@@ -184,11 +184,9 @@ def delta_rule_attention(
     gate = _side("gate", gate)
     initial_state = _side("initial_state", initial_state)
     if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, Tensor):
-            raise not_a_tensor("cu_seqlens", cu_seqlens, "delta_rule_attention()")
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+        cu_seqlens = as_offsets(cu_seqlens, "cu_seqlens", q.device, "delta_rule_attention()")
     if scale is None:
-        scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
+        scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else 1.0  # K = 0: the op says so
     a = dict(q=q, k=k, v=v, beta=beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
              scale=float(scale), qk_l2norm=bool(qk_l2norm), plain=False)
     try:
@@ -291,7 +289,7 @@ def delta_rule_step(
     q, k, v = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     beta, gate = _side("beta", beta), _side("gate", gate)
     if scale is None:
-        scale = q.shape[-1] ** -0.5 if q.dim() == 4 else 1.0
+        scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else 1.0  # K = 0: the op says so
     a = dict(q=q, k=k, v=v, beta=beta, state=state, gate=gate, scale=float(scale), qk_l2norm=bool(qk_l2norm))
     if _STEP_KERNELS.get(q.device.type, False) and has_kernel(q.device, q.dtype):
         out = _call("delta_step", STEP_ARGS, a)

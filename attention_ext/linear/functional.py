@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
+from .._args import as_offsets, key_padding_mask_renamed, layout_mismatch, not_a_tensor
 from . import delta, feature_maps, ops, reference
 from .feature_maps import FeatureMapSpec
 
@@ -232,9 +232,10 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
            lambda: f"decay must be (B, H, S) or, a gate per feature, (B, H, S, M) = {(b, h, s, m)}, got "
                    f"{tuple(decay.shape)}")
     ops.check_inputs(qf, kf, v, **dict(opts, decay=decay[..., 0].contiguous()))  # every other rule, the op's
-    if opts["key_mask"] is not None:  # a padded key writes nothing (where, not a product: 0 x inf)
-        phi_k = torch.where(opts["key_mask"].view(b, 1, s, 1), phi_k, torch.zeros_like(phi_k))
     vv = v.to(acc)
+    if opts["key_mask"] is not None:  # a padded key writes nothing (where, not a product: 0 x NaN / inf)
+        real = opts["key_mask"].view(b, 1, s, 1)
+        phi_k, vv = torch.where(real, phi_k, torch.zeros_like(phi_k)), torch.where(real, vv, torch.zeros_like(vv))
     if h != hk:  # the state is per query head (its gates): k and v repeated over the group
         phi_k, vv = (t.repeat_interleave(h // hk, dim=1) for t in (phi_k, vv))
     dv, s0, scale = vv.shape[-1], opts["initial_state"], opts["scale"]
@@ -370,7 +371,7 @@ def linear_attention(
                                               f"feature, got {decay.dim()}-D {tuple(decay.shape)}")
         decay = decay.to(acc).contiguous()
     if cu_seqlens is not None:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+        cu = as_offsets(cu_seqlens, "cu_seqlens", q.device)
         _check(cu.dim() == 1 and cu.numel() >= 2, lambda: f"cu_seqlens must be (nb + 1,), got {tuple(cu.shape)}")
         lens = cu[1:] - cu[:-1]
         if q.device.type == "cpu" or not torch.compiler.is_compiling():
@@ -480,6 +481,8 @@ def linear_attention_step(
            lambda: f"state.S must be (B, H, M, Dv) = {(b, h, m, dv)}, got {tuple(state.S.shape)}")
     _check(not normalize or state.z is not None, "normalize=True needs a state with a normalizer z")
     if decay_t is not None:
+        if not isinstance(decay_t, Tensor):
+            raise not_a_tensor("decay_t", decay_t)
         _check(tuple(decay_t.shape) == (b, h, t), lambda: f"decay_t must be (B, H, T) = {(b, h, t)}, "
                                                           f"got {tuple(decay_t.shape)}")
     sdt = state.S.dtype

@@ -425,7 +425,7 @@ class Attention(nn.Module):
             positional = causal or tuple(c.window) != (-1, -1) or self.alibi_slopes is not None
             if run is not None and positional and not bool(((run[1] == cache.pos) | (run[1] == 0)).all()):
                 run = None
-        if attn_mask is None and (key_mask is None or run is not None):
+        if attn_mask is None and (key_mask is None or run is not None) and self._decode_kernel_ok():
             lengths, leftpad = seqlens_k, None
             if run is not None:
                 leftpad, lengths = run[0], run[1] if seqlens_k is None else torch.minimum(
@@ -443,6 +443,10 @@ class Attention(nn.Module):
         kernel; a step over cached rows is attention_ext.decode.decode_fwd (GQA unrepeated, causal
         aligned bottom-right). Returns (b, S, H, D)."""
         c = self.config
+        if not self._decode_kernel_ok():
+            raise NotImplementedError(f"attention_type={c.attention_type!r} does not step through a PagedKVCache (its "
+                                      "steps and ragged prefills run dense attention kernels); generate with a "
+                                      "contiguous KVCache")
         b, s = x.shape[:2]
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)  # (B, S, H_k, D)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
@@ -476,6 +480,12 @@ class Attention(nn.Module):
         """The kernel for q (B, S_q, H, D), k (B, S_k, H_k, D) and its keyword options; a subclass
         adds its own (nn/sparse.py: the layout)."""
         return ATTENTION_TYPES[self.config.attention_type], opts
+
+    def _decode_kernel_ok(self) -> bool:
+        """Whether a step may read a cache with the decode kernel (cache.attend), which computes
+        dense softmax attention: a layer whose kernel adds a rule of its own says no (nn/sparse.py),
+        and its steps then run its kernel over the cache's rows."""
+        return True
 
     def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
         """The (B, H, S_q, S_k) probabilities of the kernel's call, from its LSE (which holds the

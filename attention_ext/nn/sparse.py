@@ -152,6 +152,9 @@ class SparseAttention(Attention):
         lay = self.layout(k.shape[1], q.device)
         return ATTENTION_TYPES["sparse"], dict(opts, block_layout=lay, block_size=self.block_size)
 
+    def _decode_kernel_ok(self) -> bool:
+        return self.cross  # the layout / top-k are not the decode kernel's
+
     def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
         w = {n: o for n, o in opts.items() if n not in ("block_layout", "block_size", "k_top")}
         if self.cross:

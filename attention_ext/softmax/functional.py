@@ -13,6 +13,7 @@ become the op's bias, and the values inside cu_seqlens.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from typing import Optional, Sequence, Tuple, Union
 
@@ -21,7 +22,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_or_true, sym_or
 
 from .. import _ext
-from .._args import key_padding_mask_renamed, layout_mismatch, not_a_tensor
+from .._args import as_offsets, key_padding_mask_renamed, layout_mismatch, not_a_tensor
 from . import ops, reference
 
 __all__ = ["attention", "attention_varlen", "attention_weights"]
@@ -67,6 +68,18 @@ def _not_a_pair(arg: str, value, fn: str = "") -> Exception:
     return ValueError(f"{p}{arg} must be (left, right), got {got}")
 
 
+def _window_side(x, what: str) -> int:
+    """One side of a window as an int: an integer (a Python, numpy or 0-d integer tensor one) or a
+    float with an integral value; anything else (1.5, NaN) is a TypeError naming `what`."""
+    try:
+        return operator.index(x)
+    except TypeError:
+        pass
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    raise TypeError(f"{what} must be a pair of ints (-1 = unbounded), got {x!r} on one side")
+
+
 def window_pair(window, causal: bool) -> Tuple[int, int]:
     """A `window=(left, right)` argument as sizes with -1 = unbounded; causal caps the right side
     at 0 (no future keys). The check of that argument for every function taking it (the ops check
@@ -75,7 +88,7 @@ def window_pair(window, causal: bool) -> Tuple[int, int]:
         wl, wr = window
     except (TypeError, ValueError):
         raise _not_a_pair("window", window) from None
-    wl, wr = int(wl), int(wr)
+    wl, wr = _window_side(wl, "window"), _window_side(wr, "window")
     _check(wl >= -1 and wr >= -1, lambda: f"window sizes must be >= -1 (-1 = unbounded), got ({wl}, {wr})")
     return (wl, 0) if causal else (wl, wr)
 
@@ -88,7 +101,7 @@ def window_size_pair(window_size: Sequence[int], fn: str) -> Tuple[int, int]:
         wl, wr = window_size
     except (TypeError, ValueError):
         raise _not_a_pair("window_size", window_size, fn) from None
-    wl, wr = int(wl), int(wr)
+    wl, wr = _window_side(wl, f"{fn}: window_size"), _window_side(wr, f"{fn}: window_size")
     if wl < -1 or wr < -1:
         raise ValueError(f"{fn}: window_size must be >= -1 on both sides (-1 = unbounded), got ({wl}, {wr})")
     return wl, wr
@@ -495,13 +508,16 @@ def attention_varlen(
     _check(q.device == k.device == v.device,
            lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t)
         _check(t.dim() == 1 and t.numel() >= 2, lambda: f"{name} must be (B + 1,), got {tuple(t.shape)}")
     _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length")
-    cq = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
-    ck = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    cq = as_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
+    ck = as_offsets(cu_seqlens_k, "cu_seqlens_k", q.device)
     lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
-    # the op checks these on the CPU only: on a GPU, reading them would synchronize
-    if q.device.type == "cpu" or not torch.compiler.is_compiling():
+    # the op checks these on the CPU only: on a GPU, reading them would synchronize; a graph
+    # (torch.compile) cannot read them, and leaves them to the op
+    if not torch.compiler.is_compiling():
         _check(int(cq[0]) == 0 and int(ck[0]) == 0, "cu_seqlens must start at 0")
         _check(bool((lens_q >= 0).all()) and bool((lens_k >= 0).all()), "cu_seqlens must be non-decreasing")
         _check(int(cq[-1]) <= q.shape[0] and int(ck[-1]) <= k.shape[0], "cu_seqlens end past the packed tensors")
@@ -511,6 +527,9 @@ def attention_varlen(
         scale = _default_scale(q.shape[2])
     wl, wr = window_pair(window, causal)
     acc = ops.acc_dtype(q.dtype)
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and not isinstance(t, Tensor):
+            raise not_a_tensor(name, t)
     if alibi_slopes is not None:
         # a meta tensor has no data to move: name it here, not in a failed copy
         _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")

@@ -147,5 +147,5 @@ def lsh_attention_ref(qk: Tensor, v: Tensor, rotations: Tensor, n_buckets: int, 
         lses.append(lse)
     lse = torch.stack(lses, 2)                                           # (B, H, R, S)
     total = lse.logsumexp(2)
-    w = (lse - total[:, :, None]).exp()[..., None]
+    w = lse.softmax(2)[..., None]  # max subtracted: exact for a query alone in every round (lse -1e5 in each)
     return (w * torch.stack(outs, 2)).sum(2).to(v.dtype), total

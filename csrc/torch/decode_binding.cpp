@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "torch/softmax_binding.h"  // the score policy decode shares: Options, make_fwd_params
 
@@ -140,7 +141,8 @@ void check_decode_shapes(const DecodeArgs& a) {
   if (quant) check_descales(a);
   TORCH_CHECK_VALUE(a.window_left >= -1 && a.window_right >= -1, "attention_ext.decode: window_left and window_right must be >= -1 (-1 = unbounded), got (",
                     a.window_left, ", ", a.window_right, ")");
-  TORCH_CHECK_VALUE(a.softcap >= 0.0, "attention_ext.decode: softcap must be >= 0, got ", a.softcap);
+  TORCH_CHECK_VALUE(a.softcap >= 0.0 && std::isfinite(a.softcap),
+                    "attention_ext.decode: softcap must be finite and >= 0 (0 = off), got ", a.softcap);
   TORCH_CHECK_VALUE(std::isfinite(a.scale), "attention_ext.decode: scale must be finite, got ", a.scale);
   TORCH_CHECK_VALUE(a.num_splits >= 0, "attention_ext.decode: num_splits must be >= 0 (0 = heuristic), got ",
                     a.num_splits);
@@ -226,6 +228,7 @@ DecodeParamsT<Acc> make_decode_params(const DecodeArgs& a, const Tensor& out, co
     p.page_size = int32_t(a.k.size(2));
     p.num_pages = int32_t(a.k.size(0));
     p.sk = int32_t(bt.size(1) * a.k.size(2));  // a sequence's capacity
+    set_window(p, a.window_left, a.window_right);  // against that capacity
   }
   p.cache_batch_idx = a.cache_batch_idx.has_value() ? a.cache_batch_idx->data_ptr<int32_t>() : nullptr;
   p.leftpad_k = a.leftpad_k.has_value() ? a.leftpad_k->data_ptr<int32_t>() : nullptr;

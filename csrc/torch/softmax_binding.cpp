@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "torch/softmax_binding.h"
@@ -47,7 +48,8 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
                     o.window_left, ", ", o.window_right, ")");
   TORCH_CHECK_VALUE(o.dropout_p >= 0.0 && o.dropout_p < 1.0, "attention_ext: dropout_p must be in [0, 1), got ",
                     o.dropout_p);
-  TORCH_CHECK_VALUE(o.softcap >= 0.0, "attention_ext: softcap must be >= 0, got ", o.softcap);
+  TORCH_CHECK_VALUE(o.softcap >= 0.0 && std::isfinite(o.softcap),
+                    "attention_ext: softcap must be finite and >= 0 (0 = off), got ", o.softcap);
   TORCH_CHECK_VALUE(std::isfinite(o.scale), "attention_ext: scale must be finite, got ", o.scale);
   const bool varlen = o.cu_seqlens_q.has_value();
   TORCH_CHECK_VALUE(varlen == o.cu_seqlens_k.has_value(), "attention_ext: cu_seqlens_q and cu_seqlens_k go together");
@@ -59,7 +61,10 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
     check_index_tensor(o.cu_seqlens_q, "cu_seqlens_q", nb + 1, q);
     check_index_tensor(o.cu_seqlens_k, "cu_seqlens_k", nb + 1, q);
     TORCH_CHECK_VALUE(!o.seqlens_k.has_value(), "attention_ext: seqlens_k is for padded batches, not varlen");
-    TORCH_CHECK_VALUE(o.max_seqlen_q >= 0 && o.max_seqlen_k >= 0, "attention_ext: max_seqlen_q/k must be >= 0");
+    TORCH_CHECK_VALUE(o.max_seqlen_q >= 0 && o.max_seqlen_k >= 0 && o.max_seqlen_q <= INT32_MAX &&
+                          o.max_seqlen_k <= INT32_MAX,
+                      "attention_ext: max_seqlen_q/k must be in [0, 2^31 - 1], got ", o.max_seqlen_q, ", ",
+                      o.max_seqlen_k);
     if (q.device().is_cpu()) {
       // validated here on the CPU; CUDA callers validate in Python (no sync in the op)
       const int64_t n = nb.guard_int(__FILE__, __LINE__), tq = q.sym_size(2).guard_int(__FILE__, __LINE__),
@@ -126,7 +131,8 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   if (o.block_layout.has_value()) {
     const Tensor& l = *o.block_layout;
     const int64_t bs = o.block_size;
-    TORCH_CHECK_VALUE(bs >= 16 && bs % 16 == 0, "attention_ext: block_size must be a positive multiple of 16, got ", bs);
+    TORCH_CHECK_VALUE(bs >= 16 && bs % 16 == 0 && bs <= (int64_t(1) << 30),
+                      "attention_ext: block_size must be a positive multiple of 16 up to 2^30, got ", bs);
     TORCH_CHECK_TYPE(l.scalar_type() == at::kBool, "attention_ext: block_layout must be bool, got ", l.scalar_type());
     TORCH_CHECK(l.device() == q.device(), "attention_ext: block_layout must be on ", q.device(), ", got ", l.device());
     TORCH_CHECK_VALUE(l.is_contiguous(), "attention_ext: block_layout must be contiguous");
@@ -190,6 +196,17 @@ static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) 
 }
 
 template <typename Acc>
+void set_window(SoftmaxParamsT<Acc>& p, int64_t left, int64_t right) {
+  // A side at least Sq + Sk wide reaches past every key of every row: it is the unbounded one
+  // (-1), exactly, and the kernels' int32 sums (row + diagonal + window) cannot overflow.
+  const auto side = [&](int64_t w) { return w >= int64_t(p.sq) + p.sk ? int32_t(-1) : int32_t(w); };
+  p.window_left = side(left);
+  p.window_right = side(right);
+}
+template void set_window<float>(SoftmaxParamsT<float>&, int64_t, int64_t);
+template void set_window<double>(SoftmaxParamsT<double>&, int64_t, int64_t);
+
+template <typename Acc>
 SoftmaxParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                 const Tensor& lse, const Options& o) {
   SoftmaxParamsT<Acc> p{};
@@ -216,8 +233,7 @@ SoftmaxParamsT<Acc> make_fwd_params(const Tensor& q, const Tensor& k, const Tens
   p.seqlens_k = o.seqlens_k.has_value() ? o.seqlens_k->data_ptr<int32_t>() : nullptr;
   p.scale = Acc(o.scale);
   p.softcap = Acc(o.softcap);
-  p.window_left = int32_t(o.window_left);
-  p.window_right = int32_t(o.window_right);
+  set_window(p, o.window_left, o.window_right);
   p.bottom_right = o.bottom_right;
   if (o.alibi_slopes.has_value()) {
     p.alibi_slopes = o.alibi_slopes->data_ptr<Acc>();

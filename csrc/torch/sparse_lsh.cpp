@@ -223,7 +223,10 @@ std::tuple<Tensor, Tensor> lsh_attention(const Tensor& qk, const Tensor& v, cons
   lse = lse.flatten(3, 4).slice_symint(3, 0, S).gather(3, inv);    // (B, H, R, S)
   if (R == 1) return {out.squeeze(2), lse.squeeze(2)};
   const Tensor total = lse.logsumexp(2);  // (B, H, S)
-  const Tensor w = (lse - total.unsqueeze(2)).exp().unsqueeze(-1);
+  // the weights as a softmax over the rounds (max subtracted), not exp(lse - total): a query alone
+  // in every round has lse -1e5 in each, where float32 rounds total = -1e5 + log R to a step of
+  // 2^-7 and the weights would sum to 0.997
+  const Tensor w = lse.softmax(2).unsqueeze(-1);
   return {(w * out.to(acc)).sum(2).to(qk.scalar_type()), total};
 }
 

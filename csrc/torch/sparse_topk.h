@@ -17,7 +17,7 @@ namespace api {
 inline void check_topk_inputs(const Tensor& q, const Tensor& k, const Options& o, int64_t k_top) {
   check_inputs(q, k, k, o);
   TORCH_CHECK_VALUE(k_top >= 1 && k_top <= std::numeric_limits<int32_t>::max(),
-                    "attention_ext: k_top must be >= 1, got ", k_top);
+                    "attention_ext: k_top must be in [1, 2^31 - 1], got ", k_top);
   TORCH_CHECK_VALUE(!o.block_layout.has_value(), "attention_ext: top-k attention takes no block_layout");
   TORCH_CHECK_VALUE(!o.topk_thr.has_value(), "attention_ext: topk_threshold computes topk_thr; do not pass one");
   TORCH_CHECK_VALUE(o.dropout_p == 0.0, "attention_ext: topk_threshold takes no dropout (the fused op applies it)");
