@@ -28,8 +28,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["not_a_tensor", "as_offsets", "key_padding_mask_renamed", "renamed", "misplaced", "LayoutMismatch", "layout_mismatch",
-           "TENSOR_LAYOUT"]
+__all__ = ["not_a_tensor", "as_offsets", "key_padding_mask_renamed", "renamed", "misplaced",
+           "LayoutMismatch", "layout_mismatch", "TENSOR_LAYOUT"]
 
 _DIMS = {"bhsd": "(B, H, S, D)", "bshd": "(B, S, H, D)"}
 TENSOR_LAYOUT = "the tensors' layout, 'bhsd' or 'bshd', as in attention()"  # what `layout` names everywhere

@@ -745,7 +745,7 @@ float desc_elem(uint64_t desc, int mn, int k, bool mn_major, Elem e) {
 // element (mn, k / 2) of the same descriptor (8-bit core matrices are 8 rows of 16 bytes, as
 // 16-bit ones).
 int8_t desc_byte(uint64_t desc, int mn, int k) {
-  if ((desc >> 62) != 1u) fault("wgmma: descriptor swizzle mode " + std::to_string(desc >> 62) + " (only 128-byte, 1, is emulated)");
+  if ((desc >> 62) != 1u) fault("wgmma: descriptor swizzle mode " + std::to_string(desc >> 62));
   if (((desc >> 49) & 7u) != 0u) fault("wgmma: descriptor base offset != 0 (atoms must start 1024-aligned)");
   const uint32_t a = desc_addr(desc, mn, k / 2, false) + uint32_t(k % 2);
   check_smem(a, 1, "wgmma operand");
