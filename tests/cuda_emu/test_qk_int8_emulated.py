@@ -111,12 +111,12 @@ def test_options(emu, option):
     check(emu, q, k, v, 90, option, **o)
 
 
-def test_varlen(emu):
-    """Each sequence its own mean and blocks; rows of a pack addressed through cu_seqlens."""
-    lens_q, lens_k = [5, 0, 70, 33], [7, 3, 130, 33]
+def varlen_case(emu, lens_q, lens_k, d, blocks=None):
+    """A causal bottom-right varlen pack through cu_seqlens against each sequence as its own call
+    (its own mean and blocks), at the kernel's blocks (check's `blocks`)."""
     cq = torch.tensor([0] + lens_q).cumsum(0).int()
     ck = torch.tensor([0] + lens_k).cumsum(0).int()
-    h, hk, d = 4, 2, 64
+    h, hk = 4, 2
     g = torch.Generator().manual_seed(3)
     q = torch.randn(int(cq[-1]), h, d, generator=g).bfloat16()
     k = (torch.randn(int(ck[-1]), hk, d, generator=g) + 1.5).bfloat16()
@@ -131,9 +131,14 @@ def test_varlen(emu):
         if q1 == q0:
             continue
         one = lambda t, a, z: t[a:z].transpose(0, 1)[None].contiguous()  # noqa: E731
-        want = check(emu, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1), 90, f"seq {i}", window_left=-1,
-                     window_right=0, bottom_right=True)
+        want = check(emu, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1), 90, f"seq {i}", blocks=blocks,
+                     window_left=-1, window_right=0, bottom_right=True)
         torch.testing.assert_close(out[0, :, q0:q1], want[0], atol=0, rtol=0)
+
+
+def test_varlen(emu):
+    """Each sequence its own mean and blocks; rows of a pack addressed through cu_seqlens."""
+    varlen_case(emu, [5, 0, 70, 33], [7, 3, 130, 33], 64)
 
 
 def test_padding_keys_reach_nothing(emu):
@@ -326,24 +331,4 @@ def test_wgmma_options(wgmma, option):
 
 def test_wgmma_varlen(wgmma):
     """Each sequence its own mean and blocks, through cu_seqlens, on the wgmma form."""
-    lens_q, lens_k = [5, 0, 140, 33], [7, 3, 260, 33]
-    cq = torch.tensor([0] + lens_q).cumsum(0).int()
-    ck = torch.tensor([0] + lens_k).cumsum(0).int()
-    h, hk, d = 4, 2, 128
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(int(cq[-1]), h, d, generator=g).bfloat16()
-    k = (torch.randn(int(ck[-1]), hk, d, generator=g) + 1.5).bfloat16()
-    v = torch.randn(int(ck[-1]), hk, d, generator=g).bfloat16()
-    pack = lambda t: t.transpose(0, 1)[None]  # noqa: E731
-    out, _ = wgmma.fwd_quant(pack(q), pack(k), pack(v),
-                             *tc.call_fwd(pack(q), pack(k), pack(v), cu_seqlens_q=cq, cu_seqlens_k=ck,
-                                          max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), window_left=-1,
-                                          window_right=0, bottom_right=True), "int8", 90)
-    for i in range(len(lens_q)):
-        q0, q1, k0, k1 = int(cq[i]), int(cq[i + 1]), int(ck[i]), int(ck[i + 1])
-        if q1 == q0:
-            continue
-        one = lambda t, a, z: t[a:z].transpose(0, 1)[None].contiguous()  # noqa: E731
-        want = check(wgmma, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1), 90, f"seq {i}", blocks=HOPPER_BLOCKS,
-                     window_left=-1, window_right=0, bottom_right=True)
-        torch.testing.assert_close(out[0, :, q0:q1], want[0], atol=0, rtol=0)
+    varlen_case(wgmma, [5, 0, 140, 33], [7, 3, 260, 33], 128, blocks=HOPPER_BLOCKS)
