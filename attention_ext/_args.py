@@ -53,18 +53,21 @@ def not_a_tensor(name: str, value: object, fn: str = "") -> TypeError:
 def as_offsets(t: object, name: str, device, fn: str = "") -> Tensor:
     """An offsets tensor (cu_seqlens) as the ops read it: int32, contiguous, on `device`. Takes
     int32 or int64 (torch.tensor([0, 3, 10]) is int64); any other dtype is a TypeError, and an
-    int64 value outside int32's range a ValueError (checked where the values can be read: not
-    while compiling)."""
+    int64 value outside int32's range a ValueError (under torch.compile an in-graph assert)."""
     pre = f"{fn}: " if fn else ""
     if not isinstance(t, Tensor):
         raise not_a_tensor(name, t, fn)
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{pre}{name} must be an int32 (or int64) tensor of offsets, got {t.dtype}")
-    if t.dtype == torch.int64 and t.numel() > 0 and not t.is_meta and not torch.compiler.is_compiling():
-        lo, hi = int(t.min()), int(t.max())
-        if lo < -2 ** 31 or hi > 2 ** 31 - 1:
-            raise ValueError(f"{pre}{name} holds {hi if hi > 2 ** 31 - 1 else lo}, outside int32's range: packs "
-                             f"address at most 2^31 - 1 rows")
+    if t.dtype == torch.int64 and t.numel() > 0 and not t.is_meta:
+        if torch.compiler.is_compiling():  # a graph cannot branch on the values: an in-graph assert
+            torch._assert_async(((t >= -2 ** 31) & (t <= 2 ** 31 - 1)).all(),
+                                f"{pre}{name} holds a value outside int32's range")
+        else:
+            lo, hi = int(t.min()), int(t.max())
+            if lo < -2 ** 31 or hi > 2 ** 31 - 1:
+                raise ValueError(f"{pre}{name} holds {hi if hi > 2 ** 31 - 1 else lo}, outside int32's range: "
+                                 f"packs address at most 2^31 - 1 rows")
     return t.to(device=device, dtype=torch.int32).contiguous()
 
 

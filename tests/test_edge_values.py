@@ -181,3 +181,47 @@ def test_compile_fullgraph_weights_probs_and_varlen():
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     got = torch.compile(lambda a: ae.flash_attn_varlen_func(a, a, a, cu, cu, 5, 5, causal=True), fullgraph=True)(p)
     torch.testing.assert_close(got, ae.flash_attn_varlen_func(p, p, p, cu, cu, 5, 5, causal=True))
+
+
+@pytest.mark.parametrize("sq", [2, 4, 8])
+@pytest.mark.parametrize("opt", ["causal", "window", "alibi"])
+def test_few_rows_top_left_with_lengths(sq, opt):
+    """Few-row CPU calls (Sq = Sk <= 8, nothing to differentiate) run the decode kernel, which aligns
+    positions bottom-right: with seqlens_k below Sk the alignments differ, so top-left calls with
+    lengths stay on the fused kernel (they ran the decode kernel: up to 3.4 off)."""
+    from attention_ext.softmax import reference
+
+    g = torch.Generator().manual_seed(sq)
+    q, k, v = (torch.randn(2, 2, sq, 16, generator=g) for _ in range(3))
+    lens = torch.tensor([max(sq - 2, 1), sq], dtype=torch.int32)
+    slopes = torch.rand(2, generator=g)
+    kw, rkw = {"causal": (dict(causal=True), dict(window=(-1, 0))), "window": (dict(window=(1, 0)), dict(window=(1, 0))),
+               "alibi": (dict(alibi_slopes=slopes), dict(alibi_slopes=slopes.double()))}[opt]
+    with torch.no_grad():
+        out = ae.attention(q, k, v, seqlens_k=lens, **kw)
+    ref, _ = reference.attention(q.double(), k.double(), v.double(), seqlens_k=lens, **rkw)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+
+
+def test_qk_int8_layout_with_float_mask_oracle():
+    """The int8 Q.K^T with a block layout and a float mask: the kernel leaves the keys the layout
+    hides from every row out of the mean and scales, and so does its oracle (the layout kept apart
+    from the float bias, `visible`): they agree, and NaN in such keys reaches nothing."""
+    from attention_ext.softmax import reference
+
+    g = torch.Generator().manual_seed(7)
+    b, h, s, d = 1, 2, 96, 32
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    k = k + 1.0
+    lay = torch.ones(h, 3, 3, dtype=torch.bool)
+    lay[:, :, 1] = False  # keys 32-63: no block
+    fm = torch.randn(b, 1, s, s, generator=g)
+    dense = lay.repeat_interleave(32, 1).repeat_interleave(32, 2)[None]
+    with torch.no_grad():
+        out = ae.attention(q, k, v, qk_quant="int8", block_layout=lay, block_size=32, attn_mask=fm)
+        bad = k.clone()
+        bad[:, :, 32:64] = float("nan")
+        out_nan = ae.attention(q, bad, v, qk_quant="int8", block_layout=lay, block_size=32, attn_mask=fm)
+    ref, _ = reference.attention_qk_int8(q, k, v, bias=fm.masked_fill(~dense, float("-inf")), visible=dense)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_nan, out, atol=0, rtol=0)

@@ -483,9 +483,10 @@ class Attention(nn.Module):
 
     def _decode_kernel_ok(self) -> bool:
         """Whether a step may read a cache with the decode kernel (cache.attend), which computes
-        dense softmax attention: a layer whose kernel adds a rule of its own says no (nn/sparse.py),
-        and its steps then run its kernel over the cache's rows."""
-        return True
+        dense softmax attention: the "softmax" and "sdpa" types; a kernel registered under another
+        name, or a layer with a rule of its own (nn/sparse.py), runs its kernel over the cache's
+        rows instead (a PagedKVCache refuses it)."""
+        return self.config.attention_type in ("softmax", "sdpa")
 
     def _weights(self, q: Tensor, k: Tensor, lse: Tensor, opts: dict) -> Tensor:
         """The (B, H, S_q, S_k) probabilities of the kernel's call, from its LSE (which holds the

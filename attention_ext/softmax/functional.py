@@ -242,6 +242,8 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, opts: dict, quantized: bool = Fa
     kw = dict(scale=o["scale"], softcap=o["softcap"], window=(o["window_left"], o["window_right"]),
               bottom_right=o["bottom_right"], bias=bias, alibi_slopes=o["alibi_slopes"], sinks=o["sinks"],
               dropout_p=o["dropout_p"], dropout_mask=dmask)
+    if quantized and o.get("block_layout") is not None:  # the layout's hidden keys, as the kernels see them
+        kw["visible"] = _merge_block_layout(None, o["block_layout"], o["block_size"], sq, sk)
     fn = reference.attention_qk_int8 if quantized else reference.attention
     if cu_q is None:
         out, lse = fn(q.to(acc), k.to(acc), v.to(acc), seqlens_k=o["seqlens_k"], **kw)

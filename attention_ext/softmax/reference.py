@@ -181,19 +181,23 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
 
 def seen_keys(b: int, h: int, hk: int, sq: int, sk: int, *, window: Tuple[int, int] = (-1, -1),
               bottom_right: bool = False, seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-              device: Device = None) -> Tensor:
+              visible: Optional[Tensor] = None, device: Device = None) -> Tensor:
     """(B, H_k, S_k) bool: the keys that some row of some head of each kv group may attend (the
-    lengths, the window / causal and a bool bias; a float bias hides nothing). The int8 Q.K^T
-    leaves the others out of its K mean and block scales."""
+    lengths, the window / causal, a bool bias, and `visible`, a bool mask (a block layout's
+    elements) kept apart from a float bias; a float bias hides nothing). The int8 Q.K^T leaves the
+    others out of its K mean and block scales."""
     ok = mask_structure(sq, sk, window=window, bottom_right=bottom_right, len_k=seqlens_k, batch=b, device=device)
     if bias is not None and bias.dtype == torch.bool:
         ok = ok & bias.to(device)
+    if visible is not None:
+        ok = ok & visible.to(device)
     return ok.expand(b, h, sq, sk).any(2).view(b, hk, h // hk, sk).any(2)
 
 
 def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), bottom_right: bool = False,
                    seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                   block_q: int = QK_INT8_BLOCK_Q, block_k: int = QK_INT8_BLOCK_K) -> Tensor:
+                   visible: Optional[Tensor] = None, block_q: int = QK_INT8_BLOCK_Q,
+                   block_k: int = QK_INT8_BLOCK_K) -> Tensor:
     """The raw scores x = q.k (B, H, S_q, S_k) of the int8 Q.K^T (SageAttention's method), in
     float64: attention(..., logits=this) is what attention(..., qk_quant="int8") computes.
 
@@ -208,7 +212,7 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), 
     hk, sk = k.shape[1], k.shape[2]
     q32, k32 = q.float(), k.float()
     valid = seen_keys(b, h, hk, sq, sk, window=window, bottom_right=bottom_right, seqlens_k=seqlens_k, bias=bias,
-                      device=k.device).view(b, hk, sk, 1)
+                      visible=visible, device=k.device).view(b, hk, sk, 1)
     n = valid.sum(2, keepdim=True)  # (B, H_k, 1, 1)
     kv = torch.where(valid, k32.double(), torch.zeros((), dtype=torch.float64, device=k.device))
     mean = (kv.sum(2, keepdim=True) / n.clamp_min(1)).float()  # (B, H_k, 1, D)
@@ -223,8 +227,10 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), 
 def attention_qk_int8(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
     """attention() with the int8 Q.K^T's scores (qk_int8_scores) in float64: the oracle of
     attention(..., qk_quant="int8") and its fallback where no kernel runs it. Takes attention()'s
-    options; returns (out, lse) in float64."""
-    x = qk_int8_scores(q, k, **{n: kwargs[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in kwargs})
+    options, and `visible` (seen_keys'); returns (out, lse) in float64."""
+    visible = kwargs.pop("visible", None)
+    x = qk_int8_scores(q, k, visible=visible,
+                       **{n: kwargs[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in kwargs})
     f64 = torch.float64
     kw = {n: (t.to(f64) if isinstance(t, Tensor) and t.is_floating_point() else t) for n, t in kwargs.items()}
     return attention(q.to(f64), k.to(f64), v.to(f64), logits=x, **kw)

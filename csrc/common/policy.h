@@ -189,6 +189,13 @@ struct PolicyT {
   ATTN_HD bool key_seen(int j) const {
     int i0, i1;
     query_range(j, j + 1, &i0, &i1);
+    if (j < 0 || j >= len_k || i0 >= i1) return false;
+    // every row of [i0, i1) has j inside its window: without a layout, a bias the rows share (a
+    // key mask) or none decides alone, with no walk over the rows
+    if (layout == nullptr && bias_kind != BiasKind::kBool) return true;
+    if (layout == nullptr && bias_row_stride == 0) {
+      return static_cast<const uint8_t*>(bias)[j * bias_col_stride] != 0;
+    }
     for (int i = i0; i < i1; ++i) {
       if (allowed(i, j)) return true;
     }

@@ -2,6 +2,7 @@
 // into attention_ext._C and into the CPU emulator's module.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -197,9 +198,11 @@ static void set_strides(const Tensor& t, int64_t* bs, int64_t* hs, int64_t* rs) 
 
 template <typename Acc>
 void set_window(SoftmaxParamsT<Acc>& p, int64_t left, int64_t right) {
-  // A side at least Sq + Sk wide reaches past every key of every row: it is the unbounded one
-  // (-1), exactly, and the kernels' int32 sums (row + diagonal + window) cannot overflow.
-  const auto side = [&](int64_t w) { return w >= int64_t(p.sq) + p.sk ? int32_t(-1) : int32_t(w); };
+  // A side at least max(Sq, Sk) wide reaches every key of every row (|i + diag - j| < max(Sq, Sk)
+  // for either alignment and any lengths up to Sq, Sk): it is the unbounded one (-1), exactly, and
+  // narrower sides fit int32, so the kernels' sums (row + diagonal + window) stay below 2^31 for
+  // sequences under 2^30 keys.
+  const auto side = [&](int64_t w) { return w >= std::max<int64_t>(p.sq, p.sk) ? int32_t(-1) : int32_t(w); };
   p.window_left = side(left);
   p.window_right = side(right);
 }

@@ -147,7 +147,7 @@ Grads alloc_grads(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
                   bool poison = false);
 
 // The window's sides into p, once p.sq / p.sk are final: -1 (unbounded) for a side at least
-// Sq + Sk wide.
+// max(Sq, Sk) wide.
 template <typename Acc>
 void set_window(SoftmaxParamsT<Acc>& p, int64_t left, int64_t right);
 // Acc = float, or double for float64 inputs (instantiated for both).

@@ -32,7 +32,8 @@ FwdRoute route_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Opti
   if (o.block_layout.has_value() || o.topk_thr.has_value()) return {false, "a block layout or top-k"};
   if (o.cu_seqlens_q.has_value()) return {false, "a varlen pack"};
   const bool positional = o.window_left >= 0 || o.window_right >= 0 || o.alibi_slopes.has_value();
-  if (positional && !o.bottom_right && *sq != *sk) {
+  // top-left and bottom-right agree only where every sequence has Sq keys: Sq == Sk, no seqlens_k
+  if (positional && !o.bottom_right && (*sq != *sk || o.seqlens_k.has_value())) {
     return {false, "positions aligned top-left (the decode kernel aligns them bottom-right)"};
   }
   const auto grad = [](const OptTensor& t) { return t.has_value() && t->requires_grad(); };
