@@ -61,10 +61,13 @@ __device__ __forceinline__ void q8_seen_keys(const SoftmaxParams& p, const SeqIn
                                              uint8_t* seen) {
   const int group = p.h / p.h_k;
   const int heads = p.sparse.on() || (p.bias_kind == BiasKind::kBool && p.bias_head_stride != 0) ? group : 1;
-  for (int r = threadIdx.x; r < n; r += kQ8Threads) {
-    bool any = false;
-    for (int g = 0; g < heads && !any; ++g) any = Policy(p, si, b, hk * group + g).key_seen(j0 + r);
-    seen[r] = any;
+  // one policy per thread, moved from head to head (set_score_head: the bias); each thread reads
+  // and writes only its own keys' flags until the barrier
+  Policy pol(p, si, b, hk * group);
+  for (int r = threadIdx.x; r < n; r += kQ8Threads) seen[r] = pol.key_seen(j0 + r);
+  for (int g = 1; g < heads; ++g) {
+    pol.set_score_head(p, b, hk * group + g);
+    for (int r = threadIdx.x; r < n; r += kQ8Threads) seen[r] = seen[r] || pol.key_seen(j0 + r);
   }
   __syncthreads();
 }
