@@ -741,6 +741,27 @@ float desc_elem(uint64_t desc, int mn, int k, bool mn_major, Elem e) {
   return half_bits_to_float(h, e);
 }
 
+// A warp's accumulators as C fragments, to and from its 16 x n matrix: lane l's d[4 nt + x] is
+// (row g + 8 (x >= 2), column 8 nt + 2 t + (x & 1)), g = l / 4, t = l % 4. accumulate false reads
+// zeros (the first k-step overwrites).
+template <typename M, typename D>
+void frags_to_matrix(D* const* dl, int n, bool accumulate, M (*c)[128]) {
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int nt = 0; nt < n / 8; ++nt)
+      for (int x = 0; x < 4; ++x)
+        c[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)] = accumulate ? M(dl[l][4 * nt + x]) : M(0);
+  }
+}
+template <typename M, typename D>
+void matrix_to_frags(const M (*c)[128], int n, D* const* dl) {
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int nt = 0; nt < n / 8; ++nt)
+      for (int x = 0; x < 4; ++x) dl[l][4 * nt + x] = D(c[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)]);
+  }
+}
+
 // Byte k (0..31 of a k32 step) of row mn of a K-major 8-bit operand: byte k % 2 of the 16-bit
 // element (mn, k / 2) of the same descriptor (8-bit core matrices are 8 rows of 16 bytes, as
 // 16-bit ones).
@@ -788,22 +809,14 @@ void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulat
       for (int k = 0; k < 32; ++k) A[r][k] = desc_byte(da, 16 * wq + r, k);
     for (int k = 0; k < 32; ++k)
       for (int c = 0; c < n; ++c) B[k][c] = desc_byte(db, c, k);
-    for (int l = 0; l < 32; ++l) {
-      const int g = l >> 2, t = l & 3;
-      for (int nt = 0; nt < n / 8; ++nt)
-        for (int x = 0; x < 4; ++x) C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)] = acc ? dl[l][4 * nt + x] : 0;
-    }
+    frags_to_matrix(dl, n, acc, C);
     for (int r = 0; r < 16; ++r)
       for (int c = 0; c < n; ++c) {
         uint32_t s = uint32_t(C[r][c]);  // wrapping, as the hardware's int32 sums
         for (int k = 0; k < 32; ++k) s += uint32_t(A[r][k] * B[k][c]);
         C[r][c] = int32_t(s);
       }
-    for (int l = 0; l < 32; ++l) {
-      const int g = l >> 2, t = l & 3;
-      for (int nt = 0; nt < n / 8; ++nt)
-        for (int x = 0; x < 4; ++x) dl[l][4 * nt + x] = C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)];
-    }
+    matrix_to_frags(C, n, dl);
   });
 }
 
@@ -860,23 +873,14 @@ void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t
     }
     for (int k = 0; k < 16; ++k)
       for (int c = 0; c < n; ++c) B[k][c] = desc_elem(db, c, k, trans_b, e);
-    // C fragments: d[4 nt + x] is (row g + 8 (x >= 2), column 8 nt + 2 t + (x & 1))
-    for (int l = 0; l < 32; ++l) {
-      const int g = l >> 2, t = l & 3;
-      for (int nt = 0; nt < n / 8; ++nt)
-        for (int x = 0; x < 4; ++x) C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)] = acc ? dl[l][4 * nt + x] : 0.0;
-    }
+    frags_to_matrix(dl, n, acc, C);
     for (int r = 0; r < 16; ++r)
       for (int c = 0; c < n; ++c) {
         double s = C[r][c];
         for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][c];
         C[r][c] = s;
       }
-    for (int l = 0; l < 32; ++l) {
-      const int g = l >> 2, t = l & 3;
-      for (int nt = 0; nt < n / 8; ++nt)
-        for (int x = 0; x < 4; ++x) dl[l][4 * nt + x] = float(C[g + (x >= 2 ? 8 : 0)][8 * nt + 2 * t + (x & 1)]);
-    }
+    matrix_to_frags(C, n, dl);
   });
 }
 

@@ -192,18 +192,13 @@ void fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& split, cudaStre
 }
 
 #if ATTN_HOPPER_FWD
-template <typename T>
+// kQ8: the int8 Q K^T form (run_fwd_hopper_q8)
+template <typename T, bool kQ8 = false>
 void fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
-  hdim_switch<64, 128>(p.d, "attention fwd (wgmma)",
-                       [&](auto kD) { run_fwd_hopper<T, decltype(kD)::value>(p, stream); });
-}
-#endif
-
-#if ATTN_HOPPER_FWD
-template <typename T>
-void fwd_hopper_q8(const SoftmaxParams& p, cudaStream_t stream) {
-  hdim_switch<64, 128>(p.d, "attention fwd (wgmma, int8 Q.K^T)",
-                       [&](auto kD) { run_fwd_hopper_q8<T, decltype(kD)::value>(p, stream); });
+  hdim_switch<64, 128>(p.d, kQ8 ? "attention fwd (wgmma, int8 Q.K^T)" : "attention fwd (wgmma)", [&](auto kD) {
+    if constexpr (kQ8) run_fwd_hopper_q8<T, decltype(kD)::value>(p, stream);
+    else run_fwd_hopper<T, decltype(kD)::value>(p, stream);
+  });
 }
 #endif
 
@@ -339,8 +334,8 @@ void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream) {
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
 #if ATTN_HOPPER_FWD
   if (use_hopper_q8(p, dt)) {
-    if (dt == DType::kF16) fwd_hopper_q8<__half>(p, stream);
-    else fwd_hopper_q8<__nv_bfloat16>(p, stream);
+    if (dt == DType::kF16) fwd_hopper<__half, true>(p, stream);
+    else fwd_hopper<__nv_bfloat16, true>(p, stream);
     return;
   }
 #endif
