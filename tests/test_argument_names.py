@@ -852,6 +852,7 @@ KINDS = {
     ("softmax.reference.attention", "window"): "attention()'s (left, right) window",
     ("softmax.reference.seen_keys", "window"): "attention()'s (left, right) window",
     ("softmax.reference.qk_int8_scores", "window"): "attention()'s (left, right) window",
+    ("softmax.reference.qk_quant_scores", "window"): "attention()'s (left, right) window",
     ("softmax.reference.mask_structure", "window"): "attention()'s (left, right) window",
     ("softmax.functional.window_size_pair", "window_size"): "the one check of window_size (test_window_size_is_a_pair)",
     ("linear.reference.chunked", "scale"): "linear_attention's scale",

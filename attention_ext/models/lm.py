@@ -60,7 +60,7 @@ class LMConfig:
     lsh_chunk_size: int = 64              # attention_type="lsh"
     bias: bool = True
     tie_weights: bool = True              # the output projection is the token embedding (Press & Wolf)
-    qk_quant: Optional[str] = None        # "int8": the int8 Q.K^T in no-grad forwards (AttentionConfig)
+    qk_quant: Optional[str] = None        # "int8" / "fp8": the 8-bit Q.K^T in no-grad forwards (AttentionConfig)
 
     def block(self) -> BlockConfig:
         d_ff = self.d_ff or (int(8 * self.d_model / 3) if self.activation == "swiglu" else 4 * self.d_model)

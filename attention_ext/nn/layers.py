@@ -65,10 +65,11 @@ class AttentionConfig:
     lsh_buckets: int = 8               # attention_type="lsh": buckets per hash round, 1 or even (Reformer: ~ S / chunk)
     lsh_hashes: int = 1                # attention_type="lsh": hash rounds
     lsh_chunk_size: int = 64           # attention_type="lsh": the sorted positions' chunk length
-    # attention_type="softmax": "int8" runs Q.K^T in int8 (attention()'s qk_quant) in forwards with
-    # no graph to build (torch.no_grad / inference_mode: evaluation, a generation's prefill) on a
-    # device with its kernel (the CPU); a forward that records gradients, generation's cached
-    # steps, keep_weights and other devices run unquantized
+    # attention_type="softmax": "int8" ("fp8") runs Q.K^T in int8 (fp8 e4m3; attention()'s
+    # qk_quant) in forwards with no graph to build (torch.no_grad / inference_mode: evaluation, a
+    # generation's prefill) on a device with a quantized kernel (CPU, CUDA; a call its kernel does
+    # not take runs the reference with a warning, as attention() does); a forward that records
+    # gradients, generation's cached steps and keep_weights run unquantized
     qk_quant: Optional[str] = None
 
     def __post_init__(self):
@@ -324,7 +325,7 @@ class Attention(nn.Module):
             out = self._context_parallel(q, x, context_parallel)  # (B, n, H, D)
             return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
         src = context if self.cross else x
-        # the int8 Q.K^T: forwards without a graph, over a whole prompt (not a cached step)
+        # the 8-bit Q.K^T: forwards without a graph, over a whole prompt (not a cached step)
         quant = c.qk_quant if (c.qk_quant and not torch.is_grad_enabled() and not self.keep_weights and
                                softmax_ops.has_quant_kernel(x.device) and
                                (cache is None or getattr(cache, "pos", None) == 0)) else None

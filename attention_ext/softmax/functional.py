@@ -12,6 +12,7 @@ become the op's bias, and the values inside cu_seqlens.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import warnings
@@ -172,29 +173,31 @@ def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, s
 
 def _quantized(q: Tensor, k: Tensor, v: Tensor, opts: dict, qk_quant: str) -> Tuple[Tensor, Tensor]:
     """The forward with a quantized Q.K^T (softmax_fwd_quant) on (B, H, S, D) views: the compiled
-    kernel of q's device (CPU; CUDA: fp16 / bf16 with a head dim a multiple of 16 up to 128, dense,
-    sm_80+), else reference.attention_qk_int8 under the op's input rules, with a warning."""
-    _check(isinstance(qk_quant, str), lambda: f"qk_quant must be None or 'int8', got {qk_quant!r}", TypeError)
+    kernel of q's device (int8: CPU, and CUDA fp16 / bf16 with a head dim a multiple of 16 up to
+    128, dense, sm_80+; fp8: the same on sm_90 only), else reference.attention_qk_quant under the
+    op's input rules, with a warning."""
+    _check(isinstance(qk_quant, str), lambda: f"qk_quant must be None, 'int8' or 'fp8', got {qk_quant!r}",
+           TypeError)
     grads = [n for n, t in (("q", q), ("k", k), ("v", v), ("attn_mask", opts["bias"]), ("sinks", opts["sinks"]))
              if isinstance(t, Tensor) and t.requires_grad]
     _check(not (torch.is_grad_enabled() and grads),
            lambda: f"qk_quant={qk_quant!r} is forward-only (inference), but {', '.join(grads)} require grad: run it "
                    "under torch.no_grad() / torch.inference_mode(), or leave qk_quant=None to train")
-    why = f"no compiled int8 Q.K^T kernel on {q.device}"
+    why = f"no compiled {qk_quant} Q.K^T kernel on {q.device}"
     if ops.has_quant_kernel(q.device):
         try:
             return ops.fwd_quant(q, k, v, qk_quant=qk_quant, **opts)
         except NotImplementedError as e:  # a config the device's kernel does not take (the op's message)
-            if "qk_quant='int8' on CUDA runs on" not in str(e):
+            if f"qk_quant='{qk_quant}' on CUDA runs on" not in str(e) and "qk_quant='fp8' runs on" not in str(e):
                 raise
-            why = str(e).split("\n")[0]
+            why = str(e).split("\n")[0].removeprefix("attention_ext: ")
     ops.check_quant_inputs(q, k, v, qk_quant=qk_quant, **opts)
-    key = (q.device.type, "qk_quant", q.dtype, q.shape[-1])
+    key = (q.device.type, qk_quant, q.dtype, q.shape[-1])
     if key not in _warned_fallback:
         _warned_fallback.add(key)
         warnings.warn(f"attention_ext: {why}; running the PyTorch reference of the method "
-                      "(reference.attention_qk_int8)", RuntimeWarning)
-    return _reference(q, k, v, opts, quantized=True)
+                      "(reference.attention_qk_quant)", RuntimeWarning)
+    return _reference(q, k, v, opts, quantized=qk_quant)
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, deterministic: bool,
@@ -223,9 +226,9 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
     return _reference(q, k, v, opts)
 
 
-def _reference(q: Tensor, k: Tensor, v: Tensor, opts: dict, quantized: bool = False) -> Tuple[Tensor, Tensor]:
-    """reference.attention (quantized: attention_qk_int8) of the fused op's call: (out, lse) in
-    q's dtype and the acc dtype."""
+def _reference(q: Tensor, k: Tensor, v: Tensor, opts: dict, quantized: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """reference.attention (quantized "int8" / "fp8": attention_qk_quant) of the fused op's call:
+    (out, lse) in q's dtype and the acc dtype."""
     acc = ops.acc_dtype(q.dtype)
     o = opts
     cu_q, cu_k = o["cu_seqlens_q"], o["cu_seqlens_k"]
@@ -244,7 +247,7 @@ def _reference(q: Tensor, k: Tensor, v: Tensor, opts: dict, quantized: bool = Fa
               dropout_p=o["dropout_p"], dropout_mask=dmask)
     if quantized and o.get("block_layout") is not None:  # the layout's hidden keys, as the kernels see them
         kw["visible"] = _merge_block_layout(None, o["block_layout"], o["block_size"], sq, sk)
-    fn = reference.attention_qk_int8 if quantized else reference.attention
+    fn = functools.partial(reference.attention_qk_quant, qk_quant=quantized) if quantized else reference.attention
     if cu_q is None:
         out, lse = fn(q.to(acc), k.to(acc), v.to(acc), seqlens_k=o["seqlens_k"], **kw)
     else:  # (1, H, total, D) packs -> (total, H, D) and back
@@ -382,7 +385,11 @@ def attention(
             keys no query row of a kv group may attend, so NaN there reaches nothing); a call
             that needs gradients raises. The CPU kernel uses AVX512-VNNI at the avx512bf16
             level; CUDA runs an mma.sync int8 kernel (fp16 / bf16, head dims multiples of 16
-            up to 128, dense), other CUDA calls reference.attention_qk_int8 with a warning.
+            up to 128, dense), other CUDA calls reference.attention_qk_quant with a warning.
+            "fp8" rounds to fp8 e4m3 instead (amax to 448) and sums in float32 on Hopper's
+            wgmma (sm_90, the same configs; 16 query rows, 128 keys per scale): no faster
+            than int8 there and about 3x its error; elsewhere it runs the reference, with a
+            warning.
         key_padding_mask: not read: a TypeError says to pass key_mask=~key_padding_mask (the
             name is torch's, with the opposite polarity).
 

@@ -115,8 +115,8 @@ if HAS_EXT:
     torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
 
     def _quant_backward(ctx, dout, dlse):
-        raise RuntimeError("attention_ext: the int8 Q.K^T forward (qk_quant) has no backward: it is for inference; "
-                           "train with qk_quant=None")
+        raise RuntimeError("attention_ext: the quantized Q.K^T forward (qk_quant) has no backward: it is for "
+                           "inference; train with qk_quant=None")
 
     # a gradient through softmax_fwd_quant is an error at backward time, not a silent None
     torch.library.register_autograd("attention_ext::softmax_fwd_quant", _quant_backward,
@@ -301,7 +301,8 @@ def set_cuda_kernels(hopper_fwd: int = 1, hopper_bwd: int = 1, tune_fwd: int = 0
                     mma.sync forward there, 2 the wgmma forward also for softcap, ALiBi, bool
                     masks, additive biases, dropout, block-sparse layouts and qk_quant="int8"
                     (s8 wgmma; checked in the CPU emulator only, no GPU run yet, so not the
-                    default)
+                    default). qk_quant="fp8" runs on the wgmma forward at 1 and 2 (its only
+                    kernel); at 0 it runs the reference with a warning
         hopper_bwd  1 the sm_90a wgmma backward where it applies (the default, likewise), 0 off,
                     2 also for softcap, ALiBi, bool masks, biases with dbias, dropout and
                     block-sparse layouts (likewise not yet run on a GPU)

@@ -153,12 +153,17 @@ QK_INT8_BLOCK_Q = 48
 QK_INT8_BLOCK_K = 128
 
 
-def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
-    """x (B, H, S, D) float32 rounded to int8 per block of `block` rows (rows where `valid`
-    (B, 1 or H, S, 1) is False are left out of the scale and come back 0): (xi (B, H, S, D) float32
-    holding integers, scale (B, H, S, 1) float32, the row's block scale). Float32 op for op as
-    the kernels: scale = amax / 127, rint(x * (127 / amax)) clamped to +-127; a block holding a
-    NaN or an inf gets a NaN scale (and zeros)."""
+# The largest code of each format of the quantized Q.K^T: a block's amax maps to it
+_QUANT_TOP = {"int8": 127.0, "fp8": 448.0}
+
+
+def _int8_blocks(x: Tensor, block: int, valid: Tensor, fmt: str = "int8") -> Tuple[Tensor, Tensor]:
+    """x (B, H, S, D) float32 rounded to int8 (fmt "fp8": to fp8 e4m3) per block of `block` rows
+    (rows where `valid` (B, 1 or H, S, 1) is False are left out of the scale and come back 0):
+    (xi (B, H, S, D) float32 holding the codes' values, scale (B, H, S, 1) float32, the row's block
+    scale). Float32 op for op as the kernels: scale = amax / top, x * (top / amax) rounded (int8:
+    rint clamped to +-127; fp8: to nearest even e4m3, saturated at +-448), top 127 or 448; a block
+    holding a NaN or an inf gets a NaN scale (and zeros)."""
     b, h, s, d = x.shape
     nb = -(-s // block)
     pad = nb * block - s
@@ -169,11 +174,14 @@ def _int8_blocks(x: Tensor, block: int, valid: Tensor) -> Tuple[Tensor, Tensor]:
     amax = torch.where(finite, ax, torch.zeros((), dtype=ax.dtype, device=ax.device)).amax(-1, keepdim=True)
     # full tensors on both sides: torch turns a division by or of a scalar into a multiplication
     # by a reciprocal (two roundings), where the kernels divide once
-    c127 = torch.full_like(amax, 127.0)
-    scale = torch.where(finite, amax / c127, torch.full_like(amax, float("nan")))
-    inv = c127 / amax.clamp_min(torch.finfo(torch.float32).tiny)
+    top = torch.full_like(amax, _QUANT_TOP[fmt])
+    scale = torch.where(finite, amax / top, torch.full_like(amax, float("nan")))
+    inv = top / amax.clamp_min(torch.finfo(torch.float32).tiny)
     inv = torch.where(finite & (amax > 0) & torch.isfinite(inv), inv, torch.zeros_like(amax))
-    xi = torch.round(xp * inv).clamp(-127, 127).nan_to_num(0.0)
+    if fmt == "fp8":
+        xi = (xp * inv).clamp(-448, 448).nan_to_num(0.0).to(torch.float8_e4m3fn).float()
+    else:
+        xi = torch.round(xp * inv).clamp(-127, 127).nan_to_num(0.0)
     xi = xi.reshape(b, h, nb * block, d)[:, :, :s]
     rows = scale.view(b, h, nb, 1).repeat_interleave(block, dim=2)[:, :, :s]
     return xi, rows
@@ -198,11 +206,21 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), 
                    seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                    visible: Optional[Tensor] = None, block_q: int = QK_INT8_BLOCK_Q,
                    block_k: int = QK_INT8_BLOCK_K) -> Tensor:
-    """The raw scores x = q.k (B, H, S_q, S_k) of the int8 Q.K^T (SageAttention's method), in
-    float64: attention(..., logits=this) is what attention(..., qk_quant="int8") computes.
+    """qk_quant_scores(..., qk_quant="int8"): the int8 Q.K^T's raw scores."""
+    return qk_quant_scores(q, k, qk_quant="int8", window=window, bottom_right=bottom_right, seqlens_k=seqlens_k,
+                           bias=bias, visible=visible, block_q=block_q, block_k=block_k)
+
+
+def qk_quant_scores(q: Tensor, k: Tensor, *, qk_quant: str = "int8", window: Tuple[int, int] = (-1, -1),
+                    bottom_right: bool = False, seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                    visible: Optional[Tensor] = None, block_q: int = QK_INT8_BLOCK_Q,
+                    block_k: int = QK_INT8_BLOCK_K) -> Tensor:
+    """The raw scores x = q.k (B, H, S_q, S_k) of the 8-bit Q.K^T (SageAttention's method; qk_quant
+    "int8", or "fp8": e4m3 codes, amax to 448), in float64: attention(..., logits=this) is what
+    attention(..., qk_quant=qk_quant) computes.
 
         mean  = mean of the seen keys (B, H_k, 1, D)   (k - mean: the smoothing; summed in float64)
-        qi, sq = int8 blocks of q (block_q rows);  ki, sk = int8 blocks of k - mean (block_k keys)
+        qi, sq = 8-bit blocks of q (block_q rows);  ki, sk = 8-bit blocks of k - mean (block_k keys)
         x     = (qi @ ki^T) * (sq * sk) + q @ mean^T
 
     q.k = q.(k - mean) + q.mean, so only the smoothed part is rounded; softmax, softcap and the
@@ -216,8 +234,10 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), 
     n = valid.sum(2, keepdim=True)  # (B, H_k, 1, 1)
     kv = torch.where(valid, k32.double(), torch.zeros((), dtype=torch.float64, device=k.device))
     mean = (kv.sum(2, keepdim=True) / n.clamp_min(1)).float()  # (B, H_k, 1, D)
-    ki, ks = _int8_blocks(torch.where(valid, k32 - mean, torch.zeros((), device=k.device)), block_k, valid)
-    qi, qs = _int8_blocks(q32, block_q, torch.ones(b, 1, sq, 1, dtype=torch.bool, device=q.device))
+    if qk_quant not in _QUANT_TOP:
+        raise ValueError(f"qk_quant must be 'int8' or 'fp8', got {qk_quant!r}")
+    ki, ks = _int8_blocks(torch.where(valid, k32 - mean, torch.zeros((), device=k.device)), block_k, valid, qk_quant)
+    qi, qs = _int8_blocks(q32, block_q, torch.ones(b, 1, sq, 1, dtype=torch.bool, device=q.device), qk_quant)
     g = h // hk
     ki, ks, mean = (t.repeat_interleave(g, dim=1) for t in (ki, ks, mean))
     scale = (qs * ks.transpose(-1, -2)).double()  # (B, H, S_q, S_k): float32 products, as the kernels
@@ -225,12 +245,19 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), 
 
 
 def attention_qk_int8(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tuple[Tensor, Tensor]:
-    """attention() with the int8 Q.K^T's scores (qk_int8_scores) in float64: the oracle of
-    attention(..., qk_quant="int8") and its fallback where no kernel runs it. Takes attention()'s
-    options, and `visible` (seen_keys'); returns (out, lse) in float64."""
-    visible = kwargs.pop("visible", None)
-    x = qk_int8_scores(q, k, visible=visible,
-                       **{n: kwargs[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in kwargs})
+    """attention_qk_quant(..., qk_quant="int8")."""
+    return attention_qk_quant(q, k, v, qk_quant="int8", **kwargs)
+
+
+def attention_qk_quant(q: Tensor, k: Tensor, v: Tensor, *, qk_quant: str = "int8",
+                       **kwargs: Any) -> Tuple[Tensor, Tensor]:
+    """attention() with the 8-bit Q.K^T's scores (qk_quant_scores) in float64: the oracle of
+    attention(..., qk_quant=qk_quant) and its fallback where no kernel runs it. Takes attention()'s
+    options, `visible` (seen_keys') and the blocks (block_q, block_k: the CPU kernel's by default);
+    returns (out, lse) in float64."""
+    extra = {n: kwargs.pop(n) for n in ("visible", "block_q", "block_k") if n in kwargs}
+    x = qk_quant_scores(q, k, qk_quant=qk_quant, **extra,
+                        **{n: kwargs[n] for n in ("window", "bottom_right", "seqlens_k", "bias") if n in kwargs})
     f64 = torch.float64
     kw = {n: (t.to(f64) if isinstance(t, Tensor) and t.is_floating_point() else t) for n, t in kwargs.items()}
     return attention(q.to(f64), k.to(f64), v.to(f64), logits=x, **kw)

@@ -484,14 +484,15 @@ def option_rows(b=8, h=16, s=4096, d=128, device="cuda"):
 
 def qk_int8_rows(device="cuda"):
     """The int8 Q.K^T forward (softmax_fwd_quant: the quantize pass, then the mma.sync FwdQ8
-    kernel; "int8 wgmma": its s8 wgmma form at hopper_fwd=2, sm_90 only) against our bf16 forward
+    kernel; "int8 wgmma": its s8 wgmma form at hopper_fwd=2, sm_90 only; "fp8 wgmma": qk_quant="fp8",
+    the e4m3 wgmma form, sm_90 only) against our bf16 forward
     as the default runs it (the wgmma kernel on sm_90), the bf16 mma.sync kernel it is built on
     (hopper_fwd=0) and SDPA flash, at the issue's shapes: B * S = 32k, H = 16, D 64 / 128, S 4096
     / 8192, causal and not. TFLOP/s count the allowed pairs; x = the bf16 default's (or the
     other's) time / the int8 time (target: >= 1.3x our bf16 forward). Returns markdown."""
-    lines = ["| D | S | causal | int8 TFLOP/s | int8 wgmma TFLOP/s | bf16 default | x | x wgmma | bf16 mma.sync | x | "
-             "SDPA flash | x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| D | S | causal | int8 TFLOP/s | int8 wgmma TFLOP/s | fp8 wgmma TFLOP/s | bf16 default | x | x wgmma | "
+             "x fp8 | bf16 mma.sync | x | SDPA flash | x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in (128, 64):
         for s in (4096, 8192):
             for causal in (False, True):
@@ -501,10 +502,11 @@ def qk_int8_rows(device="cuda"):
                 o = dict(zip(ops.OPTION_NAMES, options(d, causal)))
                 args = [o[n] for n in ops.OPTION_NAMES]
                 t8 = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd_quant(q, k, v, *args, "int8"))
-                t8w = float("nan")
+                t8w = t8f = float("nan")
                 if torch.cuda.get_device_capability()[0] == 9:
                     with kernels(hopper_fwd=2):
                         t8w = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd_quant(q, k, v, *args, "int8"))
+                    t8f = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd_quant(q, k, v, *args, "fp8"))
                 t_def = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args))
                 with hopper_env(0):
                     t_mma = cuda_time(lambda: torch.ops.attention_ext.softmax_fwd(q, k, v, *args))
@@ -512,7 +514,8 @@ def qk_int8_rows(device="cuda"):
                 t_sdpa = cuda_time(fns[0]) if fns else float("nan")
                 f = flops(b, h, s, s, d, causal=causal, mode="fwd")
                 lines.append(f"| {d} | {s} | {causal} | {f / t8 / 1e12:.0f} | {f / t8w / 1e12:.0f} | "
-                             f"{f / t_def / 1e12:.0f} | {ratio(t_def, t8)} | {ratio(t_def, t8w)} | "
+                             f"{f / t8f / 1e12:.0f} | {f / t_def / 1e12:.0f} | {ratio(t_def, t8)} | "
+                             f"{ratio(t_def, t8w)} | {ratio(t_def, t8f)} | "
                              f"{f / t_mma / 1e12:.0f} | {ratio(t_mma, t8)} | "
                              f"{f / t_sdpa / 1e12:.0f} | {ratio(t_sdpa, t8)} |")
                 print(lines[-1], flush=True)

@@ -35,6 +35,9 @@ enum class BiasKind : int32_t {
 // sequence's mean spread over that many CTAs per kv head.
 constexpr int kQ8MeanKeys = 256;
 
+// SoftmaxParamsT::qk_quant, the quantized Q K^T's number format
+enum QkQuant : int32_t { kQkNone = 0, kQkInt8 = 1, kQkFp8 = 2 };
+
 template <typename Acc>
 struct SoftmaxParamsT : QkvParams {
   // (B, H, Sq) Acc, contiguous; varlen: (1, H, total_q) with lse_batch_stride 0. Element (b, h, i) of sequence b
@@ -87,10 +90,13 @@ struct SoftmaxParamsT : QkvParams {
   DropoutCoords dropout_coords;  // identity, or this call's place in a larger problem (philox.h)
 
   // ---------------------------------------------------------------- quantized Q K^T (forward only)
-  // 0 = off; 1 = int8: Q per block of query rows and the mean-smoothed K per block of keys
-  // rounded to int8, q . k summed in int32 (cpu/q8dot.h; CUDA: softmax/cuda/q8.cuh).
+  // QkQuant: kQkNone = off; kQkInt8: Q per block of query rows and the mean-smoothed K per block
+  // of keys rounded to int8, q . k summed in int32 (cpu/q8dot.h; CUDA: softmax/cuda/q8.cuh);
+  // kQkFp8: the same blocks rounded to fp8 e4m3 (amax to 448), summed in float32 on Hopper's
+  // wgmma (CUDA sm_90a only).
   int32_t qk_quant;
-  // The CUDA forward's int8 operands, filled by its quantize pass (softmax/cuda/q8.cuh): q8 / k8
+  // The CUDA forward's 8-bit operands (int8, or e4m3 bits), filled by its quantize pass
+  // (softmax/cuda/q8.cuh): q8 / k8
   // in q's / k's shapes, contiguous (their own strides below: multiples of d, so every row is
   // 16-byte aligned, and a k expanded over the batch gets rows of its own per sequence, whose
   // mean differs with its length); q_scale (B, H, nbq) per q8_block_q

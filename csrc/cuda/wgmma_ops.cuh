@@ -158,6 +158,31 @@ struct WgmmaS8<128> {
     ATTN_WGMMA_S8("128", ATTN_WGMMA_IACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66");
   }
 };
+// wgmma.mma_async m64nNk32 with fp32 accumulators, A and B fp8 e4m3, both from shared memory and
+// K-major (as the s8 form; scale factors +1, no transpose immediates for 8-bit types): the fp8
+// Q K^T of the sm_90a forward (qk_quant = "fp8"). d: C fragments as the 16-bit form's.
+#define ATTN_WGMMA_E4M3(N, ACC, REGS, IA, IB, IP)                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n" N "k32.f32.e4m3.e4m3 " REGS ", %" IA ", %" IB    \
+               ", p, 1, 1;\n}\n"                                                                  \
+               : ACC                                                                             \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <int N>
+struct WgmmaE4M3;
+template <>
+struct WgmmaE4M3<64> {
+  static __device__ __forceinline__ void ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ATTN_WGMMA_E4M3("64", ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34");
+  }
+};
+template <>
+struct WgmmaE4M3<128> {
+  static __device__ __forceinline__ void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ATTN_WGMMA_E4M3("128", ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66");
+  }
+};
+
 template <int N>
 __device__ __forceinline__ void fence_operands(int32_t (&r)[N]) {
 #pragma unroll
@@ -172,6 +197,7 @@ __device__ __forceinline__ void fence_operands(int32_t (&r)[N]) {
 #undef ATTN_WGMMA_REGS32
 #undef ATTN_WGMMA_REGS64
 #undef ATTN_WGMMA_S8
+#undef ATTN_WGMMA_E4M3
 #undef ATTN_WGMMA_IACC32
 #undef ATTN_WGMMA_IACC64
 #undef ATTN_WGMMA_OPS32

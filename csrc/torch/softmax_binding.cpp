@@ -163,18 +163,16 @@ void check_num_splits(int64_t num_splits) {
 }
 
 int32_t check_qk_quant(const Tensor& q, const Options& o, c10::string_view qk_quant) {
-  TORCH_CHECK_NOT_IMPLEMENTED(qk_quant != "fp8",
-                              "attention_ext: qk_quant='fp8' (e4m3 Q.K^T on Hopper's wgmma) is not built yet; use "
-                              "qk_quant='int8'");
-  TORCH_CHECK_VALUE(qk_quant == "int8", "attention_ext: qk_quant must be None or 'int8', got '", qk_quant, "'");
+  TORCH_CHECK_VALUE(qk_quant == "int8" || qk_quant == "fp8",
+                    "attention_ext: qk_quant must be None, 'int8' or 'fp8', got '", qk_quant, "'");
   const at::ScalarType dt = q.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-                   "attention_ext: qk_quant='int8' takes float32, float16 or bfloat16 q / k / v, got ", dt,
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, "attention_ext: qk_quant='",
+                   qk_quant, "' takes float32, float16 or bfloat16 q / k / v, got ", dt,
                    " (float64 is for checking: leave qk_quant=None)");
-  TORCH_CHECK_VALUE(!o.topk_thr.has_value(),
-                    "attention_ext: qk_quant='int8' does not compose with top-k (its threshold pass selects keys "
-                    "by the float logits); leave qk_quant=None");
-  return 1;
+  TORCH_CHECK_VALUE(!o.topk_thr.has_value(), "attention_ext: qk_quant='", qk_quant,
+                    "' does not compose with top-k (its threshold pass selects keys by the float logits); leave "
+                    "qk_quant=None");
+  return qk_quant == "int8" ? attn::kQkInt8 : attn::kQkFp8;
 }
 
 std::tuple<Tensor, Tensor> alloc_fwd_outputs(const Tensor& q, const Options& o, bool poison) {

@@ -115,10 +115,10 @@ std::tuple<Tensor, Tensor> routed_fwd(const Tensor& q, const Tensor& k, const Te
 // clamps to its maximum, the CPU ignores it).
 void check_num_splits(int64_t num_splits);
 
-// The quantized Q K^T of a forward (softmax_fwd_quant): qk_quant "int8" -> 1 (SoftmaxParams::qk_quant),
-// after its rules: float32 / float16 / bfloat16 inputs, no top-k. "fp8" (Hopper's wgmma) is named
-// and refused as not built; any other string is an error. Checked before check_inputs (whose
-// rules then apply as to softmax_fwd).
+// The quantized Q K^T of a forward (softmax_fwd_quant): qk_quant "int8" / "fp8" -> kQkInt8 /
+// kQkFp8 (SoftmaxParams::qk_quant), after its rules: float32 / float16 / bfloat16 inputs, no
+// top-k; any other string is an error. Checked before check_inputs (whose rules then apply as to
+// softmax_fwd). Which devices run which format is each backend's rule (the CPU: int8 only).
 int32_t check_qk_quant(const Tensor& q, const Options& o, c10::string_view qk_quant);
 
 // Checks the backward's extra inputs (dout, out, lse and the optional dlse) against q.

@@ -49,10 +49,14 @@ std::tuple<Tensor, Tensor> fwd_cpu(const Tensor& q, const Tensor& k, const Tenso
 }
 
 // The forward with the int8 Q K^T (SoftmaxParams::qk_quant): float inputs only (check_qk_quant).
+// fp8 has no CPU kernel: no x86 CPU has e4m3 dot products, and the format's only use, a tensor-core
+// rate on Hopper, is no use here (the Python layer runs the method's reference, with a warning).
 std::tuple<Tensor, Tensor> fwd_quant_cpu(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
                                          c10::string_view qk_quant) {
   const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
   const int32_t code = attn::api::check_qk_quant(q, o, qk_quant);
+  TORCH_CHECK_NOT_IMPLEMENTED(code == attn::kQkInt8, "attention_ext: qk_quant='fp8' runs on the CUDA sm_90 kernel "
+                              "(e4m3 on wgmma) only; on the CPU use qk_quant='int8' (more accurate, VNNI dot products)");
   attn::api::check_inputs(q, k, v, o);
   auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
   if (q.numel() == 0) return {out, lse};

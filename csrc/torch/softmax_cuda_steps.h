@@ -99,8 +99,8 @@ std::tuple<Tensor, Tensor> cuda_fwd_steps(const Device& dev, const Tensor& q, co
   return {out, lse};
 }
 
-// The forward with the int8 Q.K^T (softmax_fwd_quant): the op's rules (check_qk_quant, then the
-// forward's), the int8 operands and scales at the kernel's blocks, the launch. A config the
+// The forward with the 8-bit Q.K^T (softmax_fwd_quant): the op's rules (check_qk_quant, then the
+// forward's), the 8-bit operands and scales at the kernel's blocks, the launch. A config the
 // kernel does not take raises NotImplementedError naming what it takes (the Python layer then
 // runs reference.attention_qk_int8, with a warning).
 template <typename Device>
@@ -117,11 +117,13 @@ std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor&
   p.qk_quant = code;
   const DType dt = dtype_of(q);
   const auto [bq, bk] = dev.fwd_q8_blocks(p, dt);
-  TORCH_CHECK_NOT_IMPLEMENTED(bq > 0, Device::kWhat, ": qk_quant='int8' on CUDA runs on the tensor-core kernels: ",
-                              "float16 / bfloat16 q, k, v with a head dim that is a multiple of 16 up to 128, ",
-                              "16-byte aligned rows, no block_layout, on sm_80 or newer; this call (", q.scalar_type(),
-                              ", head dim ", p.d, ") has no such kernel");
-  // int8 q / k in q's / k's shapes, contiguous (rows of d bytes: 16-byte aligned, see
+  TORCH_CHECK_NOT_IMPLEMENTED(bq > 0, Device::kWhat, ": qk_quant='", qk_quant, "' on CUDA runs on the tensor-core ",
+                              "kernels: float16 / bfloat16 q, k, v with a head dim that is a multiple of 16 up to 128, ",
+                              "16-byte aligned rows, no block_layout, on ",
+                              code == kQkFp8 ? "sm_90 (the wgmma kernel, not turned off by set_cuda_kernels)"
+                                             : "sm_80 or newer",
+                              "; this call (", q.scalar_type(), ", head dim ", p.d, ") has no such kernel");
+  // 8-bit q / k (int8, or e4m3 bits) in q's / k's shapes, contiguous (rows of d bytes: 16-byte aligned, see
   // Q8Operands), the scales, q . mean in lse's layout and the K means: one float32 scratch. At
   // least one key block and mean chunk, so an empty key range still has its mean written.
   Tensor q8 = at::empty(q.sizes(), q.options().dtype(at::kChar));

@@ -1,5 +1,5 @@
 """Builds and runs the plain C++ unit tests (tests/cpp), without torch: the shared policy, RNG and
-split-KV merge, the split-KV heuristic, the CPU SIMD transpose and triangular gemm, and the bf16
+split-KV merge, the split-KV heuristic, the fp8 e4m3 encoding, the CPU SIMD transpose and triangular gemm, and the bf16
 dot product's emulation against the instruction (on CPUs with AVX512-BF16); and
 compiles the CPU kernels for a baseline ISA."""
 import glob
@@ -27,7 +27,7 @@ BF16_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512v
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 @pytest.mark.parametrize("name,flags", [("test_policy", []), ("test_split_merge", []), ("test_heuristics", []),
-                                        ("test_simd", []), ("test_simd", ["-march=native"]),
+                                        ("test_simd", []), ("test_simd", ["-march=native"]), ("test_fp8", []),
                                         ("test_bf16dot", BF16_FLAGS)])
 def test_cpp(tmp_path, name, flags):
     if name == "test_bf16dot" and (platform.machine() not in ("x86_64", "AMD64") or not _has_avx512bf16()):

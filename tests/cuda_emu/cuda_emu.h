@@ -136,6 +136,11 @@ void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t
 // shared memory and K-major (byte k of a row is the low or high byte of its 16-bit element
 // k / 2), int32 accumulators d (exact, wrapping as int32).
 void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulate);
+// wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3: as wgmma_s8, with fp8 e4m3 A and B and
+// float32 accumulators: each instruction's 32 products and d summed exactly (float64) and rounded
+// once (the hardware adds in an unspecified order at a lower internal precision, so a GPU
+// differs from this in the last bits of the float32 sums).
+void wgmma_e4m3(int n, float* d, uint64_t desc_a, uint64_t desc_b, int accumulate);
 // mbarrier.init / arrive (release) / try_wait.parity (acquire, in a loop: blocks this thread
 // until the phase of that parity has completed) on an 8-byte object in shared memory, and
 // bar.sync id, count (a barrier of `count` threads, id 1..15)

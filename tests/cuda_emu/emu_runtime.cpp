@@ -2,6 +2,8 @@
 // collectives with the PTX fragment layouts, and shared memory / cp.async. See cuda_emu.h.
 #include "cuda_emu.h"
 
+#include "common/fp8.h"
+
 #include <cxxabi.h>
 #include <dlfcn.h>
 
@@ -777,8 +779,14 @@ int8_t desc_byte(uint64_t desc, int mn, int k) {
 
 }  // namespace
 
-void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  if (n != 64 && n != 128) fault("wgmma s8: n = " + std::to_string(n) + " is not emulated (64 or 128)");
+namespace {
+
+// The two 8-bit wgmma forms: D (int32_t or float) accumulators of this warp's 16 rows, the A / B
+// bytes through desc_byte, each made an M (the sum's type) by elem, the sums in M; `what` names
+// the form in faults.
+template <typename D, typename M, typename E>
+void wgmma_8bit(const char* what, int n, D* d, uint64_t desc_a, uint64_t desc_b, int accumulate, E elem) {
+  if (n != 64 && n != 128) fault(std::string(what) + ": n = " + std::to_string(n) + " is not emulated (64 or 128)");
   if (rt.arch < 90) fault("wgmma on an emulated sm_" + std::to_string(rt.arch) + " (sm_90a only)");
   uint32_t in[7] = {};
   const uintptr_t dp = reinterpret_cast<uintptr_t>(d);
@@ -788,36 +796,56 @@ void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulat
   in[6] = uint32_t(accumulate != 0) | uint32_t(n) << 8;
   const int wq = self().warp % 4;
   uint32_t unused[1];
-  collective(Op::kWgmma, in, 7, unused, 0, [n, wq](Warp& w) {
+  collective(Op::kWgmma, in, 7, unused, 0, [n, wq, what, elem](Warp& w) {
     for (int l = 1; l < 32; ++l) {
       if (std::memcmp(w.in[l] + 2, w.in[0] + 2, 5 * sizeof(uint32_t)) != 0)
-        fault("wgmma s8: lanes of one warp gave different descriptors or flags");
+        fault(std::string(what) + ": lanes of one warp gave different descriptors or flags");
     }
     uint64_t da, db;
     std::memcpy(&da, w.in[0] + 2, 8);
     std::memcpy(&db, w.in[0] + 4, 8);
     const bool acc = (w.in[0][6] & 1u) != 0;
-    int32_t* dl[32];
+    D* dl[32];
     for (int l = 0; l < 32; ++l) {
       uintptr_t p0;
       std::memcpy(&p0, w.in[l], 8);
-      dl[l] = reinterpret_cast<int32_t*>(p0);
+      dl[l] = reinterpret_cast<D*>(p0);
     }
-    int32_t A[16][32], C[16][128];
-    static thread_local int32_t B[32][128];
+    M A[16][32], C[16][128];
+    static thread_local M B[32][128];
     for (int r = 0; r < 16; ++r)
-      for (int k = 0; k < 32; ++k) A[r][k] = desc_byte(da, 16 * wq + r, k);
+      for (int k = 0; k < 32; ++k) A[r][k] = elem(desc_byte(da, 16 * wq + r, k));
     for (int k = 0; k < 32; ++k)
-      for (int c = 0; c < n; ++c) B[k][c] = desc_byte(db, c, k);
+      for (int c = 0; c < n; ++c) B[k][c] = elem(desc_byte(db, c, k));
     frags_to_matrix(dl, n, acc, C);
     for (int r = 0; r < 16; ++r)
       for (int c = 0; c < n; ++c) {
-        uint32_t s = uint32_t(C[r][c]);  // wrapping, as the hardware's int32 sums
-        for (int k = 0; k < 32; ++k) s += uint32_t(A[r][k] * B[k][c]);
-        C[r][c] = int32_t(s);
+        M s = C[r][c];
+        for (int k = 0; k < 32; ++k) s = M(s + A[r][k] * B[k][c]);
+        C[r][c] = s;
       }
     matrix_to_frags(C, n, dl);
   });
+}
+
+// int8 sums wrap as the hardware's int32 ones (uint32 arithmetic: no signed overflow here)
+struct S8Sum {
+  uint32_t v;
+  S8Sum(int32_t x = 0) : v(uint32_t(x)) {}
+  S8Sum operator+(S8Sum o) const { return S8Sum(int32_t(v + o.v)); }
+  S8Sum operator*(S8Sum o) const { return S8Sum(int32_t(v * o.v)); }
+  explicit operator int32_t() const { return int32_t(v); }
+};
+
+}  // namespace
+
+void wgmma_s8(int n, int32_t* d, uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  wgmma_8bit<int32_t, S8Sum>("wgmma s8", n, d, desc_a, desc_b, accumulate, [](int8_t x) { return S8Sum(x); });
+}
+
+void wgmma_e4m3(int n, float* d, uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  wgmma_8bit<float, double>("wgmma e4m3", n, d, desc_a, desc_b, accumulate,
+                            [](int8_t x) { return double(attn::e4m3_to_float(uint8_t(x))); });
 }
 
 void wgmma(Elem e, int n, float* d, uint64_t desc_a, const uint32_t* a, uint64_t desc_b, int accumulate, bool trans_a,

@@ -38,12 +38,12 @@ def make(b, h, hk, sq, sk, d, dtype, *, offset=0.0, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def check(emu, q, k, v, arch, what="", blocks=None, **o):
+def check(emu, q, k, v, arch, what="", blocks=None, fmt="int8", **o):
     """The emulated kernel against the oracle at its blocks (blocks: {bucket: (block_q, block_k)},
-    the mma.sync kernel's by default); o: test_cuda.call_fwd's options (window_left /
-    window_right, bias, seqlens_k, alibi_slopes, softcap, sinks, dropout_p ...)."""
+    the mma.sync kernel's by default) in format fmt ("int8" / "fp8"); o: test_cuda.call_fwd's
+    options (window_left / window_right, bias, seqlens_k, alibi_slopes, softcap, sinks, dropout_p ...)."""
     dt = q.dtype
-    out, lse = emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v, **o), "int8", arch)
+    out, lse = emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v, **o), fmt, arch)
     bq, bk = (blocks or BLOCKS)[64 if q.shape[-1] <= 64 else 128]
     rkw = dict(scale=o.get("scale"), window=(o.get("window_left", -1), o.get("window_right", -1)),
                bottom_right=o.get("bottom_right", False), bias=o.get("bias"), seqlens_k=o.get("seqlens_k"),
@@ -53,8 +53,8 @@ def check(emu, q, k, v, arch, what="", blocks=None, **o):
         dmask = reference.dropout_mask(q.shape[0], q.shape[1], q.shape[2], k.shape[2], o["dropout_p"],
                                        torch.tensor([o.get("seed", 0), o.get("offset", 0)]))
         rkw.update(dropout_p=o["dropout_p"], dropout_mask=dmask)
-    x = reference.qk_int8_scores(q, k, window=rkw["window"], bottom_right=rkw["bottom_right"],
-                                 seqlens_k=rkw["seqlens_k"], bias=rkw["bias"], block_q=bq, block_k=bk)
+    x = reference.qk_quant_scores(q, k, qk_quant=fmt, window=rkw["window"], bottom_right=rkw["bottom_right"],
+                                  seqlens_k=rkw["seqlens_k"], bias=rkw["bias"], block_q=bq, block_k=bk)
 
     def cast(kw, t):
         return {n: (a.to(t) if isinstance(a, torch.Tensor) and a.is_floating_point() else a) for n, a in kw.items()}
@@ -111,9 +111,9 @@ def test_options(emu, option):
     check(emu, q, k, v, 90, option, **o)
 
 
-def varlen_case(emu, lens_q, lens_k, d, blocks=None):
+def varlen_case(emu, lens_q, lens_k, d, blocks=None, fmt="int8"):
     """A causal bottom-right varlen pack through cu_seqlens against each sequence as its own call
-    (its own mean and blocks), at the kernel's blocks (check's `blocks`)."""
+    (its own mean and blocks), at the kernel's blocks (check's `blocks`) in format fmt."""
     cq = torch.tensor([0] + lens_q).cumsum(0).int()
     ck = torch.tensor([0] + lens_k).cumsum(0).int()
     h, hk = 4, 2
@@ -125,13 +125,13 @@ def varlen_case(emu, lens_q, lens_k, d, blocks=None):
     out, _ = emu.fwd_quant(pack(q), pack(k), pack(v),
                            *tc.call_fwd(pack(q), pack(k), pack(v), cu_seqlens_q=cq, cu_seqlens_k=ck,
                                         max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), window_left=-1,
-                                        window_right=0, bottom_right=True), "int8", 90)
+                                        window_right=0, bottom_right=True), fmt, 90)
     for i in range(len(lens_q)):
         q0, q1, k0, k1 = int(cq[i]), int(cq[i + 1]), int(ck[i]), int(ck[i + 1])
         if q1 == q0:
             continue
         one = lambda t, a, z: t[a:z].transpose(0, 1)[None].contiguous()  # noqa: E731
-        want = check(emu, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1), 90, f"seq {i}", blocks=blocks,
+        want = check(emu, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1), 90, f"seq {i}", blocks=blocks, fmt=fmt,
                      window_left=-1, window_right=0, bottom_right=True)
         torch.testing.assert_close(out[0, :, q0:q1], want[0], atol=0, rtol=0)
 
@@ -223,7 +223,7 @@ def test_configs_it_refuses(emu):
     with pytest.raises(NotImplementedError, match="no block_layout"):
         emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v, block_layout=torch.ones(1, 1, 1, dtype=torch.bool),
                                             block_size=16), "int8", 90)
-    with pytest.raises(ValueError, match="qk_quant must be None or 'int8'"):
+    with pytest.raises(ValueError, match="qk_quant must be None, 'int8' or 'fp8'"):
         emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int4", 90)
 
 
@@ -263,10 +263,12 @@ def test_strides_empty_keys_and_expanded_k(emu):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-# ---------------------------------------------------------------- the wgmma form (sm_90a)
-# The int8 Q.K^T on the wgmma forward (sm90/fwd_kernel.cuh's kQ8 instance, m64nNk32.s32.s8.s8),
-# selected at hopper_fwd 2: a q scale per warp's 16 rows, a k scale per 128-key tile.
+# ---------------------------------------------------------------- the wgmma forms (sm_90a)
+# The 8-bit Q.K^T on the wgmma forward (sm90/fwd_kernel.cuh's quantized instances): int8 on
+# m64nNk32.s32.s8.s8, selected at hopper_fwd 2; fp8 e4m3 on m64nNk32.f32.e4m3.e4m3, at 1 and 2 (its
+# only kernel). A q scale per warp's 16 rows, a k scale per 128-key tile.
 HOPPER_BLOCKS = {64: (16, 128), 128: (16, 128)}
+FMTS = ["int8", "fp8"]
 
 
 @pytest.fixture
@@ -277,31 +279,56 @@ def wgmma(emu):
 
 
 def test_wgmma_launch_sequence(wgmma):
-    """The quantize pass, then the wgmma kernel's int8 instance (not FwdQ8); at sm_80 FwdQ8."""
+    """The quantize pass, then the wgmma kernel's quantized instance (not FwdQ8); at sm_80 FwdQ8
+    for int8, and fp8 refused by name."""
     q, k, v = make(1, 2, 1, 64, 128, 64, torch.bfloat16)
-    wgmma.launches()
-    wgmma.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int8", 90)
-    names = wgmma.launches()
-    assert len(names) == 5 and "q8_quant_q_kernel" in names[3], names
-    assert "hopper" in names[4] and "fwd_kernel" in names[4], names
+    for fmt in FMTS:
+        wgmma.launches()
+        wgmma.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), fmt, 90)
+        names = wgmma.launches()
+        assert len(names) == 5 and "q8_quant_q_kernel" in names[3], names
+        assert "hopper" in names[4] and "fwd_kernel" in names[4], names
+        assert f", {FMTS.index(fmt) + 1}>(" in names[4], names  # the instance: kQkInt8 = 1, kQkFp8 = 2
     wgmma.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int8", 80)
     assert "FwdQ8" in wgmma.launches()[4]
+    with pytest.raises(NotImplementedError, match="qk_quant='fp8' on CUDA runs on .* sm_90"):
+        wgmma.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "fp8", 80)
 
 
+def test_fp8_selection_levels(emu):
+    """fp8 runs at the selection's levels 1 and 2 (level 1: not int8, which stays on FwdQ8 there),
+    and is refused at 0 (the wgmma forward turned off) rather than run as int8."""
+    q, k, v = make(1, 2, 1, 40, 70, 64, torch.bfloat16)
+    try:
+        emu.set_cuda_kernels(1, 0, 0, 0, False)
+        emu.launches()
+        check(emu, q, k, v, 90, "level 1", blocks=HOPPER_BLOCKS, fmt="fp8")
+        assert "hopper" in emu.launches()[4]
+        emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "int8", 90)
+        assert "FwdQ8" in emu.launches()[4]
+        emu.set_cuda_kernels(0, 0, 0, 0, False)
+        with pytest.raises(NotImplementedError, match="not turned off by set_cuda_kernels"):
+            emu.fwd_quant(q, k, v, *tc.call_fwd(q, k, v), "fp8", 90)
+    finally:
+        emu.set_cuda_kernels(0, 0, 0, 0, False)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 4, 2, 70, 130, 64), (1, 2, 1, 33, 260, 128), (1, 3, 3, 129, 50, 96),
                                    (2, 2, 1, 1, 1, 16), (1, 1, 1, 150, 700, 64)],
                          ids=["gqa_d64", "mqa_d128", "mha_d96", "one_d16", "three_mean_chunks"])
-def test_wgmma_matches_quantized_oracle(wgmma, dtype, shape):
+def test_wgmma_matches_quantized_oracle(wgmma, dtype, shape, fmt):
     b, h, hk, sq, sk, d = shape
     q, k, v = make(b, h, hk, sq, sk, d, dtype, offset=2.0)
-    check(wgmma, q, k, v, 90, f"{shape}", blocks=HOPPER_BLOCKS)
-    check(wgmma, q, k, v, 90, f"{shape} causal", blocks=HOPPER_BLOCKS, window_left=-1, window_right=0)
+    check(wgmma, q, k, v, 90, f"{shape}", blocks=HOPPER_BLOCKS, fmt=fmt)
+    check(wgmma, q, k, v, 90, f"{shape} causal", blocks=HOPPER_BLOCKS, fmt=fmt, window_left=-1, window_right=0)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("option", ["window", "bottom_right", "seqlens_k", "key_mask", "bool_mask", "float_mask",
                                     "alibi", "softcap", "sinks", "dropout", "unseen"])
-def test_wgmma_options(wgmma, option):
+def test_wgmma_options(wgmma, option, fmt):
     b, h, hk, sq, sk, d = 2, 4, 2, 77, 300, 64
     q, k, v = make(b, h, hk, sq, sk, d, torch.bfloat16, offset=1.0, seed=1)
     o = {
@@ -321,14 +348,28 @@ def test_wgmma_options(wgmma, option):
     }[option]
     if option == "dropout" and not ops.HAS_EXT:
         pytest.skip("the dropout reference needs attention_ext's compiled dropout_mask")
-    want = check(wgmma, q, k, v, 90, option, blocks=HOPPER_BLOCKS, **o)
+    want = check(wgmma, q, k, v, 90, option, blocks=HOPPER_BLOCKS, fmt=fmt, **o)
     if option == "unseen":
         k2 = k.clone()
         k2[:, :, sq:] = float("nan")
-        out, _ = wgmma.fwd_quant(q, k2, v, *tc.call_fwd(q, k2, v, **o), "int8", 90)
+        out, _ = wgmma.fwd_quant(q, k2, v, *tc.call_fwd(q, k2, v, **o), fmt, 90)
         torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
-def test_wgmma_varlen(wgmma):
-    """Each sequence its own mean and blocks, through cu_seqlens, on the wgmma form."""
-    varlen_case(wgmma, [5, 0, 140, 33], [7, 3, 260, 33], 128, blocks=HOPPER_BLOCKS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_wgmma_varlen(wgmma, fmt):
+    """Each sequence its own mean and blocks, through cu_seqlens, on the wgmma forms."""
+    varlen_case(wgmma, [5, 0, 140, 33], [7, 3, 260, 33], 128, blocks=HOPPER_BLOCKS, fmt=fmt)
+
+
+def test_fp8_saturates_and_shows_nonfinite(wgmma):
+    """A block's amax lands on 448 exactly (the largest e4m3) and no code overflows to NaN; a NaN
+    or an inf in a key a row sees shows as NaN in that row, as in the int8 form."""
+    q, k, v = make(1, 2, 1, 40, 130, 64, torch.bfloat16, offset=0.5, seed=4)
+    k[0, 0, 5, 3] = 300.0  # one huge channel: its block's step is 448 / (300 - mean)
+    check(wgmma, q, k, v, 90, "outlier", blocks=HOPPER_BLOCKS, fmt="fp8")
+    for bad in (float("nan"), float("inf")):
+        k2 = k.clone()
+        k2[0, 0, 7, 1] = bad
+        out, _ = wgmma.fwd_quant(q, k2, v, *tc.call_fwd(q, k2, v), "fp8", 90)
+        assert out.isnan().all(), bad

@@ -144,11 +144,13 @@ bool use_hopper_fwd(const SoftmaxParams& p, DType dt) {
   return use_tensor_cores(p, dt) && device_sm() == 90;
 }
 
-// The int8 Q K^T (qk_quant) runs on the wgmma forward's kQ8 instance at the selection's level 2
-// (emulator-checked, not yet run on a GPU), where the mma.sync FwdQ8 kernel would take the call
-// (cuda_fwd_q8_blocks' rules, below) and the device is sm_90; else on FwdQ8.
+// The 8-bit Q K^T (qk_quant) runs on the wgmma forward's quantized instances where the mma.sync
+// FwdQ8 kernel would take the call (cuda_fwd_q8_blocks' rules, below) and the device is sm_90:
+// int8 at the selection's level 2 (emulator-checked, not yet run on a GPU; else on FwdQ8), fp8
+// at levels 1 and 2 (its only kernel: nothing else runs e4m3).
 bool use_hopper_q8(const SoftmaxParams& p, DType dt) {
-  if (!ATTN_HOPPER_FWD || g_hopper_fwd.load(std::memory_order_relaxed) < 2) return false;
+  const int level = g_hopper_fwd.load(std::memory_order_relaxed);
+  if (!ATTN_HOPPER_FWD || level < (p.qk_quant == kQkFp8 ? 1 : 2)) return false;
   return use_tensor_cores(p, dt) && p.d <= 128 && p.d % 16 == 0 && !p.sparse.on() &&
          hdim_compiled(bucket_for_head_dim(p.d)) && device_sm() == 90;
 }
@@ -192,10 +194,10 @@ void fwd_tc_split(const SoftmaxParams& p, const FwdSplitScratch& split, cudaStre
 }
 
 #if ATTN_HOPPER_FWD
-// kQ8: the int8 Q K^T form (run_fwd_hopper_q8)
+// kQ8: the 8-bit Q K^T forms (run_fwd_hopper_q8)
 template <typename T, bool kQ8 = false>
 void fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
-  hdim_switch<64, 128>(p.d, kQ8 ? "attention fwd (wgmma, int8 Q.K^T)" : "attention fwd (wgmma)", [&](auto kD) {
+  hdim_switch<64, 128>(p.d, kQ8 ? "attention fwd (wgmma, 8-bit Q.K^T)" : "attention fwd (wgmma)", [&](auto kD) {
     if constexpr (kQ8) run_fwd_hopper_q8<T, decltype(kD)::value>(p, stream);
     else run_fwd_hopper<T, decltype(kD)::value>(p, stream);
   });
@@ -299,20 +301,22 @@ size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt) {
   return size_t(p.b) * p.h * p.sq * bucket_for_head_dim(p.d);
 }
 
-// The int8 Q K^T forward (qk_quant): the mma.sync kernel's rules (use_tensor_cores: fp16 / bf16,
-// 16-byte aligned rows, sm_80+), head dims a multiple of 16 (the int8 rows are 16-byte chunks)
+// The 8-bit Q K^T forward (qk_quant): the mma.sync kernel's rules (use_tensor_cores: fp16 / bf16,
+// 16-byte aligned rows, sm_80+), head dims a multiple of 16 (the 8-bit rows are 16-byte chunks)
 // up to 128 in a compiled bucket, dense (no block-sparse layout), and never GQA-packed rows (the
-// scales are laid out per (batch, head, row block) of the call as given).
+// scales are laid out per (batch, head, row block) of the call as given); fp8 only where the
+// wgmma kernel takes it (use_hopper_q8).
 void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k) {
   *block_q = *block_k = 0;
   if (!use_tensor_cores(p, dt) || p.d > 128 || p.d % 16 != 0 || p.sparse.on()) return;
   if (use_hopper_q8(p, dt)) {  // one warp's 16 rows of a consumer warpgroup; one key tile
-    hdim_switch<64, 128>(p.d, "attention fwd (wgmma, int8 Q.K^T)", [&](auto kD) {
+    hdim_switch<64, 128>(p.d, "attention fwd (wgmma, 8-bit Q.K^T)", [&](auto kD) {
       *block_q = 16;
       *block_k = FwdHopperTraits<decltype(kD)::value>::kBlockN;
     });
     return;
   }
+  if (p.qk_quant == kQkFp8) return;
   hdim_switch<64, 128>(p.d, "attention fwd (int8 Q.K^T)", [&](auto kD) {
     using Tr = FwdTraits<decltype(kD)::value>;
     *block_q = Tr::kBlockM / Tr::kNWarps;  // one warp's rows

@@ -1,7 +1,9 @@
 // The int8 Q K^T of the CUDA forward (qk_quant = "int8", SageAttention's method; the CPU's is
 // cpu/q8dot.h): a quantize pass writes the operands the mma.sync forward reads (fwd_kernel.cuh,
 // FwdQ8), then the forward sums q . k exactly in int32 on mma.m16n8k32.s8 and turns each sum
-// back into a float score with one FMA: s = sum * (q_scale * k_scale) + q . mean.
+// back into a float score with one FMA: s = sum * (q_scale * k_scale) + q . mean. The fp8 form
+// (qk_quant = "fp8", the sm_90a wgmma kernel's only) is the same pass with e4m3 for int8: the
+// scale amax / 448 and the rounding float_to_e4m3 (common/fp8.h), the sums in float32.
 //
 //   q8_mean_kernel     float64 partial sums of K over chunks of kQ8MeanKeys valid keys, for the K
 //                      mean of each (sequence, kv head) (float64 as the CPU and
@@ -27,6 +29,7 @@
 
 #include <cstdint>
 
+#include "common/fp8.h"
 #include "cuda/mma.cuh"
 #include "softmax/cuda/kernel_common.cuh"
 
@@ -93,21 +96,31 @@ __device__ __forceinline__ float q8_block_amax(float amax, bool bad, float* red)
   return r;
 }
 
-// scale = amax / 127 (NaN stays NaN); step = 127 / amax, 0 for NaN, 0 and an overflowing step
-__device__ __forceinline__ void q8_scale_step(float amax, float* scale, float* step) {
-  *scale = amax / 127.f;
-  const float inv = 127.f / amax;
+// The format's largest code: 127 (int8), 448 (e4m3)
+__device__ __forceinline__ float q8_top(bool fp8) { return fp8 ? 448.f : 127.f; }
+
+// scale = amax / top (NaN stays NaN); step = top / amax, 0 for NaN, 0 and an overflowing step
+__device__ __forceinline__ void q8_scale_step(float amax, bool fp8, float* scale, float* step) {
+  *scale = amax / q8_top(fp8);
+  const float inv = q8_top(fp8) / amax;
   *step = amax > 0.f && inv <= 3.402823466e38f ? inv : 0.f;
 }
-__device__ __forceinline__ int8_t q8_round(float x, float step) {
+// x * step to int8 (rint, clamped to +-127; NaN to 0) or to e4m3 bits (nearest even, saturated;
+// NaN to 0). A non-finite input only comes with a NaN scale and step 0, so x * step is 0 or NaN.
+__device__ __forceinline__ int8_t q8_round(float x, float step, bool fp8) {
+  if (fp8) {
+    const float y = x * step;
+    return y == y ? int8_t(float_to_e4m3(y)) : int8_t(0);
+  }
   const float y = rintf(x * step);
   return y == y ? int8_t(fminf(127.f, fmaxf(-127.f, y))) : int8_t(0);
 }
 
-// One block, n rows x d channels of value(r, c), to int8 at dst (row stride ld) with one scale,
-// which thread 0 writes to *scale: the amax pass over the CTA, the scale and step, the rounding.
+// One block, n rows x d channels of value(r, c), to 8 bits at dst (row stride ld) with one scale,
+// which thread 0 writes to *scale: the amax pass over the CTA, the scale and step, the rounding
+// (fp8: e4m3 bits, else int8).
 template <typename F>
-__device__ __forceinline__ void q8_quantize_block(const F& value, int n, int d, int8_t* dst, int64_t ld,
+__device__ __forceinline__ void q8_quantize_block(const F& value, int n, int d, bool fp8, int8_t* dst, int64_t ld,
                                                   float* scale, float* red) {
   float amax = 0.f;
   bool bad = false;
@@ -118,11 +131,11 @@ __device__ __forceinline__ void q8_quantize_block(const F& value, int n, int d, 
   }
   amax = q8_block_amax(amax, bad, red);
   float sc, step;
-  q8_scale_step(amax, &sc, &step);
+  q8_scale_step(amax, fp8, &sc, &step);
   if (threadIdx.x == 0) *scale = sc;
   for (int e = threadIdx.x; e < n * d; e += kQ8Threads) {
     const int r = e / d, c = e % d;
-    dst[int64_t(r) * ld + c] = q8_round(value(r, c), step);
+    dst[int64_t(r) * ld + c] = q8_round(value(r, c), step, fp8);
   }
 }
 
@@ -187,7 +200,7 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_k_kernel(const SoftmaxPar
     return q8_load(k + int64_t(r) * p.k_row_stride + c) - mean[c];
   };
   float* scale = p.q8.k_scale + (int64_t(b) * p.h_k + hk) * p.q8.nbk + blockIdx.x;
-  q8_quantize_block(value, n, p.d, k8, p.q8.k_row_stride, scale, red);
+  q8_quantize_block(value, n, p.d, p.qk_quant == kQkFp8, k8, p.q8.k_row_stride, scale, red);
 }
 
 // grid (query blocks, H, B): q8 and q_scale of block blockIdx.x (rows [i0, i0 + block_q)), and
@@ -204,7 +217,7 @@ __global__ void __launch_bounds__(kQ8Threads) q8_quant_q_kernel(const SoftmaxPar
   int8_t* q8 = p.q8.q + si.q_offset(p, b, h, i0, p.q8.q_batch_stride, p.q8.q_head_stride, p.q8.q_row_stride);
   auto value = [&](int r, int c) { return q8_load(q + int64_t(r) * p.q_row_stride + c); };
   float* scale = p.q8.q_scale + (int64_t(b) * p.h + h) * p.q8.nbq + blockIdx.x;
-  q8_quantize_block(value, n, p.d, q8, p.q8.q_row_stride, scale, red);
+  q8_quantize_block(value, n, p.d, p.qk_quant == kQkFp8, q8, p.q8.q_row_stride, scale, red);
   // q . mean, one row per thread (d <= 128 products in float64, in channel order)
   const float* mean = p.q8.k_mean + (int64_t(b) * p.h_k + hk) * p.d;
   for (int r = threadIdx.x; r < n; r += kQ8Threads) {

@@ -25,9 +25,10 @@
 //   then normalize, write the LSE (lse_index, as fwd_kernel.cuh) and stage O through the Q tile
 //   for 16-byte stores.
 // The two consumer warpgroups work independently, so one's softmax overlaps the other's wgmma.
-// The kQ8 instance (qk_quant at hopper_fwd 2) reads Q and K as the quantize pass's int8 copies
-// (q8.cuh) and runs S = Q K^T on wgmma m64n{kBlockN}k32.s32.s8.s8, each int32 sum turned into
-// its score with one FMA (q scale x k scale, plus q . mean of the row), as FwdQ8 does.
+// The quantized instances (kQuant, SoftmaxParams::qk_quant: int8 at hopper_fwd 2, fp8 at 1 and 2)
+// read Q and K as the quantize pass's 8-bit copies (q8.cuh) and run S = Q K^T on wgmma
+// m64n{kBlockN}k32.s32.s8.s8 (int8) or .f32.e4m3.e4m3 (fp8), each sum turned into its score with
+// one FMA (q scale x k scale, plus q . mean of the row), as FwdQ8 does.
 //
 // Why cp.async and not TMA (cp.async.bulk.tensor): a tensor map zero-fills only outside its
 // global bounds, but here a tile must be zero past its own sequence's end (varlen packs hold the
@@ -66,7 +67,7 @@ struct FwdPlan {
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   using TileQ = wg::Sw128Tile<kBlockM, kD>;   // (kBlockM, kD); O is staged here at the end
   using TileKV = wg::Sw128Tile<kBlockN, kD>;  // (kBlockN, kD), one ring slot of K or V
-  // the int8 Q K^T (qk_quant): Q and K of D <= 128 bytes per row, one 128-byte column block,
+  // the 8-bit Q K^T (qk_quant): Q and K of D <= 128 bytes per row, one 128-byte column block,
   // in the first bytes of the Q region and of each K slot
   using TileQ8 = wg::Sw128Tile<kBlockM, 64>;
   using TileK8 = wg::Sw128Tile<kBlockN, 64>;
@@ -162,9 +163,9 @@ __device__ __forceinline__ int key_block(const SoftmaxParams& p, int step) {
 }
 
 // Producer warpgroup: all 128 threads issue cp.async (ptid = 0..127). kQ8: Q and K come from
-// the quantize pass's int8 copies (p.q8), D bytes per row copied as D / 2 16-bit columns into
-// tiles of 128-byte rows (FwdPlan::TileQ8 / TileK8, zero past D bytes), inside the 16-bit
-// regions of the plan.
+// the quantize pass's 8-bit copies (p.q8), D bytes per row copied as D / 2 16-bit columns into
+// tiles of 128-byte rows (FwdPlan::TileQ8 / TileK8, zero past D bytes: 0 in int8 and in e4m3),
+// inside the 16-bit regions of the plan.
 template <typename T, int kD, bool kQ8>
 __device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& si, int b, int h,
                                         int m0, int rows_q, int n_lo, int n_hi, uint32_t base,
@@ -247,10 +248,24 @@ __device__ __forceinline__ void issue_s(float (&acc_s)[FwdPlan<kD>::kBlockN / 2]
   wg::commit();
 }
 
-// kQ8: S = Q K^T in int32 from the int8 tiles (kD / 32 k-steps of 32 bytes: the 16-bit form's
-// byte offsets), asynchronous, one commit group.
-template <int kD>
-__device__ __forceinline__ void issue_s8(int32_t (&acc_i)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
+// The 8-bit Q K^T's instruction and accumulator type: int8 (int32 sums), fp8 e4m3 (float32)
+template <int kQuant, int kN>
+struct QkOp;
+template <int kN>
+struct QkOp<kQkInt8, kN> {
+  using Acc = int32_t;
+  using Op = wg::WgmmaS8<kN>;
+};
+template <int kN>
+struct QkOp<kQkFp8, kN> {
+  using Acc = float;
+  using Op = wg::WgmmaE4M3<kN>;
+};
+
+// kQuant: S = Q K^T from the 8-bit tiles (kD / 32 k-steps of 32 bytes: the 16-bit form's byte
+// offsets), asynchronous, one commit group.
+template <int kD, int kQuant, typename Acc>
+__device__ __forceinline__ void issue_s8(Acc (&acc_i)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
                                          uint64_t desc_k, int stage) {
   using P = FwdPlan<kD>;
   const uint64_t slot = uint64_t(stage * P::TileKV::kBytes) >> 4;
@@ -258,8 +273,8 @@ __device__ __forceinline__ void issue_s8(int32_t (&acc_i)[FwdPlan<kD>::kBlockN /
   wg::fence();
 #pragma unroll
   for (int kk = 0; kk < kD / 32; ++kk) {
-    wg::WgmmaS8<P::kBlockN>::ss(acc_i, desc_q + kmajor_step<typename P::TileQ8>(kk),
-                                desc_k + slot + kmajor_step<typename P::TileK8>(kk), kk > 0 ? 1 : 0);
+    QkOp<kQuant, P::kBlockN>::Op::ss(acc_i, desc_q + kmajor_step<typename P::TileQ8>(kk),
+                                     desc_k + slot + kmajor_step<typename P::TileK8>(kk), kk > 0 ? 1 : 0);
   }
   wg::commit();
 }
@@ -315,13 +330,13 @@ __device__ __forceinline__ void qk_now(float (&acc_s)[FwdPlan<kD>::kBlockN / 2],
   release_slot(bars.empty_k(pos.stage), lane);
 }
 
-// kQ8: qk_now's int8 form, the int32 sums in acc_i.
-template <int kD>
-__device__ __forceinline__ void qk8_now(int32_t (&acc_i)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
+// kQuant: qk_now's 8-bit form, the sums in acc_i.
+template <int kD, int kQuant, typename Acc>
+__device__ __forceinline__ void qk8_now(Acc (&acc_i)[FwdPlan<kD>::kBlockN / 2], uint64_t desc_q,
                                         uint64_t desc_k, const Bars<FwdPlan<kD>::kStages>& bars,
                                         const RingPos<FwdPlan<kD>::kStages>& pos, int lane) {
   wg::mbar_wait(bars.full_k(pos.stage), pos.phase);
-  issue_s8<kD>(acc_i, desc_q, desc_k, pos.stage);
+  issue_s8<kD, kQuant>(acc_i, desc_q, desc_k, pos.stage);
   wg::wait<0>();
   wg::fence_operands(acc_i);
   release_slot(bars.empty_k(pos.stage), lane);
@@ -348,9 +363,10 @@ __device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
 // warpgroups overlap each other. (An intra-warpgroup variant that issued S of block n with P V of
 // block n + 1 measured slower at every shape but one and was deleted: see
 // benchmarks/results/2026-11-24-h100.md.)
-// kQ8: S from the int8 tiles (qk8_now), each sum turned into the score with one FMA, sum x (q
-// scale of this warp's 16 rows x k scale of the key tile) + q . mean of its row, as FwdQ8 does.
-template <typename T, int kD, bool kDropout, bool kQ8>
+// kQuant (int8 / fp8; 0 = none): S from the 8-bit tiles (qk8_now), each sum turned into the
+// score with one FMA, sum x (q scale of this warp's 16 rows x k scale of the key tile) + q . mean
+// of its row, as FwdQ8 does.
+template <typename T, int kD, bool kDropout, int kQuant>
 __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& si, const Policy& pol,
                                         int b, int h, int m0, int rows_q, int n_lo, int n_hi,
                                         uint32_t base, int cw, int ctid) {
@@ -378,14 +394,14 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     const float scale_log2 = p.scale * kLog2e;
     const bool plain = score_is_plain(p);
     const int i0 = m0 + wm;
-    const float* q8_ks = nullptr;  // kQ8: the k scales of (b, kv head), one per key tile
+    const float* q8_ks = nullptr;  // kQuant: the k scales of (b, kv head), one per key tile
     float acc_s[4 * kNT];
     uint32_t pa[kNT / 2][4];
     float alpha[2];
-    // kQ8: this warp's q scale (a q block is one warp's 16 rows) and q . mean of its rows g,
+    // kQuant: this warp's q scale (a q block is one warp's 16 rows) and q . mean of its rows g,
     // g + 8 (rows past the sequence: 0; a warp with none reads no scale, which was not written)
     float q8_qs = 0.f, q8_qm[2] = {0.f, 0.f};
-    if constexpr (kQ8) {
+    if constexpr (kQuant != kQkNone) {
       const int hk = h / (p.h / p.h_k);
       if (i0 < si.len_q) q8_qs = p.q8.q_scale[(int64_t(b) * p.h + h) * p.q8.nbq + i0 / p.q8.block_q];
 #pragma unroll
@@ -400,9 +416,9 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
     RingPos<P::kStages> pos;
     for (int step = n_hi - 1; step >= n_lo; --step) {
       const int n0 = key_block(p, step) * P::kBlockN;
-      if constexpr (kQ8) {
-        int32_t acc_i[4 * kNT];
-        qk8_now<kD>(acc_i, desc_q, desc_k, bars, pos, lane);
+      if constexpr (kQuant != kQkNone) {
+        typename QkOp<kQuant, P::kBlockN>::Acc acc_i[4 * kNT];
+        qk8_now<kD, kQuant>(acc_i, desc_q, desc_k, bars, pos, lane);
         const float sa = q8_qs * q8_ks[n0 / p.q8.block_k];
 #pragma unroll
         for (int x = 0; x < 4 * kNT; ++x) acc_s[x] = fmaf(float(acc_i[x]), sa, q8_qm[(x >> 1) & 1]);
@@ -460,7 +476,7 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
   }
 }
 
-template <typename T, int kD, bool kDropout, bool kQ8 = false>
+template <typename T, int kD, bool kDropout, int kQuant = kQkNone>
 __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
     fwd_kernel(const __grid_constant__ SoftmaxParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -489,11 +505,11 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
   const int wg_idx = threadIdx.x / 128;
   if (wg_idx == 0) {
     wg::setmaxnreg_dec<P::Tr::kProducerRegs>();
-    if (n_lo < n_hi) produce<T, kD, kQ8>(p, si, b, h, m0, rows_q, n_lo, n_hi, base, threadIdx.x);
+    if (n_lo < n_hi) produce<T, kD, kQuant != kQkNone>(p, si, b, h, m0, rows_q, n_lo, n_hi, base, threadIdx.x);
   } else {
     wg::setmaxnreg_inc<P::Tr::kConsumerRegs>();
-    consume<T, kD, kDropout, kQ8>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
-                             threadIdx.x % 128);
+    consume<T, kD, kDropout, kQuant>(p, si, pol, b, h, m0, rows_q, n_lo, n_hi, base, wg_idx - 1,
+                                     threadIdx.x % 128);
   }
 #else
   // only sm_90a has wgmma; the dispatcher launches this kernel only where that code was built

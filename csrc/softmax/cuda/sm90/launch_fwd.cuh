@@ -22,19 +22,24 @@ void run_fwd_hopper(const SoftmaxParams& p, cudaStream_t stream) {
   check_launch("attention fwd (wgmma, sm_90a)");
 }
 
-// The int8 Q K^T forward on wgmma (qk_quant; use_hopper_q8 in dispatch.cu): the quantize pass at
-// this kernel's blocks (a q scale per warp's 16 rows, a k scale per key tile), then the kernel's
-// kQ8 instance.
+// The 8-bit Q K^T forward on wgmma (qk_quant int8 / fp8; use_hopper_q8 in dispatch.cu): the
+// quantize pass at this kernel's blocks (a q scale per warp's 16 rows, a k scale per key tile),
+// then the kernel's instance of the format.
 template <typename T, int kD>
 void run_fwd_hopper_q8(const SoftmaxParams& p, cudaStream_t stream) {
   using P = hopper::FwdPlan<kD>;
   static_assert(P::kBlockN <= tc::kQ8MaxBlockK, "q8_quant_k_kernel flags a key tile's keys in shared memory");
   run_q8_quantize<T>(p, stream);
-  auto kernel = p.dropout_p > 0.f ? hopper::fwd_kernel<T, kD, true, true> : hopper::fwd_kernel<T, kD, false, true>;
-  set_smem(kernel, P::kSmemBytes, "attention fwd (wgmma, int8 Q.K^T)");
+  const bool drop = p.dropout_p > 0.f;
+  auto kernel = p.qk_quant == kQkFp8
+                    ? (drop ? hopper::fwd_kernel<T, kD, true, kQkFp8> : hopper::fwd_kernel<T, kD, false, kQkFp8>)
+                    : (drop ? hopper::fwd_kernel<T, kD, true, kQkInt8> : hopper::fwd_kernel<T, kD, false, kQkInt8>);
+  const char* what = p.qk_quant == kQkFp8 ? "attention fwd (wgmma, fp8 Q.K^T, sm_90a)"
+                                          : "attention fwd (wgmma, int8 Q.K^T, sm_90a)";
+  set_smem(kernel, P::kSmemBytes, what);
   dim3 grid((p.sq + P::kBlockM - 1) / P::kBlockM, p.h, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(P::kThreads), P::kSmemBytes, stream)(p);
-  check_launch("attention fwd (wgmma, int8 Q.K^T, sm_90a)");
+  check_launch(what);
 }
 
 }  // namespace attn

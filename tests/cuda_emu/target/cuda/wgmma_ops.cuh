@@ -54,6 +54,14 @@ struct WgmmaS8 {
   }
 };
 
+template <int N>
+struct WgmmaE4M3 {
+  static_assert(N == 64 || N == 128, "the kernels' fp8 wgmma shapes: m64n64k32 and m64n128k32");
+  static void ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    ::attn_emu::wgmma_e4m3(N, d, desc_a, desc_b, accumulate);
+  }
+};
+
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) { ::attn_emu::st_shared_b32(addr, val); }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) { return ::attn_emu::ld_shared_v4(addr); }
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) { return ::attn_emu::ld_shared_v2f(addr); }
