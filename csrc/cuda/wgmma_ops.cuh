@@ -132,56 +132,38 @@ struct Wgmma;
 ATTN_DEFINE_WGMMA(__nv_bfloat16, "bf16")
 ATTN_DEFINE_WGMMA(__half, "f16")
 
-// wgmma.mma_async m64nNk32 with int32 accumulators, A and B int8 (.s8), both from shared memory
-// and K-major (the only major 8-bit operands take; 32 bytes of K per step, as a 16-bit k16 step):
-// the int8 Q K^T of the sm_90a forward (qk_quant). Exact: the sums wrap as int32 (they cannot
-// here: d <= 128 products of |x| <= 127). d: C fragments as the float form's.
-#define ATTN_WGMMA_IACC32(d) ATTN_WGMMA_OPS32("+r", d)
-#define ATTN_WGMMA_IACC64(d) ATTN_WGMMA_OPS64("+r", d)
-#define ATTN_WGMMA_S8(N, ACC, REGS, IA, IB, IP)                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n" N "k32.s32.s8.s8 " REGS ", %" IA ", %" IB ", p;\n}\n" \
-               : ACC                                                                             \
+// wgmma.mma_async m64nNk32 with 8-bit A and B, both from shared memory and K-major (the only
+// major 8-bit operands take; 32 bytes of K per step, as a 16-bit k16 step), for the 8-bit Q K^T of
+// the sm_90a forward (qk_quant). d: C fragments as the 16-bit form's. Two forms:
+//   WgmmaS8    .s32.s8.s8, int32 accumulators (qk_quant = "int8"). Exact: the sums wrap as int32
+//              (they cannot here: d <= 128 products of |x| <= 127);
+//   WgmmaE4M3  .f32.e4m3.e4m3, float32 accumulators, scale factors +1 (qk_quant = "fp8").
+// TYPES: the instruction's type suffix; TAIL: the operands after scale-d (the scale immediates;
+// none for integers); C: the accumulators' constraint.
+#define ATTN_WGMMA_K32(N, TYPES, TAIL, ACC, REGS, IA, IB, IP)                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                   \
+               "wgmma.mma_async.sync.aligned.m64n" N "k32." TYPES " " REGS ", %" IA ", %" IB ", p" TAIL \
+               ";\n}\n"                                                                             \
+               : ACC                                                                               \
                : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+#define ATTN_DEFINE_WGMMA_K32(NAME, AT, TYPES, TAIL, C)                                             \
+  template <int N>                                                                                \
+  struct NAME;                                                                                    \
+  template <>                                                                                     \
+  struct NAME<64> {                                                                               \
+    static __device__ __forceinline__ void ss(AT (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
+      ATTN_WGMMA_K32("64", TYPES, TAIL, ATTN_WGMMA_OPS32(C, d), ATTN_WGMMA_REGS32, "32", "33", "34");      \
+    }                                                                                             \
+  };                                                                                              \
+  template <>                                                                                     \
+  struct NAME<128> {                                                                              \
+    static __device__ __forceinline__ void ss(AT (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
+      ATTN_WGMMA_K32("128", TYPES, TAIL, ATTN_WGMMA_OPS64(C, d), ATTN_WGMMA_REGS64, "64", "65", "66");     \
+    }                                                                                             \
+  };
 
-template <int N>
-struct WgmmaS8;
-template <>
-struct WgmmaS8<64> {
-  static __device__ __forceinline__ void ss(int32_t (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    ATTN_WGMMA_S8("64", ATTN_WGMMA_IACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34");
-  }
-};
-template <>
-struct WgmmaS8<128> {
-  static __device__ __forceinline__ void ss(int32_t (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    ATTN_WGMMA_S8("128", ATTN_WGMMA_IACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66");
-  }
-};
-// wgmma.mma_async m64nNk32 with fp32 accumulators, A and B fp8 e4m3, both from shared memory and
-// K-major (as the s8 form; scale factors +1, no transpose immediates for 8-bit types): the fp8
-// Q K^T of the sm_90a forward (qk_quant = "fp8"). d: C fragments as the 16-bit form's.
-#define ATTN_WGMMA_E4M3(N, ACC, REGS, IA, IB, IP)                                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" IP ", 0;\n"                                 \
-               "wgmma.mma_async.sync.aligned.m64n" N "k32.f32.e4m3.e4m3 " REGS ", %" IA ", %" IB    \
-               ", p, 1, 1;\n}\n"                                                                  \
-               : ACC                                                                             \
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-
-template <int N>
-struct WgmmaE4M3;
-template <>
-struct WgmmaE4M3<64> {
-  static __device__ __forceinline__ void ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    ATTN_WGMMA_E4M3("64", ATTN_WGMMA_ACC32(d), ATTN_WGMMA_REGS32, "32", "33", "34");
-  }
-};
-template <>
-struct WgmmaE4M3<128> {
-  static __device__ __forceinline__ void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    ATTN_WGMMA_E4M3("128", ATTN_WGMMA_ACC64(d), ATTN_WGMMA_REGS64, "64", "65", "66");
-  }
-};
+ATTN_DEFINE_WGMMA_K32(WgmmaS8, int32_t, "s32.s8.s8", "", "+r")
+ATTN_DEFINE_WGMMA_K32(WgmmaE4M3, float, "f32.e4m3.e4m3", ", 1, 1", "+f")
 
 template <int N>
 __device__ __forceinline__ void fence_operands(int32_t (&r)[N]) {
@@ -190,16 +172,14 @@ __device__ __forceinline__ void fence_operands(int32_t (&r)[N]) {
 }
 
 #undef ATTN_DEFINE_WGMMA
+#undef ATTN_DEFINE_WGMMA_K32
+#undef ATTN_WGMMA_K32
 #undef ATTN_WGMMA_SS
 #undef ATTN_WGMMA_RS
 #undef ATTN_WGMMA_ACC32
 #undef ATTN_WGMMA_ACC64
 #undef ATTN_WGMMA_REGS32
 #undef ATTN_WGMMA_REGS64
-#undef ATTN_WGMMA_S8
-#undef ATTN_WGMMA_E4M3
-#undef ATTN_WGMMA_IACC32
-#undef ATTN_WGMMA_IACC64
 #undef ATTN_WGMMA_OPS32
 #undef ATTN_WGMMA_OPS64
 
