@@ -484,8 +484,17 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
     k, v = (torch.randn(b, hk, s, d, dtype=dtype, device=dev) for _ in range(2))
     gqa = hk != h
     fns = {"ours": lambda: ae.attention(q, k, v, causal=causal)}
-    if not p.cuda:  # the int8 Q.K^T (CUDA has no kernel for it yet: its reference is not a contender)
-        fns["ours int8 qk"] = lambda: ae.attention(q, k, v, causal=causal, qk_quant="int8")
+    # the 8-bit Q.K^T: int8 on every device, fp8 on sm_90 (its only kernel). Where the device's
+    # kernel refuses the call (its NotImplementedError) the row is screened out with that note:
+    # the reference attention() would fall back to is not a contender
+    quant = ["int8"] + (["fp8"] if p.cuda and torch.cuda.get_device_capability(dev)[0] == 9 else [])
+    for fmt in quant:
+        def quant_setup(fmt=fmt):
+            from .softmax import ops as softmax_ops
+
+            softmax_ops.fwd_quant(q[:, :, :1], k, v, qk_quant=fmt)  # raises where no kernel takes it
+            return lambda: ae.attention(q, k, v, causal=causal, qk_quant=fmt)
+        fns[f"ours {fmt} qk"] = _try(quant_setup)
     for name, backend in p.sdpa_backends().items():
         if name == "sdpa math" and b * h * s * s * 4 > MATH_MAX_BYTES:
             continue  # noted by the caller
@@ -508,9 +517,10 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
             qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
             return lambda: flash_attn_func(qb, kb, vb, causal=causal)
         fns["flash-attn"] = _try(fa_setup)
-    # the int8 row agrees with ours to its quantization, not to the tolerance
+    # the 8-bit rows agree with ours to their quantization, not to the tolerance
     return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops",
-                      {"flash-attn": _bshd, "ours int8 qk": None}, peak_of={"ours int8 qk": "int8_dot"})
+                      {"flash-attn": _bshd, "ours int8 qk": None, "ours fp8 qk": None},
+                      peak_of={"ours int8 qk": "int8_dot"})
 
 
 def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
