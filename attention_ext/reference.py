@@ -5,6 +5,8 @@ A facade over the families' references (attention_ext/<family>/reference.py), so
 `attention_ext.reference.linear_attention` the linear family's.
 """
 from .linear.reference import linear_attention
-from .softmax.reference import alibi_bias, attention, attention_probs, attention_varlen, mask_structure
+from .softmax.reference import (alibi_bias, attention, attention_probs, attention_qk_int8, attention_qk_quant,
+                                attention_varlen, mask_structure, qk_quant_scores)
 
-__all__ = ["alibi_bias", "attention", "attention_probs", "attention_varlen", "linear_attention", "mask_structure"]
+__all__ = ["alibi_bias", "attention", "attention_probs", "attention_qk_int8", "attention_qk_quant", "attention_varlen",
+           "linear_attention", "mask_structure", "qk_quant_scores"]

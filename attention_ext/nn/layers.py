@@ -67,9 +67,9 @@ class AttentionConfig:
     lsh_chunk_size: int = 64           # attention_type="lsh": the sorted positions' chunk length
     # attention_type="softmax": "int8" ("fp8") runs Q.K^T in int8 (fp8 e4m3; attention()'s
     # qk_quant) in forwards with no graph to build (torch.no_grad / inference_mode: evaluation, a
-    # generation's prefill) on a device with a quantized kernel (CPU, CUDA; a call its kernel does
-    # not take runs the reference with a warning, as attention() does); a forward that records
-    # gradients, generation's cached steps and keep_weights run unquantized
+    # generation's prefill) on a device with a kernel for the format (int8: CPU, CUDA; fp8: sm_90
+    # GPUs; ops.has_quant_kernel); a forward that records gradients, generation's cached steps,
+    # keep_weights and other devices run unquantized
     qk_quant: Optional[str] = None
 
     def __post_init__(self):
@@ -327,7 +327,7 @@ class Attention(nn.Module):
         src = context if self.cross else x
         # the 8-bit Q.K^T: forwards without a graph, over a whole prompt (not a cached step)
         quant = c.qk_quant if (c.qk_quant and not torch.is_grad_enabled() and not self.keep_weights and
-                               softmax_ops.has_quant_kernel(x.device) and
+                               softmax_ops.has_quant_kernel(x.device, c.qk_quant) and
                                (cache is None or getattr(cache, "pos", None) == 0)) else None
         if getattr(cache, "paged", False) and not self.cross:
             return self.out_proj(self._paged(q, x, cache).reshape(b, s, self.n_heads * self.head_dim))

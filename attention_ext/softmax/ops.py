@@ -196,9 +196,16 @@ _QUANT_KERNELS = {dev: registered("attention_ext::softmax_fwd_quant", key) for d
                                                                                             ("cuda", "CUDA"))}
 
 
-def has_quant_kernel(device: torch.device) -> bool:
-    """True when a compiled kernel runs softmax_fwd_quant (the int8 Q.K^T forward) on `device`."""
-    return _QUANT_KERNELS.get(device.type, False)
+def has_quant_kernel(device: torch.device, qk_quant: str = "int8") -> bool:
+    """True when a compiled kernel runs softmax_fwd_quant (the quantized Q.K^T forward) on
+    `device`: "int8" on the CPU and CUDA; "fp8" on sm_90 GPUs only (a CPU or another GPU would run
+    the float64 reference: a capability query, the op's NotImplementedError stays the rule). A
+    kernel may still refuse a call's shape or dtype (attention() then runs the reference)."""
+    if not _QUANT_KERNELS.get(device.type, False):
+        return False
+    if qk_quant == "fp8":
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return True
 
 
 def _quant_args(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, options: dict) -> list:

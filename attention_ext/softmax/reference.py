@@ -151,6 +151,11 @@ def attention(
 # kBlockN keys (csrc/cpu/pack.h), counted from each sequence's first row.
 QK_INT8_BLOCK_Q = 48
 QK_INT8_BLOCK_K = 128
+# and of the fp8 one's only kernel, the sm_90 wgmma forward: a q scale per warp's 16 rows, a k
+# scale per 128-key tile (the reference's default for "fp8", so that its fallback computes what
+# that kernel computes)
+QK_FP8_BLOCK_Q = 16
+QK_FP8_BLOCK_K = 128
 
 
 # The largest code of each format of the quantized Q.K^T: a block's amax maps to it
@@ -213,11 +218,12 @@ def qk_int8_scores(q: Tensor, k: Tensor, *, window: Tuple[int, int] = (-1, -1), 
 
 def qk_quant_scores(q: Tensor, k: Tensor, *, qk_quant: str = "int8", window: Tuple[int, int] = (-1, -1),
                     bottom_right: bool = False, seqlens_k: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                    visible: Optional[Tensor] = None, block_q: int = QK_INT8_BLOCK_Q,
-                    block_k: int = QK_INT8_BLOCK_K) -> Tensor:
+                    visible: Optional[Tensor] = None, block_q: Optional[int] = None,
+                    block_k: Optional[int] = None) -> Tensor:
     """The raw scores x = q.k (B, H, S_q, S_k) of the 8-bit Q.K^T (SageAttention's method; qk_quant
     "int8", or "fp8": e4m3 codes, amax to 448), in float64: attention(..., logits=this) is what
-    attention(..., qk_quant=qk_quant) computes.
+    attention(..., qk_quant=qk_quant) computes. Blocks by default: the CPU kernel's for int8
+    (QK_INT8_BLOCK_Q / _K), the sm_90 kernel's for fp8 (QK_FP8_BLOCK_Q / _K).
 
         mean  = mean of the seen keys (B, H_k, 1, D)   (k - mean: the smoothing; summed in float64)
         qi, sq = 8-bit blocks of q (block_q rows);  ki, sk = 8-bit blocks of k - mean (block_k keys)
@@ -236,6 +242,9 @@ def qk_quant_scores(q: Tensor, k: Tensor, *, qk_quant: str = "int8", window: Tup
     mean = (kv.sum(2, keepdim=True) / n.clamp_min(1)).float()  # (B, H_k, 1, D)
     if qk_quant not in _QUANT_TOP:
         raise ValueError(f"qk_quant must be 'int8' or 'fp8', got {qk_quant!r}")
+    fp8 = qk_quant == "fp8"
+    block_q = block_q or (QK_FP8_BLOCK_Q if fp8 else QK_INT8_BLOCK_Q)
+    block_k = block_k or (QK_FP8_BLOCK_K if fp8 else QK_INT8_BLOCK_K)
     ki, ks = _int8_blocks(torch.where(valid, k32 - mean, torch.zeros((), device=k.device)), block_k, valid, qk_quant)
     qi, qs = _int8_blocks(q32, block_q, torch.ones(b, 1, sq, 1, dtype=torch.bool, device=q.device), qk_quant)
     g = h // hk
@@ -253,7 +262,7 @@ def attention_qk_quant(q: Tensor, k: Tensor, v: Tensor, *, qk_quant: str = "int8
                        **kwargs: Any) -> Tuple[Tensor, Tensor]:
     """attention() with the 8-bit Q.K^T's scores (qk_quant_scores) in float64: the oracle of
     attention(..., qk_quant=qk_quant) and its fallback where no kernel runs it. Takes attention()'s
-    options, `visible` (seen_keys') and the blocks (block_q, block_k: the CPU kernel's by default);
+    options, `visible` (seen_keys') and the blocks (block_q, block_k: qk_quant_scores' defaults);
     returns (out, lse) in float64."""
     extra = {n: kwargs.pop(n) for n in ("visible", "block_q", "block_k") if n in kwargs}
     x = qk_quant_scores(q, k, qk_quant=qk_quant, **extra,

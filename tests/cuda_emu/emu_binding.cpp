@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/fp8.h"
 #include "emu_entry.h"
 #include "torch/linear_cuda_steps.h"
 #include "torch/softmax_cuda_steps.h"
@@ -229,6 +230,18 @@ void emu_set_kernels(int64_t hopper_fwd, int64_t hopper_bwd, int64_t tune_fwd, i
 }
 
 // d = a b + c through the emulated wgmma (wgmma_test_kernel.cuh), variant 0..4
+// common/fp8.h's float_to_e4m3 on each element of a float32 tensor: the bytes (uint8), for a
+// comparison with torch's float8_e4m3fn conversion
+Tensor emu_e4m3_encode(const Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "e4m3_encode takes float32");
+  const Tensor xc = x.contiguous();
+  Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kByte));
+  const float* src = xc.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < xc.numel(); ++i) dst[i] = uint8_t(attn::float_to_e4m3(src[i]));
+  return out;
+}
+
 Tensor emu_wgmma_test(const Tensor& a, const Tensor& b, const Tensor& c, int64_t variant) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(0) == 64 && a.size(1) == b.size(0) &&
                   c.size(0) == 64 && c.size(1) == b.size(1),
@@ -279,6 +292,7 @@ TORCH_LIBRARY(attention_ext_emu, m) {
   m.def("launches() -> str[]", &emu_launches);
   m.def("launch_stats() -> Tensor", &emu_launch_stats);
   m.def("wgmma_test(Tensor a, Tensor b, Tensor c, int variant) -> Tensor", &emu_wgmma_test);
+  m.def("e4m3_encode(Tensor x) -> Tensor", &emu_e4m3_encode);
   m.def("set_cuda_kernels(int hopper_fwd, int hopper_bwd, int tune_fwd, int tune_bwd, bool force_simt) -> ()",
         &emu_set_kernels);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_set_schedule);

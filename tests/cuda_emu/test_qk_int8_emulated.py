@@ -362,14 +362,41 @@ def test_wgmma_varlen(wgmma, fmt):
     varlen_case(wgmma, [5, 0, 140, 33], [7, 3, 260, 33], 128, blocks=HOPPER_BLOCKS, fmt=fmt)
 
 
-def test_fp8_saturates_and_shows_nonfinite(wgmma):
-    """A block's amax lands on 448 exactly (the largest e4m3) and no code overflows to NaN; a NaN
-    or an inf in a key a row sees shows as NaN in that row, as in the int8 form."""
-    q, k, v = make(1, 2, 1, 40, 130, 64, torch.bfloat16, offset=0.5, seed=4)
+def test_fp8_outlier_and_nonfinite(wgmma):
+    """An outlier channel (its block's codes spread over the whole e4m3 range) matches the oracle;
+    a NaN or an inf in a key some row sees makes its kv group's scores NaN (its mean and its block's
+    scale) and no other's, in Q its 16-row block's rows alone, as in the int8 form."""
+    q, k, v = make(1, 4, 2, 40, 130, 64, torch.bfloat16, offset=0.5, seed=4)
     k[0, 0, 5, 3] = 300.0  # one huge channel: its block's step is 448 / (300 - mean)
     check(wgmma, q, k, v, 90, "outlier", blocks=HOPPER_BLOCKS, fmt="fp8")
     for bad in (float("nan"), float("inf")):
         k2 = k.clone()
-        k2[0, 0, 7, 1] = bad
+        k2[0, 0, 7, 1] = bad  # kv head 0: query heads 0, 1
         out, _ = wgmma.fwd_quant(q, k2, v, *tc.call_fwd(q, k2, v), "fp8", 90)
-        assert out.isnan().all(), bad
+        assert out[:, :2].isnan().all() and out[:, 2:].isfinite().all(), bad
+        q2 = q.clone()
+        q2[0, 3, 20, 5] = bad  # head 3, rows 16..31 share its block's scale
+        out, _ = wgmma.fwd_quant(q2, k, v, *tc.call_fwd(q2, k, v), "fp8", 90)
+        rows = torch.zeros(40, dtype=torch.bool)
+        rows[16:32] = True
+        assert out[0, 3, rows].isnan().all() and out[0, 3, ~rows].isfinite().all(), bad
+        assert out[0, :3].isfinite().all(), bad
+
+
+def test_e4m3_encoder_matches_torch(emu):
+    """common/fp8.h's float_to_e4m3, the quantize pass's rounding, against torch's float8_e4m3fn
+    conversion (which the oracle uses) on 2^20 float32 patterns inside +-448: every high 16 bits
+    (sign, exponent, 7 mantissa bits) with 16 low-bit patterns, ties and their neighbours among
+    them; above 448 the kernel saturates where torch gives NaN (the quantize pass never goes
+    there: its codes are x * 448 / amax)."""
+    hi = torch.arange(1 << 16, dtype=torch.int64) << 16
+    lo = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x0FFF, 0x1000, 0x1001, 0x3FFF, 0x4000, 0x4001,
+                       0x5555, 0xAAAA, 0x7FFE, 0x0002], dtype=torch.int64)
+    bits = (hi[:, None] | lo[None, :]).flatten()
+    x = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)
+    x = x[torch.isfinite(x) & (x.abs() <= 448)]
+    got = emu.e4m3_encode(x)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), int(got[i]), int(want[i])) for i in bad[:8]]
+    assert x.numel() > 500_000

@@ -305,11 +305,12 @@ size_t cuda_bwd_dq_accum_floats(const SoftmaxBwdParams& p, DType dt) {
 // 16-byte aligned rows, sm_80+), head dims a multiple of 16 (the 8-bit rows are 16-byte chunks)
 // up to 128 in a compiled bucket, dense (no block-sparse layout), and never GQA-packed rows (the
 // scales are laid out per (batch, head, row block) of the call as given); fp8 only where the
-// wgmma kernel takes it (use_hopper_q8).
-void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k) {
+// wgmma kernel takes it. hopper: use_hopper_q8's answer, read once per call by the caller (the
+// selection may change between two reads; the blocks and the launch must agree).
+static void q8_blocks(const SoftmaxParams& p, DType dt, bool hopper, int* block_q, int* block_k) {
   *block_q = *block_k = 0;
   if (!use_tensor_cores(p, dt) || p.d > 128 || p.d % 16 != 0 || p.sparse.on()) return;
-  if (use_hopper_q8(p, dt)) {  // one warp's 16 rows of a consumer warpgroup; one key tile
+  if (hopper) {  // one warp's 16 rows of a consumer warpgroup; one key tile
     hdim_switch<64, 128>(p.d, "attention fwd (wgmma, 8-bit Q.K^T)", [&](auto kD) {
       *block_q = 16;
       *block_k = FwdHopperTraits<decltype(kD)::value>::kBlockN;
@@ -324,25 +325,33 @@ void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* blo
   });
 }
 
+void cuda_fwd_q8_blocks(const SoftmaxParams& p, DType dt, int* block_q, int* block_k) {
+  q8_blocks(p, dt, use_hopper_q8(p, dt), block_q, block_k);
+}
+
 void cuda_fwd_q8(const SoftmaxParams& p, DType dt, cudaStream_t stream) {
-  NvtxRange range("attention_ext::softmax::cuda_fwd (int8 Q.K^T)");
-  validate(p, "attention fwd (int8 Q.K^T)");
+  NvtxRange range("attention_ext::softmax::cuda_fwd (8-bit Q.K^T)");
+  validate(p, "attention fwd (8-bit Q.K^T)");
+  const bool hopper = use_hopper_q8(p, dt);
   int bq = 0, bk = 0;
-  cuda_fwd_q8_blocks(p, dt, &bq, &bk);
+  q8_blocks(p, dt, hopper, &bq, &bk);
   if (bq == 0 || p.q8.block_q != bq || p.q8.block_k != bk || p.q8.q == nullptr ||
       p.q8.nch != std::max(1, (p.sk + kQ8MeanKeys - 1) / kQ8MeanKeys) || p.q8.q_row_stride % 16 != 0 ||
       p.q8.k_row_stride % 16 != 0) {
-    throw std::runtime_error("attention fwd (int8 Q.K^T): the call's int8 operands were not allocated at "
-                             "cuda_fwd_q8_blocks' blocks");
+    throw std::runtime_error("attention fwd (8-bit Q.K^T): the call's 8-bit operands were not allocated at "
+                             "cuda_fwd_q8_blocks' blocks (the kernel selection changed during the call?)");
   }
   if (p.b == 0 || p.h == 0 || p.sq == 0) return;
 #if ATTN_HOPPER_FWD
-  if (use_hopper_q8(p, dt)) {
+  if (hopper) {
     if (dt == DType::kF16) fwd_hopper<__half, true>(p, stream);
     else fwd_hopper<__nv_bfloat16, true>(p, stream);
     return;
   }
 #endif
+  if (p.qk_quant != kQkInt8) {  // (q8_blocks gives fp8 no other kernel: never e4m3 bytes into FwdQ8)
+    throw std::runtime_error("attention fwd (8-bit Q.K^T): only the sm_90a wgmma kernel runs qk_quant='fp8'");
+  }
   hdim_switch<64, 128>(p.d, "attention fwd (int8 Q.K^T)", [&](auto kD) {
     if (dt == DType::kF16) run_fwd_q8<__half, decltype(kD)::value>(p, stream);
     else run_fwd_q8<__nv_bfloat16, decltype(kD)::value>(p, stream);
