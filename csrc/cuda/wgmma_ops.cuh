@@ -197,6 +197,12 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
                : "memory");
   return val;
 }
+// A word at a shared-memory address (4-byte aligned).
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 // Two floats at a shared-memory address (8-byte aligned).
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
   float2 v;

@@ -160,6 +160,7 @@ void cp_async_wait(int n);
 void st_shared_b32(uint32_t addr, uint32_t v);
 uint4 ld_shared_v4(uint32_t addr);
 float2 ld_shared_v2f(uint32_t addr);
+uint32_t ld_shared_b32(uint32_t addr);
 
 // ex2.approx.ftz.f32: flush-to-zero in and out (the approximation error, ~2 ulp, is not modeled)
 inline float ex2_approx_ftz(float x) {

@@ -957,6 +957,13 @@ uint4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
+uint32_t ld_shared_b32(uint32_t addr) {
+  check_smem(addr, 4, "ld.shared.u32");
+  uint32_t v;
+  std::memcpy(&v, rt.smem + addr, 4);
+  return v;
+}
+
 float2 ld_shared_v2f(uint32_t addr) {
   check_smem(addr, 8, "ld.shared.v2.f32");
   float2 v;

@@ -342,8 +342,8 @@ def test_wgmma_options(wgmma, option, fmt):
         "softcap": dict(softcap=3.0),
         "sinks": dict(sinks=torch.randn(h)),
         "dropout": dict(dropout_p=0.3, seed=7),
-        # keys 77.. no row sees: NaN in their K is left out of the mean and the scales (a NaN in
-        # their V would reach P V: the wgmma kernels do no hidden-key NaN handling, known gaps)
+        # keys 77.. no row sees: NaN in their K is left out of the mean and the scales (NaN in a
+        # hidden key's V: test_hopper_emulated.py's test_nan_v_hidden_key_reaches_readers_only)
         "unseen": dict(window_left=-1, window_right=0),
     }[option]
     if option == "dropout" and not ops.HAS_EXT:

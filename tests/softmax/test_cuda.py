@@ -103,6 +103,35 @@ def check_nan_hidden_key(run, dtype, which, mask, deterministic):
         assert torch.equal(got[~want], clean[~want]), f"{name}: a value that does not read the key changed"
 
 
+def check_nan_v_forward(run_fwd, dtype, mask, d=64):
+    """The forward alone on a V row of NaN hidden from some rows of its tiles (causal; a bool mask
+    read by two rows in three; a key mask that hides it from every row): the rows that read it
+    are NaN, every other element of out and the whole LSE keep their clean bits (the NaN policy).
+    run_fwd(q, k, v, **call_fwd options) -> (out, lse); the sm_90a wgmma forward's check (its
+    16-bit, int8 and fp8 instances), here on a GPU and in the emulator."""
+    g = torch.Generator().manual_seed(5)
+    b, h, s, jp = 1, 2, 150, 100
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to(dtype) for _ in range(3))
+    if mask == "causal":
+        o, allowed = dict(window_right=0), torch.ones(s, s).tril().bool()
+    elif mask == "bool":
+        allowed = torch.rand(s, s, generator=g) > 0.3
+        allowed[:, jp] = torch.arange(s) % 3 != 0
+        o = dict(bias=allowed.view(1, 1, s, s))
+    else:
+        allowed = torch.ones(s, s, dtype=torch.bool)
+        allowed[:, 90:120] = False
+        o = dict(bias=allowed[0].view(1, 1, 1, s))
+    vp = v.clone()
+    vp[:, :, jp] = float("nan")
+    runs = [[t.cpu() for t in run_fwd(q, k, vv, **o)] for vv in (v, vp)]
+    rows = allowed[:, jp].view(1, 1, s, 1).expand(b, h, s, d)
+    (out, lse), (got, got_lse) = runs
+    assert torch.isnan(got[rows]).all(), "a row that reads the NaN value is not NaN"
+    assert torch.equal(got[~rows], out[~rows]), "a row that does not read the NaN value changed"
+    assert torch.equal(got_lse, lse), "a NaN value changed an LSE"
+
+
 def check_nan_query_row(run, dtype, what, mask, deterministic):
     """A NaN in row 100 of head 1 of q (or of dout) reaches that row's out / lse / dq (dq only,
     from dout) and the dk / dv of the keys the row sees; every other element keeps its clean bits:
@@ -936,6 +965,28 @@ def hopper_ran(fn):
 def hopper_compare(*args, expect_hopper=True, **kw):
     ran = hopper_ran(lambda: run_and_compare(*args, **kw))
     assert ran == expect_hopper, f"wgmma kernel {'did not run' if expect_hopper else 'ran'}"
+
+
+@hopper
+@pytest.mark.parametrize("form", ["level1", "level2", "int8", "fp8"])
+@pytest.mark.parametrize("mask", ["causal", "bool", "key_mask"])
+def test_hopper_fwd_nan_v_hidden_key(kernels, form, mask):
+    """check_nan_v_forward on the wgmma forward (bf16; int8 / fp8: its quantized Q.K^T
+    instances, level 2 for int8), which the profiler confirms ran."""
+    if form == "level1" and mask != "causal":
+        pytest.skip("a bool mask runs on the wgmma forward at level 2 only")
+    kernels(hopper_fwd=1 if form in ("level1", "fp8") else 2, hopper_bwd=0)
+
+    def run_fwd(q, k, v, **o):
+        q, k, v = (t.to(DEV) for t in (q, k, v))
+        o = {n: (t.to(DEV) if isinstance(t, torch.Tensor) else t) for n, t in o.items()}
+        args = call_fwd(q, k, v, **o)
+        out = []
+        fn = (lambda: out.extend(torch.ops.attention_ext.softmax_fwd_quant(q, k, v, *args, form))) \
+            if form in ("int8", "fp8") else (lambda: out.extend(torch.ops.attention_ext.softmax_fwd(q, k, v, *args)))
+        assert hopper_ran(fn), "the wgmma forward did not run"
+        return out
+    check_nan_v_forward(run_fwd, torch.bfloat16, mask)
 
 
 @hopper

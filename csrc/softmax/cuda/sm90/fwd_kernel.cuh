@@ -39,10 +39,18 @@
 // issues 16-byte copies instead of one thread issuing bulk ones; a TMA producer can replace
 // produce() later without touching the consumers.
 //
+// Hidden keys (nonfinite.cuh's rule for the mma.sync forward): before it publishes a V tile in
+// which the policy may hide a key from some row of the block, each producer thread zeroes the NaN
+// / inf elements among the chunks it copied and, if it found one, writes the step into the slot's
+// kVFix word; the consumers read that word with the tile and give such elements back to the rows
+// that read them, so a hidden key's P = 0 adds exact zeros. The scan costs the producer one pass
+// over its chunks on the tiles that cross a window, a sequence end or a mask, none elsewhere.
+//
 // Memory ordering. cp.async writes shared memory through the generic proxy and wgmma reads it
 // through the async proxy, so each producer thread waits for its own copies
-// (cp.async.wait_group), executes fence.proxy.async, and only then arrives (release) on the
-// "full" barrier that consumers wait on (acquire). It keeps the newest copy group in flight while
+// (cp.async.wait_group), zeroes what it must (generic stores, the same proxy), executes
+// fence.proxy.async, and only then arrives (release) on the "full" barrier that consumers wait
+// on (acquire). It keeps the newest copy group in flight while
 // it publishes the one before (wait_group 1). A consumer warp arrives on "empty" only after
 // wgmma.wait_group 0 retired the products that read the slot; once a wgmma has completed, the
 // generic-proxy cp.async may overwrite its operands without a proxy fence.
@@ -51,6 +59,7 @@
 #include "softmax/cuda/kernel_common.cuh"
 #include "cuda/mma.cuh"
 #include "softmax/cuda/fragment_softmax.cuh"
+#include "softmax/cuda/nonfinite.cuh"
 #include "softmax/cuda/traits.h"
 #include "cuda/wgmma.cuh"
 
@@ -76,7 +85,10 @@ struct FwdPlan {
   static constexpr int kV = kK + kStages * TileKV::kBytes;
   static constexpr int kBar = kV + kStages * TileKV::kBytes;
   // 8-byte mbarriers: full_q, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages]
-  static constexpr int kBytes = kBar + 8 * (1 + 4 * kStages);
+  static constexpr int kVFix = kBar + 8 * (1 + 4 * kStages);
+  // per V slot, a word: step + 1 of the last step whose V tile the producer zeroed non-finite
+  // elements of (hidden keys, below)
+  static constexpr int kBytes = kVFix + 4 * kStages;
   // requested: the kernel rounds the dynamic shared-memory base up to 1024 bytes itself rather
   // than rely on the alignment of the window
   static constexpr int kSmemBytes = kBytes + 1024;
@@ -157,6 +169,37 @@ __device__ __forceinline__ void produce_tile(uint32_t smem, const T* gmem, int64
   }
 }
 
+// The non-finite elements of this producer thread's own chunks of a (kRows, kD) tile of T (the
+// ones produce_tile copied for it) set to +0; returns whether it held any. No barrier: each thread
+// touches only what it copied and waited for, before it publishes the tile.
+template <int kRows, int kD, typename T>
+__device__ __forceinline__ bool zero_own_nonfinite(uint32_t smem, int ptid) {
+  using Tile = wg::Sw128Tile<kRows, kD>;
+  constexpr int kChunks = Tile::kChunks, kRowStep = 128 / kChunks;
+  const int c = ptid % kChunks;
+  uint32_t addr = smem + Tile::offset(ptid / kChunks, c * 8);
+  bool any = false;
+#pragma unroll 1
+  for (int r = ptid / kChunks; r < kRows; r += kRowStep, addr += kRowStep * 128) {
+    const uint4 v = wg::ld_shared_v4(addr);
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    bool hit = false;
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const bool lo = tc::bad_bits<T>(w[x]), hi = tc::bad_bits<T>(w[x] >> 16);
+      hit |= lo | hi;
+      if (lo) w[x] &= 0xffff0000u;
+      if (hi) w[x] &= 0x0000ffffu;
+    }
+    if (hit) {
+#pragma unroll
+      for (int x = 0; x < 4; ++x) wg::st_shared_b32(addr + 4 * x, w[x]);
+    }
+    any |= hit;
+  }
+  return any;
+}
+
 // Key block of step `step` of the kernel's walk (see fwd_kernel below).
 __device__ __forceinline__ int key_block(const SoftmaxParams& p, int step) {
   return p.sparse.on() ? int(p.sparse.fwd.idx[step]) : step;
@@ -190,8 +233,25 @@ __device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& s
     produce_tile<P::kBlockM, kD>(base + P::kQ, q, p.q_row_stride, rows_q, p.d, ptid);
   }
   tc::cp_async_commit();
-  // the barrier of the newest committed copy group, published once a newer group is in flight
+  // Hidden keys (nonfinite.cuh's rule, as in fwd_kernel.cuh): a V tile in which the policy may
+  // hide a key from some row of the block has its NaN / inf elements zeroed by the thread that
+  // copied them, before it is published, so a hidden key adds exact zeros to P V; the slot's
+  // kVFix word then names the step, and the consumers give the elements back to the rows that
+  // read them. A policy of the block's first head: the window, the lengths and whether a bool
+  // mask exists are the kv group's.
+  const Policy pol(p, si, b, h);
+  auto fix_v = [&](int step, int stage) {
+    const int n0 = key_block(p, step) * P::kBlockN;
+    const bool layout_full = !p.sparse.on() || p.sparse.fwd.full[step] != 0;
+    if (tc::tile_may_hide(pol, layout_full, m0, m0 + rows_q, n0, n0 + P::kBlockN) &&
+        zero_own_nonfinite<P::kBlockN, kD, T>(base + P::kV + uint32_t(stage * TileKV::kBytes), ptid)) {
+      wg::st_shared_b32(base + P::kVFix + 4 * stage, uint32_t(step + 1));  // every hit writes the same
+    }
+  };
+  // the barrier of the newest committed copy group, published once a newer group is in flight;
+  // pend_step >= 0: it is the V tile of that step, in slot pend_stage
   uint32_t pending = bars.full_q();
+  int pend_step = -1, pend_stage = 0;
   RingPos<P::kStages> pos;
   for (int step = n_hi - 1; step >= n_lo; --step) {
     const int n0 = key_block(p, step) * P::kBlockN;
@@ -207,6 +267,7 @@ __device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& s
     }
     tc::cp_async_commit();
     tc::cp_async_wait<1>();  // everything but the K tile just issued has landed
+    if (pend_step >= 0) fix_v(pend_step, pend_stage);
     wg::fence_proxy_async();
     wg::mbar_arrive(pending);
     pending = bars.full_k(pos.stage);
@@ -219,9 +280,12 @@ __device__ __forceinline__ void produce(const SoftmaxParams& p, const SeqInfo& s
     wg::fence_proxy_async();
     wg::mbar_arrive(pending);
     pending = bars.full_v(pos.stage);
+    pend_step = step;
+    pend_stage = pos.stage;
     pos.advance();
   }
   tc::cp_async_wait<0>();
+  if (pend_step >= 0) fix_v(pend_step, pend_stage);
   wg::fence_proxy_async();
   wg::mbar_arrive(pending);
 }
@@ -342,18 +406,21 @@ __device__ __forceinline__ void qk8_now(Acc (&acc_i)[FwdPlan<kD>::kBlockN / 2], 
   release_slot(bars.empty_k(pos.stage), lane);
 }
 
-// O += P V against ring slot pos, waited for at once; then the slot's V is released.
+// O += P V against ring slot pos, waited for at once; then the slot's V is released. Returns the
+// slot's kVFix word (read before the release: the producer rewrites it for the slot's next tile).
 template <typename T, int kD>
-__device__ __forceinline__ void pv_now(float (&acc_o)[kD / 2],
-                                       uint32_t (&pa)[FwdPlan<kD>::kBlockN / 16][4], uint64_t desc_v,
-                                       const Bars<FwdPlan<kD>::kStages>& bars,
-                                       const RingPos<FwdPlan<kD>::kStages>& pos, int lane) {
+__device__ __forceinline__ uint32_t pv_now(float (&acc_o)[kD / 2],
+                                           uint32_t (&pa)[FwdPlan<kD>::kBlockN / 16][4], uint64_t desc_v,
+                                           const Bars<FwdPlan<kD>::kStages>& bars,
+                                           const RingPos<FwdPlan<kD>::kStages>& pos, uint32_t vfix, int lane) {
   wg::mbar_wait(bars.full_v(pos.stage), pos.phase);
   issue_pv<T, kD>(acc_o, pa, desc_v, pos.stage);
+  const uint32_t fixed = wg::ld_shared_u32(vfix + 4 * pos.stage);
   wg::wait<0>();
   wg::fence_operands(acc_o);
   wg::fence_operands(pa);
   release_slot(bars.empty_v(pos.stage), lane);
+  return fixed;
 }
 
 // Consumer warpgroup cw (0-based) of 128 threads (ctid = 0..127): query rows
@@ -430,7 +497,31 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
       if constexpr (kDropout) tc::dropout_tile<P::kBlockN / 8>(acc_s, p, b * p.h + h, i0, n0, lane);
       tc::rescale_rows<kDT>(acc_o, alpha);
       tc::pack_a_frags<T, kNT>(acc_s, pa);
-      pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, lane);
+      if (pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, base + P::kVFix, lane) == uint32_t(step + 1)) {
+        // the producer zeroed non-finite elements of this V tile: the rows that read such an
+        // element v(j, c) get it back, acc_o(i, c) += v(j, c), from global memory, as the
+        // mma.sync forward does (not times P: the element is inf or NaN, so the row's output
+        // there is non-finite either way)
+        const T* vg = v_ptr<T>(p, si, b, h / (p.h / p.h_k), 0);
+#pragma unroll 1
+        for (int jl = 0; jl < P::kBlockN && n0 + jl < si.len_k; ++jl) {
+          const int j = n0 + jl;
+          const T* vrow = vg + int64_t(j) * p.v_row_stride;
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = i0 + (lane >> 2) + hf * 8;
+            if (i >= si.len_q || !pol.allowed(i, j)) continue;
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt) {
+              const int col = dt * 8 + 2 * (lane & 3);  // d % 8 == 0: the pair is inside the row
+              if (col >= p.d) continue;
+              const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + col);
+              if (tc::bad_bits<T>(w)) acc_o[4 * dt + 2 * hf] += tc::TypeOps<T>::unpack(w).x;
+              if (tc::bad_bits<T>(w >> 16)) acc_o[4 * dt + 2 * hf + 1] += tc::TypeOps<T>::unpack(w).y;
+            }
+          }
+        }
+      }
       pos.advance();
     }
   }
@@ -498,7 +589,10 @@ __global__ void __launch_bounds__(FwdPlan<kD>::kThreads, 1)
   pol.key_blocks(m0, m0 + rows_q, P::kBlockN, &n_lo, &n_hi);
   if (p.sparse.on()) sparse_entries(p.sparse, p.sparse.fwd, h, m_block, n_lo, n_hi, &n_lo, &n_hi);
 
-  if (threadIdx.x == 0) Bars<P::kStages>{base + P::kBar}.init(4 * P::kConsumerWGs);
+  if (threadIdx.x == 0) {
+    Bars<P::kStages>{base + P::kBar}.init(4 * P::kConsumerWGs);
+    for (int s = 0; s < P::kStages; ++s) wg::st_shared_b32(base + P::kVFix + 4 * s, 0u);  // no step yet
+  }
   __syncthreads();  // the barriers are initialized before any thread uses them
 
   // one role per warpgroup, each one branch of this if/else (what setmaxnreg needs)

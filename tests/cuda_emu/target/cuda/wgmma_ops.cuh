@@ -65,6 +65,7 @@ struct WgmmaE4M3 {
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) { ::attn_emu::st_shared_b32(addr, val); }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) { return ::attn_emu::ld_shared_v4(addr); }
 __device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) { return ::attn_emu::ld_shared_v2f(addr); }
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) { return ::attn_emu::ld_shared_b32(addr); }
 __device__ __forceinline__ int opaque(int x) { return x; }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) { ::attn_emu::mbar_init(bar, count); }
