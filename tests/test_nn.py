@@ -145,8 +145,9 @@ def test_mha_dropout_train_eval():
 # config-driven Attention layer against reference.attention
 
 
-def _layer_reference(layer, x, context=None, **opts):
-    """What Attention(config) must compute, from its own projections and reference.attention."""
+def _layer_reference(layer, x, context=None, bottom_right=True, **opts):
+    """What Attention(config) must compute, from its own projections and reference.attention
+    (positions bottom-right: a padded batch with seqlens_k wants top-left, bottom_right=False)."""
     c = layer.config
     b, s, _ = x.shape
     src = x if context is None else context
@@ -157,7 +158,7 @@ def _layer_reference(layer, x, context=None, **opts):
         q, k = layer.rope(q), layer.rope(k)
     window = (c.window[0], 0) if (c.causal and not layer.cross) else c.window
     out, _ = reference.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=window,
-                                 bottom_right=True, alibi_slopes=layer.alibi_slopes, sinks=layer.sinks,
+                                 bottom_right=bottom_right, alibi_slopes=layer.alibi_slopes, sinks=layer.sinks,
                                  softcap=c.softcap, **opts)
     return layer.out_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -177,8 +178,12 @@ def test_attention_layer_matches_reference(case):
     lengths = torch.tensor([11, 6])
     with torch.no_grad():
         torch.testing.assert_close(layer(x), _layer_reference(layer, x), atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(layer(x, seqlens_k=lengths)[:, :6], _layer_reference(layer, x, seqlens_k=lengths)[:, :6],
-                                   atol=ATOL, rtol=1e-4)
+        padded = layer(x, seqlens_k=lengths)
+        torch.testing.assert_close(padded[:, :6], _layer_reference(layer, x, bottom_right=False,
+                                                                   seqlens_k=lengths)[:, :6], atol=ATOL, rtol=1e-4)
+        # a padded sequence computes what it computes alone (with causal, a window or ALiBi too:
+        # bottom-right positions would follow seqlens_k and shift the diagonal by 11 - 6)
+        torch.testing.assert_close(padded[1:, :6], layer(x[1:, :6]), atol=ATOL, rtol=1e-4)
 
 
 def test_cross_attention_and_padding():

@@ -352,7 +352,10 @@ class Attention(nn.Module):
                 return self.out_proj(out.reshape(b, s, self.n_heads * self.head_dim))
             if cache is not None:
                 k, v = cache.append(k, v)
-        kernel, opts = self._kernel(q, k, self._fused_opts(attn_mask, key_mask, seqlens_k))
+        # without a cache the queries are the sequence's own rows (top-left: with seqlens_k,
+        # bottom-right would line the last query up with the last real key instead)
+        kernel, opts = self._kernel(q, k, self._fused_opts(attn_mask, key_mask, seqlens_k,
+                                                           bottom_right=cache is not None))
         if quant is not None:
             opts["qk_quant"] = quant
         p = c.dropout if self.training else 0.0
@@ -469,11 +472,12 @@ class Attention(nn.Module):
                             alibi_slopes=self.alibi_slopes, sinks=self.sinks, softcap=c.softcap)
 
     def _fused_opts(self, attn_mask: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
-                    seqlens_k: Optional[Tensor] = None) -> dict:
-        """The fused op's options for this layer: causal / window / ALiBi aligned bottom-right (with
-        a cache the new queries are the last rows), the masks as given."""
+                    seqlens_k: Optional[Tensor] = None, bottom_right: bool = True) -> dict:
+        """The fused op's options for this layer: causal / window / ALiBi aligned bottom-right
+        (with a cache the new queries are the last rows; with seqlens_k the last real key of each
+        sequence) or top-left (a whole padded sequence: query i is key i), the masks as given."""
         c = self.config
-        return dict(causal=c.causal and not self.cross, bottom_right=True, window=c.window, attn_mask=attn_mask,
+        return dict(causal=c.causal and not self.cross, bottom_right=bottom_right, window=c.window, attn_mask=attn_mask,
                     key_mask=key_mask, seqlens_k=seqlens_k, alibi_slopes=self.alibi_slopes, softcap=c.softcap,
                     sinks=self.sinks)
 

@@ -350,7 +350,10 @@ def attention(
             (B, H, Sq, Sk). A float mask gets a gradient.
         key_mask: (B, Sk) bool, True = a real key (flash-attn's and Hugging Face's sense). torch's
             key_padding_mask means the opposite (True = padding): pass key_mask=~key_padding_mask.
-        seqlens_k: (B,) int: keys >= seqlens_k[b] are padding.
+        seqlens_k: (B,) int: keys >= seqlens_k[b] are padding. With bottom_right=True the
+            diagonal follows each sequence's length (diag = seqlens_k[b] - Sq: the last query
+            sees the last real key, as a decode step over a padded cache needs); a padded batch
+            of whole sequences (query i is key i) wants bottom_right=False.
         alibi_slopes: (H,) or (B, H): adds -slope * |i + diag - j|.
         softcap: > 0 squashes the scaled scores: softcap * tanh(s / softcap).
         sinks: (H,) learnable logits that join each softmax denominator (attention sinks).
