@@ -629,9 +629,12 @@ def attention_weights(q: Tensor, k: Tensor, lse: Optional[Tensor] = None, *, lay
         raise
     if block_layout is not None:
         bias = _merge_block_layout(bias, block_layout, int(block_size), sq, sk)
-    s = reference.attention_scores(q.to(acc), k.to(acc), scale=scale, softcap=softcap, window=(wl, wr),
-                                   bottom_right=bottom_right, bias=bias, alibi_slopes=alibi_slopes,
-                                   seqlens_k=seqlens_k)  # (B, H, Sq, Sk), -inf where hidden
+    # in the acc dtype whatever autocast is on (the kernel's LSE is float32; a bf16 recompute of
+    # the scores under autocast would not sum to it)
+    with torch.autocast(q.device.type, enabled=False):
+        s = reference.attention_scores(q.to(acc), k.to(acc), scale=scale, softcap=softcap, window=(wl, wr),
+                                       bottom_right=bottom_right, bias=bias, alibi_slopes=alibi_slopes,
+                                       seqlens_k=seqlens_k)  # (B, H, Sq, Sk), -inf where hidden
     if topk > 0:
         from ..sparse.reference import topk_select  # deferred: the sparse family imports this module
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import attention_ext as ae
 from attention_ext.nn import MultiheadAttention
 from attention_ext.softmax import ops
 
@@ -76,3 +77,21 @@ def test_constructor_errors():
     for mha in (torch.nn.MultiheadAttention, MultiheadAttention):
         with pytest.raises(ValueError):
             mha(0, 4)
+
+
+def test_weights_under_autocast():
+    """need_weights=True (the default) under torch.autocast, as torch's module allows: the weights
+    are recomputed with autocast off (a bf16 recompute did not sum to the kernel's float32 LSE and
+    raised), and match torch's module with the same parameters to bf16's rounding."""
+    torch.manual_seed(0)
+    ours = MultiheadAttention(32, 4, batch_first=True)
+    peer = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    peer.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, w = ours(x, x, x)
+        out_t, w_t = peer(x, x, x)
+        w_f = ae.attention_weights(*(torch.randn(1, 2, 4, 8) for _ in range(2)))  # the functional form
+    torch.testing.assert_close(out.float(), out_t.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(w.float(), w_t.float(), atol=1e-2, rtol=0)
+    assert w_f.dtype == torch.float32
