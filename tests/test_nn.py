@@ -380,6 +380,21 @@ def test_rope_is_relative():
     torch.testing.assert_close(rope(q, offset=5).norm(), q.norm())
 
 
+def test_rope_keeps_float32_tables_through_a_dtype_cast():
+    """model.to(torch.bfloat16) casts every buffer: RoPE's tables are rebuilt in float32 instead,
+    and a table grown past its initial 4096 rows later comes from the exact frequencies (rebuilt
+    from bf16-rounded ones, the angle at position 5000 was off by radians: a rotation error of 2.2)."""
+    torch.manual_seed(0)
+    exact = RotaryEmbedding(64)
+    cast = RotaryEmbedding(64).to(torch.bfloat16)
+    assert cast.cos.dtype == torch.float32 and cast.sin.dtype == torch.float32
+    x = torch.randn(1, 1, 2, 64)
+    for pos in (100, 5000, 3000):  # 5000 grows the table; 3000 reads the grown one
+        want = exact(x, offset=pos).bfloat16()
+        torch.testing.assert_close(cast(x.bfloat16(), offset=pos), want, atol=0.05, rtol=0.02)
+    assert not any("cos" in n or "sin" in n or "freq" in n for n in cast.state_dict())
+
+
 def test_alibi_slopes():
     torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
     s6 = alibi_slopes(6)

@@ -85,6 +85,9 @@ class RotaryEmbedding(nn.Module):
 
     q·k after rotation depends only on the relative position, so it composes with any kernel.
     Applied to (B, S, H, D) tensors; `offset` is the position of the first row (KV-cache decode).
+    The cos / sin tables are float32, computed in float64 from (head_dim, base) alone, and stay
+    float32 through a module-wide dtype cast (model.to(torch.bfloat16)), which rebuilds them:
+    angles of frequencies rounded to bf16 would be far off at long positions.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0, max_len: int = 4096):
@@ -93,15 +96,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         self.base = base
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (D/2,)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._build(max_len)
 
-    def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float64, device=self.inv_freq.device)
-        ang = torch.outer(t, self.inv_freq.double())  # (n, D/2)
+    def _build(self, n: int, device=None) -> None:
+        device = device if device is not None else (self.cos.device if hasattr(self, "cos") else None)
+        inv_freq = self.base ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim)
+        ang = torch.outer(torch.arange(n, dtype=torch.float64, device=device), inv_freq)  # (n, D/2)
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:  # a dtype cast: the float32 tables again, on the new device
+            self._build(self.cos.shape[0], self.cos.device)
+        return self
 
     def forward(self, x: Tensor, offset=0) -> Tensor:
         """offset: an int, a (B,) tensor of per-sequence first positions (batched ragged decode), or
