@@ -173,7 +173,17 @@ class LanguageModel(nn.Module):
         kv_cache_dtype: torch.int8 or torch.float8_e4m3fn stores the caches in 8 bits (a scale
         per row and kv head, attention_ext.nn.PagedKVCache): the run goes through the paged
         caches (a (B, T0) idx as B prompts of one length, the result stacked back). None: the
-        model's dtype."""
+        model's dtype. max_new_tokens 0 returns the prompts as given."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"generate: page_size must be an int >= 1, got {page_size!r}")
+        _check_sampling(temperature, top_k, top_p)
+        if isinstance(idx, Tensor) and (idx.dim() != 2 or idx.shape[1] == 0):
+            raise ValueError(f"generate: idx must be (B, T0) token ids with T0 >= 1 (or a list of 1-D prompts), got "
+                             f"shape {tuple(idx.shape)}")
+        if max_new_tokens == 0:
+            return idx.clone() if isinstance(idx, Tensor) else [p.clone() for p in idx]
         if kv_cache_dtype is not None and kv_cache_dtype not in (torch.int8, torch.float8_e4m3fn):
             raise ValueError(f"generate: kv_cache_dtype must be None, torch.int8 or torch.float8_e4m3fn, got "
                              f"{kv_cache_dtype}")
@@ -257,16 +267,28 @@ class LanguageModel(nn.Module):
         return [torch.cat(o) for o in out]
 
 
+def _check_sampling(temperature, top_k, top_p) -> None:
+    """sample_next's argument rules (also checked by generate() before it runs the prompt)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be None or an int >= 0 (0 or None: no top-k filter), got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 <= top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in [0, 1], got {top_p!r}")
+
+
 def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
                 top_p: Optional[float] = None, greedy: bool = False,
                 generator: Optional[torch.Generator] = None) -> Tensor:
     """logits (B, V) -> next tokens (B, 1). Greedy (or temperature 0) takes the argmax; otherwise
-    sample softmax(logits / temperature) restricted to the top_k tokens and to the smallest set
-    whose probability reaches top_p (nucleus sampling, Holtzman et al.)."""
+    sample softmax(logits / temperature) restricted to the top_k tokens (0 or None: all) and to
+    the smallest set whose probability reaches top_p (nucleus sampling, Holtzman et al.; the most
+    likely token always stays, so top_p = 0 keeps it alone)."""
+    _check_sampling(temperature, top_k, top_p)
     if greedy or temperature == 0.0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
+    if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
@@ -274,6 +296,7 @@ def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (the first always stays)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[..., 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)

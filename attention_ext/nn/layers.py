@@ -458,6 +458,9 @@ class Attention(nn.Module):
             pos = cache.positions()  # (B,) each sequence's own offset
             q, k = self.rope(q, pos), self.rope(k, pos)
         fresh = cache.empty()
+        if cache.packed is not None and not fresh:  # refused before anything is written
+            raise ValueError("a packed (ragged) call through a PagedKVCache is a prefill of sequences with no rows "
+                             "yet; step sequences that hold rows unpacked (select(rows) without packed)")
         cache.append(k, v)
         if fresh and cache.packed is not None:  # a ragged prefill packed into one row: varlen attention
             cu = torch.tensor([0] + cache.packed, device=x.device).cumsum(0).to(torch.int32)

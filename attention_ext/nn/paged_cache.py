@@ -73,10 +73,20 @@ class PagedKVCache:
         return len(self.free_pages)
 
     def select(self, rows: Sequence[int], packed: Optional[Sequence[int]] = None) -> "PagedKVCache":
-        """The sequences the next layer call feeds, in its batch order. `packed`: their new-row
-        counts when the call feeds them packed into one (1, sum(packed)) row (a ragged prefill)."""
-        self.rows = list(rows)
-        self.packed = list(packed) if packed is not None else None
+        """The sequences the next layer call feeds, in its batch order: distinct indices in [0,
+        batch). `packed`: their new-row counts when the call feeds them packed into one (1,
+        sum(packed)) row (a ragged prefill of sequences with no rows yet)."""
+        rows = list(rows)
+        if not all(isinstance(r, int) and 0 <= r < self.batch for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"PagedKVCache.select: rows must be distinct sequence indices in [0, {self.batch}), "
+                             f"got {rows}")
+        if packed is not None:
+            packed = list(packed)
+            if len(packed) != len(rows) or not all(isinstance(t, int) and t >= 0 for t in packed):
+                raise ValueError(f"PagedKVCache.select: packed must give a row count >= 0 for each of the "
+                                 f"{len(rows)} rows, got {packed}")
+        self.rows = rows
+        self.packed = packed
         self._rows_t = None
         return self
 
@@ -148,6 +158,19 @@ class PagedKVCache:
         if len(counts) != len(self.rows) or sum(counts) != b * t:
             raise ValueError(f"append got {tuple(k.shape[:2])} rows for {len(self.rows)} selected sequences")
         ps = self.page_size
+        # every sequence's pages sized before any is claimed: a pool that runs out for the last
+        # sequence leaves the earlier ones as they were (no length advanced over unwritten rows)
+        short = 0
+        for r, t in zip(self.rows, counts):
+            need = -(-(self._len[r] + t) // ps)
+            if need > self.block_table.shape[1]:
+                raise ValueError(f"paged KV cache: sequence {r} needs {self._len[r] + t} rows, more than the block "
+                                 f"table's {self.block_table.shape[1]} pages x {ps}")
+            short += max(0, need - len(self._pages[r]))
+        if short > len(self.free_pages):
+            raise RuntimeError(f"paged KV cache pool exhausted: this append needs {short} new pages of {ps} rows, "
+                               f"{len(self.free_pages)} of {self.k_pages.shape[0]} are free (free finished sequences "
+                               "or allocate more pages); nothing was written")
         idx = []
         for r, t in zip(self.rows, counts):
             p0 = self._len[r]

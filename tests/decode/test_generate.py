@@ -72,6 +72,68 @@ def test_pool_exhaustion_raises():
         model.generate(_prompts(), 20, greedy=True, page_size=4, num_pages=6)
 
 
+def test_pool_exhaustion_mid_batch_writes_nothing():
+    """A batched append whose later sequence finds the pool empty leaves every sequence as it was
+    (the pages of all are sized before any is claimed): no length advanced over unwritten rows."""
+    c = PagedKVCache(2, num_pages=3, page_size=4, n_kv_heads=2, head_dim=8)
+    k = torch.randn(2, 4, 2, 8)
+    c.append(k, k)
+    before = (c.lengths.tolist(), c.num_free_pages, c.block_table.clone(), c.view(0)[0].clone())
+    with pytest.raises(RuntimeError, match="nothing was written"):
+        c.append(k[:, :1], k[:, :1])  # sequence 0 takes the last page, sequence 1 finds none
+    assert c.lengths.tolist() == before[0] and c.num_free_pages == before[1]
+    assert torch.equal(c.block_table, before[2]) and torch.equal(c.view(0)[0], before[3])
+    c.select([0]).append(k[:1, :1], k[:1, :1])  # the cache still works
+    assert c.lengths.tolist() == [5, 4]
+
+
+def test_select_rules():
+    c = PagedKVCache(3, num_pages=4, page_size=4, n_kv_heads=1, head_dim=4)
+    for rows in ([0, 0], [-1], [3], [0.5]):
+        with pytest.raises(ValueError, match="rows must be distinct sequence indices in \\[0, 3\\)"):
+            c.select(rows)
+    with pytest.raises(ValueError, match="packed must give a row count"):
+        c.select([0, 1], packed=[2])
+    assert c.select(range(3)).rows == [0, 1, 2]
+
+
+def test_packed_call_into_sequences_with_rows_is_refused_before_writing():
+    """A packed (ragged) call is a prefill from scratch: into sequences that hold rows it is
+    refused before the cache changes (it used to append the rows, then fail in the decode call)."""
+    from attention_ext.nn.layers import Attention, AttentionConfig
+
+    a = Attention(AttentionConfig(d_model=32, n_heads=4, causal=True)).eval()
+    c = PagedKVCache(2, num_pages=8, page_size=4, n_kv_heads=4, head_dim=8)
+    with torch.no_grad():
+        c.select([0, 1], packed=[4, 4])
+        a(torch.randn(1, 8, 32), cache=c)
+        c.select([0, 1], packed=[2, 3])
+        with pytest.raises(ValueError, match="prefill of sequences with no rows"):
+            a(torch.randn(1, 5, 32), cache=c)
+    assert c.lengths.tolist() == [4, 4]
+
+
+def test_generate_argument_rules():
+    model = _lm()
+    prompts = _prompts((3, 5))
+    assert [o.shape[0] for o in model.generate(prompts, 0)] == [3, 5]  # max_new_tokens 0: the prompts
+    assert model.generate(torch.stack([prompts[0]] * 2), 0).shape == (2, 3)
+    for kw, msg in ((dict(max_new_tokens=-1), "max_new_tokens"), (dict(max_new_tokens=2, page_size=0), "page_size"),
+                    (dict(max_new_tokens=2, temperature=-1.0), "temperature"), (dict(max_new_tokens=2, top_k=-2), "top_k"),
+                    (dict(max_new_tokens=2, top_p=1.5), "top_p")):
+        with pytest.raises(ValueError, match=msg):
+            model.generate(prompts, **kw)
+    with pytest.raises(ValueError, match="T0 >= 1"):
+        model.generate(torch.zeros(2, 0, dtype=torch.long), 3)
+    # top_k 0 filters nothing (Hugging Face's sense); top_p 0 keeps the most likely token alone
+    g = torch.Generator().manual_seed(0)
+    assert model.generate(prompts, 3, top_k=0, generator=g)[0].shape == (6,)
+    greedy = model.generate(prompts, 4, greedy=True)
+    nucleus = model.generate(prompts, 4, top_p=0.0, generator=g)
+    for a, b in zip(greedy, nucleus):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_eos_stops_and_frees_pages():
     model = _lm()
     prompts = _prompts()
