@@ -73,6 +73,14 @@ def test_linformer_padding_is_zeroed_before_the_projection(share):
     torch.testing.assert_close(m(x, seqlens_k=lengths), out)
     for i, n in enumerate(lengths.tolist()):
         torch.testing.assert_close(out[i, :n], m(x[i: i + 1, :n])[0], atol=2e-6, rtol=1e-5)
+    # a NaN in a padded row reaches nothing (masked out, not multiplied by 0)
+    xn = x.clone()
+    xn[1, 7:] = float("nan")
+    torch.testing.assert_close(m(xn, key_mask=key_mask)[1, :7], out[1, :7], atol=0, rtol=0)
+    # left padding or holes would project the real keys with other columns of E, F: refused
+    for bad in (torch.arange(12) >= 5, (torch.arange(12) % 2) == 0):
+        with pytest.raises(ValueError, match="right padding only"):
+            m(x, key_mask=bad.expand(3, 12))
 
 
 def test_linformer_backward_reaches_every_parameter():

@@ -38,8 +38,9 @@ class LinformerAttention(nn.Module):
     as the authors' implementation (fairseq) initializes its compression layers.
 
     Non-causal only: a causal config raises ValueError, as do a generation cache and
-    allocate_cache (there is no incremental form). key_mask (B, S_k) True = a real key /
-    seqlens_k: padded keys and values are zeroed before the projection, so they add nothing to
+    allocate_cache (there is no incremental form). key_mask (B, S_k) True = a real key, on a
+    prefix of each row (right padding; left padding and holes are refused) / seqlens_k: padded
+    keys and values are zeroed before the projection, so they add nothing to
     E k or F v and a padded sequence computes exactly what it computes alone (E[..., :L] over its
     L real positions). attn_mask, window, ALiBi, sinks and softcap have no meaning over projected
     keys and are refused; dropout on probabilities is not applied. Cross-attention (cross=True)
@@ -110,9 +111,16 @@ class LinformerAttention(nn.Module):
             q, k = self.rope(q), self.rope(k)
         if seqlens_k is not None:
             key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
+        elif key_mask is not None:
+            # right padding only: a sequence's real keys are columns [0, len) of E and F, as alone
+            prefix = torch.arange(sk, device=key_mask.device) < key_mask.sum(-1, keepdim=True)
+            if not torch.equal(key_mask.bool(), prefix):
+                raise ValueError("attention_type='linformer' takes right padding only: key_mask must be True on a "
+                                 "prefix of each row (its keys are projected by position: left padding or holes "
+                                 "would move the real keys onto other columns of E and F)")
         if key_mask is not None:  # zero padding after the biased projections: it adds nothing to E k, F v
-            keep = key_mask.view(b, sk, 1, 1).to(k.dtype)
-            k, v = k * keep, v * keep
+            keep = key_mask.view(b, sk, 1, 1).bool()
+            k, v = k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)  # (0 x NaN would be NaN)
         proj_k = self.proj_k[..., :sk].to(k.dtype)
         proj_v = self.proj_v[..., :sk].to(v.dtype) if self.proj_v is not None else None
         out = linformer_attention(q, k, v, proj_k, proj_v, layout="bshd")  # (B, S, H, D)
