@@ -563,3 +563,23 @@ def test_mha_nested_input():
         torch.testing.assert_close(t, want[i, :lengths[i]], atol=ATOL, rtol=1e-4)
     with pytest.raises(ValueError, match="nested"):
         ours(nested, nested, nested, key_padding_mask=pad)
+
+
+def test_layer_input_errors_name_the_argument():
+    """Shapes the layer cannot take are named, not raw unpack / attribute / broadcast errors."""
+    self_attn = Attention(AttentionConfig(d_model=32, n_heads=4))
+    cross = Attention(AttentionConfig(d_model=32, n_heads=4), cross=True)
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match=r"x must be \(B, S, d_model\) with d_model = 32"):
+        self_attn(x[0])
+    with pytest.raises(ValueError, match="x must be"):
+        self_attn(torch.randn(2, 5, 16))
+    with pytest.raises(TypeError, match="x"):
+        self_attn([1, 2])
+    with pytest.raises(ValueError, match="needs `context`"):
+        cross(x)
+    with pytest.raises(ValueError, match="build it with cross=True"):
+        self_attn(x, torch.randn(2, 7, 32))  # a memory handed to a self-attention layer is not ignored
+    cache = KVCache(3, 16, 4, 8)  # batch 3, not 2
+    with pytest.raises(ValueError, match=r"KVCache.append: k must be \(B, T, H_k, D\) with \(B, H_k, D\) = \(3, 4, 8\)"):
+        self_attn(x, cache=cache)

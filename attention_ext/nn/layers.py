@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.types import Device
 
 from .. import reference
-from .._args import key_padding_mask_renamed
+from .._args import key_padding_mask_renamed, not_a_tensor
 from ..decode import decode_fwd
 from ..decode.quant import QMAX, dequantize_kv, quantize_rows
 from ..softmax import attention, attention_varlen, attention_weights
@@ -222,6 +222,15 @@ class KVCache:
             self.v_descale = torch.zeros_like(self.k_descale)
 
     def append(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """k, v (B, T, H_k, D): T new rows per sequence; returns every row so far (views)."""
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, Tensor) or x.dim() != 4 or (x.shape[0],) + tuple(x.shape[2:]) != (
+                    self.k.shape[0],) + tuple(self.k.shape[2:]):
+                b, _, h, d = self.k.shape
+                raise ValueError(f"KVCache.append: {name} must be (B, T, H_k, D) with (B, H_k, D) = {(b, h, d)} (the "
+                                 f"cache's batch, kv heads and head dim), got "
+                                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}: allocate the cache "
+                                 "for this layer and batch (allocate_cache)")
         t = k.shape[1]
         if self.pos + t > self.k.shape[1]:
             raise ValueError(f"KV cache overflow: {self.pos} + {t} rows > max_len={self.k.shape[1]}")
@@ -315,6 +324,18 @@ class Attention(nn.Module):
         if key_padding_mask is not None:
             raise key_padding_mask_renamed(f"{type(self).__name__}.forward()")
         c = self.config
+        name = type(self).__name__
+        if not isinstance(x, Tensor):
+            raise not_a_tensor("x", x, f"{name}.forward")
+        if x.dim() != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"{name}.forward: x must be (B, S, d_model) with d_model = {c.d_model}, got shape "
+                             f"{tuple(x.shape)}")
+        if self.cross and context is None and not (cache is not None and cache.static and cache.pos > 0):
+            raise ValueError(f"{name}.forward: a cross-attention layer (cross=True) needs `context`, the memory "
+                             "(B, S_k, kv_dim), unless a static cache already holds it")
+        if context is not None and not self.cross:
+            raise ValueError(f"{name}.forward: `context` is the memory of a cross-attention layer; this layer "
+                             "attends to x (build it with cross=True for cross-attention)")
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # (B, S, H, D)
         if context_parallel is not None:
