@@ -8,6 +8,7 @@ incremental decoding: generation recomputes the prefix (use_cache=False).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -65,9 +66,11 @@ class LSHAttention(nn.Module):
         # first forward: one call on meta tensors (nothing is computed)
         meta = torch.empty(1, 1, 1, c.head_dim, device="meta")
         try:
-            lsh_attention(meta, meta, n_buckets=c.lsh_buckets, n_hashes=c.lsh_hashes, chunk_size=c.lsh_chunk_size,
-                          rotations=torch.empty(max(c.lsh_hashes, 0), c.head_dim, max(c.lsh_buckets // 2, 0),
-                                                device="meta"))
+            with warnings.catch_warnings():  # the meta call's "no compiled kernel on meta" note is not the user's
+                warnings.simplefilter("ignore", RuntimeWarning)
+                lsh_attention(meta, meta, n_buckets=c.lsh_buckets, n_hashes=c.lsh_hashes, chunk_size=c.lsh_chunk_size,
+                              rotations=torch.empty(max(c.lsh_hashes, 0), c.head_dim, max(c.lsh_buckets // 2, 0),
+                                                    device="meta"))
         except (ValueError, TypeError) as e:
             raise type(e)(f"AttentionConfig(lsh_buckets={c.lsh_buckets}, lsh_hashes={c.lsh_hashes}, "
                           f"lsh_chunk_size={c.lsh_chunk_size}): {e}") from e
