@@ -27,6 +27,9 @@ model that runs on "sdpa" gets the same attention pattern here:
 - softcap (Gemma 2) and s_aux (GPT-OSS sinks, (H,)) go to the kernel: HF applies the softcap to
   the scaled scores before the mask, and the sink as an extra softmax logit, as the kernel does.
 - GQA runs with no repeat of k / v (H % H_k == 0).
+- A value head dim other than the query / key one (DeepSeek's MLA: 192 and 128) runs on zero
+  columns appended to the narrower side (q . k and P v are unchanged by them, the scale stays
+  the query head dim's) and the output cut back to the value's width: a copy, exact.
 A fully masked query row (a left-padded position) gives 0 here; SDPA's value there is
 implementation-defined, and HF ignores those positions.
 """
@@ -60,7 +63,7 @@ def attention_forward(
 
     Args:
         module: the calling attention module (its `is_causal` is the default for `is_causal`).
-        query: (B, H, Sq, D); key, value: (B, H_k, Sk, D), H % H_k == 0.
+        query: (B, H, Sq, D); key: (B, H_k, Sk, D), value: (B, H_k, Sk, Dv), H % H_k == 0.
         attention_mask: None, or the (B, 1, Sq, Sk) mask built by sdpa_mask (bool, True =
             attend), or a caller's 4-D float mask (added to the scores).
         dropout: the probability's dropout rate (the model passes 0.0 outside training).
@@ -71,7 +74,7 @@ def attention_forward(
         s_aux: (H,) attention-sink logits (GPT-OSS), in the model's dtype; attention() casts them
             to the kernel's float side dtype (float32; float64 for float64), keeping the gradient.
 
-    Returns (out (B, Sq, H, D) contiguous, None), or with output_attentions=True the probabilities
+    Returns (out (B, Sq, H, Dv) contiguous, None), or with output_attentions=True the probabilities
     (B, H, Sq, Sk) in q's dtype in place of None, recomputed from the kernel's LSE (one more Q K^T):
     only without dropout and without autograd (the LSE carries no gradient), else
     NotImplementedError, as for head_mask and position_bias.
@@ -92,6 +95,11 @@ def attention_forward(
     # SDPA's rule (sdpa_attention_forward): causal only with no mask and more than one query
     causal = bool(is_causal) and attention_mask is None and sq > 1
     softcap = float(softcap or 0.0)
+    dv = value.shape[-1]
+    if dv != query.shape[-1]:  # zero columns to one width (module docstring); the scale stays q's
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        width = max(dv, query.shape[-1])
+        query, key, value = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
                     attn_mask=attention_mask, softcap=softcap, sinks=s_aux, dropout_p=float(dropout),
                     return_lse=want_weights)
@@ -100,7 +108,7 @@ def attention_forward(
         out, lse = out
         weights = attention_weights(query, key, lse, scale=scaling, causal=causal, attn_mask=attention_mask,
                                     softcap=softcap, sinks=s_aux).to(query.dtype)
-    return out.transpose(1, 2).contiguous(), weights  # (B, Sq, H, D), (B, H, Sq, Sk) or None
+    return out[..., :dv].transpose(1, 2).contiguous(), weights  # (B, Sq, H, Dv), (B, H, Sq, Sk) or None
 
 
 def register(name: str = DEFAULT_NAME) -> None:

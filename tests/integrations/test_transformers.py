@@ -361,6 +361,60 @@ def test_attention_forward_semantics():
     torch.testing.assert_close(out, sdpa(q[:, :, :1], kr, vr).transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dv", [8, 24])
+def test_attention_forward_value_head_dim(dv):
+    """A value head dim other than q / k's (MLA: DeepSeek's 192 / 128) runs on zero columns and
+    matches torch's SDPA, which takes it, with the default scale of q's head dim, a mask, causal,
+    output_attentions and gradients."""
+    torch.manual_seed(1)
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16)
+    v = torch.randn(2, 2, 7, dv)
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    mod = torch.nn.Module()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    m = torch.rand(2, 1, 5, 7) > 0.3
+    m[..., 0] = True
+    for mask, causal in ((None, True), (m, False)):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out, _ = ae_hf.attention_forward(mod, qg, kg, vg, mask, is_causal=causal)
+        assert out.shape == (2, 5, 4, dv)
+        want = sdpa(q, kr, vr, attn_mask=mask, is_causal=causal and mask is None).transpose(1, 2)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        out.sum().backward()
+        qr, kr2, vr2 = (t.clone().requires_grad_() for t in (q, k, v))
+        sdpa(qr, kr2.repeat_interleave(2, 1), vr2.repeat_interleave(2, 1), attn_mask=mask,
+             is_causal=causal and mask is None).sum().backward()
+        for a, b in ((qg, qr), (kg, kr2), (vg, vr2)):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        out, w = ae_hf.attention_forward(mod, q, k, v, m, output_attentions=True)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 5), atol=1e-5, rtol=0)
+
+
+def test_mla_model_logits():
+    """A tiny DeepSeek-V3 (MLA: q / k head dim 24, v head dim 16) gives SDPA's logits, padded or
+    not (it used to raise: k and v must have one shape)."""
+    if not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip("this transformers has no DeepSeek-V3")
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=V, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=1, max_position_embeddings=64)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(AE)
+    x = torch.randint(0, V, (B, L))
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[0, :PAD] = 0
+    with torch.no_grad():
+        for kw in (dict(), dict(attention_mask=mask)):
+            want, got = ref(x, **kw).logits, ours(x, **kw).logits
+            keep = slice(None) if not kw else (mask.bool()[..., None].expand_as(want))
+            torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
 def test_import_does_not_import_transformers():
     """The module imports transformers only inside register()."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
