@@ -113,6 +113,16 @@ def test_packed_call_into_sequences_with_rows_is_refused_before_writing():
     assert c.lengths.tolist() == [4, 4]
 
 
+def test_paged_generation_needs_a_paged_reader():
+    """Ragged prompts and kv_cache_dtype run on paged caches: a model whose layers do not read them
+    (linear attention's state, the sparse layer's kernels) is told so by generate()."""
+    for at in ("linear", "sparse"):
+        model = _lm(attention_type=at)
+        for kw in (dict(), dict(kv_cache_dtype=torch.int8)):
+            with pytest.raises(NotImplementedError, match=f"attention_type='{at}' does not read"):
+                model.generate(_prompts((3, 5)), 2, **kw)
+
+
 def test_generate_argument_rules():
     model = _lm()
     prompts = _prompts((3, 5))
