@@ -188,9 +188,9 @@ def _km_self(make, call):
 def _km_prefix(attention_type, refuses_inverse=False, causal=False):
     """Self-attention whose exact padding is right padding (Linformer projects the positions, LSH
     sorts them into chunks; Gated DeltaNet, causal, takes left padding too): a prefix key mask
-    equals the module on the real positions alone. LSH refuses a mask that is not a prefix (the
-    inverse) with an error naming right padding; its polarity is then checked against the
-    unmasked call."""
+    equals the module on the real positions alone. Linformer and LSH refuse a mask that is not a
+    prefix (the inverse) with an error naming right padding; their polarity is then checked
+    against the unmasked call."""
     def case():
         mod = _layer(attention_type, cross=False, causal=causal)
         x, m = _x(1, 7, 4), torch.arange(7).unsqueeze(0) < 5
@@ -231,7 +231,7 @@ KEY_MASK = {
         _layer, lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
     ("nn.linear.LinearAttention.forward", "key_mask"): _km_drop_keys(
         lambda: _layer("linear"), lambda mod, x, mem, m: mod(x, mem, **_kw("key_mask", m))),
-    ("nn.linformer.LinformerAttention.forward", "key_mask"): _km_prefix("linformer"),
+    ("nn.linformer.LinformerAttention.forward", "key_mask"): _km_prefix("linformer", refuses_inverse=True),
     ("nn.lsh.LSHAttention.forward", "key_mask"): _km_prefix("lsh", refuses_inverse=True),
     ("nn.delta.GatedDeltaNet.forward", "key_mask"): _km_prefix("gated_delta", causal=True),
     ("nn.blocks.EncoderBlock.forward", "key_mask"): _km_self(_block, lambda mod, x, m: mod(x, **_kw("key_mask", m))),
