@@ -581,5 +581,6 @@ def test_layer_input_errors_name_the_argument():
     with pytest.raises(ValueError, match="build it with cross=True"):
         self_attn(x, torch.randn(2, 7, 32))  # a memory handed to a self-attention layer is not ignored
     cache = KVCache(3, 16, 4, 8)  # batch 3, not 2
-    with pytest.raises(ValueError, match=r"KVCache.append: k must be \(B, T, H_k, D\) with \(B, H_k, D\) = \(3, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"KVCache.append: k must be \(B, T, H_k, D\) with "
+                                         r"\(B, H_k, D\) = \(3, 4, 8\)"):
         self_attn(x, cache=cache)

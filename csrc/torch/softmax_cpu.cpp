@@ -55,8 +55,9 @@ std::tuple<Tensor, Tensor> fwd_quant_cpu(const Tensor& q, const Tensor& k, const
                                          c10::string_view qk_quant) {
   const Options o = ATTN_SOFTMAX_MAKE_OPTIONS();
   const int32_t code = attn::api::check_qk_quant(q, o, qk_quant);
-  TORCH_CHECK_NOT_IMPLEMENTED(code == attn::kQkInt8, "attention_ext: qk_quant='fp8' runs on the CUDA sm_90 kernel "
-                              "(e4m3 on wgmma) only; on the CPU use qk_quant='int8' (more accurate, VNNI dot products)");
+  TORCH_CHECK_NOT_IMPLEMENTED(code == attn::kQkInt8, "attention_ext: qk_quant='fp8' runs on the CUDA sm_90 kernel ",
+                              "(e4m3 on wgmma) only; on the CPU use qk_quant='int8' (more accurate, VNNI dot ",
+                              "products)");
   attn::api::check_inputs(q, k, v, o);
   auto [out, lse] = attn::api::alloc_fwd_outputs(q, o);
   if (q.numel() == 0) return {out, lse};

@@ -118,8 +118,8 @@ std::tuple<Tensor, Tensor> cuda_fwd_quant_steps(const Device& dev, const Tensor&
   const DType dt = dtype_of(q);
   const auto [bq, bk] = dev.fwd_q8_blocks(p, dt);
   TORCH_CHECK_NOT_IMPLEMENTED(bq > 0, Device::kWhat, ": qk_quant='", qk_quant, "' on CUDA runs on the tensor-core ",
-                              "kernels: float16 / bfloat16 q, k, v with a head dim that is a multiple of 16 up to 128, ",
-                              "16-byte aligned rows, no block_layout, on ",
+                              "kernels: float16 / bfloat16 q, k, v with a head dim that is a multiple of 16 up to ",
+                              "128, 16-byte aligned rows, no block_layout, on ",
                               code == kQkFp8 ? "sm_90 (the wgmma kernel: an extension built with sm_90a code, "
                                                "not turned off by set_cuda_kernels)"
                                              : "sm_80 or newer",

@@ -129,8 +129,8 @@ def test_generate_argument_rules():
     assert [o.shape[0] for o in model.generate(prompts, 0)] == [3, 5]  # max_new_tokens 0: the prompts
     assert model.generate(torch.stack([prompts[0]] * 2), 0).shape == (2, 3)
     for kw, msg in ((dict(max_new_tokens=-1), "max_new_tokens"), (dict(max_new_tokens=2, page_size=0), "page_size"),
-                    (dict(max_new_tokens=2, temperature=-1.0), "temperature"), (dict(max_new_tokens=2, top_k=-2), "top_k"),
-                    (dict(max_new_tokens=2, top_p=1.5), "top_p")):
+                    (dict(max_new_tokens=2, temperature=-1.0), "temperature"),
+                    (dict(max_new_tokens=2, top_k=-2), "top_k"), (dict(max_new_tokens=2, top_p=1.5), "top_p")):
         with pytest.raises(ValueError, match=msg):
             model.generate(prompts, **kw)
     with pytest.raises(ValueError, match="T0 >= 1"):
