@@ -575,7 +575,7 @@ EXPECT = {
     "flash_attn_with_kvcache[paged]": dict(_DECODE_ERR, empty_seq=OK(lambda r: bool((r[0] == 0).all()))),
     "decode_fwd": dict(
         _DECODE_ERR,
-        ndim=(ValueError, r"q must be \(B, H, Sq, D\) and the caches 4-D"),
+        ndim=(ValueError, r"decode_fwd: q must be 4-D \(B, Sq, H, D\)"),  # its own layout, not the op's
         batch=(ValueError, r"k_cache and v_cache must have the same shape"),
         heads=(ValueError, r"k_cache and v_cache must have the same shape"),
         head_dim=(ValueError, r"k_cache and v_cache must have the same shape"),

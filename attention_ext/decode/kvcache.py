@@ -23,7 +23,7 @@ from .. import _ext
 from .._args import not_a_tensor
 from .._dtypes import acc_dtype
 from ..softmax.functional import window_size_pair
-from .ops import decode_fwd
+from .ops import check_decode, decode_fwd
 from .quant import QMAX, quantize_rows
 
 __all__ = ["flash_attn_with_kvcache", "apply_rotary"]
@@ -71,7 +71,7 @@ def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) ->
         raise ValueError(f"flash_attn_with_kvcache: {name} must be ({b},), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"flash_attn_with_kvcache: {name} must be on {device}, got {t.device}")
-    return t
+    return t.contiguous()  # (a strided view: the op takes dense index vectors)
 
 
 def _quantize_append(x: Tensor, descale: Tensor, page: Tensor, slot: Tensor, dtype: torch.dtype) -> Tensor:
@@ -282,6 +282,9 @@ def flash_attn_with_kvcache(
         raise ValueError("flash_attn_with_kvcache: pass rotary_cos and rotary_sin together")
     local = window_size_pair(window_size, "flash_attn_with_kvcache") != (-1, -1)
     if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, Tensor):
+                raise not_a_tensor(name, t, "flash_attn_with_kvcache")
         if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape:
             raise ValueError(f"flash_attn_with_kvcache: rotary_cos / rotary_sin must be (seqlen_ro, rotary_dim / 2), "
                              f"got {tuple(rotary_cos.shape)}, {tuple(rotary_sin.shape)}")
@@ -335,8 +338,15 @@ def flash_attn_with_kvcache(
         raise ValueError("flash_attn_with_kvcache: softcap must be >= 0")
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
 
-    # ---- the in-place append: row seqlens[b] + t of sequence b
+    if bad is not None and end is not None:
+        end = end.clamp(max=capacity)
+    # ---- the in-place append: row seqlens[b] + t of sequence b, after every rule of the op
+    # (C++) has passed: a call it refuses writes nothing
     if s_new and b:
+        check_decode(q, k_cache, v_cache, cache_seqlens=end, block_table=block_table,
+                     cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
+                     sinks=sinks, scale=scale, softcap=float(softcap), window_left=wl, window_right=wr,
+                     num_splits=int(num_splits), k_descale=k_descale, v_descale=v_descale)
         with torch.no_grad():
             rows = seqlens.long()[:, None] + torch.arange(s_new, device=dev)[None, :]  # (B, S_new)
             if bad is not None:
@@ -349,9 +359,6 @@ def flash_attn_with_kvcache(
                 page = seq[:, None].expand(b, s_new)
                 slot = rows
             if quantized:
-                if k_descale is None or v_descale is None:
-                    raise ValueError("flash_attn_with_kvcache: an int8 / float8_e4m3fn cache needs k_descale and "
-                                     "v_descale (decode.quantize_kv makes them)")
                 if bad is not None:
                     raise ValueError("flash_attn_with_kvcache: appending to an int8 / float8_e4m3fn cache is not "
                                      "supported under CUDA-graph capture")
@@ -365,8 +372,6 @@ def flash_attn_with_kvcache(
                 k_cache[page, slot] = torch.where(keep, k_cache[page, slot], k)
                 v_cache[page, slot] = torch.where(keep, v_cache[page, slot], v)
 
-    if bad is not None and end is not None:
-        end = end.clamp(max=capacity)
     out, lse = decode_fwd(q, k_cache, v_cache, cache_seqlens=end, block_table=block_table,
                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes,
                           sinks=sinks, scale=scale, softcap=float(softcap), window_left=wl, window_right=wr,

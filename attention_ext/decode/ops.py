@@ -70,6 +70,23 @@ def cuda_kernels() -> dict:
     return dict(_cuda_kernels)
 
 
+def check_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Optional[Tensor] = None,
+                 block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,
+                 cache_leftpad: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                 sinks: Optional[Tensor] = None, scale: float, softcap: float = 0.0, window_left: int = -1,
+                 window_right: int = -1, num_splits: int = 0, k_descale: Optional[Tensor] = None,
+                 v_descale: Optional[Tensor] = None) -> None:
+    """decode_fwd's input rules (the op's, in C++: shapes, dtypes, devices, scalars; not the index
+    values) on its arguments, computing nothing: for callers that must check before they act (the
+    reference fallback; flash_attn_with_kvcache before it appends to the caches). No-op without
+    the extension."""
+    if HAS_EXT:
+        torch.ops.attention_ext.decode_check(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
+            cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
+            int(window_right), int(num_splits), k_descale, v_descale)
+
+
 def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Optional[Tensor] = None,
                block_table: Optional[Tensor] = None, cache_batch_idx: Optional[Tensor] = None,
                cache_leftpad: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
@@ -85,8 +102,12 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
     S_cache, H_k) / (num_pages, page_size, H_k), or per batch entry and kv head (B, H_k)
     (decode.quantize_kv makes either); the CPU kernel reads them directly, CUDA through the
     dequantized reference unless set_cuda_kernels(quantized=True)."""
-    if not isinstance(q, Tensor):  # the caches are the op's to check (its schema takes Tensors)
-        raise not_a_tensor("q", q, "decode_fwd")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t, "decode_fwd")
+        if t.dim() != 4:  # this function's layout (the op's rules name its own, transposed)
+            dims = "B, Sq, H, D" if name == "q" else "B_cache, S_cache, H_k, D"
+            raise ValueError(f"decode_fwd: {name} must be 4-D ({dims}), got shape {tuple(t.shape)}")
     quantized = is_quantized(k_cache) or is_quantized(v_cache)
     if has_kernel(q.device, q.dtype) and (not quantized or q.device.type == "cpu" or _cuda_kernels["quantized"]):
         out, lse = torch.ops.attention_ext.decode_fwd(
@@ -95,14 +116,10 @@ def decode_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Op
             int(window_right), int(num_splits), k_descale, v_descale)
         return out.transpose(1, 2), lse
     # the reference below states no input rules of its own: the op's (C++) run first
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, Tensor):
-            raise not_a_tensor(name, t, "decode_fwd")
-    if HAS_EXT:
-        torch.ops.attention_ext.decode_check(
-            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens, block_table,
-            cache_batch_idx, cache_leftpad, alibi_slopes, sinks, float(scale), float(softcap), int(window_left),
-            int(window_right), int(num_splits), k_descale, v_descale)
+    check_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes, sinks=sinks,
+                 scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
+                 num_splits=num_splits, k_descale=k_descale, v_descale=v_descale)
     acc = acc_dtype(q.dtype)
     out, lse = reference.decode_attention(
         q.to(acc), k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,

@@ -23,6 +23,9 @@ void check_index(const OptTensor& t, const char* name, const c10::SymInt& n, con
                     "), got ", t->sym_sizes());
   TORCH_CHECK(t->device() == q.device(), "attention_ext.decode: ", name, " must be on ", q.device(), ", got ",
               t->device());
+  // the kernels read it as a dense int32 array
+  TORCH_CHECK_VALUE(t->is_contiguous(), "attention_ext.decode: ", name, " must be contiguous (a strided view: pass ",
+                    name, ".contiguous()), got strides ", t->sym_strides());
 }
 
 // Values of the index tensors, read on the host (CPU tensors: in place; CUDA: copied once).
@@ -76,7 +79,8 @@ bool check_descales(const DecodeArgs& a) {
   bool per_row = false;
   for (const auto& [name, t] : {std::pair<const char*, const OptTensor*>{"k_descale", &a.k_descale},
                                 {"v_descale", &a.v_descale}}) {
-    TORCH_CHECK_VALUE(t->has_value(), "attention_ext.decode: an ", k.scalar_type(), " cache needs ", name,
+    TORCH_CHECK_VALUE(t->has_value(), "attention_ext.decode: ",
+                      k.scalar_type() == at::kChar ? "an int8" : "a float8_e4m3fn", " cache needs ", name,
                       " (float32 scales, cache value = stored value x scale): (B, H_k) = (", b, ", ", hk,
                       ") per sequence and kv head, or per row ", paged ? "(num_pages, page_size, H_k) = (" :
                       "(B_cache, S_cache, H_k) = (", n0, ", ", n1, ", ", hk, "); attention_ext.decode.quantize_kv ",

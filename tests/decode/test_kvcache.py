@@ -10,7 +10,7 @@ import torch
 
 import attention_ext as ae
 from attention_ext.decode import reference
-from attention_ext.decode.ops import HAS_EXT
+from attention_ext.decode.ops import HAS_EXT, decode_fwd
 from tests.helpers import FLOOR, assert_close_fa2, rel_err
 
 pytestmark = pytest.mark.skipif(not HAS_EXT, reason="compiled extension not built")
@@ -271,6 +271,61 @@ def test_bad_input_raises(case):
         ae.flash_attn_with_kvcache(q, kc, vc, **kw)
     assert "flash_attn_with_kvcache" in str(e.value)
     assert torch.equal(kc, k0) and torch.equal(vc, v0), "a rejected call wrote into the cache"
+
+
+@pytest.mark.parametrize("case", ["softcap_nan", "scale_nan", "num_splits", "alibi_strided", "mixed_8bit",
+                                  "descale_shape", "descale_1d", "descale_mixed", "rotary_list"])
+def test_op_rules_run_before_the_append(case):
+    """Rules of the decode op (C++) that flash_attn_with_kvcache does not state itself also refuse
+    the call before anything is appended (they ran only in decode_fwd, after the rows and their
+    descales were written): the caches and descales keep every bit."""
+    q, kn, vn = torch.randn(2, 1, 4, 32), torch.ones(2, 1, 2, 32), torch.ones(2, 1, 2, 32)
+    kc, vc = torch.zeros(2, 16, 2, 32), torch.zeros(2, 16, 2, 32)
+    kw = dict(cache_seqlens=3)
+    if case == "softcap_nan":
+        kw["softcap"] = float("nan")
+    elif case == "scale_nan":
+        kw["softmax_scale"] = float("nan")
+    elif case == "num_splits":
+        kw["num_splits"] = -1
+    elif case == "alibi_strided":
+        kw["alibi_slopes"] = torch.rand(2, 8)[:, ::2]
+    elif case in ("mixed_8bit", "descale_shape", "descale_1d", "descale_mixed"):
+        kc = torch.zeros(2, 16, 2, 32, dtype=torch.int8)
+        vc = torch.zeros(2, 16, 2, 32, dtype=torch.float32 if case == "mixed_8bit" else torch.int8)
+        ks, vs = torch.ones(2, 16, 2), torch.ones(2, 16, 2)
+        if case == "descale_shape":
+            ks, vs = torch.ones(3, 2), torch.ones(3, 2)
+        elif case == "descale_1d":
+            ks, vs = torch.ones(2), torch.ones(2)
+        elif case == "descale_mixed":
+            vs = torch.ones(2, 2)
+        kw.update(k_descale=ks, v_descale=vs)
+    elif case == "rotary_list":
+        kw.update(rotary_cos=[[1.0]], rotary_sin=[[0.0]])
+    before = [t.clone() for t in (kc, vc, kw.get("k_descale"), kw.get("v_descale")) if t is not None]
+    with pytest.raises((ValueError, TypeError), match="k_cache and v_cache must share|descale|softcap|scale|"
+                                                      "num_splits|alibi_slopes|rotary_cos"):
+        ae.flash_attn_with_kvcache(q, kc, vc, kn, vn, **kw)
+    after = [t for t in (kc, vc, kw.get("k_descale"), kw.get("v_descale")) if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before)), "a rejected call changed the cache"
+
+
+def test_strided_index_vectors():
+    """Index vectors that are strided views read as their values (flash_attn_with_kvcache makes
+    them dense); decode_fwd, which passes them to the op as given, names a strided one. Before, the
+    kernel read raw memory: a crash with cache_batch_idx, wrong rows with the others."""
+    torch.manual_seed(0)
+    q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(5, 20, 2, 16), torch.randn(5, 20, 2, 16)
+    strided = lambda *xs: torch.tensor([[x, 10 ** 6] for x in xs], dtype=torch.int32)[:, 0]  # noqa: E731
+    idx, pad, lens = strided(4, 0), strided(1, 3), strided(5, 12)
+    with torch.no_grad():
+        got = ae.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, cache_leftpad=pad)
+        want = ae.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens.contiguous(), cache_batch_idx=idx.contiguous(),
+                                          cache_leftpad=pad.contiguous())
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        with pytest.raises(ValueError, match="cache_seqlens must be contiguous"):
+            decode_fwd(q, kc[:2], vc[:2], cache_seqlens=lens, scale=0.25)
 
 
 
