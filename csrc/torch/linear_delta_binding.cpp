@@ -11,7 +11,8 @@ namespace api {
 
 namespace {
 
-constexpr const char* kWhat = "attention_ext.delta_rule_attention: ";
+// the rules of the delta-rule ops, which delta_rule_attention and delta_rule_step share
+constexpr const char* kWhat = "attention_ext.delta_rule (delta_rule_attention / delta_rule_step): ";
 
 c10::SymInt num_seqs_sym(const at::Tensor& q, const DeltaOptions& o) {
   return o.cu_seqlens.has_value() ? o.cu_seqlens->sym_numel() - 1 : q.sym_size(0);
