@@ -73,6 +73,27 @@ __device__ __forceinline__ bool bad_bits(uint32_t h) {
   return kNanOnly ? (h & 0x7fffu) > ExpBits<T>::kMask : (h & ExpBits<T>::kMask) == ExpBits<T>::kMask;
 }
 
+// One 16-byte chunk of T in shared memory: whether it holds a non-finite element; kZero: set
+// those to +0.
+template <typename T, bool kZero, bool kNanOnly = false>
+__device__ __forceinline__ bool scan_chunk(uint32_t addr) {
+  const uint4 v = ld_shared_v4(addr);
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool hit = false;
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const bool lo = bad_bits<T, kNanOnly>(w[x]), hi = bad_bits<T, kNanOnly>(w[x] >> 16);
+    hit |= lo | hi;
+    if (lo) w[x] &= 0xffff0000u;
+    if (hi) w[x] &= 0x0000ffffu;
+  }
+  if (kZero && hit) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x) st_shared_b32(addr + 4 * x, w[x]);
+  }
+  return hit;
+}
+
 // This thread's share of the 16-byte chunks of a (kRows, Tile's columns) tile of T in shared
 // memory: kZero, set its non-finite elements to +0; returns whether it held any. Head-dim
 // padding and rows past the sequence were zero-filled by the loader, so only data is found.
@@ -82,24 +103,25 @@ __device__ __forceinline__ bool scan_nonfinite(uint32_t tile, int tid) {
   // rolled: the callers keep their accumulators live across this
 #pragma unroll 1
   for (int idx = tid; idx < kRows * Tile::kChunks; idx += kThreads) {
-    const uint32_t addr = tile + Tile::offset(idx / Tile::kChunks, idx % Tile::kChunks * 8);
-    const uint4 v = ld_shared_v4(addr);
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    bool hit = false;
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const bool lo = bad_bits<T, kNanOnly>(w[x]), hi = bad_bits<T, kNanOnly>(w[x] >> 16);
-      hit |= lo | hi;
-      if (lo) w[x] &= 0xffff0000u;
-      if (hi) w[x] &= 0x0000ffffu;
-    }
-    if (kZero && hit) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) st_shared_b32(addr + 4 * x, w[x]);
-    }
-    any |= hit;
+    any |= scan_chunk<T, kZero, kNanOnly>(tile + Tile::offset(idx / Tile::kChunks, idx % Tile::kChunks * 8));
   }
   return any;
+}
+
+// The wgmma forward's give-back (fwd_kernel.cuh writes the same loop out): acc (one warp's 16
+// rows of O as C fragments, 4 floats per 8-column n-tile) += the NaN / inf elements of V row vrow
+// in this lane's columns (2 c, 2 c + 1 of each n-tile) of row half hf. Not times P: the element
+// is inf or NaN, so the row's output there is non-finite either way.
+template <typename T, int kDT>
+__device__ __forceinline__ void add_back_nonfinite(float (&acc)[kDT][4], const T* vrow, int hf, int c, int d) {
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = dt * 8 + 2 * c;  // d % 8 == 0: the pair is inside the row
+    if (col >= d) continue;
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + col);
+    if (bad_bits<T>(w)) acc[dt][2 * hf] += TypeOps<T>::unpack(w).x;
+    if (bad_bits<T>(w >> 16)) acc[dt][2 * hf + 1] += TypeOps<T>::unpack(w).y;
+  }
 }
 
 // Whether the policy may hide some key of the tile [i0, i1) x [j0, j1) from some row (block-

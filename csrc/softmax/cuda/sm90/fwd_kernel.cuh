@@ -181,21 +181,7 @@ __device__ __forceinline__ bool zero_own_nonfinite(uint32_t smem, int ptid) {
   bool any = false;
 #pragma unroll 1
   for (int r = ptid / kChunks; r < kRows; r += kRowStep, addr += kRowStep * 128) {
-    const uint4 v = wg::ld_shared_v4(addr);
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    bool hit = false;
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const bool lo = tc::bad_bits<T>(w[x]), hi = tc::bad_bits<T>(w[x] >> 16);
-      hit |= lo | hi;
-      if (lo) w[x] &= 0xffff0000u;
-      if (hi) w[x] &= 0x0000ffffu;
-    }
-    if (hit) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) wg::st_shared_b32(addr + 4 * x, w[x]);
-    }
-    any |= hit;
+    any |= tc::scan_chunk<T, true>(addr);  // offset(r + kRowStep, col) = offset(r, col) + kRowStep * 128
   }
   return any;
 }
@@ -499,25 +485,18 @@ __device__ __forceinline__ void consume(const SoftmaxParams& p, const SeqInfo& s
       tc::pack_a_frags<T, kNT>(acc_s, pa);
       if (pv_now<T, kD>(acc_o, pa, desc_v, bars, pos, base + P::kVFix, lane) == uint32_t(step + 1)) {
         // the producer zeroed non-finite elements of this V tile: the rows that read such an
-        // element v(j, c) get it back, acc_o(i, c) += v(j, c), from global memory, as the
-        // mma.sync forward does (not times P: the element is inf or NaN, so the row's output
-        // there is non-finite either way)
+        // element v(j, c) get it back from global memory (tc::add_back_nonfinite), as the
+        // mma.sync forward does
         const T* vg = v_ptr<T>(p, si, b, h / (p.h / p.h_k), 0);
 #pragma unroll 1
         for (int jl = 0; jl < P::kBlockN && n0 + jl < si.len_k; ++jl) {
           const int j = n0 + jl;
-          const T* vrow = vg + int64_t(j) * p.v_row_stride;
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const int i = i0 + (lane >> 2) + hf * 8;
-            if (i >= si.len_q || !pol.allowed(i, j)) continue;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-              const int col = dt * 8 + 2 * (lane & 3);  // d % 8 == 0: the pair is inside the row
-              if (col >= p.d) continue;
-              const uint32_t w = *reinterpret_cast<const uint32_t*>(vrow + col);
-              if (tc::bad_bits<T>(w)) acc_o[4 * dt + 2 * hf] += tc::TypeOps<T>::unpack(w).x;
-              if (tc::bad_bits<T>(w >> 16)) acc_o[4 * dt + 2 * hf + 1] += tc::TypeOps<T>::unpack(w).y;
+            if (i < si.len_q && pol.allowed(i, j)) {
+              tc::add_back_nonfinite<T, kDT>(*reinterpret_cast<float(*)[kDT][4]>(acc_o),  // its C fragments
+                                             vg + int64_t(j) * p.v_row_stride, hf, lane & 3, p.d);
             }
           }
         }
