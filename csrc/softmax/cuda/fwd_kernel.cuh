@@ -341,8 +341,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) fwd_kernel(const SoftmaxParam
     if (v_fix) {
       // the rows that read a zeroed element v(j, c) get it back: acc_o(i, c) += v(j, c), from
       // global memory (nonfinite.cuh; the loop below is add_back_nonfinite's, written out: the
-      // call moved the sm_90a split kernel's spills from 144 to 156 bytes, nvcc 13.0). Not times P(i, j): the element is inf or NaN, so the
-      // row's output there is non-finite either way, and the quad's P fragments stay unshuffled
+      // call moved the sm_90a split kernel's spills from 144 to 156 bytes, nvcc 13.0). Not times
+      // P(i, j): the element is inf or NaN, so the row's output there is non-finite either way,
+      // and the quad's P fragments stay unshuffled
       // (a P = 0 the mma would have turned into NaN leaves inf here).
 #pragma unroll 1
       for (int jl = 0; jl < kBlockN && n0 + jl < si.len_k; ++jl) {
