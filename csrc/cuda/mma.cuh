@@ -88,10 +88,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
   ptx::ldmatrix_x4_trans(r, addr);
 }
 
-// 32-bit store / 128-bit load of shared memory at a smem_u32 address (the forward's O staging,
-// the backward's dS^T).
+// 32-bit store, 32- and 128-bit loads of shared memory at a smem_u32 address (the forward's O
+// staging, the backward's dS^T, the poisoned-row votes of nonfinite.cuh).
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) {
   ptx::st_shared_b32(addr, val);
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  return ptx::ld_shared_u32(addr);
 }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   return ptx::ld_shared_v4(addr);

@@ -78,6 +78,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(val));
 }
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t val;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(val) : "r"(addr));
+  return val;
+}
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   uint4 val;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"

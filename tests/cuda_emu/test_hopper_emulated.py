@@ -155,3 +155,22 @@ def test_nan_v_hidden_key_reaches_readers_only(hopper, form, mask):
         return res
     tc.check_nan_v_forward(run_fwd, torch.float16 if form == "fp16_level2" else torch.bfloat16,
                            mask.removesuffix("_d128"), d=128 if mask.endswith("_d128") else 64)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("what,mask,level", tc.HOPPER_BWD_NONFINITE, ids=lambda x: str(x))
+def test_bwd_nonfinite(monkeypatch, hopper, dtype, what, mask, level):
+    """test_cuda.check_hopper_bwd_nonfinite (the NaN policy on the wgmma backward) in the
+    emulator; every case failed before the kernel zeroed K's non-finite elements for dQ, poisoned
+    query rows and, under softcap, Q's inf elements for dK (disabling any one fails its cases)."""
+    hopper.set_cuda_kernels(min(level, 2), min(level, 2), 0, 0, False)
+    run = emulate(monkeypatch, hopper, arch=90)
+
+    def run_checked(*a, **o):
+        hopper.launches()
+        res = run(*a, **o)
+        names = hopper.launches()
+        assert any("hopper::bwd_kernel" in n for n in names), names
+        return res
+    tc.check_hopper_bwd_nonfinite(run_checked, dtype, what, mask, level)

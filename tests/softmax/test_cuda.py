@@ -70,14 +70,14 @@ def kernels():
     yield lambda **fields: ops.set_cuda_kernels(**{**ops.cuda_kernels(), **fields})
     ops.set_cuda_kernels(**old)
 
-def check_nan_hidden_key(run, dtype, which, mask, deterministic):
+def check_nan_hidden_key(run, dtype, which, mask, deterministic, d=64):
     """One key whose k (or v) row is NaN, hidden from some rows of its tiles and read by others
     (causal: the rows before it; a bool mask with a pattern per row). The rows that read it, and
     what they feed, are NaN; every other element of out, lse, dq, dk and dv keeps its clean bits
     (docs/testing.md, the NaN policy). run: run_kernel or the emulator's. 150 keys make at most two key blocks,
     so even the atomic dQ sums in a fixed order."""
     torch.manual_seed(3)
-    b, h, s, d, jp = 1, 2, 150, 64, 100
+    b, h, s, jp = 1, 2, 150, 100
     q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
     if mask == "causal":
         o = dict(window_right=0)
@@ -132,14 +132,14 @@ def check_nan_v_forward(run_fwd, dtype, mask, d=64):
     assert torch.equal(got_lse, lse), "a NaN value changed an LSE"
 
 
-def check_nan_query_row(run, dtype, what, mask, deterministic):
+def check_nan_query_row(run, dtype, what, mask, deterministic, d=64):
     """A NaN in row 100 of head 1 of q (or of dout) reaches that row's out / lse / dq (dq only,
     from dout) and the dk / dv of the keys the row sees; every other element keeps its clean bits:
     not the dk / dv of keys a causal edge or a bool mask hides from the row in the same tiles
     (a product over the tile's rows would add 0 x NaN there). tests/fuzz/test_invariants.py's
     test_nan_query_row_reaches_its_keys_only on the CPU."""
     torch.manual_seed(11)
-    b, h, s, d, row = 1, 2, 150, 64, 100
+    b, h, s, row = 1, 2, 150, 100
     q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
     if mask == "causal":
         o = dict(window_right=0)
@@ -197,7 +197,7 @@ def check_poison_mark_scope(run, dtype):
     torch.testing.assert_close(got, clean, rtol=1e-5, atol=1e-6, msg="(b) dsinks")
 
 
-def check_inf_under_softcap(run, dtype, deterministic, where, causal):
+def check_inf_under_softcap(run, dtype, deterministic, where, causal, d=64):
     """An inf (not NaN) element under softcap, in k[40, 3] or q[100, 7]: the logits it makes are
     +-cap, where softcap's derivative is 0, so its terms of dq (an inf k) or dk (an inf q) are
     0 x inf and are left out, as on the CPU (tests/fuzz/test_invariants.py's
@@ -205,7 +205,7 @@ def check_inf_under_softcap(run, dtype, deterministic, where, causal):
     0 keeps its clean bits. The kernels before gave NaN in dq's column 3 of every row (inf k) and
     in the dk of the keys the row reads or sits beside (inf q)."""
     torch.manual_seed(5)
-    b, h, s, d = 1, 2, 150, 64
+    b, h, s = 1, 2, 150
     q, k, v, dout = (torch.randn(b, h, s, d).to(dtype).to(DEV) for _ in range(4))
     qi, ki = q.clone(), k.clone()
     if where == "k":
@@ -242,6 +242,33 @@ def check_inf_key_hidden(run, dtype, deterministic):
     rows = dq[0, 1, jp:]
     assert torch.isnan(rows[pos]).all(), "a row with q.k = +inf is not NaN"
     assert torch.isfinite(rows[~pos]).all(), "a row with q.k = -inf (P = 0) is not finite"
+
+
+# The wgmma backward's NaN-policy cases (what, mask, level): level the hopper_fwd / hopper_bwd
+# selection (a bool mask and softcap need 2), 128 for level 2 at D = 128 (one 64-query block per
+# ring slot, the other dQ split); D = 64 otherwise.
+HOPPER_BWD_NONFINITE = [("k", "causal", 1), ("v", "causal", 1), ("q", "causal", 1), ("dout", "causal", 1),
+                        ("k", "bool", 2), ("v", "bool", 2), ("q", "bool", 2), ("dout", "bool", 2),
+                        ("inf_key", "causal", 1), ("softcap_inf_q", "causal", 2), ("softcap_inf_q", "full", 2),
+                        ("softcap_inf_k", "causal", 2), ("poison_scope", "", 2),
+                        ("k", "bool", 128), ("dout", "causal", 128), ("softcap_inf_q", "causal", 128)]
+
+
+def check_hopper_bwd_nonfinite(run, dtype, what, mask, level):
+    """One HOPPER_BWD_NONFINITE case through the checks above: a NaN / inf k, v, q or dO row
+    reaches what reads it and no other bit changes; an inf under softcap keeps every gradient
+    finite. run must fail unless the wgmma backward ran."""
+    d = 128 if level == 128 else 64
+    if what in ("k", "v"):
+        check_nan_hidden_key(run, dtype, what, mask, False, d)
+    elif what in ("q", "dout"):
+        check_nan_query_row(run, dtype, what, mask, False, d)
+    elif what == "inf_key":
+        check_inf_key_hidden(run, dtype, False)
+    elif what.startswith("softcap_inf"):
+        check_inf_under_softcap(run, dtype, False, what[-1], mask == "causal", d)
+    else:
+        check_poison_mark_scope(run, dtype)
 
 
 def check_nan_lse_split(run, dtype):
@@ -429,8 +456,7 @@ def test_nan_lse_split(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_nan_hidden_key_reaches_readers_only(kernels, dtype, which, mask, deterministic):
     """check_nan_hidden_key (k / v) and check_nan_query_row (q / dout) on the mma.sync / SIMT
-    kernels (the sm_90a wgmma ones, which serve causal calls by default there, do not handle
-    them: docs/testing.md, the NaN policy)."""
+    kernels (the sm_90a wgmma ones: test_hopper_bwd_nonfinite)."""
     kernels(hopper_fwd=0, hopper_bwd=0)
     check = check_nan_hidden_key if which in ("k", "v") else check_nan_query_row
     check(run_kernel, dtype, which, mask, deterministic)
@@ -960,6 +986,22 @@ def hopper_ran(fn):
         fn()
         torch.cuda.synchronize()
     return any("hopper" in e.name for e in prof.events())
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("what,mask,level", HOPPER_BWD_NONFINITE, ids=lambda x: str(x))
+def test_hopper_bwd_nonfinite(kernels, dtype, what, mask, level):
+    """check_hopper_bwd_nonfinite on the wgmma backward, which the profiler confirms ran."""
+    from torch.profiler import ProfilerActivity, profile
+    kernels(hopper_fwd=min(level, 2), hopper_bwd=min(level, 2))
+
+    def run(*a, **o):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            res = run_kernel(*a, **o)
+        assert any("hopper::bwd_kernel" in e.name for e in prof.events()), "the wgmma backward did not run"
+        return res
+    check_hopper_bwd_nonfinite(run, dtype, what, mask, level)
 
 
 def hopper_compare(*args, expect_hopper=True, **kw):

@@ -110,41 +110,19 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const Softmax
 
   // K with inf / NaN elements (k_fix, CTA-uniform, read from global memory while the tiles load;
   // only where dQ is added here): sK's are zeroed once, for dQ += dS K (a key's dS is 0 or NaN
-  // in every row then), and fix_scores() restores S^T = K Q^T of this thread's keys that held one
-  // (bit hf: key wn + g + 8 hf): NaN for every query where k held a NaN (k_nan); where it held
-  // an inf (k_inf) the exact score, +-inf or NaN, recomputed by inf_key_scores (nonfinite.cuh).
-  // Nothing in the loop but a predicated select, unless this CTA holds an inf key.
+  // in every row then), and fix_key_scores (nonfinite.cuh) restores S^T = K Q^T of this thread's
+  // keys that held one (key_fix_bits: keys wn + g, wn + g + 8). Nothing in the loop but a
+  // predicated select, unless this CTA holds an inf key.
   const bool k_fix =
       dq_atomic && __syncthreads_or(rows_k > 0 && has_nonfinite<T, kThreads>(kp, p.k_row_stride, rows_k, p.d, tid));
-  uint32_t k_nan = 0, k_inf = 0;
+  uint32_t kfix = 0;
   if (k_fix) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int jl = wn + g + hf * 8;
-      const T* krow = kp + int64_t(jl) * p.k_row_stride;
-      if (jl < rows_k && has_nonfinite<T, 1, true>(krow, p.k_row_stride, 1, p.d, 0))
-        k_nan |= 1u << hf;
-      else if (jl < rows_k && has_nonfinite<T, 1>(krow, p.k_row_stride, 1, p.d, 0))
-        k_inf |= 1u << hf;
-    }
+    kfix = key_fix_bits<T>(kp + int64_t(wn + g) * p.k_row_stride, p.k_row_stride, rows_k - (wn + g), p.d);
     wait_and_zero_nonfinite<T, TileKV, kBlockN, kThreads, false>(sK, tid);
   }
   auto fix_scores = [&](float (*acc)[4], uint32_t sq) {
-    if ((k_nan | k_inf) == 0) return;
-    uint64_t codes[2] = {0, 0};
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      if ((k_inf >> hf) & 1)
-        codes[hf] = inf_key_scores<T, TileQ, kQT>(sq, kp + int64_t(wn + g + hf * 8) * p.k_row_stride, c, p.d);
-#pragma unroll
-    for (int t = 0; t < kQT; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hf = e >> 1;
-        const uint32_t code = uint32_t(codes[hf] >> (2 * (2 * t + (e & 1)))) & 3u;
-        if ((k_nan >> hf) & 1) acc[t][e] = __uint_as_float(0x7fffffffu);
-        if (code != 0u) acc[t][e] = code == 1u ? INFINITY : code == 2u ? -INFINITY : __uint_as_float(0x7fffffffu);
-      }
+    fix_key_scores<T, TileQ, kQT>(*reinterpret_cast<float(*)[kQT][4]>(acc), kfix, sq, kp, wn + g, p.k_row_stride,
+                                  c, p.d);
   };
   for (int gi = 0; rows_k > 0 && gi < group; ++gi) {
     const int h = hk * group + gi;

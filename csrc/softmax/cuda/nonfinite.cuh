@@ -152,12 +152,21 @@ __device__ __noinline__ bool zero_nonfinite(uint32_t tile, int tid) {
   return scan_nonfinite<T, Tile, kRows, kThreads, true>(tile, tid);
 }
 
-// Whether any of dsum (kRows, shared memory) is poisoned: a warp vote, the same in every warp.
-template <int kRows>
-__device__ __forceinline__ bool any_poisoned(const float* dsum, int lane) {
+// Float r of a row in shared memory, by generic pointer (the mma.sync kernels: plain loads the
+// compiler schedules; ld.shared there cost the hd128 dK / dV kernel 68 bytes of spills on sm_90a)
+// or by shared address (the wgmma kernels' plan).
+__device__ __forceinline__ float smem_float(const float* row, int r) { return row[r]; }
+__device__ __forceinline__ float smem_float(uint32_t row, int r) { return __uint_as_float(ld_shared_u32(row + 4 * r)); }
+__device__ __forceinline__ void set_smem_nan(float* row, int r) { row[r] = __uint_as_float(0x7fffffffu); }
+__device__ __forceinline__ void set_smem_nan(uint32_t row, int r) { st_shared_b32(row + 4 * r, 0x7fffffffu); }
+
+// Whether any of the kRows dsum floats in shared memory is poisoned: a warp vote, the same in
+// every warp.
+template <int kRows, typename Row>
+__device__ __forceinline__ bool any_poisoned(Row dsum, int lane) {
   bool any = false;
 #pragma unroll
-  for (int r = lane; r < kRows; r += 32) any |= poisoned(dsum[r]);
+  for (int r = lane; r < kRows; r += 32) any |= poisoned(smem_float(dsum, r));
   return __any_sync(0xffffffffu, any);
 }
 // The poisoned rows of a query block in shared memory: zero their rows of the (kRows, Tile's
@@ -166,12 +175,12 @@ __device__ __forceinline__ bool any_poisoned(const float* dsum, int lane) {
 // key: a selection). Out of line: it runs only where any_poisoned() found one; the caller's
 // barrier follows. A select on the lse inside the products' elementwise pass instead cost the
 // sm_90a hd128 dK / dV kernel 44 more bytes of spill stores.
-template <typename Tile, int kRows, int kThreads>
-__device__ __noinline__ void zero_poisoned_rows(uint32_t a, uint32_t b, float* lse, const float* dsum, int tid) {
+template <typename Tile, int kRows, int kThreads, typename Row, typename CRow>
+__device__ __noinline__ void zero_poisoned_rows(uint32_t a, uint32_t b, Row lse, CRow dsum, int tid) {
 #pragma unroll 1
   for (int idx = tid; idx < kRows * Tile::kChunks; idx += kThreads) {
     const int r = idx / Tile::kChunks;
-    if (!poisoned(dsum[r])) continue;
+    if (!poisoned(smem_float(dsum, r))) continue;
     const uint32_t off = Tile::offset(r, idx % Tile::kChunks * 8);
 #pragma unroll
     for (int x = 0; x < 4; ++x) {
@@ -180,7 +189,7 @@ __device__ __noinline__ void zero_poisoned_rows(uint32_t a, uint32_t b, float* l
     }
   }
   for (int r = tid; r < kRows; r += kThreads)
-    if (poisoned(dsum[r])) lse[r] = __uint_as_float(0x7fffffffu);
+    if (poisoned(smem_float(dsum, r))) set_smem_nan(lse, r);
 }
 
 // Whether this thread's share of rows [0, rows) x columns [0, d) of a 16-bit tensor in global
@@ -232,6 +241,48 @@ __device__ __noinline__ uint64_t inf_key_scores(uint32_t sq, const T* krow, int 
     codes |= code << (2 * r);
   }
   return codes;
+}
+
+// The keys of a dK / dV kernel whose k row holds a NaN or inf, for dQ += dS K over K with those
+// elements zeroed: this thread's two keys of S^T's C fragments, rows krow0 and krow0 + 8 rows on
+// (valid_rows of them exist), as bits: hf (0, 1) a NaN in row 8 hf, 2 + hf an inf (and no NaN).
+// Read from global memory: run only in a CTA whose K tile held one.
+template <typename T>
+__device__ __forceinline__ uint32_t key_fix_bits(const T* krow0, int64_t row_stride, int valid_rows, int d) {
+  uint32_t bits = 0;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const T* krow = krow0 + int64_t(8 * hf) * row_stride;
+    if (8 * hf < valid_rows && has_nonfinite<T, 1, true>(krow, row_stride, 1, d, 0))
+      bits |= 1u << hf;
+    else if (8 * hf < valid_rows && has_nonfinite<T, 1>(krow, row_stride, 1, d, 0))
+      bits |= 4u << hf;
+  }
+  return bits;
+}
+
+// S^T (this warp's 16 keys x kQT * 8 queries of a Q tile at sq, C fragments) as it would be
+// without the zeroing of key_fix_bits' keys: NaN for every query where k held a NaN, the exact
+// score (+-inf or NaN, inf_key_scores) where it held an inf. Row row0 of k (rows row_stride
+// apart) holds bit 0's key.
+template <typename T, typename TileQ, int kQT>
+__device__ __forceinline__ void fix_key_scores(float (&acc)[kQT][4], uint32_t bits, uint32_t sq, const T* k, int row0,
+                                               int64_t row_stride, int c, int d) {
+  if (bits == 0u) return;
+  uint64_t codes[2] = {0, 0};
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf)
+    if ((bits >> (2 + hf)) & 1u)
+      codes[hf] = inf_key_scores<T, TileQ, kQT>(sq, k + int64_t(row0 + 8 * hf) * row_stride, c, d);
+#pragma unroll
+  for (int t = 0; t < kQT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int hf = e >> 1;
+      const uint32_t code = uint32_t(codes[hf] >> (2 * (2 * t + (e & 1)))) & 3u;
+      if ((bits >> hf) & 1u) acc[t][e] = __uint_as_float(0x7fffffffu);
+      if (code != 0u) acc[t][e] = code == 1u ? INFINITY : code == 2u ? -INFINITY : __uint_as_float(0x7fffffffu);
+    }
 }
 
 // Whether this thread's share of the 16-byte chunks of a (kRows, Tile's columns) tile of T in

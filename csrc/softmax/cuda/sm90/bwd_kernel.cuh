@@ -85,7 +85,9 @@ struct BwdPlan {
   static constexpr int kDot = kLse + kStages * kBlockM * 4;  // kStages x kBlockM floats
   static constexpr int kBar = kDot + kStages * kBlockM * 4;
   // 8-byte mbarriers: full_kv, full[kStages], empty[kStages]
-  static constexpr int kBytes = kBar + 8 * (1 + 2 * kStages);
+  static constexpr int kKFix = kBar + 8 * (1 + 2 * kStages);  // nonzero: the producer zeroed K elements
+  static constexpr int kQInf = kKFix + 4;  // block it + 1 under softcap: its Q tile holds an inf
+  static constexpr int kBytes = kQInf + 4;
   // requested: the kernel rounds the dynamic shared-memory base up to 1024 bytes itself
   static constexpr int kSmemBytes = kBytes + 1024;
 
@@ -169,6 +171,15 @@ __device__ __forceinline__ void produce_bwd(const SoftmaxBwdParams& p, const Seq
   tc::cp_async_commit();
   // the barrier of the newest committed copy group, published once a newer group is in flight
   uint32_t pending = bars.full_kv();
+  // Publishes pending, its copies landed. K's NaN / inf elements (nonfinite.cuh): each thread
+  // zeroes its own chunks of the K tile before the tile is published, for dQ += dS K; the kKFix
+  // word tells the consumers, who restore those keys' scores (fix_key_scores).
+  auto publish = [&] {
+    if (pending == bars.full_kv() && zero_own_nonfinite<P::kBlockN, kD, T>(base + P::kK, ptid))
+      wg::st_shared_b32(base + P::kKFix, 1u);
+    wg::fence_proxy_async();
+    wg::mbar_arrive(pending);
+  };
   static_assert(2 * P::kBlockM % 128 == 0, "the LSE and dot rows split evenly");
   RingPos<P::kStages> pos;
   for (int gi = 0; gi < group; ++gi) {
@@ -201,15 +212,13 @@ __device__ __forceinline__ void produce_bwd(const SoftmaxBwdParams& p, const Seq
       }
       tc::cp_async_commit();
       tc::cp_async_wait<1>();  // everything but the slot just issued has landed
-      wg::fence_proxy_async();
-      wg::mbar_arrive(pending);
+      publish();
       pending = bars.full(pos.stage);
       pos.advance();
     }
   }
   tc::cp_async_wait<0>();
-  wg::fence_proxy_async();
-  wg::mbar_arrive(pending);
+  publish();
 }
 
 using wg::ld_shared_f2;
@@ -385,6 +394,10 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
     const int j0 = n0 + wk;
 
     wg::mbar_wait(bars.full_kv(), 0);
+    // NaN / inf in K (nonfinite.cuh): the producer zeroed them in the tile (kKFix); this thread's
+    // keys that held one (keys j0 + g, j0 + g + 8) get their S^T entries back after each S^T
+    const uint32_t kfix = wg::ld_shared_u32(base + P::kKFix) == 0u ? 0u
+        : tc::key_fix_bits<T>(k_ptr<T>(p, si, b, hk, j0 + g), p.k_row_stride, si.len_k - (j0 + g), p.d);
     RingPos<P::kStages> pos;
     int it = 0;  // blocks done so far, over every head: the parity picks the dS^T buffer
     for (int gi = 0; gi < group; ++gi) {
@@ -403,8 +416,30 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
         const uint32_t s_lse = base + P::kLse + pos.stage * P::kBlockM * 4;
         const uint32_t s_dot = base + P::kDot + pos.stage * P::kBlockM * 4;
         const uint32_t s_ds = base + P::kdS + (it & 1) * TileS::kBytes;
+        const uint32_t s_q = base + P::kQ + pos.stage * TileQ::kBytes;
         uint32_t pa[kQT / 2][4], da[kQT / 2][4];
         wg::mbar_wait(bars.full(pos.stage), pos.phase);
+        const int tid = cw * 128 + ctid;  // of the two consumer warpgroups
+        // poisoned query rows (a NaN / inf in q or dO: nonfinite.cuh): their Q and dO rows zeroed
+        // and their lse set to NaN before any wgmma reads the slot (both warpgroups vote the same)
+        if (tc::any_poisoned<P::kBlockM>(s_dot, lane)) {
+          tc::zero_poisoned_rows<TileQ, P::kBlockM, 256>(s_q, base + P::kdO + pos.stage * TileQ::kBytes, s_lse,
+                                                         s_dot, tid);
+          wg::fence_proxy_async();
+          wg::named_barrier_sync<256>(2);
+        }
+        // an inf in q under softcap (not poisoned: its logits are +-cap, its dS 0 at every key): its
+        // elements are zeroed for dK += dS^T Q once both warpgroups' S^T read them (q_inf; one
+        // word, rewritten for block it + 1 only after both passed block it's dQ barrier)
+        bool q_inf = false;
+        if constexpr (!kPlain) {
+          if (p.softcap > 0.f) {
+            if (tc::any_nonfinite_smem<T, TileQ, P::kBlockM, 256>(s_q, tid))
+              wg::st_shared_b32(base + P::kQInf, uint32_t(it + 1));
+            wg::named_barrier_sync<256>(2);
+            q_inf = wg::ld_shared_u32(base + P::kQInf) == uint32_t(it + 1);
+          }
+        }
 
         // rolled (D = 64: two sub-blocks): unrolled, ptxas keeps the second sub-block's S^T / dP^T
         // and the first one's in-flight P^T / dS^T fragments apart, spills dK / dV around the
@@ -426,6 +461,8 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
           const bool full = kPlain && layout_full && pol.tile_full(q0, q0 + 64, j0, j0 + 16);
           wg::wait<1>();  // S^T, and the previous sub-block's dV / dK, retired
           wg::fence_operands(acc_s);
+          tc::fix_key_scores<T, TileQ, kQT>(*reinterpret_cast<float(*)[kQT][4]>(acc_s), kfix, s_q + sb * 64 * 128,
+                                            k_ptr<T>(p, si, b, hk, 0), j0 + g, p.k_row_stride, c, p.d);
           if (sb > 0) {
             wg::fence_operands(acc_dv);
             wg::fence_operands(acc_dk);
@@ -455,6 +492,13 @@ __device__ __forceinline__ void consume_bwd(const SoftmaxBwdParams& p, const Seq
               const int t = 2 * kk + r / 2, hf = r % 2;
               wg::st_shared_b32(s_ds + TileS::offset(wk + g + hf * 8, sb * 64 + t * 8 + 2 * c), da[kk][r]);
             }
+
+          if (q_inf) {
+            wg::named_barrier_sync<256>(2);  // both warpgroups' S^T of these 64 queries retired
+            tc::zero_nonfinite<T, wg::Sw128Tile<64, kD>, 64, 256>(s_q + sb * 64 * 128, tid);
+            wg::fence_proxy_async();
+            wg::named_barrier_sync<256>(2);
+          }
 
           // ---- dV += P^T dO, dK += dS^T Q (A from registers), two commit groups
           wg::fence_operands(acc_dv);
@@ -532,7 +576,11 @@ __global__ void __launch_bounds__(BwdPlan<kD>::kThreads, 1)
   int m_lo = 0, m_hi = 0;
   if (rows_k > 0) query_blocks<P::kBlockM>(pol, si.len_q, n0, rows_k, &m_lo, &m_hi);
 
-  if (threadIdx.x == 0) BwdBars<P::kStages>{base + P::kBar}.init(4 * P::kConsumerWGs);
+  if (threadIdx.x == 0) {
+    BwdBars<P::kStages>{base + P::kBar}.init(4 * P::kConsumerWGs);
+    wg::st_shared_b32(base + P::kKFix, 0u);
+    wg::st_shared_b32(base + P::kQInf, 0u);
+  }
   __syncthreads();  // the barriers are initialized before any thread uses them
 
   // one role per warpgroup, each one branch of this if/else (what setmaxnreg needs)

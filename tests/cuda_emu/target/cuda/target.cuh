@@ -37,6 +37,7 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) { attn_emu::ldmatrix_x4(r, addr, false); }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) { attn_emu::ldmatrix_x4(r, addr, true); }
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t val) { attn_emu::st_shared_b32(addr, val); }
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) { return attn_emu::ld_shared_b32(addr); }
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) { return attn_emu::ld_shared_v4(addr); }
 __device__ __forceinline__ float ex2_approx_ftz(float x) { return attn_emu::ex2_approx_ftz(x); }
 __device__ __forceinline__ int opaque(int x) { return x; }
