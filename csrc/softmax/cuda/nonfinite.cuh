@@ -36,6 +36,10 @@
 //                  An inf (not NaN) in q is marked only without softcap: under softcap its
 //                  logits are +-cap and its P and dV finite, which the mark would turn NaN
 //                  (there dS^T Q meets zeros instead, above).
+// The sm_90a wgmma kernels follow the same rules with their warp roles (sm90/): the forward's
+// producer zeroes V where a tile may hide keys and its consumers give the elements back; the
+// backward's producer zeroes K before publishing it (the consumers restore the scores), and its
+// consumers zero poisoned rows of a ring slot and, under softcap, Q's inf elements after S^T.
 // The scan costs one 16-byte shared load per chunk of the tile and one barrier, on tiles that may
 // hide keys (the dQ kernel: on every tile; the dK / dV kernel: once per CTA, on every CTA that
 // adds dQ atomically, and under softcap once per query block for Q); the dK / dV
