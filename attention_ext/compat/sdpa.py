@@ -150,9 +150,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             is_causal = False
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
+    # dropout_p = 1 drops every weight: torch returns zeros (gradients zero); attention() takes
+    # [0, 1), so the call runs undropped (checking every input) and is multiplied by the dropout
+    drop_all = dropout_p == 1.0
     try:
-        return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, causal=is_causal,
-                         bottom_right=bottom_right, scale=scale, qk_quant=qk_quant)
+        out = attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0 if drop_all else dropout_p,
+                        causal=is_causal, bottom_right=bottom_right, scale=scale, qk_quant=qk_quant)
+        return out * 0.0 if drop_all else out
     except (ValueError, TypeError) as e:  # torch's SDPA raises RuntimeError for every bad input
         if isinstance(e, RuntimeError):
             raise

@@ -297,12 +297,17 @@ class MultiheadAttention(nn.Module):
         v = v.view(n, s, h, d)
         opts = dict(layout="bshd", causal=causal, attn_mask=attn_mask, key_mask=kpm)
         p = self.dropout if self.training else 0.0
+        # dropout 1 drops every weight, as in torch (attention() takes [0, 1)): the call runs
+        # undropped and its output is zeroed, so its gradients are zero
+        drop_all = p == 1.0
         weights = None
         if need_weights:
-            out, lse = attention(q, k, v, dropout_p=p, return_lse=True, **opts)
+            out, lse = attention(q, k, v, dropout_p=0.0 if drop_all else p, return_lse=True, **opts)
             weights = attention_weights(q, k, lse, **opts)  # (N, H, L, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (N, L, S)
         else:
-            out = attention(q, k, v, dropout_p=p, **opts)
+            out = attention(q, k, v, dropout_p=0.0 if drop_all else p, **opts)
+        if drop_all:
+            out = out * 0.0
         return self.out_proj(out.reshape(n, l, self.embed_dim)), weights  # (N, L, E)

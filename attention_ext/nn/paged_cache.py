@@ -49,7 +49,11 @@ class PagedKVCache:
             self.v_descale = torch.zeros_like(self.k_descale)
         else:
             self.k_descale = self.v_descale = None
-        max_pages = -(-(max_len or num_pages * page_size) // page_size)
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"PagedKVCache: max_len must be a positive int (rows per sequence) or None, got "
+                             f"{max_len!r}")
+        self.max_len = max_len or num_pages * page_size  # rows per sequence, the pool's by default
+        max_pages = -(-self.max_len // page_size)
         self.block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)  # (B, max_pages)
         self._len: List[int] = [0] * batch           # rows filled per sequence (host; `lengths` is the tensor)
         self._pages: List[List[int]] = [[] for _ in range(batch)]
@@ -108,10 +112,8 @@ class PagedKVCache:
         return all(self._len[r] == 0 for r in self.rows)
 
     def _grow(self, seq: int, new_len: int) -> None:
+        """Claim pages for new_len rows of seq (append checked new_len against max_len)."""
         need = -(-new_len // self.page_size)
-        if need > self.block_table.shape[1]:
-            raise ValueError(f"paged KV cache: sequence {seq} needs {new_len} rows, more than the block table's "
-                             f"{self.block_table.shape[1]} pages x {self.page_size}")
         pages = self._pages[seq]
         while len(pages) < need:
             if not self.free_pages:
@@ -163,9 +165,9 @@ class PagedKVCache:
         short = 0
         for r, t in zip(self.rows, counts):
             need = -(-(self._len[r] + t) // ps)
-            if need > self.block_table.shape[1]:
-                raise ValueError(f"paged KV cache: sequence {r} needs {self._len[r] + t} rows, more than the block "
-                                 f"table's {self.block_table.shape[1]} pages x {ps}")
+            if self._len[r] + t > self.max_len:
+                raise ValueError(f"paged KV cache: sequence {r} needs {self._len[r] + t} rows, more than max_len="
+                                 f"{self.max_len} (build the cache with a larger max_len)")
             short += max(0, need - len(self._pages[r]))
         if short > len(self.free_pages):
             raise RuntimeError(f"paged KV cache pool exhausted: this append needs {short} new pages of {ps} rows, "

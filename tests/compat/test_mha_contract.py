@@ -95,3 +95,22 @@ def test_weights_under_autocast():
     torch.testing.assert_close(out.float(), out_t.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(w.float(), w_t.float(), atol=1e-2, rtol=0)
     assert w_f.dtype == torch.float32
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_dropout_one_in_training_as_torch(need_weights):
+    """dropout=1.0 in training drops every weight as torch's module does: out is out_proj's bias,
+    the gradients of the inputs are zero, the weights (before dropout, docstring) still returned."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 2, dropout=1.0, batch_first=True)
+    ours = MultiheadAttention(16, 2, dropout=1.0, batch_first=True)
+    ours.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.out_proj.bias.fill_(0.25)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    outs = [m(x, x, x, need_weights=need_weights)[0] for m in (ref, ours)]
+    for out in outs:
+        torch.testing.assert_close(out, torch.full_like(out, 0.25))
+    (gx,) = torch.autograd.grad(outs[1].sum(), x)
+    assert torch.equal(gx, torch.zeros_like(gx))

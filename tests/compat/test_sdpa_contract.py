@@ -276,6 +276,21 @@ def test_dropout_keeps_the_expectation():
     torch.testing.assert_close(draws[kept], (p / 0.7).expand_as(draws)[kept], atol=1e-6, rtol=1e-5)
 
 
+def test_dropout_one_drops_everything_as_torch():
+    """dropout_p = 1.0 (which attention() refuses) is torch's zero output with zero gradients, on
+    the fused path, with a mask and with GQA; torch's own SDPA agrees."""
+    torch.manual_seed(1)
+    for hk, mask in ((4, None), (2, torch.rand(7, 9) > 0.3)):
+        q = torch.randn(2, 4, 7, 16, requires_grad=True)
+        k, v = (torch.randn(2, hk, 9, 16, requires_grad=True) for _ in range(2))
+        outs = [f(q, k, v, attn_mask=mask, dropout_p=1.0, enable_gqa=True)
+                for f in (F.scaled_dot_product_attention, ae.scaled_dot_product_attention)]
+        for out in outs:
+            assert out.shape == (2, 4, 7, 16) and torch.equal(out, torch.zeros_like(out))
+        grads = torch.autograd.grad(outs[1].sum(), (q, k, v))
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
 # ------------------------------------------------------------------ torch.compile and torch.export
 def test_compile_dynamic_batch_with_mask():
     """torch.compile(fullgraph=True, dynamic=True) with a per-batch mask: one graph for two batch

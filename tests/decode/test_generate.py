@@ -72,6 +72,20 @@ def test_pool_exhaustion_raises():
         model.generate(_prompts(), 20, greedy=True, page_size=4, num_pages=6)
 
 
+def test_max_len_is_rows_not_pages():
+    """max_len bounds a sequence's rows exactly (100 rows with 16-row pages, not the 112 its 7
+    pages hold), refused before anything is written; a bad max_len is named."""
+    c = PagedKVCache(1, num_pages=8, page_size=16, n_kv_heads=1, head_dim=4, max_len=100)
+    k = torch.randn(1, 100, 1, 4)
+    c.append(k, k)
+    with pytest.raises(ValueError, match="needs 101 rows, more than max_len=100"):
+        c.append(k[:, :1], k[:, :1])
+    assert c.lengths.tolist() == [100]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_len must be a positive int"):
+            PagedKVCache(1, num_pages=8, page_size=16, n_kv_heads=1, head_dim=4, max_len=bad)
+
+
 def test_pool_exhaustion_mid_batch_writes_nothing():
     """A batched append whose later sequence finds the pool empty leaves every sequence as it was
     (the pages of all are sized before any is claimed): no length advanced over unwritten rows."""
