@@ -287,6 +287,18 @@ def test_deterministic(monkeypatch, emu, arch, dtype, d):
         assert torch.equal(x, y), "deterministic mode must be bitwise reproducible"
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_deterministic_dropout(monkeypatch, emu, d):
+    """Dropout with deterministic=True: the dQ kernel (S's fragment layout) and the dK / dV kernel
+    (S^T's) each draw their keep bits ahead of the elementwise pass (kernel_common.cuh,
+    dropout_keep_mask), against the reference with the forward's mask."""
+    o = dict(dropout_p=0.2, seed=11, offset=5)
+    needs_dropout_mask(o)
+    emulate(monkeypatch, emu)
+    torch.manual_seed(d)
+    tc.run_and_compare(1, 4, 2, 150, 131, d, torch.bfloat16, window=(-1, 0), deterministic=True, **o)
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 128), (torch.float16, 96)])
 def test_layout_bshd(monkeypatch, emu, dtype, d):
     emulate(monkeypatch, emu)

@@ -116,13 +116,19 @@ def test_score_options(monkeypatch, hopper, o):
         assert any("hopper::bwd_kernel" in n for n in names) == (level == 2), names
 
 
-@pytest.mark.parametrize("o", [dict(softcap=5.0, window=(-1, 0)), dict(alibi=True, h_k=1)], ids=str)
+@pytest.mark.parametrize("o", [dict(softcap=5.0, window=(-1, 0)), dict(alibi=True, h_k=1),
+                               dict(dropout_p=0.2, seed=77, offset=3, window=(-1, 0)),
+                               dict(dropout_p=0.1, seed=5, offset=0, bias=True, bias_grad=True)], ids=str)
 def test_score_options_hd128(monkeypatch, hopper, o):
     """hopper_fwd = hopper_bwd = 2 at the 128 bucket (one 64-query block per ring slot in the
-    backward, the other dQ split), GQA heads with their own ALiBi slopes."""
+    backward, the other dQ split), GQA heads with their own ALiBi slopes, dropout (the backward
+    draws a sub-block's keep bits first, then the per-element pass reads them) and dbias."""
     emulate(monkeypatch, hopper, arch=90)
     torch.manual_seed(12)
     kw = dict(o)
+    needs_dropout_mask(kw)
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(1, 4, 100, 140)
     hk = kw.pop("h_k", 2)
     if kw.pop("alibi", False):
         kw["alibi_slopes"] = torch.rand(4) * 0.3  # (H,)

@@ -319,6 +319,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const Softmax
             }
           }
         } else {
+          // the dropout keep bits first (dropout_keep_mask: element 4 t + e) where the fragment
+          // has 32 elements (D <= 128); D = 256's 16 draw inline (ahead, the sm_90a kernel spilled
+          // 204 B against 104)
+          constexpr bool kAhead = dropout && 4 * kQT == 32;
+          uint32_t keep = ~0u;
+          if constexpr (kAhead)
+            keep = dropout_keep_mask<4 * kQT>(p, bh, [&](int x, int* i, int* j) {
+              *i = m0 + 8 * (x >> 2) + 2 * c + (x & 1);
+              *j = n0 + wn + g + ((x >> 1) & 1) * 8;
+            });
 #pragma unroll
           for (int t = 0; t < kQT; ++t) {
 #pragma unroll
@@ -326,7 +336,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dkdv_kernel(const Softmax
               const int jl = wn + g + (e >> 1) * 8;
               const int il = t * 8 + 2 * c + (e & 1);
               const int i = m0 + il, j = n0 + jl;
-              const float z = dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
+              const float z = kAhead ? ((keep >> (4 * t + e)) & 1u ? rdrop : 0.f)
+                              : dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
               const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
                                             lse_to_log2(sLse[il]), sDot[il], z, i, j);
               acc_s[t][e] = bp.pd;
@@ -603,13 +614,21 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) bwd_dq_kernel(const SoftmaxBw
           acc_dp[t][e] = pr * (acc_dp[t][e] - dsum[hf]) * p.scale;
         }
     } else {
+    // the dropout keep bits first (dropout_keep_mask: element 4 t + e)
+    using Keep = std::conditional_t<(4 * kNT <= 32), uint32_t, uint64_t>;
+    Keep keep = ~Keep(0);
+    if constexpr (dropout)
+      keep = dropout_keep_mask<4 * kNT>(p, bh, [&](int x, int* i, int* j) {
+        *i = m0 + wm + g + ((x >> 1) & 1) * 8;
+        *j = n0 + 8 * (x >> 2) + 2 * c + (x & 1);
+      });
 #pragma unroll
     for (int t = 0; t < kNT; ++t) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hf = e >> 1;
         const int i = m0 + wm + g + hf * 8, j = n0 + t * 8 + 2 * c + (e & 1);
-        const float z = dropout ? dropout_scale(p, bh, i, j, rdrop) : 1.f;
+        const float z = dropout ? ((keep >> (4 * t + e)) & 1u ? rdrop : 0.f) : 1.f;
         const BwdPoint bp = bwd_point(pol, plain, check, p.scale, acc_s[t][e], acc_dp[t][e],
                                       lse2[hf], dsum[hf], z, i, j);
         acc_dp[t][e] = bp.dx;

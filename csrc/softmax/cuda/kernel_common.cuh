@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/softmax_params.h"
 #include "common/philox.h"
@@ -137,6 +138,25 @@ __device__ __forceinline__ float dropout_scale(const SoftmaxParams& p, int bh, i
     return dropout_keep_at(p.seed, p.offset, p.dropout_coords, bh, i, j, p.dropout_p) ? rdrop : 0.f;
   const Philox4 r = dropout_bits4(p.seed, p.offset, bh, i, j >> 2);
   return dropout_keep_bits(philox_word(r, j & 3), p.dropout_p) ? rdrop : 0.f;
+}
+
+// The forward's dropout keep bits of kN elements of one thread's fragment: bit x for element x
+// at (query i, key j) = coord(x, &i, &j) (dropout_scale's draw). Drawn in a rolled loop ahead of
+// the elementwise pass that reads them: drawn inside that unrolled pass, ptxas interleaved the
+// Philox rounds of many elements with the live accumulators and spilled (the sm_90a wgmma
+// backward's dropout / dbias instance at D = 128: 1.75 KB of spill stores, 124 B after).
+template <int kN, typename Coord>
+__device__ __forceinline__ auto dropout_keep_mask(const SoftmaxParams& p, int bh, Coord coord) {
+  using Mask = std::conditional_t<(kN <= 32), uint32_t, uint64_t>;
+  static_assert(kN <= 64, "one bit per element in a 64-bit word");
+  Mask keep = 0;
+#pragma unroll 1
+  for (int x = 0; x < kN; ++x) {
+    int i, j;
+    coord(x, &i, &j);
+    keep |= Mask(dropout_scale(p, bh, i, j, 1.f) != 0.f) << x;
+  }
+  return keep;
 }
 
 // d bias (i, j) of (b, h) = ds. A bias broadcast over the query rows (row stride 0) sums the

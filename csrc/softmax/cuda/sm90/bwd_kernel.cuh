@@ -298,6 +298,13 @@ __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4
                                               uint32_t s_lse, uint32_t s_dot, float scale, int b, int h,
                                               float rdrop, int i0, int j0, int lane) {
   const int g = lane >> 2, c = lane & 3;
+  // the dropout keep bits first (dropout_keep_mask: element 4 t + e of the fragment)
+  const auto keep = kHeavy && p.dropout_p > 0.f
+                        ? dropout_keep_mask<4 * kQT>(p, b * p.h + h, [&](int x, int* i, int* j) {
+                            *i = i0 + 8 * (x >> 2) + 2 * c + (x & 1);
+                            *j = j0 + g + ((x >> 1) & 1) * 8;
+                          })
+                        : ~0u;
 #pragma unroll
   for (int t = 0; t < kQT; ++t) {
     const float2 l = ld_shared_f2(s_lse + (8 * t + 2 * c) * 4);
@@ -307,7 +314,7 @@ __device__ __forceinline__ void grads_partial(float (&s)[4 * kQT], float (&dp)[4
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = i0 + 8 * t + 2 * c + (e & 1), j = j0 + g + (e >> 1) * 8;
-      const float z = kHeavy && p.dropout_p > 0.f ? dropout_scale(p, b * p.h + h, i, j, rdrop) : 1.f;
+      const float z = kHeavy && p.dropout_p > 0.f ? ((keep >> (4 * t + e)) & 1u ? rdrop : 0.f) : 1.f;
       const BwdPoint bp = bwd_point(pol, plain, true, scale, s[4 * t + e], dp[4 * t + e], l2[e & 1],
                                     dsum[e & 1], z, i, j);
       if (kHeavy && p.dbias != nullptr && i < pol.len_q && j < pol.len_k) store_dbias(p, b, h, i, j, bp.ds);
