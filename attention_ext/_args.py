@@ -104,29 +104,40 @@ class LayoutMismatch(ValueError):
         return LayoutMismatch(self.shapes, self.given, self.other, self.cause, arg)
 
 
-def _fits(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, same_len: bool) -> bool:
+def _fits(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, same_len: bool,
+          rows: Optional[Tensor] = None) -> bool:
     """Whether 4-D q, k (and v) read in `layout` agree: one batch, one head dim for q and k, k and
-    v one (heads, length), query heads a multiple of kv heads (and one length with same_len)."""
+    v one (heads, length), query heads a multiple of kv heads (and one length with same_len).
+    rows (the delta rule's beta, (B, H_v, S) in every layout): q and k one head count, v's a
+    multiple of it, and rows (B, v's heads, S)."""
     hi, si = (1, 2) if layout == "bhsd" else (2, 1)
     h, hk = q.shape[hi], k.shape[hi]
     ok = q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and hk > 0 and h % hk == 0
-    if v is not None:
+    if rows is not None:
+        hv = v.shape[hi]
+        ok = (ok and h == hk and v.shape[0] == k.shape[0] and hv % hk == 0 and v.shape[si] == k.shape[si]
+              and tuple(rows.shape) == (k.shape[0], hv, k.shape[si]))
+    elif v is not None:
         ok = ok and v.shape[0] == k.shape[0] and v.shape[hi] == hk and v.shape[si] == k.shape[si]
     return ok and (not same_len or q.shape[si] == k.shape[si])
 
 
 def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, cause: BaseException, *,
                     arg: str = "layout", same_len: bool = False,
-                    names: Tuple[str, str, str] = ("q", "k", "v")) -> Optional[LayoutMismatch]:
+                    names: Tuple[str, str, str] = ("q", "k", "v"), rows: Optional[Tensor] = None
+                    ) -> Optional[LayoutMismatch]:
     """The LayoutMismatch to raise for `cause` (an error about q, k, v given in `layout`) when their
     shapes prove a layout mix-up: they do not fit `layout` and fit the other one. None otherwise
     (the error has another reason). v may be None (attention_weights); same_len: q and k must
-    have one length (linear attention, context parallelism's shards); names: the arguments'."""
+    have one length (linear attention, context parallelism's shards); names: the arguments';
+    rows: the delta rule's beta (_fits)."""
     ts = (q, k) if v is None else (q, k, v)
     if layout not in _DIMS or not all(isinstance(t, Tensor) and t.dim() == 4 for t in ts):
         return None
+    if rows is not None and (v is None or not isinstance(rows, Tensor) or rows.dim() != 3):
+        return None
     other = "bshd" if layout == "bhsd" else "bhsd"
-    if _fits(q, k, v, layout, same_len) or not _fits(q, k, v, other, same_len):
+    if _fits(q, k, v, layout, same_len, rows) or not _fits(q, k, v, other, same_len, rows):
         return None
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, ts))
     return LayoutMismatch(shapes, layout, other, str(cause).splitlines()[0] if str(cause) else type(cause).__name__,

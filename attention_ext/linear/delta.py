@@ -192,7 +192,7 @@ def delta_rule_attention(
     try:
         out, state = run(a)
     except ValueError as e:  # name `layout` where the shapes prove a bhsd / bshd mix-up
-        mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True)
+        mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True, rows=beta)
         if mix is not None:
             raise mix from e
         raise
@@ -245,7 +245,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optiona
     try:
         _call("delta_check", CHECK_ARGS, a)
     except ValueError as e:
-        mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True)
+        mix = layout_mismatch(q0, k0, v0, layout, e, same_len=True, rows=beta)
         if mix is not None:
             raise mix from e
         raise

@@ -498,6 +498,7 @@ def linear_attention_step(
     elif t == 0:
         log_scale = state.log_scale
     s_, z = state.S, state.z if normalize else None
+    s_given, z_given = s_, z  # inplace: the tensors that must come out advanced
     track = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (fq, fk, v_t, s_, z, decay))
     if not track and not inplace:
         s_, z = s_.clone(), None if z is None else z.clone()
@@ -531,6 +532,11 @@ def linear_attention_step(
     if layout == "bshd":
         out = out.transpose(1, 2)
     if inplace:
+        if not track:  # a state the kernel took as a contiguous copy: the result goes back into it
+            if s_ is not s_given:
+                s_ = s_given.copy_(s_)
+            if z is not None and z_given is not None and z is not z_given:
+                z = z_given.copy_(z)
         state.S, state.z, state.log_scale = s_, z, log_scale
         return out, state
     return out, LinearAttentionState(s_, z, log_scale)

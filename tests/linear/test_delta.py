@@ -557,3 +557,15 @@ def test_cuda_chunk_rule():
         assert not takes(1, bf, 64, 20, False, False, 64, bwd)
         assert not takes(0, bf, 64, 64, False, False, 4096, bwd)
         assert not takes(-1, bf, 64, 64, False, False, 255, bwd) and takes(-1, bf, 64, 64, False, False, 256, bwd)
+
+
+def test_bshd_tensors_without_layout_name_it():
+    """(B, S, H, D) tensors passed with the default layout: the error names layout='bshd' (a
+    LayoutMismatch, a ValueError), with grouped values too and with beta already right; before,
+    it asked to reshape beta (which would have run the wrong math)."""
+    q = k = torch.randn(1, 7, 2, 5)
+    for hv in (2, 4):
+        v, beta = torch.randn(1, 7, hv, 3), torch.rand(1, hv, 7)
+        with pytest.raises(ValueError, match="pass layout='bshd'"):
+            ae.delta_rule_attention(q, k, v, beta)
+        assert ae.delta_rule_attention(q, k, v, beta, layout="bshd").shape == (1, 7, hv, 3)

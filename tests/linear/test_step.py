@@ -272,3 +272,19 @@ def test_op_refuses_overlapping_state():
     s = s0.clone()
     with pytest.raises(ValueError, match="share memory"):
         ops.step(q, k, v, s, s.view(2, 4, 7 * 9)[:, :, :7], gate)  # z over the first state row
+
+
+def test_inplace_step_advances_a_strided_state():
+    """inplace=True on a state whose S is a transposed view (not stride 1) advances that very tensor
+    (the kernel runs on a contiguous copy and the result goes back), equal to the functional step."""
+    torch.manual_seed(3)
+    q = k = torch.randn(1, 2, 1, 4)
+    v = torch.randn(1, 2, 1, 3)
+    buf = torch.rand(1, 2, 3, 4)
+    st = ae.LinearAttentionState(buf.transpose(-1, -2), torch.rand(1, 2, 4))
+    ref_out, ref = ae.linear_attention_step(q, k, v, ae.LinearAttentionState(st.S.clone(), st.z.clone()))
+    out, got = ae.linear_attention_step(q, k, v, st, inplace=True)
+    assert got is st and st.S.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(buf.transpose(-1, -2), ref.S)
+    torch.testing.assert_close(st.z, ref.z)
