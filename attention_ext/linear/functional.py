@@ -332,6 +332,10 @@ def linear_attention(
         raise key_padding_mask_renamed("linear_attention()")
     packed = cu_seqlens is not None and isinstance(q, Tensor) and q.dim() == 3
     if packed:  # (total, H, D) -> (1, total, H, D)
+        for name, t in (("k", k), ("v", v)):
+            _check(not isinstance(t, Tensor) or t.dim() == 3,
+                   lambda: f"with cu_seqlens, q, k and v are one kind of pack: q is (total, H, D), so {name} must be "
+                           f"(total, H_k, D) too (or all (1, total, H, D)), got {name} of shape {tuple(t.shape)}")
         q, k, v = (t.unsqueeze(0) if isinstance(t, Tensor) else t for t in (q, k, v))
         layout = "bshd"
     for name, t in (("q", q), ("k", k), ("v", v)):

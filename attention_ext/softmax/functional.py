@@ -171,6 +171,13 @@ def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, s
     return m if bias is None else (bias & m if bias.dtype == torch.bool else bias.masked_fill(~m, float("-inf")))
 
 
+def _block_size(block_size) -> int:
+    """block_size of a block layout: an int (a float is refused, not truncated)."""
+    _check(isinstance(block_size, int) and not isinstance(block_size, bool),
+           lambda: f"block_size must be an int (the layout's block edge in tokens), got {block_size!r}", TypeError)
+    return block_size
+
+
 def _quantized(q: Tensor, k: Tensor, v: Tensor, opts: dict, qk_quant: str) -> Tuple[Tensor, Tensor]:
     """The forward with a quantized Q.K^T (softmax_fwd_quant) on (B, H, S, D) views: the compiled
     kernel of q's device (int8: CPU, and CUDA fp16 / bf16 with a head dim a multiple of 16 up to
@@ -472,7 +479,7 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
                 cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap),
                 window_left=wl, window_right=wr, bottom_right=bool(bottom_right), dropout_p=float(dropout_p),
                 seed=0, offset=0, rng_state=rng_state, dropout_coords=dropout_coords, block_layout=block_layout,
-                block_size=int(block_size) if block_layout is not None else 0)
+                block_size=_block_size(block_size) if block_layout is not None else 0)
     try:
         out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk, qk_quant)
     except ValueError as e:  # the op's shape errors: name `layout` where the shapes prove a mix-up
@@ -621,7 +628,7 @@ def attention_weights(q: Tensor, k: Tensor, lse: Optional[Tensor] = None, *, lay
         ops.check_inputs(q, k, k, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, seqlens_k=seqlens_k,
                          max_seqlen_q=sq, max_seqlen_k=sk, scale=float(scale), softcap=float(softcap), window_left=wl,
                          window_right=wr, bottom_right=bool(bottom_right), block_layout=block_layout,
-                         block_size=int(block_size) if block_layout is not None else 0)
+                         block_size=_block_size(block_size) if block_layout is not None else 0)
     except ValueError as e:  # name `layout` where the shapes prove a mix-up
         mix = layout_mismatch(q0, k0, None, layout, e)
         if mix is not None:

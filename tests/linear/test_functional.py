@@ -275,3 +275,10 @@ def test_bad_shapes():
         ae.linear_attention(q, k.double(), v)
     with pytest.raises(ValueError, match="one sequence length"):
         ae.linear_attention(q, k[:, :, :5], v[:, :, :5])
+
+
+def test_a_varlen_pack_is_one_kind():
+    """With cu_seqlens, a 3-D q and 4-D k / v is refused by name (it reported a 5-D k before)."""
+    with pytest.raises(ValueError, match=r"so k must be \(total, H_k, D\) too"):
+        ae.linear_attention(torch.randn(7, 4, 5), torch.randn(1, 7, 2, 5), torch.randn(1, 7, 2, 3),
+                            cu_seqlens=torch.tensor([0, 3, 7]))

@@ -108,3 +108,15 @@ def test_sparse_mask_from_mask(aligned):
     if not aligned:
         allowed = fn(torch.arange(n).view(n, 1), torch.arange(n).view(1, n))
         check(got, block_sparse_attention_ref(q, k, v, torch.ones(1, 4, 4, dtype=torch.bool), bs, attn_mask=allowed))
+
+
+def test_block_size_must_be_an_int():
+    """A float block_size is refused by name (16.9 ran as 16 before), in attention() and
+    attention_weights() alike."""
+    q = torch.randn(1, 2, 40, 8)
+    lay = torch.ones(1, 3, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        ae.block_sparse_attention(q, q, q, lay, block_size=16.9)
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        ae.attention_weights(q, q, block_layout=lay, block_size=16.0)
+    assert ae.block_sparse_attention(q, q, q, lay, block_size=16).shape == q.shape
