@@ -60,15 +60,28 @@ def _save(fig, path: str, title: Optional[str]) -> str:
     return path
 
 
+def _check_grid(w, what: str, ncols: int) -> None:
+    """(H, S_q, S_k) for one sequence, and a positive ncols: else a ValueError that says which."""
+    if w.ndim != 3:
+        hint = f" (a batch: plot one sequence, {what}[b])" if w.ndim == 4 else ""
+        raise ValueError(f"{what} must be (H, S_q, S_k) or (S_q, S_k) for one sequence, got shape "
+                         f"{tuple(w.shape)}{hint}")
+    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
+        raise ValueError(f"ncols must be a positive int (heads per row), got {ncols!r}")
+
+
 def plot_attention_heads(weights: _Array, path: str, *, x_tokens: Optional[Sequence] = None,
                          y_tokens: Optional[Sequence] = None, title: Optional[str] = None, ncols: int = 4,
                          cmap: str = "viridis") -> str:
     """A grid of heatmaps, one per head, of weights (H, S_q, S_k) for one sequence (a (S_q, S_k)
-    matrix counts as one head). Rows are queries (y_tokens), columns keys (x_tokens)."""
+    matrix counts as one head). Rows are queries (y_tokens), columns keys (x_tokens). One color
+    scale for every head (0 to the largest weight of all, the colorbar's)."""
     w = _as_array(weights)
     if w.ndim == 2:
         w = w[None]
+    _check_grid(w, "weights", ncols)
     h, sq, sk = w.shape
+    top = max(float(w.max()), 1e-9) if w.size else 1.0
     ncols = min(ncols, h)
     nrows = math.ceil(h / ncols)
     cell = max(2.5, min(5.0, 0.25 * max(sq, sk)))
@@ -77,7 +90,7 @@ def plot_attention_heads(weights: _Array, path: str, *, x_tokens: Optional[Seque
         if i >= h:
             ax.axis("off")
             continue
-        im = ax.imshow(w[i], cmap=cmap, vmin=0.0, vmax=max(float(w[i].max()), 1e-9), aspect="auto")
+        im = ax.imshow(w[i], cmap=cmap, vmin=0.0, vmax=top, aspect="auto")
         ax.set_title(f"head {i}", fontsize=9)
         _label(ax, x_tokens, y_tokens, sk, sq)
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
@@ -89,6 +102,9 @@ def plot_alignment(weights: _Array, path: str, *, src_tokens: Optional[Sequence]
     """The alignment matrix (T, S) of a Bahdanau/Luong decoder: row t is the attention of output
     step t over the source positions, as in the papers' figures."""
     w = _as_array(weights)
+    if w.ndim != 2:
+        raise ValueError(f"weights must be one alignment matrix (T, S), got shape {tuple(w.shape)}"
+                         + (" (pick one sequence or head: weights[i])" if w.ndim > 2 else ""))
     t, s = w.shape
     fig, axes = _figure(1, 1, max(3.0, min(8.0, 0.35 * max(t, s))))
     ax = axes[0, 0]
@@ -118,6 +134,7 @@ def plot_sparse_layout(block_layout: _Array, path: str, *, title: Optional[str] 
     lay = _as_array(torch.as_tensor(_as_array(block_layout)).bool().float())
     if lay.ndim == 2:
         lay = lay[None]
+    _check_grid(lay, "block_layout", ncols)
     h = lay.shape[0]
     ncols = min(ncols, h)
     nrows = math.ceil(h / ncols)

@@ -33,3 +33,35 @@ def test_block_layout_and_plot(tmp_path):
     assert lay.tolist() == [[True, False, False], [True, True, False], [False, True, True]]
     assert _is_png(viz.plot_sparse_layout(lay, str(tmp_path / "layout.png")))
     assert _is_png(viz.plot_sparse_layout(torch.stack([lay, lay.T]), str(tmp_path / "layouts.png")))
+
+
+def test_heads_share_one_color_scale(tmp_path):
+    """Every head is drawn on the colorbar's scale (0 to the largest weight of all): head 0's 0.2
+    was drawn in the color the bar labels 1.0 before."""
+    w = torch.zeros(2, 2, 2)
+    w[0] = torch.tensor([[0.2, 0.0], [0.1, 0.05]])
+    w[1] = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    from matplotlib.axes import Axes
+    seen = []
+    orig = Axes.imshow
+
+    def spy(self, *a, **k):
+        im = orig(self, *a, **k)
+        seen.append(im.get_clim())
+        return im
+    Axes.imshow = spy
+    try:
+        assert _is_png(viz.plot_attention_heads(w, str(tmp_path / "cb.png")))
+    finally:
+        Axes.imshow = orig
+    assert seen == [(0.0, 1.0), (0.0, 1.0)]
+
+
+def test_shapes_and_ncols_are_checked(tmp_path):
+    w = torch.rand(2, 3, 5, 5)  # attention_weights' (B, H, S_q, S_k)
+    with pytest.raises(ValueError, match=r"for one sequence, got shape \(2, 3, 5, 5\) \(a batch: plot one"):
+        viz.plot_attention_heads(w, str(tmp_path / "x.png"))
+    with pytest.raises(ValueError, match="ncols must be a positive int"):
+        viz.plot_attention_heads(w[0], str(tmp_path / "x.png"), ncols=0)
+    with pytest.raises(ValueError, match=r"one alignment matrix \(T, S\)"):
+        viz.plot_alignment(w[0], str(tmp_path / "x.png"))
