@@ -95,13 +95,18 @@ class LayoutMismatch(ValueError):
     layout argument (`arg`); a function that passes its own layout argument on under another
     name re-raises with `renamed(its_name)`."""
 
-    def __init__(self, shapes: str, given: str, other: str, cause: str, arg: str = "layout"):
-        self.shapes, self.given, self.other, self.cause, self.arg = shapes, given, other, cause, arg
+    def __init__(self, shapes: str, given: str, other: str, cause: str, arg: str = "layout", lengths: str = ""):
+        self.shapes, self.given, self.other, self.cause, self.arg, self.lengths = shapes, given, other, cause, arg, lengths
+        if lengths:  # read as given, only the lengths disagree: either fix may be the one
+            fix = (f"pass {arg}={other!r} if they are {_DIMS[other]}; if they are {_DIMS[given]}, give them one "
+                   f"length ({lengths})")
+        else:
+            fix = f"pass {arg}={other!r}"
         super().__init__(f"{shapes} do not fit {arg}={given!r} {_DIMS[given]} but fit {arg}={other!r} "
-                         f"{_DIMS[other]}: pass {arg}={other!r} ({cause})")
+                         f"{_DIMS[other]}: {fix} ({cause})")
 
     def renamed(self, arg: str) -> "LayoutMismatch":
-        return LayoutMismatch(self.shapes, self.given, self.other, self.cause, arg)
+        return LayoutMismatch(self.shapes, self.given, self.other, self.cause, arg, self.lengths)
 
 
 def _fits(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, same_len: bool,
@@ -140,5 +145,9 @@ def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, caus
     if _fits(q, k, v, layout, same_len, rows) or not _fits(q, k, v, other, same_len, rows):
         return None
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, ts))
+    lengths = ""
+    if same_len and _fits(q, k, v, layout, False, rows):
+        si = 2 if layout == "bhsd" else 1
+        lengths = f"{names[0]} has {q.shape[si]} positions, {names[1]} {k.shape[si]}"
     return LayoutMismatch(shapes, layout, other, str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
-                          arg)
+                          arg, lengths)

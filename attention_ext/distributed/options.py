@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._args import TENSOR_LAYOUT, renamed
+from .._args import TENSOR_LAYOUT, not_a_tensor, renamed
 from ..softmax.functional import window_size_pair
 from .sharding import _check_len, _check_tensor_layout, _documents_for, check_shards
 
@@ -63,6 +63,14 @@ class AttentionOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_size", window_size_pair(self.window_size, _FN))  # an (int, int) pair
+        if isinstance(self.dropout_p, bool) or not isinstance(self.dropout_p, (int, float)):
+            raise TypeError(f"dropout_p must be a float in [0, 1), got {self.dropout_p!r}")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)):
+            raise TypeError(f"seq_len must be an int (the real length, padding excluded) or None, got "
+                            f"{self.seq_len!r}: a length is refused, not rounded")
+        for name in ("alibi_slopes", "sinks"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Tensor):
+                raise not_a_tensor(name, getattr(self, name), _FN)
         if not 0.0 <= self.dropout_p < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {self.dropout_p!r}")
         _check_tensor_layout(self.layout)

@@ -341,6 +341,11 @@ def shard_sequence(x: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = 
     documents' offsets (shard_layout="balanced" needs them). `layout` is not read: a TypeError
     names shard_layout."""
     _no_layout("shard_sequence()", layout)
+    if not isinstance(x, Tensor):
+        raise _not_a_tensor("x", x, "shard_sequence()")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"shard_sequence(): dim must be an int in [{-x.dim()}, {x.dim()}) (x's sequence dim), "
+                         f"got {dim!r} for x of shape {tuple(x.shape)}")
     rank, world = _rank_size(group)
     pos = global_positions(x.shape[dim], rank=rank, world_size=world, shard_layout=shard_layout,
                            cu_seqlens=cu_seqlens)

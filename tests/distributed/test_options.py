@@ -79,6 +79,10 @@ BAD_VALUES = {
     "sinks_device": dict(sinks=torch.zeros(2, device="meta")),
     "alibi_shape": dict(alibi_slopes=torch.ones(3)),
     "alibi_batch": dict(alibi_slopes=torch.ones(2, 2)),
+    "seq_len_float": dict(seq_len=9.5),  # ran as 10 (allgather, ring) or crashed (ulysses) before
+    "dropout_p_str": dict(dropout_p="0.1"),
+    "sinks_list": dict(sinks=[0.0, 0.0]),
+    "alibi_list": dict(alibi_slopes=[0.1, 0.2]),
 }
 
 
@@ -95,7 +99,8 @@ def test_bad_value_raises_one_error_from_every_entry_point(case):
 
 def test_bad_values_raise_at_construction():
     """The rules that need no tensor are the options' own: AttentionOptions(...) raises them."""
-    for case in ("window_int", "window_negative", "dropout_p", "layout_sharding", "layout"):
+    for case in ("window_int", "window_negative", "dropout_p", "layout_sharding", "layout", "seq_len_float",
+                 "dropout_p_str", "sinks_list", "alibi_list"):
         with pytest.raises((TypeError, ValueError)):
             AttentionOptions(**BAD_VALUES[case])
 
@@ -164,3 +169,21 @@ def test_signatures_list_the_options_once():
         assert rest == own + fields + ["qkv_layout"], (fn.__name__, params)
     assert list(inspect.signature(cp.context_parallel_attention).parameters)[-1] == "_stats"
     assert options_mod.__all__ == ["AttentionOptions", "takes_options"]
+
+
+def test_shard_sequence_names_a_bad_dim():
+    """dim past x's dims is named before any process-group call (an IndexError before)."""
+    from attention_ext.distributed import shard_sequence
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-4, 4\)"):
+        shard_sequence(torch.zeros(1, 2, 8, 4), dim=5)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        shard_sequence([1, 2], dim=0)
+
+
+def test_shards_of_two_lengths_name_both_fixes():
+    """q and k shards that differ only in length as given: the message offers layout='bshd' and
+    one length alike (it offered the layout alone, the wrong fix for shorter k / v shards)."""
+    from attention_ext.distributed.sharding import check_shards
+    with pytest.raises(ValueError, match=r"pass layout='bshd' if they are \(B, S, H, D\); if they are \(B, H, S, D\), "
+                                         r"give them one length \(q has 16 positions, k 8\)"):
+        check_shards(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8), layout="bhsd")
