@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._args import not_a_tensor
 from .._ext import HAS_EXT
 from . import ops, reference
 
@@ -40,6 +41,9 @@ def linformer_attention(q: Tensor, k: Tensor, v: Tensor, proj_k: Tensor, proj_v:
     Differentiable in q, k, v and both projections. Returns (B, H, Sq, D) in q's layout (v has k's
     shape, the fused kernel's rule).
     """
+    for name, t in (("q", q), ("k", k), ("v", v), ("proj_k", proj_k), ("proj_v", proj_v)):
+        if not isinstance(t, Tensor) and (t is not None or name != "proj_v"):
+            raise not_a_tensor(name, t, "linformer_attention")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"linformer_attention: layout must be 'bhsd' or 'bshd', got {layout!r}")
     if layout == "bshd":

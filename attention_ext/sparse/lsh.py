@@ -13,6 +13,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .._args import not_a_tensor
 from .._ext import HAS_EXT
 from ..softmax import ops as softmax_ops
 from . import reference
@@ -80,6 +81,12 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_buckets: int, n_hashes: int = 1, c
     chunks on the fused softmax kernel. Differentiable in qk and v (the buckets are not).
     Returns out (B, H, S, D) in qk's layout (and the LSE).
     """
+    for name, t in (("qk", qk), ("v", v), ("rotations", rotations)):
+        if not isinstance(t, Tensor) and (t is not None or name != "rotations"):
+            raise not_a_tensor(name, t, "lsh_attention")
+    for name, x in (("n_buckets", n_buckets), ("n_hashes", n_hashes), ("chunk_size", chunk_size)):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"lsh_attention: {name} must be an int, got {x!r}")
     qk, v = _bhsd(qk, layout, "lsh_attention"), _bhsd(v, layout, "lsh_attention")
     if rotations is None:
         rotations = _draw_rotations(qk, n_buckets, n_hashes, generator)

@@ -130,3 +130,11 @@ def test_fused_rules_name_the_call():
     with pytest.raises(ValueError, match="(?s)multiple.*in attention_ext.linformer_attention"):
         ae.linformer_attention(torch.randn(1, 3, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8),
                                torch.randn(4, 9))
+
+
+def test_inputs_that_are_not_tensors_are_named():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(TypeError, match=r"linformer_attention: q must be a torch\.Tensor, got numpy\.ndarray"):
+        ae.linformer_attention(q.numpy(), q, q, torch.randn(3, 8))
+    with pytest.raises(TypeError, match=r"linformer_attention: proj_k must be a torch\.Tensor, got list"):
+        ae.linformer_attention(q, q, q, [[0.0] * 8] * 3)

@@ -259,3 +259,13 @@ def test_more_errors(kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=match):
         ae.lsh_attention(args.pop("qk"), args.pop("v"), **args)
+
+
+def test_inputs_that_are_not_tensors_are_named():
+    """A numpy qk or a float n_buckets is a TypeError naming it (the op's schema error before)."""
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(TypeError, match=r"lsh_attention: qk must be a torch\.Tensor, got numpy\.ndarray: convert it "
+                                        r"with torch\.from_numpy\(qk\)"):
+        ae.lsh_attention(q.numpy(), q, n_buckets=2)
+    with pytest.raises(TypeError, match="lsh_attention: n_buckets must be an int, got 4.0"):
+        ae.lsh_attention(q, q, n_buckets=4.0)
