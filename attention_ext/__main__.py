@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv[:1])
     rest = argv[1:]
     if args.command == "info":
+        info_parser = argparse.ArgumentParser(prog="python -m attention_ext info",
+                                              description="The build, the CPU's instruction set and the GPUs seen.")
+        info_parser.parse_args(rest)  # -h prints this, anything else is an error (exit 2)
         return info()
     if args.command == "bench":
         from attention_ext import bench

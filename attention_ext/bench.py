@@ -1002,6 +1002,8 @@ def main(argv=None) -> int:
                     help="--complexity: GiB of predicted peak memory past which a method stops growing n (default 8)")
     args = ap.parse_args(argv)
 
+    if args.decode and args.family not in ("all", "decode"):
+        ap.error(f"--decode is --family decode: it does not combine with --family {args.family}")
     families = ("decode",) if args.decode else FAMILIES if args.family == "all" else (args.family,)
     if args.device == "cuda" and not cuda_ok:
         ap.error("--device cuda: no CUDA device visible")
@@ -1015,10 +1017,16 @@ def main(argv=None) -> int:
     budget = args.budget if args.budget is not None else QUICK_BUDGET if args.quick else BUDGET
     timing_kw = dict(min_reps=args.reps or MIN_REPS, target=TARGET_RSE, budget=budget,
                      min_time=min(budget, QUICK_MIN_TIME if args.quick else MIN_TIME))
-    sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
-    bad = [x for x in (args.dtype or "").split(",") if x and x not in DTYPES]
+    try:
+        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
+    except ValueError:
+        ap.error(f"--sizes takes comma-separated lengths, e.g. 1024,4096, got {args.sizes!r}")
+    if sizes is not None and (not sizes or min(sizes) < 1):
+        ap.error(f"--sizes: lengths >= 1, got {args.sizes!r}")
+    names = (args.dtype or "").split(",")
+    bad = [x for x in names if x not in DTYPES] if args.dtype is not None else []
     if bad:
-        ap.error(f"--dtype: unknown {', '.join(bad)} (choose from {', '.join(DTYPES)})")
+        ap.error(f"--dtype: unknown {', '.join(repr(x) for x in bad)} (comma-separated, from {', '.join(DTYPES)})")
     if args.complexity:
         if args.family != "all" or args.decode or args.device == "cuda" or (args.dtype or "fp32") != "fp32":
             ap.error("--complexity: the CPU in fp32, every method; --family, --decode, --device cuda and --dtype "

@@ -594,9 +594,32 @@ def _defaults(args) -> None:
         args.size = "tiny" if q else "small"
 
 
+def _check_args(p: argparse.ArgumentParser, args) -> None:
+    """The values argparse's types let through that the run cannot use: argparse's error (exit 2)."""
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
+    for name in ("s2s_steps", "s2s_batch", "s2s_max_len", "s2s_test", "s2s_ff_mult", "lm_steps",
+                 "lm_chars", "lm_eval_batches", "bench_reps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lm_sample_chars < 0:
+        p.error(f"--lm-sample-chars must be >= 0, got {args.lm_sample_chars}")
+    if args.device != "auto":
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError:
+            p.error(f"--device: cpu, cuda or cuda:N, got {args.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: no CUDA device visible (leave --device out to use the CPU)")
+        if dev.type not in ("cpu", "cuda"):
+            p.error(f"--device: cpu, cuda or cuda:N, got {args.device!r}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     _defaults(args)
+    _check_args(p, args)
     # one thread by default: these models are too small to gain much from more, a fixed count
     # keeps the floating-point reductions, and so the metrics, the same on machines with other core
     # counts, and torch's threads spin at each op's barrier, so that on a loaded machine a step with

@@ -104,6 +104,12 @@ def main(argv: Optional[list] = None) -> int:
         b, h, s, d = (int(x) for x in args.shape.split(","))
     except ValueError:
         ap.error(f"--shape takes B,H,S,D, got {args.shape!r}")
+    if min(b, h, s, d) < 1:
+        ap.error(f"--shape takes four positive sizes B,H,S,D, got {args.shape!r}")
+    if args.kv_heads is not None and (args.kv_heads < 1 or h % args.kv_heads):
+        ap.error(f"--kv-heads must divide the {h} heads of --shape, got {args.kv_heads}")
+    if args.iters < 1 or args.warmup < 0:
+        ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.device == "cuda" and not cuda_ok:
         ap.error("--device cuda: no CUDA device visible")
     if args.backward and args.family == "decode":

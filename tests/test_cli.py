@@ -182,3 +182,42 @@ def test_bench_help_names_the_timing_options(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--threads" in text and "--budget" in text and "known to worse than 2% and" in text
+
+
+BAD_ARGS = [
+    (["profile", "--family", "softmax", "--shape", "1,4,16,8", "--kv-heads", "3"], "--kv-heads must divide the 4"),
+    (["profile", "--family", "softmax", "--shape", "1,2,8,8", "--iters", "0"], "--iters must be >= 1"),
+    (["profile", "--family", "softmax", "--shape", "1,4,-3,8"], "four positive sizes"),
+    (["bench", "--sizes", "abc"], "--sizes takes comma-separated lengths"),
+    (["bench", "--sizes", "0"], "--sizes: lengths >= 1"),
+    (["bench", "--dtype", "fp32,"], "--dtype: unknown ''"),
+    (["bench", "--family", "softmax", "--decode"], "does not combine with --family softmax"),
+    (["demo", "--threads", "-1"], "--threads must be >= 0"),
+    (["demo", "--s2s-steps", "0"], "--s2s-steps must be >= 1"),
+    (["demo", "--s2s-batch", "0"], "--s2s-batch must be >= 1"),
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", BAD_ARGS, ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_bad_arguments_are_argparse_errors(argv, msg, capsys):
+    """Each subcommand's bad values: argparse's error (exit 2) with the reason, before anything runs
+    (before: tracebacks from deep inside, a silent substitute, or a crash after training started)."""
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_demo_refuses_cuda_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit) as e:
+        cli(["demo", "--device", "cuda"])
+    assert e.value.code == 2 and "no CUDA device visible" in capsys.readouterr().err
+
+
+def test_info_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["info", "-h"])
+    assert e.value.code == 0 and "python -m attention_ext info" in capsys.readouterr().out
