@@ -143,7 +143,9 @@ def flash_attn_with_kvcache(
 
     k_descale / v_descale (keyword only): the float32 scales of an int8 / float8_e4m3fn cache
     (cache value = stored value x descale), per row (B_cache, S_cache, H_k) / paged (num_pages,
-    page_size, H_k), or per batch entry and kv head (B, H_k); decode.quantize_kv makes both. New
+    page_size, H_k), or per batch entry and kv head (B, H_k), indexed by q's batch entry (flash-attn
+    3's rule: with cache_batch_idx, pass descale[cache_batch_idx] for scales in the cache's order, as
+    quantize_kv returns them); decode.quantize_kv makes both. New
     k / v rows (q's dtype) are quantized into such a cache in place: per row, with a fresh scale
     (amax / 127 for int8, / 448 for e4m3) written into the descales at the same rows; per batch
     entry, with the given scale (saturating).
