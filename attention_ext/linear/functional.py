@@ -234,9 +234,8 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
     ops.check_inputs(qf, kf, v, **dict(opts, decay=decay[..., 0].contiguous()))  # every other rule, the op's
     vv = v.to(acc)
     if opts["key_mask"] is not None:  # a padded key writes nothing (where, not a product: 0 x NaN / inf)
-        real = opts["key_mask"].view(b, 1, s, 1)  # and decays nothing (the linear op's rule, linear_binding.h)
+        real = opts["key_mask"].view(b, 1, s, 1)
         phi_k, vv = torch.where(real, phi_k, torch.zeros_like(phi_k)), torch.where(real, vv, torch.zeros_like(vv))
-        decay = decay.masked_fill(~real, 0.0)
     if h != hk:  # the state is per query head (its gates): k and v repeated over the group
         phi_k, vv = (t.repeat_interleave(h // hk, dim=1) for t in (phi_k, vv))
     dv, s0, scale = vv.shape[-1], opts["initial_state"], opts["scale"]
@@ -314,8 +313,7 @@ def linear_attention(
             or (B, H, S, M), a gate per feature (GLA): S_t = Diag(exp(decay_t)) S_{t-1} + ...
             (the delta-rule kernels' plain write; fused or unstabilized feature maps). Always
             (B, H, S[, M]), whatever the layout.
-        key_mask: (B, S) bool, True = a real key (as attention()'s); padded keys contribute nothing
-            (no write, and their decay is not applied: a padded position leaves the state as it is).
+        key_mask: (B, S) bool, True = a real key (as attention()'s); padded keys contribute nothing.
         cu_seqlens: (nb + 1) offsets of a varlen pack: q, k, v are (total, H, D) or a B = 1
             tensor in `layout`; each sequence starts from its own initial state and never sees its
             neighbour's. max_seqlen: the longest sequence (computed when None).

@@ -66,8 +66,6 @@ def _dense(q: Tensor, k: Tensor, v: Tensor, code: int, causal: bool, normalize: 
     fk = phi(k, code)  # (B, H_k, S, M)
     if key_mask is not None:
         fk = fk * key_mask.view(b, 1, s, 1).to(fk.dtype)
-        if decay is not None:
-            decay = decay.masked_fill(~key_mask.view(b, 1, s, *([1] * (decay.dim() - 3))), 0.0)
     fk = fk.repeat_interleave(group, dim=1)  # (B, H, S, M)
     vv = v.repeat_interleave(group, dim=1)  # (B, H, S, Dv)
     if normalize:
@@ -129,8 +127,7 @@ def linear_attention(
     Returns (out, den, final_state), all in q's dtype.
 
     q (B, H, S, M); k (B, H_k, S, M); v (B, H_k, S, Dv). phi = the fused map of code `feature_map`, applied to
-    q and k (reference.phi); a padded key (key_mask (B, S) False) is no token: phi(k_j) = 0 and
-    decay_j = 0 (it leaves the state as it is).
+    q and k (reference.phi); a padded key (key_mask (B, S) False) has phi(k_j) = 0.
 
         G_i     = sum_{t <= i} decay_t                    decay (B, H, S) log-gates; None = 0
                                                            (B, H, S, M): a gate per feature (GLA), the

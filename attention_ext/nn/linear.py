@@ -94,8 +94,6 @@ class LinearAttention(nn.Module):
         a = fq.float() @ fk.float().transpose(-1, -2)  # (B, H, S_q, S_k)
         if key_mask is not None:
             a = a * key_mask[:, None, None, :].to(a.dtype)
-            if decay is not None:  # a padded key decays nothing (linear_attention's rule)
-                decay = decay.masked_fill(~key_mask[:, None, :], 0.0)
         if self.causal:
             sq, sk = a.shape[-2:]
             g = decay.float().cumsum(-1) if decay is not None else a.new_zeros(a.shape[0], a.shape[1], sq)  # (B, H, S)

@@ -200,17 +200,6 @@ template LinearParamsT<double> make_linear_params<double>(const at::Tensor&, con
                                                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                           const LinearOptions&);
 
-LinearOptions gates_without_padding(const LinearOptions& o) {
-  if (!o.decay.has_value() || !o.key_mask.has_value()) return o;
-  LinearOptions r = o;
-  r.decay = o.decay->masked_fill(o.key_mask->logical_not().unsqueeze(1), 0.0);  // (B, 1, S) over (B, H, S)
-  return r;
-}
-
-void zero_padded_ddecay(at::Tensor& ddecay, const LinearOptions& o) {
-  if (ddecay.numel() > 0 && o.key_mask.has_value()) ddecay.masked_fill_(o.key_mask->logical_not().unsqueeze(1), 0.0);
-}
-
 LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const LinearOptions& o) {
   LinearGrads g;

@@ -51,13 +51,6 @@ struct LinearOptions {
 // Checks q / k / v and the options; throws c10::Error naming the bad argument.
 void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LinearOptions& o);
 
-// A padded key (key_mask False) is no token: the kernels give it no write (phi(k) = 0), and its
-// gate is not applied: the options with decay set to 0 there (a new tensor; the call keeps it),
-// for every kernel, forward and backward; zero_padded_ddecay gives such a gate a zero gradient.
-// Call after check_linear_inputs.
-LinearOptions gates_without_padding(const LinearOptions& o);
-void zero_padded_ddecay(at::Tensor& ddecay, const LinearOptions& o);
-
 // Checks the backward's extra inputs against q, v and the options.
 void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
                              const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,

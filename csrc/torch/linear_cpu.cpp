@@ -23,9 +23,8 @@ attn::DType linear_dtype(const Tensor& q) {
 
 std::tuple<Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v
                                                   ATTN_LINEAR_OPTIONS_PARAMS) {
-  const attn::api::LinearOptions given = ATTN_LINEAR_MAKE_OPTIONS();
-  attn::api::check_linear_inputs(q, k, v, given);
-  const attn::api::LinearOptions o = attn::api::gates_without_padding(given);
+  const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
+  attn::api::check_linear_inputs(q, k, v, o);
   auto [out, den, state] = attn::api::alloc_linear_outputs(q, v, o);
   if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) return {out, den, state};
   const attn::DType dt = linear_dtype(q);
@@ -42,9 +41,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& 
                                                                   const Tensor& q, const Tensor& k, const Tensor& v,
                                                                   const Tensor& out, const Tensor& den
                                                                       ATTN_LINEAR_OPTIONS_PARAMS) {
-  const attn::api::LinearOptions given = ATTN_LINEAR_MAKE_OPTIONS();
-  attn::api::check_linear_inputs(q, k, v, given);
-  const attn::api::LinearOptions o = attn::api::gates_without_padding(given);
+  const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
+  attn::api::check_linear_inputs(q, k, v, o);
   attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
   attn::api::LinearGrads g = attn::api::alloc_linear_grads(q, k, v, o);
   if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) {
@@ -61,7 +59,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& 
     attn::cpu::linear_bwd_stub<float>(
         attn::api::make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
   }
-  attn::api::zero_padded_ddecay(g.ddecay, o);
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }
 

@@ -51,9 +51,8 @@ inline bool linear_empty_call(const at::Tensor& q, const at::Tensor& v) {
 template <typename Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Device& dev, const at::Tensor& q,
                                                                      const at::Tensor& k, const at::Tensor& v,
-                                                                     const LinearOptions& given) {
-  check_linear_inputs(q, k, v, given);
-  const LinearOptions o = gates_without_padding(given);
+                                                                     const LinearOptions& o) {
+  check_linear_inputs(q, k, v, o);
   dev.check_device(q);
   const auto guard = dev.guard(q);
   auto [out, den, state] = alloc_linear_outputs(q, v, o);
@@ -81,10 +80,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Devic
 template <typename Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cuda_bwd_steps(
     const Device& dev, const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
-    const LinearOptions& given) {
-  check_linear_inputs(q, k, v, given);
-  const LinearOptions o = gates_without_padding(given);
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den, const LinearOptions& o) {
+  check_linear_inputs(q, k, v, o);
   dev.check_device(q);
   check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
   const auto guard = dev.guard(q);
@@ -107,7 +104,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cu
   at::Tensor scratch = at::zeros({int64_t(dev.linear_bwd_scratch_floats(p, dt, kern))}, q.options().dtype(at::kFloat));
   dev.reads({&q, &k, &v, &dout, &scratch});
   run_backend<Device>([&] { dev.linear_bwd(p, dt, kern, scratch.data_ptr<float>()); });
-  zero_padded_ddecay(g.ddecay, o);
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }
 

@@ -121,54 +121,6 @@ def test_padded_keys_contribute_nothing(causal):
     torch.testing.assert_close(ae.linear_attention(q, k2, v2, causal=causal, key_mask=mask), out)
 
 
-@pytest.mark.parametrize("per_feature", [False, True], ids=["per_head", "per_feature"])
-def test_padded_keys_decay_nothing(per_feature):
-    """With decay, a padded key is no token at all: the real rows' outputs and the final state equal
-    those of the sequence with the padded positions taken out (holes and right padding, a -inf gate
-    at a padded position resets nothing). Before, the padded gates still decayed the state. (The
-    op, linear_fwd, applies every gate it is given, as reference.linear_attention defines it:
-    linear_attention sets the padded ones to 0 first.)"""
-    torch.manual_seed(4)
-    q, k, v = qkv()
-    mask = torch.ones(2, 13, dtype=torch.bool)
-    mask[0, 9:] = False
-    mask[1, [2, 5]] = False
-    m = q.shape[-1]
-    g = -torch.rand(2, q.shape[1], 13, *([m] if per_feature else []), dtype=q.dtype)
-    g[1, :, 5] = float("-inf")
-    out, st = ae.linear_attention(q, k, v, causal=True, decay=g, key_mask=mask, return_state=True)
-    for bi in range(2):
-        keep = mask[bi]
-        o_ref, st_ref = ae.linear_attention(q[bi:bi + 1, :, keep], k[bi:bi + 1, :, keep], v[bi:bi + 1, :, keep],
-                                            causal=True, decay=g[bi:bi + 1, :, keep], return_state=True)
-        torch.testing.assert_close(out[bi:bi + 1, :, keep], o_ref)
-        torch.testing.assert_close(st.S[bi:bi + 1], st_ref.S)
-        torch.testing.assert_close(st.z[bi:bi + 1], st_ref.z)
-
-
-def test_padded_gates_get_no_gradient():
-    """The gradient of a padded position's gate is 0 (the gate is not applied), the others equal
-    those of the sequence without the padding; gradcheck with padding in float64."""
-    torch.manual_seed(5)
-    q, k, v = qkv(b=1, s=9)
-    mask = torch.ones(1, 9, dtype=torch.bool)
-    mask[0, [3, 7, 8]] = False
-    g = (-torch.rand(1, q.shape[1], 9, dtype=q.dtype)).requires_grad_()
-    out, st = ae.linear_attention(q, k, v, causal=True, decay=g, key_mask=mask, return_state=True)
-    (out[:, :, mask[0]].sum() + st.S.sum()).backward()
-    assert torch.equal(g.grad[..., ~mask[0]], torch.zeros_like(g.grad[..., ~mask[0]]))
-    gk = g.detach()[..., mask[0]].clone().requires_grad_()
-    o2, st2 = ae.linear_attention(q[:, :, mask[0]], k[:, :, mask[0]], v[:, :, mask[0]], causal=True, decay=gk,
-                                  return_state=True)
-    (o2.sum() + st2.S.sum()).backward()
-    torch.testing.assert_close(g.grad[..., mask[0]], gk.grad)
-    qs, ks, vs = (t[:, :2, :5].clone().requires_grad_() for t in (q, k, v))
-    gs = g.detach()[:, :2, :5].clone().requires_grad_()
-    m5 = mask[:, :5]
-    assert torch.autograd.gradcheck(lambda a, b, c, d: ae.linear_attention(a, b, c, causal=True, decay=d, key_mask=m5),
-                                    (qs, ks, vs, gs))
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_sequences_are_independent(causal):
     lens = [5, 1, 0, 9]

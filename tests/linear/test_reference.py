@@ -18,8 +18,7 @@ f64 = torch.float64
 def recurrent(q, k, v, *, feature_map=1, causal=True, normalize=True, eps=1e-6, scale=1.0, decay=None,
               initial_state=None, key_mask=None):
     """The recurrence, one position and one (batch, head) at a time: S_t = exp(decay_t) S_{t-1} +
-    phi(k_t) v'_t^T, O'_t = scale phi(q_t)^T S_t (causal); non-causal reads the final S. A padded
-    position (key_mask False) leaves S as it is."""
+    phi(k_t) v'_t^T, O'_t = scale phi(q_t)^T S_t (causal); non-causal reads the final S."""
     b, h, s, m = q.shape
     g = h // k.shape[1]
     dv = v.shape[-1]
@@ -32,11 +31,10 @@ def recurrent(q, k, v, *, feature_map=1, causal=True, normalize=True, eps=1e-6, 
             st = initial_state[bi, hi].clone() if initial_state is not None else torch.zeros(m, width, dtype=q.dtype)
             rows = []
             for t in range(s):
-                padded = key_mask is not None and not key_mask[bi, t]
-                if decay is not None and not padded:
+                if decay is not None:
                     st = st * math.exp(decay[bi, hi, t])
                 fk = reference.phi(k[bi, hi // g, t], feature_map)
-                if padded:
+                if key_mask is not None and not key_mask[bi, t]:
                     fk = torch.zeros_like(fk)
                 vt = v[bi, hi // g, t]
                 if normalize:
