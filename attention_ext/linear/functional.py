@@ -313,7 +313,9 @@ def linear_attention(
             or (B, H, S, M), a gate per feature (GLA): S_t = Diag(exp(decay_t)) S_{t-1} + ...
             (the delta-rule kernels' plain write; fused or unstabilized feature maps). Always
             (B, H, S[, M]), whatever the layout.
-        key_mask: (B, S) bool, True = a real key (as attention()'s); padded keys contribute nothing.
+        key_mask: (B, S) bool, True = a real key (as attention()'s); a padded key writes nothing.
+            Its gate (decay) still applies as given: set decay to 0 there for padding that leaves
+            the state as it is (the nn layers do).
         cu_seqlens: (nb + 1) offsets of a varlen pack: q, k, v are (total, H, D) or a B = 1
             tensor in `layout`; each sequence starts from its own initial state and never sees its
             neighbour's. max_seqlen: the longest sequence (computed when None).

@@ -134,6 +134,10 @@ class LinearAttention(nn.Module):
         if seqlens_k is not None:
             key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
         decay = F.logsigmoid(self.gate(x)).transpose(1, 2).contiguous() if self.gate is not None else None  # (B, H, S)
+        if decay is not None and key_mask is not None and key_mask.shape[1] == decay.shape[-1]:
+            # a padded token writes nothing (key_mask) and decays nothing (its gate 0: linear_attention
+            # applies every gate it is given), as GatedDeltaNet's
+            decay = decay.masked_fill(~key_mask[:, None, :], 0.0)
         if self.keep_weights and (cache is None or cache.state is None or self.cross):
             self.last_weights = self._weights(q, k, key_mask, decay).detach()
         kw = dict(feature_map=self.feature_map, causal=self.causal, layout="bshd")

@@ -109,3 +109,28 @@ def test_keep_weights_average_the_values(causal, cross, gate):
     ref = layer.out_proj((w @ v).transpose(1, 2).reshape(2, 6, 16))
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
     assert (w[1, ..., -2:] == 0).all()
+
+
+def test_right_padded_prefill_then_step_with_a_gate():
+    """A decay-gated layer prefilled with right padding (key_mask) then stepped equals the run
+    without the padding: the layer sets the padded tokens' gates to 0, so they write nothing and
+    decay nothing (they decayed the state before: 0.28 off)."""
+    torch.manual_seed(0)
+    cfg = AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True, decay_gate=True)
+    m = LinearAttention(cfg).double().eval()
+    torch.nn.init.normal_(m.gate.weight)  # a trained gate, far from its zero start
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    km = torch.ones(1, 7, dtype=torch.bool)
+    km[0, 5:] = False  # 5 real tokens, right-padded to 7
+    with torch.no_grad():
+        cache = allocate_cache(cfg, 1, 8)
+        m(x[:, :7], key_mask=km, cache=cache)
+        step = m(x[:, 7:8], cache=cache)
+        ref = m(torch.cat([x[:, :5], x[:, 7:8]], 1))[:, -1:]
+    torch.testing.assert_close(step, ref)
+    km2 = torch.ones(1, 8, dtype=torch.bool)
+    km2[0, [2, 5]] = False  # holes: the real tokens' outputs equal the run without them
+    with torch.no_grad():
+        full = m(x, key_mask=km2)
+        holes = m(x[:, km2[0]])
+    torch.testing.assert_close(full[:, km2[0]], holes)
