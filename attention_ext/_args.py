@@ -96,7 +96,8 @@ class LayoutMismatch(ValueError):
     name re-raises with `renamed(its_name)`."""
 
     def __init__(self, shapes: str, given: str, other: str, cause: str, arg: str = "layout", lengths: str = ""):
-        self.shapes, self.given, self.other, self.cause, self.arg, self.lengths = shapes, given, other, cause, arg, lengths
+        self.shapes, self.given, self.other, self.cause = shapes, given, other, cause
+        self.arg, self.lengths = arg, lengths
         if lengths:  # read as given, only the lengths disagree: either fix may be the one
             fix = (f"pass {arg}={other!r} if they are {_DIMS[other]}; if they are {_DIMS[given]}, give them one "
                    f"length ({lengths})")
