@@ -23,6 +23,7 @@ them.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -48,6 +49,17 @@ def not_a_tensor(name: str, value: object, fn: str = "") -> TypeError:
     else:
         fix = ""
     return TypeError(f"{fn}{': ' if fn else ''}{name} must be a torch.Tensor, got {what}{fix}")
+
+
+def as_int(x: object) -> Optional[int]:
+    """x as an int when it is an integer (a Python, numpy or 0-d tensor one; not a bool, not a
+    float, which a caller refuses rather than truncates), else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def as_offsets(t: object, name: str, device, fn: str = "") -> Tensor:

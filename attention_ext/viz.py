@@ -16,6 +16,8 @@ from typing import Optional, Sequence, Union
 import numpy
 import torch
 
+from ._args import as_int
+
 # the plots take tensors (any device or dtype) or numpy arrays
 _Array = Union[torch.Tensor, numpy.ndarray]
 
@@ -60,14 +62,16 @@ def _save(fig, path: str, title: Optional[str]) -> str:
     return path
 
 
-def _check_grid(w, what: str, ncols: int) -> None:
-    """(H, S_q, S_k) for one sequence, and a positive ncols: else a ValueError that says which."""
+def _check_grid(w, what: str, dims: str, ncols, batch_hint: bool) -> int:
+    """w 3-D (dims names them) and ncols a positive int (returned): else a ValueError that says
+    which; batch_hint: a 4-D w is a batch of sequences (attention_weights' (B, H, S_q, S_k))."""
     if w.ndim != 3:
-        hint = f" (a batch: plot one sequence, {what}[b])" if w.ndim == 4 else ""
-        raise ValueError(f"{what} must be (H, S_q, S_k) or (S_q, S_k) for one sequence, got shape "
-                         f"{tuple(w.shape)}{hint}")
-    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
+        hint = f" (a batch: plot one sequence, {what}[b])" if batch_hint and w.ndim == 4 else ""
+        raise ValueError(f"{what} must be {dims}, got shape {tuple(w.shape)}{hint}")
+    n = as_int(ncols)
+    if n is None or n < 1:
         raise ValueError(f"ncols must be a positive int (heads per row), got {ncols!r}")
+    return n
 
 
 def plot_attention_heads(weights: _Array, path: str, *, x_tokens: Optional[Sequence] = None,
@@ -79,9 +83,10 @@ def plot_attention_heads(weights: _Array, path: str, *, x_tokens: Optional[Seque
     w = _as_array(weights)
     if w.ndim == 2:
         w = w[None]
-    _check_grid(w, "weights", ncols)
+    ncols = _check_grid(w, "weights", "(H, S_q, S_k) or (S_q, S_k) for one sequence", ncols, True)
     h, sq, sk = w.shape
-    top = max(float(w.max()), 1e-9) if w.size else 1.0
+    top = float(numpy.nanmax(w)) if w.size and not numpy.isnan(w).all() else 1.0  # a NaN blanks its own cell only
+    top = max(top, 1e-9)
     ncols = min(ncols, h)
     nrows = math.ceil(h / ncols)
     cell = max(2.5, min(5.0, 0.25 * max(sq, sk)))
@@ -134,7 +139,8 @@ def plot_sparse_layout(block_layout: _Array, path: str, *, title: Optional[str] 
     lay = _as_array(torch.as_tensor(_as_array(block_layout)).bool().float())
     if lay.ndim == 2:
         lay = lay[None]
-    _check_grid(lay, "block_layout", ncols)
+    ncols = _check_grid(lay, "block_layout", "(query blocks, key blocks) or (H, query blocks, key blocks)", ncols,
+                        False)
     h = lay.shape[0]
     ncols = min(ncols, h)
     nrows = math.ceil(h / ncols)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._args import TENSOR_LAYOUT, not_a_tensor, renamed
+from .._args import TENSOR_LAYOUT, as_int, not_a_tensor, renamed
 from ..softmax.functional import window_size_pair
 from .sharding import _check_len, _check_tensor_layout, _documents_for, check_shards
 
@@ -63,11 +63,17 @@ class AttentionOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window_size", window_size_pair(self.window_size, _FN))  # an (int, int) pair
-        if isinstance(self.dropout_p, bool) or not isinstance(self.dropout_p, (int, float)):
-            raise TypeError(f"dropout_p must be a float in [0, 1), got {self.dropout_p!r}")
-        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)):
-            raise TypeError(f"seq_len must be an int (the real length, padding excluded) or None, got "
-                            f"{self.seq_len!r}: a length is refused, not rounded")
+        try:
+            if isinstance(self.dropout_p, (bool, str)):
+                raise TypeError
+            object.__setattr__(self, "dropout_p", float(self.dropout_p))  # a Python, numpy or 0-d tensor number
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"dropout_p must be a float in [0, 1), got {self.dropout_p!r}") from None
+        if self.seq_len is not None:
+            if as_int(self.seq_len) is None:
+                raise TypeError(f"seq_len must be an int (the real length, padding excluded) or None, got "
+                                f"{self.seq_len!r}: a fractional length is refused, not rounded")
+            object.__setattr__(self, "seq_len", as_int(self.seq_len))
         for name in ("alibi_slopes", "sinks"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), Tensor):
                 raise not_a_tensor(name, getattr(self, name), _FN)

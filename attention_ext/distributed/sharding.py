@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._args import layout_mismatch as _layout_mismatch, misplaced as _misplaced, not_a_tensor as _not_a_tensor
-from .._args import TENSOR_LAYOUT as _TENSOR_LAYOUT, renamed as _renamed
+from .._args import TENSOR_LAYOUT as _TENSOR_LAYOUT, as_int, renamed as _renamed
 from ..softmax import ops as _ops
 
 __all__ = ["LAYOUTS", "SHARD_LAYOUTS", "global_positions", "shard_sequence", "unshard_sequence", "pad_to_multiple",
@@ -343,9 +343,10 @@ def shard_sequence(x: Tensor, *, dim: int, group: Optional[dist.ProcessGroup] = 
     _no_layout("shard_sequence()", layout)
     if not isinstance(x, Tensor):
         raise _not_a_tensor("x", x, "shard_sequence()")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+    if as_int(dim) is None or not -x.dim() <= as_int(dim) < x.dim():
         raise ValueError(f"shard_sequence(): dim must be an int in [{-x.dim()}, {x.dim()}) (x's sequence dim), "
                          f"got {dim!r} for x of shape {tuple(x.shape)}")
+    dim = as_int(dim)
     rank, world = _rank_size(group)
     pos = global_positions(x.shape[dim], rank=rank, world_size=world, shard_layout=shard_layout,
                            cu_seqlens=cu_seqlens)

@@ -134,7 +134,8 @@ class LinearAttention(nn.Module):
         if seqlens_k is not None:
             key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
         decay = F.logsigmoid(self.gate(x)).transpose(1, 2).contiguous() if self.gate is not None else None  # (B, H, S)
-        if decay is not None and key_mask is not None and key_mask.shape[1] == decay.shape[-1]:
+        if (decay is not None and isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool
+                and tuple(key_mask.shape) == (decay.shape[0], decay.shape[-1])):  # else linear_attention names it
             # a padded token writes nothing (key_mask) and decays nothing (its gate 0: linear_attention
             # applies every gate it is given), as GatedDeltaNet's
             decay = decay.masked_fill(~key_mask[:, None, :], 0.0)

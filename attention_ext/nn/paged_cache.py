@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .._args import not_a_tensor
+from .._args import as_int, not_a_tensor
 from ..decode import decode_fwd
 from ..decode.quant import QMAX, dequantize_kv, quantize_rows
 from ..softmax.functional import window_pair
@@ -49,10 +49,10 @@ class PagedKVCache:
             self.v_descale = torch.zeros_like(self.k_descale)
         else:
             self.k_descale = self.v_descale = None
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        if max_len is not None and (as_int(max_len) is None or as_int(max_len) < 1):
             raise ValueError(f"PagedKVCache: max_len must be a positive int (rows per sequence) or None, got "
                              f"{max_len!r}")
-        self.max_len = max_len or num_pages * page_size  # rows per sequence, the pool's by default
+        self.max_len = as_int(max_len) if max_len is not None else num_pages * page_size  # the pool's by default
         max_pages = -(-self.max_len // page_size)
         self.block_table = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)  # (B, max_pages)
         self._len: List[int] = [0] * batch           # rows filled per sequence (host; `lengths` is the tensor)

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_or_true, sym_or
 
 from .. import _ext
-from .._args import as_offsets, key_padding_mask_renamed, layout_mismatch, not_a_tensor
+from .._args import as_int, as_offsets, key_padding_mask_renamed, layout_mismatch, not_a_tensor
 from . import ops, reference
 
 __all__ = ["attention", "attention_varlen", "attention_weights"]
@@ -172,10 +172,12 @@ def _merge_block_layout(bias: Optional[Tensor], lay: Tensor, bs: int, sq: int, s
 
 
 def _block_size(block_size) -> int:
-    """block_size of a block layout: an int (a float is refused, not truncated)."""
-    _check(isinstance(block_size, int) and not isinstance(block_size, bool),
-           lambda: f"block_size must be an int (the layout's block edge in tokens), got {block_size!r}", TypeError)
-    return block_size
+    """block_size of a block layout: an integer (numpy's and 0-d tensors too; a float is refused,
+    not truncated)."""
+    n = as_int(block_size)
+    _check(n is not None, lambda: f"block_size must be an int (the layout's block edge in tokens), got {block_size!r}",
+           TypeError)
+    return n
 
 
 def _quantized(q: Tensor, k: Tensor, v: Tensor, opts: dict, qk_quant: str) -> Tuple[Tensor, Tensor]:

@@ -1,5 +1,6 @@
 """Batched ragged generation on the paged KV cache: nn.PagedKVCache bookkeeping, and
 LanguageModel.generate([prompts...]) against generating each prompt alone."""
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,8 @@ def test_max_len_is_rows_not_pages():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_len must be a positive int"):
             PagedKVCache(1, num_pages=8, page_size=16, n_kv_heads=1, head_dim=4, max_len=bad)
+    for n in (np.int64(100), torch.tensor(100)):
+        assert PagedKVCache(1, num_pages=8, page_size=16, n_kv_heads=1, head_dim=4, max_len=n).max_len == 100
 
 
 def test_pool_exhaustion_mid_batch_writes_nothing():

@@ -171,6 +171,14 @@ def test_signatures_list_the_options_once():
     assert options_mod.__all__ == ["AttentionOptions", "takes_options"]
 
 
+def test_numpy_and_tensor_numbers_are_taken():
+    """seq_len and dropout_p of numpy or 0-d tensor kinds are the numbers they hold."""
+    import numpy as np
+    o = AttentionOptions(seq_len=np.int64(8), dropout_p=np.float32(0.25))
+    assert o.seq_len == 8 and type(o.seq_len) is int and o.dropout_p == 0.25
+    assert AttentionOptions(seq_len=torch.tensor(8), dropout_p=torch.tensor(0.5)).dropout_p == 0.5
+
+
 def test_shard_sequence_names_a_bad_dim():
     """dim past x's dims is named before any process-group call (an IndexError before)."""
     from attention_ext.distributed import shard_sequence

@@ -134,3 +134,7 @@ def test_right_padded_prefill_then_step_with_a_gate():
         full = m(x, key_mask=km2)
         holes = m(x[:, km2[0]])
     torch.testing.assert_close(full[:, km2[0]], holes)
+    with pytest.raises(ValueError, match=r"key_mask must be \(B, S\)"):  # a bad mask still meets the named check
+        m(x, key_mask=km2[0])
+    with pytest.raises(TypeError, match="key_mask must be bool"):
+        m(x, key_mask=km2.long())

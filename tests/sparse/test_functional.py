@@ -2,6 +2,7 @@
 CPU: the builders' patterns, odd lengths, causal, GQA, padding and empty query blocks."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +121,6 @@ def test_block_size_must_be_an_int():
     with pytest.raises(TypeError, match="block_size must be an int"):
         ae.attention_weights(q, q, block_layout=lay, block_size=16.0)
     assert ae.block_sparse_attention(q, q, q, lay, block_size=16).shape == q.shape
+    ref = ae.block_sparse_attention(q, q, q, lay, block_size=16)
+    for n in (np.int64(16), torch.tensor(16)):  # integers of other kinds are ints
+        torch.testing.assert_close(ae.block_sparse_attention(q, q, q, lay, block_size=n), ref, rtol=0, atol=0)
