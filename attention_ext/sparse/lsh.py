@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._args import not_a_tensor
+from .._args import as_int, not_a_tensor
 from .._ext import HAS_EXT
 from ..softmax import ops as softmax_ops
 from . import reference
@@ -85,8 +85,9 @@ def lsh_attention(qk: Tensor, v: Tensor, *, n_buckets: int, n_hashes: int = 1, c
         if not isinstance(t, Tensor) and (t is not None or name != "rotations"):
             raise not_a_tensor(name, t, "lsh_attention")
     for name, x in (("n_buckets", n_buckets), ("n_hashes", n_hashes), ("chunk_size", chunk_size)):
-        if isinstance(x, bool) or not isinstance(x, int):
+        if as_int(x) is None:
             raise TypeError(f"lsh_attention: {name} must be an int, got {x!r}")
+    n_buckets, n_hashes, chunk_size = as_int(n_buckets), as_int(n_hashes), as_int(chunk_size)
     qk, v = _bhsd(qk, layout, "lsh_attention"), _bhsd(v, layout, "lsh_attention")
     if rotations is None:
         rotations = _draw_rotations(qk, n_buckets, n_hashes, generator)

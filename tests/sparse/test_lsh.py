@@ -269,3 +269,6 @@ def test_inputs_that_are_not_tensors_are_named():
         ae.lsh_attention(q.numpy(), q, n_buckets=2)
     with pytest.raises(TypeError, match="lsh_attention: n_buckets must be an int, got 4.0"):
         ae.lsh_attention(q, q, n_buckets=4.0)
+    rot = torch.randn(1, 4, 1)
+    torch.testing.assert_close(ae.lsh_attention(q, q, n_buckets=torch.tensor(2), rotations=rot),  # an integer
+                               ae.lsh_attention(q, q, n_buckets=2, rotations=rot), rtol=0, atol=0)
