@@ -242,8 +242,9 @@ def cpu_peak_flops(kind: str = "fp32_fma", threads: int = 0, seconds: float = 0.
     """FLOP/s of `threads` threads (0: torch.get_num_threads()) doing nothing but the multiply-adds
     the CPU kernels' products run on, at the active ISA level (attention_ext.set_cpu_isa):
     "fp32_fma", float32 FMAs as wide as the level's vectors, "bf16_dot", AVX512-BF16's bf16
-    pair dot products (vdpbf16ps), or "int8_dot", AVX512-VNNI's byte quad dot products (vpdpbusd,
-    integer ops counted as FLOPs: the int8 Q.K^T's ceiling). The best of the 1 ms bursts that fit in `seconds` (one at
+    pair dot products (vdpbf16ps), "int8_dot", AVX512-VNNI's byte quad dot products (vpdpbusd,
+    integer ops counted as FLOPs: the int8 Q.K^T's ceiling), or "int8_amx", AMX-INT8's tile
+    products (tdpbsud; the "avx512amx" level only: its int8 Q.K^T's ceiling). The best of the 1 ms bursts that fit in `seconds` (one at
     least; csrc/peak/cpu): a short burst often finds its cores free on a shared machine, where a
     long one would be sure to share them. 0.0 where the level has no such instruction or the
     extension is not built."""

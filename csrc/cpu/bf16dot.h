@@ -34,7 +34,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "cpu/amx.h"
 #include "cpu/isa.h"
 #include "cpu/simd.h"
 
@@ -122,11 +124,169 @@ inline void dp_rows(int mr, int K2, const uint16_t* A, int64_t lda, const uint16
 }
 #endif
 
+#if defined(ATTN_AMX)
+// AMX-BF16 (cpu/amx.h: the "avx512amx" variant): tdpbf16ps multiplies a (16, 32) tile of bf16 by
+// a (32, 16) tile held as 16 rows of 16 column pairs, into a (16, 16) float32 tile: 8192
+// multiply-adds per instruction, 16 vdpbf16ps' worth. The pairs layout is already AMX's: a
+// panel's k pair is 32 columns x 2 bf16, so the tile of columns [0, 16) is the rows of 64 bytes
+// at stride 4 kDotPanel bytes, and columns [16, 32) the same rows 64 bytes on.
+//
+// Numerics. tdpbf16ps rounds differently from vdpbf16ps (its sums of a tile row's products are
+// not vdpbf16ps' step-by-step roundings; tests/cpp/test_bf16dot.cpp's emulation does not match
+// it), so this variant's bf16 scores differ from avx512bf16's in the last bits; the forward and
+// the backward both take it, so the backward still recomputes the forward's logits bit for bit
+// (an element's sum depends on its row of A, its column of B and the k chunks' order only, not
+// on the rows beside it). The products are exact and the sums float32, as in every other path.
+//
+// k runs in chunks of 32 in place; the last, part-full chunk (K % 32: a head dim that is not a
+// multiple of 32, a key tile of 16 keys) comes from zero-padded copies of A's and B's chunk, so
+// no tile reads an element past K: past K, A may hold stale values and B other keys' rows (NaN
+// included), and 0 x NaN would show. Rows past M come from a zeroed copy of the block's A the
+// same way.
+constexpr int kAmxDpK = 32;  // bf16 per tile row
+
+// C (16 MB, 16 NB) (+)= A (16 MB, K) @ B (K, 16 NB): k chunks [0, K32) in place (A stride lda, B
+// one panel), then the padded chunk (at: 16 MB rows of 32; bt: 16 pair rows of a panel) where at
+// is set. Rows [rows, 16 MB) of C are neither read nor stored.
+template <int MB, int NB>
+ATTN_AMX_FN inline void dp_amx_block(int K32, const uint16_t* a, int64_t lda, const uint16_t* b, const uint16_t* at,
+                                     const uint16_t* bt, float* C, int64_t ldc, int rows, bool add) {
+  constexpr int kPairRow = 2 * kDotPanel;  // bf16 per k pair of a panel
+  alignas(64) float acc[4][16 * 16];
+  if (add && rows == 16 * MB) {
+    _tile_loadd(0, C, ldc * 4);
+    if constexpr (NB == 2) _tile_loadd(1, C + 16, ldc * 4);
+    if constexpr (MB == 2) _tile_loadd(2, C + 16 * ldc, ldc * 4);
+    if constexpr (MB == 2 && NB == 2) _tile_loadd(3, C + 16 * ldc + 16, ldc * 4);
+  } else if (add) {
+    std::memset(acc, 0, sizeof(acc));
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < NB; ++j) std::memcpy(acc[2 * (r / 16) + j] + (r % 16) * 16, C + int64_t(r) * ldc + 16 * j, 64);
+    }
+    _tile_loadd(0, acc[0], 64);
+    if constexpr (NB == 2) _tile_loadd(1, acc[1], 64);
+    if constexpr (MB == 2) _tile_loadd(2, acc[2], 64);
+    if constexpr (MB == 2 && NB == 2) _tile_loadd(3, acc[3], 64);
+  } else {
+    _tile_zero(0);
+    if constexpr (NB == 2) _tile_zero(1);
+    if constexpr (MB == 2) _tile_zero(2);
+    if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  }
+  const auto step = [&](const uint16_t* a0, int64_t la, const uint16_t* b0) {
+    _tile_loadd(4, a0, la * 2);
+    _tile_loadd(6, b0, kPairRow * 2);
+    if constexpr (NB == 2) _tile_loadd(7, b0 + 32, kPairRow * 2);
+    if constexpr (MB == 2) _tile_loadd(5, a0 + 16 * la, la * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+  };
+  for (int k0 = 0; k0 < K32; k0 += kAmxDpK) step(a + k0, lda, b + int64_t(k0 / 2) * kPairRow);
+  if (at != nullptr) step(at, kAmxDpK, bt);
+  if (rows == 16 * MB) {
+    _tile_stored(0, C, ldc * 4);
+    if constexpr (NB == 2) _tile_stored(1, C + 16, ldc * 4);
+    if constexpr (MB == 2) _tile_stored(2, C + 16 * ldc, ldc * 4);
+    if constexpr (MB == 2 && NB == 2) _tile_stored(3, C + 16 * ldc + 16, ldc * 4);
+    return;
+  }
+  _tile_stored(0, acc[0], 64);
+  if constexpr (NB == 2) _tile_stored(1, acc[1], 64);
+  if constexpr (MB == 2) _tile_stored(2, acc[2], 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, acc[3], 64);
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < NB; ++j) std::memcpy(C + int64_t(r) * ldc + 16 * j, acc[2 * (r / 16) + j] + (r % 16) * 16, 64);
+  }
+}
+
+// gemm_dp on AMX (add: C += A @ B): M <= 64 (the kernels' tiles have at most kBlockM rows),
+// K <= 256 or a key tile (<= kBlockN), N <= 256.
+ATTN_AMX_FN inline void gemm_dp_amx(int M, int N, int K, const uint16_t* A, int64_t lda, const uint16_t* B,
+                                    int64_t bpanel, float* C, int64_t ldc, bool add = false) {
+  constexpr int kMaxM = 64, kMaxK = 256, kMaxN = 256, kPairRow = 2 * kDotPanel;
+  if (M > kMaxM || K > kMaxK || N > kMaxN) __builtin_trap();  // unreachable: the callers' tiles
+  const int K32 = K / kAmxDpK * kAmxDpK, tail = K - K32;
+  // the padded last chunk: A's (M, tail) and, per panel, B's tail / 2 pair rows
+  alignas(64) uint16_t at[kMaxM * kAmxDpK];
+  alignas(64) uint16_t bt[kMaxN / kDotPanel][16 * kPairRow];
+  if (tail > 0) {
+    std::memset(at, 0, sizeof(at));
+    for (int m = 0; m < M; ++m) std::memcpy(at + m * kAmxDpK, A + m * lda + K32, size_t(tail) * 2);
+    for (int n0 = 0; n0 < N; n0 += kDotPanel) {
+      uint16_t* t = bt[n0 / kDotPanel];
+      const size_t valid = size_t(tail / 2) * kPairRow;
+      std::memcpy(t, B + int64_t(n0 / kDotPanel) * bpanel + int64_t(K32 / 2) * kPairRow, valid * 2);
+      std::memset(t + valid, 0, (16 * kPairRow - valid) * 2);
+    }
+  }
+  // a part-full row block's A, zero past M
+  alignas(64) uint16_t ap[32 * kMaxK];
+  const AmxCall tiles;
+  for (int m0 = 0; m0 < M; m0 += 32) {
+    const int rows = M - m0 < 32 ? M - m0 : 32;
+    const uint16_t* a = A + m0 * lda;
+    int64_t la = lda;
+    if (rows % 16 != 0 && K32 > 0) {
+      const int full = (rows + 15) / 16 * 16;
+      for (int r = 0; r < full; ++r) {
+        if (r < rows) {
+          std::memcpy(ap + r * K32, a + r * lda, size_t(K32) * 2);
+        } else {
+          std::memset(ap + r * K32, 0, size_t(K32) * 2);
+        }
+      }
+      a = ap;
+      la = K32;
+    }
+    const uint16_t* am_t = tail > 0 ? at + m0 * kAmxDpK : nullptr;
+    for (int n0 = 0; n0 < N; n0 += kDotPanel) {
+      const uint16_t* b = B + int64_t(n0 / kDotPanel) * bpanel;
+      const uint16_t* bt_n = bt[n0 / kDotPanel];
+      float* c = C + int64_t(m0) * ldc + n0;
+      const bool two = N - n0 >= kDotPanel;  // N is a multiple of 16: else one 16-column half
+      if (rows > 16) {
+        two ? dp_amx_block<2, 2>(K32, a, la, b, am_t, bt_n, c, ldc, rows, add)
+            : dp_amx_block<2, 1>(K32, a, la, b, am_t, bt_n, c, ldc, rows, add);
+      } else {
+        two ? dp_amx_block<1, 2>(K32, a, la, b, am_t, bt_n, c, ldc, rows, add)
+            : dp_amx_block<1, 1>(K32, a, la, b, am_t, bt_n, c, ldc, rows, add);
+      }
+    }
+  }
+}
+#endif
+
+// Whether gemm_dp_add runs here (AMX): C += A @ B in the accumulator tiles, uncompensated
+inline bool gemm_dp_adds() {
+#if defined(ATTN_AMX)
+  return amx();
+#else
+  return false;
+#endif
+}
+
+// C (M, N) += A (M, K) @ B (K, N) where gemm_dp_adds(); not called elsewhere
+inline void gemm_dp_add(int M, int N, int K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t bpanel,
+                        float* C, int64_t ldc) {
+#if defined(ATTN_AMX)
+  gemm_dp_amx(M, N, K, A, lda, B, bpanel, C, ldc, true);
+#else
+  (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)bpanel, (void)C, (void)ldc;
+  __builtin_trap();
+#endif
+}
+
 // C (M, N) = A (M, K) @ B (K, N), float32 out, in the pairs layouts above; K even, N a multiple
-// of 16. Each element is summed over k pairs in order, one vdpbf16ps step per pair.
+// of 16. Each element is summed over k pairs in order, one vdpbf16ps step per pair (AMX: tiles
+// of 32, above).
 inline void gemm_dp(int M, int N, int K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t bpanel,
                     float* C, int64_t ldc) {
 #if defined(__AVX512BF16__)
+#if defined(ATTN_AMX)
+  if (amx()) return gemm_dp_amx(M, N, K, A, lda, B, bpanel, C, ldc);
+#endif
   // n outer, m inner: the (K, kDotPanel) panel of B stays in L1 while A's rows stream past it
   for (int n0 = 0; n0 < N; n0 += kDotPanel) {
     const uint16_t* b = B + int64_t(n0 / kDotPanel) * bpanel;
@@ -163,6 +323,28 @@ inline void gemm_dp(int M, int N, int K, const uint16_t* A, int64_t lda, const u
 template <typename Skip>
 inline void gemm_dp_skipping(int M, int N, int K, const uint16_t* A, int64_t lda, const uint16_t* B,
                              int64_t bpanel, float* C, int64_t ldc, Skip&& skip) {
+#if defined(ATTN_AMX)
+  // AMX's sums are not dp_step's: each row is redone by the tiles, on a copy of B whose rows k
+  // with skip(m, k) are zero (a term 0 x 0, where gemm_dp had 0 x a finite number: the same sum)
+  if (amx()) {
+    constexpr int kPairRow = 2 * kDotPanel;
+    const int panels = (N + kDotPanel - 1) / kDotPanel, pair_rows = (K + 1) / 2;
+    std::vector<uint16_t> b(size_t(panels) * pair_rows * kPairRow);
+    for (int m = 0; m < M; ++m) {
+      for (int pn = 0; pn < panels; ++pn) {
+        uint16_t* dst = b.data() + size_t(pn) * pair_rows * kPairRow;
+        std::memcpy(dst, B + int64_t(pn) * bpanel, size_t(pair_rows) * kPairRow * 2);
+        for (int k = 0; k < K; ++k) {
+          if (!skip(m, k)) continue;
+          for (int c = 0; c < kDotPanel; ++c) dst[(k / 2) * kPairRow + c * 2 + k % 2] = 0;
+        }
+      }
+      gemm_dp_amx(1, N, K, A + int64_t(m) * lda, lda, b.data(), int64_t(pair_rows) * kPairRow, C + int64_t(m) * ldc,
+                  ldc);
+    }
+    return;
+  }
+#endif
   for (int m = 0; m < M; ++m) {
     for (int n = 0; n < N; ++n) {
       const uint16_t* b = B + int64_t(n / kDotPanel) * bpanel + (n % kDotPanel) * 2;

@@ -4,6 +4,10 @@
 // active_level().
 #include <atomic>
 #include <cstring>
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <string>
 #include <utility>
 #include <vector>
@@ -48,6 +52,10 @@ uint32_t cpu_features() {
       {__builtin_cpu_supports("avx512cd"), kAvx512cd},   {__builtin_cpu_supports("avx512bf16"), kAvx512bf16},
       {__builtin_cpu_supports("avx512vnni"), kAvx512vnni}, {__builtin_cpu_supports("avx512vbmi"), kAvx512vbmi},
       {__builtin_cpu_supports("avxvnni"), kAvxVnni},
+#if defined(__clang__) || __GNUC__ >= 11  // older compilers know no AMX
+      {__builtin_cpu_supports("amx-tile"), kAmxTile},    {__builtin_cpu_supports("amx-int8"), kAmxInt8},
+      {__builtin_cpu_supports("amx-bf16"), kAmxBf16},
+#endif
 #if defined(__clang__) || __GNUC__ >= 12  // older compilers know no "avx512fp16" (and define no __AVX512FP16__)
       {__builtin_cpu_supports("avx512fp16"), kAvx512fp16},
 #endif
@@ -62,15 +70,31 @@ bool runs_here(int level) {
   return (built_levels[level]->features & ~have) == 0;
 }
 
-// The int8 variants of a level (isa.h's int8_vnni): the level's code, with vpdpbusd in the int8
-// dot products where the CPU has `feature`. Listed after their level.
+// Whether the process may use AMX tiles: Linux hands the tile data state (8 KB of registers per
+// thread) only to a process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM, feature 18,
+// XTILEDATA). Asked once, on the first look at the variants; harmless where granted already.
+bool os_grants_amx() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// The variants of a level (isa.h's int8_vnni / amx): the level's code, with vpdpbusd in the int8
+// dot products, or AMX tiles in the int8 and bf16 ones, where the CPU has `feature`. Listed after
+// their level.
+enum class ProductPath { kVnni, kAmx };
 struct Variant {
   const char* name;
   int slot;
   uint32_t feature;
+  ProductPath path;
 };
-constexpr Variant kVariants[] = {{"avx2vnni", level_index("avx2"), kAvxVnni},
-                                 {"avx512vnni", level_index("avx512"), kAvx512vnni}};
+constexpr Variant kVariants[] = {{"avx2vnni", level_index("avx2"), kAvxVnni, ProductPath::kVnni},
+                                 {"avx512vnni", level_index("avx512"), kAvx512vnni, ProductPath::kVnni},
+                                 {"avx512amx", level_index("avx512bf16"), kAmxTile | kAmxInt8 | kAmxBf16, ProductPath::kAmx}};
 
 // A choice: a built level, or one of its variants (variant >= 0)
 struct Choice {
@@ -78,7 +102,8 @@ struct Choice {
 };
 bool variant_runs_here(const Variant& v) {
   static const uint32_t have = cpu_features();
-  return built_levels[v.slot] != nullptr && runs_here(v.slot) && (v.feature & ~have) == 0;
+  return built_levels[v.slot] != nullptr && runs_here(v.slot) && (v.feature & ~have) == 0 &&
+         (v.path != ProductPath::kAmx || os_grants_amx());
 }
 // every choice built, lowest first: each level, then its variants
 const std::vector<Choice>& choices() {
@@ -117,7 +142,16 @@ std::atomic<int>& active_choice() {
 
 int active_level() { return choices()[active_choice().load(std::memory_order_relaxed)].slot; }
 
-bool int8_vnni() { return choices()[active_choice().load(std::memory_order_relaxed)].variant >= 0; }
+namespace {
+bool product_path(ProductPath path) {
+  const Choice& c = choices()[active_choice().load(std::memory_order_relaxed)];
+  return c.variant >= 0 && kVariants[c.variant].path == path;
+}
+}  // namespace
+
+bool int8_vnni() { return product_path(ProductPath::kVnni); }
+
+bool amx() { return product_path(ProductPath::kAmx); }
 
 const char* isa() { return name_of(choices()[active_choice().load(std::memory_order_relaxed)]); }
 

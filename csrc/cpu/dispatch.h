@@ -35,7 +35,8 @@ enum CpuFeature : uint32_t {
   kBmi = 1u << 10, kBmi2 = 1u << 11, kLzcnt = 1u << 12, kMovbe = 1u << 13,
   kAvx512f = 1u << 14, kAvx512bw = 1u << 15, kAvx512vl = 1u << 16, kAvx512dq = 1u << 17,
   kAvx512cd = 1u << 18, kAvx512bf16 = 1u << 19, kAvx512vnni = 1u << 20, kAvx512vbmi = 1u << 21,
-  kAvx512fp16 = 1u << 22, kAvxVnni = 1u << 23,
+  kAvx512fp16 = 1u << 22, kAvxVnni = 1u << 23, kAmxTile = 1u << 24, kAmxInt8 = 1u << 25,
+  kAmxBf16 = 1u << 26,
 };
 
 // A level built into this library (cpu/level.cpp, compiled once per level, registers it).

@@ -38,6 +38,10 @@ int simd_width();
 // "avx512vnni" (AVX512-VNNI without BF16: Cascade Lake, Ice Lake) run the avx2 / avx512 code
 // with this set; every other kernel is the level's own. (avx512bf16 compiles VNNI in.)
 bool int8_vnni();
+// Whether the int8 and bf16 products may use AMX tiles (cpu/amx.h): the variant "avx512amx"
+// (Sapphire Rapids and later) runs the avx512bf16 code with this set, on CPUs whose OS granted
+// the tile state to the process.
+bool amx();
 
 }  // namespace cpu
 }  // namespace attn

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/amx.h"
 #include "cpu/isa.h"
 #include "cpu/simd.h"
 
@@ -176,6 +177,94 @@ inline void gemm_q8_vnni512(int M, int N, int K, const int8_t* A, int64_t lda, c
 }
 #endif
 
+// AMX-INT8 (cpu/amx.h: the "avx512amx" variant): tdpbsud multiplies a (16, 64) tile of signed
+// bytes by a (64, 16) tile of unsigned bytes held as 16 rows of 16 channel quads, into a (16, 16)
+// int32 tile: 16384 multiply-adds, 64 vpdpbusd's worth, per instruction. The B operand's quads
+// layout is already AMX's: a panel's channel quad c/4 is 32 keys x 4 bytes, so the tile of keys
+// [0, 16) is the rows of 64 bytes at stride 4 kQ8Panel, and keys [16, 32) the same rows 64 bytes
+// on. The sums are the same exact integers as vpdpbusd's, so the scores are the other levels' bit
+// for bit.
+//
+// A is copied into a zeroed (rows, Kp) buffer, Kp = K rounded up to 64, so that a tile never
+// reads past a row; B's tiles then read past the panel's last quad (into the next panel, or
+// kQ8Overread bytes past the buffer: the caller's allocation has them) where K < Kp, and those
+// bytes meet A's zeros (integers: any byte times 0 is 0).
+#if defined(ATTN_AMX)
+#define ATTN_Q8_AMX 1
+constexpr int kQ8Overread = 16 * 4 * kQ8Panel;  // >= (Kp - K) / 4 quads of 4 kQ8Panel bytes
+
+// (MB 16, NB 16) of C from the accumulator tiles: the epilogue on `rows` valid rows
+template <int MB, int NB>
+ATTN_AMX_FN inline void q8_amx_block(int rows, int Kp, const int8_t* a, const uint8_t* b, float* C, int64_t ldc,
+                                        const Q8Epilogue& e) {
+  constexpr int kBStride = 4 * kQ8Panel;
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  for (int k0 = 0; k0 < Kp; k0 += 64) {
+    const uint8_t* bk = b + int64_t(k0 / 4) * kBStride;
+    _tile_loadd(4, a + k0, Kp);
+    _tile_loadd(6, bk, kBStride);
+    if constexpr (NB == 2) _tile_loadd(7, bk + 64, kBStride);
+    if constexpr (MB == 2) _tile_loadd(5, a + 16 * Kp + k0, Kp);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (NB == 2) _tile_dpbsud(1, 4, 7);
+    if constexpr (MB == 2) _tile_dpbsud(2, 5, 6);
+    if constexpr (MB == 2 && NB == 2) _tile_dpbsud(3, 5, 7);
+  }
+  alignas(64) int32_t acc[4][16 * 16];
+  _tile_stored(0, acc[0], 64);
+  if constexpr (NB == 2) _tile_stored(1, acc[1], 64);
+  if constexpr (MB == 2) _tile_stored(2, acc[2], 64);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, acc[3], 64);
+  const __m512 sc = _mm512_set1_ps(e.scale);
+  for (int r = 0; r < rows; ++r) {
+    const int i = r / 16, rr = r % 16;
+    const __m512i corr = _mm512_set1_epi32(e.corr[r]);
+    const __m512 add = _mm512_set1_ps(e.add[r]);
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; ++j) {
+      const __m512i s = _mm512_load_si512(acc[2 * i + j] + rr * 16);
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, corr));
+      _mm512_storeu_ps(C + int64_t(r) * ldc + 16 * j, _mm512_fmadd_ps(f, sc, add));
+    }
+  }
+}
+
+// gemm_q8 on AMX: M <= 64 rows (the forward's tiles have at most kBlockM)
+ATTN_AMX_FN inline void gemm_q8_amx(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B,
+                                       int64_t bpanel, float* C, int64_t ldc, const Q8Epilogue& e) {
+  static_assert(kQ8Panel == 32, "a panel is two 16-key tiles");
+  constexpr int kMaxM = 64, kMaxK = 256;
+  if (M > kMaxM || K > kMaxK) __builtin_trap();  // unreachable: kBlockM rows, the head-dim rule
+  const int Kp = (K + 63) / 64 * 64, Mp = (M + 15) / 16 * 16;
+  alignas(64) int8_t a[kMaxM * kMaxK];
+  for (int m = 0; m < Mp; ++m) {
+    if (m < M) std::memcpy(a + m * Kp, A + m * lda, size_t(K));
+    std::memset(a + m * Kp + (m < M ? K : 0), 0, size_t(m < M ? Kp - K : Kp));
+  }
+  const AmxCall tiles;
+  for (int n0 = 0; n0 < N; n0 += kQ8Panel) {
+    const uint8_t* b = B + int64_t(n0 / kQ8Panel) * bpanel;
+    const bool two = N - n0 >= kQ8Panel;  // N is a multiple of 16: else one 16-key half
+    for (int m0 = 0; m0 < M; m0 += 32) {
+      const int rows = M - m0 < 32 ? M - m0 : 32;
+      const Q8Epilogue em{e.corr + m0, e.scale, e.add + m0};
+      const int8_t* am = a + m0 * Kp;
+      float* c = C + int64_t(m0) * ldc + n0;
+      if (rows > 16) {
+        two ? q8_amx_block<2, 2>(rows, Kp, am, b, c, ldc, em) : q8_amx_block<2, 1>(rows, Kp, am, b, c, ldc, em);
+      } else {
+        two ? q8_amx_block<1, 2>(rows, Kp, am, b, c, ldc, em) : q8_amx_block<1, 1>(rows, Kp, am, b, c, ldc, em);
+      }
+    }
+  }
+}
+#else
+constexpr int kQ8Overread = 0;
+#endif
+
 // The 256-bit vpdpbusd kernel (AVX-VNNI) of the avx2 level's "avx2vnni" variant: the panel's 16
 // keys as NV vectors of 8 (one channel quad each; NV = 1 for a tile's last, half-full panel), MR
 // rows of A broadcast a word at a time.
@@ -296,6 +385,9 @@ inline void q8_row_portable(int K4, const int8_t* a, const uint8_t* B, int32_t* 
 inline void gemm_q8(int M, int N, int K, const int8_t* A, int64_t lda, const uint8_t* B, int64_t bpanel, float* C,
                     int64_t ldc, const Q8Epilogue& e) {
 #if defined(__AVX512VNNI__)
+#if defined(ATTN_Q8_AMX)
+  if (amx()) return gemm_q8_amx(M, N, K, A, lda, B, bpanel, C, ldc, e);  // "avx512amx"
+#endif
   gemm_q8_vnni512(M, N, K, A, lda, B, bpanel, C, ldc, e);
 #elif defined(__AVX2__)
 #if defined(ATTN_Q8_VNNI512)

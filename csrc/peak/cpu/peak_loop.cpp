@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "cpu/isa.h"
+#include "cpu/amx.h"
 #include "cpu/simd.h"
 #include "peak/cpu/entry.h"
 
@@ -80,6 +81,38 @@ double int8_dot_loop(int64_t iters) {
 }
 #endif
 
+#if defined(ATTN_AMX)
+// Four independent (16, 16) int32 accumulator tiles, each instruction 16 x 16 x 64
+// multiply-adds, on operands of ones (each round adds 64 to every element: no overflow in 2^25
+// rounds), the int8 Q.K^T's (16, 16)-tile products without their loads.
+ATTN_AMX_FN double int8_amx_loop(int64_t iters) {
+  if (!amx()) return 0.0;
+  alignas(64) int8_t ones[16 * 64];
+  std::memset(ones, 1, sizeof(ones));
+  amx_configure();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    _tile_dpbsud(2, 5, 6);
+    _tile_dpbsud(3, 5, 7);
+  }
+  alignas(64) int32_t out[16 * 16];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  static volatile int sink;
+  sink = out[0];
+  return 2.0 * 4 * 16 * 16 * 64 * double(iters);
+}
+#endif
+
 }  // namespace
 
 double peak_loop(int kind, int64_t iters) {
@@ -89,6 +122,9 @@ double peak_loop(int kind, int64_t iters) {
 #endif
 #if defined(__AVX512VNNI__)
   if (kind == kPeakInt8Dot) return int8_dot_loop(iters);
+#endif
+#if defined(ATTN_AMX)
+  if (kind == kPeakInt8Amx) return int8_amx_loop(iters);
 #endif
   return 0.0;
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/policy.h"
+#include "cpu/amx.h"
 #include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "softmax/cpu/entry.h"
@@ -80,6 +81,7 @@ struct BwdWorker {
   }
 
   void operator()(int64_t task) {
+    const AmxScope amx_tiles;  // cpu/amx.h: the products' tiles stay configured for the task
     const int hk = int(task % p.h_k), b = int(task / p.h_k);
     const SeqInfo si(p, b);
     const int d = p.d, group = p.h / p.h_k;

@@ -16,6 +16,7 @@
 
 #include "common/philox.h"
 #include "common/policy.h"
+#include "cpu/amx.h"
 #include "cpu/isa.h"
 #include "cpu/pack.h"
 #include "softmax/cpu/entry.h"
@@ -229,6 +230,14 @@ struct FwdWorker {
     if (fresh) pba = oa;
     if (t.vb_bh != nullptr) {
       if constexpr (std::is_same<T, float>::value) {
+        if (!fresh && !may_hide && gemm_dp_adds()) {
+          // AMX: the tiles add P V into O, uncompensated: the output is bf16, whose rounding
+          // (2^-9) dwarfs float32 sums' over S / kBlockN tiles. A tile that may hide keys takes
+          // the path below, whose NaN redo needs P V apart from O.
+          gemm_dp_add(rows, dp, n, sb + ra * kBlockN, kBlockN, panel_row<uint16_t, kDotPanel>(t.vb_bh, j0, kBlockN, dp),
+                      int64_t(kBlockN) * kDotPanel, oa, dp);
+          return;
+        }
         // P rounded to bf16 (above)
         const uint16_t* sba = sb + ra * kBlockN;
         const uint16_t* vb = panel_row<uint16_t, kDotPanel>(t.vb_bh, j0, kBlockN, dp);
@@ -331,6 +340,7 @@ struct FwdWorker {
   }
 
   void operator()(int64_t task) {
+    const AmxScope amx_tiles;  // cpu/amx.h: the products' tiles stay configured for the task
     const QueryTask qt(task, n_mblocks, p.h, true);
     const int b = qt.b, h = qt.h, i0 = qt.i0;
     const SeqInfo si(p, b);
@@ -454,7 +464,7 @@ void softmax_fwd(const SoftmaxParamsT<T>& p, DType dt) {
   if constexpr (std::is_same<T, float>::value) {
     if (p.qk_quant != 0) {
       // int8 Q K^T; P V as the call would take it (bf16 dot products or float32)
-      const Scratch<uint8_t, 0> kq(kidx.total());
+      const Scratch<uint8_t, 0> kq(kidx.total() + kQ8Overread);  // q8dot.h's AMX tiles read past a panel
       Buffer<float> ksc(q8_scale_count(kidx)), kmean(size_t(p.b) * p.h_k * kidx.dp);
       pack_keys_q8(p, dt, kidx, kq.data(), ksc.data(), kmean.data());
       const Q8Keys q8{kq.data(), ksc.data(), kmean.data()};
