@@ -64,7 +64,8 @@ def empty_cpu_cache() -> int:
 def cpu_isa() -> str:
     """The ISA level the CPU kernels run now: "base" (any x86-64), "avx2" (AVX2 + FMA),
     "avx2vnni" (avx2 with AVX-VNNI in the int8 Q.K^T), "avx512" (AVX-512 F/BW/VL/DQ), "avx512vnni"
-    (avx512 with VNNI in the int8 Q.K^T), "avx512bf16" (+ BF16 and VNNI) or "native" (a build with
+    (avx512 with VNNI in the int8 Q.K^T), "avx512bf16" (+ BF16 and VNNI), "avx512amx" (avx512bf16
+    with AMX tiles in the bf16 and int8 products) or "native" (a build with
     ATTENTION_EXT_NATIVE=1); "none" without the extension. The default is the highest level this
     build has and this CPU runs."""
     return _C.cpu_isa() if HAS_EXT else "none"

@@ -21,10 +21,9 @@
 // element first, each step rounded once (to nearest even), with denormal inputs (acc included)
 // read as zero and denormal results flushed to zero, whatever MXCSR says. tests/cpp/test_bf16dot.cpp
 // checks dp_step against the instruction on 1.6M random lanes across the denormal range, on any
-// CPU with AVX512-BF16 (checked on AMD: no difference, while even-first or pair-first orders
-// differ: benchmarks/results/2026-11-29-figures-from-comments.md; Intel's CPUs
-// are unchecked: were one to round or flush the product before the add, results would differ
-// from dp_step's only where a product leaves the normal range). dp_step() emulates one lane of it;
+// CPU with AVX512-BF16 (no difference on AMD's Zen 4 / 5 nor on an Intel Xeon with AMX, while
+// even-first or pair-first orders differ: benchmarks/results/2026-11-29-figures-from-comments.md,
+// 2026-12-01-amx-cpu.md). dp_step() emulates one lane of it;
 // gemm_dp_skipping() uses it to redo a product without some terms, as simd.h's gemm_skipping
 // does for the float32 gemm, and the NaN-poisoning tests in bf16 (tests/fuzz/test_invariants.py)
 // hold the redo to the instruction's bits.

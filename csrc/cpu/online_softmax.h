@@ -154,9 +154,12 @@ struct TileSoftmax {
       vstore(srow + c, e);
       sum += e;
     }
-    const T alpha = std::isinf(m_old) ? T(0) : std::exp(m_old - m_new);
-    *l *= alpha;
-    *lc *= alpha;
+    // the row's max mostly stays put after its first tiles: exp(0) = 1 needs no call
+    if (m_new != m_old || std::isinf(m_old)) {
+      const T alpha = std::isinf(m_old) ? T(0) : std::exp(m_old - m_new);
+      *l *= alpha;
+      *lc *= alpha;
+    }
     kahan_add(*l, *lc, hsum_tree(sum));
     return m_new;
   }
