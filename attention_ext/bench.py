@@ -243,8 +243,9 @@ def cpu_peak_flops(kind: str = "fp32_fma", threads: int = 0, seconds: float = 0.
     the CPU kernels' products run on, at the active ISA level (attention_ext.set_cpu_isa):
     "fp32_fma", float32 FMAs as wide as the level's vectors, "bf16_dot", AVX512-BF16's bf16
     pair dot products (vdpbf16ps), "int8_dot", AVX512-VNNI's byte quad dot products (vpdpbusd,
-    integer ops counted as FLOPs: the int8 Q.K^T's ceiling), or "int8_amx", AMX-INT8's tile
-    products (tdpbsud; the "avx512amx" level only: its int8 Q.K^T's ceiling). The best of the 1 ms bursts that fit in `seconds` (one at
+    integer ops counted as FLOPs: the int8 Q.K^T's ceiling), "int8_amx" or "bf16_amx", AMX's tile
+    products (tdpbsud, tdpbf16ps; the "avx512amx" level only: its int8 Q.K^T's and bf16
+    products' ceiling). The best of the 1 ms bursts that fit in `seconds` (one at
     least; csrc/peak/cpu): a short burst often finds its cores free on a shared machine, where a
     long one would be sure to share them. 0.0 where the level has no such instruction or the
     extension is not built."""
@@ -277,15 +278,15 @@ def emit(text: str, out: Optional[str]) -> None:
             f.write(text)
 
 
-FP32_LOOP, BF16_LOOP = "fp32 FMA loop", "bf16 dot loop"
-LOOP_KINDS = {FP32_LOOP: "fp32_fma", BF16_LOOP: "bf16_dot"}
+FP32_LOOP, BF16_LOOP, BF16_AMX_LOOP = "fp32 FMA loop", "bf16 dot loop", "bf16 AMX loop"
+LOOP_KINDS = {FP32_LOOP: "fp32_fma", BF16_LOOP: "bf16_dot", BF16_AMX_LOOP: "bf16_amx"}
 
 
 def flop_ceiling(dtype: torch.dtype, device="cpu", *, seconds: float = 0.3, n: Optional[int] = None, reps: int = 3,
                  matmul: Callable[..., float] = matmul_best, loop: Callable[..., float] = cpu_peak_flops) -> tuple:
     """The machine's peak FLOP/s for inputs of `dtype`: the highest of the measures that apply.
-    CPU: the float32 FMA loop (cpu_peak_flops, on torch's thread count), the bf16 dot-product loop
-    for bf16 where the CPU has one, and the best n x n matmul in dtype (n 2048), which is what is
+    CPU: the float32 FMA loop (cpu_peak_flops, on torch's thread count), the bf16 dot-product and
+    AMX tile loops for bf16 where the CPU has them, and the best n x n matmul in dtype (n 2048), which is what is
     left without the extension. CUDA: the best n x n matmul in dtype (n 4096; a loop of
     tensor-core instructions is not measured there). A kernel runs on these same instructions, so
     no row can pass its ceiling (a 1024-square matmul, the ceiling once, ran slower than the
@@ -298,6 +299,7 @@ def flop_ceiling(dtype: torch.dtype, device="cpu", *, seconds: float = 0.3, n: O
         parts[FP32_LOOP] = loop("fp32_fma", torch.get_num_threads(), seconds)
         if dtype == torch.bfloat16:
             parts[BF16_LOOP] = loop("bf16_dot", torch.get_num_threads(), seconds)
+            parts[BF16_AMX_LOOP] = loop("bf16_amx", torch.get_num_threads(), seconds)
     parts[f"{n}x{n} matmul"] = matmul(dtype, n, device, reps)
     parts = {k: v for k, v in parts.items() if v > 0}
     return max(parts.values()), parts
@@ -1089,7 +1091,7 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
             if (dev, dtype) not in peaks:
                 peaks[dev, dtype] = flop_ceiling(dtype, dev, seconds=0.2 if args.quick else 0.5)
                 bursts[dev, dtype] = []
-            loops = [k for k in (BF16_LOOP, FP32_LOOP) if k in peaks[dev, dtype][1]]
+            loops = [k for k in (BF16_AMX_LOOP, BF16_LOOP, FP32_LOOP) if k in peaks[dev, dtype][1]]
             peak_kind = LOOP_KINDS[loops[0]] if loops and not p.cuda else None
         try:
             rows = run_case(p, fam, shape, s, dtype, args.causal, timing_kw, gnotes,

@@ -113,7 +113,7 @@ def test_flop_ceiling_picks_the_measures_of_the_device_and_dtype():
 
     def loop(kind, threads, seconds):
         called.append(kind)
-        return {"fp32_fma": 100.0, "bf16_dot": 180.0}[kind]
+        return {"fp32_fma": 100.0, "bf16_dot": 180.0, "bf16_amx": 0.0}[kind]  # no AMX: left out
 
     def matmul(dtype, n, device, reps):
         called.append(("matmul", dtype, n, device))
@@ -129,8 +129,12 @@ def test_flop_ceiling_picks_the_measures_of_the_device_and_dtype():
     assert called == [("matmul", torch.bfloat16, 4096, "cuda:0")]
     # a measure that gave nothing (no bf16 dot on this CPU; no extension) is left out
     peak, parts = flop_ceiling(torch.bfloat16, "cpu", matmul=matmul,
-                               loop=lambda k, t, s: 0.0 if k == "bf16_dot" else 100.0)
-    assert peak == 100.0 and "bf16 dot loop" not in parts
+                               loop=lambda k, t, s: 0.0 if k.startswith("bf16") else 100.0)
+    assert peak == 100.0 and "bf16 dot loop" not in parts and "bf16 AMX loop" not in parts
+    # AMX tiles: their loop is the bf16 ceiling
+    peak, parts = flop_ceiling(torch.bfloat16, "cpu", matmul=matmul,
+                               loop=lambda k, t, s: {"fp32_fma": 100.0, "bf16_dot": 50.0, "bf16_amx": 900.0}[k])
+    assert peak == 900.0 and parts["bf16 AMX loop"] == 900.0
 
 
 needs_ext = pytest.mark.skipif(not _ext.HAS_EXT, reason="the peak loop is part of the compiled extension")
@@ -146,15 +150,23 @@ def test_cpu_peak_flops_is_physically_possible():
     # vector op every few cycles of a slow clock, even on a loaded machine
     assert lanes * 2 * MIN_HZ / 4 < one < 2 * lanes * 2 * MAX_HZ
     bf16 = bench.cpu_peak_flops("bf16_dot", 1, 0.05)
-    if _ext.cpu_isa() in ("avx512bf16", "native") and "avx512bf16" in _ext.cpu_isas():
+    if _ext.cpu_isa() in ("avx512bf16", "avx512amx", "native") and "avx512bf16" in _ext.cpu_isas():
         assert 0 < bf16 < 2 * 2 * lanes * 2 * MAX_HZ  # pairs: twice the multiply-adds of an FMA
     elif _ext.cpu_isa() != "native":
         assert bf16 == 0.0  # the level has no bf16 dot product
     int8 = bench.cpu_peak_flops("int8_dot", 1, 0.05)
-    if _ext.cpu_isa() in ("avx512bf16", "native") and "avx512bf16" in _ext.cpu_isas():
+    if _ext.cpu_isa() in ("avx512bf16", "avx512amx", "native") and "avx512bf16" in _ext.cpu_isas():
         assert 0 < int8 < 2 * 4 * lanes * 2 * MAX_HZ  # quads: four times the multiply-adds of an FMA
     elif _ext.cpu_isa() != "native":
         assert int8 == 0.0  # the level has no VNNI (built with it only at avx512bf16)
+    # AMX tiles (the avx512amx variant only): a (16, 16) tile product per instruction, at most one
+    # per 16 cycles per core (1024 int8 / 512 bf16 multiply-adds per cycle), twice for slack
+    for kind, macs in (("int8_amx", 1024), ("bf16_amx", 512)):
+        amx = bench.cpu_peak_flops(kind, 1, 0.05)
+        if _ext.cpu_isa() == "avx512amx":
+            assert 0 < amx < 2 * macs * 2 * MAX_HZ, kind
+        else:
+            assert amx == 0.0, kind
     n = torch.get_num_threads()
     assert 0 < bench.cpu_peak_flops("fp32_fma", n, 0.05) < n * 2 * lanes * 2 * MAX_HZ
 
@@ -174,7 +186,7 @@ def test_cpu_peak_flops_follows_the_active_isa_level():
 
 @needs_ext
 def test_cpu_peak_flops_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="kind must be 'fp32_fma', 'bf16_dot' or 'int8_dot'"):
+    with pytest.raises(ValueError, match="kind must be 'fp32_fma', 'bf16_dot', 'int8_dot', 'int8_amx' or 'bf16_amx'"):
         _ext._C.cpu_peak_flops("fp64", 1, 0.01)
     n = torch.get_num_threads()
     with pytest.raises(ValueError, match=r"torch.set_num_threads"):

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
              args.out)
         return 0
     threads = torch.get_num_threads()
-    peaks = {k: cpu_peak_flops(k, threads, 0.5) for k in ("fp32_fma", "bf16_dot", "int8_dot", "int8_amx")}
+    peaks = {k: cpu_peak_flops(k, threads, 0.5) for k in ("fp32_fma", "bf16_dot", "int8_dot", "int8_amx", "bf16_amx")}
     lines = [f"CPU: {platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}; "
              "ceilings (every thread): " + ", ".join(f"{k} {v / 1e12:.2f} T/s" for k, v in peaks.items() if v > 0),
              ""]

@@ -19,7 +19,7 @@
 #include "cpu/isa.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 18))
 #include <immintrin.h>
 #define ATTN_AMX 1
 #define ATTN_AMX_FN __attribute__((target("amx-tile,amx-int8,amx-bf16")))

@@ -144,6 +144,22 @@ inline void dp_rows(int mr, int K2, const uint16_t* A, int64_t lda, const uint16
 // same way.
 constexpr int kAmxDpK = 32;  // bf16 per tile row
 
+// One k chunk of 32 into the (MB, NB) accumulator tiles: A's rows at stride la, B's panel rows.
+// A function, not a lambda inside dp_amx_block: clang does not give a lambda its enclosing
+// function's target attribute, and its tile builtins need it.
+template <int MB, int NB>
+ATTN_AMX_FN inline void dp_amx_step(const uint16_t* a0, int64_t la, const uint16_t* b0) {
+  constexpr int kPairRow = 2 * kDotPanel;  // bf16 per k pair of a panel
+  _tile_loadd(4, a0, la * 2);
+  _tile_loadd(6, b0, kPairRow * 2);
+  if constexpr (NB == 2) _tile_loadd(7, b0 + 32, kPairRow * 2);
+  if constexpr (MB == 2) _tile_loadd(5, a0 + 16 * la, la * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
+  if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
+  if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+}
+
 // C (16 MB, 16 NB) (+)= A (16 MB, K) @ B (K, 16 NB): k chunks [0, K32) in place (A stride lda, B
 // one panel), then the padded chunk (at: 16 MB rows of 32; bt: 16 pair rows of a panel) where at
 // is set. Rows [rows, 16 MB) of C are neither read nor stored.
@@ -172,18 +188,8 @@ ATTN_AMX_FN inline void dp_amx_block(int K32, const uint16_t* a, int64_t lda, co
     if constexpr (MB == 2) _tile_zero(2);
     if constexpr (MB == 2 && NB == 2) _tile_zero(3);
   }
-  const auto step = [&](const uint16_t* a0, int64_t la, const uint16_t* b0) {
-    _tile_loadd(4, a0, la * 2);
-    _tile_loadd(6, b0, kPairRow * 2);
-    if constexpr (NB == 2) _tile_loadd(7, b0 + 32, kPairRow * 2);
-    if constexpr (MB == 2) _tile_loadd(5, a0 + 16 * la, la * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MB == 2) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MB == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
-  };
-  for (int k0 = 0; k0 < K32; k0 += kAmxDpK) step(a + k0, lda, b + int64_t(k0 / 2) * kPairRow);
-  if (at != nullptr) step(at, kAmxDpK, bt);
+  for (int k0 = 0; k0 < K32; k0 += kAmxDpK) dp_amx_step<MB, NB>(a + k0, lda, b + int64_t(k0 / 2) * kPairRow);
+  if (at != nullptr) dp_amx_step<MB, NB>(at, kAmxDpK, bt);
   if (rows == 16 * MB) {
     _tile_stored(0, C, ldc * 4);
     if constexpr (NB == 2) _tile_stored(1, C + 16, ldc * 4);
@@ -205,7 +211,8 @@ ATTN_AMX_FN inline void dp_amx_block(int K32, const uint16_t* a, int64_t lda, co
 ATTN_AMX_FN inline void gemm_dp_amx(int M, int N, int K, const uint16_t* A, int64_t lda, const uint16_t* B,
                                     int64_t bpanel, float* C, int64_t ldc, bool add = false) {
   constexpr int kMaxM = 64, kMaxK = 256, kMaxN = 256, kPairRow = 2 * kDotPanel;
-  if (M > kMaxM || K > kMaxK || N > kMaxN) __builtin_trap();  // unreachable: the callers' tiles
+  // unreachable: the callers' tiles (K even: gemm_dp's rule)
+  if (M > kMaxM || K > kMaxK || N > kMaxN || K % 2 != 0) __builtin_trap();
   const int K32 = K / kAmxDpK * kAmxDpK, tail = K - K32;
   // the padded last chunk: A's (M, tail) and, per panel, B's tail / 2 pair rows
   alignas(64) uint16_t at[kMaxM * kAmxDpK];

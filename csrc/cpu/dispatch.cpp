@@ -52,7 +52,7 @@ uint32_t cpu_features() {
       {__builtin_cpu_supports("avx512cd"), kAvx512cd},   {__builtin_cpu_supports("avx512bf16"), kAvx512bf16},
       {__builtin_cpu_supports("avx512vnni"), kAvx512vnni}, {__builtin_cpu_supports("avx512vbmi"), kAvx512vbmi},
       {__builtin_cpu_supports("avxvnni"), kAvxVnni},
-#if defined(__clang__) || __GNUC__ >= 11  // older compilers know no AMX
+#if (defined(__clang__) && __clang_major__ >= 18) || (!defined(__clang__) && __GNUC__ >= 11)  // older: no AMX names
       {__builtin_cpu_supports("amx-tile"), kAmxTile},    {__builtin_cpu_supports("amx-int8"), kAmxInt8},
       {__builtin_cpu_supports("amx-bf16"), kAmxBf16},
 #endif

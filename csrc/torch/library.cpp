@@ -180,9 +180,12 @@ PyObject* py_cpu_peak_flops(PyObject*, PyObject* args) {
     kind = attn::cpu::kPeakInt8Dot;
   } else if (std::strcmp(kind_name, "int8_amx") == 0) {
     kind = attn::cpu::kPeakInt8Amx;
+  } else if (std::strcmp(kind_name, "bf16_amx") == 0) {
+    kind = attn::cpu::kPeakBf16Amx;
   } else {
     PyErr_Format(PyExc_ValueError,
-                 "cpu_peak_flops: kind must be 'fp32_fma', 'bf16_dot', 'int8_dot' or 'int8_amx', got '%s'", kind_name);
+                 "cpu_peak_flops: kind must be 'fp32_fma', 'bf16_dot', 'int8_dot', 'int8_amx' or 'bf16_amx', got '%s'",
+                 kind_name);
     return nullptr;
   }
   const int pool = at::get_num_threads();

@@ -17,6 +17,7 @@ enum PeakKind : int {
   kPeakBf16Dot = 1,  // bf16 pair dot products into float32 lanes (vdpbf16ps, AVX512-BF16 only)
   kPeakInt8Dot = 2,  // int8 quad dot products into int32 lanes (vpdpbusd, AVX512-VNNI only)
   kPeakInt8Amx = 3,  // int8 tile products (tdpbsud; the "avx512amx" variant only: cpu/amx.h)
+  kPeakBf16Amx = 4,  // bf16 tile products (tdpbf16ps; the same)
 };
 
 // Runs `iters` rounds of the kind's loop on the calling thread; returns the FLOPs done (2 per

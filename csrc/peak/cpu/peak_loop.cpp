@@ -82,34 +82,43 @@ double int8_dot_loop(int64_t iters) {
 #endif
 
 #if defined(ATTN_AMX)
-// Four independent (16, 16) int32 accumulator tiles, each instruction 16 x 16 x 64
-// multiply-adds, on operands of ones (each round adds 64 to every element: no overflow in 2^25
-// rounds), the int8 Q.K^T's (16, 16)-tile products without their loads.
-ATTN_AMX_FN double int8_amx_loop(int64_t iters) {
+// Four independent (16, 16) accumulator tiles, each instruction 16 x 16 x 64 int8 (tdpbsud) or
+// 16 x 16 x 32 bf16 (tdpbf16ps) multiply-adds, the tile products' loop without their loads. The
+// operands are ones (int8: each round adds 64 to every element, no overflow in 2^25 rounds) or
+// 2^-10 (bf16: each round adds 2^-15, far from overflow).
+ATTN_AMX_FN double amx_loop(bool bf16, int64_t iters) {
   if (!amx()) return 0.0;
-  alignas(64) int8_t ones[16 * 64];
-  std::memset(ones, 1, sizeof(ones));
-  amx_configure();
+  alignas(64) uint16_t x[16 * 32];
+  for (uint16_t& e : x) e = bf16 ? uint16_t(0x3A80) : uint16_t(0x0101);
+  const AmxCall tiles;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  _tile_loadd(4, ones, 64);
-  _tile_loadd(5, ones, 64);
-  _tile_loadd(6, ones, 64);
-  _tile_loadd(7, ones, 64);
-  for (int64_t i = 0; i < iters; ++i) {
-    _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
-    _tile_dpbsud(2, 5, 6);
-    _tile_dpbsud(3, 5, 7);
+  _tile_loadd(4, x, 64);
+  _tile_loadd(5, x, 64);
+  _tile_loadd(6, x, 64);
+  _tile_loadd(7, x, 64);
+  if (bf16) {
+    for (int64_t i = 0; i < iters; ++i) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  } else {
+    for (int64_t i = 0; i < iters; ++i) {
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 4, 7);
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
   }
   alignas(64) int32_t out[16 * 16];
   _tile_stored(0, out, 64);
-  _tile_release();
   static volatile int sink;
   sink = out[0];
-  return 2.0 * 4 * 16 * 16 * 64 * double(iters);
+  return 2.0 * 4 * 16 * 16 * (bf16 ? 32 : 64) * double(iters);
 }
 #endif
 
@@ -124,7 +133,8 @@ double peak_loop(int kind, int64_t iters) {
   if (kind == kPeakInt8Dot) return int8_dot_loop(iters);
 #endif
 #if defined(ATTN_AMX)
-  if (kind == kPeakInt8Amx) return int8_amx_loop(iters);
+  if (kind == kPeakInt8Amx) return amx_loop(false, iters);
+  if (kind == kPeakBf16Amx) return amx_loop(true, iters);
 #endif
   return 0.0;
 }
