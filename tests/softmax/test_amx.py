@@ -87,3 +87,22 @@ def test_bf16_hidden_nan_redo_keeps_bits(d):
         poisoned = at("avx512amx", lambda: ae.attention(q, k, vp, key_mask=kpm, causal=True))
     assert torch.equal(clean.isnan(), poisoned.isnan())
     assert torch.equal(clean.nan_to_num(), poisoned.nan_to_num())
+
+
+def test_interleaves_with_torchs_amx_kernels():
+    """torch's bf16 matmul and SDPA run on AMX too (oneDNN), in the same threads: our tasks load
+    and release the tile configuration around themselves, so calls in any order give the same
+    results every time (no kernel runs on another's configuration)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 512).bfloat16(), torch.randn(512, 512).bfloat16()
+    q, k, v = (torch.randn(2, 4, 300, 64).bfloat16() for _ in range(3))
+    first = None
+    with torch.no_grad():
+        for _ in range(20):
+            y = x @ w
+            s = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            ours = (at("avx512amx", lambda: ae.attention(q, k, v, causal=True)),
+                    at("avx512amx", lambda: ae.attention(q, k, v, qk_quant="int8")))
+            assert torch.equal(x @ w, y) and torch.equal(torch.nn.functional.scaled_dot_product_attention(q, k, v), s)
+            first = first or ours
+            assert all(torch.equal(a, b) for a, b in zip(ours, first))
