@@ -49,6 +49,33 @@ ATTN_AMX_FN inline void amx_configure() {
   asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
+// The accumulator tiles of a (16 MB, 16 NB) block, MB and NB 1 or 2: tile 2 i + j holds rows
+// [16 i, 16 i + 16) and 4-byte columns [16 j, 16 j + 16) of a matrix whose rows are `stride` bytes
+// apart (tile numbers are immediates: hence one helper per operation).
+template <int MB, int NB>
+ATTN_AMX_FN inline void amx_acc_zero() {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (MB == 2) _tile_zero(2);
+  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+}
+template <int MB, int NB>
+ATTN_AMX_FN inline void amx_acc_load(const void* base, int64_t stride) {
+  const char* p = static_cast<const char*>(base);
+  _tile_loadd(0, p, stride);
+  if constexpr (NB == 2) _tile_loadd(1, p + 64, stride);
+  if constexpr (MB == 2) _tile_loadd(2, p + 16 * stride, stride);
+  if constexpr (MB == 2 && NB == 2) _tile_loadd(3, p + 16 * stride + 64, stride);
+}
+template <int MB, int NB>
+ATTN_AMX_FN inline void amx_acc_store(void* base, int64_t stride) {
+  char* p = static_cast<char*>(base);
+  _tile_stored(0, p, stride);
+  if constexpr (NB == 2) _tile_stored(1, p + 64, stride);
+  if constexpr (MB == 2) _tile_stored(2, p + 16 * stride, stride);
+  if constexpr (MB == 2 && NB == 2) _tile_stored(3, p + 16 * stride + 64, stride);
+}
+
 // open AmxScopes in this thread
 inline thread_local int amx_scope_depth = 0;
 

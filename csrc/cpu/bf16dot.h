@@ -167,43 +167,21 @@ template <int MB, int NB>
 ATTN_AMX_FN inline void dp_amx_block(int K32, const uint16_t* a, int64_t lda, const uint16_t* b, const uint16_t* at,
                                      const uint16_t* bt, float* C, int64_t ldc, int rows, bool add) {
   constexpr int kPairRow = 2 * kDotPanel;  // bf16 per k pair of a panel
-  alignas(64) float acc[4][16 * 16];
-  if (add && rows == 16 * MB) {
-    _tile_loadd(0, C, ldc * 4);
-    if constexpr (NB == 2) _tile_loadd(1, C + 16, ldc * 4);
-    if constexpr (MB == 2) _tile_loadd(2, C + 16 * ldc, ldc * 4);
-    if constexpr (MB == 2 && NB == 2) _tile_loadd(3, C + 16 * ldc + 16, ldc * 4);
-  } else if (add) {
-    std::memset(acc, 0, sizeof(acc));
-    for (int r = 0; r < rows; ++r) {
-      for (int j = 0; j < NB; ++j) std::memcpy(acc[2 * (r / 16) + j] + (r % 16) * 16, C + int64_t(r) * ldc + 16 * j, 64);
-    }
-    _tile_loadd(0, acc[0], 64);
-    if constexpr (NB == 2) _tile_loadd(1, acc[1], 64);
-    if constexpr (MB == 2) _tile_loadd(2, acc[2], 64);
-    if constexpr (MB == 2 && NB == 2) _tile_loadd(3, acc[3], 64);
+  // a part-full block goes through a (32, 32) copy (rows past `rows` neither read nor written back)
+  alignas(64) float acc[32 * 32];
+  const bool whole = rows == 16 * MB;
+  float* c = whole ? C : acc;
+  const int64_t ld = whole ? ldc : 32;
+  if (add) {
+    for (int r = 0; r < rows && !whole; ++r) std::memcpy(acc + r * 32, C + int64_t(r) * ldc, size_t(NB) * 64);
+    amx_acc_load<MB, NB>(c, ld * 4);
   } else {
-    _tile_zero(0);
-    if constexpr (NB == 2) _tile_zero(1);
-    if constexpr (MB == 2) _tile_zero(2);
-    if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+    amx_acc_zero<MB, NB>();
   }
   for (int k0 = 0; k0 < K32; k0 += kAmxDpK) dp_amx_step<MB, NB>(a + k0, lda, b + int64_t(k0 / 2) * kPairRow);
   if (at != nullptr) dp_amx_step<MB, NB>(at, kAmxDpK, bt);
-  if (rows == 16 * MB) {
-    _tile_stored(0, C, ldc * 4);
-    if constexpr (NB == 2) _tile_stored(1, C + 16, ldc * 4);
-    if constexpr (MB == 2) _tile_stored(2, C + 16 * ldc, ldc * 4);
-    if constexpr (MB == 2 && NB == 2) _tile_stored(3, C + 16 * ldc + 16, ldc * 4);
-    return;
-  }
-  _tile_stored(0, acc[0], 64);
-  if constexpr (NB == 2) _tile_stored(1, acc[1], 64);
-  if constexpr (MB == 2) _tile_stored(2, acc[2], 64);
-  if constexpr (MB == 2 && NB == 2) _tile_stored(3, acc[3], 64);
-  for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < NB; ++j) std::memcpy(C + int64_t(r) * ldc + 16 * j, acc[2 * (r / 16) + j] + (r % 16) * 16, 64);
-  }
+  amx_acc_store<MB, NB>(c, ld * 4);
+  for (int r = 0; r < rows && !whole; ++r) std::memcpy(C + int64_t(r) * ldc, acc + r * 32, size_t(NB) * 64);
 }
 
 // gemm_dp on AMX (add: C += A @ B): M <= 64 (the kernels' tiles have at most kBlockM rows),

@@ -198,10 +198,7 @@ template <int MB, int NB>
 ATTN_AMX_FN inline void q8_amx_block(int rows, int Kp, const int8_t* a, const uint8_t* b, float* C, int64_t ldc,
                                         const Q8Epilogue& e) {
   constexpr int kBStride = 4 * kQ8Panel;
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (MB == 2) _tile_zero(2);
-  if constexpr (MB == 2 && NB == 2) _tile_zero(3);
+  amx_acc_zero<MB, NB>();
   for (int k0 = 0; k0 < Kp; k0 += 64) {
     const uint8_t* bk = b + int64_t(k0 / 4) * kBStride;
     _tile_loadd(4, a + k0, Kp);
@@ -213,19 +210,15 @@ ATTN_AMX_FN inline void q8_amx_block(int rows, int Kp, const int8_t* a, const ui
     if constexpr (MB == 2) _tile_dpbsud(2, 5, 6);
     if constexpr (MB == 2 && NB == 2) _tile_dpbsud(3, 5, 7);
   }
-  alignas(64) int32_t acc[4][16 * 16];
-  _tile_stored(0, acc[0], 64);
-  if constexpr (NB == 2) _tile_stored(1, acc[1], 64);
-  if constexpr (MB == 2) _tile_stored(2, acc[2], 64);
-  if constexpr (MB == 2 && NB == 2) _tile_stored(3, acc[3], 64);
+  alignas(64) int32_t acc[32 * 32];  // (32, 32), rows past `rows` not read
+  amx_acc_store<MB, NB>(acc, 32 * 4);
   const __m512 sc = _mm512_set1_ps(e.scale);
   for (int r = 0; r < rows; ++r) {
-    const int i = r / 16, rr = r % 16;
     const __m512i corr = _mm512_set1_epi32(e.corr[r]);
     const __m512 add = _mm512_set1_ps(e.add[r]);
 #pragma GCC unroll 2
     for (int j = 0; j < NB; ++j) {
-      const __m512i s = _mm512_load_si512(acc[2 * i + j] + rr * 16);
+      const __m512i s = _mm512_load_si512(acc + r * 32 + 16 * j);
       const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s, corr));
       _mm512_storeu_ps(C + int64_t(r) * ldc + 16 * j, _mm512_fmadd_ps(f, sc, add));
     }

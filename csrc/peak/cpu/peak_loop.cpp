@@ -91,10 +91,7 @@ ATTN_AMX_FN double amx_loop(bool bf16, int64_t iters) {
   alignas(64) uint16_t x[16 * 32];
   for (uint16_t& e : x) e = bf16 ? uint16_t(0x3A80) : uint16_t(0x0101);
   const AmxCall tiles;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  amx_acc_zero<2, 2>();
   _tile_loadd(4, x, 64);
   _tile_loadd(5, x, 64);
   _tile_loadd(6, x, 64);
