@@ -113,14 +113,18 @@ def test_linear_fwd_bwd(at_level, dtype):
                  "linear out, dq, dk, dv")
 
 
+@pytest.mark.parametrize("heads", ["few", "many"])
 @pytest.mark.parametrize("gate", ["head", "key"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_delta_rule_fwd_bwd(at_level, dtype, gate):
+def test_delta_rule_fwd_bwd(at_level, dtype, gate, heads):
     """The delta rule's recurrence (forward, and the backward's replay from checkpoints) with
-    per-head and per-key gates, GVA, 40 columns (a full block of the level's vectors and a part
-    block) and 70 tokens (a checkpoint past 64)."""
+    per-head and per-key gates, GVA and 70 tokens (a checkpoint past 64). "few": 2 value heads, 40
+    columns (a full block of the level's vectors and a part block). "many": 8 value heads of 100
+    columns on 2 threads, tasks enough for AVX-512's 64-column forward blocks (one full, one part)."""
     g = torch.Generator().manual_seed(2)
-    b, hk, hv, s, kd, vd = 1, 1, 2, 70, 24, 40
+    b, hk, hv, s, kd, vd = (1, 1, 2, 70, 24, 40) if heads == "few" else (1, 2, 8, 70, 24, 100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     q0 = torch.randn(b, hk, s, kd, generator=g).to(dtype)
     k0 = linear_ref._l2n(torch.randn(b, hk, s, kd, generator=g)).to(dtype)
     v0 = torch.randn(b, hv, s, vd, generator=g).to(dtype)
@@ -132,16 +136,21 @@ def test_delta_rule_fwd_bwd(at_level, dtype, gate):
         q, k, v, beta, gt = (t.clone().requires_grad_() for t in (q0, k0, v0, beta0, g0))
         out = ae.delta_rule_attention(q, k, v, beta, gate=gt)
         out.backward(dout)
-        return out.detach(), q.grad, k.grad, v.grad, beta.grad, gt.grad
+        with torch.no_grad():  # the forward without the backward's checkpoints: its own instances
+            plain = ae.delta_rule_attention(q0, k0, v0, beta0, gate=g0)
+        return out.detach(), q.grad, k.grad, v.grad, beta.grad, gt.grad, plain
 
     def reference(dt):
         q, k, v, beta, gt = (t.detach().to(dt).requires_grad_() for t in (q0, k0, v0, beta0, g0))
         out = linear_ref.delta_rule(q, k, v, beta, gt, kd ** -0.5, None, acc=dt)[0]
         out.backward(dout.to(dt))
-        return out.detach(), q.grad, k.grad, v.grad, beta.grad, gt.grad
+        return out.detach(), q.grad, k.grad, v.grad, beta.grad, gt.grad, out.detach()
 
-    check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
-                 "delta out, dq, dk, dv, dbeta, dgate")
+    try:
+        outs = per_level(at_level, run)
+    finally:
+        torch.set_num_threads(threads)
+    check_levels(outs, reference(dtype), reference(torch.float64), dtype, "delta out, dq, dk, dv, dbeta, dgate, no-grad out")
 
 
 @pytest.mark.parametrize("s", [1, 5])

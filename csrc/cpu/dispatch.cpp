@@ -153,6 +153,17 @@ bool int8_vnni() { return product_path(ProductPath::kVnni); }
 
 bool amx() { return product_path(ProductPath::kAmx); }
 
+int l1d_bytes() {
+  static const int bytes = [] {
+#if defined(_SC_LEVEL1_DCACHE_SIZE)
+    const long b = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    if (b >= 4096 && b <= (1L << 22)) return int(b);
+#endif
+    return 32 * 1024;
+  }();
+  return bytes;
+}
+
 const char* isa() { return name_of(choices()[active_choice().load(std::memory_order_relaxed)]); }
 
 int simd_width() { return built_levels[active_level()]->simd_width; }

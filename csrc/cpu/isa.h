@@ -42,6 +42,10 @@ bool int8_vnni();
 // (Sapphire Rapids and later) runs the avx512bf16 code with this set, on CPUs whose OS granted
 // the tile state to the process.
 bool amx();
+// Bytes of L1 data cache per core (glibc's sysconf, which reads cpuid), 32 KiB where it does not
+// say: kernels that keep a working block in L1 size it by this (Zen 4 has 32 KiB, Zen 5 and
+// Sapphire Rapids 48 KiB).
+int l1d_bytes();
 
 }  // namespace cpu
 }  // namespace attn

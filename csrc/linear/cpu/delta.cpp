@@ -169,6 +169,12 @@ bool inplace_step(const DP<T>& p) {
 // columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
 template <typename T>
 constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
+// At AVX-512 in float32, 64 columns where the block fits in three quarters of L1 (32 KiB at K =
+// 128: Sapphire Rapids' and Zen 5's 48 KiB L1, not Zen 4's 32 KiB): a row's broadcasts of k, q
+// and a and its loop overhead then serve 4 vectors instead of 2 (1.15-1.3x on the forward,
+// benchmarks/results/2026-12-01-delta-fwd-intel.md).
+template <typename T>
+constexpr int kBigColVecs = kLanes<T> >= 16 ? 4 : kColVecs<T>;
 // rows per step of the row loop, each with its own accumulators, so that 2 x kChains x kColVecs
 // FMA chains (o and the next token's p) are in flight: 8 at AVX-512 float32
 template <typename T>
@@ -201,8 +207,7 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
-  auto row_step = [&](int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
-    T* row = S + int64_t(m) * ld;
+  auto row_step = [&](T* __restrict__ row, int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
     // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
     // shares with an FMA pipe (simd.h's vbcast_mem)
     vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
@@ -223,12 +228,15 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
       vstore(row + i * L, x);
     }
   };
+  // the rows by a running pointer: an index times the runtime ld cost each row an imul and
+  // address arithmetic on the ports the FMAs use
   int m = 0;
-  for (; m + CH <= K; m += CH) {
+  T* rp = S;
+  for (; m + CH <= K; m += CH, rp += CH * ld) {
 #pragma GCC unroll 4
-    for (int c = 0; c < CH; ++c) row_step(m + c, oc[c], pc[c]);
+    for (int c = 0; c < CH; ++c) row_step(rp + c * ld, m + c, oc[c], pc[c]);
   }
-  for (; m < K; ++m) row_step(m, oc[0], pc[0]);
+  for (; m < K; ++m, rp += ld) row_step(rp, m, oc[0], pc[0]);
   for (int i = 0; i < NV; ++i) {
     o[i] = oc[0][i];
     pn[i] = pc[0][i];
@@ -266,7 +274,9 @@ __attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, in
 // token loop without them compiles as it did (a branch in it slowed the gated float32 forward 1.6x).
 template <bool kGate, bool kDelta, bool kCkpt, typename T, int NV = kColVecs<T>>
 void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
-  constexpr int L = kLanes<T>, CH = std::max(1, 4 / NV), Wp = NV * L;
+  // rows per step (each with its own o and p sums): 2 x CH x NV accumulators, NV of u and the
+  // broadcasts in the registers (32 at AVX-512, 16 at AVX2)
+  constexpr int L = kLanes<T>, CH = (L >= 16 && NV == 4) ? 2 : std::max(1, 4 / NV), Wp = NV * L;
   const int K = p.dim_k, w = std::min(Wp, p.dim_v - j0);
   const Span sp = span_of(p, n);
   const TokenIn<T> in(p, hv);
@@ -276,8 +286,22 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
     tok[i] = {base, base + K, base + 2 * K, base + 3 * K, T(0)};
   }
   T* o = rows + 2 * int64_t(3 * K + Wp);
+  // v's block is 32 columns of each row: 128 of a row's 512 bytes at V = 128 in float32, a
+  // strided stream the hardware prefetchers left the token loop waiting on. It is fetched
+  // kAhead tokens early into L2, with the q and k rows.
+  constexpr int kAhead = 8;
+  const int64_t v_bytes = int64_t(w) * int64_t(in.es), qk_bytes = int64_t(K) * int64_t(in.es);
+  auto prefetch = [&](int t) {
+    const int64_t r = sp.row0 + t;
+    const char* vr = in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, r) + int64_t(j0) * in.es;
+    for (int64_t c = 0; c < v_bytes; c += 64) __builtin_prefetch(vr + c, 0, 2);
+    const char* kr = in.row(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, sp.b, in.hk, r);
+    const char* qr = in.row(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, sp.b, in.hk, r);
+    for (int64_t c = 0; c < qk_bytes; c += 64) __builtin_prefetch(kr + c, 0, 2), __builtin_prefetch(qr + c, 0, 2);
+  };
   auto load = [&](int t, FwdToken<T>& x) {
     const int64_t r = sp.row0 + t;
+    if (t + kAhead < sp.len) prefetch(t + kAhead);
     in.qk(sp.b, r, x.q, x.k, K);
     if (kGate) in.gate(sp.b, r, x.a, K);
     x.beta = in.beta(sp.b, r);
@@ -768,7 +792,10 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   // state), its o and p sums and u in 24 of the 32 registers
   constexpr int kWideNV = kLanes<T> >= 16 ? 8 : kColVecs<T>, WpW = kWideNV * kLanes<T>;
   const bool wide = kWideNV != kColVecs<T> && inplace_step(p) && p.dim_v % WpW == 0;
-  const int Wp = wide ? WpW : WpN;
+  constexpr int WpB = kBigColVecs<T> * kLanes<T>;
+  const bool big = WpB != WpN && !wide && 4 * size_t(p.dim_k) * WpB * sizeof(T) <= 3 * size_t(l1d_bytes()) &&
+                   int64_t(p.b) * p.h_v * ((p.dim_v + WpB - 1) / WpB) >= 2 * int64_t(pool_threads());
+  const int Wp = wide ? WpW : big ? WpB : WpN;
   const int nblk = (p.dim_v + Wp - 1) / Wp;
   if (nblk == 0) return;
   // A few tokens (a decode step: the state is the call's memory traffic) with (sequence, head)
@@ -780,7 +807,8 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int64_t tasks = int64_t(p.b) * p.h_v * (nblk / per_task);
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
-    return [&, S = Buffer<T>(size_t(p.dim_k) * WpN), rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + WpW) + WpW)](int64_t task) mutable {
+    return [&, S = Buffer<T>(size_t(p.dim_k) * std::max(WpN, WpB)),
+            rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + WpW) + WpW)](int64_t task) mutable {
       const int64_t first = task * per_task;
       for (int64_t blk = first; blk < first + per_task; ++blk) {
         const int jb = int(blk % nblk), hv = int(blk / nblk % p.h_v), n = int(blk / nblk / p.h_v);
@@ -788,6 +816,13 @@ void delta_fwd(const DeltaParamsT<T>& p) {
           constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
           if constexpr (kWideNV != kColVecs<T>) {
             if (wide) return fwd_block<kGate, kDelta, false, T, kWideNV>(p, n, hv, jb * Wp, S.data(), rows.data());
+          }
+          if constexpr (kBigColVecs<T> != kColVecs<T>) {
+            constexpr int NB = kBigColVecs<T>;
+            if (big) {
+              return p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true, T, NB>(p, n, hv, jb * Wp, S.data(), rows.data())
+                                              : fwd_block<kGate, kDelta, false, T, NB>(p, n, hv, jb * Wp, S.data(), rows.data());
+            }
           }
           p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true>(p, n, hv, jb * Wp, S.data(), rows.data())
                                    : fwd_block<kGate, kDelta, false>(p, n, hv, jb * Wp, S.data(), rows.data());
