@@ -153,12 +153,15 @@ def test_delta_rule_fwd_bwd(at_level, dtype, gate, heads):
     check_levels(outs, reference(dtype), reference(torch.float64), dtype, "delta out, dq, dk, dv, dbeta, dgate, no-grad out")
 
 
+@pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("s", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_delta_rule_inplace_step(at_level, dtype, s):
-    """delta_rule_step(inplace=True) over a V = 128 state (whole 512-byte rows: AVX-512's wide
-    blocks on the state's own rows), 64 (sequence, head) pairs (one task per pair on up to 32
-    threads) and a V = 40 one (a part block through the copy), against the float64 recurrence."""
+def test_delta_rule_step_levels(at_level, dtype, s, inplace):
+    """delta_rule_step over a V = 128 state (whole 512-byte rows: AVX-512's wide blocks on the
+    state's own rows; out of place, the first pass reads the given state and writes the new one,
+    which must leave the given one as it was), 64 (sequence, head) pairs (one task per pair on up
+    to 32 threads) and a V = 40 one (a part block through the copy), against the float64
+    recurrence."""
     g = torch.Generator().manual_seed(3)
     for b, hv, kd, vd in ((8, 8, 24, 128), (2, 2, 16, 40)):
         q0 = torch.randn(b, 1, s, kd, generator=g).to(dtype)
@@ -171,9 +174,11 @@ def test_delta_rule_inplace_step(at_level, dtype, s):
         def run():
             st = h0.clone()
             with torch.no_grad():
-                out, new = ae.delta_rule_step(q0, k0, v0, beta0, st, gate=g0, inplace=True)
-            assert new is st
-            return out, st
+                out, new = ae.delta_rule_step(q0, k0, v0, beta0, st, gate=g0, inplace=inplace)
+            assert (new is st) == inplace
+            if not inplace:
+                assert torch.equal(st, h0), "delta_rule_step(inplace=False) changed the given state"
+            return out, new
 
         def reference(dt):
             out, st = linear_ref.delta_rule(q0.to(dt), k0.to(dt), v0.to(dt), beta0.to(dt), g0.to(dt), kd ** -0.5,
@@ -181,7 +186,7 @@ def test_delta_rule_inplace_step(at_level, dtype, s):
             return out, st
 
         check_levels(per_level(at_level, run), reference(dtype), reference(torch.float64), dtype,
-                     f"in-place step V {vd}: out, state")
+                     f"step (inplace={inplace}) V {vd}: out, state")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -159,11 +159,13 @@ struct TokenIn {
 
 // calls of at most this many tokens run a (sequence, head)'s column blocks as one task (delta_fwd)
 constexpr int kStepTokens = 16;
-// A decode step in place: a few tokens, the state both initial and final, no checkpoints. Its
-// passes may run on the state's own rows (fwd_block's direct mode, delta_fwd's wide blocks).
+// A decode step: a few tokens from a given state to a returned one, no checkpoints. Its passes
+// may run on the final state's own rows (fwd_block's direct mode, delta_fwd's wide blocks): in
+// place when the two are one tensor (delta_rule_step(inplace=True)), else the first pass reads
+// the initial state's rows and writes the final state's.
 template <typename T>
-bool inplace_step(const DP<T>& p) {
-  return p.s <= kStepTokens && p.init_state != nullptr && p.init_state == p.final_state && p.checkpoints == nullptr;
+bool direct_step(const DP<T>& p) {
+  return p.s <= kStepTokens && p.init_state != nullptr && p.final_state != nullptr && p.checkpoints == nullptr;
 }
 
 // columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
@@ -193,10 +195,11 @@ struct FwdToken {
 // (the prologue) it only starts token t + 1 (x = h_{-1}'s row).
 // Always inlined: with the kDelta instantiations GCC stopped inlining it into fwd_block's three
 // call sites, and the out-of-line pass ran the forward 1.7x slower.
-template <bool kFinish, bool kNext, bool kGate, bool kDelta, int NV, int CH, typename T>
+// kSrc (a direct step's first pass, out of place): the rows are read from src (same ld), not S.
+template <bool kFinish, bool kNext, bool kGate, bool kDelta, int NV, int CH, typename T, bool kSrc = false>
 __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t ld, int K, const FwdToken<T>& cur,
                                                       const FwdToken<T>& nxt, const vec<T>* u, vec<T> (&o)[NV],
-                                                      vec<T> (&pn)[NV]) {
+                                                      vec<T> (&pn)[NV], const T* __restrict__ src = nullptr) {
   constexpr int L = kLanes<T>;
   // the token rows as local restrict pointers: read through the FwdToken references, they were
   // reloaded on every row (the stores to S may alias them as far as the compiler knows)
@@ -207,7 +210,7 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
-  auto row_step = [&](T* __restrict__ row, int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
+  auto row_step = [&](T* __restrict__ row, const T* from, int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
     // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
     // shares with an FMA pipe (simd.h's vbcast_mem)
     vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
@@ -216,7 +219,7 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
     if (kNext && kGate) an = vbcast_mem(na + m);
 #pragma GCC unroll 8
     for (int i = 0; i < NV; ++i) {
-      vec<T> x = vload(row + i * L);
+      vec<T> x = vload((kSrc ? from : row) + i * L);
       if (kFinish) {
         x += kc * u[i];
         oa[i] += qc * x;
@@ -232,11 +235,12 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   // address arithmetic on the ports the FMAs use
   int m = 0;
   T* rp = S;
-  for (; m + CH <= K; m += CH, rp += CH * ld) {
+  const T* fp = kSrc ? src : S;
+  for (; m + CH <= K; m += CH, rp += CH * ld, fp += CH * ld) {
 #pragma GCC unroll 4
-    for (int c = 0; c < CH; ++c) row_step(rp + c * ld, m + c, oc[c], pc[c]);
+    for (int c = 0; c < CH; ++c) row_step(rp + c * ld, fp + c * ld, m + c, oc[c], pc[c]);
   }
-  for (; m < K; ++m, rp += ld) row_step(rp, m, oc[0], pc[0]);
+  for (; m < K; ++m, rp += ld, fp += ld) row_step(rp, fp, m, oc[0], pc[0]);
   for (int i = 0; i < NV; ++i) {
     o[i] = oc[0][i];
     pn[i] = pc[0][i];
@@ -309,10 +313,10 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
              x.v, w, Wp);
   };
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v + j0;  // this block in a (b, h_v, K, V) state
-  // A decode step in place (the state both initial and final, a whole block of columns, no
-  // checkpoints): the passes run on the state's rows themselves, without the copy into the block
-  // and back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
-  const bool direct = !kCkpt && inplace_step(p) && w == Wp;
+  // A decode step (direct_step, a whole block of columns): the passes run on the final state's
+  // rows themselves, the first reading the initial state's, without the copy into the block and
+  // back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
+  const bool direct = !kCkpt && direct_step(p) && w == Wp;
   const int64_t ld = direct ? p.dim_v : Wp;
   if (direct) {
     S = p.final_state + st0;
@@ -327,7 +331,11 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   if (sp.len > 0) {
     if (kCkpt) write_checkpoint(p, n, hv, 0, j0, w, Wp, S);  // the state entering token 0
     load(0, tok[0]);
-    fused_pass<false, true, kGate, kDelta, NV, CH>(S, ld, K, tok[1], tok[0], u, ov, pv);  // h'_0 and p_0
+    if (direct && p.init_state != p.final_state) {  // h'_0 and p_0
+      fused_pass<false, true, kGate, kDelta, NV, CH, T, true>(S, ld, K, tok[1], tok[0], u, ov, pv, p.init_state + st0);
+    } else {
+      fused_pass<false, true, kGate, kDelta, NV, CH>(S, ld, K, tok[1], tok[0], u, ov, pv);
+    }
   }
   for (int t = 0; t < sp.len; ++t) {
     const FwdToken<T>& cur = tok[t & 1];
@@ -791,7 +799,7 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   // a decode step in place at AVX-512: blocks of 128 columns (whole 512-byte rows of a V = 128
   // state), its o and p sums and u in 24 of the 32 registers
   constexpr int kWideNV = kLanes<T> >= 16 ? 8 : kColVecs<T>, WpW = kWideNV * kLanes<T>;
-  const bool wide = kWideNV != kColVecs<T> && inplace_step(p) && p.dim_v % WpW == 0;
+  const bool wide = kWideNV != kColVecs<T> && direct_step(p) && p.dim_v % WpW == 0;
   constexpr int WpB = kBigColVecs<T> * kLanes<T>;
   const bool big = WpB != WpN && !wide && 4 * size_t(p.dim_k) * WpB * sizeof(T) <= 3 * size_t(l1d_bytes()) &&
                    int64_t(p.b) * p.h_v * ((p.dim_v + WpB - 1) / WpB) >= 2 * int64_t(pool_threads());
