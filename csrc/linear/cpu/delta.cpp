@@ -292,7 +292,7 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
   T* o = rows + 2 * int64_t(3 * K + Wp);
   // v's block is 32 columns of each row: 128 of a row's 512 bytes at V = 128 in float32, a
   // strided stream the hardware prefetchers left the token loop waiting on. It is fetched
-  // kAhead tokens early into L2, with the q and k rows.
+  // kAhead tokens early into L2, with the q and k rows and the per-key gates' row.
   constexpr int kAhead = 8;
   const int64_t v_bytes = int64_t(w) * int64_t(in.es), qk_bytes = int64_t(K) * int64_t(in.es);
   auto prefetch = [&](int t) {
@@ -302,6 +302,10 @@ void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
     const char* kr = in.row(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, sp.b, in.hk, r);
     const char* qr = in.row(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, sp.b, in.hk, r);
     for (int64_t c = 0; c < qk_bytes; c += 64) __builtin_prefetch(kr + c, 0, 2), __builtin_prefetch(qr + c, 0, 2);
+    if (kGate && p.gate_per_key) {
+      const char* gr = static_cast<const char*>(p.gate) + in.side(sp.b, r) * K * int64_t(dtype_size(p.gate_dt));
+      for (int64_t c = 0; c < K * int64_t(dtype_size(p.gate_dt)); c += 64) __builtin_prefetch(gr + c, 0, 2);
+    }
   };
   auto load = [&](int t, FwdToken<T>& x) {
     const int64_t r = sp.row0 + t;
