@@ -160,7 +160,7 @@ struct TokenIn {
 // calls of at most this many tokens run a (sequence, head)'s column blocks as one task (delta_fwd)
 constexpr int kStepTokens = 16;
 // A decode step: a few tokens from a given state to a returned one, no checkpoints. Its passes
-// may run on the final state's own rows (fwd_block's direct mode, delta_fwd's wide blocks): in
+// may run on the final state's own rows (fwd_group's direct mode, delta_fwd's wide blocks): in
 // place when the two are one tensor (delta_rule_step(inplace=True)), else the first pass reads
 // the initial state's rows and writes the final state's.
 template <typename T>
@@ -193,7 +193,7 @@ struct FwdToken {
 // x = h'_t[m] + k_t[m] u (h_t's row), o += q_t[m] x; then h'_{t+1}[m] = a_{t+1}[m] x, and
 // p += k_{t+1}[m] h'_{t+1}[m]. One load and one store of the block per token. Without kFinish
 // (the prologue) it only starts token t + 1 (x = h_{-1}'s row).
-// Always inlined: with the kDelta instantiations GCC stopped inlining it into fwd_block's three
+// Always inlined: with the kDelta instantiations GCC stopped inlining it into the forward's
 // call sites, and the out-of-line pass ran the forward 1.7x slower.
 // kSrc (a direct step's first pass, out of place): the rows are read from src (same ld), not S.
 template <bool kFinish, bool kNext, bool kGate, bool kDelta, int NV, int CH, typename T, bool kSrc = false>
@@ -263,7 +263,7 @@ void write_checkpoint(const DP<T>& p, int n, int hv, int c, int j0, int w, int W
 }
 
 // At a checkpoint, once every 64 tokens: finish token t (S = h_t), keep it, start token t + 1.
-// Out of line, so that fwd_block's token loop is the one it is without checkpoints.
+// Out of line, so that fwd_group's token loop is the one it is without checkpoints.
 template <bool kGate, bool kDelta, int NV, int CH, typename T>
 __attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, int c, int j0, int w, T* S,
                                                const FwdToken<T>& cur, const FwdToken<T>& nxt, const vec<T>* u,
@@ -274,101 +274,141 @@ __attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, in
   fused_pass<false, true, kGate, kDelta, NV, CH>(S, NV * kLanes<T>, p.dim_k, cur, nxt, u, unused, pn);
 }
 
+// Tokens whose inputs a forward task prepares at once (fwd_group): 64 x 3 K floats, 96 KiB at K =
+// 128, held in L2 while each of the task's column blocks runs through them.
+constexpr int kFwdChunk = 64;
+
+// One forward task's scratch: its blocks' rows (nb x K x Wp) and pending p (nb x Wp), a chunk's
+// prepared tokens (kFwdChunk + 1 rows of q, k and a, K each, and beta), two v blocks and o.
+template <typename T>
+struct FwdScratch {
+  Buffer<T> mem;
+  T *S, *pv, *tok, *beta, *v, *o;
+  FwdScratch(int K, int nb, int Wp) {
+    const size_t st = size_t(nb) * K * Wp, tk = size_t(kFwdChunk + 1) * 3 * K;
+    mem.resize(st + size_t(nb) * Wp + tk + (kFwdChunk + 1) + 3 * size_t(Wp));
+    S = mem.data();
+    pv = S + st;
+    tok = pv + size_t(nb) * Wp;
+    beta = tok + tk;
+    v = beta + (kFwdChunk + 1);
+    o = v + 2 * size_t(Wp);
+  }
+};
+
+// The forward of one sequence n and value head hv over column blocks [jb0, jb0 + nb) of Wp = NV
+// vectors. By chunks of kFwdChunk tokens: the chunk's q and k are widened, normalized and scaled,
+// and its gates exponentiated, once (with the next chunk's first token, which the chunk's last
+// pass starts), then each block runs through the chunk, its K rows (and the p its last pass
+// started) carried in the scratch from one chunk to the next: a block's 16-32 KiB come back from
+// L2 once per chunk, where preparing the tokens per block repeated that work nb times (a fifth of
+// the KDA forward at AVX2's 4 blocks per head).
 // kCkpt: keep the backward's checkpoints (p.checkpoints); an instantiation of its own, so that the
 // token loop without them compiles as it did (a branch in it slowed the gated float32 forward 1.6x).
 template <bool kGate, bool kDelta, bool kCkpt, typename T, int NV = kColVecs<T>>
-void fwd_block(const DP<T>& p, int n, int hv, int j0, T* S, T* rows) {
+void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc) {
   // rows per step (each with its own o and p sums): 2 x CH x NV accumulators, NV of u and the
   // broadcasts in the registers (32 at AVX-512, 16 at AVX2)
   constexpr int L = kLanes<T>, CH = (L >= 16 && NV == 4) ? 2 : std::max(1, 4 / NV), Wp = NV * L;
-  const int K = p.dim_k, w = std::min(Wp, p.dim_v - j0);
+  const int K = p.dim_k;
   const Span sp = span_of(p, n);
   const TokenIn<T> in(p, hv);
-  FwdToken<T> tok[2];
-  for (int i = 0; i < 2; ++i) {
-    T* base = rows + int64_t(i) * (3 * K + Wp);
-    tok[i] = {base, base + K, base + 2 * K, base + 3 * K, T(0)};
-  }
-  T* o = rows + 2 * int64_t(3 * K + Wp);
-  // v's block is 32 columns of each row: 128 of a row's 512 bytes at V = 128 in float32, a
-  // strided stream the hardware prefetchers left the token loop waiting on. It is fetched
-  // kAhead tokens early into L2, with the q and k rows and the per-key gates' row.
-  constexpr int kAhead = 8;
-  const int64_t v_bytes = int64_t(w) * int64_t(in.es), qk_bytes = int64_t(K) * int64_t(in.es);
-  auto prefetch = [&](int t) {
-    const int64_t r = sp.row0 + t;
-    const char* vr = in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, r) + int64_t(j0) * in.es;
-    for (int64_t c = 0; c < v_bytes; c += 64) __builtin_prefetch(vr + c, 0, 2);
-    const char* kr = in.row(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, sp.b, in.hk, r);
-    const char* qr = in.row(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, sp.b, in.hk, r);
-    for (int64_t c = 0; c < qk_bytes; c += 64) __builtin_prefetch(kr + c, 0, 2), __builtin_prefetch(qr + c, 0, 2);
-    if (kGate && p.gate_per_key) {
-      const char* gr = static_cast<const char*>(p.gate) + in.side(sp.b, r) * K * int64_t(dtype_size(p.gate_dt));
-      for (int64_t c = 0; c < K * int64_t(dtype_size(p.gate_dt)); c += 64) __builtin_prefetch(gr + c, 0, 2);
-    }
-  };
-  auto load = [&](int t, FwdToken<T>& x) {
-    const int64_t r = sp.row0 + t;
-    if (t + kAhead < sp.len) prefetch(t + kAhead);
-    in.qk(sp.b, r, x.q, x.k, K);
-    if (kGate) in.gate(sp.b, r, x.a, K);
-    x.beta = in.beta(sp.b, r);
-    load_row(p.dt, in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, r) + int64_t(j0) * in.es,
-             x.v, w, Wp);
-  };
-  const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v + j0;  // this block in a (b, h_v, K, V) state
-  // A decode step (direct_step, a whole block of columns): the passes run on the final state's
+  // A decode step (direct_step, whole blocks of columns): the passes run on the final state's
   // rows themselves, the first reading the initial state's, without the copy into the block and
   // back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
-  const bool direct = !kCkpt && direct_step(p) && w == Wp;
+  const bool direct = !kCkpt && direct_step(p) && p.dim_v % Wp == 0;
   const int64_t ld = direct ? p.dim_v : Wp;
-  if (direct) {
-    S = p.final_state + st0;
-  } else {
-    for (int m = 0; m < K; ++m) {
-      T* row = S + int64_t(m) * Wp;
-      for (int j = 0; j < Wp; ++j)
-        row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j] : T(0);
-    }
-  }
-  vec<T> u[NV], ov[NV], pv[NV];
-  if (sp.len > 0) {
-    if (kCkpt) write_checkpoint(p, n, hv, 0, j0, w, Wp, S);  // the state entering token 0
-    load(0, tok[0]);
-    if (direct && p.init_state != p.final_state) {  // h'_0 and p_0
-      fused_pass<false, true, kGate, kDelta, NV, CH, T, true>(S, ld, K, tok[1], tok[0], u, ov, pv, p.init_state + st0);
-    } else {
-      fused_pass<false, true, kGate, kDelta, NV, CH>(S, ld, K, tok[1], tok[0], u, ov, pv);
-    }
-  }
-  for (int t = 0; t < sp.len; ++t) {
-    const FwdToken<T>& cur = tok[t & 1];
-    FwdToken<T>& nxt = tok[(t + 1) & 1];
-    const vec<T> bv = vbcast(cur.beta);
-    if constexpr (kDelta) {
-      for (int i = 0; i < NV; ++i) u[i] = bv * (vload(cur.v + i * L) - pv[i]);
-    } else {  // the plain write (GLA): v itself
-      for (int i = 0; i < NV; ++i) u[i] = vload(cur.v + i * L);
-    }
-    if (t + 1 < sp.len) {
-      load(t + 1, nxt);
-      if (kCkpt && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint
-        checkpoint_pass<kGate, kDelta, NV, CH>(p, n, hv, (t + 1) / kDeltaChunk, j0, w, S, cur, nxt, u, ov, pv);
-      } else {
-        fused_pass<true, true, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
+  const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v;  // this head in a (b, h_v, K, V) state
+  auto block = [&](int g) { return direct ? p.final_state + st0 + int64_t(jb0 + g) * Wp : sc.S + int64_t(g) * K * Wp; };
+  auto width = [&](int g) { return std::min(Wp, p.dim_v - (jb0 + g) * Wp); };
+  if (!direct) {
+    for (int g = 0; g < nb; ++g) {
+      const int j0 = (jb0 + g) * Wp, w = width(g);
+      for (int m = 0; m < K; ++m) {
+        T* row = block(g) + int64_t(m) * Wp;
+        for (int j = 0; j < Wp; ++j)
+          row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j0 + j] : T(0);
       }
-    } else {
-      fused_pass<true, false, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
     }
-    for (int i = 0; i < NV; ++i) vstore(o + i * L, ov[i]);
-    const int64_t r = sp.row0 + t;
-    char* orow = static_cast<char*>(p.o) +
-                 (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride + r * p.o_row_stride + j0) * int64_t(in.es);
-    store_row(p.dt, o, orow, w);
+  }
+  // v's block is 32-64 columns of each row (128-256 of a row's 512 bytes at V = 128 in float32),
+  // a strided stream the hardware prefetchers left the token loop waiting on: fetched kAhead
+  // tokens early into L2.
+  constexpr int kAhead = 8;
+  auto v_row = [&](int t, int j0) {
+    return in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, sp.row0 + t) + int64_t(j0) * in.es;
+  };
+  FwdToken<T> tok[2];
+  for (int i = 0; i < 2; ++i) tok[i].v = sc.v + int64_t(i) * Wp;
+  auto token = [&](int t, int c0, int j0, int w, FwdToken<T>& x) {  // token t of the chunk from c0
+    T* row = sc.tok + int64_t(t - c0) * 3 * K;
+    x.q = row, x.k = row + K, x.a = row + 2 * K, x.beta = sc.beta[t - c0];
+    if (t + kAhead < sp.len) {
+      const char* vr = v_row(t + kAhead, j0);
+      for (int64_t c = 0; c < int64_t(w) * int64_t(in.es); c += 64) __builtin_prefetch(vr + c, 0, 2);
+    }
+    load_row(p.dt, v_row(t, j0), x.v, w, Wp);
+  };
+  for (int c0 = 0; c0 < sp.len; c0 += kFwdChunk) {
+    const int c1 = std::min(sp.len, c0 + kFwdChunk);  // tokens [c0, c1), and c1 (started by c1 - 1)
+    for (int t = c0; t <= std::min(c1, sp.len - 1); ++t) {
+      T* row = sc.tok + int64_t(t - c0) * 3 * K;
+      const int64_t r = sp.row0 + t;
+      in.qk(sp.b, r, row, row + K, K);
+      if (kGate) in.gate(sp.b, r, row + 2 * K, K);
+      sc.beta[t - c0] = in.beta(sp.b, r);
+    }
+    for (int g = 0; g < nb; ++g) {
+      const int j0 = (jb0 + g) * Wp, w = width(g);
+      T* S = block(g);
+      vec<T> u[NV], ov[NV], pv[NV];
+      if (c0 == 0) {
+        if (kCkpt) write_checkpoint(p, n, hv, 0, j0, w, Wp, S);  // the state entering token 0
+        token(0, c0, j0, w, tok[0]);
+        if (direct && p.init_state != p.final_state) {  // h'_0 and p_0
+          fused_pass<false, true, kGate, kDelta, NV, CH, T, true>(S, ld, K, tok[1], tok[0], u, ov, pv,
+                                                                  p.init_state + st0 + j0);
+        } else {
+          fused_pass<false, true, kGate, kDelta, NV, CH>(S, ld, K, tok[1], tok[0], u, ov, pv);
+        }
+      } else {  // this block's pass of token c0 - 1 started token c0: its p, and v reloaded
+        for (int i = 0; i < NV; ++i) pv[i] = vload(sc.pv + int64_t(g) * Wp + i * L);
+        token(c0, c0, j0, w, tok[c0 & 1]);
+      }
+      for (int t = c0; t < c1; ++t) {
+        const FwdToken<T>& cur = tok[t & 1];
+        FwdToken<T>& nxt = tok[(t + 1) & 1];
+        const vec<T> bv = vbcast(cur.beta);
+        if constexpr (kDelta) {
+          for (int i = 0; i < NV; ++i) u[i] = bv * (vload(cur.v + i * L) - pv[i]);
+        } else {  // the plain write (GLA): v itself
+          for (int i = 0; i < NV; ++i) u[i] = vload(cur.v + i * L);
+        }
+        if (t + 1 < sp.len) {
+          token(t + 1, c0, j0, w, nxt);
+          if (kCkpt && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint
+            checkpoint_pass<kGate, kDelta, NV, CH>(p, n, hv, (t + 1) / kDeltaChunk, j0, w, S, cur, nxt, u, ov, pv);
+          } else {
+            fused_pass<true, true, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
+          }
+        } else {
+          fused_pass<true, false, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
+        }
+        for (int i = 0; i < NV; ++i) vstore(sc.o + i * L, ov[i]);
+        const int64_t r = sp.row0 + t;
+        char* orow = static_cast<char*>(p.o) +
+                     (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride + r * p.o_row_stride + j0) *
+                         int64_t(in.es);
+        store_row(p.dt, sc.o, orow, w);
+      }
+      for (int i = 0; i < NV; ++i) vstore(sc.pv + int64_t(g) * Wp + i * L, pv[i]);
+    }
   }
   if (p.final_state != nullptr && !direct) {
-    for (int m = 0; m < K; ++m)
-      std::memcpy(p.final_state + st0 + int64_t(m) * p.dim_v, S + int64_t(m) * Wp, sizeof(T) * w);
+    for (int g = 0; g < nb; ++g)
+      for (int m = 0; m < K; ++m)
+        std::memcpy(p.final_state + st0 + int64_t(m) * p.dim_v + (jb0 + g) * Wp, block(g) + int64_t(m) * Wp,
+                    sizeof(T) * width(g));
   }
 }
 
@@ -810,42 +850,39 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int Wp = wide ? WpW : big ? WpB : WpN;
   const int nblk = (p.dim_v + Wp - 1) / Wp;
   if (nblk == 0) return;
-  // A few tokens (a decode step: the state is the call's memory traffic) with (sequence, head)
-  // pairs enough for the threads: a task runs all of a pair's column blocks in turn, so one core
-  // reads its state front to back instead of the threads interleaving 128-byte pieces of its rows
-  // (benchmarks/results/2026-11-30-delta-avx2-cpu.md).
-  const bool whole = p.s <= kStepTokens && int64_t(p.b) * p.h_v >= 2 * int64_t(pool_threads());
-  const int per_task = whole ? nblk : 1;
-  const int64_t tasks = int64_t(p.b) * p.h_v * (nblk / per_task);
+  // With (sequence, head) pairs enough for the threads a task runs all of a pair's column blocks
+  // (fwd_group: each chunk's tokens prepared once for all of them; a decode step's core reads its
+  // state front to back instead of the threads interleaving 128-byte pieces of its rows,
+  // benchmarks/results/2026-11-30-delta-avx2-cpu.md); else one block.
+  const int64_t pairs = int64_t(p.b) * p.h_v;
+  const int nb = pairs >= 2 * int64_t(pool_threads()) ? nblk : 1;
+  const int64_t tasks = pairs * (nblk / nb);
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
-    return [&, S = Buffer<T>(size_t(p.dim_k) * std::max(WpN, WpB)),
-            rows = Buffer<T>(2 * (3 * size_t(p.dim_k) + WpW) + WpW)](int64_t task) mutable {
-      const int64_t first = task * per_task;
-      for (int64_t blk = first; blk < first + per_task; ++blk) {
-        const int jb = int(blk % nblk), hv = int(blk / nblk % p.h_v), n = int(blk / nblk / p.h_v);
-        auto run = [&](auto gate, auto write) {
-          constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
-          if constexpr (kWideNV != kColVecs<T>) {
-            if (wide) return fwd_block<kGate, kDelta, false, T, kWideNV>(p, n, hv, jb * Wp, S.data(), rows.data());
-          }
-          if constexpr (kBigColVecs<T> != kColVecs<T>) {
-            constexpr int NB = kBigColVecs<T>;
-            if (big) {
-              return p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true, T, NB>(p, n, hv, jb * Wp, S.data(), rows.data())
-                                              : fwd_block<kGate, kDelta, false, T, NB>(p, n, hv, jb * Wp, S.data(), rows.data());
-            }
-          }
-          p.checkpoints != nullptr ? fwd_block<kGate, kDelta, true>(p, n, hv, jb * Wp, S.data(), rows.data())
-                                   : fwd_block<kGate, kDelta, false>(p, n, hv, jb * Wp, S.data(), rows.data());
-        };
-        using Y = std::true_type;
-        using N = std::false_type;
-        if (p.gate != nullptr) {
-          p.plain ? run(Y{}, N{}) : run(Y{}, Y{});
-        } else {
-          p.plain ? run(N{}, N{}) : run(N{}, Y{});
+    return [&, sc = FwdScratch<T>(p.dim_k, nb, Wp)](int64_t task) mutable {
+      const int groups = nblk / nb;
+      const int jb = int(task % groups) * nb, hv = int(task / groups % p.h_v), n = int(task / groups / p.h_v);
+      auto run = [&](auto gate, auto write) {
+        constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
+        if constexpr (kWideNV != kColVecs<T>) {
+          if (wide) return fwd_group<kGate, kDelta, false, T, kWideNV>(p, n, hv, jb, nb, sc);
         }
+        if constexpr (kBigColVecs<T> != kColVecs<T>) {
+          constexpr int NB = kBigColVecs<T>;
+          if (big) {
+            return p.checkpoints != nullptr ? fwd_group<kGate, kDelta, true, T, NB>(p, n, hv, jb, nb, sc)
+                                            : fwd_group<kGate, kDelta, false, T, NB>(p, n, hv, jb, nb, sc);
+          }
+        }
+        p.checkpoints != nullptr ? fwd_group<kGate, kDelta, true>(p, n, hv, jb, nb, sc)
+                                 : fwd_group<kGate, kDelta, false>(p, n, hv, jb, nb, sc);
+      };
+      using Y = std::true_type;
+      using N = std::false_type;
+      if (p.gate != nullptr) {
+        p.plain ? run(Y{}, N{}) : run(Y{}, Y{});
+      } else {
+        p.plain ? run(N{}, N{}) : run(N{}, Y{});
       }
     };
   });
