@@ -8,11 +8,12 @@
 // multiply-adds out of L1 (about the chunked form's count at K = V = 128), with no C x C
 // triangular solve and no state round trip through memory.
 //
-// Forward: one task per (sequence, value head, block of kColVecs vectors of columns), the block
-// row-major (K rows) in L1. One pass per token: it finishes token t (h_t = h' + k u^T, o_t =
+// Forward: the state by blocks of 32-64 columns, each row-major (K rows) in L1; a task runs one
+// (sequence, value head)'s blocks, all of them or one (fwd_group), by chunks of tokens prepared
+// once for all its blocks. One pass per token: it finishes token t (h_t = h' + k u^T, o_t =
 // h_t^T q) and starts token t + 1 (h' = a h_t, p = h'^T k) in the same sweep, so each token
 // loads and stores the block once. Reductions run down the rows (over K), so they are vertical
-// vector adds; kChains rows at a time keep independent accumulators, hiding the FMA latency.
+// vector adds; a few rows at a time keep independent accumulators, hiding the FMA latency.
 //
 // Backward: one task per (sequence, value head), the state transposed (V rows of K, so the
 // reductions over V that dq, dk and the gate's gradient need become vertical adds; the one over
@@ -157,7 +158,7 @@ struct TokenIn {
 
 // ---------------------------------------------------------------------------------- forward
 
-// calls of at most this many tokens run a (sequence, head)'s column blocks as one task (delta_fwd)
+// calls of at most this many tokens are decode steps (direct_step)
 constexpr int kStepTokens = 16;
 // A decode step: a few tokens from a given state to a returned one, no checkpoints. Its passes
 // may run on the final state's own rows (fwd_group's direct mode, delta_fwd's wide blocks): in
@@ -177,10 +178,6 @@ constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
 // benchmarks/results/2026-12-01-delta-fwd-intel.md).
 template <typename T>
 constexpr int kBigColVecs = kLanes<T> >= 16 ? 4 : kColVecs<T>;
-// rows per step of the row loop, each with its own accumulators, so that 2 x kChains x kColVecs
-// FMA chains (o and the next token's p) are in flight: 8 at AVX-512 float32
-template <typename T>
-constexpr int kChains = std::max(1, 4 / kColVecs<T>);
 
 // One token's inputs, widened: q (scaled), k, gate factors (K each), v's block (Wp), beta.
 template <typename T>
