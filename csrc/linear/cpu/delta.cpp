@@ -179,11 +179,14 @@ constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
 template <typename T>
 constexpr int kBigColVecs = kLanes<T> >= 16 ? 4 : kColVecs<T>;
 
-// One token's inputs, widened: q (scaled), k, gate factors (K each), v's block (Wp), beta.
+// One token's inputs, widened: q (scaled), k, gate factors (K each), v's block (Wp), beta; kn:
+// the k that the pass starting this token dots with h' (k itself, or k C with the gate factored
+// out, fwd_group).
 template <typename T>
 struct FwdToken {
-  T *q, *k, *a, *v;
+  T *q, *k, *a, *v, *kn;
   T beta;
+  bool fold;  // with the gate factored out: the pass starting this token is the gated one
 };
 
 // The pass over the block that finishes token t and starts token t + 1 (kNext): per row m,
@@ -202,7 +205,7 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   // reloaded on every row (the stores to S may alias them as far as the compiler knows)
   const T* __restrict__ ck = cur.k;
   const T* __restrict__ cq = cur.q;
-  const T* __restrict__ nk = nxt.k;
+  const T* __restrict__ nk = nxt.kn;
   const T* __restrict__ na = nxt.a;
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
@@ -280,18 +283,62 @@ constexpr int kFwdChunk = 64;
 template <typename T>
 struct FwdScratch {
   Buffer<T> mem;
-  T *S, *pv, *tok, *beta, *v, *o;
+  T *S, *pv, *tok, *beta, *v, *o, *C;
+  bool fold[kFwdChunk + 1];
   FwdScratch(int K, int nb, int Wp) {
-    const size_t st = size_t(nb) * K * Wp, tk = size_t(kFwdChunk + 1) * 3 * K;
-    mem.resize(st + size_t(nb) * Wp + tk + (kFwdChunk + 1) + 3 * size_t(Wp));
+    const size_t st = size_t(nb) * K * Wp, tk = size_t(kFwdChunk + 1) * 4 * K;
+    mem.resize(st + size_t(nb) * Wp + tk + (kFwdChunk + 1) + 3 * size_t(Wp) + size_t(K));
     S = mem.data();
     pv = S + st;
     tok = pv + size_t(nb) * Wp;
     beta = tok + tk;
     v = beta + (kFwdChunk + 1);
     o = v + 2 * size_t(Wp);
+    C = o + Wp;
   }
 };
+
+// The gate factored out of the state (fwd_group): the rows hold H with h = Diag(C) H while every
+// C stays in [2^-40, 2^40], so that H's magnitudes stay inside float32's range.
+template <typename T>
+constexpr T kFactorLo = T(9.094947017729282e-13);
+template <typename T>
+constexpr T kFactorHi = T(1.099511627776e12);
+
+// One token's factors (K each): a C into a (C the running factors), and whether one left
+// [kFactorLo, kFactorHi] (NaN included).
+template <typename T>
+bool next_factors(T* __restrict__ a, const T* __restrict__ C, int K) {
+  constexpr int L = kLanes<T>;
+  const vec<T> lo = vbcast(kFactorLo<T>), hi = vbcast(kFactorHi<T>);
+  uint32_t out = 0;
+  int m = 0;
+  for (; m + L <= K; m += L) {
+    const vec<T> x = vload(a + m) * vload(C + m);
+    vstore(a + m, x);
+    out |= lane_bits(~((x >= lo) & (x <= hi)));
+  }
+  for (; m < K; ++m) {
+    a[m] *= C[m];
+    out |= !(a[m] >= kFactorLo<T> && a[m] <= kFactorHi<T>) ? 1u : 0u;
+  }
+  return out != 0;
+}
+
+// A token with the factors c (K each) kept out of the rows: kn = k c for the pass that starts it,
+// k / c and q c for the one that finishes it.
+template <typename T>
+void apply_factors(const T* __restrict__ c, T* __restrict__ k, T* __restrict__ q, T* __restrict__ kn, int K) {
+  constexpr int L = kLanes<T>;
+  int m = 0;
+  for (; m + L <= K; m += L) {
+    const vec<T> f = vload(c + m), km = vload(k + m);
+    vstore(kn + m, km * f);
+    vstore(k + m, km / f);
+    vstore(q + m, vload(q + m) * f);
+  }
+  for (; m < K; ++m) kn[m] = k[m] * c[m], k[m] /= c[m], q[m] *= c[m];
+}
 
 // The forward of one sequence n and value head hv over column blocks [jb0, jb0 + nb) of Wp = NV
 // vectors. By chunks of kFwdChunk tokens: the chunk's q and k are widened, normalized and scaled,
@@ -315,6 +362,15 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   // back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
   const bool direct = !kCkpt && direct_step(p) && p.dim_v % Wp == 0;
   const int64_t ld = direct ? p.dim_v : Wp;
+  // The gate factored out of the rows over a sequence (not a direct step, whose state must come
+  // out as itself): the rows hold H with h = Diag(C) H, C the running product of the gates, so a
+  // token multiplies C by its gate (K multiplies, once per chunk's preparation) instead of every
+  // element of every block, and the pass takes the factors in its per-row scalars (k / C for the
+  // update, q C for o, k C for p): the ungated pass's FMAs. The gated pass (the recurrence itself)
+  // folds C back into the rows when one leaves [kFactorLo, kFactorHi] (a gate of -inf among them)
+  // and at checkpoints. It rounds differently from the recurrence (a prefill then steps, which
+  // run unfactored, equals the whole sequence to rounding, not bit for bit).
+  const bool factor = kGate && !direct;
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v;  // this head in a (b, h_v, K, V) state
   auto block = [&](int g) { return direct ? p.final_state + st0 + int64_t(jb0 + g) * Wp : sc.S + int64_t(g) * K * Wp; };
   auto width = [&](int g) { return std::min(Wp, p.dim_v - (jb0 + g) * Wp); };
@@ -338,22 +394,37 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   FwdToken<T> tok[2];
   for (int i = 0; i < 2; ++i) tok[i].v = sc.v + int64_t(i) * Wp;
   auto token = [&](int t, int c0, int j0, int w, FwdToken<T>& x) {  // token t of the chunk from c0
-    T* row = sc.tok + int64_t(t - c0) * 3 * K;
+    T* row = sc.tok + int64_t(t - c0) * 4 * K;
     x.q = row, x.k = row + K, x.a = row + 2 * K, x.beta = sc.beta[t - c0];
+    x.fold = !factor || sc.fold[t - c0];
+    x.kn = x.fold ? x.k : row + 3 * K;
     if (t + kAhead < sp.len) {
       const char* vr = v_row(t + kAhead, j0);
       for (int64_t c = 0; c < int64_t(w) * int64_t(in.es); c += 64) __builtin_prefetch(vr + c, 0, 2);
     }
     load_row(p.dt, v_row(t, j0), x.v, w, Wp);
   };
+  if (factor)
+    for (int m = 0; m < K; ++m) sc.C[m] = T(1);
   for (int c0 = 0; c0 < sp.len; c0 += kFwdChunk) {
     const int c1 = std::min(sp.len, c0 + kFwdChunk);  // tokens [c0, c1), and c1 (started by c1 - 1)
     for (int t = c0; t <= std::min(c1, sp.len - 1); ++t) {
-      T* row = sc.tok + int64_t(t - c0) * 3 * K;
+      T* row = sc.tok + int64_t(t - c0) * 4 * K;
       const int64_t r = sp.row0 + t;
       in.qk(sp.b, r, row, row + K, K);
       if (kGate) in.gate(sp.b, r, row + 2 * K, K);
       sc.beta[t - c0] = in.beta(sp.b, r);
+      if (factor) {
+        // folds at every chunk of kDeltaChunk's first and last tokens, so that a checkpoint (the
+        // state after the last) is the state itself, with or without checkpoints alike
+        const bool edge = t % kDeltaChunk == 0 || (t + 1) % kDeltaChunk == 0;
+        const bool fold = next_factors(row + 2 * K, sc.C, K) || edge;
+        if (!fold) apply_factors(row + 2 * K, row + K, row, row + 3 * K, K);
+        sc.fold[t - c0] = fold;
+        if (t < c1) {  // c1 is the next chunk's to keep
+          for (int m = 0; m < K; ++m) sc.C[m] = fold ? T(1) : row[2 * K + m];
+        }
+      }
     }
     for (int g = 0; g < nb; ++g) {
       const int j0 = (jb0 + g) * Wp, w = width(g);
@@ -385,6 +456,8 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
           token(t + 1, c0, j0, w, nxt);
           if (kCkpt && (t + 1) % kDeltaChunk == 0) {  // h_t is a checkpoint
             checkpoint_pass<kGate, kDelta, NV, CH>(p, n, hv, (t + 1) / kDeltaChunk, j0, w, S, cur, nxt, u, ov, pv);
+          } else if (kGate && !nxt.fold) {  // the gate in the factors: the ungated pass
+            fused_pass<true, true, false, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
           } else {
             fused_pass<true, true, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
           }
@@ -402,10 +475,17 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
     }
   }
   if (p.final_state != nullptr && !direct) {
-    for (int g = 0; g < nb; ++g)
-      for (int m = 0; m < K; ++m)
-        std::memcpy(p.final_state + st0 + int64_t(m) * p.dim_v + (jb0 + g) * Wp, block(g) + int64_t(m) * Wp,
-                    sizeof(T) * width(g));
+    for (int g = 0; g < nb; ++g) {
+      for (int m = 0; m < K; ++m) {
+        T* dst = p.final_state + st0 + int64_t(m) * p.dim_v + (jb0 + g) * Wp;
+        const T* row = block(g) + int64_t(m) * Wp;
+        if (factor && sp.len > 0) {
+          for (int j = 0; j < width(g); ++j) dst[j] = row[j] * sc.C[m];
+        } else {
+          std::memcpy(dst, row, sizeof(T) * width(g));
+        }
+      }
+    }
   }
 }
 
