@@ -150,7 +150,8 @@ def test_delta_rule_fwd_bwd(at_level, dtype, gate, heads):
         outs = per_level(at_level, run)
     finally:
         torch.set_num_threads(threads)
-    check_levels(outs, reference(dtype), reference(torch.float64), dtype, "delta out, dq, dk, dv, dbeta, dgate, no-grad out")
+    check_levels(outs, reference(dtype), reference(torch.float64), dtype,
+                 "delta out, dq, dk, dv, dbeta, dgate, no-grad out")
 
 
 @pytest.mark.parametrize("inplace", [True, False])

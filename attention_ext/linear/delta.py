@@ -267,7 +267,7 @@ def delta_rule_step(
     """T >= 1 new tokens from `state` (generation): q, k (B, H_k, T, K), v (B, H_v, T, V),
     beta (B, H_v, T), gate as delta_rule_attention's with T positions, state (B, H_v, K, V)
     float32 (float64 for float64 inputs; None = zeros). Returns (out (B, H_v, T, V), new_state).
-    A prefill's final state followed by steps equals the whole sequence.
+    A prefill's final state followed by steps equals the whole sequence to rounding.
 
     inplace=False leaves `state` as it was and is differentiable; inplace=True advances `state`
     itself and returns it as new_state: one read and one write of the state per step, no new

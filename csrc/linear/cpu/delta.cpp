@@ -13,7 +13,9 @@
 // once for all its blocks. One pass per token: it finishes token t (h_t = h' + k u^T, o_t =
 // h_t^T q) and starts token t + 1 (h' = a h_t, p = h'^T k) in the same sweep, so each token
 // loads and stores the block once. Reductions run down the rows (over K), so they are vertical
-// vector adds; a few rows at a time keep independent accumulators, hiding the FMA latency.
+// vector adds; a few rows at a time keep independent accumulators, hiding the FMA latency. Over
+// a gated sequence the gates stay out of the block as running per-row factors, folded back into
+// it when they leave a safe range, so the pass costs the ungated one's FMAs.
 //
 // Backward: one task per (sequence, value head), the state transposed (V rows of K, so the
 // reductions over V that dq, dk and the gate's gradient need become vertical adds; the one over
@@ -164,9 +166,15 @@ constexpr int kStepTokens = 16;
 // may run on the final state's own rows (fwd_group's direct mode, delta_fwd's wide blocks): in
 // place when the two are one tensor (delta_rule_step(inplace=True)), else the first pass reads
 // the initial state's rows and writes the final state's.
+// step_call: such a call, checkpoints or not (which choose its blocks and whether the gate is
+// factored, so that a forward with checkpoints computes what one without does, bit for bit).
+template <typename T>
+bool step_call(const DP<T>& p) {
+  return p.s <= kStepTokens && p.init_state != nullptr && p.final_state != nullptr;
+}
 template <typename T>
 bool direct_step(const DP<T>& p) {
-  return p.s <= kStepTokens && p.init_state != nullptr && p.final_state != nullptr && p.checkpoints == nullptr;
+  return step_call(p) && p.checkpoints == nullptr;
 }
 
 // columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
@@ -210,7 +218,8 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
-  auto row_step = [&](T* __restrict__ row, const T* from, int m, vec<T>* oa, vec<T>* pa) __attribute__((always_inline)) {
+  auto row_step = [&](T* __restrict__ row, const T* from, int m, vec<T>* oa,
+                      vec<T>* pa) __attribute__((always_inline)) {
     // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
     // shares with an FMA pipe (simd.h's vbcast_mem)
     vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
@@ -274,28 +283,34 @@ __attribute__((noinline)) void checkpoint_pass(const DP<T>& p, int n, int hv, in
   fused_pass<false, true, kGate, kDelta, NV, CH>(S, NV * kLanes<T>, p.dim_k, cur, nxt, u, unused, pn);
 }
 
-// Tokens whose inputs a forward task prepares at once (fwd_group): 64 x 3 K floats, 96 KiB at K =
-// 128, held in L2 while each of the task's column blocks runs through them.
+// Tokens whose inputs a forward task prepares at once (fwd_group): 65 x 4 K floats (the chunk
+// and the next one's first; q, k, a and kn), 130 KiB at K = 128, held in L2 while each of the
+// task's column blocks runs through them.
 constexpr int kFwdChunk = 64;
 
-// One forward task's scratch: its blocks' rows (nb x K x Wp) and pending p (nb x Wp), a chunk's
-// prepared tokens (kFwdChunk + 1 rows of q, k and a, K each, and beta), two v blocks and o.
+// One forward task's scratch: its blocks' rows (nb x K x Wp; none for a direct step, which runs
+// on the state's rows) and pending p (nb x Wp), a chunk's prepared tokens (kFwdChunk + 1 rows of
+// q, k, a and kn, K each, beta and the fold flags), two v blocks, o and the running factors C (K).
+// It points into its own memory: not to be copied.
 template <typename T>
 struct FwdScratch {
+  static constexpr size_t kBetaSlots = size_t(kFwdChunk + 16) / 16 * 16;  // whole lines after it
   Buffer<T> mem;
   T *S, *pv, *tok, *beta, *v, *o, *C;
   bool fold[kFwdChunk + 1];
-  FwdScratch(int K, int nb, int Wp) {
-    const size_t st = size_t(nb) * K * Wp, tk = size_t(kFwdChunk + 1) * 4 * K;
-    mem.resize(st + size_t(nb) * Wp + tk + (kFwdChunk + 1) + 3 * size_t(Wp) + size_t(K));
+  FwdScratch(int K, int nb, int Wp, bool rows) {
+    const size_t st = rows ? size_t(nb) * K * Wp : 0, tk = size_t(kFwdChunk + 1) * 4 * K;
+    mem.resize(st + size_t(nb) * Wp + tk + kBetaSlots + 3 * size_t(Wp) + size_t(K));
     S = mem.data();
     pv = S + st;
     tok = pv + size_t(nb) * Wp;
     beta = tok + tk;
-    v = beta + (kFwdChunk + 1);
+    v = beta + kBetaSlots;
     o = v + 2 * size_t(Wp);
     C = o + Wp;
   }
+  FwdScratch(const FwdScratch&) = delete;
+  FwdScratch& operator=(const FwdScratch&) = delete;
 };
 
 // The gate factored out of the state (fwd_group): the rows hold H with h = Diag(C) H while every
@@ -362,15 +377,15 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   // back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
   const bool direct = !kCkpt && direct_step(p) && p.dim_v % Wp == 0;
   const int64_t ld = direct ? p.dim_v : Wp;
-  // The gate factored out of the rows over a sequence (not a direct step, whose state must come
-  // out as itself): the rows hold H with h = Diag(C) H, C the running product of the gates, so a
+  // The gate factored out of the rows over a sequence (not a step, whose state must come out as
+  // itself): the rows hold H with h = Diag(C) H, C the running product of the gates, so a
   // token multiplies C by its gate (K multiplies, once per chunk's preparation) instead of every
   // element of every block, and the pass takes the factors in its per-row scalars (k / C for the
   // update, q C for o, k C for p): the ungated pass's FMAs. The gated pass (the recurrence itself)
   // folds C back into the rows when one leaves [kFactorLo, kFactorHi] (a gate of -inf among them)
   // and at checkpoints. It rounds differently from the recurrence (a prefill then steps, which
   // run unfactored, equals the whole sequence to rounding, not bit for bit).
-  const bool factor = kGate && !direct;
+  const bool factor = kGate && !step_call(p);
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v;  // this head in a (b, h_v, K, V) state
   auto block = [&](int g) { return direct ? p.final_state + st0 + int64_t(jb0 + g) * Wp : sc.S + int64_t(g) * K * Wp; };
   auto width = [&](int g) { return std::min(Wp, p.dim_v - (jb0 + g) * Wp); };
@@ -391,7 +406,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   auto v_row = [&](int t, int j0) {
     return in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, sp.row0 + t) + int64_t(j0) * in.es;
   };
-  FwdToken<T> tok[2];
+  FwdToken<T> tok[2]{};
   for (int i = 0; i < 2; ++i) tok[i].v = sc.v + int64_t(i) * Wp;
   auto token = [&](int t, int c0, int j0, int w, FwdToken<T>& x) {  // token t of the chunk from c0
     T* row = sc.tok + int64_t(t - c0) * 4 * K;
@@ -404,6 +419,12 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
     }
     load_row(p.dt, v_row(t, j0), x.v, w, Wp);
   };
+  if (direct && sp.len == 0 && p.init_state != p.final_state) {  // an empty sequence of a pack
+    for (int m = 0; m < K; ++m) {
+      const int64_t at = st0 + int64_t(m) * p.dim_v + int64_t(jb0) * Wp;
+      std::memcpy(p.final_state + at, p.init_state + at, sizeof(T) * size_t(nb) * Wp);
+    }
+  }
   if (factor)
     for (int m = 0; m < K; ++m) sc.C[m] = T(1);
   for (int c0 = 0; c0 < sp.len; c0 += kFwdChunk) {
@@ -917,10 +938,10 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
 template <typename T>
 void delta_fwd(const DeltaParamsT<T>& p) {
   constexpr int WpN = kColVecs<T> * kLanes<T>;
-  // a decode step in place at AVX-512: blocks of 128 columns (whole 512-byte rows of a V = 128
-  // state), its o and p sums and u in 24 of the 32 registers
+  // a decode step at AVX-512: blocks of 128 columns (whole 512-byte rows of a V = 128 state), its
+  // o and p sums and u in 24 of the 32 registers
   constexpr int kWideNV = kLanes<T> >= 16 ? 8 : kColVecs<T>, WpW = kWideNV * kLanes<T>;
-  const bool wide = kWideNV != kColVecs<T> && direct_step(p) && p.dim_v % WpW == 0;
+  const bool wide = kWideNV != kColVecs<T> && step_call(p) && p.dim_v % WpW == 0;
   constexpr int WpB = kBigColVecs<T> * kLanes<T>;
   const bool big = WpB != WpN && !wide && 4 * size_t(p.dim_k) * WpB * sizeof(T) <= 3 * size_t(l1d_bytes()) &&
                    int64_t(p.b) * p.h_v * ((p.dim_v + WpB - 1) / WpB) >= 2 * int64_t(pool_threads());
@@ -936,13 +957,16 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int64_t tasks = pairs * (nblk / nb);
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
-    return [&, sc = FwdScratch<T>(p.dim_k, nb, Wp)](int64_t task) mutable {
+    return [&, sc = FwdScratch<T>(p.dim_k, nb, Wp, !(direct_step(p) && p.dim_v % Wp == 0))](int64_t task) mutable {
       const int groups = nblk / nb;
       const int jb = int(task % groups) * nb, hv = int(task / groups % p.h_v), n = int(task / groups / p.h_v);
       auto run = [&](auto gate, auto write) {
         constexpr bool kGate = decltype(gate)::value, kDelta = decltype(write)::value;
         if constexpr (kWideNV != kColVecs<T>) {
-          if (wide) return fwd_group<kGate, kDelta, false, T, kWideNV>(p, n, hv, jb, nb, sc);
+          if (wide) {
+            return p.checkpoints != nullptr ? fwd_group<kGate, kDelta, true, T, kWideNV>(p, n, hv, jb, nb, sc)
+                                            : fwd_group<kGate, kDelta, false, T, kWideNV>(p, n, hv, jb, nb, sc);
+          }
         }
         if constexpr (kBigColVecs<T> != kColVecs<T>) {
           constexpr int NB = kBigColVecs<T>;
