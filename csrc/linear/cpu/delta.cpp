@@ -383,8 +383,9 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   // element of every block, and the pass takes the factors in its per-row scalars (k / C for the
   // update, q C for o, k C for p): the ungated pass's FMAs. The gated pass (the recurrence itself)
   // folds C back into the rows when one leaves [kFactorLo, kFactorHi] (a gate of -inf among them)
-  // and at checkpoints. It rounds differently from the recurrence (a prefill then steps, which
-  // run unfactored, equals the whole sequence to rounding, not bit for bit).
+  // and at the first and last token of every kDeltaChunk (checkpoints are after the last). It
+  // rounds differently from the recurrence (a prefill then steps, which run unfactored, equals
+  // the whole sequence to rounding, not bit for bit).
   const bool factor = kGate && !step_call(p);
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v;  // this head in a (b, h_v, K, V) state
   auto block = [&](int g) { return direct ? p.final_state + st0 + int64_t(jb0 + g) * Wp : sc.S + int64_t(g) * K * Wp; };
@@ -500,7 +501,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
       for (int m = 0; m < K; ++m) {
         T* dst = p.final_state + st0 + int64_t(m) * p.dim_v + (jb0 + g) * Wp;
         const T* row = block(g) + int64_t(m) * Wp;
-        if (factor && sp.len > 0) {
+        if (factor) {
           for (int j = 0; j < width(g); ++j) dst[j] = row[j] * sc.C[m];
         } else {
           std::memcpy(dst, row, sizeof(T) * width(g));
