@@ -176,6 +176,11 @@ template <typename T>
 bool direct_step(const DP<T>& p) {
   return step_call(p) && p.checkpoints == nullptr;
 }
+// Whether a direct step's blocks of Wp columns run on the state's rows: whole blocks only.
+template <typename T>
+bool on_state_rows(const DP<T>& p, int Wp) {
+  return direct_step(p) && p.dim_v % Wp == 0;
+}
 
 // columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
 template <typename T>
@@ -375,7 +380,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   // A decode step (direct_step, whole blocks of columns): the passes run on the final state's
   // rows themselves, the first reading the initial state's, without the copy into the block and
   // back (two of a step's four passes). Strided rows would conflict in L1 over many tokens.
-  const bool direct = !kCkpt && direct_step(p) && p.dim_v % Wp == 0;
+  const bool direct = !kCkpt && on_state_rows(p, Wp);
   const int64_t ld = direct ? p.dim_v : Wp;
   // The gate factored out of the rows over a sequence (not a step, whose state must come out as
   // itself): the rows hold H with h = Diag(C) H, C the running product of the gates, so a
@@ -958,7 +963,7 @@ void delta_fwd(const DeltaParamsT<T>& p) {
   const int64_t tasks = pairs * (nblk / nb);
   if (tasks == 0) return;
   parallel_tasks(tasks, 0, [&] {
-    return [&, sc = FwdScratch<T>(p.dim_k, nb, Wp, !(direct_step(p) && p.dim_v % Wp == 0))](int64_t task) mutable {
+    return [&, sc = FwdScratch<T>(p.dim_k, nb, Wp, !on_state_rows(p, Wp))](int64_t task) mutable {
       const int groups = nblk / nb;
       const int jb = int(task % groups) * nb, hv = int(task / groups % p.h_v), n = int(task / groups / p.h_v);
       auto run = [&](auto gate, auto write) {
