@@ -527,20 +527,20 @@ int block_rows(int kp) {
 }
 
 // One task's scratch: the transposed state and its gradient (V rows of kp), the checkpoints, a
-// chunk's token inputs, replayed states (h_{t-1}), p and u, and its per-token results (dq~, dk^,
-// dg summed over the rows; dbeta; dv).
+// chunk's token inputs (and q . k), replayed states (h_{t-1}), p and u, and its per-token sums
+// over the rows (dq~, dk^, dkp = sum_j dp_j h'_j, dg, sum_j do_j u_j; dbeta; dv).
 template <typename T>
 struct BwdScratch {
   int kp, V, chunk, nck, rb;
   int row0 = 0;  // the first row of the block whose h' advance_rows keeps in H
   Buffer<T> mem;
-  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *dbeta, *dq, *dk, *dg, *dvv, *xrow;
+  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *qk, *dus, *dbeta, *dq, *dk, *dkp, *dg, *dvv, *xrow;
   BwdScratch(int K, int V_, int chunk_, int max_len)
       : kp(round_up(K, kLanes<T>)), V(V_), chunk(chunk_), nck((max_len + chunk_ - 1) / chunk_),
         rb(std::min(V_, block_rows<T>(round_up(K, kLanes<T>)))) {
     const size_t st = size_t(V) * kp, ck = size_t(chunk);
     const size_t total = st * (2 + size_t(std::max(nck, 1))) + ck * size_t(rb) * kp +
-                         ck * (6 * size_t(kp) + 5 * size_t(V) + 2) + size_t(kp);
+                         ck * (7 * size_t(kp) + 5 * size_t(V) + 4) + size_t(kp);
     mem.resize(total);
     T* x = mem.data();
     auto take = [&](size_t n) {
@@ -561,9 +561,12 @@ struct BwdScratch {
     uu = take(ck * V);
     dvv = take(ck * V);
     beta = take(ck);
+    qk = take(ck);
+    dus = take(ck);
     dbeta = take(ck);
     dq = take(ck * kp);
     dk = take(ck * kp);
+    dkp = take(ck * kp);
     dg = take(ck * kp);
     xrow = take(kp);
   }
@@ -589,135 +592,121 @@ void load_chunk(const DBP<T>& p, const TokenIn<T>& in, const Span& sp, int t0, i
                       (int64_t(sp.b) * p.do_batch_stride + int64_t(in.hv) * p.do_head_stride + r * p.do_row_stride) *
                           int64_t(in.es);
       load_row(p.dt, d, sc.dov + int64_t(t) * V, V, V);
+      const T *qt = sc.q + int64_t(t) * kp, *kt = sc.k + int64_t(t) * kp;
+      T qk = 0;
+      for (int i = 0; i < kp; ++i) qk += qt[i] * kt[i];
+      sc.qk[t] = qk;
     }
   }
 }
 
-// R rows from j of the transposed state through the chunk's first nt tokens, each row held in
-// registers for all of them (kp = NV vectors): per token, the gate, the dot with k, its sum, and
-// the update, with k and a read from L1 and nothing else but h' (keep) stored. R rows go together
-// so that the dot's sum of one row overlaps the others' products.
-template <bool kGate, bool kDelta, int R, int NV, typename T>
-inline void advance_rows_reg(T* S, int j, int nt, bool keep, BwdScratch<T>& sc) {
+// One sweep of the replay over R rows of kp (i outer, the R rows inner: k, a and k' loaded once per
+// vector for all of them): x = src_r (+ u_r k, kU: finishing the previous token, h = h' + u k);
+// with kNext, x *= a (kGate) and the next token starts: p_r = x . k', u'_r = beta (v_r - p_r)
+// (v_r without kDelta); dst_r = x.
+template <int R, bool kGate, bool kDelta, bool kU, bool kNext, typename T>
+inline void replay_sweep(const T* __restrict__ src, T* __restrict__ dst, int kp, const T* uv, const T* k,
+                         const T* a, const T* kn, T beta, const T* vn, T* pn, T* un, int64_t pf) {
   constexpr int L = kLanes<T>;
-  const int kp = sc.kp, V = sc.V;
-  vec<T> x[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NV; ++i) x[r][i] = vload(S + int64_t(j + r) * kp + i * L);
-  for (int t = 0; t < nt; ++t) {
-    const T* k = sc.k + int64_t(t) * kp;
-    const T* a = sc.a + int64_t(t) * kp;
-    const T beta = sc.beta[t];
-    const T* v = sc.v + int64_t(t) * V;
-    vec<T> acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vec<T>{};
-#pragma GCC unroll 16
-    for (int i = 0; i < NV; ++i) {
-      const vec<T> kv = vload(k + i * L);
-      const vec<T> av = kGate ? vload(a + i * L) : vec<T>{};
-      for (int r = 0; r < R; ++r) {
-        if (kGate) x[r][i] *= av;
-        if (keep) vstore(sc.H + (int64_t(t) * sc.rb + (j + r - sc.row0)) * kp + i * L, x[r][i]);
-        if (kDelta) acc[r][i & 1] += x[r][i] * kv;
-      }
-    }
+  constexpr bool kDot = kNext && kDelta;
+  vec<T> u[R], acc[R];
+  for (int r = 0; r < R; ++r) {
+    u[r] = kU ? vbcast(uv[r]) : vec<T>{};
+    acc[r] = vec<T>{};
+  }
+  for (int i = 0; i < kp; i += L) {
+    const vec<T> kk = kU ? vload(k + i) : vec<T>{};
+    const vec<T> aa = kNext && kGate ? vload(a + i) : vec<T>{};
+    const vec<T> kv = kDot ? vload(kn + i) : vec<T>{};
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const T pj = kDelta ? hsum_tree(acc[r][0] + acc[r][1]) : T(0);
-      const T uj = kDelta ? beta * (v[j + r] - pj) : v[j + r];
-      const vec<T> uv = vbcast(uj);
-#pragma GCC unroll 16
-      for (int i = 0; i < NV; ++i) x[r][i] += uv * vload(k + i * L);
-      if (keep) {
-        sc.pp[int64_t(t) * V + j + r] = pj;
-        sc.uu[int64_t(t) * V + j + r] = uj;
-      }
+      vec<T> x = vload(src + int64_t(r) * kp + i);
+      if (kU) x += u[r] * kk;
+      if (kNext && kGate) x *= aa;
+      vstore(dst + int64_t(r) * kp + i, x);
+      if (kNext) __builtin_prefetch(dst + int64_t(r) * kp + i + pf, 1, 3);
+      if (kDot) acc[r] += x * kv;
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < NV; ++i) vstore(S + int64_t(j + r) * kp + i * L, x[r][i]);
+  if constexpr (kNext) {
+    for (int r = 0; r < R; ++r) {
+      const T pr = kDelta ? hsum_tree(acc[r]) : T(0);
+      pn[r] = pr;
+      un[r] = kDelta ? beta * (vn[r] - pr) : vn[r];
+    }
+  }
 }
 
-template <bool kGate, bool kDelta, int NV, typename T>
-inline void advance_rows_fixed(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
-  constexpr int R = NV <= 4 ? 4 : NV <= 8 ? 3 : 1;  // x, the two sums and k's vector in 32 registers
-  int j = j0;
-  for (; j + R <= j1; j += R) advance_rows_reg<kGate, kDelta, R, NV>(S, j, nt, keep, sc);
-  for (; j < j1; ++j) advance_rows_reg<kGate, kDelta, 1, NV>(S, j, nt, keep, sc);
+// Vector registers: 32 at AVX-512, 16 below.
+constexpr int kVecRegs = kVecBytes >= 64 ? 32 : 16;
+// Rows a replay sweep runs together: u and the dot's sum of each in registers beside k, a, k'.
+constexpr int kSweepRows = kVecRegs >= 32 ? 8 : 4;
+
+template <bool kGate, bool kDelta, bool kU, bool kNext, typename T>
+void replay_rows(const T* src, T* dst, int n, int kp, const T* uv, const T* k, const T* a, const T* kn, T beta,
+                 const T* vn, T* pn, T* un, int64_t pf) {
+  constexpr int R = kSweepRows;
+  int r = 0;
+  for (; r + R <= n; r += R)
+    replay_sweep<R, kGate, kDelta, kU, kNext>(src + int64_t(r) * kp, dst + int64_t(r) * kp, kp, uv + r, k, a, kn,
+                                              beta, vn + r, pn + r, un + r, pf);
+  for (; r < n; ++r)
+    replay_sweep<1, kGate, kDelta, kU, kNext>(src + int64_t(r) * kp, dst + int64_t(r) * kp, kp, uv + r, k, a, kn,
+                                              beta, vn + r, pn + r, un + r, pf);
 }
 
-// Rows [j0, j1) of the transposed state S through the chunk's first nt tokens: per row j,
-// S_j <- a S_j + u_j k with p_j = (a S_j) . k, u_j = beta (v_j - p_j). With `keep`, each
-// token's rows of h' = a h_{t-1} go to H (rows from sc.row0 = j0), and p, u to pp, uu. Rows of up
-// to 16 vectors stay in registers through the tokens (advance_rows_reg); wider ones take two
-// passes over L1 per token.
+// Rows [j0, j1) of the transposed state through the chunk's first nt tokens, from src's rows
+// (stride kp) to out's (null: the final state is not needed): per row j, S_j <- a S_j + u_j k with
+// p_j = (a S_j) . k, u_j = beta (v_j - p_j). Each token's rows of
+// h' = a h_{t-1} go to H (rows from sc.row0 = j0), its p and u to pp and uu. One sweep per token
+// over the block's rows (in L1) finishes token t - 1 from its h' (h = h' + u k, not stored) and
+// starts token t (h' and the dot with k): a row vector costs its three multiply-adds, a load and a
+// store. Rows are independent, so the sweeps of R rows overlap each other's dot sums; the tokens
+// of one row are a chain of them (a row held in registers through the tokens waits on its sum
+// every token).
 template <bool kGate, bool kDelta, typename T>
-void advance_rows(T* S, int j0, int j1, int nt, bool keep, BwdScratch<T>& sc) {
-  constexpr int L = kLanes<T>;
-  const int kp = sc.kp, V = sc.V;
+void advance_rows(const T* src, T* out, int j0, int j1, int nt, BwdScratch<T>& sc) {
+  const int kp = sc.kp, V = sc.V, n = j1 - j0;
   sc.row0 = j0;
-  switch (kp / L) {
-    case 1: return advance_rows_fixed<kGate, kDelta, 1>(S, j0, j1, nt, keep, sc);
-    case 2: return advance_rows_fixed<kGate, kDelta, 2>(S, j0, j1, nt, keep, sc);
-    case 4: return advance_rows_fixed<kGate, kDelta, 4>(S, j0, j1, nt, keep, sc);
-    case 8: return advance_rows_fixed<kGate, kDelta, 8>(S, j0, j1, nt, keep, sc);
-    case 16: return advance_rows_fixed<kGate, kDelta, 16>(S, j0, j1, nt, keep, sc);
-    default: break;
-  }
   for (int t = 0; t < nt; ++t) {
+    T* h = sc.H + int64_t(t) * sc.rb * kp;
     const T* k = sc.k + int64_t(t) * kp;
-    const T* a = sc.a + int64_t(t) * kp;
-    const T beta = sc.beta[t];
-    const T* v = sc.v + int64_t(t) * V;
-    for (int j = j0; j < j1; ++j) {
-      T* row = S + int64_t(j) * kp;
-      T* keep_row = keep ? sc.H + (int64_t(t) * sc.rb + (j - j0)) * kp : row;  // h' goes there too
-      vec<T> acc0{}, acc1{};
-      int i = 0;
-      for (; i + 2 * L <= kp; i += 2 * L) {
-        vec<T> x0 = vload(row + i), x1 = vload(row + i + L);
-        if (kGate) {
-          x0 *= vload(a + i);
-          x1 *= vload(a + i + L);
-          vstore(row + i, x0);
-          vstore(row + i + L, x1);
-        }
-        if (keep) {
-          vstore(keep_row + i, x0);
-          vstore(keep_row + i + L, x1);
-        }
-        if (kDelta) {
-          acc0 += x0 * vload(k + i);
-          acc1 += x1 * vload(k + i + L);
-        }
-      }
-      for (; i < kp; i += L) {
-        vec<T> x = vload(row + i);
-        if (kGate) {
-          x *= vload(a + i);
-          vstore(row + i, x);
-        }
-        if (keep) vstore(keep_row + i, x);
-        if (kDelta) acc0 += x * vload(k + i);
-      }
-      const T pj = kDelta ? hsum_tree(acc0 + acc1) : T(0), uj = kDelta ? beta * (v[j] - pj) : v[j];
-      const vec<T> uv = vbcast(uj);
-      for (i = 0; i < kp; i += L) vstore(row + i, vload(row + i) + uv * vload(k + i));
-      if (keep) {
-        sc.pp[int64_t(t) * V + j] = pj;
-        sc.uu[int64_t(t) * V + j] = uj;
-      }
+    const int64_t tv = int64_t(t) * V + j0;
+    if (t == 0) {  // h' = a S, no u yet (uv unread)
+      replay_rows<kGate, kDelta, false, true>(src + int64_t(j0) * kp, h, n, kp, sc.uu + tv, k, sc.a, k, sc.beta[0],
+                                              sc.v + tv, sc.pp + tv, sc.uu + tv, int64_t(sc.rb) * kp);
+    } else {
+      replay_rows<kGate, kDelta, true, true>(h - int64_t(sc.rb) * kp, h, n, kp, sc.uu + tv - V,
+                                             sc.k + int64_t(t - 1) * kp, sc.a + int64_t(t) * kp, k, sc.beta[t],
+                                             sc.v + tv, sc.pp + tv, sc.uu + tv, int64_t(sc.rb) * kp);
     }
+  }
+  if (nt > 0 && out != nullptr) {  // h of the last token (nothing next: a, k', v, p and u' unread)
+    const int64_t tv = int64_t(nt - 1) * V + j0;
+    replay_rows<kGate, kDelta, true, false>(sc.H + int64_t(nt - 1) * sc.rb * kp, out + int64_t(j0) * kp, n, kp,
+                                            sc.uu + tv, sc.k + int64_t(nt - 1) * kp, sc.a, sc.k, T(0), sc.v + tv,
+                                            sc.pp + tv, sc.uu + tv, 0);
   }
 }
 
 // The backward of R rows j.. j + R - 1 of one token (given h' rows, p, u and the inputs), sharing
 // the per-token sums' loads and stores among the R rows: turns those rows of dS from dL/dh_t
-// (without token t's output term) into dL/dh_{t-1}, adds their terms of dq~, dk^ and dg (per
-// key, w.r.t. the log-gate), writes their dv and returns their part of dbeta.
+// (without token t's output term) into dL/dh_{t-1}, adds their terms of the per-token sums, writes
+// their dv and returns their part of dbeta.
+//
+// With h_t = h' + u_j k and ds_j = dS_j + do_j q (row j), the terms that a scalar per token times
+// q or k carries are left to the end of the chunk (finish_token), so that a row costs 7 vector
+// multiply-adds (gated delta rule) rather than 10:
+//   dq~ = sum_j do_j h_t,j       = sum_j do_j h'_j + (sum_j do_j u_j) k
+//   dk^ = sum_j u_j ds_j + dp_j h'_j = sum_j (u_j dS_j + dp_j h'_j) + (sum_j do_j u_j) q
+//   du_j = ds_j . k              = dS_j . k + do_j (q . k)
+//   dg = sum_j dh'_j o h'_j      = sum_j dS_j o h'_j + q o sum_j do_j h'_j + k o sum_j dp_j h'_j
+// (dh'_j = ds_j + dp_j k, dp_j = -beta du_j; o the elementwise product). dkp takes the dp_j h'_j
+// terms: dk's scratch itself without a gate, its own with one (dg needs their sum apart).
 template <int R, bool kGate, bool kDelta, typename T>
 inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* __restrict__ dS, const T* k,
-                                const T* q, const T* a, T beta, const T* v, const T* pv, const T* uv,
-                                const T* dov, T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dg, T* dv) {
+                                const T* q, const T* a, T beta, T qk, const T* v, const T* pv, const T* uv,
+                                const T* dov, T* dq, T* dk, T* dkp, T* dg, T* dv) {
   constexpr int L = kLanes<T>;
   vec<T> u[R], d[R], du[R];
   for (int r = 0; r < R; ++r) {
@@ -725,25 +714,27 @@ inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* _
     d[r] = vbcast(dov[j + r]);
     du[r] = vec<T>{};
   }
-  // ds = dh_t (with the output term), ht = h_t: dq += do_j ht, dk += u_j ds, du_j = ds . k
+  // dq~ += do_j h'_j, dk^ += u_j dS_j, du_j = dS_j . k, dg += dS_j o h'_j
   for (int i = 0; i < kp; i += L) {
-    const vec<T> kk = vload(k + i), qq = vload(q + i);
-    vec<T> dqa = vload(dq + i), dka = vload(dk + i);
+    const vec<T> kk = vload(k + i);
+    vec<T> dqa = vload(dq + i), dka = vload(dk + i), dga = kGate ? vload(dg + i) : vec<T>{};
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const vec<T> ht = vload(hrows + int64_t(r) * kp + i) + u[r] * kk;
-      const vec<T> ds = vload(dS + int64_t(j + r) * kp + i) + d[r] * qq;
-      dqa += d[r] * ht;
+      const vec<T> hp = vload(hrows + int64_t(r) * kp + i);
+      const vec<T> ds = vload(dS + int64_t(j + r) * kp + i);
+      dqa += d[r] * hp;
       dka += u[r] * ds;
       du[r] += ds * kk;
+      if (kGate) dga += ds * hp;
     }
     vstore(dq + i, dqa);
     vstore(dk + i, dka);
+    if (kGate) vstore(dg + i, dga);
   }
   T dbeta = 0;
   vec<T> dp[R];
   for (int r = 0; r < R; ++r) {
-    const T duj = hsum_tree(du[r]);
+    const T duj = hsum_tree(du[r]) + dov[j + r] * qk;
     if constexpr (kDelta) {
       dp[r] = vbcast(-beta * duj);
       dv[j + r] = beta * duj;
@@ -753,57 +744,86 @@ inline T backward_rows_of_token(int j, int kp, const T* __restrict__ hrows, T* _
       dv[j + r] = duj;
     }
   }
-  // dh' = ds + dp_j k; dk += dp_j h'; dg += dh' h'; dh_{t-1} = a dh'
+  // dh' = dS_j + do_j q + dp_j k; dkp += dp_j h'_j; dL/dh_{t-1} = a o dh'
   for (int i = 0; i < kp; i += L) {
     const vec<T> kk = vload(k + i), qq = vload(q + i);
-    vec<T> dka = vload(dk + i), dga = kGate ? vload(dg + i) : vec<T>{};
     const vec<T> aa = kGate ? vload(a + i) : vec<T>{};
+    vec<T> dpa = kDelta ? vload(dkp + i) : vec<T>{};
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       T* dsr = dS + int64_t(j + r) * kp + i;
-      const vec<T> hp = vload(hrows + int64_t(r) * kp + i);
       vec<T> dhp = vload(dsr) + d[r] * qq;
       if (kDelta) {
         dhp += dp[r] * kk;
-        dka += dp[r] * hp;
+        dpa += dp[r] * vload(hrows + int64_t(r) * kp + i);
       }
-      if (kGate) {
-        dga += dhp * hp;
-        vstore(dsr, aa * dhp);
-      } else {
-        vstore(dsr, dhp);
-      }
+      vstore(dsr, kGate ? aa * dhp : dhp);
     }
-    vstore(dk + i, dka);
-    if (kGate) vstore(dg + i, dga);
+    if (kDelta) vstore(dkp + i, dpa);
   }
   return dbeta;
 }
 
-// The backward of rows [j0, j1) through the chunk's first nt tokens, last first (four rows at a
-// time, then one), adding into the chunk's per-token sums.
+// Rows a backward pass shares its per-token sums' loads among (u, do and du of each in registers
+// beside k and the three sums): 4 at every width; 2 or 8 read 1.2x slower at AVX2, 8 1.1x at
+// AVX-512 (benchmarks/results/2026-12-01-delta-bwd-intel.md).
+constexpr int kBwdRows = 4;
+
+// The backward of rows [j0, j1) through the chunk's first nt tokens, last first (kBwdRows rows at
+// a time, then one), adding into the chunk's per-token sums.
 template <bool kGate, bool kDelta, typename T>
 void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
+  constexpr int R = kBwdRows;
   const int kp = sc.kp, V = sc.V;
   for (int t = nt - 1; t >= 0; --t) {
     const T* k = sc.k + int64_t(t) * kp;
     const T* q = sc.q + int64_t(t) * kp;
     const T* a = sc.a + int64_t(t) * kp;
-    const T beta = sc.beta[t];
+    const T beta = sc.beta[t], qk = sc.qk[t];
     const T *v = sc.v + int64_t(t) * V, *pv = sc.pp + int64_t(t) * V, *uv = sc.uu + int64_t(t) * V,
             *dov = sc.dov + int64_t(t) * V;
     T *dq = sc.dq + int64_t(t) * kp, *dk = sc.dk + int64_t(t) * kp, *dg = sc.dg + int64_t(t) * kp;
+    T* dkp = kGate ? sc.dkp + int64_t(t) * kp : dk;
     T* dv = sc.dvv + int64_t(t) * V;
     const T* h = sc.H + int64_t(t) * sc.rb * kp - int64_t(j0) * kp;  // row j of the block at h + j kp
-    T dbeta = 0;
+    T dbeta = 0, dus = 0;
+    for (int j = j0; j < j1; ++j) dus += dov[j] * uv[j];
     int j = j0;
-    for (; j + 4 <= j1; j += 4)
-      dbeta += backward_rows_of_token<4, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv,
-                                                        dov, dq, dk, dg, dv);
+    for (; j + R <= j1; j += R)
+      dbeta += backward_rows_of_token<R, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, qk, v, pv,
+                                                        uv, dov, dq, dk, dkp, dg, dv);
     for (; j < j1; ++j)
-      dbeta += backward_rows_of_token<1, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, v, pv, uv,
-                                                        dov, dq, dk, dg, dv);
+      dbeta += backward_rows_of_token<1, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, qk, v, pv,
+                                                        uv, dov, dq, dk, dkp, dg, dv);
     sc.dbeta[t] += dbeta;
+    sc.dus[t] += dus;
+  }
+}
+
+// Token t's per-token sums completed once every row has run (backward_rows_of_token's terms
+// carried by q and k): dg += q o dq~ + k o dkp first (dq~ still without its k term), then
+// dq~ += dus k, dk^ += dkp + dus q.
+template <bool kGate, bool kDelta, typename T>
+void finish_token(int t, BwdScratch<T>& sc) {
+  constexpr int L = kLanes<T>;
+  const int kp = sc.kp;
+  const T *k = sc.k + int64_t(t) * kp, *q = sc.q + int64_t(t) * kp, *dkp = sc.dkp + int64_t(t) * kp;
+  T *dq = sc.dq + int64_t(t) * kp, *dk = sc.dk + int64_t(t) * kp, *dg = sc.dg + int64_t(t) * kp;
+  const vec<T> s = vbcast(sc.dus[t]);
+  for (int i = 0; i < kp; i += L) {
+    const vec<T> kk = vload(k + i), qq = vload(q + i);
+    vec<T> dqa = vload(dq + i), dka = vload(dk + i);
+    if (kGate) {
+      vec<T> dga = vload(dg + i) + qq * dqa;
+      if (kDelta) {
+        const vec<T> dpa = vload(dkp + i);
+        dga += kk * dpa;
+        dka += dpa;
+      }
+      vstore(dg + i, dga);
+    }
+    vstore(dq + i, dqa + s * kk);
+    vstore(dk + i, dka + s * qq);
   }
 }
 
@@ -884,7 +904,7 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
     std::memcpy(sc.ckpt + c * st, sc.S, sizeof(T) * st);
     if (c == nck - 1) break;  // the last chunk's states are replayed below
     load_chunk<kGate>(p, in, sp, c * C, C, false, sc);
-    for (int j = 0; j < V; j += rb) advance_rows<kGate, kDelta>(sc.S, j, std::min(V, j + rb), C, false, sc);
+    for (int j = 0; j < V; j += rb) advance_rows<kGate, kDelta>(sc.S, sc.S, j, std::min(V, j + rb), C, sc);
   }
   // dL/dh at the end
   std::fill(sc.dS, sc.dS + st, T(0));
@@ -894,21 +914,30 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
   for (int c = nck - 1; c >= 0; --c) {
     const int t0 = c * C, nt = std::min(C, sp.len - t0);
     load_chunk<kGate>(p, in, sp, t0, nt, true, sc);
-    if (p.checkpoints != nullptr) {  // (V, K) rows into the (V, kp) ones; the pad past K stays 0
+    // the chunk's first state: the checkpoint's rows themselves where they are (V, kp)
+    const T* S0 = sc.ckpt + c * st;
+    if (p.checkpoints != nullptr) {
       const T* ck = p.checkpoints + checkpoint_offset(p, n, hv, c);
-      for (int j = 0; j < V; ++j) std::memcpy(sc.S + int64_t(j) * kp, ck + int64_t(j) * K, sizeof(T) * K);
-    } else {
-      std::memcpy(sc.S, sc.ckpt + c * st, sizeof(T) * st);
+      S0 = ck;
+      if (K != kp) {  // (V, K) rows into the (V, kp) ones; the pad past K stays 0
+        for (int j = 0; j < V; ++j) std::memcpy(sc.S + int64_t(j) * kp, ck + int64_t(j) * K, sizeof(T) * K);
+        S0 = sc.S;
+      }
     }
     std::fill(sc.dq, sc.dq + int64_t(nt) * kp, T(0));
     std::fill(sc.dk, sc.dk + int64_t(nt) * kp, T(0));
-    if (kGate) std::fill(sc.dg, sc.dg + int64_t(nt) * kp, T(0));
+    if (kGate) {
+      std::fill(sc.dg, sc.dg + int64_t(nt) * kp, T(0));
+      std::fill(sc.dkp, sc.dkp + int64_t(nt) * kp, T(0));
+    }
     std::fill(sc.dbeta, sc.dbeta + nt, T(0));
+    std::fill(sc.dus, sc.dus + nt, T(0));
     for (int j = 0; j < V; j += rb) {
-      advance_rows<kGate, kDelta>(sc.S, j, std::min(V, j + rb), nt, true, sc);
+      advance_rows<kGate, kDelta>(S0, static_cast<T*>(nullptr), j, std::min(V, j + rb), nt, sc);
       backward_rows<kGate, kDelta>(j, std::min(V, j + rb), nt, sc);
     }
     for (int t = 0; t < nt; ++t) {
+      finish_token<kGate, kDelta>(t, sc);
       const int64_t r = sp.row0 + t0 + t;
       const int64_t side = (int64_t(sp.b) * p.h_v + hv) * p.s + r;
       store_elem(p.beta_dt, p.dbeta, side, sc.dbeta[t]);
