@@ -162,12 +162,12 @@ inline vec<T> load_cvt(const E* p) {
 // (v_j[c], v_j+1[c]) into one 32-bit lane, so one instruction adds p_j v_j[c] + p_j+1 v_j+1[c]
 // for 16 columns. Within 128-bit lanes, so a full 32-column block of O is kept in that order
 // (dots_col) and put back once per task.
-// e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products: their elements
-// convert to bf16 in registers exactly (4 significant bits; bf16x32), ten integer operations per
-// 32, against nine per 16 widened to float32 and then an FMA per element per row (int8 caches
-// take kInts below where the level has it, else the same bf16 products). Under float32 / fp16
-// queries they widen to float32 (q would not be bf16 data, and P would be rounded past the
-// float32 rule).
+// e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products (but on AMX CPUs,
+// see run()): their elements convert to bf16 in registers exactly (4 significant bits; bf16x32),
+// ten integer operations per 32, against nine per 16 widened to float32 and then an FMA per
+// element per row (int8 caches take kInts below where the level has it, else the same bf16
+// products). Under float32 / fp16 queries they widen to float32 (q would not be bf16 data, and P
+// would be rounded past the float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
 // int32 on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
 // the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
@@ -1237,9 +1237,12 @@ void run(const DecodeParamsT<T>& p, DType dt) {
   T* po = splits > 1 ? part_o.data() : nullptr;
   T* pl = splits > 1 ? part_lse.data() : nullptr;
   if constexpr ((kDots<T, E, true> || kInts<T, E, true>) && kByte<E>) {
-    // kInts: bf16 or fp16 q; kDots (P rounded to bf16): bf16 q only
+    // kInts: bf16 or fp16 q; kDots (P rounded to bf16): bf16 q only. Not e4m3 on an AMX CPU
+    // (Intel), whose vdpbf16ps runs at half the FMA rate: its widening to float32 reads 1.08-1.13x
+    // faster there (benchmarks/results/2026-12-01-decode-e4m3-intel.md).
     const bool q16 = dt == DType::kBF16 || (kInts<T, E, true> && dt == DType::kF16 && p.d <= kI16MaxD);
-    if (q16 && (!kInts<T, E, true> || p.d <= kI16MaxD)) {
+    const bool half_rate_dots = kDots<T, E, true> && std::is_same_v<E, F8> && amx();
+    if (q16 && !half_rate_dots && (!kInts<T, E, true> || p.d <= kI16MaxD)) {
       parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E, true>(p, dt, splits, po, pl); });
       if (splits > 1) merge_splits(p, dt, splits, po, pl);
       return;
