@@ -531,19 +531,19 @@ int block_rows(int kp) {
 
 // One task's scratch: the transposed state and its gradient (V rows of kp), the checkpoints, a
 // chunk's token inputs (and q . k), replayed states (h_{t-1}), p and u, and its per-token sums
-// over the rows (dq~, dk^, dkp = sum_j dp_j h'_j, dg, sum_j do_j u_j; dbeta; dv).
+// over the rows (dq~, dk^, dkp = sum_j dp_j h'_j, dg; dbeta; dv).
 template <typename T>
 struct BwdScratch {
   int kp, V, chunk, nck, rb;
   int row0 = 0;  // the first row of the block whose h' advance_rows keeps in H
   Buffer<T> mem;
-  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *qk, *dus, *dbeta, *dq, *dk, *dkp, *dg, *dvv, *xrow;
+  T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *qk, *dbeta, *dq, *dk, *dkp, *dg, *dvv, *xrow;
   BwdScratch(int K, int V_, int chunk_, int max_len)
       : kp(round_up(K, kLanes<T>)), V(V_), chunk(chunk_), nck((max_len + chunk_ - 1) / chunk_),
         rb(std::min(V_, block_rows<T>(round_up(K, kLanes<T>)))) {
     const size_t st = size_t(V) * kp, ck = size_t(chunk);
     const size_t total = st * (2 + size_t(std::max(nck, 1))) + ck * size_t(rb) * kp +
-                         ck * (7 * size_t(kp) + 5 * size_t(V) + 4) + size_t(kp);
+                         ck * (7 * size_t(kp) + 5 * size_t(V) + 3) + size_t(kp);
     mem.resize(total);
     T* x = mem.data();
     auto take = [&](size_t n) {
@@ -565,7 +565,6 @@ struct BwdScratch {
     dvv = take(ck * V);
     beta = take(ck);
     qk = take(ck);
-    dus = take(ck);
     dbeta = take(ck);
     dq = take(ck * kp);
     dk = take(ck * kp);
@@ -578,6 +577,23 @@ struct BwdScratch {
 // Tokens per chunk: kDeltaChunk (64), the forward's checkpoint interval. A row block's replayed
 // states (chunk x rows x kp) are then at most 64 x 8 KiB (kBlockBytes), which stay in L2 between
 // the replay and the backward of the block.
+
+// x . y over n elements in vector partial sums (a scalar loop's sum is one chain of dependent
+// adds: 128 of them for q . k at K = 128, per token).
+template <typename T>
+T dot(const T* x, const T* y, int n) {
+  constexpr int L = kLanes<T>;
+  vec<T> a{}, b{};
+  int i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    a += vload(x + i) * vload(y + i);
+    b += vload(x + i + L) * vload(y + i + L);
+  }
+  for (; i + L <= n; i += L) a += vload(x + i) * vload(y + i);
+  T s = hsum_tree(a + b);
+  for (; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
 
 // Loads tokens [t0, t0 + nt) of the span into the chunk rows (with q and dout when `grads`).
 template <bool kGate, typename T>
@@ -595,10 +611,7 @@ void load_chunk(const DBP<T>& p, const TokenIn<T>& in, const Span& sp, int t0, i
                       (int64_t(sp.b) * p.do_batch_stride + int64_t(in.hv) * p.do_head_stride + r * p.do_row_stride) *
                           int64_t(in.es);
       load_row(p.dt, d, sc.dov + int64_t(t) * V, V, V);
-      const T *qt = sc.q + int64_t(t) * kp, *kt = sc.k + int64_t(t) * kp;
-      T qk = 0;
-      for (int i = 0; i < kp; ++i) qk += qt[i] * kt[i];
-      sc.qk[t] = qk;
+      sc.qk[t] = dot(sc.q + int64_t(t) * kp, sc.k + int64_t(t) * kp, kp);
     }
   }
 }
@@ -790,8 +803,7 @@ void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
     T* dkp = kGate ? sc.dkp + int64_t(t) * kp : dk;
     T* dv = sc.dvv + int64_t(t) * V;
     const T* h = sc.H + int64_t(t) * sc.rb * kp - int64_t(j0) * kp;  // row j of the block at h + j kp
-    T dbeta = 0, dus = 0;
-    for (int j = j0; j < j1; ++j) dus += dov[j] * uv[j];
+    T dbeta = 0;
     int j = j0;
     for (; j + R <= j1; j += R)
       dbeta += backward_rows_of_token<R, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, qk, v, pv,
@@ -800,20 +812,19 @@ void backward_rows(int j0, int j1, int nt, BwdScratch<T>& sc) {
       dbeta += backward_rows_of_token<1, kGate, kDelta>(j, kp, h + int64_t(j) * kp, sc.dS, k, q, a, beta, qk, v, pv,
                                                         uv, dov, dq, dk, dkp, dg, dv);
     sc.dbeta[t] += dbeta;
-    sc.dus[t] += dus;
   }
 }
 
 // Token t's per-token sums completed once every row has run (backward_rows_of_token's terms
 // carried by q and k): dg += q o dq~ + k o dkp first (dq~ still without its k term), then
-// dq~ += dus k, dk^ += dkp + dus q.
+// dq~ += s k, dk^ += dkp + s q, s = sum_j do_j u_j.
 template <bool kGate, bool kDelta, typename T>
 void finish_token(int t, BwdScratch<T>& sc) {
   constexpr int L = kLanes<T>;
   const int kp = sc.kp;
   const T *k = sc.k + int64_t(t) * kp, *q = sc.q + int64_t(t) * kp, *dkp = sc.dkp + int64_t(t) * kp;
   T *dq = sc.dq + int64_t(t) * kp, *dk = sc.dk + int64_t(t) * kp, *dg = sc.dg + int64_t(t) * kp;
-  const vec<T> s = vbcast(sc.dus[t]);
+  const vec<T> s = vbcast(dot(sc.dov + int64_t(t) * sc.V, sc.uu + int64_t(t) * sc.V, sc.V));
   for (int i = 0; i < kp; i += L) {
     const vec<T> kk = vload(k + i), qq = vload(q + i);
     vec<T> dqa = vload(dq + i), dka = vload(dk + i);
@@ -935,7 +946,6 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
       std::fill(sc.dkp, sc.dkp + int64_t(nt) * kp, T(0));
     }
     std::fill(sc.dbeta, sc.dbeta + nt, T(0));
-    std::fill(sc.dus, sc.dus + nt, T(0));
     for (int j = 0; j < V; j += rb) {
       advance_rows<kGate, kDelta>(S0, static_cast<T*>(nullptr), j, std::min(V, j + rb), nt, sc);
       backward_rows<kGate, kDelta>(j, std::min(V, j + rb), nt, sc);
