@@ -70,7 +70,7 @@ NAMES = ("dq", "dk", "dv", "ddecay", "dinitial_state")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_against_the_recurrence(dtype, feature_map, normalize):
     q, k, v, decay = problem(seed=CODES[feature_map] + 3 * normalize)
@@ -83,6 +83,40 @@ def test_against_the_recurrence(dtype, feature_map, normalize):
     assert_close_fa2(state, t_state, r_state, torch.float32, "final state")
     for name, a, t, r in zip(NAMES, grads, t_grads, r_grads):
         assert_close_fa2(a, t, r, dtype if name in ("dq", "dk", "dv") else torch.float32, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("hk", [4, 2])
+def test_16bit_identity_reads_its_inputs_as_widened(dtype, masked, hk):
+    """Identity features without the normalizer hand 16-bit q, k, v to the kernel as they are (no
+    float32 copies) where k and v have a head per query head: out and every gradient equal, bit for
+    bit, the call on the float32-widened inputs rounded to the dtype (the kernel widens them
+    exactly and rounds each result once). With GQA (hk 2) the gradients of the shared k and v sum
+    over the group before they round: the widened path, the same equality."""
+    q, k, v, decay = problem(hk=hk, extreme=True, seed=5)
+    kw = dict(feature_map="identity", normalize=False, scale=0.5)
+    if masked:
+        kw["key_mask"] = torch.rand(2, 29, generator=torch.Generator().manual_seed(2)) > 0.3
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(2, 4, 29, 6, generator=g).to(dtype)  # one upstream gradient, in dtype for both
+    dstate = torch.randn(2, 4, 8, 6, generator=g)
+
+    def call(t):
+        xs = [x.detach().to(dtype).to(t).requires_grad_() for x in (q, k, v)]
+        d = decay.detach().float().requires_grad_()
+        out, state = ae.linear_attention(*xs, causal=True, decay=d, return_state=True, **kw)
+        state = state.augmented(False)
+        torch.autograd.backward((out, state), (dout.to(t), dstate))
+        return out, state, [x.grad for x in xs + [d]]
+
+    out, state, grads = call(dtype)
+    w_out, w_state, w_grads = call(torch.float32)
+    assert out.dtype == dtype and torch.equal(out, w_out.to(dtype))
+    assert torch.equal(state, w_state)
+    for name, a, r in zip(NAMES, grads, w_grads):
+        assert a.dtype == (dtype if name in ("dq", "dk", "dv") else torch.float32), name
+        assert torch.equal(a, r.to(a.dtype)), name
 
 
 @pytest.mark.parametrize("case", ["gqa-mask", "mha", "extreme", "identity-unnormalized"])
