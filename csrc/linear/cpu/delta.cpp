@@ -186,6 +186,9 @@ bool on_state_rows(const DP<T>& p, int Wp) {
 }
 
 // columns per forward block: 32 (a 16 KiB block at K = 128 in float32, in L1 with room to spare)
+// Vector registers: 32 at AVX-512, 16 below.
+constexpr int kVecRegs = kVecBytes >= 64 ? 32 : 16;
+
 template <typename T>
 constexpr int kColVecs = std::max(1, 32 / kLanes<T>);
 // At AVX-512 in float32, 64 columns where the block fits in three quarters of L1 (32 KiB at K =
@@ -264,6 +267,58 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
     for (int c = 1; c < CH; ++c) {
       o[i] += oc[c][i];
       pn[i] += pc[c][i];
+    }
+  }
+}
+
+// The plain write (GLA) over two tokens in one pass, both passes ungated (no gate, or the gate
+// factored out) and nothing started: per row m, x = h[m] + k_t[m] u_t, o_t += q_t[m] x,
+// x += k_{t+1}[m] u_{t+1}, o_{t+1} += q_{t+1}[m] x. The two single passes' operations in their
+// order and sums (bit for bit the same), with one load and one store of the block for both
+// tokens: a single plain pass has two FMAs per load and store, and ran at about a third of the
+// FMA peak. kPairRegs: the registers it holds (two sets of o sums, both u, four broadcasts, x).
+template <int NV, int CH>
+constexpr int kPairRegs = 2 * CH * NV + 2 * NV + 5;
+
+template <int NV, int CH, typename T>
+__attribute__((always_inline)) inline void plain_pair_pass(T* __restrict__ S, int64_t ld, int K,
+                                                           const FwdToken<T>& t0, const FwdToken<T>& t1,
+                                                           const vec<T>* u0, const vec<T>* u1, vec<T> (&o0)[NV],
+                                                           vec<T> (&o1)[NV]) {
+  constexpr int L = kLanes<T>;
+  const T* __restrict__ k0 = t0.k;
+  const T* __restrict__ q0 = t0.q;
+  const T* __restrict__ k1 = t1.k;
+  const T* __restrict__ q1 = t1.q;
+  vec<T> a0[CH][NV], a1[CH][NV];
+  for (int c = 0; c < CH; ++c)
+    for (int i = 0; i < NV; ++i) a0[c][i] = a1[c][i] = vec<T>{};
+  auto row_step = [&](T* __restrict__ row, int m, vec<T>* oa, vec<T>* ob) __attribute__((always_inline)) {
+    const vec<T> kc = vbcast_mem(k0 + m), qc = vbcast_mem(q0 + m);
+    const vec<T> kd = vbcast_mem(k1 + m), qd = vbcast_mem(q1 + m);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      vec<T> x = vload(row + i * L);
+      x += kc * u0[i];
+      oa[i] += qc * x;
+      x += kd * u1[i];
+      ob[i] += qd * x;
+      vstore(row + i * L, x);
+    }
+  };
+  int m = 0;
+  T* rp = S;
+  for (; m + CH <= K; m += CH, rp += CH * ld) {
+#pragma GCC unroll 4
+    for (int c = 0; c < CH; ++c) row_step(rp + c * ld, m + c, a0[c], a1[c]);
+  }
+  for (; m < K; ++m, rp += ld) row_step(rp, m, a0[0], a1[0]);
+  for (int i = 0; i < NV; ++i) {
+    o0[i] = a0[0][i];
+    o1[i] = a1[0][i];
+    for (int c = 1; c < CH; ++c) {
+      o0[i] += a0[c][i];
+      o1[i] += a1[c][i];
     }
   }
 }
@@ -476,6 +531,32 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
       for (int t = c0; t < c1; ++t) {
         const FwdToken<T>& cur = tok[t & 1];
         FwdToken<T>& nxt = tok[(t + 1) & 1];
+        if constexpr (!kDelta && kPairRegs<NV, CH> <= kVecRegs) {
+          // the plain write: tokens t and t + 1 in one pass where both passes are ungated and
+          // neither ends at a checkpoint (a 64-token chunk's edges fold, so its inner tokens pair)
+          auto ungated = [&](int x) { return !kGate || (factor && !sc.fold[x - c0]); };
+          if (t + 1 < c1 && ungated(t + 1) && (t + 2 == sp.len || ungated(t + 2)) &&
+              !(kCkpt && ((t + 1) % kDeltaChunk == 0 || (t + 2) % kDeltaChunk == 0))) {
+            token(t + 1, c0, j0, w, nxt);
+            vec<T> u1[NV], o1[NV];
+            for (int i = 0; i < NV; ++i) {
+              u[i] = vload(cur.v + i * L);
+              u1[i] = vload(nxt.v + i * L);
+            }
+            plain_pair_pass<NV, CH>(S, ld, K, cur, nxt, u, u1, ov, o1);
+            for (int x = 0; x < 2; ++x) {
+              for (int i = 0; i < NV; ++i) vstore(sc.o + i * L, x == 0 ? ov[i] : o1[i]);
+              const int64_t r = sp.row0 + t + x;
+              store_row(p.dt, sc.o,
+                        static_cast<char*>(p.o) + (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
+                                                   r * p.o_row_stride + j0) * int64_t(in.es),
+                        w);
+            }
+            if (t + 2 < sp.len) token(t + 2, c0, j0, w, tok[t & 1]);  // the next step's cur
+            ++t;
+            continue;
+          }
+        }
         const vec<T> bv = vbcast(cur.beta);
         if constexpr (kDelta) {
           for (int i = 0; i < NV; ++i) u[i] = bv * (vload(cur.v + i * L) - pv[i]);
@@ -654,8 +735,6 @@ inline void replay_sweep(const T* __restrict__ src, T* __restrict__ dst, int kp,
   }
 }
 
-// Vector registers: 32 at AVX-512, 16 below.
-constexpr int kVecRegs = kVecBytes >= 64 ? 32 : 16;
 // Rows a replay sweep runs together: u and the dot's sum of each in registers beside k, a, k'.
 constexpr int kSweepRows = kVecRegs >= 32 ? 8 : 4;
 
