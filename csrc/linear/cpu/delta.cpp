@@ -34,6 +34,8 @@
 //
 // The plain write (params.plain: u_t = v_t, linear attention with GLA's per-feature gates) is the
 // same recurrence without p = h'^T k and its gradient terms: the kDelta = false instantiations.
+// As u does not wait on the state, its forward finishes two ungated tokens per pass
+// (plain_pair_pass).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
