@@ -210,6 +210,32 @@ struct FwdToken {
   bool fold;  // with the gate factored out: the pass starting this token is the gated one
 };
 
+// A pass's walk over the block's K rows (stride ld; `from`, the rows it reads, the same or a
+// source's at the same stride), CH rows a step, each with its own sums (c), then the rest on sums 0:
+// step(row, from_row, m, c). By a running pointer: an index times the runtime ld cost each row an
+// imul and address arithmetic on the ports the FMAs use.
+template <int CH, typename T, typename Step>
+__attribute__((always_inline)) inline void walk_rows(T* S, const T* from, int64_t ld, int K, Step&& step) {
+  int m = 0;
+  T* rp = S;
+  const T* fp = from;
+  for (; m + CH <= K; m += CH, rp += CH * ld, fp += CH * ld) {
+#pragma GCC unroll 4
+    for (int c = 0; c < CH; ++c) step(rp + c * ld, fp + c * ld, m + c, c);
+  }
+  for (; m < K; ++m, rp += ld, fp += ld) step(rp, fp, m, 0);
+}
+
+// out = the CH chains of sums added in order (the order every pass uses: checkpoints and the
+// two-token pass reproduce the single passes bit for bit)
+template <int CH, int NV, typename T>
+__attribute__((always_inline)) inline void sum_chains(const vec<T> (&s)[CH][NV], vec<T> (&out)[NV]) {
+  for (int i = 0; i < NV; ++i) {
+    out[i] = s[0][i];
+    for (int c = 1; c < CH; ++c) out[i] += s[c][i];
+  }
+}
+
 // The pass over the block that finishes token t and starts token t + 1 (kNext): per row m,
 // x = h'_t[m] + k_t[m] u (h_t's row), o += q_t[m] x; then h'_{t+1}[m] = a_{t+1}[m] x, and
 // p += k_{t+1}[m] h'_{t+1}[m]. One load and one store of the block per token. Without kFinish
@@ -231,8 +257,9 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   vec<T> oc[CH][NV], pc[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
-  auto row_step = [&](T* __restrict__ row, const T* from, int m, vec<T>* oa,
-                      vec<T>* pa) __attribute__((always_inline)) {
+  auto row_step = [&](T* __restrict__ row, const T* from, int m, int c) __attribute__((always_inline)) {
+    vec<T>* oa = oc[c];
+    vec<T>* pa = pc[c];
     // broadcasts from memory (load ports): a register broadcast takes the shuffle port, which Zen
     // shares with an FMA pipe (simd.h's vbcast_mem)
     vec<T> kc{}, qc{}, kn{}, an = vbcast(T(1));
@@ -253,24 +280,9 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
       vstore(row + i * L, x);
     }
   };
-  // the rows by a running pointer: an index times the runtime ld cost each row an imul and
-  // address arithmetic on the ports the FMAs use
-  int m = 0;
-  T* rp = S;
-  const T* fp = kSrc ? src : S;
-  for (; m + CH <= K; m += CH, rp += CH * ld, fp += CH * ld) {
-#pragma GCC unroll 4
-    for (int c = 0; c < CH; ++c) row_step(rp + c * ld, fp + c * ld, m + c, oc[c], pc[c]);
-  }
-  for (; m < K; ++m, rp += ld, fp += ld) row_step(rp, fp, m, oc[0], pc[0]);
-  for (int i = 0; i < NV; ++i) {
-    o[i] = oc[0][i];
-    pn[i] = pc[0][i];
-    for (int c = 1; c < CH; ++c) {
-      o[i] += oc[c][i];
-      pn[i] += pc[c][i];
-    }
-  }
+  walk_rows<CH>(S, kSrc ? src : S, ld, K, row_step);
+  sum_chains<CH, NV, T>(oc, o);
+  sum_chains<CH, NV, T>(pc, pn);
 }
 
 // The plain write (GLA) over two tokens in one pass, both passes ungated (no gate, or the gate
@@ -295,7 +307,9 @@ __attribute__((always_inline)) inline void plain_pair_pass(T* __restrict__ S, in
   vec<T> a0[CH][NV], a1[CH][NV];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < NV; ++i) a0[c][i] = a1[c][i] = vec<T>{};
-  auto row_step = [&](T* __restrict__ row, int m, vec<T>* oa, vec<T>* ob) __attribute__((always_inline)) {
+  auto row_step = [&](T* __restrict__ row, const T*, int m, int c) __attribute__((always_inline)) {
+    vec<T>* oa = a0[c];
+    vec<T>* ob = a1[c];
     const vec<T> kc = vbcast_mem(k0 + m), qc = vbcast_mem(q0 + m);
     const vec<T> kd = vbcast_mem(k1 + m), qd = vbcast_mem(q1 + m);
 #pragma GCC unroll 8
@@ -308,21 +322,9 @@ __attribute__((always_inline)) inline void plain_pair_pass(T* __restrict__ S, in
       vstore(row + i * L, x);
     }
   };
-  int m = 0;
-  T* rp = S;
-  for (; m + CH <= K; m += CH, rp += CH * ld) {
-#pragma GCC unroll 4
-    for (int c = 0; c < CH; ++c) row_step(rp + c * ld, m + c, a0[c], a1[c]);
-  }
-  for (; m < K; ++m, rp += ld) row_step(rp, m, a0[0], a1[0]);
-  for (int i = 0; i < NV; ++i) {
-    o0[i] = a0[0][i];
-    o1[i] = a1[0][i];
-    for (int c = 1; c < CH; ++c) {
-      o0[i] += a0[c][i];
-      o1[i] += a1[c][i];
-    }
-  }
+  walk_rows<CH>(S, S, ld, K, row_step);
+  sum_chains<CH, NV, T>(a0, o0);
+  sum_chains<CH, NV, T>(a1, o1);
 }
 
 // Columns [j0, j0 + w) of the block S (K rows of Wp) into checkpoint c, transposed: each of its
