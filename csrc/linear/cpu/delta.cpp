@@ -254,9 +254,7 @@ __attribute__((always_inline)) inline void fused_pass(T* __restrict__ S, int64_t
   const T* __restrict__ cq = cur.q;
   const T* __restrict__ nk = nxt.kn;
   const T* __restrict__ na = nxt.a;
-  vec<T> oc[CH][NV], pc[CH][NV];
-  for (int c = 0; c < CH; ++c)
-    for (int i = 0; i < NV; ++i) oc[c][i] = pc[c][i] = vec<T>{};
+  vec<T> oc[CH][NV] = {}, pc[CH][NV] = {};
   auto row_step = [&](T* __restrict__ row, const T* from, int m, int c) __attribute__((always_inline)) {
     vec<T>* oa = oc[c];
     vec<T>* pa = pc[c];
@@ -300,13 +298,9 @@ __attribute__((always_inline)) inline void plain_pair_pass(T* __restrict__ S, in
                                                            const vec<T>* u0, const vec<T>* u1, vec<T> (&o0)[NV],
                                                            vec<T> (&o1)[NV]) {
   constexpr int L = kLanes<T>;
-  const T* __restrict__ k0 = t0.k;
-  const T* __restrict__ q0 = t0.q;
-  const T* __restrict__ k1 = t1.k;
-  const T* __restrict__ q1 = t1.q;
-  vec<T> a0[CH][NV], a1[CH][NV];
-  for (int c = 0; c < CH; ++c)
-    for (int i = 0; i < NV; ++i) a0[c][i] = a1[c][i] = vec<T>{};
+  const T *__restrict__ k0 = t0.k, *__restrict__ q0 = t0.q;  // restrict: as in fused_pass
+  const T *__restrict__ k1 = t1.k, *__restrict__ q1 = t1.q;
+  vec<T> a0[CH][NV] = {}, a1[CH][NV] = {};
   auto row_step = [&](T* __restrict__ row, const T*, int m, int c) __attribute__((always_inline)) {
     vec<T>* oa = a0[c];
     vec<T>* ob = a1[c];
