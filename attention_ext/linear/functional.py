@@ -230,10 +230,13 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
     # q, k and v go in as they are (the kernel widens them to float32 as .to(acc) would, and rounds
     # out and each gradient once, as the conversions' autograd does), so a 16-bit call skips three
     # conversions and reads half the bytes. With GQA, k and v repeat over the group, and their
-    # gradients must sum over it before they round.
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qf, kf, v, decay))
-    if (code == 0 and not opts["normalize"] and h == kf.shape[1] and qf.dtype == kf.dtype == v.dtype == out_dtype
-            and qf.device.type == "cpu" and delta.has_kernel(qf.device, qf.dtype, grad=grad)):
+    # gradients must sum over it before they round; a scale of 0 runs at 1 and multiplies out by
+    # 0, which a 16-bit out rounded to inf would turn to NaN.
+    s0 = opts["initial_state"]
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qf, kf, v, decay, s0))
+    if (code == 0 and not opts["normalize"] and opts["scale"] != 0.0 and h == kf.shape[1]
+            and qf.dtype == kf.dtype == v.dtype == out_dtype and qf.device.type == "cpu"
+            and delta.has_kernel(qf.device, qf.dtype, grad=grad)):
         acc = qf.dtype
     phi_q, phi_k = (reference.phi(t.to(acc), code) for t in (qf, kf))
     m = phi_q.shape[-1]

@@ -119,15 +119,18 @@ def test_opcheck(gate, checkpoints):
                           tuple(b[n].detach() if isinstance(b[n], torch.Tensor) else b[n] for n in delta.BWD_ARGS))
 
 
+@pytest.mark.parametrize("plain", [False, True])
 @pytest.mark.parametrize("length", ["long", "short"])
 @pytest.mark.parametrize("gate", [None, "head", "key"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_backward_from_the_forward_checkpoints(gate, varlen, length):
+def test_backward_from_the_forward_checkpoints(gate, varlen, length, plain):
     """The backward reading the forward's checkpoints (what autograd does) equals the backward
     that recomputes them, to rounding (the two forward passes sum in different orders); varlen
     packs place each sequence's checkpoints by its position in the pack. The forward itself is the
     same with checkpoints or without, bit for bit; "short": a step-sized call (10 tokens, V = 128)
-    that without checkpoints runs on the state's rows, a pack's empty sequence keeping its state."""
+    that without checkpoints runs on the state's rows, a pack's empty sequence keeping its state.
+    plain: the plain write, whose forward pairs tokens in a pass except where a pass ends at a
+    checkpoint (so with and without them it pairs differently: still the same bits)."""
     if length == "long":
         cu = torch.tensor([0, 70, 70, 100, 230], dtype=torch.int32) if varlen else None
         s, vd = (235 if varlen else 150), 9
@@ -137,7 +140,7 @@ def test_backward_from_the_forward_checkpoints(gate, varlen, length):
     q, k, v, beta, g, h0 = problem(b=1 if varlen else 2, hk=1, hv=2, s=s, kd=12, vd=vd, gate=gate,
                                    nseq=(len(cu) - 1) if varlen else None)
     a = dict(q=q.float(), k=k.float(), v=v.float(), beta=beta.float(), gate=g.float() if g is not None else None,
-             initial_state=h0.float(), cu_seqlens=cu, scale=0.3, qk_l2norm=True, plain=False, checkpoints=True)
+             initial_state=h0.float(), cu_seqlens=cu, scale=0.3, qk_l2norm=True, plain=plain, checkpoints=True)
     out, st, ck = torch.ops.attention_ext.delta_fwd(*(a[n] for n in delta.FWD_ARGS))
     out0, st0, ck0 = torch.ops.attention_ext.delta_fwd(*(dict(a, checkpoints=False)[n] for n in delta.FWD_ARGS))
     assert torch.equal(out, out0) and torch.equal(st, st0) and ck0.numel() == 0

@@ -86,29 +86,33 @@ def test_against_the_recurrence(dtype, feature_map, normalize):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("hk", [4, 2])
-def test_16bit_identity_reads_its_inputs_as_widened(dtype, masked, hk):
+@pytest.mark.parametrize("case", ["short-masked", "long-state", "gqa"])
+def test_16bit_identity_reads_its_inputs_as_widened(dtype, case):
     """Identity features without the normalizer hand 16-bit q, k, v to the kernel as they are (no
-    float32 copies) where k and v have a head per query head: out and every gradient equal, bit for
-    bit, the call on the float32-widened inputs rounded to the dtype (the kernel widens them
-    exactly and rounds each result once). With GQA (hk 2) the gradients of the shared k and v sum
-    over the group before they round: the widened path, the same equality."""
-    q, k, v, decay = problem(hk=hk, extreme=True, seed=5)
+    float32 copies) where k and v have a head per query head: out and every gradient (the initial
+    state's included) equal, bit for bit, the call on the float32-widened inputs rounded to the
+    dtype (the kernel widens them exactly and rounds each result once). "long": 150 tokens, K 16
+    (the forward's checkpoints read in place by the backward; its two-token passes meet the
+    64-token chunks' edges). With GQA the gradients of the shared k and v sum over the group
+    before they round: the widened path, the same equality."""
+    s, m = (150, 16) if case == "long-state" else (29, 8)
+    q, k, v, decay = problem(hk=2 if case == "gqa" else 4, s=s, m=m, extreme=True, seed=5)
     kw = dict(feature_map="identity", normalize=False, scale=0.5)
-    if masked:
-        kw["key_mask"] = torch.rand(2, 29, generator=torch.Generator().manual_seed(2)) > 0.3
+    if case == "short-masked":
+        kw["key_mask"] = torch.rand(2, s, generator=torch.Generator().manual_seed(2)) > 0.3
     g = torch.Generator().manual_seed(3)
-    dout = torch.randn(2, 4, 29, 6, generator=g).to(dtype)  # one upstream gradient, in dtype for both
-    dstate = torch.randn(2, 4, 8, 6, generator=g)
+    dout = torch.randn(2, 4, s, 6, generator=g).to(dtype)  # one upstream gradient, in dtype for both
+    dstate = torch.randn(2, 4, m, 6, generator=g)
+    s0 = torch.randn(2, 4, m, 6, generator=g) if case == "long-state" else None
 
     def call(t):
         xs = [x.detach().to(dtype).to(t).requires_grad_() for x in (q, k, v)]
         d = decay.detach().float().requires_grad_()
-        out, state = ae.linear_attention(*xs, causal=True, decay=d, return_state=True, **kw)
+        st = s0.clone().requires_grad_() if s0 is not None else None
+        out, state = ae.linear_attention(*xs, causal=True, decay=d, initial_state=st, return_state=True, **kw)
         state = state.augmented(False)
         torch.autograd.backward((out, state), (dout.to(t), dstate))
-        return out, state, [x.grad for x in xs + [d]]
+        return out, state, [x.grad for x in xs + [d]] + ([st.grad] if st is not None else [])
 
     out, state, grads = call(dtype)
     w_out, w_state, w_grads = call(torch.float32)
@@ -117,6 +121,15 @@ def test_16bit_identity_reads_its_inputs_as_widened(dtype, masked, hk):
     for name, a, r in zip(NAMES, grads, w_grads):
         assert a.dtype == (dtype if name in ("dq", "dk", "dv") else torch.float32), name
         assert torch.equal(a, r.to(a.dtype)), name
+
+
+def test_16bit_scale_zero_is_zero():
+    """A scale of 0 gives 0 in fp16 too, where the unscaled out would round to inf (the call takes
+    the float32 path: inf x 0 would be NaN)."""
+    q, k, v, decay = problem(hk=4, seed=6)
+    out = ae.linear_attention(q.half() * 100, k.half() * 100, v.half() * 100, causal=True, decay=decay.float(),
+                              feature_map="identity", normalize=False, scale=0.0)
+    assert out.dtype == torch.float16 and torch.equal(out, torch.zeros_like(out))
 
 
 @pytest.mark.parametrize("case", ["gqa-mask", "mha", "extreme", "identity-unnormalized"])

@@ -614,7 +614,6 @@ int block_rows(int kp) {
 template <typename T>
 struct BwdScratch {
   int kp, V, chunk, nck, rb;
-  int row0 = 0;  // the first row of the block whose h' advance_rows keeps in H
   Buffer<T> mem;
   T *S, *dS, *ckpt, *H, *k, *q, *a, *v, *dov, *pp, *uu, *beta, *qk, *dbeta, *dq, *dk, *dkp, *dg, *dvv, *xrow;
   BwdScratch(int K, int V_, int chunk_, int max_len)
@@ -751,8 +750,8 @@ void replay_rows(const T* src, T* dst, int n, int kp, const T* uv, const T* k, c
 
 // Rows [j0, j1) of the transposed state through the chunk's first nt tokens, from src's rows
 // (stride kp) to out's (null: the final state is not needed): per row j, S_j <- a S_j + u_j k with
-// p_j = (a S_j) . k, u_j = beta (v_j - p_j). Each token's rows of
-// h' = a h_{t-1} go to H (rows from sc.row0 = j0), its p and u to pp and uu. One sweep per token
+// p_j = (a S_j) . k, u_j = beta (v_j - p_j). Each token's rows of h' = a h_{t-1} go to H (row j0
+// of the state at H's row 0), its p and u to pp and uu. One sweep per token
 // over the block's rows (in L1) finishes token t - 1 from its h' (h = h' + u k, not stored) and
 // starts token t (h' and the dot with k): a row vector costs its three multiply-adds, a load and a
 // store. Rows are independent, so the sweeps of R rows overlap each other's dot sums; the tokens
@@ -761,7 +760,6 @@ void replay_rows(const T* src, T* dst, int n, int kp, const T* uv, const T* k, c
 template <bool kGate, bool kDelta, typename T>
 void advance_rows(const T* src, T* out, int j0, int j1, int nt, BwdScratch<T>& sc) {
   const int kp = sc.kp, V = sc.V, n = j1 - j0;
-  sc.row0 = j0;
   for (int t = 0; t < nt; ++t) {
     T* h = sc.H + int64_t(t) * sc.rb * kp;
     const T* k = sc.k + int64_t(t) * kp;
@@ -1007,14 +1005,15 @@ void bwd_task(const DBP<T>& p, int n, int hv, BwdScratch<T>& sc, const QkScratch
     const int t0 = c * C, nt = std::min(C, sp.len - t0);
     load_chunk<kGate>(p, in, sp, t0, nt, true, sc);
     // the chunk's first state: the checkpoint's rows themselves where they are (V, kp)
-    const T* S0 = sc.ckpt + c * st;
-    if (p.checkpoints != nullptr) {
+    const T* S0 = nullptr;
+    if (p.checkpoints == nullptr) {
+      S0 = sc.ckpt + c * st;
+    } else if (K == kp) {
+      S0 = p.checkpoints + checkpoint_offset(p, n, hv, c);
+    } else {  // (V, K) rows into the (V, kp) ones; the pad past K stays 0
       const T* ck = p.checkpoints + checkpoint_offset(p, n, hv, c);
-      S0 = ck;
-      if (K != kp) {  // (V, K) rows into the (V, kp) ones; the pad past K stays 0
-        for (int j = 0; j < V; ++j) std::memcpy(sc.S + int64_t(j) * kp, ck + int64_t(j) * K, sizeof(T) * K);
-        S0 = sc.S;
-      }
+      for (int j = 0; j < V; ++j) std::memcpy(sc.S + int64_t(j) * kp, ck + int64_t(j) * K, sizeof(T) * K);
+      S0 = sc.S;
     }
     std::fill(sc.dq, sc.dq + int64_t(nt) * kp, T(0));
     std::fill(sc.dk, sc.dk + int64_t(nt) * kp, T(0));
