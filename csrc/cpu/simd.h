@@ -141,6 +141,17 @@ inline auto hsum_tree(V v) {
 #endif
   return hsum(v);
 }
+// x . y over n elements: one vector of partial sums, its lanes added in order (hsum), then the
+// scalar tail past the last whole vector (none for rows padded to the lanes).
+template <typename T>
+inline T dot(const T* x, const T* y, int n) {
+  vec<T> acc{};
+  int i = 0;
+  for (; i + kLanes<T> <= n; i += kLanes<T>) acc += vload(x + i) * vload(y + i);
+  T s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
 #if defined(__AVX__) && !defined(__AVX512F__)
 // The first two levels of hsum4 / hsum8's tree for r[0..3]: adjacent lane pairs, then pairs of
 // pairs, within each 128-bit half: lane x of the low half holds row x's lanes 0-3 summed, lane

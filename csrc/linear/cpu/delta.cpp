@@ -481,6 +481,15 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
     }
     load_row(p.dt, v_row(t, j0), x.v, w, Wp);
   };
+  auto store_out = [&](int t, int j0, int w, const vec<T>* ov) {  // token t's o: columns [j0, j0 + w)
+    for (int i = 0; i < NV; ++i) vstore(sc.o + i * L, ov[i]);
+    const int64_t r = sp.row0 + t;
+    store_row(p.dt, sc.o,
+              static_cast<char*>(p.o) +
+                  (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride + r * p.o_row_stride + j0) *
+                      int64_t(in.es),
+              w);
+  };
   if (direct && sp.len == 0 && p.init_state != p.final_state) {  // an empty sequence of a pack
     for (int m = 0; m < K; ++m) {
       const int64_t at = st0 + int64_t(m) * p.dim_v + int64_t(jb0) * Wp;
@@ -542,14 +551,8 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
               u1[i] = vload(nxt.v + i * L);
             }
             plain_pair_pass<NV, CH>(S, ld, K, cur, nxt, u, u1, ov, o1);
-            for (int x = 0; x < 2; ++x) {
-              for (int i = 0; i < NV; ++i) vstore(sc.o + i * L, x == 0 ? ov[i] : o1[i]);
-              const int64_t r = sp.row0 + t + x;
-              store_row(p.dt, sc.o,
-                        static_cast<char*>(p.o) + (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride +
-                                                   r * p.o_row_stride + j0) * int64_t(in.es),
-                        w);
-            }
+            store_out(t, j0, w, ov);
+            store_out(t + 1, j0, w, o1);
             if (t + 2 < sp.len) token(t + 2, c0, j0, w, tok[t & 1]);  // the next step's cur
             ++t;
             continue;
@@ -573,12 +576,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
         } else {
           fused_pass<true, false, kGate, kDelta, NV, CH>(S, ld, K, cur, nxt, u, ov, pv);
         }
-        for (int i = 0; i < NV; ++i) vstore(sc.o + i * L, ov[i]);
-        const int64_t r = sp.row0 + t;
-        char* orow = static_cast<char*>(p.o) +
-                     (int64_t(sp.b) * p.o_batch_stride + int64_t(hv) * p.o_head_stride + r * p.o_row_stride + j0) *
-                         int64_t(in.es);
-        store_row(p.dt, sc.o, orow, w);
+        store_out(t, j0, w, ov);
       }
       for (int i = 0; i < NV; ++i) vstore(sc.pv + int64_t(g) * Wp + i * L, pv[i]);
     }
@@ -655,23 +653,6 @@ struct BwdScratch {
 // Tokens per chunk: kDeltaChunk (64), the forward's checkpoint interval. A row block's replayed
 // states (chunk x rows x kp) are then at most 64 x 8 KiB (kBlockBytes), which stay in L2 between
 // the replay and the backward of the block.
-
-// x . y over n elements in vector partial sums (a scalar loop's sum is one chain of dependent
-// adds: 128 of them for q . k at K = 128, per token).
-template <typename T>
-T dot(const T* x, const T* y, int n) {
-  constexpr int L = kLanes<T>;
-  vec<T> a{}, b{};
-  int i = 0;
-  for (; i + 2 * L <= n; i += 2 * L) {
-    a += vload(x + i) * vload(y + i);
-    b += vload(x + i + L) * vload(y + i + L);
-  }
-  for (; i + L <= n; i += L) a += vload(x + i) * vload(y + i);
-  T s = hsum_tree(a + b);
-  for (; i < n; ++i) s += x[i] * y[i];
-  return s;
-}
 
 // Loads tokens [t0, t0 + nt) of the span into the chunk rows (with q and dout when `grads`).
 template <bool kGate, typename T>

@@ -97,14 +97,6 @@ void feature_backward(FeatureMap fm, T* dx, const T* y, int n_pad, T mul) {
   }
 }
 
-template <typename T>
-T dot(const T* a, const T* b, int n) {
-  constexpr int L = kLanes<T>;
-  vec<T> acc{};
-  for (int i = 0; i < n; i += L) acc += vload(a + i) * vload(b + i);
-  return hsum(acc);
-}
-
 // The intra-chunk mask on a (n, ldp) product P (rows i, columns j): keeps j <= i with weight
 // Keeps the causal triangle j <= i of the (n, ldp) block P, each entry times its gate weight
 // e^{d_{j+1} + ... + d_i} (the forward's A = Q~ K~^T and the backward's dO' V'^T; the products
