@@ -325,6 +325,37 @@ inline void load_pair(const E* p, vec<T>* v0, vec<T>* v1) {
     *v1 = (vf)_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u)));
     *v0 = (vf)_mm256_slli_epi32(x, 16);
 #endif
+#if defined(__AVX512F__)
+  } else if constexpr (std::is_same_v<E, F8> && std::is_same_v<T, float>) {
+    // 32 elements through one byte-to-word widening, shift and mask (load_cvt's binary16 route),
+    // the NaN test one compare for all 32 and the NaN lanes set only where there is one: ten
+    // operations where two load_cvt take sixteen
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i h =
+        _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7), _mm512_set1_epi16(int16_t(0xbf80)));
+    *v0 = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    *v1 = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    const __mmask32 nan = _mm256_cmpeq_epi8_mask(_mm256_or_si256(b, _mm256_set1_epi8(char(0x80))),
+                                                 _mm256_set1_epi8(char(0xff)));  // S.1111.111
+    if (__builtin_expect(nan != 0, 0)) {
+      const __m512 qnan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+      *v0 = (vf)_mm512_mask_mov_ps((__m512)*v0, __mmask16(nan), qnan);
+      *v1 = (vf)_mm512_mask_mov_ps((__m512)*v1, __mmask16(nan >> 16), qnan);
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+  } else if constexpr (std::is_same_v<E, F8> && std::is_same_v<T, float>) {  // as above, 16 elements
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i h =
+        _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbf80)));
+    *v0 = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *v1 = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    const __m128i nan = _mm_cmpeq_epi8(_mm_or_si128(b, _mm_set1_epi8(char(0x80))), _mm_set1_epi8(char(0xff)));
+    if (__builtin_expect(_mm_movemask_epi8(nan) != 0, 0)) {
+      const __m256 qnan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+      *v0 = (vf)_mm256_blendv_ps((__m256)*v0, qnan, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(nan)));
+      *v1 = (vf)_mm256_blendv_ps((__m256)*v1, qnan, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(nan, 8))));
+    }
+#endif
   } else {
     *v0 = load_cvt<T>(p);
     *v1 = load_cvt<T>(p + kLanes<T>);
