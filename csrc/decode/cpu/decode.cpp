@@ -164,8 +164,8 @@ inline vec<T> load_cvt(const E* p) {
 // (dots_col) and put back once per task.
 // e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products (but on AMX CPUs,
 // see run()): their elements convert to bf16 in registers exactly (4 significant bits; bf16x32),
-// ten integer operations per 32, against nine per 16 widened to float32 and then an FMA per
-// element per row (int8 caches take kInts below where the level has it, else the same bf16
+// ten integer operations per 32, as many as load_pair's widening of 32 to float32, which then
+// takes an FMA per element per row where vdpbf16ps takes half of one (int8 caches take kInts below where the level has it, else the same bf16
 // products). Under float32 / fp16 queries they widen to float32 (q would not be bf16 data, and P
 // would be rounded past the float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
