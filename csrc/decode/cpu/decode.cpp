@@ -120,13 +120,13 @@ inline vec<T> load_cvt(const E* p) {
     return f;
 #endif
   } else if constexpr (std::is_same_v<E, F8>) {  // x 2^-8 (kUnit)
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m256i h =
         _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbf80)));
     const __mmask16 nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
     return (vf)_mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)  // AVX-512 without BW / VL: below
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(0xbf80)));
     const __m256i nan =
@@ -165,9 +165,9 @@ inline vec<T> load_cvt(const E* p) {
 // e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products (but on AMX CPUs,
 // see run()): their elements convert to bf16 in registers exactly (4 significant bits; bf16x32),
 // ten integer operations per 32, as many as load_pair's widening of 32 to float32, which then
-// takes an FMA per element per row where vdpbf16ps takes half of one (int8 caches take kInts below where the level has it, else the same bf16
-// products). Under float32 / fp16 queries they widen to float32 (q would not be bf16 data, and P
-// would be rounded past the float32 rule).
+// takes an FMA per element per row where vdpbf16ps takes half of one (int8 caches take kInts
+// below where the level has it, else the same bf16 products). Under float32 / fp16 queries they
+// widen to float32 (q would not be bf16 data, and P would be rounded past the float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
 // int32 on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
 // the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
@@ -325,7 +325,7 @@ inline void load_pair(const E* p, vec<T>* v0, vec<T>* v1) {
     *v1 = (vf)_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u)));
     *v0 = (vf)_mm256_slli_epi32(x, 16);
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   } else if constexpr (std::is_same_v<E, F8> && std::is_same_v<T, float>) {
     // 32 elements through one byte-to-word widening, shift and mask (load_cvt's binary16 route),
     // the NaN test one compare for all 32 and the NaN lanes set only where there is one: ten
@@ -342,7 +342,7 @@ inline void load_pair(const E* p, vec<T>* v0, vec<T>* v1) {
       *v0 = (vf)_mm512_mask_mov_ps((__m512)*v0, __mmask16(nan), qnan);
       *v1 = (vf)_mm512_mask_mov_ps((__m512)*v1, __mmask16(nan >> 16), qnan);
     }
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
   } else if constexpr (std::is_same_v<E, F8> && std::is_same_v<T, float>) {  // as above, 16 elements
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m256i h =
