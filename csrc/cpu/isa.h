@@ -33,10 +33,11 @@ const char* isa_levels(bool all = false);
 const char* set_isa(const char* name);
 // float32 lanes of the active level's SIMD vector.
 int simd_width();
-// Whether the int8 dot products (cpu/q8dot.h) of the active level may use vpdpbusd beyond the
-// level's own flags: the variants "avx2vnni" (AVX-VNNI, 256 bits: Alder Lake, Zen 5) and
-// "avx512vnni" (AVX512-VNNI without BF16: Cascade Lake, Ice Lake) run the avx2 / avx512 code
-// with this set; every other kernel is the level's own. (avx512bf16 compiles VNNI in.)
+// Whether the int8 dot products (cpu/q8dot.h) of the active level may use vpdpbusd, and the
+// decode kernel's int16-pair products vpdpwssd, beyond the level's own flags: the variants
+// "avx2vnni" (AVX-VNNI, 256 bits: Alder Lake, Zen 5) and "avx512vnni" (AVX512-VNNI without BF16:
+// Cascade Lake, Ice Lake) run the avx2 / avx512 code with this set; every other kernel is the
+// level's own. (avx512bf16 compiles VNNI in.)
 bool int8_vnni();
 // Whether the int8 and bf16 products may use AMX tiles (cpu/amx.h): the variant "avx512amx"
 // (Sapphire Rapids and later) runs the avx512bf16 code with this set, on CPUs whose OS granted

@@ -169,7 +169,8 @@ inline vec<T> load_cvt(const E* p) {
 // below where the level has it, else the same bf16 products). Under float32 / fp16 queries they
 // widen to float32 (q would not be bf16 data, and P would be rounded past the float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
-// int32 on pairs of int16 (vpdpwssd where the level has AVX512-VNNI, else vpmaddwd + vpaddd), where
+// int32 on pairs of int16 (vpdpwssd where the level or its variant has VNNI, else vpmaddwd +
+// vpaddd), where
 // the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
 // vpmovsxbw per 32 elements, and a pair of V rows interleaves by one byte unpack each half.
 //   Q K^T: each q row is q16 x 2^e, e the row's max exponent - 14 (|q16| <= 32752): a bf16 row
@@ -184,12 +185,27 @@ inline vec<T> load_cvt(const E* p) {
 // I16Ops: the level's vectors for P V, I int16 pairs / int32 lanes, Bytes kI16Cols cache bytes;
 // pairs_lo / pairs_hi widen two rows' bytes into (v0[c], v1[c]) pairs (the two halves of a byte
 // unpack: i16_col's order), add_scaled(o, acc, s) is o += s acc in float32 over acc's lanes.
+// dpwssd<kVnni>(acc, a, b): acc + the int16 pair products of a and b. kVnni: the level's VNNI
+// variant runs (isa.h's int8_vnni: "avx512vnni", AVX512-VNNI without BF16, Cascade Lake and Ice
+// Lake; "avx2vnni", AVX-VNNI, Alder Lake and later) where the level's flags lack it: one
+// vpdpwssd in inline asm, since an intrinsic under a target attribute could not be inlined into
+// this level's code. avx512bf16 compiles VNNI in.
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr int kI16Cols = 32;
+#if defined(__AVX512VNNI__)
+constexpr bool kVnniVariant = false;
+#else
+constexpr bool kVnniVariant = true;
+#endif
+template <bool kVnni>
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpwssd_epi32(acc, a, b);
 #else
+  if constexpr (kVnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+  }
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
@@ -208,7 +224,15 @@ struct I16Ops {
 };
 #elif defined(__AVX2__)
 constexpr int kI16Cols = 16;
-inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+constexpr bool kVnniVariant = true;
+template <bool kVnni>
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+  if constexpr (kVnni) {  // AVX-VNNI's encoding ({vex}), not AVX512-VNNI's
+    asm("%{vex%} vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
 struct I16Ops {
   using I = __m256i;
   using Bytes = __m128i;
@@ -224,6 +248,7 @@ struct I16Ops {
 };
 #else
 constexpr int kI16Cols = 0;
+constexpr bool kVnniVariant = false;
 #endif
 constexpr bool kI16Level = kI16Cols > 0;
 constexpr int kI16MaxD = 256;
@@ -394,6 +419,7 @@ struct DecodeWorker {
   int dq;                    // qh's row length: d rounded up to 32 (one vdpbf16ps operand)
   std::vector<uint16_t> ph;  // kDots: the chunk's P rows rounded to bf16 (rows, kChunk)
   static constexpr bool kInt = kInts<T, E, kQb>;
+  const bool vnni = int8_vnni();  // kInts: the products on vpdpwssd (dpwssd) beyond the level's flags
   std::vector<int16_t> qi;    // kInts: the q rows' q16, packed per register block in kI16Cols columns
   std::vector<int16_t> pi;    // kInts: the chunk's P rows' p16 (rows, kChunk)
   std::vector<float> qsc, psc;  // kInts: each row's q scale, and its P scale in this chunk
@@ -468,9 +494,16 @@ struct DecodeWorker {
       return;
     }
     if constexpr (kInt) {  // the common head dims with their loop unrolled
-      if (d == 128) return dot_i16<RR, kShared, 4>(r0, jj, k, kstride);
-      if (d == 64) return dot_i16<RR, kShared, 2>(r0, jj, k, kstride);
-      return dot_i16<RR, kShared, 0>(r0, jj, k, kstride);
+      auto on = [&](auto v) {
+        constexpr bool kV = decltype(v)::value;
+        if (d == 128) return dot_i16<RR, kShared, 4, kV>(r0, jj, k, kstride);
+        if (d == 64) return dot_i16<RR, kShared, 2, kV>(r0, jj, k, kstride);
+        return dot_i16<RR, kShared, 0, kV>(r0, jj, k, kstride);
+      };
+      if constexpr (kVnniVariant) {
+        if (vnni) return on(std::true_type{});
+      }
+      return on(std::false_type{});
     }
     const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
     const T* qb = qp + size_t(r0) * dp;
@@ -571,7 +604,7 @@ struct DecodeWorker {
   }
   // dot() in int32 (kInts): si's block r0 holds key jj's RR sums at jj * RR (scores_from_ints
   // scales them). NC: d / 32 where d is a multiple of 32 known at compile time, else 0.
-  template <int RR, bool kShared, int NC>
+  template <int RR, bool kShared, int NC, bool kV>
   void dot_i16(int r0, int jj, const E* k, int64_t kstride) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     const int16_t* qb = qi.data() + size_t(r0) * dq;
@@ -586,12 +619,12 @@ struct DecodeWorker {
       if constexpr (kShared) {
         const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, krow(0) + c));
 #pragma GCC unroll 4
-        for (int x = 0; x < RR; ++x) a[x] = dpwssd(a[x], kv, _mm512_loadu_si512(qb + x * 32));
+        for (int x = 0; x < RR; ++x) a[x] = dpwssd<kV>(a[x], kv, _mm512_loadu_si512(qb + x * 32));
       } else {
 #pragma GCC unroll 4
         for (int x = 0; x < RR; ++x) {
           const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, krow(x) + c));
-          a[x] = dpwssd(a[x], kv, _mm512_loadu_si512(qb + x * 32));
+          a[x] = dpwssd<kV>(a[x], kv, _mm512_loadu_si512(qb + x * 32));
         }
       }
     }
@@ -630,12 +663,13 @@ struct DecodeWorker {
         const __m256i kv = kload(krow(0) + c, c);
 #pragma GCC unroll 4
         for (int x = 0; x < RR; ++x) {
-          a[x] = dpwssd(a[x], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
+          a[x] = dpwssd<kV>(a[x], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
         }
       } else {
 #pragma GCC unroll 4
         for (int x = 0; x < RR; ++x) {
-          a[x] = dpwssd(a[x], kload(krow(x) + c, c), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
+          a[x] = dpwssd<kV>(a[x], kload(krow(x) + c, c),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + x * 16)));
         }
       }
     }
@@ -873,7 +907,13 @@ struct DecodeWorker {
     const int dv = d / L * L;
     int c = 0;
     if constexpr (kDot) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
-    if constexpr (kInt) c = pv_i16<RR>(r0, voff, j_lo, j_hi);
+    if constexpr (kInt) {
+      if constexpr (kVnniVariant) {
+        c = vnni ? pv_i16<RR, true>(r0, voff, j_lo, j_hi) : pv_i16<RR, false>(r0, voff, j_lo, j_hi);
+      } else {
+        c = pv_i16<RR, false>(r0, voff, j_lo, j_hi);
+      }
+    }
     constexpr int NV = RR == 1 ? 8 : RR == 2 ? 4 : 2;
     if constexpr (NV >= 8) {
       for (; c + 8 * L <= dv; c += 8 * L) pv_cols<RR, 8>(r0, c, voff, j_lo, j_hi);
@@ -950,20 +990,20 @@ struct DecodeWorker {
   // columns done. Keys in pairs from an even index as pv_bf16: P's pair (p_j, p_j+1) is one
   // 32-bit word of pi, the two V rows' bytes interleave by unpacking (then widen to int16); a key
   // outside [j_lo, j_hi) in a pair pairs with a zero row, never read.
-  template <int RR>
+  template <int RR, bool kV>
   int pv_i16(int r0, int64_t voff, int j_lo, int j_hi) {
     constexpr int B = std::max(kI16Cols, 1), NB = kI16Cols == 32 ? 2 : 1;
     const int db = d / B * B;
     if (j_lo >= j_hi) return db;  // no key of this chunk for these rows
     int c = 0;
-    for (; c + NB * B <= db; c += NB * B) pv_i16_cols<RR, NB>(r0, voff, c, j_lo, j_hi);
-    if (c < db) pv_i16_cols<RR, 1>(r0, voff, c, j_lo, j_hi);
+    for (; c + NB * B <= db; c += NB * B) pv_i16_cols<RR, NB, kV>(r0, voff, c, j_lo, j_hi);
+    if (c < db) pv_i16_cols<RR, 1, kV>(r0, voff, c, j_lo, j_hi);
     return db;
   }
   // pv_i16 over NB blocks of kI16Cols columns from column c: NB = 2 (AVX-512) shares each P
   // pair's broadcast and the key loop between two blocks (2 NB RR accumulators: 16 of the 32 zmm
   // at four rows; AVX2's 16 ymm take one block)
-  template <int RR, int NB>
+  template <int RR, int NB, bool kV>
   void pv_i16_cols(int r0, int64_t voff, int c, int j_lo, int j_hi) {
 #if defined(__AVX2__)  // I16Ops: AVX2 or AVX-512 (every level with AVX-512 has BW and VL)
     {
@@ -992,7 +1032,7 @@ struct DecodeWorker {
           std::memcpy(&w, pj + x * kChunk + j, 4);
           const I a = I16Ops::bcast(w);
 #pragma GCC unroll 4
-          for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd(acc[x][u], a, b[u]);
+          for (int u = 0; u < 2 * NB; ++u) acc[x][u] = dpwssd<kV>(acc[x][u], a, b[u]);
         }
       };
       int jj = j_lo & ~1;
