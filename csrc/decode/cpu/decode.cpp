@@ -170,8 +170,7 @@ inline vec<T> load_cvt(const E* p) {
 // widen to float32 (q would not be bf16 data, and P would be rounded past the float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
 // int32 on pairs of int16 (vpdpwssd where the level or its variant has VNNI, else vpmaddwd +
-// vpaddd), where
-// the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
+// vpaddd), where the bf16 form spends five conversions per 32 elements of K and of V: a cache row widens by one
 // vpmovsxbw per 32 elements, and a pair of V rows interleaves by one byte unpack each half.
 //   Q K^T: each q row is q16 x 2^e, e the row's max exponent - 14 (|q16| <= 32752): a bf16 row
 //     is exact where its elements are within 2^7 of its largest (an fp16 row within 2^4), and
@@ -419,7 +418,15 @@ struct DecodeWorker {
   int dq;                    // qh's row length: d rounded up to 32 (one vdpbf16ps operand)
   std::vector<uint16_t> ph;  // kDots: the chunk's P rows rounded to bf16 (rows, kChunk)
   static constexpr bool kInt = kInts<T, E, kQb>;
-  const bool vnni = int8_vnni();  // kInts: the products on vpdpwssd (dpwssd) beyond the level's flags
+  const bool vnni = kInt && int8_vnni();  // kInts: the products on vpdpwssd beyond the level's flags
+  // f(std::bool_constant<kV>): kInts' products with kV = vnni where the level can take it (dpwssd)
+  template <typename F>
+  decltype(auto) on_products(F&& f) const {
+    if constexpr (kVnniVariant) {
+      if (vnni) return f(std::true_type{});
+    }
+    return f(std::false_type{});
+  }
   std::vector<int16_t> qi;    // kInts: the q rows' q16, packed per register block in kI16Cols columns
   std::vector<int16_t> pi;    // kInts: the chunk's P rows' p16 (rows, kChunk)
   std::vector<float> qsc, psc;  // kInts: each row's q scale, and its P scale in this chunk
@@ -494,16 +501,12 @@ struct DecodeWorker {
       return;
     }
     if constexpr (kInt) {  // the common head dims with their loop unrolled
-      auto on = [&](auto v) {
+      return on_products([&](auto v) {
         constexpr bool kV = decltype(v)::value;
         if (d == 128) return dot_i16<RR, kShared, 4, kV>(r0, jj, k, kstride);
         if (d == 64) return dot_i16<RR, kShared, 2, kV>(r0, jj, k, kstride);
         return dot_i16<RR, kShared, 0, kV>(r0, jj, k, kstride);
-      };
-      if constexpr (kVnniVariant) {
-        if (vnni) return on(std::true_type{});
-      }
-      return on(std::false_type{});
+      });
     }
     const int d2 = d / (2 * L) * (2 * L), dv = d / L * L;
     const T* qb = qp + size_t(r0) * dp;
@@ -908,11 +911,7 @@ struct DecodeWorker {
     int c = 0;
     if constexpr (kDot) c = pv_bf16<RR>(r0, voff, j_lo, j_hi);  // the full 32-column blocks
     if constexpr (kInt) {
-      if constexpr (kVnniVariant) {
-        c = vnni ? pv_i16<RR, true>(r0, voff, j_lo, j_hi) : pv_i16<RR, false>(r0, voff, j_lo, j_hi);
-      } else {
-        c = pv_i16<RR, false>(r0, voff, j_lo, j_hi);
-      }
+      c = on_products([&](auto v) { return pv_i16<RR, decltype(v)::value>(r0, voff, j_lo, j_hi); });
     }
     constexpr int NV = RR == 1 ? 8 : RR == 2 ? 4 : 2;
     if constexpr (NV >= 8) {
