@@ -208,13 +208,25 @@ inline bool hsum8(const vf* r, vf* out) {
 // -127 makes the exponent field 0, so 2^-inf = 0 exactly (masked scores). NaN stays NaN.
 // Round-to-nearest split x = n + r, r in [-1/2, 1/2], and a degree-5 polynomial fitted for
 // relative error on that interval (max 7.7e-8 with its fitted constant 1.000000071; the constant
-// is 1 exactly instead, which adds at most 7.1e-8 and makes 2^0 = 1): about 14 vector ops
-// (a general exp with range checks takes about 25). At D = 64 the exp costs about as much as
-// the two matmuls, so every op counts.
+// is 1 exactly instead, which adds at most 7.1e-8 and makes 2^0 = 1): about 14 vector ops, 10 at
+// AVX-512 (a general exp with range checks takes about 25). At D = 64 the exp costs about as much
+// as the two matmuls, so every op counts.
 inline vf vexp2_nonpos(vf x) {
+#if defined(__AVX512F__)
+  // AVX-512: no clamp, and vscalefps for the scale (one op for cvt, add, shift and multiply):
+  // lanes with n <= -127 (-inf included, whose r is NaN) are zeroed by the compare's mask, and
+  // NaN's n compares unordered, so it stays NaN. The same bits as the form below for every float
+  // <= 0 and the specials (checked exhaustively over [-200, 0]). The empty asm materializes x:
+  // with no clamp in between, the compiler would contract the caller's x = d * log2e into
+  // r = x - n (one FMA from the unrounded product), and the bits would differ.
+  asm("" : "+v"(x));
+  const vf magic = vbcast(12582912.f);
+  const vf n = (x + magic) - magic;
+#else
   x = x < -127.f ? vbcast(-127.f) : x;
   const vf magic = vbcast(12582912.f);
   vf n = (x + magic) - magic;
+#endif
   vf r = x - n;
   vf p = vbcast(1.326697993e-3f);
   p = p * r + 9.675469400e-3f;
@@ -222,10 +234,15 @@ inline vf vexp2_nonpos(vf x) {
   p = p * r + 2.402212158e-1f;
   p = p * r + 6.931469491e-1f;
   p = p * r + 1.f;  // exactly 1 at r = 0: exp2(0) = 1, so a lone visible key gets P = 1 exactly
+#if defined(__AVX512F__)
+  const __mmask16 live = _mm512_cmp_ps_mask(__m512(n), _mm512_set1_ps(-127.f), _CMP_NLE_UQ);
+  return vf(_mm512_maskz_scalef_ps(live, __m512(p), __m512(n)));
+#else
   vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
+#endif
 }
 // The float64 path is for accuracy (gradcheck, numerics work), not speed: libm's exp2 per lane.
 inline vec<double> vexp2_nonpos(vec<double> x) {

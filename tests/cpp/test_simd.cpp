@@ -1,5 +1,5 @@
-// cpu/simd.h's transpose, the triangular gemm variants and the shared horizontal sums against
-// plain loops; built with and without -march=native (test_cpp.py) so both the register forms
+// cpu/simd.h's transpose, the triangular gemm variants, the shared horizontal sums and the
+// softmax's exp2 against plain loops; built with and without -march=native (test_cpp.py) so both the register forms
 // and the portable loops run.
 #include <cmath>
 #include <cstring>
@@ -109,7 +109,58 @@ void check_hmax() {
   }
 }
 
+// vexp2_nonpos against its portable form (the clamp at -127 and the exponent built in integers),
+// bit for bit: on AVX-512 the kernel computes the scale with vscalefps and zeroes lanes by a mask
+// instead. Every float in [-130, -120] (the clamp's edge and the denormal results), every 997th
+// in [-1e-3, 0], every 61st in [-200, 0], and the specials, a vector's lanes all different.
+vf exp2_portable(vf x) {
+  x = x < -127.f ? vbcast(-127.f) : x;
+  const vf magic = vbcast(12582912.f);
+  vf n = (x + magic) - magic;
+  vf r = x - n;
+  vf p = vbcast(1.326697993e-3f);
+  p = p * r + 9.675469400e-3f;
+  p = p * r + 5.550742675e-2f;
+  p = p * r + 2.402212158e-1f;
+  p = p * r + 6.931469491e-1f;
+  p = p * r + 1.f;
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+void check_exp2() {
+  std::vector<float> xs = {-INFINITY, NAN, -NAN, -0.f, 0.f, -1e30f, -3e38f, -127.f, -126.5f, -126.f};
+  auto add_range = [&](float lo, float hi, uint32_t step) {  // negative floats from hi down to lo
+    uint32_t a, b;
+    std::memcpy(&a, &hi, 4);
+    std::memcpy(&b, &lo, 4);
+    for (uint32_t u = a; u <= b; u += step) {
+      float f;
+      std::memcpy(&f, &u, 4);
+      xs.push_back(f);
+    }
+  };
+  add_range(-130.f, -120.f, 1);
+  add_range(-1e-3f, -0.f, 997);
+  add_range(-200.f, -0.f, 61);
+  while (xs.size() % kLanes<float> != 0) xs.push_back(-1.f);
+  int bad = 0;
+  for (size_t i = 0; i < xs.size(); i += kLanes<float>) {
+    const vf x = vload(xs.data() + i);
+    const vf got = vexp2_nonpos(x), want = exp2_portable(x);
+    for (int u = 0; u < kLanes<float>; ++u) {
+      uint32_t g, w;
+      std::memcpy(&g, &got[u], 4);
+      std::memcpy(&w, &want[u], 4);
+      if (g != w && bad++ < 5) CHECK(g == w, "exp2(%a): %a, portable %a", xs[i + u], got[u], want[u]);
+    }
+  }
+  CHECK(bad == 0, "%d lanes differ", bad);
+}
+
 int main() {
+  check_exp2();
   check_hsums();
   check_hmax();
   check_transpose<float>(48, 64, 64, 48);
