@@ -130,7 +130,9 @@ def test_backward_from_the_forward_checkpoints(gate, varlen, length, plain):
     same with checkpoints or without, bit for bit; "short": a step-sized call (10 tokens, V = 128)
     that without checkpoints runs on the state's rows, a pack's empty sequence keeping its state.
     plain: the plain write, whose forward pairs tokens in a pass except where a pass ends at a
-    checkpoint (so with and without them it pairs differently: still the same bits)."""
+    checkpoint (so with and without them it pairs differently: still the same bits). The delta
+    rule's pairs (AVX-512: p_{t+1} from the pass before, rounded differently) skip the checkpoint
+    positions with and without checkpoints alike, which the bit-for-bit check holds them to."""
     if length == "long":
         cu = torch.tensor([0, 70, 70, 100, 230], dtype=torch.int32) if varlen else None
         s, vd = (235 if varlen else 150), 9

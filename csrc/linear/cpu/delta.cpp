@@ -321,6 +321,77 @@ __attribute__((always_inline)) inline void plain_pair_pass(T* __restrict__ S, in
   sum_chains<CH, NV, T>(a1, o1);
 }
 
+// The delta rule over two ungated tokens in one pass (fwd_group, where no gate folds between
+// them). u_t waits on p_t = h'_t^T kn_t, which the pass before gave; u_{t+1} waits on
+// p_{t+1} = h_t^T kn_{t+1} = r_{t+1} + kappa_t u_t, with r_{t+1} = h'_t^T kn_{t+1} (from the pass
+// before too) and kappa_t = kn_{t+1} . k_t (a scalar per token pair, from the chunk's
+// preparation). Then per row m: x = h'[m] + k_t[m] u_t, o_t += q_t[m] x, x += k_{t+1}[m] u_{t+1},
+// o_{t+1} += q_{t+1}[m] x, and for the next pair p_{t+2} += kn_{t+2}[m] x, r_{t+3} += kn_{t+3}[m] x:
+// six FMAs per load and store of the block where two single passes take six per two loads and
+// stores. p_{t+1} rounds differently from the single pass's dot product: the forward chooses its
+// pairs the same with and without checkpoints, so the two compute the same bits.
+template <int NV, int CH>
+constexpr int kDeltaPairRegs = 4 * CH * NV + 2 * NV + 2;
+// Whether a block of NV vectors takes delta_pair_pass: where its sums, u and the broadcasts fit
+// the registers (AVX-512: 1.09-1.22x the single passes on an Intel Xeon). At AVX2 a pass over half
+// a block at a time (two vectors, 14 registers) ran 0.87-1.0x: the six broadcasts and token
+// pointers per row served two vectors, and the pointers left the general registers
+// (benchmarks/results/2026-12-01-delta-pair-pass.md).
+template <int NV>
+constexpr bool kDeltaPairs = kDeltaPairRegs<NV, 1> <= kVecRegs;
+
+template <int NV, int CH, typename T>
+__attribute__((always_inline)) inline void delta_pair_pass(T* __restrict__ S, int64_t ld, int K, const T* k0_,
+                                                           const T* q0_, const T* k1_, const T* q1_, const T* n2_,
+                                                           const T* n3_, const vec<T>* u0, const vec<T>* u1,
+                                                           vec<T>* o0, vec<T>* o1, vec<T>* p2, vec<T>* r3) {
+  constexpr int L = kLanes<T>;
+  const T *__restrict__ k0 = k0_, *__restrict__ q0 = q0_, *__restrict__ k1 = k1_, *__restrict__ q1 = q1_;
+  const T *__restrict__ n2 = n2_, *__restrict__ n3 = n3_;
+  static_assert(kDeltaPairRegs<NV, CH> <= kVecRegs, "the sums leave registers for u, x and a broadcast");
+  vec<T> a0[CH][NV] = {}, a1[CH][NV] = {}, a2[CH][NV] = {}, a3[CH][NV] = {};
+  auto row_step = [&](T* __restrict__ row, const T*, int m, int c) __attribute__((always_inline)) {
+    const vec<T> kc = vbcast_mem(k0 + m), qc = vbcast_mem(q0 + m);
+    const vec<T> kd = vbcast_mem(k1 + m), qd = vbcast_mem(q1 + m);
+    const vec<T> ke = vbcast_mem(n2 + m), kf = vbcast_mem(n3 + m);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      vec<T> x = vload(row + i * L);
+      x += kc * u0[i];
+      a0[c][i] += qc * x;
+      x += kd * u1[i];
+      a1[c][i] += qd * x;
+      a2[c][i] += ke * x;
+      a3[c][i] += kf * x;
+      vstore(row + i * L, x);
+    }
+  };
+  walk_rows<CH>(S, S, ld, K, row_step);
+  vec<T> s0[NV], s1[NV], s2[NV], s3[NV];
+  sum_chains<CH, NV, T>(a0, s0);
+  sum_chains<CH, NV, T>(a1, s1);
+  sum_chains<CH, NV, T>(a2, s2);
+  sum_chains<CH, NV, T>(a3, s3);
+  for (int i = 0; i < NV; ++i) o0[i] = s0[i], o1[i] = s1[i], p2[i] = s2[i], r3[i] = s3[i];
+}
+
+// r = h'^T kn over the block's columns (a read-only pass): the r_{t+1} a chain of pair passes
+// starts from.
+template <int NV, int CH, typename T>
+__attribute__((always_inline)) inline void dot_pass(const T* __restrict__ S, int64_t ld, int K, const T* kn_,
+                                                    vec<T> (&r)[NV]) {
+  constexpr int L = kLanes<T>;
+  const T* __restrict__ kn = kn_;
+  vec<T> a[CH][NV] = {};
+  auto row_step = [&](T* row, const T*, int m, int c) __attribute__((always_inline)) {
+    const vec<T> kc = vbcast_mem(kn + m);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) a[c][i] += kc * vload(row + i * L);
+  };
+  walk_rows<CH>(const_cast<T*>(S), S, ld, K, row_step);
+  sum_chains<CH, NV, T>(a, r);
+}
+
 // Columns [j0, j0 + w) of the block S (K rows of Wp) into checkpoint c, transposed: each of its
 // rows written in order (the block's strided reads stay in L1).
 template <typename T>
@@ -351,22 +422,24 @@ constexpr int kFwdChunk = 64;
 
 // One forward task's scratch: its blocks' rows (nb x K x Wp; none for a direct step, which runs
 // on the state's rows) and pending p (nb x Wp), a chunk's prepared tokens (kFwdChunk + 1 rows of
-// q, k, a and kn, K each, beta and the fold flags), two v blocks, o and the running factors C (K).
+// q, k, a and kn, K each, beta, kappa and the fold flags), two v blocks, o and the running
+// factors C (K).
 // It points into its own memory: not to be copied.
 template <typename T>
 struct FwdScratch {
   static constexpr size_t kBetaSlots = size_t(kFwdChunk + 16) / 16 * 16;  // whole lines after it
   Buffer<T> mem;
-  T *S, *pv, *tok, *beta, *v, *o, *C;
+  T *S, *pv, *tok, *beta, *kappa, *v, *o, *C;
   bool fold[kFwdChunk + 1];
   FwdScratch(int K, int nb, int Wp, bool rows) {
     const size_t st = rows ? size_t(nb) * K * Wp : 0, tk = size_t(kFwdChunk + 1) * 4 * K;
-    mem.resize(st + size_t(nb) * Wp + tk + kBetaSlots + 3 * size_t(Wp) + size_t(K));
+    mem.resize(st + size_t(nb) * Wp + tk + 2 * kBetaSlots + 3 * size_t(Wp) + size_t(K));
     S = mem.data();
     pv = S + st;
     tok = pv + size_t(nb) * Wp;
     beta = tok + tk;
-    v = beta + kBetaSlots;
+    kappa = beta + kBetaSlots;  // delta_pair_pass's kn_{t+1} . k_t per token of the chunk
+    v = kappa + kBetaSlots;
     o = v + 2 * size_t(Wp);
     C = o + Wp;
   }
@@ -448,6 +521,13 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   // rounds differently from the recurrence (a prefill then steps, which run unfactored, equals
   // the whole sequence to rounding, not bit for bit).
   const bool factor = kGate && !step_call(p);
+  // the delta rule two tokens a pass (delta_pair_pass): not in a decode step (which runs as the
+  // recurrence, token by token)
+  const bool pairs = kDelta && kDeltaPairs<NV> && !step_call(p);
+  auto kn_of = [&](int t, int c0) {  // the kn row token t's pass dots with (FwdToken::kn)
+    const T* row = sc.tok + int64_t(t - c0) * 4 * K;
+    return (!factor || sc.fold[t - c0]) ? row + K : row + 3 * K;
+  };
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v;  // this head in a (b, h_v, K, V) state
   auto block = [&](int g) { return direct ? p.final_state + st0 + int64_t(jb0 + g) * Wp : sc.S + int64_t(g) * K * Wp; };
   auto width = [&](int g) { return std::min(Wp, p.dim_v - (jb0 + g) * Wp); };
@@ -518,6 +598,18 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
         }
       }
     }
+    if (pairs) {  // delta_pair_pass's kappa_t = kn_{t+1} . k_t
+      for (int t = c0; t < std::min(c1, sp.len - 1); ++t) {
+        const T* kt = sc.tok + int64_t(t - c0) * 4 * K + K;
+        const T* kn = kn_of(t + 1, c0);
+        vec<T> acc{};
+        int m = 0;
+        for (; m + L <= K; m += L) acc += vload(kt + m) * vload(kn + m);
+        T sum = hsum_tree(acc);
+        for (; m < K; ++m) sum += kt[m] * kn[m];
+        sc.kappa[t - c0] = sum;
+      }
+    }
     for (int g = 0; g < nb; ++g) {
       const int j0 = (jb0 + g) * Wp, w = width(g);
       T* S = block(g);
@@ -535,9 +627,38 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
         for (int i = 0; i < NV; ++i) pv[i] = vload(sc.pv + int64_t(g) * Wp + i * L);
         token(c0, c0, j0, w, tok[c0 & 1]);
       }
+      bool have_r = false;  // rv holds r_{t+1} = h'_t^T kn_{t+1} (delta_pair_pass)
+      vec<T> rv[NV] = {};
       for (int t = c0; t < c1; ++t) {
         const FwdToken<T>& cur = tok[t & 1];
         FwdToken<T>& nxt = tok[(t + 1) & 1];
+        if constexpr (kDelta && kDeltaPairs<NV>) {
+          // tokens t and t + 1 in one pass where no gate folds into the rows at t + 1 or t + 2,
+          // both are among the chunk's prepared tokens (t + 2 started), and neither h_t nor h_{t+1}
+          // is a checkpoint's state (with or without checkpoints: the same pairs, the same bits)
+          auto ungated = [&](int x) { return !kGate || (factor && !sc.fold[x - c0]); };
+          const int last = std::min(c1, sp.len - 1);  // the last prepared token
+          if (pairs && t + 2 <= last && ungated(t + 1) && ungated(t + 2) && (t + 1) % kDeltaChunk != 0 &&
+              (t + 2) % kDeltaChunk != 0) {
+            if (!have_r) dot_pass<NV, CH>(S, ld, K, kn_of(t + 1, c0), rv);
+            token(t + 1, c0, j0, w, nxt);
+            vec<T> u1[NV], o1[NV];
+            const vec<T> b0 = vbcast(cur.beta), b1 = vbcast(nxt.beta), ka = vbcast(sc.kappa[t - c0]);
+            for (int i = 0; i < NV; ++i) {
+              u[i] = b0 * (vload(cur.v + i * L) - pv[i]);
+              u1[i] = b1 * (vload(nxt.v + i * L) - (rv[i] + ka * u[i]));
+            }
+            have_r = t + 3 <= last;  // r_{t+3} needs token t + 3's kn
+            const T* n3 = kn_of(have_r ? t + 3 : t + 2, c0);
+            delta_pair_pass<NV, 1>(S, ld, K, cur.k, cur.q, nxt.k, nxt.q, kn_of(t + 2, c0), n3, u, u1, ov, o1, pv, rv);
+            store_out(t, j0, w, ov);
+            store_out(t + 1, j0, w, o1);
+            token(t + 2, c0, j0, w, tok[t & 1]);  // the next step's cur
+            ++t;
+            continue;
+          }
+          have_r = false;
+        }
         if constexpr (!kDelta && kPairRegs<NV, CH> <= kVecRegs) {
           // the plain write: tokens t and t + 1 in one pass where both passes are ungated and
           // neither ends at a checkpoint (a 64-token chunk's edges fold, so its inner tokens pair)
