@@ -334,7 +334,7 @@ template <int NV, int CH>
 constexpr int kDeltaPairRegs = 4 * CH * NV + 2 * NV + 2;
 // Whether a block of NV vectors takes delta_pair_pass: where its sums, u and the broadcasts fit
 // the registers (AVX-512: 1.09-1.22x the single passes on an Intel Xeon). At AVX2 a pass over half
-// a block at a time (two vectors, 14 registers) ran 0.87-1.0x: the six broadcasts and token
+// a block at a time (two vectors, 14 registers) ran 0.83-1.0x: the six broadcasts and token
 // pointers per row served two vectors, and the pointers left the general registers
 // (benchmarks/results/2026-12-01-delta-pair-pass.md).
 template <int NV>
