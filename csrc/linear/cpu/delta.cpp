@@ -15,7 +15,9 @@
 // loads and stores the block once. Reductions run down the rows (over K), so they are vertical
 // vector adds; a few rows at a time keep independent accumulators, hiding the FMA latency. Over
 // a gated sequence the gates stay out of the block as running per-row factors, folded back into
-// it when they leave a safe range, so the pass costs the ungated one's FMAs.
+// it when they leave a safe range, so the pass costs the ungated one's FMAs. At AVX-512 one pass
+// finishes two tokens where no gate folds between them (delta_pair_pass), p_{t+1} coming from
+// sums the pass before took.
 //
 // Backward: one task per (sequence, value head), the state transposed (V rows of K, so the
 // reductions over V that dq, dk and the gate's gradient need become vertical adds; the one over
