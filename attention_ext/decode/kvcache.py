@@ -228,6 +228,10 @@ def flash_attn_with_kvcache(
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, Tensor)):
         raise TypeError("flash_attn_with_kvcache: cache_seqlens must be an int or a (B,) int32 tensor")
     elif isinstance(cache_seqlens, int):
+        # the conversion to int32 below would fail in torch's words, which name no argument
+        if not -2 ** 31 <= cache_seqlens < 2 ** 31:
+            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens={cache_seqlens} does not fit int32 (the "
+                             "cache's rows are counted in int32): pass the number of rows already in the cache")
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
     else:
         seqlens = _int_vector("cache_seqlens", cache_seqlens, b, dev)

@@ -196,6 +196,9 @@ def test_int_cache_seqlens():
     o1 = ae.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=4)
     o2 = ae.flash_attn_with_kvcache(q, k2, v2, kn, vn, cache_seqlens=torch.tensor([4, 4], dtype=torch.int32))
     assert torch.equal(o1, o2) and torch.equal(kc, k2) and torch.equal(kc[:, 4], kn[:, 0])
+    for n in (2 ** 31, -2 ** 31 - 1, 2 ** 70):  # past int32: the argument named, not torch's overflow
+        with pytest.raises(ValueError, match="cache_seqlens=.*does not fit int32"):
+            ae.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=n)
 
 
 def test_none_cache_seqlens_is_full_cache():
