@@ -129,6 +129,8 @@ vf exp2_portable(vf x) {
   std::memcpy(&scale, &e, sizeof(scale));
   return p * scale;
 }
+__attribute__((noinline)) vf exp2_of_product(vf d) { return vexp2_nonpos(d * 1.4426950408889634f); }
+__attribute__((noinline)) vf exp2_portable_of_product(vf d) { return exp2_portable(d * 1.4426950408889634f); }
 void check_exp2() {
   std::vector<float> xs = {-INFINITY, NAN, -NAN, -0.f, 0.f, -1e30f, -3e38f, -127.f, -126.5f, -126.f};
   auto add_range = [&](float lo, float hi, uint32_t step) {  // negative floats from hi down to lo
@@ -157,6 +159,20 @@ void check_exp2() {
     }
   }
   CHECK(bad == 0, "%d lanes differ", bad);
+  // with the callers' multiply in front (x = d log2 e, as TileSoftmax::exp2_arg): the compiler
+  // must not contract it into r = x - n (kernel form) where the clamp stops it (portable form)
+  int bad_mul = 0;
+  for (size_t i = 0; i + kLanes<float> <= xs.size(); i += kLanes<float>) {
+    const vf d = vload(xs.data() + i) * 0.6931471805599453f;
+    const vf got = exp2_of_product(d), want = exp2_portable_of_product(d);
+    for (int u = 0; u < kLanes<float>; ++u) {
+      uint32_t g, w;
+      std::memcpy(&g, &got[u], 4);
+      std::memcpy(&w, &want[u], 4);
+      if (g != w && bad_mul++ < 5) CHECK(g == w, "exp2(%a log2 e): %a, portable %a", d[u], got[u], want[u]);
+    }
+  }
+  CHECK(bad_mul == 0, "%d lanes differ with the multiply", bad_mul);
 }
 
 int main() {

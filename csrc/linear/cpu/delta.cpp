@@ -332,15 +332,17 @@ __attribute__((always_inline)) inline void plain_pair_pass(T* __restrict__ S, in
 // six FMAs per load and store of the block where two single passes take six per two loads and
 // stores. p_{t+1} rounds differently from the single pass's dot product: the forward chooses its
 // pairs the same with and without checkpoints, so the two compute the same bits.
+// registers: four sums a vector per chain, u_t and u_{t+1}, x and the six broadcasts of a row
 template <int NV, int CH>
-constexpr int kDeltaPairRegs = 4 * CH * NV + 2 * NV + 2;
-// Whether a block of NV vectors takes delta_pair_pass: where its sums, u and the broadcasts fit
-// the registers (AVX-512: 1.09-1.22x the single passes on an Intel Xeon). At AVX2 a pass over half
-// a block at a time (two vectors, 14 registers) ran 0.83-1.0x: the six broadcasts and token
-// pointers per row served two vectors, and the pointers left the general registers
-// (benchmarks/results/2026-12-01-delta-pair-pass.md).
+constexpr int kDeltaPairRegs = 4 * CH * NV + 2 * NV + 7;
+// Whether a block of NV vectors takes delta_pair_pass: blocks of four vectors where their sums, u
+// and the broadcasts fit the registers (AVX-512's 64-column float blocks, its float64 blocks:
+// medians 1.07-1.19x the single passes on an Intel Xeon). Narrower blocks serve the row's six
+// broadcasts and token pointers with fewer vectors: AVX-512's 32-column blocks (Zen 4's L1, few
+// tasks) ran 0.89-0.92x gated (GCC kept two sums on the stack) and 1.02-1.05x ungated, and at AVX2
+// half blocks (two vectors) 0.83-1.0x (benchmarks/results/2026-12-01-delta-pair-pass.md).
 template <int NV>
-constexpr bool kDeltaPairs = kDeltaPairRegs<NV, 1> <= kVecRegs;
+constexpr bool kDeltaPairs = NV >= 4 && kDeltaPairRegs<NV, 1> <= kVecRegs;
 
 template <int NV, int CH, typename T>
 __attribute__((always_inline)) inline void delta_pair_pass(T* __restrict__ S, int64_t ld, int K, const T* k0_,
