@@ -240,6 +240,30 @@ ATTN_AMX_FN inline void gemm_dp_amx(int M, int N, int K, const uint16_t* A, int6
     }
   }
 }
+// Rows [0, rows) of a float tile (row stride ld; n columns, a multiple of 32) in bf16 (round to
+// nearest even, NaN kept), as the B operand of a product over those rows: kPairs' layout with
+// blocks of R rows (panels of 32 columns, R / 2 pair rows (r, r + 1) a panel, the pair's two words
+// side by side). An odd last row pairs with zeros. Two vcvtne2ps2bf16 and two vpermt2w per 64.
+inline void rows_to_pairs(const float* src, int64_t ld, int rows, int n, uint16_t* dst, int R) {
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int r = 0; r < rows; r += 2) {
+    const float* a = src + r * ld;
+    const float* b = a + ld;
+    for (int c = 0; c < n; c += 32) {
+      const __m512i va = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + c + 16), _mm512_loadu_ps(a + c));
+      const __m512i vb = r + 1 < rows
+                             ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b + c + 16), _mm512_loadu_ps(b + c))
+                             : _mm512_setzero_si512();
+      uint16_t* out = dst + int64_t(c / kDotPanel) * R * kDotPanel + (r / 2) * 2 * kDotPanel;
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
 #endif
 
 // Whether gemm_dp_add runs here (AMX): C += A @ B in the accumulator tiles, uncompensated

@@ -51,6 +51,17 @@ struct BwdWorker {
   // per query block of the current head: whether its Q (dO) rows hold a NaN or an inf; per key
   // block of the current kv head: whether its K rows do
   std::vector<uint8_t> q_bad, do_bad, k_bad;
+  // AMX (the avx512amx variant, on the bf16 dot path): the tiles run dV, dK and dQ too. dV^T and
+  // dK^T (dp rows of ldk) take dO^T P and Q^T dS (A: dO^T and Q^T of the head, dp rows of ldq
+  // with zero columns past its rows; B: the tile's P and dS in pairs over its rows, pp and dsp)
+  // and join dV and dK at the task's end; dQ's tile is dS (bf16 rows, dsb) @ K (kPairs, kpb). P
+  // and dS are rounded to bf16 for them, as PyTorch's bf16 math rounds every intermediate. Blocks
+  // whose Q or dO rows hold a NaN or an inf run those rows apart (tile_amx), so that every other
+  // bit is the clean call's.
+  bool amx_t = false;
+  int64_t ldk = 0, ldq = 0;
+  Buffer<float> dvT, dkT;
+  Buffer<uint16_t> kpb, qT, doT, pp, dsp, dsb, at;
 
   BwdWorker(const SoftmaxBwdParamsT<T>& p_, DType dt_)
       : p(p_), dt(dt_), dp(padded_head_dim(p_.d)), mem(carved_size<T>(sizes(p_, dp, bf16_dot(p_, dt_)))),
@@ -63,6 +74,22 @@ struct BwdWorker {
     vtb = reinterpret_cast<uint16_t*>(vtbt);
     qb = reinterpret_cast<uint16_t*>(qbt);
     dob = reinterpret_cast<uint16_t*>(dobt);
+#if defined(ATTN_AMX)
+    amx_t = dot && gemm_dp_adds();
+    if (amx_t) {
+      ldk = round_up(p.sk, kBlockN);
+      ldq = round_up(p.sq, kBlockM) + kAmxDpK;
+      dvT.resize(size_t(dp) * ldk);
+      dkT.resize(size_t(dp) * ldk);
+      kpb.resize(size_t(ldk) * dp);
+      qT.resize(size_t(dp) * ldq);
+      doT.resize(size_t(dp) * ldq);
+      pp.resize(size_t(kBlockM) * kBlockN);
+      dsp.resize(size_t(kBlockM) * kBlockN);
+      dsb.resize(size_t(kBlockM) * kBlockN);
+      at.resize(size_t(dp) * 2 * kAmxDpK);
+    }
+#endif
   }
   static std::array<size_t, 23> sizes(const SoftmaxBwdParamsT<T>& p, int dp, bool dot) {
     const size_t kpad = size_t(round_up(p.sk, kBlockN)) * dp, qpad = size_t(round_up(p.sq, kBlockM)) * dp;
@@ -97,6 +124,11 @@ struct BwdWorker {
     k_bad.assign(kpad / kBlockN, 0);
     for (int j0 = 0; j0 < kpad; j0 += kBlockN)
       k_bad[j0 / kBlockN] = any_nonfinite(panel_row(kr, j0, kBlockN, dp), int64_t(kBlockN) * dp);
+    if (amx_t) {
+      std::fill(dvT.begin(), dvT.end(), 0.f);
+      std::fill(dkT.begin(), dkT.end(), 0.f);
+      pack_one_pairs(ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPairs, kBlockN, kpb.data());
+    }
     if (!dot) {  // K^T and V^T in float32 feed only the logits and dP, which the dot path forms in bf16
       pack_one(dt, ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, kt, row);
       pack_one(dt, vsrc, p.v_row_stride, len_k, kpad, d, dp, PackLayout::kTPanels, kBlockN, vt, row);
@@ -106,6 +138,14 @@ struct BwdWorker {
     }
 
     for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
+    if (amx_t) {  // the tiles' dV^T and dK^T join dV and dK
+      for (int j = 0; j < kpad; ++j) {
+        for (int c = 0; c < dp; ++c) {
+          dv[int64_t(j) * dp + c] += dvT[int64_t(c) * ldk + j];
+          dk[int64_t(j) * dp + c] += dkT[int64_t(c) * ldk + j];
+        }
+      }
+    }
 
     store_rows(dk, len_k,
                elem(p.dk, dt, si.k_offset(p, b, hk, 0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride)),
@@ -203,6 +243,16 @@ struct BwdWorker {
     T* dk_blk = dk + int64_t(j0) * dp;
     const T* dopn_blk = panel_row(dopn, i0, kBlockM, dp);
     const T* qpn_blk = panel_row(qpn, i0, kBlockM, dp);
+#if defined(ATTN_AMX)
+    if constexpr (std::is_same<T, float>::value) {
+      // an odd row count reads one more column of dO^T / Q^T (times a zero row of P / dS): past
+      // the head's rows it is zero; elsewhere (a sparse or causal edge tile) it could be an inf
+      if (amx_t && (rows % 2 == 0 || i0 + rows >= hd.len_q)) {
+        tile_amx(i0, rows, j0, n, may_hide);
+        return;
+      }
+    }
+#endif
     if (do_bad[i0 / kBlockM]) {
       gemm_skipping<true, true>(n, dp, rows, s, kBlockN, dopn_blk, P, int64_t(kBlockM) * P, dv_blk, dp,
                                 [&](int jj, int r) { return s[r * kBlockN + jj] == T(0); });
@@ -227,6 +277,71 @@ struct BwdWorker {
     kahan_add(dq + int64_t(i0) * dp, dqc + int64_t(i0) * dp, dqt, rows * dp);
   }
 
+#if defined(ATTN_AMX)
+  // tile()'s products on AMX tiles (amx_t): dV^T (dp, n) += dO^T P, dK^T += Q^T dS, over the
+  // tile's rows (an odd count pairs with a zero row of P / dS and a zero column of dO^T / Q^T);
+  // dQ's tile dS K as in tile(), its NaN redo and compensated add included. A row whose dO (Q)
+  // holds a NaN or an inf is a zero column of the tiles' dO^T (Q^T), which changes no other
+  // key's sum, and adds its own terms in float32, leaving out those with P = 0 (dS = 0): only the
+  // keys it reaches see it, as in tile()'s float32 products. dQ's NaN redo runs on the tiles
+  // (bf16dot.h's gemm_dp_skipping): the rows without a NaN come out as they were.
+  void tile_amx(int i0, int rows, int j0, int n, bool may_hide) {
+    if constexpr (std::is_same<T, float>::value) {
+      const int kk = round_up(rows, 2);
+      rows_to_pairs(s, kBlockN, rows, n, pp.data(), kBlockM);
+      rows_to_pairs(dpt, kBlockN, rows, n, dsp.data(), kBlockM);
+      const bool block_bad[2] = {bool(do_bad[i0 / kBlockM]), bool(q_bad[i0 / kBlockM])};
+      const uint16_t* rows_b[2] = {dob, qb};  // dO and Q rows in bf16 (kRows)
+      const uint16_t* tr[2] = {doT.data(), qT.data()};
+      const uint16_t* pairs[2] = {pp.data(), dsp.data()};
+      const T* terms[2] = {s, dpt};  // P and dS (the zero terms are left out)
+      T* acc_t[2] = {dvT.data(), dkT.data()};
+      T* acc[2] = {dv, dk};
+      for (int w = 0; w < 2; ++w) {
+        const uint16_t* a = tr[w] + i0;
+        int64_t lda = ldq;
+        uint32_t bad_rows = 0;  // rows (< 48 < 64) of the block with a NaN or an inf
+        if (block_bad[w]) {
+          for (int r = 0; r < rows; ++r) {
+            const uint16_t* x = rows_b[w] + int64_t(i0 + r) * dp;
+            bool bad = false;
+            for (int c = 0; c < dp; ++c) bad |= (x[c] & 0x7f80u) == 0x7f80u;
+            bad_rows |= uint32_t(bad) << r;
+          }
+          // the block's columns of dO^T / Q^T, the bad rows' zero
+          for (int c = 0; c < dp; ++c) {
+            for (int r = 0; r < kk; ++r) at[size_t(c) * 2 * kAmxDpK + r] = (bad_rows >> r) & 1u ? 0 : a[c * ldq + r];
+          }
+          a = at.data();
+          lda = 2 * kAmxDpK;
+        }
+        for (int m0 = 0; m0 < dp; m0 += 64) {
+          gemm_dp_add(std::min(64, dp - m0), n, kk, a + int64_t(m0) * lda, lda, pairs[w], int64_t(kBlockM) * kDotPanel,
+                      acc_t[w] + int64_t(m0) * ldk + j0, ldk);
+        }
+        for (uint32_t bits = bad_rows; bits != 0; bits &= bits - 1) {
+          const int r = __builtin_ctz(bits);
+          const uint16_t* x = rows_b[w] + int64_t(i0 + r) * dp;
+          for (int jj = 0; jj < n; ++jj) {
+            const T t = terms[w][r * kBlockN + jj];
+            if (t == T(0)) continue;
+            T* out = acc[w] + int64_t(j0 + jj) * dp;
+            for (int c = 0; c < dp; ++c) out[c] += t * bf16_to_f32(x[c]);
+          }
+        }
+      }
+      rows_to_bf16(dpt, kBlockN, dsb.data(), kBlockN, rows, n);
+      const uint16_t* kb = panel_row<uint16_t, kDotPanel>(kpb.data(), j0, kBlockN, dp);
+      gemm_dp(rows, dp, n, dsb.data(), kBlockN, kb, int64_t(kBlockN) * kDotPanel, dqt, dp);
+      if ((may_hide || k_bad[j0 / kBlockN]) && any_nan(dqt, int64_t(rows) * dp)) {
+        gemm_dp_skipping(rows, dp, n, dsb.data(), kBlockN, kb, int64_t(kBlockN) * kDotPanel, dqt, dp,
+                         [&](int r, int jj) { return dpt[r * kBlockN + jj] == T(0); });
+      }
+      kahan_add(dq + int64_t(i0) * dp, dqc + int64_t(i0) * dp, dqt, rows * dp);
+    }
+  }
+#endif
+
   void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
     const int d = p.d;
     const size_t es = dtype_size(dt);
@@ -246,6 +361,18 @@ struct BwdWorker {
     if (dot) {
       pack_one_pairs(qsrc, p.q_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, qb);
       pack_one_pairs(dosrc, p.do_row_stride, len_q, qpad, d, dp, PackLayout::kRows, kBlockM, dob);
+    }
+    if (amx_t) {  // Q^T and dO^T for tile_amx, zero past the head's rows
+      for (int c = 0; c < dp; ++c) {
+        uint16_t* qt = qT.data() + int64_t(c) * ldq;
+        uint16_t* dt_ = doT.data() + int64_t(c) * ldq;
+        for (int i = 0; i < qpad; ++i) {
+          qt[i] = qb[int64_t(i) * dp + c];
+          dt_[i] = dob[int64_t(i) * dp + c];
+        }
+        std::fill(qt + qpad, qt + ldq, uint16_t(0));
+        std::fill(dt_ + qpad, dt_ + ldq, uint16_t(0));
+      }
     }
     std::fill(dq, dq + int64_t(qpad) * dp, T(0));
     std::fill(dqc, dqc + int64_t(qpad) * dp, T(0));
