@@ -8,7 +8,8 @@
 //   dS = P * (dP * keep / (1 - p) - D_i)    gradient of the logits
 //   dX = dS * dscore/dx                     (scale, and the softcap's 1 - tanh^2)
 //   dV += (P * keep / (1 - p))^T dO;  dK += dX^T Q;  dQ += dX K
-// Key blocks are the outer loop so the dK / dV block accumulators stay in cache. dQ sums a term per
+// On AMX (the avx512amx variant) all five products run on the tiles (tile_amx). Key blocks are
+// the outer loop so the dK / dV block accumulators stay in cache. dQ sums a term per
 // key block over the whole row: each tile's dX K is formed on its own and joins dQ by compensated
 // addition (simd.h's kahan_add, compensation dqc), as the forward's O does.
 #include <cmath>
