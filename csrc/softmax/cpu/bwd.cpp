@@ -14,6 +14,7 @@
 // addition (simd.h's kahan_add, compensation dqc), as the forward's O does.
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common/policy.h"
@@ -53,14 +54,15 @@ struct BwdWorker {
   // block of the current kv head: whether its K rows do
   std::vector<uint8_t> q_bad, do_bad, k_bad;
   // AMX (the avx512amx variant, on the bf16 dot path): the tiles run dV, dK and dQ too. dV^T and
-  // dK^T (dp rows of ldk) take dO^T P and Q^T dS (A: dO^T and Q^T of the head, dp rows of ldq
-  // with zero columns past its rows; B: the tile's P and dS in pairs over its rows, pp and dsp)
-  // and join dV and dK at the task's end; dQ's tile is dS (bf16 rows, dsb) @ K (kPairs, kpb). P
+  // dK^T of one key block (dp rows of kBlockN) take dO^T P and Q^T dS (A: dO^T and Q^T of the
+  // head, dp rows of ldq with zero columns past its rows; B: the tile's P and dS in pairs over its
+  // rows, pp and dsp) and join dV and dK when the head's walk leaves the block (flush_amx); dQ's
+  // tile is dS (bf16 rows, dsb) @ K (kPairs, kpb). P
   // and dS are rounded to bf16 for them, as PyTorch's bf16 math rounds every intermediate. Blocks
   // whose Q or dO rows hold a NaN or an inf run those rows apart (tile_amx), so that every other
   // bit is the clean call's.
   bool amx_t = false;
-  int64_t ldk = 0, ldq = 0;
+  int64_t ldq = 0;
   Buffer<float> dvT, dkT;
   Buffer<uint16_t> kpb, qT, doT, pp, dsp, dsb, at;
 
@@ -78,11 +80,10 @@ struct BwdWorker {
 #if defined(ATTN_AMX)
     amx_t = dot && gemm_dp_adds();
     if (amx_t) {
-      ldk = round_up(p.sk, kBlockN);
       ldq = round_up(p.sq, kBlockM) + kAmxDpK;
-      dvT.resize(size_t(dp) * ldk);
-      dkT.resize(size_t(dp) * ldk);
-      kpb.resize(size_t(ldk) * dp);
+      dvT.resize(size_t(dp) * kBlockN);
+      dkT.resize(size_t(dp) * kBlockN);
+      kpb.resize(size_t(round_up(p.sk, kBlockN)) * dp);
       qT.resize(size_t(dp) * ldq);
       doT.resize(size_t(dp) * ldq);
       pp.resize(size_t(kBlockM) * kBlockN);
@@ -125,7 +126,7 @@ struct BwdWorker {
     k_bad.assign(kpad / kBlockN, 0);
     for (int j0 = 0; j0 < kpad; j0 += kBlockN)
       k_bad[j0 / kBlockN] = any_nonfinite(panel_row(kr, j0, kBlockN, dp), int64_t(kBlockN) * dp);
-    if (amx_t) {
+    if (amx_t) {  // dV^T and dK^T are zero between key blocks (flush_amx)
       std::fill(dvT.begin(), dvT.end(), 0.f);
       std::fill(dkT.begin(), dkT.end(), 0.f);
       pack_one_pairs(ksrc, p.k_row_stride, len_k, kpad, d, dp, PackLayout::kPairs, kBlockN, kpb.data());
@@ -139,14 +140,6 @@ struct BwdWorker {
     }
 
     for (int h = hk * group; h < (hk + 1) * group; ++h) head(b, h, si, len_q, len_k, qpad);
-    if (amx_t) {  // the tiles' dV^T and dK^T join dV and dK
-      for (int j = 0; j < kpad; ++j) {
-        for (int c = 0; c < dp; ++c) {
-          dv[int64_t(j) * dp + c] += dvT[int64_t(c) * ldk + j];
-          dk[int64_t(j) * dp + c] += dkT[int64_t(c) * ldk + j];
-        }
-      }
-    }
 
     store_rows(dk, len_k,
                elem(p.dk, dt, si.k_offset(p, b, hk, 0, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride)),
@@ -318,7 +311,7 @@ struct BwdWorker {
         }
         for (int m0 = 0; m0 < dp; m0 += 64) {
           gemm_dp_add(std::min(64, dp - m0), n, kk, a + int64_t(m0) * lda, lda, pairs[w], int64_t(kBlockM) * kDotPanel,
-                      acc_t[w] + int64_t(m0) * ldk + j0, ldk);
+                      acc_t[w] + int64_t(m0) * kBlockN + j0 % kBlockN, kBlockN);
         }
         for (uint32_t bits = bad_rows; bits != 0; bits &= bits - 1) {
           const int r = __builtin_ctz(bits);
@@ -342,6 +335,20 @@ struct BwdWorker {
     }
   }
 #endif
+  // Keys [j0, j0 + n) of dV^T and dK^T (inside one key block) into dV and dK, then zero: the
+  // head's walk is done with them
+  void flush_amx(int j0, int n) {
+    if (!amx_t) return;
+    for (int jj = 0; jj < n; ++jj) {
+      T* v = dv + int64_t(j0 + jj) * dp;
+      T* k = dk + int64_t(j0 + jj) * dp;
+      const int64_t col = j0 % kBlockN + jj;
+      for (int c = 0; c < dp; ++c) {
+        v[c] += std::exchange(dvT[int64_t(c) * kBlockN + col], 0.f);
+        k[c] += std::exchange(dkT[int64_t(c) * kBlockN + col], 0.f);
+      }
+    }
+  }
 
   void head(int b, int h, const SeqInfo& si, int len_q, int len_k, int qpad) {
     const int d = p.d;
@@ -421,6 +428,7 @@ struct BwdWorker {
           const int a = klo / P * P;
           tile(hd, i0, rows, a, round_up(khi, P) - a, klo, khi);
         }
+        flush_amx(j0, std::min(kBlockN, round_up(len_k - j0, P)));
       }
     } else {
       // block-sparse: per layout column, its on blocks (CSC at the layout's own granularity);
@@ -445,6 +453,7 @@ struct BwdWorker {
             e = e1;
             if (r0 < r1) for_query_tiles(r0, r1, [&](int i0, int rows) { tile(hd, i0, rows, j0, n, lo, hi); });
           }
+          flush_amx(j0, n);
         });
       }
     }
