@@ -376,19 +376,21 @@ def test_nan_softmax_padded(how, what):
         _clean_vs_poisoned(run_softmax, (q, k, v), args, how, dout, **kw)
 
 
+@pytest.mark.parametrize("row", [100, 130])
 @pytest.mark.parametrize("heads", [(2, 2), (2, 1)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mask", ["causal", "bool"])
 @pytest.mark.parametrize("what", ["q", "dout", "q_inf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_nan_query_row_reaches_its_keys_only(dtype, what, mask, heads):
-    """A NaN in query row 100 of head 1 (q, or the gradient dout; or an inf in q) reaches that
-    row's out / dq and the dK / dV of the keys the row sees (with inf in q: of those whose logit
-    is not -inf), and changes no other bit: not the
-    keys hidden from it by a causal edge or a bool mask in the same tiles. Found by this test: with
-    NaN in q, causal, the row's LSE is NaN and exp(-inf - NaN) gave the hidden keys P = NaN (dK and
-    dV NaN at keys 101..127 of its tile); with NaN in dout, P^T dO gave 0 x NaN there."""
+def test_nan_query_row_reaches_its_keys_only(dtype, what, mask, heads, row):
+    """A NaN in query row 100 or 130 of head 1 (q, or the gradient dout; or an inf in q) reaches
+    that row's out / dq and the dK / dV of the keys the row sees (with inf in q: of those whose
+    logit is not -inf), and changes no other bit: not the keys hidden from it by a causal edge or a
+    bool mask in the same tiles. Found by this test: with NaN in q, causal, the row's LSE is NaN and
+    exp(-inf - NaN) gave the hidden keys P = NaN (dK and dV NaN at keys 101..127 of its tile); with
+    NaN in dout, P^T dO gave 0 x NaN there. Row 130 is row 34 of its 48-row block: the AMX
+    backward's mask of such rows was once 32 bits wide (found by review)."""
     torch.manual_seed(10)
-    (h, hk), s, d, row = heads, 150, 40, 100
+    (h, hk), s, d = heads, 150, 40  # rows 100 and 130: 4 and 34 into their 48-row block
     q, dout = torch.randn(1, h, s, d, dtype=dtype), torch.randn(1, h, s, d, dtype=dtype)
     k, v = (torch.randn(1, hk, s, d, dtype=dtype) for _ in range(2))
     if mask == "causal":

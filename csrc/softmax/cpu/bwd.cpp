@@ -281,6 +281,7 @@ struct BwdWorker {
   // (bf16dot.h's gemm_dp_skipping): the rows without a NaN come out as they were.
   void tile_amx(int i0, int rows, int j0, int n, bool may_hide) {
     if constexpr (std::is_same<T, float>::value) {
+      static_assert(kBlockM <= 64, "a block's bad rows are one 64-bit mask");
       const int kk = round_up(rows, 2);
       rows_to_pairs(s, kBlockN, rows, n, pp.data(), kBlockM);
       rows_to_pairs(dpt, kBlockN, rows, n, dsp.data(), kBlockM);
@@ -294,17 +295,17 @@ struct BwdWorker {
       for (int w = 0; w < 2; ++w) {
         const uint16_t* a = tr[w] + i0;
         int64_t lda = ldq;
-        uint32_t bad_rows = 0;  // rows (< 48 < 64) of the block with a NaN or an inf
+        uint64_t bad_rows = 0;  // rows (< kBlockM <= 64) of the block with a NaN or an inf
         if (block_bad[w]) {
           for (int r = 0; r < rows; ++r) {
             const uint16_t* x = rows_b[w] + int64_t(i0 + r) * dp;
             bool bad = false;
             for (int c = 0; c < dp; ++c) bad |= (x[c] & 0x7f80u) == 0x7f80u;
-            bad_rows |= uint32_t(bad) << r;
+            bad_rows |= uint64_t(bad) << r;
           }
           // the block's columns of dO^T / Q^T, the bad rows' zero
           for (int c = 0; c < dp; ++c) {
-            for (int r = 0; r < kk; ++r) at[size_t(c) * 2 * kAmxDpK + r] = (bad_rows >> r) & 1u ? 0 : a[c * ldq + r];
+            for (int r = 0; r < kk; ++r) at[size_t(c) * 2 * kAmxDpK + r] = (bad_rows >> r) & 1 ? 0 : a[c * ldq + r];
           }
           a = at.data();
           lda = 2 * kAmxDpK;
@@ -313,8 +314,8 @@ struct BwdWorker {
           gemm_dp_add(std::min(64, dp - m0), n, kk, a + int64_t(m0) * lda, lda, pairs[w], int64_t(kBlockM) * kDotPanel,
                       acc_t[w] + int64_t(m0) * kBlockN + j0 % kBlockN, kBlockN);
         }
-        for (uint32_t bits = bad_rows; bits != 0; bits &= bits - 1) {
-          const int r = __builtin_ctz(bits);
+        for (uint64_t bits = bad_rows; bits != 0; bits &= bits - 1) {
+          const int r = __builtin_ctzll(bits);
           const uint16_t* x = rows_b[w] + int64_t(i0 + r) * dp;
           for (int jj = 0; jj < n; ++jj) {
             const T t = terms[w][r * kBlockN + jj];
