@@ -529,7 +529,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   // recurrence, token by token)
   const bool pairs = kDelta && kDeltaPairs<NV> && !step_call(p);
   auto kn_of = [&](int t, int c0) {  // the kn row token t's pass dots with (FwdToken::kn)
-    const T* row = sc.tok + int64_t(t - c0) * 4 * K;
+    T* row = sc.tok + int64_t(t - c0) * 4 * K;
     return (!factor || sc.fold[t - c0]) ? row + K : row + 3 * K;
   };
   const int64_t st0 = (int64_t(n) * p.h_v + hv) * K * p.dim_v;  // this head in a (b, h_v, K, V) state
@@ -558,7 +558,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
     T* row = sc.tok + int64_t(t - c0) * 4 * K;
     x.q = row, x.k = row + K, x.a = row + 2 * K, x.beta = sc.beta[t - c0];
     x.fold = !factor || sc.fold[t - c0];
-    x.kn = x.fold ? x.k : row + 3 * K;
+    x.kn = kn_of(t, c0);
     if (t + kAhead < sp.len) {
       const char* vr = v_row(t + kAhead, j0);
       for (int64_t c = 0; c < int64_t(w) * int64_t(in.es); c += 64) __builtin_prefetch(vr + c, 0, 2);
@@ -604,14 +604,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
     }
     if (pairs) {  // delta_pair_pass's kappa_t = kn_{t+1} . k_t
       for (int t = c0; t < std::min(c1, sp.len - 1); ++t) {
-        const T* kt = sc.tok + int64_t(t - c0) * 4 * K + K;
-        const T* kn = kn_of(t + 1, c0);
-        vec<T> acc{};
-        int m = 0;
-        for (; m + L <= K; m += L) acc += vload(kt + m) * vload(kn + m);
-        T sum = hsum_tree(acc);
-        for (; m < K; ++m) sum += kt[m] * kn[m];
-        sc.kappa[t - c0] = sum;
+        sc.kappa[t - c0] = dot(sc.tok + int64_t(t - c0) * 4 * K + K, kn_of(t + 1, c0), K);
       }
     }
     for (int g = 0; g < nb; ++g) {
