@@ -2,12 +2,14 @@
 (B, H, S, M) decay) against the chunked PyTorch form a user writes (gla_chunked below: the GLA
 paper's chunk form, autograd backward), timed in the same run, beside the fp32 FMA peak.
 
-    python benchmarks/linear/bench_gla_cpu.py [--quick] [--out benchmarks/results/<file>.md]
+    python benchmarks/linear/bench_gla_cpu.py [--quick] [--step-only] [--out benchmarks/results/<file>.md]
 
 (B1, H8, S4096, M = V = 128), fp32 and bf16, causal, unnormalized (GLA's form), identity feature
 map on features given (the peer's inputs): forward and forward+backward. GFLOP/s count the
 recurrence's work, 4 M V flops per token forward (S = a S, S += k v^T, o = S^T q), against the
-fp32 FMA peak.
+fp32 FMA peak. Then the decode step (linear_attention_step with (B, H, 1, M) gates, in place)
+against the same update in PyTorch in place and against the per-head gates' step, beside a copy
+of the state's bytes.
 """
 from __future__ import annotations
 
@@ -87,10 +89,56 @@ def compare(dtype, grad, reps, ceil, shape):
          f"{rate:6.1f} ({rate * 1e9 / ceil:4.0%}) | {t['peer'] * 1e3:7.1f} | {t['peer'] / t['ours']:5.2f}x |")
 
 
+def step(reps):
+    """One decode step (T = 1, B16 H16 M = V = 128 fp32, identity features) in place, state in
+    memory: linear_attention_step with per-feature gates, unnormalized (GLA's form) and
+    normalized; the PyTorch in-place update a user writes for GLA's step (S = exp(g) S + k v^T,
+    o = S^T q: mul_, baddbmm_, matmul); the per-head gates' step (the linear_step op); a copy of the
+    state's bytes. Each call reads and writes S (z is 1/128 of it)."""
+    b, h, m, dv = 16, 16, 128, 128
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(b, h, 1, m, generator=gen) * m ** -0.5 for _ in range(2))
+    v = torch.randn(b, h, 1, dv, generator=gen)
+    gf, gh = -0.1 * torch.rand(b, h, 1, m, generator=gen), -0.1 * torch.rand(b, h, 1, generator=gen)
+    st = {n: ae.LinearAttentionState(torch.randn(b, h, m, dv, generator=gen) * 0.1,
+                                     torch.rand(b, h, m, generator=gen) if n == "norm" else None)
+          for n in ("plain", "norm", "head", "torch")}
+    S = st["torch"].S.view(b * h, m, dv)
+    kk, vv, qq, ee = k.reshape(b * h, m, 1), v.reshape(b * h, 1, dv), q.reshape(b * h, 1, m), torch.empty(b * h, m, 1)
+
+    def pytorch():
+        torch.exp(gf.reshape(b * h, m, 1), out=ee)
+        S.mul_(ee).baddbmm_(kk, vv)
+        return torch.bmm(qq, S)
+
+    src, dst = torch.randn(b, h, m, dv), torch.empty(b, h, m, dv)
+    step_ = ae.linear_attention_step
+    fns = {"plain": lambda: step_(q, k, v, st["plain"], decay_t=gf, feature_map="identity", normalize=False,
+                                  inplace=True),
+           "norm": lambda: step_(q, k, v, st["norm"], decay_t=gf, feature_map="identity", inplace=True),
+           "torch": pytorch,
+           "head": lambda: step_(q, k, v, st["head"], decay_t=gh, feature_map="identity", normalize=False,
+                                 inplace=True),
+           "copy": lambda: dst.copy_(src)}
+    with torch.no_grad():
+        t = interleaved(fns, reps=max(reps, 20) * 5)
+    nbytes = 2 * b * h * m * dv * 4
+    emit(f"Decode step (B16 H16 M=V=128 fp32, T=1, in place, state {nbytes / 2 / 2**20:.0f} MiB; copy "
+         f"{nbytes / t['copy'] / 1e9:.1f} GB/s, {t['copy'] * 1e6:.0f} us):")
+    emit()
+    emit("| step | us | GB/s over S (of copy) | PyTorch in place / this |")
+    emit("|---|---|---|---|")
+    for name, what in (("plain", "per-feature gates, unnormalized"), ("norm", "per-feature gates, normalized"),
+                       ("torch", "PyTorch in place (mul_, baddbmm_, bmm)"), ("head", "per-head gates, unnormalized")):
+        emit(f"| {what} | {t[name] * 1e6:.0f} | {nbytes / t[name] / 1e9:.1f} ({t['copy'] / t[name]:.0%}) | "
+             f"{t['torch'] / t[name]:.2f}x |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="S = 1024 and one rep")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--step-only", action="store_true", help="only the decode step's table")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not delta.has_kernel(torch.device("cpu")):
@@ -103,13 +151,16 @@ def main(argv=None):
          f"threads, torch {torch.__version__}; fp32 FMA peak {ceil / 1e9:.1f} GFLOP/s (cpu_peak_flops); "
          f"{datetime.date.today()}")
     emit()
-    emit(f"(B, H, S, M, V) = {shape}, causal, unnormalized, identity features; peer: gla_chunked (chunk 64)")
-    emit()
-    emit("| pass | dtype | ours ms | ours GFLOP/s (of fp32 FMA peak) | peer ms | peer / ours |")
-    emit("|---|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
-        for grad in (False, True):
-            compare(dtype, grad, reps, ceil, shape)
+    if not args.step_only:
+        emit(f"(B, H, S, M, V) = {shape}, causal, unnormalized, identity features; peer: gla_chunked (chunk 64)")
+        emit()
+        emit("| pass | dtype | ours ms | ours GFLOP/s (of fp32 FMA peak) | peer ms | peer / ours |")
+        emit("|---|---|---|---|---|---|")
+        for dtype in (torch.float32, torch.bfloat16):
+            for grad in (False, True):
+                compare(dtype, grad, reps, ceil, shape)
+        emit()
+    step(reps)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(LINES) + "\n")

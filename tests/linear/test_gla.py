@@ -248,3 +248,98 @@ def test_fallback_without_kernels_equals_the_kernels(monkeypatch):
     torch.testing.assert_close(b_st, a_st, rtol=1e-5, atol=1e-5)
     for x, y in zip(b_g, a_g):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64], ids=str)
+@pytest.mark.parametrize("feature_map,normalize", [("elu", True), ("identity", False), ("relu", True)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_steps_continue_a_prefill(dtype, feature_map, normalize, inplace):
+    """Generation with GLA's gates: linear_attention's prefill state, then linear_attention_step
+    with decay_t (B, H, T, M) one token at a time (and three at once), GQA and extreme gates
+    (a -inf hard reset inside the steps), equals the whole sequence against float64 under the
+    error rule; with inplace=True the state's own tensors advance."""
+    q, k, v, decay = problem(b=2, h=4, hk=2, s=29, m=8, dv=6, seed=11, extreme=True)
+    decay[1, 2, 22, 3:] = float("-inf")  # inside the stepped tokens
+    kw = dict(feature_map=feature_map, normalize=normalize, scale=0.5)
+    side = F64 if dtype == F64 else torch.float32
+    x = [t.to(dtype) for t in (q, k, v)]
+    g = decay.to(side)
+    out0, st = ae.linear_attention(x[0][:, :, :20], x[1][:, :, :20], x[2][:, :, :20], causal=True,
+                                   decay=g[:, :, :20], return_state=True, **kw)
+    outs, S0 = [out0], st.S
+    for lo, hi in ((20, 21), (21, 22), (22, 25), (25, 29)):
+        before = st.S.clone()
+        o, new = ae.linear_attention_step(*(t[:, :, lo:hi] for t in x), st, decay_t=g[:, :, lo:hi], inplace=inplace,
+                                          **kw)
+        assert (new is st) == inplace and (new.S is S0) == inplace
+        assert torch.equal(st.S, before) != inplace  # inplace=False leaves the given state as it was
+        st = new
+        outs.append(o)
+    out = torch.cat(outs, 2)
+    r_out, r_state, _ = torch_ref(F64, q, k, v, decay, **kw)
+    t_out, t_state, _ = torch_ref(dtype, q, k, v, decay, **kw)
+    assert_close_fa2(out, t_out, r_out, dtype, "out")
+    assert_close_fa2(st.augmented(normalize), t_state, r_state, side if dtype != F64 else F64, "final state")
+    whole = ae.linear_attention(*x, causal=True, decay=g, **kw)
+    if dtype == F64:
+        torch.testing.assert_close(out, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_step_bshd_and_a_per_head_prefill():
+    """decay_t per feature after a prefill with per-head gates (its state is the same kind), in
+    the bshd layout: the reference with the per-head gates broadcast over the features."""
+    q, k, v, decay = problem(b=1, h=2, hk=1, s=12, m=5, dv=3, seed=4)
+    head = decay[..., 0]  # (B, H, S)
+    _, st = ae.linear_attention(q[:, :, :9], k[:, :, :9], v[:, :, :9], causal=True, decay=head[:, :, :9],
+                                return_state=True)
+    o, st = ae.linear_attention_step(*(t[:, :, 9:].transpose(1, 2) for t in (q, k, v)), st,
+                                     decay_t=decay[:, :, 9:], layout="bshd")
+    full = torch.cat([head[:, :, :9, None].expand(-1, -1, -1, 5), decay[:, :, 9:]], 2)
+    r_out, _, r_fin = reference.linear_attention(q, k, v, feature_map=1, causal=True, decay=full)
+    assert o.shape == (1, 3, 2, 3)
+    torch.testing.assert_close(o.transpose(1, 2), r_out[:, :, 9:], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st.augmented(True), r_fin, rtol=1e-12, atol=1e-12)
+
+
+def test_step_gradcheck():
+    """Two steps with per-feature gates from a given state, differentiable in every input
+    (inplace=False under autograd), float64 gradcheck."""
+    q, k, v, decay = problem(b=1, h=2, hk=1, s=3, m=3, dv=2, seed=5)
+    s0, z0 = torch.rand(1, 2, 3, 2, dtype=F64), torch.rand(1, 2, 3, dtype=F64)
+    xs = [t.clone().requires_grad_() for t in (q, k, v, decay, s0, z0)]
+
+    def f(q, k, v, g, s, z):
+        st = ae.LinearAttentionState(s, z)
+        o1, st = ae.linear_attention_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], st, decay_t=g[:, :, :1])
+        o2, st = ae.linear_attention_step(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], st, decay_t=g[:, :, 1:])
+        return o1, o2, st.S, st.z
+
+    assert torch.autograd.gradcheck(f, xs)
+
+
+def test_step_errors_name_the_argument():
+    q, k, v, decay = problem(b=1, h=2, hk=2, s=2, m=8, dv=3)
+    with pytest.raises(ValueError, match="decay_t"):
+        ae.linear_attention_step(q, k, v, None, decay_t=decay[..., :5])  # not M wide
+    from attention_ext.linear.feature_maps import Favor
+    fm = Favor(8, nb_features=6, stabilize=True, seed=0)
+    with pytest.raises(ValueError, match="stabilize"):
+        ae.linear_attention_step(q, k, v, None, decay_t=decay[..., :6], feature_map=fm)
+
+
+def test_step_without_the_step_kernel(monkeypatch):
+    """Where no compiled step serves the device (delta.advance's fallback: the op's rules and
+    PyTorch's recurrence copied into the state), the in-place per-feature step gives the kernel's
+    answer and advances the same tensors."""
+    q, k, v, decay = problem(b=1, h=2, hk=1, s=3, m=6, dv=5, seed=8)
+    decay[0, 1, 1, :3] = float("-inf")  # a hard reset of half the features
+    x = [t.float() for t in (q, k, v)] + [decay.float()]
+    st0 = ae.LinearAttentionState(torch.randn(1, 2, 6, 5), torch.rand(1, 2, 6))
+    a_out, a_st = ae.linear_attention_step(*x[:3], st0.clone(), decay_t=x[3], inplace=True)
+    monkeypatch.setitem(delta._STEP_KERNELS, "cpu", False)
+    st = st0.clone()
+    S, z = st.S, st.z
+    b_out, b_st = ae.linear_attention_step(*x[:3], st, decay_t=x[3], inplace=True)
+    assert b_st.S is S and b_st.z is z
+    torch.testing.assert_close(b_out, a_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b_st.augmented(), a_st.augmented(), rtol=1e-5, atol=1e-5)
