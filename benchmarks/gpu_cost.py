@@ -136,7 +136,7 @@ RESOURCES: Dict[str, Resources] = {
     "linear bwd cs dQ, M 64": Resources(128, 153, 52_232),
     "linear bwd cs dK dV, M 64": Resources(128, 202, 52_232),
     "decode combine": Resources(128, 32, 0),  # one warp per row, few registers
-    "linear step": Resources(256, 40, 8_448),
+    "linear step": Resources(256, 40, 10_480),  # w per feature: 3 x 4 x M floats of features and gates
     # decode_kernel<bf16, 128, 8 rows> (benchmarks/results/2026-11-24-decode-ptxas.md: 239 on sm_80), 34 KB static
     "decode": Resources(128, 239, 34_048),
     # decode_mma_kernel<bf16, 128> (mma_kernel.cuh): 255 registers; 3 stages x 4 warps x (K, V) 16 x 128

@@ -10,7 +10,7 @@ functions delta_rule_attention / delta_rule_step.
         per-feature gates (linear.functional)
         checkpoints: the forward also returns the state entering every 64 tokens (CPU kernels),
         which the backward then reads instead of running a forward pass of its own
-    delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm, plain=False) -> out
+    delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
         T tokens from state, advanced in place (no autograd: decode)
 
 The math is reference.delta_rule's (common/delta_params.h in C++). The input rules, the Meta
@@ -251,23 +251,6 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, gate: Optiona
         raise
 
 
-def advance(a: dict) -> Tensor:
-    """The delta_step op's arguments `a` (by name: STEP_ARGS, `plain` included): a["state"]
-    advanced in place by the T tokens, their out returned. The compiled step where there is one,
-    else the op's input rules and PyTorch's recurrence, copied into the state. No autograd. For
-    callers that prepared the arguments (delta_rule_step, linear_attention_step's per-feature gates
-    with plain=True)."""
-    q, state = a["q"], a["state"]
-    if _STEP_KERNELS.get(q.device.type, False) and has_kernel(q.device, q.dtype):
-        return _call("delta_step", STEP_ARGS, a)
-    if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)
-        _call("delta_check", CHECK_ARGS, dict(a, initial_state=state, cu_seqlens=None))
-    out, new = reference.delta_rule(q, a["k"], a["v"], a["beta"], a["gate"], a["scale"], state, None, a["qk_l2norm"],
-                                    plain=a["plain"])
-    state.copy_(new)
-    return out
-
-
 def delta_rule_step(
     q: Tensor,
     k: Tensor,
@@ -307,8 +290,14 @@ def delta_rule_step(
     beta, gate = _side("beta", beta), _side("gate", gate)
     if scale is None:
         scale = q.shape[-1] ** -0.5 if q.dim() == 4 and q.shape[-1] > 0 else 1.0  # K = 0: the op says so
-    out = advance(dict(q=q, k=k, v=v, beta=beta, state=state, gate=gate, scale=float(scale),
-                       qk_l2norm=bool(qk_l2norm), plain=False))
+    a = dict(q=q, k=k, v=v, beta=beta, state=state, gate=gate, scale=float(scale), qk_l2norm=bool(qk_l2norm))
+    if _STEP_KERNELS.get(q.device.type, False) and has_kernel(q.device, q.dtype):
+        out = _call("delta_step", STEP_ARGS, a)
+    else:
+        if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)
+            _call("delta_check", CHECK_ARGS, dict(a, initial_state=state, cu_seqlens=None, plain=False))
+        out, new = reference.delta_rule(q, k, v, beta, gate, float(scale), state, None, bool(qk_l2norm))
+        state.copy_(new)
     if layout == "bshd":
         out = out.transpose(1, 2)
     return out, state

@@ -215,17 +215,14 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict) -> Tuple[Tensor, Tensor,
     return out.to(q.dtype), den, final
 
 
-def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict, out_dtype: torch.dtype,
-                       split_state: Optional[Tuple[Tensor, Optional[Tensor]]] = None, in_place: bool = False):
+def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
+                       out_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """linear_attention with GLA's gates, one per feature: decay (B, H, S, M), S_t =
     Diag(exp(decay_t)) S_{t-1} + phi(k_t) v'_t^T. The recurrence is the delta-rule kernels' with
     the plain write u_t = v'_t (linear/delta.py: `plain`), run per query head on the features in
     the compute dtype, so the gates stay exact down to -inf (a hard reset). The op's rules check
     everything else (with one feature's gates standing in for the decay). Returns (out in
-    out_dtype, the final state (nb, H, M, Dv')). split_state, the step's: the initial (S, z (or
-    None)) in place of opts' augmented initial_state, and (out, S, z) returned, so a decode step
-    never joins or splits the state (a copy of it each way); with in_place (no autograd, S and z
-    contiguous in the compute dtype) the delta_step op advances those tensors themselves."""
+    out_dtype, the final state (nb, H, M, Dv'))."""
     decay = opts["decay"]
     b, h, s, _ = qf.shape
     hk, acc = kf.shape[1], decay.dtype
@@ -236,11 +233,10 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
     # gradients must sum over it before they round; a scale of 0 runs at 1 and multiplies out by
     # 0, which a 16-bit out rounded to inf would turn to NaN.
     s0 = opts["initial_state"]
-    states = split_state if split_state is not None else (s0,)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qf, kf, v, decay) + states)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qf, kf, v, decay, s0))
     if (code == 0 and not opts["normalize"] and opts["scale"] != 0.0 and h == kf.shape[1]
             and qf.dtype == kf.dtype == v.dtype == out_dtype and qf.device.type == "cpu"
-            and acc == ops.acc_dtype(qf.dtype) and delta.has_kernel(qf.device, qf.dtype, grad=grad)):
+            and delta.has_kernel(qf.device, qf.dtype, grad=grad)):
         acc = qf.dtype
     phi_q, phi_k = (reference.phi(t.to(acc), code) for t in (qf, kf))
     m = phi_q.shape[-1]
@@ -254,95 +250,24 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
         phi_k, vv = torch.where(real, phi_k, torch.zeros_like(phi_k)), torch.where(real, vv, torch.zeros_like(vv))
     if h != hk:  # the state is per query head (its gates): k and v repeated over the group
         phi_k, vv = (t.repeat_interleave(h // hk, dim=1) for t in (phi_k, vv))
-    dv, scale = vv.shape[-1], opts["scale"]
-    if split_state is not None:
-        s_init, z0 = split_state[0], None if split_state[1] is None else split_state[1].unsqueeze(-1)
-    else:
-        s_init, z0 = (None, None) if s0 is None else (s0[..., :dv], s0[..., dv:])
+    dv, s0, scale = vv.shape[-1], opts["initial_state"], opts["scale"]
     # The state's columns evolve independently, so the normalizer column z runs as a call of its
     # own: v keeps every width the op takes (a column more could pass the kernels' limit), at no
     # extra kernel work (tasks are blocks of columns). A scale of 0 gives 0: run at 1, times 0.
     a = dict(q=phi_q.contiguous(), k=phi_k.contiguous(), v=vv.contiguous(), beta=phi_q.new_ones(b, h, s),
-             gate=decay, initial_state=s_init.contiguous() if s_init is not None else None,
+             gate=decay, initial_state=s0[..., :dv].contiguous() if s0 is not None else None,
              cu_seqlens=opts["cu_seqlens"], scale=scale if scale != 0.0 else 1.0, qk_l2norm=False, plain=True)
-    def go(a):  # (out, final state)
-        if not in_place:
-            return delta.run(a)
-        return delta.advance(dict(a, state=a["initial_state"])), a["initial_state"]
-
-    o, final = go(a)
-    final_z = None
+    o, final = delta.run(a)
     if opts["normalize"]:
-        if split_state is not None and s <= 16:  # a step's few tokens: see _normalizer_steps
-            den, final_z = _normalizer_steps(phi_q, phi_k, decay, z0, a["scale"], in_place)
-        else:
-            den, final_z = go(dict(a, v=phi_q.new_ones(b, h, s, 1),
-                                   initial_state=z0.contiguous() if z0 is not None else None))
+        z0 = s0[..., dv:].contiguous() if s0 is not None else None
+        den, final_z = delta.run(dict(a, v=phi_q.new_ones(b, h, s, 1), initial_state=z0))
         if scale == 0.0:
             o, den = o * 0.0, den * 0.0
         o = o / (den + opts["eps"])
+        final = torch.cat([final, final_z], -1)
     elif scale == 0.0:
         o = o * 0.0
-    if split_state is not None:
-        return o.to(out_dtype), final, None if final_z is None else final_z.squeeze(-1)
-    return o.to(out_dtype), final if final_z is None else torch.cat([final, final_z], -1)
-
-
-def _normalizer_steps(phi_q: Tensor, phi_k: Tensor, decay: Tensor, z0: Optional[Tensor], scale: float,
-                      in_place: bool) -> Tuple[Tensor, Tensor]:
-    """The normalizer of a step's few tokens with per-feature gates, in PyTorch: z_t =
-    exp(decay_t) z_{t-1} + phi(k_t), den_t = scale phi(q_t) . z_t. On the delta kernel z is a
-    one-column state whose per-head task costs more than S's 128 columns (0.3-0.4 ms of a 1.5 ms
-    step at B16 H16 M = 128); here it is a few elementwise ops. phi_q, phi_k (B, H, T, M) (k
-    repeated over the group), z0 (B, H, M, 1) or None (zeros); in_place advances z0's tensor.
-    Returns (den (B, H, T, 1), z (B, H, M, 1))."""
-    b, h, t, m = phi_q.shape
-    z = z0.squeeze(-1) if z0 is not None else phi_q.new_zeros(b, h, m, dtype=decay.dtype)
-    dens = []
-    for i in range(t):
-        if in_place:
-            z.mul_(decay[:, :, i].exp()).add_(phi_k[:, :, i])
-        else:
-            z = z * decay[:, :, i].exp() + phi_k[:, :, i]
-        dens.append((phi_q[:, :, i] * z).sum(-1))
-    den = torch.stack(dens, 2).unsqueeze(-1) * scale
-    return den, (z0 if in_place else z.unsqueeze(-1))
-
-
-def _step_per_feature_gates(fq: Tensor, fk: Tensor, v: Tensor, code: int, eps_log: Optional[Tensor],
-                            state: LinearAttentionState, decay: Tensor, normalize: bool, eps: float,
-                            scale: Optional[float], inplace: bool, layout: str,
-                            out_dtype: torch.dtype) -> Tuple[Tensor, LinearAttentionState]:
-    """linear_attention_step with GLA's gates (decay_t (B, H, T, M)): the T tokens run as
-    linear_attention's per-feature path from the state (the delta-rule kernels' plain write, exact
-    down to a -inf gate), so a prefill followed by steps computes what the whole sequence does."""
-    _check(eps_log is None and state.log_scale is None,
-           "a decay_t per feature (B, H, T, M) takes the fused feature maps or an unstabilized one: pass "
-           "stabilize=False to the feature map")
-    _check(not normalize or state.z is not None, "normalize=True needs a state with a normalizer z")
-    sdt = state.S.dtype
-    z = state.z if normalize else None
-    opts = dict(decay=decay.to(sdt).contiguous(), initial_state=None, key_mask=None, cu_seqlens=None,
-                max_seqlen=fq.shape[2], feature_map=code, causal=True, normalize=bool(normalize), eps=float(eps),
-                scale=1.0 if scale is None else float(scale))
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (fq, fk, v, decay, state.S, z))
-    # in place: the op advances the state's own tensors (one read and one write of them)
-    in_place = (inplace and not grad and sdt == ops.acc_dtype(fq.dtype) and state.S.is_contiguous()
-                and (z is None or z.is_contiguous()))
-    out, s_new, z_new = _per_feature_gates(fq, fk, v, code, opts, out_dtype, split_state=(state.S, z),
-                                           in_place=in_place)
-    new = LinearAttentionState(s_new.to(sdt), None if z_new is None else z_new.to(sdt))
-    if layout == "bshd":
-        out = out.transpose(1, 2)
-    if not inplace:
-        return out, new
-    if grad:  # autograd records: the state takes the new tensors
-        state.S, state.z = new.S, new.z
-    elif not in_place:
-        state.S.copy_(new.S)
-        if normalize:
-            state.z.copy_(new.z)
-    return out, state
+    return o.to(out_dtype), final
 
 
 def _as_state_tensor(state, normalize: bool, acc: torch.dtype, device,
@@ -528,8 +453,9 @@ def linear_attention_step(
 
     q_t (B, H, T, D), k_t (B, H_k, T, D), v_t (B, H_k, T, Dv) (or (B, T, H, D) with
     layout="bshd"), decay_t (B, H, T), or (B, H, T, M) with GLA's gate per feature (S_t =
-    Diag(exp(decay_t)) S_{t-1} + ..., as linear_attention's decay; it runs that call's kernels
-    from the state). state None starts from zeros. Random feature maps are not redrawn here. Prefill with linear_attention(causal=True, return_state=True), then steps,
+    Diag(exp(decay_t)) S_{t-1} + ..., z likewise, as linear_attention's decay; the fused or
+    unstabilized feature maps). state None starts from zeros. Random feature maps are not
+    redrawn here. Prefill with linear_attention(causal=True, return_state=True), then steps,
     equals the parallel form. inplace=True advances `state` itself (its tensors in place when
     autograd is not recording: decode loops); otherwise a new state is returned and `state` kept.
     normalize=False returns a state without z, as linear_attention does.
@@ -580,9 +506,9 @@ def linear_attention_step(
         _check(tuple(decay_t.shape) in ((b, h, t), (b, h, t, m)),
                lambda: f"decay_t must be (B, H, T) = {(b, h, t)} log-gates, or (B, H, T, M) = {(b, h, t, m)} with a "
                        f"gate per feature, got {tuple(decay_t.shape)}")
-        if decay_t.dim() == 4:
-            return _step_per_feature_gates(fq, fk, v_t, code, eps_log, state, decay_t, normalize, eps, scale,
-                                           inplace, layout, q_t.dtype)
+        _check(decay_t.dim() == 3 or (eps_log is None and state.log_scale is None),
+               "a decay_t per feature (B, H, T, M) takes the fused feature maps or an unstabilized one: pass "
+               "stabilize=False to the feature map")
     sdt = state.S.dtype
     decay = decay_t.to(sdt) if decay_t is not None else None
     if (log_scale is not None or state.log_scale is not None) and t > 0:

@@ -8,7 +8,7 @@ linear_bwd, linear_step} and their autograd.
         -> (dq, dk, dv, ddecay, dinitial_state)
     linear_step(q, k, v, state!, normalizer!?, decay?, feature_map, eps, scale) -> out
         the recurrent form over T positions (reference.linear_step), state (B, H, M, Dv) and
-        normalizer (B, H, M) advanced in place; no autograd (the functional layer runs the
+        normalizer (B, H, M) advanced in place, decay (B, H, T) or (B, H, T, M) (per feature); no autograd (the functional layer runs the
         differentiable PyTorch form when autograd records)
 
 The math is reference.linear_attention's (reference.linear_step's for the step). The schemas,

@@ -224,7 +224,9 @@ def linear_step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Opti
 
     q (B, H, T, M), k (B, H_k, T, M), v (B, H_k, T, Dv); state S (B, H, M, Dv) and normalizer z
     (B, H, M) (None: no normalization) in the compute dtype (the op's: float32, float64 for
-    float64 inputs); decay (B, H, T) log-gates. Per position t, in the state's dtype:
+    float64 inputs); decay (B, H, T) log-gates, or (B, H, T, M) with a gate per feature (GLA:
+    exp(decay_t) multiplies row m of S and entry m of z by its own factor). Per position t, in
+    the state's dtype:
 
         S <- exp(decay_t) S + phi(k_t) v_t^T,   z <- exp(decay_t) z + phi(k_t)
         out_t = scale phi(q_t)^T S / (scale phi(q_t) . z + eps)     (with z; else scale phi(q_t)^T S)
@@ -245,13 +247,14 @@ def linear_step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Opti
         fk_i = fk[:, :, i].reshape(b * h, m, 1)
         v_i = vv[:, :, i].reshape(b * h, 1, dv)
         if decay is not None:
-            g = decay[:, :, i].to(sdt).exp()  # (B, H)
+            g = decay[:, :, i].to(sdt).exp()  # (B, H), or (B, H, M) per feature
+            gs, gz = (g.unsqueeze(-1), g) if decay.dim() == 4 else (g.view(b, h, 1, 1), g.view(b, h, 1))
             if inplace:
-                s_.mul_(g.view(b, h, 1, 1))
+                s_.mul_(gs)
                 if z is not None:
-                    z.mul_(g.view(b, h, 1))
+                    z.mul_(gz)
             else:
-                s_, z = s_ * g.view(b, h, 1, 1), None if z is None else z * g.view(b, h, 1)
+                s_, z = s_ * gs, None if z is None else z * gz
         if inplace:  # addcmul_ is one pass over S (baddbmm_ with K = 1 takes two)
             s_.view(b * h, m, dv).addcmul_(fk_i, v_i)
             if z is not None:

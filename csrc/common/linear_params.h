@@ -74,6 +74,8 @@ struct LinearBwdParamsT : LinearParamsT<Acc> {
 // h / (h / h_k)) and position t, with Q~ = scale * phi(q), K~ = phi(k):
 //   S <- exp(decay_t) S + K~_t v_t^T     (M x Dv)
 //   z <- exp(decay_t) z + K~_t           (M), the normalizer; absent without normalize
+// with decay_t a scalar per head, or per feature (GLA: Diag(exp(decay_t)) S, row m by
+// exp(decay_t[m]), and z likewise)
 //   out_t = Q~_t^T S / (Q~_t . z + eps)  (normalize), else Q~_t^T S
 // The state keeps S and z apart (the Python LinearAttentionState's S and z), not the augmented
 // (M, Dv + 1) tensor of LinearParamsT: a step then needs no concatenation.
@@ -89,7 +91,8 @@ struct LinearStepParamsT : QkvParams {
   int64_t state_batch_stride, state_head_stride, state_row_stride;
   Acc* normalizer;  // (B, H, M), last dim contiguous; nullptr = no normalization
   int64_t z_batch_stride, z_head_stride;
-  const Acc* decay;  // (B, H, T) log-gates, contiguous; nullptr = none
+  const Acc* decay;  // (B, H, T) log-gates, or (B, H, T, M); contiguous; nullptr = none
+  bool decay_per_feature;  // decay is (B, H, T, M)
   FeatureMap feature_map;
   Acc eps, scale;
 };

@@ -380,7 +380,7 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("delta_check(Tensor q, Tensor k, Tensor v, Tensor beta" ATTN_DELTA_OPTIONS_SCHEMA ") -> ()");
   // decode: T tokens advance the state in place (one read and one write of it per step)
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor(a!) state, Tensor? gate, float scale, "
-        "bool qk_l2norm, bool plain=False) -> Tensor");
+        "bool qk_l2norm) -> Tensor");
   // decode family: attention of a few query rows over a (paged) KV cache, forward only
   m.def(ATTN_DECODE_SCHEMA);
   m.def("decode_check" ATTN_DECODE_ARGS_SCHEMA " -> ()");

@@ -316,8 +316,11 @@ void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at
   if (decay.has_value()) {
     TORCH_CHECK_TYPE(decay->scalar_type() == acc, "attention_ext.linear_step: decay must be ", acc, ", got ",
                      decay->scalar_type());
-    TORCH_CHECK_VALUE(decay->sym_sizes() == c10::SymIntArrayRef({b, h, t}), "attention_ext.linear_step: decay must have shape ",
-                      c10::SymIntArrayRef({b, h, t}), ", got ", decay->sym_sizes());
+    TORCH_CHECK_VALUE(decay->sym_sizes() == c10::SymIntArrayRef({b, h, t}) ||
+                          decay->sym_sizes() == c10::SymIntArrayRef({b, h, t, m}),
+                      "attention_ext.linear_step: decay must have shape ", c10::SymIntArrayRef({b, h, t}),
+                      " (a log-gate per head) or ", c10::SymIntArrayRef({b, h, t, m}), " (one per feature), got ",
+                      decay->sym_sizes());
     TORCH_CHECK(decay->device() == q.device(), "attention_ext.linear_step: decay must be on ", q.device(), ", got ",
                 decay->device());
     TORCH_CHECK_VALUE(decay->is_contiguous(), "attention_ext.linear_step: decay must be contiguous");
@@ -351,6 +354,7 @@ LinearStepParamsT<Acc> make_linear_step_params(const at::Tensor& q, const at::Te
   p.z_batch_stride = normalizer.has_value() ? normalizer->stride(0) : 0;
   p.z_head_stride = normalizer.has_value() ? normalizer->stride(1) : 0;
   p.decay = decay.has_value() ? decay->data_ptr<Acc>() : nullptr;
+  p.decay_per_feature = decay.has_value() && decay->dim() == 4;
   p.feature_map = FeatureMap(feature_map);
   p.eps = Acc(eps);
   p.scale = Acc(scale);

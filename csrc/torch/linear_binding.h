@@ -82,7 +82,8 @@ LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::
 
 // linear_step: q (B, H, T, M), k (B, H_k, T, M), v (B, H_k, T, Dv) (last dims contiguous), state
 // (B, H, M, Dv) and normalizer (B, H, M) in float32 (float64 for float64 inputs), updated in
-// place, decay (B, H, T). Checks throw c10::Error naming the bad argument.
+// place, decay (B, H, T) or (B, H, T, M) (GLA's gate per feature). Checks throw c10::Error naming
+// the bad argument.
 void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& state,
                               const std::optional<at::Tensor>& normalizer, const std::optional<at::Tensor>& decay,
                               int64_t feature_map, double eps, double scale);

@@ -7,7 +7,7 @@
 //   delta_bwd(dout, dfinal_state?, q, k, v, beta, <options>, checkpoints?)
 //       -> (dq, dk, dv, dbeta, dgate, dinitial_state)
 //   delta_check(q, k, v, beta, <options>) -> ()
-//   delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm, plain=False) -> out
+//   delta_step(q, k, v, beta, state!, gate?, scale, qk_l2norm) -> out
 //       T tokens from `state`, advanced in place (decode)
 //   <options> = gate?, initial_state?, cu_seqlens?, scale, qk_l2norm, plain
 //   (plain: linear attention's write u = v with per-key gates, GLA; beta is checked, not read)

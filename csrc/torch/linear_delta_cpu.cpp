@@ -83,8 +83,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cpu(const T
 // final state. Each task reads its block of columns at its start and writes it at its end, and
 // no two tasks share a block, so the in-place update is safe.
 Tensor delta_step_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
-                      const std::optional<Tensor>& gate, double scale, bool qk_l2norm, bool plain) {
-  const attn::api::DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, plain};
+                      const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  const attn::api::DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, false};
   attn::api::check_delta_step_inputs(q, k, v, beta, state, o);
   Tensor out = attn::api::alloc_delta_out(q, v);
   if (out.numel() == 0 || state.numel() == 0) {

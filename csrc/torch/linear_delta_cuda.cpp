@@ -46,9 +46,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_cuda(
 }
 
 Tensor delta_step_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
-                       const std::optional<Tensor>& gate, double scale, bool qk_l2norm, bool plain) {
+                       const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
   attn::NvtxRange range("attention_ext::delta::step (CUDA)");
-  return attn::api::delta_cuda_step_steps(CudaDevice{}, q, k, v, beta, state, gate, scale, qk_l2norm, plain);
+  return attn::api::delta_cuda_step_steps(CudaDevice{}, q, k, v, beta, state, gate, scale, qk_l2norm);
 }
 
 }  // namespace

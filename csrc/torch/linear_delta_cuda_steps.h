@@ -141,8 +141,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 template <typename Device>
 at::Tensor delta_cuda_step_steps(const Device& dev, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& beta, at::Tensor& state, const std::optional<at::Tensor>& gate,
-                                 double scale, bool qk_l2norm, bool plain) {
-  const DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, plain};
+                                 double scale, bool qk_l2norm) {
+  const DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, false};
   check_delta_step_inputs(q, k, v, beta, state, o);
   dev.check_device(q);
   const auto guard = dev.guard(q);

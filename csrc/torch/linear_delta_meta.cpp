@@ -35,8 +35,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> delta_bwd_meta(const 
 }
 
 Tensor delta_step_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor& state,
-                       const std::optional<Tensor>& gate, double scale, bool qk_l2norm, bool plain) {
-  const attn::api::DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, plain};
+                       const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  const attn::api::DeltaOptions o{gate, state, std::nullopt, scale, qk_l2norm, false};
   attn::api::check_delta_step_inputs(q, k, v, beta, state, o);
   return attn::api::alloc_delta_out(q, v);
 }

@@ -65,8 +65,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> emu_delta_bwd(
 }
 
 Tensor emu_delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& beta, Tensor state,
-                      const std::optional<Tensor>& gate, double scale, bool qk_l2norm, bool plain) {
-  return attn::api::delta_cuda_step_steps(EmuDeltaDevice{}, q, k, v, beta, state, gate, scale, qk_l2norm, plain);
+                      const std::optional<Tensor>& gate, double scale, bool qk_l2norm) {
+  return attn::api::delta_cuda_step_steps(EmuDeltaDevice{}, q, k, v, beta, state, gate, scale, qk_l2norm);
 }
 
 void emu_delta_set_schedule(bool warp_serial, bool reverse) { attn_emu::set_schedule(warp_serial, reverse); }
@@ -100,7 +100,7 @@ TORCH_LIBRARY(attention_ext_emu_delta, m) {
         ", Tensor? checkpoints=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         &emu_delta_bwd);
   m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor beta, Tensor(a!) state, Tensor? gate, float scale, "
-        "bool qk_l2norm, bool plain=False) -> Tensor",
+        "bool qk_l2norm) -> Tensor",
         &emu_delta_step);
   m.def("set_schedule(bool warp_serial, bool reverse) -> ()", &emu_delta_set_schedule);
   m.def("set_chunked(int chunked) -> int", &emu_delta_set_chunked);

@@ -167,23 +167,22 @@ def test_extreme_gates(emu, gate, big):
     torch.testing.assert_close(st, tail_st, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,plain", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
-def test_prefill_then_steps_equal_the_sequence(emu, dtype, plain):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_then_steps_equal_the_sequence(emu, dtype):
     """delta_step advances the state in place: a prefill's final state followed by steps of 1 and 3
-    tokens gives the whole sequence's outputs and final state (plain: GLA's write, which
-    linear_attention_step's per-feature gates run)."""
+    tokens gives the whole sequence's outputs and final state."""
     q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=20, kd=32, vd=16, gate="key")
     q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
     g, h0 = g.float(), h0.float()
-    whole, final = run(emu, q, k, v, beta, g, h0, l2=True, plain=plain)
+    whole, final = run(emu, q, k, v, beta, g, h0, l2=True)
     sl = lambda a, e: (slice(None), slice(None), slice(a, e))  # noqa: E731
-    out0, state = run(emu, *(t[sl(0, 12)] for t in (q, k, v, beta)), g[sl(0, 12)], h0, l2=True, plain=plain)
+    out0, state = run(emu, *(t[sl(0, 12)] for t in (q, k, v, beta)), g[sl(0, 12)], h0, l2=True)
     outs = [out0]
     scale = q.shape[-1] ** -0.5
     for a, e in ((12, 13), (13, 16), (16, 20)):
         ptr = state.data_ptr()
         outs.append(emu.delta_step(*(t[sl(a, e)] for t in (q, k, v)), beta.float()[sl(a, e)].contiguous(), state,
-                                   g[sl(a, e)].contiguous(), scale, True, plain))
+                                   g[sl(a, e)].contiguous(), scale, True))
         assert state.data_ptr() == ptr
     torch.testing.assert_close(torch.cat(outs, 2), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)

@@ -472,13 +472,16 @@ def test_cost_report_counts(emu, case):
 
 # ------------------------------------------------------------------ the recurrent step
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("t,m,dv,h,hk,norm,decay", [(1, 16, 24, 2, 1, True, True), (3, 40, 70, 4, 2, False, True),
-                                                     (6, 33, 5, 2, 2, True, False), (1, 128, 128, 1, 1, True, True),
-                                                     (9, 8, 40, 2, 1, True, True)], ids=str)
+@pytest.mark.parametrize("t,m,dv,h,hk,norm,decay", [(1, 16, 24, 2, 1, True, "head"), (3, 40, 70, 4, 2, False, "head"),
+                                                     (6, 33, 5, 2, 2, True, None), (1, 128, 128, 1, 1, True, "head"),
+                                                     (9, 8, 40, 2, 1, True, "head"), (1, 16, 24, 2, 1, True, "feature"),
+                                                     (6, 33, 70, 4, 2, True, "feature"),
+                                                     (3, 40, 5, 2, 1, False, "feature")], ids=str)
 def test_step(emu, dtype, t, m, dv, h, hk, norm, decay):
     """The CUDA linear_step kernel against the float64 reference step: out (poisoned to NaN
     first), the state and the normalizer advanced in place; T > kMaxT positions pass over the
-    state twice; GQA; odd widths; without normalizer or decay."""
+    state twice; GQA; odd widths; without normalizer or decay; GLA's gate per feature (a -inf
+    one on a few features of a head: a reset of those rows)."""
     torch.manual_seed(t * 100 + m)
     b = 2
     q, k = (0.5 * torch.randn(b, h, t, m)).to(dtype), (0.5 * torch.randn(b, hk, t, m)).to(dtype)
@@ -486,7 +489,9 @@ def test_step(emu, dtype, t, m, dv, h, hk, norm, decay):
     acc = ops.acc_dtype(dtype)
     s0 = torch.rand(b, h, m, dv, dtype=acc)
     z0 = torch.rand(b, h, m, dtype=acc) if norm else None
-    g = -0.3 * torch.rand(b, h, t, dtype=acc) if decay else None
+    g = None if decay is None else -0.3 * torch.rand(b, h, t, *((m,) if decay == "feature" else ()), dtype=acc)
+    if decay == "feature":
+        g[0, -1, t // 2, : m // 3] = float("-inf")
 
     def ref(rdt):  # tests/linear/test_step.py's rule: the state in float32 below float64
         sdt = f64 if rdt == f64 else acc

@@ -249,6 +249,8 @@ def test_fuzz_linear_maps_and_step(data, mode):
     normalize = kind != "rfa" and draw(st.booleans())
     causal = mode == "steps" or draw(st.booleans())
     decay = causal and draw(st.booleans())
+    # GLA's gates, one per feature (B, H, S, M): the fused maps and unstabilized callables
+    per_feature = decay and kind in ("elu", "callable") and draw(st.booleans())
     if mode == "steps":
         prefill = draw(st.integers(0, 20))
         steps = draw(st.lists(st.integers(1, 3), min_size=1, max_size=5))
@@ -267,12 +269,15 @@ def test_fuzz_linear_maps_and_step(data, mode):
     else:
         fm = "elu"
     note(dict(dtype=dtype, kind=kind, b=b, h=h, hk=hk, d=d, dv=dv, normalize=normalize, causal=causal, decay=decay,
-              prefill=prefill, steps=steps, layout=layout, grad=grad))
+              per_feature=per_feature, prefill=prefill, steps=steps, layout=layout, grad=grad))
     q = (0.5 * torch.randn(b, h, s, d, dtype=F64)).to(dtype).requires_grad_(grad)
     k = (0.5 * torch.randn(b, hk, s, d, dtype=F64)).to(dtype).requires_grad_(grad)
     v = torch.randn(b, hk, s, dv, dtype=F64).to(dtype).requires_grad_(grad)
     acc = ops.acc_dtype(dtype)
-    g = (-0.2 * torch.rand(b, h, s, dtype=acc)) if decay else None
+    m = 2 * d if kind == "callable" else d  # _split_relu doubles the width
+    g = (-0.2 * torch.rand(b, h, s, *((m,) if per_feature else ()), dtype=acc)) if decay else None
+    if per_feature and s > 1 and draw(st.booleans()):  # a hard reset of some features mid-sequence
+        g[:, :, draw(st.integers(1, s - 1)), : m // 2] = float("-inf")
     lay = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2).contiguous())
     unlay = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
     phi = ae.linear.feature_maps.resolve(fm, d)

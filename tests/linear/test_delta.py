@@ -552,12 +552,8 @@ def test_inplace_step_equals_the_functional_step(gate, dtype):
 def test_inplace_step_opcheck_and_errors():
     q, k, v, beta, g, h0 = problem(b=2, hk=1, hv=2, s=1, kd=8, vd=8, gate="head")
     a = dict(q=q.float(), k=k.float(), v=v.float(), beta=beta.float(), state=h0.float(), gate=g.float(), scale=0.5,
-             qk_l2norm=False, plain=False)
+             qk_l2norm=False)
     torch.library.opcheck(torch.ops.attention_ext.delta_step.default, tuple(a[n] for n in delta.STEP_ARGS))
-    # the plain write (GLA's per-feature gates: linear_attention_step)
-    gk = -torch.rand(2, 2, 1, 8)
-    torch.library.opcheck(torch.ops.attention_ext.delta_step.default,
-                          tuple(dict(a, gate=gk, plain=True)[n] for n in delta.STEP_ARGS))
     with pytest.raises(ValueError, match="state is updated in place and must be contiguous"):
         torch.ops.attention_ext.delta_step(*[dict(a, state=torch.zeros(8, 8).expand(2, 2, 8, 8))[n]
                                              for n in delta.STEP_ARGS])

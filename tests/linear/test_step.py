@@ -26,7 +26,9 @@ def step_problem(b=2, h=4, hk=2, t=1, m=7, dv=9, dtype=torch.float32, decay=True
     acc = ops.acc_dtype(dtype)
     state = torch.randn(b, h, m, dv, generator=g).to(acc)
     z = (torch.rand(b, h, m, generator=g) + 1).to(acc) if normalize else None
-    gate = (-torch.rand(b, h, t, generator=g)).to(acc) if decay else None
+    gate = (-torch.rand(b, h, t, *((m,) if decay == "feature" else ()), generator=g)).to(acc) if decay else None
+    if decay == "feature" and t > 0:  # GLA's gate per feature, a reset (-inf) of two rows of one head
+        gate[0, 1, -1, :2] = float("-inf")
     return q, k, v, state, z, gate
 
 
@@ -35,7 +37,8 @@ def step_problem(b=2, h=4, hk=2, t=1, m=7, dv=9, dtype=torch.float32, decay=True
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("code", [0, 1, 2])
 @pytest.mark.parametrize("t,decay,normalize,hk", [(1, False, True, 4), (1, True, True, 2), (3, True, True, 1),
-                                                   (4, False, False, 2)])
+                                                   (4, False, False, 2), (1, "feature", True, 2),
+                                                   (3, "feature", False, 1)])
 @pytest.mark.parametrize("m,dv", [(7, 9), (64, 64), (16, 40), (33, 1)])
 def test_op_matches_reference(m, dv, t, decay, normalize, hk, code, dtype):
     q, k, v, s0, z0, gate = step_problem(hk=hk, t=t, m=m, dv=dv, dtype=dtype, decay=decay, normalize=normalize)
@@ -85,10 +88,11 @@ def test_op_empty_and_no_positions():
 
 
 @needs_op
-@pytest.mark.parametrize("case", ["mha", "gqa_decay", "no_normalizer", "T3_bf16", "f64"])
+@pytest.mark.parametrize("case", ["mha", "gqa_decay", "no_normalizer", "T3_bf16", "f64", "per_feature"])
 def test_opcheck(case):
     kw = dict(mha=dict(hk=4), gqa_decay=dict(hk=2), no_normalizer=dict(normalize=False, decay=False),
-              T3_bf16=dict(t=3, dtype=torch.bfloat16), f64=dict(t=2, dtype=f64))[case]
+              T3_bf16=dict(t=3, dtype=torch.bfloat16), f64=dict(t=2, dtype=f64),
+              per_feature=dict(t=2, decay="feature"))[case]
     q, k, v, s, z, gate = step_problem(**kw)
     torch.library.opcheck(torch.ops.attention_ext.linear_step.default, (q, k, v, s, z, gate, 1, 1e-6, 0.5))
 
@@ -107,6 +111,8 @@ BAD = [
     ("normalizer shape", lambda a: a.update(normalizer=a["normalizer"][..., :3]), ValueError),
     ("normalizer dtype", lambda a: a.update(normalizer=a["normalizer"].half()), TypeError),
     ("decay shape", lambda a: a.update(decay=a["decay"][:, :2]), ValueError),
+    ("decay per feature, not M wide", lambda a: a.update(decay=a["decay"][..., None].expand(-1, -1, -1, 3).contiguous()),
+     ValueError),
     ("feature_map", lambda a: a.update(feature_map=3), ValueError),
     ("eps", lambda a: a.update(eps=float("nan")), ValueError),
     ("last stride", lambda a: a.update(q=a["q"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError),

@@ -34,8 +34,9 @@ namespace {
 template <typename T>
 using SP = LinearStepParamsT<T>;
 
-// One thread's rows for a task: T rows each of Q~ and K~ (mp wide), v and O' (dp wide), the T
-// decay factors w_t = exp(decay_t) and T vectors of normalizer partial sums.
+// One thread's rows for a task: T rows each of Q~ and K~ (mp wide), v and O' (dp wide), the
+// decay factors w_t = exp(decay_t) (a row of mp per position: its first entry with a gate per
+// head, every feature's with GLA's per-feature gates) and T vectors of normalizer partial sums.
 template <typename T>
 struct StepRows {
   int mp, dp, t;
@@ -43,7 +44,7 @@ struct StepRows {
   T *q, *k, *v, *o, *w, *acc;
   StepRows(int m, int dv, int t_)
       : mp(round_up(m, kLanes<T>)), dp(round_up(dv, kLanes<T>)), t(t_),
-        mem(size_t(t_) * (2 * size_t(mp) + 2 * size_t(dp) + kLanes<T>) + size_t(t_)) {
+        mem(size_t(t_) * (3 * size_t(mp) + 2 * size_t(dp) + kLanes<T>)) {
     q = mem.data();
     k = q + int64_t(t) * mp;
     v = k + int64_t(t) * mp;
@@ -68,22 +69,36 @@ void load_rows(const SP<T>& p, DType dt, int b, int h, StepRows<T>& r) {
     load_row(dt, k + int64_t(t) * p.k_row_stride * es, fk, p.d, r.mp);
     apply_feature(p.feature_map, fk, p.d, r.mp, T(1));
     load_row(dt, v + int64_t(t) * p.v_row_stride * es, r.v + int64_t(t) * r.dp, p.dim_v, r.dp);
-    r.w[t] = p.decay != nullptr ? T(std::exp(p.decay[(int64_t(b) * p.h + h) * p.sq + t])) : T(1);
+    T* w = r.w + int64_t(t) * r.mp;
+    const int64_t gate = (int64_t(b) * p.h + h) * p.sq + t;
+    if (p.decay == nullptr) {
+      w[0] = T(1);
+    } else if (!p.decay_per_feature) {
+      w[0] = T(std::exp(p.decay[gate]));
+    } else {
+      for (int m = 0; m < p.d; ++m) w[m] = T(std::exp(p.decay[gate * p.d + m]));
+      std::fill(w + p.d, w + r.mp, T(0));
+    }
   }
 }
+
+// How the state decays per position: not at all, by one factor per head, or by one per row
+// (feature) of the state.
+enum class Decay { kNone, kHead, kFeature };
 
 // Columns [j0, j0 + NV vectors) of one (M, Dv) state s (row stride ld), every position in
 // turn: S[:, j] <- w_t S[:, j] + K~_t v_t[j], O'_t[j] = Q~_t . S[:, j]. The NV vectors of v_t and
 // of O'_t stay in registers while m runs down the rows (per vector: one load and one store of
 // S, two FMAs); the (M, NV) column block, 8 KiB at M = 64, NV = 4, stays in L1 for the later
 // positions, so only the first one reads it from memory.
-template <int NV, bool kDecay, typename T>
+template <int NV, Decay kDecay, typename T>
 inline void advance_columns(const SP<T>& p, const StepRows<T>& r, T* __restrict__ s, int64_t ld, int j0) {
   constexpr int L = kLanes<T>;
   for (int t = 0; t < p.sq; ++t) {
     const T* __restrict__ fk = r.k + int64_t(t) * r.mp;
     const T* __restrict__ fq = r.q + int64_t(t) * r.mp;
-    const T w = r.w[t];
+    const T* __restrict__ wr = r.w + int64_t(t) * r.mp;
+    const T w = wr[0];
     vec<T> v[NV], o[NV];
 #pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) {
@@ -93,10 +108,13 @@ inline void advance_columns(const SP<T>& p, const StepRows<T>& r, T* __restrict_
     T* row = s + j0;
     for (int m = 0; m < p.d; ++m, row += ld) {
       const vec<T> a = vbcast_mem(fk + m), c = vbcast_mem(fq + m);
+      vec<T> wm{};
+      if constexpr (kDecay == Decay::kFeature) wm = vbcast_mem(wr + m);
 #pragma GCC unroll 4
       for (int i = 0; i < NV; ++i) {
         vec<T> x = vload(row + i * L);
-        if (kDecay) x *= w;
+        if constexpr (kDecay == Decay::kHead) x *= w;
+        if constexpr (kDecay == Decay::kFeature) x *= wm;
         x += a * v[i];
         vstore(row + i * L, x);
         o[i] += c * x;
@@ -109,7 +127,7 @@ inline void advance_columns(const SP<T>& p, const StepRows<T>& r, T* __restrict_
 
 // The pass over one (M, Dv) state: blocks of 4 vectors of columns, then 2, 1, then the odd Dv
 // tail column by column.
-template <bool kDecay, typename T>
+template <Decay kDecay, typename T>
 void advance_state(const SP<T>& p, const StepRows<T>& r, T* s, int64_t ld) {
   constexpr int L = kLanes<T>;
   const int dv = p.dim_v, dv_vec = dv / L * L;
@@ -122,10 +140,12 @@ void advance_state(const SP<T>& p, const StepRows<T>& r, T* s, int64_t ld) {
       const T* fk = r.k + int64_t(t) * r.mp;
       const T* fq = r.q + int64_t(t) * r.mp;
       const T vj = r.v[int64_t(t) * r.dp + j];
+      const T* wr = r.w + int64_t(t) * r.mp;
       T o = T(0);
       for (int m = 0; m < p.d; ++m) {
         T& x = s[int64_t(m) * ld + j];
-        if (kDecay) x *= r.w[t];
+        if constexpr (kDecay == Decay::kHead) x *= wr[0];
+        if constexpr (kDecay == Decay::kFeature) x *= wr[m];
         x += fk[m] * vj;
         o += fq[m] * x;
       }
@@ -134,17 +154,21 @@ void advance_state(const SP<T>& p, const StepRows<T>& r, T* s, int64_t ld) {
   }
 }
 
-// z <- w_t z + K~_t through the positions, vectorized over m; den[t] <- Q~_t . z_t + eps.
+// z <- w_t z + K~_t through the positions, vectorized over m; den[t] <- Q~_t . z_t + eps. w_t
+// is the row r.w + t mp with per-feature gates, else its first entry (1 without decay).
 template <typename T>
 void advance_normalizer(const SP<T>& p, StepRows<T>& r, T* z, T* den) {
   constexpr int L = kLanes<T>;
   const int m_vec = p.d / L * L, nt = p.sq;
+  const bool per_feature = p.decay != nullptr && p.decay_per_feature;
+  auto w_at = [&](int t, int m) { return r.w[int64_t(t) * r.mp + (per_feature ? m : 0)]; };
   for (int t = 0; t < nt; ++t) den[t] = p.eps;
   std::fill(r.acc, r.acc + int64_t(nt) * L, T(0));
   for (int m = 0; m < m_vec; m += L) {
     vec<T> x = vload(z + m);
     for (int t = 0; t < nt; ++t) {
-      x = x * r.w[t] + vload(r.k + int64_t(t) * r.mp + m);
+      const vec<T> w = per_feature ? vload(r.w + int64_t(t) * r.mp + m) : vbcast(w_at(t, 0));
+      x = x * w + vload(r.k + int64_t(t) * r.mp + m);
       vstore(r.acc + int64_t(t) * L, vload(r.acc + int64_t(t) * L) + vload(r.q + int64_t(t) * r.mp + m) * x);
     }
     vstore(z + m, x);
@@ -152,7 +176,7 @@ void advance_normalizer(const SP<T>& p, StepRows<T>& r, T* z, T* den) {
   for (int m = m_vec; m < p.d; ++m) {  // the odd M tail
     T x = z[m];
     for (int t = 0; t < nt; ++t) {
-      x = x * r.w[t] + r.k[int64_t(t) * r.mp + m];
+      x = x * w_at(t, m) + r.k[int64_t(t) * r.mp + m];
       den[t] += r.q[int64_t(t) * r.mp + m] * x;
     }
     z[m] = x;
@@ -165,10 +189,12 @@ void step_task(const SP<T>& p, DType dt, int64_t task, StepRows<T>& r, T* den) {
   const int b = int(task / p.h), h = int(task % p.h);
   load_rows(p, dt, b, h, r);
   T* s = p.state + int64_t(b) * p.state_batch_stride + int64_t(h) * p.state_head_stride;
-  if (p.decay != nullptr) {
-    advance_state<true>(p, r, s, p.state_row_stride);
+  if (p.decay == nullptr) {
+    advance_state<Decay::kNone>(p, r, s, p.state_row_stride);
+  } else if (p.decay_per_feature) {
+    advance_state<Decay::kFeature>(p, r, s, p.state_row_stride);
   } else {
-    advance_state<false>(p, r, s, p.state_row_stride);
+    advance_state<Decay::kHead>(p, r, s, p.state_row_stride);
   }
   if (p.normalizer != nullptr) {
     advance_normalizer(p, r, p.normalizer + int64_t(b) * p.z_batch_stride + int64_t(h) * p.z_head_stride, den);

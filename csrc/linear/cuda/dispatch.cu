@@ -380,7 +380,7 @@ void cuda_linear_step(const LinearStepParamsT<float>& p, DType dt, cudaStream_t 
   const int64_t bytes = int64_t(linear_step_cuda::smem_floats(p.d)) * 4;
   if (bytes > 227 * 1024) {  // sm_90's most; set_smem names a smaller device limit
     throw std::runtime_error(std::string(what) + ": feature width " + std::to_string(p.d) + " needs " +
-                             std::to_string(bytes) + " bytes of shared memory (8 floats per feature), more than a CTA has");
+                             std::to_string(bytes) + " bytes of shared memory (12 floats per feature), more than a CTA has");
   }
   const dim3 grid(unsigned(p.h), unsigned(p.b));
   auto launch = [&](auto kernel) {

@@ -7,7 +7,8 @@
 //   the state of a head are read and written by one CTA (a column-split grid would read z in one
 //   CTA while another writes it).
 //   The T positions go in blocks of kMaxT: Q~_t = scale phi(q_t), K~_t = phi(k_t) and the decay
-//   factors w_t = e^{decay_t} to shared memory; then z over its M rows (den_t = Q~_t . z_t + eps
+//   factors w_t = e^{decay_t} to shared memory (a row of M per position: the head's factor in
+//   every entry, or GLA's per-feature factors, so both read w_t[r]); then z over its M rows (den_t = Q~_t . z_t + eps
 //   with z_t after position t); then the state in column tiles of kCols: thread (row group g,
 //   column c) holds v_t[c] for the block's positions and walks rows g, g + kGroups, ...: each
 //   element is loaded once, advanced through the block's positions in a register
@@ -38,9 +39,9 @@ constexpr int kThreads = kCols * kGroups;   // 256
 constexpr int kMaxT = 4;                    // positions per pass over the state
 constexpr int kUnroll = 4;                  // rows per thread with loads in flight together
 
-// floats of dynamic shared memory: Q~, K~ (kMaxT x M each), w, den (kMaxT), the row groups'
+// floats of dynamic shared memory: Q~, K~, w (kMaxT x M each), den (kMaxT), the row groups'
 // partials (kMaxT x kGroups x kCols), the per-warp dot partials (kMaxT x kGroups)
-inline int smem_floats(int m) { return 2 * kMaxT * m + 2 * kMaxT + kMaxT * kGroups * kCols + kMaxT * kGroups; }
+inline int smem_floats(int m) { return 3 * kMaxT * m + kMaxT + kMaxT * kGroups * kCols + kMaxT * kGroups; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) step_kernel(const StepParams p) {
@@ -49,8 +50,8 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepParams p) {
   const int m = p.d, dv = p.dim_v;
   float* qf = sm;                   // (kMaxT, m)
   float* kf = qf + kMaxT * m;       // (kMaxT, m)
-  float* w = kf + kMaxT * m;        // (kMaxT)
-  float* den = w + kMaxT;           // (kMaxT)
+  float* w = kf + kMaxT * m;        // (kMaxT, m)
+  float* den = w + kMaxT * m;       // (kMaxT)
   float* red = den + kMaxT;         // (kMaxT, kGroups, kCols)
   float* dots = red + kMaxT * kGroups * kCols;  // (kMaxT, kGroups)
   const int h = blockIdx.x, b = blockIdx.y, hk = h / (p.h / p.h_k);
@@ -70,9 +71,10 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepParams p) {
       const int t = e / m, r = e % m;
       qf[t * m + r] = linear_simt::feature(p.feature_map, to_float(qh[int64_t(t0 + t) * p.q_row_stride + r])) * p.scale;
       kf[t * m + r] = linear_simt::feature(p.feature_map, to_float(kh[int64_t(t0 + t) * p.k_row_stride + r]));
-    }
-    if (tid < kMaxT) {
-      w[tid] = tid < nt && p.decay != nullptr ? expf(p.decay[(int64_t(b) * p.h + h) * p.sq + t0 + tid]) : 1.f;
+      const int64_t gate = (int64_t(b) * p.h + h) * p.sq + t0 + t;
+      w[t * m + r] = p.decay == nullptr     ? 1.f
+                     : p.decay_per_feature ? expf(p.decay[gate * m + r])
+                                           : expf(p.decay[gate]);
     }
     __syncthreads();
 
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepParams p) {
 #pragma unroll
         for (int t = 0; t < kMaxT; ++t) {
           if (t < nt) {
-            zr = w[t] * zr + kf[t * m + r];
+            zr = w[t * m + r] * zr + kf[t * m + r];
             part[t] = fmaf(qf[t * m + r], zr, part[t]);
           }
         }
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const StepParams p) {
 #pragma unroll
               for (int t = 0; t < kMaxT; ++t) {
                 if (t < nt) {
-                  s[u] = fmaf(kf[t * m + r], vc[t], w[t] * s[u]);
+                  s[u] = fmaf(kf[t * m + r], vc[t], w[t * m + r] * s[u]);
                   o[t] = fmaf(qf[t * m + r], s[u], o[t]);
                 }
               }
