@@ -49,7 +49,7 @@ class LMConfig:
     sinks: bool = False
     attention_type: str = "softmax"
     feature_map: str = "elu"              # attention_type="linear"
-    decay_gate: bool = False              # attention_type="linear": learned per-head log-decays
+    decay_gate: Union[bool, str] = False  # attention_type="linear": learned log-decays, per head or "feature" (GLA)
     delta_conv: int = 4                   # attention_type="gated_delta": short convolutions' kernel (0: none)
     sparse_pattern: str = "local_global"  # attention_type="sparse": see nn.SparseAttention
     sparse_block_size: int = 64           # attention_type="sparse"

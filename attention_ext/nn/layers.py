@@ -16,7 +16,7 @@ its kernel here runs block-sparse or top-k attention on a layout it is given, an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,8 @@ class AttentionConfig:
     bias: bool = True
     kv_dim: Optional[int] = None       # width of the cross-attention memory; None = d_model
     feature_map: str = "elu"           # attention_type="linear": a registered feature map name
-    decay_gate: bool = False           # attention_type="linear", causal: a gate projection gives per-head log-decays
+    decay_gate: Union[bool, str] = False  # attention_type="linear", causal: a gate projection gives log-decays, per
+    #                                    head (True / "head") or per feature ("feature": GLA's gates)
     delta_conv: int = 4                # attention_type="gated_delta": the short causal convolutions' kernel (0: none)
     sparse_pattern: str = "local_global"  # attention_type="sparse": a SparseAttention pattern name
     sparse_block_size: int = 64        # attention_type="sparse": the layout's block size
@@ -79,6 +80,9 @@ class AttentionConfig:
             self.n_kv_heads = self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.decay_gate not in (False, True, "head", "feature"):
+            raise ValueError(f"decay_gate must be False, True / 'head' (a log-decay per head) or 'feature' (one per "
+                             f"feature, GLA), got {self.decay_gate!r}")
         if self.qk_quant is not None and self.attention_type != "softmax":
             raise ValueError(f"qk_quant serves attention_type='softmax', got {self.attention_type!r}")
         self.window = window_pair(self.window, causal=False)  # the functional API's check and error

@@ -1,5 +1,6 @@
 """Linear attention layers: `LinearAttention`, the module of attention_type="linear" (Katharopoulos
-et al.; Performer with feature_map="favor"; RFA-Gate / RetNet-style decay with decay_gate=True).
+et al.; Performer with feature_map="favor"; RFA-Gate / RetNet-style decay with decay_gate=True;
+GLA-style gates per feature with decay_gate="feature").
 
 Same projections, RoPE and call signature as `Attention`, so the blocks and models use either;
 generation keeps a `LinearCache` (the recurrent state, O(M Dv) per head) instead of a KV cache.
@@ -41,7 +42,9 @@ class LinearAttention(nn.Module):
     config.feature_map names the map ("elu", "relu", "identity", "favor", "rfa" or a registered
     one); random maps are built per layer (their own projection, redrawn by their
     redraw_interval in training). config.decay_gate adds a projection x -> (H) log-decays,
-    logsigmoid(W x + b) (a recency gate per position and head), causal self-attention only.
+    logsigmoid(W x + b) (a recency gate per position and head), or with decay_gate="feature" x ->
+    (H, M), a gate per feature as GLA's (S_t = Diag(exp(g_t)) S_{t-1} + ...; the fused feature
+    maps), causal self-attention only.
     Softmax-only options (window, ALiBi, sinks, softcap, attn_mask) are rejected; dropout on
     probabilities has no equivalent and is not applied. key_mask (B, S_k) True = a real key /
     seqlens_k mark padded keys, which then contribute nothing.
@@ -64,8 +67,13 @@ class LinearAttention(nn.Module):
         init_projections(self, c, cross)
         self.feature_map = feature_maps.get_feature_map(c.feature_map, c.head_dim)
         self.gate = None
+        self.per_feature = c.decay_gate == "feature"
+        if self.per_feature and getattr(self.feature_map, "fused_code", None) is None:
+            raise ValueError(f"decay_gate='feature' takes the fused feature maps ('elu', 'relu', 'identity'), got "
+                             f"feature_map={c.feature_map!r}")
         if c.decay_gate and self.causal:
-            self.gate = nn.Linear(c.d_model, c.n_heads)
+            # per feature: the fused maps keep the head's width, M = head_dim
+            self.gate = nn.Linear(c.d_model, c.n_heads * (c.head_dim if self.per_feature else 1))
             nn.init.zeros_(self.gate.weight)
             nn.init.constant_(self.gate.bias, 4.0)  # sigmoid(4) = 0.98: start close to no decay
         self.keep_weights = False
@@ -86,11 +94,21 @@ class LinearAttention(nn.Module):
     def _weights(self, q: Tensor, k: Tensor, key_mask: Optional[Tensor], decay: Optional[Tensor]) -> Tensor:
         """The weights linear attention averages v with, (B, H, S_q, S_k) float32, from q
         (B, S_q, H, D) and k (B, S_k, H_k, D): a_ij = phi(q_i) . phi(k_j) (times exp(G_i - G_j),
-        G the running sum of decay, and j <= i when causal; 0 for a padded key), normalized by
+        G the running sum of decay, and j <= i when causal; with gates per feature, the sum over
+        features m of phi(q_i)_m phi(k_j)_m exp(G_im - G_jm); 0 for a padded key), normalized by
         sum_j a_ij + eps as the layer's output is. Quadratic: for inspection only."""
         fq = feature_maps.apply(self.feature_map, q.transpose(1, 2).float(), is_query=True, normalized=True)
         fk = feature_maps.apply(self.feature_map, k.transpose(1, 2).float(), is_query=False, normalized=True)
         fk = fk.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, S_k, M)
+        if decay is not None and decay.dim() == 4:  # (B, H, S, M): a (B, H, S_q, S_k, M) product
+            g = decay.float().cumsum(2)
+            sq = fq.shape[2]
+            allowed = torch.ones(sq, sq, dtype=torch.bool, device=fq.device).tril()[None, None, :, :, None]
+            w = torch.where(allowed, g.unsqueeze(3) - g.unsqueeze(2), float("-inf")).exp()  # exp(G_i - G_j)
+            a = (fq.unsqueeze(3) * fk.unsqueeze(2) * w).sum(-1)  # (B, H, S_q, S_k)
+            if key_mask is not None:
+                a = a * key_mask[:, None, None, :].to(a.dtype)
+            return a / (a.sum(-1, keepdim=True) + 1e-6)
         a = fq.float() @ fk.float().transpose(-1, -2)  # (B, H, S_q, S_k)
         if key_mask is not None:
             a = a * key_mask[:, None, None, :].to(a.dtype)
@@ -133,12 +151,17 @@ class LinearAttention(nn.Module):
             q, k = self.rope(q, offset), self.rope(k, offset)
         if seqlens_k is not None:
             key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
-        decay = F.logsigmoid(self.gate(x)).transpose(1, 2).contiguous() if self.gate is not None else None  # (B, H, S)
+        decay = None
+        if self.gate is not None:  # (B, H, S), or (B, H, S, M) per feature
+            g = F.logsigmoid(self.gate(x))
+            decay = (g.view(b, s, self.n_heads, -1).permute(0, 2, 1, 3) if self.per_feature else g.transpose(1, 2))
+            decay = decay.contiguous()
         if (decay is not None and isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool
-                and tuple(key_mask.shape) == (decay.shape[0], decay.shape[-1])):  # else linear_attention names it
+                and tuple(key_mask.shape) == (decay.shape[0], decay.shape[2])):  # else linear_attention names it
             # a padded token writes nothing (key_mask) and decays nothing (its gate 0: linear_attention
             # applies every gate it is given), as GatedDeltaNet's
-            decay = decay.masked_fill(~key_mask[:, None, :], 0.0)
+            real = key_mask[:, None, :, None] if decay.dim() == 4 else key_mask[:, None, :]
+            decay = decay.masked_fill(~real, 0.0)
         if self.keep_weights and (cache is None or cache.state is None or self.cross):
             self.last_weights = self._weights(q, k, key_mask, decay).detach()
         kw = dict(feature_map=self.feature_map, causal=self.causal, layout="bshd")

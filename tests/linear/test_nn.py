@@ -45,7 +45,7 @@ def test_unsupported_options_raise():
     assert isinstance(allocate_cache(layer.config, 1, 8), LinearCache)
 
 
-@pytest.mark.parametrize("fmap,gate", [("elu", False), ("favor", True), ("relu", True)])
+@pytest.mark.parametrize("fmap,gate", [("elu", False), ("favor", True), ("relu", True), ("elu", "feature")])
 def test_lm_generate_with_state_equals_recompute(fmap, gate):
     lm = LanguageModel(LMConfig(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
                                 attention_type="linear", feature_map=fmap, decay_gate=gate)).eval()
@@ -90,7 +90,8 @@ def test_encoder_decoder_greedy_decode_with_state():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("causal,cross,gate", [(False, False, False), (True, False, True), (False, True, False)])
+@pytest.mark.parametrize("causal,cross,gate", [(False, False, False), (True, False, True), (False, True, False),
+                                               (True, False, "feature")])
 def test_keep_weights_average_the_values(causal, cross, gate):
     """last_weights (keep_weights=True) are the weights the layer's output averages v with."""
     cfg = AttentionConfig(d_model=16, n_heads=4, n_kv_heads=2, attention_type="linear", causal=causal, decay_gate=gate)
@@ -111,12 +112,13 @@ def test_keep_weights_average_the_values(causal, cross, gate):
     assert (w[1, ..., -2:] == 0).all()
 
 
-def test_right_padded_prefill_then_step_with_a_gate():
+@pytest.mark.parametrize("gate", [True, "feature"])
+def test_right_padded_prefill_then_step_with_a_gate(gate):
     """A decay-gated layer prefilled with right padding (key_mask) then stepped equals the run
     without the padding: the layer sets the padded tokens' gates to 0, so they write nothing and
     decay nothing (they decayed the state before: 0.28 off)."""
     torch.manual_seed(0)
-    cfg = AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True, decay_gate=True)
+    cfg = AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True, decay_gate=gate)
     m = LinearAttention(cfg).double().eval()
     torch.nn.init.normal_(m.gate.weight)  # a trained gate, far from its zero start
     x = torch.randn(1, 8, 16, dtype=torch.float64)
@@ -138,3 +140,28 @@ def test_right_padded_prefill_then_step_with_a_gate():
         m(x, key_mask=km2[0])
     with pytest.raises(TypeError, match="key_mask must be bool"):
         m(x, key_mask=km2.long())
+
+
+def test_feature_gates_are_per_feature_and_checked():
+    """decay_gate="feature": a (H * head_dim)-wide gate projection, whose per-feature gates reach
+    the kernel (a layer whose features see different gates differs from one whose gates are
+    their mean per head); other values and the random feature maps are refused by name."""
+    torch.manual_seed(0)
+    cfg = AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True, decay_gate="feature")
+    m = LinearAttention(cfg).double()
+    assert m.gate.out_features == 16
+    torch.nn.init.normal_(m.gate.weight, std=2.0)
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    y = m(x)
+    g = torch.nn.functional.logsigmoid(m.gate(x)).view(1, 6, 2, 8).permute(0, 2, 1, 3)  # (B, H, S, M)
+    q, k, v = (p(x).view(1, 6, 2, 8) for p in (m.q_proj, m.k_proj, m.v_proj))
+    assert m.rope is None  # AttentionConfig's default positional: none
+    ref = ae.linear_attention(q, k, v, causal=True, decay=g, layout="bshd")
+    torch.testing.assert_close(y, m.out_proj(ref.reshape(1, 6, 16)))
+    mean = ae.linear_attention(q, k, v, causal=True, decay=g.mean(-1), layout="bshd")
+    assert (ref - mean).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="decay_gate"):
+        AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True, decay_gate="channel")
+    with pytest.raises(ValueError, match="decay_gate='feature'"):
+        LinearAttention(AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True,
+                                        decay_gate="feature", feature_map="favor"))
