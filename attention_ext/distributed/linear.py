@@ -7,6 +7,9 @@ Linear attention's past is a fixed-size state, so no keys travel, only states:
     L_r = sum_{t in shard r} decay_t                                 (B, H)          its total log-decay
     E_r = exp(L_r) E_{r-1} + S_r,  E_{-1} = S_0 (initial_state or 0) the state after shard r
 
+With GLA's gates per feature (decay (B, H, n, M)) the same holds row by row: G, L_r (B, H, M)
+and exp(L_r) scale the state's rows (Diag(exp(L_r)) E_{r-1}).
+
 with v' = [v, 1] under normalize (the state's last column is the normalizer z), G the running
 sum of the log-gates inside the shard and G_end its last value (no decay: every weight 1, L = 0).
 A padded key (key_mask False, each rank passing its (B, n) shard of the mask) has
@@ -114,10 +117,11 @@ def _global_key_scale(e_k: Tensor, key_mask: Optional[Tensor], prev: Optional[Te
 
 def _shard_state(fk: Tensor, v: Tensor, h: int, decay: Optional[Tensor], normalize: bool,
                  key_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """This shard's (S_r (B, H, M, Dv'), L_r (B, H)) in fk's dtype (the compute dtype); fk
-    (B, H_k, n, M), v (B, H_k, n, Dv), decay (B, H, n) log-gates or None, key_mask (B, n) bool
-    (True = a real key) or None. A padded key adds nothing to S_r (nor to z, its last column);
-    its gate still decays the state, as in the kernel."""
+    """This shard's (S_r (B, H, M, Dv'), L_r (B, H, 1), or (B, H, M) per feature) in fk's dtype
+    (the compute dtype); fk (B, H_k, n, M), v (B, H_k, n, Dv), decay (B, H, n) log-gates, (B, H,
+    n, M) per feature, or None, key_mask (B, n) bool (True = a real key) or None. A padded key adds
+    nothing to S_r (nor to z, its last column); its gate still decays the state, as in the
+    kernel."""
     b, hk, n, _ = fk.shape
     if key_mask is not None:
         # where, not a product: a padded key's feature may be inf under a stabilizer its exponent
@@ -128,16 +132,18 @@ def _shard_state(fk: Tensor, v: Tensor, h: int, decay: Optional[Tensor], normali
         vv = torch.cat([vv, torch.ones_like(vv[..., :1])], -1)  # (B, H_k, n, Dv')
     if decay is None:  # one state per kv head, shared by its query heads
         s = (fk.transpose(-1, -2) @ vv).repeat_interleave(h // hk, dim=1)  # (B, H, M, Dv')
-        return s, fk.new_zeros(b, h)
+        return s, fk.new_zeros(b, h, 1)
     # key t's weight exp(G_end - G_t) is the exp of the gates after t summed to the shard's end,
     # formed as suffix sums and never as a difference of running sums: after a gate of -inf (a hard
     # reset) or -1e9 the difference is nan or all rounding, the sum is exact (0 weight, or the
     # later keys' own)
-    suffix = decay.flip(-1).cumsum(-1).flip(-1)  # (B, H, n) the gates from t to the end
-    after = torch.cat([suffix[..., 1:], torch.zeros_like(suffix[..., :1])], -1)  # from t + 1
-    fkw = fk.repeat_interleave(h // hk, dim=1) * after.exp().unsqueeze(-1)  # (B, H, n, M)
+    per_feature = decay.dim() == 4
+    g = decay if per_feature else decay.unsqueeze(-1)  # (B, H, n, M or 1)
+    suffix = g.flip(2).cumsum(2).flip(2)  # the gates from t to the end
+    after = torch.cat([suffix[:, :, 1:], torch.zeros_like(suffix[:, :, :1])], 2)  # from t + 1
+    fkw = fk.repeat_interleave(h // hk, dim=1) * after.exp()  # (B, H, n, M)
     s = fkw.transpose(-1, -2) @ vv.repeat_interleave(h // hk, dim=1)  # (B, H, M, Dv')
-    return s, suffix[..., 0] if n else fk.new_zeros(b, h)
+    return s, suffix[:, :, 0] if n else fk.new_zeros(b, h, g.shape[-1])
 
 
 class _Tie(torch.autograd.Function):
@@ -196,7 +202,8 @@ def context_parallel_linear_attention(
             0). A random map must hold the same projection on every rank.
         causal: as linear_attention (default True here: the recurrent form across ranks).
         decay: this rank's shard of the (B, H, S) per-token log-gates, (B, H, n) whatever the
-            layout; causal only (as linear_attention). Differentiable.
+            layout, or of GLA's per-feature gates, (B, H, n, M); causal only (as
+            linear_attention). Differentiable.
         key_mask: this rank's shard of linear_attention's (B, S) key_mask, (B, n) bool (True =
             a real key) whatever the layout; a padded key contributes to no
             query, on any rank, nor to the normalizer (nor to a stabilizer's maximum).
@@ -242,8 +249,9 @@ def context_parallel_linear_attention(
     if decay is not None:
         if not causal:
             raise ValueError("decay needs causal=True (a gate orders the positions)")
-        if not isinstance(decay, Tensor) or tuple(decay.shape) != (b, h, n):
-            raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, got "
+        if not isinstance(decay, Tensor) or decay.dim() not in (3, 4) or tuple(decay.shape[:3]) != (b, h, n):
+            raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, or (B, H, n, M) with "
+                             f"a gate per feature, got "
                              f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
         decay = decay.to(acc)
     if cu_seqlens is not None:  # packed documents: a reset (log-gate -inf) at each start, padding masked
@@ -260,7 +268,7 @@ def context_parallel_linear_attention(
         # every start, the padding's (cu[-1]) too: padded queries see no document; a shard's first
         # position included (position 0 is the sequence's start: the initial state enters there)
         starts = torch.tensor([t for t in cu[1:] if max(off, 1) <= t < off + n], dtype=torch.long, device=q.device)
-        reset = torch.isin(pos, starts).view(1, 1, n)
+        reset = torch.isin(pos, starts).view(1, 1, n, *((1,) if decay is not None and decay.dim() == 4 else ()))
         decay = (decay if decay is not None else q.new_zeros((b, h, n), dtype=acc)).masked_fill(reset, float("-inf"))
         real = (pos < cu[-1]).view(1, n)
         key_mask = real if key_mask is None else key_mask & real
@@ -294,7 +302,14 @@ def context_parallel_linear_attention(
     # rank takes the same branch: the feature map and normalize are the same on every rank)
     qf, kf, fm_name, phik, log_scale, eps_log = _features(feature_map, q, k, normalize, key_mask, prev,
                                                           group)
-    s_r, l_r = _shard_state(phik, v, h, decay, normalize, key_mask)  # (B, H, M, Dv'), (B, H)
+    if decay is not None and decay.dim() == 4:  # the same on every rank: all raise, before the all-gather
+        if eps_log is not None:
+            raise ValueError("a decay per feature (B, H, n, M) takes the fused feature maps or an unstabilized one: "
+                             "pass stabilize=False to the feature map")
+        if decay.shape[-1] != phik.shape[-1]:
+            raise ValueError(f"decay must be this rank's (B, H, n, M) = {(b, h, n, phik.shape[-1])} gates per feature "
+                             f"(M the feature map's width), got {tuple(decay.shape)}")
+    s_r, l_r = _shard_state(phik, v, h, decay, normalize, key_mask)  # (B, H, M, Dv'), (B, H, 1 or M)
     m, dvp = s_r.shape[-2:]
     if s0 is not None and tuple(s0.shape) != (b, h, m, dvp):
         raise ValueError(f"initial_state must be (B, H, M, Dv') = {(b, h, m, dvp)}, got {tuple(s0.shape)}")
@@ -306,9 +321,10 @@ def context_parallel_linear_attention(
         s0 = s0 * torch.exp(old - new)[..., None, None]
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    # the all-gather: (1, B, H, M Dv' + 1) -> (P, B, H, M Dv' + 1), rank j's pair in row j (with
-    # documents one more column, the shard's length, so that every rank sees unequal shards)
-    parts = [s_r.reshape(b, h, m * dvp), l_r.unsqueeze(-1)]
+    # the all-gather: (1, B, H, M Dv' + L) -> (P, B, H, M Dv' + L), rank j's pair in row j, L = 1
+    # or M (per feature) log-decays (with documents one more column, the shard's length, so that
+    # every rank sees unequal shards)
+    parts = [s_r.reshape(b, h, m * dvp), l_r]
     if cu_seqlens is not None:
         parts.append(s_r.new_full((b, h, 1), float(n)))
     gathered = _AllGather.apply(torch.cat(parts, -1).unsqueeze(0), group)
@@ -320,8 +336,8 @@ def context_parallel_linear_attention(
                              f"shard_layout='contiguous')")
         gathered = gathered[..., :-1]
         check_cu_seqlens(cu_seqlens, n * world)  # the documents' end within S, on every rank alike
-    states = gathered[..., :-1].reshape(world, b, h, m, dvp)  # S_j
-    logd = gathered[..., -1]  # (P, B, H) L_j
+    states = gathered[..., :m * dvp].reshape(world, b, h, m, dvp)  # S_j
+    logd = gathered[..., m * dvp:]  # (P, B, H, 1 or M) L_j
 
     if causal:
         e = s0  # E_{j-1}: the state entering shard j
@@ -332,7 +348,7 @@ def context_parallel_linear_attention(
             if e is None:
                 e = states[j]
             else:
-                e = (e * logd[j].exp()[..., None, None] if decay is not None else e) + states[j]
+                e = (e * logd[j].exp().unsqueeze(-1) if decay is not None else e) + states[j]
         final = e if return_state else None
     else:  # every query reads every key: the others' states, summed exactly (no subtraction of our own)
         others = [states[j] for j in range(world) if j != rank]

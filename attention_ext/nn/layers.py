@@ -80,7 +80,7 @@ class AttentionConfig:
             self.n_kv_heads = self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.decay_gate not in (False, True, "head", "feature"):
+        if not (isinstance(self.decay_gate, bool) or self.decay_gate in ("head", "feature")):
             raise ValueError(f"decay_gate must be False, True / 'head' (a log-decay per head) or 'feature' (one per "
                              f"feature, GLA), got {self.decay_gate!r}")
         if self.qk_quant is not None and self.attention_type != "softmax":

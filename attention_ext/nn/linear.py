@@ -67,7 +67,7 @@ class LinearAttention(nn.Module):
         init_projections(self, c, cross)
         self.feature_map = feature_maps.get_feature_map(c.feature_map, c.head_dim)
         self.gate = None
-        self.per_feature = c.decay_gate == "feature"
+        self.per_feature = c.decay_gate == "feature" and self.causal  # a gate orders positions: causal only
         if self.per_feature and getattr(self.feature_map, "fused_code", None) is None:
             raise ValueError(f"decay_gate='feature' takes the fused feature maps ('elu', 'relu', 'identity'), got "
                              f"feature_map={c.feature_map!r}")
@@ -100,12 +100,18 @@ class LinearAttention(nn.Module):
         fq = feature_maps.apply(self.feature_map, q.transpose(1, 2).float(), is_query=True, normalized=True)
         fk = feature_maps.apply(self.feature_map, k.transpose(1, 2).float(), is_query=False, normalized=True)
         fk = fk.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, S_k, M)
-        if decay is not None and decay.dim() == 4:  # (B, H, S, M): a (B, H, S_q, S_k, M) product
+        if decay is not None and decay.dim() == 4:  # (B, H, S, M): (B, H, rows, S_k, M) products by query blocks
             g = decay.float().cumsum(2)
             sq = fq.shape[2]
-            allowed = torch.ones(sq, sq, dtype=torch.bool, device=fq.device).tril()[None, None, :, :, None]
-            w = torch.where(allowed, g.unsqueeze(3) - g.unsqueeze(2), float("-inf")).exp()  # exp(G_i - G_j)
-            a = (fq.unsqueeze(3) * fk.unsqueeze(2) * w).sum(-1)  # (B, H, S_q, S_k)
+            allowed = torch.ones(sq, sq, dtype=torch.bool, device=fq.device).tril()
+            rows = max(1, (1 << 24) // max(1, fq.shape[0] * fq.shape[1] * sq * fq.shape[-1]))
+            blocks = []
+            for i0 in range(0, sq, rows):
+                i1 = min(sq, i0 + rows)
+                d = g[:, :, i0:i1].unsqueeze(3) - g.unsqueeze(2)  # G_i - G_j, (B, H, rows, S_k, M)
+                w = torch.where(allowed[None, None, i0:i1, :, None], d, float("-inf")).exp()
+                blocks.append((fq[:, :, i0:i1].unsqueeze(3) * fk.unsqueeze(2) * w).sum(-1))
+            a = torch.cat(blocks, 2)  # (B, H, S_q, S_k)
             if key_mask is not None:
                 a = a * key_mask[:, None, None, :].to(a.dtype)
             return a / (a.sum(-1, keepdim=True) + 1e-6)

@@ -23,7 +23,8 @@ B, H, D, DV = 2, 4, 8, 6
 TOL = 1e-5  # fp32, tests.helpers.rel_err: max |x - ref| / max(max |ref|, 1)
 
 # case name -> options: causal, decay (True: random log-gates; "extreme": with -inf, -1e9 and -1e4
-# among them), feature map ("elu", "relu", "favor": FAVOR+ unstabilized,
+# among them; "feature": GLA's gates per feature, (B, H, S, M), with a -inf on some features),
+# feature map ("elu", "relu", "favor": FAVOR+ unstabilized,
 # the non-fused path; "favor-stab": FAVOR+ stabilized, its global key offset one all-reduce under
 # normalize), hk, lens ("odd": 5, 7, 9, 5, ... tokens per rank; "even": 6 each via
 # shard_sequence), normalize, return_state, init (True: a (B, H, M, Dv') tensor; "logscale": a
@@ -60,6 +61,9 @@ CASES = {
     "noncausal-favor-stab-hole-logscale": dict(causal=False, fm="favor-stab", mask="hole", init="logscale"),
     "causal-extreme-gates-init-state": dict(decay="extreme", init=True, return_state=True),
     "causal-extreme-gates-mask-gqa": dict(decay="extreme", mask="rand", hk=2),
+    "causal-feature-gates-init-state": dict(decay="feature", init=True, return_state=True),
+    "causal-feature-gates-mask-gqa-bshd-unnormalized": dict(decay="feature", mask="rand", hk=2, layout="bshd",
+                                                            normalize=False, return_state=True),
 }
 
 
@@ -94,6 +98,9 @@ def linear_case(rank: int, world: int, name: str, counter: LinearCounter,
     torch.manual_seed(2000 + list(CASES).index(name))  # the same global tensors on every rank
     q, k, v = torch.randn(B, H, s, D), torch.randn(B, hk, s, D), torch.randn(B, hk, s, DV)
     decay = -torch.nn.functional.softplus(torch.randn(B, H, s)) * 0.3 if use_decay else None
+    if use_decay == "feature":  # (B, H, S, M), a reset of half the features inside rank 1's shard
+        decay = -torch.nn.functional.softplus(torch.randn(B, H, s, D)) * 0.3
+        decay[:, 1, lens[0] + 1, : D // 2] = float("-inf")
     if use_decay == "extreme":
         # a hard reset (-inf) inside rank 0's shard, -1e9 at rank 1's first key, -1e4 in the last
         # shard: the shard states are exact (suffix sums), the single process's answer

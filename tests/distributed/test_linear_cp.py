@@ -51,6 +51,8 @@ def test_decay_errors():
         cp.context_parallel_linear_attention(q, k, v, causal=False, decay=torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match=r"\(B, H, n\)"):
         cp.context_parallel_linear_attention(q, k, v, decay=torch.zeros(2))  # no per-head scalar form
+    with pytest.raises(ValueError, match=r"\(B, H, n, M\) = \(1, 2, 4, 8\)"):  # per feature: M = the map's width
+        cp.context_parallel_linear_attention(q, k, v, decay=torch.zeros(1, 2, 4, 5))
 
 
 def test_key_mask_errors():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attention_ext as ae
-from attention_ext.linear import delta, reference
+from attention_ext.linear import delta, ops, reference
 from tests.helpers import assert_close_fa2, rel_err
 
 pytestmark = pytest.mark.skipif(not delta.has_kernel(torch.device("cpu")), reason="no CPU delta kernel")
@@ -328,15 +328,16 @@ def test_step_errors_name_the_argument():
 
 
 def test_step_without_the_step_kernel(monkeypatch):
-    """Where no compiled step serves the device (delta.advance's fallback: the op's rules and
-    PyTorch's recurrence copied into the state), the in-place per-feature step gives the kernel's
-    answer and advances the same tensors."""
+    """Where no compiled step serves the device (reference.linear_step in place, the PyTorch
+    recurrence), the in-place per-feature step gives the kernel's answer and advances the same
+    tensors."""
     q, k, v, decay = problem(b=1, h=2, hk=1, s=3, m=6, dv=5, seed=8)
     decay[0, 1, 1, :3] = float("-inf")  # a hard reset of half the features
     x = [t.float() for t in (q, k, v)] + [decay.float()]
     st0 = ae.LinearAttentionState(torch.randn(1, 2, 6, 5), torch.rand(1, 2, 6))
     a_out, a_st = ae.linear_attention_step(*x[:3], st0.clone(), decay_t=x[3], inplace=True)
-    monkeypatch.setitem(delta._STEP_KERNELS, "cpu", False)
+    monkeypatch.setitem(ops._STEP_KERNELS, "cpu", False)
+    assert not ops.has_step_kernel(torch.device("cpu"), torch.float32)
     st = st0.clone()
     S, z = st.S, st.z
     b_out, b_st = ae.linear_attention_step(*x[:3], st, decay_t=x[3], inplace=True)
