@@ -77,14 +77,49 @@ def _int_vector(name: str, t: Optional[Tensor], b: int, device: torch.device) ->
 def _quantize_append(x: Tensor, descale: Tensor, page: Tensor, slot: Tensor, dtype: torch.dtype) -> Tensor:
     """New rows x (B, S_new, H_k, D) quantized for cache rows (page, slot) (B, S_new): per-row
     descales (3-D) get a fresh scale written there (amax over D / the type's largest value);
-    per batch entry ones (B, H_k) are used as given (saturating)."""
-    if not isinstance(descale, Tensor) or descale.dtype != torch.float32:
-        raise TypeError("flash_attn_with_kvcache: k_descale / v_descale must be float32 tensors")
+    per batch entry ones (B, H_k) are used as given (finite values beyond them saturate). A
+    per-entry scale cannot hold a non-finite value: the entry's scale becomes NaN, so its cache
+    reads NaN from then on, as attention over a NaN / inf key or value gives (a scale of 0 or
+    +-inf for nonzero rows is refused first: _check_append_scales)."""
     if descale.dim() == 3:
         scale = x.float().abs().amax(-1) / QMAX[dtype]  # (B, S_new, H_k)
         descale[page, slot] = scale
         return quantize_rows(x, scale[..., None], dtype)
+    finite = x.float().isfinite().all(-1).all(1)  # (B, H_k)
+    if not bool(finite.all()):  # the entries that receive a NaN / inf read NaN from now on
+        descale.masked_fill_(~finite, float("nan"))
     return quantize_rows(x, descale[:, None, :, None], dtype)
+
+
+def _check_append_scales(x: Tensor, descale: Tensor, name: str) -> None:
+    """_quantize_append's refusals, for k and v both before either is written."""
+    if not isinstance(descale, Tensor) or descale.dtype != torch.float32:
+        raise TypeError("flash_attn_with_kvcache: k_descale / v_descale must be float32 tensors")
+    if descale.dim() == 3:
+        return
+    xf = x.float()
+    nonzero = (xf != 0).any(-1).any(1)  # (B, H_k): the entries that receive a nonzero value
+    finite = xf.isfinite().all(-1).all(1)
+    if bool((nonzero & finite & ((descale == 0) | descale.isinf())).any()):
+        raise ValueError(f"flash_attn_with_kvcache: {name}_descale holds a scale of 0 or +-inf for a (sequence, kv "
+                         f"head) that new nonzero rows are appended to; a per-head scale is used as given, so these "
+                         f"rows would read back as zeros or NaN: quantize the cache with scales that cover the new "
+                         f"rows, or per token (quantize_kv(..., granularity='token'), whose appends write fresh "
+                         f"scales)")
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors' byte spans of one storage intersect (exact for dense views,
+    conservative for strided ones)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.untyped_storage().data_ptr() != \
+            b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def flash_attn_with_kvcache(
@@ -218,8 +253,10 @@ def flash_attn_with_kvcache(
         # cache), rather than raising after the append below has written
         k_cache, v_cache = k_cache[:b], v_cache[:b]
         # and the per-row descales of an 8-bit cache (B_cache, S_cache, H_k) the same rows
-        k_descale, v_descale = (s[:b] if isinstance(s, torch.Tensor) and s.dim() == 3 and s.shape[0] == n_rows else s
-                                for s in (k_descale, v_descale))
+        # and the descales of an 8-bit cache, per row (B_cache, S_cache, H_k) or per cache row and kv
+        # head (B_cache, H_k, as quantize_kv gives them for the whole cache), the same rows
+        k_descale, v_descale = (s[:b] if isinstance(s, torch.Tensor) and s.dim() in (2, 3) and s.shape[0] == n_rows
+                                else s for s in (k_descale, v_descale))
 
     if cache_seqlens is None:
         if k is not None or v is not None:
@@ -368,6 +405,12 @@ def flash_attn_with_kvcache(
                 if bad is not None:
                     raise ValueError("flash_attn_with_kvcache: appending to an int8 / float8_e4m3fn cache is not "
                                      "supported under CUDA-graph capture")
+                if k_descale.dim() == 3 and _overlap(k_descale, v_descale):
+                    raise ValueError("flash_attn_with_kvcache: k_descale and v_descale share memory; an append writes "
+                                     "fresh per-row scales into both (the keys' would be overwritten by the values'): "
+                                     "pass separate tensors (quantize_kv returns one per cache)")
+                _check_append_scales(k, k_descale, "k")
+                _check_append_scales(v, v_descale, "v")
                 k, v = _quantize_append(k, k_descale, page, slot, k_cache.dtype), \
                     _quantize_append(v, v_descale, page, slot, v_cache.dtype)
             if bad is None:

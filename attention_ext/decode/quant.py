@@ -7,7 +7,10 @@ value x descale), the form decode_fwd and flash_attn_with_kvcache read.
 Granularity: "token", one scale per (row, kv head): descale (B, S, H_k) for x (B, S, H_k, D),
 amax over D / the type's largest value (127 for int8, 448 for e4m3); "head", one per (sequence,
 kv head): descale (B, H_k), amax over S and D (flash-attn 3's fp8 descale shape). int8 rounds to
-nearest even; fp8 by torch's cast (nearest even). A zero row gets scale 0 and stores zeros.
+nearest even; fp8 by torch's cast (nearest even). A zero row gets scale 0 and stores zeros (and
+rows appended later under a per-head scale of 0 are refused: use "token" for a cache that starts
+empty). A paged pool (num_pages, page_size, H_k, D) takes "token": "head" would give one scale per
+page, while decode reads per-head scales per sequence.
 """
 from __future__ import annotations
 
@@ -17,6 +20,18 @@ import torch
 from torch import Tensor
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+# what a KV cache may store: the attention dtypes, or 8 bits with float32 descales
+CACHE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, *QMAX)
+
+
+def check_cache_dtype(dtype, who: str) -> None:
+    """A TypeError naming `dtype` unless a cache may store it (CACHE_DTYPES): an integer or other
+    8-bit type would take appended values with a wrapping or missing conversion."""
+    if dtype not in CACHE_DTYPES:
+        raise TypeError(f"{who}: dtype must be a floating type (float32, float16, bfloat16, float64) or an 8-bit "
+                        f"cache type (torch.int8, torch.float8_e4m3fn), got {dtype}")
 
 
 def is_quantized(t: Tensor) -> bool:
@@ -39,6 +54,11 @@ def quantize_kv(x: Tensor, dtype: torch.dtype = torch.int8, granularity: str = "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     if dtype not in QMAX:
         raise ValueError(f"quantize_kv: dtype must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
+    if granularity not in ("token", "head"):
+        raise ValueError(f"quantize_kv: granularity must be 'token' or 'head', got {granularity!r}")
+    if x.numel() == 0:  # amax over an empty dim has no identity in torch: the scales of nothing are 0
+        shape = x.shape[:3] if granularity == "token" else (x.shape[0], x.shape[2])
+        return torch.empty(x.shape, dtype=dtype, device=x.device), torch.zeros(shape, device=x.device)
     if granularity == "token":
         amax = x.detach().float().abs().amax(-1)  # (B, S, H_k)
         scale = amax / QMAX[dtype]
@@ -47,7 +67,6 @@ def quantize_kv(x: Tensor, dtype: torch.dtype = torch.int8, granularity: str = "
         amax = x.detach().float().abs().amax(dim=(1, 3))  # (B, H_k)
         scale = amax / QMAX[dtype]
         return quantize_rows(x, scale[:, None, :, None], dtype), scale.contiguous()
-    raise ValueError(f"quantize_kv: granularity must be 'token' or 'head', got {granularity!r}")
 
 
 def dequantize_kv(x_q: Tensor, descale: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from torch.types import Device
 from .. import reference
 from .._args import key_padding_mask_renamed, not_a_tensor
 from ..decode import decode_fwd
-from ..decode.quant import QMAX, dequantize_kv, quantize_rows
+from ..decode.quant import QMAX, check_cache_dtype, dequantize_kv, quantize_rows
 from ..softmax import attention, attention_varlen, attention_weights
 from ..softmax import ops as softmax_ops
 from ..softmax.functional import window_pair
@@ -215,6 +215,7 @@ class KVCache:
 
     def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, *, device=None,
                  dtype=torch.float32, static: bool = False):
+        check_cache_dtype(dtype, "KVCache")
         self.k = torch.empty(batch, max_len, n_kv_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.empty_like(self.k)
         self.pos = 0

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .._args import as_int, not_a_tensor
 from ..decode import decode_fwd
-from ..decode.quant import QMAX, dequantize_kv, quantize_rows
+from ..decode.quant import QMAX, check_cache_dtype, dequantize_kv, quantize_rows
 from ..softmax.functional import window_pair
 
 
@@ -41,6 +41,7 @@ class PagedKVCache:
                  max_len: Optional[int] = None, device=None, dtype=torch.float32):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        check_cache_dtype(dtype, "PagedKVCache")
         self.page_size = page_size
         self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, device=device, dtype=dtype)
         self.v_pages = torch.zeros_like(self.k_pages)

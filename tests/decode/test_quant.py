@@ -329,3 +329,61 @@ def test_cache_larger_than_batch_per_row_descales():
     ref, _ = reference.decode_attention(q.double(), dequantize_kv(kq, ks)[:2].double(),
                                         dequantize_kv(vq, vs)[:2].double(), cache_seqlens=lens + 1)
     assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("qdt", QDT, ids=str)
+def test_append_under_per_head_scales(qdt):
+    """Found by an audit: appends into a cache with per-(sequence, kv head) descales. A scale of 0
+    (a zero cache quantized per head) stored new nonzero rows that read back as zeros, silently:
+    refused by name, before anything is written. A NaN / inf appended under such a scale (int8
+    has no NaN: the cast gave 0) now makes that entry's scale NaN, so its reads are NaN as over a
+    float cache; the other entries are untouched. Finite values beyond the scale saturate."""
+    torch.manual_seed(3)
+    b, s, hk, h, d = 2, 16, 2, 4, 8
+    kq, kd = quantize_kv(torch.zeros(b, s, hk, d), qdt, "head")
+    vq, vd = quantize_kv(torch.zeros(b, s, hk, d), qdt, "head")
+    k0, kd0 = kq.clone(), kd.clone()
+    q, kn, vn = torch.randn(b, 1, h, d), torch.randn(b, 3, hk, d), torch.randn(b, 3, hk, d)
+    with torch.no_grad(), pytest.raises(ValueError, match="k_descale holds a scale of 0"):
+        ae.flash_attn_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=0, k_descale=kd, v_descale=vd)
+    assert torch.equal(kq.view(torch.uint8), k0.view(torch.uint8)) and torch.equal(kd, kd0)
+    (kq, kd), (vq, vd) = quantize_kv(torch.randn(b, s, hk, d), qdt, "head"), quantize_kv(torch.randn(b, s, hk, d), qdt,
+                                                                                           "head")
+    kn[1, 0, 0, 2] = float("nan")
+    vn[0, 2, 1, 5] = float("inf")
+    with torch.no_grad():
+        out = ae.flash_attn_with_kvcache(q, kq, vq, kn, vn, cache_seqlens=4, k_descale=kd, v_descale=vd)
+    assert kd[1, 0].isnan() and vd[0, 1].isnan()
+    assert kd.isnan().sum() == 1 and vd.isnan().sum() == 1
+    assert out[1, :, :2].isnan().all() and out[0, :, 2:].isnan().all()  # GQA: kv head 0 = query heads 0, 1
+    assert not out[1, :, 2:].isnan().any() and not out[0, :, :2].isnan().any()
+
+
+def test_shared_descales_and_pools_and_dtypes():
+    """Found by an audit: one per-row descale tensor as both k_descale and v_descale (an append
+    wrote the keys' fresh scales, then the values' over them) is refused; per-head descales of a
+    cache larger than the batch are cut to its rows as per-row ones are; quantize_kv of an empty
+    cache gives empty results; caches refuse dtypes they cannot store by name."""
+    kq, d = quantize_kv(torch.randn(2, 16, 2, 8))
+    vq, _ = quantize_kv(torch.randn(2, 16, 2, 8))
+    with torch.no_grad(), pytest.raises(ValueError, match="share memory"):
+        ae.flash_attn_with_kvcache(torch.randn(2, 1, 4, 8), kq, vq, torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8),
+                                   cache_seqlens=4, k_descale=d, v_descale=d)
+    kf, vf = torch.randn(4, 16, 2, 8), torch.randn(4, 16, 2, 8)
+    (kq, ks), (vq, vs) = quantize_kv(kf, granularity="head"), quantize_kv(vf, granularity="head")  # (4, H_k)
+    q = torch.randn(2, 1, 4, 8)
+    lens = torch.tensor([7, 12], dtype=torch.int32)
+    with torch.no_grad():
+        out = ae.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=lens, k_descale=ks, v_descale=vs)
+    ref, _ = reference.decode_attention(q.double(), dequantize_kv(kq, ks)[:2].double(),
+                                        dequantize_kv(vq, vs)[:2].double(), cache_seqlens=lens)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    for shape, gran in (((2, 0, 2, 16), "head"), ((2, 3, 2, 0), "token"), ((0, 3, 2, 8), "head")):
+        x_q, sc = quantize_kv(torch.randn(shape), granularity=gran)
+        assert x_q.shape == shape and x_q.dtype == torch.int8
+        assert sc.shape == (shape[:3] if gran == "token" else (shape[0], shape[2]))
+    for dt in (torch.uint8, torch.int16, torch.float8_e5m2):
+        with pytest.raises(TypeError, match="dtype must be"):
+            ae.nn.PagedKVCache(2, 8, 4, 2, 32, dtype=dt)
+        with pytest.raises(TypeError, match="dtype must be"):
+            ae.nn.KVCache(2, 8, 2, 32, dtype=dt)

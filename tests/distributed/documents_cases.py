@@ -163,6 +163,7 @@ LINEAR_CASES = {
     "linear-decay-gqa": dict(decay=True, hk=2),
     "linear-relu-unnormalized-init-state": dict(fm="relu", normalize=False, init=True, return_state=True),
     "linear-decay-mask-state": dict(decay=True, mask=True, return_state=True),
+    "linear-feature-gates-gqa-state": dict(decay="feature", hk=2, return_state=True),  # GLA's (B, H, S, M)
 }
 
 
@@ -179,7 +180,7 @@ def linear_documents_case(rank: int, world: int, name: str, counter: Counter = N
         torch.manual_seed(700 + 10 * list(LINEAR_CASES).index(name) + pi)
         q, k = torch.randn(1, 4, S, 8), torch.randn(1, hk, S, 8)
         v, g = torch.randn(1, hk, S, dv), torch.randn(1, 4, S, dv)
-        decay = -torch.rand(1, 4, S) if o.get("decay") else None
+        decay = -torch.rand(1, 4, S, *((8,) if o.get("decay") == "feature" else ())) if o.get("decay") else None
         mask = torch.rand(1, S) > 0.3 if o.get("mask") else None
         # the op's (B, H, M, Dv') state: M = D for elu / relu, Dv' = Dv + 1 under normalize
         init = torch.randn(1, 4, 8, dv + int(o.get("normalize", True))).abs() if o.get("init") else None
