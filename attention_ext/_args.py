@@ -164,3 +164,32 @@ def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, caus
         lengths = f"{names[0]} has {q.shape[si]} positions, {names[1]} {k.shape[si]}"
     return LayoutMismatch(shapes, layout, other, str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
                           arg, lengths)
+
+
+def real_tokens(key_mask: object, seqlens_k: object, b: int, s: int, device, fn: str):
+    """The (B, S) bool mask of a layer's real tokens from key_mask (B, S) bool (True = real) or
+    seqlens_k (B,) integer lengths in [0, S] (the first seqlens_k[b] tokens real), checked by name;
+    None for neither. For the layers that turn the mask into per-token gates (the linear and delta
+    layers), where torch's own errors would name nothing."""
+    if seqlens_k is not None:
+        if not isinstance(seqlens_k, Tensor):
+            raise not_a_tensor("seqlens_k", seqlens_k, fn)
+        if seqlens_k.dtype.is_floating_point or seqlens_k.dtype == torch.bool or seqlens_k.is_complex():
+            raise TypeError(f"{fn}: seqlens_k must be an integer (B,) tensor of lengths, got {seqlens_k.dtype}")
+        if tuple(seqlens_k.shape) != (b,):
+            raise ValueError(f"{fn}: seqlens_k must be ({b},) (a length per sequence), got {tuple(seqlens_k.shape)}")
+        if bool(((seqlens_k < 0) | (seqlens_k > s)).any()):
+            raise ValueError(f"{fn}: seqlens_k must lie in [0, {s}] (the sequence's length), got {seqlens_k.tolist()}")
+        real = torch.arange(s, device=device).unsqueeze(0) < seqlens_k.to(device).view(-1, 1)
+        return real if key_mask is None else real & real_tokens(key_mask, None, b, s, device, fn)
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, Tensor):
+        raise not_a_tensor("key_mask", key_mask, fn)
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"{fn}: key_mask must be bool (True = a real token), got {key_mask.dtype}")
+    if tuple(key_mask.shape) != (b, s):
+        raise ValueError(f"{fn}: key_mask must be (B, S) = {(b, s)} (True = a real token), got {tuple(key_mask.shape)}")
+    if key_mask.device != device:
+        raise ValueError(f"{fn}: key_mask must be on {device}, got {key_mask.device}")
+    return key_mask

@@ -293,6 +293,9 @@ def delta_rule_step(
     a = dict(q=q, k=k, v=v, beta=beta, state=state, gate=gate, scale=float(scale), qk_l2norm=bool(qk_l2norm))
     if _STEP_KERNELS.get(q.device.type, False) and has_kernel(q.device, q.dtype):
         out = _call("delta_step", STEP_ARGS, a)
+        # the op writes the state's memory from C++: tell autograd, so that a graph that saved the
+        # state before this step raises at backward instead of reading the new values
+        torch.autograd.graph.increment_version(state)
     else:
         if HAS_OP:  # the op's own input rules (delta_fwd's, with state as the initial state)
             _call("delta_check", CHECK_ARGS, dict(a, initial_state=state, cu_seqlens=None, plain=False))

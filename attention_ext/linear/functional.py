@@ -387,6 +387,8 @@ def linear_attention(
             raise not_a_tensor("decay", decay)
         _check(decay.dim() in (3, 4), lambda: f"decay must be (B, H, S) log-gates, or (B, H, S, M) with a gate per "
                                               f"feature, got {decay.dim()}-D {tuple(decay.shape)}")
+        # the conversion below would take a bool mask as log-gates of 1 (a growing state)
+        _check(decay.is_floating_point(), lambda: f"decay must be floating-point log-gates, got {decay.dtype}", TypeError)
         decay = decay.to(acc).contiguous()
     if cu_seqlens is not None:
         cu = as_offsets(cu_seqlens, "cu_seqlens", q.device)
@@ -503,6 +505,8 @@ def linear_attention_step(
     if decay_t is not None:
         if not isinstance(decay_t, Tensor):
             raise not_a_tensor("decay_t", decay_t)
+        _check(decay_t.is_floating_point(), lambda: f"decay_t must be floating-point log-gates, got {decay_t.dtype}",
+               TypeError)
         _check(tuple(decay_t.shape) in ((b, h, t), (b, h, t, m)),
                lambda: f"decay_t must be (B, H, T) = {(b, h, t)} log-gates, or (B, H, T, M) = {(b, h, t, m)} with a "
                        f"gate per feature, got {tuple(decay_t.shape)}")
@@ -534,6 +538,9 @@ def linear_attention_step(
         fq, fk, vv = (x if x.stride(-1) == 1 else x.contiguous() for x in (fq, fk, v_t))
         s_, z = (x if x is None or x.stride(-1) == 1 else x.contiguous() for x in (s_, z))
         out = ops.step(fq, fk, vv, s_, z, None if decay is None else decay.contiguous(), **opts)
+        for written in (s_, z):  # written from C++: autograd's version counters must see it (delta.py)
+            if written is not None:
+                torch.autograd.graph.increment_version(written)
     else:
         if not track:  # the in-place update views S as (B H, M, Dv)
             s_, z = (x if x is None or x.is_contiguous() else x.contiguous() for x in (s_, z))

@@ -15,7 +15,9 @@ Generation keeps a `DeltaCache`: the (B, H_v, K, V) float32 state and the convol
 conv_size - 1 inputs, O(1) in the sequence length. A masked token (key_mask False) is a no-op:
 its beta and gate are 0 (no write, no decay) and the convolutions read zeros there, as before the
 sequence's first token, so left or right padding leaves the real tokens' outputs and the state as
-they are without it.
+they are without it, whatever the padded rows hold (NaN included). With the convolutions the real
+tokens must be one run per sequence (padding on either side): across a gap inside the sequence
+a convolution would read the gap's zeros, so such a mask is refused.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._args import key_padding_mask_renamed
+from .._args import key_padding_mask_renamed, real_tokens
 from ..linear.delta import delta_rule_attention, delta_rule_step
 from .layers import ATTENTION_MODULES, AttentionConfig
 
@@ -78,7 +80,8 @@ class GatedDeltaNet(nn.Module):
     self-attention only (the delta rule is a recurrence). config.delta_conv is the short
     convolutions' kernel (0: none). Softmax-only options (window, ALiBi, sinks, softcap, attn_mask,
     RoPE) are rejected: the recurrence orders positions itself. key_mask (B, S) True = a real
-    token / seqlens_k mark padded tokens, which then change nothing."""
+    token / seqlens_k mark padded tokens, which then change nothing (on either side of the real
+    tokens; a gap inside them only with delta_conv=0)."""
 
     def __init__(self, config: AttentionConfig, cross: bool = False):
         super().__init__()
@@ -132,10 +135,16 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"a gated_delta layer keeps a DeltaCache, got {type(cache).__name__} "
                             f"(allocate it with nn.layers.allocate_cache)")
         b, s, _ = x.shape
-        if seqlens_k is not None:
-            key_mask = torch.arange(s, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)
-        keep = key_mask.unsqueeze(-1).to(x.dtype) if key_mask is not None else None  # (B, S, 1)
-        xin = x * keep if keep is not None else x
+        key_mask = real_tokens(key_mask, seqlens_k, b, s, x.device, "GatedDeltaNet.forward()")  # (B, S) or None
+        if key_mask is not None and self.conv is not None and s > 1:
+            runs = key_mask[:, :1].sum(1) + (key_mask[:, 1:] & ~key_mask[:, :-1]).sum(1)  # real runs per sequence
+            if bool((runs > 1).any()):
+                raise ValueError("GatedDeltaNet.forward(): key_mask has a gap inside a sequence's real tokens; the "
+                                 "short convolutions would read the gap's zeros: pad on either side only (one run of "
+                                 "real tokens per sequence), or use delta_conv=0")
+        keep = key_mask.unsqueeze(-1) if key_mask is not None else None  # (B, S, 1)
+        # where, not a product: a padded row's NaN / inf times 0 would still be NaN
+        xin = torch.where(keep, x, torch.zeros_like(x)) if keep is not None else x
         q, k, v = self.q_proj(xin), self.k_proj(xin), self.v_proj(xin)
         if self.conv is not None:
             past = cache.conv if cache is not None and cache.conv is not None else [None, None, None]
@@ -151,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(acc))                                   # (B, S, H_v)
         g = -torch.exp(self.A_log.to(acc)) * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))
         if keep is not None:  # a masked token writes nothing and decays nothing
-            beta, g = beta * keep.to(acc), g * keep.to(acc)
+            beta, g = torch.where(keep, beta, torch.zeros_like(beta)), torch.where(keep, g, torch.zeros_like(g))
         beta = beta.to(q.dtype).transpose(1, 2).contiguous()                           # (B, H_v, S)
         g = g.transpose(1, 2).contiguous()
         kw = dict(gate=g, qk_l2norm=True, layout="bshd")

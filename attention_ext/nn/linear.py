@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._args import key_padding_mask_renamed
+from .._args import key_padding_mask_renamed, real_tokens
 from ..linear import LinearAttentionState, feature_maps, linear_attention, linear_attention_step
 from .layers import ATTENTION_MODULES, AttentionConfig, init_projections
 
@@ -155,8 +155,7 @@ class LinearAttention(nn.Module):
         offset = cache.pos if (cache is not None and not self.cross) else 0
         if self.rope is not None:
             q, k = self.rope(q, offset), self.rope(k, offset)
-        if seqlens_k is not None:
-            key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
+        key_mask = real_tokens(key_mask, seqlens_k, b, sk, x.device, "LinearAttention.forward()")  # (B, S_k)
         decay = None
         if self.gate is not None:  # (B, H, S), or (B, H, S, M) per feature
             g = F.logsigmoid(self.gate(x))

@@ -9,7 +9,7 @@ import torch
 import attention_ext as ae
 from attention_ext.linear import delta
 from attention_ext.models import LanguageModel, LMConfig
-from attention_ext.nn import AttentionConfig, DeltaCache, GatedDeltaNet, allocate_cache
+from attention_ext.nn import AttentionConfig, DeltaCache, GatedDeltaNet, allocate_cache, make_attention
 
 pytestmark = pytest.mark.skipif(not delta.has_kernel(torch.device("cpu")), reason="no CPU delta kernel")
 
@@ -120,3 +120,48 @@ def test_refuses_what_it_has_no_form_for(kw, msg):
         GatedDeltaNet(AttentionConfig(d_model=32, n_heads=2, attention_type="gated_delta", **kw))
     with pytest.raises(ValueError, match="self-attention only"):
         GatedDeltaNet(AttentionConfig(d_model=32, n_heads=2, attention_type="gated_delta", causal=True), cross=True)
+
+
+def test_audit_padding_masks_and_versions():
+    """Found by an audit of the layer: (1) a padded row holding inf / NaN made the real tokens NaN
+    (the mask was a product: inf x 0); (2) bad key_mask / seqlens_k failed in torch's words; (3) a
+    gap inside the real tokens changed them (the convolutions read the gap's zeros): refused with
+    the convolutions, exact without; (4) the in-place step wrote the state from C++ without
+    bumping its version, so a graph that had saved it computed a stale gradient silently."""
+    torch.manual_seed(0)
+    m = make_attention(AttentionConfig(d_model=32, n_heads=4, attention_type="gated_delta", causal=True)).eval()
+    x = torch.randn(1, 6, 32)
+    with torch.no_grad():
+        ref = m(x)
+        pad = torch.cat([torch.full((1, 3, 32), float("inf")), x, torch.full((1, 2, 32), float("nan"))], 1)
+        km = torch.tensor([[False] * 3 + [True] * 6 + [False] * 2])
+        torch.testing.assert_close(m(pad, key_mask=km)[:, 3:9], ref)
+        with pytest.raises(TypeError, match="key_mask must be bool"):
+            m(x, key_mask=torch.ones(1, 6, dtype=torch.long))
+        with pytest.raises(ValueError, match=r"key_mask must be \(B, S\)"):
+            m(x, key_mask=torch.ones(1, 5, dtype=torch.bool))
+        with pytest.raises(TypeError, match="seqlens_k"):
+            m(x, seqlens_k=[6])
+        with pytest.raises(ValueError, match=r"seqlens_k must lie in \[0, 6\]"):
+            m(x, seqlens_k=torch.tensor([7]))
+        gap = torch.tensor([[True, True, True, False, False, True]])
+        with pytest.raises(ValueError, match="gap"):
+            m(x, key_mask=gap)
+        m0 = make_attention(AttentionConfig(d_model=32, n_heads=4, attention_type="gated_delta", causal=True,
+                                            delta_conv=0)).eval()
+        torch.testing.assert_close(m0(x, key_mask=gap)[:, gap[0]], m0(x[:, gap[0]]))
+    q, k = torch.randn(1, 1, 1, 3), torch.randn(1, 1, 1, 3)
+    v, beta = torch.randn(1, 1, 1, 2), torch.rand(1, 1, 1)
+    st = torch.randn(1, 1, 3, 2)
+    w = torch.randn(3, 2, requires_grad=True)
+    y = (st * w).sum()  # saves st
+    with torch.no_grad():
+        ae.delta_rule_step(q, k, v, beta, st, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    s = ae.LinearAttentionState(torch.randn(1, 1, 3, 2), torch.rand(1, 1, 3))
+    y = (s.S * w).sum()
+    with torch.no_grad():
+        ae.linear_attention_step(q, k, v, s, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

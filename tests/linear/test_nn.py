@@ -165,3 +165,16 @@ def test_feature_gates_are_per_feature_and_checked():
     with pytest.raises(ValueError, match="decay_gate='feature'"):
         LinearAttention(AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True,
                                         decay_gate="feature", feature_map="favor"))
+
+
+def test_audit_config_and_decay_dtypes():
+    """Found by an audit: n_heads / n_kv_heads of 0 raised ZeroDivisionError; a bool or integer
+    decay was taken as log-gates of 1 (a state growing each step). Both refused by name."""
+    for kw in (dict(n_kv_heads=0), dict(n_heads=0), dict(n_kv_heads=True)):
+        with pytest.raises(ValueError, match="n_kv_heads|n_heads"):
+            AttentionConfig(**dict(dict(d_model=16, n_heads=2, attention_type="linear"), **kw))
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+    with pytest.raises(TypeError, match="decay must be floating"):
+        ae.linear_attention(q, k, v, causal=True, decay=torch.ones(1, 2, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="decay_t must be floating"):
+        ae.linear_attention_step(q, k, v, None, decay_t=torch.ones(1, 2, 5, 4, dtype=torch.long))
