@@ -852,3 +852,12 @@ def test_not_a_tensor_says_how_to_convert(call, name):
     fix = "torch.tensor" if name == "q" else "torch.from_numpy"
     with pytest.raises(TypeError, match=rf"\b{name} must be a torch\.Tensor, got .*: convert it with {fix}\({name}\)"):
         call(torch.ones(SQ, SK, dtype=torch.bool))
+
+
+def test_flash_attn_func_bhsd_inputs_get_the_drop_ins_hint():
+    """Found by an audit: (B, H, S, D) tensors passed to flash_attn_func got attention()'s hint
+    "pass layout='bhsd'", an argument flash_attn_func does not take; the hint now says to
+    transpose (or to call attention with layout='bhsd')."""
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)  # (B, H, S, D)
+    with pytest.raises(ValueError, match=r"flash_attn_func takes flash-attn's \(B, S, H, D\).*transpose"):
+        ae.flash_attn_func(q, k, v)

@@ -584,3 +584,52 @@ def test_layer_input_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"KVCache.append: k must be \(B, T, H_k, D\) with "
                                          r"\(B, H_k, D\) = \(3, 4, 8\)"):
         self_attn(x, cache=cache)
+
+
+def test_multihead_autocast_bias_kv_and_weight_dtype():
+    """Found by an audit: add_bias_kv under autocast failed (the float32 bias promoted the 16-bit
+    keys: 'q, k, v must share a dtype'); the weights of a 16-bit module came back float32, where
+    torch's are in the module's dtype. A query with every key padded gives 0 (documented)."""
+    from attention_ext.nn import MultiheadAttention
+    torch.manual_seed(0)
+    t = torch.nn.MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
+    m = MultiheadAttention(16, 4, add_bias_kv=True, batch_first=True)
+    m.load_state_dict(t.state_dict())
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, wa = t(x, x, x)
+        b, wb = m(x, x, x)
+    assert b.dtype == a.dtype == torch.bfloat16 and wb.dtype == wa.dtype
+    torch.testing.assert_close(b.float(), a.float(), rtol=0.05, atol=0.05)
+    tb, mb = t.bfloat16(), m.bfloat16()
+    xb = x.bfloat16()
+    assert mb(xb, xb, xb)[1].dtype == tb(xb, xb, xb)[1].dtype == torch.bfloat16
+    m2 = MultiheadAttention(16, 4, batch_first=True)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1] = True  # the second sequence: every key padded
+    out, w = m2(x, x, x, key_padding_mask=kpm)
+    assert (out[1] == m2.out_proj.bias).all() and (w[1] == 0).all()
+
+
+def test_lsh_and_linformer_masks_and_context_checked():
+    """Found by an audit: the LSH layer took a seqlens_k shorter than the batch and zeroed the rows
+    past it; the Linformer layer ignored a context given to a self-attention layer, dropped
+    key_mask when seqlens_k came too, and failed in torch's words on cross=True without context.
+    All refused (or combined) by name now."""
+    from attention_ext.nn import AttentionConfig, make_attention
+    lsh = make_attention(AttentionConfig(d_model=32, n_heads=4, attention_type="lsh", lsh_buckets=4,
+                                         lsh_chunk_size=8)).eval()
+    x = torch.randn(3, 40, 32)
+    with pytest.raises(ValueError, match=r"seqlens_k must be \(3,\)"):
+        lsh(x, seqlens_k=torch.tensor([40, 23]))
+    with pytest.raises(TypeError, match="seqlens_k"):
+        lsh(x, seqlens_k=torch.tensor([40.0, 23.0, 7.0]))
+    lf = make_attention(AttentionConfig(d_model=32, n_heads=4, attention_type="linformer")).eval()
+    x = torch.randn(2, 12, 32)
+    with pytest.raises(ValueError, match="takes no context"):
+        lf(x, torch.randn(2, 12, 32))
+    km = torch.ones(2, 12, dtype=torch.bool)
+    km[1, 8:] = False
+    with torch.no_grad():
+        both = lf(x, key_mask=km, seqlens_k=torch.tensor([12, 10]))
+        torch.testing.assert_close(both, lf(x, key_mask=km))  # the stricter of the two: 8 real keys

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .._args import not_a_tensor
+from .._args import LayoutMismatch, not_a_tensor
 from ..decode.kvcache import flash_attn_with_kvcache
 from ..softmax import reference
 from ..softmax.functional import attention, attention_varlen, attention_weights, window_size_pair
@@ -39,9 +39,14 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     attention()'s int8 Q.K^T (inference; not with return_attn_probs)."""
     window = window_size_pair(window_size, _FN)
     _no_probs_with_quant(return_attn_probs, qk_quant)
-    out, lse = attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
-                         window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                         return_lse=True, deterministic=deterministic, num_splits=num_splits, qk_quant=qk_quant)
+    try:
+        out, lse = attention(q, k, v, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                             return_lse=True, deterministic=deterministic, num_splits=num_splits, qk_quant=qk_quant)
+    except LayoutMismatch as e:  # attention()'s hint names its `layout`, which this drop-in does not take
+        raise ValueError(f"flash_attn_func: {e.shapes} fit (B, H, S, D), but flash_attn_func takes flash-attn's "
+                         f"(B, S, H, D): pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), or call "
+                         f"attention_ext.attention(q, k, v, layout='bhsd') ({e.cause})") from e
     if return_attn_probs:
         probs = attention_weights(q, k, lse, layout="bshd", scale=softmax_scale, causal=causal, bottom_right=True,
                                   window=window, softcap=softcap, alibi_slopes=alibi_slopes)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .._args import key_padding_mask_renamed
+from .._args import key_padding_mask_renamed, real_tokens
 from ..softmax import linformer_attention
 from .layers import ATTENTION_MODULES, AttentionConfig, init_projections
 
@@ -98,6 +98,12 @@ class LinformerAttention(nn.Module):
             raise ValueError("attention_type='linformer' takes no attn_mask: its keys are projections of every "
                              "position, which a mask over positions cannot address (key_mask / seqlens_k mark "
                              "padding)")
+        if self.cross and context is None:
+            raise ValueError("LinformerAttention(cross=True).forward(): context (B, S_k, kv_dim), the memory, is "
+                             "required")
+        if not self.cross and context is not None:
+            raise ValueError("LinformerAttention.forward(): a self-attention layer takes no context (build it with "
+                             "cross=True for cross-attention)")
         b, s, _ = x.shape
         src = context if self.cross else x
         sk = src.shape[1]
@@ -109,9 +115,8 @@ class LinformerAttention(nn.Module):
         v = self.v_proj(src).view(b, sk, self.n_kv_heads, self.head_dim)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
-        if seqlens_k is not None:
-            key_mask = torch.arange(sk, device=x.device).unsqueeze(0) < seqlens_k.view(-1, 1)  # (B, S_k)
-        elif key_mask is not None:
+        key_mask = real_tokens(key_mask, seqlens_k, b, sk, x.device, "LinformerAttention.forward()")  # (B, S_k)
+        if key_mask is not None:
             # right padding only: a sequence's real keys are columns [0, len) of E and F, as alone
             prefix = torch.arange(sk, device=key_mask.device) < key_mask.sum(-1, keepdim=True)
             if not torch.equal(key_mask.bool(), prefix):

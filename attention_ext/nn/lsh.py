@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .._args import key_padding_mask_renamed
+from .._args import key_padding_mask_renamed, real_tokens
 from ..sparse import lsh_attention
 from .layers import ATTENTION_MODULES, AttentionConfig
 from .positional import RotaryEmbedding
@@ -90,16 +90,17 @@ class LSHAttention(nn.Module):
                        static: bool = False) -> None:
         raise ValueError(f"attention_type='lsh' keeps no generation cache: {_NO_CACHE}")
 
-    def _lengths(self, key_mask: Optional[Tensor], seqlens_k: Optional[Tensor], s: int) -> Optional[Tensor]:
+    def _lengths(self, key_mask: Optional[Tensor], seqlens_k: Optional[Tensor], b: int, s: int,
+                 device) -> Optional[Tensor]:
         """(B,) valid lengths of right-padded sequences, None when nothing is padded."""
-        if key_mask is not None:
-            seqlens_k = key_mask.sum(-1)
-            if not torch.equal(key_mask.bool(), torch.arange(s, device=key_mask.device) < seqlens_k.unsqueeze(-1)):
-                raise ValueError("attention_type='lsh' takes right padding only: key_mask must be True on a prefix "
-                                 "of each row (or pass seqlens_k), since LSH attention has no per-key mask")
-        if seqlens_k is None or bool((seqlens_k >= s).all()):
+        real = real_tokens(key_mask, seqlens_k, b, s, device, "LSHAttention.forward()")  # checked by name
+        if real is None:
             return None
-        return seqlens_k.clamp(max=s)
+        lengths = real.sum(-1)
+        if not torch.equal(real, torch.arange(s, device=device) < lengths.unsqueeze(-1)):
+            raise ValueError("attention_type='lsh' takes right padding only: key_mask must be True on a prefix "
+                             "of each row (or pass seqlens_k), since LSH attention has no per-key mask")
+        return None if bool((lengths >= s).all()) else lengths
 
     def forward(self, x: Tensor, context: None = None, *, key_mask: Optional[Tensor] = None,
                 seqlens_k: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None, cache: None = None,
@@ -123,7 +124,7 @@ class LSHAttention(nn.Module):
         rotations = torch.randn_like(self.rotations) if self.training else self.rotations
         kw = dict(n_buckets=c.lsh_buckets, n_hashes=c.lsh_hashes, chunk_size=c.lsh_chunk_size, causal=self.causal,
                   rotations=rotations, layout="bshd")
-        lengths = self._lengths(key_mask, seqlens_k, s)
+        lengths = self._lengths(key_mask, seqlens_k, b, s, x.device)
         if lengths is None:
             out = lsh_attention(qk, v, **kw)
         else:

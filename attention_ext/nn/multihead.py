@@ -9,7 +9,11 @@ state_dict loads into it unchanged:
     is_causal=True without attn_mask raises RuntimeError.
 `need_weights=True` returns the real probabilities, recomputed from the kernel's log-sum-exp
 (one extra q @ k^T), averaged over heads unless `average_attn_weights=False`. With dropout in
-training they are the probabilities before dropout (torch returns them after).
+training they are the probabilities before dropout (torch returns them after). A query that
+sees no key (every key padded or masked) gets output 0 and weights 0, the library's rule, where
+torch gives NaN on its need_weights path (and 0 on its fused one). When is_causal=True comes with
+an attn_mask, the mask is what is applied (torch's hint path may differ from its own mask path
+then, e.g. with add_bias_kv).
 
 Bad inputs raise a ValueError (shapes) or TypeError (dtypes) that names the argument, where
 torch's module mostly asserts (AssertionError) or fails inside a reshape; a mask of another
@@ -266,8 +270,9 @@ class MultiheadAttention(nn.Module):
         if attn_mask is not None and attn_mask.dim() == 3:  # (N * H, L, S) -> (N, H, L, S)
             attn_mask = attn_mask.view(n, h, l, attn_mask.shape[-1])
         if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.expand(n, 1, -1)], dim=1)
-            v = torch.cat([v, self.bias_v.expand(n, 1, -1)], dim=1)
+            # in k's dtype: under autocast the projections are 16-bit and the parameters float32
+            k = torch.cat([k, self.bias_k.to(k.dtype).expand(n, 1, -1)], dim=1)
+            v = torch.cat([v, self.bias_v.to(v.dtype).expand(n, 1, -1)], dim=1)
             attn_mask, key_padding_mask = _append_column(attn_mask), _append_column(key_padding_mask)
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(n, 1, self.embed_dim)], dim=1)
@@ -306,6 +311,7 @@ class MultiheadAttention(nn.Module):
             weights = attention_weights(q, k, lse, **opts)  # (N, H, L, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (N, L, S)
+            weights = weights.to(q.dtype)  # torch's dtype: the inputs' (float32 sums before)
         else:
             out = attention(q, k, v, dropout_p=0.0 if drop_all else p, **opts)
         if drop_all:

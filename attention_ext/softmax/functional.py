@@ -222,7 +222,10 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, opts: dict, num_splits: int, determi
         return _quantized(q, k, v, opts, qk_quant)
     if ops.has_kernel(q.device, q.dtype):
         if topk > 0:
-            thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **opts)
+            # the selection: the scores before dropout (the fused op drops from the kept keys), and
+            # no autograd (piecewise constant: a bias / ALiBi / sinks that requires grad is detached)
+            sel = {n: t.detach() if isinstance(t, Tensor) else t for n, t in opts.items()}
+            thr, jcut = ops.topk_threshold(q.detach(), k.detach(), topk, **dict(sel, dropout_p=0.0))
             opts = dict(opts, topk_thr=thr, topk_jcut=jcut)
         return ops.fwd(q, k, v, num_splits=num_splits, deterministic=deterministic, routed=True, **opts)
     ops.check_inputs(q, k, v, **opts)

@@ -274,3 +274,25 @@ def test_block_sparse_few_query_rows():
     dout = torch.randn_like(out)
     for a, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+
+
+def test_topk_with_dropout_and_a_bias_that_requires_grad():
+    """Found by an audit: top-k with dropout_p > 0 always raised (the threshold pass was handed
+    the dropout options, which it refuses), so a top-k layer could not train with dropout; and a
+    bias requiring grad reached the threshold op, which has no autograd (torch's warning). Now the
+    selection ranks the scores before dropout and the fused op drops among the kept keys: the
+    output equals dense attention restricted to the top-k selection with the same keep-mask."""
+    import warnings
+    s, d, p, k_top = 40, 16, 0.3, 5
+    q, k, v = rand_qkv(1, 2, 2, s, s, d, torch.float64)
+    bias = torch.randn(1, 2, s, s, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "autograd kernel was not registered" warning
+        out = ae.topk_attention(q, k, v, k_top, attn_mask=bias, dropout_p=p, seed=11)
+        out.sum().backward()
+    logits = (q @ k.transpose(-1, -2)) * d ** -0.5 + bias.detach()
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k_top]
+    sel = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, True)
+    ref = ae.attention(q, k, v, attn_mask=bias.detach().masked_fill(~sel, float("-inf")), dropout_p=p, seed=11)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
