@@ -633,3 +633,19 @@ def test_lsh_and_linformer_masks_and_context_checked():
     with torch.no_grad():
         both = lf(x, key_mask=km, seqlens_k=torch.tensor([12, 10]))
         torch.testing.assert_close(both, lf(x, key_mask=km))  # the stricter of the two: 8 real keys
+
+
+def test_sparse_layer_options_fail_at_build():
+    """Found by an audit: a float n_global built and failed mid-forward, a negative one meant no
+    global blocks, topk='3' failed in a comparison, sparse_kwargs were ignored under 'topk', and
+    'random' without density named no sparse_kwargs. All refused when the layer is built."""
+    from attention_ext.nn import AttentionConfig, make_attention
+    base = dict(d_model=32, n_heads=2, attention_type="sparse", sparse_block_size=16)
+    for kw, exc, match in ((dict(sparse_kwargs=dict(n_global=1.5)), TypeError, "n_global"),
+                           (dict(sparse_kwargs=dict(n_global=-1)), ValueError, "n_global"),
+                           (dict(sparse_pattern="topk", topk="3"), ValueError, "topk"),
+                           (dict(sparse_pattern="topk", topk=3, sparse_kwargs=dict(n_global=1)), ValueError,
+                            "no sparse_kwargs"),
+                           (dict(sparse_pattern="random"), TypeError, "sparse_kwargs")):
+        with pytest.raises(exc, match=match):
+            make_attention(AttentionConfig(**base, **kw))

@@ -29,6 +29,7 @@ def _local_global(window_blocks: int = 1, n_global: int = 1, *, seq_len, block_s
                   window=None):
     """sliding_window(window_blocks) union the first n_global blocks as global tokens."""
     window_blocks = _window_blocks_arg("sparse_kwargs of sparse_pattern='local_global'", window_blocks, window)
+    n_global = L._int("n_global (sparse_kwargs of sparse_pattern='local_global')", n_global, 0)
     nb = -(-seq_len // block_size)
     kw = dict(seq_len=seq_len, block_size=block_size, heads=heads, device=device)
     lay = L.sliding_window(window_blocks, causal=causal, **kw)
@@ -109,8 +110,11 @@ class SparseAttention(Attention):
         self._layouts: Dict[Tuple[int, torch.device], Tensor] = {}
         L._check_block_size(self.block_size)
         if self.pattern == "topk":
-            if c.topk < 1:
-                raise ValueError("sparse_pattern='topk' needs topk >= 1 (keys kept per query)")
+            if isinstance(c.topk, bool) or not isinstance(c.topk, int) or c.topk < 1:
+                raise ValueError(f"sparse_pattern='topk' needs topk >= 1, an int (keys kept per query), got {c.topk!r}")
+            if self.pattern_kwargs:
+                raise ValueError(f"sparse_pattern='topk' takes no sparse_kwargs (its option is topk), got "
+                                 f"{sorted(self.pattern_kwargs)}")
         elif self.pattern not in PATTERNS:
             raise ValueError(f"unknown sparse_pattern {self.pattern!r}; known: {sorted(PATTERNS) + ['topk']}")
         elif self.causal and self.pattern in ("strided", "fixed") and self.pattern_kwargs.get("stride") is None:
@@ -120,7 +124,14 @@ class SparseAttention(Attention):
             raise ValueError("a causal 'random' layer would draw different rows for every sequence length; "
                              "use 'bigbird' (its random blocks are drawn per row)")
         if self.pattern != "topk" and not cross:
-            self.layout(self.block_size, torch.device("cpu"))  # the pattern's options fail here, not mid-forward
+            # the pattern's options fail here, not mid-forward: a few blocks, so that every part of
+            # the pattern (global, random, strided blocks) is built
+            try:
+                PATTERNS[self.pattern](**self.pattern_kwargs, seq_len=8 * self.block_size, block_size=self.block_size,
+                                       heads=self.n_heads, causal=self.causal)
+            except TypeError as e:  # a missing or unknown option: name where options go
+                raise TypeError(f"sparse_pattern={self.pattern!r}: {e} (the pattern's options go in "
+                                f"sparse_kwargs)") from e
 
     @classmethod
     def allocate_cache(cls, config: AttentionConfig, batch: int, max_len: int, *, device=None, dtype=torch.float32,
