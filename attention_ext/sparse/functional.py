@@ -80,6 +80,13 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_layout: Union[
     if isinstance(block_layout, SparseMask):
         block_size, mask, block_layout = block_layout.block_size, block_layout.mask, block_layout.block_layout
         if mask is not None:
+            # its element mask is (H or 1, S_q, S_k) of the length it was built for
+            if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4 and k.dim() == 4:
+                sq, sk = (q.shape[2], k.shape[2]) if layout == "bhsd" else (q.shape[1], k.shape[1])
+                if tuple(mask.shape[-2:]) != (sq, sk):
+                    raise ValueError(f"block_layout: the SparseMask was built for (S_q, S_k) = "
+                                     f"{tuple(mask.shape[-2:])}, the inputs have {(sq, sk)}: build it with "
+                                     f"from_mask(..., seq_len={sq}{'' if sq == sk else f', seq_len_k={sk}'})")
             user = options.pop("attn_mask", None)
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask
             mask = mask.to(q.device)

@@ -296,3 +296,12 @@ def test_topk_with_dropout_and_a_bias_that_requires_grad():
     ref = ae.attention(q, k, v, attn_mask=bias.detach().masked_fill(~sel, float("-inf")), dropout_p=p, seed=11)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+def test_sparse_mask_of_another_length_names_block_layout():
+    """Found by an audit: a SparseMask built for 45 positions used on 40 failed with 'attn_mask of
+    shape (1, 1, 45, 45) does not broadcast', an argument the caller never passed."""
+    sm = L.from_mask(lambda a, b: b <= a, 16, seq_len=45)
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(ValueError, match=r"block_layout: the SparseMask was built for .*seq_len=40"):
+        ae.block_sparse_attention(q, q, q, sm)
