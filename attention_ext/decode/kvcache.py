@@ -252,7 +252,6 @@ def flash_attn_with_kvcache(
         # exactly B rows, so it gets views of the first B (an append still writes the caller's
         # cache), rather than raising after the append below has written
         k_cache, v_cache = k_cache[:b], v_cache[:b]
-        # and the per-row descales of an 8-bit cache (B_cache, S_cache, H_k) the same rows
         # and the descales of an 8-bit cache, per row (B_cache, S_cache, H_k) or per cache row and kv
         # head (B_cache, H_k, as quantize_kv gives them for the whole cache), the same rows
         k_descale, v_descale = (s[:b] if isinstance(s, torch.Tensor) and s.dim() in (2, 3) and s.shape[0] == n_rows

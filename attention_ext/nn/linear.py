@@ -161,8 +161,7 @@ class LinearAttention(nn.Module):
             g = F.logsigmoid(self.gate(x))
             decay = (g.view(b, s, self.n_heads, -1).permute(0, 2, 1, 3) if self.per_feature else g.transpose(1, 2))
             decay = decay.contiguous()
-        if (decay is not None and isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool
-                and tuple(key_mask.shape) == (decay.shape[0], decay.shape[2])):  # else linear_attention names it
+        if decay is not None and key_mask is not None:  # (real_tokens checked it: (B, S) bool)
             # a padded token writes nothing (key_mask) and decays nothing (its gate 0: linear_attention
             # applies every gate it is given), as GatedDeltaNet's
             real = key_mask[:, None, :, None] if decay.dim() == 4 else key_mask[:, None, :]
