@@ -168,9 +168,11 @@ def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, caus
 
 def real_tokens(key_mask: object, seqlens_k: object, b: int, s: int, device, fn: str):
     """The (B, S) bool mask of a layer's real tokens from key_mask (B, S) bool (True = real) or
-    seqlens_k (B,) integer lengths in [0, S] (the first seqlens_k[b] tokens real), checked by name;
-    None for neither. For the layers that turn the mask into per-token gates (the linear and delta
-    layers), where torch's own errors would name nothing."""
+    seqlens_k (B,) integer lengths >= 0 (the first seqlens_k[b] tokens real; a length past S means
+    all, as attention() reads it), checked by name; both: their intersection; None for neither.
+    For the layers that turn the mask into per-token gates (the linear, delta, LSH and Linformer
+    layers), where torch's own errors would name nothing. The length check reads the values on the
+    host, or under torch.compile asserts in the graph (as as_offsets)."""
     if seqlens_k is not None:
         if not isinstance(seqlens_k, Tensor):
             raise not_a_tensor("seqlens_k", seqlens_k, fn)
@@ -178,8 +180,10 @@ def real_tokens(key_mask: object, seqlens_k: object, b: int, s: int, device, fn:
             raise TypeError(f"{fn}: seqlens_k must be an integer (B,) tensor of lengths, got {seqlens_k.dtype}")
         if tuple(seqlens_k.shape) != (b,):
             raise ValueError(f"{fn}: seqlens_k must be ({b},) (a length per sequence), got {tuple(seqlens_k.shape)}")
-        if bool(((seqlens_k < 0) | (seqlens_k > s)).any()):
-            raise ValueError(f"{fn}: seqlens_k must lie in [0, {s}] (the sequence's length), got {seqlens_k.tolist()}")
+        if torch.compiler.is_compiling():
+            torch._assert_async((seqlens_k >= 0).all(), f"{fn}: seqlens_k must be >= 0")
+        elif bool((seqlens_k < 0).any()):
+            raise ValueError(f"{fn}: seqlens_k must be >= 0 (a length per sequence), got {seqlens_k.tolist()}")
         real = torch.arange(s, device=device).unsqueeze(0) < seqlens_k.to(device).view(-1, 1)
         return real if key_mask is None else real & real_tokens(key_mask, None, b, s, device, fn)
     if key_mask is None:

@@ -78,9 +78,10 @@ def _quantize_append(x: Tensor, descale: Tensor, page: Tensor, slot: Tensor, dty
     """New rows x (B, S_new, H_k, D) quantized for cache rows (page, slot) (B, S_new): per-row
     descales (3-D) get a fresh scale written there (amax over D / the type's largest value);
     per batch entry ones (B, H_k) are used as given (finite values beyond them saturate). A
-    per-entry scale cannot hold a non-finite value: the entry's scale becomes NaN, so its cache
-    reads NaN from then on, as attention over a NaN / inf key or value gives (a scale of 0 or
-    +-inf for nonzero rows is refused first: _check_append_scales)."""
+    per-entry scale cannot hold a non-finite value: the entry's scale becomes NaN in the tensor
+    passed, so reads through it are NaN from then on, as attention over a NaN / inf key or value
+    gives (a gathered copy, descale[cache_batch_idx], takes the NaN, not the caller's original;
+    a scale of 0 or +-inf for nonzero rows is refused first: _check_append_scales)."""
     if descale.dim() == 3:
         scale = x.float().abs().amax(-1) / QMAX[dtype]  # (B, S_new, H_k)
         descale[page, slot] = scale

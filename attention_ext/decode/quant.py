@@ -58,7 +58,8 @@ def quantize_kv(x: Tensor, dtype: torch.dtype = torch.int8, granularity: str = "
         raise ValueError(f"quantize_kv: granularity must be 'token' or 'head', got {granularity!r}")
     if x.numel() == 0:  # amax over an empty dim has no identity in torch: the scales of nothing are 0
         shape = x.shape[:3] if granularity == "token" else (x.shape[0], x.shape[2])
-        return torch.empty(x.shape, dtype=dtype, device=x.device), torch.zeros(shape, device=x.device)
+        return torch.empty(x.shape, dtype=dtype, device=x.device), torch.zeros(shape, dtype=torch.float32,
+                                                                               device=x.device)
     if granularity == "token":
         amax = x.detach().float().abs().amax(-1)  # (B, S, H_k)
         scale = amax / QMAX[dtype]

@@ -136,7 +136,8 @@ class GatedDeltaNet(nn.Module):
                             f"(allocate it with nn.layers.allocate_cache)")
         b, s, _ = x.shape
         key_mask = real_tokens(key_mask, seqlens_k, b, s, x.device, "GatedDeltaNet.forward()")  # (B, S) or None
-        if key_mask is not None and self.conv is not None and s > 1:
+        if key_mask is not None and self.conv is not None and s > 1 and seqlens_k is None and \
+                not torch.compiler.is_compiling():  # lengths give one run; a graph cannot branch on values
             runs = key_mask[:, :1].sum(1) + (key_mask[:, 1:] & ~key_mask[:, :-1]).sum(1)  # real runs per sequence
             if bool((runs > 1).any()):
                 raise ValueError("GatedDeltaNet.forward(): key_mask has a gap inside a sequence's real tokens; the "
@@ -157,8 +158,10 @@ class GatedDeltaNet(nn.Module):
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = v.view(b, s, self.n_heads, self.head_dim)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # gates and the norm: at least fp32
-        beta = torch.sigmoid(self.b_proj(x).to(acc))                                   # (B, S, H_v)
-        g = -torch.exp(self.A_log.to(acc)) * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))
+        # from xin: a padded row's inf / NaN must not reach even its own (masked) outputs, whose
+        # backward would multiply it by 0 into the weights' gradients
+        beta = torch.sigmoid(self.b_proj(xin).to(acc))                                 # (B, S, H_v)
+        g = -torch.exp(self.A_log.to(acc)) * F.softplus(self.a_proj(xin).to(acc) + self.dt_bias.to(acc))
         if keep is not None:  # a masked token writes nothing and decays nothing
             beta, g = torch.where(keep, beta, torch.zeros_like(beta)), torch.where(keep, g, torch.zeros_like(g))
         beta = beta.to(q.dtype).transpose(1, 2).contiguous()                           # (B, H_v, S)
@@ -175,7 +178,7 @@ class GatedDeltaNet(nn.Module):
             cache.pos += s
         o = o.to(acc)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.norm_weight.to(acc)
-        z = self.z_proj(x).view(b, s, self.n_heads, self.head_dim)
+        z = self.z_proj(xin).view(b, s, self.n_heads, self.head_dim)
         o = (o * F.silu(z.to(acc))).to(x.dtype)
         return self.out_proj(o.reshape(b, s, -1))
 

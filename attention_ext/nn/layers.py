@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.types import Device
 
 from .. import reference
-from .._args import key_padding_mask_renamed, not_a_tensor
+from .._args import as_int, key_padding_mask_renamed, not_a_tensor
 from ..decode import decode_fwd
 from ..decode.quant import QMAX, check_cache_dtype, dequantize_kv, quantize_rows
 from ..softmax import attention, attention_varlen, attention_weights
@@ -74,16 +74,19 @@ class AttentionConfig:
     qk_quant: Optional[str] = None
 
     def __post_init__(self):
-        for name in ("d_model", "n_heads"):
+        for name in ("d_model", "n_heads", "n_kv_heads"):
             x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+            if x is None and name == "n_kv_heads":
+                continue
+            n = as_int(x)  # numpy ints too, not bools or floats
+            if n is None or n < 1:
+                raise ValueError(f"{name} must be an int >= 1{' (None: n_heads)' if name == 'n_kv_heads' else ''}, "
+                                 f"got {x!r}")
+            setattr(self, name, n)
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not a multiple of n_heads={self.n_heads}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if isinstance(self.n_kv_heads, bool) or not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
-            raise ValueError(f"n_kv_heads must be an int >= 1 (None: n_heads), got {self.n_kv_heads!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if not (isinstance(self.decay_gate, bool) or self.decay_gate in ("head", "feature")):

@@ -96,7 +96,7 @@ class LSHAttention(nn.Module):
         real = real_tokens(key_mask, seqlens_k, b, s, device, "LSHAttention.forward()")  # checked by name
         if real is None:
             return None
-        lengths = real.sum(-1)
+        lengths = real.sum(-1)  # a seqlens_k past S counts S
         if not torch.equal(real, torch.arange(s, device=device) < lengths.unsqueeze(-1)):
             raise ValueError("attention_type='lsh' takes right padding only: key_mask must be True on a prefix "
                              "of each row (or pass seqlens_k), since LSH attention has no per-key mask")

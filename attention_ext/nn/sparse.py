@@ -17,6 +17,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._args import as_int
 from ..softmax import attention_weights
 from ..sparse import layouts as L
 from ..sparse.layouts import _window_blocks_arg
@@ -110,7 +111,7 @@ class SparseAttention(Attention):
         self._layouts: Dict[Tuple[int, torch.device], Tensor] = {}
         L._check_block_size(self.block_size)
         if self.pattern == "topk":
-            if isinstance(c.topk, bool) or not isinstance(c.topk, int) or c.topk < 1:
+            if as_int(c.topk) is None or as_int(c.topk) < 1:
                 raise ValueError(f"sparse_pattern='topk' needs topk >= 1, an int (keys kept per query), got {c.topk!r}")
             if self.pattern_kwargs:
                 raise ValueError(f"sparse_pattern='topk' takes no sparse_kwargs (its option is topk), got "
@@ -159,7 +160,7 @@ class SparseAttention(Attention):
         if self.cross:
             return ATTENTION_TYPES["softmax"], opts
         if self.pattern == "topk":
-            return ATTENTION_TYPES["sparse"], dict(opts, k_top=self.config.topk)
+            return ATTENTION_TYPES["sparse"], dict(opts, k_top=as_int(self.config.topk))
         lay = self.layout(k.shape[1], q.device)
         return ATTENTION_TYPES["sparse"], dict(opts, block_layout=lay, block_size=self.block_size)
 
@@ -171,7 +172,7 @@ class SparseAttention(Attention):
         if self.cross:
             return attention_weights(q, k, lse, layout="bshd", **w)
         if self.pattern == "topk":
-            return attention_weights(q, k, lse, layout="bshd", topk=self.config.topk, **w)
+            return attention_weights(q, k, lse, layout="bshd", topk=as_int(self.config.topk), **w)
         mask = sparse_rows_mask(opts["block_layout"], self.block_size, q.shape[1], k.shape[1]).unsqueeze(0)
         user = w.get("attn_mask")
         if user is None or user.dtype == torch.bool:

@@ -136,14 +136,20 @@ def test_audit_padding_masks_and_versions():
         pad = torch.cat([torch.full((1, 3, 32), float("inf")), x, torch.full((1, 2, 32), float("nan"))], 1)
         km = torch.tensor([[False] * 3 + [True] * 6 + [False] * 2])
         torch.testing.assert_close(m(pad, key_mask=km)[:, 3:9], ref)
+    with torch.enable_grad():  # the padded rows' inf / NaN reach no weight's gradient either
+        m(pad, key_mask=km)[:, 3:9].sum().backward()
+    assert all(p.grad is None or p.grad.isfinite().all() for p in m.parameters())
+    m.zero_grad(set_to_none=True)
+    with torch.no_grad():
         with pytest.raises(TypeError, match="key_mask must be bool"):
             m(x, key_mask=torch.ones(1, 6, dtype=torch.long))
         with pytest.raises(ValueError, match=r"key_mask must be \(B, S\)"):
             m(x, key_mask=torch.ones(1, 5, dtype=torch.bool))
         with pytest.raises(TypeError, match="seqlens_k"):
             m(x, seqlens_k=[6])
-        with pytest.raises(ValueError, match=r"seqlens_k must lie in \[0, 6\]"):
-            m(x, seqlens_k=torch.tensor([7]))
+        with pytest.raises(ValueError, match=r"seqlens_k must be >= 0"):
+            m(x, seqlens_k=torch.tensor([-1]))
+        torch.testing.assert_close(m(x, seqlens_k=torch.tensor([9])), ref)  # past S: every token (as attention())
         gap = torch.tensor([[True, True, True, False, False, True]])
         with pytest.raises(ValueError, match="gap"):
             m(x, key_mask=gap)

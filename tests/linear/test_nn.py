@@ -170,9 +170,12 @@ def test_feature_gates_are_per_feature_and_checked():
 def test_audit_config_and_decay_dtypes():
     """Found by an audit: n_heads / n_kv_heads of 0 raised ZeroDivisionError; a bool or integer
     decay was taken as log-gates of 1 (a state growing each step). Both refused by name."""
-    for kw in (dict(n_kv_heads=0), dict(n_heads=0), dict(n_kv_heads=True)):
+    for kw in (dict(n_kv_heads=0), dict(n_heads=0), dict(n_kv_heads=True), dict(n_heads=2.0)):
         with pytest.raises(ValueError, match="n_kv_heads|n_heads"):
             AttentionConfig(**dict(dict(d_model=16, n_heads=2, attention_type="linear"), **kw))
+    import numpy as np
+    c = AttentionConfig(d_model=np.int64(16), n_heads=np.int64(2), n_kv_heads=np.int32(1))  # numpy ints: as ints
+    assert (c.d_model, c.n_heads, c.n_kv_heads, c.head_dim) == (16, 2, 1, 8) and type(c.n_heads) is int
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
     with pytest.raises(TypeError, match="decay must be floating"):
         ae.linear_attention(q, k, v, causal=True, decay=torch.ones(1, 2, 5, dtype=torch.bool))
