@@ -135,9 +135,10 @@ class GatedDeltaNet(nn.Module):
             raise TypeError(f"a gated_delta layer keeps a DeltaCache, got {type(cache).__name__} "
                             f"(allocate it with nn.layers.allocate_cache)")
         b, s, _ = x.shape
+        mask_given = key_mask is not None  # lengths alone give one run of real tokens: nothing to check
         key_mask = real_tokens(key_mask, seqlens_k, b, s, x.device, "GatedDeltaNet.forward()")  # (B, S) or None
-        if key_mask is not None and self.conv is not None and s > 1 and seqlens_k is None and \
-                not torch.compiler.is_compiling():  # lengths give one run; a graph cannot branch on values
+        if mask_given and self.conv is not None and s > 1 and \
+                not torch.compiler.is_compiling():  # a graph cannot branch on the mask's values
             runs = key_mask[:, :1].sum(1) + (key_mask[:, 1:] & ~key_mask[:, :-1]).sum(1)  # real runs per sequence
             if bool((runs > 1).any()):
                 raise ValueError("GatedDeltaNet.forward(): key_mask has a gap inside a sequence's real tokens; the "
