@@ -488,9 +488,14 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
     try:
         out, lse = _fused(q, k, v, opts, num_splits, deterministic, topk, qk_quant)
     except ValueError as e:  # the op's shape errors: name `layout` where the shapes prove a mix-up
-        mix = layout_mismatch(*((q, k, v) if layout == "bhsd" else (t.transpose(1, 2) for t in (q, k, v))), layout, e)
+        given = (q, k, v) if layout == "bhsd" else tuple(t.transpose(1, 2) for t in (q, k, v))
+        mix = layout_mismatch(*given, layout, e)
         if mix is not None:
             raise mix from e
+        if layout == "bshd":  # the op's message prints its (B, H, S, D) views: add the shapes as passed
+            raise ValueError(f"{e.args[0] if e.args else e} (shapes in the op's (B, H, S, D) order; as passed, "
+                             f"(B, S, H, D): " + ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip("qkv", given))
+                             + ")") from e
         raise
     if layout == "bshd":
         out = out.transpose(1, 2)

@@ -401,3 +401,15 @@ def test_compiled_decode_route_keeps_a_dynamic_batch(plain):
                 torch._dynamo.mark_dynamic(t, 0)
             torch.testing.assert_close(f(q, k, v), ae.attention(q, k, v, **kw), atol=1e-6, rtol=1e-6)
     assert counts["stats"]["unique_graphs"] == 1
+
+
+def test_bshd_shape_errors_show_the_shapes_as_passed():
+    # the op checks its (B, H, S, D) views; a bshd caller also reads the shapes it passed
+    q, k, v = torch.randn(2, 16, 4, 32), torch.randn(2, 16, 2, 32), torch.randn(2, 16, 3, 32)
+    for call in (lambda: ae.attention(q, k, v, layout="bshd"), lambda: ae.flash_attn_func(q, k, v)):
+        with pytest.raises(ValueError, match=r"k and v must have the same shape.*as passed, \(B, S, H, D\): "
+                                             r"q \(2, 16, 4, 32\), k \(2, 16, 2, 32\), v \(2, 16, 3, 32\)"):
+            call()
+    with pytest.raises(ValueError) as e:  # bhsd: the op's own message, nothing added
+        ae.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert "as passed" not in str(e.value)
