@@ -50,6 +50,8 @@ class LMConfig:
     attention_type: str = "softmax"
     feature_map: str = "elu"              # attention_type="linear"
     decay_gate: Union[bool, str] = False  # attention_type="linear": learned log-decays, per head or "feature" (GLA)
+    decay_gate_rank: int = 0              # decay_gate: the gate projection's rank (0: full; GLA's 16)
+    decay_gate_temperature: float = 1.0   # decay_gate: the log-gates' divisor (GLA's 16)
     delta_conv: int = 4                   # attention_type="gated_delta": short convolutions' kernel (0: none)
     sparse_pattern: str = "local_global"  # attention_type="sparse": see nn.SparseAttention
     sparse_block_size: int = 64           # attention_type="sparse"
@@ -67,6 +69,8 @@ class LMConfig:
         attn = AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                                attention_type=self.attention_type, causal=True, window=self.window,
                                feature_map=self.feature_map, decay_gate=self.decay_gate,
+                               decay_gate_rank=self.decay_gate_rank,
+                               decay_gate_temperature=self.decay_gate_temperature,
                                delta_conv=self.delta_conv, sparse_pattern=self.sparse_pattern, sparse_block_size=self.sparse_block_size,
                                sparse_kwargs=self.sparse_kwargs, topk=self.topk, lsh_buckets=self.lsh_buckets,
                                lsh_hashes=self.lsh_hashes, lsh_chunk_size=self.lsh_chunk_size,

@@ -15,6 +15,8 @@ its kernel here runs block-sparse or top-k attention on a layout it is given, an
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union
 
@@ -55,6 +57,9 @@ class AttentionConfig:
     feature_map: str = "elu"           # attention_type="linear": a registered feature map name
     decay_gate: Union[bool, str] = False  # attention_type="linear", causal: a gate projection gives log-decays, per
     #                                    head (True / "head") or per feature ("feature": GLA's gates)
+    decay_gate_rank: int = 0           # decay_gate: 0 a full-rank projection; r > 0 a rank-r one, x -> r -> gates
+    #                                    (GLA's: 16)
+    decay_gate_temperature: float = 1.0  # decay_gate: the log-gates logsigmoid(W x + b) / temperature (GLA's: 16)
     delta_conv: int = 4                # attention_type="gated_delta": the short causal convolutions' kernel (0: none)
     sparse_pattern: str = "local_global"  # attention_type="sparse": a SparseAttention pattern name
     sparse_block_size: int = 64        # attention_type="sparse": the layout's block size
@@ -92,6 +97,18 @@ class AttentionConfig:
         if not (isinstance(self.decay_gate, bool) or self.decay_gate in ("head", "feature")):
             raise ValueError(f"decay_gate must be False, True / 'head' (a log-decay per head) or 'feature' (one per "
                              f"feature, GLA), got {self.decay_gate!r}")
+        rank = as_int(self.decay_gate_rank)
+        if rank is None or rank < 0:
+            raise ValueError(f"decay_gate_rank must be an int >= 0 (0: a full-rank gate projection), got "
+                             f"{self.decay_gate_rank!r}")
+        self.decay_gate_rank = rank
+        tau = self.decay_gate_temperature
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau) or tau <= 0:
+            raise ValueError(f"decay_gate_temperature must be a finite number > 0, got {tau!r}")
+        self.decay_gate_temperature = float(tau)
+        if not self.decay_gate and (rank != 0 or tau != 1.0):
+            raise ValueError(f"decay_gate_rank / decay_gate_temperature shape the decay gate: pass decay_gate=True "
+                             f"or 'feature' with them (got decay_gate={self.decay_gate!r})")
         if self.qk_quant is not None and self.attention_type != "softmax":
             raise ValueError(f"qk_quant serves attention_type='softmax', got {self.attention_type!r}")
         self.window = window_pair(self.window, causal=False)  # the functional API's check and error

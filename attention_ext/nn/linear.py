@@ -44,7 +44,9 @@ class LinearAttention(nn.Module):
     redraw_interval in training). config.decay_gate adds a projection x -> (H) log-decays,
     logsigmoid(W x + b) (a recency gate per position and head), or with decay_gate="feature" x ->
     (H, M), a gate per feature as GLA's (S_t = Diag(exp(g_t)) S_{t-1} + ...; the fused feature
-    maps), causal self-attention only.
+    maps), causal self-attention only. config.decay_gate_rank = r > 0 factors W through rank r
+    and config.decay_gate_temperature = tau divides the log-gates: GLA's gate is
+    decay_gate="feature", decay_gate_rank=16, decay_gate_temperature=16.
     Softmax-only options (window, ALiBi, sinks, softcap, attn_mask) are rejected; dropout on
     probabilities has no equivalent and is not applied. key_mask (B, S_k) True = a real key /
     seqlens_k mark padded keys, which then contribute nothing.
@@ -71,11 +73,18 @@ class LinearAttention(nn.Module):
         if self.per_feature and getattr(self.feature_map, "fused_code", None) is None:
             raise ValueError(f"decay_gate='feature' takes the fused feature maps ('elu', 'relu', 'identity'), got "
                              f"feature_map={c.feature_map!r}")
+        self.gate_temperature = c.decay_gate_temperature
         if c.decay_gate and self.causal:
             # per feature: the fused maps keep the head's width, M = head_dim
-            self.gate = nn.Linear(c.d_model, c.n_heads * (c.head_dim if self.per_feature else 1))
-            nn.init.zeros_(self.gate.weight)
-            nn.init.constant_(self.gate.bias, 4.0)  # sigmoid(4) = 0.98: start close to no decay
+            width = c.n_heads * (c.head_dim if self.per_feature else 1)
+            if c.decay_gate_rank:  # GLA's low-rank gate: x -> r -> gates (the first factor without bias)
+                self.gate = nn.Sequential(nn.Linear(c.d_model, c.decay_gate_rank, bias=False),
+                                          nn.Linear(c.decay_gate_rank, width))
+                last = self.gate[-1]
+            else:
+                self.gate = last = nn.Linear(c.d_model, width)
+            nn.init.zeros_(last.weight)  # with the low rank, the first factor keeps its random init
+            nn.init.constant_(last.bias, 4.0)  # sigmoid(4) = 0.98: start close to no decay
         self.keep_weights = False
         self.last_weights: Optional[Tensor] = None
 
@@ -159,6 +168,8 @@ class LinearAttention(nn.Module):
         decay = None
         if self.gate is not None:  # (B, H, S), or (B, H, S, M) per feature
             g = F.logsigmoid(self.gate(x))
+            if self.gate_temperature != 1.0:
+                g = g / self.gate_temperature
             decay = (g.view(b, s, self.n_heads, -1).permute(0, 2, 1, 3) if self.per_feature else g.transpose(1, 2))
             decay = decay.contiguous()
         if decay is not None and key_mask is not None:  # (real_tokens checked it: (B, S) bool)

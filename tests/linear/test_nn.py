@@ -167,6 +167,50 @@ def test_feature_gates_are_per_feature_and_checked():
                                         decay_gate="feature", feature_map="favor"))
 
 
+@pytest.mark.parametrize("gate", [True, "feature"])
+def test_low_rank_gate_with_temperature_is_glas(gate):
+    """decay_gate_rank=r factors the gate projection through rank r (GLA's x -> 16 -> gates) and
+    decay_gate_temperature=tau divides the log-gates (GLA's 16): the kernel gets
+    logsigmoid(W2 W1 x + b) / tau; both factors learn; a generation step equals the whole run."""
+    torch.manual_seed(0)
+    cfg = AttentionConfig(d_model=16, n_heads=2, attention_type="linear", causal=True, decay_gate=gate,
+                          decay_gate_rank=3, decay_gate_temperature=16)
+    m = LinearAttention(cfg).double()
+    w1, w2 = m.gate[0], m.gate[1]
+    width = 16 if gate == "feature" else 2
+    assert (w1.in_features, w1.out_features, w1.bias, w2.out_features) == (16, 3, None, width)
+    torch.nn.init.normal_(w2.weight, std=2.0)  # a trained gate, far from its zero start
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    y = m(x)
+    g = torch.nn.functional.logsigmoid(w2(w1(x))) / 16  # (B, S, H * M) or (B, S, H)
+    g = g.view(1, 6, 2, 8).permute(0, 2, 1, 3) if gate == "feature" else g.transpose(1, 2)
+    q, k, v = (p(x).view(1, 6, 2, 8) for p in (m.q_proj, m.k_proj, m.v_proj))
+    ref = ae.linear_attention(q, k, v, causal=True, decay=g.contiguous(), layout="bshd")
+    torch.testing.assert_close(y, m.out_proj(ref.reshape(1, 6, 16)))
+    untempered = ae.linear_attention(q, k, v, causal=True, decay=(16 * g).contiguous(), layout="bshd")
+    assert (ref - untempered).abs().max() > 1e-3
+    y.square().sum().backward()
+    assert w1.weight.grad.abs().max() > 0 and w2.weight.grad.abs().max() > 0
+    lm = LanguageModel(LMConfig(vocab_size=11, n_layers=1, n_heads=2, d_model=16, block_size=32,
+                                attention_type="linear", decay_gate=gate, decay_gate_rank=4,
+                                decay_gate_temperature=8.0)).double().eval()
+    torch.nn.init.normal_(lm.blocks[0].self_attn.gate[1].weight)
+    ids = torch.randint(0, 11, (2, 9))
+    full = lm(ids)
+    caches = lm.allocate_caches(2, 16, dtype=torch.float64)
+    steps = torch.cat([lm(ids[:, :5], caches=caches)]
+                      + [lm(ids[:, t:t + 1], caches=caches, offset=t) for t in range(5, 9)], 1)
+    torch.testing.assert_close(steps, full)
+    for kw, match in ((dict(decay_gate_rank=-1), "decay_gate_rank"), (dict(decay_gate_rank=2.0), "decay_gate_rank"),
+                      (dict(decay_gate_temperature=0.0), "decay_gate_temperature"),
+                      (dict(decay_gate_temperature=float("inf")), "decay_gate_temperature"),
+                      (dict(decay_gate_temperature="16"), "decay_gate_temperature"),
+                      (dict(decay_gate=False, decay_gate_rank=16), "pass decay_gate=True or 'feature'")):
+        with pytest.raises(ValueError, match=match):
+            AttentionConfig(**dict(dict(d_model=16, n_heads=2, attention_type="linear", causal=True,
+                                        decay_gate="feature"), **kw))
+
+
 def test_audit_config_and_decay_dtypes():
     """Found by an audit: n_heads / n_kv_heads of 0 raised ZeroDivisionError; a bool or integer
     decay was taken as log-gates of 1 (a state growing each step). Both refused by name."""
