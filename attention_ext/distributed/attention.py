@@ -24,7 +24,7 @@ from .options import takes_options as _takes_options
 __all__ = ["context_parallel_attention", "MODES"]
 
 MODES = ("allgather", "ring", "ulysses")
-_TAKES = ("group", "mode", "shard_layout", "overlap")
+_TAKES = ("group", "mode", "shard_layout", "overlap", "check_ranks")
 
 
 @_takes_options
@@ -37,6 +37,7 @@ def context_parallel_attention(
     mode: str = "allgather",
     shard_layout: str = "zigzag",
     overlap: bool = True,
+    check_ranks: bool = True,
     _stats: Optional[dict] = None,
     **options: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -58,6 +59,12 @@ def context_parallel_attention(
             the default, eager); False, and any call under torch.compile, runs one all-gather then
             the kernel on the gathered keys and one reduce-scatter back, nothing overlapped
             (allgather.py). The other modes ignore it.
+        check_ranks: before its first collective, every rank checks its arguments and the group
+            agrees on them in one small all-gather (shapes, dtypes, options, mode, cu_seqlens and
+            block_layout contents, grad mode): a bad value on any rank, or ranks that disagree,
+            raise the same error on every rank instead of a hang, a transport abort or a wrong
+            result (distributed/agree.py). False skips it (under NCCL it reads the all-gather on
+            the host: a device sync per call); a call under torch.compile skips it.
 
     The attention options, keywords only, one AttentionOptions (options.py) for every mode:
         causal, window_size, alibi_slopes: as attention_ext.attention, on GLOBAL token
@@ -101,9 +108,12 @@ def context_parallel_attention(
     parameter every rank holds whole (sinks) gets this rank's queries' part of its gradient:
     sum it over the group (all_reduce) for the full one.
     """
-    if mode not in MODES:
+    opts = _Options.agreed("context_parallel_attention()", options, _TAKES, q, k, v, group=group,
+                           shard_layout=shard_layout, check_ranks=check_ranks,
+                           parallel=dict(mode=mode, shard_layout=shard_layout,
+                                         overlap=overlap if mode == "allgather" else True))
+    if mode not in MODES:  # the same mode on every rank (agreed): every rank raises
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    opts = _Options.of("context_parallel_attention()", options, _TAKES)
     if mode == "ring":
         out, lse = ring.attend(q, k, v, opts, group=group, shard_layout=shard_layout, stats=_stats)
     elif mode == "ulysses":

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .attention import MODES
 from .sharding import _check_layout, _no_layout, check_cu_seqlens, global_positions, sequence_multiple, shard_sequence
 
 __all__ = ["ContextParallel"]
@@ -45,10 +46,13 @@ class ContextParallel:
     shard_layout: str = "zigzag"      # sharding.SHARD_LAYOUTS: "contiguous", "zigzag", "stripe", "balanced"
     layout: InitVar[None] = None      # not read: the sharding is shard_layout (a TypeError says so)
     cu_seqlens: Optional[Tuple[int, ...]] = None  # packed documents' global offsets (with_documents)
+    check_ranks: bool = True          # context_parallel_attention's check_ranks: the group agrees on each call
 
     def __post_init__(self, layout: None):
         _no_layout("ContextParallel()", layout)
         _check_layout(self.shard_layout)
+        if self.mode not in MODES:
+            raise ValueError(f"ContextParallel: mode must be one of {MODES}, got {self.mode!r}")
 
     def with_documents(self, cu_seqlens: Union[Tensor, Sequence[int]]) -> "ContextParallel":
         """This setup for one pack of documents at global offsets cu_seqlens (B = 1; checked

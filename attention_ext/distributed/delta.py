@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..linear.delta import check_inputs, delta_rule_attention
 from .._args import not_a_tensor
+from .agree import agree, field, shard_field
 from .linear import _Tie
 from .sharding import _AllGather, _check_layout, shards_bhsd
 
@@ -56,6 +57,7 @@ def context_parallel_delta_rule_attention(
     qk_l2norm: bool = False,
     group: Optional[dist.ProcessGroup] = None,
     shard_layout: str = "contiguous",
+    check_ranks: bool = True,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """delta_rule_attention over a sequence sharded contiguously across the ranks of `group`.
 
@@ -73,6 +75,10 @@ def context_parallel_delta_rule_attention(
             (B, H_v, K, V) float32 (float64), the same on every rank.
         group: the process group (default: the world).
         shard_layout: the sequence sharding; must be "contiguous".
+        check_ranks: as context_parallel_attention's: every rank checks its arguments and the
+            group agrees on them (shapes but for the shards' lengths, dtypes, options) in one
+            small all-gather before any collective, so a bad or mismatched argument raises the
+            same error on every rank; False skips it.
 
     Returns this rank's output shard in q's layout and dtype (and the state). Communication: one
     all-gather of the (K, V + K) shard maps forward and one reduce-scatter backward, run by every
@@ -80,16 +86,28 @@ def context_parallel_delta_rule_attention(
     on all ranks or on none. No varlen packing (cu_seqlens): a gate of -inf at each document start
     separates the documents of a packed sequence exactly.
     """
-    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-        if not isinstance(t, Tensor):
-            raise not_a_tensor(name, t, "context_parallel_delta_rule_attention()")
-    _check_layout(shard_layout)
-    if shard_layout != "contiguous":
-        raise ValueError(f"context_parallel_delta_rule_attention needs shard_layout='contiguous' (the shard maps "
-                         f"compose in rank order, which must be sequence order), got {shard_layout!r}")
-    # the input rules once, on this rank's shard as delta_rule_attention states them
-    check_inputs(q, k, v, beta, gate=gate, scale=scale, initial_state=initial_state, layout=layout,
-                 qk_l2norm=qk_l2norm, caller="context_parallel_delta_rule_attention()")
+    fn = "context_parallel_delta_rule_attention()"
+    check_ranks = check_ranks and not torch.compiler.is_compiling()
+    sd = 1 if layout == "bshd" else 2  # the shards' length may differ per rank: their sequence dim is left out
+    fields = {} if not check_ranks else dict(
+        q=shard_field(q, sd), k=shard_field(k, sd), v=shard_field(v, sd), beta=shard_field(beta, 2),
+        gate=shard_field(gate, 2), initial_state=field(initial_state), grad_mode=torch.is_grad_enabled(),
+        scale=scale, layout=layout, qk_l2norm=qk_l2norm, shard_layout=shard_layout)
+    err = None
+    try:  # this rank's checks, then the group's agreement (agree.py), before any collective
+        for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+            if not isinstance(t, Tensor):
+                raise not_a_tensor(name, t, fn)
+        _check_layout(shard_layout)
+        if shard_layout != "contiguous":
+            raise ValueError(f"context_parallel_delta_rule_attention needs shard_layout='contiguous' (the shard "
+                             f"maps compose in rank order, which must be sequence order), got {shard_layout!r}")
+        # the input rules once, on this rank's shard as delta_rule_attention states them
+        check_inputs(q, k, v, beta, gate=gate, scale=scale, initial_state=initial_state, layout=layout,
+                     qk_l2norm=qk_l2norm, caller=fn)
+    except (TypeError, ValueError) as e:
+        err = e
+    agree(fn, group, q, fields, err, check=check_ranks)
     qb, kb, vb = shards_bhsd(q, k, v, layout=layout)  # (B, H, n, D) views
     b, hv, n, dv = vb.shape
     dk = qb.shape[-1]

@@ -61,6 +61,7 @@ from ..linear.functional import (LinearAttentionState, linear_attention, normali
                                  stabilized_features)
 from ..linear.ops import acc_dtype
 from .._args import TENSOR_LAYOUT, key_padding_mask_renamed, layout_mismatch, not_a_tensor, renamed
+from .agree import agree, field, map_field, shard_field, state_field
 from .sharding import _AllGather, _check_layout, check_cu_seqlens, shards_bhsd
 
 __all__ = ["context_parallel_linear_attention"]
@@ -180,6 +181,7 @@ def context_parallel_linear_attention(
     initial_state: Union[LinearAttentionState, Tensor, None] = None,
     return_state: bool = False,
     cu_seqlens: Union[Tensor, Sequence[int], None] = None,
+    check_ranks: bool = True,
     key_padding_mask: None = None,
     qkv_layout: None = None,
 ) -> Union[Tensor, Tuple[Tensor, LinearAttentionState]]:
@@ -221,6 +223,10 @@ def context_parallel_linear_attention(
             one; positions from cu_seqlens[-1] on are padding (keys that enter nothing, queries
             that read nothing). initial_state enters the first document; return_state gives the
             state after the last position.
+        check_ranks: as context_parallel_attention's: every rank checks its arguments and the
+            group agrees on them (shapes but for the shards' lengths, dtypes, options, the feature
+            map's type, cu_seqlens) in one small all-gather before any collective, so a bad or
+            mismatched argument raises the same error on every rank; False skips it.
 
     Returns this rank's output shard in q's layout and dtype (and the state). Communication: one
     all-gather of the (state, log-decay) pairs forward and one reduce-scatter backward, run by
@@ -229,74 +235,86 @@ def context_parallel_linear_attention(
     normalize adds one all-reduce(MAX) of a detached (B, H_k) tensor forward (the keys' global
     offset), before the all-gather; it has no backward.
     """
-    if key_padding_mask is not None:
-        raise key_padding_mask_renamed("context_parallel_linear_attention()")
-    if qkv_layout is not None:
-        raise renamed("context_parallel_linear_attention()", "qkv_layout", "layout", TENSOR_LAYOUT)
-    _check_layout(shard_layout)
-    if shard_layout != "contiguous":
-        raise ValueError(f"context_parallel_linear_attention needs shard_layout='contiguous' (the states combine in "
-                         f"rank order, which must be sequence order), got {shard_layout!r}")
-    q0, k0, v0 = q, k, v
-    q, k, v = shards_bhsd(q, k, v, layout=layout)  # (B, H, n, D) views
-    b, h, n, _ = q.shape
-    hk = k.shape[1]
-    if k.shape[:3] != (b, hk, n) or v.shape[:3] != (b, hk, n) or k.shape[-1] != q.shape[-1] or h % hk:
-        e = ValueError(f"q, k, v shards must be (B, H, n, D), (B, H_k, n, D), (B, H_k, n, Dv) with H % H_k == 0, "
-                       f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        raise layout_mismatch(q0, k0, v0, layout, e, arg="layout", same_len=True) or e
-    acc = acc_dtype(q.dtype)
-    if decay is not None:
-        if not causal:
-            raise ValueError("decay needs causal=True (a gate orders the positions)")
-        if not isinstance(decay, Tensor) or decay.dim() not in (3, 4) or tuple(decay.shape[:3]) != (b, h, n):
-            raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, or (B, H, n, M) with "
-                             f"a gate per feature, got "
-                             f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
-        decay = decay.to(acc)
-    if cu_seqlens is not None:  # packed documents: a reset (log-gate -inf) at each start, padding masked
-        if not causal:
-            raise ValueError("cu_seqlens needs causal=True (the documents reset a causal state)")
-        if b != 1:
-            raise ValueError(f"cu_seqlens packs documents into ONE sequence: the shards' batch must be 1, got {b}")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        # the end is checked against S after the all-gather, once every rank knows the shards are
-        # of one length (a per-rank S could fail on some ranks only, and the others would hang)
-        cu = check_cu_seqlens(cu_seqlens, sys.maxsize)
-        off = rank * n
-        pos = torch.arange(off, off + n, device=q.device)
-        # every start, the padding's (cu[-1]) too: padded queries see no document; a shard's first
-        # position included (position 0 is the sequence's start: the initial state enters there)
-        starts = torch.tensor([t for t in cu[1:] if max(off, 1) <= t < off + n], dtype=torch.long, device=q.device)
-        reset = torch.isin(pos, starts).view(1, 1, n, *((1,) if decay is not None and decay.dim() == 4 else ()))
-        decay = (decay if decay is not None else q.new_zeros((b, h, n), dtype=acc)).masked_fill(reset, float("-inf"))
-        real = (pos < cu[-1]).view(1, n)
-        key_mask = real if key_mask is None else key_mask & real
-    if key_mask is not None:
-        if not isinstance(key_mask, Tensor):
-            raise not_a_tensor("key_mask", key_mask)
-        if tuple(key_mask.shape) != (b, n):
-            raise ValueError(f"key_mask must be this rank's (B, n) = {(b, n)} shard of the mask (True = a real key), "
-                             f"got {tuple(key_mask.shape)}")
-        if key_mask.dtype != torch.bool:
-            raise ValueError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
-        if key_mask.device != q.device:
-            raise ValueError(f"key_mask must be on {q.device}, got {key_mask.device}")
-        key_mask = key_mask.contiguous()
-    s0, prev = None, None  # (B, H, M, Dv') the initial state, (B, H) its log_scale
-    if initial_state is not None:
-        if isinstance(initial_state, LinearAttentionState):
-            prev = initial_state.log_scale
-            if prev is not None and (not isinstance(prev, Tensor) or tuple(prev.shape) != (b, h)):
-                raise ValueError(f"initial_state.log_scale must be (B, H) = {(b, h)}, got "
-                                 f"{tuple(prev.shape) if isinstance(prev, Tensor) else type(prev).__name__}")
-            s0 = initial_state.augmented(normalize)
-        elif isinstance(initial_state, Tensor):
-            s0 = initial_state
-        else:
-            raise TypeError(f"initial_state must be a LinearAttentionState or a Tensor, got "
-                            f"{type(initial_state).__name__}")
-        s0 = s0.to(acc)
+    sd = 1 if layout == "bshd" else 2  # the shards' length may differ per rank: their sequence dim is left out
+    check_ranks = check_ranks and not torch.compiler.is_compiling()
+    fields = {} if not check_ranks else dict(q=shard_field(q, sd), k=shard_field(k, sd), v=shard_field(v, sd), decay=shard_field(decay, 2),
+                  key_mask=shard_field(key_mask, 1),
+                  initial_state=state_field(initial_state), feature_map=map_field(feature_map),
+                  grad_mode=torch.is_grad_enabled(), shard_layout=shard_layout, causal=causal, scale=scale,
+                  normalize=normalize, eps=eps, layout=layout, cu_seqlens=field(cu_seqlens))
+    err = None
+    try:  # this rank's checks, then the group's agreement (agree.py), before any collective
+        if key_padding_mask is not None:
+            raise key_padding_mask_renamed("context_parallel_linear_attention()")
+        if qkv_layout is not None:
+            raise renamed("context_parallel_linear_attention()", "qkv_layout", "layout", TENSOR_LAYOUT)
+        _check_layout(shard_layout)
+        if shard_layout != "contiguous":
+            raise ValueError(f"context_parallel_linear_attention needs shard_layout='contiguous' (the states combine in "
+                             f"rank order, which must be sequence order), got {shard_layout!r}")
+        q0, k0, v0 = q, k, v
+        q, k, v = shards_bhsd(q, k, v, layout=layout)  # (B, H, n, D) views
+        b, h, n, _ = q.shape
+        hk = k.shape[1]
+        if k.shape[:3] != (b, hk, n) or v.shape[:3] != (b, hk, n) or k.shape[-1] != q.shape[-1] or h % hk:
+            e = ValueError(f"q, k, v shards must be (B, H, n, D), (B, H_k, n, D), (B, H_k, n, Dv) with H % H_k == 0, "
+                           f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            raise layout_mismatch(q0, k0, v0, layout, e, arg="layout", same_len=True) or e
+        acc = acc_dtype(q.dtype)
+        if decay is not None:
+            if not causal:
+                raise ValueError("decay needs causal=True (a gate orders the positions)")
+            if not isinstance(decay, Tensor) or decay.dim() not in (3, 4) or tuple(decay.shape[:3]) != (b, h, n):
+                raise ValueError(f"decay must be this rank's (B, H, n) = {(b, h, n)} log-gates, or (B, H, n, M) with "
+                                 f"a gate per feature, got "
+                                 f"{tuple(decay.shape) if isinstance(decay, Tensor) else type(decay).__name__}")
+            decay = decay.to(acc)
+        if cu_seqlens is not None:  # packed documents: a reset (log-gate -inf) at each start, padding masked
+            if not causal:
+                raise ValueError("cu_seqlens needs causal=True (the documents reset a causal state)")
+            if b != 1:
+                raise ValueError(f"cu_seqlens packs documents into ONE sequence: the shards' batch must be 1, got {b}")
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            # the end is checked against S after the all-gather, once every rank knows the shards are
+            # of one length (a per-rank S could fail on some ranks only, and the others would hang)
+            cu = check_cu_seqlens(cu_seqlens, sys.maxsize)
+            off = rank * n
+            pos = torch.arange(off, off + n, device=q.device)
+            # every start, the padding's (cu[-1]) too: padded queries see no document; a shard's first
+            # position included (position 0 is the sequence's start: the initial state enters there)
+            starts = torch.tensor([t for t in cu[1:] if max(off, 1) <= t < off + n], dtype=torch.long, device=q.device)
+            reset = torch.isin(pos, starts).view(1, 1, n, *((1,) if decay is not None and decay.dim() == 4 else ()))
+            decay = (decay if decay is not None else q.new_zeros((b, h, n), dtype=acc)).masked_fill(reset, float("-inf"))
+            real = (pos < cu[-1]).view(1, n)
+            key_mask = real if key_mask is None else key_mask & real
+        if key_mask is not None:
+            if not isinstance(key_mask, Tensor):
+                raise not_a_tensor("key_mask", key_mask)
+            if tuple(key_mask.shape) != (b, n):
+                raise ValueError(f"key_mask must be this rank's (B, n) = {(b, n)} shard of the mask (True = a real key), "
+                                 f"got {tuple(key_mask.shape)}")
+            if key_mask.dtype != torch.bool:
+                raise ValueError(f"key_mask must be bool (True = a real key), got {key_mask.dtype}")
+            if key_mask.device != q.device:
+                raise ValueError(f"key_mask must be on {q.device}, got {key_mask.device}")
+            key_mask = key_mask.contiguous()
+        s0, prev = None, None  # (B, H, M, Dv') the initial state, (B, H) its log_scale
+        if initial_state is not None:
+            if isinstance(initial_state, LinearAttentionState):
+                prev = initial_state.log_scale
+                if prev is not None and (not isinstance(prev, Tensor) or tuple(prev.shape) != (b, h)):
+                    raise ValueError(f"initial_state.log_scale must be (B, H) = {(b, h)}, got "
+                                     f"{tuple(prev.shape) if isinstance(prev, Tensor) else type(prev).__name__}")
+                s0 = initial_state.augmented(normalize)
+            elif isinstance(initial_state, Tensor):
+                s0 = initial_state
+            else:
+                raise TypeError(f"initial_state must be a LinearAttentionState or a Tensor, got "
+                                f"{type(initial_state).__name__}")
+            s0 = s0.to(acc)
+    except (TypeError, ValueError) as e:
+        err = e
+    agree("context_parallel_linear_attention()", group, q, fields, err, check=check_ranks)
 
     # a stabilized FAVOR+ under normalize: one all-reduce(MAX) here, before the all-gather (every
     # rank takes the same branch: the feature map and normalize are the same on every rank)

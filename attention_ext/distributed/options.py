@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .._args import TENSOR_LAYOUT, as_int, not_a_tensor, renamed
 from ..softmax.functional import window_size_pair
+from .agree import agree, field
 from .sharding import _check_len, _check_tensor_layout, _documents_for, check_shards
 
 __all__ = ["AttentionOptions", "takes_options"]
@@ -94,6 +95,32 @@ class AttentionOptions:
                     raise renamed(fn, name, *_RENAMED[name])
                 raise _unknown(fn, name, takes)
         return cls(**{n: val for n, val in keywords.items() if n in _NAMES})
+
+    @classmethod
+    def agreed(cls, fn: str, keywords: Dict[str, object], takes: Sequence[str], q: Tensor, k: Tensor, v: Tensor, *,
+               group: Optional[dist.ProcessGroup], shard_layout: str, parallel: Dict[str, object],
+               check_ranks: bool = True) -> "AttentionOptions":
+        """`of`, then this rank's checks of its shards against the options (shards, sequence,
+        blocks), then the group's agreement on them (agree.py: one small all-gather), so that a bad
+        or mismatched argument on any rank raises on every rank before a collective. parallel: how
+        the call is parallel (mode, shard_layout, ...), which must agree too."""
+        # agree.py: nothing to exchange (the modes check, as without a group)
+        if not check_ranks or torch.compiler.is_compiling() or not dist.is_initialized():
+            return cls.of(fn, keywords, takes)
+        err, opts = None, None
+        try:
+            opts = cls.of(fn, keywords, takes)
+            q3, _, _ = opts.shards(q, k, v)
+            _, _, s, _ = opts.sequence(q3, group, shard_layout)
+            opts.blocks(q3, s)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            err = e
+        fields_ = {"q": field(q), "k": field(k), "v": field(v), "grad mode": torch.is_grad_enabled(), **parallel}
+        # every option, given or not (the fingerprint's length is the same on every rank); return_lse
+        # is local
+        fields_.update({f.name: field(keywords.get(f.name, f.default)) for f in fields(cls) if f.name != "return_lse"})
+        agree(fn, group, q, fields_, err, check=check_ranks)
+        return opts
 
     @property
     def window(self) -> Tuple[int, int]:

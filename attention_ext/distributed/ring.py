@@ -105,6 +105,19 @@ def _post(tm: _Timer, send: Tensor, recv: Tensor, nxt: int, prv: int, group, kv:
     return reqs
 
 
+def _drained(reqs, step, *args) -> None:
+    """step(*args), the compute beside the transfers `reqs` in flight; when it raises (a kernel's
+    own check: the ranks agreed on the arguments, so every rank raises at the same step), the
+    transfers are waited for first: the peers posted their halves, and requests left unwaited
+    would leave the group stuck for its next collective."""
+    try:
+        step(*args)
+    except BaseException:
+        for r in reqs or ():
+            r.wait()
+        raise
+
+
 def _wait(tm: _Timer, reqs) -> None:
     t0 = tm.now()
     for r in reqs:
@@ -136,7 +149,7 @@ class _Ring(torch.autograd.Function):
             calls = cfg["plan"]((rank - t) % world)
             tm.steps += bool(calls)
             tm.calls += len(calls)
-            forward_step(q, cur, calls, out, lse, cfg)
+            _drained(reqs, forward_step, q, cur, calls, out, lse, cfg)
             tm.compute_s += tm.now() - t0
             if reqs is not None:
                 _wait(tm, reqs)
@@ -172,7 +185,9 @@ class _Ring(torch.autograd.Function):
                 reqs = _post(tm, cur, nxt_buf, nxt, prv, group, kv=True)
             t0 = tm.now()
             dkv = torch.zeros(cur.shape, dtype=acc, device=q.device)  # this step's pieces, float32
-            backward_step(q, cur, cfg["plan"]((rank - t) % world), dout, out, lse, dlse, dq, dkv, cfg)
+            in_flight = [*(reqs or ()), *(dkv_reqs if dkv_in is not None else ())]
+            _drained(in_flight, backward_step, q, cur, cfg["plan"]((rank - t) % world), dout, out, lse, dlse, dq, dkv,
+                     cfg)
             tm.compute_s += tm.now() - t0
             if dkv_in is not None:  # the accumulator of this shard, from rank - 1's step t - 1
                 _wait(tm, dkv_reqs)
@@ -218,6 +233,7 @@ def ring_attention(
     group: Optional[dist.ProcessGroup] = None,
     shard_layout: str = "zigzag",
     stats: Optional[Dict[str, Union[int, float]]] = None,
+    check_ranks: bool = True,
     **options: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """context_parallel_attention(mode="ring"): the same arguments, options and result (see
@@ -230,5 +246,7 @@ def ring_attention(
     kernel calls), and the same bwd_* P2P / time keys when the backward runs (its P2P ops also
     carry the dK / dV accumulators: P of them).
     """
-    opts = AttentionOptions.of("ring_attention()", options, ("group", "shard_layout", "stats"))
+    opts = AttentionOptions.agreed("ring_attention()", options, ("group", "shard_layout", "stats", "check_ranks"), q, k,
+                                   v, group=group, shard_layout=shard_layout, check_ranks=check_ranks,
+                                   parallel=dict(mode="ring", shard_layout=shard_layout, overlap=True))
     return opts.result(*attend(q, k, v, opts, group=group, shard_layout=shard_layout, stats=stats))

@@ -280,8 +280,9 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tenso
     (bshd transposed, no copy)."""
     q0, k0, v0 = q, k, v
     q, k, v = shards_bhsd(q, k, v, layout=layout)
-    if k.shape != v.shape or k.shape[2] != q.shape[2]:
-        e = ValueError(f"q, k, v shards must have one local length and k, v one shape, got "
+    # ulysses reshapes q and k by (B, D) before any kernel sees them: its message would name nothing
+    if k.shape != v.shape or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        e = ValueError(f"q, k, v shards must have one batch, local length and head dim, and k, v one shape, got "
                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
         raise _layout_mismatch(q0, k0, v0, layout, e, arg="layout", same_len=True) or e
     return q, k, v

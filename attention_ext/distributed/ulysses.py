@@ -200,9 +200,12 @@ def ulysses_attention(
     *,
     group: Optional[dist.ProcessGroup] = None,
     shard_layout: str = "zigzag",
+    check_ranks: bool = True,
     **options: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """context_parallel_attention(mode="ulysses"): the same arguments, options and results (see
     attention.context_parallel_attention); the design is this module's docstring."""
-    opts = AttentionOptions.of("ulysses_attention()", options, ("group", "shard_layout"))
+    opts = AttentionOptions.agreed("ulysses_attention()", options, ("group", "shard_layout", "check_ranks"), q, k, v,
+                                   group=group, shard_layout=shard_layout, check_ranks=check_ranks,
+                                   parallel=dict(mode="ulysses", shard_layout=shard_layout, overlap=True))
     return opts.result(*attend(q, k, v, opts, group=group, shard_layout=shard_layout))

@@ -438,7 +438,7 @@ class Attention(nn.Module):
         return context_parallel_attention(q, k, v, group=cp.group, mode=cp.mode, shard_layout=cp.shard_layout,
                                           causal=c.causal, window_size=c.window, alibi_slopes=self.alibi_slopes,
                                           softcap=c.softcap, sinks=self.sinks, layout="bshd", dropout_p=p,
-                                          cu_seqlens=cp.cu_seqlens)
+                                          cu_seqlens=cp.cu_seqlens, check_ranks=cp.check_ranks)
 
     def _quantized_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, quant: Optional[str],
                          attn_mask: Optional[Tensor], key_mask: Optional[Tensor],

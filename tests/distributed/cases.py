@@ -5,6 +5,7 @@ raised, so that every rank runs the same collectives in the same order and the s
 {case name: None or the traceback} comes back per rank."""
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import Dict, List, Optional
 
@@ -81,11 +82,14 @@ def seed_before_cp(o: dict, rank: int) -> None:
 
 class CallCounter:
     """Wraps the torch.distributed functions named in NAMES ({function: kind}) to count the
-    calls per kind; take() returns the counts and starts again."""
+    calls per kind; take() returns the counts and starts again. The ranks' agreement before a
+    call's collectives (attention_ext/distributed/agree.py, one all-gather) is counted apart, in
+    `agreed`: the counts are the attention's own collectives."""
     NAMES: Dict[str, str] = {}
 
     def __init__(self):
         self.n = dict.fromkeys(self.NAMES.values(), 0)
+        self.agreed = 0
         for name, kind in self.NAMES.items():
             fn = getattr(dist, name, None)
             if fn is not None:
@@ -93,7 +97,10 @@ class CallCounter:
 
     def _wrap(self, fn, kind):
         def wrapped(*a, **kw):
-            self.n[kind] += 1
+            if sys._getframe(1).f_globals.get("__name__") == "attention_ext.distributed.agree":
+                self.agreed += 1
+            else:
+                self.n[kind] += 1
             return fn(*a, **kw)
         return wrapped
 

@@ -160,9 +160,9 @@ def test_signatures_list_the_options_once():
     """The three entry points document the same option keywords (the fields, in order), after
     their own and before their private ones."""
     fields = [f.name for f in dataclasses.fields(AttentionOptions)]
-    for fn, own in ((cp.context_parallel_attention, ["group", "mode", "shard_layout", "overlap"]),
-                    (ring_attention, ["group", "shard_layout", "stats"]),
-                    (ulysses_attention, ["group", "shard_layout"])):
+    for fn, own in ((cp.context_parallel_attention, ["group", "mode", "shard_layout", "overlap", "check_ranks"]),
+                    (ring_attention, ["group", "shard_layout", "stats", "check_ranks"]),
+                    (ulysses_attention, ["group", "shard_layout", "check_ranks"])):
         params = list(inspect.signature(fn).parameters)
         assert params[:3] == ["q", "k", "v"]
         rest = [p for p in params[3:] if not p.startswith("_")]
