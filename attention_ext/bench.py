@@ -280,6 +280,24 @@ def emit(text: str, out: Optional[str]) -> None:
 
 FP32_LOOP, BF16_LOOP, BF16_AMX_LOOP = "fp32 FMA loop", "bf16 dot loop", "bf16 AMX loop"
 LOOP_KINDS = {FP32_LOOP: "fp32_fma", BF16_LOOP: "bf16_dot", BF16_AMX_LOOP: "bf16_amx"}
+INT8_LOOPS = {"int8_dot": "int8 VNNI loop", "int8_amx": "int8 AMX loop"}
+
+
+def burst_loop(parts: dict) -> Optional[str]:
+    """The loop of flop_ceiling's measures (its `parts`) that runs a burst beside every round of
+    the `bench` cases, and whose entry those bursts raise: the fastest instruction the active ISA
+    level runs for the dtype (AMX tiles, else bf16 dot products, else float32 FMAs); None where no
+    loop was measured (CUDA, no extension)."""
+    return next((k for k in (BF16_AMX_LOOP, BF16_LOOP, FP32_LOOP) if k in parts), None)
+
+
+def int8_qk_loop() -> str:
+    """The cpu_peak_flops kind of the instruction the int8 Q.K^T runs on at the active ISA level
+    (csrc/cpu/q8dot.h): AMX's tdpbsud at "avx512amx", else VNNI's vpdpbusd. Where the level's
+    loop lacks the instruction (it gives 0.0) the row is read against its case's ceiling."""
+    from attention_ext import _ext
+
+    return "int8_amx" if _ext.cpu_isa() == "avx512amx" else "int8_dot"
 
 
 def flop_ceiling(dtype: torch.dtype, device="cpu", *, seconds: float = 0.3, n: Optional[int] = None, reps: int = 3,
@@ -397,8 +415,8 @@ class Contenders(NamedTuple):
     None: not expected to agree, e.g. dense attention against a sparse layout; absent: as is).
     work_of: the work of the contenders whose call does a different amount (name -> work; the
     8-bit caches read fewer bytes). peak_of: the contenders that run on another instruction than
-    the case's ceiling counts (name -> a cpu_peak_flops kind: the int8 Q.K^T's "int8_dot"), whose
-    ceiling is the higher of the two."""
+    the case's ceiling counts (name -> a cpu_peak_flops kind: the int8 Q.K^T's int8_qk_loop()),
+    whose ceiling is the higher of the two."""
     fns: dict
     flex: list
     work: float
@@ -523,7 +541,7 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
     # the 8-bit rows agree with ours to their quantization, not to the tolerance
     return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops",
                       {"flash-attn": _bshd, "ours int8 qk": None, "ours fp8 qk": None},
-                      peak_of={"ours int8 qk": "int8_dot"})
+                      peak_of={"ours int8 qk": int8_qk_loop()})
 
 
 def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
@@ -804,9 +822,17 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
         t.pop(CEIL_PEAK, None)
         ceiling = max(nb / t.pop(k).best for k, (_, nb) in extra.items() if k != CEIL_PEAK) if unit == "gbps" else \
             max([flop_peak, *(peak_rates or [])])
-    # a row on another instruction (the int8 dot products): the higher of its loop and the case's ceiling
-    row_ceiling = {n: max(ceiling, cpu_peak_flops(kind, torch.get_num_threads(), 0.2))
-                   for n, kind in peak_of.items() if n in t and not p.cuda}
+    # a row on another instruction (the int8 dot products): the higher of its loop and the case's
+    # ceiling; the note names the loop, which the table's header (the dtype's measures) does not
+    row_ceiling = {}
+    for n, kind in peak_of.items():
+        if n in t and not p.cuda:
+            rate = cpu_peak_flops(kind, torch.get_num_threads(), 0.2)
+            row_ceiling[n] = max(ceiling, rate)
+            if rate > 0:
+                notes[f"ceiling {n}"] = (f"{n}: 'of ceiling' is of the {INT8_LOOPS.get(kind, kind)} ({kind}: its "
+                                         f"instruction at this ISA level), the higher of it and the header's peak "
+                                         f"(results.csv's ceiling column)")
     peers = [x.median for n, x in t.items() if not _is_ours(n)]
     best = min(peers) if peers else float("nan")
     rows = []
@@ -1053,6 +1079,30 @@ def main(argv=None) -> int:
         torch.set_num_threads(old_threads)
 
 
+def final_ceilings(groups: dict, peaks: dict, bursts: dict, notes: dict) -> None:
+    """The run's FLOP ceilings, in place: each (device, dtype)'s measures (peaks: flop_ceiling's
+    (ceiling, parts)) with the bursts of its loop beside every round (bursts: FLOP/s) folded into
+    that loop's entry (burst_loop), then every FLOP/s row of `groups` ((family, device, dtype) ->
+    rows) read against the result: its ceiling raised to it, never lowered (a row on its own
+    instruction, the int8 Q.K^T, keeps its loop's ceiling where that is higher), its share anew,
+    and a note in `notes` for a row above its ceiling."""
+    for (dev, dtype), rates in bursts.items():
+        _, parts = peaks[dev, dtype]
+        loop = burst_loop(parts)
+        if rates and loop is not None:
+            parts[loop] = max(parts[loop], *rates)
+            peaks[dev, dtype] = max(parts.values()), parts
+    for (fam, dev, dt), rows in groups.items():
+        for r in rows:
+            if fam != "decode":
+                ceiling = max(r["ceiling"] * 1e12, peaks[dev, getattr(torch, dt)][0])
+                r["ceiling"], r["share"] = ceiling / 1e12, r["tflops"] * 1e12 / ceiling
+            if r["share"] > 1:  # never clipped: a ceiling below a row is a wrong ceiling, and says so
+                notes[fam, dev, dt][f"above{r['seq_len']}{r['impl']}"] = (
+                    f"{r['impl']} at S={r['seq_len']}: {r['share']:.0%} of its ceiling (the ceiling was measured "
+                    f"too low)")
+
+
 def _run(args, families, devices, sizes, timing_kw) -> int:
     """main() after the arguments: every case, then the tables, CSV and plots."""
     import csv
@@ -1091,8 +1141,8 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
             if (dev, dtype) not in peaks:
                 peaks[dev, dtype] = flop_ceiling(dtype, dev, seconds=0.2 if args.quick else 0.5)
                 bursts[dev, dtype] = []
-            loops = [k for k in (BF16_AMX_LOOP, BF16_LOOP, FP32_LOOP) if k in peaks[dev, dtype][1]]
-            peak_kind = LOOP_KINDS[loops[0]] if loops and not p.cuda else None
+            loop = burst_loop(peaks[dev, dtype][1])
+            peak_kind = LOOP_KINDS[loop] if loop is not None and not p.cuda else None
         try:
             rows = run_case(p, fam, shape, s, dtype, args.causal, timing_kw, gnotes,
                             peaks[dev, dtype][0] if fam != "decode" else None, peak_kind, bursts.get((dev, dtype)))
@@ -1112,22 +1162,7 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
         if p.cuda:
             torch.cuda.empty_cache()
     bar.close()
-    # the FLOP ceiling: the best of the first measure and of the loop's bursts beside every case
-    for (dev, dtype), rates in bursts.items():
-        peak, parts = peaks[dev, dtype]
-        loop = BF16_LOOP if BF16_LOOP in parts else FP32_LOOP
-        if rates and loop in parts:
-            parts[loop] = max(parts[loop], *rates)
-            peaks[dev, dtype] = max(parts.values()), parts
-    for (fam, dev, dt), rows in groups.items():
-        for r in rows:
-            if fam != "decode":
-                peak = peaks[dev, getattr(torch, dt)][0]
-                r["ceiling"], r["share"] = peak / 1e12, r["tflops"] * 1e12 / peak
-            if r["share"] > 1:  # never clipped: a ceiling below a row is a wrong ceiling, and says so
-                notes[fam, dev, dt][f"above{r['seq_len']}{r['impl']}"] = (
-                    f"{r['impl']} at S={r['seq_len']}: {r['share']:.0%} of its ceiling (the ceiling was measured "
-                    f"too low)")
+    final_ceilings(groups, peaks, bursts, notes)
 
     os.makedirs(args.out, exist_ok=True)
     threads = torch.get_num_threads()
