@@ -973,6 +973,8 @@ def machine_line(threads: int, gpu: bool = False) -> str:
 
 def main(argv=None) -> int:
     """`python -m attention_ext bench`: see the parser's help."""
+    from attention_ext._cli import check_out_dir
+
     cuda_ok = torch.cuda.is_available()
     ap = argparse.ArgumentParser(
         prog="python -m attention_ext bench",
@@ -1066,6 +1068,7 @@ def main(argv=None) -> int:
             ap.error(f"--rounds: at least 1, got {args.rounds}")
         if args.mem_cap is not None and args.mem_cap <= 0:
             ap.error(f"--mem-cap: GiB > 0, got {args.mem_cap}")
+    check_out_dir(ap, args.out)
     old_threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -595,7 +595,10 @@ def _defaults(args) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
-    """The values argparse's types let through that the run cannot use: argparse's error (exit 2)."""
+    """The values argparse's types let through that the run cannot use: argparse's error (exit 2),
+    before anything is made or trained."""
+    from ._cli import check_out_dir
+
     if args.threads < 0:
         p.error(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     for name in ("s2s_steps", "s2s_batch", "s2s_max_len", "s2s_test", "s2s_ff_mult", "lm_steps",
@@ -613,6 +616,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--device {args.device}: no CUDA device visible (leave --device out to use the CPU)")
         if dev.type not in ("cpu", "cuda"):
             p.error(f"--device: cpu, cuda or cuda:N, got {args.device!r}")
+    check_out_dir(p, args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

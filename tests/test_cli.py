@@ -221,3 +221,25 @@ def test_info_help_exits_zero(capsys):
     with pytest.raises(SystemExit) as e:
         cli(["info", "-h"])
     assert e.value.code == 0 and "python -m attention_ext info" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", [["bench", "--quick"], ["bench", "--complexity", "--quick"], ["demo", "--quick"]])
+@pytest.mark.parametrize("under", [False, True], ids=["file", "under-a-file"])
+def test_out_that_cannot_be_a_directory_is_refused_before_the_run(cmd, under, tmp_path, capsys, monkeypatch):
+    """--out naming a file, or a path under one: an argparse error naming --out before anything
+    runs (before: a traceback once the whole sweep or training had run, its results lost)."""
+    from attention_ext import complexity, demo
+
+    def never(*a, **kw):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(bench, "_run", never)
+    monkeypatch.setattr(complexity, "run", never)
+    monkeypatch.setattr(demo, "run_seq2seq", never)
+    f = tmp_path / "taken"
+    f.write_text("")
+    with pytest.raises(SystemExit) as e:
+        cli([*cmd, "--out", str(f / "sub" if under else f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--out {f}" in err and "Traceback" not in err
+    assert f.read_text() == ""
