@@ -1023,7 +1023,8 @@ def main(argv=None) -> int:
                          "DIR/complexity.md, complexity.csv, complexity_cpu_float32.png. --sizes, --quick (1k-8k), "
                          "--max-n, --reps (calls per length, default 3, and 1 s of calls at least: 0.25 with --quick, "
                          "at most a tenth of --budget), --budget (the seconds one call may take before a method "
-                         "stops growing n, default 10), --mem-cap, --threads, --out apply")
+                         f"stops growing n, default {BUDGET:g}, {QUICK_BUDGET:g} with --quick), --mem-cap, --threads, "
+                         "--out apply")
     ap.add_argument("--max-n", type=int, default=None, help="--complexity: the longest length (default 65536)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="--complexity: timing rounds over every (method, n), each length keeping its fastest "
@@ -1049,7 +1050,7 @@ def main(argv=None) -> int:
     timing_kw = dict(min_reps=args.reps or MIN_REPS, target=TARGET_RSE, budget=budget,
                      min_time=min(budget, QUICK_MIN_TIME if args.quick else MIN_TIME))
     try:
-        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
+        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes is not None else None
     except ValueError:
         ap.error(f"--sizes takes comma-separated lengths, e.g. 1024,4096, got {args.sizes!r}")
     if sizes is not None and (not sizes or min(sizes) < 1):
@@ -1058,6 +1059,11 @@ def main(argv=None) -> int:
     bad = [x for x in names if x not in DTYPES] if args.dtype is not None else []
     if bad:
         ap.error(f"--dtype: unknown {', '.join(repr(x) for x in bad)} (comma-separated, from {', '.join(DTYPES)})")
+    alone = [f for f, v in (("--max-n", args.max_n), ("--rounds", args.rounds), ("--mem-cap", args.mem_cap))
+             if v is not None]
+    if alone and not args.complexity:
+        ap.error(f"{', '.join(alone)}: {'options' if len(alone) > 1 else 'an option'} of --complexity only; add "
+                 f"--complexity or leave {'them' if len(alone) > 1 else 'it'} out")
     if args.complexity:
         if args.family != "all" or args.decode or args.device == "cuda" or (args.dtype or "fp32") != "fp32":
             ap.error("--complexity: the CPU in fp32, every method; --family, --decode, --device cuda and --dtype "
