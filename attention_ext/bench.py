@@ -614,11 +614,12 @@ def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
     q = torch.randn(b, 1, h, d, dtype=dtype, device=dev)
     kc, vc = (torch.randn(b, s, hk, d, dtype=dtype, device=dev) for _ in range(2))
     lens = torch.full((b,), s, dtype=torch.int32, device=dev)
-    n = s // DECODE_PAGE
+    n = -(-s // DECODE_PAGE)  # pages per sequence, the last one filled to S only (cache_seqlens)
     bt = torch.randperm(b * n, device=dev).view(b, n).int()
-    kp, vp = (torch.empty(b * n, DECODE_PAGE, hk, d, dtype=dtype, device=dev) for _ in range(2))
-    kp[bt.flatten().long()] = kc.reshape(b * n, DECODE_PAGE, hk, d)
-    vp[bt.flatten().long()] = vc.reshape(b * n, DECODE_PAGE, hk, d)
+    kp, vp = (torch.zeros(b * n, DECODE_PAGE, hk, d, dtype=dtype, device=dev) for _ in range(2))
+    tail = (0, 0, 0, 0, 0, n * DECODE_PAGE - s)  # F.pad's (D, H_k, S) pairs: S padded to whole pages
+    kp[bt.flatten().long()] = F.pad(kc, tail).reshape(b * n, DECODE_PAGE, hk, d)
+    vp[bt.flatten().long()] = F.pad(vc, tail).reshape(b * n, DECODE_PAGE, hk, d)
     qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
     scale = d ** -0.5
     fns = {"ours": lambda: decode_fwd(q, kc, vc, cache_seqlens=lens, scale=scale),
@@ -1176,12 +1177,12 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
     os.makedirs(args.out, exist_ok=True)
     threads = torch.get_num_threads()
     all_rows = [r for rows in groups.values() for r in rows]
-    reps = sorted({r["reps"] for r in all_rows}) or [0]
+    reps = sorted({r["reps"] for r in all_rows})
     head = (f"attention_ext bench: {machine_line(threads, gpu='cuda' in devices)}"
-            + f"; ms: the median of {reps[0]}{'-' + str(reps[-1]) if reps[-1] != reps[0] else ''} interleaved "
-              f"rounds per case, IQR: their interquartile range over the median; 'vs fastest peer' = the fastest "
-              f"peer's time / this row's time")
-    md = [head, ""]
+            + (f"; ms: the median of {reps[0]}{'-' + str(reps[-1]) if reps[-1] != reps[0] else ''} interleaved "
+               f"rounds per case, IQR: their interquartile range over the median; 'vs fastest peer' = the fastest "
+               f"peer's time / this row's time" if reps else "; no case ran (the notes below say why)"))
+    md, pngs = [head, ""], []
     print(head)
     for key, rows in groups.items():
         fam, dev, dt = key
@@ -1206,7 +1207,7 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
         text = table(rows, header, list(notes[key].values()))
         print("\n" + text)
         md += [text, ""]
-        plot(rows, os.path.join(args.out, f"{fam}_{dev.replace(':', '')}_{dt}"))
+        pngs += plot(rows, os.path.join(args.out, f"{fam}_{dev.replace(':', '')}_{dt}"))
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
@@ -1214,8 +1215,8 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(md))
-    print(f"\nwrote {os.path.join(args.out, 'results.csv')}, results.md and {len(groups)} plot group(s) "
-          f"under {args.out}/")
+    print(f"\nwrote {os.path.join(args.out, 'results.csv')}, results.md and "
+          f"{f'{len(pngs)} plot(s)' if pngs else 'no plot (no case ran)'} under {args.out}/")
     return 0
 
 

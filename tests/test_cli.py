@@ -246,3 +246,27 @@ def test_out_that_cannot_be_a_directory_is_refused_before_the_run(cmd, under, tm
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"--out {f}" in err and "Traceback" not in err
     assert f.read_text() == ""
+
+
+def test_bench_decode_takes_lengths_off_the_page_size(tmp_path, capsys):
+    """A cache length that is not a multiple of the 16-token page: the paged row's last page is
+    partly filled (before: an internal reshape error, and the case skipped)."""
+    assert bench.main(["--decode", "--device", "cpu", "--sizes", "20", "--reps", "1", "--budget", "0",
+                       "--no-progress", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "| 20 | ours paged 16 |" in text and "skipped" not in text and "differs" not in text
+
+
+def test_bench_with_no_case_run_says_so(tmp_path, capsys, monkeypatch):
+    """Every case failing: the header and the last line say that nothing ran and no plot was made
+    (before: "the median of 0 interleaved rounds" and "1 plot group(s)")."""
+    def broken(*a):
+        raise RuntimeError("cannot build this case")
+
+    monkeypatch.setitem(bench.CASES, "linear", broken)
+    assert bench.main(["--family", "linear", "--device", "cpu", "--sizes", "64", "--reps", "1", "--budget", "0",
+                       "--no-progress", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "no case ran" in text and "0 interleaved" not in text and "no plot (no case ran)" in text
+    assert "S=64: skipped (RuntimeError: cannot build this case)" in text
+    assert not list(tmp_path.glob("*.png"))
