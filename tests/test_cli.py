@@ -198,6 +198,15 @@ BAD_ARGS = [
     (["demo", "--threads", "-1"], "--threads must be >= 0"),
     (["demo", "--s2s-steps", "0"], "--s2s-steps must be >= 1"),
     (["demo", "--s2s-batch", "0"], "--s2s-batch must be >= 1"),
+    (["demo", "--s2s-max-len", "2"], "--s2s-max-len must be in [4, 63]"),
+    (["demo", "--s2s-max-len", "100"], "--s2s-max-len must be in [4, 63]"),
+    (["demo", "--s2s-lr", "-1"], "--s2s-lr must be a finite learning rate > 0, got -1.0"),
+    (["demo", "--s2s-lr", "nan"], "--s2s-lr must be a finite learning rate > 0, got nan"),
+    (["demo", "--lm-lr", "-1"], "--lm-lr must be a finite learning rate > 0"),
+    (["demo", "--max-seconds", "-5"], "--max-seconds must be >= 0 seconds (0: no cap), got -5.0"),
+    (["demo", "--s2s-stop-at", "0"], "--s2s-stop-at must be > 0"),
+    (["demo", "--min-accuracy", "95"], "--min-accuracy must be an accuracy in [0, 1]"),
+    (["demo", "--parts", "bogus"], "--parts: unknown 'bogus' (comma-separated, from seq2seq, lm, timings)"),
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
 ]
 

@@ -30,8 +30,13 @@ def test_reverse_task_holds_out_test_strings():
     assert dec_in[1, 0] == demo.BOS and dec_out[0, 3] == demo.EOS
 
 
-def test_bad_parts_flag(tmp_path):
-    assert demo.main(["--parts", "nope", "--out", str(tmp_path)]) == 2
+def test_bad_parts_flag(tmp_path, capsys):
+    """An unknown part: argparse's error listing the parts, before --out is made."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--parts", "seq2seq,nope", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert "--parts: unknown 'nope' (comma-separated, from seq2seq, lm, timings)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
