@@ -103,29 +103,54 @@ def test_bench_decode_alias_and_failing_peer(tmp_path, capsys, monkeypatch):
     assert {r["family"] for r in rows} == {"decode"} and "broken" not in {r["impl"] for r in rows}
 
 
-def test_profile_cpu_prints_ncu_and_nsys(capsys):
+def test_profile_cpu_prints_its_ranges_and_no_nsight_lines(capsys):
+    """On the CPU: the profiler's table with the ranges, and no ncu / nsys command lines (Nsight
+    profiles CUDA kernels only; a command line wrapping --device cpu would profile nothing)."""
     args = ["--family", "softmax", "--shape", "1,2,64,32", "--dtype", "fp32", "--device", "cpu", "--iters", "2",
             "--warmup", "1", "--backward", "--causal"]
     assert cli(["profile", *args]) == 0
     text = capsys.readouterr().out
-    lines = [ln.strip() for ln in text.splitlines()]
+    assert "ncu " not in text and "nsys " not in text and "Nsight" not in text
+    # the CPU ranges carry the same names, in torch.profiler's table
+    assert "attention_ext/softmax/fwd" in text and "attention_ext/softmax/bwd" in text
+
+
+def test_profile_nsight_command_lines():
+    """The ncu (one per variant) and nsys lines a CUDA run prints: each wraps the same invocation."""
+    args = ["--family", "softmax", "--shape", "1,2,64,32", "--dtype", "bf16", "--backward", "--causal"]
+    lines = profile.commands(args, "softmax", ("fwd", "bwd"))
     ncu = [ln for ln in lines if ln.startswith("ncu ")]
     nsys = [ln for ln in lines if ln.startswith("nsys ")]
-    assert len(ncu) == 2 and len(nsys) == 1
+    assert len(ncu) == 2 and len(nsys) == 1 and len(lines) == 3
     assert '--nvtx --nvtx-include "attention_ext/softmax/fwd/"' in ncu[0]
     assert '"attention_ext/softmax/bwd/"' in ncu[1]
     assert nsys[0].startswith("nsys profile -t cuda,nvtx -o ")
     tail = " -m attention_ext profile " + shlex.join(args)
     assert all(ln.endswith(tail) for ln in ncu + nsys)
-    # the CPU ranges carry the same names, in torch.profiler's table
-    assert "attention_ext/softmax/fwd" in text and "attention_ext/softmax/bwd" in text
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to "
+                 "allocate 25600000000000 bytes"),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")], ids=["cpu", "cuda"])
+def test_profile_shape_too_large_names_shape(error, capsys, monkeypatch):
+    """An --shape whose tensors cannot be allocated: an error naming --shape, not a traceback."""
+    def build(*a, **kw):
+        raise error
+
+    monkeypatch.setattr(profile, "build", build)
+    with pytest.raises(SystemExit) as e:
+        cli(["profile", "--family", "softmax", "--shape", "1000,1000,100000,64", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--shape 1000,1000,100000,64: the softmax op's tensors do not fit" in err
+    assert "give a smaller B, H, S or D" in err
 
 
 @pytest.mark.parametrize("family", ["linear", "sparse", "decode"])
 def test_profile_other_families(family, capsys):
     assert profile.main(["--family", family, "--shape", "1,2,128,32", "--device", "cpu", "--iters", "1",
                          "--warmup", "0"]) == 0
-    assert f'"attention_ext/{family}/fwd/"' in capsys.readouterr().out
+    assert f"attention_ext/{family}/fwd" in capsys.readouterr().out  # the range, in the profiler's table
 
 
 def test_profile_rejects_decode_backward():
