@@ -9,6 +9,7 @@ import argparse
 import math
 import random
 import statistics
+import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -1113,33 +1114,12 @@ def final_ceilings(groups: dict, peaks: dict, bursts: dict, notes: dict) -> None
                     f"too low)")
 
 
-def _run(args, families, devices, sizes, timing_kw) -> int:
-    """main() after the arguments: every case, then the tables, CSV and plots."""
-    import csv
-    import os
-
-    from tqdm import tqdm
-
-    cases = []  # (device, family, dtype, S)
-    for dev in devices:
-        kind = "cuda" if dev.startswith("cuda") else "cpu"
-        names = args.dtype.split(",") if args.dtype else ["bf16" if kind == "cuda" else "fp32"]
-        for fam in families:
-            for name in names:
-                for s in sizes or LENGTHS[fam][kind][1 if args.quick else 0]:
-                    cases.append((dev, fam, DTYPES[name], s))
-
-    peers, groups, notes, peaks, bursts = {}, {}, {}, {}, {}
-    for dev in devices:
-        cuda = dev.startswith("cuda")
-        flex, why = True, ""
-        if args.no_flex:
-            flex, why = False, "flex: left out (--no-flex)"
-        elif not cuda and args.quick:
-            # a CPU Flex compile takes ~15 s, ~3 s more per new length on 2 cores: more than --quick's minute
-            flex, why = False, "flex: skipped on the CPU with --quick (its compile alone exceeds the minute)"
-        peers[dev] = Peers(dev, flex=flex, flex_reason=why, flex_budget=args.flex_budget)
-    bar = tqdm(cases, desc="bench", unit="case", disable=args.no_progress)
+def _sweep(args, bar, peers: dict, groups: dict, notes: dict, peaks: dict, bursts: dict, timing_kw: dict,
+           finished: list) -> None:
+    """_run's cases, in the order of `bar` (tqdm over (device, family, dtype, S)): each case's
+    rows into groups[(family, device, dtype)] and its notes into notes[...], the FLOP ceilings
+    measured once per (device, dtype) into peaks and the loop's bursts beside them into bursts,
+    and the case into `finished` once it is done: what an interrupted sweep has to write."""
     for dev, fam, dtype, s in bar:
         bar.set_postfix_str(f"{fam} {dev} {str(dtype)[6:]} S={s}")
         p = peers[dev]
@@ -1169,8 +1149,43 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
         if p.cuda and not p.fla and fam == "linear":
             gnotes.setdefault("fla", "fla (flash-linear-attention): not installed")
         groups.setdefault(key, []).extend(rows)
+        finished.append((dev, fam, dtype, s))
         if p.cuda:
             torch.cuda.empty_cache()
+
+
+def _run(args, families, devices, sizes, timing_kw) -> int:
+    """main() after the arguments: every case, then the tables, CSV and plots."""
+    import csv
+    import os
+
+    from tqdm import tqdm
+
+    cases = []  # (device, family, dtype, S)
+    for dev in devices:
+        kind = "cuda" if dev.startswith("cuda") else "cpu"
+        names = args.dtype.split(",") if args.dtype else ["bf16" if kind == "cuda" else "fp32"]
+        for fam in families:
+            for name in names:
+                for s in sizes or LENGTHS[fam][kind][1 if args.quick else 0]:
+                    cases.append((dev, fam, DTYPES[name], s))
+
+    peers, groups, notes, peaks, bursts = {}, {}, {}, {}, {}
+    for dev in devices:
+        cuda = dev.startswith("cuda")
+        flex, why = True, ""
+        if args.no_flex:
+            flex, why = False, "flex: left out (--no-flex)"
+        elif not cuda and args.quick:
+            # a CPU Flex compile takes ~15 s, ~3 s more per new length on 2 cores: more than --quick's minute
+            flex, why = False, "flex: skipped on the CPU with --quick (its compile alone exceeds the minute)"
+        peers[dev] = Peers(dev, flex=flex, flex_reason=why, flex_budget=args.flex_budget)
+    bar = tqdm(cases, desc="bench", unit="case", disable=args.no_progress)
+    finished, interrupted = [], False
+    try:
+        _sweep(args, bar, peers, groups, notes, peaks, bursts, timing_kw, finished)
+    except KeyboardInterrupt:  # Ctrl-C: the finished cases are written as a whole run's, and say so
+        interrupted = True
     bar.close()
     final_ceilings(groups, peaks, bursts, notes)
 
@@ -1217,6 +1232,10 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
         f.write("\n".join(md))
     print(f"\nwrote {os.path.join(args.out, 'results.csv')}, results.md and "
           f"{f'{len(pngs)} plot(s)' if pngs else 'no plot (no case ran)'} under {args.out}/")
+    if interrupted:
+        print(f"python -m attention_ext bench: interrupted (Ctrl-C) after {len(finished)} of {len(cases)} cases; "
+              f"what was written is theirs", file=sys.stderr)
+        return 130
     return 0
 
 

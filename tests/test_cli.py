@@ -304,3 +304,37 @@ def test_bench_with_no_case_run_says_so(tmp_path, capsys, monkeypatch):
     assert "no case ran" in text and "0 interleaved" not in text and "no plot (no case ran)" in text
     assert "S=64: skipped (RuntimeError: cannot build this case)" in text
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_ctrl_c_in_bench_writes_the_finished_cases(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a sweep: the cases finished so far are written (results.csv), a line says how
+    many, and the exit status is 130, with no traceback."""
+    real = bench.CASES["linear"]
+
+    def case(p, b, h, hk, s, *rest):
+        if s == 128:
+            raise KeyboardInterrupt
+        return real(p, b, h, hk, s, *rest)
+
+    monkeypatch.setitem(bench.CASES, "linear", case)
+    assert cli(["bench", "--family", "linear", "--device", "cpu", "--sizes", "64,128,256", "--reps", "1", "--budget",
+                "0", "--no-progress", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C) after 1 of 3 cases" in err and "Traceback" not in err
+    with open(tmp_path / "results.csv") as f:
+        assert {r["seq_len"] for r in csv.DictReader(f)} == {"64"}
+
+
+@pytest.mark.parametrize("cmd", ["profile", "demo", "info"])
+def test_ctrl_c_is_one_line_and_status_130(cmd, capsys, monkeypatch):
+    from attention_ext import __main__ as entry, demo
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile, "main", interrupted)
+    monkeypatch.setattr(demo, "main", interrupted)
+    monkeypatch.setattr(entry, "info", interrupted)
+    assert cli([cmd]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == f"python -m attention_ext {cmd}: interrupted (Ctrl-C) before its results were written"
