@@ -366,7 +366,7 @@ FAMILIES = ("softmax", "linear", "sparse", "decode")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CSV_FIELDS = ("family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "causal", "seq_len",
               "ms", "ms_q1", "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling",
-              "tokens_s")
+              "tokens_s", "cpu_isa", "threads")
 
 # (B, H, H_k, D) per family and device kind
 SHAPES = {
@@ -850,6 +850,8 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             "share": rate / row_ceiling.get(name, ceiling),
             "ceiling": row_ceiling.get(name, ceiling) / (1e12 if unit == "tflops" else 1e9),
             "tokens_s": b / tm.median if family == "decode" else "",  # one new token per sequence a call
+            # the CPU rows' ISA level and threads (a CUDA row's ceiling and time do not depend on them)
+            "cpu_isa": "" if p.cuda else cpu_isa_name(), "threads": "" if p.cuda else torch.get_num_threads(),
         })
     return rows
 
@@ -961,15 +963,19 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_isa_name() -> str:
+    """The ISA level the CPU kernels run (attention_ext.cpu_isa()), or "(extension not built)"."""
+    from attention_ext import _ext
+
+    return _ext.cpu_isa() if _ext.HAS_EXT else "(extension not built)"
+
+
 def machine_line(threads: int, gpu: bool = False) -> str:
     """"torch V, CPU <arch> <ISA level>, N threads[, GPU <name>]": the machine every table's header
     names (the ISA level the CPU kernels run, attention_ext.cpu_isa())."""
     import platform
 
-    from attention_ext import _ext
-
-    return (f"torch {torch.__version__}, CPU {platform.machine()} "
-            f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
+    return (f"torch {torch.__version__}, CPU {platform.machine()} {cpu_isa_name()}, {threads} threads"
             + (f", GPU {torch.cuda.get_device_name()}" if gpu else ""))
 
 

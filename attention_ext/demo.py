@@ -498,8 +498,12 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
     shapes = [(8, 128), (4, 512)] if args.quick else [(8, 128), (4, 512), (2, 1024)]
     variants = ["full", args.variant] if args.variant != "full" else ["full", "window"]
     rows = []
+    from . import _ext
+
+    on = (f"CPU ISA {_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, "
+          f"{torch.get_num_threads()} threads" if torch.device(device).type == "cpu" else device)
     log(f"\n[3/3] forward+backward step time of the LM ({size.n_layers} layers, d_model {size.d_model}): "
-        f"our kernel vs torch SDPA (median of {args.bench_reps})")
+        f"our kernel vs torch SDPA (median of {args.bench_reps}; {on})")
     from .linear import ops as linear_ops
     from .softmax import ops
 
@@ -673,10 +677,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         lines.append(msg)
         print(msg, flush=True)
 
+    from . import _ext
+
     t0 = time.perf_counter()
     log(f"attention_ext demo: device={device}, size={args.size}, variant={args.variant}, "
-        f"{'quick' if args.quick else 'default'} run, {torch.get_num_threads()} threads, output in {args.out}")
-    from . import _ext
+        f"{'quick' if args.quick else 'default'} run, {torch.get_num_threads()} threads, CPU ISA "
+        f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, output in {args.out}")
 
     results: Dict = {"device": device, "size": args.size, "variant": args.variant, "quick": args.quick,
                      "seed": args.seed, "threads": torch.get_num_threads(),

@@ -21,7 +21,8 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from attention_ext.bench import DTYPES, SPARSE_BLOCK, decode_bytes, flops, layout_pairs, linear_flops, sparse_layout
+from attention_ext.bench import (DTYPES, SPARSE_BLOCK, decode_bytes, flops, layout_pairs, linear_flops, machine_line,
+                                 sparse_layout)
 
 FAMILIES = ("softmax", "linear", "sparse", "decode")
 
@@ -164,7 +165,7 @@ def _profile(args, argv: list, b: int, h: int, hk: int, s: int, d: int, dtype: t
     scale = 1e9 if unit == "GB/s" else 1e12
     print(f"attention_ext profile: {fam} ({b}, {h}, {s}, {d}) Hkv{hk} {str(dtype)[6:]} on {args.device}"
           f"{' causal' if args.causal else ''}; {args.warmup} warm-up + {args.iters} iterations; forward median "
-          f"{med * 1e3:.3f} ms, {work / med / scale:.4g} {unit}")
+          f"{med * 1e3:.3f} ms, {work / med / scale:.4g} {unit}; {machine_line(torch.get_num_threads(), gpu=cuda)}")
     print(f"ranges: {', '.join(f'attention_ext/{fam}/{v}' for v in variants)} "
           f"({'NVTX push/pop, nested' if cuda else 'torch.profiler record_function'})")
     if not cuda:  # Nsight profiles CUDA kernels only: no command line to offer for a CPU run

@@ -3,16 +3,18 @@ the plots, the tables' peer rows and spread, --threads, a peer that fails, and t
 lines. --budget 0: the minimum rounds (--reps) and no more, so that a loaded machine does not make the
 tests slow."""
 import csv
+import platform
 import shlex
 
 import pytest
 import torch
 
-from attention_ext import bench, profile
+from attention_ext import _ext, bench, profile
 from attention_ext.__main__ import main as cli
 
 EXPECTED = {"family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "seq_len", "ms", "ms_q1",
-            "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling", "tokens_s"}
+            "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling", "tokens_s",
+            "cpu_isa", "threads"}
 PEERS = {"softmax": "sdpa", "linear": "torch chunked", "sparse": "sdpa dense", "decode": "sdpa"}
 
 
@@ -51,6 +53,8 @@ def test_bench_csv_columns_and_rows(run_all):
             assert float(r["share"]) == pytest.approx(float(r[unit]) / float(r["ceiling"]), rel=1e-4)
         if bench._libc_trim() is not None:
             assert all(float(r["peak_mem_mb"]) >= 0 for r in got)
+        # the CPU figures carry the ISA level the kernels ran and the threads
+        assert {(r["cpu_isa"], r["threads"]) for r in got} == {(_ext.cpu_isa(), str(torch.get_num_threads()))}
         # the fastest peer reads 1.00x against itself
         assert max(float(r["ratio"]) for r in got if not r["impl"].startswith("ours")) == pytest.approx(1.0)
     # the quantized rows: the int8 Q.K^T; the 8-bit caches, their rate counted in their own bytes
@@ -111,6 +115,9 @@ def test_profile_cpu_prints_its_ranges_and_no_nsight_lines(capsys):
     assert cli(["profile", *args]) == 0
     text = capsys.readouterr().out
     assert "ncu " not in text and "nsys " not in text and "Nsight" not in text
+    # the header names the ISA level the CPU kernels ran, beside the figures
+    header = next(ln for ln in text.splitlines() if ln.startswith("attention_ext profile:"))
+    assert f"CPU {platform.machine()} {_ext.cpu_isa()}, {torch.get_num_threads()} threads" in header
     # the CPU ranges carry the same names, in torch.profiler's table
     assert "attention_ext/softmax/fwd" in text and "attention_ext/softmax/bwd" in text
 

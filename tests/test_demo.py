@@ -212,3 +212,17 @@ def test_demo_time_cap_is_not_a_failed_model(tmp_path):
     assert r["seq2seq"]["stopped_by"] == "time cap" and r["seq2seq"]["steps"] < 500
     log = (out / "log.txt").read_text()
     assert f"stopped by the time cap (0.5 s, --max-seconds) after {r['seq2seq']['steps']} of 500 steps" in log
+
+
+def test_demo_log_names_the_cpu_isa_level(tmp_path):
+    """The log's header and the timing table name the ISA level the CPU kernels ran (the timings
+    depend on it; results.json's cpu_isa alone was not beside the figures)."""
+    from attention_ext import _ext
+
+    out = tmp_path / "isa"
+    assert demo.main(["--quick", "--parts", "seq2seq,timings", "--device", "cpu", "--s2s-steps", "1", "--s2s-test", "4",
+                      "--bench-reps", "1", "--no-plots", "--quiet", "--min-accuracy", "0", "--out", str(out)]) == 0
+    log = (out / "log.txt").read_text().splitlines()
+    level = f"CPU ISA {_ext.cpu_isa()}"
+    assert level in log[0]
+    assert level in next(ln for ln in log if ln.startswith("[3/3]"))

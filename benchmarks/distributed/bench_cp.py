@@ -32,7 +32,6 @@ import argparse
 import datetime
 import inspect
 import os
-import platform
 import queue
 import shutil
 import statistics
@@ -199,7 +198,7 @@ def _exposed(stats, t):
 
 def main(argv=None):
     from attention_ext.distributed import MODES, shard_work
-    from attention_ext.bench import flops
+    from attention_ext.bench import cpu_model, flops, machine_line
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192)
@@ -218,7 +217,8 @@ def main(argv=None):
     per_rank = spawn(ranks, a.world, a, modes)
     lines = [f"Context-parallel attention efficiency T1 / (P T_rank), fwd+bwd fp32, B=1 H={a.heads} S={a.seq} "
              f"D={a.dim}, P={a.world} gloo ranks, 1 thread per process, median of {a.reps} after {a.warmup} warmup",
-             f"({datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__})", "",
+             f"({datetime.date.today()}, {cpu_model()}; {machine_line(1)} in each process)",
+             "",
              f"documents: {len(pack(a.seq)) - 1} (1 x {3 * a.seq // 4} + {(a.seq - 3 * a.seq // 4) // 32} x 32); "
              f"work imbalance max / mean: " + ", ".join(
                  f"{lay} {max(w) / (sum(w) / a.world):.2f}" for lay in ("zigzag", "balanced")
