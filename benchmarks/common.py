@@ -10,3 +10,4 @@ from attention_ext.bench import (Timing, allowed_pairs, at_isa_levels, bandwidth
                                  flops, flops_from_pairs,
                                  interleaved, interleaved_stats, interleaved_warm, layout_pairs, linear_flops,
                                  machine_line, matmul_best, matmul_ceiling, step, timing)
+from attention_ext._cli import isa_levels  # noqa: E402,F401

@@ -345,3 +345,41 @@ def test_ctrl_c_is_one_line_and_status_130(cmd, capsys, monkeypatch):
     assert cli([cmd]) == 130
     err = capsys.readouterr().err
     assert err.strip() == f"python -m attention_ext {cmd}: interrupted (Ctrl-C) before its results were written"
+
+
+def _script(rel: str):
+    """A benchmark script (benchmarks/<family>/<name>.py) as a module, its main() not run."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / rel
+    spec = importlib.util.spec_from_file_location(f"_bench_script_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SCRIPT_BAD_ARGS = [
+    ("distributed/bench_cp.py", ["--heads", "1", "--world", "2"], "--heads 1: mode ulysses shards the heads"),
+    ("distributed/bench_cp.py", ["--modes", "ring,foo"], "--modes: unknown 'foo'"),
+    ("distributed/bench_cp.py", ["--seq", "100", "--world", "4"], "--seq 100: the cases' shard layouts over --world 4"),
+    ("softmax/bench_cpu_masks.py", ["--isa", "avx3"], "--isa: 'avx3': not a level this build has"),
+    ("decode/bench_quant_cpu.py", ["--levels", "avx2,avx3"], "--levels: 'avx3': not a level this build has"),
+]
+
+
+@pytest.mark.parametrize("script,argv,msg", SCRIPT_BAD_ARGS, ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_benchmark_scripts_refuse_bad_arguments_up_front(script, argv, msg, capsys, monkeypatch):
+    """Arguments a rank or set_cpu_isa would refuse mid-run (a nested traceback): argparse's error
+    naming the flag, before anything is spawned or timed; the ISA levels' errors list the valid ones."""
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # the scripts put benchmarks/ on it
+    mod = _script(script)
+    monkeypatch.setattr("sys.argv", [script, *argv])  # bench_cpu_masks reads sys.argv
+    if hasattr(mod, "spawn"):
+        monkeypatch.setattr(mod, "spawn", lambda *a, **kw: pytest.fail("spawned ranks"))
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv) if "argv" in mod.main.__code__.co_varnames else mod.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err, err
+    if "level" in msg:
+        assert ", ".join(_ext.cpu_isas()) in err

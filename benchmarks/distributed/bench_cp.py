@@ -197,7 +197,7 @@ def _exposed(stats, t):
 
 
 def main(argv=None):
-    from attention_ext.distributed import MODES, shard_work
+    from attention_ext.distributed import MODES, sequence_multiple, shard_work
     from attention_ext.bench import cpu_model, flops, machine_line
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -210,7 +210,26 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
-    modes = a.modes.split(",") if a.modes else list(MODES)
+    # the arguments the ranks would refuse, refused here: inside a rank they surface as a nested
+    # traceback after the single-process baseline has run
+    for name in ("seq", "heads", "dim", "reps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.world < 2:
+        p.error(f"--world must be >= 2 (the ranks of one gloo group), got {a.world}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    known = (*MODES, "allgather-no-overlap")
+    modes = a.modes.split(",") if a.modes is not None else list(MODES)
+    bad = [m for m in modes if m not in known]
+    if bad:
+        p.error(f"--modes: unknown {', '.join(repr(m) for m in bad)} (comma-separated, from {', '.join(known)})")
+    if "ulysses" in modes and a.heads % a.world:
+        p.error(f"--heads {a.heads}: mode ulysses shards the heads over the ranks, so --heads must be a multiple of "
+                f"--world {a.world} (or leave ulysses out of --modes)")
+    m = max(sequence_multiple(a.world, shard_layout=layout) for _, layout, _, _ in CASES)
+    if a.seq % m:
+        p.error(f"--seq {a.seq}: the cases' shard layouts over --world {a.world} ranks need a multiple of {m}")
     explicit = a.modes is not None
 
     t1 = spawn(single, 1, a)[0]
