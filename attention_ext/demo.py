@@ -417,7 +417,7 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
     val_bpc = sum(losses) / len(losses) / math.log(2)
     log(f"  trained {step + 1} of {steps} steps in {train_s:.1f}s ({tokens / train_s:,.0f} tokens/s)")
     log(f"  validation: {val_bpc:.2f} bits/char   vs unigram baseline {unigram_bpc:.2f} bits/char "
-        f"({unigram_bpc / val_bpc:.2f}x better)")
+        f"({_vs_baseline(val_bpc, unigram_bpc)})")
 
     cache_bpc = {}
     if cfg.attention_type == "softmax" and args.variant not in UNCACHED_VARIANTS:
@@ -450,6 +450,16 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
             "tokens_per_s": round(tokens / train_s), "val_bpc": round(val_bpc, 3), "val_loss": sum(losses) / len(losses),
             "loss": loss.item(), "unigram_bpc": round(unigram_bpc, 3), "samples": samples,
             "cache_bpc": {n: round(b, 4) for n, b in cache_bpc.items()}}
+
+
+def _vs_baseline(bpc: float, base: float) -> str:
+    """How the model's bits per character compare with the baseline's, in words that hold either
+    way: fewer bits is better, by the ratio base / bpc."""
+    if bpc < base:
+        return f"{base / bpc:.2f}x better"
+    if bpc == base:
+        return "the same as the baseline"
+    return f"worse than the baseline: {bpc / base:.2f}x its bits"
 
 
 def _cache_bits(model, val: torch.Tensor, t_blk: int, device, seed: int, n_seq: int = 2) -> Dict[str, float]:

@@ -226,3 +226,10 @@ def test_demo_log_names_the_cpu_isa_level(tmp_path):
     level = f"CPU ISA {_ext.cpu_isa()}"
     assert level in log[0]
     assert level in next(ln for ln in log if ln.startswith("[3/3]"))
+
+
+def test_baseline_comparison_is_worded_either_way():
+    """Fewer bits than the unigram baseline read as better; more, as worse (once: "0.77x better")."""
+    assert demo._vs_baseline(2.0, 4.0) == "2.00x better"
+    assert demo._vs_baseline(5.2, 4.0) == "worse than the baseline: 1.30x its bits"
+    assert demo._vs_baseline(4.0, 4.0) == "the same as the baseline"
