@@ -1017,12 +1017,14 @@ def main(argv=None) -> int:
                     help=f"seconds of timing per case after which no more rounds start (default {BUDGET:g}, "
                          f"--quick {QUICK_BUDGET:g}); rounds go on for {MIN_TIME:g} s at least ({QUICK_MIN_TIME:g} "
                          f"s with --quick), or the budget where it is shorter")
-    ap.add_argument("--causal", action="store_true", help="causal softmax and sparse (linear is always causal)")
-    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    ap.add_argument("--causal", action="store_true",
+                    help="causal softmax and sparse (linear is always causal; decode has no mask)")
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out of every family")
     ap.add_argument("--flex-budget", type=float, default=60.0,
-                    help="seconds a FlexAttention compile may take before Flex is left out of the rest of the run")
+                    help="seconds a FlexAttention compile may take before Flex is left out of the rest of the run "
+                         "(default %(default)g)")
     ap.add_argument("--out", default="bench_out", help="directory of results.csv, results.md and the PNGs")
-    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (tqdm) over the cases")
     ap.add_argument("--decode", action="store_true", help="alias of --family decode")
     ap.add_argument("--complexity", action="store_true",
                     help="the complexity table, measured (attention_ext.complexity): forward + backward time and "

@@ -383,3 +383,30 @@ def test_benchmark_scripts_refuse_bad_arguments_up_front(script, argv, msg, caps
     assert e.value.code == 2 and msg in err, err
     if "level" in msg:
         assert ", ".join(_ext.cpu_isas()) in err
+
+
+HELPED = {"bench": ["--causal", "--no-flex", "--flex-budget", "--no-progress", "--rounds"],
+          "profile": ["--kv-heads", "--warmup"],
+          "demo": ["--parts", "--no-plots", "--quiet", "--min-accuracy", "--s2s-max-len", "--s2s-stop-at"]}
+
+
+@pytest.mark.parametrize("cmd", sorted(HELPED))
+def test_every_flag_has_help(cmd, monkeypatch):
+    """The flags once listed without a help string have one (the command's parser, caught as it
+    parses)."""
+    import argparse
+
+    seen, real = [], argparse.ArgumentParser.parse_args
+
+    def caught(self, *a, **kw):
+        if self.prog == "python -m attention_ext":  # the command word's parser
+            return real(self, *a, **kw)
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", caught)
+    with pytest.raises(SystemExit):
+        cli([cmd])
+    helps = {o: act.help for act in seen[-1]._actions for o in act.option_strings}
+    for flag in HELPED[cmd]:
+        assert helps[flag] and len(helps[flag].split()) >= 3, (flag, helps[flag])
