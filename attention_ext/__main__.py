@@ -39,17 +39,29 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["info", "bench", "profile", "demo"])
     # only the command word is ours: everything after it (-h included) belongs to the command
     args = parser.parse_args(argv[:1])
-    rest = argv[1:]
-    if args.command == "info":
+    try:
+        return _command(args.command, argv[1:])
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a failure to debug: one line and the shell's 128 + SIGINT,
+        # no traceback. bench's sweep writes the cases it finished and returns itself; this is
+        # every other moment, all before a command writes its results
+        print(f"\npython -m attention_ext {args.command}: interrupted (Ctrl-C) before its results were written",
+              file=sys.stderr)
+        return 130
+
+
+def _command(command: str, rest: list) -> int:
+    """The subcommand `command` on its own arguments `rest`."""
+    if command == "info":
         info_parser = argparse.ArgumentParser(prog="python -m attention_ext info",
                                               description="The build, the CPU's instruction set and the GPUs seen.")
         info_parser.parse_args(rest)  # -h prints this, anything else is an error (exit 2)
         return info()
-    if args.command == "bench":
+    if command == "bench":
         from attention_ext import bench
 
         return bench.main(rest)
-    if args.command == "profile":
+    if command == "profile":
         from attention_ext import profile
 
         return profile.main(rest)

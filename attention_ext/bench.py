@@ -9,6 +9,7 @@ import argparse
 import math
 import random
 import statistics
+import sys
 import time
 from typing import Callable, NamedTuple, Optional
 
@@ -280,6 +281,24 @@ def emit(text: str, out: Optional[str]) -> None:
 
 FP32_LOOP, BF16_LOOP, BF16_AMX_LOOP = "fp32 FMA loop", "bf16 dot loop", "bf16 AMX loop"
 LOOP_KINDS = {FP32_LOOP: "fp32_fma", BF16_LOOP: "bf16_dot", BF16_AMX_LOOP: "bf16_amx"}
+INT8_LOOPS = {"int8_dot": "int8 VNNI loop", "int8_amx": "int8 AMX loop"}
+
+
+def burst_loop(parts: dict) -> Optional[str]:
+    """The loop of flop_ceiling's measures (its `parts`) that runs a burst beside every round of
+    the `bench` cases, and whose entry those bursts raise: the fastest instruction the active ISA
+    level runs for the dtype (AMX tiles, else bf16 dot products, else float32 FMAs); None where no
+    loop was measured (CUDA, no extension)."""
+    return next((k for k in (BF16_AMX_LOOP, BF16_LOOP, FP32_LOOP) if k in parts), None)
+
+
+def int8_qk_loop() -> str:
+    """The cpu_peak_flops kind of the instruction the int8 Q.K^T runs on at the active ISA level
+    (csrc/cpu/q8dot.h): AMX's tdpbsud at "avx512amx", else VNNI's vpdpbusd. Where the level's
+    loop lacks the instruction (it gives 0.0) the row is read against its case's ceiling."""
+    from attention_ext import _ext
+
+    return "int8_amx" if _ext.cpu_isa() == "avx512amx" else "int8_dot"
 
 
 def flop_ceiling(dtype: torch.dtype, device="cpu", *, seconds: float = 0.3, n: Optional[int] = None, reps: int = 3,
@@ -347,7 +366,7 @@ FAMILIES = ("softmax", "linear", "sparse", "decode")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CSV_FIELDS = ("family", "device", "dtype", "impl", "batch", "heads", "kv_heads", "head_dim", "causal", "seq_len",
               "ms", "ms_q1", "ms_q3", "spread", "reps", "tflops", "gbps", "peak_mem_mb", "ratio", "share", "ceiling",
-              "tokens_s")
+              "tokens_s", "cpu_isa", "threads")
 
 # (B, H, H_k, D) per family and device kind
 SHAPES = {
@@ -397,8 +416,8 @@ class Contenders(NamedTuple):
     None: not expected to agree, e.g. dense attention against a sparse layout; absent: as is).
     work_of: the work of the contenders whose call does a different amount (name -> work; the
     8-bit caches read fewer bytes). peak_of: the contenders that run on another instruction than
-    the case's ceiling counts (name -> a cpu_peak_flops kind: the int8 Q.K^T's "int8_dot"), whose
-    ceiling is the higher of the two."""
+    the case's ceiling counts (name -> a cpu_peak_flops kind: the int8 Q.K^T's int8_qk_loop()),
+    whose ceiling is the higher of the two."""
     fns: dict
     flex: list
     work: float
@@ -523,7 +542,7 @@ def _softmax_case(p: Peers, b, h, hk, s, d, dtype, causal):
     # the 8-bit rows agree with ours to their quantization, not to the tolerance
     return Contenders(fns, flex, flops(b, h, s, s, d, causal=causal), "tflops",
                       {"flash-attn": _bshd, "ours int8 qk": None, "ours fp8 qk": None},
-                      peak_of={"ours int8 qk": "int8_dot"})
+                      peak_of={"ours int8 qk": int8_qk_loop()})
 
 
 def _linear_case(p: Peers, b, h, hk, s, d, dtype, causal):
@@ -596,11 +615,12 @@ def _decode_case(p: Peers, b, h, hk, s, d, dtype, causal):
     q = torch.randn(b, 1, h, d, dtype=dtype, device=dev)
     kc, vc = (torch.randn(b, s, hk, d, dtype=dtype, device=dev) for _ in range(2))
     lens = torch.full((b,), s, dtype=torch.int32, device=dev)
-    n = s // DECODE_PAGE
+    n = -(-s // DECODE_PAGE)  # pages per sequence, the last one filled to S only (cache_seqlens)
     bt = torch.randperm(b * n, device=dev).view(b, n).int()
-    kp, vp = (torch.empty(b * n, DECODE_PAGE, hk, d, dtype=dtype, device=dev) for _ in range(2))
-    kp[bt.flatten().long()] = kc.reshape(b * n, DECODE_PAGE, hk, d)
-    vp[bt.flatten().long()] = vc.reshape(b * n, DECODE_PAGE, hk, d)
+    kp, vp = (torch.zeros(b * n, DECODE_PAGE, hk, d, dtype=dtype, device=dev) for _ in range(2))
+    tail = (0, 0, 0, 0, 0, n * DECODE_PAGE - s)  # F.pad's (D, H_k, S) pairs: S padded to whole pages
+    kp[bt.flatten().long()] = F.pad(kc, tail).reshape(b * n, DECODE_PAGE, hk, d)
+    vp[bt.flatten().long()] = F.pad(vc, tail).reshape(b * n, DECODE_PAGE, hk, d)
     qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, kc, vc))
     scale = d ** -0.5
     fns = {"ours": lambda: decode_fwd(q, kc, vc, cache_seqlens=lens, scale=scale),
@@ -804,9 +824,17 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
         t.pop(CEIL_PEAK, None)
         ceiling = max(nb / t.pop(k).best for k, (_, nb) in extra.items() if k != CEIL_PEAK) if unit == "gbps" else \
             max([flop_peak, *(peak_rates or [])])
-    # a row on another instruction (the int8 dot products): the higher of its loop and the case's ceiling
-    row_ceiling = {n: max(ceiling, cpu_peak_flops(kind, torch.get_num_threads(), 0.2))
-                   for n, kind in peak_of.items() if n in t and not p.cuda}
+    # a row on another instruction (the int8 dot products): the higher of its loop and the case's
+    # ceiling; the note names the loop, which the table's header (the dtype's measures) does not
+    row_ceiling = {}
+    for n, kind in peak_of.items():
+        if n in t and not p.cuda:
+            rate = cpu_peak_flops(kind, torch.get_num_threads(), 0.2)
+            row_ceiling[n] = max(ceiling, rate)
+            if rate > 0:
+                notes[f"ceiling {n}"] = (f"{n}: 'of ceiling' is of the {INT8_LOOPS.get(kind, kind)} ({kind}: its "
+                                         f"instruction at this ISA level), the higher of it and the header's peak "
+                                         f"(results.csv's ceiling column)")
     peers = [x.median for n, x in t.items() if not _is_ours(n)]
     best = min(peers) if peers else float("nan")
     rows = []
@@ -822,6 +850,8 @@ def run_case(p: Peers, family: str, shape: tuple, s: int, dtype: torch.dtype, ca
             "share": rate / row_ceiling.get(name, ceiling),
             "ceiling": row_ceiling.get(name, ceiling) / (1e12 if unit == "tflops" else 1e9),
             "tokens_s": b / tm.median if family == "decode" else "",  # one new token per sequence a call
+            # the CPU rows' ISA level and threads (a CUDA row's ceiling and time do not depend on them)
+            "cpu_isa": "" if p.cuda else cpu_isa_name(), "threads": "" if p.cuda else torch.get_num_threads(),
         })
     return rows
 
@@ -933,20 +963,26 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cpu_isa_name() -> str:
+    """The ISA level the CPU kernels run (attention_ext.cpu_isa()), or "(extension not built)"."""
+    from attention_ext import _ext
+
+    return _ext.cpu_isa() if _ext.HAS_EXT else "(extension not built)"
+
+
 def machine_line(threads: int, gpu: bool = False) -> str:
     """"torch V, CPU <arch> <ISA level>, N threads[, GPU <name>]": the machine every table's header
     names (the ISA level the CPU kernels run, attention_ext.cpu_isa())."""
     import platform
 
-    from attention_ext import _ext
-
-    return (f"torch {torch.__version__}, CPU {platform.machine()} "
-            f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, {threads} threads"
+    return (f"torch {torch.__version__}, CPU {platform.machine()} {cpu_isa_name()}, {threads} threads"
             + (f", GPU {torch.cuda.get_device_name()}" if gpu else ""))
 
 
 def main(argv=None) -> int:
     """`python -m attention_ext bench`: see the parser's help."""
+    from attention_ext._cli import check_out_dir
+
     cuda_ok = torch.cuda.is_available()
     ap = argparse.ArgumentParser(
         prog="python -m attention_ext bench",
@@ -981,12 +1017,14 @@ def main(argv=None) -> int:
                     help=f"seconds of timing per case after which no more rounds start (default {BUDGET:g}, "
                          f"--quick {QUICK_BUDGET:g}); rounds go on for {MIN_TIME:g} s at least ({QUICK_MIN_TIME:g} "
                          f"s with --quick), or the budget where it is shorter")
-    ap.add_argument("--causal", action="store_true", help="causal softmax and sparse (linear is always causal)")
-    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    ap.add_argument("--causal", action="store_true",
+                    help="causal softmax and sparse (linear is always causal; decode has no mask)")
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out of every family")
     ap.add_argument("--flex-budget", type=float, default=60.0,
-                    help="seconds a FlexAttention compile may take before Flex is left out of the rest of the run")
+                    help="seconds a FlexAttention compile may take before Flex is left out of the rest of the run "
+                         "(default %(default)g)")
     ap.add_argument("--out", default="bench_out", help="directory of results.csv, results.md and the PNGs")
-    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (tqdm) over the cases")
     ap.add_argument("--decode", action="store_true", help="alias of --family decode")
     ap.add_argument("--complexity", action="store_true",
                     help="the complexity table, measured (attention_ext.complexity): forward + backward time and "
@@ -995,7 +1033,8 @@ def main(argv=None) -> int:
                          "DIR/complexity.md, complexity.csv, complexity_cpu_float32.png. --sizes, --quick (1k-8k), "
                          "--max-n, --reps (calls per length, default 3, and 1 s of calls at least: 0.25 with --quick, "
                          "at most a tenth of --budget), --budget (the seconds one call may take before a method "
-                         "stops growing n, default 10), --mem-cap, --threads, --out apply")
+                         f"stops growing n, default {BUDGET:g}, {QUICK_BUDGET:g} with --quick), --mem-cap, --threads, "
+                         "--out apply")
     ap.add_argument("--max-n", type=int, default=None, help="--complexity: the longest length (default 65536)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="--complexity: timing rounds over every (method, n), each length keeping its fastest "
@@ -1021,7 +1060,7 @@ def main(argv=None) -> int:
     timing_kw = dict(min_reps=args.reps or MIN_REPS, target=TARGET_RSE, budget=budget,
                      min_time=min(budget, QUICK_MIN_TIME if args.quick else MIN_TIME))
     try:
-        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else None
+        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes is not None else None
     except ValueError:
         ap.error(f"--sizes takes comma-separated lengths, e.g. 1024,4096, got {args.sizes!r}")
     if sizes is not None and (not sizes or min(sizes) < 1):
@@ -1030,6 +1069,11 @@ def main(argv=None) -> int:
     bad = [x for x in names if x not in DTYPES] if args.dtype is not None else []
     if bad:
         ap.error(f"--dtype: unknown {', '.join(repr(x) for x in bad)} (comma-separated, from {', '.join(DTYPES)})")
+    alone = [f for f, v in (("--max-n", args.max_n), ("--rounds", args.rounds), ("--mem-cap", args.mem_cap))
+             if v is not None]
+    if alone and not args.complexity:
+        ap.error(f"{', '.join(alone)}: {'options' if len(alone) > 1 else 'an option'} of --complexity only; add "
+                 f"--complexity or leave {'them' if len(alone) > 1 else 'it'} out")
     if args.complexity:
         if args.family != "all" or args.decode or args.device == "cuda" or (args.dtype or "fp32") != "fp32":
             ap.error("--complexity: the CPU in fp32, every method; --family, --decode, --device cuda and --dtype "
@@ -1040,6 +1084,7 @@ def main(argv=None) -> int:
             ap.error(f"--rounds: at least 1, got {args.rounds}")
         if args.mem_cap is not None and args.mem_cap <= 0:
             ap.error(f"--mem-cap: GiB > 0, got {args.mem_cap}")
+    check_out_dir(ap, args.out)
     old_threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -1051,6 +1096,70 @@ def main(argv=None) -> int:
         return _run(args, families, devices, sizes, timing_kw)
     finally:
         torch.set_num_threads(old_threads)
+
+
+def final_ceilings(groups: dict, peaks: dict, bursts: dict, notes: dict) -> None:
+    """The run's FLOP ceilings, in place: each (device, dtype)'s measures (peaks: flop_ceiling's
+    (ceiling, parts)) with the bursts of its loop beside every round (bursts: FLOP/s) folded into
+    that loop's entry (burst_loop), then every FLOP/s row of `groups` ((family, device, dtype) ->
+    rows) read against the result: its ceiling raised to it, never lowered (a row on its own
+    instruction, the int8 Q.K^T, keeps its loop's ceiling where that is higher), its share anew,
+    and a note in `notes` for a row above its ceiling."""
+    for (dev, dtype), rates in bursts.items():
+        _, parts = peaks[dev, dtype]
+        loop = burst_loop(parts)
+        if rates and loop is not None:
+            parts[loop] = max(parts[loop], *rates)
+            peaks[dev, dtype] = max(parts.values()), parts
+    for (fam, dev, dt), rows in groups.items():
+        for r in rows:
+            if fam != "decode":
+                ceiling = max(r["ceiling"] * 1e12, peaks[dev, getattr(torch, dt)][0])
+                r["ceiling"], r["share"] = ceiling / 1e12, r["tflops"] * 1e12 / ceiling
+            if r["share"] > 1:  # never clipped: a ceiling below a row is a wrong ceiling, and says so
+                notes[fam, dev, dt][f"above{r['seq_len']}{r['impl']}"] = (
+                    f"{r['impl']} at S={r['seq_len']}: {r['share']:.0%} of its ceiling (the ceiling was measured "
+                    f"too low)")
+
+
+def _sweep(args, bar, peers: dict, groups: dict, notes: dict, peaks: dict, bursts: dict, timing_kw: dict,
+           finished: list) -> None:
+    """_run's cases, in the order of `bar` (tqdm over (device, family, dtype, S)): each case's
+    rows into groups[(family, device, dtype)] and its notes into notes[...], the FLOP ceilings
+    measured once per (device, dtype) into peaks and the loop's bursts beside them into bursts,
+    and the case into `finished` once it is done: what an interrupted sweep has to write."""
+    for dev, fam, dtype, s in bar:
+        bar.set_postfix_str(f"{fam} {dev} {str(dtype)[6:]} S={s}")
+        p = peers[dev]
+        key = (fam, dev, str(dtype).replace("torch.", ""))
+        gnotes = notes.setdefault(key, {})
+        shape = SHAPES[fam]["cuda" if p.cuda else "cpu"]
+        peak_kind = None
+        if fam != "decode":
+            if (dev, dtype) not in peaks:
+                peaks[dev, dtype] = flop_ceiling(dtype, dev, seconds=0.2 if args.quick else 0.5)
+                bursts[dev, dtype] = []
+            loop = burst_loop(peaks[dev, dtype][1])
+            peak_kind = LOOP_KINDS[loop] if loop is not None and not p.cuda else None
+        try:
+            rows = run_case(p, fam, shape, s, dtype, args.causal, timing_kw, gnotes,
+                            peaks[dev, dtype][0] if fam != "decode" else None, peak_kind, bursts.get((dev, dtype)))
+        except Exception as e:  # noqa: BLE001 - one case that cannot be built (e.g. out of memory) is a note
+            gnotes[f"case{s}"] = f"S={s}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            rows = []
+        if not p.flex_on and p.flex_reason and fam in ("softmax", "sparse") and p.flex_reason not in gnotes.values():
+            gnotes.setdefault("flex", p.flex_reason)
+        if fam == "softmax" and shape[0] * shape[1] * s * s * 4 > MATH_MAX_BYTES:
+            gnotes.setdefault("math", f"sdpa math: left out from S={s} (its (B, H, S, S) scores exceed "
+                                      f"{MATH_MAX_BYTES >> 30} GiB)")
+        if p.cuda and not p.flash_attn and fam in ("softmax", "decode"):
+            gnotes.setdefault("flash-attn", "flash-attn: not installed")
+        if p.cuda and not p.fla and fam == "linear":
+            gnotes.setdefault("fla", "fla (flash-linear-attention): not installed")
+        groups.setdefault(key, []).extend(rows)
+        finished.append((dev, fam, dtype, s))
+        if p.cuda:
+            torch.cuda.empty_cache()
 
 
 def _run(args, families, devices, sizes, timing_kw) -> int:
@@ -1080,64 +1189,23 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
             flex, why = False, "flex: skipped on the CPU with --quick (its compile alone exceeds the minute)"
         peers[dev] = Peers(dev, flex=flex, flex_reason=why, flex_budget=args.flex_budget)
     bar = tqdm(cases, desc="bench", unit="case", disable=args.no_progress)
-    for dev, fam, dtype, s in bar:
-        bar.set_postfix_str(f"{fam} {dev} {str(dtype)[6:]} S={s}")
-        p = peers[dev]
-        key = (fam, dev, str(dtype).replace("torch.", ""))
-        gnotes = notes.setdefault(key, {})
-        shape = SHAPES[fam]["cuda" if p.cuda else "cpu"]
-        peak_kind = None
-        if fam != "decode":
-            if (dev, dtype) not in peaks:
-                peaks[dev, dtype] = flop_ceiling(dtype, dev, seconds=0.2 if args.quick else 0.5)
-                bursts[dev, dtype] = []
-            loops = [k for k in (BF16_AMX_LOOP, BF16_LOOP, FP32_LOOP) if k in peaks[dev, dtype][1]]
-            peak_kind = LOOP_KINDS[loops[0]] if loops and not p.cuda else None
-        try:
-            rows = run_case(p, fam, shape, s, dtype, args.causal, timing_kw, gnotes,
-                            peaks[dev, dtype][0] if fam != "decode" else None, peak_kind, bursts.get((dev, dtype)))
-        except Exception as e:  # noqa: BLE001 - one case that cannot be built (e.g. out of memory) is a note
-            gnotes[f"case{s}"] = f"S={s}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
-            rows = []
-        if not p.flex_on and p.flex_reason and fam in ("softmax", "sparse") and p.flex_reason not in gnotes.values():
-            gnotes.setdefault("flex", p.flex_reason)
-        if fam == "softmax" and shape[0] * shape[1] * s * s * 4 > MATH_MAX_BYTES:
-            gnotes.setdefault("math", f"sdpa math: left out from S={s} (its (B, H, S, S) scores exceed "
-                                      f"{MATH_MAX_BYTES >> 30} GiB)")
-        if p.cuda and not p.flash_attn and fam in ("softmax", "decode"):
-            gnotes.setdefault("flash-attn", "flash-attn: not installed")
-        if p.cuda and not p.fla and fam == "linear":
-            gnotes.setdefault("fla", "fla (flash-linear-attention): not installed")
-        groups.setdefault(key, []).extend(rows)
-        if p.cuda:
-            torch.cuda.empty_cache()
+    finished, interrupted = [], False
+    try:
+        _sweep(args, bar, peers, groups, notes, peaks, bursts, timing_kw, finished)
+    except KeyboardInterrupt:  # Ctrl-C: the finished cases are written as a whole run's, and say so
+        interrupted = True
     bar.close()
-    # the FLOP ceiling: the best of the first measure and of the loop's bursts beside every case
-    for (dev, dtype), rates in bursts.items():
-        peak, parts = peaks[dev, dtype]
-        loop = BF16_LOOP if BF16_LOOP in parts else FP32_LOOP
-        if rates and loop in parts:
-            parts[loop] = max(parts[loop], *rates)
-            peaks[dev, dtype] = max(parts.values()), parts
-    for (fam, dev, dt), rows in groups.items():
-        for r in rows:
-            if fam != "decode":
-                peak = peaks[dev, getattr(torch, dt)][0]
-                r["ceiling"], r["share"] = peak / 1e12, r["tflops"] * 1e12 / peak
-            if r["share"] > 1:  # never clipped: a ceiling below a row is a wrong ceiling, and says so
-                notes[fam, dev, dt][f"above{r['seq_len']}{r['impl']}"] = (
-                    f"{r['impl']} at S={r['seq_len']}: {r['share']:.0%} of its ceiling (the ceiling was measured "
-                    f"too low)")
+    final_ceilings(groups, peaks, bursts, notes)
 
     os.makedirs(args.out, exist_ok=True)
     threads = torch.get_num_threads()
     all_rows = [r for rows in groups.values() for r in rows]
-    reps = sorted({r["reps"] for r in all_rows}) or [0]
+    reps = sorted({r["reps"] for r in all_rows})
     head = (f"attention_ext bench: {machine_line(threads, gpu='cuda' in devices)}"
-            + f"; ms: the median of {reps[0]}{'-' + str(reps[-1]) if reps[-1] != reps[0] else ''} interleaved "
-              f"rounds per case, IQR: their interquartile range over the median; 'vs fastest peer' = the fastest "
-              f"peer's time / this row's time")
-    md = [head, ""]
+            + (f"; ms: the median of {reps[0]}{'-' + str(reps[-1]) if reps[-1] != reps[0] else ''} interleaved "
+               f"rounds per case, IQR: their interquartile range over the median; 'vs fastest peer' = the fastest "
+               f"peer's time / this row's time" if reps else "; no case ran (the notes below say why)"))
+    md, pngs = [head, ""], []
     print(head)
     for key, rows in groups.items():
         fam, dev, dt = key
@@ -1162,7 +1230,7 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
         text = table(rows, header, list(notes[key].values()))
         print("\n" + text)
         md += [text, ""]
-        plot(rows, os.path.join(args.out, f"{fam}_{dev.replace(':', '')}_{dt}"))
+        pngs += plot(rows, os.path.join(args.out, f"{fam}_{dev.replace(':', '')}_{dt}"))
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
@@ -1170,8 +1238,12 @@ def _run(args, families, devices, sizes, timing_kw) -> int:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(md))
-    print(f"\nwrote {os.path.join(args.out, 'results.csv')}, results.md and {len(groups)} plot group(s) "
-          f"under {args.out}/")
+    print(f"\nwrote {os.path.join(args.out, 'results.csv')}, results.md and "
+          f"{f'{len(pngs)} plot(s)' if pngs else 'no plot (no case ran)'} under {args.out}/")
+    if interrupted:
+        print(f"python -m attention_ext bench: interrupted (Ctrl-C) after {len(finished)} of {len(cases)} cases; "
+              f"what was written is theirs", file=sys.stderr)
+        return 130
     return 0
 
 

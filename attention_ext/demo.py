@@ -157,6 +157,10 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
 
 PAD, BOS, EOS = 0, 1, 2
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# the strings' lengths: S2S_MIN_LEN up to --s2s-max-len letters; the model's positions
+# (TransformerConfig.max_len) hold a source with its EOS, so --s2s-max-len is at most S2S_POSITIONS - 1
+S2S_MIN_LEN, S2S_POSITIONS = 4, 64
+PARTS = ("seq2seq", "lm", "timings")
 
 
 class ReverseTask:
@@ -213,11 +217,11 @@ class ReverseTask:
 
 
 def run_seq2seq(args, size: Size, device, log) -> Dict:
-    task = ReverseTask(min_len=4, max_len=args.s2s_max_len, n_test=args.s2s_test, seed=args.seed + 1)
+    task = ReverseTask(min_len=S2S_MIN_LEN, max_len=args.s2s_max_len, n_test=args.s2s_test, seed=args.seed + 1)
     opts = variant_options(args.variant, size.n_heads, args.s2s_max_len + 2)
     cfg = TransformerConfig(src_vocab_size=len(task.vocab), d_model=size.s2s_d_model, n_heads=size.n_heads,
                             n_encoder_layers=2, n_decoder_layers=2, d_ff=args.s2s_ff_mult * size.s2s_d_model,
-                            dropout=0.0, norm_first=True, max_len=64, tie_embeddings=True, **opts)
+                            dropout=0.0, norm_first=True, max_len=S2S_POSITIONS, tie_embeddings=True, **opts)
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(device)
     optim = torch.optim.AdamW(model.parameters(), lr=args.s2s_lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -413,7 +417,7 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
     val_bpc = sum(losses) / len(losses) / math.log(2)
     log(f"  trained {step + 1} of {steps} steps in {train_s:.1f}s ({tokens / train_s:,.0f} tokens/s)")
     log(f"  validation: {val_bpc:.2f} bits/char   vs unigram baseline {unigram_bpc:.2f} bits/char "
-        f"({unigram_bpc / val_bpc:.2f}x better)")
+        f"({_vs_baseline(val_bpc, unigram_bpc)})")
 
     cache_bpc = {}
     if cfg.attention_type == "softmax" and args.variant not in UNCACHED_VARIANTS:
@@ -446,6 +450,16 @@ def run_char_lm(args, size: Size, device, log) -> Dict:
             "tokens_per_s": round(tokens / train_s), "val_bpc": round(val_bpc, 3), "val_loss": sum(losses) / len(losses),
             "loss": loss.item(), "unigram_bpc": round(unigram_bpc, 3), "samples": samples,
             "cache_bpc": {n: round(b, 4) for n, b in cache_bpc.items()}}
+
+
+def _vs_baseline(bpc: float, base: float) -> str:
+    """How the model's bits per character compare with the baseline's, in words that hold either
+    way: fewer bits is better, by the ratio base / bpc."""
+    if bpc < base:
+        return f"{base / bpc:.2f}x better"
+    if bpc == base:
+        return "the same as the baseline"
+    return f"worse than the baseline: {bpc / base:.2f}x its bits"
 
 
 def _cache_bits(model, val: torch.Tensor, t_blk: int, device, seed: int, n_seq: int = 2) -> Dict[str, float]:
@@ -494,8 +508,12 @@ def run_timings(args, size: Size, device, log) -> List[Dict]:
     shapes = [(8, 128), (4, 512)] if args.quick else [(8, 128), (4, 512), (2, 1024)]
     variants = ["full", args.variant] if args.variant != "full" else ["full", "window"]
     rows = []
+    from . import _ext
+
+    on = (f"CPU ISA {_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, "
+          f"{torch.get_num_threads()} threads" if torch.device(device).type == "cpu" else device)
     log(f"\n[3/3] forward+backward step time of the LM ({size.n_layers} layers, d_model {size.d_model}): "
-        f"our kernel vs torch SDPA (median of {args.bench_reps})")
+        f"our kernel vs torch SDPA (median of {args.bench_reps}; {on})")
     from .linear import ops as linear_ops
     from .softmax import ops
 
@@ -553,29 +571,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "reformer: LSH self-attention (generation without a cache); linformer: the seq2seq "
                         "encoder only (non-causal; the char LM and timings are skipped)")
     p.add_argument("--size", default=None, choices=sorted(SIZES), help="model size (default: small, tiny with --quick)")
-    p.add_argument("--parts", default="seq2seq,lm,timings", help="comma-separated subset of seq2seq,lm,timings")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"the parts to run, a comma-separated subset of {','.join(PARTS)} (default: all three)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default: %(default)s; 0: torch's choice). Results are the same bit "
                         "for bit only with the same thread count and CPU instruction set")
-    p.add_argument("--no-plots", action="store_true", help="skip the heatmaps")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-plots", action="store_true", help="skip the seq2seq cross-attention heatmaps (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (the log lines still print)")
     p.add_argument("--min-accuracy", type=float, default=0.95,
-                   help="exit status 1 when the seq2seq held-out accuracy is below this (default: %(default)s)")
+                   help="exit status 1 when the seq2seq held-out exact-sequence accuracy, in [0, 1], is below this "
+                        "(default: %(default)s)")
     p.add_argument("--max-seconds", type=float,
                    help="safety net per training part: stop it after this many seconds even before its step "
                         "budget, and exit with status 3 (default: 600 with --quick, else 1800; 0: no cap)")
     g = p.add_argument_group("tuning (defaults depend on --quick)")
     g.add_argument("--s2s-steps", type=int, help="training step budget (at most; see --s2s-stop-at)")
     g.add_argument("--s2s-batch", type=int, default=64)
-    g.add_argument("--s2s-lr", type=float, default=3e-3)
-    g.add_argument("--s2s-max-len", type=int)
+    g.add_argument("--s2s-lr", type=float, default=3e-3, help="peak learning rate, > 0 (default: %(default)s)")
+    g.add_argument("--s2s-max-len", type=int,
+                   help=f"longest string to reverse, {S2S_MIN_LEN}-{S2S_POSITIONS - 1} letters (the shortest is "
+                        f"{S2S_MIN_LEN}; default: 7 with --quick, else 9)")
     g.add_argument("--s2s-test", type=int, default=1000)
     g.add_argument("--s2s-ff-mult", type=int, default=2)
     g.add_argument("--s2s-stop-at", type=float, default=0.98,
-                   help="stop training once teacher-forced validation sequence accuracy reaches this")
+                   help="stop training once teacher-forced validation sequence accuracy (checked every 50 steps) "
+                        "reaches this, in (0, 1]; above 1: train the whole budget (default: %(default)s)")
     g.add_argument("--lm-steps", type=int, help="training step budget")
-    g.add_argument("--lm-lr", type=float, default=3e-3)
+    g.add_argument("--lm-lr", type=float, default=3e-3, help="peak learning rate, > 0 (default: %(default)s)")
     g.add_argument("--lm-chars", type=int)
     g.add_argument("--lm-eval-batches", type=int)
     g.add_argument("--lm-sample-chars", type=int, default=160)
@@ -595,7 +618,10 @@ def _defaults(args) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
-    """The values argparse's types let through that the run cannot use: argparse's error (exit 2)."""
+    """The values argparse's types let through that the run cannot use: argparse's error (exit 2),
+    before anything is made or trained."""
+    from ._cli import check_out_dir
+
     if args.threads < 0:
         p.error(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     for name in ("s2s_steps", "s2s_batch", "s2s_max_len", "s2s_test", "s2s_ff_mult", "lm_steps",
@@ -604,6 +630,25 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.lm_sample_chars < 0:
         p.error(f"--lm-sample-chars must be >= 0, got {args.lm_sample_chars}")
+    if not S2S_MIN_LEN <= args.s2s_max_len <= S2S_POSITIONS - 1:
+        p.error(f"--s2s-max-len must be in [{S2S_MIN_LEN}, {S2S_POSITIONS - 1}] (the strings have at least "
+                f"{S2S_MIN_LEN} letters, and the model {S2S_POSITIONS} positions for one and its end token), "
+                f"got {args.s2s_max_len}")
+    for name in ("s2s_lr", "lm_lr"):
+        lr = getattr(args, name)
+        if not (math.isfinite(lr) and lr > 0):
+            p.error(f"--{name.replace('_', '-')} must be a finite learning rate > 0, got {lr}")
+    if not args.max_seconds >= 0:  # NaN too
+        p.error(f"--max-seconds must be >= 0 seconds (0: no cap), got {args.max_seconds}")
+    if not args.s2s_stop_at > 0:
+        p.error(f"--s2s-stop-at must be > 0: an accuracy in (0, 1] to stop at, or above 1 to train the whole "
+                f"budget (0 would stop after the first step, before any validation), got {args.s2s_stop_at}")
+    if not 0 <= args.min_accuracy <= 1:
+        p.error(f"--min-accuracy must be an accuracy in [0, 1], got {args.min_accuracy}")
+    parts = args.parts.split(",")
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown:
+        p.error(f"--parts: unknown {', '.join(repr(x) for x in unknown)} (comma-separated, from {', '.join(PARTS)})")
     if args.device != "auto":
         try:
             dev = torch.device(args.device)
@@ -613,6 +658,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
             p.error(f"--device {args.device}: no CUDA device visible (leave --device out to use the CPU)")
         if dev.type not in ("cpu", "cuda"):
             p.error(f"--device: cpu, cuda or cuda:N, got {args.device!r}")
+    check_out_dir(p, args.out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -634,10 +680,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(args.out, exist_ok=True)
     parts = set(args.parts.split(","))
-    unknown = parts - {"seq2seq", "lm", "timings"}
-    if unknown:
-        print(f"unknown --parts {sorted(unknown)}", file=sys.stderr)
-        return 2
     size = SIZES[args.size]
     lines: List[str] = []
 
@@ -645,10 +687,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         lines.append(msg)
         print(msg, flush=True)
 
+    from . import _ext
+
     t0 = time.perf_counter()
     log(f"attention_ext demo: device={device}, size={args.size}, variant={args.variant}, "
-        f"{'quick' if args.quick else 'default'} run, {torch.get_num_threads()} threads, output in {args.out}")
-    from . import _ext
+        f"{'quick' if args.quick else 'default'} run, {torch.get_num_threads()} threads, CPU ISA "
+        f"{_ext.cpu_isa() if _ext.HAS_EXT else '(extension not built)'}, output in {args.out}")
 
     results: Dict = {"device": device, "size": args.size, "variant": args.variant, "quick": args.quick,
                      "seed": args.seed, "threads": torch.get_num_threads(),

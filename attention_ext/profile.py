@@ -1,6 +1,6 @@
 """`python -m attention_ext profile`: one op of a family in a loop, each iteration inside ranges
 named attention_ext/<family>/<variant> (fwd, bwd; the warm-up in attention_ext/<family>/warmup),
-and the ncu and nsys command lines that wrap this very invocation.
+and on CUDA the ncu and nsys command lines that wrap this very invocation.
 
 On CUDA the ranges are NVTX push / pop ranges nested three deep (attention_ext > family > variant):
 ncu's --nvtx-include "attention_ext/softmax/fwd/" reads '/' as nesting, so it selects exactly the
@@ -21,7 +21,8 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from attention_ext.bench import DTYPES, SPARSE_BLOCK, decode_bytes, flops, layout_pairs, linear_flops, sparse_layout
+from attention_ext.bench import (DTYPES, SPARSE_BLOCK, decode_bytes, flops, layout_pairs, linear_flops, machine_line,
+                                 sparse_layout)
 
 FAMILIES = ("softmax", "linear", "sparse", "decode")
 
@@ -88,17 +89,19 @@ def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m attention_ext profile",
         description="Run one op in a loop inside ranges attention_ext/<family>/<fwd|bwd> (NVTX on CUDA, "
-                    "torch.profiler record_function on the CPU) and print the ncu / nsys command lines that "
-                    "wrap this invocation.")
+                    "torch.profiler record_function on the CPU, with the profiler's table) and, on CUDA, print "
+                    "the ncu / nsys command lines that wrap this invocation.")
     ap.add_argument("--family", required=True, choices=FAMILIES)
     ap.add_argument("--shape", required=True, help="B,H,S,D (decode: S is the KV-cache length, q_len 1)")
-    ap.add_argument("--kv-heads", type=int, default=None, help="H_k for GQA (default H)")
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="H_k, the key / value heads (GQA / MQA: a divisor of H; default H)")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda_ok else "cpu")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--backward", action="store_true", help="a backward after each forward (not for decode)")
     ap.add_argument("--iters", type=int, default=5, help="profiled iterations")
-    ap.add_argument("--warmup", type=int, default=2, help="iterations before them (range .../warmup)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed iterations before them, in the range attention_ext/<family>/warmup (default 2)")
     args = ap.parse_args(argv)
     try:
         b, h, s, d = (int(x) for x in args.shape.split(","))
@@ -117,6 +120,17 @@ def main(argv: Optional[list] = None) -> int:
     hk = args.kv_heads or h
     cuda = args.device == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    try:
+        return _profile(args, argv, b, h, hk, s, d, dtype, cuda)
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not (isinstance(e, torch.OutOfMemoryError) or "allocate" in str(e)):
+            raise
+        ap.error(f"--shape {args.shape}: the {args.family} op's tensors do not fit in {args.device} memory "
+                 f"({str(e).strip().splitlines()[0][:200]}); give a smaller B, H, S or D")
+
+
+def _profile(args, argv: list, b: int, h: int, hk: int, s: int, d: int, dtype: torch.dtype, cuda: bool) -> int:
+    """main() after the arguments: the op in its ranges, the report."""
     fwd, leaves, unit, work = build(args.family, b, h, hk, s, d, dtype, args.device, args.causal, args.backward)
     dout = torch.randn_like(fwd().detach()) if args.backward else None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -151,12 +165,13 @@ def main(argv: Optional[list] = None) -> int:
     scale = 1e9 if unit == "GB/s" else 1e12
     print(f"attention_ext profile: {fam} ({b}, {h}, {s}, {d}) Hkv{hk} {str(dtype)[6:]} on {args.device}"
           f"{' causal' if args.causal else ''}; {args.warmup} warm-up + {args.iters} iterations; forward median "
-          f"{med * 1e3:.3f} ms, {work / med / scale:.4g} {unit}")
+          f"{med * 1e3:.3f} ms, {work / med / scale:.4g} {unit}; {machine_line(torch.get_num_threads(), gpu=cuda)}")
     print(f"ranges: {', '.join(f'attention_ext/{fam}/{v}' for v in variants)} "
           f"({'NVTX push/pop, nested' if cuda else 'torch.profiler record_function'})")
-    if not cuda:
+    if not cuda:  # Nsight profiles CUDA kernels only: no command line to offer for a CPU run
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    print("Nsight Compute (kernels inside the range; needs a CUDA device) and Nsight Systems:")
+        return 0
+    print("Nsight Compute (kernels inside the range) and Nsight Systems:")
     for line in commands(argv, fam, variants):
         print("  " + line)
     return 0

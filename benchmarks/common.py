@@ -6,7 +6,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_ext.bench import (Timing, allowed_pairs, at_isa_levels, bandwidth_fns, bench,  # noqa: E402,F401
-                                 copy_bandwidth, cpu_peak_flops, cuda_time, decode_bytes, emit, flop_ceiling,
+                                 copy_bandwidth, cpu_model, cpu_peak_flops, cuda_time, decode_bytes, emit, flop_ceiling,
                                  flops, flops_from_pairs,
                                  interleaved, interleaved_stats, interleaved_warm, layout_pairs, linear_flops,
-                                 matmul_best, matmul_ceiling, step, timing)
+                                 machine_line, matmul_best, matmul_ceiling, step, timing)
+from attention_ext._cli import isa_levels  # noqa: E402,F401

@@ -209,3 +209,53 @@ def test_bandwidth_fns_move_the_bytes_they_count():
     (copy, copied), (read, read_bytes) = fns[bench.CEIL_COPY], fns[bench.CEIL_READ]
     assert copied == read_bytes == 1 << 20  # half read + half written; all read
     assert copy().numel() * 4 * 2 == copied and read().item() == (1 << 20) // 4
+
+
+# stand-in peak loops, one rate per kind, so that a row's ceiling names the loop it came from
+FAKE_LOOPS = {"fp32_fma": 1e11, "bf16_dot": 2e11, "int8_dot": 4e11, "int8_amx": 6e12, "bf16_amx": 3e12}
+
+
+@needs_ext
+def test_int8_qk_row_is_read_against_the_int8_loop_of_the_active_level(monkeypatch):
+    """The int8 Q.K^T row's ceiling is the int8 loop of the instruction the active ISA level runs
+    (AMX tiles at avx512amx, VNNI at avx512bf16), in the case's rows and after the run's ceiling is
+    final (final_ceilings, which once overwrote it with the fp32 one); the other rows keep the
+    fp32 ceiling."""
+    monkeypatch.setattr(bench, "cpu_peak_flops", lambda kind, threads=0, seconds=0.3: FAKE_LOOPS[kind])
+    levels = [lv for lv in ("avx512bf16", "avx512amx") if lv in _ext.cpu_isas()] or [_ext.cpu_isa()]
+    for level in bench.at_isa_levels(levels):
+        kind = "int8_amx" if level == "avx512amx" else "int8_dot"
+        assert bench.int8_qk_loop() == kind
+        p = bench.Peers("cpu", flex=False, flex_reason="", flex_budget=60.0)
+        notes = {}
+        fp32 = FAKE_LOOPS["fp32_fma"]
+        rows = bench.run_case(p, "softmax", (1, 2, 2, 16), 64, torch.float32, False,
+                              dict(min_reps=1, budget=0.0, min_time=0.0, target=0.02), notes, fp32, "fp32_fma", [])
+        by = {r["impl"]: r for r in rows}
+        assert by["ours int8 qk"]["ceiling"] * 1e12 == pytest.approx(FAKE_LOOPS[kind])
+        assert by["ours"]["ceiling"] * 1e12 == pytest.approx(fp32)
+        assert kind in notes["ceiling ours int8 qk"]
+        # the run's final ceiling, raised by a burst: the fp32 rows follow it, the int8 row keeps its loop
+        peaks = {("cpu", torch.float32): (fp32, {bench.FP32_LOOP: fp32})}
+        bench.final_ceilings({("softmax", "cpu", "float32"): rows}, peaks, {("cpu", torch.float32): [1.5 * fp32]},
+                             {("softmax", "cpu", "float32"): {}})
+        assert peaks["cpu", torch.float32] == (1.5 * fp32, {bench.FP32_LOOP: 1.5 * fp32})
+        assert by["ours"]["ceiling"] * 1e12 == pytest.approx(1.5 * fp32)
+        assert by["ours int8 qk"]["ceiling"] * 1e12 == pytest.approx(FAKE_LOOPS[kind])
+        assert by["ours int8 qk"]["ceiling"] != by["ours"]["ceiling"]
+        for r in rows:
+            assert r["share"] == pytest.approx(r["tflops"] / r["ceiling"])
+
+
+def test_final_ceilings_fold_the_bursts_into_the_loop_that_ran_them():
+    """bf16 on AMX: the bursts beside every round ran the AMX tile loop (burst_loop), so they raise
+    its entry and the header labels each rate by the loop that measured it (once, the AMX bursts
+    were filed under the bf16 dot loop)."""
+    parts = {bench.FP32_LOOP: 1.0, bench.BF16_LOOP: 2.0, bench.BF16_AMX_LOOP: 30.0, "2048x2048 matmul": 3.0}
+    assert bench.burst_loop(parts) == bench.BF16_AMX_LOOP
+    assert bench.burst_loop({bench.FP32_LOOP: 1.0, bench.BF16_LOOP: 2.0}) == bench.BF16_LOOP
+    assert bench.burst_loop({"4096x4096 matmul": 1.0}) is None
+    peaks = {("cpu", torch.bfloat16): (30.0, parts)}
+    bench.final_ceilings({}, peaks, {("cpu", torch.bfloat16): [40.0, 35.0]}, {})
+    assert peaks["cpu", torch.bfloat16][0] == 40.0
+    assert parts == {bench.FP32_LOOP: 1.0, bench.BF16_LOOP: 2.0, bench.BF16_AMX_LOOP: 40.0, "2048x2048 matmul": 3.0}

@@ -30,8 +30,13 @@ def test_reverse_task_holds_out_test_strings():
     assert dec_in[1, 0] == demo.BOS and dec_out[0, 3] == demo.EOS
 
 
-def test_bad_parts_flag(tmp_path):
-    assert demo.main(["--parts", "nope", "--out", str(tmp_path)]) == 2
+def test_bad_parts_flag(tmp_path, capsys):
+    """An unknown part: argparse's error listing the parts, before --out is made."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--parts", "seq2seq,nope", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert "--parts: unknown 'nope' (comma-separated, from seq2seq, lm, timings)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -207,3 +212,24 @@ def test_demo_time_cap_is_not_a_failed_model(tmp_path):
     assert r["seq2seq"]["stopped_by"] == "time cap" and r["seq2seq"]["steps"] < 500
     log = (out / "log.txt").read_text()
     assert f"stopped by the time cap (0.5 s, --max-seconds) after {r['seq2seq']['steps']} of 500 steps" in log
+
+
+def test_demo_log_names_the_cpu_isa_level(tmp_path):
+    """The log's header and the timing table name the ISA level the CPU kernels ran (the timings
+    depend on it; results.json's cpu_isa alone was not beside the figures)."""
+    from attention_ext import _ext
+
+    out = tmp_path / "isa"
+    assert demo.main(["--quick", "--parts", "seq2seq,timings", "--device", "cpu", "--s2s-steps", "1", "--s2s-test", "4",
+                      "--bench-reps", "1", "--no-plots", "--quiet", "--min-accuracy", "0", "--out", str(out)]) == 0
+    log = (out / "log.txt").read_text().splitlines()
+    level = f"CPU ISA {_ext.cpu_isa()}"
+    assert level in log[0]
+    assert level in next(ln for ln in log if ln.startswith("[3/3]"))
+
+
+def test_baseline_comparison_is_worded_either_way():
+    """Fewer bits than the unigram baseline read as better; more, as worse (once: "0.77x better")."""
+    assert demo._vs_baseline(2.0, 4.0) == "2.00x better"
+    assert demo._vs_baseline(5.2, 4.0) == "worse than the baseline: 1.30x its bits"
+    assert demo._vs_baseline(4.0, 4.0) == "the same as the baseline"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import attention_ext as ae
+from attention_ext._cli import isa_levels
 from attention_ext.decode import decode_fwd
 from attention_ext.decode.reference import decode_attention
 
@@ -37,7 +38,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    levels = args.levels.split(",") if args.levels else list(ae.cpu_isas())
+    levels = isa_levels(ap, "--levels", args.levels) if args.levels is not None else list(ae.cpu_isas())
     print(f"CPU: {platform.machine()}, levels {', '.join(levels)}, 1 thread, torch {torch.__version__}")
     print("| dtype | (B, H, H_k, D, S) | " + " | ".join(f"{lv} us" for lv in levels) +
           f" | vs {levels[0]} | max abs err: " + " / ".join(levels) + " / torch |")

@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import at_isa_levels, copy_bandwidth, emit, interleaved  # noqa: E402
+from common import at_isa_levels, copy_bandwidth, emit, interleaved, isa_levels  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.decode import decode_fwd, quantize_kv  # noqa: E402
@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    levels = isa_levels(ap, "--levels", args.levels) if args.levels is not None else [ae.cpu_isa()]
     b, h, hk, d, s = 4, 32, 8, 128, 16384 // (4 if args.quick else 1)
     torch.manual_seed(0)
     q = torch.randn(b, 1, h, d).bfloat16()
@@ -51,7 +52,6 @@ def main(argv=None) -> int:
         return sum(t.numel() * t.element_size() for t in (kc, vc, ks, vs) if t is not None)
 
     bw = copy_bandwidth()
-    levels = args.levels.split(",") if args.levels else [ae.cpu_isa()]
     lines = [f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
              f"{torch.__version__}; copy bandwidth {bw / 1e9:.1f} GB/s; (B, Hq, Hkv, D) = ({b}, {h}, {hk}, {d}), "
              f"cache {s}, q bf16", ""]

@@ -32,7 +32,6 @@ import argparse
 import datetime
 import inspect
 import os
-import platform
 import queue
 import shutil
 import statistics
@@ -198,8 +197,8 @@ def _exposed(stats, t):
 
 
 def main(argv=None):
-    from attention_ext.distributed import MODES, shard_work
-    from attention_ext.bench import flops
+    from attention_ext.distributed import MODES, sequence_multiple, shard_work
+    from attention_ext.bench import cpu_model, flops, machine_line
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=8192)
@@ -211,14 +210,34 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
-    modes = a.modes.split(",") if a.modes else list(MODES)
+    # the arguments the ranks would refuse, refused here: inside a rank they surface as a nested
+    # traceback after the single-process baseline has run
+    for name in ("seq", "heads", "dim", "reps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.world < 2:
+        p.error(f"--world must be >= 2 (the ranks of one gloo group), got {a.world}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    known = (*MODES, "allgather-no-overlap")
+    modes = a.modes.split(",") if a.modes is not None else list(MODES)
+    bad = [m for m in modes if m not in known]
+    if bad:
+        p.error(f"--modes: unknown {', '.join(repr(m) for m in bad)} (comma-separated, from {', '.join(known)})")
+    if "ulysses" in modes and a.heads % a.world:
+        p.error(f"--heads {a.heads}: mode ulysses shards the heads over the ranks, so --heads must be a multiple of "
+                f"--world {a.world} (or leave ulysses out of --modes)")
+    m = max(sequence_multiple(a.world, shard_layout=layout) for _, layout, _, _ in CASES)
+    if a.seq % m:
+        p.error(f"--seq {a.seq}: the cases' shard layouts over --world {a.world} ranks need a multiple of {m}")
     explicit = a.modes is not None
 
     t1 = spawn(single, 1, a)[0]
     per_rank = spawn(ranks, a.world, a, modes)
     lines = [f"Context-parallel attention efficiency T1 / (P T_rank), fwd+bwd fp32, B=1 H={a.heads} S={a.seq} "
              f"D={a.dim}, P={a.world} gloo ranks, 1 thread per process, median of {a.reps} after {a.warmup} warmup",
-             f"({datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__})", "",
+             f"({datetime.date.today()}, {cpu_model()}; {machine_line(1)} in each process)",
+             "",
              f"documents: {len(pack(a.seq)) - 1} (1 x {3 * a.seq // 4} + {(a.seq - 3 * a.seq // 4) // 32} x 32); "
              f"work imbalance max / mean: " + ", ".join(
                  f"{lay} {max(w) / (sum(w) / a.world):.2f}" for lay in ("zigzag", "balanced")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import os
 import sys
 import warnings
@@ -27,7 +26,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import interleaved, linear_flops, matmul_ceiling  # noqa: E402
+from common import cpu_model, interleaved, linear_flops, machine_line, matmul_ceiling  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.linear import LinearAttentionState, linear_attention_step, ops, reference  # noqa: E402
@@ -168,14 +167,12 @@ def main(argv=None):
     reps = 1 if args.quick else args.reps
     warnings.simplefilter("ignore", RuntimeWarning)
     if args.step_only:
-        emit(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-             f"{torch.__version__}")
+        emit(f"CPU: {cpu_model()}; {machine_line(torch.get_num_threads())}")
         step_bandwidth(reps)
         _write(args)
         return 0
     ceil = matmul_ceiling(torch.float32, n=1024 if args.quick else 2048)
-    emit(f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-         f"{torch.__version__}; fp32 matmul ceiling {ceil / 1e9:.1f} GFLOP/s; linear op "
+    emit(f"CPU: {cpu_model()}; {machine_line(torch.get_num_threads())}; fp32 matmul ceiling {ceil / 1e9:.1f} GFLOP/s; linear op "
          f"{'built' if HAS_OP else 'NOT built (ours columns empty)'}")
     emit()
     emit("| case | (B, H, S, D) | dtype | ours GFLOP/s (of fp32 matmul, time) | peer GFLOP/s (time) | "

@@ -26,7 +26,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import at_isa_levels, cpu_peak_flops, interleaved, interleaved_stats, matmul_ceiling  # noqa: E402
+from common import (at_isa_levels, cpu_peak_flops, interleaved, interleaved_stats, isa_levels,  # noqa: E402
+                    matmul_ceiling)
 
 import attention_ext as ae  # noqa: E402
 from attention_ext.bench import cache_evictor  # noqa: E402
@@ -140,6 +141,7 @@ def main(argv=None):
     ap.add_argument("--levels", default=None, help="comma-separated ISA levels (default: this machine's)")
     ap.add_argument("--out", default=None, help="write the markdown report here")
     args = ap.parse_args(argv)
+    levels = isa_levels(ap, "--levels", args.levels) if args.levels is not None else [ae.cpu_isa()]
     argv_list = list(sys.argv[1:] if argv is None else argv)
     reps = 1 if args.quick else args.reps
     warnings.simplefilter("ignore", RuntimeWarning)
@@ -151,7 +153,7 @@ def main(argv=None):
     shape = (1, 8, 1024 if args.quick else 4096, 128, 128)
     emit(f"(B, H, S, K, V) = {shape}")
     # the peer (PyTorch) runs at torch's own ISA whatever the level; ours at each level in turn
-    for level in at_isa_levels(args.levels.split(",") if args.levels else [ae.cpu_isa()]):
+    for level in at_isa_levels(levels):
         ceil = cpu_peak_flops("fp32_fma") or mm  # the level's vector width
         emit()
         emit(f"ISA level {level}: fp32 FMA peak {ceil / 1e9:.1f} GFLOP/s (cpu_peak_flops)")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import flops, interleaved, step  # noqa: E402
+from common import flops, interleaved, isa_levels, step  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 
@@ -28,9 +28,14 @@ def main() -> None:
     ap.add_argument("--isa", default=None, help="force a CPU ISA level (attention_ext.set_cpu_isa)")
     ap.add_argument("--shape", default="1,8,1024,64", help="B,H,S,D")
     args = ap.parse_args()
+    if args.isa is not None and len(isa_levels(ap, "--isa", args.isa)) != 1:
+        ap.error(f"--isa: one level, got {args.isa!r}")
+    try:
+        b, h, s, d = (int(x) for x in args.shape.split(","))
+    except ValueError:
+        ap.error(f"--shape takes B,H,S,D, got {args.shape!r}")
     torch.set_num_threads(args.threads)
     ae.set_cpu_isa(args.isa)
-    b, h, s, d = (int(x) for x in args.shape.split(","))
     print(f"CPU: {platform.processor() or platform.machine()}; attention_ext level {ae.cpu_isa()}; "
           f"torch {torch.__version__}; {args.threads} thread(s); B{b} H{h} S{s} D{d}, 80% of keys kept\n")
     print("| dtype | mask | mode | ours ms | GFLOP/s | ours / SDPA speed | ours masked / ours unmasked time |")

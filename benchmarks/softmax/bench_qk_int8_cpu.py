@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import at_isa_levels, cpu_peak_flops, emit, interleaved  # noqa: E402
+from common import at_isa_levels, cpu_peak_flops, emit, interleaved, isa_levels  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy", action="store_true", help="the accuracy table instead of the timings")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    levels = isa_levels(ap, "--levels", args.levels) if args.levels is not None else [ae.cpu_isa()]
     if args.accuracy:
         emit("\n".join(accuracy()) + "\n\nCommand: python benchmarks/softmax/bench_qk_int8_cpu.py --accuracy\n",
              args.out)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     lines = [f"CPU: {platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}; "
              "ceilings (every thread): " + ", ".join(f"{k} {v / 1e12:.2f} T/s" for k, v in peaks.items() if v > 0),
              ""]
-    for level in at_isa_levels(args.levels.split(",") if args.levels else [ae.cpu_isa()]):
+    for level in at_isa_levels(levels):
         lines += [f"ISA level {level}:", "",
                   "| (B, H, S, D) | mask | dtype | unquantized ms | int8 Q.K^T ms | x unquantized | SDPA ms | "
                   "x SDPA | int8 TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 import time
 import warnings
@@ -26,7 +25,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import flops, interleaved, layout_pairs, matmul_ceiling  # noqa: E402
+from common import cpu_model, flops, interleaved, layout_pairs, machine_line, matmul_ceiling  # noqa: E402
 
 import attention_ext as ae  # noqa: E402
 from attention_ext import sparse  # noqa: E402
@@ -37,14 +36,6 @@ LINES = []
 def emit(line=""):
     print(line, flush=True)
     LINES.append(line)
-
-
-def isa() -> str:
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    for name in ("avx512_bf16", "avx512f", "avx2"):
-        if f" {name}" in flags:
-            return name
-    return platform.machine()
 
 
 def flex_peer(lay, bs, s, h, q, k, v):
@@ -137,8 +128,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     div = 4 if a.quick else 1
-    emit(f"# Sparse attention, CPU ({datetime.date.today()}, {platform.processor() or platform.machine()}, "
-         f"ISA {isa()}, {torch.get_num_threads()} threads, torch {torch.__version__})")
+    # the ISA level the kernels run (machine_line), not a flag of the CPU's: a level can be forced lower
+    emit(f"# Sparse attention, CPU ({datetime.date.today()}, {cpu_model()}; "
+         f"{machine_line(torch.get_num_threads())})")
     emit()
     emit(f"fp32 matmul ceiling: {matmul_ceiling() / 1e9:.0f} GFLOP/s")
     emit()
