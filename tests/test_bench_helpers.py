@@ -142,6 +142,29 @@ needs_ext = pytest.mark.skipif(not _ext.HAS_EXT, reason="the peak loop is part o
 MAX_HZ, MIN_HZ = 6.5e9, 0.2e9
 
 
+# the levels whose int8 Q.K^T runs vpdpbusd (cpu/q8dot.h), so whose "int8_dot" loop runs
+_VNNI_LEVELS = ("avx2vnni", "avx512vnni", "avx512bf16", "avx512amx")
+
+
+@needs_ext
+def test_int8_dot_loop_runs_where_the_int8_product_does():
+    """The avx2vnni / avx512vnni variants run the int8 Q.K^T on vpdpbusd (AVX-VNNI, AVX512-VNNI
+    under a target attribute), so their ceiling is that loop's (it read 0 there: bench's int8 row
+    fell back to the float32 FMA ceiling)."""
+    old = _ext.cpu_isa()
+    try:
+        for level in _ext.cpu_isas():
+            _ext.set_cpu_isa(level)
+            got = bench.cpu_peak_flops("int8_dot", 1, 0.02)
+            lanes = _ext._C.simd_width()
+            if level in _VNNI_LEVELS:
+                assert 0 < got < 2 * 4 * lanes * 2 * MAX_HZ, level
+            else:
+                assert got == 0.0, level
+    finally:
+        _ext.set_cpu_isa(old)
+
+
 @needs_ext
 def test_cpu_peak_flops_is_physically_possible():
     lanes = _ext._C.simd_width()  # float32 lanes of the active level
@@ -155,10 +178,10 @@ def test_cpu_peak_flops_is_physically_possible():
     elif _ext.cpu_isa() != "native":
         assert bf16 == 0.0  # the level has no bf16 dot product
     int8 = bench.cpu_peak_flops("int8_dot", 1, 0.05)
-    if _ext.cpu_isa() in ("avx512bf16", "avx512amx", "native") and "avx512bf16" in _ext.cpu_isas():
+    if _ext.cpu_isa() in _VNNI_LEVELS or (_ext.cpu_isa() == "native" and "avx512bf16" in _ext.cpu_isas()):
         assert 0 < int8 < 2 * 4 * lanes * 2 * MAX_HZ  # quads: four times the multiply-adds of an FMA
     elif _ext.cpu_isa() != "native":
-        assert int8 == 0.0  # the level has no VNNI (built with it only at avx512bf16)
+        assert int8 == 0.0  # the level has no VNNI
     # AMX tiles (the avx512amx variant only): a (16, 16) tile product per instruction, at most one
     # per 16 cycles per core (1024 int8 / 512 bf16 multiply-adds per cycle), twice for slack
     for kind, macs in (("int8_amx", 1024), ("bf16_amx", 512)):

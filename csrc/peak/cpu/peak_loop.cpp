@@ -13,8 +13,21 @@
 #include "cpu/simd.h"
 #include "peak/cpu/entry.h"
 
-#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The vpdpbusd loops run where the int8 Q.K^T does (cpu/q8dot.h): compiled in with AVX512-VNNI's
+// flags (avx512bf16, avx512amx), and under a target attribute in the avx512 level's "avx512vnni"
+// and the avx2 level's "avx2vnni" variants (isa.h's int8_vnni(), at run time)
+#if defined(__AVX512VNNI__)
+#define ATTN_PEAK_DP512 1
+#define ATTN_PEAK_DP512_FN
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_PEAK_DP512 1
+#define ATTN_PEAK_DP512_FN __attribute__((target("avx512vnni")))
+#elif defined(__AVX2__) && !defined(__AVX512F__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTN_PEAK_DP256 1
 #endif
 
 namespace attn {
@@ -63,8 +76,8 @@ double bf16_dot_loop(int64_t iters) {
 }
 #endif
 
-#if defined(__AVX512VNNI__)
-double int8_dot_loop(int64_t iters) {
+#if defined(ATTN_PEAK_DP512)
+ATTN_PEAK_DP512_FN double int8_dot_loop(int64_t iters) {
   __m512i acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_epi32(c);
   // 64 byte pairs of 1 x 1: every instruction adds 4 to each lane (no overflow in 2^29 rounds)
@@ -78,6 +91,28 @@ double int8_dot_loop(int64_t iters) {
   static volatile int sink;
   sink = _mm512_reduce_add_epi32(s);
   return 2.0 * 64 * kChains * double(iters);  // 16 lanes x 4 products, 2 ops each
+}
+#endif
+
+#if defined(ATTN_PEAK_DP256)
+// AVX-VNNI's 256-bit vpdpbusd, the avx2vnni variant's int8 Q.K^T product
+__attribute__((target("avxvnni"))) double int8_dot_loop(int64_t iters) {
+  __m256i acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm256_set1_epi32(c);
+  const __m256i x = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 12
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm256_dpbusd_avx_epi32(acc[c], x, x);
+  }
+  alignas(32) int32_t lanes[8] = {};
+  for (int c = 0; c < kChains; ++c) {
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc[c]);
+    for (int l = 0; l < 8; ++l) lanes[l] += t[l];
+  }
+  static volatile int sink;
+  sink = lanes[0];
+  return 2.0 * 32 * kChains * double(iters);  // 8 lanes x 4 products, 2 ops each
 }
 #endif
 
@@ -128,6 +163,8 @@ double peak_loop(int kind, int64_t iters) {
 #endif
 #if defined(__AVX512VNNI__)
   if (kind == kPeakInt8Dot) return int8_dot_loop(iters);
+#elif defined(ATTN_PEAK_DP512) || defined(ATTN_PEAK_DP256)
+  if (kind == kPeakInt8Dot) return int8_vnni() ? int8_dot_loop(iters) : 0.0;
 #endif
 #if defined(ATTN_AMX)
   if (kind == kPeakInt8Amx) return amx_loop(false, iters);
