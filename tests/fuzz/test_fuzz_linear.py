@@ -319,7 +319,19 @@ def test_fuzz_linear_maps_and_step(data, mode):
                 t0 += t
             out = torch.cat(parts, 2)
     assert out.shape == (b, h, s, dv) and out.dtype == dtype
-    check_out(out, low, ref, dtype, f"{mode} out")
+    low_out = low
+    if kind != "elu":
+        # the map runs in PyTorch, so its features reach the kernel rounded to dtype: their exact
+        # result, rounded, is the best any kernel can give, and PyTorch's own error is held to at
+        # least that one's (found by the long profile: RFA, bf16, steps, 9.5e-3 against 9.3e-3,
+        # where the kernel's output was that rounded exact result and PyTorch's cancelled luckily)
+        fq_l, fk_l = (ae.linear.feature_maps.apply(phi, t.detach(), is_query=False, normalized=normalize)
+                      for t in (q, k))
+        best = reference.linear_attention(fq_l.double(), fk_l.double(), v.detach().double(), feature_map=0,
+                                          causal=causal, normalize=normalize,
+                                          decay=None if g is None else g.double())[0].to(dtype)
+        low_out = max(low, best, key=lambda t: rel_err(t, ref))
+    check_out(out, low_out, ref, dtype, f"{mode} out")
     # the state in its own scale: S, z times exp(log_scale) (FAVOR+'s key offset), [S | z]
     fin = st_.S if not normalize else torch.cat([st_.S, st_.z.unsqueeze(-1)], -1)
     if st_.log_scale is not None:
