@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..linear.delta import check_inputs, delta_rule_attention
 from .._args import not_a_tensor
-from .agree import agree, field, shard_field
+from .agree import agree, field, needed, shard_field
 from .linear import _Tie
 from .sharding import _AllGather, _check_layout, shards_bhsd
 
@@ -87,14 +87,17 @@ def context_parallel_delta_rule_attention(
     separates the documents of a packed sequence exactly.
     """
     fn = "context_parallel_delta_rule_attention()"
-    check_ranks = check_ranks and not torch.compiler.is_compiling()
+    check_ranks = needed(group, check_ranks)
     sd = 1 if layout == "bshd" else 2  # the shards' length may differ per rank: their sequence dim is left out
-    fields = {} if not check_ranks else dict(
-        q=shard_field(q, sd), k=shard_field(k, sd), v=shard_field(v, sd), beta=shard_field(beta, 2),
-        gate=shard_field(gate, 2), initial_state=field(initial_state), grad_mode=torch.is_grad_enabled(),
-        scale=scale, layout=layout, qk_l2norm=qk_l2norm, shard_layout=shard_layout)
+    fields = dict.fromkeys(("q", "k", "v", "beta", "gate", "initial_state", "grad mode", "scale", "layout",
+                            "qk_l2norm", "shard_layout"))
     err = None
     try:  # this rank's checks, then the group's agreement (agree.py), before any collective
+        if check_ranks:
+            fields.update(q=shard_field(q, sd), k=shard_field(k, sd), v=shard_field(v, sd), beta=shard_field(beta, 2),
+                          gate=shard_field(gate, 2), initial_state=field(initial_state), scale=field(scale),
+                          layout=layout, qk_l2norm=field(qk_l2norm), shard_layout=shard_layout)
+            fields["grad mode"] = torch.is_grad_enabled()
         for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
             if not isinstance(t, Tensor):
                 raise not_a_tensor(name, t, fn)
@@ -105,9 +108,9 @@ def context_parallel_delta_rule_attention(
         # the input rules once, on this rank's shard as delta_rule_attention states them
         check_inputs(q, k, v, beta, gate=gate, scale=scale, initial_state=initial_state, layout=layout,
                      qk_l2norm=qk_l2norm, caller=fn)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  (any failure here must reach every rank, not leave them waiting)
         err = e
-    agree(fn, group, q, fields, err, check=check_ranks)
+    agree(fn, group, fields, err, check=check_ranks)
     qb, kb, vb = shards_bhsd(q, k, v, layout=layout)  # (B, H, n, D) views
     b, hv, n, dv = vb.shape
     dk = qb.shape[-1]

@@ -61,7 +61,7 @@ from ..linear.functional import (LinearAttentionState, linear_attention, normali
                                  stabilized_features)
 from ..linear.ops import acc_dtype
 from .._args import TENSOR_LAYOUT, key_padding_mask_renamed, layout_mismatch, not_a_tensor, renamed
-from .agree import agree, field, map_field, shard_field, state_field
+from .agree import agree, field, map_field, needed, shard_field, state_field
 from .sharding import _AllGather, _check_layout, check_cu_seqlens, shards_bhsd
 
 __all__ = ["context_parallel_linear_attention"]
@@ -235,15 +235,20 @@ def context_parallel_linear_attention(
     normalize adds one all-reduce(MAX) of a detached (B, H_k) tensor forward (the keys' global
     offset), before the all-gather; it has no backward.
     """
+    fn = "context_parallel_linear_attention()"
+    check_ranks = needed(group, check_ranks)
     sd = 1 if layout == "bshd" else 2  # the shards' length may differ per rank: their sequence dim is left out
-    check_ranks = check_ranks and not torch.compiler.is_compiling()
-    fields = {} if not check_ranks else dict(q=shard_field(q, sd), k=shard_field(k, sd), v=shard_field(v, sd), decay=shard_field(decay, 2),
-                  key_mask=shard_field(key_mask, 1),
-                  initial_state=state_field(initial_state), feature_map=map_field(feature_map),
-                  grad_mode=torch.is_grad_enabled(), shard_layout=shard_layout, causal=causal, scale=scale,
-                  normalize=normalize, eps=eps, layout=layout, cu_seqlens=field(cu_seqlens))
+    fields = dict.fromkeys(("q", "k", "v", "decay", "key_mask", "initial_state", "feature_map", "grad mode",
+                            "shard_layout", "causal", "scale", "normalize", "eps", "layout", "cu_seqlens"))
     err = None
     try:  # this rank's checks, then the group's agreement (agree.py), before any collective
+        if check_ranks:
+            fields.update(q=shard_field(q, sd), k=shard_field(k, sd), v=shard_field(v, sd),
+                          decay=shard_field(decay, 2), key_mask=shard_field(key_mask, 1),
+                          initial_state=state_field(initial_state), feature_map=map_field(feature_map),
+                          shard_layout=shard_layout, causal=field(causal), scale=field(scale),
+                          normalize=field(normalize), eps=field(eps), layout=layout, cu_seqlens=field(cu_seqlens))
+            fields["grad mode"] = torch.is_grad_enabled()
         if key_padding_mask is not None:
             raise key_padding_mask_renamed("context_parallel_linear_attention()")
         if qkv_layout is not None:
@@ -312,9 +317,9 @@ def context_parallel_linear_attention(
                 raise TypeError(f"initial_state must be a LinearAttentionState or a Tensor, got "
                                 f"{type(initial_state).__name__}")
             s0 = s0.to(acc)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  (any failure here must reach every rank, not leave them waiting)
         err = e
-    agree("context_parallel_linear_attention()", group, q, fields, err, check=check_ranks)
+    agree(fn, group, fields, err, check=check_ranks)
 
     # a stabilized FAVOR+ under normalize: one all-reduce(MAX) here, before the all-gather (every
     # rank takes the same branch: the feature map and normalize are the same on every rank)

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from .._args import TENSOR_LAYOUT, as_int, not_a_tensor, renamed
 from ..softmax.functional import window_size_pair
-from .agree import agree, field
+from ..softmax import ops as _ops
+from .agree import agree, field, needed
 from .sharding import _check_len, _check_tensor_layout, _documents_for, check_shards
 
 __all__ = ["AttentionOptions", "takes_options"]
@@ -101,25 +102,32 @@ class AttentionOptions:
                group: Optional[dist.ProcessGroup], shard_layout: str, parallel: Dict[str, object],
                check_ranks: bool = True) -> "AttentionOptions":
         """`of`, then this rank's checks of its shards against the options (shards, sequence,
-        blocks), then the group's agreement on them (agree.py: one small all-gather), so that a bad
-        or mismatched argument on any rank raises on every rank before a collective. parallel: how
-        the call is parallel (mode, shard_layout, ...), which must agree too."""
-        # agree.py: nothing to exchange (the modes check, as without a group)
-        if not check_ranks or torch.compiler.is_compiling() or not dist.is_initialized():
+        blocks, and the kernel's own input rules, through softmax_fwd_route: every rank, whether
+        or not its plan calls the kernel), then the group's agreement on them (agree.py: one small
+        all-gather), so that a bad or mismatched argument on any rank raises on every rank before
+        a collective. parallel: how the call is parallel (mode, shard_layout, overlap), which
+        must agree too."""
+        if not needed(group, check_ranks):  # nothing to exchange: the modes check, as without a group
             return cls.of(fn, keywords, takes)
         err, opts = None, None
+        names = ["q", "k", "v", "grad mode", *parallel, *(f.name for f in fields(cls) if f.name != "return_lse")]
+        values: Dict[str, object] = dict.fromkeys(names)  # every rank sends every name (agree's one length)
         try:
             opts = cls.of(fn, keywords, takes)
-            q3, _, _ = opts.shards(q, k, v)
+            q3, k3, v3 = opts.shards(q, k, v)
             _, _, s, _ = opts.sequence(q3, group, shard_layout)
             opts.blocks(q3, s)
-        except (TypeError, ValueError, NotImplementedError) as e:
+            if _ops.has_kernel(q3.device, q3.dtype):  # the kernel's input rules, stated in C++
+                _ops.fwd_route(*(t if t.stride(-1) == 1 else t.contiguous() for t in (q3, k3, v3)),
+                               softcap=float(opts.softcap))
+            values.update({"q": field(q), "k": field(k), "v": field(v), "grad mode": torch.is_grad_enabled(),
+                           **{n: field(x) for n, x in parallel.items()}})
+            # the options as built (numpy numbers, a window given as one int: their normal form);
+            # return_lse is local
+            values.update({f.name: field(getattr(opts, f.name)) for f in fields(cls) if f.name != "return_lse"})
+        except Exception as e:  # noqa: BLE001  (any failure here must reach every rank, not leave them waiting)
             err = e
-        fields_ = {"q": field(q), "k": field(k), "v": field(v), "grad mode": torch.is_grad_enabled(), **parallel}
-        # every option, given or not (the fingerprint's length is the same on every rank); return_lse
-        # is local
-        fields_.update({f.name: field(keywords.get(f.name, f.default)) for f in fields(cls) if f.name != "return_lse"})
-        agree(fn, group, q, fields_, err, check=check_ranks)
+        agree(fn, group, values, err, check=check_ranks)
         return opts
 
     @property

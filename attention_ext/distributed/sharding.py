@@ -282,7 +282,7 @@ def check_shards(q: Tensor, k: Tensor, v: Tensor, *, layout: str) -> Tuple[Tenso
     q, k, v = shards_bhsd(q, k, v, layout=layout)
     # ulysses reshapes q and k by (B, D) before any kernel sees them: its message would name nothing
     if k.shape != v.shape or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        e = ValueError(f"q, k, v shards must have one batch, local length and head dim, and k, v one shape, got "
+        e = ValueError(f"q, k, v shards must have one local length, batch and head dim, and k, v one shape, got "
                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (B, H, n, D)")
         raise _layout_mismatch(q0, k0, v0, layout, e, arg="layout", same_len=True) or e
     return q, k, v

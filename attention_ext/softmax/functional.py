@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import re
 import warnings
 from typing import Optional, Sequence, Tuple, Union
 
@@ -492,7 +493,8 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
         mix = layout_mismatch(*given, layout, e)
         if mix is not None:
             raise mix from e
-        if layout == "bshd":  # the op's message prints its (B, H, S, D) views: add the shapes as passed
+        if layout == "bshd" and re.search(r"\[\d+(, \d+)*\]", str(e)):
+            # a shape error prints the op's (B, H, S, D) views ([2, 4, 16, 32]): add the shapes as passed
             raise ValueError(f"{e.args[0] if e.args else e} (shapes in the op's (B, H, S, D) order; as passed, "
                              f"(B, S, H, D): " + ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip("qkv", given))
                              + ")") from e

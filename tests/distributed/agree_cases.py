@@ -8,9 +8,11 @@ from __future__ import annotations
 import sys
 from typing import Callable, Dict, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+import attention_ext as ae
 from attention_ext import distributed as cp
 
 
@@ -60,8 +62,30 @@ def other_cases() -> Dict[str, Callable[[int], object]]:
         init = torch.zeros(1, 2, d, 5) if (over.get("init") and r == 0) else None
         return cp.context_parallel_delta_rule_attention(q, k, v, beta, initial_state=init)
 
+    def favor(r):
+        q, k, v = _qkv(n=6)
+        fm = ae.linear.feature_maps.Favor(8, 16 if r == 0 else 32, seed=0)
+        return cp.context_parallel_linear_attention(q, k, v, feature_map=fm)
+
+    def entry(r):
+        q, k, v = _qkv()
+        if r == 0:
+            return cp.context_parallel_attention(q, k, v, mode="ring")
+        from attention_ext.distributed.ring import ring_attention
+        return ring_attention(q, k, v)
+
     return {
         "mode differs": lambda r: _attn("allgather" if r == 0 else "ring", *_qkv()),
+        # found by a review: a rank whose queries are all padding calls no kernel, so only the
+        # others raised in the ring (the kernel's own input rules now run on every rank first)
+        "ring: the same bad heads, rank 1's rows all padding": lambda r: _attn(
+            "ring", *_qkv(h=4, hk=3), causal=True, shard_layout="contiguous", seq_len=4),
+        "dropout_p left out on rank 0, 0 on rank 1": lambda r: _attn(
+            "allgather", *_qkv(), **(dict(scale=0.25) if r == 0 else dict(dropout_p=0, scale=np.float32(0.25)))),
+        "different entry points": entry,
+        "linear: feature map widths differ": favor,
+        "linear: a float key_mask with documents on one rank": lambda r: lin(
+            r, kw=dict(cu_seqlens=[0, 3, 12], key_mask=torch.ones(1, 6, dtype=torch.float32 if r else torch.bool))),
         "linear: value widths differ": lambda r: lin(r, dv=5),
         "linear: bad decay on one rank": lambda r: lin(r, kw=dict(decay=torch.zeros(1, 2, 6 if r == 0 else 5))),
         "delta: key widths differ": lambda r: delta(r, k=True),

@@ -46,6 +46,12 @@ CASES.update({
     "linear: bad decay on one rank": (r"rank 1 of the group rejected", r"decay must be this rank's"),
     "delta: key widths differ": (r"passed different q, k",) * 2,
     "delta: initial state on one rank": (r"passed different initial_state",) * 2,
+    "ring: the same bad heads, rank 1's rows all padding": (r"multiple of kv heads",) * 2,
+    "dropout_p left out on rank 0, 0 on rank 1": ("ok",) * 2,  # the options as built agree
+    "different entry points": (r"called different context-parallel functions",) * 2,
+    "linear: feature map widths differ": (r"passed different feature_map \(feature_map: rank 0 \('Favor', "
+                                          r"'head_dim=8, nb_features=16",) * 2,
+    "linear: a float key_mask with documents on one rank": (r"rank 1 of the group rejected", r"."),
 })
 
 
@@ -53,7 +59,12 @@ CASES.update({
 def test_every_rank_raises_and_the_group_goes_on(name):
     for rank, res in enumerate(_suite()):
         kind, msg, after_ok = res[name]
-        assert kind == "ValueError" and re.search(CASES[name][rank], msg), (rank, kind, msg)
+        if CASES[name][rank] == "ok":
+            assert kind == "ok", (rank, kind, msg)
+        elif name.endswith("float key_mask with documents on one rank") and rank == 1:
+            assert kind != "ok", (rank, kind, msg)  # this rank's own error (torch's, for a float mask & bool)
+        else:
+            assert kind == "ValueError" and re.search(CASES[name][rank], msg), (rank, kind, msg)
         assert after_ok, f"rank {rank}: the call after {name!r} failed"
 
 

@@ -6,6 +6,8 @@ both layouts and unusual strides. Forward, final state and every gradient agains
 reference under the project's rule (tests/fuzz/common.py)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, note
@@ -330,7 +332,7 @@ def test_fuzz_linear_maps_and_step(data, mode):
         best = reference.linear_attention(fq_l.double(), fk_l.double(), v.detach().double(), feature_map=0,
                                           causal=causal, normalize=normalize,
                                           decay=None if g is None else g.double())[0].to(dtype)
-        low_out = max(low, best, key=lambda t: rel_err(t, ref))
+        low_out = low if not math.isfinite(rel_err(best, ref)) else max(low, best, key=lambda t: rel_err(t, ref))
     check_out(out, low_out, ref, dtype, f"{mode} out")
     # the state in its own scale: S, z times exp(log_scale) (FAVOR+'s key offset), [S | z]
     fin = st_.S if not normalize else torch.cat([st_.S, st_.z.unsqueeze(-1)], -1)
@@ -363,7 +365,9 @@ def test_fuzz_linear_maps_and_step(data, mode):
         map_only = torch.autograd.grad([fq, fk], [qm, km], [dfq.to(fq.dtype), dfk.to(fk.dtype)])
         for name, o, r, lo in zip("qkv", ours, g64, glow):
             if name != "v" and kind != "elu":  # elu is fused: the kernel runs its backward too
-                lo = max(lo, map_only["qk".index(name)], key=lambda t: rel_err(t, r))
+                alt = map_only["qk".index(name)]
+                if math.isfinite(rel_err(alt, r)):
+                    lo = max(lo, alt, key=lambda t: rel_err(t, r))
             check_grad(o, lo, r, dtype, f"grad of {name}")
     log_example("linear", f"{kind} {mode}")
 
