@@ -109,11 +109,13 @@ def _device(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 
 def agree(fn: str, group: Optional[dist.ProcessGroup], fields: Dict[str, object],
-          error: Optional[BaseException], *, check: bool = True) -> None:
+          error: Optional[BaseException], *, check: bool = True, kind: Optional[str] = None) -> None:
     """Raises, on every rank alike, `error` (this rank's checks failed), or an error naming the
     rank whose checks failed, or the fields (values of `field`) that differ across the group;
-    returns when every rank passed its checks with the same fields. `fn` names the entry point:
-    ranks in different entry points disagree on it."""
+    returns when every rank passed its checks with the same fields. `fn` names the entry point in
+    the messages; `kind` (default `fn`) is what the ranks must agree on: entry points that run the
+    same collectives share one (softmax's three: ring_attention on one rank and
+    context_parallel_attention(mode="ring") on another are the same call)."""
     if not needed(group, check):
         if error is not None:
             raise error
@@ -123,7 +125,7 @@ def agree(fn: str, group: Optional[dist.ProcessGroup], fields: Dict[str, object]
     assert len(names) <= _SLOTS, "agree.py: raise _SLOTS"
     codes = [_code(fields[n]) for n in names] + [0] * (_SLOTS - len(names))
     device = _device(group)
-    mine = torch.tensor([int(error is not None), _code(fn)] + codes, dtype=torch.int64, device=device)
+    mine = torch.tensor([int(error is not None), _code(kind or fn)] + codes, dtype=torch.int64, device=device)
     rows: List[Tensor] = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     table = [r.tolist() for r in rows]

@@ -127,7 +127,7 @@ class AttentionOptions:
             values.update({f.name: field(getattr(opts, f.name)) for f in fields(cls) if f.name != "return_lse"})
         except Exception as e:  # noqa: BLE001  (any failure here must reach every rank, not leave them waiting)
             err = e
-        agree(fn, group, values, err, check=check_ranks)
+        agree(fn, group, values, err, check=check_ranks, kind="context-parallel softmax attention")
         return opts
 
     @property

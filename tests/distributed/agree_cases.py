@@ -67,12 +67,18 @@ def other_cases() -> Dict[str, Callable[[int], object]]:
         fm = ae.linear.feature_maps.Favor(8, 16 if r == 0 else 32, seed=0)
         return cp.context_parallel_linear_attention(q, k, v, feature_map=fm)
 
-    def entry(r):
+    def same_call(r):  # the same collectives under two names: one call
         q, k, v = _qkv()
         if r == 0:
             return cp.context_parallel_attention(q, k, v, mode="ring")
         from attention_ext.distributed.ring import ring_attention
         return ring_attention(q, k, v)
+
+    def entry(r):
+        q, k, v = _qkv()
+        if r == 0:
+            return cp.context_parallel_attention(q, k, v)
+        return cp.context_parallel_linear_attention(q, k, v)
 
     return {
         "mode differs": lambda r: _attn("allgather" if r == 0 else "ring", *_qkv()),
@@ -83,6 +89,7 @@ def other_cases() -> Dict[str, Callable[[int], object]]:
         "dropout_p left out on rank 0, 0 on rank 1": lambda r: _attn(
             "allgather", *_qkv(), **(dict(scale=0.25) if r == 0 else dict(dropout_p=0, scale=np.float32(0.25)))),
         "different entry points": entry,
+        "ring_attention and context_parallel_attention(mode='ring')": same_call,
         "linear: feature map widths differ": favor,
         "linear: a float key_mask with documents on one rank": lambda r: lin(
             r, kw=dict(cu_seqlens=[0, 3, 12], key_mask=torch.ones(1, 6, dtype=torch.float32 if r else torch.bool))),

@@ -49,6 +49,7 @@ CASES.update({
     "ring: the same bad heads, rank 1's rows all padding": (r"multiple of kv heads",) * 2,
     "dropout_p left out on rank 0, 0 on rank 1": ("ok",) * 2,  # the options as built agree
     "different entry points": (r"called different context-parallel functions",) * 2,
+    "ring_attention and context_parallel_attention(mode='ring')": ("ok",) * 2,
     "linear: feature map widths differ": (r"passed different feature_map \(feature_map: rank 0 \('Favor', "
                                           r"'head_dim=8, nb_features=16",) * 2,
     "linear: a float key_mask with documents on one rank": (r"rank 1 of the group rejected", r"."),
