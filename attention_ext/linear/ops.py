@@ -2,10 +2,14 @@
 linear_bwd, linear_step} and their autograd.
 
     linear_fwd(q, k, v, decay?, initial_state?, key_mask?, cu_seqlens?, max_seqlen, feature_map,
-               causal, normalize, eps, scale) -> (out, den, final_state)
+               causal, normalize, eps, scale, keep_residual=False) -> (out, den, final_state, out_residual)
     linear_bwd(dout, dfinal_state?, q, k, v, out, den, decay?, initial_state?, key_mask?,
-               cu_seqlens?, max_seqlen, feature_map, causal, normalize, eps, scale)
+               cu_seqlens?, max_seqlen, feature_map, causal, normalize, eps, scale, out_residual?)
         -> (dq, dk, dv, ddecay, dinitial_state)
+        out_residual: out's rounding residual (a normalized fp16 / bf16 call that keeps it, else
+        empty), which the backward adds back to out where it forms d den = -(dout . out) / den:
+        with out alone, a row that sees one key (or keys with near-equal values) loses the
+        normalizer's small eps / den gradient to out's 16-bit rounding (csrc/common/linear_params.h)
     linear_step(q, k, v, state!, normalizer!?, decay?, feature_map, eps, scale) -> out
         the recurrent form over T positions (reference.linear_step), state (B, H, M, Dv) and
         normalizer (B, H, M) advanced in place, decay (B, H, T) or (B, H, T, M) (per feature); no autograd (the functional layer runs the
@@ -122,15 +126,19 @@ def _arg_names(op: str) -> Tuple[str, ...]:
 STEP_ARGS = _arg_names("linear_step") if HAS_STEP_OP else ()
 FWD_ARGS = _arg_names("linear_fwd") if HAS_OP else ()
 BWD_ARGS = _arg_names("linear_bwd") if HAS_OP else ()
-OPTION_NAMES = FWD_ARGS[3:]  # decay ... scale, in schema order
+OPTION_NAMES = FWD_ARGS[3:-1]  # decay ... scale, in schema order (the last is keep_residual)
+assert not FWD_ARGS or FWD_ARGS[-1] == "keep_residual"
 _GRAD_INPUTS = ("q", "k", "v", "decay", "initial_state")  # the inputs the backward differentiates
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, **options) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.attention_ext.linear_fwd with keyword options (every name of OPTION_NAMES).
-    Returns (out, den, final_state)."""
-    a = dict(options, q=q, k=k, v=v)
-    return torch.ops.attention_ext.linear_fwd(*[a[n] for n in FWD_ARGS])
+    Returns (out, den, final_state). Where autograd will record the call, the op also keeps out's
+    rounding residual for its backward (the autograd context holds it)."""
+    grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                           for t in (q, k, v, options.get("decay"), options.get("initial_state")))
+    a = dict(options, q=q, k=k, v=v, keep_residual=grad)
+    return torch.ops.attention_ext.linear_fwd(*[a[n] for n in FWD_ARGS])[:3]
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Optional[Tensor] = None,
@@ -147,8 +155,8 @@ if HAS_OP:
 
     def _setup_context(ctx, inputs, output):
         a = dict(zip(FWD_ARGS, inputs))
-        out, den, _ = output
-        ctx.mark_non_differentiable(den)  # den is saved for the backward; linear_bwd takes no dden
+        out, den, _, res = output
+        ctx.mark_non_differentiable(den, res)  # saved for the backward; linear_bwd takes no dden
         ctx.set_materialize_grads(False)  # an unused final_state gives dfinal_state None, not zeros
         need = {n: ctx.needs_input_grad[FWD_ARGS.index(n)] for n in _GRAD_INPUTS}
         ctx.need = need
@@ -156,12 +164,12 @@ if HAS_OP:
             return
         ctx.scalars = {n: a[n] for n in ("max_seqlen", "feature_map", "causal", "normalize", "eps", "scale")}
         ctx.save_for_backward(a["q"], a["k"], a["v"], out, den, a["decay"], a["initial_state"], a["key_mask"],
-                              a["cu_seqlens"])
+                              a["cu_seqlens"], res if res.numel() else None)
 
-    def _backward(ctx, dout, dden, dfinal_state):
+    def _backward(ctx, dout, dden, dfinal_state, dres):
         if not any(ctx.need.values()):
             return (None,) * len(FWD_ARGS)
-        q, k, v, out, den, decay, initial_state, key_mask, cu_seqlens = ctx.saved_tensors
+        q, k, v, out, den, decay, initial_state, key_mask, cu_seqlens, res = ctx.saved_tensors
         if dout is None:  # only final_state reached the loss
             dout = torch.zeros_like(out)
         elif dout.stride(-1) != 1:  # e.g. the expanded ones of out.sum().backward()
@@ -169,7 +177,7 @@ if HAS_OP:
         if dfinal_state is not None:
             dfinal_state = dfinal_state.contiguous()
         a = dict(ctx.scalars, dout=dout, dfinal_state=dfinal_state, q=q, k=k, v=v, out=out, den=den, decay=decay,
-                 initial_state=initial_state, key_mask=key_mask, cu_seqlens=cu_seqlens)
+                 initial_state=initial_state, key_mask=key_mask, cu_seqlens=cu_seqlens, out_residual=res)
         dq, dk, dv, ddecay, dinit = torch.ops.attention_ext.linear_bwd(*[a[n] for n in BWD_ARGS])
         grads = dict(q=dq, k=dk, v=dv, decay=ddecay if decay is not None else None,
                      initial_state=dinit if initial_state is not None else None)

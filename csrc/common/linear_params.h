@@ -25,6 +25,10 @@ inline constexpr float kResetGate = -104.f;
 
 enum class FeatureMap : int32_t { kIdentity = 0, kElu = 1, kRelu = 2 };
 
+// The CUDA tensor-core kernels take fp16 / bf16 calls with M <= this (on sm_80 and later); wider
+// calls, float32 and older devices run the SIMT kernels.
+inline constexpr int kLinearTensorCoreMaxFeatures = 128;
+
 // QkvParams' sq = sk = the sequence length (varlen: the longest), d = M, the feature width of
 // q and k; o is (B, H, S, Dv) in q's dtype.
 template <typename Acc>
@@ -35,6 +39,15 @@ struct LinearParamsT : QkvParams {
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
   int64_t o_batch_stride, o_head_stride, o_row_stride;
+  // out's rounding residual, (out_i in Acc) - out_i rounded to out's dtype, in out's dtype and
+  // strides; nullptr = none. Kept for a 16-bit normalized call that needs gradients: the backward
+  // forms d den_i = -(dout_i . out_i) / den_i, and dk_j's dout_i . (v_j - out_i) / den_i cancels
+  // on a row that sees one key (or keys with near-equal values), so the output's 16-bit rounding
+  // (2^-9 relative) would swamp the gradient there, while out + residual is good to ~2^-17.
+  // The CPU kernels and the CUDA SIMT kernels use it. The CUDA tensor-core kernels do not: their
+  // backward takes dO' = dout / den as a 16-bit mma operand, whose rounding is out's own, so a
+  // residual would add bytes and no accuracy (torch/linear_binding.h keep_residual_for).
+  void* o_res;
   // varlen: (B + 1) offsets into one (1, H, total, .) pack; batch strides unused
   const int32_t* cu_seqlens;
   // (B, S) key mask, nonzero = a real key; nullptr = every key. Varlen: (1, total).

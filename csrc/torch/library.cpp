@@ -361,11 +361,14 @@ TORCH_LIBRARY(attention_ext, m) {
   m.def("lsh_attention(Tensor qk, Tensor v, Tensor? rotations, int n_buckets, int n_hashes, int chunk_size, "
         "bool causal=False) -> (Tensor, Tensor)");
   // linear family
-  m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor)");
+  // keep_residual: also return out's rounding residual (linear_binding.h), which linear_bwd then
+  // reads (an empty tensor where keep_residual_for does not hold)
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA
+        ", bool keep_residual=False) -> (Tensor, Tensor, Tensor, Tensor)");
   // linear_fwd's input rules alone, on any device (the Python reference fallback's check)
   m.def("linear_check(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ") -> ()");
   m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den"
-        ATTN_LINEAR_OPTIONS_SCHEMA ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ATTN_LINEAR_OPTIONS_SCHEMA ", Tensor? out_residual=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // the recurrent step: mutates state (and normalizer) in place, so a decode step reads and
   // writes the state once; functionalization (torch.compile) sees the (a!) / (b!) annotations
   m.def("linear_step(Tensor q, Tensor k, Tensor v, Tensor(a!) state, Tensor(b!)? normalizer, Tensor? decay, "

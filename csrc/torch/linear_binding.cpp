@@ -117,7 +117,7 @@ void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
                              const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
-                             const LinearOptions& o) {
+                             const std::optional<at::Tensor>& out_residual, const LinearOptions& o) {
   const std::vector<c10::SymInt> want_out{q.sym_size(0), q.sym_size(1), q.sym_size(2), v.sym_size(3)};
   TORCH_CHECK_VALUE(dout.sym_sizes() == c10::SymIntArrayRef(want_out) && out.sym_sizes() == c10::SymIntArrayRef(want_out),
                     "attention_ext.linear_bwd: dout and out must be (B, H, S, Dv) = ", c10::SymIntArrayRef(want_out));
@@ -128,11 +128,27 @@ void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Ten
   TORCH_CHECK(dout.device() == q.device() && out.device() == q.device(),
               "attention_ext.linear_bwd: dout and out must be on ", q.device());
   check_side(den, "den", {q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc_of(q), q);
+  if (out_residual.has_value() && out_residual->sym_numel() != 0) {
+    TORCH_CHECK_VALUE(out_residual->sym_sizes() == out.sym_sizes(),
+                      "attention_ext.linear_bwd: out_residual must be out's shape ", out.sym_sizes(), " (or empty), got ",
+                      out_residual->sym_sizes());
+    TORCH_CHECK_TYPE(out_residual->scalar_type() == out.scalar_type(),
+                     "attention_ext.linear_bwd: out_residual must have out's dtype ", out.scalar_type());
+    TORCH_CHECK(out_residual->device() == q.device(), "attention_ext.linear_bwd: out_residual must be on ", q.device());
+  }
   check_side(dfinal_state, "dfinal_state", {num_seqs_sym(q, o), q.sym_size(1), q.sym_size(3), dv_aug_sym(v, o)}, acc_of(q), q);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q, const at::Tensor& v,
-                                                                   const LinearOptions& o) {
+bool keep_residual_for(const at::Tensor& q, const LinearOptions& o, bool keep_residual, bool cuda_kernels) {
+  return keep_residual && o.normalize && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
+         (!cuda_kernels || q.sym_size(3) > kLinearTensorCoreMaxFeatures);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q,
+                                                                               const at::Tensor& v,
+                                                                               const LinearOptions& o,
+                                                                               bool keep_residual,
+                                                                               bool cuda_kernels) {
   const auto acc = q.options().dtype(acc_of(q));
   // out keeps q's memory layout: (B, S, H, Dv) storage when q has heads inside rows
   at::Tensor out = q.stride(1) < q.stride(2)
@@ -141,9 +157,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Te
   at::Tensor den = empty_output({q.size(0), q.size(1), q.size(2)}, acc);
   at::Tensor state = at::empty({num_seqs(q, o), q.size(1), q.size(3), dv_aug(v, o)}, acc);
   // rows no sequence owns (a varlen pack's tail) and empty calls
+  // the residual shares out's strides (the kernels index both alike)
+  at::Tensor res =
+      keep_residual_for(q, o, keep_residual, cuda_kernels) ? at::empty_like(out) : at::empty({0}, q.options());
   if (o.cu_seqlens.has_value() || q.numel() == 0 || v.numel() == 0) {
     out.zero_();
     den.fill_(1.0);
+    res.zero_();
   }
   if (q.size(2) == 0 || q.numel() == 0) {
     if (o.initial_state.has_value()) {
@@ -152,13 +172,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Te
       state.zero_();
     }
   }
-  return {out, den, state};
+  return {out, den, state, res};
+}
+
+at::Tensor residual_as_out(const at::Tensor& out, const std::optional<at::Tensor>& out_residual) {
+  if (!out_residual.has_value() || out_residual->numel() == 0) return at::Tensor();
+  if (out_residual->strides() == out.strides()) return *out_residual;
+  return at::empty_strided(out.sizes(), out.strides(), out.options()).copy_(*out_residual);
 }
 
 template <typename Acc>
 LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& out, const at::Tensor& den, const at::Tensor& final_state,
-                                      const LinearOptions& o) {
+                                      const LinearOptions& o, const at::Tensor& out_residual) {
   LinearParamsT<Acc> p{};
   const bool varlen = o.cu_seqlens.has_value();
   p.b = int32_t(num_seqs(q, o));
@@ -170,6 +196,7 @@ LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, 
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.data_ptr();
+  p.o_res = out_residual.defined() && out_residual.numel() > 0 ? out_residual.data_ptr() : nullptr;
   p.dim_v = int32_t(v.size(3));
   p.dim_v_aug = int32_t(dv_aug(v, o));
   bhs_strides(q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride);
@@ -195,10 +222,10 @@ LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, 
 }
 template LinearParamsT<float> make_linear_params<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        const LinearOptions&);
+                                                        const LinearOptions&, const at::Tensor&);
 template LinearParamsT<double> make_linear_params<double>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                          const LinearOptions&);
+                                                          const LinearOptions&, const at::Tensor&);
 
 LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const LinearOptions& o) {
@@ -225,10 +252,11 @@ LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const a
 template <typename Acc>
 LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
                                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             const at::Tensor& out, const at::Tensor& den, const LinearOptions& o,
+                                             const at::Tensor& out, const at::Tensor& den,
+                                             const at::Tensor& out_residual, const LinearOptions& o,
                                              LinearGrads& g) {
   LinearBwdParamsT<Acc> p{};
-  static_cast<LinearParamsT<Acc>&>(p) = make_linear_params<Acc>(q, k, v, out, den, at::Tensor(), o);
+  static_cast<LinearParamsT<Acc>&>(p) = make_linear_params<Acc>(q, k, v, out, den, at::Tensor(), o, out_residual);
   p.final_state = nullptr;
   p.dout = dout.data_ptr();
   bhs_strides(dout, &p.do_batch_stride, &p.do_head_stride, &p.do_row_stride);
@@ -245,13 +273,13 @@ LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::
 }
 template LinearBwdParamsT<float> make_linear_bwd_params<float>(const at::Tensor&, const std::optional<at::Tensor>&,
                                                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                               const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                                const LinearOptions&, LinearGrads&);
 template LinearBwdParamsT<double> make_linear_bwd_params<double>(const at::Tensor&, const std::optional<at::Tensor>&,
                                                                  const at::Tensor&, const at::Tensor&,
                                                                  const at::Tensor&, const at::Tensor&,
-                                                                 const at::Tensor&, const LinearOptions&,
-                                                                 LinearGrads&);
+                                                                 const at::Tensor&, const at::Tensor&,
+                                                                 const LinearOptions&, LinearGrads&);
 
 void check_linear_step_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& state,
                               const std::optional<at::Tensor>& normalizer, const std::optional<at::Tensor>& decay,

@@ -2,9 +2,11 @@
 // input checks with clear messages, output allocation, tensors -> attn::LinearParams.
 //
 // Op schema (registered in library.cpp):
-//   linear_fwd(q, k, v, <options>) -> (out, den, final_state)
-//   linear_bwd(dout, dfinal_state?, q, k, v, out, den, <options>)
+//   linear_fwd(q, k, v, <options>, keep_residual=False) -> (out, den, final_state, out_residual)
+//   linear_bwd(dout, dfinal_state?, q, k, v, out, den, <options>, out_residual?=None)
 //       -> (dq, dk, dv, ddecay, dinit_state)
+// out_residual: out's rounding residual (LinearParamsT::o_res), like out where keep_residual_for
+// holds, else an empty tensor; the backward reads it when given.
 //   linear_step(q, k, v, state!, normalizer!?, decay?, feature_map, eps, scale) -> out
 //   <options> = decay?, initial_state?, key_mask?, cu_seqlens?, max_seqlen, feature_map, causal,
 //       normalize, eps, scale
@@ -54,17 +56,29 @@ void check_linear_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // Checks the backward's extra inputs against q, v and the options.
 void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
                              const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
-                             const LinearOptions& o);
+                             const std::optional<at::Tensor>& out_residual, const LinearOptions& o);
 
-// out (q's layout, v's width), den (B, H, S) and final_state (B_seq, H, M, Dv + normalize), the
-// last two in float32 (float64 for float64 inputs).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q, const at::Tensor& v,
-                                                                   const LinearOptions& o);
+// Whether linear_fwd(keep_residual=True) keeps out's rounding residual (LinearParamsT::o_res): a
+// normalized call in a 16-bit dtype (float32 / float64 outputs are the kernels' own precision;
+// without the normalizer the backward never reads out), on the CPU kernels, or on the CUDA
+// kernels (cuda_kernels: the real ones and the emulator's) where the SIMT kernels take it, M >
+// kLinearTensorCoreMaxFeatures. (Below sm_80 the SIMT kernels also take narrower calls, without
+// a residual: the rule must not depend on the device, since the Meta kernel states it too.)
+bool keep_residual_for(const at::Tensor& q, const LinearOptions& o, bool keep_residual, bool cuda_kernels);
+
+// out (q's layout, v's width), den (B, H, S), final_state (B_seq, H, M, Dv + normalize) (den and
+// the state in float32, float64 for float64 inputs) and out_residual (like out where
+// keep_residual_for(q, o, keep_residual, cuda_kernels) holds, else empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q,
+                                                                               const at::Tensor& v,
+                                                                               const LinearOptions& o,
+                                                                               bool keep_residual,
+                                                                               bool cuda_kernels);
 
 template <typename Acc>
 LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& out, const at::Tensor& den, const at::Tensor& final_state,
-                                      const LinearOptions& o);
+                                      const LinearOptions& o, const at::Tensor& out_residual = at::Tensor());
 
 struct LinearGrads {
   at::Tensor dq, dk, dv, ddecay, dinit_state;
@@ -74,10 +88,16 @@ struct LinearGrads {
 LinearGrads alloc_linear_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const LinearOptions& o);
 
+// linear_bwd's out_residual in out's strides (the kernels index both alike): itself, a copy when
+// its strides differ, or an undefined tensor when none was given (or an empty one).
+at::Tensor residual_as_out(const at::Tensor& out, const std::optional<at::Tensor>& out_residual);
+
+// out_residual: residual_as_out's (undefined = none).
 template <typename Acc>
 LinearBwdParamsT<Acc> make_linear_bwd_params(const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state,
                                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             const at::Tensor& out, const at::Tensor& den, const LinearOptions& o,
+                                             const at::Tensor& out, const at::Tensor& den,
+                                             const at::Tensor& out_residual, const LinearOptions& o,
                                              LinearGrads& g);
 
 // linear_step: q (B, H, T, M), k (B, H_k, T, M), v (B, H_k, T, Dv) (last dims contiguous), state

@@ -21,29 +21,30 @@ attn::DType linear_dtype(const Tensor& q) {
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v
-                                                  ATTN_LINEAR_OPTIONS_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const Tensor& k, const Tensor& v
+                                                          ATTN_LINEAR_OPTIONS_PARAMS, bool keep_residual) {
   const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
-  auto [out, den, state] = attn::api::alloc_linear_outputs(q, v, o);
-  if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) return {out, den, state};
+  auto [out, den, state, res] = attn::api::alloc_linear_outputs(q, v, o, keep_residual, false);
+  if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) return {out, den, state, res};
   const attn::DType dt = linear_dtype(q);
   if (dt == attn::DType::kF64) {
-    attn::cpu::linear_fwd_stub<double>(attn::api::make_linear_params<double>(q, k, v, out, den, state, o), dt);
+    attn::cpu::linear_fwd_stub<double>(attn::api::make_linear_params<double>(q, k, v, out, den, state, o, res), dt);
   } else {
-    attn::cpu::linear_fwd_stub<float>(attn::api::make_linear_params<float>(q, k, v, out, den, state, o), dt);
+    attn::cpu::linear_fwd_stub<float>(attn::api::make_linear_params<float>(q, k, v, out, den, state, o, res), dt);
   }
-  return {out, den, state};
+  return {out, den, state, res};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& dout,
                                                                   const std::optional<Tensor>& dfinal_state,
                                                                   const Tensor& q, const Tensor& k, const Tensor& v,
                                                                   const Tensor& out, const Tensor& den
-                                                                      ATTN_LINEAR_OPTIONS_PARAMS) {
+                                                                      ATTN_LINEAR_OPTIONS_PARAMS,
+                                                                  const std::optional<Tensor>& out_residual) {
   const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
-  attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
+  attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, out_residual, o);
   attn::api::LinearGrads g = attn::api::alloc_linear_grads(q, k, v, o);
   if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) {
     if (o.initial_state.has_value() && dfinal_state.has_value()) {
@@ -52,12 +53,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cpu(const Tensor& 
     return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
   }
   const attn::DType dt = linear_dtype(q);
+  const Tensor res = attn::api::residual_as_out(out, out_residual);
   if (dt == attn::DType::kF64) {
     attn::cpu::linear_bwd_stub<double>(
-        attn::api::make_linear_bwd_params<double>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
+        attn::api::make_linear_bwd_params<double>(dout, dfinal_state, q, k, v, out, den, res, o, g), dt);
   } else {
     attn::cpu::linear_bwd_stub<float>(
-        attn::api::make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g), dt);
+        attn::api::make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, res, o, g), dt);
   }
   return {g.dq, g.dk, g.dv, g.ddecay, g.dinit_state};
 }

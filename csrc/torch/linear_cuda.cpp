@@ -42,20 +42,20 @@ struct CudaDevice : attn::api::CudaDeviceBase<CudaDevice> {
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> linear_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v
-                                                   ATTN_LINEAR_OPTIONS_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> linear_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v
+                                                           ATTN_LINEAR_OPTIONS_PARAMS, bool keep_residual) {
   attn::NvtxRange range("attention_ext::linear::fwd (CUDA)");
-  return attn::api::linear_cuda_fwd_steps(CudaDevice{}, q, k, v,
-                                          ATTN_LINEAR_MAKE_OPTIONS());
+  return attn::api::linear_cuda_fwd_steps(CudaDevice{}, q, k, v, ATTN_LINEAR_MAKE_OPTIONS(), keep_residual);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_cuda(const Tensor& dout,
                                                                    const std::optional<Tensor>& dfinal_state,
                                                                    const Tensor& q, const Tensor& k, const Tensor& v,
                                                                    const Tensor& out, const Tensor& den
-                                                                       ATTN_LINEAR_OPTIONS_PARAMS) {
+                                                                       ATTN_LINEAR_OPTIONS_PARAMS,
+                                                                   const std::optional<Tensor>& out_residual) {
   attn::NvtxRange range("attention_ext::linear::bwd (CUDA)");
-  return attn::api::linear_cuda_bwd_steps(CudaDevice{}, dout, dfinal_state, q, k, v, out, den,
+  return attn::api::linear_cuda_bwd_steps(CudaDevice{}, dout, dfinal_state, q, k, v, out, den, out_residual,
                                           ATTN_LINEAR_MAKE_OPTIONS());
 }
 

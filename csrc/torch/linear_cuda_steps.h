@@ -49,20 +49,21 @@ inline bool linear_empty_call(const at::Tensor& q, const at::Tensor& v) {
 }
 
 template <typename Device>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Device& dev, const at::Tensor& q,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Device& dev, const at::Tensor& q,
                                                                      const at::Tensor& k, const at::Tensor& v,
-                                                                     const LinearOptions& o) {
+                                                                     const LinearOptions& o, bool keep_residual) {
   check_linear_inputs(q, k, v, o);
   dev.check_device(q);
   const auto guard = dev.guard(q);
-  auto [out, den, state] = alloc_linear_outputs(q, v, o);
-  if (linear_empty_call(q, v)) return {out, den, state};
+  auto [out, den, state, res] = alloc_linear_outputs(q, v, o, keep_residual, true);
+  if (linear_empty_call(q, v)) return {out, den, state, res};
   if constexpr (Device::kPoison) {
     poison_rows(out, o);
+    poison_rows(res, o);
     poison_rows(den.unsqueeze(-1), o);
     state.fill_(NAN);
   }
-  const LinearParamsT<float> p = make_linear_params<float>(q, k, v, out, den, state, o);
+  const LinearParamsT<float> p = make_linear_params<float>(q, k, v, out, den, state, o, res);
   const DType dt = dtype_of(q);
   // the chunk-parallel forward's segment states (entry.h); every element is written before it is read
   const LinearCudaKernels kern = dev.linear_kernels();  // one snapshot sizes and launches
@@ -74,16 +75,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps(const Devic
   }
   dev.reads({&q, &k, &v, &scratch});
   run_backend<Device>([&] { dev.linear_fwd(p, dt, kern, scratch.defined() ? scratch.data_ptr<float>() : nullptr); });
-  return {out, den, state};
+  return {out, den, state, res};
 }
 
 template <typename Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cuda_bwd_steps(
     const Device& dev, const at::Tensor& dout, const std::optional<at::Tensor>& dfinal_state, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den, const LinearOptions& o) {
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& den,
+    const std::optional<at::Tensor>& out_residual, const LinearOptions& o) {
   check_linear_inputs(q, k, v, o);
   dev.check_device(q);
-  check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
+  check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, out_residual, o);
   const auto guard = dev.guard(q);
   LinearGrads g = alloc_linear_grads(q, k, v, o);
   if (linear_empty_call(q, v)) {
@@ -97,7 +99,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cu
     if (g.ddecay.numel() > 0) poison_rows(g.ddecay.unsqueeze(-1), o);
     if (g.dinit_state.numel() > 0) g.dinit_state.fill_(NAN);
   }
-  const LinearBwdParamsT<float> p = make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, o, g);
+  const at::Tensor res = residual_as_out(out, out_residual);
+  const LinearBwdParamsT<float> p = make_linear_bwd_params<float>(dout, dfinal_state, q, k, v, out, den, res, o, g);
   const DType dt = dtype_of(q);
   // fp32 accumulators the kernels add into (entry.h): zeroed, never poisoned
   const LinearCudaKernels kern = dev.linear_kernels();  // one snapshot sizes and launches

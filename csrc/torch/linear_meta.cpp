@@ -25,22 +25,26 @@ std::vector<c10::SymInt> state_shape(const Tensor& q, const Tensor& v, const att
   return {nb, q.sym_size(1), q.sym_size(3), v.sym_size(3) + (o.normalize ? 1 : 0)};
 }
 
-std::tuple<Tensor, Tensor, Tensor> linear_fwd_meta(const Tensor& q, const Tensor& k,
-                                                   const Tensor& v ATTN_LINEAR_OPTIONS_PARAMS) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> linear_fwd_meta(const Tensor& q, const Tensor& k,
+                                                           const Tensor& v ATTN_LINEAR_OPTIONS_PARAMS,
+                                                           bool keep_residual) {
   const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
   const auto acc = q.options().dtype(attn::api::acc_dtype(q));
-  return {attn::api::empty_like_layout(q, q.sym_size(1), v.sym_size(3), q.options()), at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc),
-          at::empty_symint(state_shape(q, v, o), acc)};
+  Tensor out = attn::api::empty_like_layout(q, q.sym_size(1), v.sym_size(3), q.options());
+  Tensor res = attn::api::keep_residual_for(q, o, keep_residual, q.is_cuda()) ? at::empty_like(out) : at::empty({0}, q.options());
+  return {out, at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc),
+          at::empty_symint(state_shape(q, v, o), acc), res};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_bwd_meta(const Tensor& dout, const OptTensor& dfinal_state,
                                                                    const Tensor& q, const Tensor& k, const Tensor& v,
                                                                    const Tensor& out,
-                                                                   const Tensor& den ATTN_LINEAR_OPTIONS_PARAMS) {
+                                                                   const Tensor& den ATTN_LINEAR_OPTIONS_PARAMS,
+                                                                   const OptTensor& out_residual) {
   const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
-  attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, o);
+  attn::api::check_linear_bwd_inputs(dout, dfinal_state, q, v, out, den, out_residual, o);
   const auto acc = q.options().dtype(attn::api::acc_dtype(q));
   // alloc_linear_grads' shapes: ddecay like decay, dinit_state like initial_state, else (0)
   Tensor ddecay = o.decay.has_value() ? at::empty_symint(o.decay->sym_sizes(), acc) : at::empty({0}, acc);

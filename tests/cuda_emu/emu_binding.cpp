@@ -167,18 +167,20 @@ Tensor emu_linear_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
                                            feature_map, eps, scale);
 }
 
-std::tuple<Tensor, Tensor, Tensor> emu_linear_fwd(const Tensor& q, const Tensor& k, const Tensor& v
-                                                  ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
-  return attn::api::linear_cuda_fwd_steps(EmuLinearDevice{backend(arch)}, q, k, v,
-                                          ATTN_LINEAR_MAKE_OPTIONS());
+std::tuple<Tensor, Tensor, Tensor, Tensor> emu_linear_fwd(const Tensor& q, const Tensor& k, const Tensor& v
+                                                          ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch,
+                                                          bool keep_residual) {
+  return attn::api::linear_cuda_fwd_steps(EmuLinearDevice{backend(arch)}, q, k, v, ATTN_LINEAR_MAKE_OPTIONS(),
+                                          keep_residual);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> emu_linear_bwd(const Tensor& dout, const OptTensor& dfinal_state,
                                                                   const Tensor& q, const Tensor& k, const Tensor& v,
                                                                   const Tensor& out, const Tensor& den
-                                                                      ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch) {
+                                                                      ATTN_LINEAR_OPTIONS_PARAMS, int64_t arch,
+                                                                  const OptTensor& out_residual) {
   return attn::api::linear_cuda_bwd_steps(EmuLinearDevice{backend(arch)}, dout, dfinal_state, q, k, v, out, den,
-                                          ATTN_LINEAR_MAKE_OPTIONS());
+                                          out_residual, ATTN_LINEAR_MAKE_OPTIONS());
 }
 
 std::tuple<Tensor, Tensor> emu_fwd(const Tensor& q, const Tensor& k, const Tensor& v ATTN_SOFTMAX_OPTIONS_PARAMS,
@@ -302,9 +304,9 @@ TORCH_LIBRARY(attention_ext_emu, m) {
         "int feature_map, float eps, float scale, int arch) -> Tensor",
         &emu_linear_step);
   m.def("set_capturing(bool capturing) -> ()", &emu_set_capturing);
-  m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor)",
+  m.def("linear_fwd(Tensor q, Tensor k, Tensor v" ATTN_LINEAR_OPTIONS_SCHEMA ", int arch, bool keep_residual=False) -> (Tensor, Tensor, Tensor, Tensor)",
         &emu_linear_fwd);
   m.def("linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den"
-        ATTN_LINEAR_OPTIONS_SCHEMA ", int arch) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        ATTN_LINEAR_OPTIONS_SCHEMA ", int arch, Tensor? out_residual=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         &emu_linear_bwd);
 }

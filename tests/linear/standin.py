@@ -14,11 +14,12 @@ import torch
 
 SCHEMAS = (
     "linear_fwd(Tensor q, Tensor k, Tensor v, Tensor? decay, Tensor? initial_state, Tensor? key_mask, "
-    "Tensor? cu_seqlens, int max_seqlen, int feature_map, bool causal, bool normalize, float eps, float scale) "
-    "-> (Tensor, Tensor, Tensor)",
+    "Tensor? cu_seqlens, int max_seqlen, int feature_map, bool causal, bool normalize, float eps, float scale, "
+    "bool keep_residual=False) -> (Tensor, Tensor, Tensor, Tensor)",
     "linear_bwd(Tensor dout, Tensor? dfinal_state, Tensor q, Tensor k, Tensor v, Tensor out, Tensor den, "
     "Tensor? decay, Tensor? initial_state, Tensor? key_mask, Tensor? cu_seqlens, int max_seqlen, int feature_map, "
-    "bool causal, bool normalize, float eps, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "bool causal, bool normalize, float eps, float scale, Tensor? out_residual=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 _LIB = None
 
@@ -30,7 +31,8 @@ def _like_layout(x, t):
     return x.contiguous()
 
 
-def _fwd(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize, eps, scale):
+def _fwd(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map, causal, normalize, eps, scale,
+         keep_residual=False):
     from attention_ext.linear import ops, reference
     ops.check_inputs(q, k, v, decay=decay, initial_state=initial_state, key_mask=key_mask, cu_seqlens=cu_seqlens,
                      max_seqlen=max_seqlen, feature_map=feature_map, causal=causal, normalize=normalize, eps=eps,
@@ -39,11 +41,15 @@ def _fwd(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, featur
     out, den, final = reference.linear_attention(
         q.to(acc), k.to(acc), v.to(acc), feature_map=feature_map, causal=causal, normalize=normalize, eps=eps,
         scale=scale, decay=decay, initial_state=initial_state, key_mask=key_mask, cu_seqlens=cu_seqlens)
-    return _like_layout(out.to(q.dtype), q), den.contiguous(), final.contiguous()
+    o = _like_layout(out.to(q.dtype), q)
+    # the kernels' rule (csrc/torch/linear_binding.h keep_residual_for): normalized 16-bit calls
+    keep = keep_residual and normalize and q.dtype in (torch.float16, torch.bfloat16)
+    res = _like_layout((out - o.to(acc)).to(q.dtype), q) if keep else q.new_empty((0,))
+    return o, den.contiguous(), final.contiguous(), res
 
 
 def _bwd(dout, dfinal_state, q, k, v, out, den, decay, initial_state, key_mask, cu_seqlens, max_seqlen, feature_map,
-         causal, normalize, eps, scale):
+         causal, normalize, eps, scale, out_residual=None):
     from attention_ext.linear import reference
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.enable_grad():

@@ -33,6 +33,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "common/linear_params.h"
 #include "cpu/isa.h"
@@ -258,7 +259,8 @@ void load_chunk(const LP<T>& p, DType dt, int b, int h, int hk, int r0, int n, C
   running_decay(p, b, h, r0, n, c.g.data(), c.d.data());
 }
 
-// out_i, den_i from O'_i (n rows in c.o)
+// out_i, den_i from O'_i (n rows in c.o); with p.o_res, out_i's rounding residual too (c.dov,
+// unused by the forward, holds the rounded row)
 template <typename T>
 void store_out(const LP<T>& p, DType dt, int b, int h, int r0, int n, Chunk<T>& c) {
   const size_t es = dtype_size(dt);
@@ -271,7 +273,16 @@ void store_out(const LP<T>& p, DType dt, int b, int h, int r0, int n, Chunk<T>& 
       for (int j = 0; j < p.dim_v; ++j) o[j] *= inv;
     }
     p.den[seq_index(p, b, h, r0 + i)] = den;
-    store_row(dt, o, static_cast<char*>(p.o) + offset(p.cu_seqlens, b, p.o_batch_stride, h, p.o_head_stride, r0 + i, p.o_row_stride) * es, p.dim_v);
+    const int64_t at = offset(p.cu_seqlens, b, p.o_batch_stride, h, p.o_head_stride, r0 + i, p.o_row_stride) * es;
+    char* dst = static_cast<char*>(p.o) + at;
+    store_row(dt, o, dst, p.dim_v);
+    if (p.o_res != nullptr) {
+      T* r = c.dov.data();
+      load_row(dt, dst, r, p.dim_v, p.dim_v);
+      // 0 where the rounded value is inf / NaN: the backward then reads out as it is
+      for (int j = 0; j < p.dim_v; ++j) r[j] = std::abs(r[j]) <= std::numeric_limits<T>::max() ? o[j] - r[j] : T(0);
+      store_row(dt, r, static_cast<char*>(p.o_res) + at, p.dim_v);
+    }
   }
 }
 
@@ -428,8 +439,14 @@ struct BwdTask {
       const int64_t row = r0 + i;
       load_row(dt, static_cast<const char*>(p.dout) + offset(p.cu_seqlens, b, p.do_batch_stride, h, p.do_head_stride, row, p.do_row_stride) * es, d, p.dim_v, c.dp);
       if (p.normalize) {
-        T* o = c.o.data();  // scratch row: out_i
-        load_row(dt, static_cast<const char*>(p.o) + offset(p.cu_seqlens, b, p.o_batch_stride, h, p.o_head_stride, row, p.o_row_stride) * es, o, p.dim_v, c.dp);
+        T* o = c.o.data();  // scratch row: out_i (plus its rounding residual, when kept)
+        const int64_t at = offset(p.cu_seqlens, b, p.o_batch_stride, h, p.o_head_stride, row, p.o_row_stride) * es;
+        load_row(dt, static_cast<const char*>(p.o) + at, o, p.dim_v, c.dp);
+        if (p.o_res != nullptr) {
+          T* r = o + c.dp;  // c.o's second row, free here
+          load_row(dt, static_cast<const char*>(p.o_res) + at, r, p.dim_v, c.dp);
+          for (int j = 0; j < p.dim_v; ++j) o[j] += r[j];
+        }
         // vector dot and scale over the zero-padded rows (a scalar float sum runs at one add
         // per FMA latency)
         const T inv = T(1) / p.den[seq_index(p, b, h, int(row))];

@@ -46,7 +46,11 @@ void run_fwd(const LinearParamsT<float>& p, cudaStream_t stream) {
   const char* what = "attention_ext.linear (CUDA forward)";
   check_grid(p.h, p.b, what);
   const int smem = linear_simt::fwd_smem_floats(p.d) * int(sizeof(float));
-  auto kernel = &linear_simt::fwd_kernel<T>;
+  // out's rounding residual: 16-bit normalized calls that keep it (linear_params.h o_res)
+  auto kernel = &linear_simt::fwd_kernel<T, false>;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.o_res != nullptr) kernel = &linear_simt::fwd_kernel<T, true>;
+  }
   set_smem(kernel, smem, what);
   const dim3 grid(num_tiles(p), p.h, p.b);
   ATTN_LAUNCH(kernel, grid, dim3(kThreads), smem, stream)(p);
@@ -202,7 +206,7 @@ void run_fwd_tc(const LinearParamsT<float>& p, const LinearCudaKernels& k, float
 }
 
 bool use_tensor_cores(const LinearParamsT<float>& p, DType dt) {
-  return (dt == DType::kF16 || dt == DType::kBF16) && p.d <= 128 && device_sm() >= 80;
+  return (dt == DType::kF16 || dt == DType::kBF16) && p.d <= kLinearTensorCoreMaxFeatures && device_sm() >= 80;
 }
 
 // the dq / dk / dv / dg accumulators of every backward (entry.h)

@@ -53,6 +53,16 @@ static_assert(kChunk * kChunk % kThreads == 0 && kChunk * kSlice % kThreads == 0
 static_assert(kThreads % kChunk == 0, "a thread keeps one column of the (C, C) tiles");
 static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scalars");
 
+// x's rounding residual in T, x - float(T(x)), as LinearParamsT::o_res keeps it; 0 where T(x) is
+// inf or NaN (the backward then reads out alone, as without a residual). The forward stores it
+// beside out; the backward's d den reads out + residual. (The tensor-core kernels keep none:
+// LinearParamsT::o_res says why.)
+template <typename T>
+__device__ __forceinline__ float out_residual(float x) {
+  const float y = to_float(from_float<T>(x));
+  return fabsf(y) <= 3.402823466e38f ? x - y : 0.f;
+}
+
 // Value columns per CTA for feature width m: the (M, cols + 1) fp32 state slab stays <= ~37 KB.
 __host__ __device__ constexpr int tile_cols(int m) { return m <= 256 ? 32 : (m <= 512 ? 16 : 8); }
 
@@ -249,7 +259,11 @@ __device__ __forceinline__ Cols make_cols(const Params& p, int tile, bool has_no
 
 // ---------------------------------------------------------------------------------- forward
 // grid (ceil(Dv / tile_cols(M)), H, B), kThreads threads, fwd_smem_floats(M) floats.
-template <typename T>
+// kResidual: also store out's rounding residual (p.o_res; 16-bit normalized calls). A template
+// flag, not a branch on p.o_res, so the other calls keep their registers: the 16-bit forward fits
+// 128 without it, and the residual's pass either spills there or takes ~167
+// (benchmarks/results/2026-12-02-linear-residual.md).
+template <typename T, bool kResidual = false>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.h / p.h_k);
   const int m = p.d;
@@ -365,6 +379,17 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const Params p) {
         p.den[s.row(p, p.h, h, r0 + i)] = den;
       }
     }
+    if constexpr (kResidual) {
+      // out's rounding residual (out's strides; normalized calls only), the same x as above, in a
+      // pass of its own, its row pointer formed at each store: inside the loop above, or with a
+      // pointer held across the chunks, the kernel spilled
+      for (int e = threadIdx.x; e < n * cols.nv; e += kThreads) {
+        const int i = e / cols.nv, j = e % cols.nv;
+        const float x = P[i * cols.ld + j] / (P[i * cols.ld + cols.nv] + p.eps);
+        T* rrow = static_cast<T*>(p.o_res) + s.off(p.o_batch_stride, h, p.o_head_stride, r0 + i, p.o_row_stride);
+        rrow[cols.c0 + j] = from_float<T>(out_residual<T>(x));
+      }
+    }
     if (!p.normalize && tile == 0) {
       for (int i = threadIdx.x; i < n; i += kThreads) p.den[s.row(p, p.h, h, r0 + i)] = 1.f;
     }
@@ -389,12 +414,16 @@ __device__ __forceinline__ void load_dout(float* D, const BwdParams& p, const Se
                                           const Cols& cols) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* dout = static_cast<const T*>(p.dout) + s.off(p.do_batch_stride, h, p.do_head_stride, r0, p.do_row_stride);
-  const T* out = static_cast<const T*>(p.o) + s.off(p.o_batch_stride, h, p.o_head_stride, r0, p.o_row_stride);
+  const int64_t out_off = s.off(p.o_batch_stride, h, p.o_head_stride, r0, p.o_row_stride);
+  const T* out = static_cast<const T*>(p.o) + out_off;
+  const T* res = p.o_res == nullptr ? nullptr : static_cast<const T*>(p.o_res) + out_off;
   for (int i = warp; i < kChunk; i += kThreads / 32) {
     float dot = 0.f, inv = 1.f;
     if (i < n && p.normalize) {
       for (int c = lane; c < p.dim_v; c += 32) {
-        dot += to_float(dout[int64_t(i) * p.do_row_stride + c]) * to_float(out[int64_t(i) * p.o_row_stride + c]);
+        const int64_t at = int64_t(i) * p.o_row_stride + c;
+        const float o = to_float(out[at]) + (res != nullptr ? to_float(res[at]) : 0.f);
+        dot += to_float(dout[int64_t(i) * p.do_row_stride + c]) * o;
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
