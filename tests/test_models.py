@@ -131,3 +131,26 @@ def test_sample_next():
     lp = torch.tensor([[0.7, 0.2, 0.1]]).log()
     draws = torch.cat([sample_next(lp, top_p=0.85, generator=gen) for _ in range(300)], 1)
     assert set(draws[0].tolist()) == {0, 1}
+
+
+def test_generate_runs_in_eval_mode_and_restores_the_flags():
+    """A model left in train mode generates as in eval mode (no dropout), and every module's own
+    training flag is back afterwards, a frozen (eval) submodule included."""
+    model = _small_lm(dropout=0.5, positional="learned")
+    prompt = torch.randint(0, 40, (2, 5))
+    want = model.generate(prompt, 8, greedy=True)  # _small_lm returns the model in eval mode
+    want_ragged = model.generate(list(prompt), 8, greedy=True)
+    model.train()
+    model.blocks[0].eval()
+    for kw in (dict(), dict(use_cache=False)):
+        assert torch.equal(model.generate(prompt, 8, greedy=True, **kw), want)
+    for a, b in zip(model.generate(list(prompt), 8, greedy=True), want_ragged):
+        assert torch.equal(a, b)
+    assert model.training and model.blocks[1].self_attn.training
+    assert not any(m.training for m in model.blocks[0].modules())
+    seq2seq = _small_seq2seq(dropout=0.5)
+    src = torch.randint(3, 13, (3, 8))
+    want = seq2seq.greedy_decode(src, None, bos_id=1, eos_id=2, max_new_tokens=6)
+    seq2seq.train()
+    assert torch.equal(seq2seq.greedy_decode(src, None, bos_id=1, eos_id=2, max_new_tokens=6), want)
+    assert seq2seq.training and seq2seq.decoder.layers[0].dropout1.training

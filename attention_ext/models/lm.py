@@ -177,7 +177,10 @@ class LanguageModel(nn.Module):
         kv_cache_dtype: torch.int8 or torch.float8_e4m3fn stores the caches in 8 bits (a scale
         per row and kv head, attention_ext.nn.PagedKVCache): the run goes through the paged
         caches (a (B, T0) idx as B prompts of one length, the result stacked back). None: the
-        model's dtype. max_new_tokens 0 returns the prompts as given."""
+        model's dtype. max_new_tokens 0 returns the prompts as given.
+
+        Generation runs in eval mode (no dropout; LSH layers hash with their fixed rotations),
+        whatever the model's mode: each module's training flag is restored on return."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -188,6 +191,24 @@ class LanguageModel(nn.Module):
                              f"shape {tuple(idx.shape)}")
         if max_new_tokens == 0:
             return idx.clone() if isinstance(idx, Tensor) else [p.clone() for p in idx]
+        # a model left in train mode would sample through dropout (and LSH's fresh rotations):
+        # every module's own flag is kept and put back, so a partly frozen model stays as it was
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            return self._generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  greedy=greedy, use_cache=use_cache, generator=generator,
+                                  eos_token_id=eos_token_id, page_size=page_size, num_pages=num_pages,
+                                  kv_cache_dtype=kv_cache_dtype)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def _generate(self, idx: Union[Tensor, Sequence[Tensor]], max_new_tokens: int, *, temperature: float,
+                  top_k: Optional[int], top_p: Optional[float], greedy: bool, use_cache: bool,
+                  generator: Optional[torch.Generator], eos_token_id: Optional[int], page_size: int,
+                  num_pages: Optional[int], kv_cache_dtype: Optional[torch.dtype]) -> Union[Tensor, List[Tensor]]:
+        """generate() after its argument checks, in eval mode."""
         paged = not isinstance(idx, Tensor) or kv_cache_dtype is not None
         at = self.config.block().attn.attention_type
         if paged and at not in ("softmax", "sdpa"):  # the paged caches' readers (Attention._decode_kernel_ok)
@@ -203,9 +224,9 @@ class LanguageModel(nn.Module):
             if not use_cache or eos_token_id is not None:
                 raise ValueError("generate: kv_cache_dtype with a (B, T0) idx needs use_cache=True and no "
                                  "eos_token_id (pass a list of prompts to stop sequences early)")
-            out = self.generate(list(idx), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                greedy=greedy, generator=generator, page_size=page_size, num_pages=num_pages,
-                                kv_cache_dtype=kv_cache_dtype)
+            out = self._generate(list(idx), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 greedy=greedy, use_cache=True, generator=generator, eos_token_id=None,
+                                 page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype)
             return torch.stack(out)
         if not isinstance(idx, Tensor):
             return self._generate_ragged(list(idx), max_new_tokens, temperature=temperature, top_k=top_k,

@@ -197,7 +197,24 @@ class Transformer(nn.Module):
         sequence's EOS it is padded with eos_id. With `use_cache` each step feeds one token
         through preallocated self-attention caches, and the cross-attention K/V of the memory are
         computed once. kv_cache_dtype: torch.int8 or torch.float8_e4m3fn stores both caches in 8
-        bits (a scale per row and kv head; the decode kernel reads them)."""
+        bits (a scale per row and kv head; the decode kernel reads them). Decoding runs in eval
+        mode (no dropout), whatever the model's mode: each module's training flag is restored on
+        return."""
+        # a model left in train mode would decode through dropout: every module's own flag is kept
+        # and put back, so a partly frozen model stays as it was
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()
+        try:
+            return self._greedy_decode(src, src_lengths, bos_id, eos_id, max_new_tokens, use_cache, kv_cache_dtype)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def _greedy_decode(self, src: Tensor, src_lengths: Optional[Tensor], bos_id: int, eos_id: int,
+                       max_new_tokens: int, use_cache: bool, kv_cache_dtype: Optional[torch.dtype]) -> Tensor:
+        """greedy_decode() in eval mode."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"greedy_decode: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if kv_cache_dtype is not None and (kv_cache_dtype not in (torch.int8, torch.float8_e4m3fn) or not use_cache):
             raise ValueError(f"greedy_decode: kv_cache_dtype must be None, torch.int8 or torch.float8_e4m3fn (with "
                              f"use_cache=True), got {kv_cache_dtype}")
