@@ -154,3 +154,19 @@ def test_generate_runs_in_eval_mode_and_restores_the_flags():
     seq2seq.train()
     assert torch.equal(seq2seq.greedy_decode(src, None, bos_id=1, eos_id=2, max_new_tokens=6), want)
     assert seq2seq.training and seq2seq.decoder.layers[0].dropout1.training
+
+
+def test_generate_from_a_prompt_at_block_size():
+    """The last new token is sampled, never fed: a block_size-token prompt with learned positions
+    takes one new token (the positions it feeds: block_size), as it does without a cache."""
+    model = _small_lm(positional="learned")  # block_size 48
+    prompt = torch.randint(0, 40, (2, 48))
+    a = model.generate(prompt, 1, greedy=True)
+    assert a.shape == (2, 49) and torch.equal(a, model.generate(prompt, 1, greedy=True, use_cache=False))
+    outs = model.generate([prompt[0], prompt[1, :20]], 1, greedy=True)
+    assert torch.equal(outs[0], a[0])
+    a = model.generate(prompt[:, :40], 9, greedy=True)
+    assert torch.equal(a, model.generate(prompt[:, :40], 9, greedy=True, use_cache=False))
+    for idx in (prompt, [prompt[0], prompt[1, :3]]):
+        with pytest.raises(ValueError, match="block_size=48.*feed 49 positions"):
+            model.generate(idx, 2)

@@ -236,11 +236,13 @@ class LanguageModel(nn.Module):
         b, t0 = idx.shape
         total = t0 + max_new_tokens
         learned = self.wpe is not None
-        if use_cache and learned and total > self.config.block_size:
-            raise ValueError(f"learned positions stop at block_size={self.config.block_size}; "
-                             f"{total} tokens requested")
+        # the last new token is sampled, never fed: the model sees positions 0 .. total - 2
+        if use_cache and learned and total - 1 > self.config.block_size:
+            raise ValueError(f"learned positions stop at block_size={self.config.block_size}; a {t0}-token prompt "
+                             f"and {max_new_tokens} new tokens feed {total - 1} positions (generate(use_cache=False) "
+                             "slides a block_size window instead)")
         if use_cache:
-            caches = self.allocate_caches(b, total, device=idx.device, dtype=self.wte.weight.dtype)
+            caches = self.allocate_caches(b, total - 1, device=idx.device, dtype=self.wte.weight.dtype)
             logits = self(idx, caches=caches)  # prefill
         for t in range(max_new_tokens):
             if not use_cache:
@@ -261,9 +263,10 @@ class LanguageModel(nn.Module):
             raise ValueError("generate: a list of prompts must hold non-empty 1-D token tensors")
         device = prompts[0].device
         lens = [p.numel() for p in prompts]
-        if self.wpe is not None and max(lens) + max_new_tokens > self.config.block_size:
-            raise ValueError(f"learned positions stop at block_size={self.config.block_size}; "
-                             f"{max(lens) + max_new_tokens} tokens requested")
+        # the last new token is sampled, never fed: the longest prompt feeds max(lens) + max_new_tokens - 1
+        if self.wpe is not None and max(lens) + max_new_tokens - 1 > self.config.block_size:
+            raise ValueError(f"learned positions stop at block_size={self.config.block_size}; a {max(lens)}-token "
+                             f"prompt and {max_new_tokens} new tokens feed {max(lens) + max_new_tokens - 1} positions")
         max_len = max(lens) + max_new_tokens
         if num_pages is None:
             num_pages = sum(-(-(t + max_new_tokens) // page_size) for t in lens)
