@@ -170,3 +170,23 @@ def test_generate_from_a_prompt_at_block_size():
     for idx in (prompt, [prompt[0], prompt[1, :3]]):
         with pytest.raises(ValueError, match="block_size=48.*feed 49 positions"):
             model.generate(idx, 2)
+
+
+def test_generate_eos_with_a_tensor_prompt():
+    """eos_token_id with a (B, T0) idx: a row that emitted it continues with it, and generation
+    stops once every row has."""
+    model = _small_lm()
+    prompt = torch.randint(0, 40, (3, 5))
+
+    def run(**kw):  # sampled (greedy repeats one token at init); one draw per step either way
+        return model.generate(prompt, 12, generator=torch.Generator().manual_seed(3), **kw)
+    full = run()
+    eos = int(full[1, 7])  # row 1's third new token
+    stops = [row[5:].tolist().index(eos) + 1 if eos in row[5:].tolist() else 12 for row in full]
+    assert sorted(stops)[0] < 12 and len(set(stops)) > 1
+    for kw in (dict(), dict(use_cache=False)):
+        out = run(eos_token_id=eos, **kw)
+        assert out.shape == (3, 5 + max(stops))
+        for row, f, stop in zip(out, full, stops):
+            assert row[: 5 + stop].tolist() == f[: 5 + stop].tolist()
+            assert (row[5 + stop:] == eos).all()

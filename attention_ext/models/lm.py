@@ -174,6 +174,10 @@ class LanguageModel(nn.Module):
         (kept as its last token). page_size / num_pages size the page pool (default: enough for
         every sequence at full length); an exhausted pool raises RuntimeError.
 
+        eos_token_id with a (B, T0) idx: a row that emitted it continues with eos_token_id, and
+        generation stops once every row has, so the result is (B, T0 + n), n <= max_new_tokens
+        (as Transformer.greedy_decode pads after its eos_id).
+
         kv_cache_dtype: torch.int8 or torch.float8_e4m3fn stores the caches in 8 bits (a scale
         per row and kv head, attention_ext.nn.PagedKVCache): the run goes through the paged
         caches (a (B, T0) idx as B prompts of one length, the result stacked back). None: the
@@ -244,13 +248,19 @@ class LanguageModel(nn.Module):
         if use_cache:
             caches = self.allocate_caches(b, total - 1, device=idx.device, dtype=self.wte.weight.dtype)
             logits = self(idx, caches=caches)  # prefill
+        done = None if eos_token_id is None else torch.zeros(b, dtype=torch.bool, device=idx.device)
         for t in range(max_new_tokens):
             if not use_cache:
                 ctx = idx[:, -self.config.block_size:] if learned else idx
                 logits = self(ctx)
             nxt = sample_next(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                               generator=generator)  # (B, 1)
+            if done is not None:  # a finished row continues with eos; all finished: stop
+                nxt = nxt.masked_fill(done[:, None], eos_token_id)
+                done |= nxt[:, 0] == eos_token_id
             idx = torch.cat([idx, nxt], dim=1)
+            if done is not None and bool(done.all()):
+                break
             if use_cache and t + 1 < max_new_tokens:
                 logits = self(nxt, caches=caches, offset=t0 + t)
         return idx
