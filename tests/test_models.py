@@ -190,3 +190,13 @@ def test_generate_eos_with_a_tensor_prompt():
         for row, f, stop in zip(out, full, stops):
             assert row[: 5 + stop].tolist() == f[: 5 + stop].tolist()
             assert (row[5 + stop:] == eos).all()
+
+
+def test_generate_checks_token_ids():
+    model = _small_lm()
+    with pytest.raises(TypeError, match=r"integer tensor.*\.long\(\)"):
+        model.generate(torch.zeros(1, 3), 2)
+    for idx in (torch.tensor([[1, 40]]), [torch.tensor([3]), torch.tensor([-1, 2])]):
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=40\)"):
+            model.generate(idx, 2)
+    assert model.generate(torch.tensor([[0, 39]], dtype=torch.int32), 1).shape == (1, 3)

@@ -193,6 +193,7 @@ class LanguageModel(nn.Module):
         if isinstance(idx, Tensor) and (idx.dim() != 2 or idx.shape[1] == 0):
             raise ValueError(f"generate: idx must be (B, T0) token ids with T0 >= 1 (or a list of 1-D prompts), got "
                              f"shape {tuple(idx.shape)}")
+        self._check_tokens(idx)
         if max_new_tokens == 0:
             return idx.clone() if isinstance(idx, Tensor) else [p.clone() for p in idx]
         # a model left in train mode would sample through dropout (and LSH's fresh rotations):
@@ -207,6 +208,22 @@ class LanguageModel(nn.Module):
         finally:
             for m, training in modes:
                 m.training = training
+
+    def _check_tokens(self, idx: Union[Tensor, Sequence[Tensor]]) -> None:
+        """generate's prompts: integer token ids in [0, vocab_size) (the embedding's own error for
+        others names no argument). One device-to-host copy per prompt tensor."""
+        prompts = [idx] if isinstance(idx, Tensor) else list(idx) if isinstance(idx, (list, tuple)) else None
+        if prompts is None or not all(isinstance(p, Tensor) for p in prompts):
+            raise TypeError(f"generate: idx must be a (B, T0) tensor of token ids or a list of 1-D token tensors, "
+                            f"got {type(idx).__name__}")
+        v = self.config.vocab_size
+        for p in prompts:
+            if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:
+                raise TypeError(f"generate: token ids must be an integer tensor (torch.long), got {p.dtype}: "
+                                "convert them with .long()")
+            if p.numel() and not (0 <= int(p.min()) and int(p.max()) < v):
+                raise ValueError(f"generate: token ids must lie in [0, vocab_size={v}), got ids from {int(p.min())} "
+                                 f"to {int(p.max())}")
 
     def _generate(self, idx: Union[Tensor, Sequence[Tensor]], max_new_tokens: int, *, temperature: float,
                   top_k: Optional[int], top_p: Optional[float], greedy: bool, use_cache: bool,
