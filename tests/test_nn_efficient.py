@@ -212,6 +212,8 @@ def test_lsh_refuses_what_it_cannot_do():
                                 attention_type="lsh", lsh_buckets=2, lsh_chunk_size=4))
     with pytest.raises(ValueError, match="use_cache=False"):
         lm.generate(torch.zeros(1, 2, dtype=torch.long), 3)
+    with pytest.raises(NotImplementedError, match=r"one \(B, T0\) tensor of equal lengths with use_cache=False"):
+        lm.generate([torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long)], 3)
     m = _lsh()
     x = torch.randn(1, 8, D_MODEL)
     with pytest.raises(ValueError, match="no generation cache"):

@@ -234,10 +234,11 @@ class LanguageModel(nn.Module):
         at = self.config.block().attn.attention_type
         if paged and at not in ("softmax", "sdpa"):  # the paged caches' readers (Attention._decode_kernel_ok)
             keeps = "a state" if at in ("linear", "gated_delta") else "kernels of its own"
+            fix = ("with use_cache=False (LSH attention has no cache)" if at == "lsh" else "with kv_cache_dtype=None")
             raise NotImplementedError(
                 f"generate: a list of prompts and kv_cache_dtype run on paged KV caches, which "
                 f"attention_type={at!r} does not read (it keeps {keeps}); pass the prompts as one (B, T0) "
-                "tensor of equal lengths with kv_cache_dtype=None")
+                f"tensor of equal lengths {fix}")
         if kv_cache_dtype is not None and kv_cache_dtype not in (torch.int8, torch.float8_e4m3fn):
             raise ValueError(f"generate: kv_cache_dtype must be None, torch.int8 or torch.float8_e4m3fn, got "
                              f"{kv_cache_dtype}")
