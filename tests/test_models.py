@@ -200,3 +200,13 @@ def test_generate_checks_token_ids():
         with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=40\)"):
             model.generate(idx, 2)
     assert model.generate(torch.tensor([[0, 39]], dtype=torch.int32), 1).shape == (1, 3)
+
+
+def test_sample_next_tiny_temperature_is_greedy():
+    """logits / 1e-45 overflow to inf (and inf - inf to NaN in the softmax): the row's max is
+    taken off first, so a tiny temperature samples the argmax."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, -1.0, float("-inf")]])
+    gen = torch.Generator().manual_seed(0)
+    for t in (1e-45, 1e-30):
+        for kw in (dict(), dict(top_k=2), dict(top_p=0.9)):
+            assert sample_next(logits, temperature=t, generator=gen, **kw).tolist() == [[1], [0]]

@@ -351,7 +351,10 @@ def sample_next(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int
     _check_sampling(temperature, top_k, top_p)
     if greedy or temperature == 0.0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    # shifted by the row's max before the division: a tiny temperature then sends the others to
+    # -inf and keeps the max at 0, where logits / temperature would overflow to inf (inf - inf: NaN)
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
