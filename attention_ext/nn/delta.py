@@ -161,12 +161,18 @@ class GatedDeltaNet(nn.Module):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # gates and the norm: at least fp32
         # from xin: a padded row's inf / NaN must not reach even its own (masked) outputs, whose
         # backward would multiply it by 0 into the weights' gradients
-        beta = torch.sigmoid(self.b_proj(xin).to(acc))                                 # (B, S, H_v)
-        g = -torch.exp(self.A_log.to(acc)) * F.softplus(self.a_proj(xin).to(acc) + self.dt_bias.to(acc))
+        # the gates are computed in the op's contiguous (B, H_v, S) layout, which its gradients
+        # come back in: softplus_backward's output follows the gradient's strides in eager and its
+        # input's under torch.compile (the fake tensor's), so with the two laid out differently a
+        # compiled backward's view of that output fails at run time
+        beta = torch.sigmoid(self.b_proj(xin).to(acc).transpose(1, 2).contiguous())    # (B, H_v, S)
+        g = -torch.exp(self.A_log.to(acc))[:, None] * F.softplus(
+            self.a_proj(xin).to(acc).transpose(1, 2).contiguous() + self.dt_bias.to(acc)[:, None])
         if keep is not None:  # a masked token writes nothing and decays nothing
-            beta, g = torch.where(keep, beta, torch.zeros_like(beta)), torch.where(keep, g, torch.zeros_like(g))
-        beta = beta.to(q.dtype).transpose(1, 2).contiguous()                           # (B, H_v, S)
-        g = g.transpose(1, 2).contiguous()
+            real = key_mask[:, None, :]  # (B, 1, S)
+            beta, g = torch.where(real, beta, torch.zeros_like(beta)), torch.where(real, g, torch.zeros_like(g))
+        beta = beta.to(q.dtype).contiguous()
+        g = g.contiguous()
         kw = dict(gate=g, qk_l2norm=True, layout="bshd")
         if cache is None:
             o = delta_rule_attention(q, k, v, beta, **kw)
