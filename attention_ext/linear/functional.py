@@ -238,7 +238,11 @@ def _per_feature_gates(qf: Tensor, kf: Tensor, v: Tensor, code: int, opts: dict,
             and qf.dtype == kf.dtype == v.dtype == out_dtype and qf.device.type == "cpu"
             and delta.has_kernel(qf.device, qf.dtype, grad=grad)):
         acc = qf.dtype
-    phi_q, phi_k = (reference.phi(t.to(acc), code) for t in (qf, kf))
+    # contiguous before the map, not after: q and k are (B, H, S, D) views of bshd inputs, and
+    # the map's backward (elu_backward) lays its output out as the gradient (contiguous, from the
+    # op) in eager but as its input under torch.compile's fake tensors, which broke a compiled
+    # backward's view of it; the op reads contiguous rows either way, so no copy is added
+    phi_q, phi_k = (reference.phi(t.to(acc).contiguous(), code) for t in (qf, kf))
     m = phi_q.shape[-1]
     _check(tuple(decay.shape) == (b, h, s, m),
            lambda: f"decay must be (B, H, S) or, a gate per feature, (B, H, S, M) = {(b, h, s, m)}, got "

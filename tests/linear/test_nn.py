@@ -211,6 +211,31 @@ def test_low_rank_gate_with_temperature_is_glas(gate):
                                         decay_gate="feature"), **kw))
 
 
+@pytest.mark.parametrize("gate", [True, "feature"])
+def test_compiled_backward_equals_eager(gate):
+    """torch.compile(fullgraph=True) forward and backward with batch > 1: the fused maps of the
+    gated path ran on (B, H, S, D) views of the bshd projections, and their backward's strides
+    under fake tensors (the input's) differed from eager's (the gradient's), which broke the
+    compiled backward's view of them."""
+    torch.manual_seed(0)
+    m = make_attention(AttentionConfig(d_model=32, n_heads=4, attention_type="linear", causal=True,
+                                       decay_gate=gate))
+    x = torch.randn(3, 21, 32, requires_grad=True)
+    mask = torch.ones(3, 21, dtype=torch.bool)
+    mask[0, 15:] = False
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for kw in (dict(), dict(key_mask=mask)):
+        grads = []
+        for f in (m, compiled):
+            m.zero_grad()
+            x.grad = None
+            out = f(x, **kw)
+            out.square().sum().backward()
+            grads.append([out.detach(), x.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 def test_audit_config_and_decay_dtypes():
     """Found by an audit: n_heads / n_kv_heads of 0 raised ZeroDivisionError; a bool or integer
     decay was taken as log-gates of 1 (a state growing each step). Both refused by name."""
