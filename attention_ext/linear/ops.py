@@ -126,18 +126,33 @@ def _arg_names(op: str) -> Tuple[str, ...]:
 STEP_ARGS = _arg_names("linear_step") if HAS_STEP_OP else ()
 FWD_ARGS = _arg_names("linear_fwd") if HAS_OP else ()
 BWD_ARGS = _arg_names("linear_bwd") if HAS_OP else ()
-OPTION_NAMES = FWD_ARGS[3:-1]  # decay ... scale, in schema order (the last is keep_residual)
-assert not FWD_ARGS or FWD_ARGS[-1] == "keep_residual"
+OPTION_NAMES = tuple(n for n in FWD_ARGS[3:] if n != "keep_residual")  # decay ... scale, in schema order
 _GRAD_INPUTS = ("q", "k", "v", "decay", "initial_state")  # the inputs the backward differentiates
+
+
+# The CUDA tensor-core kernels (fp16 / bf16 calls of feature width M <= this) keep no residual,
+# and the CUDA op refuses keep_residual there (csrc/common/linear_params.h
+# kLinearTensorCoreMaxFeatures, csrc/torch/linear_binding.h check_cuda_residual). The device's part
+# of the rule is decided here: the op's Meta kernel sees meta tensors, not the device.
+_CUDA_TENSOR_CORE_MAX_FEATURES = 128
+
+
+def _keep_residual(q: Tensor, k: Tensor, options: dict) -> bool:
+    """Whether the op keeps out's rounding residual for its backward: autograd records the call and
+    a gradient reads d den (q, k, decay or the initial state needs one; dv never reads it), and on
+    CUDA the SIMT kernels take it. The op itself keeps one only for normalized 16-bit calls."""
+    if not torch.is_grad_enabled() or not any(isinstance(t, Tensor) and t.requires_grad for t in
+                                              (q, k, options.get("decay"), options.get("initial_state"))):
+        return False
+    return q.device.type != "cuda" or q.shape[-1] > _CUDA_TENSOR_CORE_MAX_FEATURES
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, **options) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.attention_ext.linear_fwd with keyword options (every name of OPTION_NAMES).
-    Returns (out, den, final_state). Where autograd will record the call, the op also keeps out's
-    rounding residual for its backward (the autograd context holds it)."""
-    grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                           for t in (q, k, v, options.get("decay"), options.get("initial_state")))
-    a = dict(options, q=q, k=k, v=v, keep_residual=grad)
+    Returns (out, den, final_state). Where autograd will record the call and its backward reads
+    d den (_keep_residual), a normalized 16-bit call also keeps out's rounding residual for the
+    backward (the autograd context holds it)."""
+    a = dict(options, q=q, k=k, v=v, keep_residual=_keep_residual(q, k, options))
     return torch.ops.attention_ext.linear_fwd(*[a[n] for n in FWD_ARGS])[:3]
 
 

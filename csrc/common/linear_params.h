@@ -29,6 +29,11 @@ enum class FeatureMap : int32_t { kIdentity = 0, kElu = 1, kRelu = 2 };
 // calls, float32 and older devices run the SIMT kernels.
 inline constexpr int kLinearTensorCoreMaxFeatures = 128;
 
+// LinearParamsT::o_res holds the residual times 2^11 (fp16) or 2^8 (bf16), powers of two (exact
+// both ways): at most |out| then, so it keeps its bits wherever out does, where an unscaled fp16
+// residual of an output below ~0.1 is subnormal and keeps few.
+inline constexpr float kResidualScaleF16 = 2048.f, kResidualScaleBF16 = 256.f;
+
 // QkvParams' sq = sk = the sequence length (varlen: the longest), d = M, the feature width of
 // q and k; o is (B, H, S, Dv) in q's dtype.
 template <typename Acc>
@@ -39,14 +44,15 @@ struct LinearParamsT : QkvParams {
   int64_t k_batch_stride, k_head_stride, k_row_stride;
   int64_t v_batch_stride, v_head_stride, v_row_stride;
   int64_t o_batch_stride, o_head_stride, o_row_stride;
-  // out's rounding residual, (out_i in Acc) - out_i rounded to out's dtype, in out's dtype and
-  // strides; nullptr = none. Kept for a 16-bit normalized call that needs gradients: the backward
+  // out's rounding residual, (out_i in Acc) - out_i rounded to out's dtype, times
+  // kResidualScale*, in out's dtype and strides; nullptr = none. Kept for a 16-bit normalized call that needs gradients: the backward
   // forms d den_i = -(dout_i . out_i) / den_i, and dk_j's dout_i . (v_j - out_i) / den_i cancels
   // on a row that sees one key (or keys with near-equal values), so the output's 16-bit rounding
   // (2^-9 relative) would swamp the gradient there, while out + residual is good to ~2^-17.
   // The CPU kernels and the CUDA SIMT kernels use it. The CUDA tensor-core kernels do not: their
   // backward takes dO' = dout / den as a 16-bit mma operand, whose rounding is out's own, so a
-  // residual would add bytes and no accuracy (torch/linear_binding.h keep_residual_for).
+  // residual would add bytes and no accuracy (the CUDA binding refuses one there:
+  // torch/linear_cuda_steps.h).
   void* o_res;
   // varlen: (B + 1) offsets into one (1, H, total, .) pack; batch strides unused
   const int32_t* cu_seqlens;

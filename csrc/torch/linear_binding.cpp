@@ -139,16 +139,21 @@ void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Ten
   check_side(dfinal_state, "dfinal_state", {num_seqs_sym(q, o), q.sym_size(1), q.sym_size(3), dv_aug_sym(v, o)}, acc_of(q), q);
 }
 
-bool keep_residual_for(const at::Tensor& q, const LinearOptions& o, bool keep_residual, bool cuda_kernels) {
-  return keep_residual && o.normalize && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
-         (!cuda_kernels || q.sym_size(3) > kLinearTensorCoreMaxFeatures);
+bool keep_residual_for(const at::Tensor& q, const LinearOptions& o, bool keep_residual) {
+  return keep_residual && o.normalize && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16);
+}
+
+void check_cuda_residual(const at::Tensor& q, const LinearOptions& o, bool keep_residual) {
+  TORCH_CHECK_VALUE(!keep_residual_for(q, o, keep_residual) || q.size(3) > kLinearTensorCoreMaxFeatures,
+                    "attention_ext.linear_fwd: keep_residual on CUDA needs feature width M > ",
+                    kLinearTensorCoreMaxFeatures, " (got ", q.size(3), "): the tensor-core kernels keep no residual; "
+                    "pass keep_residual=False");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q,
                                                                                const at::Tensor& v,
                                                                                const LinearOptions& o,
-                                                                               bool keep_residual,
-                                                                               bool cuda_kernels) {
+                                                                               bool keep_residual) {
   const auto acc = q.options().dtype(acc_of(q));
   // out keeps q's memory layout: (B, S, H, Dv) storage when q has heads inside rows
   at::Tensor out = q.stride(1) < q.stride(2)
@@ -159,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(
   // rows no sequence owns (a varlen pack's tail) and empty calls
   // the residual shares out's strides (the kernels index both alike)
   at::Tensor res =
-      keep_residual_for(q, o, keep_residual, cuda_kernels) ? at::empty_like(out) : at::empty({0}, q.options());
+      keep_residual_for(q, o, keep_residual) ? at::empty_like(out) : at::empty({0}, q.options());
   if (o.cu_seqlens.has_value() || q.numel() == 0 || v.numel() == 0) {
     out.zero_();
     den.fill_(1.0);

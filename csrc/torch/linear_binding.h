@@ -60,20 +60,22 @@ void check_linear_bwd_inputs(const at::Tensor& dout, const std::optional<at::Ten
 
 // Whether linear_fwd(keep_residual=True) keeps out's rounding residual (LinearParamsT::o_res): a
 // normalized call in a 16-bit dtype (float32 / float64 outputs are the kernels' own precision;
-// without the normalizer the backward never reads out), on the CPU kernels, or on the CUDA
-// kernels (cuda_kernels: the real ones and the emulator's) where the SIMT kernels take it, M >
-// kLinearTensorCoreMaxFeatures. (Below sm_80 the SIMT kernels also take narrower calls, without
-// a residual: the rule must not depend on the device, since the Meta kernel states it too.)
-bool keep_residual_for(const at::Tensor& q, const LinearOptions& o, bool keep_residual, bool cuda_kernels);
+// without the normalizer the backward never reads out). The same on every device, as the Meta
+// kernel (which sees meta tensors only) must state it too; the CUDA binding refuses the calls
+// its tensor-core kernels take (check_cuda_residual), and linear/ops.py asks for none there.
+bool keep_residual_for(const at::Tensor& q, const LinearOptions& o, bool keep_residual);
+
+// The CUDA binding's rule: a kept residual needs M > kLinearTensorCoreMaxFeatures (the SIMT
+// kernels; the tensor-core kernels keep none: LinearParamsT::o_res). Throws c10::ValueError.
+void check_cuda_residual(const at::Tensor& q, const LinearOptions& o, bool keep_residual);
 
 // out (q's layout, v's width), den (B, H, S), final_state (B_seq, H, M, Dv + normalize) (den and
 // the state in float32, float64 for float64 inputs) and out_residual (like out where
-// keep_residual_for(q, o, keep_residual, cuda_kernels) holds, else empty).
+// keep_residual_for(q, o, keep_residual) holds, else empty).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> alloc_linear_outputs(const at::Tensor& q,
                                                                                const at::Tensor& v,
                                                                                const LinearOptions& o,
-                                                                               bool keep_residual,
-                                                                               bool cuda_kernels);
+                                                                               bool keep_residual);
 
 template <typename Acc>
 LinearParamsT<Acc> make_linear_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -25,7 +25,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> linear_fwd_cpu(const Tensor& q, const
                                                           ATTN_LINEAR_OPTIONS_PARAMS, bool keep_residual) {
   const attn::api::LinearOptions o = ATTN_LINEAR_MAKE_OPTIONS();
   attn::api::check_linear_inputs(q, k, v, o);
-  auto [out, den, state, res] = attn::api::alloc_linear_outputs(q, v, o, keep_residual, false);
+  auto [out, den, state, res] = attn::api::alloc_linear_outputs(q, v, o, keep_residual);
   if (q.numel() == 0 || v.numel() == 0 || q.size(2) == 0) return {out, den, state, res};
   const attn::DType dt = linear_dtype(q);
   if (dt == attn::DType::kF64) {

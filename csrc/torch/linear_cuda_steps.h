@@ -54,8 +54,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cuda_fwd_steps
                                                                      const LinearOptions& o, bool keep_residual) {
   check_linear_inputs(q, k, v, o);
   dev.check_device(q);
+  check_cuda_residual(q, o, keep_residual);
   const auto guard = dev.guard(q);
-  auto [out, den, state, res] = alloc_linear_outputs(q, v, o, keep_residual, true);
+  auto [out, den, state, res] = alloc_linear_outputs(q, v, o, keep_residual);
   if (linear_empty_call(q, v)) return {out, den, state, res};
   if constexpr (Device::kPoison) {
     poison_rows(out, o);

@@ -32,7 +32,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> linear_fwd_meta(const Tensor& q, cons
   attn::api::check_linear_inputs(q, k, v, o);
   const auto acc = q.options().dtype(attn::api::acc_dtype(q));
   Tensor out = attn::api::empty_like_layout(q, q.sym_size(1), v.sym_size(3), q.options());
-  Tensor res = attn::api::keep_residual_for(q, o, keep_residual, q.is_cuda()) ? at::empty_like(out) : at::empty({0}, q.options());
+  Tensor res = attn::api::keep_residual_for(q, o, keep_residual) ? at::empty_like(out) : at::empty({0}, q.options());
   return {out, at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, acc),
           at::empty_symint(state_shape(q, v, o), acc), res};
 }

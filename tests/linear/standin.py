@@ -44,7 +44,8 @@ def _fwd(q, k, v, decay, initial_state, key_mask, cu_seqlens, max_seqlen, featur
     o = _like_layout(out.to(q.dtype), q)
     # the kernels' rule (csrc/torch/linear_binding.h keep_residual_for): normalized 16-bit calls
     keep = keep_residual and normalize and q.dtype in (torch.float16, torch.bfloat16)
-    res = _like_layout((out - o.to(acc)).to(q.dtype), q) if keep else q.new_empty((0,))
+    scale = 2048.0 if q.dtype == torch.float16 else 256.0  # linear_params.h kResidualScale*
+    res = _like_layout(((out - o.to(acc)) * scale).to(q.dtype), q) if keep else q.new_empty((0,))
     return o, den.contiguous(), final.contiguous(), res
 
 

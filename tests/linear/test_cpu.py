@@ -345,21 +345,23 @@ def test_opcheck_bwd(dtype):
     torch.library.opcheck(torch.ops.attention_ext.linear_bwd.default, tuple(b[n] for n in ops.BWD_ARGS))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)], ids=str)
-@pytest.mark.parametrize("s", [1, 3])
-def test_normalized_grad_one_key_rows(dtype, tol, s):
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 5e-3)], ids=str)
+@pytest.mark.parametrize("s,vscale", [(1, 1.0), (3, 1.0), (1, 1e-3)])
+def test_normalized_grad_one_key_rows(dtype, tol, s, vscale):
     """Normalized, 16-bit: a row that sees one key (row 0 of a causal sequence) has out_0 =
     v_0 (1 - eps / den_0), and d k_0 is the small eps / den_0 part of dout . (v_0 - out_0) / den_0,
     which out's 16-bit rounding swamps where den_0 is within ~1e3 of eps (small relu features).
     The op keeps out's rounding residual for its backward (ops.fwd, keep_residual), so the
     gradient keeps ~2^-17 of out. Found by the long fuzz profile (grad k 0 against 0.088); without
     the residual this measured 2.3 (bf16) and 0.31 (fp16) relative error, PyTorch's own
-    same-dtype autograd 8.2 and inf, so the bound here is absolute, not PyTorch's."""
+    same-dtype autograd 8.2 and inf, so the bound here is absolute, not PyTorch's. vscale: small
+    outputs, whose fp16 residual would be subnormal unscaled (0.23 at 1e-4; it is stored times
+    2^11), found by a review."""
     worst = 0.0
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
         q, k = ((0.03 * torch.rand(2, 2, s, 2, dtype=f64, generator=g)).to(dtype).requires_grad_() for _ in range(2))
-        v = torch.randn(2, 2, s, 4, dtype=f64, generator=g).to(dtype).requires_grad_()
+        v = (vscale * torch.randn(2, 2, s, 4, dtype=f64, generator=g)).to(dtype).requires_grad_()
         out = ae.linear_attention(q, k, v, feature_map="relu", causal=True, normalize=True)
         dout = torch.randn(out.shape, dtype=f64, generator=g).to(dtype)
         ours = torch.autograd.grad(out, (q, k, v), dout)
@@ -369,6 +371,36 @@ def test_normalized_grad_one_key_rows(dtype, tol, s):
         for a, r in zip(ours, exact):
             worst = max(worst, ((a.double() - r).abs().max() / r.abs().max()).item())
     assert worst <= tol, worst
+
+
+def test_residual_kept_only_where_read():
+    """ops.fwd keeps out's rounding residual (linear_fwd's 4th output, saved for the backward) for
+    normalized 16-bit calls whose backward reads d den: q, k, decay or the initial state needs a
+    gradient (dv never reads it), under grad mode."""
+    q, k, v = (torch.randn(1, 2, 5, 4).bfloat16() for _ in range(3))
+
+    from attention_ext.linear.ops import _keep_residual
+    assert _keep_residual(q.requires_grad_(), k, {}) and _keep_residual(q.detach(), k.requires_grad_(), {})
+    assert not _keep_residual(q.detach(), k.detach(), {})  # v alone: dv never reads d den
+    with torch.no_grad():
+        assert not _keep_residual(q.requires_grad_(), k, {})
+    g = torch.zeros(1, 2, 5, requires_grad=True)
+    assert _keep_residual(q.detach(), k.detach(), {"decay": g})
+    # on CUDA only the SIMT kernels (M > 128) keep one, and the op refuses it below: decided from
+    # the tensor's device, which the op's Meta kernel (fake tensors, torch.compile) never sees
+    # (a review found the fake kernel's residual shaped like out where the CUDA kernels kept none)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        for m, want in ((64, False), (128, False), (136, True)):
+            qc = torch.empty(1, 2, 5, m, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            assert _keep_residual(qc, qc, {}) == want
+    a = dict(decay=None, initial_state=None, key_mask=None, cu_seqlens=None, max_seqlen=5, feature_map=1,
+             causal=True, normalize=True, eps=1e-6, scale=1.0)
+    for normalize, dt, want in ((True, torch.bfloat16, True), (False, torch.bfloat16, False),
+                                (True, torch.float32, False)):
+        args = dict(a, q=q.detach().to(dt), k=k.detach().to(dt), v=v.to(dt), normalize=normalize, keep_residual=True)
+        res = torch.ops.attention_ext.linear_fwd(*[args[n] for n in ops.FWD_ARGS])[3]
+        assert (res.shape == (1, 2, 5, 4)) == want and (res.numel() == 0) != want
 
 
 def test_only_final_state_reaches_the_loss():

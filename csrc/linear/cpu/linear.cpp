@@ -279,8 +279,12 @@ void store_out(const LP<T>& p, DType dt, int b, int h, int r0, int n, Chunk<T>& 
     if (p.o_res != nullptr) {
       T* r = c.dov.data();
       load_row(dt, dst, r, p.dim_v, p.dim_v);
-      // 0 where the rounded value is inf / NaN: the backward then reads out as it is
-      for (int j = 0; j < p.dim_v; ++j) r[j] = std::abs(r[j]) <= std::numeric_limits<T>::max() ? o[j] - r[j] : T(0);
+      // scaled (kResidualScale*); 0 where the rounded value is inf / NaN: the backward then reads
+      // out as it is
+      const T sc = T(dt == DType::kF16 ? kResidualScaleF16 : kResidualScaleBF16);
+      for (int j = 0; j < p.dim_v; ++j) {
+        r[j] = std::abs(r[j]) <= std::numeric_limits<T>::max() ? (o[j] - r[j]) * sc : T(0);
+      }
       store_row(dt, r, static_cast<char*>(p.o_res) + at, p.dim_v);
     }
   }
@@ -445,7 +449,8 @@ struct BwdTask {
         if (p.o_res != nullptr) {
           T* r = o + c.dp;  // c.o's second row, free here
           load_row(dt, static_cast<const char*>(p.o_res) + at, r, p.dim_v, c.dp);
-          for (int j = 0; j < p.dim_v; ++j) o[j] += r[j];
+          const T unscale = T(1) / T(dt == DType::kF16 ? kResidualScaleF16 : kResidualScaleBF16);
+          for (int j = 0; j < p.dim_v; ++j) o[j] += r[j] * unscale;
         }
         // vector dot and scale over the zero-padded rows (a scalar float sum runs at one add
         // per FMA latency)

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/linear_params.h"
 #include "cuda/convert.cuh"  // to_float, from_float
@@ -53,14 +54,18 @@ static_assert(kChunk * kChunk % kThreads == 0 && kChunk * kSlice % kThreads == 0
 static_assert(kThreads % kChunk == 0, "a thread keeps one column of the (C, C) tiles");
 static_assert(kThreads >= kChunk, "one thread per chunk row for the per-row scalars");
 
-// x's rounding residual in T, x - float(T(x)), as LinearParamsT::o_res keeps it; 0 where T(x) is
-// inf or NaN (the backward then reads out alone, as without a residual). The forward stores it
-// beside out; the backward's d den reads out + residual. (The tensor-core kernels keep none:
-// LinearParamsT::o_res says why.)
+// x's rounding residual in T as LinearParamsT::o_res keeps it, (x - float(T(x))) times
+// kResidualScale*; 0 where T(x) is inf or NaN (the backward then reads out alone, as without a
+// residual). The forward stores it beside out; the backward's d den reads out + residual /
+// scale. (The tensor-core kernels keep none: LinearParamsT::o_res says why.)
+template <typename T>
+__device__ __forceinline__ float residual_scale() {
+  return std::is_same_v<T, __half> ? kResidualScaleF16 : kResidualScaleBF16;
+}
 template <typename T>
 __device__ __forceinline__ float out_residual(float x) {
   const float y = to_float(from_float<T>(x));
-  return fabsf(y) <= 3.402823466e38f ? x - y : 0.f;
+  return fabsf(y) <= 3.402823466e38f ? (x - y) * residual_scale<T>() : 0.f;
 }
 
 // Value columns per CTA for feature width m: the (M, cols + 1) fp32 state slab stays <= ~37 KB.
@@ -422,7 +427,7 @@ __device__ __forceinline__ void load_dout(float* D, const BwdParams& p, const Se
     if (i < n && p.normalize) {
       for (int c = lane; c < p.dim_v; c += 32) {
         const int64_t at = int64_t(i) * p.o_row_stride + c;
-        const float o = to_float(out[at]) + (res != nullptr ? to_float(res[at]) : 0.f);
+        const float o = to_float(out[at]) + (res != nullptr ? to_float(res[at]) * (1.f / residual_scale<T>()) : 0.f);
         dot += to_float(dout[int64_t(i) * p.do_row_stride + c]) * o;
       }
 #pragma unroll
