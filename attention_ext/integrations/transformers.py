@@ -26,6 +26,11 @@ model that runs on "sdpa" gets the same attention pattern here:
   let a query see later keys in a model whose attention is otherwise causal.
 - softcap (Gemma 2) and s_aux (GPT-OSS sinks, (H,)) go to the kernel: HF applies the softcap to
   the scaled scores before the mask, and the sink as an extra softmax logit, as the kernel does.
+- position_bias (T5 and its relatives, WavLM, LayoutLMv3: a learned additive score bias) is read
+  as SDPA reads it (create_position_bias_mask): a float mask added to the scores, keeping the
+  gradient that trains the bias; a bool mask's False entries become -inf in it, a float mask is
+  added to it. Where no mask came, causality stays the kernel's causal flag (top-left, as above),
+  which composes with the bias.
 - GQA runs with no repeat of k / v (H % H_k == 0).
 - A value head dim other than the query / key one (DeepSeek's MLA: 192 and 128) runs on zero
   columns appended to the narrower side (q . k and P v are unchanged by them, the scale stays
@@ -74,10 +79,14 @@ def attention_forward(
         s_aux: (H,) attention-sink logits (GPT-OSS), in the model's dtype; attention() casts them
             to the kernel's float side dtype (float32; float64 for float64), keeping the gradient.
 
+    kwargs: position_bias (T5 and its relatives: an additive score bias broadcastable to
+        (B, H, Sq, Sk), gets a gradient; see the module docstring); output_attentions; the rest
+        (the model's TransformersKwargs) is not read.
+
     Returns (out (B, Sq, H, Dv) contiguous, None), or with output_attentions=True the probabilities
     (B, H, Sq, Sk) in q's dtype in place of None, recomputed from the kernel's LSE (one more Q K^T):
     only without dropout and without autograd (the LSE carries no gradient), else
-    NotImplementedError, as for head_mask and position_bias.
+    NotImplementedError, as for head_mask.
     """
     from .. import attention, attention_weights  # deferred: attention_ext imports nothing from here
 
@@ -86,14 +95,22 @@ def attention_forward(
                                            any(t.requires_grad for t in (query, key, value)))):
         raise NotImplementedError("attention_ext returns attention weights (output_attentions=True) only without "
                                   "dropout and gradients; use attn_implementation='eager' for them")
-    for name in ("head_mask", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attention_ext does not support `{name}` in the transformers integration")
+    if kwargs.get("head_mask") is not None:
+        raise NotImplementedError("attention_ext does not support `head_mask` in the transformers integration; "
+                                  "use attn_implementation='eager' for it")
     sq = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # SDPA's rule (sdpa_attention_forward): causal only with no mask and more than one query
     causal = bool(is_causal) and attention_mask is None and sq > 1
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # one additive float mask (module docstring); `causal` read the caller's mask
+        if attention_mask is None:
+            attention_mask = position_bias
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, position_bias, float("-inf"))
+        else:
+            attention_mask = position_bias + attention_mask
     softcap = float(softcap or 0.0)
     dv = value.shape[-1]
     if dv != query.shape[-1]:  # zero columns to one width (module docstring); the scale stays q's

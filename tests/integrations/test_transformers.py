@@ -335,8 +335,8 @@ def test_unsupported_requests_raise():
     k = v = torch.randn(1, 2, 3, 16)
     with pytest.raises(NotImplementedError, match="output_attentions"):
         ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, output_attentions=True, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="position_bias"):
-        ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 4, 3, 3))
+    with pytest.raises(NotImplementedError, match="head_mask.*eager"):
+        ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, head_mask=torch.ones(4))
 
 
 def test_attention_forward_semantics():
@@ -413,6 +413,45 @@ def test_mla_model_logits():
             want, got = ref(x, **kw).logits, ours(x, **kw).logits
             keep = slice(None) if not kw else (mask.bool()[..., None].expand_as(want))
             torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_t5_position_bias(calls):
+    """T5 passes its learned relative bias as `position_bias` (SDPA adds it to the scores; it used
+    to raise here): logits with padded encoder and decoder rows, gradients (the relative bias's
+    included), greedy generate() with the encoder-decoder cache, and output_attentions against eager."""
+    cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForSeq2SeqLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(AE)
+    if ours.config._attn_implementation != AE:  # older transformers: T5 not on AttentionInterface
+        pytest.skip("this transformers' T5 does not take registered attention implementations")
+    g = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(2, V, (B, L), generator=g), torch.randint(2, V, (B, 6), generator=g)
+    mask, dmask = torch.ones(B, L, dtype=torch.long), torch.ones(B, 6, dtype=torch.long)
+    mask[0, L - PAD:] = 0
+    dmask[1, 4:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dmask)
+    keep = dmask.bool()
+    with torch.no_grad():
+        assert rel_err(ours(**kw).logits[keep], ref(**kw).logits[keep]) < 1e-5
+        assert calls[0] == 3 * cfg.num_layers  # encoder self, decoder self and cross attention
+        gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(ours.generate(ids, **gen), ref.generate(ids, **gen))
+        eager = copy.deepcopy(ref)
+        eager.set_attn_implementation("eager")
+        want, got = eager(**kw, output_attentions=True), ours(**kw, output_attentions=True)
+        rows = mask.bool()[:, None, :, None]  # the encoder's padded query rows: implementation-defined
+        assert rel_err(got.encoder_attentions[0] * rows, want.encoder_attentions[0] * rows) < 1e-5
+        assert rel_err(got.cross_attentions[1][1], want.cross_attentions[1][1]) < 1e-5
+    for m in (ref, ours):
+        m.train()
+        torch.nn.functional.cross_entropy(m(**kw).logits[keep], dec[keep]).backward()
+    grads = dict(ref.named_parameters())
+    for pname, p in ours.named_parameters():
+        assert rel_err(p.grad, grads[pname].grad) < 1e-4, pname
+    assert ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad.any()
 
 
 def test_import_does_not_import_transformers():
