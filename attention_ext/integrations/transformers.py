@@ -128,6 +128,11 @@ def attention_forward(
     return out[..., :dv].transpose(1, 2).contiguous(), weights  # (B, Sq, H, Dv), (B, H, Sq, Sk) or None
 
 
+def _is_attention_forward(fn: Any) -> bool:
+    """Whether `fn` is this module's attention_forward, also as a reloaded module's copy."""
+    return getattr(fn, "__module__", None) == __name__ and getattr(fn, "__qualname__", None) == "attention_forward"
+
+
 def register(name: str = DEFAULT_NAME) -> None:
     """Register attention_ext with transformers under `name`: the attention function in
     AttentionInterface and SDPA's mask builder (masking_utils.sdpa_mask: a 4-D bool mask, or None
@@ -135,12 +140,32 @@ def register(name: str = DEFAULT_NAME) -> None:
     `attn_implementation=name` selects it (from_pretrained / from_config / set_attn_implementation).
     Idempotent. Raises ImportError when transformers is missing or older than 4.53 (the first with
     masking_utils.AttentionMaskInterface; AttentionInterface alone is older).
+
+    `name` must be a new one: transformers' registries are process-wide, so taking "eager", "sdpa",
+    a flash / flex name or another library's name would swap that implementation (and its mask
+    builder) under every model, the reference runs included, and code that still runs its own
+    eager path (GPT-2's reorder_and_upcast_attn) would add our bool masks to its scores. A name
+    with "/" is read by transformers as a Hub kernel repository and a "paged|" prefix is stripped,
+    so neither would reach this function. Each raises ValueError (TypeError for a non-str).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"register(name=...): name must be a str, got {type(name).__name__}; "
+                        f"the default is {DEFAULT_NAME!r}")
+    if not name or "/" in name or name.startswith("paged|"):
+        raise ValueError(f"register(name=...): got {name!r}; transformers reads a name with '/' as a Hub kernel "
+                         "repository and strips a 'paged|' prefix, and an empty name selects nothing: pass a plain "
+                         f"name such as {DEFAULT_NAME!r}")
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as e:
         raise ImportError("attention_ext.integrations.transformers needs transformers >= 4.53 (AttentionInterface "
                           "and masking_utils.AttentionMaskInterface): pip install \"transformers>=4.53\"") from e
+    fn, mask_fn = AttentionInterface().get(name), AttentionMaskInterface().get(name)
+    if name == "eager" or (fn is not None and not _is_attention_forward(fn)) or (
+            mask_fn is not None and mask_fn is not sdpa_mask):
+        raise ValueError(f"register(name=...): {name!r} is already a transformers attention implementation "
+                         "(its own, or another library's); registering over it would replace it for every model "
+                         f"in this process. Pick a new name, e.g. register({DEFAULT_NAME!r})")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)

@@ -463,6 +463,26 @@ def test_import_does_not_import_transformers():
     assert res.stdout.strip() == "False"
 
 
+def test_register_rejects_taken_and_unusable_names():
+    """register() over a transformers implementation would swap it for every model in the process
+    (register("eager") left GPT-2's reorder_and_upcast_attn eager path adding our bool masks to its
+    scores: wrong logits, no error); a name with '/' (a Hub kernel to transformers), a 'paged|'
+    prefix, an empty name and a non-str raise too, and nothing is registered."""
+    ifc, mifc = transformers.AttentionInterface, transformers.masking_utils.AttentionMaskInterface
+    before = (dict(ifc._global_mapping), dict(mifc._global_mapping))
+    for name in ("eager", "sdpa", "flash_attention_2", "flex_attention"):
+        with pytest.raises(ValueError, match=f"'{name}' is already a transformers attention implementation.*new name"):
+            ae_hf.register(name)
+    for name in ("org/kernel", "paged|attention_ext", ""):
+        with pytest.raises(ValueError, match=r"register\(name=\.\.\.\).*plain name"):
+            ae_hf.register(name)
+    with pytest.raises(TypeError, match="name must be a str"):
+        ae_hf.register(None)
+    assert (dict(ifc._global_mapping), dict(mifc._global_mapping)) == before
+    ae_hf.register(AE)  # idempotent
+    assert ifc._global_mapping[AE] is ae_hf.attention_forward
+
+
 def test_register_without_transformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r'pip install "transformers>=4.53"'):
