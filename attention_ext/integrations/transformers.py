@@ -35,6 +35,10 @@ model that runs on "sdpa" gets the same attention pattern here:
 - A value head dim other than the query / key one (DeepSeek's MLA: 192 and 128) runs on zero
   columns appended to the narrower side (q . k and P v are unchanged by them, the scale stays
   the query head dim's) and the output cut back to the value's width: a copy, exact.
+- Head dims above the kernels' 256 (Gemma 4's and DeepSeek-V4's 512-wide global layers) raise
+  NotImplementedError naming the layer and the implementation to load instead, before the kernel's
+  bare "head dim must be in [1, 256]": no silent fallback to another implementation, which would
+  hide that the model does not run on these kernels.
 A fully masked query row (a left-padded position) gives 0 here; SDPA's value there is
 implementation-defined, and HF ignores those positions.
 """
@@ -48,6 +52,7 @@ from torch import Tensor
 __all__ = ["register", "attention_forward", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "attention_ext"
+_MAX_HEAD_DIM = 256  # the kernels' limit (csrc/torch/softmax_binding.cpp, decode_binding.cpp)
 
 
 def attention_forward(
@@ -113,6 +118,11 @@ def attention_forward(
             attention_mask = position_bias + attention_mask
     softcap = float(softcap or 0.0)
     dv = value.shape[-1]
+    if max(dv, query.shape[-1]) > _MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"attention_ext serves head dims up to {_MAX_HEAD_DIM}; {type(module).__name__} has query / key head dim "
+            f"{query.shape[-1]} and value head dim {dv}: load (or set_attn_implementation) this model with "
+            "attn_implementation='sdpa' or 'eager'")
     if dv != query.shape[-1]:  # zero columns to one width (module docstring); the scale stays q's
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         width = max(dv, query.shape[-1])

@@ -339,6 +339,29 @@ def test_unsupported_requests_raise():
         ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, head_mask=torch.ones(4))
 
 
+def test_head_dim_over_the_kernels_limit_names_the_fix():
+    """Head dims past 256 (Gemma 4's 512-wide global layers; a value dim past it too) raise
+    NotImplementedError naming the layer and the implementation to use (it raised the kernel's bare
+    "head dim must be in [1, 256]"); 256 itself runs."""
+    mod = torch.nn.Module()
+    for dqk, dv in ((512, 512), (128, 320)):
+        q, k, v = torch.randn(1, 2, 3, dqk), torch.randn(1, 2, 3, dqk), torch.randn(1, 2, 3, dv)
+        with pytest.raises(NotImplementedError, match=f"head dim {dqk} and value head dim {dv}.*'sdpa' or 'eager'"):
+            ae_hf.attention_forward(mod, q, k, v, None)
+    q = torch.randn(1, 2, 3, 256)
+    assert ae_hf.attention_forward(mod, q, q, q, None)[0].shape == (1, 3, 2, 256)
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        return
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=512, sliding_window=WINDOW, max_position_embeddings=64,
+        vocab_size_per_layer_input=V, hidden_size_per_layer_input=16,
+        layer_types=["sliding_attention", "full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=AE).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="Gemma4TextAttention.*head dim 512"):
+        model(torch.randint(1, V, (1, 6)))
+
+
 def test_attention_forward_semantics():
     """Direct calls: SDPA's reading of (mask, is_causal) with GQA, against torch's SDPA on repeated
     k / v. A bool or float mask wins over is_causal; q_len 1 with no mask sees every key."""
