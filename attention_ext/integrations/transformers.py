@@ -26,10 +26,19 @@ model that runs on "sdpa" gets the same attention pattern here:
   let a query see later keys in a model whose attention is otherwise causal.
 - softcap (Gemma 2) and s_aux (GPT-OSS sinks, (H,)) go to the kernel: HF applies the softcap to
   the scaled scores before the mask, and the sink as an extra softmax logit, as the kernel does.
+- position_bias (T5 and its relatives, WavLM, LayoutLMv3: a learned additive score bias) is read
+  as SDPA reads it (create_position_bias_mask): a float mask added to the scores, keeping the
+  gradient that trains the bias; a bool mask's False entries become -inf in it, a float mask is
+  added to it. Where no mask came, causality stays the kernel's causal flag (top-left, as above),
+  which composes with the bias.
 - GQA runs with no repeat of k / v (H % H_k == 0).
 - A value head dim other than the query / key one (DeepSeek's MLA: 192 and 128) runs on zero
   columns appended to the narrower side (q . k and P v are unchanged by them, the scale stays
   the query head dim's) and the output cut back to the value's width: a copy, exact.
+- Head dims above the kernels' 256 (Gemma 4's and DeepSeek-V4's 512-wide global layers) raise
+  NotImplementedError naming the layer and the implementation to load instead, before the kernel's
+  bare "head dim must be in [1, 256]": no silent fallback to another implementation, which would
+  hide that the model does not run on these kernels.
 A fully masked query row (a left-padded position) gives 0 here; SDPA's value there is
 implementation-defined, and HF ignores those positions.
 """
@@ -43,6 +52,7 @@ from torch import Tensor
 __all__ = ["register", "attention_forward", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "attention_ext"
+_MAX_HEAD_DIM = 256  # the kernels' limit (csrc/torch/softmax_binding.cpp, decode_binding.cpp)
 
 
 def attention_forward(
@@ -74,10 +84,14 @@ def attention_forward(
         s_aux: (H,) attention-sink logits (GPT-OSS), in the model's dtype; attention() casts them
             to the kernel's float side dtype (float32; float64 for float64), keeping the gradient.
 
+    kwargs: position_bias (T5 and its relatives: an additive score bias broadcastable to
+        (B, H, Sq, Sk), gets a gradient; see the module docstring); output_attentions; the rest
+        (the model's TransformersKwargs) is not read.
+
     Returns (out (B, Sq, H, Dv) contiguous, None), or with output_attentions=True the probabilities
     (B, H, Sq, Sk) in q's dtype in place of None, recomputed from the kernel's LSE (one more Q K^T):
     only without dropout and without autograd (the LSE carries no gradient), else
-    NotImplementedError, as for head_mask and position_bias.
+    NotImplementedError, as for head_mask.
     """
     from .. import attention, attention_weights  # deferred: attention_ext imports nothing from here
 
@@ -86,16 +100,29 @@ def attention_forward(
                                            any(t.requires_grad for t in (query, key, value)))):
         raise NotImplementedError("attention_ext returns attention weights (output_attentions=True) only without "
                                   "dropout and gradients; use attn_implementation='eager' for them")
-    for name in ("head_mask", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attention_ext does not support `{name}` in the transformers integration")
+    if kwargs.get("head_mask") is not None:
+        raise NotImplementedError("attention_ext does not support `head_mask` in the transformers integration; "
+                                  "use attn_implementation='eager' for it")
     sq = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # SDPA's rule (sdpa_attention_forward): causal only with no mask and more than one query
     causal = bool(is_causal) and attention_mask is None and sq > 1
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # one additive float mask (module docstring); `causal` read the caller's mask
+        if attention_mask is None:
+            attention_mask = position_bias
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, position_bias, float("-inf"))
+        else:
+            attention_mask = position_bias + attention_mask
     softcap = float(softcap or 0.0)
     dv = value.shape[-1]
+    if max(dv, query.shape[-1]) > _MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"attention_ext serves head dims up to {_MAX_HEAD_DIM}; {type(module).__name__} has query / key head dim "
+            f"{query.shape[-1]} and value head dim {dv}: load (or set_attn_implementation) this model with "
+            "attn_implementation='sdpa' or 'eager'")
     if dv != query.shape[-1]:  # zero columns to one width (module docstring); the scale stays q's
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         width = max(dv, query.shape[-1])
@@ -111,6 +138,11 @@ def attention_forward(
     return out[..., :dv].transpose(1, 2).contiguous(), weights  # (B, Sq, H, Dv), (B, H, Sq, Sk) or None
 
 
+def _is_attention_forward(fn: Any) -> bool:
+    """Whether `fn` is this module's attention_forward, also as a reloaded module's copy."""
+    return getattr(fn, "__module__", None) == __name__ and getattr(fn, "__qualname__", None) == "attention_forward"
+
+
 def register(name: str = DEFAULT_NAME) -> None:
     """Register attention_ext with transformers under `name`: the attention function in
     AttentionInterface and SDPA's mask builder (masking_utils.sdpa_mask: a 4-D bool mask, or None
@@ -118,12 +150,32 @@ def register(name: str = DEFAULT_NAME) -> None:
     `attn_implementation=name` selects it (from_pretrained / from_config / set_attn_implementation).
     Idempotent. Raises ImportError when transformers is missing or older than 4.53 (the first with
     masking_utils.AttentionMaskInterface; AttentionInterface alone is older).
+
+    `name` must be a new one: transformers' registries are process-wide, so taking "eager", "sdpa",
+    a flash / flex name or another library's name would swap that implementation (and its mask
+    builder) under every model, the reference runs included, and code that still runs its own
+    eager path (GPT-2's reorder_and_upcast_attn) would add our bool masks to its scores. A name
+    with "/" is read by transformers as a Hub kernel repository and a "paged|" prefix is stripped,
+    so neither would reach this function. Each raises ValueError (TypeError for a non-str).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"register(name=...): name must be a str, got {type(name).__name__}; "
+                        f"the default is {DEFAULT_NAME!r}")
+    if not name or "/" in name or name.startswith("paged|"):
+        raise ValueError(f"register(name=...): got {name!r}; transformers reads a name with '/' as a Hub kernel "
+                         "repository and strips a 'paged|' prefix, and an empty name selects nothing: pass a plain "
+                         f"name such as {DEFAULT_NAME!r}")
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError as e:
         raise ImportError("attention_ext.integrations.transformers needs transformers >= 4.53 (AttentionInterface "
                           "and masking_utils.AttentionMaskInterface): pip install \"transformers>=4.53\"") from e
+    fn, mask_fn = AttentionInterface().get(name), AttentionMaskInterface().get(name)
+    if name == "eager" or (fn is not None and not _is_attention_forward(fn)) or (
+            mask_fn is not None and mask_fn is not sdpa_mask):
+        raise ValueError(f"register(name=...): {name!r} is already a transformers attention implementation "
+                         "(its own, or another library's); registering over it would replace it for every model "
+                         f"in this process. Pick a new name, e.g. register({DEFAULT_NAME!r})")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)

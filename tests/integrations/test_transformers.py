@@ -335,8 +335,31 @@ def test_unsupported_requests_raise():
     k = v = torch.randn(1, 2, 3, 16)
     with pytest.raises(NotImplementedError, match="output_attentions"):
         ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, output_attentions=True, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="position_bias"):
-        ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 4, 3, 3))
+    with pytest.raises(NotImplementedError, match="head_mask.*eager"):
+        ae_hf.attention_forward(torch.nn.Module(), q, k, v, None, head_mask=torch.ones(4))
+
+
+def test_head_dim_over_the_kernels_limit_names_the_fix():
+    """Head dims past 256 (Gemma 4's 512-wide global layers; a value dim past it too) raise
+    NotImplementedError naming the layer and the implementation to use (it raised the kernel's bare
+    "head dim must be in [1, 256]"); 256 itself runs."""
+    mod = torch.nn.Module()
+    for dqk, dv in ((512, 512), (128, 320)):
+        q, k, v = torch.randn(1, 2, 3, dqk), torch.randn(1, 2, 3, dqk), torch.randn(1, 2, 3, dv)
+        with pytest.raises(NotImplementedError, match=f"head dim {dqk} and value head dim {dv}.*'sdpa' or 'eager'"):
+            ae_hf.attention_forward(mod, q, k, v, None)
+    q = torch.randn(1, 2, 3, 256)
+    assert ae_hf.attention_forward(mod, q, q, q, None)[0].shape == (1, 3, 2, 256)
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        return
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=512, sliding_window=WINDOW, max_position_embeddings=64,
+        vocab_size_per_layer_input=V, hidden_size_per_layer_input=16,
+        layer_types=["sliding_attention", "full_attention"])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=AE).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="Gemma4TextAttention.*head dim 512"):
+        model(torch.randint(1, V, (1, 6)))
 
 
 def test_attention_forward_semantics():
@@ -415,6 +438,45 @@ def test_mla_model_logits():
             torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
 
 
+def test_t5_position_bias(calls):
+    """T5 passes its learned relative bias as `position_bias` (SDPA adds it to the scores; it used
+    to raise here): logits with padded encoder and decoder rows, gradients (the relative bias's
+    included), greedy generate() with the encoder-decoder cache, and output_attentions against eager."""
+    cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForSeq2SeqLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(AE)
+    if ours.config._attn_implementation != AE:  # older transformers: T5 not on AttentionInterface
+        pytest.skip("this transformers' T5 does not take registered attention implementations")
+    g = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(2, V, (B, L), generator=g), torch.randint(2, V, (B, 6), generator=g)
+    mask, dmask = torch.ones(B, L, dtype=torch.long), torch.ones(B, 6, dtype=torch.long)
+    mask[0, L - PAD:] = 0
+    dmask[1, 4:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dmask)
+    keep = dmask.bool()
+    with torch.no_grad():
+        assert rel_err(ours(**kw).logits[keep], ref(**kw).logits[keep]) < 1e-5
+        assert calls[0] == 3 * cfg.num_layers  # encoder self, decoder self and cross attention
+        gen = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(ours.generate(ids, **gen), ref.generate(ids, **gen))
+        eager = copy.deepcopy(ref)
+        eager.set_attn_implementation("eager")
+        want, got = eager(**kw, output_attentions=True), ours(**kw, output_attentions=True)
+        rows = mask.bool()[:, None, :, None]  # the encoder's padded query rows: implementation-defined
+        assert rel_err(got.encoder_attentions[0] * rows, want.encoder_attentions[0] * rows) < 1e-5
+        assert rel_err(got.cross_attentions[1][1], want.cross_attentions[1][1]) < 1e-5
+    for m in (ref, ours):
+        m.train()
+        torch.nn.functional.cross_entropy(m(**kw).logits[keep], dec[keep]).backward()
+    grads = dict(ref.named_parameters())
+    for pname, p in ours.named_parameters():
+        assert rel_err(p.grad, grads[pname].grad) < 1e-4, pname
+    assert ours.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.grad.any()
+
+
 def test_import_does_not_import_transformers():
     """The module imports transformers only inside register()."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -422,6 +484,26 @@ def test_import_does_not_import_transformers():
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_register_rejects_taken_and_unusable_names():
+    """register() over a transformers implementation would swap it for every model in the process
+    (register("eager") left GPT-2's reorder_and_upcast_attn eager path adding our bool masks to its
+    scores: wrong logits, no error); a name with '/' (a Hub kernel to transformers), a 'paged|'
+    prefix, an empty name and a non-str raise too, and nothing is registered."""
+    ifc, mifc = transformers.AttentionInterface, transformers.masking_utils.AttentionMaskInterface
+    before = (dict(ifc._global_mapping), dict(mifc._global_mapping))
+    for name in ("eager", "sdpa", "flash_attention_2", "flex_attention"):
+        with pytest.raises(ValueError, match=f"'{name}' is already a transformers attention implementation.*new name"):
+            ae_hf.register(name)
+    for name in ("org/kernel", "paged|attention_ext", ""):
+        with pytest.raises(ValueError, match=r"register\(name=\.\.\.\).*plain name"):
+            ae_hf.register(name)
+    with pytest.raises(TypeError, match="name must be a str"):
+        ae_hf.register(None)
+    assert (dict(ifc._global_mapping), dict(mifc._global_mapping)) == before
+    ae_hf.register(AE)  # idempotent
+    assert ifc._global_mapping[AE] is ae_hf.attention_forward
 
 
 def test_register_without_transformers(monkeypatch):
