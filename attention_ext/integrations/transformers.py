@@ -36,9 +36,9 @@ model that runs on "sdpa" gets the same attention pattern here:
   columns appended to the narrower side (q . k and P v are unchanged by them, the scale stays
   the query head dim's) and the output cut back to the value's width: a copy, exact.
 - Head dims above the kernels' 256 (Gemma 4's and DeepSeek-V4's 512-wide global layers) raise
-  NotImplementedError naming the layer and the implementation to load instead, before the kernel's
-  bare "head dim must be in [1, 256]": no silent fallback to another implementation, which would
-  hide that the model does not run on these kernels.
+  NotImplementedError: the kernel's own "head dim must be in [1, 256]" plus the layer and the
+  implementation to load instead. No silent fallback to another implementation, which would hide
+  that the model does not run on these kernels.
 A fully masked query row (a left-padded position) gives 0 here; SDPA's value there is
 implementation-defined, and HF ignores those positions.
 """
@@ -52,7 +52,6 @@ from torch import Tensor
 __all__ = ["register", "attention_forward", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "attention_ext"
-_MAX_HEAD_DIM = 256  # the kernels' limit (csrc/torch/softmax_binding.cpp, decode_binding.cpp)
 
 
 def attention_forward(
@@ -117,19 +116,21 @@ def attention_forward(
         else:
             attention_mask = position_bias + attention_mask
     softcap = float(softcap or 0.0)
-    dv = value.shape[-1]
-    if max(dv, query.shape[-1]) > _MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"attention_ext serves head dims up to {_MAX_HEAD_DIM}; {type(module).__name__} has query / key head dim "
-            f"{query.shape[-1]} and value head dim {dv}: load (or set_attn_implementation) this model with "
-            "attn_implementation='sdpa' or 'eager'")
+    dv, dqk = value.shape[-1], query.shape[-1]
     if dv != query.shape[-1]:  # zero columns to one width (module docstring); the scale stays q's
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         width = max(dv, query.shape[-1])
         query, key, value = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
-    out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
-                    attn_mask=attention_mask, softcap=softcap, sinks=s_aux, dropout_p=float(dropout),
-                    return_lse=want_weights)
+    try:
+        out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
+                        attn_mask=attention_mask, softcap=softcap, sinks=s_aux, dropout_p=float(dropout),
+                        return_lse=want_weights)
+    except ValueError as e:  # the kernels' head-dim rule (stated in C++) names no layer nor a way out
+        if "head dim must be in" not in str(e):
+            raise
+        raise NotImplementedError(
+            f"{e}; {type(module).__name__} has query / key head dim {dqk} and value head dim {dv}: load "
+            "(or set_attn_implementation) this model with attn_implementation='sdpa' or 'eager'") from e
     weights = None
     if want_weights:  # the LSE holds the sink term, so exp(s - lse) is GPT-OSS's sink-less probability too
         out, lse = out
