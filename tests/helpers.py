@@ -50,6 +50,23 @@ def assert_close_fa2(ours: torch.Tensor, torch_same_dtype: torch.Tensor, ref64: 
     assert e_ours <= 2.0 * e_torch + FLOOR[dtype], f"{what}: error {e_ours:.3g} > 2 x torch {e_torch:.3g} + floor"
 
 
+def assert_compiled_backward_matches(m: torch.nn.Module, x: torch.Tensor, call_kwargs, rtol=1e-4, atol=1e-5):
+    """torch.compile(m, backend="aot_eager", fullgraph=True) against eager m: the output and the
+    gradients of x and of every parameter for out.square().sum(), once per kwargs dict in
+    call_kwargs (x must require grad)."""
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for kw in call_kwargs:
+        grads = []
+        for f in (m, compiled):
+            m.zero_grad()
+            x.grad = None
+            out = f(x, **kw)
+            out.square().sum().backward()
+            grads.append([out.detach(), x.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+
+
 def reference_in(dtype, q, k, v, **kw):
     """reference.attention run in `dtype` (PyTorch's own math at that precision); out and grads
     come back for comparison."""

@@ -10,6 +10,7 @@ import attention_ext as ae
 from attention_ext.linear import delta
 from attention_ext.models import LanguageModel, LMConfig
 from attention_ext.nn import AttentionConfig, DeltaCache, GatedDeltaNet, allocate_cache, make_attention
+from tests.helpers import assert_compiled_backward_matches
 
 pytestmark = pytest.mark.skipif(not delta.has_kernel(torch.device("cpu")), reason="no CPU delta kernel")
 
@@ -94,17 +95,7 @@ def test_compiled_backward_equals_eager(conv):
     x = torch.randn(3, 21, 64, requires_grad=True)
     mask = torch.ones(3, 21, dtype=torch.bool)
     mask[1, :5] = False  # left padding
-    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
-    for kw in (dict(), dict(key_mask=mask)):
-        grads = []
-        for f in (m, compiled):
-            m.zero_grad()
-            x.grad = None
-            out = f(x, **kw)
-            out.square().sum().backward()
-            grads.append([out.detach(), x.grad] + [p.grad for p in m.parameters()])
-        for a, b in zip(*grads):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert_compiled_backward_matches(m, x, (dict(), dict(key_mask=mask)))
 
 
 def test_lm_trains_and_generates():

@@ -8,6 +8,7 @@ import torch
 import attention_ext as ae
 from attention_ext.models import LanguageModel, LMConfig, Transformer, TransformerConfig
 from attention_ext.nn import AttentionConfig, KVCache, LinearAttention, LinearCache, allocate_cache, make_attention
+from tests.helpers import assert_compiled_backward_matches
 
 pytestmark = pytest.mark.filterwarnings("ignore:attention_ext. no compiled linear:RuntimeWarning")
 
@@ -223,17 +224,7 @@ def test_compiled_backward_equals_eager(gate):
     x = torch.randn(3, 21, 32, requires_grad=True)
     mask = torch.ones(3, 21, dtype=torch.bool)
     mask[0, 15:] = False
-    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
-    for kw in (dict(), dict(key_mask=mask)):
-        grads = []
-        for f in (m, compiled):
-            m.zero_grad()
-            x.grad = None
-            out = f(x, **kw)
-            out.square().sum().backward()
-            grads.append([out.detach(), x.grad] + [p.grad for p in m.parameters()])
-        for a, b in zip(*grads):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert_compiled_backward_matches(m, x, (dict(), dict(key_mask=mask)))
 
 
 def test_audit_config_and_decay_dtypes():
