@@ -117,9 +117,9 @@ def attention_forward(
             attention_mask = position_bias + attention_mask
     softcap = float(softcap or 0.0)
     dv, dqk = value.shape[-1], query.shape[-1]
-    if dv != query.shape[-1]:  # zero columns to one width (module docstring); the scale stays q's
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        width = max(dv, query.shape[-1])
+    if dv != dqk:  # zero columns to one width (module docstring); the scale stays q's
+        scaling = scaling if scaling is not None else dqk ** -0.5
+        width = max(dv, dqk)
         query, key, value = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     try:
         out = attention(query, key, value, layout="bhsd", scale=scaling, causal=causal, bottom_right=False,
