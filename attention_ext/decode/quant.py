@@ -19,6 +19,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from .._args import not_a_tensor
+
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
@@ -72,6 +74,18 @@ def quantize_kv(x: Tensor, dtype: torch.dtype = torch.int8, granularity: str = "
 
 def dequantize_kv(x_q: Tensor, descale: Tensor) -> Tensor:
     """float32 x_q * descale: descale (B, S, H_k) per row or (B, H_k) per sequence."""
+    for name, t in (("x_q", x_q), ("descale", descale)):
+        if not isinstance(t, Tensor):
+            raise not_a_tensor(name, t, "dequantize_kv")
+    if x_q.dim() != 4:
+        raise ValueError(f"dequantize_kv: x_q must be 4-D (B, S, H_k, D) as quantize_kv returns it, got shape "
+                         f"{tuple(x_q.shape)}")
+    # any other shape would broadcast into the wrong rows (or a larger result) without an error
+    per_row, per_seq = tuple(x_q.shape[:3]), (x_q.shape[0], x_q.shape[2])
+    if tuple(descale.shape) not in (per_row, per_seq):
+        raise ValueError(f"dequantize_kv: descale must be per row (B, S, H_k) = {per_row} or per sequence "
+                         f"(B, H_k) = {per_seq} for x_q {tuple(x_q.shape)} (the descale quantize_kv returned "
+                         f"with it), got {tuple(descale.shape)}")
     if descale.dim() == 3:
         return x_q.float() * descale[..., None]
     return x_q.float() * descale[:, None, :, None]

@@ -387,3 +387,22 @@ def test_shared_descales_and_pools_and_dtypes():
             ae.nn.PagedKVCache(2, 8, 4, 2, 32, dtype=dt)
         with pytest.raises(TypeError, match="dtype must be"):
             ae.nn.KVCache(2, 8, 2, 32, dtype=dt)
+
+
+def test_dequantize_kv_checks_descale_shape():
+    """dequantize_kv reads descale as (B, S, H_k) per row or (B, H_k) per sequence: another shape
+    raised torch's bare broadcast / indexing errors, or broadcast silently (a (S, H_k) descale for
+    B = 1 gave a (S, S, H_k, D) result, a (B, 1, H_k) one gave every row the first row's scale)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 2, 8)
+    xq, s = quantize_kv(x, granularity="token")
+    xh, sh = quantize_kv(x, granularity="head")
+    torch.testing.assert_close(dequantize_kv(xq, s), xq.float() * s[..., None], atol=0, rtol=0)
+    torch.testing.assert_close(dequantize_kv(xh, sh), xh.float() * sh[:, None, :, None], atol=0, rtol=0)
+    for bad in (s[0], s[:, :1], s[0, 0], s[..., None], sh.t().contiguous()[:1]):
+        with pytest.raises(ValueError, match=r"dequantize_kv: descale must be .*\(1, 5, 2\).*\(1, 2\)"):
+            dequantize_kv(xq, bad)
+    with pytest.raises(TypeError, match="dequantize_kv: descale must be a torch.Tensor"):
+        dequantize_kv(xq, [1.0])
+    with pytest.raises(ValueError, match=r"dequantize_kv: x_q must be 4-D"):
+        dequantize_kv(xq[0], s[0])
