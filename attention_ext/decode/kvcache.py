@@ -312,7 +312,8 @@ def flash_attn_with_kvcache(
     if block_table is not None and b:
         # every page a sequence reads or writes must exist (entries past its end may be anything)
         used = (end if end is not None else torch.full((b,), capacity, device=dev, dtype=torch.int32))
-        n_used = (used.long() + rows_per - 1) // rows_per  # (B,)
+        # (B,); a pool of 0-row pages uses none here: the op's rule names it (an empty pool)
+        n_used = (used.long() + rows_per - 1) // max(rows_per, 1)
         live = torch.arange(block_table.shape[1], device=dev)[None, :] < n_used[:, None]
         _fault((live & ((block_table < 0) | (block_table >= n_rows))).any(1), bad,
                lambda: f"flash_attn_with_kvcache: block_table holds a page outside [0, {n_rows}) among the pages "
@@ -379,7 +380,8 @@ def flash_attn_with_kvcache(
         wr = 0
     if softcap < 0:
         raise ValueError("flash_attn_with_kvcache: softcap must be >= 0")
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    # (a head dim of 0 is the op's to refuse, by its rule, below)
+    scale = (d ** -0.5 if d else 1.0) if softmax_scale is None else float(softmax_scale)
 
     if bad is not None and end is not None:
         end = end.clamp(max=capacity)

@@ -453,3 +453,19 @@ def test_exports():
     for name in ("flash_attn_with_kvcache", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"):
         assert name in fa.__all__ and getattr(ae, name) is getattr(fa, name)
     assert ae.decode.flash_attn_with_kvcache is ae.flash_attn_with_kvcache
+
+
+@pytest.mark.parametrize("case", ["head_dim_0", "page_size_0"])
+def test_degenerate_sizes_get_the_op_rule(case):
+    """A head dim of 0 (softmax_scale defaulting to D ** -0.5) and a page pool of 0-row pages
+    (the pages a sequence uses, counted by division) raised a bare ZeroDivisionError in Python
+    before the op's own rule could name them."""
+    q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    kw = dict(cache_seqlens=0)
+    if case == "head_dim_0":
+        q, kc, vc, match = q[..., :0], kc[..., :0], vc[..., :0], "head dim must be in"
+    else:
+        kc, vc, match = kc[:, :0], vc[:, :0], "page pool is empty"
+        kw["block_table"] = torch.zeros(2, 1, dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        ae.flash_attn_with_kvcache(q, kc, vc, **kw)
