@@ -109,6 +109,29 @@ def _check_append_scales(x: Tensor, descale: Tensor, name: str) -> None:
                          f"scales)")
 
 
+def _collisions(flat: Tensor, bad: Optional[Tensor], name: str) -> None:
+    """flat (B, S_new): the cache row each new row is written to (page * page_size + slot). Two new
+    rows bound for one cache row would keep only the last write, and the other sequence would
+    attend over a key that is not its own: refused (under a capture: both sequences marked in
+    bad, so that they write back what they find and give NaN)."""
+    b, s_new = flat.shape
+    order = flat.flatten().argsort()
+    srt = flat.flatten()[order]
+    dup = srt[1:] == srt[:-1]  # (N - 1,): neighbours in sorted order that share a row
+    hit = torch.zeros(b * s_new, dtype=torch.bool, device=flat.device)
+    hit[1:] |= dup
+    hit[:-1] |= dup
+    hit = torch.zeros_like(hit).scatter_(0, order, hit).view(b, s_new).any(1)  # (B,): back in batch order
+
+    def msg():
+        seqs = hit.nonzero().flatten().tolist()
+        return (f"flash_attn_with_kvcache: the new rows of sequences {seqs} go to the same cache row (an append "
+                f"writes each new row once, so all but one would be lost and the others would attend over "
+                f"keys that are not theirs): give every sequence's appended rows their own cache rows in "
+                f"{name} (pages may be shared only where the sequences read them)")
+    _fault(hit, bad, msg)
+
+
 def _overlap(a: Tensor, b: Tensor) -> bool:
     """Whether two tensors' byte spans of one storage intersect (exact for dense views,
     conservative for strided ones)."""
@@ -164,7 +187,9 @@ def flash_attn_with_kvcache(
     k / v (B, S_new, H_k, D), optional: written IN PLACE into the cache at rows
     cache_seqlens[b] + t (t < S_new), after rotary on k; nothing else in the cache changes.
     Attention then covers rows [leftpad[b], cache_seqlens[b] + S_new). The rows must fit the
-    capacity (S_cache, or max_pages * page_size) or a ValueError is raised before any write.
+    capacity (S_cache, or max_pages * page_size) or a ValueError is raised before any write, as it
+    is when two new rows would land on one cache row (a repeated cache_batch_idx entry, block_table
+    pages shared where sequences append; sharing pages that are only read is fine).
 
     rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2): rotary_dim = 2 * cos.shape[1] <= D.
     k_new row t rotates at position cache_seqlens[b] + t; q row t at cache_seqlens[b] + t when
@@ -403,6 +428,9 @@ def flash_attn_with_kvcache(
                 seq = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(b, device=dev)
                 page = seq[:, None].expand(b, s_new)
                 slot = rows
+            if block_table is not None or cache_batch_idx is not None:
+                _collisions(page * rows_per + slot, bad, "block_table" if block_table is not None else
+                            "cache_batch_idx")
             if quantized:
                 if bad is not None:
                     raise ValueError("flash_attn_with_kvcache: appending to an int8 / float8_e4m3fn cache is not "

@@ -469,3 +469,56 @@ def test_degenerate_sizes_get_the_op_rule(case):
         kw["block_table"] = torch.zeros(2, 1, dtype=torch.int32)
     with torch.no_grad(), pytest.raises(ValueError, match=match):
         ae.flash_attn_with_kvcache(q, kc, vc, **kw)
+
+
+@pytest.mark.parametrize("case", ["batch_idx", "pages", "pages_one_seq"])
+def test_appends_to_one_cache_row_are_refused(monkeypatch, case):
+    """Two new rows bound for one cache row (a repeated cache_batch_idx entry, or block_table pages
+    shared where sequences append) kept only the last write: the other sequence attended over a
+    key and value that were not its own, silently. Refused before any write (under a simulated
+    capture: those sequences' rows of out / lse are NaN, the rest are the eager call's); pages
+    shared only where sequences read (a common prefix) stay allowed."""
+    from attention_ext import _ext
+    torch.manual_seed(0)
+    b, h, hk, d, s_new = 3, 4, 2, 16, 2
+    q, kn, vn = torch.randn(b, 1, h, d), torch.randn(b, s_new, hk, d), torch.randn(b, s_new, hk, d)
+    lens = torch.tensor([3, 3, 2], dtype=torch.int32)
+    if case == "batch_idx":
+        kc, vc = torch.randn(4, 8, hk, d), torch.randn(4, 8, hk, d)
+        good, bad = dict(cache_batch_idx=torch.tensor([2, 0, 1], dtype=torch.int32)), \
+            dict(cache_batch_idx=torch.tensor([2, 2, 1], dtype=torch.int32))
+        name, culprits = "cache_batch_idx", [0, 1]
+    elif case == "pages":
+        kc, vc = torch.randn(8, 4, hk, d), torch.randn(8, 4, hk, d)
+        lens = torch.tensor([4, 4, 2], dtype=torch.int32)
+        # sequences 0 and 1 share page 5 as their common prefix (read only), then append to their own
+        # page (0 / 1); bad: to page 0 both
+        good = dict(block_table=torch.tensor([[5, 0, 7], [5, 1, 7], [2, 7, 7]], dtype=torch.int32))
+        bad = dict(block_table=torch.tensor([[5, 0, 7], [5, 0, 7], [2, 7, 7]], dtype=torch.int32))
+        culprits = [0, 1]
+    else:  # one sequence whose logical pages 0 and 1 are one page, appending rows 3..8 across them
+        kc, vc = torch.randn(8, 4, hk, d), torch.randn(8, 4, hk, d)
+        s_new = 6
+        kn, vn = torch.randn(b, s_new, hk, d), torch.randn(b, s_new, hk, d)
+        lens = torch.tensor([0, 0, 3], dtype=torch.int32)
+        good = dict(block_table=torch.tensor([[0, 1, 6, 6], [3, 4, 6, 6], [2, 5, 6, 6]], dtype=torch.int32))
+        bad = dict(block_table=torch.tensor([[0, 1, 6, 6], [3, 4, 6, 6], [2, 2, 6, 6]], dtype=torch.int32))
+        culprits = [2]  # its rows 3 and 7 are both row 3 of page 2
+    if case != "batch_idx":
+        name = "block_table"
+    k0, v0 = kc.clone(), vc.clone()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"flash_attn_with_kvcache: .*same cache row.*{name}"):
+            ae.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, **bad)
+        assert torch.equal(kc, k0) and torch.equal(vc, v0), "a refused append wrote into the cache"
+        want = ae.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens,
+                                          return_softmax_lse=True, **good)  # shared read-only pages: fine
+        monkeypatch.setattr(_ext, "capturing", lambda dev: True)
+        got = ae.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens,
+                                         return_softmax_lse=True, **bad)
+    for g, w in zip(got, want):
+        for i in range(b):
+            if i in culprits:
+                assert g[i].isnan().all()
+            else:
+                assert torch.equal(g[i], w[i])
