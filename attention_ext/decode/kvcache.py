@@ -326,6 +326,12 @@ def flash_attn_with_kvcache(
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"flash_attn_with_kvcache: k and v must have one S_new, got {k.shape[1]}, {v.shape[1]}")
         s_new = k.shape[1]
+        if s_new and k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr() and \
+                k_cache.stride() == v_cache.stride():
+            raise ValueError("flash_attn_with_kvcache: k_cache and v_cache are one tensor (the same memory, laid out "
+                             "alike): the new values would overwrite the new keys, and attention would read values "
+                             "as keys; append into separate caches (or separate views of a packed KV cache, "
+                             "kv[:, :, 0] and kv[:, :, 1])")
     end = seqlens + s_new if seqlens is not None else None
 
     def overflow():

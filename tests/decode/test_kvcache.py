@@ -522,3 +522,20 @@ def test_appends_to_one_cache_row_are_refused(monkeypatch, case):
                 assert g[i].isnan().all()
             else:
                 assert torch.equal(g[i], w[i])
+
+
+def test_append_into_one_tensor_as_both_caches_is_refused():
+    """k_cache and v_cache passed as one tensor: the append wrote each new key, then the new value
+    over it, and attention read the values as keys, silently. Refused before any write; reading
+    such a cache (no append) and a packed KV cache's two views stay allowed."""
+    q, kn, vn = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    c = torch.randn(2, 8, 2, 16)
+    c0 = c.clone()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="flash_attn_with_kvcache: k_cache and v_cache are one tensor"):
+            ae.flash_attn_with_kvcache(q, c, c, kn, vn, cache_seqlens=3)
+        assert torch.equal(c, c0)
+        ae.flash_attn_with_kvcache(q, c, c, cache_seqlens=3)
+        kv = torch.randn(2, 8, 2, 2, 16)
+        ae.flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], kn, vn, cache_seqlens=3)
+        assert torch.equal(kv[:, 3, 0], kn[:, 0]) and torch.equal(kv[:, 3, 1], vn[:, 0])
