@@ -153,6 +153,11 @@ bool int8_vnni() { return product_path(ProductPath::kVnni); }
 
 bool amx() { return product_path(ProductPath::kAmx); }
 
+bool vbmi() {
+  static const bool have = (cpu_features() & kAvx512vbmi) != 0;
+  return have;
+}
+
 int l1d_bytes() {
   static const int bytes = [] {
 #if defined(_SC_LEVEL1_DCACHE_SIZE)

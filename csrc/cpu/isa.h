@@ -43,6 +43,11 @@ bool int8_vnni();
 // (Sapphire Rapids and later) runs the avx512bf16 code with this set, on CPUs whose OS granted
 // the tile state to the process.
 bool amx();
+// Whether the CPU has AVX512-VBMI's byte permutes (vpermb, vpermi2b). The decode kernel's e4m3
+// caches under bf16 queries convert to bf16 by byte tables on them at the avx512bf16 level (in
+// inline asm: the level is not compiled with VBMI, which Cooper Lake lacks), and widen to float32
+// where it is false.
+bool vbmi();
 // Bytes of L1 data cache per core (glibc's sysconf, which reads cpuid), 32 KiB where it does not
 // say: kernels that keep a working block in L1 size it by this (Zen 4 has 32 KiB, Zen 5 and
 // Sapphire Rapids 48 KiB).

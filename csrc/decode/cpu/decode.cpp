@@ -162,11 +162,11 @@ inline vec<T> load_cvt(const E* p) {
 // (v_j[c], v_j+1[c]) into one 32-bit lane, so one instruction adds p_j v_j[c] + p_j+1 v_j+1[c]
 // for 16 columns. Within 128-bit lanes, so a full 32-column block of O is kept in that order
 // (dots_col) and put back once per task.
-// e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products (but on AMX CPUs,
-// see run()): their elements convert to bf16 in registers exactly (4 significant bits; bf16x32),
-// ten integer operations per 32, as many as load_pair's widening of 32 to float32, which then
-// takes an FMA per element per row where vdpbf16ps takes half of one (int8 caches take kInts
-// below where the level has it, else the same bf16 products). Under float32 / fp16 queries they
+// e4m3 caches under bf16 queries (kQb: q is bf16 data) take the same products where the CPU has
+// VBMI and not AMX (run()): their elements convert to bf16 in registers exactly (4 significant
+// bits; bf16x32), four byte-table operations per 32, where load_pair's widening of 32 to float32
+// takes ten and then an FMA per element per row where vdpbf16ps takes half of one (int8 caches
+// take kInts below where the level has it, else the same bf16 products). Under float32 / fp16 queries they
 // widen to float32 (q would not be bf16 data, and P would be rounded past the float32 rule).
 // int8 caches under 16-bit queries (kQb: bf16 or fp16 q) on AVX2 / AVX-512: both products in
 // int32 on pairs of int16 (vpdpwssd where the level or its variant has VNNI, else vpmaddwd +
@@ -275,6 +275,42 @@ constexpr bool kDots = kBf16Dot && std::is_same_v<T, float> &&
                        (std::is_same_v<E, Bf16> || (kQb && kByte<E>)) && !kInts<T, E, kQb>;
 
 #if defined(__AVX512BF16__)
+// e4m3 magnitude m (7 bits) as bf16 bits at 2^-8 of its value (kUnit), split into bytes: a normal
+// m (exponent field >= 1) is the bf16 with exponent e + 112 and its 3 mantissa bits on top of
+// bf16's 7, a subnormal m (m < 8) is m x 2^-17, m = 127 (S.1111.111) NaN. dup: the byte index of
+// each output byte that doubles 32 bytes into 32 words.
+struct F8Bf16Tables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t dup[64];
+};
+constexpr F8Bf16Tables make_f8_bf16_tables() {
+  F8Bf16Tables t{};
+  constexpr uint16_t kSubnormal[8] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+  for (int m = 0; m < 128; ++m) {
+    const uint16_t h = m == 127 ? 0x7fc0 : m < 8 ? kSubnormal[m] : uint16_t((m << 4) + (112 << 7));
+    t.lo[m] = uint8_t(h & 0xff);
+    t.hi[m] = uint8_t(h >> 8);
+  }
+  for (int j = 0; j < 64; ++j) t.dup[j] = uint8_t(j / 2);
+  return t;
+}
+inline constexpr F8Bf16Tables kF8Bf16 = make_f8_bf16_tables();
+// AVX512-VBMI's byte permutes in inline asm (the level's flags lack VBMI, and an intrinsic under
+// a target attribute could not be inlined into this level's code): permb(idx, src) = src's bytes
+// at idx (6 bits); permi2b(idx, k, t0, t1) = the bytes of (t0, t1) at idx (7 bits) where k is
+// set, idx's own bytes elsewhere.
+inline __m512i permb(__m512i idx, __m512i src) {
+  __m512i r;
+  asm("vpermb %2, %1, %0" : "=v"(r) : "v"(idx), "v"(src));
+  return r;
+}
+inline __m512i permi2b(__m512i idx, __mmask64 k, __m512i t0, __m512i t1) {
+  asm("vpermi2b %3, %2, %0%{%1%}" : "+v"(idx) : "Yk"(k), "v"(t0), "v"(t1));
+  return idx;
+}
+#endif
+#if defined(__AVX512BF16__)
 // 32 elements of a cache row at p as bf16 (zeros past the first n < 32 when kTail, nothing read
 // there; n <= 32): bf16 as stored, int8 and e4m3 (x 2^-8, kUnit) converted
 template <typename E, bool kTail = false>
@@ -291,20 +327,18 @@ inline __m512i bf16x32(const E* p, int n = 32) {
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
       return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     } else {
-      // e4m3 bits to bf16 bits in integer lanes: a normal byte (exponent field e >= 1) is the
-      // bf16 with exponent e + 112 (2^-8 of its value: kUnit) and its 3 mantissa bits on top of
-      // bf16's 7; the 8 subnormal magnitudes come from a table (vpermw), NaN is set apart, the
-      // sign ORed in. Ten integer operations per 32 elements, against the widening through
-      // float32 (two vcvtph2ps and one vcvtne2ps2bf16 besides), which measured slower
-      // (benchmarks/results/2026-11-30-decode-int8-i16-cpu.md).
-      alignas(64) static const uint16_t kSubnormal[32] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
-      const __m512i w = _mm512_cvtepi8_epi16(b);  // sign-extended: bit 15 is the sign
-      const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
-      __m512i x = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(112 << 7));
-      x = _mm512_mask_permutexvar_epi16(x, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
-                                        _mm512_load_si512(kSubnormal));
-      x = _mm512_mask_mov_epi16(x, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)), _mm512_set1_epi16(0x7fc0));
-      return _mm512_ternarylogic_epi32(x, w, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // x | (w & sign)
+      // e4m3 bits to bf16 bits by byte tables (run() takes this path only where isa.h's vbmi()
+      // holds): each byte doubled into a word, then the word's high byte looked up in kF8Bf16.hi
+      // and its low byte in .lo by the byte's 7 magnitude bits (vpermi2b: 128 entries in two
+      // registers), the sign ORed in. Four operations per 32 elements, where the integer form
+      // (shift, add, a table for the 8 subnormals, a NaN compare and blend) took ten, and a
+      // table entry is exact for every byte, subnormals and NaN included.
+      const __m512i dup = permb(_mm512_load_si512(kF8Bf16.dup), _mm512_castsi256_si512(b));
+      const __m512i hi = permi2b(dup, __mmask64(0xAAAAAAAAAAAAAAAAull), _mm512_load_si512(kF8Bf16.hi),
+                                 _mm512_load_si512(kF8Bf16.hi + 64));
+      const __m512i x = permi2b(hi, __mmask64(0x5555555555555555ull), _mm512_load_si512(kF8Bf16.lo),
+                                _mm512_load_si512(kF8Bf16.lo + 64));
+      return _mm512_ternarylogic_epi32(x, dup, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // x | (dup & sign)
     }
   }
 }
@@ -1307,12 +1341,13 @@ void run(const DecodeParamsT<T>& p, DType dt) {
   T* po = splits > 1 ? part_o.data() : nullptr;
   T* pl = splits > 1 ? part_lse.data() : nullptr;
   if constexpr ((kDots<T, E, true> || kInts<T, E, true>) && kByte<E>) {
-    // kInts: bf16 or fp16 q; kDots (P rounded to bf16): bf16 q only. Not e4m3 on an AMX CPU
-    // (Intel), whose vdpbf16ps runs at half the FMA rate: its widening to float32 reads 1.08-1.13x
-    // faster there (benchmarks/results/2026-12-01-decode-e4m3-intel.md).
+    // kInts: bf16 or fp16 q; kDots (P rounded to bf16): bf16 q only. e4m3 takes kDots only on
+    // a CPU with VBMI (bf16x32's byte tables) and without AMX (Intel), whose vdpbf16ps runs at
+    // half the FMA rate: its widening to float32 reads 1.08-1.13x faster there
+    // (benchmarks/results/2026-12-01-decode-e4m3-intel.md).
     const bool q16 = dt == DType::kBF16 || (kInts<T, E, true> && dt == DType::kF16 && p.d <= kI16MaxD);
-    const bool half_rate_dots = kDots<T, E, true> && std::is_same_v<E, F8> && amx();
-    if (q16 && !half_rate_dots && (!kInts<T, E, true> || p.d <= kI16MaxD)) {
+    const bool f8_widens = kDots<T, E, true> && std::is_same_v<E, F8> && (amx() || !vbmi());
+    if (q16 && !f8_widens && (!kInts<T, E, true> || p.d <= kI16MaxD)) {
       parallel_tasks(n_tasks, p.num_threads, [&] { return DecodeWorker<T, E, true>(p, dt, splits, po, pl); });
       if (splits > 1) merge_splits(p, dt, splits, po, pl);
       return;
