@@ -214,7 +214,7 @@ def test_every_e4m3_byte_reads_exactly(level):
     """Each of the 256 e4m3 bytes (subnormals, both zeros, NaN) read as a value (a V row of all
     256 under one key: out is that row) and as a key (256 sequences of one key, each its byte in
     every column, q one-hot: the LSE is the byte's value): exactly float8_e4m3fn's value, NaN
-    where it is NaN, at every ISA level (the bf16 construction in integer lanes included)."""
+    where it is NaN, at every ISA level (the bf16 byte tables of CPUs with VBMI included)."""
     old = ae.cpu_isa()
     try:
         ae.set_cpu_isa(level)
