@@ -39,8 +39,12 @@ class PagedKVCache:
 
     def __init__(self, batch: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int, *,
                  max_len: Optional[int] = None, device=None, dtype=torch.float32):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        for name, x in (("batch", batch), ("num_pages", num_pages), ("page_size", page_size),
+                        ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+            if as_int(x) is None or as_int(x) < 1:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {x!r}")
+        batch, num_pages, page_size, n_kv_heads, head_dim = (
+            as_int(x) for x in (batch, num_pages, page_size, n_kv_heads, head_dim))
         check_cache_dtype(dtype, "PagedKVCache")
         self.page_size = page_size
         self.k_pages = torch.zeros(num_pages, page_size, n_kv_heads, head_dim, device=device, dtype=dtype)
@@ -215,6 +219,9 @@ class PagedKVCache:
         a float32 model) reads q in the pool's dtype and returns out in q's."""
         if not isinstance(q, Tensor):
             raise not_a_tensor("q", q, "PagedKVCache.attend")
+        if q.dim() != 4 or q.shape[0] != len(self.rows):
+            raise ValueError(f"PagedKVCache.attend: q must be (b, S_q, H, D) with b = {len(self.rows)}, the "
+                             f"sequences select() chose, got {tuple(q.shape)} (select() the rows q feeds first)")
         bt = self.block_table if self.rows == list(range(self.batch)) else self.block_table[self._rows_tensor()]
         seqlens = torch.tensor([self._len[r] for r in self.rows], dtype=torch.int32, device=q.device)  # (b,)
         wl, wr = window_pair(window, causal)

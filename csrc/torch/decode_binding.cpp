@@ -96,7 +96,8 @@ bool check_descales(const DecodeArgs& a) {
                       "attention_ext.decode: ", name, " must be (B, H_k) = (", b, ", ", hk, ") or per row ",
                       paged ? "(num_pages, page_size, H_k) = (" : "(B_cache, S_cache, H_k) = (", n0, ", ", n1, ", ",
                       hk, "), got ", s.sym_sizes());
-    TORCH_CHECK_VALUE(s.is_contiguous(), "attention_ext.decode: ", name, " must be contiguous");
+    TORCH_CHECK_VALUE(s.is_contiguous(), "attention_ext.decode: ", name, " must be contiguous (a strided view: pass ",
+                      name, ".contiguous()), got strides ", s.sym_strides());
     if (t == &a.k_descale) per_row = row;
     TORCH_CHECK_VALUE(row == per_row, "attention_ext.decode: k_descale and v_descale must both be per row or ",
                       "both per (batch, kv head), got ", a.k_descale->sym_sizes(), " and ", s.sym_sizes());
@@ -157,7 +158,10 @@ void check_decode_shapes(const DecodeArgs& a) {
                      bt.scalar_type());
     TORCH_CHECK_VALUE(bt.dim() == 2 && bt.sym_size(0) == b && bt.sym_size(1) >= 1,
                       "attention_ext.decode: block_table must be (B, max_pages) = (", b, ", >= 1), got ", bt.sym_sizes());
-    TORCH_CHECK_VALUE(bt.sym_stride(1) == 1, "attention_ext.decode: block_table rows must be contiguous");
+    TORCH_CHECK_VALUE(bt.sym_stride(1) == 1,
+                      "attention_ext.decode: block_table rows must be contiguous (a strided view: pass "
+                      "block_table.contiguous()), got strides ",
+                      bt.sym_strides());
     TORCH_CHECK(bt.device() == q.device(), "attention_ext.decode: block_table must be on ", q.device());
     TORCH_CHECK_VALUE(!a.cache_batch_idx.has_value(),
                       "attention_ext.decode: cache_batch_idx is for a contiguous cache; a paged one names its pages "
@@ -184,7 +188,10 @@ void check_decode_shapes(const DecodeArgs& a) {
     TORCH_CHECK(s.device() == q.device(), "attention_ext.decode: alibi_slopes must be on ", q.device());
     TORCH_CHECK_VALUE((s.dim() == 1 && s.sym_size(0) == h) || (s.dim() == 2 && s.sym_size(0) == b && s.sym_size(1) == h),
                       "attention_ext.decode: alibi_slopes must be (H) or (B, H) = (", b, ", ", h, "), got ", s.sym_sizes());
-    TORCH_CHECK_VALUE(s.sym_stride(-1) == 1, "attention_ext.decode: alibi_slopes must be contiguous over heads");
+    TORCH_CHECK_VALUE(s.sym_stride(-1) == 1,
+                      "attention_ext.decode: alibi_slopes must be contiguous over heads (a strided view: pass "
+                      "alibi_slopes.contiguous()), got strides ",
+                      s.sym_strides());
   }
   if (a.sinks.has_value()) {
     const Tensor& s = *a.sinks;

@@ -332,6 +332,45 @@ def test_strided_index_vectors():
 
 
 
+def test_strided_paged_inputs_say_how_to_fix():
+    """A block_table whose rows are strided, and strided alibi_slopes, name the call that fixes
+    them (.contiguous()), and the fixed call reads what the dense one does."""
+    torch.manual_seed(0)
+    q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(6, 4, 2, 16), torch.randn(6, 4, 2, 16)
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    lens = torch.tensor([9, 12], dtype=torch.int32)
+    wide = torch.zeros(2, 6, dtype=torch.int32)
+    wide[:, ::2] = bt  # the same pages, every other column
+    with pytest.raises(ValueError, match=r"block_table rows must be contiguous .*block_table\.contiguous\(\)"):
+        decode_fwd(q, kc, vc, cache_seqlens=lens, block_table=wide[:, ::2], scale=0.25)
+    slopes = torch.rand(4, 2)[:, 0]
+    with pytest.raises(ValueError, match=r"alibi_slopes must be contiguous .*alibi_slopes\.contiguous\(\)"):
+        decode_fwd(q, kc, vc, cache_seqlens=lens, block_table=bt, alibi_slopes=slopes, scale=0.25)
+    got, _ = decode_fwd(q, kc, vc, cache_seqlens=lens, block_table=wide[:, ::2].contiguous(), scale=0.25,
+                        alibi_slopes=slopes.contiguous())
+    want, _ = decode_fwd(q, kc, vc, cache_seqlens=lens, block_table=bt, scale=0.25, alibi_slopes=slopes.contiguous())
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_paged_cache_checks_its_sizes_and_q():
+    """nn.PagedKVCache: a size that is not a positive int is refused by name at construction (a
+    float page size failed inside torch.zeros, 0 kv heads was accepted), and attend() with a q
+    batch other than the selected sequences' names q and select() (it named block_table)."""
+    from attention_ext import nn as aenn
+    for kw, name in ((dict(page_size=4.0), "page_size"), (dict(n_kv_heads=0), "n_kv_heads"),
+                     (dict(head_dim=-1), "head_dim"), (dict(num_pages=0), "num_pages"), (dict(batch=0), "batch")):
+        args = dict(batch=2, num_pages=4, page_size=4, n_kv_heads=2, head_dim=8) | kw
+        with pytest.raises(ValueError, match=f"PagedKVCache: {name} must be a positive int"):
+            aenn.PagedKVCache(**args)
+    c = aenn.PagedKVCache(2, 4, 4, 2, 8)
+    c.append(torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8))
+    with pytest.raises(ValueError, match=r"PagedKVCache.attend: q must be \(b, S_q, H, D\) with b = 2.*select\(\)"):
+        c.attend(torch.randn(1, 1, 4, 8), scale=0.5)
+    c.select([1])
+    out = c.attend(torch.randn(1, 1, 4, 8), scale=0.5)
+    assert out.shape == (1, 1, 4, 8) and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("fault", ["overflow", "seq_neg", "leftpad", "batch_idx", "page", "rotary_len"])
 def test_capture_marks_bad_sequences(monkeypatch, fault):
     # Under a CUDA-graph capture the index values cannot be read on the host: a bad one gives NaN
