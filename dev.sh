@@ -84,9 +84,13 @@ case "$cmd" in
   bench) deps; ensure_built; exec "$PY" benchmarks/softmax/bench_cpu.py "$@" ;;
   sanitize)
     deps; sanitize_build; sanitize_env
-    # test paths given replace the slice; options alone (-k, -rs) apply to it
-    paths=0
-    for a in "$@"; do [[ $a == -* ]] || paths=1; done
+    # test paths given replace the slice; options alone (-k EXPR, -rs) apply to it: the value of an
+    # option that takes one as the next argument (-k decode) is not a path
+    paths=0 value=0
+    for a in "$@"; do
+      if [ $value = 1 ]; then value=0; continue; fi
+      case $a in -k|-m|-p|-o|-n|-c|--deselect|--ignore|--maxfail|--hypothesis-profile) value=1 ;; -*) ;; *) paths=1 ;; esac
+    done
     [ $paths = 1 ] || set -- "$@" "${SAN_TESTS[@]}"
     cd "$SAN_TREE"
     # --capture=sys: a report is written to fd 2 by the dying process, which pytest's default

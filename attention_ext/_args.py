@@ -107,19 +107,22 @@ class LayoutMismatch(ValueError):
     layout argument (`arg`); a function that passes its own layout argument on under another
     name re-raises with `renamed(its_name)`."""
 
-    def __init__(self, shapes: str, given: str, other: str, cause: str, arg: str = "layout", lengths: str = ""):
+    def __init__(self, shapes: str, given: str, other: str, cause: str, arg: str = "layout", lengths: str = "",
+                 rows: str = ""):
         self.shapes, self.given, self.other, self.cause = shapes, given, other, cause
-        self.arg, self.lengths = arg, lengths
+        self.arg, self.lengths, self.rows = arg, lengths, rows
         if lengths:  # read as given, only the lengths disagree: either fix may be the one
             fix = (f"pass {arg}={other!r} if they are {_DIMS[other]}; if they are {_DIMS[given]}, give them one "
                    f"length ({lengths})")
+        elif rows:  # read as given, only beta disagrees: it may be beta that is transposed
+            fix = f"pass {arg}={other!r} if they are {_DIMS[other]}; if they are {_DIMS[given]}, {rows}"
         else:
             fix = f"pass {arg}={other!r}"
         super().__init__(f"{shapes} do not fit {arg}={given!r} {_DIMS[given]} but fit {arg}={other!r} "
                          f"{_DIMS[other]}: {fix} ({cause})")
 
     def renamed(self, arg: str) -> "LayoutMismatch":
-        return LayoutMismatch(self.shapes, self.given, self.other, self.cause, arg, self.lengths)
+        return LayoutMismatch(self.shapes, self.given, self.other, self.cause, arg, self.lengths, self.rows)
 
 
 def _fits(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, same_len: bool,
@@ -140,6 +143,14 @@ def _fits(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, same_len: bool
     return ok and (not same_len or q.shape[si] == k.shape[si])
 
 
+def _fits_without_rows(q: Tensor, k: Tensor, v: Tensor, layout: str, same_len: bool) -> bool:
+    """Whether the delta rule's q, k, v (one head count for q and k, v's a multiple of it) fit
+    `layout` by themselves, beta aside."""
+    hi, si = (1, 2) if layout == "bhsd" else (2, 1)
+    return (_fits(q, k, None, layout, same_len) and q.shape[hi] == k.shape[hi] and v.shape[0] == k.shape[0]
+            and v.shape[hi] % k.shape[hi] == 0 and v.shape[si] == k.shape[si])
+
+
 def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, cause: BaseException, *,
                     arg: str = "layout", same_len: bool = False,
                     names: Tuple[str, str, str] = ("q", "k", "v"), rows: Optional[Tensor] = None
@@ -158,12 +169,18 @@ def layout_mismatch(q: Tensor, k: Tensor, v: Optional[Tensor], layout: str, caus
     if _fits(q, k, v, layout, same_len, rows) or not _fits(q, k, v, other, same_len, rows):
         return None
     shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, ts))
-    lengths = ""
+    lengths = rows_fix = ""
     if same_len and _fits(q, k, v, layout, False, rows):
         si = 2 if layout == "bhsd" else 1
         lengths = f"{names[0]} has {q.shape[si]} positions, {names[1]} {k.shape[si]}"
+    elif rows is not None and _fits_without_rows(q, k, v, layout, same_len):
+        # q, k, v fit the layout given and only beta does not: a (B, S, H_v) beta is as likely as a
+        # layout mix-up, and following the layout advice alone would then run the wrong math
+        hi, si = (1, 2) if layout == "bhsd" else (2, 1)
+        rows_fix = (f"beta must be (B, H_v, S) = {(k.shape[0], v.shape[hi], k.shape[si])} in every layout, "
+                    f"got {tuple(rows.shape)}: pass beta.transpose(1, 2) if it is (B, S, H_v)")
     return LayoutMismatch(shapes, layout, other, str(cause).splitlines()[0] if str(cause) else type(cause).__name__,
-                          arg, lengths)
+                          arg, lengths, rows_fix)
 
 
 def real_tokens(key_mask: object, seqlens_k: object, b: int, s: int, device, fn: str):

@@ -277,3 +277,17 @@ def test_links_resolve(path):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             bad.append(target)
     assert not bad, f"{_rel(path)}: links that do not resolve: {bad}"
+
+
+@pytest.mark.parametrize("args, paths", [("-k decode", 0), ("-k tests -rs", 0), ("tests/decode/test_cpu.py", 1),
+                                         ("tests/decode/test_cpu.py::test_x -rs", 1), ("-m slow tests/linear", 1)])
+def test_dev_sh_sanitize_tells_paths_from_option_values(args, paths):
+    """`./dev.sh sanitize -k EXPR` keeps the default test slice (its comment's promise): the value
+    of -k is not a test path. Before, any argument not starting with '-' counted as a path, so
+    `-k decode` ran pytest's whole testpaths under the sanitizers, without the canaries."""
+    text = (ROOT / "dev.sh").read_text()
+    loop = re.search(r"^\s*paths=0 value=0\n.*?^\s*done\n", text, flags=re.S | re.M)
+    assert loop, "dev.sh's sanitize argument loop moved: update this test"
+    out = subprocess.run(["bash", "-c", f"set -- {args}\n{loop.group(0)}echo $paths"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == str(paths)

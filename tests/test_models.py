@@ -210,3 +210,13 @@ def test_sample_next_tiny_temperature_is_greedy():
     for t in (1e-45, 1e-30):
         for kw in (dict(), dict(top_k=2), dict(top_p=0.9)):
             assert sample_next(logits, temperature=t, generator=gen, **kw).tolist() == [[1], [0]]
+
+
+def test_load_torch_transformer_names_a_layer_count_mismatch():
+    """A stack with another layer count than the nn.Transformer's is refused by name (before, a
+    bare zip() error on Python 3.10+, and a TypeError on 3.9, which the package supports)."""
+    ref = torch.nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=64,
+                               batch_first=True)
+    cfg = TransformerConfig(d_model=32, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=64)
+    with pytest.raises(ValueError, match=r"the decoder has 2 layers, the nn.Transformer's decoder 1"):
+        load_torch_transformer(TransformerEncoder(cfg), TransformerDecoder(cfg), ref)

@@ -242,7 +242,10 @@ def flash_attn_with_kvcache(
     if dk != d:
         raise ValueError(f"flash_attn_with_kvcache: head dim of q ({d}) and the cache ({dk}) differ")
     if hk == 0 or h % hk != 0:
-        raise ValueError(f"flash_attn_with_kvcache: query heads ({h}) must be a multiple of kv heads ({hk})")
+        raise ValueError(f"flash_attn_with_kvcache: query heads ({h}) must be a multiple of kv heads ({hk}), read "
+                         f"as q (B, Sq, H, D) = {tuple(q.shape)} and k_cache (B_cache, S_cache, H_k, D) (paged: "
+                         f"(num_pages, page_size, H_k, D)) = {tuple(k_cache.shape)}: a (B, H, S, D) tensor reads "
+                         f"in place as .transpose(1, 2)")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
         raise ValueError("flash_attn_with_kvcache is not differentiable (as flash-attn's): call it under "
                          "torch.no_grad() or detach q / k / v")

@@ -258,13 +258,18 @@ def load_torch_transformer(encoder: TransformerEncoder, decoder: TransformerDeco
         ours.w1.load_state_dict(theirs.linear1.state_dict())
         ours.w2.load_state_dict(theirs.linear2.state_dict())
 
+    for name, mine, torchs in (("encoder", encoder.layers, ref.encoder.layers),
+                               ("decoder", decoder.layers, ref.decoder.layers)):
+        if len(mine) != len(torchs):  # zip(strict=True) would say neither which stack nor how (and is Python 3.10+)
+            raise ValueError(f"load_torch_transformer: the {name} has {len(mine)} layers, the nn.Transformer's "
+                             f"{name} {len(torchs)}: build the {name} with as many")
     with torch.no_grad():
-        for ours, theirs in zip(encoder.layers, ref.encoder.layers, strict=True):
+        for ours, theirs in zip(encoder.layers, ref.encoder.layers):
             attn(ours.self_attn, theirs.self_attn)
             ffn(ours.ffn, theirs)
             ours.norm1.load_state_dict(theirs.norm1.state_dict())
             ours.norm2.load_state_dict(theirs.norm2.state_dict())
-        for ours, theirs in zip(decoder.layers, ref.decoder.layers, strict=True):
+        for ours, theirs in zip(decoder.layers, ref.decoder.layers):
             attn(ours.self_attn, theirs.self_attn)
             attn(ours.cross_attn, theirs.multihead_attn)
             ffn(ours.ffn, theirs)

@@ -32,6 +32,18 @@ __all__ = ["attention", "attention_varlen", "attention_weights"]
 _warned_fallback = set()
 
 
+def _as_lengths(seqlens_k: object, b: int, device) -> Tensor:
+    """seqlens_k as the op reads it: a (B,) integer tensor, int32 on q's device. A float or bool
+    tensor is refused, never truncated (a length of 9.5 would silently read as 9)."""
+    if not isinstance(seqlens_k, Tensor):
+        raise not_a_tensor("seqlens_k", seqlens_k)
+    if seqlens_k.dtype.is_floating_point or seqlens_k.dtype == torch.bool or seqlens_k.is_complex():
+        raise TypeError(f"seqlens_k must be an integer (B,) tensor of key counts (int32 or int64), got "
+                        f"{seqlens_k.dtype}: convert whole-number lengths with seqlens_k.int()")
+    _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
+    return seqlens_k.to(device=device, dtype=torch.int32).contiguous()
+
+
 def _check(cond: bool, msg, exc=ValueError):
     """Raise exc(msg) unless cond; msg may be a callable, so that an f-string message (formatting
     shapes costs microseconds) is only built when the check fails."""
@@ -447,10 +459,7 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
     acc = ops.acc_dtype(q.dtype)
     bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
     if seqlens_k is not None:
-        if not isinstance(seqlens_k, Tensor):
-            raise not_a_tensor("seqlens_k", seqlens_k)
-        _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
-        seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        seqlens_k = _as_lengths(seqlens_k, b, q.device)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor):
             raise not_a_tensor("alibi_slopes", alibi_slopes)
@@ -622,7 +631,7 @@ def attention_weights(q: Tensor, k: Tensor, lse: Optional[Tensor] = None, *, lay
         acc = ops.acc_dtype(q.dtype)
         bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
         if seqlens_k is not None:
-            seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+            seqlens_k = _as_lengths(seqlens_k, b, q.device)
         if alibi_slopes is not None:
             # a meta tensor has no data to move: name it here, not in a failed copy
             _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")

@@ -578,3 +578,21 @@ def test_append_into_one_tensor_as_both_caches_is_refused():
         kv = torch.randn(2, 8, 2, 2, 16)
         ae.flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], kn, vn, cache_seqlens=3)
         assert torch.equal(kv[:, 3, 0], kn[:, 0]) and torch.equal(kv[:, 3, 1], vn[:, 0])
+
+
+def test_cache_in_bhsd_order_says_how_to_read_it():
+    """A (B, H_k, S, D) cache (Hugging Face's order) or a (B, H, 1, D) q: the heads error shows how
+    each tensor was read and that .transpose(1, 2) reads it in place; the transposed cache then
+    gives decode over its rows."""
+    b, h, hk, d, s = 2, 8, 2, 16, 32
+    kc, vc = torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)            # (B, H_k, S, D)
+    q, lens = torch.randn(b, 1, h, d), torch.tensor([10, 20], dtype=torch.int32)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"k_cache \(B_cache, S_cache, H_k, D\).* = \(2, 2, 32, 16\): .*"
+                                             r"\.transpose\(1, 2\)"):
+            ae.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        with pytest.raises(ValueError, match=r"q \(B, Sq, H, D\) = \(2, 8, 1, 16\)"):
+            ae.flash_attn_with_kvcache(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), cache_seqlens=lens)
+        out = ae.flash_attn_with_kvcache(q, kc.transpose(1, 2), vc.transpose(1, 2), cache_seqlens=lens)
+    want = ae.attention(q[1:].transpose(1, 2), kc[1:, :, :20], vc[1:, :, :20]).transpose(1, 2)
+    torch.testing.assert_close(out[1:], want)

@@ -599,3 +599,19 @@ def test_bshd_tensors_without_layout_name_it():
         with pytest.raises(ValueError, match="pass layout='bshd'"):
             ae.delta_rule_attention(q, k, v, beta)
         assert ae.delta_rule_attention(q, k, v, beta, layout="bshd").shape == (1, 7, hv, 3)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_transposed_beta_is_named_beside_the_layout(layout):
+    """q, k, v right for `layout` and beta given as (B, S, H_v): the shapes also fit the other
+    layout, so the error names both fixes (before, it named only the layout, and following it ran
+    the wrong math); the transposed beta then gives the right result."""
+    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))          # (B, H, S, D)
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    beta_shs = torch.rand(1, 64, 2)                                  # (B, S, H_v): a mistake
+    with pytest.raises(ValueError, match=r"beta must be \(B, H_v, S\) = \(1, 2, 64\) in every layout, got "
+                                         r"\(1, 64, 2\): pass beta\.transpose\(1, 2\)"):
+        ae.delta_rule_attention(q, k, v, beta_shs, layout=layout, qk_l2norm=True)
+    out = ae.delta_rule_attention(q, k, v, beta_shs.transpose(1, 2), layout=layout, qk_l2norm=True)
+    assert out.shape == q.shape

@@ -869,3 +869,19 @@ def test_few_query_rows(opt, sq):
     across two blocks, odd head dim, GQA, (B, S, H, D) views."""
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         run_case(2, 4, 2, sq, 131, 40, dtype, layout="bshd", **OPTIONS[opt])
+
+
+@pytest.mark.parametrize("fn", ["attention", "attention_weights"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_seqlens_k_not_an_integer_tensor_is_named(fn, dtype):
+    """A float (or bool) seqlens_k is refused by name, never truncated: before, lengths of 9.5
+    silently read as 9. Integer lengths (int32 or int64) run as key padding."""
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    call = (lambda lens: ae.attention(q, k, v, seqlens_k=lens)) if fn == "attention" else \
+        (lambda lens: ae.attention_weights(q, k, seqlens_k=lens))
+    with pytest.raises(TypeError, match=r"seqlens_k must be an integer \(B,\) tensor .*seqlens_k\.int\(\)"):
+        call(torch.tensor([8, 5]).to(dtype))
+    key_mask = torch.arange(8) < torch.tensor([[8], [5]])
+    want = ae.attention(q, k, v, key_mask=key_mask) if fn == "attention" else \
+        ae.attention_weights(q, k, key_mask=key_mask)
+    torch.testing.assert_close(call(torch.tensor([8, 5])), want)
