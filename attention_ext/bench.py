@@ -1012,7 +1012,7 @@ def main(argv=None) -> int:
                          "FMA loop all use it; default: torch's)")
     ap.add_argument("--reps", type=int, default=None,
                     help=f"interleaved rounds per case at least (default {MIN_REPS}); more follow while a median is "
-                         f"known to worse than {TARGET_RSE * 100:g}%% and the case's --budget lasts")
+                         f"known only to worse than {TARGET_RSE * 100:g}%% and the case's --budget lasts")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds of timing per case after which no more rounds start (default {BUDGET:g}, "
                          f"--quick {QUICK_BUDGET:g}); rounds go on for {MIN_TIME:g} s at least ({QUICK_MIN_TIME:g} "

@@ -476,7 +476,9 @@ def linear_attention_step(
     for name, t in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
         if not isinstance(t, Tensor):
             raise not_a_tensor(name, t)
-        _check(t.dim() == 4, lambda: f"{name} must be a 4-D Tensor, got shape {tuple(t.shape)}")
+        _check(t.dim() == 4, lambda: f"{name} must be a 4-D Tensor (B, H, T, .) with T >= 1 new tokens, got shape "
+               f"{tuple(t.shape)}" + (" (one token taken by an index drops its axis: slice it, x[:, :, -1:])"
+                                      if t.dim() == 3 else ""))
     _check(layout in ("bhsd", "bshd"), lambda: f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     q0, k0, v0 = q_t, k_t, v_t
     if layout == "bshd":

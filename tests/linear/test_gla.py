@@ -325,6 +325,9 @@ def test_step_errors_name_the_argument():
     fm = Favor(8, nb_features=6, stabilize=True, seed=0)
     with pytest.raises(ValueError, match="stabilize"):
         ae.linear_attention_step(q, k, v, None, decay_t=decay[..., :6], feature_map=fm)
+    # one token taken by an index (x[:, :, -1], 3-D): the error shows the slice that keeps the axis
+    with pytest.raises(ValueError, match=r"q_t must be a 4-D .*x\[:, :, -1:\]"):
+        ae.linear_attention_step(q[:, :, -1], k[:, :, -1:], v[:, :, -1:], None)
 
 
 def test_step_without_the_step_kernel(monkeypatch):
