@@ -614,6 +614,25 @@ def test_torch_compile_fullgraph():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+
+@pytest.mark.parametrize("call", ["attention", "sdpa", "flash", "bias"])
+def test_double_backward_raises(call):
+    """The backward op has no derivative of its own: a second backward through the gradients
+    (create_graph=True, gradgradcheck, a gradient penalty) must raise, as torch's fused SDPA
+    does, not return zeros with a deprecation warning."""
+    q, k, v = rand_qkv(1, 2, 2, 4, 5, 8, torch.float64)
+    bias = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    out = {"attention": lambda: ae.attention(q, k, v, causal=True),
+           "sdpa": lambda: ae.scaled_dot_product_attention(q, k, v),
+           "flash": lambda: ae.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+           "bias": lambda: ae.attention(q, k, v, attn_mask=bias, dropout_p=0.1, seed=1)}[call]()
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    first, = torch.autograd.grad(out.square().sum(), q)
+    torch.testing.assert_close(dq, first)  # the first-order gradient itself is unchanged
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(dq.sum(), (k, bias) if call == "bias" else k)
+
+
 # ------------------------------------------------------------------ bad input
 BAD = [
     ("3-D q", lambda q, k, v: ae.attention(q[0], k, v), ValueError, "4-D"),
