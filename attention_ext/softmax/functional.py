@@ -113,6 +113,26 @@ def _default_scale(d: int) -> float:
     return 1.0 / math.sqrt(max(d, 1))  # d = 0 is the op's error to report
 
 
+def _lengths(t: Tensor, device) -> Tensor:
+    """seqlens_k as the op reads it (int32, contiguous, on `device`) from any integer dtype. A
+    float, complex or bool tensor is passed on unconverted, for the op's dtype rule to name: a
+    conversion would read 3.5 keys as 3 (and True as 1) without a word."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return t
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _logits(t: Tensor, acc: torch.dtype, device=None) -> Tensor:
+    """alibi_slopes / sinks in the op's float side dtype `acc` (from any float dtype; moved to
+    `device` when given). Another kind (bool, integer, complex) is passed on unconverted, for the
+    op's dtype rule to name: a conversion would read a bool sink as the logit 1.0."""
+    if not t.is_floating_point():
+        return t
+    if device is not None:
+        return t.to(device=device, dtype=acc).contiguous()
+    return t if t.dtype == acc else t.to(acc)
+
+
 def _broadcasts(got, want) -> bool:
     """Whether a mask dim of size `got` broadcasts to `want` (it is 1 or `want`). Symbolic sizes
     (torch.compile, torch.export) are compared without a guard the trace cannot take: a
@@ -450,19 +470,18 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
         if not isinstance(seqlens_k, Tensor):
             raise not_a_tensor("seqlens_k", seqlens_k)
         _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
-        seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+        seqlens_k = _lengths(seqlens_k, q.device)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor):
             raise not_a_tensor("alibi_slopes", alibi_slopes)
         # a meta tensor has no data to move: name it here, not in a failed copy
         _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+        alibi_slopes = _logits(alibi_slopes, acc, q.device)
     if sinks is not None:
         if not isinstance(sinks, Tensor):
             raise not_a_tensor("sinks", sinks)
         _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
-        if sinks.dtype != acc:
-            sinks = sinks.to(acc)
+        sinks = _logits(sinks, acc)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
@@ -564,9 +583,9 @@ def attention_varlen(
     if alibi_slopes is not None:
         # a meta tensor has no data to move: name it here, not in a failed copy
         _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
-    if sinks is not None and sinks.dtype != acc:
-        sinks = sinks.to(acc)
+        alibi_slopes = _logits(alibi_slopes, acc, q.device)
+    if sinks is not None:
+        sinks = _logits(sinks, acc)
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
     # (total, H, D) -> (1, H, total, D) views
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
@@ -622,14 +641,14 @@ def attention_weights(q: Tensor, k: Tensor, lse: Optional[Tensor] = None, *, lay
         acc = ops.acc_dtype(q.dtype)
         bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
         if seqlens_k is not None:
-            seqlens_k = seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+            seqlens_k = _lengths(seqlens_k, q.device)
         if alibi_slopes is not None:
             # a meta tensor has no data to move: name it here, not in a failed copy
             _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-            alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+            alibi_slopes = _logits(alibi_slopes, acc, q.device)
         if sinks is not None:
             _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
-            sinks = sinks.to(acc)
+            sinks = _logits(sinks, acc)
         if block_layout is not None:
             _check(isinstance(block_layout, Tensor) and block_layout.dtype == torch.bool,
                    lambda: f"block_layout must be a bool tensor, got "

@@ -658,7 +658,39 @@ BAD = [
     ("sinks", lambda q, k, v: ae.attention(q, k, v, sinks=torch.ones(5)), ValueError, "sinks"),
     ("layout", lambda q, k, v: ae.attention(q, k, v, layout="bsdh"), ValueError, "layout"),
     ("not tensor", lambda q, k, v: ae.attention(q.tolist(), k, v), TypeError, "Tensor"),
+    # side tensors of another kind: converted, they were taken silently (3.5 keys read as 3, a
+    # bool sink as the logit 1.0); the op's dtype rule names them
+    ("seqlens_k dtype", lambda q, k, v: ae.attention(q, k, v, seqlens_k=torch.tensor([3.5, 9.0])), TypeError,
+     "seqlens_k must be int32"),
+    ("seqlens_k bool", lambda q, k, v: ae.attention(q, k, v, seqlens_k=torch.tensor([True, True])), TypeError,
+     "seqlens_k must be int32"),
+    ("sinks dtype", lambda q, k, v: ae.attention(q, k, v, sinks=torch.ones(4, dtype=torch.bool)), TypeError,
+     "sinks must be Float"),
+    ("alibi dtype", lambda q, k, v: ae.attention(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.bool)), TypeError,
+     "alibi_slopes must be Float"),
 ]
+
+
+@pytest.mark.parametrize("arg,value,msg", [("seqlens_k", torch.tensor([3.5]), "seqlens_k must be int32"),
+                                           ("sinks", torch.ones(2, dtype=torch.int64), "sinks must be Float"),
+                                           ("alibi_slopes", torch.ones(2, dtype=torch.bool),
+                                            "alibi_slopes must be Float")])
+def test_side_tensor_of_another_kind_is_refused(arg, value, msg):
+    """attention_varlen and attention_weights refuse what attention() refuses (an integer or bool
+    tensor where float logits go, a float one where key counts go), rather than converting it."""
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match=msg):
+        ae.attention_weights(q, k, **{arg: value})
+    if arg != "seqlens_k":
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        with pytest.raises(TypeError, match=msg):
+            ae.softmax.attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, 4, 4,
+                                        **{arg: value})
+    # the conversions the functions make on purpose stay: int64 lengths, float64 / bf16 logits
+    ok = dict(seqlens_k=torch.tensor([3]), sinks=torch.zeros(2, dtype=torch.float64),
+              alibi_slopes=torch.ones(2, dtype=torch.bfloat16))[arg]
+    ae.attention(q, k, k, **{arg: ok})
+    ae.attention_weights(q, k, **{arg: ok})
 
 
 @pytest.mark.parametrize("name,fn,exc,msg", BAD, ids=[b[0] for b in BAD])
