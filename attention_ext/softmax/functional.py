@@ -54,7 +54,13 @@ def _rng_state(seed: Union[int, Tensor, None], generator: Optional[torch.Generat
                lambda: f"seed must be an int or a one-element integer tensor, got {seed.dtype} {tuple(seed.shape)}",
                TypeError)
         return torch.cat([seed.reshape(1).to(device="cpu", dtype=torch.int64), torch.zeros(1, dtype=torch.int64)])
-    return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")  # no int(): a SymInt seed stays symbolic
+    if not torch.compiler.is_compiling():  # traced, no int() or compare: a SymInt seed stays symbolic
+        n = as_int(seed)
+        _check(n is not None, lambda: f"seed must be an int or a one-element integer tensor, got "
+                                      f"{type(seed).__name__} {seed!r}", TypeError)
+        _check(-2 ** 63 <= n < 2 ** 63, lambda: f"seed must be in int64's range [-2**63, 2**63), got {n}")
+        seed = n
+    return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")
 
 
 def _not_a_pair(arg: str, value, fn: str = "") -> Exception:

@@ -668,6 +668,11 @@ BAD = [
      "sinks must be Float"),
     ("alibi dtype", lambda q, k, v: ae.attention(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.bool)), TypeError,
      "alibi_slopes must be Float"),
+    # a float seed was truncated (1.5 drew seed 1's mask); a str or a seed past int64 failed in
+    # torch.tensor with a message that named nothing
+    ("seed float", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, seed=1.5), TypeError, "seed must be an int"),
+    ("seed str", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, seed="1"), TypeError, "seed must be an int"),
+    ("seed range", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, seed=2 ** 70), ValueError, "seed must be in"),
 ]
 
 
