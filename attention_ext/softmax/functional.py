@@ -119,6 +119,21 @@ def _default_scale(d: int) -> float:
     return 1.0 / math.sqrt(max(d, 1))  # d = 0 is the op's error to report
 
 
+def _max_seqlen(x, name: str):
+    """max_seqlen_q / max_seqlen_k as an int >= 0 (a Python, numpy or 0-d tensor integer, or a
+    float with an integral value); anything else is an error naming `name`. Traced values
+    (torch.compile) pass as they are."""
+    if torch.compiler.is_compiling():
+        return x
+    n = as_int(x)
+    if n is None and isinstance(x, float) and x.is_integer():
+        n = int(x)
+    _check(n is not None, lambda: f"{name} must be an int (the longest sequence's length), got "
+                                  f"{type(x).__name__} {x!r}", TypeError)
+    _check(n >= 0, lambda: f"{name} must be >= 0 (the longest sequence's length), got {n}")
+    return n
+
+
 def _lengths(t: Tensor, device) -> Tensor:
     """seqlens_k as the op reads it (int32, contiguous, on `device`) from any integer dtype. A
     float, complex or bool tensor is passed on unconverted, for the op's dtype rule to name: a
@@ -568,6 +583,7 @@ def attention_varlen(
             raise not_a_tensor(name, t)
         _check(t.dim() == 1 and t.numel() >= 2, lambda: f"{name} must be (B + 1,), got {tuple(t.shape)}")
     _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length")
+    max_seqlen_q, max_seqlen_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
     cq = as_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
     ck = as_offsets(cu_seqlens_k, "cu_seqlens_k", q.device)
     lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])

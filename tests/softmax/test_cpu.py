@@ -295,6 +295,21 @@ def test_varlen(dtype):
         assert rel_err(a.grad, r.grad) < tol * 2
 
 
+@pytest.mark.parametrize("bad,exc", [("5", TypeError), (None, TypeError), (4.5, TypeError), (-1, ValueError)])
+@pytest.mark.parametrize("arg", ["max_seqlen_q", "max_seqlen_k"])
+def test_varlen_max_seqlen_is_a_named_int(arg, bad, exc):
+    """max_seqlen_q / max_seqlen_k that are not ints >= 0 are named (a str or None failed in a
+    comparison, "'<=' not supported between instances of 'int' and 'str'"); an integral float,
+    numpy or 0-d tensor int stays taken."""
+    cu = torch.tensor([0, 0, 5], dtype=torch.int32)
+    q = torch.randn(5, 2, 8)
+    kw = dict(max_seqlen_q=5, max_seqlen_k=5)
+    with pytest.raises(exc, match=arg):
+        ae.flash_attn_varlen_func(q, q, q, cu, cu, **dict(kw, **{arg: bad}))
+    for good in (5.0, torch.tensor(5), 7):
+        ae.flash_attn_varlen_func(q, q, q, cu, cu, **dict(kw, **{arg: good}))
+
+
 # ------------------------------------------------------------------ dropout
 def test_dropout_matches_reference_mask_and_reproduces():
     b, h, sq, sk, d, p = 2, 3, 45, 70, 32, 0.3
