@@ -32,18 +32,6 @@ __all__ = ["attention", "attention_varlen", "attention_weights"]
 _warned_fallback = set()
 
 
-def _as_lengths(seqlens_k: object, b: int, device) -> Tensor:
-    """seqlens_k as the op reads it: a (B,) integer tensor, int32 on q's device. A float or bool
-    tensor is refused, never truncated (a length of 9.5 would silently read as 9)."""
-    if not isinstance(seqlens_k, Tensor):
-        raise not_a_tensor("seqlens_k", seqlens_k)
-    if seqlens_k.dtype.is_floating_point or seqlens_k.dtype == torch.bool or seqlens_k.is_complex():
-        raise TypeError(f"seqlens_k must be an integer (B,) tensor of key counts (int32 or int64), got "
-                        f"{seqlens_k.dtype}: convert whole-number lengths with seqlens_k.int()")
-    _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
-    return seqlens_k.to(device=device, dtype=torch.int32).contiguous()
-
-
 def _check(cond: bool, msg, exc=ValueError):
     """Raise exc(msg) unless cond; msg may be a callable, so that an f-string message (formatting
     shapes costs microseconds) is only built when the check fails."""
@@ -66,7 +54,13 @@ def _rng_state(seed: Union[int, Tensor, None], generator: Optional[torch.Generat
                lambda: f"seed must be an int or a one-element integer tensor, got {seed.dtype} {tuple(seed.shape)}",
                TypeError)
         return torch.cat([seed.reshape(1).to(device="cpu", dtype=torch.int64), torch.zeros(1, dtype=torch.int64)])
-    return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")  # no int(): a SymInt seed stays symbolic
+    if not torch.compiler.is_compiling():  # traced, no int() or compare: a SymInt seed stays symbolic
+        n = as_int(seed)
+        _check(n is not None, lambda: f"seed must be an int or a one-element integer tensor, got "
+                                      f"{type(seed).__name__} {seed!r}", TypeError)
+        _check(-2 ** 63 <= n < 2 ** 63, lambda: f"seed must be in int64's range [-2**63, 2**63), got {n}")
+        seed = n
+    return torch.tensor([seed, 0], dtype=torch.int64, device="cpu")
 
 
 def _not_a_pair(arg: str, value, fn: str = "") -> Exception:
@@ -123,6 +117,41 @@ def window_size_pair(window_size: Sequence[int], fn: str) -> Tuple[int, int]:
 
 def _default_scale(d: int) -> float:
     return 1.0 / math.sqrt(max(d, 1))  # d = 0 is the op's error to report
+
+
+def _max_seqlen(x, name: str):
+    """max_seqlen_q / max_seqlen_k as an int >= 0 (a Python, numpy or 0-d tensor integer, or a
+    float with an integral value); anything else is an error naming `name`. Traced values
+    (torch.compile) pass as they are."""
+    if torch.compiler.is_compiling():
+        return x
+    n = as_int(x)
+    if n is None and isinstance(x, float) and x.is_integer():
+        n = int(x)
+    _check(n is not None, lambda: f"{name} must be an int (the longest sequence's length), got "
+                                  f"{type(x).__name__} {x!r}", TypeError)
+    _check(n >= 0, lambda: f"{name} must be >= 0 (the longest sequence's length), got {n}")
+    return n
+
+
+def _lengths(t: Tensor, device) -> Tensor:
+    """seqlens_k as the op reads it (int32, contiguous, on `device`) from any integer dtype. A
+    float, complex or bool tensor is passed on unconverted, for the op's dtype rule to name: a
+    conversion would read 3.5 keys as 3 (and True as 1) without a word."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return t
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _logits(t: Tensor, acc: torch.dtype, device=None) -> Tensor:
+    """alibi_slopes / sinks in the op's float side dtype `acc` (from any float dtype; moved to
+    `device` when given). Another kind (bool, integer, complex) is passed on unconverted, for the
+    op's dtype rule to name: a conversion would read a bool sink as the logit 1.0."""
+    if not t.is_floating_point():
+        return t
+    if device is not None:
+        return t.to(device=device, dtype=acc).contiguous()
+    return t if t.dtype == acc else t.to(acc)
 
 
 def _broadcasts(got, want) -> bool:
@@ -459,19 +488,21 @@ def _attention(q, k, v, layout, scale, causal, bottom_right, window, attn_mask, 
     acc = ops.acc_dtype(q.dtype)
     bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
     if seqlens_k is not None:
-        seqlens_k = _as_lengths(seqlens_k, b, q.device)
+        if not isinstance(seqlens_k, Tensor):
+            raise not_a_tensor("seqlens_k", seqlens_k)
+        _check(tuple(seqlens_k.shape) == (b,), lambda: f"seqlens_k must be (B,) = ({b},), got {tuple(seqlens_k.shape)}")
+        seqlens_k = _lengths(seqlens_k, q.device)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, Tensor):
             raise not_a_tensor("alibi_slopes", alibi_slopes)
         # a meta tensor has no data to move: name it here, not in a failed copy
         _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+        alibi_slopes = _logits(alibi_slopes, acc, q.device)
     if sinks is not None:
         if not isinstance(sinks, Tensor):
             raise not_a_tensor("sinks", sinks)
         _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
-        if sinks.dtype != acc:
-            sinks = sinks.to(acc)
+        sinks = _logits(sinks, acc)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
@@ -552,6 +583,7 @@ def attention_varlen(
             raise not_a_tensor(name, t)
         _check(t.dim() == 1 and t.numel() >= 2, lambda: f"{name} must be (B + 1,), got {tuple(t.shape)}")
     _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same length")
+    max_seqlen_q, max_seqlen_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
     cq = as_offsets(cu_seqlens_q, "cu_seqlens_q", q.device)
     ck = as_offsets(cu_seqlens_k, "cu_seqlens_k", q.device)
     lens_q, lens_k = (cq[1:] - cq[:-1]), (ck[1:] - ck[:-1])
@@ -573,9 +605,9 @@ def attention_varlen(
     if alibi_slopes is not None:
         # a meta tensor has no data to move: name it here, not in a failed copy
         _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
-    if sinks is not None and sinks.dtype != acc:
-        sinks = sinks.to(acc)
+        alibi_slopes = _logits(alibi_slopes, acc, q.device)
+    if sinks is not None:
+        sinks = _logits(sinks, acc)
     rng_state = _rng_state(seed, generator) if dropout_p > 0.0 else None
     # (total, H, D) -> (1, H, total, D) views
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
@@ -631,14 +663,14 @@ def attention_weights(q: Tensor, k: Tensor, lse: Optional[Tensor] = None, *, lay
         acc = ops.acc_dtype(q.dtype)
         bias = _as_bias(attn_mask, key_mask, b, h, sq, sk, q.device, acc)
         if seqlens_k is not None:
-            seqlens_k = _as_lengths(seqlens_k, b, q.device)
+            seqlens_k = _lengths(seqlens_k, q.device)
         if alibi_slopes is not None:
             # a meta tensor has no data to move: name it here, not in a failed copy
             _check(not alibi_slopes.is_meta or q.is_meta, lambda: f"alibi_slopes must be on {q.device}, got meta")
-            alibi_slopes = alibi_slopes.to(device=q.device, dtype=acc).contiguous()
+            alibi_slopes = _logits(alibi_slopes, acc, q.device)
         if sinks is not None:
             _check(sinks.device == q.device, lambda: f"sinks must be on {q.device}, got {sinks.device}")
-            sinks = sinks.to(acc)
+            sinks = _logits(sinks, acc)
         if block_layout is not None:
             _check(isinstance(block_layout, Tensor) and block_layout.dtype == torch.bool,
                    lambda: f"block_layout must be a bool tensor, got "

@@ -51,6 +51,7 @@ BWD_ARGS = _arg_names("softmax_bwd") if HAS_EXT else ()  # dout, q, k, v, out, l
 OPTION_NAMES = _common_prefix(FWD_ARGS[3:], BWD_ARGS[6:])
 _FWD_OP = torch.ops.attention_ext.softmax_fwd.default if HAS_EXT else None
 _ROUTED_OP = torch.ops.attention_ext.softmax_fwd_routed.default if HAS_EXT else None
+_BWD_OP = torch.ops.attention_ext.softmax_bwd.default if HAS_EXT else None
 _ROUTE_OP = torch.ops.attention_ext.softmax_fwd_route.default if HAS_EXT else None
 # the tensor options (bias, alibi_slopes, ...), from the schema's types
 _OPTION_TENSORS = tuple(a.name for a in (_FWD_OP._schema.arguments if HAS_EXT else ())
@@ -107,12 +108,26 @@ if HAS_EXT:
                  seqlens_k=seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, rng_state=rng_state,
                  dropout_coords=dropout_coords, block_layout=block_layout, topk_thr=topk_thr, topk_jcut=topk_jcut,
                  bias_grad=ctx.bias_grad, deterministic=ctx.deterministic, dlse=dlse)
-        dq, dk, dv, dbias, dsinks = torch.ops.attention_ext.softmax_bwd(*[a[n] for n in BWD_ARGS])
+        args = [a[n] for n in BWD_ARGS]
+        # create_graph=True records the call (softmax_bwd's autograd, below, refuses a second
+        # backward); else straight to the kernel, as autograd's layer would go
+        dq, dk, dv, dbias, dsinks = (_BWD_OP(*args) if torch.is_grad_enabled() else
+                                     call_below_autograd(_BWD_OP, args))
         grads = dict(q=dq, k=dk, v=dv, bias=dbias.sum_to_size(bias.shape) if ctx.bias_grad else None,
                      sinks=dsinks.sum(0) if ctx.sinks_grad else None)
         return tuple(grads.get(n) for n in FWD_ARGS)
 
     torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
+
+    def _no_double_backward(ctx, *grads):
+        raise RuntimeError("attention_ext: the softmax attention backward has no derivative (double backward, e.g. "
+                           "a gradient penalty through create_graph=True or gradgradcheck, is not supported); "
+                           "reference.attention is differentiable twice")
+
+    # a second backward through the gradients raises (as torch's fused SDPA does), where torch's
+    # fallback for an op without autograd returned zeros with a deprecation warning
+    torch.library.register_autograd("attention_ext::softmax_bwd", _no_double_backward,
+                                    setup_context=lambda ctx, inputs, output: None)
 
     def _quant_backward(ctx, dout, dlse):
         raise RuntimeError("attention_ext: the quantized Q.K^T forward (qk_quant) has no backward: it is for "

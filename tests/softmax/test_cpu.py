@@ -295,6 +295,21 @@ def test_varlen(dtype):
         assert rel_err(a.grad, r.grad) < tol * 2
 
 
+@pytest.mark.parametrize("bad,exc", [("5", TypeError), (None, TypeError), (4.5, TypeError), (-1, ValueError)])
+@pytest.mark.parametrize("arg", ["max_seqlen_q", "max_seqlen_k"])
+def test_varlen_max_seqlen_is_a_named_int(arg, bad, exc):
+    """max_seqlen_q / max_seqlen_k that are not ints >= 0 are named (a str or None failed in a
+    comparison, "'<=' not supported between instances of 'int' and 'str'"); an integral float,
+    numpy or 0-d tensor int stays taken."""
+    cu = torch.tensor([0, 0, 5], dtype=torch.int32)
+    q = torch.randn(5, 2, 8)
+    kw = dict(max_seqlen_q=5, max_seqlen_k=5)
+    with pytest.raises(exc, match=arg):
+        ae.flash_attn_varlen_func(q, q, q, cu, cu, **dict(kw, **{arg: bad}))
+    for good in (5.0, torch.tensor(5), 7):
+        ae.flash_attn_varlen_func(q, q, q, cu, cu, **dict(kw, **{arg: good}))
+
+
 # ------------------------------------------------------------------ dropout
 def test_dropout_matches_reference_mask_and_reproduces():
     b, h, sq, sk, d, p = 2, 3, 45, 70, 32, 0.3
@@ -614,6 +629,25 @@ def test_torch_compile_fullgraph():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+
+@pytest.mark.parametrize("call", ["attention", "sdpa", "flash", "bias"])
+def test_double_backward_raises(call):
+    """The backward op has no derivative of its own: a second backward through the gradients
+    (create_graph=True, gradgradcheck, a gradient penalty) must raise, as torch's fused SDPA
+    does, not return zeros with a deprecation warning."""
+    q, k, v = rand_qkv(1, 2, 2, 4, 5, 8, torch.float64)
+    bias = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    out = {"attention": lambda: ae.attention(q, k, v, causal=True),
+           "sdpa": lambda: ae.scaled_dot_product_attention(q, k, v),
+           "flash": lambda: ae.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
+           "bias": lambda: ae.attention(q, k, v, attn_mask=bias, dropout_p=0.1, seed=1)}[call]()
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    first, = torch.autograd.grad(out.square().sum(), q)
+    torch.testing.assert_close(dq, first)  # the first-order gradient itself is unchanged
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(dq.sum(), (k, bias) if call == "bias" else k)
+
+
 # ------------------------------------------------------------------ bad input
 BAD = [
     ("3-D q", lambda q, k, v: ae.attention(q[0], k, v), ValueError, "4-D"),
@@ -639,7 +673,44 @@ BAD = [
     ("sinks", lambda q, k, v: ae.attention(q, k, v, sinks=torch.ones(5)), ValueError, "sinks"),
     ("layout", lambda q, k, v: ae.attention(q, k, v, layout="bsdh"), ValueError, "layout"),
     ("not tensor", lambda q, k, v: ae.attention(q.tolist(), k, v), TypeError, "Tensor"),
+    # side tensors of another kind: converted, they were taken silently (3.5 keys read as 3, a
+    # bool sink as the logit 1.0); the op's dtype rule names them
+    ("seqlens_k dtype", lambda q, k, v: ae.attention(q, k, v, seqlens_k=torch.tensor([3.5, 9.0])), TypeError,
+     "seqlens_k must be int32"),
+    ("seqlens_k bool", lambda q, k, v: ae.attention(q, k, v, seqlens_k=torch.tensor([True, True])), TypeError,
+     "seqlens_k must be int32"),
+    ("sinks dtype", lambda q, k, v: ae.attention(q, k, v, sinks=torch.ones(4, dtype=torch.bool)), TypeError,
+     "sinks must be Float"),
+    ("alibi dtype", lambda q, k, v: ae.attention(q, k, v, alibi_slopes=torch.ones(4, dtype=torch.bool)), TypeError,
+     "alibi_slopes must be Float"),
+    # a float seed was truncated (1.5 drew seed 1's mask); a str or a seed past int64 failed in
+    # torch.tensor with a message that named nothing
+    ("seed float", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, seed=1.5), TypeError, "seed must be an int"),
+    ("seed str", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, seed="1"), TypeError, "seed must be an int"),
+    ("seed range", lambda q, k, v: ae.attention(q, k, v, dropout_p=0.1, seed=2 ** 70), ValueError, "seed must be in"),
 ]
+
+
+@pytest.mark.parametrize("arg,value,msg", [("seqlens_k", torch.tensor([3.5]), "seqlens_k must be int32"),
+                                           ("sinks", torch.ones(2, dtype=torch.int64), "sinks must be Float"),
+                                           ("alibi_slopes", torch.ones(2, dtype=torch.bool),
+                                            "alibi_slopes must be Float")])
+def test_side_tensor_of_another_kind_is_refused(arg, value, msg):
+    """attention_varlen and attention_weights refuse what attention() refuses (an integer or bool
+    tensor where float logits go, a float one where key counts go), rather than converting it."""
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match=msg):
+        ae.attention_weights(q, k, **{arg: value})
+    if arg != "seqlens_k":
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        with pytest.raises(TypeError, match=msg):
+            ae.softmax.attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, 4, 4,
+                                        **{arg: value})
+    # the conversions the functions make on purpose stay: int64 lengths, float64 / bf16 logits
+    ok = dict(seqlens_k=torch.tensor([3]), sinks=torch.zeros(2, dtype=torch.float64),
+              alibi_slopes=torch.ones(2, dtype=torch.bfloat16))[arg]
+    ae.attention(q, k, k, **{arg: ok})
+    ae.attention_weights(q, k, **{arg: ok})
 
 
 @pytest.mark.parametrize("name,fn,exc,msg", BAD, ids=[b[0] for b in BAD])
@@ -874,12 +945,13 @@ def test_few_query_rows(opt, sq):
 @pytest.mark.parametrize("fn", ["attention", "attention_weights"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
 def test_seqlens_k_not_an_integer_tensor_is_named(fn, dtype):
-    """A float (or bool) seqlens_k is refused by name, never truncated: before, lengths of 9.5
-    silently read as 9. Integer lengths (int32 or int64) run as key padding."""
+    """A float (or bool) seqlens_k is refused by name (the op's dtype rule), never truncated:
+    before, lengths of 9.5 silently read as 9. Integer lengths (int32 or int64) run as key
+    padding."""
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
     call = (lambda lens: ae.attention(q, k, v, seqlens_k=lens)) if fn == "attention" else \
         (lambda lens: ae.attention_weights(q, k, seqlens_k=lens))
-    with pytest.raises(TypeError, match=r"seqlens_k must be an integer \(B,\) tensor .*seqlens_k\.int\(\)"):
+    with pytest.raises(TypeError, match=r"seqlens_k must be int32"):
         call(torch.tensor([8, 5]).to(dtype))
     key_mask = torch.arange(8) < torch.tensor([[8], [5]])
     want = ae.attention(q, k, v, key_mask=key_mask) if fn == "attention" else \
