@@ -39,6 +39,19 @@ def registered(op: str, dispatch_key: str) -> bool:
     return HAS_EXT and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
 
 
+def refuse_double_backward(op: str, what: str, twice: str) -> None:
+    """Give the backward op `op` ("attention_ext::softmax_bwd") an autograd that raises: a second
+    backward through the gradients (create_graph=True: a gradient penalty, gradgradcheck) would
+    otherwise go through an op with no derivative, which torch answers with zeros and a warning.
+    `what` names the backward in the message, `twice` the PyTorch form that differentiates twice."""
+    def refuse(ctx, *grads):
+        raise RuntimeError(f"attention_ext: the {what} backward has no derivative (double backward, e.g. a gradient "
+                           f"penalty through create_graph=True or gradgradcheck, is not supported); {twice} is "
+                           f"differentiable twice")
+
+    torch.library.register_autograd(op, refuse, setup_context=lambda ctx, inputs, output: None)
+
+
 def capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on `device`'s current stream: no host reads of
     tensor values then (a sync), and no host values that a replay would repeat. The C++ host

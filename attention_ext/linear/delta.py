@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .._args import as_offsets, layout_mismatch, not_a_tensor
-from .._ext import HAS_EXT, delta_chunk_takes, registered
+from .._ext import HAS_EXT, delta_chunk_takes, refuse_double_backward, registered
 from . import reference
 from .ops import cuda_kernels
 
@@ -117,6 +117,7 @@ if HAS_OP:
         return tuple(grads[n] if n in grads and ctx.need[n] else None for n in FWD_ARGS)
 
     torch.library.register_autograd("attention_ext::delta_fwd", _backward, setup_context=_setup_context)
+    refuse_double_backward("attention_ext::delta_bwd", "delta rule", "reference.delta_rule")
 
 
 def _side(name: str, t, caller: str = "delta_rule_attention()") -> Optional[Tensor]:

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._ext import HAS_EXT, registered
+from .._ext import HAS_EXT, refuse_double_backward, registered
 from .._dtypes import DTYPES, acc_dtype  # noqa: F401  (acc_dtype: distributed.linear reads it here)
 
 # the op's schema is defined (fakes and autograd can attach), and which devices have a kernel;
@@ -199,3 +199,4 @@ if HAS_OP:
         return tuple(grads[n] if n in grads and ctx.need[n] else None for n in FWD_ARGS)
 
     torch.library.register_autograd("attention_ext::linear_fwd", _backward, setup_context=_setup_context)
+    refuse_double_backward("attention_ext::linear_bwd", "linear attention", "reference.linear_attention")

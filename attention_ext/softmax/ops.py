@@ -17,7 +17,7 @@ from torch.types import Device
 
 from .. import _ext
 from .._dtypes import DTYPES, acc_dtype  # noqa: F401  (acc_dtype: the families' callers read it here)
-from .._ext import HAS_EXT, registered
+from .._ext import HAS_EXT, refuse_double_backward, registered
 
 # device type -> a compiled kernel is registered; read once at import so the lookup stays
 # traceable by torch.compile
@@ -119,15 +119,8 @@ if HAS_EXT:
 
     torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
 
-    def _no_double_backward(ctx, *grads):
-        raise RuntimeError("attention_ext: the softmax attention backward has no derivative (double backward, e.g. "
-                           "a gradient penalty through create_graph=True or gradgradcheck, is not supported); "
-                           "reference.attention is differentiable twice")
-
-    # a second backward through the gradients raises (as torch's fused SDPA does), where torch's
-    # fallback for an op without autograd returned zeros with a deprecation warning
-    torch.library.register_autograd("attention_ext::softmax_bwd", _no_double_backward,
-                                    setup_context=lambda ctx, inputs, output: None)
+    # a second backward through the gradients raises (as torch's fused SDPA does)
+    refuse_double_backward("attention_ext::softmax_bwd", "softmax attention", "reference.attention")
 
     def _quant_backward(ctx, dout, dlse):
         raise RuntimeError("attention_ext: the quantized Q.K^T forward (qk_quant) has no backward: it is for "

@@ -615,3 +615,22 @@ def test_transposed_beta_is_named_beside_the_layout(layout):
         ae.delta_rule_attention(q, k, v, beta_shs, layout=layout, qk_l2norm=True)
     out = ae.delta_rule_attention(q, k, v, beta_shs.transpose(1, 2), layout=layout, qk_l2norm=True)
     assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("family", ["linear", "delta"])
+def test_double_backward_raises(family):
+    """The linear and delta backward ops have no derivative of their own: a second backward
+    through the gradients (create_graph=True, a gradient penalty) raises, where it returned zeros
+    with torch's warning; the first-order gradient is unchanged."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 8, requires_grad=True) for _ in range(3))
+    if family == "linear":
+        call = lambda: ae.linear_attention(q, k, v, causal=True)  # noqa: E731
+    else:
+        beta = torch.rand(1, 2, 9)
+        call = lambda: ae.delta_rule_attention(q, torch.nn.functional.normalize(k, dim=-1), v, beta)  # noqa: E731
+    dq, = torch.autograd.grad(call().square().sum(), q, create_graph=True)
+    first, = torch.autograd.grad(call().square().sum(), q)
+    torch.testing.assert_close(dq, first)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(dq.sum(), v)
