@@ -84,6 +84,17 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   check_index_tensor(o.seqlens_k, "seqlens_k", nb, q);
   const c10::SymInt sq = varlen ? c10::SymInt(o.max_seqlen_q) : q.sym_size(2),
                     sk = varlen ? c10::SymInt(o.max_seqlen_k) : k.sym_size(2);
+  if (o.seqlens_k.has_value() && q.device().is_cpu()) {
+    // each length in [0, Sk] (validated here on the CPU, as cu_seqlens above; no sync in the op on
+    // CUDA): a longer one would read as Sk and move the bottom-right diagonal (seqlens_k - Sq)
+    // without a word, a negative one hide every key
+    const int64_t n = nb.guard_int(__FILE__, __LINE__), tk = sk.guard_int(__FILE__, __LINE__);
+    auto sl = o.seqlens_k->accessor<int32_t, 1>();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(sl[i] >= 0 && sl[i] <= tk, "attention_ext: seqlens_k[", i, "] = ", sl[i], " is outside [0, ",
+                        tk, "] (the keys of k: Sk = ", tk, ")");
+    }
+  }
   const at::ScalarType acc = acc_dtype(q);
   if (o.bias.has_value()) {
     const Tensor& bias = *o.bias;

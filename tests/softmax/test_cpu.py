@@ -691,6 +691,15 @@ BAD = [
 ]
 
 
+@pytest.mark.parametrize("lens", [[9, 3], [-1, 3]])
+def test_seqlens_k_outside_the_keys_is_refused(lens):
+    """A key count past Sk read as Sk (the bottom-right diagonal, seqlens_k - Sq, moved without a
+    word) and a negative one hid every key: each is refused, naming the entry."""
+    q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"seqlens_k\[0\] = -?\d+ is outside \[0, 5\]"):
+        ae.attention(q, k, v, seqlens_k=torch.tensor(lens), causal=True, bottom_right=True)
+
+
 @pytest.mark.parametrize("arg,value,msg", [("seqlens_k", torch.tensor([3.5]), "seqlens_k must be int32"),
                                            ("sinks", torch.ones(2, dtype=torch.int64), "sinks must be Float"),
                                            ("alibi_slopes", torch.ones(2, dtype=torch.bool),
