@@ -13,6 +13,12 @@
 namespace attn {
 namespace api {
 
+// Whether t's values can be read here: a CPU tensor with data (torch.compile's fake tensors say
+// CPU but hold none; their call is checked when the compiled graph runs).
+static bool values_on_host(const Tensor& t) {
+  return t.device().is_cpu() && t.has_storage() && (t.numel() == 0 || t.storage().data() != nullptr);
+}
+
 static void check_index_tensor(const OptTensor& t, const char* name, const c10::SymInt& numel, const Tensor& q) {
   if (!t.has_value()) return;
   TORCH_CHECK_TYPE(t->scalar_type() == at::kInt, "attention_ext: ", name, " must be int32, got ", t->scalar_type());
@@ -66,7 +72,7 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
                           o.max_seqlen_k <= INT32_MAX,
                       "attention_ext: max_seqlen_q/k must be in [0, 2^31 - 1], got ", o.max_seqlen_q, ", ",
                       o.max_seqlen_k);
-    if (q.device().is_cpu()) {
+    if (values_on_host(*o.cu_seqlens_q) && values_on_host(*o.cu_seqlens_k)) {
       // validated here on the CPU; CUDA callers validate in Python (no sync in the op)
       const int64_t n = nb.guard_int(__FILE__, __LINE__), tq = q.sym_size(2).guard_int(__FILE__, __LINE__),
                     tk = k.sym_size(2).guard_int(__FILE__, __LINE__);
@@ -84,7 +90,7 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Optio
   check_index_tensor(o.seqlens_k, "seqlens_k", nb, q);
   const c10::SymInt sq = varlen ? c10::SymInt(o.max_seqlen_q) : q.sym_size(2),
                     sk = varlen ? c10::SymInt(o.max_seqlen_k) : k.sym_size(2);
-  if (o.seqlens_k.has_value() && q.device().is_cpu()) {
+  if (o.seqlens_k.has_value() && values_on_host(*o.seqlens_k)) {
     // each length in [0, Sk] (validated here on the CPU, as cu_seqlens above; no sync in the op on
     // CUDA): a longer one would read as Sk and move the bottom-right diagonal (seqlens_k - Sq)
     // without a word, a negative one hide every key

@@ -698,6 +698,13 @@ def test_seqlens_k_outside_the_keys_is_refused(lens):
     q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     with pytest.raises(ValueError, match=r"seqlens_k\[0\] = -?\d+ is outside \[0, 5\]"):
         ae.attention(q, k, v, seqlens_k=torch.tensor(lens), causal=True, bottom_right=True)
+    # compiled (fake tensors hold no values: the check runs when the graph does)
+    fn = torch.compile(lambda q, k, v, lens: ae.attention(q, k, v, seqlens_k=lens, causal=True, bottom_right=True),
+                       fullgraph=True, backend="eager")
+    ok = torch.tensor([5, 3], dtype=torch.int32)
+    torch.testing.assert_close(fn(q, k, v, ok), ae.attention(q, k, v, seqlens_k=ok, causal=True, bottom_right=True))
+    with pytest.raises(ValueError, match=r"seqlens_k\[0\] = -?\d+ is outside \[0, 5\]"):
+        fn(q, k, v, torch.tensor(lens, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("arg,value,msg", [("seqlens_k", torch.tensor([3.5]), "seqlens_k must be int32"),
