@@ -157,9 +157,13 @@ struct TokenIn {
         }
       }
       for (; i < p.dim_k; ++i) a[i] = std::exp(a[i]);
-    } else {
+    } else {  // by vectors (the compiler left the plain loop scalar)
       const T x = std::exp(load_elem<T>(p.gate_dt, p.gate, side(b, r)));
-      for (int i = 0; i < p.dim_k; ++i) a[i] = x;
+      constexpr int L = kLanes<T>;
+      const vec<T> xv = vbcast(x);
+      int i = 0;
+      for (; i + L <= p.dim_k; i += L) vstore(a + i, xv);
+      for (; i < p.dim_k; ++i) a[i] = x;
     }
     for (int i = p.dim_k; i < kp; ++i) a[i] = T(0);
   }
@@ -458,13 +462,17 @@ constexpr T kFactorLo = T(9.094947017729282e-13);
 template <typename T>
 constexpr T kFactorHi = T(1.099511627776e12);
 
-// One token's factors (K each): a C into a (C the running factors), and whether one left
-// [kFactorLo, kFactorHi] (NaN included).
+// One token's factors with the gate factored out (fwd_group): x = a C into a (a the token's gate
+// factors, C the running ones, K each). Unless the token folds (edge, or an x outside
+// [kFactorLo, kFactorHi], NaN included), kn = k x for the pass that starts it and k / x, q x for
+// the one that finishes it. With keep, C becomes x, or 1 where it folds. Returns whether it folds.
+// All by vectors: C's copy as a plain loop stayed scalar (benchmarks/results/2026-12-02-delta-prep-zen5.md).
 template <typename T>
-bool next_factors(T* __restrict__ a, const T* __restrict__ C, int K) {
+bool factor_token(T* __restrict__ a, T* __restrict__ C, T* __restrict__ k, T* __restrict__ q, T* __restrict__ kn,
+                  int K, bool edge, bool keep) {
   constexpr int L = kLanes<T>;
   const vec<T> lo = vbcast(kFactorLo<T>), hi = vbcast(kFactorHi<T>);
-  uint32_t out = 0;
+  uint32_t out = edge ? 1u : 0u;
   int m = 0;
   for (; m + L <= K; m += L) {
     const vec<T> x = vload(a + m) * vload(C + m);
@@ -475,22 +483,28 @@ bool next_factors(T* __restrict__ a, const T* __restrict__ C, int K) {
     a[m] *= C[m];
     out |= !(a[m] >= kFactorLo<T> && a[m] <= kFactorHi<T>) ? 1u : 0u;
   }
-  return out != 0;
-}
-
-// A token with the factors c (K each) kept out of the rows: kn = k c for the pass that starts it,
-// k / c and q c for the one that finishes it.
-template <typename T>
-void apply_factors(const T* __restrict__ c, T* __restrict__ k, T* __restrict__ q, T* __restrict__ kn, int K) {
-  constexpr int L = kLanes<T>;
-  int m = 0;
+  const bool fold = out != 0;
+  m = 0;
+  if (fold) {
+    if (keep) {
+      const vec<T> one = vbcast(T(1));
+      for (; m + L <= K; m += L) vstore(C + m, one);
+      for (; m < K; ++m) C[m] = T(1);
+    }
+    return true;
+  }
   for (; m + L <= K; m += L) {
-    const vec<T> f = vload(c + m), km = vload(k + m);
+    const vec<T> f = vload(a + m), km = vload(k + m);
     vstore(kn + m, km * f);
     vstore(k + m, km / f);
     vstore(q + m, vload(q + m) * f);
+    if (keep) vstore(C + m, f);
   }
-  for (; m < K; ++m) kn[m] = k[m] * c[m], k[m] /= c[m], q[m] *= c[m];
+  for (; m < K; ++m) {
+    kn[m] = k[m] * a[m], k[m] /= a[m], q[m] *= a[m];
+    if (keep) C[m] = a[m];
+  }
+  return false;
 }
 
 // The forward of one sequence n and value head hv over column blocks [jb0, jb0 + nb) of Wp = NV
@@ -538,10 +552,17 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   if (!direct) {
     for (int g = 0; g < nb; ++g) {
       const int j0 = (jb0 + g) * Wp, w = width(g);
+      // Two loops, not one select: GCC turned `init_state != nullptr && j < w ? init_state[..] : 0`
+      // into masked loads from the null pointer, each a fault-suppression assist on Zen 5, about
+      // 200 us a call whatever its length (benchmarks/results/2026-12-02-delta-prep-zen5.md).
       for (int m = 0; m < K; ++m) {
         T* row = block(g) + int64_t(m) * Wp;
-        for (int j = 0; j < Wp; ++j)
-          row[j] = (p.init_state != nullptr && j < w) ? p.init_state[st0 + int64_t(m) * p.dim_v + j0 + j] : T(0);
+        int j = 0;
+        if (p.init_state != nullptr) {
+          const T* src = p.init_state + st0 + int64_t(m) * p.dim_v + j0;
+          for (; j < w; ++j) row[j] = src[j];
+        }
+        for (; j < Wp; ++j) row[j] = T(0);
       }
     }
   }
@@ -551,6 +572,23 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
   constexpr int kAhead = 8;
   auto v_row = [&](int t, int j0) {
     return in.row(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, sp.b, hv, sp.row0 + t) + int64_t(j0) * in.es;
+  };
+  // The next chunk's q and k rows (and KDA's gate rows), fetched into L2 while the first block
+  // runs through this chunk: the preparation otherwise waited on them, a new stream every chunk
+  // (about 7% of the bf16 DeltaNet forward, benchmarks/results/2026-12-02-delta-prep-zen5.md).
+  auto prefetch_prep = [&](int t) {
+    const int64_t r = sp.row0 + t, kb = int64_t(K) * int64_t(in.es);
+    const char* kr = in.row(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, sp.b, in.hk, r);
+    const char* qr = in.row(p.q, p.q_batch_stride, p.q_head_stride, p.q_row_stride, sp.b, in.hk, r);
+    for (int64_t c = 0; c < kb; c += 64) {
+      __builtin_prefetch(kr + c, 0, 2);
+      __builtin_prefetch(qr + c, 0, 2);
+    }
+    if (kGate && p.gate_per_key) {
+      const int64_t gb = int64_t(K) * int64_t(dtype_size(p.gate_dt));
+      const char* gr = static_cast<const char*>(p.gate) + in.side(sp.b, r) * gb;
+      for (int64_t c = 0; c < gb; c += 64) __builtin_prefetch(gr + c, 0, 2);
+    }
   };
   FwdToken<T> tok[2]{};
   for (int i = 0; i < 2; ++i) tok[i].v = sc.v + int64_t(i) * Wp;
@@ -563,6 +601,7 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
       const char* vr = v_row(t + kAhead, j0);
       for (int64_t c = 0; c < int64_t(w) * int64_t(in.es); c += 64) __builtin_prefetch(vr + c, 0, 2);
     }
+    if (j0 == jb0 * Wp && t + kFwdChunk < sp.len) prefetch_prep(t + kFwdChunk);
     load_row(p.dt, v_row(t, j0), x.v, w, Wp);
   };
   auto store_out = [&](int t, int j0, int w, const vec<T>* ov) {  // token t's o: columns [j0, j0 + w)
@@ -594,12 +633,8 @@ void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc
         // folds at every chunk of kDeltaChunk's first and last tokens, so that a checkpoint (the
         // state after the last) is the state itself, with or without checkpoints alike
         const bool edge = t % kDeltaChunk == 0 || (t + 1) % kDeltaChunk == 0;
-        const bool fold = next_factors(row + 2 * K, sc.C, K) || edge;
-        if (!fold) apply_factors(row + 2 * K, row + K, row, row + 3 * K, K);
-        sc.fold[t - c0] = fold;
-        if (t < c1) {  // c1 is the next chunk's to keep
-          for (int m = 0; m < K; ++m) sc.C[m] = fold ? T(1) : row[2 * K + m];
-        }
+        // c1 is the next chunk's to keep: its factors do not enter C here
+        sc.fold[t - c0] = factor_token(row + 2 * K, sc.C, row + K, row, row + 3 * K, K, edge, t < c1);
       }
     }
     if (pairs) {  // delta_pair_pass's kappa_t = kn_{t+1} . k_t
