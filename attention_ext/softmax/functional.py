@@ -346,6 +346,9 @@ def _plain_call(q, k, v, layout, scale, causal, bottom_right, window, num_splits
         return None
     if torch._C._are_functorch_transforms_active():  # the general path: the transforms see fwd
         return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (type(attn_mask) is Tensor and attn_mask.requires_grad)):
+        return None  # the general path: its eager autograd (ops._EagerFwd) costs less than the op's layer
     bias = None
     if attn_mask is not None:
         if key_mask is not None or type(attn_mask) is not Tensor or attn_mask.dim() != 4:

@@ -119,6 +119,31 @@ if HAS_EXT:
 
     torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
 
+    class _EagerFwd(torch.autograd.Function):
+        """The registered autograd above, for eager calls: the op below the Autograd key, then the
+        same _setup_context and _backward. torch's generated layer rebuilds the schema's argument
+        list for every argument it fills in (torch._library.utils.fill_defaults reads
+        `schema.arguments`, a fresh list of pybind objects, once per argument: quadratic in the
+        op's ~30 arguments), about 100 us of every call that needs gradients
+        (benchmarks/results/2026-12-02-softmax-autograd-overhead.md). torch.compile, functorch
+        transforms and direct calls of the op keep the registered layer."""
+
+        @staticmethod
+        def forward(ctx, op, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op(*args)
+            needs = ctx.needs_input_grad
+            ctx.needs_input_grad = needs[1:]  # as the op's own inputs (op is the first here)
+            try:
+                _setup_context(ctx, args, output)
+            finally:
+                ctx.needs_input_grad = needs
+            return output
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            return (None, *_backward(ctx, dout, dlse))
+
     # a second backward through the gradients raises (as torch's fused SDPA does)
     refuse_double_backward("attention_ext::softmax_bwd", "softmax attention", "reference.attention")
 
@@ -167,12 +192,16 @@ def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
 def call_fwd(args: list, op=None) -> Tuple[Tensor, Tensor]:
     """torch.ops.attention_ext.softmax_fwd (or `op`, of the same schema) on its full argument list
     (FWD_ARGS order), below the Autograd key (call_below_autograd) when grad mode is off or no
-    tensor argument requires grad."""
+    tensor argument requires grad; else, in eager mode, through _EagerFwd."""
     op = op or _FWD_OP
     if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad
                                                for i in _FWD_TENSOR_SLOTS):
         return call_below_autograd(op, args)
-    return op(*args)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return op(*args)
+    # the routed op picks the fused kernel whenever an input needs a gradient (route_fwd), which
+    # _EagerFwd's forward, run with grad mode off, could not tell it: softmax_fwd itself
+    return _EagerFwd.apply(_FWD_OP if op is _ROUTED_OP else op, *args)
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, routed: bool = False,
