@@ -52,6 +52,62 @@ def refuse_double_backward(op: str, what: str, twice: str) -> None:
     torch.library.register_autograd(op, refuse, setup_context=lambda ctx, inputs, output: None)
 
 
+def call_below_autograd(op, args) -> tuple:
+    """op(*args) for a call with nothing to differentiate: straight to the device kernel below the
+    Autograd key, which is what a registered Python autograd layer would do itself, without its
+    Python (a pytree walk over every argument, most of a small call's fixed cost:
+    benchmarks/results/2026-11-29-newcomer-cpu-zen5.md).
+    torch.compile and functorch transforms keep the full dispatch. The one home of that rule."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def eager_autograd(name: str, setup_context, backward) -> type:
+    """An autograd.Function that is an op's registered autograd (`setup_context(ctx, inputs,
+    output)` and `backward(ctx, *grads)`, as given to torch.library.register_autograd) for eager
+    calls: `.apply(op, *args)` runs the op below the Autograd key, then the same setup_context, and
+    its backward is the same backward. torch's generated layer rebuilds the op schema's argument
+    list for every argument it fills in (torch._library.utils.fill_defaults reads
+    `schema.arguments`, a fresh list of pybind objects, once per argument: quadratic in the
+    argument count), 30-250 us of every differentiable call of the families' ops
+    (benchmarks/results/2026-12-02-softmax-autograd-overhead.md). call_autograd picks it."""
+    def forward(ctx, op, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op(*args)
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[1:]  # as the op's own inputs (op is the first here)
+        try:
+            setup_context(ctx, args, output)
+        finally:
+            ctx.needs_input_grad = needs
+        return output
+
+    def backward_(ctx, *grads):
+        needs = ctx.needs_input_grad
+        ctx.needs_input_grad = needs[1:]
+        try:
+            return (None, *backward(ctx, *grads))
+        finally:
+            ctx.needs_input_grad = needs
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "backward": staticmethod(backward_)})
+
+
+def call_autograd(op, args, fn: type, grad: bool):
+    """op(*args), `grad` saying whether autograd records it (grad mode on and a tensor argument
+    requiring grad): below the Autograd key when not; through `fn` (eager_autograd's Function of
+    the op's registered autograd) in eager mode; the op's full dispatch, whose registered layer
+    torch.compile and functorch transforms see, else."""
+    if not grad:
+        return call_below_autograd(op, args)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return op(*args)
+    return fn.apply(op, *args)
+
+
 def capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on `device`'s current stream: no host reads of
     tensor values then (a sync), and no host values that a replay would repeat. The C++ host

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from .._args import as_offsets, layout_mismatch, not_a_tensor
-from .._ext import HAS_EXT, delta_chunk_takes, refuse_double_backward, registered
+from .._ext import (HAS_EXT, call_autograd, call_below_autograd, delta_chunk_takes, eager_autograd,
+                   refuse_double_backward, registered)
 from . import reference
 from .ops import cuda_kernels
 
@@ -79,11 +80,21 @@ def _needs_grad(a: dict) -> bool:
         isinstance(a.get(n), Tensor) and a[n].requires_grad for n in _GRAD_INPUTS)
 
 
+def _args(op: str, names, a: dict) -> list:
+    """The op's argument list from the arguments `a` by name; `checkpoints` (the forward's flag,
+    the backward's tensor) defaults to none."""
+    return [a.get(n, False if op == "delta_fwd" else None) if n == "checkpoints" else a[n] for n in names]
+
+
 def _call(op: str, names, a: dict):
-    """The op on the arguments `a` by name; `checkpoints` (the forward's flag, the backward's
-    tensor) defaults to none."""
-    return getattr(torch.ops.attention_ext, op)(*[a.get(n, False if op == "delta_fwd" else None) if n == "checkpoints"
-                                                  else a[n] for n in names])
+    """The op on the arguments `a` by name (_args)."""
+    return getattr(torch.ops.attention_ext, op)(*_args(op, names, a))
+
+
+def _fwd(a: dict, grad: bool):
+    """delta_fwd on the arguments `a`, `grad` saying whether autograd records it (_needs_grad):
+    eager differentiable calls through _EagerFwd (_ext.call_autograd)."""
+    return call_autograd(torch.ops.attention_ext.delta_fwd.default, _args("delta_fwd", FWD_ARGS, a), _EagerFwd, grad)
 
 
 if HAS_OP:
@@ -111,12 +122,16 @@ if HAS_OP:
             dfinal_state = dfinal_state.contiguous()
         a = dict(ctx.scalars, dout=dout, dfinal_state=dfinal_state, q=q, k=k, v=v, beta=beta, gate=gate,
                  initial_state=initial_state, cu_seqlens=cu_seqlens, checkpoints=ckpt)
-        dq, dk, dv, dbeta, dgate, dinit = _call("delta_bwd", BWD_ARGS, a)
+        args = _args("delta_bwd", BWD_ARGS, a)
+        # create_graph=True records the call (delta_bwd's autograd refuses a second backward)
+        op = torch.ops.attention_ext.delta_bwd.default
+        dq, dk, dv, dbeta, dgate, dinit = op(*args) if torch.is_grad_enabled() else call_below_autograd(op, args)
         grads = dict(q=dq, k=dk, v=dv, beta=dbeta, gate=dgate if gate is not None else None,
                      initial_state=dinit if initial_state is not None else None)
         return tuple(grads[n] if n in grads and ctx.need[n] else None for n in FWD_ARGS)
 
     torch.library.register_autograd("attention_ext::delta_fwd", _backward, setup_context=_setup_context)
+    _EagerFwd = eager_autograd("DeltaFwd", _setup_context, _backward)  # eager calls (_fwd)
     refuse_double_backward("attention_ext::delta_bwd", "delta rule", "reference.delta_rule")
 
 
@@ -212,10 +227,10 @@ def run(a: dict) -> Tuple[Tensor, Tensor]:
     grad = _needs_grad(a)
     if isinstance(q, Tensor) and has_kernel(q.device, q.dtype, grad=grad):
         # a call that will have a backward keeps the states that backward would recompute
-        out, state, _ = _call("delta_fwd", FWD_ARGS, dict(a, checkpoints=grad))
+        out, state, _ = _fwd(dict(a, checkpoints=grad), grad)
         return out, state
     if grad and cuda_chunked_grad(a):  # the CUDA chunk backward recomputes its states itself
-        out, state, _ = _call("delta_fwd", FWD_ARGS, dict(a, checkpoints=False))
+        out, state, _ = _fwd(dict(a, checkpoints=False), grad)
         return out, state
     if HAS_OP:
         _call("delta_check", CHECK_ARGS, a)

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._ext import HAS_EXT, refuse_double_backward, registered
+from .._ext import HAS_EXT, call_autograd, call_below_autograd, eager_autograd, refuse_double_backward, registered
 from .._dtypes import DTYPES, acc_dtype  # noqa: F401  (acc_dtype: distributed.linear reads it here)
 
 # the op's schema is defined (fakes and autograd can attach), and which devices have a kernel;
@@ -153,7 +153,9 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, **options) -> Tuple[Tensor, Tensor, Ten
     d den (_keep_residual), a normalized 16-bit call also keeps out's rounding residual for the
     backward (the autograd context holds it)."""
     a = dict(options, q=q, k=k, v=v, keep_residual=_keep_residual(q, k, options))
-    return torch.ops.attention_ext.linear_fwd(*[a[n] for n in FWD_ARGS])[:3]
+    args = [a[n] for n in FWD_ARGS]
+    grad = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args)
+    return call_autograd(torch.ops.attention_ext.linear_fwd.default, args, _EagerFwd, grad)[:3]
 
 
 def step(q: Tensor, k: Tensor, v: Tensor, state: Tensor, normalizer: Optional[Tensor] = None,
@@ -193,10 +195,14 @@ if HAS_OP:
             dfinal_state = dfinal_state.contiguous()
         a = dict(ctx.scalars, dout=dout, dfinal_state=dfinal_state, q=q, k=k, v=v, out=out, den=den, decay=decay,
                  initial_state=initial_state, key_mask=key_mask, cu_seqlens=cu_seqlens, out_residual=res)
-        dq, dk, dv, ddecay, dinit = torch.ops.attention_ext.linear_bwd(*[a[n] for n in BWD_ARGS])
+        args = [a[n] for n in BWD_ARGS]
+        # create_graph=True records the call (linear_bwd's autograd refuses a second backward)
+        op = torch.ops.attention_ext.linear_bwd.default
+        dq, dk, dv, ddecay, dinit = op(*args) if torch.is_grad_enabled() else call_below_autograd(op, args)
         grads = dict(q=dq, k=dk, v=dv, decay=ddecay if decay is not None else None,
                      initial_state=dinit if initial_state is not None else None)
         return tuple(grads[n] if n in grads and ctx.need[n] else None for n in FWD_ARGS)
 
     torch.library.register_autograd("attention_ext::linear_fwd", _backward, setup_context=_setup_context)
+    _EagerFwd = eager_autograd("LinearFwd", _setup_context, _backward)  # eager calls (_ext.call_autograd)
     refuse_double_backward("attention_ext::linear_bwd", "linear attention", "reference.linear_attention")

@@ -17,7 +17,7 @@ from torch.types import Device
 
 from .. import _ext
 from .._dtypes import DTYPES, acc_dtype  # noqa: F401  (acc_dtype: the families' callers read it here)
-from .._ext import HAS_EXT, refuse_double_backward, registered
+from .._ext import HAS_EXT, call_autograd, call_below_autograd, eager_autograd, refuse_double_backward, registered
 
 # device type -> a compiled kernel is registered; read once at import so the lookup stays
 # traceable by torch.compile
@@ -119,30 +119,8 @@ if HAS_EXT:
 
     torch.library.register_autograd("attention_ext::softmax_fwd", _backward, setup_context=_setup_context)
 
-    class _EagerFwd(torch.autograd.Function):
-        """The registered autograd above, for eager calls: the op below the Autograd key, then the
-        same _setup_context and _backward. torch's generated layer rebuilds the schema's argument
-        list for every argument it fills in (torch._library.utils.fill_defaults reads
-        `schema.arguments`, a fresh list of pybind objects, once per argument: quadratic in the
-        op's ~30 arguments), about 100 us of every call that needs gradients
-        (benchmarks/results/2026-12-02-softmax-autograd-overhead.md). torch.compile, functorch
-        transforms and direct calls of the op keep the registered layer."""
-
-        @staticmethod
-        def forward(ctx, op, *args):
-            with torch._C._AutoDispatchBelowAutograd():
-                output = op(*args)
-            needs = ctx.needs_input_grad
-            ctx.needs_input_grad = needs[1:]  # as the op's own inputs (op is the first here)
-            try:
-                _setup_context(ctx, args, output)
-            finally:
-                ctx.needs_input_grad = needs
-            return output
-
-        @staticmethod
-        def backward(ctx, dout, dlse):
-            return (None, *_backward(ctx, dout, dlse))
+    # eager differentiable calls: the same setup and backward without torch's layer (_ext.eager_autograd)
+    _EagerFwd = eager_autograd("SoftmaxFwd", _setup_context, _backward)
 
     # a second backward through the gradients raises (as torch's fused SDPA does)
     refuse_double_backward("attention_ext::softmax_bwd", "softmax attention", "reference.attention")
@@ -176,32 +154,15 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, **options) -> None:
     _ROUTE_OP(q, k, v, *[a[n] for n in OPTION_NAMES])
 
 
-def call_below_autograd(op, args) -> Tuple[Tensor, ...]:
-    """op(*args) for a call with nothing to differentiate: straight to the device kernel below the
-    Autograd key, which is what a registered Python autograd layer would do itself, without its
-    Python (a pytree walk over every argument, most of a small call's fixed cost:
-    benchmarks/results/2026-11-29-newcomer-cpu-zen5.md).
-    torch.compile and functorch transforms keep the full dispatch. The one home of that rule
-    (fwd's calls and the decode kernel's)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return op(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
-
-
 def call_fwd(args: list, op=None) -> Tuple[Tensor, Tensor]:
     """torch.ops.attention_ext.softmax_fwd (or `op`, of the same schema) on its full argument list
     (FWD_ARGS order), below the Autograd key (call_below_autograd) when grad mode is off or no
     tensor argument requires grad; else, in eager mode, through _EagerFwd."""
     op = op or _FWD_OP
-    if not torch.is_grad_enabled() or not any(args[i] is not None and args[i].requires_grad
-                                               for i in _FWD_TENSOR_SLOTS):
-        return call_below_autograd(op, args)
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return op(*args)
+    grad = torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in _FWD_TENSOR_SLOTS)
     # the routed op picks the fused kernel whenever an input needs a gradient (route_fwd), which
     # _EagerFwd's forward, run with grad mode off, could not tell it: softmax_fwd itself
-    return _EagerFwd.apply(_FWD_OP if op is _ROUTED_OP else op, *args)
+    return call_autograd(_FWD_OP if grad and op is _ROUTED_OP else op, args, _EagerFwd, grad)
 
 
 def fwd(q: Tensor, k: Tensor, v: Tensor, *, num_splits: int = 1, deterministic: bool = False, routed: bool = False,
