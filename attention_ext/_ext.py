@@ -72,7 +72,7 @@ def eager_autograd(name: str, setup_context, backward) -> type:
     list for every argument it fills in (torch._library.utils.fill_defaults reads
     `schema.arguments`, a fresh list of pybind objects, once per argument: quadratic in the
     argument count), 30-250 us of every differentiable call of the families' ops
-    (benchmarks/results/2026-12-02-softmax-autograd-overhead.md). call_autograd picks it."""
+    (benchmarks/results/2026-12-02-eager-autograd-overhead.md). call_autograd picks it."""
     def forward(ctx, op, *args):
         with torch._C._AutoDispatchBelowAutograd():
             output = op(*args)
