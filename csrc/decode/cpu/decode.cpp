@@ -256,18 +256,17 @@ constexpr bool kInts = kI16Level && kQb && std::is_same_v<T, float> && std::is_s
 // 2^(e - 14) for amax of exponent e (|x| / scale < 2^15 for |x| <= amax), at least 2^-126 so
 // that 1 / scale stays finite (rows below 2^-112 keep fewer bits: far below any sum they join);
 // 0 for amax 0, NaN for NaN / inf
+// (once per row and chunk: from the exponent bits, not libm's ilogb / ldexp calls)
 inline float i16_pow2(float amax) {
   if (!std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
-  return amax > 0.f ? std::ldexp(1.f, std::max(std::ilogb(amax) - 14, -126)) : 0.f;
-}
-// x = q16 x scale over n elements: i16_pow2 of max |x| (NaN when one is not finite)
-inline float i16_scale(const float* x, int n) {
-  float amax = 0.f;
-  for (int c = 0; c < n; ++c) {
-    if (!std::isfinite(x[c])) return std::numeric_limits<float>::quiet_NaN();
-    amax = std::max(amax, std::fabs(x[c]));
-  }
-  return i16_pow2(amax);
+  if (!(amax > 0.f)) return 0.f;
+  uint32_t bits;
+  std::memcpy(&bits, &amax, 4);
+  const int e = std::max(int(bits >> 23) - 127 - 14, -126);  // a subnormal amax: the floor
+  const uint32_t out = uint32_t(e + 127) << 23;
+  float r;
+  std::memcpy(&r, &out, 4);
+  return r;
 }
 
 template <typename T, typename E, bool kQb = false>
@@ -462,6 +461,8 @@ struct DecodeWorker {
     return f(std::false_type{});
   }
   std::vector<int16_t> qi;    // kInts: the q rows' q16, packed per register block in kI16Cols columns
+  std::vector<int16_t> q16;   // kInts / kDots: one q row converted (dp), before pack_q deals it out
+  std::vector<int> scol;      // stored_col(c) for c < dp (c itself past d): once per worker
   std::vector<int16_t> pi;    // kInts: the chunk's P rows' p16 (rows, kChunk)
   std::vector<float> qsc, psc;  // kInts: each row's q scale, and its P scale in this chunk
   std::vector<int32_t> si;    // kInts: the chunk's integer scores, key-major per register block
@@ -489,6 +490,9 @@ struct DecodeWorker {
       qh.assign((size_t(rows) + kRowBlock) * dq, 0);
       ph.assign((size_t(rows) + kRowBlock) * kChunk, 0);
     }
+    if constexpr (kInt || kDot) q16.assign(dp, 0);
+    scol.resize(dp);
+    for (int c = 0; c < dp; ++c) scol[c] = c < d ? stored_col(c) : c;
     if constexpr (kInt) {
       qi.assign((size_t(rows) + kRowBlock) * dq, 0);
       pi.assign((size_t(rows) + kRowBlock) * kChunk, 0);
@@ -756,7 +760,8 @@ struct DecodeWorker {
       }
     });
   }
-  // kInts: P row (n floats, n a multiple of the vector width) -> p16 and its scale
+  // kInts: a row of n floats (a chunk's P row, or a q row; n a multiple of the vector width) ->
+  // its int16 values and their scale (x = x16 x scale, i16_pow2 of the row's max |x|)
   static void p_to_i16(const float* src, int n, int16_t* dst, float* scale) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     __m512 mx = _mm512_setzero_ps();  // max |P| (a negative v descale makes P < 0); NaN apart
@@ -803,33 +808,62 @@ struct DecodeWorker {
     if constexpr (kInt) return kI16Cols == 32 && c < d / 32 * 32 ? c / 32 * 32 + i16_col(c % 32) : c;
     return kEvenOdd<T, E> && c < d / (2 * L) * (2 * L) ? even_odd_col(c, L) : c;
   }
+  // dst[c] = src[stored_col(c)] over a row (dp). Every permuted order moves columns only within
+  // full 32-column blocks on AVX-512 (kEvenOdd's 2L, kDots', kInts'), so two vpermt2ps per
+  // block do it there; elsewhere the table scol. (Element by element through stored_col's
+  // branches this took ~4 cycles a column, ~1/25 of a 1024-key split's time at H 32, D 128.)
+  void unpermute(const T* __restrict__ src, T* __restrict__ dst) const {
+    int c = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>) {
+      if (d >= 32) {
+        alignas(64) int32_t lo[16], hi[16];
+        for (int j = 0; j < 16; ++j) lo[j] = scol[j], hi[j] = scol[16 + j];
+        const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+        for (; c + 32 <= d; c += 32) {
+          const __m512 a = _mm512_loadu_ps(src + c), b = _mm512_loadu_ps(src + c + 16);
+          _mm512_storeu_ps(dst + c, _mm512_permutex2var_ps(a, ilo, b));
+          _mm512_storeu_ps(dst + c + 16, _mm512_permutex2var_ps(a, ihi, b));
+        }
+      }
+    }
+#endif
+    for (; c < dp; ++c) dst[c] = src[scol[c]];
+  }
   // qp <- the q rows (q, column order) packed per register block, in stored column order
   void pack_q() {
     for_dot_blocks([&](int r0, auto rr) {
       constexpr int RR = decltype(rr)::value;
+      // kInts / kDots: each row converted whole (vectorized) into q16, then dealt out in B-column
+      // pieces (B: one int16 vector's columns, or one vdpbf16ps operand's 32); the padding past d
+      // in each row's last piece keeps qi's / qh's zeros
       if constexpr (kInt) {
+        constexpr int B = std::max(kI16Cols, 1);
         int16_t* dst = qi.data() + size_t(r0) * dq;
         for (int x = 0; x < RR; ++x) {
-          const float* src = q + size_t(r0 + x) * dp;
-          const float sc = i16_scale(src, d);
-          qsc[r0 + x] = sc;
-          const float inv = sc > 0.f ? 1.f / sc : 0.f;  // a power of two: exact
-          constexpr int B = std::max(kI16Cols, 1);  // one int16 vector's columns: qh's layout per B
-          for (int c = 0; c < d; ++c) dst[(c / B * RR + x) * B + c % B] = int16_t(std::nearbyint(src[c] * inv));
+          // the whole padded row: its zeros past d change neither the scale nor the ints
+          p_to_i16(q + size_t(r0 + x) * dp, dp, q16.data(), &qsc[r0 + x]);
+          for (int c = 0; c < d; c += B) {
+            std::copy_n(q16.data() + c, std::min(B, d - c), dst + (c / B * RR + x) * B);
+          }
         }
         return;
       }
       if constexpr (kDot) {  // q is bf16 data: the conversion back is exact
         uint16_t* dst = qh.data() + size_t(r0) * dq;
         for (int x = 0; x < RR; ++x) {
-          for (int c = 0; c < d; ++c) dst[(c / 32 * RR + x) * 32 + c % 32] = f32_to_bf16(q[size_t(r0 + x) * dp + c]);
+          rows_to_bf16(q + size_t(r0 + x) * dp, 0, reinterpret_cast<uint16_t*>(q16.data()), 0, 1, dp);
+          for (int c = 0; c < d; c += 32) {
+            std::copy_n(reinterpret_cast<const uint16_t*>(q16.data()) + c, std::min(32, d - c),
+                        dst + (c / 32 * RR + x) * 32);
+          }
         }
         return;
       }
       T* dst = qp + size_t(r0) * dp;
       for (int x = 0; x < RR; ++x) {
         for (int c = 0; c < dp; ++c) {
-          const int sc = c < d ? stored_col(c) : c;
+          const int sc = scol[c];
           dst[(sc / L * RR + x) * L + sc % L] = q[size_t(r0 + x) * dp + c];
         }
       }
@@ -1123,6 +1157,29 @@ struct DecodeWorker {
 
     const bool per_token = kQuant && p.descale_per_token;
     const bool key_scales = per_token || (kQuant && (kDot || kInt));  // descales per key (kscl, vscl)
+    const E* kbase = static_cast<const E*>(p.k);
+    const E* vbase = static_cast<const E*>(p.v);
+    const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
+    auto rows_of = [&](int j0, const E** kq, const E** vq, int64_t* sq_) {
+      kv.walk(j0, std::min(chunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
+        kq[jj] = kbase + ko;
+        vq[jj] = vbase + vo;
+      });
+      if (per_token) {
+        for (int jj = 0; jj < std::min(chunk, e - j0); ++jj) sq_[jj] = kv.scale_row(j0 + jj) * p.h_k;
+      }
+    };
+    // The first chunk's K rows, which no scores pass prefetched, are asked for before the task's
+    // set-up (q rows, O's zeros), which then runs while they arrive
+    if (a < e) {
+      rows_of(a, kp, vp, sr);
+      for (int jj = 0; jj < std::min(chunk, e - a); ++jj) {
+        for (int hk = 0; hk < p.h_k; ++hk) {
+          const E* k = kp[jj] + hk * p.k_head_stride;
+          for (int c = 0; c < d; c += line_elems) __builtin_prefetch(k + c, 0, 2);
+        }
+      }
+    }
     if (kQuant && !per_token && (kDot || kInt)) {
       for (int hk = 0; hk < p.h_k; ++hk) {
         std::fill_n(kscl.data() + size_t(hk) * kChunk, kChunk, p.k_descale[int64_t(b) * p.h_k + hk] * kUnit<E>);
@@ -1152,19 +1209,6 @@ struct DecodeWorker {
       std::fill(o, o + size_t(rows) * dp, T(0));
     };
 
-    const E* kbase = static_cast<const E*>(p.k);
-    const E* vbase = static_cast<const E*>(p.v);
-    const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
-    auto rows_of = [&](int j0, const E** kq, const E** vq, int64_t* sq_) {
-      kv.walk(j0, std::min(chunk, e - j0), [&](int jj, int64_t ko, int64_t vo) {
-        kq[jj] = kbase + ko;
-        vq[jj] = vbase + vo;
-      });
-      if (per_token) {
-        for (int jj = 0; jj < std::min(chunk, e - j0); ++jj) sq_[jj] = kv.scale_row(j0 + jj) * p.h_k;
-      }
-    };
-    if (a < e) rows_of(a, kp, vp, sr);
     for (int j0 = a; j0 < e; j0 += chunk) {
       const int n = std::min(chunk, e - j0), nn = round_up(n, L);
       if (j0 > a) {
@@ -1281,7 +1325,7 @@ struct DecodeWorker {
         for (int c = 0; c < dp; c += L) vstore(orow + c, vload(orow + c) * vs);
       }
       if constexpr (kPermuted) {  // back to column order
-        for (int c = 0; c < dp; ++c) row[c] = orow[c < d ? stored_col(c) : c];
+        unpermute(orow, row);
         std::copy(row, row + dp, orow);
       }
       if (part_o != nullptr) {  // a partial: normalized by its own sum, no sink (the merge adds it)
