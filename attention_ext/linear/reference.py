@@ -30,9 +30,9 @@ def phi(x: Tensor, code: int) -> Tensor:
         return x
     if code == 1:
         # elu(x) + 1 as exp(min(x, 0)) + max(x, 0): the same function and gradient (at 0 minimum
-        # and maximum pass half each, 1 in all; clamp or relu would pass 0), where torch's CPU elu
-        # (expm1) took ~2-9x the time of this form; for GLA's per-feature gates the map runs here,
-        # before the kernel
+        # and maximum pass half each, 1 in all; clamp or relu would pass 0): torch's CPU elu goes
+        # through expm1, several times slower (benchmarks/results/2026-12-02-elu-map-zen5.md); for
+        # GLA's per-feature gates the map runs here, before the kernel
         zero = x.new_zeros(())
         return torch.exp(torch.minimum(x, zero)) + torch.maximum(x, zero)
     if code == 2:

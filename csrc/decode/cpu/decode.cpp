@@ -811,7 +811,7 @@ struct DecodeWorker {
   // dst[c] = src[stored_col(c)] over a row (dp). Every permuted order moves columns only within
   // full 32-column blocks on AVX-512 (kEvenOdd's 2L, kDots', kInts'), so two vpermt2ps per
   // block do it there; elsewhere the table scol. (Element by element through stored_col's
-  // branches this took ~4 cycles a column, ~1/25 of a 1024-key split's time at H 32, D 128.)
+  // branches it was a visible part of a split's time: 2026-12-02-decode-task-fixed-costs-zen5.md.)
   void unpermute(const T* __restrict__ src, T* __restrict__ dst) const {
     int c = 0;
 #if defined(__AVX512F__)

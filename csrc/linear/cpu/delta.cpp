@@ -518,9 +518,8 @@ bool factor_token(T* __restrict__ a, T* __restrict__ C, T* __restrict__ k, T* __
 // token loop without them compiles as it did (a branch in it slowed the gated float32 forward 1.6x).
 // flatten: every call in it inlined (the token / store_out lambdas, load_row, store_row, the
 // preparation; checkpoint_pass stays out, noinline). GCC left load_row and store_row out of line
-// in the gated instantiations only, which ran 10-15% over DeltaNet's forward with the same FMA
-// loop; flattened, the gated and KDA forwards ran 1.04-1.19x faster in one process, DeltaNet's
-// 1.01-1.02x, forward + backward 1.00-1.07x (benchmarks/results/2026-12-02-delta-flatten-zen5.md).
+// in the gated instantiations only, which then ran slower than DeltaNet's forward with the same
+// FMA loop (benchmarks/results/2026-12-02-delta-flatten-zen5.md).
 template <bool kGate, bool kDelta, bool kCkpt, typename T, int NV = kColVecs<T>>
 __attribute__((flatten)) void fwd_group(const DP<T>& p, int n, int hv, int jb0, int nb, FwdScratch<T>& sc) {
   // rows per step (each with its own o and p sums): 2 x CH x NV accumulators, NV of u and the
