@@ -137,7 +137,7 @@ struct TileSoftmax {
   T online_update(T* srow, T m_old, T* l, T* lc, int n = kBlockN) const {
     V mx = vload(srow);
     for (int c = L; c < n; c += L) mx = vmax(mx, vload(srow + c));
-    T m_new = std::max(m_old, hmax(mx) * post);  // post > 0 keeps the arg max
+    T m_new = new_max(m_old, mx);
     if (std::isinf(m_new) && m_new < T(0)) {
       // nothing allowed so far; a NaN logit must still poison the row
       bool nan = false;
@@ -154,14 +154,22 @@ struct TileSoftmax {
       vstore(srow + c, e);
       sum += e;
     }
+    add_sum(m_old, m_new, l, lc, hsum_tree(sum));
+    return m_new;
+  }
+  // online_update's steps, for a caller that holds the tile in registers (the decode kernel's
+  // fused pass): the running max after a tile whose logits / post have lane maxima mx ...
+  T new_max(T m_old, V mx) const { return std::max(m_old, hmax(mx) * post); }  // post > 0 keeps the arg max
+  // ... and the running sum (l, compensation lc) moved from max m_old to m_new, plus the tile's
+  // sum of exp(s - m_new)
+  static void add_sum(T m_old, T m_new, T* l, T* lc, T tile_sum) {
     // the row's max mostly stays put after its first tiles: exp(0) = 1 needs no call
     if (m_new != m_old || std::isinf(m_old)) {
       const T alpha = std::isinf(m_old) ? T(0) : std::exp(m_old - m_new);
       *l *= alpha;
       *lc *= alpha;
     }
-    kahan_add(*l, *lc, hsum_tree(sum));
-    return m_new;
+    kahan_add(*l, *lc, tile_sum);
   }
 
   // srow: logits -> probabilities exp(s - lse) (0 where masked or the row is empty). A row that

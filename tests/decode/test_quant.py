@@ -173,6 +173,43 @@ def test_unread_bytes_change_nothing(qdt):
 
 
 @pytest.mark.parametrize("level", ae.cpu_isas() if ae._ext.HAS_EXT else ())
+@pytest.mark.parametrize("d", [128, 80])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_whole_chunks_nan_and_inf_descales(dtype, d, level):
+    """One query row, int8 cache: whole 64-key chunks take the int8 kernel's fused softmax pass
+    (every key seen, plain scores), the last partial chunk the general one. A NaN k descale
+    inside a whole chunk (kv head 1 of sequence 0) and an inf v descale (kv head 0 of sequence
+    1) fall back to the general path: their group's rows are not finite, every other row equals
+    decode over the dequantized cache (float64) under the project rule. D 80 leaves 16 columns
+    past the int16 products' 32-column blocks, which read P in float32. Every ISA level."""
+    old = ae.cpu_isa()
+    try:
+        ae.set_cpu_isa(level)
+        torch.manual_seed(4)
+        b, hq, hk, s = 2, 8, 2, 64 * 3 + 17
+        q = torch.randn(b, 1, hq, d).to(dtype)
+        kf, vf = torch.randn(b, s, hk, d) * 2.0, torch.randn(b, s, hk, d)
+        (kq, ks), (vq, vs) = quantize_kv(kf, torch.int8, "token"), quantize_kv(vf, torch.int8, "token")
+        kw = dict(softmax_scale=d ** -0.5)
+        kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+        for poison in (False, True):
+            if poison:
+                ks[0, 70, 1] = float("nan")
+                vs[1, 100, 0] = float("inf")
+            out, _ = ops.decode_fwd(q, kq, vq, scale=d ** -0.5, k_descale=ks, v_descale=vs)
+            ref, _ = reference.decode_attention(q.double(), kd.double(), vd.double(), **kw)
+            low, _ = reference.decode_attention(q, kd.to(dtype), vd.to(dtype), **kw)
+            bad = torch.zeros(b, 1, hq, dtype=torch.bool)
+            if poison:
+                bad[0, :, 4:] = True  # kv head 1's query heads
+                bad[1, :, :4] = True
+                assert not out[bad].isfinite().any(), f"{level} {dtype} D{d}"
+            assert_close_fa2(out[~bad], low[~bad], ref[~bad], dtype, f"{level} {dtype} D{d} poison={poison}")
+    finally:
+        ae.set_cpu_isa(old)
+
+
+@pytest.mark.parametrize("level", ae.cpu_isas() if ae._ext.HAS_EXT else ())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("qdt", QDT, ids=str)
 def test_hidden_key_descales_and_signs(qdt, dtype, level):

@@ -512,7 +512,7 @@ struct DecodeWorker {
     os = row + dp;
     oc = os + rp * dp;
     lc = oc + rp * dp;
-    if (kQuant && (p.descale_per_token || kDot || kInt)) {
+    if (key_scaled()) {
       kscl.resize(size_t(p.h_k) * kChunk);
       vscl.resize(size_t(p.h_k) * kChunk);
     }
@@ -524,6 +524,10 @@ struct DecodeWorker {
     pols.reserve(p.h);  // TileSoftmax keeps a reference: no reallocation
     tss.reserve(p.h);
   }
+
+  // Descales per key (kscl, vscl): per (token, kv head), or under kDots / kInts, whose q rows stay
+  // unscaled data; else a (batch, kv head) scale folds into q and the output row
+  bool key_scaled() const { return kQuant && (p.descale_per_token || kDot || kInt); }
 
   // S rows [r0, r0 + RR) x key jj = q_r . k_r (raw); two accumulators per row break the add
   // chain. kShared: one K row k for every row (the heads of a GQA group); otherwise row x reads
@@ -760,29 +764,54 @@ struct DecodeWorker {
       }
     });
   }
-  // kInts: a row of n floats (a chunk's P row, or a q row; n a multiple of the vector width) ->
-  // its int16 values and their scale (x = x16 x scale, i16_pow2 of the row's max |x|)
-  static void p_to_i16(const float* src, int n, int16_t* dst, float* scale) {
+  // Row r's softmax over the chunk's keys [j0, j0 + n) (nn: n rounded up to a vector): its
+  // descales, the policy's scores and masks, the online update, and the products' P (bf16 /
+  // int16); returns the row's new max (operator() rescales its output)
+  T softmax_row(int r, int i, int j0, int n, int nn, const TileSoftmax<T>& ts, T* srow) {
+    const bool key_scales = key_scaled();
+    std::fill(srow + n, srow + nn, T(0));
+    if (key_scales) {  // each key's k scale
+      const T* ks = kscl.data() + size_t(r / rows_g) * kChunk;
+      for (int jj = 0; jj < n; ++jj) srow[jj] *= ks[jj];
+    }
+    ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
+    if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
+    const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
+    if (key_scales) {  // each key's v scale on its probability, the softmax's sum taken: only
+      // on the keys the row sees, whose others keep P = 0 whatever their scale (NaN included)
+      const T* vs = vscl.data() + size_t(r / rows_g) * kChunk;
+      const int lo = std::clamp(row_lo[i] - j0, 0, n), hi = std::clamp(row_hi[i] - j0, lo, n);
+      for (int jj = lo; jj < hi; ++jj) srow[jj] *= vs[jj];
+    }
+    if constexpr (kDot) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
+    if constexpr (kInt) p_to_i16(srow, nn, pi.data() + size_t(r) * kChunk, &psc[r]);
+    return m_new;
+  }
+  // kInts: nv vectors ld(0) .. ld(nv - 1) of floats (a chunk's P row, or a q row) -> their int16
+  // values and their scale (x = x16 x scale, i16_pow2 of the row's max |x|); ld reads a row in
+  // memory (p_to_i16) or the fused softmax's registers (softmax_row_int)
+  template <typename Load>
+  static void to_i16(Load ld, int nv, int16_t* dst, float* scale) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     __m512 mx = _mm512_setzero_ps();  // max |P| (a negative v descale makes P < 0); NaN apart
     __mmask16 bad = 0;
-    for (int c = 0; c < n; c += 16) {
-      const __m512 x = _mm512_loadu_ps(src + c);
+    for (int u = 0; u < nv; ++u) {
+      const __m512 x = __m512(ld(u));
       mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
       bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     }
     const float sc = bad ? std::numeric_limits<float>::quiet_NaN() : i16_pow2(_mm512_reduce_max_ps(mx));
     *scale = sc;
     const __m512 inv = _mm512_set1_ps(sc > 0.f ? 1.f / sc : 0.f);  // a power of two: exact
-    for (int c = 0; c < n; c += 16) {
-      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + c), inv));  // to nearest even
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), _mm512_cvtsepi32_epi16(x));
+    for (int u = 0; u < nv; ++u) {
+      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(__m512(ld(u)), inv));  // to nearest even
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + u * 16), _mm512_cvtsepi32_epi16(x));
     }
 #elif defined(__AVX2__)
     __m256 mx = _mm256_setzero_ps();
     int bad = 0;
-    for (int c = 0; c < n; c += 8) {
-      const __m256 x = _mm256_loadu_ps(src + c);
+    for (int u = 0; u < nv; ++u) {
+      const __m256 x = __m256(ld(u));
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), x));  // |x|
       bad |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     }
@@ -791,14 +820,58 @@ struct DecodeWorker {
     const float sc = bad ? std::numeric_limits<float>::quiet_NaN() : i16_pow2(*std::max_element(t, t + 8));
     *scale = sc;
     const __m256 inv = _mm256_set1_ps(sc > 0.f ? 1.f / sc : 0.f);
-    for (int c = 0; c < n; c += 8) {
-      const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + c), inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+    for (int u = 0; u < nv; ++u) {
+      const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(__m256(ld(u)), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + u * 8),
                        _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
     }
 #else
-    (void)src, (void)n, (void)dst, (void)scale;
+    (void)ld, (void)nv, (void)dst, (void)scale;
 #endif
+  }
+  // to_i16 of a row of n floats in memory (n a multiple of the vector width)
+  static void p_to_i16(const float* src, int n, int16_t* dst, float* scale) {
+    to_i16([&](int u) { return vload(src + u * L); }, n / L, dst, scale);
+  }
+  // kInts, a chunk whose keys every row sees, with plain scores (fuse_softmax): row r's k scales,
+  // online update, v scales and int16 P in one pass through registers, where the general path
+  // (softmax phase of operator()) makes five passes through the row in memory; 2-5% of the
+  // int8 call's time (benchmarks/results/2026-12-03-decode-int8-fused-softmax-zen5.md). Returns
+  // the row's new max, or NaN with nothing changed where the row holds a NaN or no finite
+  // score: the general path handles those (its NaN policy stays in one place).
+  T softmax_row_int(int r, const TileSoftmax<T>& ts, int nn) {
+    constexpr int NV = kChunk / L;
+    const int nv = nn / L;
+    T* srow = s + size_t(r) * kChunk;
+    const T* ks = kscl.data() + size_t(r / rows_g) * kChunk;
+    const T* vs = vscl.data() + size_t(r / rows_g) * kChunk;
+    V x[NV];
+    V mx = vbcast(-std::numeric_limits<T>::infinity());
+    uint32_t bad = 0;
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) {
+      if (u >= nv) break;
+      x[u] = vload(srow + u * L) * vload(ks + u * L);
+      bad |= lane_bits(x[u] != x[u]);
+      mx = vmax(mx, x[u]);
+    }
+    const T m_old = m[r];
+    const T m_new = ts.new_max(m_old, mx);
+    if (bad || !std::isfinite(m_new)) return std::numeric_limits<T>::quiet_NaN();
+    // the columns past pv_i16's whole blocks take P from S in float32 (pv_cols)
+    const bool p_tail = d % std::max(kI16Cols, 1) != 0;
+    V sum = V{};
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) {
+      if (u >= nv) break;
+      const V e = vexp2_nonpos(ts.exp2_arg(x[u], m_new));
+      sum += e;
+      x[u] = e * vload(vs + u * L);
+      if (p_tail) vstore(srow + u * L, x[u]);
+    }
+    ts.add_sum(m_old, m_new, &l[r], &lc[r], hsum_tree(sum));
+    to_i16([&](int u) { return x[u]; }, nv, pi.data() + size_t(r) * kChunk, &psc[r]);
+    return m_new;
   }
   // Column c of a q / O row as stored: kEvenOdd permutes each full 2L block, kDots each full
   // 32-column block of O (its q goes to qh in column order); the rest stays
@@ -1156,7 +1229,7 @@ struct DecodeWorker {
     const int a = std::min(khi, klo + split * per), e = std::min(khi, a + per);
 
     const bool per_token = kQuant && p.descale_per_token;
-    const bool key_scales = per_token || (kQuant && (kDot || kInt));  // descales per key (kscl, vscl)
+    const bool key_scales = key_scaled();
     const E* kbase = static_cast<const E*>(p.k);
     const E* vbase = static_cast<const E*>(p.v);
     const int line_elems = std::max<int>(1, 64 / int(sizeof(E)));
@@ -1251,7 +1324,22 @@ struct DecodeWorker {
         }
       }
       if constexpr (kInt) scores_from_ints(n);
-      if (per_token) {  // the chunk's descales, gathered once per kv head (their rows share them)
+      // the chunk's descales, gathered once per kv head (their rows share them): where the
+      // chunk's keys are consecutive rows of the descales (a contiguous cache, or a chunk inside
+      // a page), their (n, H_k) block transposed in registers
+      bool scales_block = std::is_same_v<T, float> && per_token;
+      for (int jj = 1; jj < n && scales_block; ++jj) scales_block = sr[jj] == sr[jj - 1] + p.h_k;
+      if (scales_block) {
+        if constexpr (std::is_same_v<T, float>) {
+          transpose(p.k_descale + sr[0], n, p.h_k, p.h_k, kscl.data(), kChunk);
+          transpose(p.v_descale + sr[0], n, p.h_k, p.h_k, vscl.data(), kChunk);
+          if constexpr (kUnit<E> != 1.0f) {
+            for (T* x : {kscl.data(), vscl.data()}) {
+              for (size_t c = 0; c < size_t(p.h_k) * kChunk; c += L) vstore(x + c, vload(x + c) * T(kUnit<E>));
+            }
+          }
+        }
+      } else if (per_token) {
         for (int jj = 0; jj < n; ++jj) {
           const float* ks = p.k_descale + sr[jj];
           const float* vs = p.v_descale + sr[jj];
@@ -1261,26 +1349,26 @@ struct DecodeWorker {
           }
         }
       }
+      // kInts: softmax_row_int where every row sees every key of a whole chunk with plain scores
+      bool fuse_softmax = false;
+      if constexpr (kInt) {
+        fuse_softmax = n == nn;
+        for (int i = 0; i < p.sq && fuse_softmax; ++i) fuse_softmax = row_lo[i] <= j0 && row_hi[i] >= j0 + n;
+        for (int h = 0; h < p.h && fuse_softmax; ++h) {
+          fuse_softmax = tss[h].plain && pols[h].topk_thr == nullptr && tss[h].tile_full(0, p.sq, j0, nn);
+        }
+      }
       for (int r = 0; r < rows; ++r) {
         const int i = r % p.sq;
         const TileSoftmax<T>& ts = tss[r / p.sq];
         T* srow = s + r * kChunk;
-        std::fill(srow + n, srow + nn, T(0));
-        if (key_scales) {  // each key's k scale
-          const T* ks = kscl.data() + size_t(r / rows_g) * kChunk;
-          for (int jj = 0; jj < n; ++jj) srow[jj] *= ks[jj];
+        T m_new = std::numeric_limits<T>::quiet_NaN();
+        if constexpr (kInt) {
+          if (fuse_softmax) m_new = softmax_row_int(r, ts, nn);
         }
-        ts.scores(srow, i, j0, n == nn && ts.tile_full(i, i + 1, j0, nn), nn);
-        if (nn > n) mask_outside(srow, j0, nn, j0, j0 + n);
-        const T m_new = ts.online_update(srow, m[r], &l[r], &lc[r], nn);
-        if (key_scales) {  // each key's v scale on its probability, the softmax's sum taken: only
-          // on the keys the row sees, whose others keep P = 0 whatever their scale (NaN included)
-          const T* vs = vscl.data() + size_t(r / rows_g) * kChunk;
-          const int lo = std::clamp(row_lo[i] - j0, 0, n), hi = std::clamp(row_hi[i] - j0, lo, n);
-          for (int jj = lo; jj < hi; ++jj) srow[jj] *= vs[jj];
+        if (std::isnan(m_new)) {  // the general path
+          m_new = softmax_row(r, i, j0, n, nn, ts, srow);
         }
-        if constexpr (kDot) rows_to_bf16(srow, 0, ph.data() + size_t(r) * kChunk, 0, 1, nn);
-        if constexpr (kInt) p_to_i16(srow, nn, pi.data() + size_t(r) * kChunk, &psc[r]);
         if (m_new != m[r]) {  // rescale the row's output by e^{m - m'} (0 before anything was seen)
           const T alpha = std::isinf(m[r]) ? T(0) : std::exp(m[r] - m_new);
           for (T* x : {o, os, oc}) {
