@@ -835,8 +835,8 @@ struct DecodeWorker {
   }
   // kInts, a chunk whose keys every row sees, with plain scores (fuse_softmax): row r's k scales,
   // online update, v scales and int16 P in one pass through registers, where the general path
-  // (softmax phase of operator()) makes five passes through the row in memory; 2-5% of the
-  // int8 call's time (benchmarks/results/2026-12-03-decode-int8-fused-softmax-zen5.md). Returns
+  // (softmax_row) makes five passes through the row in memory; measured faster
+  // (benchmarks/results/2026-12-03-decode-int8-fused-softmax-zen5.md). Returns
   // the row's new max, or NaN with nothing changed where the row holds a NaN or no finite
   // score: the general path handles those (its NaN policy stays in one place).
   T softmax_row_int(int r, const TileSoftmax<T>& ts, int nn) {
